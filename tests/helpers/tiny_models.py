@@ -1,0 +1,87 @@
+"""Tiny random HF models saved to disk, for tests that compare tokenmill with transformers.
+
+Every model shares one byte-level tokenizer (ids 0-2 are <pad>, <s>, </s>; each byte
+is one token after them), so any text round-trips and every id decodes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig,
+                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+TINY_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+_CONFIG_CLASSES = {"llama": LlamaConfig, "llama3": LlamaConfig, "mistral": MistralConfig,
+                   "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def make_tiny_config(arch: str, tie_word_embeddings: bool = False, **overrides: Any) -> PretrainedConfig:
+    """A 2-layer GQA config (4 query heads, 2 KV heads) of the given family.
+
+    "llama3" adds Llama-3.1 rope scaling; "qwen3" uses a head_dim unequal to hidden/heads.
+    """
+    kwargs: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    if arch == "llama3":
+        kwargs["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                     "original_max_position_embeddings": 64}
+    if arch == "qwen3":
+        kwargs["head_dim"] = 32
+    kwargs.update(overrides)
+    config = _CONFIG_CLASSES[arch](**kwargs)
+    config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+    return config
+
+
+def make_tiny_hf_model(config: PretrainedConfig, seed: int = 0) -> PreTrainedModel:
+    """The HF model for `config` in float32 eval mode, with weights drawn from `seed`.
+
+    Norm weights are randomized too (HF inits them to 1), so a loader that mixes them up fails.
+    """
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def make_tiny_tokenizer() -> PreTrainedTokenizerFast:
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(sorted(byte_chars))})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def make_tiny_model_dir(arch: str, tmp_path: str | Path, tie_word_embeddings: bool = False, seed: int = 0,
+                        max_shard_size: str | None = None, **config_overrides: Any) -> str:
+    """Saves a tiny random HF model (safetensors, config, generation config, tokenizer) into
+    `tmp_path`/<arch>[-tied] and returns that directory."""
+    config = make_tiny_config(arch, tie_word_embeddings, **config_overrides)
+    model = make_tiny_hf_model(config, seed)
+    out = Path(tmp_path) / f"{arch}{'-tied' if tie_word_embeddings else ''}"
+    save_kwargs: dict[str, Any] = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out, **save_kwargs)
+    make_tiny_tokenizer().save_pretrained(out)
+    return str(out)

@@ -1,0 +1,150 @@
+"""Frozen, typed configuration: what the user asked for (`EngineArgs`) and what the engine runs with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str  # resolved: a Hugging Face directory or a .gguf file
+    name: str  # what the user called it (served model name)
+    dtype: torch.dtype
+    max_model_len: int
+    load_format: str
+    seed: int
+    eos_token_ids: tuple[int, ...]
+    hf_config: object = field(compare=False, repr=False)  # transformers.PretrainedConfig
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # set from the memory budget when the workers start
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    async_scheduling: bool = False
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device = torch.device("cpu")
+    kv_cache_memory_bytes: int = 0  # CPU: the KV pool's size; 0 = derive from gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: DeviceConfig
+    max_logprobs: int = 20
+    log_stats: bool = True
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The user-facing knobs, with vLLM's names. `create_engine_config` resolves them."""
+
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    device: str = "auto"
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_gb: float = 1.0  # CPU KV pool size
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_logprobs: int = 20
+    async_scheduling: bool = False
+    disable_log_stats: bool = False
+    served_model_name: str | None = None
+
+    def create_engine_config(self) -> EngineConfig:
+        from tokenmill.model.default_model import resolve_model_path
+        from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
+
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
+               f"must be a power of two in [1, 128], got {self.block_size}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
+        _check(self.load_format in ("auto", "safetensors", "gguf", "dummy"), "load_format",
+               f"must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
+
+        path = resolve_model_path(self.model)
+        hf_config = load_hf_config(path)
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
+        derived_len = _max_position_embeddings(hf_config)
+        max_model_len = self.max_model_len or derived_len
+        _check(1 <= max_model_len <= derived_len, "max_model_len",
+               f"must be in [1, {derived_len}] (the model's max_position_embeddings), got {max_model_len}")
+        max_batched = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
+        _check(max_batched >= 1, "max_num_batched_tokens", f"must be >= 1, got {max_batched}")
+        model = ModelConfig(
+            path=path, name=self.served_model_name or self.model, dtype=dtype,
+            max_model_len=max_model_len, load_format=self.load_format, seed=self.seed,
+            eos_token_ids=load_eos_token_ids(path, hf_config), hf_config=hf_config)
+        cache = CacheConfig(block_size=self.block_size, num_blocks=self.num_gpu_blocks_override or 0,
+                            enable_prefix_caching=self.enable_prefix_caching)
+        scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
+                                    max_model_len=max_model_len, async_scheduling=self.async_scheduling)
+        device_config = DeviceConfig(device=device,
+                                     kv_cache_memory_bytes=int(self.kv_cache_memory_gb * (1 << 30)),
+                                     gpu_memory_utilization=self.gpu_memory_utilization)
+        return EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device_config,
+                            max_logprobs=self.max_logprobs, log_stats=not self.disable_log_stats)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _check(name in ("cpu", "cuda") or name.startswith("cuda:"), "device",
+           f"must be auto, cpu or cuda, got {name!r}")
+    if name.startswith("cuda"):
+        _check(torch.cuda.is_available(), "device", "is cuda but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    _check(name in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {name!r}")
+    dtype = _DTYPES[name]
+    _check(not (device.type == "cpu" and dtype == torch.float16), "dtype",
+           "float16 is not supported on CPU; use float32 or bfloat16")
+    return dtype
+
+
+def _max_position_embeddings(hf_config) -> int:
+    return int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field_name} {message}")

@@ -1,0 +1,75 @@
+"""The engine core: scheduler plus executor, driven by one loop with a bounded in-flight queue.
+
+`max_in_flight` is 1 for synchronous scheduling and 2 with async scheduling;
+the same `step()` serves both (and pipeline parallelism later).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from concurrent.futures import Future
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.executor.base import Executor
+from tokenmill.protocol import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, unpack_ids
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor_cls: type[Executor] | None = None) -> None:
+        if executor_cls is None:
+            from tokenmill.executor.uniproc import UniprocExecutor
+            executor_cls = UniprocExecutor
+        self.config = config
+        self.executor = executor_cls(config)
+        num_blocks = self.executor.available_kv_blocks()
+        block_size = config.cache.block_size
+        max_len = config.scheduler.max_model_len
+        if num_blocks * block_size < max_len:
+            raise ValueError(
+                f"kv_cache_memory: the KV cache holds {num_blocks * block_size} tokens "
+                f"({num_blocks} blocks), fewer than max_model_len={max_len}; give it more memory "
+                f"or lower max_model_len")
+        self.executor.init_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); max concurrency at "
+                    "max_model_len=%d: %.1fx", num_blocks, block_size, num_blocks * block_size,
+                    num_blocks * self.executor.kv_block_bytes() / 2**30, max_len,
+                    num_blocks * block_size / max_len)
+        self.num_blocks = num_blocks
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request(
+            request.handle, unpack_ids(request.prompt_token_ids), request.sampling_params,
+            self.config.model.eos_token_ids, self.config.scheduler.max_model_len,
+            request.arrival_time or time.time()))
+
+    def abort_requests(self, handles: list[int]) -> None:
+        self.scheduler.abort(handles)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
+
+    def step(self) -> EngineCoreOutputs:
+        """Fill the in-flight queue, then wait for the oldest step and apply it."""
+        while len(self.in_flight) < self.max_in_flight:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                break
+            self.in_flight.append((batch, self.executor.submit(batch)))
+        if not self.in_flight:
+            return EngineCoreOutputs(outputs=[], timestamp=time.time())
+        batch, future = self.in_flight.popleft()
+        outputs = self.scheduler.update(batch, future.result())
+        outputs.timestamp = time.time()
+        return outputs
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

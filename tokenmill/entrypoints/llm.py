@@ -1,0 +1,120 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, with vLLM's names."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+from tqdm.auto import tqdm
+
+from tokenmill.config import EngineArgs
+from tokenmill.core.engine_core import EngineCore
+from tokenmill.frontend.input_processor import InputProcessor, Prompt
+from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.config = self.engine_args.create_engine_config()
+        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.engine = EngineCore(self.config)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        # Validate everything before any work, so a bad prompt costs nothing and loses nothing.
+        inputs = []
+        for prompt, params in zip(prompts, params_list):
+            text, ids = self.input_processor.tokenize(prompt)
+            self.input_processor.validate(ids, params)
+            inputs.append((text, ids, msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)))
+        return self._run(inputs, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+                **(chat_template_kwargs or {}))
+            ids = self.tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, inputs, use_tqdm: bool) -> list[RequestOutput]:
+        order: list[str] = []
+        for text, ids, params in inputs:
+            request_id = str(next(self._request_ids))
+            requests = self.input_processor.make_requests(ids, params)
+            self.output_processor.add_request(request_id, [r.handle for r in requests], text, ids, params)
+            for request in requests:
+                self.engine.add_request(request)
+            order.append(request_id)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        start, generated = time.perf_counter(), 0
+        try:
+            while self.output_processor.has_unfinished():
+                step = self.engine.step()
+                generated += sum(len(o.new_token_ids) for o in step.outputs)
+                processed = self.output_processor.process_outputs(step.outputs)
+                if processed.handles_to_abort:
+                    self.engine.abort_requests(processed.handles_to_abort)
+                for out in processed.request_outputs:
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
+        except BaseException:
+            self._abort_all(order, results)
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in order]
+
+    def _abort_all(self, order: list[str], done: dict[str, RequestOutput]) -> None:
+        for request_id in order:
+            if request_id not in done:
+                self.engine.abort_requests(self.output_processor.abort_request(request_id))
+        while self.engine.in_flight:  # drain steps already submitted
+            self.engine.step()
+
+    def kv_cache_stats(self) -> dict[str, int]:
+        """Free and total KV blocks, and requests still in the engine (for leak checks)."""
+        pool = self.engine.scheduler.kv.pool
+        return {"num_free_blocks": pool.num_free, "num_blocks": pool.num_blocks,
+                "num_requests": len(self.engine.scheduler.requests)}
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()

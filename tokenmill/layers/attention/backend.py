@@ -1,0 +1,34 @@
+"""The interface every attention backend implements, and the backend chooser.
+
+KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 holds keys, 1 values).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from tokenmill.layers.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim].
+
+        Writes k and v into `kv_cache` at `meta.slot_mapping`, then returns causal
+        attention over each sequence's whole context: [T, num_heads, head_dim].
+        """
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    return (2, num_blocks, block_size, num_kv_heads, head_dim)

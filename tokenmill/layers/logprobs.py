@@ -1,0 +1,34 @@
+"""Logprobs of sampled tokens and the top-k alternatives, from the raw logits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LogprobsResult:
+    """Per row: the sampled token's logprob and rank, and the batch-wide top-k.
+
+    k is the largest `logprobs` requested in the step; a row that asked for
+    fewer keeps a prefix of its top-k columns (they are sorted, best first).
+    """
+
+    sampled_logprobs: torch.Tensor  # float32 [N]
+    sampled_ranks: torch.Tensor  # int64 [N]: 1 + number of tokens with a strictly larger logprob
+    topk_token_ids: torch.Tensor  # int64 [N, k]
+    topk_logprobs: torch.Tensor  # float32 [N, k]
+
+
+def compute_logprobs(raw_logits: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsResult:
+    """raw_logits: [N, V], before any penalty, bias or temperature; sampled: int64 [N]."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)
+    sampled_lp = logprobs.gather(1, sampled[:, None])
+    ranks = (logprobs > sampled_lp).sum(dim=-1) + 1
+    top = logprobs.topk(k, dim=-1) if k > 0 else None
+    empty_ids = torch.empty(raw_logits.shape[0], 0, dtype=torch.int64, device=raw_logits.device)
+    return LogprobsResult(
+        sampled_logprobs=sampled_lp.squeeze(1), sampled_ranks=ranks,
+        topk_token_ids=top.indices if top is not None else empty_ids,
+        topk_logprobs=top.values if top is not None else empty_ids.float())

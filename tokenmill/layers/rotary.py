@@ -1,0 +1,120 @@
+"""Rotary position embedding, neox style (rotate_half over the two halves, as HF Llama does).
+
+cos/sin are precomputed in float32 for every position up to `max_position` and gathered
+per token; they are cast to the activation dtype before use, as HF does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeParams:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    partial_rotary_factor: float = 1.0
+
+
+def rope_params_from_config(config: Any) -> RopeParams:
+    """Reads `config.rope_parameters` (transformers 5) or legacy `rope_theta` / `rope_scaling`."""
+    params: dict[str, Any] = dict(getattr(config, "rope_parameters", None) or {})
+    legacy_scaling = getattr(config, "rope_scaling", None)
+    if isinstance(legacy_scaling, dict):
+        params = {**legacy_scaling, **params}
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        theta = 10000.0
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    original_max = params.get("original_max_position_embeddings")
+    return RopeParams(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor") or 1.0),
+        low_freq_factor=float(params.get("low_freq_factor") or 1.0),
+        high_freq_factor=float(params.get("high_freq_factor") or 4.0),
+        original_max_position_embeddings=int(original_max) if original_max is not None else None,
+        partial_rotary_factor=float(partial) if partial is not None else 1.0,
+    )
+
+
+def compute_inv_freq(params: RopeParams, rotary_dim: int, max_position: int) -> torch.Tensor:
+    """float32 [rotary_dim // 2] inverse frequencies, scaled per `params.rope_type`."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (params.theta ** exponents)
+    if params.rope_type == "linear":
+        return inv_freq / params.factor
+    if params.rope_type == "llama3":
+        return _llama3_scale(inv_freq, params, max_position)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams, max_position: int) -> torch.Tensor:
+    # Long wavelengths are slowed by `factor`, short ones kept, and the band between blended.
+    old_len = p.original_max_position_embeddings or max_position
+    low_freq_wavelen = old_len / p.low_freq_factor
+    high_freq_wavelen = old_len / p.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / p.factor, inv_freq)
+    smooth = (old_len / wavelen - p.low_freq_factor) / (p.high_freq_factor - p.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / p.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the first cos.shape[-1] dims of each head of x ([T, heads, head_dim]); the rest pass."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, passthrough), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Holds the cos/sin caches; `cos_sin` gathers them per token for `apply_rotary`."""
+
+    def __init__(self, head_dim: int, max_position: int, params: RopeParams) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rotary_dim = int(head_dim * params.partial_rotary_factor)
+        self.max_position = max_position
+        inv_freq = compute_inv_freq(params, self.rotary_dim, max_position)
+        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # float32 regardless of the model dtype: the buffer is excluded from dtype casts below.
+        self.register_buffer("cos_cache", emb.cos().to(torch.float32), persistent=False)
+        self.register_buffer("sin_cache", emb.sin().to(torch.float32), persistent=False)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "RotaryEmbedding":
+        # Keep the caches float32 when the model is cast (e.g. .to(bfloat16)); only move devices.
+        cos, sin = self.cos_cache, self.sin_cache
+        super()._apply(fn, recurse)
+        device = self.cos_cache.device
+        self.cos_cache, self.sin_cache = cos.to(device), sin.to(device)
+        return self
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, rotary_dim] cos and sin for `positions`, in `dtype`; computed once per step."""
+        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, sin

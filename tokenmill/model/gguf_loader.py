@@ -1,0 +1,104 @@
+"""Reads GGUF tensors as HF-named float32 torch tensors (dequantized with the gguf package).
+
+llama.cpp's converter permutes the rows of q/k projections of "llama"-architecture
+models (to interleaved rope); that is undone here, as transformers' GGUF loader does,
+so the tensors match the HF checkpoint layout our neox-style rope expects.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+# Per-block llama.cpp tensor names -> HF names under model.layers.N.
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+# Tensors with nothing for us: llama3 rope factors (transformers' GGUF config ignores them too).
+_SKIPPED = frozenset({"rope_freqs.weight"})
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Architectures whose q/k rows the llama.cpp converter permuted.
+_PERMUTED_ARCHS = frozenset({"llama"})
+# Read without the quantization machinery.
+_PLAIN_TYPES = {gguf.GGMLQuantizationType.F64: np.float64}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """llama.cpp tensor name -> HF name; ValueError for a name it does not know."""
+    if m := _BLOCK_RE.fullmatch(gguf_name):
+        layer, kind, suffix = m.groups()
+        if kind in _BLOCK_NAMES:
+            return f"model.layers.{layer}.{_BLOCK_NAMES[kind]}.{suffix}"
+    else:
+        base, _, suffix = gguf_name.rpartition(".")
+        if base in _TOP_NAMES and suffix in ("weight", "bias"):
+            return f"{_TOP_NAMES[base]}.{suffix}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no known HF equivalent")
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of llama.cpp's q/k permutation: rows (head, pair, half) -> (head, half, pair)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize_tensor(tensor: Any) -> np.ndarray:
+    """float32 numpy array in HF (row-major, outermost-first) shape; ValueError if the type is unsupported."""
+    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    if qtype in _PLAIN_TYPES:
+        arr = np.asarray(tensor.data).view(_PLAIN_TYPES[qtype]).astype(np.float32)
+    else:
+        try:
+            arr = gguf.quants.dequantize(tensor.data, qtype)
+        except NotImplementedError:
+            raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}") from None
+    arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+    return arr if arr.flags.writeable else arr.copy()  # F32 comes back as a read-only memmap view
+
+
+class GGUFWeights:
+    """Iterable of (HF name, float32 tensor) over a GGUF file's tensors; len() is the tensor count."""
+
+    def __init__(self, path: str, hf_config: Any) -> None:
+        self.reader = gguf.GGUFReader(path)
+        field = self.reader.fields.get("general.architecture")
+        self.architecture = str(field.contents()) if field is not None else ""
+        self.num_heads = hf_config.num_attention_heads
+        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+
+    def __len__(self) -> int:
+        return len(self.reader.tensors)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        permuted = self.architecture in _PERMUTED_ARCHS
+        for tensor in self.reader.tensors:
+            if tensor.name in _SKIPPED:
+                continue
+            name = hf_tensor_name(tensor.name)
+            arr = dequantize_tensor(tensor)
+            if permuted and ".attn_q." in tensor.name:
+                arr = unpermute_rows(arr, self.num_heads)
+            elif permuted and ".attn_k." in tensor.name:
+                arr = unpermute_rows(arr, self.num_kv_heads)
+            yield name, torch.from_numpy(np.ascontiguousarray(arr))

@@ -1,0 +1,232 @@
+"""The Llama family as one module: Llama 2/3, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2.
+
+Tokens arrive flat ([T]); attention over the paged KV cache is delegated to an
+`AttentionBackend`. q/k/v and gate/up are fused projections; `load_weights` maps
+HF tensor names onto their slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.attention.backend import AttentionBackend
+from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_params_from_config
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """The shape-relevant fields of a HF config, normalized across the family."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> "LlamaDims":
+        model_type = getattr(config, "model_type", "llama")
+        num_heads = config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        hidden_act = getattr(config, "hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position=config.max_position_embeddings,
+            # Qwen2 always has q/k/v biases (and never an o_proj bias).
+            qkv_bias=attention_bias or model_type == "qwen2",
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, dims: LlamaDims, attn_backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
+        self.q_size = dims.num_heads * dims.head_dim
+        self.kv_size = dims.num_kv_heads * dims.head_dim
+        self.qkv_proj = nn.Linear(dims.hidden_size, self.q_size + 2 * self.kv_size, bias=dims.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, dims.hidden_size, bias=dims.o_bias)
+        if dims.qk_norm:
+            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+        self.qk_norm = dims.qk_norm
+        self.attn = attn_backend_cls(dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, dims: LlamaDims) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=dims.mlp_bias)
+        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=dims.mlp_bias)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, dims: LlamaDims, attn_backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(dims, attn_backend_cls)
+        self.mlp = LlamaMLP(dims)
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is `hidden + residual` (residual None: just `hidden`), kept apart
+        so each add fuses into the next norm and pipeline stages can hand both over."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, dims: LlamaDims, hf_config: Any, attn_backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.rotary_emb = RotaryEmbedding(dims.head_dim, dims.max_position, rope_params_from_config(hf_config))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(dims, attn_backend_cls) for _ in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(hidden, residual, cos, sin, kv_caches[i], meta)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.forward_with_residual(hidden, residual)[0]
+
+
+# HF per-projection names -> (our fused parameter, shard index) in stacking order.
+_FUSED_SHARDS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Checkpoint tensors that carry nothing we use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, hf_config: Any, attn_backend_cls: type[AttentionBackend]) -> None:
+        super().__init__()
+        self.dims = LlamaDims.from_hf_config(hf_config)
+        self.model = LlamaModel(self.dims, hf_config, attn_backend_cls)
+        # Tied: the LM head reads embed_tokens.weight directly, so no tie can break on device moves.
+        self.lm_head = None if self.dims.tie_word_embeddings else nn.Linear(
+            self.dims.hidden_size, self.dims.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def _shard_sizes(self, fused: str) -> list[int]:
+        d = self.dims
+        if fused == "qkv_proj":
+            return [d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim]
+        return [d.intermediate_size, d.intermediate_size]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors in; raises ValueError naming unexpected, misshapen or missing ones."""
+        params = dict(self.named_parameters())
+        # Every (parameter, shard) that must be filled; unfused parameters have shard None.
+        pending: set[tuple[str, int | None]] = set()
+        for name in params:
+            fused = next((f for f in ("qkv_proj", "gate_up_proj") if f"{f}." in name), None)
+            if fused is None:
+                pending.add((name, None))
+            else:
+                pending.update((name, i) for i in range(len(self._shard_sizes(fused))))
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.lm_head is None):
+                continue
+            name, shard = self._map_name(hf_name)
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
+            target = param.data
+            if shard is not None:
+                sizes = self._shard_sizes(name.split(".")[-2])
+                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor)
+            pending.discard((name, shard))
+        if pending:
+            missing = sorted(self._hf_name(name, shard) for name, shard in pending)
+            raise ValueError(f"missing weights: {', '.join(missing)}")
+
+    @staticmethod
+    def _map_name(hf_name: str) -> tuple[str, int | None]:
+        parts = hf_name.split(".")
+        if len(parts) >= 2 and parts[-2] in _FUSED_SHARDS:
+            fused, shard = _FUSED_SHARDS[parts[-2]]
+            return ".".join(parts[:-2] + [fused, parts[-1]]), shard
+        return hf_name, None
+
+    @staticmethod
+    def _hf_name(name: str, shard: int | None) -> str:
+        if shard is None:
+            return name
+        parts = name.split(".")
+        hf_proj = next(k for k, v in _FUSED_SHARDS.items() if v == (parts[-2], shard))
+        return ".".join(parts[:-2] + [hf_proj, parts[-1]])

@@ -1,0 +1,198 @@
+"""Turns a SchedulerOutput into one forward pass and sampled tokens.
+
+Keeps every request's state from the scheduler's diffs (new requests once,
+then appended blocks; finished and preempted handles are dropped), builds the
+flat attention metadata, runs the model and the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.layers.attention.backend import kv_cache_shape
+from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
+from tokenmill.layers.sampler import Sampler, build_sampling_metadata
+from tokenmill.model.loader import load_model
+from tokenmill.protocol import Logprobs, ModelRunnerOutput, SchedulerOutput, unpack_ids
+from tokenmill.worker.request_state import RequestState
+
+logger = logging.getLogger(__name__)
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the seed space
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.device.device
+        self.dtype = config.model.dtype
+        self.block_size = config.cache.block_size
+        hf = config.model.hf_config
+        self.num_layers = hf.num_hidden_layers
+        self.num_kv_heads = hf.num_key_value_heads or hf.num_attention_heads
+        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        self.vocab_size = hf.vocab_size
+        self.states: dict[int, RequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler()
+        self.model: torch.nn.Module | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def load_model(self) -> None:
+        m = self.config.model
+        start = time.perf_counter()
+        self.model = load_model(m.path, m.hf_config, m.load_format, m.dtype, self.device,
+                                TorchRefAttentionBackend, seed=m.seed)
+        logger.info("loaded %s in %.1f s", m.path, time.perf_counter() - start)
+
+    def kv_block_bytes(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+    def available_kv_blocks(self) -> int:
+        """How many KV blocks the memory budget allows."""
+        if self.config.cache.num_blocks:
+            return self.config.cache.num_blocks
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_budget()
+        else:
+            budget = self.config.device.kv_cache_memory_bytes
+        return max(budget // self.kv_block_bytes(), 0)
+
+    def _profile_cuda_budget(self) -> int:
+        """Run the largest step once and give the KV pool what the utilization target leaves."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.max_model_len)
+        blocks = -(-num_tokens // self.block_size)
+        self.init_kv_cache(blocks)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = self._metadata([num_tokens], [num_tokens], [list(range(blocks))],
+                              np.arange(num_tokens, dtype=np.int64))
+        with torch.inference_mode():
+            hidden = self.model(ids, positions, self.kv_caches, meta)
+            rows = min(self.config.scheduler.max_num_seqs, num_tokens)
+            self.model.compute_logits(hidden[:rows]).softmax(-1)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        budget = int(total * self.config.device.gpu_memory_utilization) - peak - used_by_others
+        logger.info("GPU memory: total %.1f GiB, model peak %.2f GiB, KV budget %.2f GiB",
+                    total / 2**30, peak / 2**30, budget / 2**30)
+        return budget
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                          for _ in range(self.num_layers)]
+
+    # ------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._apply_diffs(so)
+        if not so.scheduled_handles:
+            return ModelRunnerOutput(step_id=so.step_id, sampled_token_ids=[])
+        input_ids, positions, meta, sampling_rows, sample_states = self._prepare(so)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sampled: list[list[int]] = [[] for _ in so.scheduled_handles]
+        logprobs: list[Logprobs | None] = []
+        if sampling_rows:
+            logits_indices = meta.query_start_loc[1:][torch.as_tensor(sampling_rows, device=self.device)] - 1
+            logits = self.model.compute_logits(hidden[logits_indices])
+            for state in sample_states:
+                if state.generator is not None:
+                    position = len(state.token_ids) - state.num_prompt_tokens
+                    state.generator.manual_seed((state.params.seed * _SEED_MIX + position) % (1 << 63))
+            sampling_meta = build_sampling_metadata(sample_states, self.vocab_size,
+                                                    self.config.model.eos_token_ids, self.device)
+            out = self.sampler(logits, sampling_meta)
+            tokens = out.sampled_token_ids.tolist()
+            for row, state, token in zip(sampling_rows, sample_states, tokens):
+                state.token_ids.append(token)
+                sampled[row] = [token]
+            if out.logprobs is not None:
+                logprobs = self._pack_logprobs(out.logprobs, sampling_rows, sample_states, len(sampled))
+        return ModelRunnerOutput(step_id=so.step_id, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _apply_diffs(self, so: SchedulerOutput) -> None:
+        for handle in so.finished_handles:
+            self.states.pop(handle, None)
+        for handle in so.preempted_handles:
+            self.states.pop(handle, None)
+        for data in so.new_requests:
+            self.states[data.handle] = RequestState(data, self.device)
+        cached = so.cached_requests
+        for handle, blocks in zip(cached.handles, cached.new_block_ids):
+            self.states[handle].block_ids.extend(unpack_ids(blocks))
+
+    def _prepare(self, so: SchedulerOutput):
+        bs = self.block_size
+        input_ids: list[int] = []
+        position_chunks, slot_chunks = [], []
+        query_lens, seq_lens, block_rows = [], [], []
+        sampling_rows: list[int] = []
+        sample_states: list[RequestState] = []
+        for row, (handle, n) in enumerate(zip(so.scheduled_handles, so.num_scheduled_tokens)):
+            state = self.states[handle]
+            start = state.num_computed_tokens
+            end = start + n
+            input_ids.extend(state.token_ids[start:end])
+            positions = np.arange(start, end, dtype=np.int64)
+            blocks = np.asarray(state.block_ids, dtype=np.int64)
+            position_chunks.append(positions)
+            slot_chunks.append(blocks[positions // bs] * bs + positions % bs)
+            query_lens.append(n)
+            seq_lens.append(end)
+            block_rows.append(state.block_ids)
+            state.num_computed_tokens = end
+            if end >= len(state.token_ids):  # the whole known sequence is computed: sample
+                sampling_rows.append(row)
+                sample_states.append(state)
+        positions = np.concatenate(position_chunks)
+        meta = self._metadata(query_lens, seq_lens, block_rows, np.concatenate(slot_chunks))
+        ids = torch.as_tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
+        return ids, pos, meta, sampling_rows, sample_states
+
+    def _metadata(self, query_lens: list[int], seq_lens: list[int], block_rows: list[list[int]],
+                  slot_mapping: np.ndarray) -> AttentionMetadata:
+        num_seqs = len(query_lens)
+        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=qsl[1:])
+        width = max(len(r) for r in block_rows)
+        table = np.zeros((num_seqs, width), dtype=np.int32)
+        for i, r in enumerate(block_rows):
+            table[i, :len(r)] = r
+        qsl_cpu = torch.from_numpy(qsl)
+        seq_cpu = torch.as_tensor(seq_lens, dtype=torch.int32)
+        dev = self.device
+        return AttentionMetadata(
+            num_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_start_loc=qsl_cpu.to(dev, non_blocking=True), seq_lens=seq_cpu.to(dev, non_blocking=True),
+            block_table=torch.from_numpy(table).to(dev, non_blocking=True),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev, non_blocking=True),
+            query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu)
+
+    def _pack_logprobs(self, result, sampling_rows, sample_states, num_rows) -> list[Logprobs | None]:
+        token_ids = result.token_ids.cpu().numpy()
+        values = result.logprobs.cpu().numpy()
+        ranks = result.ranks.cpu().numpy()
+        packed: list[Logprobs | None] = [None] * num_rows
+        for i, (row, state) in enumerate(zip(sampling_rows, sample_states)):
+            k = state.params.logprobs
+            if k is None:
+                continue
+            packed[row] = Logprobs.from_arrays(token_ids[i:i + 1, :k + 1], values[i:i + 1, :k + 1], ranks[i:i + 1])
+        return packed
