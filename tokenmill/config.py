@@ -148,3 +148,49 @@ def _max_position_embeddings(hf_config) -> int:
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field_name} {message}")
+
+
+_FLAG_HELP = {
+    "model": "Hugging Face directory, .gguf file, or the default model's alias",
+    "dtype": "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
+    "max_model_len": "longest prompt + output, in tokens (default: the model's max_position_embeddings)",
+    "load_format": "auto, safetensors, gguf, or dummy (random weights, for benchmarks)",
+    "seed": "seed for dummy weights and unseeded sampling",
+    "device": "auto, cpu or cuda",
+    "block_size": "tokens per KV block",
+    "num_gpu_blocks_override": "fix the number of KV blocks instead of deriving it from memory",
+    "kv_cache_memory_gb": "KV pool size on CPU, in GiB",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and the KV pool",
+    "enable_prefix_caching": "reuse KV blocks across requests sharing a prefix",
+    "max_num_seqs": "most requests in one step",
+    "max_num_batched_tokens": "most tokens in one step (default max(8192, max_num_seqs))",
+    "max_logprobs": "largest logprobs / prompt_logprobs a request may ask for",
+    "async_scheduling": "schedule step N+1 while step N runs",
+    "disable_log_stats": "do not log engine statistics",
+    "served_model_name": "the model name the API reports",
+}
+
+
+def add_engine_flags(parser) -> None:
+    """Add one --flag per EngineArgs field (vLLM's names), with --no-X for booleans."""
+    import argparse
+    from dataclasses import fields
+    defaults = EngineArgs()
+    for f in fields(EngineArgs):
+        if f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        text = _FLAG_HELP.get(f.name, "")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            kind = {"int": int, "float": float, "str": str}.get(
+                str(f.type).replace(" | None", "").strip("'"), str)
+            parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+
+
+def engine_args_from_flags(namespace, model: str) -> EngineArgs:
+    from dataclasses import fields
+    values = {f.name: getattr(namespace, f.name) for f in fields(EngineArgs) if f.name != "model"}
+    return EngineArgs(model=model, **values)

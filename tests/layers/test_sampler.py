@@ -158,14 +158,15 @@ def test_temperature_scales_distribution(temperature: float) -> None:
     assert_distribution(frequencies(PROBS, temperature=temperature), expected)
 
 
-@pytest.mark.parametrize("top_k, keep", [(1, [1]), (2, [1, 3]), (3, [1, 3, 2]), (4, [0, 1, 2, 3]), (9, [0, 1, 2, 3])])
+@pytest.mark.parametrize("top_k, keep", [(1, [1]), (2, [1, 3]), (3, [1, 3, 2]), (4, [0, 1, 2, 3]),
+                                         (9, [0, 1, 2, 3])])
 def test_top_k_support(top_k: int, keep: list[int]) -> None:
     expected = normalized([p if i in keep else 0.0 for i, p in enumerate(PROBS)])
     assert_distribution(frequencies(PROBS, top_k=top_k), expected)
 
 
-@pytest.mark.parametrize("top_p, keep", [(0.05, [1]), (0.39, [1]), (0.65, [1, 3]), (0.75, [1, 3, 2]),
-                                         (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])])
+@pytest.mark.parametrize("top_p, keep", [(1e-9, [1]), (0.05, [1]), (0.39, [1]), (0.65, [1, 3]),
+                                         (0.75, [1, 3, 2]), (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])])
 def test_top_p_support(top_p: float, keep: list[int]) -> None:
     expected = normalized([p if i in keep else 0.0 for i, p in enumerate(PROBS)])
     assert_distribution(frequencies(PROBS, top_p=top_p), expected)
@@ -298,3 +299,31 @@ def test_logprobs_zero_gives_sampled_only() -> None:
     lp = Sampler()(logits, meta_for(rows, 10)).logprobs
     assert lp is not None and lp.topk_token_ids.shape == (2, 0)
     assert lp.sampled_ranks.tolist() == [1, 1]
+
+
+# Device
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_mixed_batch_and_seeding() -> None:
+    dev = torch.device("cuda")
+    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(6)).to(dev, torch.bfloat16)
+    every = dict(top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2, frequency_penalty=0.3,
+                 presence_penalty=0.2, logit_bias={3: 1.0}, min_tokens=4, logprobs=3)
+
+    def row(params: SamplingParams) -> Row:
+        r = Row(params, prompt_token_ids=[1, 2, 3], output_token_ids=[4, 4])
+        if params.seed is not None:
+            r.generator = torch.Generator(dev).manual_seed(params.seed)
+        return r
+
+    target = SamplingParams(temperature=0.8, seed=11, **every)
+    batch = [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=1.0, **every)),
+             row(target), row(SamplingParams(temperature=0.7, seed=5)), row(SamplingParams(temperature=0.0, **every))]
+    alone = [row(target)]
+    for _ in range(3):
+        out = Sampler()(logits, build_sampling_metadata(batch, 100, [0], dev))
+        solo = Sampler()(logits[2:3], build_sampling_metadata(alone, 100, [0], dev))
+        assert out.sampled_token_ids.device.type == "cuda"
+        assert out.sampled_token_ids[2].item() == solo.sampled_token_ids[0].item()
+        assert out.sampled_token_ids[0].item() == logits[0].float().argmax().item()
+        assert out.logprobs is not None and out.logprobs.topk_token_ids.shape == (5, 3)

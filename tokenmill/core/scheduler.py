@@ -122,14 +122,13 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = len(cached) * self.block_size
-            request.num_computed_tokens = len(cached) * self.block_size
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            blocks = self.kv.allocate(request, num_new, cached)
-            if blocks is None:
-                request.num_computed_tokens = 0
+            num_hit = len(cached) * self.block_size
+            num_new = min(request.num_tokens - num_hit, budget)
+            if self.kv.allocate(request, num_new, cached) is None:
                 break
+            request.num_computed_tokens = num_hit
             self.waiting.popleft()
-            self.kv.record_lookup(request.num_tokens, len(cached) * self.block_size)
+            self.kv.record_lookup(request.num_tokens, num_hit)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append((request, num_new))

@@ -1,0 +1,64 @@
+"""`tokenmill` command line: generate, and (as they land) bench and serve."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+
+from tokenmill.config import EngineArgs, add_engine_flags, engine_args_from_flags
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="complete one prompt (or chat message) and print the result",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default=EngineArgs.model, help="Hugging Face directory, .gguf file or alias")
+    p.add_argument("--prompt", required=True, help="the prompt text (the user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    add_engine_flags(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(ns) -> int:
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    args = engine_args_from_flags(ns, ns.model)
+    llm = LLM(**dataclasses.asdict(args))
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            top_k=ns.top_k, seed=ns.sampling_seed)
+    if ns.chat:
+        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+    else:
+        out = llm.generate([ns.prompt], params, use_tqdm=False)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill LLM inference engine")
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return ns.func(ns)
+    except ValueError as exc:  # bad input: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

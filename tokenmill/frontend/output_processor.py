@@ -1,0 +1,109 @@
+"""Turns the engine core's token-id outputs into `RequestOutput`s, in the front-end process.
+
+Each user request runs as n engine requests (handles), one per sample; their outputs are
+gathered into one RequestOutput per request per `process_outputs` call. Stop strings are
+matched here: the handles they end are returned so the caller aborts them in the core,
+and any output that still arrives for a finished handle is ignored.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.frontend.detokenizer import backend_tokenizer
+from tokenmill.frontend.request_state import RequestState, SampleState
+from tokenmill.outputs import RequestOutput
+from tokenmill.protocol import EngineCoreOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+def check_detokenize_params(params: SamplingParams) -> None:
+    """Stop strings are matched on text, so they need detokenization (as in vLLM)."""
+    if not params.detokenize and params.stop:
+        raise ValueError("stop strings are only supported when detokenize is True")
+
+
+@dataclass
+class ProcessedOutputs:
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    handles_to_abort: list[int] = field(default_factory=list)  # ended here by a stop string
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None) -> None:
+        """`tokenizer`: a Hugging Face fast tokenizer or a `tokenizers.Tokenizer`; None only
+        when every request has detokenize=False."""
+        self._tokenizer = backend_tokenizer(tokenizer) if tokenizer is not None else None
+        self._requests: dict[str, RequestState] = {}
+        # Invariant: holds exactly the unfinished samples of the requests in `_requests`.
+        self._by_handle: dict[int, tuple[RequestState, SampleState]] = {}
+
+    def add_request(self, request_id: str, handles: list[int], prompt: str | None,
+                    prompt_token_ids: list[int], params: SamplingParams, *,
+                    arrival_time: float | None = None) -> None:
+        check_detokenize_params(params)
+        if params.detokenize and self._tokenizer is None:
+            raise ValueError("detokenize=True needs a tokenizer; this engine has none")
+        if len(handles) != params.n:
+            raise ValueError(f"expected n={params.n} handles, got {len(handles)}")
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if len(set(handles)) != len(handles) or any(h in self._by_handle for h in handles):
+            raise ValueError(f"handles {handles} are not all new")
+        state = RequestState(request_id, handles, prompt, prompt_token_ids, params, self._tokenizer,
+                             time.time() if arrival_time is None else arrival_time)
+        self._requests[request_id] = state
+        for sample in state.samples:
+            self._by_handle[sample.handle] = (state, sample)
+
+    def process_outputs(self, outputs: Sequence[EngineCoreOutput], timestamp: float | None = None) -> ProcessedOutputs:
+        """`timestamp` (the time the outputs were produced) defaults to now."""
+        now = time.time() if timestamp is None else timestamp
+        result = ProcessedOutputs()
+        changed: dict[str, list[SampleState]] = {}
+        for out in outputs:
+            entry = self._by_handle.get(out.handle)
+            if entry is None:
+                continue  # finished or aborted already; the core may not know yet
+            state, sample = entry
+            if out.prompt_logprobs is not None:
+                state.add_prompt_logprobs(out.handle, out.prompt_logprobs)
+            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+            if not out.new_token_ids and out.finish_reason is None:
+                continue  # a prefill chunk: nothing to show yet
+            if out.new_token_ids:
+                state.record_tokens(now)
+            if sample.update(out):
+                result.handles_to_abort.append(out.handle)
+            samples = changed.setdefault(state.request_id, [])
+            if sample not in samples:
+                samples.append(sample)
+            if sample.finished:
+                del self._by_handle[out.handle]
+        for request_id, samples in changed.items():
+            state = self._requests[request_id]
+            request_output = state.make_output(samples)
+            if request_output is not None:
+                result.request_outputs.append(request_output)
+            if state.finished:
+                del self._requests[request_id]
+        return result
+
+    def abort_request(self, request_id: str) -> list[int]:
+        """Forgets the request; returns the handles of its samples still running in the core."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return []
+        live = [s.handle for s in state.samples if not s.finished]
+        for handle in live:
+            del self._by_handle[handle]
+        return live
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def num_unfinished(self) -> int:
+        return len(self._requests)
