@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any, Union
 
 from tokenmill.config import EngineConfig
+from tokenmill.frontend.output_processor import check_detokenize_params
 from tokenmill.protocol import EngineCoreRequest, pack_ids
 from tokenmill.sampling_params import SamplingParams
 
@@ -39,6 +40,7 @@ class InputProcessor:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         params.validate(vocab_size=self.vocab_size, max_logprobs=self.config.max_logprobs)
+        check_detokenize_params(params)
         n = len(prompt_token_ids)
         if n == 0:
             raise ValueError("prompt must not be empty (0 tokens)")

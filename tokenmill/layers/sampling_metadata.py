@@ -7,7 +7,9 @@ All host-to-device copies happen here, before the sampler runs.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -150,18 +152,23 @@ def _penalties(rows: Sequence[SamplingRow], vocab_size: int, device: torch.devic
 
 def _token_histogram(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
     """float32 [N, V]: how often each token occurs in each row's list."""
-    width = max((len(t) for t in token_lists), default=0)
-    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
-    if width:
-        # Pad with the extra column vocab_size, dropped below.
-        padded = [t + [vocab_size] * (width - len(t)) for t in token_lists]
-        ids = _tensor(padded, torch.int64, device)
-        counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=device))
-    return counts[:, :vocab_size]
+    counts = torch.zeros(len(token_lists) * vocab_size, dtype=torch.float32, device=device)
+    # One flat index row * V + token per occurrence, built without per-token Python work.
+    flat = array("q", chain.from_iterable(token_lists))
+    if flat:
+        lengths = torch.tensor([len(t) for t in token_lists])
+        offsets = torch.arange(len(token_lists)).mul_(vocab_size).repeat_interleave(lengths)
+        index = _host_to_device(torch.frombuffer(flat, dtype=torch.int64).add(offsets), device)
+        counts.index_add_(0, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts.view(len(token_lists), vocab_size)
 
 
 def _tensor(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(data, dtype=dtype)
+    return _host_to_device(torch.tensor(data, dtype=dtype), device)
+
+
+def _host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # Pinned staging lets the copy run asynchronously, without waiting on the device.
     if torch.device(device).type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)

@@ -186,13 +186,18 @@ class ModelRunner:
             query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu)
 
     def _pack_logprobs(self, result, sampling_rows, sample_states, num_rows) -> list[Logprobs | None]:
-        token_ids = result.token_ids.cpu().numpy()
-        values = result.logprobs.cpu().numpy()
-        ranks = result.ranks.cpu().numpy()
+        """Column 0 is the sampled token, then the row's own top-k."""
+        sampled_lp = result.sampled_logprobs.cpu().numpy()
+        ranks = result.sampled_ranks.cpu().numpy()
+        top_ids = result.topk_token_ids.cpu().numpy()
+        top_lp = result.topk_logprobs.cpu().numpy()
         packed: list[Logprobs | None] = [None] * num_rows
         for i, (row, state) in enumerate(zip(sampling_rows, sample_states)):
             k = state.params.logprobs
             if k is None:
                 continue
-            packed[row] = Logprobs.from_arrays(token_ids[i:i + 1, :k + 1], values[i:i + 1, :k + 1], ranks[i:i + 1])
+            chosen = state.token_ids[-1]
+            token_ids = np.concatenate([[chosen], top_ids[i, :k]])[None, :]
+            logprobs = np.concatenate([[sampled_lp[i]], top_lp[i, :k]])[None, :]
+            packed[row] = Logprobs.from_arrays(token_ids, logprobs, ranks[i:i + 1])
         return packed

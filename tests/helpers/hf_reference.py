@@ -1,0 +1,53 @@
+"""Greedy reference from Hugging Face transformers, and the token-for-token comparison rule.
+
+The rule: outputs must match exactly, except that where the reference's top two
+logits are within NEAR_TIE (float summation order may flip them), a divergence
+from that token on is accepted and reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEAR_TIE = 1e-3
+
+
+@dataclass
+class Reference:
+    token_ids: list[int]
+    gaps: list[float]  # top-1 minus top-2 logit at each step
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=()) -> Reference:
+    """A plain greedy loop over the HF model with its KV cache; stops at `eos_token_ids` (empty: never)."""
+    tokens: list[int] = []
+    gaps: list[float] = []
+    past = None
+    inputs = torch.tensor([prompt_ids])
+    for _ in range(max_new_tokens):
+        out = model(input_ids=inputs, past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[0, -1].float()
+        top2 = torch.topk(logits, 2)
+        token = int(top2.indices[0])
+        tokens.append(token)
+        gaps.append(float(top2.values[0] - top2.values[1]))
+        if token in eos_token_ids:
+            break
+        inputs = torch.tensor([[token]])
+    return Reference(tokens, gaps)
+
+
+def compare_greedy(ours: list[int], ref: Reference, label: str = "") -> str | None:
+    """None if identical; a note if they diverge at a near-tie; AssertionError otherwise."""
+    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+        if a != b:
+            if ref.gaps[i] < NEAR_TIE:
+                return f"{label}: diverged at token {i} on a near-tie (gap {ref.gaps[i]:.2e})"
+            raise AssertionError(f"{label}: token {i} differs: ours {a}, HF {b} (gap {ref.gaps[i]:.3f})\n"
+                                 f"ours {ours}\nHF   {ref.token_ids}")
+    assert len(ours) == len(ref.token_ids), f"{label}: lengths differ: {len(ours)} vs {len(ref.token_ids)}"
+    return None
