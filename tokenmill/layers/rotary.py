@@ -98,15 +98,19 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = int(head_dim * params.partial_rotary_factor)
         self.max_position = max_position
-        inv_freq = compute_inv_freq(params, self.rotary_dim, max_position)
-        freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq.to(torch.float32)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        # float32 regardless of the model dtype: the buffer is excluded from dtype casts below.
-        self.register_buffer("cos_cache", emb.cos().to(torch.float32), persistent=False)
-        self.register_buffer("sin_cache", emb.sin().to(torch.float32), persistent=False)
+        # Built under the meta device (deferred init), the caches are computed on the host instead:
+        # _apply below carries their values through to_empty().
+        device = torch.get_default_device()
+        with torch.device("cpu" if device.type == "meta" else device):
+            inv_freq = compute_inv_freq(params, self.rotary_dim, max_position)
+            freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.register_buffer("cos_cache", emb.cos(), persistent=False)
+            self.register_buffer("sin_cache", emb.sin(), persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "RotaryEmbedding":
-        # Keep the caches float32 when the model is cast (e.g. .to(bfloat16)); only move devices.
+        # The caches only ever change device: they stay float32 when the model is cast
+        # (e.g. .to(bfloat16)) and keep their values through to_empty().
         cos, sin = self.cos_cache, self.sin_cache
         super()._apply(fn, recurse)
         device = self.cos_cache.device

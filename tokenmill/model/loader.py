@@ -60,9 +60,12 @@ def load_model(path: str, hf_config: Any, load_format: str, dtype: torch.dtype, 
         weights = GGUFWeights(path, hf_config)
     elif load_format == "safetensors":
         weights = SafetensorsWeights(path)
-    # Parameters are created directly on the device in the target dtype: no host copy, no cast.
-    with _default_dtype(dtype), torch.device(device):
+    # Parameters are built on the meta device (no default init) in the target dtype, then
+    # allocated uninitialized on the device: both branches below write every parameter.
+    # Attention backends are built under meta too, so they must allocate tensors lazily.
+    with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(hf_config, attn_backend_cls)
+    model.to_empty(device=device)
     if weights is None:
         _init_dummy(model, seed, torch.device(device))
     else:
