@@ -119,7 +119,8 @@ class Scheduler:
             request = self.waiting[0]
             if self.num_pending.get(request.handle):  # a preempted request's token is still in flight
                 break
-            cached = self.kv.find_cached_prefix(request)
+            # Prompt logprobs need every prompt position computed, so they skip the prefix cache.
+            cached = [] if request.params.prompt_logprobs is not None else self.kv.find_cached_prefix(request)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = len(cached) * self.block_size
             num_hit = len(cached) * self.block_size
@@ -188,9 +189,13 @@ class Scheduler:
         """Apply a finished step's sampled tokens; return what the front-end must hear."""
         outputs: list[EngineCoreOutput] = []
         logprobs = runner_output.logprobs
+        prompt_logprobs = runner_output.prompt_logprobs
         for row, handle in enumerate(scheduler_output.scheduled_handles):
             sampled = runner_output.sampled_token_ids[row]
+            prompt_lp = prompt_logprobs[row] if prompt_logprobs else None
             if not sampled:
+                if prompt_lp is not None and handle in self.requests:
+                    outputs.append(EngineCoreOutput(handle=handle, new_token_ids=[], prompt_logprobs=prompt_lp))
                 continue
             self.num_pending[handle] -= 1
             request = self.requests.get(handle)
@@ -209,7 +214,7 @@ class Scheduler:
             outputs.append(EngineCoreOutput(
                 handle=handle, new_token_ids=new_tokens, finish_reason=request.finish_reason,
                 stop_token_id=request.stop_token_id,
-                logprobs=logprobs[row] if logprobs else None,
+                logprobs=logprobs[row] if logprobs else None, prompt_logprobs=prompt_lp,
                 num_cached_tokens=max(request.num_cached_tokens, 0)))
         for handle in list(self.num_pending):
             if self.num_pending[handle] == 0 and handle not in self.requests:

@@ -108,6 +108,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampled: list[list[int]] = [[] for _ in so.scheduled_handles]
         logprobs: list[Logprobs | None] = []
+        prompt_logprobs = self._prompt_logprobs(so, hidden, meta)
         if sampling_rows:
             logits_indices = meta.query_start_loc[1:][torch.as_tensor(sampling_rows, device=self.device)] - 1
             logits = self.model.compute_logits(hidden[logits_indices])
@@ -124,7 +125,32 @@ class ModelRunner:
                 sampled[row] = [token]
             if out.logprobs is not None:
                 logprobs = self._pack_logprobs(out.logprobs, sampling_rows, sample_states, len(sampled))
-        return ModelRunnerOutput(step_id=so.step_id, sampled_token_ids=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(step_id=so.step_id, sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor,
+                         meta: AttentionMetadata) -> list[Logprobs | None]:
+        """For rows that asked: the logprob of each prompt token this chunk predicts, plus the top-k."""
+        result: list[Logprobs | None] = []
+        starts = meta.query_start_loc_cpu.tolist()
+        for row, (handle, n) in enumerate(zip(so.scheduled_handles, so.num_scheduled_tokens)):
+            state = self.states[handle]
+            k = state.params.prompt_logprobs
+            first = state.num_computed_tokens - n  # position of this chunk's first token
+            last = min(state.num_computed_tokens, state.num_prompt_tokens - 1)  # exclusive
+            if k is None or last <= first:
+                result.append(None)
+                continue
+            rows = hidden[starts[row]:starts[row] + last - first]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+            targets = torch.as_tensor(state.token_ids[first + 1:last + 1], device=logprobs.device)
+            chosen = logprobs.gather(1, targets[:, None])
+            ranks = (logprobs > chosen).sum(-1) + 1
+            top = logprobs.topk(k, dim=-1) if k > 0 else None
+            ids = targets[:, None] if top is None else torch.cat([targets[:, None], top.indices], 1)
+            values = chosen if top is None else torch.cat([chosen, top.values], 1)
+            result.append(Logprobs.from_arrays(ids.cpu().numpy(), values.cpu().numpy(), ranks.cpu().numpy()))
+        return result if any(r is not None for r in result) else []
 
     def _apply_diffs(self, so: SchedulerOutput) -> None:
         for handle in so.finished_handles:
