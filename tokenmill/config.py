@@ -82,6 +82,8 @@ class EngineArgs:
     async_scheduling: bool = False
     disable_log_stats: bool = False
     served_model_name: str | None = None
+    world_size: int = 1
+    single_process: bool = False
 
     def create_engine_config(self) -> EngineConfig:
         from tokenmill.model.default_model import resolve_model_path
@@ -92,6 +94,10 @@ class EngineArgs:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
                f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(isinstance(self.world_size, int) and self.world_size >= 1, "world_size",
+               f"must be an integer >= 1, got {self.world_size!r}")
+        _check(not (self.single_process and self.world_size > 1), "world_size",
+               f"must be 1 with single_process, got {self.world_size}")
         _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
         _check(self.load_format in ("auto", "safetensors", "gguf", "dummy"), "load_format",
                f"must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
@@ -168,6 +174,8 @@ _FLAG_HELP = {
     "async_scheduling": "schedule step N+1 while step N runs",
     "disable_log_stats": "do not log engine statistics",
     "served_model_name": "the model name the API reports",
+    "world_size": "worker processes, one per device (until tensor parallelism lands, >1 runs replicas)",
+    "single_process": "run the engine core and the worker in the caller's process (tests, debugging)",
 }
 
 

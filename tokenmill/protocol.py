@@ -131,3 +131,122 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampled_token_ids: list[list[int]]
     logprobs: list[Logprobs | None] = []
     prompt_logprobs: list[Logprobs | None] = []
+
+
+# ---------------------------------------------------------------- control messages
+#
+# Every socket message is multipart: [kind, payload]; `kind` is one byte from the enums
+# below and says which struct the payload holds, so each endpoint keeps one decoder per
+# type. Messages through the shared-memory ring carry the same kind as their first byte.
+
+
+class CoreInputKind(IntEnum):
+    """Front-end -> engine core."""
+
+    ADD = 1  # EngineCoreRequest
+    ABORT = 2  # AbortRequests
+    UTILITY = 3  # UtilityCall
+    SHUTDOWN = 4  # empty payload
+
+
+class CoreOutputKind(IntEnum):
+    """Engine core -> front-end."""
+
+    OUTPUTS = 1  # EngineCoreOutputs
+    UTILITY_RESULT = 2  # UtilityResult
+    READY = 3  # EngineCoreReady
+    ERROR = 4  # ErrorReport: the core failed (at startup, or later and is exiting)
+
+
+class WorkerInputKind(IntEnum):
+    """Engine core -> workers (through the shared-memory ring)."""
+
+    EXECUTE = 1  # SchedulerOutput
+    CALL = 2  # WorkerCall
+    SHUTDOWN = 3  # empty payload
+
+
+class WorkerOutputKind(IntEnum):
+    """Workers -> engine core. Frames: [kind, rank (2 bytes LE), payload]."""
+
+    RESULT = 1  # ModelRunnerOutput (driver rank only)
+    CALL_RESULT = 2  # WorkerCallResult (every rank)
+    READY = 3  # empty payload: the worker has mapped the ring and connected its sockets
+    ERROR = 4  # ErrorReport: the worker failed and is exiting
+
+
+class UtilityCall(msgspec.Struct, array_like=True):
+    """A front-end query answered between steps. `method`: kv_cache_stats | scheduler_stats."""
+
+    call_id: int
+    method: str
+
+
+class KVCacheStats(msgspec.Struct, array_like=True, tag="kv"):
+    num_free_blocks: int
+    num_blocks: int
+    num_requests: int  # requests still in the engine core (for leak checks)
+
+
+class SchedulerStatsReport(msgspec.Struct, array_like=True, tag="sched"):
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    call_id: int
+    result: KVCacheStats | SchedulerStatsReport | None = None
+    error: str | None = None
+
+
+class EngineCoreReady(msgspec.Struct, array_like=True):
+    num_blocks: int
+    block_size: int
+
+
+class ErrorReport(msgspec.Struct, array_like=True, omit_defaults=True):
+    """An exception that ends a process, by name, so the receiver can re-raise its kind."""
+
+    exc_type: str
+    message: str
+    traceback: str = ""
+
+
+class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A setup call on every worker. `method`: load_model | available_kv_blocks |
+    kv_block_bytes | init_kv_cache (which takes `arg`)."""
+
+    method: str
+    arg: int | None = None
+
+
+class WorkerCallResult(msgspec.Struct, array_like=True, omit_defaults=True):
+    value: int | None = None
+
+
+class CoreLaunch(msgspec.Struct, omit_defaults=True):
+    """What the engine-core process is started with (JSON on its command line)."""
+
+    engine_args: dict  # EngineArgs fields; every one is a plain value
+    input_addr: str  # the front-end binds both sockets; the core connects
+    output_addr: str
+    run_dir: str  # per-engine temp dir for ipc sockets; names the shm segments too
+    parent_pid: int
+    log_level: int = 30
+
+
+class WorkerLaunch(msgspec.Struct, omit_defaults=True):
+    """What a worker process is started with (JSON on its command line)."""
+
+    engine_args: dict
+    rank: int
+    world_size: int
+    ring_name: str
+    overflow_addr: str  # where large ring messages arrive (ZMQ PULL, connected)
+    reply_addr: str  # the core's PULL socket for replies
+    parent_pid: int
+    log_level: int = 30

@@ -9,19 +9,23 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor.base import Executor
-from tokenmill.protocol import EngineCoreOutputs, EngineCoreRequest, ModelRunnerOutput, SchedulerOutput, unpack_ids
+from tokenmill.protocol import (EngineCoreOutputs, EngineCoreRequest, KVCacheStats, ModelRunnerOutput,
+                                SchedulerOutput, SchedulerStatsReport, unpack_ids)
 
 logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor_cls: type[Executor] | None = None) -> None:
+    def __init__(self, config: EngineConfig,
+                 executor_cls: Callable[[EngineConfig], Executor] | None = None) -> None:
+        """`executor_cls`: an Executor class, or any factory taking the config (default: uniproc)."""
         if executor_cls is None:
             from tokenmill.executor.uniproc import UniprocExecutor
             executor_cls = UniprocExecutor
@@ -70,6 +74,16 @@ class EngineCore:
         outputs = self.scheduler.update(batch, future.result())
         outputs.timestamp = time.time()
         return outputs
+
+    def kv_cache_stats(self) -> KVCacheStats:
+        pool = self.scheduler.kv.pool
+        return KVCacheStats(num_free_blocks=pool.num_free, num_blocks=pool.num_blocks,
+                            num_requests=len(self.scheduler.requests))
+
+    def scheduler_stats(self) -> SchedulerStatsReport:
+        s = self.scheduler.stats()
+        return SchedulerStatsReport(s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries,
+                                    s.prefix_cache_hits, s.num_preemptions)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

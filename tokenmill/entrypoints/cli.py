@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    bench = sub.add_parser("bench", help="benchmarks that print figures and a JSON record")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from tokenmill.benchmarks import throughput
+    throughput.add_parser(bench_sub)
     return parser
 
 

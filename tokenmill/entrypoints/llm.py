@@ -1,4 +1,10 @@
-"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, with vLLM's names."""
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, with vLLM's names.
+
+By default the engine core and its workers run in their own processes (`MPClient`);
+`single_process=True` keeps them in this one (`InprocClient`, same classes, no sockets).
+Use as a context manager, or call `shutdown()`; garbage collection and interpreter exit
+clean up too.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +18,10 @@ import msgspec
 from tqdm.auto import tqdm
 
 from tokenmill.config import EngineArgs
-from tokenmill.core.engine_core import EngineCore
+from tokenmill.frontend.core_client import EngineCoreClient, InprocClient, make_client
 from tokenmill.frontend.input_processor import InputProcessor, Prompt
 from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.model.registry import get_model_class
 from tokenmill.model.tokenizer import load_tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -28,15 +35,33 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         self.engine_args = EngineArgs(model=model, **kwargs)
+        # Resolved here too, so bad arguments fail before any process starts.
         self.config = self.engine_args.create_engine_config()
+        # An unsupported architecture is named here, not as an AttributeError deep in the worker.
+        get_model_class(self.config.model.hf_config)
         self.tokenizer = load_tokenizer(self.config.model.path)
-        self.engine = EngineCore(self.config)
+        self.client: EngineCoreClient = make_client(self.engine_args, self.config)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._request_ids = itertools.count()
 
+    @property
+    def engine(self):
+        """The in-process EngineCore (single_process=True only); otherwise use
+        `kv_cache_stats()` / `scheduler_stats()`."""
+        if isinstance(self.client, InprocClient):
+            return self.client.engine
+        raise AttributeError("LLM.engine exists only with single_process=True; the engine core runs in "
+                             "its own process: use kv_cache_stats() or scheduler_stats()")
+
     def get_tokenizer(self):
         return self.tokenizer
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -79,18 +104,18 @@ class LLM:
             requests = self.input_processor.make_requests(ids, params)
             self.output_processor.add_request(request_id, [r.handle for r in requests], text, ids, params)
             for request in requests:
-                self.engine.add_request(request)
+                self.client.add_request(request)
             order.append(request_id)
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
         try:
             while self.output_processor.has_unfinished():
-                step = self.engine.step()
+                step = self.client.get_outputs()
                 generated += sum(len(o.new_token_ids) for o in step.outputs)
                 processed = self.output_processor.process_outputs(step.outputs)
                 if processed.handles_to_abort:
-                    self.engine.abort_requests(processed.handles_to_abort)
+                    self.client.abort_requests(processed.handles_to_abort)
                 for out in processed.request_outputs:
                     if out.finished:
                         results[out.request_id] = out
@@ -106,15 +131,22 @@ class LLM:
     def _abort_all(self, order: list[str], done: dict[str, RequestOutput]) -> None:
         for request_id in order:
             if request_id not in done:
-                self.engine.abort_requests(self.output_processor.abort_request(request_id))
-        while self.engine.in_flight:  # drain steps already submitted
-            self.engine.step()
+                self.client.abort_requests(self.output_processor.abort_request(request_id))
+        self.client.drain()  # in-process: finish steps already submitted
 
     def kv_cache_stats(self) -> dict[str, int]:
         """Free and total KV blocks, and requests still in the engine (for leak checks)."""
-        pool = self.engine.scheduler.kv.pool
-        return {"num_free_blocks": pool.num_free, "num_blocks": pool.num_blocks,
-                "num_requests": len(self.engine.scheduler.requests)}
+        return msgspec.structs.asdict(self.client.kv_cache_stats())
+
+    def scheduler_stats(self) -> dict[str, int | float]:
+        """Running and waiting requests, KV usage, prefix-cache hits, preemptions."""
+        return msgspec.structs.asdict(self.client.scheduler_stats())
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop the engine (idempotent); later calls raise EngineDeadError in multi-process mode."""
+        client = self.__dict__.get("client")  # absent when __init__ failed
+        if client is not None:
+            client.shutdown()
+
+    def __del__(self) -> None:
+        self.shutdown()

@@ -1,0 +1,128 @@
+"""`tokenmill bench throughput`: offline throughput on a fixed workload, optionally against HF transformers.
+
+Prints requests/s, output tokens/s, total tokens/s and time per output token,
+and writes a JSON record naming the workload, the machine, the versions and
+the baseline that ran beside it in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import time
+
+import numpy as np
+
+from tokenmill.benchmarks.record import machine_info, versions
+from tokenmill.config import add_engine_flags, engine_args_from_flags
+
+_TEXT = ("In the quiet valley the river bends twice before it reaches the old mill, where the wheel "
+         "still turns on spring mornings. Travellers stop to watch the water, talk about the harvest, "
+         "and argue about the best road to the coast. ")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("throughput", help="offline throughput of LLM.generate on a fixed workload",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--dataset", choices=["random", "text"], default="random",
+                   help="random token ids, or slices of a built-in English text")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none",
+                   help="also run Hugging Face transformers' generate on the same prompts")
+    p.add_argument("--hf-dtype", default="bfloat16", help="dtype of the HF baseline")
+    p.add_argument("--warmup", type=int, default=1, help="warm-up generate calls before timing")
+    p.add_argument("--output-json", default=None, help="write the JSON record here")
+    add_engine_flags(p)
+    p.set_defaults(func=run)
+
+
+def make_prompts(tokenizer, kind: str, num: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    if kind == "random":
+        special = set(getattr(tokenizer, "all_special_ids", []) or [])
+        pool = [t for t in range(min(vocab_size, len(tokenizer))) if t not in special]
+        return [[rng.choice(pool) for _ in range(length)] for _ in range(num)]
+    ids = tokenizer(_TEXT * (length // 30 + 4)).input_ids
+    out = []
+    for _ in range(num):
+        start = rng.randrange(0, max(1, len(ids) - length))
+        out.append(ids[start:start + length])
+    return out
+
+
+def run(ns) -> int:
+    from tokenmill.entrypoints.llm import LLM
+    from tokenmill.sampling_params import SamplingParams
+
+    engine_args = engine_args_from_flags(ns, ns.model)
+    llm = LLM(**dataclasses.asdict(engine_args))
+    tokenizer = llm.get_tokenizer()
+    prompts = make_prompts(tokenizer, ns.dataset, ns.num_prompts, ns.input_len, llm.config.model.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=ns.ignore_eos)
+    batch = [{"prompt_token_ids": p} for p in prompts]
+    for _ in range(ns.warmup):
+        llm.generate(batch[:min(4, len(batch))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(batch, params)
+    elapsed = time.perf_counter() - start
+    figures = summarize(outputs, elapsed, ns.input_len)
+    record = {
+        "benchmark": "throughput",
+        "workload": {"model": ns.model, "num_prompts": ns.num_prompts, "input_len": ns.input_len,
+                     "output_len": ns.output_len, "dataset": ns.dataset, "ignore_eos": ns.ignore_eos,
+                     "sampling": "greedy"},
+        "engine_args": dataclasses.asdict(engine_args),
+        "machine": machine_info(), "versions": versions(),
+        "tokenmill": figures,
+    }
+    print_figures("tokenmill", figures)
+    llm.shutdown()
+    if ns.baseline == "hf":
+        from tokenmill.benchmarks.hf_baseline import run_hf_generate
+        hf = run_hf_generate(llm.config.model, prompts, ns.output_len, ns.hf_dtype, ns.ignore_eos)
+        record["baseline"] = hf
+        print_figures(f"HF transformers ({ns.hf_dtype}, static batch)", hf)
+        ratio = figures["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        record["ratio_output_tokens_per_s"] = ratio
+        print(f"tokenmill / HF output tokens/s: {ratio:.2f}x")
+    print(json.dumps(record))
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(record, f, indent=2)
+    return 0
+
+
+def summarize(outputs, elapsed: float, input_len: int) -> dict:
+    num_out = sum(len(o.outputs[0].token_ids) for o in outputs)
+    tpot = []
+    for o in outputs:
+        n = len(o.outputs[0].token_ids)
+        m = o.metrics
+        if n > 1 and "first_token_time" in m and "last_token_time" in m:
+            tpot.append((m["last_token_time"] - m["first_token_time"]) / (n - 1))
+    tpot_ms = np.array(tpot) * 1e3 if tpot else np.array([float("nan")])
+    return {
+        "elapsed_s": elapsed,
+        "requests_per_s": len(outputs) / elapsed,
+        "output_tokens_per_s": num_out / elapsed,
+        "total_tokens_per_s": (num_out + input_len * len(outputs)) / elapsed,
+        "num_output_tokens": num_out,
+        "tpot_ms_mean": float(np.mean(tpot_ms)), "tpot_ms_p50": float(np.percentile(tpot_ms, 50)),
+        "tpot_ms_p99": float(np.percentile(tpot_ms, 99)),
+    }
+
+
+def print_figures(name: str, f: dict) -> None:
+    print(f"== {name} ==")
+    print(f"  elapsed            {f['elapsed_s']:.2f} s")
+    print(f"  requests/s         {f['requests_per_s']:.2f}")
+    print(f"  output tokens/s    {f['output_tokens_per_s']:.1f}")
+    print(f"  total tokens/s     {f['total_tokens_per_s']:.1f}")
+    if "tpot_ms_mean" in f:
+        print(f"  TPOT ms mean/p50/p99  {f['tpot_ms_mean']:.1f} / {f['tpot_ms_p50']:.1f} / {f['tpot_ms_p99']:.1f}")

@@ -1,0 +1,58 @@
+"""Starting tokenmill child processes without pickle, and tying their lives to their parent.
+
+A child is `python -m <module> <json>`: its launch struct travels as JSON on the command
+line, never through multiprocessing. A child calls `die_with_parent` first thing, so a
+parent that dies for any reason (even SIGKILL) takes its children with it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import msgspec
+
+_PR_SET_PDEATHSIG = 1
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def spawn_child(module: str, launch: msgspec.Struct) -> subprocess.Popen:
+    env = dict(os.environ)
+    # The child must import this very tokenmill, wherever the parent found it.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    argv = [sys.executable, "-m", module, msgspec.json.encode(launch).decode()]
+    return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, close_fds=True)
+
+
+def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """SIGKILL this process when its parent dies: prctl(PR_SET_PDEATHSIG) on Linux, plus a
+    watchdog thread on the parent pid (for other platforms, and for the race where the
+    parent died before prctl took effect)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+    def watch() -> None:
+        while True:
+            time.sleep(poll_s)
+            if os.getppid() != parent_pid:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Wait up to `timeout_s` for a child asked to exit, then kill it; always reaps it."""
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,186 @@
+"""The engine-core process: `python -m tokenmill.core.engine_core_proc <CoreLaunch as JSON>`.
+
+Three threads:
+- input: receives [kind, payload] from the front-end, decodes it, queues it;
+- busy loop (main): drains the queue, runs `EngineCore.step()` while there is work and
+  blocks on the queue when idle; answers utility calls between steps;
+- output: encodes and sends what the loop produced.
+The core never detokenizes. Startup ends with READY, or with an ErrorReport (then exit 1);
+any later failure, including a dead worker, also ends with an ErrorReport and exit 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import sys
+import threading
+
+import msgspec
+import zmq
+
+from tokenmill.child_process import die_with_parent
+from tokenmill.errors import EngineDeadError, error_report
+from tokenmill.protocol import (AbortRequests, CoreInputKind, CoreLaunch, CoreOutputKind, EngineCoreOutput,
+                                EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, FinishReason, UtilityCall,
+                                UtilityResult)
+
+logger = logging.getLogger(__name__)
+
+_UTILITIES = ("kv_cache_stats", "scheduler_stats")
+
+
+class _Fatal:
+    """Queued by the executor's monitor thread (or a broken input thread) so that even an idle
+    busy loop wakes up and dies."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+class EngineCoreProc:
+    def __init__(self, launch: CoreLaunch, ctx: zmq.Context) -> None:
+        self.launch = launch
+        self.input_sock = ctx.socket(zmq.PULL)
+        self.input_sock.connect(launch.input_addr)
+        self.output_sock = ctx.socket(zmq.PUSH)
+        self.output_sock.setsockopt(zmq.SNDHWM, 0)
+        self.output_sock.connect(launch.output_addr)
+        self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()  # (kind, struct), or None to stop
+        self.engine = None
+        self._stop = threading.Event()
+        self._input = threading.Thread(target=self._input_thread, name="core-input", daemon=True)
+
+    # ------------------------------------------------------------------ main
+
+    def run(self) -> int:
+        from tokenmill.config import EngineArgs
+        from tokenmill.core.engine_core import EngineCore
+        from tokenmill.executor.multiproc import MultiprocExecutor
+
+        try:
+            args = msgspec.convert(self.launch.engine_args, EngineArgs)
+            config = args.create_engine_config()
+            executor = functools.partial(MultiprocExecutor, engine_args=args, run_dir=self.launch.run_dir,
+                                         on_failure=lambda reason: self.inputs.put(_Fatal(reason)))
+            self.engine = EngineCore(config, executor)
+        except BaseException as exc:
+            logger.exception("engine core failed to start")
+            self._send(CoreOutputKind.ERROR, error_report(exc))
+            return 1
+        self._input.start()
+        output_thread = threading.Thread(target=self._output_thread, name="core-output", daemon=True)
+        output_thread.start()
+        self.outputs.put((CoreOutputKind.READY, EngineCoreReady(self.engine.num_blocks,
+                                                                config.cache.block_size)))
+        code = 0
+        try:
+            self._busy_loop()
+        except BaseException as exc:
+            logger.error("engine core failed: %s: %s", type(exc).__name__, exc)
+            self.outputs.put((CoreOutputKind.ERROR, error_report(exc)))
+            code = 1
+        finally:
+            self.outputs.put(None)
+            output_thread.join(timeout=5.0)
+            self.engine.shutdown()
+        return code
+
+    def _busy_loop(self) -> None:
+        engine = self.engine
+        while True:
+            item = self.inputs.get() if not engine.has_work() else None
+            while True:
+                if item is not None and not self._handle(item):
+                    return
+                try:
+                    item = self.inputs.get_nowait()
+                except queue.Empty:
+                    break
+            if engine.has_work():
+                outputs = engine.step()
+                if outputs.outputs:
+                    self.outputs.put((CoreOutputKind.OUTPUTS, outputs))
+
+    def _handle(self, item) -> bool:
+        """Apply one input; False on shutdown."""
+        if isinstance(item, _Fatal):
+            raise EngineDeadError(item.reason)
+        kind, message = item
+        if kind == CoreInputKind.ADD:
+            try:
+                self.engine.add_request(message)
+            except ValueError as exc:  # the front-end validates first; this is a last guard
+                logger.error("rejected request %d: %s", message.handle, exc)
+                self.outputs.put((CoreOutputKind.OUTPUTS, EngineCoreOutputs(
+                    [EngineCoreOutput(message.handle, [], FinishReason.ABORT)])))
+        elif kind == CoreInputKind.ABORT:
+            self.engine.abort_requests(message.handles)
+        elif kind == CoreInputKind.UTILITY:
+            self.outputs.put((CoreOutputKind.UTILITY_RESULT, self._utility(message)))
+        elif kind == CoreInputKind.SHUTDOWN:
+            return False
+        return True
+
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        if call.method not in _UTILITIES:
+            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
+        return UtilityResult(call.call_id, getattr(self.engine, call.method)())
+
+    # ------------------------------------------------------------------ I/O threads
+
+    def _input_thread(self) -> None:
+        """Owns the input socket once started (ZMQ sockets are single-threaded)."""
+        decoders = {CoreInputKind.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+                    CoreInputKind.ABORT: msgspec.msgpack.Decoder(AbortRequests),
+                    CoreInputKind.UTILITY: msgspec.msgpack.Decoder(UtilityCall)}
+        try:
+            while not self._stop.is_set():
+                if not self.input_sock.poll(100):
+                    continue
+                kind_frame, payload = self.input_sock.recv_multipart(copy=False)
+                kind = CoreInputKind(kind_frame.bytes[0])
+                if kind == CoreInputKind.SHUTDOWN:
+                    self.inputs.put((kind, None))
+                    return
+                self.inputs.put((kind, decoders[kind].decode(payload.buffer)))
+        except Exception as exc:  # a malformed message: a bug on the other side; give up loudly
+            self.inputs.put(_Fatal(f"bad input message: {type(exc).__name__}: {exc}"))
+        finally:
+            self.input_sock.close(linger=0)
+
+    def _output_thread(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while (item := self.outputs.get()) is not None:
+            kind, message = item
+            self.output_sock.send_multipart([bytes((kind,)), encoder.encode(message)], copy=False)
+
+    def _send(self, kind: CoreOutputKind, message: msgspec.Struct) -> None:
+        """Send from the calling thread (only before the output thread starts)."""
+        self.output_sock.send_multipart([bytes((kind,)), msgspec.msgpack.encode(message)])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._input.is_alive():
+            self._input.join()
+        elif self._input.ident is None:
+            self.input_sock.close(linger=0)
+        self.output_sock.close(linger=2000)  # ctx.term() delivers the last words before exiting
+
+
+def main(argv: list[str]) -> int:
+    launch = msgspec.json.decode(argv[1], type=CoreLaunch)
+    die_with_parent(launch.parent_pid)
+    logging.basicConfig(level=launch.log_level, format="%(asctime)s %(levelname)s core %(name)s: %(message)s")
+    ctx = zmq.Context()
+    proc = EngineCoreProc(launch, ctx)
+    code = proc.run()
+    proc.close()
+    ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,36 @@
+"""TOKENMILL_FORBID_PICKLE=1 makes pickling raise in this process (tests prove no channel uses it).
+
+`tokenmill/__init__.py` calls `forbid_pickle_if_requested()`, so every tokenmill process
+(front-end, engine core, workers) is covered as soon as it imports the package.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+ENV_VAR = "TOKENMILL_FORBID_PICKLE"
+
+
+class PickleForbiddenError(RuntimeError):
+    pass
+
+
+def _refuse(*_args, **_kwargs):
+    raise PickleForbiddenError(f"pickle is forbidden in tokenmill processes ({ENV_VAR}=1)")
+
+
+class _ForbiddenPickler:
+    def __init__(self, *_args, **_kwargs) -> None:
+        _refuse()
+
+
+def forbid_pickle_if_requested() -> bool:
+    """Replace pickle's entry points with ones that raise; True when the env var asked for it."""
+    if os.environ.get(ENV_VAR, "") not in ("1", "true", "yes"):
+        return False
+    for name in ("dumps", "loads", "dump", "load"):
+        setattr(pickle, name, _refuse)
+    pickle.Pickler = _ForbiddenPickler  # type: ignore[misc, assignment]
+    pickle.Unpickler = _ForbiddenPickler  # type: ignore[misc, assignment]
+    return True

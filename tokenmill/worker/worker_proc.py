@@ -1,0 +1,106 @@
+"""A worker process: `python -m tokenmill.worker.worker_proc <WorkerLaunch as JSON>`.
+
+Reads messages from the shared-memory ring in order and runs them on its `Worker`; the
+driver (rank 0) replies to every step, every rank replies to setup calls. Any exception is
+reported as an `ErrorReport` before the process exits; the engine core treats that, or
+any exit it did not ask for, as fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import msgspec
+import zmq
+
+from tokenmill.child_process import die_with_parent
+from tokenmill.errors import error_report
+from tokenmill.executor.multiproc import REPLY_HEAD
+from tokenmill.executor.shm_ring import RingAbortedError, ShmRingReader
+from tokenmill.protocol import (SchedulerOutput, WorkerCall, WorkerCallResult, WorkerInputKind, WorkerLaunch,
+                                WorkerOutputKind)
+
+logger = logging.getLogger(__name__)
+
+_CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "init_kv_cache")
+
+
+class WorkerProc:
+    def __init__(self, launch: WorkerLaunch, ctx: zmq.Context) -> None:
+        self.launch = launch
+        self.rank = launch.rank
+        self.reply = ctx.socket(zmq.PUSH)
+        self.reply.setsockopt(zmq.SNDHWM, 0)
+        self.reply.connect(launch.reply_addr)
+        self.ring: ShmRingReader | None = None
+        self._parent = launch.parent_pid
+
+    def send(self, kind: WorkerOutputKind, payload: bytes = b"") -> None:
+        self.reply.send_multipart([REPLY_HEAD.pack(kind, self.rank), payload], copy=False)
+
+    def parent_gone(self) -> bool:
+        return os.getppid() != self._parent
+
+    def run(self) -> int:
+        try:
+            from tokenmill.config import EngineArgs
+            from tokenmill.worker.worker import Worker
+
+            self.ring = ShmRingReader(self.launch.ring_name, self.rank, self.launch.overflow_addr,
+                                      self.reply.context)
+            config = msgspec.convert(self.launch.engine_args, EngineArgs).create_engine_config()
+            worker = Worker(config)
+            self.send(WorkerOutputKind.READY)
+            self._loop(worker)
+            return 0
+        except RingAbortedError:
+            return 1  # the engine core is gone; nobody to tell
+        except BaseException as exc:
+            logger.exception("worker %d failed", self.rank)
+            self.send(WorkerOutputKind.ERROR, msgspec.msgpack.encode(error_report(exc)))
+            return 1
+        finally:
+            if self.ring is not None:
+                self.ring.close()
+            self.reply.close(linger=2000)  # deliver the last reply before exiting
+
+    def _loop(self, worker) -> None:
+        step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
+        call_decoder = msgspec.msgpack.Decoder(WorkerCall)
+        encoder = msgspec.msgpack.Encoder()
+        driver = self.rank == 0
+        while True:
+            message = memoryview(self.ring.read(self.parent_gone))
+            kind = message[0]
+            if kind == WorkerInputKind.EXECUTE:
+                output = worker.execute_model(step_decoder.decode(message[1:]))
+                if driver:
+                    self.send(WorkerOutputKind.RESULT, encoder.encode(output))
+            elif kind == WorkerInputKind.CALL:
+                call = call_decoder.decode(message[1:])
+                if call.method not in _CALLS:
+                    raise ValueError(f"unknown worker call {call.method!r}")
+                method = getattr(worker, call.method)
+                value = method() if call.arg is None else method(call.arg)
+                self.send(WorkerOutputKind.CALL_RESULT, encoder.encode(WorkerCallResult(value)))
+            elif kind == WorkerInputKind.SHUTDOWN:
+                return
+            else:
+                raise ValueError(f"unknown worker message kind {kind}")
+
+
+def main(argv: list[str]) -> int:
+    launch = msgspec.json.decode(argv[1], type=WorkerLaunch)
+    die_with_parent(launch.parent_pid)
+    logging.basicConfig(level=launch.log_level,
+                        format=f"%(asctime)s %(levelname)s worker{launch.rank} %(name)s: %(message)s")
+    ctx = zmq.Context()
+    code = WorkerProc(launch, ctx).run()
+    ctx.term()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
