@@ -139,12 +139,31 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
     _check(name in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {name!r}")
     dtype = _DTYPES[name]
     _check(not (device.type == "cpu" and dtype == torch.float16), "dtype",
            "float16 is not supported on CPU; use float32 or bfloat16")
     return dtype
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU does bfloat16 matrix math natively (AMX-BF16 or AVX512-BF16).
+
+    There, bfloat16 linears run about 3x faster than float32; elsewhere bfloat16 is
+    emulated and slower, so "auto" picks float32.
+    """
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 def _max_position_embeddings(hf_config) -> int:
@@ -158,7 +177,7 @@ def _check(ok: bool, field_name: str, message: str) -> None:
 
 _FLAG_HELP = {
     "model": "Hugging Face directory, .gguf file, or the default model's alias",
-    "dtype": "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
+    "dtype": "auto (bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32), float32, bfloat16 or float16",
     "max_model_len": "longest prompt + output, in tokens (default: the model's max_position_embeddings)",
     "load_format": "auto, safetensors, gguf, or dummy (random weights, for benchmarks)",
     "seed": "seed for dummy weights and unseeded sampling",

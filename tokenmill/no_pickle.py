@@ -29,6 +29,12 @@ def forbid_pickle_if_requested() -> bool:
     """Replace pickle's entry points with ones that raise; True when the env var asked for it."""
     if os.environ.get(ENV_VAR, "") not in ("1", "true", "yes"):
         return False
+    # jinja2 (imported by transformers) pickles a version constant at import time; import it
+    # before the ban. That is not a channel; nothing else is exempt.
+    try:
+        import jinja2.bccache  # noqa: F401
+    except ImportError:
+        pass
     for name in ("dumps", "loads", "dump", "load"):
         setattr(pickle, name, _refuse)
     pickle.Pickler = _ForbiddenPickler  # type: ignore[misc, assignment]

@@ -231,7 +231,8 @@ class WorkerCallResult(msgspec.Struct, array_like=True, omit_defaults=True):
 class CoreLaunch(msgspec.Struct, omit_defaults=True):
     """What the engine-core process is started with (JSON on its command line)."""
 
-    engine_args: dict  # EngineArgs fields; every one is a plain value
+    engine_args: dict  # EngineArgs fields (every one a plain value), for the workers
+    engine_config: dict  # the front-end's resolved EngineConfig, via config_wire (no hf_config)
     input_addr: str  # the front-end binds both sockets; the core connects
     output_addr: str
     run_dir: str  # per-engine temp dir for ipc sockets; names the shm segments too

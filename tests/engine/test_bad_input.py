@@ -222,18 +222,38 @@ def test_cli_generate_prints_text(tiny_model_dir):
     assert not error_lines(err)
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--max-tokens", "-1"], ["max_tokens"]),
-    (["--temperature", "nan"], ["temperature"]),
-    (["--top-p", "1.5"], ["top_p"]),
-    (["--block-size", "3"], ["block_size"]),
-    (["--max-tokens", "many"], ["--max-tokens", "many"]),  # argparse's type check
-], ids=["max-tokens", "temperature", "top-p", "block-size", "not-an-int"])
-def test_cli_bad_flag_value(tiny_model_dir, flags, words):
+BAD_FLAGS = {
+    "max-tokens": (["--max-tokens", "-1"], ["max_tokens"]),
+    "temperature": (["--temperature", "nan"], ["temperature"]),
+    "top-p": (["--top-p", "1.5"], ["top_p"]),
+    "block-size": (["--block-size", "3"], ["block_size"]),
+    "not-an-int": (["--max-tokens", "many"], ["--max-tokens", "many"]),  # argparse's own type check
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_FLAGS))
+def test_cli_bad_flag_value(tiny_model_dir, case):
+    flags, words = BAD_FLAGS[case]
     code, out, err = run_cli(["--log-level", "WARNING", "generate", "--model", tiny_model_dir, "--prompt", "hi",
-                              "--kv-cache-memory-gb", "0.01", *flags])
+                              "--kv-cache-memory-gb", "0.01", "--single-process", *flags])
     assert code == 2
     lines = error_lines(err)
     assert len(lines) == 1, f"expected one error: line, got {err!r}"
     assert all(w in lines[0] for w in words), lines[0]
     assert "Traceback" not in err and not out
+
+
+@pytest.mark.xfail(strict=True, reason="bug: `tokenmill generate` builds the whole engine (model load, worker "
+                   "processes) before it validates the sampling flags")
+@pytest.mark.parametrize("case", ["max-tokens", "temperature", "top-p"])
+def test_cli_bad_sampling_flag_fails_before_loading(tiny_model_dir, monkeypatch, case):
+    import tokenmill.entrypoints.llm as llm_module
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was built before the sampling flags were checked")
+
+    monkeypatch.setattr(llm_module, "LLM", no_engine)
+    flags, words = BAD_FLAGS[case]
+    code, _, err = run_cli(["--log-level", "WARNING", "generate", "--model", tiny_model_dir, "--prompt", "hi",
+                            "--single-process", *flags])
+    assert code == 2 and len(error_lines(err)) == 1 and words[0] in err

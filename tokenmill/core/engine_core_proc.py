@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -56,18 +57,23 @@ class EngineCoreProc:
     # ------------------------------------------------------------------ main
 
     def run(self) -> int:
-        from tokenmill.config import EngineArgs
-        from tokenmill.core.engine_core import EngineCore
-        from tokenmill.executor.multiproc import MultiprocExecutor
+        from tokenmill.executor.worker_group import WorkerGroup
 
+        workers = None
         try:
-            args = msgspec.convert(self.launch.engine_args, EngineArgs)
-            config = args.create_engine_config()
-            executor = functools.partial(MultiprocExecutor, engine_args=args, run_dir=self.launch.run_dir,
-                                         on_failure=lambda reason: self.inputs.put(_Fatal(reason)))
-            self.engine = EngineCore(config, executor)
+            # Workers first, before this process imports torch: their startup (imports,
+            # config, model) overlaps with ours.
+            workers = WorkerGroup(self.launch.engine_args, self.launch.run_dir,
+                                  on_failure=lambda reason: self.inputs.put(_Fatal(reason)))
+            from tokenmill.config_wire import config_from_wire
+            from tokenmill.core.engine_core import EngineCore
+            from tokenmill.executor.multiproc import MultiprocExecutor
+            config = config_from_wire(self.launch.engine_config)
+            self.engine = EngineCore(config, functools.partial(MultiprocExecutor, workers=workers))
         except BaseException as exc:
             logger.exception("engine core failed to start")
+            if workers is not None:
+                workers.shutdown()
             self._send(CoreOutputKind.ERROR, error_report(exc))
             return 1
         self._input.start()
@@ -183,4 +189,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_code = main(sys.argv)
+    # Sockets are closed and the context terminated (messages delivered): skip the slow
+    # interpreter teardown (torch and friends) and exit at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

@@ -1,4 +1,4 @@
-"""`tokenmill` command line: generate, and (as they land) bench and serve."""
+"""`tokenmill` command line: generate, serve, and bench."""
 
 from __future__ import annotations
 
@@ -41,15 +41,38 @@ def _run_generate(ns) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    from tokenmill.entrypoints.openai.args import add_server_flags
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, "
+                                   "models, tokenize, metrics). Engine flags use vLLM's names.")
+    p.add_argument("model", nargs="?", default=EngineArgs.model,
+                   help=f"Hugging Face directory, .gguf file or alias (default: {EngineArgs.model})")
+    add_server_flags(p)
+    add_engine_flags(p)
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(ns) -> int:
+    from tokenmill.entrypoints.openai.args import settings_from_flags
+    from tokenmill.entrypoints.openai.server import run
+
+    settings = settings_from_flags(ns)
+    run(engine_args_from_flags(ns, ns.model), settings)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill LLM inference engine")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     bench = sub.add_parser("bench", help="benchmarks that print figures and a JSON record")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from tokenmill.benchmarks import throughput
+    from tokenmill.benchmarks import serve, throughput
     throughput.add_parser(bench_sub)
+    serve.add_parser(bench_sub)
     return parser
 
 

@@ -1,219 +1,51 @@
-"""Workers in their own processes: steps broadcast through a shared-memory ring, results over ZMQ.
+"""Workers in their own processes (`WorkerGroup`): the Executor interface over the ring.
 
-Every message to the workers goes through one `ShmRingWriter` (msgpack, first byte = kind).
-Replies come back on one PULL socket as [kind, rank, payload]: the driver (rank 0) answers
-each step with its `ModelRunnerOutput`; every rank answers setup calls. A reader thread
-matches replies to futures strictly FIFO per rank, and doubles as the liveness monitor:
-when a worker exits unasked, every pending and later future fails with `EngineDeadError`
-and `on_failure` is called, so an idle engine core hears of it too.
+The engine-core process may start the group before it resolves its own config (both take
+seconds of imports), then hand it over: `MultiprocExecutor(config, workers=group)`.
+Setup calls go through the same channel as steps, as typed `WorkerCall`s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
-import struct
-import threading
-import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import msgspec
-import zmq
-
-from tokenmill.child_process import spawn_child, stop_process
 from tokenmill.config import EngineArgs, EngineConfig
-from tokenmill.errors import EngineDeadError, exception_from_report
 from tokenmill.executor.base import Executor
-from tokenmill.executor.shm_ring import RingAbortedError, ShmRingWriter
-from tokenmill.protocol import (ErrorReport, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerCallResult,
-                                WorkerInputKind, WorkerLaunch, WorkerOutputKind)
-
-logger = logging.getLogger(__name__)
-
-REPLY_HEAD = struct.Struct("<BH")  # kind, rank
-_POLL_MS = 100
-_LATE_MESSAGE_S = 0.3  # after a worker exits, how long its last words (an ErrorReport) may take
-
-
-class _Pending:
-    """One message's expected replies: from rank 0 only (a step) or from every rank (a call)."""
-
-    def __init__(self, ranks: set[int], driver_only: bool = False) -> None:
-        self.future: Future = Future()  # the driver's value if driver_only, else rank -> value
-        self.waiting = set(ranks)
-        self.values: dict[int, object] = {}
-        self.driver_only = driver_only
-
-    def deliver(self, rank: int, value: object) -> None:
-        self.values[rank] = value
-        self.waiting.discard(rank)
-        if not self.waiting and not self.future.done():
-            self.future.set_result(self.values[0] if self.driver_only else self.values)
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.future.done():
-            self.future.set_exception(exc)
+from tokenmill.executor.worker_group import WorkerGroup
+from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, *, engine_args: EngineArgs, run_dir: str,
+    def __init__(self, config: EngineConfig, *, workers: WorkerGroup | None = None,
+                 engine_args: EngineArgs | None = None, run_dir: str | None = None,
                  on_failure: Callable[[str], None] | None = None) -> None:
+        """Either `workers` (already started), or what it takes to start them."""
         super().__init__(config)
-        self.world_size = engine_args.world_size
-        self._on_failure = on_failure
-        self._ctx = zmq.Context()
-        self._reply = self._ctx.socket(zmq.PULL)
-        self._reply.setsockopt(zmq.LINGER, 0)
-        reply_addr = f"ipc://{run_dir}/worker-replies"
-        self._reply.bind(reply_addr)
-        overflow = [f"ipc://{run_dir}/ring-overflow-{rank}" for rank in range(self.world_size)]
-        ring_name = f"{os.path.basename(run_dir)}-ring"
-        self._ring = ShmRingWriter(ring_name, self.world_size, overflow, self._ctx)
-        self._lock = threading.Lock()  # guards _pending and _dead together
-        self._pending: list[deque[_Pending]] = [deque() for _ in range(self.world_size)]
-        self._dead: EngineDeadError | None = None
-        self._closing = False
-        self._worker_error: str | None = None  # a worker's last words, if it reported an exception
-        self._step_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
-        self._result_decoder = msgspec.msgpack.Decoder(WorkerCallResult)
-        self._error_decoder = msgspec.msgpack.Decoder(ErrorReport)
-        self._step_encoder = msgspec.msgpack.Encoder()
-        self._procs = []
-        ready = self._expect(set(range(self.world_size)))
-        self._reader = threading.Thread(target=self._read_replies, name="worker-replies", daemon=True)
+        if workers is None:
+            if engine_args is None or run_dir is None:
+                raise ValueError("MultiprocExecutor needs workers, or engine_args and run_dir")
+            workers = WorkerGroup(dataclasses.asdict(engine_args), run_dir, on_failure)
+        self.workers = workers
         try:
-            args = dataclasses.asdict(engine_args)
-            for rank in range(self.world_size):
-                self._procs.append(spawn_child("tokenmill.worker.worker_proc", WorkerLaunch(
-                    engine_args=args, rank=rank, world_size=self.world_size, ring_name=ring_name,
-                    overflow_addr=overflow[rank], reply_addr=reply_addr, parent_pid=os.getpid(),
-                    log_level=logging.getLogger("tokenmill").getEffectiveLevel())))
-            self._reader.start()
-            ready.future.result()
-            self._ring.unlink()  # every worker has it mapped; now it goes away with the last of us
-            self._call("load_model")
+            workers.wait_ready()
+            workers.call("load_model")
         except BaseException:
-            self.shutdown()
+            workers.shutdown()
             raise
 
-    # ------------------------------------------------------------------ Executor
-
     def available_kv_blocks(self) -> int:
-        return min(self._call("available_kv_blocks"))
+        return min(self.workers.call("available_kv_blocks"))
 
     def kv_block_bytes(self) -> int:
-        return self._call("kv_block_bytes")[0]
+        return self.workers.call("kv_block_bytes")[0]
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self._call("init_kv_cache", num_blocks)
+        self.workers.call("init_kv_cache", num_blocks)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        buf = bytearray((WorkerInputKind.EXECUTE,))
-        self._step_encoder.encode_into(scheduler_output, buf, 1)
-        pending = self._expect({0}, driver_only=True)
-        self._send(buf)
-        return pending.future
+        return self.workers.submit(scheduler_output)
 
     def shutdown(self) -> None:
-        if self._closing:
-            return
-        self._closing = True
-        if self._dead is None and self._procs and all(p.poll() is None for p in self._procs):
-            try:
-                self._ring.write(bytes((WorkerInputKind.SHUTDOWN,)), should_abort=self._any_worker_exited)
-            except RingAbortedError:
-                pass
-        for proc in self._procs:
-            stop_process(proc, timeout_s=5.0)
-        if self._reader.is_alive():
-            self._reader.join()  # it returns within a poll interval once the workers are gone
-        self._fail_all(EngineDeadError("the executor was shut down"))
-        self._ring.close()
-        self._reply.close(linger=0)
-        self._ctx.term()
-
-    # ------------------------------------------------------------------ internals
-
-    def _expect(self, ranks: set[int], driver_only: bool = False) -> _Pending:
-        pending = _Pending(ranks, driver_only)
-        with self._lock:
-            if self._dead is not None:
-                pending.fail(self._dead)
-            else:
-                for rank in ranks:
-                    self._pending[rank].append(pending)
-        return pending
-
-    def _send(self, data: bytes | bytearray) -> None:
-        if self._dead is not None:
-            return  # the pending entry has already failed
-        try:
-            self._ring.write(data, should_abort=lambda: self._dead is not None)
-        except RingAbortedError:
-            pass  # the reader thread fails the pending entries
-
-    def _call(self, method: str, arg: int | None = None) -> list:
-        pending = self._expect(set(range(self.world_size)))
-        self._send(bytes((WorkerInputKind.CALL,)) + msgspec.msgpack.encode(WorkerCall(method, arg)))
-        values = pending.future.result()
-        return [values[rank] for rank in range(self.world_size)]
-
-    def _any_worker_exited(self) -> bool:
-        return any(p.poll() is not None for p in self._procs)
-
-    def _read_replies(self) -> None:
-        """Runs until every worker has exited; fails everything if one exits unasked."""
-        while True:
-            if self._reply.poll(_POLL_MS):
-                self._handle(self._reply.recv_multipart(copy=False))
-                continue
-            exited = [(rank, p.returncode) for rank, p in enumerate(self._procs) if p.poll() is not None]
-            if not exited:
-                continue
-            if self._closing:
-                return
-            deadline = time.monotonic() + _LATE_MESSAGE_S
-            while self._reply.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                self._handle(self._reply.recv_multipart(copy=False))
-            rank, code = exited[0]
-            reason = self._worker_error or f"worker {rank} died unexpectedly (exit code {code})"
-            logger.error(reason)
-            self._fail_all(EngineDeadError(reason))
-            if self._on_failure is not None:
-                self._on_failure(reason)
-            return
-
-    def _handle(self, frames) -> None:
-        kind, rank = REPLY_HEAD.unpack(frames[0].bytes)
-        payload = frames[1].buffer
-        with self._lock:
-            pending = self._pending[rank].popleft() if self._pending[rank] else None
-        if kind == WorkerOutputKind.ERROR:
-            exc = exception_from_report(self._error_decoder.decode(payload), f"worker {rank}")
-            self._worker_error = f"worker {rank} failed: {type(exc).__name__}: {exc}"
-            if pending is not None:
-                pending.fail(exc)
-            return
-        if pending is None:
-            logger.warning("unexpected reply of kind %d from worker %d", kind, rank)
-            return
-        if kind == WorkerOutputKind.RESULT:
-            pending.deliver(rank, self._step_decoder.decode(payload))
-        elif kind == WorkerOutputKind.CALL_RESULT:
-            pending.deliver(rank, self._result_decoder.decode(payload).value)
-        elif kind == WorkerOutputKind.READY:
-            pending.deliver(rank, None)
-
-    def _fail_all(self, exc: EngineDeadError) -> None:
-        with self._lock:
-            if self._dead is None:
-                self._dead = exc
-            entries = [p for queue in self._pending for p in queue]
-            for queue in self._pending:
-                queue.clear()
-        for pending in entries:
-            pending.fail(exc)
-
+        self.workers.shutdown()

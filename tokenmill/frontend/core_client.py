@@ -53,11 +53,11 @@ class EngineCoreClient(ABC):
 
 
 def make_client(engine_args: EngineArgs, config: EngineConfig) -> EngineCoreClient:
-    return InprocClient(config) if engine_args.single_process else MPClient(engine_args)
+    return InprocClient(config) if engine_args.single_process else MPClient(engine_args, config)
 
 
 def make_async_client(engine_args: EngineArgs, config: EngineConfig) -> AsyncEngineCoreClient:
-    return AsyncInprocClient(config) if engine_args.single_process else AsyncMPClient(engine_args)
+    return AsyncInprocClient(config) if engine_args.single_process else AsyncMPClient(engine_args, config)
 
 
 # ---------------------------------------------------------------------------- in-process
@@ -115,8 +115,8 @@ def _utility_value(result: UtilityResult):
 
 
 class MPClient(EngineCoreClient):
-    def __init__(self, engine_args: EngineArgs) -> None:
-        self.core = CoreProcess(engine_args)
+    def __init__(self, engine_args: EngineArgs, config: EngineConfig) -> None:
+        self.core = CoreProcess(engine_args, config)
         self._codec = _Codec()
         self._outputs: deque[EngineCoreOutputs] = deque()  # arrived while waiting for a utility result
         self._results: dict[int, UtilityResult] = {}
@@ -238,8 +238,8 @@ class AsyncMPClient(AsyncEngineCoreClient):
     zmq.asyncio shadow of the output socket. Only `get_outputs` reads: utility results it
     meets are handed to the futures their callers await."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
-        self.core = CoreProcess(engine_args)
+    def __init__(self, engine_args: EngineArgs, config: EngineConfig) -> None:
+        self.core = CoreProcess(engine_args, config)
         self._codec = _Codec()
         self._output = zmq.asyncio.Socket.shadow(self.core.output.underlying)
         self._calls: dict[int, asyncio.Future] = {}

@@ -26,7 +26,8 @@ import msgspec
 import zmq
 
 from tokenmill.child_process import spawn_child, stop_process
-from tokenmill.config import EngineArgs
+from tokenmill.config import EngineArgs, EngineConfig
+from tokenmill.config_wire import config_to_wire
 from tokenmill.errors import EngineDeadError, exception_from_report
 from tokenmill.executor.shm_ring import SHM_DIR
 from tokenmill.protocol import CoreInputKind, CoreLaunch, CoreOutputKind, EngineCoreReady, ErrorReport
@@ -74,7 +75,8 @@ class _Resources:
 
 
 class CoreProcess:
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, config: EngineConfig) -> None:
+        """`config`: `engine_args` resolved (here, so bad arguments never reach a child)."""
         ctx = zmq.Context()
         res = _Resources(ctx, tempfile.mkdtemp(prefix="tokenmill-"))
         self._res = res
@@ -93,7 +95,8 @@ class CoreProcess:
             self.output.bind(output_addr)
             start = time.perf_counter()
             res.proc = spawn_child("tokenmill.core.engine_core_proc", CoreLaunch(
-                engine_args=dataclasses.asdict(engine_args), input_addr=input_addr, output_addr=output_addr,
+                engine_args=dataclasses.asdict(engine_args), engine_config=config_to_wire(config),
+                input_addr=input_addr, output_addr=output_addr,
                 run_dir=res.run_dir, parent_pid=os.getpid(),
                 log_level=logging.getLogger("tokenmill").getEffectiveLevel()))
             self.ready = self._wait_ready()
@@ -106,6 +109,11 @@ class CoreProcess:
     @property
     def pid(self) -> int:
         return self._res.proc.pid
+
+    @property
+    def run_dir(self) -> str:
+        """This engine's temp dir (ipc sockets); shared-memory segments are named after it."""
+        return self._res.run_dir
 
     def _wait_ready(self) -> EngineCoreReady:
         proc = self._res.proc

@@ -76,18 +76,23 @@ def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams, max_position: int) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates the first cos.shape[-1] dims of each head of x ([T, heads, head_dim]); the rest pass."""
+    """Rotates the first cos.shape[-1] dims of each head of x ([T, heads, head_dim]); the rest pass.
+
+    `x * cos + rotate_half(x) * sin`, written half by half into one new tensor (cos and sin
+    repeat over the two halves), so no rotated copy of x is built.
+    """
     rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((rot * cos + _rotate_half(rot) * sin, passthrough), dim=-1)
+    half = rotary_dim // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., :half], x[..., half:rotary_dim]
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    o1, o2 = out[..., :half], out[..., half:rotary_dim]
+    torch.mul(x1, c, out=o1).addcmul_(x2, s, value=-1)
+    torch.mul(x2, c, out=o2).addcmul_(x1, s)
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:] = x[..., rotary_dim:]
+    return out
 
 
 class RotaryEmbedding(nn.Module):

@@ -17,7 +17,7 @@ import zmq
 
 from tokenmill.child_process import die_with_parent
 from tokenmill.errors import error_report
-from tokenmill.executor.multiproc import REPLY_HEAD
+from tokenmill.executor.worker_group import REPLY_HEAD
 from tokenmill.executor.shm_ring import RingAbortedError, ShmRingReader
 from tokenmill.protocol import (SchedulerOutput, WorkerCall, WorkerCallResult, WorkerInputKind, WorkerLaunch,
                                 WorkerOutputKind)
@@ -53,6 +53,7 @@ class WorkerProc:
             config = msgspec.convert(self.launch.engine_args, EngineArgs).create_engine_config()
             worker = Worker(config)
             self.send(WorkerOutputKind.READY)
+            logger.debug("worker %d ready", self.rank)
             self._loop(worker)
             return 0
         except RingAbortedError:
@@ -103,4 +104,10 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv))
+    exit_code = main(sys.argv)
+    # Sockets are closed and the context terminated (messages delivered): skip the slow
+    # interpreter teardown (torch and friends) and exit at once.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

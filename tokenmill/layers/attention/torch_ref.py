@@ -1,21 +1,140 @@
-"""Pure-torch paged attention: the reference backend (CPU, tests, GPU fallback).
+"""Pure-torch paged attention: the reference backend (CPU, tests, GPU fallback), fast enough on CPU.
 
-Decodes (query length 1) are batched into one scaled_dot_product_attention call
-over K/V gathered through the block table and padded to the longest decode
-context. Prefill chunks (query length > 1) get one call each, over their own
-context, with a causal mask offset by the context already in the cache.
+Everything that depends only on the step's metadata (which rows are decodes,
+which are fresh prefills, gather indices, masks) is worked out once per step in
+a `_StepPlan` and shared by every layer; each layer then runs a handful of ops:
 
-GQA never copies K/V per query head: the query heads sharing a KV head are
-folded into the query-length axis, so each KV head is attended to once.
+- KV write: one `index_copy_` per K and V into the flat cache.
+- Fresh prefills (no cached context): straight from the new q/k/v, no cache
+  gather; sequences of equal length share one causal SDPA call ([B, H, L, D]).
+- Decodes (query length 1): one gather of their blocks into a buffer reused by
+  every layer, then one masked SDPA call over all of them.
+- Prefill chunks with cached context: one SDPA call each over their own
+  context, with a causal mask offset by the context.
+
+GQA never copies K/V per query head: decodes fold the query heads sharing a KV
+head into the query axis, prefills use SDPA's `enable_gqa`.
+Attention runs in the activation dtype (CPU and CUDA SDPA kernels accumulate
+half precision in float32).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
+
+
+@dataclass
+class _Chunk:
+    """A prefill chunk that attends to cached context too."""
+
+    seq: int
+    start: int
+    end: int
+    seq_len: int
+    num_blocks: int
+    mask: torch.Tensor  # bool [q_len, seq_len]
+
+
+@dataclass
+class _StepPlan:
+    num_tokens: int
+    slots: torch.Tensor  # int64 [num_tokens]: where each real token's K/V goes
+    valid_rows: torch.Tensor | None  # rows whose slot is not -1, when some are; None: all of [:num_tokens]
+    # Fresh prefills grouped by length: (q_len, first row, number of seqs) for runs that sit
+    # back to back in the flat batch, or (q_len, row index [B * q_len], B) otherwise.
+    fresh: list[tuple[int, int | torch.Tensor, int]] = field(default_factory=list)
+    all_fresh: bool = False  # one contiguous group covers every real token
+    decode_rows: torch.Tensor | None = None  # int64 [S]; None when there are no decodes
+    decode_contiguous: bool = False  # decode rows are exactly 0..S-1
+    decode_blocks: torch.Tensor | None = None  # int64 [S * nb]: block ids to gather, row-major
+    decode_mask: torch.Tensor | None = None  # bool [S, 1, 1, nb * block_size]
+    num_decodes: int = 0
+    chunks: list[_Chunk] = field(default_factory=list)
+    buffers: dict = field(default_factory=dict)  # gather buffers, shared by the step's layers
+
+
+# The plan of the step in flight: every layer sees the same metadata object.
+_last_plan: list = [None, 0, None]  # meta, block_size, plan
+
+
+def _plan_for(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+    if _last_plan[0] is meta and _last_plan[1] == block_size:
+        return _last_plan[2]
+    plan = _build_plan(meta, block_size)
+    _last_plan[:] = [meta, block_size, plan]
+    return plan
+
+
+def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+    device = meta.slot_mapping.device
+    qsl = meta.query_start_loc_cpu.tolist()
+    seq_lens = meta.seq_lens_cpu.tolist()
+    n = qsl[-1] if qsl else 0
+    slots = meta.slot_mapping[:n]
+    valid_rows = None
+    # On the host the check is free; on a GPU it would sync, so take the masked path there.
+    if device.type != "cpu" or bool((slots < 0).any()):
+        valid_rows = torch.nonzero(slots >= 0).squeeze(1)
+        slots = slots[valid_rows]
+    plan = _StepPlan(num_tokens=n, slots=slots, valid_rows=valid_rows)
+
+    decodes: list[int] = []
+    fresh_by_len: dict[int, list[int]] = {}
+    for i in range(len(seq_lens)):
+        q_len = qsl[i + 1] - qsl[i]
+        if q_len == 0:
+            continue
+        if q_len == 1:
+            decodes.append(i)
+        elif seq_lens[i] == q_len:
+            fresh_by_len.setdefault(q_len, []).append(i)
+        else:
+            seq_len = seq_lens[i]
+            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(seq_len - q_len)
+            plan.chunks.append(_Chunk(i, qsl[i], qsl[i + 1], seq_len, -(-seq_len // block_size), mask))
+
+    for q_len, seqs in fresh_by_len.items():
+        # Split into runs of sequences whose rows are back to back.
+        run_start = 0
+        for j in range(1, len(seqs) + 1):
+            if j == len(seqs) or qsl[seqs[j]] != qsl[seqs[j - 1]] + q_len:
+                run = seqs[run_start:j]
+                plan.fresh.append((q_len, qsl[run[0]], len(run)))
+                run_start = j
+    if len(plan.fresh) > 2:
+        # Many runs of one length (fresh prefills interleaved with other rows): gather them instead.
+        merged: dict[int, list[tuple[int, int]]] = {}
+        for q_len, first, count in plan.fresh:
+            merged.setdefault(q_len, []).append((first, count))
+        plan.fresh = []
+        for q_len, runs in merged.items():
+            if len(runs) == 1:
+                plan.fresh.append((q_len, runs[0][0], runs[0][1]))
+                continue
+            rows = torch.cat([torch.arange(f, f + c * q_len) for f, c in runs]).to(device)
+            plan.fresh.append((q_len, rows, sum(c for _, c in runs)))
+    plan.all_fresh = (len(plan.fresh) == 1 and isinstance(plan.fresh[0][1], int)
+                      and plan.fresh[0][1] == 0 and plan.fresh[0][0] * plan.fresh[0][2] == n)
+
+    if decodes:
+        s = len(decodes)
+        plan.num_decodes = s
+        rows = [qsl[i] for i in decodes]
+        plan.decode_contiguous = rows == list(range(s))
+        plan.decode_rows = torch.tensor(rows, dtype=torch.int64).to(device)
+        max_len = max(seq_lens[i] for i in decodes)
+        nb = -(-max_len // block_size)
+        seq_idx = torch.tensor(decodes, dtype=torch.int64).to(device)
+        plan.decode_blocks = meta.block_table[seq_idx, :nb].reshape(-1).long()
+        keys = torch.arange(nb * block_size, device=device)
+        plan.decode_mask = (keys[None, :] < meta.seq_lens[seq_idx, None]).view(s, 1, 1, nb * block_size)
+    return plan
 
 
 class TorchRefAttentionBackend(AttentionBackend):
@@ -27,70 +146,78 @@ class TorchRefAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        m = meta.slot_mapping.shape[0]  # num_tokens, or more when padded with -1 slots
-        write_kv(kv_cache, k[:m], v[:m], meta.slot_mapping)
+        block_size = kv_cache.shape[2]
+        plan = _plan_for(meta, block_size)
+        n = plan.num_tokens
+        _write(kv_cache, k, v, plan)
+        if plan.all_fresh and q.shape[0] == n:
+            q_len, _, count = plan.fresh[0]
+            o = self._fresh(q, k, v, 0, q_len, count)
+            return o.transpose(1, 2).reshape(n, self.num_heads, self.head_dim)
         # Rows past the last sequence (padding for a fixed batch shape) stay zero.
-        out = torch.zeros_like(q)
-        qsl = meta.query_start_loc_cpu.tolist()
-        seq_lens = meta.seq_lens_cpu.tolist()
-        decodes = [i for i in range(meta.num_seqs) if qsl[i + 1] - qsl[i] == 1]
-        if decodes:
-            self._decode(q, kv_cache, meta, out, decodes, qsl, seq_lens)
-        for i in range(meta.num_seqs):
-            start, end = qsl[i], qsl[i + 1]
-            if end - start > 1:
-                out[start:end] = self._prefill(q[start:end], kv_cache, meta.block_table[i], seq_lens[i])
+        out = q.new_zeros(q.shape) if q.shape[0] > n else q.new_empty(q.shape)
+        for q_len, first, count in plan.fresh:
+            if isinstance(first, int):
+                o = self._fresh(q, k, v, first, q_len, count)
+                out[first:first + q_len * count].view(count, q_len, self.num_heads, self.head_dim).copy_(
+                    o.transpose(1, 2))
+            else:
+                o = self._fresh(q[first], k[first], v[first], 0, q_len, count)
+                out[first] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
+        if plan.num_decodes:
+            self._decode(q, kv_cache, plan, out)
+        for c in plan.chunks:
+            out[c.start:c.end] = self._chunk(q[c.start:c.end], kv_cache, meta.block_table[c.seq], c)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor,
-                decodes: list[int], qsl: list[int], seq_lens: list[int]) -> None:
-        block_size = kv_cache.shape[2]
-        device = q.device
-        seq_ids = torch.tensor(decodes, device=device)
-        rows = torch.tensor([qsl[i] for i in decodes], device=device)
-        max_len = max(seq_lens[i] for i in decodes)
-        num_blocks = -(-max_len // block_size)
-        # [2, S, nb, bs, Hkv, D] -> [2, S, Hkv, L, D]
-        kv = kv_cache[:, meta.block_table[seq_ids, :num_blocks].long()]
-        kv = kv.flatten(2, 3).transpose(2, 3)
-        keys = torch.arange(kv.shape[3], device=device)
-        mask = keys[None, :] < meta.seq_lens[seq_ids, None]  # [S, L]
-        cdt = _compute_dtype(q)
-        qd = q[rows].view(len(decodes), self.num_kv_heads, self.group, self.head_dim)
-        o = F.scaled_dot_product_attention(qd.to(cdt), kv[0].to(cdt), kv[1].to(cdt),
-                                           attn_mask=mask[:, None, None, :], scale=self.scale)
-        out[rows] = o.reshape(len(decodes), self.num_heads, self.head_dim).to(out.dtype)
+    def _fresh(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, q_len: int,
+               count: int) -> torch.Tensor:
+        """`count` prefills of `q_len` tokens with no context, from row `first`: [B, H, L, D]."""
+        end = first + q_len * count
+        qb = q[first:end].view(count, q_len, self.num_heads, self.head_dim).transpose(1, 2)
+        kb = k[first:end].view(count, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        vb = v[first:end].view(count, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale,
+                                              enable_gqa=self.group > 1)
 
-    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor,
-                 seq_len: int) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, out: torch.Tensor) -> None:
+        s = plan.num_decodes
         block_size = kv_cache.shape[2]
+        blocks = plan.decode_blocks
+        key = (kv_cache.dtype, kv_cache.shape[2:])
+        buf = plan.buffers.get(key)
+        if buf is None:
+            buf = kv_cache.new_empty((2, blocks.shape[0]) + tuple(kv_cache.shape[2:]))
+            plan.buffers[key] = buf
+        torch.index_select(kv_cache, 1, blocks, out=buf)
+        # [2, S * nb, bs, Hkv, D] -> [2, S, Hkv, L, D]
+        kv = buf.view(2, s, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        qd = q[:s] if plan.decode_contiguous else q[plan.decode_rows]
+        qd = qd.view(s, self.num_kv_heads, self.group, self.head_dim)
+        o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=plan.decode_mask, scale=self.scale)
+        o = o.reshape(s, self.num_heads, self.head_dim)
+        if plan.decode_contiguous:
+            out[:s] = o
+        else:
+            out[plan.decode_rows] = o
+
+    def _chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, c: _Chunk) -> torch.Tensor:
         q_len = q.shape[0]
-        num_blocks = -(-seq_len // block_size)
         # [2, nb, bs, Hkv, D] -> [2, Hkv, seq_len, D]
-        kv = kv_cache[:, block_ids[:num_blocks].long()].flatten(1, 2)[:, :seq_len].transpose(1, 2)
-        # Query j sits at position seq_len - q_len + j and sees keys at positions <= its own.
-        mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(seq_len - q_len)
-        # [q_len, H, D] -> [Hkv, G * q_len, D], row g * q_len + j
-        qh = q.view(q_len, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
-        qh = qh.reshape(self.num_kv_heads, self.group * q_len, self.head_dim)
-        cdt = _compute_dtype(q)
-        o = F.scaled_dot_product_attention(qh.to(cdt), kv[0].to(cdt), kv[1].to(cdt),
-                                           attn_mask=mask.repeat(self.group, 1), scale=self.scale)
-        o = o.view(self.num_kv_heads, self.group, q_len, self.head_dim).permute(2, 0, 1, 3)
-        return o.reshape(q_len, self.num_heads, self.head_dim).to(q.dtype)
+        kv = kv_cache[:, block_ids[:c.num_blocks].long()].flatten(1, 2)[:, :c.seq_len].transpose(1, 2)
+        qh = q.transpose(0, 1)  # [H, q_len, D]
+        o = F.scaled_dot_product_attention(qh[None], kv[0][None], kv[1][None], attn_mask=c.mask,
+                                           scale=self.scale, enable_gqa=self.group > 1)
+        return o[0].transpose(0, 1)
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v ([T, Hkv, D]) at flat cache slots; slots equal to -1 are skipped."""
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
+def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _StepPlan) -> None:
     flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
-    flat[0, slots] = k[valid].to(kv_cache.dtype)
-    flat[1, slots] = v[valid].to(kv_cache.dtype)
+    n = plan.num_tokens
+    if plan.valid_rows is None:
+        k, v = k[:n], v[:n]
+    else:
+        k, v = k[plan.valid_rows], v[plan.valid_rows]
+    flat[0].index_copy_(0, plan.slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, plan.slots, v.to(kv_cache.dtype))
 
-
-def _compute_dtype(q: torch.Tensor) -> torch.dtype:
-    # CUDA kernels already accumulate half precision in float32; on CPU, upcast.
-    if q.device.type == "cpu" and q.dtype in (torch.float16, torch.bfloat16):
-        return torch.float32
-    return q.dtype

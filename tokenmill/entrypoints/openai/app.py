@@ -1,0 +1,112 @@
+"""The FastAPI app: routes, error handlers and the request guard, around one AsyncLLM."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Union
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import tokenmill
+from tokenmill.entrypoints.openai import serving_chat, serving_completions
+from tokenmill.entrypoints.openai.admission import Admission
+from tokenmill.entrypoints.openai.args import ServerSettings
+from tokenmill.entrypoints.openai.chat_template import render_chat
+from tokenmill.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.entrypoints.openai.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+                                                  TokenizeChatRequest, TokenizeCompletionRequest,
+                                                  TokenizeResponse)
+from tokenmill.entrypoints.openai.security import GuardMiddleware
+from tokenmill.entrypoints.openai.state import ServerState, get_state
+from tokenmill.errors import EngineDeadError
+from tokenmill.frontend.async_llm import AsyncLLM
+
+_STATS_TIMEOUT_S = 10.0
+
+
+def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
+    config = engine.config
+    capacity = config.scheduler.max_num_seqs + settings.max_queued_requests
+    state = ServerState(engine=engine, settings=settings, admission=Admission(capacity),
+                        metrics=ServerMetrics(config.model.name), model_name=config.model.name,
+                        max_model_len=config.scheduler.max_model_len)
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__,
+                  description="OpenAI-compatible API of the tokenmill inference engine")
+    app.state.tokenmill = state
+    install_error_handlers(app)
+    app.include_router(serving_completions.router)
+    app.include_router(serving_chat.router)
+    _add_routes(app, settings.enable_debug_routes)
+    app.add_middleware(GuardMiddleware, settings=settings)
+    return app
+
+
+def _add_routes(app: FastAPI, debug: bool) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        state = get_state(request)
+        if state.admission.draining:
+            return error_response(503, "the server is shutting down", code="shutting_down")
+        try:
+            await asyncio.wait_for(state.engine.scheduler_stats(), _STATS_TIMEOUT_S)
+        except (EngineDeadError, asyncio.TimeoutError):
+            return error_response(503, "the engine is not running", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": tokenmill.__version__}
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models(request: Request) -> ModelList:
+        state = get_state(request)
+        card = ModelCard(id=state.model_name, created=state.started, root=state.engine.config.model.path,
+                         max_model_len=state.max_model_len)
+        return ModelList(data=[card])
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state = get_state(request)
+        try:
+            stats = await asyncio.wait_for(state.engine.scheduler_stats(), _STATS_TIMEOUT_S)
+            state.metrics.update_engine(stats)
+        except (EngineDeadError, asyncio.TimeoutError):
+            pass  # the front-end figures are still worth serving
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: Union[TokenizeCompletionRequest, TokenizeChatRequest], request: Request) -> dict:
+        state = get_state(request)
+        state.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            if len(body.messages) > state.settings.max_messages:
+                raise APIError(400, f"messages may hold at most {state.settings.max_messages} messages",
+                               param="messages")
+            _, ids = render_chat(state.tokenizer, body.messages, body.add_generation_prompt,
+                                 body.continue_final_message, body.chat_template_kwargs)
+        else:
+            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+        state = get_state(request)
+        state.check_model(body.model)
+        vocab = state.engine.config.model.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is out of range [0, {vocab})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    if debug:
+        @app.get("/debug/engine")
+        async def debug_engine(request: Request) -> JSONResponse:
+            """Engine request and KV block counts (for leak checks); only with --enable-debug-routes."""
+            state = get_state(request)
+            kv = await asyncio.wait_for(state.engine.kv_cache_stats(), _STATS_TIMEOUT_S)
+            sched = await asyncio.wait_for(state.engine.scheduler_stats(), _STATS_TIMEOUT_S)
+            return JSONResponse({"kv_cache": kv, "scheduler": sched,
+                                 "admitted_sequences": state.admission.num_seqs})

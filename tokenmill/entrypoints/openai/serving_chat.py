@@ -1,0 +1,64 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, then generated."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tokenmill.entrypoints.openai.chat_template import render_chat
+from tokenmill.entrypoints.openai.generation import ChoiceDelta, Generation
+from tokenmill.entrypoints.openai.limits import check_chat_request, sampling_params
+from tokenmill.entrypoints.openai.logprobs import chat_logprobs
+from tokenmill.entrypoints.openai.schemas import ChatCompletionRequest, ChatCompletionResponse, ErrorResponse
+from tokenmill.entrypoints.openai.serving_common import new_id, now_s, prepare_prompt, run_to_end, stream, usage
+from tokenmill.entrypoints.openai.state import get_state
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+             responses={400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
+                        503: {"model": ErrorResponse}})
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    state.check_model(body.model)
+    check_chat_request(body, state.settings, state.max_logprobs)
+    text, ids = render_chat(state.tokenizer, body.messages, body.add_generation_prompt,
+                            body.continue_final_message, body.chat_template_kwargs)
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    prompt = prepare_prompt(state, text, ids, requested, lambda m: sampling_params(body, m, k), "messages")
+    request_id, created = new_id("chatcmpl"), now_s()
+    gen = Generation(state.engine, request_id, [prompt], body.n, state.metrics)
+    head = {"id": request_id, "created": created, "model": state.model_name}
+
+    if not body.stream:
+        def render() -> dict:
+            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": {"content": chat_logprobs(c.logprobs, k)} if k is not None else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in gen.choices]
+            return {**head, "object": "chat.completion", "choices": choices, "usage": usage(gen)}
+        return await run_to_end(request, state, gen, render)
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    chunk_head = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if include_usage else {}
+    prelude = [{**chunk_head, "choices": [{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}], **extra}
+               for c in gen.choices]
+
+    def render_step(deltas: list[ChoiceDelta]) -> list[dict]:
+        choices = []
+        for d in deltas:
+            if not d.text and not d.logprobs and d.finish_reason is None:
+                continue
+            choices.append({"index": d.choice.index, "delta": {"content": d.text} if d.text else {},
+                            "logprobs": {"content": chat_logprobs(d.logprobs, k)} if k is not None else None,
+                            "finish_reason": d.finish_reason,
+                            "stop_reason": d.choice.stop_reason if d.finish_reason else None})
+        return [{**chunk_head, "choices": choices, **extra}] if choices else []
+
+    def render_usage() -> dict:
+        return {**chunk_head, "choices": [], "usage": usage(gen)}
+
+    return stream(state, gen, render_step, render_usage if include_usage else None, prelude)

@@ -1,0 +1,119 @@
+"""POST /v1/completions: text (or token-id) prompts, streamed as SSE or answered whole."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.entrypoints.openai.generation import ChoiceDelta, Generation, PromptInput
+from tokenmill.entrypoints.openai.limits import check_completion_request, sampling_params
+from tokenmill.entrypoints.openai.logprobs import completion_logprobs
+from tokenmill.entrypoints.openai.schemas import CompletionRequest, CompletionResponse, ErrorResponse
+from tokenmill.entrypoints.openai.serving_common import new_id, now_s, prepare_prompt, run_to_end, stream, usage
+from tokenmill.entrypoints.openai.state import ServerState, get_state
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=CompletionResponse,
+             responses={400: {"model": ErrorResponse}, 401: {"model": ErrorResponse},
+                        503: {"model": ErrorResponse}})
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    state.check_model(body.model)
+    check_completion_request(body, state.settings, state.max_logprobs)
+    texts_and_ids = _prompts(state, body)
+    logprobs = body.logprobs
+    prompt_logprobs = logprobs if body.echo and logprobs is not None else None
+    prompts = [prepare_prompt(state, text, ids, body.max_tokens,
+                              lambda m: sampling_params(body, m, logprobs, prompt_logprobs), "prompt")
+               for text, ids in texts_and_ids]
+    request_id, created = new_id("cmpl"), now_s()
+    gen = Generation(state.engine, request_id, prompts, body.n, state.metrics)
+    head = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name}
+
+    if not body.stream:
+        def render() -> dict:
+            return {**head, "choices": [_final_choice(state, gen, c.index, body) for c in gen.choices],
+                    "usage": usage(gen)}
+        return await run_to_end(request, state, gen, render)
+
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    echoed: set[int] = set()
+
+    def render_step(deltas: list[ChoiceDelta]) -> list[dict]:
+        choices = []
+        for d in deltas:
+            text = d.text
+            if body.echo and d.choice.index not in echoed:
+                echoed.add(d.choice.index)
+                text = _prompt_text(state, prompts[d.choice.prompt]) + text
+            lp = completion_logprobs(d.logprobs, logprobs) if logprobs is not None else None
+            choices.append({"index": d.choice.index, "text": text, "logprobs": lp, "finish_reason": d.finish_reason,
+                            "stop_reason": d.choice.stop_reason if d.finish_reason else None})
+        return [{**head, "choices": choices, **({"usage": None} if include_usage else {})}]
+
+    def render_usage() -> dict:
+        return {**head, "choices": [], "usage": usage(gen)}
+
+    return stream(state, gen, render_step, render_usage if include_usage else None)
+
+
+def _prompts(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    p = body.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif not p:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    elif all(isinstance(x, int) for x in p):
+        items = [list(p)]
+    else:
+        items = list(p)
+    if len(items) > state.settings.max_prompts:
+        raise APIError(400, f"prompt may hold at most {state.settings.max_prompts} prompts, got {len(items)}",
+                       param="prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, state.tokenizer(item).input_ids))
+        else:
+            out.append((None, list(item)))
+    return out
+
+
+def _prompt_text(state: ServerState, prompt: PromptInput) -> str:
+    if prompt.text is None:
+        prompt.text = state.tokenizer.decode(prompt.token_ids)
+    return prompt.text
+
+
+def _final_choice(state: ServerState, gen: Generation, index: int, body: CompletionRequest) -> dict:
+    choice = gen.choices[index]
+    prompt = gen.prompts[choice.prompt]
+    text = choice.text
+    lp = None
+    if body.logprobs is not None:
+        lp = completion_logprobs(choice.logprobs, body.logprobs)
+    if body.echo:
+        prefix = _prompt_text(state, prompt)
+        text = prefix + text
+        if lp is not None:
+            lp = _with_prompt_logprobs(state, gen, choice.prompt, body.logprobs, lp)
+    return {"index": index, "text": text, "logprobs": lp, "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason}
+
+
+def _with_prompt_logprobs(state: ServerState, gen: Generation, prompt_index: int, k: int, generated: dict) -> dict:
+    rows = gen.prompt_logprobs[prompt_index] or [None]
+    prompt = gen.prompts[prompt_index]
+    head = completion_logprobs(rows, k)
+    if prompt.token_ids:  # the first prompt token has no logprob, but it has a text
+        first = state.tokenizer.decode(prompt.token_ids[:1])
+        head["tokens"][0] = first
+        head["text_offset"] = [0] + [o + len(first) for o in head["text_offset"][1:]]
+    shift = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
+    return {"tokens": head["tokens"] + generated["tokens"],
+            "token_logprobs": head["token_logprobs"] + generated["token_logprobs"],
+            "top_logprobs": head["top_logprobs"] + generated["top_logprobs"],
+            "text_offset": head["text_offset"] + [o + shift for o in generated["text_offset"]]}

@@ -1,0 +1,42 @@
+"""What the app's routes share, hung off `app.state.tokenmill` (no module globals)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from starlette.requests import Request
+
+from tokenmill.entrypoints.openai.admission import Admission
+from tokenmill.entrypoints.openai.args import ServerSettings
+from tokenmill.entrypoints.openai.errors import APIError
+from tokenmill.entrypoints.openai.metrics import ServerMetrics
+from tokenmill.frontend.async_llm import AsyncLLM
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLM
+    settings: ServerSettings
+    admission: Admission
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_logprobs(self) -> int:
+        return self.engine.config.max_logprobs
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model[:200]}` does not exist.", param="model",
+                           code="model_not_found")
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.tokenmill
