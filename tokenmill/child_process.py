@@ -30,11 +30,17 @@ def spawn_child(module: str, launch: msgspec.Struct) -> subprocess.Popen:
     return subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, close_fds=True)
 
 
-def die_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
-    """SIGKILL this process when its parent dies: prctl(PR_SET_PDEATHSIG) on Linux, plus a
-    watchdog thread on the parent pid (for other platforms, and for the race where the
-    parent died before prctl took effect)."""
-    if sys.platform.startswith("linux"):
+def spawned_by_main_thread() -> bool:
+    """PR_SET_PDEATHSIG fires when the parent *thread* exits: only safe for children that the
+    main thread starts. Others rely on the watchdog alone."""
+    return threading.current_thread() is threading.main_thread()
+
+
+def die_with_parent(parent_pid: int, death_signal: bool = True, poll_s: float = 0.5) -> None:
+    """SIGKILL this process when its parent dies: prctl(PR_SET_PDEATHSIG) on Linux (when
+    `death_signal`), plus a watchdog thread on the parent pid (for other platforms, for
+    children of other threads, and for the race where the parent died before prctl)."""
+    if death_signal and sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:

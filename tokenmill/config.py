@@ -88,6 +88,7 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         from tokenmill.model.default_model import resolve_model_path
         from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
+        from tokenmill.model.registry import get_model_class
 
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
                f"must be a power of two in [1, 128], got {self.block_size}")
@@ -104,6 +105,7 @@ class EngineArgs:
 
         path = resolve_model_path(self.model)
         hf_config = load_hf_config(path)
+        get_model_class(hf_config)  # unsupported architectures fail here, before any process starts
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         derived_len = _max_position_embeddings(hf_config)

@@ -238,6 +238,7 @@ class CoreLaunch(msgspec.Struct, omit_defaults=True):
     run_dir: str  # per-engine temp dir for ipc sockets; names the shm segments too
     parent_pid: int
     log_level: int = 30
+    death_signal: bool = True  # prctl(PR_SET_PDEATHSIG): only when spawned by the main thread
 
 
 class WorkerLaunch(msgspec.Struct, omit_defaults=True):
@@ -251,3 +252,4 @@ class WorkerLaunch(msgspec.Struct, omit_defaults=True):
     reply_addr: str  # the core's PULL socket for replies
     parent_pid: int
     log_level: int = 30
+    death_signal: bool = True

@@ -1,4 +1,4 @@
-"""Startup failures, engine deaths, a dying parent, clean shutdown, two engines at once, no pickle."""
+"""Startup failures, engine deaths, a dying parent, no pickle."""
 
 from __future__ import annotations
 
@@ -79,25 +79,6 @@ def test_killed_worker_fails_generate_with_engine_dead_error(tiny_model) -> None
 
 def test_killed_core_fails_generate_with_engine_dead_error(tiny_model) -> None:
     _generate_until_killed(tiny_model, "core")
-
-
-def test_two_engines_at_once_then_clean_shutdown(tiny_model) -> None:
-    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    with LLM(tiny_model, **ENGINE) as first, LLM(tiny_model, **ENGINE) as second:
-        dirs = {first.client.core.run_dir, second.client.core.run_dir}
-        assert len(dirs) == 2
-        pids = set()
-        for llm in (first, second):
-            core, workers = engine_pids(llm)
-            pids |= {core, *workers}
-        assert len(pids) == 4
-        a = first.generate(["same prompt"], params, use_tqdm=False)
-        b = second.generate(["same prompt"], params, use_tqdm=False)
-        assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
-    assert not wait_gone(pids, 2.0)
-    assert not [p for d in dirs for p in leftovers(d)]
-    with pytest.raises(EngineDeadError):
-        first.generate(["after shutdown"], params, use_tqdm=False)
 
 
 def test_killed_parent_takes_the_engine_down_and_nothing_pickles(tiny_model) -> None:

@@ -243,8 +243,6 @@ def test_cli_bad_flag_value(tiny_model_dir, case):
     assert "Traceback" not in err and not out
 
 
-@pytest.mark.xfail(strict=True, reason="bug: `tokenmill generate` builds the whole engine (model load, worker "
-                   "processes) before it validates the sampling flags")
 @pytest.mark.parametrize("case", ["max-tokens", "temperature", "top-p"])
 def test_cli_bad_sampling_flag_fails_before_loading(tiny_model_dir, monkeypatch, case):
     import tokenmill.entrypoints.llm as llm_module

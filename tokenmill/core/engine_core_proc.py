@@ -71,7 +71,7 @@ class EngineCoreProc:
             config = config_from_wire(self.launch.engine_config)
             self.engine = EngineCore(config, functools.partial(MultiprocExecutor, workers=workers))
         except BaseException as exc:
-            logger.exception("engine core failed to start")
+            logger.error("engine core failed to start: %s: %s", type(exc).__name__, exc)
             if workers is not None:
                 workers.shutdown()
             self._send(CoreOutputKind.ERROR, error_report(exc))
@@ -178,7 +178,7 @@ class EngineCoreProc:
 
 def main(argv: list[str]) -> int:
     launch = msgspec.json.decode(argv[1], type=CoreLaunch)
-    die_with_parent(launch.parent_pid)
+    die_with_parent(launch.parent_pid, launch.death_signal)
     logging.basicConfig(level=launch.log_level, format="%(asctime)s %(levelname)s core %(name)s: %(message)s")
     ctx = zmq.Context()
     proc = EngineCoreProc(launch, ctx)

@@ -30,9 +30,10 @@ def _run_generate(ns) -> int:
     from tokenmill.sampling_params import SamplingParams
 
     args = engine_args_from_flags(ns, ns.model)
-    llm = LLM(**dataclasses.asdict(args))
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.sampling_seed)
+    params.validate(max_logprobs=args.max_logprobs)  # bad flags fail before the model loads
+    llm = LLM(**dataclasses.asdict(args))
     if ns.chat:
         out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
     else:

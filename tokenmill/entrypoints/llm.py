@@ -21,7 +21,6 @@ from tokenmill.config import EngineArgs
 from tokenmill.frontend.core_client import EngineCoreClient, InprocClient, make_client
 from tokenmill.frontend.input_processor import InputProcessor, Prompt
 from tokenmill.frontend.output_processor import OutputProcessor
-from tokenmill.model.registry import get_model_class
 from tokenmill.model.tokenizer import load_tokenizer
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -38,7 +37,6 @@ class LLM:
         # Resolved here too, so bad arguments fail before any process starts.
         self.config = self.engine_args.create_engine_config()
         # An unsupported architecture is named here, not as an AttributeError deep in the worker.
-        get_model_class(self.config.model.hf_config)
         self.tokenizer = load_tokenizer(self.config.model.path)
         self.client: EngineCoreClient = make_client(self.engine_args, self.config)
         self.input_processor = InputProcessor(self.config, self.tokenizer)

@@ -22,7 +22,7 @@ from concurrent.futures import Future
 import msgspec
 import zmq
 
-from tokenmill.child_process import spawn_child, stop_process
+from tokenmill.child_process import spawn_child, spawned_by_main_thread, stop_process
 from tokenmill.errors import EngineDeadError, exception_from_report
 from tokenmill.executor.shm_ring import RingAbortedError, ShmRingWriter
 from tokenmill.protocol import (ErrorReport, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerCallResult,
@@ -89,7 +89,8 @@ class WorkerGroup:
                 self._procs.append(spawn_child("tokenmill.worker.worker_proc", WorkerLaunch(
                     engine_args=engine_args, rank=rank, world_size=self.world_size, ring_name=ring_name,
                     overflow_addr=overflow[rank], reply_addr=reply_addr, parent_pid=os.getpid(),
-                    log_level=logging.getLogger("tokenmill").getEffectiveLevel())))
+                    log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
+                    death_signal=spawned_by_main_thread())))
             self._reader.start()
         except BaseException:
             self.shutdown()

@@ -25,7 +25,7 @@ import weakref
 import msgspec
 import zmq
 
-from tokenmill.child_process import spawn_child, stop_process
+from tokenmill.child_process import spawn_child, spawned_by_main_thread, stop_process
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.config_wire import config_to_wire
 from tokenmill.errors import EngineDeadError, exception_from_report
@@ -98,7 +98,8 @@ class CoreProcess:
                 engine_args=dataclasses.asdict(engine_args), engine_config=config_to_wire(config),
                 input_addr=input_addr, output_addr=output_addr,
                 run_dir=res.run_dir, parent_pid=os.getpid(),
-                log_level=logging.getLogger("tokenmill").getEffectiveLevel()))
+                log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
+                death_signal=spawned_by_main_thread()))
             self.ready = self._wait_ready()
             logger.info("engine core ready in %.1f s (pid %d)", time.perf_counter() - start, res.proc.pid)
         except BaseException:

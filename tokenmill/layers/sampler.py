@@ -31,6 +31,10 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if (meta.all_greedy and meta.max_num_logprobs is None and meta.logit_bias is None
+                and meta.min_tokens_mask is None and meta.penalties is None):
+            # Plain greedy: argmax of the raw logits, no float32 copy (the order is the same).
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         raw = logits
         # Float32 copy: the caller's logits stay untouched, and the raw ones feed logprobs.
         logits = logits.to(torch.float32, copy=True)

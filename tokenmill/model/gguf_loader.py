@@ -72,7 +72,9 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
         try:
             arr = gguf.quants.dequantize(tensor.data, qtype)
         except NotImplementedError:
-            raise ValueError(f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}") from None
+            raise ValueError(
+                f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}; supported: F32, F16, BF16, "
+                f"Q8_0, Q4_0, Q4_1 and the other types the gguf package can dequantize") from None
     arr = np.asarray(arr, dtype=np.float32).reshape(shape)
     return arr if arr.flags.writeable else arr.copy()  # F32 comes back as a read-only memmap view
 

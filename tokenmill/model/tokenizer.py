@@ -24,4 +24,9 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
 
 
 def _convert_gguf(path: str) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path))
+    try:
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                             gguf_file=os.path.basename(path))
+    except KeyError as exc:  # transformers reads tokenizer.ggml.* fields without checking
+        raise ValueError(f"model {path!r}: the GGUF file has no usable tokenizer "
+                         f"(missing tokenizer.ggml metadata field {exc.args[0]!r})") from None

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.cpu_threads import StepThreads
 from tokenmill.layers.attention.backend import kv_cache_shape
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
@@ -164,6 +165,8 @@ class ModelRunner:
             self.states[handle].block_ids.extend(unpack_ids(blocks))
 
     def _prepare(self, so: SchedulerOutput):
+        if self.device.type == "cpu":
+            self._cpu_step_threads().apply(sum(so.num_scheduled_tokens))
         bs = self.block_size
         input_ids: list[int] = []
         position_chunks, slot_chunks = [], []
@@ -191,6 +194,13 @@ class ModelRunner:
         ids = torch.as_tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.from_numpy(positions).to(self.device, non_blocking=True)
         return ids, pos, meta, sampling_rows, sample_states
+
+    def _cpu_step_threads(self) -> StepThreads:
+        """Per-step CPU thread count (see tokenmill/cpu_threads.py); made on first use."""
+        threads = getattr(self, "_step_threads", None)
+        if threads is None:
+            threads = self._step_threads = StepThreads(self.dtype)
+        return threads
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int], block_rows: list[list[int]],
                   slot_mapping: np.ndarray) -> AttentionMetadata:

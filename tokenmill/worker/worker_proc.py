@@ -94,7 +94,7 @@ class WorkerProc:
 
 def main(argv: list[str]) -> int:
     launch = msgspec.json.decode(argv[1], type=WorkerLaunch)
-    die_with_parent(launch.parent_pid)
+    die_with_parent(launch.parent_pid, launch.death_signal)
     logging.basicConfig(level=launch.log_level,
                         format=f"%(asctime)s %(levelname)s worker{launch.rank} %(name)s: %(message)s")
     ctx = zmq.Context()
