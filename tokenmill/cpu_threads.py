@@ -4,17 +4,16 @@ torch's CPU kernels run each op as an OpenMP parallel region that ends at a
 barrier. On an idle machine that is cheap, but when other processes share the
 cores a region waits for a descheduled thread a whole scheduler time slice:
 decode-sized ops (a few hundred per step, 0.05-2 ms each) then take ~5 ms
-each, and a step gets 10x slower than on one thread. Big ops (prefill
-matmuls) hardly notice.
+each, and a step gets up to 10x slower than on one thread.
 
 Two defences:
 - `set_openmp_defaults`: idle OpenMP threads sleep instead of spinning, so
   they do not steal the cores from the thread doing the work (a default only:
   a value the user set wins; it must run before torch loads libgomp, which is
   why `tokenmill/__init__.py` calls it first).
-- `StepThreads`: big steps use every core; small steps use every core only
-  while a periodic probe (two decode-sized matmuls on 1 thread, then on all)
-  shows that the parallel run really is faster right now.
+- `StepThreads`: steps use every core only while a periodic probe (two
+  decode-sized matmuls on 1 thread, then on all) shows that the parallel run
+  really is faster right now, else one thread.
 """
 
 from __future__ import annotations
@@ -28,32 +27,32 @@ def set_openmp_defaults() -> None:
 
 
 class StepThreads:
-    """Chooses torch's intra-op thread count per step from the step's token count."""
+    """Chooses torch's intra-op thread count before each step.
 
-    SMALL_STEP_TOKENS = 512  # at most this many tokens: decode-sized ops
+    Every core while a periodic probe (a decode-sized matmul pair, timed on one
+    thread and on all) shows that running in parallel pays right now; one
+    thread while other processes keep the cores busy enough that it does not.
+    """
+
     PROBE_INTERVAL_S = 2.0
-    SPEEDUP_NEEDED = 0.75  # parallel probe must take at most this fraction of the serial one
+    SPEEDUP_NEEDED = 0.8  # the parallel probe must take at most this fraction of the serial one
 
     def __init__(self, dtype, max_threads: int | None = None) -> None:
         import torch
         self._torch = torch
         self.max_threads = max_threads or torch.get_num_threads()
-        self.small_threads = self.max_threads
+        self.threads = self.max_threads
         self._current = torch.get_num_threads()
         self._next_probe = 0.0
         self._x = torch.randn(64, 576).to(dtype)
         self._w = torch.randn(1536, 576).to(dtype)
 
-    def apply(self, num_tokens: int) -> int:
-        threads = self.max_threads
-        if self.max_threads > 1 and num_tokens <= self.SMALL_STEP_TOKENS:
-            now = time.monotonic()
-            if now >= self._next_probe:
-                self.small_threads = self._probe()
-                self._next_probe = time.monotonic() + self.PROBE_INTERVAL_S
-            threads = self.small_threads
-        self._set(threads)
-        return threads
+    def apply(self) -> int:
+        if self.max_threads > 1 and time.monotonic() >= self._next_probe:
+            self.threads = self._probe()
+            self._next_probe = time.monotonic() + self.PROBE_INTERVAL_S
+        self._set(self.threads)
+        return self.threads
 
     def _set(self, threads: int) -> None:
         if threads != self._current:
@@ -61,16 +60,15 @@ class StepThreads:
             self._current = threads
 
     def _probe(self) -> int:
+        # Costs ~0.5 ms on an idle machine, ~10 ms on a contended one (the parallel calls wait).
         linear = self._torch.nn.functional.linear
-        timings = {}
-        for threads in (1, self.max_threads, 1, self.max_threads):
+        timings: dict[int, float] = {}
+        for threads in (1, self.max_threads):
             self._set(threads)
-            linear(self._x, self._w)  # warm the team up
+            linear(self._x, self._w)  # wakes the team up
             start = time.perf_counter()
             linear(self._x, self._w)
-            linear(self._x, self._w)
-            elapsed = time.perf_counter() - start
-            timings[threads] = min(elapsed, timings.get(threads, elapsed))
+            timings[threads] = time.perf_counter() - start
         if timings[self.max_threads] <= self.SPEEDUP_NEEDED * timings[1]:
             return self.max_threads
         return 1

@@ -156,12 +156,24 @@ class ShmRingWriter:
             length = len(data)
         else:
             for sock in self._overflow:
-                sock.send(data, copy=False)
+                self._send_overflow(sock, data, should_abort)
             length = OVERFLOW
         _CHUNK_HEAD.pack_into(mm, base, _SEQ.unpack_from(mm, base)[0], length, 0)
         mm[flags:flags + seg.num_readers] = bytes(seg.num_readers)
         _SEQ.pack_into(mm, base, self._next + 1)  # publish
         self._next += 1
+
+    @staticmethod
+    def _send_overflow(sock: zmq.Socket, data, should_abort: Callable[[], bool] | None) -> None:
+        """A PUSH socket blocks while its reader is not connected (yet, or any more): retry
+        until it is, or until `should_abort` says the reader is gone."""
+        backoff = _Backoff(should_abort)
+        while True:
+            try:
+                sock.send(data, copy=False, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                backoff.wait()
 
     def unlink(self) -> None:
         """Remove the file; the mapping stays valid in every process that has it."""

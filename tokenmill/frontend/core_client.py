@@ -126,7 +126,7 @@ class MPClient(EngineCoreClient):
         self.core.send(CoreInputKind.ADD, self._codec.encoder.encode(request))
 
     def abort_requests(self, handles: list[int]) -> None:
-        if handles and not self.core.dead.is_set() and not self.core.closed:
+        if handles and not self.core.failed and not self.core.closed:
             self.core.send(CoreInputKind.ABORT, self._codec.encoder.encode(AbortRequests(handles)))
 
     def get_outputs(self) -> EngineCoreOutputs:
@@ -169,7 +169,7 @@ class MPClient(EngineCoreClient):
     def _check_alive(self) -> None:
         if self.core.closed:
             raise EngineDeadError("the engine was shut down")
-        if self.core.dead.is_set():
+        if self.core.failed:
             raise self.core.dead_error()
 
     def shutdown(self) -> None:
@@ -249,7 +249,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
         self.core.send(CoreInputKind.ADD, self._codec.encoder.encode(request))
 
     def abort_requests(self, handles: list[int]) -> None:
-        if handles and not self.core.dead.is_set() and not self.core.closed:
+        if handles and not self.core.failed and not self.core.closed:
             self.core.send(CoreInputKind.ABORT, self._codec.encoder.encode(AbortRequests(handles)))
 
     async def get_outputs(self) -> EngineCoreOutputs:
@@ -296,7 +296,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
     def _check_alive(self) -> None:
         if self.core.closed:
             raise EngineDeadError("the engine was shut down")
-        if self.core.dead.is_set():
+        if self.core.failed:
             raise self.core.dead_error()
 
     def shutdown(self) -> None:

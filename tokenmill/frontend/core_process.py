@@ -136,14 +136,27 @@ class CoreProcess:
         proc.wait()
         self.dead.set()
 
+    @property
+    def failed(self) -> bool:
+        """The core exited, or said it is exiting (its ErrorReport arrived)."""
+        return self.dead.is_set() or self._error is not None
+
     def send(self, kind: CoreInputKind, payload: bytes = b"") -> None:
-        """Thread-safe; never blocks. Dropped silently once the core is dead (readers raise)."""
+        """Thread-safe; never blocks. Dropped silently once the core is gone (readers raise)."""
         with self._res.send_lock:
             if self._res.closed:
                 raise EngineDeadError("the engine was shut down")
-            if self.dead.is_set():
+            if self.failed:
                 return
-            self.input.send_multipart([bytes((kind,)), payload], copy=False)
+            # A PUSH socket without a peer blocks: retry only while the core is alive.
+            while True:
+                try:
+                    self.input.send_multipart([bytes((kind,)), payload], copy=False, flags=zmq.NOBLOCK)
+                    return
+                except zmq.Again:
+                    if self.failed or self._res.proc.poll() is not None:
+                        return
+                    time.sleep(0.001)
 
     def dead_error(self, report: ErrorReport | None = None) -> EngineDeadError:
         """The error every request gets once the core is gone; `report`: its last words, if any."""

@@ -166,7 +166,7 @@ class ModelRunner:
 
     def _prepare(self, so: SchedulerOutput):
         if self.device.type == "cpu":
-            self._cpu_step_threads().apply(sum(so.num_scheduled_tokens))
+            self._cpu_step_threads().apply()
         bs = self.block_size
         input_ids: list[int] = []
         position_chunks, slot_chunks = [], []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -15,8 +14,6 @@ from tokenmill.entrypoints.openai.generation import ChoiceDelta, Generation, Pro
 from tokenmill.entrypoints.openai.limits import KNOWN_FIELDS, completion_budget
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.entrypoints.openai.streaming import DONE_EVENT, ClientGone, SSEResponse, sse, until_disconnect
-
-logger = logging.getLogger(__name__)
 
 
 def new_id(prefix: str) -> str:
@@ -53,6 +50,8 @@ async def run_to_end(request: Request, state: ServerState, gen: Generation, rend
             return Response(status_code=499)
         except ValueError as exc:
             raise from_value_error(exc, KNOWN_FIELDS) from None
+        except Exception as exc:  # noqa: BLE001 - EngineDeadError and the unexpected, in OpenAI's shape
+            raise from_exception(exc) from None
     return JSONResponse(render())
 
 

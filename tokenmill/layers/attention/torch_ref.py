@@ -7,8 +7,10 @@ a `_StepPlan` and shared by every layer; each layer then runs a handful of ops:
 - KV write: one `index_copy_` per K and V into the flat cache.
 - Fresh prefills (no cached context): straight from the new q/k/v, no cache
   gather; sequences of equal length share one causal SDPA call ([B, H, L, D]).
-- Decodes (query length 1): one gather of their blocks into a buffer reused by
-  every layer, then one masked SDPA call over all of them.
+- Decodes (query length 1): on CPU, one call of a small C kernel that reads K/V
+  in place through the block table (`cpu_decode.py`); elsewhere (or without a C
+  compiler) one gather of their blocks into a buffer reused by every layer,
+  then one masked SDPA call over all of them.
 - Prefill chunks with cached context: one SDPA call each over their own
   context, with a causal mask offset by the context.
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers.attention import cpu_decode
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
@@ -54,6 +57,8 @@ class _StepPlan:
     decode_contiguous: bool = False  # decode rows are exactly 0..S-1
     decode_blocks: torch.Tensor | None = None  # int64 [S * nb]: block ids to gather, row-major
     decode_mask: torch.Tensor | None = None  # bool [S, 1, 1, nb * block_size]
+    decode_block_table: torch.Tensor | None = None  # int32 [S, nb], for the C kernel (CPU only)
+    decode_seq_lens: torch.Tensor | None = None  # int32 [S], for the C kernel
     num_decodes: int = 0
     chunks: list[_Chunk] = field(default_factory=list)
     buffers: dict = field(default_factory=dict)  # gather buffers, shared by the step's layers
@@ -131,6 +136,9 @@ def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
         max_len = max(seq_lens[i] for i in decodes)
         nb = -(-max_len // block_size)
         seq_idx = torch.tensor(decodes, dtype=torch.int64).to(device)
+        if device.type == "cpu" and cpu_decode.available():
+            plan.decode_block_table = meta.block_table[seq_idx, :nb].to(torch.int32).contiguous()
+            plan.decode_seq_lens = meta.seq_lens[seq_idx].to(torch.int32).contiguous()
         plan.decode_blocks = meta.block_table[seq_idx, :nb].reshape(-1).long()
         keys = torch.arange(nb * block_size, device=device)
         plan.decode_mask = (keys[None, :] < meta.seq_lens[seq_idx, None]).view(s, 1, 1, nb * block_size)
@@ -182,6 +190,15 @@ class TorchRefAttentionBackend(AttentionBackend):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, out: torch.Tensor) -> None:
         s = plan.num_decodes
+        qd = q[:s] if plan.decode_contiguous else q[plan.decode_rows]
+        if plan.decode_block_table is not None and cpu_decode.supports(qd, kv_cache):
+            o = cpu_decode.decode_attention(qd, kv_cache, plan.decode_block_table, plan.decode_seq_lens,
+                                            self.scale)
+            if plan.decode_contiguous:
+                out[:s] = o
+            else:
+                out[plan.decode_rows] = o
+            return
         block_size = kv_cache.shape[2]
         blocks = plan.decode_blocks
         key = (kv_cache.dtype, kv_cache.shape[2:])
@@ -192,7 +209,6 @@ class TorchRefAttentionBackend(AttentionBackend):
         torch.index_select(kv_cache, 1, blocks, out=buf)
         # [2, S * nb, bs, Hkv, D] -> [2, S, Hkv, L, D]
         kv = buf.view(2, s, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
-        qd = q[:s] if plan.decode_contiguous else q[plan.decode_rows]
         qd = qd.view(s, self.num_kv_heads, self.group, self.head_dim)
         o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=plan.decode_mask, scale=self.scale)
         o = o.reshape(s, self.num_heads, self.head_dim)

@@ -1,0 +1,189 @@
+"""A small C kernel for decode attention on CPU, straight over the paged KV cache.
+
+The pure-torch decode path gathers every decode's blocks into a buffer and then
+runs SDPA over it: three passes over the context's K/V, plus SDPA's per-head
+overhead at query length 1. This kernel reads each K and V row once, where the
+block table says it is, accumulating in float32: one work item per (sequence,
+KV head), all of that head's query heads together (GQA without copies).
+
+It is plain C (no torch headers), built once per machine with the system C
+compiler (~1 s) into ~/.cache/tokenmill and called through ctypes. Where no
+compiler is found, the build fails, or TOKENMILL_NO_C_KERNELS=1 is set,
+`available()` is False and the torch path runs instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float ld_f32(const float *p) { return *p; }
+static inline void st_f32(float *p, float v) { *p = v; }
+static inline float ld_bf16(const uint16_t *p) {
+    uint32_t u = (uint32_t)(*p) << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline void st_bf16(uint16_t *p, float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { *p = (uint16_t)((u >> 16) | 64); return; }
+    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
+    *p = (uint16_t)(u >> 16);
+}
+
+/* One (sequence, KV head) work item: its G query heads over the sequence's L cached tokens.
+   HD is the head dim: a constant for the common sizes (fully unrolled), else the runtime D. */
+#define DECODE_ITEM(NAME, T, LD, ST, HD)                                                       \
+static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,                 \
+                 const int32_t *bt, int L, T *out, int s, int kh, int H, int Hkv, int D,       \
+                 int bs, float scale, float *qf) {                                             \
+    const int G = H / Hkv;                                                                     \
+    float *acc = qf + (size_t)G * HD, *sc = acc + (size_t)G * HD;                              \
+    for (int g = 0; g < G; ++g) {                                                              \
+        const T *qp = q + (int64_t)s * q_s + (int64_t)(kh * G + g) * q_h;                      \
+        for (int d = 0; d < HD; ++d) { qf[g * HD + d] = LD(qp + d) * scale; acc[g * HD + d] = 0.f; } \
+    }                                                                                          \
+    const int64_t row = (int64_t)Hkv * HD;                                                     \
+    for (int l0 = 0, b = 0; l0 < L; l0 += bs, ++b) {                                           \
+        const int n = L - l0 < bs ? L - l0 : bs;                                               \
+        const T *kr = k + (int64_t)bt[b] * bs * row + (int64_t)kh * HD;                        \
+        for (int o = 0; o < n; ++o, kr += row)                                                 \
+            for (int g = 0; g < G; ++g) {                                                      \
+                const float *qg = qf + g * HD; float dot = 0.f;                                \
+                for (int d = 0; d < HD; ++d) dot += qg[d] * LD(kr + d);                        \
+                sc[(size_t)g * L + l0 + o] = dot;                                              \
+            }                                                                                  \
+    }                                                                                          \
+    for (int g = 0; g < G; ++g) {                                                              \
+        float *sg = sc + (size_t)g * L, m = sg[0], sum = 0.f;                                  \
+        for (int l = 1; l < L; ++l) m = sg[l] > m ? sg[l] : m;                                 \
+        for (int l = 0; l < L; ++l) { sg[l] = expf(sg[l] - m); sum += sg[l]; }                 \
+        const float inv = 1.f / sum;                                                           \
+        for (int l = 0; l < L; ++l) sg[l] *= inv;                                              \
+    }                                                                                          \
+    for (int l0 = 0, b = 0; l0 < L; l0 += bs, ++b) {                                           \
+        const int n = L - l0 < bs ? L - l0 : bs;                                               \
+        const T *vr = v + (int64_t)bt[b] * bs * row + (int64_t)kh * HD;                        \
+        for (int o = 0; o < n; ++o, vr += row)                                                 \
+            for (int g = 0; g < G; ++g) {                                                      \
+                const float p = sc[(size_t)g * L + l0 + o]; float *ag = acc + g * HD;          \
+                for (int d = 0; d < HD; ++d) ag[d] += p * LD(vr + d);                          \
+            }                                                                                  \
+    }                                                                                          \
+    for (int g = 0; g < G; ++g) {                                                              \
+        T *op = out + ((int64_t)s * H + kh * G + g) * HD;                                      \
+        for (int d = 0; d < HD; ++d) ST(op + d, acc[g * HD + d]);                              \
+    }                                                                                          \
+}
+
+/* q: [S, H, D] with strides (q_s, q_h, 1); cache planes k, v: [slots, Hkv, D] contiguous;
+   block_table: [S, bt_s] int32; seq_lens: [S] int32 (>= 1); out: [S, H, D] contiguous. */
+#define DECODE_KERNEL(NAME, T, LD, ST)                                                        \
+DECODE_ITEM(NAME##_d64, T, LD, ST, 64)                                                         \
+DECODE_ITEM(NAME##_d128, T, LD, ST, 128)                                                       \
+DECODE_ITEM(NAME##_dany, T, LD, ST, D)                                                         \
+void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,                      \
+          const int32_t *block_table, int64_t bt_s, const int32_t *seq_lens, T *out,           \
+          int S, int H, int Hkv, int D, int bs, float scale, int nthreads) {                   \
+    const int G = H / Hkv;                                                                     \
+    _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                     \
+    for (int w = 0; w < S * Hkv; ++w) {                                                        \
+        const int s = w / Hkv, kh = w % Hkv, L = seq_lens[s];                                  \
+        float *qf = (float *)malloc(sizeof(float) * (size_t)G * (2 * D + L));                  \
+        const int32_t *bt = block_table + (int64_t)s * bt_s;                                   \
+        if (D == 64) NAME##_d64(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, qf);   \
+        else if (D == 128) NAME##_d128(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, qf); \
+        else NAME##_dany(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, qf);     \
+        free(qf);                                                                              \
+    }                                                                                          \
+}
+
+DECODE_KERNEL(decode_attention_f32, float, ld_f32, st_f32)
+DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, st_bf16)
+"""
+
+# -ffast-math: vectorized expf and reordered float32 sums (inputs are finite; sums stay float32).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build() -> ctypes.CDLL | None:
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    key = hashlib.sha1("\0".join([_SOURCE, cc, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenmill")
+    path = os.path.join(cache, f"cpu_decode_{key}.so")
+    if not os.path.exists(path):
+        os.makedirs(cache, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            src = os.path.join(tmp, "cpu_decode.c")
+            with open(src, "w") as f:
+                f.write(_SOURCE)
+            out = os.path.join(tmp, "cpu_decode.so")
+            subprocess.run([cc, *_FLAGS, src, "-o", out, "-lm"], check=True, capture_output=True, timeout=120)
+            os.replace(out, path)  # atomic: concurrent builders race harmlessly
+    lib = ctypes.CDLL(path)
+    for name in ("decode_attention_f32", "decode_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
+                       ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("TOKENMILL_NO_C_KERNELS", "") not in ("1", "true", "yes"):
+            try:
+                _lib = _build()
+            except Exception as exc:  # no compiler, build error, unloadable library: use torch
+                logger.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
+                _lib = None
+    return _lib is not None
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16)
+            and kv_cache.dtype == q.dtype and kv_cache.is_contiguous() and q.stride(-1) == 1 and available())
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q: [S, H, D] (last dim contiguous); kv_cache: [2, blocks, bs, Hkv, D]; block_table: int32 [S, W]
+    contiguous; seq_lens: int32 [S] (each >= 1). Returns [S, H, D] attention of each q over its context."""
+    assert _lib is not None
+    s, h, d = q.shape
+    _, _, bs, hkv, _ = kv_cache.shape
+    out = torch.empty((s, h, d), dtype=q.dtype)
+    fn = _lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else _lib.decode_attention_f32
+    fn(q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+       block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+       s, h, hkv, d, bs, scale, torch.get_num_threads())
+    return out
