@@ -4,9 +4,10 @@ Each handle makes a fresh temp dir for its ipc sockets (so engines never collide
 both sockets before starting the core: input (PUSH, front-end -> core) and output (PULL).
 Startup waits for READY, or fails fast with the core's own exception when it reports one or
 exits. A monitor thread waits on the process, so a dead core is noticed even when nobody is
-reading. Cleanup (shutdown, garbage collection or interpreter exit, via weakref.finalize)
-stops the core, closes the sockets and removes the temp dir and any shared-memory segment
-named after it.
+reading. The temp dir is removed as soon as startup ends (connections outlive socket files).
+Cleanup (shutdown, garbage collection or interpreter exit, via weakref.finalize) stops the
+core, closes the sockets and removes anything named after the temp dir that a failed
+startup may have left.
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ class CoreProcess:
                 log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
                 death_signal=spawned_by_main_thread()))
             self.ready = self._wait_ready()
+            # Every socket is connected by now (the core and each worker connect before they
+            # report ready), and ipc connections outlive their socket files: remove them now,
+            # so that even a SIGKILLed front-end leaves nothing behind.
+            shutil.rmtree(res.run_dir, ignore_errors=True)
             logger.info("engine core ready in %.1f s (pid %d)", time.perf_counter() - start, res.proc.pid)
         except BaseException:
             self.close()

@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.layers.linear import Linear, PackedWeight, linear, linear_add, silu_mul_linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_params_from_config
 
@@ -74,8 +74,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.q_size = dims.num_heads * dims.head_dim
         self.kv_size = dims.num_kv_heads * dims.head_dim
-        self.qkv_proj = nn.Linear(dims.hidden_size, self.q_size + 2 * self.kv_size, bias=dims.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, dims.hidden_size, bias=dims.o_bias)
+        self.qkv_proj = Linear(dims.hidden_size, self.q_size + 2 * self.kv_size, bias=dims.qkv_bias)
+        self.o_proj = Linear(self.q_size, dims.hidden_size, bias=dims.o_bias)
         if dims.qk_norm:
             self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
             self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
@@ -83,7 +83,9 @@ class LlamaAttention(nn.Module):
         self.attn = attn_backend_cls(dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output, plus `residual` when given (added inside the o_proj matmul where it can)."""
         qkv = self.qkv_proj(hidden)
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -97,19 +99,28 @@ class LlamaAttention(nn.Module):
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
             q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.attn.forward(q, k, v, kv_cache, meta).reshape(-1, self.q_size)
+        if residual is None:
+            return self.o_proj(out)
+        return linear_add(out, self.o_proj.weight, self.o_proj.bias, residual, self.o_proj._packed)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, dims: LlamaDims) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=dims.mlp_bias)
-        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=dims.mlp_bias)
+        self.gate_up_proj = Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=dims.mlp_bias)
+        self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias=dims.mlp_bias)
         self.act = SiluAndMul()
+        self._gate_up_packed = (PackedWeight(), PackedWeight())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """MLP output, plus `residual` when given (added inside the down_proj matmul where it can)."""
+        act = silu_mul_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self._gate_up_packed)
+        if act is None:
+            act = self.act(self.gate_up_proj(x))
+        if residual is None:
+            return self.down_proj(act)
+        return linear_add(act, self.down_proj.weight, self.down_proj.bias, residual, self.down_proj._packed)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -121,16 +132,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream is `hidden + residual` (residual None: just `hidden`), kept apart
-        so each add fuses into the next norm and pipeline stages can hand both over."""
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The residual stream is `hidden + residual` (residual None: just `hidden`), so pipeline
+        stages can hand both over. Inside the layer each residual add runs in the epilogue of the
+        matmul before it (o_proj, down_proj), so the layer returns the whole stream as `hidden`."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        hidden = self.self_attn(hidden, cos, sin, kv_cache, meta)
-        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual)
-        return self.mlp(hidden), residual
+        residual = self.self_attn(hidden, cos, sin, kv_cache, meta, residual=residual)
+        hidden = self.post_attention_layernorm(residual)
+        return self.mlp(hidden, residual=residual), None
 
 
 class LlamaModel(nn.Module):
@@ -174,6 +186,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied: the LM head reads embed_tokens.weight directly, so no tie can break on device moves.
         self.lm_head = None if self.dims.tie_word_embeddings else nn.Linear(
             self.dims.hidden_size, self.dims.vocab_size, bias=False)
+        self._lm_head_packed = PackedWeight()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -181,7 +194,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, None, self._lm_head_packed).float()
 
     def _shard_sizes(self, fused: str) -> list[int]:
         d = self.dims
