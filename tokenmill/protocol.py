@@ -112,25 +112,64 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     new_block_ids: list[bytes] = []  # packed int32 per handle, appended to its block table
 
 
-class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class BatchDiff(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """This step's batch relative to the previous step's (see `tokenmill.core.batch_order`).
+
+    Rows are the previous batch minus `removed_rows`, then `added` handles; or
+    `full` when listing the batch is smaller. Every row schedules one token
+    unless `count_rows` says otherwise. Steady-state decode is all defaults: 0 bytes.
+    """
+
+    count_rows: bytes = b""  # int32 rows whose token count is not 1
+    count_values: bytes = b""  # int32 their counts
+    removed_rows: bytes = b""  # int32, ascending indices into the previous batch
+    added: bytes = b""  # int32 handles appended, in order
+    full: bytes | None = None  # int32 handles: the whole batch, replacing the previous one
+
+
+class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=True):
+    """One step, as the workers need it. `scheduled_handles` / `num_scheduled_tokens` are local
+    views (set by BatchOrder on each side from `batch`), never on the wire."""
+
     step_id: int
+    batch: BatchDiff | None = None  # None: the previous step's batch, one token per row
     new_requests: list[NewRequestData] = []
-    cached_requests: CachedRequestData = msgspec.field(default_factory=CachedRequestData)
-    # Scheduled requests in batch order and their token counts for this step.
-    scheduled_handles: list[int] = []
-    num_scheduled_tokens: list[int] = []
-    total_num_scheduled_tokens: int = 0
+    cached_requests: CachedRequestData | None = None
     finished_handles: list[int] = []  # workers drop these before the step
     preempted_handles: list[int] = []  # workers drop these too; they come back as new requests
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Sampled tokens, one list per scheduled handle (empty for a partial prefill chunk)."""
+    """Sampled tokens per row of the step's batch, packed: 4 bytes per sampled token.
+
+    A row samples one token unless listed in `count_rows` (0 for a partial prefill chunk,
+    more with speculative decoding).
+    """
 
     step_id: int
-    sampled_token_ids: list[list[int]]
+    sampled: bytes = b""  # int32 tokens of every row, concatenated in row order
+    count_rows: bytes = b""  # int32 rows whose number of tokens is not 1
+    count_values: bytes = b""
     logprobs: list[Logprobs | None] = []
     prompt_logprobs: list[Logprobs | None] = []
+
+    @staticmethod
+    def from_rows(step_id: int, rows: list[list[int]], **extra) -> "ModelRunnerOutput":
+        odd = [(i, len(r)) for i, r in enumerate(rows) if len(r) != 1]
+        return ModelRunnerOutput(step_id=step_id, sampled=pack_ids([t for r in rows for t in r]),
+                                 count_rows=pack_ids([i for i, _ in odd]),
+                                 count_values=pack_ids([n for _, n in odd]), **extra)
+
+    def rows(self, num_rows: int) -> list[list[int]]:
+        counts = [1] * num_rows
+        for row, n in zip(unpack_ids(self.count_rows), unpack_ids(self.count_values)):
+            counts[row] = n
+        tokens = unpack_ids(self.sampled)
+        out, pos = [], 0
+        for n in counts:
+            out.append(tokens[pos:pos + n])
+            pos += n
+        return out
 
 
 # ---------------------------------------------------------------- control messages

@@ -7,8 +7,11 @@ view (tokens computed, block table) always equals the scheduler's.
 
 from __future__ import annotations
 
+import msgspec
+
+from tokenmill.core.batch_order import BatchOrder
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput, unpack_ids
+from tokenmill.protocol import CachedRequestData, ModelRunnerOutput, SchedulerOutput, unpack_ids
 
 EOS = 3
 
@@ -22,8 +25,12 @@ def next_token(tokens: list[int], num_prompt: int) -> int:
 class FakeWorker:
     def __init__(self) -> None:
         self.states: dict[int, dict] = {}
+        self.batch_order = BatchOrder()
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        # Decode from the wire form, as a worker in another process does.
+        so = msgspec.msgpack.decode(msgspec.msgpack.encode(so), type=SchedulerOutput)
+        self.batch_order.decode(so)
         for handle in so.finished_handles + so.preempted_handles:
             self.states.pop(handle, None)
         for new in so.new_requests:
@@ -31,7 +38,8 @@ class FakeWorker:
             self.states[new.handle] = {
                 "tokens": unpack_ids(new.token_ids), "num_prompt": new.num_prompt_tokens,
                 "blocks": unpack_ids(new.block_ids), "computed": new.num_computed_tokens}
-        for handle, blocks in zip(so.cached_requests.handles, so.cached_requests.new_block_ids):
+        cached = so.cached_requests or CachedRequestData()
+        for handle, blocks in zip(cached.handles, cached.new_block_ids):
             self.states[handle]["blocks"].extend(unpack_ids(blocks))
         sampled = []
         for handle, n in zip(so.scheduled_handles, so.num_scheduled_tokens):
@@ -44,7 +52,7 @@ class FakeWorker:
                 sampled.append([token])
             else:
                 sampled.append([])
-        return ModelRunnerOutput(step_id=so.step_id, sampled_token_ids=sampled)
+        return ModelRunnerOutput.from_rows(so.step_id, sampled)
 
     def check_mirrors(self, scheduler: Scheduler, block_size: int) -> None:
         for handle, state in self.states.items():

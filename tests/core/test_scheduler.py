@@ -27,10 +27,12 @@ def make_scheduler(num_blocks: int, block_size: int = 4, budget: int = 64, max_s
 
 def run(scheduler: Scheduler, prompts: list[list[int]], max_tokens: list[int], *,
         abort_prob: float = 0.0, rng: random.Random | None = None, in_flight: int = 1,
-        arrive_every: int = 0) -> dict[int, tuple[list[int], FinishReason]]:
-    """Drive the scheduler like EngineCore does; return handle -> (output tokens, finish reason)."""
+        arrive_every: int = 0, worker: FakeWorker | None = None) -> dict[int, tuple[list[int], FinishReason]]:
+    """Drive the scheduler like EngineCore does; return handle -> (output tokens, finish reason).
+
+    Pass the same `worker` to every run on one scheduler: it mirrors the scheduler's batch."""
     rng = rng or random.Random(0)
-    worker = FakeWorker()
+    worker = worker or FakeWorker()
     results: dict[int, tuple[list[int], FinishReason]] = {}
     outputs: dict[int, list[int]] = {}
     pending = list(enumerate(zip(prompts, max_tokens)))
@@ -112,9 +114,10 @@ def test_preemption_happens_and_outputs_survive():
 def test_prefix_cache_hits_and_is_reused():
     system = list(range(100, 164))  # 64 shared tokens = 16 blocks of 4
     scheduler = make_scheduler(num_blocks=200, block_size=4)
-    run(scheduler, [system + [7, 8, 9]], [4])
+    worker = FakeWorker()
+    run(scheduler, [system + [7, 8, 9]], [4], worker=worker)
     hits_before = scheduler.kv.stats.hits
-    run(scheduler, [system + [11, 12]], [4])
+    run(scheduler, [system + [11, 12]], [4], worker=worker)
     assert scheduler.kv.stats.hits - hits_before == 64
     assert_no_leaks(scheduler)
 
@@ -203,3 +206,24 @@ def test_thousands_of_requests_with_aborts_and_preemptions_leave_nothing_behind(
         aborts += sum(1 for _, reason in results.values() if reason == FinishReason.ABORT)
         hits += scheduler.kv.stats.hits
     assert requests > 3000 and preemptions > 100 and aborts > 100 and hits > 1000
+
+
+def test_steady_state_messages_are_small():
+    """256 running decodes, no new blocks: the step message is O(1) bytes, results ~4 bytes a request."""
+    import msgspec
+    scheduler = make_scheduler(num_blocks=4000, block_size=16, budget=8192, max_seqs=256)
+    worker = FakeWorker()
+    for h in range(256):
+        scheduler.add_request(Request(h, [10 + h % 50] * 3, SamplingParams(max_tokens=12, ignore_eos=True),
+                                      (EOS,), MAX_LEN))
+    sizes = []
+    for _ in range(6):
+        so = scheduler.schedule()
+        out = worker.execute(so)
+        sizes.append((len(msgspec.msgpack.encode(so)), len(msgspec.msgpack.encode(out))))
+        scheduler.update(so, out)
+    # Steps 2..6 are steady decodes (prompt of 3 tokens: no new block until token 16).
+    for step_bytes, result_bytes in sizes[1:]:
+        assert step_bytes <= 64, sizes
+        assert result_bytes <= 5 * 256, sizes
+    assert sizes[0][0] > 256 * 10  # the first step carried every new request in full

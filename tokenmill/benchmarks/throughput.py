@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-dtype", default="bfloat16", help="dtype of the HF baseline")
     p.add_argument("--warmup", type=int, default=1, help="warm-up generate calls before timing")
     p.add_argument("--output-json", default=None, help="write the JSON record here")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="profile the timed run with cProfile and write the top functions to PATH "
+                        "(single-process mode shows the model; otherwise only the front-end)")
     add_engine_flags(p)
     p.set_defaults(func=run)
 
@@ -68,9 +71,17 @@ def run(ns) -> int:
     batch = [{"prompt_token_ids": p} for p in prompts]
     for _ in range(ns.warmup):
         llm.generate(batch[:min(4, len(batch))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    profiler = None
+    if ns.profile:
+        import cProfile
+        profiler = cProfile.Profile()
+        profiler.enable()
     start = time.perf_counter()
     outputs = llm.generate(batch, params)
     elapsed = time.perf_counter() - start
+    if profiler is not None:
+        profiler.disable()
+        write_profile(profiler, ns.profile)
     figures = summarize(outputs, elapsed, ns.input_len)
     record = {
         "benchmark": "throughput",
@@ -96,6 +107,19 @@ def run(ns) -> int:
         with open(ns.output_json, "w") as f:
             json.dump(record, f, indent=2)
     return 0
+
+
+def write_profile(profiler, path: str) -> None:
+    import io
+    import pstats
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    for key in ("tottime", "cumulative"):
+        text.write(f"==== top 40 by {key} ====\n")
+        stats.sort_stats(key).print_stats(40)
+    with open(path, "w") as f:
+        f.write(text.getvalue())
+    print(f"profile written to {path}")
 
 
 def summarize(outputs, elapsed: float, input_len: int) -> dict:

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.batch_order import BatchOrder
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.protocol import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, FinishReason,
@@ -49,6 +50,7 @@ class Scheduler:
         self.finished_to_send: list[int] = []
         self.step_id = 0
         self.num_preemptions = 0
+        self.batch_order = BatchOrder()
 
     # ------------------------------------------------------------------ requests
 
@@ -157,11 +159,10 @@ class Scheduler:
 
         self.step_id += 1
         output = SchedulerOutput(
-            step_id=self.step_id, new_requests=new_requests, cached_requests=cached_data,
-            scheduled_handles=[r.handle for r, _ in scheduled],
-            num_scheduled_tokens=[n for _, n in scheduled],
-            total_num_scheduled_tokens=sum(n for _, n in scheduled),
+            step_id=self.step_id, new_requests=new_requests,
+            cached_requests=cached_data if cached_data.handles else None,
             finished_handles=self.finished_to_send, preempted_handles=preempted)
+        self.batch_order.encode(output, {r.handle: n for r, n in scheduled})
         self.finished_to_send = []
         return output
 
@@ -190,8 +191,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         logprobs = runner_output.logprobs
         prompt_logprobs = runner_output.prompt_logprobs
-        for row, handle in enumerate(scheduler_output.scheduled_handles):
-            sampled = runner_output.sampled_token_ids[row]
+        handles = scheduler_output.scheduled_handles
+        for row, (handle, sampled) in enumerate(zip(handles, runner_output.rows(len(handles)))):
             prompt_lp = prompt_logprobs[row] if prompt_logprobs else None
             if not sampled:
                 if prompt_lp is not None and handle in self.requests:

@@ -20,7 +20,8 @@ from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
 from tokenmill.layers.sampler import Sampler, build_sampling_metadata
 from tokenmill.model.loader import load_model
-from tokenmill.protocol import Logprobs, ModelRunnerOutput, SchedulerOutput, unpack_ids
+from tokenmill.core.batch_order import BatchOrder
+from tokenmill.protocol import CachedRequestData, Logprobs, ModelRunnerOutput, SchedulerOutput, unpack_ids
 from tokenmill.worker.request_state import RequestState
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class ModelRunner:
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.vocab_size = hf.vocab_size
         self.states: dict[int, RequestState] = {}
+        self.batch_order = BatchOrder()
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
@@ -104,7 +106,7 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         self._apply_diffs(so)
         if not so.scheduled_handles:
-            return ModelRunnerOutput(step_id=so.step_id, sampled_token_ids=[])
+            return ModelRunnerOutput(step_id=so.step_id)
         input_ids, positions, meta, sampling_rows, sample_states = self._prepare(so)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         sampled: list[list[int]] = [[] for _ in so.scheduled_handles]
@@ -126,8 +128,8 @@ class ModelRunner:
                 sampled[row] = [token]
             if out.logprobs is not None:
                 logprobs = self._pack_logprobs(out.logprobs, sampling_rows, sample_states, len(sampled))
-        return ModelRunnerOutput(step_id=so.step_id, sampled_token_ids=sampled, logprobs=logprobs,
-                                 prompt_logprobs=prompt_logprobs)
+        return ModelRunnerOutput.from_rows(so.step_id, sampled, logprobs=logprobs,
+                                           prompt_logprobs=prompt_logprobs)
 
     def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor,
                          meta: AttentionMetadata) -> list[Logprobs | None]:
@@ -154,13 +156,14 @@ class ModelRunner:
         return result if any(r is not None for r in result) else []
 
     def _apply_diffs(self, so: SchedulerOutput) -> None:
+        self.batch_order.decode(so)
         for handle in so.finished_handles:
             self.states.pop(handle, None)
         for handle in so.preempted_handles:
             self.states.pop(handle, None)
         for data in so.new_requests:
             self.states[data.handle] = RequestState(data, self.device)
-        cached = so.cached_requests
+        cached = so.cached_requests or CachedRequestData()
         for handle, blocks in zip(cached.handles, cached.new_block_ids):
             self.states[handle].block_ids.extend(unpack_ids(blocks))
 
