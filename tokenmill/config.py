@@ -42,6 +42,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     max_model_len: int = 2048
     async_scheduling: bool = False
+    debug_check_every: int = 0  # every N steps, workers check their view against a digest; 0 = off
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class EngineConfig:
     device: DeviceConfig
     max_logprobs: int = 20
     log_stats: bool = True
+    trace_steps: str | None = None  # Chrome trace file of every process's steps
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,13 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     max_logprobs: int = 20
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     disable_log_stats: bool = False
     served_model_name: str | None = None
     world_size: int = 1
     single_process: bool = False
+    trace_steps: str | None = None
+    debug_check_every: int = 0
 
     def create_engine_config(self) -> EngineConfig:
         from tokenmill.model.default_model import resolve_model_path
@@ -100,8 +104,9 @@ class EngineArgs:
         _check(not (self.single_process and self.world_size > 1), "world_size",
                f"must be 1 with single_process, got {self.world_size}")
         _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
-        _check(self.load_format in ("auto", "safetensors", "gguf", "dummy"), "load_format",
-               f"must be one of auto, safetensors, gguf, dummy; got {self.load_format!r}")
+        _check(self.load_format in ("auto", "safetensors", "gguf", "dummy", "null"), "load_format",
+               f"must be one of auto, safetensors, gguf, dummy, null; got {self.load_format!r}")
+        _check(self.debug_check_every >= 0, "debug_check_every", f"must be >= 0, got {self.debug_check_every}")
 
         path = resolve_model_path(self.model)
         hf_config = load_hf_config(path)
@@ -121,12 +126,14 @@ class EngineArgs:
         cache = CacheConfig(block_size=self.block_size, num_blocks=self.num_gpu_blocks_override or 0,
                             enable_prefix_caching=self.enable_prefix_caching)
         scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
-                                    max_model_len=max_model_len, async_scheduling=self.async_scheduling)
+                                    max_model_len=max_model_len, async_scheduling=self.async_scheduling,
+                                    debug_check_every=self.debug_check_every)
         device_config = DeviceConfig(device=device,
                                      kv_cache_memory_bytes=int(self.kv_cache_memory_gb * (1 << 30)),
                                      gpu_memory_utilization=self.gpu_memory_utilization)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device_config,
-                            max_logprobs=self.max_logprobs, log_stats=not self.disable_log_stats)
+                            max_logprobs=self.max_logprobs, log_stats=not self.disable_log_stats,
+                            trace_steps=self.trace_steps)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -181,7 +188,8 @@ _FLAG_HELP = {
     "model": "Hugging Face directory, .gguf file, or the default model's alias",
     "dtype": "auto (bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32), float32, bfloat16 or float16",
     "max_model_len": "longest prompt + output, in tokens (default: the model's max_position_embeddings)",
-    "load_format": "auto, safetensors, gguf, or dummy (random weights, for benchmarks)",
+    "load_format": "auto, safetensors, gguf, dummy (random weights, for benchmarks), or null (no model: "
+                   "random tokens, to measure engine overhead; --model still gives the tokenizer and config)",
     "seed": "seed for dummy weights and unseeded sampling",
     "device": "auto, cpu or cuda",
     "block_size": "tokens per KV block",
@@ -197,6 +205,8 @@ _FLAG_HELP = {
     "served_model_name": "the model name the API reports",
     "world_size": "worker processes, one per device (until tensor parallelism lands, >1 runs replicas)",
     "single_process": "run the engine core and the worker in the caller's process (tests, debugging)",
+    "trace_steps": "write a Chrome/Perfetto trace of every process's steps to this file",
+    "debug_check_every": "every N steps, workers check their request state against the scheduler's digest (0 = off)",
 }
 
 

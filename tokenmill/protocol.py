@@ -137,6 +137,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     cached_requests: CachedRequestData | None = None
     finished_handles: list[int] = []  # workers drop these before the step
     preempted_handles: list[int] = []  # workers drop these too; they come back as new requests
+    digest: int | None = None  # debug mode: crc32 of the scheduler's view (see core/digest.py)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -215,7 +216,8 @@ class WorkerOutputKind(IntEnum):
 
 
 class UtilityCall(msgspec.Struct, array_like=True):
-    """A front-end query answered between steps. `method`: kv_cache_stats | scheduler_stats."""
+    """A front-end query answered between steps. `method`: kv_cache_stats | scheduler_stats |
+    telemetry_report | reset_telemetry."""
 
     call_id: int
     method: str
@@ -236,9 +238,46 @@ class SchedulerStatsReport(msgspec.Struct, array_like=True, tag="sched"):
     num_preemptions: int
 
 
+class ChannelStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One channel's messages (kind byte + payload) as one side saw them, since the last reset.
+    The sender fills `encode_us`, the receiver `decode_us`; `bytes_p50` is over recent messages."""
+
+    count: int = 0
+    bytes_total: int = 0
+    bytes_last: int = 0
+    bytes_max: int = 0
+    bytes_p50: int = 0
+    encode_us: float = 0.0
+    decode_us: float = 0.0
+
+
+class TimingStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One phase's durations: count and mean since the last reset, p50/p99 over recent samples."""
+
+    count: int = 0
+    mean_us: float = 0.0
+    p50_us: float = 0.0
+    p99_us: float = 0.0
+    total_us: float = 0.0
+
+
+class ProcessTelemetry(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One process's message counters and step timings (see `tokenmill.metrics`)."""
+
+    role: str  # frontend | core | worker<rank>
+    pid: int
+    elapsed_s: float  # since the last reset
+    channels: dict[str, ChannelStats] = {}
+    timings: dict[str, TimingStats] = {}
+
+
+class TelemetryReport(msgspec.Struct, array_like=True, tag="telemetry"):
+    processes: list[ProcessTelemetry]  # the core first, then each worker rank
+
+
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
-    result: KVCacheStats | SchedulerStatsReport | None = None
+    result: KVCacheStats | SchedulerStatsReport | TelemetryReport | None = None
     error: str | None = None
 
 
@@ -256,15 +295,15 @@ class ErrorReport(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A setup call on every worker. `method`: load_model | available_kv_blocks |
-    kv_block_bytes | init_kv_cache (which takes `arg`)."""
+    """A call on every worker. `method`: load_model | available_kv_blocks | kv_block_bytes |
+    init_kv_cache (which takes `arg`) | telemetry | reset_telemetry."""
 
     method: str
     arg: int | None = None
 
 
 class WorkerCallResult(msgspec.Struct, array_like=True, omit_defaults=True):
-    value: int | None = None
+    value: int | ProcessTelemetry | None = None
 
 
 class CoreLaunch(msgspec.Struct, omit_defaults=True):

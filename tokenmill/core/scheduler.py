@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.batch_order import BatchOrder
+from tokenmill.core.digest import batch_digest
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.protocol import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, FinishReason,
@@ -163,6 +164,10 @@ class Scheduler:
             cached_requests=cached_data if cached_data.handles else None,
             finished_handles=self.finished_to_send, preempted_handles=preempted)
         self.batch_order.encode(output, {r.handle: n for r, n in scheduled})
+        check_every = self.config.debug_check_every
+        if check_every and self.step_id % check_every == 0:
+            output.digest = batch_digest((h, self.requests[h].num_computed_tokens, self.kv.blocks[h])
+                                         for h in output.scheduled_handles)
         self.finished_to_send = []
         return output
 

@@ -203,6 +203,10 @@ class ShmRingReader:
         self._overflow.connect(overflow_addr)
         self._next = 0
 
+    def ready(self) -> bool:
+        """Whether the next message is already published (never blocks)."""
+        return _SEQ.unpack_from(self._seg.mm, self._seg.chunk(self._next))[0] == self._next + 1
+
     def read(self, should_abort: Callable[[], bool] | None = None) -> bytes:
         """The next message (blocking)."""
         seg, mm = self._seg, self._seg.mm

@@ -26,9 +26,26 @@ class UniprocExecutor(Executor):
         self.worker.init_kv_cache(num_blocks)
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
-        future: Future[ModelRunnerOutput] = Future()
+        """Launch now; the future reads the sampled ids back when asked, so the caller can
+        launch the next step first (async scheduling)."""
         try:
-            future.set_result(self.worker.execute_model(scheduler_output))
+            step = self.worker.launch_model(scheduler_output)
         except BaseException as exc:  # delivered to whoever waits on the step
+            future: Future[ModelRunnerOutput] = Future()
             future.set_exception(exc)
-        return future
+            return future
+        return _StepFuture(step)
+
+
+class _StepFuture(Future):
+    def __init__(self, step) -> None:
+        super().__init__()
+        self._step = step
+
+    def result(self, timeout: float | None = None) -> ModelRunnerOutput:
+        if not self.done():
+            try:
+                self.set_result(self._step.output())
+            except BaseException as exc:
+                self.set_exception(exc)
+        return super().result(timeout)

@@ -42,6 +42,9 @@ class ModelRunner:
         self.vocab_size = hf.vocab_size
         self.states: dict[int, RequestState] = {}
         self.batch_order = BatchOrder()
+        self._pending: PendingStep | None = None  # the last launched step whose tokens are not on the host
+        self.last_timings: dict[str, float] = {}
+        self.num_placeholders_filled = 0  # async scheduling inputs taken from the device
         self.kv_caches: list[torch.Tensor] = []
         self.sampler = Sampler()
         self.model: torch.nn.Module | None = None
@@ -102,34 +105,77 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(so).output()
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> "PendingStep":
+        """Start a step; its sampled ids stay on the device until `output()` is asked for.
+
+        Async scheduling: a request scheduled again before its last sampled token reached
+        the host has a placeholder input; it is filled on the device from the previous
+        step's sampled ids, so step N+1 can start before step N's tokens are read back.
+        """
+        timings = self.last_timings = {}
+        start = time.perf_counter()
         self._apply_diffs(so)
+        prev, self._pending = self._pending, None
         if not so.scheduled_handles:
-            return ModelRunnerOutput(step_id=so.step_id)
+            if prev is not None:
+                prev.output()
+            return PendingStep(self, so.step_id, 0)
+        if prev is not None and self._needs_host_tokens(so):
+            prev.output()  # penalties read the previous token on the host
         input_ids, positions, meta, sampling_rows, sample_states = self._prepare(so)
+        if prev is not None:
+            self._fill_placeholders(so, input_ids, meta, prev)
+        timings["prepare"] = time.perf_counter() - start
+        start = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sampled: list[list[int]] = [[] for _ in so.scheduled_handles]
-        logprobs: list[Logprobs | None] = []
-        prompt_logprobs = self._prompt_logprobs(so, hidden, meta)
+        step = PendingStep(self, so.step_id, len(so.scheduled_handles))
+        step.prompt_logprobs = self._prompt_logprobs(so, hidden, meta)
+        timings["forward"] = time.perf_counter() - start
+        start = time.perf_counter()
         if sampling_rows:
             logits_indices = meta.query_start_loc[1:][torch.as_tensor(sampling_rows, device=self.device)] - 1
             logits = self.model.compute_logits(hidden[logits_indices])
             for state in sample_states:
                 if state.generator is not None:
-                    position = len(state.token_ids) - state.num_prompt_tokens
+                    position = state.num_computed_tokens - state.num_prompt_tokens
                     state.generator.manual_seed((state.params.seed * _SEED_MIX + position) % (1 << 63))
             sampling_meta = build_sampling_metadata(sample_states, self.vocab_size,
                                                     self.config.model.eos_token_ids, self.device)
             out = self.sampler(logits, sampling_meta)
-            tokens = out.sampled_token_ids.tolist()
-            for row, state, token in zip(sampling_rows, sample_states, tokens):
-                state.token_ids.append(token)
-                sampled[row] = [token]
-            if out.logprobs is not None:
-                logprobs = self._pack_logprobs(out.logprobs, sampling_rows, sample_states, len(sampled))
-        return ModelRunnerOutput.from_rows(so.step_id, sampled, logprobs=logprobs,
-                                           prompt_logprobs=prompt_logprobs)
+            step.set_sampled(out, sampling_rows, sample_states, [s.handle for s in sample_states])
+        timings["sample"] = time.perf_counter() - start
+        if prev is not None:
+            prev.output()
+        self._pending = step
+        return step
+
+    def _needs_host_tokens(self, so: SchedulerOutput) -> bool:
+        for handle in so.scheduled_handles:
+            p = self.states[handle].params
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.min_tokens:
+                return True
+        return False
+
+    def _fill_placeholders(self, so: SchedulerOutput, input_ids: torch.Tensor, meta: AttentionMetadata,
+                           prev: "PendingStep") -> None:
+        """Copy on the device the previous step's sampled ids into inputs not yet known on the host."""
+        if prev.done_on_host:
+            return
+        dst, src = [], []
+        starts = meta.query_start_loc_cpu.tolist()
+        for row, handle in enumerate(so.scheduled_handles):
+            state = self.states[handle]
+            if state.num_computed_tokens > len(state.token_ids):  # the last input is a placeholder
+                dst.append(starts[row + 1] - 1)
+                src.append(prev.row_of[handle])
+        if dst:
+            self.num_placeholders_filled += len(dst)
+            index = torch.as_tensor(dst, device=self.device)
+            input_ids[index] = prev.sampled[torch.as_tensor(src, device=self.device)]
 
     def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor,
                          meta: AttentionMetadata) -> list[Logprobs | None]:
@@ -180,7 +226,10 @@ class ModelRunner:
             state = self.states[handle]
             start = state.num_computed_tokens
             end = start + n
-            input_ids.extend(state.token_ids[start:end])
+            chunk = state.token_ids[start:end]
+            input_ids.extend(chunk)
+            if len(chunk) < n:  # async scheduling: the last input is still on the device
+                input_ids.extend([0] * (n - len(chunk)))
             positions = np.arange(start, end, dtype=np.int64)
             blocks = np.asarray(state.block_ids, dtype=np.int64)
             position_chunks.append(positions)
@@ -240,3 +289,60 @@ class ModelRunner:
             logprobs = np.concatenate([[sampled_lp[i]], top_lp[i, :k]])[None, :]
             packed[row] = Logprobs.from_arrays(token_ids, logprobs, ranks[i:i + 1])
         return packed
+
+
+class PendingStep:
+    """A launched step. `output()` waits for its sampled ids, appends them to the requests'
+    host state (once) and returns the reply."""
+
+    def __init__(self, runner: ModelRunner, step_id: int, num_rows: int) -> None:
+        self.runner = runner
+        self.step_id = step_id
+        self.num_rows = num_rows
+        self.sampled: torch.Tensor | None = None  # on the device
+        self.row_of: dict[int, int] = {}  # handle -> index into `sampled`
+        self.prompt_logprobs: list[Logprobs | None] = []
+        self.done_on_host = False
+        self._host: torch.Tensor | None = None
+        self._event = None
+        self._sampler_out = None
+        self._rows: list[int] = []
+        self._states: list[RequestState] = []
+        self._output: ModelRunnerOutput | None = None
+
+    def set_sampled(self, out, rows: list[int], states: list[RequestState], handles: list[int]) -> None:
+        self.sampled = out.sampled_token_ids
+        self.row_of = {h: i for i, h in enumerate(handles)}
+        self._sampler_out, self._rows, self._states = out, rows, states
+        if self.sampled.device.type == "cuda":
+            self._host = torch.empty(self.sampled.shape, dtype=self.sampled.dtype, pin_memory=True)
+            self._host.copy_(self.sampled, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = self.sampled
+
+    def done(self) -> bool:
+        """True when `output()` will not wait for the device."""
+        return self._event is None or self._event.query()
+
+    def output(self) -> ModelRunnerOutput:
+        if self._output is not None:
+            return self._output
+        sampled: list[list[int]] = [[] for _ in range(self.num_rows)]
+        logprobs: list[Logprobs | None] = []
+        if self._host is not None:
+            if self._event is not None:
+                self._event.synchronize()
+            tokens = self._host.tolist()
+            for row, state, token in zip(self._rows, self._states, tokens):
+                state.token_ids.append(token)
+                sampled[row] = [token]
+            if self._sampler_out.logprobs is not None:
+                logprobs = self.runner._pack_logprobs(self._sampler_out.logprobs, self._rows, self._states,
+                                                      self.num_rows)
+        self.done_on_host = True
+        self._output = ModelRunnerOutput.from_rows(self.step_id, sampled, logprobs=logprobs,
+                                                   prompt_logprobs=self.prompt_logprobs)
+        self._sampler_out = None
+        return self._output

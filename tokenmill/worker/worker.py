@@ -6,7 +6,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput
-from tokenmill.worker.model_runner import ModelRunner
+from tokenmill.worker.model_runner import ModelRunner, PendingStep
 
 
 class Worker:
@@ -32,3 +32,7 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
+
+    def launch_model(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Start a step without waiting for its sampled ids (async scheduling)."""
+        return self.runner.launch(scheduler_output)

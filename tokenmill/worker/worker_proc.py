@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 import msgspec
 import zmq
@@ -72,14 +73,33 @@ class WorkerProc:
         call_decoder = msgspec.msgpack.Decoder(WorkerCall)
         encoder = msgspec.msgpack.Encoder()
         driver = self.rank == 0
+        pending = None  # a launched step whose reply is not sent yet
+
+        def flush() -> None:
+            nonlocal pending
+            if pending is not None:
+                output = pending.output()
+                if driver:
+                    self.send(WorkerOutputKind.RESULT, encoder.encode(output))
+                pending = None
+
         while True:
+            # While the device runs the pending step, take the next one if it arrives, so
+            # that it is launched before the pending step's tokens are read back.
+            while pending is not None and not self.ring.ready():
+                if pending.done():
+                    flush()
+                else:
+                    time.sleep(0)
             message = memoryview(self.ring.read(self.parent_gone))
             kind = message[0]
             if kind == WorkerInputKind.EXECUTE:
-                output = worker.execute_model(step_decoder.decode(message[1:]))
-                if driver:
-                    self.send(WorkerOutputKind.RESULT, encoder.encode(output))
-            elif kind == WorkerInputKind.CALL:
+                step = worker.launch_model(step_decoder.decode(message[1:]))
+                flush()
+                pending = step
+                continue
+            flush()
+            if kind == WorkerInputKind.CALL:
                 call = call_decoder.decode(message[1:])
                 if call.method not in _CALLS:
                     raise ValueError(f"unknown worker call {call.method!r}")

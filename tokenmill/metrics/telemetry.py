@@ -1,0 +1,56 @@
+"""One process's telemetry: message counters per channel, step-phase timings, optional trace.
+
+Channels (each counted by both ends, kind byte included):
+  requests        front-end -> core   (add, abort)
+  outputs         core -> front-end   (token ids)
+  steps           core -> workers     (SchedulerOutput, through the shm ring)
+  results         worker -> core      (ModelRunnerOutput, driver rank)
+  utility_calls / utility_results, worker_calls / worker_call_results: control messages
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from tokenmill.metrics.message_stats import MessageStats
+from tokenmill.metrics.step_timings import StepTimings
+from tokenmill.metrics.step_trace import StepTrace
+from tokenmill.protocol import ProcessTelemetry
+
+
+class Telemetry:
+    def __init__(self, role: str, trace_path: str | None = None) -> None:
+        self.role = role
+        self.channels: dict[str, MessageStats] = {}
+        self.timings = StepTimings()
+        self.trace = StepTrace(trace_path, role) if trace_path else None
+        self._since = time.perf_counter()
+
+    def channel(self, name: str) -> MessageStats:
+        stats = self.channels.get(name)
+        if stats is None:
+            stats = self.channels[name] = MessageStats()
+        return stats
+
+    def record(self, name: str, start_s: float, end_s: float, args: dict | None = None) -> None:
+        """One phase of a step: its duration, and a trace event when tracing."""
+        self.timings.add(name, end_s - start_s)
+        if self.trace is not None:
+            self.trace.add(name, start_s, end_s, args)
+
+    def reset(self) -> None:
+        for stats in self.channels.values():
+            stats.reset()
+        self.timings.reset()
+        self._since = time.perf_counter()
+
+    def snapshot(self) -> ProcessTelemetry:
+        return ProcessTelemetry(role=self.role, pid=os.getpid(), elapsed_s=time.perf_counter() - self._since,
+                                channels={k: v.snapshot() for k, v in list(self.channels.items())},
+                                timings=self.timings.summary())
+
+    def close(self) -> None:
+        """Write this process's trace part, if tracing."""
+        if self.trace is not None:
+            self.trace.write_part()
