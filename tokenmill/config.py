@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -133,7 +134,7 @@ class EngineArgs:
                                      gpu_memory_utilization=self.gpu_memory_utilization)
         return EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device_config,
                             max_logprobs=self.max_logprobs, log_stats=not self.disable_log_stats,
-                            trace_steps=self.trace_steps)
+                            trace_steps=os.path.abspath(self.trace_steps) if self.trace_steps else None)
 
 
 def resolve_device(name: str) -> torch.device:

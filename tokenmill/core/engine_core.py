@@ -16,8 +16,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor.base import Executor
+from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.protocol import (EngineCoreOutputs, EngineCoreRequest, KVCacheStats, ModelRunnerOutput,
-                                SchedulerOutput, SchedulerStatsReport, unpack_ids)
+                                SchedulerOutput, SchedulerStatsReport, TelemetryReport, unpack_ids)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        self.telemetry = Telemetry("core", config.trace_steps)
+        self.telemetry.channels.update(self.executor.channel_stats())
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(
@@ -62,16 +65,32 @@ class EngineCore:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     def step(self) -> EngineCoreOutputs:
-        """Fill the in-flight queue, then wait for the oldest step and apply it."""
+        """Fill the in-flight queue, then wait for the oldest step and apply it.
+        Each phase (schedule, submit, wait, update) is timed in `telemetry`."""
+        record, clock = self.telemetry.record, time.perf_counter
         while len(self.in_flight) < self.max_in_flight:
+            start = clock()
             batch = self.scheduler.schedule()
             if batch is None:
                 break
-            self.in_flight.append((batch, self.executor.submit(batch)))
+            scheduled = clock()
+            future = self.executor.submit(batch)
+            submitted = clock()
+            args = {"step": batch.step_id}
+            record("schedule", start, scheduled, args)
+            record("submit", scheduled, submitted, args)
+            self.in_flight.append((batch, future))
         if not self.in_flight:
             return EngineCoreOutputs(outputs=[], timestamp=time.time())
         batch, future = self.in_flight.popleft()
-        outputs = self.scheduler.update(batch, future.result())
+        start = clock()
+        result = future.result()
+        done = clock()
+        outputs = self.scheduler.update(batch, result)
+        updated = clock()
+        args = {"step": batch.step_id}
+        record("wait", start, done, args)
+        record("update", done, updated, args)
         outputs.timestamp = time.time()
         return outputs
 
@@ -85,5 +104,14 @@ class EngineCore:
         return SchedulerStatsReport(s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries,
                                     s.prefix_cache_hits, s.num_preemptions)
 
+    def telemetry_report(self) -> TelemetryReport:
+        """This process's telemetry, then each worker's."""
+        return TelemetryReport([self.telemetry.snapshot(), *self.executor.worker_telemetry()])
+
+    def reset_telemetry(self) -> None:
+        self.telemetry.reset()
+        self.executor.reset_worker_telemetry()
+
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.telemetry.close()

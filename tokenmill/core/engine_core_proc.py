@@ -17,6 +17,7 @@ import os
 import queue
 import sys
 import threading
+import time
 
 import msgspec
 import zmq
@@ -29,7 +30,7 @@ from tokenmill.protocol import (AbortRequests, CoreInputKind, CoreLaunch, CoreOu
 
 logger = logging.getLogger(__name__)
 
-_UTILITIES = ("kv_cache_stats", "scheduler_stats")
+_UTILITIES = ("kv_cache_stats", "scheduler_stats", "telemetry_report", "reset_telemetry")
 
 
 class _Fatal:
@@ -142,6 +143,10 @@ class EngineCoreProc:
         decoders = {CoreInputKind.ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
                     CoreInputKind.ABORT: msgspec.msgpack.Decoder(AbortRequests),
                     CoreInputKind.UTILITY: msgspec.msgpack.Decoder(UtilityCall)}
+        telemetry = self.engine.telemetry
+        channels = {CoreInputKind.ADD: telemetry.channel("requests"),
+                    CoreInputKind.ABORT: telemetry.channel("requests"),
+                    CoreInputKind.UTILITY: telemetry.channel("utility_calls")}
         try:
             while not self._stop.is_set():
                 if not self.input_sock.poll(100):
@@ -151,7 +156,10 @@ class EngineCoreProc:
                 if kind == CoreInputKind.SHUTDOWN:
                     self.inputs.put((kind, None))
                     return
-                self.inputs.put((kind, decoders[kind].decode(payload.buffer)))
+                start = time.perf_counter()
+                message = decoders[kind].decode(payload.buffer)
+                channels[kind].decoded(len(payload) + 1, time.perf_counter() - start)
+                self.inputs.put((kind, message))
         except Exception as exc:  # a malformed message: a bug on the other side; give up loudly
             self.inputs.put(_Fatal(f"bad input message: {type(exc).__name__}: {exc}"))
         finally:
@@ -159,9 +167,21 @@ class EngineCoreProc:
 
     def _output_thread(self) -> None:
         encoder = msgspec.msgpack.Encoder()
+        telemetry = self.engine.telemetry
+        channels = {CoreOutputKind.OUTPUTS: telemetry.channel("outputs"),
+                    CoreOutputKind.UTILITY_RESULT: telemetry.channel("utility_results")}
+        clock = time.perf_counter
         while (item := self.outputs.get()) is not None:
             kind, message = item
-            self.output_sock.send_multipart([bytes((kind,)), encoder.encode(message)], copy=False)
+            start = clock()
+            payload = encoder.encode(message)
+            encoded = clock()
+            self.output_sock.send_multipart([bytes((kind,)), payload], copy=False)
+            channel = channels.get(kind)
+            if channel is not None:
+                channel.encoded(len(payload) + 1, encoded - start)
+            if kind == CoreOutputKind.OUTPUTS:
+                telemetry.record("send_outputs", start, clock())
 
     def _send(self, kind: CoreOutputKind, message: msgspec.Struct) -> None:
         """Send from the calling thread (only before the output thread starts)."""

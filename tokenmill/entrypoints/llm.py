@@ -23,6 +23,7 @@ from tokenmill.frontend.input_processor import InputProcessor, Prompt
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.model.tokenizer import load_tokenizer
 from tokenmill.outputs import RequestOutput
+from tokenmill.protocol import TelemetryReport
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -107,11 +108,16 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
+        record = self.client.telemetry.record
         try:
             while self.output_processor.has_unfinished():
+                waiting = time.perf_counter()
                 step = self.client.get_outputs()
+                got = time.perf_counter()
                 generated += sum(len(o.new_token_ids) for o in step.outputs)
                 processed = self.output_processor.process_outputs(step.outputs)
+                record("get_outputs", waiting, got)
+                record("process_outputs", got, time.perf_counter())
                 if processed.handles_to_abort:
                     self.client.abort_requests(processed.handles_to_abort)
                 for out in processed.request_outputs:
@@ -124,6 +130,7 @@ class LLM:
             raise
         finally:
             bar.close()
+        self.client.drain()  # in-process: a step scheduled past the last finish (async) completes now
         return [results[r] for r in order]
 
     def _abort_all(self, order: list[str], done: dict[str, RequestOutput]) -> None:
@@ -139,6 +146,14 @@ class LLM:
     def scheduler_stats(self) -> dict[str, int | float]:
         """Running and waiting requests, KV usage, prefix-cache hits, preemptions."""
         return msgspec.structs.asdict(self.client.scheduler_stats())
+
+    def telemetry(self) -> TelemetryReport:
+        """Every process's message counters and step timings since the last reset: the
+        front-end, the engine core, then each worker (see `tokenmill.metrics`)."""
+        return self.client.telemetry_report()
+
+    def reset_telemetry(self) -> None:
+        self.client.reset_telemetry()
 
     def shutdown(self) -> None:
         """Stop the engine (idempotent); later calls raise EngineDeadError in multi-process mode."""

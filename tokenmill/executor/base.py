@@ -6,7 +6,8 @@ from abc import ABC, abstractmethod
 from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
-from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput
+from tokenmill.metrics.message_stats import MessageStats
+from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
 
 
 class Executor(ABC):
@@ -26,6 +27,17 @@ class Executor(ABC):
     @abstractmethod
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Start a step; the future resolves to the driver worker's output."""
+
+    def channel_stats(self) -> dict[str, MessageStats]:
+        """This (the engine core's) side of the worker channels; shared, reset in place."""
+        return {}
+
+    def worker_telemetry(self) -> list[ProcessTelemetry]:
+        """Each worker's telemetry, by rank."""
+        return []
+
+    def reset_worker_telemetry(self) -> None:
+        pass
 
     def shutdown(self) -> None:
         pass

@@ -14,7 +14,8 @@ from concurrent.futures import Future
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.executor.base import Executor
 from tokenmill.executor.worker_group import WorkerGroup
-from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput
+from tokenmill.metrics.message_stats import MessageStats
+from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
 
 
 class MultiprocExecutor(Executor):
@@ -46,6 +47,15 @@ class MultiprocExecutor(Executor):
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         return self.workers.submit(scheduler_output)
+
+    def channel_stats(self) -> dict[str, MessageStats]:
+        return self.workers.channels
+
+    def worker_telemetry(self) -> list[ProcessTelemetry]:
+        return self.workers.call("telemetry_snapshot")
+
+    def reset_worker_telemetry(self) -> None:
+        self.workers.call("reset_telemetry")
 
     def shutdown(self) -> None:
         self.workers.shutdown()

@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor
-from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput
+from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
 from tokenmill.worker.worker import Worker
 
 
@@ -24,6 +24,15 @@ class UniprocExecutor(Executor):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
+
+    def worker_telemetry(self) -> list[ProcessTelemetry]:
+        return [self.worker.telemetry_snapshot()]
+
+    def reset_worker_telemetry(self) -> None:
+        self.worker.reset_telemetry()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Launch now; the future reads the sampled ids back when asked, so the caller can

@@ -25,6 +25,7 @@ import zmq
 from tokenmill.child_process import spawn_child, spawned_by_main_thread, stop_process
 from tokenmill.errors import EngineDeadError, exception_from_report
 from tokenmill.executor.shm_ring import RingAbortedError, ShmRingWriter
+from tokenmill.metrics.message_stats import MessageStats
 from tokenmill.protocol import (ErrorReport, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerCallResult,
                                 WorkerInputKind, WorkerLaunch, WorkerOutputKind)
 
@@ -81,6 +82,8 @@ class WorkerGroup:
         self._result_decoder = msgspec.msgpack.Decoder(WorkerCallResult)
         self._error_decoder = msgspec.msgpack.Decoder(ErrorReport)
         self._step_encoder = msgspec.msgpack.Encoder()
+        # This side's message counters (encodes of steps and calls, decodes of their replies).
+        self.channels = {name: MessageStats() for name in ("steps", "results", "worker_calls", "worker_call_results")}
         self._procs = []
         self._ready = self._expect(set(range(self.world_size)))
         self._reader = threading.Thread(target=self._read_replies, name="worker-replies", daemon=True)
@@ -103,8 +106,10 @@ class WorkerGroup:
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Broadcast a step; the future resolves to the driver's output, strictly in order."""
+        start = time.perf_counter()
         buf = bytearray((WorkerInputKind.EXECUTE,))
         self._step_encoder.encode_into(scheduler_output, buf, 1)
+        self.channels["steps"].encoded(len(buf), time.perf_counter() - start)
         pending = self._expect({0}, driver_only=True)
         self._send(buf)
         return pending.future
@@ -112,7 +117,10 @@ class WorkerGroup:
     def call(self, method: str, arg: int | None = None) -> list:
         """Run a setup call on every worker; their return values in rank order."""
         pending = self._expect(set(range(self.world_size)))
-        self._send(bytes((WorkerInputKind.CALL,)) + msgspec.msgpack.encode(WorkerCall(method, arg)))
+        start = time.perf_counter()
+        message = bytes((WorkerInputKind.CALL,)) + msgspec.msgpack.encode(WorkerCall(method, arg))
+        self.channels["worker_calls"].encoded(len(message), time.perf_counter() - start)
+        self._send(message)
         values = pending.future.result()
         return [values[rank] for rank in range(self.world_size)]
 
@@ -196,10 +204,17 @@ class WorkerGroup:
         if pending is None:
             logger.warning("unexpected reply of kind %d from worker %d", kind, rank)
             return
+        nbytes = len(payload) + REPLY_HEAD.size
+        start = time.perf_counter()
         if kind == WorkerOutputKind.RESULT:
-            pending.deliver(rank, self._step_decoder.decode(payload))
+            value = self._step_decoder.decode(payload)
+            self.channels["results"].decoded(nbytes, time.perf_counter() - start)
+            pending.deliver(rank, value)
         elif kind == WorkerOutputKind.CALL_RESULT:
-            pending.deliver(rank, self._result_decoder.decode(payload).value)
+            value = self._result_decoder.decode(payload).value
+            if rank == 0:
+                self.channels["worker_call_results"].decoded(nbytes, time.perf_counter() - start)
+            pending.deliver(rank, value)
         elif kind == WorkerOutputKind.READY:
             pending.deliver(rank, None)
 

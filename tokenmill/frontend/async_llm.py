@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +26,7 @@ from tokenmill.frontend.input_processor import InputProcessor, Prompt
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.model.tokenizer import load_tokenizer
 from tokenmill.outputs import RequestOutput
+from tokenmill.protocol import TelemetryReport
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -100,6 +102,17 @@ class AsyncLLM:
         self._ensure_handler()
         return msgspec.structs.asdict(await self.client.scheduler_stats())
 
+    async def telemetry(self) -> TelemetryReport:
+        """Every process's message counters and step timings (see `LLM.telemetry`)."""
+        self._check_alive()
+        self._ensure_handler()
+        return await self.client.telemetry_report()
+
+    async def reset_telemetry(self) -> None:
+        self._check_alive()
+        self._ensure_handler()
+        await self.client.reset_telemetry()
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
@@ -113,7 +126,9 @@ class AsyncLLM:
         try:
             while True:
                 outputs = await self.client.get_outputs()
+                start = time.perf_counter()
                 processed = self.output_processor.process_outputs(outputs.outputs)
+                self.client.telemetry.record("process_outputs", start, time.perf_counter())
                 if processed.handles_to_abort:
                     self.client.abort_requests(processed.handles_to_abort)
                 for out in processed.request_outputs:

@@ -24,12 +24,23 @@ class DeviceIdleMeter:
         self._last_end: float | None = None  # host clock (CPU)
         self._last_end_event = None  # CUDA
         self._gaps: deque[tuple] = deque()  # CUDA (end event, start event) pairs not yet read
+        self._hooked = False
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Time each forward of `model` (CPU: its start and end; CUDA: its start)."""
+        """Time each forward of `model` (CPU: its start and end; CUDA: its start). Without a
+        model (the null runner), each step's launch counts as its device work."""
         model.register_forward_pre_hook(lambda module, args: self.work_started())
         if not self._cuda:
             model.register_forward_hook(lambda module, args, out: self.work_ended())
+        self._hooked = True
+
+    def step_starting(self) -> None:
+        if not self._hooked:
+            self.work_started()
+
+    def step_launched(self) -> None:
+        if self._cuda or not self._hooked:
+            self.work_ended()
 
     def work_started(self) -> None:
         if self._cuda:

@@ -1,25 +1,42 @@
-"""One worker per device: sets the device up and owns its model runner."""
+"""One worker per device: sets the device up and owns its model runner (or the null runner).
+
+Also keeps the worker's telemetry: per-step phase timings, the device's idle time between
+steps, and (debug mode) the check of its request mirror against the scheduler's digest.
+"""
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.digest import check_worker_view
+from tokenmill.metrics.telemetry import Telemetry
+from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
+from tokenmill.worker.device_idle import DeviceIdleMeter
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
+from tokenmill.worker.null_runner import NullRunner, NullStep
+
+_RUNNER_PHASES = ("prepare", "forward", "sample")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
+        self.telemetry = Telemetry(f"worker{rank}", config.trace_steps)
+        null = config.model.load_format == "null"
         device = config.device.device
-        if device.type == "cuda":
+        if device.type == "cuda" and not null:
             torch.cuda.set_device(device)
         torch.manual_seed(config.model.seed)
-        self.runner = ModelRunner(config)
+        self.runner: ModelRunner | NullRunner = NullRunner(config) if null else ModelRunner(config)
+        self.idle = DeviceIdleMeter(torch.device("cpu") if null else device, self.telemetry)
 
     def load_model(self) -> None:
         self.runner.load_model()
+        if self.runner.model is not None:
+            self.idle.attach(self.runner.model)
 
     def available_kv_blocks(self) -> int:
         return self.runner.available_kv_blocks()
@@ -31,8 +48,33 @@ class Worker:
         self.runner.init_kv_cache(num_blocks)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(scheduler_output)
+        return self.launch_model(scheduler_output).output()
 
-    def launch_model(self, scheduler_output: SchedulerOutput) -> PendingStep:
+    def launch_model(self, scheduler_output: SchedulerOutput) -> PendingStep | NullStep:
         """Start a step without waiting for its sampled ids (async scheduling)."""
-        return self.runner.launch(scheduler_output)
+        start = time.perf_counter()
+        self.idle.step_starting()
+        step = self.runner.launch(scheduler_output)
+        self.idle.step_launched()
+        self._record_phases(start, scheduler_output.step_id)
+        check_worker_view(scheduler_output, self.runner.states)
+        return step
+
+    def _record_phases(self, start: float, step_id: int) -> None:
+        """The runner's own phase timings (if it reports them), laid end to end from `start`."""
+        timings = getattr(self.runner, "last_timings", None) or {}
+        args = {"step": step_id}
+        for name in _RUNNER_PHASES:
+            seconds = timings.get(name)
+            if seconds is not None:
+                self.telemetry.record(name, start, start + seconds, args)
+                start += seconds
+
+    def telemetry_snapshot(self) -> ProcessTelemetry:
+        return self.telemetry.snapshot()
+
+    def reset_telemetry(self) -> None:
+        self.telemetry.reset()
+
+    def shutdown(self) -> None:
+        self.telemetry.close()

@@ -25,7 +25,8 @@ from tokenmill.protocol import (SchedulerOutput, WorkerCall, WorkerCallResult, W
 
 logger = logging.getLogger(__name__)
 
-_CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "init_kv_cache")
+_CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "init_kv_cache", "telemetry_snapshot",
+          "reset_telemetry")
 
 
 class WorkerProc:
@@ -36,6 +37,7 @@ class WorkerProc:
         self.reply.setsockopt(zmq.SNDHWM, 0)
         self.reply.connect(launch.reply_addr)
         self.ring: ShmRingReader | None = None
+        self.worker = None
         self._parent = launch.parent_pid
 
     def send(self, kind: WorkerOutputKind, payload: bytes = b"") -> None:
@@ -52,7 +54,7 @@ class WorkerProc:
             self.ring = ShmRingReader(self.launch.ring_name, self.rank, self.launch.overflow_addr,
                                       self.reply.context)
             config = msgspec.convert(self.launch.engine_args, EngineArgs).create_engine_config()
-            worker = Worker(config)
+            worker = self.worker = Worker(config, self.rank)
             self.send(WorkerOutputKind.READY)
             logger.debug("worker %d ready", self.rank)
             self._loop(worker)
@@ -64,6 +66,8 @@ class WorkerProc:
             self.send(WorkerOutputKind.ERROR, msgspec.msgpack.encode(error_report(exc)))
             return 1
         finally:
+            if self.worker is not None:
+                self.worker.shutdown()  # writes its trace part, if tracing
             if self.ring is not None:
                 self.ring.close()
             self.reply.close(linger=2000)  # deliver the last reply before exiting
@@ -74,13 +78,27 @@ class WorkerProc:
         encoder = msgspec.msgpack.Encoder()
         driver = self.rank == 0
         pending = None  # a launched step whose reply is not sent yet
+        telemetry = worker.telemetry
+        steps, results = telemetry.channel("steps"), telemetry.channel("results")
+        calls, call_results = telemetry.channel("worker_calls"), telemetry.channel("worker_call_results")
+        clock = time.perf_counter
 
         def flush() -> None:
             nonlocal pending
             if pending is not None:
+                start = clock()
                 output = pending.output()
+                read = clock()
+                args = {"step": output.step_id}
+                telemetry.record("readback", start, read, args)
                 if driver:
-                    self.send(WorkerOutputKind.RESULT, encoder.encode(output))
+                    payload = encoder.encode(output)
+                    encoded = clock()
+                    self.send(WorkerOutputKind.RESULT, payload)
+                    sent = clock()
+                    results.encoded(len(payload) + REPLY_HEAD.size, encoded - read)
+                    telemetry.record("encode", read, encoded, args)
+                    telemetry.record("send", encoded, sent, args)
                 pending = None
 
         while True:
@@ -94,18 +112,28 @@ class WorkerProc:
             message = memoryview(self.ring.read(self.parent_gone))
             kind = message[0]
             if kind == WorkerInputKind.EXECUTE:
-                step = worker.launch_model(step_decoder.decode(message[1:]))
+                start = clock()
+                scheduler_output = step_decoder.decode(message[1:])
+                decoded = clock()
+                steps.decoded(len(message), decoded - start)
+                telemetry.record("decode", start, decoded, {"step": scheduler_output.step_id})
+                step = worker.launch_model(scheduler_output)
                 flush()
                 pending = step
                 continue
             flush()
             if kind == WorkerInputKind.CALL:
+                start = clock()
                 call = call_decoder.decode(message[1:])
+                calls.decoded(len(message), clock() - start)
                 if call.method not in _CALLS:
                     raise ValueError(f"unknown worker call {call.method!r}")
                 method = getattr(worker, call.method)
                 value = method() if call.arg is None else method(call.arg)
-                self.send(WorkerOutputKind.CALL_RESULT, encoder.encode(WorkerCallResult(value)))
+                start = clock()
+                payload = encoder.encode(WorkerCallResult(value))
+                call_results.encoded(len(payload) + REPLY_HEAD.size, clock() - start)
+                self.send(WorkerOutputKind.CALL_RESULT, payload)
             elif kind == WorkerInputKind.SHUTDOWN:
                 return
             else:
