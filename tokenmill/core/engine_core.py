@@ -16,6 +16,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.executor.base import Executor
+from tokenmill.metrics.stats_logger import StatsLogger
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.protocol import (EngineCoreOutputs, EngineCoreRequest, KVCacheStats, ModelRunnerOutput,
                                 SchedulerOutput, SchedulerStatsReport, TelemetryReport, unpack_ids)
@@ -48,6 +49,7 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        self.stats_logger = StatsLogger(enabled=config.log_stats)
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.telemetry = Telemetry("core", config.trace_steps)
         self.telemetry.channels.update(self.executor.channel_stats())
@@ -87,6 +89,9 @@ class EngineCore:
         result = future.result()
         done = clock()
         outputs = self.scheduler.update(batch, result)
+        self.stats_logger.record_step(batch.total_num_scheduled_tokens,
+                                      sum(len(o.new_token_ids) for o in outputs.outputs))
+        self.stats_logger.maybe_log(self.scheduler.stats())
         updated = clock()
         args = {"step": batch.step_id}
         record("wait", start, done, args)
