@@ -53,7 +53,7 @@ def parity(path: str, dtype: str, results: dict, **engine_kwargs) -> None:
     from tokenmill import LLM, SamplingParams
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in LENGTHS]
-    llm = LLM(path, dtype=dtype, **engine_kwargs)
+    llm = LLM(path, dtype=dtype, gpu_memory_utilization=0.4, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
@@ -100,11 +100,41 @@ def throughput(path: str, batch: int, results: dict, **engine_kwargs) -> None:
     print(f"{key}: {tokens / elapsed:.0f} output tok/s ({elapsed:.2f} s)")
 
 
+def tiny_families(results: dict) -> None:
+    """Every supported family (tiny random configs, GQA, tied and untied) vs HF on the GPU."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.tiny_models import ARCHS, make_tiny_model_dir
+    from tokenmill import LLM, SamplingParams
+    rng = random.Random(0)
+    for arch in ARCHS:
+        for tied in (False, True):
+            path = make_tiny_model_dir(arch, tempfile.mkdtemp(), tie_word_embeddings=tied)
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+            prompts = [[rng.randrange(3, 259) for _ in range(n)] for n in (1, 7, 33, 100)]
+            for dtype in ("float32", "bfloat16", "float16"):
+                llm = LLM(path, dtype=dtype, gpu_memory_utilization=0.2, max_num_batched_tokens=64)
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+                llm.shutdown()
+                ok = 0
+                for prompt, out in zip(prompts, outs):
+                    try:
+                        compare_greedy(out.outputs[0].token_ids, hf_greedy(hf, prompt, 24))
+                        ok += 1
+                    except AssertionError:
+                        pass
+                key = f"tiny_{arch}_{'tied' if tied else 'untied'}_{dtype}"
+                results[key] = ok
+                print(f"{key}: {ok}/4 match HF float32 greedy")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
     results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    tiny_families(results)
     path = make_model_dir()
     parity(path, "float32", results)
     parity(path, "float32", results, max_num_batched_tokens=256)

@@ -26,7 +26,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=(
     tokens: list[int] = []
     gaps: list[float] = []
     past = None
-    inputs = torch.tensor([prompt_ids])
+    inputs = torch.tensor([prompt_ids], device=model.device)
     for _ in range(max_new_tokens):
         out = model(input_ids=inputs, past_key_values=past, use_cache=True)
         past = out.past_key_values
@@ -37,7 +37,7 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=(
         gaps.append(float(top2.values[0] - top2.values[1]))
         if token in eos_token_ids:
             break
-        inputs = torch.tensor([[token]])
+        inputs = torch.tensor([[token]], device=model.device)
     return Reference(tokens, gaps)
 
 
