@@ -64,15 +64,17 @@ class _StepPlan:
     buffers: dict = field(default_factory=dict)  # gather buffers, shared by the step's layers
 
 
-# The plan of the step in flight: every layer sees the same metadata object.
-_last_plan: list = [None, 0, None]  # meta, block_size, plan
+# The plan of the step in flight, as one (meta, block_size, plan) tuple: every layer sees the
+# same metadata object. Read and replaced whole, so a step prepared on another thread is safe.
+_last_plan: list = [None]
 
 
 def _plan_for(meta: AttentionMetadata, block_size: int) -> _StepPlan:
-    if _last_plan[0] is meta and _last_plan[1] == block_size:
-        return _last_plan[2]
+    entry = _last_plan[0]
+    if entry is not None and entry[0] is meta and entry[1] == block_size:
+        return entry[2]
     plan = _build_plan(meta, block_size)
-    _last_plan[:] = [meta, block_size, plan]
+    _last_plan[0] = (meta, block_size, plan)
     return plan
 
 
