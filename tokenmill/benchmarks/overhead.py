@@ -133,13 +133,9 @@ class _Driver:
             self._add()
         for _ in range(warmup):
             self._step()
-        # Catch up with steps the core ran ahead (bounded: a front-end slower than the core
-        # never catches up), so the window measures the rate, not a backlog.
-        for _ in range(warmup + steps):
-            if not self.llm.client.outputs_ready():
-                break
-            self._step()
+        self._catch_up(warmup + steps)
         self.llm.reset_telemetry()
+        self._catch_up(warmup + steps)
         start, tokens = time.perf_counter(), 0
         for _ in range(steps):
             tokens += self._step()
@@ -147,6 +143,14 @@ class _Driver:
         report = self.llm.telemetry()
         self._stop_all()
         return window, steps, tokens, report
+
+    def _catch_up(self, limit: int) -> None:
+        """Take the outputs of steps the core ran ahead (at most `limit`: a front-end slower
+        than the core never catches up), so the window measures a rate, not a backlog."""
+        for _ in range(limit):
+            if not self.llm.client.outputs_ready():
+                return
+            self._step()
 
     def _stop_all(self) -> None:
         llm = self.llm

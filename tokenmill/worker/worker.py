@@ -27,8 +27,8 @@ class Worker:
         self.telemetry = Telemetry(f"worker{rank}", config.trace_steps)
         null = config.model.load_format == "null"
         device = config.device.device
-        if device.type == "cuda" and not null:
-            torch.cuda.set_device(device)
+        if device.type == "cuda" and not null and device.index is not None:
+            torch.cuda.set_device(device)  # plain "cuda" keeps the current device
         torch.manual_seed(config.model.seed)
         self.runner: ModelRunner | NullRunner = NullRunner(config) if null else ModelRunner(config)
         self.idle = DeviceIdleMeter(torch.device("cpu") if null else device, self.telemetry)
