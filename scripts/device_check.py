@@ -100,14 +100,43 @@ def throughput(path: str, batch: int, results: dict, **engine_kwargs) -> None:
     print(f"{key}: {tokens / elapsed:.0f} output tok/s ({elapsed:.2f} s)")
 
 
-def tiny_families(results: dict) -> None:
+def device_idle(path: str, batch: int, results: dict) -> None:
+    """SmolLM2-shape dummy weights: device idle between steps and tokens/s, async scheduling off vs on."""
+    from tokenmill import LLM, SamplingParams
+    prompts = [{"prompt_token_ids": [10 + (i * 7) % 40000 for i in range(j, j + 32)]} for j in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True, detokenize=False)
+    for async_on in (False, True):
+        with LLM(path, load_format="dummy", dtype="bfloat16", async_scheduling=async_on,
+                 max_model_len=1024, gpu_memory_utilization=0.4) as llm:
+            llm.generate(prompts[:4], SamplingParams(max_tokens=8, detokenize=False), use_tqdm=False)
+            llm.reset_telemetry()
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            report = llm.telemetry()
+        worker = next(p for p in report.processes if p.role == "worker0")
+        idle = worker.timings.get("device_idle")
+        fwd = worker.timings.get("forward")
+        key = f"idle_b{batch}_async_{'on' if async_on else 'off'}"
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        results[key] = {"device_idle_us_mean": idle.mean_us if idle else None,
+                        "device_idle_us_p50": idle.p50_us if idle else None,
+                        "device_idle_us_p99": idle.p99_us if idle else None,
+                        "forward_host_us_mean": fwd.mean_us if fwd else None,
+                        "output_tokens_per_s": tokens / elapsed}
+        print(f"{key}: idle mean {results[key]['device_idle_us_mean']:.0f} us p50 "
+              f"{results[key]['device_idle_us_p50']:.0f} us p99 {results[key]['device_idle_us_p99']:.0f} us; "
+              f"{tokens / elapsed:.0f} tok/s")
+
+
+def tiny_families(results: dict, archs) -> None:
     """Every supported family (tiny random configs, GQA, tied and untied) vs HF on the GPU."""
     from transformers import AutoModelForCausalLM
 
-    from tests.helpers.tiny_models import ARCHS, make_tiny_model_dir
+    from tests.helpers.tiny_models import make_tiny_model_dir
     from tokenmill import LLM, SamplingParams
     rng = random.Random(0)
-    for arch in ARCHS:
+    for arch in archs:
         for tied in (False, True):
             path = make_tiny_model_dir(arch, tempfile.mkdtemp(), tie_word_embeddings=tied)
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
@@ -131,16 +160,22 @@ def tiny_families(results: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--parts", default="tiny,parity,idle,throughput")
+    ap.add_argument("--archs", default="llama,llama3,mistral,qwen2,qwen3")
     args = ap.parse_args()
+    parts = args.parts.split(",")
     results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
-    tiny_families(results)
+    if "tiny" in parts:
+        tiny_families(results, args.archs.split(","))
     path = make_model_dir()
-    parity(path, "float32", results)
-    parity(path, "float32", results, max_num_batched_tokens=256)
-    parity(path, "bfloat16", results)
-    parity(path, "float16", results)
-    if not args.quick:
+    if "parity" in parts:
+        parity(path, "float32", results)
+        parity(path, "float32", results, max_num_batched_tokens=256)
+        parity(path, "bfloat16", results)
+    if "idle" in parts:
+        for batch in (64, 256):
+            device_idle(path, batch, results)
+    if "throughput" in parts:
         for batch in (64, 256):
             throughput(path, batch, results)
     out = os.environ.get("OUT", ".")
