@@ -43,3 +43,15 @@ def test_matches_reference(head_dim: int, dtype: torch.dtype, heads: tuple[int, 
             expected = p @ v[:, h // group]
             tol = 1e-5 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(out[i, h].double(), expected, atol=tol, rtol=tol)
+
+
+def test_loading_the_kernel_keeps_subnormals():
+    """A kernel built with -ffast-math would switch on flush-to-zero for the whole process."""
+    import numpy as np
+
+    from tokenmill.layers.attention import cpu_decode
+    if not cpu_decode.available():
+        import pytest
+        pytest.skip("no C compiler")
+    tiny = np.float32(1e-39)
+    assert tiny * np.float32(1.0) != 0

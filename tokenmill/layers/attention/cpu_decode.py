@@ -115,8 +115,11 @@ DECODE_KERNEL(decode_attention_f32, float, ld_f32, st_f32)
 DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, st_bf16)
 """
 
-# -ffast-math: vectorized expf and reordered float32 sums (inputs are finite; sums stay float32).
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# Reordered float32 sums so loops vectorize. Not -ffast-math: a shared object built with it
+# sets flush-to-zero for the whole process when loaded (gcc's crtfastmath), changing every
+# other float computation in it.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _tried = False
 
