@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from tests.helpers.hf_reference import compare_greedy, hf_greedy
-from tokenmill import SamplingParams
+from tokenmill import LLM, SamplingParams
 
 LENGTHS = [5, 8, 13, 21, 34, 55, 89, 120, 160, 210, 270, 330, 400, 470, 540, 600]
 TEXT = (
@@ -30,18 +30,24 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.mark.slow
 def test_sixteen_prompts_match_hf_token_for_token(smollm2_llm, smollm2_hf):
+    """In-process with async scheduling (the shared engine), and multi-process with it off."""
     batch = prompts(smollm2_llm.get_tokenizer())
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    outs = smollm2_llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    requests = [{"prompt_token_ids": p} for p in batch]
+    runs = {"single-process, async": smollm2_llm.generate(requests, params, use_tqdm=False)}
+    with LLM("smollm2", dtype="float32", max_model_len=2048, kv_cache_memory_gb=0.5,
+             async_scheduling=False) as multiprocess:
+        runs["multi-process, sync"] = multiprocess.generate(requests, params, use_tqdm=False)
     notes = []
-    for prompt, out in zip(batch, outs):
+    for i, prompt in enumerate(batch):
         ref = hf_greedy(smollm2_hf, prompt, 64)
-        note = compare_greedy(out.outputs[0].token_ids, ref, f"prompt of {len(prompt)} tokens")
-        if note:
-            notes.append(note)
+        for mode, outs in runs.items():
+            note = compare_greedy(outs[i].outputs[0].token_ids, ref, f"{mode}: prompt of {len(prompt)} tokens")
+            if note:
+                notes.append(note)
     for note in notes:
         warnings.warn(note)
-    assert len(notes) <= 2, f"too many near-tie divergences: {notes}"
+    assert len(notes) <= 4, f"too many near-tie divergences: {notes}"
 
 
 @pytest.mark.slow
