@@ -19,9 +19,8 @@ from tqdm.auto import tqdm
 
 from tokenmill.config import EngineArgs
 from tokenmill.frontend.core_client import EngineCoreClient, InprocClient, make_client
-from tokenmill.frontend.input_processor import InputProcessor, Prompt
-from tokenmill.frontend.output_processor import OutputProcessor
-from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.frontend.input_processor import Prompt
+from tokenmill.frontend.setup import build_frontend
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import TelemetryReport
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -31,17 +30,10 @@ logger = logging.getLogger(__name__)
 
 class LLM:
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
-        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.engine_args = EngineArgs(model=model, **kwargs)
-        # Resolved here too, so bad arguments fail before any process starts.
-        self.config = self.engine_args.create_engine_config()
-        # An unsupported architecture is named here, not as an AttributeError deep in the worker.
-        self.tokenizer = load_tokenizer(self.config.model.path)
+        parts = build_frontend(model, kwargs)
+        self.engine_args, self.config, self.tokenizer = parts.engine_args, parts.config, parts.tokenizer
+        self.input_processor, self.output_processor = parts.input_processor, parts.output_processor
         self.client: EngineCoreClient = make_client(self.engine_args, self.config)
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
         self._request_ids = itertools.count()
 
     @property

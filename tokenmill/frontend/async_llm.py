@@ -22,9 +22,8 @@ import msgspec
 from tokenmill.config import EngineArgs
 from tokenmill.errors import EngineDeadError
 from tokenmill.frontend.core_client import AsyncEngineCoreClient, make_async_client
-from tokenmill.frontend.input_processor import InputProcessor, Prompt
-from tokenmill.frontend.output_processor import OutputProcessor
-from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.frontend.input_processor import Prompt
+from tokenmill.frontend.setup import build_frontend
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import TelemetryReport
 from tokenmill.sampling_params import SamplingParams
@@ -35,14 +34,9 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
         """Starts the engine (blocking, like `LLM`); create it before serving requests."""
-        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.engine_args = EngineArgs(model=model, **kwargs)
-        self.config = self.engine_args.create_engine_config()
-        self.tokenizer = load_tokenizer(self.config.model.path)
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        parts = build_frontend(model, kwargs)
+        self.engine_args, self.config, self.tokenizer = parts.engine_args, parts.config, parts.tokenizer
+        self.input_processor, self.output_processor = parts.input_processor, parts.output_processor
         self.client: AsyncEngineCoreClient = make_async_client(self.engine_args, self.config)
         self._queues: dict[str, asyncio.Queue] = {}
         self._handler: asyncio.Task | None = None

@@ -201,7 +201,6 @@ class TorchRefAttentionBackend(AttentionBackend):
             else:
                 out[plan.decode_rows] = o
             return
-        block_size = kv_cache.shape[2]
         blocks = plan.decode_blocks
         key = (kv_cache.dtype, kv_cache.shape[2:])
         buf = plan.buffers.get(key)
@@ -220,7 +219,6 @@ class TorchRefAttentionBackend(AttentionBackend):
             out[plan.decode_rows] = o
 
     def _chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, c: _Chunk) -> torch.Tensor:
-        q_len = q.shape[0]
         # [2, nb, bs, Hkv, D] -> [2, Hkv, seq_len, D]
         kv = kv_cache[:, block_ids[:c.num_blocks].long()].flatten(1, 2)[:, :c.seq_len].transpose(1, 2)
         qh = q.transpose(0, 1)  # [H, q_len, D]
