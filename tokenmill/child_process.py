@@ -62,3 +62,13 @@ def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def exit_now(code: int) -> None:
+    """End a child whose sockets are closed and messages delivered, skipping the slow
+    interpreter teardown (torch and friends)."""
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import queue
 import sys
 import threading
@@ -22,7 +21,7 @@ import time
 import msgspec
 import zmq
 
-from tokenmill.child_process import die_with_parent
+from tokenmill.child_process import die_with_parent, exit_now
 from tokenmill.errors import EngineDeadError, error_report
 from tokenmill.protocol import (AbortRequests, CoreInputKind, CoreLaunch, CoreOutputKind, EngineCoreOutput,
                                 EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, FinishReason, UtilityCall,
@@ -209,10 +208,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main(sys.argv)
-    # Sockets are closed and the context terminated (messages delivered): skip the slow
-    # interpreter teardown (torch and friends) and exit at once.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    exit_now(main(sys.argv))

@@ -21,8 +21,9 @@ from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
 from tokenmill.layers.sampler import Sampler, build_sampling_metadata
 from tokenmill.model.loader import load_model
 from tokenmill.core.batch_order import BatchOrder
-from tokenmill.protocol import CachedRequestData, Logprobs, ModelRunnerOutput, SchedulerOutput, unpack_ids
+from tokenmill.protocol import Logprobs, ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.request_state import RequestState
+from tokenmill.worker.step_diffs import apply_step_diffs
 
 logger = logging.getLogger(__name__)
 
@@ -202,16 +203,7 @@ class ModelRunner:
         return result if any(r is not None for r in result) else []
 
     def _apply_diffs(self, so: SchedulerOutput) -> None:
-        self.batch_order.decode(so)
-        for handle in so.finished_handles:
-            self.states.pop(handle, None)
-        for handle in so.preempted_handles:
-            self.states.pop(handle, None)
-        for data in so.new_requests:
-            self.states[data.handle] = RequestState(data, self.device)
-        cached = so.cached_requests or CachedRequestData()
-        for handle, blocks in zip(cached.handles, cached.new_block_ids):
-            self.states[handle].block_ids.extend(unpack_ids(blocks))
+        apply_step_diffs(so, self.batch_order, self.states, lambda data: RequestState(data, self.device))
 
     def _prepare(self, so: SchedulerOutput):
         if self.device.type == "cpu":

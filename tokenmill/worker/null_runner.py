@@ -13,7 +13,8 @@ import numpy as np
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.batch_order import BatchOrder
-from tokenmill.protocol import CachedRequestData, ModelRunnerOutput, SchedulerOutput, pack_ids, unpack_ids
+from tokenmill.worker.step_diffs import apply_step_diffs
+from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput, pack_ids, unpack_ids
 
 NOMINAL_KV_BLOCKS = 1 << 20
 
@@ -90,14 +91,5 @@ class NullRunner:
         return NullStep(output)
 
     def _apply_diffs(self, so: SchedulerOutput) -> None:
-        self.batch_order.decode(so)
-        for handle in so.finished_handles:
-            self.states.pop(handle, None)
-        for handle in so.preempted_handles:
-            self.states.pop(handle, None)
-        for data in so.new_requests:
-            self.states[data.handle] = NullState(len(data.token_ids) // 4, data.num_computed_tokens,
-                                                 unpack_ids(data.block_ids))
-        cached = so.cached_requests or CachedRequestData()
-        for handle, blocks in zip(cached.handles, cached.new_block_ids):
-            self.states[handle].block_ids.extend(unpack_ids(blocks))
+        apply_step_diffs(so, self.batch_order, self.states, lambda data: NullState(
+            len(data.token_ids) // 4, data.num_computed_tokens, unpack_ids(data.block_ids)))

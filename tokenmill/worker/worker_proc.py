@@ -16,7 +16,7 @@ import time
 import msgspec
 import zmq
 
-from tokenmill.child_process import die_with_parent
+from tokenmill.child_process import die_with_parent, exit_now
 from tokenmill.errors import error_report
 from tokenmill.executor.worker_group import REPLY_HEAD
 from tokenmill.executor.shm_ring import RingAbortedError, ShmRingReader
@@ -152,10 +152,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    exit_code = main(sys.argv)
-    # Sockets are closed and the context terminated (messages delivered): skip the slow
-    # interpreter teardown (torch and friends) and exit at once.
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    exit_now(main(sys.argv))

@@ -1,0 +1,26 @@
+"""Apply a SchedulerOutput's diffs to a worker's per-request mirror (shared by every runner)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tokenmill.core.batch_order import BatchOrder
+from tokenmill.protocol import CachedRequestData, NewRequestData, SchedulerOutput, unpack_ids
+
+
+def apply_step_diffs(so: SchedulerOutput, batch_order: BatchOrder, states: dict[int, Any],
+                     new_state: Callable[[NewRequestData], Any]) -> None:
+    """Decode the batch, drop finished and preempted requests, add new ones, append new blocks.
+
+    Each state must have a `block_ids` list."""
+    batch_order.decode(so)
+    for handle in so.finished_handles:
+        states.pop(handle, None)
+    for handle in so.preempted_handles:
+        states.pop(handle, None)
+    for data in so.new_requests:
+        states[data.handle] = new_state(data)
+    cached = so.cached_requests or CachedRequestData()
+    for handle, blocks in zip(cached.handles, cached.new_block_ids):
+        states[handle].block_ids.extend(unpack_ids(blocks))
