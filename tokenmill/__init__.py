@@ -1,15 +1,11 @@
-"""tokenmill: a high-throughput, memory-efficient LLM inference and serving engine."""
+"""tokenmill: a high-throughput, memory-efficient LLM inference and serving engine.
 
-from tokenmill.no_pickle import forbid_pickle_if_requested
+Importing it changes nothing in the caller's process; the engine's own child processes set
+themselves up in their entry points (`tokenmill.child_process.init_child_process`).
+"""
 
-forbid_pickle_if_requested()  # before anything else is imported: see no_pickle.py
-
-from tokenmill.cpu_threads import set_openmp_defaults  # noqa: E402
-
-set_openmp_defaults()  # before torch loads OpenMP: see cpu_threads.py
-
-from tokenmill.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 __version__ = "0.1.0"
 

@@ -22,6 +22,16 @@ _PR_SET_PDEATHSIG = 1
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
+def init_child_process() -> None:
+    """First thing in a child's entry point, before torch loads: pickle refused when
+    TOKENMILL_FORBID_PICKLE is set (tests prove no channel uses it), and idle OpenMP threads
+    that sleep instead of spinning (see `tokenmill.cpu_threads`)."""
+    from tokenmill.cpu_threads import set_openmp_defaults
+    from tokenmill.no_pickle import forbid_pickle_if_requested
+    forbid_pickle_if_requested()
+    set_openmp_defaults()
+
+
 def spawn_child(module: str, launch: msgspec.Struct) -> subprocess.Popen:
     env = dict(os.environ)
     # The child must import this very tokenmill, wherever the parent found it.

@@ -1,72 +1,115 @@
-"""Frozen, typed configuration: what the user asked for (`EngineArgs`) and what the engine runs with."""
+"""Configuration: what the user asked for (`EngineArgs`) and what the engine runs with (`EngineConfig`).
+
+`EngineArgs` holds the user-facing knobs with vLLM's names. The front-end resolves them once
+(`tokenmill.frontend.engine_config.resolve_engine_config`) into an `EngineConfig`: frozen,
+typed msgspec structs holding only plain values, sent as they are to the engine core and to
+every worker. No process below the front-end resolves anything again, and none needs
+transformers: the model's shape travels as a `ModelArch`.
+"""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import dataclass, fields
 
-import torch
-
-_DTYPES = {
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-}
+import msgspec
 
 
-@dataclass(frozen=True)
-class ModelConfig:
+class RopeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    partial_rotary_factor: float = 1.0
+
+
+class ModelArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The shape of a Llama-family model, normalized from its HF config (`tokenmill.model.arch`)."""
+
+    architecture: str  # HF class name, e.g. LlamaForCausalLM
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    rope: RopeConfig = RopeConfig()
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     path: str  # resolved: a Hugging Face directory or a .gguf file
     name: str  # what the user called it (served model name)
-    dtype: torch.dtype
-    max_model_len: int
-    load_format: str
+    dtype: str  # float32 | bfloat16 | float16
+    max_model_len: int  # longest prompt + output, in tokens
+    load_format: str  # auto | safetensors | gguf | dummy | null
     seed: int
     eos_token_ids: tuple[int, ...]
-    hf_config: object = field(compare=False, repr=False)  # transformers.PretrainedConfig
+    arch: ModelArch
 
     @property
     def vocab_size(self) -> int:
-        return self.hf_config.vocab_size
+        return self.arch.vocab_size
+
+    @property
+    def torch_dtype(self):
+        import torch
+        return getattr(torch, self.dtype)
 
 
-@dataclass(frozen=True)
-class CacheConfig:
+class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_size: int = 16
-    num_blocks: int = 0  # set from the memory budget when the workers start
+    num_blocks_override: int = 0  # 0: derive the number of KV blocks from the memory budget
     enable_prefix_caching: bool = True
+    cpu_kv_cache_bytes: int = 1 << 30  # the KV pool's size on CPU
+    gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights, activations, KV
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    max_model_len: int = 2048
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     debug_check_every: int = 0  # every N steps, workers check their view against a digest; 0 = off
 
 
-@dataclass(frozen=True)
-class DeviceConfig:
-    device: torch.device = torch.device("cpu")
-    kv_cache_memory_bytes: int = 0  # CPU: the KV pool's size; 0 = derive from gpu_memory_utilization on CUDA
-    gpu_memory_utilization: float = 0.9
+class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    world_size: int = 1  # worker processes (full model replicas until tensor parallelism lands)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    device: DeviceConfig
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    device: str = "cpu"  # cpu | cuda | cuda:N
     max_logprobs: int = 20
     log_stats: bool = True
     trace_steps: str | None = None  # Chrome trace file of every process's steps
+    step_timeout_s: float = 300.0  # a step running longer than this kills the engine (EngineDeadError)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model.max_model_len
+
+    @property
+    def torch_device(self):
+        import torch
+        return torch.device(self.device)
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """The user-facing knobs, with vLLM's names. `create_engine_config` resolves them."""
+    """The user-facing knobs, with vLLM's names (also the CLI flags: `add_engine_flags`)."""
 
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
     dtype: str = "auto"
@@ -89,100 +132,7 @@ class EngineArgs:
     single_process: bool = False
     trace_steps: str | None = None
     debug_check_every: int = 0
-
-    def create_engine_config(self) -> EngineConfig:
-        from tokenmill.model.default_model import resolve_model_path
-        from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
-        from tokenmill.model.registry import get_model_class
-
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
-               f"must be a power of two in [1, 128], got {self.block_size}")
-        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
-        _check(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
-               f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        _check(isinstance(self.world_size, int) and self.world_size >= 1, "world_size",
-               f"must be an integer >= 1, got {self.world_size!r}")
-        _check(not (self.single_process and self.world_size > 1), "world_size",
-               f"must be 1 with single_process, got {self.world_size}")
-        _check(self.kv_cache_memory_gb > 0, "kv_cache_memory_gb", f"must be > 0, got {self.kv_cache_memory_gb}")
-        _check(self.load_format in ("auto", "safetensors", "gguf", "dummy", "null"), "load_format",
-               f"must be one of auto, safetensors, gguf, dummy, null; got {self.load_format!r}")
-        _check(self.debug_check_every >= 0, "debug_check_every", f"must be >= 0, got {self.debug_check_every}")
-
-        path = resolve_model_path(self.model)
-        hf_config = load_hf_config(path)
-        get_model_class(hf_config)  # unsupported architectures fail here, before any process starts
-        device = resolve_device(self.device)
-        dtype = resolve_dtype(self.dtype, device)
-        derived_len = _max_position_embeddings(hf_config)
-        max_model_len = self.max_model_len or derived_len
-        _check(1 <= max_model_len <= derived_len, "max_model_len",
-               f"must be in [1, {derived_len}] (the model's max_position_embeddings), got {max_model_len}")
-        max_batched = self.max_num_batched_tokens or max(8192, self.max_num_seqs)
-        _check(max_batched >= 1, "max_num_batched_tokens", f"must be >= 1, got {max_batched}")
-        model = ModelConfig(
-            path=path, name=self.served_model_name or self.model, dtype=dtype,
-            max_model_len=max_model_len, load_format=self.load_format, seed=self.seed,
-            eos_token_ids=load_eos_token_ids(path, hf_config), hf_config=hf_config)
-        cache = CacheConfig(block_size=self.block_size, num_blocks=self.num_gpu_blocks_override or 0,
-                            enable_prefix_caching=self.enable_prefix_caching)
-        scheduler = SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=max_batched,
-                                    max_model_len=max_model_len, async_scheduling=self.async_scheduling,
-                                    debug_check_every=self.debug_check_every)
-        device_config = DeviceConfig(device=device,
-                                     kv_cache_memory_bytes=int(self.kv_cache_memory_gb * (1 << 30)),
-                                     gpu_memory_utilization=self.gpu_memory_utilization)
-        return EngineConfig(model=model, cache=cache, scheduler=scheduler, device=device_config,
-                            max_logprobs=self.max_logprobs, log_stats=not self.disable_log_stats,
-                            trace_steps=os.path.abspath(self.trace_steps) if self.trace_steps else None)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    _check(name in ("cpu", "cuda") or name.startswith("cuda:"), "device",
-           f"must be auto, cpu or cuda, got {name!r}")
-    if name.startswith("cuda"):
-        _check(torch.cuda.is_available(), "device", "is cuda but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-    _check(name in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {name!r}")
-    dtype = _DTYPES[name]
-    _check(not (device.type == "cpu" and dtype == torch.float16), "dtype",
-           "float16 is not supported on CPU; use float32 or bfloat16")
-    return dtype
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when this CPU does bfloat16 matrix math natively (AMX-BF16 or AVX512-BF16).
-
-    There, bfloat16 linears run about 3x faster than float32; elsewhere bfloat16 is
-    emulated and slower, so "auto" picks float32.
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
-    return False
-
-
-def _max_position_embeddings(hf_config) -> int:
-    return int(getattr(hf_config, "max_position_embeddings", None) or 2048)
-
-
-def _check(ok: bool, field_name: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"{field_name} {message}")
+    step_timeout: float = 300.0
 
 
 _FLAG_HELP = {
@@ -208,13 +158,12 @@ _FLAG_HELP = {
     "single_process": "run the engine core and the worker in the caller's process (tests, debugging)",
     "trace_steps": "write a Chrome/Perfetto trace of every process's steps to this file",
     "debug_check_every": "every N steps, workers check their request state against the scheduler's digest (0 = off)",
+    "step_timeout": "seconds a step may run before the engine is declared dead (a hung worker)",
 }
 
 
-def add_engine_flags(parser) -> None:
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Add one --flag per EngineArgs field (vLLM's names), with --no-X for booleans."""
-    import argparse
-    from dataclasses import fields
     defaults = EngineArgs()
     for f in fields(EngineArgs):
         if f.name == "model":
@@ -230,7 +179,6 @@ def add_engine_flags(parser) -> None:
             parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
 
 
-def engine_args_from_flags(namespace, model: str) -> EngineArgs:
-    from dataclasses import fields
+def engine_args_from_flags(namespace: argparse.Namespace, model: str) -> EngineArgs:
     values = {f.name: getattr(namespace, f.name) for f in fields(EngineArgs) if f.name != "model"}
     return EngineArgs(model=model, **values)

@@ -9,8 +9,8 @@ each, and a step gets up to 10x slower than on one thread.
 Two defences:
 - `set_openmp_defaults`: idle OpenMP threads sleep instead of spinning, so
   they do not steal the cores from the thread doing the work (a default only:
-  a value the user set wins; it must run before torch loads libgomp, which is
-  why `tokenmill/__init__.py` calls it first).
+  a value the user set wins; it must run before torch loads libgomp, so child
+  processes call it first thing, in `init_child_process`).
 - `StepThreads`: steps use every core only while a periodic probe (two
   decode-sized matmuls on 1 thread, then on all) shows that the parallel run
   really is faster right now, else one thread.

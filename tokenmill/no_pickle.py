@@ -1,7 +1,8 @@
 """TOKENMILL_FORBID_PICKLE=1 makes pickling raise in this process (tests prove no channel uses it).
 
-`tokenmill/__init__.py` calls `forbid_pickle_if_requested()`, so every tokenmill process
-(front-end, engine core, workers) is covered as soon as it imports the package.
+Every child process (engine core, workers) calls `forbid_pickle_if_requested()` first thing
+(`tokenmill.child_process.init_child_process`); a front-end that wants the same calls it itself,
+since importing tokenmill changes nothing in the caller's process.
 """
 
 from __future__ import annotations

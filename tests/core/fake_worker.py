@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenmill.core.batch_order import BatchOrder
+from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.protocol import CachedRequestData, ModelRunnerOutput, SchedulerOutput, unpack_ids
 

@@ -21,7 +21,7 @@ MAX_LEN = 256
 def make_scheduler(num_blocks: int, block_size: int = 4, budget: int = 64, max_seqs: int = 16,
                    caching: bool = True, async_scheduling: bool = False) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=MAX_LEN, async_scheduling=async_scheduling),
+                                     async_scheduling=async_scheduling),
                      CacheConfig(block_size=block_size, enable_prefix_caching=caching), num_blocks)
 
 

@@ -1,4 +1,4 @@
-from tokenmill.core.scheduler import SchedulerStats
+from tokenmill.protocol import SchedulerStats
 from tokenmill.metrics.stats_logger import StatsLogger
 
 

@@ -13,9 +13,11 @@ import time
 
 from tests.e2e.procs import engine_pids
 from tokenmill import LLM, SamplingParams
+from tokenmill.no_pickle import forbid_pickle_if_requested
 
 
 def main() -> None:
+    forbid_pickle_if_requested()  # the children install the ban themselves
     llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory_gb=0.01)
     out = llm.generate(["hello", "world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
                        use_tqdm=False)

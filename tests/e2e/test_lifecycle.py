@@ -93,7 +93,7 @@ def test_killed_parent_takes_the_engine_down_and_nothing_pickles(tiny_model) -> 
         assert info["pickle_forbidden"] and len(info["text"]) == 2 and len(info["text"][0]) == 8
         engine = {info["core"], *info["workers"]}
         assert all(alive(p) for p in engine) and info["workers"]
-        for pid in engine:  # the ban is installed by `import tokenmill` in every process that has the env var
+        for pid in engine:  # every child installs the ban at its start when it has the env var
             assert b"TOKENMILL_FORBID_PICKLE=1" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         parent.send_signal(signal.SIGKILL)
         parent.wait()

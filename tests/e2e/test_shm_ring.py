@@ -9,7 +9,7 @@ import uuid
 import pytest
 import zmq
 
-from tokenmill.executor.shm_ring import SHM_DIR, RingAbortedError, ShmRingReader, ShmRingWriter
+from tokenmill.transport.shm_ring import SHM_DIR, RingAbortedError, ShmRingReader, ShmRingWriter
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import json
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.core.digest import WorkerStateMismatchError
+from tokenmill.protocol.digest import WorkerStateMismatchError
 from tokenmill.entrypoints.cli import main as cli_main
 from tokenmill.metrics.message_stats import merge_channels
 from tokenmill.protocol import EngineCoreRequest, TelemetryReport, pack_ids

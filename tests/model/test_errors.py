@@ -13,8 +13,9 @@ from tokenmill.model import default_model
 from tokenmill.model.hf_config import load_hf_config
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import load_model
-from tokenmill.model.registry import get_model_class, supported_architectures
+from tokenmill.model.registry import supported_architectures
 from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.model.arch import model_arch
 
 
 @pytest.mark.parametrize("loader", [default_model.resolve_model_path, load_hf_config, load_tokenizer])
@@ -28,7 +29,7 @@ def test_unsupported_architecture() -> None:
     config = make_tiny_config("llama")
     config.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="GPT2LMHeadModel") as err:
-        get_model_class(config)
+        model_arch(config)
     assert all(arch in str(err.value) for arch in supported_architectures())
 
 
@@ -41,7 +42,7 @@ def test_missing_default_model_package(monkeypatch) -> None:
 
 
 def test_load_weights_reports_unexpected_and_missing() -> None:
-    model = LlamaForCausalLM(make_tiny_config("qwen3"), TorchRefAttentionBackend)
+    model = LlamaForCausalLM(model_arch(make_tiny_config("qwen3")), TorchRefAttentionBackend)
     with pytest.raises(ValueError, match="model.layers.0.self_attn.q_proj.weight"):
         model.load_weights([])  # fused shards are reported under their HF names
     with pytest.raises(ValueError, match="model.layers.9.mlp.down_proj.weight"):
@@ -53,8 +54,8 @@ def test_load_weights_reports_unexpected_and_missing() -> None:
 def test_bad_load_format(tmp_path) -> None:
     config = make_tiny_config("llama")
     with pytest.raises(ValueError, match="load_format"):
-        load_model(str(tmp_path), config, "pickle", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
+        load_model(str(tmp_path), model_arch(config), "pickle", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
     with pytest.raises(ValueError, match=r"gguf.*model"):
-        load_model(str(tmp_path), config, "gguf", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
+        load_model(str(tmp_path), model_arch(config), "gguf", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
     with pytest.raises(ValueError, match="no .safetensors"):
-        load_model(str(tmp_path), config, "safetensors", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
+        load_model(str(tmp_path), model_arch(config), "safetensors", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)

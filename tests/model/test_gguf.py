@@ -9,12 +9,14 @@ import pytest
 import torch
 
 from tests.helpers.paged_batch import PagedRunner
+from tests.helpers.tiny_models import make_tiny_config
 from tests.helpers.tiny_gguf import DEFAULT_TYPES, EOT_ID, write_tiny_llama_gguf
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
 from tokenmill.model import gguf_cache
 from tokenmill.model.gguf_loader import GGUFWeights, hf_tensor_name
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
 from tokenmill.model.loader import load_model
+from tokenmill.model.arch import model_arch
 
 Q = gguf.GGMLQuantizationType
 
@@ -22,7 +24,7 @@ Q = gguf.GGMLQuantizationType
 def test_tensors_round_trip(tmp_path) -> None:
     path = tmp_path / "tiny.gguf"
     config, hf_model = write_tiny_llama_gguf(path)
-    weights = GGUFWeights(str(path), config)
+    weights = GGUFWeights(str(path), model_arch(config))
     stored = {t.name: Q(t.tensor_type) for t in weights.reader.tensors}
     assert {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1} <= set(stored.values())
     assert all(stored[name] == qtype for name, qtype in DEFAULT_TYPES.items())
@@ -41,7 +43,7 @@ def test_model_from_gguf_matches_hf(tmp_path, tied: bool) -> None:
     config = load_hf_config(path)  # through transformers' GGUF config parsing
     assert config.architectures == ["LlamaForCausalLM"]
     assert config.tie_word_embeddings == tied
-    model = load_model(path, config, "auto", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
+    model = load_model(path, model_arch(config), "auto", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
     prompt = torch.randint(3, config.vocab_size, (20,), generator=torch.Generator().manual_seed(0)).tolist()
     dims = model.dims
     runner = PagedRunner(model, dims.num_layers, dims.num_kv_heads, dims.head_dim, num_seqs=1, max_len=20)
@@ -68,9 +70,9 @@ def test_unsupported_type_names_tensor_and_type(tmp_path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    config = type("Cfg", (), {"num_attention_heads": 4, "num_key_value_heads": 2})()
+    arch = model_arch(make_tiny_config("llama"))
     with pytest.raises(ValueError, match=r"blk\.0\.ffn_up\.weight.*Q8_1"):
-        list(GGUFWeights(path, config))
+        list(GGUFWeights(path, arch))
 
 
 def test_tensor_names() -> None:

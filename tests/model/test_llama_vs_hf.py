@@ -11,6 +11,7 @@ from tests.helpers.tiny_models import make_tiny_model_dir
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
 from tokenmill.model.hf_config import load_hf_config
 from tokenmill.model.loader import load_model
+from tokenmill.model.arch import model_arch
 
 PROMPT_LENS = (37, 21)  # several 16-token blocks; unequal so the batch is ragged
 MAX_NEW_TOKENS = 6
@@ -30,7 +31,7 @@ def test_matches_hf(tmp_path, arch: str, tied: bool, shard: str | None) -> None:
     path = make_tiny_model_dir(arch, tmp_path, tie_word_embeddings=tied, seed=1, max_shard_size=shard)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = load_hf_config(path)
-    model = load_model(path, config, "auto", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
+    model = load_model(path, model_arch(config), "auto", torch.float32, torch.device("cpu"), TorchRefAttentionBackend)
     dims = model.dims
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, config.vocab_size, (n,), generator=gen).tolist() for n in PROMPT_LENS]

@@ -11,8 +11,11 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from tests.helpers.paged_batch import PagedRunner
 from tests.helpers.tiny_models import make_tiny_config, make_tiny_model_dir
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
-from tokenmill.layers.rotary import RopeParams, RotaryEmbedding, apply_rotary, rope_params_from_config
+from tokenmill.config import RopeConfig
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.model.arch import rope_config
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
+from tokenmill.model.arch import model_arch
 from tokenmill.model.loader import load_model
 from tokenmill.model.tokenizer import load_tokenizer
 
@@ -20,7 +23,7 @@ from tokenmill.model.tokenizer import load_tokenizer
 def test_dummy_weights(tmp_path) -> None:
     path = make_tiny_model_dir("qwen2", tmp_path)
     config = load_hf_config(path)
-    args = (path, config, "dummy", torch.bfloat16, torch.device("cpu"), TorchRefAttentionBackend)
+    args = (path, model_arch(config), "dummy", torch.bfloat16, torch.device("cpu"), TorchRefAttentionBackend)
     a, b, c = load_model(*args, seed=0), load_model(*args, seed=0), load_model(*args, seed=1)
     assert not a.training and a.model.embed_tokens.weight.dtype == torch.bfloat16
     assert a.model.rotary_emb.cos_cache.dtype == torch.float32
@@ -56,7 +59,7 @@ ROPE_CONFIGS = {
 def test_rope_matches_hf(kind: str) -> None:
     config = make_tiny_config("llama", **ROPE_CONFIGS[kind])
     head_dim = config.hidden_size // config.num_attention_heads
-    ours = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_params_from_config(config))
+    ours = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_config(config))
     positions = torch.tensor([0, 1, 7, 63, 64, 200, 255])
     cos, sin = ours.cos_sin(positions, torch.float32)
     hf_cos, hf_sin = LlamaRotaryEmbedding(config)(torch.zeros(1), positions[None])
@@ -66,10 +69,10 @@ def test_rope_matches_hf(kind: str) -> None:
 
 def test_legacy_rope_fields_and_partial_rotary() -> None:
     legacy = SimpleNamespace(rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0})
-    assert rope_params_from_config(legacy) == RopeParams(theta=5e5, rope_type="linear", factor=2.0)
+    assert rope_config(legacy) == RopeConfig(theta=5e5, rope_type="linear", factor=2.0)
     with pytest.raises(ValueError, match="yarn"):
-        rope_params_from_config(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}))
-    rope = RotaryEmbedding(16, 32, RopeParams(theta=10000.0, partial_rotary_factor=0.5))
+        rope_config(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1.0}))
+    rope = RotaryEmbedding(16, 32, RopeConfig(theta=10000.0, partial_rotary_factor=0.5))
     cos, sin = rope.cos_sin(torch.tensor([3, 5]), torch.float32)
     x = torch.randn(2, 4, 16)
     out = apply_rotary(x, cos, sin)

@@ -12,6 +12,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.args import ServerSettings
 from tokenmill.errors import EngineDeadError
+from tokenmill.frontend.engine_config import resolve_engine_config
 from tokenmill.frontend.input_processor import InputProcessor
 from tokenmill.model.tokenizer import load_tokenizer
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -21,7 +22,7 @@ class DyingEngine:
     """AsyncLLM's face: one token's output, then the engine is gone."""
 
     def __init__(self, model_dir: str) -> None:
-        self.config = EngineArgs(model=model_dir, dtype="float32").create_engine_config()
+        self.config = resolve_engine_config(EngineArgs(model=model_dir, dtype="float32"))
         self.tokenizer = load_tokenizer(model_dir)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
 

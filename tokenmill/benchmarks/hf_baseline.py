@@ -7,13 +7,15 @@ import time
 
 import torch
 
+from tokenmill.model.hf_config import load_hf_config
+
 
 def load_hf_model(model_config, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
     path = model_config.path
     if model_config.load_format == "dummy":
         torch.manual_seed(model_config.seed)
-        return AutoModelForCausalLM.from_config(model_config.hf_config, dtype=dtype).eval()
+        return AutoModelForCausalLM.from_config(load_hf_config(path), dtype=dtype).eval()
     if path.endswith(".gguf"):
         return AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                     dtype=dtype).eval()

@@ -100,7 +100,7 @@ class _Driver:
         vocab = min(llm.config.model.vocab_size, len(llm.get_tokenizer()))
         self._rng = random.Random(0)
         self._prompt = lambda: [self._rng.randrange(vocab) for _ in range(prompt_len)]
-        max_tokens = llm.config.scheduler.max_model_len - prompt_len
+        max_tokens = llm.config.model.max_model_len - prompt_len
         if max_tokens < 1:
             raise ValueError(f"--prompt-len {prompt_len} leaves no room under max_model_len")
         self._params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=1.0,

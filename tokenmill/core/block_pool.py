@@ -74,9 +74,3 @@ class BlockPool:
                 del self.cached[old]
             self.num_evictions += 1
 
-    def reset_prefix_cache(self) -> bool:
-        if any(self.ref_counts):
-            return False
-        self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
-        return True

@@ -19,7 +19,7 @@ from tokenmill.executor.base import Executor
 from tokenmill.metrics.stats_logger import StatsLogger
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.protocol import (EngineCoreOutputs, EngineCoreRequest, KVCacheStats, ModelRunnerOutput,
-                                SchedulerOutput, SchedulerStatsReport, TelemetryReport, unpack_ids)
+                                SchedulerOutput, SchedulerStats, TelemetryReport, unpack_ids)
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class EngineCore:
         self.executor = executor_cls(config)
         num_blocks = self.executor.available_kv_blocks()
         block_size = config.cache.block_size
-        max_len = config.scheduler.max_model_len
+        max_len = config.model.max_model_len
         if num_blocks * block_size < max_len:
             raise ValueError(
                 f"kv_cache_memory: the KV cache holds {num_blocks * block_size} tokens "
@@ -57,7 +57,7 @@ class EngineCore:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(
             request.handle, unpack_ids(request.prompt_token_ids), request.sampling_params,
-            self.config.model.eos_token_ids, self.config.scheduler.max_model_len,
+            self.config.model.eos_token_ids, self.config.model.max_model_len,
             request.arrival_time or time.time()))
 
     def abort_requests(self, handles: list[int]) -> None:
@@ -104,10 +104,8 @@ class EngineCore:
         return KVCacheStats(num_free_blocks=pool.num_free, num_blocks=pool.num_blocks,
                             num_requests=len(self.scheduler.requests))
 
-    def scheduler_stats(self) -> SchedulerStatsReport:
-        s = self.scheduler.stats()
-        return SchedulerStatsReport(s.num_running, s.num_waiting, s.kv_cache_usage, s.prefix_cache_queries,
-                                    s.prefix_cache_hits, s.num_preemptions)
+    def scheduler_stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
 
     def telemetry_report(self) -> TelemetryReport:
         """This process's telemetry, then each worker's."""

@@ -21,11 +21,12 @@ import time
 import msgspec
 import zmq
 
-from tokenmill.child_process import die_with_parent, exit_now
+from tokenmill.child_process import die_with_parent, exit_now, init_child_process
 from tokenmill.errors import EngineDeadError, error_report
 from tokenmill.protocol import (AbortRequests, CoreInputKind, CoreLaunch, CoreOutputKind, EngineCoreOutput,
                                 EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, FinishReason, UtilityCall,
                                 UtilityResult)
+from tokenmill.transport.channels import EngineAddresses
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +44,12 @@ class _Fatal:
 class EngineCoreProc:
     def __init__(self, launch: CoreLaunch, ctx: zmq.Context) -> None:
         self.launch = launch
+        self.addresses = EngineAddresses(launch.run_dir)
         self.input_sock = ctx.socket(zmq.PULL)
-        self.input_sock.connect(launch.input_addr)
+        self.input_sock.connect(self.addresses.core_input)
         self.output_sock = ctx.socket(zmq.PUSH)
         self.output_sock.setsockopt(zmq.SNDHWM, 0)
-        self.output_sock.connect(launch.output_addr)
+        self.output_sock.connect(self.addresses.core_output)
         self.inputs: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()  # (kind, struct), or None to stop
         self.engine = None
@@ -63,12 +65,11 @@ class EngineCoreProc:
         try:
             # Workers first, before this process imports torch: their startup (imports,
             # config, model) overlaps with ours.
-            workers = WorkerGroup(self.launch.engine_args, self.launch.run_dir,
+            config = self.launch.config
+            workers = WorkerGroup(config, self.addresses,
                                   on_failure=lambda reason: self.inputs.put(_Fatal(reason)))
-            from tokenmill.config_wire import config_from_wire
             from tokenmill.core.engine_core import EngineCore
             from tokenmill.executor.multiproc import MultiprocExecutor
-            config = config_from_wire(self.launch.engine_config)
             self.engine = EngineCore(config, functools.partial(MultiprocExecutor, workers=workers))
         except BaseException as exc:
             logger.error("engine core failed to start: %s: %s", type(exc).__name__, exc)
@@ -196,6 +197,7 @@ class EngineCoreProc:
 
 
 def main(argv: list[str]) -> int:
+    init_child_process()
     launch = msgspec.json.decode(argv[1], type=CoreLaunch)
     die_with_parent(launch.parent_pid, launch.death_signal)
     logging.basicConfig(level=launch.log_level, format="%(asctime)s %(levelname)s core %(name)s: %(message)s")

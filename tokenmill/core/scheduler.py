@@ -15,27 +15,16 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.batch_order import BatchOrder
-from tokenmill.core.digest import batch_digest
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.protocol import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, FinishReason,
-                                ModelRunnerOutput, NewRequestData, SchedulerOutput, pack_ids)
+                                ModelRunnerOutput, NewRequestData, SchedulerOutput, SchedulerStats, pack_ids)
+from tokenmill.protocol.batch_diff import BatchOrder
+from tokenmill.protocol.digest import batch_digest
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
 
 
 class Scheduler:

@@ -33,7 +33,7 @@ class LLM:
         parts = build_frontend(model, kwargs)
         self.engine_args, self.config, self.tokenizer = parts.engine_args, parts.config, parts.tokenizer
         self.input_processor, self.output_processor = parts.input_processor, parts.output_processor
-        self.client: EngineCoreClient = make_client(self.engine_args, self.config)
+        self.client: EngineCoreClient = make_client(self.config, self.engine_args.single_process)
         self._request_ids = itertools.count()
 
     @property

@@ -1,17 +1,15 @@
 """Workers in their own processes (`WorkerGroup`): the Executor interface over the ring.
 
-The engine-core process may start the group before it resolves its own config (both take
-seconds of imports), then hand it over: `MultiprocExecutor(config, workers=group)`.
-Setup calls go through the same channel as steps, as typed `WorkerCall`s.
+The engine-core process starts the group before it imports torch (both take seconds of
+imports), then hands it over: `MultiprocExecutor(config, workers=group)`. Setup calls go
+through the same channel as steps, as typed `WorkerCall`s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from concurrent.futures import Future
 
-from tokenmill.config import EngineArgs, EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor
 from tokenmill.executor.worker_group import WorkerGroup
 from tokenmill.metrics.message_stats import MessageStats
@@ -19,15 +17,8 @@ from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOut
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, *, workers: WorkerGroup | None = None,
-                 engine_args: EngineArgs | None = None, run_dir: str | None = None,
-                 on_failure: Callable[[str], None] | None = None) -> None:
-        """Either `workers` (already started), or what it takes to start them."""
+    def __init__(self, config: EngineConfig, *, workers: WorkerGroup) -> None:
         super().__init__(config)
-        if workers is None:
-            if engine_args is None or run_dir is None:
-                raise ValueError("MultiprocExecutor needs workers, or engine_args and run_dir")
-            workers = WorkerGroup(dataclasses.asdict(engine_args), run_dir, on_failure)
         self.workers = workers
         try:
             workers.wait_ready()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
 import time
 from collections import deque
@@ -23,17 +22,15 @@ import msgspec
 import zmq
 
 from tokenmill.child_process import spawn_child, spawned_by_main_thread, stop_process
+from tokenmill.config import EngineConfig
 from tokenmill.errors import EngineDeadError, exception_from_report
-from tokenmill.executor.shm_ring import RingAbortedError, ShmRingWriter
 from tokenmill.metrics.message_stats import MessageStats
 from tokenmill.protocol import (ErrorReport, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerCallResult,
                                 WorkerInputKind, WorkerLaunch, WorkerOutputKind)
+from tokenmill.transport.channels import LAST_WORDS_S, POLL_MS, REPLY_HEAD, EngineAddresses
+from tokenmill.transport.shm_ring import RingAbortedError, ShmRingWriter
 
 logger = logging.getLogger(__name__)
-
-REPLY_HEAD = struct.Struct("<BH")  # kind, rank
-_POLL_MS = 100
-_LATE_MESSAGE_S = 0.3  # after a worker exits, how long its last words (an ErrorReport) may take
 
 
 class _Pending:
@@ -58,21 +55,18 @@ class _Pending:
 
 class WorkerGroup:
     """Starts the workers at once (`wait_ready()` waits for them), so the caller can do its own
-    setup meanwhile. Needs only the `EngineArgs` fields as a dict (each worker resolves its own
-    config), and imports no torch: the engine core starts its workers before loading torch."""
+    setup meanwhile. Imports no torch: the engine core starts its workers before loading torch."""
 
-    def __init__(self, engine_args: dict, run_dir: str,
+    def __init__(self, config: EngineConfig, addresses: EngineAddresses,
                  on_failure: Callable[[str], None] | None = None) -> None:
-        self.world_size = int(engine_args.get("world_size", 1))
+        self.world_size = config.parallel.world_size
         self._on_failure = on_failure
         self._ctx = zmq.Context()
         self._reply = self._ctx.socket(zmq.PULL)
         self._reply.setsockopt(zmq.LINGER, 0)
-        reply_addr = f"ipc://{run_dir}/worker-replies"
-        self._reply.bind(reply_addr)
-        overflow = [f"ipc://{run_dir}/ring-overflow-{rank}" for rank in range(self.world_size)]
-        ring_name = f"{os.path.basename(run_dir)}-ring"
-        self._ring = ShmRingWriter(ring_name, self.world_size, overflow, self._ctx)
+        self._reply.bind(addresses.worker_replies)
+        overflow = [addresses.ring_overflow(rank) for rank in range(self.world_size)]
+        self._ring = ShmRingWriter(addresses.ring_name, self.world_size, overflow, self._ctx)
         self._lock = threading.Lock()  # guards _pending and _dead together
         self._pending: list[deque[_Pending]] = [deque() for _ in range(self.world_size)]
         self._dead: EngineDeadError | None = None
@@ -90,8 +84,8 @@ class WorkerGroup:
         try:
             for rank in range(self.world_size):
                 self._procs.append(spawn_child("tokenmill.worker.worker_proc", WorkerLaunch(
-                    engine_args=engine_args, rank=rank, world_size=self.world_size, ring_name=ring_name,
-                    overflow_addr=overflow[rank], reply_addr=reply_addr, parent_pid=os.getpid(),
+                    config=config, rank=rank, ring_name=addresses.ring_name,
+                    overflow_addr=overflow[rank], reply_addr=addresses.worker_replies, parent_pid=os.getpid(),
                     log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
                     death_signal=spawned_by_main_thread())))
             self._reader.start()
@@ -171,7 +165,7 @@ class WorkerGroup:
     def _read_replies(self) -> None:
         """Runs until every worker has exited; fails everything if one exits unasked."""
         while True:
-            if self._reply.poll(_POLL_MS):
+            if self._reply.poll(POLL_MS):
                 self._handle(self._reply.recv_multipart(copy=False))
                 continue
             exited = [(rank, p.returncode) for rank, p in enumerate(self._procs) if p.poll() is not None]
@@ -179,7 +173,7 @@ class WorkerGroup:
                 continue
             if self._closing:
                 return
-            deadline = time.monotonic() + _LATE_MESSAGE_S
+            deadline = time.monotonic() + LAST_WORDS_S
             while self._reply.poll(max(1, int((deadline - time.monotonic()) * 1000))):
                 self._handle(self._reply.recv_multipart(copy=False))
             rank, code = exited[0]

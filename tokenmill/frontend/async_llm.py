@@ -37,7 +37,7 @@ class AsyncLLM:
         parts = build_frontend(model, kwargs)
         self.engine_args, self.config, self.tokenizer = parts.engine_args, parts.config, parts.tokenizer
         self.input_processor, self.output_processor = parts.input_processor, parts.output_processor
-        self.client: AsyncEngineCoreClient = make_async_client(self.engine_args, self.config)
+        self.client: AsyncEngineCoreClient = make_async_client(self.config, self.engine_args.single_process)
         self._queues: dict[str, asyncio.Queue] = {}
         self._handler: asyncio.Task | None = None
         self._dead: BaseException | None = None

@@ -22,16 +22,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenmill.config import EngineArgs, EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.errors import EngineDeadError
 from tokenmill.frontend.core_process import CoreProcess
 from tokenmill.metrics.step_trace import merge_parts, remove_stale_parts
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.protocol import (AbortRequests, CoreInputKind, CoreOutputKind, EngineCoreOutputs, EngineCoreRequest,
-                                KVCacheStats, SchedulerStatsReport, TelemetryReport, UtilityCall, UtilityResult)
+                                KVCacheStats, SchedulerStats, TelemetryReport, UtilityCall, UtilityResult)
+from tokenmill.transport.channels import LAST_WORDS_S, POLL_MS
 
-_POLL_MS = 100
-_LAST_WORDS_MS = 300  # after the core exits, how long its ErrorReport may still take to arrive
+_LAST_WORDS_MS = int(LAST_WORDS_S * 1000)
 
 
 def _trace_roles(world_size: int) -> list[str]:
@@ -72,7 +72,7 @@ class EngineCoreClient(ABC):
     def kv_cache_stats(self) -> KVCacheStats: ...
 
     @abstractmethod
-    def scheduler_stats(self) -> SchedulerStatsReport: ...
+    def scheduler_stats(self) -> SchedulerStats: ...
 
     def outputs_ready(self) -> bool:
         """Whether outputs are already waiting (so `get_outputs` would not wait for a step)."""
@@ -92,12 +92,12 @@ class EngineCoreClient(ABC):
     def shutdown(self) -> None: ...
 
 
-def make_client(engine_args: EngineArgs, config: EngineConfig) -> EngineCoreClient:
-    return InprocClient(config) if engine_args.single_process else MPClient(engine_args, config)
+def make_client(config: EngineConfig, single_process: bool) -> EngineCoreClient:
+    return InprocClient(config) if single_process else MPClient(config)
 
 
-def make_async_client(engine_args: EngineArgs, config: EngineConfig) -> AsyncEngineCoreClient:
-    return AsyncInprocClient(config) if engine_args.single_process else AsyncMPClient(engine_args, config)
+def make_async_client(config: EngineConfig, single_process: bool) -> AsyncEngineCoreClient:
+    return AsyncInprocClient(config) if single_process else AsyncMPClient(config)
 
 
 # ---------------------------------------------------------------------------- in-process
@@ -121,7 +121,7 @@ class InprocClient(EngineCoreClient):
     def kv_cache_stats(self) -> KVCacheStats:
         return self.engine.kv_cache_stats()
 
-    def scheduler_stats(self) -> SchedulerStatsReport:
+    def scheduler_stats(self) -> SchedulerStats:
         return self.engine.scheduler_stats()
 
     def telemetry_report(self) -> TelemetryReport:
@@ -190,10 +190,10 @@ def _utility_value(result: UtilityResult):
 
 
 class MPClient(EngineCoreClient):
-    def __init__(self, engine_args: EngineArgs, config: EngineConfig) -> None:
-        self._world_size = engine_args.world_size
-        self.telemetry = _start_telemetry(config, engine_args.world_size)
-        self.core = CoreProcess(engine_args, config)
+    def __init__(self, config: EngineConfig) -> None:
+        self._world_size = config.parallel.world_size
+        self.telemetry = _start_telemetry(config, self._world_size)
+        self.core = CoreProcess(config)
         self._codec = _Codec(self.telemetry)
         self._outputs: deque[EngineCoreOutputs] = deque()  # arrived while waiting for a utility result
         self._results: dict[int, UtilityResult] = {}
@@ -217,7 +217,7 @@ class MPClient(EngineCoreClient):
     def kv_cache_stats(self) -> KVCacheStats:
         return self._utility("kv_cache_stats")
 
-    def scheduler_stats(self) -> SchedulerStatsReport:
+    def scheduler_stats(self) -> SchedulerStats:
         return self._utility("scheduler_stats")
 
     def telemetry_report(self) -> TelemetryReport:
@@ -238,7 +238,7 @@ class MPClient(EngineCoreClient):
     def _receive(self) -> None:
         """Wait for one message and file it; raise EngineDeadError once the core is gone."""
         sock = self.core.output
-        while not sock.poll(_POLL_MS):
+        while not sock.poll(POLL_MS):
             if self.core.closed:
                 raise EngineDeadError("the engine was shut down")
             if self.core.dead.is_set() and not sock.poll(_LAST_WORDS_MS):
@@ -283,7 +283,7 @@ class AsyncEngineCoreClient(ABC):
     async def kv_cache_stats(self) -> KVCacheStats: ...
 
     @abstractmethod
-    async def scheduler_stats(self) -> SchedulerStatsReport: ...
+    async def scheduler_stats(self) -> SchedulerStats: ...
 
     @abstractmethod
     async def telemetry_report(self) -> TelemetryReport: ...
@@ -323,7 +323,7 @@ class AsyncInprocClient(AsyncEngineCoreClient):
     async def kv_cache_stats(self) -> KVCacheStats:
         return self._sync.kv_cache_stats()
 
-    async def scheduler_stats(self) -> SchedulerStatsReport:
+    async def scheduler_stats(self) -> SchedulerStats:
         return self._sync.scheduler_stats()
 
     async def telemetry_report(self) -> TelemetryReport:
@@ -341,10 +341,10 @@ class AsyncMPClient(AsyncEngineCoreClient):
     zmq.asyncio shadow of the output socket. Only `get_outputs` reads: utility results it
     meets are handed to the futures their callers await."""
 
-    def __init__(self, engine_args: EngineArgs, config: EngineConfig) -> None:
-        self._world_size = engine_args.world_size
-        self.telemetry = _start_telemetry(config, engine_args.world_size)
-        self.core = CoreProcess(engine_args, config)
+    def __init__(self, config: EngineConfig) -> None:
+        self._world_size = config.parallel.world_size
+        self.telemetry = _start_telemetry(config, self._world_size)
+        self.core = CoreProcess(config)
         self._codec = _Codec(self.telemetry)
         self._output = zmq.asyncio.Socket.shadow(self.core.output.underlying)
         self._calls: dict[int, asyncio.Future] = {}
@@ -360,7 +360,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
     async def get_outputs(self) -> EngineCoreOutputs:
         try:
             while True:
-                while not await self._output.poll(_POLL_MS):
+                while not await self._output.poll(POLL_MS):
                     if self.core.closed:
                         raise EngineDeadError("the engine was shut down")
                     if self.core.dead.is_set() and not await self._output.poll(_LAST_WORDS_MS):
@@ -386,7 +386,7 @@ class AsyncMPClient(AsyncEngineCoreClient):
     async def kv_cache_stats(self) -> KVCacheStats:
         return await self._utility("kv_cache_stats")
 
-    async def scheduler_stats(self) -> SchedulerStatsReport:
+    async def scheduler_stats(self) -> SchedulerStats:
         return await self._utility("scheduler_stats")
 
     async def telemetry_report(self) -> TelemetryReport:

@@ -12,7 +12,6 @@ startup may have left.
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import logging
 import os
@@ -27,16 +26,14 @@ import msgspec
 import zmq
 
 from tokenmill.child_process import spawn_child, spawned_by_main_thread, stop_process
-from tokenmill.config import EngineArgs, EngineConfig
-from tokenmill.config_wire import config_to_wire
+from tokenmill.config import EngineConfig
 from tokenmill.errors import EngineDeadError, exception_from_report
-from tokenmill.executor.shm_ring import SHM_DIR
 from tokenmill.protocol import CoreInputKind, CoreLaunch, CoreOutputKind, EngineCoreReady, ErrorReport
+from tokenmill.transport.channels import LAST_WORDS_S, SHUTDOWN_TIMEOUT_S, EngineAddresses
+from tokenmill.transport.shm_ring import SHM_DIR
 
 logger = logging.getLogger(__name__)
 
-_LATE_MESSAGE_S = 0.3  # after the core exits, how long its last words may still take to arrive
-_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 class _Resources:
@@ -62,13 +59,14 @@ class _Resources:
                                                        flags=zmq.NOBLOCK)
                     except zmq.ZMQError:
                         pass
-                stop_process(self.proc, _SHUTDOWN_TIMEOUT_S)
+                stop_process(self.proc, SHUTDOWN_TIMEOUT_S)
             for sock in self.sockets:
                 sock.close(linger=0)
             self.ctx.term()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             # Normally gone already (the core unlinks its ring once the workers map it).
-            for path in glob.glob(os.path.join(SHM_DIR, os.path.basename(self.run_dir) + "-*")):
+            prefix = EngineAddresses(self.run_dir).shm_prefix
+            for path in glob.glob(os.path.join(SHM_DIR, prefix + "-*")):
                 try:
                     os.unlink(path)
                 except OSError:
@@ -76,8 +74,8 @@ class _Resources:
 
 
 class CoreProcess:
-    def __init__(self, engine_args: EngineArgs, config: EngineConfig) -> None:
-        """`config`: `engine_args` resolved (here, so bad arguments never reach a child)."""
+    def __init__(self, config: EngineConfig) -> None:
+        """`config`: resolved here, in the front-end, so bad arguments never reach a child."""
         ctx = zmq.Context()
         res = _Resources(ctx, tempfile.mkdtemp(prefix="tokenmill-"))
         self._res = res
@@ -91,14 +89,12 @@ class CoreProcess:
             res.sockets.append(self.input)
             self.output = ctx.socket(zmq.PULL)
             res.sockets.append(self.output)
-            input_addr, output_addr = f"ipc://{res.run_dir}/input", f"ipc://{res.run_dir}/output"
-            self.input.bind(input_addr)
-            self.output.bind(output_addr)
+            addresses = EngineAddresses(res.run_dir)
+            self.input.bind(addresses.core_input)
+            self.output.bind(addresses.core_output)
             start = time.perf_counter()
             res.proc = spawn_child("tokenmill.core.engine_core_proc", CoreLaunch(
-                engine_args=dataclasses.asdict(engine_args), engine_config=config_to_wire(config),
-                input_addr=input_addr, output_addr=output_addr,
-                run_dir=res.run_dir, parent_pid=os.getpid(),
+                config=config, run_dir=res.run_dir, parent_pid=os.getpid(),
                 log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
                 death_signal=spawned_by_main_thread()))
             self.ready = self._wait_ready()
@@ -132,7 +128,7 @@ class CoreProcess:
                     raise exception_from_report(self._error_decoder.decode(payload), "the engine core")
                 raise RuntimeError(f"engine core sent message kind {kind[0]} before READY")
             if proc.poll() is not None:
-                if self.output.poll(int(_LATE_MESSAGE_S * 1000)):
+                if self.output.poll(int(LAST_WORDS_S * 1000)):
                     continue  # its last words arrived
                 raise RuntimeError(f"the engine core exited with code {proc.returncode} during startup "
                                    f"(see its log above)")

@@ -19,7 +19,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.max_model_len = config.scheduler.max_model_len
+        self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
         self._handles = itertools.count()
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import EngineArgs, EngineConfig
+from tokenmill.frontend.engine_config import resolve_engine_config
 from tokenmill.frontend.input_processor import InputProcessor
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.model.tokenizer import load_tokenizer
@@ -26,7 +27,7 @@ def build_frontend(model: str, kwargs: dict[str, Any]) -> FrontendParts:
     if unknown:
         raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
     engine_args = EngineArgs(model=model, **kwargs)
-    config = engine_args.create_engine_config()
+    config = resolve_engine_config(engine_args)
     tokenizer = load_tokenizer(config.model.path)
     return FrontendParts(engine_args, config, tokenizer, InputProcessor(config, tokenizer),
                          OutputProcessor(tokenizer))

@@ -7,52 +7,14 @@ per token; they are cast to the activation dtype before use, as HF does.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from tokenmill.config import RopeConfig
 
-
-@dataclass(frozen=True)
-class RopeParams:
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-    partial_rotary_factor: float = 1.0
-
-
-def rope_params_from_config(config: Any) -> RopeParams:
-    """Reads `config.rope_parameters` (transformers 5) or legacy `rope_theta` / `rope_scaling`."""
-    params: dict[str, Any] = dict(getattr(config, "rope_parameters", None) or {})
-    legacy_scaling = getattr(config, "rope_scaling", None)
-    if isinstance(legacy_scaling, dict):
-        params = {**legacy_scaling, **params}
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        theta = 10000.0
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
-    original_max = params.get("original_max_position_embeddings")
-    return RopeParams(
-        theta=float(theta),
-        rope_type=rope_type,
-        factor=float(params.get("factor") or 1.0),
-        low_freq_factor=float(params.get("low_freq_factor") or 1.0),
-        high_freq_factor=float(params.get("high_freq_factor") or 4.0),
-        original_max_position_embeddings=int(original_max) if original_max is not None else None,
-        partial_rotary_factor=float(partial) if partial is not None else 1.0,
-    )
-
-
-def compute_inv_freq(params: RopeParams, rotary_dim: int, max_position: int) -> torch.Tensor:
+def compute_inv_freq(params: RopeConfig, rotary_dim: int, max_position: int) -> torch.Tensor:
     """float32 [rotary_dim // 2] inverse frequencies, scaled per `params.rope_type`."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
     inv_freq = 1.0 / (params.theta ** exponents)
@@ -63,7 +25,7 @@ def compute_inv_freq(params: RopeParams, rotary_dim: int, max_position: int) -> 
     return inv_freq
 
 
-def _llama3_scale(inv_freq: torch.Tensor, p: RopeParams, max_position: int) -> torch.Tensor:
+def _llama3_scale(inv_freq: torch.Tensor, p: RopeConfig, max_position: int) -> torch.Tensor:
     # Long wavelengths are slowed by `factor`, short ones kept, and the band between blended.
     old_len = p.original_max_position_embeddings or max_position
     low_freq_wavelen = old_len / p.low_freq_factor
@@ -98,7 +60,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     """Holds the cos/sin caches; `cos_sin` gathers them per token for `apply_rotary`."""
 
-    def __init__(self, head_dim: int, max_position: int, params: RopeParams) -> None:
+    def __init__(self, head_dim: int, max_position: int, params: RopeConfig) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = int(head_dim * params.partial_rotary_factor)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tokenmill.core.scheduler import SchedulerStats
+from tokenmill.protocol import SchedulerStats
 
 logger = logging.getLogger("tokenmill.stats")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
-from tokenmill.model.hf_config import check_model_path
+from tokenmill.model.paths import check_model_path
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_MODEL_ALIASES = frozenset({"smollm2", "SmolLM2-135M-Instruct", DEFAULT_MODEL})

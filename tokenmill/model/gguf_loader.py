@@ -15,6 +15,8 @@ import gguf
 import numpy as np
 import torch
 
+from tokenmill.config import ModelArch
+
 # Per-block llama.cpp tensor names -> HF names under model.layers.N.
 _BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -82,12 +84,12 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 class GGUFWeights:
     """Iterable of (HF name, float32 tensor) over a GGUF file's tensors; len() is the tensor count."""
 
-    def __init__(self, path: str, hf_config: Any) -> None:
+    def __init__(self, path: str, arch: ModelArch) -> None:
         self.reader = gguf.GGUFReader(path)
         field = self.reader.fields.get("general.architecture")
         self.architecture = str(field.contents()) if field is not None else ""
-        self.num_heads = hf_config.num_attention_heads
-        self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
+        self.num_heads = arch.num_heads
+        self.num_kv_heads = arch.num_kv_heads
 
     def __len__(self) -> int:
         return len(self.reader.tensors)

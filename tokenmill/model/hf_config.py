@@ -10,6 +10,7 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from tokenmill.model import gguf_cache
+from tokenmill.model.paths import check_model_path, is_gguf_file
 
 # GGUF `general.architecture` / HF model_type -> HF architecture class name.
 _ARCHITECTURE_BY_MODEL_TYPE = {
@@ -21,17 +22,6 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
 # llama.cpp marks every token that ends generation with one of these keys.
 _GGUF_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _EOS_FILE = "tokenmill_eos_token_ids.json"
-
-
-def is_gguf_file(path: str) -> bool:
-    return path.endswith(".gguf") and os.path.isfile(path)
-
-
-def check_model_path(path: str) -> None:
-    """Raises ValueError unless `path` is a HF directory with config.json or a .gguf file."""
-    if is_gguf_file(path) or os.path.isfile(os.path.join(path, "config.json")):
-        return
-    raise ValueError(f"model {path!r} is neither a directory containing config.json nor a .gguf file")
 
 
 def load_hf_config(path: str) -> PretrainedConfig:

@@ -8,68 +8,21 @@ HF tensor names onto their slices.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 
+from tokenmill.config import ModelArch
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, PackedWeight, linear, linear_add, silu_mul_linear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rope_params_from_config
-
-
-@dataclass(frozen=True)
-class LlamaDims:
-    """The shape-relevant fields of a HF config, normalized across the family."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    max_position: int
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-    qk_norm: bool
-    tie_word_embeddings: bool
-
-    @classmethod
-    def from_hf_config(cls, config: Any) -> "LlamaDims":
-        model_type = getattr(config, "model_type", "llama")
-        num_heads = config.num_attention_heads
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        hidden_act = getattr(config, "hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
-        return cls(
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
-            head_dim=getattr(config, "head_dim", None) or config.hidden_size // num_heads,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position=config.max_position_embeddings,
-            # Qwen2 always has q/k/v biases (and never an o_proj bias).
-            qkv_bias=attention_bias or model_type == "qwen2",
-            o_bias=attention_bias and model_type != "qwen2",
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        )
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, dims: LlamaDims, attn_backend_cls: type[AttentionBackend]) -> None:
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
         self.q_size = dims.num_heads * dims.head_dim
@@ -106,7 +59,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, dims: LlamaDims) -> None:
+    def __init__(self, dims: ModelArch) -> None:
         super().__init__()
         self.gate_up_proj = Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=dims.mlp_bias)
         self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias=dims.mlp_bias)
@@ -124,7 +77,7 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, dims: LlamaDims, attn_backend_cls: type[AttentionBackend]) -> None:
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(dims, attn_backend_cls)
         self.mlp = LlamaMLP(dims)
@@ -146,10 +99,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, dims: LlamaDims, hf_config: Any, attn_backend_cls: type[AttentionBackend]) -> None:
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
-        self.rotary_emb = RotaryEmbedding(dims.head_dim, dims.max_position, rope_params_from_config(hf_config))
+        self.rotary_emb = RotaryEmbedding(dims.head_dim, dims.max_position, dims.rope)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(dims, attn_backend_cls) for _ in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
@@ -179,10 +132,10 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, hf_config: Any, attn_backend_cls: type[AttentionBackend]) -> None:
+    def __init__(self, arch: ModelArch, attn_backend_cls: type[AttentionBackend]) -> None:
         super().__init__()
-        self.dims = LlamaDims.from_hf_config(hf_config)
-        self.model = LlamaModel(self.dims, hf_config, attn_backend_cls)
+        self.dims = arch
+        self.model = LlamaModel(arch, attn_backend_cls)
         # Tied: the LM head reads embed_tokens.weight directly, so no tie can break on device moves.
         self.lm_head = None if self.dims.tie_word_embeddings else nn.Linear(
             self.dims.hidden_size, self.dims.vocab_size, bias=False)

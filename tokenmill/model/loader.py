@@ -6,16 +6,16 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from tokenmill.config import ModelArch
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.model.gguf_loader import GGUFWeights
-from tokenmill.model.hf_config import is_gguf_file
+from tokenmill.model.paths import is_gguf_file
 from tokenmill.model.registry import get_model_class
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -50,21 +50,21 @@ class SafetensorsWeights:
                     yield name, f.get_tensor(name)
 
 
-def load_model(path: str, hf_config: Any, load_format: str, dtype: torch.dtype, device: torch.device,
+def load_model(path: str, arch: ModelArch, load_format: str, dtype: torch.dtype, device: torch.device,
                attn_backend_cls: type[AttentionBackend], seed: int = 0) -> nn.Module:
     """The model in eval mode, on `device`, in `dtype`, with weights from `path` per `load_format`."""
-    model_cls = get_model_class(hf_config)
+    model_cls = get_model_class(arch.architecture)
     load_format = _resolve_format(path, load_format)
     weights: GGUFWeights | SafetensorsWeights | None = None
     if load_format == "gguf":
-        weights = GGUFWeights(path, hf_config)
+        weights = GGUFWeights(path, arch)
     elif load_format == "safetensors":
         weights = SafetensorsWeights(path)
     # Parameters are built on the meta device (no default init) in the target dtype, then
     # allocated uninitialized on the device: both branches below write every parameter.
     # Attention backends are built under meta too, so they must allocate tensors lazily.
     with _default_dtype(dtype), torch.device("meta"):
-        model = model_cls(hf_config, attn_backend_cls)
+        model = model_cls(arch, attn_backend_cls)
     model.to_empty(device=device)
     if weights is None:
         _init_dummy(model, seed, torch.device(device))

@@ -1,9 +1,8 @@
-"""Maps `config.architectures[0]` to the module class that implements it."""
+"""Maps a HF architecture name (`config.architectures[0]`) to the module class that implements it."""
 
 from __future__ import annotations
 
 from types import MappingProxyType
-from typing import Any
 
 from torch import nn
 
@@ -21,11 +20,12 @@ def supported_architectures() -> tuple[str, ...]:
     return tuple(MODEL_CLASSES)
 
 
-def get_model_class(hf_config: Any) -> type[nn.Module]:
-    architectures = getattr(hf_config, "architectures", None) or []
-    arch = architectures[0] if architectures else None
-    model_cls = MODEL_CLASSES.get(arch) if arch else None
-    if model_cls is None:
-        raise ValueError(f"model architecture {arch!r} is not supported; "
+def check_architecture(architecture: str | None) -> str:
+    if architecture not in MODEL_CLASSES:
+        raise ValueError(f"model architecture {architecture!r} is not supported; "
                          f"supported architectures: {', '.join(MODEL_CLASSES)}")
-    return model_cls
+    return architecture
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    return MODEL_CLASSES[check_architecture(architecture)]

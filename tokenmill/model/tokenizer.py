@@ -7,7 +7,7 @@ import os
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tokenmill.model import gguf_cache
-from tokenmill.model.hf_config import check_model_path, is_gguf_file
+from tokenmill.model.paths import check_model_path, is_gguf_file
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:

@@ -20,7 +20,7 @@ from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
 from tokenmill.layers.sampler import Sampler, build_sampling_metadata
 from tokenmill.model.loader import load_model
-from tokenmill.core.batch_order import BatchOrder
+from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.protocol import Logprobs, ModelRunnerOutput, SchedulerOutput
 from tokenmill.worker.request_state import RequestState
 from tokenmill.worker.step_diffs import apply_step_diffs
@@ -33,14 +33,14 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the seed space
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = config.device.device
-        self.dtype = config.model.dtype
+        self.device = config.torch_device
+        self.dtype = config.model.torch_dtype
         self.block_size = config.cache.block_size
-        hf = config.model.hf_config
-        self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = hf.num_key_value_heads or hf.num_attention_heads
-        self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        self.vocab_size = hf.vocab_size
+        arch = config.model.arch
+        self.num_layers = arch.num_layers
+        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
+        self.vocab_size = arch.vocab_size
         self.states: dict[int, RequestState] = {}
         self.batch_order = BatchOrder()
         self._pending: PendingStep | None = None  # the last launched step whose tokens are not on the host
@@ -55,7 +55,7 @@ class ModelRunner:
     def load_model(self) -> None:
         m = self.config.model
         start = time.perf_counter()
-        self.model = load_model(m.path, m.hf_config, m.load_format, m.dtype, self.device,
+        self.model = load_model(m.path, m.arch, m.load_format, self.dtype, self.device,
                                 TorchRefAttentionBackend, seed=m.seed)
         logger.info("loaded %s in %.1f s", m.path, time.perf_counter() - start)
 
@@ -65,19 +65,19 @@ class ModelRunner:
 
     def available_kv_blocks(self) -> int:
         """How many KV blocks the memory budget allows."""
-        if self.config.cache.num_blocks:
-            return self.config.cache.num_blocks
+        if self.config.cache.num_blocks_override:
+            return self.config.cache.num_blocks_override
         if self.device.type == "cuda":
             budget = self._profile_cuda_budget()
         else:
-            budget = self.config.device.kv_cache_memory_bytes
+            budget = self.config.cache.cpu_kv_cache_bytes
         return max(budget // self.kv_block_bytes(), 0)
 
     def _profile_cuda_budget(self) -> int:
         """Run the largest step once and give the KV pool what the utilization target leaves."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.scheduler.max_model_len)
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         blocks = -(-num_tokens // self.block_size)
         self.init_kv_cache(blocks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
@@ -94,7 +94,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_allocated(self.device)
-        budget = int(total * self.config.device.gpu_memory_utilization) - peak - used_by_others
+        budget = int(total * self.config.cache.gpu_memory_utilization) - peak - used_by_others
         logger.info("GPU memory: total %.1f GiB, model peak %.2f GiB, KV budget %.2f GiB",
                     total / 2**30, peak / 2**30, budget / 2**30)
         return budget
@@ -105,9 +105,6 @@ class ModelRunner:
                           for _ in range(self.num_layers)]
 
     # ------------------------------------------------------------------ step
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(so).output()
 
     @torch.inference_mode()
     def launch(self, so: SchedulerOutput) -> "PendingStep":

@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.batch_order import BatchOrder
+from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.step_diffs import apply_step_diffs
 from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput, pack_ids, unpack_ids
 
@@ -61,13 +61,10 @@ class NullRunner:
         return 0
 
     def available_kv_blocks(self) -> int:
-        return self.config.cache.num_blocks or NOMINAL_KV_BLOCKS
+        return self.config.cache.num_blocks_override or NOMINAL_KV_BLOCKS
 
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
-
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(so).output()
 
     def launch(self, so: SchedulerOutput) -> NullStep:
         start = time.perf_counter()

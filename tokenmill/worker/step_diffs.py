@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from tokenmill.core.batch_order import BatchOrder
+from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.protocol import CachedRequestData, NewRequestData, SchedulerOutput, unpack_ids
 
 

@@ -11,9 +11,9 @@ import time
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.digest import check_worker_view
+from tokenmill.protocol.digest import check_worker_view
 from tokenmill.metrics.telemetry import Telemetry
-from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
+from tokenmill.protocol import ProcessTelemetry, SchedulerOutput
 from tokenmill.worker.device_idle import DeviceIdleMeter
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
 from tokenmill.worker.null_runner import NullRunner, NullStep
@@ -26,7 +26,7 @@ class Worker:
         self.config = config
         self.telemetry = Telemetry(f"worker{rank}", config.trace_steps)
         null = config.model.load_format == "null"
-        device = config.device.device
+        device = config.torch_device
         if device.type == "cuda" and not null and device.index is not None:
             torch.cuda.set_device(device)  # plain "cuda" keeps the current device
         torch.manual_seed(config.model.seed)
@@ -46,9 +46,6 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch_model(scheduler_output).output()
 
     def launch_model(self, scheduler_output: SchedulerOutput) -> PendingStep | NullStep:
         """Start a step without waiting for its sampled ids (async scheduling)."""

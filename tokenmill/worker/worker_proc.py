@@ -16,12 +16,12 @@ import time
 import msgspec
 import zmq
 
-from tokenmill.child_process import die_with_parent, exit_now
+from tokenmill.child_process import die_with_parent, exit_now, init_child_process
 from tokenmill.errors import error_report
-from tokenmill.executor.worker_group import REPLY_HEAD
-from tokenmill.executor.shm_ring import RingAbortedError, ShmRingReader
 from tokenmill.protocol import (SchedulerOutput, WorkerCall, WorkerCallResult, WorkerInputKind, WorkerLaunch,
                                 WorkerOutputKind)
+from tokenmill.transport.channels import REPLY_HEAD
+from tokenmill.transport.shm_ring import RingAbortedError, ShmRingReader
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +48,11 @@ class WorkerProc:
 
     def run(self) -> int:
         try:
-            from tokenmill.config import EngineArgs
             from tokenmill.worker.worker import Worker
 
             self.ring = ShmRingReader(self.launch.ring_name, self.rank, self.launch.overflow_addr,
                                       self.reply.context)
-            config = msgspec.convert(self.launch.engine_args, EngineArgs).create_engine_config()
-            worker = self.worker = Worker(config, self.rank)
+            worker = self.worker = Worker(self.launch.config, self.rank)
             self.send(WorkerOutputKind.READY)
             logger.debug("worker %d ready", self.rank)
             self._loop(worker)
@@ -141,6 +139,7 @@ class WorkerProc:
 
 
 def main(argv: list[str]) -> int:
+    init_child_process()
     launch = msgspec.json.decode(argv[1], type=WorkerLaunch)
     die_with_parent(launch.parent_pid, launch.death_signal)
     logging.basicConfig(level=launch.log_level,

@@ -32,7 +32,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     capacity = config.scheduler.max_num_seqs + settings.max_queued_requests
     state = ServerState(engine=engine, settings=settings, admission=Admission(capacity),
                         metrics=ServerMetrics(config.model.name), model_name=config.model.name,
-                        max_model_len=config.scheduler.max_model_len)
+                        max_model_len=config.model.max_model_len)
     app = FastAPI(title="tokenmill", version=tokenmill.__version__,
                   description="OpenAI-compatible API of the tokenmill inference engine")
     app.state.tokenmill = state

@@ -13,6 +13,7 @@ from enum import IntEnum
 import msgspec
 import numpy as np
 
+from tokenmill.config import EngineConfig
 from tokenmill.sampling_params import SamplingParams
 
 _I32 = np.dtype("<i4")
@@ -25,10 +26,6 @@ def pack_ids(ids) -> bytes:
 
 def unpack_ids(data: bytes) -> list[int]:
     return np.frombuffer(data, dtype=_I32).tolist()
-
-
-def unpack_ids_array(data: bytes) -> np.ndarray:
-    return np.frombuffer(data, dtype=_I32)
 
 
 class FinishReason(IntEnum):
@@ -113,7 +110,7 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
 
 
 class BatchDiff(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """This step's batch relative to the previous step's (see `tokenmill.core.batch_order`).
+    """This step's batch relative to the previous step's (see `tokenmill.protocol.batch_diff`).
 
     Rows are the previous batch minus `removed_rows`, then `added` handles; or
     `full` when listing the batch is smaller. Every row schedules one token
@@ -137,7 +134,7 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     cached_requests: CachedRequestData | None = None
     finished_handles: list[int] = []  # workers drop these before the step
     preempted_handles: list[int] = []  # workers drop these too; they come back as new requests
-    digest: int | None = None  # debug mode: crc32 of the scheduler's view (see core/digest.py)
+    digest: int | None = None  # debug mode: crc32 of the scheduler's view (see protocol/digest.py)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -229,7 +226,9 @@ class KVCacheStats(msgspec.Struct, array_like=True, tag="kv"):
     num_requests: int  # requests still in the engine core (for leak checks)
 
 
-class SchedulerStatsReport(msgspec.Struct, array_like=True, tag="sched"):
+class SchedulerStats(msgspec.Struct, array_like=True, tag="sched"):
+    """The scheduler's counters: what the stats logger prints and `LLM.scheduler_stats()` returns."""
+
     num_running: int
     num_waiting: int
     kv_cache_usage: float
@@ -277,7 +276,7 @@ class TelemetryReport(msgspec.Struct, array_like=True, tag="telemetry"):
 
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
     call_id: int
-    result: KVCacheStats | SchedulerStatsReport | TelemetryReport | None = None
+    result: KVCacheStats | SchedulerStats | TelemetryReport | None = None
     error: str | None = None
 
 
@@ -309,11 +308,8 @@ class WorkerCallResult(msgspec.Struct, array_like=True, omit_defaults=True):
 class CoreLaunch(msgspec.Struct, omit_defaults=True):
     """What the engine-core process is started with (JSON on its command line)."""
 
-    engine_args: dict  # EngineArgs fields (every one a plain value), for the workers
-    engine_config: dict  # the front-end's resolved EngineConfig, via config_wire (no hf_config)
-    input_addr: str  # the front-end binds both sockets; the core connects
-    output_addr: str
-    run_dir: str  # per-engine temp dir for ipc sockets; names the shm segments too
+    config: EngineConfig  # resolved once by the front-end; the core passes it on to every worker
+    run_dir: str  # per-engine temp dir: every socket address and shm name derives from it
     parent_pid: int
     log_level: int = 30
     death_signal: bool = True  # prctl(PR_SET_PDEATHSIG): only when spawned by the main thread
@@ -322,9 +318,8 @@ class CoreLaunch(msgspec.Struct, omit_defaults=True):
 class WorkerLaunch(msgspec.Struct, omit_defaults=True):
     """What a worker process is started with (JSON on its command line)."""
 
-    engine_args: dict
+    config: EngineConfig
     rank: int
-    world_size: int
     ring_name: str
     overflow_addr: str  # where large ring messages arrive (ZMQ PULL, connected)
     reply_addr: str  # the core's PULL socket for replies

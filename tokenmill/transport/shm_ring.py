@@ -8,10 +8,11 @@ Layout of the segment (a file in /dev/shm, mapped by every process):
 Message k goes to chunk k % num_chunks. Invariants:
 - The writer reuses a chunk only when every reader's flag on it is set (read), so it never
   overwrites an unread message; flags start set.
-- The writer fills payload and length, clears the flags, and publishes by writing
-  seq = k + 1 last. A reader expecting message k waits for seq == k + 1, copies the payload,
-  then sets its own flag. (Plain stores in program order: correct on x86's total store
-  order; weaker memory models would need fences.)
+- The writer fills payload and length, clears the flags, and publishes by storing
+  seq = k + 1 with release order. A reader expecting message k waits until an acquire load
+  of seq reads k + 1, copies the payload, then sets its own flag with a release store; the
+  writer reads the flags with acquire loads. So every payload byte is visible before its seq,
+  and a reader is done with a chunk before its flag says so, on any CPU (`atomics.py`).
 - A message longer than a chunk goes through a ZMQ PUSH socket per reader instead; its
   chunk carries length == OVERFLOW, telling readers to take the next ZMQ message.
 
@@ -31,11 +32,14 @@ from collections.abc import Callable
 
 import zmq
 
+from tokenmill.transport.atomics import SharedAtomics
+
 _MAGIC = 0x544D5247  # "TMRG"
 _HEADER = struct.Struct("<IIII")
 _HEADER_BYTES = 64
 _CHUNK_HEAD = struct.Struct("<QII")  # seq, length, pad
 _SEQ = struct.Struct("<Q")
+_LENGTH = struct.Struct("<I")
 OVERFLOW = 0xFFFFFFFF
 SHM_DIR = "/dev/shm"
 
@@ -103,6 +107,7 @@ class _Segment:
                 raise ValueError(f"{path} is not a tokenmill ring")
         self.num_chunks, self.chunk_size, self.num_readers = num_chunks, chunk_size, num_readers
         self.stride = _stride(num_readers, chunk_size)
+        self.atomics = SharedAtomics(self.mm)
 
     def chunk(self, k: int) -> int:
         return _HEADER_BYTES + (k % self.num_chunks) * self.stride
@@ -114,6 +119,7 @@ class _Segment:
         return base + _CHUNK_HEAD.size + self.num_readers
 
     def close(self) -> None:
+        self.atomics.release()
         self.mm.close()
 
 
@@ -136,7 +142,6 @@ class ShmRingWriter:
             sock.bind(addr)
             self._overflow.append(sock)
         self._next = 0
-        self._all_read = b"\x01" * num_readers
 
     @property
     def name(self) -> str:
@@ -148,7 +153,7 @@ class ShmRingWriter:
         base = seg.chunk(self._next)
         flags = seg.flags(base)
         backoff = _Backoff(should_abort)
-        while mm[flags:flags + seg.num_readers] != self._all_read:
+        while not seg.atomics.all_set_acquire(flags, seg.num_readers):
             backoff.wait()
         if len(data) <= seg.chunk_size:
             payload = seg.payload(base)
@@ -158,9 +163,9 @@ class ShmRingWriter:
             for sock in self._overflow:
                 self._send_overflow(sock, data, should_abort)
             length = OVERFLOW
-        _CHUNK_HEAD.pack_into(mm, base, _SEQ.unpack_from(mm, base)[0], length, 0)
+        _LENGTH.pack_into(mm, base + _SEQ.size, length)
         mm[flags:flags + seg.num_readers] = bytes(seg.num_readers)
-        _SEQ.pack_into(mm, base, self._next + 1)  # publish
+        seg.atomics.store_u64_release(base, self._next + 1)  # publish: everything above is visible first
         self._next += 1
 
     @staticmethod
@@ -205,7 +210,7 @@ class ShmRingReader:
 
     def ready(self) -> bool:
         """Whether the next message is already published (never blocks)."""
-        return _SEQ.unpack_from(self._seg.mm, self._seg.chunk(self._next))[0] == self._next + 1
+        return self._seg.atomics.load_u64_acquire(self._seg.chunk(self._next)) == self._next + 1
 
     def read(self, should_abort: Callable[[], bool] | None = None) -> bytes:
         """The next message (blocking)."""
@@ -213,9 +218,9 @@ class ShmRingReader:
         base = seg.chunk(self._next)
         want = self._next + 1
         backoff = _Backoff(should_abort)
-        while _SEQ.unpack_from(mm, base)[0] != want:
+        while seg.atomics.load_u64_acquire(base) != want:
             backoff.wait()
-        _, length, _ = _CHUNK_HEAD.unpack_from(mm, base)
+        length = _LENGTH.unpack_from(mm, base + _SEQ.size)[0]
         if length == OVERFLOW:
             while not self._overflow.poll(100):
                 if should_abort is not None and should_abort():
@@ -224,7 +229,7 @@ class ShmRingReader:
         else:
             payload = seg.payload(base)
             data = mm[payload:payload + length]
-        mm[seg.flags(base) + self._rank] = 1
+        seg.atomics.store_u8_release(seg.flags(base) + self._rank, 1)  # done with the chunk
         self._next += 1
         return data
 
