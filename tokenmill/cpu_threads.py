@@ -37,15 +37,16 @@ class StepThreads:
     PROBE_INTERVAL_S = 2.0
     SPEEDUP_NEEDED = 0.8  # the parallel probe must take at most this fraction of the serial one
 
-    def __init__(self, dtype, max_threads: int | None = None) -> None:
+    def __init__(self, dtype, hidden_size: int, intermediate_size: int, max_threads: int | None = None) -> None:
+        """The probe is one decode-sized MLP matmul of the model being run: [64, hidden] x [hidden, inter]."""
         import torch
         self._torch = torch
         self.max_threads = max_threads or torch.get_num_threads()
         self.threads = self.max_threads
         self._current = torch.get_num_threads()
         self._next_probe = 0.0
-        self._x = torch.randn(64, 576).to(dtype)
-        self._w = torch.randn(1536, 576).to(dtype)
+        self._x = torch.randn(64, hidden_size).to(dtype)
+        self._w = torch.randn(intermediate_size, hidden_size).to(dtype)
 
     def apply(self) -> int:
         if self.max_threads > 1 and time.monotonic() >= self._next_probe:

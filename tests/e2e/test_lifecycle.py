@@ -81,6 +81,43 @@ def test_killed_core_fails_generate_with_engine_dead_error(tiny_model) -> None:
     _generate_until_killed(tiny_model, "core")
 
 
+def test_hung_worker_ends_the_engine_after_the_step_timeout(tiny_model) -> None:
+    """A worker that is alive but stuck (SIGSTOP) is only caught by the step timeout."""
+    timeout_s = 2.0
+    llm = LLM(tiny_model, max_num_seqs=1, step_timeout=timeout_s, **ENGINE)
+    core, workers = engine_pids(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            llm.generate([{"prompt_token_ids": [5 + i, 6, 7]} for i in range(100)], params, use_tqdm=False)
+            result["error"] = None
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            result["error"] = exc
+        result["at"] = time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    time.sleep(1.0)
+    assert thread.is_alive(), "generation ended before the worker was stopped"
+    stopped_at = time.monotonic()
+    os.kill(min(workers), signal.SIGSTOP)
+    try:
+        thread.join(timeout=timeout_s + 10)
+        assert not thread.is_alive(), "generate hung on a stopped worker"
+        assert isinstance(result["error"], EngineDeadError), result["error"]
+        assert "step_timeout" in str(result["error"])
+        # The wait began with the step, a moment before the stop.
+        assert timeout_s - 0.2 <= result["at"] - stopped_at < timeout_s + 5.0
+        assert not wait_gone({core, *workers}, 10.0), "engine processes outlived the failure"
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    llm.shutdown()
+
+
 def test_killed_parent_takes_the_engine_down_and_nothing_pickles(tiny_model) -> None:
     """The helper runs a whole generate with pickle forbidden in every process, then is SIGKILLed."""
     env = dict(os.environ, TOKENMILL_FORBID_PICKLE="1", PYTHONPATH=REPO)

@@ -13,7 +13,7 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.protocol.digest import WorkerStateMismatchError
-from tokenmill.entrypoints.cli import main as cli_main
+from tokenmill.cli import main as cli_main
 from tokenmill.metrics.message_stats import merge_channels
 from tokenmill.protocol import EngineCoreRequest, TelemetryReport, pack_ids
 

@@ -64,7 +64,7 @@ def start_server(model: str, log_dir: Path, *args: str, api_key: str | None = AP
                  timeout_s: float = 90.0) -> Server:
     port = free_port()
     log_path = str(log_dir / f"server-{port}.log")
-    argv = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", model, "--port", str(port),
+    argv = [sys.executable, "-m", "tokenmill.cli", "serve", model, "--port", str(port),
             "--uvicorn-log-level", "warning", *args]
     env = {**os.environ, "PYTHONPATH": REPO}
     env.pop("TOKENMILL_API_KEY", None)

@@ -6,7 +6,7 @@ import json
 import random
 
 from tokenmill.benchmarks.serve import RequestResult, arrival_delays, summarize
-from tokenmill.entrypoints.cli import main
+from tokenmill.cli import main
 
 
 def test_poisson_gaps_and_summary() -> None:

@@ -11,10 +11,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
+from tokenmill.errors import EngineDeadError
 from tokenmill.executor.base import Executor
 from tokenmill.metrics.stats_logger import StatsLogger
 from tokenmill.metrics.telemetry import Telemetry
@@ -86,7 +88,7 @@ class EngineCore:
             return EngineCoreOutputs(outputs=[], timestamp=time.time())
         batch, future = self.in_flight.popleft()
         start = clock()
-        result = future.result()
+        result = self._wait(batch, future)
         done = clock()
         outputs = self.scheduler.update(batch, result)
         self.stats_logger.record_step(batch.total_num_scheduled_tokens,
@@ -98,6 +100,15 @@ class EngineCore:
         record("update", done, updated, args)
         outputs.timestamp = time.time()
         return outputs
+
+    def _wait(self, batch: SchedulerOutput, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
+        """The step's result; a step that runs past `step_timeout_s` (a worker alive but stuck)
+        ends the engine: nothing else would ever notice it."""
+        try:
+            return future.result(timeout=self.config.step_timeout_s)
+        except FutureTimeout:
+            raise EngineDeadError(f"step {batch.step_id} did not finish within step_timeout="
+                                  f"{self.config.step_timeout_s:g} s (a worker is hung)") from None
 
     def kv_cache_stats(self) -> KVCacheStats:
         pool = self.scheduler.kv.pool

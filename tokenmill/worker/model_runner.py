@@ -240,7 +240,8 @@ class ModelRunner:
         """Per-step CPU thread count (see tokenmill/cpu_threads.py); made on first use."""
         threads = getattr(self, "_step_threads", None)
         if threads is None:
-            threads = self._step_threads = StepThreads(self.dtype)
+            arch = self.config.model.arch
+            threads = self._step_threads = StepThreads(self.dtype, arch.hidden_size, arch.intermediate_size)
         return threads
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int], block_rows: list[list[int]],
