@@ -96,6 +96,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     log_stats: bool = True
     trace_steps: str | None = None  # Chrome trace file of every process's steps
     step_timeout_s: float = 300.0  # a step running longer than this kills the engine (EngineDeadError)
+    attention_backend: str = "torch"  # torch (reference; CPU, tests) | triton (CUDA)
+    enforce_eager: bool = False  # CUDA: no CUDA graphs
 
     @property
     def max_model_len(self) -> int:
@@ -133,6 +135,8 @@ class EngineArgs:
     trace_steps: str | None = None
     debug_check_every: int = 0
     step_timeout: float = 300.0
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
 
 
 _FLAG_HELP = {
@@ -159,6 +163,8 @@ _FLAG_HELP = {
     "trace_steps": "write a Chrome/Perfetto trace of every process's steps to this file",
     "debug_check_every": "every N steps, workers check their request state against the scheduler's digest (0 = off)",
     "step_timeout": "seconds a step may run before the engine is declared dead (a hung worker)",
+    "attention_backend": "auto (triton on CUDA, torch on CPU), torch (the reference) or triton",
+    "enforce_eager": "CUDA: run every step eagerly, without CUDA graphs",
 }
 
 

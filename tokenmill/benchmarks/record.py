@@ -9,6 +9,7 @@ import platform
 def machine_info() -> dict:
     import torch
     info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_model": _cpu_model(), "cpu_flags": _cpu_flags(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -16,10 +17,39 @@ def machine_info() -> dict:
     return info
 
 
+_INTERESTING_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "fma")
+
+
+def _cpuinfo_field(name: str) -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _cpu_model() -> str:
+    return _cpuinfo_field("model name") or platform.processor()
+
+
+def _cpu_flags() -> list[str]:
+    flags = set(_cpuinfo_field("flags").split())
+    return [f for f in _INTERESTING_FLAGS if f in flags]
+
+
 def versions() -> dict:
     import torch
     import transformers
 
     import tokenmill
-    return {"tokenmill": tokenmill.__version__, "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__}
+    found = {"tokenmill": tokenmill.__version__, "python": platform.python_version(),
+             "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+        found["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return found

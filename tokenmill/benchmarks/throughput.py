@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
     p.add_argument("--baseline", choices=["none", "hf"], default="none",
                    help="also run Hugging Face transformers' generate on the same prompts")
     p.add_argument("--hf-dtype", default="bfloat16", help="dtype of the HF baseline")
-    p.add_argument("--warmup", type=int, default=1, help="warm-up generate calls before timing")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed passes of the whole workload before the timed one (the HF baseline gets as many)")
     p.add_argument("--output-json", default=None, help="write the JSON record here")
     p.add_argument("--profile", default=None, metavar="PATH",
                    help="profile the timed run with cProfile and write the top functions to PATH "
@@ -69,13 +70,19 @@ def run(ns) -> int:
     prompts = make_prompts(tokenizer, ns.dataset, ns.num_prompts, ns.input_len, llm.config.model.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=ns.ignore_eos)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    for _ in range(ns.warmup):
-        llm.generate(batch[:min(4, len(batch))], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    # Warm-up passes run the very workload (same prompts, same lengths): every kernel shape is seen.
+    warm_runs = []
+    for i in range(ns.warmup):
+        start = time.perf_counter()
+        outputs = llm.generate(batch, params, use_tqdm=False)
+        warm_runs.append(summarize(outputs, time.perf_counter() - start, ns.input_len))
+        print(f"warm-up pass {i + 1}: {warm_runs[-1]['output_tokens_per_s']:.1f} output tok/s")
     profiler = None
     if ns.profile:
         import cProfile
         profiler = cProfile.Profile()
         profiler.enable()
+    llm.reset_telemetry()
     start = time.perf_counter()
     outputs = llm.generate(batch, params)
     elapsed = time.perf_counter() - start
@@ -83,6 +90,7 @@ def run(ns) -> int:
         profiler.disable()
         write_profile(profiler, ns.profile)
     figures = summarize(outputs, elapsed, ns.input_len)
+    figures.update(step_figures(llm.telemetry()))
     record = {
         "benchmark": "throughput",
         "workload": {"model": ns.model, "num_prompts": ns.num_prompts, "input_len": ns.input_len,
@@ -91,14 +99,22 @@ def run(ns) -> int:
         "engine_args": dataclasses.asdict(engine_args),
         "machine": machine_info(), "versions": versions(),
         "tokenmill": figures,
+        "tokenmill_warmup_passes": warm_runs,
     }
+    if warm_runs:
+        record["first_over_timed_run"] = warm_runs[0]["output_tokens_per_s"] / figures["output_tokens_per_s"]
     print_figures("tokenmill", figures)
+    config = llm.config
     llm.shutdown()
+    if config.device.startswith("cuda"):
+        record["roofline"] = roofline_figures(config, ns, figures)
+        print_roofline(record["roofline"])
     if ns.baseline == "hf":
         from tokenmill.benchmarks.hf_baseline import run_hf_generate
-        hf = run_hf_generate(llm.config.model, prompts, ns.output_len, ns.hf_dtype, ns.ignore_eos)
+        hf = run_hf_generate(config.model, prompts, ns.output_len, ns.hf_dtype, ns.ignore_eos,
+                             warmup_passes=max(ns.warmup, 1))
         record["baseline"] = hf
-        print_figures(f"HF transformers ({ns.hf_dtype}, static batch)", hf)
+        print_figures(f"HF transformers ({ns.hf_dtype}, static batch, warmed)", hf)
         ratio = figures["output_tokens_per_s"] / hf["output_tokens_per_s"]
         record["ratio_output_tokens_per_s"] = ratio
         print(f"tokenmill / HF output tokens/s: {ratio:.2f}x")
@@ -107,6 +123,47 @@ def run(ns) -> int:
         with open(ns.output_json, "w") as f:
             json.dump(record, f, indent=2)
     return 0
+
+
+def step_figures(report) -> dict:
+    """The driver worker's per-step device time and idle gaps (CUDA events), and the core's step time."""
+    worker = next((p for p in report.processes if p.role == "worker0"), None)
+    out = {}
+    if worker is not None:
+        for name in ("device_step", "device_idle", "forward", "prepare", "sample"):
+            t = worker.timings.get(name)
+            if t is not None and t.count:
+                out[f"{name}_ms_p50"], out[f"{name}_ms_p99"] = t.p50_us / 1e3, t.p99_us / 1e3
+                out[f"{name}_ms_mean"], out[f"{name}_count"] = t.mean_us / 1e3, t.count
+    if "device_step_ms_p50" in out and "device_idle_ms_p50" in out:
+        out["device_idle_fraction_p50"] = out["device_idle_ms_p50"] / out["device_step_ms_p50"]
+    return out
+
+
+def roofline_figures(config, ns, figures: dict) -> dict:
+    """Decode at full batch: the floor step time over the measured p50 device step time."""
+    from tokenmill.benchmarks.roofline import decode_roofline, measure_copy_bandwidth
+    bandwidth = measure_copy_bandwidth()
+    roof = decode_roofline(config.model.arch, config.model.dtype, bandwidth)
+    batch = min(ns.num_prompts, config.scheduler.max_num_seqs)
+    context = ns.input_len + ns.output_len / 2
+    floor_s = roof.step_time_s(batch, context)
+    out = {"bandwidth_GBps": bandwidth / 1e9, "weight_GB": roof.weight_bytes / 1e9,
+           "kv_bytes_per_token": roof.kv_bytes_per_token, "batch": batch, "mean_context": context,
+           "floor_step_ms": floor_s * 1e3, "roofline_output_tokens_per_s": batch / floor_s}
+    step = figures.get("device_step_ms_p50")
+    if step:
+        out["fraction_of_roofline_step_p50"] = floor_s * 1e3 / step
+    return out
+
+
+def print_roofline(r: dict) -> None:
+    print("== decode roofline ==")
+    print(f"  copy bandwidth     {r['bandwidth_GBps']:.0f} GB/s (read + write)")
+    print(f"  weights read/step  {r['weight_GB']:.2f} GB; KV {r['kv_bytes_per_token']} B/token")
+    print(f"  floor step at batch {r['batch']}, context {r['mean_context']:.0f}: {r['floor_step_ms']:.2f} ms")
+    if "fraction_of_roofline_step_p50" in r:
+        print(f"  fraction reached (p50 step)   {r['fraction_of_roofline_step_p50']:.1%}")
 
 
 def write_profile(profiler, path: str) -> None:
@@ -149,4 +206,9 @@ def print_figures(name: str, f: dict) -> None:
     print(f"  output tokens/s    {f['output_tokens_per_s']:.1f}")
     print(f"  total tokens/s     {f['total_tokens_per_s']:.1f}")
     if "tpot_ms_mean" in f:
-        print(f"  TPOT ms mean/p50/p99  {f['tpot_ms_mean']:.1f} / {f['tpot_ms_p50']:.1f} / {f['tpot_ms_p99']:.1f}")
+        print(f"  TPOT ms mean/p50/p99  {f['tpot_ms_mean']:.2f} / {f['tpot_ms_p50']:.2f} / {f['tpot_ms_p99']:.2f}")
+    if "device_step_ms_p50" in f:
+        print(f"  device step ms p50/p99  {f['device_step_ms_p50']:.3f} / {f['device_step_ms_p99']:.3f}")
+    if "device_idle_ms_p50" in f:
+        print(f"  device idle ms p50/mean  {f['device_idle_ms_p50']:.3f} / {f['device_idle_ms_mean']:.3f}"
+              + (f"  ({f['device_idle_fraction_p50']:.1%} of a step)" if "device_idle_fraction_p50" in f else ""))

@@ -50,7 +50,9 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         parallel=ParallelConfig(world_size=args.world_size),
         device=device, max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
         trace_steps=os.path.abspath(args.trace_steps) if args.trace_steps else None,
-        step_timeout_s=float(args.step_timeout))
+        step_timeout_s=float(args.step_timeout),
+        attention_backend=resolve_attention_backend(args.attention_backend, device),
+        enforce_eager=args.enforce_eager)
 
 
 def _check_args(args: EngineArgs) -> None:
@@ -82,6 +84,22 @@ def resolve_device(name: str) -> str:
     if name.startswith("cuda"):
         _check(torch.cuda.is_available(), "device", "is cuda but no CUDA device is available")
     return name
+
+
+def resolve_attention_backend(name: str, device: str) -> str:
+    _check(name in ("auto", "torch", "triton"), "attention_backend",
+           f"must be auto, torch or triton, got {name!r}")
+    on_cuda = device.startswith("cuda")
+    if name == "auto":
+        return "triton" if on_cuda and _triton_installed() else "torch"
+    _check(name != "triton" or on_cuda, "attention_backend", "triton needs a CUDA device")
+    _check(name != "triton" or _triton_installed(), "attention_backend", "triton is not installed")
+    return name
+
+
+def _triton_installed() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_dtype(name: str, device: str) -> str:

@@ -23,17 +23,23 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 _PACK_BATCH_HINT = 64
-_packing_ok = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACKING_BUILT = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class PackedWeight:
-    """The packed form of one weight tensor, kept in step with it."""
+    """The packed form of one weight tensor, kept in step with it. `usable` turns False for good
+    once packing failed for this weight (an unsupported build or shape)."""
 
-    __slots__ = ("key", "packed")
+    __slots__ = ("key", "packed", "usable")
 
     def __init__(self) -> None:
         self.key: tuple | None = None
         self.packed: torch.Tensor | None = None
+        self.usable = _PACKING_BUILT
+
+    def disable(self, exc: RuntimeError) -> None:
+        logger.warning("packed bfloat16 linear unavailable, using F.linear: %s", exc)
+        self.usable = False
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version, tuple(weight.shape))
@@ -44,20 +50,18 @@ class PackedWeight:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: PackedWeight) -> torch.Tensor:
-    global _packing_ok
-    if _use_packed(x, weight):
+    if _use_packed(x, weight, cache):
         try:
             x2 = x.reshape(-1, x.shape[-1])
             out = torch.ops.mkldnn._linear_pointwise(x2, cache.get(weight), bias, "none", [], "")
             return out.view(*x.shape[:-1], weight.shape[0])
         except RuntimeError as exc:  # an unsupported build or shape: never try again
-            logger.warning("packed bfloat16 linear unavailable, using F.linear: %s", exc)
-            _packing_ok = False
+            cache.disable(exc)
     return F.linear(x, weight, bias)
 
 
-def _use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (_packing_ok and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+def _use_packed(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight) -> bool:
+    return (cache.usable and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and x.device.type == "cpu" and weight.device.type == "cpu"
             and not (torch.is_grad_enabled() and weight.requires_grad))
 
@@ -65,13 +69,11 @@ def _use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, other: torch.Tensor,
                cache: PackedWeight) -> torch.Tensor:
     """`F.linear(x, weight, bias) + other`; on the packed path the add runs inside the matmul."""
-    global _packing_ok
-    if _use_packed(x, weight) and other.dtype == x.dtype and x.dim() == 2 and other.is_contiguous():
+    if _use_packed(x, weight, cache) and other.dtype == x.dtype and x.dim() == 2 and other.is_contiguous():
         try:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, cache.get(weight), bias, "add")
         except RuntimeError as exc:
-            logger.warning("packed bfloat16 linear unavailable, using F.linear: %s", exc)
-            _packing_ok = False
+            cache.disable(exc)
     return linear(x, weight, bias, cache) + other
 
 
@@ -79,8 +81,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     caches: tuple[PackedWeight, PackedWeight]) -> torch.Tensor | None:
     """`silu(gate) * up` of `F.linear(x, weight, bias)` split in halves [gate | up], as two matmuls
     with the activation and the product done inside them; None where the packed path is off."""
-    global _packing_ok
-    if not (_use_packed(x, weight) and x.dim() == 2):
+    if not (_use_packed(x, weight, caches[0]) and caches[1].usable and x.dim() == 2):
         return None
     half = weight.shape[0] // 2
     try:
@@ -89,8 +90,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return torch.ops.mkldnn._linear_pointwise.binary(
             x, gate, caches[1].get(weight[half:]), None if bias is None else bias[half:], "mul")
     except RuntimeError as exc:
-        logger.warning("packed bfloat16 linear unavailable, using F.linear: %s", exc)
-        _packing_ok = False
+        caches[0].disable(exc)
         return None
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import struct
 import zlib
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -25,9 +24,8 @@ class WorkerStateMismatchError(RuntimeError):
     """A worker's mirrored request state diverged from the scheduler's."""
 
 
-class MirroredState(Protocol):
-    num_computed_tokens: int
-    block_ids: Sequence[int]
+# A worker's view of one request: (tokens computed, block ids), or None when it holds no such request.
+MirrorView = Callable[[int], "tuple[int, Sequence[int]] | None"]
 
 
 def batch_digest(rows: Iterable[tuple[int, int, Sequence[int]]]) -> int:
@@ -39,22 +37,22 @@ def batch_digest(rows: Iterable[tuple[int, int, Sequence[int]]]) -> int:
     return crc
 
 
-def worker_digest(so: SchedulerOutput, states: Mapping[int, MirroredState]) -> int:
+def worker_digest(so: SchedulerOutput, view: MirrorView) -> int:
     """The digest of a worker's view, once `so` has been applied (launched)."""
     rows = []
     for handle in so.scheduled_handles:
-        state = states.get(handle)
+        state = view(handle)
         if state is None:
             raise WorkerStateMismatchError(f"step {so.step_id}: the worker does not know scheduled request {handle}")
-        rows.append((handle, state.num_computed_tokens, state.block_ids))
+        rows.append((handle, *state))
     return batch_digest(rows)
 
 
-def check_worker_view(so: SchedulerOutput, states: Mapping[int, MirroredState]) -> None:
-    """Raise WorkerStateMismatchError when `so.digest` (if any) disagrees with `states`."""
+def check_worker_view(so: SchedulerOutput, view: MirrorView) -> None:
+    """Raise WorkerStateMismatchError when `so.digest` (if any) disagrees with the worker's `view`."""
     if so.digest is None:
         return
-    mine = worker_digest(so, states)
+    mine = worker_digest(so, view)
     if mine != so.digest:
         raise WorkerStateMismatchError(
             f"debug check failed at step {so.step_id}: the worker's view of the {len(so.scheduled_handles)} "

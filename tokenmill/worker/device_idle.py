@@ -1,10 +1,10 @@
-"""How long the device sits idle between steps: from the end of step N's device work to the
-start of step N+1's forward.
+"""How long the device works on each step, and how long it sits idle between steps.
 
-CUDA: an event recorded when the model's forward starts (a forward pre-hook) and one recorded
-after the step is launched (behind its sampling and read-back copy); each gap is read once
-both events have completed, so measuring never synchronizes the device. CPU (and the null
-model): host clock at the start and end of each forward. Gaps go to `timings["device_idle"]`.
+A step's device work runs from the start of its forward (a model pre-hook, or the runner's
+`on_device_work` call before a CUDA graph replay) to the end of its sampling and read-back copy.
+CUDA: events recorded at both ends; a pair is read only once its events have completed, so
+measuring never synchronizes the device. CPU (and the null model): the host clock around the
+forward. Durations go to `timings["device_step"]` (CUDA) and `timings["device_idle"]`.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ class DeviceIdleMeter:
         self._cuda = device.type == "cuda"
         self._telemetry = telemetry
         self._last_end: float | None = None  # host clock (CPU)
-        self._last_end_event = None  # CUDA
-        self._gaps: deque[tuple] = deque()  # CUDA (end event, start event) pairs not yet read
+        self._start_event = None  # CUDA: this step's start, until its end is recorded
+        self._last_end_event = None  # CUDA: the previous step's end
+        self._pending: deque[tuple] = deque()  # CUDA (previous end | None, start, end) not yet read
         self._hooked = False
 
     def attach(self, model: torch.nn.Module) -> None:
@@ -44,11 +45,9 @@ class DeviceIdleMeter:
 
     def work_started(self) -> None:
         if self._cuda:
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            if self._last_end_event is not None:
-                self._gaps.append((self._last_end_event, start))
-                self._last_end_event = None
+            if self._start_event is None:  # the first forward of the step (prompt logprobs may add more)
+                self._start_event = torch.cuda.Event(enable_timing=True)
+                self._start_event.record()
             self._collect()
         else:
             now = time.perf_counter()
@@ -59,12 +58,19 @@ class DeviceIdleMeter:
     def work_ended(self) -> None:
         """CPU: the forward ended. CUDA: the step's device work is all enqueued."""
         if self._cuda:
-            self._last_end_event = torch.cuda.Event(enable_timing=True)
-            self._last_end_event.record()
+            if self._start_event is None:
+                return  # a step without device work
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._pending.append((self._last_end_event, self._start_event, end))
+            self._last_end_event, self._start_event = end, None
         else:
             self._last_end = time.perf_counter()
 
     def _collect(self) -> None:
-        while self._gaps and self._gaps[0][1].query():
-            end, start = self._gaps.popleft()
-            self._telemetry.timings.add("device_idle", end.elapsed_time(start) / 1e3)
+        timings = self._telemetry.timings
+        while self._pending and self._pending[0][2].query():
+            previous_end, start, end = self._pending.popleft()
+            timings.add("device_step", start.elapsed_time(end) / 1e3)
+            if previous_end is not None:
+                timings.add("device_idle", previous_end.elapsed_time(start) / 1e3)

@@ -14,7 +14,7 @@ import numpy as np
 from tokenmill.config import EngineConfig
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.step_diffs import apply_step_diffs
-from tokenmill.protocol import ModelRunnerOutput, SchedulerOutput, pack_ids, unpack_ids
+from tokenmill.protocol import ModelRunnerOutput, NewRequestData, SchedulerOutput, pack_ids, unpack_ids
 
 NOMINAL_KV_BLOCKS = 1 << 20
 
@@ -88,5 +88,19 @@ class NullRunner:
         return NullStep(output)
 
     def _apply_diffs(self, so: SchedulerOutput) -> None:
-        apply_step_diffs(so, self.batch_order, self.states, lambda data: NullState(
-            len(data.token_ids) // 4, data.num_computed_tokens, unpack_ids(data.block_ids)))
+        apply_step_diffs(so, self.batch_order, self)
+
+    def mirror_view(self, handle: int) -> tuple[int, list[int]] | None:
+        state = self.states.get(handle)
+        return None if state is None else (state.num_computed_tokens, state.block_ids)
+
+    # RequestMirror
+    def drop(self, handle: int) -> None:
+        self.states.pop(handle, None)
+
+    def add(self, data: NewRequestData) -> None:
+        self.states[data.handle] = NullState(len(data.token_ids) // 4, data.num_computed_tokens,
+                                             unpack_ids(data.block_ids))
+
+    def append_blocks(self, handle: int, block_ids: np.ndarray) -> None:
+        self.states[handle].block_ids.extend(block_ids.tolist())

@@ -1,26 +1,32 @@
-"""Apply a SchedulerOutput's diffs to a worker's per-request mirror (shared by every runner)."""
+"""Apply a SchedulerOutput's diffs to a worker's mirror of its requests (shared by every runner)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
+import numpy as np
+
+from tokenmill.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
-from tokenmill.protocol import CachedRequestData, NewRequestData, SchedulerOutput, unpack_ids
 
 
-def apply_step_diffs(so: SchedulerOutput, batch_order: BatchOrder, states: dict[int, Any],
-                     new_state: Callable[[NewRequestData], Any]) -> None:
-    """Decode the batch, drop finished and preempted requests, add new ones, append new blocks.
+class RequestMirror(Protocol):
+    def drop(self, handle: int) -> None: ...
 
-    Each state must have a `block_ids` list."""
+    def add(self, data: NewRequestData) -> None: ...
+
+    def append_blocks(self, handle: int, block_ids: np.ndarray) -> None: ...
+
+
+def apply_step_diffs(so: SchedulerOutput, batch_order: BatchOrder, mirror: RequestMirror) -> None:
+    """Decode the batch, drop finished and preempted requests, add new ones, append new blocks."""
     batch_order.decode(so)
     for handle in so.finished_handles:
-        states.pop(handle, None)
+        mirror.drop(handle)
     for handle in so.preempted_handles:
-        states.pop(handle, None)
+        mirror.drop(handle)
     for data in so.new_requests:
-        states[data.handle] = new_state(data)
+        mirror.add(data)
     cached = so.cached_requests or CachedRequestData()
     for handle, blocks in zip(cached.handles, cached.new_block_ids):
-        states[handle].block_ids.extend(unpack_ids(blocks))
+        mirror.append_blocks(handle, np.frombuffer(blocks, dtype="<i4"))

@@ -37,6 +37,7 @@ class Worker:
         self.runner.load_model()
         if self.runner.model is not None:
             self.idle.attach(self.runner.model)
+            self.runner.on_device_work = self.idle.work_started  # CUDA graph replays skip the model's hooks
 
     def available_kv_blocks(self) -> int:
         return self.runner.available_kv_blocks()
@@ -54,7 +55,7 @@ class Worker:
         step = self.runner.launch(scheduler_output)
         self.idle.step_launched()
         self._record_phases(start, scheduler_output.step_id)
-        check_worker_view(scheduler_output, self.runner.states)
+        check_worker_view(scheduler_output, self.runner.mirror_view)
         return step
 
     def _record_phases(self, start: float, step_id: int) -> None:

@@ -15,6 +15,7 @@ compiler is found, the build fails, or TOKENMILL_NO_C_KERNELS=1 is set,
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -120,8 +121,6 @@ DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, st_bf16)
 # other float computation in it.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
           "-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
-_lib: ctypes.CDLL | None = None
-_tried = False
 
 
 def _cpu_flags() -> str:
@@ -159,17 +158,20 @@ def _build() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    """Built (or loaded from the cache directory) once per process; None where it cannot be."""
+    if os.environ.get("TOKENMILL_NO_C_KERNELS", "") in ("1", "true", "yes"):
+        return None
+    try:
+        return _build()
+    except Exception as exc:  # noqa: BLE001 - no compiler, build error, unloadable library: use torch
+        logger.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
+        return None
+
+
 def available() -> bool:
-    global _lib, _tried
-    if not _tried:
-        _tried = True
-        if os.environ.get("TOKENMILL_NO_C_KERNELS", "") not in ("1", "true", "yes"):
-            try:
-                _lib = _build()
-            except Exception as exc:  # no compiler, build error, unloadable library: use torch
-                logger.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
-                _lib = None
-    return _lib is not None
+    return _library() is not None
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -181,11 +183,12 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                      scale: float) -> torch.Tensor:
     """q: [S, H, D] (last dim contiguous); kv_cache: [2, blocks, bs, Hkv, D]; block_table: int32 [S, W]
     contiguous; seq_lens: int32 [S] (each >= 1). Returns [S, H, D] attention of each q over its context."""
-    assert _lib is not None
+    lib = _library()
+    assert lib is not None
     s, h, d = q.shape
     _, _, bs, hkv, _ = kv_cache.shape
     out = torch.empty((s, h, d), dtype=q.dtype)
-    fn = _lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else _lib.decode_attention_f32
+    fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
     fn(q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(),
        s, h, hkv, d, bs, scale, torch.get_num_threads())

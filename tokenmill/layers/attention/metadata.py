@@ -8,7 +8,7 @@ Prefill chunks and decodes mix freely; a decode is just a query of length 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset; -1 = padding, not written
     query_start_loc_cpu: torch.Tensor  # int32 [num_seqs + 1], on the host
     seq_lens_cpu: torch.Tensor  # int32 [num_seqs], on the host
+    # What a backend derives from this step's metadata, computed by the first layer and reused by
+    # the others (every layer of a step sees this same object).
+    derived: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:

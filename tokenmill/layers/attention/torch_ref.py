@@ -64,17 +64,12 @@ class _StepPlan:
     buffers: dict = field(default_factory=dict)  # gather buffers, shared by the step's layers
 
 
-# The plan of the step in flight, as one (meta, block_size, plan) tuple: every layer sees the
-# same metadata object. Read and replaced whole, so a step prepared on another thread is safe.
-_last_plan: list = [None]
-
-
 def _plan_for(meta: AttentionMetadata, block_size: int) -> _StepPlan:
-    entry = _last_plan[0]
-    if entry is not None and entry[0] is meta and entry[1] == block_size:
-        return entry[2]
-    plan = _build_plan(meta, block_size)
-    _last_plan[0] = (meta, block_size, plan)
+    """The step's plan, built by its first layer and kept on the metadata for the others."""
+    key = ("torch_ref_plan", block_size)
+    plan = meta.derived.get(key)
+    if plan is None:
+        plan = meta.derived[key] = _build_plan(meta, block_size)
     return plan
 
 

@@ -1,0 +1,93 @@
+"""Start-up work on CUDA: size the KV pool from a profiled peak, and run every kernel shape once
+(so the first request does not pay for compiles or allocator growth)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from tokenmill.layers.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def dummy_metadata(query_lens: list[int], seq_lens: list[int], block_size: int,
+                   device: torch.device) -> AttentionMetadata:
+    """Sequences laid out in consecutive blocks from block 0; every slot is written."""
+    blocks_per_seq = [-(-s // block_size) for s in seq_lens]
+    width = max(blocks_per_seq)
+    table = np.zeros((len(seq_lens), width), dtype=np.int32)
+    slots, first = [], 0
+    for i, (q, s, nb) in enumerate(zip(query_lens, seq_lens, blocks_per_seq)):
+        table[i, :nb] = np.arange(first, first + nb)
+        positions = np.arange(s - q, s)
+        slots.append(table[i, positions // block_size].astype(np.int64) * block_size + positions % block_size)
+        first += nb
+    qsl = np.zeros(len(query_lens) + 1, dtype=np.int32)
+    np.cumsum(query_lens, out=qsl[1:])
+    qsl_cpu = torch.from_numpy(qsl)
+    seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    return AttentionMetadata(
+        num_tokens=int(qsl[-1]), max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        query_start_loc=qsl_cpu.to(device), seq_lens=seq_cpu.to(device),
+        block_table=torch.from_numpy(table).to(device),
+        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        query_start_loc_cpu=qsl_cpu, seq_lens_cpu=seq_cpu)
+
+
+@torch.inference_mode()
+def run_dummy(runner: ModelRunner, query_lens: list[int], seq_lens: list[int], sample_rows: int) -> None:
+    meta = dummy_metadata(query_lens, seq_lens, runner.block_size, runner.device)
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(runner.device)
+    ids = torch.zeros(meta.num_tokens, dtype=torch.long, device=runner.device)
+    hidden = runner.model(ids, positions, runner.kv_caches, meta)
+    logits = runner.model.compute_logits(hidden[-sample_rows:])
+    logits.softmax(-1)
+
+
+def profile_and_budget(runner: ModelRunner) -> int:
+    """Run the largest step once; the KV pool gets what the utilization target leaves."""
+    config, device = runner.config, runner.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = min(config.scheduler.max_num_batched_tokens, config.model.max_model_len)
+    runner.allocate_kv_cache(-(-num_tokens // runner.block_size))
+    run_dummy(runner, [num_tokens], [num_tokens], min(config.scheduler.max_num_seqs, num_tokens))
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    runner.kv_caches = []
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    used_by_others = total - free - torch.cuda.memory_allocated(device)
+    budget = int(total * config.cache.gpu_memory_utilization) - peak - used_by_others
+    logger.info("GPU memory: total %.1f GiB, model peak %.2f GiB, KV budget %.2f GiB",
+                total / 2**30, peak / 2**30, budget / 2**30)
+    return budget
+
+
+def warm_up_kernels(runner: ModelRunner) -> None:
+    """One step of each kind the engine runs: a long prefill, a mixed batch (chunks over cached
+    context, decodes, multi-token decodes) and eager decode batches at a few sizes."""
+    start = time.perf_counter()
+    config = runner.config
+    max_len = config.model.max_model_len
+    num_blocks = runner.kv_caches[0].shape[1] if runner.kv_caches else 0
+    capacity = num_blocks * runner.block_size
+    long = min(config.scheduler.max_num_batched_tokens, max_len, capacity)
+    shapes = [([long], [long])]
+    mixed_q, mixed_s = [64, 1, 1, 4], [min(192, max_len), min(300, max_len), 17, min(40, max_len)]
+    shapes.append((mixed_q, mixed_s))
+    for batch in sorted({1, min(8, config.scheduler.max_num_seqs), config.scheduler.max_num_seqs}):
+        shapes.append(([1] * batch, [min(100, max_len)] * batch))
+    for query_lens, seq_lens in shapes:
+        if sum(-(-s // runner.block_size) for s in seq_lens) <= num_blocks:
+            run_dummy(runner, query_lens, seq_lens, len(query_lens))
+    torch.cuda.synchronize(runner.device)
+    logger.info("warmed up %d step shapes in %.1f s", len(shapes), time.perf_counter() - start)
