@@ -84,6 +84,7 @@ def run_case(contexts, q_lens, *, block_size, heads, dtype, head_dim=64, pad_tok
     (torch.float16, 64, (8, 2), 16),
     (torch.float32, 64, (6, 2), 16),  # a group of 3 (SmolLM2), padded to 4 in the tile
     (torch.float16, 128, (4, 1), 32),
+    (torch.float32, 80, (4, 2), 128),  # head_dim padded to 128 in the tile; a KV tile inside one page
 ])
 def test_mixed_batch(dtype, head_dim, heads, block_size) -> None:
     run_case(*MIXED, block_size=block_size, heads=heads, dtype=dtype, head_dim=head_dim)

@@ -47,7 +47,8 @@ def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, CHUNK: tl.con
     return count
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits"])
+# Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
+@triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits", "s_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,  # split partials: [num_rows, NUM_HEADS, num_splits(, HEAD_DIM_PAD)]
