@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -328,7 +327,7 @@ def main() -> int:
         print(f"{r['case']:<40} err {r['err']:.2e}  {'ok' if r['ok'] else 'FAIL'}")
 
     report["timings"] = timings(args.quick)
-    print(f"\nllama3.1-8b shape, bf16, block 16 (graph replay per layer; torch backend eager)")
+    print("\nllama3.1-8b shape, bf16, block 16 (graph replay per layer; torch backend eager)")
     print(f"{'case':<58}{'us':>9}{'KV GB/s':>9}{'TFLOP/s':>9}{'splits':>7}{'torch us':>10}")
     for r in report["timings"]:
         if "error" in r:
