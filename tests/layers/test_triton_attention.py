@@ -36,7 +36,9 @@ TOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 # (contexts, query lengths): fresh prefills, chunked prefills over cached context, single decodes,
 # multi-token decodes (3, 5) and a zero-length row, interleaved.
 MIXED = ([0, 40, 70, 12, 130, 25, 9, 0], [20, 24, 1, 0, 1, 3, 5, 9])
-DECODES = ([150, 0, 40, 12, 97, 63], [1, 1, 3, 0, 5, 1])  # max_query_len <= 8: decode tiles, split-KV
+# max_query_len <= 8: decode tiles, split-KV. The last row's queries straddle a KV tile boundary
+# (keys 0..66 in tiles of 64): its first queries see nothing of the last share.
+DECODES = ([150, 0, 40, 12, 97, 63, 62], [1, 1, 3, 0, 5, 1, 5])
 LONG_PREFILL = ([0, 30], [70, 66])  # >= 64 query tokens per sequence on average: wide tiles
 
 
@@ -119,6 +121,24 @@ def test_only_padding_rows() -> None:
     """Every row is padding (a graph replayed with no real sequence but a padded one): zeros, no writes."""
     out = run_case([5], [0], block_size=16, heads=(4, 2), dtype=torch.float32, pad_tokens=4)
     assert out.shape[0] == 4
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_padding_sequence_of_one_row_and_no_context(splits) -> None:
+    """Another padding convention: a padded sequence with one row, slot -1 and seq_len 0 gives zeros."""
+    case = make_case([30, 5], [1, 1], 16, 4, 2, torch.float32, "cpu", pad_tokens=1, head_dim=64)
+    m = case.meta
+    qsl = torch.cat([m.query_start_loc, m.query_start_loc[-1:] + 1])
+    lens = torch.cat([m.seq_lens, torch.zeros(1, dtype=torch.int32)])
+    table = torch.cat([m.block_table, torch.zeros_like(m.block_table[:1])])
+    meta = dataclasses.replace(m, query_start_loc=qsl, seq_lens=lens, block_table=table,
+                               query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+    before = case.kv_cache.clone()
+    backend = TritonAttentionBackend(4, 2, 64, 0.125, config=TritonAttentionConfig(kv_splits=splits))
+    out = backend.forward(case.q, case.k, case.v, case.kv_cache, meta)
+    torch.testing.assert_close(out[:2].double(), case.expected, atol=1e-4, rtol=1e-4)
+    assert not out[2].any()
+    assert torch.equal(case.kv_cache.view(2, -1, 2, 64)[:, ~case.written], before.view(2, -1, 2, 64)[:, ~case.written])
 
 
 def test_split_rule_uses_static_numbers_only() -> None:

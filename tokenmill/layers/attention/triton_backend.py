@@ -1,4 +1,4 @@
-"""Triton attention backend (GPU fast path): two launches per layer, any mix of rows.
+"""Triton attention backend (GPU fast path): any mix of rows in one attention launch per layer.
 
 1. `triton_kv_write`: this step's K/V into the paged cache at `slot_mapping`.
 2. `triton_paged_attention`: one launch over the paged cache for every row of the
@@ -6,9 +6,10 @@
    tokens), plus a small reduce launch when KV is split (flash-decoding).
 
 CUDA graphs: `forward` never syncs with the host and allocates only through the
-caching allocator. The launch depends on tensor shapes (rows, sequences, heads,
-block table width) and two host ints of `AttentionMetadata`, used only to choose
-the launch, never for correctness:
+caching allocator. The launch depends on tensor shapes (rows of q, sequences in
+`seq_lens`, heads), the SM count, and two host ints of `AttentionMetadata`, which
+choose the launch but never affect correctness (`num_tokens` and the `_cpu`
+tensors are not read):
 - `max_query_len`: <= `decode_max_query_len` selects decode tiles and allows
   split-KV; any actual query length is still computed right (a longer one just
   takes several tiles).
@@ -16,7 +17,8 @@ the launch, never for correctness:
   actual seq_len is right, the shares are sized on the device.
 A graph captured with max_query_len=1 and max_seq_len=max_model_len replays
 correctly for every decode batch of that size. Rows past the last sequence come
-out as zeros; slots of -1 write nothing.
+out as zeros; slots of -1 write nothing; a padding sequence may have query length
+0, or query length 1 with seq_len 0 (its row comes out as zeros).
 
 Importing this module does not import triton; the first `forward` does.
 """
