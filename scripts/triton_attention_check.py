@@ -315,7 +315,8 @@ def main() -> int:
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
     report = {"device": props.name, "torch": torch.__version__, "triton": triton.__version__}
 
-    report["correctness"] = correctness()
+    report["correctness"] = correctness()  # the first run compiles most kernel variants here
+    print(f"(correctness: {time.perf_counter() - start:.0f} s so far)")
     print(f"\n{'correctness':<16}{'model':<14}{'dtype':<10}{'err triton':>12}{'err torch':>12}  ok")
     for r in report["correctness"]:
         print(f"{r['case']:<16}{r['model']:<14}{r['dtype']:<10}{r['err_triton']:>12.2e}{r['err_torch']:>12.2e}  "
@@ -327,6 +328,7 @@ def main() -> int:
         print(f"{r['case']:<40} err {r['err']:.2e}  {'ok' if r['ok'] else 'FAIL'}")
 
     report["timings"] = timings(args.quick)
+    print(f"(timings: {time.perf_counter() - start:.0f} s so far)")
     print("\nllama3.1-8b shape, bf16, block 16 (graph replay per layer; torch backend eager)")
     print(f"{'case':<58}{'us':>9}{'KV GB/s':>9}{'TFLOP/s':>9}{'splits':>7}{'torch us':>10}")
     for r in report["timings"]:
