@@ -43,7 +43,8 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
 
 
 def make_case(contexts: list[int], q_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
-              dtype: torch.dtype, device: str, pad_tokens: int = 0, seed: int = 0) -> Case:
+              dtype: torch.dtype, device: str, pad_tokens: int = 0, seed: int = 0,
+              head_dim: int = HEAD_DIM) -> Case:
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
@@ -52,27 +53,27 @@ def make_case(contexts: list[int], q_lens: list[int], block_size: int, num_heads
     perm = torch.randperm(num_blocks, generator=g).tolist()
     width = max(blocks_per_seq) + 1
     block_table = torch.zeros(len(seq_lens), width, dtype=torch.int32)
-    cache = torch.randn(kv_cache_shape(num_blocks, block_size, num_kv_heads, HEAD_DIM), generator=g).to(dtype)
-    flat = cache.view(2, -1, num_kv_heads, HEAD_DIM)
+    cache = torch.randn(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), generator=g).to(dtype)
+    flat = cache.view(2, -1, num_kv_heads, head_dim)
     written = torch.zeros(flat.shape[1], dtype=torch.bool)
     qs, ks, vs, slots, expected = [], [], [], [], []
-    scale = 1.0 / math.sqrt(HEAD_DIM)
+    scale = 1.0 / math.sqrt(head_dim)
     for i, (ctx, q_len) in enumerate(zip(contexts, q_lens)):
         ids = [perm.pop() for _ in range(blocks_per_seq[i])]
         block_table[i, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         seq_slots = torch.tensor([ids[p // block_size] * block_size + p % block_size for p in range(seq_lens[i])])
-        k_all = torch.randn(seq_lens[i], num_kv_heads, HEAD_DIM, generator=g).to(dtype)
-        v_all = torch.randn(seq_lens[i], num_kv_heads, HEAD_DIM, generator=g).to(dtype)
-        q = torch.randn(q_len, num_heads, HEAD_DIM, generator=g).to(dtype)
+        k_all = torch.randn(seq_lens[i], num_kv_heads, head_dim, generator=g).to(dtype)
+        v_all = torch.randn(seq_lens[i], num_kv_heads, head_dim, generator=g).to(dtype)
+        q = torch.randn(q_len, num_heads, head_dim, generator=g).to(dtype)
         flat[0, seq_slots[:ctx]] = k_all[:ctx]  # the context is already cached
         flat[1, seq_slots[:ctx]] = v_all[:ctx]
         written[seq_slots] = True
         qs.append(q), ks.append(k_all[ctx:]), vs.append(v_all[ctx:]), slots.append(seq_slots[ctx:])
         expected.append(reference(q, k_all, v_all, scale))
     # Padding rows: garbage q/k/v, slot -1, not part of any sequence.
-    qs.append(torch.randn(pad_tokens, num_heads, HEAD_DIM, generator=g).to(dtype))
-    ks.append(torch.randn(pad_tokens, num_kv_heads, HEAD_DIM, generator=g).to(dtype))
-    vs.append(torch.randn(pad_tokens, num_kv_heads, HEAD_DIM, generator=g).to(dtype))
+    qs.append(torch.randn(pad_tokens, num_heads, head_dim, generator=g).to(dtype))
+    ks.append(torch.randn(pad_tokens, num_kv_heads, head_dim, generator=g).to(dtype))
+    vs.append(torch.randn(pad_tokens, num_kv_heads, head_dim, generator=g).to(dtype))
     slots.append(torch.full((pad_tokens,), -1))
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)

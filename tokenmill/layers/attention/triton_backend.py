@@ -1,0 +1,133 @@
+"""Triton attention backend (GPU fast path): any mix of rows in one attention launch per layer.
+
+1. `triton_kv_write`: this step's K/V into the paged cache at `slot_mapping`.
+2. `triton_paged_attention`: one launch over the paged cache for every row of the
+   batch (fresh prefills, chunked prefills over cached context, decodes of 1..8
+   tokens), plus a small reduce launch when KV is split (flash-decoding).
+
+CUDA graphs: `forward` never syncs with the host and allocates only through the
+caching allocator. The launch depends on tensor shapes (rows of q, sequences in
+`seq_lens`, heads), the SM count, and two host ints of `AttentionMetadata`, which
+choose the launch but never affect correctness (`num_tokens` and the `_cpu`
+tensors are not read):
+- `max_query_len`: <= `decode_max_query_len` selects decode tiles and allows
+  split-KV; any actual query length is still computed right (a longer one just
+  takes several tiles).
+- `max_seq_len`: caps the split count (short contexts are not split finely); any
+  actual seq_len is right, the shares are sized on the device.
+A graph captured with max_query_len=1 and max_seq_len=max_model_len replays
+correctly for every decode batch of that size. Rows past the last sequence come
+out as zeros; slots of -1 write nothing; a padding sequence may have query length
+0, or query length 1 with seq_len 0 (its row comes out as zeros).
+
+Importing this module does not import triton; the first `forward` does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.layers.attention.backend import AttentionBackend
+from tokenmill.layers.attention.metadata import AttentionMetadata
+
+MAX_KV_SPLITS = 32  # the reduce kernel merges at most this many shares (a compile-time size)
+MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
+
+
+@dataclass(frozen=True)
+class TritonAttentionConfig:
+    """Tile sizes and the split-KV rule. The defaults are first guesses for H100/H200, untuned."""
+
+    decode_max_query_len: int = 8  # launches with no longer query use decode tiles and may split KV
+    decode_max_rows: int = 64  # query rows (tokens x heads of a KV group) per decode program, at most
+    decode_warps: int = 4
+    # Other launches: wide tiles when rows average at least `wide_min_query_len` tokens per sequence
+    # (prefill-heavy), else narrower ones so that decode rows mixed in waste less compute.
+    prefill_rows: int = 64
+    prefill_warps: int = 4
+    wide_rows: int = 128
+    wide_warps: int = 8
+    wide_min_query_len: int = 64
+    block_n: int = 64  # keys per KV tile
+    num_stages: int = 2
+    min_keys_per_split: int = 256  # a share of the KV axis spans at least this many keys (of max_seq_len)
+    waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
+    kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    block_q: int  # query tokens per program
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def choose_kv_splits(config: TritonAttentionConfig, num_seqs: int, num_kv_heads: int, max_seq_len: int,
+                     sm_count: int) -> int:
+    """Split count for a decode launch, from static numbers only."""
+    if config.kv_splits is not None:
+        return max(1, min(config.kv_splits, MAX_KV_SPLITS))
+    programs = max(num_seqs * num_kv_heads, 1)
+    target = config.waves * sm_count
+    if programs >= target:
+        return 1
+    wanted = -(-target // programs)
+    by_length = max(max_seq_len // config.min_keys_per_split, 1)
+    return max(1, min(wanted, by_length, MAX_KV_SPLITS))
+
+
+def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int, num_rows: int, num_seqs: int,
+                max_query_len: int, max_seq_len: int, sm_count: int) -> LaunchPlan:
+    group_pad = _next_pow2(num_heads // num_kv_heads)
+    min_q = -(-MIN_TILE_ROWS // group_pad)
+    if max_query_len <= config.decode_max_query_len:
+        # One tile per row where it fits, so a multi-token decode reads its KV once.
+        block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad), min_q, 1)
+        splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
+        return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
+    if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
+        rows, warps = config.wide_rows, config.wide_warps
+    else:
+        rows, warps = config.prefill_rows, config.prefill_warps
+    return LaunchPlan(max(rows // group_pad, min_q, 1), config.block_n, 1, warps, config.num_stages)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+                 config: TritonAttentionConfig | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        if head_dim < 16:
+            raise ValueError(f"head_dim={head_dim}: the Triton backend needs head_dim >= 16")
+        self.config = config or TritonAttentionConfig()
+        self._sm_count: int | None = None  # read from the device on the first forward
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        from tokenmill.layers.attention import triton_kv_write, triton_paged_attention
+
+        if kv_cache.stride(-1) != 1:
+            raise ValueError("the KV cache's head_dim axis must be contiguous")
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping)
+        plan = plan_launch(self.config, self.num_heads, self.num_kv_heads, q.shape[0], meta.seq_lens.shape[0],
+                           meta.max_query_len, meta.max_seq_len, self._sm_count_of(q.device))
+        return triton_paged_attention.paged_attention(
+            q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
+            self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
+            max_splits=MAX_KV_SPLITS, num_warps=plan.num_warps, num_stages=plan.num_stages)
+
+    def _sm_count_of(self, device: torch.device) -> int:
+        if self._sm_count is None:
+            self._sm_count = (torch.cuda.get_device_properties(device).multi_processor_count
+                              if device.type == "cuda" else 1)
+        return self._sm_count

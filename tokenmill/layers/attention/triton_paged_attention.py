@@ -1,0 +1,222 @@
+"""Triton kernels: causal attention over the paged KV cache for a whole mixed batch in one launch.
+
+Grid (query tile, KV head, KV split). A query tile is up to BLOCK_Q consecutive
+query tokens of ONE sequence, times the GROUP query heads that share the KV head
+(GQA): BLOCK_Q * GROUP_PAD rows sharing every K/V tile load. Sequence i owns the
+tiles [first_tile(i), first_tile(i+1)) with first_tile(i) = qsl[i] // BLOCK_Q + i,
+which is at least ceil(q_len / BLOCK_Q) tiles; the extra ones exit at once. So
+the grid depends only on the padded row count and the number of sequences:
+num_rows // BLOCK_Q + num_seqs + 1 tiles (the spare ones, past the last
+sequence, zero the padding rows), and every program finds its sequence by
+counting first_tile values <= its tile id, reading query_start_loc on the device.
+
+Each program walks the KV tiles (BLOCK_N keys, looked up key by key in the block
+table, so any block size works) up to its last query's causal limit
+(context + query index), with an online softmax in float32 (log2 domain).
+
+Split-KV (flash-decoding): with SPLIT, a program takes only its share of the KV
+tiles (num_splits shares, sized on the device from seq_len, so any seq_len is
+right) and writes partial (max, sum, unnormalised acc); `_reduce_splits_kernel`
+merges the shares and writes the output, zeros for padding rows.
+
+Requires triton at import; `triton_backend` imports this module lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+SEARCH_CHUNK = 128  # query_start_loc entries read per step of the sequence search
+
+
+@triton.jit
+def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, CHUNK: tl.constexpr):
+    """The sequence owning `tile`: how many of first_tile(1..num_seqs) are <= tile.
+
+    Returns num_seqs for the spare tiles past the last sequence.
+    """
+    count = tile * 0
+    for start in range(1, num_seqs + 1, CHUNK):
+        i = start + tl.arange(0, CHUNK)
+        in_range = i <= num_seqs
+        first_tile = tl.load(qsl_ptr + i, mask=in_range, other=0) // BLOCK_Q + i
+        count += tl.sum(((first_tile <= tile) & in_range).to(tl.int32), axis=0)
+    return count
+
+
+# Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
+@triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits", "s_bt"])
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,  # split partials: [num_rows, NUM_HEADS, num_splits(, HEAD_DIM_PAD)]
+    qsl_ptr, seq_lens_ptr, block_table_ptr,
+    qk_scale,  # softmax scale * log2(e)
+    num_seqs, num_rows, num_splits,
+    s_qt, s_qh, s_ot, s_oh,  # q / out strides: token, head (the head_dim stride is 1)
+    s_cb, s_cs, s_ch,  # cache strides: block, slot in block, head (the head_dim stride is 1)
+    s_bt,  # block table row stride
+    NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = offs_d < HEAD_DIM
+    in_group = offs_m % GROUP_PAD
+    head = kv_head * GROUP + in_group
+
+    seq = _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q, SEARCH)
+    if seq >= num_seqs:
+        if not SPLIT:  # spare tile: zero its share of the rows past the last sequence
+            total = tl.load(qsl_ptr + num_seqs)
+            spare = tile - (total // BLOCK_Q + num_seqs)
+            tok = (total // BLOCK_Q + spare) * BLOCK_Q + offs_m // GROUP_PAD
+            pad = (tok >= total) & (tok < num_rows) & (in_group < GROUP)
+            dst = out_ptr + tok.to(tl.int64)[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :]
+            zeros = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=out_ptr.dtype.element_ty)
+            tl.store(dst, zeros, mask=pad[:, None] & d_valid[None, :])
+        return
+
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    q_first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # this tile's first query, within the sequence
+    if q_first >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len  # keys cached before this step's queries
+
+    q_idx = q_first + offs_m // GROUP_PAD
+    row_valid = (q_idx < q_len) & (in_group < GROUP)
+    key_limit = context + q_idx  # causal: a query sees keys 0..key_limit
+    tok = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    q = q.to(k_cache_ptr.dtype.element_ty)
+
+    kv_len = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys the tile's last query sees
+    num_kv_tiles = tl.cdiv(kv_len, BLOCK_N)
+    if SPLIT:
+        per_split = tl.cdiv(num_kv_tiles, num_splits)
+        tile_lo = split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
+    else:
+        tile_lo = 0
+        tile_hi = num_kv_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * s_bt
+    offs_n = tl.arange(0, BLOCK_N)
+    for j in range(tile_lo, tile_hi):
+        key = j * BLOCK_N + offs_n
+        key_valid = key < kv_len
+        block = tl.load(table_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
+        kv_mask = key_valid[:, None] & d_valid[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = (key[None, :] <= key_limit[:, None]) & key_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no NaN
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        part = (tok * NUM_HEADS + head) * num_splits + split
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
+    else:
+        o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_splits"])
+def _reduce_splits_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr,
+    num_seqs, num_splits, s_ot, s_oh,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+):
+    """One program per (row, head): merge the split partials; rows past the last sequence get zeros."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    num_shares = tl.where(row < tl.load(qsl_ptr + num_seqs), num_splits, 0)  # padding rows read none
+    offs_s = tl.arange(0, MAX_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    s_mask = offs_s < num_shares
+    part = (row.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
+    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding rows: no share at all
+    weight = tl.exp2(m - m_max)  # empty shares (max -inf) weigh nothing
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    num = tl.sum(acc * weight[:, None], 0)
+    den = tl.sum(l * weight, 0)
+    o = num / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + row.to(tl.int64) * s_ot + head * s_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
+                    block_q: int, block_n: int, num_splits: int, max_splits: int,
+                    num_warps: int, num_stages: int) -> torch.Tensor:
+    """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
+
+    The launch depends only on shapes and the arguments given here, never on device data.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_rows == 0:
+        return out
+    if num_seqs == 0:
+        return out.zero_()
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    split = num_splits > 1
+    if split:
+        part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_rows, num_heads, num_splits, head_dim_pad), dtype=torch.float32,
+                               device=q.device)
+    else:
+        part_m = part_l = part_acc = out  # unused
+    grid = (num_rows // block_q + num_seqs + 1, num_kv_heads, num_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_m, part_l, part_acc,
+        query_start_loc, seq_lens, block_table,
+        scale * LOG2E, num_seqs, num_rows, num_splits,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
+        NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
+        BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        SPLIT=split, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        SEARCH=SEARCH_CHUNK, num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _reduce_splits_kernel[(num_rows, num_heads)](
+            out, part_m, part_l, part_acc, query_start_loc, num_seqs, num_splits,
+            out.stride(0), out.stride(1),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, MAX_SPLITS=max_splits,
+        )
+    return out
