@@ -93,7 +93,11 @@ def test_digest_catches_corrupted_worker_view(tiny_model, load_format) -> None:
             engine.add_request(EngineCoreRequest(handle, pack_ids([5 + handle] * 20), DECODE))
         for _ in range(3):
             engine.step()  # the check passes while the views agree
-        engine.executor.worker.runner.states[1].block_ids[0] += 1
+        runner = engine.executor.worker.runner
+        if load_format == "null":
+            runner.states[1].block_ids[0] += 1
+        else:  # the persistent batch's host block table of request 1
+            runner.batch.block_table[runner.batch.slot_of[1], 0] += 1
         with pytest.raises(WorkerStateMismatchError, match="debug check failed at step"):
             for _ in range(engine.max_in_flight):  # surfaces when its step's result is taken
                 engine.step()
