@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from tests.helpers.engine import worker_runner
 from tokenmill import LLM, SamplingParams
 from tokenmill.core.digest import WorkerStateMismatchError
 from tokenmill.entrypoints.cli import main as cli_main
@@ -93,7 +94,7 @@ def test_digest_catches_corrupted_worker_view(tiny_model, load_format) -> None:
             engine.add_request(EngineCoreRequest(handle, pack_ids([5 + handle] * 20), DECODE))
         for _ in range(3):
             engine.step()  # the check passes while the views agree
-        engine.executor.worker.runner.states[1].block_ids[0] += 1
+        worker_runner(llm).states[1].block_ids[0] += 1
         with pytest.raises(WorkerStateMismatchError, match="debug check failed at step"):
             for _ in range(engine.max_in_flight):  # surfaces when its step's result is taken
                 engine.step()
