@@ -13,7 +13,8 @@ from tokenmill.layers.attention.backend import kv_cache_shape
 @pytest.fixture(autouse=True)
 def _kernel_built():
     if not cpu_decode.available():  # tokenmill then falls back to torch; see the warning it logged
-        skip_or_fail("the C decode-attention kernel did not build (no C compiler?)")
+        skip_or_fail("the C decode-attention kernel is unavailable (no C compiler, a build error, "
+                     "or TOKENMILL_NO_C_KERNELS set)")
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
