@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from tests.helpers.engine import worker_runner
 from tokenmill import LLM, SamplingParams
 from tokenmill.protocol.digest import WorkerStateMismatchError
 from tokenmill.cli import main as cli_main
@@ -93,7 +94,7 @@ def test_digest_catches_corrupted_worker_view(tiny_model, load_format) -> None:
             engine.add_request(EngineCoreRequest(handle, pack_ids([5 + handle] * 20), DECODE))
         for _ in range(3):
             engine.step()  # the check passes while the views agree
-        runner = engine.executor.worker.runner
+        runner = worker_runner(llm)
         if load_format == "null":
             runner.states[1].block_ids[0] += 1
         else:  # the persistent batch's host block table of request 1

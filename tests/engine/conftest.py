@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers.engine import worker_runner
 from tests.helpers.tiny_models import make_tiny_model_dir
 from tokenmill import LLM
 
@@ -23,7 +24,7 @@ def assert_engine_idle(llm: LLM) -> None:
     assert all(not batch.scheduled_handles for batch, _ in llm.engine.in_flight), "a step is still in flight"
     assert not llm.output_processor.has_unfinished(), "the front-end still tracks a request"
     # The worker may still hold the requests whose end it has not been told yet, and no others.
-    worker_states = set(llm.engine.executor.worker.runner.states)
+    worker_states = set(worker_runner(llm).states)
     assert worker_states <= set(scheduler.finished_to_send), (
         f"worker keeps state for requests the scheduler forgot: {worker_states - set(scheduler.finished_to_send)}")
 
@@ -44,6 +45,8 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 def tiny_llm(path: str, **kwargs) -> LLM:
+    """A single-process float32 engine with a small KV pool. Scheduling is the engine's default
+    (async on) unless `async_scheduling` is given: tests that compare modes must pass it."""
     kwargs.setdefault("dtype", "float32")
     kwargs.setdefault("kv_cache_memory_gb", 0.01)
     kwargs.setdefault("single_process", True)  # the tests inspect the scheduler and the worker

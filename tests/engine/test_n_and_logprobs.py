@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine.conftest import assert_engine_idle, tiny_llm
-from tests.helpers.hf_reference import NEAR_TIE
+from tests.helpers.hf_reference import NEAR_TIE, Reference, assert_greedy_matches_hf
 from tests.helpers.tiny_models import make_tiny_model_dir
 from tokenmill import SamplingParams
 
@@ -190,10 +190,7 @@ def test_penalties_as_defined(llm, tiny_hf, case):
     got = llm.generate(PROMPT, params, use_tqdm=False)[0].outputs[0].token_ids
     expected, gaps = hf_greedy_penalized(tiny_hf, prompt, 20, params)
     assert expected != plain, "the penalty must change the greedy output, or this test proves nothing"
-    for i, (a, b) in enumerate(zip(got, expected)):
-        if a != b:
-            assert gaps[i] < NEAR_TIE, f"{case}: token {i}: ours {a}, reference {b}\nours {got}\nref  {expected}"
-            break
+    assert_greedy_matches_hf([got], [Reference(expected, gaps)], case)
 
 
 def test_penalties_only_affect_their_row(llm):

@@ -1,10 +1,12 @@
 """Greedy outputs do not depend on how the work is scheduled: token budget (chunked prefill),
 prefix caching, preemption under a tiny KV pool, async scheduling.
 
-The full matrix runs on a tiny random model with peaky logits (fast); one combined variant
-(64-token chunks, a KV pool so small that requests are preempted, prefix caching on) runs on
-the real model against the shared engine. A divergence is accepted only where the reference's
-top-2 logprobs are within NEAR_TIE (float summation order may flip them).
+The full matrix runs on a tiny random model with peaky logits (fast) against a reference with
+async scheduling off; every variant says whether it schedules asynchronously, and the runner's
+placeholder count shows it did. One combined variant (64-token chunks, a KV pool so small that
+requests are preempted, prefix caching on, async off) runs on the real model against the shared
+engine (async on). The comparison rule is in tests/helpers/invariance.py; the last test shows
+that it fails on one wrong token.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import random
 import pytest
 
 from tests.engine.conftest import assert_engine_idle, tiny_llm
+from tests.helpers.engine import worker_runner
+from tests.helpers.invariance import assert_same_greedy, greedy_params
 from tests.helpers.tiny_models import make_tiny_model_dir
-from tokenmill import LLM, SamplingParams
+from tests.helpers.wrong_token import inject_wrong_token
+from tokenmill import LLM
 
-NEAR_TIE = 1e-4
 NEW_TOKENS = 32
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+GREEDY = greedy_params(NEW_TOKENS)
 
 
 def mixed_prompts(lengths: list[int], vocab_hi: int, seed: int = 0) -> list[dict]:
@@ -35,33 +39,29 @@ def mixed_prompts(lengths: list[int], vocab_hi: int, seed: int = 0) -> list[dict
     return prompts
 
 
-def assert_same_greedy(reference, outputs, label: str, new_tokens: int = NEW_TOKENS) -> None:
-    assert len(reference) == len(outputs)
-    for i, (ref, out) in enumerate(zip(reference, outputs)):
-        ref, out = ref.outputs[0], out.outputs[0]
-        assert out.finish_reason == "length" and len(out.token_ids) == new_tokens, f"{label}: prompt {i}"
-        for pos, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)):
-            if a != b:
-                top2 = sorted((lp.logprob for lp in ref.logprobs[pos].values()), reverse=True)[:2]
-                gap = top2[0] - top2[1] if len(top2) == 2 else 0.0
-                assert gap < NEAR_TIE, (f"{label}: prompt {i} differs at token {pos} (gap {gap:.2e})\n"
-                                        f"ref {ref.token_ids}\ngot {out.token_ids}")
-                break
+def assert_async_as_asked(llm: LLM, async_scheduling: bool) -> None:
+    """Async runs take inputs from the device (placeholders); sync runs never do."""
+    filled = worker_runner(llm).num_placeholders_filled
+    assert (filled > 0) if async_scheduling else (filled == 0), f"{filled} placeholders filled"
 
 
 # ---------------------------------------------------------------- tiny model matrix
 
 TINY_LENGTHS = [5, 9, 16, 17, 31, 48, 64, 95, 128, 150, 190, 200]
+SYNC, ASYNC = dict(async_scheduling=False), dict(async_scheduling=True)
 TINY_VARIANTS = {
-    "chunk16": dict(max_num_batched_tokens=16),
-    "chunk64": dict(max_num_batched_tokens=64),
-    "chunk24-unaligned": dict(max_num_batched_tokens=24),
-    "no-prefix-cache": dict(enable_prefix_caching=False),
-    "chunk16-no-prefix-cache": dict(max_num_batched_tokens=16, enable_prefix_caching=False),
-    "preempt": dict(num_gpu_blocks_override=16, max_num_batched_tokens=64),
-    "preempt-no-prefix-cache": dict(num_gpu_blocks_override=16, enable_prefix_caching=False),
-    "max-num-seqs-3": dict(max_num_seqs=3, max_num_batched_tokens=32),
-    "async": dict(async_scheduling=True, max_num_batched_tokens=64),
+    "chunk16": dict(SYNC, max_num_batched_tokens=16),
+    "chunk64": dict(SYNC, max_num_batched_tokens=64),
+    "chunk24-unaligned": dict(SYNC, max_num_batched_tokens=24),
+    "no-prefix-cache": dict(SYNC, enable_prefix_caching=False),
+    "chunk16-no-prefix-cache": dict(SYNC, max_num_batched_tokens=16, enable_prefix_caching=False),
+    "preempt": dict(SYNC, num_gpu_blocks_override=16, max_num_batched_tokens=64),
+    "preempt-no-prefix-cache": dict(SYNC, num_gpu_blocks_override=16, enable_prefix_caching=False),
+    "max-num-seqs-3": dict(SYNC, max_num_seqs=3, max_num_batched_tokens=32),
+    "async": dict(ASYNC, max_num_batched_tokens=64),
+    "async-chunk16": dict(ASYNC, max_num_batched_tokens=16),
+    "async-preempt": dict(ASYNC, num_gpu_blocks_override=16, max_num_batched_tokens=64),
+    "async-max-num-seqs-3": dict(ASYNC, max_num_seqs=3, max_num_batched_tokens=32),
 }
 
 
@@ -78,27 +78,42 @@ def tiny_prompts():
 
 @pytest.fixture(scope="module")
 def tiny_reference(peaky_dir, tiny_prompts):
-    llm = tiny_llm(peaky_dir)
-    return llm.generate(tiny_prompts, GREEDY, use_tqdm=False)
+    llm = tiny_llm(peaky_dir, async_scheduling=False)
+    outs = llm.generate(tiny_prompts, GREEDY, use_tqdm=False)
+    assert_async_as_asked(llm, False)
+    return outs
 
 
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
 def test_tiny_greedy_is_schedule_invariant(peaky_dir, tiny_prompts, tiny_reference, variant):
     llm = tiny_llm(peaky_dir, **TINY_VARIANTS[variant])
     outs = llm.generate(tiny_prompts, GREEDY, use_tqdm=False)
-    assert_same_greedy(tiny_reference, outs, variant)
+    assert_same_greedy(tiny_reference, outs, variant, NEW_TOKENS)
+    assert_async_as_asked(llm, TINY_VARIANTS[variant]["async_scheduling"])
     scheduler = llm.engine.scheduler
     if "preempt" in variant:
         assert scheduler.num_preemptions > 0, "the tiny pool never preempted"
-    if variant.startswith("chunk16"):
+    if "chunk16" in variant:
         assert scheduler.step_id >= sum(len(p["prompt_token_ids"]) for p in tiny_prompts) // 16
     if TINY_VARIANTS[variant].get("enable_prefix_caching", True):
         # Again, now that the prompts are cached: the hits must give the same tokens.
         hits = scheduler.kv.stats.hits
-        assert_same_greedy(tiny_reference, llm.generate(tiny_prompts, GREEDY, use_tqdm=False), variant + " again")
+        again = llm.generate(tiny_prompts, GREEDY, use_tqdm=False)
+        assert_same_greedy(tiny_reference, again, variant + " again", NEW_TOKENS)
         if "preempt" not in variant:
             assert scheduler.kv.stats.hits > hits
     assert_engine_idle(llm)
+
+
+@pytest.mark.parametrize("variant", ["chunk64", "async"])
+def test_one_wrong_token_fails_the_check(peaky_dir, tiny_prompts, tiny_reference, variant, monkeypatch):
+    """The check above can fail: one token replaced by its runner-up at a clear margin."""
+    llm = tiny_llm(peaky_dir, **TINY_VARIANTS[variant])
+    fault = inject_wrong_token(monkeypatch, llm)
+    outs = llm.generate(tiny_prompts, GREEDY, use_tqdm=False)
+    assert fault.gap is not None and fault.gap > 0.1, "no token was replaced"
+    with pytest.raises(AssertionError, match="differs at token"):
+        assert_same_greedy(tiny_reference, outs, variant, NEW_TOKENS)
 
 
 # ---------------------------------------------------------------- the real model
@@ -109,6 +124,7 @@ REAL_NEW_TOKENS = 16
 
 @pytest.mark.slow
 def test_real_model_chunked_preempted_matches_shared_engine(smollm2_llm):
+    """Reference: the shared engine (async on, room for all); variant: async off, chunks, preemption."""
     tokenizer = smollm2_llm.get_tokenizer()
     text = ("The quick brown fox jumps over the lazy dog while the farmer counts his sheep and sings "
             "an old song about rivers, mountains, cities and the sea. ") * 40
@@ -118,12 +134,15 @@ def test_real_model_chunked_preempted_matches_shared_engine(smollm2_llm):
     for i, n in enumerate(REAL_LENGTHS):
         start = 0 if i % 2 else rng.randrange(1, 200)  # odd prompts share the text's beginning
         prompts.append({"prompt_token_ids": ids[start:start + n]})
-    greedy = SamplingParams(temperature=0.0, max_tokens=REAL_NEW_TOKENS, ignore_eos=True, logprobs=1)
+    greedy = greedy_params(REAL_NEW_TOKENS)
+    filled = worker_runner(smollm2_llm).num_placeholders_filled
     reference = smollm2_llm.generate(prompts, greedy, use_tqdm=False)
+    assert worker_runner(smollm2_llm).num_placeholders_filled > filled, "the shared engine ran sync"
     # 32 blocks of 16 = one max_model_len: these prompts (692 tokens) cannot all fit at once.
     with LLM("smollm2", dtype="float32", max_model_len=512, num_gpu_blocks_override=32,
-             max_num_batched_tokens=64, single_process=True) as llm:
+             max_num_batched_tokens=64, async_scheduling=False, single_process=True) as llm:
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         assert llm.engine.scheduler.num_preemptions > 0
+        assert_async_as_asked(llm, False)
         assert_engine_idle(llm)
-    assert_same_greedy(reference, outs, "real model, 64-token chunks, 32-block pool", REAL_NEW_TOKENS)
+    assert_same_greedy(reference, outs, "real model, 64-token chunks, 32-block pool, sync", REAL_NEW_TOKENS)

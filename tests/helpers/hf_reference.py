@@ -2,16 +2,19 @@
 
 The rule: outputs must match exactly, except that where the reference's top two
 logits are within NEAR_TIE (float summation order may flip them), a divergence
-from that token on is accepted and reported.
+from that token on is accepted and reported; a batch may hold at most one such
+near-tie divergence per PROMPTS_PER_NEAR_TIE prompts, rounded up.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 NEAR_TIE = 1e-3
+PROMPTS_PER_NEAR_TIE = 16
 
 
 @dataclass
@@ -51,3 +54,21 @@ def compare_greedy(ours: list[int], ref: Reference, label: str = "") -> str | No
                                  f"ours {ours}\nHF   {ref.token_ids}")
     assert len(ours) == len(ref.token_ids), f"{label}: lengths differ: {len(ours)} vs {len(ref.token_ids)}"
     return None
+
+
+def max_near_ties(num_prompts: int) -> int:
+    """One near-tie divergence allowed per PROMPTS_PER_NEAR_TIE prompts, rounded up (6 -> 1, 17 -> 2)."""
+    return -(-num_prompts // PROMPTS_PER_NEAR_TIE)
+
+
+def assert_greedy_matches_hf(ours: list[list[int]], refs: list[Reference], label: str) -> list[str]:
+    """Each output against its reference by `compare_greedy`, and the near-tie cap over the batch."""
+    assert len(ours) == len(refs), f"{label}: {len(ours)} outputs for {len(refs)} references"
+    notes = [note for i, (tokens, ref) in enumerate(zip(ours, refs))
+             if (note := compare_greedy(tokens, ref, f"{label}, prompt {i}"))]
+    cap = max_near_ties(len(refs))
+    assert len(notes) <= cap, (f"{label}: {len(notes)} near-tie divergences in {len(refs)} prompts, "
+                               f"at most {cap} allowed:\n" + "\n".join(notes))
+    for note in notes:
+        warnings.warn(note)
+    return notes

@@ -303,7 +303,7 @@ def test_logprobs_zero_gives_sampled_only() -> None:
 
 # Device
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (CI has no GPU)")
 def test_cuda_mixed_batch_and_seeding() -> None:
     dev = torch.device("cuda")
     logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(6)).to(dev, torch.bfloat16)

