@@ -163,7 +163,7 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
     if baseline:
         argv += ["--baseline", "hf"]
     start = time.perf_counter()
-    proc = subprocess.run(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True)
+    proc = subprocess.run(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}, capture_output=True, text=True)
     lines = [ln for ln in proc.stdout.splitlines() if not ln.startswith("{")]
     print("\n".join(lines[-30:]))
     if proc.returncode != 0:
