@@ -30,7 +30,7 @@ def apply_penalties(logits: torch.Tensor, counts: torch.Tensor, prompt_seen: tor
     if repetition is not None:
         seen = in_output if prompt_seen is None else in_output | prompt_seen
         factor = torch.where(seen, repetition[:, None], 1.0)
-        logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
+        torch.where(logits > 0, logits / factor, logits * factor, out=logits)
     if frequency is not None:
         logits.sub_(frequency[:, None] * counts)
     if presence is not None:

@@ -37,7 +37,7 @@ def top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.T
     return logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
-def min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Drop tokens whose probability is below min_p times the top token's, in logit space:
     p / p_max < min_p  <=>  logit < max_logit + log(min_p)  (min_p = 0 -> -inf, keeps all)."""
     threshold = logits.amax(dim=-1, keepdim=True).add_(min_p.log()[:, None])

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.layers.sampling import adjustments, filters
+from tokenmill.layers.sampling.adjustments import add_token_values, apply_penalties, ban_tokens
+from tokenmill.layers.sampling.filters import apply_min_p, top_k_only, top_k_top_p
 from tokenmill.layers.sampling.logprobs import LogprobsResult, compute_logprobs
 from tokenmill.layers.sampling.plan import SamplingPlan
 from tokenmill.layers.sampling.seeded_noise import row_keys, seeded_exponential
@@ -82,10 +83,10 @@ class Sampler:
         x = logits.to(torch.float32, copy=True)
         state = self.state
         if plan.logit_bias:
-            adjustments.add_token_values(x, *state.logit_bias.gather(slots))
+            add_token_values(x, *state.logit_bias.gather(slots))
         if plan.min_tokens:
             active = rows.i(IntCol.NUM_OUTPUTS) < rows.i(IntCol.MIN_TOKENS)
-            adjustments.ban_tokens(x, *state.banned.gather(slots), active)
+            ban_tokens(x, *state.banned.gather(slots), active)
         if plan.penalties:
             counts = state.counts
             assert counts.output_counts is not None
@@ -93,7 +94,7 @@ class Sampler:
             if plan.repetition:
                 assert counts.prompt_seen is not None
                 prompt_seen = counts.prompt_seen.index_select(0, slots)
-            adjustments.apply_penalties(
+            apply_penalties(
                 x, counts.output_counts.index_select(0, slots), prompt_seen,
                 rows.f(FloatCol.REPETITION) if plan.repetition else None,
                 rows.f(FloatCol.FREQUENCY) if plan.frequency else None,
@@ -106,11 +107,11 @@ class Sampler:
         x.div_(rows.f(FloatCol.TEMPERATURE)[:, None])
         top_k = rows.i(IntCol.TOP_K)
         if plan.top_p:
-            filters.top_k_top_p(x, top_k if plan.top_k else None, rows.f(FloatCol.TOP_P))
+            top_k_top_p(x, top_k if plan.top_k else None, rows.f(FloatCol.TOP_P))
         elif plan.top_k:
-            filters.top_k_only(x, top_k, plan.top_k)
+            top_k_only(x, top_k, plan.top_k)
         if plan.min_p:
-            filters.min_p(x, rows.f(FloatCol.MIN_P))
+            apply_min_p(x, rows.f(FloatCol.MIN_P))
         probs = x.softmax(dim=-1)
         sampled = probs.div_(self._noise(x, rows, plan)).argmax(dim=-1)
         if greedy is not None:
