@@ -129,4 +129,4 @@ class Sampler:
         if not plan.unseeded:
             return seeded  # every non-seeded row of the step is greedy or scratch: any noise will do
         unseeded = buffer.exponential_().clamp_min_(torch.finfo(torch.float32).tiny)
-        return torch.where((rows.i(IntCol.SEEDED) != 0)[:, None], seeded, unseeded)
+        return torch.where((rows.i(IntCol.SEEDED) != 0)[:, None], seeded, unseeded, out=seeded)

@@ -34,11 +34,36 @@ class IntCol(IntEnum):
     NUM_OUTPUTS = 6  # output tokens so far; advanced on the device by Sampler.record
 
 
-NEUTRAL_FLOATS = (1.0, 1.0, 0.0, 1.0, 0.0, 0.0)
+@dataclass(frozen=True)
+class SlotRow:
+    """One slot's parameters, by name; the defaults are the neutral (scratch) row."""
 
+    temperature: float = 1.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition: float = 1.0
+    frequency: float = 0.0
+    presence: float = 0.0
+    greedy: bool = True
+    top_k: int = 0  # 0 = off (stored as the vocab size)
+    seeded: bool = False
+    seed_key: int = 0
+    uses_penalties: bool = False
+    min_tokens: int = 0
+    num_outputs: int = 0
 
-def neutral_ints(vocab_size: int) -> tuple[int, ...]:
-    return (1, vocab_size, 0, 0, 0, 0, 0)
+    def floats(self) -> tuple[float, ...]:
+        by_col = {FloatCol.TEMPERATURE: self.temperature, FloatCol.TOP_P: self.top_p, FloatCol.MIN_P: self.min_p,
+                  FloatCol.REPETITION: self.repetition, FloatCol.FREQUENCY: self.frequency,
+                  FloatCol.PRESENCE: self.presence}
+        return tuple(by_col[col] for col in FloatCol)
+
+    def ints(self, vocab_size: int) -> tuple[int, ...]:
+        by_col = {IntCol.GREEDY: int(self.greedy), IntCol.TOP_K: self.top_k or vocab_size,
+                  IntCol.SEEDED: int(self.seeded), IntCol.SEED_KEY: self.seed_key,
+                  IntCol.USES_PENALTIES: int(self.uses_penalties), IntCol.MIN_TOKENS: self.min_tokens,
+                  IntCol.NUM_OUTPUTS: self.num_outputs}
+        return tuple(by_col[col] for col in IntCol)
 
 
 @dataclass(frozen=True)
@@ -59,22 +84,22 @@ class SlotTable:
     def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
         self.device = device
         self.num_slots = num_slots
-        self.neutral_ints = neutral_ints(vocab_size)
-        self.floats = torch.tensor([NEUTRAL_FLOATS], dtype=torch.float32).repeat(num_slots, 1).to(device)
-        self.ints = torch.tensor([self.neutral_ints], dtype=torch.int64).repeat(num_slots, 1).to(device)
-        self._pending: dict[int, tuple[tuple[float, ...], tuple[int, ...]]] = {}  # slot -> row; last write wins
+        self.vocab_size = vocab_size
+        neutral = SlotRow()
+        self.floats = torch.tensor([neutral.floats()], dtype=torch.float32).repeat(num_slots, 1).to(device)
+        self.ints = torch.tensor([neutral.ints(vocab_size)], dtype=torch.int64).repeat(num_slots, 1).to(device)
+        self._pending: dict[int, SlotRow] = {}  # last write wins
 
-    def write(self, slot: int, floats: tuple[float, ...], ints: tuple[int, ...]) -> None:
-        assert len(floats) == len(FloatCol) and len(ints) == len(IntCol)
-        self._pending[slot] = (floats, ints)
+    def write(self, slot: int, row: SlotRow) -> None:
+        self._pending[slot] = row
 
     def flush(self) -> None:
         if not self._pending:
             return
         slots = list(self._pending)
-        floats = torch.tensor([self._pending[s][0] for s in slots], dtype=torch.float32)
+        floats = torch.tensor([self._pending[s].floats() for s in slots], dtype=torch.float32)
         # The slot index travels in column 0 of the int rows: one copy for both.
-        ints = torch.tensor([(s, *self._pending[s][1]) for s in slots], dtype=torch.int64)
+        ints = torch.tensor([(s, *self._pending[s].ints(self.vocab_size)) for s in slots], dtype=torch.int64)
         self._pending.clear()
         ints = upload(ints, self.device)
         index = ints[:, 0]

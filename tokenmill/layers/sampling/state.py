@@ -15,7 +15,7 @@ import torch
 
 from tokenmill.layers.sampling.plan import FeatureCounts, SamplingPlan, SlotFeatures
 from tokenmill.layers.sampling.seeded_noise import seed_key, token_keys
-from tokenmill.layers.sampling.slot_table import FloatCol, SlotTable
+from tokenmill.layers.sampling.slot_table import SlotRow, SlotTable
 from tokenmill.layers.sampling.token_counts import SlotTokenCounts
 from tokenmill.layers.sampling.token_lists import SlotTokenLists
 from tokenmill.sampling_params import SamplingParams
@@ -40,7 +40,6 @@ class SamplingState:
 
     # ------------------------------------------------------------------ host API
 
-    @torch.inference_mode()
     def add(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int] = (),
             output_token_ids: Sequence[int] = ()) -> None:
         """A request takes `slot`: new, or resumed after preemption with the outputs it has."""
@@ -51,16 +50,14 @@ class SamplingState:
         features = SlotFeatures.of(params, self.vocab_size, bool(banned))
         self._active[slot] = features
         self._features.add(features)
-        random = not features.greedy
-        floats = [1.0, 1.0, 0.0, params.repetition_penalty, params.frequency_penalty, params.presence_penalty]
-        ints = [int(features.greedy), features.top_k or self.vocab_size, int(features.seeded),
-                seed_key(params.seed) if features.seeded else 0, int(features.penalties),
-                params.min_tokens if banned else 0, num_outputs]
-        if random:
-            floats[FloatCol.TEMPERATURE] = params.temperature
-            floats[FloatCol.TOP_P] = params.top_p
-            floats[FloatCol.MIN_P] = params.min_p
-        self.table.write(slot, tuple(floats), tuple(ints))
+        random = not features.greedy  # filters and temperature stay neutral on greedy slots
+        self.table.write(slot, SlotRow(
+            temperature=params.temperature if random else 1.0, top_p=params.top_p if random else 1.0,
+            min_p=params.min_p if random else 0.0, repetition=params.repetition_penalty,
+            frequency=params.frequency_penalty, presence=params.presence_penalty, greedy=features.greedy,
+            top_k=features.top_k, seeded=features.seeded, seed_key=seed_key(params.seed) if features.seeded else 0,
+            uses_penalties=features.penalties, min_tokens=params.min_tokens if banned else 0,
+            num_outputs=num_outputs))
         bias = {t: b for t, b in (params.logit_bias or {}).items() if 0 <= t < self.vocab_size}
         self.logit_bias.write(slot, list(bias), list(bias.values()))
         self.banned.write(slot, banned, [float("-inf")] * len(banned))
@@ -70,6 +67,7 @@ class SamplingState:
     def remove(self, slot: int) -> None:
         """The request leaves its slot (finished, aborted or preempted). Host-only: the device row
         stays as it is until the next add(); rows of a step must never point at a removed slot."""
+        assert slot in self._active, f"slot {slot} is not taken"
         self._features.remove(self._active.pop(slot))
 
     @torch.inference_mode()
