@@ -1,4 +1,5 @@
-"""A SamplingState and its Sampler driven the way a model runner would, for sampler tests."""
+"""Sampler test helpers: a SamplingState and its Sampler driven as a model runner would, and the
+logit adjustments written out from their definitions (the reference the device code must match)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,20 @@ class Harness:
 
     def adjusted(self, logits: torch.Tensor, slots: Sequence[int]) -> torch.Tensor:
         return self.sampler.adjusted_logits(logits.to(self.device), self.slots(slots)).cpu()
+
+
+def reference_adjusted(logits: list[float], params: SamplingParams, prompt: list[int], outputs: list[int],
+                       eos: list[int]) -> list[float]:
+    """The adjustments written out token by token, from their definitions."""
+    out = list(logits)
+    for t, b in (params.logit_bias or {}).items():
+        out[t] += b
+    if len(outputs) < params.min_tokens:
+        for t in set(eos) | set(params.stop_token_ids or ()):
+            out[t] = -float("inf")
+    p = params.repetition_penalty
+    for t in set(prompt) | set(outputs):  # HF: divide positive logits, multiply the others
+        out[t] = out[t] / p if out[t] > 0 else out[t] * p
+    for t in set(outputs):  # OpenAI: count * frequency + presence, over output tokens only
+        out[t] -= outputs.count(t) * params.frequency_penalty + params.presence_penalty
+    return out

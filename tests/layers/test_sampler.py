@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from tests.helpers.sampling import DEVICES, Harness
+from tests.helpers.sampling import DEVICES, Harness, reference_adjusted
 from tokenmill.sampling_params import SamplingParams
 
 NUM_DRAWS = 20_000
@@ -236,23 +236,6 @@ def test_penalties_only_touch_their_rows_and_compose_in_order(device) -> None:
     # Row 0: bias makes token 1 -> 1.0, then repetition /1.5; token 0: 3/1.5 - 1 (frequency).
     torch.testing.assert_close(out[0], torch.tensor([3.0 / 1.5 - 1.0, 1.0 / 1.5, 0.5]))
     torch.testing.assert_close(out[1], logits[1])
-
-
-def reference_adjusted(logits: list[float], params: SamplingParams, prompt: list[int], outputs: list[int],
-                       eos: list[int]) -> list[float]:
-    """The adjustments written out token by token, from their definitions."""
-    out = list(logits)
-    for t, b in (params.logit_bias or {}).items():
-        out[t] += b
-    if len(outputs) < params.min_tokens:
-        for t in set(eos) | set(params.stop_token_ids or ()):
-            out[t] = -INF
-    p = params.repetition_penalty
-    for t in set(prompt) | set(outputs):  # HF: divide positive logits, multiply the others
-        out[t] = out[t] / p if out[t] > 0 else out[t] * p
-    for t in set(outputs):  # OpenAI: count * frequency + presence, over output tokens only
-        out[t] -= outputs.count(t) * params.frequency_penalty + params.presence_penalty
-    return out
 
 
 def test_adjustments_match_their_definitions_on_random_requests(device) -> None:

@@ -8,8 +8,7 @@ import random
 import pytest
 import torch
 
-from tests.helpers.sampling import DEVICES, Harness
-from tests.layers.test_sampler import reference_adjusted
+from tests.helpers.sampling import DEVICES, Harness, reference_adjusted
 from tokenmill.layers.sampling import seeded_noise
 from tokenmill.sampling_params import SamplingParams
 
