@@ -22,10 +22,14 @@ INF = float("inf")
 pytestmark = pytest.mark.parametrize("device", DEVICES)
 
 
-def frequencies(device: str, probs: list[float], seed: int = 0, **params) -> torch.Tensor:
-    """NUM_DRAWS rows of logits log(probs), all pointing at one slot with `params`; token frequencies."""
+def frequencies(device: str, probs: list[float], seed: int = 0, neighbour: SamplingParams | None = None,
+                **params) -> torch.Tensor:
+    """NUM_DRAWS rows of logits log(probs), all pointing at one slot with `params`; token frequencies.
+    `neighbour`: another active slot, with no row in the step, that turns on the stages it uses."""
     h = Harness(device, len(probs))
     h.add(0, SamplingParams(**params))
+    if neighbour is not None:
+        h.add(1, neighbour)
     torch.manual_seed(seed)
     if device == "cuda":
         torch.cuda.manual_seed(seed)
@@ -134,8 +138,10 @@ def test_unseeded_rows_vary_and_follow_the_global_seed(device) -> None:
 PROBS = [0.1, 0.4, 0.2, 0.3]  # sorted by probability: ids 1, 3, 2, 0
 
 
-def test_plain_sampling_matches_probs(device) -> None:
-    assert_distribution(frequencies(device, PROBS), PROBS)
+@pytest.mark.parametrize("neighbour", [None, SamplingParams(seed=5), SamplingParams(temperature=0, top_p=0.5)])
+def test_plain_sampling_matches_probs(device, neighbour: SamplingParams | None) -> None:
+    """Also when a seeded slot is active: unseeded rows keep drawing from torch's generator."""
+    assert_distribution(frequencies(device, PROBS, neighbour=neighbour), PROBS)
 
 
 def test_seeded_sampling_matches_probs(device) -> None:
