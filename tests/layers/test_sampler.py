@@ -1,55 +1,46 @@
-"""Sampler on crafted logits: greedy, seeding, filters, temperature, penalties, logprobs."""
+"""Sampler semantics on crafted logits: greedy, seeding, distribution, filters, adjustments, logprobs.
+
+Requests live in slots of a SamplingState; each test points the rows of a step at slots.
+State across steps (recording, preemption, scratch rows, the plan) is in test_sampling_state.py.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import random
 
 import pytest
 import torch
 
-from tokenmill.layers.penalties import apply_logit_adjustments
-from tokenmill.layers.sampler import Sampler, SamplingMetadata, build_sampling_metadata
+from tests.helpers.sampling import DEVICES, Harness, reference_adjusted
 from tokenmill.sampling_params import SamplingParams
 
-CPU = torch.device("cpu")
 NUM_DRAWS = 20_000
 # Frequencies of NUM_DRAWS draws: std <= 0.0036, so 0.02 is > 5 sigma; draws are seeded anyway.
 FREQ_TOL = 0.02
+INF = float("inf")
+
+pytestmark = pytest.mark.parametrize("device", DEVICES)
 
 
-@dataclass
-class Row:
-    params: SamplingParams
-    prompt_token_ids: list[int] = field(default_factory=list)
-    output_token_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
-
-    def __post_init__(self) -> None:
-        if self.params.seed is not None:
-            self.generator = torch.Generator(CPU).manual_seed(self.params.seed)
-
-
-def meta_for(rows: list[Row], vocab_size: int, eos: tuple[int, ...] = ()) -> SamplingMetadata:
-    return build_sampling_metadata(rows, vocab_size, eos, CPU)
-
-
-def sample(logits: torch.Tensor, rows: list[Row], eos: tuple[int, ...] = ()) -> torch.Tensor:
-    return Sampler()(logits, meta_for(rows, logits.shape[1], eos)).sampled_token_ids
-
-
-def frequencies(probs: list[float], seed: int = 0, **params: float) -> torch.Tensor:
-    """Draw NUM_DRAWS tokens from `probs` (as logits log p) with `params`; return frequencies."""
+def frequencies(device: str, probs: list[float], seed: int = 0, neighbour: SamplingParams | None = None,
+                **params) -> torch.Tensor:
+    """NUM_DRAWS rows of logits log(probs), all pointing at one slot with `params`; token frequencies.
+    `neighbour`: another active slot, with no row in the step, that turns on the stages it uses."""
+    h = Harness(device, len(probs))
+    h.add(0, SamplingParams(**params))
+    if neighbour is not None:
+        h.add(1, neighbour)
     torch.manual_seed(seed)
-    logits = torch.tensor(probs).log().expand(NUM_DRAWS, -1)
-    rows = [Row(SamplingParams(**params)) for _ in range(NUM_DRAWS)]
-    ids = sample(logits, rows)
-    return torch.bincount(ids, minlength=len(probs)).double() / NUM_DRAWS
+    if device == "cuda":
+        torch.cuda.manual_seed(seed)
+    ids = h.run(torch.tensor(probs).log().expand(NUM_DRAWS, -1), [0] * NUM_DRAWS, record=False).sampled
+    return torch.bincount(ids.cpu(), minlength=len(probs)).double() / NUM_DRAWS
 
 
-def assert_distribution(freq: torch.Tensor, expected: list[float]) -> None:
+def assert_distribution(freq: torch.Tensor, expected: list[float], tol: float = FREQ_TOL) -> None:
     exp = torch.tensor(expected, dtype=torch.float64)
     assert torch.equal(freq > 0, exp > 0), f"support {freq.tolist()} vs {expected}"
-    assert (freq - exp).abs().max() < FREQ_TOL, f"{freq.tolist()} vs {expected}"
+    assert (freq - exp).abs().max() < tol, f"{freq.tolist()} vs {expected}"
 
 
 def normalized(weights: list[float]) -> list[float]:
@@ -57,273 +48,273 @@ def normalized(weights: list[float]) -> list[float]:
     return [w / total for w in weights]
 
 
-# Greedy
+# ---------------------------------------------------------------- greedy
 
-def test_greedy_argmax_ties_to_lowest_id() -> None:
-    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, -1.0, 5.0, 5.0], [7.0, 7.0, 7.0, 7.0]])
-    rows = [Row(SamplingParams(temperature=0.0)) for _ in range(3)]
-    assert sample(logits, rows).tolist() == [1, 2, 0]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_argmax_ties_to_lowest_id(device, dtype) -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, -1.0, 5.0, 5.0], [7.0, 7.0, 7.0, 7.0]], dtype=dtype)
+    h = Harness(device, 4)
+    for slot in range(3):
+        h.add(slot, SamplingParams(temperature=0.0))
+    assert h.sample(logits, [0, 1, 2]) == [1, 2, 0]
+    h.add(3, SamplingParams(temperature=0.0, logit_bias={3: 0.0}))  # the adjusted (float32 copy) path
+    assert h.sample(logits, [3, 1, 2]) == [1, 2, 0]
 
 
-def test_greedy_below_eps_and_batch_needs_nothing_else() -> None:
-    rows = [Row(SamplingParams(temperature=1e-6, top_k=2, top_p=0.5, seed=3)), Row(SamplingParams(temperature=0))]
-    meta = meta_for(rows, 8)
-    assert meta.all_greedy and meta.temperature is None and meta.top_k is None and meta.top_p is None
-    assert meta.penalties is None and meta.logit_bias is None and meta.generators == ()
-    assert meta.max_num_logprobs is None
-    logits = torch.randn(2, 8, generator=torch.Generator().manual_seed(0))
-    out = Sampler()(logits, meta)
+def test_greedy_below_eps_batch_is_one_argmax(device) -> None:
+    h = Harness(device, 8)
+    h.add(0, SamplingParams(temperature=1e-6, top_k=2, top_p=0.5, min_p=0.1, seed=3))
+    h.add(1, SamplingParams(temperature=0))
+    assert h.state.plan.plain_greedy and not h.state.plan.seeded and h.state.plan.top_k == 0
+    logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(0))
+    out = h.run(logits, [0, 1, h.scratch])
     assert out.logprobs is None
-    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+    assert out.sampled.tolist() == logits.argmax(-1).tolist()
 
 
-def test_greedy_rows_in_mixed_batch_stay_greedy() -> None:
+def test_greedy_rows_in_mixed_batch_stay_greedy(device) -> None:
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
-    rows = [Row(SamplingParams(temperature=0.0 if i % 2 else 1.0)) for i in range(6)]
-    out = sample(logits, rows)
-    assert torch.equal(out[1::2], logits[1::2].argmax(-1))
+    h = Harness(device, 50)
+    for slot in range(6):
+        h.add(slot, SamplingParams(temperature=0.0 if slot % 2 else 1.0, top_p=0.9, seed=slot if slot > 3 else None))
+    out = h.sample(logits, range(6))
+    assert out[1::2] == logits[1::2].argmax(-1).tolist()
 
 
-def test_input_logits_untouched() -> None:
-    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(2))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_input_logits_untouched(device, dtype) -> None:
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(2)).to(device, dtype)
     before = logits.clone()
-    rows = [Row(SamplingParams(temperature=0.7, top_k=3, top_p=0.8, min_p=0.1, repetition_penalty=1.5,
-                               logit_bias={1: 5.0}), prompt_token_ids=[1, 2]),
-            Row(SamplingParams(temperature=0.0, frequency_penalty=1.0), output_token_ids=[3])]
-    sample(logits, rows)
+    h = Harness(device, 10, eos=[9])
+    h.add(0, SamplingParams(temperature=0.7, top_k=3, top_p=0.8, min_p=0.1, repetition_penalty=1.5, seed=4,
+                            logit_bias={1: 5.0}, min_tokens=3, logprobs=2), prompt=[1, 2])
+    h.add(1, SamplingParams(temperature=0.0, frequency_penalty=1.0, presence_penalty=0.5), outputs=[3])
+    h.add(2, SamplingParams(temperature=1.2))
+    h.run(logits, [0, 1, 2])
     assert torch.equal(logits, before)
 
 
-# Seeding
+# ---------------------------------------------------------------- seeding (more in test_sampling_state.py)
 
-def run_steps(logits_per_step: list[torch.Tensor], make_rows, target: int) -> list[int]:
-    rows = make_rows()
-    tokens = []
-    for logits in logits_per_step:
-        ids = sample(logits[: len(rows)], rows)
-        tokens.append(int(ids[target]))
-        for row, t in zip(rows, ids.tolist()):
-            row.output_token_ids.append(t)
-    return tokens
+def test_seeded_row_reproducible_alone_and_in_any_batch(device) -> None:
+    vocab = 64
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(5))
+    target = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
 
+    alone = Harness(device, vocab, max_slots=1)
+    alone.add(0, target)
+    expected = alone.sample(logits, [0], record=False)[0]
 
-def test_seeded_row_reproducible_alone_and_in_any_batch() -> None:
-    vocab, steps = 64, 8
-    g = torch.Generator().manual_seed(5)
-    step_logits = [torch.randn(1, vocab, generator=g) for _ in range(steps)]
-    target = dict(temperature=0.9, top_p=0.95, seed=1234)
-
-    def batch_logits(n: int) -> list[torch.Tensor]:
-        return [l.expand(n, -1).contiguous() for l in step_logits]
-
-    alone = run_steps(batch_logits(1), lambda: [Row(SamplingParams(**target))], 0)
-    in_batch = run_steps(batch_logits(5), lambda: [
-        Row(SamplingParams(temperature=1.0)),
-        Row(SamplingParams(temperature=0.0)),
-        Row(SamplingParams(temperature=0.8, seed=99, top_k=5)),
-        Row(SamplingParams(**target)),
-        Row(SamplingParams(temperature=1.3, min_p=0.05, presence_penalty=0.5)),
-    ], 3)
-    torch.manual_seed(777)  # the global generator must not matter either
-    reordered = run_steps(batch_logits(3), lambda: [
-        Row(SamplingParams(**target)), Row(SamplingParams(temperature=1.0, seed=1)),
-        Row(SamplingParams(temperature=0.5))], 0)
-    assert alone == in_batch == reordered
-    other_seed = run_steps(batch_logits(1), lambda: [Row(SamplingParams(**{**target, "seed": 4321}))], 0)
-    assert other_seed != alone
+    crowd = Harness(device, vocab, max_slots=16)
+    crowd.add(0, SamplingParams(temperature=1.0))
+    crowd.add(3, SamplingParams(temperature=0.0))
+    crowd.add(7, SamplingParams(temperature=0.8, seed=99, top_k=5))
+    crowd.add(11, target)
+    crowd.add(2, SamplingParams(temperature=1.3, min_p=0.05, presence_penalty=0.5))
+    torch.manual_seed(777)  # the global generator must not matter
+    for order in ([0, 3, 7, 11, 2], [11], [crowd.scratch, 11, 7, 7, 0], [2, 2, 11, 11]):
+        out = crowd.sample(logits.expand(len(order), -1), order, record=False)
+        assert all(t == expected for t, s in zip(out, order) if s == 11), (order, out, expected)
 
 
-def test_unseeded_rows_follow_global_seed() -> None:
+def test_unseeded_rows_vary_and_follow_the_global_seed(device) -> None:
+    h = Harness(device, 1000)
+    for slot in range(4):
+        h.add(slot, SamplingParams())
     logits = torch.zeros(4, 1000)
-    rows = [Row(SamplingParams()) for _ in range(4)]
-    torch.manual_seed(0)
-    a = sample(logits, rows)
-    torch.manual_seed(0)
-    b = sample(logits, rows)
-    assert torch.equal(a, b) and len(set(a.tolist())) > 1
+
+    def draw() -> list[int]:
+        torch.manual_seed(0)
+        if device == "cuda":
+            torch.cuda.manual_seed(0)
+        return h.sample(logits, range(4), record=False)
+
+    a, b = draw(), draw()
+    assert a == b and len(set(a)) > 1
 
 
-# Distribution and filters
+# ---------------------------------------------------------------- distribution and filters
 
 PROBS = [0.1, 0.4, 0.2, 0.3]  # sorted by probability: ids 1, 3, 2, 0
 
 
-def test_plain_sampling_matches_probs() -> None:
-    assert_distribution(frequencies(PROBS), PROBS)
+@pytest.mark.parametrize("neighbour", [None, SamplingParams(seed=5), SamplingParams(temperature=0, top_p=0.5)])
+def test_plain_sampling_matches_probs(device, neighbour: SamplingParams | None) -> None:
+    """Also when a seeded slot is active: unseeded rows keep drawing from torch's generator."""
+    assert_distribution(frequencies(device, PROBS, neighbour=neighbour), PROBS)
+
+
+def test_seeded_sampling_matches_probs(device) -> None:
+    """NUM_DRAWS requests with different seeds, each at output position 0."""
+    h = Harness(device, len(PROBS), max_slots=NUM_DRAWS)
+    for slot in range(NUM_DRAWS):
+        h.add(slot, SamplingParams(seed=slot * 7919 + 13))
+    ids = h.run(torch.tensor(PROBS).log().expand(NUM_DRAWS, -1), range(NUM_DRAWS), record=False).sampled
+    assert_distribution(torch.bincount(ids.cpu(), minlength=4).double() / NUM_DRAWS, PROBS)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 2.0])
-def test_temperature_scales_distribution(temperature: float) -> None:
+def test_temperature_scales_distribution(device, temperature: float) -> None:
     expected = normalized([p ** (1 / temperature) for p in PROBS])
-    assert_distribution(frequencies(PROBS, temperature=temperature), expected)
+    assert_distribution(frequencies(device, PROBS, temperature=temperature), expected)
 
 
 @pytest.mark.parametrize("top_k, keep", [(1, [1]), (2, [1, 3]), (3, [1, 3, 2]), (4, [0, 1, 2, 3]),
                                          (9, [0, 1, 2, 3])])
-def test_top_k_support(top_k: int, keep: list[int]) -> None:
+def test_top_k_support(device, top_k: int, keep: list[int]) -> None:
     expected = normalized([p if i in keep else 0.0 for i, p in enumerate(PROBS)])
-    assert_distribution(frequencies(PROBS, top_k=top_k), expected)
+    assert_distribution(frequencies(device, PROBS, top_k=top_k), expected)
 
 
 @pytest.mark.parametrize("top_p, keep", [(1e-9, [1]), (0.05, [1]), (0.39, [1]), (0.65, [1, 3]),
                                          (0.75, [1, 3, 2]), (0.95, [0, 1, 2, 3]), (1.0, [0, 1, 2, 3])])
-def test_top_p_support(top_p: float, keep: list[int]) -> None:
+def test_top_p_support(device, top_p: float, keep: list[int]) -> None:
     expected = normalized([p if i in keep else 0.0 for i, p in enumerate(PROBS)])
-    assert_distribution(frequencies(PROBS, top_p=top_p), expected)
+    assert_distribution(frequencies(device, PROBS, top_p=top_p), expected)
 
 
-def test_top_p_applies_to_top_k_renormalized() -> None:
+def test_top_p_applies_to_top_k_renormalized(device) -> None:
     # After top-k=3 the mass is {0.44, 0.33, 0.22}: the top two reach 0.75 (raw mass: only 0.7).
-    expected = normalized([0.0, 0.4, 0.0, 0.3])
-    assert_distribution(frequencies(PROBS, top_k=3, top_p=0.75), expected)
+    assert_distribution(frequencies(device, PROBS, top_k=3, top_p=0.75), normalized([0.0, 0.4, 0.0, 0.3]))
 
 
-def test_top_p_with_temperature_uses_scaled_probs() -> None:
+def test_top_p_with_temperature_uses_scaled_probs(device) -> None:
     # At temperature 0.5 probs become {1:16, 3:9, 2:4, 0:1}/30: top two hold 0.833 >= 0.8.
-    expected = normalized([0.0, 16.0, 0.0, 9.0])
-    assert_distribution(frequencies(PROBS, temperature=0.5, top_p=0.8), expected)
+    assert_distribution(frequencies(device, PROBS, temperature=0.5, top_p=0.8), normalized([0.0, 16.0, 0.0, 9.0]))
 
 
 @pytest.mark.parametrize("min_p, keep", [(0.2, [0, 1, 2, 3]), (0.3, [1, 2, 3]), (0.6, [1, 3]), (0.9, [1])])
-def test_min_p_support(min_p: float, keep: list[int]) -> None:
+def test_min_p_support(device, min_p: float, keep: list[int]) -> None:
     expected = normalized([p if i in keep else 0.0 for i, p in enumerate(PROBS)])
-    assert_distribution(frequencies(PROBS, min_p=min_p), expected)
+    assert_distribution(frequencies(device, PROBS, min_p=min_p), expected)
 
 
-def test_filters_are_per_row_in_a_mixed_batch() -> None:
-    # Top-k-only path (no top_p in the batch) and sort path, each with rows that have it off.
+@pytest.mark.parametrize("second", [SamplingParams(), SamplingParams(top_p=0.65), SamplingParams(min_p=0.6)])
+def test_filters_are_per_row_in_a_mixed_batch(device, second: SamplingParams) -> None:
+    # The top-k-only path (no top_p active), the sort path, and min-p, each with rows that have it off.
     n = NUM_DRAWS // 4
-    logits = torch.tensor(PROBS).log().expand(4 * n, -1)
-    for second in (SamplingParams(), SamplingParams(top_p=0.65)):
-        torch.manual_seed(0)
-        rows = [Row(SamplingParams(top_k=1)) for _ in range(n)] + [Row(SamplingParams()) for _ in range(n)]
-        rows += [Row(second) for _ in range(n)] + [Row(SamplingParams(top_k=2)) for _ in range(n)]
-        ids = sample(logits, rows).view(4, n)
-        assert set(ids[0].tolist()) == {1}
-        assert set(ids[1].tolist()) == {0, 1, 2, 3}
-        assert set(ids[2].tolist()) == ({0, 1, 2, 3} if second.top_p == 1.0 else {1, 3})
-        assert set(ids[3].tolist()) == {1, 3}
+    h = Harness(device, 4)
+    for slot, params in enumerate([SamplingParams(top_k=1), SamplingParams(), second, SamplingParams(top_k=2)]):
+        h.add(slot, params)
+    torch.manual_seed(0)
+    ids = h.run(torch.tensor(PROBS).log().expand(4 * n, -1), [s for s in range(4) for _ in range(n)],
+                record=False).sampled.cpu().view(4, n)
+    assert set(ids[0].tolist()) == {1}
+    assert set(ids[1].tolist()) == {0, 1, 2, 3}
+    assert set(ids[2].tolist()) == ({0, 1, 2, 3} if second == SamplingParams() else {1, 3})
+    assert set(ids[3].tolist()) == {1, 3}
 
 
-# Logit adjustments
+# ---------------------------------------------------------------- logit adjustments
 
-def adjusted(logits: torch.Tensor, rows: list[Row], eos: tuple[int, ...] = ()) -> torch.Tensor:
-    return apply_logit_adjustments(logits.clone(), meta_for(rows, logits.shape[1], eos))
-
-
-def test_logit_bias_added() -> None:
-    logits = torch.zeros(2, 5)
-    rows = [Row(SamplingParams(logit_bias={0: 1.5, 4: -100.0})), Row(SamplingParams())]
-    out = adjusted(logits, rows)
+def test_logit_bias_added(device) -> None:
+    h = Harness(device, 5)
+    h.add(0, SamplingParams(logit_bias={0: 1.5, 4: -100.0}))
+    h.add(1, SamplingParams())
+    out = h.adjusted(torch.zeros(2, 5), [0, 1])
     assert out[0].tolist() == [1.5, 0.0, 0.0, 0.0, -100.0] and out[1].tolist() == [0.0] * 5
-    # A strong bias steers greedy sampling.
-    assert sample(torch.zeros(1, 5), [Row(SamplingParams(temperature=0, logit_bias={3: 2.0}))]).item() == 3
+    h.add(2, SamplingParams(temperature=0, logit_bias={3: 2.0}))  # a strong bias steers greedy sampling
+    assert h.sample(torch.zeros(1, 5), [2]) == [3]
 
 
-def test_repetition_penalty_hf_definition() -> None:
-    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 0.0]])
-    row = Row(SamplingParams(repetition_penalty=2.0), prompt_token_ids=[0, 1], output_token_ids=[3, 5])
-    out = adjusted(logits, [row])
+def test_repetition_penalty_hf_definition(device) -> None:
+    h = Harness(device, 6)
+    h.add(0, SamplingParams(repetition_penalty=2.0), prompt=[0, 1], outputs=[3, 5])
+    out = h.adjusted(torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 0.0]]), [0])
     assert out[0].tolist() == [1.0, -4.0, 2.0, -4.0, 1.0, 0.0]
 
 
-def test_frequency_and_presence_penalties_openai_definition() -> None:
-    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0]])
-    row = Row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
-              prompt_token_ids=[3, 3, 3], output_token_ids=[0, 0, 0, 2])
-    out = adjusted(logits, [row])
+def test_frequency_and_presence_penalties_openai_definition(device) -> None:
+    h = Harness(device, 4)
+    h.add(0, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), prompt=[3, 3, 3], outputs=[0, 0, 0, 2])
+    out = h.adjusted(torch.ones(1, 4), [0])
     # Prompt tokens do not count; output counts: token 0 x3, token 2 x1.
-    expected = [1.0 - 1.5 - 0.25, 1.0, 1.0 - 0.5 - 0.25, 1.0]
-    torch.testing.assert_close(out[0], torch.tensor(expected))
+    torch.testing.assert_close(out[0], torch.tensor([1.0 - 1.5 - 0.25, 1.0, 1.0 - 0.5 - 0.25, 1.0]))
 
 
-def test_penalties_only_touch_their_rows_and_compose_in_order() -> None:
+def test_penalties_only_touch_their_rows_and_compose_in_order(device) -> None:
     logits = torch.tensor([[3.0, -1.0, 0.5], [3.0, -1.0, 0.5]])
-    rows = [Row(SamplingParams(logit_bias={1: 2.0}, repetition_penalty=1.5, frequency_penalty=1.0),
-                prompt_token_ids=[1], output_token_ids=[0]),
-            Row(SamplingParams(), prompt_token_ids=[0, 1, 2], output_token_ids=[0, 1, 2])]
-    out = adjusted(logits, rows)
+    h = Harness(device, 3)
+    h.add(0, SamplingParams(logit_bias={1: 2.0}, repetition_penalty=1.5, frequency_penalty=1.0),
+          prompt=[1], outputs=[0])
+    h.add(1, SamplingParams(), prompt=[0, 1, 2], outputs=[0, 1, 2])
+    out = h.adjusted(logits, [0, 1])
     # Row 0: bias makes token 1 -> 1.0, then repetition /1.5; token 0: 3/1.5 - 1 (frequency).
     torch.testing.assert_close(out[0], torch.tensor([3.0 / 1.5 - 1.0, 1.0 / 1.5, 0.5]))
     torch.testing.assert_close(out[1], logits[1])
 
 
-def test_min_tokens_masks_eos_and_stop_ids() -> None:
-    logits = torch.zeros(3, 6)
-    rows = [Row(SamplingParams(min_tokens=2, stop_token_ids=[4]), output_token_ids=[1]),
-            Row(SamplingParams(min_tokens=2, stop_token_ids=[4], ignore_eos=True)),
-            Row(SamplingParams(min_tokens=2, stop_token_ids=[4]), output_token_ids=[1, 1])]
-    out = adjusted(logits, rows, eos=(5, 2))
-    inf = float("-inf")
-    assert out[0].tolist() == [0.0, 0.0, inf, 0.0, inf, inf]
-    assert out[1].tolist() == [0.0, 0.0, inf, 0.0, inf, inf]
+def test_adjustments_match_their_definitions_on_random_requests(device) -> None:
+    rng = random.Random(0)
+    vocab, eos = 12, [11]
+    h = Harness(device, vocab, max_slots=24, eos=eos)
+    cases = []
+    for slot in range(24):
+        params = SamplingParams(
+            temperature=rng.choice([0.0, 1.0]), repetition_penalty=rng.choice([1.0, 0.7, 1.8]),
+            frequency_penalty=rng.choice([0.0, 0.4, -0.3]), presence_penalty=rng.choice([0.0, 1.1, -0.5]),
+            logit_bias=rng.choice([None, {rng.randrange(vocab): rng.uniform(-5, 5) for _ in range(3)}]),
+            min_tokens=rng.choice([0, 2, 5]), stop_token_ids=rng.choice([None, [3], [4, 5]]))
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+        outputs = [rng.randrange(vocab) for _ in range(rng.randrange(0, 6))]
+        h.add(slot, params, prompt, outputs)
+        cases.append((params, prompt, outputs))
+    logits = torch.randn(24, vocab, generator=torch.Generator().manual_seed(7))
+    order = list(range(24))
+    rng.shuffle(order)
+    out = h.adjusted(logits[order], order)
+    for row, slot in enumerate(order):
+        expected = reference_adjusted(logits[slot].tolist(), *cases[slot], eos)
+        torch.testing.assert_close(out[row], torch.tensor(expected), msg=f"slot {slot}: {cases[slot]}")
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached(device) -> None:
+    h = Harness(device, 6, eos=(5, 2))
+    h.add(0, SamplingParams(min_tokens=2, stop_token_ids=[4]), outputs=[1])
+    h.add(1, SamplingParams(min_tokens=2, stop_token_ids=[4], ignore_eos=True))  # EOS stays banned
+    h.add(2, SamplingParams(min_tokens=2, stop_token_ids=[4]), outputs=[1, 1])
+    out = h.adjusted(torch.zeros(3, 6), [0, 1, 2])
+    assert out[0].tolist() == [0.0, 0.0, -INF, 0.0, -INF, -INF]
+    assert out[1].tolist() == [0.0, 0.0, -INF, 0.0, -INF, -INF]
     assert out[2].tolist() == [0.0] * 6  # min_tokens reached
-    # EOS is the argmax but may not be sampled yet.
+    # EOS is the argmax but may not be sampled until the count, kept on the device, reaches min_tokens.
+    h.add(3, SamplingParams(temperature=0, min_tokens=2))
     eos_first = torch.tensor([[0.0, 1.0, 0.0, 0.0, 0.0, 9.0]])
-    row = Row(SamplingParams(temperature=0, min_tokens=1))
-    assert sample(eos_first, [row], eos=(5,)).item() == 1
-    row.output_token_ids.append(1)
-    assert sample(eos_first, [row], eos=(5,)).item() == 5
+    assert h.sample(eos_first, [3]) == [1]
+    assert h.sample(eos_first, [3]) == [1]
+    assert h.sample(eos_first, [3]) == [5]
 
 
-# Logprobs
+# ---------------------------------------------------------------- logprobs
 
-def test_logprobs_from_raw_logits_with_ranks() -> None:
-    g = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, 30, generator=g, dtype=torch.float64).to(torch.bfloat16)
-    rows = [Row(SamplingParams(temperature=0.0, logprobs=2)),
-            Row(SamplingParams(temperature=2.0, logprobs=5, repetition_penalty=3.0, logit_bias={7: 50.0}),
-                prompt_token_ids=[1, 2]),
-            Row(SamplingParams(temperature=0.5, top_k=3)),
-            Row(SamplingParams(temperature=0.0, logprobs=0, logit_bias={9: 100.0}))]
+def test_logprobs_from_raw_logits_with_ranks(device) -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(3), dtype=torch.float64).to(torch.bfloat16)
+    h = Harness(device, 30)
+    h.add(0, SamplingParams(temperature=0.0, logprobs=2))
+    h.add(1, SamplingParams(temperature=2.0, logprobs=5, repetition_penalty=3.0, logit_bias={7: 50.0}),
+          prompt=[1, 2])
+    h.add(2, SamplingParams(temperature=0.5, top_k=3))
+    h.add(3, SamplingParams(temperature=0.0, logprobs=0, logit_bias={9: 100.0}))
     torch.manual_seed(0)
-    out = Sampler()(logits, meta_for(rows, 30))
+    out = h.run(logits, [0, 1, 2, 3])
     lp = out.logprobs
     assert lp is not None
     ref = torch.log_softmax(logits.float(), dim=-1)
-    ids = out.sampled_token_ids
+    ids = out.sampled.cpu()
     assert ids[1].item() == 7 and ids[3].item() == 9  # the bias dominates sampling, not logprobs
-    torch.testing.assert_close(lp.sampled_logprobs, ref.gather(1, ids[:, None]).squeeze(1))
-    expected_ranks = [int((ref[i] > ref[i, ids[i]]).sum()) + 1 for i in range(4)]
-    assert lp.sampled_ranks.tolist() == expected_ranks
+    torch.testing.assert_close(lp.sampled_logprobs.cpu(), ref.gather(1, ids[:, None]).squeeze(1))
+    assert lp.sampled_ranks.tolist() == [int((ref[i] > ref[i, ids[i]]).sum()) + 1 for i in range(4)]
     assert lp.sampled_ranks[0].item() == 1
     assert lp.topk_token_ids.shape == (4, 5) and lp.topk_logprobs.dtype == torch.float32
-    top = ref.sort(dim=-1, descending=True)
-    torch.testing.assert_close(lp.topk_logprobs, top.values[:, :5])
-    torch.testing.assert_close(ref.gather(1, lp.topk_token_ids), lp.topk_logprobs)
+    torch.testing.assert_close(lp.topk_logprobs.cpu(), ref.sort(dim=-1, descending=True).values[:, :5])
+    torch.testing.assert_close(ref.gather(1, lp.topk_token_ids.cpu()), lp.topk_logprobs.cpu())
 
 
-def test_logprobs_zero_gives_sampled_only() -> None:
+def test_logprobs_zero_gives_sampled_only(device) -> None:
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(4))
-    rows = [Row(SamplingParams(temperature=0.0, logprobs=0)), Row(SamplingParams(temperature=0.0))]
-    lp = Sampler()(logits, meta_for(rows, 10)).logprobs
+    h = Harness(device, 10)
+    h.add(0, SamplingParams(temperature=0.0, logprobs=0))
+    h.add(1, SamplingParams(temperature=0.0))
+    lp = h.run(logits, [0, 1]).logprobs
     assert lp is not None and lp.topk_token_ids.shape == (2, 0)
     assert lp.sampled_ranks.tolist() == [1, 1]
-
-
-# Device
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only (CI has no GPU)")
-def test_cuda_mixed_batch_and_seeding() -> None:
-    dev = torch.device("cuda")
-    logits = torch.randn(5, 100, generator=torch.Generator().manual_seed(6)).to(dev, torch.bfloat16)
-    every = dict(top_k=20, top_p=0.9, min_p=0.01, repetition_penalty=1.2, frequency_penalty=0.3,
-                 presence_penalty=0.2, logit_bias={3: 1.0}, min_tokens=4, logprobs=3)
-
-    def row(params: SamplingParams) -> Row:
-        r = Row(params, prompt_token_ids=[1, 2, 3], output_token_ids=[4, 4])
-        if params.seed is not None:
-            r.generator = torch.Generator(dev).manual_seed(params.seed)
-        return r
-
-    target = SamplingParams(temperature=0.8, seed=11, **every)
-    batch = [row(SamplingParams(temperature=0.0)), row(SamplingParams(temperature=1.0, **every)),
-             row(target), row(SamplingParams(temperature=0.7, seed=5)), row(SamplingParams(temperature=0.0, **every))]
-    alone = [row(target)]
-    for _ in range(3):
-        out = Sampler()(logits, build_sampling_metadata(batch, 100, [0], dev))
-        solo = Sampler()(logits[2:3], build_sampling_metadata(alone, 100, [0], dev))
-        assert out.sampled_token_ids.device.type == "cuda"
-        assert out.sampled_token_ids[2].item() == solo.sampled_token_ids[0].item()
-        assert out.sampled_token_ids[0].item() == logits[0].float().argmax().item()
-        assert out.logprobs is not None and out.logprobs.topk_token_ids.shape == (5, 3)

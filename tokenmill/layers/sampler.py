@@ -1,5 +1,8 @@
 """The sampler: one step's logits [N, V] to one token id per row.
 
+Superseded by tokenmill.layers.sampling (per-slot state on the device); kept until the model
+runner moves to it, then deleted with penalties.py, sampling_filters.py and logprobs.py.
+
 Pipeline: raw logits -> (logprobs, from the raw logits) -> bias, min_tokens,
 penalties -> greedy argmax | temperature, top-k, top-p, min-p, random draw.
 

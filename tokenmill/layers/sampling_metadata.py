@@ -1,5 +1,8 @@
 """Per-step sampling inputs: host-side request state turned into device tensors once.
 
+Superseded by tokenmill.layers.sampling (per-slot state on the device); kept until the model
+runner moves to it, then deleted with penalties.py, sampling_filters.py and logprobs.py.
+
 Every optional tensor is None when no row in the step needs it, so the sampler
 skips that work entirely (an all-greedy batch carries nothing but argmax).
 All host-to-device copies happen here, before the sampler runs.
