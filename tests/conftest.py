@@ -3,9 +3,17 @@ a failure when CI is set: tests/helpers/requirements.py)."""
 
 from __future__ import annotations
 
-import pytest
+import os
+import shutil
 
-from tests.helpers.requirements import SMOLLM2_GGUF, require_smollm2
+# Without a GPU, Triton kernels run in Triton's interpreter. Triton reads this when it is first
+# imported, and transformers may import it while any test module is collected: set it first.
+if not os.path.exists("/dev/nvidia0") and shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from tests.helpers.requirements import SMOLLM2_GGUF, require_smollm2  # noqa: E402
 
 
 @pytest.fixture(scope="session")

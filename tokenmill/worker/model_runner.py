@@ -22,7 +22,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
-from tokenmill.layers.sampling import Sampler, SamplingTensors
+from tokenmill.layers.sampling import Sampler, SamplingState
 from tokenmill.model.loader import load_model
 from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
@@ -55,7 +55,7 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = arch.num_layers, arch.num_kv_heads, arch.head_dim
         max_seqs = config.scheduler.max_num_seqs
         self.batch = PersistentBatch(max_seqs, -(-config.model.max_model_len // self.block_size), self.device)
-        self.sampling = SamplingTensors(max_seqs, arch.vocab_size, config.model.eos_token_ids, self.device)
+        self.sampling = SamplingState(max_seqs, arch.vocab_size, config.model.eos_token_ids, self.device)
         self.sampler = Sampler(self.sampling)
         self.readback = Readback(self.device)
         self.batch_order = BatchOrder()
@@ -179,7 +179,7 @@ class ModelRunner:
         else:
             inputs = build_step_inputs(self.batch, slots, counts, self.block_size)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            if self.sampling.num_prompt_logprobs:
+            if self.batch.num_prompt_logprobs:
                 step_prompt_logprobs = prompt_logprobs(self, slots, counts, hidden, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             sample_rows, sample_slots = inputs.sample_rows, inputs.sample_slots

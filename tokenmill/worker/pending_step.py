@@ -31,7 +31,7 @@ class PendingStep:
         # (index among sampling rows, k) of rows that asked for logprobs, fixed at launch:
         # their slots may be reused before the reply is read.
         self._logprob_rows: list[tuple[int, int]] = []
-        if runner is not None and runner.sampling.num_logprobs:
+        if runner is not None and runner.sampling.plan.logprobs is not None:
             params = runner.batch.params
             self._logprob_rows = [(i, params[slot].logprobs) for i, slot in enumerate(sample_slots.tolist())
                                   if params[slot].logprobs is not None]

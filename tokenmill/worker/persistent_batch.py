@@ -42,6 +42,7 @@ class PersistentBatch:
         self.num_computed_dev = torch.zeros(n, dtype=torch.int64, device=device)
         self.next_token_dev = torch.zeros(n, dtype=torch.int64, device=device)
         self._block_writes: list[tuple[int, int, np.ndarray]] = []  # (slot, first column, ids)
+        self.num_prompt_logprobs = 0  # requests held that want prompt logprobs
 
     # ------------------------------------------------------------------ membership
 
@@ -53,6 +54,7 @@ class PersistentBatch:
         tokens = unpack_ids(data.token_ids)
         self.tokens[slot] = tokens
         self.params[slot] = data.sampling_params
+        self.num_prompt_logprobs += data.sampling_params.prompt_logprobs is not None
         self.num_prompt[slot] = data.num_prompt_tokens
         self.num_known[slot] = len(tokens)
         self.num_computed[slot] = data.num_computed_tokens
@@ -64,6 +66,7 @@ class PersistentBatch:
         """Frees the handle's slot; returns it (None if the handle holds none)."""
         slot = self.slot_of.pop(handle, None)
         if slot is not None:
+            self.num_prompt_logprobs -= self.params[slot].prompt_logprobs is not None
             self.tokens[slot] = None
             self.params[slot] = None
             self._free.append(slot)
