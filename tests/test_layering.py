@@ -36,9 +36,10 @@ def rank(module: str) -> int | None:
 def imports(path: Path, top_level_only: bool) -> set[str]:
     tree = ast.parse(path.read_text(), str(path))
     nodes = tree.body if top_level_only else list(ast.walk(tree))
-    if top_level_only:  # also `if TYPE_CHECKING:`-free blocks at module level, e.g. try/except
+    if top_level_only:  # what runs at import: module-level statements, `if TYPE_CHECKING:` aside
         nodes = [n for stmt in tree.body for n in ast.walk(stmt)
-                 if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
+                 if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                 and not _is_type_checking_block(stmt)]
     found = set()
     for node in nodes:
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -47,6 +48,10 @@ def imports(path: Path, top_level_only: bool) -> set[str]:
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("tokenmill"))
     return found
+
+
+def _is_type_checking_block(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.If) and isinstance(stmt.test, ast.Name) and stmt.test.id == "TYPE_CHECKING"
 
 
 def all_modules() -> dict[str, Path]:
