@@ -4,6 +4,8 @@ against the torch code paths they replace, on small shapes; bfloat16 is checked 
 
 "Within one rounding": every element within one unit in the last place of the torch result, and
 nearly all elements bit-identical, which only holds when the kernel rounds where torch does.
+Tensors a kernel writes in place sit between NaN guard bands: a stray write shows as a changed
+guard, a stray read as NaN.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from tokenmill.model.loader import load_model  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16]
 MIN_EXACT = 0.97  # share of half-precision elements that must match the torch path bit for bit
+GUARD = 4096  # elements of NaN before and after a guarded tensor
 
 
 def assert_within_one_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -52,6 +55,18 @@ def assert_within_one_rounding(actual: torch.Tensor, expected: torch.Tensor) -> 
     assert (diff <= ulp.float()).all(), f"max diff {diff.max().item():.3g} beyond one rounding"
     exact = (actual == expected).float().mean().item()
     assert exact >= MIN_EXACT, f"only {exact:.1%} of elements bit-identical to the torch path"
+
+
+class Guarded:
+    """A copy of `t` inside a larger buffer whose margins hold NaN."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.buffer = torch.full((GUARD + t.numel() + GUARD,), float("nan"), dtype=t.dtype)
+        self.t = self.buffer[GUARD:GUARD + t.numel()].view(t.shape)
+        self.t.copy_(t)
+
+    def assert_intact(self) -> None:
+        assert self.buffer[:GUARD].isnan().all() and self.buffer[-GUARD:].isnan().all(), "write out of bounds"
 
 
 def make_norm(hidden: int, dtype: torch.dtype, seed: int = 0) -> RMSNorm:
@@ -71,7 +86,7 @@ def randn(*shape: int, dtype: torch.dtype, seed: int = 0, scale: float = 1.0) ->
 @pytest.mark.parametrize("hidden", [576, 960, 64])  # SmolLM2's 576 and 960: not powers of two
 def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
     norm = make_norm(hidden, dtype)
-    x = randn(7, hidden, dtype=dtype, scale=3.0)  # 7 rows: a partial tile of packed rows
+    x = Guarded(randn(7, hidden, dtype=dtype, scale=3.0)).t  # 7 rows: a partial tile of packed rows
     before = x.clone()
     assert_within_one_rounding(rms_norm(x, norm.weight, norm.eps), norm(x))
     assert torch.equal(x, before)
@@ -81,10 +96,12 @@ def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
 @pytest.mark.parametrize("hidden", [576, 960])
 def test_fused_add_rms_norm_updates_residual_in_place(dtype: torch.dtype, hidden: int) -> None:
     norm = make_norm(hidden, dtype)
-    x, residual = randn(5, hidden, dtype=dtype, seed=1), randn(5, hidden, dtype=dtype, seed=2, scale=4.0)
+    guarded = Guarded(randn(5, hidden, dtype=dtype, seed=2, scale=4.0))
+    x, residual = Guarded(randn(5, hidden, dtype=dtype, seed=1)).t, guarded.t
     x_before, residual_before = x.clone(), residual.clone()
     expected_out, expected_residual = norm.forward_with_residual(x, residual)
     out, new_residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    guarded.assert_intact()
     assert new_residual is residual
     assert torch.equal(residual, expected_residual)  # the add rounds once, as torch's does
     assert not torch.equal(residual, residual_before) and torch.equal(x, x_before)
@@ -126,13 +143,15 @@ def test_rotary_in_place_in_fused_qkv(dtype: torch.dtype, head_dim: int, partial
     num_heads, num_kv_heads = 4, 2
     rope = make_rope(head_dim, partial)
     tokens = len(POSITIONS)
-    qkv = randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=5)
+    guarded = Guarded(randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=5))
+    qkv = guarded.t
     qk_size = (num_heads + num_kv_heads) * head_dim
     qk = qkv[:, :qk_size].view(tokens, num_heads + num_kv_heads, head_dim)
     cos, sin = rope.cos_sin(POSITIONS, dtype)
     expected = apply_rotary(qk, cos, sin)
     before = qkv.clone()
     rotate_(qk, None, POSITIONS, rope.cos_cache, rope.sin_cache, rope.rotary_dim)
+    guarded.assert_intact()
     assert_within_one_rounding(qk, expected)
     assert torch.equal(qkv[:, qk_size:], before[:, qk_size:])  # v
     rotated = qkv[:, :qk_size].view(tokens, -1, head_dim)
@@ -145,11 +164,14 @@ def test_rotary_pair_of_separate_tensors(dtype: torch.dtype) -> None:
     """Qwen3's path: q and k normalized into their own tensors, then rotated in one launch."""
     head_dim = 64
     rope = make_rope(head_dim)
-    q = randn(len(POSITIONS), 3, head_dim, dtype=dtype, seed=6)  # 3 heads: a partial tile
-    k = randn(len(POSITIONS), 1, head_dim, dtype=dtype, seed=7)
+    guarded_q = Guarded(randn(len(POSITIONS), 3, head_dim, dtype=dtype, seed=6))  # 3 heads: a partial tile
+    guarded_k = Guarded(randn(len(POSITIONS), 1, head_dim, dtype=dtype, seed=7))
+    q, k = guarded_q.t, guarded_k.t
     cos, sin = rope.cos_sin(POSITIONS, dtype)
     expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
     rotate_(q, k, POSITIONS, rope.cos_cache, rope.sin_cache, rope.rotary_dim)
+    guarded_q.assert_intact()
+    guarded_k.assert_intact()
     assert_within_one_rounding(q, expected_q)
     assert_within_one_rounding(k, expected_k)
 
@@ -170,7 +192,7 @@ def test_rotary_reads_only_its_tokens_positions() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("d", [1536, 1000, 64])  # 1000: a partial column block; 1536 = 1.5 blocks
 def test_silu_and_mul(dtype: torch.dtype, d: int) -> None:
-    x = randn(3, 2 * d, dtype=dtype, seed=9, scale=4.0)
+    x = Guarded(randn(3, 2 * d, dtype=dtype, seed=9, scale=4.0)).t  # a stray read brings in NaN
     before = x.clone()
     assert_within_one_rounding(silu_and_mul(x), SiluAndMul()(x))
     assert torch.equal(x, before)
