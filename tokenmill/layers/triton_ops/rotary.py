@@ -43,7 +43,9 @@ def _rotate_heads(base_ptr, s_head, c, s, offs_h, offs_d, d_ok,
         tl.store(ptrs2, o2.to(dtype), mask=mask)
 
 
-@triton.jit
+# `positions` may be a view at any offset into a packed input buffer (eager steps): its one scalar
+# load gains nothing from alignment, so alignment must not make a second compiled variant.
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr"])
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
     s_qt, s_qh, s_kt, s_kh,  # token and head strides of q and k (head_dim stride 1)
