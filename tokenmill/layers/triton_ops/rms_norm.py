@@ -12,8 +12,8 @@ Numerics are those of `tokenmill.layers.norm.RMSNorm`, op for op:
 They differ from the torch path only in summation order and rsqrt's last bit.
 
 A row is (r // INNER, r % INNER) over two strides, so [T, heads, head_dim] views with gaps
-between tokens (q or k inside the fused qkv output) normalize in place of where they sit.
-The last axis must be contiguous; the output is a new contiguous tensor.
+between tokens (q or k inside the fused qkv output, for Qwen3's q/k norm) are read where they
+sit, with no copy. The last axis must be contiguous; the output is a new contiguous tensor.
 
 Requires triton at import; `tokenmill.layers.norm` imports this module lazily.
 """
