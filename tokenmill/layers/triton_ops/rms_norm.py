@@ -11,7 +11,7 @@ Numerics are those of `tokenmill.layers.norm.RMSNorm`, op for op:
 - row times that, rounded; times the weight, rounded to the activation dtype.
 They differ from the torch path only in summation order and rsqrt's last bit.
 
-A row is (r // INNER, r % INNER) over two strides, so [T, heads, head_dim] views with gaps
+A row is (r // inner, r % inner) over two strides, so [T, heads, head_dim] views with gaps
 between tokens (q or k inside the fused qkv output, for Qwen3's q/k norm) are read where they
 sit, with no copy. The last axis must be contiguous; the output is a new contiguous tensor.
 
@@ -32,9 +32,10 @@ MAX_ROWS = 64
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
     num_rows, inv_n, eps,
-    s_x_outer, s_x_inner,  # x strides of a row's (r // INNER, r % INNER); columns are contiguous
+    inner,  # rows per outer index: heads of [T, heads, head_dim], 1 for 2-D x (specialized: no division)
+    s_x_outer, s_x_inner,  # x strides of row r's (r // inner, r % inner); columns are contiguous
     s_res,  # residual row stride (2-D only)
-    N: tl.constexpr, INNER: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
     dtype = x_ptr.dtype.element_ty
@@ -43,7 +44,7 @@ def _rms_norm_kernel(
     col_ok = cols < N
     mask = (rows < num_rows)[:, None] & col_ok[None, :]
 
-    x_rows = (rows // INNER) * s_x_outer + (rows % INNER) * s_x_inner
+    x_rows = (rows // inner) * s_x_outer + (rows % inner) * s_x_inner
     x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res_ptrs = res_ptr + (rows * s_res)[:, None] + cols[None, :]
@@ -78,8 +79,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     num_warps = min(max(block * rows // 256, 1), 16)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, x if residual is None else residual, weight, out,
-        num_rows, 1.0 / n, eps, s_outer, s_inner, 0 if residual is None else residual.stride(0),
-        N=n, INNER=inner, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        num_rows, 1.0 / n, eps, inner, s_outer, s_inner, 0 if residual is None else residual.stride(0),
+        N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
     )
     return out
 
