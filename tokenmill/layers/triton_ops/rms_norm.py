@@ -28,11 +28,13 @@ TILE_ELEMENTS = 2048  # elements per program at least: rows are packed until a t
 MAX_ROWS = 64
 
 
-@triton.jit(do_not_specialize=["num_rows"])
+# num_rows changes every step; inner is not specialized either, so q and k norms (32 and 8 heads,
+# say) share one compiled kernel; a division per row is nothing next to the row's traffic.
+@triton.jit(do_not_specialize=["num_rows", "inner"])
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
     num_rows, inv_n, eps,
-    inner,  # rows per outer index: heads of [T, heads, head_dim], 1 for 2-D x (specialized: no division)
+    inner,  # rows per outer index: heads of [T, heads, head_dim], 1 for 2-D x
     s_x_outer, s_x_inner,  # x strides of row r's (r // inner, r % inner); columns are contiguous
     s_res,  # residual row stride (2-D only)
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
