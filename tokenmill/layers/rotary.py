@@ -1,11 +1,14 @@
 """Rotary position embedding, neox style (rotate_half over the two halves, as HF Llama does).
 
 cos/sin are precomputed in float32 for every position up to `max_position` and gathered
-per token; they are cast to the activation dtype before use, as HF does.
+per token; they are cast to the activation dtype before use, as HF does. On CUDA
+(`triton_ops.enabled`) a Triton kernel rotates q and k in place and reads cos/sin by position
+itself, so no per-step gather exists (`triton_ops.rotary`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -13,6 +16,8 @@ import torch
 from torch import nn
 
 from tokenmill.config import RopeConfig
+from tokenmill.layers import triton_ops
+
 
 def compute_inv_freq(params: RopeConfig, rotary_dim: int, max_position: int) -> torch.Tensor:
     """float32 [rotary_dim // 2] inverse frequencies, scaled per `params.rope_type`."""
@@ -57,8 +62,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class RotaryStep:
+    """One forward pass's rotary inputs, prepared once and used by every layer.
+
+    Torch path: `cos`/`sin` gathered per token ([T, 1, rotary_dim], activation dtype) and
+    `apply_rotary` building new tensors. Fused path (`cos` None): the kernel rotates in place,
+    reading `cos_cache`/`sin_cache` at `positions`.
+    """
+
+    positions: torch.Tensor
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+    rotary_dim: int
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated (in place on the fused path, so use the result only)."""
+        if self.cos is None:
+            from tokenmill.layers.triton_ops.rotary import rotate_
+            rotate_(x, None, self.positions, self.cos_cache, self.sin_cache, self.rotary_dim)
+            return x
+        return apply_rotary(x, self.cos, self.sin)
+
+    def rotate_pair(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated (one launch on the fused path, in place)."""
+        if self.cos is None:
+            from tokenmill.layers.triton_ops.rotary import rotate_
+            rotate_(q, k, self.positions, self.cos_cache, self.sin_cache, self.rotary_dim)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+
 class RotaryEmbedding(nn.Module):
-    """Holds the cos/sin caches; `cos_sin` gathers them per token for `apply_rotary`."""
+    """Holds the cos/sin caches; `prepare` makes a step's `RotaryStep` from the token positions."""
 
     def __init__(self, head_dim: int, max_position: int, params: RopeConfig) -> None:
         super().__init__()
@@ -89,3 +127,10 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
+        """The step's rotary inputs; gathers cos/sin only where the fused kernel does not run."""
+        if triton_ops.enabled(positions):
+            return RotaryStep(positions, self.cos_cache, self.sin_cache, self.rotary_dim)
+        cos, sin = self.cos_sin(positions, dtype)
+        return RotaryStep(positions, self.cos_cache, self.sin_cache, self.rotary_dim, cos, sin)

@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelArch
+from tokenmill.layers import triton_ops
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, PackedWeight, linear, linear_add, silu_mul_linear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
 
 
 class LlamaAttention(nn.Module):
@@ -35,8 +36,7 @@ class LlamaAttention(nn.Module):
         self.qk_norm = dims.qk_norm
         self.attn = attn_backend_cls(dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output, plus `residual` when given (added inside the o_proj matmul where it can)."""
         qkv = self.qkv_proj(hidden)
@@ -46,12 +46,12 @@ class LlamaAttention(nn.Module):
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = rope.rotate_pair(q, k)
         else:
             # q and k sit side by side in qkv: rotate all their heads in one pass.
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn.forward(q, k, v, kv_cache, meta).reshape(-1, self.q_size)
         if residual is None:
             return self.o_proj(out)
@@ -84,16 +84,22 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The residual stream is `hidden + residual` (residual None: just `hidden`), so pipeline
-        stages can hand both over. Inside the layer each residual add runs in the epilogue of the
-        matmul before it (o_proj, down_proj), so the layer returns the whole stream as `hidden`."""
+        stages can hand both over. Where the fused kernels run (CUDA), each residual add happens in
+        the RMSNorm kernel after it, which updates `residual` in place, and the layer returns
+        (mlp output, residual). Elsewhere each add runs in the epilogue of the matmul before it
+        (o_proj, down_proj: oneDNN on CPU), and the layer returns the whole stream as `hidden`."""
         if residual is None:
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        residual = self.self_attn(hidden, cos, sin, kv_cache, meta, residual=residual)
+        if triton_ops.enabled(hidden):
+            attn = self.self_attn(hidden, rope, kv_cache, meta)
+            hidden, residual = self.post_attention_layernorm.forward_with_residual(attn, residual)
+            return self.mlp(hidden), residual
+        residual = self.self_attn(hidden, rope, kv_cache, meta, residual=residual)
         hidden = self.post_attention_layernorm(residual)
         return self.mlp(hidden, residual=residual), None
 
@@ -110,10 +116,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        rope = self.rotary_emb.prepare(positions, hidden.dtype)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_caches[i], meta)
+            hidden, residual = layer(hidden, residual, rope, kv_caches[i], meta)
         if residual is None:
             return self.norm(hidden)
         return self.norm.forward_with_residual(hidden, residual)[0]

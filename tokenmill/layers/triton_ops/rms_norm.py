@@ -1,0 +1,104 @@
+"""Triton kernel: RMSNorm, alone or fused with the residual add before it.
+
+One program normalizes ROWS rows, each held whole in registers (BLOCK >= hidden, a power of
+two): one read of x (and of the residual), one write of the output (and of the new residual).
+Short rows (q/k norm over a head) are packed several to a program, long ones take one each.
+
+Numerics are those of `tokenmill.layers.norm.RMSNorm`, op for op:
+- residual: x + residual, rounded to the activation dtype (HF's `residual + hidden_states`),
+  stored in place, and normalized as rounded;
+- mean of squares in float32, reciprocal square root, rounded to the activation dtype;
+- row times that, rounded; times the weight, rounded to the activation dtype.
+They differ from the torch path only in summation order and rsqrt's last bit.
+
+A row is (r // inner, r % inner) over two strides, so [T, heads, head_dim] views with gaps
+between tokens (q or k inside the fused qkv output, for Qwen3's q/k norm) are read where they
+sit, with no copy. The last axis must be contiguous; the output is a new contiguous tensor.
+
+Requires triton at import; `tokenmill.layers.norm` imports this module lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+TILE_ELEMENTS = 2048  # elements per program at least: rows are packed until a tile holds this many
+MAX_ROWS = 64
+
+
+# num_rows changes every step; inner is not specialized either, so q and k norms (32 and 8 heads,
+# say) share one compiled kernel; a division per row is nothing next to the row's traffic.
+@triton.jit(do_not_specialize=["num_rows", "inner"])
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr,
+    num_rows, inv_n, eps,
+    inner,  # rows per outer index: heads of [T, heads, head_dim], 1 for 2-D x
+    s_x_outer, s_x_inner,  # x strides of row r's (r // inner, r % inner); columns are contiguous
+    s_res,  # residual row stride (2-D only)
+    N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    dtype = x_ptr.dtype.element_ty
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < N
+    mask = (rows < num_rows)[:, None] & col_ok[None, :]
+
+    x_rows = (rows // inner) * s_x_outer + (rows % inner) * s_x_inner
+    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res_ptrs = res_ptr + (rows * s_res)[:, None] + cols[None, :]
+        summed = (x + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        tl.store(res_ptrs, summed, mask=mask)
+        x = summed.to(tl.float32)
+
+    mean_sq = tl.sum(x * x, axis=1) * inv_n
+    rstd = tl.rsqrt(mean_sq + eps).to(dtype).to(tl.float32)
+    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    out = (normed * w[None, :]).to(dtype)
+    tl.store(out_ptr + (rows * N)[:, None] + cols[None, :], out, mask=mask)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    n = x.shape[-1]
+    if weight.shape != (n,):
+        raise ValueError(f"weight of shape {tuple(weight.shape)} for rows of {n}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dim() == 3:  # [T, heads, head_dim], possibly with gaps between tokens
+        num_rows, inner, s_outer, s_inner = x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)
+    else:
+        flat = x if x.dim() == 2 else x.reshape(-1, n)
+        num_rows, inner, s_outer, s_inner = flat.shape[0], 1, flat.stride(0), 0
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out
+    block = triton.next_power_of_2(n)
+    rows = min(max(TILE_ELEMENTS // block, 1), MAX_ROWS)
+    num_warps = min(max(block * rows // 256, 1), 16)
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x, x if residual is None else residual, weight, out,
+        num_rows, 1.0 / n, eps, inner, s_outer, s_inner, 0 if residual is None else residual.stride(0),
+        N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis of x ([..., n]; 3-D views may be strided): a new tensor."""
+    return _launch(x, None, weight, eps)
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual += x` in place (in the activation dtype), then RMSNorm of it: (normed, residual).
+
+    x, residual: [T, n] of one dtype; residual's rows contiguous. x is left as it was.
+    """
+    if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
+        raise ValueError(f"fused_add_rms_norm needs x and residual of one [T, n] shape and dtype, got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
+    return _launch(x, residual, weight, eps), residual

@@ -1,0 +1,46 @@
+"""Triton kernel: silu(gate) * up over a fused [gate | up] projection, in one pass.
+
+Grid (token, column block): each program reads BLOCK gate and BLOCK up values of one token
+and writes BLOCK outputs. Numerics are `tokenmill.layers.activation.SiluAndMul`'s: silu in
+float32 rounded to the activation dtype (torch's F.silu), then the product rounded again.
+
+Requires triton at import; `tokenmill.layers.activation` imports this module lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_BLOCK = 1024  # output columns per program, at most
+NUM_WARPS = 4
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, D: tl.constexpr, BLOCK: tl.constexpr):
+    dtype = x_ptr.dtype.element_ty
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < D
+    gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + t * s_x + D + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * D + cols, (silu * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d] (a new contiguous tensor): silu(x[..., :d]) * x[..., d:]."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"silu_and_mul needs an even last axis, got {x.shape[-1]}")
+    d = x.shape[-1] // 2
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype, device=x.device)
+    if flat.shape[0] == 0 or d == 0:
+        return out
+    block = min(triton.next_power_of_2(d), MAX_BLOCK)
+    _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(d, block))](
+        flat, out, flat.stride(0), D=d, BLOCK=block, num_warps=NUM_WARPS)
+    return out
