@@ -4,6 +4,8 @@ $OUT/device_check.json (and each benchmark's own record next to it).
 Real checkpoints cannot travel to the device machine, so models are random weights of a real
 model's config, saved as a HF directory (parity) or described by a config only (`dummy`
 weights, benchmarks). Parts:
+  pytest      tests/layers and the model-vs-HF tests, natively on the GPU
+  fused       scripts/fused_ops_check.py; triton: scripts/triton_attention_check.py --quick
   tiny        every supported family (tiny configs) vs HF float32 greedy, each dtype
   parity      SmolLM2-135M shape, 16 prompts x 64 tokens: float32 vs HF float32 (Triton + graphs,
               and the torch reference eagerly), bfloat16 Triton + graphs vs the torch reference
@@ -77,14 +79,31 @@ def weights_dir(shape: str) -> str:
     return path
 
 
-def greedy_outputs(path: str, prompts, dtype: str, **engine) -> list[list[int]]:
+def greedy_outputs(path: str, prompts, dtype: str, with_gaps: bool = False, **engine):
+    """Greedy token ids per prompt; with `with_gaps`, also each position's top-2 logprob gap."""
     from tokenmill import LLM, SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
-    with LLM(path, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=2048, **engine) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        stats = llm.kv_cache_stats()
-        assert stats["num_free_blocks"] == stats["num_blocks"], f"KV blocks leaked: {stats}"
-    return [o.outputs[0].token_ids for o in outs]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False,
+                            logprobs=2 if with_gaps else None)
+    reference = engine.get("attention_backend") == "torch"
+    if reference:  # the plain torch path: no fused Triton kernels either (read by the worker process)
+        os.environ["TOKENMILL_NO_FUSED_OPS"] = "1"
+    try:
+        with LLM(path, dtype=dtype, gpu_memory_utilization=0.3, max_model_len=2048, **engine) as llm:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            stats = llm.kv_cache_stats()
+            assert stats["num_free_blocks"] == stats["num_blocks"], f"KV blocks leaked: {stats}"
+    finally:
+        os.environ.pop("TOKENMILL_NO_FUSED_OPS", None)
+    ids = [o.outputs[0].token_ids for o in outs]
+    if not with_gaps:
+        return ids
+    gaps = [[_top2_gap(lp) for lp in o.outputs[0].logprobs] for o in outs]
+    return ids, gaps
+
+
+def _top2_gap(position_logprobs) -> float:
+    top = sorted((lp.logprob for lp in position_logprobs.values()), reverse=True)
+    return top[0] - top[1]
 
 
 def count_matches(outputs, references, label: str) -> dict:
@@ -124,12 +143,17 @@ def parity(results: dict) -> None:
         results[f"parity_vs_hf_{name}"] = count_matches(outs, refs, f"{name} vs HF fp32")
     # bf16: the fast path against the reference backend on the same weights and dtype. Ties are
     # judged by HF fp32's gaps, a proxy: bf16 rounding differs between any two implementations.
-    fast = greedy_outputs(path, prompts, "bfloat16")
-    ref = greedy_outputs(path, prompts, "bfloat16", attention_backend="torch", enforce_eager=True)
-    same = sum(a == b for a, b in zip(fast, ref))
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(fast, ref)]
-    results["bf16_triton_graphs_vs_torch_eager"] = {"identical": same, "first_divergence": first_diff}
-    print(f"bf16 Triton+graphs vs torch eager: identical {same}/16; first divergence per prompt {first_diff}")
+    for dtype in ("float32", "bfloat16"):
+        fast = greedy_outputs(path, prompts, dtype)
+        ref, gaps = greedy_outputs(path, prompts, dtype, with_gaps=True, attention_backend="torch",
+                                   enforce_eager=True)
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(fast, ref)]
+        gap_at = [None if i is None else round(g[i], 5) for i, g in zip(first, gaps)]
+        same = sum(i is None for i in first)
+        results[f"{dtype}_fast_vs_torch_eager"] = {"identical": same, "first_divergence": first,
+                                                   "reference_top2_gap_there": gap_at}
+        print(f"{dtype} Triton+graphs+fused vs torch eager: identical {same}/16; first divergence {first}; "
+              f"reference top-2 gap there {gap_at}")
 
 
 def tiny_families(results: dict) -> None:
@@ -179,6 +203,15 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
     print(f"[{key} took {time.perf_counter() - start:.0f} s]")
 
 
+def run_script(results: dict, key: str, argv: list[str]) -> None:
+    """A check that is its own program (pytest, a kernel check script): its exit status and tail."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True)
+    tail = (proc.stdout + proc.stderr)[-2500:]
+    print(tail)
+    results[key] = {"returncode": proc.returncode, "tail": tail[-800:]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="tiny,parity,bench:smollm2")
@@ -188,7 +221,14 @@ def main() -> None:
         name, _, shape = part.partition(":")
         start = time.perf_counter()
         print(f"==== {part}")
-        if name == "tiny":
+        if name == "pytest":
+            run_script(results, "pytest", ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/layers",
+                                           "tests/model/test_llama_vs_hf.py"])
+        elif name == "fused":
+            run_script(results, "fused_ops_check", ["scripts/fused_ops_check.py"])
+        elif name == "triton":
+            run_script(results, "triton_attention_check", ["scripts/triton_attention_check.py", "--quick"])
+        elif name == "tiny":
             tiny_families(results)
         elif name == "parity":
             parity(results)
