@@ -222,8 +222,12 @@ def main() -> None:
         start = time.perf_counter()
         print(f"==== {part}")
         if name == "pytest":
-            run_script(results, "pytest", ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/layers",
-                                           "tests/model/test_llama_vs_hf.py"])
+            # The Triton interpreter tests are CPU-only (their modules turn the interpreter on for the
+            # whole process); the kernels themselves are checked natively by the `triton`/`fused` parts.
+            run_script(results, "pytest", ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/layers",
+                                           "tests/model/test_llama_vs_hf.py",
+                                           "--ignore=tests/layers/test_triton_attention.py",
+                                           "--ignore=tests/layers/test_triton_ops.py"])
         elif name == "fused":
             run_script(results, "fused_ops_check", ["scripts/fused_ops_check.py"])
         elif name == "triton":

@@ -32,19 +32,23 @@ def kv_bytes_per_token(arch: ModelArch, dtype: str) -> int:
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * _DTYPE_BYTES[dtype]
 
 
-def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Bytes read plus written per second by a device-to-device copy (the memory-bound ceiling)."""
+def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30, repeats: int = 10, trials: int = 5) -> float:
+    """Bytes read plus written per second by a device-to-device copy (the memory-bound ceiling):
+    the best of `trials` timings of `repeats` copies, so noise never lowers the ceiling."""
     import torch
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * nbytes * repeats / (start.elapsed_time(end) / 1e3)
+    best = 0.0
+    for _ in range(trials):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = max(best, 2 * nbytes * repeats / (start.elapsed_time(end) / 1e3))
+    return best
 
 
 def decode_roofline(arch: ModelArch, dtype: str, bandwidth: float) -> DecodeRoofline:

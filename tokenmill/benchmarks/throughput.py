@@ -73,9 +73,11 @@ def run(ns) -> int:
     # Warm-up passes run the very workload (same prompts, same lengths): every kernel shape is seen.
     warm_runs = []
     for i in range(ns.warmup):
+        llm.reset_telemetry()
         start = time.perf_counter()
         outputs = llm.generate(batch, params, use_tqdm=False)
         warm_runs.append(summarize(outputs, time.perf_counter() - start, ns.input_len))
+        warm_runs[-1].update(step_figures(llm.telemetry()))
         print(f"warm-up pass {i + 1}: {warm_runs[-1]['output_tokens_per_s']:.1f} output tok/s")
     profiler = None
     if ns.profile:

@@ -54,13 +54,20 @@ def build_step_inputs(batch: PersistentBatch, slots: np.ndarray, counts: np.ndar
     sample_rows = np.flatnonzero(ends >= known)
     logits_indices = qsl[1:][sample_rows] - 1
 
-    # One copy for every int64 array, then views.
+    # One copy for every int64 array, then views. Each view starts 16-byte aligned, as a fresh
+    # tensor would: Triton specializes kernels on pointer alignment, and a view whose alignment
+    # followed the token count would compile a second variant in the middle of serving.
     parts = [input_ids, positions, slot_mapping, qsl, ends, slots, logits_indices, slots[sample_rows],
              from_device, token_slots[from_device]]
-    offsets = np.cumsum([0] + [len(p) for p in parts])
-    packed = to_device(np.concatenate(parts), device)
+    padded = [len(p) + len(p) % 2 for p in parts]
+    offsets = np.cumsum([0] + padded)
+    flat = np.zeros(offsets[-1], dtype=np.int64)
+    for part, start in zip(parts, offsets):
+        flat[start:start + len(part)] = part
+    offsets = [(start, start + len(part)) for part, start in zip(parts, offsets)]
+    packed = to_device(flat, device)
     (ids_d, pos_d, slot_map_d, qsl_d, seq_lens_d, slots_d, logits_idx_d, sample_slots_d, fill_d,
-     fill_slots_d) = (packed[offsets[i]:offsets[i + 1]] for i in range(len(parts)))
+     fill_slots_d) = (packed[start:end] for start, end in offsets)
     if len(from_device):
         ids_d[fill_d] = batch.next_token_dev[fill_slots_d]
     batch.num_computed[slots] = ends

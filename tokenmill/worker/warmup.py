@@ -86,6 +86,8 @@ def warm_up_kernels(runner: ModelRunner) -> None:
     shapes.append((mixed_q, mixed_s))
     for batch in sorted({1, min(8, config.scheduler.max_num_seqs), config.scheduler.max_num_seqs}):
         shapes.append(([1] * batch, [min(100, max_len)] * batch))
+    for query_len in (2, 4, 8):  # decode tiles of several query tokens (a short last prefill chunk)
+        shapes.append(([query_len] * 4, [min(100, max_len)] * 4))
     for query_lens, seq_lens in shapes:
         if sum(-(-s // runner.block_size) for s in seq_lens) <= num_blocks:
             run_dummy(runner, query_lens, seq_lens, len(query_lens))
