@@ -52,14 +52,21 @@ def run_dummy(runner: ModelRunner, query_lens: list[int], seq_lens: list[int], s
     logits.softmax(-1)
 
 
+def split_into_sequences(num_tokens: int, max_len: int) -> list[int]:
+    """`num_tokens` prompt tokens as sequences of at most `max_len` (a full step of prefills)."""
+    full, rest = divmod(num_tokens, max_len)
+    return [max_len] * full + ([rest] if rest else [])
+
+
 def profile_and_budget(runner: ModelRunner) -> int:
-    """Run the largest step once; the KV pool gets what the utilization target leaves."""
+    """Run the largest step once (a full token budget of prefills); the KV pool gets what the
+    utilization target leaves."""
     config, device = runner.config, runner.device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
-    num_tokens = min(config.scheduler.max_num_batched_tokens, config.model.max_model_len)
-    runner.allocate_kv_cache(-(-num_tokens // runner.block_size))
-    run_dummy(runner, [num_tokens], [num_tokens], min(config.scheduler.max_num_seqs, num_tokens))
+    lens = split_into_sequences(config.scheduler.max_num_batched_tokens, config.model.max_model_len)
+    runner.allocate_kv_cache(sum(-(-n // runner.block_size) for n in lens))
+    run_dummy(runner, lens, lens, min(config.scheduler.max_num_seqs, sum(lens)))  # logits of a full decode batch
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device)
     runner.kv_caches = []
@@ -73,23 +80,30 @@ def profile_and_budget(runner: ModelRunner) -> int:
 
 
 def warm_up_kernels(runner: ModelRunner) -> None:
-    """One step of each kind the engine runs: a long prefill, a mixed batch (chunks over cached
-    context, decodes, multi-token decodes) and eager decode batches at a few sizes."""
+    """One step of each kind the engine runs, so the first request pays for no compile, lazy
+    module load or allocator growth: prefill steps of every power-of-two token count up to the
+    budget (the matmuls pick kernels by size), a mixed batch (chunks over cached context,
+    decodes, multi-token decodes) and eager decode batches."""
     start = time.perf_counter()
     config = runner.config
     max_len = config.model.max_model_len
+    budget = config.scheduler.max_num_batched_tokens
     num_blocks = runner.kv_caches[0].shape[1] if runner.kv_caches else 0
-    capacity = num_blocks * runner.block_size
-    long = min(config.scheduler.max_num_batched_tokens, max_len, capacity)
-    shapes = [([long], [long])]
+    shapes = []
+    sizes = sorted({min(1 << k, budget) for k in range(4, budget.bit_length() + 1)} | {budget})
+    for size in sizes:
+        lens = split_into_sequences(size, max_len)
+        shapes.append((lens, lens))
     mixed_q, mixed_s = [64, 1, 1, 4], [min(192, max_len), min(300, max_len), 17, min(40, max_len)]
     shapes.append((mixed_q, mixed_s))
     for batch in sorted({1, min(8, config.scheduler.max_num_seqs), config.scheduler.max_num_seqs}):
         shapes.append(([1] * batch, [min(100, max_len)] * batch))
     for query_len in (2, 4, 8):  # decode tiles of several query tokens (a short last prefill chunk)
         shapes.append(([query_len] * 4, [min(100, max_len)] * 4))
+    ran = 0
     for query_lens, seq_lens in shapes:
         if sum(-(-s // runner.block_size) for s in seq_lens) <= num_blocks:
-            run_dummy(runner, query_lens, seq_lens, len(query_lens))
+            run_dummy(runner, query_lens, seq_lens, min(len(query_lens), config.scheduler.max_num_seqs))
+            ran += 1
     torch.cuda.synchronize(runner.device)
-    logger.info("warmed up %d step shapes in %.1f s", len(shapes), time.perf_counter() - start)
+    logger.info("warmed up %d step shapes in %.1f s", ran, time.perf_counter() - start)
