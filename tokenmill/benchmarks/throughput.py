@@ -67,15 +67,18 @@ def run(ns) -> int:
     engine_args = engine_args_from_flags(ns, ns.model)
     llm = LLM(**dataclasses.asdict(engine_args))
     tokenizer = llm.get_tokenizer()
-    prompts = make_prompts(tokenizer, ns.dataset, ns.num_prompts, ns.input_len, llm.config.model.vocab_size)
+    vocab = llm.config.model.vocab_size
+    prompts = make_prompts(tokenizer, ns.dataset, ns.num_prompts, ns.input_len, vocab)
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=ns.ignore_eos)
     batch = [{"prompt_token_ids": p} for p in prompts]
-    # Warm-up passes run the very workload (same prompts, same lengths): every kernel shape is seen.
+    # Warm-up passes run the workload's shapes (same counts and lengths) on other prompts: the
+    # timed pass must not find its prompts in the prefix cache.
     warm_runs = []
     for i in range(ns.warmup):
+        warm = make_prompts(tokenizer, ns.dataset, ns.num_prompts, ns.input_len, vocab, seed=i + 1)
         llm.reset_telemetry()
         start = time.perf_counter()
-        outputs = llm.generate(batch, params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
         warm_runs.append(summarize(outputs, time.perf_counter() - start, ns.input_len))
         warm_runs[-1].update(step_figures(llm.telemetry()))
         print(f"warm-up pass {i + 1}: {warm_runs[-1]['output_tokens_per_s']:.1f} output tok/s")
@@ -85,14 +88,17 @@ def run(ns) -> int:
         profiler = cProfile.Profile()
         profiler.enable()
     llm.reset_telemetry()
+    before = llm.scheduler_stats()
     start = time.perf_counter()
     outputs = llm.generate(batch, params)
     elapsed = time.perf_counter() - start
+    after = llm.scheduler_stats()
     if profiler is not None:
         profiler.disable()
         write_profile(profiler, ns.profile)
     figures = summarize(outputs, elapsed, ns.input_len)
     figures.update(step_figures(llm.telemetry()))
+    figures["prefix_cache_hit_tokens"] = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     record = {
         "benchmark": "throughput",
         "workload": {"model": ns.model, "num_prompts": ns.num_prompts, "input_len": ns.input_len,
@@ -207,6 +213,8 @@ def print_figures(name: str, f: dict) -> None:
     print(f"  requests/s         {f['requests_per_s']:.2f}")
     print(f"  output tokens/s    {f['output_tokens_per_s']:.1f}")
     print(f"  total tokens/s     {f['total_tokens_per_s']:.1f}")
+    if "prefix_cache_hit_tokens" in f:
+        print(f"  prefix-cache hits  {f['prefix_cache_hit_tokens']} tokens")
     if "tpot_ms_mean" in f:
         print(f"  TPOT ms mean/p50/p99  {f['tpot_ms_mean']:.2f} / {f['tpot_ms_p50']:.2f} / {f['tpot_ms_p99']:.2f}")
     if "device_step_ms_p50" in f:
