@@ -11,7 +11,10 @@ import pytest
 
 from tests.helpers.tiny_models import make_tiny_model_dir
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineArgs
 from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.frontend.engine_frontend import EngineFrontend
+from tokenmill.frontend.inproc_client import InprocClient
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
 from tokenmill.frontend.input_processor import InputProcessor
 
@@ -66,6 +69,17 @@ def test_llm_checks_each_request_once(llm, checks) -> None:
     assert checks == {"validate": 3, "tokenize": 3}, "a prepared request was checked again"
     assert again[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     assert_idle(llm)
+
+
+def test_requests_are_prepared_before_the_engine_starts(llm, model_dir) -> None:
+    """Building a front-end starts nothing: requests can be checked first (the CLI does)."""
+    frontend = EngineFrontend(EngineArgs(model=model_dir, **ENGINE))
+    request = frontend.prepare("hello", GREEDY)
+    with pytest.raises(RuntimeError, match="not started"):
+        frontend.submit("r", request)
+    assert not frontend.has_unfinished()
+    with pytest.raises(RuntimeError, match="already started"):
+        llm.frontend.start(InprocClient, InprocClient)
 
 
 def test_prepared_request_carries_its_own_params(llm, model_dir) -> None:

@@ -93,12 +93,13 @@ class EngineFrontend:
     def submit(self, request_id: str, request: PreparedRequest) -> None:
         """Register the request and send it to the core (n engine requests for n samples).
         Raises ValueError if `request_id` is already running, EngineDeadError once the core is gone."""
+        client = self.client  # an engine not started refuses before anything is registered
         engine_requests = self.input_processor.make_requests(request)
         self.output_processor.add_request(request_id, [r.handle for r in engine_requests], request.prompt,
                                           request.prompt_token_ids, request.params)
         try:
             for engine_request in engine_requests:
-                self.client.add_request(engine_request)
+                client.add_request(engine_request)
         except BaseException:
             self.abort(request_id)
             raise
