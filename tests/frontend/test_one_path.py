@@ -9,6 +9,7 @@ import logging
 
 import pytest
 
+from tests.helpers.request_checks import count_request_checks
 from tests.helpers.tiny_models import make_tiny_model_dir
 from tokenmill import LLM, SamplingParams
 from tokenmill.config import EngineArgs
@@ -16,7 +17,6 @@ from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.frontend.engine_frontend import EngineFrontend
 from tokenmill.frontend.inproc_client import InprocClient
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.frontend.input_processor import InputProcessor
 
 ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.01, single_process=True)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -37,21 +37,7 @@ def llm(model_dir):
 
 @pytest.fixture
 def checks(monkeypatch) -> dict[str, int]:
-    """How many times each request check ran: parameters, and tokenization (+ the model's checks)."""
-    counts = {"validate": 0, "tokenize": 0}
-    validate, tokenize = SamplingParams.validate, InputProcessor.tokenize
-
-    def counting_validate(self, **kwargs):
-        counts["validate"] += 1
-        return validate(self, **kwargs)
-
-    def counting_tokenize(self, prompt):
-        counts["tokenize"] += 1
-        return tokenize(self, prompt)
-
-    monkeypatch.setattr(SamplingParams, "validate", counting_validate)
-    monkeypatch.setattr(InputProcessor, "tokenize", counting_tokenize)
-    return counts
+    return count_request_checks(monkeypatch)
 
 
 def assert_idle(llm: LLM) -> None:

@@ -10,12 +10,11 @@ import logging
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.helpers.request_checks import count_request_checks
 from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.args import ServerSettings
 from tokenmill.frontend.async_llm import AsyncLLM
 from tokenmill.frontend.detokenizer import IncrementalDetokenizer
-from tokenmill.frontend.input_processor import InputProcessor
-from tokenmill.sampling_params import SamplingParams
 
 USER = [{"role": "user", "content": "hi"}]
 # Renders the first message's content plus a number: a bug in the template, whatever the request.
@@ -40,20 +39,7 @@ def client(engine):
 
 @pytest.fixture
 def checks(monkeypatch) -> dict[str, int]:
-    counts = {"validate": 0, "tokenize": 0}
-    validate, tokenize = SamplingParams.validate, InputProcessor.tokenize
-
-    def counting_validate(self, **kwargs):
-        counts["validate"] += 1
-        return validate(self, **kwargs)
-
-    def counting_tokenize(self, prompt):
-        counts["tokenize"] += 1
-        return tokenize(self, prompt)
-
-    monkeypatch.setattr(SamplingParams, "validate", counting_validate)
-    monkeypatch.setattr(InputProcessor, "tokenize", counting_tokenize)
-    return counts
+    return count_request_checks(monkeypatch)
 
 
 def error_of(response, status: int) -> dict:
