@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 
@@ -27,17 +26,16 @@ def _add_generate(sub) -> None:
 
 def _run_generate(ns) -> int:
     from tokenmill.entrypoints.llm import LLM
+    from tokenmill.frontend.engine_frontend import EngineFrontend
     from tokenmill.sampling_params import SamplingParams
 
-    args = engine_args_from_flags(ns, ns.model)
+    frontend = EngineFrontend(engine_args_from_flags(ns, ns.model))  # resolves the flags; starts nothing
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             top_k=ns.top_k, seed=ns.sampling_seed)
-    params.validate(max_logprobs=args.max_logprobs)  # bad flags fail before the model loads
-    llm = LLM(**dataclasses.asdict(args))
-    if ns.chat:
-        out = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
-    else:
-        out = llm.generate([ns.prompt], params, use_tqdm=False)
+    prompt = frontend.chat_prompt([{"role": "user", "content": ns.prompt}]) if ns.chat else ns.prompt
+    request = frontend.prepare(prompt, params)  # the request's one check: bad flags fail before the model loads
+    with LLM.from_frontend(frontend) as llm:
+        out = llm.generate(request, use_tqdm=False)
     print(out[0].outputs[0].text)
     return 0
 

@@ -1,8 +1,9 @@
 """SamplingParams: what a request asks of the sampler and the stop logic.
 
 A msgspec Struct so it can cross process boundaries as msgpack, never pickle.
-`validate()` checks every field against its limit and raises one ValueError
-naming the field; the engine calls it before any work is done.
+`validate()` is the one check of a request's parameters: every field against its limit,
+and the fields against each other; it raises one ValueError naming the field. The
+front-end's input processor calls it once per request, before any work is done.
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
         if self.stop is not None:
             _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                    "must be a list of non-empty strings")
+            # Stop strings are matched on the detokenized text (as in vLLM).
+            if self.stop and not self.detokenize:
+                raise ValueError("stop strings are only supported when detokenize is True")
         if self.stop_token_ids is not None:
             _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                    "must be a list of non-negative integers")

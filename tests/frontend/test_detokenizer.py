@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -105,11 +106,50 @@ def test_special_tokens(smol):
             assert "".join(run(detok, out)) == expected
 
 
-def test_unknown_token_id_does_not_break_the_stream(smol):
+def test_id_past_the_tokenizer_has_no_text_and_is_logged_once(smol, caplog):
+    """The model's vocabulary may be padded past the tokenizer's: such an id is possible."""
     out = smol.encode("Hello world", add_special_tokens=False).ids
+    past = smol.get_vocab_size(with_added_tokens=True)
     detok = IncrementalDetokenizer(smol, [])
-    text = detok.push(out[0]) + detok.push(10**7) + "".join(detok.push(i) for i in out[1:])
+    with caplog.at_level(logging.WARNING, logger="tokenmill.frontend.detokenizer"):
+        text = detok.push(out[0]) + detok.push(past) + detok.push(10**7) + "".join(detok.push(i) for i in out[1:])
     assert text == "Hello world"
+    warnings = [r for r in caplog.records if "past the tokenizer" in r.getMessage()]
+    assert len(warnings) == 1 and str(past) in warnings[0].getMessage()
+
+
+class FailingStream:
+    """A DecodeStream whose `at`-th step raises `error` (as tokenizers raises: a plain Exception)."""
+
+    def __init__(self, stream, error: Exception, at: int) -> None:
+        self.stream, self.error, self.at, self.calls = stream, error, at, 0
+
+    def step(self, tokenizer, token_id: int):
+        self.calls += 1
+        if self.calls == self.at:
+            raise self.error
+        return self.stream.step(tokenizer, token_id)
+
+
+def test_invalid_prefix_restarts_the_stream_without_losing_text(smol, caplog):
+    text = "Café 🎉 ok"
+    ids = byte_ids(smol, text)
+    at = len("Café ".encode()) + 2  # inside the emoji: two of its bytes are pending
+    detok = IncrementalDetokenizer(smol, [])
+    detok._stream = FailingStream(detok._stream, Exception("Invalid prefix encountered while decoding"), at)
+    with caplog.at_level(logging.WARNING, logger="tokenmill.frontend.detokenizer"):
+        chunks = run(detok, ids)
+    assert "".join(chunks) == text and all("\ufffd" not in c for c in chunks)
+    assert any("Invalid prefix" in r.getMessage() for r in caplog.records)
+
+
+def test_any_other_decoder_error_propagates(smol):
+    ids = smol.encode("Hello world", add_special_tokens=False).ids
+    detok = IncrementalDetokenizer(smol, [])
+    detok._stream = FailingStream(detok._stream, Exception("decoder exploded"), 2)
+    detok.push(ids[0])
+    with pytest.raises(Exception, match="decoder exploded"):
+        detok.push(ids[1])
 
 
 def test_sentencepiece_leading_space_uses_prompt_context(spm):

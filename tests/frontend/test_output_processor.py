@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from tokenmill.frontend.output_processor import OutputProcessor, check_detokenize_params
+from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import EngineCoreOutput, FinishReason, Logprobs
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -242,11 +242,6 @@ def test_logprobs_follow_stop_truncation_and_delta(smol, prompt_ids):
 
 
 def test_detokenize_false(smol, prompt_ids):
-    with pytest.raises(ValueError, match="stop"):
-        check_detokenize_params(SamplingParams(stop=["x"], detokenize=False))
-    with pytest.raises(ValueError, match="stop"):
-        start(smol, prompt_ids, stop=["x"], detokenize=False)
-    check_detokenize_params(SamplingParams(detokenize=False))
     processor = start(smol, prompt_ids, detokenize=False, logprobs=1)
     ids = encode(smol, "some text")
     lp = _packed([[(t, -1.0), (t, -1.0)] for t in ids], [1] * len(ids))

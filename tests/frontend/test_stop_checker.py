@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.frontend.stop_checker import StopChecker, StopMatch
+from tokenmill.sampling_params import SamplingParams
 
 
 def feed(checker: StopChecker, deltas: list[str]) -> tuple[str, StopMatch | None, list[str]]:
@@ -61,8 +62,11 @@ def test_partial_prefix_held_back_then_released():
     assert shown == ["a ", "", "</ex b ", "#c", ""]
 
 
-def test_invalid():
-    with pytest.raises(ValueError):
-        StopChecker([])
-    with pytest.raises(ValueError):
-        StopChecker(["ok", ""])
+def test_stop_strings_are_checked_by_the_params():
+    """The checker trusts its stop strings: SamplingParams.validate refuses what would break it."""
+    with pytest.raises(ValueError, match="^stop must be a list of non-empty strings"):
+        SamplingParams(stop=["ok", ""]).validate()
+    with pytest.raises(ValueError, match="^stop strings are only supported when detokenize is True"):
+        SamplingParams(stop=["ok"], detokenize=False).validate()
+    SamplingParams(stop=[], detokenize=False).validate()  # no stop strings: nothing to match
+    SamplingParams(detokenize=False).validate()

@@ -12,9 +12,7 @@ from tokenmill.config import EngineArgs
 from tokenmill.entrypoints.openai.app import build_app
 from tokenmill.entrypoints.openai.args import ServerSettings
 from tokenmill.errors import EngineDeadError
-from tokenmill.frontend.engine_config import resolve_engine_config
-from tokenmill.frontend.input_processor import InputProcessor
-from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.frontend.engine_frontend import EngineFrontend
 from tokenmill.outputs import CompletionOutput, RequestOutput
 
 
@@ -22,12 +20,11 @@ class DyingEngine:
     """AsyncLLM's face: one token's output, then the engine is gone."""
 
     def __init__(self, model_dir: str) -> None:
-        self.config = resolve_engine_config(EngineArgs(model=model_dir, dtype="float32"))
-        self.tokenizer = load_tokenizer(model_dir)
-        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.frontend = EngineFrontend(EngineArgs(model=model_dir, dtype="float32"))  # never started
+        self.config, self.tokenizer = self.frontend.config, self.frontend.tokenizer
 
-    async def generate(self, prompt, params, request_id):
-        yield RequestOutput(request_id, prompt["prompt"], prompt["prompt_token_ids"],
+    async def generate(self, prompt, sampling_params=None, request_id=None):
+        yield RequestOutput(request_id, prompt.prompt, prompt.prompt_token_ids,
                             [CompletionOutput(0, "ab", [100, 101])], False)
         raise EngineDeadError("worker 0 died; see /tmp/secret/trace.log")
 

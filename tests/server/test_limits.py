@@ -75,6 +75,15 @@ def test_chat_bounds(server, change, param) -> None:
     _error(_post(server, "/v1/chat/completions", {**CHAT, **change}), 400, param)
 
 
+def test_engine_field_named_as_the_request_names_it(server) -> None:
+    """Chat's top_logprobs are the engine's logprobs: its one check of them speaks of top_logprobs."""
+    err = _error(_post(server, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}), 400,
+                 "top_logprobs")
+    assert err["message"] == "top_logprobs must be an integer in [0, 20], got 21"
+    err = _error(_post(server, "/v1/completions", {**CMPL, "logprobs": 21}), 400, "logprobs")
+    assert err["message"] == "logprobs must be an integer in [0, 20], got 21"
+
+
 def test_context_length_message(server) -> None:
     err = _error(_post(server, "/v1/completions", {**CMPL, "prompt": "a" * 250, "max_tokens": 10}), 400)
     assert err["message"].startswith("This model's maximum context length is 256 tokens. However, you "

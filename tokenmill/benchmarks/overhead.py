@@ -91,7 +91,7 @@ def _run_mode(engine_args, batch_sizes: list[int], ns) -> list[dict]:
 
 
 class _Driver:
-    """Keeps `batch_size` requests decoding through the LLM's own front-end pieces."""
+    """Keeps `batch_size` requests decoding through the LLM's own front-end, one step at a time."""
 
     def __init__(self, llm, prompt_len: int) -> None:
         from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -109,19 +109,17 @@ class _Driver:
         self._live: set[str] = set()
 
     def _add(self) -> None:
-        llm, ids = self.llm, self._prompt()
+        frontend = self.llm.frontend
         request_id = f"overhead-{next(self._ids)}"
-        requests = llm.input_processor.make_requests(ids, self._params)
-        llm.output_processor.add_request(request_id, [r.handle for r in requests], None, ids, self._params)
-        for request in requests:
-            llm.client.add_request(request)
+        frontend.submit(request_id, frontend.prepare({"prompt_token_ids": self._prompt()}, self._params))
         self._live.add(request_id)
 
     def _step(self) -> int:
         """Receive and process one step's outputs; replace finished requests; tokens received."""
-        llm = self.llm
-        outputs = llm.client.get_outputs()
-        processed = llm.output_processor.process_outputs(outputs.outputs)
+        outputs = self.llm.client.get_outputs()
+        processed = self.llm.frontend.process(outputs)
+        for failure in processed.failures.values():
+            raise failure
         for out in processed.request_outputs:
             if out.finished:
                 self._live.discard(out.request_id)
@@ -153,11 +151,10 @@ class _Driver:
             self._step()
 
     def _stop_all(self) -> None:
-        llm = self.llm
         for request_id in self._live:
-            llm.client.abort_requests(llm.output_processor.abort_request(request_id))
+            self.llm.frontend.abort(request_id)
         self._live.clear()
-        while llm.client.kv_cache_stats().num_requests:
+        while self.llm.kv_cache_stats()["num_requests"]:
             time.sleep(0.01)
 
 

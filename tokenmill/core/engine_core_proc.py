@@ -176,10 +176,10 @@ class EngineCoreProc:
             start = clock()
             payload = encoder.encode(message)
             encoded = clock()
-            self.output_sock.send_multipart([bytes((kind,)), payload], copy=False)
             channel = channels.get(kind)
-            if channel is not None:
+            if channel is not None:  # counted before it is sent: the receiver never counts it first
                 channel.encoded(len(payload) + 1, encoded - start)
+            self.output_sock.send_multipart([bytes((kind,)), payload], copy=False)
             if kind == CoreOutputKind.OUTPUTS:
                 telemetry.record("send_outputs", start, clock())
 

@@ -2,39 +2,60 @@
 
 By default the engine core and its workers run in their own processes (`MPClient`);
 `single_process=True` keeps them in this one (`InprocClient`, same classes, no sockets).
-Use as a context manager, or call `shutdown()`; garbage collection and interpreter exit
-clean up too.
+Requests go through the `EngineFrontend` like `AsyncLLM`'s; `LLM` only waits, blocking, for
+the outputs of all of them. Use as a context manager, or call `shutdown()`; garbage
+collection and interpreter exit clean up too.
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 from tqdm.auto import tqdm
 
-from tokenmill.config import EngineArgs
-from tokenmill.frontend.core_client import EngineCoreClient, InprocClient, make_client
-from tokenmill.frontend.input_processor import Prompt
-from tokenmill.frontend.setup import build_frontend
+from tokenmill.config import EngineArgs, EngineConfig
+from tokenmill.frontend.core_client import EngineCoreClient
+from tokenmill.frontend.engine_frontend import EngineFrontend
+from tokenmill.frontend.inproc_client import InprocClient
+from tokenmill.frontend.input_processor import PreparedRequest, Prompt
+from tokenmill.frontend.mp_client import MPClient
+from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import TelemetryReport
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
-logger = logging.getLogger(__name__)
-
 
 class LLM:
     def __init__(self, model: str = EngineArgs.model, **kwargs: Any) -> None:
-        parts = build_frontend(model, kwargs)
-        self.engine_args, self.config, self.tokenizer = parts.engine_args, parts.config, parts.tokenizer
-        self.input_processor, self.output_processor = parts.input_processor, parts.output_processor
-        self.client: EngineCoreClient = make_client(self.config, self.engine_args.single_process)
+        self._start(EngineFrontend.from_kwargs(model, kwargs))
+
+    @classmethod
+    def from_frontend(cls, frontend: EngineFrontend) -> LLM:
+        """An LLM on a front-end built beforehand (to prepare requests before the engine loads)."""
+        llm = cls.__new__(cls)
+        llm._start(frontend)
+        return llm
+
+    def _start(self, frontend: EngineFrontend) -> None:
+        self.frontend = frontend
+        self.client: EngineCoreClient = frontend.start(InprocClient, MPClient)
         self._request_ids = itertools.count()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.frontend.config
+
+    @property
+    def tokenizer(self):
+        return self.frontend.tokenizer
+
+    @property
+    def output_processor(self) -> OutputProcessor:
+        return self.frontend.output_processor
 
     @property
     def engine(self):
@@ -48,88 +69,70 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: Prompt | PreparedRequest | Sequence[Prompt | PreparedRequest],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)):
+        """A `PreparedRequest` (from `frontend.prepare`) carries its own params: give no
+        `sampling_params` with it."""
+        if isinstance(prompts, (str, Mapping, PreparedRequest)):
             prompts = [prompts]
         prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
         params_list = (list(sampling_params) if isinstance(sampling_params, Sequence)
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
-        # Validate everything before any work, so a bad prompt costs nothing and loses nothing.
-        inputs = []
-        for prompt, params in zip(prompts, params_list):
-            text, ids = self.input_processor.tokenize(prompt)
-            self.input_processor.validate(ids, params)
-            inputs.append((text, ids, msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)))
-        return self._run(inputs, use_tqdm)
+        # Check everything before any work, so a bad prompt costs nothing and loses nothing.
+        requests = [self.frontend.request(prompt, params).with_output_kind(RequestOutputKind.FINAL_ONLY)
+                    for prompt, params in zip(prompts, params_list)]
+        return self._run(requests, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = []
-        for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-                **(chat_template_kwargs or {}))
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = [self.frontend.chat_prompt(c, add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run(self, inputs, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, requests: list[PreparedRequest], use_tqdm: bool) -> list[RequestOutput]:
         order: list[str] = []
-        for text, ids, params in inputs:
-            request_id = str(next(self._request_ids))
-            requests = self.input_processor.make_requests(ids, params)
-            self.output_processor.add_request(request_id, [r.handle for r in requests], text, ids, params)
-            for request in requests:
-                self.client.add_request(request)
-            order.append(request_id)
         results: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(order), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         start, generated = time.perf_counter(), 0
-        record = self.client.telemetry.record
         try:
-            while self.output_processor.has_unfinished():
+            for request in requests:
+                request_id = str(next(self._request_ids))
+                self.frontend.submit(request_id, request)
+                order.append(request_id)
+            while self.frontend.has_unfinished():
                 waiting = time.perf_counter()
                 step = self.client.get_outputs()
-                got = time.perf_counter()
+                self.client.telemetry.record("get_outputs", waiting, time.perf_counter())
                 generated += sum(len(o.new_token_ids) for o in step.outputs)
-                processed = self.output_processor.process_outputs(step.outputs)
-                record("get_outputs", waiting, got)
-                record("process_outputs", got, time.perf_counter())
-                if processed.handles_to_abort:
-                    self.client.abort_requests(processed.handles_to_abort)
+                processed = self.frontend.process(step)
+                for failure in processed.failures.values():
+                    raise failure
                 for out in processed.request_outputs:
                     if out.finished:
                         results[out.request_id] = out
                         bar.update(1)
                         bar.set_postfix_str(f"{generated / (time.perf_counter() - start):.1f} tok/s")
         except BaseException:
-            self._abort_all(order, results)
+            for request_id in order:
+                self.frontend.abort(request_id)
+            self.client.drain()  # in-process: finish steps already submitted
             raise
         finally:
             bar.close()
         self.client.drain()  # in-process: a step scheduled past the last finish (async) completes now
         return [results[r] for r in order]
-
-    def _abort_all(self, order: list[str], done: dict[str, RequestOutput]) -> None:
-        for request_id in order:
-            if request_id not in done:
-                self.client.abort_requests(self.output_processor.abort_request(request_id))
-        self.client.drain()  # in-process: finish steps already submitted
 
     def kv_cache_stats(self) -> dict[str, int]:
         """Free and total KV blocks, and requests still in the engine (for leak checks)."""
@@ -149,9 +152,9 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine (idempotent); later calls raise EngineDeadError in multi-process mode."""
-        client = self.__dict__.get("client")  # absent when __init__ failed
-        if client is not None:
-            client.shutdown()
+        frontend = self.__dict__.get("frontend")  # absent when __init__ failed
+        if frontend is not None:
+            frontend.shutdown()
 
     def __del__(self) -> None:
         self.shutdown()

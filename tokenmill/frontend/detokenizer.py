@@ -7,10 +7,18 @@ depend on the previous token (leading-space rules of SentencePiece/Metaspace,
 WordPiece "##") treat the first generated token as a continuation: the text is what
 the output tokens decode to in the prompt's context. For byte-level BPE this equals
 `tokenizer.decode(output_ids)`.
+
+Two things the decoder can meet, handled where they happen and logged:
+- an id past the tokenizer's vocabulary: ids are checked against the model's vocabulary,
+  which may be padded past the tokenizer's (the embedding rounded up); such an id has no text;
+- the stream's "invalid prefix" error: some decoders re-decode earlier text differently once
+  a token follows (seen in vLLM, issue 17448); the stream restarts on the text already out.
+Anything else the decoder raises is a bug and propagates.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,6 +33,10 @@ _MAX_CONTEXT = 24
 _MAX_SPLIT_TOKENS = 4
 # Already emitted ids kept as left context when flushing pending ids.
 _FLUSH_CONTEXT = 6
+# How tokenizers' DecodeStream.step words the one error it raises by design (a plain Exception).
+_INVALID_PREFIX = "Invalid prefix encountered"
+
+logger = logging.getLogger(__name__)
 
 
 def backend_tokenizer(tokenizer: Any) -> Tokenizer:
@@ -61,6 +73,8 @@ class IncrementalDetokenizer:
                  skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> None:
         self._tokenizer = backend_tokenizer(tokenizer)
         self._skip_special = skip_special_tokens
+        self._num_tokens = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self._warned_unknown = False
         context = prompt_context(self._tokenizer, prompt_token_ids, skip_special_tokens)
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         # Invariant: `_pending` holds the ids pushed since the last non-empty chunk;
@@ -75,11 +89,17 @@ class IncrementalDetokenizer:
 
     def push(self, token_id: int) -> str:
         """Adds one generated id; returns the text it completes ('' while a character is open)."""
+        if token_id >= self._num_tokens:
+            self._warn_unknown(token_id)
+            return ""
         try:
             chunk = self._stream.step(self._tokenizer, token_id)
-        except Exception:  # an id the decoder rejects: drop it, restart the stream on what is out
-            self._stream = DecodeStream(ids=self._emitted, skip_special_tokens=self._skip_special)
-            return ""
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions; only one is expected
+            if not str(exc).startswith(_INVALID_PREFIX):
+                raise
+            logger.warning("detokenizer: %s at token %d; restarting the stream on the text already out",
+                           exc, token_id)
+            chunk = self._restart(token_id)
         if self._added is not None:
             raw = self._added.get(token_id)
             if raw is not None and self._last_added and chunk:
@@ -91,6 +111,18 @@ class IncrementalDetokenizer:
         self._emitted = (self._emitted + self._pending)[-_FLUSH_CONTEXT:]
         self._pending = []
         return chunk
+
+    def _restart(self, token_id: int) -> str | None:
+        """A new stream on the ids whose text is out, fed the ids still pending and `token_id`."""
+        self._stream = DecodeStream(ids=self._emitted, skip_special_tokens=self._skip_special)
+        chunks = [self._stream.step(self._tokenizer, t) for t in (*self._pending, token_id)]
+        return "".join(c for c in chunks if c) or None
+
+    def _warn_unknown(self, token_id: int) -> None:
+        if not self._warned_unknown:  # once per sample: a random model may sample many
+            self._warned_unknown = True
+            logger.warning("detokenizer: token id %d is past the tokenizer's %d tokens (a padded vocabulary); "
+                           "it has no text", token_id, self._num_tokens)
 
     def flush(self) -> str:
         """At the end of generation: the text of ids still pending, as `decode` would show them

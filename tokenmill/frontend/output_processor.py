@@ -4,10 +4,16 @@ Each user request runs as n engine requests (handles), one per sample; their out
 gathered into one RequestOutput per request per `process_outputs` call. Stop strings are
 matched here: the handles they end are returned so the caller aborts them in the core,
 and any output that still arrives for a finished handle is ignored.
+
+Requests come checked (`InputProcessor.prepare`); nothing here checks them again. An
+unexpected exception while turning one request's output into text (a bug) fails that
+request alone: it is logged with its traceback, the request is forgotten, its handles are
+returned for aborting, and the exception is handed to its caller (a 500 in the server).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,17 +25,14 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import EngineCoreOutput
 from tokenmill.sampling_params import SamplingParams
 
-
-def check_detokenize_params(params: SamplingParams) -> None:
-    """Stop strings are matched on text, so they need detokenization (as in vLLM)."""
-    if not params.detokenize and params.stop:
-        raise ValueError("stop strings are only supported when detokenize is True")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput] = field(default_factory=list)
-    handles_to_abort: list[int] = field(default_factory=list)  # ended here by a stop string
+    handles_to_abort: list[int] = field(default_factory=list)  # ended here (stop string or failure)
+    failures: dict[str, Exception] = field(default_factory=dict)  # request id -> what broke it
 
 
 class OutputProcessor:
@@ -44,7 +47,7 @@ class OutputProcessor:
     def add_request(self, request_id: str, handles: list[int], prompt: str | None,
                     prompt_token_ids: list[int], params: SamplingParams, *,
                     arrival_time: float | None = None) -> None:
-        check_detokenize_params(params)
+        """Registers a checked request; the ValueErrors are the caller's mistakes, not the user's."""
         if params.detokenize and self._tokenizer is None:
             raise ValueError("detokenize=True needs a tokenizer; this engine has none")
         if len(handles) != params.n:
@@ -69,14 +72,17 @@ class OutputProcessor:
             if entry is None:
                 continue  # finished or aborted already; the core may not know yet
             state, sample = entry
-            if out.prompt_logprobs is not None:
-                state.add_prompt_logprobs(out.handle, out.prompt_logprobs)
-            state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
-            if not out.new_token_ids and out.finish_reason is None:
+            try:
+                stopped = self._apply(state, sample, out, now)
+            except Exception as exc:  # noqa: BLE001 - a bug: fail this request (logged), not the engine
+                logger.exception("request %s failed while processing its output", state.request_id)
+                result.failures[state.request_id] = exc
+                result.handles_to_abort += self.abort_request(state.request_id)
+                changed.pop(state.request_id, None)
+                continue
+            if stopped is None:
                 continue  # a prefill chunk: nothing to show yet
-            if out.new_token_ids:
-                state.record_tokens(now)
-            if sample.update(out):
+            if stopped:
                 result.handles_to_abort.append(out.handle)
             samples = changed.setdefault(state.request_id, [])
             if sample not in samples:
@@ -91,6 +97,19 @@ class OutputProcessor:
             if state.finished:
                 del self._requests[request_id]
         return result
+
+    @staticmethod
+    def _apply(state: RequestState, sample: SampleState, out: EngineCoreOutput, now: float) -> bool | None:
+        """One engine output into its sample: True when a stop string ended it here, None when
+        there is nothing to show yet (a prefill chunk)."""
+        if out.prompt_logprobs is not None:
+            state.add_prompt_logprobs(out.handle, out.prompt_logprobs)
+        state.num_cached_tokens = max(state.num_cached_tokens, out.num_cached_tokens)
+        if not out.new_token_ids and out.finish_reason is None:
+            return None
+        if out.new_token_ids:
+            state.record_tokens(now)
+        return sample.update(out)
 
     def abort_request(self, request_id: str) -> list[int]:
         """Forgets the request; returns the handles of its samples still running in the core."""

@@ -20,8 +20,8 @@ class StopMatch:
 
 class StopChecker:
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
-        if not stop or not all(stop):
-            raise ValueError("stop must be a non-empty list of non-empty strings")
+        """`stop`: non-empty strings (`SamplingParams.validate` checks them; an empty one would
+        match everywhere)."""
         self.stop = tuple(stop)
         self.include = include_stop_str_in_output
 

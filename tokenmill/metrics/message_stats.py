@@ -14,18 +14,21 @@ _RECENT = 4096  # message sizes kept for the median
 
 
 class MessageStats:
-    """Updated by one thread per side; snapshots may come from another (plain int stores)."""
+    """One channel's counters on one side. See `tokenmill.metrics.telemetry` for who writes what:
+    the counters only by the thread that sends or receives the messages, `_reset_at` only by
+    whoever asks for a reset; a snapshot may be taken from any thread."""
 
-    __slots__ = ("count", "bytes_total", "bytes_last", "bytes_max", "encode_s", "decode_s", "_sizes")
+    __slots__ = ("count", "bytes_total", "bytes_last", "bytes_max", "encode_s", "decode_s", "_sizes",
+                 "_reset_at", "_cleared_at")
 
     def __init__(self) -> None:
         self._sizes: deque[int] = deque(maxlen=_RECENT)
-        self.reset()
+        self._reset_at = 0  # resets asked for (written by the resetting thread only)
+        self._clear()
 
-    def reset(self) -> None:
-        self.count = self.bytes_total = self.bytes_last = self.bytes_max = 0
-        self.encode_s = self.decode_s = 0.0
-        self._sizes.clear()
+    def request_reset(self) -> None:
+        """Ask the writer to start counting afresh; until it counts again, snapshots read zero."""
+        self._reset_at += 1
 
     def encoded(self, nbytes: int, seconds: float) -> None:
         self._count(nbytes)
@@ -35,7 +38,16 @@ class MessageStats:
         self._count(nbytes)
         self.decode_s += seconds
 
+    def _clear(self) -> None:
+        """The writer's half of a reset (called from `__init__` or the writer's thread)."""
+        self._cleared_at = self._reset_at
+        self.count = self.bytes_total = self.bytes_last = self.bytes_max = 0
+        self.encode_s = self.decode_s = 0.0
+        self._sizes.clear()
+
     def _count(self, nbytes: int) -> None:
+        if self._cleared_at != self._reset_at:
+            self._clear()
         self.count += 1
         self.bytes_total += nbytes
         self.bytes_last = nbytes
@@ -44,7 +56,9 @@ class MessageStats:
         self._sizes.append(nbytes)
 
     def snapshot(self) -> ChannelStats:
-        sizes = sorted(list(self._sizes))
+        if self._cleared_at != self._reset_at:
+            return ChannelStats()  # reset, and nothing counted since
+        sizes = sorted(list(self._sizes))  # one C call: the writer cannot append meanwhile
         return ChannelStats(count=self.count, bytes_total=self.bytes_total, bytes_last=self.bytes_last,
                             bytes_max=self.bytes_max, bytes_p50=sizes[len(sizes) // 2] if sizes else 0,
                             encode_us=self.encode_s * 1e6, decode_us=self.decode_s * 1e6)

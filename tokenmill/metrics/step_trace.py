@@ -27,13 +27,17 @@ class StepTrace:
         self.role = role
         self._events: list[tuple] = []  # (name, start_s, dur_s, tid, args)
         self._threads: dict[int, str] = {}
-        self.dropped = 0
+        self._dropped: dict[int, int] = {}  # per recording thread, each written by its own thread
+
+    @property
+    def dropped(self) -> int:
+        return sum(list(self._dropped.values()))
 
     def add(self, name: str, start_s: float, end_s: float, args: dict | None = None) -> None:
-        if len(self._events) >= _MAX_EVENTS:
-            self.dropped += 1
-            return
         tid = threading.get_native_id()
+        if len(self._events) >= _MAX_EVENTS:
+            self._dropped[tid] = self._dropped.get(tid, 0) + 1
+            return
         if tid not in self._threads:
             self._threads[tid] = threading.current_thread().name
         self._events.append((name, start_s, end_s - start_s, tid, args))

@@ -6,6 +6,18 @@ Channels (each counted by both ends, kind byte included):
   steps           core -> workers     (SchedulerOutput, through the shm ring)
   results         worker -> core      (ModelRunnerOutput, driver rank)
   utility_calls / utility_results, worker_calls / worker_call_results: control messages
+
+Invariant: every counter has exactly one writing thread. A channel's counters are written
+by the one thread that sends or receives its messages (in the engine core: the input thread
+for requests and utility_calls, the output thread for outputs and utility_results, the busy
+loop for steps and worker_calls, the worker-reply reader for results and
+worker_call_results); a step phase's by the one thread that records it (see
+`StepTimings`). `reset()` writes none of them: it is a request (a reset counter that only
+resetting threads write), which each writer acts on before it next counts; until then,
+snapshots read the counter as reset. So a reset from a utility handler or an API thread
+never races an I/O thread's update (no lost reset, no half-reset counter). Snapshots may be
+taken from any thread; they rely on the GIL making each single read (and each copy of a
+deque) atomic, and their counters may be a message apart from each other.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ class Telemetry:
         self._since = time.perf_counter()
 
     def channel(self, name: str) -> MessageStats:
+        """Channel `name`'s counters (created on first use, by its writer or before it starts)."""
         stats = self.channels.get(name)
         if stats is None:
             stats = self.channels[name] = MessageStats()
@@ -40,9 +53,10 @@ class Telemetry:
             self.trace.add(name, start_s, end_s, args)
 
     def reset(self) -> None:
-        for stats in self.channels.values():
-            stats.reset()
-        self.timings.reset()
+        """Ask every counter's writer to start afresh (writes no counter; safe from any thread)."""
+        for stats in list(self.channels.values()):
+            stats.request_reset()
+        self.timings.request_reset()
         self._since = time.perf_counter()
 
     def snapshot(self) -> ProcessTelemetry:

@@ -14,7 +14,8 @@ from tokenmill.entrypoints.openai import serving_chat, serving_completions
 from tokenmill.entrypoints.openai.admission import Admission
 from tokenmill.entrypoints.openai.args import ServerSettings
 from tokenmill.entrypoints.openai.chat_template import render_chat
-from tokenmill.entrypoints.openai.errors import APIError, error_response, install_error_handlers
+from tokenmill.entrypoints.openai.errors import error_response, from_value_error, install_error_handlers
+from tokenmill.entrypoints.openai.limits import KNOWN_FIELDS, check_message_count
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
                                                   TokenizeChatRequest, TokenizeCompletionRequest,
@@ -82,11 +83,9 @@ def _add_routes(app: FastAPI, debug: bool) -> None:
         state = get_state(request)
         state.check_model(body.model)
         if isinstance(body, TokenizeChatRequest):
-            if len(body.messages) > state.settings.max_messages:
-                raise APIError(400, f"messages may hold at most {state.settings.max_messages} messages",
-                               param="messages")
-            _, ids = render_chat(state.tokenizer, body.messages, body.add_generation_prompt,
-                                 body.continue_final_message, body.chat_template_kwargs)
+            check_message_count(len(body.messages), state.settings)
+            ids = render_chat(state.frontend, body.messages, body.add_generation_prompt,
+                              body.continue_final_message, body.chat_template_kwargs)["prompt_token_ids"]
         else:
             ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
@@ -95,10 +94,10 @@ def _add_routes(app: FastAPI, debug: bool) -> None:
     async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
         state = get_state(request)
         state.check_model(body.model)
-        vocab = state.engine.config.model.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"tokens: token id {bad} is out of range [0, {vocab})", param="tokens")
+        try:
+            state.frontend.input_processor.check_token_ids(body.tokens, "tokens")
+        except ValueError as exc:
+            raise from_value_error(exc, KNOWN_FIELDS) from None
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     if debug:

@@ -1,4 +1,10 @@
-"""Chat messages -> prompt text and token ids, with the model's own chat template only."""
+"""Chat messages -> a prompt, with the model's own chat template only.
+
+A template that rejects the messages (jinja2's TemplateError, which its `raise_exception`
+raises too), or drops the final message a request asks to continue (transformers' ValueError),
+is the request's problem: a 400. Anything else a template raises is a bug, in the template
+or here: it propagates to the server's handler, a logged 500.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ import jinja2
 
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.schemas import ChatMessage
+from tokenmill.frontend.engine_frontend import EngineFrontend
 
 
 def _content(message: ChatMessage) -> str:
@@ -25,8 +32,10 @@ def reserved_kwargs(tokenizer) -> frozenset[str]:
     return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) | {"chat_template"}
 
 
-def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool, kwargs: dict[str, Any] | None) -> tuple[str, list[int]]:
+def render_chat(frontend: EngineFrontend, messages: list[ChatMessage], add_generation_prompt: bool,
+                continue_final_message: bool, kwargs: dict[str, Any] | None) -> dict:
+    """The conversation as a prompt for `frontend.prepare` (its text and token ids)."""
+    tokenizer = frontend.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     extra = dict(kwargs or {})
@@ -40,14 +49,13 @@ def render_chat(tokenizer, messages: list[ChatMessage], add_generation_prompt: b
         raise APIError(400, "continue_final_message needs the last message to be the assistant's",
                        param="continue_final_message")
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             continue_final_message=continue_final_message, **extra)
+        return frontend.chat_prompt(conversation, add_generation_prompt, continue_final_message, extra)
     except jinja2.TemplateError as exc:
         raise APIError(400, f"the chat template rejected these messages: {str(exc)[:300]}",
                        param="messages") from None
-    except Exception:  # noqa: BLE001 - a template failing on odd input is the request's problem
-        raise APIError(400, "the chat template could not render these messages", param="messages") from None
-    if not isinstance(text, str):
-        raise APIError(400, "the chat template could not render these messages", param="messages")
-    return text, tokenizer(text, add_special_tokens=False).input_ids
+    except ValueError:
+        if not continue_final_message:
+            raise
+        # transformers' own check: the template dropped the message it was asked to continue.
+        raise APIError(400, "continue_final_message: the chat template does not keep the final message, "
+                            "so it cannot be continued", param="continue_final_message") from None

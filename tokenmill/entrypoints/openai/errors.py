@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -48,11 +49,17 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
-def from_value_error(exc: ValueError, known_fields: frozenset[str]) -> APIError:
-    """The engine's ValueErrors start with the field they are about: that becomes `param`."""
+def from_value_error(exc: ValueError, known_fields: frozenset[str],
+                     aliases: Mapping[str, str] | None = None) -> APIError:
+    """The engine's ValueErrors start with the field they are about: that becomes `param`.
+    `aliases`: engine fields the request calls otherwise (chat's logprobs are `top_logprobs`),
+    renamed in the message too."""
     message = str(exc).split("\n", 1)[0]
     match = _FIELD.match(message)
     param = match.group(1) if match and match.group(1) in known_fields else None
+    if param is not None and aliases and param in aliases:
+        message = aliases[param] + message[len(param):]
+        param = aliases[param]
     return APIError(400, message, param=param)
 
 

@@ -15,15 +15,8 @@ from dataclasses import dataclass, field
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.streaming import merge
 from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.frontend.input_processor import PreparedRequest
 from tokenmill.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
-from tokenmill.sampling_params import SamplingParams
-
-
-@dataclass
-class PromptInput:
-    text: str | None
-    token_ids: list[int]
-    params: SamplingParams
 
 
 @dataclass
@@ -46,8 +39,9 @@ class ChoiceDelta:
 
 
 class Generation:
-    def __init__(self, engine: AsyncLLM, request_id: str, prompts: list[PromptInput], n: int,
+    def __init__(self, engine: AsyncLLM, request_id: str, prompts: list[PreparedRequest], n: int,
                  metrics: ServerMetrics) -> None:
+        """`prompts`: prepared (checked) already; nothing is checked again."""
         self.engine = engine
         self.prompts = prompts
         self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
@@ -60,15 +54,14 @@ class Generation:
 
     @property
     def prompt_tokens(self) -> int:
-        return sum(len(p.token_ids) for p in self.prompts)
+        return sum(len(p.prompt_token_ids) for p in self.prompts)
 
     @property
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
     async def steps(self) -> AsyncIterator[list[ChoiceDelta]]:
-        streams = [self.engine.generate({"prompt": p.text, "prompt_token_ids": p.token_ids}, p.params, rid)
-                   for p, rid in zip(self.prompts, self.request_ids)]
+        streams = [self.engine.generate(p, request_id=rid) for p, rid in zip(self.prompts, self.request_ids)]
         self.metrics.prompt_tokens(self.prompt_tokens)
         async for i, out in merge(streams):
             yield self._apply(i, out)

@@ -1,7 +1,9 @@
-"""Bounds every request is checked against before any work, and its SamplingParams.
+"""The server's own bounds on a request, and the request as SamplingParams.
 
-Checks here are the server's own (flags in `ServerSettings`) and the context window;
-the engine's `SamplingParams.validate` checks the values of each field afterwards.
+Checks here are only what the HTTP API adds: the flags in `ServerSettings` (how many of
+each thing a request may hold) and the fields OpenAI's API combines. The values of each
+field, token ids and the context window are the engine's to check (`EngineFrontend.prepare`),
+once; `context_length_error` only words the engine's finding as OpenAI does.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 from tokenmill.entrypoints.openai.args import ServerSettings
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.schemas import ChatCompletionRequest, CompletionRequest, _SamplingRequest
+from tokenmill.frontend.input_processor import ContextOverflow
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 # Fields an engine ValueError may name; they become the error's `param`.
@@ -34,30 +37,27 @@ def check_sampling_request(req: _SamplingRequest, s: ServerSettings) -> None:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
 
-def check_completion_request(req: CompletionRequest, s: ServerSettings, max_logprobs: int) -> None:
+def check_completion_request(req: CompletionRequest, s: ServerSettings) -> None:
     check_sampling_request(req, s)
     if req.suffix:
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (it must equal n)", param="best_of")
-    if req.logprobs is not None and req.logprobs > max_logprobs:
-        raise APIError(400, f"logprobs must be <= {max_logprobs}, got {req.logprobs}", param="logprobs")
 
 
-def check_chat_request(req: ChatCompletionRequest, s: ServerSettings, max_logprobs: int) -> None:
+def check_message_count(count: int, s: ServerSettings) -> None:
+    if count > s.max_messages:
+        raise APIError(400, f"messages may hold at most {s.max_messages} messages, got {count}", param="messages")
+
+
+def check_chat_request(req: ChatCompletionRequest, s: ServerSettings) -> None:
     check_sampling_request(req, s)
     if req.chat_template is not None:
         raise APIError(400, "chat_template: request-supplied chat templates are not allowed",
                        param="chat_template")
-    if len(req.messages) > s.max_messages:
-        raise APIError(400, f"messages may hold at most {s.max_messages} messages, got {len(req.messages)}",
-                       param="messages")
-    if req.top_logprobs is not None:
-        if not req.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.top_logprobs > max_logprobs:
-            raise APIError(400, f"top_logprobs must be <= {max_logprobs}, got {req.top_logprobs}",
-                           param="top_logprobs")
+    check_message_count(len(req.messages), s)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
     if req.response_format is not None and req.response_format.type != "text":
@@ -67,22 +67,24 @@ def check_chat_request(req: ChatCompletionRequest, s: ServerSettings, max_logpro
                        param="continue_final_message")
 
 
-def completion_budget(prompt_len: int, requested: int | None, max_model_len: int, prompt_name: str) -> int:
-    """max_tokens for a prompt of `prompt_len` tokens: `requested`, or all the context left when None."""
-    asked = requested if requested is not None else max(max_model_len - prompt_len, 1)
-    if prompt_len >= max_model_len or prompt_len + asked > max_model_len:
-        raise APIError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_len + asked} tokens ({prompt_len} in the {prompt_name}, {asked} in the completion). "
-            f"Please reduce the length of the {prompt_name} or completion.",
-            param=prompt_name if prompt_len >= max_model_len or requested is None else "max_tokens",
-            code="context_length_exceeded")
-    return asked
+def context_length_error(overflow: ContextOverflow, prompt_name: str) -> APIError:
+    """The engine's context-window finding in OpenAI's words; `prompt_name`: the request field
+    holding the prompt ("prompt" or "messages")."""
+    n, limit = overflow.prompt_len, overflow.max_model_len
+    # No max_tokens means all the context the prompt leaves (at least one token).
+    asked = overflow.max_tokens if overflow.max_tokens is not None else max(limit - n, 1)
+    return APIError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, you requested "
+        f"{n + asked} tokens ({n} in the {prompt_name}, {asked} in the completion). "
+        f"Please reduce the length of the {prompt_name} or completion.",
+        param=prompt_name if overflow.prompt_too_long or overflow.max_tokens is None else "max_tokens",
+        code="context_length_exceeded")
 
 
-def sampling_params(req: _SamplingRequest, max_tokens: int, logprobs: int | None,
+def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
+    """`max_tokens` None: all the context the prompt leaves."""
     stop = [req.stop] if isinstance(req.stop, str) else req.stop
     return SamplingParams(
         n=req.n,

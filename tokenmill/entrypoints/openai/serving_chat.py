@@ -10,7 +10,7 @@ from tokenmill.entrypoints.openai.generation import ChoiceDelta, Generation
 from tokenmill.entrypoints.openai.limits import check_chat_request, sampling_params
 from tokenmill.entrypoints.openai.logprobs import chat_logprobs
 from tokenmill.entrypoints.openai.schemas import ChatCompletionRequest, ChatCompletionResponse, ErrorResponse
-from tokenmill.entrypoints.openai.serving_common import new_id, now_s, prepare_prompt, run_to_end, stream, usage
+from tokenmill.entrypoints.openai.serving_common import new_id, now_s, prepare, run_to_end, stream, usage
 from tokenmill.entrypoints.openai.state import get_state
 
 router = APIRouter()
@@ -22,12 +22,13 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
-    check_chat_request(body, state.settings, state.max_logprobs)
-    text, ids = render_chat(state.tokenizer, body.messages, body.add_generation_prompt,
-                            body.continue_final_message, body.chat_template_kwargs)
+    check_chat_request(body, state.settings)
+    chat = render_chat(state.frontend, body.messages, body.add_generation_prompt, body.continue_final_message,
+                       body.chat_template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
-    prompt = prepare_prompt(state, text, ids, requested, lambda m: sampling_params(body, m, k), "messages")
+    # The engine's logprobs are what this API calls top_logprobs.
+    prompt = prepare(state, chat, sampling_params(body, requested, k), "messages", {"logprobs": "top_logprobs"})
     request_id, created = new_id("chatcmpl"), now_s()
     gen = Generation(state.engine, request_id, [prompt], body.n, state.metrics)
     head = {"id": request_id, "created": created, "model": state.model_name}

@@ -1,19 +1,22 @@
-"""What completions and chat share: turning engine ValueErrors into 400s, usage, ids, SSE endings."""
+"""What completions and chat share: preparing a prompt (its ValueErrors are 400s), usage, ids,
+running to the end or streaming (any failure then is the server's: a logged 500, or 503)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from tokenmill.entrypoints.openai.errors import error_body, from_exception, from_value_error
-from tokenmill.entrypoints.openai.generation import ChoiceDelta, Generation, PromptInput
-from tokenmill.entrypoints.openai.limits import KNOWN_FIELDS, completion_budget
+from tokenmill.entrypoints.openai.generation import ChoiceDelta, Generation
+from tokenmill.entrypoints.openai.limits import KNOWN_FIELDS, context_length_error
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.entrypoints.openai.streaming import DONE_EVENT, ClientGone, SSEResponse, sse, until_disconnect
+from tokenmill.frontend.input_processor import PreparedRequest, Prompt
+from tokenmill.sampling_params import SamplingParams
 
 
 def new_id(prefix: str) -> str:
@@ -29,16 +32,15 @@ def usage(gen: Generation) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def prepare_prompt(state: ServerState, text: str | None, ids: list[int], requested_max_tokens: int | None,
-                   make_params: Callable[[int], object], prompt_name: str) -> PromptInput:
-    """Checks the context window and the engine's own validation, before any work."""
-    max_tokens = completion_budget(len(ids), requested_max_tokens, state.max_model_len, prompt_name)
-    params = make_params(max_tokens)
+def prepare(state: ServerState, prompt: Prompt, params: SamplingParams, prompt_name: str,
+            aliases: Mapping[str, str] | None = None) -> PreparedRequest:
+    """The engine's one check of the request, before any work: a ValueError is a 400 naming the
+    field (`aliases`: engine fields this API names otherwise), a prompt too long for the context
+    is OpenAI's context_length_exceeded."""
     try:
-        state.engine.input_processor.validate(ids, params)
+        return state.frontend.prepare(prompt, params, lambda overflow: context_length_error(overflow, prompt_name))
     except ValueError as exc:
-        raise from_value_error(exc, KNOWN_FIELDS) from None
-    return PromptInput(text, ids, params)
+        raise from_value_error(exc, KNOWN_FIELDS, aliases) from None
 
 
 async def run_to_end(request: Request, state: ServerState, gen: Generation, render: Callable[[], dict]) -> Response:
@@ -48,9 +50,7 @@ async def run_to_end(request: Request, state: ServerState, gen: Generation, rend
             await until_disconnect(request, gen.run())
         except ClientGone:
             return Response(status_code=499)
-        except ValueError as exc:
-            raise from_value_error(exc, KNOWN_FIELDS) from None
-        except Exception as exc:  # noqa: BLE001 - EngineDeadError and the unexpected, in OpenAI's shape
+        except Exception as exc:  # noqa: BLE001 - EngineDeadError (503) and bugs (logged 500), in OpenAI's shape
             raise from_exception(exc) from None
     return JSONResponse(render())
 
@@ -71,10 +71,7 @@ def stream(state: ServerState, gen: Generation,
                     yield sse(chunk)
             if render_usage is not None:
                 yield sse(render_usage())
-        except ValueError as exc:
-            err = from_value_error(exc, KNOWN_FIELDS)
-            yield sse(error_body(err.status, err.message, err.param, err.code))
-        except Exception as exc:  # noqa: BLE001 - reported to the client in OpenAI's shape
+        except Exception as exc:  # noqa: BLE001 - reported to the client in OpenAI's shape (bugs logged)
             err = from_exception(exc)
             yield sse(error_body(err.status, err.message, err.param, err.code))
         yield DONE_EVENT

@@ -6,12 +6,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from tokenmill.entrypoints.openai.errors import APIError
-from tokenmill.entrypoints.openai.generation import ChoiceDelta, Generation, PromptInput
+from tokenmill.entrypoints.openai.generation import ChoiceDelta, Generation
 from tokenmill.entrypoints.openai.limits import check_completion_request, sampling_params
 from tokenmill.entrypoints.openai.logprobs import completion_logprobs
 from tokenmill.entrypoints.openai.schemas import CompletionRequest, CompletionResponse, ErrorResponse
-from tokenmill.entrypoints.openai.serving_common import new_id, now_s, prepare_prompt, run_to_end, stream, usage
+from tokenmill.entrypoints.openai.serving_common import new_id, now_s, prepare, run_to_end, stream, usage
 from tokenmill.entrypoints.openai.state import ServerState, get_state
+from tokenmill.frontend.input_processor import PreparedRequest, Prompt
 
 router = APIRouter()
 
@@ -22,13 +23,11 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     state.check_model(body.model)
-    check_completion_request(body, state.settings, state.max_logprobs)
-    texts_and_ids = _prompts(state, body)
+    check_completion_request(body, state.settings)
     logprobs = body.logprobs
     prompt_logprobs = logprobs if body.echo and logprobs is not None else None
-    prompts = [prepare_prompt(state, text, ids, body.max_tokens,
-                              lambda m: sampling_params(body, m, logprobs, prompt_logprobs), "prompt")
-               for text, ids in texts_and_ids]
+    params = sampling_params(body, body.max_tokens, logprobs, prompt_logprobs)
+    prompts = [prepare(state, prompt, params, "prompt") for prompt in _prompts(state, body)]
     request_id, created = new_id("cmpl"), now_s()
     gen = Generation(state.engine, request_id, prompts, body.n, state.metrics)
     head = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name}
@@ -60,7 +59,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return stream(state, gen, render_step, render_usage if include_usage else None)
 
 
-def _prompts(state: ServerState, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+def _prompts(state: ServerState, body: CompletionRequest) -> list[Prompt]:
+    """The request's prompts: texts, or lists of token ids."""
     p = body.prompt
     if isinstance(p, str):
         items: list = [p]
@@ -73,19 +73,11 @@ def _prompts(state: ServerState, body: CompletionRequest) -> list[tuple[str | No
     if len(items) > state.settings.max_prompts:
         raise APIError(400, f"prompt may hold at most {state.settings.max_prompts} prompts, got {len(items)}",
                        param="prompt")
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            out.append((item, state.tokenizer(item).input_ids))
-        else:
-            out.append((None, list(item)))
-    return out
+    return [item if isinstance(item, str) else {"prompt_token_ids": list(item)} for item in items]
 
 
-def _prompt_text(state: ServerState, prompt: PromptInput) -> str:
-    if prompt.text is None:
-        prompt.text = state.tokenizer.decode(prompt.token_ids)
-    return prompt.text
+def _prompt_text(state: ServerState, prompt: PreparedRequest) -> str:
+    return prompt.prompt if prompt.prompt is not None else state.tokenizer.decode(prompt.prompt_token_ids)
 
 
 def _final_choice(state: ServerState, gen: Generation, index: int, body: CompletionRequest) -> dict:
@@ -108,8 +100,8 @@ def _with_prompt_logprobs(state: ServerState, gen: Generation, prompt_index: int
     rows = gen.prompt_logprobs[prompt_index] or [None]
     prompt = gen.prompts[prompt_index]
     head = completion_logprobs(rows, k)
-    if prompt.token_ids:  # the first prompt token has no logprob, but it has a text
-        first = state.tokenizer.decode(prompt.token_ids[:1])
+    if prompt.prompt_token_ids:  # the first prompt token has no logprob, but it has a text
+        first = state.tokenizer.decode(prompt.prompt_token_ids[:1])
         head["tokens"][0] = first
         head["text_offset"] = [0] + [o + len(first) for o in head["text_offset"][1:]]
     shift = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0

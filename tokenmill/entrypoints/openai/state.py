@@ -12,6 +12,7 @@ from tokenmill.entrypoints.openai.args import ServerSettings
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.frontend.async_llm import AsyncLLM
+from tokenmill.frontend.engine_frontend import EngineFrontend
 
 
 @dataclass
@@ -25,12 +26,13 @@ class ServerState:
     started: int = field(default_factory=lambda: int(time.time()))
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def frontend(self) -> EngineFrontend:
+        """Where requests are prepared (checked), once, before they are generated."""
+        return self.engine.frontend
 
     @property
-    def max_logprobs(self) -> int:
-        return self.engine.config.max_logprobs
+    def tokenizer(self):
+        return self.frontend.tokenizer
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -1,0 +1,128 @@
+"""The one way a request enters or leaves the engine, shared by `LLM` and `AsyncLLM`.
+
+An `EngineFrontend` owns the resolved config, the tokenizer, the input and output
+processors and, once started, the core client. A request goes:
+
+    prepare(prompt, params) -> PreparedRequest   tokenize and check everything, before any work
+    submit(request_id, prepared)                 one engine request per sample, registered, sent
+    process(outputs) -> ProcessedOutputs         detokenize, stop strings; handles a stop string
+                                                 (or a failure) ended are aborted in the core
+    abort(request_id)                            forgotten here, aborted in the core
+
+Building one resolves the engine arguments and loads the tokenizer, so bad arguments fail
+before any process starts, and requests can be prepared (checked) before the engine loads;
+`start` then launches the engine. `LLM` and `AsyncLLM` differ only in how they wait for the
+core's outputs (their client's `get_outputs`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tokenmill.config import EngineArgs, EngineConfig
+from tokenmill.frontend.core_client import CoreClient
+from tokenmill.frontend.engine_config import resolve_engine_config
+from tokenmill.frontend.input_processor import (ContextOverflow, InputProcessor, OverflowReporter, PreparedRequest,
+                                                Prompt)
+from tokenmill.frontend.output_processor import OutputProcessor, ProcessedOutputs
+from tokenmill.model.tokenizer import load_tokenizer
+from tokenmill.protocol import EngineCoreOutputs
+from tokenmill.sampling_params import SamplingParams
+
+ClientT = TypeVar("ClientT", bound=CoreClient)
+
+
+class EngineFrontend:
+    def __init__(self, engine_args: EngineArgs) -> None:
+        self.engine_args = engine_args
+        self.config: EngineConfig = resolve_engine_config(engine_args)
+        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.input_processor = InputProcessor(self.config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._client: CoreClient | None = None
+
+    @classmethod
+    def from_kwargs(cls, model: str, kwargs: dict[str, Any]) -> EngineFrontend:
+        """`LLM(model, **kwargs)`'s arguments: each must be an `EngineArgs` field."""
+        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(EngineArgs(model=model, **kwargs))
+
+    def start(self, inproc: Callable[[EngineConfig], ClientT], mp: Callable[[EngineConfig], ClientT]) -> ClientT:
+        """Start the engine with the client the arguments ask for (in this process, or its own)."""
+        if self._client is not None:
+            raise RuntimeError("the engine is already started")
+        client = (inproc if self.engine_args.single_process else mp)(self.config)
+        self._client = client
+        return client
+
+    @property
+    def client(self) -> CoreClient:
+        if self._client is None:
+            raise RuntimeError("the engine is not started")
+        return self._client
+
+    # ------------------------------------------------------------------ requests
+
+    def prepare(self, prompt: Prompt, params: SamplingParams,
+                overflow_error: OverflowReporter = ContextOverflow.error) -> PreparedRequest:
+        """Tokenize and check the request (every check, once); raises one ValueError naming the
+        field, or what `overflow_error` makes of a prompt that does not fit the context."""
+        return self.input_processor.prepare(prompt, params, overflow_error)
+
+    def request(self, prompt: Prompt | PreparedRequest, params: SamplingParams | None) -> PreparedRequest:
+        """`prompt` prepared with `params` (default: SamplingParams()); a PreparedRequest as it is
+        (it carries its own params: giving others too is an error)."""
+        if isinstance(prompt, PreparedRequest):
+            if params is not None:
+                raise ValueError("sampling_params: a prepared request carries its own")
+            return prompt
+        return self.prepare(prompt, params if params is not None else SamplingParams())
+
+    def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> dict:
+        """`conversation` rendered with the model's chat template, as a prompt for `prepare`."""
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+        return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+
+    def submit(self, request_id: str, request: PreparedRequest) -> None:
+        """Register the request and send it to the core (n engine requests for n samples).
+        Raises ValueError if `request_id` is already running, EngineDeadError once the core is gone."""
+        client = self.client  # an engine not started refuses before anything is registered
+        engine_requests = self.input_processor.make_requests(request)
+        self.output_processor.add_request(request_id, [r.handle for r in engine_requests], request.prompt,
+                                          request.prompt_token_ids, request.params)
+        try:
+            for engine_request in engine_requests:
+                client.add_request(engine_request)
+        except BaseException:
+            self.abort(request_id)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request and stop what is left of it in the core (unknown ids: nothing)."""
+        handles = self.output_processor.abort_request(request_id)
+        if handles:
+            self.client.abort_requests(handles)
+
+    def process(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
+        """The core's outputs of one step as `RequestOutput`s (and failures, by request id)."""
+        start = time.perf_counter()
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.handles_to_abort:
+            self.client.abort_requests(processed.handles_to_abort)
+        self.client.telemetry.record("process_outputs", start, time.perf_counter())
+        return processed
+
+    def has_unfinished(self) -> bool:
+        return self.output_processor.has_unfinished()
+
+    def shutdown(self) -> None:
+        """Stop the engine, if it was started (idempotent)."""
+        if self._client is not None:
+            self._client.shutdown()
