@@ -66,8 +66,9 @@ def test_steady_decode_bytes(traced) -> None:
         assert fe["outputs"].bytes_p50 == core["outputs"].bytes_p50 > 0
         assert {"schedule", "submit", "wait", "update", "send_outputs"} <= _proc(report, "core").timings.keys()
         assert {"decode", "prepare", "sample", "encode", "device_idle"} <= _proc(report, "worker0").timings.keys()
-    # Independent of the batch size (up to the step id's msgpack width, which grows past 127 and 255).
-    assert abs(p50[256] - p50[64]) <= 2, p50
+    # Independent of the batch size: a few bytes of step id and of the occasional diff that lands
+    # in the median under load; anything per request would add 192+ bytes at 256 rows.
+    assert abs(p50[256] - p50[64]) <= 8, p50
 
 
 def test_trace_has_every_process(traced) -> None:
