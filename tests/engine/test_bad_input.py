@@ -17,7 +17,7 @@ from tests.engine.conftest import assert_engine_idle, tiny_llm
 from tests.helpers.tiny_gguf import gguf_name, permute_rows
 from tests.helpers.tiny_models import TINY_VOCAB_SIZE, make_tiny_config, make_tiny_hf_model, make_tiny_tokenizer
 from tokenmill import LLM, SamplingParams
-from tokenmill.entrypoints import cli
+from tokenmill import cli
 
 MAX_MODEL_LEN = 128
 GOOD_PROMPT = {"prompt_token_ids": [5, 17, 42, 99, 7]}

@@ -121,12 +121,12 @@ class _Driver:
         """Receive and process one step's outputs; replace finished requests; tokens received."""
         llm = self.llm
         outputs = llm.client.get_outputs()
-        processed = llm.output_processor.process_outputs(outputs.outputs)
+        processed = llm.output_processor.process_outputs(outputs)
         for out in processed.request_outputs:
             if out.finished:
                 self._live.discard(out.request_id)
                 self._add()
-        return sum(len(o.new_token_ids) for o in outputs.outputs)
+        return outputs.num_new_tokens()
 
     def measure(self, batch_size: int, warmup: int, steps: int) -> tuple[float, int, int, TelemetryReport]:
         for _ in range(batch_size):

@@ -106,8 +106,8 @@ class LLM:
                 waiting = time.perf_counter()
                 step = self.client.get_outputs()
                 got = time.perf_counter()
-                generated += sum(len(o.new_token_ids) for o in step.outputs)
-                processed = self.output_processor.process_outputs(step.outputs)
+                generated += step.num_new_tokens()
+                processed = self.output_processor.process_outputs(step)
                 record("get_outputs", waiting, got)
                 record("process_outputs", got, time.perf_counter())
                 if processed.handles_to_abort:

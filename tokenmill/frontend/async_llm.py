@@ -121,7 +121,7 @@ class AsyncLLM:
             while True:
                 outputs = await self.client.get_outputs()
                 start = time.perf_counter()
-                processed = self.output_processor.process_outputs(outputs.outputs)
+                processed = self.output_processor.process_outputs(outputs)
                 self.client.telemetry.record("process_outputs", start, time.perf_counter())
                 if processed.handles_to_abort:
                     self.client.abort_requests(processed.handles_to_abort)

@@ -317,7 +317,7 @@ class AsyncInprocClient(AsyncEngineCoreClient):
                 await self._work.wait()
             await asyncio.sleep(0)  # let consumers run between steps
             outputs = self._sync.get_outputs()
-            if outputs.outputs:
+            if not outputs.is_empty():
                 return outputs
 
     async def kv_cache_stats(self) -> KVCacheStats:

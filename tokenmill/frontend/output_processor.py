@@ -16,7 +16,7 @@ from typing import Any
 from tokenmill.frontend.detokenizer import backend_tokenizer
 from tokenmill.frontend.request_state import RequestState, SampleState
 from tokenmill.outputs import RequestOutput
-from tokenmill.protocol import EngineCoreOutput
+from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -59,11 +59,15 @@ class OutputProcessor:
         for sample in state.samples:
             self._by_handle[sample.handle] = (state, sample)
 
-    def process_outputs(self, outputs: Sequence[EngineCoreOutput], timestamp: float | None = None) -> ProcessedOutputs:
-        """`timestamp` (the time the outputs were produced) defaults to now."""
+    def process_outputs(self, outputs: EngineCoreOutputs | Sequence[EngineCoreOutput],
+                        timestamp: float | None = None) -> ProcessedOutputs:
+        """One step's outputs; `timestamp` (the time they were produced) defaults to now."""
         now = time.time() if timestamp is None else timestamp
         result = ProcessedOutputs()
         changed: dict[str, list[SampleState]] = {}
+        if isinstance(outputs, EngineCoreOutputs):
+            self._process_one_tokens(outputs, now, changed, result)
+            outputs = outputs.outputs
         for out in outputs:
             entry = self._by_handle.get(out.handle)
             if entry is None:
@@ -91,6 +95,25 @@ class OutputProcessor:
             if state.finished:
                 del self._requests[request_id]
         return result
+
+    def _process_one_tokens(self, outputs: EngineCoreOutputs, now: float, changed: dict[str, list[SampleState]],
+                            result: ProcessedOutputs) -> None:
+        """The packed part: requests whose only news is one new token."""
+        handles, tokens = outputs.one_token_rows()
+        by_handle = self._by_handle
+        for handle, token in zip(handles.tolist(), tokens.tolist()):
+            entry = by_handle.get(handle)
+            if entry is None:
+                continue  # finished or aborted already; the core may not know yet
+            state, sample = entry
+            state.record_tokens(now)
+            if sample.update(EngineCoreOutput(handle, [token])):
+                result.handles_to_abort.append(handle)
+            samples = changed.setdefault(state.request_id, [])
+            if sample not in samples:
+                samples.append(sample)
+            if sample.finished:
+                del by_handle[handle]
 
     def abort_request(self, request_id: str) -> list[int]:
         """Forgets the request; returns the handles of its samples still running in the core."""

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tokenmill.protocol.batch_diff import BatchOrder
-from tokenmill.protocol import CachedRequestData, NewRequestData, SchedulerOutput, unpack_ids
+from tokenmill.protocol import NewRequestData, SchedulerOutput
 
 
 def apply_step_diffs(so: SchedulerOutput, batch_order: BatchOrder, states: dict[int, Any],
@@ -21,6 +21,6 @@ def apply_step_diffs(so: SchedulerOutput, batch_order: BatchOrder, states: dict[
         states.pop(handle, None)
     for data in so.new_requests:
         states[data.handle] = new_state(data)
-    cached = so.cached_requests or CachedRequestData()
-    for handle, blocks in zip(cached.handles, cached.new_block_ids):
-        states[handle].block_ids.extend(unpack_ids(blocks))
+    if so.cached_requests is not None:
+        for handle, blocks in so.cached_requests.rows():
+            states[handle].block_ids.extend(blocks)

@@ -1,0 +1,157 @@
+"""The vectorised scheduler against the slow reference (`reference_scheduler.py`, the logic
+before the fast path): on random workloads, with preemptions, aborts, prefix hits, chunked
+prefills, stop tokens, min_tokens, logprobs and async scheduling, every step message must be
+byte-identical and every request must get the same tokens, finish reason and cache report."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.core.fake_worker import EOS, FakeWorker, expected_output
+from tests.core.reference_scheduler import ReferenceScheduler, RefRequest
+from tests.core.test_scheduler import MAX_LEN, assert_no_leaks, make_scheduler
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.protocol import EngineCoreOutput
+from tokenmill.sampling_params import SamplingParams
+
+
+def random_params(rng: random.Random, prompt: list[int]) -> SamplingParams:
+    max_tokens = rng.randrange(1, 48)
+    stop = None
+    if rng.random() < 0.2:  # a token this request will really produce, or not
+        stop = [rng.choice(expected_output(prompt, max_tokens) + [999])]
+    return SamplingParams(max_tokens=max_tokens, stop_token_ids=stop, ignore_eos=rng.random() < 0.2,
+                          min_tokens=rng.choice([0, 0, 0, 2, 5]),
+                          logprobs=rng.choice([None] * 8 + [0, 2]),
+                          prompt_logprobs=rng.choice([None] * 8 + [0, 1]))
+
+
+def workload(seed: int) -> tuple[dict, list[tuple[list[int], SamplingParams, tuple[int, ...]]]]:
+    rng = random.Random(seed)
+    num_blocks, block_size = rng.randrange(24, 120), rng.choice([1, 2, 4, 16])
+    config = dict(num_blocks=num_blocks, block_size=block_size, budget=rng.randrange(1, 128),
+                  max_seqs=rng.randrange(1, 12), caching=rng.random() < 0.8, async_scheduling=rng.random() < 0.5)
+    requests = []
+    for _ in range(rng.randrange(1, 30)):
+        prompt = [rng.randrange(10, 30) for _ in range(rng.randrange(1, 48))]  # small alphabet: shared prefixes
+        params = random_params(rng, prompt)
+        if -(-(len(prompt) + params.max_tokens) // block_size) > num_blocks:
+            continue
+        eos = (EOS,) if rng.random() < 0.9 else (EOS, 17)  # a few with other EOS ids: the row-by-row check
+        requests.append((prompt, params, eos))
+    return config, requests
+
+
+def news(outputs: list[EngineCoreOutput]) -> dict[int, tuple]:
+    """Outputs by handle, without the prefix-cache report (compared separately: the reference
+    repeats it in every output, the fast path sends it once)."""
+    return {o.handle: (list(o.new_token_ids), o.finish_reason, o.stop_token_id, msgspec.msgpack.encode(o.logprobs),
+                       msgspec.msgpack.encode(o.prompt_logprobs)) for o in outputs}
+
+
+def run_side_by_side(seed: int, abort_prob: float = 0.05, scheduler: Scheduler | None = None) -> dict[str, int]:
+    """Drive both schedulers through the same workload; assert they agree at every step."""
+    config, requests = workload(seed)
+    rng = random.Random(seed + 1)
+    fast = scheduler or make_scheduler(**config)
+    ref = ReferenceScheduler(config["max_seqs"], config["budget"], config["block_size"], config["caching"],
+                             config["num_blocks"])
+    fast_worker, ref_worker = FakeWorker(), FakeWorker()
+    in_flight = 2 if config["async_scheduling"] else 1
+    arrive_every = rng.randrange(0, 4)
+    pending = list(enumerate(requests))
+    queue = []
+    cached_reports: list[dict[int, int]] = [{}, {}]
+    steps = 0
+
+    def admit(count: int) -> None:
+        for _ in range(count):
+            if pending:
+                handle, (prompt, params, eos) = pending.pop(0)
+                fast.add_request(Request(handle, prompt, params, eos, MAX_LEN))
+                ref.add_request(RefRequest(handle, prompt, params, eos, MAX_LEN))
+
+    admit(len(pending) if not arrive_every else 1)
+    while ref.requests or queue or pending:
+        steps += 1
+        assert steps < 20000, "no progress"
+        if arrive_every and steps % arrive_every == 0:
+            admit(1)
+        while len(queue) < in_flight:
+            so_fast, so_ref = fast.schedule(), ref.schedule()
+            assert (so_fast is None) == (so_ref is None), f"step {steps}: only one side has a step"
+            if so_fast is None:
+                break
+            assert msgspec.msgpack.encode(so_fast) == msgspec.msgpack.encode(so_ref), f"step {so_ref.step_id}"
+            queue.append((so_fast, fast_worker.execute(so_fast), so_ref, ref_worker.execute(so_ref)))
+        if not queue:
+            admit(1)
+            continue
+        so_fast, out_fast, so_ref, out_ref = queue.pop(0)
+        assert msgspec.msgpack.encode(out_fast) == msgspec.msgpack.encode(out_ref)
+        fast_outputs = fast.update(so_fast, out_fast).all_outputs()
+        ref_outputs = ref.update(so_ref, out_ref)
+        assert news(fast_outputs) == news(ref_outputs), f"step {so_ref.step_id}"
+        for reports, outputs in zip(cached_reports, (fast_outputs, ref_outputs)):
+            for o in outputs:  # the front-end keeps the largest report
+                reports[o.handle] = max(reports.get(o.handle, 0), o.num_cached_tokens)
+        assert cached_reports[0] == cached_reports[1]
+        assert sorted(fast.requests) == sorted(ref.requests)
+        assert fast.num_preemptions == ref.num_preemptions
+        assert fast.kv.pool.num_free == ref.kv.pool.num_free
+        fast_worker.check_mirrors(fast, fast.block_size)
+        if abort_prob and ref.requests and rng.random() < abort_prob:
+            victim = rng.choice(sorted(ref.requests))
+            fast.abort([victim])
+            ref.abort([victim])
+    assert_no_leaks(fast)
+    assert (fast.kv.stats.queries, fast.kv.stats.hits) == (ref.kv.queries, ref.kv.hits)
+    return {"steps": steps, "preemptions": ref.num_preemptions, "hits": ref.kv.hits,
+            "requests": len(requests)}
+
+
+def test_fast_path_matches_reference():
+    totals = {"steps": 0, "preemptions": 0, "hits": 0, "requests": 0}
+    for seed in range(200):
+        for key, value in run_side_by_side(seed).items():
+            totals[key] += value
+    assert totals["requests"] > 2000 and totals["preemptions"] > 100 and totals["hits"] > 1000, totals
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(1000, 10**6), abort_prob=st.sampled_from([0.0, 0.05, 0.3]))
+def test_fast_path_matches_reference_property(seed, abort_prob):
+    run_side_by_side(seed, abort_prob)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_steady_decode_visits_no_row(async_scheduling, monkeypatch):
+    """256 decoding requests, no new block due: no row takes the per-row paths."""
+    scheduler = make_scheduler(num_blocks=4000, block_size=64, budget=8192, max_seqs=256,
+                               async_scheduling=async_scheduling)
+    worker = FakeWorker()
+    for h in range(256):
+        scheduler.add_request(Request(h, [10 + h % 50] * 3, SamplingParams(max_tokens=40, ignore_eos=True),
+                                      (EOS,), MAX_LEN))
+    queue = []
+    for _ in range(3):  # prefill, then decodes
+        so = scheduler.schedule()
+        queue.append((so, worker.execute(so)))
+        if len(queue) > async_scheduling:
+            scheduler.update(*queue.pop(0))
+    visited = []
+    monkeypatch.setattr(Scheduler, "_grow", lambda self, slot, n: visited.append(slot))
+    monkeypatch.setattr("tokenmill.core.step_update._apply_row", lambda *args: visited.append(args))
+    for _ in range(20):
+        so = scheduler.schedule()
+        assert so.batch is None and not so.new_requests and so.cached_requests is None
+        queue.append((so, worker.execute(so)))
+        outputs = scheduler.update(*queue.pop(0))
+        assert not outputs.outputs and len(outputs.token_ids) == 4 * 256
+    assert not visited
