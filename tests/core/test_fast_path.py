@@ -16,6 +16,7 @@ from tests.core.fake_worker import EOS, FakeWorker, expected_output
 from tests.core.reference_scheduler import ReferenceScheduler, RefRequest
 from tests.core.test_scheduler import MAX_LEN, assert_no_leaks, make_scheduler
 from tokenmill.core.request import Request
+from tokenmill.core.running_plan import RunningPlanner
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.protocol import EngineCoreOutput
 from tokenmill.sampling_params import SamplingParams
@@ -146,7 +147,8 @@ def test_steady_decode_visits_no_row(async_scheduling, monkeypatch):
         if len(queue) > async_scheduling:
             scheduler.update(*queue.pop(0))
     visited = []
-    monkeypatch.setattr(Scheduler, "_grow", lambda self, slot, n: visited.append(slot))
+    for name in ("_serve_in_bulk", "_serve_one_by_one", "_plan_in_order"):
+        monkeypatch.setattr(RunningPlanner, name, lambda *args: visited.append(args))
     monkeypatch.setattr("tokenmill.core.step_update._apply_row", lambda *args: visited.append(args))
     for _ in range(20):
         so = scheduler.schedule()

@@ -77,6 +77,16 @@ class BlockPool:
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
 
+    def cache_many(self, blocks: list[int], hashes: list[int]) -> None:
+        """`cache` for each (block, hash), in order."""
+        if not self.enable_caching:
+            return
+        block_hash, cached = self.block_hash, self.cached
+        for block, h in zip(blocks, hashes):
+            if block_hash[block] is None and h not in cached:
+                block_hash[block] = h
+                cached[h] = block
+
     def _evict(self, block: int) -> None:
         old = self.block_hash[block]
         if old is not None:

@@ -130,13 +130,16 @@ class KVCacheManager:
         """`cache_full_blocks` for requests that each fill exactly their next block, in order:
         `block_tokens[i]` holds the tokens of request i's block (int32, one row per request)."""
         data, width = block_tokens.tobytes(), block_tokens.shape[1] * block_tokens.itemsize
-        cache, blocks, num_cached = self.pool.cache, self.blocks, self.num_cached_blocks
-        for i, (handle, hashes) in enumerate(zip(handles, hash_chains)):
+        tables, num_cached = self.blocks, self.num_cached_blocks
+        blocks, hashes = [], []
+        for i, (handle, chain) in enumerate(zip(handles, hash_chains)):
             index = num_cached[handle]
-            if len(hashes) == index:
-                hashes.append(hash_block(hashes[-1] if hashes else None, data[i * width:(i + 1) * width]))
-            cache(blocks[handle][index], hashes[index])
+            if len(chain) == index:
+                chain.append(hash_block(chain[-1] if chain else None, data[i * width:(i + 1) * width]))
+            blocks.append(tables[handle][index])
+            hashes.append(chain[index])
             num_cached[handle] = index + 1
+        self.pool.cache_many(blocks, hashes)
 
     def _update_hashes(self, tokens: np.ndarray, hashes: list[int], num_tokens: int) -> None:
         """Extend the hash chain over the full blocks of `tokens[:num_tokens]`."""

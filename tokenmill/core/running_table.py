@@ -36,6 +36,7 @@ class RunningTable:
         self.min_tokens = i64()
         self.block_capacity = i64()
         self.next_full_block_at = i64()
+        self.due_step = i64()  # the scheduler must look at the row from this step on (see Scheduler._plan)
         self.stops_on_eos = np.zeros(max_rows, bool)
         self.custom_stops = np.zeros(max_rows, bool)  # stop ids beyond the common EOS ids: checked row by row
         self.cached_to_report = np.zeros(max_rows, bool)  # its first output must carry num_cached_tokens
@@ -71,6 +72,7 @@ class RunningTable:
         self.min_tokens[slot] = request.params.min_tokens
         self.block_capacity[slot] = block_capacity
         self.next_full_block_at[slot] = next_full_block_at
+        self.due_step[slot] = 0
         self.stops_on_eos[slot] = stops_on_eos
         self.custom_stops[slot] = custom_stops
         self.num_custom_stops += custom_stops

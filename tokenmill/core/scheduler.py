@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.running_plan import RunningPlanner
 from tokenmill.core.running_table import NEVER, RunningTable
 from tokenmill.core.step_update import apply_step
 from tokenmill.protocol import (CachedRequestData, EngineCoreOutputs, FinishReason, ModelRunnerOutput,
@@ -38,15 +38,6 @@ from tokenmill.protocol.digest import batch_digest
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _NewBlocks:
-    """Blocks a step appends to running requests' tables (the workers get them as CachedRequestData)."""
-
-    handles: list[int] = field(default_factory=list)
-    counts: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)  # every handle's, in handle order
-
-
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
         self.config = config
@@ -55,6 +46,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.table = RunningTable(config.max_num_seqs)
+        self.planner = RunningPlanner(self.table, self.kv, self._preempt)
         self.known_to_workers: set[int] = set()
         self.finished_to_send: list[int] = []
         self.step_id = 0
@@ -62,10 +54,7 @@ class Scheduler:
         self.batch_order = BatchOrder()
         self._batch_slots = np.empty(0, np.int64)  # the last batch's rows, as slots
         self._batch_version = -1  # the table's version when the last batch was made
-        # Steps up to this id need no planning: every running row is a one-token decode with
-        # room in its blocks (see `_quiet_steps`); events that break that reset it to 0.
-        self._quiet_until = 0
-        self._ones_cache = np.ones(0, np.int64)
+        self._batch_is_all_running = False  # the last batch had every running request
         # The EOS ids most requests stop on (set by the first that has any): checked with numpy.
         self._common_eos: frozenset[int] | None = None
         self.eos_ids = np.empty(0, np.int64)
@@ -119,177 +108,41 @@ class Scheduler:
         t = self.table
         step_id = self.step_id + 1
         budget = self.config.max_num_batched_tokens
-        preempted: list[int] = []
-        grown = _NewBlocks()
-
-        quiet = step_id <= self._quiet_until and t.num_running > 0
-        if quiet:  # every running row takes one more token and needs no block: skip the planning
-            sched_slots = t.order
-            sched_counts = self._ones(len(sched_slots))
-            t.num_computed[sched_slots] += 1
-            t.num_pending[sched_slots] += 1
-        else:
-            slots = t.order.copy()
-            num_new, attention_rows, steady = self._plan_running(slots, budget)
-            num_rows = self._serve_attention_rows(slots, num_new, attention_rows, preempted, grown)
-            slots, num_new = slots[:num_rows], num_new[:num_rows]
-            computed = t.num_computed[slots] + num_new
-            t.num_computed[slots] = computed
-            t.num_pending[slots] += (num_new > 0) & (computed == t.num_tokens[slots] + t.num_pending[slots])
-            scheduled = num_new > 0
-            sched_slots, sched_counts = slots[scheduled], num_new[scheduled]
-            self._quiet_until = step_id + self._quiet_steps(sched_slots) if steady and not preempted else 0
-        budget -= len(sched_slots) if quiet else int(sched_counts.sum())
+        plan = self.planner.plan(step_id, budget)
+        sched_slots, sched_counts = plan.slots, plan.counts
+        budget -= int(sched_counts.sum())
 
         new_requests: list[NewRequestData] = []
         admitted: list[int] = []
-        if not preempted:
+        if not plan.preempted:
             admitted, admitted_counts = self._admit(budget, new_requests)
             if admitted:
                 sched_slots = np.concatenate([sched_slots, admitted])
                 sched_counts = np.concatenate([sched_counts, admitted_counts])
-                admitted_slots = np.array(admitted)
-                if (t.num_computed[admitted_slots] == t.num_tokens[admitted_slots]).all():
-                    self._quiet_until = min(self._quiet_until, step_id + self._quiet_steps(admitted_slots))
-                else:
-                    self._quiet_until = 0  # a chunked prompt: its next step is not one token
+                self.planner.set_due_steps(np.array(admitted), step_id)
 
-        if not len(sched_slots) and not preempted and not self.finished_to_send:
+        if not len(sched_slots) and not plan.preempted and not self.finished_to_send:
             return None
         self.step_id = step_id
+        grown = plan.new_blocks
         output = SchedulerOutput(
             step_id=step_id, new_requests=new_requests,
             cached_requests=CachedRequestData.pack(grown.handles, grown.counts, grown.block_ids),
-            finished_handles=self.finished_to_send, preempted_handles=preempted)
-        if quiet and not admitted and self._batch_version == t.version:
+            finished_handles=self.finished_to_send, preempted_handles=plan.preempted)
+        if (plan.one_token_each and not admitted and self._batch_version == t.version
+                and self._batch_is_all_running):
             self.batch_order.encode_same_rows(output)  # the rows of the last batch, one token each
             output.row_slots = self._batch_slots
         else:
             self._encode_batch(output, sched_slots, sched_counts)
         output.table_version = self._batch_version = t.version
+        self._batch_is_all_running = len(output.row_slots) == t.num_running
         check_every = self.config.debug_check_every
         if check_every and step_id % check_every == 0:
             output.digest = batch_digest((h, int(t.num_computed[s]), self.kv.blocks[h]) for h, s in
                                          zip(output.batch_handles.tolist(), output.row_slots.tolist()))
         self.finished_to_send = []
         return output
-
-    def _quiet_steps(self, slots: np.ndarray) -> int:
-        """How many more steps these rows, each a one-token decode from now on (one token
-        in flight or known but not computed), can run without planning: none needs a block,
-        fills one, or reaches its token limit."""
-        if not len(slots):
-            return 1 << 62
-        t = self.table
-        computed = t.num_computed[slots]
-        room = np.minimum(t.block_capacity[slots] - computed,
-                          np.minimum(t.next_full_block_at[slots], t.token_limit[slots]) - computed - 1)
-        return max(int(room.min()), 0)
-
-    def _plan_running(self, slots: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray, bool]:
-        """Tokens to schedule per running row (in priority order, until the budget runs out),
-        the rows that need attention (a new block, or a full block to register), and whether
-        every row is a one-token decode within the budget."""
-        t = self.table
-        known = t.num_tokens[slots]
-        ahead = known + t.num_pending[slots]  # placeholders included
-        computed = t.num_computed[slots]
-        # A request whose last token is already in flight takes no more.
-        uncomputed = (ahead - computed) * (ahead < t.token_limit[slots])
-        before = uncomputed.cumsum() - uncomputed
-        num_new = np.minimum(uncomputed, (budget - before).clip(0))
-        after = computed + num_new
-        attention = (num_new > 0) & ((after > t.block_capacity[slots])
-                                     | (np.minimum(after, known) >= t.next_full_block_at[slots]))
-        steady = len(slots) <= budget and bool((uncomputed == 1).all())
-        return num_new, attention.nonzero()[0], steady
-
-    def _serve_attention_rows(self, slots: np.ndarray, num_new: np.ndarray, rows: np.ndarray,
-                              preempted: list[int], grown: _NewBlocks) -> int:
-        """Give the rows that need it their blocks, in priority order, preempting from the tail
-        when the pool is short. Returns how many leading rows of `slots` still run."""
-        num_rows = len(slots)
-        if not len(rows) or self._serve_in_bulk(slots[rows], num_new[rows], grown):
-            return num_rows
-        for i in rows.tolist():
-            if i >= num_rows:
-                break
-            slot, n = int(slots[i]), int(num_new[i])
-            blocks = self._grow(slot, n)
-            while blocks is None:
-                victim = int(slots[num_rows - 1])
-                preempted.append(int(self.table.handle[victim]))
-                self._preempt(victim)
-                num_rows -= 1
-                if victim == slot:
-                    return num_rows
-                blocks = self._grow(slot, n)
-            if blocks:
-                grown.handles.append(int(self.table.handle[slot]))
-                grown.counts.append(len(blocks))
-                grown.block_ids.extend(blocks)
-        return num_rows
-
-    def _serve_in_bulk(self, slots: np.ndarray, num_new: np.ndarray, grown: _NewBlocks) -> bool:
-        """`_serve_attention_rows` without a Python call per block: when the pool has room for
-        all the rows and no prefix-cache entry that this step registers is also one that its
-        allocations evict, doing every allocation first and then every registration ends in the
-        same state as doing them row by row. Otherwise (False) change nothing."""
-        t, kv, bs = self.table, self.kv, self.block_size
-        after = t.num_computed[slots] + num_new
-        num_blocks = np.maximum(-(-after // bs) - t.block_capacity[slots] // bs, 0)
-        total = int(num_blocks.sum())
-        if total > kv.pool.num_free:
-            return False
-        known = np.minimum(after, t.num_tokens[slots])
-        registering = np.flatnonzero(known >= t.next_full_block_at[slots]).tolist()
-        if total and registering:
-            evicted = kv.pool.hashes_evicted_by(total)
-            if evicted and any(not evicted.isdisjoint(kv.hashes_to_cache(
-                    int(t.handle[slots[i]]), int(known[i]), t.token_row(slots[i]), t.requests[slots[i]].block_hashes))
-                    for i in registering):
-                return False
-        if total:
-            taken = kv.pool.allocate(total)
-            growing = num_blocks > 0
-            handles, counts = t.handle[slots[growing]].tolist(), num_blocks[growing].tolist()
-            start = 0
-            for handle, count in zip(handles, counts):
-                kv.append_blocks(handle, taken[start:start + count])
-                start += count
-            grown.handles.extend(handles)
-            grown.counts.extend(counts)
-            grown.block_ids.extend(taken)
-            t.block_capacity[slots] += num_blocks * bs
-        if registering:
-            reg_slots, reg_known = slots[registering], known[registering]
-            handles, chains = t.handle[reg_slots].tolist(), [t.requests[s].block_hashes for s in reg_slots.tolist()]
-            first_token = t.next_full_block_at[reg_slots] - bs
-            if (reg_known < first_token + 2 * bs).all():  # each fills one block: hash them together
-                kv.cache_next_blocks(handles, t.tokens[reg_slots[:, None], first_token[:, None] + np.arange(bs)], chains)
-            else:
-                for slot, handle, num_tokens, chain in zip(reg_slots.tolist(), handles, reg_known.tolist(), chains):
-                    kv.cache_full_blocks(handle, num_tokens, t.tokens[slot], chain)
-            t.next_full_block_at[reg_slots] = (reg_known // bs + 1) * bs
-        return True
-
-    def _grow(self, slot: int, num_new: int) -> list[int] | None:
-        """Blocks for a running row's next `num_new` tokens, and prefix-cache registration of the
-        blocks they fill; None (nothing changed) when the pool is short."""
-        t = self.table
-        handle, computed = int(t.handle[slot]), int(t.num_computed[slot])
-        blocks = self.kv.allocate(handle, computed, num_new)
-        if blocks is None:
-            return None
-        if blocks:
-            t.block_capacity[slot] += len(blocks) * self.block_size
-        known = min(computed + num_new, int(t.num_tokens[slot]))
-        if known >= t.next_full_block_at[slot]:
-            request = t.requests[slot]
-            assert request is not None
-            num_cached = self.kv.cache_full_blocks(handle, known, t.token_row(slot), request.block_hashes)
-            t.next_full_block_at[slot] = (num_cached + 1) * self.block_size
-        return blocks
 
     def _admit(self, budget: int, new_requests: list[NewRequestData]) -> tuple[list[int], list[int]]:
         """Start waiting requests (FCFS) while budget, seats and blocks allow; returns their
@@ -373,16 +226,9 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Apply a finished step's sampled tokens; return what the front-end must hear."""
         result = apply_step(self.table, self.requests, self.eos_ids, scheduler_output, runner_output)
-        if not result.steady:
-            self._quiet_until = 0
         if result.finished:
             self.finish(result.finished)
         return result.outputs
-
-    def _ones(self, n: int) -> np.ndarray:
-        if len(self._ones_cache) != n:
-            self._ones_cache = np.ones(n, np.int64)
-        return self._ones_cache
 
     def finish(self, requests: list[Request]) -> None:
         """End these requests (their `finish_reason` is set): free their rows and blocks, and

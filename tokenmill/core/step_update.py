@@ -27,7 +27,6 @@ _I32 = np.dtype("<i4")
 class StepResult:
     outputs: EngineCoreOutputs
     finished: list[Request]  # in row order; the caller ends them
-    steady: bool  # no row took the slow way: every running row still takes one token per step
 
 
 def apply_step(table: RunningTable, requests: dict[int, Request], eos_ids: np.ndarray,
@@ -73,13 +72,12 @@ def apply_step(table: RunningTable, requests: dict[int, Request], eos_ids: np.nd
         news[row] = _output(table, request, [int(row_tokens[i])], _at(out.logprobs, row),
                             _at(out.prompt_logprobs, row))
 
-    steady = True
     if one_token is not None:
         for row in (~one_token).nonzero()[0].tolist():
             count = 1 if counts is None else int(counts[row])
             start = row if first is None else int(first[row])
-            steady &= _apply_row(table, requests, row, int(handles[row]), tokens[start:start + count].tolist(),
-                                 out, news, finished)
+            _apply_row(table, requests, row, int(handles[row]), tokens[start:start + count].tolist(),
+                       out, news, finished)
     if not with_news and rows is None:  # the steady decode: pass the columns on as they are
         token_handles, token_ids = handles.astype(_I32, copy=False).tobytes(), out.sampled
     else:
@@ -89,7 +87,7 @@ def apply_step(table: RunningTable, requests: dict[int, Request], eos_ids: np.nd
         token_ids = row_tokens[plain].astype(_I32, copy=False).tobytes()
     outputs = EngineCoreOutputs(outputs=[news[row] for row in sorted(news)],
                                 token_handles=token_handles, token_ids=token_ids)
-    return StepResult(outputs, [finished[row] for row in sorted(finished)], steady)
+    return StepResult(outputs, [finished[row] for row in sorted(finished)])
 
 
 def _fast_rows_with_news(table: RunningTable, row_slots: np.ndarray, ending: list[int], out: ModelRunnerOutput,
@@ -106,19 +104,19 @@ def _fast_rows_with_news(table: RunningTable, row_slots: np.ndarray, ending: lis
 
 
 def _apply_row(table: RunningTable, requests: dict[int, Request], row: int, handle: int, sampled: list[int],
-               out: ModelRunnerOutput, news: dict[int, EngineCoreOutput], finished: dict[int, Request]) -> bool:
-    """One row the slow way (the reference semantics, kept for every unusual row).
-    Returns False when it changed a running row's token count other than by one token."""
+               out: ModelRunnerOutput, news: dict[int, EngineCoreOutput], finished: dict[int, Request]) -> None:
+    """One row the slow way (the reference semantics, kept for every unusual row)."""
     prompt_lp = _at(out.prompt_logprobs, row)
     request = requests.get(handle)
     if not sampled:  # a prefill chunk short of the prompt's end
         if prompt_lp is not None and request is not None:
             news[row] = EngineCoreOutput(handle=handle, new_token_ids=[], prompt_logprobs=prompt_lp)
-        return True
+        return
     if request is None:
-        return True  # finished or aborted while this step was in flight
+        return  # finished or aborted while this step was in flight
     if request.slot >= 0:
         table.num_pending[request.slot] -= 1
+        table.due_step[request.slot] = 0  # not a plain one-token step: the scheduler must look again
     else:
         request.num_pending -= 1  # preempted while this step was in flight
     new_tokens = []
@@ -128,7 +126,6 @@ def _apply_row(table: RunningTable, requests: dict[int, Request], row: int, hand
             finished[row] = request
             break
     news[row] = _output(table, request, new_tokens, _at(out.logprobs, row), prompt_lp)
-    return request.slot < 0
 
 
 def _append(table: RunningTable, request: Request, token: int) -> bool:
