@@ -159,6 +159,10 @@ class _Driver:
         self._live.clear()
         while llm.client.kv_cache_stats().num_requests:
             time.sleep(0.01)
+        # Outputs the core ran ahead with arrived before that answer: drop them, or the next
+        # batch size's window would count these stale steps as front-end steps.
+        while llm.client.outputs_ready():
+            llm.client.get_outputs()
 
 
 def _process(report: TelemetryReport, role: str) -> ProcessTelemetry:

@@ -92,9 +92,13 @@ class KVCacheManager:
         self.num_cached_blocks[handle] = max(self.num_cached_blocks.get(handle, 0), len(cached_blocks))
         return list(cached_blocks) + new_blocks
 
-    def append_blocks(self, handle: int, blocks: list[int]) -> None:
-        """Add blocks already taken from the pool (by `pool.allocate`) to a running request's table."""
-        self.blocks[handle].extend(blocks)
+    def append_blocks(self, handles: list[int], counts: list[int], blocks: list[int]) -> None:
+        """Add blocks already taken from the pool (by `pool.allocate`) to running requests' tables:
+        the first counts[0] to handles[0]'s, and so on."""
+        tables, start = self.blocks, 0
+        for handle, count in zip(handles, counts):
+            tables[handle].extend(blocks[start:start + count])
+            start += count
 
     def hashes_to_cache(self, handle: int, num_tokens: int, tokens: np.ndarray, block_hashes: list[int]) -> list[int]:
         """The hashes `cache_full_blocks` would register now (it may still skip some already cached)."""

@@ -180,10 +180,7 @@ class RunningPlanner:
             taken = kv.pool.allocate(total)
             growing = num_blocks.nonzero()[0]
             handles, counts = t.handle[slots[growing]].tolist(), num_blocks[growing].tolist()
-            start = 0
-            for handle, count in zip(handles, counts):
-                kv.append_blocks(handle, taken[start:start + count])
-                start += count
+            kv.append_blocks(handles, counts, taken)
             new_blocks.handles.extend(handles)
             new_blocks.counts.extend(counts)
             new_blocks.block_ids.extend(taken)

@@ -17,7 +17,7 @@ from tokenmill.frontend.detokenizer import backend_tokenizer
 from tokenmill.frontend.request_state import RequestState, SampleState
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 
 def check_detokenize_params(params: SamplingParams) -> None:
@@ -109,11 +109,13 @@ class OutputProcessor:
             state.record_tokens(now)
             if sample.update(EngineCoreOutput(handle, [token])):
                 result.handles_to_abort.append(handle)
+            if sample.finished:
+                del by_handle[handle]
+            elif state.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue  # nothing to render until the request finishes
             samples = changed.setdefault(state.request_id, [])
             if sample not in samples:
                 samples.append(sample)
-            if sample.finished:
-                del by_handle[handle]
 
     def abort_request(self, request_id: str) -> list[int]:
         """Forgets the request; returns the handles of its samples still running in the core."""
