@@ -10,7 +10,7 @@ import types
 import msgspec
 import pytest
 
-from tests.core.test_fast_path import workload
+from tests.core.workloads import mixed_workload
 from tests.core.test_scheduler import MAX_LEN
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.request import Request
@@ -28,7 +28,7 @@ def null_runner() -> NullRunner:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_null_runner_mirrors_the_scheduler(seed):
-    config, requests = workload(seed)
+    config, requests = mixed_workload(seed)
     scheduler = Scheduler(
         SchedulerConfig(max_num_seqs=config["max_seqs"], max_num_batched_tokens=config["budget"],
                         async_scheduling=config["async_scheduling"], debug_check_every=1),
