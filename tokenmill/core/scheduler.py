@@ -10,11 +10,13 @@ Async scheduling: a request whose sampled token is still in flight may be
 scheduled again; the unknown token counts as a placeholder (`num_pending`)
 that the worker fills in from its previous step's sampled ids.
 
-Cost: the running requests are rows of a `RunningTable`. A step computes every row's
-token count with numpy and visits in Python only the rows that need attention: a new
-block, a block to register in the prefix cache, a preemption. `update` appends the
-sampled tokens and checks stop conditions the same way (see `step_update`), so a steady
-decode step costs O(changes) Python work, not O(batch).
+Cost: the running requests are rows of a `RunningTable` (numpy columns). `RunningPlanner`
+plans only the rows due for a look (the others are one-token decodes with room in their
+blocks) and visits in Python only rows that get a block, register one, or are preempted;
+`step_update` appends the sampled tokens and screens stop conditions with numpy. The
+batch goes to the workers as a diff (`BatchOrder`), made from slot arrays. So a steady
+decode step costs O(changes) Python work, plus a few numpy operations over the rows.
+Requests leave and join the table on admission, preemption and finish (O(changes)).
 """
 
 from __future__ import annotations

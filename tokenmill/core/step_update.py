@@ -10,6 +10,7 @@ zero or several tokens, or a request that left its slot while the step was in fl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,7 +56,7 @@ def apply_step(table: RunningTable, requests: dict[int, Request], eos_ids: np.nd
     table.tokens[row_slots, at] = row_tokens
     table.num_tokens[row_slots] = at + 1
 
-    row_of = (lambda i: i) if rows is None else (lambda i: int(rows[i]))  # fast index -> batch row
+    row_of: Callable[[int], int] = (lambda i: i) if rows is None else (lambda i: int(rows[i]))  # -> batch row
     news: dict[int, EngineCoreOutput] = {}  # by batch row
     finished: dict[int, Request] = {}
     ending = finishing_rows(table, row_slots, row_tokens, eos_ids)
@@ -91,7 +92,7 @@ def apply_step(table: RunningTable, requests: dict[int, Request], eos_ids: np.nd
 
 
 def _fast_rows_with_news(table: RunningTable, row_slots: np.ndarray, ending: list[int], out: ModelRunnerOutput,
-                         row_of) -> list[int]:
+                         row_of: Callable[[int], int]) -> list[int]:
     """Fast-way rows (indices into `row_slots`) whose output needs more than the token itself:
     a finish, a prefix-cache hit to report, logprobs."""
     picked = set(ending)
