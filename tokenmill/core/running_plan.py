@@ -66,6 +66,8 @@ class RunningPlanner:
         self._ones = np.ones(0, np.int64)
 
     def plan(self, step_id: int, budget: int) -> Plan:
+        """Plan step `step_id` for the running rows and write it to the table (tokens computed,
+        samples in flight, blocks, due steps); the waiting queue gets what budget is left."""
         t = self.table
         slots = t.order.copy()
         examined = (t.due_step[slots] <= step_id).nonzero()[0]
@@ -110,6 +112,7 @@ class RunningPlanner:
         return plan
 
     def set_due_steps(self, slots: np.ndarray, step_id: int) -> None:
+        """`due_steps` for rows whose plan for `step_id` is in the table (e.g. just admitted)."""
         if len(slots):
             t = self.table
             t.due_step[slots] = due_steps(step_id, t.num_computed[slots], t.num_tokens[slots] + t.num_pending[slots],
