@@ -8,10 +8,11 @@ view (tokens computed, block table) always equals the scheduler's.
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.core.scheduler import Scheduler
-from tokenmill.protocol import CachedRequestData, ModelRunnerOutput, SchedulerOutput, unpack_ids
+from tokenmill.protocol import Logprobs, ModelRunnerOutput, SchedulerOutput, unpack_ids
 
 EOS = 3
 
@@ -20,6 +21,26 @@ def next_token(tokens: list[int], num_prompt: int) -> int:
     position = len(tokens) - num_prompt
     seed = (sum(tokens[:num_prompt]) * 31 + position * 17) % 997
     return EOS if seed % 41 == 0 else 10 + seed
+
+
+def fake_logprobs(token: int, k: int | None) -> Logprobs | None:
+    """A made-up logprobs row for a sampled token (when the request asked for any)."""
+    if k is None:
+        return None
+    ids = np.array([[token] + [token + 1 + j for j in range(k)]])
+    return Logprobs.from_arrays(ids, -ids.astype(np.float32) / 1000, np.array([1 + token % 3]))
+
+
+def fake_prompt_logprobs(state: dict, num_scheduled: int) -> Logprobs | None:
+    """Made-up logprobs for the prompt positions this chunk predicts (as the real runner)."""
+    k = state["params"].prompt_logprobs
+    first = state["computed"] - num_scheduled
+    last = min(state["computed"], state["num_prompt"] - 1)
+    if k is None or last <= first:
+        return None
+    targets = np.array(state["tokens"][first + 1:last + 1])[:, None]
+    ids = np.concatenate([targets] + [targets + 1 + j for j in range(k)], 1)
+    return Logprobs.from_arrays(ids, -ids.astype(np.float32), np.arange(1, len(targets) + 1))
 
 
 class FakeWorker:
@@ -37,22 +58,27 @@ class FakeWorker:
             assert new.handle not in self.states, "new request already known"
             self.states[new.handle] = {
                 "tokens": unpack_ids(new.token_ids), "num_prompt": new.num_prompt_tokens,
-                "blocks": unpack_ids(new.block_ids), "computed": new.num_computed_tokens}
-        cached = so.cached_requests or CachedRequestData()
-        for handle, blocks in zip(cached.handles, cached.new_block_ids):
-            self.states[handle]["blocks"].extend(unpack_ids(blocks))
-        sampled = []
+                "blocks": unpack_ids(new.block_ids), "computed": new.num_computed_tokens,
+                "params": new.sampling_params}
+        for handle, blocks in so.cached_requests.rows() if so.cached_requests else ():
+            self.states[handle]["blocks"].extend(blocks)
+        sampled, logprobs, prompt_logprobs = [], [], []
         for handle, n in zip(so.scheduled_handles, so.num_scheduled_tokens):
             state = self.states[handle]
             state["computed"] += n
             assert state["computed"] <= len(state["tokens"]), "scheduled past the known tokens"
+            prompt_logprobs.append(fake_prompt_logprobs(state, n))
             if state["computed"] == len(state["tokens"]):
                 token = next_token(state["tokens"], state["num_prompt"])
                 state["tokens"].append(token)
                 sampled.append([token])
+                logprobs.append(fake_logprobs(token, state["params"].logprobs))
             else:
                 sampled.append([])
-        return ModelRunnerOutput.from_rows(so.step_id, sampled)
+                logprobs.append(None)
+        return ModelRunnerOutput.from_rows(
+            so.step_id, sampled, logprobs=logprobs if any(logprobs) else [],
+            prompt_logprobs=prompt_logprobs if any(prompt_logprobs) else [])
 
     def check_mirrors(self, scheduler: Scheduler, block_size: int) -> None:
         for handle, state in self.states.items():

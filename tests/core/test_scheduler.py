@@ -61,7 +61,7 @@ def run(scheduler: Scheduler, prompts: list[list[int]], max_tokens: list[int], *
             admit(1)
             continue
         so, out = queue.pop(0)
-        for o in scheduler.update(so, out).outputs:
+        for o in scheduler.update(so, out).all_outputs():
             outputs[o.handle].extend(o.new_token_ids)
             if o.finish_reason is not None:
                 results[o.handle] = (outputs[o.handle], o.finish_reason)

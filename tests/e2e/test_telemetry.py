@@ -1,4 +1,4 @@
-"""Message telemetry, step trace, debug digest and `bench overhead`, on the null model.
+"""Message telemetry, step trace, debug digest, `bench overhead` and `bench core`, on the null model.
 
 Steady decode must cost O(1) bytes per step from the scheduler to the workers and at most
 ~5 bytes per running request back. A block size larger than prompt + output keeps every
@@ -119,3 +119,14 @@ def test_bench_overhead_end_to_end(tiny_model, tmp_path, capsys) -> None:
         assert 0 < r["sched_to_worker_bytes_p50"] <= 64
         assert r["core_to_frontend_bytes_p50"] > 0 and r["core_us_per_step"] > 0
     assert "core st/s" in capsys.readouterr().out
+
+
+def test_bench_core_runs_and_records(tiny_model, tmp_path, capsys) -> None:
+    out = tmp_path / "core.json"
+    assert cli_main(["--log-level", "WARNING", "bench", "core", "--model", tiny_model, "--batch-sizes", "1,8",
+                     "--steps", "5", "--warmup-steps", "2", "--repeats", "1", "--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["arrival"], r["async_scheduling"], r["batch_size"]) for r in rows] == [
+        (arrival, mode, size) for arrival in ("aligned", "staggered") for mode in (False, True) for size in (1, 8)]
+    assert all(r["schedule_us"] > 0 and r["update_us"] > 0 and r["worker_and_codecs_us"] > 0 for r in rows)
+    assert "µs/request" in capsys.readouterr().out

@@ -7,7 +7,7 @@ import pytest
 
 from tokenmill.frontend.output_processor import OutputProcessor
 from tokenmill.outputs import RequestOutput
-from tokenmill.protocol import EngineCoreOutput, FinishReason, Logprobs
+from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, Logprobs
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 CUMULATIVE, DELTA, FINAL_ONLY = RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
@@ -262,3 +262,38 @@ def test_add_request_validation(smol, prompt_ids):
         processor.add_request("s", [7], None, prompt_ids, SamplingParams())
     with pytest.raises(ValueError, match="n=2"):
         processor.add_request("s", [8], None, prompt_ids, SamplingParams(n=2))
+
+
+@pytest.mark.parametrize("kind", [CUMULATIVE, DELTA, FINAL_ONLY])
+def test_packed_one_token_outputs_render_like_full_ones(smol, prompt_ids, kind):
+    """The core sends a plain one-token step in the packed columns of EngineCoreOutputs; the
+    front-end must render it exactly as the same step sent as EngineCoreOutput structs
+    (n=2 samples, a stop string, a finish, a handle already gone)."""
+    texts = ["one two stop three four", "five six seven"]
+    ids = [encode(smol, t) for t in texts]
+    handles = (20, 21)
+    rendered = []
+    for packed in (False, True):
+        processor = start(smol, prompt_ids, handles=handles, output_kind=kind, stop=["stop"])
+        collected, aborted = [], []
+        for k in range(max(map(len, ids))):
+            plain, full = [], []
+            for h, seq in zip(handles, ids):
+                if k == len(seq) - 1:
+                    full.append(EngineCoreOutput(h, [seq[k]], FinishReason.LENGTH))
+                elif k < len(seq):
+                    plain.append((h, seq[k]))
+            plain.append((99, 5))  # an unknown (finished) handle is ignored
+            if packed:
+                step_outputs = EngineCoreOutputs(full, token_handles=np.array([h for h, _ in plain], "<i4").tobytes(),
+                                                 token_ids=np.array([t for _, t in plain], "<i4").tobytes())
+            else:
+                step_outputs = full + [EngineCoreOutput(h, [t]) for h, t in plain]
+            result = processor.process_outputs(step_outputs, timestamp=1.0)
+            collected += result.request_outputs
+            aborted += result.handles_to_abort
+        for out in collected:
+            out.metrics.pop("arrival_time")  # the wall clock at add_request
+        rendered.append((collected, aborted))
+    assert rendered[0] == rendered[1]
+    assert rendered[0][1] == [20]  # the stop string ended sample 0

@@ -8,12 +8,14 @@ fresh allocations take from the head, evicting the oldest cached block.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 
-def hash_block(parent_hash: int | None, tokens: Sequence[int]) -> int:
-    return hash((parent_hash, tuple(tokens)))
+def hash_block(parent_hash: int | None, tokens: bytes) -> int:
+    """`tokens`: the block's token ids, packed int32."""
+    return hash((parent_hash, tokens))
 
 
 class BlockPool:
@@ -36,12 +38,21 @@ class BlockPool:
     def allocate(self, n: int) -> list[int]:
         assert n <= len(self.free_queue), "caller checks num_free first"
         blocks = []
+        pop, ref_counts, block_hash = self.free_queue.popitem, self.ref_counts, self.block_hash
         for _ in range(n):
-            block, _ = self.free_queue.popitem(last=False)
-            self._evict(block)
-            self.ref_counts[block] = 1
+            block, _ = pop(last=False)
+            if block_hash[block] is not None:
+                self._evict(block)
+            ref_counts[block] = 1
             blocks.append(block)
         return blocks
+
+    def hashes_evicted_by(self, n: int) -> set[int]:
+        """The prefix-cache entries that allocating `n` blocks now would evict (changes nothing)."""
+        if not self.enable_caching:
+            return set()
+        hashes = (self.block_hash[block] for block in itertools.islice(self.free_queue, n))
+        return {h for h in hashes if h is not None}
 
     def touch(self, blocks: Iterable[int]) -> None:
         """Take a reference on prefix-cache hits (reviving free-but-cached ones)."""
@@ -65,6 +76,16 @@ class BlockPool:
             return
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
+
+    def cache_many(self, blocks: list[int], hashes: list[int]) -> None:
+        """`cache` for each (block, hash), in order."""
+        if not self.enable_caching:
+            return
+        block_hash, cached = self.block_hash, self.cached
+        for block, h in zip(blocks, hashes):
+            if block_hash[block] is None and h not in cached:
+                block_hash[block] = h
+                cached[h] = block
 
     def _evict(self, block: int) -> None:
         old = self.block_hash[block]

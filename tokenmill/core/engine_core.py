@@ -13,6 +13,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import numpy as np
+
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
@@ -21,7 +23,7 @@ from tokenmill.executor.base import Executor
 from tokenmill.metrics.stats_logger import StatsLogger
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.protocol import (EngineCoreOutputs, EngineCoreRequest, KVCacheStats, ModelRunnerOutput,
-                                SchedulerOutput, SchedulerStats, TelemetryReport, unpack_ids)
+                                SchedulerOutput, SchedulerStats, TelemetryReport)
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +60,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(
-            request.handle, unpack_ids(request.prompt_token_ids), request.sampling_params,
+            request.handle, np.frombuffer(request.prompt_token_ids, "<i4"), request.sampling_params,
             self.config.model.eos_token_ids, self.config.model.max_model_len,
             request.arrival_time or time.time()))
 
@@ -92,7 +94,7 @@ class EngineCore:
         done = clock()
         outputs = self.scheduler.update(batch, result)
         self.stats_logger.record_step(batch.total_num_scheduled_tokens,
-                                      sum(len(o.new_token_ids) for o in outputs.outputs))
+                                      outputs.num_new_tokens())
         self.stats_logger.maybe_log(self.scheduler.stats())
         updated = clock()
         args = {"step": batch.step_id}

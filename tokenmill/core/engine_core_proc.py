@@ -108,7 +108,7 @@ class EngineCoreProc:
                     break
             if engine.has_work():
                 outputs = engine.step()
-                if outputs.outputs:
+                if not outputs.is_empty():
                     self.outputs.put((CoreOutputKind.OUTPUTS, outputs))
 
     def _handle(self, item) -> bool:

@@ -1,11 +1,16 @@
-"""Per-request block tables on top of the block pool, and prefix-cache lookups."""
+"""Per-request block tables on top of the block pool, and prefix-cache lookups.
+
+Requests are named by handle; their token ids come in as int32 arrays and their hash chain
+(`block_hashes`, one hash per full block, grown lazily) is owned by the caller.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from tokenmill.core.block_pool import BlockPool, hash_block
-from tokenmill.core.request import Request
 
 
 @dataclass
@@ -34,14 +39,14 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
+    def find_cached_prefix(self, tokens: np.ndarray, block_hashes: list[int]) -> list[int]:
         """Blocks holding the longest cached prefix; at least one token is always left to compute."""
         if not self.enable_caching:
             return []
-        self._update_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_hashes(tokens, block_hashes, len(tokens))
+        max_blocks = (len(tokens) - 1) // self.block_size
         hits = []
-        for block_hash in request.block_hashes[:max_blocks]:
+        for block_hash in block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
             if block is None:
                 break
@@ -52,16 +57,29 @@ class KVCacheManager:
         self.stats.queries += num_tokens
         self.stats.hits += num_hit_tokens
 
-    def allocate(self, request: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> list[int] | None:
-        """Reserve room for `num_new_tokens` more tokens; return the new block ids, or None if the pool is short.
+    def allocate(self, handle: int, num_computed: int, num_new_tokens: int,
+                 cached_blocks: list[int] | None = None) -> list[int] | None:
+        """Reserve room for `num_new_tokens` after `num_computed`; return the new block ids, or
+        None (and change nothing) if the pool is short.
 
-        With `cached_blocks` (a first schedule), those become the request's leading blocks.
+        With `cached_blocks` (a first schedule: prefix-cache hits, counted in `num_computed`),
+        those become the request's leading blocks and lead the returned list. Full blocks are
+        registered in the prefix cache separately, by `cache_full_blocks`.
         """
-        handle = request.handle
-        held = self.blocks.get(handle, [])
-        cached_blocks = cached_blocks or []
-        num_computed = request.num_computed_tokens + len(cached_blocks) * self.block_size
-        need = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(cached_blocks)
+        held = self.blocks.get(handle)
+        num_held = len(held) if held is not None else 0
+        if not cached_blocks:
+            need = self.blocks_needed(num_computed + num_new_tokens) - num_held
+            if need > self.pool.num_free:
+                return None
+            new_blocks = self.pool.allocate(need) if need > 0 else []
+            if held is None:
+                self.blocks[handle] = new_blocks[:]
+                self.num_cached_blocks.setdefault(handle, 0)
+            else:
+                held.extend(new_blocks)
+            return new_blocks
+        need = self.blocks_needed(num_computed + num_new_tokens) - num_held - len(cached_blocks)
         # Cached blocks sitting in the free queue are revived, so they count against the free space.
         revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
         if need + revived > self.pool.num_free:
@@ -72,35 +90,64 @@ class KVCacheManager:
         held.extend(cached_blocks)
         held.extend(new_blocks)
         self.num_cached_blocks[handle] = max(self.num_cached_blocks.get(handle, 0), len(cached_blocks))
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
         return list(cached_blocks) + new_blocks
 
-    def free(self, request: Request) -> None:
-        blocks = self.blocks.pop(request.handle, [])
-        self.num_cached_blocks.pop(request.handle, None)
+    def append_blocks(self, handles: list[int], counts: list[int], blocks: list[int]) -> None:
+        """Add blocks already taken from the pool (by `pool.allocate`) to running requests' tables:
+        the first counts[0] to handles[0]'s, and so on."""
+        tables, start = self.blocks, 0
+        for handle, count in zip(handles, counts):
+            tables[handle].extend(blocks[start:start + count])
+            start += count
+
+    def hashes_to_cache(self, handle: int, num_tokens: int, tokens: np.ndarray, block_hashes: list[int]) -> list[int]:
+        """The hashes `cache_full_blocks` would register now (it may still skip some already cached)."""
+        if not self.enable_caching:
+            return []
+        num_full = num_tokens // self.block_size
+        self._update_hashes(tokens, block_hashes, num_full * self.block_size)
+        return block_hashes[self.num_cached_blocks.get(handle, 0):num_full]
+
+    def free(self, handle: int) -> None:
+        blocks = self.blocks.pop(handle, [])
+        self.num_cached_blocks.pop(handle, None)
         self.pool.release(reversed(blocks))
 
-    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Register blocks that will be full once this step's tokens are written.
-
-        Safe within the same step: backends write a step's K/V before any attention reads it.
-        """
+    def cache_full_blocks(self, handle: int, num_tokens: int, tokens: np.ndarray, block_hashes: list[int]) -> int:
+        """Register the blocks that are full within the first `num_tokens` of `tokens` (whose
+        K/V this step writes: backends write a step's K/V before any attention reads it).
+        Returns how many leading blocks of the request are now in the cache."""
+        start = self.num_cached_blocks.get(handle, 0)
         if not self.enable_caching:
-            return
-        num_full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self.num_cached_blocks.get(request.handle, 0)
+            return start
+        num_full = num_tokens // self.block_size
         if num_full <= start:
-            return
-        self._update_hashes(request)
-        blocks = self.blocks[request.handle]
+            return start
+        self._update_hashes(tokens, block_hashes, num_full * self.block_size)
+        blocks = self.blocks[handle]
         for i in range(start, num_full):
-            self.pool.cache(blocks[i], request.block_hashes[i])
-        self.num_cached_blocks[request.handle] = num_full
+            self.pool.cache(blocks[i], block_hashes[i])
+        self.num_cached_blocks[handle] = num_full
+        return num_full
 
-    def _update_hashes(self, request: Request) -> None:
-        hashes = request.block_hashes
+    def cache_next_blocks(self, handles: list[int], block_tokens: np.ndarray, hash_chains: list[list[int]]) -> None:
+        """`cache_full_blocks` for requests that each fill exactly their next block, in order:
+        `block_tokens[i]` holds the tokens of request i's block (int32, one row per request)."""
+        data, width = block_tokens.tobytes(), block_tokens.shape[1] * block_tokens.itemsize
+        tables, num_cached = self.blocks, self.num_cached_blocks
+        blocks, hashes = [], []
+        for i, (handle, chain) in enumerate(zip(handles, hash_chains)):
+            index = num_cached[handle]
+            if len(chain) == index:
+                chain.append(hash_block(chain[-1] if chain else None, data[i * width:(i + 1) * width]))
+            blocks.append(tables[handle][index])
+            hashes.append(chain[index])
+            num_cached[handle] = index + 1
+        self.pool.cache_many(blocks, hashes)
+
+    def _update_hashes(self, tokens: np.ndarray, hashes: list[int], num_tokens: int) -> None:
+        """Extend the hash chain over the full blocks of `tokens[:num_tokens]`."""
         bs = self.block_size
-        tokens = request.token_ids
-        while (len(hashes) + 1) * bs <= len(tokens):
+        while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs].tobytes()))

@@ -9,6 +9,14 @@ cache usually returns most of them).
 Async scheduling: a request whose sampled token is still in flight may be
 scheduled again; the unknown token counts as a placeholder (`num_pending`)
 that the worker fills in from its previous step's sampled ids.
+
+Cost: the running requests are rows of a `RunningTable` (numpy columns). `RunningPlanner`
+plans only the rows due for a look (the others are one-token decodes with room in their
+blocks) and visits in Python only rows that get a block, register one, or are preempted;
+`step_update` appends the sampled tokens and screens stop conditions with numpy. The
+batch goes to the workers as a diff (`BatchOrder`), made from slot arrays. So a steady
+decode step costs O(changes) Python work, plus a few numpy operations over the rows.
+Requests leave and join the table on admission, preemption and finish (O(changes)).
 """
 
 from __future__ import annotations
@@ -16,11 +24,16 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+import numpy as np
+
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.protocol import (CachedRequestData, EngineCoreOutput, EngineCoreOutputs, FinishReason,
-                                ModelRunnerOutput, NewRequestData, SchedulerOutput, SchedulerStats, pack_ids)
+from tokenmill.core.running_plan import RunningPlanner
+from tokenmill.core.running_table import NEVER, RunningTable
+from tokenmill.core.step_update import apply_step
+from tokenmill.protocol import (CachedRequestData, EngineCoreOutputs, FinishReason, ModelRunnerOutput,
+                                NewRequestData, SchedulerOutput, SchedulerStats, pack_ids)
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.protocol.digest import batch_digest
 
@@ -34,13 +47,19 @@ class Scheduler:
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.num_pending: dict[int, int] = {}  # handle -> sampled tokens still in flight
+        self.table = RunningTable(config.max_num_seqs)
+        self.planner = RunningPlanner(self.table, self.kv, self._preempt)
         self.known_to_workers: set[int] = set()
         self.finished_to_send: list[int] = []
         self.step_id = 0
         self.num_preemptions = 0
         self.batch_order = BatchOrder()
+        self._batch_slots = np.empty(0, np.int64)  # the last batch's rows, as slots
+        self._batch_version = -1  # the table's version when the last batch was made
+        self._batch_is_all_running = False  # the last batch had every running request
+        # The EOS ids most requests stop on (set by the first that has any): checked with numpy.
+        self._common_eos: frozenset[int] | None = None
+        self.eos_ids = np.empty(0, np.int64)
 
     # ------------------------------------------------------------------ requests
 
@@ -51,126 +70,152 @@ class Scheduler:
                 f"max_tokens: prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
                 f"({request.max_output_tokens}) needs {needed} KV blocks, but the cache has only "
                 f"{self.kv.num_blocks} blocks of {self.block_size} tokens")
+        if request.eos_token_ids and self._common_eos is None:
+            self._common_eos = request.eos_token_ids
+            self.eos_ids = np.array(sorted(request.eos_token_ids), np.int64)
         self.requests[request.handle] = request
         self.waiting.append(request)
 
     def abort(self, handles: list[int]) -> None:
         for handle in handles:
             request = self.requests.get(handle)
-            if request is None:
-                continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
-            request.finish_reason = FinishReason.ABORT
-            self._finish(request)
+            if request is not None:
+                request.finish_reason = FinishReason.ABORT
+                self.finish([request])
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def running(self) -> list[Request]:
+        """Running requests in priority order (for tests and debugging; O(batch))."""
+        return [self.table.requests[slot] for slot in self.table.order.tolist()]
+
+    @property
+    def num_pending(self) -> dict[int, int]:
+        """Live requests with sampled tokens in flight: handle -> how many (O(batch))."""
+        t = self.table
+        pending = {int(t.handle[s]): int(t.num_pending[s]) for s in t.order.tolist() if t.num_pending[s]}
+        pending.update((r.handle, r.num_pending) for r in self.waiting if r.num_pending)
+        return pending
+
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
+        return SchedulerStats(self.table.num_running, len(self.waiting), self.kv.usage,
                               self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions)
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput | None:
         """The next step's batch, or None when nothing can run now."""
+        t = self.table
+        step_id = self.step_id + 1
         budget = self.config.max_num_batched_tokens
-        scheduled: list[tuple[Request, int]] = []
-        new_blocks: dict[int, list[int]] = {}
-        preempted: list[int] = []
+        plan = self.planner.plan(step_id, budget)
+        sched_slots, sched_counts = plan.slots, plan.counts
+        budget -= int(sched_counts.sum())
+
         new_requests: list[NewRequestData] = []
+        admitted: list[int] = []
+        if not plan.preempted:
+            admitted, admitted_counts = self._admit(budget, new_requests)
+            if admitted:
+                sched_slots = np.concatenate([sched_slots, admitted])
+                sched_counts = np.concatenate([sched_counts, admitted_counts])
+                self.planner.set_due_steps(np.array(admitted), step_id)
 
-        i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(self._num_uncomputed(request), budget)
-            if num_new <= 0:
-                i += 1
-                continue
-            blocks = self.kv.allocate(request, num_new)
-            while blocks is None:
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.handle)
-                if victim is request:
-                    break
-                blocks = self.kv.allocate(request, num_new)
-            if blocks is None:
-                break
-            scheduled.append((request, num_new))
-            if blocks:
-                new_blocks[request.handle] = blocks
-            budget -= num_new
-            i += 1
-
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
-            request = self.waiting[0]
-            if self.num_pending.get(request.handle):  # a preempted request's token is still in flight
-                break
-            # Prompt logprobs need every prompt position computed, so they skip the prefix cache.
-            cached = [] if request.params.prompt_logprobs is not None else self.kv.find_cached_prefix(request)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = len(cached) * self.block_size
-            num_hit = len(cached) * self.block_size
-            num_new = min(request.num_tokens - num_hit, budget)
-            if self.kv.allocate(request, num_new, cached) is None:
-                break
-            request.num_computed_tokens = num_hit
-            self.waiting.popleft()
-            self.kv.record_lookup(request.num_tokens, num_hit)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append((request, num_new))
-            budget -= num_new
-
-        if not scheduled and not preempted and not self.finished_to_send:
+        if not len(sched_slots) and not plan.preempted and not self.finished_to_send:
             return None
-
-        cached_data = CachedRequestData()
-        for request, num_new in scheduled:
-            handle = request.handle
-            if handle not in self.known_to_workers:
-                self.known_to_workers.add(handle)
-                new_requests.append(NewRequestData(
-                    handle=handle, token_ids=pack_ids(request.token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.params,
-                    block_ids=pack_ids(self.kv.blocks[handle]),
-                    num_computed_tokens=request.num_computed_tokens))
-            elif handle in new_blocks:
-                cached_data.handles.append(handle)
-                cached_data.new_block_ids.append(pack_ids(new_blocks[handle]))
-            request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + self.num_pending.get(handle, 0):
-                self.num_pending[handle] = self.num_pending.get(handle, 0) + 1
-
-        self.step_id += 1
+        self.step_id = step_id
+        grown = plan.new_blocks
         output = SchedulerOutput(
-            step_id=self.step_id, new_requests=new_requests,
-            cached_requests=cached_data if cached_data.handles else None,
-            finished_handles=self.finished_to_send, preempted_handles=preempted)
-        self.batch_order.encode(output, {r.handle: n for r, n in scheduled})
+            step_id=step_id, new_requests=new_requests,
+            cached_requests=CachedRequestData.pack(grown.handles, grown.counts, grown.block_ids),
+            finished_handles=self.finished_to_send, preempted_handles=plan.preempted)
+        if (plan.one_token_each and not admitted and self._batch_version == t.version
+                and self._batch_is_all_running):
+            self.batch_order.encode_same_rows(output)  # the rows of the last batch, one token each
+            output.row_slots = self._batch_slots
+        else:
+            self._encode_batch(output, sched_slots, sched_counts)
+        output.table_version = self._batch_version = t.version
+        self._batch_is_all_running = len(output.row_slots) == t.num_running
         check_every = self.config.debug_check_every
-        if check_every and self.step_id % check_every == 0:
-            output.digest = batch_digest((h, self.requests[h].num_computed_tokens, self.kv.blocks[h])
-                                         for h in output.scheduled_handles)
+        if check_every and step_id % check_every == 0:
+            output.digest = batch_digest((h, int(t.num_computed[s]), self.kv.blocks[h]) for h, s in
+                                         zip(output.batch_handles.tolist(), output.row_slots.tolist()))
         self.finished_to_send = []
         return output
 
-    def _num_uncomputed(self, request: Request) -> int:
-        pending = self.num_pending.get(request.handle, 0)
-        if request.num_output_tokens + pending >= request.max_output_tokens:
-            return 0  # its last token is already in flight
-        return request.num_tokens + pending - request.num_computed_tokens
+    def _admit(self, budget: int, new_requests: list[NewRequestData]) -> tuple[list[int], list[int]]:
+        """Start waiting requests (FCFS) while budget, seats and blocks allow; returns their
+        slots and scheduled token counts."""
+        t, kv, bs = self.table, self.kv, self.block_size
+        slots: list[int] = []
+        counts: list[int] = []
+        while self.waiting and budget > 0 and t.num_running < self.config.max_num_seqs:
+            request = self.waiting[0]
+            if request.num_pending:  # a preempted request's token is still in flight
+                break
+            tokens = request.token_ids
+            assert tokens is not None
+            # Prompt logprobs need every prompt position computed, so they skip the prefix cache.
+            cached = [] if request.params.prompt_logprobs is not None else kv.find_cached_prefix(
+                tokens, request.block_hashes)
+            num_hit = len(cached) * bs
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            num_new = min(len(tokens) - num_hit, budget)
+            if kv.allocate(request.handle, num_hit, num_new, cached) is None:
+                break
+            self.waiting.popleft()
+            kv.record_lookup(len(tokens), num_hit)
+            computed = num_hit + num_new
+            num_cached = kv.cache_full_blocks(request.handle, min(computed, len(tokens)), tokens,
+                                              request.block_hashes)
+            blocks = kv.blocks[request.handle]
+            self.known_to_workers.add(request.handle)
+            new_requests.append(NewRequestData(
+                handle=request.handle, token_ids=tokens.astype("<i4", copy=False).tobytes(),
+                num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.params,
+                block_ids=pack_ids(blocks), num_computed_tokens=num_hit))
+            request.status = RequestStatus.RUNNING
+            on_eos = bool(request.eos_token_ids) and request.eos_token_ids == self._common_eos
+            custom = bool(request.stop_token_ids) or (bool(request.eos_token_ids) and not on_eos)
+            slot = t.add(request, computed, len(blocks) * bs,
+                         (num_cached + 1) * bs if kv.enable_caching else NEVER, on_eos, custom)
+            if computed == len(tokens):
+                t.num_pending[slot] = 1  # this step samples its next token
+            slots.append(slot)
+            counts.append(num_new)
+            budget -= num_new
+        return slots, counts
 
-    def _preempt(self, request: Request) -> None:
-        self.running.remove(request)
-        self.kv.free(request)
+    def _encode_batch(self, so: SchedulerOutput, sched_slots: np.ndarray, sched_counts: np.ndarray) -> None:
+        """The batch as a diff against the last one: rows whose request is still scheduled stay
+        in their order, the rest leave; newly scheduled requests join at the end."""
+        t = self.table
+        prev = self._batch_slots
+        count_of = np.zeros(t.max_rows, np.int64)
+        count_of[sched_slots] = sched_counts
+        # A slot may hold another request by now: compare handles too.
+        kept = (count_of[prev] > 0) & (t.handle[prev] == self.batch_order.handles)
+        if len(prev) == len(sched_slots) and kept.all():
+            batch_slots, added = prev, np.empty(0, np.int64)
+        else:
+            in_kept = np.zeros(t.max_rows, bool)
+            in_kept[prev[kept]] = True
+            added_slots = sched_slots[~in_kept[sched_slots]]
+            batch_slots = np.concatenate([prev[kept], added_slots])
+            added = t.handle[added_slots]
+        self.batch_order.encode(so, kept, added, count_of[batch_slots])
+        self._batch_slots = so.row_slots = batch_slots
+
+    def _preempt(self, slot: int) -> None:
+        request = self.table.requests[slot]
+        assert request is not None
+        self.table.move_out(slot)
+        self.kv.free(request.handle)
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.known_to_workers.discard(request.handle)
         self.waiting.appendleft(request)
@@ -182,52 +227,23 @@ class Scheduler:
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Apply a finished step's sampled tokens; return what the front-end must hear."""
-        outputs: list[EngineCoreOutput] = []
-        logprobs = runner_output.logprobs
-        prompt_logprobs = runner_output.prompt_logprobs
-        handles = scheduler_output.scheduled_handles
-        for row, (handle, sampled) in enumerate(zip(handles, runner_output.rows(len(handles)))):
-            prompt_lp = prompt_logprobs[row] if prompt_logprobs else None
-            if not sampled:
-                if prompt_lp is not None and handle in self.requests:
-                    outputs.append(EngineCoreOutput(handle=handle, new_token_ids=[], prompt_logprobs=prompt_lp))
-                continue
-            self.num_pending[handle] -= 1
-            request = self.requests.get(handle)
-            if request is None or request.is_finished:
-                continue  # finished or aborted while this step was in flight
-            new_tokens = []
-            finished = False
-            for token in sampled:
-                new_tokens.append(token)
-                if request.append_output(token):
-                    finished = True
-                    break
-            if finished:
-                self._remove_running(request)
-                self._finish(request)
-            outputs.append(EngineCoreOutput(
-                handle=handle, new_token_ids=new_tokens, finish_reason=request.finish_reason,
-                stop_token_id=request.stop_token_id,
-                logprobs=logprobs[row] if logprobs else None, prompt_logprobs=prompt_lp,
-                num_cached_tokens=max(request.num_cached_tokens, 0)))
-        for handle in list(self.num_pending):
-            if self.num_pending[handle] == 0 and handle not in self.requests:
-                del self.num_pending[handle]
-        return EngineCoreOutputs(outputs=outputs)
+        result = apply_step(self.table, self.requests, self.eos_ids, scheduler_output, runner_output)
+        if result.finished:
+            self.finish(result.finished)
+        return result.outputs
 
-    def _remove_running(self, request: Request) -> None:
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-
-    def _finish(self, request: Request) -> None:
-        request.status = RequestStatus.FINISHED
-        self.kv.free(request)
-        del self.requests[request.handle]
-        if request.handle in self.known_to_workers:
-            self.known_to_workers.discard(request.handle)
-            self.finished_to_send.append(request.handle)
-        if not self.num_pending.get(request.handle):
-            self.num_pending.pop(request.handle, None)
+    def finish(self, requests: list[Request]) -> None:
+        """End these requests (their `finish_reason` is set): free their rows and blocks, and
+        tell the workers with the next step."""
+        on_table = [r.slot for r in requests if r.slot >= 0]
+        if on_table:
+            self.table.remove(on_table)
+        for request in requests:
+            if request.status != RequestStatus.RUNNING:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED
+            self.kv.free(request.handle)
+            del self.requests[request.handle]
+            if request.handle in self.known_to_workers:
+                self.known_to_workers.discard(request.handle)
+                self.finished_to_send.append(request.handle)

@@ -115,7 +115,7 @@ class LLM:
                 waiting = time.perf_counter()
                 step = self.client.get_outputs()
                 self.client.telemetry.record("get_outputs", waiting, time.perf_counter())
-                generated += sum(len(o.new_token_ids) for o in step.outputs)
+                generated += step.num_new_tokens()
                 processed = self.frontend.process(step)
                 for failure in processed.failures.values():
                     raise failure

@@ -113,7 +113,7 @@ class EngineFrontend:
     def process(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
         """The core's outputs of one step as `RequestOutput`s (and failures, by request id)."""
         start = time.perf_counter()
-        processed = self.output_processor.process_outputs(outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs)
         if processed.handles_to_abort:
             self.client.abort_requests(processed.handles_to_abort)
         self.client.telemetry.record("process_outputs", start, time.perf_counter())

@@ -60,7 +60,7 @@ class AsyncInprocClient(InprocClientBase, AsyncEngineCoreClient):
                 await self._work.wait()
             await asyncio.sleep(0)  # let consumers run between steps
             outputs = self.engine.step()
-            if outputs.outputs:
+            if not outputs.is_empty():
                 return outputs
 
     async def call(self, method: str):

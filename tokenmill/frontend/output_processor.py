@@ -22,8 +22,8 @@ from typing import Any
 from tokenmill.frontend.detokenizer import backend_tokenizer
 from tokenmill.frontend.request_state import RequestState, SampleState
 from tokenmill.outputs import RequestOutput
-from tokenmill.protocol import EngineCoreOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.protocol import EngineCoreOutput, EngineCoreOutputs
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -62,11 +62,15 @@ class OutputProcessor:
         for sample in state.samples:
             self._by_handle[sample.handle] = (state, sample)
 
-    def process_outputs(self, outputs: Sequence[EngineCoreOutput], timestamp: float | None = None) -> ProcessedOutputs:
-        """`timestamp` (the time the outputs were produced) defaults to now."""
+    def process_outputs(self, outputs: EngineCoreOutputs | Sequence[EngineCoreOutput],
+                        timestamp: float | None = None) -> ProcessedOutputs:
+        """One step's outputs; `timestamp` (the time they were produced) defaults to now."""
         now = time.time() if timestamp is None else timestamp
         result = ProcessedOutputs()
         changed: dict[str, list[SampleState]] = {}
+        if isinstance(outputs, EngineCoreOutputs):
+            self._process_one_tokens(outputs, now, changed, result)
+            outputs = outputs.outputs
         for out in outputs:
             entry = self._by_handle.get(out.handle)
             if entry is None:
@@ -75,20 +79,11 @@ class OutputProcessor:
             try:
                 stopped = self._apply(state, sample, out, now)
             except Exception as exc:  # noqa: BLE001 - a bug: fail this request (logged), not the engine
-                logger.exception("request %s failed while processing its output", state.request_id)
-                result.failures[state.request_id] = exc
-                result.handles_to_abort += self.abort_request(state.request_id)
-                changed.pop(state.request_id, None)
+                self._fail(state, exc, changed, result)
                 continue
             if stopped is None:
                 continue  # a prefill chunk: nothing to show yet
-            if stopped:
-                result.handles_to_abort.append(out.handle)
-            samples = changed.setdefault(state.request_id, [])
-            if sample not in samples:
-                samples.append(sample)
-            if sample.finished:
-                del self._by_handle[out.handle]
+            self._note(state, sample, stopped, changed, result)
         for request_id, samples in changed.items():
             state = self._requests[request_id]
             request_output = state.make_output(samples)
@@ -97,6 +92,43 @@ class OutputProcessor:
             if state.finished:
                 del self._requests[request_id]
         return result
+
+    def _process_one_tokens(self, outputs: EngineCoreOutputs, now: float,
+                            changed: dict[str, list[SampleState]], result: ProcessedOutputs) -> None:
+        """The packed part of a step: requests whose only news is one new token."""
+        handles, tokens = outputs.one_token_rows()
+        for handle, token in zip(handles.tolist(), tokens.tolist()):
+            entry = self._by_handle.get(handle)
+            if entry is None:
+                continue  # finished or aborted already; the core may not know yet
+            state, sample = entry
+            try:
+                state.record_tokens(now)
+                stopped = sample.update(EngineCoreOutput(handle, [token]))
+            except Exception as exc:  # noqa: BLE001 - as above
+                self._fail(state, exc, changed, result)
+                continue
+            if not sample.finished and state.params.output_kind == RequestOutputKind.FINAL_ONLY:
+                continue  # nothing to render until the request finishes
+            self._note(state, sample, stopped, changed, result)
+
+    def _note(self, state: RequestState, sample: SampleState, stopped: bool,
+              changed: dict[str, list[SampleState]], result: ProcessedOutputs) -> None:
+        """Marks `sample` for rendering; a sample a stop string ended is handed back for aborting."""
+        if stopped:
+            result.handles_to_abort.append(sample.handle)
+        samples = changed.setdefault(state.request_id, [])
+        if sample not in samples:
+            samples.append(sample)
+        if sample.finished:
+            del self._by_handle[sample.handle]
+
+    def _fail(self, state: RequestState, exc: Exception, changed: dict[str, list[SampleState]],
+              result: ProcessedOutputs) -> None:
+        logger.error("request %s failed while processing its output", state.request_id, exc_info=exc)
+        result.failures[state.request_id] = exc
+        result.handles_to_abort += self.abort_request(state.request_id)
+        changed.pop(state.request_id, None)
 
     @staticmethod
     def _apply(state: RequestState, sample: SampleState, out: EngineCoreOutput, now: float) -> bool | None:

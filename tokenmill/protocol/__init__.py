@@ -8,6 +8,7 @@ integer handles that the front-end assigns. Nothing here is ever pickled.
 
 from __future__ import annotations
 
+import functools
 from enum import IntEnum
 
 import msgspec
@@ -80,8 +81,30 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One step's news for the front-end. A request whose only news is one new token (a steady
+    decode) travels in the two packed columns; anything more (a finish, logprobs, a prefix-cache
+    hit not yet reported, several tokens) as an `EngineCoreOutput` in `outputs`. A request
+    appears at most once per step, in one of the two."""
+
     outputs: list[EngineCoreOutput]
     timestamp: float = 0.0
+    token_handles: bytes = b""  # int32: requests that got exactly one new token and nothing else
+    token_ids: bytes = b""  # int32: that token, per handle
+
+    def one_token_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(handles, tokens) of the packed one-token part."""
+        return np.frombuffer(self.token_handles, _I32), np.frombuffer(self.token_ids, _I32)
+
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids) // 4 + sum(len(o.new_token_ids) for o in self.outputs)
+
+    def is_empty(self) -> bool:
+        return not self.outputs and not self.token_handles
+
+    def all_outputs(self) -> list[EngineCoreOutput]:
+        """Every request's news as an EngineCoreOutput (tests and slow consumers)."""
+        handles, tokens = self.one_token_rows()
+        return self.outputs + [EngineCoreOutput(h, [t]) for h, t in zip(handles.tolist(), tokens.tolist())]
 
 
 class AbortRequests(msgspec.Struct, array_like=True):
@@ -102,11 +125,27 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int  # prefix-cache hit or recompute start
 
 
-class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Columnar diffs for requests the workers already hold."""
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Columnar diffs for requests the workers already hold: blocks appended to their block tables."""
 
-    handles: list[int] = []
-    new_block_ids: list[bytes] = []  # packed int32 per handle, appended to its block table
+    handles: bytes = b""  # int32: the requests that got new blocks
+    num_new_blocks: bytes = b""  # int32: how many, per handle
+    new_block_ids: bytes = b""  # int32: the new blocks of every handle, concatenated in handle order
+
+    @staticmethod
+    def pack(handles, num_new_blocks, new_block_ids) -> "CachedRequestData | None":
+        """From three int sequences (lists or arrays); None when no request got a block."""
+        if not len(handles):
+            return None
+        return CachedRequestData(pack_ids(handles), pack_ids(num_new_blocks), pack_ids(new_block_ids))
+
+    def rows(self) -> list[tuple[int, list[int]]]:
+        """(handle, its new block ids) per request."""
+        ids, start, rows = unpack_ids(self.new_block_ids), 0, []
+        for handle, count in zip(unpack_ids(self.handles), unpack_ids(self.num_new_blocks)):
+            rows.append((handle, ids[start:start + count]))
+            start += count
+        return rows
 
 
 class BatchDiff(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -125,8 +164,10 @@ class BatchDiff(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=True):
-    """One step, as the workers need it. `scheduled_handles` / `num_scheduled_tokens` are local
-    views (set by BatchOrder on each side from `batch`), never on the wire."""
+    """One step, as the workers need it. Local views, set by BatchOrder on each side from `batch`
+    and never on the wire: `batch_handles` / `batch_counts` (int32 arrays: the handle and the
+    number of scheduled tokens of each row), `total_num_scheduled_tokens`, and the same two
+    columns as lists, `scheduled_handles` / `num_scheduled_tokens` (made on first use)."""
 
     step_id: int
     batch: BatchDiff | None = None  # None: the previous step's batch, one token per row
@@ -135,6 +176,14 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     finished_handles: list[int] = []  # workers drop these before the step
     preempted_handles: list[int] = []  # workers drop these too; they come back as new requests
     digest: int | None = None  # debug mode: crc32 of the scheduler's view (see protocol/digest.py)
+
+    @functools.cached_property
+    def scheduled_handles(self) -> list[int]:
+        return self.batch_handles.tolist()
+
+    @functools.cached_property
+    def num_scheduled_tokens(self) -> list[int]:
+        return self.batch_counts.tolist()
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -158,16 +207,16 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
                                  count_rows=pack_ids([i for i, _ in odd]),
                                  count_values=pack_ids([n for _, n in odd]), **extra)
 
-    def rows(self, num_rows: int) -> list[list[int]]:
-        counts = [1] * num_rows
-        for row, n in zip(unpack_ids(self.count_rows), unpack_ids(self.count_values)):
-            counts[row] = n
-        tokens = unpack_ids(self.sampled)
-        out, pos = [], 0
-        for n in counts:
-            out.append(tokens[pos:pos + n])
-            pos += n
-        return out
+    def row_counts(self, num_rows: int) -> np.ndarray:
+        """Tokens sampled per row (int32)."""
+        counts = np.ones(num_rows, _I32)
+        if self.count_rows:
+            counts[np.frombuffer(self.count_rows, _I32)] = np.frombuffer(self.count_values, _I32)
+        return counts
+
+    def sampled_tokens(self) -> np.ndarray:
+        """Every row's sampled tokens, concatenated in row order (int32)."""
+        return np.frombuffer(self.sampled, _I32)
 
 
 # ---------------------------------------------------------------- control messages

@@ -150,15 +150,15 @@ class ModelRunner:
         self.batch.flush()
         self.sampling.flush()
         prev, self._pending = self._pending, None
-        if not so.scheduled_handles:
+        if not len(so.batch_handles):
             self._slots = np.zeros(0, dtype=np.int64)
             if prev is not None:
                 prev.output()
             return PendingStep.empty(so.step_id)
-        if changed or len(self._slots) != len(so.scheduled_handles):
-            self._slots = self.batch.slots(so.scheduled_handles)
+        if changed or len(self._slots) != len(so.batch_handles):
+            self._slots = self.batch.slots(so.batch_handles.tolist())
         slots = self._slots
-        counts = np.asarray(so.num_scheduled_tokens, dtype=np.int64)
+        counts = so.batch_counts.astype(np.int64)
         if self.device.type == "cpu":
             self._cpu_threads().apply()
         graphs = self.graphs

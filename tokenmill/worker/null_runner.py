@@ -3,6 +3,10 @@
 It keeps the same per-request mirror as the real runner (from the same diffs) and
 samples one random token for each row that reaches the end of its known tokens, so the
 whole multi-process engine can be driven at any batch size to measure its own overhead.
+
+The token counts of the requests in the current batch live in numpy arrays in row order
+(`_BatchRows`), so a steady step is a few array operations; a request's `NullState` holds
+them only while it is out of the batch (and always holds its block table).
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ import time
 import numpy as np
 
 from tokenmill.config import EngineConfig
+from tokenmill.protocol import ModelRunnerOutput, NewRequestData, SchedulerOutput, unpack_ids
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.step_diffs import apply_step_diffs
-from tokenmill.protocol import ModelRunnerOutput, NewRequestData, SchedulerOutput, pack_ids, unpack_ids
 
 NOMINAL_KV_BLOCKS = 1 << 20
+_I32 = np.dtype("<i4")
 
 
 class NullState:
@@ -43,6 +48,28 @@ class NullStep:
         return self._output
 
 
+class _BatchRows:
+    """Token counts of the batch's requests, in row order (the batch is `BatchOrder.handles`)."""
+
+    def __init__(self) -> None:
+        self.num_tokens = np.empty(0, np.int64)
+        self.num_computed = np.empty(0, np.int64)
+
+    def stash(self, handles: np.ndarray, rows: np.ndarray, states: dict[int, NullState]) -> None:
+        """Write these rows' counts back to their requests' states."""
+        for handle, num_tokens, num_computed in zip(handles[rows].tolist(), self.num_tokens[rows].tolist(),
+                                                    self.num_computed[rows].tolist()):
+            state = states[handle]
+            state.num_tokens, state.num_computed_tokens = num_tokens, num_computed
+
+    def rebuild(self, kept: np.ndarray, added: np.ndarray, states: dict[int, NullState]) -> None:
+        """Keep the rows in `kept` (a mask), then append rows for the `added` handles."""
+        joining = [states[h] for h in added.tolist()]
+        self.num_tokens = np.concatenate([self.num_tokens[kept], [s.num_tokens for s in joining]]).astype(np.int64)
+        self.num_computed = np.concatenate(
+            [self.num_computed[kept], [s.num_computed_tokens for s in joining]]).astype(np.int64)
+
+
 class NullRunner:
     model = None  # no forward pass to watch
 
@@ -51,6 +78,7 @@ class NullRunner:
         self.states: dict[int, NullState] = {}
         self.batch_order = BatchOrder()
         self.last_timings: dict[str, float] = {}
+        self._rows = _BatchRows()
         self._vocab_size = config.model.vocab_size
         self._rng = np.random.default_rng(config.model.seed)
 
@@ -69,26 +97,37 @@ class NullRunner:
     def launch(self, so: SchedulerOutput) -> NullStep:
         start = time.perf_counter()
         self._apply_diffs(so)
-        idle_rows = []
-        num_sampled = 0
-        for row, (handle, n) in enumerate(zip(so.scheduled_handles, so.num_scheduled_tokens)):
-            state = self.states[handle]
-            state.num_computed_tokens += n
-            if state.num_computed_tokens >= state.num_tokens:
-                state.num_tokens += 1
-                num_sampled += 1
-            else:
-                idle_rows.append(row)  # a prefill chunk short of the prompt's end: no token
+        rows = self._rows
+        rows.num_computed += so.batch_counts
+        sampling = rows.num_computed >= rows.num_tokens  # the row reached the end of its known tokens
+        rows.num_tokens += sampling
+        idle_rows = (~sampling).nonzero()[0]  # a prefill chunk short of the prompt's end: no token
+        if so.digest is not None:  # the worker checks `states` against the scheduler's view
+            rows.stash(so.batch_handles, np.arange(len(so.batch_handles)), self.states)
         prepared = time.perf_counter()
-        tokens = self._rng.integers(0, self._vocab_size, num_sampled, dtype=np.int32)
-        output = ModelRunnerOutput(step_id=so.step_id, sampled=tokens.astype("<i4").tobytes(),
-                                   count_rows=pack_ids(idle_rows), count_values=pack_ids([0] * len(idle_rows)))
+        tokens = self._rng.integers(0, self._vocab_size, len(sampling) - len(idle_rows), dtype=np.int32)
+        output = ModelRunnerOutput(step_id=so.step_id, sampled=tokens.astype(_I32, copy=False).tobytes(),
+                                   count_rows=idle_rows.astype(_I32).tobytes(),
+                                   count_values=bytes(4 * len(idle_rows)))
         self.last_timings = {"prepare": prepared - start, "forward": 0.0,
                              "sample": time.perf_counter() - prepared}
         return NullStep(output)
 
     def _apply_diffs(self, so: SchedulerOutput) -> None:
+        """The step diffs applied to `states` (see `apply_step_diffs`), and to the batch rows: rows
+        that leave the batch hand their counts back to their states, joining rows take theirs."""
+        diff, previous = so.batch, self.batch_order.handles
+        kept = None
+        if diff is not None and (diff.full is not None or diff.removed_rows or diff.added):
+            kept = np.ones(len(previous), bool)
+            if diff.full is None:
+                kept[np.frombuffer(diff.removed_rows, _I32)] = False
+            else:
+                kept[:] = False
+            self._rows.stash(previous, (~kept).nonzero()[0], self.states)
         apply_step_diffs(so, self.batch_order, self)
+        if kept is not None:
+            self._rows.rebuild(kept, so.batch_handles[kept.sum():], self.states)
 
     def mirror_view(self, handle: int) -> tuple[int, list[int]] | None:
         state = self.states.get(handle)

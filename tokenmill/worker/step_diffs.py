@@ -6,7 +6,7 @@ from typing import Protocol
 
 import numpy as np
 
-from tokenmill.protocol import CachedRequestData, NewRequestData, SchedulerOutput
+from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 
 
@@ -27,6 +27,10 @@ def apply_step_diffs(so: SchedulerOutput, batch_order: BatchOrder, mirror: Reque
         mirror.drop(handle)
     for data in so.new_requests:
         mirror.add(data)
-    cached = so.cached_requests or CachedRequestData()
-    for handle, blocks in zip(cached.handles, cached.new_block_ids):
-        mirror.append_blocks(handle, np.frombuffer(blocks, dtype="<i4"))
+    cached = so.cached_requests
+    if cached is not None:
+        handles = np.frombuffer(cached.handles, dtype="<i4")
+        counts = np.frombuffer(cached.num_new_blocks, dtype="<i4")
+        blocks = np.frombuffer(cached.new_block_ids, dtype="<i4")
+        for handle, row_blocks in zip(handles.tolist(), np.split(blocks, np.cumsum(counts)[:-1])):
+            mirror.append_blocks(handle, row_blocks)
