@@ -11,6 +11,11 @@ class EngineDeadError(RuntimeError):
     """The engine core or a worker died: every in-flight and later request fails with this."""
 
 
+class RequestFailedError(RuntimeError):
+    """This request alone failed inside the engine (its row of a step: non-finite logits, a
+    sampling error); the engine and every other request go on. The message is safe to show."""
+
+
 # Exceptions re-raised as themselves on the other side; anything else becomes a RuntimeError
 # naming its type. Kept to builtins whose constructor takes one message.
 _REBUILDABLE: dict[str, type[BaseException]] = {

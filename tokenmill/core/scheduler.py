@@ -29,6 +29,7 @@ import numpy as np
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.row_failures import fail_rows
 from tokenmill.core.running_plan import RunningPlanner
 from tokenmill.core.running_table import NEVER, RunningTable
 from tokenmill.core.step_update import apply_step
@@ -228,6 +229,8 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Apply a finished step's sampled tokens; return what the front-end must hear."""
         result = apply_step(self.table, self.requests, self.eos_ids, scheduler_output, runner_output)
+        if runner_output.failed_rows:  # rare: rows that failed alone end their requests (row_failures.py)
+            result = fail_rows(self.requests, scheduler_output, runner_output, result)
         if result.finished:
             self.finish(result.finished)
         return result.outputs

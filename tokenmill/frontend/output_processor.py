@@ -8,7 +8,9 @@ and any output that still arrives for a finished handle is ignored.
 Requests come checked (`InputProcessor.prepare`); nothing here checks them again. An
 unexpected exception while turning one request's output into text (a bug) fails that
 request alone: it is logged with its traceback, the request is forgotten, its handles are
-returned for aborting, and the exception is handed to its caller (a 500 in the server).
+returned for aborting, and the exception is handed to its caller (a 500 in the server). A
+request the engine failed alone (an output with a `failure`: non-finite logits, a sampling
+error) ends the same way, with a `RequestFailedError`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.errors import RequestFailedError
 from tokenmill.frontend.detokenizer import backend_tokenizer
 from tokenmill.frontend.request_state import RequestState, SampleState
 from tokenmill.outputs import RequestOutput
@@ -76,6 +79,9 @@ class OutputProcessor:
             if entry is None:
                 continue  # finished or aborted already; the core may not know yet
             state, sample = entry
+            if out.failure is not None:  # this request alone failed in the engine: it ends here
+                self._fail(state, RequestFailedError(out.failure.message), changed, result)
+                continue
             try:
                 stopped = self._apply(state, sample, out, now)
             except Exception as exc:  # noqa: BLE001 - a bug: fail this request (logged), not the engine
@@ -125,7 +131,10 @@ class OutputProcessor:
 
     def _fail(self, state: RequestState, exc: Exception, changed: dict[str, list[SampleState]],
               result: ProcessedOutputs) -> None:
-        logger.error("request %s failed while processing its output", state.request_id, exc_info=exc)
+        if isinstance(exc, RequestFailedError):
+            logger.warning("request %s failed in the engine: %s", state.request_id, exc)
+        else:
+            logger.error("request %s failed while processing its output", state.request_id, exc_info=exc)
         result.failures[state.request_id] = exc
         result.handles_to_abort += self.abort_request(state.request_id)
         changed.pop(state.request_id, None)

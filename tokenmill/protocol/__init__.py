@@ -33,9 +33,24 @@ class FinishReason(IntEnum):
     STOP = 0  # EOS, a stop token id or a stop string
     LENGTH = 1  # max_tokens or max_model_len reached
     ABORT = 2  # aborted by the client or the engine
+    ERROR = 3  # this request alone failed in a step (see RowFailure); the rest of the batch goes on
 
     def __str__(self) -> str:
         return self.name.lower()
+
+
+class RowFailure(IntEnum):
+    """Why one request's row of a step failed while the rest of the batch went on."""
+
+    NON_FINITE_LOGITS = 1  # the model produced NaN or infinite logits for the row
+    SAMPLING_ERROR = 2  # sampling the row raised (the worker logs the exception)
+
+    @property
+    def message(self) -> str:
+        """What the request's caller is told (no internals)."""
+        if self == RowFailure.NON_FINITE_LOGITS:
+            return "the model produced non-finite logits (NaN or infinity) for this request"
+        return "sampling failed for this request"
 
 
 # ---------------------------------------------------------------- front-end <-> engine core
@@ -78,6 +93,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
+    failure: RowFailure | None = None  # set with finish_reason ERROR
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -199,6 +215,8 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     count_values: bytes = b""
     logprobs: list[Logprobs | None] = []
     prompt_logprobs: list[Logprobs | None] = []
+    failed_rows: bytes = b""  # int32 rows that failed alone (their sampled token is meaningless)
+    failures: bytes = b""  # int32 RowFailure of each failed row
 
     @staticmethod
     def from_rows(step_id: int, rows: list[list[int]], **extra) -> "ModelRunnerOutput":
@@ -217,6 +235,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     def sampled_tokens(self) -> np.ndarray:
         """Every row's sampled tokens, concatenated in row order (int32)."""
         return np.frombuffer(self.sampled, _I32)
+
+    def row_failures(self) -> list[tuple[int, RowFailure]]:
+        """(row, why) of each row that failed alone."""
+        rows, kinds = np.frombuffer(self.failed_rows, _I32), np.frombuffer(self.failures, _I32)
+        return [(row, RowFailure(kind)) for row, kind in zip(rows.tolist(), kinds.tolist())]
 
 
 # ---------------------------------------------------------------- control messages

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,9 +31,13 @@ from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
 from tokenmill.worker.persistent_batch import PersistentBatch
 from tokenmill.worker.readback import Readback
+from tokenmill.worker import row_faults
 from tokenmill.worker.step_diffs import apply_step_diffs
 from tokenmill.worker.step_inputs import build_step_inputs
 from tokenmill.worker.warmup import profile_and_budget, warm_up_kernels
+
+if TYPE_CHECKING:
+    from tokenmill.worker.fault_injection import FaultInjector
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +73,7 @@ class ModelRunner:
         self._pending: PendingStep | None = None  # the last step whose ids are not on the host yet
         self._slots = np.zeros(0, dtype=np.int64)  # the last step's rows, as slots
         self._step_threads: StepThreads | None = None
+        self.faults: FaultInjector | None = None  # tests only (worker/fault_injection.py)
 
     @property
     def states(self) -> dict[int, int]:
@@ -158,6 +164,8 @@ class ModelRunner:
         if changed or len(self._slots) != len(so.batch_handles):
             self._slots = self.batch.slots(so.batch_handles.tolist())
         slots = self._slots
+        if self.faults is not None:
+            self.faults.before_forward(self, slots)
         counts = so.batch_counts.astype(np.int64)
         if self.device.type == "cpu":
             self._cpu_threads().apply()
@@ -190,14 +198,23 @@ class ModelRunner:
             self.num_placeholders_filled += num_device_inputs
         step = PendingStep(self, so.step_id, len(slots), sample_rows, slots[sample_rows], step_prompt_logprobs)
         if len(sample_rows):
-            out = self.sampler.sample(logits, sample_slots)
+            # A row that fails alone (non-finite logits, sampling raising) fails only its request.
+            if self.faults is not None:
+                self.faults.poison_logits(self, logits, sample_slots)
+            non_finite = row_faults.screen_logits(logits)
+            out, failed = row_faults.sample_rows(self._sample, logits, sample_slots, self.sampling.scratch_slot)
             self.batch.next_token_dev[sample_slots] = out.sampled
-            step.start_readback(out, self.readback)
+            step.start_readback(row_faults.mark_failed(out, non_finite, failed), self.readback)
         timings["sample"] = time.perf_counter() - start
         if prev is not None:
             prev.output()
         self._pending = step
         return step
+
+    def _sample(self, logits: torch.Tensor, slots: torch.Tensor, *, record: bool = True):
+        if self.faults is not None:
+            self.faults.before_sampling(self, slots)
+        return self.sampler.sample(logits, slots, record=record)
 
     def _cpu_threads(self) -> StepThreads:
         """Per-step CPU thread count (see tokenmill/cpu_threads.py); made on first use."""

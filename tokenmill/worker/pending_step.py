@@ -9,6 +9,7 @@ import torch
 
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.protocol import Logprobs, ModelRunnerOutput
+from tokenmill.worker.row_faults import split_failures
 
 if TYPE_CHECKING:
     from tokenmill.layers.sampling import SamplerOutput
@@ -57,11 +58,11 @@ class PendingStep:
             return self._output
         counts = np.zeros(self.num_rows, dtype=np.int64)
         counts[self.sample_rows] = 1
-        sampled = b""
+        sampled = failed_rows = failures = b""
         logprobs: list[Logprobs | None] = []
         if self._ticket is not None:
             host = self._ticket.wait()
-            tokens = host[0].numpy()
+            tokens, failed_rows, failures = split_failures(host[0].numpy(), self.sample_rows)
             sampled = tokens.astype(_I32).tobytes()
             if len(host) > 1:
                 logprobs = self._pack_logprobs(tokens, *(t.numpy() for t in host[1:]))
@@ -70,7 +71,7 @@ class PendingStep:
         self._output = ModelRunnerOutput(
             step_id=self.step_id, sampled=sampled, count_rows=odd.astype(_I32).tobytes(),
             count_values=counts[odd].astype(_I32).tobytes(), logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs)
+            prompt_logprobs=self.prompt_logprobs, failed_rows=failed_rows, failures=failures)
         self._ticket = None
         return self._output
 

@@ -15,6 +15,7 @@ from tokenmill.protocol.digest import check_worker_view
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.protocol import ProcessTelemetry, SchedulerOutput
 from tokenmill.worker.device_idle import DeviceIdleMeter
+from tokenmill.worker.fault_injection import FaultInjector
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
 from tokenmill.worker.null_runner import NullRunner, NullStep
 
@@ -22,7 +23,8 @@ _RUNNER_PHASES = ("prepare", "forward", "sample")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, faults: FaultInjector | None = None) -> None:
+        """`faults`: test-only fault injection (worker/fault_injection.py)."""
         self.config = config
         self.telemetry = Telemetry(f"worker{rank}", config.trace_steps)
         null = config.model.load_format == "null"
@@ -31,6 +33,8 @@ class Worker:
             torch.cuda.set_device(device)  # plain "cuda" keeps the current device
         torch.manual_seed(config.model.seed)
         self.runner: ModelRunner | NullRunner = NullRunner(config) if null else ModelRunner(config)
+        if faults is not None and isinstance(self.runner, ModelRunner):
+            self.runner.faults = faults
         self.idle = DeviceIdleMeter(torch.device("cpu") if null else device, self.telemetry)
 
     def load_model(self) -> None:

@@ -22,6 +22,7 @@ from tokenmill.protocol import (SchedulerOutput, WorkerCall, WorkerCallResult, W
                                 WorkerOutputKind)
 from tokenmill.transport.channels import REPLY_HEAD
 from tokenmill.transport.shm_ring import RingAbortedError, ShmRingReader
+from tokenmill.worker.fault_injection import FaultInjector
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +31,10 @@ _CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "init_kv_cache"
 
 
 class WorkerProc:
-    def __init__(self, launch: WorkerLaunch, ctx: zmq.Context) -> None:
+    def __init__(self, launch: WorkerLaunch, ctx: zmq.Context, faults: FaultInjector | None = None) -> None:
+        """`faults`: tests only (see fault_injection.py)."""
         self.launch = launch
+        self.faults = faults
         self.rank = launch.rank
         self.reply = ctx.socket(zmq.PUSH)
         self.reply.setsockopt(zmq.SNDHWM, 0)
@@ -52,7 +55,7 @@ class WorkerProc:
 
             self.ring = ShmRingReader(self.launch.ring_name, self.rank, self.launch.overflow_addr,
                                       self.reply.context)
-            worker = self.worker = Worker(self.launch.config, self.rank)
+            worker = self.worker = Worker(self.launch.config, self.rank, self.faults)
             self.send(WorkerOutputKind.READY)
             logger.debug("worker %d ready", self.rank)
             self._loop(worker)
@@ -144,8 +147,11 @@ def main(argv: list[str]) -> int:
     die_with_parent(launch.parent_pid, launch.death_signal)
     logging.basicConfig(level=launch.log_level,
                         format=f"%(asctime)s %(levelname)s worker{launch.rank} %(name)s: %(message)s")
+    faults = FaultInjector.from_env(os.environ)  # tests only; never set by the engine
+    if faults is not None:
+        logger.warning("worker %d: test fault injection is on: %s", launch.rank, faults.plan)
     ctx = zmq.Context()
-    code = WorkerProc(launch, ctx).run()
+    code = WorkerProc(launch, ctx, faults).run()
     ctx.term()
     return code
 

@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tokenmill.errors import EngineDeadError
+from tokenmill.errors import EngineDeadError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ def from_exception(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, EngineDeadError):
         return APIError(503, "the engine is not running", code="engine_dead")
+    if isinstance(exc, RequestFailedError):  # this request alone; its message names no internals
+        return APIError(500, str(exc), code="request_failed")
     logger.error("request failed", exc_info=exc)
     return APIError(500, "internal server error", code="internal_error")
 

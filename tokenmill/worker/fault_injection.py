@@ -1,0 +1,76 @@
+"""Faults injected into a worker, for tests only: off unless the worker process starts with
+TOKENMILL_TEST_FAULTS set. `worker_proc.main` reads it once; no engine argument, flag or
+request field reaches it, so nothing a client sends can turn a fault on.
+
+The variable holds a `FaultPlan` as JSON. Its victims are the requests whose prompt starts with
+`marker_token`; each fault fires on a step holding a victim that has at least that many output
+tokens computed (0: from its first sampled token on):
+- `nan_logits_after`: the victim's row of logits turns NaN (a row-level fault);
+- `sampling_error_after`: sampling a batch holding the victim raises (a row-level fault);
+- `step_error_after`: the step raises before its forward pass (the worker fails: fatal).
+
+    TOKENMILL_TEST_FAULTS='{"marker_token": 7, "nan_logits_after": 3}'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:  # the worker's entry point reads the plan before torch is imported
+    import numpy as np
+    import torch
+
+    from tokenmill.worker.model_runner import ModelRunner
+
+ENV_VAR = "TOKENMILL_TEST_FAULTS"
+
+
+class FaultPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    marker_token: int
+    nan_logits_after: int | None = None
+    sampling_error_after: int | None = None
+    step_error_after: int | None = None
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an injected fault."""
+
+
+class FaultInjector:
+    def __init__(self, plan: FaultPlan) -> None:
+        self.plan = plan
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> FaultInjector | None:
+        text = environ.get(ENV_VAR)
+        return cls(msgspec.json.decode(text, type=FaultPlan)) if text else None
+
+    def poison_logits(self, runner: ModelRunner, logits: torch.Tensor, slots: torch.Tensor) -> None:
+        """Sampling rows' logits, before the screen: the victims' rows become NaN."""
+        rows = self._victims(runner, slots, self.plan.nan_logits_after)
+        if rows:
+            logits[rows] = float("nan")
+
+    def before_sampling(self, runner: ModelRunner, slots: torch.Tensor) -> None:
+        if self._victims(runner, slots, self.plan.sampling_error_after):
+            raise InjectedFault("injected sampling fault")
+
+    def before_forward(self, runner: ModelRunner, slots: np.ndarray) -> None:
+        if self._victims(runner, slots, self.plan.step_error_after):
+            raise InjectedFault("injected step fault")
+
+    def _victims(self, runner: ModelRunner, slots: torch.Tensor | np.ndarray, after: int | None) -> list[int]:
+        """Indices of `slots` holding a victim with at least `after` output tokens computed."""
+        if after is None:
+            return []
+        batch = runner.batch
+        found = []
+        for i, slot in enumerate(slots.tolist()):
+            tokens = batch.tokens[slot]
+            if (tokens and tokens[0] == self.plan.marker_token
+                    and batch.num_computed[slot] - batch.num_prompt[slot] >= after):
+                found.append(i)
+        return found
