@@ -56,9 +56,14 @@ def _run_serve(ns) -> int:
     from tokenmill.entrypoints.openai.args import settings_from_flags
     from tokenmill.entrypoints.openai.server import run
 
+    from tokenmill.child_process import exit_now
+
     settings = settings_from_flags(ns)
-    run(engine_args_from_flags(ns, ns.model), settings)
-    return 0
+    status = run(engine_args_from_flags(ns, ns.model), settings)  # see ExitStatus
+    # Everything is shut down and reaped: skip the interpreter's teardown (seconds of GC), so a
+    # supervisor sees the exit status at once.
+    exit_now(int(status))
+    return int(status)
 
 
 def build_parser() -> argparse.ArgumentParser:

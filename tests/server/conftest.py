@@ -61,12 +61,13 @@ def free_port() -> int:
 
 
 def start_server(model: str, log_dir: Path, *args: str, api_key: str | None = API_KEY,
-                 timeout_s: float = 90.0) -> Server:
+                 timeout_s: float = 90.0, env: dict[str, str] | None = None) -> Server:
+    """`env`: extra environment variables (e.g. test-only fault injection)."""
     port = free_port()
     log_path = str(log_dir / f"server-{port}.log")
     argv = [sys.executable, "-m", "tokenmill.cli", "serve", model, "--port", str(port),
             "--uvicorn-log-level", "warning", *args]
-    env = {**os.environ, "PYTHONPATH": REPO}
+    env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
     env.pop("TOKENMILL_API_KEY", None)
     if api_key:
         argv += ["--api-key", api_key]

@@ -31,6 +31,11 @@ class DyingEngine:
     async def scheduler_stats(self):
         raise EngineDeadError("the engine core died")
 
+    dead_error = None  # not known dead until asked (the health check's round trip finds out)
+
+    def stalled_for(self) -> float:
+        return 0.0
+
     async def abort(self, request_id: str) -> None:
         pass
 

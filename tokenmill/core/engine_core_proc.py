@@ -26,7 +26,7 @@ from tokenmill.errors import EngineDeadError, error_report
 from tokenmill.protocol import (AbortRequests, CoreInputKind, CoreLaunch, CoreOutputKind, EngineCoreOutput,
                                 EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, FinishReason, UtilityCall,
                                 UtilityResult)
-from tokenmill.transport.channels import EngineAddresses
+from tokenmill.transport.channels import HEARTBEAT_S, EngineAddresses
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,10 @@ class EngineCoreProc:
         return code
 
     def _busy_loop(self) -> None:
+        """While there is work, outputs go out at least every HEARTBEAT_S (empty ones if a step
+        has no news), so the front-end can tell a slow engine from a stalled one."""
         engine = self.engine
+        last_sent = time.monotonic()
         while True:
             item = self.inputs.get() if not engine.has_work() else None
             while True:
@@ -108,8 +111,9 @@ class EngineCoreProc:
                     break
             if engine.has_work():
                 outputs = engine.step()
-                if not outputs.is_empty():
+                if not outputs.is_empty() or time.monotonic() - last_sent >= HEARTBEAT_S:
                     self.outputs.put((CoreOutputKind.OUTPUTS, outputs))
+                    last_sent = time.monotonic()
 
     def _handle(self, item) -> bool:
         """Apply one input; False on shutdown."""

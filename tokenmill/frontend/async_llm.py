@@ -6,6 +6,12 @@ and hands each `RequestOutput` (or a request's failure) to its request's queue. 
 come as the params' `output_kind` says (DELTA, CUMULATIVE or FINAL_ONLY). A consumer that
 stops early (cancelled, or leaving its `async for`) aborts its request in the core. Once
 the core is dead, every waiting and later request raises `EngineDeadError`.
+
+Liveness, for a server that must notice a dead or stalled engine even while idle:
+`start_output_handler()` reads the core's outputs from then on; `dead_error` is the failure
+once the engine is dead; `stalled_for()` is how long requests have been pending without a
+step finishing (the core reports at least every HEARTBEAT_S while it has work);
+`declare_dead(reason)` fails everything and kills a core that stopped answering.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -44,6 +51,7 @@ class AsyncLLM:
         self._handler: asyncio.Task | None = None
         self._dead: BaseException | None = None
         self._auto_ids = itertools.count()
+        self._progress_at = time.monotonic()  # the last step news, or when work began after idling
 
     @property
     def config(self) -> EngineConfig:
@@ -60,6 +68,8 @@ class AsyncLLM:
         self._check_alive()
         request = self.frontend.request(prompt, sampling_params)
         request_id = request_id if request_id is not None else f"async-{next(self._auto_ids)}"
+        if not self.frontend.has_unfinished():
+            self._progress_at = time.monotonic()  # a stall is counted from when work begins
         self.frontend.submit(request_id, request)  # refuses an id already running
         queue: asyncio.Queue[_QueueItem] = asyncio.Queue()
         self._queues[request_id] = queue
@@ -103,6 +113,36 @@ class AsyncLLM:
         self._ready_for_calls()
         await self.client.reset_telemetry()
 
+    # ------------------------------------------------------------------ liveness
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """Why the engine is dead; None while it runs."""
+        return self._dead
+
+    def stalled_for(self) -> float:
+        """Seconds that requests have been pending without any step news (0 when idle)."""
+        if not self.frontend.has_unfinished():
+            return 0.0
+        return time.monotonic() - self._progress_at
+
+    def start_output_handler(self) -> None:
+        """Read the core's outputs from now on, so that its death is noticed even while idle
+        (otherwise reading starts with the first request). Call it from the event loop."""
+        if self._dead is None:
+            self._ensure_handler()
+
+    def declare_dead(self, reason: str) -> None:
+        """End the engine from the front-end's side (a core that stopped answering): every
+        waiting and later request fails with EngineDeadError(reason); the core is killed."""
+        if self._dead is not None:
+            return
+        logger.error("declaring the engine dead: %s", reason)
+        if self._handler is not None and not self._handler.done():
+            self._handler.cancel()
+        self._fail_all(EngineDeadError(reason))
+        self.client.kill_core()
+
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
@@ -120,7 +160,9 @@ class AsyncLLM:
     async def _handle_outputs(self) -> None:
         try:
             while True:
-                processed = self.frontend.process(await self.client.get_outputs())
+                outputs = await self.client.get_outputs()
+                self._progress_at = time.monotonic()
+                processed = self.frontend.process(outputs)
                 for request_id, failure in processed.failures.items():
                     self._put(request_id, failure)
                 for out in processed.request_outputs:
@@ -131,9 +173,12 @@ class AsyncLLM:
             if not isinstance(exc, EngineDeadError):
                 logger.exception("output handler failed")
                 exc = EngineDeadError(f"output handler failed: {type(exc).__name__}: {exc}")
-            self._dead = exc
-            for queue in self._queues.values():
-                queue.put_nowait(exc)
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._dead = exc
+        for queue in self._queues.values():
+            queue.put_nowait(exc)
 
     def _put(self, request_id: str, item: _QueueItem) -> None:
         queue = self._queues.get(request_id)

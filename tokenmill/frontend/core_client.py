@@ -49,6 +49,9 @@ class CoreClient(ABC):
     @abstractmethod
     def _stop_core(self) -> None: ...
 
+    def kill_core(self) -> None:
+        """Stop a core that no longer answers, at once (in-process: nothing to kill)."""
+
     def _with_frontend(self, report: TelemetryReport) -> TelemetryReport:
         return TelemetryReport([self.telemetry.snapshot(), *report.processes])
 

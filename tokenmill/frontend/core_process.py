@@ -175,6 +175,12 @@ class CoreProcess:
     def decode_error(self, payload) -> ErrorReport:
         return self._error_decoder.decode(payload)
 
+    def kill(self) -> None:
+        """SIGKILL a core that stopped answering (its workers die with it); `close` still cleans up."""
+        proc = self._res.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
     def close(self) -> None:
         self._finalizer()
 

@@ -80,6 +80,9 @@ class MPClientBase(CoreClient):
     def _stop_core(self) -> None:
         self.core.close()
 
+    def kill_core(self) -> None:
+        self.core.kill()
+
 
 class MPClient(MPClientBase, EngineCoreClient):
     """Whichever call is waiting reads the socket and files what it meets."""

@@ -18,6 +18,7 @@ REPLY_HEAD = struct.Struct("<BH")  # kind, rank
 POLL_MS = 100  # how often a blocked receiver looks at its peer's liveness
 LAST_WORDS_S = 0.3  # after a peer exits, how long its ErrorReport may still take to arrive
 SHUTDOWN_TIMEOUT_S = 10.0  # how long a child may take to exit when asked, before it is killed
+HEARTBEAT_S = 1.0  # while it has work, the core sends outputs (empty if need be) at least this often
 
 
 @dataclass(frozen=True)

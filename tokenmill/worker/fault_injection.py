@@ -2,14 +2,14 @@
 TOKENMILL_TEST_FAULTS set. `worker_proc.main` reads it once; no engine argument, flag or
 request field reaches it, so nothing a client sends can turn a fault on.
 
-The variable holds a `FaultPlan` as JSON. Its victims are the requests whose prompt starts with
-`marker_token`; each fault fires on a step holding a victim that has at least that many output
-tokens computed (0: from its first sampled token on):
-- `nan_logits_after`: the victim's row of logits turns NaN (a row-level fault);
-- `sampling_error_after`: sampling a batch holding the victim raises (a row-level fault);
-- `step_error_after`: the step raises before its forward pass (the worker fails: fatal).
+The variable holds a `FaultPlan` as JSON. Each fault has a `Trigger`: its victims are the
+requests whose prompt starts with `marker_token`, and it fires on a step holding a victim
+with at least `after` output tokens computed (0: from its first sampled token on):
+- `nan_logits`: the victim's row of logits turns NaN (a row-level fault);
+- `sampling_error`: sampling a batch holding the victim raises (a row-level fault);
+- `step_error`: the step raises before its forward pass (the worker fails: fatal).
 
-    TOKENMILL_TEST_FAULTS='{"marker_token": 7, "nan_logits_after": 3}'
+    TOKENMILL_TEST_FAULTS='{"nan_logits": {"marker_token": 7, "after": 3}}'
 """
 
 from __future__ import annotations
@@ -28,11 +28,15 @@ if TYPE_CHECKING:  # the worker's entry point reads the plan before torch is imp
 ENV_VAR = "TOKENMILL_TEST_FAULTS"
 
 
+class Trigger(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    marker_token: int  # victims: requests whose prompt starts with this token id
+    after: int = 0  # fire once a victim has this many output tokens computed
+
+
 class FaultPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    marker_token: int
-    nan_logits_after: int | None = None
-    sampling_error_after: int | None = None
-    step_error_after: int | None = None
+    nan_logits: Trigger | None = None
+    sampling_error: Trigger | None = None
+    step_error: Trigger | None = None
 
 
 class InjectedFault(RuntimeError):
@@ -50,27 +54,28 @@ class FaultInjector:
 
     def poison_logits(self, runner: ModelRunner, logits: torch.Tensor, slots: torch.Tensor) -> None:
         """Sampling rows' logits, before the screen: the victims' rows become NaN."""
-        rows = self._victims(runner, slots, self.plan.nan_logits_after)
+        rows = _victims(runner, slots, self.plan.nan_logits)
         if rows:
             logits[rows] = float("nan")
 
     def before_sampling(self, runner: ModelRunner, slots: torch.Tensor) -> None:
-        if self._victims(runner, slots, self.plan.sampling_error_after):
+        if _victims(runner, slots, self.plan.sampling_error):
             raise InjectedFault("injected sampling fault")
 
     def before_forward(self, runner: ModelRunner, slots: np.ndarray) -> None:
-        if self._victims(runner, slots, self.plan.step_error_after):
+        if _victims(runner, slots, self.plan.step_error):
             raise InjectedFault("injected step fault")
 
-    def _victims(self, runner: ModelRunner, slots: torch.Tensor | np.ndarray, after: int | None) -> list[int]:
-        """Indices of `slots` holding a victim with at least `after` output tokens computed."""
-        if after is None:
-            return []
-        batch = runner.batch
-        found = []
-        for i, slot in enumerate(slots.tolist()):
-            tokens = batch.tokens[slot]
-            if (tokens and tokens[0] == self.plan.marker_token
-                    and batch.num_computed[slot] - batch.num_prompt[slot] >= after):
-                found.append(i)
-        return found
+
+def _victims(runner: ModelRunner, slots: torch.Tensor | np.ndarray, trigger: Trigger | None) -> list[int]:
+    """Indices of `slots` holding a victim of `trigger` that is due."""
+    if trigger is None:
+        return []
+    batch = runner.batch
+    found = []
+    for i, slot in enumerate(slots.tolist()):
+        tokens = batch.tokens[slot]
+        if (tokens and tokens[0] == trigger.marker_token
+                and batch.num_computed[slot] - batch.num_prompt[slot] >= trigger.after):
+            found.append(i)
+    return found

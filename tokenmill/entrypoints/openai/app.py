@@ -26,6 +26,7 @@ from tokenmill.errors import EngineDeadError
 from tokenmill.frontend.async_llm import AsyncLLM
 
 _STATS_TIMEOUT_S = 10.0
+_HEALTH_TIMEOUT_S = 5.0  # an idle engine answers a utility call at once
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
@@ -48,13 +49,28 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
 def _add_routes(app: FastAPI, debug: bool) -> None:
     @app.get("/health")
     async def health(request: Request) -> Response:
+        """200 while the engine serves. 503 when shutting down, when the engine is dead, when
+        requests have been pending with no step finished for longer than step_timeout (stalled),
+        or when an idle engine does not answer within _HEALTH_TIMEOUT_S."""
         state = get_state(request)
+        engine = state.engine
         if state.admission.draining:
             return error_response(503, "the server is shutting down", code="shutting_down")
-        try:
-            await asyncio.wait_for(state.engine.scheduler_stats(), _STATS_TIMEOUT_S)
-        except (EngineDeadError, asyncio.TimeoutError):
+        if engine.dead_error is not None:
             return error_response(503, "the engine is not running", code="engine_dead")
+        stalled, limit = engine.stalled_for(), engine.config.step_timeout_s
+        if stalled > limit:
+            return error_response(503, f"no engine step finished for {stalled:.0f} s with requests pending "
+                                       f"(step_timeout {limit:g} s)", code="engine_stalled")
+        if stalled > 0:
+            return Response(status_code=200)  # busy, and its steps are finishing
+        try:
+            await asyncio.wait_for(engine.scheduler_stats(), _HEALTH_TIMEOUT_S)
+        except EngineDeadError:
+            return error_response(503, "the engine is not running", code="engine_dead")
+        except asyncio.TimeoutError:
+            return error_response(503, f"the engine did not answer within {_HEALTH_TIMEOUT_S:g} s",
+                                  code="engine_not_responding")
         return Response(status_code=200)
 
     @app.get("/version")

@@ -1,0 +1,111 @@
+"""The worker's row screen and sampling retry on crafted inputs: only the faulty rows are marked,
+the other rows' samples are what the batch would have given them, and the host side maps the
+sentinels to batch rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
+from tokenmill.protocol import RowFailure
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.worker.fault_injection import FaultInjector, FaultPlan, Trigger
+from tokenmill.worker.row_faults import mark_failed, sample_rows, screen_logits, split_failures
+
+V = 50
+
+
+def test_screen_flags_and_zeroes_only_non_finite_rows() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, V) * 5
+    logits[1, 7] = float("nan")
+    logits[3, 0] = float("inf")
+    logits[4, V - 1] = float("-inf")
+    before = logits.clone()
+    bad = screen_logits(logits)
+    assert bad.tolist() == [False, True, False, True, True, False]
+    assert torch.equal(logits[[0, 2, 5]], before[[0, 2, 5]])  # untouched, bit for bit
+    assert torch.equal(logits[[1, 3, 4]], torch.zeros(3, V))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_screen_does_not_flag_large_finite_half_logits(dtype) -> None:
+    logits = torch.full((2, 4096), 60000.0 if dtype == torch.float16 else 1e30, dtype=dtype)
+    assert not screen_logits(logits).any()  # the sum is taken in float32
+
+
+def _sampler(params: list[SamplingParams]) -> Sampler:
+    state = SamplingState(8, V, (2,), "cpu")
+    for slot, p in enumerate(params):
+        state.add(slot, p, [5, 6, 7])
+    return Sampler(state)
+
+
+def test_sampling_error_fails_only_its_row() -> None:
+    """A sampler that raises whenever slot 2 is sampled: row 1 (slot 2) fails; the others get
+    what a batch without it gives them; the retries record nothing."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, seed=3),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=11)]
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([0, 2, 3])
+    reference = _sampler(params).sample(logits.clone(), torch.tensor([0, 8, 3]))  # slot 8: scratch
+    sampler = _sampler(params)
+    calls = []
+
+    def sample(lg, sl, *, record=True) -> SamplerOutput:
+        calls.append((sl.tolist(), record))
+        if 2 in sl.tolist():
+            raise RuntimeError("boom")
+        return sampler.sample(lg, sl, record=record)
+
+    out, failed = sample_rows(sample, logits.clone(), slots, scratch_slot=8)
+    assert failed == [1]
+    assert out.sampled[[0, 2]].tolist() == reference.sampled[[0, 2]].tolist()
+    assert calls == [([0, 2, 3], True), ([0], False), ([2], False), ([3], False), ([0, 8, 3], True)]
+    marked = mark_failed(out, None, failed).sampled
+    assert marked.tolist() == [out.sampled[0].item(), -int(RowFailure.SAMPLING_ERROR), out.sampled[2].item()]
+
+
+def test_no_failure_is_one_call_and_unmarked() -> None:
+    sampler = _sampler([SamplingParams(temperature=0.0)] * 2)
+    logits = torch.randn(2, V)
+    out, failed = sample_rows(sampler.sample, logits, torch.tensor([0, 1]), scratch_slot=8)
+    assert failed == [] and torch.equal(out.sampled, logits.argmax(-1))
+    assert mark_failed(out, torch.zeros(2, dtype=torch.bool), []).sampled.tolist() == out.sampled.tolist()
+
+
+def test_non_finite_row_through_the_real_sampler() -> None:
+    """Screened rows sample without error (they are zeros); the others are unchanged."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=5, presence_penalty=0.5, logprobs=2)] * 3
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    clean = _sampler(params).sample(logits.clone(), torch.tensor([0, 1, 2]))
+    logits[1] = float("nan")
+    bad = screen_logits(logits)
+    out, failed = sample_rows(_sampler(params).sample, logits, torch.tensor([0, 1, 2]), scratch_slot=8)
+    assert failed == []
+    marked = mark_failed(out, bad, failed).sampled.tolist()
+    assert marked[1] == -int(RowFailure.NON_FINITE_LOGITS)
+    assert [marked[0], marked[2]] == clean.sampled[[0, 2]].tolist()
+
+
+def test_split_failures_maps_sampling_rows_to_batch_rows() -> None:
+    tokens = np.array([11, -int(RowFailure.NON_FINITE_LOGITS), 12, -int(RowFailure.SAMPLING_ERROR)])
+    rows = np.array([0, 2, 3, 5])  # batch rows of the sampling rows (rows 1 and 4 were prompt chunks)
+    clean, failed_rows, kinds = split_failures(tokens, rows)
+    assert clean.tolist() == [11, 0, 12, 0]
+    assert np.frombuffer(failed_rows, "<i4").tolist() == [2, 5]
+    assert [RowFailure(k) for k in np.frombuffer(kinds, "<i4")] == [RowFailure.NON_FINITE_LOGITS,
+                                                                    RowFailure.SAMPLING_ERROR]
+    same, none, _ = split_failures(np.array([1, 2]), np.array([0, 1]))
+    assert none == b"" and same.tolist() == [1, 2]
+
+
+def test_fault_injection_is_off_without_its_variable() -> None:
+    assert FaultInjector.from_env({}) is None
+    assert FaultInjector.from_env({"TOKENMILL_TEST_FAULTS": ""}) is None
+    plan = FaultInjector.from_env({"TOKENMILL_TEST_FAULTS": '{"nan_logits": {"marker_token": 7, "after": 2}}'}).plan
+    assert plan == FaultPlan(nan_logits=Trigger(7, 2))
+    with pytest.raises(Exception):  # a misspelt plan fails loudly instead of injecting nothing
+        FaultInjector.from_env({"TOKENMILL_TEST_FAULTS": '{"nan_logit": {"marker_token": 7}}'})
