@@ -12,6 +12,9 @@ weights, benchmarks). Parts:
   bench:S     `tokenmill bench throughput` on shape S (smollm2, llama1b, llama8b) vs HF, warmed
   long:S      1000 prompts x 512 in x 256 out on shape S (tokenmill only)
   batch1:S    one prompt, 512 in x 256 out: time per output token
+  rowfaults   row-level faults on CUDA (NaN logits / a sampling error fail only their request, also
+              through decode-graph replays: tests/e2e/test_row_faults.py, tests/worker/test_row_faults.py),
+              and the per-step cost of the non-finite screen next to a Llama-8B LM head
 
     python scripts/device_check.py --parts tiny,parity,bench:smollm2,bench:llama1b
 """
@@ -203,6 +206,34 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
     print(f"[{key} took {time.perf_counter() - start:.0f} s]")
 
 
+def row_fault_costs(results: dict) -> None:
+    """µs per step of the non-finite screen (+ the read-back marking) on bf16 logits, beside the
+    LM-head matmul that produced them (hidden 4096, vocab 128256: Llama-3-8B)."""
+    from tokenmill.layers.sampling import SamplerOutput
+    from tokenmill.worker.row_faults import mark_failed, screen_logits
+
+    def timed(fn, reps: int = 50) -> float:
+        for _ in range(5):
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) * 1e3 / reps
+
+    head = torch.randn(128256, 4096, device="cuda", dtype=torch.bfloat16)
+    for rows in (1, 64, 256):
+        hidden = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        logits = hidden @ head.T
+        out = SamplerOutput(logits.argmax(-1), None)
+        screen_us = timed(lambda: mark_failed(out, screen_logits(logits), []))
+        head_us = timed(lambda: hidden @ head.T)
+        results[f"row_screen_{rows}_rows"] = {"screen_us": round(screen_us, 1), "lm_head_us": round(head_us, 1)}
+        print(f"{rows:>4} rows: screen + mark {screen_us:8.1f} us   LM head {head_us:8.1f} us")
+
+
 def run_script(results: dict, key: str, argv: list[str]) -> None:
     """A check that is its own program (pytest, a kernel check script): its exit status and tail."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
@@ -242,6 +273,10 @@ def main() -> None:
             bench(results, shape, 1000, 512, 256, baseline=False)
         elif name == "batch1":
             bench(results, shape, 1, 512, 256, baseline=False)
+        elif name == "rowfaults":
+            run_script(results, "row_faults", ["-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                               "tests/e2e/test_row_faults.py", "tests/worker/test_row_faults.py"])
+            row_fault_costs(results)
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "device_check.json"), "w") as f:
             json.dump(results, f, indent=2)
