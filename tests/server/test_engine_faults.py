@@ -3,7 +3,7 @@
 front-end's stall watchdog). Each time every in-flight request ends with an error (a stream
 error event then [DONE], a 503 body; never a silent close), /health answers 503, and
 `tokenmill serve` exits with status 3 (ExitStatus.ENGINE_DEAD) within 15 s of the engine's
-death, leaving no process behind.
+death, leaving no process behind. A row-level fault, by contrast, fails only its request.
 
 With TOKENMILL_FAULT_TIMES=path set, each test appends its times (fault to error, fault to
 exit) to that file as a JSON line (docs/results/soak-cpu.md quotes them).
@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from tests.e2e.procs import alive, descendants, wait_gone
-from tests.server.conftest import TINY_ENGINE, start_server
+from tests.server.conftest import TINY_ENGINE, start_server, stop_server
 from tokenmill.entrypoints.openai.exit_status import ExitStatus
 from tokenmill.entrypoints.openai.server import DEAD_LINGER_S, STALL_GRACE_S
 
@@ -188,3 +188,46 @@ def test_engine_fault_fails_in_flight_requests_and_exits(fault: Fault, tiny_chat
     assert not wait_gone(tree, 5.0), "engine processes outlived the server"
     _record(fault.name, to_error_s=dead_at - fault_at, to_exit_s=exit_at - fault_at,
             exit_after_error_s=exit_at - dead_at)
+
+
+def test_row_faults_fail_only_their_request_over_http(tiny_chat_model, tmp_path) -> None:
+    """NaN logits in a streaming request's row: an error event (request_failed) then [DONE]; a
+    sampling error in a non-streaming one: a 500 naming the failure; the request running beside
+    them completes, and the server goes on serving with nothing held."""
+    plan = {"nan_logits": {"marker_token": MARKER, "after": 2}, "sampling_error": {"marker_token": MARKER + 1}}
+    srv = start_server(tiny_chat_model, tmp_path, *TINY_ENGINE, "--enable-debug-routes", api_key=None,
+                       env={"TOKENMILL_TEST_FAULTS": json.dumps(plan)})
+    url = f"{srv.base_url}/v1/completions"
+    events: list[tuple[float, str]] = []
+    first = threading.Event()
+    results: dict = {}
+
+    def post(name: str, prompt: list[int]) -> None:
+        results[name] = httpx.post(url, json={"prompt": prompt, "max_tokens": 64, "ignore_eos": True}, timeout=60)
+
+    threads = [threading.Thread(target=_stream, args=(url, [MARKER, *PROMPT], events, first)),
+               threading.Thread(target=post, args=("sampling", [MARKER + 1, *PROMPT])),
+               threading.Thread(target=post, args=("bystander", PROMPT))]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        error = json.loads(events[-2][1])["error"]
+        assert events[-1][1] == "[DONE]" and error["code"] == "request_failed", events[-3:]
+        assert "non-finite logits" in error["message"] and len(events) > 2  # failed midway
+        failed = results["sampling"]
+        assert failed.status_code == 500 and failed.json()["error"] == {
+            "message": "sampling failed for this request", "type": "server_error", "param": None,
+            "code": "request_failed"}
+        bystander = results["bystander"].json()
+        assert bystander["usage"]["completion_tokens"] == 64, bystander
+        assert httpx.get(f"{srv.base_url}/health").status_code == 200
+        again = httpx.post(url, json={"prompt": PROMPT, "max_tokens": 4}, timeout=60)
+        assert again.status_code == 200
+        idle = srv.wait_engine_idle()
+        assert idle["kv_cache"]["num_requests"] == 0 and idle["admitted_sequences"] == 0, idle
+        assert idle["kv_cache"]["num_free_blocks"] == idle["kv_cache"]["num_blocks"], idle
+    finally:
+        code = stop_server(srv)
+    assert code == ExitStatus.STOPPED, srv.log()

@@ -141,10 +141,12 @@ async def _drive(client, ns, base: str, headers: dict, w: Workload, mix: dict[st
     delayed = 0
 
     async def one(kind: str, seed: int) -> Outcome:
+        sent_at = time.monotonic() - start
         try:
             out = await send(client, base, headers, kind, w, random.Random(seed))
         finally:
             limit.release()
+        out.sent_at_s = sent_at
         on_done(out)
         return out
 
@@ -235,6 +237,7 @@ def _record(ns, w: Workload, mix: dict[str, float], outcomes: list[Outcome], del
         "latency_ms": {"all_completed": _ms([o.latency_s for o in completed]),
                        **{k: _ms([o.latency_s for o in completed if o.kind == k]) for k in ("normal", "stream", "n")},
                        "stream_ttft": _ms([o.ttft_s for o in completed if o.ttft_s is not None])},
+        "by_minute": _by_minute(outcomes),
         "output_tokens_completed": sum(o.completion_tokens for o in completed),
         "process_tree": {"before": tree_before.as_dict() if tree_before else None,
                          "after": tree_after.as_dict() if tree_after else None},
@@ -243,6 +246,16 @@ def _record(ns, w: Workload, mix: dict[str, float], outcomes: list[Outcome], del
         "warm_up_states": [o.state for o in warm],
         "passed": all(c.ok for c in checks),
     }
+
+
+def _by_minute(outcomes: list[Outcome]) -> list[dict]:
+    """Per minute of arrivals: requests sent, and the latency of those that completed."""
+    rows = []
+    for minute in range(int(max((o.sent_at_s for o in outcomes), default=0) // 60) + 1):
+        sent = [o for o in outcomes if minute * 60 <= o.sent_at_s < (minute + 1) * 60]
+        done = [o.latency_s for o in sent if o.state == "completed"]
+        rows.append({"minute": minute, "sent": len(sent), "completed": len(done), "latency_ms": _ms(done)})
+    return rows
 
 
 def print_table(record: dict) -> None:
@@ -261,6 +274,8 @@ def print_table(record: dict) -> None:
     print(f"{'503 overloaded (with Retry-After):':<40}{record['overloaded_503']:>12}")
     for name, figures in record["latency_ms"].items():
         print(f"{'latency ' + name + ' (ms)':<32}" + "".join(f"{k:>6}: {v:>9.1f}" for k, v in figures.items()))
+    print("completed latency p50 / p99 (s) by minute of arrival: " + ", ".join(
+        f"{m['latency_ms']['p50'] / 1e3:.1f}/{m['latency_ms']['p99'] / 1e3:.1f}" for m in record["by_minute"]))
     print(f"load average before / after: {record['load_average']['before']} / {record['load_average']['after']}")
     for check in record["checks"]:
         mark = {True: "ok  ", False: "FAIL", None: "n/a "}[check["ok"]]

@@ -54,6 +54,7 @@ class Outcome:
     max_completion_tokens: int = 0  # the most the engine may have generated for it
     finished_choices: int = 0
     overloaded: bool = False
+    sent_at_s: float = 0.0  # since the first arrival
 
     @property
     def expected(self) -> bool:
