@@ -23,13 +23,15 @@ from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplingState
+from tokenmill.layers.sampling.spec_verify import accept_matching
 from tokenmill.model.loader import load_model
 from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
-from tokenmill.worker.persistent_batch import PersistentBatch
+from tokenmill.worker.persistent_batch import PersistentBatch, to_device
 from tokenmill.worker.readback import Readback
+from tokenmill.worker.speculator import Speculator
 from tokenmill.worker.step_diffs import apply_step_diffs
 from tokenmill.worker.step_inputs import build_step_inputs
 from tokenmill.worker.warmup import profile_and_budget, warm_up_kernels
@@ -58,6 +60,9 @@ class ModelRunner:
         self.sampling = SamplingState(max_seqs, arch.vocab_size, config.model.eos_token_ids, self.device)
         self.sampler = Sampler(self.sampling)
         self.readback = Readback(self.device)
+        spec = config.speculative
+        self.speculator = (Speculator(spec, max_seqs + 1, config.model.max_model_len, self.device)
+                           if spec is not None else None)
         self.batch_order = BatchOrder()
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
@@ -129,6 +134,8 @@ class ModelRunner:
         tokens = self.batch.tokens[slot]
         self.sampling.add(slot, data.sampling_params, tokens[:data.num_prompt_tokens],
                           tokens[data.num_prompt_tokens:])
+        if self.speculator is not None:
+            self.speculator.add(slot, tokens)
 
     def drop(self, handle: int) -> None:
         slot = self.batch.remove(handle)
@@ -177,7 +184,8 @@ class ModelRunner:
             sample_slots = graphs.slots[:len(slots)]
             num_device_inputs = len(slots)
         else:
-            inputs = build_step_inputs(self.batch, slots, counts, self.block_size)
+            inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
+                                       None if self.speculator is None else self.speculator.drafts)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
             if self.batch.num_prompt_logprobs:
                 step_prompt_logprobs = prompt_logprobs(self, slots, counts, hidden, inputs.meta)
@@ -189,15 +197,45 @@ class ModelRunner:
         if prev is not None and not prev.on_host:
             self.num_placeholders_filled += num_device_inputs
         step = PendingStep(self, so.step_id, len(slots), sample_rows, slots[sample_rows], step_prompt_logprobs)
-        if len(sample_rows):
+        drafts = None if use_graph else inputs.sample_drafts
+        if len(sample_rows) and drafts is not None and drafts.any():
+            self._verify(logits, slots[sample_rows], sample_slots, drafts, inputs.sample_seq_lens, step)
+        elif len(sample_rows):
             out = self.sampler.sample(logits, sample_slots)
             self.batch.next_token_dev[sample_slots] = out.sampled
+            if self.speculator is not None:
+                self.speculator.record(sample_slots, out.sampled[:, None], torch.ones_like(out.sampled))
             step.start_readback(out, self.readback)
+        if self.speculator is not None and so.propose and len(sample_rows):
+            self.speculator.propose(sample_slots)
         timings["sample"] = time.perf_counter() - start
         if prev is not None:
             prev.output()
         self._pending = step
         return step
+
+    def _verify(self, logits: torch.Tensor, slots: np.ndarray, slots_d: torch.Tensor, drafts: np.ndarray,
+                seq_lens: torch.Tensor, step: PendingStep) -> None:
+        """Sample every position of the sampling rows (logits [sum(1 + drafts), V]), keep each row's
+        drafts up to the first that differs from the target's own sample, plus that sample; set
+        the rows' next input, computed count and history from what they emitted."""
+        k = self.speculator.k
+        per_row = drafts + 1
+        offsets = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+        row_of = np.repeat(np.arange(len(slots)), per_row)
+        host = np.concatenate([np.repeat(slots, per_row), offsets, row_of, drafts])
+        packed = to_device(host, self.device)
+        n = len(offsets)
+        slots_rep, offsets_d, row_of_d, drafts_d = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
+        sampled = self.sampler.sample(logits, slots_rep, offsets=offsets_d, record=False).sampled
+        grid = torch.full((len(slots), k + 1), -1, dtype=torch.int64, device=self.device)
+        grid[row_of_d, offsets_d] = sampled
+        emitted, num_emitted = accept_matching(grid, self.speculator.drafts[slots_d, :k], drafts_d)
+        self.sampler.advance(slots_d, num_emitted)
+        self.batch.next_token_dev[slots_d] = emitted.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
+        self.batch.num_computed_dev[slots_d] = seq_lens - drafts_d - 1 + num_emitted
+        self.speculator.record(slots_d, emitted, num_emitted)
+        step.start_speculative_readback(emitted, num_emitted, self.readback, slots, drafts)
 
     def _cpu_threads(self) -> StepThreads:
         """Per-step CPU thread count (see tokenmill/cpu_threads.py); made on first use."""

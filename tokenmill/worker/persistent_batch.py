@@ -33,6 +33,7 @@ class PersistentBatch:
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self.tokens: list[list[int] | None] = [None] * n  # host-known tokens per slot
         self.params: list[SamplingParams | None] = [None] * n
+        self.handle_of = np.full(n, -1, dtype=np.int64)  # slot -> handle (-1: free)
         self.num_prompt = np.zeros(n, dtype=np.int64)
         self.num_known = np.zeros(n, dtype=np.int64)
         self.num_computed = np.zeros(n, dtype=np.int64)
@@ -51,6 +52,7 @@ class PersistentBatch:
             raise RuntimeError(f"no free slot for request {data.handle}: all {self.max_slots} are taken")
         slot = self._free.pop()
         self.slot_of[data.handle] = slot
+        self.handle_of[slot] = data.handle
         tokens = unpack_ids(data.token_ids)
         self.tokens[slot] = tokens
         self.params[slot] = data.sampling_params
@@ -69,6 +71,7 @@ class PersistentBatch:
             self.num_prompt_logprobs -= self.params[slot].prompt_logprobs is not None
             self.tokens[slot] = None
             self.params[slot] = None
+            self.handle_of[slot] = -1
             self._free.append(slot)
         return slot
 
