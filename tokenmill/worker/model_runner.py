@@ -23,7 +23,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplingState
-from tokenmill.layers.sampling.spec_verify import accept_matching
+from tokenmill.layers.sampling.spec_verify import verify_drafts
 from tokenmill.model.loader import load_model
 from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
@@ -227,15 +227,21 @@ class ModelRunner:
         packed = to_device(host, self.device)
         n = len(offsets)
         slots_rep, offsets_d, row_of_d, drafts_d = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
-        sampled = self.sampler.sample(logits, slots_rep, offsets=offsets_d, record=False).sampled
+        out = self.sampler.sample(logits, slots_rep, offsets=offsets_d, record=False)
         grid = torch.full((len(slots), k + 1), -1, dtype=torch.int64, device=self.device)
-        grid[row_of_d, offsets_d] = sampled
-        emitted, num_emitted = accept_matching(grid, self.speculator.drafts[slots_d, :k], drafts_d)
-        self.sampler.advance(slots_d, num_emitted)
+        grid[row_of_d, offsets_d] = out.sampled
+        emitted, num_emitted = verify_drafts(grid, self.speculator.drafts[slots_d, :k], drafts_d)
+        self.sampler.advance(slots_d, num_emitted, emitted)
         self.batch.next_token_dev[slots_d] = emitted.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
         self.batch.num_computed_dev[slots_d] = seq_lens - drafts_d - 1 + num_emitted
         self.speculator.record(slots_d, emitted, num_emitted)
-        step.start_speculative_readback(emitted, num_emitted, self.readback, slots, drafts)
+        logprobs = None
+        if out.logprobs is not None:  # rows that want logprobs have no drafts: their one position
+            first = to_device(np.cumsum(per_row) - per_row, self.device)
+            lp = out.logprobs
+            logprobs = [t.index_select(0, first) for t in (lp.sampled_logprobs, lp.sampled_ranks,
+                                                          lp.topk_token_ids, lp.topk_logprobs)]
+        step.start_speculative_readback(emitted, num_emitted, self.readback, slots, drafts, logprobs)
 
     def _cpu_threads(self) -> StepThreads:
         """Per-step CPU thread count (see tokenmill/cpu_threads.py); made on first use."""

@@ -53,14 +53,16 @@ class PendingStep:
         self._ticket = readback.start(tensors)
 
     def start_speculative_readback(self, emitted: torch.Tensor, num_emitted: torch.Tensor, readback,
-                                   sample_slots: np.ndarray, sample_drafts: np.ndarray) -> None:
+                                   sample_slots: np.ndarray, sample_drafts: np.ndarray,
+                                   logprobs: list[torch.Tensor] | None = None) -> None:
         """A step whose sampling rows emitted 1..1+k tokens each (int64 [S, K+1] and [S]). Once
         read, rows that verified drafts take the rejected ones off the host's computed count."""
         self._speculative = True
         drafted = np.flatnonzero(sample_drafts)
         self._draft_rows = (drafted, sample_slots[drafted], sample_drafts[drafted])
         self._handles = self._runner.batch.handle_of[sample_slots[drafted]]
-        self._ticket = readback.start([emitted, num_emitted])
+        extra = logprobs if logprobs is not None and self._logprob_rows else []
+        self._ticket = readback.start([emitted, num_emitted, *extra])
 
     def done(self) -> bool:
         """True when `output()` will not wait for the device."""
@@ -82,6 +84,8 @@ class PendingStep:
                 keep = np.arange(emitted.shape[1])[None, :] < num_emitted[:, None]
                 sampled = emitted[keep].astype(_I32).tobytes()
                 self._correct_host_counts(num_emitted)
+                if len(host) > 2:
+                    logprobs = self._pack_logprobs(emitted[:, 0], *(t.numpy() for t in host[2:]))
             else:
                 sampled = tokens.astype(_I32).tobytes()
             if len(host) > 1 and not self._speculative:

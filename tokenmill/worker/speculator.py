@@ -4,7 +4,7 @@ end of each step the scheduler marks `propose`, and verified by the next step.
 Per slot (device): `drafts` [K] (the proposal for the slot's next step) and, for the n-gram
 proposer, the slot's token history (prompt and every emitted token) with its length. A decode
 row scheduled for 1 + k tokens feeds its next token then drafts[:k]; the sampler samples every
-one of those positions and `accept_matching` keeps the matching prefix plus one (see
+one of those positions and `verify_drafts` keeps the matching prefix plus one (see
 layers/sampling/spec_verify.py). Nothing here waits for the host: the host learns how many
 tokens each row emitted when the step's ids are read back.
 
