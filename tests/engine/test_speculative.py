@@ -98,3 +98,70 @@ def test_smollm2_copying_a_passage(smollm2_llm):
         stats = llm.scheduler_stats()
     assert got == want
     assert stats["spec_num_accepted_tokens"] > stats["spec_num_draft_tokens"] // 2, stats
+
+
+def draft_config(path: str, k: int = 3) -> dict:
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k, "max_step_tokens": 0}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_target_as_draft_accepts_everything_and_changes_nothing(tiny_model_dir, reference, async_scheduling):
+    """The target as its own draft: every draft is accepted (the draft's KV and proposals are the
+    target's), greedy and seeded outputs are the plain ones, with chunked prefill in play."""
+    prompts = repetitive_prompts(6, seed=3)
+    seeded = [SamplingParams(temperature=0.8, top_k=40, seed=7 + i, max_tokens=30, ignore_eos=True)
+              for i in range(len(prompts))]
+    for params in (GREEDY, seeded):  # (a fresh engine each: see the known issue in CHANGELOG.md)
+        llm = tiny_llm(tiny_model_dir, async_scheduling=async_scheduling, max_num_batched_tokens=24,
+                       speculative_config=draft_config(tiny_model_dir))
+        assert token_ids(llm, prompts, params) == token_ids(reference, prompts, params)
+        stats = llm.scheduler_stats()
+        assert stats["spec_num_draft_tokens"] > 100, stats
+        assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"], stats
+        llm.shutdown()
+
+
+def test_a_different_draft_model_changes_nothing(tiny_model_dir, reference, tmp_path):
+    """A draft with other weights: some drafts rejected, greedy output still the plain one."""
+    from tests.helpers.tiny_models import make_tiny_model_dir
+    other = make_tiny_model_dir("llama", tmp_path, seed=1234)
+    prompts = repetitive_prompts(6, seed=4)
+    llm = tiny_llm(tiny_model_dir, speculative_config=draft_config(other), num_gpu_blocks_override=16)
+    assert token_ids(llm, prompts, GREEDY) == token_ids(reference, prompts, GREEDY)
+    stats = llm.scheduler_stats()
+    assert 0 < stats["spec_num_accepted_tokens"] < stats["spec_num_draft_tokens"], stats
+    assert stats["num_preemptions"] > 0, stats
+    llm.shutdown()
+
+
+def test_draft_kv_equals_a_fresh_prefill_bonus_token_included(tiny_model_dir):
+    """After the last (fully accepted) step, the draft's KV at every position of prompt + output
+    equals the target's KV from one prefill of those tokens."""
+    import torch
+    prompt = [5, 17, 42, 99, 7, 61, 3, 88, 19]
+    llm = tiny_llm(tiny_model_dir, async_scheduling=False, speculative_config=draft_config(tiny_model_dir))
+    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    stats = llm.scheduler_stats()
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
+    tokens = prompt + list(out)
+    runner = worker_runner(llm)
+    (slot,) = runner.batch.slot_of.values()  # the finished request's end has not reached the worker yet
+    draft_kv = _kv_at(runner.draft.kv_caches, runner.batch.block_table[slot], len(tokens), runner.block_size)
+    fresh = tiny_llm(tiny_model_dir, enable_prefix_caching=False)
+    fresh.generate([{"prompt_token_ids": tokens}], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    fresh_runner = worker_runner(fresh)
+    (fresh_slot,) = fresh_runner.batch.slot_of.values()
+    prefill_kv = _kv_at(fresh_runner.kv_caches, fresh_runner.batch.block_table[fresh_slot], len(tokens),
+                        fresh_runner.block_size)
+    torch.testing.assert_close(draft_kv, prefill_kv, atol=1e-4, rtol=1e-4)
+    llm.shutdown()
+    fresh.shutdown()
+
+
+def _kv_at(caches, block_table, num_tokens: int, block_size: int):
+    """[layers, 2, tokens, heads, dim]: the K and V of positions 0..num_tokens-1."""
+    import torch
+    positions = torch.arange(num_tokens)
+    blocks = torch.as_tensor(block_table[(positions // block_size).numpy()].astype("int64"))
+    return torch.stack([cache[:, blocks, positions % block_size] for cache in caches])

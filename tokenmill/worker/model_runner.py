@@ -23,7 +23,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplingState
-from tokenmill.layers.sampling.spec_verify import verify_drafts
+from tokenmill.layers.sampling.spec_layout import flat_rows
+from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
 from tokenmill.model.loader import load_model
 from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
@@ -66,6 +67,7 @@ class ModelRunner:
         self.batch_order = BatchOrder()
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
+        self.draft = None  # DraftProposer, for speculative_config method draft_model
         self.graphs: DecodeGraphs | None = None
         self.on_device_work: Callable[[], None] | None = None  # called as each step's device work starts
         self.last_timings: dict[str, float] = {}
@@ -95,10 +97,17 @@ class ModelRunner:
                                 attention_backend_class(self.config.attention_backend), seed=m.seed)
         logger.info("loaded %s in %.1f s (%s attention)", m.path, time.perf_counter() - start,
                     self.config.attention_backend)
+        spec = self.config.speculative
+        if spec is not None and spec.draft is not None:
+            from tokenmill.worker.draft_proposer import DraftProposer
+            self.draft = DraftProposer(spec.draft, self.device, self.dtype,
+                                       attention_backend_class(self.config.attention_backend),
+                                       self.config.scheduler.max_num_seqs + 1, spec.num_speculative_tokens)
 
     def kv_block_bytes(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        target = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return target + (self.draft.kv_block_bytes(self.block_size) if self.draft is not None else 0)
 
     def available_kv_blocks(self) -> int:
         """How many KV blocks the memory budget allows."""
@@ -117,7 +126,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         warm_up_kernels(self)
-        if not self.config.enforce_eager and self.config.attention_backend == "triton":
+        if not self.config.enforce_eager and self.config.attention_backend == "triton" and self.draft is None:
             self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, self.config.scheduler.max_num_seqs,
                                        self.config.model.max_model_len, self.block_size)
             self.graphs.capture()
@@ -126,6 +135,9 @@ class ModelRunner:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
+        if self.draft is not None:
+            self.draft.allocate(lambda blocks, heads, dim: kv_cache_shape(blocks, self.block_size, heads, dim),
+                                num_blocks, self.block_size)
 
     # ------------------------------------------------------------------ RequestMirror
 
@@ -187,6 +199,8 @@ class ModelRunner:
             inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
                                        None if self.speculator is None else self.speculator.drafts)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if self.draft is not None:
+                self.draft.mirror(inputs.input_ids, inputs.positions, inputs.meta)
             if self.batch.num_prompt_logprobs:
                 step_prompt_logprobs = prompt_logprobs(self, slots, counts, hidden, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -207,7 +221,13 @@ class ModelRunner:
                 self.speculator.record(sample_slots, out.sampled[:, None], torch.ones_like(out.sampled))
             step.start_readback(out, self.readback)
         if self.speculator is not None and so.propose and len(sample_rows):
-            self.speculator.propose(sample_slots)
+            if self.draft is not None:
+                self.draft.propose(self.sampler, sample_slots, self.batch.next_token_dev, self.batch.num_computed_dev,
+                                   self.batch.block_table_dev, self.batch.num_blocks_dev, self.block_size,
+                                   self.config.model.max_model_len, self.speculator.drafts,
+                                   keep_probs=self.sampling.plan.any_random)
+            else:
+                self.speculator.propose(sample_slots)
         timings["sample"] = time.perf_counter() - start
         if prev is not None:
             prev.output()
@@ -230,7 +250,15 @@ class ModelRunner:
         out = self.sampler.sample(logits, slots_rep, offsets=offsets_d, record=False)
         grid = torch.full((len(slots), k + 1), -1, dtype=torch.int64, device=self.device)
         grid[row_of_d, offsets_d] = out.sampled
-        emitted, num_emitted = verify_drafts(grid, self.speculator.drafts[slots_d, :k], drafts_d)
+        if self.draft is not None and self.draft.probs is not None and self.sampling.plan.any_random:
+            # Draft distributions: rejection sampling (greedy rows fall out of it: one-hot p and q).
+            target = self.sampler.probs(logits, slots_rep, offsets_d)
+            draft_rows, draft_cols = flat_rows(drafts_d - 1, int(drafts.sum()))  # one row per draft
+            q = self.draft.probs[slots_d[draft_rows], draft_cols]
+            emitted, num_emitted = rejection_sample(self.sampler, slots_d, target, q,
+                                                    self.speculator.drafts[slots_d, :k], drafts_d)
+        else:
+            emitted, num_emitted = verify_drafts(grid, self.speculator.drafts[slots_d, :k], drafts_d)
         self.sampler.advance(slots_d, num_emitted, emitted)
         self.batch.next_token_dev[slots_d] = emitted.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
         self.batch.num_computed_dev[slots_d] = seq_lens - drafts_d - 1 + num_emitted

@@ -41,6 +41,7 @@ class PersistentBatch:
         self.block_table = np.zeros((n, max_blocks_per_seq), dtype=np.int32)
         self.block_table_dev = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.num_computed_dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self.num_blocks_dev = torch.zeros(n, dtype=torch.int64, device=device)
         self.next_token_dev = torch.zeros(n, dtype=torch.int64, device=device)
         self._block_writes: list[tuple[int, int, np.ndarray]] = []  # (slot, first column, ids)
         self.num_prompt_logprobs = 0  # requests held that want prompt logprobs
@@ -93,7 +94,9 @@ class PersistentBatch:
         cols = np.concatenate([np.arange(first, first + len(ids), dtype=np.int64)
                                for _, first, ids in self._block_writes])
         vals = np.concatenate([ids for _, _, ids in self._block_writes])
+        touched = np.unique(rows)
         self._block_writes.clear()
+        self.num_blocks_dev[to_device(touched, self.device)] = to_device(self.num_blocks[touched], self.device)
         index = to_device(np.stack([rows, cols]), self.device)
         self.block_table_dev.index_put_((index[0], index[1]), to_device(vals, self.device))
 
