@@ -33,6 +33,13 @@ class PrefixModel:
         other.table = self.table + torch.randn(self.table.shape, generator=g, dtype=torch.float64) * scale
         return other
 
+    def rounded(self, dtype: torch.dtype) -> PrefixModel:
+        """The same model with logits exactly representable in `dtype` (bfloat16 on the device)."""
+        other = PrefixModel.__new__(PrefixModel)
+        other.vocab, other.level_start = self.vocab, self.level_start
+        other.table = self.table.to(dtype).double()
+        return other
+
     def codes(self, prefixes: torch.Tensor) -> torch.Tensor:
         """int64 [N]: the table row of each prefix (int64 [N, L])."""
         code = torch.zeros(prefixes.shape[0], dtype=torch.int64)
