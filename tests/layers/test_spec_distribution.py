@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scipy.stats import binomtest, chisquare
 
 from tests.helpers.sampling import Harness
 from tests.helpers.spec import (PrefixModel, chain_probabilities, chi_square_pvalue, complete, draft_model_step,
                                 one_hot_step)
 from tokenmill.layers.sampling import spec_verify
 from tokenmill.layers.sampling.seeded_noise import NoiseStream
+from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
+from tokenmill.layers.sampling.spec_verify import verify_drafts
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB, K = 8, 2
@@ -131,6 +134,32 @@ def test_drafts_drawn_from_the_main_stream_stay_lossless(device, dtype) -> None:
     """Seeded proposals may share the MAIN stream with the bonus token (spec_verify.py says why)."""
     setup = Setup(device, dtype)
     assert_target_law(setup, trials(setup, PARAMS["top_p"], True, draft_model(NoiseStream.MAIN)), PARAMS["top_p"])
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded"])
+def test_one_hot_verification_is_the_rejection_rule_at_one_position(seeded: bool) -> None:
+    """spec_verify.py's argument, measured: for q = onehot(d) the draft is kept with probability
+    min(1, p(d) / 1) = p(d), and a rejection emits t with probability p(t) / (1 - p(d)), i.e. from
+    normalized max(p - onehot(d), 0), never d itself."""
+    probs, draft, rows = [0.1, 0.4, 0.2, 0.3], 3, 20_000
+    h = Harness("cpu", 4, max_slots=rows if seeded else 1)
+    for slot in range(rows if seeded else 1):
+        h.add(slot, SamplingParams(seed=slot + 5 if seeded else None))
+    slots = h.slots(range(rows)) if seeded else h.slots([0] * rows)
+    torch.manual_seed(0)
+    num_drafts = torch.ones(rows, dtype=torch.int64)
+    request, offset = flat_rows(num_drafts, 2 * rows)
+    sampled = h.sampler.sample(torch.tensor(probs).log().expand(2 * rows, -1), slots[request], offsets=offset,
+                               record=False).sampled
+    emitted, num_emitted = verify_drafts(flat_to_padded(sampled, num_drafts, 1, -1),
+                                         torch.full((rows, 1), draft), num_drafts)
+    kept = num_emitted == 2
+    assert binomtest(int(kept.sum()), rows, probs[draft]).pvalue > ALPHA
+    corrections = torch.bincount(emitted[~kept, 0], minlength=4)
+    assert corrections[draft] == 0
+    residual = torch.tensor([p for t, p in enumerate(probs) if t != draft], dtype=torch.float64) / (1 - probs[draft])
+    others = corrections[[t for t in range(4) if t != draft]].double()
+    assert chisquare(others.numpy(), (residual * others.sum()).numpy()).pvalue > ALPHA
 
 
 # ---------------------------------------------------------------- the check fails on a broken rule
