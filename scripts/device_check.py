@@ -12,6 +12,9 @@ weights, benchmarks). Parts:
   bench:S     `tokenmill bench throughput` on shape S (smollm2, llama1b, llama8b) vs HF, warmed
   long:S      1000 prompts x 512 in x 256 out on shape S (tokenmill only)
   batch1:S    one prompt, 512 in x 256 out: time per output token
+  spec_sampler  the speculative-decoding sampler tests on CUDA (bfloat16 logits in the distribution
+              and greedy tests), then scripts/spec_sampler_check.py: verification and rejection
+              sampling timed at R=256, K=4, V=49152, no host sync, allocated memory
 
     python scripts/device_check.py --parts tiny,parity,bench:smollm2,bench:llama1b
 """
@@ -232,6 +235,14 @@ def main() -> None:
             run_script(results, "fused_ops_check", ["scripts/fused_ops_check.py"])
         elif name == "triton":
             run_script(results, "triton_attention_check", ["scripts/triton_attention_check.py", "--quick"])
+        elif name == "spec_sampler":
+            run_script(results, "spec_sampler_pytest", [
+                "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", "tests/layers/test_spec_verify.py",
+                "tests/layers/test_spec_sampler.py", "tests/layers/test_spec_distribution.py",
+                "tests/layers/test_sampler.py", "tests/layers/test_sampler_stages.py",
+                "tests/layers/test_sampling_state.py"])
+            run_script(results, "spec_sampler_timing", ["scripts/spec_sampler_check.py", "--output-json",
+                                                        os.path.join(OUT, "spec_sampler.json")])
         elif name == "tiny":
             tiny_families(results)
         elif name == "parity":

@@ -33,6 +33,13 @@ class PrefixModel:
         other.table = self.table + torch.randn(self.table.shape, generator=g, dtype=torch.float64) * scale
         return other
 
+    def rounded(self, dtype: torch.dtype) -> PrefixModel:
+        """The same model with logits exactly representable in `dtype` (bfloat16 on the device)."""
+        other = PrefixModel.__new__(PrefixModel)
+        other.vocab, other.level_start = self.vocab, self.level_start
+        other.table = self.table.to(dtype).double()
+        return other
+
     def codes(self, prefixes: torch.Tensor) -> torch.Tensor:
         """int64 [N]: the table row of each prefix (int64 [N, L])."""
         code = torch.zeros(prefixes.shape[0], dtype=torch.int64)
@@ -155,3 +162,27 @@ def draft_model_step(h: Harness, slots: torch.Tensor, target: PrefixModel, draft
     p.masked_fill_((torch.arange(max_drafts + 1, device=h.device)[None, :] > num_drafts[:, None])[:, :, None],
                    torch.nan)
     return rejection_sample(h.sampler, slots, p, q, drafts, num_drafts)
+
+
+class ChainModel:
+    """Logits (float64 [V]) as a fixed function of (output position, previous token): long
+    generations whose speculative and plain runs are compared token for token. Token `eos` gets a
+    boost, so that min_tokens has something to ban."""
+
+    def __init__(self, vocab: int, length: int, seed: int, eos: int | None = None) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        self.table = torch.randn(length, vocab + 1, vocab, generator=g, dtype=torch.float64) * 2.0
+        if eos is not None:
+            self.table[..., eos] += 3.0
+
+    def logits(self, positions: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """positions, previous: int64 [N] (previous -1: none yet) -> float64 [N, V]."""
+        return self.table[positions.cpu(), previous.cpu() % (self.vocab + 1)]
+
+    def along(self, start: torch.Tensor, last: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """float64 [R, K + 1, V]: the logits at positions start + j after last, d_0, .., d_{j-1}."""
+        rows, max_drafts = drafts.shape
+        previous = torch.cat([last[:, None], drafts.clamp_min(0)], dim=1)
+        positions = start[:, None] + torch.arange(max_drafts + 1)
+        return self.logits(positions.reshape(-1), previous.reshape(-1)).view(rows, max_drafts + 1, self.vocab)

@@ -88,11 +88,12 @@ class Sampler:
         is needed only while some active slot uses penalties (rows without drafts may be penalty
         requests; their one token is counted)."""
         plan = self.state.plan
+        assert emitted is not None or not plan.penalties, "an active slot uses penalties: pass the emitted tokens"
+        self.state.flush()
         table = self.state.table
         if plan.counts_outputs:
             table.count_outputs(slots, num_emitted)
         if plan.penalties:
-            assert emitted is not None, "an active slot uses penalties: pass the emitted tokens"
             width = emitted.shape[1]
             kept = torch.arange(width, device=emitted.device)[None, :] < num_emitted[:, None]
             weights = kept * table.column(IntCol.USES_PENALTIES, slots)[:, None]
