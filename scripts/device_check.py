@@ -15,6 +15,11 @@ weights, benchmarks). Parts:
   rowfaults   row-level faults on CUDA (NaN logits / a sampling error fail only their request, also
               through decode-graph replays: tests/e2e/test_row_faults.py, tests/worker/test_row_faults.py),
               and the per-step cost of the non-finite screen next to a Llama-8B LM head
+  spec1:S     batch 1, 512 in x 256 out: plain, then the target as its own draft (k=4)
+  spec256:S   256 x 256 x 128: plain, then adaptive n-gram speculation (k=4)
+  spec_sampler  the speculative-decoding sampler tests on CUDA (bfloat16 logits in the distribution
+              and greedy tests), then scripts/spec_sampler_check.py: verification and rejection
+              sampling timed at R=256, K=4, V=49152, no host sync, allocated memory
 
     python scripts/device_check.py --parts tiny,parity,bench:smollm2,bench:llama1b
 """
@@ -182,7 +187,9 @@ def tiny_families(results: dict) -> None:
 def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_len: int, baseline: bool,
           extra: list[str] = ()) -> None:
     path = config_dir(shape)
-    record = os.path.join(OUT, f"bench_{shape}_{num_prompts}x{input_len}x{output_len}.json")
+    extra = [e.replace('"SAME"', json.dumps(path)) for e in extra]
+    tag = "_spec" if extra else ""
+    record = os.path.join(OUT, f"bench_{shape}_{num_prompts}x{input_len}x{output_len}{tag}.json")
     argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "throughput",
             "--model", path, "--load-format", "dummy", "--dtype", "bfloat16", "--num-prompts", str(num_prompts),
             "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
@@ -195,7 +202,7 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
     print("\n".join(lines[-30:]))
     if proc.returncode != 0:
         print(proc.stderr[-3000:])
-    key = f"bench_{shape}_{num_prompts}x{input_len}x{output_len}{'_' + '_'.join(extra) if extra else ''}"
+    key = f"bench_{shape}_{num_prompts}x{input_len}x{output_len}{tag}"
     if proc.returncode == 0 and os.path.exists(record):
         with open(record) as f:
             rec = json.load(f)
@@ -263,6 +270,14 @@ def main() -> None:
             run_script(results, "fused_ops_check", ["scripts/fused_ops_check.py"])
         elif name == "triton":
             run_script(results, "triton_attention_check", ["scripts/triton_attention_check.py", "--quick"])
+        elif name == "spec_sampler":
+            run_script(results, "spec_sampler_pytest", [
+                "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", "tests/layers/test_spec_verify.py",
+                "tests/layers/test_spec_sampler.py", "tests/layers/test_spec_distribution.py",
+                "tests/layers/test_sampler.py", "tests/layers/test_sampler_stages.py",
+                "tests/layers/test_sampling_state.py"])
+            run_script(results, "spec_sampler_timing", ["scripts/spec_sampler_check.py", "--output-json",
+                                                        os.path.join(OUT, "spec_sampler.json")])
         elif name == "tiny":
             tiny_families(results)
         elif name == "parity":
@@ -277,6 +292,14 @@ def main() -> None:
             run_script(results, "row_faults", ["-m", "pytest", "-q", "-p", "no:cacheprovider",
                                                "tests/e2e/test_row_faults.py", "tests/worker/test_row_faults.py"])
             row_fault_costs(results)
+        elif name == "spec1":  # batch 1: plain, then the target as its own draft (the mechanics' ceiling)
+            bench(results, shape, 1, 512, 256, baseline=False)
+            bench(results, shape, 1, 512, 256, baseline=False, extra=["--speculative-config", json.dumps(
+                {"method": "draft_model", "model": "SAME", "num_speculative_tokens": 4, "max_step_tokens": 0})])
+        elif name == "spec256":  # saturation: plain, then adaptive n-gram (must not cost throughput)
+            bench(results, shape, 256, 256, 128, baseline=False)
+            bench(results, shape, 256, 256, 128, baseline=False, extra=["--speculative-config", json.dumps(
+                {"method": "ngram", "num_speculative_tokens": 4})])
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "device_check.json"), "w") as f:
             json.dump(results, f, indent=2)

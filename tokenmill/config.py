@@ -10,6 +10,7 @@ transformers: the model's shape travels as a `ModelArch`.
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, fields
 
 import msgspec
@@ -86,6 +87,21 @@ class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     world_size: int = 1  # worker processes (full model replicas until tensor parallelism lands)
 
 
+class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Speculative decoding: a proposer guesses up to `num_speculative_tokens` next tokens per
+    request, the target verifies them in one step and keeps the accepted ones plus one more."""
+
+    method: str  # ngram | draft_model
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched (tried first)
+    draft: ModelConfig | None = None  # draft_model: the resolved draft model
+    # Adaptive speculation: a step speculates only while its tokens stay under this many (where
+    # a forward pass costs about the same as a one-token-per-row step); 0 = always speculate k.
+    max_step_tokens: int = 0
+    min_acceptance: float = 0.25  # a draft position is proposed only while its expected acceptance is above this
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
@@ -98,6 +114,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     step_timeout_s: float = 300.0  # a step running longer than this kills the engine (EngineDeadError)
     attention_backend: str = "torch"  # torch (reference; CPU, tests) | triton (CUDA)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
+    speculative: SpeculativeConfig | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -137,6 +154,7 @@ class EngineArgs:
     step_timeout: float = 300.0
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    speculative_config: dict | None = None  # vLLM's spelling, e.g. {"method": "ngram", "num_speculative_tokens": 4}
 
 
 _FLAG_HELP = {
@@ -165,6 +183,10 @@ _FLAG_HELP = {
     "step_timeout": "seconds a step may run before the engine is declared dead (a hung worker)",
     "attention_backend": "auto (triton on CUDA, torch on CPU), torch (the reference) or triton",
     "enforce_eager": "CUDA: run every step eagerly, without CUDA graphs",
+    "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
+                          '"model": PATH, "num_speculative_tokens": 4}; optional "max_step_tokens" (adaptive '
+                          'speculation: 0 = always speculate) and "min_acceptance"',
 }
 
 
@@ -179,10 +201,24 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         text = _FLAG_HELP.get(f.name, "")
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+        elif "dict" in str(f.type):
+            parser.add_argument(flag, type=_json_object(f.name), default=default, help=text)
         else:
             kind = {"int": int, "float": float, "str": str}.get(
                 str(f.type).replace(" | None", "").strip("'"), str)
             parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+
+
+def _json_object(name: str):
+    def parse(text: str) -> dict:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{name}: not valid JSON ({exc})") from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{name}: must be a JSON object, got {text!r}")
+        return value
+    return parse
 
 
 def engine_args_from_flags(namespace: argparse.Namespace, model: str) -> EngineArgs:

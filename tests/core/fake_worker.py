@@ -44,9 +44,16 @@ def fake_prompt_logprobs(state: dict, num_scheduled: int) -> Logprobs | None:
 
 
 class FakeWorker:
-    def __init__(self) -> None:
+    def __init__(self, accepts=None, block_size: int | None = None) -> None:
+        """`accepts(handle, output_position) -> bool`: speculative decoding is on, and whether the
+        draft for that position is right (drafts beyond the known tokens are verified: the row
+        emits the accepted ones and one more, as the real worker does). `block_size`: check that
+        every fed token has a KV slot."""
         self.states: dict[int, dict] = {}
         self.batch_order = BatchOrder()
+        self.accepts = accepts
+        self.block_size = block_size
+        self.num_drafts = self.num_accepted = 0
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # Decode from the wire form, as a worker in another process does.
@@ -65,6 +72,14 @@ class FakeWorker:
         sampled, logprobs, prompt_logprobs = [], [], []
         for handle, n in zip(so.scheduled_handles, so.num_scheduled_tokens):
             state = self.states[handle]
+            drafts = n - (len(state["tokens"]) - state["computed"])
+            if self.block_size is not None:
+                assert len(state["blocks"]) * self.block_size >= state["computed"] + n, "a fed token has no KV slot"
+            if drafts > 0:
+                sampled.append(self._verify(handle, state, n, drafts))
+                logprobs.append(None)
+                prompt_logprobs.append(None)
+                continue
             state["computed"] += n
             assert state["computed"] <= len(state["tokens"]), "scheduled past the known tokens"
             prompt_logprobs.append(fake_prompt_logprobs(state, n))
@@ -79,6 +94,23 @@ class FakeWorker:
         return ModelRunnerOutput.from_rows(
             so.step_id, sampled, logprobs=logprobs if any(logprobs) else [],
             prompt_logprobs=prompt_logprobs if any(prompt_logprobs) else [])
+
+    def _verify(self, handle: int, state: dict, n: int, drafts: int) -> list[int]:
+        """A decode row with `drafts` drafts: the accepted ones, then the target's next token (past
+        an EOS too: the scheduler must cut there)."""
+        assert self.accepts is not None, "drafts scheduled without speculative decoding"
+        tokens, num_prompt = state["tokens"], state["num_prompt"]
+        accepted = 0
+        while accepted < drafts and self.accepts(handle, len(tokens) - num_prompt + accepted):
+            accepted += 1
+        state["computed"] += n - drafts + accepted
+        emitted = []
+        for _ in range(accepted + 1):
+            emitted.append(next_token(tokens, num_prompt))
+            tokens.append(emitted[-1])
+        self.num_drafts += drafts
+        self.num_accepted += accepted
+        return emitted
 
     def check_mirrors(self, scheduler: Scheduler, block_size: int) -> None:
         for handle, state in self.states.items():

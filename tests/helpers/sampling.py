@@ -3,16 +3,54 @@ logit adjustments written out from their definitions (the reference the device c
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from collections.abc import Sequence
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
 from tokenmill.sampling_params import SamplingParams
 
 # Every sampler test runs on the CPU, and on CUDA too where there is one.
 DEVICES = [pytest.param("cpu")] + ([pytest.param("cuda")] if torch.cuda.is_available() else [])
+
+# Ops that read device data on the host, or make shapes depend on it.
+SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
+
+
+class OpLog(TorchDispatchMode):
+    """Counts the ATen ops dispatched inside it, and the largest tensor an op allocated (outputs
+    that alias an input, views and in-place results, are not allocations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.largest_allocation = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        out = func(*args, **(kwargs or {}))
+        if not any(r.alias_info is not None for r in func._schema.returns):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.largest_allocation = max(self.largest_allocation, t.numel())
+        return out
+
+
+@contextlib.contextmanager
+def no_host_sync(device: torch.device):
+    """On CUDA, any host sync inside raises (torch's sync debug mode); elsewhere a no-op."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 class Harness:

@@ -6,48 +6,23 @@ Counts ATen ops with a TorchDispatchMode (no timing). On CUDA the step also runs
 
 from __future__ import annotations
 
-import contextlib
 from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.helpers.sampling import DEVICES, Harness
+from tests.helpers.sampling import DEVICES, SYNCING_OPS, Harness, OpLog, no_host_sync
 from tokenmill.sampling_params import SamplingParams
-
-# Ops that read device data on the host, or make shapes depend on it.
-SYNCING_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero"}
-
-
-class OpLog(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def step_ops(h: Harness, num_rows: int, slots: list[int]) -> Counter[str]:
     logits = torch.randn(num_rows, h.vocab_size, generator=torch.Generator().manual_seed(0)).to(h.device)
     index = h.slots(slots)
     h.sampler.sample(logits, index, record=False)  # flush the queued writes first
-    no_sync = (lambda: _cuda_sync_errors()) if h.device.type == "cuda" else contextlib.nullcontext
-    with no_sync(), OpLog() as log:
+    with no_host_sync(h.device), OpLog() as log:
         out = h.sampler.sample(logits, index, record=False)
         h.sampler.record(index, out.sampled)
     return log.ops
-
-
-@contextlib.contextmanager
-def _cuda_sync_errors():
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("device", DEVICES)

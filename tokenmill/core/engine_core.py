@@ -51,7 +51,7 @@ class EngineCore:
                     num_blocks * self.executor.kv_block_bytes() / 2**30, max_len,
                     num_blocks * block_size / max_len)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative)
         self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
         self.stats_logger = StatsLogger(enabled=config.log_stats)
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()

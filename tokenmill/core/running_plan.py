@@ -39,6 +39,8 @@ class Plan:
     slots: np.ndarray  # the scheduled running rows, in priority order
     counts: np.ndarray  # tokens each
     one_token_each: bool  # every running row is scheduled, with one token
+    draft_slots: np.ndarray | None = None  # rows that verify drafts this step (None: none do)
+    draft_counts: np.ndarray | None = None  # how many each
     preempted: list[int] = field(default_factory=list)  # handles, in preemption order
     new_blocks: NewBlocks = field(default_factory=NewBlocks)
 
@@ -65,12 +67,18 @@ class RunningPlanner:
         self._preempt = preempt
         self._ones = np.ones(0, np.int64)
 
-    def plan(self, step_id: int, budget: int) -> Plan:
+    def plan(self, step_id: int, budget: int, drafts: np.ndarray | None = None) -> Plan:
         """Plan step `step_id` for the running rows and write it to the table (tokens computed,
-        samples in flight, blocks, due steps); the waiting queue gets what budget is left."""
+        samples in flight, blocks, due steps); the waiting queue gets what budget is left.
+        `drafts` (by slot, from SpecPolicy): draft tokens a decode row verifies on top of its
+        one; they take budget and KV slots like any token, and count as computed until the
+        step's update takes back the rejected ones."""
         t = self.table
         slots = t.order.copy()
-        examined = (t.due_step[slots] <= step_id).nonzero()[0]
+        due = t.due_step[slots] <= step_id
+        if drafts is not None:
+            due |= drafts[slots] > 0
+        examined = due.nonzero()[0]
         if not len(examined) and len(slots) <= budget:  # nothing due: one token each, no block
             t.num_computed[slots] += 1
             t.num_pending[slots] += 1  # C + 1 == T + P: the step samples their next token
@@ -80,8 +88,10 @@ class RunningPlanner:
         ahead = known + t.num_pending[ex_slots]  # placeholders included
         limit = t.token_limit[ex_slots]
         uncomputed = (ahead - computed) * (ahead < limit)  # a last token in flight: no more
+        if drafts is not None:
+            uncomputed = uncomputed + drafts[ex_slots] * ((ahead - computed == 1) & (uncomputed > 0))
         if len(slots) - len(examined) + int(uncomputed.sum()) > budget:
-            return self._plan_in_order(slots, step_id, budget)
+            return self._plan_in_order(slots, step_id, budget, drafts)
         after = computed + uncomputed
         filled = np.minimum(after, known)  # tokens whose K/V this step completes
         capacity, next_full = t.block_capacity[ex_slots], t.next_full_block_at[ex_slots]
@@ -94,7 +104,11 @@ class RunningPlanner:
             attention = examined[(num_blocks > 0) | registers]
             num_rows = self._serve_one_by_one(slots, num_new, attention, plan)
             return self._apply(slots[:num_rows], num_new[:num_rows], step_id, plan)
-        samples = (uncomputed > 0) & (after == ahead)
+        # Tokens the step may add: one when it samples, 1 + k when it also verifies k drafts.
+        samples = (after - ahead + 1).clip(0) * (uncomputed > 0)
+        if drafts is not None:
+            drafted = (after > ahead).nonzero()[0]
+            plan.draft_slots, plan.draft_counts = ex_slots[drafted], (after - ahead)[drafted]
         t.num_computed[slots] += 1  # the examined rows are set right below
         t.num_pending[slots] += 1
         t.num_computed[ex_slots] = after
@@ -126,13 +140,15 @@ class RunningPlanner:
 
     # ------------------------------------------------------------------ every row, in order
 
-    def _plan_in_order(self, slots: np.ndarray, step_id: int, budget: int) -> Plan:
+    def _plan_in_order(self, slots: np.ndarray, step_id: int, budget: int, drafts: np.ndarray | None) -> Plan:
         """Plan every row: they take their tokens in priority order until the budget runs out."""
         t = self.table
         known = t.num_tokens[slots]
         ahead = known + t.num_pending[slots]
         computed = t.num_computed[slots]
         uncomputed = (ahead - computed) * (ahead < t.token_limit[slots])
+        if drafts is not None:
+            uncomputed = uncomputed + drafts[slots] * ((ahead - computed == 1) & (uncomputed > 0))
         before = uncomputed.cumsum() - uncomputed
         num_new = np.minimum(uncomputed, (budget - before).clip(0))
         after = computed + num_new
@@ -153,7 +169,12 @@ class RunningPlanner:
         t = self.table
         computed = t.num_computed[slots] + num_new
         t.num_computed[slots] = computed
-        t.num_pending[slots] += (num_new > 0) & (computed == t.num_tokens[slots] + t.num_pending[slots])
+        ahead = t.num_tokens[slots] + t.num_pending[slots]
+        beyond = (computed - ahead) * (num_new > 0)  # >= 0: the row samples; > 0: it verifies drafts
+        t.num_pending[slots] += (beyond + 1).clip(0) * (num_new > 0)
+        if (beyond > 0).any():
+            drafted = (beyond > 0).nonzero()[0]
+            plan.draft_slots, plan.draft_counts = slots[drafted], beyond[drafted]
         self.set_due_steps(slots, step_id)
         scheduled = num_new > 0
         plan.slots, plan.counts = slots[scheduled], num_new[scheduled]

@@ -9,7 +9,9 @@ Invariants for a running slot s (request r = requests[s]):
 - tokens[s, :num_tokens[s]] are r's token ids (prompt, then outputs received so far);
 - num_computed[s] <= num_tokens[s] + num_pending[s] (scheduled placeholders included), and
   num_computed[s] <= block_capacity[s] (the tokens r's blocks can hold);
-- num_pending[s]: steps in flight that will sample a token for r;
+- num_pending[s]: the most tokens the steps in flight can still add to r (one per plain step,
+  1 + k for a step verifying k drafts); num_computed counts a step's drafts as computed until
+  its update takes back the rejected ones (so it is an upper bound while drafts are in flight);
 - next_full_block_at[s]: once this many known tokens are computed, r's next block is full
   and must be registered in the prefix cache (NEVER when caching is off).
 """
@@ -40,6 +42,12 @@ class RunningTable:
         self.stops_on_eos = np.zeros(max_rows, bool)
         self.custom_stops = np.zeros(max_rows, bool)  # stop ids beyond the common EOS ids: checked row by row
         self.cached_to_report = np.zeros(max_rows, bool)  # its first output must carry num_cached_tokens
+        # Speculative decoding (see spec_policy.py): may the row get drafts, its decayed
+        # acceptance counts, and the last step at whose end the workers proposed drafts for it.
+        self.spec_ok = np.zeros(max_rows, bool)
+        self.spec_hits = np.zeros(max_rows, np.float64)
+        self.spec_trials = np.zeros(max_rows, np.float64)
+        self.proposed_at = np.full(max_rows, -1, np.int64)
         self.tokens = np.zeros((max_rows, 0), np.int32)
         self.requests: list[Request | None] = [None] * max_rows
         self._free_slots = list(range(max_rows - 1, -1, -1))
@@ -55,7 +63,7 @@ class RunningTable:
         return self._order[:self.num_running]
 
     def add(self, request: Request, num_computed: int, block_capacity: int, next_full_block_at: int,
-            stops_on_eos: bool, custom_stops: bool) -> int:
+            stops_on_eos: bool, custom_stops: bool, spec_ok: bool = False) -> int:
         """Move a request's state in (it goes last in `order`); returns its slot."""
         tokens = request.token_ids
         assert tokens is not None and request.num_pending == 0 and self.num_running < self.max_rows
@@ -73,6 +81,9 @@ class RunningTable:
         self.block_capacity[slot] = block_capacity
         self.next_full_block_at[slot] = next_full_block_at
         self.due_step[slot] = 0
+        self.spec_ok[slot] = spec_ok
+        self.spec_hits[slot] = self.spec_trials[slot] = 0.0
+        self.proposed_at[slot] = -1
         self.stops_on_eos[slot] = stops_on_eos
         self.custom_stops[slot] = custom_stops
         self.num_custom_stops += custom_stops

@@ -26,12 +26,13 @@ from collections import deque
 
 import numpy as np
 
-from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.row_failures import fail_rows
 from tokenmill.core.running_plan import RunningPlanner
 from tokenmill.core.running_table import NEVER, RunningTable
+from tokenmill.core.spec_policy import SpecPolicy, SpecStats, allows_speculation
 from tokenmill.core.step_update import apply_step
 from tokenmill.protocol import (CachedRequestData, EngineCoreOutputs, FinishReason, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput, SchedulerStats, pack_ids)
@@ -42,7 +43,8 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.config = config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
@@ -50,6 +52,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.table = RunningTable(config.max_num_seqs)
         self.planner = RunningPlanner(self.table, self.kv, self._preempt)
+        self.spec = SpecPolicy(speculative, self.table) if speculative is not None else None
+        self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
         self.known_to_workers: set[int] = set()
         self.finished_to_send: list[int] = []
         self.step_id = 0
@@ -58,6 +62,7 @@ class Scheduler:
         self._batch_slots = np.empty(0, np.int64)  # the last batch's rows, as slots
         self._batch_version = -1  # the table's version when the last batch was made
         self._batch_is_all_running = False  # the last batch had every running request
+        self._last_proposed = -1  # the last step at whose end the workers propose drafts
         # The EOS ids most requests stop on (set by the first that has any): checked with numpy.
         self._common_eos: frozenset[int] | None = None
         self.eos_ids = np.empty(0, np.int64)
@@ -101,8 +106,10 @@ class Scheduler:
         return pending
 
     def stats(self) -> SchedulerStats:
+        spec = self.spec_stats
         return SchedulerStats(self.table.num_running, len(self.waiting), self.kv.usage,
-                              self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions)
+                              self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions,
+                              spec.num_drafts, spec.num_draft_tokens, spec.num_accepted, spec.per_position.tolist())
 
     # ------------------------------------------------------------------ schedule
 
@@ -111,7 +118,10 @@ class Scheduler:
         t = self.table
         step_id = self.step_id + 1
         budget = self.config.max_num_batched_tokens
-        plan = self.planner.plan(step_id, budget)
+        drafts = None
+        if self.spec is not None and self._last_proposed == step_id - 1:
+            drafts = self.spec.choose(step_id, t.order, budget)
+        plan = self.planner.plan(step_id, budget, drafts)
         sched_slots, sched_counts = plan.slots, plan.counts
         budget -= int(sched_counts.sum())
 
@@ -139,6 +149,15 @@ class Scheduler:
         else:
             self._encode_batch(output, sched_slots, sched_counts)
         output.table_version = self._batch_version = t.version
+        output.num_drafts = None
+        if plan.draft_slots is not None and len(plan.draft_slots):
+            per_slot = np.zeros(t.max_rows, np.int64)
+            per_slot[plan.draft_slots] = plan.draft_counts
+            output.num_drafts = per_slot[output.row_slots]
+        if self.spec is not None and self.spec.wants_proposals(t.num_running):
+            output.propose = True
+            t.proposed_at[output.row_slots] = step_id
+            self._last_proposed = step_id
         self._batch_is_all_running = len(output.row_slots) == t.num_running
         check_every = self.config.debug_check_every
         if check_every and step_id % check_every == 0:
@@ -183,7 +202,8 @@ class Scheduler:
             on_eos = bool(request.eos_token_ids) and request.eos_token_ids == self._common_eos
             custom = bool(request.stop_token_ids) or (bool(request.eos_token_ids) and not on_eos)
             slot = t.add(request, computed, len(blocks) * bs,
-                         (num_cached + 1) * bs if kv.enable_caching else NEVER, on_eos, custom)
+                         (num_cached + 1) * bs if kv.enable_caching else NEVER, on_eos, custom,
+                         self.spec is not None and allows_speculation(request.params))
             if computed == len(tokens):
                 t.num_pending[slot] = 1  # this step samples its next token
             slots.append(slot)
@@ -228,12 +248,18 @@ class Scheduler:
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Apply a finished step's sampled tokens; return what the front-end must hear."""
-        result = apply_step(self.table, self.requests, self.eos_ids, scheduler_output, runner_output)
+        result = apply_step(self.table, self.requests, self.eos_ids, scheduler_output, runner_output,
+                            self._record_verified if self.spec is not None else None)
         if runner_output.failed_rows:  # rare: rows that failed alone end their requests (row_failures.py)
             result = fail_rows(self.requests, scheduler_output, runner_output, result)
         if result.finished:
             self.finish(result.finished)
         return result.outputs
+
+    def _record_verified(self, slot: int, num_drafts: int, num_accepted: int) -> None:
+        self.spec_stats.record(num_drafts, num_accepted)
+        if slot >= 0:
+            self.spec.record(slot, num_drafts, num_accepted)
 
     def finish(self, requests: list[Request]) -> None:
         """End these requests (their `finish_reason` is set): free their rows and blocks, and

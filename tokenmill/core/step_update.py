@@ -30,10 +30,15 @@ class StepResult:
     finished: list[Request]  # in row order; the caller ends them
 
 
+OnVerified = Callable[[int, int, int], None]  # (slot or -1, drafts verified, drafts accepted)
+
+
 def apply_step(table: RunningTable, requests: dict[int, Request], eos_ids: np.ndarray,
-               so: SchedulerOutput, out: ModelRunnerOutput) -> StepResult:
-    """Append `out`'s tokens to the requests of `so`'s rows."""
+               so: SchedulerOutput, out: ModelRunnerOutput, on_verified: OnVerified | None = None) -> StepResult:
+    """Append `out`'s tokens to the requests of `so`'s rows. Rows that verified drafts
+    (`so.num_drafts`) give back the computed tokens and in-flight room of the rejected ones."""
     slots, handles = so.row_slots, so.batch_handles
+    drafts = getattr(so, "num_drafts", None)
     tokens = out.sampled_tokens()
     counts = first = None  # None: every row sampled one token
     one_token = None  # None: every row takes the fast way
@@ -44,6 +49,8 @@ def apply_step(table: RunningTable, requests: dict[int, Request], eos_ids: np.nd
     if so.table_version != table.version:  # a slot may have changed hands since the step was scheduled
         on_slot = table.handle[slots] == handles
         one_token = on_slot if one_token is None else one_token & on_slot
+    if drafts is not None:  # rows that verified drafts go the slow way
+        one_token = (drafts == 0) if one_token is None else one_token & (drafts == 0)
     if one_token is None:
         rows, row_slots, row_tokens = None, slots, tokens
     else:
@@ -78,7 +85,7 @@ def apply_step(table: RunningTable, requests: dict[int, Request], eos_ids: np.nd
             count = 1 if counts is None else int(counts[row])
             start = row if first is None else int(first[row])
             _apply_row(table, requests, row, int(handles[row]), tokens[start:start + count].tolist(),
-                       out, news, finished)
+                       out, news, finished, 0 if drafts is None else int(drafts[row]), on_verified)
     if not with_news and rows is None:  # the steady decode: pass the columns on as they are
         token_handles, token_ids = handles.astype(_I32, copy=False).tobytes(), out.sampled
     else:
@@ -105,8 +112,11 @@ def _fast_rows_with_news(table: RunningTable, row_slots: np.ndarray, ending: lis
 
 
 def _apply_row(table: RunningTable, requests: dict[int, Request], row: int, handle: int, sampled: list[int],
-               out: ModelRunnerOutput, news: dict[int, EngineCoreOutput], finished: dict[int, Request]) -> None:
-    """One row the slow way (the reference semantics, kept for every unusual row)."""
+               out: ModelRunnerOutput, news: dict[int, EngineCoreOutput], finished: dict[int, Request],
+               num_drafts: int = 0, on_verified: OnVerified | None = None) -> None:
+    """One row the slow way (the reference semantics, kept for every unusual row). A row that
+    verified `num_drafts` drafts sampled 1 + (accepted drafts) tokens: the step had reserved
+    1 + num_drafts, and counted every draft as computed."""
     prompt_lp = _at(out.prompt_logprobs, row)
     request = requests.get(handle)
     if not sampled:  # a prefill chunk short of the prompt's end
@@ -115,11 +125,15 @@ def _apply_row(table: RunningTable, requests: dict[int, Request], row: int, hand
         return
     if request is None:
         return  # finished or aborted while this step was in flight
+    rejected = num_drafts - (len(sampled) - 1)
     if request.slot >= 0:
-        table.num_pending[request.slot] -= 1
+        table.num_pending[request.slot] -= 1 + num_drafts
+        table.num_computed[request.slot] -= rejected
         table.due_step[request.slot] = 0  # not a plain one-token step: the scheduler must look again
     else:
-        request.num_pending -= 1  # preempted while this step was in flight
+        request.num_pending -= 1 + num_drafts  # preempted while this step was in flight
+    if num_drafts and on_verified is not None:
+        on_verified(request.slot, num_drafts, num_drafts - rejected)
     new_tokens = []
     for token in sampled:
         new_tokens.append(token)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
-                              SchedulerConfig)
+                              SchedulerConfig, SpeculativeConfig)
 from tokenmill.model.arch import model_arch
 from tokenmill.model.default_model import resolve_model_path
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
@@ -52,7 +52,61 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         trace_steps=os.path.abspath(args.trace_steps) if args.trace_steps else None,
         step_timeout_s=float(args.step_timeout),
         attention_backend=resolve_attention_backend(args.attention_backend, device),
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager,
+        speculative=resolve_speculative(args.speculative_config, model, device))
+
+
+_SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+              "max_step_tokens", "min_acceptance"}
+_SPEC_METHODS = ("ngram", "draft_model")
+
+
+def resolve_speculative(spec: dict | None, target: ModelConfig, device: str) -> SpeculativeConfig | None:
+    """`speculative_config` (vLLM's dict) into a SpeculativeConfig; the draft model is resolved here."""
+    if spec is None:
+        return None
+    field = "speculative_config"
+    _check(isinstance(spec, dict), field, f"must be a dict, got {type(spec).__name__}")
+    unknown = set(spec) - _SPEC_KEYS
+    _check(not unknown, field, f"unknown keys {sorted(unknown)}; known: {sorted(_SPEC_KEYS)}")
+    method = spec.get("method", "ngram" if "model" not in spec else "draft_model")
+    _check(method in _SPEC_METHODS, f"{field}.method", f"must be one of {', '.join(_SPEC_METHODS)}; got {method!r}")
+    k = spec.get("num_speculative_tokens")
+    _check(isinstance(k, int) and 1 <= k <= 16, f"{field}.num_speculative_tokens",
+           f"must be an integer in [1, 16], got {k!r}")
+    lo, hi = spec.get("prompt_lookup_min", 1), spec.get("prompt_lookup_max", 4)
+    _check(isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi <= 16, f"{field}.prompt_lookup_min/max",
+           f"must be integers with 1 <= min <= max <= 16, got {lo!r}, {hi!r}")
+    default_budget = 128 if device.startswith("cuda") else 8
+    max_step_tokens = spec.get("max_step_tokens", default_budget)
+    _check(isinstance(max_step_tokens, int) and max_step_tokens >= 0, f"{field}.max_step_tokens",
+           f"must be an integer >= 0, got {max_step_tokens!r}")
+    min_acceptance = spec.get("min_acceptance", 0.25)
+    _check(isinstance(min_acceptance, (int, float)) and 0.0 <= min_acceptance < 1.0, f"{field}.min_acceptance",
+           f"must be in [0, 1), got {min_acceptance!r}")
+    _check(target.load_format != "null", field, "is not supported with load_format null (no model to verify with)")
+    draft = None
+    if method == "draft_model":
+        _check(isinstance(spec.get("model"), str), f"{field}.model", "must name the draft model (a path)")
+        draft = _resolve_draft(spec["model"], target)
+    else:
+        _check("model" not in spec, f"{field}.model", "is only for method draft_model")
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
+                             draft=draft, max_step_tokens=max_step_tokens, min_acceptance=float(min_acceptance))
+
+
+def _resolve_draft(name: str, target: ModelConfig) -> ModelConfig:
+    """The draft runs with the target's dtype, length and tokenizer (so its vocabulary must match)."""
+    path = resolve_model_path(name)
+    hf_config = load_hf_config(path)
+    arch = model_arch(hf_config)
+    _check(arch.vocab_size == target.arch.vocab_size, "speculative_config.model",
+           f"the draft's vocabulary ({arch.vocab_size} tokens) must equal the target's ({target.arch.vocab_size})")
+    _check(arch.max_position >= target.max_model_len, "speculative_config.model",
+           f"the draft's max_position_embeddings ({arch.max_position}) is below max_model_len ({target.max_model_len})")
+    return ModelConfig(path=path, name=name, dtype=target.dtype, max_model_len=target.max_model_len,
+                       load_format="dummy" if target.load_format == "dummy" else "auto", seed=target.seed,
+                       eos_token_ids=target.eos_token_ids, arch=arch)
 
 
 def _check_args(args: EngineArgs) -> None:

@@ -9,7 +9,12 @@ of the MLP (`silu_mul_linear`) and residual adds (`linear_add`). The packed copy
 storage or version), so loading or re-initializing weights needs no hook.
 It costs one extra copy of the packed weights in memory.
 
-Anywhere else (float32, GPUs, no oneDNN, or if packing ever fails) it is plain `F.linear`.
+float32 CPU inputs of a few rows (speculative verification: 1 + k tokens per step) take the
+same packed oneDNN path: MKL's float32 GEMM for 2 to 32 rows is many times slower than its
+one-row GEMV on the AMD CPUs measured (docs/results/spec-decode-cpu.md), oneDNN's is not.
+One row and many rows stay on `F.linear`.
+
+Anywhere else (GPUs, no oneDNN, or if packing ever fails) it is plain `F.linear`.
 """
 
 from __future__ import annotations
@@ -60,10 +65,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cac
     return F.linear(x, weight, bias)
 
 
+_FEW_ROWS = (2, 32)  # float32 inputs with this many rows (inclusive) use the packed path
+
+
 def _use_packed(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight) -> bool:
-    return (cache.usable and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
-            and x.device.type == "cpu" and weight.device.type == "cpu"
-            and not (torch.is_grad_enabled() and weight.requires_grad))
+    if not (cache.usable and x.dtype == weight.dtype and x.device.type == "cpu" and weight.device.type == "cpu"
+            and not (torch.is_grad_enabled() and weight.requires_grad)):
+        return False
+    if x.dtype == torch.bfloat16:
+        return True
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return x.dtype == torch.float32 and _FEW_ROWS[0] <= rows <= _FEW_ROWS[1]
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, other: torch.Tensor,

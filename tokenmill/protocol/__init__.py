@@ -192,6 +192,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     finished_handles: list[int] = []  # workers drop these before the step
     preempted_handles: list[int] = []  # workers drop these too; they come back as new requests
     digest: int | None = None  # debug mode: crc32 of the scheduler's view (see protocol/digest.py)
+    # Speculative decoding: workers propose drafts at the end of this step, for the next. A decode
+    # row scheduled for 1 + k tokens verifies k of the drafts proposed for it (the worker tells
+    # decode rows from prefill chunks by its own count of the prompt tokens computed).
+    propose: bool = False
 
     @functools.cached_property
     def scheduled_handles(self) -> list[int]:
@@ -307,6 +311,13 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="sched"):
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # Speculative decoding, since the engine started: verified steps of a request with drafts,
+    # draft tokens verified, and accepted (per draft position too: accepted_per_position[j] is how
+    # many (j+1)-th drafts were accepted).
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []
 
 
 class ChannelStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

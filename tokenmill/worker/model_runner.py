@@ -24,14 +24,17 @@ from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplingState
+from tokenmill.layers.sampling.spec_layout import flat_rows
+from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
 from tokenmill.model.loader import load_model
 from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
-from tokenmill.worker.persistent_batch import PersistentBatch
+from tokenmill.worker.persistent_batch import PersistentBatch, to_device
 from tokenmill.worker.readback import Readback
 from tokenmill.worker import row_faults
+from tokenmill.worker.speculator import Speculator
 from tokenmill.worker.step_diffs import apply_step_diffs
 from tokenmill.worker.step_inputs import build_step_inputs
 from tokenmill.worker.warmup import profile_and_budget, warm_up_kernels
@@ -63,9 +66,13 @@ class ModelRunner:
         self.sampling = SamplingState(max_seqs, arch.vocab_size, config.model.eos_token_ids, self.device)
         self.sampler = Sampler(self.sampling)
         self.readback = Readback(self.device)
+        spec = config.speculative
+        self.speculator = (Speculator(spec, max_seqs + 1, config.model.max_model_len, self.device)
+                           if spec is not None else None)
         self.batch_order = BatchOrder()
         self.kv_caches: list[torch.Tensor] = []
         self.model: torch.nn.Module | None = None
+        self.draft = None  # DraftProposer, for speculative_config method draft_model
         self.graphs: DecodeGraphs | None = None
         self.on_device_work: Callable[[], None] | None = None  # called as each step's device work starts
         self.last_timings: dict[str, float] = {}
@@ -96,10 +103,17 @@ class ModelRunner:
                                 attention_backend_class(self.config.attention_backend), seed=m.seed)
         logger.info("loaded %s in %.1f s (%s attention)", m.path, time.perf_counter() - start,
                     self.config.attention_backend)
+        spec = self.config.speculative
+        if spec is not None and spec.draft is not None:
+            from tokenmill.worker.draft_proposer import DraftProposer
+            self.draft = DraftProposer(spec.draft, self.device, self.dtype,
+                                       attention_backend_class(self.config.attention_backend),
+                                       self.config.scheduler.max_num_seqs + 1, spec.num_speculative_tokens)
 
     def kv_block_bytes(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        target = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return target + (self.draft.kv_block_bytes(self.block_size) if self.draft is not None else 0)
 
     def available_kv_blocks(self) -> int:
         """How many KV blocks the memory budget allows."""
@@ -118,7 +132,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         warm_up_kernels(self)
-        if not self.config.enforce_eager and self.config.attention_backend == "triton":
+        if not self.config.enforce_eager and self.config.attention_backend == "triton" and self.draft is None:
             self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, self.config.scheduler.max_num_seqs,
                                        self.config.model.max_model_len, self.block_size)
             self.graphs.capture()
@@ -127,6 +141,9 @@ class ModelRunner:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
+        if self.draft is not None:
+            self.draft.allocate(lambda blocks, heads, dim: kv_cache_shape(blocks, self.block_size, heads, dim),
+                                num_blocks, self.block_size)
 
     # ------------------------------------------------------------------ RequestMirror
 
@@ -135,6 +152,8 @@ class ModelRunner:
         tokens = self.batch.tokens[slot]
         self.sampling.add(slot, data.sampling_params, tokens[:data.num_prompt_tokens],
                           tokens[data.num_prompt_tokens:])
+        if self.speculator is not None:
+            self.speculator.add(slot, tokens)
 
     def drop(self, handle: int) -> None:
         slot = self.batch.remove(handle)
@@ -185,8 +204,11 @@ class ModelRunner:
             sample_slots = graphs.slots[:len(slots)]
             num_device_inputs = len(slots)
         else:
-            inputs = build_step_inputs(self.batch, slots, counts, self.block_size)
+            inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
+                                       None if self.speculator is None else self.speculator.drafts)
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if self.draft is not None:
+                self.draft.mirror(inputs.input_ids, inputs.positions, inputs.meta)
             if self.batch.num_prompt_logprobs:
                 step_prompt_logprobs = prompt_logprobs(self, slots, counts, hidden, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -197,24 +219,80 @@ class ModelRunner:
         if prev is not None and not prev.on_host:
             self.num_placeholders_filled += num_device_inputs
         step = PendingStep(self, so.step_id, len(slots), sample_rows, slots[sample_rows], step_prompt_logprobs)
-        if len(sample_rows):
-            # A row that fails alone (non-finite logits, sampling raising) fails only its request.
-            if self.faults is not None:
-                self.faults.poison_logits(self, logits, sample_slots)
-            non_finite = row_faults.screen_logits(logits)
+        drafts = None if use_graph else inputs.sample_drafts
+        # A row that fails alone (non-finite logits, sampling raising) fails only its request.
+        if len(sample_rows) and drafts is not None and drafts.any():
+            self._verify(logits, slots[sample_rows], sample_slots, drafts, inputs.sample_seq_lens, step)
+        elif len(sample_rows):
+            non_finite = self._screen(logits, sample_slots)
             out, failed = row_faults.sample_rows(self._sample, logits, sample_slots, self.sampling.scratch_slot)
             self.batch.next_token_dev[sample_slots] = out.sampled
+            if self.speculator is not None:
+                self.speculator.record(sample_slots, out.sampled[:, None], torch.ones_like(out.sampled))
             step.start_readback(row_faults.mark_failed(out, non_finite, failed), self.readback)
+        if self.speculator is not None and so.propose and len(sample_rows):
+            if self.draft is not None:
+                self.draft.propose(self.sampler, sample_slots, self.batch.next_token_dev, self.batch.num_computed_dev,
+                                   self.batch.block_table_dev, self.batch.num_blocks_dev, self.block_size,
+                                   self.config.model.max_model_len, self.speculator.drafts,
+                                   keep_probs=self.sampling.plan.any_random)
+            else:
+                self.speculator.propose(sample_slots)
         timings["sample"] = time.perf_counter() - start
         if prev is not None:
             prev.output()
         self._pending = step
         return step
 
+    def _screen(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Rows (of `logits`, one slot each) with non-finite logits, zeroed (row_faults.py)."""
+        if self.faults is not None:
+            self.faults.poison_logits(self, logits, slots)
+        return row_faults.screen_logits(logits)
+
     def _sample(self, logits: torch.Tensor, slots: torch.Tensor, *, record: bool = True):
         if self.faults is not None:
             self.faults.before_sampling(self, slots)
         return self.sampler.sample(logits, slots, record=record)
+
+    def _verify(self, logits: torch.Tensor, slots: np.ndarray, slots_d: torch.Tensor, drafts: np.ndarray,
+                seq_lens: torch.Tensor, step: PendingStep) -> None:
+        """Sample every position of the sampling rows (logits [sum(1 + drafts), V]), keep each row's
+        drafts up to the first that differs from the target's own sample, plus that sample; set
+        the rows' next input, computed count and history from what they emitted."""
+        k = self.speculator.k
+        per_row = drafts + 1
+        offsets = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+        row_of = np.repeat(np.arange(len(slots)), per_row)
+        host = np.concatenate([np.repeat(slots, per_row), offsets, row_of, drafts])
+        packed = to_device(host, self.device)
+        n = len(offsets)
+        slots_rep, offsets_d, row_of_d, drafts_d = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
+        non_finite = self._screen(logits, slots_rep)  # per position; a sampling error here fails the step
+        out = self.sampler.sample(logits, slots_rep, offsets=offsets_d, record=False)
+        grid = torch.full((len(slots), k + 1), -1, dtype=torch.int64, device=self.device)
+        grid[row_of_d, offsets_d] = out.sampled
+        if self.draft is not None and self.draft.probs is not None and self.sampling.plan.any_random:
+            # Draft distributions: rejection sampling (greedy rows fall out of it: one-hot p and q).
+            target = self.sampler.probs(logits, slots_rep, offsets_d)
+            draft_rows, draft_cols = flat_rows(drafts_d - 1, int(drafts.sum()))  # one row per draft
+            q = self.draft.probs[slots_d[draft_rows], draft_cols]
+            emitted, num_emitted = rejection_sample(self.sampler, slots_d, target, q,
+                                                    self.speculator.drafts[slots_d, :k], drafts_d)
+        else:
+            emitted, num_emitted = verify_drafts(grid, self.speculator.drafts[slots_d, :k], drafts_d)
+        self.sampler.advance(slots_d, num_emitted, emitted)
+        self.batch.next_token_dev[slots_d] = emitted.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
+        self.batch.num_computed_dev[slots_d] = seq_lens - drafts_d - 1 + num_emitted
+        self.speculator.record(slots_d, emitted, num_emitted)
+        logprobs = None
+        if out.logprobs is not None:  # rows that want logprobs have no drafts: their one position
+            first = to_device(np.cumsum(per_row) - per_row, self.device)
+            lp = out.logprobs
+            logprobs = [t.index_select(0, first) for t in (lp.sampled_logprobs, lp.sampled_ranks,
+                                                          lp.topk_token_ids, lp.topk_logprobs)]
+        num_emitted = row_faults.mark_failed_counts(num_emitted, non_finite, row_of_d)  # read-back copy
+        step.start_speculative_readback(emitted, num_emitted, self.readback, slots, drafts, logprobs)
 
     def _cpu_threads(self) -> StepThreads:
         """Per-step CPU thread count (see tokenmill/cpu_threads.py); made on first use."""

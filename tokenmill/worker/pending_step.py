@@ -37,6 +37,10 @@ class PendingStep:
             self._logprob_rows = [(i, params[slot].logprobs) for i, slot in enumerate(sample_slots.tolist())
                                   if params[slot].logprobs is not None]
         self._output: ModelRunnerOutput | None = None
+        self._speculative = False
+        self._runner = runner
+        self._draft_rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (index, slot, drafts)
+        self._handles = np.zeros(0, dtype=np.int64)
 
     @classmethod
     def empty(cls, step_id: int) -> PendingStep:
@@ -48,6 +52,18 @@ class PendingStep:
             lp = out.logprobs
             tensors += [lp.sampled_logprobs, lp.sampled_ranks, lp.topk_token_ids, lp.topk_logprobs]
         self._ticket = readback.start(tensors)
+
+    def start_speculative_readback(self, emitted: torch.Tensor, num_emitted: torch.Tensor, readback,
+                                   sample_slots: np.ndarray, sample_drafts: np.ndarray,
+                                   logprobs: list[torch.Tensor] | None = None) -> None:
+        """A step whose sampling rows emitted 1..1+k tokens each (int64 [S, K+1] and [S]). Once
+        read, rows that verified drafts take the rejected ones off the host's computed count."""
+        self._speculative = True
+        drafted = np.flatnonzero(sample_drafts)
+        self._draft_rows = (drafted, sample_slots[drafted], sample_drafts[drafted])
+        self._handles = self._runner.batch.handle_of[sample_slots[drafted]]
+        extra = logprobs if logprobs is not None and self._logprob_rows else []
+        self._ticket = readback.start([emitted, num_emitted, *extra])
 
     def done(self) -> bool:
         """True when `output()` will not wait for the device."""
@@ -62,9 +78,20 @@ class PendingStep:
         logprobs: list[Logprobs | None] = []
         if self._ticket is not None:
             host = self._ticket.wait()
-            tokens, failed_rows, failures = split_failures(host[0].numpy(), self.sample_rows)
-            sampled = tokens.astype(_I32).tobytes()
-            if len(host) > 1:
+            tokens = host[0].numpy()
+            if self._speculative:
+                emitted, num_emitted = tokens, host[1].numpy()
+                num_emitted, failed_rows, failures = split_failures(num_emitted, self.sample_rows, healthy=1)
+                counts[self.sample_rows] = num_emitted
+                keep = np.arange(emitted.shape[1])[None, :] < num_emitted[:, None]
+                sampled = emitted[keep].astype(_I32).tobytes()
+                self._correct_host_counts(num_emitted)
+                if len(host) > 2:
+                    logprobs = self._pack_logprobs(emitted[:, 0], *(t.numpy() for t in host[2:]))
+            else:
+                tokens, failed_rows, failures = split_failures(tokens, self.sample_rows)
+                sampled = tokens.astype(_I32).tobytes()
+            if len(host) > 1 and not self._speculative:
                 logprobs = self._pack_logprobs(tokens, *(t.numpy() for t in host[1:]))
         odd = np.flatnonzero(counts != 1)
         self.on_host = True
@@ -74,6 +101,14 @@ class PendingStep:
             prompt_logprobs=self.prompt_logprobs, failed_rows=failed_rows, failures=failures)
         self._ticket = None
         return self._output
+
+    def _correct_host_counts(self, num_emitted: np.ndarray) -> None:
+        """The host counted every draft as computed: take back the rejected ones (for requests
+        still in the slot they had at launch)."""
+        index, slots, drafts = self._draft_rows
+        batch = self._runner.batch
+        still = batch.handle_of[slots] == self._handles
+        batch.num_computed[slots[still]] -= (drafts + 1 - num_emitted[index])[still]
 
     def _pack_logprobs(self, tokens, sampled_lp, ranks, top_ids, top_lp) -> list[Logprobs | None]:
         """Per row: column 0 is the sampled token, then the row's own top-k."""

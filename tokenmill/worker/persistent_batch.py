@@ -33,6 +33,7 @@ class PersistentBatch:
         self._free = list(range(max_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self.tokens: list[list[int] | None] = [None] * n  # host-known tokens per slot
         self.params: list[SamplingParams | None] = [None] * n
+        self.handle_of = np.full(n, -1, dtype=np.int64)  # slot -> handle (-1: free)
         self.num_prompt = np.zeros(n, dtype=np.int64)
         self.num_known = np.zeros(n, dtype=np.int64)
         self.num_computed = np.zeros(n, dtype=np.int64)
@@ -40,6 +41,7 @@ class PersistentBatch:
         self.block_table = np.zeros((n, max_blocks_per_seq), dtype=np.int32)
         self.block_table_dev = torch.zeros((n, max_blocks_per_seq), dtype=torch.int32, device=device)
         self.num_computed_dev = torch.zeros(n, dtype=torch.int64, device=device)
+        self.num_blocks_dev = torch.zeros(n, dtype=torch.int64, device=device)
         self.next_token_dev = torch.zeros(n, dtype=torch.int64, device=device)
         self._block_writes: list[tuple[int, int, np.ndarray]] = []  # (slot, first column, ids)
         self.num_prompt_logprobs = 0  # requests held that want prompt logprobs
@@ -51,6 +53,7 @@ class PersistentBatch:
             raise RuntimeError(f"no free slot for request {data.handle}: all {self.max_slots} are taken")
         slot = self._free.pop()
         self.slot_of[data.handle] = slot
+        self.handle_of[slot] = data.handle
         tokens = unpack_ids(data.token_ids)
         self.tokens[slot] = tokens
         self.params[slot] = data.sampling_params
@@ -69,6 +72,7 @@ class PersistentBatch:
             self.num_prompt_logprobs -= self.params[slot].prompt_logprobs is not None
             self.tokens[slot] = None
             self.params[slot] = None
+            self.handle_of[slot] = -1
             self._free.append(slot)
         return slot
 
@@ -90,7 +94,9 @@ class PersistentBatch:
         cols = np.concatenate([np.arange(first, first + len(ids), dtype=np.int64)
                                for _, first, ids in self._block_writes])
         vals = np.concatenate([ids for _, _, ids in self._block_writes])
+        touched = np.unique(rows)
         self._block_writes.clear()
+        self.num_blocks_dev[to_device(touched, self.device)] = to_device(self.num_blocks[touched], self.device)
         index = to_device(np.stack([rows, cols]), self.device)
         self.block_table_dev.index_put_((index[0], index[1]), to_device(vals, self.device))
 

@@ -7,7 +7,9 @@ Around the sampler call, per step:
   find the rows that fail, and the batch is sampled again with those rows on the scratch slot's
   neutral parameters (a failure then is the step's: it propagates);
 - `mark_failed`: the read-back copy of the sampled ids carries a negative sentinel
-  (-RowFailure) on failed rows, while the device keeps a valid id as their next input;
+  (-RowFailure) on failed rows, while the device keeps a valid id as their next input (a
+  speculative step: `mark_failed_counts` puts it in the row's emitted count; sampling errors
+  are isolated in plain steps only: in a verification step they fail the step);
 - `split_failures` (host, when the reply is built): the sentinels become the reply's
   `failed_rows` / `failures`, and a harmless token id in `sampled`.
 The engine core then ends those requests with FinishReason.ERROR (core/row_failures.py).
@@ -73,14 +75,21 @@ def mark_failed(out: SamplerOutput, non_finite: torch.Tensor | None, failed: lis
     return replace(out, sampled=sampled)
 
 
-def split_failures(tokens: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, bytes, bytes]:
-    """Host side: `tokens` (one per sampling row, sentinels included) with sentinels replaced by
-    0, and the failed batch rows (`rows[i]` is sampling row i's batch row) and their RowFailure,
-    as packed int32."""
-    failed = np.flatnonzero(tokens < 0)
+def mark_failed_counts(num_emitted: torch.Tensor, non_finite: torch.Tensor, row_of: torch.Tensor) -> torch.Tensor:
+    """A speculative step's emitted counts [S] for the read-back: -RowFailure on rows with a
+    non-finite position (`non_finite` [P], `row_of` [P]: each position's row)."""
+    bad = torch.zeros_like(num_emitted).index_add_(0, row_of, non_finite.to(num_emitted.dtype)) > 0
+    return torch.where(bad, -int(RowFailure.NON_FINITE_LOGITS), num_emitted)
+
+
+def split_failures(values: np.ndarray, rows: np.ndarray, healthy: int = 0) -> tuple[np.ndarray, bytes, bytes]:
+    """Host side: `values` (one per sampling row: its token, or a speculative row's emitted count;
+    sentinels included) with sentinels replaced by `healthy`, and the failed batch rows
+    (`rows[i]` is sampling row i's batch row) and their RowFailure, as packed int32."""
+    failed = np.flatnonzero(values < 0)
     if not len(failed):
-        return tokens, b"", b""
-    kinds = -tokens[failed]
-    tokens = tokens.copy()
-    tokens[failed] = 0
-    return tokens, rows[failed].astype(_I32).tobytes(), kinds.astype(_I32).tobytes()
+        return values, b"", b""
+    kinds = -values[failed]
+    values = values.copy()
+    values[failed] = healthy
+    return values, rows[failed].astype(_I32).tobytes(), kinds.astype(_I32).tobytes()

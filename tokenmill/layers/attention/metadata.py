@@ -23,7 +23,10 @@ class AttentionMetadata:
     block_table: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq], on the device
     slot_mapping: torch.Tensor  # int64 [num_tokens]: block_id * block_size + offset; -1 = padding, not written
     query_start_loc_cpu: torch.Tensor  # int32 [num_seqs + 1], on the host
-    seq_lens_cpu: torch.Tensor  # int32 [num_seqs], on the host
+    seq_lens_cpu: torch.Tensor  # int32 [num_seqs], on the host (an upper bound unless seq_lens_exact)
+    # False under speculative decoding on CUDA: the device's seq_lens are exact, the host's an
+    # upper bound (a decode row's accepted drafts are known only on the device).
+    seq_lens_exact: bool = True
     # What a backend derives from this step's metadata, computed by the first layer and reused by
     # the others (every layer of a step sees this same object).
     derived: dict = field(default_factory=dict, compare=False, repr=False)

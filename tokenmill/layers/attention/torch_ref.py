@@ -76,7 +76,8 @@ def _plan_for(meta: AttentionMetadata, block_size: int) -> _StepPlan:
 def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     device = meta.slot_mapping.device
     qsl = meta.query_start_loc_cpu.tolist()
-    seq_lens = meta.seq_lens_cpu.tolist()
+    # The reference backend needs exact lengths on the host: a sync under speculation on CUDA.
+    seq_lens = (meta.seq_lens_cpu if meta.seq_lens_exact else meta.seq_lens.cpu()).tolist()
     n = qsl[-1] if qsl else 0
     slots = meta.slot_mapping[:n]
     valid_rows = None

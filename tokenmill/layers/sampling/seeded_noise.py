@@ -18,10 +18,16 @@ int64 ops never overflow and right shifts of non-negative values are logical):
     E              = -log(U)                      in [6e-8, 16.6], never 0
 
 For a fixed seed, row keys of different positions differ (POSITION_MULT is odd), and mix32 is a
-bijection, so within a request no two (position, token) pairs share an input to the final mix.
+bijection, so within a request no two positions share a row key.
+
+Streams (speculative decoding draws several independent quantities per output position): stream s
+at position p uses the row key of position p + s * 2**30. Plain sampling is stream MAIN (s = 0, the
+keys above, unchanged); a request's (position, stream) pairs get distinct row keys while p < 2**30.
 """
 
 from __future__ import annotations
+
+from enum import IntEnum
 
 import torch
 
@@ -32,6 +38,16 @@ POSITION_MULT = 0x7FEB352D  # odd, < 2**31
 SEED_SALT = 0x2545F491
 TOKEN_SALT = 0x6A09E667
 U_BITS = 23  # float32 holds (q + 0.5) exactly for q < 2**23
+STREAM_STRIDE = 1 << 30  # position offset between streams (positions stay below it)
+
+
+class NoiseStream(IntEnum):
+    """What a random draw at an output position is for; each stream is independent of the others."""
+
+    MAIN = 0  # plain sampling, one-hot verification, bonus tokens (and draft proposals: spec_verify.py)
+    DRAFT = 1  # an independent stream for draft proposals
+    ACCEPT = 2  # acceptance uniforms of rejection sampling
+    RESIDUAL = 3  # the token drawn from max(p - q, 0) after a rejection
 
 
 def mix32_int(x: int) -> int:
@@ -68,9 +84,20 @@ def row_keys(seed_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return mix32_(offset.add_(seed_keys).bitwise_and_(MASK32))
 
 
+def stream_positions(positions: torch.Tensor, stream: int | torch.Tensor) -> torch.Tensor:
+    """The positions whose row keys belong to `stream` (an int, or int64 per row): p + s * 2**30."""
+    if isinstance(stream, int) and stream == NoiseStream.MAIN:
+        return positions
+    return positions + stream * STREAM_STRIDE
+
+
+def hashed_uniform(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """float32 U in (0, 1) from row keys and token keys of broadcastable shapes."""
+    h = mix32_(rows ^ tokens)
+    h >>= 32 - U_BITS
+    return h.to(torch.float32).add_(0.5).mul_(2.0 ** -U_BITS)
+
+
 def seeded_exponential(rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """float32 [N, V] Exp(1) noise from row keys [N] and token keys [V]."""
-    h = mix32_(rows[:, None] ^ tokens[None, :])
-    h >>= 32 - U_BITS
-    u = h.to(torch.float32).add_(0.5).mul_(2.0 ** -U_BITS)
-    return u.log_().neg_()
+    return hashed_uniform(rows[:, None], tokens[None, :]).log_().neg_()

@@ -31,7 +31,7 @@ class IntCol(IntEnum):
     SEED_KEY = 3  # 32-bit key of the seed (seeded_noise.seed_key)
     USES_PENALTIES = 4  # 1 = its output tokens are counted into the [slots, V] counts
     MIN_TOKENS = 5  # ban EOS / stop ids while NUM_OUTPUTS < MIN_TOKENS
-    NUM_OUTPUTS = 6  # output tokens so far; advanced on the device by Sampler.record
+    NUM_OUTPUTS = 6  # output tokens so far; advanced on the device by Sampler.record / advance
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,8 @@ class SlotTable:
     def column(self, col: IntCol, slots: torch.Tensor) -> torch.Tensor:
         return self.ints[:, col].index_select(0, slots)
 
-    def count_outputs(self, slots: torch.Tensor) -> None:
-        """NUM_OUTPUTS += 1 for each row (a slot listed twice, like the scratch slot, counts twice)."""
+    def count_outputs(self, slots: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+        """NUM_OUTPUTS += counts[i] (int64 [N], None = ones) for each row (a slot listed twice, like
+        the scratch slot, counts twice)."""
         flat = slots * len(IntCol) + IntCol.NUM_OUTPUTS
-        self.ints.view(-1).index_add_(0, flat, torch.ones_like(slots))
+        self.ints.view(-1).index_add_(0, flat, torch.ones_like(slots) if counts is None else counts)

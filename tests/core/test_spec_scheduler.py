@@ -1,0 +1,140 @@
+"""Speculative decoding in the scheduler, without a model: drafts take budget and KV slots,
+rejected ones are taken back, outputs never change, nothing leaks, and the adaptive policy
+speculates only where the step has tokens to spare.
+
+The fake worker verifies drafts against the same deterministic next-token function as the
+plain runs (`tests/core/fake_worker.py`), accepting them in a fixed pattern, so the expected
+output of every request is known independently of the scheduler."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.core.fake_worker import EOS, FakeWorker, expected_output
+from tests.core.test_scheduler import MAX_LEN, assert_no_leaks, prompts_for, run
+from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.protocol import FinishReason
+from tokenmill.sampling_params import SamplingParams
+
+
+def spec_scheduler(num_blocks: int, k: int, *, block_size: int = 4, budget: int = 64, max_seqs: int = 16,
+                   async_scheduling: bool = False, max_step_tokens: int = 0, caching: bool = True) -> Scheduler:
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, max_step_tokens=max_step_tokens)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                     async_scheduling=async_scheduling),
+                     CacheConfig(block_size=block_size, enable_prefix_caching=caching), num_blocks, spec)
+
+
+def half_right(handle: int, position: int) -> bool:
+    return (handle * 7 + position) % 3 != 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("budget", [5, 16, 8192])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_outputs_equal_the_plain_ones(k, budget, async_scheduling):
+    prompts = prompts_for(k * 100 + budget, 12)
+    max_tokens = [40] * len(prompts)
+    scheduler = spec_scheduler(400, k, budget=budget, async_scheduling=async_scheduling)
+    worker = FakeWorker(accepts=half_right, block_size=4)
+    results = run(scheduler, prompts, max_tokens, in_flight=2 if async_scheduling else 1, worker=worker)
+    for handle, prompt in enumerate(prompts):
+        tokens, reason = results[handle]
+        assert tokens == expected_output(prompt, 40), handle
+        assert reason == (FinishReason.STOP if tokens[-1] == EOS else FinishReason.LENGTH)
+    assert_no_leaks(scheduler)
+    assert worker.num_drafts > 0 and 0 < worker.num_accepted < worker.num_drafts
+    stats = scheduler.stats()
+    if not async_scheduling:  # (async: a request may finish while a step with its drafts is in flight)
+        assert stats.spec_num_draft_tokens == worker.num_drafts
+        assert stats.spec_num_accepted_tokens == worker.num_accepted
+    assert stats.spec_accepted_per_position[0] >= stats.spec_accepted_per_position[-1]
+
+
+def test_every_draft_right_gives_k_plus_one_tokens_per_step():
+    scheduler = spec_scheduler(400, 4)
+    worker = FakeWorker(accepts=lambda h, p: True, block_size=4)
+    run(scheduler, [[20, 21, 22]], [41], worker=worker)  # no EOS among its first 41 tokens
+    stats = scheduler.stats()
+    # After the prefill step (the first token) every step verifies 4 drafts and keeps them all.
+    assert stats.spec_num_drafts == 8 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens == 32
+
+
+def test_max_tokens_caps_the_drafts():
+    """A request never gets more drafts than tokens it may still emit: it never holds a KV slot
+    past prompt + max_tokens (so never past max_model_len), and stops at max_tokens exactly."""
+    for max_tokens in range(1, 12):
+        scheduler = spec_scheduler(400, 5, block_size=1)
+        worker = FakeWorker(accepts=lambda h, p: True, block_size=1)
+        prompt = [20, 21, 22]
+        scheduler.add_request(Request(0, prompt, SamplingParams(max_tokens=max_tokens), (EOS,), MAX_LEN))
+        emitted = []
+        while scheduler.has_unfinished():
+            so = scheduler.schedule()
+            assert len(scheduler.kv.blocks[0]) <= len(prompt) + max_tokens
+            emitted += scheduler.update(so, worker.execute(so)).all_outputs()[0].new_token_ids
+        assert len(emitted) == max_tokens
+        assert_no_leaks(scheduler)
+
+
+def test_preemption_and_aborts_with_drafts_leave_nothing_behind():
+    requests = preemptions = aborts = drafts = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        num_blocks, block_size = rng.randrange(24, 100), rng.choice([1, 2, 4, 16])
+        batch = [[rng.randrange(10, 30) for _ in range(rng.randrange(1, 40))] for _ in range(25)]
+        batch = [(p, rng.randrange(1, 40)) for p in batch]
+        batch = [(p, m) for p, m in batch if -(-(len(p) + m) // block_size) <= num_blocks]
+        async_scheduling = rng.random() < 0.5
+        scheduler = spec_scheduler(num_blocks, rng.randrange(1, 6), block_size=block_size,
+                                   budget=rng.randrange(2, 96), max_seqs=rng.randrange(1, 12),
+                                   async_scheduling=async_scheduling, caching=rng.random() < 0.8,
+                                   max_step_tokens=rng.choice([0, 0, 8, 32]))
+        worker = FakeWorker(accepts=lambda h, p, r=rng.random(): (h * 13 + p * 7) % 10 < r * 10, block_size=block_size)
+        results = run(scheduler, [p for p, _ in batch], [m for _, m in batch], abort_prob=0.05, rng=rng,
+                      in_flight=2 if async_scheduling else 1, arrive_every=rng.randrange(0, 4), worker=worker)
+        for handle, (prompt, mt) in enumerate(batch):
+            tokens, reason = results[handle]
+            expected = expected_output(prompt, mt)
+            assert tokens == (expected[:len(tokens)] if reason == FinishReason.ABORT else expected), (seed, handle)
+        assert_no_leaks(scheduler)
+        assert not scheduler.table.num_running
+        requests += len(batch)
+        preemptions += scheduler.num_preemptions
+        aborts += sum(1 for _, reason in results.values() if reason == FinishReason.ABORT)
+        drafts += worker.num_drafts
+    assert requests > 1000 and preemptions > 30 and aborts > 30 and drafts > 3000
+
+
+def test_saturated_steps_do_not_speculate():
+    """With more rows than `max_step_tokens`, no step carries a draft and workers are not asked to propose."""
+    scheduler = spec_scheduler(4000, 4, block_size=16, budget=8192, max_seqs=64, max_step_tokens=32)
+    worker = FakeWorker(accepts=lambda h, p: True, block_size=16)
+    for handle, prompt in enumerate(prompts_for(5, 48)):
+        scheduler.add_request(Request(handle, prompt, SamplingParams(max_tokens=30), (EOS,), MAX_LEN))
+    proposals = 0
+    while scheduler.has_unfinished():
+        so = scheduler.schedule()
+        proposals += so.propose
+        scheduler.update(so, worker.execute(so))
+        if scheduler.table.num_running >= 32:
+            assert so.num_drafts is None
+    assert worker.num_drafts > 0  # once most requests finished, the rest did speculate
+    assert_no_leaks(scheduler)
+
+
+def test_drafts_that_never_pass_are_dropped():
+    """Acceptance 0: after a few steps a row gets only an occasional probing draft."""
+    scheduler = spec_scheduler(400, 4, max_step_tokens=64)
+    worker = FakeWorker(accepts=lambda h, p: False, block_size=4)
+    scheduler.add_request(Request(0, [11, 12, 13], SamplingParams(max_tokens=200, ignore_eos=True), (EOS,), MAX_LEN))
+    while scheduler.has_unfinished():
+        so = scheduler.schedule()
+        scheduler.update(so, worker.execute(so))
+    stats = scheduler.stats()
+    assert stats.spec_num_accepted_tokens == 0
+    assert stats.spec_num_draft_tokens < 40, stats  # 200 steps; a non-adaptive k=4 would verify 796 drafts

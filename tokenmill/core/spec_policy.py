@@ -1,0 +1,110 @@
+"""Adaptive speculation: how many draft tokens each running request verifies in the next step.
+
+The worker proposes drafts at the end of a step (for use in the next) only when the scheduler
+asks (`SchedulerOutput.propose`); the scheduler then gives each decode row k_r <= K draft slots.
+A row's j-th draft is worth its chance of being accepted, estimated as alpha_r**j from the row's
+recent acceptance (alpha_r: per-position acceptance, a decayed count with a prior of 1/2).
+Drafts are not free: a step costs about the same as a one-token-per-row step only while its
+tokens stay under `max_step_tokens` (the point where a forward pass stops being bound by reading
+the weights). So each step hands out the tokens left under that line to the most valuable draft
+positions, none below `min_acceptance`. At saturation nothing is left: no drafts, no proposing,
+the one-token path exactly as without speculation. `max_step_tokens=0` always drafts K.
+
+A row whose estimate fell below the line gets one probing draft every `PROBE_EVERY` steps when
+tokens are left, so that a request that starts repeating itself is noticed.
+
+Rows eligible for drafts: the request allows it (no penalties, logprobs or prompt logprobs:
+their per-position state would need every draft applied in order), the row is a plain decode
+(one uncomputed token), the worker proposed for it at the end of the previous step, and the
+request has room for 1 + k more tokens under its limit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.core.running_table import RunningTable
+from tokenmill.sampling_params import SamplingParams
+
+PROBE_EVERY = 16
+DECAY = 0.8  # weight of the past in the acceptance counts, per verified step
+PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # alpha starts at 1/2
+
+
+def allows_speculation(params: SamplingParams) -> bool:
+    return (params.logprobs is None and params.prompt_logprobs is None and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
+
+
+class SpecPolicy:
+    def __init__(self, config: SpeculativeConfig, table: RunningTable) -> None:
+        self.config = config
+        self.table = table
+        self.k = config.num_speculative_tokens
+        self.drafts_of_slot = np.zeros(table.max_rows, np.int64)  # the last plan's, by slot (scratch)
+
+    def choose(self, step_id: int, slots: np.ndarray, budget: int) -> np.ndarray:
+        """Draft tokens per slot (an int64 array over every slot; zero for rows not in `slots`)
+        for step `step_id`, whose running rows are `slots` and whose token budget is `budget`."""
+        t, drafts = self.table, self.drafts_of_slot
+        drafts[:] = 0
+        if not len(slots):
+            return drafts
+        ahead = t.num_tokens[slots] + t.num_pending[slots]
+        room = np.minimum(t.token_limit[slots] - ahead - 1, self.k)
+        eligible = (t.spec_ok[slots] & (ahead - t.num_computed[slots] == 1)
+                    & (t.proposed_at[slots] == step_id - 1) & (room > 0))
+        rows = eligible.nonzero()[0]
+        if not len(rows):
+            return drafts
+        room = room[rows]
+        cap = self.config.max_step_tokens
+        free = min(budget, cap) - len(slots) if cap else budget - len(slots)
+        if free <= 0:
+            return drafts
+        if not cap:  # always speculate, as far as the budget goes
+            k = np.minimum(room, max(free // len(rows), 0))
+            drafts[slots[rows]] = k
+            return drafts
+        alpha = (t.spec_hits[slots[rows]] + PRIOR_HITS) / (t.spec_trials[slots[rows]] + PRIOR_TRIALS)
+        value = alpha[:, None] ** np.arange(1, self.k + 1)  # [rows, K]: chance the j-th draft is accepted
+        value[np.arange(self.k)[None, :] >= room[:, None]] = 0.0
+        probe = ((step_id + slots[rows]) % PROBE_EVERY == 0) & (value[:, 0] < self.config.min_acceptance)
+        value[probe, 0] = self.config.min_acceptance  # one cheap look at a row we had given up on
+        flat = value.ravel()
+        worth = (flat >= self.config.min_acceptance).nonzero()[0]
+        if len(worth) > free:
+            worth = worth[np.argpartition(-flat[worth], free - 1)[:free]]
+        # alpha**j falls with j, so each row's picks are a prefix: counting them is enough.
+        drafts[slots[rows]] = np.bincount(worth // self.k, minlength=len(rows))
+        return drafts
+
+    def wants_proposals(self, num_running: int) -> bool:
+        """Should the workers propose drafts at the end of a step with this many rows (could the
+        next step have tokens left for drafts)?"""
+        cap = self.config.max_step_tokens
+        return not cap or num_running < cap
+
+    def record(self, slot: int, num_drafts: int, num_accepted: int) -> None:
+        """A verified step of the row: `num_accepted` of its `num_drafts` drafts were accepted."""
+        t = self.table
+        trials = num_accepted + (num_accepted < num_drafts)  # a geometric run: stops at the first miss
+        t.spec_hits[slot] = t.spec_hits[slot] * DECAY + num_accepted
+        t.spec_trials[slot] = t.spec_trials[slot] * DECAY + trials
+
+
+class SpecStats:
+    """Counters of verified drafts since the engine started (reported in SchedulerStats)."""
+
+    def __init__(self, k: int) -> None:
+        self.num_drafts = 0  # verified steps of a request with at least one draft
+        self.num_draft_tokens = 0
+        self.num_accepted = 0
+        self.per_position = np.zeros(k, np.int64)  # accepted (j+1)-th drafts
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted += num_accepted
+        self.per_position[:num_accepted] += 1

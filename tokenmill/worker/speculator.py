@@ -1,0 +1,58 @@
+"""The worker's side of speculative decoding: per-slot draft tokens on the device, proposed at the
+end of each step the scheduler marks `propose`, and verified by the next step.
+
+Per slot (device): `drafts` [K] (the proposal for the slot's next step) and, for the n-gram
+proposer, the slot's token history (prompt and every emitted token) with its length. A decode
+row scheduled for 1 + k tokens feeds its next token then drafts[:k]; the sampler samples every
+one of those positions and `verify_drafts` keeps the matching prefix plus one (see
+layers/sampling/spec_verify.py). Nothing here waits for the host: the host learns how many
+tokens each row emitted when the step's ids are read back.
+
+A draft-model proposer keeps its own KV cache in the same block tables (see draft_proposer.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.worker.ngram_proposer import propose_ngram
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, num_slots: int, max_model_len: int, device: torch.device) -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.device = device
+        self.drafts = torch.zeros((num_slots, max(self.k, 1)), dtype=torch.int64, device=device)
+        self.history = torch.zeros((num_slots, max_model_len + self.k + 1), dtype=torch.int32, device=device)
+        self.history_len = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.draft_model = None  # set by the runner for method draft_model
+
+    def add(self, slot: int, tokens: list[int]) -> None:
+        """A new request (or one back from preemption) in `slot`, with its known tokens."""
+        if tokens:
+            self.history[slot, :len(tokens)] = torch.as_tensor(np.asarray(tokens, dtype=np.int32)).to(self.device)
+        self.history_len[slot] = len(tokens)
+
+    def record(self, slots: torch.Tensor, emitted: torch.Tensor, num_emitted: torch.Tensor) -> None:
+        """Append each row's emitted tokens (int64 [S, K+1], the first `num_emitted` valid) to its history."""
+        if not slots.shape[0]:
+            return
+        width = emitted.shape[1]
+        at = self.history_len.index_select(0, slots)[:, None] + torch.arange(width, device=self.device)[None, :]
+        at = at.clamp_max(self.history.shape[1] - 1)
+        rows = slots[:, None].expand_as(at)
+        keep = torch.arange(width, device=self.device)[None, :] < num_emitted[:, None]
+        old = self.history[rows, at]
+        self.history[rows, at] = torch.where(keep, emitted.to(torch.int32), old)
+        self.history_len.index_add_(0, slots, num_emitted)
+
+    def propose(self, slots: torch.Tensor) -> None:
+        """Drafts for these slots' next step, from their histories."""
+        if not slots.shape[0]:
+            return
+        c = self.config
+        self.drafts[slots] = propose_ngram(self.history, self.history_len, slots, self.k,
+                                           c.prompt_lookup_min, c.prompt_lookup_max)
