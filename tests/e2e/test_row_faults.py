@@ -80,3 +80,29 @@ def test_victim_prompts_run_normally_without_fault_injection(tiny_model, monkeyp
     for (tokens, error), (_, params, _) in zip(asyncio.run(main()), VICTIMS):
         assert error is None and [len(t) for t in tokens] == [24] * params.n
 
+
+
+def test_nan_row_fails_alone_in_speculative_steps(tiny_model, monkeypatch) -> None:
+    """With n-gram speculation drafting on every step (repetitive prompts), a NaN row is caught in
+    verification steps too: the victims fail, the others' greedy tokens are their own alone."""
+    monkeypatch.setenv("TOKENMILL_TEST_FAULTS", json.dumps({"nan_logits": {"marker_token": NAN, "after": 4}}))
+    phrases = [[50 + 3 * i, 90 + i, 120, 140 + i] for i in range(5)]
+    prompts = [p * 3 + p[:2] for p in phrases] + [[NAN, *p * 3, *p[:2]] for p in phrases[:2]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def main():
+        llm = AsyncLLM(tiny_model, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                   "max_step_tokens": 0})
+        try:
+            together = await asyncio.gather(*(_collect(llm, p, greedy) for p in prompts))
+            alone = [await _collect(llm, p, greedy) for p in prompts[:5]]
+            return together, alone, await llm.scheduler_stats(), await llm.kv_cache_stats()
+        finally:
+            llm.shutdown()
+
+    together, alone, sched, kv = asyncio.run(main())
+    assert [t for t, _ in together[:5]] == [t for t, _ in alone] and all(e is None for _, e in together[:5])
+    for tokens, error in together[5:]:
+        assert isinstance(error, RequestFailedError) and len(tokens[0]) < 24
+    assert sched["spec_num_draft_tokens"] > 0, sched
+    assert kv["num_requests"] == 0 and kv["num_free_blocks"] == kv["num_blocks"], kv

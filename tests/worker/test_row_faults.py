@@ -12,7 +12,7 @@ from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
 from tokenmill.protocol import RowFailure
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.fault_injection import FaultInjector, FaultPlan, Trigger
-from tokenmill.worker.row_faults import mark_failed, sample_rows, screen_logits, split_failures
+from tokenmill.worker.row_faults import mark_failed, mark_failed_counts, sample_rows, screen_logits, split_failures
 
 V = 50
 
@@ -100,6 +100,16 @@ def test_split_failures_maps_sampling_rows_to_batch_rows() -> None:
                                                                     RowFailure.SAMPLING_ERROR]
     same, none, _ = split_failures(np.array([1, 2]), np.array([0, 1]))
     assert none == b"" and same.tolist() == [1, 2]
+
+
+def test_speculative_rows_are_failed_by_any_of_their_positions() -> None:
+    """Positions 0-1 belong to row 0, 2-4 to row 1, 5 to row 2; position 3 is non-finite."""
+    row_of = torch.tensor([0, 0, 1, 1, 1, 2])
+    non_finite = torch.tensor([False, False, False, True, False, False])
+    marked = mark_failed_counts(torch.tensor([2, 3, 1]), non_finite, row_of)
+    assert marked.tolist() == [2, -int(RowFailure.NON_FINITE_LOGITS), 1]
+    counts, failed_rows, _ = split_failures(marked.numpy(), np.array([0, 1, 2]), healthy=1)
+    assert counts.tolist() == [2, 1, 1] and np.frombuffer(failed_rows, "<i4").tolist() == [1]
 
 
 def test_fault_injection_is_off_without_its_variable() -> None:
