@@ -24,7 +24,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplingState
-from tokenmill.layers.sampling.spec_layout import flat_rows
+from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
 from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
 from tokenmill.model.loader import load_model
 from tokenmill.protocol import NewRequestData, SchedulerOutput
@@ -270,8 +270,7 @@ class ModelRunner:
         slots_rep, offsets_d, row_of_d, drafts_d = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
         non_finite = self._screen(logits, slots_rep)  # per position; a sampling error here fails the step
         out = self.sampler.sample(logits, slots_rep, offsets=offsets_d, record=False)
-        grid = torch.full((len(slots), k + 1), -1, dtype=torch.int64, device=self.device)
-        grid[row_of_d, offsets_d] = out.sampled
+        grid = flat_to_padded(out.sampled, drafts_d, k, -1)
         if self.draft is not None and self.draft.probs is not None and self.sampling.plan.any_random:
             # Draft distributions: rejection sampling (greedy rows fall out of it: one-hot p and q).
             target = self.sampler.probs(logits, slots_rep, offsets_d)
