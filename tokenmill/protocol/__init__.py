@@ -176,6 +176,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     finished_handles: list[int] = []  # workers drop these before the step
     preempted_handles: list[int] = []  # workers drop these too; they come back as new requests
     digest: int | None = None  # debug mode: crc32 of the scheduler's view (see protocol/digest.py)
+    # Pipeline parallelism only: int32, each row's first input token (the first stage cannot
+    # read sampled tokens on its device; see tokenmill/worker/pp_stage.py).
+    pp_input_tokens: bytes = b""
 
     @functools.cached_property
     def scheduled_handles(self) -> list[int]:
@@ -375,3 +378,4 @@ class WorkerLaunch(msgspec.Struct, omit_defaults=True):
     parent_pid: int
     log_level: int = 30
     death_signal: bool = True
+    dist_init_method: str = ""  # torch.distributed rendezvous (world_size > 1), e.g. file://... or tcp://...

@@ -21,6 +21,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
+from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplingState
 from tokenmill.model.loader import load_model
@@ -29,6 +30,7 @@ from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
 from tokenmill.worker.persistent_batch import PersistentBatch
+from tokenmill.worker.pp_stage import PipelineStage, apply_input_tokens
 from tokenmill.worker.readback import Readback
 from tokenmill.worker.step_diffs import apply_step_diffs
 from tokenmill.worker.step_inputs import build_step_inputs
@@ -46,13 +48,17 @@ def attention_backend_class(name: str) -> type[AttentionBackend]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, stage: PipelineStage | None = None,
+                 device: torch.device | None = None) -> None:
+        """`stage`: this rank's part of a split model (default: the whole model, one rank)."""
         self.config = config
-        self.device = config.torch_device
+        self.device = device or config.torch_device
         self.dtype = config.model.torch_dtype
         self.block_size = config.cache.block_size
         arch = config.model.arch
-        self.num_layers, self.num_kv_heads, self.head_dim = arch.num_layers, arch.num_kv_heads, arch.head_dim
+        self.stage = stage or PipelineStage(ParallelContext.single(arch))
+        layout = self.stage.layout  # this rank's layers and KV heads
+        self.num_layers, self.num_kv_heads, self.head_dim = layout.num_layers, layout.num_kv_heads, arch.head_dim
         max_seqs = config.scheduler.max_num_seqs
         self.batch = PersistentBatch(max_seqs, -(-config.model.max_model_len // self.block_size), self.device)
         self.sampling = SamplingState(max_seqs, arch.vocab_size, config.model.eos_token_ids, self.device)
@@ -87,7 +93,8 @@ class ModelRunner:
         m = self.config.model
         start = time.perf_counter()
         self.model = load_model(m.path, m.arch, m.load_format, self.dtype, self.device,
-                                attention_backend_class(self.config.attention_backend), seed=m.seed)
+                                attention_backend_class(self.config.attention_backend), seed=m.seed,
+                                parallel=self.stage.parallel)
         logger.info("loaded %s in %.1f s (%s attention)", m.path, time.perf_counter() - start,
                     self.config.attention_backend)
 
@@ -112,7 +119,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         warm_up_kernels(self)
-        if not self.config.enforce_eager and self.config.attention_backend == "triton":
+        if not self.config.enforce_eager and self.config.attention_backend == "triton" and self.stage.num_stages == 1:
             self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, self.config.scheduler.max_num_seqs,
                                        self.config.model.max_model_len, self.block_size)
             self.graphs.capture()
@@ -147,6 +154,7 @@ class ModelRunner:
         start = time.perf_counter()
         changed = so.batch is not None or so.new_requests or so.finished_handles or so.preempted_handles
         apply_step_diffs(so, self.batch_order, self)
+        apply_input_tokens(so, self.batch)
         self.batch.flush()
         self.sampling.flush()
         prev, self._pending = self._pending, None
@@ -178,7 +186,11 @@ class ModelRunner:
             num_device_inputs = len(slots)
         else:
             inputs = build_step_inputs(self.batch, slots, counts, self.block_size)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.stage.run(self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                    so.step_id)
+            if hidden is None:  # a pipeline stage before the last: its output went on to the next
+                timings["forward"] = time.perf_counter() - start
+                return PendingStep.empty(so.step_id)
             if self.batch.num_prompt_logprobs:
                 step_prompt_logprobs = prompt_logprobs(self, slots, counts, hidden, inputs.meta)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
