@@ -56,3 +56,8 @@ def assert_idle(llm: LLM) -> None:
     stats = llm.kv_cache_stats()
     assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_blocks"], stats
     assert llm.scheduler_stats()["num_running"] == 0
+
+
+@pytest.fixture(scope="session")
+def tiny_model(family_dirs) -> str:
+    return family_dirs["llama"]

@@ -347,7 +347,7 @@ class ErrorReport(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
     """A call on every worker. `method`: load_model | available_kv_blocks | kv_block_bytes |
-    init_kv_cache (which takes `arg`) | telemetry_snapshot | reset_telemetry."""
+    init_kv_cache (which takes `arg`) | telemetry_snapshot | reset_telemetry | held_requests."""
 
     method: str
     arg: int | None = None

@@ -48,7 +48,10 @@ class PipelineStage:
         intermediate = None
         if not self.layout.is_first_stage:
             intermediate = self._receive(model, meta.num_tokens, positions.device, step_id)
+        start = time.perf_counter()
         out = model(input_ids, positions, kv_caches, meta, intermediate)
+        if self.telemetry is not None:  # the trace's view of the stage at work (host time)
+            self.telemetry.record("stage_compute", start, time.perf_counter(), {"step": step_id})
         if self.is_last:
             return out
         self._send(out, step_id)

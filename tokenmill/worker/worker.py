@@ -79,6 +79,10 @@ class Worker:
                 self.telemetry.record(name, start, start + seconds, args)
                 start += seconds
 
+    def held_requests(self) -> int:
+        """How many requests this worker keeps state for (leak checks)."""
+        return len(self.runner.states)
+
     def telemetry_snapshot(self) -> ProcessTelemetry:
         return self.telemetry.snapshot()
 

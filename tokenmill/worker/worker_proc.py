@@ -27,7 +27,7 @@ from tokenmill.transport.shm_ring import RingAbortedError, ShmRingReader
 logger = logging.getLogger(__name__)
 
 _CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "init_kv_cache", "telemetry_snapshot",
-          "reset_telemetry")
+          "reset_telemetry", "held_requests")
 
 
 class WorkerProc:
