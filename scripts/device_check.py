@@ -12,8 +12,13 @@ weights, benchmarks). Parts:
   bench:S     `tokenmill bench throughput` on shape S (smollm2, llama1b, llama8b) vs HF, warmed
   long:S      1000 prompts x 512 in x 256 out on shape S (tokenmill only)
   batch1:S    one prompt, 512 in x 256 out: time per output token
+  parallel    (2 GPUs) TP=2, PP=2, TP=2 eager (the all-reduce outside CUDA graphs) and TP=2 sync vs one
+              GPU: Llama-3.2-1B shape, random weights, float32 and bfloat16, 16 prompts x 64 tokens
+  pbench:S:L  (L = tp1 | tp2 | pp2) 1000 prompts x 512 in x 256 out on shape S with layout L; the
+              record holds output tok/s and, for pp2, each stage's busy time and the bubble fraction
 
     python scripts/device_check.py --parts tiny,parity,bench:smollm2,bench:llama1b
+    NCCL_NVLS_ENABLE=0 python scripts/device_check.py --parts parallel,pbench:llama8b:tp1,pbench:llama8b:tp2
 """
 
 from __future__ import annotations
@@ -179,7 +184,8 @@ def tiny_families(results: dict) -> None:
 def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_len: int, baseline: bool,
           extra: list[str] = ()) -> None:
     path = config_dir(shape)
-    record = os.path.join(OUT, f"bench_{shape}_{num_prompts}x{input_len}x{output_len}.json")
+    tag = "".join(ch for ch in "_".join(extra) if ch.isalnum() or ch == "_")
+    record = os.path.join(OUT, f"bench_{shape}_{num_prompts}x{input_len}x{output_len}{'_' + tag if tag else ''}.json")
     argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "throughput",
             "--model", path, "--load-format", "dummy", "--dtype", "bfloat16", "--num-prompts", str(num_prompts),
             "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
@@ -203,6 +209,33 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
     print(f"[{key} took {time.perf_counter() - start:.0f} s]")
 
 
+_LAYOUTS = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"], "pp2": ["--pipeline-parallel-size", "2"]}
+
+
+def parallel(results: dict) -> None:
+    """Split models vs one GPU, token for token: identical prompts, and where they first differ,
+    the one-GPU run's top-2 logprob gap there (a near tie is rounding, not a bug)."""
+    path = weights_dir("llama1b")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 128256) for _ in range(n)] for n in LENGTHS]
+    variants = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2),
+                "tp2_eager": dict(tensor_parallel_size=2, enforce_eager=True),
+                "tp2_sync": dict(tensor_parallel_size=2, async_scheduling=False)}
+    for dtype in ("float32", "bfloat16"):
+        ref, gaps = greedy_outputs(path, prompts, dtype, with_gaps=True)
+        for name, engine in variants.items():
+            start = time.perf_counter()
+            outs = greedy_outputs(path, prompts, dtype, **engine)
+            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(outs, ref)]
+            gap_at = [None if i is None else round(g[i], 5) for i, g in zip(first, gaps)]
+            same = sum(i is None for i in first)
+            results[f"parallel_{name}_{dtype}"] = {"identical": same, "first_divergence": first,
+                                                    "one_gpu_top2_gap_there": gap_at,
+                                                    "seconds": time.perf_counter() - start}
+            print(f"{name} {dtype} vs one GPU: identical {same}/{len(prompts)}; first divergence {first}; "
+                  f"one-GPU top-2 gap there {gap_at}")
+
+
 def run_script(results: dict, key: str, argv: list[str]) -> None:
     """A check that is its own program (pytest, a kernel check script): its exit status and tail."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
@@ -216,7 +249,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="tiny,parity,bench:smollm2")
     args = ap.parse_args()
-    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines (workers inherit it)
+    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+               "num_gpus": torch.cuda.device_count()}
     for part in args.parts.split(","):
         name, _, shape = part.partition(":")
         start = time.perf_counter()
@@ -242,6 +277,11 @@ def main() -> None:
             bench(results, shape, 1000, 512, 256, baseline=False)
         elif name == "batch1":
             bench(results, shape, 1, 512, 256, baseline=False)
+        elif name == "parallel":
+            parallel(results)
+        elif name == "pbench":  # the model's kernels are warmed and graphs captured at start: no warm-up pass
+            shape, _, layout = shape.partition(":")
+            bench(results, shape, 1000, 512, 256, baseline=False, extra=[*_LAYOUTS[layout], "--warmup", "0"])
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "device_check.json"), "w") as f:
             json.dump(results, f, indent=2)

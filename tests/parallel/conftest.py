@@ -14,12 +14,13 @@ ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.01, max_num_batched_tokens=4
 PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "tokenmill " * 9, "zz"]
 NEW_TOKENS = 16
 
-# family -> config overrides. qwen2 with one KV head: fewer KV heads than TP ranks (replicated),
-# q/k/v biases, tied embeddings (a last pipeline stage holds its own copy of the embedding).
+# family -> config overrides. Three layers: two stages split them unevenly. qwen2 with one KV
+# head: fewer KV heads than TP ranks (replicated), q/k/v biases, tied embeddings (a last pipeline
+# stage holds its own copy of the embedding). qwen3: q/k norms, head_dim != hidden / heads.
 FAMILIES = {
-    "llama": dict(arch="llama"),
-    "qwen2-mqa-tied": dict(arch="qwen2", tie_word_embeddings=True, num_key_value_heads=1),
-    "qwen3": dict(arch="qwen3"),
+    "llama": dict(arch="llama", num_hidden_layers=3),
+    "qwen2-mqa-tied": dict(arch="qwen2", tie_word_embeddings=True, num_key_value_heads=1, num_hidden_layers=3),
+    "qwen3": dict(arch="qwen3", num_hidden_layers=3),
 }
 
 
