@@ -49,7 +49,8 @@ class StepTrace:
             return
         events = [{"name": n, "ph": "X", "ts": s * 1e6, "dur": d * 1e6, "tid": t, **({"args": a} if a else {})}
                   for n, s, d, t, a in self._events]
-        part = {"role": self.role, "label": self.label, "pid": os.getpid(), "threads": {str(k): v for k, v in self._threads.items()},
+        part = {"role": self.role, "label": self.label, "pid": os.getpid(),
+                "threads": {str(k): v for k, v in self._threads.items()},
                 "dropped": self.dropped, "events": events}
         tmp = part_path(self.path, self.role) + ".tmp"
         with open(tmp, "w") as f:
