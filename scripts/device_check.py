@@ -12,8 +12,9 @@ weights, benchmarks). Parts:
   bench:S     `tokenmill bench throughput` on shape S (smollm2, llama1b, llama8b) vs HF, warmed
   long:S      1000 prompts x 512 in x 256 out on shape S (tokenmill only)
   batch1:S    one prompt, 512 in x 256 out: time per output token
-  parallel    (2 GPUs) TP=2, PP=2, TP=2 eager (the all-reduce outside CUDA graphs) and TP=2 sync vs one
-              GPU: Llama-3.2-1B shape, random weights, float32 and bfloat16, 16 prompts x 64 tokens
+  parallel    (2 GPUs) TP=2 and PP=2 (CUDA graphs: the all-reduce inside them, a stage's graphs over its
+              layers), both eager, and TP=2 sync vs one GPU: Llama-3.2-1B shape, random weights,
+              float32 and bfloat16, 16 prompts x 64 tokens
   pbench:S:L  (L = tp1 | tp2 | pp2) 1000 prompts x 512 in x 256 out on shape S with layout L; the
               record holds output tok/s and, for pp2, each stage's busy time and the bubble fraction
 
@@ -220,6 +221,7 @@ def parallel(results: dict) -> None:
     prompts = [[rng.randrange(3, 128256) for _ in range(n)] for n in LENGTHS]
     variants = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2),
                 "tp2_eager": dict(tensor_parallel_size=2, enforce_eager=True),
+                "pp2_eager": dict(pipeline_parallel_size=2, enforce_eager=True),
                 "tp2_sync": dict(tensor_parallel_size=2, async_scheduling=False)}
     for dtype in ("float32", "bfloat16"):
         ref, gaps = greedy_outputs(path, prompts, dtype, with_gaps=True)

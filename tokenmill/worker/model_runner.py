@@ -119,9 +119,9 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         warm_up_kernels(self)
-        if not self.config.enforce_eager and self.config.attention_backend == "triton" and self.stage.num_stages == 1:
+        if not self.config.enforce_eager and self.config.attention_backend == "triton":
             self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, self.config.scheduler.max_num_seqs,
-                                       self.config.model.max_model_len, self.block_size)
+                                       self.config.model.max_model_len, self.block_size, self.stage.layout)
             self.graphs.capture()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -177,10 +177,11 @@ class ModelRunner:
         start = time.perf_counter()
         step_prompt_logprobs = []
         if use_graph:
-            if self.on_device_work is not None:
-                self.on_device_work()
-            logits = graphs.run(slots)
+            logits = self.stage.run_graph(graphs, slots, self.on_device_work, so.step_id)
             self.batch.num_computed[slots] += 1
+            if logits is None:  # a pipeline stage before the last: its output went on to the next
+                timings["forward"] = time.perf_counter() - start
+                return PendingStep.empty(so.step_id)
             sample_rows = np.arange(len(slots))
             sample_slots = graphs.slots[:len(slots)]
             num_device_inputs = len(slots)

@@ -6,15 +6,17 @@ then runs its layers; a stage before the last sends its output on and has nothin
 Each stage takes the steps in the order the engine core sent them, so while stage s+1 runs
 step N, stage s is already running step N+1: that is the pipeline.
 
-Decode inputs: only the last stage samples, so the first stage cannot read a sampled token
-from the device as a single process does. With pipeline parallelism the scheduler never
+Decode inputs: only the last stage samples, so the first stage cannot find a sampled token in
+its slot's `next_token` as a single process does. With pipeline parallelism the scheduler never
 schedules a token before it knows it, and sends each row's first input token
-(`SchedulerOutput.pp_input_tokens`); `apply_input_tokens` appends those the worker lacks.
+(`SchedulerOutput.pp_input_tokens`); `apply_input_tokens` writes the ones the worker lacks into
+`next_token`, so every later step (eager or a graph replay) reads them as usual.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,7 +26,7 @@ from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.model.intermediate import IntermediateTensors
 from tokenmill.protocol import SchedulerOutput
-from tokenmill.worker.persistent_batch import PersistentBatch
+from tokenmill.worker.persistent_batch import PersistentBatch, to_device
 
 
 class PipelineStage:
@@ -57,15 +59,44 @@ class PipelineStage:
         self._send(out, step_id)
         return None
 
+    def run_graph(self, graphs, slots: np.ndarray, on_device_work: Callable[[], None] | None,
+                  step_id: int = 0) -> torch.Tensor | None:
+        """A decode step as a CUDA graph replay (`DecodeGraphs`): logits on the last stage; None on
+        earlier stages (their output went on). A later stage copies the previous stage's
+        activations into the graph's input buffers first; an earlier one sends copies of its
+        outputs, which the next replay overwrites."""
+        if self.num_stages == 1:
+            if on_device_work is not None:
+                on_device_work()
+            return graphs.run(slots)
+        if not self.layout.is_first_stage:
+            buffers = graphs.input_views(len(slots))
+            received = self._receive_tensors([tuple(b.shape) for b in buffers], buffers[0].dtype,
+                                             buffers[0].device, step_id)
+            for buffer, tensor in zip(buffers, received):
+                buffer.copy_(tensor)
+        if on_device_work is not None:
+            on_device_work()
+        out = graphs.run(slots)
+        if self.is_last:
+            return out
+        self._send(IntermediateTensors.of([t.clone() for t in out]), step_id)
+        return None
+
     def _receive(self, model, num_tokens: int, device: torch.device, step_id: int) -> IntermediateTensors:
-        start = time.perf_counter()
         dtype = next(model.parameters()).dtype
-        tensors = self.parallel.recv_prev(model.intermediate_shapes(num_tokens), dtype, device)
+        return IntermediateTensors.of(self._receive_tensors(model.intermediate_shapes(num_tokens), dtype, device,
+                                                            step_id))
+
+    def _receive_tensors(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+                         step_id: int) -> list[torch.Tensor]:
+        start = time.perf_counter()
+        tensors = self.parallel.recv_prev(shapes, dtype, device)
         if self.telemetry is not None:
             end = time.perf_counter()
             self._received.decoded(sum(t.numel() * t.element_size() for t in tensors), end - start)
             self.telemetry.record("stage_recv", start, end, {"step": step_id})
-        return IntermediateTensors.of(tensors)
+        return tensors
 
     def _send(self, out: IntermediateTensors, step_id: int) -> None:
         start = time.perf_counter()
@@ -78,13 +109,15 @@ class PipelineStage:
 
 
 def apply_input_tokens(so: SchedulerOutput, batch: PersistentBatch) -> None:
-    """Append each row's first input token where the worker does not know it yet (its computed
-    count has reached its known count: a token sampled since the request was sent)."""
+    """Write each row's first input token into its slot's `next_token` on the device, where a
+    single process's sampler would have put it, for rows whose input is not on the host (a
+    token sampled since the request was sent). Decode rows then run as in one process: eagerly,
+    or as a CUDA graph replay."""
     if not so.pp_input_tokens:
         return
     tokens = np.frombuffer(so.pp_input_tokens, dtype="<i4")
     slots = batch.slots(so.scheduled_handles)
-    missing = np.flatnonzero(batch.num_computed[slots] == batch.num_known[slots])
-    for slot, token in zip(slots[missing].tolist(), tokens[missing].tolist()):
-        batch.tokens[slot].append(token)
-        batch.num_known[slot] += 1
+    missing = np.flatnonzero(batch.num_computed[slots] >= batch.num_known[slots])
+    if len(missing):
+        pairs = to_device(np.stack([slots[missing], tokens[missing].astype(np.int64)]), batch.device)
+        batch.next_token_dev[pairs[0]] = pairs[1]
