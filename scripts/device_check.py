@@ -15,8 +15,8 @@ weights, benchmarks). Parts:
   parallel    (2 GPUs) TP=2 and PP=2 (CUDA graphs: the all-reduce inside them, a stage's graphs over its
               layers), both eager, and TP=2 sync vs one GPU: Llama-3.2-1B shape, random weights,
               float32 and bfloat16, 16 prompts x 64 tokens
-  pbench:S:L  (L = tp1 | tp2 | pp2) 1000 prompts x 512 in x 256 out on shape S with layout L; the
-              record holds output tok/s and, for pp2, each stage's busy time and the bubble fraction
+  pbench:S:L  (L = tp1 | tp2 | pp2 | pp2-512) 1000 prompts x 512 in x 256 out on shape S with layout L;
+              the record holds output tok/s and, with PP, each stage's busy time and the bubble fraction
 
     python scripts/device_check.py --parts tiny,parity,bench:smollm2,bench:llama1b
     NCCL_NVLS_ENABLE=0 python scripts/device_check.py --parts parallel,pbench:llama8b:tp1,pbench:llama8b:tp2
@@ -210,7 +210,9 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
     print(f"[{key} took {time.perf_counter() - start:.0f} s]")
 
 
-_LAYOUTS = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"], "pp2": ["--pipeline-parallel-size", "2"]}
+# pp2-512: the two micro-batches share max_num_seqs; 512 gives each stage the batch one GPU gets at 256.
+_LAYOUTS = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"], "pp2": ["--pipeline-parallel-size", "2"],
+            "pp2-512": ["--pipeline-parallel-size", "2", "--max-num-seqs", "512"]}
 
 
 def parallel(results: dict) -> None:

@@ -3,9 +3,9 @@
 Every message to the workers goes through one `ShmRingWriter` (msgpack, first byte = kind).
 Replies come back on one PULL socket as [kind, rank, payload]: the driver (TP rank 0 of the
 last pipeline stage) answers each step with its `ModelRunnerOutput`; every rank answers setup
-calls. With several ranks, they meet for torch.distributed at a TCP store on a free local port
-(rank 0 hosts it; NCCL still uses it after start-up, for communicators it makes lazily). A reader thread
-matches replies to futures strictly FIFO per rank, and doubles as the liveness monitor:
+calls. With several ranks, they meet for torch.distributed at a TCP store on a free local
+port (rank 0 hosts it; NCCL still uses it after start-up, for communicators it makes lazily).
+A reader thread matches replies to futures strictly FIFO per rank, and doubles as the liveness monitor:
 when a worker exits unasked, every pending and later future fails with `EngineDeadError`
 and `on_failure` is called, so an idle engine core hears of it too.
 """
