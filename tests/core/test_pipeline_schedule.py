@@ -62,7 +62,8 @@ def test_a_long_prompt_chunks_across_micro_batches() -> None:
     assert first.total_num_scheduled_tokens == 50 and second.total_num_scheduled_tokens == 50
 
 
-@pytest.mark.parametrize("budget,num_blocks", [(7, 400), (64, 400), (64, 40)], ids=["small-budget", "roomy", "preempting"])
+@pytest.mark.parametrize("budget,num_blocks", [(7, 400), (64, 400), (64, 40)],
+                         ids=["small-budget", "roomy", "preempting"])
 @pytest.mark.parametrize("in_flight", [2, 3])
 def test_outputs_aborts_and_preemptions_as_with_one_batch(budget, num_blocks, in_flight) -> None:
     prompts = prompts_for(3, 12)

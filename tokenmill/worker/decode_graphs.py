@@ -59,7 +59,8 @@ class DecodeGraphs:
         self.inputs: list[torch.Tensor] = []
         if layout is not None and not layout.is_first_stage:
             dtype = next(model.parameters()).dtype
-            self.inputs = [torch.zeros(shape, dtype=dtype, device=device) for shape in model.intermediate_shapes(largest)]
+            self.inputs = [torch.zeros(shape, dtype=dtype, device=device)
+                           for shape in model.intermediate_shapes(largest)]
         self._loaded: tuple[int, bytes] | None = None  # (padded size, slots) now in `self.slots`
 
     def padded_size(self, num_rows: int) -> int | None:

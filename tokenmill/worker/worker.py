@@ -96,7 +96,7 @@ class Worker:
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     """The device of a local worker process: with several ranks on CUDA, one GPU each."""
-    if config.device == "cuda" and config.parallel.world_size > 1:
+    if config.device.startswith("cuda") and config.parallel.world_size > 1:
         return torch.device(f"cuda:{local_rank}")
     return config.torch_device
 
