@@ -17,8 +17,9 @@ from tokenmill.config import ModelArch, ParallelConfig
 
 
 def even_partition(num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """Layers per stage, as even as possible; the earlier stages take the remainder's extra layers
-    except the last, which also computes the final norm and the LM head."""
+    """Layers per stage, as even as possible. When they do not divide evenly the first stages take
+    one extra layer each, so the last stage, which also runs the final norm and the LM head and
+    samples, never holds more layers than another."""
     base, extra = divmod(num_layers, num_stages)
     counts = [base] * num_stages
     for i in range(extra):

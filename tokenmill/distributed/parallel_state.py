@@ -6,7 +6,8 @@ TP group per pipeline stage and one PP group per TP index. Layers call `all_redu
 rank with the same TP index (`send_next` / `recv_prev`). gloo on CPU, NCCL on CUDA. With
 tp = pp = 1 nothing is initialized and every collective is the identity.
 
-There is no global state: a `ParallelContext` is made by the worker and handed to the model.
+tokenmill keeps no global state here: the worker makes a `ParallelContext` and hands it to the
+model (torch.distributed's own default group lives in the worker process, which has one rank).
 """
 
 from __future__ import annotations
@@ -114,5 +115,5 @@ class ParallelContext:
     def destroy(self) -> None:
         """Leave the groups (at shutdown; a send still on its way is dropped: its peer stops too)."""
         self._sends = []
-        if dist.is_initialized():
+        if self.backend is not None and dist.is_initialized():  # only what `init` set up
             dist.destroy_process_group()
