@@ -12,14 +12,15 @@ weights, benchmarks). Parts:
   bench:S     `tokenmill bench throughput` on shape S (smollm2, llama1b, llama8b) vs HF, warmed
   long:S      1000 prompts x 512 in x 256 out on shape S (tokenmill only)
   batch1:S    one prompt, 512 in x 256 out: time per output token
-  parallel    (2 GPUs) TP=2 and PP=2 (CUDA graphs: the all-reduce inside them, a stage's graphs over its
-              layers), both eager, and TP=2 sync vs one GPU: Llama-3.2-1B shape, random weights,
-              float32 and bfloat16, 16 prompts x 64 tokens
+  parallel[:D] (2 GPUs) TP=2 and PP=2 (CUDA graphs: the all-reduce inside them, a stage's graphs over
+              its layers), both eager, and TP=2 sync vs one GPU: Llama-3.2-1B shape, random weights,
+              dtype D (float32 or bfloat16; both when omitted), 16 prompts x 64 tokens
   pbench:S:L  (L = tp1 | tp2 | pp2 | pp2-512) 1000 prompts x 512 in x 256 out on shape S with layout L;
               the record holds output tok/s and, with PP, each stage's busy time and the bubble fraction
 
     python scripts/device_check.py --parts tiny,parity,bench:smollm2,bench:llama1b
-    NCCL_NVLS_ENABLE=0 python scripts/device_check.py --parts parallel,pbench:llama8b:tp1,pbench:llama8b:tp2
+    NCCL_NVLS_ENABLE=0 python scripts/device_check.py --parts parallel:float32
+    NCCL_NVLS_ENABLE=0 python scripts/device_check.py --parts pbench:llama8b:tp1,pbench:llama8b:tp2
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ _LAYOUTS = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"], "pp2": ["--pipeli
             "pp2-512": ["--pipeline-parallel-size", "2", "--max-num-seqs", "512"]}
 
 
-def parallel(results: dict) -> None:
+def parallel(results: dict, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> None:
     """Split models vs one GPU, token for token: identical prompts, and where they first differ,
     the one-GPU run's top-2 logprob gap there (a near tie is rounding, not a bug)."""
     path = weights_dir("llama1b")
@@ -225,7 +226,7 @@ def parallel(results: dict) -> None:
                 "tp2_eager": dict(tensor_parallel_size=2, enforce_eager=True),
                 "pp2_eager": dict(pipeline_parallel_size=2, enforce_eager=True),
                 "tp2_sync": dict(tensor_parallel_size=2, async_scheduling=False)}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         ref, gaps = greedy_outputs(path, prompts, dtype, with_gaps=True)
         for name, engine in variants.items():
             start = time.perf_counter()
@@ -281,8 +282,8 @@ def main() -> None:
             bench(results, shape, 1000, 512, 256, baseline=False)
         elif name == "batch1":
             bench(results, shape, 1, 512, 256, baseline=False)
-        elif name == "parallel":
-            parallel(results)
+        elif name == "parallel":  # parallel:float32 or parallel:bfloat16 runs one dtype
+            parallel(results, (shape,) if shape else ("float32", "bfloat16"))
         elif name == "pbench":  # the model's kernels are warmed and graphs captured at start: no warm-up pass
             shape, _, layout = shape.partition(":")
             bench(results, shape, 1000, 512, 256, baseline=False, extra=[*_LAYOUTS[layout], "--warmup", "0"])
