@@ -17,11 +17,20 @@ weights, benchmarks). Parts:
               and the per-step cost of the non-finite screen next to a Llama-8B LM head
   spec1:S     batch 1, 512 in x 256 out: plain, then the target as its own draft (k=4)
   spec256:S   256 x 256 x 128: plain, then adaptive n-gram speculation (k=4)
+  specreal:P  `tokenmill bench spec` on the GGUF file P (the real SmolLM2), batch 1, n-gram k=4,
+              in bfloat16 and float32
   spec_sampler  the speculative-decoding sampler tests on CUDA (bfloat16 logits in the distribution
               and greedy tests), then scripts/spec_sampler_check.py: verification and rejection
               sampling timed at R=256, K=4, V=49152, no host sync, allocated memory
+  parallel[:D] (2 GPUs) TP=2 and PP=2 (CUDA graphs: the all-reduce inside them, a stage's graphs over
+              its layers), both eager, and TP=2 sync vs one GPU: Llama-3.2-1B shape, random weights,
+              dtype D (float32 or bfloat16; both when omitted), 16 prompts x 64 tokens
+  pbench:S:L  (L = tp1 | tp2 | pp2 | pp2-512) 1000 prompts x 512 in x 256 out on shape S with layout L;
+              the record holds output tok/s and, with PP, each stage's busy time and the bubble fraction
 
     python scripts/device_check.py --parts tiny,parity,bench:smollm2,bench:llama1b
+    NCCL_NVLS_ENABLE=0 python scripts/device_check.py --parts parallel:float32
+    NCCL_NVLS_ENABLE=0 python scripts/device_check.py --parts pbench:llama8b:tp1,pbench:llama8b:tp2
 """
 
 from __future__ import annotations
@@ -188,8 +197,11 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
           extra: list[str] = ()) -> None:
     path = config_dir(shape)
     extra = [e.replace('"SAME"', json.dumps(path)) for e in extra]
-    tag = "_spec" if extra else ""
-    record = os.path.join(OUT, f"bench_{shape}_{num_prompts}x{input_len}x{output_len}{tag}.json")
+    if "--speculative-config" in extra:  # the JSON holds a path: name the record by the method
+        tag = "spec_" + json.loads(extra[extra.index("--speculative-config") + 1])["method"]
+    else:
+        tag = "".join(ch for ch in "_".join(extra) if ch.isalnum() or ch == "_")
+    record = os.path.join(OUT, f"bench_{shape}_{num_prompts}x{input_len}x{output_len}{'_' + tag if tag else ''}.json")
     argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "throughput",
             "--model", path, "--load-format", "dummy", "--dtype", "bfloat16", "--num-prompts", str(num_prompts),
             "--input-len", str(input_len), "--output-len", str(output_len), "--ignore-eos",
@@ -239,6 +251,34 @@ def row_fault_costs(results: dict) -> None:
         head_us = timed(lambda: hidden @ head.T)
         results[f"row_screen_{rows}_rows"] = {"screen_us": round(screen_us, 1), "lm_head_us": round(head_us, 1)}
         print(f"{rows:>4} rows: screen + mark {screen_us:8.1f} us   LM head {head_us:8.1f} us")
+# pp2-512: the two micro-batches share max_num_seqs; 512 gives each stage the batch one GPU gets at 256.
+_LAYOUTS = {"tp1": [], "tp2": ["--tensor-parallel-size", "2"], "pp2": ["--pipeline-parallel-size", "2"],
+            "pp2-512": ["--pipeline-parallel-size", "2", "--max-num-seqs", "512"]}
+
+
+def parallel(results: dict, dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> None:
+    """Split models vs one GPU, token for token: identical prompts, and where they first differ,
+    the one-GPU run's top-2 logprob gap there (a near tie is rounding, not a bug)."""
+    path = weights_dir("llama1b")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 128256) for _ in range(n)] for n in LENGTHS]
+    variants = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2),
+                "tp2_eager": dict(tensor_parallel_size=2, enforce_eager=True),
+                "pp2_eager": dict(pipeline_parallel_size=2, enforce_eager=True),
+                "tp2_sync": dict(tensor_parallel_size=2, async_scheduling=False)}
+    for dtype in dtypes:
+        ref, gaps = greedy_outputs(path, prompts, dtype, with_gaps=True)
+        for name, engine in variants.items():
+            start = time.perf_counter()
+            outs = greedy_outputs(path, prompts, dtype, **engine)
+            first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(outs, ref)]
+            gap_at = [None if i is None else round(g[i], 5) for i, g in zip(first, gaps)]
+            same = sum(i is None for i in first)
+            results[f"parallel_{name}_{dtype}"] = {"identical": same, "first_divergence": first,
+                                                    "one_gpu_top2_gap_there": gap_at,
+                                                    "seconds": time.perf_counter() - start}
+            print(f"{name} {dtype} vs one GPU: identical {same}/{len(prompts)}; first divergence {first}; "
+                  f"one-GPU top-2 gap there {gap_at}")
 
 
 def run_script(results: dict, key: str, argv: list[str]) -> None:
@@ -254,7 +294,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="tiny,parity,bench:smollm2")
     args = ap.parse_args()
-    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines (workers inherit it)
+    results = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+               "num_gpus": torch.cuda.device_count()}
     for part in args.parts.split(","):
         name, _, shape = part.partition(":")
         start = time.perf_counter()
@@ -300,6 +342,18 @@ def main() -> None:
             bench(results, shape, 256, 256, 128, baseline=False)
             bench(results, shape, 256, 256, 128, baseline=False, extra=["--speculative-config", json.dumps(
                 {"method": "ngram", "num_speculative_tokens": 4})])
+        elif name == "specreal":  # specreal:GGUF_PATH: the real SmolLM2 at batch 1, n-gram vs plain (bf16, then fp32)
+            for dtype in ("bfloat16", "float32"):
+                record = os.path.join(OUT, f"spec_real_ngram_{dtype}.json")
+                run_script(results, f"spec_real_ngram_{dtype}", [
+                    "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "spec", "--model", shape,
+                    "--dtype", dtype, "--num-prompts", "8", "--output-len", "256", "--output-json", record,
+                    "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})])
+        elif name == "parallel":  # parallel:float32 or parallel:bfloat16 runs one dtype
+            parallel(results, (shape,) if shape else ("float32", "bfloat16"))
+        elif name == "pbench":  # the model's kernels are warmed and graphs captured at start: no warm-up pass
+            shape, _, layout = shape.partition(":")
+            bench(results, shape, 1000, 512, 256, baseline=False, extra=[*_LAYOUTS[layout], "--warmup", "0"])
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "device_check.json"), "w") as f:
             json.dump(results, f, indent=2)

@@ -32,6 +32,11 @@ def init_child_process() -> None:
     set_openmp_defaults()
 
 
+def package_root() -> str:
+    """The directory holding this tokenmill package (children put it first on their path)."""
+    return _PACKAGE_ROOT
+
+
 def spawn_child(module: str, launch: msgspec.Struct) -> subprocess.Popen:
     env = dict(os.environ)
     # The child must import this very tokenmill, wherever the parent found it.

@@ -84,7 +84,21 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    world_size: int = 1  # worker processes (full model replicas until tensor parallelism lands)
+    """How the model is split over worker processes: rank = pp_stage * tensor_parallel_size + tp_rank.
+    The driver (the one rank that replies to the engine core) is TP rank 0 of the last stage."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    layer_partition: tuple[int, ...] = ()  # decoder layers per pipeline stage (resolved: sums to num_layers)
+    backend: str = "mp"  # distributed executor: mp (local worker processes) | ray (actors, several nodes)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def driver_rank(self) -> int:
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
 
 class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -147,7 +161,10 @@ class EngineArgs:
     async_scheduling: bool = True
     disable_log_stats: bool = False
     served_model_name: str | None = None
-    world_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: str | None = None
+    distributed_executor_backend: str = "mp"
     single_process: bool = False
     trace_steps: str | None = None
     debug_check_every: int = 0
@@ -176,7 +193,11 @@ _FLAG_HELP = {
     "async_scheduling": "schedule step N+1 while step N runs",
     "disable_log_stats": "do not log engine statistics",
     "served_model_name": "the model name the API reports",
-    "world_size": "worker processes, one per device (until tensor parallelism lands, >1 runs replicas)",
+    "tensor_parallel_size": "tensor-parallel ranks: every layer split over this many devices (-tp)",
+    "pipeline_parallel_size": "pipeline stages: the layers split over this many devices in turn (-pp)",
+    "pp_layer_partition": "decoder layers per pipeline stage, comma-separated (default: as even as possible)",
+    "distributed_executor_backend": "mp (local worker processes) or ray (actors, across nodes; pip install "
+                                    "tokenmill[ray])",
     "single_process": "run the engine core and the worker in the caller's process (tests, debugging)",
     "trace_steps": "write a Chrome/Perfetto trace of every process's steps to this file",
     "debug_check_every": "every N steps, workers check their request state against the scheduler's digest (0 = off)",
@@ -190,23 +211,26 @@ _FLAG_HELP = {
 }
 
 
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp"}  # vLLM's
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """Add one --flag per EngineArgs field (vLLM's names), with --no-X for booleans."""
     defaults = EngineArgs()
     for f in fields(EngineArgs):
         if f.name == "model":
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")] + ([_SHORT_FLAGS[f.name]] if f.name in _SHORT_FLAGS else [])
         default = getattr(defaults, f.name)
         text = _FLAG_HELP.get(f.name, "")
         if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, default=default, help=text)
         elif "dict" in str(f.type):
-            parser.add_argument(flag, type=_json_object(f.name), default=default, help=text)
+            parser.add_argument(*flags, type=_json_object(f.name), default=default, help=text)
         else:
             kind = {"int": int, "float": float, "str": str}.get(
                 str(f.type).replace(" | None", "").strip("'"), str)
-            parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+            parser.add_argument(*flags, type=kind, default=default, help=f"{text} (default: {default})")
 
 
 def _json_object(name: str):

@@ -80,7 +80,7 @@ def run(ns) -> int:
         start = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in warm], params, use_tqdm=False)
         warm_runs.append(summarize(outputs, time.perf_counter() - start, ns.input_len))
-        warm_runs[-1].update(step_figures(llm.telemetry()))
+        warm_runs[-1].update(step_figures(llm.telemetry(), llm.config.parallel.driver_rank))
         print(f"warm-up pass {i + 1}: {warm_runs[-1]['output_tokens_per_s']:.1f} output tok/s")
     profiler = None
     if ns.profile:
@@ -97,7 +97,11 @@ def run(ns) -> int:
         profiler.disable()
         write_profile(profiler, ns.profile)
     figures = summarize(outputs, elapsed, ns.input_len)
-    figures.update(step_figures(llm.telemetry()))
+    report = llm.telemetry()
+    figures.update(step_figures(report, llm.config.parallel.driver_rank))
+    if llm.config.parallel.pipeline_parallel_size > 1:
+        from tokenmill.metrics.pipeline import pipeline_figures
+        figures["pipeline"] = pipeline_figures(report, llm.config.parallel)
     figures["prefix_cache_hit_tokens"] = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     record = {
         "benchmark": "throughput",
@@ -133,9 +137,9 @@ def run(ns) -> int:
     return 0
 
 
-def step_figures(report) -> dict:
+def step_figures(report, driver_rank: int = 0) -> dict:
     """The driver worker's per-step device time and idle gaps (CUDA events), and the core's step time."""
-    worker = next((p for p in report.processes if p.role == "worker0"), None)
+    worker = next((p for p in report.processes if p.role == f"worker{driver_rank}"), None)
     out = {}
     if worker is not None:
         for name in ("device_step", "device_idle", "forward", "prepare", "sample"):
@@ -222,3 +226,7 @@ def print_figures(name: str, f: dict) -> None:
     if "device_idle_ms_p50" in f:
         print(f"  device idle ms p50/mean  {f['device_idle_ms_p50']:.3f} / {f['device_idle_ms_mean']:.3f}"
               + (f"  ({f['device_idle_fraction_p50']:.1%} of a step)" if "device_idle_fraction_p50" in f else ""))
+    if "pipeline" in f:
+        from tokenmill.metrics.pipeline import format_pipeline
+        print("  pipeline stages (TP rank 0 of each):")
+        print(format_pipeline(f["pipeline"]))

@@ -1,7 +1,8 @@
 """The engine core: scheduler plus executor, driven by one loop with a bounded in-flight queue.
 
-`max_in_flight` is 1 for synchronous scheduling and 2 with async scheduling;
-the same `step()` serves both (and pipeline parallelism later).
+`max_in_flight` is 1 for synchronous scheduling and 2 with async scheduling; with pipeline
+parallelism it is one batch per stage (plus one with async scheduling, so the first stage has
+its next batch as soon as it is free). The same `step()` serves every mode.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ class EngineCore:
                     num_blocks * self.executor.kv_block_bytes() / 2**30, max_len,
                     num_blocks * block_size / max_len)
         self.num_blocks = num_blocks
-        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative)
-        self.max_in_flight = 2 if config.scheduler.async_scheduling else 1
+        stages = config.parallel.pipeline_parallel_size
+        self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
+                                   pipeline_stages=stages)
+        self.max_in_flight = stages + (1 if config.scheduler.async_scheduling else 0)
         self.stats_logger = StatsLogger(enabled=config.log_stats)
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.telemetry = Telemetry("core", config.trace_steps)

@@ -63,14 +63,19 @@ class EngineCoreProc:
 
         workers = None
         try:
-            # Workers first, before this process imports torch: their startup (imports,
-            # config, model) overlaps with ours.
             config = self.launch.config
-            workers = WorkerGroup(config, self.addresses,
-                                  on_failure=lambda reason: self.inputs.put(_Fatal(reason)))
-            from tokenmill.core.engine_core import EngineCore
-            from tokenmill.executor.multiproc import MultiprocExecutor
-            self.engine = EngineCore(config, functools.partial(MultiprocExecutor, workers=workers))
+            if config.parallel.backend == "ray":  # ranks are Ray actors, possibly on other nodes
+                from tokenmill.core.engine_core import EngineCore
+                from tokenmill.executor.ray_executor import RayExecutor
+                self.engine = EngineCore(config, RayExecutor)
+            else:
+                # Workers first, before this process imports torch: their startup (imports,
+                # config, model) overlaps with ours.
+                workers = WorkerGroup(config, self.addresses,
+                                      on_failure=lambda reason: self.inputs.put(_Fatal(reason)))
+                from tokenmill.core.engine_core import EngineCore
+                from tokenmill.executor.multiproc import MultiprocExecutor
+                self.engine = EngineCore(config, functools.partial(MultiprocExecutor, workers=workers))
         except BaseException as exc:
             logger.error("engine core failed to start: %s: %s", type(exc).__name__, exc)
             if workers is not None:

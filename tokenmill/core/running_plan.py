@@ -12,6 +12,11 @@ with room in its blocks needs no planning for a while; `due_step` says from whic
 the row must be looked at again. A step plans only the due rows, with numpy, and visits in
 Python only rows that get blocks or register one. When every row takes all it asks for
 (the budget is not exceeded), order does not matter; otherwise every row is planned in order.
+
+Pipeline parallelism (`no_placeholders`): the first stage cannot read a sampled token on its
+device, so a row is never scheduled past the tokens it knows: a request whose sampled token
+is in flight takes none (no decode while in flight), while a prompt whose earlier chunk is in
+flight may take its next chunk. Every row is then planned every step (no due steps).
 """
 
 from __future__ import annotations
@@ -59,8 +64,10 @@ def due_steps(step_id: int, computed: np.ndarray, ahead: np.ndarray, capacity: n
 
 
 class RunningPlanner:
-    def __init__(self, table: RunningTable, kv: KVCacheManager, preempt: Callable[[int], None]) -> None:
+    def __init__(self, table: RunningTable, kv: KVCacheManager, preempt: Callable[[int], None],
+                 no_placeholders: bool = False) -> None:
         """`preempt(slot)` takes a running row out (its request goes back to the waiting queue)."""
+        self.no_placeholders = no_placeholders
         self.table = table
         self.kv = kv
         self.block_size = kv.block_size
@@ -75,10 +82,13 @@ class RunningPlanner:
         step's update takes back the rejected ones."""
         t = self.table
         slots = t.order.copy()
-        due = t.due_step[slots] <= step_id
-        if drafts is not None:
-            due |= drafts[slots] > 0
-        examined = due.nonzero()[0]
+        if self.no_placeholders:
+            examined = np.arange(len(slots))
+        else:
+            due = t.due_step[slots] <= step_id
+            if drafts is not None:
+                due |= drafts[slots] > 0
+            examined = due.nonzero()[0]
         if not len(examined) and len(slots) <= budget:  # nothing due: one token each, no block
             t.num_computed[slots] += 1
             t.num_pending[slots] += 1  # C + 1 == T + P: the step samples their next token
@@ -87,7 +97,7 @@ class RunningPlanner:
         known, computed = t.num_tokens[ex_slots], t.num_computed[ex_slots]
         ahead = known + t.num_pending[ex_slots]  # placeholders included
         limit = t.token_limit[ex_slots]
-        uncomputed = (ahead - computed) * (ahead < limit)  # a last token in flight: no more
+        uncomputed = (self._reach(known, ahead) - computed) * (ahead < limit)  # a last token in flight: no more
         if drafts is not None:
             uncomputed = uncomputed + drafts[ex_slots] * ((ahead - computed == 1) & (uncomputed > 0))
         if len(slots) - len(examined) + int(uncomputed.sum()) > budget:
@@ -125,6 +135,10 @@ class RunningPlanner:
             plan.slots, plan.counts = slots[scheduled], plan.counts[scheduled]
         return plan
 
+    def _reach(self, known: np.ndarray, ahead: np.ndarray) -> np.ndarray:
+        """How far rows may be computed: placeholders included, unless they are not allowed."""
+        return known if self.no_placeholders else ahead
+
     def set_due_steps(self, slots: np.ndarray, step_id: int) -> None:
         """`due_steps` for rows whose plan for `step_id` is in the table (e.g. just admitted)."""
         if len(slots):
@@ -146,7 +160,7 @@ class RunningPlanner:
         known = t.num_tokens[slots]
         ahead = known + t.num_pending[slots]
         computed = t.num_computed[slots]
-        uncomputed = (ahead - computed) * (ahead < t.token_limit[slots])
+        uncomputed = (self._reach(known, ahead) - computed) * (ahead < t.token_limit[slots])
         if drafts is not None:
             uncomputed = uncomputed + drafts[slots] * ((ahead - computed == 1) & (uncomputed > 0))
         before = uncomputed.cumsum() - uncomputed

@@ -17,6 +17,11 @@ blocks) and visits in Python only rows that get a block, register one, or are pr
 batch goes to the workers as a diff (`BatchOrder`), made from slot arrays. So a steady
 decode step costs O(changes) Python work, plus a few numpy operations over the rows.
 Requests leave and join the table on admission, preemption and finish (O(changes)).
+
+Pipeline parallelism (`pipeline_stages` > 1): up to one batch per stage is in flight. No row
+is scheduled past the tokens the scheduler knows (`RunningPlanner.no_placeholders`), each
+batch's budget is an even share of the work in sight (`microbatch.py`), and each row's first
+input token travels with the step (`pp_input_tokens`) for the first stage.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import numpy as np
 
 from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.microbatch import pipeline_token_budget
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.row_failures import fail_rows
 from tokenmill.core.running_plan import RunningPlanner
@@ -44,14 +50,16 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, pipeline_stages: int = 1) -> None:
         self.config = config
+        self.pipeline_stages = pipeline_stages
+        self.in_flight_tokens = 0  # scheduled tokens of the batches not updated yet
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.table = RunningTable(config.max_num_seqs)
-        self.planner = RunningPlanner(self.table, self.kv, self._preempt)
+        self.planner = RunningPlanner(self.table, self.kv, self._preempt, no_placeholders=pipeline_stages > 1)
         self.spec = SpecPolicy(speculative, self.table) if speculative is not None else None
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
         self.known_to_workers: set[int] = set()
@@ -121,6 +129,8 @@ class Scheduler:
         drafts = None
         if self.spec is not None and self._last_proposed == step_id - 1:
             drafts = self.spec.choose(step_id, t.order, budget)
+        if self.pipeline_stages > 1:
+            budget = pipeline_token_budget(t, self.waiting, self.in_flight_tokens, self.pipeline_stages, budget)
         plan = self.planner.plan(step_id, budget, drafts)
         sched_slots, sched_counts = plan.slots, plan.counts
         budget -= int(sched_counts.sum())
@@ -163,6 +173,10 @@ class Scheduler:
         if check_every and step_id % check_every == 0:
             output.digest = batch_digest((h, int(t.num_computed[s]), self.kv.blocks[h]) for h, s in
                                          zip(output.batch_handles.tolist(), output.row_slots.tolist()))
+        if self.pipeline_stages > 1 and len(output.row_slots):
+            first = t.num_computed[output.row_slots] - output.batch_counts  # each row's first input position
+            output.pp_input_tokens = t.tokens[output.row_slots, first].astype("<i4").tobytes()
+        self.in_flight_tokens += output.total_num_scheduled_tokens
         self.finished_to_send = []
         return output
 
@@ -248,6 +262,7 @@ class Scheduler:
 
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Apply a finished step's sampled tokens; return what the front-end must hear."""
+        self.in_flight_tokens -= scheduler_output.total_num_scheduled_tokens
         result = apply_step(self.table, self.requests, self.eos_ids, scheduler_output, runner_output,
                             self._record_verified if self.spec is not None else None)
         if runner_output.failed_rows:  # rare: rows that failed alone end their requests (row_failures.py)

@@ -39,5 +39,9 @@ class Executor(ABC):
     def reset_worker_telemetry(self) -> None:
         pass
 
+    def held_requests(self) -> list[int]:
+        """How many requests each worker keeps state for, by rank (leak checks)."""
+        return []
+
     def shutdown(self) -> None:
         pass

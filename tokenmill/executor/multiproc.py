@@ -48,5 +48,8 @@ class MultiprocExecutor(Executor):
     def reset_worker_telemetry(self) -> None:
         self.workers.call("reset_telemetry")
 
+    def held_requests(self) -> list[int]:
+        return self.workers.call("held_requests")
+
     def shutdown(self) -> None:
         self.workers.shutdown()

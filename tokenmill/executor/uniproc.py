@@ -31,6 +31,9 @@ class UniprocExecutor(Executor):
     def reset_worker_telemetry(self) -> None:
         self.worker.reset_telemetry()
 
+    def held_requests(self) -> list[int]:
+        return [self.worker.held_requests()]
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 

@@ -1,9 +1,11 @@
 """A group of worker processes: messages broadcast through a shared-memory ring, replies over ZMQ.
 
 Every message to the workers goes through one `ShmRingWriter` (msgpack, first byte = kind).
-Replies come back on one PULL socket as [kind, rank, payload]: the driver (rank 0) answers
-each step with its `ModelRunnerOutput`; every rank answers setup calls. A reader thread
-matches replies to futures strictly FIFO per rank, and doubles as the liveness monitor:
+Replies come back on one PULL socket as [kind, rank, payload]: the driver (TP rank 0 of the
+last pipeline stage) answers each step with its `ModelRunnerOutput`; every rank answers setup
+calls. With several ranks, they meet for torch.distributed at a TCP store on a free local
+port (rank 0 hosts it; NCCL still uses it after start-up, for communicators it makes lazily).
+A reader thread matches replies to futures strictly FIFO per rank, and doubles as the liveness monitor:
 when a worker exits unasked, every pending and later future fails with `EngineDeadError`
 and `on_failure` is called, so an idle engine core hears of it too.
 """
@@ -27,26 +29,26 @@ from tokenmill.errors import EngineDeadError, exception_from_report
 from tokenmill.metrics.message_stats import MessageStats
 from tokenmill.protocol import (ErrorReport, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerCallResult,
                                 WorkerInputKind, WorkerLaunch, WorkerOutputKind)
-from tokenmill.transport.channels import LAST_WORDS_S, POLL_MS, REPLY_HEAD, EngineAddresses
+from tokenmill.transport.channels import LAST_WORDS_S, POLL_MS, REPLY_HEAD, EngineAddresses, free_port
 from tokenmill.transport.shm_ring import RingAbortedError, ShmRingWriter
 
 logger = logging.getLogger(__name__)
 
 
 class _Pending:
-    """One message's expected replies: from rank 0 only (a step) or from every rank (a call)."""
+    """One message's expected replies: from the driver only (a step) or from every rank (a call)."""
 
-    def __init__(self, ranks: set[int], driver_only: bool = False) -> None:
-        self.future: Future = Future()  # the driver's value if driver_only, else rank -> value
+    def __init__(self, ranks: set[int], driver: int | None = None) -> None:
+        self.future: Future = Future()  # the driver's value if `driver` is set, else rank -> value
         self.waiting = set(ranks)
         self.values: dict[int, object] = {}
-        self.driver_only = driver_only
+        self.driver = driver
 
     def deliver(self, rank: int, value: object) -> None:
         self.values[rank] = value
         self.waiting.discard(rank)
         if not self.waiting and not self.future.done():
-            self.future.set_result(self.values[0] if self.driver_only else self.values)
+            self.future.set_result(self.values if self.driver is None else self.values[self.driver])
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -60,6 +62,7 @@ class WorkerGroup:
     def __init__(self, config: EngineConfig, addresses: EngineAddresses,
                  on_failure: Callable[[str], None] | None = None) -> None:
         self.world_size = config.parallel.world_size
+        self.driver_rank = config.parallel.driver_rank
         self._on_failure = on_failure
         self._ctx = zmq.Context()
         self._reply = self._ctx.socket(zmq.PULL)
@@ -80,6 +83,7 @@ class WorkerGroup:
         self.channels = {name: MessageStats() for name in ("steps", "results", "worker_calls", "worker_call_results")}
         self._procs = []
         self._ready = self._expect(set(range(self.world_size)))
+        dist_init = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else ""
         self._reader = threading.Thread(target=self._read_replies, name="worker-replies", daemon=True)
         try:
             for rank in range(self.world_size):
@@ -87,7 +91,7 @@ class WorkerGroup:
                     config=config, rank=rank, ring_name=addresses.ring_name,
                     overflow_addr=overflow[rank], reply_addr=addresses.worker_replies, parent_pid=os.getpid(),
                     log_level=logging.getLogger("tokenmill").getEffectiveLevel(),
-                    death_signal=spawned_by_main_thread())))
+                    death_signal=spawned_by_main_thread(), dist_init_method=dist_init)))
             self._reader.start()
         except BaseException:
             self.shutdown()
@@ -104,7 +108,7 @@ class WorkerGroup:
         buf = bytearray((WorkerInputKind.EXECUTE,))
         self._step_encoder.encode_into(scheduler_output, buf, 1)
         self.channels["steps"].encoded(len(buf), time.perf_counter() - start)
-        pending = self._expect({0}, driver_only=True)
+        pending = self._expect({self.driver_rank}, driver=self.driver_rank)
         self._send(buf)
         return pending.future
 
@@ -141,8 +145,8 @@ class WorkerGroup:
 
     # ------------------------------------------------------------------ internals
 
-    def _expect(self, ranks: set[int], driver_only: bool = False) -> _Pending:
-        pending = _Pending(ranks, driver_only)
+    def _expect(self, ranks: set[int], driver: int | None = None) -> _Pending:
+        pending = _Pending(ranks, driver)
         with self._lock:
             if self._dead is not None:
                 pending.fail(self._dead)
@@ -206,7 +210,7 @@ class WorkerGroup:
             pending.deliver(rank, value)
         elif kind == WorkerOutputKind.CALL_RESULT:
             value = self._result_decoder.decode(payload).value
-            if rank == 0:
+            if rank == self.driver_rank:
                 self.channels["worker_call_results"].decoded(nbytes, time.perf_counter() - start)
             pending.deliver(rank, value)
         elif kind == WorkerOutputKind.READY:

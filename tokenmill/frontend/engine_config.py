@@ -10,6 +10,7 @@ import os
 
 from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
                               SchedulerConfig, SpeculativeConfig)
+from tokenmill.distributed.layout import check_parallel, parse_partition
 from tokenmill.model.arch import model_arch
 from tokenmill.model.default_model import resolve_model_path
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
@@ -38,6 +39,16 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         path=path, name=args.served_model_name or args.model, dtype=dtype, max_model_len=max_model_len,
         load_format=args.load_format, seed=args.seed, eos_token_ids=load_eos_token_ids(path, hf_config),
         arch=arch)
+    parallel = resolve_parallel(args, arch, device)
+    speculative = resolve_speculative(args.speculative_config, model, device)
+    if speculative is not None:
+        # The first pipeline stage cannot see the drafts (it gets only each row's first token),
+        # and a draft model is not split over TP ranks: refuse rather than run a half-built mode.
+        _check(parallel.pipeline_parallel_size == 1, "speculative_config",
+               f"cannot be combined with pipeline_parallel_size > 1 (got {parallel.pipeline_parallel_size})")
+        _check(speculative.draft is None or parallel.tensor_parallel_size == 1, "speculative_config.model",
+               f"a draft model cannot be combined with tensor_parallel_size > 1 "
+               f"(got {parallel.tensor_parallel_size}); method 'ngram' can")
     return EngineConfig(
         model=model,
         cache=CacheConfig(block_size=args.block_size, num_blocks_override=args.num_gpu_blocks_override or 0,
@@ -47,13 +58,13 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                   async_scheduling=args.async_scheduling,
                                   debug_check_every=args.debug_check_every),
-        parallel=ParallelConfig(world_size=args.world_size),
+        parallel=parallel,
         device=device, max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
         trace_steps=os.path.abspath(args.trace_steps) if args.trace_steps else None,
         step_timeout_s=float(args.step_timeout),
         attention_backend=resolve_attention_backend(args.attention_backend, device),
         enforce_eager=args.enforce_eager,
-        speculative=resolve_speculative(args.speculative_config, model, device))
+        speculative=speculative)
 
 
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
@@ -116,10 +127,15 @@ def _check_args(args: EngineArgs) -> None:
     _check(args.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {args.max_num_seqs}")
     _check(0.0 < args.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
            f"must be in (0, 1], got {args.gpu_memory_utilization}")
-    _check(isinstance(args.world_size, int) and args.world_size >= 1, "world_size",
-           f"must be an integer >= 1, got {args.world_size!r}")
-    _check(not (args.single_process and args.world_size > 1), "world_size",
-           f"must be 1 with single_process, got {args.world_size}")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = getattr(args, name)
+        _check(isinstance(value, int) and value >= 1, name, f"must be an integer >= 1, got {value!r}")
+        _check(not (args.single_process and value > 1), name, f"must be 1 with single_process, got {value}")
+        _check(args.load_format != "null" or value == 1, name, f"must be 1 with load_format null, got {value}")
+    _check(args.distributed_executor_backend in ("mp", "ray"), "distributed_executor_backend",
+           f"must be mp or ray, got {args.distributed_executor_backend!r}")
+    _check(not (args.single_process and args.distributed_executor_backend == "ray"), "distributed_executor_backend",
+           "must be mp with single_process")
     _check(args.kv_cache_memory_gb > 0, "kv_cache_memory_gb", f"must be > 0, got {args.kv_cache_memory_gb}")
     _check(args.load_format in _LOAD_FORMATS, "load_format",
            f"must be one of {', '.join(_LOAD_FORMATS)}; got {args.load_format!r}")
@@ -127,6 +143,18 @@ def _check_args(args: EngineArgs) -> None:
     _check(args.step_timeout > 0, "step_timeout", f"must be > 0 seconds, got {args.step_timeout}")
     _check(args.num_gpu_blocks_override is None or args.num_gpu_blocks_override >= 1, "num_gpu_blocks_override",
            f"must be >= 1, got {args.num_gpu_blocks_override}")
+
+
+def resolve_parallel(args: EngineArgs, arch, device: str) -> ParallelConfig:
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    check_parallel(arch, tp, pp)
+    partition = parse_partition(args.pp_layer_partition, arch.num_layers, pp)
+    if device.startswith("cuda") and args.distributed_executor_backend == "mp" and tp * pp > 1:
+        import torch
+        _check(torch.cuda.device_count() >= tp * pp, "tensor_parallel_size",
+               f"times pipeline_parallel_size needs {tp * pp} GPUs, this machine has {torch.cuda.device_count()}")
+    return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, layer_partition=partition,
+                          backend=args.distributed_executor_backend)
 
 
 def resolve_device(name: str) -> str:

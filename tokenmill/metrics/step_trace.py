@@ -22,9 +22,10 @@ def part_path(path: str, role: str) -> str:
 
 
 class StepTrace:
-    def __init__(self, path: str, role: str) -> None:
+    def __init__(self, path: str, role: str, label: str | None = None) -> None:
         self.path = path
         self.role = role
+        self.label = label or role
         self._events: list[tuple] = []  # (name, start_s, dur_s, tid, args)
         self._threads: dict[int, str] = {}
         self._dropped: dict[int, int] = {}  # per recording thread, each written by its own thread
@@ -48,7 +49,8 @@ class StepTrace:
             return
         events = [{"name": n, "ph": "X", "ts": s * 1e6, "dur": d * 1e6, "tid": t, **({"args": a} if a else {})}
                   for n, s, d, t, a in self._events]
-        part = {"role": self.role, "pid": os.getpid(), "threads": {str(k): v for k, v in self._threads.items()},
+        part = {"role": self.role, "label": self.label, "pid": os.getpid(),
+                "threads": {str(k): v for k, v in self._threads.items()},
                 "dropped": self.dropped, "events": events}
         tmp = part_path(self.path, self.role) + ".tmp"
         with open(tmp, "w") as f:
@@ -70,7 +72,7 @@ def merge_parts(path: str, roles: list[str]) -> int:
         part_file.unlink()
         found += 1
         trace.append({"name": "process_name", "ph": "M", "pid": index, "tid": 0,
-                      "args": {"name": f"{role} (pid {part['pid']})"}})
+                      "args": {"name": f"{part.get('label', role)} (pid {part['pid']})"}})
         trace.append({"name": "process_sort_index", "ph": "M", "pid": index, "tid": 0,
                       "args": {"sort_index": index}})
         for tid, name in part["threads"].items():

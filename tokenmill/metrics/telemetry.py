@@ -32,11 +32,12 @@ from tokenmill.protocol import ProcessTelemetry
 
 
 class Telemetry:
-    def __init__(self, role: str, trace_path: str | None = None) -> None:
+    def __init__(self, role: str, trace_path: str | None = None, label: str | None = None) -> None:
+        """`label`: the trace track's name (default: the role)."""
         self.role = role
         self.channels: dict[str, MessageStats] = {}
         self.timings = StepTimings()
-        self.trace = StepTrace(trace_path, role) if trace_path else None
+        self.trace = StepTrace(trace_path, role, label) if trace_path else None
         self._since = time.perf_counter()
 
     def channel(self, name: str) -> MessageStats:

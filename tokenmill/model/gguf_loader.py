@@ -66,43 +66,71 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def dequantize_tensor(tensor: Any) -> np.ndarray:
     """float32 numpy array in HF (row-major, outermost-first) shape; ValueError if the type is unsupported."""
-    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
     shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims innermost first
+    return dequantize_rows(tensor, 0, shape[0])
+
+
+def dequantize_rows(tensor: Any, start: int, length: int) -> np.ndarray:
+    """Rows [start, start + length) of the HF-shaped tensor, dequantizing only those rows
+    (quantized blocks run along a row, so rows are independent)."""
+    qtype = gguf.GGMLQuantizationType(tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    data = tensor.data[start:start + length]
     if qtype in _PLAIN_TYPES:
-        arr = np.asarray(tensor.data).view(_PLAIN_TYPES[qtype]).astype(np.float32)
+        arr = np.asarray(data).view(_PLAIN_TYPES[qtype]).astype(np.float32)
     else:
         try:
-            arr = gguf.quants.dequantize(tensor.data, qtype)
+            arr = gguf.quants.dequantize(data, qtype)
         except NotImplementedError:
             raise ValueError(
                 f"GGUF tensor {tensor.name!r} has unsupported type {qtype.name}; supported: F32, F16, BF16, "
                 f"Q8_0, Q4_0, Q4_1 and the other types the gguf package can dequantize") from None
-    arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+    arr = np.asarray(arr, dtype=np.float32).reshape((length, *shape[1:]))
     return arr if arr.flags.writeable else arr.copy()  # F32 comes back as a read-only memmap view
 
 
+class GGUFTensor:
+    """One GGUF tensor as a `LazyTensor`: a row slice dequantizes only its rows; q/k rows are
+    un-permuted per head (a rank's slice holds whole heads)."""
+
+    def __init__(self, tensor: Any, permuted_head_dim: int | None) -> None:
+        self._tensor = tensor
+        self._head_dim = permuted_head_dim
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))
+
+    def read(self, dim: int, start: int, length: int) -> torch.Tensor:
+        if dim == 0:
+            arr = self._unpermute(dequantize_rows(self._tensor, start, length))
+        else:
+            arr = self._unpermute(dequantize_rows(self._tensor, 0, self.shape[0]))[:, start:start + length]
+        return torch.from_numpy(np.ascontiguousarray(arr))
+
+    def _unpermute(self, arr: np.ndarray) -> np.ndarray:
+        return arr if self._head_dim is None else unpermute_rows(arr, arr.shape[0] // self._head_dim)
+
+
 class GGUFWeights:
-    """Iterable of (HF name, float32 tensor) over a GGUF file's tensors; len() is the tensor count."""
+    """Iterable of (HF name, float32 tensor) over a GGUF file's tensors; len() is the tensor count.
+    `lazy()` gives the same names with `GGUFTensor`s, for loading a shard."""
 
     def __init__(self, path: str, arch: ModelArch) -> None:
         self.reader = gguf.GGUFReader(path)
         field = self.reader.fields.get("general.architecture")
         self.architecture = str(field.contents()) if field is not None else ""
-        self.num_heads = arch.num_heads
-        self.num_kv_heads = arch.num_kv_heads
+        self.head_dim = arch.head_dim
 
     def __len__(self) -> int:
         return len(self.reader.tensors)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.lazy():
+            yield name, tensor.read(0, 0, tensor.shape[0])
+
+    def lazy(self) -> Iterator[tuple[str, GGUFTensor]]:
         permuted = self.architecture in _PERMUTED_ARCHS
         for tensor in self.reader.tensors:
             if tensor.name in _SKIPPED:
                 continue
             name = hf_tensor_name(tensor.name)
-            arr = dequantize_tensor(tensor)
-            if permuted and ".attn_q." in tensor.name:
-                arr = unpermute_rows(arr, self.num_heads)
-            elif permuted and ".attn_k." in tensor.name:
-                arr = unpermute_rows(arr, self.num_kv_heads)
-            yield name, torch.from_numpy(np.ascontiguousarray(arr))
+            qk = ".attn_q." in tensor.name or ".attn_k." in tensor.name
+            yield name, GGUFTensor(tensor, self.head_dim if permuted and qk else None)

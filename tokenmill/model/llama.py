@@ -3,6 +3,11 @@
 Tokens arrive flat ([T]); attention over the paged KV cache is delegated to an
 `AttentionBackend`. q/k/v and gate/up are fused projections; `load_weights` maps
 HF tensor names onto their slices.
+
+Model parallelism (`ParallelContext`, see `tokenmill.distributed.layout`): a rank builds only
+its pipeline stage's layers (the embedding on the first stage, the final norm and LM head on
+the last) and, within them, only its tensor-parallel shard; `load_weights` reads just that
+slice of each checkpoint tensor. A stage that is not the last returns `IntermediateTensors`.
 """
 
 from __future__ import annotations
@@ -13,28 +18,36 @@ import torch
 from torch import nn
 
 from tokenmill.config import ModelArch
+from tokenmill.distributed.layout import RankLayout
+from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers import triton_ops
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
-from tokenmill.layers.linear import Linear, PackedWeight, linear, linear_add, silu_mul_linear
+from tokenmill.layers.linear import Linear, PackedWeight, silu_mul_linear
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
+from tokenmill.model.intermediate import IntermediateTensors
+from tokenmill.model.weight_source import LazyTensor, read_slice, tensor_shape
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend]) -> None:
+    """This rank's query and KV heads (`RankLayout`); o_proj sums the ranks' outputs."""
+
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = dims.num_heads, dims.num_kv_heads, dims.head_dim
-        self.q_size = dims.num_heads * dims.head_dim
-        self.kv_size = dims.num_kv_heads * dims.head_dim
+        layout = parallel.layout
+        self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, dims.head_dim
+        self.q_size = self.num_heads * dims.head_dim
+        self.kv_size = self.num_kv_heads * dims.head_dim
         self.qkv_proj = Linear(dims.hidden_size, self.q_size + 2 * self.kv_size, bias=dims.qkv_bias)
-        self.o_proj = Linear(self.q_size, dims.hidden_size, bias=dims.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, dims.hidden_size, dims.o_bias, parallel)
         if dims.qk_norm:
             self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
             self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
         self.qk_norm = dims.qk_norm
-        self.attn = attn_backend_cls(dims.num_heads, dims.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5)
+        self.attn = attn_backend_cls(self.num_heads, self.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5)
 
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -55,14 +68,17 @@ class LlamaAttention(nn.Module):
         out = self.attn.forward(q, k, v, kv_cache, meta).reshape(-1, self.q_size)
         if residual is None:
             return self.o_proj(out)
-        return linear_add(out, self.o_proj.weight, self.o_proj.bias, residual, self.o_proj._packed)
+        return self.o_proj.forward_add(out, residual)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, dims: ModelArch) -> None:
+    """This rank's rows of the intermediate size: gate_up holds [gate shard | up shard]."""
+
+    def __init__(self, dims: ModelArch, parallel: ParallelContext) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=dims.mlp_bias)
-        self.down_proj = Linear(dims.intermediate_size, dims.hidden_size, bias=dims.mlp_bias)
+        size = parallel.layout.intermediate_size
+        self.gate_up_proj = Linear(dims.hidden_size, 2 * size, bias=dims.mlp_bias)
+        self.down_proj = RowParallelLinear(size, dims.hidden_size, dims.mlp_bias, parallel)
         self.act = SiluAndMul()
         self._gate_up_packed = (PackedWeight(), PackedWeight())
 
@@ -73,14 +89,14 @@ class LlamaMLP(nn.Module):
             act = self.act(self.gate_up_proj(x))
         if residual is None:
             return self.down_proj(act)
-        return linear_add(act, self.down_proj.weight, self.down_proj.bias, residual, self.down_proj._packed)
+        return self.down_proj.forward_add(act, residual)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend]) -> None:
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(dims, attn_backend_cls)
-        self.mlp = LlamaMLP(dims)
+        self.self_attn = LlamaAttention(dims, attn_backend_cls, parallel)
+        self.mlp = LlamaMLP(dims, parallel)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
@@ -105,21 +121,36 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend]) -> None:
+    """This stage's decoder layers (the others are empty placeholders, so names keep their HF
+    layer index), with the embedding on the first stage and the final norm on the last."""
+
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        layout = parallel.layout
+        self.layout = layout
+        self.embed_tokens = (VocabParallelEmbedding(layout.vocab_per_rank, dims.hidden_size, parallel)
+                             if layout.is_first_stage else None)
         self.rotary_emb = RotaryEmbedding(dims.head_dim, dims.max_position, dims.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(dims, attn_backend_cls) for _ in range(dims.num_layers))
-        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+            LlamaDecoderLayer(dims, attn_backend_cls, parallel) if layout.has_layer(i) else nn.Identity()
+            for i in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps) if layout.is_last_stage else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        """`kv_caches`: this stage's layers' caches. Stages after the first start from `intermediate`."""
+        layout = self.layout
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            assert intermediate is not None, "a later pipeline stage needs the previous stage's activations"
+            hidden, residual = intermediate.hidden, intermediate.residual
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
-        residual: torch.Tensor | None = None
-        for i, layer in enumerate(self.layers):
-            hidden, residual = layer(hidden, residual, rope, kv_caches[i], meta)
+        for i in range(layout.layer_start, layout.layer_end):
+            hidden, residual = self.layers[i](hidden, residual, rope, kv_caches[i - layout.layer_start], meta)
+        if self.norm is None:
+            return IntermediateTensors(hidden, residual)
         if residual is None:
             return self.norm(hidden)
         return self.norm.forward_with_residual(hidden, residual)[0]
@@ -138,31 +169,82 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, arch: ModelArch, attn_backend_cls: type[AttentionBackend]) -> None:
+    def __init__(self, arch: ModelArch, attn_backend_cls: type[AttentionBackend],
+                 parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.dims = arch
-        self.model = LlamaModel(arch, attn_backend_cls)
-        # Tied: the LM head reads embed_tokens.weight directly, so no tie can break on device moves.
-        self.lm_head = None if self.dims.tie_word_embeddings else nn.Linear(
-            self.dims.hidden_size, self.dims.vocab_size, bias=False)
-        self._lm_head_packed = PackedWeight()
+        self.parallel = parallel or ParallelContext.single(arch)
+        self.layout: RankLayout = self.parallel.layout
+        self.model = LlamaModel(arch, attn_backend_cls, self.parallel)
+        # Tied: the LM head reads embed_tokens.weight directly, so no tie can break on device moves;
+        # a last pipeline stage without the embedding holds its own copy, loaded from it.
+        layout = self.layout
+        own_head = layout.is_last_stage and (not arch.tie_word_embeddings or not layout.is_first_stage)
+        self.lm_head = VocabParallelEmbedding(layout.vocab_per_rank, arch.hidden_size, self.parallel) \
+            if own_head else None
+        self._lm_head = ParallelLMHead(self.parallel)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                attn_metadata: AttentionMetadata, intermediate: IntermediateTensors | None = None
+                ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self._lm_head_packed).float()
+        return self._lm_head.logits(hidden, weight)
+
+    def intermediate_shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
+        """What a stage hands the next: the hidden state, plus the residual where the fused
+        kernels keep it apart (CUDA)."""
+        hidden = (num_tokens, self.dims.hidden_size)
+        probe = next(self.parameters())
+        return [hidden, hidden] if triton_ops.enabled(probe) else [hidden]
 
     def _shard_sizes(self, fused: str) -> list[int]:
-        d = self.dims
+        """The local sizes of a fused parameter's parts, in stacking order."""
+        d, layout = self.dims, self.layout
         if fused == "qkv_proj":
-            return [d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_kv_heads * d.head_dim]
-        return [d.intermediate_size, d.intermediate_size]
+            return [layout.num_heads * d.head_dim, layout.num_kv_heads * d.head_dim, layout.num_kv_heads * d.head_dim]
+        return [layout.intermediate_size, layout.intermediate_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copies HF-named tensors in; raises ValueError naming unexpected, misshapen or missing ones."""
+    def _source_slice(self, name: str, shard: int | None) -> tuple[int, int, int] | None:
+        """(dim, start, length) of the checkpoint tensor this rank holds for parameter `name`
+        (part `shard` of a fused one); None: the whole tensor (replicated)."""
+        layout, d = self.layout, self.dims
+        if layout.tp_size == 1:
+            return None
+        kind = name.split(".")[-2]
+        suffix = name.rsplit(".", 1)[-1]
+        if kind == "qkv_proj":
+            if shard == 0:
+                return 0, layout.tp_rank * layout.num_heads * d.head_dim, layout.num_heads * d.head_dim
+            return 0, layout.kv_head_start * d.head_dim, layout.num_kv_heads * d.head_dim
+        if kind == "gate_up_proj":
+            return 0, layout.tp_rank * layout.intermediate_size, layout.intermediate_size
+        if kind in ("o_proj", "down_proj") and suffix == "weight":
+            size = layout.num_heads * d.head_dim if kind == "o_proj" else layout.intermediate_size
+            return 1, layout.tp_rank * size, size
+        if kind in ("embed_tokens", "lm_head"):
+            return (0, *layout.vocab_rows())
+        return None
+
+    def _on_other_stage(self, hf_name: str) -> bool:
+        """A checkpoint tensor another pipeline stage holds (never read here)."""
+        layout = self.layout
+        parts = hf_name.split(".")
+        if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+            index = int(parts[2])
+            return index < self.dims.num_layers and not layout.has_layer(index)
+        if hf_name.startswith("model.embed_tokens."):
+            tied_head = self.dims.tie_word_embeddings and self.lm_head is not None
+            return self.model.embed_tokens is None and not tied_head
+        if hf_name.startswith(("model.norm.", "lm_head.")):
+            return not layout.is_last_stage
+        return False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
+        """Copies HF-named tensors in (this rank's slice of each); raises ValueError naming
+        unexpected, misshapen or missing ones."""
         params = dict(self.named_parameters())
         # Every (parameter, shard) that must be filled; unfused parameters have shard None.
         pending: set[tuple[str, int | None]] = set()
@@ -172,26 +254,60 @@ class LlamaForCausalLM(nn.Module):
                 pending.add((name, None))
             else:
                 pending.update((name, i) for i in range(len(self._shard_sizes(fused))))
+        tied = self.dims.tie_word_embeddings
         for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and self.lm_head is None):
+            if hf_name.endswith(_IGNORED_SUFFIXES) or (hf_name == "lm_head.weight" and tied):
+                continue
+            if self._on_other_stage(hf_name):
                 continue
             name, shard = self._map_name(hf_name)
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
-            target = param.data
-            if shard is not None:
-                sizes = self._shard_sizes(name.split(".")[-2])
-                target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(target.shape)}")
-            with torch.no_grad():
-                target.copy_(tensor)
-            pending.discard((name, shard))
+            targets = [name] if name in params else []
+            if tied and name == "model.embed_tokens.weight" and "lm_head.weight" in params:
+                targets.append("lm_head.weight")  # a last stage's own copy of the tied embedding
+            for target_name in targets or [name]:
+                self._load_one(hf_name, tensor, target_name, shard, params)
+                pending.discard((target_name, shard))
         if pending:
             missing = sorted(self._hf_name(name, shard) for name, shard in pending)
             raise ValueError(f"missing weights: {', '.join(missing)}")
+
+    def _load_one(self, hf_name: str, tensor: torch.Tensor | LazyTensor, name: str, shard: int | None,
+                  params: dict[str, nn.Parameter]) -> None:
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
+        target = param.data
+        if shard is not None:
+            sizes = self._shard_sizes(name.split(".")[-2])
+            target = target.narrow(0, sum(sizes[:shard]), sizes[shard])
+        expected = self._checkpoint_shape(name, shard, tuple(target.shape))
+        if tensor_shape(tensor) != expected:
+            raise ValueError(f"weight {hf_name!r} has shape {tensor_shape(tensor)}, expected {expected}")
+        part = self._source_slice(name, shard)
+        value = read_slice(tensor) if part is None else read_slice(tensor, *part)
+        with torch.no_grad():
+            if value.shape[0] < target.shape[0]:  # the padded last vocab shard
+                target[value.shape[0]:].zero_()
+                target = target[:value.shape[0]]
+            target.copy_(value)
+
+    def _checkpoint_shape(self, name: str, shard: int | None, local: tuple[int, ...]) -> tuple[int, ...]:
+        """The full checkpoint tensor's shape for a local (sharded) parameter of shape `local`."""
+        layout, d = self.layout, self.dims
+        if layout.tp_size == 1:
+            return local
+        kind = name.split(".")[-2]
+        suffix = name.rsplit(".", 1)[-1]
+        full = list(local)
+        if kind == "qkv_proj":
+            full[0] = (d.num_heads if shard == 0 else d.num_kv_heads) * d.head_dim
+        elif kind == "gate_up_proj":
+            full[0] = d.intermediate_size
+        elif kind in ("o_proj", "down_proj") and suffix == "weight":
+            full[1] = d.num_heads * d.head_dim if kind == "o_proj" else d.intermediate_size
+        elif kind in ("embed_tokens", "lm_head"):
+            full[0] = d.vocab_size
+        return tuple(full)
 
     @staticmethod
     def _map_name(hf_name: str) -> tuple[str, int | None]:

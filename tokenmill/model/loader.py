@@ -13,10 +13,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tokenmill.config import ModelArch
+from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.model.gguf_loader import GGUFWeights
 from tokenmill.model.paths import is_gguf_file
 from tokenmill.model.registry import get_model_class
+from tokenmill.model.weight_source import DummyTensor, SafetensorsTensor
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DUMMY_STD = 0.02
@@ -49,27 +51,72 @@ class SafetensorsWeights:
                 for name in f.keys():
                     yield name, f.get_tensor(name)
 
+    def lazy(self) -> Iterator[tuple[str, SafetensorsTensor]]:
+        """(name, tensor read on demand, in part if asked): a rank reads only its shard."""
+        for file in self.files:
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():
+                    yield name, SafetensorsTensor(f, name)
+
+
+class DummyWeights:
+    """The checkpoint a model of `arch` would have, as random `DummyTensor`s (norms at 1, everything
+    else N(0, 0.02) so logits stay sane), identical for every parallel layout."""
+
+    def __init__(self, model_cls, arch: ModelArch, attn_backend_cls, seed: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        with torch.device("meta"):
+            full = model_cls(arch, attn_backend_cls)  # one rank: every tensor at its full shape
+        self.tensors: list[tuple[str, tuple[int, ...]]] = []
+        for name, param in full.named_parameters():
+            fused = name.split(".")[-2]
+            if fused in ("qkv_proj", "gate_up_proj"):
+                for i, size in enumerate(full._shard_sizes(fused)):
+                    self.tensors.append((full._hf_name(name, i), (size, *param.shape[1:])))
+            else:
+                self.tensors.append((name, tuple(param.shape)))
+        self.seed, self.device, self.dtype = seed, device, dtype
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def lazy(self) -> Iterator[tuple[str, DummyTensor]]:
+        for name, shape in self.tensors:
+            yield name, DummyTensor(name, shape, self.seed, self.device, self.dtype,
+                                    _fill_norm if "norm" in name.rsplit(".", 2)[-2] else _fill_normal)
+
+
+def _fill_norm(t: torch.Tensor, generator: torch.Generator) -> None:
+    t.fill_(1.0)
+
+
+def _fill_normal(t: torch.Tensor, generator: torch.Generator) -> None:
+    t.normal_(0.0, _DUMMY_STD, generator=generator)
+
 
 def load_model(path: str, arch: ModelArch, load_format: str, dtype: torch.dtype, device: torch.device,
-               attn_backend_cls: type[AttentionBackend], seed: int = 0) -> nn.Module:
-    """The model in eval mode, on `device`, in `dtype`, with weights from `path` per `load_format`."""
+               attn_backend_cls: type[AttentionBackend], seed: int = 0,
+               parallel: ParallelContext | None = None) -> nn.Module:
+    """The model in eval mode, on `device`, in `dtype`, with weights from `path` per `load_format`;
+    with `parallel`, only this rank's pipeline stage and tensor-parallel shard."""
     model_cls = get_model_class(arch.architecture)
     load_format = _resolve_format(path, load_format)
-    weights: GGUFWeights | SafetensorsWeights | None = None
+    device = torch.device(device)
+    weights: GGUFWeights | SafetensorsWeights | DummyWeights
     if load_format == "gguf":
         weights = GGUFWeights(path, arch)
     elif load_format == "safetensors":
         weights = SafetensorsWeights(path)
+    else:
+        weights = DummyWeights(model_cls, arch, attn_backend_cls, seed, device, dtype)
     # Parameters are built on the meta device (no default init) in the target dtype, then
-    # allocated uninitialized on the device: both branches below write every parameter.
+    # allocated uninitialized on the device: loading writes every parameter.
     # Attention backends are built under meta too, so they must allocate tensors lazily.
     with _default_dtype(dtype), torch.device("meta"):
-        model = model_cls(arch, attn_backend_cls)
+        model = model_cls(arch, attn_backend_cls, parallel)
     model.to_empty(device=device)
-    if weights is None:
-        _init_dummy(model, seed, torch.device(device))
-    else:
-        model.load_weights(tqdm(weights, total=len(weights), desc=f"Loading {load_format} weights", unit="tensor"))
+    model.load_weights(tqdm(weights.lazy(), total=len(weights), desc=f"Loading {load_format} weights",
+                            unit="tensor", disable=parallel is not None and parallel.layout.rank != 0))
     return model.eval()
 
 
@@ -93,14 +140,3 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-
-
-@torch.no_grad()
-def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
-    """Deterministic random weights: norms at 1, everything else N(0, 0.02) so logits stay sane."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in sorted(model.named_parameters()):
-        if "norm" in name.rsplit(".", 2)[-2]:
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, _DUMMY_STD, generator=generator)

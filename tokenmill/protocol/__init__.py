@@ -196,6 +196,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     # row scheduled for 1 + k tokens verifies k of the drafts proposed for it (the worker tells
     # decode rows from prefill chunks by its own count of the prompt tokens computed).
     propose: bool = False
+    # Pipeline parallelism only: int32, each row's first input token (the first stage cannot
+    # read sampled tokens on its device; see tokenmill/worker/pp_stage.py).
+    pp_input_tokens: bytes = b""
 
     @functools.cached_property
     def scheduled_handles(self) -> list[int]:
@@ -378,7 +381,7 @@ class ErrorReport(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class WorkerCall(msgspec.Struct, array_like=True, omit_defaults=True):
     """A call on every worker. `method`: load_model | available_kv_blocks | kv_block_bytes |
-    init_kv_cache (which takes `arg`) | telemetry_snapshot | reset_telemetry."""
+    init_kv_cache (which takes `arg`) | telemetry_snapshot | reset_telemetry | held_requests."""
 
     method: str
     arg: int | None = None
@@ -409,3 +412,4 @@ class WorkerLaunch(msgspec.Struct, omit_defaults=True):
     parent_pid: int
     log_level: int = 30
     death_signal: bool = True
+    dist_init_method: str = ""  # torch.distributed rendezvous (world_size > 1), e.g. file://... or tcp://...

@@ -10,6 +10,7 @@ Socket messages are multipart. Front-end <-> core: [kind byte, payload]. Workers
 from __future__ import annotations
 
 import os
+import socket
 import struct
 from dataclasses import dataclass
 
@@ -50,3 +51,10 @@ class EngineAddresses:
     def shm_prefix(self) -> str:
         """Every shared-memory segment of this engine starts with this name."""
         return os.path.basename(self.run_dir)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (for a rendezvous the caller starts at once)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -4,7 +4,8 @@ A step's device work runs from the start of its forward (a model pre-hook, or th
 `on_device_work` call before a CUDA graph replay) to the end of its sampling and read-back copy.
 CUDA: events recorded at both ends; a pair is read only once its events have completed, so
 measuring never synchronizes the device. CPU (and the null model): the host clock around the
-forward. Durations go to `timings["device_step"]` (CUDA) and `timings["device_idle"]`.
+forward. Durations go to `timings["device_step"]` and `timings["device_idle"]`; per pipeline
+stage, they give its busy time and its bubble (`tokenmill.metrics.pipeline`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ class DeviceIdleMeter:
         self._cuda = device.type == "cuda"
         self._telemetry = telemetry
         self._last_end: float | None = None  # host clock (CPU)
+        self._start: float | None = None  # host clock (CPU): this forward's start
         self._start_event = None  # CUDA: this step's start, until its end is recorded
         self._last_end_event = None  # CUDA: the previous step's end
         self._pending: deque[tuple] = deque()  # CUDA (previous end | None, start, end) not yet read
@@ -50,7 +52,7 @@ class DeviceIdleMeter:
                 self._start_event.record()
             self._collect()
         else:
-            now = time.perf_counter()
+            now = self._start = time.perf_counter()
             if self._last_end is not None:
                 self._telemetry.timings.add("device_idle", now - self._last_end)
                 self._last_end = None
@@ -66,6 +68,9 @@ class DeviceIdleMeter:
             self._last_end_event, self._start_event = end, None
         else:
             self._last_end = time.perf_counter()
+            if self._start is not None:
+                self._telemetry.timings.add("device_step", self._last_end - self._start)
+                self._start = None
 
     def _collect(self) -> None:
         timings = self._telemetry.timings

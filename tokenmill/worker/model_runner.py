@@ -22,6 +22,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
+from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplingState
 from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
@@ -32,6 +33,7 @@ from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
 from tokenmill.worker.persistent_batch import PersistentBatch, to_device
+from tokenmill.worker.pp_stage import PipelineStage, apply_input_tokens
 from tokenmill.worker.readback import Readback
 from tokenmill.worker import row_faults
 from tokenmill.worker.speculator import Speculator
@@ -54,13 +56,17 @@ def attention_backend_class(name: str) -> type[AttentionBackend]:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, stage: PipelineStage | None = None,
+                 device: torch.device | None = None) -> None:
+        """`stage`: this rank's part of a split model (default: the whole model, one rank)."""
         self.config = config
-        self.device = config.torch_device
+        self.device = device or config.torch_device
         self.dtype = config.model.torch_dtype
         self.block_size = config.cache.block_size
         arch = config.model.arch
-        self.num_layers, self.num_kv_heads, self.head_dim = arch.num_layers, arch.num_kv_heads, arch.head_dim
+        self.stage = stage or PipelineStage(ParallelContext.single(arch))
+        layout = self.stage.layout  # this rank's layers and KV heads
+        self.num_layers, self.num_kv_heads, self.head_dim = layout.num_layers, layout.num_kv_heads, arch.head_dim
         max_seqs = config.scheduler.max_num_seqs
         self.batch = PersistentBatch(max_seqs, -(-config.model.max_model_len // self.block_size), self.device)
         self.sampling = SamplingState(max_seqs, arch.vocab_size, config.model.eos_token_ids, self.device)
@@ -100,7 +106,8 @@ class ModelRunner:
         m = self.config.model
         start = time.perf_counter()
         self.model = load_model(m.path, m.arch, m.load_format, self.dtype, self.device,
-                                attention_backend_class(self.config.attention_backend), seed=m.seed)
+                                attention_backend_class(self.config.attention_backend), seed=m.seed,
+                                parallel=self.stage.parallel)
         logger.info("loaded %s in %.1f s (%s attention)", m.path, time.perf_counter() - start,
                     self.config.attention_backend)
         spec = self.config.speculative
@@ -134,7 +141,7 @@ class ModelRunner:
         warm_up_kernels(self)
         if not self.config.enforce_eager and self.config.attention_backend == "triton" and self.draft is None:
             self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, self.config.scheduler.max_num_seqs,
-                                       self.config.model.max_model_len, self.block_size)
+                                       self.config.model.max_model_len, self.block_size, self.stage.layout)
             self.graphs.capture()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -172,6 +179,7 @@ class ModelRunner:
         start = time.perf_counter()
         changed = so.batch is not None or so.new_requests or so.finished_handles or so.preempted_handles
         apply_step_diffs(so, self.batch_order, self)
+        apply_input_tokens(so, self.batch)
         self.batch.flush()
         self.sampling.flush()
         prev, self._pending = self._pending, None
@@ -196,17 +204,22 @@ class ModelRunner:
         start = time.perf_counter()
         step_prompt_logprobs = []
         if use_graph:
-            if self.on_device_work is not None:
-                self.on_device_work()
-            logits = graphs.run(slots)
+            logits = self.stage.run_graph(graphs, slots, self.on_device_work, so.step_id)
             self.batch.num_computed[slots] += 1
+            if logits is None:  # a pipeline stage before the last: its output went on to the next
+                timings["forward"] = time.perf_counter() - start
+                return PendingStep.empty(so.step_id)
             sample_rows = np.arange(len(slots))
             sample_slots = graphs.slots[:len(slots)]
             num_device_inputs = len(slots)
         else:
             inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
                                        None if self.speculator is None else self.speculator.drafts)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            hidden = self.stage.run(self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
+                                    so.step_id)
+            if hidden is None:  # a pipeline stage before the last: its output went on to the next
+                timings["forward"] = time.perf_counter() - start
+                return PendingStep.empty(so.step_id)
             if self.draft is not None:
                 self.draft.mirror(inputs.input_ids, inputs.positions, inputs.meta)
             if self.batch.num_prompt_logprobs:

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.model.intermediate import IntermediateTensors
 
 if TYPE_CHECKING:
     from tokenmill.worker.model_runner import ModelRunner
@@ -47,7 +48,16 @@ def run_dummy(runner: ModelRunner, query_lens: list[int], seq_lens: list[int], s
     meta = dummy_metadata(query_lens, seq_lens, runner.block_size, runner.device)
     positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)]).to(runner.device)
     ids = torch.zeros(meta.num_tokens, dtype=torch.long, device=runner.device)
-    hidden = runner.model(ids, positions, runner.kv_caches, meta)
+    stage = runner.stage
+    if stage.num_stages == 1:
+        hidden = runner.model(ids, positions, runner.kv_caches, meta)
+    else:  # each stage on its own: a later one starts from zero activations (no peer is involved)
+        intermediate = None if stage.layout.is_first_stage else IntermediateTensors.of(
+            [torch.zeros(shape, dtype=runner.dtype, device=runner.device)
+             for shape in runner.model.intermediate_shapes(meta.num_tokens)])
+        hidden = runner.model(ids, positions, runner.kv_caches, meta, intermediate)
+        if not stage.is_last:
+            return
     logits = runner.model.compute_logits(hidden[-sample_rows:])
     logits.softmax(-1)
 

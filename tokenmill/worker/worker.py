@@ -11,6 +11,7 @@ import time
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.protocol.digest import check_worker_view
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.protocol import ProcessTelemetry, SchedulerOutput
@@ -18,21 +19,31 @@ from tokenmill.worker.device_idle import DeviceIdleMeter
 from tokenmill.worker.fault_injection import FaultInjector
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
 from tokenmill.worker.null_runner import NullRunner, NullStep
+from tokenmill.worker.pp_stage import PipelineStage
 
 _RUNNER_PHASES = ("prepare", "forward", "sample")
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0, faults: FaultInjector | None = None) -> None:
-        """`faults`: test-only fault injection (worker/fault_injection.py)."""
+    def __init__(self, config: EngineConfig, rank: int = 0, dist_init_method: str = "",
+                 device: torch.device | None = None, faults: FaultInjector | None = None) -> None:
+        """`device`: this rank's (default: the config's); `dist_init_method`: where the ranks meet
+        when there are several (blocks until all have joined); `faults`: test-only fault injection
+        (worker/fault_injection.py)."""
         self.config = config
-        self.telemetry = Telemetry(f"worker{rank}", config.trace_steps)
+        parallel = config.parallel
+        self.telemetry = Telemetry(f"worker{rank}", config.trace_steps, label=_rank_label(config, rank))
         null = config.model.load_format == "null"
-        device = config.torch_device
+        device = device or config.torch_device
         if device.type == "cuda" and not null and device.index is not None:
             torch.cuda.set_device(device)  # plain "cuda" keeps the current device
         torch.manual_seed(config.model.seed)
-        self.runner: ModelRunner | NullRunner = NullRunner(config) if null else ModelRunner(config)
+        if parallel.world_size > 1:
+            self.parallel = ParallelContext.init(config.model.arch, parallel, rank, dist_init_method, device)
+        else:
+            self.parallel = ParallelContext.single(config.model.arch)
+        self.runner: ModelRunner | NullRunner = NullRunner(config) if null else ModelRunner(
+            config, PipelineStage(self.parallel, self.telemetry), device)
         if faults is not None and isinstance(self.runner, ModelRunner):
             self.runner.faults = faults
         self.idle = DeviceIdleMeter(torch.device("cpu") if null else device, self.telemetry)
@@ -72,6 +83,10 @@ class Worker:
                 self.telemetry.record(name, start, start + seconds, args)
                 start += seconds
 
+    def held_requests(self) -> int:
+        """How many requests this worker keeps state for (leak checks)."""
+        return len(self.runner.states)
+
     def telemetry_snapshot(self) -> ProcessTelemetry:
         return self.telemetry.snapshot()
 
@@ -80,3 +95,20 @@ class Worker:
 
     def shutdown(self) -> None:
         self.telemetry.close()
+        self.parallel.destroy()
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """The device of a local worker process: with several ranks on CUDA, one GPU each."""
+    if config.device.startswith("cuda") and config.parallel.world_size > 1:
+        return torch.device(f"cuda:{local_rank}")
+    return config.torch_device
+
+
+def _rank_label(config: EngineConfig, rank: int) -> str:
+    """The trace track's name: the rank's stage and TP index when the model is split."""
+    parallel = config.parallel
+    if parallel.world_size == 1:
+        return f"worker{rank}"
+    tp = parallel.tensor_parallel_size
+    return f"worker{rank}: pp stage {rank // tp}, tp rank {rank % tp}"

@@ -1,7 +1,8 @@
 """A worker process: `python -m tokenmill.worker.worker_proc <WorkerLaunch as JSON>`.
 
 Reads messages from the shared-memory ring in order and runs them on its `Worker`; the
-driver (rank 0) replies to every step, every rank replies to setup calls. Any exception is
+driver (TP rank 0 of the last pipeline stage) replies to every step, every rank replies to
+setup calls. Any exception is
 reported as an `ErrorReport` before the process exits; the engine core treats that, or
 any exit it did not ask for, as fatal.
 """
@@ -27,7 +28,7 @@ from tokenmill.worker.fault_injection import FaultInjector
 logger = logging.getLogger(__name__)
 
 _CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "init_kv_cache", "telemetry_snapshot",
-          "reset_telemetry")
+          "reset_telemetry", "held_requests")
 
 
 class WorkerProc:
@@ -51,11 +52,13 @@ class WorkerProc:
 
     def run(self) -> int:
         try:
-            from tokenmill.worker.worker import Worker
+            from tokenmill.worker.worker import Worker, rank_device
 
             self.ring = ShmRingReader(self.launch.ring_name, self.rank, self.launch.overflow_addr,
                                       self.reply.context)
-            worker = self.worker = Worker(self.launch.config, self.rank, self.faults)
+            config = self.launch.config
+            worker = self.worker = Worker(config, self.rank, self.launch.dist_init_method,
+                                          rank_device(config, self.rank), self.faults)
             self.send(WorkerOutputKind.READY)
             logger.debug("worker %d ready", self.rank)
             self._loop(worker)
@@ -77,7 +80,7 @@ class WorkerProc:
         step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         call_decoder = msgspec.msgpack.Decoder(WorkerCall)
         encoder = msgspec.msgpack.Encoder()
-        driver = self.rank == 0
+        driver = self.rank == self.launch.config.parallel.driver_rank
         pending = None  # a launched step whose reply is not sent yet
         telemetry = worker.telemetry
         steps, results = telemetry.channel("steps"), telemetry.channel("results")

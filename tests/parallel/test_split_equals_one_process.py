@@ -1,0 +1,36 @@
+"""A model split over ranks (TP=2, PP=2, TP=2 x PP=2: the mp executor, gloo) generates the same
+greedy tokens as one process, for several model families, with async scheduling on and off.
+
+Each case is one engine (test time is the budget): every family runs split by tensor
+parallelism, TP=2 and TP=2 x PP=2 meet both scheduling modes, PP=2 alone runs sync here and
+async in test_pp_lifecycle.py, test_pp_telemetry.py and test_ray_executor.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.invariance import greedy_params
+from tests.parallel.conftest import ENGINE, NEW_TOKENS, PROMPTS, assert_idle, assert_matches_one_process
+from tokenmill import LLM
+
+CASES = [  # (family, tensor_parallel_size, pipeline_parallel_size, async_scheduling, pp_layer_partition)
+    ("llama", 2, 1, True, None),
+    ("qwen2-mqa-tied", 2, 1, False, None),  # one KV head on two ranks: replicated
+    ("qwen3", 1, 2, False, None),  # layers (2, 1)
+    ("qwen2-mqa-tied", 2, 2, True, "1,2"),  # the last stage holds its copy of the tied embedding
+    ("qwen3", 2, 2, False, None),
+]
+
+
+@pytest.mark.parametrize("family,tp,pp,async_scheduling,partition", CASES,
+                         ids=[f"{f}-tp{tp}-pp{pp}-{'async' if a else 'sync'}" + (f"-{p}" if p else "")
+                              for f, tp, pp, a, p in CASES])
+def test_split_model_matches_one_process(family_dirs, one_process_reference, family, tp, pp,
+                                         async_scheduling, partition) -> None:
+    reference = one_process_reference(family)
+    with LLM(family_dirs[family], tensor_parallel_size=tp, pipeline_parallel_size=pp, pp_layer_partition=partition,
+             async_scheduling=async_scheduling, **ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS), use_tqdm=False)
+        assert_matches_one_process(reference, outputs, f"{family} tp={tp} pp={pp} async={async_scheduling}")
+        assert_idle(llm)

@@ -1,0 +1,119 @@
+"""The process groups of one rank and the communication the model and the stages need.
+
+Every rank joins one world group, then (all ranks, in the same order, as torch requires) one
+TP group per pipeline stage and one PP group per TP index. Layers call `all_reduce` and
+`all_gather_last_dim` on the TP group; pipeline stages hand activations to the next stage's
+rank with the same TP index (`send_next` / `recv_prev`). gloo on CPU, NCCL on CUDA. With
+tp = pp = 1 nothing is initialized and every collective is the identity.
+
+tokenmill keeps no global state here: the worker makes a `ParallelContext` and hands it to the
+model (torch.distributed's own default group lives in the worker process, which has one rank).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.config import ModelArch, ParallelConfig
+from tokenmill.distributed.layout import RankLayout
+
+logger = logging.getLogger(__name__)
+
+_INIT_TIMEOUT = timedelta(minutes=10)
+
+
+class ParallelContext:
+    def __init__(self, layout: RankLayout, tp_group=None, pp_group=None, backend: str | None = None) -> None:
+        self.layout = layout
+        self.tp_group = tp_group
+        self.pp_group = pp_group
+        self.backend = backend
+        self._sends: list = []  # the last send's work handles, waited for before the next send
+
+    @staticmethod
+    def single(arch: ModelArch) -> ParallelContext:
+        return ParallelContext(RankLayout.single(arch))
+
+    @staticmethod
+    def init(arch: ModelArch, parallel: ParallelConfig, rank: int, init_method: str,
+             device: torch.device) -> ParallelContext:
+        """Join the world (blocks until every rank has) and build this rank's groups."""
+        layout = RankLayout.of(arch, parallel, rank)
+        if parallel.world_size == 1:
+            return ParallelContext(layout)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        options = {"device_id": device} if device.type == "cuda" and device.index is not None else {}
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=parallel.world_size,
+                                timeout=_INIT_TIMEOUT, **options)
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        tp_group = pp_group = None
+        for stage in range(pp):  # every rank creates every group, in the same order
+            group = dist.new_group([stage * tp + r for r in range(tp)], backend=backend)
+            if stage == layout.pp_stage:
+                tp_group = group
+        for r in range(tp):
+            group = dist.new_group([stage * tp + r for stage in range(pp)], backend=backend)
+            if r == layout.tp_rank:
+                pp_group = group
+        logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d) (%s)", rank, layout.tp_rank, tp,
+                    layout.pp_stage, pp, layout.layer_start, layout.layer_end, backend)
+        return ParallelContext(layout, tp_group, pp_group, backend)
+
+    @property
+    def tp_size(self) -> int:
+        return self.layout.tp_size
+
+    # ------------------------------------------------------------------ tensor parallel
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over the TP group, in place (no host sync: capturable in a CUDA graph with NCCL)."""
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on each rank -> [..., tp * n], ranks in order."""
+        if self.tp_size == 1:
+            return x
+        x = x.contiguous()
+        if self.backend == "nccl":
+            out = torch.empty((self.tp_size, *x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x, group=self.tp_group)
+            parts = out.unbind(0)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.tp_size)]
+            dist.all_gather(parts, x, group=self.tp_group)
+        return torch.cat(parts, dim=-1)
+
+    # ------------------------------------------------------------------ pipeline parallel
+
+    def send_next(self, tensors: list[torch.Tensor]) -> None:
+        """Start sending to the next stage; returns at once. The previous send is waited for first,
+        so at most one step's activations are on their way (and kept alive) at a time."""
+        self.wait_sends()
+        dst = self.layout.next_stage_rank
+        self._sends = [(dist.isend(t.contiguous(), dst=dst, group=self.pp_group), t) for t in tensors]
+
+    def wait_sends(self) -> None:
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+    def recv_prev(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+        """Receive the previous stage's activations (blocks until they arrive)."""
+        out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+        src = self.layout.prev_stage_rank
+        works = [dist.irecv(t, src=src, group=self.pp_group) for t in out]
+        for work in works:
+            work.wait()
+        return out
+
+    def destroy(self) -> None:
+        """Leave the groups (at shutdown; a send still on its way is dropped: its peer stops too)."""
+        self._sends = []
+        if self.backend is not None and dist.is_initialized():  # only what `init` set up
+            dist.destroy_process_group()

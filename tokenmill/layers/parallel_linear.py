@@ -1,0 +1,73 @@
+"""Tensor-parallel layers: each rank holds a shard of the weight, and one collective joins them.
+
+- Column-parallel linears (fused qkv, gate_up) are plain `Linear`s over the rank's output rows:
+  no communication (the shard's rows are chosen at load time, `tokenmill.distributed.layout`).
+- `RowParallelLinear` (o_proj, down_proj) holds the rank's input columns: each rank's partial
+  product is summed over the TP group. Bias and residual are added on TP rank 0 only, before
+  the sum, so the packed CPU path still fuses the residual add into the matmul.
+- `VocabParallelEmbedding` holds the rank's vocab rows; a token outside them embeds to zeros,
+  and the sum over the group fills every row.
+- `ParallelLMHead` computes the rank's vocab columns of the logits and gathers them all.
+With one rank every class is its plain counterpart, numerically identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.distributed.parallel_state import ParallelContext
+from tokenmill.layers.linear import Linear, PackedWeight, linear, linear_add
+
+
+class RowParallelLinear(Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool, parallel: ParallelContext) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.parallel = parallel
+        self.first_rank = parallel.layout.tp_rank == 0
+
+    def _bias(self) -> torch.Tensor | None:
+        return self.bias if self.first_rank else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parallel.all_reduce(linear(x, self.weight, self._bias(), self._packed))
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`forward(x) + residual`; the add runs inside rank 0's matmul where it can."""
+        if not self.first_rank:
+            return self.parallel.all_reduce(linear(x, self.weight, None, self._packed))
+        return self.parallel.all_reduce(linear_add(x, self.weight, self.bias, residual, self._packed))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """`weight`: [vocab_per_rank, hidden], the rank's vocab rows (the last shard zero-padded)."""
+
+    def __init__(self, num_rows: int, hidden_size: int, parallel: ParallelContext) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_rows, hidden_size), requires_grad=False)
+        self.parallel = parallel
+        self.start = parallel.layout.vocab_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.parallel.all_reduce(out.masked_fill_(outside[:, None], 0.0))
+
+
+class ParallelLMHead:
+    """Logits over the whole vocabulary from each rank's vocab rows of `weight` (the LM head's,
+    or the embedding's when tied)."""
+
+    def __init__(self, parallel: ParallelContext) -> None:
+        self.parallel = parallel
+        self.packed = PackedWeight()
+
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        local = linear(hidden, weight, None, self.packed)
+        if self.parallel.tp_size == 1:
+            return local.float()
+        return self.parallel.all_gather_last_dim(local)[..., :self.parallel.layout.vocab_size].float()
