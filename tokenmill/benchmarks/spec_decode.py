@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from tokenmill.benchmarks.record import machine_info, versions
 from tokenmill.config import add_engine_flags, engine_args_from_flags
+from tokenmill.metrics.spec_decode import from_scheduler_stats, since, spec_figures
 
 _PASSAGES = [
     "The printing press spread across Europe within a few decades of its invention. Books became cheaper, "
@@ -92,7 +93,7 @@ def run(ns) -> int:
         num_out = sum(len(t) for t in outputs[name])
         figures = {"elapsed_s": elapsed, "output_tokens": num_out, "output_tokens_per_s": num_out / elapsed,
                    "prompt_tokens_mean": sum(len(o.prompt_token_ids) for o in outs) / len(outs)}
-        figures.update(_spec_figures(before, after))
+        figures.update(spec_figures(since(from_scheduler_stats(before), from_scheduler_stats(after))))
         record[name] = figures
     record["speedup"] = record["speculative"]["output_tokens_per_s"] / record["plain"]["output_tokens_per_s"]
     record["outputs_identical"] = outputs["plain"] == outputs["speculative"]
@@ -109,19 +110,6 @@ def _generate(llm, prompts: list[str], params, concurrency: int, label: str) -> 
     for i in tqdm(range(0, len(prompts), concurrency), desc=label, unit="batch", dynamic_ncols=True):
         outs += llm.generate(prompts[i:i + concurrency], params, use_tqdm=False)
     return outs
-
-
-def _spec_figures(before: dict, after: dict) -> dict:
-    drafts = after["spec_num_drafts"] - before["spec_num_drafts"]
-    tokens = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
-    accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
-    per_position = [a - b for a, b in zip(after["spec_accepted_per_position"],
-                                          before["spec_accepted_per_position"] or [0] * 64)]
-    return {"num_drafts": drafts, "draft_tokens": tokens, "accepted_tokens": accepted,
-            "acceptance_rate": accepted / tokens if tokens else 0.0,
-            # tokens a request emits per verified step: its accepted drafts plus the one the target adds
-            "mean_acceptance_length": 1 + accepted / drafts if drafts else 1.0,
-            "acceptance_per_position": [a / drafts if drafts else 0.0 for a in per_position]}
 
 
 def _print(record: dict) -> None:

@@ -21,6 +21,7 @@ from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.errors import EngineDeadError
 from tokenmill.executor.base import Executor
+from tokenmill.metrics.spec_decode import since
 from tokenmill.metrics.stats_logger import StatsLogger
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.protocol import (EngineCoreOutputs, EngineCoreRequest, KVCacheStats, ModelRunnerOutput,
@@ -60,6 +61,7 @@ class EngineCore:
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
         self.telemetry = Telemetry("core", config.trace_steps)
         self.telemetry.channels.update(self.executor.channel_stats())
+        self._spec_at_reset = self.scheduler.spec_stats.snapshot()  # telemetry reports what came after
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.scheduler.add_request(Request(
@@ -124,10 +126,14 @@ class EngineCore:
         return self.scheduler.stats()
 
     def telemetry_report(self) -> TelemetryReport:
-        """This process's telemetry, then each worker's."""
-        return TelemetryReport([self.telemetry.snapshot(), *self.executor.worker_telemetry()])
+        """This process's telemetry, then each worker's; speculation counters since the last reset."""
+        speculation = (since(self._spec_at_reset, self.scheduler.spec_stats.snapshot())
+                       if self.config.speculative is not None else None)
+        return TelemetryReport([self.telemetry.snapshot(), *self.executor.worker_telemetry()], speculation)
 
     def reset_telemetry(self) -> None:
+        # Same thread as the counters' writer (the step loop: utility calls run between steps).
+        self._spec_at_reset = self.scheduler.spec_stats.snapshot()
         self.telemetry.reset()
         self.executor.reset_worker_telemetry()
 

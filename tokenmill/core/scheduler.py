@@ -114,10 +114,11 @@ class Scheduler:
         return pending
 
     def stats(self) -> SchedulerStats:
-        spec = self.spec_stats
+        spec = self.spec_stats.snapshot()
         return SchedulerStats(self.table.num_running, len(self.waiting), self.kv.usage,
                               self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions,
-                              spec.num_drafts, spec.num_draft_tokens, spec.num_accepted, spec.per_position.tolist())
+                              spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                              spec.accepted_per_position)
 
     # ------------------------------------------------------------------ schedule
 

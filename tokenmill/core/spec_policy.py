@@ -25,6 +25,7 @@ import numpy as np
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.core.running_table import RunningTable
+from tokenmill.protocol import SpecDecodeStats
 from tokenmill.sampling_params import SamplingParams
 
 PROBE_EVERY = 16
@@ -108,3 +109,6 @@ class SpecStats:
         self.num_draft_tokens += num_drafts
         self.num_accepted += num_accepted
         self.per_position[:num_accepted] += 1
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_drafts, self.num_draft_tokens, self.num_accepted, self.per_position.tolist())

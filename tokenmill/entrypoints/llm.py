@@ -144,7 +144,9 @@ class LLM:
 
     def telemetry(self) -> TelemetryReport:
         """Every process's message counters and step timings since the last reset: the
-        front-end, the engine core, then each worker (see `tokenmill.metrics`)."""
+        front-end, the engine core, then each worker (see `tokenmill.metrics`); with
+        speculation, its counters over the same window in `speculation` (derived figures:
+        `tokenmill.metrics.spec_decode.spec_figures`)."""
         return self.client.telemetry_report()
 
     def reset_telemetry(self) -> None:

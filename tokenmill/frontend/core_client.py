@@ -53,7 +53,7 @@ class CoreClient(ABC):
         """Stop a core that no longer answers, at once (in-process: nothing to kill)."""
 
     def _with_frontend(self, report: TelemetryReport) -> TelemetryReport:
-        return TelemetryReport([self.telemetry.snapshot(), *report.processes])
+        return TelemetryReport([self.telemetry.snapshot(), *report.processes], report.speculation)
 
 
 class EngineCoreClient(CoreClient):

@@ -356,8 +356,20 @@ class ProcessTelemetry(msgspec.Struct, array_like=True, omit_defaults=True):
     timings: dict[str, TimingStats] = {}
 
 
+class SpecDecodeStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Speculative decoding counters over a window: verified steps of a request with drafts,
+    draft tokens verified, accepted, and accepted_per_position[j]: accepted (j+1)-th drafts.
+    Derived figures (acceptance rate, mean acceptance length): `tokenmill.metrics.spec_decode`."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = []
+
+
 class TelemetryReport(msgspec.Struct, array_like=True, tag="telemetry"):
     processes: list[ProcessTelemetry]  # the core first, then each worker rank
+    speculation: SpecDecodeStats | None = None  # since the last reset; None without speculation
 
 
 class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True):
