@@ -30,12 +30,14 @@ def test_bench_serve_end_to_end(server, tmp_path, capsys) -> None:
     assert code == 0
     out = capsys.readouterr().out
     assert "Successful requests:" in out and "TTFT (ms)" in out
+    assert "speculative decoding" not in out  # the shared server does not speculate
     record = json.loads(record_path.read_text())
     assert record["machine"] and record["versions"]["tokenmill"]
     assert [r["request_rate"] for r in record["runs"]] == [20.0, 50.0]
     for run in record["runs"]:
         assert run["completed"] == 6 and run["failed"] == 0 and run["total_output_tokens"] == 24
         assert set(run["itl_ms"]) == {"mean", "p50", "p90", "p99"}
+        assert "speculative_decoding" not in run
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -5,6 +5,10 @@ optionally capped at `--max-concurrency` in flight; each streams its completion 
 time to first token (TTFT), time per output token (TPOT) and inter-token latency (ITL)
 can be measured. Prints a table per rate, writes a JSON record (machine, versions), and,
 with several rates and matplotlib installed, a PNG of latency percentiles against rate.
+
+A server that speculates exports its speculation counters on /metrics: each rate's figures
+(acceptance rate, mean acceptance length, per position) come from the counters' difference
+across that rate's run, so other clients of the same server would count in them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokenmill.benchmarks.record import machine_info, versions
+from tokenmill.entrypoints.openai.metrics import SPEC_ACCEPTED, SPEC_ACCEPTED_PER_POS, SPEC_DRAFT_TOKENS, SPEC_DRAFTS
+from tokenmill.metrics.spec_decode import format_spec_figures, since, spec_figures
+from tokenmill.protocol import SpecDecodeStats
 
 _WORDS = ("river mill wheel valley stone bridge harvest market road coast lantern winter morning "
           "orchard barley copper window garden letter candle forest meadow thunder silver").split()
@@ -238,6 +245,39 @@ def plot(records: list[dict], path: str) -> bool:
     return True
 
 
+def parse_spec_counters(text: str) -> SpecDecodeStats | None:
+    """The speculation counters in a /metrics text; None when the server does not speculate."""
+    from prometheus_client.parser import text_string_to_metric_families
+    totals: dict[str, float] = {}
+    per_position: dict[int, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            if family.name == SPEC_ACCEPTED_PER_POS:
+                position = int(sample.labels["position"])
+                per_position[position] = per_position.get(position, 0.0) + sample.value
+            else:
+                totals[family.name] = totals.get(family.name, 0.0) + sample.value
+    if SPEC_DRAFTS not in totals:
+        return None
+    return SpecDecodeStats(int(totals[SPEC_DRAFTS]), int(totals.get(SPEC_DRAFT_TOKENS, 0)),
+                           int(totals.get(SPEC_ACCEPTED, 0)),
+                           [int(per_position.get(j, 0)) for j in range(max(per_position, default=-1) + 1)])
+
+
+async def scrape_spec_counters(ns) -> SpecDecodeStats | None:
+    """The server's speculation counters; None without speculation or when /metrics cannot be read."""
+    import httpx
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=30) as client:
+            response = await client.get(ns.base_url.rstrip("/") + "/metrics", headers=headers)
+    except httpx.HTTPError:
+        return None
+    return parse_spec_counters(response.text) if response.status_code == 200 else None
+
+
 async def _first_model(ns) -> str:
     import httpx
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
@@ -256,9 +296,14 @@ def run(ns) -> int:
     prompts = make_prompts(ns)
     runs = []
     for rate in ns.request_rate:
+        before = asyncio.run(scrape_spec_counters(ns))
         results, duration = asyncio.run(run_rate(ns, model, prompts, rate))
         figures = summarize(results, duration)
+        after = asyncio.run(scrape_spec_counters(ns)) if before is not None else None
         print_table(rate, figures)
+        if after is not None:
+            figures["speculative_decoding"] = spec_figures(since(before, after))
+            print(format_spec_figures(figures["speculative_decoding"]))
         runs.append({"request_rate": rate, **figures})
     record = {
         "benchmark": "serve",

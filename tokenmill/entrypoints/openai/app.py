@@ -32,8 +32,9 @@ _HEALTH_TIMEOUT_S = 5.0  # an idle engine answers a utility call at once
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     config = engine.config
     capacity = config.scheduler.max_num_seqs + settings.max_queued_requests
+    k = config.speculative.num_speculative_tokens if config.speculative is not None else 0
     state = ServerState(engine=engine, settings=settings, admission=Admission(capacity),
-                        metrics=ServerMetrics(config.model.name), model_name=config.model.name,
+                        metrics=ServerMetrics(config.model.name, k), model_name=config.model.name,
                         max_model_len=config.model.max_model_len)
     app = FastAPI(title="tokenmill", version=tokenmill.__version__,
                   description="OpenAI-compatible API of the tokenmill inference engine")

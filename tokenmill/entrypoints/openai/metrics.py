@@ -2,6 +2,12 @@
 
 Front-end figures (tokens, latencies, finished requests) are recorded as requests run;
 engine-side gauges and counters are pulled from the engine core on each scrape.
+
+Speculative decoding counters (vLLM's `spec_decode_*` names) exist only on a server started with
+a speculative config, as in vLLM (whose fix for vllm-project/vllm#15958 stopped exporting them
+without one): a dashboard can tell "speculation off" from "nothing accepted yet". With it, every
+draft position's series is there from the first scrape, zeros included, so `rate()` over a
+window that starts at zero sees the first acceptances.
 """
 
 from __future__ import annotations
@@ -18,11 +24,18 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 240.0, 480.0, 960.0, 1920.0)
 
 
+SPEC_DRAFTS = "tokenmill:spec_decode_num_drafts"
+SPEC_DRAFT_TOKENS = "tokenmill:spec_decode_num_draft_tokens"
+SPEC_ACCEPTED = "tokenmill:spec_decode_num_accepted_tokens"
+SPEC_ACCEPTED_PER_POS = "tokenmill:spec_decode_num_accepted_tokens_per_pos"  # label `position`: 0 .. k-1
+
+
 class _EngineCollector(Collector):
     """Exposes the latest engine stats snapshot (set by `ServerMetrics.update_engine`)."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int) -> None:
         self.model_name = model_name
+        self.num_speculative_tokens = num_speculative_tokens
         self.sched: dict | None = None
 
     def collect(self) -> Iterator:
@@ -43,10 +56,28 @@ class _EngineCollector(Collector):
             counter = CounterMetricFamily(f"tokenmill:{name}", text, labels=["model_name"])
             counter.add_metric(labels, value)
             yield counter
+        if self.num_speculative_tokens:
+            yield from self._spec_counters(s, labels)
+
+    def _spec_counters(self, s: dict, labels: list[str]) -> Iterator:
+        for name, text, value in (
+                (SPEC_DRAFTS, "Verified steps of a request with at least one draft token.", s["spec_num_drafts"]),
+                (SPEC_DRAFT_TOKENS, "Draft tokens verified.", s["spec_num_draft_tokens"]),
+                (SPEC_ACCEPTED, "Draft tokens accepted.", s["spec_num_accepted_tokens"])):
+            counter = CounterMetricFamily(name, text, labels=["model_name"])
+            counter.add_metric(labels, value)
+            yield counter
+        per_position = CounterMetricFamily(SPEC_ACCEPTED_PER_POS, "Draft tokens accepted, by draft position.",
+                                           labels=["model_name", "position"])
+        accepted = s["spec_accepted_per_position"]
+        for position in range(self.num_speculative_tokens):
+            per_position.add_metric([*labels, str(position)], accepted[position] if position < len(accepted) else 0)
+        yield per_position
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, num_speculative_tokens: int = 0) -> None:
+        """`num_speculative_tokens`: k of the engine's speculative config (0: none)."""
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
@@ -60,7 +91,7 @@ class ServerMetrics:
                               labels, buckets=_LATENCY_BUCKETS, registry=r)
         self._e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Request latency, arrival to finish.",
                               labels, buckets=_E2E_BUCKETS, registry=r)
-        self._engine = _EngineCollector(model_name)
+        self._engine = _EngineCollector(model_name, num_speculative_tokens)
         r.register(self._engine)
         self.model_name = model_name
 
