@@ -1,8 +1,9 @@
 """`tokenmill bench throughput`: offline throughput on a fixed workload, optionally against HF transformers.
 
-Prints requests/s, output tokens/s, total tokens/s and time per output token,
-and writes a JSON record naming the workload, the machine, the versions and
-the baseline that ran beside it in the same process.
+Prints requests/s, output tokens/s, total tokens/s and time per output token (and, with
+`--speculative-config`, the timed run's speculative decoding figures), and writes a JSON
+record naming the workload, the machine, the versions and the baseline that ran beside it in
+the same process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import numpy as np
 
 from tokenmill.benchmarks.record import machine_info, versions
 from tokenmill.config import add_engine_flags, engine_args_from_flags
+from tokenmill.metrics.spec_decode import format_spec_figures, spec_figures
 
 _TEXT = ("In the quiet valley the river bends twice before it reaches the old mill, where the wheel "
          "still turns on spring mornings. Travellers stop to watch the water, talk about the harvest, "
@@ -103,6 +105,8 @@ def run(ns) -> int:
         from tokenmill.metrics.pipeline import pipeline_figures
         figures["pipeline"] = pipeline_figures(report, llm.config.parallel)
     figures["prefix_cache_hit_tokens"] = after["prefix_cache_hits"] - before["prefix_cache_hits"]
+    if report.speculation is not None:  # the timed run's (the telemetry was reset before it)
+        figures["speculative_decoding"] = spec_figures(report.speculation)
     record = {
         "benchmark": "throughput",
         "workload": {"model": ns.model, "num_prompts": ns.num_prompts, "input_len": ns.input_len,
@@ -230,3 +234,5 @@ def print_figures(name: str, f: dict) -> None:
         from tokenmill.metrics.pipeline import format_pipeline
         print("  pipeline stages (TP rank 0 of each):")
         print(format_pipeline(f["pipeline"]))
+    if "speculative_decoding" in f:
+        print(format_spec_figures(f["speculative_decoding"]))

@@ -1,0 +1,61 @@
+"""Speculation counters in `LLM.telemetry()` (the window since the last reset) and in
+`tokenmill bench throughput`'s printout and JSON record."""
+
+from __future__ import annotations
+
+import json
+
+from tests.engine.conftest import tiny_llm
+from tests.engine.test_speculative import GREEDY, NGRAM, repetitive_prompts
+from tokenmill.cli import main as cli_main
+from tokenmill.metrics.spec_decode import from_scheduler_stats, since, spec_figures
+
+
+def test_telemetry_reports_speculation_since_its_reset(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir, speculative_config=NGRAM)
+    llm.generate(repetitive_prompts(4), GREEDY, use_tqdm=False)
+    first = llm.telemetry().speculation
+    assert first == from_scheduler_stats(llm.scheduler_stats())  # no reset yet: since the start
+    assert first.num_accepted_tokens > 0 and len(first.accepted_per_position) == NGRAM["num_speculative_tokens"]
+
+    llm.reset_telemetry()
+    empty = llm.telemetry().speculation
+    assert (empty.num_drafts, empty.num_draft_tokens, empty.num_accepted_tokens) == (0, 0, 0)
+    assert empty.accepted_per_position == [0] * NGRAM["num_speculative_tokens"]
+
+    llm.generate(repetitive_prompts(4, seed=9), GREEDY, use_tqdm=False)
+    window = llm.telemetry().speculation
+    assert window == since(first, from_scheduler_stats(llm.scheduler_stats()))
+    assert 0 < window.num_accepted_tokens <= window.num_draft_tokens
+    assert sum(window.accepted_per_position) == window.num_accepted_tokens
+    figures = spec_figures(window)
+    assert figures["mean_acceptance_length"] == 1 + window.num_accepted_tokens / window.num_drafts
+    assert figures["acceptance_rate"] == window.num_accepted_tokens / window.num_draft_tokens
+    llm.shutdown()
+
+
+def test_no_speculation_in_telemetry_without_it(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir)
+    llm.generate(repetitive_prompts(1), GREEDY, use_tqdm=False)
+    assert llm.telemetry().speculation is None
+    llm.shutdown()
+
+
+def test_bench_throughput_prints_and_records_speculation(tiny_model_dir, tmp_path, capsys):
+    """Multi-process (the default): the counters cross from the core to the front-end."""
+    record_path = tmp_path / "record.json"
+    code = cli_main(["--log-level", "WARNING", "bench", "throughput", "--model", tiny_model_dir,
+                     "--dataset", "text", "--num-prompts", "4", "--input-len", "24", "--output-len", "24",
+                     "--ignore-eos", "--dtype", "float32", "--kv-cache-memory-gb", "0.01",
+                     "--speculative-config", json.dumps(NGRAM), "--output-json", str(record_path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "== speculative decoding ==" in out and "mean acceptance length" in out
+    record = json.loads(record_path.read_text())
+    spec = record["tokenmill"]["speculative_decoding"]
+    assert spec["num_drafts"] > 0 and 0 < spec["accepted_tokens"] <= spec["draft_tokens"], spec
+    assert sum(spec["accepted_per_position"]) == spec["accepted_tokens"]
+    # No more than the timed pass alone can draft (each verified step emits a token, so at most
+    # output_len steps of k drafts per request): the warm-up pass ran before the reset.
+    assert spec["draft_tokens"] <= 4 * 24 * NGRAM["num_speculative_tokens"]
+    assert "speculative_decoding" not in record["tokenmill_warmup_passes"][0]
