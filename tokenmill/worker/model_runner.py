@@ -166,6 +166,8 @@ class ModelRunner:
         slot = self.batch.remove(handle)
         if slot is not None:
             self.sampling.remove(slot)
+            if self.speculator is not None:
+                self.speculator.release(slot)
 
     def append_blocks(self, handle: int, block_ids: np.ndarray) -> None:
         self.batch.append_blocks(self.batch.slot_of[handle], block_ids)

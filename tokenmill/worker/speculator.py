@@ -2,7 +2,9 @@
 end of each step the scheduler marks `propose`, and verified by the next step.
 
 Per slot (device): `drafts` [K] (the proposal for the slot's next step) and, for the n-gram
-proposer, the slot's token history (prompt and every emitted token) with its length. A decode
+proposer, the slot's token history (prompt and every emitted token) with its length. A slot is
+live while its history length is non-zero: `add` sets it (a prompt has at least one token),
+`release` clears it when the request leaves the worker, so a freed slot holds nothing. A decode
 row scheduled for 1 + k tokens feeds its next token then drafts[:k]; the sampler samples every
 one of those positions and `verify_drafts` keeps the matching prefix plus one (see
 layers/sampling/spec_verify.py). Nothing here waits for the host: the host learns how many
@@ -35,6 +37,14 @@ class Speculator:
         if tokens:
             self.history[slot, :len(tokens)] = torch.as_tensor(np.asarray(tokens, dtype=np.int32)).to(self.device)
         self.history_len[slot] = len(tokens)
+
+    def release(self, slot: int) -> None:
+        """The slot's request left the worker (finished, aborted or preempted)."""
+        self.history_len[slot] = 0
+
+    def live_slots(self) -> list[int]:
+        """Slots holding a request's history (reads the device: for tests and debugging)."""
+        return self.history_len.nonzero().flatten().tolist()
 
     def record(self, slots: torch.Tensor, emitted: torch.Tensor, num_emitted: torch.Tensor) -> None:
         """Append each row's emitted tokens (int64 [S, K+1], the first `num_emitted` valid) to its history."""
