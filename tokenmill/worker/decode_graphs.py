@@ -11,6 +11,12 @@ One graph per padded batch size, captured largest first into one memory pool. Th
 backend must be capture-safe (the Triton backend is): a graph replays with max_query_len=1 and
 max_seq_len=max_model_len, whatever the actual lengths.
 
+Speculative verification (`query_len` = k + 1, `drafts`: the speculator's [slots, k] drafts):
+every row feeds its next token and k drafts, and rows that verify fewer (`num_drafts`, copied
+with the slot list) compute the rest as padding that writes no KV; the caller keeps the logits
+of the real positions (`verify_logits_rows`). Such a step's positions run up to k past the
+row's real ones, so it is replayed only when every row has that room below max_model_len.
+
 A pipeline stage's graphs cover its own layers: a later stage's body starts from static input
 buffers (`input_views`, filled with the previous stage's activations before each replay), and
 a stage before the last ends with its activations instead of logits (`PipelineStage.run_graph`).
@@ -40,8 +46,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, batch: PersistentBatch, kv_caches: list[torch.Tensor],
-                 max_num_seqs: int, max_model_len: int, block_size: int, layout: RankLayout | None = None) -> None:
+                 max_num_seqs: int, max_model_len: int, block_size: int, layout: RankLayout | None = None,
+                 query_len: int = 1, drafts: torch.Tensor | None = None) -> None:
         self.model = model
+        self.query_len = query_len
+        self.drafts = drafts
         self.last_stage = layout is None or layout.is_last_stage
         self.batch = batch
         self.kv_caches = kv_caches
@@ -51,7 +60,8 @@ class DecodeGraphs:
         device = batch.device
         largest = self.sizes[-1]
         self.slots = torch.full((largest,), batch.scratch, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self.num_drafts = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device) * query_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # the last stage's output
         self.activations: dict[int, list[torch.Tensor]] = {}  # an earlier stage's output
@@ -61,7 +71,7 @@ class DecodeGraphs:
             dtype = next(model.parameters()).dtype
             self.inputs = [torch.zeros(shape, dtype=dtype, device=device)
                            for shape in model.intermediate_shapes(largest)]
-        self._loaded: tuple[int, bytes] | None = None  # (padded size, slots) now in `self.slots`
+        self._loaded: tuple[int, bytes, bytes] | None = None  # (padded size, slots, drafts) now loaded
 
     def padded_size(self, num_rows: int) -> int | None:
         """The smallest captured size that holds `num_rows`; None when none does."""
@@ -88,50 +98,75 @@ class DecodeGraphs:
                 self.graphs[size] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.graphs),
-                    self.sizes[-1], time.perf_counter() - start)
+        logger.info("captured %d decode CUDA graphs (batch 1..%d, %d query tokens per row) in %.1f s",
+                    len(self.graphs), self.sizes[-1], self.query_len, time.perf_counter() - start)
 
     def input_views(self, num_rows: int) -> list[torch.Tensor]:
         """A later pipeline stage: where the previous stage's activations for `num_rows` rows go."""
         return [t[:num_rows] for t in self.inputs]
 
-    def run(self, slots: np.ndarray) -> torch.Tensor | list[torch.Tensor]:
-        """Replay the decode step of rows `slots`; logits [len(slots), V] (a view of the graph's output),
-        or on a pipeline stage before the last its activations (views: copy before the next replay).
-        Advances every row's computed-token count on the device (the caller does the host's)."""
+    def run(self, slots: np.ndarray, num_drafts: np.ndarray | None = None) -> torch.Tensor | list[torch.Tensor]:
+        """Replay the decode step of rows `slots`; logits [len(slots) * query_len, V] (a view of the
+        graph's output), or on a pipeline stage before the last its activations (views: copy
+        before the next replay). Advances every row's computed-token count on the device by
+        1 + its drafts (the caller does the host's). `num_drafts`: per row, with `query_len` > 1."""
         size = self.padded_size(len(slots))
-        key = (size, slots.tobytes())
-        if key != self._loaded:  # the batch changed: one copy of the padded slot list
-            padded = np.full(size, self.batch.scratch, dtype=np.int64)
+        drafts = b"" if num_drafts is None else num_drafts.tobytes()
+        key = (size, slots.tobytes(), drafts)
+        if key != self._loaded:  # the batch or its drafts changed: one copy of the padded lists
+            padded = np.full(2 * size, self.batch.scratch, dtype=np.int64)
             padded[:len(slots)] = slots
-            self.slots[:size].copy_(to_device(padded, self.slots.device), non_blocking=True)
+            padded[size:] = 0
+            if num_drafts is not None:
+                padded[size:size + len(slots)] = num_drafts
+            host = to_device(padded, self.slots.device)
+            self.slots[:size].copy_(host[:size], non_blocking=True)
+            self.num_drafts[:size].copy_(host[size:], non_blocking=True)
             self._loaded = key
         self.graphs[size].replay()
+        rows = len(slots) * self.query_len
         if not self.last_stage:
-            return [t[:len(slots)] for t in self.activations[size]]
-        return self.logits[size][:len(slots)]
+            return [t[:rows] for t in self.activations[size]]
+        return self.logits[size][:rows]
 
     def _body(self, size: int) -> torch.Tensor | list[torch.Tensor]:
-        batch, bs = self.batch, self.block_size
+        batch, bs, q = self.batch, self.block_size, self.query_len
         slots = self.slots[:size]
-        positions = batch.num_computed_dev[slots]
-        input_ids = batch.next_token_dev[slots]
         real = slots != batch.scratch
+        base = batch.num_computed_dev[slots]
         block_rows = batch.block_table_dev[slots]
-        blocks = block_rows.gather(1, (positions // bs)[:, None]).squeeze(1).to(torch.int64)
-        slot_mapping = torch.where(real, blocks * bs + positions % bs, -1)
-        seq_lens = torch.where(real, positions + 1, 0).to(torch.int32)
+        if q == 1:
+            positions, input_ids, written = base, batch.next_token_dev[slots], real
+            advance = real.to(torch.int64)
+        else:
+            offsets = torch.arange(q, device=slots.device)
+            positions = (base[:, None] + offsets).reshape(-1)
+            input_ids = torch.cat([batch.next_token_dev[slots][:, None], self.drafts[slots, :q - 1]], 1).reshape(-1)
+            num_drafts = self.num_drafts[:size]
+            written = (real[:, None] & (offsets[None, :] <= num_drafts[:, None])).reshape(-1)
+            advance = torch.where(real, num_drafts + 1, 0)
+        columns = (positions // bs).clamp_max(block_rows.shape[1] - 1).view(size, q)
+        blocks = block_rows.gather(1, columns).reshape(-1).to(torch.int64)
+        slot_mapping = torch.where(written, blocks * bs + positions % bs, -1)
+        seq_lens = torch.where(real, base + q, 0).to(torch.int32)
         meta = AttentionMetadata(
-            num_tokens=size, max_query_len=1, max_seq_len=self.max_model_len,
+            num_tokens=size * q, max_query_len=q, max_seq_len=self.max_model_len,
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=seq_lens, block_table=block_rows,
-            slot_mapping=slot_mapping, query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
-            seq_lens_cpu=torch.ones(size, dtype=torch.int32))
+            slot_mapping=slot_mapping, query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * q,
+            seq_lens_cpu=torch.full((size,), q, dtype=torch.int32), seq_lens_exact=False)
         if self.inputs:
             out = self.model(input_ids, positions, self.kv_caches, meta,
                              IntermediateTensors.of([t[:size] for t in self.inputs]))
         else:
             out = self.model(input_ids, positions, self.kv_caches, meta)
-        batch.num_computed_dev.index_add_(0, slots, real.to(torch.int64))
+        batch.num_computed_dev.index_add_(0, slots, advance)
         if not self.last_stage:
             return out.tensors()
         return self.model.compute_logits(out)
+
+
+def verify_logits_rows(num_drafts: np.ndarray, query_len: int) -> np.ndarray:
+    """Rows of a verification graph's logits that are real positions: row r's first 1 + num_drafts[r]."""
+    per_row = num_drafts + 1
+    starts = np.arange(len(num_drafts)) * query_len
+    return np.repeat(starts, per_row) + (np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row))

@@ -30,7 +30,11 @@ from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_draft
 from tokenmill.model.loader import load_model
 from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
-from tokenmill.worker.decode_graphs import DecodeGraphs
+from tokenmill.worker.decode_graphs import DecodeGraphs, verify_logits_rows
+
+# Verification graphs are captured for batches up to this many rows (each holds logits for
+# rows * (k + 1) positions); larger batches verify eagerly, and at saturation nothing drafts.
+VERIFY_GRAPH_ROWS = 64
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
 from tokenmill.worker.persistent_batch import PersistentBatch, to_device
 from tokenmill.worker.pp_stage import PipelineStage, apply_input_tokens
@@ -80,6 +84,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.draft = None  # DraftProposer, for speculative_config method draft_model
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: DecodeGraphs | None = None  # n-gram speculation: decode rows with drafts
         self.on_device_work: Callable[[], None] | None = None  # called as each step's device work starts
         self.last_timings: dict[str, float] = {}
         self.num_placeholders_filled = 0  # decode inputs taken from a step not yet read back (async)
@@ -143,6 +148,13 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, self.config.scheduler.max_num_seqs,
                                        self.config.model.max_model_len, self.block_size, self.stage.layout)
             self.graphs.capture()
+            if self.speculator is not None and self.stage.num_stages == 1:
+                k = self.speculator.k
+                self.verify_graphs = DecodeGraphs(
+                    self.model, self.batch, self.kv_caches, min(self.config.scheduler.max_num_seqs, VERIFY_GRAPH_ROWS),
+                    self.config.model.max_model_len, self.block_size, self.stage.layout, query_len=k + 1,
+                    drafts=self.speculator.drafts)
+                self.verify_graphs.capture()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -184,6 +196,8 @@ class ModelRunner:
         apply_input_tokens(so, self.batch)
         self.batch.flush()
         self.sampling.flush()
+        if self.speculator is not None:
+            self.speculator.flush()
         prev, self._pending = self._pending, None
         if not len(so.batch_handles):
             self._slots = np.zeros(0, dtype=np.int64)
@@ -202,9 +216,11 @@ class ModelRunner:
         one_token_each = so.batch is None or not so.batch.count_rows
         use_graph = (graphs is not None and one_token_each and graphs.padded_size(len(slots)) is not None
                      and self.batch.all_decode(slots))
+        verify_graph = not one_token_each and self._fits_verify_graph(slots, counts)
         timings["prepare"] = time.perf_counter() - start
         start = time.perf_counter()
         step_prompt_logprobs = []
+        drafts = seq_lens = None
         if use_graph:
             logits = self.stage.run_graph(graphs, slots, self.on_device_work, so.step_id)
             self.batch.num_computed[slots] += 1
@@ -214,6 +230,18 @@ class ModelRunner:
             sample_rows = np.arange(len(slots))
             sample_slots = graphs.slots[:len(slots)]
             num_device_inputs = len(slots)
+        elif verify_graph:  # every row a decode, some verifying drafts: one replay (n-gram only)
+            if self.on_device_work is not None:
+                self.on_device_work()
+            drafts = counts - 1
+            padded_logits = self.verify_graphs.run(slots, drafts)
+            self.batch.num_computed[slots] += counts
+            real = to_device(verify_logits_rows(drafts, self.verify_graphs.query_len), self.device)
+            logits = padded_logits.index_select(0, real)
+            sample_rows = np.arange(len(slots))
+            sample_slots = self.verify_graphs.slots[:len(slots)]
+            seq_lens = self.batch.num_computed_dev[sample_slots]
+            num_device_inputs = int(counts.sum())
         else:
             inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
                                        None if self.speculator is None else self.speculator.drafts)
@@ -229,21 +257,21 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
             sample_rows, sample_slots = inputs.sample_rows, inputs.sample_slots
             num_device_inputs = inputs.num_device_inputs
+            drafts, seq_lens = inputs.sample_drafts, inputs.sample_seq_lens
         timings["forward"] = time.perf_counter() - start
         start = time.perf_counter()
         if prev is not None and not prev.on_host:
             self.num_placeholders_filled += num_device_inputs
         step = PendingStep(self, so.step_id, len(slots), sample_rows, slots[sample_rows], step_prompt_logprobs)
-        drafts = None if use_graph else inputs.sample_drafts
         # A row that fails alone (non-finite logits, sampling raising) fails only its request.
         if len(sample_rows) and drafts is not None and drafts.any():
-            self._verify(logits, slots[sample_rows], sample_slots, drafts, inputs.sample_seq_lens, step)
+            self._verify(logits, slots[sample_rows], sample_slots, drafts, seq_lens, step)
         elif len(sample_rows):
             non_finite = self._screen(logits, sample_slots)
             out, failed = row_faults.sample_rows(self._sample, logits, sample_slots, self.sampling.scratch_slot)
             self.batch.next_token_dev[sample_slots] = out.sampled
             if self.speculator is not None:
-                self.speculator.record(sample_slots, out.sampled[:, None], torch.ones_like(out.sampled))
+                self.speculator.record_one(sample_slots, out.sampled)
             step.start_readback(row_faults.mark_failed(out, non_finite, failed), self.readback)
         if self.speculator is not None and so.propose and len(sample_rows):
             if self.draft is not None:
@@ -258,6 +286,16 @@ class ModelRunner:
             prev.output()
         self._pending = step
         return step
+
+    def _fits_verify_graph(self, slots: np.ndarray, counts: np.ndarray) -> bool:
+        """Whether a step of decode rows with drafts replays a verification graph: every row a
+        decode of at most 1 + k tokens, and room for k + 1 positions below max_model_len (the
+        host's computed counts are upper bounds of the device's)."""
+        graphs = self.verify_graphs
+        if graphs is None or graphs.padded_size(len(slots)) is None or counts.max() > graphs.query_len:
+            return False
+        room = self.batch.num_computed[slots] + graphs.query_len <= self.config.model.max_model_len
+        return bool(room.all()) and self.batch.all_decode(slots)
 
     def _screen(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Rows (of `logits`, one slot each) with non-finite logits, zeroed (row_faults.py)."""

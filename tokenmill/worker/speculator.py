@@ -20,6 +20,7 @@ import torch
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.worker.ngram_proposer import propose_ngram
+from tokenmill.worker.persistent_batch import to_device
 
 
 class Speculator:
@@ -31,12 +32,29 @@ class Speculator:
         self.history = torch.zeros((num_slots, max_model_len + self.k + 1), dtype=torch.int32, device=device)
         self.history_len = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.draft_model = None  # set by the runner for method draft_model
+        self._ones = torch.ones(num_slots, dtype=torch.int64, device=device)
+        self._added: dict[int, np.ndarray] = {}  # slot -> known tokens, of this step's new requests
 
     def add(self, slot: int, tokens: list[int]) -> None:
-        """A new request (or one back from preemption) in `slot`, with its known tokens."""
-        if tokens:
-            self.history[slot, :len(tokens)] = torch.as_tensor(np.asarray(tokens, dtype=np.int32)).to(self.device)
-        self.history_len[slot] = len(tokens)
+        """A new request (or one back from preemption) in `slot`, with its known tokens; written
+        to the device by the step's `flush` (one copy for all of a step's new requests)."""
+        self._added[slot] = np.array(tokens, dtype=np.int64)  # a later add to the slot replaces it
+
+    def flush(self) -> None:
+        if not self._added:
+            return
+        slots = np.fromiter(self._added.keys(), dtype=np.int64, count=len(self._added))
+        lengths = np.array([len(tokens) for tokens in self._added.values()], dtype=np.int64)
+        tokens = np.concatenate([*self._added.values(), np.zeros(0, np.int64)])
+        rows = np.repeat(slots, lengths)
+        columns = np.arange(len(tokens)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        packed = to_device(np.concatenate([slots, lengths, rows, columns, tokens]), self.device)
+        n, m = len(slots), len(tokens)
+        slots_d, lengths_d = packed[:n], packed[n:2 * n]
+        rows_d, columns_d, tokens_d = packed[2 * n:2 * n + m], packed[2 * n + m:2 * n + 2 * m], packed[2 * n + 2 * m:]
+        self.history[rows_d, columns_d] = tokens_d.to(torch.int32)
+        self.history_len[slots_d] = lengths_d
+        self._added.clear()
 
     def release(self, slot: int) -> None:
         """The slot's request left the worker (finished, aborted or preempted)."""
@@ -58,6 +76,14 @@ class Speculator:
         old = self.history[rows, at]
         self.history[rows, at] = torch.where(keep, emitted.to(torch.int32), old)
         self.history_len.index_add_(0, slots, num_emitted)
+
+    def record_one(self, slots: torch.Tensor, sampled: torch.Tensor) -> None:
+        """`record` for a step that emitted one token per row (no drafts): fewer kernels."""
+        if not slots.shape[0]:
+            return
+        at = self.history_len.index_select(0, slots).clamp_max(self.history.shape[1] - 1)
+        self.history[slots, at] = sampled.to(torch.int32)
+        self.history_len.index_add_(0, slots, self._ones[:slots.shape[0]])
 
     def propose(self, slots: torch.Tensor) -> None:
         """Drafts for these slots' next step, from their histories."""
