@@ -4,11 +4,11 @@ end of each step the scheduler marks `propose`, and verified by the next step.
 Per slot (device): `drafts` [K] (the proposal for the slot's next step) and, for the n-gram
 proposer, the slot's token history (prompt and every emitted token) with its length. A slot is
 live while its history length is non-zero: `add` sets it (a prompt has at least one token),
-`release` clears it when the request leaves the worker, so a freed slot holds nothing. A decode
-row scheduled for 1 + k tokens feeds its next token then drafts[:k]; the sampler samples every
-one of those positions and `verify_drafts` keeps the matching prefix plus one (see
-layers/sampling/spec_verify.py). Nothing here waits for the host: the host learns how many
-tokens each row emitted when the step's ids are read back.
+`release` clears it when the request leaves the worker (both written by the step's `flush`), so
+a freed slot holds nothing. A decode row scheduled for 1 + k tokens feeds its next token then
+drafts[:k]; the sampler samples every one of those positions and `verify_drafts` keeps the
+matching prefix plus one (see layers/sampling/spec_verify.py). Nothing here waits for the host:
+the host learns how many tokens each row emitted when the step's ids are read back.
 
 A draft-model proposer keeps its own KV cache in the same block tables (see draft_proposer.py).
 """
@@ -33,7 +33,8 @@ class Speculator:
         self.history_len = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.draft_model = None  # set by the runner for method draft_model
         self._ones = torch.ones(num_slots, dtype=torch.int64, device=device)
-        self._added: dict[int, np.ndarray] = {}  # slot -> known tokens, of this step's new requests
+        # slot -> its history as of this step: a new request's known tokens, or none (released)
+        self._added: dict[int, np.ndarray] = {}
 
     def add(self, slot: int, tokens: list[int]) -> None:
         """A new request (or one back from preemption) in `slot`, with its known tokens; written
@@ -57,11 +58,13 @@ class Speculator:
         self._added.clear()
 
     def release(self, slot: int) -> None:
-        """The slot's request left the worker (finished, aborted or preempted)."""
-        self.history_len[slot] = 0
+        """The slot's request left the worker (finished, aborted or preempted): its history is
+        emptied by the step's `flush`, in the same copy as the step's new requests'."""
+        self._added[slot] = np.zeros(0, dtype=np.int64)  # a later add to the slot replaces it
 
     def live_slots(self) -> list[int]:
-        """Slots holding a request's history (reads the device: for tests and debugging)."""
+        """Slots holding a request's history as of the last flush (reads the device: for tests
+        and debugging)."""
         return self.history_len.nonzero().flatten().tolist()
 
     def record(self, slots: torch.Tensor, emitted: torch.Tensor, num_emitted: torch.Tensor) -> None:
