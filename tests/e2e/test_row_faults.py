@@ -92,7 +92,8 @@ def test_row_fault_fails_alone_in_speculative_steps(tiny_model, monkeypatch, cap
     verification steps too: non-finite logits at any of a row's positions, or its sampling
     raising (the worker then verifies each row alone). The victims fail; the others' tokens
     are their own alone."""
-    marker, why = (NAN, RowFailure.NON_FINITE_LOGITS) if fault == "nan_logits" else (SAMPLING, RowFailure.SAMPLING_ERROR)
+    marker, why = ((NAN, RowFailure.NON_FINITE_LOGITS) if fault == "nan_logits"
+                   else (SAMPLING, RowFailure.SAMPLING_ERROR))
     monkeypatch.setenv("TOKENMILL_TEST_FAULTS", json.dumps({fault: {"marker_token": marker, "after": 4}}))
     phrases = [[50 + 3 * i, 90 + i, 120, 140 + i] for i in range(5)]
     prompts = [p * 3 + p[:2] for p in phrases] + [[marker, *p * 3, *p[:2]] for p in phrases[:2]]
