@@ -48,8 +48,10 @@ class FakeWorker:
         """`accepts(handle, output_position) -> bool`: speculative decoding is on, and whether the
         draft for that position is right (drafts beyond the known tokens are verified: the row
         emits the accepted ones and one more, as the real worker does). `block_size`: check that
-        every fed token has a KV slot."""
+        every fed token has a KV slot. As the real worker, it has drafts only for the rows that
+        sampled in a step marked `propose`, and only for the step right after it."""
         self.states: dict[int, dict] = {}
+        self.proposed_at: dict[int, int] = {}  # handle -> the last step at whose end it proposed
         self.batch_order = BatchOrder()
         self.accepts = accepts
         self.block_size = block_size
@@ -76,6 +78,8 @@ class FakeWorker:
             if self.block_size is not None:
                 assert len(state["blocks"]) * self.block_size >= state["computed"] + n, "a fed token has no KV slot"
             if drafts > 0:
+                assert self.proposed_at.get(handle) == so.step_id - 1, (
+                    f"{handle}: {drafts} drafts scheduled, but nothing was proposed for it in step {so.step_id - 1}")
                 sampled.append(self._verify(handle, state, n, drafts))
                 logprobs.append(None)
                 prompt_logprobs.append(None)
@@ -91,6 +95,10 @@ class FakeWorker:
             else:
                 sampled.append([])
                 logprobs.append(None)
+        if so.propose:
+            for handle, tokens in zip(so.scheduled_handles, sampled):
+                if tokens:
+                    self.proposed_at[handle] = so.step_id
         return ModelRunnerOutput.from_rows(
             so.step_id, sampled, logprobs=logprobs if any(logprobs) else [],
             prompt_logprobs=prompt_logprobs if any(prompt_logprobs) else [])

@@ -64,6 +64,32 @@ def test_every_draft_right_gives_k_plus_one_tokens_per_step():
     assert stats.spec_num_drafts == 8 and stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens == 32
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_one_token_last_chunk_gets_no_drafts(async_scheduling):
+    """A prompt one token longer than the budget: its first chunk samples nothing, so the workers
+    propose nothing for it; its last chunk (one token, like a decode) must not verify drafts."""
+    scheduler = spec_scheduler(400, 3, budget=8, async_scheduling=async_scheduling)
+    worker = FakeWorker(accepts=lambda h, p: True, block_size=4)
+    prompt = list(range(20, 29))
+    scheduler.add_request(Request(0, prompt, SamplingParams(max_tokens=12), (EOS,), MAX_LEN))
+    first = scheduler.schedule()
+    if not async_scheduling:
+        scheduler.update(first, worker.execute(first))
+    second = scheduler.schedule()  # (async: before the first step's update)
+    assert first.propose and first.num_scheduled_tokens == [8]
+    assert second.num_scheduled_tokens == [1] and second.num_drafts is None
+    steps = [second] if not async_scheduling else [first, second]
+    emitted = []
+    while steps:
+        so = steps.pop(0)
+        for out in scheduler.update(so, worker.execute(so)).all_outputs():
+            emitted += out.new_token_ids
+        if not steps and scheduler.has_unfinished():
+            steps.append(scheduler.schedule())
+    assert emitted == expected_output(prompt, 12) and worker.num_drafts > 0
+    assert_no_leaks(scheduler)
+
+
 def test_max_tokens_caps_the_drafts():
     """A request never gets more drafts than tokens it may still emit: it never holds a KV slot
     past prompt + max_tokens (so never past max_model_len), and stops at max_tokens exactly."""

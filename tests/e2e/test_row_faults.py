@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from tokenmill import SamplingParams
 from tokenmill.errors import RequestFailedError
 from tokenmill.frontend.async_llm import AsyncLLM
@@ -82,20 +84,31 @@ def test_victim_prompts_run_normally_without_fault_injection(tiny_model, monkeyp
 
 
 
-def test_nan_row_fails_alone_in_speculative_steps(tiny_model, monkeypatch) -> None:
-    """With n-gram speculation drafting on every step (repetitive prompts), a NaN row is caught in
-    verification steps too: the victims fail, the others' greedy tokens are their own alone."""
-    monkeypatch.setenv("TOKENMILL_TEST_FAULTS", json.dumps({"nan_logits": {"marker_token": NAN, "after": 4}}))
+@pytest.mark.parametrize("fault,method", [("nan_logits", "ngram"), ("sampling_error", "ngram"),
+                                          ("sampling_error", "draft_model")])
+def test_row_fault_fails_alone_in_speculative_steps(tiny_model, monkeypatch, capfd, fault, method) -> None:
+    """With speculation drafting on every step (repetitive prompts for n-gram lookup; the target
+    as its own draft model, seeded sampling, for rejection sampling), a row fault is caught in
+    verification steps too: non-finite logits at any of a row's positions, or its sampling
+    raising (the worker then verifies each row alone). The victims fail; the others' tokens
+    are their own alone."""
+    marker, why = ((NAN, RowFailure.NON_FINITE_LOGITS) if fault == "nan_logits"
+                   else (SAMPLING, RowFailure.SAMPLING_ERROR))
+    monkeypatch.setenv("TOKENMILL_TEST_FAULTS", json.dumps({fault: {"marker_token": marker, "after": 4}}))
     phrases = [[50 + 3 * i, 90 + i, 120, 140 + i] for i in range(5)]
-    prompts = [p * 3 + p[:2] for p in phrases] + [[NAN, *p * 3, *p[:2]] for p in phrases[:2]]
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    prompts = [p * 3 + p[:2] for p in phrases] + [[marker, *p * 3, *p[:2]] for p in phrases[:2]]
+    spec = {"method": method, "num_speculative_tokens": 3, "max_step_tokens": 0}
+    if method == "draft_model":
+        spec["model"] = tiny_model
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.DELTA,
+                             **(dict(temperature=0.0) if method == "ngram" else dict(temperature=0.8, seed=i)))
+              for i in range(len(prompts))]
 
     async def main():
-        llm = AsyncLLM(tiny_model, **ENGINE, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                                   "max_step_tokens": 0})
+        llm = AsyncLLM(tiny_model, **ENGINE, speculative_config=spec)
         try:
-            together = await asyncio.gather(*(_collect(llm, p, greedy) for p in prompts))
-            alone = [await _collect(llm, p, greedy) for p in prompts[:5]]
+            together = await asyncio.gather(*(_collect(llm, p, s) for p, s in zip(prompts, params)))
+            alone = [await _collect(llm, p, s) for p, s in zip(prompts[:5], params)]
             return together, alone, await llm.scheduler_stats(), await llm.kv_cache_stats()
         finally:
             llm.shutdown()
@@ -103,6 +116,9 @@ def test_nan_row_fails_alone_in_speculative_steps(tiny_model, monkeypatch) -> No
     together, alone, sched, kv = asyncio.run(main())
     assert [t for t, _ in together[:5]] == [t for t, _ in alone] and all(e is None for _, e in together[:5])
     for tokens, error in together[5:]:
-        assert isinstance(error, RequestFailedError) and len(tokens[0]) < 24
-    assert sched["spec_num_draft_tokens"] > 0, sched
+        assert isinstance(error, RequestFailedError) and str(error) == why.message
+        assert len(tokens[0]) < 24
+    assert sched["spec_num_accepted_tokens"] > 0, sched
     assert kv["num_requests"] == 0 and kv["num_free_blocks"] == kv["num_blocks"], kv
+    if fault == "sampling_error":  # the worker's log: it was a verification step that raised
+        assert "verifying a step of" in capfd.readouterr().err

@@ -111,14 +111,43 @@ def test_target_as_draft_accepts_everything_and_changes_nothing(tiny_model_dir, 
     prompts = repetitive_prompts(6, seed=3)
     seeded = [SamplingParams(temperature=0.8, top_k=40, seed=7 + i, max_tokens=30, ignore_eos=True)
               for i in range(len(prompts))]
-    for params in (GREEDY, seeded):  # (a fresh engine each: see the known issue in CHANGELOG.md)
-        llm = tiny_llm(tiny_model_dir, async_scheduling=async_scheduling, max_num_batched_tokens=24,
-                       speculative_config=draft_config(tiny_model_dir))
+    llm = tiny_llm(tiny_model_dir, async_scheduling=async_scheduling, max_num_batched_tokens=24,
+                   speculative_config=draft_config(tiny_model_dir))
+    for params in (GREEDY, seeded):  # the second pass reuses the first's cached blocks
         assert token_ids(llm, prompts, params) == token_ids(reference, prompts, params)
         stats = llm.scheduler_stats()
         assert stats["spec_num_draft_tokens"] > 100, stats
         assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"], stats
-        llm.shutdown()
+    assert stats["prefix_cache_hits"] > 0, stats
+    llm.shutdown()
+
+
+def shared_prefix_prompts() -> list[dict]:
+    """Prompts sharing prefixes longer than a block (16 tokens), each after the first reusing the
+    blocks of those before it. Under a budget of 24 tokens, the 57-token one computes 25 after
+    its 32 cached: a 24-token chunk, then a one-token last chunk (with no cache: 24, 24, 9)."""
+    rng = np.random.default_rng(5)
+    base = rng.integers(5, 200, 40).tolist()
+    return [{"prompt_token_ids": base[:n] + rng.integers(5, 200, extra).tolist()}
+            for n, extra in ((37, 3), (34, 23), (20, 9), (40, 6))]
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_target_as_draft_accepts_everything_with_prefix_cache_hits(tiny_model_dir, reference, sampling):
+    """Requests run one after another reuse cached blocks; a prompt whose last chunk is a single
+    token (what the hits make here) must not verify drafts nobody proposed for it: that used to
+    feed it stale tokens, sample from the wrong position and count the phantom drafts rejected."""
+    prompts = shared_prefix_prompts()
+    llm = tiny_llm(tiny_model_dir, max_num_batched_tokens=24, speculative_config=draft_config(tiny_model_dir))
+    for i, prompt in enumerate(prompts):
+        params = GREEDY if sampling == "greedy" else SamplingParams(
+            temperature=0.8, top_p=0.9, seed=11 + i, max_tokens=30, ignore_eos=True)
+        assert token_ids(llm, [prompt], params) == token_ids(reference, [prompt], params), i
+    stats = llm.scheduler_stats()
+    assert stats["prefix_cache_hits"] >= 16 * 5, stats
+    assert stats["spec_num_draft_tokens"] > 60, stats
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"], stats
+    llm.shutdown()
 
 
 def test_a_different_draft_model_changes_nothing(tiny_model_dir, reference, tmp_path):
@@ -134,16 +163,24 @@ def test_a_different_draft_model_changes_nothing(tiny_model_dir, reference, tmp_
     llm.shutdown()
 
 
-def test_draft_kv_equals_a_fresh_prefill_bonus_token_included(tiny_model_dir):
+@pytest.mark.parametrize("prefix_hit", [False, True], ids=["fresh", "prefix-hit"])
+def test_draft_kv_equals_a_fresh_prefill_bonus_token_included(tiny_model_dir, prefix_hit):
     """After the last (fully accepted) step, the draft's KV at every position of prompt + output
-    equals the target's KV from one prefill of those tokens."""
+    equals the target's KV from one prefill of those tokens. prefix-hit: an earlier request
+    left the first two blocks of the prompt in the prefix cache, and the request reuses them
+    (draft KV included: the earlier request's draft wrote it there)."""
     import torch
     prompt = [5, 17, 42, 99, 7, 61, 3, 88, 19]
     llm = tiny_llm(tiny_model_dir, async_scheduling=False, speculative_config=draft_config(tiny_model_dir))
-    out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0].token_ids
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    if prefix_hit:
+        earlier = [(11 * i) % 190 + 5 for i in range(37)]
+        llm.generate([{"prompt_token_ids": earlier}], greedy, use_tqdm=False)
+        prompt = earlier[:34] + prompt
+    out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].token_ids
     stats = llm.scheduler_stats()
     assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
+    assert stats["prefix_cache_hits"] == (32 if prefix_hit else 0), stats
     tokens = prompt + list(out)
     runner = worker_runner(llm)
     (slot,) = runner.batch.slot_of.values()  # the finished request's end has not reached the worker yet

@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
+from tokenmill.layers.sampling.slot_table import IntCol
+from tokenmill.layers.sampling.spec_layout import flat_to_padded
+from tokenmill.layers.sampling.spec_verify import verify_drafts
 from tokenmill.protocol import RowFailure
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.worker.fault_injection import FaultInjector, FaultPlan, Trigger
-from tokenmill.worker.row_faults import mark_failed, mark_failed_counts, sample_rows, screen_logits, split_failures
+from tokenmill.worker.row_faults import (PLACEHOLDER_TOKEN, VerifyBatch, mark_failed, mark_failed_counts, sample_rows,
+                                         screen_logits, split_failures, verify_rows)
 
 V = 50
 
@@ -110,6 +114,75 @@ def test_speculative_rows_are_failed_by_any_of_their_positions() -> None:
     assert marked.tolist() == [2, -int(RowFailure.NON_FINITE_LOGITS), 1]
     counts, failed_rows, _ = split_failures(marked.numpy(), np.array([0, 1, 2]), healthy=1)
     assert counts.tolist() == [2, 1, 1] and np.frombuffer(failed_rows, "<i4").tolist() == [1]
+
+
+K = 3
+
+
+def _verify_batch(slots: list[int], drafts: list[int], logits: torch.Tensor) -> VerifyBatch:
+    per_row = np.array(drafts) + 1
+    offsets = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)
+    return VerifyBatch(logits, torch.as_tensor(np.repeat(slots, per_row)), torch.as_tensor(offsets),
+                       torch.tensor(slots), torch.tensor(drafts), np.array(drafts), K)
+
+
+def _verifier(sampler: Sampler, proposals: torch.Tensor, calls: list, bad_slot: int):
+    """One-hot drafts verified as the worker does; raises whenever `bad_slot` is among the rows."""
+    def verify(b: VerifyBatch):
+        calls.append(b.slots.tolist())
+        if bad_slot in b.slots.tolist():
+            raise RuntimeError("boom")
+        out = sampler.sample(b.logits, b.position_slots, offsets=b.offsets, record=False)
+        grid = flat_to_padded(out.sampled, b.num_drafts, K, -1)
+        return (*verify_drafts(grid, proposals[b.slots], b.num_drafts), None)
+    return verify
+
+
+def test_verification_error_fails_only_its_row() -> None:
+    """Rows (slots 0, 2, 3, 1) verify 3, 2, 0 and 3 drafts; verifying slot 2 raises. Row 1 emits
+    the placeholder once; the others emit what a batch without row 1 gives them (seeded and
+    greedy rows: exactly), and no call recorded anything in the sampler."""
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=4),
+              SamplingParams(temperature=0.7, seed=3), SamplingParams(temperature=0.0)]
+    logits = torch.randn(12, V, generator=torch.Generator().manual_seed(1))
+    proposals = logits.argmax(-1)[torch.tensor([[0, 1, 2], [4, 5, 0], [0, 0, 0], [9, 10, 8]])]  # some right, some not
+    slots, drafts = [0, 2, 3, 1], [3, 2, 0, 3]
+    sampler = _sampler(params)
+    calls: list = []
+    (emitted, num_emitted, logprobs), failed = verify_rows(_verifier(sampler, proposals, calls, bad_slot=2),
+                                                           _verify_batch(slots, drafts, logits))
+    assert failed == [1] and logprobs is None
+    assert calls == [[0, 2, 3, 1], [0], [2], [3], [1], [0, 3, 1]]
+    without = _verify_batch([0, 3, 1], [3, 0, 3], logits[[0, 1, 2, 3, 7, 8, 9, 10, 11]])
+    (want, want_num, _), none = verify_rows(_verifier(_sampler(params), proposals, [], bad_slot=-1), without)
+    assert none == []
+    assert emitted[[0, 2, 3]].tolist() == want.tolist() and num_emitted[[0, 2, 3]].tolist() == want_num.tolist()
+    assert emitted[1].tolist() == [PLACEHOLDER_TOKEN, -1, -1, -1] and num_emitted[1] == 1
+    assert want_num.tolist() != [1, 1, 1], "no draft was accepted: the test verifies nothing"
+    assert sampler.state.table.column(IntCol.NUM_OUTPUTS, torch.arange(4)).tolist() == [0] * 4  # nothing recorded
+    marked = mark_failed_counts(num_emitted, torch.zeros(12, dtype=torch.bool),
+                                torch.as_tensor(np.repeat(np.arange(4), np.array(drafts) + 1)), failed)
+    assert marked.tolist() == [num_emitted[0], -int(RowFailure.SAMPLING_ERROR), num_emitted[2], num_emitted[3]]
+
+
+def test_verification_error_of_every_row_leaves_placeholders() -> None:
+    logits = torch.randn(4, V)
+    calls: list = []
+    verify = _verifier(_sampler([SamplingParams(temperature=0.0)] * 2), torch.zeros(8, K, dtype=torch.int64),
+                       calls, bad_slot=1)
+    (emitted, num_emitted, _), failed = verify_rows(verify, _verify_batch([1], [3], logits))
+    assert failed == [0] and emitted.tolist() == [[PLACEHOLDER_TOKEN, -1, -1, -1]] and num_emitted.tolist() == [1]
+    assert calls == [[1], [1]]
+
+
+def test_a_verification_error_no_row_has_alone_fails_the_step() -> None:
+    """Rows that pass alone but not together: the step's own failure, raised."""
+    def verify(b: VerifyBatch):
+        if len(b.drafts) > 1:
+            raise RuntimeError("batch-level failure")
+        return torch.zeros(1, K + 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64), None
+    with pytest.raises(RuntimeError, match="batch-level"):
+        verify_rows(verify, _verify_batch([0, 1], [1, 2], torch.randn(5, V)))
 
 
 def test_fault_injection_is_off_without_its_variable() -> None:

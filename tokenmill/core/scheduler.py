@@ -167,7 +167,10 @@ class Scheduler:
             output.num_drafts = per_slot[output.row_slots]
         if self.spec is not None and self.spec.wants_proposals(t.num_running):
             output.propose = True
-            t.proposed_at[output.row_slots] = step_id
+            # Workers propose only for rows that sample: not for a prompt chunk short of the end,
+            # which would otherwise get drafts when its last chunk is a single token.
+            rows = output.row_slots
+            t.proposed_at[rows[t.num_computed[rows] >= t.num_tokens[rows]]] = step_id
             self._last_proposed = step_id
         self._batch_is_all_running = len(output.row_slots) == t.num_running
         check_every = self.config.debug_check_every

@@ -303,17 +303,17 @@ class ModelRunner:
             self.faults.poison_logits(self, logits, slots)
         return row_faults.screen_logits(logits)
 
-    def _sample(self, logits: torch.Tensor, slots: torch.Tensor, *, record: bool = True):
+    def _sample(self, logits: torch.Tensor, slots: torch.Tensor, *, offsets: torch.Tensor | None = None,
+                record: bool = True):
         if self.faults is not None:
             self.faults.before_sampling(self, slots)
-        return self.sampler.sample(logits, slots, record=record)
+        return self.sampler.sample(logits, slots, offsets=offsets, record=record)
 
     def _verify(self, logits: torch.Tensor, slots: np.ndarray, slots_d: torch.Tensor, drafts: np.ndarray,
                 seq_lens: torch.Tensor, step: PendingStep) -> None:
         """Sample every position of the sampling rows (logits [sum(1 + drafts), V]), keep each row's
         drafts up to the first that differs from the target's own sample, plus that sample; set
         the rows' next input, computed count and history from what they emitted."""
-        k = self.speculator.k
         per_row = drafts + 1
         offsets = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)
         row_of = np.repeat(np.arange(len(slots)), per_row)
@@ -321,30 +321,37 @@ class ModelRunner:
         packed = to_device(host, self.device)
         n = len(offsets)
         slots_rep, offsets_d, row_of_d, drafts_d = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
-        non_finite = self._screen(logits, slots_rep)  # per position; a sampling error here fails the step
-        out = self.sampler.sample(logits, slots_rep, offsets=offsets_d, record=False)
-        grid = flat_to_padded(out.sampled, drafts_d, k, -1)
-        if self.draft is not None and self.draft.probs is not None and self.sampling.plan.any_random:
-            # Draft distributions: rejection sampling (greedy rows fall out of it: one-hot p and q).
-            target = self.sampler.probs(logits, slots_rep, offsets_d)
-            draft_rows, draft_cols = flat_rows(drafts_d - 1, int(drafts.sum()))  # one row per draft
-            q = self.draft.probs[slots_d[draft_rows], draft_cols]
-            emitted, num_emitted = rejection_sample(self.sampler, slots_d, target, q,
-                                                    self.speculator.drafts[slots_d, :k], drafts_d)
-        else:
-            emitted, num_emitted = verify_drafts(grid, self.speculator.drafts[slots_d, :k], drafts_d)
+        non_finite = self._screen(logits, slots_rep)  # per position
+        batch = row_faults.VerifyBatch(logits, slots_rep, offsets_d, slots_d, drafts_d, drafts, self.speculator.k)
+        (emitted, num_emitted, logprobs), failed = row_faults.verify_rows(self._verify_rows, batch)
         self.sampler.advance(slots_d, num_emitted, emitted)
         self.batch.next_token_dev[slots_d] = emitted.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
         self.batch.num_computed_dev[slots_d] = seq_lens - drafts_d - 1 + num_emitted
         self.speculator.record(slots_d, emitted, num_emitted)
+        num_emitted = row_faults.mark_failed_counts(num_emitted, non_finite, row_of_d, failed)  # read-back copy
+        step.start_speculative_readback(emitted, num_emitted, self.readback, slots, drafts, logprobs)
+
+    def _verify_rows(self, b: row_faults.VerifyBatch) -> row_faults.Verified:
+        """`_verify`'s tokens for the rows of `b`, changing no state (row_faults may retry rows)."""
+        k = b.max_drafts
+        out = self._sample(b.logits, b.position_slots, offsets=b.offsets, record=False)
+        if self.draft is not None and self.draft.probs is not None and self.sampling.plan.any_random:
+            # Draft distributions: rejection sampling (greedy rows fall out of it: one-hot p and q).
+            target = self.sampler.probs(b.logits, b.position_slots, b.offsets)
+            draft_rows, draft_cols = flat_rows(b.num_drafts - 1, int(b.drafts.sum()))  # one row per draft
+            q = self.draft.probs[b.slots[draft_rows], draft_cols]
+            emitted, num_emitted = rejection_sample(self.sampler, b.slots, target, q,
+                                                    self.speculator.drafts[b.slots, :k], b.num_drafts)
+        else:
+            grid = flat_to_padded(out.sampled, b.num_drafts, k, -1)
+            emitted, num_emitted = verify_drafts(grid, self.speculator.drafts[b.slots, :k], b.num_drafts)
         logprobs = None
         if out.logprobs is not None:  # rows that want logprobs have no drafts: their one position
-            first = to_device(np.cumsum(per_row) - per_row, self.device)
+            first = to_device(np.cumsum(b.drafts + 1) - b.drafts - 1, self.device)
             lp = out.logprobs
             logprobs = [t.index_select(0, first) for t in (lp.sampled_logprobs, lp.sampled_ranks,
                                                           lp.topk_token_ids, lp.topk_logprobs)]
-        num_emitted = row_faults.mark_failed_counts(num_emitted, non_finite, row_of_d)  # read-back copy
-        step.start_speculative_readback(emitted, num_emitted, self.readback, slots, drafts, logprobs)
+        return emitted, num_emitted, logprobs
 
     def _cpu_threads(self) -> StepThreads:
         """Per-step CPU thread count (see tokenmill/cpu_threads.py); made on first use."""
