@@ -155,6 +155,7 @@ class ModelRunner:
                     self.config.model.max_model_len, self.block_size, self.stage.layout, query_len=k + 1,
                     drafts=self.speculator.drafts)
                 self.verify_graphs.capture()
+                self.speculator.capture(self.verify_graphs.sizes)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

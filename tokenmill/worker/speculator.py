@@ -33,6 +33,9 @@ class Speculator:
         self.history_len = torch.zeros(num_slots, dtype=torch.int64, device=device)
         self.draft_model = None  # set by the runner for method draft_model
         self._ones = torch.ones(num_slots, dtype=torch.int64, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded rows -> captured proposer (CUDA)
+        self._graph_sizes: list[int] = []
+        self._graph_slots: torch.Tensor | None = None
         # slot -> its history as of this step: a new request's known tokens, or none (released)
         self._added: dict[int, np.ndarray] = {}
 
@@ -89,9 +92,39 @@ class Speculator:
         self.history_len.index_add_(0, slots, self._ones[:slots.shape[0]])
 
     def propose(self, slots: torch.Tensor) -> None:
-        """Drafts for these slots' next step, from their histories."""
-        if not slots.shape[0]:
+        """Drafts for these slots' next step, from their histories (a graph replay when captured)."""
+        rows = slots.shape[0]
+        if not rows:
             return
+        size = next((s for s in self._graph_sizes if s >= rows), None)
+        if size is None:
+            self._propose(slots)
+            return
+        self._graph_slots[:rows].copy_(slots)
+        self._graph_slots[rows:size].fill_(self.drafts.shape[0] - 1)  # padding proposes for the scratch slot
+        self._graphs[size].replay()
+
+    def _propose(self, slots: torch.Tensor) -> None:
         c = self.config
         self.drafts[slots] = propose_ngram(self.history, self.history_len, slots, self.k,
                                            c.prompt_lookup_min, c.prompt_lookup_max)
+
+    @torch.inference_mode()
+    def capture(self, sizes: list[int]) -> None:
+        """CUDA graphs of the n-gram proposer for batches padded to `sizes` (its ~40 small kernels
+        cost more to launch than to run at small batch). The last slot is the scratch slot."""
+        largest = max(sizes)
+        self._graph_slots = torch.full((largest,), self.drafts.shape[0] - 1, dtype=torch.int64, device=self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in sorted(sizes, reverse=True):
+                self._propose(self._graph_slots[:size])  # warm-up
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._propose(self._graph_slots[:size])
+                self._graphs[size] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self._graph_sizes = sorted(sizes)

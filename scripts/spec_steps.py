@@ -1,0 +1,69 @@
+"""Per-step host time of speculative vs plain decoding at batch 1 on CUDA (single process, no
+profiler): the scheduler's schedule and update, the worker's launch phases, the engine step."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, ".")
+from scripts.device_check import config_dir  # noqa: E402
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.core.engine_core import EngineCore  # noqa: E402
+from tokenmill.core.scheduler import Scheduler  # noqa: E402
+from tokenmill.worker.model_runner import ModelRunner  # noqa: E402
+from tokenmill.worker.pending_step import PendingStep  # noqa: E402
+
+TIMES: dict[str, list[float]] = defaultdict(list)
+
+
+def timed(cls, name: str) -> None:
+    inner = getattr(cls, name)
+
+    def wrapper(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            TIMES[f"{cls.__name__}.{name}"].append(time.perf_counter() - start)
+            if cls is ModelRunner and name == "launch":
+                for key, value in self.last_timings.items():
+                    TIMES[f"  launch.{key}"].append(value)
+    setattr(cls, name, wrapper)
+
+
+def main() -> None:
+    variant = sys.argv[1] if len(sys.argv) > 1 else None
+    if variant is None:
+        for name in ("plain", "ngram"):
+            subprocess.run([sys.executable, __file__, name])
+        return
+    for cls, name in ((Scheduler, "schedule"), (Scheduler, "update"), (EngineCore, "step"),
+                      (ModelRunner, "launch"), (ModelRunner, "_verify"),
+                      (PendingStep, "output")):
+        if hasattr(cls, name):
+            timed(cls, name)
+    path = config_dir("smollm2")
+    prompt = {"prompt_token_ids": list(range(100, 140)) * 8}
+    params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[2]) if len(sys.argv) > 2 else 256, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 4} if variant == "ngram" else None
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", single_process=True, max_model_len=2048,
+              speculative_config=spec)
+    for _ in range(2):
+        llm.generate([prompt], params, use_tqdm=False)
+    TIMES.clear()
+    start = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    print(f"==== {variant}: {len(out[0].outputs[0].token_ids) / elapsed:.1f} tok/s, {elapsed * 1e3:.1f} ms, "
+          f"stats {llm.scheduler_stats().get('spec_num_draft_tokens')}")
+    for key, values in TIMES.items():
+        print(f"{key:32s} n={len(values):4d} mean {1e3 * sum(values) / len(values):7.3f} ms "
+              f"total {1e3 * sum(values):8.1f} ms")
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""The worker's n-gram speculator without a model: histories written once per step (new
+requests and released slots in one copy), records of emitted tokens, and the proposer's graph
+path (padded to a captured size, the padding proposing for the scratch slot) equal to the
+direct path for the real rows."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.config import SpeculativeConfig
+from tokenmill.worker.speculator import Speculator
+
+
+def make(k: int = 3, slots: int = 9) -> Speculator:
+    return Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=k), slots, 64, torch.device("cpu"))
+
+
+def test_histories_flush_record_and_release() -> None:
+    spec = make()
+    spec.add(2, [5, 6, 7, 5, 6])
+    spec.add(4, [1, 2])
+    spec.release(3)
+    spec.flush()
+    assert spec.history[2, :5].tolist() == [5, 6, 7, 5, 6] and spec.history_len.tolist()[2:5] == [5, 0, 2]
+    spec.record_one(torch.tensor([2, 4]), torch.tensor([7, 9]))
+    spec.record(torch.tensor([4]), torch.tensor([[3, 4, 99]]), torch.tensor([2]))
+    assert spec.history[2, :6].tolist() == [5, 6, 7, 5, 6, 7]
+    assert spec.history[4, :5].tolist() == [1, 2, 9, 3, 4] and spec.history_len[4] == 5
+    spec.propose(torch.tensor([2]))
+    assert spec.drafts[2].tolist() == [5, 6, 7]  # "5 6 7" last seen at the start: 5 6 7 follows it
+    spec.release(2)
+    spec.flush()
+    assert spec.live_slots() == [4]
+
+
+class _EagerReplay:
+    def __init__(self, spec: Speculator, size: int) -> None:
+        self.spec, self.size = spec, size
+
+    def replay(self) -> None:
+        self.spec._propose(self.spec._graph_slots[:self.size])
+
+
+def test_graph_path_equals_direct_path() -> None:
+    phrases = torch.randint(3, 9, (8, 5), generator=torch.Generator().manual_seed(0))
+    direct, graphed = make(k=4), make(k=4)
+    for spec in (direct, graphed):
+        for slot in range(8):
+            spec.add(slot, phrases[slot].tolist() * 3)
+        spec.flush()
+    graphed._graph_slots = torch.full((8,), 8, dtype=torch.int64)
+    graphed._graphs = {size: _EagerReplay(graphed, size) for size in (1, 2, 4, 8)}
+    graphed._graph_sizes = [1, 2, 4, 8]
+    rows = torch.tensor([6, 1, 3])  # padded to 4: one row for the scratch slot
+    direct.propose(rows)
+    graphed.propose(rows)
+    assert direct.drafts[rows].ne(0).any()
+    assert torch.equal(graphed.drafts[rows], direct.drafts[rows])
+    assert graphed._graph_slots[:4].tolist() == [6, 1, 3, 8]
