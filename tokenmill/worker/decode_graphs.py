@@ -17,6 +17,9 @@ with the slot list) compute the rest as padding that writes no KV; the caller ke
 of the real positions (`verify_logits_rows`). Such a step's positions run up to k past the
 row's real ones, so it is replayed only when every row has that room below max_model_len.
 
+With a draft model (`mirror`: the draft's forward over the same inputs, for its KV), the body
+runs it after the target's, so that the draft's cache has every position the target's has.
+
 A pipeline stage's graphs cover its own layers: a later stage's body starts from static input
 buffers (`input_views`, filled with the previous stage's activations before each replay), and
 a stage before the last ends with its activations instead of logits (`PipelineStage.run_graph`).
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -47,8 +51,10 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, batch: PersistentBatch, kv_caches: list[torch.Tensor],
                  max_num_seqs: int, max_model_len: int, block_size: int, layout: RankLayout | None = None,
-                 query_len: int = 1, drafts: torch.Tensor | None = None) -> None:
+                 query_len: int = 1, drafts: torch.Tensor | None = None,
+                 mirror: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None] | None = None) -> None:
         self.model = model
+        self.mirror = mirror
         self.query_len = query_len
         self.drafts = drafts
         self.last_stage = layout is None or layout.is_last_stage
@@ -159,6 +165,8 @@ class DecodeGraphs:
                              IntermediateTensors.of([t[:size] for t in self.inputs]))
         else:
             out = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.mirror is not None:
+            self.mirror(input_ids, positions, meta)
         batch.num_computed_dev.index_add_(0, slots, advance)
         if not self.last_stage:
             return out.tensors()

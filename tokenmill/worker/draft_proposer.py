@@ -14,7 +14,10 @@ A proposal position past the row's allocated blocks goes to scratch blocks of th
 blocks before any step feeds a token there, and that step's mirror fills them.
 
 Proposals are drawn with the target's sampling parameters from the draft's distribution q (the
-MAIN noise stream at each output position); q is kept per slot for rejection sampling.
+MAIN noise stream at each output position); q is kept per slot for rejection sampling. While the
+sampling plan is plain greedy, a proposal is the argmax of the draft's logits, and on CUDA the k
+steps replay as one graph per padded batch size (`capture_greedy`; padding rows propose for the
+scratch slot, into scratch blocks).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ class DraftProposer:
         self.kv_caches: list[torch.Tensor] = []
         self.num_slots = num_slots
         self.probs: torch.Tensor | None = None  # float32 [slots, K, V]: q of each proposal (made on first use)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded rows -> the greedy k steps (CUDA)
+        self._graph_slots: torch.Tensor | None = None
 
     def kv_block_bytes(self, block_size: int) -> int:
         arch = self.config.arch
@@ -62,9 +67,42 @@ class DraftProposer:
     @torch.inference_mode()
     def propose(self, sampler, slots: torch.Tensor, next_token: torch.Tensor, num_computed: torch.Tensor,
                 block_table: torch.Tensor, num_blocks: torch.Tensor, block_size: int, max_model_len: int,
-                out: torch.Tensor, keep_probs: bool) -> None:
+                out: torch.Tensor, keep_probs: bool, greedy: bool = False) -> None:
         """k proposals for each of `slots` (int64 [S]) into `out[slots]` (int64 [slots, K]); with
-        `keep_probs`, their distributions q into `self.probs[slots]`."""
+        `keep_probs`, their distributions q into `self.probs[slots]`. `greedy`: the sampling plan is
+        plain greedy (proposals are the argmax; a captured graph replays when one fits)."""
+        rows = slots.shape[0]
+        size = next((s for s in sorted(self._graphs) if s >= rows), None) if greedy else None
+        if size is not None:
+            self._graph_slots[:rows].copy_(slots)
+            self._graph_slots[rows:size].fill_(self.num_slots - 1)  # the scratch slot
+            self._graphs[size].replay()
+            return
+        self._steps(None if greedy else sampler, slots, next_token, num_computed, block_table, num_blocks,
+                    block_size, max_model_len, out, keep_probs and not greedy)
+
+    @torch.inference_mode()
+    def capture_greedy(self, sizes: list[int], *tensors_and_sizes) -> None:
+        """Graphs of `propose(greedy=True)` for batches padded to `sizes`; `tensors_and_sizes`:
+        propose's arguments from `next_token` to `out` (persistent tensors, read at each replay)."""
+        self._graph_slots = torch.full((max(sizes),), self.num_slots - 1, dtype=torch.int64, device=self.device)
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for size in sorted(sizes, reverse=True):
+                self._steps(None, self._graph_slots[:size], *tensors_and_sizes, False)  # warm-up
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._steps(None, self._graph_slots[:size], *tensors_and_sizes, False)
+                self._graphs[size] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def _steps(self, sampler, slots: torch.Tensor, next_token: torch.Tensor, num_computed: torch.Tensor,
+               block_table: torch.Tensor, num_blocks: torch.Tensor, block_size: int, max_model_len: int,
+               out: torch.Tensor, keep_probs: bool) -> None:
+        """The k single-token draft steps; `sampler` None: each proposal is the argmax."""
         num_rows = slots.shape[0]
         tokens = next_token.index_select(0, slots)
         positions = num_computed.index_select(0, slots)
@@ -92,10 +130,13 @@ class DraftProposer:
                 query_start_loc_cpu=host_qsl, seq_lens_cpu=seq_lens if on_cpu else host_lens, seq_lens_exact=on_cpu)
             hidden = self.model(tokens, positions, self.kv_caches, meta)
             logits = self.model.compute_logits(hidden)
-            offsets = torch.full_like(slots, j)
-            q = sampler.probs(logits, slots, offsets)
-            tokens = sampler.draw(q, slots, offsets)
+            if sampler is None:
+                tokens = logits.argmax(dim=-1)
+            else:
+                offsets = torch.full_like(slots, j)
+                q = sampler.probs(logits, slots, offsets)
+                tokens = sampler.draw(q, slots, offsets)
+                if keep_probs:
+                    self.probs[slots, j] = q
             out[slots, j] = tokens
-            if keep_probs:
-                self.probs[slots, j] = q
             positions = positions + 1

@@ -24,17 +24,14 @@ from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
 from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
-from tokenmill.layers.sampling import Sampler, SamplingState
+from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
 from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
 from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
 from tokenmill.model.loader import load_model
 from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs, verify_logits_rows
-
-# Verification graphs are captured for batches up to this many rows (each holds logits for
-# rows * (k + 1) positions); larger batches verify eagerly, and at saturation nothing drafts.
-VERIFY_GRAPH_ROWS = 64
+from tokenmill.worker.greedy_tail import GreedyTail
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
 from tokenmill.worker.persistent_batch import PersistentBatch, to_device
 from tokenmill.worker.pp_stage import PipelineStage, apply_input_tokens
@@ -49,6 +46,10 @@ if TYPE_CHECKING:
     from tokenmill.worker.fault_injection import FaultInjector
 
 logger = logging.getLogger(__name__)
+
+# Verification graphs are captured for batches up to this many rows (each holds logits for
+# rows * (k + 1) positions); larger batches verify eagerly, and at saturation nothing drafts.
+VERIFY_GRAPH_ROWS = 64
 
 
 def attention_backend_class(name: str) -> type[AttentionBackend]:
@@ -84,7 +85,10 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.draft = None  # DraftProposer, for speculative_config method draft_model
         self.graphs: DecodeGraphs | None = None
-        self.verify_graphs: DecodeGraphs | None = None  # n-gram speculation: decode rows with drafts
+        self.verify_graphs: DecodeGraphs | None = None  # speculation: decode rows with drafts
+        # All-greedy steps end in a graph too (argmax, verification, state updates): one per family.
+        self.graph_tail: GreedyTail | None = None
+        self.verify_tail: GreedyTail | None = None
         self.on_device_work: Callable[[], None] | None = None  # called as each step's device work starts
         self.last_timings: dict[str, float] = {}
         self.num_placeholders_filled = 0  # decode inputs taken from a step not yet read back (async)
@@ -144,18 +148,33 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         warm_up_kernels(self)
-        if not self.config.enforce_eager and self.config.attention_backend == "triton" and self.draft is None:
-            self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, self.config.scheduler.max_num_seqs,
-                                       self.config.model.max_model_len, self.block_size, self.stage.layout)
-            self.graphs.capture()
-            if self.speculator is not None and self.stage.num_stages == 1:
-                k = self.speculator.k
-                self.verify_graphs = DecodeGraphs(
-                    self.model, self.batch, self.kv_caches, min(self.config.scheduler.max_num_seqs, VERIFY_GRAPH_ROWS),
-                    self.config.model.max_model_len, self.block_size, self.stage.layout, query_len=k + 1,
-                    drafts=self.speculator.drafts)
-                self.verify_graphs.capture()
-                self.speculator.capture(self.verify_graphs.sizes)
+        if not self.config.enforce_eager and self.config.attention_backend == "triton":
+            self.capture_graphs()
+
+    def capture_graphs(self) -> None:
+        """Decode graphs, and with speculation the verification graphs and the proposer's; each
+        family with its greedy step-end graph (the last pipeline stage)."""
+        max_seqs, max_len = self.config.scheduler.max_num_seqs, self.config.model.max_model_len
+        mirror = None if self.draft is None else self.draft.mirror
+        self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, max_seqs, max_len, self.block_size,
+                                   self.stage.layout, mirror=mirror)
+        self.graphs.capture()
+        if self.stage.is_last:
+            self.graph_tail = GreedyTail(self.graphs, self.batch, self.speculator)
+            self.graph_tail.capture()
+        if self.speculator is None or self.stage.num_stages > 1:
+            return
+        k = self.speculator.k
+        self.verify_graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, min(max_seqs, VERIFY_GRAPH_ROWS),
+                                          max_len, self.block_size, self.stage.layout, query_len=k + 1,
+                                          drafts=self.speculator.drafts, mirror=mirror)
+        self.verify_graphs.capture()
+        self.verify_tail = GreedyTail(self.verify_graphs, self.batch, self.speculator)
+        self.verify_tail.capture()
+        if self.draft is None:
+            self.speculator.capture(self.verify_graphs.sizes)
+        else:
+            self.draft.capture_greedy(self.verify_graphs.sizes, *self._draft_inputs())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
@@ -222,26 +241,32 @@ class ModelRunner:
         start = time.perf_counter()
         step_prompt_logprobs = []
         drafts = seq_lens = None
+        greedy_result = None  # a greedy step-end graph's packed result (greedy_tail.py)
         if use_graph:
             logits = self.stage.run_graph(graphs, slots, self.on_device_work, so.step_id)
             self.batch.num_computed[slots] += 1
             if logits is None:  # a pipeline stage before the last: its output went on to the next
                 timings["forward"] = time.perf_counter() - start
                 return PendingStep.empty(so.step_id)
+            if self._greedy_tail_applies(self.graph_tail):
+                greedy_result = self.graph_tail.run(len(slots))
             sample_rows = np.arange(len(slots))
             sample_slots = graphs.slots[:len(slots)]
             num_device_inputs = len(slots)
-        elif verify_graph:  # every row a decode, some verifying drafts: one replay (n-gram only)
+        elif verify_graph:  # every row a decode, some verifying drafts: one replay
             if self.on_device_work is not None:
                 self.on_device_work()
             drafts = counts - 1
             padded_logits = self.verify_graphs.run(slots, drafts)
             self.batch.num_computed[slots] += counts
-            real = to_device(verify_logits_rows(drafts, self.verify_graphs.query_len), self.device)
-            logits = padded_logits.index_select(0, real)
+            if self._greedy_tail_applies(self.verify_tail):
+                greedy_result = self.verify_tail.run(len(slots))
+            else:
+                real = to_device(verify_logits_rows(drafts, self.verify_graphs.query_len), self.device)
+                logits = padded_logits.index_select(0, real)
+                seq_lens = self.batch.num_computed_dev[self.verify_graphs.slots[:len(slots)]]
             sample_rows = np.arange(len(slots))
             sample_slots = self.verify_graphs.slots[:len(slots)]
-            seq_lens = self.batch.num_computed_dev[sample_slots]
             num_device_inputs = int(counts.sum())
         else:
             inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
@@ -265,7 +290,12 @@ class ModelRunner:
             self.num_placeholders_filled += num_device_inputs
         step = PendingStep(self, so.step_id, len(slots), sample_rows, slots[sample_rows], step_prompt_logprobs)
         # A row that fails alone (non-finite logits, sampling raising) fails only its request.
-        if len(sample_rows) and drafts is not None and drafts.any():
+        if greedy_result is not None:
+            if drafts is None:
+                step.start_readback(SamplerOutput(greedy_result, None), self.readback)
+            else:
+                step.start_packed_readback(greedy_result, self.readback, slots, drafts)
+        elif len(sample_rows) and drafts is not None and drafts.any():
             self._verify(logits, slots[sample_rows], sample_slots, drafts, seq_lens, step)
         elif len(sample_rows):
             non_finite = self._screen(logits, sample_slots)
@@ -276,10 +306,9 @@ class ModelRunner:
             step.start_readback(row_faults.mark_failed(out, non_finite, failed), self.readback)
         if self.speculator is not None and so.propose and len(sample_rows):
             if self.draft is not None:
-                self.draft.propose(self.sampler, sample_slots, self.batch.next_token_dev, self.batch.num_computed_dev,
-                                   self.batch.block_table_dev, self.batch.num_blocks_dev, self.block_size,
-                                   self.config.model.max_model_len, self.speculator.drafts,
-                                   keep_probs=self.sampling.plan.any_random)
+                plan = self.sampling.plan
+                self.draft.propose(self.sampler, sample_slots, *self._draft_inputs(), keep_probs=plan.any_random,
+                                   greedy=plan.plain_greedy)
             else:
                 self.speculator.propose(sample_slots)
         timings["sample"] = time.perf_counter() - start
@@ -287,6 +316,19 @@ class ModelRunner:
             prev.output()
         self._pending = step
         return step
+
+    def _draft_inputs(self) -> tuple:
+        """What the draft proposer reads and writes (persistent tensors; `propose`'s arguments)."""
+        b = self.batch
+        return (b.next_token_dev, b.num_computed_dev, b.block_table_dev, b.num_blocks_dev, self.block_size,
+                self.config.model.max_model_len, self.speculator.drafts)
+
+    def _greedy_tail_applies(self, tail: GreedyTail | None) -> bool:
+        """Whether this step may end in the greedy step-end graph: every active request plain
+        greedy without logprobs (what `Sampler.sample` would do is then one argmax), and no test
+        hooks on the sampling path."""
+        plan = self.sampling.plan
+        return tail is not None and plan.plain_greedy and plan.logprobs is None and self.faults is None
 
     def _fits_verify_graph(self, slots: np.ndarray, counts: np.ndarray) -> bool:
         """Whether a step of decode rows with drafts replays a verification graph: every row a

@@ -38,6 +38,7 @@ class PendingStep:
                                   if params[slot].logprobs is not None]
         self._output: ModelRunnerOutput | None = None
         self._speculative = False
+        self._packed = False  # a speculative read-back of one packed tensor (start_packed_readback)
         self._runner = runner
         self._draft_rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (index, slot, drafts)
         self._handles = np.zeros(0, dtype=np.int64)
@@ -53,7 +54,7 @@ class PendingStep:
             tensors += [lp.sampled_logprobs, lp.sampled_ranks, lp.topk_token_ids, lp.topk_logprobs]
         self._ticket = readback.start(tensors)
 
-    def start_speculative_readback(self, emitted: torch.Tensor, num_emitted: torch.Tensor, readback,
+    def start_speculative_readback(self, emitted: torch.Tensor, num_emitted: torch.Tensor | None, readback,
                                    sample_slots: np.ndarray, sample_drafts: np.ndarray,
                                    logprobs: list[torch.Tensor] | None = None) -> None:
         """A step whose sampling rows emitted 1..1+k tokens each (int64 [S, K+1] and [S]). Once
@@ -63,7 +64,14 @@ class PendingStep:
         self._draft_rows = (drafted, sample_slots[drafted], sample_drafts[drafted])
         self._handles = self._runner.batch.handle_of[sample_slots[drafted]]
         extra = logprobs if logprobs is not None and self._logprob_rows else []
-        self._ticket = readback.start([emitted, num_emitted, *extra])
+        self._packed = num_emitted is None
+        self._ticket = readback.start([emitted, *extra] if self._packed else [emitted, num_emitted, *extra])
+
+    def start_packed_readback(self, packed: torch.Tensor, readback, sample_slots: np.ndarray,
+                              sample_drafts: np.ndarray) -> None:
+        """`start_speculative_readback` of a greedy step-end graph's result: int64 [S, K + 2], each
+        row's emitted tokens then its emitted count (one copy)."""
+        self.start_speculative_readback(packed, None, readback, sample_slots, sample_drafts)
 
     def done(self) -> bool:
         """True when `output()` will not wait for the device."""
@@ -80,14 +88,18 @@ class PendingStep:
             host = self._ticket.wait()
             tokens = host[0].numpy()
             if self._speculative:
-                emitted, num_emitted = tokens, host[1].numpy()
+                if self._packed:
+                    emitted, num_emitted = tokens[:, :-1], tokens[:, -1]
+                else:
+                    emitted, num_emitted = tokens, host[1].numpy()
                 num_emitted, failed_rows, failures = split_failures(num_emitted, self.sample_rows, healthy=1)
                 counts[self.sample_rows] = num_emitted
                 keep = np.arange(emitted.shape[1])[None, :] < num_emitted[:, None]
                 sampled = emitted[keep].astype(_I32).tobytes()
                 self._correct_host_counts(num_emitted)
-                if len(host) > 2:
-                    logprobs = self._pack_logprobs(emitted[:, 0], *(t.numpy() for t in host[2:]))
+                extra = host[1:] if self._packed else host[2:]
+                if extra:
+                    logprobs = self._pack_logprobs(emitted[:, 0], *(t.numpy() for t in extra))
             else:
                 tokens, failed_rows, failures = split_failures(tokens, self.sample_rows)
                 sampled = tokens.astype(_I32).tobytes()

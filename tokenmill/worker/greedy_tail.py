@@ -1,0 +1,100 @@
+"""The end of an all-greedy decode step as a CUDA graph of its own, replayed right after the
+forward graph (`DecodeGraphs`): argmax, draft verification, and every device state update the
+step makes, in one launch instead of some sixty small ones.
+
+It reads the forward graph's static logits and row lists, and writes one packed int64 result
+that the caller clones for the read-back:
+- query_len 1 (plain decode): [size] sampled ids, -NON_FINITE_LOGITS on rows whose logits are
+  not finite;
+- query_len k + 1 (verification): [size, k + 2], each row's emitted tokens (-1 past the last)
+  then its emitted count (or the sentinel).
+and sets each real row's next input, its computed-token count (the forward graph counted every
+draft; rejected ones are taken back) and, with speculation on, appends the emitted tokens to
+the speculator's history. Padded rows (the scratch slot) change nothing that is read: their
+count and history length stay as they were.
+
+Valid only while the sampling plan is plain greedy with no logprobs (the caller checks): the
+argmax of the raw logits is then exactly what `Sampler.sample` returns and `Sampler.advance`
+has nothing to record. On CPU a "replay" runs the body eagerly (tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tokenmill.layers.sampling.spec_verify import verify_drafts
+from tokenmill.protocol import RowFailure
+from tokenmill.worker.decode_graphs import DecodeGraphs
+from tokenmill.worker.persistent_batch import PersistentBatch
+from tokenmill.worker.speculator import Speculator
+
+logger = logging.getLogger(__name__)
+
+
+class GreedyTail:
+    def __init__(self, graphs: DecodeGraphs, batch: PersistentBatch, speculator: Speculator | None) -> None:
+        assert graphs.last_stage, "only the last pipeline stage has logits"
+        self.graphs = graphs
+        self.batch = batch
+        self.speculator = speculator
+        self.results: dict[int, torch.Tensor] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """One graph per size of the forward graphs (which must be captured already)."""
+        start = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        # Every graph row is the scratch slot now: the bodies run here write nothing that is read.
+        with torch.cuda.stream(stream):
+            for size in reversed(self.graphs.sizes):
+                self.body(size)  # warm-up
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.results[size] = self.body(size)
+                self._graphs[size] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        logger.info("captured %d greedy step-end CUDA graphs in %.2f s", len(self._graphs),
+                    time.perf_counter() - start)
+
+    def run(self, num_rows: int) -> torch.Tensor:
+        """After the forward replay of `num_rows` rows: a fresh tensor with the rows' packed result."""
+        size = self.graphs.padded_size(num_rows)
+        graph = self._graphs.get(size)
+        if graph is None:  # not captured (CPU): run the body itself
+            self.results[size] = self.body(size)
+        else:
+            graph.replay()
+        return self.results[size][:num_rows].clone()
+
+    def body(self, size: int) -> torch.Tensor:
+        graphs, batch = self.graphs, self.batch
+        q = graphs.query_len
+        slots = graphs.slots[:size]
+        logits = graphs.logits[size]  # [size * q, V]
+        bad = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # per position
+        sampled = torch.where(bad, 0, logits.argmax(dim=-1))  # a failed row still gets a valid next input
+        real = slots != batch.scratch
+        failure = -int(RowFailure.NON_FINITE_LOGITS)
+        if q == 1:
+            batch.next_token_dev[slots] = sampled
+            if self.speculator is not None:
+                self.speculator.record(slots, sampled[:, None], real.to(torch.int64))
+            return torch.where(bad, failure, sampled)
+        num_drafts = graphs.num_drafts[:size]
+        emitted, num_emitted = verify_drafts(sampled.view(size, q), graphs.drafts[slots, :q - 1], num_drafts)
+        batch.next_token_dev[slots] = emitted.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
+        # The forward graph advanced each real row by 1 + its drafts: take the rejected ones back.
+        batch.num_computed_dev.index_add_(0, slots, torch.where(real, num_emitted - num_drafts - 1, 0))
+        if self.speculator is not None:
+            self.speculator.record(slots, emitted, torch.where(real, num_emitted, 0))
+        # Positions past a row's drafts are padding: their logits do not fail the row.
+        verified = torch.arange(q, device=slots.device)[None, :] <= num_drafts[:, None]
+        row_bad = (bad.view(size, q) & verified).any(dim=1)
+        return torch.cat([emitted, torch.where(row_bad, failure, num_emitted)[:, None]], dim=1)
