@@ -17,8 +17,10 @@ weights, benchmarks). Parts:
               and the per-step cost of the non-finite screen next to a Llama-8B LM head
   spec1:S     batch 1, 512 in x 256 out: plain, then the target as its own draft (k=4)
   spec256:S   256 x 256 x 128: plain, then adaptive n-gram speculation (k=4)
-  specreal:P  `tokenmill bench spec` on the GGUF file P (the real SmolLM2), batch 1, n-gram k=4,
-              in bfloat16 and float32
+  specreal:P  `tokenmill bench spec` on the GGUF file P (the real SmolLM2), batch 1: n-gram k=4 in
+              bfloat16 and float32, then the model as its own draft (k=4, bfloat16)
+  specsteps   scripts/spec_steps.py: host time per step, plain vs n-gram, batch 1
+  specgraphs  scripts/spec_graph_check.py: speculative outputs = plain on CUDA, every graph on
   spec_sampler  the speculative-decoding sampler tests on CUDA (bfloat16 logits in the distribution
               and greedy tests), then scripts/spec_sampler_check.py: verification and rejection
               sampling timed at R=256, K=4, V=49152, no host sync, allocated memory
@@ -343,12 +345,20 @@ def main() -> None:
             bench(results, shape, 256, 256, 128, baseline=False, extra=["--speculative-config", json.dumps(
                 {"method": "ngram", "num_speculative_tokens": 4})])
         elif name == "specreal":  # specreal:GGUF_PATH: the real SmolLM2 at batch 1, n-gram vs plain (bf16, then fp32)
-            for dtype in ("bfloat16", "float32"):
-                record = os.path.join(OUT, f"spec_real_ngram_{dtype}.json")
-                run_script(results, f"spec_real_ngram_{dtype}", [
+            ngram = {"method": "ngram", "num_speculative_tokens": 4}
+            self_draft = {"method": "draft_model", "model": shape, "num_speculative_tokens": 4}
+            for method, dtype, spec in (("ngram", "bfloat16", ngram), ("ngram", "float32", ngram),
+                                        ("self_draft", "bfloat16", self_draft)):
+                record = os.path.join(OUT, f"spec_real_{method}_{dtype}.json")
+                run_script(results, f"spec_real_{method}_{dtype}", [
                     "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "spec", "--model", shape,
                     "--dtype", dtype, "--num-prompts", "8", "--output-len", "256", "--output-json", record,
-                    "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})])
+                    "--speculative-config", json.dumps(spec)])
+        elif name == "specsteps":  # host time per step, plain vs n-gram, batch 1 (scripts/spec_steps.py)
+            run_script(results, "spec_steps", ["scripts/spec_steps.py"])
+        elif name == "specgraphs":  # speculative outputs = plain on CUDA with every graph on
+            run_script(results, "spec_graphs", ["scripts/spec_graph_check.py", "--output-json",
+                                                os.path.join(OUT, "spec_graph_check.json")])
         elif name == "parallel":  # parallel:float32 or parallel:bfloat16 runs one dtype
             parallel(results, (shape,) if shape else ("float32", "bfloat16"))
         elif name == "pbench":  # the model's kernels are warmed and graphs captured at start: no warm-up pass
