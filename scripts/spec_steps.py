@@ -1,8 +1,11 @@
 """Per-step host time of speculative vs plain decoding at batch 1 on CUDA (single process, no
-profiler): the scheduler's schedule and update, the worker's launch phases, the engine step."""
+profiler): the scheduler's schedule and update, the worker's launch phases, the engine step.
+`--cprofile` adds a cProfile of the timed run (the top functions by own time)."""
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import subprocess
 import sys
 import time
@@ -35,10 +38,11 @@ def timed(cls, name: str) -> None:
 
 
 def main() -> None:
-    variant = sys.argv[1] if len(sys.argv) > 1 else None
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    variant = args[0] if args else None
     if variant is None:
         for name in ("plain", "ngram"):
-            subprocess.run([sys.executable, __file__, name])
+            subprocess.run([sys.executable, __file__, name, *sys.argv[1:]])
         return
     for cls, name in ((Scheduler, "schedule"), (Scheduler, "update"), (EngineCore, "step"),
                       (ModelRunner, "launch"), (ModelRunner, "_verify"),
@@ -47,16 +51,22 @@ def main() -> None:
             timed(cls, name)
     path = config_dir("smollm2")
     prompt = {"prompt_token_ids": list(range(100, 140)) * 8}
-    params = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[2]) if len(sys.argv) > 2 else 256, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=int(args[1]) if len(args) > 1 else 256, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 4} if variant == "ngram" else None
     llm = LLM(path, load_format="dummy", dtype="bfloat16", single_process=True, max_model_len=2048,
               speculative_config=spec)
     for _ in range(2):
         llm.generate([prompt], params, use_tqdm=False)
     TIMES.clear()
+    profile = cProfile.Profile() if "--cprofile" in sys.argv else None
     start = time.perf_counter()
+    if profile is not None:
+        profile.enable()
     out = llm.generate([prompt], params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if profile is not None:
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(45)
     print(f"==== {variant}: {len(out[0].outputs[0].token_ids) / elapsed:.1f} tok/s, {elapsed * 1e3:.1f} ms, "
           f"stats {llm.scheduler_stats().get('spec_num_draft_tokens')}")
     for key, values in TIMES.items():

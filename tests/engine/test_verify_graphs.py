@@ -65,8 +65,7 @@ def with_eager_verify_graphs(llm, max_rows: int, tails: bool = False, decode: bo
             runner.graph_tail = _CountingTail(runner.graphs, runner.batch, runner.speculator, counts["tail"])
     draft = runner.draft
     if draft is not None:
-        import torch
-        draft._graph_slots = torch.full((max_rows,), draft.num_slots - 1, dtype=torch.int64)
+        draft._graph_slots = runner.verify_graphs.slots  # as captured: the verification rows' buffer
         args = runner._draft_inputs()
         draft._graphs = {size: _EagerReplay(lambda size=size: draft._steps(None, draft._graph_slots[:size], *args,
                                                                            False), counts["draft"])

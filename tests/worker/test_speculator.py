@@ -1,7 +1,7 @@
 """The worker's n-gram speculator without a model: histories written once per step (new
 requests and released slots in one copy), records of emitted tokens, and the proposer's graph
 path (padded to a captured size, the padding proposing for the scratch slot) equal to the
-direct path for the real rows."""
+direct path for the real rows, also when the rows are a prefix of the graphs' own buffer."""
 
 from __future__ import annotations
 
@@ -57,3 +57,7 @@ def test_graph_path_equals_direct_path() -> None:
     assert direct.drafts[rows].ne(0).any()
     assert torch.equal(graphed.drafts[rows], direct.drafts[rows])
     assert graphed._graph_slots[:4].tolist() == [6, 1, 3, 8]
+    # Rows given as a prefix of the buffer itself (the verification graph's rows): nothing copied.
+    graphed.drafts.zero_()
+    graphed.propose(graphed._graph_slots[:3])
+    assert torch.equal(graphed.drafts[rows], direct.drafts[rows])

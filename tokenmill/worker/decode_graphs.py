@@ -37,7 +37,7 @@ import torch
 from tokenmill.distributed.layout import RankLayout
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.model.intermediate import IntermediateTensors
-from tokenmill.worker.persistent_batch import PersistentBatch, to_device
+from tokenmill.worker.persistent_batch import PersistentBatch
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +65,10 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_num_seqs)
         device = batch.device
         largest = self.sizes[-1]
-        self.slots = torch.full((largest,), batch.scratch, dtype=torch.int64, device=device)
-        self.num_drafts = torch.zeros(largest, dtype=torch.int64, device=device)
+        # The rows' slots (padding: the scratch slot) and draft counts, loaded by one copy.
+        self._rows = torch.zeros((2, largest), dtype=torch.int64, device=device)
+        self._rows[0] = batch.scratch
+        self.slots, self.num_drafts = self._rows[0], self._rows[1]
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device) * query_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # the last stage's output
@@ -119,15 +121,16 @@ class DecodeGraphs:
         size = self.padded_size(len(slots))
         drafts = b"" if num_drafts is None else num_drafts.tobytes()
         key = (size, slots.tobytes(), drafts)
-        if key != self._loaded:  # the batch or its drafts changed: one copy of the padded lists
-            padded = np.full(2 * size, self.batch.scratch, dtype=np.int64)
-            padded[:len(slots)] = slots
-            padded[size:] = 0
+        if key != self._loaded:  # the batch or its drafts changed: one copy of both padded lists
+            rows = np.zeros(self._rows.shape, dtype=np.int64)
+            rows[0] = self.batch.scratch
+            rows[0, :len(slots)] = slots
             if num_drafts is not None:
-                padded[size:size + len(slots)] = num_drafts
-            host = to_device(padded, self.slots.device)
-            self.slots[:size].copy_(host[:size], non_blocking=True)
-            self.num_drafts[:size].copy_(host[size:], non_blocking=True)
+                rows[1, :len(slots)] = num_drafts
+            host = torch.from_numpy(rows)
+            if self._rows.is_cuda:
+                host = host.pin_memory()
+            self._rows.copy_(host, non_blocking=True)
             self._loaded = key
         self.graphs[size].replay()
         rows = len(slots) * self.query_len

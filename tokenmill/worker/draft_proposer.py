@@ -74,18 +74,22 @@ class DraftProposer:
         rows = slots.shape[0]
         size = next((s for s in sorted(self._graphs) if s >= rows), None) if greedy else None
         if size is not None:
-            self._graph_slots[:rows].copy_(slots)
-            self._graph_slots[rows:size].fill_(self.num_slots - 1)  # the scratch slot
+            if slots.data_ptr() != self._graph_slots.data_ptr():  # (else: the buffer itself, padded already)
+                self._graph_slots[:rows].copy_(slots)
+                self._graph_slots[rows:size].fill_(self.num_slots - 1)  # the scratch slot
             self._graphs[size].replay()
             return
         self._steps(None if greedy else sampler, slots, next_token, num_computed, block_table, num_blocks,
                     block_size, max_model_len, out, keep_probs and not greedy)
 
     @torch.inference_mode()
-    def capture_greedy(self, sizes: list[int], *tensors_and_sizes) -> None:
-        """Graphs of `propose(greedy=True)` for batches padded to `sizes`; `tensors_and_sizes`:
-        propose's arguments from `next_token` to `out` (persistent tensors, read at each replay)."""
-        self._graph_slots = torch.full((max(sizes),), self.num_slots - 1, dtype=torch.int64, device=self.device)
+    def capture_greedy(self, sizes: list[int], slots: torch.Tensor, *tensors_and_sizes) -> None:
+        """Graphs of `propose(greedy=True)` for batches padded to `sizes`, reading their rows from
+        `slots` (the verification graphs' row buffer, padded with the scratch slot: proposing for
+        a prefix of it copies nothing); `tensors_and_sizes`: propose's arguments from `next_token`
+        to `out` (persistent tensors, read at each replay)."""
+        assert slots.shape[0] >= max(sizes)
+        self._graph_slots = slots
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -172,9 +172,9 @@ class ModelRunner:
         self.verify_tail = GreedyTail(self.verify_graphs, self.batch, self.speculator)
         self.verify_tail.capture()
         if self.draft is None:
-            self.speculator.capture(self.verify_graphs.sizes)
+            self.speculator.capture(self.verify_graphs.sizes, self.verify_graphs.slots)
         else:
-            self.draft.capture_greedy(self.verify_graphs.sizes, *self._draft_inputs())
+            self.draft.capture_greedy(self.verify_graphs.sizes, self.verify_graphs.slots, *self._draft_inputs())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)

@@ -100,8 +100,9 @@ class Speculator:
         if size is None:
             self._propose(slots)
             return
-        self._graph_slots[:rows].copy_(slots)
-        self._graph_slots[rows:size].fill_(self.drafts.shape[0] - 1)  # padding proposes for the scratch slot
+        if slots.data_ptr() != self._graph_slots.data_ptr():  # (else: the buffer itself, padded already)
+            self._graph_slots[:rows].copy_(slots)
+            self._graph_slots[rows:size].fill_(self.drafts.shape[0] - 1)  # padding proposes for the scratch slot
         self._graphs[size].replay()
 
     def _propose(self, slots: torch.Tensor) -> None:
@@ -110,11 +111,13 @@ class Speculator:
                                            c.prompt_lookup_min, c.prompt_lookup_max)
 
     @torch.inference_mode()
-    def capture(self, sizes: list[int]) -> None:
+    def capture(self, sizes: list[int], slots: torch.Tensor) -> None:
         """CUDA graphs of the n-gram proposer for batches padded to `sizes` (its ~40 small kernels
-        cost more to launch than to run at small batch). The last slot is the scratch slot."""
-        largest = max(sizes)
-        self._graph_slots = torch.full((largest,), self.drafts.shape[0] - 1, dtype=torch.int64, device=self.device)
+        cost more to launch than to run at small batch), reading their rows from `slots` (int64
+        [max(sizes)]: the verification graphs' row buffer, padded with the scratch slot, which is
+        the last slot here too). A proposal for rows given as a prefix of that buffer copies nothing."""
+        assert slots.shape[0] >= max(sizes)
+        self._graph_slots = slots
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
