@@ -18,7 +18,7 @@ weights, benchmarks). Parts:
   spec1:S     batch 1, 512 in x 256 out: plain, then the target as its own draft (k=4)
   spec256:S   256 x 256 x 128: plain, then adaptive n-gram speculation (k=4)
   specreal:P  `tokenmill bench spec` on the GGUF file P (the real SmolLM2), batch 1: n-gram k=4 in
-              bfloat16 and float32, then the model as its own draft (k=4, bfloat16)
+              bfloat16 and float32, k=8 in bfloat16, then the model as its own draft (k=4, bfloat16)
   specsteps[:cprofile]  scripts/spec_steps.py: host time per step, plain vs n-gram, batch 1
   specgraphs  scripts/spec_graph_check.py: speculative outputs = plain on CUDA, every graph on
   spec_sampler  the speculative-decoding sampler tests on CUDA (bfloat16 logits in the distribution
@@ -347,8 +347,9 @@ def main() -> None:
         elif name == "specreal":  # specreal:GGUF_PATH: the real SmolLM2 at batch 1, n-gram vs plain (bf16, then fp32)
             ngram = {"method": "ngram", "num_speculative_tokens": 4}
             self_draft = {"method": "draft_model", "model": shape, "num_speculative_tokens": 4}
+            ngram8 = {**ngram, "num_speculative_tokens": 8}
             for method, dtype, spec in (("ngram", "bfloat16", ngram), ("ngram", "float32", ngram),
-                                        ("self_draft", "bfloat16", self_draft)):
+                                        ("ngram8", "bfloat16", ngram8), ("self_draft", "bfloat16", self_draft)):
                 record = os.path.join(OUT, f"spec_real_{method}_{dtype}.json")
                 run_script(results, f"spec_real_{method}_{dtype}", [
                     "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "spec", "--model", shape,
