@@ -1,7 +1,8 @@
 """Speculative decoding on CUDA with every graph on (decode and verification graphs, greedy
 step-end graphs, the n-gram and draft proposers' graphs): outputs must equal the plain engine's,
 token for token, for greedy and seeded requests, async on and off, and a batch mixing both (whose
-steps verify through the sampler instead of the greedy tail). Each engine runs in its own core
+steps verify through the sampler instead of the greedy tail); and requests run one at a time
+(their prefills replay the prompt-chunk graphs) equal to an eager engine's. Each engine runs in its own core
 process and is shut down before the next starts (one GPU, one pool at a time).
 
     python scripts/spec_graph_check.py [--output-json PATH]
@@ -24,9 +25,12 @@ from tests.helpers.tiny_models import make_tiny_model_dir  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
 
-def run(path: str, prompts, params, **engine) -> tuple[list[list[int]], dict]:
+def run(path: str, prompts, params, one_at_a_time: bool = False, **engine) -> tuple[list[list[int]], dict]:
     with LLM(path, dtype="float32", gpu_memory_utilization=0.2, max_model_len=256, **engine) as llm:
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        if one_at_a_time:  # batch-1 prefills: the prompt-chunk graphs
+            outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
         stats = llm.scheduler_stats()
     return [list(o.outputs[0].token_ids) for o in outs], stats
 
@@ -44,20 +48,34 @@ def main() -> None:
     ngram = {"method": "ngram", "num_speculative_tokens": 4, "max_step_tokens": 0}
     self_draft = {"method": "draft_model", "model": path, "num_speculative_tokens": 4, "max_step_tokens": 0}
     results, failed = {}, False
+    runs = {"greedy": [(n, a) for n in ("ngram", "self_draft") for a in (True, False)],
+            "seeded": [("ngram", True), ("self_draft", True)], "mixed": [("ngram", True), ("self_draft", False)]}
     for sampling, params in (("greedy", greedy), ("seeded", seeded), ("mixed", mixed)):
         want, _ = run(path, prompts, params, async_scheduling=False)
-        for name, spec in (("ngram", ngram), ("self_draft", self_draft)):
-            for async_scheduling in (True, False):
-                got, stats = run(path, prompts, params, speculative_config=spec, async_scheduling=async_scheduling)
-                same = sum(a == b for a, b in zip(got, want))
-                drafted, accepted = stats.get("spec_num_draft_tokens", 0), stats.get("spec_num_accepted_tokens", 0)
-                ok = same == len(want) and drafted > 0 and (name != "self_draft" or accepted == drafted)
-                failed |= not ok
-                key = f"{sampling}_{name}_{'async' if async_scheduling else 'sync'}"
-                results[key] = {"identical": same, "of": len(want), "draft_tokens": drafted, "accepted": accepted,
-                                "ok": ok}
-                print(f"{key:28s} identical {same}/{len(want)}  drafts {drafted:5d}  accepted {accepted:5d}  "
-                      f"{'ok' if ok else 'FAIL'}", flush=True)
+        for name, async_scheduling in runs[sampling]:
+            spec = ngram if name == "ngram" else self_draft
+            got, stats = run(path, prompts, params, speculative_config=spec, async_scheduling=async_scheduling)
+            same = sum(a == b for a, b in zip(got, want))
+            drafted, accepted = stats.get("spec_num_draft_tokens", 0), stats.get("spec_num_accepted_tokens", 0)
+            ok = same == len(want) and drafted > 0 and (name != "self_draft" or accepted == drafted)
+            failed |= not ok
+            key = f"{sampling}_{name}_{'async' if async_scheduling else 'sync'}"
+            results[key] = {"identical": same, "of": len(want), "draft_tokens": drafted, "accepted": accepted,
+                            "ok": ok}
+            print(f"{key:28s} identical {same}/{len(want)}  drafts {drafted:5d}  accepted {accepted:5d}  "
+                  f"{'ok' if ok else 'FAIL'}", flush=True)
+    # One request at a time: prefills replay the prompt-chunk graphs; the reference runs eagerly.
+    want, _ = run(path, prompts, greedy, one_at_a_time=True, enforce_eager=True)
+    for name, spec in (("plain", None), ("ngram", ngram), ("self_draft", self_draft)):
+        got, stats = run(path, prompts, greedy, one_at_a_time=True, speculative_config=spec)
+        same = sum(a == b for a, b in zip(got, want))
+        drafted, accepted = stats.get("spec_num_draft_tokens", 0), stats.get("spec_num_accepted_tokens", 0)
+        ok = same == len(want) and (spec is None or drafted > 0) and (name != "self_draft" or accepted == drafted)
+        failed |= not ok
+        results[f"one_at_a_time_{name}"] = {"identical": same, "of": len(want), "draft_tokens": drafted,
+                                            "accepted": accepted, "ok": ok}
+        print(f"{'one_at_a_time_' + name:28s} identical {same}/{len(want)} vs eager  drafts {drafted:5d}  "
+              f"accepted {accepted:5d}  {'ok' if ok else 'FAIL'}", flush=True)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)

@@ -35,6 +35,7 @@ from tokenmill.worker.greedy_tail import GreedyTail
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
 from tokenmill.worker.persistent_batch import PersistentBatch, to_device
 from tokenmill.worker.pp_stage import PipelineStage, apply_input_tokens
+from tokenmill.worker.prompt_graphs import PromptGraphs
 from tokenmill.worker.readback import Readback
 from tokenmill.worker import row_faults
 from tokenmill.worker.speculator import Speculator
@@ -89,6 +90,7 @@ class ModelRunner:
         # All-greedy steps end in a graph too (argmax, verification, state updates): one per family.
         self.graph_tail: GreedyTail | None = None
         self.verify_tail: GreedyTail | None = None
+        self.prompt_graphs: PromptGraphs | None = None  # steps of one prompt chunk (batch-1 prefill)
         self.on_device_work: Callable[[], None] | None = None  # called as each step's device work starts
         self.last_timings: dict[str, float] = {}
         self.num_placeholders_filled = 0  # decode inputs taken from a step not yet read back (async)
@@ -162,7 +164,12 @@ class ModelRunner:
         if self.stage.is_last:
             self.graph_tail = GreedyTail(self.graphs, self.batch, self.speculator)
             self.graph_tail.capture()
-        if self.speculator is None or self.stage.num_stages > 1:
+        if self.stage.num_stages > 1:
+            return
+        self.prompt_graphs = PromptGraphs(self.model, self.batch, self.kv_caches, max_len, self.block_size,
+                                          self.config.scheduler.max_num_batched_tokens, mirror=mirror)
+        self.prompt_graphs.capture()
+        if self.speculator is None:
             return
         k = self.speculator.k
         self.verify_graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, min(max_seqs, VERIFY_GRAPH_ROWS),
@@ -237,6 +244,7 @@ class ModelRunner:
         use_graph = (graphs is not None and one_token_each and graphs.padded_size(len(slots)) is not None
                      and self.batch.all_decode(slots))
         verify_graph = not one_token_each and self._fits_verify_graph(slots, counts)
+        prompt_graph = not use_graph and not verify_graph and self._fits_prompt_graph(slots, counts)
         timings["prepare"] = time.perf_counter() - start
         start = time.perf_counter()
         step_prompt_logprobs = []
@@ -268,6 +276,16 @@ class ModelRunner:
             sample_rows = np.arange(len(slots))
             sample_slots = self.verify_graphs.slots[:len(slots)]
             num_device_inputs = int(counts.sum())
+        elif prompt_graph:  # one prompt chunk alone (batch-1 prefill): one replay
+            if self.on_device_work is not None:
+                self.on_device_work()
+            slot, n = int(slots[0]), int(counts[0])
+            first = int(self.batch.num_computed[slot])
+            logits = self.prompt_graphs.run(slot, first, np.asarray(self.batch.tokens[slot][first:first + n]))
+            self.batch.num_computed[slot] = first + n
+            sample_rows = np.flatnonzero(first + n >= self.batch.num_known[slots])
+            sample_slots = self.prompt_graphs.slot
+            num_device_inputs = 0
         else:
             inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
                                        None if self.speculator is None else self.speculator.drafts)
@@ -329,6 +347,18 @@ class ModelRunner:
         hooks on the sampling path."""
         plan = self.sampling.plan
         return tail is not None and plan.plain_greedy and plan.logprobs is None and self.faults is None
+
+    def _fits_prompt_graph(self, slots: np.ndarray, counts: np.ndarray) -> bool:
+        """Whether a step replays a prompt-chunk graph: one row, whose chunk is all host-known
+        tokens (a prompt, or a resumed request's known tokens), no prompt logprobs, and a
+        captured size with room below max_model_len."""
+        graphs = self.prompt_graphs
+        if graphs is None or len(slots) != 1 or self.batch.num_prompt_logprobs:
+            return False
+        slot = slots[0]
+        first = int(self.batch.num_computed[slot])
+        return (first + int(counts[0]) <= self.batch.num_known[slot]
+                and graphs.padded_size(int(counts[0]), first) is not None)
 
     def _fits_verify_graph(self, slots: np.ndarray, counts: np.ndarray) -> bool:
         """Whether a step of decode rows with drafts replays a verification graph: every row a
