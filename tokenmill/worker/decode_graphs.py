@@ -37,6 +37,7 @@ import torch
 from tokenmill.distributed.layout import RankLayout
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.model.intermediate import IntermediateTensors
+from tokenmill.worker.graph_capture import capture_per_size
 from tokenmill.worker.persistent_batch import PersistentBatch
 
 logger = logging.getLogger(__name__)
@@ -90,22 +91,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._body(size)  # warm-up: compiles kernels, settles the allocator
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._body(size)
-                if self.last_stage:
-                    self.logits[size] = out
-                else:
-                    self.activations[size] = out
-                self.graphs[size] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self.graphs, outputs = capture_per_size(self.sizes, self._body)
+        if self.last_stage:
+            self.logits = outputs
+        else:
+            self.activations = outputs
         logger.info("captured %d decode CUDA graphs (batch 1..%d, %d query tokens per row) in %.1f s",
                     len(self.graphs), self.sizes[-1], self.query_len, time.perf_counter() - start)
 

@@ -27,6 +27,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.model.loader import load_model
+from tokenmill.worker.graph_capture import capture_per_size
 
 
 class DraftProposer:
@@ -90,18 +91,8 @@ class DraftProposer:
         to `out` (persistent tensors, read at each replay)."""
         assert slots.shape[0] >= max(sizes)
         self._graph_slots = slots
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in sorted(sizes, reverse=True):
-                self._steps(None, self._graph_slots[:size], *tensors_and_sizes, False)  # warm-up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._steps(None, self._graph_slots[:size], *tensors_and_sizes, False)
-                self._graphs[size] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self._graphs, _ = capture_per_size(
+            sizes, lambda size: self._steps(None, slots[:size], *tensors_and_sizes, False))
 
     def _steps(self, sampler, slots: torch.Tensor, next_token: torch.Tensor, num_computed: torch.Tensor,
                block_table: torch.Tensor, num_blocks: torch.Tensor, block_size: int, max_model_len: int,

@@ -28,6 +28,7 @@ import torch
 from tokenmill.layers.sampling.spec_verify import verify_drafts
 from tokenmill.protocol import RowFailure
 from tokenmill.worker.decode_graphs import DecodeGraphs
+from tokenmill.worker.graph_capture import capture_per_size
 from tokenmill.worker.persistent_batch import PersistentBatch
 from tokenmill.worker.speculator import Speculator
 
@@ -47,18 +48,8 @@ class GreedyTail:
     def capture(self) -> None:
         """One graph per size of the forward graphs (which must be captured already)."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
         # Every graph row is the scratch slot now: the bodies run here write nothing that is read.
-        with torch.cuda.stream(stream):
-            for size in reversed(self.graphs.sizes):
-                self.body(size)  # warm-up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.results[size] = self.body(size)
-                self._graphs[size] = graph
-        torch.cuda.current_stream().wait_stream(stream)
+        self._graphs, self.results = capture_per_size(self.graphs.sizes, self.body)
         torch.cuda.synchronize()
         logger.info("captured %d greedy step-end CUDA graphs in %.2f s", len(self._graphs),
                     time.perf_counter() - start)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.worker.graph_capture import capture_per_size
 from tokenmill.worker.persistent_batch import PersistentBatch
 
 logger = logging.getLogger(__name__)
@@ -64,18 +65,7 @@ class PromptGraphs:
     def capture(self) -> None:
         """Every size, largest first, into one pool. The inputs hold n = 0: nothing is written."""
         start = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in reversed(self.sizes):
-                self._body(size)  # warm-up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[size] = self._body(size)
-                self.graphs[size] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self.graphs, self.logits = capture_per_size(self.sizes, self._body)
         logger.info("captured %d prompt-chunk CUDA graphs (up to %d tokens) in %.1f s", len(self.graphs),
                     max(self.sizes, default=0), time.perf_counter() - start)
 

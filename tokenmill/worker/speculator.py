@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import SpeculativeConfig
+from tokenmill.worker.graph_capture import capture_per_size
 from tokenmill.worker.ngram_proposer import propose_ngram
 from tokenmill.worker.persistent_batch import to_device
 
@@ -118,16 +119,5 @@ class Speculator:
         the last slot here too). A proposal for rows given as a prefix of that buffer copies nothing."""
         assert slots.shape[0] >= max(sizes)
         self._graph_slots = slots
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for size in sorted(sizes, reverse=True):
-                self._propose(self._graph_slots[:size])  # warm-up
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._propose(self._graph_slots[:size])
-                self._graphs[size] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        self._graphs, _ = capture_per_size(sizes, lambda size: self._propose(slots[:size]))
         self._graph_sizes = sorted(sizes)
