@@ -7,25 +7,19 @@ block table says it is, accumulating in float32: one work item per (sequence,
 KV head), all of that head's query heads together (GQA without copies).
 
 It is plain C (no torch headers), built once per machine with the system C
-compiler (~1 s) into ~/.cache/tokenmill and called through ctypes. Where no
-compiler is found, the build fails, or TOKENMILL_NO_C_KERNELS=1 is set,
-`available()` is False and the torch path runs instead.
+compiler (~1 s, `c_build.py`) and called through ctypes. Where no compiler is
+found, the build fails, or TOKENMILL_NO_C_KERNELS=1 is set, `available()` is
+False and the torch path runs instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
-logger = logging.getLogger(__name__)
+from tokenmill.layers import c_build
 
 _SOURCE = r"""
 #include <math.h>
@@ -116,58 +110,18 @@ DECODE_KERNEL(decode_attention_f32, float, ld_f32, st_f32)
 DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, st_bf16)
 """
 
-# Reordered float32 sums so loops vectorize. Not -ffast-math: a shared object built with it
-# sets flush-to-zero for the whole process when loaded (gcc's crtfastmath), changing every
-# other float computation in it.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-          "-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build() -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        return None
-    key = hashlib.sha1("\0".join([_SOURCE, cc, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenmill")
-    path = os.path.join(cache, f"cpu_decode_{key}.so")
-    if not os.path.exists(path):
-        os.makedirs(cache, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src = os.path.join(tmp, "cpu_decode.c")
-            with open(src, "w") as f:
-                f.write(_SOURCE)
-            out = os.path.join(tmp, "cpu_decode.so")
-            subprocess.run([cc, *_FLAGS, src, "-o", out, "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(out, path)  # atomic: concurrent builders race harmlessly
-    lib = ctypes.CDLL(path)
-    for name in ("decode_attention_f32", "decode_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                       ctypes.c_int]
-    return lib
+# Reordered float32 sums so loops vectorize (c_build.py says why never -ffast-math).
+_FLAGS = (*c_build.BASE_FLAGS, "-fassociative-math", "-fno-signed-zeros")
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """Built (or loaded from the cache directory) once per process; None where it cannot be."""
-    if os.environ.get("TOKENMILL_NO_C_KERNELS", "") in ("1", "true", "yes"):
-        return None
-    try:
-        return _build()
-    except Exception as exc:  # noqa: BLE001 - no compiler, build error, unloadable library: use torch
-        logger.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
-        return None
+    return c_build.load_library("cpu_decode", _SOURCE, _FLAGS,
+                                {"decode_attention_f32": _ARGTYPES, "decode_attention_bf16": _ARGTYPES})
 
 
 def available() -> bool:
