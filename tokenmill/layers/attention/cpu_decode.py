@@ -51,6 +51,10 @@ static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,  
         const T *qp = q + (int64_t)s * q_s + (int64_t)(kh * G + g) * q_h;                      \
         for (int d = 0; d < HD; ++d) { qf[g * HD + d] = LD(qp + d) * scale; acc[g * HD + d] = 0.f; } \
     }                                                                                          \
+    if (L <= 0) { /* a padding row (no keys): zeros, and no read past the scratch */           \
+        for (int i = 0; i < G * HD; ++i) ST(out + ((int64_t)s * H + kh * G) * HD + i, 0.f);    \
+        return;                                                                                \
+    }                                                                                          \
     const int64_t row = (int64_t)Hkv * HD;                                                     \
     for (int l0 = 0, b = 0; l0 < L; l0 += bs, ++b) {                                           \
         const int n = L - l0 < bs ? L - l0 : bs;                                               \
@@ -85,7 +89,7 @@ static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,  
 }
 
 /* q: [S, H, D] with strides (q_s, q_h, 1); cache planes k, v: [slots, Hkv, D] contiguous;
-   block_table: [S, bt_s] int32; seq_lens: [S] int32 (>= 1); out: [S, H, D] contiguous. */
+   block_table: [S, bt_s] int32; seq_lens: [S] int32 (0: a padding row, zeros); out: [S, H, D] contiguous. */
 #define DECODE_KERNEL(NAME, T, LD, ST)                                                        \
 DECODE_ITEM(NAME##_d64, T, LD, ST, 64)                                                         \
 DECODE_ITEM(NAME##_d128, T, LD, ST, 128)                                                       \
@@ -97,7 +101,7 @@ void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,         
     _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                     \
     for (int w = 0; w < S * Hkv; ++w) {                                                        \
         const int s = w / Hkv, kh = w % Hkv, L = seq_lens[s];                                  \
-        float *qf = (float *)malloc(sizeof(float) * (size_t)G * (2 * D + L));                  \
+        float *qf = (float *)malloc(sizeof(float) * (size_t)G * (2 * D + (L > 0 ? L : 0)));    \
         const int32_t *bt = block_table + (int64_t)s * bt_s;                                   \
         if (D == 64) NAME##_d64(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, qf);   \
         else if (D == 128) NAME##_d128(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, qf); \

@@ -110,10 +110,11 @@ def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
             decode_lens.append(seq_lens[i])
         elif seq_lens[i] == q_len:
             fresh_by_len.setdefault(q_len, []).append(i)
-        elif split_short_chunks and q_len <= _SHORT_CHUNK:
+        elif split_short_chunks and q_len <= _SHORT_CHUNK and seq_lens[i] > q_len:
             # A short chunk after cached context (speculative verification: 1 + k tokens): each
             # query as a decode over the keys up to itself, in the C kernel, which reads K/V in
-            # place; the result is the one plain decoding of that token would get.
+            # place; the result is the one plain decoding of that token would get. (Padding rows
+            # of a verification graph have seq_len 0 < q_len: they stay chunks.)
             decode_rows.extend(range(qsl[i], qsl[i + 1]))
             decode_seqs.extend([i] * q_len)
             decode_lens.extend(range(seq_lens[i] - q_len + 1, seq_lens[i] + 1))
