@@ -164,3 +164,23 @@ def test_drafts_that_never_pass_are_dropped():
     stats = scheduler.stats()
     assert stats.spec_num_accepted_tokens == 0
     assert stats.spec_num_draft_tokens < 40, stats  # 200 steps; a non-adaptive k=4 would verify 796 drafts
+
+
+def test_a_drafting_row_fills_the_tokens_left_under_the_cap():
+    """Acceptance about 1/2: only the first positions are worth min_acceptance, but a step under
+    `max_step_tokens` costs the same with more tokens, so a drafting row verifies all it has room
+    for (probing rows aside: those keep their one draft)."""
+    k = 4
+    scheduler = spec_scheduler(400, k, max_step_tokens=64)
+    worker = FakeWorker(accepts=lambda h, p: p % 2 == 0, block_size=4)
+    max_tokens = 120
+    scheduler.add_request(Request(0, [11, 12, 13], SamplingParams(max_tokens=max_tokens, ignore_eos=True), (EOS,),
+                                  MAX_LEN))
+    counts = []
+    while scheduler.has_unfinished():
+        so = scheduler.schedule()
+        if so.num_drafts is not None:
+            counts += [int(d) for d in so.num_drafts if d]
+        scheduler.update(so, worker.execute(so))
+    assert counts and counts.count(k) >= len(counts) - 2, counts  # room near max_tokens aside
+    assert_no_leaks(scheduler)

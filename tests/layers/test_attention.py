@@ -138,3 +138,24 @@ def test_bfloat16(device: str) -> None:
 def test_rejects_bad_gqa_ratio() -> None:
     with pytest.raises(ValueError):
         TorchRefAttentionBackend(6, 4, HEAD_DIM, 1.0)
+
+
+def test_verification_chunk_equals_decoding_token_by_token_on_cpu() -> None:
+    """On CPU (C kernel), a short chunk after cached context (speculative verification: 1 + k
+    tokens) gets the same bits as decoding its tokens one step at a time."""
+    from tokenmill.layers.attention import cpu_decode
+    if not cpu_decode.available():
+        pytest.skip("the C decode-attention kernel is unavailable")
+    context, q_len = 37, 5
+    case = make_case([context], [q_len], 16, 9, 3, torch.float32, "cpu", head_dim=64)
+    backend = TorchRefAttentionBackend(9, 3, 64, 0.125)
+    together = backend.forward(case.q, case.k, case.v, case.kv_cache, case.meta)
+    for j in range(q_len):
+        seq_len = torch.tensor([context + j + 1], dtype=torch.int32)
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        meta = AttentionMetadata(num_tokens=1, max_query_len=1, max_seq_len=int(seq_len), query_start_loc=one,
+                                 seq_lens=seq_len, block_table=case.meta.block_table,
+                                 slot_mapping=case.meta.slot_mapping[j:j + 1], query_start_loc_cpu=one,
+                                 seq_lens_cpu=seq_len)
+        alone = backend.forward(case.q[j:j + 1], case.k[j:j + 1], case.v[j:j + 1], case.kv_cache, meta)
+        assert torch.equal(alone[0], together[j])

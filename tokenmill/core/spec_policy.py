@@ -7,8 +7,10 @@ recent acceptance (alpha_r: per-position acceptance, a decayed count with a prio
 Drafts are not free: a step costs about the same as a one-token-per-row step only while its
 tokens stay under `max_step_tokens` (the point where a forward pass stops being bound by reading
 the weights). So each step hands out the tokens left under that line to the most valuable draft
-positions, none below `min_acceptance`. At saturation nothing is left: no drafts, no proposing,
-the one-token path exactly as without speculation. `max_step_tokens=0` always drafts K.
+positions, none below `min_acceptance`; tokens still left after that cost about nothing, so rows
+that draft take further positions with them, up to K (most valuable first). At saturation nothing
+is left: no drafts, no proposing, the one-token path exactly as without speculation.
+`max_step_tokens=0` always drafts K.
 
 A row whose estimate fell below the line gets one probing draft every `PROBE_EVERY` steps when
 tokens are left, so that a request that starts repeating itself is noticed.
@@ -78,7 +80,18 @@ class SpecPolicy:
         if len(worth) > free:
             worth = worth[np.argpartition(-flat[worth], free - 1)[:free]]
         # alpha**j falls with j, so each row's picks are a prefix: counting them is enough.
-        drafts[slots[rows]] = np.bincount(worth // self.k, minlength=len(rows))
+        counts = np.bincount(worth // self.k, minlength=len(rows))
+        left = free - len(worth)
+        if left > 0:
+            # Tokens still free under the cap cost about nothing (the step is bound by reading the
+            # weights; on CUDA the verification graph computes k + 1 positions anyway), so rows
+            # already drafting (not just probing) take further positions, most valuable first.
+            further = ((counts > 0) & ~probe)[:, None] & (np.arange(self.k)[None, :] >= counts[:, None]) & (value > 0)
+            extra = further.ravel().nonzero()[0]
+            if len(extra) > left:
+                extra = extra[np.argpartition(-flat[extra], left - 1)[:left]]
+            counts += np.bincount(extra // self.k, minlength=len(rows))
+        drafts[slots[rows]] = counts
         return drafts
 
     def wants_proposals(self, num_running: int) -> bool:

@@ -9,10 +9,13 @@ of the MLP (`silu_mul_linear`) and residual adds (`linear_add`). The packed copy
 storage or version), so loading or re-initializing weights needs no hook.
 It costs one extra copy of the packed weights in memory.
 
-float32 CPU inputs of a few rows (speculative verification: 1 + k tokens per step) take the
-same packed oneDNN path: MKL's float32 GEMM for 2 to 32 rows is many times slower than its
-one-row GEMV on the AMD CPUs measured (docs/results/spec-decode-cpu.md), oneDNN's is not.
-One row and many rows stay on `F.linear`.
+float32 CPU inputs of 1 to 8 rows (decode, and speculative verification: 1 + k tokens per
+step) go to a small C kernel (`cpu_gemm.py`) that reads the weight once for all rows, so
+verifying k drafts costs about what decoding one token does, and each row's result is the same
+bit for bit at any row count. 9 to 32 rows take the packed oneDNN path (MKL's float32 GEMM
+at a few rows is several times slower than its one-row GEMV on the AMD CPUs measured,
+docs/results/spec-decode.md); many rows stay on `F.linear`. Without the C kernel, 2 to 32 rows
+go to oneDNN and one row to `F.linear`.
 
 Anywhere else (GPUs, no oneDNN, or if packing ever fails) it is plain `F.linear`.
 """
@@ -24,6 +27,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.layers import cpu_gemm
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +60,8 @@ class PackedWeight:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: PackedWeight) -> torch.Tensor:
+    if cpu_gemm.supports(x, weight, bias):
+        return cpu_gemm.linear(x, weight, bias)
     if _use_packed(x, weight, cache):
         try:
             x2 = x.reshape(-1, x.shape[-1])
@@ -75,7 +82,9 @@ def _use_packed(x: torch.Tensor, weight: torch.Tensor, cache: PackedWeight) -> b
     if x.dtype == torch.bfloat16:
         return True
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return x.dtype == torch.float32 and _FEW_ROWS[0] <= rows <= _FEW_ROWS[1]
+    if x.dtype != torch.float32 or not _FEW_ROWS[0] <= rows <= _FEW_ROWS[1]:
+        return False
+    return rows > cpu_gemm.MAX_ROWS or not cpu_gemm.available()  # fewer rows: cpu_gemm
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, other: torch.Tensor,

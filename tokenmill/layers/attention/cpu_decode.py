@@ -7,25 +7,19 @@ block table says it is, accumulating in float32: one work item per (sequence,
 KV head), all of that head's query heads together (GQA without copies).
 
 It is plain C (no torch headers), built once per machine with the system C
-compiler (~1 s) into ~/.cache/tokenmill and called through ctypes. Where no
-compiler is found, the build fails, or TOKENMILL_NO_C_KERNELS=1 is set,
-`available()` is False and the torch path runs instead.
+compiler (~1 s, `c_build.py`) and called through ctypes. Where no compiler is
+found, the build fails, or TOKENMILL_NO_C_KERNELS=1 is set, `available()` is
+False and the torch path runs instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 
 import torch
 
-logger = logging.getLogger(__name__)
+from tokenmill.layers import c_build
 
 _SOURCE = r"""
 #include <math.h>
@@ -56,6 +50,10 @@ static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,  
     for (int g = 0; g < G; ++g) {                                                              \
         const T *qp = q + (int64_t)s * q_s + (int64_t)(kh * G + g) * q_h;                      \
         for (int d = 0; d < HD; ++d) { qf[g * HD + d] = LD(qp + d) * scale; acc[g * HD + d] = 0.f; } \
+    }                                                                                          \
+    if (L <= 0) { /* a padding row (no keys): zeros, and no read past the scratch */           \
+        for (int i = 0; i < G * HD; ++i) ST(out + ((int64_t)s * H + kh * G) * HD + i, 0.f);    \
+        return;                                                                                \
     }                                                                                          \
     const int64_t row = (int64_t)Hkv * HD;                                                     \
     for (int l0 = 0, b = 0; l0 < L; l0 += bs, ++b) {                                           \
@@ -91,7 +89,7 @@ static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,  
 }
 
 /* q: [S, H, D] with strides (q_s, q_h, 1); cache planes k, v: [slots, Hkv, D] contiguous;
-   block_table: [S, bt_s] int32; seq_lens: [S] int32 (>= 1); out: [S, H, D] contiguous. */
+   block_table: [S, bt_s] int32; seq_lens: [S] int32 (0: a padding row, zeros); out: [S, H, D] contiguous. */
 #define DECODE_KERNEL(NAME, T, LD, ST)                                                        \
 DECODE_ITEM(NAME##_d64, T, LD, ST, 64)                                                         \
 DECODE_ITEM(NAME##_d128, T, LD, ST, 128)                                                       \
@@ -103,7 +101,7 @@ void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,         
     _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                     \
     for (int w = 0; w < S * Hkv; ++w) {                                                        \
         const int s = w / Hkv, kh = w % Hkv, L = seq_lens[s];                                  \
-        float *qf = (float *)malloc(sizeof(float) * (size_t)G * (2 * D + L));                  \
+        float *qf = (float *)malloc(sizeof(float) * (size_t)G * (2 * D + (L > 0 ? L : 0)));    \
         const int32_t *bt = block_table + (int64_t)s * bt_s;                                   \
         if (D == 64) NAME##_d64(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, qf);   \
         else if (D == 128) NAME##_d128(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, qf); \
@@ -116,58 +114,18 @@ DECODE_KERNEL(decode_attention_f32, float, ld_f32, st_f32)
 DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, st_bf16)
 """
 
-# Reordered float32 sums so loops vectorize. Not -ffast-math: a shared object built with it
-# sets flush-to-zero for the whole process when loaded (gcc's crtfastmath), changing every
-# other float computation in it.
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
-          "-fno-signed-zeros", "-fopenmp", "-shared", "-fPIC"]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build() -> ctypes.CDLL | None:
-    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if cc is None:
-        return None
-    key = hashlib.sha1("\0".join([_SOURCE, cc, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
-    cache = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenmill")
-    path = os.path.join(cache, f"cpu_decode_{key}.so")
-    if not os.path.exists(path):
-        os.makedirs(cache, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            src = os.path.join(tmp, "cpu_decode.c")
-            with open(src, "w") as f:
-                f.write(_SOURCE)
-            out = os.path.join(tmp, "cpu_decode.so")
-            subprocess.run([cc, *_FLAGS, src, "-o", out, "-lm"], check=True, capture_output=True, timeout=120)
-            os.replace(out, path)  # atomic: concurrent builders race harmlessly
-    lib = ctypes.CDLL(path)
-    for name in ("decode_attention_f32", "decode_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-                       ctypes.c_int]
-    return lib
+# Reordered float32 sums so loops vectorize (c_build.py says why never -ffast-math).
+_FLAGS = (*c_build.BASE_FLAGS, "-fassociative-math", "-fno-signed-zeros")
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int]
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     """Built (or loaded from the cache directory) once per process; None where it cannot be."""
-    if os.environ.get("TOKENMILL_NO_C_KERNELS", "") in ("1", "true", "yes"):
-        return None
-    try:
-        return _build()
-    except Exception as exc:  # noqa: BLE001 - no compiler, build error, unloadable library: use torch
-        logger.warning("CPU decode attention kernel unavailable, using torch: %s", exc)
-        return None
+    return c_build.load_library("cpu_decode", _SOURCE, _FLAGS,
+                                {"decode_attention_f32": _ARGTYPES, "decode_attention_bf16": _ARGTYPES})
 
 
 def available() -> bool:

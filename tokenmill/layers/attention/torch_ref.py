@@ -10,8 +10,10 @@ a `_StepPlan` and shared by every layer; each layer then runs a handful of ops:
 - Decodes (query length 1): on CPU, one call of a small C kernel that reads K/V
   in place through the block table (`cpu_decode.py`); elsewhere (or without a C
   compiler) one gather of their blocks into a buffer reused by every layer,
-  then one masked SDPA call over all of them.
-- Prefill chunks with cached context: one SDPA call each over their own
+  then one masked SDPA call over all of them. On CPU with the kernel, short
+  chunks after cached context (speculative verification) join them, one
+  single-query attention per token.
+- Other prefill chunks with cached context: one SDPA call each over their own
   context, with a causal mask offset by the context.
 
 GQA never copies K/V per query head: decodes fold the query heads sharing a KV
@@ -30,6 +32,11 @@ import torch.nn.functional as F
 from tokenmill.layers.attention import cpu_decode
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
+
+
+# On CPU with the C kernel, chunks after cached context of at most this many tokens run as
+# single-query attentions (see `_build_plan`).
+_SHORT_CHUNK = 16
 
 
 @dataclass
@@ -87,16 +94,30 @@ def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
         slots = slots[valid_rows]
     plan = _StepPlan(num_tokens=n, slots=slots, valid_rows=valid_rows)
 
-    decodes: list[int] = []
+    # Single-query attentions: each query row, its sequence, and how many keys it sees.
+    decode_rows: list[int] = []
+    decode_seqs: list[int] = []
+    decode_lens: list[int] = []
+    split_short_chunks = device.type == "cpu" and cpu_decode.available()
     fresh_by_len: dict[int, list[int]] = {}
     for i in range(len(seq_lens)):
         q_len = qsl[i + 1] - qsl[i]
         if q_len == 0:
             continue
         if q_len == 1:
-            decodes.append(i)
+            decode_rows.append(qsl[i])
+            decode_seqs.append(i)
+            decode_lens.append(seq_lens[i])
         elif seq_lens[i] == q_len:
             fresh_by_len.setdefault(q_len, []).append(i)
+        elif split_short_chunks and q_len <= _SHORT_CHUNK and seq_lens[i] > q_len:
+            # A short chunk after cached context (speculative verification: 1 + k tokens): each
+            # query as a decode over the keys up to itself, in the C kernel, which reads K/V in
+            # place; the result is the one plain decoding of that token would get. (Padding rows
+            # of a verification graph have seq_len 0 < q_len: they stay chunks.)
+            decode_rows.extend(range(qsl[i], qsl[i + 1]))
+            decode_seqs.extend([i] * q_len)
+            decode_lens.extend(range(seq_lens[i] - q_len + 1, seq_lens[i] + 1))
         else:
             seq_len = seq_lens[i]
             mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(seq_len - q_len)
@@ -125,21 +146,20 @@ def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
     plan.all_fresh = (len(plan.fresh) == 1 and isinstance(plan.fresh[0][1], int)
                       and plan.fresh[0][1] == 0 and plan.fresh[0][0] * plan.fresh[0][2] == n)
 
-    if decodes:
-        s = len(decodes)
+    if decode_rows:
+        s = len(decode_rows)
         plan.num_decodes = s
-        rows = [qsl[i] for i in decodes]
-        plan.decode_contiguous = rows == list(range(s))
-        plan.decode_rows = torch.tensor(rows, dtype=torch.int64).to(device)
-        max_len = max(seq_lens[i] for i in decodes)
-        nb = -(-max_len // block_size)
-        seq_idx = torch.tensor(decodes, dtype=torch.int64).to(device)
+        plan.decode_contiguous = decode_rows == list(range(s))
+        plan.decode_rows = torch.tensor(decode_rows, dtype=torch.int64).to(device)
+        nb = -(-max(decode_lens) // block_size)
+        seq_idx = torch.tensor(decode_seqs, dtype=torch.int64).to(device)
+        lens = torch.tensor(decode_lens, dtype=torch.int64).to(device)
         if device.type == "cpu" and cpu_decode.available():
             plan.decode_block_table = meta.block_table[seq_idx, :nb].to(torch.int32).contiguous()
-            plan.decode_seq_lens = meta.seq_lens[seq_idx].to(torch.int32).contiguous()
+            plan.decode_seq_lens = lens.to(torch.int32)
         plan.decode_blocks = meta.block_table[seq_idx, :nb].reshape(-1).long()
         keys = torch.arange(nb * block_size, device=device)
-        plan.decode_mask = (keys[None, :] < meta.seq_lens[seq_idx, None]).view(s, 1, 1, nb * block_size)
+        plan.decode_mask = (keys[None, :] < lens[:, None]).view(s, 1, 1, nb * block_size)
     return plan
 
 
