@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,6 +52,20 @@ logger = logging.getLogger(__name__)
 # Verification graphs are captured for batches up to this many rows (each holds logits for
 # rows * (k + 1) positions); larger batches verify eagerly, and at saturation nothing drafts.
 VERIFY_GRAPH_ROWS = 64
+
+
+@dataclass
+class Forward:
+    """A step's forward pass, as the sampling part of `launch` needs it."""
+
+    logits: torch.Tensor | None  # [sampling positions, V]; None when `greedy_result` holds the step's end
+    sample_rows: np.ndarray  # batch rows that sample
+    sample_slots: torch.Tensor  # their slots, on the device
+    num_device_inputs: int  # inputs taken from the device (decode rows), for the async counters
+    drafts: np.ndarray | None = None  # per sampling row: drafts it verifies (speculation)
+    seq_lens: torch.Tensor | None = None  # per sampling row: context after the step (verification)
+    greedy_result: torch.Tensor | None = None  # the greedy step-end graph's packed result
+    prompt_logprobs: list = field(default_factory=list)
 
 
 def attention_backend_class(name: str) -> type[AttentionBackend]:
@@ -247,75 +262,33 @@ class ModelRunner:
         prompt_graph = not use_graph and not verify_graph and self._fits_prompt_graph(slots, counts)
         timings["prepare"] = time.perf_counter() - start
         start = time.perf_counter()
-        step_prompt_logprobs = []
-        drafts = seq_lens = None
-        greedy_result = None  # a greedy step-end graph's packed result (greedy_tail.py)
         if use_graph:
-            logits = self.stage.run_graph(graphs, slots, self.on_device_work, so.step_id)
-            self.batch.num_computed[slots] += 1
-            if logits is None:  # a pipeline stage before the last: its output went on to the next
-                timings["forward"] = time.perf_counter() - start
-                return PendingStep.empty(so.step_id)
-            if self._greedy_tail_applies(self.graph_tail):
-                greedy_result = self.graph_tail.run(len(slots))
-            sample_rows = np.arange(len(slots))
-            sample_slots = graphs.slots[:len(slots)]
-            num_device_inputs = len(slots)
-        elif verify_graph:  # every row a decode, some verifying drafts: one replay
-            if self.on_device_work is not None:
-                self.on_device_work()
-            drafts = counts - 1
-            padded_logits = self.verify_graphs.run(slots, drafts)
-            self.batch.num_computed[slots] += counts
-            if self._greedy_tail_applies(self.verify_tail):
-                greedy_result = self.verify_tail.run(len(slots))
-            else:
-                real = to_device(verify_logits_rows(drafts, self.verify_graphs.query_len), self.device)
-                logits = padded_logits.index_select(0, real)
-                seq_lens = self.batch.num_computed_dev[self.verify_graphs.slots[:len(slots)]]
-            sample_rows = np.arange(len(slots))
-            sample_slots = self.verify_graphs.slots[:len(slots)]
-            num_device_inputs = int(counts.sum())
-        elif prompt_graph:  # one prompt chunk alone (batch-1 prefill): one replay
-            if self.on_device_work is not None:
-                self.on_device_work()
-            slot, n = int(slots[0]), int(counts[0])
-            first = int(self.batch.num_computed[slot])
-            logits = self.prompt_graphs.run(slot, first, np.asarray(self.batch.tokens[slot][first:first + n]))
-            self.batch.num_computed[slot] = first + n
-            sample_rows = np.flatnonzero(first + n >= self.batch.num_known[slots])
-            sample_slots = self.prompt_graphs.slot
-            num_device_inputs = 0
+            fwd = self._forward_decode_graph(slots, so.step_id)
+        elif verify_graph:
+            fwd = self._forward_verify_graph(slots, counts)
+        elif prompt_graph:
+            fwd = self._forward_prompt_graph(slots, counts)
         else:
-            inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
-                                       None if self.speculator is None else self.speculator.drafts)
-            hidden = self.stage.run(self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta,
-                                    so.step_id)
-            if hidden is None:  # a pipeline stage before the last: its output went on to the next
-                timings["forward"] = time.perf_counter() - start
-                return PendingStep.empty(so.step_id)
-            if self.draft is not None:
-                self.draft.mirror(inputs.input_ids, inputs.positions, inputs.meta)
-            if self.batch.num_prompt_logprobs:
-                step_prompt_logprobs = prompt_logprobs(self, slots, counts, hidden, inputs.meta)
-            logits = self.model.compute_logits(hidden[inputs.logits_indices])
-            sample_rows, sample_slots = inputs.sample_rows, inputs.sample_slots
-            num_device_inputs = inputs.num_device_inputs
-            drafts, seq_lens = inputs.sample_drafts, inputs.sample_seq_lens
+            fwd = self._forward_eager(slots, counts, so.step_id)
+        if fwd is None:  # a pipeline stage before the last: its output went on to the next
+            timings["forward"] = time.perf_counter() - start
+            return PendingStep.empty(so.step_id)
+        sample_rows, sample_slots, drafts = fwd.sample_rows, fwd.sample_slots, fwd.drafts
         timings["forward"] = time.perf_counter() - start
         start = time.perf_counter()
         if prev is not None and not prev.on_host:
-            self.num_placeholders_filled += num_device_inputs
-        step = PendingStep(self, so.step_id, len(slots), sample_rows, slots[sample_rows], step_prompt_logprobs)
+            self.num_placeholders_filled += fwd.num_device_inputs
+        step = PendingStep(self, so.step_id, len(slots), sample_rows, slots[sample_rows], fwd.prompt_logprobs)
         # A row that fails alone (non-finite logits, sampling raising) fails only its request.
-        if greedy_result is not None:
+        if fwd.greedy_result is not None:
             if drafts is None:
-                step.start_readback(SamplerOutput(greedy_result, None), self.readback)
+                step.start_readback(SamplerOutput(fwd.greedy_result, None), self.readback)
             else:
-                step.start_packed_readback(greedy_result, self.readback, slots, drafts)
+                step.start_packed_readback(fwd.greedy_result, self.readback, slots, drafts)
         elif len(sample_rows) and drafts is not None and drafts.any():
-            self._verify(logits, slots[sample_rows], sample_slots, drafts, seq_lens, step)
+            self._verify(fwd.logits, slots[sample_rows], sample_slots, drafts, fwd.seq_lens, step)
         elif len(sample_rows):
+            logits = fwd.logits
             non_finite = self._screen(logits, sample_slots)
             out, failed = row_faults.sample_rows(self._sample, logits, sample_slots, self.sampling.scratch_slot)
             self.batch.next_token_dev[sample_slots] = out.sampled
@@ -334,6 +307,62 @@ class ModelRunner:
             prev.output()
         self._pending = step
         return step
+
+    # ------------------------------------------------------------------ forward passes
+
+    def _forward_decode_graph(self, slots: np.ndarray, step_id: int) -> Forward | None:
+        """Every row a one-token decode: one replay (and the greedy tail when it applies)."""
+        graphs = self.graphs
+        logits = self.stage.run_graph(graphs, slots, self.on_device_work, step_id)
+        self.batch.num_computed[slots] += 1
+        if logits is None:
+            return None
+        tail = self.graph_tail.run(len(slots)) if self._greedy_tail_applies(self.graph_tail) else None
+        return Forward(logits, np.arange(len(slots)), graphs.slots[:len(slots)], len(slots), greedy_result=tail)
+
+    def _forward_verify_graph(self, slots: np.ndarray, counts: np.ndarray) -> Forward:
+        """Every row a decode, some verifying drafts: one replay; the logits of the real positions,
+        or the greedy tail's result when it applies."""
+        if self.on_device_work is not None:
+            self.on_device_work()
+        graphs, drafts = self.verify_graphs, counts - 1
+        padded_logits = graphs.run(slots, drafts)
+        self.batch.num_computed[slots] += counts
+        fwd = Forward(None, np.arange(len(slots)), graphs.slots[:len(slots)], int(counts.sum()), drafts=drafts)
+        if self._greedy_tail_applies(self.verify_tail):
+            fwd.greedy_result = self.verify_tail.run(len(slots))
+        else:
+            real = to_device(verify_logits_rows(drafts, graphs.query_len), self.device)
+            fwd.logits = padded_logits.index_select(0, real)
+            fwd.seq_lens = self.batch.num_computed_dev[fwd.sample_slots]
+        return fwd
+
+    def _forward_prompt_graph(self, slots: np.ndarray, counts: np.ndarray) -> Forward:
+        """One prompt chunk alone (batch-1 prefill): one replay."""
+        if self.on_device_work is not None:
+            self.on_device_work()
+        slot, n = int(slots[0]), int(counts[0])
+        first = int(self.batch.num_computed[slot])
+        logits = self.prompt_graphs.run(slot, first, np.asarray(self.batch.tokens[slot][first:first + n]))
+        self.batch.num_computed[slot] = first + n
+        return Forward(logits, np.flatnonzero(first + n >= self.batch.num_known[slots]), self.prompt_graphs.slot, 0)
+
+    def _forward_eager(self, slots: np.ndarray, counts: np.ndarray, step_id: int) -> Forward | None:
+        """Any step: inputs built on the host (`step_inputs.py`), the model run eagerly."""
+        inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
+                                   None if self.speculator is None else self.speculator.drafts)
+        hidden = self.stage.run(self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, step_id)
+        if hidden is None:
+            return None
+        if self.draft is not None:
+            self.draft.mirror(inputs.input_ids, inputs.positions, inputs.meta)
+        step_prompt_logprobs = []
+        if self.batch.num_prompt_logprobs:
+            step_prompt_logprobs = prompt_logprobs(self, slots, counts, hidden, inputs.meta)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return Forward(logits, inputs.sample_rows, inputs.sample_slots, inputs.num_device_inputs,
+                       drafts=inputs.sample_drafts, seq_lens=inputs.sample_seq_lens,
+                       prompt_logprobs=step_prompt_logprobs)
 
     def _draft_inputs(self) -> tuple:
         """What the draft proposer reads and writes (persistent tensors; `propose`'s arguments)."""
