@@ -50,7 +50,6 @@ def test_graph_path_equals_direct_path() -> None:
         spec.flush()
     graphed._graph_slots = torch.full((8,), 8, dtype=torch.int64)
     graphed._graphs = {size: _EagerReplay(graphed, size) for size in (1, 2, 4, 8)}
-    graphed._graph_sizes = [1, 2, 4, 8]
     rows = torch.tensor([6, 1, 3])  # padded to 4: one row for the scratch slot
     direct.propose(rows)
     graphed.propose(rows)

@@ -37,8 +37,8 @@ import torch
 from tokenmill.distributed.layout import RankLayout
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.model.intermediate import IntermediateTensors
-from tokenmill.worker.graph_capture import capture_per_size
-from tokenmill.worker.persistent_batch import PersistentBatch
+from tokenmill.worker.graph_capture import capture_per_size, smallest_fitting
+from tokenmill.worker.persistent_batch import PersistentBatch, copy_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +84,7 @@ class DecodeGraphs:
 
     def padded_size(self, num_rows: int) -> int | None:
         """The smallest captured size that holds `num_rows`; None when none does."""
-        if num_rows > self.sizes[-1]:
-            return None
-        return next(s for s in self.sizes if s >= num_rows)
+        return smallest_fitting(self.sizes, num_rows)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -117,10 +115,7 @@ class DecodeGraphs:
             rows[0, :len(slots)] = slots
             if num_drafts is not None:
                 rows[1, :len(slots)] = num_drafts
-            host = torch.from_numpy(rows)
-            if self._rows.is_cuda:
-                host = host.pin_memory()
-            self._rows.copy_(host, non_blocking=True)
+            copy_to_device(rows, self._rows)
             self._loaded = key
         self.graphs[size].replay()
         rows = len(slots) * self.query_len

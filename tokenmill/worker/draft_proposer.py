@@ -27,7 +27,7 @@ import torch
 from tokenmill.config import ModelConfig
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.model.loader import load_model
-from tokenmill.worker.graph_capture import capture_per_size
+from tokenmill.worker.graph_capture import capture_per_size, replay_over_rows
 
 
 class DraftProposer:
@@ -72,13 +72,7 @@ class DraftProposer:
         """k proposals for each of `slots` (int64 [S]) into `out[slots]` (int64 [slots, K]); with
         `keep_probs`, their distributions q into `self.probs[slots]`. `greedy`: the sampling plan is
         plain greedy (proposals are the argmax; a captured graph replays when one fits)."""
-        rows = slots.shape[0]
-        size = next((s for s in sorted(self._graphs) if s >= rows), None) if greedy else None
-        if size is not None:
-            if slots.data_ptr() != self._graph_slots.data_ptr():  # (else: the buffer itself, padded already)
-                self._graph_slots[:rows].copy_(slots)
-                self._graph_slots[rows:size].fill_(self.num_slots - 1)  # the scratch slot
-            self._graphs[size].replay()
+        if greedy and replay_over_rows(self._graphs, self._graph_slots, slots, self.num_slots - 1):
             return
         self._steps(None if greedy else sampler, slots, next_token, num_computed, block_table, num_blocks,
                     block_size, max_model_len, out, keep_probs and not greedy)

@@ -1,4 +1,5 @@
-"""Capturing one CUDA graph per padded size: the loop every graph family of the worker shares."""
+"""One CUDA graph per padded size: capturing them, choosing one, and replaying one over a row buffer
+(what every graph family of the worker shares)."""
 
 from __future__ import annotations
 
@@ -30,3 +31,24 @@ def capture_per_size(sizes: Iterable[int], body: Callable[[int], Output]
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     return graphs, outputs
+
+
+def smallest_fitting(sizes: Iterable[int], n: int) -> int | None:
+    """The smallest of `sizes` that holds `n`; None when none does."""
+    return min((s for s in sizes if s >= n), default=None)
+
+
+def replay_over_rows(graphs: dict[int, torch.cuda.CUDAGraph], buffer: torch.Tensor, rows: torch.Tensor,
+                     scratch: int) -> bool:
+    """Replay the smallest graph of `graphs` that holds `rows` (int64 slots), its body reading
+    `buffer[:size]`: the rows are loaded there first, padded with the `scratch` slot (nothing to
+    load when `rows` is a prefix view of `buffer`, padded already). False: no graph fits."""
+    n = rows.shape[0]
+    size = smallest_fitting(graphs, n)
+    if size is None:
+        return False
+    if rows.data_ptr() != buffer.data_ptr():
+        buffer[:n].copy_(rows)
+        buffer[n:size].fill_(scratch)
+    graphs[size].replay()
+    return True

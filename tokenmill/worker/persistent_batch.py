@@ -111,6 +111,14 @@ class PersistentBatch:
         return bool((self.num_computed[slots] >= self.num_known[slots]).all())
 
 
+def copy_to_device(array: np.ndarray, dest: torch.Tensor) -> None:
+    """A host array into an existing tensor of its shape (a graph's static input), from pinned
+    memory without blocking on CUDA (torch's pinned allocator keeps the staging block alive
+    until the copy has run)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    dest.copy_(host.pin_memory() if dest.is_cuda else host, non_blocking=True)
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on `device`; from pinned memory without blocking on CUDA."""
     host = torch.from_numpy(np.ascontiguousarray(array))

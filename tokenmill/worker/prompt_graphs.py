@@ -26,8 +26,8 @@ import numpy as np
 import torch
 
 from tokenmill.layers.attention.metadata import AttentionMetadata
-from tokenmill.worker.graph_capture import capture_per_size
-from tokenmill.worker.persistent_batch import PersistentBatch
+from tokenmill.worker.graph_capture import capture_per_size, smallest_fitting
+from tokenmill.worker.persistent_batch import PersistentBatch, copy_to_device
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class PromptGraphs:
 
     def padded_size(self, num_tokens: int, first: int) -> int | None:
         """The graph for a chunk of `num_tokens` starting at position `first`; None: run eagerly."""
-        size = next((s for s in self.sizes if s >= num_tokens), None)
+        size = smallest_fitting(self.sizes, num_tokens)
         return size if size is not None and first + size <= self.max_model_len else None
 
     @torch.inference_mode()
@@ -77,10 +77,7 @@ class PromptGraphs:
         host = np.zeros(3 + size, dtype=np.int64)
         host[:3] = slot, first, n
         host[3:3 + n] = token_ids
-        source = torch.from_numpy(host)
-        if self._inputs.is_cuda:
-            source = source.pin_memory()
-        self._inputs[:3 + size].copy_(source, non_blocking=True)
+        copy_to_device(host, self._inputs[:3 + size])
         graph = self.graphs.get(size)
         if graph is None:  # not captured (CPU tests): the body itself
             self.logits[size] = self._body(size)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import SpeculativeConfig
-from tokenmill.worker.graph_capture import capture_per_size
+from tokenmill.worker.graph_capture import capture_per_size, replay_over_rows
 from tokenmill.worker.ngram_proposer import propose_ngram
 from tokenmill.worker.persistent_batch import to_device
 
@@ -35,7 +35,6 @@ class Speculator:
         self.draft_model = None  # set by the runner for method draft_model
         self._ones = torch.ones(num_slots, dtype=torch.int64, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # padded rows -> captured proposer (CUDA)
-        self._graph_sizes: list[int] = []
         self._graph_slots: torch.Tensor | None = None
         # slot -> its history as of this step: a new request's known tokens, or none (released)
         self._added: dict[int, np.ndarray] = {}
@@ -94,17 +93,8 @@ class Speculator:
 
     def propose(self, slots: torch.Tensor) -> None:
         """Drafts for these slots' next step, from their histories (a graph replay when captured)."""
-        rows = slots.shape[0]
-        if not rows:
-            return
-        size = next((s for s in self._graph_sizes if s >= rows), None)
-        if size is None:
+        if slots.shape[0] and not replay_over_rows(self._graphs, self._graph_slots, slots, self.drafts.shape[0] - 1):
             self._propose(slots)
-            return
-        if slots.data_ptr() != self._graph_slots.data_ptr():  # (else: the buffer itself, padded already)
-            self._graph_slots[:rows].copy_(slots)
-            self._graph_slots[rows:size].fill_(self.drafts.shape[0] - 1)  # padding proposes for the scratch slot
-        self._graphs[size].replay()
 
     def _propose(self, slots: torch.Tensor) -> None:
         c = self.config
@@ -120,4 +110,3 @@ class Speculator:
         assert slots.shape[0] >= max(sizes)
         self._graph_slots = slots
         self._graphs, _ = capture_per_size(sizes, lambda size: self._propose(slots[:size]))
-        self._graph_sizes = sorted(sizes)
