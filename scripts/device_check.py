@@ -19,7 +19,8 @@ weights, benchmarks). Parts:
   spec256:S   256 x 256 x 128: plain, then adaptive n-gram speculation (k=4)
   specreal:P  `tokenmill bench spec` on the GGUF file P (the real SmolLM2), batch 1: n-gram k=4 in
               bfloat16 and float32, k=8 in bfloat16, then the model as its own draft (k=4, bfloat16)
-  specsteps[:cprofile]  scripts/spec_steps.py: host time per step, plain vs n-gram, batch 1
+  specsteps[:cprofile|:mp]  scripts/spec_steps.py: host time per step, plain vs n-gram, batch 1
+              (mp: the engine core and worker in their own processes, each one's telemetry phases)
   specgraphs  scripts/spec_graph_check.py: speculative outputs = plain on CUDA, every graph on
   spec_sampler  the speculative-decoding sampler tests on CUDA (bfloat16 logits in the distribution
               and greedy tests), then scripts/spec_sampler_check.py: verification and rejection
@@ -356,7 +357,8 @@ def main() -> None:
                     "--dtype", dtype, "--num-prompts", "8", "--output-len", "256", "--output-json", record,
                     "--speculative-config", json.dumps(spec)])
         elif name == "specsteps":  # host time per step, plain vs n-gram, batch 1 (scripts/spec_steps.py)
-            run_script(results, "spec_steps", ["scripts/spec_steps.py", *(["--cprofile"] if shape == "cprofile" else [])])
+            flag = {"cprofile": ["--cprofile"], "mp": ["--multiprocess"]}.get(shape, [])
+            run_script(results, f"spec_steps{'_' + shape if shape else ''}", ["scripts/spec_steps.py", *flag])
         elif name == "specgraphs":  # speculative outputs = plain on CUDA with every graph on
             run_script(results, "spec_graphs", ["scripts/spec_graph_check.py", "--output-json",
                                                 os.path.join(OUT, "spec_graph_check.json")])

@@ -1,6 +1,10 @@
 """Per-step host time of speculative vs plain decoding at batch 1 on CUDA (single process, no
 profiler): the scheduler's schedule and update, the worker's launch phases, the engine step.
-`--cprofile` adds a cProfile of the timed run (the top functions by own time)."""
+`--cprofile` adds a cProfile of the timed run (the top functions by own time).
+`--multiprocess` runs the engine core and the worker in their own processes (as `LLM` does by
+default) and prints each process's telemetry phases instead (mean and p50, microseconds):
+the core's schedule / wait / update, the worker's prepare / forward / sample / readback and
+its device time per step and device idle between steps."""
 
 from __future__ import annotations
 
@@ -53,10 +57,13 @@ def main() -> None:
     prompt = {"prompt_token_ids": list(range(100, 140)) * 8}
     params = SamplingParams(temperature=0.0, max_tokens=int(args[1]) if len(args) > 1 else 256, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": 4} if variant == "ngram" else None
-    llm = LLM(path, load_format="dummy", dtype="bfloat16", single_process=True, max_model_len=2048,
+    multiprocess = "--multiprocess" in sys.argv
+    llm = LLM(path, load_format="dummy", dtype="bfloat16", single_process=not multiprocess, max_model_len=2048,
               speculative_config=spec)
     for _ in range(2):
         llm.generate([prompt], params, use_tqdm=False)
+    if multiprocess:
+        return telemetry_run(llm, prompt, params, variant)
     TIMES.clear()
     profile = cProfile.Profile() if "--cprofile" in sys.argv else None
     start = time.perf_counter()
@@ -72,6 +79,22 @@ def main() -> None:
     for key, values in TIMES.items():
         print(f"{key:32s} n={len(values):4d} mean {1e3 * sum(values) / len(values):7.3f} ms "
               f"total {1e3 * sum(values):8.1f} ms")
+    llm.shutdown()
+
+
+def telemetry_run(llm: LLM, prompt: dict, params: SamplingParams, variant: str) -> None:
+    llm.reset_telemetry()
+    start = time.perf_counter()
+    out = llm.generate([prompt], params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    report = llm.telemetry()
+    core = next(p for p in report.processes if p.role == "core")
+    steps = core.timings["update"].count
+    print(f"==== {variant} (multiprocess): {len(out[0].outputs[0].token_ids) / elapsed:.1f} tok/s, "
+          f"{elapsed * 1e3:.1f} ms, {steps} steps, {elapsed * 1e3 / max(steps, 1):.3f} ms per step")
+    for process in report.processes:
+        phases = "  ".join(f"{name} {t.mean_us:.0f}/{t.p50_us:.0f}" for name, t in process.timings.items())
+        print(f"  {process.role:9s} {phases}")
     llm.shutdown()
 
 

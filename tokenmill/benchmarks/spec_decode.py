@@ -85,15 +85,18 @@ def run(ns) -> int:
             _generate(llm, copy_prompts(tokenizer, min(ns.num_prompts, 2), ns.repeat_passage, offset=1), params,
                       ns.concurrency, f"{name} warm-up")
             before = llm.scheduler_stats()
+            llm.reset_telemetry()
             start = time.perf_counter()
             outs = _generate(llm, prompts, params, ns.concurrency, name)
             elapsed = time.perf_counter() - start
             after = llm.scheduler_stats()
+            phases = _phases(llm.telemetry())
         outputs[name] = [o.outputs[0].token_ids for o in outs]
         num_out = sum(len(t) for t in outputs[name])
         figures = {"elapsed_s": elapsed, "output_tokens": num_out, "output_tokens_per_s": num_out / elapsed,
                    "prompt_tokens_mean": sum(len(o.prompt_token_ids) for o in outs) / len(outs)}
         figures.update(spec_figures(since(from_scheduler_stats(before), from_scheduler_stats(after))))
+        figures["phases_us"] = phases
         record[name] = figures
     record["speedup"] = record["speculative"]["output_tokens_per_s"] / record["plain"]["output_tokens_per_s"]
     record["outputs_identical"] = outputs["plain"] == outputs["speculative"]
@@ -112,12 +115,26 @@ def _generate(llm, prompts: list[str], params, concurrency: int, label: str) -> 
     return outs
 
 
+def _phases(report) -> dict:
+    """Each process's step phases over the timed pass: {role: {phase: [count, mean us, p50 us]}}
+    (where a step's time goes: the core's schedule and update, the worker's launch, its device
+    time and device idle)."""
+    return {p.role: {name: [t.count, round(t.mean_us, 1), round(t.p50_us, 1)] for name, t in p.timings.items()}
+            for p in report.processes}
+
+
 def _print(record: dict) -> None:
     print(f"{'':14}{'out tok/s':>12}{'elapsed s':>11}{'drafts':>8}{'accepted':>10}{'mean acc len':>14}")
     for name in ("plain", "speculative"):
         f = record[name]
         print(f"{name:14}{f['output_tokens_per_s']:>12.1f}{f['elapsed_s']:>11.2f}{f['draft_tokens']:>8}"
               f"{f['accepted_tokens']:>10}{f['mean_acceptance_length']:>14.2f}")
+    for name in ("plain", "speculative"):
+        shown = [f"{role} {phase} {stats[2]:.0f}" for role, by_phase in record[name]["phases_us"].items()
+                 for phase, stats in by_phase.items()
+                 if phase in ("schedule", "update", "device_step", "device_idle")]
+        if shown:
+            print(f"{name} step phases, p50 us: " + ", ".join(shown))
     per = ", ".join(f"{a:.2f}" for a in record["speculative"]["acceptance_per_position"])
     print(f"speedup {record['speedup']:.2f}x; acceptance per draft position: {per}; "
           f"outputs identical: {record['outputs_identical']}")
