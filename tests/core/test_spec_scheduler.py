@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+
 import pytest
 
 from tests.core.fake_worker import EOS, FakeWorker, expected_output
@@ -184,3 +186,32 @@ def test_a_drafting_row_fills_the_tokens_left_under_the_cap():
         scheduler.update(so, worker.execute(so))
     assert counts and counts.count(k) >= len(counts) - 2, counts  # room near max_tokens aside
     assert_no_leaks(scheduler)
+
+
+def test_the_no_ranking_shortcut_equals_the_ranking():
+    """When the step has tokens for every draft position (small batches), `choose` skips the
+    ranking; on random rows (acceptance estimates, room, probing steps) both give the same counts."""
+    rng = np.random.default_rng(0)
+    k = 4
+    policy = spec_scheduler(400, k, max_step_tokens=64).spec
+    t = policy.table
+    probed = dropped = short = 0
+    for trial in range(300):
+        n = int(rng.integers(1, 12))
+        slots = rng.choice(t.max_rows, n, replace=False)
+        t.spec_hits[slots] = rng.uniform(0, 5, n) * rng.integers(0, 2, n)
+        t.spec_trials[slots] = t.spec_hits[slots] + rng.uniform(0, 6, n)
+        step = 10 + int(rng.integers(0, 16))
+        t.spec_ok[slots], t.proposed_at[slots] = True, step - 1
+        t.num_tokens[slots], t.num_pending[slots] = 50, 1
+        t.num_computed[slots] = 50
+        t.token_limit[slots] = 52 + rng.integers(1, k + 3, n)  # room 1 .. k + 2
+        shortcut = policy.choose(step, slots, 64)[slots].copy()
+        room = np.minimum(t.token_limit[slots] - 52, k)  # (ahead = 51)
+        alpha = (t.spec_hits[slots] + 1.0) / (t.spec_trials[slots] + 2.0)
+        ranked = policy.ranked_counts(step, slots, alpha, room, 64 - n)
+        assert shortcut.tolist() == ranked.tolist(), (trial, alpha, room)
+        probed += int(((shortcut == 1) & (alpha < 0.25)).sum())
+        dropped += int(((shortcut == 0) & (alpha < 0.25)).sum())
+        short += int(((shortcut > 0) & (room < k)).sum())
+    assert probed and dropped and short  # every branch of the rule was met

@@ -24,7 +24,7 @@ def pipeline_token_budget(table: RunningTable, waiting: Iterable[Request], in_fl
     """The next micro-batch's token budget, in [1, max_tokens]."""
     slots = table.order
     ready = table.num_pending[slots] == 0  # a row whose sampled token is in flight has nothing to run
-    running = int(np.clip(table.num_tokens[slots] - table.num_computed[slots], 0, None)[ready].sum())
+    running = int(np.maximum(table.num_tokens[slots] - table.num_computed[slots], 0)[ready].sum())
     cap = num_stages * max_tokens  # past this every batch is full anyway: stop counting
     queued = 0
     for request in waiting:

@@ -60,7 +60,7 @@ def due_steps(step_id: int, computed: np.ndarray, ahead: np.ndarray, capacity: n
     (C + 1 < limit). Other rows are planned every step. (A step with such a row is never
     empty, so step ids stay in step with the plans.)"""
     room = np.minimum(capacity - computed, np.minimum(next_full, limit) - computed - 1)
-    return step_id + 1 + room.clip(0) * (ahead - computed == 1)
+    return step_id + 1 + np.maximum(room, 0) * (ahead - computed == 1)
 
 
 class RunningPlanner:
@@ -115,7 +115,7 @@ class RunningPlanner:
             num_rows = self._serve_one_by_one(slots, num_new, attention, plan)
             return self._apply(slots[:num_rows], num_new[:num_rows], step_id, plan)
         # Tokens the step may add: one when it samples, 1 + k when it also verifies k drafts.
-        samples = (after - ahead + 1).clip(0) * (uncomputed > 0)
+        samples = np.maximum(after - ahead + 1, 0) * (uncomputed > 0)
         if drafts is not None:
             drafted = (after > ahead).nonzero()[0]
             plan.draft_slots, plan.draft_counts = ex_slots[drafted], (after - ahead)[drafted]
@@ -164,7 +164,7 @@ class RunningPlanner:
         if drafts is not None:
             uncomputed = uncomputed + drafts[slots] * ((ahead - computed == 1) & (uncomputed > 0))
         before = uncomputed.cumsum() - uncomputed
-        num_new = np.minimum(uncomputed, (budget - before).clip(0))
+        num_new = np.minimum(uncomputed, np.maximum(budget - before, 0))
         after = computed + num_new
         capacity = t.block_capacity[slots]
         num_blocks = (after - capacity + self.block_size - 1) // self.block_size * (after > capacity)
@@ -185,7 +185,7 @@ class RunningPlanner:
         t.num_computed[slots] = computed
         ahead = t.num_tokens[slots] + t.num_pending[slots]
         beyond = (computed - ahead) * (num_new > 0)  # >= 0: the row samples; > 0: it verifies drafts
-        t.num_pending[slots] += (beyond + 1).clip(0) * (num_new > 0)
+        t.num_pending[slots] += np.maximum(beyond + 1, 0) * (num_new > 0)
         if (beyond > 0).any():
             drafted = (beyond > 0).nonzero()[0]
             plan.draft_slots, plan.draft_counts = slots[drafted], beyond[drafted]

@@ -70,17 +70,33 @@ class SpecPolicy:
             k = np.minimum(room, max(free // len(rows), 0))
             drafts[slots[rows]] = k
             return drafts
-        alpha = (t.spec_hits[slots[rows]] + PRIOR_HITS) / (t.spec_trials[slots[rows]] + PRIOR_TRIALS)
+        eligible_slots = slots[rows]
+        alpha = (t.spec_hits[eligible_slots] + PRIOR_HITS) / (t.spec_trials[eligible_slots] + PRIOR_TRIALS)
+        if free >= len(rows) * self.k:
+            # Tokens for every position of every row (small batches): nothing to rank.
+            # `ranked_counts` then gives a row above the line all its room and a probed row one.
+            low = alpha < self.config.min_acceptance
+            probe = low & ((step_id + eligible_slots) % PROBE_EVERY == 0)
+            drafts[eligible_slots] = np.where(low, probe, room)
+        else:
+            drafts[eligible_slots] = self.ranked_counts(step_id, eligible_slots, alpha, room, free)
+        return drafts
+
+    def ranked_counts(self, step_id: int, slots: np.ndarray, alpha: np.ndarray, room: np.ndarray,
+                      free: int) -> np.ndarray:
+        """Draft counts for eligible rows (`slots`, their acceptance estimates and room): the
+        `free` tokens go to the most valuable positions, then to further positions of rows
+        already drafting."""
         value = alpha[:, None] ** np.arange(1, self.k + 1)  # [rows, K]: chance the j-th draft is accepted
         value[np.arange(self.k)[None, :] >= room[:, None]] = 0.0
-        probe = ((step_id + slots[rows]) % PROBE_EVERY == 0) & (value[:, 0] < self.config.min_acceptance)
+        probe = ((step_id + slots) % PROBE_EVERY == 0) & (value[:, 0] < self.config.min_acceptance)
         value[probe, 0] = self.config.min_acceptance  # one cheap look at a row we had given up on
         flat = value.ravel()
         worth = (flat >= self.config.min_acceptance).nonzero()[0]
         if len(worth) > free:
             worth = worth[np.argpartition(-flat[worth], free - 1)[:free]]
         # alpha**j falls with j, so each row's picks are a prefix: counting them is enough.
-        counts = np.bincount(worth // self.k, minlength=len(rows))
+        counts = np.bincount(worth // self.k, minlength=len(slots))
         left = free - len(worth)
         if left > 0:
             # Tokens still free under the cap cost about nothing (the step is bound by reading the
@@ -90,9 +106,8 @@ class SpecPolicy:
             extra = further.ravel().nonzero()[0]
             if len(extra) > left:
                 extra = extra[np.argpartition(-flat[extra], left - 1)[:left]]
-            counts += np.bincount(extra // self.k, minlength=len(rows))
-        drafts[slots[rows]] = counts
-        return drafts
+            counts += np.bincount(extra // self.k, minlength=len(slots))
+        return counts
 
     def wants_proposals(self, num_running: int) -> bool:
         """Should the workers propose drafts at the end of a step with this many rows (could the
