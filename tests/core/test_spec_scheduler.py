@@ -215,3 +215,28 @@ def test_the_no_ranking_shortcut_equals_the_ranking():
         dropped += int(((shortcut == 0) & (alpha < 0.25)).sum())
         short += int(((shortcut > 0) & (room < k)).sum())
     assert probed and dropped and short  # every branch of the rule was met
+
+
+def test_prompt_work_leaves_no_tokens_for_drafts():
+    """Tokens under `max_step_tokens` are free for drafts only once every row's own work is
+    counted: a prompt waiting for its seat, or a prompt's later chunks, take the step. So a
+    step that drafts stays within the cap with its prompt work, and the large chunks go alone."""
+    scheduler = spec_scheduler(400, 4, budget=48, max_step_tokens=32)
+    worker = FakeWorker(accepts=lambda h, p: True, block_size=4)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    scheduler.add_request(Request(0, [11, 12, 13], params, (EOS,), MAX_LEN))
+    steps = []
+    while scheduler.has_unfinished():
+        if len(steps) == 6:  # request 0 drafts by now; a 150-token prompt arrives
+            scheduler.add_request(Request(1, list(range(20, 170)), params, (EOS,), MAX_LEN))
+        so = scheduler.schedule()
+        counts = dict(zip(so.scheduled_handles, so.num_scheduled_tokens))
+        drafts = 0 if so.num_drafts is None else int(so.num_drafts.sum())
+        steps.append((counts, drafts))
+        scheduler.update(so, worker.execute(so))
+    assert steps[5][1] > 0  # drafting before the prompt came
+    big_chunks = [d for c, d in steps if c.get(1, 0) > 32]
+    assert len(big_chunks) == 3 and not any(big_chunks), steps  # (150 tokens: 47 + 47 + 47 + 9)
+    assert all(sum(c.values()) <= 32 for c, d in steps if d), steps
+    assert sum(d for c, d in steps[-10:]) > 0  # drafting again after the prompt
+    assert_no_leaks(scheduler)

@@ -157,16 +157,24 @@ def step_figures(report, driver_rank: int = 0) -> dict:
 
 
 def roofline_figures(config, ns, figures: dict) -> dict:
-    """Decode at full batch: the floor step time over the measured p50 device step time."""
+    """Decode at full batch: the floor step time over the measured p50 device step time.
+
+    The device step is rank 0's: with tensor parallelism each GPU reads 1/tp of the weights and
+    of the KV; with pipeline parallelism a stage step runs one micro-batch (1/pp of the rows)
+    through 1/pp of the layers. So a GPU's floor step is (weights + KV of a micro-batch's rows) /
+    (tp * pp) over the bandwidth, and one micro-batch's tokens come out per stage step."""
     from tokenmill.benchmarks.roofline import decode_roofline, measure_copy_bandwidth
     bandwidth = measure_copy_bandwidth()
     roof = decode_roofline(config.model.arch, config.model.dtype, bandwidth)
+    tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     batch = min(ns.num_prompts, config.scheduler.max_num_seqs)
+    rows = batch / pp  # per micro-batch
     context = ns.input_len + ns.output_len / 2
-    floor_s = roof.step_time_s(batch, context)
+    floor_s = roof.step_time_s(rows, context) / (tp * pp)
     out = {"bandwidth_GBps": bandwidth / 1e9, "weight_GB": roof.weight_bytes / 1e9,
            "kv_bytes_per_token": roof.kv_bytes_per_token, "batch": batch, "mean_context": context,
-           "floor_step_ms": floor_s * 1e3, "roofline_output_tokens_per_s": batch / floor_s}
+           "gpus": tp * pp, "rows_per_micro_batch": rows,
+           "floor_step_ms": floor_s * 1e3, "roofline_output_tokens_per_s": rows / floor_s}
     step = figures.get("device_step_ms_p50")
     if step:
         out["fraction_of_roofline_step_p50"] = floor_s * 1e3 / step
@@ -177,7 +185,9 @@ def print_roofline(r: dict) -> None:
     print("== decode roofline ==")
     print(f"  copy bandwidth     {r['bandwidth_GBps']:.0f} GB/s (read + write)")
     print(f"  weights read/step  {r['weight_GB']:.2f} GB; KV {r['kv_bytes_per_token']} B/token")
-    print(f"  floor step at batch {r['batch']}, context {r['mean_context']:.0f}: {r['floor_step_ms']:.2f} ms")
+    gpus = r.get("gpus", 1)
+    where = f" per GPU ({gpus} GPUs, {r['rows_per_micro_batch']:.0f} rows per micro-batch)" if gpus > 1 else ""
+    print(f"  floor step at batch {r['batch']}, context {r['mean_context']:.0f}{where}: {r['floor_step_ms']:.2f} ms")
     if "fraction_of_roofline_step_p50" in r:
         print(f"  fraction reached (p50 step)   {r['fraction_of_roofline_step_p50']:.1%}")
 

@@ -129,7 +129,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         drafts = None
         if self.spec is not None and self._last_proposed == step_id - 1:
-            drafts = self.spec.choose(step_id, t.order, budget)
+            drafts = self.spec.choose(step_id, t.order, budget, self._prompts_can_start())
         if self.pipeline_stages > 1:
             budget = pipeline_token_budget(t, self.waiting, self.in_flight_tokens, self.pipeline_stages, budget)
         plan = self.planner.plan(step_id, budget, drafts)
@@ -165,7 +165,7 @@ class Scheduler:
             per_slot = np.zeros(t.max_rows, np.int64)
             per_slot[plan.draft_slots] = plan.draft_counts
             output.num_drafts = per_slot[output.row_slots]
-        if self.spec is not None and self.spec.wants_proposals(t.num_running):
+        if self.spec is not None and self.spec.wants_proposals(t.num_running, self._prompts_can_start()):
             output.propose = True
             # Workers propose only for rows that sample: not for a prompt chunk short of the end,
             # which would otherwise get drafts when its last chunk is a single token.
@@ -183,6 +183,10 @@ class Scheduler:
         self.in_flight_tokens += output.total_num_scheduled_tokens
         self.finished_to_send = []
         return output
+
+    def _prompts_can_start(self) -> bool:
+        """Whether prompts wait for a seat that is free (their prefill will take the step's tokens)."""
+        return bool(self.waiting) and self.table.num_running < self.config.max_num_seqs
 
     def _admit(self, budget: int, new_requests: list[NewRequestData]) -> tuple[list[int], list[int]]:
         """Start waiting requests (FCFS) while budget, seats and blocks allow; returns their

@@ -6,8 +6,10 @@ A row's j-th draft is worth its chance of being accepted, estimated as alpha_r**
 recent acceptance (alpha_r: per-position acceptance, a decayed count with a prior of 1/2).
 Drafts are not free: a step costs about the same as a one-token-per-row step only while its
 tokens stay under `max_step_tokens` (the point where a forward pass stops being bound by reading
-the weights). So each step hands out the tokens left under that line to the most valuable draft
-positions, none below `min_acceptance`; tokens still left after that cost about nothing, so rows
+the weights). So each step hands out the tokens left under that line, once every row's own
+tokens (a prompt's chunks included) are counted, to the most valuable draft positions, none
+below `min_acceptance`; while prompts wait to start, their prefill takes the step and nothing
+is drafted or proposed; tokens still left after that cost about nothing, so rows
 that draft take further positions with them, up to K (most valuable first). At saturation nothing
 is left: no drafts, no proposing, the one-token path exactly as without speculation.
 `max_step_tokens=0` always drafts K.
@@ -47,23 +49,25 @@ class SpecPolicy:
         self.k = config.num_speculative_tokens
         self.drafts_of_slot = np.zeros(table.max_rows, np.int64)  # the last plan's, by slot (scratch)
 
-    def choose(self, step_id: int, slots: np.ndarray, budget: int) -> np.ndarray:
+    def choose(self, step_id: int, slots: np.ndarray, budget: int, prompts_waiting: bool = False) -> np.ndarray:
         """Draft tokens per slot (an int64 array over every slot; zero for rows not in `slots`)
-        for step `step_id`, whose running rows are `slots` and whose token budget is `budget`."""
+        for step `step_id`, whose running rows are `slots` and whose token budget is `budget`.
+        `prompts_waiting`: prompts wait to start, so their prefill takes what the rows leave."""
         t, drafts = self.table, self.drafts_of_slot
         drafts[:] = 0
-        if not len(slots):
+        cap = self.config.max_step_tokens
+        if not len(slots) or (cap and prompts_waiting):
             return drafts
         ahead = t.num_tokens[slots] + t.num_pending[slots]
+        uncomputed = ahead - t.num_computed[slots]  # 1 for a decode row, more for a prompt's chunks
         room = np.minimum(t.token_limit[slots] - ahead - 1, self.k)
-        eligible = (t.spec_ok[slots] & (ahead - t.num_computed[slots] == 1)
-                    & (t.proposed_at[slots] == step_id - 1) & (room > 0))
+        eligible = (t.spec_ok[slots] & (uncomputed == 1) & (t.proposed_at[slots] == step_id - 1) & (room > 0))
         rows = eligible.nonzero()[0]
         if not len(rows):
             return drafts
         room = room[rows]
-        cap = self.config.max_step_tokens
-        free = min(budget, cap) - len(slots) if cap else budget - len(slots)
+        claimed = int(uncomputed.sum())  # what the rows take anyway, prompt chunks included
+        free = min(budget, cap) - claimed if cap else budget - claimed
         if free <= 0:
             return drafts
         if not cap:  # always speculate, as far as the budget goes
@@ -109,11 +113,12 @@ class SpecPolicy:
             counts += np.bincount(extra // self.k, minlength=len(slots))
         return counts
 
-    def wants_proposals(self, num_running: int) -> bool:
+    def wants_proposals(self, num_running: int, prompts_waiting: bool = False) -> bool:
         """Should the workers propose drafts at the end of a step with this many rows (could the
-        next step have tokens left for drafts)?"""
+        next step have tokens left for drafts)? Not while prompts wait to start: their prefill
+        takes the next step's tokens."""
         cap = self.config.max_step_tokens
-        return not cap or num_running < cap
+        return not cap or (num_running < cap and not prompts_waiting)
 
     def record(self, slot: int, num_drafts: int, num_accepted: int) -> None:
         """A verified step of the row: `num_accepted` of its `num_drafts` drafts were accepted."""
