@@ -114,6 +114,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     # a forward pass costs about the same as a one-token-per-row step); 0 = always speculate k.
     max_step_tokens: int = 0
     min_acceptance: float = 0.25  # a draft position is proposed only while its expected acceptance is above this
+    # A step that verifies drafts computes 1 + k positions for every row, drafting or not (CUDA
+    # verification graphs): such a step costs rows * (1 + k) tokens against max_step_tokens.
+    padded_verification: bool = False
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -240,3 +240,48 @@ def test_prompt_work_leaves_no_tokens_for_drafts():
     assert all(sum(c.values()) <= 32 for c, d in steps if d), steps
     assert sum(d for c, d in steps[-10:]) > 0  # drafting again after the prompt
     assert_no_leaks(scheduler)
+
+
+@pytest.mark.parametrize("num_requests", [4, 7])
+def test_padded_verification_drafts_all_rows_or_none(num_requests):
+    """CUDA verification graphs compute 1 + K positions for every row once any row drafts, so
+    with `padded_verification` a step drafts only when rows * (1 + K) fits under the cap
+    (6 rows * 5 = 30 <= 32 here; 7 rows do not), and then every row takes all its room."""
+    k, cap = 4, 32
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, max_step_tokens=cap, padded_verification=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+                          CacheConfig(block_size=4, enable_prefix_caching=True), 400, spec)
+    worker = FakeWorker(accepts=lambda h, p: True, block_size=4)
+    for handle in range(num_requests):
+        scheduler.add_request(Request(handle, [11 + handle, 12, 13], SamplingParams(max_tokens=40, ignore_eos=True),
+                                      (EOS,), MAX_LEN))
+    drafting_steps = all_full = 0
+    while scheduler.has_unfinished():
+        so = scheduler.schedule()
+        running = scheduler.table.num_running
+        if so.num_drafts is not None:
+            drafting_steps += 1
+            assert running * (1 + k) <= cap
+            all_full += so.num_drafts.tolist() == [k] * running
+        if so.propose:
+            assert running * (1 + k) <= cap
+        scheduler.update(so, worker.execute(so))
+    assert (drafting_steps > 0) == (num_requests * (1 + k) <= cap)
+    assert all_full >= drafting_steps - 2  # (near max_tokens a row has room for fewer)
+    assert_no_leaks(scheduler)
+
+
+@pytest.mark.parametrize("num_rows", [6, 7])
+def test_padded_verification_choose_counts_the_padding(num_rows):
+    """`choose` alone: 6 decode rows * (1 + 4) fit under a cap of 32 and all take k; 7 do not,
+    and none drafts, although 25 tokens would be free without the padding."""
+    k = 4
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=k, max_step_tokens=32, padded_verification=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64),
+                          CacheConfig(block_size=4), 400, spec)
+    t, slots = scheduler.table, np.arange(num_rows)
+    t.spec_ok[slots], t.proposed_at[slots] = True, 9
+    t.num_tokens[slots], t.num_pending[slots], t.num_computed[slots] = 50, 1, 50
+    t.token_limit[slots], t.spec_hits[slots], t.spec_trials[slots] = 100, 8.0, 8.0
+    drafts = scheduler.spec.choose(10, slots, 64)[slots].tolist()
+    assert drafts == ([k] * num_rows if num_rows * (1 + k) <= 32 else [0] * num_rows)

@@ -14,6 +14,11 @@ that draft take further positions with them, up to K (most valuable first). At s
 is left: no drafts, no proposing, the one-token path exactly as without speculation.
 `max_step_tokens=0` always drafts K.
 
+With `padded_verification` (CUDA verification graphs) a step that verifies any draft computes
+1 + K positions for every row, so it costs rows * (1 + K) tokens whoever drafts: a step drafts
+only when that fits under the line (and every row is a decode), and then its rows take all
+their room.
+
 A row whose estimate fell below the line gets one probing draft every `PROBE_EVERY` steps when
 tokens are left, so that a request that starts repeating itself is noticed.
 
@@ -68,6 +73,10 @@ class SpecPolicy:
         room = room[rows]
         claimed = int(uncomputed.sum())  # what the rows take anyway, prompt chunks included
         free = min(budget, cap) - claimed if cap else budget - claimed
+        if cap and self.config.padded_verification:
+            # Every row computes 1 + K positions once any row drafts: all or nothing.
+            padded = len(slots) * (1 + self.k)
+            free = len(rows) * self.k if claimed == len(slots) and padded <= min(budget, cap) else 0
         if free <= 0:
             return drafts
         if not cap:  # always speculate, as far as the budget goes
@@ -118,7 +127,11 @@ class SpecPolicy:
         next step have tokens left for drafts)? Not while prompts wait to start: their prefill
         takes the next step's tokens."""
         cap = self.config.max_step_tokens
-        return not cap or (num_running < cap and not prompts_waiting)
+        if self.config.padded_verification:
+            fits = num_running * (1 + self.k) <= cap  # as `choose` asks
+        else:
+            fits = num_running < cap  # a token left for a draft
+        return not cap or (fits and not prompts_waiting)
 
     def record(self, slot: int, num_drafts: int, num_accepted: int) -> None:
         """A verified step of the row: `num_accepted` of its `num_drafts` drafts were accepted."""

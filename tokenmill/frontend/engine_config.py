@@ -40,7 +40,7 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         load_format=args.load_format, seed=args.seed, eos_token_ids=load_eos_token_ids(path, hf_config),
         arch=arch)
     parallel = resolve_parallel(args, arch, device)
-    speculative = resolve_speculative(args.speculative_config, model, device)
+    speculative = resolve_speculative(args.speculative_config, model, device, args.enforce_eager)
     if speculative is not None:
         # The first pipeline stage cannot see the drafts (it gets only each row's first token),
         # and a draft model is not split over TP ranks: refuse rather than run a half-built mode.
@@ -72,7 +72,8 @@ _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_l
 _SPEC_METHODS = ("ngram", "draft_model")
 
 
-def resolve_speculative(spec: dict | None, target: ModelConfig, device: str) -> SpeculativeConfig | None:
+def resolve_speculative(spec: dict | None, target: ModelConfig, device: str,
+                        enforce_eager: bool = False) -> SpeculativeConfig | None:
     """`speculative_config` (vLLM's dict) into a SpeculativeConfig; the draft model is resolved here."""
     if spec is None:
         return None
@@ -103,7 +104,8 @@ def resolve_speculative(spec: dict | None, target: ModelConfig, device: str) -> 
     else:
         _check("model" not in spec, f"{field}.model", "is only for method draft_model")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
-                             draft=draft, max_step_tokens=max_step_tokens, min_acceptance=float(min_acceptance))
+                             draft=draft, max_step_tokens=max_step_tokens, min_acceptance=float(min_acceptance),
+                             padded_verification=device.startswith("cuda") and not enforce_eager)
 
 
 def _resolve_draft(name: str, target: ModelConfig) -> ModelConfig:
