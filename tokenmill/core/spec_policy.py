@@ -76,7 +76,8 @@ class SpecPolicy:
         if cap and self.config.padded_verification:
             # Every row computes 1 + K positions once any row drafts: all or nothing.
             padded = len(slots) * (1 + self.k)
-            free = len(rows) * self.k if claimed == len(slots) and padded <= min(budget, cap) else 0
+            all_decode = bool((uncomputed <= 1).all())  # (a graph step holds no prompt chunk)
+            free = len(rows) * self.k if all_decode and padded <= min(budget, cap) else 0
         if free <= 0:
             return drafts
         if not cap:  # always speculate, as far as the budget goes
