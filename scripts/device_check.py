@@ -17,6 +17,8 @@ weights, benchmarks). Parts:
               and the per-step cost of the non-finite screen next to a Llama-8B LM head
   spec1:S     batch 1, 512 in x 256 out: plain, then the target as its own draft (k=4)
   spec256:S   256 x 256 x 128: plain, then adaptive n-gram speculation (k=4)
+  specsat:S   1024 x 256 x 128 (four waves of 256 rows: longer timed passes), plain and adaptive
+              n-gram interleaved, two rounds
   specreal:P  `tokenmill bench spec` on the GGUF file P (the real SmolLM2), batch 1: n-gram k=4 in
               bfloat16 and float32, k=8 in bfloat16, then the model as its own draft (k=4, bfloat16)
   specsteps[:cprofile|:mp]  scripts/spec_steps.py: host time per step, plain vs n-gram, batch 1
@@ -197,13 +199,15 @@ def tiny_families(results: dict) -> None:
 
 
 def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_len: int, baseline: bool,
-          extra: list[str] = ()) -> None:
+          extra: list[str] = (), run: str = "") -> None:
+    """`run`: a suffix that tells repeated runs of the same bench apart (records and keys)."""
     path = config_dir(shape)
     extra = [e.replace('"SAME"', json.dumps(path)) for e in extra]
     if "--speculative-config" in extra:  # the JSON holds a path: name the record by the method
         tag = "spec_" + json.loads(extra[extra.index("--speculative-config") + 1])["method"]
     else:
         tag = "".join(ch for ch in "_".join(extra) if ch.isalnum() or ch == "_")
+    tag += run
     record = os.path.join(OUT, f"bench_{shape}_{num_prompts}x{input_len}x{output_len}{'_' + tag if tag else ''}.json")
     argv = [sys.executable, "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "throughput",
             "--model", path, "--load-format", "dummy", "--dtype", "bfloat16", "--num-prompts", str(num_prompts),
@@ -345,6 +349,11 @@ def main() -> None:
             bench(results, shape, 256, 256, 128, baseline=False)
             bench(results, shape, 256, 256, 128, baseline=False, extra=["--speculative-config", json.dumps(
                 {"method": "ngram", "num_speculative_tokens": 4})])
+        elif name == "specsat":  # saturation, longer timed passes: plain / adaptive n-gram, interleaved, 2 rounds
+            for round_ in ("_r1", "_r2"):
+                bench(results, shape, 1024, 256, 128, baseline=False, run=round_)
+                bench(results, shape, 1024, 256, 128, baseline=False, run=round_, extra=[
+                    "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})])
         elif name == "specreal":  # specreal:GGUF_PATH: the real SmolLM2 at batch 1, n-gram vs plain (bf16, then fp32)
             ngram = {"method": "ngram", "num_speculative_tokens": 4}
             self_draft = {"method": "draft_model", "model": shape, "num_speculative_tokens": 4}
