@@ -285,3 +285,27 @@ def test_padded_verification_choose_counts_the_padding(num_rows):
     t.token_limit[slots], t.spec_hits[slots], t.spec_trials[slots] = 100, 8.0, 8.0
     drafts = scheduler.spec.choose(10, slots, 64)[slots].tolist()
     assert drafts == ([k] * num_rows if num_rows * (1 + k) <= 32 else [0] * num_rows)
+
+
+def test_no_proposals_while_prompts_wait_for_a_free_seat():
+    """Prompts left waiting after a step (the budget ran out, seats are free) take the next
+    step's tokens: the workers are not asked to propose for it; once the queue is empty they are."""
+    scheduler = spec_scheduler(400, 4, budget=16, max_seqs=8, max_step_tokens=32)
+    worker = FakeWorker(accepts=lambda h, p: True, block_size=4)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    scheduler.add_request(Request(0, [11, 12, 13], params, (EOS,), MAX_LEN))
+    for _ in range(4):  # request 0 decodes, with drafts
+        so = scheduler.schedule()
+        scheduler.update(so, worker.execute(so))
+    for handle in range(1, 6):  # five 12-token prompts: two or three steps of budget 16
+        scheduler.add_request(Request(handle, list(range(30 + handle, 42 + handle)), params, (EOS,), MAX_LEN))
+    waiting_steps = proposing_steps = 0
+    while scheduler.has_unfinished():
+        so = scheduler.schedule()
+        if scheduler.waiting and scheduler.table.num_running < 8:
+            waiting_steps += 1
+            assert not so.propose
+        proposing_steps += so.propose
+        scheduler.update(so, worker.execute(so))
+    assert waiting_steps >= 2 and proposing_steps > 10
+    assert_no_leaks(scheduler)
