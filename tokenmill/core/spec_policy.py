@@ -70,21 +70,18 @@ class SpecPolicy:
         rows = eligible.nonzero()[0]
         if not len(rows):
             return drafts
-        room = room[rows]
+        room, eligible_slots = room[rows], slots[rows]
         claimed = int(uncomputed.sum())  # what the rows take anyway, prompt chunks included
         free = min(budget, cap) - claimed if cap else budget - claimed
         if cap and self.config.padded_verification:
             # Every row computes 1 + K positions once any row drafts: all or nothing.
-            padded = len(slots) * (1 + self.k)
             all_decode = bool((uncomputed <= 1).all())  # (a graph step holds no prompt chunk)
-            free = len(rows) * self.k if all_decode and padded <= min(budget, cap) else 0
+            free = len(rows) * self.k if all_decode and self._padded_step_fits(len(slots), budget) else 0
         if free <= 0:
             return drafts
         if not cap:  # always speculate, as far as the budget goes
-            k = np.minimum(room, max(free // len(rows), 0))
-            drafts[slots[rows]] = k
+            drafts[eligible_slots] = np.minimum(room, free // len(rows))
             return drafts
-        eligible_slots = slots[rows]
         alpha = (t.spec_hits[eligible_slots] + PRIOR_HITS) / (t.spec_trials[eligible_slots] + PRIOR_TRIALS)
         if free >= len(rows) * self.k:
             # Tokens for every position of every row (small batches): nothing to rank.
@@ -129,10 +126,15 @@ class SpecPolicy:
         takes the next step's tokens."""
         cap = self.config.max_step_tokens
         if self.config.padded_verification:
-            fits = num_running * (1 + self.k) <= cap  # as `choose` asks
+            fits = self._padded_step_fits(num_running, cap)
         else:
             fits = num_running < cap  # a token left for a draft
         return not cap or (fits and not prompts_waiting)
+
+    def _padded_step_fits(self, num_rows: int, budget: int) -> bool:
+        """With padded verification: whether a drafting step of `num_rows` rows (1 + K positions
+        each) stays under `max_step_tokens` and `budget`."""
+        return num_rows * (1 + self.k) <= min(budget, self.config.max_step_tokens)
 
     def record(self, slot: int, num_drafts: int, num_accepted: int) -> None:
         """A verified step of the row: `num_accepted` of its `num_drafts` drafts were accepted."""
