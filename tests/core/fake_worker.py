@@ -49,8 +49,12 @@ class FakeWorker:
         draft for that position is right (drafts beyond the known tokens are verified: the row
         emits the accepted ones and one more, as the real worker does). `block_size`: check that
         every fed token has a KV slot. As the real worker, it has drafts only for the rows that
-        sampled in a step marked `propose`, and only for the step right after it."""
+        sampled in a step marked `propose`, and only for the step right after it. It keeps the
+        n-gram histories as the real worker does (dropped on `proposer_dormant`, rebuilt from
+        `proposer_resume`, else recorded each step) and checks them against its own tokens."""
         self.states: dict[int, dict] = {}
+        self.histories: dict[int, list[int]] | None = None  # handle -> history, while held
+        self.num_resumes = self.num_sleeps = self.num_resumed_in_flight = 0
         self.proposed_at: dict[int, int] = {}  # handle -> the last step at whose end it proposed
         self.batch_order = BatchOrder()
         self.accepts = accepts
@@ -71,6 +75,7 @@ class FakeWorker:
                 "params": new.sampling_params}
         for handle, blocks in so.cached_requests.rows() if so.cached_requests else ():
             self.states[handle]["blocks"].extend(blocks)
+        self._update_histories(so)
         sampled, logprobs, prompt_logprobs = [], [], []
         for handle, n in zip(so.scheduled_handles, so.num_scheduled_tokens):
             state = self.states[handle]
@@ -95,13 +100,39 @@ class FakeWorker:
             else:
                 sampled.append([])
                 logprobs.append(None)
+        if self.histories is not None:
+            for handle, tokens in zip(so.scheduled_handles, sampled):
+                self.histories[handle] += tokens
+            assert all(self.histories[h] == state["tokens"] for h, state in self.states.items()), "a history diverged"
         if so.propose:
+            assert self.histories is not None, "asked to propose without histories"
             for handle, tokens in zip(so.scheduled_handles, sampled):
                 if tokens:
                     self.proposed_at[handle] = so.step_id
         return ModelRunnerOutput.from_rows(
             so.step_id, sampled, logprobs=logprobs if any(logprobs) else [],
             prompt_logprobs=prompt_logprobs if any(prompt_logprobs) else [])
+
+    def _update_histories(self, so: SchedulerOutput) -> None:
+        """Before the step, as the real worker: drop, rebuild (the core's tokens, then the row's
+        next input where a sampled token is in flight: here the last token the worker made),
+        or keep (new requests bring their tokens, gone ones are forgotten)."""
+        if so.proposer_dormant:
+            assert self.histories is not None and not so.propose, "dormant while not holding, or proposing"
+            self.histories = None
+            self.num_sleeps += 1
+        if so.proposer_resume is not None:
+            assert self.histories is None, "resume while holding histories"
+            self.num_resumes += 1
+            self.histories = {}
+            for handle, tokens, pending in so.proposer_resume.rows():
+                own = self.states[handle]["tokens"]
+                self.histories[handle] = tokens.tolist() + own[-1:] * pending
+                self.num_resumed_in_flight += pending
+                assert self.histories[handle] == own, f"resumed history of {handle} differs from its tokens"
+            assert set(self.histories) == set(self.states), "resume does not cover every request held"
+        elif self.histories is not None:
+            self.histories = {h: self.histories.get(h, list(state["tokens"])) for h, state in self.states.items()}
 
     def _verify(self, handle: int, state: dict, n: int, drafts: int) -> list[int]:
         """A decode row with `drafts` drafts: the accepted ones, then the target's next token (past

@@ -309,3 +309,23 @@ def test_no_proposals_while_prompts_wait_for_a_free_seat():
         scheduler.update(so, worker.execute(so))
     assert waiting_steps >= 2 and proposing_steps > 10
     assert_no_leaks(scheduler)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_histories_go_dormant_under_load_and_resume_with_the_tokens_in_flight(async_scheduling):
+    """Load around the cap: the workers are told to drop the n-gram histories after
+    DORMANT_AFTER steps without proposals, and to rebuild them (the core's tokens plus the token
+    in flight) when proposing resumes. The fake worker checks every rebuilt and recorded history
+    against its own tokens; outputs stay the plain ones."""
+    scheduler = spec_scheduler(2000, 3, budget=256, max_seqs=16, async_scheduling=async_scheduling,
+                               max_step_tokens=8)
+    worker = FakeWorker(accepts=half_right, block_size=4)
+    prompts = prompts_for(11, 80)
+    max_tokens = [random.Random(i).randrange(10, 40) for i in range(80)]
+    results = run(scheduler, prompts, max_tokens, in_flight=2 if async_scheduling else 1, arrive_every=2,
+                  worker=worker)
+    for handle, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
+        assert results[handle] == (expected_output(prompt, mt), results[handle][1])
+    assert worker.num_sleeps >= 2 and worker.num_resumes >= 3 and worker.num_drafts > 50, vars(worker)
+    assert (worker.num_resumed_in_flight > 0) == async_scheduling, worker.num_resumed_in_flight
+    assert_no_leaks(scheduler)

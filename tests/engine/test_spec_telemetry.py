@@ -59,3 +59,24 @@ def test_bench_throughput_prints_and_records_speculation(tiny_model_dir, tmp_pat
     # output_len steps of k drafts per request): the warm-up pass ran before the reset.
     assert spec["draft_tokens"] <= 4 * 24 * NGRAM["num_speculative_tokens"]
     assert "speculative_decoding" not in record["tokenmill_warmup_passes"][0]
+
+
+def test_bench_spec_interleaves_rounds_and_pools_them(tiny_model_dir, tmp_path, capsys):
+    """`bench spec --rounds 2 --dataset random`: both engines alive, two timed passes each; the
+    pooled figures are the sums of the passes'; outputs identical in every round."""
+    record_path = tmp_path / "record.json"
+    code = cli_main(["--log-level", "WARNING", "bench", "spec", "--model", tiny_model_dir, "--dataset", "random",
+                     "--num-prompts", "6", "--concurrency", "6", "--input-len", "20", "--output-len", "16",
+                     "--ignore-eos", "--rounds", "2", "--dtype", "float32", "--kv-cache-memory-gb", "0.01",
+                     "--speculative-config", json.dumps(NGRAM), "--output-json", str(record_path)])
+    assert code == 0
+    assert "per round: plain" in capsys.readouterr().out
+    record = json.loads(record_path.read_text())
+    assert record["workload"]["rounds"] == 2 and record["outputs_identical"] is True
+    assert len(record["speedup_per_round"]) == 2
+    for name in ("plain", "speculative"):
+        pooled = record[name]
+        assert len(pooled["passes"]) == 2 and pooled["output_tokens"] == 2 * 6 * 16
+        assert pooled["elapsed_s"] == sum(p["elapsed_s"] for p in pooled["passes"])
+        assert pooled["draft_tokens"] == sum(p["draft_tokens"] for p in pooled["passes"])
+    assert record["plain"]["draft_tokens"] == 0

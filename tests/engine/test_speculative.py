@@ -56,6 +56,54 @@ def test_ngram_greedy_equals_plain(tiny_model_dir, reference, async_scheduling, 
     llm.shutdown()
 
 
+def assert_histories_match_the_core(llm) -> tuple[bool, int]:
+    """Between engine steps: every n-gram history the worker holds is its request's tokens as
+    the core knows them, then at most the tokens of the steps in flight. Returns (held, rows)."""
+    runner, table = worker_runner(llm), llm.engine.scheduler.table
+    spec = runner.speculator
+    lengths = spec.history_len.tolist()
+    if not spec.live:
+        assert not any(lengths), "a dormant speculator holds a history"
+        return False, 0
+    for slot in table.order.tolist():
+        known, pending = int(table.num_tokens[slot]), int(table.num_pending[slot])
+        held = runner.batch.slot_of[int(table.handle[slot])]
+        assert known + (pending > 0) <= lengths[held] <= known + pending, (known, pending, lengths[held])
+        assert spec.history[held, :known].tolist() == table.tokens[slot, :known].tolist()
+    return True, table.num_running
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_ngram_histories_sleep_under_load_and_are_rebuilt(tiny_model_dir, reference, async_scheduling):
+    """More rows than max_step_tokens: nothing is proposed, so after a few steps the worker drops
+    the n-gram histories (the steps are the plain ones); as rows finish, proposing resumes from
+    histories rebuilt from the core's tokens and the token in flight. After every step each held
+    history is checked against the core; drafts are accepted after the rebuild; outputs unchanged."""
+    first, prompts = repetitive_prompts(2, seed=8), repetitive_prompts(12, seed=9)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True) for i in range(12)]
+    want = token_ids(reference, first, GREEDY), token_ids(reference, prompts, params)
+    llm = tiny_llm(tiny_model_dir, async_scheduling=async_scheduling, speculative_config={**NGRAM, "max_step_tokens": 4})
+    engine, seen = llm.engine, []
+    step = engine.step
+
+    def checked_step():
+        outputs = step()
+        seen.append(assert_histories_match_the_core(llm))
+        return outputs
+    engine.step = checked_step
+    assert token_ids(llm, first, GREEDY) == want[0]  # two rows: histories held from the start
+    accepted = llm.scheduler_stats()["spec_num_accepted_tokens"]
+    assert seen[0][0] and accepted > 0
+    seen.clear()
+    assert token_ids(llm, prompts, params) == want[1]  # twelve: dormant, then rebuilt for the last three
+    held = [h for h, _ in seen]
+    asleep = held.index(False)
+    resumed = held.index(True, asleep)
+    assert 0 < seen[resumed][1] < 4 and False not in held[resumed:], held
+    assert llm.scheduler_stats()["spec_num_accepted_tokens"] > accepted
+    llm.shutdown()
+
+
 def test_seeded_sampling_equals_plain(tiny_model_dir, reference):
     """n-gram drafts are one-hot: the target's own seeded sample decides, so seeded outputs are the plain ones."""
     prompts = repetitive_prompts(6, seed=1)

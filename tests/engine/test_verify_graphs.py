@@ -59,10 +59,13 @@ def with_eager_verify_graphs(llm, max_rows: int, tails: bool = False, decode: bo
     runner.verify_graphs = _eager_graphs(runner, max_rows, runner.speculator.k + 1, counts["verify"])
     if decode:
         runner.graphs = _eager_graphs(runner, max_rows, 1, counts["decode"])
-    if tails:
-        runner.verify_tail = _CountingTail(runner.verify_graphs, runner.batch, runner.speculator, counts["tail"])
+    if tails:  # as ModelRunner.capture_graphs makes them
+        histories = runner.speculator if runner.speculator.keeps_histories else None
+        runner.verify_tail = _CountingTail(runner.verify_graphs, runner.batch, histories, counts["tail"])
         if decode:
-            runner.graph_tail = _CountingTail(runner.graphs, runner.batch, runner.speculator, counts["tail"])
+            runner.graph_tail = _CountingTail(runner.graphs, runner.batch, None, counts["tail"])
+            if histories is not None:
+                runner.recording_tail = _CountingTail(runner.graphs, runner.batch, histories, counts["tail"])
     draft = runner.draft
     if draft is not None:
         draft._graph_slots = runner.verify_graphs.slots  # as captured: the verification rows' buffer

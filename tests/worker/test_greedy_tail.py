@@ -30,9 +30,8 @@ def make(query_len: int, slots: list[int], logits: torch.Tensor, num_drafts: lis
     batch = SimpleNamespace(scratch=SCRATCH, next_token_dev=torch.zeros(SCRATCH + 1, dtype=torch.int64),
                             num_computed_dev=torch.full((SCRATCH + 1,), 10, dtype=torch.int64))
     batch.num_computed_dev[SCRATCH] = 0
-    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=K), SCRATCH + 1, 64, torch.device("cpu"))
-    for slot in range(SCRATCH):
-        spec.add(slot, [1, 2, 3])
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=K), SCRATCH + 1, 64, batch.next_token_dev)
+    spec.resume([(slot, [1, 2, 3], False) for slot in range(SCRATCH)])
     spec.flush()
     for slot, tokens in drafts.items():
         spec.drafts[slot] = torch.tensor(tokens)

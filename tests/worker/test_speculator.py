@@ -1,18 +1,25 @@
 """The worker's n-gram speculator without a model: histories written once per step (new
-requests and released slots in one copy), records of emitted tokens, and the proposer's graph
-path (padded to a captured size, the padding proposing for the scratch slot) equal to the
-direct path for the real rows, also when the rows are a prefix of the graphs' own buffer."""
+requests and released slots in one copy), records of emitted tokens, histories dropped while
+dormant and rebuilt on resume (the row's next input appended where a sampled token is still in
+flight), and the proposer's graph path (padded to a captured size, the padding proposing for
+the scratch slot) equal to the direct path for the real rows, also when the rows are a prefix
+of the graphs' own buffer."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.worker.speculator import Speculator
 
 
-def make(k: int = 3, slots: int = 9) -> Speculator:
-    return Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=k), slots, 64, torch.device("cpu"))
+def make(k: int = 3, slots: int = 9, live: bool = True) -> Speculator:
+    next_token = torch.arange(100, 100 + slots, dtype=torch.int64)  # slot s's next input: 100 + s
+    spec = Speculator(SpeculativeConfig(method="ngram", num_speculative_tokens=k), slots, 64, next_token)
+    if live:
+        spec.resume([])
+    return spec
 
 
 def test_histories_flush_record_and_release() -> None:
@@ -31,6 +38,27 @@ def test_histories_flush_record_and_release() -> None:
     spec.release(2)
     spec.flush()
     assert spec.live_slots() == [4]
+
+
+def test_dormant_histories_hold_nothing_and_resume_from_the_known_tokens() -> None:
+    spec = make(live=False)
+    spec.add(1, [5, 6, 7])  # dormant: nothing is held, nothing written
+    spec.flush()
+    assert spec.live_slots() == []
+    # Resume: slot 1's sampled token (its next input, 101) is still in flight; slot 3's is known.
+    spec.resume([(1, np.array([5, 6, 7]), True), (3, np.array([8, 9]), False)])
+    spec.flush()
+    assert spec.history[1, :4].tolist() == [5, 6, 7, 101] and spec.history[3, :2].tolist() == [8, 9]
+    assert spec.history_len.tolist()[:4] == [0, 4, 0, 2]
+    spec.record_one(torch.tensor([1, 3]), torch.tensor([11, 12]))
+    assert spec.history[1, :5].tolist() == [5, 6, 7, 101, 11] and spec.history[3, :3].tolist() == [8, 9, 12]
+    spec.add(4, [1, 2])  # live again: a new request's history is written
+    spec.flush()
+    assert spec.live_slots() == [1, 3, 4]
+    spec.sleep()
+    spec.release(1)  # a request leaving while dormant: nothing to write
+    spec.flush()
+    assert spec.live_slots() == [] and not spec.live
 
 
 class _EagerReplay:

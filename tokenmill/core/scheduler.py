@@ -38,7 +38,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.row_failures import fail_rows
 from tokenmill.core.running_plan import RunningPlanner
 from tokenmill.core.running_table import NEVER, RunningTable
-from tokenmill.core.spec_policy import SpecPolicy, SpecStats, allows_speculation
+from tokenmill.core.spec_policy import ProposerHistories, SpecPolicy, SpecStats, allows_speculation
 from tokenmill.core.step_update import apply_step
 from tokenmill.protocol import (CachedRequestData, EngineCoreOutputs, FinishReason, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput, SchedulerStats, pack_ids)
@@ -62,6 +62,8 @@ class Scheduler:
         self.planner = RunningPlanner(self.table, self.kv, self._preempt, no_placeholders=pipeline_stages > 1)
         self.spec = SpecPolicy(speculative, self.table) if speculative is not None else None
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
+        self.histories = (ProposerHistories(self.table, can_sleep=speculative.method == "ngram")
+                          if speculative is not None else None)
         self.known_to_workers: set[int] = set()
         self.finished_to_send: list[int] = []
         self.step_id = 0
@@ -165,13 +167,8 @@ class Scheduler:
             per_slot = np.zeros(t.max_rows, np.int64)
             per_slot[plan.draft_slots] = plan.draft_counts
             output.num_drafts = per_slot[output.row_slots]
-        if self.spec is not None and self.spec.wants_proposals(t.num_running, self._prompts_can_start()):
-            output.propose = True
-            # Workers propose only for rows that sample: not for a prompt chunk short of the end,
-            # which would otherwise get drafts when its last chunk is a single token.
-            rows = output.row_slots
-            t.proposed_at[rows[t.num_computed[rows] >= t.num_tokens[rows]]] = step_id
-            self._last_proposed = step_id
+        if self.spec is not None:
+            self._mark_proposals(output)
         self._batch_is_all_running = len(output.row_slots) == t.num_running
         check_every = self.config.debug_check_every
         if check_every and step_id % check_every == 0:
@@ -183,6 +180,22 @@ class Scheduler:
         self.in_flight_tokens += output.total_num_scheduled_tokens
         self.finished_to_send = []
         return output
+
+    def _mark_proposals(self, output: SchedulerOutput) -> None:
+        """Whether the workers propose drafts at the end of this step (and, for that, hold the
+        n-gram histories), or may drop them."""
+        t = self.table
+        if not self.spec.wants_proposals(t.num_running, self._prompts_can_start()):
+            output.proposer_dormant = self.histories.idle()
+            return
+        output.propose = True
+        # Workers propose only for rows that sample: not for a prompt chunk short of the end,
+        # which would otherwise get drafts when its last chunk is a single token.
+        rows = output.row_slots
+        sampling = rows[t.num_computed[rows] >= t.num_tokens[rows]]
+        t.proposed_at[sampling] = output.step_id
+        self._last_proposed = output.step_id
+        output.proposer_resume = self.histories.proposing(sampling)
 
     def _prompts_can_start(self) -> bool:
         """Whether prompts wait for a seat that is free (their prefill will take the step's tokens)."""

@@ -26,6 +26,15 @@ Rows eligible for drafts: the request allows it (no penalties, logprobs or promp
 their per-position state would need every draft applied in order), the row is a plain decode
 (one uncomputed token), the worker proposed for it at the end of the previous step, and the
 request has room for 1 + k more tokens under its limit.
+
+Dormant n-gram histories (`ProposerHistories`): proposing from a row needs its whole history
+(prompt and every emitted token) on the device, and keeping it current costs every step a few
+kernels. So the workers keep histories only while proposals are asked for: after
+`DORMANT_AFTER` steps without one (a saturated engine) they drop them, and each step is then the
+plain one; when proposing resumes, the step carries every running request's tokens as this
+process knows them, and whether a sampled token still in flight follows them (the worker has
+that one on the device: the row's next input). A draft model keeps its own state (its KV,
+written by every step's mirror), so it never goes dormant.
 """
 
 from __future__ import annotations
@@ -34,12 +43,13 @@ import numpy as np
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.core.running_table import RunningTable
-from tokenmill.protocol import SpecDecodeStats
+from tokenmill.protocol import ProposerResume, SpecDecodeStats
 from tokenmill.sampling_params import SamplingParams
 
 PROBE_EVERY = 16
 DECAY = 0.8  # weight of the past in the acceptance counts, per verified step
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # alpha starts at 1/2
+DORMANT_AFTER = 8  # steps without proposals before the workers drop the n-gram histories
 
 
 def allows_speculation(params: SamplingParams) -> bool:
@@ -142,6 +152,43 @@ class SpecPolicy:
         trials = num_accepted + (num_accepted < num_drafts)  # a geometric run: stops at the first miss
         t.spec_hits[slot] = t.spec_hits[slot] * DECAY + num_accepted
         t.spec_trials[slot] = t.spec_trials[slot] * DECAY + trials
+
+
+class ProposerHistories:
+    """Whether the workers hold the n-gram histories, and the messages that change it."""
+
+    def __init__(self, table: RunningTable, can_sleep: bool) -> None:
+        self.table = table
+        self.can_sleep = can_sleep
+        self.live = not can_sleep  # n-gram: nothing is held until the first proposal
+        self._idle_steps = 0
+
+    def idle(self) -> bool:
+        """A step without proposals. True: the workers drop every history with this step."""
+        self._idle_steps += 1
+        if self.live and self.can_sleep and self._idle_steps >= DORMANT_AFTER:
+            self.live = False
+            return True
+        return False
+
+    def proposing(self, sampling_slots: np.ndarray) -> ProposerResume | None:
+        """A step at whose end the workers propose; `sampling_slots`: its rows that sample. Returns
+        the histories to rebuild before the step, when the workers hold none."""
+        self._idle_steps = 0
+        if self.live:
+            return None
+        self.live = True
+        t = self.table
+        order = t.order
+        samples_now = np.zeros(t.max_rows, np.int64)
+        samples_now[sampling_slots] = 1
+        # Tokens in flight from earlier steps (this step's own sample is not in the history yet).
+        # Dormant for DORMANT_AFTER steps: no drafts in flight, so at most the last step's token.
+        pending = t.num_pending[order] - samples_now[order]
+        assert ((pending == 0) | (pending == 1)).all(), f"in-flight tokens per row: {pending.tolist()}"
+        counts = t.num_tokens[order]
+        known = np.arange(t.tokens.shape[1])[None, :] < counts[:, None]
+        return ProposerResume.pack(t.handle[order], counts, t.tokens[order][known], pending)
 
 
 class SpecStats:

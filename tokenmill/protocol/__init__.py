@@ -164,6 +164,30 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         return rows
 
 
+class ProposerResume(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The n-gram proposer's histories, rebuilt after a dormant spell (see core/spec_policy.py):
+    every running request's tokens as the engine core knows them, and whether one more token,
+    sampled by a step still in flight, follows them (the worker holds it on the device as the
+    row's next input)."""
+
+    handles: bytes  # int32, every request the workers hold
+    counts: bytes  # int32, tokens known per handle
+    tokens: bytes  # int32, those tokens, concatenated in handle order
+    pending: bytes  # int32 0 or 1 per handle: a sampled token in flight follows them
+
+    @staticmethod
+    def pack(handles, counts, tokens, pending) -> "ProposerResume":
+        return ProposerResume(pack_ids(handles), pack_ids(counts), pack_ids(tokens), pack_ids(pending))
+
+    def rows(self) -> list[tuple[int, np.ndarray, bool]]:
+        """(handle, its known tokens, a pending token follows) per request."""
+        handles, counts = unpack_ids(self.handles), np.frombuffer(self.counts, _I32)
+        tokens, pending = np.frombuffer(self.tokens, _I32), unpack_ids(self.pending)
+        ends = np.cumsum(counts)
+        return [(h, tokens[end - n:end], bool(p))
+                for h, n, end, p in zip(handles, counts.tolist(), ends.tolist(), pending)]
+
+
 class BatchDiff(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """This step's batch relative to the previous step's (see `tokenmill.protocol.batch_diff`).
 
@@ -196,6 +220,11 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     # row scheduled for 1 + k tokens verifies k of the drafts proposed for it (the worker tells
     # decode rows from prefill chunks by its own count of the prompt tokens computed).
     propose: bool = False
+    # The n-gram proposer's histories: rebuilt from these tokens before the step (proposing
+    # resumes), or dropped (`proposer_dormant`: nothing will be proposed for a while, so the
+    # workers stop recording every emitted token: the step is the plain one).
+    proposer_resume: ProposerResume | None = None
+    proposer_dormant: bool = False
     # Pipeline parallelism only: int32, each row's first input token (the first stage cannot
     # read sampled tokens on its device; see tokenmill/worker/pp_stage.py).
     pp_input_tokens: bytes = b""

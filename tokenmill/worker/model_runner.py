@@ -94,7 +94,7 @@ class ModelRunner:
         self.sampler = Sampler(self.sampling)
         self.readback = Readback(self.device)
         spec = config.speculative
-        self.speculator = (Speculator(spec, max_seqs + 1, config.model.max_model_len, self.device)
+        self.speculator = (Speculator(spec, max_seqs + 1, config.model.max_model_len, self.batch.next_token_dev)
                            if spec is not None else None)
         self.batch_order = BatchOrder()
         self.kv_caches: list[torch.Tensor] = []
@@ -102,8 +102,10 @@ class ModelRunner:
         self.draft = None  # DraftProposer, for speculative_config method draft_model
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: DecodeGraphs | None = None  # speculation: decode rows with drafts
-        # All-greedy steps end in a graph too (argmax, verification, state updates): one per family.
+        # All-greedy steps end in a graph too (argmax, verification, state updates): one per family,
+        # and for plain decode a second one that also records the n-gram histories (while held).
         self.graph_tail: GreedyTail | None = None
+        self.recording_tail: GreedyTail | None = None
         self.verify_tail: GreedyTail | None = None
         self.prompt_graphs: PromptGraphs | None = None  # steps of one prompt chunk (batch-1 prefill)
         self.on_device_work: Callable[[], None] | None = None  # called as each step's device work starts
@@ -176,9 +178,13 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, max_seqs, max_len, self.block_size,
                                    self.stage.layout, mirror=mirror)
         self.graphs.capture()
+        histories = self.speculator if self.speculator is not None and self.speculator.keeps_histories else None
         if self.stage.is_last:
-            self.graph_tail = GreedyTail(self.graphs, self.batch, self.speculator)
+            self.graph_tail = GreedyTail(self.graphs, self.batch, None)
             self.graph_tail.capture()
+            if histories is not None:
+                self.recording_tail = GreedyTail(self.graphs, self.batch, histories)
+                self.recording_tail.capture()
         if self.stage.num_stages > 1:
             return
         self.prompt_graphs = PromptGraphs(self.model, self.batch, self.kv_caches, max_len, self.block_size,
@@ -191,7 +197,7 @@ class ModelRunner:
                                           max_len, self.block_size, self.stage.layout, query_len=k + 1,
                                           drafts=self.speculator.drafts, mirror=mirror)
         self.verify_graphs.capture()
-        self.verify_tail = GreedyTail(self.verify_graphs, self.batch, self.speculator)
+        self.verify_tail = GreedyTail(self.verify_graphs, self.batch, histories)
         self.verify_tail.capture()
         if self.draft is None:
             self.speculator.capture(self.verify_graphs.sizes, self.verify_graphs.slots)
@@ -239,7 +245,7 @@ class ModelRunner:
         self.batch.flush()
         self.sampling.flush()
         if self.speculator is not None:
-            self.speculator.flush()
+            self._update_histories(so)
         prev, self._pending = self._pending, None
         if not len(so.batch_handles):
             self._slots = np.zeros(0, dtype=np.int64)
@@ -292,7 +298,7 @@ class ModelRunner:
             non_finite = self._screen(logits, sample_slots)
             out, failed = row_faults.sample_rows(self._sample, logits, sample_slots, self.sampling.scratch_slot)
             self.batch.next_token_dev[sample_slots] = out.sampled
-            if self.speculator is not None:
+            if self.speculator is not None and self.speculator.live:
                 self.speculator.record_one(sample_slots, out.sampled)
             step.start_readback(row_faults.mark_failed(out, non_finite, failed), self.readback)
         if self.speculator is not None and so.propose and len(sample_rows):
@@ -317,7 +323,9 @@ class ModelRunner:
         self.batch.num_computed[slots] += 1
         if logits is None:
             return None
-        tail = self.graph_tail.run(len(slots)) if self._greedy_tail_applies(self.graph_tail) else None
+        recording = self.speculator is not None and self.speculator.live
+        tail_graphs = self.recording_tail if recording else self.graph_tail
+        tail = tail_graphs.run(len(slots)) if self._greedy_tail_applies(tail_graphs) else None
         return Forward(logits, np.arange(len(slots)), graphs.slots[:len(slots)], len(slots), greedy_result=tail)
 
     def _forward_verify_graph(self, slots: np.ndarray, counts: np.ndarray) -> Forward:
@@ -363,6 +371,16 @@ class ModelRunner:
         return Forward(logits, inputs.sample_rows, inputs.sample_slots, inputs.num_device_inputs,
                        drafts=inputs.sample_drafts, seq_lens=inputs.sample_seq_lens,
                        prompt_logprobs=step_prompt_logprobs)
+
+    def _update_histories(self, so: SchedulerOutput) -> None:
+        """The n-gram histories: dropped or rebuilt as the step says, then the step's writes."""
+        spec = self.speculator
+        if so.proposer_dormant:
+            spec.sleep()
+        if so.proposer_resume is not None:
+            slot_of = self.batch.slot_of
+            spec.resume([(slot_of[handle], tokens, pending) for handle, tokens, pending in so.proposer_resume.rows()])
+        spec.flush()
 
     def _draft_inputs(self) -> tuple:
         """What the draft proposer reads and writes (persistent tensors; `propose`'s arguments)."""
@@ -429,7 +447,8 @@ class ModelRunner:
         self.sampler.advance(slots_d, num_emitted, emitted)
         self.batch.next_token_dev[slots_d] = emitted.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
         self.batch.num_computed_dev[slots_d] = seq_lens - drafts_d - 1 + num_emitted
-        self.speculator.record(slots_d, emitted, num_emitted)
+        if self.speculator.live:
+            self.speculator.record(slots_d, emitted, num_emitted)
         num_emitted = row_faults.mark_failed_counts(num_emitted, non_finite, row_of_d, failed)  # read-back copy
         step.start_speculative_readback(emitted, num_emitted, self.readback, slots, drafts, logprobs)
 

@@ -2,10 +2,14 @@
 end of each step the scheduler marks `propose`, and verified by the next step.
 
 Per slot (device): `drafts` [K] (the proposal for the slot's next step) and, for the n-gram
-proposer, the slot's token history (prompt and every emitted token) with its length. A slot is
-live while its history length is non-zero: `add` sets it (a prompt has at least one token),
-`release` clears it when the request leaves the worker (both written by the step's `flush`), so
-a freed slot holds nothing. A decode row scheduled for 1 + k tokens feeds its next token then
+proposer, the slot's token history (prompt and every emitted token) with its length. The
+histories are held only while the scheduler asks for proposals (`live`; see "Dormant n-gram
+histories" in core/spec_policy.py): `resume` rebuilds every request's from the tokens the step
+carries (plus the row's next input, when a sampled token is still in flight), `sleep` drops
+them all, and while dormant nothing is recorded. A slot is live while its history length is
+non-zero: `add` sets it (a prompt has at least one token), `release` clears it when the request
+leaves the worker (all three written by the step's `flush`), so a freed slot holds nothing.
+A decode row scheduled for 1 + k tokens feeds its next token then
 drafts[:k]; the sampler samples every one of those positions and `verify_drafts` keeps the
 matching prefix plus one (see layers/sampling/spec_verify.py). Nothing here waits for the host:
 the host learns how many tokens each row emitted when the step's ids are read back.
@@ -25,10 +29,14 @@ from tokenmill.worker.persistent_batch import to_device
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, num_slots: int, max_model_len: int, device: torch.device) -> None:
+    def __init__(self, config: SpeculativeConfig, num_slots: int, max_model_len: int, next_token: torch.Tensor) -> None:
+        """`next_token`: each slot's next input on the device (the persistent batch's)."""
         self.config = config
         self.k = config.num_speculative_tokens
-        self.device = device
+        self.next_token = next_token
+        self.device = device = next_token.device
+        self.keeps_histories = config.method == "ngram"  # a draft model keeps its KV instead
+        self.live = False  # histories held (and recorded every step); set by `resume`
         self.drafts = torch.zeros((num_slots, max(self.k, 1)), dtype=torch.int64, device=device)
         self.history = torch.zeros((num_slots, max_model_len + self.k + 1), dtype=torch.int32, device=device)
         self.history_len = torch.zeros(num_slots, dtype=torch.int64, device=device)
@@ -38,11 +46,29 @@ class Speculator:
         self._graph_slots: torch.Tensor | None = None
         # slot -> its history as of this step: a new request's known tokens, or none (released)
         self._added: dict[int, np.ndarray] = {}
+        self._pending: list[int] = []  # slots whose next input follows their added tokens (resume)
 
-    def add(self, slot: int, tokens: list[int]) -> None:
+    def add(self, slot: int, tokens: list[int] | np.ndarray) -> None:
         """A new request (or one back from preemption) in `slot`, with its known tokens; written
         to the device by the step's `flush` (one copy for all of a step's new requests)."""
-        self._added[slot] = np.array(tokens, dtype=np.int64)  # a later add to the slot replaces it
+        if self.live:
+            self._added[slot] = np.array(tokens, dtype=np.int64)  # a later add to the slot replaces it
+
+    def resume(self, rows: list[tuple[int, np.ndarray, bool]]) -> None:
+        """Hold histories again: (slot, known tokens, whether the slot's next input follows them)
+        for every request the worker holds."""
+        assert self.keeps_histories and not self.live
+        self.live = True
+        for slot, tokens, pending in rows:
+            self.add(slot, tokens)
+            if pending:
+                self._pending.append(slot)
+
+    def sleep(self) -> None:
+        """Drop every history and record nothing until `resume` (no drafts are in flight)."""
+        self.live = False
+        self._added.clear()
+        self.history_len.zero_()
 
     def flush(self) -> None:
         if not self._added:
@@ -59,11 +85,16 @@ class Speculator:
         self.history[rows_d, columns_d] = tokens_d.to(torch.int32)
         self.history_len[slots_d] = lengths_d
         self._added.clear()
+        if self._pending:  # resumed rows whose last sampled token is still on its way to the host
+            pending = to_device(np.array(self._pending, dtype=np.int64), self.device)
+            self._pending.clear()
+            self.history[pending, self.history_len[pending]] = self.next_token[pending].to(torch.int32)
+            self.history_len[pending] += 1
 
     def release(self, slot: int) -> None:
         """The slot's request left the worker (finished, aborted or preempted): its history is
         emptied by the step's `flush`, in the same copy as the step's new requests'."""
-        self._added[slot] = np.zeros(0, dtype=np.int64)  # a later add to the slot replaces it
+        self.add(slot, np.zeros(0, dtype=np.int64))  # a later add to the slot replaces it
 
     def live_slots(self) -> list[int]:
         """Slots holding a request's history as of the last flush (reads the device: for tests
