@@ -16,11 +16,15 @@ weights, benchmarks). Parts:
               through decode-graph replays: tests/e2e/test_row_faults.py, tests/worker/test_row_faults.py),
               and the per-step cost of the non-finite screen next to a Llama-8B LM head
   spec1:S     batch 1, 512 in x 256 out: plain, then the target as its own draft (k=4)
-  spec256:S   256 x 256 x 128: plain, then adaptive n-gram speculation (k=4)
-  specsat:S   1024 x 256 x 128 (four waves of 256 rows: longer timed passes), plain and adaptive
-              n-gram interleaved, two rounds
+  spec256:S   `tokenmill bench spec --dataset random`: 256 x 256 x 128, plain and adaptive n-gram
+              (k=4) both alive, six interleaved timed passes each
+  specsat:S   the same at 1024 x 256 x 128 (four waves of 256 rows: longer passes), four rounds
+  specdraft:S the same with a draft model (shape S-draft, dummy weights, k=4), three rounds
   specreal:P  `tokenmill bench spec` on the GGUF file P (the real SmolLM2), batch 1: n-gram k=4 in
-              bfloat16 and float32, k=8 in bfloat16, then the model as its own draft (k=4, bfloat16)
+              bfloat16 and float32, k=8 in bfloat16, then the model as its own draft (k=4, bfloat16);
+              specreal:P:ngram runs the first alone
+  specrealsat:P  the real SmolLM2, 512 copy-heavy prompts at once (256 rows), n-gram k=4 vs plain,
+              three interleaved rounds
   specsteps[:cprofile|:mp]  scripts/spec_steps.py: host time per step, plain vs n-gram, batch 1
               (mp: the engine core and worker in their own processes, each one's telemetry phases)
   specgraphs  scripts/spec_graph_check.py: speculative outputs = plain on CUDA, every graph on
@@ -65,6 +69,10 @@ SHAPES = {
     "llama1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=131072,
                     tie_word_embeddings=True, rope_theta=500000.0, **_COMMON),
+    # A draft for the Llama-3 vocabulary: 4 layers of width 512 (about 70M parameters, most in the embedding).
+    "llama1b-draft": dict(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                          num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=131072,
+                          tie_word_embeddings=True, rope_theta=500000.0, **_COMMON),
     "llama8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                     tie_word_embeddings=False, rope_theta=500000.0, **_COMMON),
@@ -232,6 +240,28 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
     print(f"[{key} took {time.perf_counter() - start:.0f} s]")
 
 
+def spec_ab(results: dict, shape: str, num_prompts: int, rounds: int, spec: dict, tag: str) -> None:
+    """`bench spec --dataset random`: plain vs `spec` at saturation (num_prompts x 256 x 128, all
+    submitted at once, max_num_seqs 256), both engines alive, `rounds` interleaved passes each."""
+    path = config_dir(shape)
+    if spec.get("model") == "DRAFT":
+        spec = {**spec, "model": config_dir(f"{shape}-draft")}
+    key = f"specab_{shape}_{num_prompts}x256x128_{tag}"
+    record = os.path.join(OUT, f"{key}.json")
+    run_script(results, key, [
+        "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "spec", "--model", path, "--load-format", "dummy",
+        "--dtype", "bfloat16", "--dataset", "random", "--num-prompts", str(num_prompts), "--concurrency",
+        str(num_prompts), "--input-len", "256", "--output-len", "128", "--ignore-eos", "--max-model-len", "400",
+        "--rounds", str(rounds), "--output-json", record, "--speculative-config", json.dumps(spec)])
+    if os.path.exists(record):
+        with open(record) as f:
+            rec = json.load(f)
+        results[key].update({k: rec.get(k) for k in ("speedup", "speedup_per_round", "outputs_identical")})
+        results[key].update({name: {k: rec[name].get(k) for k in ("output_tokens_per_s", "draft_tokens",
+                                                                   "accepted_tokens", "passes")}
+                             for name in ("plain", "speculative")})
+
+
 def row_fault_costs(results: dict) -> None:
     """µs per step of the non-finite screen (+ the read-back marking) on bf16 logits, beside the
     LM-head matmul that produced them (hidden 4096, vocab 128256: Llama-3-8B)."""
@@ -292,7 +322,8 @@ def run_script(results: dict, key: str, argv: list[str]) -> None:
     """A check that is its own program (pytest, a kernel check script): its exit status and tail."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, *argv], cwd=REPO, env=env, capture_output=True, text=True)
-    tail = (proc.stdout + proc.stderr)[-2500:]
+    # Progress bars go to stderr: shown only when the program failed.
+    tail = proc.stdout[-2500:] + (proc.stderr[-2500:] if proc.returncode else "")
     print(tail)
     results[key] = {"returncode": proc.returncode, "tail": tail[-800:]}
 
@@ -345,26 +376,33 @@ def main() -> None:
             bench(results, shape, 1, 512, 256, baseline=False)
             bench(results, shape, 1, 512, 256, baseline=False, extra=["--speculative-config", json.dumps(
                 {"method": "draft_model", "model": "SAME", "num_speculative_tokens": 4, "max_step_tokens": 0})])
-        elif name == "spec256":  # saturation: plain, then adaptive n-gram (must not cost throughput)
-            bench(results, shape, 256, 256, 128, baseline=False)
-            bench(results, shape, 256, 256, 128, baseline=False, extra=["--speculative-config", json.dumps(
-                {"method": "ngram", "num_speculative_tokens": 4})])
-        elif name == "specsat":  # saturation, longer timed passes: plain / adaptive n-gram, interleaved, 2 rounds
-            for round_ in ("_r1", "_r2"):
-                bench(results, shape, 1024, 256, 128, baseline=False, run=round_)
-                bench(results, shape, 1024, 256, 128, baseline=False, run=round_, extra=[
-                    "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})])
-        elif name == "specreal":  # specreal:GGUF_PATH: the real SmolLM2 at batch 1, n-gram vs plain (bf16, then fp32)
+        elif name == "spec256":  # saturation: adaptive n-gram must not cost throughput
+            spec_ab(results, shape, 256, 6, {"method": "ngram", "num_speculative_tokens": 4}, "ngram")
+        elif name == "specsat":  # the same, longer passes
+            spec_ab(results, shape, 1024, 4, {"method": "ngram", "num_speculative_tokens": 4}, "ngram")
+        elif name == "specdraft":  # the same with a draft model (its state dropped at saturation)
+            spec_ab(results, shape, 1024, 3, {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 4},
+                    "draft")
+        elif name == "specreal":  # specreal:GGUF_PATH[:ngram]: the real SmolLM2 at batch 1, n-gram vs plain
+            shape, _, only = shape.partition(":")  # only: bf16 n-gram k=4 alone
             ngram = {"method": "ngram", "num_speculative_tokens": 4}
             self_draft = {"method": "draft_model", "model": shape, "num_speculative_tokens": 4}
             ngram8 = {**ngram, "num_speculative_tokens": 8}
-            for method, dtype, spec in (("ngram", "bfloat16", ngram), ("ngram", "float32", ngram),
-                                        ("ngram8", "bfloat16", ngram8), ("self_draft", "bfloat16", self_draft)):
+            runs = (("ngram", "bfloat16", ngram), ("ngram", "float32", ngram),
+                    ("ngram8", "bfloat16", ngram8), ("self_draft", "bfloat16", self_draft))
+            for method, dtype, spec in runs[:1] if only else runs:
                 record = os.path.join(OUT, f"spec_real_{method}_{dtype}.json")
                 run_script(results, f"spec_real_{method}_{dtype}", [
                     "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "spec", "--model", shape,
                     "--dtype", dtype, "--num-prompts", "8", "--output-len", "256", "--output-json", record,
                     "--speculative-config", json.dumps(spec)])
+        elif name == "specrealsat":  # specrealsat:GGUF_PATH: the real SmolLM2, 512 copy prompts at once, n-gram
+            record = os.path.join(OUT, "spec_real_sat_ngram_bfloat16.json")
+            run_script(results, "spec_real_sat_ngram_bfloat16", [
+                "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "spec", "--model", shape,
+                "--dtype", "bfloat16", "--num-prompts", "512", "--concurrency", "512", "--output-len", "256",
+                "--rounds", "3", "--output-json", record,
+                "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})])
         elif name == "specsteps":  # host time per step, plain vs n-gram, batch 1 (scripts/spec_steps.py)
             flag = {"cprofile": ["--cprofile"], "mp": ["--multiprocess"]}.get(shape, [])
             run_script(results, f"spec_steps{'_' + shape if shape else ''}", ["scripts/spec_steps.py", *flag])

@@ -170,6 +170,34 @@ def test_target_as_draft_accepts_everything_and_changes_nothing(tiny_model_dir, 
     llm.shutdown()
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_target_as_draft_across_a_dormant_spell(tiny_model_dir, reference, async_scheduling):
+    """Two rows, then twelve (more than max_step_tokens=4): the draft's state is dropped (its KV
+    no longer written), and once three rows are left it runs over every position computed so
+    far and proposes again. Then requests extending four of the twelve, one at a time: their
+    cached prefixes hold blocks computed while the draft slept, which it computes first. The
+    target as its own draft accepts every draft only if its KV has no hole."""
+    runs = [(repetitive_prompts(2, seed=8), [GREEDY] * 2),
+            (repetitive_prompts(12, seed=9), [SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True)
+                                             for i in range(12)])]
+    llm = tiny_llm(tiny_model_dir, async_scheduling=async_scheduling,
+                   speculative_config={**draft_config(tiny_model_dir), "max_step_tokens": 4})
+    for prompts, params in runs:
+        assert token_ids(llm, prompts, params) == token_ids(reference, prompts, params)
+    assert worker_runner(llm).speculator.slept
+    before = llm.scheduler_stats()
+    prompts, params = runs[1]
+    outputs = token_ids(reference, prompts, params)
+    for i in (8, 9, 10, 11):  # prompt + 40 of its outputs: blocks decoded while the draft slept
+        extended = {"prompt_token_ids": prompts[i]["prompt_token_ids"] + outputs[i][:40] + [7, 8]}
+        assert token_ids(llm, [extended], GREEDY) == token_ids(reference, [extended], GREEDY)
+    stats = llm.scheduler_stats()
+    assert stats["prefix_cache_hits"] - before["prefix_cache_hits"] >= 4 * 48, stats
+    assert stats["spec_num_draft_tokens"] - before["spec_num_draft_tokens"] > 50, stats
+    assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"], stats
+    llm.shutdown()
+
+
 def shared_prefix_prompts() -> list[dict]:
     """Prompts sharing prefixes longer than a block (16 tokens), each after the first reusing the
     blocks of those before it. Under a budget of 24 tokens, the 57-token one computes 25 after
@@ -211,24 +239,35 @@ def test_a_different_draft_model_changes_nothing(tiny_model_dir, reference, tmp_
     llm.shutdown()
 
 
-@pytest.mark.parametrize("prefix_hit", [False, True], ids=["fresh", "prefix-hit"])
+@pytest.mark.parametrize("prefix_hit", ["fresh", "prefix-hit", "after-dormancy"])
 def test_draft_kv_equals_a_fresh_prefill_bonus_token_included(tiny_model_dir, prefix_hit):
     """After the last (fully accepted) step, the draft's KV at every position of prompt + output
     equals the target's KV from one prefill of those tokens. prefix-hit: an earlier request
     left the first two blocks of the prompt in the prefix cache, and the request reuses them
-    (draft KV included: the earlier request's draft wrote it there)."""
+    (draft KV included: the earlier request's draft wrote it there). after-dormancy: those
+    blocks were decoded while the draft's state was dropped (more rows than max_step_tokens),
+    so the draft computes them when the request starts."""
     import torch
     prompt = [5, 17, 42, 99, 7, 61, 3, 88, 19]
-    llm = tiny_llm(tiny_model_dir, async_scheduling=False, speculative_config=draft_config(tiny_model_dir))
+    spec = {**draft_config(tiny_model_dir), "max_step_tokens": 4 if prefix_hit == "after-dormancy" else 0}
+    llm = tiny_llm(tiny_model_dir, async_scheduling=False, speculative_config=spec)
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    if prefix_hit:
+    if prefix_hit == "prefix-hit":
         earlier = [(11 * i) % 190 + 5 for i in range(37)]
         llm.generate([{"prompt_token_ids": earlier}], greedy, use_tqdm=False)
+        prompt = earlier[:34] + prompt
+    elif prefix_hit == "after-dormancy":
+        llm.generate(repetitive_prompts(2, seed=8), greedy, use_tqdm=False)  # the draft's state is held
+        busy = [{"prompt_token_ids": [5 + i, 9, 13]} for i in range(12)]  # ... then dropped for these
+        long = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        earlier = busy[0]["prompt_token_ids"] + list(llm.generate(busy, long, use_tqdm=False)[0].outputs[0].token_ids)
+        assert worker_runner(llm).speculator.slept
+        llm.generate(repetitive_prompts(1, seed=10), greedy, use_tqdm=False)  # held again from here
         prompt = earlier[:34] + prompt
     out = llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)[0].outputs[0].token_ids
     stats = llm.scheduler_stats()
     assert stats["spec_num_accepted_tokens"] == stats["spec_num_draft_tokens"] > 0
-    assert stats["prefix_cache_hits"] == (32 if prefix_hit else 0), stats
+    assert stats["prefix_cache_hits"] == (0 if prefix_hit == "fresh" else 32), stats
     tokens = prompt + list(out)
     runner = worker_runner(llm)
     (slot,) = runner.batch.slot_of.values()  # the finished request's end has not reached the worker yet

@@ -29,10 +29,15 @@ class _EagerReplay:
         self.counter[0] += 1
 
 
-def _eager_graphs(runner, max_rows: int, query_len: int, counter: list[int]) -> DecodeGraphs:
-    mirror = None if runner.draft is None else runner.draft.mirror
-    graphs = DecodeGraphs(runner.model, runner.batch, runner.kv_caches, max_rows, runner.config.model.max_model_len,
-                          runner.block_size, query_len=query_len, drafts=runner.speculator.drafts, mirror=mirror)
+def _eager_graphs(runner, max_rows: int, query_len: int, counter: list[int], draft_kv: bool = False) -> DecodeGraphs:
+    """As ModelRunner.capture_graphs makes them: the verification family mirrors into a draft's
+    KV; plain decode does not (`draft_kv`: the draft's own kv-only family does)."""
+    draft = runner.draft
+    mirror = draft.mirror if draft is not None and query_len > 1 else None
+    model, caches = (draft.model, draft.kv_caches) if draft_kv else (runner.model, runner.kv_caches)
+    graphs = DecodeGraphs(model, runner.batch, caches, max_rows, runner.config.model.max_model_len,
+                          runner.block_size, query_len=query_len, drafts=runner.speculator.drafts, mirror=mirror,
+                          kv_only=draft_kv)
 
     def body(size: int):
         graphs.logits[size] = graphs._body(size)
@@ -55,10 +60,12 @@ def with_eager_verify_graphs(llm, max_rows: int, tails: bool = False, decode: bo
     graphs; with `tails` both families' greedy step-end graphs; with a draft model its greedy
     proposal graphs). Returns replay counters by family."""
     runner = worker_runner(llm)
-    counts = {name: [0] for name in ("verify", "decode", "tail", "draft")}
+    counts = {name: [0] for name in ("verify", "decode", "tail", "draft", "draft_kv")}
     runner.verify_graphs = _eager_graphs(runner, max_rows, runner.speculator.k + 1, counts["verify"])
     if decode:
         runner.graphs = _eager_graphs(runner, max_rows, 1, counts["decode"])
+        if runner.draft is not None:
+            runner.draft_graphs = _eager_graphs(runner, max_rows, 1, counts["draft_kv"], draft_kv=True)
     if tails:  # as ModelRunner.capture_graphs makes them
         histories = runner.speculator if runner.speculator.keeps_histories else None
         runner.verify_tail = _CountingTail(runner.verify_graphs, runner.batch, histories, counts["tail"])

@@ -38,7 +38,7 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.row_failures import fail_rows
 from tokenmill.core.running_plan import RunningPlanner
 from tokenmill.core.running_table import NEVER, RunningTable
-from tokenmill.core.spec_policy import ProposerHistories, SpecPolicy, SpecStats, allows_speculation
+from tokenmill.core.spec_policy import ProposerState, SpecPolicy, SpecStats, allows_speculation
 from tokenmill.core.step_update import apply_step
 from tokenmill.protocol import (CachedRequestData, EngineCoreOutputs, FinishReason, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput, SchedulerStats, pack_ids)
@@ -62,8 +62,7 @@ class Scheduler:
         self.planner = RunningPlanner(self.table, self.kv, self._preempt, no_placeholders=pipeline_stages > 1)
         self.spec = SpecPolicy(speculative, self.table) if speculative is not None else None
         self.spec_stats = SpecStats(speculative.num_speculative_tokens if speculative else 0)
-        self.histories = (ProposerHistories(self.table, can_sleep=speculative.method == "ngram")
-                          if speculative is not None else None)
+        self.proposer = ProposerState(self.table) if speculative is not None else None
         self.known_to_workers: set[int] = set()
         self.finished_to_send: list[int] = []
         self.step_id = 0
@@ -183,10 +182,10 @@ class Scheduler:
 
     def _mark_proposals(self, output: SchedulerOutput) -> None:
         """Whether the workers propose drafts at the end of this step (and, for that, hold the
-        n-gram histories), or may drop them."""
+        proposer's state), or may drop it."""
         t = self.table
         if not self.spec.wants_proposals(t.num_running, self._prompts_can_start()):
-            output.proposer_dormant = self.histories.idle()
+            output.proposer_dormant = self.proposer.idle()
             return
         output.propose = True
         # Workers propose only for rows that sample: not for a prompt chunk short of the end,
@@ -195,7 +194,7 @@ class Scheduler:
         sampling = rows[t.num_computed[rows] >= t.num_tokens[rows]]
         t.proposed_at[sampling] = output.step_id
         self._last_proposed = output.step_id
-        output.proposer_resume = self.histories.proposing(sampling)
+        output.proposer_resume = self.proposer.proposing(sampling)
 
     def _prompts_can_start(self) -> bool:
         """Whether prompts wait for a seat that is free (their prefill will take the step's tokens)."""

@@ -27,14 +27,16 @@ their per-position state would need every draft applied in order), the row is a 
 (one uncomputed token), the worker proposed for it at the end of the previous step, and the
 request has room for 1 + k more tokens under its limit.
 
-Dormant n-gram histories (`ProposerHistories`): proposing from a row needs its whole history
-(prompt and every emitted token) on the device, and keeping it current costs every step a few
-kernels. So the workers keep histories only while proposals are asked for: after
-`DORMANT_AFTER` steps without one (a saturated engine) they drop them, and each step is then the
-plain one; when proposing resumes, the step carries every running request's tokens as this
-process knows them, and whether a sampled token still in flight follows them (the worker has
-that one on the device: the row's next input). A draft model keeps its own state (its KV,
-written by every step's mirror), so it never goes dormant.
+Dormant proposer state (`ProposerState`): proposing needs per-request state on the device that
+every step keeps current at a cost: the n-gram proposer's histories (prompt and every emitted
+token: a few kernels per step), a draft model's KV (its forward over every step's inputs). So the
+workers hold it only while proposals are asked for: after `DORMANT_AFTER` steps without one (a
+saturated engine) they drop it, and each step is then the plain one. When proposing resumes, the
+step carries every running request's tokens as this process knows them, and whether a sampled
+token still in flight follows them (the worker has that one on the device: the row's next
+input); the worker rebuilds the histories from them, or runs the draft over every position
+computed so far. (After a dormant spell, blocks in the prefix cache may lack the draft's KV: the
+worker runs the draft over a new request's cached prefix too.)
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from tokenmill.sampling_params import SamplingParams
 PROBE_EVERY = 16
 DECAY = 0.8  # weight of the past in the acceptance counts, per verified step
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # alpha starts at 1/2
-DORMANT_AFTER = 8  # steps without proposals before the workers drop the n-gram histories
+DORMANT_AFTER = 8  # steps without proposals before the workers drop the proposer state
 
 
 def allows_speculation(params: SamplingParams) -> bool:
@@ -154,26 +156,25 @@ class SpecPolicy:
         t.spec_trials[slot] = t.spec_trials[slot] * DECAY + trials
 
 
-class ProposerHistories:
-    """Whether the workers hold the n-gram histories, and the messages that change it."""
+class ProposerState:
+    """Whether the workers hold the proposer's state, and the messages that change it."""
 
-    def __init__(self, table: RunningTable, can_sleep: bool) -> None:
+    def __init__(self, table: RunningTable) -> None:
         self.table = table
-        self.can_sleep = can_sleep
-        self.live = not can_sleep  # n-gram: nothing is held until the first proposal
+        self.live = False  # nothing is held until the first proposal
         self._idle_steps = 0
 
     def idle(self) -> bool:
-        """A step without proposals. True: the workers drop every history with this step."""
+        """A step without proposals. True: the workers drop the state with this step."""
         self._idle_steps += 1
-        if self.live and self.can_sleep and self._idle_steps >= DORMANT_AFTER:
+        if self.live and self._idle_steps >= DORMANT_AFTER:
             self.live = False
             return True
         return False
 
     def proposing(self, sampling_slots: np.ndarray) -> ProposerResume | None:
         """A step at whose end the workers propose; `sampling_slots`: its rows that sample. Returns
-        the histories to rebuild before the step, when the workers hold none."""
+        what to rebuild the state from before the step, when the workers hold none."""
         self._idle_steps = 0
         if self.live:
             return None

@@ -165,10 +165,10 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class ProposerResume(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """The n-gram proposer's histories, rebuilt after a dormant spell (see core/spec_policy.py):
-    every running request's tokens as the engine core knows them, and whether one more token,
-    sampled by a step still in flight, follows them (the worker holds it on the device as the
-    row's next input)."""
+    """What the proposer's state (n-gram histories, a draft's KV) is rebuilt from after a dormant
+    spell (see core/spec_policy.py): every running request's tokens as the engine core knows
+    them, and whether one more token, sampled by a step still in flight, follows them (the
+    worker holds it on the device as the row's next input)."""
 
     handles: bytes  # int32, every request the workers hold
     counts: bytes  # int32, tokens known per handle
@@ -220,9 +220,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     # row scheduled for 1 + k tokens verifies k of the drafts proposed for it (the worker tells
     # decode rows from prefill chunks by its own count of the prompt tokens computed).
     propose: bool = False
-    # The n-gram proposer's histories: rebuilt from these tokens before the step (proposing
-    # resumes), or dropped (`proposer_dormant`: nothing will be proposed for a while, so the
-    # workers stop recording every emitted token: the step is the plain one).
+    # The proposer's state (n-gram histories, a draft's KV): rebuilt from these tokens before the
+    # step (proposing resumes), or dropped (`proposer_dormant`: nothing will be proposed for a
+    # while, so the workers stop keeping it current: the step is the plain one).
     proposer_resume: ProposerResume | None = None
     proposer_dormant: bool = False
     # Pipeline parallelism only: int32, each row's first input token (the first stage cannot

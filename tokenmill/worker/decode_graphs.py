@@ -17,8 +17,12 @@ with the slot list) compute the rest as padding that writes no KV; the caller ke
 of the real positions (`verify_logits_rows`). Such a step's positions run up to k past the
 row's real ones, so it is replayed only when every row has that room below max_model_len.
 
-With a draft model (`mirror`: the draft's forward over the same inputs, for its KV), the body
-runs it after the target's, so that the draft's cache has every position the target's has.
+With a draft model (`mirror`: the draft's forward over the same inputs, for its KV), the
+verification body runs it after the target's, so that the draft's cache has every position the
+target's has. Plain decode steps mirror through a family of their own (`kv_only`: the draft
+model's decode step, writing its KV and nothing else: no logits, no count advanced), replayed
+before the target's only while the draft's state is held (see "Dormant proposer state" in
+core/spec_policy.py).
 
 A pipeline stage's graphs cover its own layers: a later stage's body starts from static input
 buffers (`input_views`, filled with the previous stage's activations before each replay), and
@@ -53,9 +57,11 @@ class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, batch: PersistentBatch, kv_caches: list[torch.Tensor],
                  max_num_seqs: int, max_model_len: int, block_size: int, layout: RankLayout | None = None,
                  query_len: int = 1, drafts: torch.Tensor | None = None,
-                 mirror: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None] | None = None) -> None:
+                 mirror: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None] | None = None,
+                 kv_only: bool = False) -> None:
         self.model = model
         self.mirror = mirror
+        self.kv_only = kv_only
         self.query_len = query_len
         self.drafts = drafts
         self.last_stage = layout is None or layout.is_last_stage
@@ -105,7 +111,8 @@ class DecodeGraphs:
         """Replay the decode step of rows `slots`; logits [len(slots) * query_len, V] (a view of the
         graph's output), or on a pipeline stage before the last its activations (views: copy
         before the next replay). Advances every row's computed-token count on the device by
-        1 + its drafts (the caller does the host's). `num_drafts`: per row, with `query_len` > 1."""
+        1 + its drafts (the caller does the host's). `num_drafts`: per row, with `query_len` > 1.
+        `kv_only`: writes the KV of the rows' next inputs, returns None, advances nothing."""
         size = self.padded_size(len(slots))
         drafts = b"" if num_drafts is None else num_drafts.tobytes()
         key = (size, slots.tobytes(), drafts)
@@ -118,6 +125,8 @@ class DecodeGraphs:
             copy_to_device(rows, self._rows)
             self._loaded = key
         self.graphs[size].replay()
+        if self.kv_only:
+            return None
         rows = len(slots) * self.query_len
         if not self.last_stage:
             return [t[:rows] for t in self.activations[size]]
@@ -153,6 +162,8 @@ class DecodeGraphs:
                              IntermediateTensors.of([t[:size] for t in self.inputs]))
         else:
             out = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.kv_only:
+            return None
         if self.mirror is not None:
             self.mirror(input_ids, positions, meta)
         batch.num_computed_dev.index_add_(0, slots, advance)

@@ -32,6 +32,7 @@ from tokenmill.model.loader import load_model
 from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs, verify_logits_rows
+from tokenmill.worker.draft_catch_up import catch_up as draft_catch_up
 from tokenmill.worker.greedy_tail import GreedyTail
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
 from tokenmill.worker.persistent_batch import PersistentBatch, to_device
@@ -108,6 +109,8 @@ class ModelRunner:
         self.recording_tail: GreedyTail | None = None
         self.verify_tail: GreedyTail | None = None
         self.prompt_graphs: PromptGraphs | None = None  # steps of one prompt chunk (batch-1 prefill)
+        self.draft_graphs: DecodeGraphs | None = None  # a draft model's KV of plain decode steps
+        self._catch_up: list[tuple[int, np.ndarray]] = []  # (slot, tokens): draft KV to compute first
         self.on_device_work: Callable[[], None] | None = None  # called as each step's device work starts
         self.last_timings: dict[str, float] = {}
         self.num_placeholders_filled = 0  # decode inputs taken from a step not yet read back (async)
@@ -176,8 +179,12 @@ class ModelRunner:
         max_seqs, max_len = self.config.scheduler.max_num_seqs, self.config.model.max_model_len
         mirror = None if self.draft is None else self.draft.mirror
         self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, max_seqs, max_len, self.block_size,
-                                   self.stage.layout, mirror=mirror)
+                                   self.stage.layout)
         self.graphs.capture()
+        if self.draft is not None:  # replayed before the target's while the draft's KV is held
+            self.draft_graphs = DecodeGraphs(self.draft.model, self.batch, self.draft.kv_caches, max_seqs, max_len,
+                                             self.block_size, kv_only=True)
+            self.draft_graphs.capture()
         histories = self.speculator if self.speculator is not None and self.speculator.keeps_histories else None
         if self.stage.is_last:
             self.graph_tail = GreedyTail(self.graphs, self.batch, None)
@@ -219,8 +226,12 @@ class ModelRunner:
         tokens = self.batch.tokens[slot]
         self.sampling.add(slot, data.sampling_params, tokens[:data.num_prompt_tokens],
                           tokens[data.num_prompt_tokens:])
-        if self.speculator is not None:
-            self.speculator.add(slot, tokens)
+        spec = self.speculator
+        if spec is not None:
+            spec.add(slot, tokens)
+            if self.draft is not None and spec.live and spec.slept and data.num_computed_tokens:
+                # Cached blocks computed while the draft slept have no draft KV.
+                self._catch_up.append((slot, np.asarray(tokens[:data.num_computed_tokens], dtype=np.int64)))
 
     def drop(self, handle: int) -> None:
         slot = self.batch.remove(handle)
@@ -245,7 +256,7 @@ class ModelRunner:
         self.batch.flush()
         self.sampling.flush()
         if self.speculator is not None:
-            self._update_histories(so)
+            self._update_proposer(so)
         prev, self._pending = self._pending, None
         if not len(so.batch_handles):
             self._slots = np.zeros(0, dtype=np.int64)
@@ -298,7 +309,7 @@ class ModelRunner:
             non_finite = self._screen(logits, sample_slots)
             out, failed = row_faults.sample_rows(self._sample, logits, sample_slots, self.sampling.scratch_slot)
             self.batch.next_token_dev[sample_slots] = out.sampled
-            if self.speculator is not None and self.speculator.live:
+            if self.speculator is not None and self.speculator.recording:
                 self.speculator.record_one(sample_slots, out.sampled)
             step.start_readback(row_faults.mark_failed(out, non_finite, failed), self.readback)
         if self.speculator is not None and so.propose and len(sample_rows):
@@ -319,11 +330,13 @@ class ModelRunner:
     def _forward_decode_graph(self, slots: np.ndarray, step_id: int) -> Forward | None:
         """Every row a one-token decode: one replay (and the greedy tail when it applies)."""
         graphs = self.graphs
+        if self.draft_graphs is not None and self.speculator.live:
+            self.draft_graphs.run(slots)  # the draft's KV of the step's inputs (before they advance)
         logits = self.stage.run_graph(graphs, slots, self.on_device_work, step_id)
         self.batch.num_computed[slots] += 1
         if logits is None:
             return None
-        recording = self.speculator is not None and self.speculator.live
+        recording = self.speculator is not None and self.speculator.recording
         tail_graphs = self.recording_tail if recording else self.graph_tail
         tail = tail_graphs.run(len(slots)) if self._greedy_tail_applies(tail_graphs) else None
         return Forward(logits, np.arange(len(slots)), graphs.slots[:len(slots)], len(slots), greedy_result=tail)
@@ -362,7 +375,7 @@ class ModelRunner:
         hidden = self.stage.run(self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, step_id)
         if hidden is None:
             return None
-        if self.draft is not None:
+        if self.draft is not None and self.speculator.live:
             self.draft.mirror(inputs.input_ids, inputs.positions, inputs.meta)
         step_prompt_logprobs = []
         if self.batch.num_prompt_logprobs:
@@ -372,15 +385,23 @@ class ModelRunner:
                        drafts=inputs.sample_drafts, seq_lens=inputs.sample_seq_lens,
                        prompt_logprobs=step_prompt_logprobs)
 
-    def _update_histories(self, so: SchedulerOutput) -> None:
-        """The n-gram histories: dropped or rebuilt as the step says, then the step's writes."""
+    def _update_proposer(self, so: SchedulerOutput) -> None:
+        """The proposer's state, dropped or rebuilt as the step says (a draft runs over every
+        position computed so far), then the step's writes."""
         spec = self.speculator
         if so.proposer_dormant:
             spec.sleep()
         if so.proposer_resume is not None:
             slot_of = self.batch.slot_of
-            spec.resume([(slot_of[handle], tokens, pending) for handle, tokens, pending in so.proposer_resume.rows()])
+            rows = [(slot_of[handle], tokens, pending) for handle, tokens, pending in so.proposer_resume.rows()]
+            spec.resume(rows)
+            if self.draft is not None:  # (while dormant no drafts were in flight: the counts are exact)
+                self._catch_up = [(slot, tokens[:self.batch.num_computed[slot]]) for slot, tokens, _ in rows]
         spec.flush()
+        if self._catch_up:
+            draft_catch_up(self.draft.model, self.draft.kv_caches, self.batch, self._catch_up, self.block_size,
+                           self.config.scheduler.max_num_batched_tokens)
+            self._catch_up = []
 
     def _draft_inputs(self) -> tuple:
         """What the draft proposer reads and writes (persistent tensors; `propose`'s arguments)."""
@@ -447,7 +468,7 @@ class ModelRunner:
         self.sampler.advance(slots_d, num_emitted, emitted)
         self.batch.next_token_dev[slots_d] = emitted.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
         self.batch.num_computed_dev[slots_d] = seq_lens - drafts_d - 1 + num_emitted
-        if self.speculator.live:
+        if self.speculator.recording:
             self.speculator.record(slots_d, emitted, num_emitted)
         num_emitted = row_faults.mark_failed_counts(num_emitted, non_finite, row_of_d, failed)  # read-back copy
         step.start_speculative_readback(emitted, num_emitted, self.readback, slots, drafts, logprobs)

@@ -125,3 +125,17 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host
+
+
+def to_device_aligned(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Several int64 host arrays on `device` in one copy, as views that each start 16-byte
+    aligned, as a fresh tensor would: Triton specializes kernels on pointer alignment, and a view
+    whose alignment followed the token count would compile a second variant in the middle of
+    serving."""
+    padded = [len(p) + len(p) % 2 for p in parts]
+    offsets = np.cumsum([0] + padded)
+    flat = np.zeros(offsets[-1], dtype=np.int64)
+    for part, start in zip(parts, offsets):
+        flat[start:start + len(part)] = part
+    packed = to_device(flat, device)
+    return [packed[start:start + len(part)] for part, start in zip(parts, offsets)]

@@ -3,10 +3,10 @@ end of each step the scheduler marks `propose`, and verified by the next step.
 
 Per slot (device): `drafts` [K] (the proposal for the slot's next step) and, for the n-gram
 proposer, the slot's token history (prompt and every emitted token) with its length. The
-histories are held only while the scheduler asks for proposals (`live`; see "Dormant n-gram
-histories" in core/spec_policy.py): `resume` rebuilds every request's from the tokens the step
-carries (plus the row's next input, when a sampled token is still in flight), `sleep` drops
-them all, and while dormant nothing is recorded. A slot is live while its history length is
+proposer's state is held only while the scheduler asks for proposals (`live`; see "Dormant
+proposer state" in core/spec_policy.py): `resume` rebuilds every request's history from the
+tokens the step carries (plus the row's next input, when a sampled token is still in flight),
+`sleep` drops them all, and while dormant nothing is recorded. A slot is live while its history length is
 non-zero: `add` sets it (a prompt has at least one token), `release` clears it when the request
 leaves the worker (all three written by the step's `flush`), so a freed slot holds nothing.
 A decode row scheduled for 1 + k tokens feeds its next token then
@@ -36,7 +36,8 @@ class Speculator:
         self.next_token = next_token
         self.device = device = next_token.device
         self.keeps_histories = config.method == "ngram"  # a draft model keeps its KV instead
-        self.live = False  # histories held (and recorded every step); set by `resume`
+        self.live = False  # the proposer's state is held (and kept current every step); set by `resume`
+        self.slept = False  # it has been dropped once (a draft's KV of cached blocks may have holes)
         self.drafts = torch.zeros((num_slots, max(self.k, 1)), dtype=torch.int64, device=device)
         self.history = torch.zeros((num_slots, max_model_len + self.k + 1), dtype=torch.int32, device=device)
         self.history_len = torch.zeros(num_slots, dtype=torch.int64, device=device)
@@ -51,22 +52,28 @@ class Speculator:
     def add(self, slot: int, tokens: list[int] | np.ndarray) -> None:
         """A new request (or one back from preemption) in `slot`, with its known tokens; written
         to the device by the step's `flush` (one copy for all of a step's new requests)."""
-        if self.live:
+        if self.recording:
             self._added[slot] = np.array(tokens, dtype=np.int64)  # a later add to the slot replaces it
 
+    @property
+    def recording(self) -> bool:
+        """Whether each step's emitted tokens go into the histories."""
+        return self.live and self.keeps_histories
+
     def resume(self, rows: list[tuple[int, np.ndarray, bool]]) -> None:
-        """Hold histories again: (slot, known tokens, whether the slot's next input follows them)
-        for every request the worker holds."""
-        assert self.keeps_histories and not self.live
+        """Hold the state again: (slot, known tokens, whether the slot's next input follows them)
+        for every request the worker holds (the histories from them; a draft's KV is the caller's)."""
+        assert not self.live
         self.live = True
         for slot, tokens, pending in rows:
             self.add(slot, tokens)
-            if pending:
+            if pending and self.keeps_histories:
                 self._pending.append(slot)
 
     def sleep(self) -> None:
         """Drop every history and record nothing until `resume` (no drafts are in flight)."""
         self.live = False
+        self.slept = True
         self._added.clear()
         self.history_len.zero_()
 

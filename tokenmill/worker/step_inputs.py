@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tokenmill.layers.attention.metadata import AttentionMetadata
-from tokenmill.worker.persistent_batch import PersistentBatch, to_device
+from tokenmill.worker.persistent_batch import PersistentBatch, to_device_aligned
 
 
 @dataclass
@@ -74,21 +74,12 @@ def build_step_inputs(batch: PersistentBatch, slots: np.ndarray, counts: np.ndar
         logits_indices = np.repeat(first - (np.cumsum(per_row) - per_row), per_row) + np.arange(per_row.sum())
     within_row = np.arange(total, dtype=np.int64) - qsl[:-1][row_of_token]
 
-    # One copy for every int64 array, then views. Each view starts 16-byte aligned, as a fresh
-    # tensor would: Triton specializes kernels on pointer alignment, and a view whose alignment
-    # followed the token count would compile a second variant in the middle of serving.
+    # One copy for every int64 array, then views.
     parts = [input_ids, positions, slot_mapping, qsl, ends, slots, logits_indices, slots[sample_rows],
              from_device, token_slots[from_device], within_row[from_device], sample_rows,
              np.flatnonzero(starts >= known)]
-    padded = [len(p) + len(p) % 2 for p in parts]
-    offsets = np.cumsum([0] + padded)
-    flat = np.zeros(offsets[-1], dtype=np.int64)
-    for part, start in zip(parts, offsets):
-        flat[start:start + len(part)] = part
-    offsets = [(start, start + len(part)) for part, start in zip(parts, offsets)]
-    packed = to_device(flat, device)
     (ids_d, pos_d, slot_map_d, qsl_d, seq_lens_d, slots_d, logits_idx_d, sample_slots_d, fill_d,
-     fill_slots_d, fill_j_d, sample_rows_d, decode_rows) = (packed[start:end] for start, end in offsets)
+     fill_slots_d, fill_j_d, sample_rows_d, decode_rows) = to_device_aligned(parts, device)
     seq_lens_cpu = torch.from_numpy(ends.astype(np.int32))
     if drafts is not None and len(from_device):
         ids_d[fill_d] = torch.where(fill_j_d == 0, batch.next_token_dev[fill_slots_d],
