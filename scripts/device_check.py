@@ -24,7 +24,7 @@ weights, benchmarks). Parts:
               bfloat16 and float32, k=8 in bfloat16, then the model as its own draft (k=4, bfloat16);
               specreal:P:ngram runs the first alone
   specrealsat:P  the real SmolLM2, 512 copy-heavy prompts at once (256 rows), n-gram k=4 vs plain,
-              three interleaved rounds
+              eight interleaved rounds (no prefix cache)
   specsteps[:cprofile|:mp]  scripts/spec_steps.py: host time per step, plain vs n-gram, batch 1
               (mp: the engine core and worker in their own processes, each one's telemetry phases)
   specgraphs  scripts/spec_graph_check.py: speculative outputs = plain on CUDA, every graph on
@@ -242,7 +242,9 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
 
 def spec_ab(results: dict, shape: str, num_prompts: int, rounds: int, spec: dict, tag: str) -> None:
     """`bench spec --dataset random`: plain vs `spec` at saturation (num_prompts x 256 x 128, all
-    submitted at once, max_num_seqs 256), both engines alive, `rounds` interleaved passes each."""
+    submitted at once, max_num_seqs 256), both engines alive, `rounds` interleaved passes each, on
+    the same prompts every round (no prefix cache), so that plain's own run-to-run differences
+    are counted beside plain vs speculative's."""
     path = config_dir(shape)
     if spec.get("model") == "DRAFT":
         spec = {**spec, "model": config_dir(f"{shape}-draft")}
@@ -252,11 +254,14 @@ def spec_ab(results: dict, shape: str, num_prompts: int, rounds: int, spec: dict
         "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "spec", "--model", path, "--load-format", "dummy",
         "--dtype", "bfloat16", "--dataset", "random", "--num-prompts", str(num_prompts), "--concurrency",
         str(num_prompts), "--input-len", "256", "--output-len", "128", "--ignore-eos", "--max-model-len", "400",
-        "--rounds", str(rounds), "--output-json", record, "--speculative-config", json.dumps(spec)])
+        "--rounds", str(rounds), "--repeat-prompts", "--no-enable-prefix-caching", "--output-json", record,
+        "--speculative-config", json.dumps(spec)])
     if os.path.exists(record):
         with open(record) as f:
             rec = json.load(f)
-        results[key].update({k: rec.get(k) for k in ("speedup", "speedup_per_round", "outputs_identical")})
+        results[key].update({k: rec.get(k) for k in ("speedup", "speedup_per_round", "outputs_identical",
+                                                     "requests_differing_per_round",
+                                                     "plain_requests_differing_from_round_1")})
         results[key].update({name: {k: rec[name].get(k) for k in ("output_tokens_per_s", "draft_tokens",
                                                                    "accepted_tokens", "passes")}
                              for name in ("plain", "speculative")})
@@ -401,7 +406,7 @@ def main() -> None:
             run_script(results, "spec_real_sat_ngram_bfloat16", [
                 "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "spec", "--model", shape,
                 "--dtype", "bfloat16", "--num-prompts", "512", "--concurrency", "512", "--output-len", "256",
-                "--rounds", "3", "--output-json", record,
+                "--rounds", "8", "--no-enable-prefix-caching", "--output-json", record,
                 "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 4})])
         elif name == "specsteps":  # host time per step, plain vs n-gram, batch 1 (scripts/spec_steps.py)
             flag = {"cprofile": ["--cprofile"], "mp": ["--multiprocess"]}.get(shape, [])

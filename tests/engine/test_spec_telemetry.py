@@ -62,18 +62,21 @@ def test_bench_throughput_prints_and_records_speculation(tiny_model_dir, tmp_pat
 
 
 def test_bench_spec_interleaves_rounds_and_pools_them(tiny_model_dir, tmp_path, capsys):
-    """`bench spec --rounds 2 --dataset random`: both engines alive, two timed passes each; the
-    pooled figures are the sums of the passes'; outputs identical in every round."""
+    """`bench spec --rounds 2 --dataset random --repeat-prompts`: both engines alive, two timed
+    passes each on the same prompts; the pooled figures are the sums of the passes'; outputs
+    identical in every round, and plain's against its own first round counted."""
     record_path = tmp_path / "record.json"
     code = cli_main(["--log-level", "WARNING", "bench", "spec", "--model", tiny_model_dir, "--dataset", "random",
                      "--num-prompts", "6", "--concurrency", "6", "--input-len", "20", "--output-len", "16",
-                     "--ignore-eos", "--rounds", "2", "--dtype", "float32", "--kv-cache-memory-gb", "0.01",
+                     "--ignore-eos", "--rounds", "2", "--repeat-prompts", "--no-enable-prefix-caching",
+                     "--dtype", "float32", "--kv-cache-memory-gb", "0.01",
                      "--speculative-config", json.dumps(NGRAM), "--output-json", str(record_path)])
     assert code == 0
     assert "per round: plain" in capsys.readouterr().out
     record = json.loads(record_path.read_text())
     assert record["workload"]["rounds"] == 2 and record["outputs_identical"] is True
-    assert len(record["speedup_per_round"]) == 2
+    assert len(record["speedup_per_round"]) == 2 and record["requests_differing_per_round"] == [0, 0]
+    assert record["plain_requests_differing_from_round_1"][0] == 0  # the control: plain against itself
     for name in ("plain", "speculative"):
         pooled = record[name]
         assert len(pooled["passes"]) == 2 and pooled["output_tokens"] == 2 * 6 * 16

@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
     p.add_argument("--input-len", type=int, default=256, help="prompt tokens per request (--dataset random)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
     p.add_argument("--rounds", type=int, default=1, help="timed passes of each engine, interleaved")
+    p.add_argument("--repeat-prompts", action="store_true",
+                   help="--dataset random: the same prompts every round (pair it with --no-enable-prefix-caching); "
+                        "copy prompts always repeat")
     p.add_argument("--output-json", default=None)
     add_engine_flags(p)
     p.set_defaults(func=run)
@@ -102,11 +105,13 @@ def run(ns) -> int:
     record = {"benchmark": "spec", "workload": {"model": ns.model, "num_prompts": ns.num_prompts,
                                                 "concurrency": ns.concurrency, "output_len": ns.output_len,
                                                 "dataset": ns.dataset, "sampling": "greedy",
-                                                "ignore_eos": ns.ignore_eos, "rounds": ns.rounds},
+                                                "ignore_eos": ns.ignore_eos, "rounds": ns.rounds,
+                                                "repeat_prompts": ns.dataset == "copy" or ns.repeat_prompts},
               "engine_args": dataclasses.asdict(spec_args), "machine": machine_info(), "versions": versions()}
     record["workload"].update({"repeat_passage": ns.repeat_passage} if ns.dataset == "copy"
                               else {"input_len": ns.input_len})
     names = ("plain", "speculative")
+    repeat = ns.dataset == "copy" or ns.repeat_prompts
     engines: dict = {}
     try:
         for name, args in zip(names, (plain_args, spec_args)):
@@ -116,9 +121,9 @@ def run(ns) -> int:
         passes = {name: [] for name in names}
         outputs = {name: [] for name in names}
         for round_ in range(ns.rounds):
-            # Random prompts are new each round (no prefix-cache hits); copy prompts come from a
-            # few passages and repeat anyway.
-            prompts = workload(ns, engines["plain"], ns.num_prompts, offset=0 if ns.dataset == "copy" else 2 + round_)
+            # Random prompts are new each round unless asked (no prefix-cache hits); copy prompts
+            # come from a few passages and repeat anyway.
+            prompts = workload(ns, engines["plain"], ns.num_prompts, offset=0 if repeat else 2 + round_)
             for name in (names if round_ % 2 == 0 else names[::-1]):
                 figures, tokens = _timed_pass(engines[name], prompts, params, ns.concurrency,
                                               f"{name} ({round_ + 1}/{ns.rounds})")
@@ -133,6 +138,11 @@ def run(ns) -> int:
     record["speedup_per_round"] = [s["output_tokens_per_s"] / p["output_tokens_per_s"]
                                    for p, s in zip(passes["plain"], passes["speculative"])]
     record["outputs_identical"] = all(p == s for p, s in zip(outputs["plain"], outputs["speculative"]))
+    record["requests_differing_per_round"] = [sum(a != b for a, b in zip(p, s))
+                                              for p, s in zip(outputs["plain"], outputs["speculative"])]
+    if repeat:  # the control: how much plain varies from run to run on the same prompts (batch makeup)
+        record["plain_requests_differing_from_round_1"] = [sum(a != b for a, b in zip(p, outputs["plain"][0]))
+                                                           for p in outputs["plain"]]
     _print(record)
     print(json.dumps(record))
     if ns.output_json:
@@ -208,8 +218,11 @@ def _print(record: dict) -> None:
         rounds = ", ".join(f"{r:.3f}" for r in record["speedup_per_round"])
         print(f"per round: plain {_per_pass(record['plain'])}; speculative {_per_pass(record['speculative'])} "
               f"out tok/s; speedup {rounds}")
+    differing = "" if record["outputs_identical"] else f" (requests differing per round: {record['requests_differing_per_round']})"
+    if "plain_requests_differing_from_round_1" in record:
+        differing += f"; plain vs its own first round: {record['plain_requests_differing_from_round_1']}"
     print(f"speedup {record['speedup']:.2f}x; acceptance per draft position: {per}; "
-          f"outputs identical: {record['outputs_identical']}")
+          f"outputs identical: {record['outputs_identical']}{differing}")
 
 
 def _per_pass(figures: dict) -> str:
