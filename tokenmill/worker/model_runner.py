@@ -370,8 +370,11 @@ class ModelRunner:
 
     def _forward_eager(self, slots: np.ndarray, counts: np.ndarray, step_id: int) -> Forward | None:
         """Any step: inputs built on the host (`step_inputs.py`), the model run eagerly."""
+        # While the proposer sleeps no drafts are in flight (the last ones were read back steps
+        # ago, so the host's counts are exact): the plain inputs, as without speculation.
+        spec = self.speculator
         inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
-                                   None if self.speculator is None else self.speculator.drafts)
+                                   spec.drafts if spec is not None and spec.live else None)
         hidden = self.stage.run(self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, step_id)
         if hidden is None:
             return None
