@@ -307,7 +307,7 @@ def test_no_proposals_while_prompts_wait_for_a_free_seat():
             assert not so.propose
         proposing_steps += so.propose
         scheduler.update(so, worker.execute(so))
-    assert waiting_steps >= 2 and proposing_steps > 10
+    assert waiting_steps >= 2 and proposing_steps > 5  # (none once no row has room left for a draft)
     assert_no_leaks(scheduler)
 
 

@@ -83,3 +83,18 @@ def test_bench_spec_interleaves_rounds_and_pools_them(tiny_model_dir, tmp_path, 
         assert pooled["elapsed_s"] == sum(p["elapsed_s"] for p in pooled["passes"])
         assert pooled["draft_tokens"] == sum(p["draft_tokens"] for p in pooled["passes"])
     assert record["plain"]["draft_tokens"] == 0
+
+
+def test_the_engine_core_times_both_regimes_for_the_policy(tiny_model_dir):
+    """Adaptive speculation: the engine core feeds each step's busy time to the policy, which
+    holds a measured plain and speculative step time at the batch size it ran (spec_cost.py)."""
+    import math
+
+    llm = tiny_llm(tiny_model_dir, speculative_config={**NGRAM, "max_step_tokens": 8})
+    llm.generate(repetitive_prompts(2), GREEDY, use_tqdm=False)
+    costs = llm.engine.scheduler.spec.costs
+    measured = [size for i, size in enumerate(costs.sizes) if not any(math.isnan(x) for x in costs.seconds[:, i])]
+    assert 2 in measured, costs.seconds  # two rows: padded size 2, both regimes
+    assert 0 < costs.seconds[:, 1].min() and costs.seconds[:, 1].max() < 5
+    assert llm.scheduler_stats()["spec_num_accepted_tokens"] > 0
+    llm.shutdown()

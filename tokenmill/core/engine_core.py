@@ -58,7 +58,9 @@ class EngineCore:
                                    pipeline_stages=stages)
         self.max_in_flight = stages + (1 if config.scheduler.async_scheduling else 0)
         self.stats_logger = StatsLogger(enabled=config.log_stats)
-        self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput]]] = deque()
+        # (step, its result, when it was scheduled)
+        self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], float]] = deque()
+        self._last_updated = 0.0  # when the last step's update ended
         self.telemetry = Telemetry("core", config.trace_steps)
         self.telemetry.channels.update(self.executor.channel_stats())
         self._spec_at_reset = self.scheduler.spec_stats.snapshot()  # telemetry reports what came after
@@ -90,10 +92,10 @@ class EngineCore:
             args = {"step": batch.step_id}
             record("schedule", start, scheduled, args)
             record("submit", scheduled, submitted, args)
-            self.in_flight.append((batch, future))
+            self.in_flight.append((batch, future, start))
         if not self.in_flight:
             return EngineCoreOutputs(outputs=[], timestamp=time.time())
-        batch, future = self.in_flight.popleft()
+        batch, future, scheduled_at = self.in_flight.popleft()
         start = clock()
         result = self._wait(batch, future)
         done = clock()
@@ -102,6 +104,10 @@ class EngineCore:
                                       outputs.num_new_tokens())
         self.stats_logger.maybe_log(self.scheduler.stats())
         updated = clock()
+        # The step's busy time: since the previous update, or since it was scheduled if the engine
+        # had been idle (or runs one step at a time).
+        self.scheduler.observe_step(batch, updated - max(self._last_updated, scheduled_at))
+        self._last_updated = updated
         args = {"step": batch.step_id}
         record("wait", start, done, args)
         record("update", done, updated, args)

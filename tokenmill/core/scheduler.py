@@ -184,7 +184,7 @@ class Scheduler:
         """Whether the workers propose drafts at the end of this step (and, for that, hold the
         proposer's state), or may drop it."""
         t = self.table
-        if not self.spec.wants_proposals(t.num_running, self._prompts_can_start()):
+        if not self.spec.wants_proposals(output.step_id, t.num_running, self._prompts_can_start()):
             output.proposer_dormant = self.proposer.idle()
             return
         output.propose = True
@@ -290,6 +290,18 @@ class Scheduler:
         if result.finished:
             self.finish(result.finished)
         return result.outputs
+
+    def observe_step(self, so: SchedulerOutput, seconds: float) -> None:
+        """A step done, `seconds` of busy time after the one before (EngineCore): for the
+        adaptive policy's measured cost of speculating. Counted only for steps of decode rows
+        alone, in one regime: drafts verified and proposed, or neither."""
+        if self.spec is None or not self.spec.config.max_step_tokens:
+            return
+        speculative = so.num_drafts is not None
+        rows = len(so.row_slots)
+        drafts = int(so.num_drafts.sum()) if speculative else 0
+        if speculative == so.propose and rows and so.total_num_scheduled_tokens == rows + drafts:
+            self.spec.observe(speculative, rows, seconds, so.step_id)
 
     def _record_verified(self, slot: int, num_drafts: int, num_accepted: int) -> None:
         self.spec_stats.record(num_drafts, num_accepted)

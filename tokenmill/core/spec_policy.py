@@ -22,6 +22,15 @@ their room.
 A row whose estimate fell below the line gets one probing draft every `PROBE_EVERY` steps when
 tokens are left, so that a request that starts repeating itself is noticed.
 
+Whether speculating pays at all is measured, not assumed (spec_cost.py): a speculative step
+takes `ratio` times a plain step's time at the same batch size, so it pays when the drafts it is
+expected to accept beat the tokens a plain step would make in that extra time:
+sum over rows of sum_j alpha_r**j >= (ratio - 1) * rows. The workers are asked to propose only
+then (and so, after a while without, drop the proposer's state: below). Where the other
+regime has never been measured at this batch size, or the choice is close and its measurement
+old, the policy takes the other regime for two steps to measure it (nothing is tried where no
+row is expected to accept anything).
+
 Rows eligible for drafts: the request allows it (no penalties, logprobs or prompt logprobs:
 their per-position state would need every draft applied in order), the row is a plain decode
 (one uncomputed token), the worker proposed for it at the end of the previous step, and the
@@ -45,6 +54,7 @@ import numpy as np
 
 from tokenmill.config import SpeculativeConfig
 from tokenmill.core.running_table import RunningTable
+from tokenmill.core.spec_cost import StepCosts
 from tokenmill.protocol import ProposerResume, SpecDecodeStats
 from tokenmill.sampling_params import SamplingParams
 
@@ -65,6 +75,8 @@ class SpecPolicy:
         self.table = table
         self.k = config.num_speculative_tokens
         self.drafts_of_slot = np.zeros(table.max_rows, np.int64)  # the last plan's, by slot (scratch)
+        self.costs = StepCosts(table.max_rows)
+        self._trying: tuple[int, bool] | None = None  # (last step, regime): measuring the other regime
 
     def choose(self, step_id: int, slots: np.ndarray, budget: int, prompts_waiting: bool = False) -> np.ndarray:
         """Draft tokens per slot (an int64 array over every slot; zero for rows not in `slots`)
@@ -132,16 +144,49 @@ class SpecPolicy:
             counts += np.bincount(extra // self.k, minlength=len(slots))
         return counts
 
-    def wants_proposals(self, num_running: int, prompts_waiting: bool = False) -> bool:
-        """Should the workers propose drafts at the end of a step with this many rows (could the
-        next step have tokens left for drafts)? Not while prompts wait to start: their prefill
-        takes the next step's tokens."""
+    def wants_proposals(self, step_id: int, num_running: int, prompts_waiting: bool = False) -> bool:
+        """Should the workers propose drafts at the end of step `step_id`, which has this many
+        rows? Only if the next step could have tokens left for drafts (not while prompts wait to
+        start: their prefill takes the next step's tokens), and speculating pays (measured)."""
         cap = self.config.max_step_tokens
+        if not cap:
+            return True
         if self.config.padded_verification:
             fits = self._padded_step_fits(num_running, cap)
         else:
             fits = num_running < cap  # a token left for a draft
-        return not cap or (fits and not prompts_waiting)
+        return fits and not prompts_waiting and self._pays(step_id)
+
+    def _pays(self, step_id: int) -> bool:
+        """Whether the running rows' expected accepted drafts beat a speculative step's extra time
+        (or the other regime is being measured)."""
+        if self._trying is not None and self._trying[0] >= step_id:
+            return self._trying[1]
+        rows = self.table.order
+        gain = self.expected_gain(rows)
+        need = (self.costs.ratio(len(rows)) - 1.0) * len(rows)
+        pays = gain >= need
+        other = not pays
+        if gain > 0 and (self.costs.untried(other, len(rows)) or
+                         (need / 2 <= gain <= 2 * need and self.costs.stale(other, len(rows), step_id))):
+            self._trying = (step_id + 1, other)  # two steps: the second is a clean measurement
+            self.costs.claim(other, len(rows), step_id)
+            return other
+        return pays
+
+    def expected_gain(self, slots: np.ndarray) -> float:
+        """Drafts these rows are expected to have accepted in a step where each above the line
+        takes all its room: sum_r sum_{j <= room_r} alpha_r**j."""
+        t = self.table
+        room = np.clip(t.token_limit[slots] - t.num_tokens[slots] - t.num_pending[slots] - 1, 0, self.k)
+        alpha = (t.spec_hits[slots] + PRIOR_HITS) / (t.spec_trials[slots] + PRIOR_TRIALS)
+        drafting = t.spec_ok[slots] & (alpha >= self.config.min_acceptance)
+        alpha, room = alpha[drafting], room[drafting]
+        return float((alpha * (1.0 - alpha ** room) / (1.0 - alpha)).sum())
+
+    def observe(self, speculative: bool, num_rows: int, seconds: float, step_id: int) -> None:
+        """A step of one regime took `seconds` (see spec_cost.py)."""
+        self.costs.observe(speculative, num_rows, seconds, step_id)
 
     def _padded_step_fits(self, num_rows: int, budget: int) -> bool:
         """With padded verification: whether a drafting step of `num_rows` rows (1 + K positions

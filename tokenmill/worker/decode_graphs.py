@@ -41,16 +41,11 @@ import torch
 from tokenmill.distributed.layout import RankLayout
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.model.intermediate import IntermediateTensors
+from tokenmill.padded_batches import graph_batch_sizes
 from tokenmill.worker.graph_capture import capture_per_size, smallest_fitting
 from tokenmill.worker.persistent_batch import PersistentBatch, copy_to_device
 
 logger = logging.getLogger(__name__)
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 8 up to max_num_seqs (and max_num_seqs itself)."""
-    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
-    return sorted(set(sizes + [max_num_seqs]))
 
 
 class DecodeGraphs:
