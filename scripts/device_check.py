@@ -20,6 +20,8 @@ weights, benchmarks). Parts:
               (k=4) both alive, six interleaved timed passes each
   specsat:S   the same at 1024 x 256 x 128 (four waves of 256 rows: longer passes), four rounds
   specdraft:S the same with a draft model (shape S-draft, dummy weights, k=4), three rounds
+  specctl:S   specsat's control: n-gram that can never draft (max_step_tokens 1): the harness's own
+              spread between two engines that run the same steps
   specreal:P  `tokenmill bench spec` on the GGUF file P (the real SmolLM2), batch 1: n-gram k=4 in
               bfloat16 and float32, k=8 in bfloat16, then the model as its own draft (k=4, bfloat16);
               specreal:P:ngram runs the first alone
@@ -385,6 +387,9 @@ def main() -> None:
             spec_ab(results, shape, 256, 6, {"method": "ngram", "num_speculative_tokens": 4}, "ngram")
         elif name == "specsat":  # the same, longer passes
             spec_ab(results, shape, 1024, 4, {"method": "ngram", "num_speculative_tokens": 4}, "ngram")
+        elif name == "specctl":  # the control: n-gram that can never draft (max_step_tokens 1), always dormant
+            spec_ab(results, shape, 1024, 4, {"method": "ngram", "num_speculative_tokens": 4, "max_step_tokens": 1},
+                    "never")
         elif name == "specdraft":  # the same with a draft model (its state dropped at saturation)
             spec_ab(results, shape, 1024, 3, {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 4},
                     "draft")

@@ -83,6 +83,7 @@ class FakeWorker:
             if self.block_size is not None:
                 assert len(state["blocks"]) * self.block_size >= state["computed"] + n, "a fed token has no KV slot"
             if drafts > 0:
+                assert self.histories is not None, f"{handle}: drafts verified while the proposer's state is dropped"
                 assert self.proposed_at.get(handle) == so.step_id - 1, (
                     f"{handle}: {drafts} drafts scheduled, but nothing was proposed for it in step {so.step_id - 1}")
                 sampled.append(self._verify(handle, state, n, drafts))

@@ -329,3 +329,26 @@ def test_histories_go_dormant_under_load_and_resume_with_the_tokens_in_flight(as
     assert worker.num_sleeps >= 2 and worker.num_resumes >= 3 and worker.num_drafts > 50, vars(worker)
     assert (worker.num_resumed_in_flight > 0) == async_scheduling, worker.num_resumed_in_flight
     assert_no_leaks(scheduler)
+
+
+def test_a_queue_too_long_to_draft_drops_the_state_soon():
+    """Proposing for two rows, then twenty requests arrive (more than the cap lets draft, counting
+    the queue): the proposer's state goes as soon as no drafts are in flight (the third step
+    without a proposal), not DORMANT_AFTER steps later."""
+    scheduler = spec_scheduler(2000, 3, budget=64, max_seqs=8, max_step_tokens=8)
+    worker = FakeWorker(accepts=lambda h, p: True, block_size=4)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    for handle in range(2):
+        scheduler.add_request(Request(handle, [11 + handle, 12, 13], params, (EOS,), MAX_LEN))
+    for _ in range(6):
+        so = scheduler.schedule()
+        scheduler.update(so, worker.execute(so))
+    assert so.propose and worker.histories is not None
+    for handle in range(2, 22):
+        scheduler.add_request(Request(handle, [30 + handle, 31, 32], params, (EOS,), MAX_LEN))
+    dormant = []
+    for _ in range(4):
+        so = scheduler.schedule()
+        dormant.append(so.proposer_dormant)
+        scheduler.update(so, worker.execute(so))
+    assert dormant == [False, False, True, False] and worker.histories is None

@@ -39,13 +39,14 @@ request has room for 1 + k more tokens under its limit.
 Dormant proposer state (`ProposerState`): proposing needs per-request state on the device that
 every step keeps current at a cost: the n-gram proposer's histories (prompt and every emitted
 token: a few kernels per step), a draft model's KV (its forward over every step's inputs). So the
-workers hold it only while proposals are asked for: after `DORMANT_AFTER` steps without one (a
-saturated engine) they drop it, and each step is then the plain one. When proposing resumes, the
-step carries every running request's tokens as this process knows them, and whether a sampled
-token still in flight follows them (the worker has that one on the device: the row's next
-input); the worker rebuilds the histories from them, or runs the draft over every position
-computed so far. (After a dormant spell, blocks in the prefix cache may lack the draft's KV: the
-worker runs the draft over a new request's cached prefix too.)
+workers hold it only while proposals are asked for: after `DORMANT_AFTER` steps without one, or
+after `SETTLED_AFTER` when the requests in sight (running and waiting) are too many for any to draft, they
+drop it, and each step is then the plain one. When proposing resumes, the step carries every
+running request's tokens as this process knows them, and whether a sampled token still in
+flight follows them (the worker has that one on the device: the row's next input); the worker
+rebuilds the histories from them, or runs the draft over every position computed so far.
+(After a dormant spell, blocks in the prefix cache may lack the draft's KV: the worker runs the
+draft over a new request's cached prefix too.)
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ PROBE_EVERY = 16
 DECAY = 0.8  # weight of the past in the acceptance counts, per verified step
 PRIOR_HITS, PRIOR_TRIALS = 1.0, 2.0  # alpha starts at 1/2
 DORMANT_AFTER = 8  # steps without proposals before the workers drop the proposer state
+SETTLED_AFTER = 3  # ... the fewest: no drafts in flight, none read back uncorrected
 
 
 def allows_speculation(params: SamplingParams) -> bool:
@@ -148,14 +150,16 @@ class SpecPolicy:
         """Should the workers propose drafts at the end of step `step_id`, which has this many
         rows? Only if the next step could have tokens left for drafts (not while prompts wait to
         start: their prefill takes the next step's tokens), and speculating pays (measured)."""
-        cap = self.config.max_step_tokens
-        if not cap:
+        if not self.config.max_step_tokens:
             return True
+        return self.fits(num_running) and not prompts_waiting and self._pays(step_id)
+
+    def fits(self, num_rows: int) -> bool:
+        """Whether a step of this many rows could have tokens left for drafts."""
+        cap = self.config.max_step_tokens
         if self.config.padded_verification:
-            fits = self._padded_step_fits(num_running, cap)
-        else:
-            fits = num_running < cap  # a token left for a draft
-        return fits and not prompts_waiting and self._pays(step_id)
+            return self._padded_step_fits(num_rows, cap)
+        return num_rows < cap  # a token left for a draft
 
     def _pays(self, step_id: int) -> bool:
         """Whether the running rows' expected accepted drafts beat a speculative step's extra time
@@ -209,10 +213,14 @@ class ProposerState:
         self.live = False  # nothing is held until the first proposal
         self._idle_steps = 0
 
-    def idle(self) -> bool:
-        """A step without proposals. True: the workers drop the state with this step."""
+    def idle(self, saturated: bool = False) -> bool:
+        """A step without proposals; `saturated`: the requests in sight (running and waiting) are
+        too many for any to draft, so none will for a while. True: the workers drop the state
+        with this step."""
         self._idle_steps += 1
-        if self.live and self._idle_steps >= DORMANT_AFTER:
+        # (Drafts come only in the step after a proposal; two steps later their count is settled
+        # on both sides: the state can go then, no sooner.)
+        if self.live and ((saturated and self._idle_steps >= SETTLED_AFTER) or self._idle_steps >= DORMANT_AFTER):
             self.live = False
             return True
         return False
