@@ -19,6 +19,7 @@ weights, benchmarks). Parts:
   spec256:S   `tokenmill bench spec --dataset random`: 256 x 256 x 128, plain and adaptive n-gram
               (k=4) both alive, six interleaved timed passes each
   specsat:S   the same at 1024 x 256 x 128 (four waves of 256 rows: longer passes), four rounds
+              (specsat:S:R, and specctl:S:R below: R rounds)
   specdraft:S the same with a draft model (shape S-draft, dummy weights, k=4), three rounds
   specctl:S   specsat's control: n-gram that can never draft (max_step_tokens 1): the harness's own
               spread between two engines that run the same steps
@@ -250,7 +251,7 @@ def spec_ab(results: dict, shape: str, num_prompts: int, rounds: int, spec: dict
     path = config_dir(shape)
     if spec.get("model") == "DRAFT":
         spec = {**spec, "model": config_dir(f"{shape}-draft")}
-    key = f"specab_{shape}_{num_prompts}x256x128_{tag}"
+    key = f"specab_{shape}_{num_prompts}x256x128_{tag}_r{rounds}"
     record = os.path.join(OUT, f"{key}.json")
     run_script(results, key, [
         "-m", "tokenmill.cli", "--log-level", "WARNING", "bench", "spec", "--model", path, "--load-format", "dummy",
@@ -385,11 +386,13 @@ def main() -> None:
                 {"method": "draft_model", "model": "SAME", "num_speculative_tokens": 4, "max_step_tokens": 0})])
         elif name == "spec256":  # saturation: adaptive n-gram must not cost throughput
             spec_ab(results, shape, 256, 6, {"method": "ngram", "num_speculative_tokens": 4}, "ngram")
-        elif name == "specsat":  # the same, longer passes
-            spec_ab(results, shape, 1024, 4, {"method": "ngram", "num_speculative_tokens": 4}, "ngram")
+        elif name == "specsat":  # the same, longer passes (specsat:S:R: R rounds, default 4)
+            shape, _, rounds = shape.partition(":")
+            spec_ab(results, shape, 1024, int(rounds or 4), {"method": "ngram", "num_speculative_tokens": 4}, "ngram")
         elif name == "specctl":  # the control: n-gram that can never draft (max_step_tokens 1), always dormant
-            spec_ab(results, shape, 1024, 4, {"method": "ngram", "num_speculative_tokens": 4, "max_step_tokens": 1},
-                    "never")
+            shape, _, rounds = shape.partition(":")
+            spec_ab(results, shape, 1024, int(rounds or 4),
+                    {"method": "ngram", "num_speculative_tokens": 4, "max_step_tokens": 1}, "never")
         elif name == "specdraft":  # the same with a draft model (its state dropped at saturation)
             spec_ab(results, shape, 1024, 3, {"method": "draft_model", "model": "DRAFT", "num_speculative_tokens": 4},
                     "draft")

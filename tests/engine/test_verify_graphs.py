@@ -12,7 +12,7 @@ import pytest
 
 from tests.engine.conftest import tiny_llm
 from tests.engine.test_speculative import GREEDY, NGRAM, repetitive_prompts, token_ids
-from tests.helpers.engine import worker_runner
+from tests.helpers.engine import pin_spec_cost, worker_runner
 from tokenmill import SamplingParams
 from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.greedy_tail import GreedyTail
@@ -133,6 +133,7 @@ def test_uneven_drafts_seeds_and_large_batches(tiny_model_dir, reference):
                                                    repetition_penalty=1.2)]  # the batch shrinks below 4
     want = token_ids(reference, prompts, params)
     llm = tiny_llm(tiny_model_dir, speculative_config={**NGRAM, "max_step_tokens": 8})
+    pin_spec_cost(llm)
     replays = with_eager_verify_graphs(llm, max_rows=4)
     assert token_ids(llm, prompts, params) == want
     assert replays["verify"][0] > 2, replays
