@@ -21,7 +21,7 @@ def assert_engine_idle(llm: LLM) -> None:
     assert not scheduler.kv.blocks, f"block tables left behind: {list(scheduler.kv.blocks)}"
     assert not any(scheduler.kv.pool.ref_counts), "a block still holds a reference"
     # With async scheduling a last step may still be queued, but it may only carry finished handles.
-    assert all(not batch.scheduled_handles for batch, _ in llm.engine.in_flight), "a step is still in flight"
+    assert all(not batch.scheduled_handles for batch, *_ in llm.engine.in_flight), "a step is still in flight"
     assert not llm.output_processor.has_unfinished(), "the front-end still tracks a request"
     # The worker may still hold the requests whose end it has not been told yet, and no others.
     worker_states = set(worker_runner(llm).states)

@@ -34,7 +34,7 @@ def reference(tiny_model) -> dict[int, list[int]]:
 
 
 def _in_flight_handles(core: EngineCore) -> list[set[int]]:
-    return [set(batch.scheduled_handles) for batch, _ in core.in_flight]
+    return [set(batch.scheduled_handles) for batch, *_ in core.in_flight]
 
 
 def test_aborts_in_flight(tiny_model, reference) -> None:
