@@ -102,16 +102,16 @@ def run(ns) -> int:
     share = spec_args.gpu_memory_utilization
     plain_args = dataclasses.replace(spec_args, speculative_config=None, gpu_memory_utilization=share / 2)
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=ns.ignore_eos)
+    repeat = ns.dataset == "copy" or ns.repeat_prompts
     record = {"benchmark": "spec", "workload": {"model": ns.model, "num_prompts": ns.num_prompts,
                                                 "concurrency": ns.concurrency, "output_len": ns.output_len,
                                                 "dataset": ns.dataset, "sampling": "greedy",
                                                 "ignore_eos": ns.ignore_eos, "rounds": ns.rounds,
-                                                "repeat_prompts": ns.dataset == "copy" or ns.repeat_prompts},
+                                                "repeat_prompts": repeat},
               "engine_args": dataclasses.asdict(spec_args), "machine": machine_info(), "versions": versions()}
     record["workload"].update({"repeat_passage": ns.repeat_passage} if ns.dataset == "copy"
                               else {"input_len": ns.input_len})
     names = ("plain", "speculative")
-    repeat = ns.dataset == "copy" or ns.repeat_prompts
     engines: dict = {}
     try:
         for name, args in zip(names, (plain_args, spec_args)):

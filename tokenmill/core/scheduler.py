@@ -185,7 +185,8 @@ class Scheduler:
         proposer's state), or may drop it."""
         t = self.table
         if not self.spec.wants_proposals(output.step_id, t.num_running, self._prompts_can_start()):
-            output.proposer_dormant = self.proposer.idle(saturated=not self.spec.fits(t.num_running + len(self.waiting)))
+            in_sight = t.num_running + len(self.waiting)
+            output.proposer_dormant = self.proposer.idle(saturated=not self.spec.fits(in_sight))
             return
         output.propose = True
         # Workers propose only for rows that sample: not for a prompt chunk short of the end,

@@ -39,9 +39,9 @@ request has room for 1 + k more tokens under its limit.
 Dormant proposer state (`ProposerState`): proposing needs per-request state on the device that
 every step keeps current at a cost: the n-gram proposer's histories (prompt and every emitted
 token: a few kernels per step), a draft model's KV (its forward over every step's inputs). So the
-workers hold it only while proposals are asked for: after `DORMANT_AFTER` steps without one, or
-after `SETTLED_AFTER` when the requests in sight (running and waiting) are too many for any to draft, they
-drop it, and each step is then the plain one. When proposing resumes, the step carries every
+workers hold it only while proposals are asked for: after `DORMANT_AFTER` steps without one
+(`SETTLED_AFTER` when the requests in sight, running and waiting, are too many for any to draft)
+they drop it, and each step is then the plain one. When proposing resumes, the step carries every
 running request's tokens as this process knows them, and whether a sampled token still in
 flight follows them (the worker has that one on the device: the row's next input); the worker
 rebuilds the histories from them, or runs the draft over every position computed so far.
@@ -220,7 +220,8 @@ class ProposerState:
         self._idle_steps += 1
         # (Drafts come only in the step after a proposal; two steps later their count is settled
         # on both sides: the state can go then, no sooner.)
-        if self.live and ((saturated and self._idle_steps >= SETTLED_AFTER) or self._idle_steps >= DORMANT_AFTER):
+        due = self._idle_steps >= (SETTLED_AFTER if saturated else DORMANT_AFTER)
+        if self.live and due:
             self.live = False
             return True
         return False
@@ -237,7 +238,8 @@ class ProposerState:
         samples_now = np.zeros(t.max_rows, np.int64)
         samples_now[sampling_slots] = 1
         # Tokens in flight from earlier steps (this step's own sample is not in the history yet).
-        # Dormant for DORMANT_AFTER steps: no drafts in flight, so at most the last step's token.
+        # Dormant since at least SETTLED_AFTER steps after the last proposal: no drafts in flight,
+        # so at most the last step's token.
         pending = t.num_pending[order] - samples_now[order]
         assert ((pending == 0) | (pending == 1)).all(), f"in-flight tokens per row: {pending.tolist()}"
         counts = t.num_tokens[order]

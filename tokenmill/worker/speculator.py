@@ -6,10 +6,10 @@ proposer, the slot's token history (prompt and every emitted token) with its len
 proposer's state is held only while the scheduler asks for proposals (`live`; see "Dormant
 proposer state" in core/spec_policy.py): `resume` rebuilds every request's history from the
 tokens the step carries (plus the row's next input, when a sampled token is still in flight),
-`sleep` drops them all, and while dormant nothing is recorded. A slot is live while its history length is
-non-zero: `add` sets it (a prompt has at least one token), `release` clears it when the request
-leaves the worker (all three written by the step's `flush`), so a freed slot holds nothing.
-A decode row scheduled for 1 + k tokens feeds its next token then
+`sleep` drops them all, and while dormant nothing is recorded. A slot is live while its history
+length is non-zero: `add` sets it (a prompt has at least one token), `release` clears it when
+the request leaves the worker (all three written by the step's `flush`), so a freed slot holds
+nothing. A decode row scheduled for 1 + k tokens feeds its next token then
 drafts[:k]; the sampler samples every one of those positions and `verify_drafts` keeps the
 matching prefix plus one (see layers/sampling/spec_verify.py). Nothing here waits for the host:
 the host learns how many tokens each row emitted when the step's ids are read back.
@@ -78,8 +78,16 @@ class Speculator:
         self.history_len.zero_()
 
     def flush(self) -> None:
-        if not self._added:
-            return
+        if self._added:
+            self._write_added()
+        if self._pending:  # resumed rows whose last sampled token is still on its way to the host
+            pending = to_device(np.array(self._pending, dtype=np.int64), self.device)
+            self._pending.clear()
+            self.history[pending, self.history_len[pending]] = self.next_token[pending].to(torch.int32)
+            self.history_len[pending] += 1
+
+    def _write_added(self) -> None:
+        """Every queued history in one host-to-device copy."""
         slots = np.fromiter(self._added.keys(), dtype=np.int64, count=len(self._added))
         lengths = np.array([len(tokens) for tokens in self._added.values()], dtype=np.int64)
         tokens = np.concatenate([*self._added.values(), np.zeros(0, np.int64)])
@@ -92,11 +100,6 @@ class Speculator:
         self.history[rows_d, columns_d] = tokens_d.to(torch.int32)
         self.history_len[slots_d] = lengths_d
         self._added.clear()
-        if self._pending:  # resumed rows whose last sampled token is still on its way to the host
-            pending = to_device(np.array(self._pending, dtype=np.int64), self.device)
-            self._pending.clear()
-            self.history[pending, self.history_len[pending]] = self.next_token[pending].to(torch.int32)
-            self.history_len[pending] += 1
 
     def release(self, slot: int) -> None:
         """The slot's request left the worker (finished, aborted or preempted): its history is
