@@ -132,12 +132,43 @@ def tokenmill_logits(model: torch.nn.Module, token_ids: Sequence[int], mode: str
     return torch.cat([run.step(token_ids[i:i + 1], i).float() for i in range(len(token_ids))])
 
 
+@torch.inference_mode()
+def greedy(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation of `prompt_ids` by a tokenmill model (one prefill, then decode steps)."""
+    run = _OneSequence(model, len(prompt_ids) + max_new_tokens)
+    logits = run.step(prompt_ids, 0)[-1]
+    out: list[int] = []
+    for i in range(max_new_tokens):
+        out.append(int(logits.argmax()))
+        if i + 1 < max_new_tokens:
+            logits = run.step(out[-1:], len(prompt_ids) + i)[-1]
+    return out
+
+
 def load_tokenmill(path: str, dtype: torch.dtype, device: str = "cpu",
                    attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend) -> torch.nn.Module:
     from tokenmill.model.arch import model_arch
     from tokenmill.model.hf_config import load_hf_config
     from tokenmill.model.loader import load_model
     return load_model(path, model_arch(load_hf_config(path)), "auto", dtype, torch.device(device), attn_backend_cls)
+
+
+def tokenmill_from_hf(hf_model, dtype: torch.dtype, device: str | torch.device,
+                      attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend) -> torch.nn.Module:
+    """A tokenmill model holding an in-memory HF model's weights (rounded to `dtype`), no files."""
+    from tokenmill.model.arch import model_arch
+    from tokenmill.model.registry import get_model_class
+    arch = model_arch(hf_model.config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = get_model_class(arch.architecture)(arch, attn_backend_cls)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=torch.device(device))
+    model.load_weights((name, t.detach()) for name, t in hf_model.state_dict().items())
+    return model.eval()
 
 
 def load_hf(path: str, dtype: torch.dtype, device: str = "cpu"):
