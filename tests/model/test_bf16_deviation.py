@@ -33,12 +33,13 @@ def _random_sequences(vocab: int, count: int, length: int, seed: int = 0) -> lis
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("bf16-tiny")
-    return {arch: make_tiny_model_dir(arch, root, seed=3) for arch in FAMILIES}
+    # Weights of std 0.1 (HF's default 0.02 leaves logits near 0, where bf16 hardly shows).
+    return {arch: make_tiny_model_dir(arch, root, seed=3, initializer_range=0.1) for arch in FAMILIES}
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_tiny_family_not_worse_than_hf(tiny_dirs: dict[str, str], arch: str) -> None:
-    sequences = _random_sequences(200, 3, 48)
+    sequences = _random_sequences(200, 2, 40)
     report = bd.measure_path(tiny_dirs[arch], sequences, label=arch)
     print("\n" + bd.format_table([report]))
     assert report.float32_gap < 1e-4  # the float32 references agree
@@ -49,18 +50,6 @@ def _bf16_norm(self: norm_layer.RMSNorm, x: torch.Tensor, out_dtype: torch.dtype
     """The planted defect: the whole norm computed in the activation dtype (statistics included)."""
     h = x.to(out_dtype or x.dtype)
     return self.weight.to(h.dtype) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
-
-
-def test_planted_bf16_norm_fails_the_check(tiny_dirs: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    path = tiny_dirs["llama"]
-    sequences = _random_sequences(200, 3, 48)
-    tm = {d: bd.load_tokenmill(path, d) for d in (torch.float32, torch.bfloat16)}
-    hf = {d: bd.load_hf(path, d) for d in (torch.float32, torch.bfloat16)}
-    monkeypatch.setattr(norm_layer.RMSNorm, "forward", _bf16_norm)
-    report = bd.measure("llama with a bf16 norm", sequences, tm, hf, modes=("prefill",))
-    print("\n" + bd.format_table([report]))
-    with pytest.raises(AssertionError, match="exceeds HF bf16"):
-        bd.check_not_worse(report, TOLERANCE)
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +83,15 @@ def test_smollm2_readme_demo_answers_paris(smollm2_models, dtype: torch.dtype) -
     prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
     answer = tokenizer.decode(bd.greedy(tm[dtype], prompt, 10))
     assert "Paris" in answer, answer
+
+
+@pytest.mark.slow
+def test_planted_bf16_norm_fails_the_check(smollm2_models, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check can fail: with every RMSNorm computed in bf16 it does, on the real model."""
+    path, tm, hf = smollm2_models
+    sequences = bd.text_sequences(path, bd.SAMPLE_TEXT, 80)
+    monkeypatch.setattr(norm_layer.RMSNorm, "forward", _bf16_norm)
+    report = bd.measure("SmolLM2 with a bf16 norm", sequences, tm, hf, modes=("prefill",))
+    print("\n" + bd.format_table([report]))
+    with pytest.raises(AssertionError, match="exceeds HF bf16"):
+        bd.check_not_worse(report, TOLERANCE)
