@@ -67,10 +67,11 @@ def _bf16_logits_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("path", cpu_isa.PATHS, ids=lambda p: p.name)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_lm_head_kernel_on_every_path(path: cpu_isa.KernelPath, rows: int) -> None:
+@pytest.mark.parametrize("k", [64, 72])
+def test_lm_head_kernel_on_every_path(path: cpu_isa.KernelPath, rows: int, k: int) -> None:
     torch.manual_seed(rows)
-    x = torch.randn(rows, 72).bfloat16()  # K = 72: two 32-wide steps and a tail of 8
-    w = (torch.randn(70, 72) * 0.1).bfloat16()  # N = 70: 4-row blocks and a remainder
+    x = torch.randn(rows, k).bfloat16()  # K = 64: whole 32-wide steps; 72: and a tail of 8
+    w = (torch.randn(70, k) * 0.1).bfloat16()  # N = 70: 4-row blocks and a remainder
     expected = _bf16_logits_reference(x, w)
     lib = cpu_logits.library(path)
     if lib is None:

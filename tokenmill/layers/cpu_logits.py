@@ -36,6 +36,15 @@ static inline acc_t acc_dot(acc_t acc, const uint16_t *a, const uint16_t *b) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a), (__m512bh)_mm512_loadu_si512(b));
 }
 static inline float acc_sum(acc_t v) { return _mm512_reduce_add_ps(v); }
+/* The four sums of a, b, c, d at once (a quarter of the shuffles of four reductions). */
+static inline void acc_sum4(acc_t a, acc_t b, acc_t c, acc_t d, float *out) {
+    const __m256 a2 = _mm256_add_ps(_mm512_castps512_ps256(a), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+    const __m256 b2 = _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+    const __m256 c2 = _mm256_add_ps(_mm512_castps512_ps256(c), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(c), 1)));
+    const __m256 d2 = _mm256_add_ps(_mm512_castps512_ps256(d), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1)));
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a2, b2), _mm256_hadd_ps(c2, d2));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
 #else
 #define STEP 16
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -49,6 +58,9 @@ static inline acc_t acc_zero(void) { return (acc_t){0}; }
 static inline acc_t acc_dot(acc_t acc, const uint16_t *a, const uint16_t *b) { return acc + widen(a) * widen(b); }
 static inline float acc_sum(acc_t v) {
     float s = 0.f; for (int i = 0; i < 16; ++i) s += v[i]; return s;
+}
+static inline void acc_sum4(acc_t a, acc_t b, acc_t c, acc_t d, float *out) {
+    out[0] = acc_sum(a); out[1] = acc_sum(b); out[2] = acc_sum(c); out[3] = acc_sum(d);
 }
 #endif
 
@@ -65,13 +77,18 @@ static void tile_##RB##_##NB(const uint16_t *x, int64_t xs, const uint16_t *w, i
         for (int j = 0; j < NB; ++j)                                                                \
             for (int r = 0; r < RB; ++r)                                                            \
                 acc[r][j] = acc_dot(acc[r][j], x + r * xs + k, w + (int64_t)(n + j) * K + k);       \
-    for (int r = 0; r < RB; ++r)                                                                    \
+    for (int r = 0; r < RB; ++r) {                                                                  \
+        if (NB == 4 && k == K) { /* no tail: four sums at once */                                   \
+            acc_sum4(acc[r][0], acc[r][NB > 1], acc[r][2 * (NB > 2)], acc[r][3 * (NB > 3)], y + r * ys + n); \
+            continue;                                                                               \
+        }                                                                                           \
         for (int j = 0; j < NB; ++j) {                                                              \
             float s = acc_sum(acc[r][j]);                                                           \
             const uint16_t *wn = w + (int64_t)(n + j) * K;                                          \
             for (int kk = k; kk < K; ++kk) s += bf16_to_f32(x[r * xs + kk]) * bf16_to_f32(wn[kk]);  \
             y[r * ys + n + j] = s;                                                                  \
         }                                                                                           \
+    }                                                                                               \
 }
 TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4) TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
 typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int, int, float *, int64_t);
