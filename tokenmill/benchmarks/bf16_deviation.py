@@ -172,14 +172,23 @@ def tokenmill_from_hf(hf_model, dtype: torch.dtype, device: str | torch.device,
 
 
 def load_hf(path: str, dtype: torch.dtype, device: str = "cpu"):
-    """HF transformers' model for a HF directory or a GGUF file (transformers' GGUF loading)."""
+    """HF transformers' model for a HF directory or a GGUF file, as a plain model in `dtype`.
+
+    transformers loads a GGUF with its weights kept quantized and every matmul computing in float32
+    whatever dtype was asked for: not HF's bf16 numerics. So a GGUF is loaded in float32 and its
+    (dequantized) weights moved into a plain model of the same config, then cast to `dtype`: the
+    weights every other run uses, rounded alike."""
     from transformers import AutoModelForCausalLM
-    if path.endswith(".gguf"):
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                     dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.to(device).eval()
+    if not path.endswith(".gguf"):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    packed = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                  dtype=torch.float32)
+    config = packed.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(packed.state_dict())
+    return plain.to(device=device, dtype=dtype).eval()
 
 
 def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: dict[torch.dtype, torch.nn.Module],
