@@ -182,7 +182,9 @@ def _build_plan(meta: AttentionMetadata, block_size: int, window: int | None) ->
         first = [a // block_size for a in starts]
         nb = max(-(-n // block_size) - f for n, f in zip(decode_lens, first))
         first_t = torch.tensor(first, dtype=torch.int64).to(device)
-        columns = (first_t[:, None] + torch.arange(nb, device=device)[None, :]).clamp_(max=meta.block_table.shape[1] - 1)
+        # Columns past a row's last block repeat it (masked out): a row reads only its own blocks.
+        last_t = torch.tensor([max(-(-n // block_size) - 1, 0) for n in decode_lens], dtype=torch.int64).to(device)
+        columns = torch.minimum(first_t[:, None] + torch.arange(nb, device=device)[None, :], last_t[:, None])
         plan.decode_blocks = meta.block_table[seq_idx[:, None], columns].reshape(-1).long()
         keys = first_t[:, None] * block_size + torch.arange(nb * block_size, device=device)[None, :]
         visible = keys < lens[:, None]
