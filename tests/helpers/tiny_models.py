@@ -32,7 +32,7 @@ _FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "mistral-swa": dict(sliding_window=WINDOW),
     # Qwen2: full attention below max_window_layers, windows from there on.
     "qwen2-swa": dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
-    "gemma2": dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=WINDOW,
+    "gemma2": dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, initializer_range=0.3, sliding_window=WINDOW,
                    attn_logit_softcapping=1.5, final_logit_softcapping=4.0, hidden_activation="gelu_pytorch_tanh"),
     "gemma3": dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -41,6 +41,7 @@ _FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
                    final_logit_softcapping=None, attn_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh"),
     # LongRoPE from position 64 on (short and long factors differ); a window; half the head rotated.
     "phi3": dict(sliding_window=WINDOW + 4, original_max_position_embeddings=64, partial_rotary_factor=0.5,
+                 initializer_range=0.3,
                  rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
                                   "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0],
                                   "partial_rotary_factor": 0.5}),
