@@ -182,6 +182,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.model.max_model_len
 
     @property
+    def kv_window(self) -> int | None:
+        """The window past which no layer reads KV (target and draft model alike: they share the
+        block tables), or None when some layer attends to everything."""
+        window = self.model.arch.kv_window
+        draft = self.speculative.draft if self.speculative is not None else None
+        if window is None or draft is None:
+            return window
+        draft_window = draft.arch.kv_window
+        return None if draft_window is None else max(window, draft_window)
+
+    @property
     def torch_device(self):
         import torch
         return torch.device(self.device)
