@@ -110,3 +110,16 @@ def test_a_window_one_block_too_wide_fails(tmp_path, monkeypatch):
         for prompt, out in zip(prompts, outs):
             ours = torch.tensor([out.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i])
             torch.testing.assert_close(ours, hf_prompt_logprobs(hf, prompt), atol=LOGPROB_TOL, rtol=0)
+
+
+def test_speculative_ngram(family):
+    """n-gram drafts verified over windows (rejected drafts roll back past released blocks'
+    bounds): greedy tokens stay HF's."""
+    from tests.helpers.engine import pin_spec_cost
+
+    arch, path, _, prompts, refs = family
+    llm = tiny_llm(path, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    pin_spec_cost(llm)
+    outs = greedy(llm, prompts)
+    assert_greedy_matches_hf([o.outputs[0].token_ids for o in outs], refs, f"{arch} speculative")
+    assert llm.engine.scheduler.spec_stats.snapshot().num_drafts > 0, "nothing was drafted"
