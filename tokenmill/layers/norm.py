@@ -57,10 +57,17 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ops.enabled(x):
+            from tokenmill.layers.triton_ops.rms_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps, gemma=True)
         xf = x.float()
         rstd = xf.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return (xf * rstd).mul_(1.0 + self.weight.float()).to(x.dtype)
 
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `RMSNorm.forward_with_residual` (the fused kernel updates `residual` in place)."""
+        if triton_ops.enabled(x):
+            from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
         residual = x + residual
         return self.forward(residual), residual

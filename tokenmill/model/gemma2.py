@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.config import ModelArch
 from tokenmill.distributed.parallel_state import ParallelContext
+from tokenmill.layers import triton_ops
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.norm import GemmaRMSNorm
@@ -25,8 +26,10 @@ from tokenmill.model.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, Ll
 
 
 class GemmaDecoderLayer(nn.Module):
-    """Pre- and post-norms around attention and around the MLP; the residual stream is kept whole
-    (the layer returns it as `hidden`, with residual None)."""
+    """Pre- and post-norms around attention and around the MLP. The residual stream follows
+    `LlamaDecoderLayer`'s convention: on CUDA (fused kernels) each residual add runs inside the
+    next norm's kernel and the layer returns (post-norm MLP output, residual); elsewhere it
+    returns the whole stream as `hidden`, with residual None."""
 
     def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext,
                  layer: int = 0) -> None:
@@ -41,6 +44,14 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
+        if triton_ops.enabled(hidden):
+            if residual is None:
+                residual, hidden = hidden, self.input_layernorm(hidden)
+            else:
+                hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+            attn = self.post_attention_layernorm(self.self_attn(hidden, rope, kv_cache, meta))
+            hidden, residual = self.pre_feedforward_layernorm.forward_with_residual(attn, residual)
+            return self.post_feedforward_layernorm(self.mlp(hidden)), residual
         if residual is not None:
             hidden = hidden + residual
         attn = self.self_attn(self.input_layernorm(hidden), rope, kv_cache, meta)
@@ -61,7 +72,3 @@ class GemmaModel(LlamaModel):
 
 class Gemma2ForCausalLM(LlamaForCausalLM):
     model_cls = GemmaModel
-
-    def intermediate_shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
-        """A stage hands the next the residual stream alone (Gemma layers keep it whole)."""
-        return [(num_tokens, self.dims.hidden_size)]
