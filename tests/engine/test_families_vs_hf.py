@@ -123,3 +123,19 @@ def test_speculative_ngram(family):
     outs = greedy(llm, prompts)
     assert_greedy_matches_hf([o.outputs[0].token_ids for o in outs], refs, f"{arch} speculative")
     assert llm.engine.scheduler.spec_stats.snapshot().num_drafts > 0, "nothing was drafted"
+
+
+def test_gemma3_conditional_generation_text(tmp_path):
+    """Gemma3ForConditionalGeneration: the language model's weights (model.language_model.*, the
+    tied head), the vision tower skipped; text prompts match HF's multimodal model."""
+    from tests.helpers.tiny_models import make_tiny_gemma3_multimodal_dir
+
+    from transformers import Gemma3ForConditionalGeneration
+
+    path = make_tiny_gemma3_multimodal_dir(tmp_path)
+    hf = Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, 250) for _ in range(n)] for n in (5, 40)]
+    refs = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    outs = greedy(tiny_llm(path), prompts)
+    assert_greedy_matches_hf([o.outputs[0].token_ids for o in outs], refs, "gemma3 multimodal, text")

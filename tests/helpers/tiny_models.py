@@ -113,3 +113,27 @@ def make_tiny_model_dir(arch: str, tmp_path: str | Path, tie_word_embeddings: bo
     model.save_pretrained(out, **save_kwargs)
     make_tiny_tokenizer().save_pretrained(out)
     return str(out)
+
+
+def make_tiny_gemma3_multimodal_dir(tmp_path: str | Path, seed: int = 0) -> str:
+    """A tiny Gemma3ForConditionalGeneration (the tiny Gemma 3 text model, a one-layer SigLIP
+    vision tower, tied embeddings) saved into `tmp_path`/gemma3-mm; tokenmill runs its text part."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = make_tiny_config("gemma3").to_dict()
+    text.pop("architectures", None)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8).to_dict()
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=258,
+                          boi_token_index=256, eoi_token_index=257)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
+    out = Path(tmp_path) / "gemma3-mm"
+    model.save_pretrained(out, safe_serialization=True)
+    make_tiny_tokenizer().save_pretrained(out)
+    return str(out)

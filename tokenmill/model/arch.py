@@ -17,6 +17,7 @@ def model_arch(hf_config: Any) -> ModelArch:
     """Raises ValueError naming the field when the model is not one tokenmill can run."""
     architectures = getattr(hf_config, "architectures", None) or []
     architecture = check_architecture(architectures[0] if architectures else None)
+    outer = hf_config
     hf_config = getattr(hf_config, "text_config", None) or hf_config  # multimodal: the language model's
     model_type = getattr(hf_config, "model_type", "llama")
     num_heads = hf_config.num_attention_heads
@@ -50,7 +51,10 @@ def model_arch(hf_config: Any) -> ModelArch:
         o_bias=attention_bias and model_type != "qwen2",
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
         qk_norm=model_type in _QK_NORM_TYPES,
-        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        # A multimodal model ties its LM head by its own (outer) config.
+        tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", None)
+                                 if outer is not hf_config and hasattr(outer, "tie_word_embeddings")
+                                 else getattr(hf_config, "tie_word_embeddings", False)),
         rope=rope_config(hf_config),
         layer_specs=layer_specs(hf_config, num_layers),
         hidden_act=hidden_act,
