@@ -86,3 +86,15 @@ def test_triton(window, softcap, splits, mix):
     backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, softcap,
                                      config=TritonAttentionConfig(kv_splits=splits))
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
+
+
+def test_triton_wide_heads():
+    """Gemma's head_dim 256 (half-size tiles), with a window and soft-capping."""
+    from tests.helpers.triton_required import require_triton
+    require_triton()
+    from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
+
+    case, _ = poisoned_case(9, 0.8, 4, heads=(4, 2), head_dim=256, mix=([40, 0, 7], [1, 20, 3]))
+    backend = TritonAttentionBackend(4, 2, 256, 1 / math.sqrt(256), 9, 0.8)
+    assert backend.config.block_n == 32
+    torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)

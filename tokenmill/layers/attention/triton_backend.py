@@ -25,6 +25,7 @@ Importing this module does not import triton; the first `forward` does.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +111,12 @@ class TritonAttentionBackend(AttentionBackend):
         if head_dim < 16:
             raise ValueError(f"head_dim={head_dim}: the Triton backend needs head_dim >= 16")
         self.config = config or TritonAttentionConfig()
+        if config is None and head_dim > 128:
+            # Wide heads (Gemma: 256): half-size tiles keep the K/V tiles and the float32
+            # accumulator within the SM's shared memory and registers.
+            c = self.config
+            self.config = dataclasses.replace(c, block_n=c.block_n // 2, prefill_rows=c.prefill_rows // 2,
+                                              wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2)
         self._sm_count: int | None = None  # read from the device on the first forward
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
