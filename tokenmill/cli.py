@@ -90,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpx2", "httpcore"):  # one INFO line per HTTP request (Hub downloads): too many
+        logging.getLogger(name).setLevel(max(logging.getLogger().level, logging.WARNING))
     try:
         return ns.func(ns)
     except ValueError as exc:  # bad input: one clear line, no traceback
