@@ -150,6 +150,21 @@ def test_missing_id_and_gated_repo_are_one_line_errors(hub, tmp_path, monkeypatc
     assert set(files_of(resolve_model_path(GATED, download_dir=cache))) == ENGINE_FILES
 
 
+def test_sharded_weights_follow_the_index_and_bin_only_repos_are_refused(hub, tmp_path) -> None:
+    sharded = make_tiny_model_dir("llama", tmp_path / "src", max_shard_size="40KB")
+    shards = {n for n in files_of(sharded) if n.endswith(".safetensors")}
+    assert len(shards) > 1
+    hub.add("tiny-org/sharded", {**files_of(sharded), "consolidated.safetensors": b"a consolidated twin"})
+    cache = str(tmp_path / "cache")
+    assert files_of(resolve_model_path("tiny-org/sharded", download_dir=cache)) == files_of(sharded)
+    assert "consolidated.safetensors" not in hub.touched()
+    bin_only = {k: v for k, v in files_of(sharded).items() if not k.startswith("model")}
+    hub.add("tiny-org/bin-only", {**bin_only, "pytorch_model.bin": b"pickle"})
+    message = one_line_error(resolve_model_path, "tiny-org/bin-only", download_dir=cache)
+    assert "'tiny-org/bin-only'" in message and "pytorch_model.bin" in message and "safetensors" in message
+    assert "pytorch_model.bin" not in hub.touched()
+
+
 def test_gguf_in_a_repo_by_quant_or_file(hub, sources, tmp_path) -> None:
     cache = str(tmp_path / "cache")
     q8 = resolve_model_path(GGUF_REPO + ":Q8_0", download_dir=cache)

@@ -79,13 +79,13 @@ def download_model(name: str, *, revision: str | None = None, download_dir: str 
         ggufs = [f for f in hub.files or () if f.endswith(".gguf")]
         hint = (f"; it holds GGUF files ({_listing(ggufs)}): name one as {repo_id}:QUANT or with --gguf-file FILE"
                 if ggufs else "")
-        raise HubModelError(f"model {repo_id!r} has no config.json on the Hugging Face Hub{hint}")
+        raise HubModelError(f"model {repo_id!r} has no config.json {hub.where}{hint}")
     if weights:
         folder = hub.fetch(_weight_patterns(folder))
         if not any(n.endswith(".safetensors") for n in os.listdir(folder)):
             others = [f for f in hub.files or () if f.endswith((".bin", ".pth", ".pt"))]
             hint = f" (it has {_listing(others)}: tokenmill loads safetensors only)" if others else ""
-            raise HubModelError(f"model {repo_id!r} has no .safetensors weights on the Hugging Face Hub{hint}")
+            raise HubModelError(f"model {repo_id!r} has no .safetensors weights {hub.where}{hint}")
     return folder
 
 
@@ -136,6 +136,10 @@ class _Hub:
         self._warned = False
         if not self.offline:
             self._probe()
+
+    @property
+    def where(self) -> str:
+        return "on the Hugging Face Hub" if self.files is not None else f"in the Hugging Face cache {self.cache}"
 
     @property
     def local_only(self) -> bool:
