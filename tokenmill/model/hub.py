@@ -200,8 +200,8 @@ class _Hub:
         try:
             # The revision as given (a branch stays a ref in the cache, for offline use later).
             folder = snapshot_download(self.repo_id, revision=self.revision, cache_dir=self.download_dir,
-                                     allow_patterns=allow, ignore_patterns=ignore, endpoint=self.endpoint,
-                                     local_files_only=self.local_only, etag_timeout=self.timeout)
+                                       allow_patterns=allow, ignore_patterns=ignore, endpoint=self.endpoint,
+                                       local_files_only=self.local_only, etag_timeout=self.timeout)
         except HfHubHTTPError as exc:
             raise HubModelError(self._http_error(exc)) from None
         except (LocalEntryNotFoundError, OSError) as exc:
