@@ -217,8 +217,8 @@ _FLAG_HELP = {
     "enforce_eager": "CUDA: run every step eagerly, without CUDA graphs",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
-                          '"model": PATH or HUB_ID, "num_speculative_tokens": 4} (optional "revision"); optional "max_step_tokens" (adaptive '
-                          'speculation: 0 = always speculate) and "min_acceptance"',
+                          '"model": PATH or HUB_ID, "num_speculative_tokens": 4} (optional "revision"); optional '
+                          '"max_step_tokens" (adaptive speculation: 0 = always speculate) and "min_acceptance"',
     "tokenizer": "the tokenizer's folder, .gguf file or Hub id (default: the model's)",
     "revision": "the Hub model's branch, tag or commit (default: main)",
     "tokenizer_revision": "the Hub tokenizer's branch, tag or commit (default: main)",
