@@ -207,8 +207,8 @@ class _Hub:
         except (LocalEntryNotFoundError, OSError) as exc:
             raise HubModelError(self._not_cached(exc)) from None
         except Exception as exc:  # the transport's errors once its retries are spent
-            raise HubModelError(f"model {self.repo_id!r}: the download from {self.endpoint} failed "
-                                f"({type(exc).__name__}: {_first_line(exc)}): try again, or pass a local path") from None
+            raise HubModelError(f"model {self.repo_id!r}: the download from {self.endpoint} failed ("
+                                f"{type(exc).__name__}: {_first_line(exc)}): try again, or pass a local path") from None
         if self.unreachable is not None and not self._warned:
             self._warned = True
             logger.warning("model %r: the Hugging Face Hub at %s cannot be reached (%s): using the cached copy in %s",
