@@ -72,6 +72,10 @@ def test_switching_regimes_mid_run_changes_no_token(tiny_model_dir, async_schedu
     kinds = {s: kind(so) for s, so in steps.items()}
     stats = llm.scheduler_stats()
     assert switches >= 6, proposing
+    # The plain stretches outlast DORMANT_AFTER: the proposer's state went and came back.
+    dormant = sum(bool(so.proposer_dormant) for so in steps.values())
+    resumed = sum(so.proposer_resume is not None for so in steps.values())
+    assert dormant >= 2 and resumed >= 2, (dormant, resumed)
     assert stats["spec_num_accepted_tokens"] > 20, stats
     counted = {s for _, _, s in observed}
     assert counted, "no step reached the cost table"
