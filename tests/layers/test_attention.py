@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.helpers.requirements import skip_or_fail
 from tokenmill.layers.attention.backend import kv_cache_shape
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
@@ -150,7 +151,8 @@ def test_verification_chunk_equals_decoding_token_by_token_on_cpu() -> None:
     tokens) gets the same bits as decoding its tokens one step at a time."""
     from tokenmill.layers.attention import cpu_decode
     if not cpu_decode.available():
-        pytest.skip("the C decode-attention kernel is unavailable")
+        skip_or_fail("the C decode-attention kernel is unavailable (no C compiler, a build error, "
+                     "or TOKENMILL_NO_C_KERNELS set)")
     context, q_len = 37, 5
     case = make_case([context], [q_len], 16, 9, 3, torch.float32, "cpu", head_dim=64)
     backend = TorchRefAttentionBackend(9, 3, 64, 0.125)
