@@ -11,6 +11,8 @@ Numerics are those of `tokenmill.layers.norm.RMSNorm` (HF's), op for op:
 - mean of squares in float32, reciprocal square root in float32 (never rounded on its own);
 - row times that, rounded to the output dtype; times the weight, rounded again.
 They differ from the torch path only in summation order and rsqrt's last bit.
+GEMMA (`layers.norm.GemmaRMSNorm`): the row times rstd times (1 + weight), all in float32,
+rounded once at the end, as HF's Gemma norms do.
 
 A row is (r // inner, r % inner) over two strides, so [T, heads, head_dim] views with gaps
 between tokens (q or k inside the fused qkv output, for Qwen3's q/k norm) are read where they
@@ -39,7 +41,7 @@ def _rms_norm_kernel(
     s_x_outer, s_x_inner,  # x strides of row r's (r // inner, r % inner); columns are contiguous
     s_res,  # residual row stride (2-D only)
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr = False,
 ):
     dtype = out_ptr.dtype.element_ty
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -56,15 +58,18 @@ def _rms_norm_kernel(
         x = summed.to(tl.float32)
 
     mean_sq = tl.sum(x * x, axis=1) * inv_n
-    rstd = tl.rsqrt(mean_sq + eps)
-    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    out = (normed * w[None, :]).to(dtype)
+    if GEMMA:
+        out = (x * tl.rsqrt(mean_sq + eps)[:, None] * (1.0 + w[None, :])).to(dtype)
+    else:
+        rstd = tl.rsqrt(mean_sq + eps)
+        normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+        out = (normed * w[None, :]).to(dtype)
     tl.store(out_ptr + (rows * N)[:, None] + cols[None, :], out, mask=mask)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out_dtype: torch.dtype) -> torch.Tensor:
+            out_dtype: torch.dtype, gemma: bool = False) -> torch.Tensor:
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight of shape {tuple(weight.shape)} for rows of {n}")
@@ -84,19 +89,20 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, x if residual is None else residual, weight, out,
         num_rows, 1.0 / n, eps, inner, s_outer, s_inner, 0 if residual is None else residual.stride(0),
-        N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, GEMMA=gemma, num_warps=num_warps,
     )
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
+             gemma: bool = False) -> torch.Tensor:
     """RMSNorm over the last axis of x ([..., n]; 3-D views may be strided): a new tensor in
     `out_dtype` (default x's)."""
-    return _launch(x, None, weight, eps, out_dtype or x.dtype)
+    return _launch(x, None, weight, eps, out_dtype or x.dtype, gemma)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += x` in place (in the residual's dtype), then RMSNorm of it: (normed in x's dtype, residual).
 
     x, residual: [T, n]; residual's rows contiguous, its dtype x's or float32 (the model's stream).
@@ -106,4 +112,4 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
             or residual.stride(-1) != 1):
         raise ValueError(f"fused_add_rms_norm needs x and residual of one [T, n] shape, the residual in x's "
                          f"dtype or float32, got {tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
-    return _launch(x, residual, weight, eps, x.dtype), residual
+    return _launch(x, residual, weight, eps, x.dtype, gemma), residual
