@@ -58,7 +58,7 @@ def smollm2_models():
     require_smollm2()
     path = resolve_model_path(DEFAULT_MODEL)
     dtypes = (torch.float32, torch.bfloat16)
-    return path, {d: bd.load_tokenmill(path, d) for d in dtypes}, {d: bd.load_hf(path, d) for d in dtypes}
+    return path, {d: bd.load_tokenmill(path, d) for d in dtypes}, bd.load_hf_pair(path)
 
 
 @pytest.mark.slow

@@ -191,6 +191,13 @@ def load_hf(path: str, dtype: torch.dtype, device: str = "cpu"):
     return plain.to(device=device, dtype=dtype).eval()
 
 
+def load_hf_pair(path: str, device: str = "cpu") -> dict[torch.dtype, object]:
+    """HF float32 and bf16 models of one checkpoint (the bf16 one a cast copy: loaded once)."""
+    import copy
+    hf32 = load_hf(path, torch.float32, device)
+    return {torch.float32: hf32, torch.bfloat16: copy.deepcopy(hf32).to(torch.bfloat16)}
+
+
 def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: dict[torch.dtype, torch.nn.Module],
             hf_models: dict[torch.dtype, object], modes: Sequence[str] = MODES) -> DeviationReport:
     """The deviation table for `sequences` (each scored at every position after its first token).
@@ -217,7 +224,7 @@ def measure_path(path: str, sequences: Sequence[Sequence[int]], label: str | Non
     """`measure` for a checkpoint (HF directory or GGUF file), loading all four models from it."""
     dtypes = (torch.float32, torch.bfloat16)
     tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in dtypes}
-    hf = {d: load_hf(path, d, device) for d in dtypes}
+    hf = load_hf_pair(path, device)
     return measure(label or os.path.basename(path.rstrip("/")), sequences, tm, hf, modes)
 
 
