@@ -5,10 +5,11 @@ same weights (`tokenmill.benchmarks.bf16_deviation`); the log-probability of eve
 is compared with its own float32 run. tokenmill's mean, p99 and max |deviation| must each be at
 most TOLERANCE above HF's, for one prefill step and for token-by-token decoding.
 
-TOLERANCE: with float32 norms statistics, residual stream and logits, tokenmill's deviation on
-these models sits well below HF's (ratios ~0.4-0.8, see docs/bf16-numerics.md); 10% covers the
-noise of a few hundred scored tokens without letting a real regression through: computing one
-norm in bf16 (`test_planted_bf16_norm_fails_the_check`) multiplies the deviation several-fold.
+TOLERANCE: the tiny configs (hidden 64, small logits) share most of their bf16 error with HF (the
+weights and matmul inputs rounded alike), so their ratios sit at 0.9-1.05 (measured: worst 1.05,
+qwen2's mean); 10% covers that noise floor of ~80 scored tokens. On the real SmolLM2, where the
+float32 residual stream and logits matter (massive first-token activations, logits of 20-30), the
+same 10% is what a bf16-computed norm breaks (`test_planted_bf16_norm_fails_the_check`).
 """
 
 from __future__ import annotations
