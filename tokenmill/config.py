@@ -119,6 +119,15 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     padded_verification: bool = False
 
 
+class LoRAConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Multi-LoRA serving (`enable_lora`): adapters live in `max_loras` device slots (so a step
+    mixes at most that many), with up to `max_cpu_loras` more kept in host memory (LRU)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
@@ -132,6 +141,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attention_backend: str = "torch"  # torch (reference; CPU, tests) | triton (CUDA)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA adapters off (enable_lora=False)
 
     @property
     def max_model_len(self) -> int:
@@ -175,6 +185,10 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     speculative_config: dict | None = None  # vLLM's spelling, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
 
 _FLAG_HELP = {
@@ -211,6 +225,10 @@ _FLAG_HELP = {
                           '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
                           '"model": PATH, "num_speculative_tokens": 4}; optional "max_step_tokens" (adaptive '
                           'speculation: 0 = always speculate) and "min_acceptance"',
+    "enable_lora": "serve LoRA adapters (PEFT folders) on top of the base model, chosen per request",
+    "max_loras": "LoRA adapters on the device at once: the most distinct adapters in one step",
+    "max_lora_rank": "largest LoRA rank accepted (adapters of lower rank are zero-padded to it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory, least recently used evicted (default: max_loras)",
 }
 
 

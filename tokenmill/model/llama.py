@@ -25,6 +25,7 @@ from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, PackedWeight, silu_mul_linear
+from tokenmill.layers.lora.lora_layer import has_lora, with_lora
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
@@ -52,7 +53,7 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output, plus `residual` when given (added inside the o_proj matmul where it can)."""
-        qkv = self.qkv_proj(hidden)
+        qkv = with_lora(self.qkv_proj, hidden, self.qkv_proj(hidden))
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -84,9 +85,10 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """MLP output, plus `residual` when given (added inside the down_proj matmul where it can)."""
-        act = silu_mul_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self._gate_up_packed)
+        gate_up = self.gate_up_proj
+        act = None if has_lora(gate_up) else silu_mul_linear(x, gate_up.weight, gate_up.bias, self._gate_up_packed)
         if act is None:
-            act = self.act(self.gate_up_proj(x))
+            act = self.act(with_lora(gate_up, x, gate_up(x)))
         if residual is None:
             return self.down_proj(act)
         return self.down_proj.forward_add(act, residual)
