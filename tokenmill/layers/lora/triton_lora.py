@@ -39,7 +39,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, slots_ptr, T, N, K,
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             xb = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
-            ab = tl.load(a_ptr + s.to(tl.int64) * stride_as + n[None, :] * stride_an + k[:, None],
+            ab = tl.load(a_ptr + s * stride_as + n[None, :] * stride_an + k[:, None],
                          mask=n_ok[None, :] & k_ok[:, None], other=0.0)
             acc += tl.dot(xb, ab)
     tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
@@ -65,7 +65,7 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, order_ptr, slots_ptr, T, N, P1, P2,
     for s in range(lo, hi + 1):
         mine = m_ok & (tile_slots == s)
         tb = tl.load(t_ptr + rows[:, None] * stride_tt + part * RANK + r[None, :], mask=mine[:, None], other=0.0)
-        bb = tl.load(b_ptr + s.to(tl.int64) * stride_bs + n[None, :] * stride_bn + r[:, None],
+        bb = tl.load(b_ptr + s * stride_bs + n[None, :] * stride_bn + r[:, None],
                      mask=n_ok[None, :], other=0.0)
         acc += tl.dot(tb.to(bb.dtype), bb)
     write = (m_ok & (tile_slots >= 0))[:, None] & n_ok[None, :]
