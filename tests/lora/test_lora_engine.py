@@ -124,3 +124,21 @@ def test_tensor_parallel_2(setup) -> None:
     with LLM(setup.path, max_loras=2, tensor_parallel_size=2, **engine) as llm:
         outputs = run(llm, setup, names, PROMPTS[:4])
     setup.check(outputs, names, PROMPTS[:4])
+
+
+def test_a_step_never_holds_more_adapters_than_slots(setup) -> None:
+    names = ["a1", "a2", "a3", None] * 3
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
+    with LLM(setup.path, max_loras=2, max_cpu_loras=3, **ENGINE) as llm:
+        scheduler = llm.engine.scheduler
+        schedule, most = scheduler.schedule, []
+
+        def counting():
+            out = schedule()
+            most.append(len({r.lora.id for r in scheduler.running if r.lora is not None}))
+            return out
+
+        scheduler.schedule = counting
+        outputs = run(llm, setup, names, prompts)
+        assert max(most) == 2 and llm.engine.executor.worker.runner.lora.num_reads == 3
+    setup.check(outputs, names, prompts)
