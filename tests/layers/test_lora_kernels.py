@@ -32,14 +32,13 @@ def _case(num_tokens: int, parts: list[int], slots: int = 3, rank: int = 16, k: 
     return x, a, b, token_slots, y, starts
 
 
-@pytest.mark.parametrize("num_tokens", [1, 7, 40])
+@pytest.mark.parametrize("num_tokens,k", [(1, 40), (7, 40), (40, 40), (5, 300)])  # K = 300: split over programs
 @pytest.mark.parametrize("shape", sorted(PARTS))
-def test_triton_shrink_expand_match_reference(num_tokens, shape):
-    x, a, b, token_slots, y, starts = _case(num_tokens, PARTS[shape])
+def test_triton_shrink_expand_match_reference(num_tokens, k, shape):
+    x, a, b, token_slots, y, starts = _case(num_tokens, PARTS[shape], k=k)
     expected = y + lora_reference(x, a, b, starts, token_slots)
     sorted_slots, order = torch.sort(token_slots.to(torch.int32), stable=True)
-    shrunk = torch.empty(num_tokens, a.shape[1])
-    lora_shrink(x, a, order.to(torch.int32), sorted_slots, shrunk)
+    shrunk = lora_shrink(x, a, order.to(torch.int32), sorted_slots)
     out = lora_expand(shrunk, b, order.to(torch.int32), sorted_slots, y.clone(), starts)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     no_adapter = token_slots < 0

@@ -64,7 +64,6 @@ class LoRASlots:
         out = self.part_starts[-1]
         self.a = torch.zeros(num_slots, len(part_sizes) * rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out, rank, dtype=dtype, device=device)
-        self._shrunk: dict[int, torch.Tensor] = {}
 
     def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put one part's A [r, in] and B [out_part, r] into `slot` (None: zeros), rank zero-padded."""
@@ -83,8 +82,7 @@ class LoRASlots:
             return y
         if batch.order is not None and triton_ops.enabled(x):
             from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
-            shrunk = torch.empty(x.shape[0], self.a.shape[1], dtype=torch.float32, device=x.device)
-            lora_shrink(x, self.a, batch.order, batch.sorted_slots, shrunk)
+            shrunk = lora_shrink(x, self.a, batch.order, batch.sorted_slots)
             return lora_expand(shrunk, self.b, batch.order, batch.sorted_slots, y, self.part_starts)
         return lora_add_grouped(x, y, self.a, self.b, self.part_starts, batch.groups)
 

@@ -19,11 +19,13 @@ import triton.language as tl
 _BIG = 1 << 30
 
 
-@triton.jit
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, slots_ptr, T, N, K,
-                   stride_xt, stride_as, stride_an, stride_ot,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+@triton.jit(do_not_specialize=["T"])
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, slots_ptr, T, N, K, K_PER_SPLIT,
+                   stride_xt, stride_as, stride_an, stride_split, stride_ot,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """Program (m, n, split): tokens m's tile, columns n's, the split's range of K (a partial
+    sum written to its own plane of `out`: no atomics, the same result on every run)."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < T
     tile_slots = tl.load(slots_ptr + m, mask=m_ok, other=-1)
@@ -32,23 +34,28 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, slots_ptr, T, N, K,
     hi = tl.max(tile_slots)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    k_start = pid_k * K_PER_SPLIT
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(lo, hi + 1):
         mine = m_ok & (tile_slots == s)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             xb = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
             ab = tl.load(a_ptr + s * stride_as + n[None, :] * stride_an + k[:, None],
                          mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc += tl.dot(xb, ab)
-    tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], acc, mask=m_ok[:, None] & n_ok[None, :])
+            if IEEE:  # float32 inputs: exact float32 products, not TF32
+                acc += tl.dot(xb, ab, input_precision="ieee")
+            else:
+                acc += tl.dot(xb, ab)
+    tl.store(out_ptr + pid_k * stride_split + rows[:, None] * stride_ot + n[None, :], acc,
+             mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _expand_kernel(t_ptr, b_ptr, y_ptr, order_ptr, slots_ptr, T, N, P1, P2,
                    stride_tt, stride_bs, stride_bn, stride_yt,
-                   RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < T
@@ -67,7 +74,10 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, order_ptr, slots_ptr, T, N, P1, P2,
         tb = tl.load(t_ptr + rows[:, None] * stride_tt + part * RANK + r[None, :], mask=mine[:, None], other=0.0)
         bb = tl.load(b_ptr + s * stride_bs + n[None, :] * stride_bn + r[:, None],
                      mask=n_ok[None, :], other=0.0)
-        acc += tl.dot(tb.to(bb.dtype), bb)
+        if IEEE:  # float32 inputs: exact float32 products, not TF32
+            acc += tl.dot(tb, bb, input_precision="ieee")
+        else:
+            acc += tl.dot(tb.to(bb.dtype), bb)
     write = (m_ok & (tile_slots >= 0))[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
     y = tl.load(y_ptrs, mask=write, other=0.0)
@@ -87,16 +97,27 @@ def expand_block_n(part_starts: tuple[int, ...]) -> int:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, sorted_slots: torch.Tensor,
-                out: torch.Tensor) -> torch.Tensor:
-    """out[t] = x[t] @ A[slot(t)]^T (float32 [T, parts * R]; zeros for tokens without an adapter)."""
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """x[t] @ A[slot(t)]^T, float32 [T, parts * R] (zeros for tokens without an adapter). K is
+    split over enough programs to fill the GPU at decode sizes; the splits' partial sums are
+    added by one torch sum (deterministic). The split depends on shapes only (capture-safe)."""
     num_tokens, k = x.shape
     n = a.shape[1]
-    block_m, block_n = _block_m(num_tokens), 16 if n <= 16 else 32
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
-    _shrink_kernel[grid](x, a, out, order, sorted_slots, num_tokens, n, k,
-                         x.stride(0), a.stride(0), a.stride(1), out.stride(0),
-                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64)
-    return out
+    block_m, block_n, block_k = _block_m(num_tokens), 16 if n <= 16 else 32, 64
+    tiles = triton.cdiv(num_tokens, block_m) * triton.cdiv(n, block_n)
+    splits = max(1, min(triton.cdiv(k, block_k), 1024 // tiles))
+    splits = 1 << (splits.bit_length() - 1)
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    partial = torch.empty(splits, num_tokens, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n), splits)
+    _shrink_kernel[grid](x, a, partial, order, sorted_slots, num_tokens, n, k, k_per_split,
+                         x.stride(0), a.stride(0), a.stride(1), partial.stride(0), partial.stride(1),
+                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
+    total = partial[0] if splits == 1 else partial.sum(0)
+    if out is None:
+        return total
+    return out.copy_(total)
 
 
 def lora_expand(shrunk: torch.Tensor, b: torch.Tensor, order: torch.Tensor, sorted_slots: torch.Tensor,
@@ -111,5 +132,5 @@ def lora_expand(shrunk: torch.Tensor, b: torch.Tensor, order: torch.Tensor, sort
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
     _expand_kernel[grid](shrunk, b, y, order, sorted_slots, num_tokens, n, bounds[0], bounds[1],
                          shrunk.stride(0), b.stride(0), b.stride(1), y.stride(0),
-                         RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n)
+                         RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
     return y
