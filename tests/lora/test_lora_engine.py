@@ -78,8 +78,10 @@ def test_mixed_batch_equals_peft(setup) -> None:
     with LLM(setup.path, max_loras=3, **ENGINE) as llm:
         outputs = run(llm, setup, names, prompts)
         loads = llm.engine.scheduler.loras.num_loads
+        read_ahead = llm.engine.executor.worker.runner.lora.num_read_ahead
     setup.check(outputs, names, prompts)
     assert loads == 3  # each adapter put in a slot once
+    assert read_ahead == 3  # each read from disk in the background, from its request's arrival
 
 
 def test_more_adapters_than_slots(setup) -> None:

@@ -27,7 +27,7 @@ input token travels with the step (`pp_input_tokens`) for the first stage.
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -80,6 +80,10 @@ class Scheduler:
         # LoRA: the adapters' device slots (a running request pins its adapter's slot).
         self.loras = LoRASlotTable(lora.max_loras) if lora is not None else None
         self._lora_loads: list[LoRALoad] = []
+        # Adapters the workers were asked to read ahead (about their host LRU: its size, newest last).
+        self._lora_prefetch: list = []
+        self._lora_read_ahead: OrderedDict[int, None] = OrderedDict()
+        self._lora_host_slots = lora.max_cpu_loras if lora is not None else 0
 
     # ------------------------------------------------------------------ requests
 
@@ -98,6 +102,22 @@ class Scheduler:
             self.eos_ids = np.array(sorted(request.eos_token_ids), np.int64)
         self.requests[request.handle] = request
         self.waiting.append(request)
+        if request.lora is not None:
+            self._read_ahead(request.lora)
+
+    def _read_ahead(self, lora) -> None:
+        """A request for `lora` arrived: unless its adapter is in a slot or was read lately, the
+        workers start reading it into host memory now (in the background), so the step that
+        first runs it copies it from there instead of waiting for the disk."""
+        if lora.id in self.loras.slot_of:
+            return
+        if lora.id in self._lora_read_ahead:
+            self._lora_read_ahead.move_to_end(lora.id)
+            return
+        self._lora_read_ahead[lora.id] = None
+        while len(self._lora_read_ahead) > self._lora_host_slots:
+            self._lora_read_ahead.popitem(last=False)
+        self._lora_prefetch.append(lora)
 
     def abort(self, handles: list[int]) -> None:
         for handle in handles:
@@ -164,6 +184,8 @@ class Scheduler:
             finished_handles=self.finished_to_send, preempted_handles=plan.preempted)
         if self._lora_loads:
             output.lora_loads, self._lora_loads = self._lora_loads, []
+        if self._lora_prefetch:
+            output.lora_prefetch, self._lora_prefetch = self._lora_prefetch, []
         if (plan.one_token_each and not admitted and self._batch_version == t.version
                 and self._batch_is_all_running):
             self.batch_order.encode_same_rows(output)  # the rows of the last batch, one token each

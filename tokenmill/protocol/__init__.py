@@ -247,8 +247,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     # Pipeline parallelism only: int32, each row's first input token (the first stage cannot
     # read sampled tokens on its device; see tokenmill/worker/pp_stage.py).
     pp_input_tokens: bytes = b""
-    # LoRA: adapters to put into device slots before this step (new requests name their slot).
+    # LoRA: adapters to put into device slots before this step (new requests name their slot),
+    # and adapters of newly arrived requests to start reading into host memory in the background.
     lora_loads: list[LoRALoad] = []
+    lora_prefetch: list[LoRARef] = []
 
     @functools.cached_property
     def scheduled_handles(self) -> list[int]:

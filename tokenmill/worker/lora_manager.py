@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -66,6 +67,9 @@ class LoRAManager:
         self.host: OrderedDict[int, dict] = OrderedDict()  # adapter id -> this rank's tensors (LRU)
         self.held: list[LoRARef | None] = [None] * config.max_loras
         self.num_reads = 0  # adapters read from disk (tests: evictions of the host LRU)
+        self._reader: ThreadPoolExecutor | None = None  # reads ahead, off the step's path
+        self._reading: dict[int, Future] = {}
+        self.num_read_ahead = 0  # loads served by a read ahead (not waiting for the disk in the step)
         logger.info("LoRA: %d device slots of rank %d on %d projections, %d adapters in host memory",
                     config.max_loras, self.rank, len(self.slots), config.max_cpu_loras)
 
@@ -80,11 +84,31 @@ class LoRAManager:
                     slots.set_slot(load.slot, part, a, b)
             self.held[load.slot] = load.lora
 
+    def read_ahead(self, loras: list[LoRARef]) -> None:
+        """Start reading adapters into host memory on a background thread (the engine core asks
+        when their first request arrives); a failure shows when the adapter is loaded."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+        for lora in loras:
+            if (lora.id not in self.host and lora.id not in self._reading
+                    and len(self._reading) < self.config.max_cpu_loras):
+                self._reading[lora.id] = self._reader.submit(self._read, lora)
+
     def _host_weights(self, lora: LoRARef) -> dict:
         cached = self.host.get(lora.id)
         if cached is not None:
             self.host.move_to_end(lora.id)
             return cached
+        reading = self._reading.pop(lora.id, None)
+        self.num_read_ahead += reading is not None
+        weights = reading.result() if reading is not None else self._read(lora)
+        self.host[lora.id] = weights
+        while len(self.host) > self.config.max_cpu_loras:
+            self.host.popitem(last=False)
+        return weights
+
+    def _read(self, lora: LoRARef) -> dict:
+        """The adapter's tensors for this rank, in the model's dtype (pinned on CUDA)."""
         adapter = read_adapter(lora.path, self.arch, self.config.max_lora_rank, lora.name)
         weights = {}
         layout = self.model.layout
@@ -97,9 +121,6 @@ class LoRAManager:
                 a, b = a.pin_memory(), b.pin_memory()
             weights[(layer, hf)] = (a, b)
         self.num_reads += 1
-        self.host[lora.id] = weights
-        while len(self.host) > self.config.max_cpu_loras:
-            self.host.popitem(last=False)
         return weights
 
     def _shard(self, layer: int, hf: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

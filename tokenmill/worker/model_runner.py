@@ -262,6 +262,8 @@ class ModelRunner:
         start = time.perf_counter()
         changed = so.batch is not None or so.new_requests or so.finished_handles or so.preempted_handles
         apply_step_diffs(so, self.batch_order, self)
+        if so.lora_prefetch:
+            self.lora.read_ahead(so.lora_prefetch)
         if so.lora_loads:  # after every earlier step, before this one (stream order)
             self.lora.load(so.lora_loads)
         apply_input_tokens(so, self.batch)
