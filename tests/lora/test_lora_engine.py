@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoModelForCausalLM
 
+from tests.helpers.engine import worker_runner
 from tests.helpers.hf_reference import compare_greedy
 from tests.helpers.lora_adapters import PeftAdapters
 from tests.helpers.tiny_models import make_tiny_model_dir
@@ -78,7 +79,7 @@ def test_mixed_batch_equals_peft(setup) -> None:
     with LLM(setup.path, max_loras=3, **ENGINE) as llm:
         outputs = run(llm, setup, names, prompts)
         loads = llm.engine.scheduler.loras.num_loads
-        read_ahead = llm.engine.executor.worker.runner.lora.num_read_ahead
+        read_ahead = worker_runner(llm).lora.num_read_ahead
     setup.check(outputs, names, prompts)
     assert loads == 3  # each adapter put in a slot once
     assert read_ahead == 3  # each read from disk in the background, from its request's arrival
@@ -90,7 +91,7 @@ def test_more_adapters_than_slots(setup) -> None:
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]
     with LLM(setup.path, max_loras=1, max_cpu_loras=1, **ENGINE) as llm:
         outputs = run(llm, setup, names, prompts)
-        scheduler, lora = llm.engine.scheduler, llm.engine.executor.worker.runner.lora
+        scheduler, lora = llm.engine.scheduler, worker_runner(llm).lora
         assert scheduler.loras.num_loads == 3  # requests of the adapter in the slot go first
         again = run(llm, setup, names[:3], prompts[:3])
         # a1 and a2 came back after their eviction, read from disk again (one in host memory)
@@ -142,5 +143,5 @@ def test_a_step_never_holds_more_adapters_than_slots(setup) -> None:
 
         scheduler.schedule = counting
         outputs = run(llm, setup, names, prompts)
-        assert max(most) == 2 and llm.engine.executor.worker.runner.lora.num_reads == 3
+        assert max(most) == 2 and worker_runner(llm).lora.num_reads == 3
     setup.check(outputs, names, prompts)
