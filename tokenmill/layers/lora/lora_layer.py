@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from tokenmill.layers import triton_ops
-from tokenmill.layers.lora.torch_lora import lora_add_grouped
+from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference
 
 
 class LoRABatch:
@@ -27,6 +27,7 @@ class LoRABatch:
         self.order: torch.Tensor | None = None  # CUDA: token indices sorted by slot
         self.sorted_slots: torch.Tensor | None = None  # CUDA: their slots
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # CPU: (slot, its tokens)
+        self.token_slots: torch.Tensor | None = None
         self.num_tokens = 0
 
     def prepare(self, token_slots: torch.Tensor, host: np.ndarray | None = None) -> None:
@@ -37,6 +38,7 @@ class LoRABatch:
             self.active = False
             return
         self.active = True
+        self.token_slots = token_slots
         if self.device.type == "cuda":
             self.sorted_slots, order = torch.sort(token_slots.to(torch.int32), stable=True)
             self.order = order.to(torch.int32)
@@ -62,6 +64,8 @@ class LoRASlots:
         self.rank = rank
         self.part_starts = tuple(int(v) for v in np.cumsum([0] + part_sizes))
         out = self.part_starts[-1]
+        # The Triton expand needs part boundaries on multiples of 16 (every real model's); else torch.
+        self.triton = all(p % 16 == 0 for p in self.part_starts[:-1])
         self.a = torch.zeros(num_slots, len(part_sizes) * rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out, rank, dtype=dtype, device=device)
 
@@ -80,10 +84,12 @@ class LoRASlots:
         batch = self.batch
         if not batch.active or x.shape[0] != batch.num_tokens:
             return y
-        if batch.order is not None and triton_ops.enabled(x):
+        if batch.order is not None and self.triton and triton_ops.enabled(x):
             from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
             shrunk = lora_shrink(x, self.a, batch.order, batch.sorted_slots)
             return lora_expand(shrunk, self.b, batch.order, batch.sorted_slots, y, self.part_starts)
+        if batch.order is not None:  # CUDA without the Triton path: the reference, on the device
+            return y.add_(lora_reference(x, self.a, self.b, self.part_starts, batch.token_slots).to(y.dtype))
         return lora_add_grouped(x, y, self.a, self.b, self.part_starts, batch.groups)
 
 

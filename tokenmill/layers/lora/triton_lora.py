@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-_BIG = 1 << 30
+_BIG = 1 << 30  # "no slot" / "no more parts", on the host
+_NO_SLOT = tl.constexpr(1 << 30)  # the same inside kernels (globals there must be constexpr)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -30,7 +31,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, slots_ptr, T, N, K, K_PER_S
     m_ok = m < T
     tile_slots = tl.load(slots_ptr + m, mask=m_ok, other=-1)
     rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
-    lo = tl.min(tl.where(tile_slots >= 0, tile_slots, _BIG))
+    lo = tl.min(tl.where(tile_slots >= 0, tile_slots, _NO_SLOT))
     hi = tl.max(tile_slots)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -61,7 +62,7 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, order_ptr, slots_ptr, T, N, P1, P2,
     m_ok = m < T
     tile_slots = tl.load(slots_ptr + m, mask=m_ok, other=-1)
     rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
-    lo = tl.min(tl.where(tile_slots >= 0, tile_slots, _BIG))
+    lo = tl.min(tl.where(tile_slots >= 0, tile_slots, _NO_SLOT))
     hi = tl.max(tile_slots)
     n0 = pid_n * BLOCK_N
     part = (n0 >= P1).to(tl.int32) + (n0 >= P2).to(tl.int32)  # BLOCK_N divides the part boundaries
