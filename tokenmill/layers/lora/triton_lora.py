@@ -18,6 +18,7 @@ import triton.language as tl
 
 _BIG = 1 << 30  # "no slot" / "no more parts", on the host
 _NO_SLOT = tl.constexpr(1 << 30)  # the same inside kernels (globals there must be constexpr)
+_MAX_SPLITS = 8  # K splits of the shrink (the expand sums that many planes per tile)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -54,9 +55,11 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, slots_ptr, T, N, K, K_PER_S
 
 
 @triton.jit(do_not_specialize=["T"])
-def _expand_kernel(t_ptr, b_ptr, y_ptr, order_ptr, slots_ptr, T, N, P1, P2,
-                   stride_tt, stride_bs, stride_bn, stride_yt,
+def _expand_kernel(t_ptr, b_ptr, y_ptr, order_ptr, slots_ptr, T, N, P1, P2, SPLITS,
+                   stride_split, stride_tt, stride_bs, stride_bn, stride_yt,
                    RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Program (m, n): the tile's shrink (its split planes summed here, once) times each of its
+    slots' B block, added into y."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < T
@@ -69,10 +72,14 @@ def _expand_kernel(t_ptr, b_ptr, y_ptr, order_ptr, slots_ptr, T, N, P1, P2,
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     r = tl.arange(0, RANK)
+    shrunk = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+    t_ptrs = t_ptr + rows[:, None] * stride_tt + part * RANK + r[None, :]
+    for split in range(0, SPLITS):
+        shrunk += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for s in range(lo, hi + 1):
         mine = m_ok & (tile_slots == s)
-        tb = tl.load(t_ptr + rows[:, None] * stride_tt + part * RANK + r[None, :], mask=mine[:, None], other=0.0)
+        tb = tl.where(mine[:, None], shrunk, 0.0)
         bb = tl.load(b_ptr + s * stride_bs + n[None, :] * stride_bn + r[:, None],
                      mask=n_ok[None, :], other=0.0)
         if IEEE:  # float32 inputs: exact float32 products, not TF32
@@ -98,15 +105,16 @@ def expand_block_n(part_starts: tuple[int, ...]) -> int:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, sorted_slots: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """x[t] @ A[slot(t)]^T, float32 [T, parts * R] (zeros for tokens without an adapter). K is
-    split over enough programs to fill the GPU at decode sizes; the splits' partial sums are
-    added by one torch sum (deterministic). The split depends on shapes only (capture-safe)."""
+                ) -> torch.Tensor:
+    """x[t] @ A[slot(t)]^T as float32 partial sums [splits, T, parts * R] (zeros for tokens
+    without an adapter): K is split over up to 8 programs per tile, to fill the GPU at decode
+    sizes, and `lora_expand` adds the planes (no atomics: the same result on every run). The
+    split depends on shapes only (capture-safe)."""
     num_tokens, k = x.shape
     n = a.shape[1]
     block_m, block_n, block_k = _block_m(num_tokens), 16 if n <= 16 else 32, 64
     tiles = triton.cdiv(num_tokens, block_m) * triton.cdiv(n, block_n)
-    splits = max(1, min(triton.cdiv(k, block_k), 1024 // tiles))
+    splits = max(1, min(triton.cdiv(k, block_k), 1024 // tiles, _MAX_SPLITS))
     splits = 1 << (splits.bit_length() - 1)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
@@ -115,23 +123,21 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, sorted_sl
     _shrink_kernel[grid](x, a, partial, order, sorted_slots, num_tokens, n, k, k_per_split,
                          x.stride(0), a.stride(0), a.stride(1), partial.stride(0), partial.stride(1),
                          BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
-    total = partial[0] if splits == 1 else partial.sum(0)
-    if out is None:
-        return total
-    return out.copy_(total)
+    return partial
 
 
 def lora_expand(shrunk: torch.Tensor, b: torch.Tensor, order: torch.Tensor, sorted_slots: torch.Tensor,
                 y: torch.Tensor, part_starts: tuple[int, ...]) -> torch.Tensor:
-    """y[t, part i] += shrunk[t, i * R:(i + 1) * R] @ B[slot(t), part i]^T, in place."""
-    num_tokens = shrunk.shape[0]
+    """y[t, part i] += shrunk[t, i * R:(i + 1) * R] @ B[slot(t), part i]^T, in place; `shrunk`:
+    `lora_shrink`'s partial sums [splits, T, parts * R]."""
+    num_tokens = shrunk.shape[1]
     n, rank = b.shape[1], b.shape[2]
     block_n = expand_block_n(part_starts)
     assert block_n and y.stride(1) == 1 and b.stride(2) == 1, "part boundaries must be multiples of 16"
     bounds = list(part_starts[1:-1]) + [_BIG] * (3 - len(part_starts) + 1)
     block_m = _block_m(num_tokens)
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
-    _expand_kernel[grid](shrunk, b, y, order, sorted_slots, num_tokens, n, bounds[0], bounds[1],
-                         shrunk.stride(0), b.stride(0), b.stride(1), y.stride(0),
+    _expand_kernel[grid](shrunk, b, y, order, sorted_slots, num_tokens, n, bounds[0], bounds[1], shrunk.shape[0],
+                         shrunk.stride(0), shrunk.stride(1), b.stride(0), b.stride(1), y.stride(0),
                          RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
     return y
