@@ -93,7 +93,7 @@ def _add_routes(app: FastAPI, debug: bool) -> None:
         card = ModelCard(id=state.model_name, created=state.started, root=state.engine.config.model.path,
                          max_model_len=state.max_model_len)
         adapters = [ModelCard(id=lora.lora_name, created=state.started, root=lora.lora_path, parent=state.model_name,
-                              max_model_len=state.max_model_len) for lora in state.loras.adapters.values()]
+                              max_model_len=state.max_model_len) for lora in (state.loras.adapters.values() if state.loras else ())]
         return ModelList(data=[card, *adapters])
 
     @app.get("/metrics")
