@@ -22,6 +22,11 @@ Pipeline parallelism (`pipeline_stages` > 1): up to one batch per stage is in fl
 is scheduled past the tokens the scheduler knows (`RunningPlanner.no_placeholders`), each
 batch's budget is an even share of the work in sight (`microbatch.py`), and each row's first
 input token travels with the step (`pp_input_tokens`) for the first stage.
+
+LoRA (`enable_lora`): an admitted request pins its adapter's device slot (`LoRASlotTable`) until
+it finishes or is preempted; one whose adapter finds no free slot waits while later requests
+may start, so no step mixes more adapters than slots. A slot's (re)fill travels as a
+`LoRALoad` with the step; a request's arrival asks the workers to read its adapter ahead.
 """
 
 from __future__ import annotations
