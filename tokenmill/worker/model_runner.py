@@ -140,8 +140,11 @@ class ModelRunner:
         self.model = load_model(m.path, m.arch, m.load_format, self.dtype, self.device,
                                 attention_backend_class(self.config.attention_backend), seed=m.seed,
                                 parallel=self.stage.parallel)
-        logger.info("loaded %s in %.1f s (%s attention)", m.path, time.perf_counter() - start,
-                    self.config.attention_backend)
+        logger.info("loaded %s in %.1f s (%s attention, %s)", m.path, time.perf_counter() - start,
+                    self.config.attention_backend, m.dtype)
+        if self.device.type == "cpu":
+            from tokenmill.layers import cpu_isa
+            logger.info(cpu_isa.describe())
         if self.config.lora is not None:
             from tokenmill.worker.lora_manager import LoRAManager
             self.lora = LoRAManager(self.model, self.config.lora, m.arch, self.config.scheduler.max_num_seqs,

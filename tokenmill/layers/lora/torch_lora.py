@@ -31,6 +31,7 @@ def lora_add_grouped(x: torch.Tensor, y: torch.Tensor, a: torch.Tensor, b: torch
         else:
             delta = torch.cat([shrunk[:, i * rank:(i + 1) * rank] @ b[slot, lo:hi].t()
                                for i, (lo, hi) in enumerate(zip(part_starts[:-1], part_starts[1:]))], dim=1)
+        delta = delta.to(y.dtype)  # y may be wider (a float32 residual stream added in the matmul)
         if rows is None:
             y.add_(delta)
         else:
