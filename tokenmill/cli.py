@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_parser(bench_sub)
     core_step.add_parser(bench_sub)
     spec_decode.add_parser(bench_sub)
+    from tokenmill.benchmarks import layout_check
+    layout_check.add_parser(bench_sub)
     return parser
 
 
