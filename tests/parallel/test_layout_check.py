@@ -1,6 +1,6 @@
-"""The teacher-forced layout check (tokenmill/benchmarks/layout_check.py) on CPU with gloo: TP=2
-(float32) and TP=2 sync and PP=2 (bfloat16) land within the spread of two valid one-process reductions, in float32
-and bfloat16; a TP=2 engine with one rank's rows of a weight swapped (the worker's test-only
+"""The teacher-forced layout check (tokenmill/benchmarks/layout_check.py) on CPU with gloo: TP=2 in
+float32, TP=2 sync and PP=2 in bfloat16 land within the spread of two valid one-process
+reductions; a TP=2 engine with one rank's rows of a weight swapped (the worker's test-only
 `wrong_shard` fault) fails it. Plus the comparison's arithmetic on crafted logprobs."""
 
 from __future__ import annotations
