@@ -120,6 +120,8 @@ def rounding_floor(dtype: str) -> float:
     seen on CPU in float32 (~4 eps) and bfloat16 (~eps / 2), there only so that a reference that
     happens to be exact does not make every rounding a failure."""
     import torch
+    if not isinstance(getattr(torch, dtype, None), torch.dtype):
+        raise ValueError(f"dtype: name one (float32, bfloat16, float16), got {dtype!r}")
     return torch.finfo(getattr(torch, dtype)).eps / 8
 
 
@@ -259,18 +261,19 @@ def add_parser(sub) -> None:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
+    from tokenmill.config import add_engine_flags
     p.add_argument("--model", required=True, help="a HF directory (its vocabulary is scored in full)")
     p.add_argument("--layouts", default="tp2,pp2,tp2-sync",
                    help=f"presets separated by ',' ({', '.join(PRESETS)}), or layouts separated by ';' "
-                        f"where custom ones are key=value lists: 'tp=2,async=0;pp=2;tp2'")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default=None, help="engine device (default: the engine's choice)")
+                        f"where custom ones are key=value lists ({', '.join(_KEYS)}): 'tp=2,async=0;pp2'")
     p.add_argument("--prompt-lens", default="5,17,40,64", help="lengths of the random prompts")
     p.add_argument("--continuation", type=int, default=16, help="greedy tokens appended to each prompt")
     p.add_argument("--factor", type=float, default=DEFAULT_FACTOR,
                    help="a layout fails when its mean, p99 or max exceeds this multiple of the reference's")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--output-json", default=None)
+    add_engine_flags(p)  # shared by every layout; a layout's own keys (and the reference's) win
+    p.set_defaults(dtype="float32")
 
 
 def parse_layouts(text: str) -> list[Layout]:
@@ -282,11 +285,13 @@ def parse_layouts(text: str) -> list[Layout]:
 
 def run(ns) -> int:
     from tokenmill.benchmarks.record import machine_info, versions
-    common: dict[str, Any] = dict(dtype=ns.dtype)
-    if ns.device:
-        common["device"] = ns.device
+    from tokenmill.config import EngineArgs, engine_args_from_flags
+    defaults = dataclasses.asdict(EngineArgs(model=ns.model))
+    common = {k: v for k, v in dataclasses.asdict(engine_args_from_flags(ns, ns.model)).items()
+              if k != "model" and v != defaults[k]}
+    common["dtype"] = ns.dtype
     vocab = vocab_size(ns.model)
-    prompts = random_prompts(vocab, [int(n) for n in ns.prompt_lens.split(",")], ns.seed)
+    prompts = random_prompts(vocab, [int(n) for n in ns.prompt_lens.split(",")], ns.prompt_seed)
     sequences = greedy_continuations(ns.model, base_layout(), prompts, ns.continuation, common)
     report = check_layouts(ns.model, parse_layouts(ns.layouts), sequences, common, ns.factor)
     print(format_report(report), flush=True)
