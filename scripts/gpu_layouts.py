@@ -56,7 +56,8 @@ def wrong_shards(shape: str) -> dict[str, dict[str, str]]:
     gate rows traded with the next 16 (the CI test's fault; on a wide model a subtler one: reported,
     not required to fail)."""
     half = device_check.SHAPES[shape]["intermediate_size"] // 2  # rank 1's gate rows
-    plans = {"tp2-gate-up-swapped": dict(rows=[0, half], count=half), "tp2-16-rows-swapped": dict(rows=[0, 16], count=16)}
+    plans = {"tp2-gate-up-swapped": dict(rows=[0, half], count=half),
+             "tp2-16-rows-swapped": dict(rows=[0, 16], count=16)}
     return {name: {"TOKENMILL_TEST_FAULTS": json.dumps({"wrong_shard": {
         "rank": 1, "parameter": "layers.1.mlp.gate_up_proj.weight", **plan}})} for name, plan in plans.items()}
 
@@ -91,7 +92,8 @@ def bench(results: dict, smoke: bool, max_num_seqs: int) -> None:
     if smoke:
         extra += ["--kv-cache-memory-gb", "0.05"]
     figures = {}
-    for name, flags in (("tp1", []), ("tp2", ["--tensor-parallel-size", "2"]), ("pp2", ["--pipeline-parallel-size", "2"])):
+    layouts = (("tp1", []), ("tp2", ["--tensor-parallel-size", "2"]), ("pp2", ["--pipeline-parallel-size", "2"]))
+    for name, flags in layouts:
         device_check.bench(results, shape, n, lin, lout, baseline=False, extra=[*flags, *extra], run=f"_{name}")
         key = next(k for k in results if k.startswith(f"bench_{shape}_{n}x{lin}x{lout}") and k.endswith(f"_{name}"))
         tm = results[key].get("tokenmill") or {}
