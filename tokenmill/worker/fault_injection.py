@@ -64,13 +64,13 @@ class FaultInjector:
         return cls(msgspec.json.decode(text, type=FaultPlan)) if text else None
 
     def after_load(self, model: torch.nn.Module, rank: int) -> None:
-        """`wrong_shard` on its rank: two rows of the named parameter trade places."""
+        """`wrong_shard` on its rank: two blocks of rows of the named parameter trade places, in
+        place (packed copies follow the weight's version; CUDA graphs read the same storage)."""
         import torch
         swap = self.plan.wrong_shard
         if swap is None or swap.rank != rank:
             return
-        name, param = next(((n, p) for n, p in model.named_parameters() if n.endswith(swap.parameter)),
-                           (None, None))
+        param = next((p for n, p in model.named_parameters() if n.endswith(swap.parameter)), None)
         if param is None:
             raise ValueError(f"wrong_shard.parameter: rank {rank} has no parameter ending with {swap.parameter!r}")
         a, b = (torch.arange(r, r + swap.count) for r in swap.rows)
