@@ -139,8 +139,11 @@ class ModelRunner:
         self.model = load_model(m.path, m.arch, m.load_format, self.dtype, self.device,
                                 attention_backend_class(self.config.attention_backend), seed=m.seed,
                                 parallel=self.stage.parallel)
-        logger.info("loaded %s in %.1f s (%s attention)", m.path, time.perf_counter() - start,
-                    self.config.attention_backend)
+        logger.info("loaded %s in %.1f s (%s attention, %s)", m.path, time.perf_counter() - start,
+                    self.config.attention_backend, m.dtype)
+        if self.device.type == "cpu":
+            from tokenmill.layers import cpu_isa
+            logger.info(cpu_isa.describe())
         spec = self.config.speculative
         if spec is not None and spec.draft is not None:
             from tokenmill.worker.draft_proposer import DraftProposer
