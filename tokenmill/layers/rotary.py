@@ -27,7 +27,43 @@ def compute_inv_freq(params: RopeConfig, rotary_dim: int, max_position: int) -> 
         return inv_freq / params.factor
     if params.rope_type == "llama3":
         return _llama3_scale(inv_freq, params, max_position)
+    if params.rope_type == "yarn":
+        return _yarn_scale(inv_freq, params, rotary_dim)
     return inv_freq
+
+
+def _yarn_scale(inv_freq: torch.Tensor, p: RopeConfig, rotary_dim: int) -> torch.Tensor:
+    """YaRN, as HF computes it: interpolated (divided by `factor`) below the ramp, extrapolated
+    (kept) above it, blended linearly between the correction dims of beta_slow and beta_fast."""
+    old_len = p.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(p.theta))
+
+    low, high = correction_dim(p.beta_fast), correction_dim(p.beta_slow)
+    if p.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / p.factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def attention_factor(p: RopeConfig) -> float:
+    """What cos and sin are multiplied by (YaRN's mscale; 1 for the other rope types)."""
+    if p.rope_type != "yarn":
+        return 1.0
+    if p.attention_factor is not None:
+        return p.attention_factor
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if p.mscale and p.mscale_all_dim:
+        return mscale(p.factor, p.mscale) / mscale(p.factor, p.mscale_all_dim)
+    return mscale(p.factor)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, p: RopeConfig, max_position: int) -> torch.Tensor:
@@ -110,8 +146,9 @@ class RotaryEmbedding(nn.Module):
             inv_freq = compute_inv_freq(params, self.rotary_dim, max_position)
             freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            self.register_buffer("cos_cache", emb.cos(), persistent=False)
-            self.register_buffer("sin_cache", emb.sin(), persistent=False)
+            scale = attention_factor(params)
+            self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
+            self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "RotaryEmbedding":
         # The caches only ever change device: they stay float32 when the model is cast

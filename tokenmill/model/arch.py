@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.config import ModelArch, RopeConfig
+from tokenmill.model.moe_arch import mla_arch, moe_arch
 from tokenmill.model.registry import check_architecture
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def model_arch(hf_config: Any) -> ModelArch:
@@ -24,6 +25,9 @@ def model_arch(hf_config: Any) -> ModelArch:
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+    rope = rope_config(hf_config)
+    if model_type == "olmoe" and getattr(hf_config, "clip_qkv", None) is not None:
+        raise ValueError(f"clip_qkv={hf_config.clip_qkv} is not supported (only null)")
     return ModelArch(
         architecture=architecture,
         model_type=model_type,
@@ -37,12 +41,16 @@ def model_arch(hf_config: Any) -> ModelArch:
         rms_norm_eps=float(hf_config.rms_norm_eps),
         max_position=int(getattr(hf_config, "max_position_embeddings", None) or 2048),
         # Qwen2 always has q/k/v biases (and never an o_proj bias).
-        qkv_bias=attention_bias or model_type == "qwen2",
-        o_bias=attention_bias and model_type != "qwen2",
+        qkv_bias=attention_bias or model_type == "qwen2" or (
+            model_type == "qwen2_moe" and bool(getattr(hf_config, "qkv_bias", True))),
+        o_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-        rope=rope_config(hf_config),
+        rope=rope,
+        moe=moe_arch(hf_config, model_type),
+        mla=mla_arch(hf_config, model_type, rope),
+        qk_norm_full=model_type == "olmoe",
     )
 
 
@@ -60,6 +68,17 @@ def rope_config(hf_config: Any) -> RopeConfig:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
     partial = params.get("partial_rotary_factor", getattr(hf_config, "partial_rotary_factor", None))
     original_max = params.get("original_max_position_embeddings")
+    yarn = {}
+    if rope_type == "yarn":
+        if original_max is None:
+            raise ValueError("rope_parameters: yarn needs original_max_position_embeddings")
+        factor = params.get("factor") or (hf_config.max_position_embeddings / original_max)
+        yarn = dict(beta_fast=float(params.get("beta_fast") or 32.0), beta_slow=float(params.get("beta_slow") or 1.0),
+                    mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+                    attention_factor=(float(params["attention_factor"]) if params.get("attention_factor") is not None
+                                      else None),
+                    truncate=bool(params.get("truncate", True)))
+        params = {**params, "factor": factor}
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
@@ -68,4 +87,5 @@ def rope_config(hf_config: Any) -> RopeConfig:
         high_freq_factor=float(params.get("high_freq_factor") or 4.0),
         original_max_position_embeddings=int(original_max) if original_max is not None else None,
         partial_rotary_factor=float(partial) if partial is not None else 1.0,
+        **yarn,
     )

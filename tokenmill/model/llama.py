@@ -12,7 +12,7 @@ slice of each checkpoint tensor. A stage that is not the last returns `Intermedi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -124,15 +124,18 @@ class LlamaModel(nn.Module):
     """This stage's decoder layers (the others are empty placeholders, so names keep their HF
     layer index), with the embedding on the first stage and the final norm on the last."""
 
-    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext,
+                 make_layer: Callable[[int], nn.Module] | None = None) -> None:
+        """`make_layer(index)`: decoder layer `index` (default: a Llama layer; MoE families pass theirs)."""
         super().__init__()
         layout = parallel.layout
         self.layout = layout
+        make_layer = make_layer or (lambda i: LlamaDecoderLayer(dims, attn_backend_cls, parallel))
         self.embed_tokens = (VocabParallelEmbedding(layout.vocab_per_rank, dims.hidden_size, parallel)
                              if layout.is_first_stage else None)
         self.rotary_emb = RotaryEmbedding(dims.head_dim, dims.max_position, dims.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(dims, attn_backend_cls, parallel) if layout.has_layer(i) else nn.Identity()
+            make_layer(i) if layout.has_layer(i) else nn.Identity()
             for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps) if layout.is_last_stage else None
 
@@ -175,7 +178,8 @@ class LlamaForCausalLM(nn.Module):
         self.dims = arch
         self.parallel = parallel or ParallelContext.single(arch)
         self.layout: RankLayout = self.parallel.layout
-        self.model = LlamaModel(arch, attn_backend_cls, self.parallel)
+        self.model = LlamaModel(arch, attn_backend_cls, self.parallel,
+                                lambda i: self._make_layer(i, attn_backend_cls))
         # Tied: the LM head reads embed_tokens.weight directly, so no tie can break on device moves;
         # a last pipeline stage without the embedding holds its own copy, loaded from it.
         layout = self.layout
@@ -183,6 +187,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = VocabParallelEmbedding(layout.vocab_per_rank, arch.hidden_size, self.parallel) \
             if own_head else None
         self._lm_head = ParallelLMHead(self.parallel)
+
+    def _make_layer(self, index: int, attn_backend_cls: type[AttentionBackend]) -> nn.Module:
+        """Decoder layer `index` (families over this module override it)."""
+        return LlamaDecoderLayer(self.dims, attn_backend_cls, self.parallel)
+
+    def _loaded_elsewhere(self, name: str) -> bool:
+        """A parameter a family's own loader fills (never in the generic pending set)."""
+        return False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, intermediate: IntermediateTensors | None = None
@@ -249,6 +261,8 @@ class LlamaForCausalLM(nn.Module):
         # Every (parameter, shard) that must be filled; unfused parameters have shard None.
         pending: set[tuple[str, int | None]] = set()
         for name in params:
+            if self._loaded_elsewhere(name):
+                continue
             fused = next((f for f in ("qkv_proj", "gate_up_proj") if f"{f}." in name), None)
             if fused is None:
                 pending.add((name, None))

@@ -7,12 +7,20 @@ from types import MappingProxyType
 from torch import nn
 
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.mixtral import MixtralForCausalLM
+from tokenmill.model.olmoe import OlmoeForCausalLM
+from tokenmill.model.qwen_moe import QwenMoeForCausalLM
 
 MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # mixture-of-experts (tokenmill/layers/moe)
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
+    "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
 })
 
 
