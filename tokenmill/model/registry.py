@@ -6,6 +6,7 @@ from types import MappingProxyType
 
 from torch import nn
 
+from tokenmill.model.deepseek import DeepseekForCausalLM
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
 from tokenmill.model.olmoe import OlmoeForCausalLM
@@ -21,6 +22,9 @@ MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    # multi-head latent attention + MoE
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 })
 
 
