@@ -1,0 +1,127 @@
+"""Mixture-of-experts and MLA families against HF transformers, through the whole engine (float32,
+CPU): greedy tokens equal and prompt logprobs within 1e-4, with chunked prefill, preemption (a
+tiny KV pool) and prefix-cache hits (the same prompts again). One token routed to a wrong expert
+once makes the check fail; the MLA cache holds (kv_lora_rank + qk_rope_head_dim) per token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.engine.conftest import assert_engine_idle
+from tests.helpers.tiny_moe_models import MLA_ARCHS, MOE_ARCHS, make_tiny_moe_model_dir
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.moe import layer as moe_layer
+
+NEW_TOKENS = 8
+TOL = 1e-4
+PROMPT_LENS = (1, 9, 33, 70)
+# Chunks of 16 tokens; with PREEMPT, 9 blocks of 16 tokens for 4 prompts of up to 78 tokens.
+ENGINE = dict(dtype="float32", single_process=True, max_num_batched_tokens=16, kv_cache_memory_gb=0.01,
+              max_model_len=128, async_scheduling=False)
+PREEMPT = dict(ENGINE, num_gpu_blocks_override=9)
+
+
+def _prompts(arch: str) -> list[list[int]]:
+    rng = random.Random(arch)
+    return [[rng.randrange(3, 259) for _ in range(n)] for n in PROMPT_LENS]
+
+
+@torch.inference_mode()
+def _hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
+    return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
+
+
+def check_against_hf(hf, prompts, outs, label: str) -> None:
+    """Each output's greedy tokens are HF's argmax over the same sequence (teacher-forced: one HF
+    pass per prompt), and every sampled and prompt logprob within TOL of HF's."""
+    for prompt, out in zip(prompts, outs):
+        tokens = out.outputs[0].token_ids
+        ref = _hf_logprobs(hf, prompt + tokens)
+        assert tokens == ref[len(prompt) - 1:-1].argmax(-1).tolist(), f"{label}: greedy tokens differ from HF's"
+        for j, (token, row) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+            got = row[token].logprob
+            assert abs(got - float(ref[len(prompt) - 1 + j, token])) < TOL, f"{label}: logprob {j} off: {got}"
+        if out.prompt_logprobs is None:
+            continue
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for i in range(1, len(prompt)):
+            got = out.prompt_logprobs[i][prompt[i]].logprob
+            assert abs(got - float(ref[i - 1, prompt[i]])) < TOL, f"{label}: prompt logprob {i} off: {got}"
+
+
+def _generate(llm: LLM, prompts, prompt_logprobs: int | None = 0):
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0,
+                            prompt_logprobs=prompt_logprobs)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: make_tiny_moe_model_dir(arch, root) for arch in MOE_ARCHS + MLA_ARCHS}
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS + MLA_ARCHS)
+def test_matches_hf_chunked_preempted_and_prefix_hits(arch, model_dirs):
+    hf = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
+    prompts = _prompts(arch)
+    with LLM(model_dirs[arch], **ENGINE) as llm:
+        check_against_hf(hf, prompts, _generate(llm, prompts), f"{arch} chunked")
+        hits = llm.engine.scheduler.kv.stats.hits
+        # Requests asking for prompt logprobs skip the prefix cache: these do not.
+        check_against_hf(hf, prompts[2:], _generate(llm, prompts[2:], None), f"{arch} again (prefix hits)")
+        assert llm.engine.scheduler.kv.stats.hits > hits
+        assert_engine_idle(llm)
+    # Preempted: greedy tokens only (prompt logprobs of a preempted request come back twice on
+    # main today, for every family: a known engine bug, not this layer's).
+    with LLM(model_dirs[arch], **PREEMPT) as llm:
+        check_against_hf(hf, prompts, _generate(llm, prompts, None), f"{arch} preempted")
+        assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool never preempted"
+        assert_engine_idle(llm)
+
+
+def test_one_token_to_a_wrong_expert_fails_the_check(model_dirs, monkeypatch):
+    """Route the last prompt token of one request to an expert it did not choose, once (one layer):
+    the HF comparison must fail."""
+    arch = "qwen3_moe"
+    hf = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
+    prompts = _prompts(arch)[2:3]
+    select = moe_layer.routing.select_experts
+    fired = []
+
+    def wrong_once(logits, moe, bias=None):
+        weights, ids = select(logits, moe, bias)
+        if not fired and ids.shape[0] > 1:
+            row = ids.shape[0] - 1
+            unused = next(e for e in range(moe.num_experts) if e not in ids[row].tolist())
+            ids = ids.clone()
+            ids[row, 0] = unused
+            fired.append(row)
+        return weights, ids
+
+    monkeypatch.setattr(moe_layer.routing, "select_experts", wrong_once)
+    with LLM(model_dirs[arch], **dict(ENGINE, max_num_batched_tokens=64)) as llm:
+        outs = _generate(llm, prompts)
+    assert fired, "no token was rerouted"
+    with pytest.raises(AssertionError, match="differ|off"):
+        check_against_hf(hf, prompts, outs, "one token to a wrong expert")
+
+
+@pytest.mark.parametrize("arch", MLA_ARCHS)
+def test_mla_cache_holds_the_latent_only(arch, model_dirs):
+    """Bytes per token per layer the engine reports = (kv_lora_rank + qk_rope_head_dim) x 4 (float32)."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(model_dirs[arch])
+    with LLM(model_dirs[arch], dtype="float32", single_process=True, kv_cache_memory_gb=0.01, block_size=16) as llm:
+        stats = llm.kv_cache_stats()
+        cache = llm.engine.executor.worker.runner.kv_caches[0]
+    per_token_layer = stats["block_bytes"] / (16 * config.num_hidden_layers)
+    assert per_token_layer == (config.kv_lora_rank + config.qk_rope_head_dim) * 4
+    assert cache.shape[2:] == (16, 1, config.kv_lora_rank + config.qk_rope_head_dim)
+    plain = 2 * config.num_key_value_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim) * 4
+    assert stats["num_blocks"] == (0.01 * 2**30) // (16 * config.num_hidden_layers * per_token_layer)
+    assert per_token_layer < plain / 4
