@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine.conftest import assert_engine_idle
+from tests.helpers.engine import pin_spec_cost
 from tests.helpers.tiny_moe_models import MLA_ARCHS, MOE_ARCHS, make_tiny_moe_model_dir
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers.moe import layer as moe_layer
@@ -42,7 +43,7 @@ def check_against_hf(hf, prompts, outs, label: str) -> None:
         tokens = out.outputs[0].token_ids
         ref = _hf_logprobs(hf, prompt + tokens)
         assert tokens == ref[len(prompt) - 1:-1].argmax(-1).tolist(), f"{label}: greedy tokens differ from HF's"
-        for j, (token, row) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+        for j, (token, row) in enumerate(zip(tokens, out.outputs[0].logprobs or [])):
             got = row[token].logprob
             assert abs(got - float(ref[len(prompt) - 1 + j, token])) < TOL, f"{label}: logprob {j} off: {got}"
         if out.prompt_logprobs is None:
@@ -53,8 +54,9 @@ def check_against_hf(hf, prompts, outs, label: str) -> None:
             assert abs(got - float(ref[i - 1, prompt[i]])) < TOL, f"{label}: prompt logprob {i} off: {got}"
 
 
-def _generate(llm: LLM, prompts, prompt_logprobs: int | None = 0):
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0,
+def _generate(llm: LLM, prompts, prompt_logprobs: int | None = 0, max_tokens: int = NEW_TOKENS,
+              logprobs: int | None = 0):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs,
                             prompt_logprobs=prompt_logprobs)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
@@ -125,3 +127,18 @@ def test_mla_cache_holds_the_latent_only(arch, model_dirs):
     plain = 2 * config.num_key_value_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim) * 4
     assert stats["num_blocks"] == (0.01 * 2**30) // (16 * config.num_hidden_layers * per_token_layer)
     assert per_token_layer < plain / 4
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "deepseek_v2"])
+def test_ngram_speculation_and_async_scheduling_match_hf(arch, model_dirs):
+    """n-gram drafts verified by a MoE / MLA target (chunks of 1 + k tokens after cached context),
+    async scheduling on: still HF's greedy tokens."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
+    base = _prompts(arch)
+    prompts = [base[1] * 4, base[2] + base[2][:12]]  # repeats: the n-gram proposer finds drafts
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "max_step_tokens": 0}
+    with LLM(model_dirs[arch], **dict(ENGINE, async_scheduling=True, max_num_batched_tokens=64),
+             speculative_config=spec) as llm:
+        pin_spec_cost(llm)
+        check_against_hf(hf, prompts, _generate(llm, prompts, None, 24, None), f"{arch} n-gram")
+        assert llm.scheduler_stats()["spec_num_draft_tokens"] > 0, "nothing was drafted"
