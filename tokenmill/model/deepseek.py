@@ -31,7 +31,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel_linear import RowParallelLinear
 from tokenmill.layers.rotary import RotaryStep
-from tokenmill.model.moe_decoder import MoECausalLM, MoEDecoderLayer, make_mlp
+from tokenmill.model.moe_decoder import MoECausalLM, MoEDecoderLayer, MoEModel
 from tokenmill.model.weight_source import LazyTensor
 
 
@@ -83,10 +83,16 @@ def _deinterleave(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows[0::2], rows[1::2]], dim=0)
 
 
+class DeepseekDecoderLayer(MoEDecoderLayer):
+    attention_cls = MLAttention
+
+
+class DeepseekModel(MoEModel):
+    layer_cls = DeepseekDecoderLayer
+
+
 class DeepseekForCausalLM(MoECausalLM):
-    def _make_layer(self, index: int, attn_backend_cls: type) -> nn.Module:
-        return MoEDecoderLayer(self.dims, MLAttention(self.dims, attn_backend_cls, self.parallel),
-                               make_mlp(self.dims, self.parallel, index))
+    model_cls = DeepseekModel
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | LazyTensor]]) -> None:
         super().load_weights(weights)

@@ -12,7 +12,7 @@ slice of each checkpoint tensor. A stage that is not the last returns `Intermedi
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -93,7 +93,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext,
+                 layer: int = 0) -> None:
+        """`layer`: this layer's index (families whose layers differ read it)."""
         super().__init__()
         self.self_attn = LlamaAttention(dims, attn_backend_cls, parallel)
         self.mlp = LlamaMLP(dims, parallel)
@@ -122,20 +124,20 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """This stage's decoder layers (the others are empty placeholders, so names keep their HF
-    layer index), with the embedding on the first stage and the final norm on the last."""
+    layer index), with the embedding on the first stage and the final norm on the last.
+    Families with other layers set `layer_cls` (e.g. `model/moe_decoder.py`)."""
 
-    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext,
-                 make_layer: Callable[[int], nn.Module] | None = None) -> None:
-        """`make_layer(index)`: decoder layer `index` (default: a Llama layer; MoE families pass theirs)."""
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
         super().__init__()
         layout = parallel.layout
         self.layout = layout
-        make_layer = make_layer or (lambda i: LlamaDecoderLayer(dims, attn_backend_cls, parallel))
         self.embed_tokens = (VocabParallelEmbedding(layout.vocab_per_rank, dims.hidden_size, parallel)
                              if layout.is_first_stage else None)
         self.rotary_emb = RotaryEmbedding(dims.head_dim, dims.max_position, dims.rope)
         self.layers = nn.ModuleList(
-            make_layer(i) if layout.has_layer(i) else nn.Identity()
+            self.layer_cls(dims, attn_backend_cls, parallel, i) if layout.has_layer(i) else nn.Identity()
             for i in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps) if layout.is_last_stage else None
 
@@ -172,14 +174,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[LlamaModel] = LlamaModel
+
     def __init__(self, arch: ModelArch, attn_backend_cls: type[AttentionBackend],
                  parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.dims = arch
         self.parallel = parallel or ParallelContext.single(arch)
         self.layout: RankLayout = self.parallel.layout
-        self.model = LlamaModel(arch, attn_backend_cls, self.parallel,
-                                lambda i: self._make_layer(i, attn_backend_cls))
+        self.model = self.model_cls(arch, attn_backend_cls, self.parallel)
         # Tied: the LM head reads embed_tokens.weight directly, so no tie can break on device moves;
         # a last pipeline stage without the embedding holds its own copy, loaded from it.
         layout = self.layout
@@ -187,10 +190,6 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = VocabParallelEmbedding(layout.vocab_per_rank, arch.hidden_size, self.parallel) \
             if own_head else None
         self._lm_head = ParallelLMHead(self.parallel)
-
-    def _make_layer(self, index: int, attn_backend_cls: type[AttentionBackend]) -> nn.Module:
-        """Decoder layer `index` (families over this module override it)."""
-        return LlamaDecoderLayer(self.dims, attn_backend_cls, self.parallel)
 
     def _loaded_elsewhere(self, name: str) -> bool:
         """A parameter a family's own loader fills (never in the generic pending set)."""

@@ -3,16 +3,8 @@ renormalized). Checkpoints name the MLP `block_sparse_moe` and the experts' proj
 
 from __future__ import annotations
 
-from torch import nn
-
-from tokenmill.layers.attention.backend import AttentionBackend
-from tokenmill.model.llama import LlamaAttention
-from tokenmill.model.moe_decoder import MoECausalLM, MoEDecoderLayer, make_mlp
+from tokenmill.model.moe_decoder import MoECausalLM
 
 
 class MixtralForCausalLM(MoECausalLM):
     renames = ((".block_sparse_moe.", ".mlp."),)
-
-    def _make_layer(self, index: int, attn_backend_cls: type[AttentionBackend]) -> nn.Module:
-        return MoEDecoderLayer(self.dims, LlamaAttention(self.dims, attn_backend_cls, self.parallel),
-                               make_mlp(self.dims, self.parallel, index))

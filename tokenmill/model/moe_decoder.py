@@ -20,7 +20,8 @@ from torch import nn
 from tokenmill.config import ModelArch
 from tokenmill.layers.moe.layer import SparseMoE
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from tokenmill.distributed.parallel_state import ParallelContext
+from tokenmill.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from tokenmill.model.weight_source import LazyTensor, read_slice, tensor_shape
 
 _PER_EXPERT = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.(?P<expert>\d+)\."
@@ -32,13 +33,15 @@ _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
-    """A Llama decoder layer (same forward: norms, residual handling) over the given attention
-    and MLP modules."""
+    """A Llama decoder layer (same forward: norms, residual handling) with the family's attention
+    (`attention_cls`) and layer `layer`'s MLP (`make_mlp`)."""
 
-    def __init__(self, dims: ModelArch, self_attn: nn.Module, mlp: nn.Module) -> None:
+    attention_cls: type[nn.Module] = LlamaAttention
+
+    def __init__(self, dims: ModelArch, attn_backend_cls: type, parallel: ParallelContext, layer: int = 0) -> None:
         nn.Module.__init__(self)
-        self.self_attn = self_attn
-        self.mlp = mlp
+        self.self_attn = self.attention_cls(dims, attn_backend_cls, parallel)
+        self.mlp = make_mlp(dims, parallel, layer)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
 
@@ -51,8 +54,15 @@ def make_mlp(dims: ModelArch, parallel, index: int) -> nn.Module:
     return SparseMoE(dims.hidden_size, dims.moe, parallel)
 
 
+class MoEModel(LlamaModel):
+    layer_cls = MoEDecoderLayer
+
+
 class MoECausalLM(LlamaForCausalLM):
-    """LlamaForCausalLM whose layers' MLPs are `make_mlp`'s, with the expert loader."""
+    """LlamaForCausalLM over MoE decoder layers (Llama attention unless a family's `model_cls`
+    says otherwise), with the expert loader."""
+
+    model_cls = MoEModel
 
     # HF module-name prefixes renamed before loading (Mixtral's block_sparse_moe -> mlp).
     renames: tuple[tuple[str, str], ...] = ()

@@ -15,7 +15,7 @@ from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.rotary import RotaryStep
 from tokenmill.model.llama import LlamaAttention
-from tokenmill.model.moe_decoder import MoECausalLM, MoEDecoderLayer, make_mlp
+from tokenmill.model.moe_decoder import MoECausalLM, MoEDecoderLayer, MoEModel
 
 
 class ShardedRMSNorm(nn.Module):
@@ -56,10 +56,16 @@ class OlmoeAttention(LlamaAttention):
         return self.o_proj(out) if residual is None else self.o_proj.forward_add(out, residual)
 
 
+class OlmoeDecoderLayer(MoEDecoderLayer):
+    attention_cls = OlmoeAttention
+
+
+class OlmoeModel(MoEModel):
+    layer_cls = OlmoeDecoderLayer
+
+
 class OlmoeForCausalLM(MoECausalLM):
-    def _make_layer(self, index: int, attn_backend_cls: type[AttentionBackend]) -> nn.Module:
-        return MoEDecoderLayer(self.dims, OlmoeAttention(self.dims, attn_backend_cls, self.parallel),
-                               make_mlp(self.dims, self.parallel, index))
+    model_cls = OlmoeModel
 
     def _source_slice(self, name: str, shard: int | None) -> tuple[int, int, int] | None:
         """The q/k norm weights are split like the heads they scale."""

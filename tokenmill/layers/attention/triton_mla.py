@@ -101,7 +101,7 @@ def _mla_attention_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, out_ptr, qsl_ptr, seq_
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(cache_dtype), c, acc, input_precision=DOT_PRECISION)
         m_i = m_new
-    acc = acc / l_i[:, None]
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a graph's padding sequence (no keys): zeros
     tl.store(out_rows, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 

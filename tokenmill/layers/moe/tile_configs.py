@@ -1,8 +1,8 @@
 """Tile sizes of the fused MoE kernels, per (experts, hidden, intermediate, dtype, batch bucket).
 
-Tuned tables live next to this module as JSON (configs/E=64,H=2048,I=1024,bfloat16.json, written
-by scripts/tune_moe.py on an H100/H200): {"<batch bucket>": {"block_m": .., ...}, ...}. A batch of
-T tokens uses the smallest bucket >= T (the largest past the end). Shapes without a table get
+Tables live next to this module as JSON (configs/E64_H2048_I1024_bfloat16.json, tuned by
+`scripts/gpu_moe.py --parts tune` on an H100/H200): {"<batch bucket>": {"block_m": .., ...}}.
+A batch of T tokens uses the smallest bucket >= T (the largest past the end). Shapes without a table get
 `default_config`: small row blocks for decode-sized batches (little padding per expert), larger
 ones for prefill.
 """
@@ -32,7 +32,7 @@ class TileConfig:
 
 
 def config_file_name(num_experts: int, hidden: int, inter: int, dtype: str) -> str:
-    return f"E={num_experts},H={hidden},I={inter},{dtype}.json"
+    return f"E{num_experts}_H{hidden}_I{inter}_{dtype}.json"
 
 
 def default_config(num_pairs: int, num_experts: int) -> TileConfig:
