@@ -182,17 +182,17 @@ def part_tune(results: dict, smoke: bool, device: str, dtype) -> None:
 def part_parity(results: dict, smoke: bool, device: str) -> None:
     from transformers import AutoModelForCausalLM
     from tests.helpers.tiny_moe_models import MLA_ARCHS, MOE_ARCHS, make_tiny_moe_model_dir
-    from tests.model.test_moe_vs_hf import _generate, _prompts, check_against_hf
+    from tests.helpers.moe_reference import check_against_hf, generate, prompts_for
     from tokenmill import LLM
     root = tempfile.mkdtemp(prefix="moe-parity-")
     for arch in (MOE_ARCHS[:1] + MLA_ARCHS[:1]) if smoke else MOE_ARCHS + MLA_ARCHS:
         path = make_tiny_moe_model_dir(arch, root)
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        prompts = _prompts(arch)
+        prompts = prompts_for(arch)
         try:
             with LLM(path, dtype="float32", device=device, max_model_len=128, gpu_memory_utilization=0.3,
                      kv_cache_memory_gb=0.01, max_num_batched_tokens=32, max_num_seqs=4) as llm:
-                outs = _generate(llm, prompts, None)
+                outs = generate(llm, prompts, None)
             check_against_hf(hf, prompts, outs, arch)
             check(True, f"{arch}: float32 on {device} = HF (tokens, logprobs within 1e-4)")
             results[f"parity_{arch}"] = "ok"

@@ -5,60 +5,21 @@ once makes the check fail; the MLA cache holds (kv_lora_rank + qk_rope_head_dim)
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from tests.engine.conftest import assert_engine_idle
 from tests.helpers.engine import pin_spec_cost
+from tests.helpers.moe_reference import check_against_hf, generate, prompts_for
 from tests.helpers.tiny_moe_models import MLA_ARCHS, MOE_ARCHS, make_tiny_moe_model_dir
-from tokenmill import LLM, SamplingParams
+from tokenmill import LLM
 from tokenmill.layers.moe import layer as moe_layer
 
-NEW_TOKENS = 8
-TOL = 1e-4
-PROMPT_LENS = (1, 9, 33, 70)
 # Chunks of 16 tokens; with PREEMPT, 9 blocks of 16 tokens for 4 prompts of up to 78 tokens.
 ENGINE = dict(dtype="float32", single_process=True, max_num_batched_tokens=16, kv_cache_memory_gb=0.01,
               max_model_len=128, async_scheduling=False)
 PREEMPT = dict(ENGINE, num_gpu_blocks_override=9)
-
-
-def _prompts(arch: str) -> list[list[int]]:
-    rng = random.Random(arch)
-    return [[rng.randrange(3, 259) for _ in range(n)] for n in PROMPT_LENS]
-
-
-@torch.inference_mode()
-def _hf_logprobs(hf, tokens: list[int]) -> torch.Tensor:
-    return torch.log_softmax(hf(torch.tensor([tokens])).logits[0].float(), dim=-1)
-
-
-def check_against_hf(hf, prompts, outs, label: str) -> None:
-    """Each output's greedy tokens are HF's argmax over the same sequence (teacher-forced: one HF
-    pass per prompt), and every sampled and prompt logprob within TOL of HF's."""
-    for prompt, out in zip(prompts, outs):
-        tokens = out.outputs[0].token_ids
-        ref = _hf_logprobs(hf, prompt + tokens)
-        assert tokens == ref[len(prompt) - 1:-1].argmax(-1).tolist(), f"{label}: greedy tokens differ from HF's"
-        for j, (token, row) in enumerate(zip(tokens, out.outputs[0].logprobs or [])):
-            got = row[token].logprob
-            assert abs(got - float(ref[len(prompt) - 1 + j, token])) < TOL, f"{label}: logprob {j} off: {got}"
-        if out.prompt_logprobs is None:
-            continue
-        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
-        for i in range(1, len(prompt)):
-            got = out.prompt_logprobs[i][prompt[i]].logprob
-            assert abs(got - float(ref[i - 1, prompt[i]])) < TOL, f"{label}: prompt logprob {i} off: {got}"
-
-
-def _generate(llm: LLM, prompts, prompt_logprobs: int | None = 0, max_tokens: int = NEW_TOKENS,
-              logprobs: int | None = 0):
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs,
-                            prompt_logprobs=prompt_logprobs)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
@@ -70,18 +31,18 @@ def model_dirs(tmp_path_factory):
 @pytest.mark.parametrize("arch", MOE_ARCHS + MLA_ARCHS)
 def test_matches_hf_chunked_preempted_and_prefix_hits(arch, model_dirs):
     hf = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
-    prompts = _prompts(arch)
+    prompts = prompts_for(arch)
     with LLM(model_dirs[arch], **ENGINE) as llm:
-        check_against_hf(hf, prompts, _generate(llm, prompts), f"{arch} chunked")
+        check_against_hf(hf, prompts, generate(llm, prompts), f"{arch} chunked")
         hits = llm.engine.scheduler.kv.stats.hits
         # Requests asking for prompt logprobs skip the prefix cache: these do not.
-        check_against_hf(hf, prompts[2:], _generate(llm, prompts[2:], None), f"{arch} again (prefix hits)")
+        check_against_hf(hf, prompts[2:], generate(llm, prompts[2:], None), f"{arch} again (prefix hits)")
         assert llm.engine.scheduler.kv.stats.hits > hits
         assert_engine_idle(llm)
     # Preempted: greedy tokens only (prompt logprobs of a preempted request come back twice on
     # main today, for every family: a known engine bug, not this layer's).
     with LLM(model_dirs[arch], **PREEMPT) as llm:
-        check_against_hf(hf, prompts, _generate(llm, prompts, None), f"{arch} preempted")
+        check_against_hf(hf, prompts, generate(llm, prompts, None), f"{arch} preempted")
         assert llm.engine.scheduler.num_preemptions > 0, "the tiny pool never preempted"
         assert_engine_idle(llm)
 
@@ -91,7 +52,7 @@ def test_one_token_to_a_wrong_expert_fails_the_check(model_dirs, monkeypatch):
     the HF comparison must fail."""
     arch = "qwen3_moe"
     hf = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
-    prompts = _prompts(arch)[2:3]
+    prompts = prompts_for(arch)[2:3]
     select = moe_layer.routing.select_experts
     fired = []
 
@@ -107,7 +68,7 @@ def test_one_token_to_a_wrong_expert_fails_the_check(model_dirs, monkeypatch):
 
     monkeypatch.setattr(moe_layer.routing, "select_experts", wrong_once)
     with LLM(model_dirs[arch], **dict(ENGINE, max_num_batched_tokens=64)) as llm:
-        outs = _generate(llm, prompts)
+        outs = generate(llm, prompts)
     assert fired, "no token was rerouted"
     with pytest.raises(AssertionError, match="differ|off"):
         check_against_hf(hf, prompts, outs, "one token to a wrong expert")
@@ -134,11 +95,11 @@ def test_ngram_speculation_and_async_scheduling_match_hf(arch, model_dirs):
     """n-gram drafts verified by a MoE / MLA target (chunks of 1 + k tokens after cached context),
     async scheduling on: still HF's greedy tokens."""
     hf = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
-    base = _prompts(arch)
+    base = prompts_for(arch)
     prompts = [base[1] * 4, base[2] + base[2][:12]]  # repeats: the n-gram proposer finds drafts
     spec = {"method": "ngram", "num_speculative_tokens": 3, "max_step_tokens": 0}
     with LLM(model_dirs[arch], **dict(ENGINE, async_scheduling=True, max_num_batched_tokens=64),
              speculative_config=spec) as llm:
         pin_spec_cost(llm)
-        check_against_hf(hf, prompts, _generate(llm, prompts, None, 24, None), f"{arch} n-gram")
+        check_against_hf(hf, prompts, generate(llm, prompts, None, 24, None), f"{arch} n-gram")
         assert llm.scheduler_stats()["spec_num_draft_tokens"] > 0, "nothing was drafted"
