@@ -232,8 +232,8 @@ def _step_weight_bytes(arch, batch: int) -> float:
 
 def _engine_run(path: str, device: str, prompts: int, in_len: int, out_len: int, batch1: tuple[int, int] | None = None,
                 **engine) -> dict:
-    """Output tok/s of `prompts` x in_len x out_len (after a warm-up pass) and the decode step time
-    (the run's time less a one-token run's, per decode step); with `batch1` = (in, out), also one
+    """Output tok/s of `prompts` x in_len x out_len (after a warm-up pass; no prefix cache, so every
+    pass prefills) and the decode step time (the run's time less a one-token run's, per step); with `batch1` = (in, out), also one
     request alone: ms per output token."""
     from tokenmill import LLM, SamplingParams
     import random
@@ -241,7 +241,7 @@ def _engine_run(path: str, device: str, prompts: int, in_len: int, out_len: int,
     reqs = [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(in_len)]} for _ in range(prompts)]
     with LLM(path, load_format="dummy", dtype="bfloat16" if device == "cuda" else "float32", device=device,
              max_model_len=in_len + out_len + 16, max_num_seqs=max(prompts, 1) if prompts <= 256 else 256,
-             kv_cache_memory_gb=0.05, **engine) as llm:
+             kv_cache_memory_gb=0.05, enable_prefix_caching=False, **engine) as llm:
         def run(n_out):
             params = SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True)
             start = time.perf_counter()
@@ -337,9 +337,17 @@ def part_mla(results: dict, smoke: bool, device: str) -> None:
     mha_per_token_layer = 2 * arch.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * dsize
     rec["mha_kv_blocks_same_memory"] = int(rec["kv_blocks"] * per_token_layer / mha_per_token_layer)
     rec["more_sequences_factor"] = mha_per_token_layer / per_token_layer
+    seq_blocks = -(-(i + o) // 16)
+    rec["sequences_fit_latent"] = rec["kv_blocks"] // seq_blocks
+    rec["sequences_fit_mha"] = rec["mha_kv_blocks_same_memory"] // seq_blocks
+    kv = min(n, 256) * (i + o / 2) * arch.num_layers * per_token_layer
+    rec["decode_bound_ms"] = 1e3 * (_step_weight_bytes(arch, min(n, 256)) + kv) / _bandwidth(device)
+    rec["fraction_of_bound"] = rec["decode_bound_ms"] / rec["decode_step_ms"]
     results[f"mla_deepseek-v2-lite_{n}x{i}x{o}"] = rec
-    print(f"  DeepSeek-V2-Lite batch {n}: decode step {rec['decode_step_ms']:.2f} ms; KV blocks {rec['kv_blocks']} "
-          f"(a plain MHA cache: {rec['mha_kv_blocks_same_memory']}, {rec['more_sequences_factor']:.1f}x fewer sequences)")
+    print(f"  DeepSeek-V2-Lite batch {n}: decode step {rec['decode_step_ms']:.2f} ms (bound {rec['decode_bound_ms']:.2f} ms); "
+          f"KV blocks {rec['kv_blocks']}: {rec['sequences_fit_latent']} sequences of {i + o} tokens fit; a plain MHA "
+          f"cache in the same memory: {rec['mha_kv_blocks_same_memory']} blocks, {rec['sequences_fit_mha']} sequences "
+          f"({rec['more_sequences_factor']:.1f}x fewer)")
 
 
 def main() -> None:
