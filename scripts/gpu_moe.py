@@ -209,25 +209,10 @@ def _bandwidth(device: str) -> float:
 
 
 def _step_weight_bytes(arch, batch: int) -> float:
-    """Bytes of weights a decode step of `batch` rows reads (bf16): every non-expert weight once, and
-    each MoE layer's experts that the batch activates (uniform routing: E (1 - (1 - k/E)^B))."""
-    h, moe = arch.hidden_size, arch.moe
-    if arch.mla is not None:
-        m = arch.mla
-        attn = h * arch.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) + h * m.latent_dim \
-            + m.kv_lora_rank * arch.num_heads * (m.qk_nope_head_dim + m.v_head_dim) + arch.num_heads * m.v_head_dim * h
-    else:
-        q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-        attn = h * (q + 2 * kv) + q * h
-    total = arch.vocab_size * h  # LM head
-    for layer in range(arch.num_layers):
-        total += attn
-        if layer in moe.dense_layers:
-            total += 3 * h * arch.intermediate_size
-            continue
-        active = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** batch)
-        total += h * moe.num_experts + active * 3 * h * moe.intermediate_size + 3 * h * moe.shared_intermediate_size
-    return 2.0 * total
+    """Weights a decode step of `batch` rows reads (bf16): every non-expert weight once, and each MoE
+    layer's experts that the batch activates (uniform routing; `tokenmill.benchmarks.roofline`)."""
+    from tokenmill.benchmarks.roofline import weight_bytes_read_per_step
+    return weight_bytes_read_per_step(arch, "bfloat16", batch)
 
 
 def _engine_run(path: str, device: str, prompts: int, in_len: int, out_len: int, batch1: tuple[int, int] | None = None,
@@ -271,6 +256,7 @@ def _arch_of(path: str):
 
 
 def part_bench(results: dict, smoke: bool, device: str, big: bool = False) -> None:
+    from tokenmill.benchmarks.roofline import kv_bytes_per_token
     bw = _bandwidth(device)
     results["copy_bandwidth_GBps"] = bw / 1e9
     sizes = [(256, 256, 128)] if not smoke else [(4, 8, 4)]
@@ -285,7 +271,7 @@ def part_bench(results: dict, smoke: bool, device: str, big: bool = False) -> No
             if "batch1_ms_per_token" in rec:
                 _batch1_record(results, arch, rec.pop("batch1_ms_per_token"), bw)
             batch = min(n, 256)
-            kv = batch * (i + o / 2) * 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * 2
+            kv = batch * (i + o / 2) * kv_bytes_per_token(arch, "bfloat16")
             bound_ms = 1e3 * (_step_weight_bytes(arch, batch) + kv) / bw
             rec["decode_bound_ms"] = bound_ms
             rec["fraction_of_bound"] = bound_ms / rec["decode_step_ms"]
