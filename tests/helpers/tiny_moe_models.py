@@ -55,7 +55,7 @@ def make_moe_config(arch: str, **overrides: Any) -> PretrainedConfig:
         kwargs.update(_MLA, num_hidden_layers=3, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3,
                       topk_method="group_limited_greedy", n_group=4, topk_group=2,
                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                       "original_max_position_embeddings": 64, "mscale": 0.707,
+                                       "original_max_position_embeddings": 64, "mscale": 1.0,
                                        "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1})
     elif arch == "deepseek_v3":
         cls = DeepseekV3Config
