@@ -110,6 +110,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int
     eos_token_ids: tuple[int, ...]
     arch: ModelArch
+    tokenizer: str = ""  # resolved tokenizer location (HF directory or .gguf file); "" = `path`
 
     @property
     def vocab_size(self) -> int:
@@ -228,10 +229,17 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     speculative_config: dict | None = None  # vLLM's spelling, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    # Where the model comes from (Hugging Face Hub ids: tokenmill.model.hub).
+    tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    gguf_file: str | None = None
 
 
 _FLAG_HELP = {
-    "model": "Hugging Face directory, .gguf file, or the default model's alias",
+    "model": "Hugging Face directory, .gguf file, Hugging Face Hub id (ORG/NAME, ORG/NAME:QUANT for a GGUF), "
+             "or the default model's alias",
     "dtype": "auto (bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32), float32, bfloat16 or float16",
     "max_model_len": "longest prompt + output, in tokens (default: the model's max_position_embeddings)",
     "load_format": "auto, safetensors, gguf, dummy (random weights, for benchmarks), or null (no model: "
@@ -262,8 +270,13 @@ _FLAG_HELP = {
     "enforce_eager": "CUDA: run every step eagerly, without CUDA graphs",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
-                          '"model": PATH, "num_speculative_tokens": 4}; optional "max_step_tokens" (adaptive '
-                          'speculation: 0 = always speculate) and "min_acceptance"',
+                          '"model": PATH or HUB_ID, "num_speculative_tokens": 4} (optional "revision"); optional '
+                          '"max_step_tokens" (adaptive speculation: 0 = always speculate) and "min_acceptance"',
+    "tokenizer": "the tokenizer's folder, .gguf file or Hub id (default: the model's)",
+    "revision": "the Hub model's branch, tag or commit (default: main)",
+    "tokenizer_revision": "the Hub tokenizer's branch, tag or commit (default: main)",
+    "download_dir": "the Hugging Face cache to download Hub models into (default: HF_HUB_CACHE or HF_HOME's)",
+    "gguf_file": "the .gguf file to use in the model's Hub repo or folder (or name the model ORG/NAME:QUANT)",
 }
 
 
