@@ -24,14 +24,33 @@ class RopeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     partial_rotary_factor: float = 1.0
-    # yarn (DeepSeek): the ramp between interpolated and extrapolated frequencies, and the
-    # attention factor that scales cos/sin (None: derived from factor, mscale, mscale_all_dim)
+    # LongRoPE (rope_type "longrope", HF's "su"): per-frequency divisors for short and long
+    # sequences, and the cos/sin scale (None: HF's default from factor and the original length).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
+    # YaRN (DeepSeek): the ramp between interpolated and extrapolated frequencies, and mscale /
+    # mscale_all_dim, from which an unset attention_factor is derived
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
-    attention_factor: float | None = None
     truncate: bool = True
+
+
+class AttentionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How one decoder layer attends (`ModelArch.layer_specs`), read from the HF config.
+
+    `sliding_window` W: a query at position p sees keys p-W+1..p (W keys, itself included: HF's
+    `kv_idx > q_idx - W`); None: every key up to p. `rope`: the layer's own rotary embedding
+    (e.g. Gemma 3's local base), None: the model's. `logit_softcap` c: scores become
+    c * tanh(scores / c) before the softmax (Gemma 2), None: no capping. New kinds of layer
+    (gpt-oss's sinks, chunked attention) add fields here, defaulting to "absent".
+    """
+
+    sliding_window: int | None = None
+    rope: RopeConfig | None = None
+    logit_softcap: float | None = None
 
 
 class MoEArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -96,9 +115,33 @@ class ModelArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     rope: RopeConfig = RopeConfig()
+    # One spec per decoder layer; () means every layer is plain full attention with `rope`.
+    layer_specs: tuple[AttentionSpec, ...] = ()
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (GeGLU)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (None: head_dim ** -0.5)
+    final_logit_softcap: float | None = None  # logits become c * tanh(logits / c)
     moe: MoEArch | None = None  # mixture-of-experts MLP (tokenmill/layers/moe)
     mla: MLAArch | None = None  # multi-head latent attention (DeepSeek-V2/V3)
     qk_norm_full: bool = False  # OLMoE: q/k RMSNorm over the whole projection, not per head
+
+    def layer_spec(self, layer: int) -> AttentionSpec:
+        return self.layer_specs[layer] if self.layer_specs else _FULL_ATTENTION
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_window(self) -> int | None:
+        """The widest sliding window when every layer slides (KV before it is never read again:
+        the KV manager releases it); None when some layer attends to everything."""
+        windows = [self.layer_spec(i).sliding_window for i in range(self.num_layers)]
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
+
+
+_FULL_ATTENTION = AttentionSpec()
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -190,6 +233,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def max_model_len(self) -> int:
         return self.model.max_model_len
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window past which no layer reads KV (target and draft model alike: they share the
+        block tables), or None when some layer attends to everything."""
+        window = self.model.arch.kv_window
+        draft = self.speculative.draft if self.speculative is not None else None
+        if window is None or draft is None:
+            return window
+        draft_window = draft.arch.kv_window
+        return None if draft_window is None else max(window, draft_window)
 
     @property
     def torch_device(self):

@@ -51,12 +51,48 @@ def _yarn_scale(inv_freq: torch.Tensor, p: RopeConfig, rotary_dim: int) -> torch
     return inv_freq / p.factor * (1 - extrapolation) + inv_freq * extrapolation
 
 
-def attention_factor(p: RopeConfig) -> float:
-    """What cos and sin are multiplied by (YaRN's mscale; 1 for the other rope types)."""
-    if p.rope_type != "yarn":
+def _angles(params: RopeConfig, rotary_dim: int, max_position: int) -> torch.Tensor:
+    """float32 [max_position, rotary_dim]: each position's rotation angles (both halves).
+
+    LongRoPE: HF computes a forward pass's cos/sin with the short factors while its sequence
+    (the highest position + 1) is at most `original_max_position_embeddings`, else the long ones;
+    so a token at position p decoded one at a time gets the long factors iff p >= that length,
+    and this table holds exactly that. (A prompt longer than it is rotated by HF with the long
+    factors from position 0; here its first positions keep the short ones.)"""
+    positions = torch.arange(max_position, dtype=torch.float32)[:, None]
+    if params.rope_type != "longrope":
+        freqs = positions * compute_inv_freq(params, rotary_dim, max_position)[None, :]
+        return torch.cat((freqs, freqs), dim=-1)
+    original = params.original_max_position_embeddings or max_position
+    short = positions * _longrope_inv_freq(params, params.short_factor, rotary_dim)[None, :]
+    long = positions * _longrope_inv_freq(params, params.long_factor, rotary_dim)[None, :]
+    freqs = torch.where(positions >= original, long, short)
+    return torch.cat((freqs, freqs), dim=-1)
+
+
+def _longrope_inv_freq(params: RopeConfig, factors: tuple[float, ...], rotary_dim: int) -> torch.Tensor:
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(f"rope_scaling: longrope factors have {len(factors)} entries, expected {rotary_dim // 2}")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * params.theta ** exponents)
+
+
+def _attention_factor(params: RopeConfig) -> float:
+    """The scale HF applies to cos and sin (LongRoPE's and YaRN's attention factors; 1 elsewhere)."""
+    if params.rope_type not in ("longrope", "yarn"):
         return 1.0
-    if p.attention_factor is not None:
-        return p.attention_factor
+    if params.attention_factor is not None:
+        return params.attention_factor
+    if params.rope_type == "yarn":
+        return _yarn_mscale(params)
+    original = params.original_max_position_embeddings
+    if params.factor <= 1.0 or not original:
+        return 1.0
+    return math.sqrt(1 + math.log(params.factor) / math.log(original))
+
+
+def _yarn_mscale(p: RopeConfig) -> float:
+    """YaRN's default attention factor (DeepSeek: mscale over mscale_all_dim), as HF derives it."""
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -143,10 +179,8 @@ class RotaryEmbedding(nn.Module):
         # _apply below carries their values through to_empty().
         device = torch.get_default_device()
         with torch.device("cpu" if device.type == "meta" else device):
-            inv_freq = compute_inv_freq(params, self.rotary_dim, max_position)
-            freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            scale = attention_factor(params)
+            emb = _angles(params, self.rotary_dim, max_position)
+            scale = _attention_factor(params)
             self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
             self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
 

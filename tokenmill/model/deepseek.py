@@ -36,8 +36,10 @@ from tokenmill.model.weight_source import LazyTensor
 
 
 class MLAttention(nn.Module):
-    def __init__(self, dims: ModelArch, attn_backend_cls: type, parallel: ParallelContext) -> None:
+    def __init__(self, dims: ModelArch, attn_backend_cls: type, parallel: ParallelContext, layer: int = 0) -> None:
         super().__init__()
+        if dims.layer_spec(layer) != type(dims.layer_spec(layer))():
+            raise ValueError(f"layer {layer}: sliding windows / soft-caps are not supported with latent attention")
         mla = dims.mla
         assert mla is not None
         self.mla = mla

@@ -40,7 +40,7 @@ class MoEDecoderLayer(LlamaDecoderLayer):
 
     def __init__(self, dims: ModelArch, attn_backend_cls: type, parallel: ParallelContext, layer: int = 0) -> None:
         nn.Module.__init__(self)
-        self.self_attn = self.attention_cls(dims, attn_backend_cls, parallel)
+        self.self_attn = self.attention_cls(dims, attn_backend_cls, parallel, layer)
         self.mlp = make_mlp(dims, parallel, layer)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)

@@ -34,8 +34,9 @@ class ShardedRMSNorm(nn.Module):
 
 
 class OlmoeAttention(LlamaAttention):
-    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
-        super().__init__(dims, attn_backend_cls, parallel)
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext,
+                 layer: int = 0) -> None:
+        super().__init__(dims, attn_backend_cls, parallel, layer)
         if dims.num_kv_heads < parallel.tp_size:
             raise ValueError(f"OLMoE's k norm spans every KV head: tensor_parallel_size {parallel.tp_size} must "
                              f"be at most num_key_value_heads ({dims.num_kv_heads})")
