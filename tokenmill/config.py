@@ -216,6 +216,15 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     padded_verification: bool = False
 
 
+class LoRAConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Multi-LoRA serving (`enable_lora`): adapters live in `max_loras` device slots (so a step
+    mixes at most that many), with up to `max_cpu_loras` more kept in host memory (LRU)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
@@ -229,6 +238,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attention_backend: str = "torch"  # torch (reference; CPU, tests) | triton (CUDA)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA adapters off (enable_lora=False)
 
     @property
     def max_model_len(self) -> int:
@@ -289,6 +299,10 @@ class EngineArgs:
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     gguf_file: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
 
 _FLAG_HELP = {
@@ -331,6 +345,10 @@ _FLAG_HELP = {
     "tokenizer_revision": "the Hub tokenizer's branch, tag or commit (default: main)",
     "download_dir": "the Hugging Face cache to download Hub models into (default: HF_HUB_CACHE or HF_HOME's)",
     "gguf_file": "the .gguf file to use in the model's Hub repo or folder (or name the model ORG/NAME:QUANT)",
+    "enable_lora": "serve LoRA adapters (PEFT folders) on top of the base model, chosen per request",
+    "max_loras": "LoRA adapters on the device at once: the most distinct adapters in one step",
+    "max_lora_rank": "largest LoRA rank accepted (adapters of lower rank are zero-padded to it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory, least recently used evicted (default: max_loras)",
 }
 
 

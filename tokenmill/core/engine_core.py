@@ -58,7 +58,7 @@ class EngineCore:
         self.block_bytes = self.executor.kv_block_bytes()
         stages = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
-                                   pipeline_stages=stages, kv_window=config.kv_window)
+                                   pipeline_stages=stages, kv_window=config.kv_window, lora=config.lora)
         self.max_in_flight = stages + (1 if config.scheduler.async_scheduling else 0)
         self.stats_logger = StatsLogger(enabled=config.log_stats)
         # (step, its result, when it was scheduled)
@@ -72,7 +72,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.handle, np.frombuffer(request.prompt_token_ids, "<i4"), request.sampling_params,
             self.config.model.eos_token_ids, self.config.model.max_model_len,
-            request.arrival_time or time.time()))
+            request.arrival_time or time.time(), request.lora))
 
     def abort_requests(self, handles: list[int]) -> None:
         self.scheduler.abort(handles)

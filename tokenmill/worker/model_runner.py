@@ -119,6 +119,7 @@ class ModelRunner:
         self._slots = np.zeros(0, dtype=np.int64)  # the last step's rows, as slots
         self._step_threads: StepThreads | None = None
         self.faults: FaultInjector | None = None  # tests only (worker/fault_injection.py)
+        self.lora = None  # LoRAManager, with enable_lora (worker/lora_manager.py)
 
     @property
     def states(self) -> dict[int, int]:
@@ -140,8 +141,15 @@ class ModelRunner:
         self.model = load_model(m.path, m.arch, m.load_format, self.dtype, self.device,
                                 attention_backend_class(self.config.attention_backend), seed=m.seed,
                                 parallel=self.stage.parallel)
-        logger.info("loaded %s in %.1f s (%s attention)", m.path, time.perf_counter() - start,
-                    self.config.attention_backend)
+        logger.info("loaded %s in %.1f s (%s attention, %s)", m.path, time.perf_counter() - start,
+                    self.config.attention_backend, m.dtype)
+        if self.device.type == "cpu":
+            from tokenmill.layers import cpu_isa
+            logger.info(cpu_isa.describe())
+        if self.config.lora is not None:
+            from tokenmill.worker.lora_manager import LoRAManager
+            self.lora = LoRAManager(self.model, self.config.lora, m.arch, self.config.scheduler.max_num_seqs,
+                                    self.device, self.dtype)
         spec = self.config.speculative
         if spec is not None and spec.draft is not None:
             from tokenmill.worker.draft_proposer import DraftProposer
@@ -178,6 +186,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         warm_up_kernels(self)
+        if self.lora is not None:
+            self.lora.warm_up()
         if not self.config.enforce_eager and self.config.attention_backend == "triton":
             self.capture_graphs()
 
@@ -187,7 +197,7 @@ class ModelRunner:
         max_seqs, max_len = self.config.scheduler.max_num_seqs, self.config.model.max_model_len
         mirror = None if self.draft is None else self.draft.mirror
         self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, max_seqs, max_len, self.block_size,
-                                   self.stage.layout)
+                                   self.stage.layout, lora=self.lora)
         self.graphs.capture()
         if self.draft is not None:  # replayed before the target's while the draft's KV is held
             self.draft_graphs = DecodeGraphs(self.draft.model, self.batch, self.draft.kv_caches, max_seqs, max_len,
@@ -203,14 +213,15 @@ class ModelRunner:
         if self.stage.num_stages > 1:
             return
         self.prompt_graphs = PromptGraphs(self.model, self.batch, self.kv_caches, max_len, self.block_size,
-                                          self.config.scheduler.max_num_batched_tokens, mirror=mirror)
+                                          self.config.scheduler.max_num_batched_tokens, mirror=mirror,
+                                          lora=self.lora)
         self.prompt_graphs.capture()
         if self.speculator is None:
             return
         k = self.speculator.k
         self.verify_graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, min(max_seqs, VERIFY_GRAPH_ROWS),
                                           max_len, self.block_size, self.stage.layout, query_len=k + 1,
-                                          drafts=self.speculator.drafts, mirror=mirror)
+                                          drafts=self.speculator.drafts, mirror=mirror, lora=self.lora)
         self.verify_graphs.capture()
         self.verify_tail = GreedyTail(self.verify_graphs, self.batch, histories)
         self.verify_tail.capture()
@@ -233,6 +244,8 @@ class ModelRunner:
 
     def add(self, data: NewRequestData) -> None:
         slot = self.batch.add(data)
+        if self.lora is not None:
+            self.lora.set_row(slot, data.lora_slot)
         tokens = self.batch.tokens[slot]
         self.sampling.add(slot, data.sampling_params, tokens[:data.num_prompt_tokens],
                           tokens[data.num_prompt_tokens:])
@@ -262,6 +275,10 @@ class ModelRunner:
         start = time.perf_counter()
         changed = so.batch is not None or so.new_requests or so.finished_handles or so.preempted_handles
         apply_step_diffs(so, self.batch_order, self)
+        if so.lora_prefetch:
+            self.lora.read_ahead(so.lora_prefetch)
+        if so.lora_loads:  # after every earlier step, before this one (stream order)
+            self.lora.load(so.lora_loads)
         apply_input_tokens(so, self.batch)
         self.batch.flush()
         self.sampling.flush()
@@ -385,6 +402,8 @@ class ModelRunner:
         spec = self.speculator
         inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
                                    spec.drafts if spec is not None and spec.live else None)
+        if self.lora is not None:
+            self.lora.prepare_eager(np.repeat(slots, counts))
         hidden = self.stage.run(self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, step_id)
         if hidden is None:
             return None
