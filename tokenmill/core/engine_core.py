@@ -55,6 +55,7 @@ class EngineCore:
                     num_blocks * self.executor.kv_block_bytes() / 2**30, max_len,
                     num_blocks * block_size / max_len)
         self.num_blocks = num_blocks
+        self.block_bytes = self.executor.kv_block_bytes()
         stages = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
                                    pipeline_stages=stages, kv_window=config.kv_window, lora=config.lora)
@@ -128,7 +129,7 @@ class EngineCore:
     def kv_cache_stats(self) -> KVCacheStats:
         pool = self.scheduler.kv.pool
         return KVCacheStats(num_free_blocks=pool.num_free, num_blocks=pool.num_blocks,
-                            num_requests=len(self.scheduler.requests))
+                            num_requests=len(self.scheduler.requests), block_bytes=self.block_bytes)
 
     def scheduler_stats(self) -> SchedulerStats:
         return self.scheduler.stats()

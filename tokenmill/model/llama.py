@@ -136,7 +136,8 @@ class LlamaModel(nn.Module):
     """This stage's decoder layers (the others are empty placeholders, so names keep their HF
     layer index), with the embedding on the first stage and the final norm on the last.
 
-    Families with other layers or norms set `layer_cls` / `norm_cls` (e.g. `model/gemma2.py`).
+    Families with other layers or norms set `layer_cls` / `norm_cls` (e.g. `model/gemma2.py`,
+    `model/moe_decoder.py`).
     Layers whose `AttentionSpec` has its own rope get their own rotary tables (one per distinct
     setting, prepared once per step)."""
 
@@ -219,6 +220,10 @@ class LlamaForCausalLM(nn.Module):
             if own_head else None
         self._lm_head = ParallelLMHead(self.parallel)
 
+    def _loaded_elsewhere(self, name: str) -> bool:
+        """A parameter a family's own loader fills (never in the generic pending set)."""
+        return False
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, intermediate: IntermediateTensors | None = None
                 ) -> torch.Tensor | IntermediateTensors:
@@ -288,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
         # Every (parameter, shard) that must be filled; unfused parameters have shard None.
         pending: set[tuple[str, int | None]] = set()
         for name in params:
+            if self._loaded_elsewhere(name):
+                continue
             fused = next((f for f in ("qkv_proj", "gate_up_proj") if f"{f}." in name), None)
             if fused is None:
                 pending.add((name, None))

@@ -355,6 +355,7 @@ class KVCacheStats(msgspec.Struct, array_like=True, tag="kv"):
     num_free_blocks: int
     num_blocks: int
     num_requests: int  # requests still in the engine core (for leak checks)
+    block_bytes: int = 0  # one KV block over the driver rank's layers (MLA: latent + rope key per token)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, tag="sched"):

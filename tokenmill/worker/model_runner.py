@@ -25,6 +25,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
 from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
+from tokenmill.layers.attention.mla import mla_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
 from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
 from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
@@ -156,9 +157,16 @@ class ModelRunner:
                                        attention_backend_class(self.config.attention_backend),
                                        self.config.scheduler.max_num_seqs + 1, spec.num_speculative_tokens)
 
-    def kv_block_bytes(self) -> int:
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """K and V of this rank's heads; MLA: the latent and the rope key (one 'head')."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        target = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        mla = self.config.model.arch.mla
+        if mla is not None:
+            return mla.latent_dim * element
+        return 2 * self.num_kv_heads * self.head_dim * element
+
+    def kv_block_bytes(self) -> int:
+        target = self.num_layers * self.block_size * self.kv_bytes_per_token_per_layer()
         return target + (self.draft.kv_block_bytes(self.block_size) if self.draft is not None else 0)
 
     def available_kv_blocks(self) -> int:
@@ -223,7 +231,9 @@ class ModelRunner:
             self.draft.capture_greedy(self.verify_graphs.sizes, self.verify_graphs.slots, *self._draft_inputs())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        mla = self.config.model.arch.mla
+        shape = (mla_cache_shape(num_blocks, self.block_size, mla.latent_dim) if mla is not None
+                 else kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim))
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
         if self.draft is not None:
