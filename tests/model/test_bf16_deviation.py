@@ -11,8 +11,9 @@ qwen2), while p99 and max of ~80 tokens, single order statistics, reach 1.11 (qw
 its max 1.00). So the tiny configs get 10% on the mean and 25% on p99/max. On the real SmolLM2,
 where the float32 residual stream and logits matter (massive first-token activations, logits of
 20-30), the mean gets 10% (its p99 / max are reported: one token still deviates more than HF's
-worst, an open item in docs/bf16-numerics.md); a bf16-computed norm breaks that
-(`test_planted_bf16_norm_fails_the_check`).
+worst, an open item in docs/bf16-numerics.md). A planted bf16-computed norm (measured: mean 0.0269,
+p99 0.144, max 0.265 against HF's 0.0299 / 0.106 / 0.125) fails the p99 / max bounds but not the
+mean one, so this test alone does not catch it; see docs/bf16-numerics.md.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from tests.helpers.requirements import require_smollm2
 from tests.helpers.tiny_models import make_tiny_model_dir
 from tokenmill.benchmarks import bf16_deviation as bd
-from tokenmill.layers import norm as norm_layer
 
 TOLERANCE = 0.10
 SMOLLM2_TAIL_UNCHECKED = float("inf")
@@ -50,12 +50,6 @@ def test_tiny_family_not_worse_than_hf(tiny_dirs: dict[str, str], arch: str) -> 
     print("\n" + bd.format_table([report]))
     assert report.float32_gap < 1e-4  # the float32 references agree
     bd.check_not_worse(report, TOLERANCE, TINY_TAIL_TOLERANCE)
-
-
-def _bf16_norm(self: norm_layer.RMSNorm, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The planted defect: the whole norm computed in the activation dtype (statistics included)."""
-    h = x.to(out_dtype or x.dtype)
-    return self.weight.to(h.dtype) * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +85,3 @@ def test_smollm2_readme_demo_answers_paris(smollm2_models, dtype: torch.dtype) -
     prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
     answer = tokenizer.decode(bd.greedy(tm[dtype], prompt, 10))
     assert "Paris" in answer, answer
-
-
-@pytest.mark.slow
-def test_planted_bf16_norm_fails_the_check(smollm2_models, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check can fail: with every RMSNorm computed in bf16 it does, on the real model."""
-    path, tm, hf = smollm2_models
-    sequences = bd.text_sequences(path, bd.SAMPLE_TEXT, 80)
-    monkeypatch.setattr(norm_layer.RMSNorm, "forward", _bf16_norm)
-    report = bd.measure("SmolLM2 with a bf16 norm", sequences, tm, hf, modes=("prefill",))
-    print("\n" + bd.format_table([report]))
-    with pytest.raises(AssertionError, match="exceeds HF bf16"):
-        bd.check_not_worse(report, TOLERANCE, SMOLLM2_TAIL_UNCHECKED)
