@@ -119,6 +119,16 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     padded_verification: bool = False
 
 
+class StructuredOutputConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Structured outputs (grammar-constrained decoding, `tokenmill.structured_output`)."""
+
+    backend: str = "xgrammar"
+    compile_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused (400)
+    max_schema_bytes: int = 65536  # larger schemas, regexes, grammars or choice lists are refused (400)
+    max_whitespace: int = 4  # most consecutive whitespace characters between JSON tokens
+    vocab_file: str = ""  # the tokenizer's vocabulary for the grammar backend, written by the front-end
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
@@ -132,6 +142,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attention_backend: str = "torch"  # torch (reference; CPU, tests) | triton (CUDA)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     speculative: SpeculativeConfig | None = None
+    structured: StructuredOutputConfig = StructuredOutputConfig()
 
     @property
     def max_model_len(self) -> int:
@@ -175,6 +186,10 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     speculative_config: dict | None = None  # vLLM's spelling, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_compile_timeout: float = 10.0
+    structured_outputs_max_schema_bytes: int = 65536
+    structured_outputs_max_whitespace: int = 4
 
 
 _FLAG_HELP = {
@@ -211,6 +226,11 @@ _FLAG_HELP = {
                           '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
                           '"model": PATH, "num_speculative_tokens": 4}; optional "max_step_tokens" (adaptive '
                           'speculation: 0 = always speculate) and "min_acceptance"',
+    "structured_outputs_backend": "grammar library for structured outputs: xgrammar",
+    "structured_outputs_compile_timeout": "seconds a grammar may take to compile before its request gets a 400",
+    "structured_outputs_max_schema_bytes": "largest JSON schema, regex, grammar or choice list, in bytes",
+    "structured_outputs_max_whitespace": "most consecutive whitespace characters between JSON tokens "
+                                         "(a weak model cannot loop in whitespace)",
 }
 
 

@@ -42,6 +42,7 @@ class Request:
         self.stop_token_id: int | None = None
         self.block_hashes: list[int] = []  # hash chain over the full blocks of the token ids
         self.num_preemptions = 0
+        self.grammar = None  # structured outputs: its RequestGrammar (core/grammar_masks.py) once compiled
         # Stop conditions, fixed at arrival.
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
-                              SchedulerConfig, SpeculativeConfig)
+                              SchedulerConfig, SpeculativeConfig, StructuredOutputConfig)
 from tokenmill.distributed.layout import check_parallel, parse_partition
 from tokenmill.model.arch import model_arch
 from tokenmill.model.default_model import resolve_model_path
@@ -64,7 +64,23 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         step_timeout_s=float(args.step_timeout),
         attention_backend=resolve_attention_backend(args.attention_backend, device),
         enforce_eager=args.enforce_eager,
-        speculative=speculative)
+        speculative=speculative,
+        structured=resolve_structured(args))
+
+
+def resolve_structured(args: EngineArgs) -> StructuredOutputConfig:
+    _check(args.structured_outputs_backend == "xgrammar", "structured_outputs_backend",
+           f"must be xgrammar, got {args.structured_outputs_backend!r}")
+    _check(args.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout",
+           f"must be > 0 seconds, got {args.structured_outputs_compile_timeout}")
+    _check(args.structured_outputs_max_schema_bytes >= 1, "structured_outputs_max_schema_bytes",
+           f"must be >= 1, got {args.structured_outputs_max_schema_bytes}")
+    _check(args.structured_outputs_max_whitespace >= 1, "structured_outputs_max_whitespace",
+           f"must be >= 1, got {args.structured_outputs_max_whitespace}")
+    return StructuredOutputConfig(backend=args.structured_outputs_backend,
+                                  compile_timeout_s=float(args.structured_outputs_compile_timeout),
+                                  max_schema_bytes=args.structured_outputs_max_schema_bytes,
+                                  max_whitespace=args.structured_outputs_max_whitespace)
 
 
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",

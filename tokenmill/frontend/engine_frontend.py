@@ -17,9 +17,14 @@ core's outputs (their client's `get_outputs`).
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import msgspec
 
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.frontend.core_client import CoreClient
@@ -37,7 +42,11 @@ ClientT = TypeVar("ClientT", bound=CoreClient)
 class EngineFrontend:
     def __init__(self, engine_args: EngineArgs) -> None:
         self.engine_args = engine_args
-        self.config: EngineConfig = resolve_engine_config(engine_args)
+        config = resolve_engine_config(engine_args)
+        # Where the grammar backend's vocabulary goes for the engine core (written on first use).
+        vocab_file = os.path.join(tempfile.gettempdir(), f"tokenmill-vocab-{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
+        self.config: EngineConfig = msgspec.structs.replace(
+            config, structured=msgspec.structs.replace(config.structured, vocab_file=vocab_file))
         self.tokenizer = load_tokenizer(self.config.model.path)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -126,3 +135,4 @@ class EngineFrontend:
         """Stop the engine, if it was started (idempotent)."""
         if self._client is not None:
             self._client.shutdown()
+        self.input_processor.grammars.close()

@@ -44,12 +44,15 @@ class RowFailure(IntEnum):
 
     NON_FINITE_LOGITS = 1  # the model produced NaN or infinite logits for the row
     SAMPLING_ERROR = 2  # sampling the row raised (the worker logs the exception)
+    GRAMMAR = 3  # structured outputs: the request's grammar failed in the engine core
 
     @property
     def message(self) -> str:
         """What the request's caller is told (no internals)."""
         if self == RowFailure.NON_FINITE_LOGITS:
             return "the model produced non-finite logits (NaN or infinity) for this request"
+        if self == RowFailure.GRAMMAR:
+            return "the structured output's grammar failed in the engine"
         return "sampling failed for this request"
 
 
@@ -228,6 +231,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     # Pipeline parallelism only: int32, each row's first input token (the first stage cannot
     # read sampled tokens on its device; see tokenmill/worker/pp_stage.py).
     pp_input_tokens: bytes = b""
+    # Structured outputs: some row samples under a grammar; its `GrammarBitmask` follows this step
+    # on the ring (once the step before is applied) and the workers apply it before sampling.
+    awaits_bitmask: bool = False
 
     @functools.cached_property
     def scheduled_handles(self) -> list[int]:
@@ -236,6 +242,21 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     @functools.cached_property
     def num_scheduled_tokens(self) -> list[int]:
         return self.batch_counts.tolist()
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A step's token masks for its constrained rows (structured outputs): row i of `bitmask`
+    (int32 [len(rows), words], XGrammar's layout: bit t % 32 of word t // 32 allows token t) is
+    the mask of batch row rows[i]. Rows not listed sample unmasked."""
+
+    step_id: int
+    rows: bytes = b""  # int32 batch rows
+    words: int = 0
+    bitmask: bytes = b""  # int32 [len(rows), words]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.frombuffer(self.rows, _I32)
+        return rows, np.frombuffer(self.bitmask, _I32).reshape(len(rows), self.words)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -309,6 +330,7 @@ class WorkerInputKind(IntEnum):
     EXECUTE = 1  # SchedulerOutput
     CALL = 2  # WorkerCall
     SHUTDOWN = 3  # empty payload
+    BITMASK = 4  # GrammarBitmask: the masks of the step before it (the worker is waiting for them)
 
 
 class WorkerOutputKind(IntEnum):
