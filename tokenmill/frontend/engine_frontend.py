@@ -92,12 +92,19 @@ class EngineFrontend:
         return self.prepare(prompt, params if params is not None else SamplingParams())
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> dict:
-        """`conversation` rendered with the model's chat template, as a prompt for `prepare`."""
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> dict:
+        """`conversation` rendered with the model's chat template (and `tools`, OpenAI's function
+        definitions, for templates that show them), as a prompt for `prepare`."""
         text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+
+    async def check_grammar(self, params: SamplingParams) -> None:
+        """A structured output's grammar compiled (ValueError naming the problem), without blocking
+        the event loop; `prepare`'s own check is then a cache hit."""
+        await self.input_processor.grammars.check_async(params)
 
     def submit(self, request_id: str, request: PreparedRequest) -> None:
         """Register the request and send it to the core (n engine requests for n samples).

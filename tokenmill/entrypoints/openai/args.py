@@ -28,6 +28,8 @@ class ServerSettings:
     max_queued_requests: int = 256  # sequences waiting beyond max_num_seqs before 503
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": calls read by tool_call_parser
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | qwen3_xml
 
 
 _HELP = {
@@ -48,6 +50,8 @@ _HELP = {
     "max_queued_requests": "sequences admitted beyond --max-num-seqs; further requests get 503",
     "shutdown_timeout": "seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted",
     "uvicorn_log_level": "uvicorn's log level",
+    "enable_auto_tool_choice": 'let requests use tool_choice "auto" (needs --tool-call-parser)',
+    "tool_call_parser": "how the model writes tool calls: hermes, llama3_json, mistral or qwen3_xml",
 }
 
 
@@ -84,5 +88,11 @@ def check_settings(s: ServerSettings) -> None:
         raise ValueError(f"port must be in [0, 65535], got {s.port}")
     if s.shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {s.shutdown_timeout}")
+    if s.enable_auto_tool_choice and s.tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs --tool-call-parser")
+    if s.tool_call_parser is not None:
+        from tokenmill.entrypoints.openai.tool_parsers import PARSERS
+        if s.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {s.tool_call_parser!r}")
     if s.api_key is not None and not s.api_key:
         raise ValueError("api_key must not be empty")
