@@ -68,7 +68,9 @@ class GrammarCompiles:
                 self._on_compiled(seconds)
 
     def check(self, spec: GrammarSpec) -> Any:
-        """Wait (at most the time limit) for `spec`'s grammar; ValueError if refused or late."""
+        """Wait (at most the time limit, once the backend exists) for `spec`'s grammar; ValueError if
+        refused or late. Making the backend (once per process) is not held against a request."""
+        self.backend().result()
         try:
             return self.submit(spec).result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -76,6 +78,7 @@ class GrammarCompiles:
 
     async def check_async(self, spec: GrammarSpec) -> Any:
         """`check` without blocking the event loop."""
+        await asyncio.wrap_future(self.backend())
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(self.submit(spec))), self.timeout_s)
         except asyncio.TimeoutError:
