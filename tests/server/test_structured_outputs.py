@@ -165,3 +165,16 @@ def test_metrics_count_constrained_requests_and_compile_time(server, client) -> 
     count = re.search(r'^tokenmill:structured_output_requests_total\{[^}]*\} (\S+)$', text, re.M)
     compiled = re.search(r'^tokenmill:grammar_compile_seconds_count\{[^}]*\} (\S+)$', text, re.M)
     assert count and float(count.group(1)) >= 1 and compiled and float(compiled.group(1)) >= 1
+
+
+def test_bench_serve_sends_a_structured_workload(server, tmp_path, capsys) -> None:
+    from tokenmill.cli import main
+    record_path = tmp_path / "record.json"
+    code = main(["bench", "serve", "--base-url", server.base_url, "--endpoint", "/v1/chat/completions",
+                 "--num-prompts", "3", "--input-len", "4", "--output-len", "12", "--structured", "choice",
+                 "--output-json", str(record_path)])
+    assert code == 0, capsys.readouterr().out
+    run = json.loads(record_path.read_text())["runs"][0]
+    assert run["completed"] == 3 and run["failed"] == 0
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    assert float(re.search(r'^tokenmill:structured_output_requests_total\{[^}]*\} (\S+)$', text, re.M).group(1)) >= 3
