@@ -98,3 +98,24 @@ def test_speculative_decoding_stays_on_for_plain_rows(tmp_path) -> None:
         expected = ref.generate(prompt, plain, use_tqdm=False)[0].outputs[0].token_ids
     assert outs[4].outputs[0].token_ids == expected
     assert stats["spec_num_draft_tokens"] > 0  # the plain row was drafted
+
+
+def test_preempted_constrained_requests_resume_their_grammar() -> None:
+    """A KV pool too small for the batch: constrained requests are preempted with tokens in flight
+    and recomputed; their matchers carry on where they were and every answer still validates."""
+    require_smollm2()
+    # Digits and letters alternate: a matcher one token behind allows the wrong class.
+    alternating = StructuredOutputsParams(regex=r"([0-9][a-z]){25}")
+    params = [SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
+              SamplingParams(max_tokens=60, temperature=0.0, structured_outputs=alternating)] * 3
+    prompts = [f"Programmer number {i} as JSON:" for i in range(6)]
+    with LLM("smollm2", dtype="float32", max_model_len=256, num_gpu_blocks_override=20, block_size=16,
+             single_process=True) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.scheduler_stats()["num_preemptions"] > 0
+    for i, out in enumerate(outs):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        if i % 2 == 0:
+            jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+        else:
+            assert re.fullmatch(r"([0-9][a-z]){25}", out.outputs[0].text)

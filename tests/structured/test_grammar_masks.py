@@ -71,7 +71,7 @@ def engine_masks(backend, config, so, prefixes, late=False):
     complete, broken = masks.advance(so_step, requests, None)
     assert not broken
     wire = GrammarBitmask(1, so_step.structured_rows.astype("<i4").tobytes(), masks.words, b"")
-    mask = masks.bitmask(so_step, requests)
+    mask = masks.bitmask(so_step, requests, None)
     wire.bitmask = mask.bitmask
     rows, bits = wire.arrays()
     logits = torch.zeros(len(prefixes), 49152)

@@ -157,7 +157,7 @@ class EngineCore:
             return
         batch = self.in_flight[0][0]
         start = time.perf_counter()
-        mask = self.grammars.bitmask(batch, self.scheduler.requests)
+        mask = self.grammars.bitmask(batch, self.scheduler.requests, self.scheduler.table)
         made = time.perf_counter()
         self.executor.send_bitmask(mask)
         batch.bitmask_sent = True

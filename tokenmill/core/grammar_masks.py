@@ -110,31 +110,24 @@ class GrammarMasks:
             request = requests.get(handle)
             if request is None or request.grammar is None:
                 continue  # finished in this update, or aborted
-            g = request.grammar
-            first = request.num_prompt_tokens + g.num_accepted
-            if request.slot >= 0:
-                new = table.tokens[request.slot, first:table.num_tokens[request.slot]]
-            else:
-                new = request.token_ids[first:]
-            for token in new.tolist():
-                if not g.matcher.accept_token(token):
-                    logger.error("request %d: token %d breaks its grammar", handle, token)
-                    broken.append(request)
-                    break
-                g.num_accepted += 1
-            else:
-                if len(new) and g.matcher.is_terminated():
-                    complete.append(request)
+            fed = _catch_up(request, table)
+            if fed is None:
+                broken.append(request)
+            elif fed and request.grammar.matcher.is_terminated():
+                complete.append(request)
         return complete, broken
 
-    def bitmask(self, so: SchedulerOutput, requests: dict[int, Request]) -> GrammarBitmask:
-        """The next-token mask of every constrained row of `so` (whose earlier steps are all applied)."""
+    def bitmask(self, so: SchedulerOutput, requests: dict[int, Request], table) -> GrammarBitmask:
+        """The next-token mask of every constrained row of `so` (whose earlier steps are all applied).
+        Each matcher first takes any token of its request it has not seen (one that came back while
+        the request was preempted, say), so a mask always follows every known token."""
         start = time.perf_counter()
         rows, matchers = [], []
         for row, handle in zip(so.structured_rows.tolist(), so.structured_handles.tolist()):
             request = requests.get(handle)
-            if request is None or request.grammar is None or request.grammar.matcher.is_terminated():
-                continue  # finished by the step before: the row's token is thrown away
+            if (request is None or request.grammar is None or _catch_up(request, table) is None
+                    or request.grammar.matcher.is_terminated()):
+                continue  # finished by the step before (the row's token is thrown away), or broken
             rows.append(row)
             matchers.append(request.grammar.matcher)
         if len(self._buffer) < len(rows):
@@ -150,3 +143,20 @@ class GrammarMasks:
 
     def shutdown(self) -> None:
         self.compiles.shutdown()
+
+
+def _catch_up(request: Request, table) -> int | None:
+    """Feed the request's matcher the output tokens it has not taken (from its row of `table` while
+    it runs, else from the request); how many it took, or None if it refused one."""
+    g = request.grammar
+    first = request.num_prompt_tokens + g.num_accepted
+    if request.slot >= 0:
+        new = table.tokens[request.slot, first:table.num_tokens[request.slot]]
+    else:
+        new = request.token_ids[first:]
+    for token in new.tolist():
+        if not g.matcher.accept_token(token):
+            logger.error("request %d: token %d breaks its grammar", request.handle, token)
+            return None
+        g.num_accepted += 1
+    return len(new)
