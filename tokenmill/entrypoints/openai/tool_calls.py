@@ -28,6 +28,7 @@ class ToolMode:
     kind: str  # none | named | required | auto
     name: str | None = None  # the named function
     parser: ToolCallParser | None = None  # auto
+    parallel: bool = True  # auto: several calls kept (else the first only)
 
 
 def tool_mode(req: ChatCompletionRequest, settings: ServerSettings) -> ToolMode:
@@ -50,7 +51,7 @@ def tool_mode(req: ChatCompletionRequest, settings: ServerSettings) -> ToolMode:
                             '--tool-call-parser', param="tool_choice")
     if not settings.enable_auto_tool_choice:
         return ToolMode("none")  # tools given, no choice, no parser: they only reach the template
-    return ToolMode("auto", parser=tool_call_parser(settings.tool_call_parser))
+    return ToolMode("auto", parser=tool_call_parser(settings.tool_call_parser), parallel=req.parallel_tool_calls)
 
 
 def template_tools(req: ChatCompletionRequest, mode: ToolMode) -> list[dict] | None:
@@ -88,6 +89,8 @@ def parse_calls(mode: ToolMode, text: str) -> ParsedToolCalls | None:
             return None  # cut short (max_tokens): the text as it is
     if mode.kind == "auto":
         parsed = mode.parser.parse(text)
+        if not mode.parallel:
+            parsed.calls = parsed.calls[:1]
         return parsed if parsed.calls else None
     return None
 
@@ -114,8 +117,8 @@ class ToolCallStream:
         self.mode = mode
         self.text = ""
         self.has_calls = False
-        self._held = ""  # auto: text that may begin the parser's start
-        self._in_calls = False  # auto: the start was seen; the rest waits for the end
+        self._shown = 0  # characters of `text` shown as content so far
+        self._in_calls = False  # auto: the calls began; the rest waits for the end
         self._named_id: str | None = None
 
     def feed(self, delta: str) -> dict:
@@ -132,15 +135,16 @@ class ToolCallStream:
             return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
         if kind == "required" or self._in_calls:
             return {}
-        text = self._held + delta
-        start = self.mode.parser.start
-        at = text.find(start)
-        if at >= 0:
-            self._in_calls, self._held = True, ""
-            return {"content": text[:at]} if text[:at] else {}
-        keep = self.mode.parser.held_back(text)
-        self._held = text[len(text) - keep:] if keep else ""
-        shown = text[:len(text) - keep]
+        parser = self.mode.parser
+        at = parser.find_start(self.text)
+        if at >= 0:  # the calls begin: show the text before them, keep the rest for the end
+            self._in_calls = True
+            return self._show(at)
+        return self._show(len(self.text) - parser.held_back(self.text[self._shown:]))
+
+    def _show(self, upto: int) -> dict:
+        """The text not shown yet, up to `upto`, as a content delta."""
+        shown, self._shown = self.text[self._shown:upto], max(self._shown, upto)
         return {"content": shown} if shown else {}
 
     def finish(self) -> dict:
@@ -148,12 +152,10 @@ class ToolCallStream:
         if self.mode.kind in ("none", "named"):
             return {}
         if self.mode.kind == "auto" and not self._in_calls:
-            held, self._held = self._held, ""
-            return {"content": held} if held else {}
+            return self._show(len(self.text))
         parsed = parse_calls(self.mode, self.text)
         if parsed is None:  # no calls after all: the text it held back
-            rest = self.text if self.mode.kind == "required" else self.text[self.text.find(self.mode.parser.start):]
-            return {"content": rest} if rest else {}
+            return self._show(len(self.text))
         self.has_calls = True
         return {"tool_calls": [{"index": i, **call} for i, call in enumerate(message_calls(parsed))]}
 

@@ -13,18 +13,23 @@ class ParsedToolCalls:
 
 
 class ToolCallParser:
-    """`start` is the text that opens the model's tool calls: a stream shows text until it appears
-    (holding back a tail that could be its beginning), then waits for the end to parse the calls."""
+    """`starts` are the texts that open the model's tool calls: a stream shows text until one
+    appears (holding back a tail that could begin one), then waits for the end to parse the calls."""
 
-    start: str = ""
+    starts: tuple[str, ...] = ()
 
     def parse(self, text: str) -> ParsedToolCalls:
         raise NotImplementedError
 
+    def find_start(self, text: str) -> int:
+        """Where the calls begin in `text` (-1: not yet)."""
+        found = [at for at in (text.find(start) for start in self.starts) if at >= 0]
+        return min(found, default=-1)
+
     def held_back(self, text: str) -> int:
-        """How many trailing characters of `text` could begin `start` (a stream holds them back)."""
-        for n in range(min(len(self.start) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-n:]):
+        """How many trailing characters of `text` could begin a start (a stream holds them back)."""
+        for n in range(min(max(map(len, self.starts)) - 1, len(text)), 0, -1):
+            if any(start.startswith(text[-n:]) for start in self.starts):
                 return n
         return 0
 

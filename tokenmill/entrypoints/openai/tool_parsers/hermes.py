@@ -12,10 +12,10 @@ _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
 class HermesParser(ToolCallParser):
-    start = "<tool_call>"
+    starts = ("<tool_call>",)
 
     def parse(self, text: str) -> ParsedToolCalls:
-        at = text.find(self.start)
+        at = self.find_start(text)
         if at < 0:
             return ParsedToolCalls(content_or_none(text))
         calls = []

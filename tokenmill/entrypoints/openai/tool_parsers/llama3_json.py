@@ -10,7 +10,7 @@ from tokenmill.entrypoints.openai.tool_parsers.base import (ParsedToolCalls, Too
 
 
 class Llama3JsonParser(ToolCallParser):
-    start = "{"
+    starts = ("<|python_tag|>", "{")
 
     def parse(self, text: str) -> ParsedToolCalls:
         body = text.strip()
@@ -31,5 +31,11 @@ class Llama3JsonParser(ToolCallParser):
                 at += 1
         return ParsedToolCalls(None, calls)
 
+    def find_start(self, text: str) -> int:
+        """A call is the whole output: it begins where the output does, with "{" or the tag."""
+        body = text.lstrip()
+        return len(text) - len(body) if body.startswith(self.starts) else -1
+
     def held_back(self, text: str) -> int:
-        return 0  # a JSON call is the whole output: it starts with "{" (a stream sees it at once)
+        body = text.lstrip()
+        return len(text) if body and self.starts[0].startswith(body) else 0

@@ -9,14 +9,14 @@ from tokenmill.entrypoints.openai.tool_parsers.base import (ParsedToolCalls, Too
 
 
 class MistralParser(ToolCallParser):
-    start = "[TOOL_CALLS]"
+    starts = ("[TOOL_CALLS]",)
 
     def parse(self, text: str) -> ParsedToolCalls:
-        at = text.find(self.start)
+        at = self.find_start(text)
         if at < 0:
             return ParsedToolCalls(content_or_none(text))
         try:
-            calls, _ = json.JSONDecoder().raw_decode(text[at + len(self.start):].lstrip())
+            calls, _ = json.JSONDecoder().raw_decode(text[at + len(self.starts[0]):].lstrip())
         except json.JSONDecodeError:
             return ParsedToolCalls(content_or_none(text))
         if isinstance(calls, dict):

@@ -22,10 +22,10 @@ _PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.DOTA
 
 
 class Qwen3XmlParser(ToolCallParser):
-    start = "<tool_call>"
+    starts = ("<tool_call>",)
 
     def parse(self, text: str) -> ParsedToolCalls:
-        at = text.find(self.start)
+        at = self.find_start(text)
         if at < 0:
             return ParsedToolCalls(content_or_none(text))
         calls = []
