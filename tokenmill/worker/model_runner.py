@@ -36,6 +36,7 @@ from tokenmill.worker.decode_graphs import DecodeGraphs, verify_logits_rows
 from tokenmill.worker.draft_catch_up import catch_up as draft_catch_up
 from tokenmill.worker.greedy_tail import GreedyTail
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
+from tokenmill.worker.mask_upload import MaskUpload
 from tokenmill.worker.persistent_batch import PersistentBatch, to_device
 from tokenmill.worker.pp_stage import PipelineStage, apply_input_tokens
 from tokenmill.worker.prompt_graphs import PromptGraphs
@@ -132,6 +133,7 @@ class ModelRunner:
         self._step_threads: StepThreads | None = None
         self.faults: FaultInjector | None = None  # tests only (worker/fault_injection.py)
         self._deferred: _Deferred | None = None  # a step waiting for its grammar masks (structured outputs)
+        self._mask_upload = MaskUpload(self.device)
         self.last_mask_wait: tuple[float, float, bool | None] | None = None  # (deferred, mask came, device idle)
 
     @property
@@ -389,8 +391,7 @@ class ModelRunner:
         if drafts is not None:
             per_row = drafts + 1
             index = (np.cumsum(per_row) - per_row)[index]
-        device_bits = torch.from_numpy(bits.copy()).to(self.device, non_blocking=True)
-        return device_bits, to_device(index.astype(np.int64), self.device)
+        return self._mask_upload(bits, index)
 
     # ------------------------------------------------------------------ forward passes
 
