@@ -7,19 +7,21 @@ from __future__ import annotations
 import json
 import random
 
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from tests.helpers.requirements import require_smollm2
 from tokenmill.config import StructuredOutputConfig
-from tokenmill.core.grammar_masks import GrammarMasks, RequestGrammar
+from tokenmill.core.grammar_masks import GrammarMasks, RequestGrammar, distinct_rows
 from tokenmill.core.request import Request
 from tokenmill.layers.sampling.token_bitmask import apply_token_bitmask, unpack_bitmask
 from tokenmill.protocol import GrammarBitmask, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured_output.backend import GrammarBackend
 from tokenmill.structured_output.grammar_spec import grammar_spec
+from tokenmill.worker.mask_upload import MaskUpload
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -70,12 +72,13 @@ def engine_masks(backend, config, so, prefixes, late=False):
     so_step.structured_rows = np.arange(len(prefixes))
     complete, broken = masks.advance(so_step, requests, None)
     assert not broken
-    wire = GrammarBitmask(1, so_step.structured_rows.astype("<i4").tobytes(), masks.words, b"")
     mask = masks.bitmask(so_step, requests, None)
-    wire.bitmask = mask.bitmask
-    rows, bits = wire.arrays()
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(mask), type=GrammarBitmask)  # as the ring carries it
+    rows, which, bits = wire.arrays()
+    assert len(bits) <= len(rows)
     logits = torch.zeros(len(prefixes), 49152)
-    apply_token_bitmask(logits, torch.from_numpy(bits.copy()), torch.from_numpy(rows.astype(np.int64)))
+    device_bits, device_rows = MaskUpload(torch.device("cpu"))(bits, which, rows)
+    apply_token_bitmask(logits, device_bits, device_rows)
     return torch.isfinite(logits).numpy()
 
 
@@ -146,3 +149,16 @@ def test_unpack_matches_bit_arithmetic() -> None:
     assert torch.equal(logits[[1, 3]], before[[1, 3]])  # rows not listed are untouched
     for row, mask_row in ((4, 0), (0, 1), (2, 2)):
         assert torch.equal(torch.isfinite(logits[row]), torch.from_numpy(expected[mask_row]))
+
+
+def test_rows_in_one_grammar_state_share_one_mask_on_the_wire(setup) -> None:
+    """Requests in the same state (every row inside a JSON string, say) send one mask, and each row
+    still gets exactly XGrammar's."""
+    tokenizer, backend, config = setup
+    so, outputs = CASES[0]
+    ids = tokenizer(outputs[0], add_special_tokens=False).input_ids
+    prefixes = [ids[:5], ids[:9], ids[:5], ids[:5], ids[:9], []]
+    ours = engine_masks(backend, config, so, prefixes)
+    assert (ours == reference_masks(backend, so, prefixes)).all()
+    distinct, which = distinct_rows(np.array([[1, 2], [3, 4], [1, 2], [1, 2]], np.int32))
+    assert distinct.tolist() == [[1, 2], [3, 4]] and which.tolist() == [0, 1, 0, 0]

@@ -135,7 +135,8 @@ class GrammarMasks:
         out = self._buffer[:len(rows)]
         if rows:
             self.compiles.backend().result().fill_bitmask(matchers, out)
-        mask = GrammarBitmask(so.step_id, pack_ids(rows), self.words, out.tobytes())
+        distinct, which = distinct_rows(out)
+        mask = GrammarBitmask(so.step_id, pack_ids(rows), pack_ids(which), self.words, distinct.tobytes())
         self.num_masks += 1
         self.num_mask_rows += len(rows)
         self.mask_seconds += time.perf_counter() - start
@@ -143,6 +144,15 @@ class GrammarMasks:
 
     def shutdown(self) -> None:
         self.compiles.shutdown()
+
+
+def distinct_rows(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the distinct rows of `masks` [n, words], each row's index among them)."""
+    if len(masks) <= 1:
+        return masks, np.zeros(len(masks), np.int32)
+    keys = np.ascontiguousarray(masks).view(np.dtype((np.void, masks.shape[1] * 4))).ravel()
+    _, first, which = np.unique(keys, return_index=True, return_inverse=True)
+    return masks[first], which.astype(np.int32)
 
 
 def _catch_up(request: Request, table) -> int | None:

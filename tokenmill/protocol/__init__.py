@@ -245,18 +245,22 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A step's token masks for its constrained rows (structured outputs): row i of `bitmask`
-    (int32 [len(rows), words], XGrammar's layout: bit t % 32 of word t // 32 allows token t) is
-    the mask of batch row rows[i]. Rows not listed sample unmasked."""
+    """A step's token masks for its constrained rows (structured outputs). Distinct masks travel
+    once: batch row rows[i] takes mask row which[i] of `bitmask` (int32 [distinct, words],
+    XGrammar's layout: bit t % 32 of word t // 32 allows token t); rows of requests in the same
+    grammar state (every row inside a JSON string, say) share one. Rows not listed sample unmasked."""
 
     step_id: int
     rows: bytes = b""  # int32 batch rows
+    which: bytes = b""  # int32 per row: its mask among the distinct ones
     words: int = 0
-    bitmask: bytes = b""  # int32 [len(rows), words]
+    bitmask: bytes = b""  # int32 [distinct, words]
 
-    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        rows = np.frombuffer(self.rows, _I32)
-        return rows, np.frombuffer(self.bitmask, _I32).reshape(len(rows), self.words)
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, which, distinct masks [distinct, words])."""
+        rows, which = np.frombuffer(self.rows, _I32), np.frombuffer(self.which, _I32)
+        bits = np.frombuffer(self.bitmask, _I32)
+        return rows, which, bits.reshape(len(bits) // self.words if self.words else 0, self.words)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

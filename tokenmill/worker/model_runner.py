@@ -385,13 +385,13 @@ class ModelRunner:
                    drafts: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(bitmask on the device, the logits rows it masks): a constrained row's one position
         (constrained rows verify no drafts)."""
-        rows, bits = mask.arrays()
+        rows, which, bits = mask.arrays()
         index = np.searchsorted(sample_rows, rows)
         assert (index < len(sample_rows)).all() and (sample_rows[index] == rows).all(), "a mask row that samples not"
         if drafts is not None:
             per_row = drafts + 1
             index = (np.cumsum(per_row) - per_row)[index]
-        return self._mask_upload(bits, index)
+        return self._mask_upload(bits, which, index)
 
     # ------------------------------------------------------------------ forward passes
 
