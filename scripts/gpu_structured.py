@@ -50,7 +50,8 @@ def model_dir(shape: str, vocab: int) -> str:
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     path = tempfile.mkdtemp(prefix=f"{shape}-structured-")
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
     config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(path)
@@ -95,8 +96,9 @@ def main() -> int:
     n = args.requests or (4 if smoke else 256)
     max_tokens = args.max_tokens or (8 if smoke else 256)
     vocab = 128256
-    print(f"building the model directory ({'tiny' if smoke else 'llama8b'} shape, {vocab}-token vocabulary)", flush=True)
-    path = model_dir("tiny" if smoke else "llama8b", vocab)
+    shape = "tiny" if smoke else "llama8b"
+    print(f"building the model directory ({shape} shape, {vocab}-token vocabulary)", flush=True)
+    path = model_dir(shape, vocab)
     from tokenmill import LLM, SamplingParams, StructuredOutputsParams
     trace = os.path.join(out_dir, "gpu_structured_trace.json")
     engine = dict(load_format="dummy", dtype="float32" if smoke else "bfloat16", max_num_seqs=max(n, 4),

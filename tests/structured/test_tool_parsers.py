@@ -58,7 +58,8 @@ def test_streamed_pieces_add_up(name, seed) -> None:
         total = merge_delta(total, stream.feed(piece))
     total = merge_delta(total, stream.finish())
     assert (total.get("content", "").strip() or None) == content
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in total["tool_calls"]] == [WEATHER, ADD]
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in total["tool_calls"]]
+    assert calls == [WEATHER, ADD]
     assert [c["index"] for c in total["tool_calls"]] == [0, 1] and all(c["id"] for c in total["tool_calls"])
     assert stream.has_calls
 

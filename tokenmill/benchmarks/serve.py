@@ -105,7 +105,8 @@ def request_body(ns, model: str, prompt: str) -> dict:
     constraint = STRUCTURED.get(getattr(ns, "structured", "none"))
     if constraint is not None:
         if ns.endpoint == "/v1/chat/completions" and "json" in constraint:
-            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "bench", "schema": constraint["json"]}}
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "bench", "schema": constraint["json"]}}
         else:
             body["structured_outputs"] = constraint
     return body

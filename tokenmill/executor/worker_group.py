@@ -27,8 +27,8 @@ from tokenmill.child_process import spawn_child, spawned_by_main_thread, stop_pr
 from tokenmill.config import EngineConfig
 from tokenmill.errors import EngineDeadError, exception_from_report
 from tokenmill.metrics.message_stats import MessageStats
-from tokenmill.protocol import (ErrorReport, GrammarBitmask, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerCallResult,
-                                WorkerInputKind, WorkerLaunch, WorkerOutputKind)
+from tokenmill.protocol import (ErrorReport, GrammarBitmask, ModelRunnerOutput, SchedulerOutput, WorkerCall,
+                                WorkerCallResult, WorkerInputKind, WorkerLaunch, WorkerOutputKind)
 from tokenmill.transport.channels import LAST_WORDS_S, POLL_MS, REPLY_HEAD, EngineAddresses, free_port
 from tokenmill.transport.shm_ring import RingAbortedError, ShmRingWriter
 

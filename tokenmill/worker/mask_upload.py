@@ -3,8 +3,9 @@
 The mask arrives while the device runs the step's forward pass. On CUDA its distinct rows are
 copied into a reused pinned buffer and sent on a side stream, which the compute stream then waits
 for: the copy (16 KB per distinct mask of a 128k vocabulary) runs beside the forward pass instead
-of after it, and the host never blocks on it; each row's mask is then gathered on the device. A buffer is reused only once the step that used it was read back (the
-caller's steps are serialized by their read-backs), so no copy overwrites one still in flight.
+of after it, and the host never blocks on it; each row's mask is then gathered on the device. The
+buffer is reused only once the step that used it was read back (a step's mask is made from the
+tokens of the step before), so no copy overwrites one still in flight.
 """
 
 from __future__ import annotations

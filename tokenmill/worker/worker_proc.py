@@ -19,8 +19,8 @@ import zmq
 
 from tokenmill.child_process import die_with_parent, exit_now, init_child_process
 from tokenmill.errors import error_report
-from tokenmill.protocol import (GrammarBitmask, SchedulerOutput, WorkerCall, WorkerCallResult, WorkerInputKind, WorkerLaunch,
-                                WorkerOutputKind)
+from tokenmill.protocol import (GrammarBitmask, SchedulerOutput, WorkerCall, WorkerCallResult, WorkerInputKind,
+                                WorkerLaunch, WorkerOutputKind)
 from tokenmill.transport.channels import REPLY_HEAD
 from tokenmill.transport.shm_ring import RingAbortedError, ShmRingReader
 from tokenmill.worker.fault_injection import FaultInjector
