@@ -38,9 +38,9 @@ def _message(m: ChatMessage) -> dict:
     (what templates write out), a tool's result with the id of the call it answers."""
     message: dict[str, Any] = {"role": m.role, "content": _content(m), **({"name": m.name} if m.name else {})}
     if m.tool_calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-            for c in m.tool_calls]
+        message["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
     return message
