@@ -25,7 +25,13 @@ _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "null")
 
 def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     _check_args(args)
-    path = resolve_model_path(args.model)
+    # The one place a model name becomes a local path (Hub ids are downloaded here): workers
+    # and the tokenizer get paths only.
+    weights = args.load_format not in ("dummy", "null")
+    path = resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
+                              gguf_file=args.gguf_file, weights=weights)
+    tokenizer = path if args.tokenizer is None else resolve_model_path(
+        args.tokenizer, revision=args.tokenizer_revision, download_dir=args.download_dir, weights=False)
     hf_config = load_hf_config(path)
     arch = model_arch(hf_config)  # unsupported models fail here
     device = resolve_device(args.device)
@@ -38,9 +44,10 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     model = ModelConfig(
         path=path, name=args.served_model_name or args.model, dtype=dtype, max_model_len=max_model_len,
         load_format=args.load_format, seed=args.seed, eos_token_ids=load_eos_token_ids(path, hf_config),
-        arch=arch)
+        arch=arch, tokenizer=tokenizer)
     parallel = resolve_parallel(args, arch, device)
-    speculative = resolve_speculative(args.speculative_config, model, device, args.enforce_eager)
+    speculative = resolve_speculative(args.speculative_config, model, device, args.enforce_eager,
+                                      download_dir=args.download_dir)
     if speculative is not None:
         # The first pipeline stage cannot see the drafts (it gets only each row's first token),
         # and a draft model is not split over TP ranks: refuse rather than run a half-built mode.
@@ -84,13 +91,14 @@ def resolve_structured(args: EngineArgs) -> StructuredOutputConfig:
 
 
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-              "max_step_tokens", "min_acceptance"}
+              "max_step_tokens", "min_acceptance", "revision"}
 _SPEC_METHODS = ("ngram", "draft_model")
 
 
-def resolve_speculative(spec: dict | None, target: ModelConfig, device: str,
-                        enforce_eager: bool = False) -> SpeculativeConfig | None:
-    """`speculative_config` (vLLM's dict) into a SpeculativeConfig; the draft model is resolved here."""
+def resolve_speculative(spec: dict | None, target: ModelConfig, device: str, enforce_eager: bool = False,
+                        download_dir: str | None = None) -> SpeculativeConfig | None:
+    """`speculative_config` (vLLM's dict) into a SpeculativeConfig; the draft model (a path or a Hub
+    id, at its optional "revision") is resolved here."""
     if spec is None:
         return None
     field = "speculative_config"
@@ -115,18 +123,21 @@ def resolve_speculative(spec: dict | None, target: ModelConfig, device: str,
     _check(target.load_format != "null", field, "is not supported with load_format null (no model to verify with)")
     draft = None
     if method == "draft_model":
-        _check(isinstance(spec.get("model"), str), f"{field}.model", "must name the draft model (a path)")
-        draft = _resolve_draft(spec["model"], target)
+        _check(isinstance(spec.get("model"), str), f"{field}.model", "must name the draft model (a path or Hub id)")
+        _check(isinstance(spec.get("revision", ""), str), f"{field}.revision", "must be a string")
+        draft = _resolve_draft(spec["model"], target, spec.get("revision"), download_dir)
     else:
         _check("model" not in spec, f"{field}.model", "is only for method draft_model")
+        _check("revision" not in spec, f"{field}.revision", "is only for method draft_model")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
                              draft=draft, max_step_tokens=max_step_tokens, min_acceptance=float(min_acceptance),
                              padded_verification=device.startswith("cuda") and not enforce_eager)
 
 
-def _resolve_draft(name: str, target: ModelConfig) -> ModelConfig:
+def _resolve_draft(name: str, target: ModelConfig, revision: str | None, download_dir: str | None) -> ModelConfig:
     """The draft runs with the target's dtype, length and tokenizer (so its vocabulary must match)."""
-    path = resolve_model_path(name)
+    path = resolve_model_path(name, revision=revision, download_dir=download_dir,
+                              weights=target.load_format != "dummy")
     hf_config = load_hf_config(path)
     arch = model_arch(hf_config)
     _check(arch.vocab_size == target.arch.vocab_size, "speculative_config.model",

@@ -47,7 +47,7 @@ class EngineFrontend:
         vocab_file = os.path.join(tempfile.gettempdir(), f"tokenmill-vocab-{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
         self.config: EngineConfig = msgspec.structs.replace(
             config, structured=msgspec.structs.replace(config.structured, vocab_file=vocab_file))
-        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer or self.config.model.path)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._client: CoreClient | None = None

@@ -44,3 +44,30 @@ class RMSNorm(nn.Module):
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self.forward(residual), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 (`x * (1 + weight)`), and, unlike
+    Llama's, the whole computation runs in float32 and is cast to the activation dtype at the
+    end, as HF's Gemma2/Gemma3RMSNorm do."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ops.enabled(x):
+            from tokenmill.layers.triton_ops.rms_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps, gemma=True)
+        xf = x.float()
+        rstd = xf.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (xf * rstd).mul_(1.0 + self.weight.float()).to(x.dtype)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `RMSNorm.forward_with_residual` (the fused kernel updates `residual` in place)."""
+        if triton_ops.enabled(x):
+            from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
+        residual = x + residual
+        return self.forward(residual), residual

@@ -10,6 +10,8 @@ Numerics are those of `tokenmill.layers.norm.RMSNorm`, op for op:
 - mean of squares in float32, reciprocal square root, rounded to the activation dtype;
 - row times that, rounded; times the weight, rounded to the activation dtype.
 They differ from the torch path only in summation order and rsqrt's last bit.
+GEMMA (`layers.norm.GemmaRMSNorm`): the row times rstd times (1 + weight), all in float32,
+rounded once at the end, as HF's Gemma norms do.
 
 A row is (r // inner, r % inner) over two strides, so [T, heads, head_dim] views with gaps
 between tokens (q or k inside the fused qkv output, for Qwen3's q/k norm) are read where they
@@ -38,7 +40,7 @@ def _rms_norm_kernel(
     s_x_outer, s_x_inner,  # x strides of row r's (r // inner, r % inner); columns are contiguous
     s_res,  # residual row stride (2-D only)
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr = False,
 ):
     dtype = x_ptr.dtype.element_ty
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -55,14 +57,18 @@ def _rms_norm_kernel(
         x = summed.to(tl.float32)
 
     mean_sq = tl.sum(x * x, axis=1) * inv_n
-    rstd = tl.rsqrt(mean_sq + eps).to(dtype).to(tl.float32)
-    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    out = (normed * w[None, :]).to(dtype)
+    if GEMMA:
+        out = (x * tl.rsqrt(mean_sq + eps)[:, None] * (1.0 + w[None, :])).to(dtype)
+    else:
+        rstd = tl.rsqrt(mean_sq + eps).to(dtype).to(tl.float32)
+        normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+        out = (normed * w[None, :]).to(dtype)
     tl.store(out_ptr + (rows * N)[:, None] + cols[None, :], out, mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            gemma: bool = False) -> torch.Tensor:
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight of shape {tuple(weight.shape)} for rows of {n}")
@@ -82,18 +88,18 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, x if residual is None else residual, weight, out,
         num_rows, 1.0 / n, eps, inner, s_outer, s_inner, 0 if residual is None else residual.stride(0),
-        N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, GEMMA=gemma, num_warps=num_warps,
     )
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, gemma: bool = False) -> torch.Tensor:
     """RMSNorm over the last axis of x ([..., n]; 3-D views may be strided): a new tensor."""
-    return _launch(x, None, weight, eps)
+    return _launch(x, None, weight, eps, gemma)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += x` in place (in the activation dtype), then RMSNorm of it: (normed, residual).
 
     x, residual: [T, n] of one dtype; residual's rows contiguous. x is left as it was.
@@ -101,4 +107,4 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
         raise ValueError(f"fused_add_rms_norm needs x and residual of one [T, n] shape and dtype, got "
                          f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
-    return _launch(x, residual, weight, eps), residual
+    return _launch(x, residual, weight, eps, gemma), residual
