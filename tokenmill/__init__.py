@@ -16,6 +16,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from tokenmill.entrypoints.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from tokenmill.lora.request import LoRARequest
+        return LoRARequest
     if name == "EngineArgs":
         from tokenmill.config import EngineArgs
         return EngineArgs
@@ -23,4 +26,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "RequestOutputKind",
-           "StructuredOutputsParams"]
+           "LoRARequest", "StructuredOutputsParams"]

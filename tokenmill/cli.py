@@ -76,13 +76,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     bench = sub.add_parser("bench", help="benchmarks that print figures and a JSON record")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from tokenmill.benchmarks import core_step, overhead, serve, soak, spec_decode, throughput
+    from tokenmill.benchmarks import bf16_deviation, core_step, overhead, serve, soak, spec_decode, throughput
     throughput.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     soak.add_parser(bench_sub)
     overhead.add_parser(bench_sub)
     core_step.add_parser(bench_sub)
     spec_decode.add_parser(bench_sub)
+    bf16_deviation.add_parser(bench_sub)
+    from tokenmill.benchmarks import layout_check
+    layout_check.add_parser(bench_sub)
     return parser
 
 

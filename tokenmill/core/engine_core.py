@@ -56,9 +56,10 @@ class EngineCore:
                     num_blocks * self.executor.kv_block_bytes() / 2**30, max_len,
                     num_blocks * block_size / max_len)
         self.num_blocks = num_blocks
+        self.block_bytes = self.executor.kv_block_bytes()
         stages = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
-                                   pipeline_stages=stages, kv_window=config.kv_window)
+                                   pipeline_stages=stages, kv_window=config.kv_window, lora=config.lora)
         self.max_in_flight = stages + (1 if config.scheduler.async_scheduling else 0)
         self.stats_logger = StatsLogger(enabled=config.log_stats)
         # (step, its result, when it was scheduled)
@@ -74,7 +75,7 @@ class EngineCore:
         core_request = Request(
             request.handle, np.frombuffer(request.prompt_token_ids, "<i4"), request.sampling_params,
             self.config.model.eos_token_ids, self.config.model.max_model_len,
-            request.arrival_time or time.time())
+            request.arrival_time or time.time(), request.lora)
         if request.sampling_params.structured_outputs is None:
             self.scheduler.add_request(core_request)
             return
@@ -200,7 +201,7 @@ class EngineCore:
     def kv_cache_stats(self) -> KVCacheStats:
         pool = self.scheduler.kv.pool
         return KVCacheStats(num_free_blocks=pool.num_free, num_blocks=pool.num_blocks,
-                            num_requests=len(self.scheduler.requests))
+                            num_requests=len(self.scheduler.requests), block_bytes=self.block_bytes)
 
     def scheduler_stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -6,14 +6,17 @@ in defaults; bad arguments fail here, naming the field and the limit, before any
 
 from __future__ import annotations
 
+import logging
 import os
 
-from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
+from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                               SchedulerConfig, SpeculativeConfig, StructuredOutputConfig)
 from tokenmill.distributed.layout import check_parallel, parse_partition
 from tokenmill.model.arch import model_arch
 from tokenmill.model.default_model import resolve_model_path
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
@@ -72,7 +75,26 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         attention_backend=resolve_attention_backend(args.attention_backend, device),
         enforce_eager=args.enforce_eager,
         speculative=speculative,
+        lora=resolve_lora(args, arch),
         structured=resolve_structured(args))
+
+
+_LORA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def resolve_lora(args: EngineArgs, arch) -> LoRAConfig | None:
+    """`enable_lora` and its limits into a LoRAConfig (None when off)."""
+    if not args.enable_lora:
+        return None
+    _check(arch.architecture in _LORA_ARCHS, "enable_lora",
+           f"LoRA adapters are supported for {', '.join(_LORA_ARCHS)}, not {arch.architecture}")
+    _check(args.max_loras >= 1, "max_loras", f"must be >= 1, got {args.max_loras}")
+    _check(1 <= args.max_lora_rank <= 512, "max_lora_rank", f"must be in [1, 512], got {args.max_lora_rank}")
+    cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
+    _check(cpu >= args.max_loras, "max_cpu_loras", f"must be >= max_loras ({args.max_loras}), got {cpu}")
+    _check(args.pipeline_parallel_size == 1, "enable_lora",
+           f"cannot be combined with pipeline_parallel_size > 1 (got {args.pipeline_parallel_size})")
+    return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=cpu)
 
 
 def resolve_structured(args: EngineArgs) -> StructuredOutputConfig:
@@ -214,30 +236,37 @@ def _triton_installed() -> bool:
 
 
 def resolve_dtype(name: str, device: str) -> str:
-    on_cuda = device.startswith("cuda")
-    if name == "auto":
-        return "bfloat16" if on_cuda or cpu_has_fast_bf16() else "float32"
-    _check(name in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {name!r}")
-    dtype = _DTYPES[name]
-    _check(on_cuda or dtype != "float16", "dtype", "float16 is not supported on CPU; use float32 or bfloat16")
+    """The dtype to run in; the choice and its reason go to the log (INFO)."""
+    dtype, reason = choose_dtype(name, device)
+    logger.info("dtype %s: %s", dtype, reason)
     return dtype
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when this CPU does bfloat16 matrix math natively (AMX-BF16 or AVX512-BF16).
+def choose_dtype(name: str, device: str) -> tuple[str, str]:
+    """(dtype, why). "auto": bfloat16 on CUDA and on CPUs that do bf16 matrix math natively (AMX or
+    AVX512-BF16), where it runs ~1.7-3x faster than float32 and, with float32 norms, softmax,
+    residual stream and logits, answers as HF's float32 does on the README demo and stays at least
+    as close to float32 as HF's bf16 (docs/bf16-numerics.md); float32 on other CPUs, where bf16 is
+    emulated and slower."""
+    on_cuda = device.startswith("cuda")
+    if name == "auto":
+        if on_cuda:
+            return "bfloat16", "auto on CUDA"
+        from tokenmill.layers import cpu_isa
+        path = cpu_isa.kernel_path()
+        if path.native_bf16:
+            return "bfloat16", f"auto: this CPU does bf16 matrix math natively ({path.name})"
+        return "float32", f"auto: this CPU has no native bf16 matrix math ({path.name} path), float32 is faster"
+    _check(name in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {name!r}")
+    dtype = _DTYPES[name]
+    _check(on_cuda or dtype != "float16", "dtype", "float16 is not supported on CPU; use float32 or bfloat16")
+    return dtype, f"--dtype {name}"
 
-    There, bfloat16 linears run about 3x faster than float32; elsewhere bfloat16 is
-    emulated and slower, so "auto" picks float32.
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
-    return False
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU does bfloat16 matrix math natively (AMX-BF16 or AVX512-BF16)."""
+    from tokenmill.layers import cpu_isa
+    return cpu_isa.best_path(cpu_isa.cpu_flags()).native_bf16
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

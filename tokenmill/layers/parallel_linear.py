@@ -7,7 +7,8 @@
   the sum, so the packed CPU path still fuses the residual add into the matmul.
 - `VocabParallelEmbedding` holds the rank's vocab rows; a token outside them embeds to zeros,
   and the sum over the group fills every row.
-- `ParallelLMHead` computes the rank's vocab columns of the logits and gathers them all.
+- `ParallelLMHead` computes the rank's vocab columns of the logits and gathers them all; the
+  logits are float32 (on CPU in bf16, straight from float32 accumulation: `cpu_logits`).
 With one rank every class is its plain counterpart, numerically identical.
 """
 
@@ -18,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import ParallelContext
+from tokenmill.layers import cpu_logits
 from tokenmill.layers.linear import Linear, PackedWeight, linear, linear_add
+from tokenmill.layers.lora.lora_layer import with_lora
 
 
 class RowParallelLinear(Linear):
@@ -31,13 +34,15 @@ class RowParallelLinear(Linear):
         return self.bias if self.first_rank else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(linear(x, self.weight, self._bias(), self._packed))
+        # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
+        return self.parallel.all_reduce(with_lora(self, x, linear(x, self.weight, self._bias(), self._packed)))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`forward(x) + residual`; the add runs inside rank 0's matmul where it can."""
         if not self.first_rank:
-            return self.parallel.all_reduce(linear(x, self.weight, None, self._packed))
-        return self.parallel.all_reduce(linear_add(x, self.weight, self.bias, residual, self._packed))
+            return self.parallel.all_reduce(with_lora(self, x, linear(x, self.weight, None, self._packed)))
+        return self.parallel.all_reduce(with_lora(self, x, linear_add(x, self.weight, self.bias, residual,
+                                                                      self._packed)))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -67,7 +72,10 @@ class ParallelLMHead:
         self.packed = PackedWeight()
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden, weight, None, self.packed)
+        if cpu_logits.supports(hidden, weight):  # bf16 on CPU: float32 logits, never rounded to bf16
+            local = cpu_logits.linear_f32(hidden, weight)
+        else:
+            local = linear(hidden, weight, None, self.packed)
         if self.parallel.tp_size == 1:
             return local.float()
         return self.parallel.all_gather_last_dim(local)[..., :self.parallel.layout.vocab_size].float()

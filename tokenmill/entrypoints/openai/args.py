@@ -30,6 +30,8 @@ class ServerSettings:
     uvicorn_log_level: str = "info"
     enable_auto_tool_choice: bool = False  # tool_choice "auto": calls read by tool_call_parser
     tool_call_parser: str | None = None  # hermes | llama3_json | mistral | qwen3_xml
+    lora_modules: tuple[str, ...] = ()  # NAME=PATH of LoRA adapters served from the start (--enable-lora)
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 _HELP = {
@@ -52,6 +54,10 @@ _HELP = {
     "uvicorn_log_level": "uvicorn's log level",
     "enable_auto_tool_choice": 'let requests use tool_choice "auto" (needs --tool-call-parser)',
     "tool_call_parser": "how the model writes tool calls: hermes, llama3_json, mistral or qwen3_xml",
+    "lora_modules": "LoRA adapters to serve, as NAME=PATH (PEFT folders; needs --enable-lora); a request's "
+                    "`model` names one",
+    "allow_runtime_lora_updating": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
 }
 
 
@@ -59,7 +65,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(ServerSettings):
         name, default = f.name, f.default
         flag = "--" + name.replace("_", "-")
-        if isinstance(default, bool):
+        if isinstance(default, tuple):
+            parser.add_argument(flag, nargs="*", default=default, help=_HELP[name])
+        elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=f"{_HELP[name]} (default: {'on' if default else 'off'})")
         else:
@@ -69,6 +77,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_flags(ns: argparse.Namespace) -> ServerSettings:
     values = {f.name: getattr(ns, f.name) for f in fields(ServerSettings)}
+    values["lora_modules"] = tuple(values["lora_modules"] or ())
     if values["api_key"] is None:
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
     settings = ServerSettings(**values)
@@ -94,5 +103,8 @@ def check_settings(s: ServerSettings) -> None:
         from tokenmill.entrypoints.openai.tool_parsers import PARSERS
         if s.tool_call_parser not in PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {s.tool_call_parser!r}")
+    for module in s.lora_modules:
+        if "=" not in module or not module.split("=", 1)[0] or not module.split("=", 1)[1]:
+            raise ValueError(f"lora_modules: {module!r} must be NAME=PATH")
     if s.api_key is not None and not s.api_key:
         raise ValueError("api_key must not be empty")

@@ -24,7 +24,7 @@ router = APIRouter()
                         503: {"model": ErrorResponse}})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     check_chat_request(body, state.settings)
     mode = tool_mode(body, state.settings)
     chat = render_chat(state.frontend, body.messages, body.add_generation_prompt, body.continue_final_message,
@@ -41,10 +41,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     # The engine's logprobs are what this API calls top_logprobs.
     aliases = {"logprobs": "top_logprobs"}
     await check_grammar(state, params, aliases)
-    prompt = prepare(state, chat, params, "messages", aliases)
+    prompt = prepare(state, chat, params, "messages", aliases, lora=lora)
     request_id, created = new_id("chatcmpl"), now_s()
     gen = Generation(state.engine, request_id, [prompt], body.n, state.metrics)
-    head = {"id": request_id, "created": created, "model": state.model_name}
+    head = {"id": request_id, "created": created, "model": state.response_model(lora)}
 
     if not body.stream:
         def render() -> dict:
