@@ -13,6 +13,7 @@ Parts (default: all), each printing a table row and a JSON record under $OUT (de
     python scripts/gpu_families.py                 # on an H100: everything, under 8 minutes
     python scripts/gpu_families.py --parts parity  # one part
     python scripts/gpu_families.py --smoke         # on CPU: tiny shapes, to catch typos
+    python scripts/gpu_families.py --parts bench --shapes gemma2_9b,gemma_sized_llama  # a subset
 Exits non-zero when a check fails.
 """
 
@@ -102,10 +103,71 @@ def parity(results: dict, failures: list[str], device: str) -> None:
         print(f"parity {arch:12s} exact {exact}/{len(prompts)} {'; '.join(notes)}", flush=True)
 
 
-def bench(results: dict, failures: list[str], smoke: bool) -> None:
+def measure_matmul_rate(device: str) -> float:
+    """bf16 FLOP/s of a large matmul on the device (best of five), the compute ceiling."""
+    if device != "cuda":
+        return 1e11
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    a @ b
+    best = 0.0
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            a @ b
+        end.record()
+        end.synchronize()
+        best = max(best, 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3))
+    return best
+
+
+def physical_bound_tok_s(arch, num_prompts: int, input_len: int, output_len: int, bandwidth: float,
+                         flops_rate: float, max_rows: int = 256) -> float:
+    """Output tokens/s no engine can beat: prefill at the matmul rate; each decode step at
+    max(bytes read / copy bandwidth, FLOPs / matmul rate), where a step reads every weight once
+    and each row's KV (a sliding layer's only within its window)."""
+    from tokenmill.benchmarks.roofline import kv_bytes_per_token, weight_bytes_read_per_step
+    weights = weight_bytes_read_per_step(arch, "bfloat16")
+    params = weights / 2
+    kv_layer_token = kv_bytes_per_token(arch, "bfloat16") / arch.num_layers
+    width = arch.num_heads * arch.head_dim
+
+    windows = [arch.layer_spec(i).sliding_window for i in range(arch.num_layers)]
+
+    def keys_seen(context: int) -> int:  # keys one query at `context` - 1 reads, summed over layers
+        return sum(min(context, w or context) for w in windows)
+
+    def keys_summed(length: int, w: int | None) -> int:  # sum over positions p < length of min(p + 1, w)
+        w = w or length
+        return length * (length + 1) // 2 if length <= w else w * (w + 1) // 2 + (length - w) * w
+
+    prefill_flops = num_prompts * (2 * params * input_len + 4 * width * sum(keys_summed(input_len, w) for w in windows))
+    seconds = prefill_flops / flops_rate
+    waves = -(-num_prompts // max_rows)
+    rows = min(num_prompts, max_rows)
+    for step in range(output_len):
+        keys = keys_seen(input_len + step + 1)
+        step_bytes = weights + rows * keys * kv_layer_token
+        step_flops = 2 * params * rows + rows * 4 * width * keys
+        seconds += waves * max(step_bytes / bandwidth, step_flops / flops_rate)
+    return num_prompts * output_len / seconds
+
+
+def bench(results: dict, failures: list[str], smoke: bool, shapes: list[str]) -> None:
+    from transformers import AutoConfig
+
+    from tokenmill.benchmarks.roofline import measure_copy_bandwidth
+    from tokenmill.model.arch import model_arch
+    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
+    bandwidth = measure_copy_bandwidth() if device == "cuda" else 1e10
+    flops_rate = measure_matmul_rate(device)
+    results["measured"] = {"copy_bandwidth_GBps": bandwidth / 1e9, "bf16_matmul_TFLOPs": flops_rate / 1e12}
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, bf16 matmul {flops_rate / 1e12:.0f} TFLOP/s", flush=True)
     runs = [(256, 256, 128), (1, 512, 128)] if not smoke else [(4, 32, 8), (1, 32, 8)]
-    for shape in ("gemma2_9b", "gemma_sized_llama", "mistral_7b", "llama31_8b"):
+    for shape in shapes:
         path = config_dir(shape, smoke)
+        arch = model_arch(AutoConfig.from_pretrained(path))
         for num_prompts, input_len, output_len in runs:
             key = f"bench_{shape}_{num_prompts}x{input_len}x{output_len}"
             record = os.path.join(OUT, key + ".json")
@@ -124,10 +186,14 @@ def bench(results: dict, failures: list[str], smoke: bool) -> None:
             with open(record) as f:
                 rec = json.load(f)
             tm = rec.get("tokenmill") or {}
-            results[key] = {"output_tok_s": tm.get("output_tokens_per_s"), "roofline": rec.get("roofline"),
+            tok_s = tm.get("output_tokens_per_s") or 0.0
+            bound = physical_bound_tok_s(arch, num_prompts, input_len, output_len, bandwidth, flops_rate)
+            decode_fraction = (rec.get("roofline") or {}).get("fraction_of_roofline_step_p50")
+            results[key] = {"output_tok_s": tok_s, "physical_bound_tok_s": bound, "fraction_of_bound": tok_s / bound,
+                            "decode_step_fraction_of_roofline": decode_fraction, "roofline": rec.get("roofline"),
                             "seconds": time.perf_counter() - start}
-            print(f"{key:45s} {tm.get('output_tokens_per_s')} out tok/s  roofline {rec.get('roofline')}"
-                  f"  [{time.perf_counter() - start:.0f} s]", flush=True)
+            print(f"{key:45s} {tok_s:9.1f} out tok/s  bound {bound:9.1f}  fraction {tok_s / bound:6.1%}  "
+                  f"decode step vs roofline {decode_fraction}  [{time.perf_counter() - start:.0f} s]", flush=True)
     for num_prompts, input_len, output_len in runs:
         tag = f"{num_prompts}x{input_len}x{output_len}"
         gemma = (results.get(f"bench_gemma2_9b_{tag}") or {}).get("output_tok_s")
@@ -141,13 +207,18 @@ def bench(results: dict, failures: list[str], smoke: bool) -> None:
 
 
 def window_blocks(results: dict, failures: list[str], smoke: bool, device: str) -> None:
-    from tokenmill import LLM, SamplingParams
+    from tokenmill import LLM
     window, prompt_len, num_prompts, out_len, block_size = (4096, 16384, 8, 64, 16) if not smoke else (24, 100, 3, 12, 4)
     path = config_dir("mistral_7b", smoke, sliding_window=window)
     engine = dict(load_format="dummy", dtype="float32" if smoke else "bfloat16", block_size=block_size,
                   max_model_len=prompt_len + out_len + 16, single_process=True, max_num_batched_tokens=8192)
     engine.update(kv_cache_memory_gb=0.05) if device == "cpu" else None
-    llm = LLM(path, **engine)
+    with LLM(path, **engine) as llm:
+        _decode_with_window(llm, results, failures, window, prompt_len, num_prompts, out_len, block_size)
+
+
+def _decode_with_window(llm, results, failures, window, prompt_len, num_prompts, out_len, block_size) -> None:
+    from tokenmill import SamplingParams
     scheduler = llm.engine.scheduler
     held: list[int] = []
     schedule = scheduler.schedule
@@ -174,13 +245,13 @@ def window_blocks(results: dict, failures: list[str], smoke: bool, device: str) 
           f"the whole context would take {-(-(prompt_len + out_len) // block_size)})", flush=True)
     if not held or max(held) > bound:
         failures.append(f"window: a decoding request held {max(held, default=None)} blocks > {bound}")
-    llm.shutdown() if hasattr(llm, "shutdown") else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="parity,bench,window")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks the script runs")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="bench: which shapes (comma-separated)")
     args = ap.parse_args()
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     os.makedirs(OUT, exist_ok=True)
@@ -191,7 +262,7 @@ def main() -> None:
         if part == "parity":
             parity(results, failures, device)
         elif part == "bench":
-            bench(results, failures, args.smoke)
+            bench(results, failures, args.smoke, args.shapes.split(","))
         elif part == "window":
             window_blocks(results, failures, args.smoke, device)
         else:
