@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 
 import msgspec
 
+from tokenmill.quant_config import QuantConfig
+
 
 class RopeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     theta: float = 10000.0
@@ -57,6 +59,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int
     eos_token_ids: tuple[int, ...]
     arch: ModelArch
+    quantization: QuantConfig | None = None  # quantized linears (tokenmill.quant_config); None: float
 
     @property
     def vocab_size(self) -> int:
@@ -74,6 +77,11 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     cpu_kv_cache_bytes: int = 1 << 30  # the KV pool's size on CPU
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights, activations, KV
+    kv_cache_dtype: str = ""  # torch dtype name of the KV cache (float8_e4m3fn, float8_e5m2); "": the model's
+
+    def kv_torch_dtype(self, model_dtype):
+        import torch
+        return getattr(torch, self.kv_cache_dtype) if self.kv_cache_dtype else model_dtype
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -175,6 +183,8 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     speculative_config: dict | None = None  # vLLM's spelling, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    quantization: str | None = None  # fp8 (online), or the checkpoint's quant_method (default: from its config)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
 
 
 _FLAG_HELP = {
@@ -211,6 +221,10 @@ _FLAG_HELP = {
                           '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
                           '"model": PATH, "num_speculative_tokens": 4}; optional "max_step_tokens" (adaptive '
                           'speculation: 0 = always speculate) and "min_acceptance"',
+    "quantization": "fp8 (quantize a float checkpoint's linears to FP8 W8A8 at load), or the checkpoint's "
+                    "quant_method (fp8, fbgemm_fp8, compressed-tensors, gptq, awq); default: from its config",
+    "kv_cache_dtype": "auto (the model's dtype), fp8 / fp8_e4m3 or fp8_e5m2 (twice the KV blocks; per-layer "
+                      "scales from the checkpoint, else 1.0)",
 }
 
 

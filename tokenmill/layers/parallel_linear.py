@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import ParallelContext
-from tokenmill.layers.linear import Linear, PackedWeight, linear, linear_add
+from tokenmill.layers.linear import Linear, PackedWeight, linear
 
 
 class RowParallelLinear(Linear):
@@ -31,13 +31,13 @@ class RowParallelLinear(Linear):
         return self.bias if self.first_rank else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(linear(x, self.weight, self._bias(), self._packed))
+        return self.parallel.all_reduce(self.quant_method.apply(self, x, self._bias()))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`forward(x) + residual`; the add runs inside rank 0's matmul where it can."""
         if not self.first_rank:
-            return self.parallel.all_reduce(linear(x, self.weight, None, self._packed))
-        return self.parallel.all_reduce(linear_add(x, self.weight, self.bias, residual, self._packed))
+            return self.parallel.all_reduce(self.quant_method.apply(self, x, None))
+        return self.parallel.all_reduce(self.quant_method.apply_add(self, x, self.bias, residual))
 
 
 class VocabParallelEmbedding(nn.Module):

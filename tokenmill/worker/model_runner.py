@@ -28,7 +28,8 @@ from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
 from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
 from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
-from tokenmill.model.loader import load_model
+from tokenmill.layers.quantization.methods import linear_methods_summary
+from tokenmill.model.loader import load_model, weight_bytes
 from tokenmill.protocol import NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs, verify_logits_rows
@@ -84,6 +85,8 @@ class ModelRunner:
         self.config = config
         self.device = device or config.torch_device
         self.dtype = config.model.torch_dtype
+        self.kv_dtype = config.cache.kv_torch_dtype(self.dtype)  # fp8 with kv_cache_dtype fp8*
+        self.weight_bytes = 0
         self.block_size = config.cache.block_size
         arch = config.model.arch
         self.stage = stage or PipelineStage(ParallelContext.single(arch))
@@ -138,9 +141,11 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(m.path, m.arch, m.load_format, self.dtype, self.device,
                                 attention_backend_class(self.config.attention_backend), seed=m.seed,
-                                parallel=self.stage.parallel)
-        logger.info("loaded %s in %.1f s (%s attention)", m.path, time.perf_counter() - start,
-                    self.config.attention_backend)
+                                parallel=self.stage.parallel, quant=m.quantization)
+        self.weight_bytes = weight_bytes(self.model)
+        logger.info("loaded %s in %.1f s (%s attention): weights %.3f GiB; linears: %s; KV cache %s", m.path,
+                    time.perf_counter() - start, self.config.attention_backend, self.weight_bytes / 2**30,
+                    linear_methods_summary(self.model), str(self.kv_dtype).replace("torch.", ""))
         spec = self.config.speculative
         if spec is not None and spec.draft is not None:
             from tokenmill.worker.draft_proposer import DraftProposer
@@ -149,7 +154,7 @@ class ModelRunner:
                                        self.config.scheduler.max_num_seqs + 1, spec.num_speculative_tokens)
 
     def kv_block_bytes(self) -> int:
-        element = torch.empty((), dtype=self.dtype).element_size()
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
         target = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
         return target + (self.draft.kv_block_bytes(self.block_size) if self.draft is not None else 0)
 
@@ -213,7 +218,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.num_layers)]
         if self.draft is not None:
             self.draft.allocate(lambda blocks, heads, dim: kv_cache_shape(blocks, self.block_size, heads, dim),

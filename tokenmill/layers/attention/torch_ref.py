@@ -20,6 +20,10 @@ GQA never copies K/V per query head: decodes fold the query heads sharing a KV
 head into the query axis, prefills use SDPA's `enable_gqa`.
 Attention runs in the activation dtype (CPU and CUDA SDPA kernels accumulate
 half precision in float32).
+
+FP8 KV cache: the write stores k / k_scale (v / v_scale) in fp8; reads convert the fp8 blocks to
+the activation dtype and fold the scales into the softmax scale (K) and the output (V). Fresh
+prefills attend over their own new K/V, as they do with any cache dtype.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.attention import cpu_decode
-from tokenmill.layers.attention.backend import AttentionBackend
+from tokenmill.layers.attention.backend import AttentionBackend, is_fp8, quantize_kv
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
 
@@ -175,7 +179,7 @@ class TorchRefAttentionBackend(AttentionBackend):
         block_size = kv_cache.shape[2]
         plan = _plan_for(meta, block_size)
         n = plan.num_tokens
-        _write(kv_cache, k, v, plan)
+        _write(kv_cache, k, v, plan, self.k_scale, self.v_scale)
         if plan.all_fresh and q.shape[0] == n:
             q_len, _, count = plan.fresh[0]
             o = self._fresh(q, k, v, 0, q_len, count)
@@ -209,7 +213,7 @@ class TorchRefAttentionBackend(AttentionBackend):
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, out: torch.Tensor) -> None:
         s = plan.num_decodes
         qd = q[:s] if plan.decode_contiguous else q[plan.decode_rows]
-        if plan.decode_block_table is not None and cpu_decode.supports(qd, kv_cache):
+        if plan.decode_block_table is not None and not is_fp8(kv_cache) and cpu_decode.supports(qd, kv_cache):
             o = cpu_decode.decode_attention(qd, kv_cache, plan.decode_block_table, plan.decode_seq_lens,
                                             self.scale)
             if plan.decode_contiguous:
@@ -218,17 +222,18 @@ class TorchRefAttentionBackend(AttentionBackend):
                 out[plan.decode_rows] = o
             return
         blocks = plan.decode_blocks
-        key = (kv_cache.dtype, kv_cache.shape[2:])
+        cache = _raw(kv_cache)
+        key = (cache.dtype, cache.shape[2:])
         buf = plan.buffers.get(key)
         if buf is None:
-            buf = kv_cache.new_empty((2, blocks.shape[0]) + tuple(kv_cache.shape[2:]))
+            buf = cache.new_empty((2, blocks.shape[0]) + tuple(cache.shape[2:]))
             plan.buffers[key] = buf
-        torch.index_select(kv_cache, 1, blocks, out=buf)
+        torch.index_select(cache, 1, blocks, out=buf)
         # [2, S * nb, bs, Hkv, D] -> [2, S, Hkv, L, D]
-        kv = buf.view(2, s, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        kv = _cooked(buf, kv_cache.dtype, q.dtype).view(2, s, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         qd = qd.view(s, self.num_kv_heads, self.group, self.head_dim)
-        o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=plan.decode_mask, scale=self.scale)
-        o = o.reshape(s, self.num_heads, self.head_dim)
+        o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=plan.decode_mask, scale=self._qk_scale(kv_cache))
+        o = self._v_scaled(o.reshape(s, self.num_heads, self.head_dim), kv_cache)
         if plan.decode_contiguous:
             out[:s] = o
         else:
@@ -236,20 +241,41 @@ class TorchRefAttentionBackend(AttentionBackend):
 
     def _chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, c: _Chunk) -> torch.Tensor:
         # [2, nb, bs, Hkv, D] -> [2, Hkv, seq_len, D]
-        kv = kv_cache[:, block_ids[:c.num_blocks].long()].flatten(1, 2)[:, :c.seq_len].transpose(1, 2)
+        kv = _raw(kv_cache)[:, block_ids[:c.num_blocks].long()].flatten(1, 2)[:, :c.seq_len].transpose(1, 2)
+        kv = _cooked(kv, kv_cache.dtype, q.dtype)
         qh = q.transpose(0, 1)  # [H, q_len, D]
         o = F.scaled_dot_product_attention(qh[None], kv[0][None], kv[1][None], attn_mask=c.mask,
-                                           scale=self.scale, enable_gqa=self.group > 1)
-        return o[0].transpose(0, 1)
+                                           scale=self._qk_scale(kv_cache), enable_gqa=self.group > 1)
+        return self._v_scaled(o[0].transpose(0, 1), kv_cache)
+
+    def _qk_scale(self, kv_cache: torch.Tensor) -> float:
+        return self.scale * self.k_scale if is_fp8(kv_cache) else self.scale
+
+    def _v_scaled(self, o: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        return o * self.v_scale if is_fp8(kv_cache) and self.v_scale != 1.0 else o
 
 
-def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _StepPlan) -> None:
-    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+def _raw(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as bytes where it is fp8 (CPU indexing kernels do not take fp8 tensors)."""
+    return kv_cache.view(torch.uint8) if is_fp8(kv_cache) else kv_cache
+
+
+def _cooked(raw: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache entries in the activation dtype (scales are applied by the caller)."""
+    return raw.view(cache_dtype).to(dtype) if raw.dtype != cache_dtype else raw
+
+
+def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _StepPlan, k_scale: float,
+           v_scale: float) -> None:
+    flat = _raw(kv_cache).view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     n = plan.num_tokens
     if plan.valid_rows is None:
         k, v = k[:n], v[:n]
     else:
         k, v = k[plan.valid_rows], v[plan.valid_rows]
-    flat[0].index_copy_(0, plan.slots, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, plan.slots, v.to(kv_cache.dtype))
+    if is_fp8(kv_cache):
+        k, v = (quantize_kv(k, k_scale, kv_cache.dtype).view(torch.uint8),
+                quantize_kv(v, v_scale, kv_cache.dtype).view(torch.uint8))
+    flat[0].index_copy_(0, plan.slots, k.to(flat.dtype))
+    flat[1].index_copy_(0, plan.slots, v.to(flat.dtype))
 
