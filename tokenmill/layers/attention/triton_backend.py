@@ -118,13 +118,14 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_cache.stride(-1) != 1:
             raise ValueError("the KV cache's head_dim axis must be contiguous")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping)
+        triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         plan = plan_launch(self.config, self.num_heads, self.num_kv_heads, q.shape[0], meta.seq_lens.shape[0],
                            meta.max_query_len, meta.max_seq_len, self._sm_count_of(q.device))
         return triton_paged_attention.paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
-            max_splits=MAX_KV_SPLITS, num_warps=plan.num_warps, num_stages=plan.num_stages)
+            max_splits=MAX_KV_SPLITS, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            k_scale=self.k_scale, v_scale=self.v_scale)
 
     def _sm_count_of(self, device: torch.device) -> int:
         if self._sm_count is None:
