@@ -125,7 +125,9 @@ def _parse_awq(q: dict[str, Any]) -> QuantConfig:
     version = str(q.get("version", "gemm")).lower()
     if version != "gemm":
         raise ValueError(f"quantization_config.version {version!r} is not supported; supported: gemm")
-    return QuantConfig(scheme="int4", fmt="awq", group_size=group, sym=not q.get("zero_point", True),
+    if not q.get("zero_point", True):
+        raise ValueError("quantization_config.zero_point false is not supported for awq; supported: true")
+    return QuantConfig(scheme="int4", fmt="awq", group_size=group, sym=False,
                        ignore=tuple(q.get("modules_to_not_convert") or ()))
 
 

@@ -29,7 +29,7 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
 from tokenmill.model.intermediate import IntermediateTensors
-from tokenmill.model.quant_loading import is_quantized_param, load_quantized_param
+from tokenmill.model.quant_loading import load_quantized_param, quantized_layout
 from tokenmill.model.weight_source import LazyTensor, read_slice, tensor_shape
 
 
@@ -277,13 +277,14 @@ class LlamaForCausalLM(nn.Module):
         param = params.get(name)
         if param is None:
             raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
-        if is_quantized_param(param):  # a quantized linear's tensor: its layout says where features sit
+        layout = quantized_layout(self, name)
+        if layout is not None:  # a quantized linear's tensor: its layout says where features sit
             layer = self.get_submodule(name.rsplit(".", 1)[0])
             sizes = self._shard_sizes(name.split(".")[-2]) if shard is not None else [layer.out_features]
             part = None if shard is None else (sum(sizes[:shard]), sizes[shard])
             local = (sizes[shard if shard is not None else 0], layer.in_features)
             full = self._checkpoint_shape(name.rsplit(".", 1)[0] + ".weight", shard, local)
-            load_quantized_param(param, hf_name, tensor, part, full, self._source_slice(name, shard))
+            load_quantized_param(param, layout, hf_name, tensor, part, full, self._source_slice(name, shard))
             return
         target = param.data
         if shard is not None:

@@ -13,15 +13,22 @@ A parameter without a layout along the sharded axis is replicated there (read wh
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from tokenmill.layers.quantization.base import ParamLayout
+from tokenmill.layers.quantization.base import ParamLayout, quant_layout_of
 from tokenmill.model.weight_source import LazyTensor, read_slice, tensor_shape
 
 TensorSource = torch.Tensor | LazyTensor
 
 
-def is_quantized_param(param: torch.Tensor) -> bool:
-    return getattr(param, "quant_layout", None) is not None
+def quantized_layout(model: nn.Module, name: str) -> ParamLayout | None:
+    """The layout of parameter `name` (dotted) when a quantized linear method created it."""
+    prefix, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(prefix)
+    except AttributeError:
+        return None
+    return quant_layout_of(module, leaf)
 
 
 def _entries(features: int, div: int) -> int:
@@ -35,9 +42,9 @@ def _aligned(value: int, div: int, what: str, hf_name: str) -> int:
     return value // div
 
 
-def load_quantized_param(param: torch.Tensor, hf_name: str, tensor: TensorSource, part: tuple[int, int] | None,
-                         full: tuple[int, int], source: tuple[int, int, int] | None) -> None:
-    layout: ParamLayout = param.quant_layout
+def load_quantized_param(param: torch.Tensor, layout: ParamLayout, hf_name: str, tensor: TensorSource,
+                         part: tuple[int, int] | None, full: tuple[int, int], source: tuple[int, int, int] | None
+                         ) -> None:
     target = param.data
     if part is not None and layout.out_dim is not None:
         offset = _aligned(part[0], layout.out_div, "the fused part's first output row", hf_name)
@@ -58,6 +65,14 @@ def load_quantized_param(param: torch.Tensor, hf_name: str, tensor: TensorSource
     if shape != tuple(expected) and not (layout.scalar_ok and squeezed == tuple(s for s in expected if s != 1)):
         raise ValueError(f"weight {hf_name!r} has shape {shape}, expected {tuple(expected)}")
     value = _read(tensor, layout, source, hf_name, shape, expected)
+    if part is not None and layout.out_dim is None:
+        # A tensor that fused parts share (act-order g_idx): every part must carry the same one.
+        if getattr(param, "_shared_part_loaded", False):
+            if not torch.equal(target, value.reshape(target.shape).to(target.dtype)):
+                raise ValueError(f"weight {hf_name!r} differs from the one of the part fused with it; "
+                                 f"the fused linear can hold only one")
+            return
+        param._shared_part_loaded = True
     with torch.no_grad():
         target.copy_(value.reshape(target.shape))
 

@@ -34,13 +34,21 @@ class ParamLayout:
 
 
 def new_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, layout: ParamLayout) -> None:
-    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    param.quant_layout = layout
-    layer.register_parameter(name, param)
+    """A loadable parameter; its layout is kept on the layer (`quant_layouts`), since moving a
+    module between devices may replace its Parameter objects."""
+    layer.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+    if "quant_layouts" not in layer.__dict__:
+        layer.quant_layouts = {}
+    layer.quant_layouts[name] = layout
+
+
+def quant_layout_of(layer: nn.Module, name: str) -> ParamLayout | None:
+    return layer.__dict__.get("quant_layouts", {}).get(name)
 
 
 def replace_param(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
     """Set (or drop, with None) a processed parameter: no layout, so it is no longer loadable."""
+    layer.__dict__.get("quant_layouts", {}).pop(name, None)
     if name in layer._parameters:
         del layer._parameters[name]
     if value is None:

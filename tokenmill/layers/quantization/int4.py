@@ -49,16 +49,18 @@ class Int4LinearMethod(LinearMethod):
         if c.fmt == "gptq":
             new_param(layer, "qweight", (k // 8, n), torch.int32, ParamLayout(1, 1, 0, 8))
             new_param(layer, "qzeros", (groups, n // 8), torch.int32, ParamLayout(1, 8, 0, group_div))
-            new_param(layer, "scales", (groups, n), torch.float16, ParamLayout(1, 1, 0, group_div))
+            new_param(layer, "scales", (groups, n), torch.float32, ParamLayout(1, 1, 0, group_div))
             if c.desc_act:
                 new_param(layer, "g_idx", (k,), torch.int32, ParamLayout(None, 1, 0, 1))
         elif c.fmt == "awq":
             new_param(layer, "qweight", (k, n // 8), torch.int32, ParamLayout(1, 8, 0, 1))
             new_param(layer, "qzeros", (groups, n // 8), torch.int32, ParamLayout(1, 8, 0, group))
-            new_param(layer, "scales", (groups, n), torch.float16, ParamLayout(1, 1, 0, group))
+            new_param(layer, "scales", (groups, n), torch.float32, ParamLayout(1, 1, 0, group))
         else:
             new_param(layer, "weight_packed", (n, k // 8), torch.int32, ParamLayout(0, 1, 1, 8))
-            new_param(layer, "weight_scale", (n, groups), torch.bfloat16, ParamLayout(0, 1, 1, group))
+            new_param(layer, "weight_scale", (n, groups), torch.float32, ParamLayout(0, 1, 1, group))
+            if not c.sym:  # zero points packed along the output axis (+8, like the codes)
+                new_param(layer, "weight_zero_point", (n // 8, groups), torch.int32, ParamLayout(0, 8, 1, group))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         c, dtype = self.config, self.act_dtype
@@ -72,8 +74,10 @@ class Int4LinearMethod(LinearMethod):
         elif c.fmt == "awq":
             wt = packing.from_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, dtype)
         else:
-            wt = packing.from_compressed_tensors(layer.weight_packed.data, layer.weight_scale.data, dtype)
-        for name in ("weight", "qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale"):
+            zp = layer.weight_zero_point.data if not c.sym else None
+            wt = packing.from_compressed_tensors(layer.weight_packed.data, layer.weight_scale.data, dtype, zp)
+        for name in ("weight", "qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
+                     "weight_zero_point"):
             if getattr(layer, name, None) is not None:
                 replace_param(layer, name, None)
         replace_param(layer, "qweight", wt.qweight)

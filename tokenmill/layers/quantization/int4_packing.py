@@ -12,7 +12,8 @@ Every format stores affine 4-bit codes q in [0, 15] with a scale s and a zero po
   word in the interleaved order: nibble i holds channel 8c + AWQ_ORDER[i]; `scales` [K/G, N].
 - compressed-tensors pack-quantized: `weight_packed` int32 [N, K/8], eight input channels per
   word, sequential, codes stored as the signed value + 8; `weight_scale` [N, K/G];
-  `weight_shape` [2] (N, K). Symmetric: z = 8.
+  `weight_shape` [2] (N, K). Symmetric: z = 8; asymmetric: `weight_zero_point` int32 [N/8, K/G],
+  the signed zero point + 8 packed along the output axis.
 
 Kernel layout (`Int4Weights`): `qweight` int32 [K/8, N] packed as GPTQ's, `scales` and `zeros`
 [G, N] in the activation dtype (z as a float), `g_idx` int32 [K] or None (then k // group).
@@ -108,11 +109,15 @@ def to_awq(c: Int4Codes, dtype: torch.dtype = torch.float16) -> dict[str, torch.
             "scales": c.scales.t().to(dtype).contiguous()}
 
 
-def to_compressed_tensors(c: Int4Codes, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """Symmetric only (z = 8): the signed codes q - 8, stored + 8."""
-    return {"weight_packed": pack_along(c.codes, 1),
-            "weight_scale": c.scales.to(dtype).contiguous(),
-            "weight_shape": torch.tensor(list(c.codes.shape), dtype=torch.int64)}
+def to_compressed_tensors(c: Int4Codes, dtype: torch.dtype = torch.bfloat16, sym: bool = True
+                          ) -> dict[str, torch.Tensor]:
+    """The signed codes q - 8, stored + 8 (and the zero points likewise, when asymmetric)."""
+    out = {"weight_packed": pack_along(c.codes, 1),
+           "weight_scale": c.scales.to(dtype).contiguous(),
+           "weight_shape": torch.tensor(list(c.codes.shape), dtype=torch.int64)}
+    if not sym:
+        out["weight_zero_point"] = pack_along(c.zeros, 0)
+    return out
 
 
 # ---------------------------------------------------------------- checkpoint tensors -> kernel layout
@@ -138,11 +143,15 @@ def from_awq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, 
     return Int4Weights(pack_along(codes, 0), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), None)
 
 
-def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor,
-                            dtype: torch.dtype) -> Int4Weights:
+def from_compressed_tensors(weight_packed: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
+                            weight_zero_point: torch.Tensor | None = None) -> Int4Weights:
     codes = unpack_along(weight_packed, 1)  # [N, K], signed value + 8
     scales = weight_scale.t().to(dtype).contiguous()
-    return Int4Weights(pack_along(codes.t(), 0), scales, torch.full_like(scales, 8), None)
+    if weight_zero_point is None:
+        zeros = torch.full_like(scales, 8)
+    else:
+        zeros = unpack_along(weight_zero_point, 0)[:codes.shape[0]].t().to(dtype).contiguous()
+    return Int4Weights(pack_along(codes.t(), 0), scales, zeros, None)
 
 
 def from_codes(c: Int4Codes, dtype: torch.dtype, act_order: bool) -> Int4Weights:
