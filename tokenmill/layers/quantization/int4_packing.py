@@ -82,7 +82,7 @@ def pack_along(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(ra
     words = torch.zeros(v.shape[:-1], dtype=torch.int64, device=v.device)
     for i, j in enumerate(order):
         words |= v[..., j] << (4 * i)
-    return _to_int32(words).movedim(-1, dim)
+    return _to_int32(words).movedim(-1, dim).contiguous()
 
 
 def unpack_along(words: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:

@@ -58,7 +58,7 @@ def _int4_gemm_kernel(
             z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
             w = (q - z) * s
         else:
-            g = (k0 // GROUP).to(tl.int64)
+            g = k0 // GROUP
             s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
             w = (q - z[None, :]) * s[None, :]
