@@ -181,8 +181,9 @@ def reference_weight(fmt: str, t: dict[str, torch.Tensor], group_size: int = 32,
 
 
 def write_quantized_model(src: str, out: str | Path, fmt: str, *, kv_scales: dict[int, tuple[float, float]] | None = None,
-                          **opts) -> tuple[str, dict[str, torch.Tensor]]:
-    """(the quantized model directory, {HF linear weight name: float64 reference weight})."""
+                          with_refs: bool = True, **opts) -> tuple[str, dict[str, torch.Tensor]]:
+    """(the quantized model directory, {HF linear weight name: float64 reference weight}; no
+    references with `with_refs` False: the bit-by-bit decoders are slow for a real model)."""
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -204,7 +205,8 @@ def write_quantized_model(src: str, out: str | Path, fmt: str, *, kv_scales: dic
             parts = quantize_linear(fmt, value.float(), seed=seed, **opts)
             tensors.update({f"{module}.{k}": v.contiguous() for k, v in parts.items()})
             ref_opts = {k: v for k, v in opts.items() if k in ("group_size", "sym", "block")}
-            refs[name] = reference_weight(fmt, parts, **ref_opts)
+            if with_refs:
+                refs[name] = reference_weight(fmt, parts, **ref_opts)
         else:
             tensors[name] = value
     for layer, (k_scale, v_scale) in (kv_scales or {}).items():
