@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.helpers import quant_formats as spec
+from tests.helpers.requirements import require_module
 from tokenmill.layers.quantization import fp8_ops
 from tokenmill.layers.quantization import int4_packing as packing
 
@@ -118,7 +119,7 @@ def test_awq_packing_round_trip():
 
 @pytest.mark.parametrize("sym", [True, False])
 def test_compressed_tensors_packing_round_trip(sym):
-    pytest.importorskip("compressed_tensors")
+    require_module("compressed_tensors")
     w, codes, _ = _int4_case(group=32, sym=sym)
     ours = packing.to_compressed_tensors(codes, torch.float32, sym=sym)
     theirs = spec._ct_int4(w, 32, sym, torch.float32)  # packed by the library

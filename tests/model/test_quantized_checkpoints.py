@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from tests.helpers.quant_formats import write_quantized_model
+from tests.helpers.requirements import require_module
 from tests.helpers.tiny_models import make_tiny_model_dir
 from tokenmill import LLM, SamplingParams
 
@@ -78,7 +79,7 @@ def engine_logprobs(path: str, **kwargs) -> torch.Tensor:
 def test_checkpoint_matches_spec_reference(case, float_dir, tmp_path):
     fmt, opts = CASES[case]
     if fmt == "ct-int4":
-        pytest.importorskip("compressed_tensors")
+        require_module("compressed_tensors")
     path, refs = write_quantized_model(float_dir, tmp_path / case, fmt, **opts)
     act_group = {"fp8-channel": None, "fbgemm": None, "fp8-block": 32}.get(fmt, False)
     expected = reference_logprobs(float_dir, refs, act_group)
@@ -94,7 +95,7 @@ def test_compressed_tensors_matches_transformers_loading(float_dir, tmp_path):
     """transformers loads the pack-quantized checkpoint itself (decompressing it on the CPU, in the
     scales' dtype: float32 here, so that its weights are exact); its decompressed weights run in a
     plain float64 model (the compressed-tensors wrappers re-quantize at forward time)."""
-    pytest.importorskip("compressed_tensors")
+    require_module("compressed_tensors")
     from transformers import CompressedTensorsConfig
 
     path, _ = write_quantized_model(float_dir, tmp_path / "ct", "ct-int4", group_size=32, sym=False,
