@@ -30,6 +30,17 @@ TEXT = (
     "told them about the winter the sea froze in the harbour, the night a fishing boat ran aground below the "
     "cliffs, and the summer when a family of seals slept every afternoon on the warm stones of the jetty."
 )
+# GPTQ's calibration text (not the text measured).
+CALIBRATION = (
+    "Every spring the river that runs past the market town rises with the melting snow from the hills, "
+    "and the farmers along its banks move their animals to higher fields until the water falls again. "
+    "The old stone bridge has stood through more floods than anyone can remember; its arches were built "
+    "wide enough for the current to pass, and the townspeople say that it was designed by a mason who had "
+    "travelled to the great cities of the south and studied how the bridges there were made. On market "
+    "days the square fills with stalls selling bread, cheese, apples, wool and tools, and traders from the "
+    "villages up the valley arrive early to find the best places near the fountain. In the evenings the "
+    "inns are full of talk about prices, weather and the news carried by travellers from the coast."
+)
 CHUNK = 32
 # Round-to-nearest int4 (group 32) of weights that are themselves Q4_1 in the GGUF: measured +6.1%.
 INT4_LIMIT = 0.07
@@ -83,10 +94,13 @@ def float_nll(float_dir, text_ids) -> float:
 
 @pytest.fixture(scope="module")
 def gptq_dir(float_dir, tmp_path_factory) -> str:
-    """A GPTQ (v1, asymmetric, group 32) checkpoint of SmolLM2's weights (round to nearest)."""
-    path, _ = write_quantized_model(float_dir, tmp_path_factory.mktemp("gptq") / "gptq", "gptq", group_size=32,
-                                    sym=False, with_refs=False)
-    return path
+    """A GPTQ checkpoint of SmolLM2 (v1, asymmetric, group 64, act-order), quantized by GPTQ itself
+    (tests/helpers/gptq.py) calibrated on another text."""
+    from tests.helpers.gptq import gptq_checkpoint
+    from tokenmill.model.tokenizer import load_tokenizer
+    ids = load_tokenizer(float_dir)(CALIBRATION).input_ids
+    return gptq_checkpoint(float_dir, tmp_path_factory.mktemp("gptq") / "gptq", ids, group_size=64, sym=False,
+                           act_order=True)
 
 
 @pytest.mark.parametrize("what,kwargs,limit", [

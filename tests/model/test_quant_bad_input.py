@@ -94,3 +94,20 @@ def test_fp8_kv_cache_doubles_the_blocks(float_dir):
     fp8 = _llm(float_dir, kv_cache_dtype="fp8").kv_cache_stats()["num_blocks"]
     # float32 -> one byte per element: four times the blocks in the same memory (bf16 -> fp8: twice)
     assert 4 * plain <= fp8 < 4 * (plain + 1)
+
+
+def test_weight_bytes_and_kv_blocks_are_reported(float_dir, tmp_path):
+    """The engine's stats (and /metrics) give the weights' real bytes and the KV pool's blocks."""
+    from tokenmill.entrypoints.openai.metrics import ServerMetrics
+
+    plain = _llm(float_dir).scheduler_stats()
+    path, _ = write_quantized_model(float_dir, tmp_path / "gptq", "gptq", group_size=32, with_refs=False)
+    int4 = _llm(path).scheduler_stats()
+    assert plain["num_kv_blocks"] > 0 and plain["weight_bytes"] > 0
+    # The linears shrink from 4 bytes per weight to about half a byte (embeddings and norms stay float32).
+    assert int4["weight_bytes"] < 0.75 * plain["weight_bytes"]
+    metrics = ServerMetrics("m")
+    metrics.update_engine(int4)
+    text = metrics.render().decode()
+    assert f'tokenmill:model_weight_bytes{{model_name="m"}} {float(int4["weight_bytes"])}' in text
+    assert f'tokenmill:num_kv_cache_blocks{{model_name="m"}} {float(int4["num_kv_blocks"])}' in text
