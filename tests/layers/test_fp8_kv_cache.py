@@ -2,9 +2,9 @@
 (under TRITON_INTERPRET=1), against the float32 reference backend run over the same values
 rounded to fp8 and scaled back (the reference reads exactly what an fp8 cache holds).
 
-Every row has cached context, so every query reads K/V from the cache (fresh prefills attend
-over their own unrounded K/V, in every backend). Scales other than 1 check that k_scale joins
-the softmax scale and v_scale the output.
+Rows with cached context and a fresh prefill (which the torch backend computes from its new K/V,
+rounded as the cache holds them). Scales other than 1 check that k_scale joins the softmax scale
+and v_scale the output.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
 
 HEAD_DIM = 32
 # (contexts, query lengths): decodes, a multi-token decode and chunks over cached context.
-ROWS = ([5, 40, 17, 9, 30], [1, 1, 3, 6, 20])
+ROWS = ([5, 40, 17, 9, 30, 0], [1, 1, 3, 6, 20, 12])
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 

@@ -23,7 +23,8 @@ half precision in float32).
 
 FP8 KV cache: the write stores k / k_scale (v / v_scale) in fp8; reads convert the fp8 blocks to
 the activation dtype and fold the scales into the softmax scale (K) and the output (V). Fresh
-prefills attend over their own new K/V, as they do with any cache dtype.
+prefills attend over their new K/V rounded the same way, so every query sees the values the
+cache holds, however the work was scheduled (as in the Triton backend, which reads the cache).
 """
 
 from __future__ import annotations
@@ -180,6 +181,9 @@ class TorchRefAttentionBackend(AttentionBackend):
         plan = _plan_for(meta, block_size)
         n = plan.num_tokens
         _write(kv_cache, k, v, plan, self.k_scale, self.v_scale)
+        if is_fp8(kv_cache) and plan.fresh:  # what the cache holds, for prefills that skip reading it
+            k = quantize_kv(k, self.k_scale, kv_cache.dtype).to(k.dtype) * self.k_scale
+            v = quantize_kv(v, self.v_scale, kv_cache.dtype).to(v.dtype) * self.v_scale
         if plan.all_fresh and q.shape[0] == n:
             q_len, _, count = plan.fresh[0]
             o = self._fresh(q, k, v, 0, q_len, count)
