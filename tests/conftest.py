@@ -1,5 +1,5 @@
 """Session-wide fixtures: the real default model, loaded once (skipped when its package is absent,
-a failure when CI is set: tests/helpers/requirements.py)."""
+a failure when CI is set: tests/helpers/requirements.py); per-test timeouts by marker."""
 
 from __future__ import annotations
 
@@ -14,6 +14,26 @@ if not os.path.exists("/dev/nvidia0") and shutil.which("nvidia-smi") is None:
 import pytest  # noqa: E402
 
 from tests.helpers.requirements import SMOLLM2_GGUF, require_smollm2  # noqa: E402
+
+
+# pytest-timeout: every test has `timeout` of pyproject.toml (seconds, each of setup, call and
+# teardown); the marked ones get more, unless they set their own with @pytest.mark.timeout.
+SLOW_TIMEOUT_S = 600  # loads the real model (the first such test loads it for the session)
+
+
+def soak_timeout_s() -> float:
+    """The soak runs TOKENMILL_SOAK_S seconds (60 by default), then settles and reconciles."""
+    return 300 + 2 * float(os.environ.get("TOKENMILL_SOAK_S", "60"))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if item.get_closest_marker("timeout") is not None:
+            continue
+        if item.get_closest_marker("soak") is not None:
+            item.add_marker(pytest.mark.timeout(soak_timeout_s()))
+        elif item.get_closest_marker("slow") is not None:
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")

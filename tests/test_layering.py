@@ -1,6 +1,6 @@
 """The package's layers point one way, and module-level imports form no cycle.
 
-Layers, top to bottom: cli -> benchmarks -> entrypoints -> frontend -> core -> executor ->
+Layers, top to bottom: __main__ -> cli -> benchmarks -> entrypoints -> frontend -> core -> executor ->
 worker -> model -> layers, with the base (config, protocol, transport, metrics and the small
 shared modules) beneath them all. A module may import its own layer or lower ones; the base
 imports only the base. Imports inside functions count too: deferring an import does not change
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "tokenmill"
-LAYERS = ["cli", "benchmarks", "entrypoints", "frontend", "core", "executor", "worker", "model", "layers"]
+LAYERS = ["__main__", "cli", "benchmarks", "entrypoints", "frontend", "core", "executor", "worker", "model", "layers"]
 BASE_RANK = len(LAYERS)
 
 

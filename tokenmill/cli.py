@@ -12,7 +12,8 @@ from tokenmill.config import EngineArgs, add_engine_flags, engine_args_from_flag
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="complete one prompt (or chat message) and print the result",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default=EngineArgs.model, help="Hugging Face directory, .gguf file or alias")
+    p.add_argument("--model", default=EngineArgs.model,
+                   help="Hugging Face directory, .gguf file, Hub id (ORG/NAME, ORG/NAME:QUANT) or alias")
     p.add_argument("--prompt", required=True, help="the prompt text (the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate")
@@ -46,7 +47,8 @@ def _add_serve(sub) -> None:
                        description="Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, "
                                    "models, tokenize, metrics). Engine flags use vLLM's names.")
     p.add_argument("model", nargs="?", default=EngineArgs.model,
-                   help=f"Hugging Face directory, .gguf file or alias (default: {EngineArgs.model})")
+                   help=f"Hugging Face directory, .gguf file, Hub id (ORG/NAME, ORG/NAME:QUANT) or alias "
+                        f"(default: {EngineArgs.model})")
     add_server_flags(p)
     add_engine_flags(p)
     p.set_defaults(func=_run_serve)
@@ -74,13 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     bench = sub.add_parser("bench", help="benchmarks that print figures and a JSON record")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from tokenmill.benchmarks import core_step, overhead, serve, soak, spec_decode, throughput
+    from tokenmill.benchmarks import bf16_deviation, core_step, overhead, serve, soak, spec_decode, throughput
     throughput.add_parser(bench_sub)
     serve.add_parser(bench_sub)
     soak.add_parser(bench_sub)
     overhead.add_parser(bench_sub)
     core_step.add_parser(bench_sub)
     spec_decode.add_parser(bench_sub)
+    bf16_deviation.add_parser(bench_sub)
     return parser
 
 
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for name in ("httpx", "httpx2", "httpcore"):  # one INFO line per HTTP request (Hub downloads): too many
+        logging.getLogger(name).setLevel(max(logging.getLogger().level, logging.WARNING))
     try:
         return ns.func(ns)
     except ValueError as exc:  # bad input: one clear line, no traceback

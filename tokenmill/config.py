@@ -26,6 +26,26 @@ class RopeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
     partial_rotary_factor: float = 1.0
+    # LongRoPE (rope_type "longrope", HF's "su"): per-frequency divisors for short and long
+    # sequences, and the cos/sin scale (None: HF's default from factor and the original length).
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float | None = None
+
+
+class AttentionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How one decoder layer attends (`ModelArch.layer_specs`), read from the HF config.
+
+    `sliding_window` W: a query at position p sees keys p-W+1..p (W keys, itself included: HF's
+    `kv_idx > q_idx - W`); None: every key up to p. `rope`: the layer's own rotary embedding
+    (e.g. Gemma 3's local base), None: the model's. `logit_softcap` c: scores become
+    c * tanh(scores / c) before the softmax (Gemma 2), None: no capping. New kinds of layer
+    (gpt-oss's sinks, chunked attention) add fields here, defaulting to "absent".
+    """
+
+    sliding_window: int | None = None
+    rope: RopeConfig | None = None
+    logit_softcap: float | None = None
 
 
 class ModelArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -48,6 +68,30 @@ class ModelArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     rope: RopeConfig = RopeConfig()
+    # One spec per decoder layer; () means every layer is plain full attention with `rope`.
+    layer_specs: tuple[AttentionSpec, ...] = ()
+    hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (GeGLU)
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (None: head_dim ** -0.5)
+    final_logit_softcap: float | None = None  # logits become c * tanh(logits / c)
+
+    def layer_spec(self, layer: int) -> AttentionSpec:
+        return self.layer_specs[layer] if self.layer_specs else _FULL_ATTENTION
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def kv_window(self) -> int | None:
+        """The widest sliding window when every layer slides (KV before it is never read again:
+        the KV manager releases it); None when some layer attends to everything."""
+        windows = [self.layer_spec(i).sliding_window for i in range(self.num_layers)]
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)
+
+
+_FULL_ATTENTION = AttentionSpec()
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -59,6 +103,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int
     eos_token_ids: tuple[int, ...]
     arch: ModelArch
+    tokenizer: str = ""  # resolved tokenizer location (HF directory or .gguf file); "" = `path`
     quantization: QuantConfig | None = None  # quantized linears (tokenmill.quant_config); None: float
 
     @property
@@ -146,6 +191,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.model.max_model_len
 
     @property
+    def kv_window(self) -> int | None:
+        """The window past which no layer reads KV (target and draft model alike: they share the
+        block tables), or None when some layer attends to everything."""
+        window = self.model.arch.kv_window
+        draft = self.speculative.draft if self.speculative is not None else None
+        if window is None or draft is None:
+            return window
+        draft_window = draft.arch.kv_window
+        return None if draft_window is None else max(window, draft_window)
+
+    @property
     def torch_device(self):
         import torch
         return torch.device(self.device)
@@ -183,12 +239,19 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     speculative_config: dict | None = None  # vLLM's spelling, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    # Where the model comes from (Hugging Face Hub ids: tokenmill.model.hub).
+    tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    gguf_file: str | None = None
     quantization: str | None = None  # fp8 (online), or the checkpoint's quant_method (default: from its config)
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
 
 
 _FLAG_HELP = {
-    "model": "Hugging Face directory, .gguf file, or the default model's alias",
+    "model": "Hugging Face directory, .gguf file, Hugging Face Hub id (ORG/NAME, ORG/NAME:QUANT for a GGUF), "
+             "or the default model's alias",
     "dtype": "auto (bfloat16 on CUDA and on CPUs with AMX/AVX512-BF16, else float32), float32, bfloat16 or float16",
     "max_model_len": "longest prompt + output, in tokens (default: the model's max_position_embeddings)",
     "load_format": "auto, safetensors, gguf, dummy (random weights, for benchmarks), or null (no model: "
@@ -219,8 +282,13 @@ _FLAG_HELP = {
     "enforce_eager": "CUDA: run every step eagerly, without CUDA graphs",
     "speculative_config": 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_min": 1, "prompt_lookup_max": 4} or {"method": "draft_model", '
-                          '"model": PATH, "num_speculative_tokens": 4}; optional "max_step_tokens" (adaptive '
-                          'speculation: 0 = always speculate) and "min_acceptance"',
+                          '"model": PATH or HUB_ID, "num_speculative_tokens": 4} (optional "revision"); optional '
+                          '"max_step_tokens" (adaptive speculation: 0 = always speculate) and "min_acceptance"',
+    "tokenizer": "the tokenizer's folder, .gguf file or Hub id (default: the model's)",
+    "revision": "the Hub model's branch, tag or commit (default: main)",
+    "tokenizer_revision": "the Hub tokenizer's branch, tag or commit (default: main)",
+    "download_dir": "the Hugging Face cache to download Hub models into (default: HF_HUB_CACHE or HF_HOME's)",
+    "gguf_file": "the .gguf file to use in the model's Hub repo or folder (or name the model ORG/NAME:QUANT)",
     "quantization": "fp8 (quantize a float checkpoint's linears to FP8 W8A8 at load), or the checkpoint's "
                     "quant_method (fp8, fbgemm_fp8, compressed-tensors, gptq, awq); default: from its config",
     "kv_cache_dtype": "auto (the model's dtype), fp8 / fp8_e4m3 or fp8_e5m2 (twice the KV blocks; per-layer "

@@ -60,6 +60,7 @@ class FakeWorker:
         self.accepts = accepts
         self.block_size = block_size
         self.num_drafts = self.num_accepted = 0
+        self.accepted_per_position: list[int] = []  # [j]: (j+1)-th drafts accepted, counted here
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         # Decode from the wire form, as a worker in another process does.
@@ -150,6 +151,9 @@ class FakeWorker:
             tokens.append(emitted[-1])
         self.num_drafts += drafts
         self.num_accepted += accepted
+        self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
         return emitted
 
     def check_mirrors(self, scheduler: Scheduler, block_size: int) -> None:

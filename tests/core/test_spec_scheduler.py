@@ -51,10 +51,13 @@ def test_outputs_equal_the_plain_ones(k, budget, async_scheduling):
     assert_no_leaks(scheduler)
     assert worker.num_drafts > 0 and 0 < worker.num_accepted < worker.num_drafts
     stats = scheduler.stats()
+    per_position = list(stats.spec_accepted_per_position)
+    assert len(per_position) == k and sum(per_position) == stats.spec_num_accepted_tokens, per_position
+    assert all(a >= b for a, b in zip(per_position, per_position[1:])), per_position  # j+1 accepted: j was
     if not async_scheduling:  # (async: a request may finish while a step with its drafts is in flight)
         assert stats.spec_num_draft_tokens == worker.num_drafts
         assert stats.spec_num_accepted_tokens == worker.num_accepted
-    assert stats.spec_accepted_per_position[0] >= stats.spec_accepted_per_position[-1]
+        assert per_position == worker.accepted_per_position + [0] * (k - len(worker.accepted_per_position))
 
 
 def test_every_draft_right_gives_k_plus_one_tokens_per_step():
@@ -325,7 +328,8 @@ def test_histories_go_dormant_under_load_and_resume_with_the_tokens_in_flight(as
     results = run(scheduler, prompts, max_tokens, in_flight=2 if async_scheduling else 1, arrive_every=2,
                   worker=worker)
     for handle, (prompt, mt) in enumerate(zip(prompts, max_tokens)):
-        assert results[handle] == (expected_output(prompt, mt), results[handle][1])
+        tokens = expected_output(prompt, mt)
+        assert results[handle] == (tokens, FinishReason.STOP if tokens[-1] == EOS else FinishReason.LENGTH)
     assert worker.num_sleeps >= 2 and worker.num_resumes >= 3 and worker.num_drafts > 50, vars(worker)
     assert (worker.num_resumed_in_flight > 0) == async_scheduling, worker.num_resumed_in_flight
     assert_no_leaks(scheduler)

@@ -108,8 +108,10 @@ def test_hung_worker_ends_the_engine_after_the_step_timeout(tiny_model) -> None:
         assert not thread.is_alive(), "generate hung on a stopped worker"
         assert isinstance(result["error"], EngineDeadError), result["error"]
         assert "step_timeout" in str(result["error"])
-        # The wait began with the step, a moment before the stop.
-        assert timeout_s - 0.2 <= result["at"] - stopped_at < timeout_s + 5.0
+        # Order, not a lower bound on time (a loaded machine stretches the step before the stop):
+        # the error came after the stop and names the step timeout, the only thing that can see
+        # a stopped worker; bounded above so that a hang still fails.
+        assert stopped_at < result["at"] < stopped_at + timeout_s + 5.0
         assert not wait_gone({core, *workers}, 10.0), "engine processes outlived the failure"
     finally:
         for pid in workers:

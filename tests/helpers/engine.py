@@ -30,3 +30,31 @@ def pin_spec_cost(llm, ratio: float = 1.0) -> None:
 
     policy = llm.engine.scheduler.spec
     policy.costs = Pinned(policy.table.max_rows)
+
+
+def script_spec_cost(llm, ratio_at_step) -> list[tuple[bool, int, int]]:
+    """Feed the adaptive policy a fixed speculative/plain step-time ratio per step
+    (`ratio_at_step(step_id)`), every regime counted as measured, so that a test chooses when
+    speculating pays and when it does not. Returns the observations the scheduler passes on
+    (`Scheduler.observe_step`): (speculative, rows, step_id), recorded, not used."""
+    from tokenmill.core.spec_cost import StepCosts
+
+    scheduler = llm.engine.scheduler
+    observed: list[tuple[bool, int, int]] = []
+
+    class Scripted(StepCosts):
+        def observe(self, speculative: bool, num_rows: int, seconds: float, step_id: int) -> None:
+            observed.append((speculative, num_rows, step_id))
+
+        def ratio(self, num_rows: int) -> float:
+            return ratio_at_step(scheduler.step_id)
+
+        def untried(self, speculative: bool, num_rows: int) -> bool:
+            return False
+
+        def stale(self, speculative: bool, num_rows: int, step_id: int) -> bool:
+            return False
+
+    policy = scheduler.spec
+    policy.costs = Scripted(policy.table.max_rows)
+    return observed

@@ -11,15 +11,41 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig,
-                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig,
+                          Phi3Config, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen3Config)
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 TINY_VOCAB_SIZE = len(SPECIAL_TOKENS) + 256
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+# Families with per-layer attention kinds: windows far shorter than the test prompts, soft-caps
+# that bind, local rope bases unlike the global ones (tests/engine/test_families_vs_hf.py).
+WINDOW = 12
+FAMILY_ARCHS = ("mistral-swa", "qwen2-swa", "gemma2", "gemma3", "phi3")
 _CONFIG_CLASSES = {"llama": LlamaConfig, "llama3": LlamaConfig, "mistral": MistralConfig,
-                   "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+                   "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral-swa": MistralConfig,
+                   "qwen2-swa": Qwen2Config, "gemma2": Gemma2Config, "gemma3": Gemma3TextConfig,
+                   "phi3": Phi3Config}
+_ARCHITECTURES = {"gemma3": "Gemma3ForCausalLM"}
+_FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    "mistral-swa": dict(sliding_window=WINDOW),
+    # Qwen2: full attention below max_window_layers, windows from there on.
+    "qwen2-swa": dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
+    "gemma2": dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, initializer_range=0.3, sliding_window=WINDOW,
+                   attn_logit_softcapping=1.5, final_logit_softcapping=4.0, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3": dict(num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}},
+                   final_logit_softcapping=None, attn_logit_softcapping=None, hidden_activation="gelu_pytorch_tanh"),
+    # LongRoPE from position 64 on (short and long factors differ); a window; half the head rotated.
+    "phi3": dict(sliding_window=WINDOW + 4, original_max_position_embeddings=64, partial_rotary_factor=0.5,
+                 initializer_range=0.3,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 8.0, 16.0],
+                                  "partial_rotary_factor": 0.5}),
+}
 
 
 def make_tiny_config(arch: str, tie_word_embeddings: bool = False, **overrides: Any) -> PretrainedConfig:
@@ -39,9 +65,10 @@ def make_tiny_config(arch: str, tie_word_embeddings: bool = False, **overrides: 
                                      "original_max_position_embeddings": 64}
     if arch == "qwen3":
         kwargs["head_dim"] = 32
+    kwargs.update(_FAMILY_OVERRIDES.get(arch, {}))
     kwargs.update(overrides)
     config = _CONFIG_CLASSES[arch](**kwargs)
-    config.architectures = [f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
+    config.architectures = [_ARCHITECTURES.get(arch) or f"{type(config).__name__.removesuffix('Config')}ForCausalLM"]
     return config
 
 
@@ -55,7 +82,8 @@ def make_tiny_hf_model(config: PretrainedConfig, seed: int = 0) -> PreTrainedMod
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
-                param.uniform_(0.5, 1.5)
+                # Gemma's norms scale by (1 + weight): centre them on 0 so both conventions see ~1.
+                param.uniform_(-0.5, 0.5) if config.model_type.startswith("gemma") else param.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 param.normal_(0.0, 0.1)
     return model.eval()
@@ -83,5 +111,29 @@ def make_tiny_model_dir(arch: str, tmp_path: str | Path, tie_word_embeddings: bo
     if max_shard_size is not None:
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out, **save_kwargs)
+    make_tiny_tokenizer().save_pretrained(out)
+    return str(out)
+
+
+def make_tiny_gemma3_multimodal_dir(tmp_path: str | Path, seed: int = 0) -> str:
+    """A tiny Gemma3ForConditionalGeneration (the tiny Gemma 3 text model, a one-layer SigLIP
+    vision tower, tied embeddings) saved into `tmp_path`/gemma3-mm; tokenmill runs its text part."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    text = make_tiny_config("gemma3").to_dict()
+    text.pop("architectures", None)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8).to_dict()
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=258,
+                          boi_token_index=256, eoi_token_index=257)
+    config.architectures = ["Gemma3ForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.uniform_(-0.5, 0.5)
+    out = Path(tmp_path) / "gemma3-mm"
+    model.save_pretrained(out, safe_serialization=True)
     make_tiny_tokenizer().save_pretrained(out)
     return str(out)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.helpers.requirements import skip_or_fail
 from tokenmill.layers.attention.backend import kv_cache_shape
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
@@ -27,8 +28,10 @@ class Case:
     written: torch.Tensor  # bool [num_blocks * block_size]: slots holding this step's or earlier K/V
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [Q, H, D] (the last Q positions), k, v: [L, Hkv, D] -> [Q, H, D], in float64."""
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
+              softcap: float | None = None) -> torch.Tensor:
+    """q: [Q, H, D] (the last Q positions), k, v: [L, Hkv, D] -> [Q, H, D], in float64. `window` W:
+    a query at p sees keys p-W+1..p (HF's rule); `softcap` c: scores -> c * tanh(scores / c)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -37,14 +40,17 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -
         kh, vh = k[:, h // group].double(), v[:, h // group].double()
         for j in range(q_len):
             pos = seq_len - q_len + j
-            scores = (kh[: pos + 1] @ q[j, h].double()) * scale
-            out[j, h] = torch.softmax(scores, 0) @ vh[: pos + 1]
+            lo = max(pos - window + 1, 0) if window is not None else 0
+            scores = (kh[lo: pos + 1] @ q[j, h].double()) * scale
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            out[j, h] = torch.softmax(scores, 0) @ vh[lo: pos + 1]
     return out
 
 
 def make_case(contexts: list[int], q_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
               dtype: torch.dtype, device: str, pad_tokens: int = 0, seed: int = 0,
-              head_dim: int = HEAD_DIM) -> Case:
+              head_dim: int = HEAD_DIM, window: int | None = None, softcap: float | None = None) -> Case:
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
@@ -69,7 +75,7 @@ def make_case(contexts: list[int], q_lens: list[int], block_size: int, num_heads
         flat[1, seq_slots[:ctx]] = v_all[:ctx]
         written[seq_slots] = True
         qs.append(q), ks.append(k_all[ctx:]), vs.append(v_all[ctx:]), slots.append(seq_slots[ctx:])
-        expected.append(reference(q, k_all, v_all, scale))
+        expected.append(reference(q, k_all, v_all, scale, window, softcap))
     # Padding rows: garbage q/k/v, slot -1, not part of any sequence.
     qs.append(torch.randn(pad_tokens, num_heads, head_dim, generator=g).to(dtype))
     ks.append(torch.randn(pad_tokens, num_kv_heads, head_dim, generator=g).to(dtype))
@@ -145,7 +151,8 @@ def test_verification_chunk_equals_decoding_token_by_token_on_cpu() -> None:
     tokens) gets the same bits as decoding its tokens one step at a time."""
     from tokenmill.layers.attention import cpu_decode
     if not cpu_decode.available():
-        pytest.skip("the C decode-attention kernel is unavailable")
+        skip_or_fail("the C decode-attention kernel is unavailable (no C compiler, a build error, "
+                     "or TOKENMILL_NO_C_KERNELS set)")
     context, q_len = 37, 5
     case = make_case([context], [q_len], 16, 9, 3, torch.float32, "cpu", head_dim=64)
     backend = TorchRefAttentionBackend(9, 3, 64, 0.125)

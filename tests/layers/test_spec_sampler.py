@@ -3,6 +3,8 @@ the noise streams, against definitions written in the test or the plain path's o
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from scipy.stats import kstest
@@ -185,6 +187,16 @@ def test_uniforms_are_uniform_reproducible_and_distinct_per_stream(device) -> No
     assert abs(torch.corrcoef(torch.stack([residual[0], u[0]]))[0, 1].item()) < 5 / width ** 0.5
 
 
+def documented_noise(seed: int, position: int, token: int) -> float:
+    """E(seed, position, token) of stream MAIN written out with Python ints, independently of the
+    tensor code: seed -> key, (key, position) -> row key, row ^ token key -> 23-bit uniform -> -log."""
+    mix, m32 = seeded_noise.mix32_int, seeded_noise.MASK32
+    key = mix(mix((seed >> 32) ^ seeded_noise.SEED_SALT) ^ (seed & m32))
+    row = mix((key + (position & m32) * seeded_noise.POSITION_MULT) & m32)
+    h = mix(row ^ mix((token + seeded_noise.TOKEN_SALT) & m32))
+    return -math.log(((h >> 9) + 0.5) / 2**23)
+
+
 def test_streams_are_the_documented_positions() -> None:
     """Stream s at position p hashes like MAIN at p + s * 2**30; MAIN keys are unchanged."""
     keys = torch.tensor([seeded_noise.seed_key(s) for s in (0, 5, 2**62)])
@@ -194,8 +206,10 @@ def test_streams_are_the_documented_positions() -> None:
     for stream in NoiseStream:
         moved = seeded_noise.stream_positions(positions, stream)
         assert moved.tolist() == [p + stream * 2**30 for p in positions.tolist()]
-        u = seeded_noise.hashed_uniform(seeded_noise.row_keys(keys, moved)[:, None], tokens[None, :])
-        assert torch.equal(u.log().neg(), seeded_noise.seeded_exponential(seeded_noise.row_keys(keys, moved), tokens))
+        noise = seeded_noise.seeded_exponential(seeded_noise.row_keys(keys, moved), tokens)
+        for i, (seed, pos) in enumerate(zip((0, 5, 2**62), positions.tolist())):
+            want = [documented_noise(seed, pos + stream * 2**30, t) for t in range(8)]
+            assert noise[i].tolist() == pytest.approx(want, rel=1e-6), (stream, seed, pos)
     # Per request, (position, stream) pairs below 2**30 never share a row key.
     p = torch.arange(0, 2**30, 2**30 // 4096)
     both = torch.cat([seeded_noise.row_keys(keys[1].expand(len(p)), seeded_noise.stream_positions(p, s))

@@ -205,7 +205,23 @@ def test_enabled_only_for_cuda_tensors() -> None:
     assert not triton_ops.enabled(torch.zeros(1, device="meta"))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_rms_norm_with_residual(dtype: torch.dtype) -> None:
+    """Gemma's (1 + weight) norm, rounded once at the end, alone and taking the residual add."""
+    from tokenmill.layers.norm import GemmaRMSNorm
+    norm = GemmaRMSNorm(96, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.5 * torch.randn(96, generator=torch.Generator().manual_seed(5)))
+    norm = norm.to(dtype)
+    x, residual = randn(5, 96, dtype=dtype, seed=6), randn(5, 96, dtype=dtype, seed=7, scale=3.0)
+    assert_within_one_rounding(rms_norm(x, norm.weight, norm.eps, gemma=True), norm(x))
+    expected_out, expected_residual = norm.forward_with_residual(x, residual.clone())
+    out, new_residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps, gemma=True)
+    assert torch.equal(new_residual, expected_residual)
+    assert_within_one_rounding(out, expected_out)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2", "gemma3"])
 def test_model_with_fused_ops_matches_torch_path(arch: str, tmp_path, monkeypatch) -> None:
     """The whole model with every fused kernel on (forced onto the CPU under the interpreter):
     rotary by position, norms taking the residual adds, q/k norm over strided heads."""

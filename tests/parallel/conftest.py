@@ -21,6 +21,12 @@ FAMILIES = {
     "llama": dict(arch="llama", num_hidden_layers=3),
     "qwen2-mqa-tied": dict(arch="qwen2", tie_word_embeddings=True, num_key_value_heads=1, num_hidden_layers=3),
     "qwen3": dict(arch="qwen3", num_hidden_layers=3),
+    # Per-layer attention kinds (tests/helpers/tiny_models.py): Phi-3's fused q/k/v and gate/up
+    # split per TP rank under a window and LongRoPE; Gemma 2's local/global soft-capped layers and
+    # whole-residual stages; Gemma 3's local rope base and q/k norms.
+    "phi3": dict(arch="phi3", num_hidden_layers=3),
+    "gemma2": dict(arch="gemma2"),
+    "gemma3": dict(arch="gemma3"),
 }
 
 

@@ -20,6 +20,9 @@ CASES = [  # (family, tensor_parallel_size, pipeline_parallel_size, async_schedu
     ("qwen3", 1, 2, False, None),  # layers (2, 1)
     ("qwen2-mqa-tied", 2, 2, True, "1,2"),  # the last stage holds its copy of the tied embedding
     ("qwen3", 2, 2, False, None),
+    ("phi3", 2, 1, True, None),
+    ("gemma2", 2, 2, False, None),
+    ("gemma3", 1, 2, True, None),
 ]
 
 

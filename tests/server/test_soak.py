@@ -10,7 +10,7 @@ import os
 import pytest
 
 from tests.server.conftest import API_KEY, TINY_ENGINE, start_server, stop_server
-from tokenmill.benchmarks.soak import check_loopback, parse_mix
+from tokenmill.benchmarks.soak import check_loopback, parse_mix, passed
 from tokenmill.benchmarks.soak_checks import ProcessTree, reconcile
 from tokenmill.benchmarks.soak_requests import KINDS, Outcome, SSEReader
 from tokenmill.cli import main
@@ -87,6 +87,26 @@ def test_reconciliation_passes_only_when_everything_adds_up() -> None:
     assert not _failing(reconcile(outcomes + [overloaded], zero, _metrics(27, 13, 2), IDLE, TREE, TREE))
     unchecked = reconcile(outcomes, zero, _metrics(27, 13, 2), None, None, None)
     assert [c.ok for c in unchecked][-2:] == [None, None]
+    assert passed(unchecked)  # n/a is not a failure...
+    assert not passed(reconcile(outcomes, zero, _metrics(28, 13, 2), None, None, None))  # ...a failed check is
+
+
+def test_checks_that_cannot_run_are_na_not_failures(tiny_chat_model, tmp_path, capsys) -> None:
+    """A short soak of a server without --enable-debug-routes: the checks that ran pass, the one
+    that could not (the engine's idle state) says n/a and how to enable it; exit 0."""
+    srv = start_server(tiny_chat_model, tmp_path, *TINY_ENGINE)
+    try:
+        code = main(["bench", "soak", "--base-url", srv.base_url, "--api-key", API_KEY, "--request-rate", "8",
+                     "--duration", "2", "--input-len", "8", "--output-len", "8", "--settle", "20"])
+    finally:  # (no assertion here: it would hide the first failure)
+        stopped = stop_server(srv)
+    out = capsys.readouterr().out
+    assert stopped == 0, srv.log()
+    assert "[n/a ] engine holds no request and no KV block: GET /debug/engine is off: start the server " \
+           "with --enable-debug-routes" in out, out
+    assert "[ok  ] no leaked processes, fds or shared memory" in out, out  # (the server found by its port)
+    assert "FAIL" not in out and "PASSED (1 check(s) n/a: see above how to enable them)" in out, out
+    assert code == 0
 
 
 def test_arguments_are_checked() -> None:
@@ -110,8 +130,9 @@ def test_soak_loses_and_leaks_nothing(tiny_chat_model, tmp_path) -> None:
                      "--duration", str(SOAK_S), "--input-len", "16", "--output-len", "24", "--settle", "30",
                      "--server-pid", str(srv.proc.pid), "--output-json", str(record_path)])
         record = json.loads(record_path.read_text())
-    finally:
-        assert stop_server(srv) == 0, srv.log()
+    finally:  # (no assertion here: it would hide the first failure)
+        stopped = stop_server(srv)
+    assert stopped == 0, srv.log()
     failing = [c for c in record["checks"] if c["ok"] is not True]
     assert code == 0 and record["passed"] and not failing, (failing, record["problems"])
     assert record["states"]["lost"] == 0 and record["states"]["failed"] == record["overloaded_503"]

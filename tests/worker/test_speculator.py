@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tests.helpers.graphs import use_eager_capture
 from tokenmill.config import SpeculativeConfig
 from tokenmill.worker.speculator import Speculator
 
@@ -61,23 +62,17 @@ def test_dormant_histories_hold_nothing_and_resume_from_the_known_tokens() -> No
     assert spec.live_slots() == [] and not spec.live
 
 
-class _EagerReplay:
-    def __init__(self, spec: Speculator, size: int) -> None:
-        self.spec, self.size = spec, size
-
-    def replay(self) -> None:
-        self.spec._propose(self.spec._graph_slots[:self.size])
-
-
-def test_graph_path_equals_direct_path() -> None:
+def test_graph_path_equals_direct_path(monkeypatch) -> None:
+    """The real `Speculator.capture` (tests/helpers/graphs.py: eager replays) against proposing directly."""
     phrases = torch.randint(3, 9, (8, 5), generator=torch.Generator().manual_seed(0))
     direct, graphed = make(k=4), make(k=4)
     for spec in (direct, graphed):
         for slot in range(8):
             spec.add(slot, phrases[slot].tolist() * 3)
         spec.flush()
-    graphed._graph_slots = torch.full((8,), 8, dtype=torch.int64)
-    graphed._graphs = {size: _EagerReplay(graphed, size) for size in (1, 2, 4, 8)}
+    use_eager_capture(monkeypatch)
+    graphed.capture([1, 2, 4, 8], torch.full((8,), 8, dtype=torch.int64))  # the scratch slot: 8
+    assert sorted(graphed._graphs) == [1, 2, 4, 8]
     rows = torch.tensor([6, 1, 3])  # padded to 4: one row for the scratch slot
     direct.propose(rows)
     graphed.propose(rows)
@@ -88,3 +83,4 @@ def test_graph_path_equals_direct_path() -> None:
     graphed.drafts.zero_()
     graphed.propose(graphed._graph_slots[:3])
     assert torch.equal(graphed.drafts[rows], direct.drafts[rows])
+    assert sum(g.replays for g in graphed._graphs.values()) == 2 and graphed._graphs[4].replays == 2

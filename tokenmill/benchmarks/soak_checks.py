@@ -190,7 +190,7 @@ def reconcile(outcomes: list[Outcome], before: dict[str, float], after: dict[str
                             f"{kv['num_blocks']} blocks held (prefix-cached free blocks count as free), "
                             f"{engine['admitted_sequences']} sequences admitted"))
     if tree_before is None or tree_after is None:
-        checks.append(Check("no leaked processes, fds or shared memory", None, "the server's pid is unknown"))
+        checks.append(Check("no leaked processes, fds or shared memory", None, "the server's pid is unknown: pass --server-pid (the server's process, on this machine)"))
     else:
         b, a = tree_before, tree_after
         ok = a.pids == b.pids and a.fds <= b.fds and a.shm == b.shm

@@ -121,6 +121,9 @@ def run(ns) -> int:
         record["first_over_timed_run"] = warm_runs[0]["output_tokens_per_s"] / figures["output_tokens_per_s"]
     print_figures("tokenmill", figures)
     config = llm.config
+    if not config.device.startswith("cuda"):
+        record["cpu"] = cpu_figures(config.model.dtype)
+        print_cpu(record["cpu"])
     llm.shutdown()
     if config.device.startswith("cuda"):
         record["roofline"] = roofline_figures(config, ns, figures)
@@ -139,6 +142,20 @@ def run(ns) -> int:
         with open(ns.output_json, "w") as f:
             json.dump(record, f, indent=2)
     return 0
+
+
+def cpu_figures(dtype: str) -> dict:
+    """The CPU the figures came from: model, the flags that decide the kernel path, the path, the dtype."""
+    from tokenmill.benchmarks.record import machine_info
+    from tokenmill.layers import cpu_isa
+    info = machine_info()
+    return {"cpu_model": info["cpu_model"], "cpu_flags": info["cpu_flags"],
+            "kernel_path": cpu_isa.kernel_path().name, "dtype": dtype, "threads": info["torch_threads"]}
+
+
+def print_cpu(c: dict) -> None:
+    print(f"  CPU {c['cpu_model']} ({c['threads']} threads), flags: {' '.join(c['cpu_flags']) or '-'}; "
+          f"kernel path {c['kernel_path']}, {c['dtype']}")
 
 
 def step_figures(report, driver_rank: int = 0) -> dict:

@@ -43,6 +43,8 @@ class EngineCore:
         num_blocks = self.executor.available_kv_blocks()
         block_size = config.cache.block_size
         max_len = config.model.max_model_len
+        if config.kv_window is not None:  # blocks behind the window go back while a request runs
+            max_len = min(max_len, config.kv_window + config.scheduler.max_num_batched_tokens + 2 * block_size)
         if num_blocks * block_size < max_len:
             raise ValueError(
                 f"kv_cache_memory: the KV cache holds {num_blocks * block_size} tokens "
@@ -58,7 +60,7 @@ class EngineCore:
         logger.info("model weights: %.3f GiB", self.weight_bytes / 2**30)
         stages = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
-                                   pipeline_stages=stages)
+                                   pipeline_stages=stages, kv_window=config.kv_window)
         self.max_in_flight = stages + (1 if config.scheduler.async_scheduling else 0)
         self.stats_logger = StatsLogger(enabled=config.log_stats)
         # (step, its result, when it was scheduled)

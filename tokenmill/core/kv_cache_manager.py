@@ -2,6 +2,23 @@
 
 Requests are named by handle; their token ids come in as int32 arrays and their hash chain
 (`block_hashes`, one hash per full block, grown lazily) is owned by the caller.
+
+Sliding windows (`window` W: set when every layer of the model, and of a draft model sharing
+the tables, slides): a query at position p reads only keys p-W+1..p, so once a request's next
+query is at p, its blocks wholly before p-W+1 are never read again. `release_out_of_window`
+gives them back to the pool while the request runs (the planner calls it whenever a row grows),
+so a decoding request holds at most ceil(W / block_size) + 2 blocks. Released entries keep their
+place (and stale id) in the block table, on the workers too: positions stay valid, no message
+changes, and no attention backend reads a block wholly before its window
+(`layers/attention/backend.py`), so a stale id that now belongs to another request is never
+dereferenced. Only the unreleased tail is freed at the end.
+
+Prefix caching with windows: the simplest correct rule. A hit is the longest chain of cached
+full blocks from the start, as without windows (every block's K/V is exact for its tokens,
+whatever window the layers use); the hits wholly before the window of the first position
+still to compute are released again at once, so only the hits inside the window stay held.
+A full block released by the window keeps its hash in the pool's LRU free queue, so later
+requests sharing the prefix still find it until it is evicted.
 """
 
 from __future__ import annotations
@@ -20,12 +37,14 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, window: int | None = None) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching)
         self.enable_caching = enable_caching
+        self.window = window  # every layer slides with at most this window: release what falls out
         self.blocks: dict[int, list[int]] = {}  # handle -> block ids, in token order
         self.num_cached_blocks: dict[int, int] = {}  # handle -> leading blocks already in the cache
+        self.num_released: dict[int, int] = {}  # handle -> leading blocks given back (window)
         self.stats = PrefixCacheStats()
 
     @property
@@ -90,7 +109,25 @@ class KVCacheManager:
         held.extend(cached_blocks)
         held.extend(new_blocks)
         self.num_cached_blocks[handle] = max(self.num_cached_blocks.get(handle, 0), len(cached_blocks))
+        self.release_out_of_window(handle, num_computed)
         return list(cached_blocks) + new_blocks
+
+    def num_held(self, handle: int) -> int:
+        """Blocks the request holds now (its table, less the ones released by the window)."""
+        return len(self.blocks.get(handle, ())) - self.num_released.get(handle, 0)
+
+    def release_out_of_window(self, handle: int, next_position: int) -> None:
+        """Give back the request's blocks wholly before the window of `next_position` (a lower
+        bound on every position it will still compute). No-op without a window."""
+        if self.window is None:
+            return
+        dead = max(next_position - self.window + 1, 0) // self.block_size
+        done = self.num_released.get(handle, 0)
+        if dead > done:
+            blocks = self.blocks[handle]
+            dead = min(dead, len(blocks))
+            self.pool.release(reversed(blocks[done:dead]))
+            self.num_released[handle] = dead
 
     def append_blocks(self, handles: list[int], counts: list[int], blocks: list[int]) -> None:
         """Add blocks already taken from the pool (by `pool.allocate`) to running requests' tables:
@@ -111,7 +148,7 @@ class KVCacheManager:
     def free(self, handle: int) -> None:
         blocks = self.blocks.pop(handle, [])
         self.num_cached_blocks.pop(handle, None)
-        self.pool.release(reversed(blocks))
+        self.pool.release(reversed(blocks[self.num_released.pop(handle, 0):]))
 
     def cache_full_blocks(self, handle: int, num_tokens: int, tokens: np.ndarray, block_hashes: list[int]) -> int:
         """Register the blocks that are full within the first `num_tokens` of `tokens` (whose

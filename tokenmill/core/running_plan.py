@@ -94,6 +94,7 @@ class RunningPlanner:
             t.num_pending[slots] += 1  # C + 1 == T + P: the step samples their next token
             return Plan(slots, self.ones(len(slots)), True)
         ex_slots = slots[examined]
+        self._release_windows(ex_slots)
         known, computed = t.num_tokens[ex_slots], t.num_computed[ex_slots]
         ahead = known + t.num_pending[ex_slots]  # placeholders included
         limit = t.token_limit[ex_slots]
@@ -125,6 +126,8 @@ class RunningPlanner:
         t.num_pending[ex_slots] = ahead - known + samples
         t.due_step[ex_slots] = due_steps(step_id, after, ahead + samples, t.block_capacity[ex_slots],
                                          t.next_full_block_at[ex_slots], limit)
+        if self.kv.window is not None:  # a chunk's blocks behind the window go back next step
+            t.due_step[ex_slots[uncomputed > 1]] = step_id + 1
         if (uncomputed == 1).all():
             plan.one_token_each = True
             return plan
@@ -157,6 +160,7 @@ class RunningPlanner:
     def _plan_in_order(self, slots: np.ndarray, step_id: int, budget: int, drafts: np.ndarray | None) -> Plan:
         """Plan every row: they take their tokens in priority order until the budget runs out."""
         t = self.table
+        self._release_windows(slots)
         known = t.num_tokens[slots]
         ahead = known + t.num_pending[slots]
         computed = t.num_computed[slots]
@@ -190,6 +194,8 @@ class RunningPlanner:
             drafted = (beyond > 0).nonzero()[0]
             plan.draft_slots, plan.draft_counts = slots[drafted], beyond[drafted]
         self.set_due_steps(slots, step_id)
+        if self.kv.window is not None:  # a chunk's blocks behind the window go back next step
+            t.due_step[slots[num_new > 1]] = step_id + 1
         scheduled = num_new > 0
         plan.slots, plan.counts = slots[scheduled], num_new[scheduled]
         return plan
@@ -257,6 +263,20 @@ class RunningPlanner:
                 plan.new_blocks.counts.append(len(blocks))
                 plan.new_blocks.block_ids.extend(blocks)
         return num_rows
+
+    def _release_windows(self, slots: np.ndarray) -> None:
+        """Sliding windows (`kv.window`): the rows give back their blocks wholly behind the window
+        of the first position they will still compute. That is at least min(computed, known):
+        drafts in flight count as computed until rejected. A row is looked at whenever it grows
+        a block and the step after a prompt chunk, so a decoding row holds at most
+        ceil(window / block_size) + 1 blocks plus the one it grows into."""
+        kv = self.kv
+        if kv.window is None or not len(slots):
+            return
+        t = self.table
+        first = np.minimum(t.num_computed[slots], t.num_tokens[slots])
+        for handle, position in zip(t.handle[slots].tolist(), first.tolist()):
+            kv.release_out_of_window(handle, position)
 
     def _grow(self, slot: int, num_new: int) -> list[int] | None:
         """Blocks for a row's next `num_new` tokens, and prefix-cache registration of the

@@ -50,12 +50,15 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 speculative: SpeculativeConfig | None = None, pipeline_stages: int = 1) -> None:
+                 speculative: SpeculativeConfig | None = None, pipeline_stages: int = 1,
+                 kv_window: int | None = None) -> None:
+        """`kv_window`: every layer (of the target and any draft) slides with at most this
+        window, so blocks behind it are released while requests run (`KVCacheManager`)."""
         self.config = config
         self.pipeline_stages = pipeline_stages
         self.in_flight_tokens = 0  # scheduled tokens of the batches not updated yet
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_window)
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.table = RunningTable(config.max_num_seqs)
@@ -80,6 +83,8 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         needed = self.kv.blocks_needed(request.num_prompt_tokens + request.max_output_tokens)
+        if self.kv.window is not None:  # held at once: the window, plus one step's tokens
+            needed = min(needed, self.kv.blocks_needed(self.kv.window + self.config.max_num_batched_tokens) + 2)
         if needed > self.kv.num_blocks:
             raise ValueError(
                 f"max_tokens: prompt ({request.num_prompt_tokens} tokens) plus max_tokens "

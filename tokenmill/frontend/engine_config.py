@@ -6,6 +6,7 @@ in defaults; bad arguments fail here, naming the field and the limit, before any
 
 from __future__ import annotations
 
+import logging
 import os
 
 from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
@@ -15,6 +16,8 @@ from tokenmill.model.arch import model_arch
 from tokenmill.model.default_model import resolve_model_path
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
 from tokenmill.quant_config import resolve_kv_cache_dtype, resolve_quantization
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": "float32", "float": "float32", "fp32": "float32",
@@ -26,7 +29,13 @@ _LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy", "null")
 
 def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     _check_args(args)
-    path = resolve_model_path(args.model)
+    # The one place a model name becomes a local path (Hub ids are downloaded here): workers
+    # and the tokenizer get paths only.
+    weights = args.load_format not in ("dummy", "null")
+    path = resolve_model_path(args.model, revision=args.revision, download_dir=args.download_dir,
+                              gguf_file=args.gguf_file, weights=weights)
+    tokenizer = path if args.tokenizer is None else resolve_model_path(
+        args.tokenizer, revision=args.tokenizer_revision, download_dir=args.download_dir, weights=False)
     hf_config = load_hf_config(path)
     arch = model_arch(hf_config)  # unsupported models fail here
     device = resolve_device(args.device)
@@ -41,9 +50,10 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
     model = ModelConfig(
         path=path, name=args.served_model_name or args.model, dtype=dtype, max_model_len=max_model_len,
         load_format=args.load_format, seed=args.seed, eos_token_ids=load_eos_token_ids(path, hf_config),
-        arch=arch, quantization=quantization)
+        arch=arch, tokenizer=tokenizer, quantization=quantization)
     parallel = resolve_parallel(args, arch, device)
-    speculative = resolve_speculative(args.speculative_config, model, device, args.enforce_eager)
+    speculative = resolve_speculative(args.speculative_config, model, device, args.enforce_eager,
+                                      download_dir=args.download_dir)
     if speculative is not None:
         # The first pipeline stage cannot see the drafts (it gets only each row's first token),
         # and a draft model is not split over TP ranks: refuse rather than run a half-built mode.
@@ -72,13 +82,14 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
 
 
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-              "max_step_tokens", "min_acceptance"}
+              "max_step_tokens", "min_acceptance", "revision"}
 _SPEC_METHODS = ("ngram", "draft_model")
 
 
-def resolve_speculative(spec: dict | None, target: ModelConfig, device: str,
-                        enforce_eager: bool = False) -> SpeculativeConfig | None:
-    """`speculative_config` (vLLM's dict) into a SpeculativeConfig; the draft model is resolved here."""
+def resolve_speculative(spec: dict | None, target: ModelConfig, device: str, enforce_eager: bool = False,
+                        download_dir: str | None = None) -> SpeculativeConfig | None:
+    """`speculative_config` (vLLM's dict) into a SpeculativeConfig; the draft model (a path or a Hub
+    id, at its optional "revision") is resolved here."""
     if spec is None:
         return None
     field = "speculative_config"
@@ -103,18 +114,21 @@ def resolve_speculative(spec: dict | None, target: ModelConfig, device: str,
     _check(target.load_format != "null", field, "is not supported with load_format null (no model to verify with)")
     draft = None
     if method == "draft_model":
-        _check(isinstance(spec.get("model"), str), f"{field}.model", "must name the draft model (a path)")
-        draft = _resolve_draft(spec["model"], target)
+        _check(isinstance(spec.get("model"), str), f"{field}.model", "must name the draft model (a path or Hub id)")
+        _check(isinstance(spec.get("revision", ""), str), f"{field}.revision", "must be a string")
+        draft = _resolve_draft(spec["model"], target, spec.get("revision"), download_dir)
     else:
         _check("model" not in spec, f"{field}.model", "is only for method draft_model")
+        _check("revision" not in spec, f"{field}.revision", "is only for method draft_model")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_min=lo, prompt_lookup_max=hi,
                              draft=draft, max_step_tokens=max_step_tokens, min_acceptance=float(min_acceptance),
                              padded_verification=device.startswith("cuda") and not enforce_eager)
 
 
-def _resolve_draft(name: str, target: ModelConfig) -> ModelConfig:
+def _resolve_draft(name: str, target: ModelConfig, revision: str | None, download_dir: str | None) -> ModelConfig:
     """The draft runs with the target's dtype, length and tokenizer (so its vocabulary must match)."""
-    path = resolve_model_path(name)
+    path = resolve_model_path(name, revision=revision, download_dir=download_dir,
+                              weights=target.load_format != "dummy")
     hf_config = load_hf_config(path)
     arch = model_arch(hf_config)
     _check(arch.vocab_size == target.arch.vocab_size, "speculative_config.model",
@@ -199,30 +213,37 @@ def _triton_installed() -> bool:
 
 
 def resolve_dtype(name: str, device: str) -> str:
-    on_cuda = device.startswith("cuda")
-    if name == "auto":
-        return "bfloat16" if on_cuda or cpu_has_fast_bf16() else "float32"
-    _check(name in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {name!r}")
-    dtype = _DTYPES[name]
-    _check(on_cuda or dtype != "float16", "dtype", "float16 is not supported on CPU; use float32 or bfloat16")
+    """The dtype to run in; the choice and its reason go to the log (INFO)."""
+    dtype, reason = choose_dtype(name, device)
+    logger.info("dtype %s: %s", dtype, reason)
     return dtype
 
 
-def cpu_has_fast_bf16() -> bool:
-    """True when this CPU does bfloat16 matrix math natively (AMX-BF16 or AVX512-BF16).
+def choose_dtype(name: str, device: str) -> tuple[str, str]:
+    """(dtype, why). "auto": bfloat16 on CUDA and on CPUs that do bf16 matrix math natively (AMX or
+    AVX512-BF16), where it runs ~1.7-3x faster than float32 and, with float32 norms, softmax,
+    residual stream and logits, answers as HF's float32 does on the README demo and stays at least
+    as close to float32 as HF's bf16 (docs/bf16-numerics.md); float32 on other CPUs, where bf16 is
+    emulated and slower."""
+    on_cuda = device.startswith("cuda")
+    if name == "auto":
+        if on_cuda:
+            return "bfloat16", "auto on CUDA"
+        from tokenmill.layers import cpu_isa
+        path = cpu_isa.kernel_path()
+        if path.native_bf16:
+            return "bfloat16", f"auto: this CPU does bf16 matrix math natively ({path.name})"
+        return "float32", f"auto: this CPU has no native bf16 matrix math ({path.name} path), float32 is faster"
+    _check(name in _DTYPES, "dtype", f"must be auto or one of {sorted(_DTYPES)}, got {name!r}")
+    dtype = _DTYPES[name]
+    _check(on_cuda or dtype != "float16", "dtype", "float16 is not supported on CPU; use float32 or bfloat16")
+    return dtype, f"--dtype {name}"
 
-    There, bfloat16 linears run about 3x faster than float32; elsewhere bfloat16 is
-    emulated and slower, so "auto" picks float32.
-    """
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
-    return False
+
+def cpu_has_fast_bf16() -> bool:
+    """True when this CPU does bfloat16 matrix math natively (AMX-BF16 or AVX512-BF16)."""
+    from tokenmill.layers import cpu_isa
+    return cpu_isa.best_path(cpu_isa.cpu_flags()).native_bf16
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

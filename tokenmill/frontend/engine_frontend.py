@@ -38,7 +38,7 @@ class EngineFrontend:
     def __init__(self, engine_args: EngineArgs) -> None:
         self.engine_args = engine_args
         self.config: EngineConfig = resolve_engine_config(engine_args)
-        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer or self.config.model.path)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._client: CoreClient | None = None

@@ -18,3 +18,11 @@ class SiluAndMul(nn.Module):
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+
+class GeluTanhAndMul(nn.Module):
+    """[..., 2 * d] -> [..., d]: gelu_tanh(gate) * up (GeGLU, HF's `gelu_pytorch_tanh`: Gemma)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh").mul_(up)

@@ -1,10 +1,16 @@
-"""RMSNorm: HF Llama's numerics (statistics in float32), with few passes over the activations.
+"""RMSNorm with HF Llama's roundings, and the residual stream kept in float32.
 
-The mean square comes from one float32-accumulating `vector_norm` reduction; the
-scale is applied in the activation dtype, then the weight, as HF does
-(`weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`). On CPU this is several
-times faster than both the op-by-op float32 formula and `F.rms_norm`, above all
-in bfloat16, where upcasting the whole activation costs more than the math.
+Precision rules (shared by every model built on these layers):
+- The residual stream is float32 whatever the activation dtype (`residual_stream`): each
+  sublayer's output (bf16) is added to it without rounding. HF rounds the stream to the
+  activation dtype at every add; tokenmill keeps more precision there, never less. Where it
+  leaves the model (a pipeline stage's hand-over) it is rounded once, as HF would.
+- RMSNorm follows HF op for op: mean of squares and `x * rsqrt(...)` in float32, that product
+  rounded to the output dtype, then times the weight (rounded again):
+  `weight * (x.float() * rsqrt(mean(x^2) + eps)).to(dtype)`. The float32 reciprocal is never
+  rounded on its own (a bf16 rstd scales a whole row by up to 0.4% off).
+- The output dtype is the activation dtype (`out_dtype`, default: x's), so a float32 stream
+  comes out normalized in bf16, ready for the next bf16 matmul.
 
 On CUDA (`triton_ops.enabled`) one Triton kernel does it all, the residual add included,
 with the same roundings (`triton_ops.rms_norm`).
@@ -17,6 +23,40 @@ from torch import nn
 
 from tokenmill.layers import triton_ops
 
+RESIDUAL_DTYPE = torch.float32
+
+
+def residual_stream(x: torch.Tensor) -> torch.Tensor:
+    """The residual stream started from the embeddings `x` (a float32 copy)."""
+    return x.to(RESIDUAL_DTYPE)
+
+
+def add_in_matmul(x: torch.Tensor, residual: torch.Tensor) -> bool:
+    """Whether a layer adds its sublayer outputs to the stream inside the matmul before the norm
+    (oneDNN's epilogue on CPU) rather than in the norm: only where activations and stream are
+    both float32 and the fused norm kernels do not run."""
+    return x.dtype == residual.dtype and not triton_ops.enabled(x)
+
+
+def stage_handover(hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a pipeline stage sends the next, in the activation dtype (one tensor type on the wire):
+    (hidden, residual) where the fused kernels keep them apart (CUDA), else the summed stream alone.
+    The next stage widens the residual back to float32 (`residual_stream`)."""
+    if residual is None:
+        return hidden, None
+    if triton_ops.enabled(hidden):
+        return hidden, residual.to(hidden.dtype)
+    return (residual + hidden).to(hidden.dtype), None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """HF's formula, op for op (what the fast paths must equal up to float32 summation order)."""
+    dtype = out_dtype or x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.to(dtype) * h.to(dtype)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -24,23 +64,55 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Normalized x in `out_dtype` (default x's dtype)."""
+        out_dtype = out_dtype or x.dtype
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import rms_norm
-            return rms_norm(x, self.weight, self.eps)
-        # ||x||^2 / n = mean(x^2), accumulated in float32 whatever x's dtype.
+            return rms_norm(x, self.weight, self.eps, out_dtype)
+        # ||x||^2 / n = mean(x^2), accumulated in float32 whatever x's dtype: one pass, no upcast copy.
         rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
         rstd = rstd.square_().mul_(1.0 / x.shape[-1]).add_(self.eps).rsqrt_()
-        return (x * rstd.to(x.dtype)).mul_(self.weight)
+        normed = torch.mul(x, rstd)  # float32 (rstd is), rounded once below
+        if out_dtype != torch.float32:
+            normed = normed.to(out_dtype)
+        return normed.mul_(self.weight if self.weight.dtype == out_dtype else self.weight.to(out_dtype))
 
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Adds `x` into the residual stream, then normalizes it: returns (normed, new_residual).
+        """Adds `x` into the residual stream, then normalizes it: returns (normed in x's dtype, new residual).
 
-        The add happens in the activation dtype, as HF's `residual + hidden_states` does. The fused
+        The add happens in the residual's dtype (float32: `residual_stream`), unrounded. The fused
         kernel updates `residual` in place (and returns it); callers use the returned residual only.
         """
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return self.forward(residual, out_dtype=x.dtype), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from 1 (`x * (1 + weight)`), and, unlike
+    Llama's, the whole computation runs in float32 and is cast to the activation dtype at the
+    end, as HF's Gemma2/Gemma3RMSNorm do."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ops.enabled(x):
+            from tokenmill.layers.triton_ops.rms_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps, gemma=True)
+        xf = x.float()
+        rstd = xf.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return (xf * rstd).mul_(1.0 + self.weight.float()).to(x.dtype)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As `RMSNorm.forward_with_residual` (the fused kernel updates `residual` in place)."""
+        if triton_ops.enabled(x):
+            from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
+            return fused_add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
         residual = x + residual
         return self.forward(residual), residual

@@ -7,7 +7,8 @@
   the sum, so the packed CPU path still fuses the residual add into the matmul.
 - `VocabParallelEmbedding` holds the rank's vocab rows; a token outside them embeds to zeros,
   and the sum over the group fills every row.
-- `ParallelLMHead` computes the rank's vocab columns of the logits and gathers them all.
+- `ParallelLMHead` computes the rank's vocab columns of the logits and gathers them all; the
+  logits are float32 (on CPU in bf16, straight from float32 accumulation: `cpu_logits`).
 With one rank every class is its plain counterpart, numerically identical.
 """
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import ParallelContext
+from tokenmill.layers import cpu_logits
 from tokenmill.layers.linear import Linear, PackedWeight, linear
 
 
@@ -67,7 +69,10 @@ class ParallelLMHead:
         self.packed = PackedWeight()
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        local = linear(hidden, weight, None, self.packed)
+        if cpu_logits.supports(hidden, weight):  # bf16 on CPU: float32 logits, never rounded to bf16
+            local = cpu_logits.linear_f32(hidden, weight)
+        else:
+            local = linear(hidden, weight, None, self.packed)
         if self.parallel.tp_size == 1:
             return local.float()
         return self.parallel.all_gather_last_dim(local)[..., :self.parallel.layout.vocab_size].float()

@@ -30,6 +30,44 @@ def compute_inv_freq(params: RopeConfig, rotary_dim: int, max_position: int) -> 
     return inv_freq
 
 
+def _angles(params: RopeConfig, rotary_dim: int, max_position: int) -> torch.Tensor:
+    """float32 [max_position, rotary_dim]: each position's rotation angles (both halves).
+
+    LongRoPE: HF computes a forward pass's cos/sin with the short factors while its sequence
+    (the highest position + 1) is at most `original_max_position_embeddings`, else the long ones;
+    so a token at position p decoded one at a time gets the long factors iff p >= that length,
+    and this table holds exactly that. (A prompt longer than it is rotated by HF with the long
+    factors from position 0; here its first positions keep the short ones.)"""
+    positions = torch.arange(max_position, dtype=torch.float32)[:, None]
+    if params.rope_type != "longrope":
+        freqs = positions * compute_inv_freq(params, rotary_dim, max_position)[None, :]
+        return torch.cat((freqs, freqs), dim=-1)
+    original = params.original_max_position_embeddings or max_position
+    short = positions * _longrope_inv_freq(params, params.short_factor, rotary_dim)[None, :]
+    long = positions * _longrope_inv_freq(params, params.long_factor, rotary_dim)[None, :]
+    freqs = torch.where(positions >= original, long, short)
+    return torch.cat((freqs, freqs), dim=-1)
+
+
+def _longrope_inv_freq(params: RopeConfig, factors: tuple[float, ...], rotary_dim: int) -> torch.Tensor:
+    if len(factors) != rotary_dim // 2:
+        raise ValueError(f"rope_scaling: longrope factors have {len(factors)} entries, expected {rotary_dim // 2}")
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * params.theta ** exponents)
+
+
+def _attention_factor(params: RopeConfig) -> float:
+    """The scale HF applies to cos and sin (LongRoPE's attention factor; 1 elsewhere)."""
+    if params.rope_type != "longrope":
+        return 1.0
+    if params.attention_factor is not None:
+        return params.attention_factor
+    original = params.original_max_position_embeddings
+    if params.factor <= 1.0 or not original:
+        return 1.0
+    return math.sqrt(1 + math.log(params.factor) / math.log(original))
+
+
 def _llama3_scale(inv_freq: torch.Tensor, p: RopeConfig, max_position: int) -> torch.Tensor:
     # Long wavelengths are slowed by `factor`, short ones kept, and the band between blended.
     old_len = p.original_max_position_embeddings or max_position
@@ -107,11 +145,10 @@ class RotaryEmbedding(nn.Module):
         # _apply below carries their values through to_empty().
         device = torch.get_default_device()
         with torch.device("cpu" if device.type == "meta" else device):
-            inv_freq = compute_inv_freq(params, self.rotary_dim, max_position)
-            freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self.register_buffer("cos_cache", emb.cos(), persistent=False)
-            self.register_buffer("sin_cache", emb.sin(), persistent=False)
+            emb = _angles(params, self.rotary_dim, max_position)
+            scale = _attention_factor(params)
+            self.register_buffer("cos_cache", emb.cos() * scale, persistent=False)
+            self.register_buffer("sin_cache", emb.sin() * scale, persistent=False)
 
     def _apply(self, fn: Any, recurse: bool = True) -> "RotaryEmbedding":
         # The caches only ever change device: they stay float32 when the model is cast

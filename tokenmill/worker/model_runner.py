@@ -143,9 +143,12 @@ class ModelRunner:
                                 attention_backend_class(self.config.attention_backend), seed=m.seed,
                                 parallel=self.stage.parallel, quant=m.quantization)
         self.weight_bytes = weight_bytes(self.model)
-        logger.info("loaded %s in %.1f s (%s attention): weights %.3f GiB; linears: %s; KV cache %s", m.path,
-                    time.perf_counter() - start, self.config.attention_backend, self.weight_bytes / 2**30,
+        logger.info("loaded %s in %.1f s (%s attention, %s): weights %.3f GiB; linears: %s; KV cache %s", m.path,
+                    time.perf_counter() - start, self.config.attention_backend, m.dtype, self.weight_bytes / 2**30,
                     linear_methods_summary(self.model), str(self.kv_dtype).replace("torch.", ""))
+        if self.device.type == "cpu":
+            from tokenmill.layers import cpu_isa
+            logger.info(cpu_isa.describe())
         spec = self.config.speculative
         if spec is not None and spec.draft is not None:
             from tokenmill.worker.draft_proposer import DraftProposer

@@ -18,13 +18,21 @@ from tokenmill.layers.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(ABC):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    """One layer's attention. `sliding_window` W (None: full): a query at position p sees keys
+    p-W+1..p, as HF masks it, and no backend reads a KV block wholly before that (the KV manager
+    may have handed such blocks to other requests). `logit_softcap` c (None: off): scores (after
+    the scale) become c * tanh(scores / c) before the softmax."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.k_scale = 1.0  # FP8 KV cache: the cache holds k / k_scale (and v / v_scale)
         self.v_scale = 1.0
+        self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

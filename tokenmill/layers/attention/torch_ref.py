@@ -16,6 +16,11 @@ a `_StepPlan` and shared by every layer; each layer then runs a handful of ops:
 - Other prefill chunks with cached context: one SDPA call each over their own
   context, with a causal mask offset by the context.
 
+Sliding-window layers (`sliding_window` W) get their own plan: bands in the masks, and the
+decode gather and chunk reads start at the first block a query can see (the C kernel skips the
+earlier ones itself), so no block wholly before a window is read. Soft-capped layers run the
+eager form (scores, cap, mask, softmax, values): SDPA has no soft-cap.
+
 GQA never copies K/V per query head: decodes fold the query heads sharing a KV
 head into the query axis, prefills use SDPA's `enable_gqa`.
 Attention runs in the activation dtype (CPU and CUDA SDPA kernels accumulate
@@ -53,7 +58,8 @@ class _Chunk:
     end: int
     seq_len: int
     num_blocks: int
-    mask: torch.Tensor  # bool [q_len, seq_len]
+    mask: torch.Tensor  # bool [q_len, seq_len - first_block * block_size]
+    first_block: int = 0  # the first block any of its queries sees (sliding window)
 
 
 @dataclass
@@ -76,16 +82,28 @@ class _StepPlan:
     buffers: dict = field(default_factory=dict)  # gather buffers, shared by the step's layers
 
 
-def _plan_for(meta: AttentionMetadata, block_size: int) -> _StepPlan:
-    """The step's plan, built by its first layer and kept on the metadata for the others."""
-    key = ("torch_ref_plan", block_size)
+def _plan_for(meta: AttentionMetadata, block_size: int, window: int | None) -> _StepPlan:
+    """The step's plan, built by its first layer of each window and kept on the metadata for the others."""
+    key = ("torch_ref_plan", block_size, window)
     plan = meta.derived.get(key)
     if plan is None:
-        plan = meta.derived[key] = _build_plan(meta, block_size)
+        plan = meta.derived[key] = _build_plan(meta, block_size, window)
     return plan
 
 
-def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
+def band_mask(q_len: int, seq_len: int, window: int | None, device: torch.device | str = "cpu",
+              first_key: int = 0) -> torch.Tensor:
+    """bool [q_len, seq_len - first_key]: the last q_len of seq_len positions (queries) against
+    keys first_key..seq_len-1: causal, and within `window` (HF: key > query - window)."""
+    q = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k = torch.arange(first_key, seq_len, device=device)[None, :]
+    visible = k <= q
+    if window is not None:
+        visible &= k > q - window
+    return visible
+
+
+def _build_plan(meta: AttentionMetadata, block_size: int, window: int | None) -> _StepPlan:
     device = meta.slot_mapping.device
     qsl = meta.query_start_loc_cpu.tolist()
     # The reference backend needs exact lengths on the host: a sync under speculation on CUDA.
@@ -125,8 +143,10 @@ def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
             decode_lens.extend(range(seq_lens[i] - q_len + 1, seq_lens[i] + 1))
         else:
             seq_len = seq_lens[i]
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(seq_len - q_len)
-            plan.chunks.append(_Chunk(i, qsl[i], qsl[i + 1], seq_len, -(-seq_len // block_size), mask))
+            first_key = max(seq_len - q_len - window + 1, 0) if window is not None else 0
+            first_block = first_key // block_size
+            mask = band_mask(q_len, seq_len, window, device, first_block * block_size)
+            plan.chunks.append(_Chunk(i, qsl[i], qsl[i + 1], seq_len, -(-seq_len // block_size), mask, first_block))
 
     for q_len, seqs in fresh_by_len.items():
         # Split into runs of sequences whose rows are back to back.
@@ -156,21 +176,33 @@ def _build_plan(meta: AttentionMetadata, block_size: int) -> _StepPlan:
         plan.num_decodes = s
         plan.decode_contiguous = decode_rows == list(range(s))
         plan.decode_rows = torch.tensor(decode_rows, dtype=torch.int64).to(device)
-        nb = -(-max(decode_lens) // block_size)
         seq_idx = torch.tensor(decode_seqs, dtype=torch.int64).to(device)
         lens = torch.tensor(decode_lens, dtype=torch.int64).to(device)
         if device.type == "cpu" and cpu_decode.available():
+            nb = -(-max(decode_lens) // block_size)
             plan.decode_block_table = meta.block_table[seq_idx, :nb].to(torch.int32).contiguous()
             plan.decode_seq_lens = lens.to(torch.int32)
-        plan.decode_blocks = meta.block_table[seq_idx, :nb].reshape(-1).long()
-        keys = torch.arange(nb * block_size, device=device)
-        plan.decode_mask = (keys[None, :] < lens[:, None]).view(s, 1, 1, nb * block_size)
+        # The gather path reads each row's blocks from the first one its window reaches.
+        starts = [max(n - window, 0) if window is not None else 0 for n in decode_lens]
+        first = [a // block_size for a in starts]
+        nb = max(-(-n // block_size) - f for n, f in zip(decode_lens, first))
+        first_t = torch.tensor(first, dtype=torch.int64).to(device)
+        # Columns past a row's last block repeat it (masked out): a row reads only its own blocks.
+        last_t = torch.tensor([max(-(-n // block_size) - 1, 0) for n in decode_lens], dtype=torch.int64).to(device)
+        columns = torch.minimum(first_t[:, None] + torch.arange(nb, device=device)[None, :], last_t[:, None])
+        plan.decode_blocks = meta.block_table[seq_idx[:, None], columns].reshape(-1).long()
+        keys = first_t[:, None] * block_size + torch.arange(nb * block_size, device=device)[None, :]
+        visible = keys < lens[:, None]
+        if window is not None:
+            visible &= keys >= torch.tensor(starts, dtype=torch.int64).to(device)[:, None]
+        plan.decode_mask = visible.view(s, 1, 1, nb * block_size)
     return plan
 
 
 class TorchRefAttentionBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, logit_softcap)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.group = num_heads // num_kv_heads
@@ -178,7 +210,7 @@ class TorchRefAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         block_size = kv_cache.shape[2]
-        plan = _plan_for(meta, block_size)
+        plan = _plan_for(meta, block_size, self.sliding_window)
         n = plan.num_tokens
         _write(kv_cache, k, v, plan, self.k_scale, self.v_scale)
         if is_fp8(kv_cache) and plan.fresh:  # what the cache holds, for prefills that skip reading it
@@ -211,15 +243,18 @@ class TorchRefAttentionBackend(AttentionBackend):
         qb = q[first:end].view(count, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         kb = k[first:end].view(count, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         vb = v[first:end].view(count, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale,
-                                              enable_gqa=self.group > 1)
+        window = self.sliding_window
+        if self.logit_softcap is None and (window is None or q_len <= window):
+            return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale,
+                                                  enable_gqa=self.group > 1)
+        return self._attend(qb, kb, vb, band_mask(q_len, q_len, window, q.device))
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, out: torch.Tensor) -> None:
         s = plan.num_decodes
         qd = q[:s] if plan.decode_contiguous else q[plan.decode_rows]
         if plan.decode_block_table is not None and not is_fp8(kv_cache) and cpu_decode.supports(qd, kv_cache):
             o = cpu_decode.decode_attention(qd, kv_cache, plan.decode_block_table, plan.decode_seq_lens,
-                                            self.scale)
+                                            self.scale, self.sliding_window, self.logit_softcap)
             if plan.decode_contiguous:
                 out[:s] = o
             else:
@@ -236,7 +271,11 @@ class TorchRefAttentionBackend(AttentionBackend):
         # [2, S * nb, bs, Hkv, D] -> [2, S, Hkv, L, D]
         kv = _cooked(buf, kv_cache.dtype, q.dtype).view(2, s, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         qd = qd.view(s, self.num_kv_heads, self.group, self.head_dim)
-        o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=plan.decode_mask, scale=self._qk_scale(kv_cache))
+        if self.logit_softcap is None:
+            o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=plan.decode_mask,
+                                               scale=self._qk_scale(kv_cache))
+        else:  # the group's query heads as queries of one KV head
+            o = self._attend(qd, self._k_scaled(kv[0], kv_cache), kv[1], plan.decode_mask, group=1)
         o = self._v_scaled(o.reshape(s, self.num_heads, self.head_dim), kv_cache)
         if plan.decode_contiguous:
             out[:s] = o
@@ -244,10 +283,14 @@ class TorchRefAttentionBackend(AttentionBackend):
             out[plan.decode_rows] = o
 
     def _chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, c: _Chunk) -> torch.Tensor:
-        # [2, nb, bs, Hkv, D] -> [2, Hkv, seq_len, D]
-        kv = _raw(kv_cache)[:, block_ids[:c.num_blocks].long()].flatten(1, 2)[:, :c.seq_len].transpose(1, 2)
+        # [2, nb, bs, Hkv, D] -> [2, Hkv, keys, D], from the first block any query sees
+        keys = c.seq_len - c.first_block * kv_cache.shape[2]
+        kv = _raw(kv_cache)[:, block_ids[c.first_block:c.num_blocks].long()].flatten(1, 2)[:, :keys].transpose(1, 2)
         kv = _cooked(kv, kv_cache.dtype, q.dtype)
         qh = q.transpose(0, 1)  # [H, q_len, D]
+        if self.logit_softcap is not None:
+            o = self._attend(qh[None], self._k_scaled(kv[0], kv_cache)[None], kv[1][None], c.mask)
+            return self._v_scaled(o[0].transpose(0, 1), kv_cache)
         o = F.scaled_dot_product_attention(qh[None], kv[0][None], kv[1][None], attn_mask=c.mask,
                                            scale=self._qk_scale(kv_cache), enable_gqa=self.group > 1)
         return self._v_scaled(o[0].transpose(0, 1), kv_cache)
@@ -257,6 +300,25 @@ class TorchRefAttentionBackend(AttentionBackend):
 
     def _v_scaled(self, o: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         return o * self.v_scale if is_fp8(kv_cache) and self.v_scale != 1.0 else o
+
+    def _k_scaled(self, k: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Keys read from an fp8 cache times k_scale (for the soft-capped path, which scales itself)."""
+        return k * self.k_scale if is_fp8(kv_cache) and self.k_scale != 1.0 else k
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                group: int | None = None) -> torch.Tensor:
+        """Eager attention with soft-capping (HF's order: scale, cap, mask, float32 softmax):
+        q [B, H, Lq, D], k/v [B, H / group, Lk, D], mask bool broadcastable to [B, H, Lq, Lk]."""
+        group = self.group if group is None else group
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        if self.logit_softcap is not None:
+            scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
+        scores = scores.masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
 
 
 def _raw(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ Importing this module does not import triton; the first `forward` does.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -101,14 +102,21 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
 
 
 class TritonAttentionBackend(AttentionBackend):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, *,
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, logit_softcap: float | None = None, *,
                  config: TritonAttentionConfig | None = None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, logit_softcap)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         if head_dim < 16:
             raise ValueError(f"head_dim={head_dim}: the Triton backend needs head_dim >= 16")
         self.config = config or TritonAttentionConfig()
+        if config is None and head_dim > 128:
+            # Wide heads (Gemma: 256): half-size tiles keep the K/V tiles and the float32
+            # accumulator within the SM's shared memory and registers.
+            c = self.config
+            self.config = dataclasses.replace(c, block_n=c.block_n // 2, prefill_rows=c.prefill_rows // 2,
+                                              wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2)
         self._sm_count: int | None = None  # read from the device on the first forward
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -119,12 +127,16 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError("the KV cache's head_dim axis must be contiguous")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        # A window bounds the keys any query reads: split the KV axis by that, not the context.
+        keys = meta.max_seq_len if self.sliding_window is None else min(
+            meta.max_seq_len, self.sliding_window + meta.max_query_len)
         plan = plan_launch(self.config, self.num_heads, self.num_kv_heads, q.shape[0], meta.seq_lens.shape[0],
-                           meta.max_query_len, meta.max_seq_len, self._sm_count_of(q.device))
+                           meta.max_query_len, keys, self._sm_count_of(q.device))
         return triton_paged_attention.paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
             max_splits=MAX_KV_SPLITS, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale)
 
     def _sm_count_of(self, device: torch.device) -> int:

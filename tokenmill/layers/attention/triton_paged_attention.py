@@ -13,6 +13,11 @@ counting first_tile values <= its tile id, reading query_start_loc on the device
 Each program walks the KV tiles (BLOCK_N keys, looked up key by key in the block
 table, so any block size works) up to its last query's causal limit
 (context + query index), with an online softmax in float32 (log2 domain).
+A sliding window W (`window`; a huge value means none) masks keys <= query - W, and
+the walk starts at the tile holding the first key the tile's first query sees: keys
+before it are neither loaded nor looked up in the block table (the KV manager may
+have given their blocks to another request). SOFTCAP: scores become
+softcap * tanh(scores / softcap) before the softmax (Gemma 2).
 
 FP8 KV cache: K/V tiles are converted to the query's dtype as they load; k_scale joins the
 softmax scale and v_scale multiplies the accumulator (both host floats, the layer's).
@@ -33,6 +38,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 SEARCH_CHUNK = 128  # query_start_loc entries read per step of the sequence search
+NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
 
 
 @triton.jit
@@ -51,7 +57,7 @@ def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, CHUNK: tl.con
 
 
 # Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
-@triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits", "s_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits", "s_bt", "window"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,  # split partials: [num_rows, NUM_HEADS, num_splits(, HEAD_DIM_PAD)]
@@ -59,13 +65,15 @@ def _paged_attention_kernel(
     qk_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache)
     v_scale,  # 1.0, or an fp8 cache's V scale
     num_seqs, num_rows, num_splits,
+    window, softcap,  # sliding window (keys); logit soft-cap (used only with SOFTCAP)
     s_qt, s_qh, s_ot, s_oh,  # q / out strides: token, head (the head_dim stride is 1)
     s_cb, s_cs, s_ch,  # cache strides: block, slot in block, head (the head_dim stride is 1)
     s_bt,  # block table row stride
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, KV_FP8: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -108,13 +116,15 @@ def _paged_attention_kernel(
         q = q.to(k_cache_ptr.dtype.element_ty)
 
     kv_len = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys the tile's last query sees
+    kv_lo = tl.maximum(context + q_first - window + 1, 0)  # the first key the tile's first query sees
     num_kv_tiles = tl.cdiv(kv_len, BLOCK_N)
+    first_kv_tile = kv_lo // BLOCK_N
     if SPLIT:
-        per_split = tl.cdiv(num_kv_tiles, num_splits)
-        tile_lo = split * per_split
+        per_split = tl.cdiv(num_kv_tiles - first_kv_tile, num_splits)
+        tile_lo = first_kv_tile + split * per_split
         tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
     else:
-        tile_lo = 0
+        tile_lo = first_kv_tile
         tile_hi = num_kv_tiles
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -124,7 +134,7 @@ def _paged_attention_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     for j in range(tile_lo, tile_hi):
         key = j * BLOCK_N + offs_n
-        key_valid = key < kv_len
+        key_valid = (key < kv_len) & (key >= kv_lo)
         block = tl.load(table_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
         kv_mask = key_valid[:, None] & d_valid[None, :]
@@ -132,7 +142,11 @@ def _paged_attention_kernel(
         if KV_FP8:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (key[None, :] <= key_limit[:, None]) & key_valid[None, :]
+        if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
+            cap = softcap * 1.4426950408889634
+            s = cap * (1.0 - 2.0 / (tl.exp2(2.0 * s / cap * 1.4426950408889634) + 1.0))
+        visible = ((key[None, :] <= key_limit[:, None]) & (key[None, :] > key_limit[:, None] - window)
+                   & key_valid[None, :])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no NaN
@@ -188,7 +202,8 @@ def _reduce_splits_kernel(
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
-                    num_warps: int, num_stages: int, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    num_warps: int, num_stages: int, sliding_window: int | None = None,
+                    logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
 
     The launch depends only on shapes and the arguments given here, never on device data.
@@ -217,13 +232,15 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         q, k_cache, v_cache, out, part_m, part_l, part_acc,
         query_start_loc, seq_lens, block_table,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale if kv_fp8 else 1.0, num_seqs, num_rows, num_splits,
+        sliding_window if sliding_window is not None else NO_WINDOW, float(logit_softcap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         SPLIT=split, DOT_PRECISION="ieee" if (q.dtype if kv_fp8 else kv_cache.dtype) == torch.float32 else "tf32",
-        SEARCH=SEARCH_CHUNK, KV_FP8=kv_fp8, num_warps=num_warps, num_stages=num_stages,
+        SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split:
         _reduce_splits_kernel[(num_rows, num_heads)](

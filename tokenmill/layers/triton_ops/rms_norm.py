@@ -4,12 +4,15 @@ One program normalizes ROWS rows, each held whole in registers (BLOCK >= hidden,
 two): one read of x (and of the residual), one write of the output (and of the new residual).
 Short rows (q/k norm over a head) are packed several to a program, long ones take one each.
 
-Numerics are those of `tokenmill.layers.norm.RMSNorm`, op for op:
-- residual: x + residual, rounded to the activation dtype (HF's `residual + hidden_states`),
-  stored in place, and normalized as rounded;
-- mean of squares in float32, reciprocal square root, rounded to the activation dtype;
-- row times that, rounded; times the weight, rounded to the activation dtype.
+Numerics are those of `tokenmill.layers.norm.RMSNorm` (HF's), op for op:
+- residual: x + residual in float32, stored in place in the residual's dtype (float32 for the
+  model's stream: no rounding; the activation dtype rounds as HF's `residual + hidden_states`),
+  and normalized as stored;
+- mean of squares in float32, reciprocal square root in float32 (never rounded on its own);
+- row times that, rounded to the output dtype; times the weight, rounded again.
 They differ from the torch path only in summation order and rsqrt's last bit.
+GEMMA (`layers.norm.GemmaRMSNorm`): the row times rstd times (1 + weight), all in float32,
+rounded once at the end, as HF's Gemma norms do.
 
 A row is (r // inner, r % inner) over two strides, so [T, heads, head_dim] views with gaps
 between tokens (q or k inside the fused qkv output, for Qwen3's q/k norm) are read where they
@@ -38,9 +41,9 @@ def _rms_norm_kernel(
     s_x_outer, s_x_inner,  # x strides of row r's (r // inner, r % inner); columns are contiguous
     s_res,  # residual row stride (2-D only)
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr = False,
 ):
-    dtype = x_ptr.dtype.element_ty
+    dtype = out_ptr.dtype.element_ty
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < N
@@ -50,19 +53,23 @@ def _rms_norm_kernel(
     x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res_ptrs = res_ptr + (rows * s_res)[:, None] + cols[None, :]
-        summed = (x + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        summed = (x + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
         tl.store(res_ptrs, summed, mask=mask)
         x = summed.to(tl.float32)
 
     mean_sq = tl.sum(x * x, axis=1) * inv_n
-    rstd = tl.rsqrt(mean_sq + eps).to(dtype).to(tl.float32)
-    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    out = (normed * w[None, :]).to(dtype)
+    if GEMMA:
+        out = (x * tl.rsqrt(mean_sq + eps)[:, None] * (1.0 + w[None, :])).to(dtype)
+    else:
+        rstd = tl.rsqrt(mean_sq + eps)
+        normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+        out = (normed * w[None, :]).to(dtype)
     tl.store(out_ptr + (rows * N)[:, None] + cols[None, :], out, mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            out_dtype: torch.dtype, gemma: bool = False) -> torch.Tensor:
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight of shape {tuple(weight.shape)} for rows of {n}")
@@ -73,7 +80,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     else:
         flat = x if x.dim() == 2 else x.reshape(-1, n)
         num_rows, inner, s_outer, s_inner = flat.shape[0], 1, flat.stride(0), 0
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if num_rows == 0:
         return out
     block = triton.next_power_of_2(n)
@@ -82,23 +89,27 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
         x, x if residual is None else residual, weight, out,
         num_rows, 1.0 / n, eps, inner, s_outer, s_inner, 0 if residual is None else residual.stride(0),
-        N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, num_warps=num_warps,
+        N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, GEMMA=gemma, num_warps=num_warps,
     )
     return out
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last axis of x ([..., n]; 3-D views may be strided): a new tensor."""
-    return _launch(x, None, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
+             gemma: bool = False) -> torch.Tensor:
+    """RMSNorm over the last axis of x ([..., n]; 3-D views may be strided): a new tensor in
+    `out_dtype` (default x's)."""
+    return _launch(x, None, weight, eps, out_dtype or x.dtype, gemma)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`residual += x` in place (in the activation dtype), then RMSNorm of it: (normed, residual).
+                       eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`residual += x` in place (in the residual's dtype), then RMSNorm of it: (normed in x's dtype, residual).
 
-    x, residual: [T, n] of one dtype; residual's rows contiguous. x is left as it was.
+    x, residual: [T, n]; residual's rows contiguous, its dtype x's or float32 (the model's stream).
+    x is left as it was.
     """
-    if x.dim() != 2 or residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
-        raise ValueError(f"fused_add_rms_norm needs x and residual of one [T, n] shape and dtype, got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
-    return _launch(x, residual, weight, eps), residual
+    if (x.dim() != 2 or residual.shape != x.shape or residual.dtype not in (x.dtype, torch.float32)
+            or residual.stride(-1) != 1):
+        raise ValueError(f"fused_add_rms_norm needs x and residual of one [T, n] shape, the residual in x's "
+                         f"dtype or float32, got {tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
+    return _launch(x, residual, weight, eps, x.dtype, gemma), residual

