@@ -18,6 +18,21 @@ def hash_block(parent_hash: int | None, tokens: bytes) -> int:
     return hash((parent_hash, tokens))
 
 
+class HashChain(list):
+    """A request's block hashes, one per full block. `seed` stands in for the first block's
+    parent: requests whose KV differs for the same tokens (another LoRA adapter) get other
+    hashes, so the prefix cache never shares blocks between them."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        super().__init__()
+        self.seed = seed
+
+
+def parent_hash(chain: list[int]) -> int | None:
+    """The parent of the next block's hash: the last one, or the chain's seed."""
+    return chain[-1] if chain else getattr(chain, "seed", None)
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         self.num_blocks = num_blocks

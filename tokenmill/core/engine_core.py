@@ -58,9 +58,10 @@ class EngineCore:
         self.num_blocks = num_blocks
         self.weight_bytes = self.executor.weight_bytes()
         logger.info("model weights: %.3f GiB", self.weight_bytes / 2**30)
+        self.block_bytes = self.executor.kv_block_bytes()
         stages = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
-                                   pipeline_stages=stages, kv_window=config.kv_window)
+                                   pipeline_stages=stages, kv_window=config.kv_window, lora=config.lora)
         self.max_in_flight = stages + (1 if config.scheduler.async_scheduling else 0)
         self.stats_logger = StatsLogger(enabled=config.log_stats)
         # (step, its result, when it was scheduled)
@@ -74,7 +75,7 @@ class EngineCore:
         self.scheduler.add_request(Request(
             request.handle, np.frombuffer(request.prompt_token_ids, "<i4"), request.sampling_params,
             self.config.model.eos_token_ids, self.config.model.max_model_len,
-            request.arrival_time or time.time()))
+            request.arrival_time or time.time(), request.lora))
 
     def abort_requests(self, handles: list[int]) -> None:
         self.scheduler.abort(handles)
@@ -131,7 +132,7 @@ class EngineCore:
     def kv_cache_stats(self) -> KVCacheStats:
         pool = self.scheduler.kv.pool
         return KVCacheStats(num_free_blocks=pool.num_free, num_blocks=pool.num_blocks,
-                            num_requests=len(self.scheduler.requests))
+                            num_requests=len(self.scheduler.requests), block_bytes=self.block_bytes)
 
     def scheduler_stats(self) -> SchedulerStats:
         return msgspec.structs.replace(self.scheduler.stats(), num_kv_blocks=self.num_blocks,
