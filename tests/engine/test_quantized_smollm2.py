@@ -1,8 +1,8 @@
 """The real SmolLM2-135M on the CPU, quantized: mean negative log-likelihood of a few hundred tokens
 of English text against the float32 engine's. An FP8 KV cache (e4m3 and e5m2) stays within 1%;
-FP8 W8A8 weights (online) within 3% and INT4 weights (a GPTQ checkpoint written from the model's
-weights, group 32) within the limits below, measured on this small model; none is identical to
-float32 (something really was quantized).
+FP8 W8A8 weights (online) within 3% (measured +2.4% on this small model) and INT4 weights (a GPTQ
+checkpoint quantized by GPTQ from the model's weights) within 4%; none is identical to float32
+(something really was quantized).
 
 Prompts run in chunks of 32 tokens, so every chunk after the first attends over K/V read back
 from the (quantized) cache.
@@ -42,8 +42,9 @@ CALIBRATION = (
     "inns are full of talk about prices, weather and the news carried by travellers from the coast."
 )
 CHUNK = 32
-# Round-to-nearest int4 (group 32) of weights that are themselves Q4_1 in the GGUF: measured +6.1%.
-INT4_LIMIT = 0.07
+# GPTQ (act-order, group 64, asymmetric) measured +3.90% (round-to-nearest group 32: +6.1%; the
+# GGUF's weights are themselves Q4_1, so a second int4 rounding costs more than it would on bf16).
+INT4_LIMIT = 0.04
 
 
 @pytest.fixture(scope="module")
