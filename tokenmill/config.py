@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 
 import msgspec
 
+from tokenmill.quant_config import QuantConfig
+
 
 class RopeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     theta: float = 10000.0
@@ -154,6 +156,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     eos_token_ids: tuple[int, ...]
     arch: ModelArch
     tokenizer: str = ""  # resolved tokenizer location (HF directory or .gguf file); "" = `path`
+    quantization: QuantConfig | None = None  # quantized linears (tokenmill.quant_config); None: float
 
     @property
     def vocab_size(self) -> int:
@@ -171,6 +174,11 @@ class CacheConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enable_prefix_caching: bool = True
     cpu_kv_cache_bytes: int = 1 << 30  # the KV pool's size on CPU
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of device memory for weights, activations, KV
+    kv_cache_dtype: str = ""  # torch dtype name of the KV cache (float8_e4m3fn, float8_e5m2); "": the model's
+
+    def kv_torch_dtype(self, model_dtype):
+        import torch
+        return getattr(torch, self.kv_cache_dtype) if self.kv_cache_dtype else model_dtype
 
 
 class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -318,6 +326,8 @@ class EngineArgs:
     structured_outputs_compile_timeout: float = 10.0
     structured_outputs_max_schema_bytes: int = 65536
     structured_outputs_max_whitespace: int = 4
+    quantization: str | None = None  # fp8 (online), or the checkpoint's quant_method (default: from its config)
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
 
 
 _FLAG_HELP = {
@@ -369,6 +379,10 @@ _FLAG_HELP = {
     "structured_outputs_max_schema_bytes": "largest JSON schema, regex, grammar or choice list, in bytes",
     "structured_outputs_max_whitespace": "most consecutive whitespace characters between JSON tokens "
                                          "(a weak model cannot loop in whitespace)",
+    "quantization": "fp8 (quantize a float checkpoint's linears to FP8 W8A8 at load), or the checkpoint's "
+                    "quant_method (fp8, fbgemm_fp8, compressed-tensors, gptq, awq); default: from its config",
+    "kv_cache_dtype": "auto (the model's dtype), fp8 / fp8_e4m3 or fp8_e5m2 (twice the KV blocks; per-layer "
+                      "scales from the checkpoint, else 1.0)",
 }
 
 

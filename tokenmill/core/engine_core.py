@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
+import msgspec
 import numpy as np
 
 from tokenmill.config import EngineConfig
@@ -56,6 +57,8 @@ class EngineCore:
                     num_blocks * self.executor.kv_block_bytes() / 2**30, max_len,
                     num_blocks * block_size / max_len)
         self.num_blocks = num_blocks
+        self.weight_bytes = self.executor.weight_bytes()
+        logger.info("model weights: %.3f GiB", self.weight_bytes / 2**30)
         self.block_bytes = self.executor.kv_block_bytes()
         stages = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
@@ -204,7 +207,8 @@ class EngineCore:
                             num_requests=len(self.scheduler.requests), block_bytes=self.block_bytes)
 
     def scheduler_stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return msgspec.structs.replace(self.scheduler.stats(), num_kv_blocks=self.num_blocks,
+                                       weight_bytes=self.weight_bytes)
 
     def telemetry_report(self) -> TelemetryReport:
         """This process's telemetry, then each worker's; speculation counters since the last reset."""

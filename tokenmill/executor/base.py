@@ -24,6 +24,10 @@ class Executor(ABC):
     @abstractmethod
     def kv_block_bytes(self) -> int: ...
 
+    def weight_bytes(self) -> int:
+        """What every rank's model weights take on its device, together (quantized ones packed)."""
+        return 0
+
     @abstractmethod
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Start a step; the future resolves to the driver worker's output."""

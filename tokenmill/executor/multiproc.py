@@ -36,6 +36,9 @@ class MultiprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.workers.call("init_kv_cache", num_blocks)
 
+    def weight_bytes(self) -> int:
+        return sum(self.workers.call("weight_bytes"))
+
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         return self.workers.submit(scheduler_output)
 

@@ -99,6 +99,9 @@ class RayExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.call("init_kv_cache", num_blocks)
 
+    def weight_bytes(self) -> int:
+        return sum(self.call("weight_bytes"))
+
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         start = time.perf_counter()
         message = self._step_encoder.encode(scheduler_output)

@@ -20,8 +20,8 @@ from tokenmill.protocol import SchedulerOutput, WorkerCall, WorkerCallResult
 
 logger = logging.getLogger(__name__)
 
-_CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "init_kv_cache", "telemetry_snapshot",
-          "reset_telemetry", "held_requests")
+_CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "weight_bytes", "init_kv_cache",
+          "telemetry_snapshot", "reset_telemetry", "held_requests")
 
 
 class RayWorker:

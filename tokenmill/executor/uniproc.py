@@ -25,6 +25,9 @@ class UniprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
+    def weight_bytes(self) -> int:
+        return self.worker.weight_bytes()
+
     def worker_telemetry(self) -> list[ProcessTelemetry]:
         return [self.worker.telemetry_snapshot()]
 

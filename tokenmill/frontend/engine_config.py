@@ -15,6 +15,7 @@ from tokenmill.distributed.layout import check_parallel, parse_partition
 from tokenmill.model.arch import model_arch
 from tokenmill.model.default_model import resolve_model_path
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
+from tokenmill.quant_config import resolve_kv_cache_dtype, resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +45,12 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
            f"must be in [1, {arch.max_position}] (the model's max_position_embeddings), got {max_model_len}")
     max_batched = args.max_num_batched_tokens or max(8192, args.max_num_seqs)
     _check(max_batched >= 1, "max_num_batched_tokens", f"must be >= 1, got {max_batched}")
+    quantization = resolve_quantization(args.quantization, _quantization_config(hf_config), args.load_format)
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     model = ModelConfig(
         path=path, name=args.served_model_name or args.model, dtype=dtype, max_model_len=max_model_len,
         load_format=args.load_format, seed=args.seed, eos_token_ids=load_eos_token_ids(path, hf_config),
-        arch=arch, tokenizer=tokenizer)
+        arch=arch, tokenizer=tokenizer, quantization=quantization)
     parallel = resolve_parallel(args, arch, device)
     speculative = resolve_speculative(args.speculative_config, model, device, args.enforce_eager,
                                       download_dir=args.download_dir)
@@ -64,7 +67,8 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         cache=CacheConfig(block_size=args.block_size, num_blocks_override=args.num_gpu_blocks_override or 0,
                           enable_prefix_caching=args.enable_prefix_caching,
                           cpu_kv_cache_bytes=int(args.kv_cache_memory_gb * (1 << 30)),
-                          gpu_memory_utilization=args.gpu_memory_utilization),
+                          gpu_memory_utilization=args.gpu_memory_utilization,
+                          kv_cache_dtype="" if kv_dtype == dtype else kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                   async_scheduling=args.async_scheduling,
                                   debug_check_every=args.debug_check_every),
@@ -194,6 +198,14 @@ def _check_args(args: EngineArgs) -> None:
     _check(args.step_timeout > 0, "step_timeout", f"must be > 0 seconds, got {args.step_timeout}")
     _check(args.num_gpu_blocks_override is None or args.num_gpu_blocks_override >= 1, "num_gpu_blocks_override",
            f"must be >= 1, got {args.num_gpu_blocks_override}")
+
+
+def _quantization_config(hf_config) -> dict | None:
+    """The HF config's `quantization_config` as a plain dict (transformers may keep an object)."""
+    q = getattr(hf_config, "quantization_config", None)
+    if q is None or isinstance(q, dict):
+        return q
+    return q.to_dict() if hasattr(q, "to_dict") else dict(vars(q))
 
 
 def resolve_parallel(args: EngineArgs, arch, device: str) -> ParallelConfig:

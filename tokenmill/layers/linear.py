@@ -18,6 +18,10 @@ docs/results/spec-decode.md); many rows stay on `F.linear`. Without the C kernel
 go to oneDNN and one row to `F.linear`.
 
 Anywhere else (GPUs, no oneDNN, or if packing ever fails) it is plain `F.linear`.
+
+Every `Linear` computes through its `quant_method` (`tokenmill.layers.quantization.base`):
+`UNQUANTIZED` (all of the above) unless a quantized format's method was attached after the
+model was built; such a layer's `weight` is None and its own parameters replace it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import cpu_gemm
+from tokenmill.layers.quantization.base import LinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +106,9 @@ def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     caches: tuple[PackedWeight, PackedWeight]) -> torch.Tensor | None:
     """`silu(gate) * up` of `F.linear(x, weight, bias)` split in halves [gate | up], as two matmuls
-    with the activation and the product done inside them; None where the packed path is off."""
-    if not (_use_packed(x, weight, caches[0]) and caches[1].usable and x.dim() == 2):
+    with the activation and the product done inside them; None where the packed path is off
+    (or the layer is quantized: `weight` None)."""
+    if weight is None or not (_use_packed(x, weight, caches[0]) and caches[1].usable and x.dim() == 2):
         return None
     half = weight.shape[0] // 2
     try:
@@ -115,12 +121,33 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         return None
 
 
+class UnquantizedLinearMethod(LinearMethod):
+    """The float weight as it is, through the fast paths above."""
+
+    quantized = False
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return linear(x, layer.weight, bias, layer._packed)
+
+    def apply_add(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                  other: torch.Tensor) -> torch.Tensor:
+        return linear_add(x, layer.weight, bias, other, layer._packed)
+
+    def describe(self) -> str:
+        return "unquantized"
+
+
+UNQUANTIZED = UnquantizedLinearMethod()
+
+
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters and state dict) with the packed CPU bfloat16 fast path."""
+    """`nn.Linear` (same parameters and state dict) with the packed CPU bfloat16 fast path,
+    computing through its `quant_method`."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._packed = PackedWeight()
+        self.quant_method: LinearMethod = UNQUANTIZED
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self._packed)
+        return self.quant_method.apply(self, x, self.bias)

@@ -30,6 +30,7 @@ from tokenmill.layers.norm import RMSNorm, add_in_matmul, residual_stream, stage
 from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
 from tokenmill.model.intermediate import IntermediateTensors
+from tokenmill.model.quant_loading import load_quantized_param, quantized_layout
 from tokenmill.model.weight_source import LazyTensor, read_slice, tensor_shape
 
 
@@ -265,7 +266,7 @@ class LlamaForCausalLM(nn.Module):
             return 0, layout.kv_head_start * d.head_dim, layout.num_kv_heads * d.head_dim
         if kind == "gate_up_proj":
             return 0, layout.tp_rank * layout.intermediate_size, layout.intermediate_size
-        if kind in ("o_proj", "down_proj") and suffix == "weight":
+        if kind in ("o_proj", "down_proj") and suffix != "bias":  # weight, or a quantized format's tensor
             size = layout.num_heads * d.head_dim if kind == "o_proj" else layout.intermediate_size
             return 1, layout.tp_rank * size, size
         if kind in ("embed_tokens", "lm_head"):
@@ -322,6 +323,15 @@ class LlamaForCausalLM(nn.Module):
         param = params.get(name)
         if param is None:
             raise ValueError(f"unexpected weight {hf_name!r} for {type(self).__name__}")
+        layout = quantized_layout(self, name)
+        if layout is not None:  # a quantized linear's tensor: its layout says where features sit
+            layer = self.get_submodule(name.rsplit(".", 1)[0])
+            sizes = self._shard_sizes(name.split(".")[-2]) if shard is not None else [layer.out_features]
+            part = None if shard is None else (sum(sizes[:shard]), sizes[shard])
+            local = (sizes[shard if shard is not None else 0], layer.in_features)
+            full = self._checkpoint_shape(name.rsplit(".", 1)[0] + ".weight", shard, local)
+            load_quantized_param(param, layout, hf_name, tensor, part, full, self._source_slice(name, shard))
+            return
         target = param.data
         if shard is not None:
             sizes = self._shard_sizes(name.split(".")[-2])

@@ -15,10 +15,14 @@ from tqdm.auto import tqdm
 from tokenmill.config import ModelArch
 from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers.attention.backend import AttentionBackend
+from tokenmill.layers.quantization.methods import (attach_linear_methods, ignored_checkpoint_suffixes,
+                                                   process_weights_after_loading)
 from tokenmill.model.gguf_loader import GGUFWeights
 from tokenmill.model.paths import is_gguf_file
 from tokenmill.model.registry import get_model_class
+from tokenmill.model.kv_scales import apply_kv_scales, take_kv_scales
 from tokenmill.model.weight_source import DummyTensor, SafetensorsTensor
+from tokenmill.quant_config import QuantConfig
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 _DUMMY_STD = 0.02
@@ -96,9 +100,10 @@ def _fill_normal(t: torch.Tensor, generator: torch.Generator) -> None:
 
 def load_model(path: str, arch: ModelArch, load_format: str, dtype: torch.dtype, device: torch.device,
                attn_backend_cls: type[AttentionBackend], seed: int = 0,
-               parallel: ParallelContext | None = None) -> nn.Module:
+               parallel: ParallelContext | None = None, quant: QuantConfig | None = None) -> nn.Module:
     """The model in eval mode, on `device`, in `dtype`, with weights from `path` per `load_format`;
-    with `parallel`, only this rank's pipeline stage and tensor-parallel shard."""
+    with `parallel`, only this rank's pipeline stage and tensor-parallel shard; with `quant`, its
+    linears quantized that way (their methods attached before loading, run after it)."""
     model_cls = get_model_class(arch.architecture)
     load_format = _resolve_format(path, load_format)
     device = torch.device(device)
@@ -114,10 +119,21 @@ def load_model(path: str, arch: ModelArch, load_format: str, dtype: torch.dtype,
     # Attention backends are built under meta too, so they must allocate tensors lazily.
     with _default_dtype(dtype), torch.device("meta"):
         model = model_cls(arch, attn_backend_cls, parallel)
+        attach_linear_methods(model, quant, dtype)
     model.to_empty(device=device)
-    model.load_weights(tqdm(weights.lazy(), total=len(weights), desc=f"Loading {load_format} weights",
+    kv_scales: dict[str, float] = {}
+    tensors = take_kv_scales(weights.lazy(), kv_scales, ignored_checkpoint_suffixes(model))
+    model.load_weights(tqdm(tensors, total=len(weights), desc=f"Loading {load_format} weights",
                             unit="tensor", disable=parallel is not None and parallel.layout.rank != 0))
+    apply_kv_scales(model, kv_scales)
+    process_weights_after_loading(model)
+    model.activation_dtype = dtype  # what flows between layers (quantized parameters have other dtypes)
     return model.eval()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """What the model's tensors take on its device (quantized ones at their packed size)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
 def _resolve_format(path: str, load_format: str) -> str:

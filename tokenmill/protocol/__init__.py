@@ -400,6 +400,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, tag="sched"):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []
+    num_kv_blocks: int = 0  # the KV pool (set by the engine core)
+    weight_bytes: int = 0  # every rank's model weights together, as they sit on the device
 
 
 class ChannelStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -79,7 +79,7 @@ class DecodeGraphs:
         # A later pipeline stage's input: the previous stage's activations, copied in before a replay.
         self.inputs: list[torch.Tensor] = []
         if layout is not None and not layout.is_first_stage:
-            dtype = next(model.parameters()).dtype
+            dtype = getattr(model, "activation_dtype", None) or next(model.parameters()).dtype  # quantized params differ
             self.inputs = [torch.zeros(shape, dtype=dtype, device=device)
                            for shape in model.intermediate_shapes(largest)]
         self._loaded: tuple[int, bytes, bytes] | None = None  # (padded size, slots, drafts) now loaded

@@ -29,8 +29,9 @@ from tokenmill.layers.attention.mla import mla_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
 from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
 from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
-from tokenmill.model.loader import load_model
+from tokenmill.layers.quantization.methods import linear_methods_summary
 from tokenmill.layers.sampling.token_bitmask import apply_token_bitmask
+from tokenmill.model.loader import load_model, weight_bytes
 from tokenmill.protocol import GrammarBitmask, NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs, verify_logits_rows
@@ -99,6 +100,8 @@ class ModelRunner:
         self.config = config
         self.device = device or config.torch_device
         self.dtype = config.model.torch_dtype
+        self.kv_dtype = config.cache.kv_torch_dtype(self.dtype)  # fp8 with kv_cache_dtype fp8*
+        self.weight_bytes = 0
         self.block_size = config.cache.block_size
         arch = config.model.arch
         self.stage = stage or PipelineStage(ParallelContext.single(arch))
@@ -157,9 +160,11 @@ class ModelRunner:
         start = time.perf_counter()
         self.model = load_model(m.path, m.arch, m.load_format, self.dtype, self.device,
                                 attention_backend_class(self.config.attention_backend), seed=m.seed,
-                                parallel=self.stage.parallel)
-        logger.info("loaded %s in %.1f s (%s attention, %s)", m.path, time.perf_counter() - start,
-                    self.config.attention_backend, m.dtype)
+                                parallel=self.stage.parallel, quant=m.quantization)
+        self.weight_bytes = weight_bytes(self.model)
+        logger.info("loaded %s in %.1f s (%s attention, %s): weights %.3f GiB; linears: %s; KV cache %s", m.path,
+                    time.perf_counter() - start, self.config.attention_backend, m.dtype, self.weight_bytes / 2**30,
+                    linear_methods_summary(self.model), str(self.kv_dtype).replace("torch.", ""))
         if self.device.type == "cpu":
             from tokenmill.layers import cpu_isa
             logger.info(cpu_isa.describe())
@@ -175,12 +180,11 @@ class ModelRunner:
                                        self.config.scheduler.max_num_seqs + 1, spec.num_speculative_tokens)
 
     def kv_bytes_per_token_per_layer(self) -> int:
-        """K and V of this rank's heads; MLA: the latent and the rope key (one 'head')."""
-        element = torch.empty((), dtype=self.dtype).element_size()
+        """K and V of this rank's heads (in the KV cache dtype); MLA: the latent and the rope key (one 'head')."""
         mla = self.config.model.arch.mla
         if mla is not None:
-            return mla.latent_dim * element
-        return 2 * self.num_kv_heads * self.head_dim * element
+            return mla.latent_dim * torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.kv_dtype).element_size()
 
     def kv_block_bytes(self) -> int:
         target = self.num_layers * self.block_size * self.kv_bytes_per_token_per_layer()
@@ -251,7 +255,7 @@ class ModelRunner:
         mla = self.config.model.arch.mla
         shape = (mla_cache_shape(num_blocks, self.block_size, mla.latent_dim) if mla is not None
                  else kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim))
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype if mla is not None else self.kv_dtype, device=self.device)
                           for _ in range(self.num_layers)]
         if self.draft is not None:
             self.draft.allocate(lambda blocks, heads, dim: kv_cache_shape(blocks, self.block_size, heads, dim),

@@ -84,7 +84,7 @@ class PipelineStage:
         return None
 
     def _receive(self, model, num_tokens: int, device: torch.device, step_id: int) -> IntermediateTensors:
-        dtype = next(model.parameters()).dtype
+        dtype = getattr(model, "activation_dtype", None) or next(model.parameters()).dtype  # quantized params differ
         return IntermediateTensors.of(self._receive_tensors(model.intermediate_shapes(num_tokens), dtype, device,
                                                             step_id))
 

@@ -63,6 +63,9 @@ class Worker:
     def kv_block_bytes(self) -> int:
         return self.runner.kv_block_bytes()
 
+    def weight_bytes(self) -> int:
+        return getattr(self.runner, "weight_bytes", 0)  # the null runner holds no model
+
     def init_kv_cache(self, num_blocks: int) -> None:
         self.runner.init_kv_cache(num_blocks)
 

@@ -27,8 +27,8 @@ from tokenmill.worker.fault_injection import FaultInjector
 
 logger = logging.getLogger(__name__)
 
-_CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "init_kv_cache", "telemetry_snapshot",
-          "reset_telemetry", "held_requests")
+_CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "weight_bytes", "init_kv_cache",
+          "telemetry_snapshot", "reset_telemetry", "held_requests")
 
 
 class WorkerProc:

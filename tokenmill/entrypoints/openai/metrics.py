@@ -45,7 +45,10 @@ class _EngineCollector(Collector):
         for name, text, value in (
                 ("num_requests_running", "Requests in the running batch.", s["num_running"]),
                 ("num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"]),
-                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s["kv_cache_usage"])):
+                ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).", s["kv_cache_usage"]),
+                ("num_kv_cache_blocks", "KV cache blocks in the pool.", s.get("num_kv_blocks", 0)),
+                ("model_weight_bytes", "Bytes of model weights on the devices (quantized ones packed).",
+                 s.get("weight_bytes", 0))):
             gauge = GaugeMetricFamily(f"tokenmill:{name}", text, labels=["model_name"])
             gauge.add_metric(labels, value)
             yield gauge

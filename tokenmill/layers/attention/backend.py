@@ -2,6 +2,10 @@
 
 KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
 (index 0 holds keys, 1 values).
+
+An FP8 cache (float8_e4m3fn / float8_e5m2, `kv_cache_dtype`) holds k / k_scale and v / v_scale,
+saturated to the format's range; every backend reads the cache's dtype off the tensor, and the
+per-layer scales (1.0, or the checkpoint's: `tokenmill.model.kv_scales`) off the backend.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ class AttentionBackend(ABC):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.k_scale = 1.0  # FP8 KV cache: the cache holds k / k_scale (and v / v_scale)
+        self.v_scale = 1.0
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
 
@@ -40,3 +46,16 @@ class AttentionBackend(ABC):
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(t: torch.Tensor) -> bool:
+    return t.dtype in FP8_KV_DTYPES
+
+
+def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale rounded to the fp8 `dtype`, saturating at its largest finite value."""
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)

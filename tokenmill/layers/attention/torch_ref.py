@@ -25,6 +25,11 @@ GQA never copies K/V per query head: decodes fold the query heads sharing a KV
 head into the query axis, prefills use SDPA's `enable_gqa`.
 Attention runs in the activation dtype (CPU and CUDA SDPA kernels accumulate
 half precision in float32).
+
+FP8 KV cache: the write stores k / k_scale (v / v_scale) in fp8; reads convert the fp8 blocks to
+the activation dtype and fold the scales into the softmax scale (K) and the output (V). Fresh
+prefills attend over their new K/V rounded the same way, so every query sees the values the
+cache holds, however the work was scheduled (as in the Triton backend, which reads the cache).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.attention import cpu_decode
-from tokenmill.layers.attention.backend import AttentionBackend
+from tokenmill.layers.attention.backend import AttentionBackend, is_fp8, quantize_kv
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
 
@@ -207,7 +212,10 @@ class TorchRefAttentionBackend(AttentionBackend):
         block_size = kv_cache.shape[2]
         plan = _plan_for(meta, block_size, self.sliding_window)
         n = plan.num_tokens
-        _write(kv_cache, k, v, plan)
+        _write(kv_cache, k, v, plan, self.k_scale, self.v_scale)
+        if is_fp8(kv_cache) and plan.fresh:  # what the cache holds, for prefills that skip reading it
+            k = quantize_kv(k, self.k_scale, kv_cache.dtype).to(k.dtype) * self.k_scale
+            v = quantize_kv(v, self.v_scale, kv_cache.dtype).to(v.dtype) * self.v_scale
         if plan.all_fresh and q.shape[0] == n:
             q_len, _, count = plan.fresh[0]
             o = self._fresh(q, k, v, 0, q_len, count)
@@ -244,7 +252,7 @@ class TorchRefAttentionBackend(AttentionBackend):
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, out: torch.Tensor) -> None:
         s = plan.num_decodes
         qd = q[:s] if plan.decode_contiguous else q[plan.decode_rows]
-        if plan.decode_block_table is not None and cpu_decode.supports(qd, kv_cache):
+        if plan.decode_block_table is not None and not is_fp8(kv_cache) and cpu_decode.supports(qd, kv_cache):
             o = cpu_decode.decode_attention(qd, kv_cache, plan.decode_block_table, plan.decode_seq_lens,
                                             self.scale, self.sliding_window, self.logit_softcap)
             if plan.decode_contiguous:
@@ -253,20 +261,22 @@ class TorchRefAttentionBackend(AttentionBackend):
                 out[plan.decode_rows] = o
             return
         blocks = plan.decode_blocks
-        key = (kv_cache.dtype, kv_cache.shape[2:])
+        cache = _raw(kv_cache)
+        key = (cache.dtype, cache.shape[2:])
         buf = plan.buffers.get(key)
         if buf is None:
-            buf = kv_cache.new_empty((2, blocks.shape[0]) + tuple(kv_cache.shape[2:]))
+            buf = cache.new_empty((2, blocks.shape[0]) + tuple(cache.shape[2:]))
             plan.buffers[key] = buf
-        torch.index_select(kv_cache, 1, blocks, out=buf)
+        torch.index_select(cache, 1, blocks, out=buf)
         # [2, S * nb, bs, Hkv, D] -> [2, S, Hkv, L, D]
-        kv = buf.view(2, s, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        kv = _cooked(buf, kv_cache.dtype, q.dtype).view(2, s, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         qd = qd.view(s, self.num_kv_heads, self.group, self.head_dim)
         if self.logit_softcap is None:
-            o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=plan.decode_mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=plan.decode_mask,
+                                               scale=self._qk_scale(kv_cache))
         else:  # the group's query heads as queries of one KV head
-            o = self._attend(qd, kv[0], kv[1], plan.decode_mask, group=1)
-        o = o.reshape(s, self.num_heads, self.head_dim)
+            o = self._attend(qd, self._k_scaled(kv[0], kv_cache), kv[1], plan.decode_mask, group=1)
+        o = self._v_scaled(o.reshape(s, self.num_heads, self.head_dim), kv_cache)
         if plan.decode_contiguous:
             out[:s] = o
         else:
@@ -275,13 +285,25 @@ class TorchRefAttentionBackend(AttentionBackend):
     def _chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, c: _Chunk) -> torch.Tensor:
         # [2, nb, bs, Hkv, D] -> [2, Hkv, keys, D], from the first block any query sees
         keys = c.seq_len - c.first_block * kv_cache.shape[2]
-        kv = kv_cache[:, block_ids[c.first_block:c.num_blocks].long()].flatten(1, 2)[:, :keys].transpose(1, 2)
+        kv = _raw(kv_cache)[:, block_ids[c.first_block:c.num_blocks].long()].flatten(1, 2)[:, :keys].transpose(1, 2)
+        kv = _cooked(kv, kv_cache.dtype, q.dtype)
         qh = q.transpose(0, 1)  # [H, q_len, D]
         if self.logit_softcap is not None:
-            return self._attend(qh[None], kv[0][None], kv[1][None], c.mask)[0].transpose(0, 1)
+            o = self._attend(qh[None], self._k_scaled(kv[0], kv_cache)[None], kv[1][None], c.mask)
+            return self._v_scaled(o[0].transpose(0, 1), kv_cache)
         o = F.scaled_dot_product_attention(qh[None], kv[0][None], kv[1][None], attn_mask=c.mask,
-                                           scale=self.scale, enable_gqa=self.group > 1)
-        return o[0].transpose(0, 1)
+                                           scale=self._qk_scale(kv_cache), enable_gqa=self.group > 1)
+        return self._v_scaled(o[0].transpose(0, 1), kv_cache)
+
+    def _qk_scale(self, kv_cache: torch.Tensor) -> float:
+        return self.scale * self.k_scale if is_fp8(kv_cache) else self.scale
+
+    def _v_scaled(self, o: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        return o * self.v_scale if is_fp8(kv_cache) and self.v_scale != 1.0 else o
+
+    def _k_scaled(self, k: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Keys read from an fp8 cache times k_scale (for the soft-capped path, which scales itself)."""
+        return k * self.k_scale if is_fp8(kv_cache) and self.k_scale != 1.0 else k
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
                 group: int | None = None) -> torch.Tensor:
@@ -299,13 +321,27 @@ class TorchRefAttentionBackend(AttentionBackend):
         return torch.matmul(probs, v)
 
 
-def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _StepPlan) -> None:
-    flat = kv_cache.view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+def _raw(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The cache as bytes where it is fp8 (CPU indexing kernels do not take fp8 tensors)."""
+    return kv_cache.view(torch.uint8) if is_fp8(kv_cache) else kv_cache
+
+
+def _cooked(raw: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered cache entries in the activation dtype (scales are applied by the caller)."""
+    return raw.view(cache_dtype).to(dtype) if raw.dtype != cache_dtype else raw
+
+
+def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _StepPlan, k_scale: float,
+           v_scale: float) -> None:
+    flat = _raw(kv_cache).view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     n = plan.num_tokens
     if plan.valid_rows is None:
         k, v = k[:n], v[:n]
     else:
         k, v = k[plan.valid_rows], v[plan.valid_rows]
-    flat[0].index_copy_(0, plan.slots, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, plan.slots, v.to(kv_cache.dtype))
+    if is_fp8(kv_cache):
+        k, v = (quantize_kv(k, k_scale, kv_cache.dtype).view(torch.uint8),
+                quantize_kv(v, v_scale, kv_cache.dtype).view(torch.uint8))
+    flat[0].index_copy_(0, plan.slots, k.to(flat.dtype))
+    flat[1].index_copy_(0, plan.slots, v.to(flat.dtype))
 

@@ -126,7 +126,7 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_cache.stride(-1) != 1:
             raise ValueError("the KV cache's head_dim axis must be contiguous")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping)
+        triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         # A window bounds the keys any query reads: split the KV axis by that, not the context.
         keys = meta.max_seq_len if self.sliding_window is None else min(
             meta.max_seq_len, self.sliding_window + meta.max_query_len)
@@ -136,7 +136,8 @@ class TritonAttentionBackend(AttentionBackend):
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
             max_splits=MAX_KV_SPLITS, num_warps=plan.num_warps, num_stages=plan.num_stages,
-            sliding_window=self.sliding_window, logit_softcap=self.logit_softcap)
+            sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+            k_scale=self.k_scale, v_scale=self.v_scale)
 
     def _sm_count_of(self, device: torch.device) -> int:
         if self._sm_count is None:

@@ -19,6 +19,9 @@ before it are neither loaded nor looked up in the block table (the KV manager ma
 have given their blocks to another request). SOFTCAP: scores become
 softcap * tanh(scores / softcap) before the softmax (Gemma 2).
 
+FP8 KV cache: K/V tiles are converted to the query's dtype as they load; k_scale joins the
+softmax scale and v_scale multiplies the accumulator (both host floats, the layer's).
+
 Split-KV (flash-decoding): with SPLIT, a program takes only its share of the KV
 tiles (num_splits shares, sized on the device from seq_len, so any seq_len is
 right) and writes partial (max, sum, unnormalised acc); `_reduce_splits_kernel`
@@ -59,7 +62,8 @@ def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,  # split partials: [num_rows, NUM_HEADS, num_splits(, HEAD_DIM_PAD)]
     qsl_ptr, seq_lens_ptr, block_table_ptr,
-    qk_scale,  # softmax scale * log2(e)
+    qk_scale,  # softmax scale * log2(e) (* k_scale for an fp8 cache)
+    v_scale,  # 1.0, or an fp8 cache's V scale
     num_seqs, num_rows, num_splits,
     window, softcap,  # sliding window (keys); logit soft-cap (used only with SOFTCAP)
     s_qt, s_qh, s_ot, s_oh,  # q / out strides: token, head (the head_dim stride is 1)
@@ -69,6 +73,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -107,7 +112,8 @@ def _paged_attention_kernel(
     tok = (q_start + q_idx).to(tl.int64)
     q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-    q = q.to(k_cache_ptr.dtype.element_ty)
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     kv_len = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys the tile's last query sees
     kv_lo = tl.maximum(context + q_first - window + 1, 0)  # the first key the tile's first query sees
@@ -133,6 +139,8 @@ def _paged_attention_kernel(
         kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
         kv_mask = key_valid[:, None] & d_valid[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
             cap = softcap * 1.4426950408889634
@@ -146,9 +154,13 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if KV_FP8:
+        acc = acc * v_scale
     if SPLIT:
         part = (tok * NUM_HEADS + head) * num_splits + split
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
@@ -191,7 +203,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
                     num_warps: int, num_stages: int, sliding_window: int | None = None,
-                    logit_softcap: float | None = None) -> torch.Tensor:
+                    logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
 
     The launch depends only on shapes and the arguments given here, never on device data.
@@ -206,6 +218,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     if num_seqs == 0:
         return out.zero_()
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    kv_fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     split = num_splits > 1
     if split:
         part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
@@ -218,15 +231,16 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc,
         query_start_loc, seq_lens, block_table,
-        scale * LOG2E, num_seqs, num_rows, num_splits,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale if kv_fp8 else 1.0, num_seqs, num_rows, num_splits,
         sliding_window if sliding_window is not None else NO_WINDOW, float(logit_softcap or 0.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        SPLIT=split, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, num_warps=num_warps, num_stages=num_stages,
+        SPLIT=split, DOT_PRECISION="ieee" if (q.dtype if kv_fp8 else kv_cache.dtype) == torch.float32 else "tf32",
+        SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8, num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split:
         _reduce_splits_kernel[(num_rows, num_heads)](

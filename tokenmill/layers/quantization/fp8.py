@@ -1,0 +1,118 @@
+"""FP8 W8A8 linear methods: weights in e4m3 with float32 scales, activations quantized per token
+(or per token and 128 columns) at run time.
+
+- `Fp8LinearMethod`: one scale per output channel. Checkpoints: fbgemm_fp8 and compressed-tensors
+  channel ([N, 1] `weight_scale`), fp8 / compressed-tensors tensor (one scale per checkpoint
+  tensor, spread over its rows: a fused q/k/v keeps each part's own). Online: a float weight
+  quantized at load. CUDA: `torch._scaled_mm` with row-wise scales (activations: one Triton
+  kernel per call).
+- `Fp8BlockLinearMethod`: one scale per [bn, bk] weight tile (`weight_scale_inv`), activations
+  per (token, bk columns); CUDA: the Triton block GEMM.
+Elsewhere (CPU, shapes _scaled_mm refuses) both dequantize the weight for each call and
+round the activations as the GPU would, then run the float matmul: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.quantization import fp8_ops
+from tokenmill.layers.quantization.base import LinearMethod, ParamLayout, new_param, replace_param
+
+logger = logging.getLogger(__name__)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+class Fp8LinearMethod(LinearMethod):
+    ignored_suffixes = ("input_scale", "input_scale_ub")
+
+    def __init__(self, online: bool) -> None:
+        self.online = online
+
+    def create_weights(self, layer: nn.Module) -> None:
+        if self.online:
+            return  # the float weight loads as it is, and is quantized after
+        n, k = layer.out_features, layer.in_features
+        replace_param(layer, "weight", None)
+        new_param(layer, "weight", (n, k), fp8_ops.FP8, ParamLayout(0, 1, 1, 1))
+        new_param(layer, "weight_scale", (n, 1), torch.float32, ParamLayout(0, 1, None, 0, scalar_ok=True))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.online:
+            q, scale = fp8_ops.quantize_rows(layer.weight.data)
+        else:
+            q, scale = layer.weight.data, layer.weight_scale.data.float()
+        replace_param(layer, "weight", q.contiguous())
+        replace_param(layer, "weight_scale", scale.reshape(-1, 1).contiguous())
+        # _scaled_mm wants the weight column-major ([K, N] view of [N, K]) and scales [1, N].
+        layer.scale_row = scale.reshape(1, -1).contiguous()
+        n, k = q.shape
+        layer.use_scaled_mm = q.is_cuda and n % 16 == 0 and k % 16 == 0
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.use_scaled_mm:
+            from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
+
+            x2 = _rows(x)
+            xq, xs = quantize_row_groups(x2, x2.shape[1])
+            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.scale_row, out_dtype=x.dtype)
+            if bias is not None:
+                out = out + bias
+            return out.view(*x.shape[:-1], out.shape[-1])
+        w = (layer.weight.float() * layer.weight_scale).to(x.dtype)
+        return F.linear(fp8_ops.fake_quantize_rows(x), w, bias)
+
+    def describe(self) -> str:
+        return "fp8 W8A8 (per-channel weights, per-token activations)"
+
+
+class Fp8BlockLinearMethod(LinearMethod):
+    ignored_suffixes = ("input_scale",)
+
+    def __init__(self, block: tuple[int, int], online: bool) -> None:
+        self.block = (int(block[0]), int(block[1]))
+        self.online = online
+
+    def create_weights(self, layer: nn.Module) -> None:
+        n, k = layer.out_features, layer.in_features
+        bn, bk = self.block
+        if k % bk:
+            raise ValueError(f"fp8 block quantization: in_features {k} is not a multiple of the block's {bk} "
+                             f"columns (weight_block_size {list(self.block)})")
+        if self.online:
+            return
+        replace_param(layer, "weight", None)
+        new_param(layer, "weight", (n, k), fp8_ops.FP8, ParamLayout(0, 1, 1, 1))
+        new_param(layer, "weight_scale_inv", (-(-n // bn), k // bk), torch.float32, ParamLayout(0, bn, 1, bk))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.online:
+            q, scale = fp8_ops.quantize_blocks(layer.weight.data, self.block)
+        else:
+            q, scale = layer.weight.data, layer.weight_scale_inv.data.float()
+        replace_param(layer, "weight", q.contiguous())
+        replace_param(layer, "weight_scale_inv", scale.contiguous())
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        bn, bk = self.block
+        if layer.weight.is_cuda:
+            from tokenmill.layers.quantization.triton_fp8 import block_fp8_gemm, quantize_row_groups
+
+            x2 = _rows(x)
+            xq, xs = quantize_row_groups(x2, bk)
+            out = block_fp8_gemm(xq, xs, layer.weight, layer.weight_scale_inv, self.block, x.dtype)
+            if bias is not None:
+                out = out + bias
+            return out.view(*x.shape[:-1], out.shape[-1])
+        w = fp8_ops.dequantize_blocks(layer.weight, layer.weight_scale_inv, self.block, x.dtype)
+        return F.linear(fp8_ops.fake_quantize_row_groups(x, bk), w, bias)
+
+    def describe(self) -> str:
+        return f"fp8 W8A8 ({self.block[0]}x{self.block[1]} weight blocks, per-token-group activations)"

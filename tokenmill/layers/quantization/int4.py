@@ -1,0 +1,103 @@
+"""INT4 W4A16 linear method: GPTQ, AWQ and compressed-tensors pack-quantized checkpoints, loaded
+in their own layouts (sharded under TP like the weight they stand for) and repacked after
+loading into the one layout the kernel reads (`int4_packing.Int4Weights`).
+
+CUDA: the Triton dequantize-GEMM (`triton_int4`). Elsewhere: the weight is dequantized for each
+call and the float matmul runs (correct, not fast).
+
+Act-order (GPTQ desc_act) under row parallelism: each rank holds a slice of the input channels
+whose groups are scattered, so it keeps every group's scales and zeros (`g_idx` says which).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.quantization import int4_packing as packing
+from tokenmill.layers.quantization.base import LinearMethod, ParamLayout, new_param, replace_param
+from tokenmill.quant_config import QuantConfig
+
+
+class Int4LinearMethod(LinearMethod):
+    def __init__(self, config: QuantConfig, act_dtype: torch.dtype, row_parallel: bool) -> None:
+        self.config = config
+        self.act_dtype = act_dtype
+        self.row_parallel = row_parallel
+        # gptq without act-order: g_idx is k // G, and not read; compressed-tensors: the shape is known.
+        self.ignored_suffixes = (("g_idx",) if config.fmt == "gptq" and not config.desc_act else ()) + \
+            (("weight_shape",) if config.fmt == "compressed-tensors" else ())
+
+    def _group(self, k: int) -> int:
+        return k if self.config.group_size == -1 else self.config.group_size
+
+    def create_weights(self, layer: nn.Module) -> None:
+        c = self.config
+        n, k = layer.out_features, layer.in_features
+        group = self._group(k)
+        if k % group or k % 8 or n % 8:
+            raise ValueError(f"int4 ({c.fmt}): a linear of {k} inputs and {n} outputs does not fit group size "
+                             f"{c.group_size} and 8-value packing (inputs must be a multiple of both, outputs of 8)")
+        if c.online:
+            return
+        replace_param(layer, "weight", None)
+        groups, group_div = k // group, group
+        if c.desc_act and self.row_parallel:  # act-order scales stay whole: their groups are scattered over K
+            full_k = layer.full_in_features
+            groups, group_div = full_k // self._group(full_k), 0
+        if c.fmt == "gptq":
+            new_param(layer, "qweight", (k // 8, n), torch.int32, ParamLayout(1, 1, 0, 8))
+            new_param(layer, "qzeros", (groups, n // 8), torch.int32, ParamLayout(1, 8, 0, group_div))
+            new_param(layer, "scales", (groups, n), torch.float32, ParamLayout(1, 1, 0, group_div))
+            if c.desc_act:
+                new_param(layer, "g_idx", (k,), torch.int32, ParamLayout(None, 1, 0, 1))
+        elif c.fmt == "awq":
+            new_param(layer, "qweight", (k, n // 8), torch.int32, ParamLayout(1, 8, 0, 1))
+            new_param(layer, "qzeros", (groups, n // 8), torch.int32, ParamLayout(1, 8, 0, group))
+            new_param(layer, "scales", (groups, n), torch.float32, ParamLayout(1, 1, 0, group))
+        else:
+            new_param(layer, "weight_packed", (n, k // 8), torch.int32, ParamLayout(0, 1, 1, 8))
+            new_param(layer, "weight_scale", (n, groups), torch.float32, ParamLayout(0, 1, 1, group))
+            if not c.sym:  # zero points packed along the output axis (+8, like the codes)
+                new_param(layer, "weight_zero_point", (n // 8, groups), torch.int32, ParamLayout(0, 8, 1, group))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        c, dtype = self.config, self.act_dtype
+        if c.online:  # dummy weights of a quantized config: round to nearest into the same kernel layout
+            codes = packing.quantize_int4(layer.weight.data, c.group_size, c.sym)
+            wt = packing.from_codes(codes, dtype, act_order=False)
+        elif c.fmt == "gptq":
+            g_idx = layer.g_idx.data if c.desc_act else None
+            wt = packing.from_gptq(layer.qweight.data, layer.qzeros.data, layer.scales.data, c.zero_offset, dtype,
+                                   g_idx)
+        elif c.fmt == "awq":
+            wt = packing.from_awq(layer.qweight.data, layer.qzeros.data, layer.scales.data, dtype)
+        else:
+            zp = layer.weight_zero_point.data if not c.sym else None
+            wt = packing.from_compressed_tensors(layer.weight_packed.data, layer.weight_scale.data, dtype, zp)
+        for name in ("weight", "qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
+                     "weight_zero_point"):
+            if getattr(layer, name, None) is not None:
+                replace_param(layer, name, None)
+        replace_param(layer, "qweight", wt.qweight)
+        replace_param(layer, "scales", wt.scales)
+        replace_param(layer, "zeros", wt.zeros)
+        replace_param(layer, "g_idx", wt.g_idx)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        k = x.shape[-1]
+        if x.is_cuda:
+            from tokenmill.layers.quantization.triton_int4 import int4_gemm
+
+            out = int4_gemm(x.reshape(-1, k), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
+                            self.config.group_size)
+            if bias is not None:
+                out = out + bias
+            return out.view(*x.shape[:-1], out.shape[-1])
+        wt = packing.Int4Weights(layer.qweight, layer.scales, layer.zeros, layer.g_idx)
+        w = packing.dequantize(wt, self.config.group_size, x.dtype)  # [K, N]
+        return F.linear(x, w.t(), bias)
+
+    def describe(self) -> str:
+        return self.config.describe()

@@ -1,0 +1,118 @@
+"""Triton kernel: W4A16 GEMM that dequantizes int4 weights in registers (x @ W^T).
+
+Weights in the kernel layout of `int4_packing.Int4Weights`: `qweight` int32 [K/8, N] (input
+channel 8r + i in bits 4i of row r), `scales` / `zeros` [G, N] in the activation dtype,
+optional `g_idx` int32 [K] (act-order: each input channel's group, gathered per channel).
+Without g_idx, a K tile never straddles two groups (BLOCK_K divides the group size), so its
+scales and zeros are one row, loaded once per tile.
+
+Small batches (decode) are bound by reading the weight, a quarter of bf16's: tiles of 16 rows
+and split-K (programs add their partial sums into a float32 output) so that every SM streams
+weights. Large batches use wide tiles and no split. The torch reference is
+`int4_packing.dequantize` followed by a matmul.
+
+Requires triton at import; `int4.py` imports this module lazily.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemm_kernel(
+    a_ptr, qw_ptr, s_ptr, z_ptr, g_ptr, c_ptr,
+    M, N, K, s_am, s_qk, s_sg, s_cm,
+    GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    shifts = (tl.arange(0, BLOCK_K) % 8) * 4
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * s_am + offs_k[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        packed = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * s_qk + offs_n[None, :],
+                         mask=k_mask[:, None] & n_mask[None, :], other=0)
+        q = ((packed >> shifts[:, None]) & 0xF).to(tl.float32)
+        if HAS_GIDX:
+            g = tl.load(g_ptr + offs_k, mask=k_mask, other=0).to(tl.int64)
+            sz_off = g[:, None] * s_sg + offs_n[None, :]
+            sz_mask = k_mask[:, None] & n_mask[None, :]
+            s = tl.load(s_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + sz_off, mask=sz_mask, other=0.0).to(tl.float32)
+            w = (q - z) * s
+        else:
+            g = k0 // GROUP
+            s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            w = (q - z[None, :]) * s[None, :]
+        acc += tl.dot(a, w.to(a.dtype), input_precision=DOT_PRECISION)
+    c_off = offs_m[:, None].to(tl.int64) * s_cm + offs_n[None, :]
+    c_mask = m_mask[:, None] & n_mask[None, :]
+    if SPLIT_K > 1:
+        tl.atomic_add(c_ptr + c_off, acc, mask=c_mask, sem="relaxed")
+    else:
+        tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_tiles(m: int, n: int, k: int, group: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps) for an [m, k] x [k, n] product."""
+    block_k = min(64, group)
+    if m <= 16:
+        block_m, block_n, warps = 16, 64, 4
+    elif m <= 64:
+        block_m, block_n, warps = 64, 64, 4
+    else:
+        block_m, block_n, block_k, warps = 128, 128, min(32, group), 8
+    split = 1
+    if m <= 64 and device.type == "cuda":
+        programs = -(-m // block_m) * -(-n // block_n)
+        target = 2 * _sm_count(device.index or 0)
+        split = max(1, min(-(-target // programs), k // (block_k * 4), 16))
+    return block_m, block_n, block_k, split, warps
+
+
+def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              g_idx: torch.Tensor | None, group_size: int, tiles: tuple[int, int, int, int, int] | None = None
+              ) -> torch.Tensor:
+    """x [M, K] @ dequantized W^T [K, N] -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = qweight.shape[1]
+    group = k if group_size == -1 else group_size
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    block_m, block_n, block_k, split, warps = tiles or choose_tiles(m, n, k, group, x.device)
+    if g_idx is None and group % block_k:
+        raise ValueError(f"BLOCK_K {block_k} must divide the group size {group}")
+    out = (torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1
+           else torch.empty((m, n), dtype=x.dtype, device=x.device))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
+    _int4_gemm_kernel[grid](
+        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
+        m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        GROUP=group, HAS_GIDX=g_idx is not None, SPLIT_K=split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=3,
+    )
+    return out.to(x.dtype) if split > 1 else out
