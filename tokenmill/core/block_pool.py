@@ -18,6 +18,19 @@ def hash_block(parent_hash: int | None, tokens: bytes) -> int:
     return hash((parent_hash, tokens))
 
 
+class HashChain(list):
+    """A request's block hashes, one per full block; the first block's parent is `root`, what
+    its KV depends on besides the tokens (None: nothing; see `ModelArch.prefix_cache_root`)."""
+
+    def __init__(self, root: int | None = None) -> None:
+        super().__init__()
+        self.root = root
+
+    def parent(self) -> int | None:
+        """The parent hash of the next block."""
+        return self[-1] if self else self.root
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool) -> None:
         self.num_blocks = num_blocks

@@ -68,10 +68,12 @@ class EngineCore:
         self._spec_at_reset = self.scheduler.spec_stats.snapshot()  # telemetry reports what came after
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(
+        added = Request(
             request.handle, np.frombuffer(request.prompt_token_ids, "<i4"), request.sampling_params,
             self.config.model.eos_token_ids, self.config.model.max_model_len,
-            request.arrival_time or time.time()))
+            request.arrival_time or time.time())
+        added.block_hashes.root = self.config.model.arch.prefix_cache_root(added.num_prompt_tokens)
+        self.scheduler.add_request(added)
 
     def abort_requests(self, handles: list[int]) -> None:
         self.scheduler.abort(handles)

@@ -12,6 +12,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from tokenmill.core.block_pool import HashChain
 from tokenmill.protocol import FinishReason
 from tokenmill.sampling_params import SamplingParams
 
@@ -40,7 +41,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
-        self.block_hashes: list[int] = []  # hash chain over the full blocks of the token ids
+        self.block_hashes = HashChain()  # hash chain over the full blocks of the token ids
         self.num_preemptions = 0
         # Stop conditions, fixed at arrival.
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
