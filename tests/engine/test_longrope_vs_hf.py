@@ -83,6 +83,34 @@ def test_prefix_cache_keeps_factors_apart(phi3):
     assert llm.engine.scheduler.kv.stats.hits > 0, "the long prompts shared no cached block"
 
 
+def test_speculative_ngram(phi3):
+    """n-gram drafts verified in steps of several positions per row: greedy tokens stay HF's
+    (each position is rotated by its own position + 1, as HF's one-token decodes are)."""
+    from tests.helpers.engine import pin_spec_cost
+
+    path, _, prompts, refs = phi3
+    llm = tiny_llm(path, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    pin_spec_cost(llm)
+    outs = greedy(llm, prompts)
+    assert_greedy_matches_hf([o.outputs[0].token_ids for o in outs], refs, "longrope speculative")
+    assert llm.engine.scheduler.spec_stats.snapshot().num_drafts > 0, "nothing was drafted"
+
+
+def test_graphs(phi3, monkeypatch):
+    """The worker's prompt-chunk and decode graphs (captured as on CUDA, replayed eagerly on CPU:
+    tests/helpers/graphs.py) take the factors from the device's inputs alone."""
+    from tests.helpers.graphs import capture_real_graphs, replays
+
+    path, _, prompts, refs = phi3
+    llm = tiny_llm(path, max_num_seqs=4, max_num_batched_tokens=16, async_scheduling=False)
+    runner = capture_real_graphs(llm, monkeypatch)
+    for prompt, ref in zip(prompts, refs):  # one at a time: each prefill chunk is a step alone
+        out = greedy(llm, [prompt])
+        assert_greedy_matches_hf([out[0].outputs[0].token_ids], [ref], f"graphs, prompt of {len(prompt)}")
+    assert replays(runner.prompt_graphs) >= len(prompts) and replays(runner.graphs) > 0
+    llm.shutdown()
+
+
 def test_the_old_rule_fails(phi3, monkeypatch):
     """Each token by its own position + 1 (the rule before): the long prompts no longer match."""
     path, hf, prompts, refs = phi3
