@@ -16,10 +16,13 @@ def __getattr__(name: str):
     if name == "LLM":
         from tokenmill.entrypoints.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from tokenmill.lora.request import LoRARequest
+        return LoRARequest
     if name == "EngineArgs":
         from tokenmill.config import EngineArgs
         return EngineArgs
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "RequestOutputKind"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineArgs", "RequestOutputKind", "LoRARequest"]

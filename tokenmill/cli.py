@@ -84,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     core_step.add_parser(bench_sub)
     spec_decode.add_parser(bench_sub)
     bf16_deviation.add_parser(bench_sub)
+    from tokenmill.benchmarks import layout_check
+    layout_check.add_parser(bench_sub)
     return parser
 
 

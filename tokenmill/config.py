@@ -29,6 +29,13 @@ class RopeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float | None = None
+    # YaRN (DeepSeek): the ramp between interpolated and extrapolated frequencies, and mscale /
+    # mscale_all_dim, from which an unset attention_factor is derived
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
 
 
 class AttentionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -44,6 +51,48 @@ class AttentionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sliding_window: int | None = None
     rope: RopeConfig | None = None
     logit_softcap: float | None = None
+
+
+class MoEArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A mixture-of-experts MLP, normalized from each family's config (`tokenmill.model.moe_arch`).
+
+    Routing: scores = softmax or sigmoid of the router logits (float32); with num_groups > 1 only
+    the experts of the best `topk_groups` groups compete (a group's score: its best expert's score,
+    or the sum of its best two with the correction bias, DeepSeek-V3); the top_k scores are
+    optionally renormalized to sum to 1, then scaled by routed_scaling_factor. Renormalized
+    softmax-then-top-k equals top-k-then-softmax (Mixtral), so one rule covers both."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    scoring: str = "softmax"  # softmax | sigmoid
+    renormalize: bool = False
+    num_groups: int = 1
+    topk_groups: int = 1
+    group_score: str = "max"  # max (DeepSeek-V2) | top2_sum (DeepSeek-V3)
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False  # DeepSeek-V3's e_score_correction_bias (choice only)
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense (ModelArch.intermediate_size)
+
+
+class MLAArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """DeepSeek's multi-head latent attention: the KV cache holds, per token, the compressed latent
+    (kv_lora_rank) and one decoupled rope key (qk_rope_head_dim), shared by every head."""
+
+    q_lora_rank: int  # 0: q_proj straight from the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rope over interleaved pairs (DeepSeek); de-interleaved at load
+    softmax_scale: float = 0.0  # qk_head_dim ** -0.5 times yarn's mscale_all_dim correction squared
+
+    @property
+    def latent_dim(self) -> int:
+        """Cache entries per token per layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 class ModelArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -71,6 +120,9 @@ class ModelArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (GeGLU)
     query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (None: head_dim ** -0.5)
     final_logit_softcap: float | None = None  # logits become c * tanh(logits / c)
+    moe: MoEArch | None = None  # mixture-of-experts MLP (tokenmill/layers/moe)
+    mla: MLAArch | None = None  # multi-head latent attention (DeepSeek-V2/V3)
+    qk_norm_full: bool = False  # OLMoE: q/k RMSNorm over the whole projection, not per head
 
     def layer_spec(self, layer: int) -> AttentionSpec:
         return self.layer_specs[layer] if self.layer_specs else _FULL_ATTENTION
@@ -89,8 +141,8 @@ class ModelArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return max(windows)
 
     def prefix_cache_root(self, num_prompt_tokens: int) -> int | None:
-        """What a prompt's KV depends on besides its tokens, as the root of its blocks' hash chain
-        (None: nothing). LongRoPE rotates a prompt longer than `original_max_position_embeddings`
+        """What a prompt's KV depends on besides its tokens, mixed into the seed of its blocks'
+        hash chain (`core.block_pool.HashChain`; None: nothing). LongRoPE rotates a prompt longer than `original_max_position_embeddings`
         with its long factors from position 0 (`layers/rotary.py`), so the blocks of such prompts
         and of shorter ones are never shared."""
         ropes = [self.rope, *(s.rope for s in self.layer_specs if s.rope is not None)]
@@ -101,7 +153,7 @@ class ModelArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 _FULL_ATTENTION = AttentionSpec()
-_LONGROPE_LONG_PROMPT = 1  # the hash-chain root of LongRoPE prompts rotated with the long factors
+_LONGROPE_LONG_PROMPT = 1  # mixed into the hash-chain seed of LongRoPE prompts rotated with the long factors
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -176,6 +228,15 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     padded_verification: bool = False
 
 
+class LoRAConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Multi-LoRA serving (`enable_lora`): adapters live in `max_loras` device slots (so a step
+    mixes at most that many), with up to `max_cpu_loras` more kept in host memory (LRU)."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     model: ModelConfig
     cache: CacheConfig = CacheConfig()
@@ -189,6 +250,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     attention_backend: str = "torch"  # torch (reference; CPU, tests) | triton (CUDA)
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     speculative: SpeculativeConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA adapters off (enable_lora=False)
 
     @property
     def max_model_len(self) -> int:
@@ -249,6 +311,10 @@ class EngineArgs:
     tokenizer_revision: str | None = None
     download_dir: str | None = None
     gguf_file: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
 
 _FLAG_HELP = {
@@ -291,6 +357,10 @@ _FLAG_HELP = {
     "tokenizer_revision": "the Hub tokenizer's branch, tag or commit (default: main)",
     "download_dir": "the Hugging Face cache to download Hub models into (default: HF_HUB_CACHE or HF_HOME's)",
     "gguf_file": "the .gguf file to use in the model's Hub repo or folder (or name the model ORG/NAME:QUANT)",
+    "enable_lora": "serve LoRA adapters (PEFT folders) on top of the base model, chosen per request",
+    "max_loras": "LoRA adapters on the device at once: the most distinct adapters in one step",
+    "max_lora_rank": "largest LoRA rank accepted (adapters of lower rank are zero-padded to it)",
+    "max_cpu_loras": "LoRA adapters kept in host memory, least recently used evicted (default: max_loras)",
 }
 
 

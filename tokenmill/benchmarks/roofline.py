@@ -1,5 +1,6 @@
-"""The decode roofline: a decode step reads every weight once and each row's whole KV context, so
-no engine can run it faster than (weight bytes + KV bytes) / memory bandwidth."""
+"""The decode roofline: a decode step reads every weight once (a MoE layer: the experts its rows
+activate) and each row's whole KV context, so no engine can run it faster than (weight bytes +
+KV bytes) / memory bandwidth."""
 
 from __future__ import annotations
 
@@ -20,15 +21,40 @@ class DecodeRoofline:
         return (self.weight_bytes + batch * mean_context * self.kv_bytes_per_token) / self.bandwidth_bytes_per_s
 
 
-def weight_bytes_read_per_step(arch: ModelArch, dtype: str) -> int:
+def weight_bytes_read_per_step(arch: ModelArch, dtype: str, rows: float = 1) -> int:
+    """Every weight once, except a MoE layer's experts: only those the step's `rows` activate
+    (`active_experts`). MLA models read their own attention projections."""
     h, q, kv, i = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim, \
         arch.intermediate_size
-    per_layer = h * (q + 2 * kv) + q * h + h * 2 * i + i * h + 2 * h
+    attn = h * (q + 2 * kv) + q * h
+    if arch.mla is not None:
+        m = arch.mla
+        qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q_proj = (h * m.q_lora_rank + m.q_lora_rank * arch.num_heads * qk) if m.q_lora_rank else h * arch.num_heads * qk
+        attn = q_proj + h * m.latent_dim + m.kv_lora_rank * arch.num_heads * (m.qk_nope_head_dim + m.v_head_dim) \
+            + arch.num_heads * m.v_head_dim * h
+    total = 0.0
+    for layer in range(arch.num_layers):
+        moe = arch.moe
+        if moe is None or layer in moe.dense_layers:
+            mlp = h * 2 * i + i * h
+        else:
+            mlp = h * moe.num_experts + 3 * h * (active_experts(moe.num_experts, moe.top_k, rows) * moe.intermediate_size
+                                                 + moe.shared_intermediate_size)
+        total += attn + mlp + 2 * h
     lm_head = arch.vocab_size * h
-    return (arch.num_layers * per_layer + h + lm_head) * _DTYPE_BYTES[dtype]
+    return int((total + h + lm_head) * _DTYPE_BYTES[dtype])
+
+
+def active_experts(num_experts: int, top_k: int, rows: float) -> float:
+    """Experts that `rows` tokens activate, expected under uniform routing: E (1 - (1 - k/E)^rows)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** rows)
 
 
 def kv_bytes_per_token(arch: ModelArch, dtype: str) -> int:
+    """K and V of every layer; MLA: the latent and the rope key."""
+    if arch.mla is not None:
+        return arch.num_layers * arch.mla.latent_dim * _DTYPE_BYTES[dtype]
     return 2 * arch.num_layers * arch.num_kv_heads * arch.head_dim * _DTYPE_BYTES[dtype]
 
 
@@ -51,5 +77,6 @@ def measure_copy_bandwidth(device: str = "cuda", nbytes: int = 1 << 30, repeats:
     return best
 
 
-def decode_roofline(arch: ModelArch, dtype: str, bandwidth: float) -> DecodeRoofline:
-    return DecodeRoofline(weight_bytes_read_per_step(arch, dtype), kv_bytes_per_token(arch, dtype), bandwidth)
+def decode_roofline(arch: ModelArch, dtype: str, bandwidth: float, rows: float = 1) -> DecodeRoofline:
+    """`rows`: the step's batch (decides how many experts a MoE model's step reads)."""
+    return DecodeRoofline(weight_bytes_read_per_step(arch, dtype, rows), kv_bytes_per_token(arch, dtype), bandwidth)

@@ -182,10 +182,10 @@ def roofline_figures(config, ns, figures: dict) -> dict:
     (tp * pp) over the bandwidth, and one micro-batch's tokens come out per stage step."""
     from tokenmill.benchmarks.roofline import decode_roofline, measure_copy_bandwidth
     bandwidth = measure_copy_bandwidth()
-    roof = decode_roofline(config.model.arch, config.model.dtype, bandwidth)
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     batch = min(ns.num_prompts, config.scheduler.max_num_seqs)
     rows = batch / pp  # per micro-batch
+    roof = decode_roofline(config.model.arch, config.model.dtype, bandwidth, rows)
     context = ns.input_len + ns.output_len / 2
     floor_s = roof.step_time_s(rows, context) / (tp * pp)
     out = {"bandwidth_GBps": bandwidth / 1e9, "weight_GB": roof.weight_bytes / 1e9,

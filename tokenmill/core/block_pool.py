@@ -19,16 +19,19 @@ def hash_block(parent_hash: int | None, tokens: bytes) -> int:
 
 
 class HashChain(list):
-    """A request's block hashes, one per full block; the first block's parent is `root`, what
-    its KV depends on besides the tokens (None: nothing; see `ModelArch.prefix_cache_root`)."""
+    """A request's block hashes, one per full block. `seed` stands in for the first block's
+    parent: requests whose KV differs for the same tokens (another LoRA adapter, LongRoPE's
+    factors: `ModelArch.prefix_cache_root`) get other hashes, so the prefix cache never shares
+    blocks between them."""
 
-    def __init__(self, root: int | None = None) -> None:
+    def __init__(self, seed: int | None = None) -> None:
         super().__init__()
-        self.root = root
+        self.seed = seed
 
-    def parent(self) -> int | None:
-        """The parent hash of the next block."""
-        return self[-1] if self else self.root
+
+def parent_hash(chain: list[int]) -> int | None:
+    """The parent of the next block's hash: the last one, or the chain's seed."""
+    return chain[-1] if chain else getattr(chain, "seed", None)
 
 
 class BlockPool:

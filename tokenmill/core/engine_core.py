@@ -55,9 +55,10 @@ class EngineCore:
                     num_blocks * self.executor.kv_block_bytes() / 2**30, max_len,
                     num_blocks * block_size / max_len)
         self.num_blocks = num_blocks
+        self.block_bytes = self.executor.kv_block_bytes()
         stages = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
-                                   pipeline_stages=stages, kv_window=config.kv_window)
+                                   pipeline_stages=stages, kv_window=config.kv_window, lora=config.lora)
         self.max_in_flight = stages + (1 if config.scheduler.async_scheduling else 0)
         self.stats_logger = StatsLogger(enabled=config.log_stats)
         # (step, its result, when it was scheduled)
@@ -71,8 +72,10 @@ class EngineCore:
         added = Request(
             request.handle, np.frombuffer(request.prompt_token_ids, "<i4"), request.sampling_params,
             self.config.model.eos_token_ids, self.config.model.max_model_len,
-            request.arrival_time or time.time())
-        added.block_hashes.root = self.config.model.arch.prefix_cache_root(added.num_prompt_tokens)
+            request.arrival_time or time.time(), request.lora)
+        root = self.config.model.arch.prefix_cache_root(added.num_prompt_tokens)
+        if root is not None:  # KV that differs for the same tokens: blocks hashed apart
+            added.block_hashes.seed = hash((added.block_hashes.seed, root))
         self.scheduler.add_request(added)
 
     def abort_requests(self, handles: list[int]) -> None:
@@ -130,7 +133,7 @@ class EngineCore:
     def kv_cache_stats(self) -> KVCacheStats:
         pool = self.scheduler.kv.pool
         return KVCacheStats(num_free_blocks=pool.num_free, num_blocks=pool.num_blocks,
-                            num_requests=len(self.scheduler.requests))
+                            num_requests=len(self.scheduler.requests), block_bytes=self.block_bytes)
 
     def scheduler_stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tokenmill.core.block_pool import BlockPool, HashChain, hash_block
+from tokenmill.core.block_pool import BlockPool, hash_block, parent_hash
 
 
 @dataclass
@@ -176,7 +176,7 @@ class KVCacheManager:
         for i, (handle, chain) in enumerate(zip(handles, hash_chains)):
             index = num_cached[handle]
             if len(chain) == index:
-                chain.append(hash_block(_parent(chain), data[i * width:(i + 1) * width]))
+                chain.append(hash_block(parent_hash(chain), data[i * width:(i + 1) * width]))
             blocks.append(tables[handle][index])
             hashes.append(chain[index])
             num_cached[handle] = index + 1
@@ -187,9 +187,4 @@ class KVCacheManager:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= num_tokens:
             i = len(hashes)
-            hashes.append(hash_block(_parent(hashes), tokens[i * bs:(i + 1) * bs].tobytes()))
-
-
-def _parent(chain: list[int]) -> int | None:
-    """The parent hash of a chain's next block (its root, if a `HashChain`, before the first)."""
-    return chain.parent() if isinstance(chain, HashChain) else (chain[-1] if chain else None)
+            hashes.append(hash_block(parent_hash(hashes), tokens[i * bs:(i + 1) * bs].tobytes()))

@@ -13,7 +13,7 @@ from enum import IntEnum
 import numpy as np
 
 from tokenmill.core.block_pool import HashChain
-from tokenmill.protocol import FinishReason
+from tokenmill.protocol import FinishReason, LoRARef
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -26,7 +26,8 @@ class RequestStatus(IntEnum):
 
 class Request:
     def __init__(self, handle: int, prompt_token_ids, params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], max_model_len: int, arrival_time: float = 0.0) -> None:
+                 eos_token_ids: tuple[int, ...], max_model_len: int, arrival_time: float = 0.0,
+                 lora: LoRARef | None = None) -> None:
         """`prompt_token_ids`: a list of ints or an int32 array."""
         self.handle = handle
         self.params = params
@@ -41,7 +42,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.stop_token_id: int | None = None
-        self.block_hashes = HashChain()  # hash chain over the full blocks of the token ids
+        self.lora = lora  # the LoRA adapter it runs with (None: the base model)
+        # Hash chain over the full blocks of the token ids (seeded by the adapter: see HashChain).
+        self.block_hashes: list[int] = HashChain(None if lora is None else hash(("lora", lora.id)))
         self.num_preemptions = 0
         # Stop conditions, fixed at arrival.
         self.stop_token_ids = frozenset(params.stop_token_ids or ())

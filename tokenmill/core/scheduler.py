@@ -22,16 +22,21 @@ Pipeline parallelism (`pipeline_stages` > 1): up to one batch per stage is in fl
 is scheduled past the tokens the scheduler knows (`RunningPlanner.no_placeholders`), each
 batch's budget is an even share of the work in sight (`microbatch.py`), and each row's first
 input token travels with the step (`pp_input_tokens`) for the first stage.
+
+LoRA (`enable_lora`): an admitted request pins its adapter's device slot (`LoRASlotTable`) until
+it finishes or is preempted; one whose adapter finds no free slot waits while later requests
+may start, so no step mixes more adapters than slots. A slot's (re)fill travels as a
+`LoRALoad` with the step; a request's arrival asks the workers to read its adapter ahead.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 
 import numpy as np
 
-from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from tokenmill.config import CacheConfig, LoRAConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.microbatch import pipeline_token_budget
 from tokenmill.core.request import Request, RequestStatus
@@ -40,7 +45,8 @@ from tokenmill.core.running_plan import RunningPlanner
 from tokenmill.core.running_table import NEVER, RunningTable
 from tokenmill.core.spec_policy import ProposerState, SpecPolicy, SpecStats, allows_speculation
 from tokenmill.core.step_update import apply_step
-from tokenmill.protocol import (CachedRequestData, EngineCoreOutputs, FinishReason, ModelRunnerOutput,
+from tokenmill.lora.slots import LoRASlotTable
+from tokenmill.protocol import (CachedRequestData, EngineCoreOutputs, FinishReason, LoRALoad, ModelRunnerOutput,
                                 NewRequestData, SchedulerOutput, SchedulerStats, pack_ids)
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.protocol.digest import batch_digest
@@ -51,7 +57,7 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     def __init__(self, config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
                  speculative: SpeculativeConfig | None = None, pipeline_stages: int = 1,
-                 kv_window: int | None = None) -> None:
+                 kv_window: int | None = None, lora: LoRAConfig | None = None) -> None:
         """`kv_window`: every layer (of the target and any draft) slides with at most this
         window, so blocks behind it are released while requests run (`KVCacheManager`)."""
         self.config = config
@@ -78,10 +84,20 @@ class Scheduler:
         # The EOS ids most requests stop on (set by the first that has any): checked with numpy.
         self._common_eos: frozenset[int] | None = None
         self.eos_ids = np.empty(0, np.int64)
+        # LoRA: the adapters' device slots (a running request pins its adapter's slot).
+        self.loras = LoRASlotTable(lora.max_loras) if lora is not None else None
+        self._lora_loads: list[LoRALoad] = []
+        # Adapters the workers were asked to read ahead (about their host LRU: its size, newest last).
+        self._lora_prefetch: list = []
+        self._lora_read_ahead: OrderedDict[int, None] = OrderedDict()
+        self._lora_host_slots = lora.max_cpu_loras if lora is not None else 0
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request: Request) -> None:
+        if request.lora is not None and self.loras is None:
+            raise ValueError(f"lora_request: adapter {request.lora.name!r} given, but LoRA is not enabled "
+                             f"(enable_lora=True)")
         needed = self.kv.blocks_needed(request.num_prompt_tokens + request.max_output_tokens)
         if self.kv.window is not None:  # held at once: the window, plus one step's tokens
             needed = min(needed, self.kv.blocks_needed(self.kv.window + self.config.max_num_batched_tokens) + 2)
@@ -95,6 +111,22 @@ class Scheduler:
             self.eos_ids = np.array(sorted(request.eos_token_ids), np.int64)
         self.requests[request.handle] = request
         self.waiting.append(request)
+        if request.lora is not None:
+            self._read_ahead(request.lora)
+
+    def _read_ahead(self, lora) -> None:
+        """A request for `lora` arrived: unless its adapter is in a slot or was read lately, the
+        workers start reading it into host memory now (in the background), so the step that
+        first runs it copies it from there instead of waiting for the disk."""
+        if lora.id in self.loras.slot_of:
+            return
+        if lora.id in self._lora_read_ahead:
+            self._lora_read_ahead.move_to_end(lora.id)
+            return
+        self._lora_read_ahead[lora.id] = None
+        while len(self._lora_read_ahead) > self._lora_host_slots:
+            self._lora_read_ahead.popitem(last=False)
+        self._lora_prefetch.append(lora)
 
     def abort(self, handles: list[int]) -> None:
         for handle in handles:
@@ -159,6 +191,10 @@ class Scheduler:
             step_id=step_id, new_requests=new_requests,
             cached_requests=CachedRequestData.pack(grown.handles, grown.counts, grown.block_ids),
             finished_handles=self.finished_to_send, preempted_handles=plan.preempted)
+        if self._lora_loads:
+            output.lora_loads, self._lora_loads = self._lora_loads, []
+        if self._lora_prefetch:
+            output.lora_prefetch, self._lora_prefetch = self._lora_prefetch, []
         if (plan.one_token_each and not admitted and self._batch_version == t.version
                 and self._batch_is_all_running):
             self.batch_order.encode_same_rows(output)  # the rows of the last batch, one token each
@@ -212,10 +248,14 @@ class Scheduler:
         t, kv, bs = self.table, self.kv, self.block_size
         slots: list[int] = []
         counts: list[int] = []
+        no_lora_slot: list[Request] = []  # waiting for a LoRA slot: later requests may go first
         while self.waiting and budget > 0 and t.num_running < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:  # a preempted request's token is still in flight
                 break
+            if request.lora is not None and not self.loras.can_acquire(request.lora):
+                no_lora_slot.append(self.waiting.popleft())
+                continue
             tokens = request.token_ids
             assert tokens is not None
             # Prompt logprobs need every prompt position computed, so they skip the prefix cache.
@@ -234,10 +274,11 @@ class Scheduler:
                                               request.block_hashes)
             blocks = kv.blocks[request.handle]
             self.known_to_workers.add(request.handle)
+            lora_slot = -1 if request.lora is None else self.loras.acquire(request.lora, self._lora_loads)
             new_requests.append(NewRequestData(
                 handle=request.handle, token_ids=tokens.astype("<i4", copy=False).tobytes(),
                 num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.params,
-                block_ids=pack_ids(blocks), num_computed_tokens=num_hit))
+                block_ids=pack_ids(blocks), num_computed_tokens=num_hit, lora_slot=lora_slot))
             request.status = RequestStatus.RUNNING
             on_eos = bool(request.eos_token_ids) and request.eos_token_ids == self._common_eos
             custom = bool(request.stop_token_ids) or (bool(request.eos_token_ids) and not on_eos)
@@ -249,6 +290,7 @@ class Scheduler:
             slots.append(slot)
             counts.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(no_lora_slot))
         return slots, counts
 
     def _encode_batch(self, so: SchedulerOutput, sched_slots: np.ndarray, sched_counts: np.ndarray) -> None:
@@ -276,6 +318,8 @@ class Scheduler:
         assert request is not None
         self.table.move_out(slot)
         self.kv.free(request.handle)
+        if request.lora is not None:
+            self.loras.release(request.lora)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.known_to_workers.discard(request.handle)
@@ -323,6 +367,8 @@ class Scheduler:
         for request in requests:
             if request.status != RequestStatus.RUNNING:
                 self.waiting.remove(request)
+            elif request.lora is not None:
+                self.loras.release(request.lora)
             request.status = RequestStatus.FINISHED
             self.kv.free(request.handle)
             del self.requests[request.handle]

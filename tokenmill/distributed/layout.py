@@ -55,6 +55,12 @@ def check_parallel(arch: ModelArch, tp: int, pp: int) -> None:
     if arch.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} must divide the model's intermediate_size "
                          f"({arch.intermediate_size})")
+    moe = arch.moe
+    if moe is not None:
+        for field, size in (("moe_intermediate_size", moe.intermediate_size),
+                            ("shared expert intermediate size", moe.shared_intermediate_size)):
+            if size % tp:
+                raise ValueError(f"tensor_parallel_size {tp} must divide the model's {field} ({size})")
     if pp > arch.num_layers:
         raise ValueError(f"pipeline_parallel_size {pp} must be at most the model's {arch.num_layers} layers")
 

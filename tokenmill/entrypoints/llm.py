@@ -24,6 +24,7 @@ from tokenmill.frontend.inproc_client import InprocClient
 from tokenmill.frontend.input_processor import PreparedRequest, Prompt
 from tokenmill.frontend.mp_client import MPClient
 from tokenmill.frontend.output_processor import OutputProcessor
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import TelemetryReport
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -77,9 +78,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | PreparedRequest | Sequence[Prompt | PreparedRequest],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """A `PreparedRequest` (from `frontend.prepare`) carries its own params: give no
-        `sampling_params` with it."""
+        `sampling_params` with it. `lora_request`: one adapter for every prompt, or one (or None:
+        the base model) per prompt."""
         if isinstance(prompts, (str, Mapping, PreparedRequest)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -87,19 +90,24 @@ class LLM:
                        else [sampling_params] * len(prompts))
         if len(params_list) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params_list)} for {len(prompts)} prompts")
+        loras = (list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts))
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         # Check everything before any work, so a bad prompt costs nothing and loses nothing.
-        requests = [self.frontend.request(prompt, params).with_output_kind(RequestOutputKind.FINAL_ONLY)
-                    for prompt, params in zip(prompts, params_list)]
+        requests = [self.frontend.request(prompt, params).with_lora(self.frontend.lora_ref(lora))
+                    .with_output_kind(RequestOutputKind.FINAL_ONLY)
+                    for prompt, params, lora in zip(prompts, params_list, loras)]
         return self._run(requests, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.frontend.chat_prompt(c, add_generation_prompt, chat_template_kwargs=chat_template_kwargs)
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def _run(self, requests: list[PreparedRequest], use_tqdm: bool) -> list[RequestOutput]:
         order: list[str] = []

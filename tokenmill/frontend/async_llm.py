@@ -32,6 +32,7 @@ from tokenmill.frontend.engine_frontend import EngineFrontend
 from tokenmill.frontend.inproc_client import AsyncInprocClient
 from tokenmill.frontend.input_processor import PreparedRequest, Prompt
 from tokenmill.frontend.mp_client import AsyncMPClient
+from tokenmill.lora.request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.protocol import TelemetryReport
 from tokenmill.sampling_params import SamplingParams
@@ -62,11 +63,12 @@ class AsyncLLM:
         return self.frontend.tokenizer
 
     async def generate(self, prompt: Prompt | PreparedRequest, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """A `PreparedRequest` (from `frontend.prepare`) carries its own params: give no
         `sampling_params` with it."""
         self._check_alive()
-        request = self.frontend.request(prompt, sampling_params)
+        request = self.frontend.request(prompt, sampling_params).with_lora(self.frontend.lora_ref(lora_request))
         request_id = request_id if request_id is not None else f"async-{next(self._auto_ids)}"
         if not self.frontend.has_unfinished():
             self._progress_at = time.monotonic()  # a stall is counted from when work begins

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import os
 
-from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, ModelConfig, ParallelConfig,
+from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                               SchedulerConfig, SpeculativeConfig)
 from tokenmill.distributed.layout import check_parallel, parse_partition
 from tokenmill.model.arch import model_arch
@@ -74,7 +74,26 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         step_timeout_s=float(args.step_timeout),
         attention_backend=resolve_attention_backend(args.attention_backend, device),
         enforce_eager=args.enforce_eager,
-        speculative=speculative)
+        speculative=speculative,
+        lora=resolve_lora(args, arch))
+
+
+_LORA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def resolve_lora(args: EngineArgs, arch) -> LoRAConfig | None:
+    """`enable_lora` and its limits into a LoRAConfig (None when off)."""
+    if not args.enable_lora:
+        return None
+    _check(arch.architecture in _LORA_ARCHS, "enable_lora",
+           f"LoRA adapters are supported for {', '.join(_LORA_ARCHS)}, not {arch.architecture}")
+    _check(args.max_loras >= 1, "max_loras", f"must be >= 1, got {args.max_loras}")
+    _check(1 <= args.max_lora_rank <= 512, "max_lora_rank", f"must be in [1, 512], got {args.max_lora_rank}")
+    cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
+    _check(cpu >= args.max_loras, "max_cpu_loras", f"must be >= max_loras ({args.max_loras}), got {cpu}")
+    _check(args.pipeline_parallel_size == 1, "enable_lora",
+           f"cannot be combined with pipeline_parallel_size > 1 (got {args.pipeline_parallel_size})")
+    return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=cpu)
 
 
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",

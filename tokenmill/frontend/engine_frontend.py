@@ -27,8 +27,10 @@ from tokenmill.frontend.engine_config import resolve_engine_config
 from tokenmill.frontend.input_processor import (ContextOverflow, InputProcessor, OverflowReporter, PreparedRequest,
                                                 Prompt)
 from tokenmill.frontend.output_processor import OutputProcessor, ProcessedOutputs
+from tokenmill.lora.peft import read_adapter
+from tokenmill.lora.request import LoRARequest
 from tokenmill.model.tokenizer import load_tokenizer
-from tokenmill.protocol import EngineCoreOutputs
+from tokenmill.protocol import EngineCoreOutputs, LoRARef
 from tokenmill.sampling_params import SamplingParams
 
 ClientT = TypeVar("ClientT", bound=CoreClient)
@@ -42,6 +44,7 @@ class EngineFrontend:
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._client: CoreClient | None = None
+        self._checked_loras: set[tuple[int, str]] = set()  # (id, path) of adapters found servable
 
     @classmethod
     def from_kwargs(cls, model: str, kwargs: dict[str, Any]) -> EngineFrontend:
@@ -81,6 +84,27 @@ class EngineFrontend:
                 raise ValueError("sampling_params: a prepared request carries its own")
             return prompt
         return self.prepare(prompt, params if params is not None else SamplingParams())
+
+    def lora_ref(self, lora: LoRARequest | None) -> LoRARef | None:
+        """A request's adapter, checked once per (id, path) against the base model: raises
+        `LoRAAdapterError` (a ValueError; `LoRANotFoundError` for a missing folder) naming it."""
+        if lora is None:
+            return None
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        limits = self.config.lora
+        if limits is None:
+            raise ValueError(f"lora_request: adapter {lora.lora_name!r} given, but LoRA is not enabled "
+                             f"(enable_lora=True, or --enable-lora)")
+        key = (lora.lora_int_id, lora.lora_path)
+        if key not in self._checked_loras:
+            read_adapter(lora.lora_path, self.config.model.arch, limits.max_lora_rank, lora.lora_name)
+            self._checked_loras.add(key)
+        return lora.ref()
+
+    def forget_lora(self, lora: LoRARequest) -> None:
+        """Check the adapter's folder again next time (it was unloaded; it may change)."""
+        self._checked_loras.discard((lora.lora_int_id, lora.lora_path))
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
                     continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> dict:

@@ -17,7 +17,7 @@ from typing import Any, Union
 import msgspec
 
 from tokenmill.config import EngineConfig
-from tokenmill.protocol import EngineCoreRequest, pack_ids
+from tokenmill.protocol import EngineCoreRequest, LoRARef, pack_ids
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = Union[str, Mapping[str, Any]]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
@@ -31,6 +31,10 @@ class PreparedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora: LoRARef | None = None  # the LoRA adapter it runs with (checked by `EngineFrontend.lora_ref`)
+
+    def with_lora(self, lora: LoRARef | None) -> PreparedRequest:
+        return self if lora is None else dataclasses.replace(self, lora=lora)
 
     def with_output_kind(self, kind: RequestOutputKind) -> PreparedRequest:
         """The same request, delivered as `kind` says (the kind is not checked: any is valid)."""
@@ -116,5 +120,5 @@ class InputProcessor:
             child = params
             if params.n > 1:
                 child = msgspec.structs.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            requests.append(EngineCoreRequest(next(self._handles), packed, child, now))
+            requests.append(EngineCoreRequest(next(self._handles), packed, child, now, request.lora))
         return requests

@@ -21,6 +21,7 @@ from torch import nn
 from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers import cpu_logits
 from tokenmill.layers.linear import Linear, PackedWeight, linear, linear_add
+from tokenmill.layers.lora.lora_layer import with_lora
 
 
 class RowParallelLinear(Linear):
@@ -33,13 +34,15 @@ class RowParallelLinear(Linear):
         return self.bias if self.first_rank else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.parallel.all_reduce(linear(x, self.weight, self._bias(), self._packed))
+        # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
+        return self.parallel.all_reduce(with_lora(self, x, linear(x, self.weight, self._bias(), self._packed)))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`forward(x) + residual`; the add runs inside rank 0's matmul where it can."""
         if not self.first_rank:
-            return self.parallel.all_reduce(linear(x, self.weight, None, self._packed))
-        return self.parallel.all_reduce(linear_add(x, self.weight, self.bias, residual, self._packed))
+            return self.parallel.all_reduce(with_lora(self, x, linear(x, self.weight, None, self._packed)))
+        return self.parallel.all_reduce(with_lora(self, x, linear_add(x, self.weight, self.bias, residual,
+                                                                      self._packed)))
 
 
 class VocabParallelEmbedding(nn.Module):

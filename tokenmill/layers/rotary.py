@@ -40,7 +40,28 @@ def compute_inv_freq(params: RopeConfig, rotary_dim: int, max_position: int) -> 
         return inv_freq / params.factor
     if params.rope_type == "llama3":
         return _llama3_scale(inv_freq, params, max_position)
+    if params.rope_type == "yarn":
+        return _yarn_scale(inv_freq, params, rotary_dim)
     return inv_freq
+
+
+def _yarn_scale(inv_freq: torch.Tensor, p: RopeConfig, rotary_dim: int) -> torch.Tensor:
+    """YaRN, as HF computes it: interpolated (divided by `factor`) below the ramp, extrapolated
+    (kept) above it, blended linearly between the correction dims of beta_slow and beta_fast."""
+    old_len = p.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(p.theta))
+
+    low, high = correction_dim(p.beta_fast), correction_dim(p.beta_slow)
+    if p.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return inv_freq / p.factor * (1 - extrapolation) + inv_freq * extrapolation
 
 
 def _angles(params: RopeConfig, rotary_dim: int, max_position: int) -> torch.Tensor:
@@ -65,15 +86,28 @@ def _longrope_inv_freq(params: RopeConfig, factors: tuple[float, ...], rotary_di
 
 
 def _attention_factor(params: RopeConfig) -> float:
-    """The scale HF applies to cos and sin (LongRoPE's attention factor; 1 elsewhere)."""
-    if params.rope_type != "longrope":
+    """The scale HF applies to cos and sin (LongRoPE's and YaRN's attention factors; 1 elsewhere)."""
+    if params.rope_type not in ("longrope", "yarn"):
         return 1.0
     if params.attention_factor is not None:
         return params.attention_factor
+    if params.rope_type == "yarn":
+        return _yarn_mscale(params)
     original = params.original_max_position_embeddings
     if params.factor <= 1.0 or not original:
         return 1.0
     return math.sqrt(1 + math.log(params.factor) / math.log(original))
+
+
+def _yarn_mscale(p: RopeConfig) -> float:
+    """YaRN's default attention factor (DeepSeek: mscale over mscale_all_dim), as HF derives it."""
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if p.mscale and p.mscale_all_dim:
+        return mscale(p.factor, p.mscale) / mscale(p.factor, p.mscale_all_dim)
+    return mscale(p.factor)
 
 
 def _llama3_scale(inv_freq: torch.Tensor, p: RopeConfig, max_position: int) -> torch.Tensor:

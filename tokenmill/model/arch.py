@@ -6,9 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from tokenmill.config import AttentionSpec, ModelArch, RopeConfig
+from tokenmill.model.moe_arch import mla_arch, moe_arch
 from tokenmill.model.registry import check_architecture
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 _SUPPORTED_ACTS = ("silu", "gelu_pytorch_tanh")
 _QK_NORM_TYPES = ("qwen3", "gemma3_text", "gemma3")
 
@@ -34,6 +35,9 @@ def model_arch(hf_config: Any) -> ModelArch:
     num_layers = hf_config.num_hidden_layers
     query_pre_attn_scalar = getattr(hf_config, "query_pre_attn_scalar", None)
     final_softcap = getattr(hf_config, "final_logit_softcapping", None)
+    rope = rope_config(hf_config)
+    if model_type == "olmoe" and getattr(hf_config, "clip_qkv", None) is not None:
+        raise ValueError(f"clip_qkv={hf_config.clip_qkv} is not supported (only null)")
     return ModelArch(
         architecture=architecture,
         model_type=model_type,
@@ -47,19 +51,23 @@ def model_arch(hf_config: Any) -> ModelArch:
         rms_norm_eps=float(hf_config.rms_norm_eps),
         max_position=int(getattr(hf_config, "max_position_embeddings", None) or 2048),
         # Qwen2 always has q/k/v biases (and never an o_proj bias).
-        qkv_bias=attention_bias or model_type == "qwen2",
-        o_bias=attention_bias and model_type != "qwen2",
+        qkv_bias=attention_bias or model_type == "qwen2" or (
+            model_type == "qwen2_moe" and bool(getattr(hf_config, "qkv_bias", True))),
+        o_bias=attention_bias and model_type not in ("qwen2", "qwen2_moe"),
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-        qk_norm=model_type in _QK_NORM_TYPES,
+        qk_norm=model_type in _QK_NORM_TYPES or model_type == "qwen3_moe",
         # A multimodal model ties its LM head by its own (outer) config.
         tie_word_embeddings=bool(getattr(outer, "tie_word_embeddings", None)
                                  if outer is not hf_config and hasattr(outer, "tie_word_embeddings")
                                  else getattr(hf_config, "tie_word_embeddings", False)),
-        rope=rope_config(hf_config),
+        rope=rope,
         layer_specs=layer_specs(hf_config, num_layers),
         hidden_act=hidden_act,
         query_pre_attn_scalar=float(query_pre_attn_scalar) if query_pre_attn_scalar is not None else None,
         final_logit_softcap=float(final_softcap) if final_softcap else None,
+        moe=moe_arch(hf_config, model_type),
+        mla=mla_arch(hf_config, model_type, rope),
+        qk_norm_full=model_type == "olmoe",
     )
 
 
@@ -99,7 +107,8 @@ def layer_specs(hf_config: Any, num_layers: int) -> tuple[AttentionSpec, ...]:
     types = layer_types(hf_config, num_layers)
     softcap = getattr(hf_config, "attn_logit_softcapping", None) or None
     window = getattr(hf_config, "sliding_window", None)
-    if window is not None and window < 1:
+    # Qwen2-MoE sets sliding_window 0 when use_sliding_window is off: only a window in use must be >= 1.
+    if window is not None and window < 1 and "sliding_attention" in types:
         raise ValueError(f"sliding_window={window} must be at least 1")
     ropes = _ropes_by_layer_type(hf_config)
     specs = tuple(AttentionSpec(sliding_window=int(window) if kind == "sliding_attention" else None,
@@ -149,6 +158,18 @@ def rope_config(hf_config: Any, params: dict[str, Any] | None = None) -> RopeCon
         if factor is None:  # HF: the ratio of the context lengths
             factor = hf_config.max_position_embeddings / original_max
     attention_factor = params.get("attention_factor")
+    yarn = {}
+    if rope_type == "yarn":
+        original_max = params.get("original_max_position_embeddings")
+        if original_max is None:
+            raise ValueError("rope_parameters: yarn needs original_max_position_embeddings")
+        if factor is None:  # HF (DeepSeek-V3): the ratio of the context lengths
+            factor = hf_config.max_position_embeddings / original_max
+        yarn = dict(beta_fast=float(params.get("beta_fast") or 32.0),
+                    beta_slow=float(params.get("beta_slow") or 1.0),
+                    mscale=float(params.get("mscale") or 0.0),
+                    mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+                    truncate=bool(params.get("truncate", True)))
     return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
@@ -160,4 +181,5 @@ def rope_config(hf_config: Any, params: dict[str, Any] | None = None) -> RopeCon
         short_factor=tuple(float(x) for x in params.get("short_factor") or ()),
         long_factor=tuple(float(x) for x in params.get("long_factor") or ()),
         attention_factor=float(attention_factor) if attention_factor is not None else None,
+        **yarn,
     )

@@ -25,6 +25,7 @@ from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, PackedWeight, silu_mul_linear
+from tokenmill.layers.lora.lora_layer import has_lora, with_lora
 from tokenmill.layers.norm import RMSNorm, add_in_matmul, residual_stream, stage_handover
 from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
@@ -57,7 +58,7 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output, plus `residual` when given (added inside the o_proj matmul where it can)."""
-        qkv = self.qkv_proj(hidden)
+        qkv = with_lora(self.qkv_proj, hidden, self.qkv_proj(hidden))
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -90,11 +91,12 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """MLP output, plus `residual` when given (added inside the down_proj matmul where it can)."""
+        gate_up = self.gate_up_proj
         act = None
-        if self.silu:
-            act = silu_mul_linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias, self._gate_up_packed)
+        if self.silu and not has_lora(gate_up):  # (with LoRA the delta joins gate_up's output first)
+            act = silu_mul_linear(x, gate_up.weight, gate_up.bias, self._gate_up_packed)
         if act is None:
-            act = self.act(self.gate_up_proj(x))
+            act = self.act(with_lora(gate_up, x, gate_up(x)))
         if residual is None:
             return self.down_proj(act)
         return self.down_proj.forward_add(act, residual)
@@ -134,7 +136,8 @@ class LlamaModel(nn.Module):
     """This stage's decoder layers (the others are empty placeholders, so names keep their HF
     layer index), with the embedding on the first stage and the final norm on the last.
 
-    Families with other layers or norms set `layer_cls` / `norm_cls` (e.g. `model/gemma2.py`).
+    Families with other layers or norms set `layer_cls` / `norm_cls` (e.g. `model/gemma2.py`,
+    `model/moe_decoder.py`).
     Layers whose `AttentionSpec` has its own rope get their own rotary tables (one per distinct
     setting, prepared once per step)."""
 
@@ -217,6 +220,10 @@ class LlamaForCausalLM(nn.Module):
             if own_head else None
         self._lm_head = ParallelLMHead(self.parallel)
 
+    def _loaded_elsewhere(self, name: str) -> bool:
+        """A parameter a family's own loader fills (never in the generic pending set)."""
+        return False
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, intermediate: IntermediateTensors | None = None
                 ) -> torch.Tensor | IntermediateTensors:
@@ -286,6 +293,8 @@ class LlamaForCausalLM(nn.Module):
         # Every (parameter, shard) that must be filled; unfused parameters have shard None.
         pending: set[tuple[str, int | None]] = set()
         for name in params:
+            if self._loaded_elsewhere(name):
+                continue
             fused = next((f for f in ("qkv_proj", "gate_up_proj") if f"{f}." in name), None)
             if fused is None:
                 pending.add((name, None))

@@ -6,10 +6,14 @@ from types import MappingProxyType
 
 from torch import nn
 
+from tokenmill.model.deepseek import DeepseekForCausalLM
 from tokenmill.model.gemma2 import Gemma2ForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.mixtral import MixtralForCausalLM
+from tokenmill.model.olmoe import OlmoeForCausalLM
 from tokenmill.model.phi3 import Phi3ForCausalLM
+from tokenmill.model.qwen_moe import QwenMoeForCausalLM
 
 MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -20,6 +24,14 @@ MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    # mixture-of-experts (tokenmill/layers/moe)
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
+    "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    # multi-head latent attention + MoE
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 })
 
 

@@ -56,11 +56,21 @@ class RowFailure(IntEnum):
 # ---------------------------------------------------------------- front-end <-> engine core
 
 
+class LoRARef(msgspec.Struct, array_like=True, frozen=True):
+    """A LoRA adapter as the engine knows it: its id (>= 1; the prefix cache and the slot table
+    key on it), its name and its PEFT folder (read by the workers)."""
+
+    id: int
+    name: str
+    path: str
+
+
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     handle: int
     prompt_token_ids: bytes  # packed int32
     sampling_params: SamplingParams
     arrival_time: float = 0.0
+    lora: LoRARef | None = None  # the adapter the request runs with; None: the base model
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -139,6 +149,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     sampling_params: SamplingParams
     block_ids: bytes  # packed int32
     num_computed_tokens: int  # prefix-cache hit or recompute start
+    lora_slot: int = -1  # the device slot of the request's LoRA adapter; -1: none
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -203,6 +214,14 @@ class BatchDiff(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     full: bytes | None = None  # int32 handles: the whole batch, replacing the previous one
 
 
+class LoRALoad(msgspec.Struct, array_like=True, frozen=True):
+    """Workers put adapter `lora` into device slot `slot` before the step (from host memory, or
+    read from its folder first)."""
+
+    slot: int
+    lora: LoRARef
+
+
 class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=True):
     """One step, as the workers need it. Local views, set by BatchOrder on each side from `batch`
     and never on the wire: `batch_handles` / `batch_counts` (int32 arrays: the handle and the
@@ -228,6 +247,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     # Pipeline parallelism only: int32, each row's first input token (the first stage cannot
     # read sampled tokens on its device; see tokenmill/worker/pp_stage.py).
     pp_input_tokens: bytes = b""
+    # LoRA: adapters to put into device slots before this step (new requests name their slot),
+    # and adapters of newly arrived requests to start reading into host memory in the background.
+    lora_loads: list[LoRALoad] = []
+    lora_prefetch: list[LoRARef] = []
 
     @functools.cached_property
     def scheduled_handles(self) -> list[int]:
@@ -332,6 +355,7 @@ class KVCacheStats(msgspec.Struct, array_like=True, tag="kv"):
     num_free_blocks: int
     num_blocks: int
     num_requests: int  # requests still in the engine core (for leak checks)
+    block_bytes: int = 0  # one KV block over the driver rank's layers (MLA: latent + rope key per token)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, tag="sched"):

@@ -53,8 +53,9 @@ class DecodeGraphs:
                  max_num_seqs: int, max_model_len: int, block_size: int, layout: RankLayout | None = None,
                  query_len: int = 1, drafts: torch.Tensor | None = None,
                  mirror: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None] | None = None,
-                 kv_only: bool = False) -> None:
+                 kv_only: bool = False, lora=None) -> None:
         self.model = model
+        self.lora = lora  # LoRAManager: the rows' adapter slots are read on the device in the body
         self.mirror = mirror
         self.kv_only = kv_only
         self.query_len = query_len
@@ -153,6 +154,8 @@ class DecodeGraphs:
             slot_mapping=slot_mapping, query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * q,
             seq_lens_cpu=torch.full((size,), q, dtype=torch.int32), seq_lens_exact=False,
             prompt_lens=torch.zeros_like(seq_lens))  # every token is past its prompt: its own position decides
+        if self.lora is not None:
+            self.lora.prepare_rows(slots, q)
         if self.inputs:
             out = self.model(input_ids, positions, self.kv_caches, meta,
                              IntermediateTensors.of([t[:size] for t in self.inputs]))

@@ -8,6 +8,9 @@ with at least `after` output tokens computed (0: from its first sampled token on
 - `nan_logits`: the victim's row of logits turns NaN (a row-level fault);
 - `sampling_error`: sampling a batch holding the victim raises (a row-level fault);
 - `step_error`: the step raises before its forward pass (the worker fails: fatal).
+A `ShardSwap` is no trigger but a load-time fault: `wrong_shard` swaps two rows of one
+parameter on one rank after loading (a planted parallelism bug for the layout check,
+tokenmill/benchmarks/layout_check.py).
 
     TOKENMILL_TEST_FAULTS='{"nan_logits": {"marker_token": 7, "after": 3}}'
 """
@@ -33,10 +36,18 @@ class Trigger(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     after: int = 0  # fire once a victim has this many output tokens computed
 
 
+class ShardSwap(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    rank: int  # the worker rank whose shard goes wrong
+    parameter: str  # the first of its parameters whose name ends with this
+    rows: tuple[int, int] = (0, 1)  # the first local rows of the two blocks swapped
+    count: int = 1  # rows per block (a head's rows: head_dim)
+
+
 class FaultPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     nan_logits: Trigger | None = None
     sampling_error: Trigger | None = None
     step_error: Trigger | None = None
+    wrong_shard: ShardSwap | None = None
 
 
 class InjectedFault(RuntimeError):
@@ -51,6 +62,20 @@ class FaultInjector:
     def from_env(cls, environ: Mapping[str, str]) -> FaultInjector | None:
         text = environ.get(ENV_VAR)
         return cls(msgspec.json.decode(text, type=FaultPlan)) if text else None
+
+    def after_load(self, model: torch.nn.Module, rank: int) -> None:
+        """`wrong_shard` on its rank: two blocks of rows of the named parameter trade places, in
+        place (packed copies follow the weight's version; CUDA graphs read the same storage)."""
+        import torch
+        swap = self.plan.wrong_shard
+        if swap is None or swap.rank != rank:
+            return
+        param = next((p for n, p in model.named_parameters() if n.endswith(swap.parameter)), None)
+        if param is None:
+            raise ValueError(f"wrong_shard.parameter: rank {rank} has no parameter ending with {swap.parameter!r}")
+        a, b = (torch.arange(r, r + swap.count) for r in swap.rows)
+        with torch.no_grad():
+            param[torch.cat([a, b])] = param[torch.cat([b, a])].clone()
 
     def poison_logits(self, runner: ModelRunner, logits: torch.Tensor, slots: torch.Tensor) -> None:
         """Sampling rows' logits, before the screen: the victims' rows become NaN."""

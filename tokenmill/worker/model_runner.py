@@ -25,6 +25,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.cpu_threads import StepThreads
 from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
+from tokenmill.layers.attention.mla import mla_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
 from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
 from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
@@ -118,6 +119,7 @@ class ModelRunner:
         self._slots = np.zeros(0, dtype=np.int64)  # the last step's rows, as slots
         self._step_threads: StepThreads | None = None
         self.faults: FaultInjector | None = None  # tests only (worker/fault_injection.py)
+        self.lora = None  # LoRAManager, with enable_lora (worker/lora_manager.py)
 
     @property
     def states(self) -> dict[int, int]:
@@ -144,6 +146,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             from tokenmill.layers import cpu_isa
             logger.info(cpu_isa.describe())
+        if self.config.lora is not None:
+            from tokenmill.worker.lora_manager import LoRAManager
+            self.lora = LoRAManager(self.model, self.config.lora, m.arch, self.config.scheduler.max_num_seqs,
+                                    self.device, self.dtype)
         spec = self.config.speculative
         if spec is not None and spec.draft is not None:
             from tokenmill.worker.draft_proposer import DraftProposer
@@ -151,9 +157,16 @@ class ModelRunner:
                                        attention_backend_class(self.config.attention_backend),
                                        self.config.scheduler.max_num_seqs + 1, spec.num_speculative_tokens)
 
-    def kv_block_bytes(self) -> int:
+    def kv_bytes_per_token_per_layer(self) -> int:
+        """K and V of this rank's heads; MLA: the latent and the rope key (one 'head')."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        target = 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        mla = self.config.model.arch.mla
+        if mla is not None:
+            return mla.latent_dim * element
+        return 2 * self.num_kv_heads * self.head_dim * element
+
+    def kv_block_bytes(self) -> int:
+        target = self.num_layers * self.block_size * self.kv_bytes_per_token_per_layer()
         return target + (self.draft.kv_block_bytes(self.block_size) if self.draft is not None else 0)
 
     def available_kv_blocks(self) -> int:
@@ -173,6 +186,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         warm_up_kernels(self)
+        if self.lora is not None:
+            self.lora.warm_up()
         if not self.config.enforce_eager and self.config.attention_backend == "triton":
             self.capture_graphs()
 
@@ -182,7 +197,7 @@ class ModelRunner:
         max_seqs, max_len = self.config.scheduler.max_num_seqs, self.config.model.max_model_len
         mirror = None if self.draft is None else self.draft.mirror
         self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, max_seqs, max_len, self.block_size,
-                                   self.stage.layout)
+                                   self.stage.layout, lora=self.lora)
         self.graphs.capture()
         if self.draft is not None:  # replayed before the target's while the draft's KV is held
             self.draft_graphs = DecodeGraphs(self.draft.model, self.batch, self.draft.kv_caches, max_seqs, max_len,
@@ -198,14 +213,15 @@ class ModelRunner:
         if self.stage.num_stages > 1:
             return
         self.prompt_graphs = PromptGraphs(self.model, self.batch, self.kv_caches, max_len, self.block_size,
-                                          self.config.scheduler.max_num_batched_tokens, mirror=mirror)
+                                          self.config.scheduler.max_num_batched_tokens, mirror=mirror,
+                                          lora=self.lora)
         self.prompt_graphs.capture()
         if self.speculator is None:
             return
         k = self.speculator.k
         self.verify_graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, min(max_seqs, VERIFY_GRAPH_ROWS),
                                           max_len, self.block_size, self.stage.layout, query_len=k + 1,
-                                          drafts=self.speculator.drafts, mirror=mirror)
+                                          drafts=self.speculator.drafts, mirror=mirror, lora=self.lora)
         self.verify_graphs.capture()
         self.verify_tail = GreedyTail(self.verify_graphs, self.batch, histories)
         self.verify_tail.capture()
@@ -215,7 +231,9 @@ class ModelRunner:
             self.draft.capture_greedy(self.verify_graphs.sizes, self.verify_graphs.slots, *self._draft_inputs())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        shape = kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        mla = self.config.model.arch.mla
+        shape = (mla_cache_shape(num_blocks, self.block_size, mla.latent_dim) if mla is not None
+                 else kv_cache_shape(num_blocks, self.block_size, self.num_kv_heads, self.head_dim))
         self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device)
                           for _ in range(self.num_layers)]
         if self.draft is not None:
@@ -226,6 +244,8 @@ class ModelRunner:
 
     def add(self, data: NewRequestData) -> None:
         slot = self.batch.add(data)
+        if self.lora is not None:
+            self.lora.set_row(slot, data.lora_slot)
         tokens = self.batch.tokens[slot]
         self.sampling.add(slot, data.sampling_params, tokens[:data.num_prompt_tokens],
                           tokens[data.num_prompt_tokens:])
@@ -255,6 +275,10 @@ class ModelRunner:
         start = time.perf_counter()
         changed = so.batch is not None or so.new_requests or so.finished_handles or so.preempted_handles
         apply_step_diffs(so, self.batch_order, self)
+        if so.lora_prefetch:
+            self.lora.read_ahead(so.lora_prefetch)
+        if so.lora_loads:  # after every earlier step, before this one (stream order)
+            self.lora.load(so.lora_loads)
         apply_input_tokens(so, self.batch)
         self.batch.flush()
         self.sampling.flush()
@@ -378,6 +402,8 @@ class ModelRunner:
         spec = self.speculator
         inputs = build_step_inputs(self.batch, slots, counts, self.block_size,
                                    spec.drafts if spec is not None and spec.live else None)
+        if self.lora is not None:
+            self.lora.prepare_eager(np.repeat(slots, counts))
         hidden = self.stage.run(self.model, inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, step_id)
         if hidden is None:
             return None

@@ -38,8 +38,10 @@ PROMPT_GRAPH_SIZES = (16, 32, 64, 96, 128, 192, 256, 384, 512)
 class PromptGraphs:
     def __init__(self, model: torch.nn.Module, batch: PersistentBatch, kv_caches: list[torch.Tensor],
                  max_model_len: int, block_size: int, max_tokens: int,
-                 mirror: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None] | None = None) -> None:
+                 mirror: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], None] | None = None,
+                 lora=None) -> None:
         self.model = model
+        self.lora = lora  # LoRAManager: the row's adapter slot is read on the device in the body
         self.batch = batch
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -103,6 +105,8 @@ class PromptGraphs:
             seq_lens_cpu=torch.tensor([size], dtype=torch.int32), seq_lens_exact=False,
             prompt_lens=inputs[3:4])
         input_ids = inputs[4:4 + size]
+        if self.lora is not None:
+            self.lora.prepare_rows(slot, size)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if self.mirror is not None:
             self.mirror(input_ids, positions, meta)

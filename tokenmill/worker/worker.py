@@ -46,10 +46,13 @@ class Worker:
             config, PipelineStage(self.parallel, self.telemetry), device)
         if faults is not None and isinstance(self.runner, ModelRunner):
             self.runner.faults = faults
+        self._rank = rank
         self.idle = DeviceIdleMeter(torch.device("cpu") if null else device, self.telemetry)
 
     def load_model(self) -> None:
         self.runner.load_model()
+        if self.runner.model is not None and getattr(self.runner, "faults", None) is not None:
+            self.runner.faults.after_load(self.runner.model, self._rank)  # tests only: a planted wrong shard
         if self.runner.model is not None:
             self.idle.attach(self.runner.model)
             self.runner.on_device_work = self.idle.work_started  # CUDA graph replays skip the model's hooks

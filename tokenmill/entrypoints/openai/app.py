@@ -10,11 +10,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 import tokenmill
-from tokenmill.entrypoints.openai import serving_chat, serving_completions
+from tokenmill.entrypoints.openai import lora_routes, serving_chat, serving_completions
 from tokenmill.entrypoints.openai.admission import Admission
 from tokenmill.entrypoints.openai.args import ServerSettings
 from tokenmill.entrypoints.openai.chat_template import render_chat
-from tokenmill.entrypoints.openai.errors import error_response, from_value_error, install_error_handlers
+from tokenmill.entrypoints.openai.errors import APIError, error_response, from_value_error, install_error_handlers
 from tokenmill.entrypoints.openai.limits import KNOWN_FIELDS, check_message_count
 from tokenmill.entrypoints.openai.metrics import ServerMetrics
 from tokenmill.entrypoints.openai.schemas import (DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
@@ -38,8 +38,17 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
                         max_model_len=config.model.max_model_len)
     app = FastAPI(title="tokenmill", version=tokenmill.__version__,
                   description="OpenAI-compatible API of the tokenmill inference engine")
+    state.loras = lora_routes.LoRARegistry(engine.frontend, state.model_name)
+    for module in settings.lora_modules:  # a bad adapter stops the server from starting, naming it
+        name, path = module.split("=", 1)
+        try:
+            state.loras.add(name, path)
+        except APIError as exc:
+            raise ValueError(f"lora_modules: {exc.message}") from None
     app.state.tokenmill = state
     install_error_handlers(app)
+    if settings.allow_runtime_lora_updating:
+        app.include_router(lora_routes.router)
     app.include_router(serving_completions.router)
     app.include_router(serving_chat.router)
     _add_routes(app, settings.enable_debug_routes)
@@ -83,7 +92,9 @@ def _add_routes(app: FastAPI, debug: bool) -> None:
         state = get_state(request)
         card = ModelCard(id=state.model_name, created=state.started, root=state.engine.config.model.path,
                          max_model_len=state.max_model_len)
-        return ModelList(data=[card])
+        adapters = [ModelCard(id=lora.lora_name, created=state.started, root=lora.lora_path, parent=state.model_name,
+                              max_model_len=state.max_model_len) for lora in (state.loras.adapters.values() if state.loras else ())]
+        return ModelList(data=[card, *adapters])
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

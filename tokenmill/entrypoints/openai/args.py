@@ -28,6 +28,8 @@ class ServerSettings:
     max_queued_requests: int = 256  # sequences waiting beyond max_num_seqs before 503
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
+    lora_modules: tuple[str, ...] = ()  # NAME=PATH of LoRA adapters served from the start (--enable-lora)
+    allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
 
 _HELP = {
@@ -48,6 +50,10 @@ _HELP = {
     "max_queued_requests": "sequences admitted beyond --max-num-seqs; further requests get 503",
     "shutdown_timeout": "seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted",
     "uvicorn_log_level": "uvicorn's log level",
+    "lora_modules": "LoRA adapters to serve, as NAME=PATH (PEFT folders; needs --enable-lora); a request's "
+                    "`model` names one",
+    "allow_runtime_lora_updating": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                                   "VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
 }
 
 
@@ -55,7 +61,9 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
     for f in fields(ServerSettings):
         name, default = f.name, f.default
         flag = "--" + name.replace("_", "-")
-        if isinstance(default, bool):
+        if isinstance(default, tuple):
+            parser.add_argument(flag, nargs="*", default=default, help=_HELP[name])
+        elif isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
                                 help=f"{_HELP[name]} (default: {'on' if default else 'off'})")
         else:
@@ -65,6 +73,7 @@ def add_server_flags(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_flags(ns: argparse.Namespace) -> ServerSettings:
     values = {f.name: getattr(ns, f.name) for f in fields(ServerSettings)}
+    values["lora_modules"] = tuple(values["lora_modules"] or ())
     if values["api_key"] is None:
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
     settings = ServerSettings(**values)
@@ -84,5 +93,8 @@ def check_settings(s: ServerSettings) -> None:
         raise ValueError(f"port must be in [0, 65535], got {s.port}")
     if s.shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {s.shutdown_timeout}")
+    for module in s.lora_modules:
+        if "=" not in module or not module.split("=", 1)[0] or not module.split("=", 1)[1]:
+            raise ValueError(f"lora_modules: {module!r} must be NAME=PATH")
     if s.api_key is not None and not s.api_key:
         raise ValueError("api_key must not be empty")

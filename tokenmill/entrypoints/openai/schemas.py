@@ -184,6 +184,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "tokenmill"
     root: str
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int
 
 

@@ -21,17 +21,18 @@ router = APIRouter()
                         503: {"model": ErrorResponse}})
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     check_chat_request(body, state.settings)
     chat = render_chat(state.frontend, body.messages, body.add_generation_prompt, body.continue_final_message,
                        body.chat_template_kwargs)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     k = (body.top_logprobs or 0) if body.logprobs else None
     # The engine's logprobs are what this API calls top_logprobs.
-    prompt = prepare(state, chat, sampling_params(body, requested, k), "messages", {"logprobs": "top_logprobs"})
+    prompt = prepare(state, chat, sampling_params(body, requested, k), "messages", {"logprobs": "top_logprobs"},
+                     lora=lora)
     request_id, created = new_id("chatcmpl"), now_s()
     gen = Generation(state.engine, request_id, [prompt], body.n, state.metrics)
-    head = {"id": request_id, "created": created, "model": state.model_name}
+    head = {"id": request_id, "created": created, "model": state.response_model(lora)}
 
     if not body.stream:
         def render() -> dict:

@@ -16,6 +16,7 @@ from tokenmill.entrypoints.openai.limits import KNOWN_FIELDS, context_length_err
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.entrypoints.openai.streaming import DONE_EVENT, ClientGone, SSEResponse, sse, until_disconnect
 from tokenmill.frontend.input_processor import PreparedRequest, Prompt
+from tokenmill.lora.request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -33,12 +34,13 @@ def usage(gen: Generation) -> dict[str, int]:
 
 
 def prepare(state: ServerState, prompt: Prompt, params: SamplingParams, prompt_name: str,
-            aliases: Mapping[str, str] | None = None) -> PreparedRequest:
+            aliases: Mapping[str, str] | None = None, lora: LoRARequest | None = None) -> PreparedRequest:
     """The engine's one check of the request, before any work: a ValueError is a 400 naming the
     field (`aliases`: engine fields this API names otherwise), a prompt too long for the context
     is OpenAI's context_length_exceeded."""
     try:
-        return state.frontend.prepare(prompt, params, lambda overflow: context_length_error(overflow, prompt_name))
+        prepared = state.frontend.prepare(prompt, params, lambda overflow: context_length_error(overflow, prompt_name))
+        return prepared.with_lora(state.frontend.lora_ref(lora))  # `lora`: the adapter `model` named
     except ValueError as exc:
         raise from_value_error(exc, KNOWN_FIELDS, aliases) from None
 

@@ -22,15 +22,15 @@ router = APIRouter()
                         503: {"model": ErrorResponse}})
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     check_completion_request(body, state.settings)
     logprobs = body.logprobs
     prompt_logprobs = logprobs if body.echo and logprobs is not None else None
     params = sampling_params(body, body.max_tokens, logprobs, prompt_logprobs)
-    prompts = [prepare(state, prompt, params, "prompt") for prompt in _prompts(state, body)]
+    prompts = [prepare(state, prompt, params, "prompt", lora=lora) for prompt in _prompts(state, body)]
     request_id, created = new_id("cmpl"), now_s()
     gen = Generation(state.engine, request_id, prompts, body.n, state.metrics)
-    head = {"id": request_id, "object": "text_completion", "created": created, "model": state.model_name}
+    head = {"id": request_id, "object": "text_completion", "created": created, "model": state.response_model(lora)}
 
     if not body.stream:
         def render() -> dict:

@@ -1,0 +1,76 @@
+"""The CUDA-graph paths with LoRA, on CPU: the decode, verification and prompt-chunk graphs'
+bodies run eagerly where CUDA would replay them, reading each row's adapter slot on the device
+(as a replay does, whatever the adapter mix). Base and adapter requests mixed, with chunked
+prefill and n-gram speculation, give HF + PEFT's greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.engine import pin_spec_cost, worker_runner
+from tests.lora.test_lora_engine import ENGINE, PROMPTS, Setup, run
+from tokenmill import LLM
+from tokenmill.worker.decode_graphs import DecodeGraphs
+from tokenmill.worker.prompt_graphs import PromptGraphs
+
+
+class _EagerReplay:
+    def __init__(self, body, counter: list[int]) -> None:
+        self.body, self.counter = body, counter
+
+    def replay(self) -> None:
+        self.body()
+        self.counter[0] += 1
+
+
+def _decode_graphs(runner, query_len: int, counter: list[int]) -> DecodeGraphs:
+    spec = runner.speculator
+    graphs = DecodeGraphs(runner.model, runner.batch, runner.kv_caches, 8, runner.config.model.max_model_len,
+                          runner.block_size, query_len=query_len, drafts=None if spec is None else spec.drafts,
+                          lora=runner.lora)
+
+    def body(size: int):
+        graphs.logits[size] = graphs._body(size)
+    graphs.graphs = {size: _EagerReplay(lambda size=size: body(size), counter) for size in graphs.sizes}
+    return graphs
+
+
+def install_eager_graphs(llm) -> dict[str, list[int]]:
+    runner = worker_runner(llm)
+    counts = {"decode": [0], "verify": [0], "prompt": [0]}
+    runner.graphs = _decode_graphs(runner, 1, counts["decode"])
+    if runner.speculator is not None:
+        runner.verify_graphs = _decode_graphs(runner, runner.speculator.k + 1, counts["verify"])
+    prompt = PromptGraphs(runner.model, runner.batch, runner.kv_caches, runner.config.model.max_model_len,
+                          runner.block_size, runner.config.scheduler.max_num_batched_tokens, lora=runner.lora)
+    body = prompt._body
+
+    def counted(size: int):
+        counts["prompt"][0] += 1
+        return body(size)
+    prompt._body = counted
+    runner.prompt_graphs = prompt
+    return counts
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Setup:
+    return Setup(tmp_path_factory.mktemp("lora-graphs"), "qwen2")
+
+
+@pytest.mark.parametrize("extra", [{}, {"max_num_batched_tokens": 8},
+                                   {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
+                                                           "max_step_tokens": 0}}],
+                         ids=["plain", "chunked", "ngram"])
+def test_graph_bodies_with_adapters_equal_peft(setup, extra) -> None:
+    names = [None, "a1", "a2", "a3", "a1", None]
+    with LLM(setup.path, max_loras=3, max_num_seqs=8, **ENGINE, **extra) as llm:
+        if "speculative_config" in extra:
+            pin_spec_cost(llm)
+        counts = install_eager_graphs(llm)
+        outputs = run(llm, setup, names[:1], PROMPTS[:1])  # batch 1: its prefill replays the prompt graph
+        outputs += run(llm, setup, names, PROMPTS)
+    setup.check(outputs, names[:1] + names, PROMPTS[:1] + PROMPTS)
+    assert counts["decode"][0] + counts["verify"][0] > 5 and counts["prompt"][0] >= 1, counts
+    if "speculative_config" in extra:
+        assert counts["verify"][0] > 5, counts

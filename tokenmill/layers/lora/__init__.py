@@ -1,0 +1,13 @@
+"""Batched multi-LoRA: every row of a step may use another adapter (or none), in one pass.
+
+Per LoRA-enabled projection (`lora_layer.LoRASlots`), the adapters sit in stacked device buffers
+of fixed shape, one entry per slot: A [slots, parts * R, in] and B [slots, out, R], R the
+padded max rank, the scaling folded into B. A fused projection (qkv, gate_up) has one part per
+HF projection: output columns of part i read the shrink's columns [i * R, (i + 1) * R).
+
+`y += (x @ A[s]^T) @ B[s]^T` per token, s the token's slot (-1: nothing added):
+- `triton_lora.py` (CUDA): shrink and expand over the step's tokens sorted by slot (a tile of
+  tokens loops over the few slots it holds, each a tensor-core dot), adding into y in place;
+  one kernel for prefill segments and decode rows alike, capture-safe (no host syncs);
+- `torch_lora.py`: the reference (gathered per token) and the CPU path (a matmul per slot).
+"""

@@ -1,0 +1,103 @@
+"""A projection's LoRA slots and the step's token -> slot map, and the hook the model calls.
+
+The model calls `with_lora(layer, x, y)` after a LoRA-capable projection (y = layer's output
+for input x, before any tensor-parallel reduction): it returns y unchanged unless the layer has
+LoRA slots attached (`layer.lora`), and otherwise adds the step's per-token adapter deltas into
+y in place. The base layer's code (its linear method) is untouched: LoRA is a sum on its output.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tokenmill.layers import triton_ops
+from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference
+
+
+class LoRABatch:
+    """This step's tokens' adapter slots, shared by every LoRA projection of a model.
+
+    `prepare` is called before each forward pass (eagerly, or inside a captured graph's body,
+    which recomputes it from the persistent per-row slots on every replay)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.active = False  # some token of the step has an adapter (always True while capturing)
+        self.order: torch.Tensor | None = None  # CUDA: token indices sorted by slot
+        self.sorted_slots: torch.Tensor | None = None  # CUDA: their slots
+        self.groups: list[tuple[int, torch.Tensor | None]] = []  # CPU: (slot, its tokens)
+        self.token_slots: torch.Tensor | None = None
+        self.num_tokens = 0
+
+    def prepare(self, token_slots: torch.Tensor, host: np.ndarray | None = None) -> None:
+        """`token_slots`: int [T] on the device, -1 for tokens without an adapter; `host`: the same
+        on the host when known (eager steps), so a step without adapters skips LoRA entirely."""
+        self.num_tokens = token_slots.shape[0]
+        if host is not None and not (host >= 0).any():
+            self.active = False
+            return
+        self.active = True
+        self.token_slots = token_slots
+        if self.device.type == "cuda":
+            self.sorted_slots, order = torch.sort(token_slots.to(torch.int32), stable=True)
+            self.order = order.to(torch.int32)
+            return
+        if host is None:
+            host = token_slots.cpu().numpy()
+        self.groups = []
+        for slot in np.unique(host[host >= 0]).tolist():
+            rows = np.flatnonzero(host == slot)
+            self.groups.append((slot, None if len(rows) == len(host) else torch.from_numpy(rows)))
+
+    def clear(self) -> None:
+        self.active = False
+
+
+class LoRASlots:
+    """One projection's adapters: A [slots, parts * R, in], B [slots, out, R] (scaling folded in),
+    `part_starts`: the output column where each part (q, k, v or gate, up) starts, then `out`."""
+
+    def __init__(self, batch: LoRABatch, num_slots: int, rank: int, in_features: int, part_sizes: list[int],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.batch = batch
+        self.rank = rank
+        self.part_starts = tuple(int(v) for v in np.cumsum([0] + part_sizes))
+        out = self.part_starts[-1]
+        # The Triton expand needs part boundaries on multiples of 16 (every real model's); else torch.
+        self.triton = all(p % 16 == 0 for p in self.part_starts[:-1])
+        self.a = torch.zeros(num_slots, len(part_sizes) * rank, in_features, dtype=dtype, device=device)
+        self.b = torch.zeros(num_slots, out, rank, dtype=dtype, device=device)
+
+    def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Put one part's A [r, in] and B [out_part, r] into `slot` (None: zeros), rank zero-padded."""
+        lo, hi = self.part_starts[part], self.part_starts[part + 1]
+        rows = slice(part * self.rank, (part + 1) * self.rank)
+        self.a[slot, rows].zero_()
+        self.b[slot, lo:hi].zero_()
+        if a is not None:
+            r = a.shape[0]
+            self.a[slot, part * self.rank:part * self.rank + r].copy_(a, non_blocking=True)
+            self.b[slot, lo:hi, :r].copy_(b, non_blocking=True)
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        batch = self.batch
+        if not batch.active or x.shape[0] != batch.num_tokens:
+            return y
+        if batch.order is not None and self.triton and triton_ops.enabled(x):
+            from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
+            shrunk = lora_shrink(x, self.a, batch.order, batch.sorted_slots)
+            return lora_expand(shrunk, self.b, batch.order, batch.sorted_slots, y, self.part_starts)
+        if batch.order is not None:  # CUDA without the Triton path: the reference, on the device
+            return y.add_(lora_reference(x, self.a, self.b, self.part_starts, batch.token_slots).to(y.dtype))
+        return lora_add_grouped(x, y, self.a, self.b, self.part_starts, batch.groups)
+
+
+def with_lora(layer: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`y` plus the step's LoRA deltas of `layer` for input `x` (y itself when it has none)."""
+    lora = layer.__dict__.get("lora")
+    return y if lora is None else lora.apply(x, y)
+
+
+def has_lora(layer: torch.nn.Module) -> bool:
+    return layer.__dict__.get("lora") is not None

@@ -1,0 +1,172 @@
+"""A worker's LoRA adapters: device slots attached to the model's projections, a host-memory LRU
+of adapters already read (and sliced for this rank), and each step's token -> slot map.
+
+The engine core decides which adapter goes in which slot (`tokenmill.lora.slots`) and sends a
+`LoRALoad` with the step that first needs it; the worker copies the adapter in before running
+the step (from the host LRU; read from its PEFT folder first when not there). Each request row
+carries its slot (`NewRequestData.lora_slot`), kept here per persistent-batch slot on the host
+and on the device, so a CUDA graph's body computes its tokens' adapter slots on the device on
+every replay: the graphs hold fixed-shape buffers and never depend on the adapter mix.
+
+Tensor parallelism: a column-parallel projection (qkv, gate_up) holds the full A and this
+rank's rows of B; a row-parallel one (o, down) this rank's input columns of A and the full B,
+its delta summed with the base's partial output by the same all-reduce.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from tokenmill.config import LoRAConfig, ModelArch
+from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots
+from tokenmill.lora.peft import TARGETS, load_adapter, read_adapter
+from tokenmill.protocol import LoRALoad, LoRARef
+from tokenmill.worker.persistent_batch import to_device
+
+logger = logging.getLogger(__name__)
+
+# tokenmill's LoRA-capable module -> (its parent in the decoder layer, its HF parts in order).
+_MODULES = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "o_proj": ("self_attn", ("o_proj",)),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+    "down_proj": ("mlp", ("down_proj",)),
+}
+
+
+def kernel_rank(max_lora_rank: int) -> int:
+    """The padded rank of the slot buffers: a power of two, at least 16 (the kernels' dot width)."""
+    return max(16, 1 << (max_lora_rank - 1).bit_length())
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, config: LoRAConfig, arch: ModelArch, max_rows: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model, self.config, self.arch = model, config, arch
+        self.device, self.dtype = device, dtype
+        self.batch = LoRABatch(device)
+        self.rank = kernel_rank(config.max_lora_rank)
+        self.slots: dict[tuple[int, str], LoRASlots] = {}
+        layout = model.layout
+        for i in range(layout.layer_start, layout.layer_end):
+            layer = model.model.layers[i]
+            for name, (parent, _) in _MODULES.items():
+                module = getattr(getattr(layer, parent), name)
+                parts = model._shard_sizes(name) if name in ("qkv_proj", "gate_up_proj") else [module.out_features]
+                slots = LoRASlots(self.batch, config.max_loras, self.rank, module.in_features, parts, dtype, device)
+                module.lora = slots
+                self.slots[(i, name)] = slots
+        # Per persistent-batch row (the last is the scratch row of padded graph rows): its adapter slot.
+        self.row_slot = np.full(max_rows + 1, -1, dtype=np.int64)
+        self.row_slot_dev = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=device)
+        self.host: OrderedDict[int, dict] = OrderedDict()  # adapter id -> this rank's tensors (LRU)
+        self.held: list[LoRARef | None] = [None] * config.max_loras
+        self.num_reads = 0  # adapters read from disk (tests: evictions of the host LRU)
+        self._reader: ThreadPoolExecutor | None = None  # reads ahead, off the step's path
+        self._reading: dict[int, Future] = {}
+        self.num_read_ahead = 0  # loads served by a read ahead (not waiting for the disk in the step)
+        logger.info("LoRA: %d device slots of rank %d on %d projections, %d adapters in host memory",
+                    config.max_loras, self.rank, len(self.slots), config.max_cpu_loras)
+
+    # ------------------------------------------------------------------ adapters
+
+    def load(self, loads: list[LoRALoad]) -> None:
+        for load in loads:
+            weights = self._host_weights(load.lora)
+            for (layer, name), slots in self.slots.items():
+                for part, hf in enumerate(_MODULES[name][1]):
+                    a, b = weights.get((layer, hf), (None, None))
+                    slots.set_slot(load.slot, part, a, b)
+            self.held[load.slot] = load.lora
+
+    def read_ahead(self, loras: list[LoRARef]) -> None:
+        """Start reading adapters into host memory on a background thread (the engine core asks
+        when their first request arrives); a failure shows when the adapter is loaded."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="lora-read")
+        for lora in loras:
+            if (lora.id not in self.host and lora.id not in self._reading
+                    and len(self._reading) < self.config.max_cpu_loras):
+                self._reading[lora.id] = self._reader.submit(self._read, lora)
+
+    def _host_weights(self, lora: LoRARef) -> dict:
+        cached = self.host.get(lora.id)
+        if cached is not None:
+            self.host.move_to_end(lora.id)
+            return cached
+        reading = self._reading.pop(lora.id, None)
+        self.num_read_ahead += reading is not None
+        weights = reading.result() if reading is not None else self._read(lora)
+        self.host[lora.id] = weights
+        while len(self.host) > self.config.max_cpu_loras:
+            self.host.popitem(last=False)
+        return weights
+
+    def _read(self, lora: LoRARef) -> dict:
+        """The adapter's tensors for this rank, in the model's dtype (pinned on CUDA)."""
+        adapter = read_adapter(lora.path, self.arch, self.config.max_lora_rank, lora.name)
+        weights = {}
+        layout = self.model.layout
+        for (layer, hf), (a, b) in load_adapter(adapter).items():
+            if not layout.layer_start <= layer < layout.layer_end:
+                continue
+            a, b = self._shard(layer, hf, a, b)
+            a, b = a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous()
+            if self.device.type == "cuda":
+                a, b = a.pin_memory(), b.pin_memory()
+            weights[(layer, hf)] = (a, b)
+        self.num_reads += 1
+        return weights
+
+    def _shard(self, layer: int, hf: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a (full) pair, sliced as the base weight is (`_source_slice`)."""
+        fused, part, kind = TARGETS[hf]
+        parent = _MODULES[fused][0]
+        shard = part if fused in ("qkv_proj", "gate_up_proj") else None
+        where = self.model._source_slice(f"model.layers.{layer}.{parent}.{fused}.weight", shard)
+        if where is None:
+            return a, b
+        dim, start, length = where
+        if kind == "column":  # the weight's output rows: B's rows
+            return a, b.narrow(0, start, length)
+        return a.narrow(1, start, length), b  # the weight's input columns: A's columns
+
+    # ------------------------------------------------------------------ rows and steps
+
+    def set_row(self, row: int, lora_slot: int) -> None:
+        if self.row_slot[row] != lora_slot:
+            self.row_slot[row] = lora_slot
+            self.row_slot_dev[row] = lora_slot
+
+    def prepare_eager(self, token_rows: np.ndarray) -> None:
+        """Before an eager forward: `token_rows`, each token's persistent-batch row."""
+        host = self.row_slot[token_rows]
+        self.batch.prepare(to_device(host, self.device) if (host >= 0).any() else torch.empty(len(host)), host)
+
+    def prepare_rows(self, rows: torch.Tensor, query_len: int = 1) -> None:
+        """Inside a graph body: the rows' (device) slots, `query_len` tokens each."""
+        slots = self.row_slot_dev[rows]
+        if query_len > 1:
+            slots = slots[:, None].expand(-1, query_len).reshape(-1)
+        self.batch.prepare(slots)
+
+    def warm_up(self) -> None:
+        """CUDA: compile the kernels for every projection shape and both token tile sizes."""
+        seen = set()
+        for slots in self.slots.values():
+            key = (slots.a.shape, slots.b.shape, slots.part_starts)
+            if key in seen:
+                continue
+            seen.add(key)
+            for tokens in (16, 1024):
+                x = torch.zeros(tokens, slots.a.shape[2], dtype=self.dtype, device=self.device)
+                y = torch.zeros(tokens, slots.b.shape[1], dtype=self.dtype, device=self.device)
+                self.batch.prepare(torch.zeros(tokens, dtype=torch.int64, device=self.device))
+                slots.apply(x, y)
+        self.batch.clear()
+        torch.cuda.synchronize()
