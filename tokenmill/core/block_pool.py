@@ -21,7 +21,7 @@ def hash_block(parent_hash: int | None, tokens: bytes) -> int:
 class HashChain(list):
     """A request's block hashes, one per full block. `seed` stands in for the first block's
     parent: requests whose KV differs for the same tokens (another LoRA adapter, LongRoPE's
-    factors: `ModelArch.prefix_cache_root`) get other hashes, so the prefix cache never shares
+    factors: `ModelArch.prefix_cache_seed`) get other hashes, so the prefix cache never shares
     blocks between them."""
 
     def __init__(self, seed: int | None = None) -> None:

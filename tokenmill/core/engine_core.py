@@ -73,9 +73,9 @@ class EngineCore:
             request.handle, np.frombuffer(request.prompt_token_ids, "<i4"), request.sampling_params,
             self.config.model.eos_token_ids, self.config.model.max_model_len,
             request.arrival_time or time.time(), request.lora)
-        root = self.config.model.arch.prefix_cache_root(added.num_prompt_tokens)
-        if root is not None:  # KV that differs for the same tokens: blocks hashed apart
-            added.block_hashes.seed = hash((added.block_hashes.seed, root))
+        seed = self.config.model.arch.prefix_cache_seed(added.num_prompt_tokens)
+        if seed is not None:  # KV that differs for the same tokens: blocks hashed apart
+            added.block_hashes.seed = hash((added.block_hashes.seed, seed))
         self.scheduler.add_request(added)
 
     def abort_requests(self, handles: list[int]) -> None:
