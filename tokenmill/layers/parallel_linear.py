@@ -70,10 +70,23 @@ class ParallelLMHead:
     def __init__(self, parallel: ParallelContext) -> None:
         self.parallel = parallel
         self.packed = PackedWeight()
+        self._cuda_f32_out = True  # until torch.mm(out_dtype=float32) turns out unsupported
+
+    def _cuda_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """float32 logits straight from cuBLAS's float32 accumulation (not rounded to bf16 first)."""
+        h = hidden.reshape(-1, hidden.shape[-1])
+        try:
+            out = torch.mm(h, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # older torch: no mixed-dtype mm; the first (eager) call decides
+            self._cuda_f32_out = False
+            return F.linear(hidden, weight)
+        return out.view(*hidden.shape[:-1], weight.shape[0])
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if cpu_logits.supports(hidden, weight):  # bf16 on CPU: float32 logits, never rounded to bf16
             local = cpu_logits.linear_f32(hidden, weight)
+        elif self._cuda_f32_out and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
+            local = self._cuda_logits(hidden, weight)
         else:
             local = linear(hidden, weight, None, self.packed)
         if self.parallel.tp_size == 1:
