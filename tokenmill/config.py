@@ -142,8 +142,20 @@ class ModelArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return None
         return max(windows)
 
+    def prefix_cache_seed(self, num_prompt_tokens: int) -> int | None:
+        """What a prompt's KV depends on besides its tokens, mixed into the seed of its blocks'
+        hash chain (`core.block_pool.HashChain`; None: nothing). LongRoPE rotates a prompt
+        longer than `original_max_position_embeddings` with its long factors from position 0
+        (`layers/rotary.py`), so the blocks of such prompts and of shorter ones are never shared."""
+        ropes = [self.rope, *(s.rope for s in self.layer_specs if s.rope is not None)]
+        if any(r.rope_type == "longrope" and num_prompt_tokens > (r.original_max_position_embeddings or
+                                                                  self.max_position) for r in ropes):
+            return _LONGROPE_LONG_PROMPT
+        return None
+
 
 _FULL_ATTENTION = AttentionSpec()
+_LONGROPE_LONG_PROMPT = 1  # mixed into the hash-chain seed of LongRoPE prompts rotated with the long factors
 
 
 class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -25,8 +25,8 @@ from tokenmill.layers.attention import torch_ref
 
 NEW_TOKENS = 16
 LOGPROB_TOL = 1e-4
-# Phi-3's prompts stay within its original context (64): HF then rotates them with the short
-# factors, as tokenmill does (layers/rotary.py); the generations cross into the long ones.
+# Phi-3's prompts stay within its original context (64), rotated with the short factors; the
+# generations cross into the long ones (prompts past it: test_longrope_vs_hf.py).
 PROMPT_LENS = (3, 29, 45, 60)
 
 

@@ -20,8 +20,9 @@ def hash_block(parent_hash: int | None, tokens: bytes) -> int:
 
 class HashChain(list):
     """A request's block hashes, one per full block. `seed` stands in for the first block's
-    parent: requests whose KV differs for the same tokens (another LoRA adapter) get other
-    hashes, so the prefix cache never shares blocks between them."""
+    parent: requests whose KV differs for the same tokens (another LoRA adapter, LongRoPE's
+    factors: `ModelArch.prefix_cache_seed`) get other hashes, so the prefix cache never shares
+    blocks between them."""
 
     def __init__(self, seed: int | None = None) -> None:
         super().__init__()

@@ -79,6 +79,9 @@ class EngineCore:
             request.handle, np.frombuffer(request.prompt_token_ids, "<i4"), request.sampling_params,
             self.config.model.eos_token_ids, self.config.model.max_model_len,
             request.arrival_time or time.time(), request.lora)
+        seed = self.config.model.arch.prefix_cache_seed(core_request.num_prompt_tokens)
+        if seed is not None:  # KV that differs for the same tokens: blocks hashed apart
+            core_request.block_hashes.seed = hash((core_request.block_hashes.seed, seed))
         if request.sampling_params.structured_outputs is None:
             self.scheduler.add_request(core_request)
             return

@@ -4,19 +4,32 @@ cos/sin are precomputed in float32 for every position up to `max_position` and g
 per token; they are cast to the activation dtype before use, as HF does. On CUDA
 (`triton_ops.enabled`) a Triton kernel rotates q and k in place and reads cos/sin by position
 itself, so no per-step gather exists (`triton_ops.rotary`).
+
+LongRoPE (`rope_type` "longrope", HF's "su") as HF transformers chooses its factors: HF rotates a
+forward call with the long factors iff the call's length (its highest position + 1) exceeds
+`original_max_position_embeddings`, so a prompt longer than that is rotated with the long factors
+from position 0, and each token generated after it by its own position + 1. Here a token at
+position p of a sequence uses the long factors iff max(p + 1, L) > original_max, where L is its
+sequence's full prompt length (`AttentionMetadata.prompt_lens`): HF's unchunked prefill and
+one-token decodes, whatever the chunking, and keys keep the factors they were written with.
+Where the prompt length is unknown (None) the step's own per-sequence length stands in (HF's rule
+for one call). The choice is a gather on the device: no host sync, so CUDA graphs capture it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from tokenmill.config import RopeConfig
 from tokenmill.layers import triton_ops
+
+if TYPE_CHECKING:
+    from tokenmill.layers.attention.metadata import AttentionMetadata
 
 
 def compute_inv_freq(params: RopeConfig, rotary_dim: int, max_position: int) -> torch.Tensor:
@@ -52,21 +65,16 @@ def _yarn_scale(inv_freq: torch.Tensor, p: RopeConfig, rotary_dim: int) -> torch
 
 
 def _angles(params: RopeConfig, rotary_dim: int, max_position: int) -> torch.Tensor:
-    """float32 [max_position, rotary_dim]: each position's rotation angles (both halves).
-
-    LongRoPE: HF computes a forward pass's cos/sin with the short factors while its sequence
-    (the highest position + 1) is at most `original_max_position_embeddings`, else the long ones;
-    so a token at position p decoded one at a time gets the long factors iff p >= that length,
-    and this table holds exactly that. (A prompt longer than it is rotated by HF with the long
-    factors from position 0; here its first positions keep the short ones.)"""
+    """float32 [rows, rotary_dim]: each position's rotation angles (both halves), one row per
+    position; LongRoPE holds two tables, the short factors' rows then the long ones' (a token
+    reads row position + max_position when it uses the long factors: `_table_rows`)."""
     positions = torch.arange(max_position, dtype=torch.float32)[:, None]
     if params.rope_type != "longrope":
         freqs = positions * compute_inv_freq(params, rotary_dim, max_position)[None, :]
         return torch.cat((freqs, freqs), dim=-1)
-    original = params.original_max_position_embeddings or max_position
     short = positions * _longrope_inv_freq(params, params.short_factor, rotary_dim)[None, :]
     long = positions * _longrope_inv_freq(params, params.long_factor, rotary_dim)[None, :]
-    freqs = torch.where(positions >= original, long, short)
+    freqs = torch.cat((short, long))
     return torch.cat((freqs, freqs), dim=-1)
 
 
@@ -175,6 +183,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = int(head_dim * params.partial_rotary_factor)
         self.max_position = max_position
+        # LongRoPE: the long factors' rows follow the short ones' in the caches (see _table_rows).
+        self.longrope_original = (params.original_max_position_embeddings or max_position
+                                  if params.rope_type == "longrope" else None)
         # Built under the meta device (deferred init), the caches are computed on the host instead:
         # _apply below carries their values through to_empty().
         device = torch.get_default_device()
@@ -199,8 +210,24 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
 
-    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryStep:
-        """The step's rotary inputs; gathers cos/sin only where the fused kernel does not run."""
+    def _table_rows(self, positions: torch.Tensor, meta: AttentionMetadata | None) -> torch.Tensor:
+        """LongRoPE: each token's row in the caches, position + max_position where it uses the
+        long factors, i.e. where max(position + 1, its sequence's prompt length) > original_max."""
+        lengths = positions + 1
+        if meta is not None:
+            qsl = meta.query_start_loc
+            tokens = torch.arange(positions.shape[0], dtype=qsl.dtype, device=positions.device)
+            seq = torch.searchsorted(qsl[1:], tokens, right=True).clamp_max(qsl.shape[0] - 2)
+            per_seq = meta.seq_lens if meta.prompt_lens is None else meta.prompt_lens
+            lengths = torch.maximum(lengths, per_seq.index_select(0, seq).to(positions.dtype))
+        return torch.where(lengths > self.longrope_original, positions + self.max_position, positions)
+
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype,
+                meta: AttentionMetadata | None = None) -> RotaryStep:
+        """The step's rotary inputs; gathers cos/sin only where the fused kernel does not run.
+        `meta` gives LongRoPE its sequences' lengths (without it, each token's own position + 1)."""
+        if self.longrope_original is not None:
+            positions = self._table_rows(positions, meta)
         if triton_ops.enabled(positions):
             return RotaryStep(positions, self.cos_cache, self.sin_cache, self.rotary_dim)
         cos, sin = self.cos_sin(positions, dtype)

@@ -180,7 +180,7 @@ class LlamaModel(nn.Module):
             assert intermediate is not None, "a later pipeline stage needs the previous stage's activations"
             hidden = intermediate.hidden
             residual = None if intermediate.residual is None else residual_stream(intermediate.residual)
-        ropes = [r.prepare(positions, hidden.dtype) for r in (self.rotary_emb, *self.extra_rotary_embs)]
+        ropes = [r.prepare(positions, hidden.dtype, meta) for r in (self.rotary_emb, *self.extra_rotary_embs)]
         for i in range(layout.layer_start, layout.layer_end):
             hidden, residual = self.layers[i](hidden, residual, ropes[self._rope_of_layer[i]],
                                               kv_caches[i - layout.layer_start], meta)

@@ -152,7 +152,8 @@ class DecodeGraphs:
             num_tokens=size * q, max_query_len=q, max_seq_len=self.max_model_len,
             query_start_loc=self.query_start_loc[:size + 1], seq_lens=seq_lens, block_table=block_rows,
             slot_mapping=slot_mapping, query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32) * q,
-            seq_lens_cpu=torch.full((size,), q, dtype=torch.int32), seq_lens_exact=False)
+            seq_lens_cpu=torch.full((size,), q, dtype=torch.int32), seq_lens_exact=False,
+            prompt_lens=torch.zeros_like(seq_lens))  # every token is past its prompt: its own position decides
         if self.lora is not None:
             self.lora.prepare_rows(slots, q)
         if self.inputs:

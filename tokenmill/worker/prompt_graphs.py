@@ -6,7 +6,7 @@ prompt): at batch 1 that, not the device, sets the time to first token. So short
 graph captured per padded token count `size`:
 
 - inputs, loaded by one host-to-device copy: the row's slot, its first position, its real token
-  count n, and the n token ids (padding ids are 0);
+  count n, its prompt length (LongRoPE's choice of factors), and the n token ids (padding ids are 0);
 - positions first .. first + size - 1; the padding positions write no KV (slot -1), and the
   attention sees a context of first + size (queries past n read keys nobody wrote; their rows
   are dropped), so a graph is replayed only when first + size <= max_model_len;
@@ -51,7 +51,7 @@ class PromptGraphs:
         self.sizes = [s for s in PROMPT_GRAPH_SIZES if s < cap] + [cap]
         largest = max(self.sizes, default=0)
         device = batch.device
-        self._inputs = torch.zeros(3 + largest, dtype=torch.int64, device=device)  # slot, first, n, ids
+        self._inputs = torch.zeros(4 + largest, dtype=torch.int64, device=device)  # slot, first, n, prompt, ids
         self.slot = self._inputs[:1]  # the row's slot (int64 [1]): the sampler's slots
         self._query_start_loc: dict[int, torch.Tensor] = {
             s: torch.tensor([0, s], dtype=torch.int32, device=device) for s in self.sizes}
@@ -76,10 +76,10 @@ class PromptGraphs:
         token (a view of the graph's output)."""
         n = len(token_ids)
         size = self.padded_size(n, first)
-        host = np.zeros(3 + size, dtype=np.int64)
-        host[:3] = slot, first, n
-        host[3:3 + n] = token_ids
-        copy_to_device(host, self._inputs[:3 + size])
+        host = np.zeros(4 + size, dtype=np.int64)
+        host[:4] = slot, first, n, self.batch.num_prompt[slot]
+        host[4:4 + n] = token_ids
+        copy_to_device(host, self._inputs[:4 + size])
         graph = self.graphs.get(size)
         if graph is None:  # not captured (CPU tests): the body itself
             self.logits[size] = self._body(size)
@@ -102,8 +102,9 @@ class PromptGraphs:
             query_start_loc=self._query_start_loc[size], seq_lens=(first + size).to(torch.int32).view(1),
             block_table=block_row, slot_mapping=slot_mapping,
             query_start_loc_cpu=torch.tensor([0, size], dtype=torch.int32),
-            seq_lens_cpu=torch.tensor([size], dtype=torch.int32), seq_lens_exact=False)
-        input_ids = inputs[3:3 + size]
+            seq_lens_cpu=torch.tensor([size], dtype=torch.int32), seq_lens_exact=False,
+            prompt_lens=inputs[3:4])
+        input_ids = inputs[4:4 + size]
         if self.lora is not None:
             self.lora.prepare_rows(slot, size)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)

@@ -77,9 +77,9 @@ def build_step_inputs(batch: PersistentBatch, slots: np.ndarray, counts: np.ndar
     # One copy for every int64 array, then views.
     parts = [input_ids, positions, slot_mapping, qsl, ends, slots, logits_indices, slots[sample_rows],
              from_device, token_slots[from_device], within_row[from_device], sample_rows,
-             np.flatnonzero(starts >= known)]
+             np.flatnonzero(starts >= known), batch.num_prompt[slots]]
     (ids_d, pos_d, slot_map_d, qsl_d, seq_lens_d, slots_d, logits_idx_d, sample_slots_d, fill_d,
-     fill_slots_d, fill_j_d, sample_rows_d, decode_rows) = to_device_aligned(parts, device)
+     fill_slots_d, fill_j_d, sample_rows_d, decode_rows, prompt_lens_d) = to_device_aligned(parts, device)
     seq_lens_cpu = torch.from_numpy(ends.astype(np.int32))
     if drafts is not None and len(from_device):
         ids_d[fill_d] = torch.where(fill_j_d == 0, batch.next_token_dev[fill_slots_d],
@@ -103,6 +103,6 @@ def build_step_inputs(batch: PersistentBatch, slots: np.ndarray, counts: np.ndar
         query_start_loc=qsl_d.to(torch.int32), seq_lens=seq_lens_d.to(torch.int32),
         block_table=batch.block_table_dev[slots_d, :width], slot_mapping=slot_map_d,
         query_start_loc_cpu=torch.from_numpy(qsl.astype(np.int32)), seq_lens_cpu=seq_lens_cpu,
-        seq_lens_exact=drafts is None or device.type == "cpu")
+        seq_lens_exact=drafts is None or device.type == "cpu", prompt_lens=prompt_lens_d)
     return StepInputs(ids_d, pos_d, meta, slots_d, sample_rows, logits_idx_d, sample_slots_d, len(from_device),
                       sample_drafts, seq_lens_d[sample_rows_d])

@@ -27,6 +27,9 @@ class AttentionMetadata:
     # False under speculative decoding on CUDA: the device's seq_lens are exact, the host's an
     # upper bound (a decode row's accepted drafts are known only on the device).
     seq_lens_exact: bool = True
+    # int [num_seqs], on the device: each sequence's full prompt length (LongRoPE picks a prompt's
+    # factors by it, however the prompt is chunked: layers/rotary.py); None: seq_lens stand in.
+    prompt_lens: torch.Tensor | None = None
     # What a backend derives from this step's metadata, computed by the first layer and reused by
     # the others (every layer of a step sees this same object).
     derived: dict = field(default_factory=dict, compare=False, repr=False)
