@@ -216,6 +216,16 @@ class SpeculativeConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True)
     padded_verification: bool = False
 
 
+class StructuredOutputConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Structured outputs (grammar-constrained decoding, `tokenmill.structured_output`)."""
+
+    backend: str = "xgrammar"
+    compile_timeout_s: float = 10.0  # a grammar that takes longer to compile is refused (400)
+    max_schema_bytes: int = 65536  # larger schemas, regexes, grammars or choice lists are refused (400)
+    max_whitespace: int = 4  # most consecutive whitespace characters between JSON tokens
+    vocab_file: str = ""  # the tokenizer's vocabulary for the grammar backend, written by the front-end
+
+
 class LoRAConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Multi-LoRA serving (`enable_lora`): adapters live in `max_loras` device slots (so a step
     mixes at most that many), with up to `max_cpu_loras` more kept in host memory (LRU)."""
@@ -239,6 +249,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     enforce_eager: bool = False  # CUDA: no CUDA graphs
     speculative: SpeculativeConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA adapters off (enable_lora=False)
+    structured: StructuredOutputConfig = StructuredOutputConfig()
 
     @property
     def max_model_len(self) -> int:
@@ -303,6 +314,10 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_compile_timeout: float = 10.0
+    structured_outputs_max_schema_bytes: int = 65536
+    structured_outputs_max_whitespace: int = 4
 
 
 _FLAG_HELP = {
@@ -349,6 +364,11 @@ _FLAG_HELP = {
     "max_loras": "LoRA adapters on the device at once: the most distinct adapters in one step",
     "max_lora_rank": "largest LoRA rank accepted (adapters of lower rank are zero-padded to it)",
     "max_cpu_loras": "LoRA adapters kept in host memory, least recently used evicted (default: max_loras)",
+    "structured_outputs_backend": "grammar library for structured outputs: xgrammar",
+    "structured_outputs_compile_timeout": "seconds a grammar may take to compile before its request gets a 400",
+    "structured_outputs_max_schema_bytes": "largest JSON schema, regex, grammar or choice list, in bytes",
+    "structured_outputs_max_whitespace": "most consecutive whitespace characters between JSON tokens "
+                                         "(a weak model cannot loop in whitespace)",
 }
 
 

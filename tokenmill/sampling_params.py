@@ -20,6 +20,32 @@ class RequestOutputKind(IntEnum):
     FINAL_ONLY = 2  # one output, when the request finishes
 
 
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, frozen=True):
+    """A constraint on the output, with vLLM's names: exactly one of `json` (a JSON schema, as a
+    dict or its text), `json_object` (any JSON object), `regex`, `choice` (one of these strings)
+    or `grammar` (EBNF/GBNF text). The front-end turns a dict schema into canonical text, so a
+    grammar is named (and its compilation cached) by its text. `disable_any_whitespace`: JSON
+    with no free whitespace at all (otherwise whitespace is bounded, see the engine's flags)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def kind(self) -> str:
+        """Which constraint this is (json | json_object | regex | choice | grammar); ValueError
+        unless exactly one is set."""
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {', '.join(kinds) or 'none'}")
+        return kinds[0]
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     n: int = 1
     temperature: float = 1.0
@@ -43,6 +69,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # a grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -111,6 +138,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                            f"token id {token} is out of range for vocab size {vocab_size}")
                 _check(isinstance(bias, (int, float)) and math.isfinite(bias) and -100 <= bias <= 100,
                        "logit_bias", f"values must be finite and in [-100, 100], got {bias!r}")
+        if self.structured_outputs is not None:
+            _check_structured(self.structured_outputs)
 
 
 _GREEDY_EPS = 1e-5
@@ -119,6 +148,19 @@ _GREEDY_EPS = 1e-5
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{field} {message}")
+
+
+def _check_structured(so: StructuredOutputsParams) -> None:
+    """The constraint's form (its content is the grammar backend's to check)."""
+    kind = so.kind()
+    if kind == "choice":
+        _check(bool(so.choice) and all(isinstance(c, str) and c for c in so.choice), "structured_outputs.choice",
+               "must be a non-empty list of non-empty strings")
+    elif kind in ("regex", "grammar"):
+        _check(isinstance(getattr(so, kind), str) and bool(getattr(so, kind)), f"structured_outputs.{kind}",
+               "must be a non-empty string")
+    elif kind == "json":
+        _check(isinstance(so.json, (str, dict)), "structured_outputs.json", "must be a JSON schema (object or text)")
 
 
 def _check_finite(field: str, value: float) -> None:

@@ -69,7 +69,9 @@ def test_completion_bounds(server, change, param) -> None:
     ({"chat_template": "{{ 7 * 7 }}"}, "chat_template"),
     ({"chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}}, "chat_template_kwargs"),
     ({"max_completion_tokens": 1000}, "max_tokens"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    # tools are supported (tests/server/test_structured_outputs.py); naming one that is not given is not
+    ({"tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
 ])
 def test_chat_bounds(server, change, param) -> None:
     _error(_post(server, "/v1/chat/completions", {**CHAT, **change}), 400, param)

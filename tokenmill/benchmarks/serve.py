@@ -52,6 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
                    help="requests per second (Poisson arrivals); inf sends all at once; several values run in turn")
     p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    p.add_argument("--structured", choices=["none", "json", "choice", "regex"], default="none",
+                   help="constrain every request (structured outputs): json = a small JSON schema through "
+                        "response_format (chat) or structured_outputs (completions), choice, regex")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--output-json", default=None, help="write the JSON record here")
@@ -99,7 +102,24 @@ def request_body(ns, model: str, prompt: str) -> dict:
         body["messages"] = [{"role": "user", "content": prompt}]
     else:
         body["prompt"] = prompt
+    constraint = STRUCTURED.get(getattr(ns, "structured", "none"))
+    if constraint is not None:
+        if ns.endpoint == "/v1/chat/completions" and "json" in constraint:
+            body["response_format"] = {"type": "json_schema",
+                                       "json_schema": {"name": "bench", "schema": constraint["json"]}}
+        else:
+            body["structured_outputs"] = constraint
     return body
+
+
+# The structured workloads of --structured: every request constrained the same way.
+STRUCTURED = {
+    "json": {"json": {"type": "object", "properties": {
+        "title": {"type": "string"}, "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 8},
+        "rating": {"type": "integer", "minimum": 1, "maximum": 5}}, "required": ["title", "tags", "rating"]}},
+    "choice": {"choice": ["positive", "negative", "neutral"]},
+    "regex": {"regex": r"[A-Z][a-z]{2,12}( [a-z]{2,12}){0,20}\."},
+}
 
 
 def _chunk_text(chunk: dict) -> str:

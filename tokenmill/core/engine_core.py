@@ -24,8 +24,9 @@ from tokenmill.executor.base import Executor
 from tokenmill.metrics.spec_decode import since
 from tokenmill.metrics.stats_logger import StatsLogger
 from tokenmill.metrics.telemetry import Telemetry
-from tokenmill.protocol import (EngineCoreOutputs, EngineCoreRequest, KVCacheStats, ModelRunnerOutput,
-                                SchedulerOutput, SchedulerStats, TelemetryReport)
+from tokenmill.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason,
+                                KVCacheStats, ModelRunnerOutput, RowFailure, SchedulerOutput, SchedulerStats,
+                                TelemetryReport)
 
 logger = logging.getLogger(__name__)
 
@@ -67,24 +68,41 @@ class EngineCore:
         self.telemetry = Telemetry("core", config.trace_steps)
         self.telemetry.channels.update(self.executor.channel_stats())
         self._spec_at_reset = self.scheduler.spec_stats.snapshot()  # telemetry reports what came after
+        self.grammars = None  # GrammarMasks, made with the first structured-output request
+        self._grammar_news: list[EngineCoreOutput] = []  # requests ended by their grammar, for the next outputs
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request(
+        core_request = Request(
             request.handle, np.frombuffer(request.prompt_token_ids, "<i4"), request.sampling_params,
             self.config.model.eos_token_ids, self.config.model.max_model_len,
-            request.arrival_time or time.time(), request.lora))
+            request.arrival_time or time.time(), request.lora)
+        if request.sampling_params.structured_outputs is None:
+            self.scheduler.add_request(core_request)
+            return
+        self.scheduler.check_fits(core_request)
+        if self.grammars is None:
+            from tokenmill.core.grammar_masks import GrammarMasks
+            self.grammars = GrammarMasks(self.config)
+        self.grammars.add(core_request)  # scheduled once its grammar is compiled
 
     def abort_requests(self, handles: list[int]) -> None:
+        if self.grammars is not None:
+            self.grammars.abort(handles)
         self.scheduler.abort(handles)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.in_flight)
+        return (self.scheduler.has_unfinished() or bool(self.in_flight) or bool(self._grammar_news)
+                or (self.grammars is not None and bool(self.grammars.compiling)))
 
     def step(self) -> EngineCoreOutputs:
         """Fill the in-flight queue, then wait for the oldest step and apply it.
         Each phase (schedule, submit, wait, update) is timed in `telemetry`."""
         record, clock = self.telemetry.record, time.perf_counter
+        if self.grammars is not None and self.grammars.compiling:
+            self._admit_compiled()
         while len(self.in_flight) < self.max_in_flight:
+            if self.in_flight and self._owes_bitmask(self.in_flight[-1][0]):
+                break  # its mask must reach the workers before any later step
             start = clock()
             batch = self.scheduler.schedule()
             if batch is None:
@@ -96,13 +114,19 @@ class EngineCore:
             record("schedule", start, scheduled, args)
             record("submit", scheduled, submitted, args)
             self.in_flight.append((batch, future, start))
+            self._send_due_bitmask()
         if not self.in_flight:
-            return EngineCoreOutputs(outputs=[], timestamp=time.time())
+            if self.grammars is not None:
+                self.grammars.wait(0.01)  # only grammars compiling: wait for one, do not spin
+            return self._with_grammar_news(EngineCoreOutputs(outputs=[], timestamp=time.time()))
         batch, future, scheduled_at = self.in_flight.popleft()
         start = clock()
         result = self._wait(batch, future)
         done = clock()
-        outputs = self.scheduler.update(batch, result)
+        outputs = self._with_grammar_news(self.scheduler.update(batch, result))
+        if batch.awaits_bitmask:
+            self._advance_grammars(batch)
+        self._send_due_bitmask()
         self.stats_logger.record_step(batch.total_num_scheduled_tokens,
                                       outputs.num_new_tokens())
         self.stats_logger.maybe_log(self.scheduler.stats())
@@ -115,6 +139,54 @@ class EngineCore:
         record("wait", start, done, args)
         record("update", done, updated, args)
         outputs.timestamp = time.time()
+        return outputs
+
+    # ------------------------------------------------------------------ structured outputs
+
+    def _admit_compiled(self) -> None:
+        ready, failed = self.grammars.take_compiled()
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, _ in failed:
+            self._grammar_news.append(EngineCoreOutput(request.handle, [], FinishReason.ERROR,
+                                                       failure=RowFailure.GRAMMAR))
+
+    def _owes_bitmask(self, batch: SchedulerOutput) -> bool:
+        return batch.awaits_bitmask and not getattr(batch, "bitmask_sent", False)
+
+    def _send_due_bitmask(self) -> None:
+        """The oldest step in flight has every earlier step applied: its mask can be made now."""
+        if not self.in_flight or not self._owes_bitmask(self.in_flight[0][0]):
+            return
+        batch = self.in_flight[0][0]
+        start = time.perf_counter()
+        mask = self.grammars.bitmask(batch, self.scheduler.requests, self.scheduler.table)
+        made = time.perf_counter()
+        self.executor.send_bitmask(mask)
+        batch.bitmask_sent = True
+        self.telemetry.record("mask", start, made, {"step": batch.step_id, "rows": len(mask.rows) // 4})
+        self.telemetry.record("send_mask", made, time.perf_counter(), {"step": batch.step_id})
+
+    def _advance_grammars(self, batch: SchedulerOutput) -> None:
+        """The step's tokens into its constrained requests' matchers; a request whose grammar is
+        complete ends with `stop` (reported with the next outputs)."""
+        complete, broken = self.grammars.advance(batch, self.scheduler.requests, self.scheduler.table)
+        for request in complete:
+            request.finish_reason = FinishReason.STOP
+            self._grammar_news.append(EngineCoreOutput(request.handle, [], FinishReason.STOP))
+        for request in broken:
+            request.finish_reason = FinishReason.ERROR
+            self._grammar_news.append(EngineCoreOutput(request.handle, [], FinishReason.ERROR,
+                                                       failure=RowFailure.GRAMMAR))
+        if complete or broken:
+            self.scheduler.finish(complete + broken)
+
+    def _with_grammar_news(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """`outputs` plus requests ended by their grammar since the last outputs (none of them is
+        in `outputs`: a request gets no tokens after it ended)."""
+        if self._grammar_news:
+            outputs.outputs.extend(self._grammar_news)
+            self._grammar_news = []
         return outputs
 
     def _wait(self, batch: SchedulerOutput, future: Future[ModelRunnerOutput]) -> ModelRunnerOutput:
@@ -147,5 +219,7 @@ class EngineCore:
         self.executor.reset_worker_telemetry()
 
     def shutdown(self) -> None:
+        if self.grammars is not None:
+            self.grammars.shutdown()
         self.executor.shutdown()
         self.telemetry.close()

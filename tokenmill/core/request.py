@@ -49,6 +49,7 @@ class Request:
         # Prompt positions [0, this) were computed (and their prompt logprobs sent to the workers'
         # outputs) before a preemption; a recomputation emits prompt logprobs only from here on.
         self.prompt_logprobs_from = 0
+        self.grammar = None  # structured outputs: its RequestGrammar (core/grammar_masks.py) once compiled
         # Stop conditions, fixed at arrival.
         self.stop_token_ids = frozenset(params.stop_token_ids or ())
         self.eos_token_ids = frozenset(() if params.ignore_eos else eos_token_ids)

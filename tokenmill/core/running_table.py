@@ -56,6 +56,8 @@ class RunningTable:
         self.version = 0  # bumped whenever a row is added or removed (slots change hands)
         self.num_custom_stops = 0  # running rows with custom_stops set
         self.num_cached_to_report = 0  # running rows with cached_to_report set
+        self.structured = np.zeros(max_rows, bool)  # the row samples under a grammar (structured outputs)
+        self.num_structured = 0
 
     @property
     def order(self) -> np.ndarray:
@@ -90,6 +92,9 @@ class RunningTable:
         report = request.num_cached_tokens > 0 and not request.cached_tokens_reported
         self.cached_to_report[slot] = report
         self.num_cached_to_report += report
+        constrained = request.grammar is not None
+        self.structured[slot] = constrained
+        self.num_structured += constrained
         self.requests[slot] = request
         self._order[self.num_running] = slot
         self.num_running += 1
@@ -123,6 +128,8 @@ class RunningTable:
             self.handle[slot] = -1
             self.num_custom_stops -= int(self.custom_stops[slot])
             self.custom_stops[slot] = False
+            self.num_structured -= int(self.structured[slot])
+            self.structured[slot] = False
             self.reported_cached_tokens(slot)
             self._free_slots.append(slot)
         self.version += 1

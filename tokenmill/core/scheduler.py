@@ -94,7 +94,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
 
-    def add_request(self, request: Request) -> None:
+    def check_fits(self, request: Request) -> None:
+        """ValueError unless the request's adapter is enabled and its prompt and max_tokens fit the KV cache."""
         if request.lora is not None and self.loras is None:
             raise ValueError(f"lora_request: adapter {request.lora.name!r} given, but LoRA is not enabled "
                              f"(enable_lora=True)")
@@ -106,6 +107,9 @@ class Scheduler:
                 f"max_tokens: prompt ({request.num_prompt_tokens} tokens) plus max_tokens "
                 f"({request.max_output_tokens}) needs {needed} KV blocks, but the cache has only "
                 f"{self.kv.num_blocks} blocks of {self.block_size} tokens")
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request)
         if request.eos_token_ids and self._common_eos is None:
             self._common_eos = request.eos_token_ids
             self.eos_ids = np.array(sorted(request.eos_token_ids), np.int64)
@@ -209,6 +213,8 @@ class Scheduler:
             output.num_drafts = per_slot[output.row_slots]
         if self.spec is not None:
             self._mark_proposals(output)
+        if t.num_structured:
+            self._mark_structured(output)
         self._batch_is_all_running = len(output.row_slots) == t.num_running
         check_every = self.config.debug_check_every
         if check_every and step_id % check_every == 0:
@@ -237,6 +243,16 @@ class Scheduler:
         t.proposed_at[sampling] = output.step_id
         self._last_proposed = output.step_id
         output.proposer_resume = self.proposer.proposing(sampling)
+
+    def _mark_structured(self, output: SchedulerOutput) -> None:
+        """Whether some row samples under a grammar this step (then the workers wait for the step's
+        `GrammarBitmask`); which rows (batch indices) and requests, for the engine core (local)."""
+        t, rows = self.table, output.row_slots
+        rows_of = (t.structured[rows] & (t.num_computed[rows] >= t.num_tokens[rows])).nonzero()[0]
+        if len(rows_of):
+            output.awaits_bitmask = True
+            output.structured_rows = rows_of
+            output.structured_handles = t.handle[rows[rows_of]]
 
     def _prompts_can_start(self) -> bool:
         """Whether prompts wait for a seat that is free (their prefill will take the step's tokens)."""

@@ -67,7 +67,10 @@ SETTLED_AFTER = 3  # ... the fewest: no drafts in flight, none read back uncorre
 
 
 def allows_speculation(params: SamplingParams) -> bool:
+    # Constrained rows (structured outputs) are not drafted: the drafts would need the grammar's
+    # checks and rollbacks; such rows verify nothing and take one token a step.
     return (params.logprobs is None and params.prompt_logprobs is None and params.presence_penalty == 0.0
+            and params.structured_outputs is None
             and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
 
 

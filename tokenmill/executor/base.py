@@ -7,7 +7,7 @@ from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
 from tokenmill.metrics.message_stats import MessageStats
-from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
+from tokenmill.protocol import GrammarBitmask, ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
 
 
 class Executor(ABC):
@@ -27,6 +27,10 @@ class Executor(ABC):
     @abstractmethod
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         """Start a step; the future resolves to the driver worker's output."""
+
+    def send_bitmask(self, mask: GrammarBitmask) -> None:
+        """The grammar masks a submitted step waits for (structured outputs; see core/grammar_masks.py)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support structured outputs")
 
     def channel_stats(self) -> dict[str, MessageStats]:
         """This (the engine core's) side of the worker channels; shared, reset in place."""

@@ -13,7 +13,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor
 from tokenmill.executor.worker_group import WorkerGroup
 from tokenmill.metrics.message_stats import MessageStats
-from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
+from tokenmill.protocol import GrammarBitmask, ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
 
 
 class MultiprocExecutor(Executor):
@@ -38,6 +38,9 @@ class MultiprocExecutor(Executor):
 
     def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
         return self.workers.submit(scheduler_output)
+
+    def send_bitmask(self, mask: GrammarBitmask) -> None:
+        self.workers.send_bitmask(mask)
 
     def channel_stats(self) -> dict[str, MessageStats]:
         return self.workers.channels

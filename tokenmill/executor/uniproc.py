@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor
-from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
+from tokenmill.protocol import GrammarBitmask, ModelRunnerOutput, ProcessTelemetry, SchedulerOutput
 from tokenmill.worker.worker import Worker
 
 
@@ -47,6 +47,10 @@ class UniprocExecutor(Executor):
             future.set_exception(exc)
             return future
         return _StepFuture(step)
+
+
+    def send_bitmask(self, mask: GrammarBitmask) -> None:
+        self.worker.finish_step(mask)
 
 
 class _StepFuture(Future):

@@ -27,8 +27,8 @@ from tokenmill.child_process import spawn_child, spawned_by_main_thread, stop_pr
 from tokenmill.config import EngineConfig
 from tokenmill.errors import EngineDeadError, exception_from_report
 from tokenmill.metrics.message_stats import MessageStats
-from tokenmill.protocol import (ErrorReport, ModelRunnerOutput, SchedulerOutput, WorkerCall, WorkerCallResult,
-                                WorkerInputKind, WorkerLaunch, WorkerOutputKind)
+from tokenmill.protocol import (ErrorReport, GrammarBitmask, ModelRunnerOutput, SchedulerOutput, WorkerCall,
+                                WorkerCallResult, WorkerInputKind, WorkerLaunch, WorkerOutputKind)
 from tokenmill.transport.channels import LAST_WORDS_S, POLL_MS, REPLY_HEAD, EngineAddresses, free_port
 from tokenmill.transport.shm_ring import RingAbortedError, ShmRingWriter
 
@@ -79,8 +79,10 @@ class WorkerGroup:
         self._result_decoder = msgspec.msgpack.Decoder(WorkerCallResult)
         self._error_decoder = msgspec.msgpack.Decoder(ErrorReport)
         self._step_encoder = msgspec.msgpack.Encoder()
+        self._mask_encoder = msgspec.msgpack.Encoder()
         # This side's message counters (encodes of steps and calls, decodes of their replies).
-        self.channels = {name: MessageStats() for name in ("steps", "results", "worker_calls", "worker_call_results")}
+        self.channels = {name: MessageStats() for name in ("steps", "results", "worker_calls", "worker_call_results",
+                                                            "masks")}
         self._procs = []
         self._ready = self._expect(set(range(self.world_size)))
         dist_init = f"tcp://127.0.0.1:{free_port()}" if self.world_size > 1 else ""
@@ -111,6 +113,14 @@ class WorkerGroup:
         pending = self._expect({self.driver_rank}, driver=self.driver_rank)
         self._send(buf)
         return pending.future
+
+    def send_bitmask(self, mask: GrammarBitmask) -> None:
+        """A step's grammar masks (structured outputs): no reply; the step's own reply follows."""
+        start = time.perf_counter()
+        buf = bytearray((WorkerInputKind.BITMASK,))
+        self._mask_encoder.encode_into(mask, buf, 1)
+        self.channels["masks"].encoded(len(buf), time.perf_counter() - start)
+        self._send(buf)
 
     def call(self, method: str, arg: int | None = None) -> list:
         """Run a setup call on every worker; their return values in rank order."""

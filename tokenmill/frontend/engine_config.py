@@ -10,7 +10,7 @@ import logging
 import os
 
 from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
-                              SchedulerConfig, SpeculativeConfig)
+                              SchedulerConfig, SpeculativeConfig, StructuredOutputConfig)
 from tokenmill.distributed.layout import check_parallel, parse_partition
 from tokenmill.model.arch import model_arch
 from tokenmill.model.default_model import resolve_model_path
@@ -75,7 +75,8 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         attention_backend=resolve_attention_backend(args.attention_backend, device),
         enforce_eager=args.enforce_eager,
         speculative=speculative,
-        lora=resolve_lora(args, arch))
+        lora=resolve_lora(args, arch),
+        structured=resolve_structured(args))
 
 
 _LORA_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -94,6 +95,21 @@ def resolve_lora(args: EngineArgs, arch) -> LoRAConfig | None:
     _check(args.pipeline_parallel_size == 1, "enable_lora",
            f"cannot be combined with pipeline_parallel_size > 1 (got {args.pipeline_parallel_size})")
     return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=cpu)
+
+
+def resolve_structured(args: EngineArgs) -> StructuredOutputConfig:
+    _check(args.structured_outputs_backend == "xgrammar", "structured_outputs_backend",
+           f"must be xgrammar, got {args.structured_outputs_backend!r}")
+    _check(args.structured_outputs_compile_timeout > 0, "structured_outputs_compile_timeout",
+           f"must be > 0 seconds, got {args.structured_outputs_compile_timeout}")
+    _check(args.structured_outputs_max_schema_bytes >= 1, "structured_outputs_max_schema_bytes",
+           f"must be >= 1, got {args.structured_outputs_max_schema_bytes}")
+    _check(args.structured_outputs_max_whitespace >= 1, "structured_outputs_max_whitespace",
+           f"must be >= 1, got {args.structured_outputs_max_whitespace}")
+    return StructuredOutputConfig(backend=args.structured_outputs_backend,
+                                  compile_timeout_s=float(args.structured_outputs_compile_timeout),
+                                  max_schema_bytes=args.structured_outputs_max_schema_bytes,
+                                  max_whitespace=args.structured_outputs_max_whitespace)
 
 
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",

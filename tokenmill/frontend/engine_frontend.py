@@ -17,9 +17,14 @@ core's outputs (their client's `get_outputs`).
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import msgspec
 
 from tokenmill.config import EngineArgs, EngineConfig
 from tokenmill.frontend.core_client import CoreClient
@@ -39,7 +44,11 @@ ClientT = TypeVar("ClientT", bound=CoreClient)
 class EngineFrontend:
     def __init__(self, engine_args: EngineArgs) -> None:
         self.engine_args = engine_args
-        self.config: EngineConfig = resolve_engine_config(engine_args)
+        config = resolve_engine_config(engine_args)
+        # Where the grammar backend's vocabulary goes for the engine core (written on first use).
+        vocab_file = os.path.join(tempfile.gettempdir(), f"tokenmill-vocab-{os.getpid()}-{uuid.uuid4().hex[:8]}.json")
+        self.config: EngineConfig = msgspec.structs.replace(
+            config, structured=msgspec.structs.replace(config.structured, vocab_file=vocab_file))
         self.tokenizer = load_tokenizer(self.config.model.tokenizer or self.config.model.path)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -107,12 +116,19 @@ class EngineFrontend:
         self._checked_loras.discard((lora.lora_int_id, lora.lora_path))
 
     def chat_prompt(self, conversation: list[dict], add_generation_prompt: bool = True,
-                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> dict:
-        """`conversation` rendered with the model's chat template, as a prompt for `prepare`."""
+                    continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None) -> dict:
+        """`conversation` rendered with the model's chat template (and `tools`, OpenAI's function
+        definitions, for templates that show them), as a prompt for `prepare`."""
         text = self.tokenizer.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+            conversation, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
         return {"prompt": text, "prompt_token_ids": self.tokenizer(text, add_special_tokens=False).input_ids}
+
+    async def check_grammar(self, params: SamplingParams) -> None:
+        """A structured output's grammar compiled (ValueError naming the problem), without blocking
+        the event loop; `prepare`'s own check is then a cache hit."""
+        await self.input_processor.grammars.check_async(params)
 
     def submit(self, request_id: str, request: PreparedRequest) -> None:
         """Register the request and send it to the core (n engine requests for n samples).
@@ -150,3 +166,4 @@ class EngineFrontend:
         """Stop the engine, if it was started (idempotent)."""
         if self._client is not None:
             self._client.shutdown()
+        self.input_processor.grammars.close()

@@ -17,6 +17,7 @@ from typing import Any, Union
 import msgspec
 
 from tokenmill.config import EngineConfig
+from tokenmill.frontend.grammar_check import GrammarCheck
 from tokenmill.protocol import EngineCoreRequest, LoRARef, pack_ids
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -72,6 +73,7 @@ class InputProcessor:
     def __init__(self, config: EngineConfig, tokenizer) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.grammars = GrammarCheck(config, tokenizer)
         self.max_model_len = config.model.max_model_len
         self.vocab_size = config.model.vocab_size
         self._handles = itertools.count()
@@ -81,6 +83,7 @@ class InputProcessor:
         """Tokenize and check everything; `overflow_error` words a context-window overflow."""
         text, ids = self.tokenize(prompt)
         params.validate(vocab_size=self.vocab_size, max_logprobs=self.config.max_logprobs)
+        params = self.grammars.check(params)  # a structured output's grammar compiles (cached)
         if not ids:
             raise ValueError("prompt must not be empty (0 tokens)")
         self.check_token_ids(ids, "prompt_token_ids")

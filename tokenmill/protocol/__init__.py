@@ -44,12 +44,15 @@ class RowFailure(IntEnum):
 
     NON_FINITE_LOGITS = 1  # the model produced NaN or infinite logits for the row
     SAMPLING_ERROR = 2  # sampling the row raised (the worker logs the exception)
+    GRAMMAR = 3  # structured outputs: the request's grammar failed in the engine core
 
     @property
     def message(self) -> str:
         """What the request's caller is told (no internals)."""
         if self == RowFailure.NON_FINITE_LOGITS:
             return "the model produced non-finite logits (NaN or infinity) for this request"
+        if self == RowFailure.GRAMMAR:
+            return "the structured output's grammar failed in the engine"
         return "sampling failed for this request"
 
 
@@ -250,6 +253,9 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     # Pipeline parallelism only: int32, each row's first input token (the first stage cannot
     # read sampled tokens on its device; see tokenmill/worker/pp_stage.py).
     pp_input_tokens: bytes = b""
+    # Structured outputs: some row samples under a grammar; its `GrammarBitmask` follows this step
+    # on the ring (once the step before is applied) and the workers apply it before sampling.
+    awaits_bitmask: bool = False
     # LoRA: adapters to put into device slots before this step (new requests name their slot),
     # and adapters of newly arrived requests to start reading into host memory in the background.
     lora_loads: list[LoRALoad] = []
@@ -262,6 +268,25 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     @functools.cached_property
     def num_scheduled_tokens(self) -> list[int]:
         return self.batch_counts.tolist()
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A step's token masks for its constrained rows (structured outputs). Distinct masks travel
+    once: batch row rows[i] takes mask row which[i] of `bitmask` (int32 [distinct, words],
+    XGrammar's layout: bit t % 32 of word t // 32 allows token t); rows of requests in the same
+    grammar state (every row inside a JSON string, say) share one. Rows not listed sample unmasked."""
+
+    step_id: int
+    rows: bytes = b""  # int32 batch rows
+    which: bytes = b""  # int32 per row: its mask among the distinct ones
+    words: int = 0
+    bitmask: bytes = b""  # int32 [distinct, words]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows, which, distinct masks [distinct, words])."""
+        rows, which = np.frombuffer(self.rows, _I32), np.frombuffer(self.which, _I32)
+        bits = np.frombuffer(self.bitmask, _I32)
+        return rows, which, bits.reshape(len(bits) // self.words if self.words else 0, self.words)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -335,6 +360,7 @@ class WorkerInputKind(IntEnum):
     EXECUTE = 1  # SchedulerOutput
     CALL = 2  # WorkerCall
     SHUTDOWN = 3  # empty payload
+    BITMASK = 4  # GrammarBitmask: the masks of the step before it (the worker is waiting for them)
 
 
 class WorkerOutputKind(IntEnum):

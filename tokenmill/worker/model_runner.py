@@ -30,12 +30,14 @@ from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
 from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
 from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
 from tokenmill.model.loader import load_model
-from tokenmill.protocol import NewRequestData, SchedulerOutput
+from tokenmill.layers.sampling.token_bitmask import apply_token_bitmask
+from tokenmill.protocol import GrammarBitmask, NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs, verify_logits_rows
 from tokenmill.worker.draft_catch_up import catch_up as draft_catch_up
 from tokenmill.worker.greedy_tail import GreedyTail
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
+from tokenmill.worker.mask_upload import MaskUpload
 from tokenmill.worker.persistent_batch import PersistentBatch, to_device
 from tokenmill.worker.pp_stage import PipelineStage, apply_input_tokens
 from tokenmill.worker.prompt_graphs import PromptGraphs
@@ -68,6 +70,18 @@ class Forward:
     seq_lens: torch.Tensor | None = None  # per sampling row: context after the step (verification)
     greedy_result: torch.Tensor | None = None  # the greedy step-end graph's packed result
     prompt_logprobs: list = field(default_factory=list)
+
+
+@dataclass
+class _Deferred:
+    """A step whose forward pass is launched and whose sampling waits for its grammar masks."""
+
+    fwd: Forward
+    step: PendingStep
+    slots: np.ndarray
+    propose: bool
+    deferred_at: float
+    forward_done: object | None  # a CUDA event recorded after the forward pass (None on CPU)
 
 
 def attention_backend_class(name: str) -> type[AttentionBackend]:
@@ -119,6 +133,9 @@ class ModelRunner:
         self._slots = np.zeros(0, dtype=np.int64)  # the last step's rows, as slots
         self._step_threads: StepThreads | None = None
         self.faults: FaultInjector | None = None  # tests only (worker/fault_injection.py)
+        self._deferred: _Deferred | None = None  # a step waiting for its grammar masks (structured outputs)
+        self._mask_upload = MaskUpload(self.device)
+        self.last_mask_wait: tuple[float, float, bool | None] | None = None  # (deferred, mask came, device idle)
         self.lora = None  # LoRAManager, with enable_lora (worker/lora_manager.py)
 
     @property
@@ -323,34 +340,85 @@ class ModelRunner:
         if prev is not None and not prev.on_host:
             self.num_placeholders_filled += fwd.num_device_inputs
         step = PendingStep(self, so.step_id, len(slots), sample_rows, slots[sample_rows], fwd.prompt_logprobs)
+        if so.awaits_bitmask:
+            # Structured outputs: sampling waits for the step's grammar masks, which follow the
+            # tokens of the step before. Those go out first (the caller sends `prev`'s reply),
+            # while the device runs this step's forward pass.
+            if prev is not None:
+                prev.output()
+            self._deferred = _Deferred(fwd, step, slots, so.propose, time.perf_counter(), self._forward_done_event())
+            self._pending = step
+            return step
+        self._sample_step(fwd, step, slots, so.propose, None)
+        timings["sample"] = time.perf_counter() - start
+        if prev is not None:
+            prev.output()
+        self._pending = step
+        return step
+
+    @torch.inference_mode()
+    def finish_step(self, mask: GrammarBitmask) -> None:
+        """Sample the step `launch` left waiting for its grammar masks."""
+        deferred, self._deferred = self._deferred, None
+        assert deferred is not None and deferred.step.step_id == mask.step_id, "a mask for another step"
+        arrived = time.perf_counter()
+        # Whether the device had finished the forward pass before the mask came (it waited).
+        idle = None if deferred.forward_done is None else bool(deferred.forward_done.query())
+        self.last_mask_wait = (deferred.deferred_at, arrived, idle)
+        self._sample_step(deferred.fwd, deferred.step, deferred.slots, deferred.propose, mask)
+        self.last_timings["sample"] = time.perf_counter() - arrived
+
+    def _forward_done_event(self):
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def _sample_step(self, fwd: Forward, step: PendingStep, slots: np.ndarray, propose: bool,
+                     mask: GrammarBitmask | None) -> None:
+        """Sample the step's rows (grammar masks applied first), set their next inputs and start
+        the read-back; propose drafts for the next step if asked."""
+        sample_rows, sample_slots, drafts = fwd.sample_rows, fwd.sample_slots, fwd.drafts
+        masked = self._mask_rows(mask, sample_rows, drafts) if mask is not None and mask.rows else None
         # A row that fails alone (non-finite logits, sampling raising) fails only its request.
         if fwd.greedy_result is not None:
+            assert masked is None, "a constrained step never ends in the greedy graph"
             if drafts is None:
                 step.start_readback(SamplerOutput(fwd.greedy_result, None), self.readback)
             else:
                 step.start_packed_readback(fwd.greedy_result, self.readback, slots, drafts)
         elif len(sample_rows) and drafts is not None and drafts.any():
-            self._verify(fwd.logits, slots[sample_rows], sample_slots, drafts, fwd.seq_lens, step)
+            self._verify(fwd.logits, slots[sample_rows], sample_slots, drafts, fwd.seq_lens, step, masked)
         elif len(sample_rows):
             logits = fwd.logits
             non_finite = self._screen(logits, sample_slots)
+            if masked is not None:  # after the screen: masked logits are -inf by design
+                apply_token_bitmask(logits, *masked)
             out, failed = row_faults.sample_rows(self._sample, logits, sample_slots, self.sampling.scratch_slot)
             self.batch.next_token_dev[sample_slots] = out.sampled
             if self.speculator is not None and self.speculator.recording:
                 self.speculator.record_one(sample_slots, out.sampled)
             step.start_readback(row_faults.mark_failed(out, non_finite, failed), self.readback)
-        if self.speculator is not None and so.propose and len(sample_rows):
+        if self.speculator is not None and propose and len(sample_rows):
             if self.draft is not None:
                 plan = self.sampling.plan
                 self.draft.propose(self.sampler, sample_slots, *self._draft_inputs(), keep_probs=plan.any_random,
                                    greedy=plan.plain_greedy)
             else:
                 self.speculator.propose(sample_slots)
-        timings["sample"] = time.perf_counter() - start
-        if prev is not None:
-            prev.output()
-        self._pending = step
-        return step
+
+    def _mask_rows(self, mask: GrammarBitmask, sample_rows: np.ndarray,
+                   drafts: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(bitmask on the device, the logits rows it masks): a constrained row's one position
+        (constrained rows verify no drafts)."""
+        rows, which, bits = mask.arrays()
+        index = np.searchsorted(sample_rows, rows)
+        assert (index < len(sample_rows)).all() and (sample_rows[index] == rows).all(), "a mask row that samples not"
+        if drafts is not None:
+            per_row = drafts + 1
+            index = (np.cumsum(per_row) - per_row)[index]
+        return self._mask_upload(bits, which, index)
 
     # ------------------------------------------------------------------ forward passes
 
@@ -446,7 +514,8 @@ class ModelRunner:
         greedy without logprobs (what `Sampler.sample` would do is then one argmax), and no test
         hooks on the sampling path."""
         plan = self.sampling.plan
-        return tail is not None and plan.plain_greedy and plan.logprobs is None and self.faults is None
+        return (tail is not None and plan.plain_greedy and plan.logprobs is None and not plan.structured
+                and self.faults is None)
 
     def _fits_prompt_graph(self, slots: np.ndarray, counts: np.ndarray) -> bool:
         """Whether a step replays a prompt-chunk graph: one row, whose chunk is all host-known
@@ -483,7 +552,7 @@ class ModelRunner:
         return self.sampler.sample(logits, slots, offsets=offsets, record=record)
 
     def _verify(self, logits: torch.Tensor, slots: np.ndarray, slots_d: torch.Tensor, drafts: np.ndarray,
-                seq_lens: torch.Tensor, step: PendingStep) -> None:
+                seq_lens: torch.Tensor, step: PendingStep, masked: tuple | None = None) -> None:
         """Sample every position of the sampling rows (logits [sum(1 + drafts), V]), keep each row's
         drafts up to the first that differs from the target's own sample, plus that sample; set
         the rows' next input, computed count and history from what they emitted."""
@@ -495,6 +564,8 @@ class ModelRunner:
         n = len(offsets)
         slots_rep, offsets_d, row_of_d, drafts_d = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
         non_finite = self._screen(logits, slots_rep)  # per position
+        if masked is not None:  # constrained rows (one position each), after the screen
+            apply_token_bitmask(logits, *masked)
         batch = row_faults.VerifyBatch(logits, slots_rep, offsets_d, slots_d, drafts_d, drafts, self.speculator.k)
         (emitted, num_emitted, logprobs), failed = row_faults.verify_rows(self._verify_rows, batch)
         self.sampler.advance(slots_d, num_emitted, emitted)

@@ -94,6 +94,9 @@ class NullRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 
+    def finish_step(self, mask) -> None:
+        """Grammar masks (structured outputs) do not apply to random tokens: read and dropped."""
+
     def launch(self, so: SchedulerOutput) -> NullStep:
         start = time.perf_counter()
         self._apply_diffs(so)

@@ -14,7 +14,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.protocol.digest import check_worker_view
 from tokenmill.metrics.telemetry import Telemetry
-from tokenmill.protocol import ProcessTelemetry, SchedulerOutput
+from tokenmill.protocol import GrammarBitmask, ProcessTelemetry, SchedulerOutput
 from tokenmill.worker.device_idle import DeviceIdleMeter
 from tokenmill.worker.fault_injection import FaultInjector
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
@@ -75,6 +75,19 @@ class Worker:
         self._record_phases(start, scheduler_output.step_id)
         check_worker_view(scheduler_output, self.runner.mirror_view)
         return step
+
+    def finish_step(self, mask: GrammarBitmask) -> None:
+        """Sample the launched step that waits for these grammar masks (structured outputs). The
+        trace's `await_mask` span runs from the forward pass's launch to the mask's arrival; its
+        `device_idle` says whether the device had finished the forward pass by then (it waited)."""
+        self.runner.finish_step(mask)
+        waited = getattr(self.runner, "last_mask_wait", None)
+        if waited is not None:
+            deferred_at, arrived, idle = waited
+            self.telemetry.record("await_mask", deferred_at, arrived, {"step": mask.step_id, "device_idle": idle})
+            seconds = self.runner.last_timings.get("sample")
+            if seconds is not None:
+                self.telemetry.record("sample_masked", arrived, arrived + seconds, {"step": mask.step_id})
 
     def _record_phases(self, start: float, step_id: int) -> None:
         """The runner's own phase timings (if it reports them), laid end to end from `start`."""

@@ -19,8 +19,8 @@ import zmq
 
 from tokenmill.child_process import die_with_parent, exit_now, init_child_process
 from tokenmill.errors import error_report
-from tokenmill.protocol import (SchedulerOutput, WorkerCall, WorkerCallResult, WorkerInputKind, WorkerLaunch,
-                                WorkerOutputKind)
+from tokenmill.protocol import (GrammarBitmask, SchedulerOutput, WorkerCall, WorkerCallResult, WorkerInputKind,
+                                WorkerLaunch, WorkerOutputKind)
 from tokenmill.transport.channels import REPLY_HEAD
 from tokenmill.transport.shm_ring import RingAbortedError, ShmRingReader
 from tokenmill.worker.fault_injection import FaultInjector
@@ -79,6 +79,7 @@ class WorkerProc:
     def _loop(self, worker) -> None:
         step_decoder = msgspec.msgpack.Decoder(SchedulerOutput)
         call_decoder = msgspec.msgpack.Decoder(WorkerCall)
+        mask_decoder = msgspec.msgpack.Decoder(GrammarBitmask)
         encoder = msgspec.msgpack.Encoder()
         driver = self.rank == self.launch.config.parallel.driver_rank
         pending = None  # a launched step whose reply is not sent yet
@@ -124,6 +125,14 @@ class WorkerProc:
                 step = worker.launch_model(scheduler_output)
                 flush()
                 pending = step
+                if scheduler_output.awaits_bitmask:
+                    # Structured outputs: the core sends this step's masks once it has the tokens
+                    # `flush` just sent; nothing else comes before them.
+                    message = memoryview(self.ring.read(self.parent_gone))
+                    if message[0] != WorkerInputKind.BITMASK:
+                        raise ValueError(f"expected the grammar masks of step {scheduler_output.step_id}, "
+                                         f"got message kind {message[0]}")
+                    worker.finish_step(mask_decoder.decode(message[1:]))
                 continue
             flush()
             if kind == WorkerInputKind.CALL:

@@ -36,6 +36,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     state = ServerState(engine=engine, settings=settings, admission=Admission(capacity),
                         metrics=ServerMetrics(config.model.name, k), model_name=config.model.name,
                         max_model_len=config.model.max_model_len)
+    state.frontend.input_processor.grammars.on_compiled = state.metrics.grammar_compiled
     app = FastAPI(title="tokenmill", version=tokenmill.__version__,
                   description="OpenAI-compatible API of the tokenmill inference engine")
     state.loras = lora_routes.LoRARegistry(engine.frontend, state.model_name)

@@ -28,6 +28,8 @@ class ServerSettings:
     max_queued_requests: int = 256  # sequences waiting beyond max_num_seqs before 503
     shutdown_timeout: float = 30.0
     uvicorn_log_level: str = "info"
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": calls read by tool_call_parser
+    tool_call_parser: str | None = None  # hermes | llama3_json | mistral | qwen3_xml
     lora_modules: tuple[str, ...] = ()  # NAME=PATH of LoRA adapters served from the start (--enable-lora)
     allow_runtime_lora_updating: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
 
@@ -50,6 +52,8 @@ _HELP = {
     "max_queued_requests": "sequences admitted beyond --max-num-seqs; further requests get 503",
     "shutdown_timeout": "seconds in-flight requests get to finish after SIGTERM/SIGINT before they are aborted",
     "uvicorn_log_level": "uvicorn's log level",
+    "enable_auto_tool_choice": 'let requests use tool_choice "auto" (needs --tool-call-parser)',
+    "tool_call_parser": "how the model writes tool calls: hermes, llama3_json, mistral or qwen3_xml",
     "lora_modules": "LoRA adapters to serve, as NAME=PATH (PEFT folders; needs --enable-lora); a request's "
                     "`model` names one",
     "allow_runtime_lora_updating": "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
@@ -93,6 +97,12 @@ def check_settings(s: ServerSettings) -> None:
         raise ValueError(f"port must be in [0, 65535], got {s.port}")
     if s.shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0, got {s.shutdown_timeout}")
+    if s.enable_auto_tool_choice and s.tool_call_parser is None:
+        raise ValueError("enable_auto_tool_choice needs --tool-call-parser")
+    if s.tool_call_parser is not None:
+        from tokenmill.entrypoints.openai.tool_parsers import PARSERS
+        if s.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {s.tool_call_parser!r}")
     for module in s.lora_modules:
         if "=" not in module or not module.split("=", 1)[0] or not module.split("=", 1)[1]:
             raise ValueError(f"lora_modules: {module!r} must be NAME=PATH")

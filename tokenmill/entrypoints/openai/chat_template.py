@@ -9,6 +9,7 @@ or here: it propagates to the server's handler, a logged 500.
 from __future__ import annotations
 
 import inspect
+import json
 from typing import Any
 
 import jinja2
@@ -32,8 +33,28 @@ def reserved_kwargs(tokenizer) -> frozenset[str]:
     return frozenset(inspect.signature(tokenizer.apply_chat_template).parameters) | {"chat_template"}
 
 
+def _message(m: ChatMessage) -> dict:
+    """A message as chat templates take it: an assistant's tool calls with their arguments as objects
+    (what templates write out), a tool's result with the id of the call it answers."""
+    message: dict[str, Any] = {"role": m.role, "content": _content(m), **({"name": m.name} if m.name else {})}
+    if m.tool_calls:
+        message["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in m.tool_calls]
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    return message
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text) if text else {}
+    except json.JSONDecodeError:
+        return text
+
+
 def render_chat(frontend: EngineFrontend, messages: list[ChatMessage], add_generation_prompt: bool,
-                continue_final_message: bool, kwargs: dict[str, Any] | None) -> dict:
+                continue_final_message: bool, kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> dict:
     """The conversation as a prompt for `frontend.prepare` (its text and token ids)."""
     tokenizer = frontend.tokenizer
     if not getattr(tokenizer, "chat_template", None):
@@ -43,13 +64,12 @@ def render_chat(frontend: EngineFrontend, messages: list[ChatMessage], add_gener
     if bad:
         raise APIError(400, f"chat_template_kwargs may not set {', '.join(bad)[:200]}",
                        param="chat_template_kwargs")
-    conversation = [{"role": m.role, "content": _content(m), **({"name": m.name} if m.name else {})}
-                    for m in messages]
+    conversation = [_message(m) for m in messages]
     if continue_final_message and conversation[-1]["role"] != "assistant":
         raise APIError(400, "continue_final_message needs the last message to be the assistant's",
                        param="continue_final_message")
     try:
-        return frontend.chat_prompt(conversation, add_generation_prompt, continue_final_message, extra)
+        return frontend.chat_prompt(conversation, add_generation_prompt, continue_final_message, extra, tools)
     except jinja2.TemplateError as exc:
         raise APIError(400, f"the chat template rejected these messages: {str(exc)[:300]}",
                        param="messages") from None

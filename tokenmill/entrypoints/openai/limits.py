@@ -12,7 +12,7 @@ from tokenmill.entrypoints.openai.args import ServerSettings
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.schemas import ChatCompletionRequest, CompletionRequest, _SamplingRequest
 from tokenmill.frontend.input_processor import ContextOverflow
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 # Fields an engine ValueError may name; they become the error's `param`.
 KNOWN_FIELDS = frozenset(SamplingParams.__struct_fields__) | {
@@ -35,6 +35,9 @@ def check_sampling_request(req: _SamplingRequest, s: ServerSettings) -> None:
                        param="logit_bias")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if req.structured_outputs is not None and req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, "response_format and structured_outputs cannot both constrain the output",
+                       param="response_format")
 
 
 def check_completion_request(req: CompletionRequest, s: ServerSettings) -> None:
@@ -58,10 +61,6 @@ def check_chat_request(req: ChatCompletionRequest, s: ServerSettings) -> None:
     check_message_count(len(req.messages), s)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(400, "response_format: only type 'text' is supported", param="response_format")
     if req.continue_final_message and req.add_generation_prompt:
         raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
                        param="continue_final_message")
@@ -108,4 +107,23 @@ def sampling_params(req: _SamplingRequest, max_tokens: int | None, logprobs: int
         skip_special_tokens=req.skip_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         output_kind=RequestOutputKind.DELTA,
+        structured_outputs=structured_params(req),
     )
+
+
+def structured_params(req: _SamplingRequest) -> StructuredOutputsParams | None:
+    """The request's constraint: vLLM's `structured_outputs`, or OpenAI's `response_format`."""
+    body = req.structured_outputs
+    if body is not None:
+        return StructuredOutputsParams(json=body.json_, regex=body.regex, choice=body.choice, grammar=body.grammar,
+                                       json_object=body.json_object,
+                                       disable_any_whitespace=body.disable_any_whitespace)
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(400, "response_format.json_schema.schema is required for type json_schema",
+                       param="response_format")
+    return StructuredOutputsParams(json=fmt.json_schema.schema_)

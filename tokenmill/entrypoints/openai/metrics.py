@@ -91,6 +91,12 @@ class ServerMetrics:
                               labels, buckets=_LATENCY_BUCKETS, registry=r)
         self._e2e = Histogram("tokenmill:e2e_request_latency_seconds", "Request latency, arrival to finish.",
                               labels, buckets=_E2E_BUCKETS, registry=r)
+        self._structured = Counter("tokenmill:structured_output_requests",
+                                   "Requests whose output is constrained (a JSON schema, regex, choice, grammar or "
+                                   "forced tool call).", labels, registry=r)
+        self._compile = Histogram("tokenmill:grammar_compile_seconds", "Grammar compilation time (front-end "
+                                  "check; a cached grammar is not compiled again).", labels,
+                                  buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0), registry=r)
         self._engine = _EngineCollector(model_name, num_speculative_tokens)
         r.register(self._engine)
         self.model_name = model_name
@@ -110,6 +116,12 @@ class ServerMetrics:
     def finished(self, reason: str, e2e_seconds: float) -> None:
         self._success.labels(self.model_name, reason).inc()
         self._e2e.labels(self.model_name).observe(e2e_seconds)
+
+    def structured_request(self) -> None:
+        self._structured.labels(self.model_name).inc()
+
+    def grammar_compiled(self, seconds: float) -> None:
+        self._compile.labels(self.model_name).observe(seconds)
 
     def update_engine(self, scheduler_stats: dict) -> None:
         self._engine.sched = scheduler_stats

@@ -45,6 +45,18 @@ def prepare(state: ServerState, prompt: Prompt, params: SamplingParams, prompt_n
         raise from_value_error(exc, KNOWN_FIELDS, aliases) from None
 
 
+async def check_grammar(state: ServerState, params: SamplingParams, aliases: Mapping[str, str] | None = None) -> None:
+    """A structured output's grammar compiles within the limits (a 400 naming the problem otherwise),
+    off the event loop."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await state.frontend.check_grammar(params)
+    except ValueError as exc:
+        raise from_value_error(exc, KNOWN_FIELDS, aliases) from None
+    state.metrics.structured_request()
+
+
 async def run_to_end(request: Request, state: ServerState, gen: Generation, render: Callable[[], dict]) -> Response:
     ticket = state.admission.admit(gen.request_ids, len(gen.choices))
     with ticket:

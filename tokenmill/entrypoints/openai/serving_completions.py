@@ -10,7 +10,8 @@ from tokenmill.entrypoints.openai.generation import ChoiceDelta, Generation
 from tokenmill.entrypoints.openai.limits import check_completion_request, sampling_params
 from tokenmill.entrypoints.openai.logprobs import completion_logprobs
 from tokenmill.entrypoints.openai.schemas import CompletionRequest, CompletionResponse, ErrorResponse
-from tokenmill.entrypoints.openai.serving_common import new_id, now_s, prepare, run_to_end, stream, usage
+from tokenmill.entrypoints.openai.serving_common import (check_grammar, new_id, now_s, prepare, run_to_end, stream,
+                                                        usage)
 from tokenmill.entrypoints.openai.state import ServerState, get_state
 from tokenmill.frontend.input_processor import PreparedRequest, Prompt
 
@@ -27,6 +28,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     logprobs = body.logprobs
     prompt_logprobs = logprobs if body.echo and logprobs is not None else None
     params = sampling_params(body, body.max_tokens, logprobs, prompt_logprobs)
+    await check_grammar(state, params)
     prompts = [prepare(state, prompt, params, "prompt", lora=lora) for prompt in _prompts(state, body)]
     request_id, created = new_id("cmpl"), now_s()
     gen = Generation(state.engine, request_id, prompts, body.n, state.metrics)

@@ -29,6 +29,7 @@ class SlotFeatures:
     frequency: bool
     presence: bool
     logprobs: int | None
+    structured: bool = False  # samples under a grammar's token mask (applied to the logits first)
 
     @staticmethod
     def of(params: SamplingParams, vocab_size: int, bans_tokens: bool) -> SlotFeatures:
@@ -40,7 +41,7 @@ class SlotFeatures:
             seeded=random and params.seed is not None, logit_bias=bool(params.logit_bias),
             min_tokens=bans_tokens, repetition=params.repetition_penalty != 1.0,
             frequency=params.frequency_penalty != 0.0, presence=params.presence_penalty != 0.0,
-            logprobs=params.logprobs)
+            logprobs=params.logprobs, structured=params.structured_outputs is not None)
 
     @property
     def penalties(self) -> bool:
@@ -52,7 +53,7 @@ class SlotFeatures:
         if not self.greedy:
             names.append("seeded" if self.seeded else "unseeded")
         names += [name for name in ("top_p", "min_p", "logit_bias", "min_tokens", "repetition", "frequency",
-                                    "presence") if getattr(self, name)]
+                                    "presence", "structured") if getattr(self, name)]
         return tuple(names)
 
 
@@ -73,6 +74,7 @@ class SamplingPlan:
     frequency: bool = False
     presence: bool = False
     logprobs: int | None = None  # top-k width of the logprobs stage (0 = sampled token only); None = off
+    structured: bool = False  # some slot samples under a grammar mask (no greedy step-end graph)
 
     @property
     def penalties(self) -> bool:
@@ -127,7 +129,7 @@ class FeatureCounts:
                 seeded=on["seeded"] > 0, unseeded=on["unseeded"] > 0, logit_bias=on["logit_bias"] > 0,
                 min_tokens=on["min_tokens"] > 0, repetition=on["repetition"] > 0,
                 frequency=on["frequency"] > 0, presence=on["presence"] > 0,
-                logprobs=max(self._logprobs, default=None))
+                logprobs=max(self._logprobs, default=None), structured=on["structured"] > 0)
         return self._plan
 
 

@@ -1,0 +1,164 @@
+"""The engine's grammar masks are XGrammar's: for random prefixes of valid outputs (SmolLM2's real
+tokenizer), the tokens the engine core's mask leaves finite after the device-side unpacking equal
+the tokens XGrammar's own matcher allows; and a mask made one token late differs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers.requirements import require_smollm2
+from tokenmill.config import StructuredOutputConfig
+from tokenmill.core.grammar_masks import GrammarMasks, RequestGrammar, distinct_rows
+from tokenmill.core.request import Request
+from tokenmill.layers.sampling.token_bitmask import apply_token_bitmask, unpack_bitmask
+from tokenmill.protocol import GrammarBitmask, SchedulerOutput
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.structured_output.backend import GrammarBackend
+from tokenmill.structured_output.grammar_spec import grammar_spec
+from tokenmill.worker.mask_upload import MaskUpload
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 12},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+    "score": {"type": "integer", "minimum": -5, "maximum": 500}}, "required": ["name", "tags", "score"]}
+CASES = [
+    (StructuredOutputsParams(json=json.dumps(SCHEMA)),
+     ['{"name": "Ada Lovelace", "tags": ["a", "c"], "score": 42}', '{"name":"x","tags":["b"],"score":-5}']),
+    (StructuredOutputsParams(regex=r"\d{3}-[a-z]+"), ["123-abc", "999-zzzzzz"]),
+    (StructuredOutputsParams(choice=["yes", "no way", "maybe"]), ["no way", "maybe"]),
+    (StructuredOutputsParams(grammar='root ::= "(" ("x" | "yy")* ")"'), ["(xyyx)", "()"]),
+]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    require_smollm2()
+    from tokenmill.model.default_model import resolve_model_path
+    from tokenmill.model.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(resolve_model_path("smollm2"))
+    config = StructuredOutputConfig()
+    backend = GrammarBackend.from_tokenizer(tokenizer, 49152, (2,), config)
+    return tokenizer, backend, config
+
+
+class _Config:  # what GrammarMasks reads of an EngineConfig
+    def __init__(self, structured, vocab):
+        self.structured = structured
+        self.model = type("M", (), {"arch": type("A", (), {"vocab_size": vocab})()})()
+
+
+def engine_masks(backend, config, so, prefixes, late=False):
+    """The allowed tokens (bool [rows, V]) the engine makes for each prefix: core matchers advanced
+    through GrammarMasks.advance, the mask packed as the wire's GrammarBitmask, unpacked and applied
+    to logits on the device as the worker does. `late`: the planted defect, a mask made before the
+    last token is applied."""
+    masks = GrammarMasks(_Config(config, 49152))
+    masks.compiles._backend = _done(backend)
+    compiled = backend.compile(grammar_spec(so, config.max_schema_bytes))
+    requests = {}
+    for handle, prefix in enumerate(prefixes):
+        request = Request(handle, [1, 2, 3], SamplingParams(structured_outputs=so), (2,), 4096)
+        request.grammar = RequestGrammar(backend.matcher(compiled))
+        request.token_ids = np.array([1, 2, 3, *prefix[:-1]] if late and prefix else [1, 2, 3, *prefix], np.int32)
+        requests[handle] = request
+    so_step = SchedulerOutput(step_id=1)
+    so_step.structured_handles = np.arange(len(prefixes))
+    so_step.structured_rows = np.arange(len(prefixes))
+    complete, broken = masks.advance(so_step, requests, None)
+    assert not broken
+    mask = masks.bitmask(so_step, requests, None)
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(mask), type=GrammarBitmask)  # as the ring carries it
+    rows, which, bits = wire.arrays()
+    assert len(bits) <= len(rows)
+    logits = torch.zeros(len(prefixes), 49152)
+    device_bits, device_rows = MaskUpload(torch.device("cpu"))(bits, which, rows)
+    apply_token_bitmask(logits, device_bits, device_rows)
+    return torch.isfinite(logits).numpy()
+
+
+def reference_masks(backend, so, prefixes):
+    """XGrammar's own matcher, fed each prefix, and its own bitmask reading."""
+    import xgrammar as xgr
+    compiled = backend.compile(grammar_spec(so, 65536))
+    out = []
+    for prefix in prefixes:
+        matcher = xgr.GrammarMatcher(compiled)
+        for token in prefix:
+            assert matcher.accept_token(token)
+        bitmask = xgr.allocate_token_bitmask(1, 49152)
+        matcher.fill_next_token_bitmask(bitmask)
+        logits = torch.zeros(1, 49152)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        out.append(torch.isfinite(logits)[0].numpy())
+    return np.stack(out)
+
+
+def _done(value):
+    from concurrent.futures import Future
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+def random_prefixes(tokenizer, outputs, rng, count=6):
+    prefixes = []
+    for _ in range(count):
+        ids = tokenizer(rng.choice(outputs), add_special_tokens=False).input_ids
+        prefixes.append(ids[:rng.randrange(len(ids) + 1)])
+    return prefixes
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_engine_mask_equals_xgrammar_matcher(setup, case) -> None:
+    tokenizer, backend, config = setup
+    so, outputs = CASES[case]
+    prefixes = random_prefixes(tokenizer, outputs, random.Random(case))
+    prefixes.append(tokenizer(outputs[0], add_special_tokens=False).input_ids)  # complete: EOS allowed
+    ours = engine_masks(backend, config, so, prefixes)
+    assert (ours == reference_masks(backend, so, prefixes)).all()
+    assert ours[-1, 2] and not ours[:-1, 2].all()  # the stop token once the output is complete
+    assert ours.any(axis=1).all()
+
+
+def test_a_mask_one_token_late_differs(setup) -> None:
+    """The check above catches a mask made before the step's last token is applied."""
+    tokenizer, backend, config = setup
+    so, outputs = CASES[0]
+    ids = tokenizer(outputs[0], add_special_tokens=False).input_ids
+    prefixes = [ids[:n] for n in range(1, len(ids))]
+    late = engine_masks(backend, config, so, prefixes, late=True)
+    assert (late != reference_masks(backend, so, prefixes)).any(axis=1).mean() > 0.5
+
+
+def test_unpack_matches_bit_arithmetic() -> None:
+    """The device unpacking (bytes, little-endian) against plain bit arithmetic, odd vocab size."""
+    rng = np.random.default_rng(0)
+    bits = rng.integers(-2**31, 2**31 - 1, size=(3, 5), dtype=np.int64).astype(np.int32)
+    vocab = 150
+    expected = np.array([[(int(bits[r, t // 32]) >> (t % 32)) & 1 for t in range(vocab)] for r in range(3)], bool)
+    assert (unpack_bitmask(torch.from_numpy(bits), vocab).numpy() == expected).all()
+    logits = torch.randn(5, vocab, dtype=torch.float16)
+    before = logits.clone()
+    apply_token_bitmask(logits, torch.from_numpy(bits), torch.tensor([4, 0, 2]))
+    assert torch.equal(logits[[1, 3]], before[[1, 3]])  # rows not listed are untouched
+    for row, mask_row in ((4, 0), (0, 1), (2, 2)):
+        assert torch.equal(torch.isfinite(logits[row]), torch.from_numpy(expected[mask_row]))
+
+
+def test_rows_in_one_grammar_state_share_one_mask_on_the_wire(setup) -> None:
+    """Requests in the same state (every row inside a JSON string, say) send one mask, and each row
+    still gets exactly XGrammar's."""
+    tokenizer, backend, config = setup
+    so, outputs = CASES[0]
+    ids = tokenizer(outputs[0], add_special_tokens=False).input_ids
+    prefixes = [ids[:5], ids[:9], ids[:5], ids[:5], ids[:9], []]
+    ours = engine_masks(backend, config, so, prefixes)
+    assert (ours == reference_masks(backend, so, prefixes)).all()
+    distinct, which = distinct_rows(np.array([[1, 2], [3, 4], [1, 2], [1, 2]], np.int32))
+    assert distinct.tolist() == [[1, 2], [3, 4]] and which.tolist() == [0, 1, 0, 0]
