@@ -34,7 +34,7 @@ def fake_logprobs(token: int, k: int | None) -> Logprobs | None:
 def fake_prompt_logprobs(state: dict, num_scheduled: int) -> Logprobs | None:
     """Made-up logprobs for the prompt positions this chunk predicts (as the real runner)."""
     k = state["params"].prompt_logprobs
-    first = state["computed"] - num_scheduled
+    first = max(state["computed"] - num_scheduled, state["prompt_logprobs_from"])  # none twice
     last = min(state["computed"], state["num_prompt"] - 1)
     if k is None or last <= first:
         return None
@@ -73,7 +73,7 @@ class FakeWorker:
             self.states[new.handle] = {
                 "tokens": unpack_ids(new.token_ids), "num_prompt": new.num_prompt_tokens,
                 "blocks": unpack_ids(new.block_ids), "computed": new.num_computed_tokens,
-                "params": new.sampling_params}
+                "params": new.sampling_params, "prompt_logprobs_from": new.prompt_logprobs_from}
         for handle, blocks in so.cached_requests.rows() if so.cached_requests else ():
             self.states[handle]["blocks"].extend(blocks)
         self._update_histories(so)

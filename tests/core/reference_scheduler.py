@@ -23,6 +23,7 @@ class RefRequest:
         self.token_ids = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.num_computed_tokens = 0
+        self.prompt_logprobs_from = 0  # prompt positions computed before a preemption
         self.num_cached_tokens = -1
         self.running = self.finished = False
         self.finish_reason: FinishReason | None = None
@@ -152,6 +153,8 @@ class ReferenceScheduler:
             while blocks is None:
                 victim = self.running.pop()
                 self.kv.free(victim)
+                victim.prompt_logprobs_from = max(victim.prompt_logprobs_from,
+                                                  min(victim.num_computed_tokens, victim.num_prompt_tokens))
                 victim.running, victim.num_computed_tokens = False, 0
                 self.known.discard(victim.handle)
                 self.waiting.appendleft(victim)
@@ -194,7 +197,8 @@ class ReferenceScheduler:
                 self.known.add(r.handle)
                 new_requests.append(NewRequestData(
                     r.handle, pack_ids(r.token_ids), r.num_prompt_tokens, r.params,
-                    pack_ids(self.kv.blocks[r.handle]), r.num_computed_tokens))
+                    pack_ids(self.kv.blocks[r.handle]), r.num_computed_tokens,
+                    prompt_logprobs_from=r.prompt_logprobs_from))
             elif r.handle in new_blocks:
                 grown.append((r.handle, new_blocks[r.handle]))
             r.num_computed_tokens += num_new

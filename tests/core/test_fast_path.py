@@ -42,6 +42,8 @@ def run_side_by_side(workload: Workload, seed: int, abort_prob: float = 0.05) ->
     pending = list(enumerate(requests))
     queue = []
     cached_reports: list[dict[int, int]] = [{}, {}]
+    prompt_rows: dict[int, int] = {}  # handle -> prompt-logprob rows heard
+    aborted: set[int] = set()
     steps = 0
 
     def admit(count: int) -> None:
@@ -72,6 +74,9 @@ def run_side_by_side(workload: Workload, seed: int, abort_prob: float = 0.05) ->
         fast_outputs = fast.update(so_fast, out_fast).all_outputs()
         ref_outputs = ref.update(so_ref, out_ref)
         assert news(fast_outputs) == news(ref_outputs), f"step {so_ref.step_id}"
+        for o in fast_outputs:
+            if o.prompt_logprobs is not None:
+                prompt_rows[o.handle] = prompt_rows.get(o.handle, 0) + o.prompt_logprobs.rows
         for reports, outputs in zip(cached_reports, (fast_outputs, ref_outputs)):
             for o in outputs:  # the front-end keeps the largest report
                 reports[o.handle] = max(reports.get(o.handle, 0), o.num_cached_tokens)
@@ -84,7 +89,12 @@ def run_side_by_side(workload: Workload, seed: int, abort_prob: float = 0.05) ->
             victim = rng.choice(sorted(ref.requests))
             fast.abort([victim])
             ref.abort([victim])
+            aborted.add(victim)
     assert_no_leaks(fast)
+    # Prompt logprobs: one row per prompt position after the first, preempted or not.
+    for handle, (prompt, params, _) in enumerate(requests):
+        if params.prompt_logprobs is not None and handle not in aborted:
+            assert prompt_rows.get(handle, 0) == len(prompt) - 1, f"request {handle}: {prompt_rows.get(handle)} rows"
     assert (fast.kv.stats.queries, fast.kv.stats.hits) == (ref.kv.queries, ref.kv.hits)
     return {"steps": steps, "preemptions": ref.num_preemptions, "hits": ref.kv.hits,
             "requests": len(requests)}

@@ -46,6 +46,9 @@ class Request:
         # Hash chain over the full blocks of the token ids (seeded by the adapter: see HashChain).
         self.block_hashes: list[int] = HashChain(None if lora is None else hash(("lora", lora.id)))
         self.num_preemptions = 0
+        # Prompt positions [0, this) were computed (and their prompt logprobs sent to the workers'
+        # outputs) before a preemption; a recomputation emits prompt logprobs only from here on.
+        self.prompt_logprobs_from = 0
         self.grammar = None  # structured outputs: its RequestGrammar (core/grammar_masks.py) once compiled
         # Stop conditions, fixed at arrival.
         self.stop_token_ids = frozenset(params.stop_token_ids or ())

@@ -294,7 +294,8 @@ class Scheduler:
             new_requests.append(NewRequestData(
                 handle=request.handle, token_ids=tokens.astype("<i4", copy=False).tobytes(),
                 num_prompt_tokens=request.num_prompt_tokens, sampling_params=request.params,
-                block_ids=pack_ids(blocks), num_computed_tokens=num_hit, lora_slot=lora_slot))
+                block_ids=pack_ids(blocks), num_computed_tokens=num_hit, lora_slot=lora_slot,
+                prompt_logprobs_from=request.prompt_logprobs_from))
             request.status = RequestStatus.RUNNING
             on_eos = bool(request.eos_token_ids) and request.eos_token_ids == self._common_eos
             custom = bool(request.stop_token_ids) or (bool(request.eos_token_ids) and not on_eos)
@@ -332,6 +333,10 @@ class Scheduler:
     def _preempt(self, slot: int) -> None:
         request = self.table.requests[slot]
         assert request is not None
+        # Every token counted computed was sent to the workers in an earlier step (in flight or
+        # done): their prompt logprobs reach the front-end from those steps, never again.
+        request.prompt_logprobs_from = max(request.prompt_logprobs_from,
+                                           min(int(self.table.num_computed[slot]), request.num_prompt_tokens))
         self.table.move_out(slot)
         self.kv.free(request.handle)
         if request.lora is not None:

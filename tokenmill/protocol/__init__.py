@@ -153,6 +153,9 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     block_ids: bytes  # packed int32
     num_computed_tokens: int  # prefix-cache hit or recompute start
     lora_slot: int = -1  # the device slot of the request's LoRA adapter; -1: none
+    # Positions before this one already had their prompt logprobs emitted (before a preemption):
+    # the recomputation must not emit them again.
+    prompt_logprobs_from: int = 0
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -143,12 +143,14 @@ def prompt_logprobs(runner: ModelRunner, slots: np.ndarray, counts: np.ndarray, 
         params = batch.params[slot]
         k = params.prompt_logprobs
         computed = int(batch.num_computed[slot])  # after this step
-        first = computed - n  # position of this chunk's first token
+        start = computed - n  # position of this chunk's first token
+        # Positions emitted before a preemption are not emitted again by their recomputation.
+        first = max(start, int(batch.prompt_logprobs_from[slot]))
         last = min(computed, int(batch.num_prompt[slot]) - 1)  # exclusive
         if k is None or last <= first:
             result.append(None)
             continue
-        rows = hidden[starts[row]:starts[row] + last - first]
+        rows = hidden[starts[row] + first - start:starts[row] + last - start]
         logprobs = torch.log_softmax(runner.model.compute_logits(rows), dim=-1)
         targets = torch.as_tensor(batch.tokens[slot][first + 1:last + 1], device=logprobs.device)
         chosen = logprobs.gather(1, targets[:, None])

@@ -35,6 +35,7 @@ class PersistentBatch:
         self.params: list[SamplingParams | None] = [None] * n
         self.handle_of = np.full(n, -1, dtype=np.int64)  # slot -> handle (-1: free)
         self.num_prompt = np.zeros(n, dtype=np.int64)
+        self.prompt_logprobs_from = np.zeros(n, dtype=np.int64)  # see NewRequestData
         self.num_known = np.zeros(n, dtype=np.int64)
         self.num_computed = np.zeros(n, dtype=np.int64)
         self.num_blocks = np.zeros(n, dtype=np.int64)
@@ -59,6 +60,7 @@ class PersistentBatch:
         self.params[slot] = data.sampling_params
         self.num_prompt_logprobs += data.sampling_params.prompt_logprobs is not None
         self.num_prompt[slot] = data.num_prompt_tokens
+        self.prompt_logprobs_from[slot] = data.prompt_logprobs_from
         self.num_known[slot] = len(tokens)
         self.num_computed[slot] = data.num_computed_tokens
         self.num_blocks[slot] = 0
