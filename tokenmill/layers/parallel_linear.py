@@ -4,7 +4,8 @@
   no communication (the shard's rows are chosen at load time, `tokenmill.distributed.layout`).
 - `RowParallelLinear` (o_proj, down_proj) holds the rank's input columns: each rank's partial
   product is summed over the TP group. Bias and residual are added on TP rank 0 only, before
-  the sum, so the packed CPU path still fuses the residual add into the matmul.
+  the sum, so the packed CPU path still fuses the residual add into the matmul. With
+  `wide_output` set (o_proj, down_proj of the Llama family), a CPU bf16 result is float32.
 - `VocabParallelEmbedding` holds the rank's vocab rows; a token outside them embeds to zeros,
   and the sum over the group fills every row.
 - `ParallelLMHead` computes the rank's vocab columns of the logits and gathers them all; the
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import ParallelContext
-from tokenmill.layers import cpu_logits
-from tokenmill.layers.linear import Linear, PackedWeight, linear
-from tokenmill.layers.lora.lora_layer import with_lora
+from tokenmill.layers import cpu_logits, wide_linear
+from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, linear
+from tokenmill.layers.lora.lora_layer import has_lora, with_lora
 
 
 class RowParallelLinear(Linear):
@@ -29,11 +30,17 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.parallel = parallel
         self.first_rank = parallel.layout.tp_rank == 0
+        # Set by layers whose output joins the float32 residual stream: on CPU in bf16 the result
+        # is then float32, never rounded to bf16 (`wide_linear`).
+        self.wide_output = False
 
     def _bias(self) -> torch.Tensor | None:
         return self.bias if self.first_rank else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wide_output and self.quant_method is UNQUANTIZED and not has_lora(self) \
+                and wide_linear.supports(x, self.weight):
+            return self.parallel.all_reduce(wide_linear.linear_f32(x, self.weight, self._bias(), self._packed))
         # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
         return self.parallel.all_reduce(with_lora(self, x, self.quant_method.apply(self, x, self._bias())))
 

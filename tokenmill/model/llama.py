@@ -111,6 +111,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(dims, parallel)
         self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        # The sublayers' outputs join the float32 stream unrounded (CPU bf16: `wide_linear`).
+        self.self_attn.o_proj.wide_output = self.mlp.down_proj.wide_output = True
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -120,13 +122,14 @@ class LlamaDecoderLayer(nn.Module):
         (mlp output, residual). Where the activations are float32 on CPU, each add runs in the
         epilogue of the matmul before it instead (o_proj, down_proj: oneDNN), and the layer
         returns the whole stream as `hidden`."""
+        act_dtype = self.input_layernorm.weight.dtype  # the model's (a sublayer output may be float32)
         if residual is None:
             residual, hidden = residual_stream(hidden), self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual)
+            hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual, act_dtype)
         if not add_in_matmul(hidden, residual):
             attn = self.self_attn(hidden, rope, kv_cache, meta)
-            hidden, residual = self.post_attention_layernorm.forward_with_residual(attn, residual)
+            hidden, residual = self.post_attention_layernorm.forward_with_residual(attn, residual, act_dtype)
             return self.mlp(hidden), residual
         residual = self.self_attn(hidden, rope, kv_cache, meta, residual=residual)
         hidden = self.post_attention_layernorm(residual)
@@ -180,15 +183,16 @@ class LlamaModel(nn.Module):
             assert intermediate is not None, "a later pipeline stage needs the previous stage's activations"
             hidden = intermediate.hidden
             residual = None if intermediate.residual is None else residual_stream(intermediate.residual)
+        act_dtype = hidden.dtype
         ropes = [r.prepare(positions, hidden.dtype, meta) for r in (self.rotary_emb, *self.extra_rotary_embs)]
         for i in range(layout.layer_start, layout.layer_end):
             hidden, residual = self.layers[i](hidden, residual, ropes[self._rope_of_layer[i]],
                                               kv_caches[i - layout.layer_start], meta)
         if self.norm is None:
-            return IntermediateTensors(*stage_handover(hidden, residual))
+            return IntermediateTensors(*stage_handover(hidden, residual, act_dtype))
         if residual is None:
             return self.norm(hidden)
-        return self.norm.forward_with_residual(hidden, residual)[0]
+        return self.norm.forward_with_residual(hidden, residual, act_dtype)[0]
 
 
 # HF per-projection names -> (our fused parameter, shard index) in stacking order.

@@ -1,0 +1,44 @@
+"""bfloat16 linears with a float32 result on CPU: for the sublayer outputs that join the float32
+residual stream (o_proj, down_proj), so they are not rounded to bf16 on the way in.
+
+Why: on SmolLM2 the first token's down_proj writes ~22,000 into one channel of the stream, where a
+bf16 step is 128; rounding that output puts an error of up to 64 into the stream that every later
+layer's norm reads (the channel dominates the row's RMS). HF rounds it too (and the stream after
+it); keeping it float32 is what makes tokenmill's bf16 as least as close to float32 as HF's on such
+tokens (docs/bf16-numerics.md).
+
+How, with bf16 inputs and weights (each product exact in float32, sums in float32):
+- up to `FEW_ROWS` rows (decode, speculative verification): the LM head's C kernel
+  (`cpu_logits.linear_f32`), which reads the weight once for all rows;
+- more rows (prefill): oneDNN's bf16 matmul twice, the second one's epilogue subtracting the first
+  result inside the float32 accumulator: y = hi + lo with hi = bf16(W x) and lo = bf16(W x - hi),
+  so the error is bf16's on `lo` (~2^-9 of 2^-9 of y), float32-like at AMX / AVX512-BF16 speed
+  (without oneDNN: a float32 matmul of the widened inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.layers import cpu_logits
+from tokenmill.layers.linear import PackedWeight, _use_packed, linear, linear_add
+
+FEW_ROWS = 32
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    return weight is not None and x.dim() == 2 and cpu_logits.supports(x, weight)
+
+
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               cache: PackedWeight) -> torch.Tensor:
+    """float32 `x @ weight.T + bias` of bf16 x [M, K] and weight [N, K] (inputs `supports` accepts)."""
+    if x.shape[0] <= FEW_ROWS:
+        out = cpu_logits.linear_f32(x, weight)
+    elif not _use_packed(x, weight, cache):  # no oneDNN epilogue: plain float32 (slow, exact products)
+        out = torch.nn.functional.linear(x.float(), weight.float())
+    else:
+        hi = linear(x, weight, None, cache)
+        lo = linear_add(x, weight, None, hi.neg(), cache)
+        out = hi.float().add_(lo.float())
+    return out if bias is None else out.add_(bias.float())
