@@ -134,13 +134,13 @@ def main() -> int:
     p.add_argument("--tokenmill-python", default=sys.executable)
     p.add_argument("--vllm-python", default=sys.executable)
     p.add_argument("--timeout", type=int, default=1800)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out")
     ns = p.parse_args()
     if ns.export_smollm2:
         export_smollm2(ns.export_smollm2)
         return 0
-    if not ns.model:
-        p.error("--model is required")
+    if not ns.model or not ns.out:
+        p.error("--model and --out are required")
     if ns.all:
         return run_all(ns)
     result = run_one(ns)

@@ -2,18 +2,23 @@
 
 Each model runs the same token sequences in tokenmill float32 / bf16 and HF float32 / bf16 on the
 same weights (`tokenmill.benchmarks.bf16_deviation`); the log-probability of every true next token
-is compared with its own float32 run. tokenmill's mean, p99 and max |deviation| must each be at
-most TOLERANCE above HF's, for one prefill step and for token-by-token decoding.
+is compared with its own float32 run. tokenmill's mean, p99 and max |deviation| are each held to
+HF's, for one prefill step and for token-by-token decoding.
 
-TOLERANCE: the tiny configs (hidden 64, small logits) share most of their bf16 error with HF (the
-weights and matmul inputs rounded alike), so their ratios sit near 1: means at 0.89-1.05 (worst:
-qwen2), while p99 and max of ~80 tokens, single order statistics, reach 1.11 (qwen3 decode's p99;
-its max 1.00). So the tiny configs get 10% on the mean and 25% on p99/max. On the real SmolLM2,
-where the float32 residual stream and logits matter (massive first-token activations, logits of
-20-30), the mean gets 10% (its p99 / max are reported: one token still deviates more than HF's
-worst, an open item in docs/bf16-numerics.md). A planted bf16-computed norm (measured: mean 0.0269,
-p99 0.144, max 0.265 against HF's 0.0299 / 0.106 / 0.125) fails the p99 / max bounds but not the
-mean one, so this test alone does not catch it; see docs/bf16-numerics.md.
+The real SmolLM2 (80 tokens of English): no tolerance. Measured (AMD EPYC Zen 4, avx512_bf16
+path): tokenmill / HF = 0.60 / 0.75 / 0.75 (prefill) and 0.58 / 0.58 / 0.54 (decode) of HF's
+0.0299 / 0.106 / 0.125 nats; the other paths (TOKENMILL_CPU_PATH=avx512/avx2/generic) 0.60 /
+0.75 / 0.75 and 0.58 / 0.51 / 0.49. A planted bf16 RMSNorm (statistics and all in bf16) fails it:
+prefill 0.95 / 1.32 / 1.44 x HF's (docs/bf16-numerics.md).
+
+Tiny random configs: TINY_TOLERANCE on the mean, TINY_TAIL_TOLERANCE on p99 / max. Justified by
+measurement: at hidden size 64 most of the bf16 error is common to both engines (the same bf16
+weights, the same rounded matmul inputs), so the ratios scatter around 1 with the few roundings
+tokenmill skips; over the 12 families below, unplanted, they spread 0.81-1.06 (mean) and
+0.61-1.27 (p99 / max, single order statistics of 78 tokens; worst qwen3_moe decode's max).
+The planted bf16 norm moves tiny llama's decode to 1.25 / 1.21 / 1.34 and qwen3's to 1.11 /
+1.64 / 1.78: failed here as well. DeepSeek (MLA) is not covered: the harness drives a standard
+paged KV cache, not MLA's latent one.
 """
 
 from __future__ import annotations
@@ -23,12 +28,13 @@ import torch
 
 from tests.helpers.requirements import require_smollm2
 from tests.helpers.tiny_models import make_tiny_model_dir
+from tests.helpers.tiny_moe_models import MOE_ARCHS, make_tiny_moe_model_dir
 from tokenmill.benchmarks import bf16_deviation as bd
 
-TOLERANCE = 0.10
-SMOLLM2_TAIL_UNCHECKED = float("inf")
-TINY_TAIL_TOLERANCE = 0.25  # p99 and max of ~80 tokens are single order statistics on the tiny configs
-FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+TINY_TOLERANCE = 0.10
+TINY_TAIL_TOLERANCE = 0.30  # p99 and max of 78 tokens are single order statistics on the tiny configs
+DENSE_FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+FAMILIES = DENSE_FAMILIES + MOE_ARCHS
 
 
 def _random_sequences(vocab: int, count: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -40,7 +46,8 @@ def _random_sequences(vocab: int, count: int, length: int, seed: int = 0) -> lis
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("bf16-tiny")
     # Weights of std 0.1 (HF's default 0.02 leaves logits near 0, where bf16 hardly shows).
-    return {arch: make_tiny_model_dir(arch, root, seed=3, initializer_range=0.1) for arch in FAMILIES}
+    return {arch: (make_tiny_model_dir if arch in DENSE_FAMILIES else make_tiny_moe_model_dir)(
+        arch, root, seed=3, initializer_range=0.1) for arch in FAMILIES}
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -49,7 +56,7 @@ def test_tiny_family_not_worse_than_hf(tiny_dirs: dict[str, str], arch: str) -> 
     report = bd.measure_path(tiny_dirs[arch], sequences, label=arch)
     print("\n" + bd.format_table([report]))
     assert report.float32_gap < 1e-4  # the float32 references agree
-    bd.check_not_worse(report, TOLERANCE, TINY_TAIL_TOLERANCE)
+    bd.check_not_worse(report, TINY_TOLERANCE, TINY_TAIL_TOLERANCE)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +75,7 @@ def test_smollm2_real_text_not_worse_than_hf(smollm2_models) -> None:
     report = bd.measure("SmolLM2-135M-Instruct", sequences, tm, hf)
     print("\n" + bd.format_table([report]))
     assert report.float32_gap < 1e-3
-    # The mean only: on these 80 tokens one token still deviates more than HF's worst (max 0.20 vs
-    # 0.125 nats, measured), an open item (docs/bf16-numerics.md); p99 / max are reported, not held.
-    bd.check_not_worse(report, TOLERANCE, SMOLLM2_TAIL_UNCHECKED)
+    bd.check_not_worse(report, 0.0)  # mean, p99 and max, each at most HF's
 
 
 @pytest.mark.slow
