@@ -17,7 +17,8 @@ from transformers import (DeepseekV2Config, DeepseekV3Config, GptOssConfig, Mixt
 
 from tests.helpers.tiny_models import BOS_ID, EOS_ID, PAD_ID, TINY_VOCAB_SIZE, make_tiny_hf_model, make_tiny_tokenizer
 
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+GPT_OSS_ARCHS = ("gpt_oss",)  # attention sinks, sliding + full layers, biased experts (own GPU part)
 MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
 
 _COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
