@@ -94,6 +94,8 @@ def make_tiny_moe_model_dir(arch: str, tmp_path: str | Path, seed: int = 0, **ov
                 param.copy_(torch.randn(param.shape, generator=generator))
             elif name.endswith("experts.gate_up_proj"):  # gpt-oss: projections past swiglu_limit
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):  # HF inits them at 0
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=generator) * 0.1)
