@@ -75,3 +75,26 @@ def mxfp4_checkpoint(src: str, dst: str | Path) -> str:
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
     (dst / "config.json").write_text(json.dumps(config, indent=2))
     return str(dst)
+
+
+def dequantized_twin(mxfp4_dir: str, dst: str | Path) -> str:
+    """The float32 HF folder holding exactly the values the MXFP4 folder decodes to (float64 spec
+    decoder), without a quantization_config: a reference any transformers loads, on any device."""
+    src, dst = Path(mxfp4_dir), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json" and f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    loaded = load_file(src / "model.safetensors")
+    tensors = {}
+    for name, t in loaded.items():
+        if name.endswith("_blocks"):
+            base = name.removesuffix("_blocks")
+            tensors[base] = decode_float64(t, loaded[base + "_scales"]).float().transpose(1, 2).contiguous()
+        elif not name.endswith("_scales"):
+            tensors[name] = t
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return str(dst)
