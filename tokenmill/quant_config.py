@@ -72,7 +72,10 @@ def resolve_quantization(requested: str | None, hf_quant: dict[str, Any] | None,
                              f"no quantization_config); only fp8 quantizes a float checkpoint online")
         return QuantConfig(scheme="fp8", fmt="fp8", online=True)
     method = _ALIASES.get(str(hf_quant.get("quant_method", "")), str(hf_quant.get("quant_method", "")))
-    if method in DEQUANTIZED_AT_LOAD and requested in (None, method):
+    if method in DEQUANTIZED_AT_LOAD:
+        if requested is not None:
+            raise ValueError(f"quantization {requested!r} does not apply to a checkpoint of quant_method "
+                             f"{method!r} (its tensors are dequantized at load; leave quantization unset)")
         return None
     if method not in SUPPORTED_QUANT_METHODS:
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: "
