@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.helpers.tiny_moe_models import make_moe_config
 from tokenmill.layers.moe.layer import Router

@@ -30,12 +30,13 @@ from tokenmill.layers.rotary import RotaryStep
 from tokenmill.model import mxfp4
 from tokenmill.model.llama import LlamaAttention
 from tokenmill.model.moe_decoder import MoECausalLM, MoEDecoderLayer, MoEModel
-from tokenmill.model.weight_source import LazyTensor, read_slice, tensor_shape
+from tokenmill.model.weight_source import LazyTensor, read_slice
 
 # transformers' expert tensors (dense or MXFP4 halves), and our own biases (dummy weights); our
 # `experts.w13` / `experts.w2` go on to the shared MoE loader.
 _EXPERTS = re.compile(r"^(?P<mlp>.*\.mlp)\.experts\.(?:(?P<proj>gate_up_proj|down_proj)(?P<kind>_bias|_blocks|_scales)?"
                       r"|(?P<ours>b13|b2))$")
+
 
 class GptOssAttention(LlamaAttention):
     def __init__(self, dims: ModelArch, attn_backend_cls: type[AttentionBackend], parallel: ParallelContext,
