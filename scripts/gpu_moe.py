@@ -415,7 +415,8 @@ def _gptoss_parity(results: dict, smoke: bool, device: str) -> None:
                      kv_cache_memory_gb=0.01, max_num_batched_tokens=32, max_num_seqs=4) as llm:
                 outs = generate(llm, prompts, 0)
             check_against_hf(hf, prompts, outs, label)
-            check(True, f"{label}: float32 on {device} (graphs) = HF (tokens, prompt and sampled logprobs within 1e-4)")
+            mode = "graphs" if device == "cuda" else "eager"
+            check(True, f"{label}: float32 on {device} ({mode}) = HF (tokens, prompt and sampled logprobs within 1e-4)")
             results[f"parity_{label}"] = "ok"
         except AssertionError as exc:
             check(False, f"{label}: {str(exc)[:300]}")
