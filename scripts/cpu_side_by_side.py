@@ -57,12 +57,16 @@ def prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def run_one(ns) -> dict:
+    kv_bytes = int(ns.kv_cache_gib * 2**30)  # the same KV pool for both engines
     if ns.engine == "vllm":
         from vllm import LLM, SamplingParams
-        llm = LLM(model=ns.model, dtype=ns.dtype, max_model_len=1024, seed=0)
+        # vLLM's CPU worker refuses to start unless gpu_memory_utilization x RAM is free (0.92 by
+        # default: fails on a shared machine); the KV pool is given in bytes instead.
+        llm = LLM(model=ns.model, dtype=ns.dtype, max_model_len=1024, seed=0, kv_cache_memory_bytes=kv_bytes,
+                  gpu_memory_utilization=ns.vllm_memory_utilization)
     else:
         from tokenmill import LLM, SamplingParams
-        llm = LLM(model=ns.model, dtype=ns.dtype, max_model_len=1024, seed=0)
+        llm = LLM(model=ns.model, dtype=ns.dtype, max_model_len=1024, seed=0, kv_cache_memory_gb=ns.kv_cache_gib)
     vocab = 49152 if ns.vocab is None else ns.vocab
     params = SamplingParams(temperature=0.0, max_tokens=ns.output_len, ignore_eos=True)
     warm = [{"prompt_token_ids": p} for p in prompts(2, ns.input_len, vocab, seed=1)]
@@ -87,7 +91,9 @@ def run_all(ns) -> int:
             for engine, python in (("tokenmill", ns.tokenmill_python), ("vllm", ns.vllm_python)):
                 tmp = f"/tmp/side_by_side_{engine}_{dtype}_{name}.json"
                 cmd = [python, os.path.abspath(__file__), "--engine", engine, "--model", ns.model, "--dtype", dtype,
-                       "--num-prompts", str(num), "--input-len", str(inp), "--output-len", str(out), "--out", tmp]
+                       "--num-prompts", str(num), "--input-len", str(inp), "--output-len", str(out), "--out", tmp,
+                       "--kv-cache-gib", str(ns.kv_cache_gib),
+                       "--vllm-memory-utilization", str(ns.vllm_memory_utilization)]
                 print(" ".join(cmd), flush=True)
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=ns.timeout)
                 if proc.returncode != 0:
@@ -131,6 +137,9 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV cache pool of each engine")
+    p.add_argument("--vllm-memory-utilization", type=float, default=0.3,
+                   help="vLLM CPU: the fraction of RAM that must be free at start")
     p.add_argument("--tokenmill-python", default=sys.executable)
     p.add_argument("--vllm-python", default=sys.executable)
     p.add_argument("--timeout", type=int, default=1800)
