@@ -49,7 +49,7 @@ class LoRAManager:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.model, self.config, self.arch = model, config, arch
         self.device, self.dtype = device, dtype
-        self.batch = LoRABatch(device)
+        self.batch = LoRABatch(device, config.max_loras)
         self.rank = kernel_rank(config.max_lora_rank)
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         layout = model.layout
@@ -156,14 +156,14 @@ class LoRAManager:
         self.batch.prepare(slots)
 
     def warm_up(self) -> None:
-        """CUDA: compile the kernels for every projection shape and both token tile sizes."""
+        """CUDA: compile the kernels for every projection shape, per-token and both tile sizes."""
         seen = set()
         for slots in self.slots.values():
             key = (slots.a.shape, slots.b.shape, slots.part_starts)
             if key in seen:
                 continue
             seen.add(key)
-            for tokens in (16, 1024):
+            for tokens in (1, 64, 1024):
                 x = torch.zeros(tokens, slots.a.shape[2], dtype=self.dtype, device=self.device)
                 y = torch.zeros(tokens, slots.b.shape[1], dtype=self.dtype, device=self.device)
                 self.batch.prepare(torch.zeros(tokens, dtype=torch.int64, device=self.device))

@@ -21,14 +21,15 @@ class LoRABatch:
     `prepare` is called before each forward pass (eagerly, or inside a captured graph's body,
     which recomputes it from the persistent per-row slots on every replay)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, num_slots: int = 0) -> None:
         self.device = device
+        self.num_slots = num_slots
         self.active = False  # some token of the step has an adapter (always True while capturing)
-        self.order: torch.Tensor | None = None  # CUDA: token indices sorted by slot
-        self.sorted_slots: torch.Tensor | None = None  # CUDA: their slots
+        self.plan = None  # CUDA + Triton: the step's `triton_lora.StepPlan`, shared by every projection
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # CPU: (slot, its tokens)
         self.token_slots: torch.Tensor | None = None
         self.num_tokens = 0
+        self.shapes: set[tuple[int, int]] = set()  # every projection's (parts * R, in_features)
 
     def prepare(self, token_slots: torch.Tensor, host: np.ndarray | None = None) -> None:
         """`token_slots`: int [T] on the device, -1 for tokens without an adapter; `host`: the same
@@ -40,8 +41,10 @@ class LoRABatch:
         self.active = True
         self.token_slots = token_slots
         if self.device.type == "cuda":
-            self.sorted_slots, order = torch.sort(token_slots.to(torch.int32), stable=True)
-            self.order = order.to(torch.int32)
+            self.plan = None
+            if triton_ops.enabled(token_slots) and self.num_slots:
+                from tokenmill.layers.lora.triton_lora import plan_step
+                self.plan = plan_step(token_slots, self.num_slots, self.shapes)
             return
         if host is None:
             host = token_slots.cpu().numpy()
@@ -52,6 +55,7 @@ class LoRABatch:
 
     def clear(self) -> None:
         self.active = False
+        self.plan = None
 
 
 class LoRASlots:
@@ -68,6 +72,9 @@ class LoRASlots:
         self.triton = all(p % 16 == 0 for p in self.part_starts[:-1])
         self.a = torch.zeros(num_slots, len(part_sizes) * rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out, rank, dtype=dtype, device=device)
+        batch.num_slots = max(batch.num_slots, num_slots)
+        if self.triton:
+            batch.shapes.add((len(part_sizes) * rank, in_features))
 
     def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put one part's A [r, in] and B [out_part, r] into `slot` (None: zeros), rank zero-padded."""
@@ -84,11 +91,10 @@ class LoRASlots:
         batch = self.batch
         if not batch.active or x.shape[0] != batch.num_tokens:
             return y
-        if batch.order is not None and self.triton and triton_ops.enabled(x):
+        if batch.plan is not None and self.triton:
             from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
-            shrunk = lora_shrink(x, self.a, batch.order, batch.sorted_slots)
-            return lora_expand(shrunk, self.b, batch.order, batch.sorted_slots, y, self.part_starts)
-        if batch.order is not None:  # CUDA without the Triton path: the reference, on the device
+            return lora_expand(lora_shrink(x, self.a, batch.plan), self.b, batch.plan, y, self.part_starts)
+        if batch.device.type == "cuda":  # CUDA without the Triton path: the reference, on the device
             return y.add_(lora_reference(x, self.a, self.b, self.part_starts, batch.token_slots).to(y.dtype))
         return lora_add_grouped(x, y, self.a, self.b, self.part_starts, batch.groups)
 
