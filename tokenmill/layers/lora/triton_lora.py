@@ -1,7 +1,7 @@
 """Batched LoRA kernels in Triton: shrink (x @ A^T) and expand (y += t @ B^T), two shapes of work.
 
-- **rows** (decode sizes, a few tokens): a program owns one token, a block of columns and (in
-  the shrink) one slice of K; it reads its token's slot and does a vector-matrix product with
+- **rows** (decode sizes, up to `ROWS_MAX_TOKENS` tokens): a program owns one token, a block of
+  columns and (in the shrink) one slice of K; it reads its token's slot and does a vector-matrix product with
   vectorised loads (no tensor-core tile of 16 rows for one token). Tokens without an adapter
   (slot -1) return at once. The shrink's K slices give the parallelism a single token lacks.
 - **tiles** (larger steps): the step's tokens sorted by slot are cut into tiles of BLOCK_M rows
@@ -209,9 +209,8 @@ class ShrinkConfig:
 
 
 @functools.cache
-def shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int) -> ShrinkConfig:
+def shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int, rows: bool) -> ShrinkConfig:
     """K is split so that about two programs per SM run (a decode step has few tokens)."""
-    rows = num_tokens <= ROWS_MAX_TOKENS
     if rows:
         block_n = min(64, triton.next_power_of_2(n))
         block_k, block_m, max_splits = _ROWS_BLOCK_K, 1, _ROWS_MAX_SPLITS
@@ -250,14 +249,16 @@ class StepPlan:
     workspace: torch.Tensor  # float32, at least every projection's planes
 
 
-def plan_step(token_slots: torch.Tensor, num_slots: int, shapes: set[tuple[int, int]]) -> StepPlan:
-    """`shapes`: every LoRA projection's (parts * R, in_features): the workspace fits the largest."""
+def plan_step(token_slots: torch.Tensor, num_slots: int, shapes: set[tuple[int, int]],
+              rows_max: int = ROWS_MAX_TOKENS) -> StepPlan:
+    """`shapes`: every LoRA projection's (parts * R, in_features): the workspace fits the largest.
+    Steps of up to `rows_max` tokens run the per-token kernels, larger ones the tile kernels."""
     num_tokens, device = token_slots.shape[0], token_slots.device
-    sms = _sm_count(device)
-    numel = max((shrink_config(num_tokens, n, k, num_slots, sms).planes_numel(num_tokens, n) for n, k in shapes),
-                default=0)
+    sms, rows = _sm_count(device), num_tokens <= rows_max
+    numel = max((shrink_config(num_tokens, n, k, num_slots, sms, rows).planes_numel(num_tokens, n)
+                 for n, k in shapes), default=0)
     workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
-    if num_tokens <= ROWS_MAX_TOKENS:
+    if rows:
         return StepPlan(num_tokens, num_slots, token_slots.to(torch.int32), None, None, workspace)
     order, tiles = plan_tiles(token_slots, num_slots)
     return StepPlan(num_tokens, num_slots, token_slots, order, tiles, workspace)
@@ -270,7 +271,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, plan: StepPlan) -> torch.Tenso
     workspace; rows of tokens without an adapter are left unwritten)."""
     num_tokens, k = x.shape
     n = a.shape[1]
-    cfg = shrink_config(num_tokens, n, k, plan.num_slots, _sm_count(x.device))
+    cfg = shrink_config(num_tokens, n, k, plan.num_slots, _sm_count(x.device), plan.order is None)
     planes = plan.workspace[:cfg.planes_numel(num_tokens, n)].view(cfg.splits, num_tokens, n)
     assert x.stride(1) == 1 and a.stride(2) == 1
     if cfg.rows:
