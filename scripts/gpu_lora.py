@@ -108,6 +108,7 @@ def _time_graph(fn, reps: int = 10, replays: int = 20) -> float:
 
 def micro(results: dict, args) -> None:
     from tokenmill.layers.lora import triton_lora
+    from tokenmill.layers.lora.lora_layer import run_beside
     from tokenmill.layers.lora.torch_lora import lora_reference
     from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink, plan_step
 
@@ -121,6 +122,7 @@ def micro(results: dict, args) -> None:
         projections = {"qkv": (64, [64, 32, 32]), "down": (96, [64])}
         token_counts, adapter_counts, both_kinds, num_slots = (1, 5, 40), (1, 4), (5,), 4
     rows_max = triton_lora.ROWS_MAX_TOKENS
+    side = None if SMOKE else torch.cuda.Stream()
     rows = []
     g = torch.Generator(device=device).manual_seed(0)
     for proj, (k, parts) in projections.items():
@@ -164,6 +166,11 @@ def micro(results: dict, args) -> None:
                         fn = lambda: lora_expand(lora_shrink(x, a, plan), b, plan, ybuf, starts)  # noqa: E731
                         row["lora_eager_us"] = _time_eager(fn)
                         row["lora_graph_us"] = _time_graph(fn)
+                        # The projection as the engine runs it: the base GEMM, then the LoRA, in
+                        # stream order ("seq") or with the shrink beside the GEMM ("overlap").
+                        row["both_seq_us"] = _time_graph(lambda: (gemm(), fn()))
+                        row["both_overlap_us"] = _time_graph(lambda: lora_expand(
+                            run_beside(side, lambda: lora_shrink(x, a, plan), gemm)[0], b, plan, out, starts))
                         if proj == "qkv":  # once per step, shared by every projection
                             row["plan_graph_us"] = _time_graph(
                                 lambda: plan_step(token_slots, num_slots, {(a.shape[1], k)}, rows_max=limit))
@@ -172,33 +179,43 @@ def micro(results: dict, args) -> None:
     results["micro"] = rows
     if SMOKE:
         return
-    head = ["proj", "T", "adapters", "kernel", "gemm eager us", "gemm graph us", "lora eager us",
-            "lora graph us", "lora/gemm (graph)"]
+    head = ["proj", "T", "adapters", "kernel", "gemm eager", "gemm graph", "lora eager", "lora graph",
+            "gemm+lora seq", "gemm+lora overlap", "+% seq", "+% overlap"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    print("  " + " ".join(f"{h:>13}" for h in head))
+    print("  times in us per call; graph: CUDA-graph replay; +%: gemm+lora over the gemm alone (graph)")
+    print("  " + " ".join(f"{h:>11}" for h in head))
     for r in rows:
-        cells = [r["proj"], r["tokens"], r["adapters"], r["kernel"] + ("" if r["auto"] else " (alt)"),
-                 f"{r['gemm_eager_us']:.1f}", f"{r['gemm_graph_us']:.1f}", f"{r['lora_eager_us']:.1f}",
-                 f"{r['lora_graph_us']:.1f}", f"{r['lora_graph_us'] / r['gemm_graph_us']:.3f}"]
-        print("  " + " ".join(f"{str(c):>13}" for c in cells))
+        g0 = r["gemm_graph_us"]
+        cells = [r["proj"], r["tokens"], r["adapters"], r["kernel"] + ("" if r["auto"] else "*"),
+                 f"{r['gemm_eager_us']:.1f}", f"{g0:.1f}", f"{r['lora_eager_us']:.1f}", f"{r['lora_graph_us']:.1f}",
+                 f"{r['both_seq_us']:.1f}", f"{r['both_overlap_us']:.1f}",
+                 f"{100 * (r['both_seq_us'] / g0 - 1):.1f}", f"{100 * (r['both_overlap_us'] / g0 - 1):.1f}"]
+        print("  " + " ".join(f"{str(c):>11}" for c in cells))
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines.append("")
+    lines.append("kernel: rows = per-token kernels, tilesM = slot tiles of M rows; * = not the one the engine picks")
     MARKDOWN["micro: one projection's shrink + expand (rank 16, 64 slots) vs its base GEMM"] = lines
     # One decoder layer: the four projections summed (the kernel the engine would pick).
-    layer_lines = ["| T | adapters | base GEMMs us | LoRA us | LoRA / base | plan us per step |", "|---|---|---|---|---|---|"]
-    print("  per layer (4 projections, graph replay):")
+    layer_lines = ["| T | adapters | GEMMs us | LoRA alone us | GEMM+LoRA seq us | +% | GEMM+LoRA overlap us | +% "
+                   "| plan us per step |", "|---|---|---|---|---|---|---|---|---|"]
+    print("  per layer (the 4 projections summed, graph replay):")
     for tokens in token_counts:
         for adapters in adapter_counts:
             picked = [r for r in rows if r["tokens"] == tokens and r["adapters"] == adapters and r["auto"]]
             if len(picked) != len(projections):
                 continue
-            base_us = sum(r["gemm_graph_us"] for r in picked)
-            lora_us = sum(r["lora_graph_us"] for r in picked)
+            sums = {key: sum(r[key] for r in picked) for key in ("gemm_graph_us", "lora_graph_us", "both_seq_us",
+                                                                 "both_overlap_us")}
             plan_us = next(r.get("plan_graph_us", 0.0) for r in picked if r["proj"] == "qkv")
+            g0 = sums["gemm_graph_us"]
+            seq, over = 100 * (sums["both_seq_us"] / g0 - 1), 100 * (sums["both_overlap_us"] / g0 - 1)
             results.setdefault("micro_layer", []).append(
-                {"tokens": tokens, "adapters": adapters, "gemm_us": base_us, "lora_us": lora_us, "plan_us": plan_us})
-            print(f"    T={tokens:5} adapters={adapters:3}: base {base_us:8.1f} us, LoRA {lora_us:7.1f} us "
-                  f"({lora_us / base_us:.3f}x), plan {plan_us:.1f} us per step")
-            layer_lines.append(f"| {tokens} | {adapters} | {base_us:.1f} | {lora_us:.1f} | {lora_us / base_us:.3f} | "
+                {"tokens": tokens, "adapters": adapters, "plan_us": plan_us, **sums})
+            print(f"    T={tokens:5} adapters={adapters:3}: GEMMs {g0:8.1f} us, LoRA {sums['lora_graph_us']:7.1f}, "
+                  f"GEMM+LoRA {sums['both_seq_us']:8.1f} (+{seq:.1f}%) seq, {sums['both_overlap_us']:8.1f} "
+                  f"(+{over:.1f}%) overlap; plan {plan_us:.1f} us per step")
+            layer_lines.append(f"| {tokens} | {adapters} | {g0:.1f} | {sums['lora_graph_us']:.1f} | "
+                               f"{sums['both_seq_us']:.1f} | {seq:.1f} | {sums['both_overlap_us']:.1f} | {over:.1f} | "
                                f"{plan_us:.1f} |")
     MARKDOWN["micro: one decoder layer (the four projections), graph replay"] = layer_lines
 

@@ -1,12 +1,17 @@
 """A projection's LoRA slots and the step's token -> slot map, and the hook the model calls.
 
-The model calls `with_lora(layer, x, y)` after a LoRA-capable projection (y = layer's output
-for input x, before any tensor-parallel reduction): it returns y unchanged unless the layer has
-LoRA slots attached (`layer.lora`), and otherwise adds the step's per-token adapter deltas into
-y in place. The base layer's code (its linear method) is untouched: LoRA is a sum on its output.
+The model calls `lora_forward(layer, x, base)` for a LoRA-capable projection, `base()` computing
+the layer's output y for input x (before any tensor-parallel reduction): it returns base()
+unless the layer has LoRA slots attached (`layer.lora`), and otherwise adds the step's per-token
+adapter deltas into y in place. The base layer's code (its linear method) is untouched: LoRA is
+a sum on its output. While a CUDA graph is captured, the shrink (which reads x only) runs on a
+side stream beside the base GEMM, so a replay overlaps them and only the expand follows the GEMM.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -30,6 +35,9 @@ class LoRABatch:
         self.token_slots: torch.Tensor | None = None
         self.num_tokens = 0
         self.shapes: set[tuple[int, int]] = set()  # every projection's (parts * R, in_features)
+        # CUDA graphs: the shrinks run on this stream beside the base GEMMs (TOKENMILL_LORA_OVERLAP=0: not).
+        overlap = os.environ.get("TOKENMILL_LORA_OVERLAP", "1") not in ("0", "false", "no")
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" and overlap else None
 
     def prepare(self, token_slots: torch.Tensor, host: np.ndarray | None = None) -> None:
         """`token_slots`: int [T] on the device, -1 for tokens without an adapter; `host`: the same
@@ -88,21 +96,44 @@ class LoRASlots:
             self.b[slot, lo:hi, :r].copy_(b, non_blocking=True)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.forward(x, lambda: y)
+
+    def forward(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """base() (the layer's output for x) plus the step's deltas, added in place."""
         batch = self.batch
         if not batch.active or x.shape[0] != batch.num_tokens:
-            return y
+            return base()
         if batch.plan is not None and self.triton:
             from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
-            return lora_expand(lora_shrink(x, self.a, batch.plan), self.b, batch.plan, y, self.part_starts)
+            plan = batch.plan
+            if batch.side_stream is not None and torch.cuda.is_current_stream_capturing():
+                planes, y = run_beside(batch.side_stream, lambda: lora_shrink(x, self.a, plan), base)
+            else:
+                planes, y = lora_shrink(x, self.a, plan), base()
+            return lora_expand(planes, self.b, plan, y, self.part_starts)
+        y = base()
         if batch.device.type == "cuda":  # CUDA without the Triton path: the reference, on the device
             return y.add_(lora_reference(x, self.a, self.b, self.part_starts, batch.token_slots).to(y.dtype))
         return lora_add_grouped(x, y, self.a, self.b, self.part_starts, batch.groups)
 
 
-def with_lora(layer: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """`y` plus the step's LoRA deltas of `layer` for input `x` (y itself when it has none)."""
+def run_beside(side: torch.cuda.Stream, first: Callable, second: Callable) -> tuple:
+    """first() on the `side` stream and second() on the current one, both after the work queued so
+    far, the current stream then waiting for both (captured in a graph: two parallel branches).
+    `first` must allocate nothing (its outputs would belong to the side stream's pool)."""
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        a = first()
+    b = second()
+    main.wait_stream(side)
+    return a, b
+
+
+def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`base()` (the layer's output for `x`) plus the step's LoRA deltas of `layer`, if it has any."""
     lora = layer.__dict__.get("lora")
-    return y if lora is None else lora.apply(x, y)
+    return base() if lora is None else lora.forward(x, base)
 
 
 def has_lora(layer: torch.nn.Module) -> bool:
