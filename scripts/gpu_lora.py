@@ -8,7 +8,9 @@ Parts (--parts, comma-separated; default micro,tiny,engine,batch1):
           o 4096->4096, gate_up 4096->28672, down 14336->4096), rank 16, 64 slots, at 1, 16, 64,
           256 and 8192 tokens with 1, 8 and 64 adapters mixed uniformly: checked against the torch
           reference (bfloat16), timed eagerly and as CUDA-graph replays, next to the base bf16 GEMM
-          of the same shape; at 16 and 64 tokens both kernel kinds (per-token "rows", slot "tiles");
+          of the same shape (gate_up: the GEMM and SiLU-and-mul vs the GEMM and the LoRA expand
+          fused with the activation, as the engine runs it); at 16 and 64 tokens both kernel kinds
+          (per-token "rows", slot "tiles"); with the shrink in stream order and beside the GEMM;
           the per-step plan; and per token count the four projections summed (one decoder layer)
   tiny    a tiny random Llama, float32, CUDA graphs on (and eager): base and three adapters mixed
           in one batch vs HF + PEFT greedy; again with one slot (eviction and reload mid-run)
@@ -110,22 +112,32 @@ def micro(results: dict, args) -> None:
     from tokenmill.layers.lora import triton_lora
     from tokenmill.layers.lora.lora_layer import run_beside
     from tokenmill.layers.lora.torch_lora import lora_reference
-    from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink, plan_step
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.lora.triton_lora import lora_expand, lora_expand_silu, lora_shrink, plan_step
 
     device = "cpu" if SMOKE else "cuda"
     dtype = torch.float32 if SMOKE else torch.bfloat16
     rank, num_slots = 16, 64
-    projections = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (4096, [14336, 14336]),
-                   "down": (14336, [4096])}
+    projections = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]),
+                   "gate_up+act": (4096, [14336, 14336]), "down": (14336, [4096])}
     token_counts, adapter_counts, both_kinds = (1, 16, 64, 256, 8192), (1, 8, 64), (16, 64)
     if SMOKE:
-        projections = {"qkv": (64, [64, 32, 32]), "down": (96, [64])}
+        projections = {"qkv": (64, [64, 32, 32]), "gate_up+act": (64, [48, 48]), "down": (96, [64])}
         token_counts, adapter_counts, both_kinds, num_slots = (1, 5, 40), (1, 4), (5,), 4
     rows_max = triton_lora.ROWS_MAX_TOKENS
     side = None if SMOKE else torch.cuda.Stream()
     rows = []
     g = torch.Generator(device=device).manual_seed(0)
+    act = SiluAndMul()
     for proj, (k, parts) in projections.items():
+        # gate_up as the engine runs it: its expand fused with SiLU-and-mul, against GEMM + activation.
+        fused = proj.startswith("gate_up")
+
+        def finish(planes, y_out, plan):
+            if fused:
+                return lora_expand_silu(planes, b, plan, y_out)
+            return lora_expand(planes, b, plan, y_out, starts)
+
         starts = tuple(int(v) for v in torch.tensor([0] + parts).cumsum(0))
         n = starts[-1]
         a = (torch.randn(num_slots, len(parts) * rank, k, generator=g, device=device) / k ** 0.5).to(dtype)
@@ -137,7 +149,8 @@ def micro(results: dict, args) -> None:
             base = {}
             if not SMOKE:
                 out = torch.empty(tokens, n, device=device, dtype=dtype)
-                gemm = lambda: torch.mm(x, w.t(), out=out)  # noqa: E731
+                mm = lambda: torch.mm(x, w.t(), out=out)  # noqa: E731
+                gemm = (lambda: act(mm())) if fused else mm  # noqa: E731
                 base = {"gemm_eager_us": _time_eager(gemm), "gemm_graph_us": _time_graph(gemm)}
             for adapters in adapter_counts:
                 if adapters > tokens and adapters != adapter_counts[0]:
@@ -151,9 +164,12 @@ def micro(results: dict, args) -> None:
                     plan = plan_step(token_slots, num_slots, {(a.shape[1], k)}, rows_max=limit)
                     label = "rows" if plan.order is None else f"tiles{triton_lora.tile_rows(tokens)}"
                     # The check: the delta alone (y = 0), on up to 64 rows against the reference.
-                    got = lora_expand(lora_shrink(x, a, plan), b, plan, y.clone(), starts).float()
+                    got = finish(lora_shrink(x, a, plan), y.clone(), plan).float()
                     sub = perm[:64]
                     want = lora_reference(x[sub], a, b, starts, token_slots[sub])
+                    if fused:  # y = 0: the activation of the delta alone
+                        gate, up = want.to(dtype).float().chunk(2, dim=1)
+                        want = torch.nn.functional.silu(gate).to(dtype).float() * up
                     err = (got[sub] - want).abs().max().item()
                     scale = want.abs().max().item()
                     ok = err <= (1e-4 if SMOKE else 2e-2) * max(scale, 1e-3)
@@ -163,14 +179,14 @@ def micro(results: dict, args) -> None:
                            "auto": kind == "auto", "max_err": err, "ok": ok, **base}
                     if not SMOKE:
                         ybuf = y.clone()
-                        fn = lambda: lora_expand(lora_shrink(x, a, plan), b, plan, ybuf, starts)  # noqa: E731
+                        fn = lambda: finish(lora_shrink(x, a, plan), ybuf, plan)  # noqa: E731
                         row["lora_eager_us"] = _time_eager(fn)
                         row["lora_graph_us"] = _time_graph(fn)
                         # The projection as the engine runs it: the base GEMM, then the LoRA, in
                         # stream order ("seq") or with the shrink beside the GEMM ("overlap").
-                        row["both_seq_us"] = _time_graph(lambda: (gemm(), fn()))
-                        row["both_overlap_us"] = _time_graph(lambda: lora_expand(
-                            run_beside(side, lambda: lora_shrink(x, a, plan), gemm)[0], b, plan, out, starts))
+                        row["both_seq_us"] = _time_graph(lambda: finish(lora_shrink(x, a, plan), mm(), plan))
+                        row["both_overlap_us"] = _time_graph(
+                            lambda: finish(*run_beside(side, lambda: lora_shrink(x, a, plan), mm), plan))
                         if proj == "qkv":  # once per step, shared by every projection
                             row["plan_graph_us"] = _time_graph(
                                 lambda: plan_step(token_slots, num_slots, {(a.shape[1], k)}, rows_max=limit))

@@ -18,7 +18,8 @@ require_triton()
 from tokenmill.layers.lora import triton_lora  # noqa: E402
 from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots  # noqa: E402
 from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference  # noqa: E402
-from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink, plan_step, plan_tiles  # noqa: E402
+from tokenmill.layers.lora.triton_lora import (  # noqa: E402
+    lora_expand, lora_expand_silu, lora_shrink, plan_step, plan_tiles)
 
 PARTS = {"qkv": [64, 32, 32], "gate_up": [48, 48], "single": [80]}
 
@@ -73,25 +74,39 @@ def test_triton_float16(num_tokens):
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("num_tokens,k", [(1, 40), (7, 300), (40, 300), (600, 72)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_expand_fused_with_silu_and_mul(num_tokens, k, dtype):
+    """gate_up's expand fused with the activation = SiLU-and-mul of (y + the reference's delta),
+    also for tokens without an adapter (their activation, no delta)."""
+    x, a, b, token_slots, y, starts = _case(num_tokens, [48, 48], k=k, seed=5, dtype=dtype)
+    plan = plan_step(token_slots, a.shape[0], {(a.shape[1], k)})
+    out = lora_expand_silu(lora_shrink(x, a, plan), b, plan, y)
+    gate, up = (y.float() + lora_reference(x, a, b, starts, token_slots)).to(dtype).float().chunk(2, dim=1)
+    expected = torch.nn.functional.silu(gate) * up
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("num_tokens,slots", [(17, 3), (40, 9), (600, 5), (530, 40)])
-def test_tiles_cover_each_slot_once(num_tokens, slots):
-    """Every token with an adapter is in exactly one tile, of its own slot, of at most BLOCK_M
-    rows; the tile count fits the static bound (worst case: every slot ends a partial tile)."""
+def test_tiles_cover_each_token_once(num_tokens, slots):
+    """Every token is in exactly one tile, of its own slot (-1: without an adapter), of at most
+    BLOCK_M rows; the tile count fits the static bound (worst case: every group ends a partial tile)."""
     g = torch.Generator().manual_seed(num_tokens)
     token_slots = torch.randint(-1, slots, (num_tokens,), generator=g)
     order, tiles = plan_tiles(token_slots, slots)
     block_m = triton_lora.tile_rows(num_tokens)
     seen = torch.zeros(num_tokens, dtype=torch.int64)
     for slot, first, end in tiles.t().tolist():
-        if slot < 0:
+        if slot == triton_lora.NO_TILE:
             continue
         assert 0 < end - first <= block_m
         rows = order[first:end].long()
         assert (token_slots[rows] == slot).all()
         seen[rows] += 1
-    assert torch.equal(seen, (token_slots >= 0).long())
-    real = int((tiles[0] >= 0).sum())
-    assert (tiles[0, :real] >= 0).all() and (tiles[0, real:] < 0).all()  # real tiles first
+    assert torch.equal(seen, torch.ones(num_tokens, dtype=torch.int64))
+    real = int((tiles[0] != triton_lora.NO_TILE).sum())
+    assert (tiles[0, real:] == triton_lora.NO_TILE).all()  # real tiles first
 
 
 @pytest.mark.parametrize("shape", sorted(PARTS))
@@ -123,3 +138,24 @@ def test_slots_pad_lower_ranks_with_zeros():
     y = slots.apply(x, torch.zeros(3, 32))
     torch.testing.assert_close(y[0, 16:], (x[0] @ a.T) @ b.T)
     assert not y[:, :16].any() and not y[1].any()
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_layer_triton_path_matches_cpu_path(num_tokens):
+    """`LoRASlots` on its Triton path (the plan a CUDA step would build, run by the interpreter):
+    the plain projection hook and gate_up's fused activation equal the CPU path's."""
+    g = torch.Generator().manual_seed(7)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    slots = LoRASlots(batch, 3, 16, 40, [48, 48], torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for part in range(2):
+            slots.set_slot(slot, part, torch.randn(8 + 4 * slot, 40, generator=g), torch.randn(48, 8 + 4 * slot, generator=g))
+    x, y = torch.randn(num_tokens, 40, generator=g), torch.randn(num_tokens, 96, generator=g)
+    token_slots = torch.randint(-1, 3, (num_tokens,), generator=g)
+    batch.prepare(token_slots, token_slots.numpy())
+    want = slots.forward(x, lambda: y.clone())  # the CPU path
+    want_act = torch.nn.functional.silu(want[:, :48]) * want[:, 48:]
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    torch.testing.assert_close(slots.forward(x, lambda: y.clone()), want, atol=1e-4, rtol=1e-4)
+    act = slots.forward_silu_mul(x, lambda: y.clone(), lambda t: None)
+    torch.testing.assert_close(act, want_act, atol=1e-4, rtol=1e-4)

@@ -104,17 +104,33 @@ class LoRASlots:
         if not batch.active or x.shape[0] != batch.num_tokens:
             return base()
         if batch.plan is not None and self.triton:
-            from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
-            plan = batch.plan
-            if batch.side_stream is not None and torch.cuda.is_current_stream_capturing():
-                planes, y = run_beside(batch.side_stream, lambda: lora_shrink(x, self.a, plan), base)
-            else:
-                planes, y = lora_shrink(x, self.a, plan), base()
-            return lora_expand(planes, self.b, plan, y, self.part_starts)
+            from tokenmill.layers.lora.triton_lora import lora_expand
+            planes, y = self._shrink_and_base(x, base)
+            return lora_expand(planes, self.b, batch.plan, y, self.part_starts)
         y = base()
         if batch.device.type == "cuda":  # CUDA without the Triton path: the reference, on the device
             return y.add_(lora_reference(x, self.a, self.b, self.part_starts, batch.token_slots).to(y.dtype))
         return lora_add_grouped(x, y, self.a, self.b, self.part_starts, batch.groups)
+
+    def forward_silu_mul(self, x: torch.Tensor, base: Callable[[], torch.Tensor],
+                         act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """act(base() plus the deltas) for a [gate | up] projection, act being SiLU-and-mul: on the
+        Triton path the expand and the activation are one kernel (y is read once, never rewritten)."""
+        batch = self.batch
+        halves = len(self.part_starts) == 3 and 2 * self.part_starts[1] == self.part_starts[2]
+        if batch.active and x.shape[0] == batch.num_tokens and batch.plan is not None and self.triton and halves:
+            from tokenmill.layers.lora.triton_lora import lora_expand_silu
+            planes, y = self._shrink_and_base(x, base)
+            return lora_expand_silu(planes, self.b, batch.plan, y)
+        return act(self.forward(x, base))
+
+    def _shrink_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shrink's planes and base(): side by side while a CUDA graph is captured."""
+        from tokenmill.layers.lora.triton_lora import lora_shrink
+        batch = self.batch
+        if batch.side_stream is not None and torch.cuda.is_current_stream_capturing():
+            return run_beside(batch.side_stream, lambda: lora_shrink(x, self.a, batch.plan), base)
+        return lora_shrink(x, self.a, batch.plan), base()
 
 
 def run_beside(side: torch.cuda.Stream, first: Callable, second: Callable) -> tuple:
@@ -134,6 +150,13 @@ def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], tor
     """`base()` (the layer's output for `x`) plus the step's LoRA deltas of `layer`, if it has any."""
     lora = layer.__dict__.get("lora")
     return base() if lora is None else lora.forward(x, base)
+
+
+def lora_forward_silu_mul(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
+                          act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`act(base() + deltas)` for a [gate | up] projection whose `act` is SiLU-and-mul (fused on CUDA)."""
+    lora = layer.__dict__.get("lora")
+    return act(base()) if lora is None else lora.forward_silu_mul(x, base, act)
 
 
 def has_lora(layer: torch.nn.Module) -> bool:

@@ -95,7 +95,7 @@ def _shrink_tiles_kernel(x_ptr, a_ptr, out_ptr, order_ptr, tiles_ptr, MAX_TILES,
     """Program (tile, n, split): the tile's rows (one slot) over the split's K range, a dot."""
     i, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s = tl.load(tiles_ptr + i).to(tl.int64)
-    if s < 0:  # past the step's tiles
+    if s < 0:  # tokens without an adapter, or past the step's tiles
         return
     row0 = tl.load(tiles_ptr + MAX_TILES + i)
     row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
@@ -155,6 +155,82 @@ def _expand_tiles_kernel(t_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, MAX_TILES, N
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=write)
 
 
+# ---------------------------------------------------------------- gate_up: expand fused with SiLU-and-mul
+
+@triton.jit(do_not_specialize=["SPLITS"])
+def _expand_silu_rows_kernel(t_ptr, b_ptr, y_ptr, out_ptr, slots_ptr, I, SPLITS,
+                             stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
+                             RANK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Program (token, n): silu(gate + delta) * (up + delta) for columns n of the token, from the
+    base [gate | up] output y (every token: those without an adapter get no delta)."""
+    dtype = y_ptr.dtype.element_ty
+    t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    s = tl.load(slots_ptr + t).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    gate = tl.load(y_ptr + t * stride_yt + n, mask=n_ok, other=0.0).to(tl.float32)
+    up = tl.load(y_ptr + t * stride_yt + I + n, mask=n_ok, other=0.0).to(tl.float32)
+    if s >= 0:
+        r = tl.arange(0, RANK)
+        sp = tl.arange(0, SPLITS_PAD)
+        planes = t_ptr + sp[:, None] * stride_split + t * stride_tt + r[None, :]
+        sp_ok = (sp < SPLITS)[:, None]
+        s_gate = tl.sum(tl.load(planes, mask=sp_ok, other=0.0), axis=0)
+        s_up = tl.sum(tl.load(planes + RANK, mask=sp_ok, other=0.0), axis=0)
+        b_rows = b_ptr + s * stride_bs + n[:, None].to(tl.int64) * stride_bn + r[None, :]
+        b_gate = tl.load(b_rows, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        b_up = tl.load(b_rows + I * stride_bn, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        # y + delta rounded as the unfused path stores it, then the activation's own roundings.
+        gate = (gate + tl.sum(b_gate * s_gate[None, :], axis=1)).to(dtype).to(tl.float32)
+        up = (up + tl.sum(b_up * s_up[None, :], axis=1)).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + n, (silu * up).to(dtype), mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["MAX_TILES", "SPLITS"])
+def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr, MAX_TILES, I, SPLITS,
+                              stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
+                              RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              IEEE: tl.constexpr):
+    """Program (tile, n): the activation of the tile's rows, columns n; tiles of tokens without an
+    adapter (slot -1) get no delta."""
+    dtype = y_ptr.dtype.element_ty
+    i, pid_n = tl.program_id(0), tl.program_id(1)
+    s = tl.load(tiles_ptr + i).to(tl.int64)
+    if s < -1:  # past the step's tiles
+        return
+    row0 = tl.load(tiles_ptr + MAX_TILES + i)
+    row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
+    m = row0 + tl.arange(0, BLOCK_M)
+    m_ok = m < row1
+    rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    ok = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
+    gate = tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(y_ptrs + I, mask=ok, other=0.0).to(tl.float32)
+    if s >= 0:
+        r = tl.arange(0, RANK)
+        t_ptrs = t_ptr + rows[:, None] * stride_tt + r[None, :]
+        s_gate = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+        s_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+        for split in range(0, SPLITS):
+            s_gate += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
+            s_up += tl.load(t_ptrs + split * stride_split + RANK, mask=m_ok[:, None], other=0.0)
+        b_cols = b_ptr + s * stride_bs + n[None, :].to(tl.int64) * stride_bn + r[:, None]
+        b_gate = tl.load(b_cols, mask=n_ok[None, :], other=0.0)
+        b_up = tl.load(b_cols + I * stride_bn, mask=n_ok[None, :], other=0.0)
+        if IEEE:
+            gate = (gate + tl.dot(s_gate, b_gate, input_precision="ieee")).to(dtype).to(tl.float32)
+            up = (up + tl.dot(s_up, b_up, input_precision="ieee")).to(dtype).to(tl.float32)
+        else:
+            gate = (gate + tl.dot(s_gate.to(dtype), b_gate)).to(dtype).to(tl.float32)
+            up = (up + tl.dot(s_up.to(dtype), b_up)).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], (silu * up).to(dtype), mask=ok)
+
+
 # ---------------------------------------------------------------- per step: the plan
 
 def tile_rows(num_tokens: int) -> int:
@@ -163,28 +239,33 @@ def tile_rows(num_tokens: int) -> int:
 
 
 def max_tiles(num_tokens: int, num_slots: int) -> int:
-    """An upper bound on a step's tiles: every tile has a token; each slot adds at most one partial tile."""
-    return min(num_tokens, triton.cdiv(num_tokens, tile_rows(num_tokens)) + num_slots)
+    """An upper bound on a step's tiles: every tile has a token; each group of tokens (a slot's,
+    and the tokens without an adapter) adds at most one partial tile."""
+    return min(num_tokens, triton.cdiv(num_tokens, tile_rows(num_tokens)) + num_slots + 1)
+
+
+NO_TILE = -2  # a tile table entry past the step's tiles (-1: a tile of tokens without an adapter)
 
 
 def plan_tiles(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's tiles, on the device without a host sync: `order` (int32 [T], token indices sorted
-    by slot, -1 first) and `tiles` (int32 [3, max_tiles]: each tile's slot (-1: no tile), first
-    and end position in `order`). Slot s's tokens are cut into ceil(count / BLOCK_M) tiles."""
+    by slot, -1 first) and `tiles` (int32 [3, max_tiles]: each tile's slot (-1: tokens without an
+    adapter, which only the fused activation reads; NO_TILE: none), first and end position in
+    `order`). Each group's tokens are cut into ceil(count / BLOCK_M) tiles, the groups in order."""
     num_tokens, device = token_slots.shape[0], token_slots.device
     block_m, limit = tile_rows(num_tokens), max_tiles(num_tokens, num_slots)
     sorted_slots, order = torch.sort(token_slots.to(torch.int32), stable=True)
-    slot_ids = torch.arange(num_slots, dtype=torch.int32, device=device)
-    starts = torch.searchsorted(sorted_slots, slot_ids)
-    ends = torch.searchsorted(sorted_slots, slot_ids, right=True)
-    per_slot = (ends - starts + block_m - 1) // block_m
-    tile_end = per_slot.cumsum(0)
+    groups = torch.arange(-1, num_slots, dtype=torch.int32, device=device)
+    starts = torch.searchsorted(sorted_slots, groups)
+    ends = torch.searchsorted(sorted_slots, groups, right=True)
+    per_group = (ends - starts + block_m - 1) // block_m
+    tile_end = per_group.cumsum(0)
     tile = torch.arange(limit, dtype=torch.int64, device=device)
-    slot = torch.searchsorted(tile_end, tile, right=True)
-    real = slot < num_slots
-    slot = slot.clamp_max(num_slots - 1)
-    first = starts[slot] + (tile - (tile_end[slot] - per_slot[slot])) * block_m
-    tiles = torch.stack([torch.where(real, slot, -1), first, torch.minimum(first + block_m, ends[slot])])
+    group = torch.searchsorted(tile_end, tile, right=True)
+    real = group <= num_slots
+    group = group.clamp_max(num_slots)
+    first = starts[group] + (tile - (tile_end[group] - per_group[group])) * block_m
+    tiles = torch.stack([torch.where(real, group - 1, NO_TILE), first, torch.minimum(first + block_m, ends[group])])
     return order.to(torch.int32), tiles.to(torch.int32)
 
 
@@ -288,7 +369,7 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, plan: StepPlan) -> torch.Tenso
 
 @functools.cache
 def _expand_launch(rows: bool, num_tokens: int, n: int, part_starts: tuple[int, ...], lead: int) -> tuple:
-    block_n = expand_block_n(part_starts, 256 if rows else 64)
+    block_n = expand_block_n(part_starts, 256 if rows else 128)
     assert block_n, "part boundaries must be multiples of 16"
     bounds = list(part_starts[1:-1]) + [_BIG] * (3 - len(part_starts) + 1)
     return (lead, triton.cdiv(n, block_n)), block_n, bounds[0], bounds[1]
@@ -315,3 +396,27 @@ def lora_expand(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.
                                    IEEE=b.dtype == torch.float32)
     return y
 
+
+
+def lora_expand_silu(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the [gate | up] projection's output `y` plus its LoRA deltas, in one pass
+    (instead of the expand adding into y and the activation reading it back): a new [T, I] tensor
+    with `SiluAndMul`'s roundings. `b`: [slots, 2 * I, R]; `planes`: the shrink's [splits, T, 2R]."""
+    splits, num_tokens, _ = planes.shape
+    inter, rank = b.shape[1] // 2, b.shape[2]
+    assert y.stride(1) == 1 and b.stride(2) == 1 and y.shape[1] == 2 * inter
+    out = torch.empty(num_tokens, inter, dtype=y.dtype, device=y.device)
+    if plan.order is None:
+        block_n = min(256, triton.next_power_of_2(inter))
+        _expand_silu_rows_kernel[(num_tokens, triton.cdiv(inter, block_n))](
+            planes, b, y, out, plan.token_slots, inter, splits, planes.stride(0), planes.stride(1),
+            b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_N=block_n,
+            SPLITS_PAD=_ROWS_MAX_SPLITS)
+    else:
+        block_n = min(64, triton.next_power_of_2(inter))
+        lead = plan.tiles.shape[1]
+        _expand_silu_tiles_kernel[(lead, triton.cdiv(inter, block_n))](
+            planes, b, y, out, plan.order, plan.tiles, lead, inter, splits, planes.stride(0), planes.stride(1),
+            b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_M=tile_rows(num_tokens),
+            BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
+    return out
