@@ -168,5 +168,7 @@ class LoRAManager:
                 y = torch.zeros(tokens, slots.b.shape[1], dtype=self.dtype, device=self.device)
                 self.batch.prepare(torch.zeros(tokens, dtype=torch.int64, device=self.device))
                 slots.apply(x, y)
+                if len(slots.part_starts) == 3:  # gate_up's expand fused with SiLU-and-mul
+                    slots.forward_silu_mul(x, lambda: y, lambda t: t)
         self.batch.clear()
         torch.cuda.synchronize()
