@@ -89,7 +89,7 @@ def _time_eager(fn, iters: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
-def _time_graph(fn, reps: int = 10, replays: int = 20) -> float:
+def _time_graph(fn, reps: int = 10, replays: int = 200) -> float:
     """Microseconds per call inside a CUDA graph: `reps` calls captured, the graph replayed."""
     fn()
     torch.cuda.synchronize()
@@ -97,9 +97,12 @@ def _time_graph(fn, reps: int = 10, replays: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(reps):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    replays = max(3, min(replays, int(50.0 / max(start.elapsed_time(end), 1e-3))))  # about 50 ms at most
     start.record()
     for _ in range(replays):
         graph.replay()
