@@ -63,7 +63,7 @@ class LoRAManager:
                 self.slots[(i, name)] = slots
         # Per persistent-batch row (the last is the scratch row of padded graph rows): its adapter slot.
         self.row_slot = np.full(max_rows + 1, -1, dtype=np.int64)
-        self.row_slot_dev = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=device)
+        self.row_slot_dev = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=device)
         self.host: OrderedDict[int, dict] = OrderedDict()  # adapter id -> this rank's tensors (LRU)
         self.held: list[LoRARef | None] = [None] * config.max_loras
         self.num_reads = 0  # adapters read from disk (tests: evictions of the host LRU)
