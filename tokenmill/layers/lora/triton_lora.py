@@ -307,6 +307,11 @@ def shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int
     return ShrinkConfig(rows, (lead, triton.cdiv(n, block_n), splits), splits, k_per_split, block_n, block_k, block_m)
 
 
+def _tile_warps(block_m: int, block_n: int) -> int:
+    """Warps of a tile kernel holding float32 [block_m, block_n] values (few registers per thread)."""
+    return 8 if block_m * block_n >= 8192 else 4
+
+
 def expand_block_n(part_starts: tuple[int, ...], widest: int = 64) -> int:
     """The widest BLOCK_N (16..`widest`) dividing every part boundary; 0 when none does."""
     block = widest
@@ -393,7 +398,7 @@ def lora_expand(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.
         _expand_tiles_kernel[grid](planes, b, y, plan.order, plan.tiles, plan.tiles.shape[1], n, p1, p2, splits,
                                    planes.stride(0), planes.stride(1), b.stride(0), b.stride(1), y.stride(0),
                                    RANK=rank, BLOCK_M=tile_rows(num_tokens), BLOCK_N=block_n,
-                                   IEEE=b.dtype == torch.float32)
+                                   IEEE=b.dtype == torch.float32, num_warps=_tile_warps(tile_rows(num_tokens), block_n))
     return y
 
 
@@ -418,5 +423,5 @@ def lora_expand_silu(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: t
         _expand_silu_tiles_kernel[(lead, triton.cdiv(inter, block_n))](
             planes, b, y, out, plan.order, plan.tiles, lead, inter, splits, planes.stride(0), planes.stride(1),
             b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_M=tile_rows(num_tokens),
-            BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
+            BLOCK_N=block_n, IEEE=b.dtype == torch.float32, num_warps=_tile_warps(tile_rows(num_tokens), 2 * block_n))
     return out
