@@ -33,6 +33,7 @@ import os
 import sys
 import tempfile
 import time
+import traceback
 
 SMOKE = "--smoke" in sys.argv
 if SMOKE:  # the kernels run under Triton's interpreter on CPU (read when they are defined)
@@ -162,38 +163,42 @@ def micro(results: dict, args) -> None:
                 token_slots = perm % adapters  # a uniform mix, every token with an adapter
                 kinds = ["auto"] + (["other"] if tokens in both_kinds else [])
                 for kind in kinds:
-                    use_rows = (tokens <= rows_max) if kind == "auto" else not tokens <= rows_max
-                    limit = tokens if use_rows else tokens - 1
-                    plan = plan_step(token_slots, num_slots, {(a.shape[1], k)}, rows_max=limit)
-                    label = "rows" if plan.order is None else f"tiles{triton_lora.tile_rows(tokens)}"
-                    # The check: the delta alone (y = 0), on up to 64 rows against the reference.
-                    got = finish(lora_shrink(x, a, plan), y.clone(), plan).float()
-                    sub = perm[:64]
-                    want = lora_reference(x[sub], a, b, starts, token_slots[sub])
-                    if fused:  # y = 0: the activation of the delta alone
-                        gate, up = want.to(dtype).float().chunk(2, dim=1)
-                        want = torch.nn.functional.silu(gate).to(dtype).float() * up
-                    err = (got[sub] - want).abs().max().item()
-                    scale = want.abs().max().item()
-                    ok = err <= (1e-4 if SMOKE else 2e-2) * max(scale, 1e-3)
-                    check(ok, f"micro {proj} T={tokens} adapters={adapters} {label}: max error {err:.2e} "
-                              f"(delta scale {scale:.2f})")
-                    row = {"proj": proj, "tokens": tokens, "adapters": adapters, "kernel": label,
-                           "auto": kind == "auto", "max_err": err, "ok": ok, **base}
-                    if not SMOKE:
-                        ybuf = y.clone()
-                        fn = lambda: finish(lora_shrink(x, a, plan), ybuf, plan)  # noqa: E731
-                        row["lora_eager_us"] = _time_eager(fn)
-                        row["lora_graph_us"] = _time_graph(fn)
-                        # The projection as the engine runs it: the base GEMM, then the LoRA, in
-                        # stream order ("seq") or with the shrink beside the GEMM ("overlap").
-                        row["both_seq_us"] = _time_graph(lambda: finish(lora_shrink(x, a, plan), mm(), plan))
-                        row["both_overlap_us"] = _time_graph(
-                            lambda: finish(*run_beside(side, lambda: lora_shrink(x, a, plan), mm), plan))
-                        if proj == "qkv":  # once per step, shared by every projection
-                            row["plan_graph_us"] = _time_graph(
-                                lambda: plan_step(token_slots, num_slots, {(a.shape[1], k)}, rows_max=limit))
-                    rows.append(row)
+                    try:
+                        use_rows = (tokens <= rows_max) if kind == "auto" else not tokens <= rows_max
+                        limit = tokens if use_rows else tokens - 1
+                        plan = plan_step(token_slots, num_slots, {(a.shape[1], k)}, rows_max=limit)
+                        label = "rows" if plan.order is None else f"tiles{triton_lora.tile_rows(tokens)}"
+                        # The check: the delta alone (y = 0), on up to 64 rows against the reference.
+                        got = finish(lora_shrink(x, a, plan), y.clone(), plan).float()
+                        sub = perm[:64]
+                        want = lora_reference(x[sub], a, b, starts, token_slots[sub])
+                        if fused:  # y = 0: the activation of the delta alone
+                            gate, up = want.to(dtype).float().chunk(2, dim=1)
+                            want = torch.nn.functional.silu(gate).to(dtype).float() * up
+                        err = (got[sub] - want).abs().max().item()
+                        scale = want.abs().max().item()
+                        ok = err <= (1e-4 if SMOKE else 2e-2) * max(scale, 1e-3)
+                        check(ok, f"micro {proj} T={tokens} adapters={adapters} {label}: max error {err:.2e} "
+                                  f"(delta scale {scale:.2f})")
+                        row = {"proj": proj, "tokens": tokens, "adapters": adapters, "kernel": label,
+                               "auto": kind == "auto", "max_err": err, "ok": ok, **base}
+                        if not SMOKE:
+                            ybuf = y.clone()
+                            fn = lambda: finish(lora_shrink(x, a, plan), ybuf, plan)  # noqa: E731
+                            row["lora_eager_us"] = _time_eager(fn)
+                            row["lora_graph_us"] = _time_graph(fn)
+                            # The projection as the engine runs it: the base GEMM, then the LoRA, in
+                            # stream order ("seq") or with the shrink beside the GEMM ("overlap").
+                            row["both_seq_us"] = _time_graph(lambda: finish(lora_shrink(x, a, plan), mm(), plan))
+                            row["both_overlap_us"] = _time_graph(
+                                lambda: finish(*run_beside(side, lambda: lora_shrink(x, a, plan), mm), plan))
+                            if proj == "qkv":  # once per step, shared by every projection
+                                row["plan_graph_us"] = _time_graph(
+                                    lambda: plan_step(token_slots, num_slots, {(a.shape[1], k)}, rows_max=limit))
+                        rows.append(row)
+                    except Exception as exc:  # one shape's failure: recorded, the others still measured
+                        traceback.print_exc()
+                        check(False, f"micro {proj} T={tokens} adapters={adapters} {kind} raised {exc!r}"[:400])
             del x, y
     results["micro"] = rows
     if SMOKE:
@@ -439,18 +444,19 @@ def main() -> int:
     results: dict = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "torch": torch.__version__,
                      "parts": sorted(parts)}
     start_all = time.perf_counter()
-    for name, fn in (("micro", micro), ("tiny", tiny)):
-        if name in parts:
-            start = time.perf_counter()
-            print(f"==== {name}", flush=True)
-            fn(results, args)
-            print(f"[{name} took {time.perf_counter() - start:.0f} s]", flush=True)
-            save(results)
+    steps = [(name, fn) for name, fn in (("micro", micro), ("tiny", tiny)) if name in parts]
     if parts & {"engine", "batch1"}:
+        steps.append(("engine / batch1", lambda res, a: engines(res, a, parts)))
+    for name, fn in steps:
         start = time.perf_counter()
-        print("==== engine / batch1", flush=True)
-        engines(results, args, parts)
-        print(f"[engines took {time.perf_counter() - start:.0f} s]")
+        print(f"==== {name}", flush=True)
+        try:
+            fn(results, args)
+        except Exception as exc:  # the other parts still run; the run fails
+            traceback.print_exc()
+            check(False, f"{name} raised {type(exc).__name__}: {exc}"[:500])
+        print(f"[{name} took {time.perf_counter() - start:.0f} s]", flush=True)
+        save(results)
     results["total_s"] = time.perf_counter() - start_all
     save(results)
     print(f"total {results['total_s']:.0f} s; {len(FAILED)} failed check(s); wrote {OUT}/gpu_lora.json and .md")
