@@ -149,7 +149,8 @@ def test_layer_triton_path_matches_cpu_path(num_tokens):
     slots = LoRASlots(batch, 3, 16, 40, [48, 48], torch.float32, torch.device("cpu"))
     for slot in range(3):
         for part in range(2):
-            slots.set_slot(slot, part, torch.randn(8 + 4 * slot, 40, generator=g), torch.randn(48, 8 + 4 * slot, generator=g))
+            rank = 8 + 4 * slot
+            slots.set_slot(slot, part, torch.randn(rank, 40, generator=g), torch.randn(48, rank, generator=g))
     x, y = torch.randn(num_tokens, 40, generator=g), torch.randn(num_tokens, 96, generator=g)
     token_slots = torch.randint(-1, 3, (num_tokens,), generator=g)
     batch.prepare(token_slots, token_slots.numpy())
