@@ -53,6 +53,22 @@ def test_int4_gemm_matches_reference(m, group, act_order):
     assert (x.double() @ w.double().t() - ref).abs().max() > 1e-2  # the weight really is quantized
 
 
+@pytest.mark.parametrize("group,act_order", [(32, False), (-1, False), (32, True)])
+def test_int4_dequantize_kernel_matches_reference(group, act_order, monkeypatch):
+    """The large-batch path: the Triton dequantization writes exactly the reference's W^T, and
+    int4_matmul takes it from DEQUANT_MIN_ROWS rows."""
+    from tokenmill.layers.quantization import triton_int4
+
+    _, _, wt = _int4_case(n=136, k=96, group=group, act_order=act_order)
+    got = triton_int4.dequantize_int4(wt.qweight, wt.scales, wt.zeros, wt.g_idx, group, torch.float32)
+    torch.testing.assert_close(got, packing.dequantize(wt, group, torch.float32), atol=0, rtol=0)
+    monkeypatch.setattr(triton_int4, "DEQUANT_MIN_ROWS", 4)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ packing.dequantize(wt, group, torch.float64)
+    out = triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, wt.g_idx, group)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("m", [1, 40])
 def test_block_fp8_gemm_matches_reference(m):
     from tokenmill.layers.quantization.triton_fp8 import block_fp8_gemm

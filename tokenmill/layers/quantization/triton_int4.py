@@ -8,8 +8,10 @@ scales and zeros are one row, loaded once per tile.
 
 Small batches (decode) are bound by reading the weight, a quarter of bf16's: tiles of 16 rows
 and split-K (programs add their partial sums into a float32 output) so that every SM streams
-weights. Large batches use wide tiles and no split. The torch reference is
-`int4_packing.dequantize` followed by a matmul.
+weights. Medium batches use wide tiles and no split. Large batches (prefill, from
+`DEQUANT_MIN_ROWS` rows) are compute-bound: `dequantize_int4` writes W^T [K, N] in the
+activation dtype (reading int4, writing 16 bits: small next to the GEMM) and cuBLAS multiplies.
+The torch reference of both is `int4_packing.dequantize` followed by a matmul.
 
 Requires triton at import; `int4.py` imports this module lazily.
 """
@@ -69,6 +71,54 @@ def _int4_gemm_kernel(
         tl.atomic_add(c_ptr + c_off, acc, mask=c_mask, sem="relaxed")
     else:
         tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, s_qk, s_sg, s_wk,
+                         GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+    packed = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * s_qk + offs_n[None, :], mask=mask, other=0)
+    q = ((packed >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+    if HAS_GIDX:
+        g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0).to(tl.int64)
+    else:
+        g = (offs_k // GROUP).to(tl.int64)
+    sz_off = g[:, None] * s_sg + offs_n[None, :]
+    s = tl.load(s_ptr + sz_off, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sz_off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(w_ptr + offs_k[:, None].to(tl.int64) * s_wk + offs_n[None, :], ((q - z) * s).to(w_ptr.dtype.element_ty),
+             mask=mask)
+
+
+# From this many rows the dequantize-then-cuBLAS path runs (`int4_matmul`): the fused kernel's
+# tiles cannot match cuBLAS where the GEMM is compute-bound. A guess for an H100 until measured
+# (scripts/gpu_quant.py --parts micro times both); batches captured in CUDA graphs stay below it.
+DEQUANT_MIN_ROWS = 1024
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor | None,
+                    group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel layout back to W^T [K, N] in `dtype` (== int4_packing.dequantize)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    out = torch.empty((k, n), dtype=dtype, device=qweight.device)
+    block_k, block_n = 32, 128
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    _int4_dequant_kernel[grid](qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, n, k,
+                               qweight.stride(0), scales.stride(0), out.stride(0),
+                               GROUP=k if group_size == -1 else group_size, HAS_GIDX=g_idx is not None,
+                               BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                g_idx: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """x [M, K] @ W^T: the fused dequantize-GEMM below DEQUANT_MIN_ROWS rows, else dequantize + cuBLAS."""
+    if x.shape[0] >= DEQUANT_MIN_ROWS:
+        return x @ dequantize_int4(qweight, scales, zeros, g_idx, group_size, x.dtype)
+    return int4_gemm(x, qweight, scales, zeros, g_idx, group_size)
 
 
 @functools.cache
