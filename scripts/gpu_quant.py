@@ -404,7 +404,7 @@ def micro(results: dict, device: str) -> None:
 
 PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "micro", "tiny"]
 # Most seconds a part may take (the budget left caps it further).
-PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "micro": 90, "tiny": 120}
+PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "micro": 70, "tiny": 100}
 
 
 def run_part(name: str, smoke: bool) -> dict:
