@@ -104,11 +104,16 @@ def kernels(results: dict, device: str) -> None:
         ref_w = packing.dequantize(wt, group, torch.float32)
         for m in (1, 7, 64, 300):
             x = torch.randn(m, k, generator=g).to(device, dt)
-            out = int4_gemm(x, wt.qweight, wt.scales, wt.zeros, wt.g_idx, group).float()
             ref = x.float() @ ref_w
-            err = ((out - ref).norm() / ref.norm()).item()
-            rec[f"int4_{n}x{k}_g{group}{'_act' if act_order else ''}_m{m}"] = err
-            check(err < 1e-2, f"int4 GEMM {m}x{k}x{n} group {group}{' act-order' if act_order else ''}: rel err {err:.1e}")
+            for unpack_3d in (True, False):
+                out = int4_gemm(x, wt.qweight, wt.scales, wt.zeros, wt.g_idx, group, unpack_3d=unpack_3d).float()
+                err = ((out - ref).norm() / ref.norm()).item()
+                how = "reshape" if unpack_3d else "row loads"
+                rec[f"int4_{n}x{k}_g{group}{'_act' if act_order else ''}_m{m}_{how}"] = err
+                check(err < 1e-2, f"int4 GEMM ({how}) {m}x{k}x{n} group {group}{' act-order' if act_order else ''}: "
+                                  f"rel err {err:.1e}")
+    from tokenmill.layers.quantization import triton_int4
+    check(triton_int4.UNPACK_3D, "int4 GEMM: the reshape unpacking compiled (no fallback)")
     # The engine's fp8 Linear: on CUDA it must take the _scaled_mm path (no slow-path fallback).
     from tokenmill.layers.linear import Linear
     from tokenmill.layers.quantization import fp8 as fp8_method
@@ -377,6 +382,8 @@ def micro(results: dict, device: str) -> None:
             r = {"bf16": _time_ms(lambda: x @ wb.t(), device), "fp8": _time_ms(fp8, device),
                  "int4_fused": _time_ms(lambda: triton_int4.int4_gemm(x, wt.qweight, wt.scales, wt.zeros, None, 128),
                                         device),
+                 "int4_fused_rowloads": _time_ms(lambda: triton_int4.int4_gemm(
+                     x, wt.qweight, wt.scales, wt.zeros, None, 128, unpack_3d=False), device),
                  "int4_dequant_mm": _time_ms(lambda: x @ triton_int4.dequantize_int4(
                      wt.qweight, wt.scales, wt.zeros, None, 128, dt), device)}
             rec[f"{name}_{n}x{k}_m{m}"] = r
@@ -452,10 +459,11 @@ def _markdown(results: dict) -> str:
     totals = results.get("micro_layer_totals_ms")
     if totals:
         lines += ["", "One Llama-8B layer's four linears (CUDA-graph replays), microseconds:", "",
-                  "| rows | bf16 | fp8 | int4 fused | int4 dequant + mm |", "|---|---|---|---|---|"]
+                  "| rows | bf16 | fp8 | int4 fused | int4 fused (row loads) | int4 dequant + mm |",
+                  "|---|---|---|---|---|---|"]
         for m, t in totals.items():
             lines.append(f"| {m} | {t['bf16'] * 1000:.0f} | {t['fp8'] * 1000:.0f} | {t['int4_fused'] * 1000:.0f} "
-                         f"| {t['int4_dequant_mm'] * 1000:.0f} |")
+                         f"| {t['int4_fused_rowloads'] * 1000:.0f} | {t['int4_dequant_mm'] * 1000:.0f} |")
     lines += ["", f"Parts: {results['part_status']}", f"Failures: {results['failures'] or 'none'}", ""]
     return "\n".join(lines)
 

@@ -48,8 +48,10 @@ def test_int4_gemm_matches_reference(m, group, act_order):
     torch.testing.assert_close(packing.dequantize(wt, group, torch.float64).t(),
                                packing.dequantize_codes(codes).double(), atol=1e-6, rtol=0)
     for split in (1, 2):
-        out = int4_gemm(x, wt.qweight, wt.scales, wt.zeros, wt.g_idx, group, tiles=(16, 32, 32 if group != -1 else 32, split, 4))
-        torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-4)
+        for unpack_3d in (True, False):  # words unpacked by a reshape / loaded per nibble row
+            out = int4_gemm(x, wt.qweight, wt.scales, wt.zeros, wt.g_idx, group, tiles=(16, 32, 32, split, 4),
+                            unpack_3d=unpack_3d)
+            torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-4)
     assert (x.double() @ w.double().t() - ref).abs().max() > 1e-2  # the weight really is quantized
 
 
