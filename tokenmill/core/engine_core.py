@@ -132,6 +132,8 @@ class EngineCore:
         outputs = self._with_grammar_news(self.scheduler.update(batch, result))
         if batch.awaits_bitmask:
             self._advance_grammars(batch)
+        if result.draft_rows:  # constrained rows' drafts for the next step (its mask needs them)
+            self.grammars.take_drafts(batch, result, self.scheduler.requests)
         self._send_due_bitmask()
         self.stats_logger.record_step(batch.total_num_scheduled_tokens,
                                       outputs.num_new_tokens())
