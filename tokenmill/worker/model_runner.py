@@ -362,8 +362,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def finish_step(self, mask: GrammarBitmask) -> None:
-        """Sample the step `launch` left waiting for its grammar masks."""
+        """Sample the step `launch` left waiting for its grammar masks (a pipeline stage before
+        the last samples nothing: the masks every rank reads are dropped there)."""
         deferred, self._deferred = self._deferred, None
+        if deferred is None and not self.stage.is_last:
+            self.last_mask_wait = None
+            return
         assert deferred is not None and deferred.step.step_id == mask.step_id, "a mask for another step"
         arrived = time.perf_counter()
         # Whether the device had finished the forward pass before the mask came (it waited).
