@@ -2,8 +2,8 @@
 requests beside plain ones give one process's tokens, async scheduling on and off. The masks go
 through the ring to every rank as they do without pipeline parallelism; only the last stage (the
 sampler) applies them. Pipeline parallelism schedules no row past the tokens it knows, so the
-engine core makes each step's masks as soon as it submits the step, and steps of both stages
-stay in flight. The Ray executor still refuses constraints, naming the field."""
+engine core makes each step's masks as soon as it submits the step, and the queue of steps in
+flight stays full. (The Ray executor's path: tests/parallel/test_ray_executor.py.)"""
 
 from __future__ import annotations
 
