@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -84,36 +85,82 @@ def check(results: dict, smoke: bool) -> bool:
     return ok
 
 
-def bench(results: dict, smoke: bool, max_num_seqs: int) -> None:
-    """One GPU, TP=2 and PP=2 on the 8B shape at the same max_num_seqs, in one call."""
+_BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
+    "tp1": ([], {}),
+    "tp2": (["--tensor-parallel-size", "2"], {}),
+    "tp2-nccl": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE": "nccl"}),
+    # The same TP=2 steps with every all-reduce skipped (wrong outputs, same shapes and lengths:
+    # --ignore-eos): the device step's difference from tp2 is what the all-reduces cost a step.
+    "tp2-no-all-reduce": (["--tensor-parallel-size", "2"], {"TOKENMILL_BENCH_SKIP_ALL_REDUCE": "1"}),
+    "pp2": (["--pipeline-parallel-size", "2"], {}),
+}
+_STEP_KEYS = ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "device_idle_fraction_p50")
+
+
+def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], workload: tuple[int, int, int],
+          label: str) -> None:
+    """`layouts` on the 8B shape at the same max_num_seqs, in one call; ratios to tp1."""
     shape = "llama8b-smoke" if smoke else "llama8b"
-    n, lin, lout = (8, 16, 8) if smoke else (1000, 512, 256)
+    n, lin, lout = (min(workload[0], 8), 16, 8) if smoke else workload
     extra = ["--max-num-seqs", str(max_num_seqs), "--warmup", "0"]
     if smoke:
         extra += ["--kv-cache-memory-gb", "0.05"]
-    figures = {}
-    layouts = (("tp1", []), ("tp2", ["--tensor-parallel-size", "2"]), ("pp2", ["--pipeline-parallel-size", "2"]))
-    for name, flags in layouts:
-        device_check.bench(results, shape, n, lin, lout, baseline=False, extra=[*flags, *extra], run=f"_{name}")
-        key = next(k for k in results if k.startswith(f"bench_{shape}_{n}x{lin}x{lout}") and k.endswith(f"_{name}"))
+    figures: dict[str, dict] = {}
+    for name in layouts:
+        flags, env = _BENCH_LAYOUTS[name]
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            device_check.bench(results, shape, n, lin, lout, baseline=False, extra=[*flags, *extra],
+                               run=f"_{label}_{name}")
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        key = next(k for k in results if k.startswith(f"bench_{shape}_{n}x{lin}x{lout}") and k.endswith(f"_{label}_{name}"))
         tm = results[key].get("tokenmill") or {}
-        figures[name] = tm.get("output_tokens_per_s")
-    one = figures.get("tp1")
-    ratios = {k: (v / one if v and one else None) for k, v in figures.items() if k != "tp1"}
-    targets = {"tp2": 1.75, "pp2": 1.85}
-    results["layout_bench"] = {"max_num_seqs": max_num_seqs, "output_tok_s": figures, "ratio_to_one_gpu": ratios,
-                               "targets": targets}
-    print(f"{'layout':<6} {'out tok/s':>10} {'x one GPU':>10} {'target':>7}")
-    for name, value in figures.items():
+        figures[name] = {k: tm.get(k) for k in _STEP_KEYS}
+        figures[name]["pipeline"] = tm.get("pipeline")
+    one = (figures.get("tp1") or {}).get("output_tokens_per_s")
+    ratios = {k: (v["output_tokens_per_s"] / one if v.get("output_tokens_per_s") and one else None)
+              for k, v in figures.items() if k != "tp1"}
+    step = {k: v.get("device_step_ms_p50") for k, v in figures.items()}
+    all_reduce_ms = (step["tp2"] - step["tp2-no-all-reduce"]
+                     if step.get("tp2") and step.get("tp2-no-all-reduce") else None)
+    targets = {"tp2": 1.75, "pp2": 1.85} if label == "throughput" else {}
+    results[f"layout_{label}"] = {"max_num_seqs": max_num_seqs, "workload": [n, lin, lout], "layouts": figures,
+                                  "ratio_to_one_gpu": ratios, "targets": targets,
+                                  "all_reduce_ms_per_decode_step_p50": all_reduce_ms}
+    print(f"{label}: {n} x {lin} x {lout}, max_num_seqs {max_num_seqs}")
+    print(f"{'layout':<18} {'out tok/s':>10} {'x one GPU':>10} {'target':>7} {'tpot p50':>9} {'step p50':>9}")
+    for name, fig in figures.items():
         r = ratios.get(name)
-        print(f"{name:<6} {value if value is None else round(value):>10} "
-              f"{'' if r is None else f'{r:.2f}':>10} {targets.get(name, ''):>7}")
+        value = fig.get("output_tokens_per_s")
+        print(f"{name:<18} {'-' if value is None else round(value):>10} {'' if r is None else f'{r:.3f}':>10} "
+              f"{targets.get(name, ''):>7} {fig.get('tpot_ms_p50') or 0:9.3f} {fig.get('device_step_ms_p50') or 0:9.3f}")
+    if all_reduce_ms is not None:
+        print(f"all-reduces per decode step (tp2 - tp2-no-all-reduce, device step p50): {all_reduce_ms:.3f} ms")
+
+
+def all_reduce(results: dict, smoke: bool) -> bool:
+    """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked."""
+    if smoke:
+        print("all-reduce: needs two GPUs (skipped in --smoke)")
+        return True
+    record = os.path.join(OUT, "all_reduce.json")
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2",
+                           "--output-json", record], cwd=REPO, text=True)
+    if os.path.exists(record):
+        with open(record) as f:
+            results["all_reduce"] = json.load(f)
+    return proc.returncode == 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="check,bench")
-    ap.add_argument("--max-num-seqs", type=int, default=256, help="the same for every layout of the bench")
+    ap.add_argument("--parts", default="allreduce,check,batch1,bench")
+    ap.add_argument("--max-num-seqs", type=int, default=1024, help="the same for every layout of the bench")
+    ap.add_argument("--layouts", default="tp1,tp2,tp2-no-all-reduce,pp2", help="the bench's layouts: "
+                    + ", ".join(_BENCH_LAYOUTS))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
@@ -131,9 +178,13 @@ def main() -> int:
         if part == "check":
             ok = check(results, args.smoke) and ok
         elif part == "bench":
-            bench(results, args.smoke, args.max_num_seqs)
+            bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput")
+        elif part == "batch1":
+            bench(results, args.smoke, 1, ["tp1", "tp2"], (4, 512, 256), "batch1")
+        elif part == "allreduce":
+            ok = all_reduce(results, args.smoke) and ok
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (check, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, batch1, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)

@@ -84,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     core_step.add_parser(bench_sub)
     spec_decode.add_parser(bench_sub)
     bf16_deviation.add_parser(bench_sub)
-    from tokenmill.benchmarks import layout_check
+    from tokenmill.benchmarks import all_reduce, layout_check
     layout_check.add_parser(bench_sub)
+    all_reduce.add_parser(bench_sub)
     return parser
 
 

@@ -13,6 +13,7 @@ model (torch.distributed's own default group lives in the worker process, which 
 from __future__ import annotations
 
 import logging
+import os
 from datetime import timedelta
 
 import torch
@@ -20,6 +21,7 @@ import torch.distributed as dist
 
 from tokenmill.config import ModelArch, ParallelConfig
 from tokenmill.distributed.layout import RankLayout
+from tokenmill.distributed.symm_all_reduce import SymmetricAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -27,11 +29,19 @@ _INIT_TIMEOUT = timedelta(minutes=10)
 
 
 class ParallelContext:
-    def __init__(self, layout: RankLayout, tp_group=None, pp_group=None, backend: str | None = None) -> None:
+    def __init__(self, layout: RankLayout, tp_group=None, pp_group=None, backend: str | None = None,
+                 symm: SymmetricAllReduce | None = None) -> None:
         self.layout = layout
         self.tp_group = tp_group
         self.pp_group = pp_group
         self.backend = backend
+        self.symm = symm  # small TP all-reduces over peer buffers (CUDA); None: NCCL / gloo only
+        # Measurement only (`bench throughput` with TOKENMILL_BENCH_SKIP_ALL_REDUCE=1): TP steps
+        # without their all-reduces, to time what the all-reduces cost a step. Wrong results.
+        self.skip_all_reduce = os.environ.get("TOKENMILL_BENCH_SKIP_ALL_REDUCE") == "1"
+        if self.skip_all_reduce and layout.tp_size > 1:
+            logger.warning("TOKENMILL_BENCH_SKIP_ALL_REDUCE=1: TP all-reduces are skipped, outputs are WRONG "
+                           "(for timing the all-reduce only)")
         self._sends: list = []  # the last send's work handles, waited for before the next send
 
     @staticmethod
@@ -61,7 +71,8 @@ class ParallelContext:
                 pp_group = group
         logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d) (%s)", rank, layout.tp_rank, tp,
                     layout.pp_stage, pp, layout.layer_start, layout.layer_end, backend)
-        return ParallelContext(layout, tp_group, pp_group, backend)
+        symm = SymmetricAllReduce.create(tp_group, device) if tp > 1 else None
+        return ParallelContext(layout, tp_group, pp_group, backend, symm)
 
     @property
     def tp_size(self) -> int:
@@ -70,9 +81,15 @@ class ParallelContext:
     # ------------------------------------------------------------------ tensor parallel
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum over the TP group, in place (no host sync: capturable in a CUDA graph with NCCL)."""
-        if self.tp_size > 1:
-            dist.all_reduce(x, group=self.tp_group)
+        """Sum over the TP group: the result is returned (in place in `x` through NCCL / gloo, a new
+        tensor through the symmetric buffer). No host sync: capturable in a CUDA graph."""
+        if self.tp_size == 1 or self.skip_all_reduce:
+            return x
+        if self.symm is not None and x.is_contiguous():
+            method = self.symm.method_for(x)
+            if method != "nccl":
+                return self.symm.all_reduce(x, method)
+        dist.all_reduce(x, group=self.tp_group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

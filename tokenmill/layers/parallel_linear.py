@@ -70,24 +70,34 @@ class ParallelLMHead:
         self.parallel = parallel
         self.packed = PackedWeight()
         self._cuda_f32_out = True  # until torch.mm(out_dtype=float32) turns out unsupported
+        self._cuda_f32_into = True  # the same with out=
 
-    def _cuda_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """float32 logits straight from cuBLAS's float32 accumulation (not rounded to bf16 first)."""
+    def _cuda_logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """float32 logits straight from cuBLAS's float32 accumulation (not rounded to bf16 first),
+        into `out` [rows, V] float32 when given."""
         h = hidden.reshape(-1, hidden.shape[-1])
+        if out is not None and self._cuda_f32_into:
+            try:
+                return torch.mm(h, weight.t(), out_dtype=torch.float32, out=out)
+            except (RuntimeError, TypeError):  # no `out` with out_dtype here: the caller copies
+                self._cuda_f32_into = False
         try:
-            out = torch.mm(h, weight.t(), out_dtype=torch.float32)
+            result = torch.mm(h, weight.t(), out_dtype=torch.float32)
         except (RuntimeError, TypeError):  # older torch: no mixed-dtype mm; the first (eager) call decides
             self._cuda_f32_out = False
             return F.linear(hidden, weight)
-        return out.view(*hidden.shape[:-1], weight.shape[0])
+        return result.view(*hidden.shape[:-1], weight.shape[0])
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [rows, V]; written into `out` when given (a buffer a CUDA graph replays into)."""
+        whole = self.parallel.tp_size == 1
         if cpu_logits.supports(hidden, weight):  # bf16 on CPU: float32 logits, never rounded to bf16
             local = cpu_logits.linear_f32(hidden, weight)
         elif self._cuda_f32_out and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
-            local = self._cuda_logits(hidden, weight)
+            local = self._cuda_logits(hidden, weight, out if whole and hidden.dim() == 2 else None)
+            if local is out:
+                return out
         else:
             local = linear(hidden, weight, None, self.packed)
-        if self.parallel.tp_size == 1:
-            return local.float()
-        return self.parallel.all_gather_last_dim(local)[..., :self.parallel.layout.vocab_size].float()
+        result = local if whole else self.parallel.all_gather_last_dim(local)[..., :self.parallel.layout.vocab_size]
+        return result.float() if out is None else out.copy_(result)

@@ -230,12 +230,13 @@ class LlamaForCausalLM(nn.Module):
                 ) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [rows, V]; in `out` when given."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self._lm_head.logits(hidden, weight)
+        logits = self._lm_head.logits(hidden, weight, out)
         cap = self.dims.final_logit_softcap
         if cap is not None:  # HF: logits / c, tanh, * c
-            logits = torch.tanh(logits / cap).mul_(cap)
+            logits = torch.tanh(logits.div_(cap), out=logits).mul_(cap)
         return logits
 
     def intermediate_shapes(self, num_tokens: int) -> list[tuple[int, ...]]:

@@ -83,6 +83,10 @@ class DecodeGraphs:
             self.inputs = [torch.zeros(shape, dtype=dtype, device=device)
                            for shape in model.intermediate_shapes(largest)]
         self._loaded: tuple[int, bytes, bytes] | None = None  # (padded size, slots, drafts) now loaded
+        # Every size's graph writes its output into these (made by the largest size's warm-up run,
+        # which comes first): an output per size would each keep pool memory of its own, which at
+        # a thousand rows of float32 logits adds up to tens of GiB.
+        self._outputs: list[torch.Tensor] | None = None
 
     def padded_size(self, num_rows: int) -> int | None:
         """The smallest captured size that holds `num_rows`; None when none does."""
@@ -167,8 +171,15 @@ class DecodeGraphs:
             self.mirror(input_ids, positions, meta)
         batch.num_computed_dev.index_add_(0, slots, advance)
         if not self.last_stage:
-            return out.tensors()
-        return self.model.compute_logits(out)
+            return self._into_outputs(out.tensors())
+        if self._outputs is None:
+            self._outputs = [self.model.compute_logits(out)]
+        return self.model.compute_logits(out, out=self._outputs[0][:out.shape[0]])
+
+    def _into_outputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self._outputs is None:
+            self._outputs = [torch.empty_like(t) for t in tensors]
+        return [buf[:t.shape[0]].copy_(t) for buf, t in zip(self._outputs, tensors)]
 
 
 def verify_logits_rows(num_drafts: np.ndarray, query_len: int) -> np.ndarray:
