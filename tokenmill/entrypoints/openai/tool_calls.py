@@ -115,7 +115,7 @@ class ToolCallStream:
     later ones add to its arguments. Named calls stream their arguments as they are generated;
     `required` calls and `auto` calls in a JSON format (hermes, llama3_json, mistral) stream each
     call's name once complete, then its arguments piece by piece (tool_parsers/json_calls.py);
-    other formats (qwen3_xml) send their calls whole when the choice ends."""
+    qwen3_xml calls stream their name, then their arguments one parameter at a time."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
@@ -124,7 +124,7 @@ class ToolCallStream:
         self._shown = 0  # characters of `text` shown as content so far
         self._in_calls = False  # auto: the calls began; the rest waits for the end
         self._named_id: str | None = None
-        self._json: JsonCallStream | None = None  # required, or auto in a JSON format: calls as they come
+        self._json = None  # JsonCallStream / XmlCallStream: required, or auto with a streaming parser
         self._ids: list[str] = []  # ids of the calls announced so far
         if mode.kind == "required":
             self._json = JsonCallStream(("parameters",))
@@ -150,8 +150,8 @@ class ToolCallStream:
         if at >= 0:  # the calls begin: show the text before them; JSON calls stream from here
             self._in_calls = True
             shown = self._show(at)
-            if parser.args_keys is not None:
-                self._json = JsonCallStream(parser.args_keys)
+            self._json = parser.call_stream()
+            if self._json is not None:
                 shown = merge_delta(shown, self._calls(self._json.feed(self.text[parser.json_from(self.text, at):])))
             return shown
         return self._show(len(self.text) - parser.held_back(self.text[self._shown:]))

@@ -29,8 +29,16 @@ class ToolCallParser:
         found = [at for at in (text.find(start) for start in self.starts) if at >= 0]
         return min(found, default=-1)
 
+    def call_stream(self):
+        """A reader of the calls as they stream (fed the text after `json_from`), or None: the
+        calls are read whole when the output ends."""
+        if self.args_keys is None:
+            return None
+        from tokenmill.entrypoints.openai.tool_parsers.json_calls import JsonCallStream
+        return JsonCallStream(self.args_keys)
+
     def json_from(self, text: str, at: int) -> int:
-        """Where the calls' JSON begins, given that they begin at `at`: after the opening marker
+        """Where the calls' text begins, given that they begin at `at`: after the opening marker
         unless the marker is JSON itself."""
         for start in self.starts:
             if text.startswith(start, at):
