@@ -173,7 +173,7 @@ class GrammarMasks:
         entry_rows, positions = self._fill(rows, matchers, drafts, self._buffer)
         distinct, which = distinct_rows(self._buffer[:len(entry_rows)])
         mask = GrammarBitmask(so.step_id, pack_ids(entry_rows), pack_ids(which), self.words, distinct.tobytes(),
-                              pack_ids(positions) if any(positions) else b"")
+                              pack_ids(positions) if len(entry_rows) > len(rows) else b"")
         self.num_masks += 1
         self.num_mask_rows += len(entry_rows)
         self.mask_seconds += time.perf_counter() - start
@@ -189,6 +189,9 @@ class GrammarMasks:
         if not rows:
             return entry_rows, positions
         backend = self.compiles.backend().result()
+        if not any(drafts):  # the usual step: one position per row
+            backend.fill_bitmask(matchers, out)
+            return rows, [0] * len(rows)
         taken = [0] * len(rows)  # drafts each matcher took (rolled back at the end)
         active = list(range(len(rows)))
         depth = 0

@@ -32,7 +32,6 @@ class _Call:
     args_sent: int = -1  # how far the arguments' text has been passed on
     args_text: str | None = None  # the arguments once complete
     announced: bool = False
-    done: bool = False
 
 
 class JsonCallStream:
@@ -167,7 +166,6 @@ class JsonCallStream:
             call.args_sent = upto
 
     def _close(self, call: _Call, events: list) -> None:
-        call.done = True
         if call.announced and call.args_text is None and call.args_start < 0:
             call.args_text = "{}"  # a call without arguments
             events.append(("args", len(self.calls) - 1, "{}"))
