@@ -17,9 +17,17 @@ Parts (all by default; --parts a,b to pick):
   mla      DeepSeek-V2-Lite shape: batch-256 decode step time and the KV blocks available, next to
            what a plain multi-head cache of the same model would get
   big      1000 x 512 x 256 for both MoE shapes (off by default: --parts ...,big)
+  gptoss   gpt-oss (off by default: --parts gptoss): the fused MoE's bias + clamped-SwiGLU variant vs
+           the loop at gpt-oss-20b's expert shape (E=32, H=2880, I=2880, top-4), bf16, batch 256 and 8,
+           and in a CUDA graph; a tiny gpt-oss (sinks, sliding + full layers) float32 on CUDA with
+           graphs vs HF, and its MXFP4 checkpoint (dequantized at load) vs HF on the same values;
+           a gpt-oss-20b shape (24 layers, dummy bf16 weights, graphs) at 256 x 256 x 128: output
+           tok/s and the decode step vs the bound (active experts' bytes + KV within each layer's
+           window, over the copy bandwidth)
 
     python scripts/gpu_moe.py                 # on an H100: under 8 minutes
     python scripts/gpu_moe.py --smoke         # tiny shapes on CPU (Triton interpreter), no timings that matter
+    python scripts/gpu_moe.py --parts gptoss  # gpt-oss only (about 4 minutes on an H100)
 Writes $OUT/gpu_moe.json (default ./gpu-out); exits 1 when a check fails.
 """
 
@@ -57,8 +65,15 @@ SHAPES = {
                                                   n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=512,
                                                   q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128,
                                                   v_head_dim=128, max_position_embeddings=4096, **_TOK)),
+    "gpt-oss-20b": ("GptOssConfig", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                                         num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                                         head_dim=64, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                                         max_position_embeddings=131072, **_TOK)),
 }
 SMOKE_SHAPES = {
+    "gpt-oss-20b": dict(vocab_size=259, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                        num_experts_per_tok=2, sliding_window=8),
     "olmoe-1b-7b": dict(vocab_size=259, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2),
     "qwen3-30b-a3b-24l": dict(vocab_size=259, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -70,6 +85,7 @@ SMOKE_SHAPES = {
                              v_head_dim=16),
 }
 KERNEL_SHAPES = {"olmoe-1b-7b": (64, 2048, 1024, 8), "qwen3-30b-a3b": (128, 2048, 768, 8)}
+GPT_OSS_KERNEL_SHAPE = (32, 2880, 2880, 4)
 SMOKE_KERNEL_SHAPES = {"tiny": (8, 64, 32, 2)}
 
 
@@ -337,6 +353,97 @@ def part_mla(results: dict, smoke: bool, device: str) -> None:
           f"({rec['more_sequences_factor']:.1f}x fewer)")
 
 
+def part_gptoss(results: dict, smoke: bool, device: str, dtype) -> None:
+    _gptoss_kernel(results, smoke, device, dtype)
+    _gptoss_parity(results, smoke, device)
+    _gptoss_bench(results, smoke, device)
+
+
+def _gptoss_kernel(results: dict, smoke: bool, device: str, dtype) -> None:
+    from tokenmill.layers.moe.fused_moe import fused_experts
+    from tokenmill.layers.moe.torch_experts import Activation, experts_reference
+    e, h, i, k = SMOKE_KERNEL_SHAPES["tiny"] if smoke else GPT_OSS_KERNEL_SHAPE
+    act = Activation("swiglu_clamped", 1.702, 7.0)
+    for t in ((8,) if smoke else (256, 8)):
+        x, w13, w2, weights, ids = _random_moe(e, h, i, k, t, dtype, device)
+        x = x * 4  # gate/up projections of std ~3: some cross the clamp at 7
+        gen = torch.Generator(device="cpu").manual_seed(1)
+        b13 = torch.randn(e, 2 * i, generator=gen).to(dtype).to(device)
+        b2 = (torch.randn(e, h, generator=gen) * 0.1).to(dtype).to(device)
+        ref = experts_reference(x.float(), w13.float(), w2.float(), weights, ids, b13.float(), b2.float(), act)
+        fused = lambda: fused_experts(x, w13, w2, weights, ids, b13=b13, b2=b2, act=act)  # noqa: E731
+        out = fused()
+        err = float((out.float() - ref).abs().max() / ref.abs().max())
+        check(err < (2e-2 if dtype == torch.bfloat16 else 1e-3),
+              f"gpt-oss experts T={t}: fused (biases, clamped SwiGLU) vs loop relative error {err:.2e}")
+        reps = 1 if smoke else 20
+        t_fused = timed(fused, reps, device)
+        t_loop = timed(lambda: experts_reference(x, w13, w2, weights, ids, b13, b2, act), reps, device)
+        rec = {"fused_ms": t_fused * 1e3, "loop_ms": t_loop * 1e3, "speedup": t_loop / t_fused, "rel_err": err}
+        results[f"gptoss_kernel_T{t}"] = rec
+        print(f"  gpt-oss-20b experts T={t}: fused {rec['fused_ms']:.3f} ms, per-expert loop {rec['loop_ms']:.3f} ms, "
+              f"{rec['speedup']:.1f}x")
+        if device == "cuda" and t == 8:
+            graph = torch.cuda.CUDAGraph()
+            static_out = fused()
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph):
+                static_out = fused()
+            ids.copy_(ids.roll(1, dims=0))
+            graph.replay()
+            torch.cuda.synchronize()
+            check(torch.equal(static_out, fused()), "gpt-oss experts: the fused MoE replays in a CUDA graph")
+
+
+def _gptoss_parity(results: dict, smoke: bool, device: str) -> None:
+    """Tiny gpt-oss, float32, CUDA graphs on (the default), against HF on CPU: the float checkpoint,
+    and its MXFP4 form (HF reads the float twin of exactly the values MXFP4 decodes to)."""
+    from transformers import AutoModelForCausalLM
+    from tests.helpers.moe_reference import check_against_hf, generate, prompts_for
+    from tests.helpers.mxfp4 import dequantized_twin, mxfp4_checkpoint
+    from tests.helpers.tiny_moe_models import make_tiny_moe_model_dir
+    from tokenmill import LLM
+    root = tempfile.mkdtemp(prefix="gptoss-parity-")
+    path = make_tiny_moe_model_dir("gpt_oss", root)
+    mx = mxfp4_checkpoint(path, os.path.join(root, "mxfp4"))
+    cases = {"gpt_oss": (path, path), "gpt_oss_mxfp4": (mx, dequantized_twin(mx, os.path.join(root, "twin")))}
+    prompts = prompts_for("gpt_oss")
+    for label, (ours, reference) in cases.items():
+        hf = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+        try:
+            with LLM(ours, dtype="float32", device=device, max_model_len=128, gpu_memory_utilization=0.3,
+                     kv_cache_memory_gb=0.01, max_num_batched_tokens=32, max_num_seqs=4) as llm:
+                outs = generate(llm, prompts, 0)
+            check_against_hf(hf, prompts, outs, label)
+            mode = "graphs" if device == "cuda" else "eager"
+            check(True, f"{label}: float32 on {device} ({mode}) = HF (tokens, prompt and sampled logprobs within 1e-4)")
+            results[f"parity_{label}"] = "ok"
+        except AssertionError as exc:
+            check(False, f"{label}: {str(exc)[:300]}")
+            results[f"parity_{label}"] = str(exc)[:2000]
+
+
+def _gptoss_bench(results: dict, smoke: bool, device: str) -> None:
+    from tokenmill.benchmarks.roofline import kv_bytes_per_token
+    bw = _bandwidth(device)
+    results.setdefault("copy_bandwidth_GBps", bw / 1e9)
+    path = config_dir("gpt-oss-20b", smoke)
+    arch = _arch_of(path)
+    n, i, o = (4, 8, 4) if smoke else (256, 256, 128)
+    rec = _engine_run(path, device, n, i, o)
+    # KV a decode step reads: full layers their whole context, sliding ones at most their window.
+    per_layer = kv_bytes_per_token(arch, "bfloat16") / arch.num_layers
+    ctx = i + o / 2
+    keys = sum(min(ctx, arch.layer_spec(j).sliding_window or ctx) for j in range(arch.num_layers))
+    kv = n * keys * per_layer
+    bound_ms = 1e3 * (_step_weight_bytes(arch, n) + kv) / bw
+    rec["decode_bound_ms"] = bound_ms
+    rec["fraction_of_bound"] = bound_ms / rec["decode_step_ms"]
+    results[f"bench_gpt-oss-20b_{n}x{i}x{o}"] = rec
+    print(f"  gpt-oss-20b shape {n}x{i}x{o}: {rec['output_tok_s']:.0f} output tok/s, decode step "
+          f"{rec['decode_step_ms']:.2f} ms vs bound {bound_ms:.2f} ms ({100 * rec['fraction_of_bound']:.0f}% of it)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="kernel,tune,parity,bench,mla")
@@ -364,6 +471,8 @@ def main() -> None:
             part_bench(results, args.smoke, device, big=True)
         elif part == "mla":
             part_mla(results, args.smoke, device)
+        elif part == "gptoss":
+            part_gptoss(results, args.smoke, device, dtype)
         else:
             raise SystemExit(f"unknown part {part!r}")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]")

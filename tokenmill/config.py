@@ -46,13 +46,16 @@ class AttentionSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     `sliding_window` W: a query at position p sees keys p-W+1..p (W keys, itself included: HF's
     `kv_idx > q_idx - W`); None: every key up to p. `rope`: the layer's own rotary embedding
     (e.g. Gemma 3's local base), None: the model's. `logit_softcap` c: scores become
-    c * tanh(scores / c) before the softmax (Gemma 2), None: no capping. New kinds of layer
-    (gpt-oss's sinks, chunked attention) add fields here, defaulting to "absent".
+    c * tanh(scores / c) before the softmax (Gemma 2), None: no capping. `sinks`: each head has a
+    learned logit (the attention module's `sinks` parameter, handed to the backend) that joins the
+    softmax's denominator and carries no value (gpt-oss). New kinds of layer (chunked attention)
+    add fields here, defaulting to "absent".
     """
 
     sliding_window: int | None = None
     rope: RopeConfig | None = None
     logit_softcap: float | None = None
+    sinks: bool = False
 
 
 class MoEArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -77,6 +80,14 @@ class MoEArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared_expert_gate: bool = False  # Qwen2-MoE: sigmoid(gate(x)) scales the shared expert
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense (ModelArch.intermediate_size)
+    # gpt-oss: the router has a bias; each expert's gate/up and down have biases; the activation is
+    # "swiglu_clamped": gate clamped above at swiglu_limit, up to +-swiglu_limit, then
+    # (up + 1) * gate * sigmoid(swiglu_alpha * gate) (else "silu": silu(gate) * up).
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: str = "silu"  # silu | swiglu_clamped
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
 
 class MLAArch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

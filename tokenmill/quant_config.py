@@ -10,6 +10,8 @@ Supported (anything else is refused here, at start, naming the field and listing
   channel or tensor strategy).
 - INT4 W4A16: `gptq` (v1 and v2 zero points, group size, `desc_act`, sym/asym), `awq` (GEMM
   packing) and `compressed-tensors` `pack-quantized` (4-bit int weights, group or channel).
+- MXFP4 experts (`mxfp4`, gpt-oss): the family's loader dequantizes them at load
+  (`tokenmill.model.mxfp4`); every linear stays float, so no QuantConfig.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ FP8_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors")
 INT4_METHODS = ("gptq", "awq", "compressed-tensors")
 SUPPORTED_QUANT_METHODS = ("fp8", "fbgemm_fp8", "compressed-tensors", "gptq", "awq")
 SUPPORTED_BITS = (4,)
+# Formats whose tensors the model's loader dequantizes at load (the linears run in float).
+DEQUANTIZED_AT_LOAD = ("mxfp4",)
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128, 256)
 # vLLM's names for kernels of the same formats.
 _ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "compressed_tensors": "compressed-tensors"}
@@ -68,6 +72,11 @@ def resolve_quantization(requested: str | None, hf_quant: dict[str, Any] | None,
                              f"no quantization_config); only fp8 quantizes a float checkpoint online")
         return QuantConfig(scheme="fp8", fmt="fp8", online=True)
     method = _ALIASES.get(str(hf_quant.get("quant_method", "")), str(hf_quant.get("quant_method", "")))
+    if method in DEQUANTIZED_AT_LOAD:
+        if requested is not None:
+            raise ValueError(f"quantization {requested!r} does not apply to a checkpoint of quant_method "
+                             f"{method!r} (its tensors are dequantized at load; leave quantization unset)")
+        return None
     if method not in SUPPORTED_QUANT_METHODS:
         raise ValueError(f"quantization_config.quant_method {method!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_QUANT_METHODS)}")

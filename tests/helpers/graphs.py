@@ -74,10 +74,10 @@ def capture_real_graphs(llm, monkeypatch, verify_rows: int | None = None):
     replays. `verify_rows`: cap the verification graphs' batch (VERIFY_GRAPH_ROWS) so that
     larger batches run eagerly. Returns the runner."""
     from tests.helpers.engine import worker_runner
-    from tokenmill.worker import model_runner
+    from tokenmill.worker import graph_families
     use_eager_capture(monkeypatch)
     if verify_rows is not None:
-        monkeypatch.setattr(model_runner, "VERIFY_GRAPH_ROWS", verify_rows)
+        monkeypatch.setattr(graph_families, "VERIFY_GRAPH_ROWS", verify_rows)
     runner = worker_runner(llm)
     runner.capture_graphs()
     return runner

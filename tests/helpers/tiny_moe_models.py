@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (DeepseekV2Config, DeepseekV3Config, MixtralConfig, OlmoeConfig, PretrainedConfig,
-                          Qwen2MoeConfig, Qwen3MoeConfig)
+from transformers import (DeepseekV2Config, DeepseekV3Config, GptOssConfig, MixtralConfig, OlmoeConfig,
+                          PretrainedConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
 from tests.helpers.tiny_models import BOS_ID, EOS_ID, PAD_ID, TINY_VOCAB_SIZE, make_tiny_hf_model, make_tiny_tokenizer
 
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+GPT_OSS_ARCHS = ("gpt_oss",)  # attention sinks, sliding + full layers, biased experts (own GPU part)
 MLA_ARCHS = ("deepseek_v2", "deepseek_v3")
 
 _COMMON = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, num_attention_heads=4, max_position_embeddings=256,
@@ -50,6 +51,15 @@ def make_moe_config(arch: str, **overrides: Any) -> PretrainedConfig:
         cls = OlmoeConfig
         kwargs.update(num_hidden_layers=2, num_key_value_heads=4, intermediate_size=32, num_experts=8,
                       num_experts_per_tok=3)
+    elif arch == "gpt_oss":
+        # Layers slide, attend fully, slide (HF's default alternation) with a window of 8; YaRN rope;
+        # a swiglu_limit the tiny experts' projections reach (see make_tiny_moe_model_dir).
+        cls = GptOssConfig
+        kwargs.update(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, intermediate_size=32,
+                      num_local_experts=6, num_experts_per_tok=3, sliding_window=8, swiglu_limit=1.5,
+                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                       "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                       "beta_slow": 1.0, "truncate": False})
     elif arch == "deepseek_v2":
         cls = DeepseekV2Config
         kwargs.update(_MLA, num_hidden_layers=3, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3,
@@ -78,8 +88,14 @@ def make_tiny_moe_model_dir(arch: str, tmp_path: str | Path, seed: int = 0, **ov
     with torch.no_grad():
         generator = torch.Generator().manual_seed(seed + 1)
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight", "mlp.router.bias")):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+            elif name.endswith("self_attn.sinks"):  # gpt-oss: sinks that matter (HF draws them at 0.02)
+                param.copy_(torch.randn(param.shape, generator=generator))
+            elif name.endswith("experts.gate_up_proj"):  # gpt-oss: projections past swiglu_limit
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):  # HF inits them at 0
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn(buf.shape, generator=generator) * 0.1)

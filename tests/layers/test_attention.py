@@ -29,9 +29,10 @@ class Case:
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None = None,
-              softcap: float | None = None) -> torch.Tensor:
+              softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Q, H, D] (the last Q positions), k, v: [L, Hkv, D] -> [Q, H, D], in float64. `window` W:
-    a query at p sees keys p-W+1..p (HF's rule); `softcap` c: scores -> c * tanh(scores / c)."""
+    a query at p sees keys p-W+1..p (HF's rule); `softcap` c: scores -> c * tanh(scores / c);
+    `sinks` [H]: head h's softmax gets one more logit sinks[h], with no value (HF's gpt-oss)."""
     q_len, num_heads, _ = q.shape
     seq_len, num_kv_heads, _ = k.shape
     group = num_heads // num_kv_heads
@@ -44,13 +45,18 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, w
             scores = (kh[lo: pos + 1] @ q[j, h].double()) * scale
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
-            out[j, h] = torch.softmax(scores, 0) @ vh[lo: pos + 1]
+            if sinks is None:
+                out[j, h] = torch.softmax(scores, 0) @ vh[lo: pos + 1]
+            else:
+                probs = torch.softmax(torch.cat([scores, sinks[h:h + 1].double()]), 0)[:-1]
+                out[j, h] = probs @ vh[lo: pos + 1]
     return out
 
 
 def make_case(contexts: list[int], q_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
               dtype: torch.dtype, device: str, pad_tokens: int = 0, seed: int = 0,
-              head_dim: int = HEAD_DIM, window: int | None = None, softcap: float | None = None) -> Case:
+              head_dim: int = HEAD_DIM, window: int | None = None, softcap: float | None = None,
+              sinks: torch.Tensor | None = None) -> Case:
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + n for c, n in zip(contexts, q_lens)]
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]
@@ -75,7 +81,7 @@ def make_case(contexts: list[int], q_lens: list[int], block_size: int, num_heads
         flat[1, seq_slots[:ctx]] = v_all[:ctx]
         written[seq_slots] = True
         qs.append(q), ks.append(k_all[ctx:]), vs.append(v_all[ctx:]), slots.append(seq_slots[ctx:])
-        expected.append(reference(q, k_all, v_all, scale, window, softcap))
+        expected.append(reference(q, k_all, v_all, scale, window, softcap, sinks))
     # Padding rows: garbage q/k/v, slot -1, not part of any sequence.
     qs.append(torch.randn(pad_tokens, num_heads, head_dim, generator=g).to(dtype))
     ks.append(torch.randn(pad_tokens, num_kv_heads, head_dim, generator=g).to(dtype))

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from tests.engine.conftest import assert_engine_idle
 from tests.helpers.engine import pin_spec_cost
 from tests.helpers.moe_reference import check_against_hf, generate, prompts_for
-from tests.helpers.tiny_moe_models import MLA_ARCHS, MOE_ARCHS, make_tiny_moe_model_dir
+from tests.helpers.tiny_moe_models import GPT_OSS_ARCHS, MLA_ARCHS, MOE_ARCHS, make_tiny_moe_model_dir
 from tokenmill import LLM
 from tokenmill.layers.moe import layer as moe_layer
 
@@ -25,10 +25,10 @@ PREEMPT = dict(ENGINE, num_gpu_blocks_override=9)
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
-    return {arch: make_tiny_moe_model_dir(arch, root) for arch in MOE_ARCHS + MLA_ARCHS}
+    return {arch: make_tiny_moe_model_dir(arch, root) for arch in MOE_ARCHS + GPT_OSS_ARCHS + MLA_ARCHS}
 
 
-@pytest.mark.parametrize("arch", MOE_ARCHS + MLA_ARCHS)
+@pytest.mark.parametrize("arch", MOE_ARCHS + GPT_OSS_ARCHS + MLA_ARCHS)
 def test_matches_hf_chunked_preempted_and_prefix_hits(arch, model_dirs):
     hf = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
     prompts = prompts_for(arch)

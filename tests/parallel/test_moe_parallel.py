@@ -1,6 +1,7 @@
 """MoE and MLA models split over two CPU processes: TP=2 (each rank a slice of every expert's
 intermediate size, OLMoE's q/k norms over sharded heads, MLA heads split with the latent
-replicated) and PP=2 (dense and sparse layers on different stages), against HF's greedy tokens."""
+replicated; gpt-oss: sinks split by head, expert biases added once) and PP=2 (dense and sparse
+layers on different stages; gpt-oss: sliding and full layers), against HF's greedy tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ ENGINE = dict(dtype="float32", kv_cache_memory_gb=0.01, max_num_batched_tokens=3
 
 
 @pytest.mark.parametrize("arch,split", [("qwen2_moe", "tp"), ("olmoe", "tp"), ("deepseek_v3", "tp"),
-                                        ("deepseek_v2", "pp")])
+                                        ("deepseek_v2", "pp"), ("gpt_oss", "tp"), ("gpt_oss", "pp")])
 def test_split_matches_hf(arch, split, tmp_path):
     path = make_tiny_moe_model_dir(arch, tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

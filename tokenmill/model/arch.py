@@ -111,8 +111,10 @@ def layer_specs(hf_config: Any, num_layers: int) -> tuple[AttentionSpec, ...]:
     if window is not None and window < 1 and "sliding_attention" in types:
         raise ValueError(f"sliding_window={window} must be at least 1")
     ropes = _ropes_by_layer_type(hf_config)
+    sinks = getattr(hf_config, "model_type", "") == "gpt_oss"  # a learned sink logit per head, every layer
     specs = tuple(AttentionSpec(sliding_window=int(window) if kind == "sliding_attention" else None,
-                                rope=ropes.get(kind), logit_softcap=float(softcap) if softcap else None)
+                                rope=ropes.get(kind), logit_softcap=float(softcap) if softcap else None,
+                                sinks=sinks)
                   for kind in types)
     return () if all(s == AttentionSpec() for s in specs) else specs
 

@@ -29,6 +29,13 @@ def moe_arch(hf_config: Any, model_type: str) -> MoEArch | None:
                        renormalize=bool(getattr(hf_config, "norm_topk_prob", False)))
     if model_type in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_moe(hf_config, model_type)
+    if model_type == "gpt_oss":
+        # HF: top-k of the (biased) logits, then a softmax over those k = renormalized top-k of the softmax.
+        return MoEArch(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
+                       intermediate_size=hf_config.intermediate_size, renormalize=True, router_bias=True,
+                       expert_bias=True, activation="swiglu_clamped",
+                       swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
+                       swiglu_limit=float(hf_config.swiglu_limit))
     return None
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 from tokenmill.model.deepseek import DeepseekForCausalLM
 from tokenmill.model.gemma2 import Gemma2ForCausalLM
+from tokenmill.model.gpt_oss import GptOssForCausalLM
 from tokenmill.model.gemma3 import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
@@ -29,6 +30,7 @@ MODEL_CLASSES: MappingProxyType[str, type[nn.Module]] = MappingProxyType({
     "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
     "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     # multi-head latent attention + MoE
     "DeepseekV2ForCausalLM": DeepseekForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekForCausalLM,

@@ -47,16 +47,13 @@ from tokenmill.worker import row_faults
 from tokenmill.worker.speculator import Speculator
 from tokenmill.worker.step_diffs import apply_step_diffs
 from tokenmill.worker.step_inputs import build_step_inputs
+from tokenmill.worker.graph_families import capture_graph_families
 from tokenmill.worker.warmup import profile_and_budget, warm_up_kernels
 
 if TYPE_CHECKING:
     from tokenmill.worker.fault_injection import FaultInjector
 
 logger = logging.getLogger(__name__)
-
-# Verification graphs are captured for batches up to this many rows (each holds logits for
-# rows * (k + 1) positions); larger batches verify eagerly, and at saturation nothing drafts.
-VERIFY_GRAPH_ROWS = 64
 
 
 @dataclass
@@ -213,43 +210,8 @@ class ModelRunner:
             self.capture_graphs()
 
     def capture_graphs(self) -> None:
-        """Decode graphs, and with speculation the verification graphs and the proposer's; each
-        family with its greedy step-end graph (the last pipeline stage)."""
-        max_seqs, max_len = self.config.scheduler.max_num_seqs, self.config.model.max_model_len
-        mirror = None if self.draft is None else self.draft.mirror
-        self.graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, max_seqs, max_len, self.block_size,
-                                   self.stage.layout, lora=self.lora)
-        self.graphs.capture()
-        if self.draft is not None:  # replayed before the target's while the draft's KV is held
-            self.draft_graphs = DecodeGraphs(self.draft.model, self.batch, self.draft.kv_caches, max_seqs, max_len,
-                                             self.block_size, kv_only=True)
-            self.draft_graphs.capture()
-        histories = self.speculator if self.speculator is not None and self.speculator.keeps_histories else None
-        if self.stage.is_last:
-            self.graph_tail = GreedyTail(self.graphs, self.batch, None)
-            self.graph_tail.capture()
-            if histories is not None:
-                self.recording_tail = GreedyTail(self.graphs, self.batch, histories)
-                self.recording_tail.capture()
-        if self.stage.num_stages > 1:
-            return
-        self.prompt_graphs = PromptGraphs(self.model, self.batch, self.kv_caches, max_len, self.block_size,
-                                          self.config.scheduler.max_num_batched_tokens, mirror=mirror,
-                                          lora=self.lora)
-        self.prompt_graphs.capture()
-        if self.speculator is None:
-            return
-        k = self.speculator.k
-        self.verify_graphs = DecodeGraphs(self.model, self.batch, self.kv_caches, min(max_seqs, VERIFY_GRAPH_ROWS),
-                                          max_len, self.block_size, self.stage.layout, query_len=k + 1,
-                                          drafts=self.speculator.drafts, mirror=mirror, lora=self.lora)
-        self.verify_graphs.capture()
-        self.verify_tail = GreedyTail(self.verify_graphs, self.batch, histories)
-        self.verify_tail.capture()
-        if self.draft is None:
-            self.speculator.capture(self.verify_graphs.sizes, self.verify_graphs.slots)
-        else:
-            self.draft.capture_greedy(self.verify_graphs.sizes, self.verify_graphs.slots, *self._draft_inputs())
+        """Every CUDA graph family this runner replays (worker/graph_families.py)."""
+        capture_graph_families(self)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         mla = self.config.model.arch.mla
@@ -411,7 +373,7 @@ class ModelRunner:
         if self.speculator is not None and propose and len(sample_rows):
             if self.draft is not None:
                 plan = self.sampling.plan
-                self.draft.propose(self.sampler, sample_slots, *self._draft_inputs(), keep_probs=plan.any_random,
+                self.draft.propose(self.sampler, sample_slots, *self.draft_inputs(), keep_probs=plan.any_random,
                                    greedy=plan.plain_greedy)
             else:
                 self.speculator.propose(sample_slots)
@@ -532,7 +494,7 @@ class ModelRunner:
                            self.config.scheduler.max_num_batched_tokens)
             self._catch_up = []
 
-    def _draft_inputs(self) -> tuple:
+    def draft_inputs(self) -> tuple:
         """What the draft proposer reads and writes (persistent tensors; `propose`'s arguments)."""
         b = self.batch
         return (b.next_token_dev, b.num_computed_dev, b.block_table_dev, b.num_blocks_dev, self.block_size,

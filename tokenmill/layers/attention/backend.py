@@ -21,7 +21,10 @@ class AttentionBackend(ABC):
     """One layer's attention. `sliding_window` W (None: full): a query at position p sees keys
     p-W+1..p, as HF masks it, and no backend reads a KV block wholly before that (the KV manager
     may have handed such blocks to other requests). `logit_softcap` c (None: off): scores (after
-    the scale) become c * tanh(scores / c) before the softmax."""
+    the scale) become c * tanh(scores / c) before the softmax. `sinks` (None: off): float [num_heads],
+    one logit per query head that joins each softmax's denominator with no value (gpt-oss's
+    attention sinks): out = sum_j exp(s_j) v_j / (exp(sink) + sum_j exp(s_j)). The attention
+    module owns the parameter and sets it here before each forward."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None, logit_softcap: float | None = None) -> None:
@@ -33,6 +36,7 @@ class AttentionBackend(ABC):
         self.v_scale = 1.0
         self.sliding_window = sliding_window
         self.logit_softcap = logit_softcap
+        self.sinks: torch.Tensor | None = None
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

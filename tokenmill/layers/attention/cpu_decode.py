@@ -42,11 +42,12 @@ static inline void st_bf16(uint16_t *p, float f) {
 /* One (sequence, KV head) work item: its G query heads over the sequence's last N cached tokens
    (N = L, or the window W when 0 < W < L: keys L-W..L-1; blocks before them are never read).
    cap > 0: scores become cap * tanh(score / cap) (logit soft-capping).
+   sinks (NULL: none): float32 [H], a per-head logit in the softmax's denominator, with no value.
    HD is the head dim: a constant for the common sizes (fully unrolled), else the runtime D. */
 #define DECODE_ITEM(NAME, T, LD, ST, HD)                                                       \
 static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,                 \
                  const int32_t *bt, int L, T *out, int s, int kh, int H, int Hkv, int D,       \
-                 int bs, float scale, int W, float cap, float *qf) {                           \
+                 int bs, float scale, int W, float cap, const float *sinks, float *qf) {       \
     const int G = H / Hkv;                                                                     \
     float *acc = qf + (size_t)G * HD, *sc = acc + (size_t)G * HD;                              \
     for (int g = 0; g < G; ++g) {                                                              \
@@ -74,6 +75,7 @@ static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,  
     for (int g = 0; g < G; ++g) {                                                              \
         float *sg = sc + (size_t)g * N, m = sg[0], sum = 0.f;                                  \
         for (int l = 1; l < N; ++l) m = sg[l] > m ? sg[l] : m;                                 \
+        if (sinks) { const float sk = sinks[kh * G + g]; m = sk > m ? sk : m; sum = expf(sk - m); } \
         for (int l = 0; l < N; ++l) { sg[l] = expf(sg[l] - m); sum += sg[l]; }                 \
         const float inv = 1.f / sum;                                                           \
         for (int l = 0; l < N; ++l) sg[l] *= inv;                                              \
@@ -96,23 +98,25 @@ static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,  
 
 /* q: [S, H, D] with strides (q_s, q_h, 1); cache planes k, v: [slots, Hkv, D] contiguous;
    block_table: [S, bt_s] int32; seq_lens: [S] int32 (0: a padding row, zeros); out: [S, H, D] contiguous;
-   W: sliding window (0: none); cap: logit soft-cap (0: none). */
+   W: sliding window (0: none); cap: logit soft-cap (0: none); sinks: float32 [H] or NULL. */
 #define DECODE_KERNEL(NAME, T, LD, ST)                                                        \
 DECODE_ITEM(NAME##_d64, T, LD, ST, 64)                                                         \
 DECODE_ITEM(NAME##_d128, T, LD, ST, 128)                                                       \
 DECODE_ITEM(NAME##_dany, T, LD, ST, D)                                                         \
 void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,                      \
           const int32_t *block_table, int64_t bt_s, const int32_t *seq_lens, T *out,           \
-          int S, int H, int Hkv, int D, int bs, float scale, int W, float cap, int nthreads) { \
+          int S, int H, int Hkv, int D, int bs, float scale, int W, float cap,                 \
+          const float *sinks, int nthreads) {                                                  \
     const int G = H / Hkv;                                                                     \
     _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                     \
     for (int w = 0; w < S * Hkv; ++w) {                                                        \
         const int s = w / Hkv, kh = w % Hkv, L = seq_lens[s];                                  \
         float *qf = (float *)malloc(sizeof(float) * (size_t)G * (2 * D + (L > 0 ? L : 0)));    \
         const int32_t *bt = block_table + (int64_t)s * bt_s;                                   \
-        if (D == 64) NAME##_d64(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, W, cap, qf);   \
-        else if (D == 128) NAME##_d128(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, W, cap, qf); \
-        else NAME##_dany(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, W, cap, qf);     \
+        if (D == 64) NAME##_d64(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, W, cap, sinks, qf); \
+        else if (D == 128) NAME##_d128(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, W, cap,  \
+                                       sinks, qf);                                             \
+        else NAME##_dany(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, W, cap, sinks, qf); \
         free(qf);                                                                              \
     }                                                                                          \
 }
@@ -126,7 +130,7 @@ _FLAGS = (*c_build.BASE_FLAGS, "-fassociative-math", "-fno-signed-zeros")
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-             ctypes.c_int, ctypes.c_float, ctypes.c_int]
+             ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
 
 
 @functools.cache
@@ -146,18 +150,21 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float, sliding_window: int | None = None, logit_softcap: float | None = None
-                     ) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [S, H, D] (last dim contiguous); kv_cache: [2, blocks, bs, Hkv, D]; block_table: int32 [S, W]
     contiguous; seq_lens: int32 [S] (each >= 1). Returns [S, H, D] attention of each q over its context
-    (its last `sliding_window` keys when set; the table's entries before them are never read)."""
+    (its last `sliding_window` keys when set; the table's entries before them are never read);
+    `sinks` [H]: each head's sink logit joins its softmax's denominator."""
     lib = _library()
     assert lib is not None
     s, h, d = q.shape
     _, _, bs, hkv, _ = kv_cache.shape
     out = torch.empty((s, h, d), dtype=q.dtype)
     fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
+    sinks = None if sinks is None else sinks.detach().float().contiguous()
     fn(q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
        block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(),
-       s, h, hkv, d, bs, scale, sliding_window or 0, logit_softcap or 0.0, torch.get_num_threads())
+       s, h, hkv, d, bs, scale, sliding_window or 0, logit_softcap or 0.0,
+       None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
     return out

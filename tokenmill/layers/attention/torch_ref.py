@@ -18,8 +18,9 @@ a `_StepPlan` and shared by every layer; each layer then runs a handful of ops:
 
 Sliding-window layers (`sliding_window` W) get their own plan: bands in the masks, and the
 decode gather and chunk reads start at the first block a query can see (the C kernel skips the
-earlier ones itself), so no block wholly before a window is read. Soft-capped layers run the
-eager form (scores, cap, mask, softmax, values): SDPA has no soft-cap.
+earlier ones itself), so no block wholly before a window is read. Soft-capped layers and layers
+with attention sinks run the eager form (scores, cap, mask, softmax with the sink logit as one
+more column, values): SDPA has neither.
 
 GQA never copies K/V per query head: decodes fold the query heads sharing a KV
 head into the query axis, prefills use SDPA's `enable_gqa`.
@@ -244,7 +245,7 @@ class TorchRefAttentionBackend(AttentionBackend):
         kb = k[first:end].view(count, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         vb = v[first:end].view(count, q_len, self.num_kv_heads, self.head_dim).transpose(1, 2)
         window = self.sliding_window
-        if self.logit_softcap is None and (window is None or q_len <= window):
+        if self._sdpa_ok() and (window is None or q_len <= window):
             return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=self.scale,
                                                   enable_gqa=self.group > 1)
         return self._attend(qb, kb, vb, band_mask(q_len, q_len, window, q.device))
@@ -254,7 +255,7 @@ class TorchRefAttentionBackend(AttentionBackend):
         qd = q[:s] if plan.decode_contiguous else q[plan.decode_rows]
         if plan.decode_block_table is not None and not is_fp8(kv_cache) and cpu_decode.supports(qd, kv_cache):
             o = cpu_decode.decode_attention(qd, kv_cache, plan.decode_block_table, plan.decode_seq_lens,
-                                            self.scale, self.sliding_window, self.logit_softcap)
+                                            self.scale, self.sliding_window, self.logit_softcap, self.sinks)
             if plan.decode_contiguous:
                 out[:s] = o
             else:
@@ -271,11 +272,12 @@ class TorchRefAttentionBackend(AttentionBackend):
         # [2, S * nb, bs, Hkv, D] -> [2, S, Hkv, L, D]
         kv = _cooked(buf, kv_cache.dtype, q.dtype).view(2, s, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         qd = qd.view(s, self.num_kv_heads, self.group, self.head_dim)
-        if self.logit_softcap is None:
+        if self._sdpa_ok():
             o = F.scaled_dot_product_attention(qd, kv[0], kv[1], attn_mask=plan.decode_mask,
                                                scale=self._qk_scale(kv_cache))
         else:  # the group's query heads as queries of one KV head
-            o = self._attend(qd, self._k_scaled(kv[0], kv_cache), kv[1], plan.decode_mask, group=1)
+            sinks = None if self.sinks is None else self.sinks.view(1, self.num_kv_heads, self.group, 1)
+            o = self._attend(qd, self._k_scaled(kv[0], kv_cache), kv[1], plan.decode_mask, group=1, sinks=sinks)
         o = self._v_scaled(o.reshape(s, self.num_heads, self.head_dim), kv_cache)
         if plan.decode_contiguous:
             out[:s] = o
@@ -288,12 +290,16 @@ class TorchRefAttentionBackend(AttentionBackend):
         kv = _raw(kv_cache)[:, block_ids[c.first_block:c.num_blocks].long()].flatten(1, 2)[:, :keys].transpose(1, 2)
         kv = _cooked(kv, kv_cache.dtype, q.dtype)
         qh = q.transpose(0, 1)  # [H, q_len, D]
-        if self.logit_softcap is not None:
+        if not self._sdpa_ok():
             o = self._attend(qh[None], self._k_scaled(kv[0], kv_cache)[None], kv[1][None], c.mask)
             return self._v_scaled(o[0].transpose(0, 1), kv_cache)
         o = F.scaled_dot_product_attention(qh[None], kv[0][None], kv[1][None], attn_mask=c.mask,
                                            scale=self._qk_scale(kv_cache), enable_gqa=self.group > 1)
         return self._v_scaled(o[0].transpose(0, 1), kv_cache)
+
+    def _sdpa_ok(self) -> bool:
+        """SDPA computes this layer's attention (no soft-cap, no sinks)."""
+        return self.logit_softcap is None and self.sinks is None
 
     def _qk_scale(self, kv_cache: torch.Tensor) -> float:
         return self.scale * self.k_scale if is_fp8(kv_cache) else self.scale
@@ -306,9 +312,10 @@ class TorchRefAttentionBackend(AttentionBackend):
         return k * self.k_scale if is_fp8(kv_cache) and self.k_scale != 1.0 else k
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                group: int | None = None) -> torch.Tensor:
-        """Eager attention with soft-capping (HF's order: scale, cap, mask, float32 softmax):
-        q [B, H, Lq, D], k/v [B, H / group, Lk, D], mask bool broadcastable to [B, H, Lq, Lk]."""
+                group: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Eager attention with soft-capping (HF's order: scale, cap, mask, float32 softmax) and
+        sinks: q [B, H, Lq, D], k/v [B, H / group, Lk, D], mask bool broadcastable to
+        [B, H, Lq, Lk]; `sinks` broadcastable to [B, H, Lq, 1] (default: this layer's, per head)."""
         group = self.group if group is None else group
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
@@ -317,7 +324,14 @@ class TorchRefAttentionBackend(AttentionBackend):
         if self.logit_softcap is not None:
             scores = torch.tanh(scores / self.logit_softcap) * self.logit_softcap
         scores = scores.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if sinks is None and self.sinks is not None:
+            sinks = self.sinks.view(1, -1, 1, 1)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        else:  # the sink is one more logit in the softmax, dropped before the values
+            column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1, dtype=torch.float32)
+            probs = probs[..., :-1].to(q.dtype)
         return torch.matmul(probs, v)
 
 

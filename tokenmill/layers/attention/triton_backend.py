@@ -137,7 +137,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
             max_splits=MAX_KV_SPLITS, num_warps=plan.num_warps, num_stages=plan.num_stages,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-            k_scale=self.k_scale, v_scale=self.v_scale)
+            k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 
     def _sm_count_of(self, device: torch.device) -> int:
         if self._sm_count is None:

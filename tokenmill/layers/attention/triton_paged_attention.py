@@ -17,7 +17,10 @@ A sliding window W (`window`; a huge value means none) masks keys <= query - W, 
 the walk starts at the tile holding the first key the tile's first query sees: keys
 before it are neither loaded nor looked up in the block table (the KV manager may
 have given their blocks to another request). SOFTCAP: scores become
-softcap * tanh(scores / softcap) before the softmax (Gemma 2).
+softcap * tanh(scores / softcap) before the softmax (Gemma 2). SINKS: each head's sink logit
+(`sinks_ptr`, float32 [NUM_HEADS]) joins the softmax's denominator at the end (with the split
+partials merged, in the reduce kernel): l += exp(sink - m), with the running max raised to the
+sink first where the sink is larger (gpt-oss).
 
 FP8 KV cache: K/V tiles are converted to the query's dtype as they load; k_scale joins the
 softmax scale and v_scale multiplies the accumulator (both host floats, the layer's).
@@ -66,6 +69,7 @@ def _paged_attention_kernel(
     v_scale,  # 1.0, or an fp8 cache's V scale
     num_seqs, num_rows, num_splits,
     window, softcap,  # sliding window (keys); logit soft-cap (used only with SOFTCAP)
+    sinks_ptr,  # float32 [NUM_HEADS] sink logits (read only with SINKS)
     s_qt, s_qh, s_ot, s_oh,  # q / out strides: token, head (the head_dim stride is 1)
     s_cb, s_cs, s_ch,  # cache strides: block, slot in block, head (the head_dim stride is 1)
     s_bt,  # block table row stride
@@ -73,7 +77,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -167,6 +171,12 @@ def _paged_attention_kernel(
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
     else:
+        if SINKS:  # the sink in the log2 domain, as one more (valueless) key
+            sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
+            m_fin = tl.maximum(m_i, sink)
+            rescale = tl.exp2(m_i - m_fin)
+            acc = acc * rescale[:, None]
+            l_i = l_i * rescale + tl.exp2(sink - m_fin)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
@@ -174,9 +184,10 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
 def _reduce_splits_kernel(
-    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr,
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, sinks_ptr,
     num_seqs, num_splits, s_ot, s_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     """One program per (row, head): merge the split partials; rows past the last sequence get zeros."""
     row = tl.program_id(0)
@@ -189,11 +200,16 @@ def _reduce_splits_kernel(
     m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
     l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding rows: no share at all
     weight = tl.exp2(m - m_max)  # empty shares (max -inf) weigh nothing
     acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     num = tl.sum(acc * weight[:, None], 0)
     den = tl.sum(l * weight, 0)
+    if SINKS:
+        den += tl.where(num_shares > 0, tl.exp2(sink - m_max), 0.0)
     o = num / tl.where(den > 0.0, den, 1.0)
     tl.store(out_ptr + row.to(tl.int64) * s_ot + head * s_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
@@ -203,8 +219,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
                     num_warps: int, num_stages: int, sliding_window: int | None = None,
-                    logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                    logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
+    `sinks`: [num_heads] sink logits (read as float32), or None.
 
     The launch depends only on shapes and the arguments given here, never on device data.
     """
@@ -227,25 +245,28 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                                device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
+    sinks_f32 = out if sinks is None else sinks.float().contiguous()  # (unused without sinks)
     grid = (num_rows // block_q + num_seqs + 1, num_kv_heads, num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc,
         query_start_loc, seq_lens, block_table,
         scale * LOG2E * (k_scale if kv_fp8 else 1.0), v_scale if kv_fp8 else 1.0, num_seqs, num_rows, num_splits,
-        sliding_window if sliding_window is not None else NO_WINDOW, float(logit_softcap or 0.0),
+        sliding_window if sliding_window is not None else NO_WINDOW, float(logit_softcap or 0.0), sinks_f32,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_table.stride(0),
         NUM_HEADS=num_heads, GROUP=group, GROUP_PAD=triton.next_power_of_2(group),
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         SPLIT=split, DOT_PRECISION="ieee" if (q.dtype if kv_fp8 else kv_cache.dtype) == torch.float32 else "tf32",
-        SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8, num_warps=num_warps,
+        SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8, SINKS=sinks is not None,
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     if split:
         _reduce_splits_kernel[(num_rows, num_heads)](
-            out, part_m, part_l, part_acc, query_start_loc, num_seqs, num_splits,
+            out, part_m, part_l, part_acc, query_start_loc, sinks_f32, num_seqs, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, MAX_SPLITS=max_splits,
+            SINKS=sinks is not None,
         )
     return out

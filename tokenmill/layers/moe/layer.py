@@ -7,6 +7,8 @@ once. The router (and the shared expert's gate) is replicated: every rank routes
 Parameters: `gate.weight` [E, H] (+ `gate.e_score_correction_bias` [E], DeepSeek-V3),
 `experts.w13` [E, 2 * I_local, H] ([gate | up] rows of each expert), `experts.w2` [E, H, I_local],
 `shared_expert.gate_up.weight` / `shared_expert.down.weight`, `shared_expert_gate.weight` [1, H].
+gpt-oss adds `gate.bias` [E] and the experts' `b13` [E, 2 * I_local] / `b2` [E, H] (b2 is held by
+TP rank 0 only, zeros elsewhere, so the all-reduce adds it once).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from tokenmill.layers import triton_ops
 from tokenmill.layers.activation import SiluAndMul
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.moe import routing
-from tokenmill.layers.moe.torch_experts import experts_forward
+from tokenmill.layers.moe.torch_experts import Activation, experts_forward
 
 
 class Router(nn.Module):
@@ -29,12 +31,14 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size), requires_grad=False)
         self.e_score_correction_bias = (nn.Parameter(torch.empty(moe.num_experts), requires_grad=False)
                                         if moe.score_correction_bias else None)
+        self.bias = nn.Parameter(torch.empty(moe.num_experts), requires_grad=False) if moe.router_bias else None
         self.moe = moe
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids [T, k]); logits in float32 (DeepSeek's rule; exact
         for float32 models)."""
-        logits = torch.nn.functional.linear(x.float(), self.weight.float())
+        logits = torch.nn.functional.linear(x.float(), self.weight.float(),
+                                            None if self.bias is None else self.bias.float())
         return routing.select_experts(logits, self.moe, self.e_score_correction_bias)
 
 
@@ -44,12 +48,17 @@ class Experts(nn.Module):
         e = moe.num_experts
         self.w13 = nn.Parameter(torch.empty(e, 2 * local_inter, hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(e, hidden_size, local_inter), requires_grad=False)
+        self.b13 = self.b2 = None
+        if moe.expert_bias:
+            self.b13 = nn.Parameter(torch.empty(e, 2 * local_inter), requires_grad=False)
+            self.b2 = nn.Parameter(torch.empty(e, hidden_size), requires_grad=False)
+        self.act = Activation(moe.activation, moe.swiglu_alpha, moe.swiglu_limit)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         if triton_ops.enabled(x):
             from tokenmill.layers.moe.fused_moe import fused_experts
-            return fused_experts(x, self.w13, self.w2, weights, ids)
-        return experts_forward(x, self.w13, self.w2, weights, ids)
+            return fused_experts(x, self.w13, self.w2, weights, ids, b13=self.b13, b2=self.b2, act=self.act)
+        return experts_forward(x, self.w13, self.w2, weights, ids, self.b13, self.b2, self.act)
 
 
 class SharedExpert(nn.Module):
