@@ -160,3 +160,27 @@ def test_layer_triton_path_matches_cpu_path(num_tokens):
     torch.testing.assert_close(slots.forward(x, lambda: y.clone()), want, atol=1e-4, rtol=1e-4)
     act = slots.forward_silu_mul(x, lambda: y.clone(), lambda t: None)
     torch.testing.assert_close(act, want_act, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rows_plan_of_one_row_chunk_reads_each_tokens_slot(fused):
+    """A one-row prompt chunk's token slots arrive as an expanded (stride-0) view of the row's
+    slot (the prompt-chunk graph's body): the rows kernels must see slot 1 for every token, not
+    read past the one element (here into a neighbour holding slot 2; on CUDA into whatever lies
+    there: the illegal address of gpu_lora's engine part)."""
+    parts = [48, 48] if fused else PARTS["qkv"]
+    x, a, b, _, y, starts = _case(16, parts, k=40, seed=6)
+    memory = torch.full((32,), 2, dtype=torch.int32)
+    memory[0] = 1
+    token_slots = memory[:1][:, None].expand(-1, 16).reshape(-1)
+    assert token_slots.stride(0) == 0  # what the body hands over: one element, read 16 times
+    plan = plan_step(token_slots, a.shape[0], {(a.shape[1], 40)})
+    assert plan.order is None  # the rows kernels
+    delta = lora_reference(x, a, b, starts, torch.ones(16, dtype=torch.int64))
+    planes = lora_shrink(x, a, plan)
+    if fused:
+        gate, up = (y + delta).chunk(2, dim=1)
+        torch.testing.assert_close(lora_expand_silu(planes, b, plan, y), torch.nn.functional.silu(gate) * up,
+                                   atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(lora_expand(planes, b, plan, y.clone(), starts), y + delta, atol=1e-4, rtol=1e-4)

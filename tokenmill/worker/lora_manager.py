@@ -152,7 +152,9 @@ class LoRAManager:
         """Inside a graph body: the rows' (device) slots, `query_len` tokens each."""
         slots = self.row_slot_dev[rows]
         if query_len > 1:
-            slots = slots[:, None].expand(-1, query_len).reshape(-1)
+            # contiguous(): one row's expand would reshape to a stride-0 view, which the kernels
+            # (indexing slots by token) would read past.
+            slots = slots[:, None].expand(-1, query_len).contiguous().view(-1)
         self.batch.prepare(slots)
 
     def warm_up(self) -> None:

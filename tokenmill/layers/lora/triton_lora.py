@@ -344,8 +344,9 @@ def plan_step(token_slots: torch.Tensor, num_slots: int, shapes: set[tuple[int, 
     numel = max((shrink_config(num_tokens, n, k, num_slots, sms, rows).planes_numel(num_tokens, n)
                  for n, k in shapes), default=0)
     workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
-    if rows:
-        return StepPlan(num_tokens, num_slots, token_slots.to(torch.int32), None, None, workspace)
+    if rows:  # the rows kernels index token_slots by token: a dense int32 copy when not one already
+        # (a one-row prompt chunk's slots are an expanded view with stride 0: read past its element)
+        return StepPlan(num_tokens, num_slots, token_slots.to(torch.int32).contiguous(), None, None, workspace)
     order, tiles = plan_tiles(token_slots, num_slots)
     return StepPlan(num_tokens, num_slots, token_slots, order, tiles, workspace)
 
