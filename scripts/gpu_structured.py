@@ -12,6 +12,12 @@ number of tokens. From the step trace: the core's mask time per constrained row 
 many steps the device waited for a mask (the worker's `await_mask` spans whose forward pass had
 already finished when the mask arrived). Writes $OUT/gpu_structured.json; exits 1 when the
 constrained run produced an invalid prefix or finished early, or (full mode) the ratio is < 0.95.
+
+Then speculative decoding with constraints, on the device's own paths (verification graphs on
+CUDA): a tiny random model (byte tokens, float32), regex-constrained greedy requests whose
+prompts repeat themselves, with n-gram drafts and with the model as its own draft, must give the
+tokens of the same engine without speculation, with drafts accepted, rejected and forbidden by
+the grammar (tests/engine/test_structured_speculation.py's check, on CUDA).
 """
 
 from __future__ import annotations
@@ -137,7 +143,10 @@ def main() -> int:
     print(f"ratio constrained / unconstrained: {ratio:.3f} (goal >= 0.95)")
     print(f"mask: {figures['mask_us_per_token']:.1f} us per token, {figures['mask_us_per_step']:.0f} us per step, "
           f"{figures['mask_steps']} steps; device waited for a mask in {figures['steps_device_waited']} of "
-          f"{figures['await_mask_steps']} steps ({figures['device_wait_us_total'] / 1e3:.1f} ms in all)")
+          f"{figures['await_mask_steps']} steps ({figures['device_wait_us_total'] / 1e3:.1f} ms in all)", flush=True)
+    with open(os.path.join(out_dir, "gpu_structured.json"), "w") as f:  # kept if the check below dies
+        json.dump(record, f, indent=1)
+    record["speculative"] = spec_check(smoke, failures)
     if not smoke and ratio < 0.95:
         failures.append(f"ratio {ratio:.3f} < 0.95")
     record["failures"] = failures
@@ -146,6 +155,59 @@ def main() -> int:
     for failure in failures:
         print("FAILED:", failure)
     return 1 if failures else 0
+
+
+def spec_check(smoke: bool, failures: list[str]) -> dict:
+    """Constrained greedy requests with and without speculation (n-gram, the model as its own
+    draft): the same tokens, drafts really accepted, rejected and forbidden by the grammar."""
+    import re
+
+    from tests.helpers.tiny_models import make_tiny_model_dir
+    from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+    path = make_tiny_model_dir("llama", tempfile.mkdtemp(prefix="tiny-spec-"))
+    prompts = ["abcabcabcabcabcab", "xyz-xyz-xyz-xyz-x", "hello hello hello hel", "aaaaabbbbbaaaaabbbbb",
+               "q1q2q3q1q2q3q1q2"] * (1 if smoke else 8)
+    regexes = [r"[a-c]{30}", r"(xyz-|xy-){8}", r"[a-z ]{30}", r"(a|b){5}(c|b){20}", r"(q[0-9]){12}"] * (1 if smoke else 8)
+    params = [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=r))
+              for r in regexes]
+    engine = dict(dtype="float32", kv_cache_memory_gb=0.5, single_process=True, gpu_memory_utilization=0.3)
+    with LLM(path, **engine) as llm:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm  # in one process: the next engine sizes its KV pool from what this one leaves free
+    _release_memory()
+    record = {}
+    for name, spec in (("ngram", {"method": "ngram", "num_speculative_tokens": 3, "max_step_tokens": 0}),
+                       ("draft_model", {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+                                        "max_step_tokens": 0})):
+        print(f"speculative decoding with constraints: {name}", flush=True)
+        with LLM(path, speculative_config=spec, **engine) as llm:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            stats, grammars = llm.scheduler_stats(), llm.engine.grammars
+            forbidden, positions = grammars.num_drafts_forbidden, grammars.num_draft_positions
+        del llm, grammars
+        _release_memory()
+        got = [o.outputs[0].token_ids for o in outs]
+        valid = all(re.fullmatch(r, o.outputs[0].text) for r, o in zip(regexes, outs))
+        drafted, accepted = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
+        record[name] = {"same_tokens": got == want, "valid": valid, "draft_tokens": drafted,
+                        "accepted": accepted, "draft_positions_masked": positions, "drafts_forbidden": forbidden}
+        print(f"  same tokens as without speculation: {got == want}, outputs valid: {valid}, drafts "
+              f"{drafted}, accepted {accepted}, forbidden by the grammar {forbidden}", flush=True)
+        if got != want or not valid:
+            failures.append(f"speculative decoding ({name}) with constraints changed the output")
+        if not (0 < accepted < drafted) or not forbidden:
+            failures.append(f"speculative decoding ({name}): drafts {drafted}, accepted {accepted}, forbidden "
+                            f"{forbidden}: the check did not exercise acceptance, rejection and the grammar")
+    return record
+
+
+def _release_memory() -> None:
+    import gc
+
+    import torch
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _device() -> str:

@@ -55,8 +55,11 @@ def make_moe_config(arch: str, **overrides: Any) -> PretrainedConfig:
         # Layers slide, attend fully, slide (HF's default alternation) with a window of 8; YaRN rope;
         # a swiglu_limit the tiny experts' projections reach (see make_tiny_moe_model_dir).
         cls = GptOssConfig
+        # Older transformers (the GPU machine's 5.17) hard-code the limit at 7.0 and would ignore ours.
+        if hasattr(GptOssConfig(), "swiglu_limit"):
+            kwargs["swiglu_limit"] = 1.5
         kwargs.update(num_hidden_layers=3, num_key_value_heads=2, head_dim=16, intermediate_size=32,
-                      num_local_experts=6, num_experts_per_tok=3, sliding_window=8, swiglu_limit=1.5,
+                      num_local_experts=6, num_experts_per_tok=3, sliding_window=8,
                       rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                        "original_max_position_embeddings": 64, "beta_fast": 32.0,
                                        "beta_slow": 1.0, "truncate": False})

@@ -1,5 +1,6 @@
-"""Batched LoRA kernels (Triton, under the CPU interpreter in float32) and the CPU path, against
-the per-token torch reference, on small shapes with mixed slots (and tokens without an adapter)."""
+"""Batched LoRA kernels (Triton, under the CPU interpreter in float32 and float16: the per-token
+and the tile kernels, K split or not) and the CPU path, against the per-token torch reference, on
+small shapes with mixed slots (and tokens without an adapter); the step's tile plan."""
 
 from __future__ import annotations
 
@@ -14,14 +15,17 @@ from tests.helpers.triton_required import require_triton
 
 require_triton()
 
+from tokenmill.layers.lora import triton_lora  # noqa: E402
 from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots  # noqa: E402
 from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference  # noqa: E402
-from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink  # noqa: E402
+from tokenmill.layers.lora.triton_lora import (  # noqa: E402
+    lora_expand, lora_expand_silu, lora_shrink, plan_step, plan_tiles)
 
 PARTS = {"qkv": [64, 32, 32], "gate_up": [48, 48], "single": [80]}
 
 
-def _case(num_tokens: int, parts: list[int], slots: int = 3, rank: int = 16, k: int = 40, seed: int = 0):
+def _case(num_tokens: int, parts: list[int], slots: int = 3, rank: int = 16, k: int = 40, seed: int = 0,
+          dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(num_tokens, k, generator=g)
     a = torch.randn(slots, len(parts) * rank, k, generator=g) * 0.3
@@ -29,21 +33,80 @@ def _case(num_tokens: int, parts: list[int], slots: int = 3, rank: int = 16, k: 
     token_slots = torch.randint(-1, slots, (num_tokens,), generator=g)
     y = torch.randn(num_tokens, sum(parts), generator=g)
     starts = tuple(int(v) for v in torch.tensor([0] + parts).cumsum(0))
-    return x, a, b, token_slots, y, starts
+    return x.to(dtype), a.to(dtype), b.to(dtype), token_slots, y.to(dtype), starts
 
 
-@pytest.mark.parametrize("num_tokens,k", [(1, 40), (7, 40), (40, 40), (5, 300)])  # K = 300: split over programs
+@pytest.fixture(autouse=True)
+def _many_sms(monkeypatch):
+    """Size the K splits for a GPU of 64 SMs (the CPU counts as 4): the split paths run here."""
+    monkeypatch.setattr(triton_lora, "_sm_count", lambda device: 64)
+
+
+def _triton(x, a, b, token_slots, y, starts):
+    n, k = a.shape[1], a.shape[2]
+    plan = plan_step(token_slots, a.shape[0], {(n, k)})
+    planes = lora_shrink(x, a, plan)
+    return lora_expand(planes, b, plan, y.clone(), starts), plan, planes
+
+
+# Tokens: 1 and 7 run the per-token (rows) kernels, 40 and 600 the tile kernels (16 and 64 rows a
+# tile); K = 300 is split over programs (the expand adds the planes).
+@pytest.mark.parametrize("num_tokens,k", [(1, 40), (1, 300), (7, 300), (40, 40), (40, 300), (600, 72)])
 @pytest.mark.parametrize("shape", sorted(PARTS))
 def test_triton_shrink_expand_match_reference(num_tokens, k, shape):
     x, a, b, token_slots, y, starts = _case(num_tokens, PARTS[shape], k=k)
     expected = y + lora_reference(x, a, b, starts, token_slots)
-    sorted_slots, order = torch.sort(token_slots.to(torch.int32), stable=True)
-    shrunk = lora_shrink(x, a, order.to(torch.int32), sorted_slots)
-    assert (shrunk.shape[0] > 1) == (k > 64)  # K = 300 is split: the expand adds the planes
-    out = lora_expand(shrunk, b, order.to(torch.int32), sorted_slots, y.clone(), starts)
+    out, plan, planes = _triton(x, a, b, token_slots, y, starts)
+    assert (plan.order is None) == (num_tokens <= triton_lora.ROWS_MAX_TOKENS)
+    if k == 300:
+        assert planes.shape[0] > 1  # split K: the planes are summed by the expand
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     no_adapter = token_slots < 0
     assert torch.equal(out[no_adapter], y[no_adapter])  # rows without an adapter are untouched
+
+
+@pytest.mark.parametrize("num_tokens", [5, 40])
+def test_triton_float16(num_tokens):
+    x, a, b, token_slots, y, starts = _case(num_tokens, PARTS["qkv"], k=200, seed=4, dtype=torch.float16)
+    expected = y.float() + lora_reference(x, a, b, starts, token_slots)
+    out, _, _ = _triton(x, a, b, token_slots, y, starts)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("num_tokens,k", [(1, 40), (7, 300), (40, 300), (600, 72)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_expand_fused_with_silu_and_mul(num_tokens, k, dtype):
+    """gate_up's expand fused with the activation = SiLU-and-mul of (y + the reference's delta),
+    also for tokens without an adapter (their activation, no delta)."""
+    x, a, b, token_slots, y, starts = _case(num_tokens, [48, 48], k=k, seed=5, dtype=dtype)
+    plan = plan_step(token_slots, a.shape[0], {(a.shape[1], k)})
+    out = lora_expand_silu(lora_shrink(x, a, plan), b, plan, y)
+    gate, up = (y.float() + lora_reference(x, a, b, starts, token_slots)).to(dtype).float().chunk(2, dim=1)
+    expected = torch.nn.functional.silu(gate) * up
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("num_tokens,slots", [(17, 3), (40, 9), (600, 5), (530, 40)])
+def test_tiles_cover_each_token_once(num_tokens, slots):
+    """Every token is in exactly one tile, of its own slot (-1: without an adapter), of at most
+    BLOCK_M rows; the tile count fits the static bound (worst case: every group ends a partial tile)."""
+    g = torch.Generator().manual_seed(num_tokens)
+    token_slots = torch.randint(-1, slots, (num_tokens,), generator=g)
+    order, tiles = plan_tiles(token_slots, slots)
+    block_m = triton_lora.tile_rows(num_tokens)
+    seen = torch.zeros(num_tokens, dtype=torch.int64)
+    for slot, first, end in tiles.t().tolist():
+        if slot == triton_lora.NO_TILE:
+            continue
+        assert 0 < end - first <= block_m
+        rows = order[first:end].long()
+        assert (token_slots[rows] == slot).all()
+        seen[rows] += 1
+    assert torch.equal(seen, torch.ones(num_tokens, dtype=torch.int64))
+    real = int((tiles[0] != triton_lora.NO_TILE).sum())
+    assert (tiles[0, real:] == triton_lora.NO_TILE).all()  # real tiles first
 
 
 @pytest.mark.parametrize("shape", sorted(PARTS))
@@ -75,3 +138,49 @@ def test_slots_pad_lower_ranks_with_zeros():
     y = slots.apply(x, torch.zeros(3, 32))
     torch.testing.assert_close(y[0, 16:], (x[0] @ a.T) @ b.T)
     assert not y[:, :16].any() and not y[1].any()
+
+
+@pytest.mark.parametrize("num_tokens", [3, 40])
+def test_layer_triton_path_matches_cpu_path(num_tokens):
+    """`LoRASlots` on its Triton path (the plan a CUDA step would build, run by the interpreter):
+    the plain projection hook and gate_up's fused activation equal the CPU path's."""
+    g = torch.Generator().manual_seed(7)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    slots = LoRASlots(batch, 3, 16, 40, [48, 48], torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for part in range(2):
+            rank = 8 + 4 * slot
+            slots.set_slot(slot, part, torch.randn(rank, 40, generator=g), torch.randn(48, rank, generator=g))
+    x, y = torch.randn(num_tokens, 40, generator=g), torch.randn(num_tokens, 96, generator=g)
+    token_slots = torch.randint(-1, 3, (num_tokens,), generator=g)
+    batch.prepare(token_slots, token_slots.numpy())
+    want = slots.forward(x, lambda: y.clone())  # the CPU path
+    want_act = torch.nn.functional.silu(want[:, :48]) * want[:, 48:]
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    torch.testing.assert_close(slots.forward(x, lambda: y.clone()), want, atol=1e-4, rtol=1e-4)
+    act = slots.forward_silu_mul(x, lambda: y.clone(), lambda t: None)
+    torch.testing.assert_close(act, want_act, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_rows_plan_of_one_row_chunk_reads_each_tokens_slot(fused):
+    """A one-row prompt chunk's token slots arrive as an expanded (stride-0) view of the row's
+    slot (the prompt-chunk graph's body): the rows kernels must see slot 1 for every token, not
+    read past the one element (here into a neighbour holding slot 2; on CUDA into whatever lies
+    there: the illegal address of gpu_lora's engine part)."""
+    parts = [48, 48] if fused else PARTS["qkv"]
+    x, a, b, _, y, starts = _case(16, parts, k=40, seed=6)
+    memory = torch.full((32,), 2, dtype=torch.int32)
+    memory[0] = 1
+    token_slots = memory[:1][:, None].expand(-1, 16).reshape(-1)
+    assert token_slots.stride(0) == 0  # what the body hands over: one element, read 16 times
+    plan = plan_step(token_slots, a.shape[0], {(a.shape[1], 40)})
+    assert plan.order is None  # the rows kernels
+    delta = lora_reference(x, a, b, starts, torch.ones(16, dtype=torch.int64))
+    planes = lora_shrink(x, a, plan)
+    if fused:
+        gate, up = (y + delta).chunk(2, dim=1)
+        torch.testing.assert_close(lora_expand_silu(planes, b, plan, y), torch.nn.functional.silu(gate) * up,
+                                   atol=1e-4, rtol=1e-4)
+    else:
+        torch.testing.assert_close(lora_expand(planes, b, plan, y.clone(), starts), y + delta, atol=1e-4, rtol=1e-4)

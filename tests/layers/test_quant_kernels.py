@@ -48,9 +48,27 @@ def test_int4_gemm_matches_reference(m, group, act_order):
     torch.testing.assert_close(packing.dequantize(wt, group, torch.float64).t(),
                                packing.dequantize_codes(codes).double(), atol=1e-6, rtol=0)
     for split in (1, 2):
-        out = int4_gemm(x, wt.qweight, wt.scales, wt.zeros, wt.g_idx, group, tiles=(16, 32, 32 if group != -1 else 32, split, 4))
-        torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-4)
+        for unpack_3d in (True, False):  # words unpacked by a reshape / loaded per nibble row
+            out = int4_gemm(x, wt.qweight, wt.scales, wt.zeros, wt.g_idx, group, tiles=(16, 32, 32, split, 4),
+                            unpack_3d=unpack_3d)
+            torch.testing.assert_close(out.double(), ref, atol=1e-3, rtol=1e-4)
     assert (x.double() @ w.double().t() - ref).abs().max() > 1e-2  # the weight really is quantized
+
+
+@pytest.mark.parametrize("group,act_order", [(32, False), (-1, False), (32, True)])
+def test_int4_dequantize_kernel_matches_reference(group, act_order, monkeypatch):
+    """The large-batch path: the Triton dequantization writes exactly the reference's W^T, and
+    int4_matmul takes it from DEQUANT_MIN_ROWS rows."""
+    from tokenmill.layers.quantization import triton_int4
+
+    _, _, wt = _int4_case(n=136, k=96, group=group, act_order=act_order)
+    got = triton_int4.dequantize_int4(wt.qweight, wt.scales, wt.zeros, wt.g_idx, group, torch.float32)
+    torch.testing.assert_close(got, packing.dequantize(wt, group, torch.float32), atol=0, rtol=0)
+    monkeypatch.setattr(triton_int4, "DEQUANT_MIN_ROWS", 4)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ packing.dequantize(wt, group, torch.float64)
+    out = triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, wt.g_idx, group)
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("m", [1, 40])
@@ -80,6 +98,34 @@ def test_quantize_row_groups_kernel(group):
     ref_q, ref_s = fp8_ops.quantize_row_groups(x, group)
     torch.testing.assert_close(s, ref_s)
     torch.testing.assert_close(q.to(torch.float8_e4m3fn).float(), ref_q.float())
+
+
+def _e4m3_reference(x: torch.Tensor) -> torch.Tensor:
+    """e4m3fn from its definition, in float64: 3 mantissa bits, exponent >= -6 (subnormals below),
+    round to nearest with ties to even, saturated at 448 (what the CPU emulation must match)."""
+    x = x.double()
+    exp = torch.floor(torch.log2(x.abs().clamp(min=1e-300))).clamp(min=-6)
+    ulp = torch.pow(2.0, exp - 3)
+    return (torch.sign(x) * (torch.round(x.abs() / ulp) * ulp)).clamp(-448, 448)
+
+
+def test_fp8_rounding_and_scales_match_the_spec():
+    g = torch.Generator().manual_seed(0)
+    grid = _e4m3_reference(torch.linspace(-460, 460, 20001, dtype=torch.float64)).unique()
+    ties = (grid[1:] + grid[:-1]) / 2  # exactly halfway: ties go to the even code
+    x = torch.cat([grid, ties, torch.randn(5000, generator=g, dtype=torch.float64) * torch.exp(
+        torch.randn(5000, generator=g, dtype=torch.float64) * 3), torch.tensor([2.0 ** -10, 600.0, -1e4])])
+    x = x.float().double()  # values float32 holds exactly
+    torch.testing.assert_close(fp8_ops.to_fp8(x.float()).double(), _e4m3_reference(x), atol=0, rtol=0)
+    # Per-row scales: amax / 448 (the largest value lands on 448 exactly); a zero row stays finite.
+    w = torch.randn(6, 300, generator=g) * 3
+    w[2] = 0
+    q, s = fp8_ops.quantize_rows(w)
+    assert torch.equal(s[[0, 1, 3, 4, 5]].squeeze(1), w[[0, 1, 3, 4, 5]].abs().amax(dim=1) / 448)
+    assert torch.equal(q[[0, 1, 3, 4, 5]].float().abs().amax(dim=1), torch.full((5,), 448.0))
+    assert torch.isfinite(s).all() and not q[2].float().any()
+    torch.testing.assert_close(fp8_ops.fake_quantize_rows(w).double(), _e4m3_reference(w.double() / s.double()) * s,
+                               atol=1e-6, rtol=1e-6)
 
 
 def test_fp8_weight_round_trips():

@@ -66,3 +66,22 @@ def test_lora_needs_enable_lora(folders) -> None:
 def test_bad_lora_limits_name_the_field(folders, kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
         LLM(folders["model"], enable_lora=True, **kwargs, **ENGINE)
+
+
+def test_graph_body_token_slots_are_dense() -> None:
+    """`prepare_rows` of one row and a chunk of 16 tokens (the prompt-chunk graph): the step's
+    token -> slot map is a dense tensor with the row's slot per token, not a stride-0 view."""
+    import numpy as np
+    import torch
+
+    from tokenmill.layers.lora.lora_layer import LoRABatch
+    from tokenmill.worker.lora_manager import LoRAManager
+
+    manager = LoRAManager.__new__(LoRAManager)
+    manager.batch = LoRABatch(torch.device("cpu"), 4)
+    manager.row_slot_dev = torch.tensor([-1, 3, 2, -1], dtype=torch.int32)
+    manager.prepare_rows(torch.tensor([1]), 16)
+    slots = manager.batch.token_slots
+    assert slots.stride() == (1,) and slots.tolist() == [3] * 16
+    manager.prepare_rows(torch.tensor([2, 1]), 3)
+    assert np.array_equal(manager.batch.token_slots.numpy(), [2, 2, 2, 3, 3, 3])

@@ -140,6 +140,19 @@ def test_tensor_parallel_2(setup) -> None:
     setup.check(outputs, names, PROMPTS[:4])
 
 
+def test_pipeline_parallel_2(setup) -> None:
+    """Each stage holds its layers' adapter slices; with more adapters than slots (reloads on both
+    stages). The same tokens as one stage's engine, and HF + PEFT's."""
+    names = [None, "a1", "a2", "a3", "a1", None]
+    engine = {**ENGINE, "single_process": False}
+    with LLM(setup.path, max_loras=2, pipeline_parallel_size=2, **engine) as llm:
+        outputs = run(llm, setup, names, PROMPTS)
+    with LLM(setup.path, max_loras=2, **ENGINE) as llm:
+        single = run(llm, setup, names, PROMPTS)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in single]
+    setup.check(outputs, names, PROMPTS)
+
+
 def test_a_step_never_holds_more_adapters_than_slots(setup) -> None:
     names = ["a1", "a2", "a3", None] * 3
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(names))]

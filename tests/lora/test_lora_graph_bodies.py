@@ -6,6 +6,7 @@ prefill and n-gram speculation, give HF + PEFT's greedy tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers.engine import pin_spec_cost, worker_runner
 from tests.lora.test_lora_engine import ENGINE, PROMPTS, Setup, run
@@ -32,6 +33,8 @@ def _decode_graphs(runner, query_len: int, counter: list[int]) -> DecodeGraphs:
     def body(size: int):
         graphs.logits[size] = graphs._body(size)
     graphs.graphs = {size: _EagerReplay(lambda size=size: body(size), counter) for size in graphs.sizes}
+    with torch.inference_mode():  # as capture does first: the shared output buffer, of the largest size
+        graphs._body(graphs.sizes[-1])
     return graphs
 
 

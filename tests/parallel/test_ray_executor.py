@@ -76,3 +76,16 @@ def test_pp2_in_process_core(two_node_cluster, tiny_model) -> None:
         assert_nothing_left(core)
     finally:
         core.shutdown()
+
+
+def test_constrained_requests_pp2_through_llm(two_node_cluster, tiny_model) -> None:
+    """Structured outputs through Ray actors: each masked step is launched by `execute` and sampled
+    by `finish`, which brings its masks; PP=2 with async scheduling gives one process's tokens."""
+    from tests.parallel.test_structured_pp import PROMPTS as CONSTRAINED, REGEXES, params
+    with LLM(tiny_model, single_process=True, async_scheduling=False, **ENGINE) as llm:
+        reference = [o.outputs[0].token_ids for o in llm.generate(CONSTRAINED, params(), use_tqdm=False)]
+    with LLM(tiny_model, pipeline_parallel_size=2, distributed_executor_backend="ray", **ENGINE) as llm:
+        outputs = llm.generate(CONSTRAINED, params(), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == reference
+        assert all(o.outputs[0].finish_reason == "stop" for o, regex in zip(outputs, REGEXES) if regex)
+        assert_idle(llm)

@@ -1,7 +1,9 @@
 """Structured outputs and tool calling through the official openai client, against a real
 `tokenmill serve` of SmolLM2 on the CPU (async scheduling on): every answer parses and validates,
 streamed and not, and ends with `stop`; forced tool calls have valid arguments; `auto` with the
-hermes parser reads a hand-written call; bad constraints get a 400 and the server keeps serving."""
+hermes parser reads a hand-written call; streamed tool calls arrive as the client expects them
+(id, type and name first, then the arguments in pieces); bad constraints get a 400 and the server
+keeps serving."""
 
 from __future__ import annotations
 
@@ -74,10 +76,22 @@ def _chat(client, stream: bool, **kwargs):
         choice = client.chat.completions.create(**args).choices[0]
         return choice.message.content, choice.message.tool_calls, choice.finish_reason
     with client.chat.completions.stream(**args) as events:
-        for _ in events:
-            pass
+        deltas = [e.chunk.choices[0].delta for e in events if e.type == "chunk" and e.chunk.choices]
         choice = events.get_final_completion().choices[0]
+    if choice.message.tool_calls:
+        _check_incremental(deltas)
     return choice.message.content, choice.message.tool_calls, choice.finish_reason
+
+
+def _check_incremental(deltas) -> None:
+    """Each tool call streams: its first delta has the id, type and name; its arguments follow in
+    more than one delta (not once at the end)."""
+    entries = [e for d in deltas for e in (d.tool_calls or [])]
+    for index in sorted({e.index for e in entries}):
+        mine = [e for e in entries if e.index == index]
+        assert mine[0].id and mine[0].type == "function" and mine[0].function.name, mine[0]
+        assert all(e.id is None and e.function.name is None for e in mine[1:]), mine
+        assert sum(bool(e.function.arguments) for e in mine) >= 2, f"arguments in one piece: {mine}"
 
 
 def test_json_schemas_validate_streamed_and_not(client) -> None:

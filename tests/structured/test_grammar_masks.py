@@ -162,3 +162,65 @@ def test_rows_in_one_grammar_state_share_one_mask_on_the_wire(setup) -> None:
     assert (ours == reference_masks(backend, so, prefixes)).all()
     distinct, which = distinct_rows(np.array([[1, 2], [3, 4], [1, 2], [1, 2]], np.int32))
     assert distinct.tolist() == [[1, 2], [3, 4]] and which.tolist() == [0, 1, 0, 0]
+
+
+def draft_masks(backend, config, so, prefix, row_drafts, shift=0):
+    """Speculative decoding: allowed tokens (bool [sum(1 + k), V]) at every position the rows
+    sample, each row at `prefix` with its drafts, through the core's GrammarMasks and the
+    worker's own mapping of mask entries to logits rows (ModelRunner._mask_rows). `shift`: the
+    planted defect, each entry applied `shift` positions later in its row."""
+    from types import SimpleNamespace
+
+    from tokenmill.worker.model_runner import ModelRunner
+    masks = GrammarMasks(_Config(config, 49152))
+    masks.compiles._backend = _done(backend)
+    compiled = backend.compile(grammar_spec(so, config.max_schema_bytes))
+    requests = {}
+    for handle, drafts in enumerate(row_drafts):
+        request = Request(handle, [1, 2, 3], SamplingParams(structured_outputs=so), (2,), 4096)
+        request.grammar = RequestGrammar(backend.matcher(compiled))
+        request.grammar.drafts, request.grammar.drafts_step = list(drafts) + [7] * 2, 0  # proposed K > k
+        request.token_ids = np.array([1, 2, 3, *prefix], np.int32)
+        requests[handle] = request
+    num_drafts = np.array([len(d) for d in row_drafts])
+    so_step = SchedulerOutput(step_id=1)
+    so_step.structured_handles = so_step.structured_rows = np.arange(len(row_drafts))
+    so_step.num_drafts = num_drafts
+    assert masks.advance(so_step, requests, None) == ([], [])
+    wire = msgspec.msgpack.decode(msgspec.msgpack.encode(masks.bitmask(so_step, requests, None)), type=GrammarBitmask)
+    if shift:
+        wire.positions = (wire.position_array() + shift).clip(0, num_drafts[wire.arrays()[0]]).astype("<i4").tobytes()
+    runner = SimpleNamespace(_mask_upload=MaskUpload(torch.device("cpu")))
+    bits, rows = ModelRunner._mask_rows(runner, wire, np.arange(len(row_drafts)), num_drafts)
+    logits = torch.zeros(int((num_drafts + 1).sum()), 49152)
+    apply_token_bitmask(logits, bits, rows)
+    return torch.isfinite(logits).numpy(), masks, requests
+
+
+def test_draft_position_masks_equal_xgrammar(setup) -> None:
+    """Position j of a row is masked as XGrammar masks the prefix plus the row's first j drafts, up
+    to the first draft the grammar forbids (its position excludes it; later ones are unmasked);
+    the matchers are rolled back to the prefix afterwards. A mask applied one position late fails."""
+    tokenizer, backend, config = setup
+    so, outputs = CASES[0]
+    ids = tokenizer(outputs[0], add_special_tokens=False).input_ids
+    prefix, rest = ids[:4], ids[4:]
+    allowed = reference_masks(backend, so, [prefix + rest[:1]])[0]
+    forbidden = int(np.flatnonzero(~allowed[3:])[0]) + 3  # a token the grammar refuses after rest[0]
+    row_drafts = [rest[:3], [rest[0], forbidden, rest[2]], [], rest[:1]]
+    ours, masks, requests = draft_masks(backend, config, so, prefix, row_drafts)
+    want, everything = [], np.ones(49152, bool)
+    for drafts in row_drafts:
+        for j in range(len(drafts) + 1):  # positions up to the first forbidden draft are masked
+            want.append(reference_masks(backend, so, [prefix + list(drafts[:j])])[0])
+            if j < len(drafts) and not want[-1][drafts[j]]:
+                want += [everything] * (len(drafts) - j)  # never emitted: unmasked
+                break
+    assert (ours == np.stack(want)).all()
+    assert not ours[5, forbidden] and ours[6].all() and ours[7].all()  # row 1: cut at its forbidden draft
+    assert masks.num_drafts_forbidden == 1 and masks.num_draft_positions == 3 + 2 + 1
+    # Rolled back: each matcher takes the next true token as it would at the prefix.
+    for request in requests.values():
+        assert request.grammar.num_accepted == len(prefix) and request.grammar.matcher.accept_token(rest[0])
+    late, _, _ = draft_masks(backend, config, so, prefix, row_drafts, shift=1)
+    assert (late != np.stack(want)).any(axis=1).sum() >= 3

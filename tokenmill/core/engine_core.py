@@ -73,6 +73,9 @@ class EngineCore:
         self._spec_at_reset = self.scheduler.spec_stats.snapshot()  # telemetry reports what came after
         self.grammars = None  # GrammarMasks, made with the first structured-output request
         self._grammar_news: list[EngineCoreOutput] = []  # requests ended by their grammar, for the next outputs
+        # Pipeline parallelism schedules no row past the tokens it knows, so a step's masks can be
+        # made as soon as it is submitted, and every stage keeps a step in flight.
+        self._masks_at_submit = stages > 1
 
     def add_request(self, request: EngineCoreRequest) -> None:
         core_request = Request(
@@ -120,6 +123,8 @@ class EngineCore:
             record("schedule", start, scheduled, args)
             record("submit", scheduled, submitted, args)
             self.in_flight.append((batch, future, start))
+            if self._masks_at_submit and batch.awaits_bitmask:
+                self._send_bitmask(batch)  # its rows have no token in flight: the mask is known now
             self._send_due_bitmask()
         if not self.in_flight:
             if self.grammars is not None:
@@ -132,6 +137,8 @@ class EngineCore:
         outputs = self._with_grammar_news(self.scheduler.update(batch, result))
         if batch.awaits_bitmask:
             self._advance_grammars(batch)
+        if result.draft_rows:  # constrained rows' drafts for the next step (its mask needs them)
+            self.grammars.take_drafts(batch, result, self.scheduler.requests)
         self._send_due_bitmask()
         self.stats_logger.record_step(batch.total_num_scheduled_tokens,
                                       outputs.num_new_tokens())
@@ -162,9 +169,10 @@ class EngineCore:
 
     def _send_due_bitmask(self) -> None:
         """The oldest step in flight has every earlier step applied: its mask can be made now."""
-        if not self.in_flight or not self._owes_bitmask(self.in_flight[0][0]):
-            return
-        batch = self.in_flight[0][0]
+        if self.in_flight and self._owes_bitmask(self.in_flight[0][0]):
+            self._send_bitmask(self.in_flight[0][0])
+
+    def _send_bitmask(self, batch: SchedulerOutput) -> None:
         start = time.perf_counter()
         mask = self.grammars.bitmask(batch, self.scheduler.requests, self.scheduler.table)
         made = time.perf_counter()

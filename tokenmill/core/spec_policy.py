@@ -67,10 +67,13 @@ SETTLED_AFTER = 3  # ... the fewest: no drafts in flight, none read back uncorre
 
 
 def allows_speculation(params: SamplingParams) -> bool:
-    # Constrained rows (structured outputs) are not drafted: the drafts would need the grammar's
-    # checks and rollbacks; such rows verify nothing and take one token a step.
+    # Constrained rows (structured outputs) draft too: each draft position is masked under the
+    # grammar state after the drafts before it (core/grammar_masks.py). Not when the grammar can
+    # end without ending the request (ignore_eos, min_tokens): tokens drafted past its end would
+    # be emitted in the same step.
+    constrained_ok = params.structured_outputs is None or (not params.ignore_eos and not params.min_tokens)
     return (params.logprobs is None and params.prompt_logprobs is None and params.presence_penalty == 0.0
-            and params.structured_outputs is None
+            and constrained_ok
             and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0)
 
 

@@ -5,7 +5,8 @@ node by node, so consecutive ranks (a TP group) share a node where they fit. Act
 in bundle i. They meet for torch.distributed at a TCP store on rank 0's node (gloo or NCCL,
 across nodes). Each step is encoded once with msgspec and the same bytes go to every actor
 (`RayWorker.execute`); the future resolves to the driver's decoded `ModelRunnerOutput`, and
-fails if any rank's call fails. Ray is optional: `pip install tokenmill[ray]`. The engine
+fails if any rank's call fails. A step that waits for its grammar masks (structured outputs) is
+answered by the ranks' `finish` calls, which carry the masks (`send_bitmask`). Ray is optional: `pip install tokenmill[ray]`. The engine
 joins the cluster named by RAY_ADDRESS, or starts a local one.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import Future
 
 import msgspec
@@ -23,7 +25,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.executor.base import Executor
 from tokenmill.executor.ray_worker import RayWorker
 from tokenmill.metrics.message_stats import MessageStats
-from tokenmill.protocol import ModelRunnerOutput, ProcessTelemetry, SchedulerOutput, WorkerCall, WorkerCallResult
+from tokenmill.protocol import (GrammarBitmask, ModelRunnerOutput, ProcessTelemetry, SchedulerOutput, WorkerCall,
+                                WorkerCallResult)
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,9 @@ class RayExecutor(Executor):
         self._remove_pg = remove_placement_group
         self.actors = []
         self.channels = {name: MessageStats() for name in ("steps", "results", "worker_calls",
-                                                            "worker_call_results")}
+                                                            "worker_call_results", "masks")}
         self._step_encoder = msgspec.msgpack.Encoder()
+        self._awaiting_masks: deque[Future] = deque()  # steps answered by `finish` (in step order)
         self._step_decoder = msgspec.msgpack.Decoder(ModelRunnerOutput)
         self._result_decoder = msgspec.msgpack.Decoder(WorkerCallResult)
         try:
@@ -108,18 +112,31 @@ class RayExecutor(Executor):
         self.channels["steps"].encoded(len(message), time.perf_counter() - start)
         refs = [actor.execute.remote(message) for actor in self.actors]
         future: Future[ModelRunnerOutput] = Future()
+        awaits = scheduler_output.awaits_bitmask  # then only a failure settles it here
+        if awaits:
+            self._awaiting_masks.append(future)
         for rank, ref in enumerate(refs):
-            ref.future().add_done_callback(lambda done, rank=rank: self._settle(future, rank, done))
+            ref.future().add_done_callback(lambda done, rank=rank: self._settle(future, rank, done, awaits))
         return future
 
-    def _settle(self, future: Future, rank: int, done: Future) -> None:
+    def send_bitmask(self, mask: GrammarBitmask) -> None:
+        """The masks of the oldest step waiting for them: every rank's `finish` samples it."""
+        start = time.perf_counter()
+        message = self._step_encoder.encode(mask)
+        self.channels["masks"].encoded(len(message), time.perf_counter() - start)
+        future = self._awaiting_masks.popleft()
+        refs = [actor.finish.remote(message) for actor in self.actors]
+        for rank, ref in enumerate(refs):
+            ref.future().add_done_callback(lambda done, rank=rank: self._settle(future, rank, done))
+
+    def _settle(self, future: Future, rank: int, done: Future, failure_only: bool = False) -> None:
         """The step's future: the driver's output, or the first rank's failure."""
         if future.done():
             return
         exc = done.exception()
         if exc is not None:
             future.set_exception(exc)
-        elif rank == self.driver_rank:
+        elif rank == self.driver_rank and not failure_only:
             payload = done.result()
             start = time.perf_counter()
             output = self._step_decoder.decode(payload)

@@ -4,7 +4,9 @@ It receives exactly what a local worker process reads from the ring: the msgspec
 of `SchedulerOutput` and `WorkerCall`, and answers with msgspec-encoded `ModelRunnerOutput` (the
 driver only) and `WorkerCallResult`; Ray carries opaque bytes, nothing of ours is pickled.
 Ray runs one actor's calls one at a time, in the order the engine core made them, so each rank
-sees the steps in order, as from the ring.
+sees the steps in order, as from the ring. A step that waits for its grammar masks (structured
+outputs) is launched by `execute`, which then answers nothing; `finish` brings the masks, samples
+and answers the step's output.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 import msgspec
 
 from tokenmill.config import EngineConfig
-from tokenmill.protocol import SchedulerOutput, WorkerCall, WorkerCallResult
+from tokenmill.protocol import GrammarBitmask, SchedulerOutput, WorkerCall, WorkerCallResult
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ class RayWorker:
         self._steps = msgspec.msgpack.Decoder(SchedulerOutput)
         self._calls = msgspec.msgpack.Decoder(WorkerCall)
         self._encoder = msgspec.msgpack.Encoder()
+        self._masks = msgspec.msgpack.Decoder(GrammarBitmask)
+        self._awaiting = None  # the launched step waiting for its grammar masks
 
     def node(self) -> tuple[str, str]:
         """(node id, node IP) of this actor."""
@@ -69,9 +73,23 @@ class RayWorker:
         decoded = clock()
         telemetry.channel("steps").decoded(len(message), decoded - start)
         telemetry.record("decode", start, decoded, {"step": so.step_id})
-        output = self.worker.launch_model(so).output()
+        step = self.worker.launch_model(so)
+        if so.awaits_bitmask:  # sampling waits for the masks: `finish` answers for the step
+            self._awaiting = step
+            return b""
+        return self._reply(step.output())
+
+    def finish(self, message: bytes) -> bytes:
+        """The grammar masks of the step `execute` left waiting: sample it and answer its output."""
+        step, self._awaiting = self._awaiting, None
+        assert step is not None, "grammar masks for no step"
+        self.worker.finish_step(self._masks.decode(message))
+        return self._reply(step.output())
+
+    def _reply(self, output) -> bytes:
         if not self.driver:
             return b""
+        telemetry, clock = self.worker.telemetry, time.perf_counter
         read = clock()
         payload = self._encoder.encode(output)
         telemetry.channel("results").encoded(len(payload), clock() - read)

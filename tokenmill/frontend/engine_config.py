@@ -96,8 +96,6 @@ def resolve_lora(args: EngineArgs, arch) -> LoRAConfig | None:
     _check(1 <= args.max_lora_rank <= 512, "max_lora_rank", f"must be in [1, 512], got {args.max_lora_rank}")
     cpu = args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras
     _check(cpu >= args.max_loras, "max_cpu_loras", f"must be >= max_loras ({args.max_loras}), got {cpu}")
-    _check(args.pipeline_parallel_size == 1, "enable_lora",
-           f"cannot be combined with pipeline_parallel_size > 1 (got {args.pipeline_parallel_size})")
     return LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=cpu)
 
 

@@ -51,9 +51,6 @@ class GrammarCheck:
         so = params.structured_outputs
         if so is None:
             return params, None
-        parallel = self.config.parallel
-        if parallel.pipeline_parallel_size > 1 or parallel.backend == "ray":
-            raise ValueError("structured_outputs is not supported with pipeline parallelism or the ray executor")
         so = canonical(so)
         spec = grammar_spec(so, self.config.structured.max_schema_bytes)
         return msgspec.structs.replace(params, structured_outputs=so), spec

@@ -22,7 +22,7 @@ from torch import nn
 from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers import cpu_logits, wide_linear
 from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, linear
-from tokenmill.layers.lora.lora_layer import has_lora, with_lora
+from tokenmill.layers.lora.lora_layer import has_lora, lora_forward
 
 
 class RowParallelLinear(Linear):
@@ -42,13 +42,14 @@ class RowParallelLinear(Linear):
                 and wide_linear.supports(x, self.weight):
             return self.parallel.all_reduce(wide_linear.linear_f32(x, self.weight, self._bias(), self._packed))
         # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
-        return self.parallel.all_reduce(with_lora(self, x, self.quant_method.apply(self, x, self._bias())))
+        return self.parallel.all_reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, self._bias())))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`forward(x) + residual`; the add runs inside rank 0's matmul where it can."""
         if not self.first_rank:
-            return self.parallel.all_reduce(with_lora(self, x, self.quant_method.apply(self, x, None)))
-        return self.parallel.all_reduce(with_lora(self, x, self.quant_method.apply_add(self, x, self.bias, residual)))
+            return self.parallel.all_reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, None)))
+        return self.parallel.all_reduce(
+            lora_forward(self, x, lambda: self.quant_method.apply_add(self, x, self.bias, residual)))
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -25,7 +25,7 @@ from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.linear import Linear, PackedWeight, silu_mul_linear
-from tokenmill.layers.lora.lora_layer import has_lora, with_lora
+from tokenmill.layers.lora.lora_layer import has_lora, lora_forward, lora_forward_silu_mul
 from tokenmill.layers.norm import RMSNorm, add_in_matmul, residual_stream, stage_handover
 from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output, plus `residual` when given (added inside the o_proj matmul where it can)."""
-        qkv = with_lora(self.qkv_proj, hidden, self.qkv_proj(hidden))
+        qkv = lora_forward(self.qkv_proj, hidden, lambda: self.qkv_proj(hidden))
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
@@ -96,8 +96,10 @@ class LlamaMLP(nn.Module):
         act = None
         if self.silu and not has_lora(gate_up):  # (with LoRA the delta joins gate_up's output first)
             act = silu_mul_linear(x, gate_up.weight, gate_up.bias, self._gate_up_packed)
-        if act is None:
-            act = self.act(with_lora(gate_up, x, gate_up(x)))
+        if act is None and self.silu:  # (with LoRA on CUDA: its expand and the activation in one kernel)
+            act = lora_forward_silu_mul(gate_up, x, lambda: gate_up(x), self.act)
+        elif act is None:
+            act = self.act(lora_forward(gate_up, x, lambda: gate_up(x)))
         if residual is None:
             return self.down_proj(act)
         return self.down_proj.forward_add(act, residual)

@@ -34,8 +34,9 @@ def moe_arch(hf_config: Any, model_type: str) -> MoEArch | None:
         return MoEArch(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
                        intermediate_size=hf_config.intermediate_size, renormalize=True, router_bias=True,
                        expert_bias=True, activation="swiglu_clamped",
+                       # transformers before 5.2x hard-codes them (its config has no such fields).
                        swiglu_alpha=float(getattr(hf_config, "swiglu_alpha", 1.702)),
-                       swiglu_limit=float(hf_config.swiglu_limit))
+                       swiglu_limit=float(getattr(hf_config, "swiglu_limit", 7.0)))
     return None
 
 

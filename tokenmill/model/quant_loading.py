@@ -68,7 +68,7 @@ def load_quantized_param(param: torch.Tensor, layout: ParamLayout, hf_name: str,
     if part is not None and layout.out_dim is None:
         # A tensor that fused parts share (act-order g_idx): every part must carry the same one.
         if getattr(param, "_shared_part_loaded", False):
-            if not torch.equal(target, value.reshape(target.shape).to(target.dtype)):
+            if not torch.equal(target, value.reshape(target.shape).to(device=target.device, dtype=target.dtype)):
                 raise ValueError(f"weight {hf_name!r} differs from the one of the part fused with it; "
                                  f"the fused linear can hold only one")
             return

@@ -274,19 +274,32 @@ class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     """A step's token masks for its constrained rows (structured outputs). Distinct masks travel
     once: batch row rows[i] takes mask row which[i] of `bitmask` (int32 [distinct, words],
     XGrammar's layout: bit t % 32 of word t // 32 allows token t); rows of requests in the same
-    grammar state (every row inside a JSON string, say) share one. Rows not listed sample unmasked."""
+    grammar state (every row inside a JSON string, say) share one. Rows not listed sample unmasked.
+
+    Speculative decoding: a row verifying k drafts samples k + 1 positions; entry i masks position
+    positions[i] of row rows[i] (0: the token after the row's known ones; j: after its first j
+    drafts too). A row lists positions 0..j, up to its first draft the grammar forbids (position
+    j's mask excludes that draft, so verification stops there) or its last; later positions are
+    never emitted and sample unmasked."""
 
     step_id: int
-    rows: bytes = b""  # int32 batch rows
-    which: bytes = b""  # int32 per row: its mask among the distinct ones
+    rows: bytes = b""  # int32 batch rows (a row once per masked position)
+    which: bytes = b""  # int32 per entry: its mask among the distinct ones
     words: int = 0
     bitmask: bytes = b""  # int32 [distinct, words]
+    positions: bytes = b""  # int32 per entry: the row's position it masks (empty: all 0)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows, which, distinct masks [distinct, words])."""
         rows, which = np.frombuffer(self.rows, _I32), np.frombuffer(self.which, _I32)
         bits = np.frombuffer(self.bitmask, _I32)
         return rows, which, bits.reshape(len(bits) // self.words if self.words else 0, self.words)
+
+    def position_array(self) -> np.ndarray:
+        """Each entry's position within its row (int32)."""
+        if not self.positions:
+            return np.zeros(len(self.rows) // 4, _I32)
+        return np.frombuffer(self.positions, _I32)
 
 
 class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -304,6 +317,10 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     prompt_logprobs: list[Logprobs | None] = []
     failed_rows: bytes = b""  # int32 rows that failed alone (their sampled token is meaningless)
     failures: bytes = b""  # int32 RowFailure of each failed row
+    # Structured outputs with speculative decoding: the drafts proposed at the end of this step
+    # (for the next) of its constrained rows, so the engine core can mask each draft position.
+    draft_rows: bytes = b""  # int32 batch rows
+    drafts: bytes = b""  # int32 [len(draft_rows), K]
 
     @staticmethod
     def from_rows(step_id: int, rows: list[list[int]], **extra) -> "ModelRunnerOutput":
@@ -322,6 +339,11 @@ class ModelRunnerOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     def sampled_tokens(self) -> np.ndarray:
         """Every row's sampled tokens, concatenated in row order (int32)."""
         return np.frombuffer(self.sampled, _I32)
+
+    def draft_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(batch rows, their proposed drafts int32 [rows, K])."""
+        rows, drafts = np.frombuffer(self.draft_rows, _I32), np.frombuffer(self.drafts, _I32)
+        return rows, drafts.reshape(len(rows), len(drafts) // len(rows) if len(rows) else 0)
 
     def row_failures(self) -> list[tuple[int, RowFailure]]:
         """(row, why) of each row that failed alone."""

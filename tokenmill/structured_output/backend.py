@@ -3,8 +3,9 @@
 Why XGrammar: its compiled grammars split the vocabulary into tokens decided by the grammar
 state alone (precomputed masks) and the few that need the parser's stack, so filling a mask
 costs tens of microseconds per row even for a JSON string that accepts almost every token; its
-`BatchGrammarMatcher` fills many rows on a thread pool without the GIL; it rolls back (for
-speculative decoding) and it bounds JSON whitespace (`max_whitespace_cnt`). See
+`BatchGrammarMatcher` fills many rows on a thread pool without the GIL; it rolls back (each
+draft position of a constrained row is masked from a matcher advanced through the drafts before
+it, then rolled back: core/grammar_masks.py) and it bounds JSON whitespace (`max_whitespace_cnt`). See
 docs/structured-outputs.md for what was measured.
 
 The bitmask is XGrammar's own: int32 [rows, ceil(V / 32)], bit t % 32 of word t // 32 set when
@@ -83,9 +84,30 @@ class GrammarBackend:
     def fill_bitmask(self, matchers: list[Any], out: np.ndarray) -> None:
         """Each matcher's next-token mask into rows 0..len(matchers) of `out` (int32 [rows, words]),
         on XGrammar's thread pool."""
+        self.fill_bitmask_at(matchers, out, None)
+
+    def fill_bitmask_at(self, matchers: list[Any], out: np.ndarray, indices: list[int] | None) -> None:
+        """Each matcher's next-token mask into row indices[i] of `out` (None: rows 0..n)."""
         if self._batch is None:
             self._batch = self._xgr.BatchGrammarMatcher()
-        self._batch.batch_fill_next_token_bitmask(matchers, out)
+        self._batch.batch_fill_next_token_bitmask(matchers, out, indices)
+
+    def accept_tokens(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
+        """Advance each matcher by its token; False (and no change) where the grammar forbids it.
+        Ids outside the vocabulary are refused here (the library would log them as errors)."""
+        ok = [0 <= t < self.vocab_size for t in tokens]
+        picked = [i for i, good in enumerate(ok) if good]
+        if picked:
+            accepted = self._xgr.BatchGrammarMatcher.batch_accept_token([matchers[i] for i in picked],
+                                                                         [tokens[i] for i in picked])
+            for i, good in zip(picked, accepted):
+                ok[i] = bool(good)
+        return ok
+
+    def rollback(self, matchers: list[Any], counts: list[int]) -> None:
+        """Undo the last counts[i] tokens of matcher i."""
+        if matchers:
+            self._xgr.BatchGrammarMatcher.batch_rollback(matchers, counts)
 
 
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # the library's "[time] file.cc:line: " prefix

@@ -49,7 +49,7 @@ class LoRAManager:
                  device: torch.device, dtype: torch.dtype) -> None:
         self.model, self.config, self.arch = model, config, arch
         self.device, self.dtype = device, dtype
-        self.batch = LoRABatch(device)
+        self.batch = LoRABatch(device, config.max_loras)
         self.rank = kernel_rank(config.max_lora_rank)
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         layout = model.layout
@@ -63,7 +63,7 @@ class LoRAManager:
                 self.slots[(i, name)] = slots
         # Per persistent-batch row (the last is the scratch row of padded graph rows): its adapter slot.
         self.row_slot = np.full(max_rows + 1, -1, dtype=np.int64)
-        self.row_slot_dev = torch.full((max_rows + 1,), -1, dtype=torch.int64, device=device)
+        self.row_slot_dev = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=device)
         self.host: OrderedDict[int, dict] = OrderedDict()  # adapter id -> this rank's tensors (LRU)
         self.held: list[LoRARef | None] = [None] * config.max_loras
         self.num_reads = 0  # adapters read from disk (tests: evictions of the host LRU)
@@ -152,21 +152,25 @@ class LoRAManager:
         """Inside a graph body: the rows' (device) slots, `query_len` tokens each."""
         slots = self.row_slot_dev[rows]
         if query_len > 1:
-            slots = slots[:, None].expand(-1, query_len).reshape(-1)
+            # contiguous(): one row's expand would reshape to a stride-0 view, which the kernels
+            # (indexing slots by token) would read past.
+            slots = slots[:, None].expand(-1, query_len).contiguous().view(-1)
         self.batch.prepare(slots)
 
     def warm_up(self) -> None:
-        """CUDA: compile the kernels for every projection shape and both token tile sizes."""
+        """CUDA: compile the kernels for every projection shape, per-token and both tile sizes."""
         seen = set()
         for slots in self.slots.values():
             key = (slots.a.shape, slots.b.shape, slots.part_starts)
             if key in seen:
                 continue
             seen.add(key)
-            for tokens in (16, 1024):
+            for tokens in (1, 64, 1024):
                 x = torch.zeros(tokens, slots.a.shape[2], dtype=self.dtype, device=self.device)
                 y = torch.zeros(tokens, slots.b.shape[1], dtype=self.dtype, device=self.device)
                 self.batch.prepare(torch.zeros(tokens, dtype=torch.int64, device=self.device))
                 slots.apply(x, y)
+                if len(slots.part_starts) == 3:  # gate_up's expand fused with SiLU-and-mul
+                    slots.forward_silu_mul(x, lambda: y, lambda t: t)
         self.batch.clear()
         torch.cuda.synchronize()

@@ -324,8 +324,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def finish_step(self, mask: GrammarBitmask) -> None:
-        """Sample the step `launch` left waiting for its grammar masks."""
+        """Sample the step `launch` left waiting for its grammar masks (a pipeline stage before
+        the last samples nothing: the masks every rank reads are dropped there)."""
         deferred, self._deferred = self._deferred, None
+        if deferred is None and not self.stage.is_last:
+            self.last_mask_wait = None
+            return
         assert deferred is not None and deferred.step.step_id == mask.step_id, "a mask for another step"
         arrived = time.perf_counter()
         # Whether the device had finished the forward pass before the mask came (it waited).
@@ -373,17 +377,38 @@ class ModelRunner:
                                    greedy=plan.plain_greedy)
             else:
                 self.speculator.propose(sample_slots)
+            if self.sampling.plan.structured:
+                self._read_back_constrained_drafts(step, slots, sample_rows, sample_slots)
+
+    def _read_back_constrained_drafts(self, step: PendingStep, slots: np.ndarray, sample_rows: np.ndarray,
+                                      sample_slots: torch.Tensor) -> None:
+        """The drafts just proposed for the constrained rows, to the host with the step's reply:
+        the engine core masks each draft position of the next step from them (core/grammar_masks.py).
+        A copy on the read-back stream; nothing waits for it here."""
+        params = self.batch.params
+        constrained = np.array([params[slot].structured_outputs is not None for slot in slots[sample_rows].tolist()],
+                               dtype=bool)
+        which = np.flatnonzero(constrained)
+        if not len(which):
+            return
+        index = to_device(which.astype(np.int64), self.device)
+        drafts = self.speculator.drafts.index_select(0, sample_slots.index_select(0, index))[:, :self.speculator.k]
+        step.start_drafts_readback(sample_rows[which], drafts, self.readback)
 
     def _mask_rows(self, mask: GrammarBitmask, sample_rows: np.ndarray,
                    drafts: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bitmask on the device, the logits rows it masks): a constrained row's one position
-        (constrained rows verify no drafts)."""
+        """(bitmask on the device, the logits rows it masks): each entry's position of its row (a
+        row verifying k drafts has k + 1 logits rows, in order)."""
         rows, which, bits = mask.arrays()
+        positions = mask.position_array()
         index = np.searchsorted(sample_rows, rows)
         assert (index < len(sample_rows)).all() and (sample_rows[index] == rows).all(), "a mask row that samples not"
         if drafts is not None:
             per_row = drafts + 1
-            index = (np.cumsum(per_row) - per_row)[index]
+            assert (positions < per_row[index]).all(), "a mask for a position the row does not sample"
+            index = (np.cumsum(per_row) - per_row)[index] + positions
+        else:
+            assert not positions.any(), "a draft position's mask for a step without drafts"
         return self._mask_upload(bits, which, index)
 
     # ------------------------------------------------------------------ forward passes
@@ -530,7 +555,7 @@ class ModelRunner:
         n = len(offsets)
         slots_rep, offsets_d, row_of_d, drafts_d = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
         non_finite = self._screen(logits, slots_rep)  # per position
-        if masked is not None:  # constrained rows (one position each), after the screen
+        if masked is not None:  # constrained rows' positions, after the screen
             apply_token_bitmask(logits, *masked)
         batch = row_faults.VerifyBatch(logits, slots_rep, offsets_d, slots_d, drafts_d, drafts, self.speculator.k)
         (emitted, num_emitted, logprobs), failed = row_faults.verify_rows(self._verify_rows, batch)

@@ -42,6 +42,7 @@ class PendingStep:
         self._runner = runner
         self._draft_rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None  # (index, slot, drafts)
         self._handles = np.zeros(0, dtype=np.int64)
+        self._drafts: tuple[np.ndarray, object] | None = None  # (batch rows, ticket): constrained rows' drafts
 
     @classmethod
     def empty(cls, step_id: int) -> PendingStep:
@@ -73,9 +74,15 @@ class PendingStep:
         row's emitted tokens then its emitted count (one copy)."""
         self.start_speculative_readback(packed, None, readback, sample_slots, sample_drafts)
 
+    def start_drafts_readback(self, rows: np.ndarray, drafts: torch.Tensor, readback) -> None:
+        """The drafts proposed at the end of this step for these batch rows (int64 [rows, K]), sent
+        with the reply (structured outputs: the core masks each draft position of the next step)."""
+        self._drafts = (rows, readback.start([drafts]))
+
     def done(self) -> bool:
         """True when `output()` will not wait for the device."""
-        return self._ticket is None or self._ticket.ready()
+        return ((self._ticket is None or self._ticket.ready())
+                and (self._drafts is None or self._drafts[1].ready()))
 
     def output(self) -> ModelRunnerOutput:
         if self._output is not None:
@@ -105,12 +112,18 @@ class PendingStep:
                 sampled = tokens.astype(_I32).tobytes()
             if len(host) > 1 and not self._speculative:
                 logprobs = self._pack_logprobs(tokens, *(t.numpy() for t in host[1:]))
+        draft_rows = drafts = b""
+        if self._drafts is not None:
+            rows, ticket = self._drafts
+            draft_rows, drafts = rows.astype(_I32).tobytes(), ticket.wait()[0].numpy().astype(_I32).tobytes()
+            self._drafts = None
         odd = np.flatnonzero(counts != 1)
         self.on_host = True
         self._output = ModelRunnerOutput(
             step_id=self.step_id, sampled=sampled, count_rows=odd.astype(_I32).tobytes(),
             count_values=counts[odd].astype(_I32).tobytes(), logprobs=logprobs,
-            prompt_logprobs=self.prompt_logprobs, failed_rows=failed_rows, failures=failures)
+            prompt_logprobs=self.prompt_logprobs, failed_rows=failed_rows, failures=failures,
+            draft_rows=draft_rows, drafts=drafts)
         self._ticket = None
         return self._output
 

@@ -20,6 +20,7 @@ from tokenmill.entrypoints.openai.args import ServerSettings
 from tokenmill.entrypoints.openai.errors import APIError
 from tokenmill.entrypoints.openai.schemas import ChatCompletionRequest, NamedToolChoice
 from tokenmill.entrypoints.openai.tool_parsers import ParsedToolCalls, ToolCallParser, tool_call_parser
+from tokenmill.entrypoints.openai.tool_parsers.json_calls import JsonCallStream
 from tokenmill.sampling_params import StructuredOutputsParams
 
 
@@ -111,7 +112,10 @@ def finish_reason(reason: str | None, has_calls: bool) -> str | None:
 class ToolCallStream:
     """One choice's stream: text deltas in, OpenAI delta fields out (`content`, `tool_calls`), as
     the official client assembles them: a call's first delta has its index, id, type and name,
-    later ones add to its arguments."""
+    later ones add to its arguments. Named calls stream their arguments as they are generated;
+    `required` calls and `auto` calls in a JSON format (hermes, llama3_json, mistral) stream each
+    call's name once complete, then its arguments piece by piece (tool_parsers/json_calls.py);
+    qwen3_xml calls stream their name, then their arguments one parameter at a time."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode = mode
@@ -120,6 +124,10 @@ class ToolCallStream:
         self._shown = 0  # characters of `text` shown as content so far
         self._in_calls = False  # auto: the calls began; the rest waits for the end
         self._named_id: str | None = None
+        self._json = None  # JsonCallStream / XmlCallStream: required, or auto with a streaming parser
+        self._ids: list[str] = []  # ids of the calls announced so far
+        if mode.kind == "required":
+            self._json = JsonCallStream(("parameters",))
 
     def feed(self, delta: str) -> dict:
         self.text += delta
@@ -133,14 +141,36 @@ class ToolCallStream:
                 return {"tool_calls": [{"index": 0, "id": self._named_id, "type": "function",
                                         "function": {"name": self.mode.name, "arguments": delta}}]}
             return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
+        if self._json is not None:
+            return self._calls(self._json.feed(delta))
         if kind == "required" or self._in_calls:
             return {}
         parser = self.mode.parser
         at = parser.find_start(self.text)
-        if at >= 0:  # the calls begin: show the text before them, keep the rest for the end
+        if at >= 0:  # the calls begin: show the text before them; JSON calls stream from here
             self._in_calls = True
-            return self._show(at)
+            shown = self._show(at)
+            self._json = parser.call_stream()
+            if self._json is not None:
+                shown = merge_delta(shown, self._calls(self._json.feed(self.text[parser.json_from(self.text, at):])))
+            return shown
         return self._show(len(self.text) - parser.held_back(self.text[self._shown:]))
+
+    def _calls(self, events: list[tuple[str, int, str]]) -> dict:
+        """Call events (json_calls.py) as `tool_calls` delta entries, one per call and feed."""
+        entries: dict[int, dict] = {}
+        for what, index, value in events:
+            if index > 0 and not self.mode.parallel:
+                continue  # auto without parallel_tool_calls: the first call only
+            if what == "name":
+                self._ids.append(call_id())
+                self.has_calls = True
+                entries[index] = {"index": index, "id": self._ids[index], "type": "function",
+                                  "function": {"name": value, "arguments": ""}}
+            else:
+                entry = entries.setdefault(index, {"index": index, "function": {"arguments": ""}})
+                entry["function"]["arguments"] += value
+        return {"tool_calls": list(entries.values())} if entries else {}
 
     def _show(self, upto: int) -> dict:
         """The text not shown yet, up to `upto`, as a content delta."""
@@ -148,16 +178,19 @@ class ToolCallStream:
         return {"content": shown} if shown else {}
 
     def finish(self) -> dict:
-        """The choice ended: what was held back, or the calls."""
+        """The choice ended: what was held back, or the calls not streamed yet."""
         if self.mode.kind in ("none", "named"):
             return {}
         if self.mode.kind == "auto" and not self._in_calls:
             return self._show(len(self.text))
         parsed = parse_calls(self.mode, self.text)
-        if parsed is None:  # no calls after all: the text it held back
+        if parsed is None and not self._ids:  # no calls after all: the text it held back
             return self._show(len(self.text))
-        self.has_calls = True
-        return {"tool_calls": [{"index": i, **call} for i, call in enumerate(message_calls(parsed))]}
+        streamed = len(self._ids)
+        calls = message_calls(parsed)[streamed:] if parsed is not None else []
+        if calls:
+            self.has_calls = True
+        return {"tool_calls": [{"index": streamed + i, **call} for i, call in enumerate(calls)]} if calls else {}
 
 
 def merge_delta(a: dict, b: dict) -> dict:

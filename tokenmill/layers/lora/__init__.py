@@ -6,8 +6,8 @@ padded max rank, the scaling folded into B. A fused projection (qkv, gate_up) ha
 HF projection: output columns of part i read the shrink's columns [i * R, (i + 1) * R).
 
 `y += (x @ A[s]^T) @ B[s]^T` per token, s the token's slot (-1: nothing added):
-- `triton_lora.py` (CUDA): shrink and expand over the step's tokens sorted by slot (a tile of
-  tokens loops over the few slots it holds, each a tensor-core dot), adding into y in place;
-  one kernel for prefill segments and decode rows alike, capture-safe (no host syncs);
+- `triton_lora.py` (CUDA): shrink and expand, per token at decode sizes and over tiles of
+  tokens of one slot (sorted on the device) beyond, adding into y in place (gate_up: fused with
+  SiLU-and-mul); planned once per step, capture-safe (no host syncs);
 - `torch_lora.py`: the reference (gathered per token) and the CPU path (a matmul per slot).
 """

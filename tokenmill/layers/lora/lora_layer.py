@@ -1,12 +1,17 @@
 """A projection's LoRA slots and the step's token -> slot map, and the hook the model calls.
 
-The model calls `with_lora(layer, x, y)` after a LoRA-capable projection (y = layer's output
-for input x, before any tensor-parallel reduction): it returns y unchanged unless the layer has
-LoRA slots attached (`layer.lora`), and otherwise adds the step's per-token adapter deltas into
-y in place. The base layer's code (its linear method) is untouched: LoRA is a sum on its output.
+The model calls `lora_forward(layer, x, base)` for a LoRA-capable projection, `base()` computing
+the layer's output y for input x (before any tensor-parallel reduction): it returns base()
+unless the layer has LoRA slots attached (`layer.lora`), and otherwise adds the step's per-token
+adapter deltas into y in place. The base layer's code (its linear method) is untouched: LoRA is
+a sum on its output. While a CUDA graph is captured, the shrink (which reads x only) runs on a
+side stream beside the base GEMM, so a replay overlaps them and only the expand follows the GEMM.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -21,14 +26,18 @@ class LoRABatch:
     `prepare` is called before each forward pass (eagerly, or inside a captured graph's body,
     which recomputes it from the persistent per-row slots on every replay)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, num_slots: int = 0) -> None:
         self.device = device
+        self.num_slots = num_slots
         self.active = False  # some token of the step has an adapter (always True while capturing)
-        self.order: torch.Tensor | None = None  # CUDA: token indices sorted by slot
-        self.sorted_slots: torch.Tensor | None = None  # CUDA: their slots
+        self.plan = None  # CUDA + Triton: the step's `triton_lora.StepPlan`, shared by every projection
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # CPU: (slot, its tokens)
         self.token_slots: torch.Tensor | None = None
         self.num_tokens = 0
+        self.shapes: set[tuple[int, int]] = set()  # every projection's (parts * R, in_features)
+        # CUDA graphs: the shrinks run on this stream beside the base GEMMs (TOKENMILL_LORA_OVERLAP=0: not).
+        overlap = os.environ.get("TOKENMILL_LORA_OVERLAP", "1") not in ("0", "false", "no")
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" and overlap else None
 
     def prepare(self, token_slots: torch.Tensor, host: np.ndarray | None = None) -> None:
         """`token_slots`: int [T] on the device, -1 for tokens without an adapter; `host`: the same
@@ -40,8 +49,10 @@ class LoRABatch:
         self.active = True
         self.token_slots = token_slots
         if self.device.type == "cuda":
-            self.sorted_slots, order = torch.sort(token_slots.to(torch.int32), stable=True)
-            self.order = order.to(torch.int32)
+            self.plan = None
+            if triton_ops.enabled(token_slots) and self.num_slots:
+                from tokenmill.layers.lora.triton_lora import plan_step
+                self.plan = plan_step(token_slots, self.num_slots, self.shapes)
             return
         if host is None:
             host = token_slots.cpu().numpy()
@@ -52,6 +63,7 @@ class LoRABatch:
 
     def clear(self) -> None:
         self.active = False
+        self.plan = None
 
 
 class LoRASlots:
@@ -68,6 +80,9 @@ class LoRASlots:
         self.triton = all(p % 16 == 0 for p in self.part_starts[:-1])
         self.a = torch.zeros(num_slots, len(part_sizes) * rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out, rank, dtype=dtype, device=device)
+        batch.num_slots = max(batch.num_slots, num_slots)
+        if self.triton:
+            batch.shapes.add((len(part_sizes) * rank, in_features))
 
     def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put one part's A [r, in] and B [out_part, r] into `slot` (None: zeros), rank zero-padded."""
@@ -81,22 +96,67 @@ class LoRASlots:
             self.b[slot, lo:hi, :r].copy_(b, non_blocking=True)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.forward(x, lambda: y)
+
+    def forward(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """base() (the layer's output for x) plus the step's deltas, added in place."""
         batch = self.batch
         if not batch.active or x.shape[0] != batch.num_tokens:
-            return y
-        if batch.order is not None and self.triton and triton_ops.enabled(x):
-            from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
-            shrunk = lora_shrink(x, self.a, batch.order, batch.sorted_slots)
-            return lora_expand(shrunk, self.b, batch.order, batch.sorted_slots, y, self.part_starts)
-        if batch.order is not None:  # CUDA without the Triton path: the reference, on the device
+            return base()
+        if batch.plan is not None and self.triton:
+            from tokenmill.layers.lora.triton_lora import lora_expand
+            planes, y = self._shrink_and_base(x, base)
+            return lora_expand(planes, self.b, batch.plan, y, self.part_starts)
+        y = base()
+        if batch.device.type == "cuda":  # CUDA without the Triton path: the reference, on the device
             return y.add_(lora_reference(x, self.a, self.b, self.part_starts, batch.token_slots).to(y.dtype))
         return lora_add_grouped(x, y, self.a, self.b, self.part_starts, batch.groups)
 
+    def forward_silu_mul(self, x: torch.Tensor, base: Callable[[], torch.Tensor],
+                         act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """act(base() plus the deltas) for a [gate | up] projection, act being SiLU-and-mul: on the
+        Triton path the expand and the activation are one kernel (y is read once, never rewritten)."""
+        batch = self.batch
+        halves = len(self.part_starts) == 3 and 2 * self.part_starts[1] == self.part_starts[2]
+        if batch.active and x.shape[0] == batch.num_tokens and batch.plan is not None and self.triton and halves:
+            from tokenmill.layers.lora.triton_lora import lora_expand_silu
+            planes, y = self._shrink_and_base(x, base)
+            return lora_expand_silu(planes, self.b, batch.plan, y)
+        return act(self.forward(x, base))
 
-def with_lora(layer: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """`y` plus the step's LoRA deltas of `layer` for input `x` (y itself when it has none)."""
+    def _shrink_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shrink's planes and base(): side by side while a CUDA graph is captured."""
+        from tokenmill.layers.lora.triton_lora import lora_shrink
+        batch = self.batch
+        if batch.side_stream is not None and torch.cuda.is_current_stream_capturing():
+            return run_beside(batch.side_stream, lambda: lora_shrink(x, self.a, batch.plan), base)
+        return lora_shrink(x, self.a, batch.plan), base()
+
+
+def run_beside(side: torch.cuda.Stream, first: Callable, second: Callable) -> tuple:
+    """first() on the `side` stream and second() on the current one, both after the work queued so
+    far, the current stream then waiting for both (captured in a graph: two parallel branches).
+    `first` must allocate nothing (its outputs would belong to the side stream's pool)."""
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        a = first()
+    b = second()
+    main.wait_stream(side)
+    return a, b
+
+
+def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """`base()` (the layer's output for `x`) plus the step's LoRA deltas of `layer`, if it has any."""
     lora = layer.__dict__.get("lora")
-    return y if lora is None else lora.apply(x, y)
+    return base() if lora is None else lora.forward(x, base)
+
+
+def lora_forward_silu_mul(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
+                          act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`act(base() + deltas)` for a [gate | up] projection whose `act` is SiLU-and-mul (fused on CUDA)."""
+    lora = layer.__dict__.get("lora")
+    return act(base()) if lora is None else lora.forward_silu_mul(x, base, act)
 
 
 def has_lora(layer: torch.nn.Module) -> bool:

@@ -1,143 +1,428 @@
-"""Batched LoRA kernels in Triton: shrink (x @ A^T) and expand (y += t @ B^T) over the step's
-tokens sorted by adapter slot.
+"""Batched LoRA kernels in Triton: shrink (x @ A^T) and expand (y += t @ B^T), two shapes of work.
 
-Both take `order` (token indices sorted by slot) and `sorted_slots` (their slots, ascending;
--1 first: tokens without an adapter). A program owns a tile of BLOCK_M sorted tokens and
-BLOCK_N output columns; it loops over the slots from its tile's smallest to its largest (one
-for a prefill segment, a few for mixed decode rows), each iteration a dot of the tile's rows
-of that slot (the others masked to zero) with the slot's A or B block. Rows are gathered and
-scattered through `order`, so nothing is copied into sorted order. Grids depend on shapes
-only: capture-safe.
+- **rows** (decode sizes, up to `ROWS_MAX_TOKENS` tokens): a program owns one token, a block of
+  columns and (in the shrink) one slice of K; it reads its token's slot and does a vector-matrix product with
+  vectorised loads (no tensor-core tile of 16 rows for one token). Tokens without an adapter
+  (slot -1) return at once. The shrink's K slices give the parallelism a single token lacks.
+- **tiles** (larger steps): the step's tokens sorted by slot are cut into tiles of BLOCK_M rows
+  that never cross a slot boundary (`plan_tiles`, once per step, on the device); a program owns
+  one tile and one block of columns and does tensor-core dots with its slot's A or B block. Each
+  adapter's weights are read once per tile, never for a slot absent from the tile.
+
+The shrink writes float32 partial sums [splits, T, parts * R] (K split over programs, no
+atomics: the same result on every run) into the step's workspace; the expand adds the planes
+once per tile and adds its delta into y in place (the base projection's output). Grids, splits
+and block sizes depend on shapes only (capture-safe), and are computed once per shape
+(`ShrinkConfig`, cached), not per call.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-_BIG = 1 << 30  # "no slot" / "no more parts", on the host
-_NO_SLOT = tl.constexpr(1 << 30)  # the same inside kernels (globals there must be constexpr)
-_MAX_SPLITS = 8  # K splits of the shrink (the expand sums that many planes per tile)
+_BIG = 1 << 30  # "no more parts" on the host
+ROWS_MAX_TOKENS = 16  # steps up to this many tokens use the per-token (rows) kernels
+_ROWS_BLOCK_K = 128
+_ROWS_MAX_SPLITS = 64  # the rows expand loads this many planes of a token in one (masked) block
+_TILES_BLOCK_K = 64
+_TILES_MAX_SPLITS = 8
 
 
-@triton.jit(do_not_specialize=["T"])
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, order_ptr, slots_ptr, T, N, K, K_PER_SPLIT,
-                   stride_xt, stride_as, stride_an, stride_split, stride_ot,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """Program (m, n, split): tokens m's tile, columns n's, the split's range of K (a partial
-    sum written to its own plane of `out`: no atomics, the same result on every run)."""
-    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < T
-    tile_slots = tl.load(slots_ptr + m, mask=m_ok, other=-1)
-    rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
-    lo = tl.min(tl.where(tile_slots >= 0, tile_slots, _NO_SLOT))
-    hi = tl.max(tile_slots)
+# ---------------------------------------------------------------- rows: one token per program
+
+@triton.jit
+def _shrink_rows_kernel(x_ptr, a_ptr, out_ptr, slots_ptr, N, K, K_PER_SPLIT,
+                        stride_xt, stride_as, stride_an, stride_split, stride_ot,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (token, n, split): the token's x over the split's K range times its slot's A rows."""
+    t, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s = tl.load(slots_ptr + t).to(tl.int64)
+    if s < 0:
+        return
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    x_row = x_ptr + t.to(tl.int64) * stride_xt
+    a_rows = a_ptr + s * stride_as + n[:, None].to(tl.int64) * stride_an
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        av = tl.load(a_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(av * xv[None, :], axis=1)
+    tl.store(out_ptr + pid_k * stride_split + t * stride_ot + n, acc, mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["SPLITS"])
+def _expand_rows_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, N, P1, P2, SPLITS,
+                        stride_split, stride_tt, stride_bs, stride_bn, stride_yt,
+                        RANK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Program (token, n): the token's shrink (planes summed) times its slot's B block, into y."""
+    t, pid_n = tl.program_id(0), tl.program_id(1)
+    s = tl.load(slots_ptr + t).to(tl.int64)
+    if s < 0:
+        return
+    n0 = pid_n * BLOCK_N
+    part = (n0 >= P1).to(tl.int32) + (n0 >= P2).to(tl.int32)  # BLOCK_N divides the part boundaries
+    r = tl.arange(0, RANK)
+    sp = tl.arange(0, SPLITS_PAD)
+    planes = tl.load(t_ptr + sp[:, None] * stride_split + t * stride_tt + part * RANK + r[None, :],
+                     mask=(sp < SPLITS)[:, None], other=0.0)
+    shrunk = tl.sum(planes, axis=0)  # [RANK]
+    n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    bb = tl.load(b_ptr + s * stride_bs + n[:, None].to(tl.int64) * stride_bn + r[None, :],
+                 mask=n_ok[:, None], other=0.0).to(tl.float32)
+    delta = tl.sum(bb * shrunk[None, :], axis=1)
+    y_ptrs = y_ptr + t.to(tl.int64) * stride_yt + n
+    y = tl.load(y_ptrs, mask=n_ok, other=0.0)
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=n_ok)
+
+
+# ---------------------------------------------------------------- tiles: one slot per tile
+
+@triton.jit(do_not_specialize=["MAX_TILES"])
+def _shrink_tiles_kernel(x_ptr, a_ptr, out_ptr, order_ptr, tiles_ptr, MAX_TILES, N, K, K_PER_SPLIT,
+                         stride_xt, stride_as, stride_an, stride_split, stride_ot,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         IEEE: tl.constexpr):
+    """Program (tile, n, split): the tile's rows (one slot) over the split's K range, a dot."""
+    i, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    s = tl.load(tiles_ptr + i).to(tl.int64)
+    if s < 0:  # tokens without an adapter, or past the step's tiles
+        return
+    row0 = tl.load(tiles_ptr + MAX_TILES + i)
+    row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
+    m = row0 + tl.arange(0, BLOCK_M)
+    m_ok = m < row1
+    rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    a_base = a_ptr + s * stride_as + n[None, :].to(tl.int64) * stride_an
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(lo, hi + 1):
-        mine = m_ok & (tile_slots == s)
-        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            xb = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=mine[:, None] & k_ok[None, :], other=0.0)
-            ab = tl.load(a_ptr + s * stride_as + n[None, :] * stride_an + k[:, None],
-                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if IEEE:  # float32 inputs: exact float32 products, not TF32
-                acc += tl.dot(xb, ab, input_precision="ieee")
-            else:
-                acc += tl.dot(xb, ab)
+    k_start = pid_k * K_PER_SPLIT
+    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xb = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        ab = tl.load(a_base + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        if IEEE:  # float32 inputs: exact float32 products, not TF32
+            acc += tl.dot(xb, ab, input_precision="ieee")
+        else:
+            acc += tl.dot(xb, ab)
     tl.store(out_ptr + pid_k * stride_split + rows[:, None] * stride_ot + n[None, :], acc,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
-def _expand_kernel(t_ptr, b_ptr, y_ptr, order_ptr, slots_ptr, T, N, P1, P2, SPLITS,
-                   stride_split, stride_tt, stride_bs, stride_bn, stride_yt,
-                   RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Program (m, n): the tile's shrink (its split planes summed here, once) times each of its
-    slots' B block, added into y."""
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = m < T
-    tile_slots = tl.load(slots_ptr + m, mask=m_ok, other=-1)
+@triton.jit(do_not_specialize=["MAX_TILES", "SPLITS"])
+def _expand_tiles_kernel(t_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, MAX_TILES, N, P1, P2, SPLITS,
+                         stride_split, stride_tt, stride_bs, stride_bn, stride_yt,
+                         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    """Program (tile, n): the tile's shrink (planes summed once) times its slot's B block, into y."""
+    i, pid_n = tl.program_id(0), tl.program_id(1)
+    s = tl.load(tiles_ptr + i).to(tl.int64)
+    if s < 0:
+        return
+    row0 = tl.load(tiles_ptr + MAX_TILES + i)
+    row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
+    m = row0 + tl.arange(0, BLOCK_M)
+    m_ok = m < row1
     rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
-    lo = tl.min(tl.where(tile_slots >= 0, tile_slots, _NO_SLOT))
-    hi = tl.max(tile_slots)
     n0 = pid_n * BLOCK_N
     part = (n0 >= P1).to(tl.int32) + (n0 >= P2).to(tl.int32)  # BLOCK_N divides the part boundaries
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     r = tl.arange(0, RANK)
-    shrunk = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
     t_ptrs = t_ptr + rows[:, None] * stride_tt + part * RANK + r[None, :]
+    shrunk = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
     for split in range(0, SPLITS):
         shrunk += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(lo, hi + 1):
-        mine = m_ok & (tile_slots == s)
-        tb = tl.where(mine[:, None], shrunk, 0.0)
-        bb = tl.load(b_ptr + s * stride_bs + n[None, :] * stride_bn + r[:, None],
-                     mask=n_ok[None, :], other=0.0)
-        if IEEE:  # float32 inputs: exact float32 products, not TF32
-            acc += tl.dot(tb, bb, input_precision="ieee")
-        else:
-            acc += tl.dot(tb.to(bb.dtype), bb)
-    write = (m_ok & (tile_slots >= 0))[:, None] & n_ok[None, :]
+    bb = tl.load(b_ptr + s * stride_bs + n[None, :].to(tl.int64) * stride_bn + r[:, None],
+                 mask=n_ok[None, :], other=0.0)
+    if IEEE:
+        acc = tl.dot(shrunk, bb, input_precision="ieee")
+    else:
+        acc = tl.dot(shrunk.to(bb.dtype), bb)
+    write = m_ok[:, None] & n_ok[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
     y = tl.load(y_ptrs, mask=write, other=0.0)
     tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=write)
 
 
-def _block_m(num_tokens: int) -> int:
+# ---------------------------------------------------------------- gate_up: expand fused with SiLU-and-mul
+
+@triton.jit(do_not_specialize=["SPLITS"])
+def _expand_silu_rows_kernel(t_ptr, b_ptr, y_ptr, out_ptr, slots_ptr, I, SPLITS,
+                             stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
+                             RANK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """Program (token, n): silu(gate + delta) * (up + delta) for columns n of the token, from the
+    base [gate | up] output y (every token: those without an adapter get no delta)."""
+    dtype = y_ptr.dtype.element_ty
+    t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    s = tl.load(slots_ptr + t).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    gate = tl.load(y_ptr + t * stride_yt + n, mask=n_ok, other=0.0).to(tl.float32)
+    up = tl.load(y_ptr + t * stride_yt + I + n, mask=n_ok, other=0.0).to(tl.float32)
+    if s >= 0:
+        r = tl.arange(0, RANK)
+        sp = tl.arange(0, SPLITS_PAD)
+        planes = t_ptr + sp[:, None] * stride_split + t * stride_tt + r[None, :]
+        sp_ok = (sp < SPLITS)[:, None]
+        s_gate = tl.sum(tl.load(planes, mask=sp_ok, other=0.0), axis=0)
+        s_up = tl.sum(tl.load(planes + RANK, mask=sp_ok, other=0.0), axis=0)
+        b_rows = b_ptr + s * stride_bs + n[:, None].to(tl.int64) * stride_bn + r[None, :]
+        b_gate = tl.load(b_rows, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        b_up = tl.load(b_rows + I * stride_bn, mask=n_ok[:, None], other=0.0).to(tl.float32)
+        # y + delta rounded as the unfused path stores it, then the activation's own roundings.
+        gate = (gate + tl.sum(b_gate * s_gate[None, :], axis=1)).to(dtype).to(tl.float32)
+        up = (up + tl.sum(b_up * s_up[None, :], axis=1)).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + n, (silu * up).to(dtype), mask=n_ok)
+
+
+@triton.jit(do_not_specialize=["MAX_TILES", "SPLITS"])
+def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr, MAX_TILES, I, SPLITS,
+                              stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
+                              RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              IEEE: tl.constexpr):
+    """Program (tile, n): the activation of the tile's rows, columns n; tiles of tokens without an
+    adapter (slot -1) get no delta."""
+    dtype = y_ptr.dtype.element_ty
+    i, pid_n = tl.program_id(0), tl.program_id(1)
+    s = tl.load(tiles_ptr + i).to(tl.int64)
+    if s < -1:  # past the step's tiles
+        return
+    row0 = tl.load(tiles_ptr + MAX_TILES + i)
+    row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
+    m = row0 + tl.arange(0, BLOCK_M)
+    m_ok = m < row1
+    rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    ok = m_ok[:, None] & n_ok[None, :]
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
+    gate = tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(y_ptrs + I, mask=ok, other=0.0).to(tl.float32)
+    if s >= 0:
+        r = tl.arange(0, RANK)
+        t_ptrs = t_ptr + rows[:, None] * stride_tt + r[None, :]
+        s_gate = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+        s_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+        for split in range(0, SPLITS):
+            s_gate += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
+            s_up += tl.load(t_ptrs + split * stride_split + RANK, mask=m_ok[:, None], other=0.0)
+        b_cols = b_ptr + s * stride_bs + n[None, :].to(tl.int64) * stride_bn + r[:, None]
+        b_gate = tl.load(b_cols, mask=n_ok[None, :], other=0.0)
+        b_up = tl.load(b_cols + I * stride_bn, mask=n_ok[None, :], other=0.0)
+        if IEEE:
+            gate = (gate + tl.dot(s_gate, b_gate, input_precision="ieee")).to(dtype).to(tl.float32)
+            up = (up + tl.dot(s_up, b_up, input_precision="ieee")).to(dtype).to(tl.float32)
+        else:
+            gate = (gate + tl.dot(s_gate.to(dtype), b_gate)).to(dtype).to(tl.float32)
+            up = (up + tl.dot(s_up.to(dtype), b_up)).to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], (silu * up).to(dtype), mask=ok)
+
+
+# ---------------------------------------------------------------- per step: the plan
+
+def tile_rows(num_tokens: int) -> int:
+    """BLOCK_M of the tiles kernels for a step of `num_tokens` tokens."""
     return 16 if num_tokens <= 512 else 64
 
 
-def expand_block_n(part_starts: tuple[int, ...]) -> int:
-    """The widest BLOCK_N (16..64) dividing every part boundary; 0 when none does."""
-    for block in (64, 32, 16):
+def max_tiles(num_tokens: int, num_slots: int) -> int:
+    """An upper bound on a step's tiles: every tile has a token; each group of tokens (a slot's,
+    and the tokens without an adapter) adds at most one partial tile."""
+    return min(num_tokens, triton.cdiv(num_tokens, tile_rows(num_tokens)) + num_slots + 1)
+
+
+NO_TILE = -2  # a tile table entry past the step's tiles (-1: a tile of tokens without an adapter)
+
+
+def plan_tiles(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's tiles, on the device without a host sync: `order` (int32 [T], token indices sorted
+    by slot, -1 first) and `tiles` (int32 [3, max_tiles]: each tile's slot (-1: tokens without an
+    adapter, which only the fused activation reads; NO_TILE: none), first and end position in
+    `order`). Each group's tokens are cut into ceil(count / BLOCK_M) tiles, the groups in order."""
+    num_tokens, device = token_slots.shape[0], token_slots.device
+    block_m, limit = tile_rows(num_tokens), max_tiles(num_tokens, num_slots)
+    sorted_slots, order = torch.sort(token_slots.to(torch.int32), stable=True)
+    groups = torch.arange(-1, num_slots, dtype=torch.int32, device=device)
+    starts = torch.searchsorted(sorted_slots, groups)
+    ends = torch.searchsorted(sorted_slots, groups, right=True)
+    per_group = (ends - starts + block_m - 1) // block_m
+    tile_end = per_group.cumsum(0)
+    tile = torch.arange(limit, dtype=torch.int64, device=device)
+    group = torch.searchsorted(tile_end, tile, right=True)
+    real = group <= num_slots
+    group = group.clamp_max(num_slots)
+    first = starts[group] + (tile - (tile_end[group] - per_group[group])) * block_m
+    tiles = torch.stack([torch.where(real, group - 1, NO_TILE), first, torch.minimum(first + block_m, ends[group])])
+    return order.to(torch.int32), tiles.to(torch.int32)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    """A shrink's launch for one shape: grid, K split and blocks; `planes`: the workspace it fills."""
+    rows: bool  # the per-token kernels (else the tiles kernels)
+    grid: tuple[int, int, int]
+    splits: int
+    k_per_split: int
+    block_n: int
+    block_k: int
+    block_m: int
+
+    def planes_numel(self, num_tokens: int, n: int) -> int:
+        return self.splits * num_tokens * n
+
+
+@functools.cache
+def shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int, rows: bool) -> ShrinkConfig:
+    """K is split so that about two programs per SM run (a decode step has few tokens)."""
+    if rows:
+        block_n = min(64, triton.next_power_of_2(n))
+        block_k, block_m, max_splits = _ROWS_BLOCK_K, 1, _ROWS_MAX_SPLITS
+        lead, programs = num_tokens, num_tokens * triton.cdiv(n, block_n)
+    else:
+        block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
+        block_k, block_m, max_splits = _TILES_BLOCK_K, tile_rows(num_tokens), _TILES_MAX_SPLITS
+        lead = max_tiles(num_tokens, num_slots)
+        programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(n, block_n)  # the fewest real tiles
+    splits = max(1, min(2 * sm_count // programs, triton.cdiv(k, block_k), max_splits))
+    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    splits = triton.cdiv(k, k_per_split)
+    return ShrinkConfig(rows, (lead, triton.cdiv(n, block_n), splits), splits, k_per_split, block_n, block_k, block_m)
+
+
+def _tile_warps(block_m: int, block_n: int) -> int:
+    """Warps of a tile kernel holding float32 [block_m, block_n] values (few registers per thread)."""
+    return 8 if block_m * block_n >= 8192 else 4
+
+
+def expand_block_n(part_starts: tuple[int, ...], widest: int = 64) -> int:
+    """The widest BLOCK_N (16..`widest`) dividing every part boundary; 0 when none does."""
+    block = widest
+    while block >= 16:
         if all(p % block == 0 for p in part_starts[:-1]):
             return block
+        block //= 2
     return 0
 
 
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, order: torch.Tensor, sorted_slots: torch.Tensor,
-                ) -> torch.Tensor:
-    """x[t] @ A[slot(t)]^T as float32 partial sums [splits, T, parts * R] (zeros for tokens
-    without an adapter): K is split over up to 8 programs per tile, to fill the GPU at decode
-    sizes, and `lora_expand` adds the planes (no atomics: the same result on every run). The
-    split depends on shapes only (capture-safe)."""
+@dataclass
+class StepPlan:
+    """What every LoRA projection of one step shares: the token -> slot map in the form its
+    kernels read, and one float32 workspace for the shrink's planes (reused by every projection:
+    each expand consumes its shrink's planes before the next projection's shrink runs)."""
+    num_tokens: int
+    num_slots: int
+    token_slots: torch.Tensor  # int32 [T] (rows kernels)
+    order: torch.Tensor | None  # int32 [T] (tiles kernels)
+    tiles: torch.Tensor | None  # int32 [3, max_tiles] (tiles kernels)
+    workspace: torch.Tensor  # float32, at least every projection's planes
+
+
+def plan_step(token_slots: torch.Tensor, num_slots: int, shapes: set[tuple[int, int]],
+              rows_max: int = ROWS_MAX_TOKENS) -> StepPlan:
+    """`shapes`: every LoRA projection's (parts * R, in_features): the workspace fits the largest.
+    Steps of up to `rows_max` tokens run the per-token kernels, larger ones the tile kernels."""
+    num_tokens, device = token_slots.shape[0], token_slots.device
+    sms, rows = _sm_count(device), num_tokens <= rows_max
+    numel = max((shrink_config(num_tokens, n, k, num_slots, sms, rows).planes_numel(num_tokens, n)
+                 for n, k in shapes), default=0)
+    workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
+    if rows:  # the rows kernels index token_slots by token: a dense int32 copy when not one already
+        # (a one-row prompt chunk's slots are an expanded view with stride 0: read past its element)
+        return StepPlan(num_tokens, num_slots, token_slots.to(torch.int32).contiguous(), None, None, workspace)
+    order, tiles = plan_tiles(token_slots, num_slots)
+    return StepPlan(num_tokens, num_slots, token_slots, order, tiles, workspace)
+
+
+# ---------------------------------------------------------------- launches
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    """x[t] @ A[slot(t)]^T as float32 partial sums [splits, T, parts * R] (a view of the plan's
+    workspace; rows of tokens without an adapter are left unwritten)."""
     num_tokens, k = x.shape
     n = a.shape[1]
-    block_m, block_n, block_k = _block_m(num_tokens), 16 if n <= 16 else 32, 64
-    tiles = triton.cdiv(num_tokens, block_m) * triton.cdiv(n, block_n)
-    splits = max(1, min(triton.cdiv(k, block_k), 1024 // tiles, _MAX_SPLITS))
-    splits = 1 << (splits.bit_length() - 1)
-    k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
-    splits = triton.cdiv(k, k_per_split)
-    partial = torch.empty(splits, num_tokens, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n), splits)
-    _shrink_kernel[grid](x, a, partial, order, sorted_slots, num_tokens, n, k, k_per_split,
-                         x.stride(0), a.stride(0), a.stride(1), partial.stride(0), partial.stride(1),
-                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=x.dtype == torch.float32)
-    return partial
+    cfg = shrink_config(num_tokens, n, k, plan.num_slots, _sm_count(x.device), plan.order is None)
+    planes = plan.workspace[:cfg.planes_numel(num_tokens, n)].view(cfg.splits, num_tokens, n)
+    assert x.stride(1) == 1 and a.stride(2) == 1
+    if cfg.rows:
+        _shrink_rows_kernel[cfg.grid](x, a, planes, plan.token_slots, n, k, cfg.k_per_split,
+                                      x.stride(0), a.stride(0), a.stride(1), planes.stride(0), planes.stride(1),
+                                      BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
+    else:
+        _shrink_tiles_kernel[cfg.grid](x, a, planes, plan.order, plan.tiles, plan.tiles.shape[1], n, k,
+                                       cfg.k_per_split, x.stride(0), a.stride(0), a.stride(1),
+                                       planes.stride(0), planes.stride(1), BLOCK_M=cfg.block_m,
+                                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32)
+    return planes
 
 
-def lora_expand(shrunk: torch.Tensor, b: torch.Tensor, order: torch.Tensor, sorted_slots: torch.Tensor,
-                y: torch.Tensor, part_starts: tuple[int, ...]) -> torch.Tensor:
-    """y[t, part i] += shrunk[t, i * R:(i + 1) * R] @ B[slot(t), part i]^T, in place; `shrunk`:
-    `lora_shrink`'s partial sums [splits, T, parts * R]."""
-    num_tokens = shrunk.shape[1]
-    n, rank = b.shape[1], b.shape[2]
-    block_n = expand_block_n(part_starts)
-    assert block_n and y.stride(1) == 1 and b.stride(2) == 1, "part boundaries must be multiples of 16"
+@functools.cache
+def _expand_launch(rows: bool, num_tokens: int, n: int, part_starts: tuple[int, ...], lead: int) -> tuple:
+    block_n = expand_block_n(part_starts, 256 if rows else 128)
+    assert block_n, "part boundaries must be multiples of 16"
     bounds = list(part_starts[1:-1]) + [_BIG] * (3 - len(part_starts) + 1)
-    block_m = _block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(n, block_n))
-    _expand_kernel[grid](shrunk, b, y, order, sorted_slots, num_tokens, n, bounds[0], bounds[1], shrunk.shape[0],
-                         shrunk.stride(0), shrunk.stride(1), b.stride(0), b.stride(1), y.stride(0),
-                         RANK=rank, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=b.dtype == torch.float32)
+    return (lead, triton.cdiv(n, block_n)), block_n, bounds[0], bounds[1]
+
+
+def lora_expand(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.Tensor,
+                part_starts: tuple[int, ...]) -> torch.Tensor:
+    """y[t, part i] += shrunk[t, i * R:(i + 1) * R] @ B[slot(t), part i]^T in place; `planes`:
+    `lora_shrink`'s partial sums [splits, T, parts * R]."""
+    splits, num_tokens, _ = planes.shape
+    n, rank = b.shape[1], b.shape[2]
+    assert y.stride(1) == 1 and b.stride(2) == 1
+    rows = plan.order is None
+    lead = num_tokens if rows else plan.tiles.shape[1]
+    grid, block_n, p1, p2 = _expand_launch(rows, num_tokens, n, part_starts, lead)
+    if rows:
+        _expand_rows_kernel[grid](planes, b, y, plan.token_slots, n, p1, p2, splits,
+                                  planes.stride(0), planes.stride(1), b.stride(0), b.stride(1), y.stride(0),
+                                  RANK=rank, BLOCK_N=block_n, SPLITS_PAD=_ROWS_MAX_SPLITS)
+    else:
+        _expand_tiles_kernel[grid](planes, b, y, plan.order, plan.tiles, plan.tiles.shape[1], n, p1, p2, splits,
+                                   planes.stride(0), planes.stride(1), b.stride(0), b.stride(1), y.stride(0),
+                                   RANK=rank, BLOCK_M=tile_rows(num_tokens), BLOCK_N=block_n,
+                                   IEEE=b.dtype == torch.float32, num_warps=_tile_warps(tile_rows(num_tokens), block_n))
     return y
+
+
+
+def lora_expand_silu(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the [gate | up] projection's output `y` plus its LoRA deltas, in one pass
+    (instead of the expand adding into y and the activation reading it back): a new [T, I] tensor
+    with `SiluAndMul`'s roundings. `b`: [slots, 2 * I, R]; `planes`: the shrink's [splits, T, 2R]."""
+    splits, num_tokens, _ = planes.shape
+    inter, rank = b.shape[1] // 2, b.shape[2]
+    assert y.stride(1) == 1 and b.stride(2) == 1 and y.shape[1] == 2 * inter
+    out = torch.empty(num_tokens, inter, dtype=y.dtype, device=y.device)
+    if plan.order is None:
+        block_n = min(256, triton.next_power_of_2(inter))
+        _expand_silu_rows_kernel[(num_tokens, triton.cdiv(inter, block_n))](
+            planes, b, y, out, plan.token_slots, inter, splits, planes.stride(0), planes.stride(1),
+            b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_N=block_n,
+            SPLITS_PAD=_ROWS_MAX_SPLITS)
+    else:
+        block_n = min(64, triton.next_power_of_2(inter))
+        lead = plan.tiles.shape[1]
+        _expand_silu_tiles_kernel[(lead, triton.cdiv(inter, block_n))](
+            planes, b, y, out, plan.order, plan.tiles, lead, inter, splits, planes.stride(0), planes.stride(1),
+            b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_M=tile_rows(num_tokens),
+            BLOCK_N=block_n, IEEE=b.dtype == torch.float32, num_warps=_tile_warps(tile_rows(num_tokens), 2 * block_n))
+    return out

@@ -30,6 +30,27 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_slow_path(reason: str) -> None:
+    """Once per reason: a CUDA fp8 layer that runs the dequantize-per-call emulation is correct
+    but far slower than bf16, so it must never pass unnoticed in a benchmark."""
+    if reason not in _WARNED:
+        _WARNED.add(reason)
+        logger.warning("fp8 W8A8 SLOW PATH on CUDA (dequantizing the weight on every call): %s", reason)
+
+
+def _scaled_mm_refusal(q: torch.Tensor) -> str | None:
+    """Why torch._scaled_mm with row-wise scales cannot run this weight (None: it can)."""
+    n, k = q.shape
+    if torch.cuda.get_device_capability(q.device) < (8, 9):
+        return f"{torch.cuda.get_device_name(q.device)} has no fp8 tensor cores (needs compute capability 8.9+)"
+    if n % 16 or k % 16:
+        return f"a {n}x{k} weight (torch._scaled_mm needs both sizes multiples of 16)"
+    return None
+
+
 class Fp8LinearMethod(LinearMethod):
     ignored_suffixes = ("input_scale", "input_scale_ub")
 
@@ -53,11 +74,16 @@ class Fp8LinearMethod(LinearMethod):
         replace_param(layer, "weight_scale", scale.reshape(-1, 1).contiguous())
         # _scaled_mm wants the weight column-major ([K, N] view of [N, K]) and scales [1, N].
         layer.scale_row = scale.reshape(1, -1).contiguous()
-        n, k = q.shape
-        layer.use_scaled_mm = q.is_cuda and n % 16 == 0 and k % 16 == 0
+        refusal = _scaled_mm_refusal(q) if q.is_cuda else "not on CUDA"
+        layer.use_scaled_mm = refusal is None
+        if q.is_cuda and refusal is not None:
+            _warn_slow_path(refusal)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.use_scaled_mm:
+        # Row-wise scaled_mm writes bfloat16 only (CUTLASS's row-wise kernels).
+        if layer.use_scaled_mm and x.dtype != torch.bfloat16:
+            _warn_slow_path(f"activations in {x.dtype} (row-wise torch._scaled_mm writes bfloat16 only)")
+        elif layer.use_scaled_mm:
             from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
 
             x2 = _rows(x)

@@ -16,7 +16,7 @@ _MIN_SCALE = 1e-12  # an all-zero row gets this scale, never 0 (no division by z
 
 
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
-    """Saturating round to e4m3 (torch's plain cast gives NaN past the range)."""
+    """Saturating round to e4m3 (explicit, whatever the cast does past the range)."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 

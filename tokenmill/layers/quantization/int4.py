@@ -2,8 +2,8 @@
 in their own layouts (sharded under TP like the weight they stand for) and repacked after
 loading into the one layout the kernel reads (`int4_packing.Int4Weights`).
 
-CUDA: the Triton dequantize-GEMM (`triton_int4`). Elsewhere: the weight is dequantized for each
-call and the float matmul runs (correct, not fast).
+CUDA: the Triton dequantize-GEMM (`triton_int4`; large batches dequantize, then cuBLAS).
+Elsewhere: the weight is dequantized for each call and the float matmul runs (correct, not fast).
 
 Act-order (GPTQ desc_act) under row parallelism: each rank holds a slice of the input channels
 whose groups are scattered, so it keeps every group's scales and zeros (`g_idx` says which).
@@ -88,9 +88,9 @@ class Int4LinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[-1]
         if x.is_cuda:
-            from tokenmill.layers.quantization.triton_int4 import int4_gemm
+            from tokenmill.layers.quantization.triton_int4 import int4_matmul
 
-            out = int4_gemm(x.reshape(-1, k), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
+            out = int4_matmul(x.reshape(-1, k), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
                             self.config.group_size)
             if bias is not None:
                 out = out + bias

@@ -8,8 +8,10 @@ scales and zeros are one row, loaded once per tile.
 
 Small batches (decode) are bound by reading the weight, a quarter of bf16's: tiles of 16 rows
 and split-K (programs add their partial sums into a float32 output) so that every SM streams
-weights. Large batches use wide tiles and no split. The torch reference is
-`int4_packing.dequantize` followed by a matmul.
+weights. Medium batches use wide tiles and no split. Large batches (prefill, from
+`DEQUANT_MIN_ROWS` rows) are compute-bound: `dequantize_int4` writes W^T [K, N] in the
+activation dtype (reading int4, writing 16 bits: small next to the GEMM) and cuBLAS multiplies.
+The torch reference of both is `int4_packing.dequantize` followed by a matmul.
 
 Requires triton at import; `int4.py` imports this module lazily.
 """
@@ -17,10 +19,13 @@ Requires triton at import; `int4.py` imports this module lazily.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -29,6 +34,7 @@ def _int4_gemm_kernel(
     M, N, K, s_am, s_qk, s_sg, s_cm,
     GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UNPACK_3D: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -47,9 +53,16 @@ def _int4_gemm_kernel(
         k_mask = offs_k < K
         a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * s_am + offs_k[None, :],
                     mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        packed = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * s_qk + offs_n[None, :],
-                         mask=k_mask[:, None] & n_mask[None, :], other=0)
-        q = ((packed >> shifts[:, None]) & 0xF).to(tl.float32)
+        if UNPACK_3D:  # each word loaded once, its 8 nibbles spread over 8 rows by a reshape
+            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(qw_ptr + offs_w[:, None].to(tl.int64) * s_qk + offs_n[None, :],
+                            mask=(offs_w < K // 8)[:, None] & n_mask[None, :], other=0)
+            nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+            q = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)).to(tl.float32)
+        else:  # each word loaded by the 8 rows it holds (cached, but 8x the load instructions)
+            packed = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * s_qk + offs_n[None, :],
+                             mask=k_mask[:, None] & n_mask[None, :], other=0)
+            q = ((packed >> shifts[:, None]) & 0xF).to(tl.float32)
         if HAS_GIDX:
             g = tl.load(g_ptr + offs_k, mask=k_mask, other=0).to(tl.int64)
             sz_off = g[:, None] * s_sg + offs_n[None, :]
@@ -69,6 +82,54 @@ def _int4_gemm_kernel(
         tl.atomic_add(c_ptr + c_off, acc, mask=c_mask, sem="relaxed")
     else:
         tl.store(c_ptr + c_off, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, s_qk, s_sg, s_wk,
+                         GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr):
+    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
+    packed = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * s_qk + offs_n[None, :], mask=mask, other=0)
+    q = ((packed >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
+    if HAS_GIDX:
+        g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0).to(tl.int64)
+    else:
+        g = (offs_k // GROUP).to(tl.int64)
+    sz_off = g[:, None] * s_sg + offs_n[None, :]
+    s = tl.load(s_ptr + sz_off, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sz_off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(w_ptr + offs_k[:, None].to(tl.int64) * s_wk + offs_n[None, :], ((q - z) * s).to(w_ptr.dtype.element_ty),
+             mask=mask)
+
+
+# From this many rows the dequantize-then-cuBLAS path runs (`int4_matmul`): the fused kernel's
+# tiles cannot match cuBLAS where the GEMM is compute-bound. A guess for an H100 until measured
+# (scripts/gpu_quant.py --parts micro times both); batches captured in CUDA graphs stay below it.
+DEQUANT_MIN_ROWS = 1024
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor | None,
+                    group_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel layout back to W^T [K, N] in `dtype` (== int4_packing.dequantize)."""
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    out = torch.empty((k, n), dtype=dtype, device=qweight.device)
+    block_k, block_n = 32, 128
+    grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
+    _int4_dequant_kernel[grid](qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, n, k,
+                               qweight.stride(0), scales.stride(0), out.stride(0),
+                               GROUP=k if group_size == -1 else group_size, HAS_GIDX=g_idx is not None,
+                               BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
+    return out
+
+
+def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                g_idx: torch.Tensor | None, group_size: int) -> torch.Tensor:
+    """x [M, K] @ W^T: the fused dequantize-GEMM below DEQUANT_MIN_ROWS rows, else dequantize + cuBLAS."""
+    if x.shape[0] >= DEQUANT_MIN_ROWS:
+        return x @ dequantize_int4(qweight, scales, zeros, g_idx, group_size, x.dtype)
+    return int4_gemm(x, qweight, scales, zeros, g_idx, group_size)
 
 
 @functools.cache
@@ -94,8 +155,8 @@ def choose_tiles(m: int, n: int, k: int, group: int, device: torch.device) -> tu
 
 
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-              g_idx: torch.Tensor | None, group_size: int, tiles: tuple[int, int, int, int, int] | None = None
-              ) -> torch.Tensor:
+              g_idx: torch.Tensor | None, group_size: int, tiles: tuple[int, int, int, int, int] | None = None,
+              unpack_3d: bool | None = None) -> torch.Tensor:
     """x [M, K] @ dequantized W^T [K, N] -> [M, N] in x's dtype."""
     m, k = x.shape
     n = qweight.shape[1]
@@ -108,11 +169,31 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zero
     out = (torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1
            else torch.empty((m, n), dtype=x.dtype, device=x.device))
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)
-    _int4_gemm_kernel[grid](
-        x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
-        m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        GROUP=group, HAS_GIDX=g_idx is not None, SPLIT_K=split,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=3,
-    )
+    unpack_3d = UNPACK_3D if unpack_3d is None else unpack_3d
+    try:
+        _int4_gemm_kernel[grid](
+            x, qweight, scales, zeros, g_idx if g_idx is not None else qweight, out,
+            m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+            GROUP=group, HAS_GIDX=g_idx is not None, SPLIT_K=split,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UNPACK_3D=unpack_3d,
+            num_warps=warps, num_stages=3,
+        )
+    except Exception:  # noqa: BLE001 - a compile failure (its type varies by stage); retried below
+        if not unpack_3d:
+            raise
+        _disable_unpack_3d()  # compile-time only (warm-up runs every shape before graphs capture)
+        return int4_gemm(x, qweight, scales, zeros, g_idx, group_size, tiles, unpack_3d=False)
     return out.to(x.dtype) if split > 1 else out
+
+
+# Unpack a tile's words with a reshape (one load per word) rather than a load per nibble row.
+# A Triton that cannot compile the reshape turns it off, loudly, for the process.
+UNPACK_3D = True
+
+
+def _disable_unpack_3d() -> None:
+    global UNPACK_3D
+    UNPACK_3D = False
+    logger.warning("int4 GEMM: the word-unpacking reshape did not compile on this Triton; using the "
+                   "per-row loads (slower at decode)", exc_info=True)

@@ -17,6 +17,9 @@ class ToolCallParser:
     appears (holding back a tail that could begin one), then waits for the end to parse the calls."""
 
     starts: tuple[str, ...] = ()
+    # Keys of a call object's arguments, for formats whose calls are JSON objects (streamed as they
+    # come: json_calls.py); None: the calls are read whole once the output ends.
+    args_keys: tuple[str, ...] | None = None
 
     def parse(self, text: str) -> ParsedToolCalls:
         raise NotImplementedError
@@ -25,6 +28,22 @@ class ToolCallParser:
         """Where the calls begin in `text` (-1: not yet)."""
         found = [at for at in (text.find(start) for start in self.starts) if at >= 0]
         return min(found, default=-1)
+
+    def call_stream(self):
+        """A reader of the calls as they stream (fed the text after `json_from`), or None: the
+        calls are read whole when the output ends."""
+        if self.args_keys is None:
+            return None
+        from tokenmill.entrypoints.openai.tool_parsers.json_calls import JsonCallStream
+        return JsonCallStream(self.args_keys)
+
+    def json_from(self, text: str, at: int) -> int:
+        """Where the calls' text begins, given that they begin at `at`: after the opening marker
+        unless the marker is JSON itself."""
+        for start in self.starts:
+            if text.startswith(start, at):
+                return at if start.startswith(("{", "[")) else at + len(start)
+        return at
 
     def held_back(self, text: str) -> int:
         """How many trailing characters of `text` could begin a start (a stream holds them back)."""

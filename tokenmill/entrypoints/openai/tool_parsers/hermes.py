@@ -13,6 +13,7 @@ _CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 class HermesParser(ToolCallParser):
     starts = ("<tool_call>",)
+    args_keys = ("arguments",)
 
     def parse(self, text: str) -> ParsedToolCalls:
         at = self.find_start(text)

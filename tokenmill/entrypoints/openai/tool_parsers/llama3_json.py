@@ -11,6 +11,7 @@ from tokenmill.entrypoints.openai.tool_parsers.base import (ParsedToolCalls, Too
 
 class Llama3JsonParser(ToolCallParser):
     starts = ("<|python_tag|>", "{")
+    args_keys = ("parameters", "arguments")
 
     def parse(self, text: str) -> ParsedToolCalls:
         body = text.strip()

@@ -10,6 +10,7 @@ from tokenmill.entrypoints.openai.tool_parsers.base import (ParsedToolCalls, Too
 
 class MistralParser(ToolCallParser):
     starts = ("[TOOL_CALLS]",)
+    args_keys = ("arguments",)
 
     def parse(self, text: str) -> ParsedToolCalls:
         at = self.find_start(text)

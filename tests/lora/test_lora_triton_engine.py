@@ -1,0 +1,51 @@
+"""The engine on the CUDA path's LoRA kernels: the step plan and the Triton shrink/expand (run by
+the CPU interpreter) instead of the CPU's per-slot matmuls, through the graph bodies (run eagerly,
+as `test_lora_graph_bodies` does). Batch-1 prefills replay the prompt-chunk body, whose token ->
+slot map is one row's slot repeated (the path that read past that one slot on an H100), then a
+mixed batch decodes; greedy tokens equal HF + PEFT's."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined: before the first import
+
+import pytest
+
+from tests.helpers.triton_required import require_triton
+
+require_triton()
+
+from tests.lora.test_lora_engine import ENGINE, PROMPTS, Setup, run  # noqa: E402
+from tests.lora.test_lora_graph_bodies import install_eager_graphs  # noqa: E402
+from tokenmill import LLM  # noqa: E402
+from tokenmill.layers.lora import lora_layer  # noqa: E402
+from tokenmill.layers.lora.triton_lora import plan_step  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Setup:
+    return Setup(tmp_path_factory.mktemp("lora-triton"), "qwen2")
+
+
+@pytest.fixture
+def triton_plans(monkeypatch):
+    """Every step with an adapter gets the plan a CUDA step builds (so the Triton kernels run)."""
+    prepare = lora_layer.LoRABatch.prepare
+
+    def with_plan(self, token_slots, host=None):
+        prepare(self, token_slots, host)
+        if self.active:
+            self.plan = plan_step(token_slots, self.num_slots, self.shapes)
+    monkeypatch.setattr(lora_layer.LoRABatch, "prepare", with_plan)
+
+
+def test_engine_on_triton_kernels_equals_peft(setup, triton_plans) -> None:
+    solo = [("a1", PROMPTS[0]), ("a3", PROMPTS[3])]  # at most 16 tokens: the per-token kernels
+    names = [None, "a1", "a2", "a3"]
+    with LLM(setup.path, max_loras=3, max_num_seqs=8, **ENGINE) as llm:
+        counts = install_eager_graphs(llm)
+        outputs = [run(llm, setup, [name], [prompt])[0] for name, prompt in solo]
+        outputs += run(llm, setup, names, PROMPTS[:4])
+    setup.check(outputs, [n for n, _ in solo] + names, [p for _, p in solo] + PROMPTS[:4])
+    assert counts["prompt"][0] >= 2 and counts["decode"][0] > 5, counts
