@@ -337,6 +337,8 @@ def part_hf(results: dict, smoke: bool) -> None:
                 print(f"  {shape} {n}x{i}x{o}: no tokenmill figure in this run (run bench/big first); skipped")
                 continue
             _hf_baseline(results, f"hf_{shape}_{n}x{i}x{o}", path, min(n, 256), i, o, rec["output_tok_s"])
+            with open(os.path.join(OUT, "gpu_moe.json"), "w") as f:  # a run cut short keeps what it measured
+                json.dump(results, f, indent=1, default=str)
 
 
 def _batch1_record(results: dict, arch, ms_per_token: float, bw: float) -> None:
