@@ -19,6 +19,10 @@ Parts (all by default; --parts a,b to pick):
   hf       HF transformers (warmed, static batch) on bench's and big's work for both shapes, next to
            tokenmill's figure of the same run (off by default: --parts bench,big,hf); at 1000 x 512 x 256
            HF runs one wave of 256 prompts (the whole does not fit one static batch)
+  profile  (off by default) torch.profiler over graph-replayed decode steps: OLMoE-1B-7B at batch 256,
+           Qwen3-30B-A3B (24 layers) at batch 1; per-kernel table and group shares (scripts/gpu_moe_profile.py)
+  sweep    (off by default) one layer's fused experts in a CUDA graph: torch vs Triton alignment, a tile
+           grid at OLMoE T=256 and Qwen3 T=1 / T=256; best tiles to $OUT/moe_configs_graph/
   gptoss   gpt-oss (off by default: --parts gptoss): the fused MoE's bias + clamped-SwiGLU variant vs
            the loop at gpt-oss-20b's expert shape (E=32, H=2880, I=2880, top-4), bf16, batch 256 and 8,
            and in a CUDA graph; a tiny gpt-oss (sinks, sliding + full layers) float32 on CUDA with
@@ -496,6 +500,12 @@ def main() -> None:
             part_hf(results, args.smoke)
         elif part == "mla":
             part_mla(results, args.smoke, device)
+        elif part == "profile":
+            from gpu_moe_profile import part_profile
+            part_profile(results, args.smoke, device, config_dir, OUT)
+        elif part == "sweep":
+            from gpu_moe_profile import part_sweep
+            part_sweep(results, args.smoke, device, dtype, _random_moe, OUT)
         elif part == "gptoss":
             part_gptoss(results, args.smoke, device, dtype)
         else:
@@ -503,7 +513,8 @@ def main() -> None:
         print(f"[{part}: {time.perf_counter() - start:.0f} s]")
         with open(os.path.join(OUT, "gpu_moe.json"), "w") as f:
             json.dump(results, f, indent=1, default=str)
-    print(json.dumps({k: v for k, v in results.items() if not k.startswith("tune")}, indent=1, default=str)[:6000])
+    print(json.dumps({k: v for k, v in results.items() if not k.startswith(("tune", "profile", "sweep"))}, indent=1,
+                     default=str)[:6000])
     if FAILURES:
         print(f"{len(FAILURES)} failed checks:\n" + "\n".join(FAILURES))
         sys.exit(1)

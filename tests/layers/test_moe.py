@@ -93,6 +93,23 @@ def test_alignment_pads_each_expert_to_the_block():
     assert experts[:4] == [0, 2, 3, 5] and align.max_blocks == -(-(8 + 5 * 3) // 4)
 
 
+@pytest.mark.parametrize("t,k,e,block_m", [(1, 8, 128, 16), (9, 3, 6, 4), (300, 8, 64, 32), (37, 2, 5, 16)])
+def test_triton_alignment_equals_the_torch_one(t, k, e, block_m):
+    """The one-launch alignment (decode batches on CUDA) gives the torch ops' layout element for
+    element: stable order within each expert, sentinel padding, each block's expert, E past the end."""
+    pytest.importorskip("triton")
+    from tokenmill.layers.moe.align import align_by_expert_torch
+    from tokenmill.layers.moe.triton_align import align_by_expert_triton
+    gen = torch.Generator().manual_seed(t)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    if t == 300:  # one expert takes most pairs: several blocks of one expert, experts left empty
+        ids[:200, 0] = 7
+    want, got = align_by_expert_torch(ids, e, block_m), align_by_expert_triton(ids, e, block_m)
+    assert got.max_blocks == want.max_blocks
+    assert torch.equal(got.sorted_pairs, want.sorted_pairs)
+    assert torch.equal(got.block_expert, want.block_expert)
+
+
 @pytest.mark.parametrize("dtype,t", [(torch.float32, 9), (torch.float16, 9), (torch.float32, 1)])
 def test_fused_kernel_matches_the_loop(dtype, t):
     pytest.importorskip("triton")

@@ -11,6 +11,7 @@ from torch import nn
 
 from tokenmill.config import ModelArch
 from tokenmill.distributed.parallel_state import ParallelContext
+from tokenmill.layers import triton_ops
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.layers.rotary import RotaryStep
@@ -27,6 +28,9 @@ class ShardedRMSNorm(nn.Module):
         self.full_size, self.eps, self.parallel = full_size, eps, parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1 and triton_ops.enabled(x):  # the whole row is here: one fused kernel
+            from tokenmill.layers.triton_ops.rms_norm import rms_norm
+            return rms_norm(x, self.weight, self.eps)
         square_sum = x.float().square().sum(dim=-1, keepdim=True)
         square_sum = self.parallel.all_reduce(square_sum)
         rstd = torch.rsqrt(square_sum / self.full_size + self.eps)

@@ -25,8 +25,20 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return num_pairs + num_experts * (block_m - 1)
 
 
+TRITON_MAX_PAIRS = 4096  # one program walks the pairs: beyond this the torch ops' parallel sort wins
+IMPL = "auto"  # "auto", "torch" or "triton" (A/B measurements, tests)
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """ids [T, k] (expert of each pair) -> the padded sorted layout."""
+    use_triton = IMPL == "triton" or (IMPL == "auto" and ids.is_cuda and ids.numel() <= TRITON_MAX_PAIRS)
+    if use_triton:
+        from tokenmill.layers.moe.triton_align import align_by_expert_triton
+        return align_by_expert_triton(ids, num_experts, block_m)
+    return align_by_expert_torch(ids, num_experts, block_m)
+
+
+def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     flat = ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)

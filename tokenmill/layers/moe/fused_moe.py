@@ -9,6 +9,8 @@
 3. `_down_kernel`: the same blocks times w2 [E, H, I], each row scaled by its routing weight,
    written to the pair's row of [T * k, H].
 4. The top-k rows of each token are summed (one torch reduction).
+At decode sizes the alignment is one Triton launch too (`triton_align`), so a layer's experts
+take four launches whatever the batch.
 gpt-oss: with HAS_BIAS the experts' biases join the accumulators (b13 [E, 2I] before the
 activation, b2 [E, H] before the routing weight); ACT 1 is its clamped SwiGLU, in float32.
 Blocks past the last expert's rows exit at once (their expert reads E). fp32 dots use exact
@@ -154,4 +156,5 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights:
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if top_k == 1:
         return per_pair
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    # One kernel: half types accumulate in float32 and round once, as sum(dtype=float32).to(dtype) would.
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)

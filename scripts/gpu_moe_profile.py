@@ -1,0 +1,244 @@
+"""Where a MoE decode step's time goes (`scripts/gpu_moe.py --parts profile,sweep`).
+
+profile  torch.profiler over graph-replayed decode steps of two engines (dummy bf16 weights, CUDA
+         graphs, one process): OLMoE-1B-7B at batch 256 and Qwen3-30B-A3B (24 layers) at batch 1.
+         Steps are caught at `ModelRunner.launch` (every row one token, the batch full): the profiler
+         starts before the first caught step and stops before the one after the last, with the
+         device synchronized at both ends, so it holds whole steps (replay, sampling, copies).
+         Writes a per-kernel table (device time per step, calls per step) and the share of each
+         group (MoE GEMMs, MoE alignment and routing, attention, dense GEMMs, norms/rotary, the
+         rest) to $OUT/profile_<shape>.txt and the JSON record.
+sweep    one layer's fused experts (router output given) replayed in a CUDA graph, so launch
+         overhead is what the engine sees: the torch alignment against the Triton one, and a tile
+         grid, at OLMoE T=256 and Qwen3-30B-A3B T=1 and T=256; the best tiles go to
+         $OUT/moe_configs_graph/*.json (copy into tokenmill/layers/moe/configs/ to use them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections import defaultdict
+
+import torch
+
+GROUPS = [
+    ("moe_gemm", r"_gate_up_kernel|_down_kernel"),
+    ("moe_align", r"_align|sort|radix|scatter|cumsum|scan|searchsorted|bincount|histogram"),
+    ("moe_router", r"topk|softmax|gather|sigmoid|_router"),
+    ("attention", r"paged_attention|reduce_splits|write_kv|kv_write"),
+    ("dense_gemm", r"gemm|gemv|cutlass|nvjet|xmma|sm90|splitk|splitK|cublas|matmul"),
+    ("norm_rope", r"rms_norm|rotary|norm"),
+    ("rest", r".*"),
+]
+
+
+def group_of(name: str) -> str:
+    for group, pattern in GROUPS:
+        if re.search(pattern, name, flags=re.IGNORECASE):
+            return group
+    return "rest"
+
+
+def _device_events(prof) -> list[tuple[str, float]]:
+    """(kernel name, device microseconds) of every device-side event (kernels, memcpy, memset)."""
+    out = []
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            out.append((evt.name, float(evt.time_range.elapsed_us())))
+    return out
+
+
+def kernel_table(events: list[tuple[str, float]], steps: int) -> dict:
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for name, us in events:
+        per_name[name][0] += us
+        per_name[name][1] += 1
+    total = sum(us for _, us in events)
+    rows = sorted(((n, us / steps, c / steps) for n, (us, c) in per_name.items()), key=lambda r: -r[1])
+    groups: dict[str, float] = defaultdict(float)
+    for name, us, _ in rows:
+        groups[group_of(name)] += us
+    return {"steps": steps, "device_us_per_step": total / steps,
+            "kernels_per_step": len(events) / steps,
+            "groups_us_per_step": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+            "kernels": [{"name": n[:160], "us_per_step": us, "calls_per_step": c, "group": group_of(n)}
+                        for n, us, c in rows]}
+
+
+def format_table(label: str, table: dict, wall_ms: float) -> str:
+    total = table["device_us_per_step"]
+    lines = [f"{label}: {table['steps']} steps, wall {wall_ms:.3f} ms/step, device busy {total / 1e3:.3f} ms/step, "
+             f"{table['kernels_per_step']:.0f} kernels/step",
+             "group shares: " + ", ".join(f"{g} {us / 1e3:.3f} ms ({100 * us / max(total, 1e-9):.1f}%)"
+                                           for g, us in table["groups_us_per_step"].items()),
+             f"{'us/step':>9} {'share':>6} {'calls':>6}  {'group':<10} kernel"]
+    for k in table["kernels"][:45]:
+        lines.append(f"{k['us_per_step']:9.1f} {100 * k['us_per_step'] / max(total, 1e-9):5.1f}% "
+                     f"{k['calls_per_step']:6.1f}  {k['group']:<10} {k['name'][:110]}")
+    return "\n".join(lines)
+
+
+def profile_engine(path: str, device: str, batch: int, in_len: int, warm: int, steps: int) -> tuple[dict, float]:
+    """Profile `steps` full-batch decode steps after `warm` of them; (kernel table, wall ms per step)."""
+    import random
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.worker.model_runner import ModelRunner
+    rng = random.Random(0)
+    reqs = [{"prompt_token_ids": [rng.randrange(3, 250) for _ in range(in_len)]} for _ in range(batch)]
+    out_len = warm + steps + 3
+    state = {"n": 0, "t0": 0.0, "wall": 0.0}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    original = ModelRunner.launch
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def launch(self, so):
+        counts = so.batch_counts
+        if len(counts) == batch and int(counts.sum()) == batch and state["n"] >= 0:
+            state["n"] += 1
+            if state["n"] == warm + 1:
+                sync()
+                prof.start()
+                state["t0"] = time.perf_counter()
+            elif state["n"] == warm + steps + 1:
+                sync()
+                state["wall"] = time.perf_counter() - state["t0"]
+                prof.stop()
+                state["n"] = -1
+        return original(self, so)
+
+    ModelRunner.launch = launch
+    try:
+        with LLM(path, load_format="dummy", dtype="bfloat16" if device == "cuda" else "float32", device=device,
+                 max_model_len=in_len + out_len + 16, max_num_seqs=max(batch, 1), enable_prefix_caching=False,
+                 single_process=True, kv_cache_memory_gb=0.05) as llm:
+            params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+            llm.generate(reqs, params, use_tqdm=False)
+    finally:
+        ModelRunner.launch = original
+    if state["n"] != -1:
+        raise RuntimeError(f"profile: only {state['n']} full decode steps of batch {batch} were seen")
+    events = _device_events(prof)
+    if not events:  # CPU (smoke): the CPU ops' own time stands in
+        events = [(e.key, float(e.self_cpu_time_total)) for e in prof.key_averages() for _ in range(1)]
+    return kernel_table(events, steps), 1e3 * state["wall"] / steps
+
+
+def part_profile(results: dict, smoke: bool, device: str, config_dir, out_dir: str) -> None:
+    cases = [("olmoe-1b-7b", 256, 320), ("qwen3-30b-a3b-24l", 1, 128)]
+    for shape, batch, in_len in cases:
+        path = config_dir(shape, smoke)
+        b, i = (4, 8) if smoke else (batch, in_len)
+        table, wall_ms = profile_engine(path, device, b, i, warm=2 if smoke else 8, steps=2 if smoke else 10)
+        label = f"{shape} batch {b}, context {i}+"
+        text = format_table(label, table, wall_ms)
+        print(text)
+        with open(os.path.join(out_dir, f"profile_{shape}_b{b}.txt"), "w") as f:
+            f.write(text + "\n")
+        results[f"profile_{shape}_b{b}"] = {**table, "wall_ms_per_step": wall_ms,
+                                             "kernels": table["kernels"][:60]}
+
+
+def _graph_time(fn, device: str, reps: int) -> float:
+    """Seconds per call of `fn` replayed in a CUDA graph (eager on CPU)."""
+    if device != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / (reps * 10)
+
+
+SWEEP_TILES = {  # (block_m, block_n, block_k, num_warps, num_stages); down uses the same n/k
+    "decode": [(16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3),
+               (16, 64, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 8, 4)],
+    "batch": [(32, 64, 64, 4, 3), (32, 64, 128, 4, 3), (32, 128, 64, 4, 3), (32, 64, 64, 4, 4),
+              (32, 128, 128, 8, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 8, 3),
+              (64, 64, 64, 8, 4), (16, 64, 128, 4, 3), (16, 128, 128, 4, 4)],
+}
+
+
+def part_sweep(results: dict, smoke: bool, device: str, dtype, random_moe, out_dir: str,
+               budget_s: float = 75.0) -> None:
+    from tokenmill.layers.moe import align as align_mod
+    from tokenmill.layers.moe.fused_moe import fused_experts
+    from tokenmill.layers.moe.tile_configs import TileConfig, config_file_name, tile_config
+    start = time.perf_counter()
+    shapes = ([("tiny", (8, 64, 32, 2), 8, "decode")] if smoke else
+              [("olmoe-1b-7b", (64, 2048, 1024, 8), 256, "batch"), ("qwen3-30b-a3b", (128, 2048, 768, 8), 1, "decode"),
+               ("qwen3-30b-a3b", (128, 2048, 768, 8), 256, "batch")])
+    cfg_dir = os.path.join(out_dir, "moe_configs_graph")
+    os.makedirs(cfg_dir, exist_ok=True)
+    dname = str(dtype).removeprefix("torch.")
+    reps = 2 if smoke else 20
+    for name, (e, h, i, k), t, kind in shapes:
+        x, w13, w2, weights, ids = random_moe(e, h, i, k, t, dtype, device)
+        active = len(set(ids.flatten().tolist()))
+        expert_bytes = active * 3 * h * i * x.element_size()
+        current = tile_config(e, h, i, t, dname, k)
+        rec: dict = {"current": current.to_json(), "expert_bytes": expert_bytes}
+        for mode in ("torch", "triton"):
+            align_mod.IMPL = mode
+            try:
+                sec = _graph_time(lambda: fused_experts(x, w13, w2, weights, ids, current), device, reps)
+                rec[f"fused_align_{mode}_us"] = sec * 1e6
+                rec[f"fused_align_{mode}_GBps"] = expert_bytes / sec / 1e9
+                sec = _graph_time(lambda: align_mod.align_by_expert(ids, e, current.block_m), device, reps)
+                rec[f"align_only_{mode}_us"] = sec * 1e6
+            except Exception as exc:  # noqa: BLE001 (report, go on)
+                rec[f"align_{mode}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+            finally:
+                align_mod.IMPL = "auto"
+        print(f"  {name} T={t}: current tiles {current} (expert bytes {expert_bytes / 1e6:.1f} MB): fused MoE with "
+              f"torch align {rec.get('fused_align_torch_us', float('nan')):.1f} us, with triton align "
+              f"{rec.get('fused_align_triton_us', float('nan')):.1f} us; alignment alone "
+              f"{rec.get('align_only_torch_us', float('nan')):.1f} vs {rec.get('align_only_triton_us', float('nan')):.1f} us")
+        timings = []
+        for bm, bn, bk, warps, stages in SWEEP_TILES[kind][:2] if smoke else SWEEP_TILES[kind]:
+            if time.perf_counter() - start > budget_s:
+                print(f"  sweep stopped at its {budget_s:.0f} s budget")
+                break
+            cfg = TileConfig(bm, bn, bk, bn, bk, warps, stages)
+            try:
+                sec = _graph_time(lambda: fused_experts(x, w13, w2, weights, ids, cfg), device, reps)
+            except Exception as exc:  # noqa: BLE001 (a tile that does not fit: skip it)
+                print(f"    skip {cfg}: {type(exc).__name__}")
+                continue
+            timings.append((sec, cfg))
+            print(f"    {bm:3d} {bn:4d} {bk:4d} w{warps} s{stages}: {sec * 1e6:8.1f} us  "
+                  f"{expert_bytes / sec / 1e9:7.0f} GB/s")
+        if timings:
+            best_sec, best = min(timings, key=lambda r: r[0])
+            rec["best"] = best.to_json()
+            rec["best_us"] = best_sec * 1e6
+            rec["sweep"] = [{"us": s * 1e6, **c.to_json()} for s, c in timings]
+            print(f"  {name} T={t}: best {best} {best_sec * 1e6:.1f} us")
+            path = os.path.join(cfg_dir, config_file_name(e, h, i, dname))
+            table = json.load(open(path)) if os.path.exists(path) else {}
+            table[str(t)] = best.to_json()
+            with open(path, "w") as f:
+                json.dump(table, f, indent=1)
+        results[f"sweep_{name}_T{t}"] = rec
