@@ -242,3 +242,62 @@ def part_sweep(results: dict, smoke: bool, device: str, dtype, random_moe, out_d
             with open(path, "w") as f:
                 json.dump(table, f, indent=1)
         results[f"sweep_{name}_T{t}"] = rec
+    _router_ab(results, smoke, device, dtype, reps)
+    part_attn_sweep(results, smoke, device, dtype)
+
+
+def _router_ab(results: dict, smoke: bool, device: str, dtype, reps: int) -> None:
+    """The router alone in a CUDA graph: the torch ops (float32 logits, softmax, top-k, renormalize)
+    against the one Triton launch, Qwen3-30B-A3B's (E=128, H=2048, top-8, renormalized)."""
+    from tokenmill.config import MoEArch
+    from tokenmill.layers.moe.routing import select_experts
+    from tokenmill.layers.moe.triton_router import route
+    e, h = (8, 64) if smoke else (128, 2048)
+    moe = MoEArch(num_experts=e, top_k=2 if smoke else 8, intermediate_size=32, renormalize=True)
+    w = (torch.randn(e, h) * 0.02).to(dtype).to(device)
+    for t in ((4,) if smoke else (1, 256)):
+        x = torch.randn(t, h).to(dtype).to(device)
+        torch_s = _graph_time(lambda: select_experts(torch.nn.functional.linear(x.float(), w.float()), moe), device, reps)
+        fused_s = _graph_time(lambda: route(x, w, None, moe), device, reps)
+        results[f"sweep_router_T{t}"] = {"torch_us": torch_s * 1e6, "triton_us": fused_s * 1e6}
+        print(f"  router E={e} T={t}: torch ops {torch_s * 1e6:.1f} us, one Triton launch {fused_s * 1e6:.1f} us")
+
+
+ATTN_TILES = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (32, 4, 4)]
+
+
+def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: float = 25.0) -> None:
+    """The decode attention alone (paged, one launch per layer) at OLMoE's decode shape: 256 rows,
+    MHA 16 x 128, 320 keys each, block size 16, replayed in a CUDA graph; bytes are the K and V read."""
+    from tokenmill.layers.attention.triton_paged_attention import paged_attention
+    start = time.perf_counter()
+    seqs, ctx, heads, dim, bs = (4, 40, 2, 16, 16) if smoke else (256, 320, 16, 128, 16)
+    per_seq = -(-ctx // bs)
+    blocks = seqs * per_seq
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(2, blocks, bs, heads, dim, generator=gen).to(dtype).to(device)
+    table = torch.randperm(blocks, generator=gen).view(seqs, per_seq).to(torch.int32).to(device)
+    q = torch.randn(seqs, heads, dim, generator=gen).to(dtype).to(device)
+    qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device=device)
+    kv_bytes = 2 * seqs * ctx * heads * dim * cache.element_size()
+    ref = None
+    for block_n, warps, stages in ATTN_TILES[:2] if smoke else ATTN_TILES:
+        if time.perf_counter() - start > budget_s:
+            print(f"  attention sweep stopped at its {budget_s:.0f} s budget")
+            break
+        run = lambda: paged_attention(q, cache, qsl, seq_lens, table, dim ** -0.5, heads, block_q=16,  # noqa: E731
+                                      block_n=block_n, num_splits=1, max_splits=32, num_warps=warps,
+                                      num_stages=stages)
+        try:
+            out = run()
+            ref = out if ref is None else ref
+            err = float((out.float() - ref.float()).abs().max())
+            sec = _graph_time(run, device, 2 if smoke else 20)
+        except Exception as exc:  # noqa: BLE001 (a tile that does not fit: skip it)
+            print(f"    skip attention {block_n}/{warps}/{stages}: {type(exc).__name__}")
+            continue
+        results[f"attn_sweep_n{block_n}_w{warps}_s{stages}"] = {"us": sec * 1e6, "GBps": kv_bytes / sec / 1e9,
+                                                               "max_diff_vs_first": err}
+        print(f"    attention block_n {block_n:3d} w{warps} s{stages}: {sec * 1e6:7.1f} us {kv_bytes / sec / 1e9:6.0f} GB/s"
+              f" (max diff vs the first {err:.1e}; defaults: 64 w4 s2)")

@@ -4,6 +4,7 @@ against the loop in Triton's interpreter (fp32, fp16; small shapes: the interpre
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 import torch
 import torch.nn.functional as F
@@ -91,6 +92,29 @@ def test_alignment_pads_each_expert_to_the_block():
         assert all(ids.flatten()[p] == expert for p in rows)
     assert sorted(p for p in pairs if p != sentinel) == list(range(sentinel))
     assert experts[:4] == [0, 2, 3, 5] and align.max_blocks == -(-(8 + 5 * 3) // 4)
+
+
+@pytest.mark.parametrize("arch,overrides", [("olmoe", {}), ("qwen3_moe", {}), ("mixtral", {}),
+                                            ("olmoe", {"norm_topk_prob": True, "num_experts": 20})])
+@pytest.mark.parametrize("t", [1, 19])
+def test_triton_router_equals_the_torch_rule(arch, overrides, t):
+    """The one-launch router (CUDA): the same experts and weights as `select_experts` over the
+    float32 logits, with a router bias (gpt-oss) and a scaling factor too."""
+    pytest.importorskip("triton")
+    from tokenmill.layers.moe.triton_router import route
+    config = make_moe_config(arch, **overrides)
+    moe = moe_arch(config, config.model_type)
+    gen = torch.Generator().manual_seed(t)
+    e, h = moe.num_experts, config.hidden_size
+    x, w, bias = torch.randn(t, h, generator=gen), torch.randn(e, h, generator=gen), torch.randn(e, generator=gen)
+    for b, m in ((None, moe), (bias, msgspec.structs.replace(moe, routed_scaling_factor=2.5, router_bias=True))):
+        want_w, want_ids = select_experts(F.linear(x, w, b), m)
+        got_w, got_ids = route(x, w, b, m)
+        assert got_ids.dtype == torch.int64 and got_w.dtype == torch.float32
+        want_ids, order = want_ids.sort(dim=-1)
+        got_ids, got_order = got_ids.sort(dim=-1)
+        assert torch.equal(got_ids, want_ids)
+        torch.testing.assert_close(got_w.gather(1, got_order), want_w.gather(1, order), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("t,k,e,block_m", [(1, 8, 128, 16), (9, 3, 6, 4), (300, 8, 64, 32), (37, 2, 5, 16)])

@@ -3,8 +3,8 @@
 Pair p = token * k + slot (p < T * k). Expert e's pairs occupy rows [start(e), start(e) +
 count(e)) of the sorted order, and start(e) is count(0..e-1) rounded up block by block, so
 every BLOCK_M rows belong to one expert. Padding rows hold the sentinel T * k. Sizes come from
-the shapes alone (at most T * k + E * (BLOCK_M - 1) rows): counts and offsets never leave the
-device, no host sync, so the whole MoE layer runs inside a CUDA graph.
+the shapes alone (at most T * k + min(E, T * k) * (BLOCK_M - 1) rows): counts and offsets
+never leave the device, no host sync, so the whole MoE layer runs inside a CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ class Alignment:
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    return num_pairs + num_experts * (block_m - 1)
+    """At most min(E, pairs) experts hold pairs, each padded by at most BLOCK_M - 1 rows (at batch 1
+    the grid is then k blocks, not E)."""
+    return num_pairs + min(num_experts, num_pairs) * (block_m - 1)
 
 
 TRITON_MAX_PAIRS = 4096  # one program walks the pairs: beyond this the torch ops' parallel sort wins

@@ -36,7 +36,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids [T, k]); logits in float32 (DeepSeek's rule; exact
-        for float32 models)."""
+        for float32 models). On CUDA one Triton launch does it where it covers the rule."""
+        if triton_ops.enabled(x) and routing.fused_router_applies(self.moe):
+            from tokenmill.layers.moe.triton_router import route
+            return route(x, self.weight, self.bias, self.moe)
         logits = torch.nn.functional.linear(x.float(), self.weight.float(),
                                             None if self.bias is None else self.bias.float())
         return routing.select_experts(logits, self.moe, self.e_score_correction_bias)

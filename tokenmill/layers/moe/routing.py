@@ -31,6 +31,11 @@ def select_experts(logits: torch.Tensor, moe: MoEArch,
     return weights, ids
 
 
+def fused_router_applies(moe: MoEArch) -> bool:
+    """Whether `triton_router` (one launch on CUDA) covers this rule: no groups, no correction bias."""
+    return moe.num_groups == 1 and not moe.score_correction_bias and moe.scoring in ("softmax", "sigmoid")
+
+
 def _mask_groups(choice: torch.Tensor, moe: MoEArch) -> torch.Tensor:
     """Experts outside each token's best `topk_groups` groups get -inf (never chosen)."""
     t, e = choice.shape
