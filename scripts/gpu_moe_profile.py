@@ -132,19 +132,49 @@ def profile_engine(path: str, device: str, batch: int, in_len: int, warm: int, s
     return kernel_table(events, steps), 1e3 * state["wall"] / steps
 
 
+class _MainPaths:
+    """The MoE decode path as main had it before the profile's fixes (torch alignment over the E-wide
+    grid bound, torch router, OLMoE's q/k norm in torch ops), put back by patching for a "before"
+    profile in the same run."""
+
+    def __enter__(self):
+        from tokenmill.layers.moe import align, layer
+        from tokenmill.model import olmoe
+        self.saved = (align.IMPL, align.max_padded_rows, layer.routing.fused_router_applies, olmoe.ShardedRMSNorm.forward)
+        align.IMPL = "torch"
+        align.max_padded_rows = lambda pairs, experts, block_m: pairs + experts * (block_m - 1)
+        layer.routing.fused_router_applies = lambda moe: False
+
+        def norm(mod, x):
+            square_sum = mod.parallel.all_reduce(x.float().square().sum(dim=-1, keepdim=True))
+            return mod.weight * (x.float() * torch.rsqrt(square_sum / mod.full_size + mod.eps)).to(x.dtype)
+        olmoe.ShardedRMSNorm.forward = norm
+        return self
+
+    def __exit__(self, *exc):
+        from tokenmill.layers.moe import align, layer
+        from tokenmill.model import olmoe
+        align.IMPL, align.max_padded_rows, layer.routing.fused_router_applies, olmoe.ShardedRMSNorm.forward = self.saved
+
+
 def part_profile(results: dict, smoke: bool, device: str, config_dir, out_dir: str) -> None:
+    import contextlib
     cases = [("olmoe-1b-7b", 256, 320), ("qwen3-30b-a3b-24l", 1, 128)]
     for shape, batch, in_len in cases:
         path = config_dir(shape, smoke)
         b, i = (4, 8) if smoke else (batch, in_len)
-        table, wall_ms = profile_engine(path, device, b, i, warm=2 if smoke else 8, steps=2 if smoke else 10)
-        label = f"{shape} batch {b}, context {i}+"
-        text = format_table(label, table, wall_ms)
-        print(text)
-        with open(os.path.join(out_dir, f"profile_{shape}_b{b}.txt"), "w") as f:
-            f.write(text + "\n")
-        results[f"profile_{shape}_b{b}"] = {**table, "wall_ms_per_step": wall_ms,
-                                             "kernels": table["kernels"][:60]}
+        for variant in ("main", "branch"):
+            with _MainPaths() if variant == "main" else contextlib.nullcontext():
+                table, wall_ms = profile_engine(path, device, b, i, warm=2 if smoke else 8, steps=2 if smoke else 10)
+            label = f"{shape} batch {b}, context {i}+, {variant} MoE path"
+            text = format_table(label, table, wall_ms)
+            print(text)
+            with open(os.path.join(out_dir, f"profile_{shape}_b{b}_{variant}.txt"), "w") as f:
+                f.write(text + "\n")
+            results[f"profile_{shape}_b{b}_{variant}"] = {**table, "wall_ms_per_step": wall_ms,
+                                                          "kernels": table["kernels"][:60]}
+            with open(os.path.join(out_dir, "gpu_moe.json"), "w") as f:  # a run cut short keeps what it measured
+                json.dump(results, f, indent=1, default=str)
 
 
 def _graph_time(fn, device: str, reps: int) -> float:
@@ -182,7 +212,7 @@ SWEEP_TILES = {  # (block_m, block_n, block_k, num_warps, num_stages); down uses
 
 
 def part_sweep(results: dict, smoke: bool, device: str, dtype, random_moe, out_dir: str,
-               budget_s: float = 75.0) -> None:
+               budget_s: float = 35.0) -> None:
     from tokenmill.layers.moe import align as align_mod
     from tokenmill.layers.moe.fused_moe import fused_experts
     from tokenmill.layers.moe.tile_configs import TileConfig, config_file_name, tile_config
@@ -266,7 +296,7 @@ def _router_ab(results: dict, smoke: bool, device: str, dtype, reps: int) -> Non
 ATTN_TILES = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (32, 4, 4)]
 
 
-def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: float = 25.0) -> None:
+def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: float = 12.0) -> None:
     """The decode attention alone (paged, one launch per layer) at OLMoE's decode shape: 256 rows,
     MHA 16 x 128, 320 keys each, block size 16, replayed in a CUDA graph; bytes are the K and V read."""
     from tokenmill.layers.attention.triton_paged_attention import paged_attention
