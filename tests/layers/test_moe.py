@@ -134,10 +134,14 @@ def test_triton_alignment_equals_the_torch_one(t, k, e, block_m):
     assert torch.equal(got.block_expert, want.block_expert)
 
 
-@pytest.mark.parametrize("dtype,t", [(torch.float32, 9), (torch.float16, 9), (torch.float32, 1)])
-def test_fused_kernel_matches_the_loop(dtype, t):
+@pytest.mark.parametrize("dtype,t,align_impl", [(torch.float32, 9, "torch"), (torch.float16, 9, "torch"),
+                                               (torch.float32, 1, "torch"), (torch.float32, 9, "triton")])
+def test_fused_kernel_matches_the_loop(dtype, t, align_impl, monkeypatch):
+    """(CUDA decode batches align with the Triton kernel: "triton" runs that pairing here.)"""
     pytest.importorskip("triton")
+    from tokenmill.layers.moe import align
     from tokenmill.layers.moe.fused_moe import fused_experts
+    monkeypatch.setattr(align, "IMPL", align_impl)
     from tokenmill.layers.moe.tile_configs import TileConfig
     x, w13, w2, weights, ids = _random_experts(t=t, dtype=dtype, k=3)
     config = TileConfig(block_m=16, block_n=16, block_k=16, down_block_n=32, down_block_k=16)
