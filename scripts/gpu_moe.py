@@ -299,6 +299,7 @@ def part_bench(results: dict, smoke: bool, device: str, big: bool = False) -> No
             bound_ms = 1e3 * (_step_weight_bytes(arch, batch) + kv) / bw
             rec["decode_bound_ms"] = bound_ms
             rec["fraction_of_bound"] = bound_ms / rec["decode_step_ms"]
+            rec["copy_bandwidth_GBps"] = bw / 1e9  # this part's own measurement (bench and big each measure)
             results[f"bench_{shape}_{n}x{i}x{o}"] = rec
             print(f"  {shape} {n}x{i}x{o}: {rec['output_tok_s']:.0f} output tok/s, decode step {rec['decode_step_ms']:.2f} ms"
                   f" vs bound {bound_ms:.2f} ms ({100 * rec['fraction_of_bound']:.0f}% of it; goal >= 60%)")
@@ -502,7 +503,7 @@ def main() -> None:
             part_mla(results, args.smoke, device)
         elif part == "profile":
             from gpu_moe_profile import part_profile
-            part_profile(results, args.smoke, device, config_dir, OUT)
+            part_profile(results, args.smoke, device, config_dir, OUT, _arch_of, _step_weight_bytes, _bandwidth(device))
         elif part == "sweep":
             from gpu_moe_profile import part_sweep
             part_sweep(results, args.smoke, device, dtype, _random_moe, OUT)

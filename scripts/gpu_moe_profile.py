@@ -157,21 +157,31 @@ class _MainPaths:
         align.IMPL, align.max_padded_rows, layer.routing.fused_router_applies, olmoe.ShardedRMSNorm.forward = self.saved
 
 
-def part_profile(results: dict, smoke: bool, device: str, config_dir, out_dir: str) -> None:
+def part_profile(results: dict, smoke: bool, device: str, config_dir, out_dir: str, arch_of, step_weight_bytes,
+                 bandwidth: float) -> None:
+    """The bound beside each profile: the step's weights (active experts) and KV at the profiled
+    steps' mean context, over the copy bandwidth measured at the part's start."""
     import contextlib
+    from tokenmill.benchmarks.roofline import kv_bytes_per_token
     cases = [("olmoe-1b-7b", 256, 320), ("qwen3-30b-a3b-24l", 1, 128)]
+    results["profile_copy_bandwidth_GBps"] = bandwidth / 1e9
     for shape, batch, in_len in cases:
         path = config_dir(shape, smoke)
+        arch = arch_of(path)
         b, i = (4, 8) if smoke else (batch, in_len)
+        warm, steps = (2, 2) if smoke else (8, 10)
+        context = i + warm + steps / 2
+        bound_ms = 1e3 * (step_weight_bytes(arch, b) + b * context * kv_bytes_per_token(arch, "bfloat16")) / bandwidth
         for variant in ("main", "branch"):
             with _MainPaths() if variant == "main" else contextlib.nullcontext():
-                table, wall_ms = profile_engine(path, device, b, i, warm=2 if smoke else 8, steps=2 if smoke else 10)
-            label = f"{shape} batch {b}, context {i}+, {variant} MoE path"
+                table, wall_ms = profile_engine(path, device, b, i, warm=warm, steps=steps)
+            label = (f"{shape} batch {b}, context {context:.0f}, {variant} MoE path (bound {bound_ms:.3f} ms at "
+                     f"{bandwidth / 1e9:.0f} GB/s: {100 * bound_ms / wall_ms:.1f}% of it)")
             text = format_table(label, table, wall_ms)
             print(text)
             with open(os.path.join(out_dir, f"profile_{shape}_b{b}_{variant}.txt"), "w") as f:
                 f.write(text + "\n")
-            results[f"profile_{shape}_b{b}_{variant}"] = {**table, "wall_ms_per_step": wall_ms,
+            results[f"profile_{shape}_b{b}_{variant}"] = {**table, "wall_ms_per_step": wall_ms, "bound_ms": bound_ms,
                                                           "kernels": table["kernels"][:60]}
             with open(os.path.join(out_dir, "gpu_moe.json"), "w") as f:  # a run cut short keeps what it measured
                 json.dump(results, f, indent=1, default=str)
