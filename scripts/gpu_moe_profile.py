@@ -236,8 +236,15 @@ def part_sweep(results: dict, smoke: bool, device: str, dtype, random_moe, out_d
     os.makedirs(cfg_dir, exist_ok=True)
     dname = str(dtype).removeprefix("torch.")
     reps = 2 if smoke else 20
+    experts: dict = {}
     for name, (e, h, i, k), t, kind in shapes:
-        x, w13, w2, weights, ids = random_moe(e, h, i, k, t, dtype, device)
+        if name not in experts:  # random weights made on the device once per shape (the CPU is slow at GBs)
+            gen = torch.Generator(device=device).manual_seed(0)
+            experts[name] = ((torch.randn(e, 2 * i, h, generator=gen, device=device) * 0.03).to(dtype),
+                             (torch.randn(e, h, i, generator=gen, device=device) * 0.03).to(dtype))
+        w13, w2 = experts[name]
+        x, _, _, weights, ids = random_moe(e, 8, 8, k, t, dtype, device)  # routing only; x below
+        x = (torch.randn(t, h, device=device) / 2).to(dtype)
         active = len(set(ids.flatten().tolist()))
         expert_bytes = active * 3 * h * i * x.element_size()
         current = tile_config(e, h, i, t, dname, k)
