@@ -214,17 +214,18 @@ def _graph_time(fn, device: str, reps: int) -> float:
     return (time.perf_counter() - start) / (reps * 10)
 
 
-SWEEP_TILES = {  # (block_m, block_n, block_k, num_warps, num_stages); down uses the same n/k
-    "decode": [(16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 64, 256, 4, 3), (16, 128, 128, 4, 3),
-               (16, 64, 64, 4, 4), (16, 32, 256, 4, 4), (16, 64, 128, 8, 4)],
-    "batch": [(32, 64, 64, 4, 3), (32, 64, 128, 4, 3), (32, 128, 64, 4, 3), (32, 64, 64, 4, 4),
-              (32, 128, 128, 8, 3), (64, 64, 64, 4, 3), (64, 64, 128, 4, 3), (64, 128, 64, 8, 3),
-              (64, 64, 64, 8, 4), (16, 64, 128, 4, 3), (16, 128, 128, 4, 4)],
+SWEEP_TILES = {  # (block_m, block_n, block_k, num_warps, num_stages); down uses the same n/k; likeliest first
+    "decode": [(16, 32, 128, 4, 3), (16, 64, 128, 4, 3), (16, 32, 256, 4, 4), (16, 64, 64, 4, 4),
+               (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (16, 64, 128, 8, 4)],
+    "batch": [(64, 64, 64, 4, 3), (32, 64, 64, 4, 3), (64, 64, 128, 4, 3), (32, 64, 128, 4, 4),
+              (64, 128, 64, 8, 3), (64, 64, 64, 8, 4), (32, 128, 64, 4, 3), (16, 64, 128, 4, 3),
+              (32, 64, 64, 4, 4), (16, 128, 128, 4, 4)],
 }
 
 
 def part_sweep(results: dict, smoke: bool, device: str, dtype, random_moe, out_dir: str,
-               budget_s: float = 35.0) -> None:
+               budget_s: float = 12.0) -> None:
+    """`budget_s`: seconds of tile timing per shape (compiles included); the rest is fixed work."""
     from tokenmill.layers.moe import align as align_mod
     from tokenmill.layers.moe.fused_moe import fused_experts
     from tokenmill.layers.moe.tile_configs import TileConfig, config_file_name, tile_config
@@ -266,6 +267,7 @@ def part_sweep(results: dict, smoke: bool, device: str, dtype, random_moe, out_d
               f"{rec.get('fused_align_triton_us', float('nan')):.1f} us; alignment alone "
               f"{rec.get('align_only_torch_us', float('nan')):.1f} vs {rec.get('align_only_triton_us', float('nan')):.1f} us")
         timings = []
+        start = time.perf_counter()
         for bm, bn, bk, warps, stages in SWEEP_TILES[kind][:2] if smoke else SWEEP_TILES[kind]:
             if time.perf_counter() - start > budget_s:
                 print(f"  sweep stopped at its {budget_s:.0f} s budget")
@@ -315,7 +317,7 @@ def _router_ab(results: dict, smoke: bool, device: str, dtype, reps: int) -> Non
 ATTN_TILES = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (32, 4, 4)]
 
 
-def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: float = 12.0) -> None:
+def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: float = 10.0) -> None:
     """The decode attention alone (paged, one launch per layer) at OLMoE's decode shape: 256 rows,
     MHA 16 x 128, 320 keys each, block size 16, replayed in a CUDA graph; bytes are the K and V read."""
     from tokenmill.layers.attention.triton_paged_attention import paged_attention
