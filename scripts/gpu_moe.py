@@ -22,7 +22,7 @@ Parts (all by default; --parts a,b to pick):
   profile  (off by default) torch.profiler over graph-replayed decode steps: OLMoE-1B-7B at batch 256,
            Qwen3-30B-A3B (24 layers) at batch 1; per-kernel table and group shares (scripts/gpu_moe_profile.py)
   sweep    (off by default) one layer's fused experts in a CUDA graph: torch vs Triton alignment, a tile
-           grid at OLMoE T=256 and Qwen3 T=1 / T=256; best tiles to $OUT/moe_configs_graph/
+           grid at OLMoE T=256 and Qwen3 T=1; best tiles to $OUT/moe_configs_graph/; router A/B; decode attention tiles
   gptoss   gpt-oss (off by default: --parts gptoss): the fused MoE's bias + clamped-SwiGLU variant vs
            the loop at gpt-oss-20b's expert shape (E=32, H=2880, I=2880, top-4), bf16, batch 256 and 8,
            and in a CUDA graph; a tiny gpt-oss (sinks, sliding + full layers) float32 on CUDA with
