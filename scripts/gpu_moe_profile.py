@@ -356,41 +356,47 @@ def _router_ab(results: dict, smoke: bool, device: str, dtype, reps: int) -> Non
 ATTN_TILES = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (32, 4, 4)]
 
 
-def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: float = 10.0) -> None:
-    """The decode attention alone (paged, one launch per layer) at OLMoE's decode shape: 256 rows,
-    MHA 16 x 128, 320 keys each, block size 16, replayed in a CUDA graph; bytes are the K and V read."""
+def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: float = 9.0) -> None:
+    """The decode attention alone (paged, one launch per layer), replayed in a CUDA graph, at 256
+    rows of 320 keys, block size 16: OLMoE's MHA (16 x 128) and Qwen3-30B-A3B's GQA (32 query heads
+    on 4 KV heads of 128); bytes are the K and V read. The launch's other choices are the backend's."""
+    from tokenmill.layers.attention.triton_backend import TritonAttentionConfig, plan_launch
     from tokenmill.layers.attention.triton_paged_attention import paged_attention
-    start = time.perf_counter()
-    seqs, ctx, heads, dim, bs = (4, 40, 2, 16, 16) if smoke else (256, 320, 16, 128, 16)
-    per_seq = -(-ctx // bs)
-    blocks = seqs * per_seq
-    gen = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, blocks, bs, heads, dim, generator=gen).to(dtype).to(device)
-    table = torch.randperm(blocks, generator=gen).view(seqs, per_seq).to(torch.int32).to(device)
-    q = torch.randn(seqs, heads, dim, generator=gen).to(dtype).to(device)
-    qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
-    seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device=device)
-    kv_bytes = 2 * seqs * ctx * heads * dim * cache.element_size()
-    ref = None
-    for block_n, warps, stages in ATTN_TILES[:2] if smoke else ATTN_TILES:
-        if time.perf_counter() - start > budget_s:
-            print(f"  attention sweep stopped at its {budget_s:.0f} s budget")
-            break
-        run = lambda: paged_attention(q, cache, qsl, seq_lens, table, dim ** -0.5, heads, block_q=16,  # noqa: E731
-                                      block_n=block_n, num_splits=1, max_splits=32, num_warps=warps,
-                                      num_stages=stages)
-        try:
-            out = run()
-            ref = out if ref is None else ref
-            err = float((out.float() - ref.float()).abs().max())
-            sec = _graph_time(run, device, 2 if smoke else 20)
-        except Exception as exc:  # noqa: BLE001 (a tile that does not fit: skip it)
-            print(f"    skip attention {block_n}/{warps}/{stages}: {type(exc).__name__}")
-            continue
-        results[f"attn_sweep_n{block_n}_w{warps}_s{stages}"] = {"us": sec * 1e6, "GBps": kv_bytes / sec / 1e9,
-                                                               "max_diff_vs_first": err}
-        print(f"    attention block_n {block_n:3d} w{warps} s{stages}: {sec * 1e6:7.1f} us {kv_bytes / sec / 1e9:6.0f} GB/s"
-              f" (max diff vs the first {err:.1e}; defaults: 64 w4 s2)")
+    cases = {"mha16": (16, 16), "gqa32x4": (32, 4)}
+    for label, (heads, kv_heads) in cases.items():
+        start = time.perf_counter()
+        seqs, ctx, dim, bs = (4, 40, 16, 16) if smoke else (256, 320, 128, 16)
+        heads, kv_heads = (4, 2) if smoke else (heads, kv_heads)
+        per_seq = -(-ctx // bs)
+        blocks = seqs * per_seq
+        gen = torch.Generator(device=device).manual_seed(0)
+        cache = torch.randn(2, blocks, bs, kv_heads, dim, generator=gen, device=device).to(dtype)
+        table = torch.randperm(blocks, device=device).view(seqs, per_seq).to(torch.int32)
+        q = torch.randn(seqs, heads, dim, generator=gen, device=device).to(dtype)
+        qsl = torch.arange(seqs + 1, dtype=torch.int32, device=device)
+        seq_lens = torch.full((seqs,), ctx, dtype=torch.int32, device=device)
+        kv_bytes = 2 * seqs * ctx * kv_heads * dim * cache.element_size()
+        plan = plan_launch(TritonAttentionConfig(), heads, kv_heads, seqs, seqs, 1, ctx + 80, 132)
+        ref = None
+        for block_n, warps, stages in ATTN_TILES[:2] if smoke else ATTN_TILES:
+            if time.perf_counter() - start > budget_s:
+                print(f"  attention sweep ({label}) stopped at its {budget_s:.0f} s budget")
+                break
+            run = lambda: paged_attention(q, cache, qsl, seq_lens, table, dim ** -0.5, kv_heads,  # noqa: E731
+                                          block_q=plan.block_q, block_n=block_n, num_splits=plan.num_splits,
+                                          max_splits=32, num_warps=warps, num_stages=stages)
+            try:
+                out = run()
+                ref = out if ref is None else ref
+                err = float((out.float() - ref.float()).abs().max())
+                sec = _graph_time(run, device, 2 if smoke else 20)
+            except Exception as exc:  # noqa: BLE001 (a tile that does not fit: skip it)
+                print(f"    skip attention {label} {block_n}/{warps}/{stages}: {type(exc).__name__}")
+                continue
+            results[f"attn_sweep_{label}_n{block_n}_w{warps}_s{stages}"] = {
+                "us": sec * 1e6, "GBps": kv_bytes / sec / 1e9, "max_diff_vs_first": err}
+            print(f"    attention {label} block_n {block_n:3d} w{warps} s{stages}: {sec * 1e6:7.1f} us "
+                  f"{kv_bytes / sec / 1e9:6.0f} GB/s (max diff vs the first {err:.1e}; defaults: 64 w4 s2)")
 
 
 if __name__ == "__main__":  # one profile job (see _profile_in_child)
