@@ -264,7 +264,7 @@ SWEEP_TILES = {  # (block_m, block_n, block_k, num_warps, num_stages); down uses
 
 
 def part_sweep(results: dict, smoke: bool, device: str, dtype, random_moe, out_dir: str,
-               budget_s: float = 12.0) -> None:
+               budget_s: float = 8.0) -> None:
     """`budget_s`: seconds of tile timing per shape (compiles included); the rest is fixed work."""
     from tokenmill.layers.moe import align as align_mod
     from tokenmill.layers.moe.fused_moe import fused_experts
@@ -356,7 +356,7 @@ def _router_ab(results: dict, smoke: bool, device: str, dtype, reps: int) -> Non
 ATTN_TILES = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (32, 4, 4)]
 
 
-def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: float = 9.0) -> None:
+def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: float = 5.0) -> None:
     """The decode attention alone (paged, one launch per layer), replayed in a CUDA graph, at 256
     rows of 320 keys, block size 16: OLMoE's MHA (16 x 128) and Qwen3-30B-A3B's GQA (32 query heads
     on 4 KV heads of 128); bytes are the K and V read. The launch's other choices are the backend's."""
