@@ -162,3 +162,23 @@ def test_tile_table_picks_the_smallest_bucket_that_fits(tmp_path, monkeypatch):
         assert tile_configs.tile_config(4, 8, 32, 1, "bfloat16", 2) == tile_configs.default_config(2, 4)
     finally:
         tile_configs._table.cache_clear()
+
+
+def test_olmoe_qk_norm_fused_path_equals_the_torch_one(monkeypatch):
+    """OLMoE's q/k norm at TP=1 takes the fused RMSNorm kernel on CUDA (here in the interpreter,
+    `triton_ops.enabled` forced on): the torch ops' result, on a q slice of a fused qkv output."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from tokenmill.layers import triton_ops
+    from tokenmill.model.olmoe import ShardedRMSNorm
+    gen = torch.Generator().manual_seed(0)
+    norm = ShardedRMSNorm(48, 48, 1e-5, SimpleNamespace(tp_size=1, all_reduce=lambda x: x))
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48, generator=gen) + 0.5)
+    qkv = torch.randn(5, 3 * 48, generator=gen)
+    q = qkv[:, :48]  # rows 144 apart, as the q slice of the fused projection
+    want = norm(q)
+    monkeypatch.setattr(triton_ops, "enabled", lambda x: True)
+    got = norm(q)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
