@@ -3,8 +3,8 @@ twenty small kernels, which at a few tokens cost more than the experts' GEMMs).
 
 One program does it all, in three passes over the T * k pairs (CHUNK pairs at a time):
 1. each pair's rank among the pairs of its expert (earlier chunks' counts plus an exclusive
-   cumulative sum of the chunk's one-hot [CHUNK, E] matrix: stable, as the torch sort is), kept in
-   a scratch row, and the experts' counts;
+   cumulative sum of the chunk's one-hot [E, CHUNK] matrix along the pairs: stable, as the torch
+   sort is), kept in a scratch row, and the experts' counts;
 2. the padded starts (counts rounded up to BLOCK_M, cumulative), each block's expert (how many
    padded ends are <= its first row: `searchsorted(..., right=True)`, E past the last expert),
    and the sentinel T * k in every row;
@@ -34,11 +34,12 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_expert_ptr, scratch_ptr, num_
         pair = start + offs
         valid = pair < num_pairs
         expert = tl.load(ids_ptr + pair, mask=valid, other=E_PAD).to(tl.int32)
-        hot = (expert[:, None] == experts[None, :]).to(tl.int32)
-        before = tl.cumsum(hot, axis=0) - hot + counts[None, :]
-        rank = tl.sum(before * hot, axis=1)
+        # [E, CHUNK]: the pairs run along the fastest axis, so the scan stays within a warp.
+        hot = (experts[:, None] == expert[None, :]).to(tl.int32)
+        before = tl.cumsum(hot, axis=1) - hot + counts[:, None]
+        rank = tl.sum(before * hot, axis=0)
         tl.store(scratch_ptr + pair, rank, mask=valid)
-        counts += tl.sum(hot, axis=0)
+        counts += tl.sum(hot, axis=1)
     # 2. padded starts, the blocks' experts, the sentinel everywhere
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)
