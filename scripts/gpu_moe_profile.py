@@ -338,7 +338,7 @@ def part_sweep(results: dict, smoke: bool, device: str, dtype, random_moe, out_d
 
 def _router_ab(results: dict, smoke: bool, device: str, dtype, reps: int) -> None:
     """The router alone in a CUDA graph: the torch ops (float32 logits, softmax, top-k, renormalize)
-    against the one Triton launch, Qwen3-30B-A3B's (E=128, H=2048, top-8, renormalized)."""
+    against the Triton router (two launches), Qwen3-30B-A3B's (E=128, H=2048, top-8, renormalized)."""
     from tokenmill.config import MoEArch
     from tokenmill.layers.moe.routing import select_experts
     from tokenmill.layers.moe.triton_router import route
@@ -350,7 +350,7 @@ def _router_ab(results: dict, smoke: bool, device: str, dtype, reps: int) -> Non
         torch_s = _graph_time(lambda: select_experts(torch.nn.functional.linear(x.float(), w.float()), moe), device, reps)
         fused_s = _graph_time(lambda: route(x, w, None, moe), device, reps)
         results[f"sweep_router_T{t}"] = {"torch_us": torch_s * 1e6, "triton_us": fused_s * 1e6}
-        print(f"  router E={e} T={t}: torch ops {torch_s * 1e6:.1f} us, one Triton launch {fused_s * 1e6:.1f} us")
+        print(f"  router E={e} T={t}: torch ops {torch_s * 1e6:.1f} us, Triton router {fused_s * 1e6:.1f} us")
 
 
 ATTN_TILES = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (128, 8, 3), (32, 4, 3), (32, 4, 4)]

@@ -98,14 +98,14 @@ def test_alignment_pads_each_expert_to_the_block():
                                             ("olmoe", {"norm_topk_prob": True, "num_experts": 20})])
 @pytest.mark.parametrize("t", [1, 19])
 def test_triton_router_equals_the_torch_rule(arch, overrides, t):
-    """The one-launch router (CUDA): the same experts and weights as `select_experts` over the
-    float32 logits, with a router bias (gpt-oss) and a scaling factor too."""
+    """The Triton router (CUDA): the same experts and weights as `select_experts` over the float32
+    logits, with a router bias (gpt-oss) and a scaling factor too."""
     pytest.importorskip("triton")
     from tokenmill.layers.moe.triton_router import route
     config = make_moe_config(arch, **overrides)
     moe = moe_arch(config, config.model_type)
     gen = torch.Generator().manual_seed(t)
-    e, h = moe.num_experts, config.hidden_size
+    e, h = moe.num_experts, 300  # the logits split the hidden axis: 5 slices of 64, the last one ragged
     x, w, bias = torch.randn(t, h, generator=gen), torch.randn(e, h, generator=gen), torch.randn(e, generator=gen)
     for b, m in ((None, moe), (bias, msgspec.structs.replace(moe, routed_scaling_factor=2.5, router_bias=True))):
         want_w, want_ids = select_experts(F.linear(x, w, b), m)

@@ -36,7 +36,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights float32 [T, k], expert ids [T, k]); logits in float32 (DeepSeek's rule; exact
-        for float32 models). On CUDA one Triton launch does it where it covers the rule."""
+        for float32 models). On CUDA two Triton launches do it where they cover the rule."""
         if triton_ops.enabled(x) and routing.fused_router_applies(self.moe):
             from tokenmill.layers.moe.triton_router import route
             return route(x, self.weight, self.bias, self.moe)
