@@ -7,7 +7,8 @@ profile  torch.profiler over graph-replayed decode steps of two engines (dummy b
          device synchronized at both ends, so it holds whole steps (replay, sampling, copies).
          Writes a per-kernel table (device time per step, calls per step) and the share of each
          group (MoE GEMMs, MoE alignment and routing, attention, dense GEMMs, norms/rotary, the
-         rest) to $OUT/profile_<shape>.txt and the JSON record.
+         rest) to $OUT/profile_<shape>.txt and the JSON record. GPU_MOE_PROFILE_VARIANTS=branch skips
+         the "main" (patched-back) engines.
 sweep    one layer's fused experts (router output given) replayed in a CUDA graph, so launch
          overhead is what the engine sees: the torch alignment against the Triton one, and a tile
          grid, at OLMoE T=256 and Qwen3-30B-A3B T=1; the best tiles go to
@@ -179,7 +180,7 @@ def part_profile(results: dict, smoke: bool, device: str, config_dir, out_dir: s
         warm, steps = (4, 2) if smoke else (8, 10)
         context = i + warm + steps / 2
         bound_ms = 1e3 * (step_weight_bytes(arch, b) + b * context * kv_bytes_per_token(arch, "bfloat16")) / bandwidth
-        for variant in ("main", "branch"):
+        for variant in os.environ.get("GPU_MOE_PROFILE_VARIANTS", "main,branch").split(","):
             try:
                 table, wall_ms = _profile_in_child(dict(path=path, device=device, batch=b, in_len=i, warm=warm,
                                                         steps=steps, variant=variant))
