@@ -56,8 +56,6 @@ class TritonAttentionConfig:
     min_keys_per_split: int = 256  # a share of the KV axis spans at least this many keys (of max_seq_len)
     waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
-    decode_block_n: int = 64  # keys per KV tile of decode launches
-    decode_stages: int = 2
 
 
 @dataclass(frozen=True)
@@ -95,7 +93,7 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
         # One tile per row where it fits, so a multi-token decode reads its KV once.
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad), min_q, 1)
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
-        return LaunchPlan(block_q, config.decode_block_n, splits, config.decode_warps, config.decode_stages)
+        return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -117,8 +115,7 @@ class TritonAttentionBackend(AttentionBackend):
             # Wide heads (Gemma: 256): half-size tiles keep the K/V tiles and the float32
             # accumulator within the SM's shared memory and registers.
             c = self.config
-            self.config = dataclasses.replace(c, block_n=c.block_n // 2, decode_block_n=c.decode_block_n // 2,
-                                              prefill_rows=c.prefill_rows // 2,
+            self.config = dataclasses.replace(c, block_n=c.block_n // 2, prefill_rows=c.prefill_rows // 2,
                                               wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2)
         self._sm_count: int | None = None  # read from the device on the first forward
 
