@@ -126,16 +126,23 @@ class LlamaDecoderLayer(nn.Module):
         returns the whole stream as `hidden`."""
         act_dtype = self.input_layernorm.weight.dtype  # the model's (a sublayer output may be float32)
         if residual is None:
-            residual, hidden = residual_stream(hidden), self.input_layernorm(hidden)
+            residual, hidden = residual_stream(hidden), self.input_layernorm(hidden, out_dtype=act_dtype)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual, act_dtype)
-        if not add_in_matmul(hidden, residual):
+        if not (add_in_matmul(hidden, residual) or self._wide_adds(hidden, residual)):
             attn = self.self_attn(hidden, rope, kv_cache, meta)
             hidden, residual = self.post_attention_layernorm.forward_with_residual(attn, residual, act_dtype)
             return self.mlp(hidden), residual
         residual = self.self_attn(hidden, rope, kv_cache, meta, residual=residual)
-        hidden = self.post_attention_layernorm(residual)
+        hidden = self.post_attention_layernorm(residual, out_dtype=act_dtype)
         return self.mlp(hidden, residual=residual), None
+
+    def _wide_adds(self, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
+        """CPU bf16: o_proj and down_proj write float32 (`wide_linear`), so each residual add runs in
+        their GEMM's epilogue (one pass over the stream, no separate add)."""
+        mlp = self.mlp
+        return residual.dtype == torch.float32 and hidden.dtype != residual.dtype \
+            and self.self_attn.o_proj.wide(hidden) and isinstance(mlp, LlamaMLP) and mlp.down_proj.wide(hidden)
 
 
 class LlamaModel(nn.Module):
@@ -192,8 +199,8 @@ class LlamaModel(nn.Module):
                                               kv_caches[i - layout.layer_start], meta)
         if self.norm is None:
             return IntermediateTensors(*stage_handover(hidden, residual, act_dtype))
-        if residual is None:
-            return self.norm(hidden)
+        if residual is None:  # (the stream itself: float32 where the layers add in their matmuls)
+            return self.norm(hidden) if hidden.dtype == act_dtype else self.norm(hidden, out_dtype=act_dtype)
         return self.norm.forward_with_residual(hidden, residual, act_dtype)[0]
 
 
