@@ -6,6 +6,13 @@ is taken (teacher forcing: each model sees the given tokens, never its own picks
 run is compared with its own float32 run: the table reports mean / p99 / max |deviation| in nats.
 tokenmill's bf16 should not deviate more than HF's (`check_not_worse`).
 
+Mixture-of-experts models: a router's top-k choice that is a near tie in float32 can flip in either
+engine's bf16 run, a jump of up to ~1 nat at that token that says nothing about the numerics
+(HF's bf16 may or may not make the same jump). With `tie_margin`, positions where the float32
+model's own routing decision is a near tie in some layer are left out of every run's statistics
+(`router_margins`), at most `max_excluded` of them (more raises: the check would say too little);
+the report counts them.
+
 tokenmill is driven two ways over its paged KV cache: "prefill" (the whole sequence in one step:
 the prompt-logprobs path) and "decode" (one token per step after the first: the decode attention
 path). HF runs a plain forward over the whole sequence.
@@ -64,6 +71,7 @@ class DeviationReport:
     float32_gap: float  # max |tokenmill float32 - HF float32| (the two references agree)
     hf: Stats
     tokenmill: dict[str, Stats]  # by mode
+    excluded: int = 0  # positions left out: a float32 routing near tie (`router_margins`)
 
     def worst_ratio(self) -> float:
         """The largest tokenmill / HF ratio over the modes and the three statistics."""
@@ -71,7 +79,7 @@ class DeviationReport:
                    for s in self.tokenmill.values() for f in ("mean", "p99", "max"))
 
     def as_dict(self) -> dict:
-        return {"label": self.label, "tokens": self.tokens, "float32_gap": self.float32_gap,
+        return {"label": self.label, "tokens": self.tokens, "float32_gap": self.float32_gap, "excluded": self.excluded,
                 "hf_bf16": dataclasses.asdict(self.hf),
                 "tokenmill_bf16": {m: dataclasses.asdict(s) for m, s in self.tokenmill.items()}}
 
@@ -100,7 +108,11 @@ class _OneSequence:
         num_blocks = -(-max_len // block_size)
         # Blocks in reverse order: the table is not the identity, so paging mistakes show.
         self.block_table = torch.arange(num_blocks - 1, -1, -1, dtype=torch.int32, device=self.device)[None]
-        shape = kv_cache_shape(num_blocks, block_size, dims.num_kv_heads, dims.head_dim)
+        if dims.mla is not None:  # latent attention caches [c | k_pe] per token
+            from tokenmill.layers.attention.mla import mla_cache_shape
+            shape = mla_cache_shape(num_blocks, block_size, dims.mla.latent_dim)
+        else:
+            shape = kv_cache_shape(num_blocks, block_size, dims.num_kv_heads, dims.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=param.dtype, device=self.device) for _ in range(dims.num_layers)]
 
     def step(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
@@ -198,34 +210,113 @@ def load_hf_pair(path: str, device: str = "cpu") -> dict[torch.dtype, object]:
     return {torch.float32: hf32, torch.bfloat16: copy.deepcopy(hf32).to(torch.bfloat16)}
 
 
+def decision_margin(logits: torch.Tensor, moe, correction_bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 [T]: how far each token's expert choice (`routing.select_experts`'s rule) is from a
+    tie: the gap between the k-th and (k+1)-th choice score, and, with groups, between the last
+    kept and the first dropped group. Softmax scores are compared as logits (log-scores: the gap
+    does not shrink with the scores); sigmoid scores (+ correction bias) over their steepest slope.
+    So the margin reads in router-logit units, comparable with bf16's error on the logits."""
+    logits = logits.float()
+    if moe.scoring == "sigmoid":
+        # In logit units as well, to first order: a score gap over the steeper of the two
+        # boundary experts' sigmoid slopes (groups: twice the token's steepest slope).
+        scores = logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        slope = scores * (1 - scores)
+    else:
+        choice, slope = logits.log_softmax(dim=-1), None
+    margin = torch.full((logits.shape[0],), float("inf"), device=logits.device)
+    if moe.num_groups > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, moe.num_groups, e // moe.num_groups)
+        group_scores = (grouped.topk(2, dim=-1).values.sum(dim=-1) if moe.group_score == "top2_sum"
+                        else grouped.max(dim=-1).values)
+        top = group_scores.topk(min(moe.topk_groups + 1, moe.num_groups), dim=-1).values
+        if top.shape[1] > moe.topk_groups:
+            group_gap = top[:, moe.topk_groups - 1] - top[:, moe.topk_groups]
+            if slope is not None:  # (a group score sums up to two experts' scores: their steepest slope, twice)
+                group_gap = group_gap / (2 * slope.max(dim=-1).values)
+            margin = torch.minimum(margin, group_gap)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(moe.topk_groups, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
+    top = choice.topk(min(moe.top_k + 1, choice.shape[1]), dim=-1)
+    if top.values.shape[1] > moe.top_k:
+        gap = top.values[:, moe.top_k - 1] - top.values[:, moe.top_k]
+        if slope is not None:
+            edge = slope.gather(1, top.indices[:, moe.top_k - 1:moe.top_k + 1]).max(dim=-1).values
+            gap = gap / edge
+        margin = torch.minimum(margin, torch.nan_to_num(gap, posinf=float("inf")))
+    return margin
+
+
+@torch.inference_mode()
+def router_margins(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor | None:
+    """float32 [L]: each position's smallest routing `decision_margin` over the model's MoE layers
+    (one prefill step of `model`, a float32 tokenmill model); None for a model without routers."""
+    from tokenmill.layers.moe.layer import Router
+    margins: list[torch.Tensor] = []
+
+    def hook(router: Router, args: tuple) -> None:
+        x = args[0]
+        logits = torch.nn.functional.linear(x.float(), router.weight.float(),
+                                            None if router.bias is None else router.bias.float())
+        margins.append(decision_margin(logits, router.moe, router.e_score_correction_bias))
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, Router)]
+    if not handles:
+        return None
+    try:
+        tokenmill_logits(model, token_ids, "prefill")
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack(margins).min(dim=0).values.cpu()
+
+
 def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: dict[torch.dtype, torch.nn.Module],
-            hf_models: dict[torch.dtype, object], modes: Sequence[str] = MODES) -> DeviationReport:
+            hf_models: dict[torch.dtype, object], modes: Sequence[str] = MODES,
+            tie_margin: float | None = None, max_excluded: float = 0.1) -> DeviationReport:
     """The deviation table for `sequences` (each scored at every position after its first token).
 
     `tokenmill_models` and `hf_models` map torch.float32 and torch.bfloat16 to models holding the
-    same weights."""
+    same weights. `tie_margin`: leave out positions whose float32 routing margin is below it (the
+    float32 tokenmill model's routers, which match HF's float32 within `float32_gap`); more than
+    `max_excluded` of the positions left out raises ValueError."""
     f32, bf16 = torch.float32, torch.bfloat16
-    hf_dev, tm_dev, gap = [], {m: [] for m in modes}, 0.0
+    hf_dev, tm_dev, gap, excluded = [], {m: [] for m in modes}, 0.0, 0
     for ids in sequences:
+        keep = None
+        if tie_margin is not None:
+            margins = router_margins(tokenmill_models[f32], ids)
+            if margins is not None:
+                keep = margins[:-1] >= tie_margin  # position i predicts token i + 1
+                excluded += int((~keep).sum())
+        pick = (lambda d: d) if keep is None else (lambda d, k=keep: d[k.to(d.device)])
         hf_ref = target_logprobs(hf_logits(hf_models[f32], ids), ids)
-        hf_dev.append(target_logprobs(hf_logits(hf_models[bf16], ids), ids) - hf_ref)
+        hf_dev.append(pick(target_logprobs(hf_logits(hf_models[bf16], ids), ids) - hf_ref))
         for mode in modes:
             ref = target_logprobs(tokenmill_logits(tokenmill_models[f32], ids, mode), ids)
             gap = max(gap, float((ref - hf_ref).abs().max()))
-            tm_dev[mode].append(target_logprobs(tokenmill_logits(tokenmill_models[bf16], ids, mode), ids) - ref)
-    return DeviationReport(label=label, tokens=sum(len(s) - 1 for s in sequences), float32_gap=gap,
+            tm_dev[mode].append(pick(target_logprobs(tokenmill_logits(tokenmill_models[bf16], ids, mode), ids) - ref))
+    tokens = sum(len(s) - 1 for s in sequences)
+    if excluded > max_excluded * tokens:
+        raise ValueError(f"{label}: {excluded} of {tokens} positions are routing near ties (margin < {tie_margin}), "
+                         f"more than max_excluded={max_excluded:.0%}: pick other weights or sequences")
+    return DeviationReport(label=label, tokens=tokens, float32_gap=gap,
                            hf=Stats.of(torch.cat(hf_dev)),
-                           tokenmill={m: Stats.of(torch.cat(d)) for m, d in tm_dev.items()})
+                           tokenmill={m: Stats.of(torch.cat(d)) for m, d in tm_dev.items()}, excluded=excluded)
 
 
 def measure_path(path: str, sequences: Sequence[Sequence[int]], label: str | None = None, device: str = "cpu",
                  modes: Sequence[str] = MODES,
-                 attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend) -> DeviationReport:
+                 attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend,
+                 tie_margin: float | None = None, max_excluded: float = 0.1) -> DeviationReport:
     """`measure` for a checkpoint (HF directory or GGUF file), loading all four models from it."""
     dtypes = (torch.float32, torch.bfloat16)
     tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in dtypes}
     hf = load_hf_pair(path, device)
-    return measure(label or os.path.basename(path.rstrip("/")), sequences, tm, hf, modes)
+    return measure(label or os.path.basename(path.rstrip("/")), sequences, tm, hf, modes, tie_margin, max_excluded)
 
 
 def check_not_worse(report: DeviationReport, tolerance: float, tail_tolerance: float | None = None) -> None:
@@ -247,7 +338,8 @@ def format_table(reports: Sequence[DeviationReport]) -> str:
         rows = [("HF bf16", r.hf)] + [(f"tokenmill bf16 {m}", s) for m, s in r.tokenmill.items()]
         for name, s in rows:
             lines.append(f"{r.label:<28} {name:<17} {s.count:>6} {s.mean:>8.4f} {s.p99:>8.4f} {s.max:>8.4f}")
-        lines.append(f"{r.label:<28} {'fp32 tm vs HF':<17} {'':>6} {'':>8} {'':>8} {r.float32_gap:>8.1e}")
+        lines.append(f"{r.label:<28} {'fp32 tm vs HF':<17} {'':>6} {'':>8} {'':>8} {r.float32_gap:>8.1e}"
+                     + (f"   ({r.excluded} routing near-tie positions left out)" if r.excluded else ""))
     return "\n".join(lines)
 
 

@@ -89,8 +89,10 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, cty
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    path = cpu_isa.kernel_path()
+def library(path: cpu_isa.KernelPath | None = None) -> ctypes.CDLL | None:
+    """The kernel built for `path` (default: this machine's); None on a path without vdpbf16ps
+    or where it cannot be built."""
+    path = path or cpu_isa.kernel_path()
     if not path.has_dpbf16:
         return None
     flags = (*c_build.BASE_FLAGS, *path.build_flags)
@@ -125,9 +127,9 @@ class PackedBf16:
 
 
 def gemm_f32(x: torch.Tensor, weight: torch.Tensor, cache: PackedBf16,
-             add: torch.Tensor | None = None) -> torch.Tensor:
+             add: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """float32 `add + x @ weight.T` of bf16 x [M, K] and weight [N, K] (`available()` must be True)."""
-    lib = library()
+    lib = lib or library()
     assert lib is not None
     n, k = weight.shape
     x2 = x if x.stride(-1) == 1 else x.contiguous()
