@@ -156,8 +156,7 @@ def write_record(ns, results, dtypes, workloads, engines, pythons) -> list[dict]
 
 
 def run_all(ns) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from tokenmill.benchmarks.record import machine_info
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # write_record's import
     engines = ns.engines.split(",")
     pythons = {"tokenmill": ns.tokenmill_python, "vllm": ns.vllm_python, "tokenmill_before": ns.before_python}
     for item in ns.engine_python:

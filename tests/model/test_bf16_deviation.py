@@ -22,14 +22,18 @@ The planted bf16 norm moves tiny llama's decode to 1.25 / 1.21 / 1.34 and qwen3'
 MoE and MLA families (mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss, deepseek_v2, deepseek_v3;
 the MLA ones over their latent cache): a router's top-k choice that is a near tie in float32 can
 flip in either engine's bf16 run, a jump of up to ~1 nat on that token (tiny qwen3_moe: tokenmill
-flipped two experts HF did not, 1.04 nats, where HF's router logits moved as much as ours: 0.18 /
-0.44 mean / max in layer 3, ours 0.17 / 0.49). So positions whose float32 routing margin (in
-router-logit units, `bf16_deviation.decision_margin`) is below MOE_TIE_MARGIN in some layer are
-left out of every run's statistics, at most MOE_MAX_EXCLUDED of them (the report prints how
-many); the rest are held as the dense tiny configs are. At these tiny sizes bf16 moves router
-logits by up to ~0.5 (hidden-state error ~2% by the last layer), so a margin that rules out every
-flip would leave out a third to half of the tokens: MOE_TIE_MARGIN is 0.2, and the tail tolerance
-covers the flips beyond it (measured ratios in docs/bf16-numerics.md).
+flipped two choices HF did not, 1.04 nats, while HF's router logits moved as much as ours: 0.18 /
+0.44 mean / max in its last MoE layer, ours 0.17 / 0.49). Left out of every run's statistics:
+positions whose float32 routing margin (router-logit units, `bf16_deviation.decision_margin`) is
+below MOE_TIE_MARGIN in some layer, and positions where either engine's bf16 run routed otherwise
+than its float32 run (at these sizes bf16 moves router logits by up to ~0.5, so margins up to
+that flip, in both engines alike: 3-10 flipped positions of 156 each); at most MOE_MAX_EXCLUDED.
+The report prints how many and each run's flips. The rest is held to HF's with MOE_TOLERANCE on
+the mean and MOE_TAIL_TOLERANCE on p99 / max, wider than the dense configs' because the flipped
+tokens still reach later positions through attention: measured ratios (seed 3, 4 x 40 tokens)
+0.84-1.09 (mean, worst deepseek_v2, whose absorbed MLA rounds q_lat once more than HF) and up to
+1.49 (p99 / max, qwen3_moe decode). The planted bf16 norm fails gpt_oss (max 1.68), deepseek_v2
+(max 1.98) and deepseek_v3 (mean 1.26); the other four MoE families move less than their scatter.
 """
 
 from __future__ import annotations
@@ -46,8 +50,10 @@ TINY_TOLERANCE = 0.10
 TINY_TAIL_TOLERANCE = 0.30  # p99 and max of 78 tokens are single order statistics on the tiny configs
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 MOE_FAMILIES = MOE_ARCHS + GPT_OSS_ARCHS + MLA_ARCHS
-MOE_TIE_MARGIN = 0.2  # router-logit units
+MOE_TIE_MARGIN = 0.1  # router-logit units
 MOE_MAX_EXCLUDED = 0.5
+MOE_TOLERANCE = 0.15
+MOE_TAIL_TOLERANCE = 0.60
 MOE_SEED = 3
 
 
@@ -84,7 +90,8 @@ def test_tiny_moe_family_not_worse_than_hf(moe_root, arch: str) -> None:
     report = bd.measure_path(path, sequences, label=arch, tie_margin=MOE_TIE_MARGIN, max_excluded=MOE_MAX_EXCLUDED)
     print("\n" + bd.format_table([report]))
     assert report.float32_gap < 1e-4
-    bd.check_not_worse(report, TINY_TOLERANCE, TINY_TAIL_TOLERANCE)
+    assert report.flips.get("hf") is not None  # HF's routers were found and compared
+    bd.check_not_worse(report, MOE_TOLERANCE, MOE_TAIL_TOLERANCE)
 
 
 def test_decision_margin_of_hand_made_logits() -> None:

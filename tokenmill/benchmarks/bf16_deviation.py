@@ -8,10 +8,12 @@ tokenmill's bf16 should not deviate more than HF's (`check_not_worse`).
 
 Mixture-of-experts models: a router's top-k choice that is a near tie in float32 can flip in either
 engine's bf16 run, a jump of up to ~1 nat at that token that says nothing about the numerics
-(HF's bf16 may or may not make the same jump). With `tie_margin`, positions where the float32
-model's own routing decision is a near tie in some layer are left out of every run's statistics
-(`router_margins`), at most `max_excluded` of them (more raises: the check would say too little);
-the report counts them.
+(HF's bf16 may or may not make the same jump). With `tie_margin`, positions left out of every
+run's statistics: those where the float32 routing decision is a near tie in some layer
+(`router_margins`), and those where either engine's bf16 run chose other experts than its float32
+run did (`routing_flips`: only a near tie relative to bf16's noise on the router logits flips);
+at most `max_excluded` of them (more raises: the check would say too little). The report counts
+them, and the flips of each engine.
 
 tokenmill is driven two ways over its paged KV cache: "prefill" (the whole sequence in one step:
 the prompt-logprobs path) and "decode" (one token per step after the first: the decode attention
@@ -71,7 +73,8 @@ class DeviationReport:
     float32_gap: float  # max |tokenmill float32 - HF float32| (the two references agree)
     hf: Stats
     tokenmill: dict[str, Stats]  # by mode
-    excluded: int = 0  # positions left out: a float32 routing near tie (`router_margins`)
+    excluded: int = 0  # positions left out: a float32 routing near tie or a bf16 routing flip
+    flips: dict[str, int] = dataclasses.field(default_factory=dict)  # positions whose bf16 routing flipped, by run
 
     def worst_ratio(self) -> float:
         """The largest tokenmill / HF ratio over the modes and the three statistics."""
@@ -80,6 +83,7 @@ class DeviationReport:
 
     def as_dict(self) -> dict:
         return {"label": self.label, "tokens": self.tokens, "float32_gap": self.float32_gap, "excluded": self.excluded,
+                "routing_flips": self.flips,
                 "hf_bf16": dataclasses.asdict(self.hf),
                 "tokenmill_bf16": {m: dataclasses.asdict(s) for m, s in self.tokenmill.items()}}
 
@@ -274,6 +278,63 @@ def router_margins(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Te
     return torch.stack(margins).min(dim=0).values.cpu()
 
 
+@torch.inference_mode()
+def tokenmill_routes(model: torch.nn.Module, token_ids: Sequence[int], mode: str) -> torch.Tensor | None:
+    """int64 [L, routers * k]: each position's chosen experts (sorted) in every MoE layer, as the
+    run `mode` computes them; None for a model without routers."""
+    from tokenmill.layers.moe.layer import Router
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    if not routers:
+        return None
+    calls: dict[int, list[torch.Tensor]] = {id(r): [] for r in routers}
+    handles = [r.register_forward_hook(lambda mod, args, out: calls[id(mod)].append(out[1].sort(dim=-1).values))
+               for r in routers]
+    try:
+        tokenmill_logits(model, token_ids, mode)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat([torch.cat(calls[id(r)]) for r in routers], dim=-1).cpu()
+
+
+@torch.inference_mode()
+def hf_routes(hf_model, token_ids: Sequence[int], moe) -> torch.Tensor | None:
+    """As `tokenmill_routes` for a HF model: each router module's input (`*.mlp.gate` /
+    `*.mlp.router`) taken by a hook, its logits recomputed in float32 from the model's own
+    (possibly bf16) input and weights, and chosen by tokenmill's rule (`routing.select_experts`,
+    which equals each family's; HF rounds some families' logits to bf16 first, so a choice within
+    that rounding of a tie may differ from HF's own)."""
+    from tokenmill.layers.moe import routing
+    gates = [m for name, m in hf_model.named_modules()
+             if name.endswith(("mlp.gate", "mlp.router")) and getattr(m, "weight", None) is not None
+             and m.weight.dim() == 2 and m.weight.shape[0] == moe.num_experts]
+    if not gates:
+        return None
+    chosen: list[torch.Tensor] = []
+
+    def hook(mod, args) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        bias = getattr(mod, "bias", None)
+        logits = torch.nn.functional.linear(x, mod.weight.float(), None if bias is None else bias.float())
+        chosen.append(routing.select_experts(logits, moe, getattr(mod, "e_score_correction_bias", None))[1]
+                      .sort(dim=-1).values)
+
+    handles = [g.register_forward_pre_hook(hook) for g in gates]
+    try:
+        hf_logits(hf_model, token_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.cat(chosen, dim=-1).cpu()
+
+
+def routing_flips(bf16_routes: torch.Tensor | None, f32_routes: torch.Tensor | None) -> torch.Tensor | None:
+    """bool [L]: positions whose experts differ between a bf16 run and its float32 run."""
+    if bf16_routes is None or f32_routes is None:
+        return None
+    return (bf16_routes != f32_routes).any(dim=-1)
+
+
 def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: dict[torch.dtype, torch.nn.Module],
             hf_models: dict[torch.dtype, object], modes: Sequence[str] = MODES,
             tie_margin: float | None = None, max_excluded: float = 0.1) -> DeviationReport:
@@ -285,13 +346,23 @@ def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: di
     `max_excluded` of the positions left out raises ValueError."""
     f32, bf16 = torch.float32, torch.bfloat16
     hf_dev, tm_dev, gap, excluded = [], {m: [] for m in modes}, 0.0, 0
+    flips = {}
     for ids in sequences:
         keep = None
-        if tie_margin is not None:
-            margins = router_margins(tokenmill_models[f32], ids)
-            if margins is not None:
-                keep = margins[:-1] >= tie_margin  # position i predicts token i + 1
-                excluded += int((~keep).sum())
+        margins = None if tie_margin is None else router_margins(tokenmill_models[f32], ids)
+        if margins is not None:
+            drop = margins < tie_margin
+            moe = tokenmill_models[f32].dims.moe
+            runs = {"hf": routing_flips(hf_routes(hf_models[bf16], ids, moe), hf_routes(hf_models[f32], ids, moe))}
+            for mode in modes:
+                runs[f"tokenmill {mode}"] = routing_flips(tokenmill_routes(tokenmill_models[bf16], ids, mode),
+                                                          tokenmill_routes(tokenmill_models[f32], ids, mode))
+            for run, flipped in runs.items():
+                if flipped is not None:
+                    flips[run] = flips.get(run, 0) + int(flipped[:-1].sum())
+                    drop |= flipped
+            keep = ~drop[:-1]  # position i predicts token i + 1
+            excluded += int(drop[:-1].sum())
         pick = (lambda d: d) if keep is None else (lambda d, k=keep: d[k.to(d.device)])
         hf_ref = target_logprobs(hf_logits(hf_models[f32], ids), ids)
         hf_dev.append(pick(target_logprobs(hf_logits(hf_models[bf16], ids), ids) - hf_ref))
@@ -301,11 +372,13 @@ def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: di
             tm_dev[mode].append(pick(target_logprobs(tokenmill_logits(tokenmill_models[bf16], ids, mode), ids) - ref))
     tokens = sum(len(s) - 1 for s in sequences)
     if excluded > max_excluded * tokens:
-        raise ValueError(f"{label}: {excluded} of {tokens} positions are routing near ties (margin < {tie_margin}), "
+        raise ValueError(f"{label}: {excluded} of {tokens} positions are routing near ties (margin < {tie_margin}) "
+                         f"or flips {flips}, "
                          f"more than max_excluded={max_excluded:.0%}: pick other weights or sequences")
     return DeviationReport(label=label, tokens=tokens, float32_gap=gap,
                            hf=Stats.of(torch.cat(hf_dev)),
-                           tokenmill={m: Stats.of(torch.cat(d)) for m, d in tm_dev.items()}, excluded=excluded)
+                           tokenmill={m: Stats.of(torch.cat(d)) for m, d in tm_dev.items()}, excluded=excluded,
+                           flips=flips)
 
 
 def measure_path(path: str, sequences: Sequence[Sequence[int]], label: str | None = None, device: str = "cpu",
@@ -339,7 +412,8 @@ def format_table(reports: Sequence[DeviationReport]) -> str:
         for name, s in rows:
             lines.append(f"{r.label:<28} {name:<17} {s.count:>6} {s.mean:>8.4f} {s.p99:>8.4f} {s.max:>8.4f}")
         lines.append(f"{r.label:<28} {'fp32 tm vs HF':<17} {'':>6} {'':>8} {'':>8} {r.float32_gap:>8.1e}"
-                     + (f"   ({r.excluded} routing near-tie positions left out)" if r.excluded else ""))
+                     + (f"   ({r.excluded} routing near-tie / flip positions left out; flips {r.flips})"
+                        if r.excluded else ""))
     return "\n".join(lines)
 
 
