@@ -279,37 +279,37 @@ def router_margins(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Te
 
 
 @torch.inference_mode()
-def tokenmill_routes(model: torch.nn.Module, token_ids: Sequence[int], mode: str) -> torch.Tensor | None:
-    """int64 [L, routers * k]: each position's chosen experts (sorted) in every MoE layer, as the
-    run `mode` computes them; None for a model without routers."""
+def tokenmill_routes(model: torch.nn.Module, token_ids: Sequence[int],
+                     mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`tokenmill_logits`, int64 [L, routers * k]: each position's chosen experts (sorted) in
+    every MoE layer as that run chose them; None for a model without routers)."""
     from tokenmill.layers.moe.layer import Router
     routers = [m for m in model.modules() if isinstance(m, Router)]
-    if not routers:
-        return None
     calls: dict[int, list[torch.Tensor]] = {id(r): [] for r in routers}
     handles = [r.register_forward_hook(lambda mod, args, out: calls[id(mod)].append(out[1].sort(dim=-1).values))
                for r in routers]
     try:
-        tokenmill_logits(model, token_ids, mode)
+        logits = tokenmill_logits(model, token_ids, mode)
     finally:
         for h in handles:
             h.remove()
-    return torch.cat([torch.cat(calls[id(r)]) for r in routers], dim=-1).cpu()
+    if not routers:
+        return logits, None
+    return logits, torch.cat([torch.cat(calls[id(r)]) for r in routers], dim=-1).cpu()
 
 
 @torch.inference_mode()
-def hf_routes(hf_model, token_ids: Sequence[int], moe) -> torch.Tensor | None:
-    """As `tokenmill_routes` for a HF model: each router module's input (`*.mlp.gate` /
-    `*.mlp.router`) taken by a hook, its logits recomputed in float32 from the model's own
-    (possibly bf16) input and weights, and chosen by tokenmill's rule (`routing.select_experts`,
-    which equals each family's; HF rounds some families' logits to bf16 first, so a choice within
-    that rounding of a tie may differ from HF's own)."""
+def hf_routes(hf_model, token_ids: Sequence[int], moe) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `tokenmill_routes` for a HF model (`hf_logits`, routes): each router module's input
+    (`*.mlp.gate` / `*.mlp.router`) taken by a hook, its logits recomputed in float32 from the
+    model's own (possibly bf16) input and weights, and chosen by tokenmill's rule
+    (`routing.select_experts`, which equals each family's; HF rounds some families' logits to bf16
+    first, so a choice within that rounding of a tie may differ from HF's own)."""
     from tokenmill.layers.moe import routing
-    gates = [m for name, m in hf_model.named_modules()
-             if name.endswith(("mlp.gate", "mlp.router")) and getattr(m, "weight", None) is not None
-             and m.weight.dim() == 2 and m.weight.shape[0] == moe.num_experts]
-    if not gates:
-        return None
+    gates = [] if moe is None else [
+        m for name, m in hf_model.named_modules()
+        if name.endswith(("mlp.gate", "mlp.router")) and getattr(m, "weight", None) is not None
+        and m.weight.dim() == 2 and m.weight.shape[0] == moe.num_experts]
     chosen: list[torch.Tensor] = []
 
     def hook(mod, args) -> None:
@@ -321,11 +321,11 @@ def hf_routes(hf_model, token_ids: Sequence[int], moe) -> torch.Tensor | None:
 
     handles = [g.register_forward_pre_hook(hook) for g in gates]
     try:
-        hf_logits(hf_model, token_ids)
+        logits = hf_logits(hf_model, token_ids)
     finally:
         for h in handles:
             h.remove()
-    return torch.cat(chosen, dim=-1).cpu()
+    return logits, (torch.cat(chosen, dim=-1).cpu() if chosen else None)
 
 
 def routing_flips(bf16_routes: torch.Tensor | None, f32_routes: torch.Tensor | None) -> torch.Tensor | None:
@@ -341,22 +341,24 @@ def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: di
     """The deviation table for `sequences` (each scored at every position after its first token).
 
     `tokenmill_models` and `hf_models` map torch.float32 and torch.bfloat16 to models holding the
-    same weights. `tie_margin`: leave out positions whose float32 routing margin is below it (the
-    float32 tokenmill model's routers, which match HF's float32 within `float32_gap`); more than
+    same weights. `tie_margin` (MoE models): leave out positions whose float32 routing margin is
+    below it (the float32 tokenmill model's routers, which match HF's float32 within
+    `float32_gap`) and positions any bf16 run routed otherwise than its float32 run; more than
     `max_excluded` of the positions left out raises ValueError."""
     f32, bf16 = torch.float32, torch.bfloat16
     hf_dev, tm_dev, gap, excluded = [], {m: [] for m in modes}, 0.0, 0
-    flips = {}
+    flips: dict[str, int] = {}
+    moe = tokenmill_models[f32].dims.moe if tie_margin is not None else None
     for ids in sequences:
+        # Every run once, its routing taken on the way (MoE with tie_margin only).
+        (hf32, hf32_r), (hf16, hf16_r) = (hf_routes(hf_models[d], ids, moe) for d in (f32, bf16))
+        tm = {(mode, d): tokenmill_routes(tokenmill_models[d], ids, mode) for mode in modes for d in (f32, bf16)}
         keep = None
-        margins = None if tie_margin is None else router_margins(tokenmill_models[f32], ids)
+        margins = None if moe is None else router_margins(tokenmill_models[f32], ids)
         if margins is not None:
             drop = margins < tie_margin
-            moe = tokenmill_models[f32].dims.moe
-            runs = {"hf": routing_flips(hf_routes(hf_models[bf16], ids, moe), hf_routes(hf_models[f32], ids, moe))}
-            for mode in modes:
-                runs[f"tokenmill {mode}"] = routing_flips(tokenmill_routes(tokenmill_models[bf16], ids, mode),
-                                                          tokenmill_routes(tokenmill_models[f32], ids, mode))
+            runs = {"hf": routing_flips(hf16_r, hf32_r)}
+            runs.update({f"tokenmill {mode}": routing_flips(tm[mode, bf16][1], tm[mode, f32][1]) for mode in modes})
             for run, flipped in runs.items():
                 if flipped is not None:
                     flips[run] = flips.get(run, 0) + int(flipped[:-1].sum())
@@ -364,12 +366,12 @@ def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: di
             keep = ~drop[:-1]  # position i predicts token i + 1
             excluded += int(drop[:-1].sum())
         pick = (lambda d: d) if keep is None else (lambda d, k=keep: d[k.to(d.device)])
-        hf_ref = target_logprobs(hf_logits(hf_models[f32], ids), ids)
-        hf_dev.append(pick(target_logprobs(hf_logits(hf_models[bf16], ids), ids) - hf_ref))
+        hf_ref = target_logprobs(hf32, ids)
+        hf_dev.append(pick(target_logprobs(hf16, ids) - hf_ref))
         for mode in modes:
-            ref = target_logprobs(tokenmill_logits(tokenmill_models[f32], ids, mode), ids)
+            ref = target_logprobs(tm[mode, f32][0].float(), ids)
             gap = max(gap, float((ref - hf_ref).abs().max()))
-            tm_dev[mode].append(pick(target_logprobs(tokenmill_logits(tokenmill_models[bf16], ids, mode), ids) - ref))
+            tm_dev[mode].append(pick(target_logprobs(tm[mode, bf16][0].float(), ids) - ref))
     tokens = sum(len(s) - 1 for s in sequences)
     if excluded > max_excluded * tokens:
         raise ValueError(f"{label}: {excluded} of {tokens} positions are routing near ties (margin < {tie_margin}) "
