@@ -181,10 +181,16 @@ class EngineCore:
             self._start_masks(self.in_flight[0][0])
         elif self.grammars is not None and self.grammars.has_feed():
             self.grammars.start(None, self.scheduler.requests, self.scheduler.table)
+            self._settle_if_inline()
 
     def _start_masks(self, batch: SchedulerOutput) -> None:
         self.grammars.start(batch, self.scheduler.requests, self.scheduler.table)
         batch.mask_started = True
+        self._settle_if_inline()
+
+    def _settle_if_inline(self) -> None:
+        if not self.config.structured.mask_thread:  # the work was done on the loop: ship it now
+            self._settle_masks()
 
     def _settle_masks(self) -> None:
         """Wait for the grammar thread's pending jobs; send their masks (in step order: each is

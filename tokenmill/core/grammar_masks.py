@@ -139,6 +139,11 @@ class GrammarMasks:
         rows first takes any token of its request not handed over yet (one that came back while
         the request was preempted, say), so a mask always follows every known token."""
         job = self._job(so, requests, table)
+        if not self.config.structured.mask_thread:  # on the core's loop, as before (for comparison)
+            done: Future[GrammarJobResult] = Future()
+            done.set_result(self.runner.run(job))
+            self._pending.append((done, so))
+            return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._pending.append((self._thread.submit(self.runner.run, job), so))
