@@ -120,6 +120,9 @@ def print_figures(figures: dict) -> None:
           f"steps ({figures['device_wait_us_total'] / 1e3:.1f} ms in all)", flush=True)
 
 
+_REFERENCE: dict = {}  # model directory -> the schema compiled by a fresh XGrammar compiler
+
+
 def constrained_outputs_valid(path: str, outs, failures: list[str]) -> None:
     """Each constrained output is a prefix a fresh XGrammar matcher accepts (not the engine's own)."""
     import xgrammar as xgr
@@ -127,10 +130,12 @@ def constrained_outputs_valid(path: str, outs, failures: list[str]) -> None:
     errors = [o for o in outs if o.outputs[0].finish_reason not in ("length", "stop")]
     if errors:
         failures.append(f"{len(errors)} constrained requests ended with {errors[0].outputs[0].finish_reason}")
-    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(path), vocab_size=128256,
-                                              stop_token_ids=[2])
-    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(SCHEMA), any_whitespace=True,
-                                                             strict_mode=True, max_whitespace_cnt=4)
+    if path not in _REFERENCE:
+        info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(path), vocab_size=128256,
+                                                  stop_token_ids=[2])
+        _REFERENCE[path] = xgr.GrammarCompiler(info).compile_json_schema(
+            json.dumps(SCHEMA), any_whitespace=True, strict_mode=True, max_whitespace_cnt=4)
+    compiled = _REFERENCE[path]
     bad = 0
     for out in outs:
         matcher = xgr.GrammarMatcher(compiled)
