@@ -91,7 +91,7 @@ class EngineCore:
         self.scheduler.check_fits(core_request)
         if self.grammars is None:
             from tokenmill.core.grammar_masks import GrammarMasks
-            self.grammars = GrammarMasks(self.config)
+            self.grammars = GrammarMasks(self.config, self.telemetry.record)
         self.grammars.add(core_request)  # scheduled once its grammar is compiled
 
     def abort_requests(self, handles: list[int]) -> None:
@@ -209,11 +209,7 @@ class EngineCore:
         complete, broken = [], []
         requests = self.scheduler.requests
         for result, batch in results:
-            if result.num_fed:
-                record("grammar_feed", *result.feed_span, {"tokens": result.num_fed})
             if result.mask is not None:
-                rows = len(result.mask.rows) // 4
-                record("mask", *result.mask_span, {"step": batch.step_id, "rows": rows})
                 sending = clock()
                 self.executor.send_bitmask(result.mask)
                 record("send_mask", sending, clock(), {"step": batch.step_id})

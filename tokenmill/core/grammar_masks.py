@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from tokenmill.config import EngineConfig
@@ -54,8 +55,11 @@ logger = logging.getLogger(__name__)
 
 
 class GrammarMasks:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, record: Callable[..., None] | None = None) -> None:
+        """`record(name, start_s, end_s, args)`: telemetry for the grammar thread's spans
+        (`grammar_feed`, `mask`), called on the thread that runs the job."""
         self.config = config
+        self._record = record
         self.compiles = GrammarCompiles(self._make_backend, config.structured.compile_timeout_s)
         self.compiling: dict[int, tuple[Request, Future]] = {}
         self.words = bitmask_words(config.model.arch.vocab_size)
@@ -141,12 +145,21 @@ class GrammarMasks:
         job = self._job(so, requests, table)
         if not self.config.structured.mask_thread:  # on the core's loop, as before (for comparison)
             done: Future[GrammarJobResult] = Future()
-            done.set_result(self.runner.run(job))
+            done.set_result(self._run(job))
             self._pending.append((done, so))
             return
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
-        self._pending.append((self._thread.submit(self.runner.run, job), so))
+        self._pending.append((self._thread.submit(self._run, job), so))
+
+    def _run(self, job: GrammarJob) -> GrammarJobResult:
+        result = self.runner.run(job)
+        if self._record is not None:
+            if result.num_fed:
+                self._record("grammar_feed", *result.feed_span, {"tokens": result.num_fed})
+            if result.mask is not None:
+                self._record("mask", *result.mask_span, {"step": job.mask_step, "rows": len(result.mask.rows) // 4})
+        return result
 
     def has_feed(self) -> bool:
         return bool(self._feed)
