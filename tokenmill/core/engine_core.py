@@ -141,11 +141,16 @@ class EngineCore:
         start = clock()
         result = self._wait(batch, future)
         done = clock()
-        outputs = self._with_grammar_news(self.scheduler.update(batch, result))
+        requests, table = self.scheduler.requests, self.scheduler.table
         if result.draft_rows:  # constrained rows' drafts for the next step (its mask needs them)
-            self.grammars.take_drafts(batch, result, self.scheduler.requests)
-        if batch.awaits_bitmask:
-            self.grammars.feed(batch, self.scheduler.requests, self.scheduler.table)
+            self.grammars.take_drafts(batch, result, requests)
+        # The next mask starts before the update when the step's tokens can be read off its result.
+        fed = batch.awaits_bitmask and self.grammars.feed_sampled(batch, result, requests, table)
+        if fed:
+            self._start_due_masks(ship=False)  # (its news is applied after the update's)
+        outputs = self._with_grammar_news(self.scheduler.update(batch, result))
+        if batch.awaits_bitmask and not fed:
+            self.grammars.feed(batch, requests, table)
         self._start_due_masks()
         self.stats_logger.record_step(batch.total_num_scheduled_tokens,
                                       outputs.num_new_tokens())
@@ -174,23 +179,25 @@ class EngineCore:
     def _mask_not_started(self, batch: SchedulerOutput) -> bool:
         return batch.awaits_bitmask and not getattr(batch, "mask_started", False)
 
-    def _start_due_masks(self) -> None:
+    def _start_due_masks(self, ship: bool = True) -> None:
         """The oldest step in flight has every earlier step applied: its mask can be made now,
         with the tokens handed over; else those tokens alone (which grammars they complete)."""
         if self.in_flight and self._mask_not_started(self.in_flight[0][0]):
-            self._start_masks(self.in_flight[0][0])
+            self._start_masks(self.in_flight[0][0], ship)
         elif self.grammars is not None and self.grammars.has_feed():
             self.grammars.start(None, self.scheduler.requests, self.scheduler.table)
+        if ship:
             self._settle_if_inline()
 
-    def _start_masks(self, batch: SchedulerOutput) -> None:
+    def _start_masks(self, batch: SchedulerOutput, ship: bool = True) -> None:
         self.grammars.start(batch, self.scheduler.requests, self.scheduler.table)
         batch.mask_started = True
-        self._settle_if_inline()
+        if ship:
+            self._settle_if_inline()
 
     def _settle_if_inline(self) -> None:
-        if not self.config.structured.mask_thread:  # the work was done on the loop: ship it now
-            self._settle_masks()
+        if self.grammars is not None and not self.config.structured.mask_thread:
+            self._settle_masks()  # the work was done on the loop: ship it now
 
     def _settle_masks(self) -> None:
         """Wait for the grammar thread's pending jobs; send their masks (in step order: each is

@@ -127,6 +127,33 @@ class GrammarMasks:
         if handles is not None:
             self._take_tokens(handles.tolist(), requests, table)
 
+    def feed_sampled(self, so: SchedulerOutput, out: ModelRunnerOutput, requests: dict[int, Request], table) -> bool:
+        """Hand over `so`'s sampled tokens straight from its result, before the scheduler applies
+        them, so the next mask can start at once. True if done; False (nothing handed over) when
+        the step needs the scheduler's update first: rows that verified drafts or sampled other than
+        one token, failed rows, or a request with tokens not handed over yet (caught up from the
+        table instead). A request the update finishes still takes its token (it is appended too)."""
+        if getattr(so, "num_drafts", None) is not None or out.count_rows or out.failed_rows:
+            return False
+        handles = getattr(so, "structured_handles", None)
+        if handles is None:
+            return False
+        tokens = out.sampled_tokens()
+        items = []
+        for row, handle in zip(so.structured_rows.tolist(), handles.tolist()):
+            request = requests.get(handle)
+            if request is None or request.grammar is None:
+                continue
+            g = request.grammar
+            known = table.num_tokens[request.slot] if request.slot >= 0 else len(request.token_ids)
+            if request.num_prompt_tokens + g.num_fed != known:
+                return False
+            items.append((handle, g, [int(tokens[row])]))
+        for _, g, _ in items:
+            g.num_fed += 1
+        self._feed += items
+        return True
+
     def take_drafts(self, so: SchedulerOutput, out: ModelRunnerOutput, requests: dict[int, Request]) -> None:
         """Keep the drafts step `so` proposed for its constrained rows (for the next step's mask)."""
         rows, drafts = out.draft_arrays()
