@@ -164,6 +164,7 @@ def timed_runs(llm, path: str, prompts, max_tokens: int, rounds: int, failures: 
             seconds = time.perf_counter() - start
             got = [len(o.outputs[0].token_ids) for o in outs]
             results[name].append({"seconds": seconds, "tokens": sum(got), "tok_s": sum(got) / seconds})
+            print(f"  {sum(got)} tokens in {seconds:.2f} s: {sum(got) / seconds:.1f} tok/s", flush=True)
             if name == "constrained":
                 lengths = [max(n, 1) for n in got]
                 constrained_outputs_valid(path, outs, failures)
