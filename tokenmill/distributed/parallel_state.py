@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import ModelArch, ParallelConfig
+from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm
 from tokenmill.distributed.layout import RankLayout
 from tokenmill.distributed.symm_all_reduce import SymmetricAllReduce
 
@@ -28,14 +29,35 @@ logger = logging.getLogger(__name__)
 _INIT_TIMEOUT = timedelta(minutes=10)
 
 
+class PendingAllReduce:
+    """A row-parallel linear's partial sum whose all-reduce waits for the RMSNorm after it, so
+    both run as one kernel (`ParallelContext.all_reduce_add_norm`). Only layers that hand their
+    output straight to `forward_with_residual` ask for it (`RowParallelLinear.defer_reduce`);
+    `result()` is the plain all-reduce for any other consumer."""
+
+    __slots__ = ("partial", "parallel")
+
+    def __init__(self, partial: torch.Tensor, parallel: ParallelContext) -> None:
+        self.partial, self.parallel = partial, parallel
+
+    def result(self) -> torch.Tensor:
+        return self.parallel.all_reduce(self.partial)
+
+
+def reduced(x: torch.Tensor | PendingAllReduce) -> torch.Tensor:
+    """x, all-reduced if it is still pending."""
+    return x.result() if isinstance(x, PendingAllReduce) else x
+
+
 class ParallelContext:
     def __init__(self, layout: RankLayout, tp_group=None, pp_group=None, backend: str | None = None,
-                 symm: SymmetricAllReduce | None = None) -> None:
+                 symm: SymmetricAllReduce | None = None, fused_norm: FusedAllReduceNorm | None = None) -> None:
         self.layout = layout
         self.tp_group = tp_group
         self.pp_group = pp_group
         self.backend = backend
         self.symm = symm  # small TP all-reduces over peer buffers (CUDA); None: NCCL / gloo only
+        self.fused_norm = fused_norm  # all-reduce + residual add + RMSNorm in one kernel (CUDA); None: apart
         # Measurement only (`bench throughput` with TOKENMILL_BENCH_SKIP_ALL_REDUCE=1): TP steps
         # without their all-reduces, to time what the all-reduces cost a step. Wrong results.
         self.skip_all_reduce = os.environ.get("TOKENMILL_BENCH_SKIP_ALL_REDUCE") == "1"
@@ -72,7 +94,8 @@ class ParallelContext:
         logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d) (%s)", rank, layout.tp_rank, tp,
                     layout.pp_stage, pp, layout.layer_start, layout.layer_end, backend)
         symm = SymmetricAllReduce.create(tp_group, device) if tp > 1 else None
-        return ParallelContext(layout, tp_group, pp_group, backend, symm)
+        fused_norm = FusedAllReduceNorm.create(tp_group, device) if tp > 1 else None
+        return ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
 
     @property
     def tp_size(self) -> int:
@@ -91,6 +114,19 @@ class ParallelContext:
                 return self.symm.all_reduce(x, method)
         dist.all_reduce(x, group=self.tp_group)
         return x
+
+    def defers_reduce(self) -> bool:
+        """Whether row-parallel linears that feed an RMSNorm leave the all-reduce to it
+        (`PendingAllReduce`): only where the fused kernel exists and the all-reduce is real."""
+        return self.fused_norm is not None and self.tp_size > 1 and not self.skip_all_reduce
+
+    def all_reduce_add_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm of residual + sum of the group's partials, that new residual) in one kernel, the
+        residual updated in place; None where the kernel does not take it (the caller reduces)."""
+        if self.fused_norm is None or not self.fused_norm.applies(partial, residual, weight):
+            return None
+        return self.fused_norm(partial, residual, weight, eps)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., tp * n], ranks in order."""

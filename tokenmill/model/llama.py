@@ -115,6 +115,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         # The sublayers' outputs join the float32 stream unrounded (CPU bf16: `wide_linear`).
         self.self_attn.o_proj.wide_output = self.mlp.down_proj.wide_output = True
+        # Both feed `forward_with_residual` directly: with TP on CUDA their all-reduce runs fused
+        # with the residual add and the next RMSNorm (`PendingAllReduce`).
+        self.self_attn.o_proj.defer_reduce = self.mlp.down_proj.defer_reduce = True
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
