@@ -32,6 +32,12 @@ MAX_PROGRAMS = 4096
 TILE_ELEMENTS = 2048  # as `triton_ops.rms_norm`: rows packed until a program holds this many
 
 
+@triton.jit
+def _buffer(peers_ptr, rank, dtype: tl.constexpr):
+    """Rank `rank`'s buffer as a pointer to `dtype` (16-byte aligned: the kernel's vector loads)."""
+    return tl.multiple_of(tl.load(peers_ptr + rank).to(tl.pointer_type(dtype)), 16)
+
+
 @triton.jit(do_not_specialize=["num_rows", "rank"])
 def _all_reduce_add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, peers_ptr, counters_ptr,
@@ -49,7 +55,7 @@ def _all_reduce_add_rms_norm_kernel(
     mask = (rows < num_rows)[:, None] & col_ok[None, :]
     offs = (count % 2).to(tl.int64) * half_elems + (rows * N)[:, None] + cols[None, :]
 
-    own = tl.load(peers_ptr + rank).to(tl.pointer_type(dtype))
+    own = _buffer(peers_ptr, rank, dtype)
     x = tl.load(x_ptr + (rows * N)[:, None] + cols[None, :], mask=mask, other=0.0)
     tl.store(own + offs, x, mask=mask)
 
@@ -67,7 +73,7 @@ def _all_reduce_add_rms_norm_kernel(
 
     total = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for peer in tl.static_range(WORLD):
-        base = tl.load(peers_ptr + peer).to(tl.pointer_type(dtype))
+        base = _buffer(peers_ptr, peer, dtype)
         total += tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
 
     res_ptrs = res_ptr + (rows * N)[:, None] + cols[None, :]
