@@ -219,6 +219,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pipeline_parallel_size: int = 1
     layer_partition: tuple[int, ...] = ()  # decoder layers per pipeline stage (resolved: sums to num_layers)
     backend: str = "mp"  # distributed executor: mp (local worker processes) | ray (actors, several nodes)
+    # Replace layer_partition at start by one balanced by measured time (`distributed.stage_balance`):
+    # rank 0 times a layer, the embedding and the LM head, and every rank takes its split.
+    balance_stages: bool = False
 
     @property
     def world_size(self) -> int:
@@ -375,7 +378,8 @@ _FLAG_HELP = {
     "served_model_name": "the model name the API reports",
     "tensor_parallel_size": "tensor-parallel ranks: every layer split over this many devices (-tp)",
     "pipeline_parallel_size": "pipeline stages: the layers split over this many devices in turn (-pp)",
-    "pp_layer_partition": "decoder layers per pipeline stage, comma-separated (default: as even as possible)",
+    "pp_layer_partition": "decoder layers per pipeline stage, comma-separated; 'even' (the default: as even as "
+                          "possible) or 'measured' (balanced by timing a layer, the embedding and the LM head at start)",
     "distributed_executor_backend": "mp (local worker processes) or ray (actors, across nodes; pip install "
                                     "tokenmill[ray])",
     "single_process": "run the engine core and the worker in the caller's process (tests, debugging)",

@@ -17,7 +17,7 @@ from tokenmill import LLM
 CASES = [  # (family, tensor_parallel_size, pipeline_parallel_size, async_scheduling, pp_layer_partition)
     ("llama", 2, 1, True, None),
     ("qwen2-mqa-tied", 2, 1, False, None),  # one KV head on two ranks: replicated
-    ("qwen3", 1, 2, False, None),  # layers (2, 1)
+    ("qwen3", 1, 2, False, "measured"),  # rank 0 times a layer, the embedding and the head; all take its split
     ("qwen2-mqa-tied", 2, 2, True, "1,2"),  # the last stage holds its copy of the tied embedding
     ("qwen3", 2, 2, False, None),
     ("phi3", 2, 1, True, None),

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from tokenmill.config import ModelArch, ParallelConfig
 from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm
 from tokenmill.distributed.layout import RankLayout
+from tokenmill.distributed.stage_balance import StageCosts, balanced_partition, explain
 from tokenmill.distributed.symm_all_reduce import SymmetricAllReduce
 
 logger = logging.getLogger(__name__)
@@ -49,6 +52,22 @@ def reduced(x: torch.Tensor | PendingAllReduce) -> torch.Tensor:
     return x.result() if isinstance(x, PendingAllReduce) else x
 
 
+def _measured_partition(probe: Callable[[], StageCosts] | None, stages: int, num_layers: int,
+                        device: torch.device) -> tuple[int, ...]:
+    """Rank 0 (the one given `probe`) measures and chooses; every rank receives its choice."""
+    counts = torch.zeros(stages, dtype=torch.int64, device=device)
+    if probe is not None:
+        costs = probe()
+        partition = balanced_partition(costs, stages)
+        logger.info("pipeline partition by measured time: %s", explain(costs, partition))
+        counts.copy_(torch.tensor(partition, dtype=torch.int64))
+    dist.broadcast(counts, src=0)
+    partition = tuple(int(c) for c in counts.tolist())
+    if sum(partition) != num_layers or min(partition) < 1:
+        raise RuntimeError(f"measured pipeline partition {partition} does not cover the {num_layers} layers")
+    return partition
+
+
 class ParallelContext:
     def __init__(self, layout: RankLayout, tp_group=None, pp_group=None, backend: str | None = None,
                  symm: SymmetricAllReduce | None = None, fused_norm: FusedAllReduceNorm | None = None) -> None:
@@ -72,15 +91,20 @@ class ParallelContext:
 
     @staticmethod
     def init(arch: ModelArch, parallel: ParallelConfig, rank: int, init_method: str,
-             device: torch.device) -> ParallelContext:
-        """Join the world (blocks until every rank has) and build this rank's groups."""
-        layout = RankLayout.of(arch, parallel, rank)
+             device: torch.device, probe: Callable[[], StageCosts] | None = None) -> ParallelContext:
+        """Join the world (blocks until every rank has) and build this rank's groups. With
+        `parallel.balance_stages`, rank 0 runs `probe` (times of a layer, the embedding and the
+        LM head) and every rank takes the partition balanced by them."""
         if parallel.world_size == 1:
-            return ParallelContext(layout)
+            return ParallelContext(RankLayout.of(arch, parallel, rank))
         backend = "nccl" if device.type == "cuda" else "gloo"
         options = {"device_id": device} if device.type == "cuda" and device.index is not None else {}
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=parallel.world_size,
                                 timeout=_INIT_TIMEOUT, **options)
+        if parallel.balance_stages and probe is not None:
+            parallel = msgspec.structs.replace(parallel, layer_partition=_measured_partition(
+                probe if rank == 0 else None, parallel.pipeline_parallel_size, arch.num_layers, device))
+        layout = RankLayout.of(arch, parallel, rank)
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         tp_group = pp_group = None
         for stage in range(pp):  # every rank creates every group, in the same order

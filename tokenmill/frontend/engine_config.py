@@ -209,13 +209,14 @@ def _quantization_config(hf_config) -> dict | None:
 def resolve_parallel(args: EngineArgs, arch, device: str) -> ParallelConfig:
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     check_parallel(arch, tp, pp)
-    partition = parse_partition(args.pp_layer_partition, arch.num_layers, pp)
+    measured = (args.pp_layer_partition or "").strip().lower() == "measured"
+    partition = parse_partition(None if measured else args.pp_layer_partition, arch.num_layers, pp)
     if device.startswith("cuda") and args.distributed_executor_backend == "mp" and tp * pp > 1:
         import torch
         _check(torch.cuda.device_count() >= tp * pp, "tensor_parallel_size",
                f"times pipeline_parallel_size needs {tp * pp} GPUs, this machine has {torch.cuda.device_count()}")
     return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, layer_partition=partition,
-                          backend=args.distributed_executor_backend)
+                          backend=args.distributed_executor_backend, balance_stages=measured and pp > 1)
 
 
 def resolve_device(name: str) -> str:
