@@ -100,6 +100,10 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     # --ignore-eos): the device step's difference from tp2 is what the all-reduces cost a step.
     "tp2-no-all-reduce": (["--tensor-parallel-size", "2"], {"TOKENMILL_BENCH_SKIP_ALL_REDUCE": "1"}),
     "pp2": (["--pipeline-parallel-size", "2"], {}),
+    # Three micro-batches on two stages: the host's turn-around between a stage's batches hidden.
+    "pp2-mb3": (["--pipeline-parallel-size", "2", "--pp-microbatches", "3"], {}),
+    # The split chosen by timing a layer, the embedding and the LM head at start (logged).
+    "pp2-measured": (["--pipeline-parallel-size", "2", "--pp-layer-partition", "measured"], {}),
 }
 _STEP_KEYS = ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "device_idle_fraction_p50")
 
@@ -150,6 +154,10 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
         value = fig.get("output_tokens_per_s")
         print(f"{name:<18} {'-' if value is None else round(value):>10} {'' if r is None else f'{r:.3f}':>10} "
               f"{targets.get(name, ''):>7} {fig.get('tpot_ms_p50') or 0:9.3f} {fig.get('device_step_ms_p50') or 0:9.3f}")
+    for name, fig in figures.items():  # the bubble of each stage, from the step trace
+        for i, stage in enumerate((fig.get("pipeline") or {}).get("stages") or []):
+            print(f"  {name} stage {i}: busy {stage.get('busy_s', 0):.2f} s, idle {stage.get('idle_s', 0):.2f} s, "
+                  f"bubble {stage.get('bubble_fraction', 0):.1%} (goal < 3%)")
     if label == "batch1":
         print("(batch1: 'x one GPU' is ms per output token over one GPU's)")
     if fusion_ms is not None:
@@ -179,7 +187,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="allreduce,check,batch1,bench")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="the same for every layout of the bench")
-    ap.add_argument("--layouts", default="tp1,tp2,tp2-no-all-reduce,pp2", help="the bench's layouts: "
+    ap.add_argument("--layouts", default="tp1,tp2,tp2-no-all-reduce,pp2,pp2-mb3", help="the bench's layouts: "
                     + ", ".join(_BENCH_LAYOUTS))
     ap.add_argument("--ar-sizes-kib", default=None, help="allreduce: message sizes (default: bench all-reduce's)")
     ap.add_argument("--batch1-layouts", default="tp1,tp2,tp2-unfused", help="batch1: layouts to time")

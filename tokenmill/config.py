@@ -209,6 +209,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 8192
     async_scheduling: bool = True
     debug_check_every: int = 0  # every N steps, workers check their view against a digest; 0 = off
+    pp_microbatches: int = 0  # pipeline micro-batches in flight; 0: one per stage
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -354,6 +355,7 @@ class EngineArgs:
     structured_outputs_max_whitespace: int = 4
     quantization: str | None = None  # fp8 (online), or the checkpoint's quant_method (default: from its config)
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
+    pp_microbatches: int | None = None  # pipeline micro-batches in flight (default: one per stage)
 
 
 _FLAG_HELP = {
@@ -410,6 +412,9 @@ _FLAG_HELP = {
                     "quant_method (fp8, fbgemm_fp8, compressed-tensors, gptq, awq); default: from its config",
     "kv_cache_dtype": "auto (the model's dtype), fp8 / fp8_e4m3 or fp8_e5m2 (twice the KV blocks; per-layer "
                       "scales from the checkpoint, else 1.0)",
+    "pp_microbatches": "pipeline micro-batches in flight, at least pipeline_parallel_size (default: one per "
+                       "stage); more hide the host's turn-around between a stage's batches, smaller batches "
+                       "read the weights more often",
 }
 
 

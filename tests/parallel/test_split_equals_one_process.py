@@ -37,3 +37,12 @@ def test_split_model_matches_one_process(family_dirs, one_process_reference, fam
         outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS), use_tqdm=False)
         assert_matches_one_process(reference, outputs, f"{family} tp={tp} pp={pp} async={async_scheduling}")
         assert_idle(llm)
+
+
+def test_three_micro_batches_on_two_stages(family_dirs, one_process_reference) -> None:
+    """`pp_microbatches=3`: more batches in flight than stages (the bubble's fix), same tokens."""
+    reference = one_process_reference("llama")
+    with LLM(family_dirs["llama"], pipeline_parallel_size=2, pp_microbatches=3, **ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS), use_tqdm=False)
+        assert_matches_one_process(reference, outputs, "llama pp=2 with 3 micro-batches")
+        assert_idle(llm)
