@@ -111,3 +111,46 @@ def test_off_cuda_there_is_none(monkeypatch):
     assert FusedAllReduceNorm.create(None, torch.device("cpu")) is None
     monkeypatch.setenv("TOKENMILL_FUSED_ALL_REDUCE_NORM", "0")
     assert FusedAllReduceNorm.create(None, torch.device("cuda", 0)) is None
+
+
+def test_the_decoder_layers_norm_takes_the_row_parallel_partial(monkeypatch):
+    """The shared layers' wiring: a row-parallel linear marked `defer_reduce` hands its partial sum
+    on (`PendingAllReduce`), and `RMSNorm.forward_with_residual` runs the fused kernel on it (rank 0
+    of two; the peer's partial played into its buffer); too large for the buffer, the norm
+    all-reduces first (here: adds the peer's partial) and norms apart."""
+    from tokenmill.config import ModelArch, ParallelConfig
+    from tokenmill.distributed.layout import RankLayout
+    from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.layers.parallel_linear import RowParallelLinear
+
+    torch.manual_seed(2)
+    n, inner, rows = 32, 16, 3
+    arch = ModelArch(architecture="LlamaForCausalLM", model_type="llama", vocab_size=64, hidden_size=n,
+                     intermediate_size=2 * inner, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=16,
+                     rms_norm_eps=1e-5, max_position=64)
+    ranks = make_group(2)
+    parallel = ParallelContext(RankLayout.of(arch, ParallelConfig(tensor_parallel_size=2), 0), fused_norm=ranks[0])
+    linear = RowParallelLinear(inner, n, False, parallel)
+    torch.nn.init.normal_(linear.weight)
+    norm = RMSNorm(n, 1e-5)
+    torch.nn.init.normal_(norm.weight)
+    x, peer_partial, residual = torch.randn(rows, inner), torch.randn(rows, n), torch.randn(rows, n)
+    partial = x @ linear.weight.t()
+    want_out, want_res = reference([partial, peer_partial], residual, norm.weight.data, 1e-5)
+
+    monkeypatch.setattr(parallel, "all_reduce", lambda t: t + 1.0)  # stands in for the group's sum
+    torch.testing.assert_close(linear(x), partial + 1.0)  # not marked: reduced at once
+    linear.defer_reduce = True
+    pending = linear(x)
+    assert isinstance(pending, PendingAllReduce)
+    play_peers(ranks, 0, [partial, peer_partial], call=0)
+    out, res = norm.forward_with_residual(pending, residual.clone())
+    torch.testing.assert_close(res, want_res)
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    assert (ranks[0].counters[:1] == 1).all()
+
+    big = torch.randn(HALF // 4 // n + 1, inner)  # over half the buffer: all-reduce, then add + norm
+    out, res = norm.forward_with_residual(linear(big), torch.zeros(big.shape[0], n))
+    torch.testing.assert_close(res, big @ linear.weight.t() + 1.0)
+    assert (ranks[0].counters[:1] == 1).all()  # the kernel did not run

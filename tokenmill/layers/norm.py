@@ -97,6 +97,12 @@ class RMSNorm(nn.Module):
         float32 too (a CPU bf16 model's o_proj / down_proj: `wide_linear`). The fused kernel updates
         `residual` in place (and returns it); callers use the returned residual only.
         """
+        if isinstance(x, PendingAllReduce):
+            if out_dtype in (None, x.partial.dtype):
+                fused = x.parallel.all_reduce_add_norm(x.partial, residual, self.weight, self.eps)
+                if fused is not None:
+                    return fused
+            x = x.result()
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
