@@ -101,6 +101,9 @@ def test_what_the_kernel_does_not_take():
     rank = make_group(2)[0]
     x, res, w = torch.zeros(2, 64), torch.zeros(2, 64), torch.zeros(64)
     assert rank.applies(x, res, w)
+    # One row layout per buffer (the halves' safety holds between calls of one layout).
+    assert not rank.applies(torch.zeros(2, 32), torch.zeros(2, 32), torch.zeros(32))
+    assert not rank.applies(x.half(), res, w.half())
     assert not rank.applies(torch.zeros(HALF // 4 // 64 + 1, 64), torch.zeros(HALF // 4 // 64 + 1, 64), w)  # > half
     assert not rank.applies(x.t(), res.t(), torch.zeros(2))  # not contiguous
     assert not rank.applies(x, torch.zeros(2, 64, dtype=torch.float16), w)  # residual neither float32 nor x's

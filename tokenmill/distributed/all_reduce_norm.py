@@ -70,6 +70,11 @@ class FusedAllReduceNorm:
         self.peers = torch.tensor(peer_addresses, dtype=torch.int64, device=device)
         from tokenmill.distributed.all_reduce_norm_kernel import MAX_PROGRAMS
         self.counters = torch.zeros(MAX_PROGRAMS, dtype=torch.int32, device=device)
+        # (row width, dtype) of the calls: where program p's rows sit in a half depends on them, and
+        # the halves' safety (a rank rewrites a half only after its peers signalled that they
+        # finished reading it) holds only between calls of one layout. The first call fixes it;
+        # calls of another layout are refused (`applies`), after the self-test's barrier.
+        self._row_layout: tuple[int, torch.dtype] | None = None
 
     @staticmethod
     def create(group, device: torch.device, limits: FusedNormLimits | None = None) -> FusedAllReduceNorm | None:
@@ -92,7 +97,7 @@ class FusedAllReduceNorm:
             torch.cuda.synchronize(device)
             dist.barrier(group=group)  # every rank's signal slots are zero before anyone signals
             self = FusedAllReduceNorm(buffer, [int(a) for a in handle.buffer_ptrs], rank, limits)
-            self._handle = handle
+            self._handle, self._group = handle, group
             self._self_test()
         except Exception as e:  # noqa: BLE001 - any failure means: all-reduce and norm apart
             logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s); the layers all-reduce, then norm",
@@ -113,6 +118,9 @@ class FusedAllReduceNorm:
                 if not (bool((res == expected_res).all()) and bool((out == 2.0).all())):
                     raise RuntimeError(f"fused all-reduce + norm gave residual {res[0, :2].tolist()} and output "
                                        f"{out[0, :2].tolist()}, expected {expected_res} and 2.0")
+        import torch.distributed as dist
+        torch.cuda.synchronize(self.peers.device)
+        dist.barrier(group=self._group)  # no peer still reads the test's rows when the model's first call writes
 
     def applies(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether the kernel takes this call (else: all-reduce, then add + norm apart)."""
@@ -120,6 +128,10 @@ class FusedAllReduceNorm:
         if x.dim() != 2 or x.dtype not in _DTYPES or not x.is_contiguous() or x.device != self.peers.device:
             return False
         rows, n = x.shape
+        if self._row_layout is None:
+            self._row_layout = (n, x.dtype)
+        elif self._row_layout != (n, x.dtype):
+            return False
         return (residual.shape == x.shape and residual.is_contiguous() and residual.dtype in (x.dtype, torch.float32)
                 and weight.shape == (n,) and n <= _MAX_HIDDEN and x.numel() * x.element_size() <= self.limits.half_bytes
                 and num_programs(rows, n) <= MAX_PROGRAMS)
