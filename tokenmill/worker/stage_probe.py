@@ -60,6 +60,16 @@ def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
 
 
+def _logits(h: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """float32 logits as the engine's LM head makes them on CUDA (float32 straight from the matmul)."""
+    if h.is_cuda:
+        try:
+            return torch.mm(h, table.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError):  # an older torch: no mixed-dtype mm
+            pass
+    return F.linear(h, table).float()
+
+
 @torch.inference_mode()
 def measure(arch: ModelArch, dtype: torch.dtype, device: torch.device, rows: int, context: int,
             tp: int = 1) -> StageCosts:
@@ -99,7 +109,7 @@ def measure(arch: ModelArch, dtype: torch.dtype, device: torch.device, rows: int
     table = rand(vocab, h)
     ids = torch.randint(0, vocab, (rows,), device=device)
     embedding = timed(lambda: F.embedding(ids, table))
-    head = timed(lambda: F.linear(_rms(x, norm_w), table).float().argmax(-1))
+    head = timed(lambda: _logits(_rms(x, norm_w), table).argmax(-1))
     del table
     if device.type == "cuda":
         torch.cuda.empty_cache()
