@@ -74,7 +74,7 @@ def _all_reduce_add_rms_norm_kernel(
     total = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for peer in tl.static_range(WORLD):
         base = _buffer(peers_ptr, peer, dtype)
-        total += tl.load(base + offs, mask=mask, other=0.0, cache_modifier=".cv").to(tl.float32)
+        total += tl.load(base + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)  # not from L1
 
     res_ptrs = res_ptr + (rows * N)[:, None] + cols[None, :]
     summed = (tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + total).to(res_ptr.dtype.element_ty)
