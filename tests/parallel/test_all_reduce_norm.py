@@ -36,7 +36,7 @@ def make_group(world: int) -> list[FusedAllReduceNorm]:
     """One `FusedAllReduceNorm` per simulated rank, over CPU buffers that stand in for the peers'."""
     buffers = [torch.zeros(buffer_bytes(HALF, world), dtype=torch.uint8) for _ in range(world)]
     addresses = [b.data_ptr() for b in buffers]
-    return [FusedAllReduceNorm(buffers, addresses, r, FusedNormLimits(half_bytes=HALF)) for r in range(world)]
+    return [FusedAllReduceNorm(buffers, addresses, r, FusedNormLimits(half_bytes=HALF, max_bytes=HALF)) for r in range(world)]
 
 
 def signals(buffer: torch.Tensor) -> torch.Tensor:

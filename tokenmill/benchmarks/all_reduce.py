@@ -37,7 +37,7 @@ def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=device)
     group = dist.group.WORLD
-    top = max([*sizes_kib, 1024]) << 10
+    top = max(max([*sizes_kib, 1024]) << 10, max([0, *fused]) * hidden * 2)  # the fused runs' one-shot too
     symm = SymmetricAllReduce(group, device, AllReduceLimits(max_bytes=top, one_shot_bytes=top))
 
     def run(method: str, x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=2, help="GPUs (one process each)")
     p.add_argument("--sizes-kib", default=",".join(map(str, _SIZES_KIB)), help="message sizes in KiB")
     p.add_argument("--calls", type=int, default=64, help="all-reduces per captured graph (two per layer)")
-    p.add_argument("--fused-rows", default="1,8,32,128",
+    p.add_argument("--fused-rows", default="1,8,32,128,256,512",
                    help="rows of the fused all-reduce + residual add + RMSNorm runs ('' for none)")
     p.add_argument("--hidden", type=int, default=4096, help="the fused runs' row width")
     p.add_argument("--port", type=int, default=29611)
