@@ -244,6 +244,129 @@ def micro(results: dict, args) -> None:
     MARKDOWN["micro: one decoder layer (the four projections), graph replay"] = layer_lines
 
 
+# ---------------------------------------------------------------- layer: a stack of decoder layers' GEMMs
+
+LAYER_VARIANTS = {
+    # name: (LoRA on, slots (None: the mix; -1: every token without an adapter), side stream, tile knobs)
+    "base": (False, None, None, None),
+    "noop": (True, -1, "high", None),
+    "seq": (True, None, None, None),
+    "overlap": (True, None, "normal", None),
+    "overlap_hi": (True, None, "high", None),
+    "old_tiles": (True, None, "normal", dict(TILE_GRID_FACTOR=1e9, TILE_PROGRAMS_PER_SM=2, _TILES_MAX_SPLITS=8)),
+    "silu128": (True, None, "high", dict(SILU_TILE_BLOCK_N=128)),
+}
+
+
+def layer(results, args) -> None:
+    """The GEMMs of `layers` Llama-3.1-8B decoder layers in one CUDA graph (qkv, o + residual,
+    gate_up + SiLU-and-mul, down + residual; attention and norms left out), with the LoRA of every
+    projection as the engine runs it (its per-step plan inside the graph) or without; per layer us.
+    Variants: LoRABatch's side stream off / normal / high priority, every slot -1 (the cost of the
+    LoRA engine for base requests), the tile kernels' knobs of before (grid of the worst-case bound)."""
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.lora import lora_layer, triton_lora
+    from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots
+
+    device = torch.device("cpu" if SMOKE else "cuda")
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    h_size, inter, q, kv, rank, num_slots = 4096, 14336, 4096, 1024, 16, 64
+    layers, sets = 32, 4
+    token_counts = [int(t) for t in args.layer_tokens.split(",")]
+    variants = args.layer_variants.split(",")
+    if SMOKE:
+        h_size, inter, q, kv, num_slots, layers, sets = 64, 96, 64, 32, 4, 2, 2
+        token_counts, variants = [1, 40], ["base", "seq", "old_tiles"]
+    g = torch.Generator(device=device).manual_seed(0)
+    act = SiluAndMul()
+    batch = LoRABatch(device, num_slots)
+    streams = {None: None} if SMOKE else {None: None, "normal": lora_layer.side_stream(device, False),
+                                          "high": lora_layer.side_stream(device, True)}
+
+    def rnd(*shape, scale):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    weights = []
+    for _ in range(sets):
+        w = {"qkv": rnd(q + 2 * kv, h_size, scale=h_size ** -0.5), "o": rnd(h_size, q, scale=q ** -0.5),
+             "gate_up": rnd(2 * inter, h_size, scale=h_size ** -0.5), "down": rnd(h_size, inter, scale=inter ** -0.5)}
+        for name, k, parts in (("qkv", h_size, [q, kv, kv]), ("o", q, [h_size]), ("gate_up", h_size, [inter, inter]),
+                               ("down", inter, [h_size])):
+            slots = LoRASlots(batch, num_slots, rank, k, parts, dtype, device)
+            slots.a.copy_(rnd(*slots.a.shape, scale=k ** -0.5))
+            slots.b.copy_(rnd(*slots.b.shape, scale=0.02))
+            w["l_" + name] = slots
+        weights.append(w)
+
+    def stack(h, lora: bool):
+        for i in range(layers):
+            w = weights[i % sets]
+            if lora:
+                qkv = w["l_qkv"].forward(h, lambda: torch.mm(h, w["qkv"].t()))
+                att = qkv[:, :q]
+                h2 = w["l_o"].forward(att, lambda: torch.addmm(h, att, w["o"].t()))
+                a = w["l_gate_up"].forward_silu_mul(h2, lambda: torch.mm(h2, w["gate_up"].t()), act)
+                h = w["l_down"].forward(a, lambda: torch.addmm(h2, a, w["down"].t()))
+            else:
+                att = torch.mm(h, w["qkv"].t())[:, :q]
+                h2 = torch.addmm(h, att, w["o"].t())
+                a = act(torch.mm(h2, w["gate_up"].t()))
+                h = torch.addmm(h2, a, w["down"].t())
+        return h
+
+    rows = []
+    for tokens in token_counts:
+        h0 = rnd(tokens, h_size, scale=1.0)
+        for adapters in (1, 8, 64) if not SMOKE else (1, 3):
+            if adapters > 1 and (tokens < 2 * adapters or tokens == 1):
+                continue
+            mix = (torch.randperm(tokens, generator=g, device=device) % adapters).to(torch.int32)
+            for variant in variants:
+                lora, fixed, stream, knobs = LAYER_VARIANTS[variant]
+                if not lora and adapters != 1:
+                    continue
+                saved = {k: getattr(triton_lora, k) for k in (knobs or {})}
+                try:
+                    for k, v in (knobs or {}).items():
+                        setattr(triton_lora, k, v)
+                    batch.side_stream = streams.get(stream)
+                    token_slots = mix if fixed is None else torch.full_like(mix, fixed)
+
+                    def body():
+                        if lora:
+                            batch.prepare(token_slots)
+                        out = stack(h0, lora)
+                        batch.clear()
+                        return out
+
+                    body()  # (timing only: the checks are micro's and tiny's)
+                    if SMOKE:
+                        us = 0.0
+                    else:
+                        us = _time_graph(body, reps=1, replays=20) / layers
+                    rows.append({"tokens": tokens, "adapters": adapters, "variant": variant, "us_per_layer": us})
+                    print(f"  T={tokens:5} adapters={adapters:2} {variant:11} {us:9.1f} us per layer", flush=True)
+                except Exception as exc:
+                    traceback.print_exc()
+                    check(False, f"layer T={tokens} adapters={adapters} {variant} raised {exc!r}"[:400])
+                finally:
+                    for k, v in saved.items():
+                        setattr(triton_lora, k, v)
+                    batch.clear()
+    results["layer"] = rows
+    lines = ["| T | adapters | variant | us per layer | + us over base | +% |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next((b["us_per_layer"] for b in rows if b["tokens"] == r["tokens"] and b["variant"] == "base"), None)
+        extra = (r["us_per_layer"] - base) if base else float("nan")
+        pct = 100 * extra / base if base else float("nan")
+        lines.append(f"| {r['tokens']} | {r['adapters']} | {r['variant']} | {r['us_per_layer']:.1f} | {extra:.1f} | "
+                     f"{pct:.1f} |")
+        r["plus_pct"] = pct
+    if not SMOKE:
+        print("\n".join("  " + line for line in lines))
+    MARKDOWN["layer: 32 decoder layers' GEMMs + LoRA in one graph, us per layer"] = lines
+
+
 # ---------------------------------------------------------------- tiny: tokens vs HF + PEFT
 
 def tiny(results: dict, args) -> None:
@@ -350,9 +473,10 @@ def engines(results: dict, args, parts: set[str]) -> None:
         print(f"  NOTE: {num} prompts (the issue's shape is 1000 x 512 x 256)")
     counts = (1, 4) if SMOKE else (1, 8, 64)
     max_loras = max(counts)
+    used = max_loras if "engine" in parts else 1  # batch 1 alone: one adapter written and loaded
     root = tempfile.mkdtemp(prefix="lora-adapters-")
     start = time.perf_counter()
-    folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(8, max_loras))]
+    folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(8, used))]
     print(f"  wrote {len(folders)} rank-16 adapter folders in {time.perf_counter() - start:.1f} s")
     loras = [LoRARequest(f"adapter{i}", i + 1, folders[i % len(folders)]) for i in range(max_loras)]
     prompts = [{"prompt_token_ids": p} for p in
@@ -392,8 +516,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
             # Every adapter read into host memory and a device slot once, before timing (as a server
             # that was given them with --lora-modules would have them after its first requests).
             start = time.perf_counter()
-            llm.generate([prompts[0]] * max_loras, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras)
-            print(f"  loaded {max_loras} adapters in {time.perf_counter() - start:.1f} s")
+            llm.generate([prompts[0]] * used, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras[:used])
+            print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s")
             if "batch1" in parts:
                 llm.generate(one_prompt, one_params, use_tqdm=False, lora_request=loras[0])
                 timed(llm, loras[0], "batch1_lora", one_prompt, one_params, repeat=2)
@@ -446,16 +570,18 @@ def main() -> int:
     ap.add_argument("--parts", default="micro,tiny,engine,batch1")
     ap.add_argument("--prompts", type=int, default=1000, help="engine: prompts per run (512 in x 256 out)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (checks that the script runs)")
+    ap.add_argument("--layer-tokens", default="1,16,64,256,8192", help="layer: the step sizes")
+    ap.add_argument("--layer-variants", default=",".join(LAYER_VARIANTS), help="layer: the variants")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    unknown = parts - {"micro", "tiny", "engine", "batch1"}
+    unknown = parts - {"micro", "layer", "tiny", "engine", "batch1"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
     os.makedirs(OUT, exist_ok=True)
     results: dict = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "torch": torch.__version__,
                      "parts": sorted(parts)}
     start_all = time.perf_counter()
-    steps = [(name, fn) for name, fn in (("micro", micro), ("tiny", tiny)) if name in parts]
+    steps = [(name, fn) for name, fn in (("micro", micro), ("layer", layer), ("tiny", tiny)) if name in parts]
     if parts & {"engine", "batch1"}:
         steps.append(("engine / batch1", lambda res, a: engines(res, a, parts)))
     for name, fn in steps:

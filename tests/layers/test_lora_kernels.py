@@ -94,7 +94,7 @@ def test_tiles_cover_each_token_once(num_tokens, slots):
     BLOCK_M rows; the tile count fits the static bound (worst case: every group ends a partial tile)."""
     g = torch.Generator().manual_seed(num_tokens)
     token_slots = torch.randint(-1, slots, (num_tokens,), generator=g)
-    order, tiles = plan_tiles(token_slots, slots)
+    order, tiles, count = plan_tiles(token_slots, slots)
     block_m = triton_lora.tile_rows(num_tokens)
     seen = torch.zeros(num_tokens, dtype=torch.int64)
     for slot, first, end in tiles.t().tolist():
@@ -107,6 +107,7 @@ def test_tiles_cover_each_token_once(num_tokens, slots):
     assert torch.equal(seen, torch.ones(num_tokens, dtype=torch.int64))
     real = int((tiles[0] != triton_lora.NO_TILE).sum())
     assert (tiles[0, real:] == triton_lora.NO_TILE).all()  # real tiles first
+    assert count.tolist() == [real]  # the kernels loop up to it
 
 
 @pytest.mark.parametrize("shape", sorted(PARTS))

@@ -35,9 +35,11 @@ class LoRABatch:
         self.token_slots: torch.Tensor | None = None
         self.num_tokens = 0
         self.shapes: set[tuple[int, int]] = set()  # every projection's (parts * R, in_features)
-        # CUDA graphs: the shrinks run on this stream beside the base GEMMs (TOKENMILL_LORA_OVERLAP=0: not).
+        # CUDA graphs: the shrinks run on this stream beside the base GEMMs (TOKENMILL_LORA_OVERLAP=0: not),
+        # at a higher priority (the GEMM's waiting blocks go after the shrink's few; =0: the same).
         overlap = os.environ.get("TOKENMILL_LORA_OVERLAP", "1") not in ("0", "false", "no")
-        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" and overlap else None
+        high = os.environ.get("TOKENMILL_LORA_SIDE_PRIORITY", "1") not in ("0", "false", "no")
+        self.side_stream = side_stream(device, high) if device.type == "cuda" and overlap else None
 
     def prepare(self, token_slots: torch.Tensor, host: np.ndarray | None = None) -> None:
         """`token_slots`: int [T] on the device, -1 for tokens without an adapter; `host`: the same
@@ -131,6 +133,10 @@ class LoRASlots:
         if batch.side_stream is not None and torch.cuda.is_current_stream_capturing():
             return run_beside(batch.side_stream, lambda: lora_shrink(x, self.a, batch.plan), base)
         return lora_shrink(x, self.a, batch.plan), base()
+
+
+def side_stream(device: torch.device, high: bool) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device, priority=-1 if high else 0)
 
 
 def run_beside(side: torch.cuda.Stream, first: Callable, second: Callable) -> tuple:

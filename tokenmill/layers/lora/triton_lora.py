@@ -30,7 +30,7 @@ ROWS_MAX_TOKENS = 16  # steps up to this many tokens use the per-token (rows) ke
 _ROWS_BLOCK_K = 128
 _ROWS_MAX_SPLITS = 64  # the rows expand loads this many planes of a token in one (masked) block
 _TILES_BLOCK_K = 64
-_TILES_MAX_SPLITS = 8
+_TILES_MAX_SPLITS = 16
 
 
 # ---------------------------------------------------------------- rows: one token per program
@@ -87,72 +87,75 @@ def _expand_rows_kernel(t_ptr, b_ptr, y_ptr, slots_ptr, N, P1, P2, SPLITS,
 
 # ---------------------------------------------------------------- tiles: one slot per tile
 
-@triton.jit(do_not_specialize=["MAX_TILES"])
-def _shrink_tiles_kernel(x_ptr, a_ptr, out_ptr, order_ptr, tiles_ptr, MAX_TILES, N, K, K_PER_SPLIT,
-                         stride_xt, stride_as, stride_an, stride_split, stride_ot,
+@triton.jit(do_not_specialize=["MAX_TILES", "GRID_M"])
+def _shrink_tiles_kernel(x_ptr, a_ptr, out_ptr, order_ptr, tiles_ptr, count_ptr, MAX_TILES, GRID_M, N, K,
+                         K_PER_SPLIT, stride_xt, stride_as, stride_an, stride_split, stride_ot,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          IEEE: tl.constexpr):
-    """Program (tile, n, split): the tile's rows (one slot) over the split's K range, a dot."""
-    i, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    s = tl.load(tiles_ptr + i).to(tl.int64)
-    if s < 0:  # tokens without an adapter, or past the step's tiles
-        return
-    row0 = tl.load(tiles_ptr + MAX_TILES + i)
-    row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
-    m = row0 + tl.arange(0, BLOCK_M)
-    m_ok = m < row1
-    rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    """Program (i, n, split): tiles i, i + GRID_M, ... of the step (each of one slot), over the
+    split's K range, a dot each."""
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    a_base = a_ptr + s * stride_as + n[None, :].to(tl.int64) * stride_an
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * K_PER_SPLIT
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        xb = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        ab = tl.load(a_base + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-        if IEEE:  # float32 inputs: exact float32 products, not TF32
-            acc += tl.dot(xb, ab, input_precision="ieee")
-        else:
-            acc += tl.dot(xb, ab)
-    tl.store(out_ptr + pid_k * stride_split + rows[:, None] * stride_ot + n[None, :], acc,
-             mask=m_ok[:, None] & n_ok[None, :])
+    for i in range(pid_m, tl.load(count_ptr), GRID_M):
+        s = tl.load(tiles_ptr + i).to(tl.int64)
+        if s >= 0:  # (-1: tokens without an adapter)
+            row0 = tl.load(tiles_ptr + MAX_TILES + i)
+            row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
+            m = row0 + tl.arange(0, BLOCK_M)
+            m_ok = m < row1
+            rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+            a_base = a_ptr + s * stride_as + n[None, :].to(tl.int64) * stride_an
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < K
+                xb = tl.load(x_ptr + rows[:, None] * stride_xt + k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                             other=0.0)
+                ab = tl.load(a_base + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                if IEEE:  # float32 inputs: exact float32 products, not TF32
+                    acc += tl.dot(xb, ab, input_precision="ieee")
+                else:
+                    acc += tl.dot(xb, ab)
+            tl.store(out_ptr + pid_k * stride_split + rows[:, None] * stride_ot + n[None, :], acc,
+                     mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["MAX_TILES", "SPLITS"])
-def _expand_tiles_kernel(t_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, MAX_TILES, N, P1, P2, SPLITS,
-                         stride_split, stride_tt, stride_bs, stride_bn, stride_yt,
+@triton.jit(do_not_specialize=["MAX_TILES", "GRID_M", "SPLITS"])
+def _expand_tiles_kernel(t_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, count_ptr, MAX_TILES, GRID_M, N, P1, P2,
+                         SPLITS, stride_split, stride_tt, stride_bs, stride_bn, stride_yt,
                          RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    """Program (tile, n): the tile's shrink (planes summed once) times its slot's B block, into y."""
-    i, pid_n = tl.program_id(0), tl.program_id(1)
-    s = tl.load(tiles_ptr + i).to(tl.int64)
-    if s < 0:
-        return
-    row0 = tl.load(tiles_ptr + MAX_TILES + i)
-    row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
-    m = row0 + tl.arange(0, BLOCK_M)
-    m_ok = m < row1
-    rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    """Program (i, n): for tiles i, i + GRID_M, ...: the tile's shrink (planes summed once) times
+    its slot's B block, into y."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     n0 = pid_n * BLOCK_N
     part = (n0 >= P1).to(tl.int32) + (n0 >= P2).to(tl.int32)  # BLOCK_N divides the part boundaries
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < N
     r = tl.arange(0, RANK)
-    t_ptrs = t_ptr + rows[:, None] * stride_tt + part * RANK + r[None, :]
-    shrunk = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-    for split in range(0, SPLITS):
-        shrunk += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
-    bb = tl.load(b_ptr + s * stride_bs + n[None, :].to(tl.int64) * stride_bn + r[:, None],
-                 mask=n_ok[None, :], other=0.0)
-    if IEEE:
-        acc = tl.dot(shrunk, bb, input_precision="ieee")
-    else:
-        acc = tl.dot(shrunk.to(bb.dtype), bb)
-    write = m_ok[:, None] & n_ok[None, :]
-    y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
-    y = tl.load(y_ptrs, mask=write, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=write)
+    for i in range(pid_m, tl.load(count_ptr), GRID_M):
+        s = tl.load(tiles_ptr + i).to(tl.int64)
+        if s >= 0:
+            row0 = tl.load(tiles_ptr + MAX_TILES + i)
+            row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
+            m = row0 + tl.arange(0, BLOCK_M)
+            m_ok = m < row1
+            rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+            t_ptrs = t_ptr + rows[:, None] * stride_tt + part * RANK + r[None, :]
+            shrunk = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+            for split in range(0, SPLITS):
+                shrunk += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
+            bb = tl.load(b_ptr + s * stride_bs + n[None, :].to(tl.int64) * stride_bn + r[:, None],
+                         mask=n_ok[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(shrunk, bb, input_precision="ieee")
+            else:
+                acc = tl.dot(shrunk.to(bb.dtype), bb)
+            write = m_ok[:, None] & n_ok[None, :]
+            y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
+            y = tl.load(y_ptrs, mask=write, other=0.0)
+            tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y.dtype), mask=write)
 
 
 # ---------------------------------------------------------------- gate_up: expand fused with SiLU-and-mul
@@ -187,48 +190,47 @@ def _expand_silu_rows_kernel(t_ptr, b_ptr, y_ptr, out_ptr, slots_ptr, I, SPLITS,
     tl.store(out_ptr + t * stride_ot + n, (silu * up).to(dtype), mask=n_ok)
 
 
-@triton.jit(do_not_specialize=["MAX_TILES", "SPLITS"])
-def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr, MAX_TILES, I, SPLITS,
-                              stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
+@triton.jit(do_not_specialize=["MAX_TILES", "GRID_M", "SPLITS"])
+def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr, count_ptr, MAX_TILES, GRID_M, I,
+                              SPLITS, stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
                               RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               IEEE: tl.constexpr):
-    """Program (tile, n): the activation of the tile's rows, columns n; tiles of tokens without an
-    adapter (slot -1) get no delta."""
+    """Program (i, n): for tiles i, i + GRID_M, ...: the activation of the tile's rows, columns n;
+    tiles of tokens without an adapter (slot -1) get no delta."""
     dtype = y_ptr.dtype.element_ty
-    i, pid_n = tl.program_id(0), tl.program_id(1)
-    s = tl.load(tiles_ptr + i).to(tl.int64)
-    if s < -1:  # past the step's tiles
-        return
-    row0 = tl.load(tiles_ptr + MAX_TILES + i)
-    row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
-    m = row0 + tl.arange(0, BLOCK_M)
-    m_ok = m < row1
-    rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    ok = m_ok[:, None] & n_ok[None, :]
-    y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
-    gate = tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(y_ptrs + I, mask=ok, other=0.0).to(tl.float32)
-    if s >= 0:
-        r = tl.arange(0, RANK)
-        t_ptrs = t_ptr + rows[:, None] * stride_tt + r[None, :]
-        s_gate = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-        s_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-        for split in range(0, SPLITS):
-            s_gate += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
-            s_up += tl.load(t_ptrs + split * stride_split + RANK, mask=m_ok[:, None], other=0.0)
-        b_cols = b_ptr + s * stride_bs + n[None, :].to(tl.int64) * stride_bn + r[:, None]
-        b_gate = tl.load(b_cols, mask=n_ok[None, :], other=0.0)
-        b_up = tl.load(b_cols + I * stride_bn, mask=n_ok[None, :], other=0.0)
-        if IEEE:
-            gate = (gate + tl.dot(s_gate, b_gate, input_precision="ieee")).to(dtype).to(tl.float32)
-            up = (up + tl.dot(s_up, b_up, input_precision="ieee")).to(dtype).to(tl.float32)
-        else:
-            gate = (gate + tl.dot(s_gate.to(dtype), b_gate)).to(dtype).to(tl.float32)
-            up = (up + tl.dot(s_up.to(dtype), b_up)).to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], (silu * up).to(dtype), mask=ok)
+    r = tl.arange(0, RANK)
+    for i in range(pid_m, tl.load(count_ptr), GRID_M):
+        s = tl.load(tiles_ptr + i).to(tl.int64)
+        row0 = tl.load(tiles_ptr + MAX_TILES + i)
+        row1 = tl.load(tiles_ptr + 2 * MAX_TILES + i)
+        m = row0 + tl.arange(0, BLOCK_M)
+        m_ok = m < row1
+        rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
+        ok = m_ok[:, None] & n_ok[None, :]
+        y_ptrs = y_ptr + rows[:, None] * stride_yt + n[None, :]
+        gate = tl.load(y_ptrs, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(y_ptrs + I, mask=ok, other=0.0).to(tl.float32)
+        if s >= 0:
+            t_ptrs = t_ptr + rows[:, None] * stride_tt + r[None, :]
+            s_gate = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+            s_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+            for split in range(0, SPLITS):
+                s_gate += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
+                s_up += tl.load(t_ptrs + split * stride_split + RANK, mask=m_ok[:, None], other=0.0)
+            b_cols = b_ptr + s * stride_bs + n[None, :].to(tl.int64) * stride_bn + r[:, None]
+            b_gate = tl.load(b_cols, mask=n_ok[None, :], other=0.0)
+            b_up = tl.load(b_cols + I * stride_bn, mask=n_ok[None, :], other=0.0)
+            if IEEE:
+                gate = (gate + tl.dot(s_gate, b_gate, input_precision="ieee")).to(dtype).to(tl.float32)
+                up = (up + tl.dot(s_up, b_up, input_precision="ieee")).to(dtype).to(tl.float32)
+            else:
+                gate = (gate + tl.dot(s_gate.to(dtype), b_gate)).to(dtype).to(tl.float32)
+                up = (up + tl.dot(s_up.to(dtype), b_up)).to(dtype).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], (silu * up).to(dtype), mask=ok)
 
 
 # ---------------------------------------------------------------- per step: the plan
@@ -247,11 +249,12 @@ def max_tiles(num_tokens: int, num_slots: int) -> int:
 NO_TILE = -2  # a tile table entry past the step's tiles (-1: a tile of tokens without an adapter)
 
 
-def plan_tiles(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+def plan_tiles(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's tiles, on the device without a host sync: `order` (int32 [T], token indices sorted
-    by slot, -1 first) and `tiles` (int32 [3, max_tiles]: each tile's slot (-1: tokens without an
+    by slot, -1 first), `tiles` (int32 [3, max_tiles]: each tile's slot (-1: tokens without an
     adapter, which only the fused activation reads; NO_TILE: none), first and end position in
-    `order`). Each group's tokens are cut into ceil(count / BLOCK_M) tiles, the groups in order."""
+    `order`) and `count` (int32 [1]: the real tiles, which come first). Each group's tokens are cut
+    into ceil(count / BLOCK_M) tiles, the groups in order."""
     num_tokens, device = token_slots.shape[0], token_slots.device
     block_m, limit = tile_rows(num_tokens), max_tiles(num_tokens, num_slots)
     sorted_slots, order = torch.sort(token_slots.to(torch.int32), stable=True)
@@ -266,7 +269,21 @@ def plan_tiles(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor,
     group = group.clamp_max(num_slots)
     first = starts[group] + (tile - (tile_end[group] - per_group[group])) * block_m
     tiles = torch.stack([torch.where(real, group - 1, NO_TILE), first, torch.minimum(first + block_m, ends[group])])
-    return order.to(torch.int32), tiles.to(torch.int32)
+    return order.to(torch.int32), tiles.to(torch.int32), tile_end[-1:].to(torch.int32)
+
+
+# The tile kernels' grid: GRID_M programs along the tiles, each looping over tiles i, i + GRID_M,
+# ... up to the step's real count (read on the device), so the grid never carries the empty
+# programs of the worst-case bound (64 slots: 65 more tiles than a one-adapter step has).
+TILE_GRID_FACTOR = 1.0  # GRID_M = the fewest real tiles (ceil(T / BLOCK_M)) times this, capped
+TILE_PROGRAMS_PER_SM = 4  # the shrink splits K until about this many programs per SM run
+SILU_TILE_BLOCK_N = 64  # columns of gate (and of up) per program of the fused activation's tiles
+
+
+def tile_grid(num_tokens: int, num_slots: int, factor: float | None = None) -> int:
+    fewest = triton.cdiv(num_tokens, tile_rows(num_tokens))
+    factor = TILE_GRID_FACTOR if factor is None else factor
+    return max(1, min(max_tiles(num_tokens, num_slots), int(fewest * factor + 0.999)))
 
 
 @functools.cache
@@ -289,19 +306,26 @@ class ShrinkConfig:
         return self.splits * num_tokens * n
 
 
-@functools.cache
 def shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int, rows: bool) -> ShrinkConfig:
-    """K is split so that about two programs per SM run (a decode step has few tokens)."""
+    return _shrink_config(num_tokens, n, k, num_slots, sm_count, rows, TILE_GRID_FACTOR, TILE_PROGRAMS_PER_SM,
+                          _TILES_MAX_SPLITS)
+
+
+@functools.cache
+def _shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int, rows: bool, grid_factor: float,
+                   per_sm: int, tiles_max_splits: int) -> ShrinkConfig:
+    """K is split so that a few programs per SM run (a decode step has few tokens)."""
     if rows:
         block_n = min(64, triton.next_power_of_2(n))
         block_k, block_m, max_splits = _ROWS_BLOCK_K, 1, _ROWS_MAX_SPLITS
         lead, programs = num_tokens, num_tokens * triton.cdiv(n, block_n)
+        per_sm = 2
     else:
         block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
-        block_k, block_m, max_splits = _TILES_BLOCK_K, tile_rows(num_tokens), _TILES_MAX_SPLITS
-        lead = max_tiles(num_tokens, num_slots)
+        block_k, block_m, max_splits = _TILES_BLOCK_K, tile_rows(num_tokens), tiles_max_splits
+        lead = tile_grid(num_tokens, num_slots, grid_factor)
         programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(n, block_n)  # the fewest real tiles
-    splits = max(1, min(2 * sm_count // programs, triton.cdiv(k, block_k), max_splits))
+    splits = max(1, min(per_sm * sm_count // programs, triton.cdiv(k, block_k), max_splits))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     return ShrinkConfig(rows, (lead, triton.cdiv(n, block_n), splits), splits, k_per_split, block_n, block_k, block_m)
@@ -333,6 +357,8 @@ class StepPlan:
     order: torch.Tensor | None  # int32 [T] (tiles kernels)
     tiles: torch.Tensor | None  # int32 [3, max_tiles] (tiles kernels)
     workspace: torch.Tensor  # float32, at least every projection's planes
+    count: torch.Tensor | None = None  # int32 [1]: the step's real tiles (tiles kernels)
+    grid_m: int = 0  # the tile kernels' programs along the tiles (`tile_grid`)
 
 
 def plan_step(token_slots: torch.Tensor, num_slots: int, shapes: set[tuple[int, int]],
@@ -347,8 +373,9 @@ def plan_step(token_slots: torch.Tensor, num_slots: int, shapes: set[tuple[int, 
     if rows:  # the rows kernels index token_slots by token: a dense int32 copy when not one already
         # (a one-row prompt chunk's slots are an expanded view with stride 0: read past its element)
         return StepPlan(num_tokens, num_slots, token_slots.to(torch.int32).contiguous(), None, None, workspace)
-    order, tiles = plan_tiles(token_slots, num_slots)
-    return StepPlan(num_tokens, num_slots, token_slots, order, tiles, workspace)
+    order, tiles, count = plan_tiles(token_slots, num_slots)
+    return StepPlan(num_tokens, num_slots, token_slots, order, tiles, workspace, count,
+                    tile_grid(num_tokens, num_slots))
 
 
 # ---------------------------------------------------------------- launches
@@ -366,8 +393,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, plan: StepPlan) -> torch.Tenso
                                       x.stride(0), a.stride(0), a.stride(1), planes.stride(0), planes.stride(1),
                                       BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k)
     else:
-        _shrink_tiles_kernel[cfg.grid](x, a, planes, plan.order, plan.tiles, plan.tiles.shape[1], n, k,
-                                       cfg.k_per_split, x.stride(0), a.stride(0), a.stride(1),
+        grid = (plan.grid_m,) + cfg.grid[1:]
+        _shrink_tiles_kernel[grid](x, a, planes, plan.order, plan.tiles, plan.count, plan.tiles.shape[1],
+                                       plan.grid_m, n, k, cfg.k_per_split, x.stride(0), a.stride(0), a.stride(1),
                                        planes.stride(0), planes.stride(1), BLOCK_M=cfg.block_m,
                                        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, IEEE=x.dtype == torch.float32)
     return planes
@@ -389,14 +417,15 @@ def lora_expand(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.
     n, rank = b.shape[1], b.shape[2]
     assert y.stride(1) == 1 and b.stride(2) == 1
     rows = plan.order is None
-    lead = num_tokens if rows else plan.tiles.shape[1]
+    lead = num_tokens if rows else plan.grid_m
     grid, block_n, p1, p2 = _expand_launch(rows, num_tokens, n, part_starts, lead)
     if rows:
         _expand_rows_kernel[grid](planes, b, y, plan.token_slots, n, p1, p2, splits,
                                   planes.stride(0), planes.stride(1), b.stride(0), b.stride(1), y.stride(0),
                                   RANK=rank, BLOCK_N=block_n, SPLITS_PAD=_ROWS_MAX_SPLITS)
     else:
-        _expand_tiles_kernel[grid](planes, b, y, plan.order, plan.tiles, plan.tiles.shape[1], n, p1, p2, splits,
+        _expand_tiles_kernel[grid](planes, b, y, plan.order, plan.tiles, plan.count, plan.tiles.shape[1],
+                                   plan.grid_m, n, p1, p2, splits,
                                    planes.stride(0), planes.stride(1), b.stride(0), b.stride(1), y.stride(0),
                                    RANK=rank, BLOCK_M=tile_rows(num_tokens), BLOCK_N=block_n,
                                    IEEE=b.dtype == torch.float32, num_warps=_tile_warps(tile_rows(num_tokens), block_n))
@@ -419,10 +448,9 @@ def lora_expand_silu(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: t
             b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_N=block_n,
             SPLITS_PAD=_ROWS_MAX_SPLITS)
     else:
-        block_n = min(64, triton.next_power_of_2(inter))
-        lead = plan.tiles.shape[1]
-        _expand_silu_tiles_kernel[(lead, triton.cdiv(inter, block_n))](
-            planes, b, y, out, plan.order, plan.tiles, lead, inter, splits, planes.stride(0), planes.stride(1),
+        block_n = min(SILU_TILE_BLOCK_N, triton.next_power_of_2(inter))
+        _expand_silu_tiles_kernel[(plan.grid_m, triton.cdiv(inter, block_n))](
+            planes, b, y, out, plan.order, plan.tiles, plan.count, plan.tiles.shape[1], plan.grid_m, inter, splits, planes.stride(0), planes.stride(1),
             b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_M=tile_rows(num_tokens),
             BLOCK_N=block_n, IEEE=b.dtype == torch.float32, num_warps=_tile_warps(tile_rows(num_tokens), 2 * block_n))
     return out
