@@ -255,6 +255,8 @@ LAYER_VARIANTS = {
     "overlap_hi": (True, None, "high", None),
     "old_tiles": (True, None, "normal", dict(TILE_GRID_FACTOR=1e9, TILE_PROGRAMS_PER_SM=2, _TILES_MAX_SPLITS=8)),
     "silu128": (True, None, "high", dict(SILU_TILE_BLOCK_N=128)),
+    "overlap_hi_nofuse": (True, None, "high", dict(fuse=False)),
+    "seq_nofuse": (True, None, None, dict(fuse=False)),
 }
 
 
@@ -298,6 +300,8 @@ def layer(results, args) -> None:
             w["l_" + name] = slots
         weights.append(w)
 
+    fuse = True
+
     def stack(h, lora: bool):
         for i in range(layers):
             w = weights[i % sets]
@@ -305,7 +309,8 @@ def layer(results, args) -> None:
                 qkv = w["l_qkv"].forward(h, lambda: torch.mm(h, w["qkv"].t()))
                 att = qkv[:, :q]
                 h2 = w["l_o"].forward(att, lambda: torch.addmm(h, att, w["o"].t()))
-                a = w["l_gate_up"].forward_silu_mul(h2, lambda: torch.mm(h2, w["gate_up"].t()), act)
+                a = w["l_gate_up"].forward_silu_mul(h2, lambda: torch.mm(h2, w["gate_up"].t()), act,
+                                                      then=w["l_down"] if fuse else None)
                 h = w["l_down"].forward(a, lambda: torch.addmm(h2, a, w["down"].t()))
             else:
                 att = torch.mm(h, w["qkv"].t())[:, :q]
@@ -325,9 +330,11 @@ def layer(results, args) -> None:
                 lora, fixed, stream, knobs = LAYER_VARIANTS[variant]
                 if not lora and adapters != 1:
                     continue
-                saved = {k: getattr(triton_lora, k) for k in (knobs or {})}
+                knobs = dict(knobs or {})
+                fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
+                saved = {k: getattr(triton_lora, k) for k in knobs}
                 try:
-                    for k, v in (knobs or {}).items():
+                    for k, v in knobs.items():
                         setattr(triton_lora, k, v)
                     batch.side_stream = streams.get(stream)
                     token_slots = mix if fixed is None else torch.full_like(mix, fixed)

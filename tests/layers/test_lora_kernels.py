@@ -185,3 +185,44 @@ def test_rows_plan_of_one_row_chunk_reads_each_tokens_slot(fused):
                                    atol=1e-4, rtol=1e-4)
     else:
         torch.testing.assert_close(lora_expand(planes, b, plan, y.clone(), starts), y + delta, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens,inter", [(1, 48), (7, 48), (5, 608)])
+def test_silu_kernel_does_the_next_shrink(num_tokens, inter):
+    """At decode sizes gate_up's fused expand + activation also does down_proj's shrink of its own
+    output (one launch less): down_proj's LoRA then equals the unfused path's (and the CPU path's),
+    tokens without an adapter untouched. inter = 608: three column blocks, three planes summed."""
+    g = torch.Generator().manual_seed(11)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    gate_up = LoRASlots(batch, 3, 16, 40, [inter, inter], torch.float32, torch.device("cpu"))
+    down = LoRASlots(batch, 3, 16, inter, [32], torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for part in range(2):
+            gate_up.set_slot(slot, part, torch.randn(8, 40, generator=g), torch.randn(inter, 8, generator=g) * 0.3)
+        down.set_slot(slot, 0, torch.randn(16, inter, generator=g) * 0.1, torch.randn(32, 16, generator=g))
+    x, y = torch.randn(num_tokens, 40, generator=g), torch.randn(num_tokens, 2 * inter, generator=g)
+    token_slots = torch.tensor([(-1, 2, 0, 1)[t % 4] for t in range(num_tokens)]) if num_tokens > 1 else \
+        torch.tensor([2])
+    residual = torch.randn(num_tokens, 32, generator=g)
+    batch.prepare(token_slots, token_slots.numpy())  # the CPU path
+    act = torch.nn.functional.silu(gate_up.forward(x, lambda: y.clone())[:, :inter]) * \
+        gate_up.forward(x, lambda: y.clone())[:, inter:]
+    want = down.forward(act, lambda: residual.clone())
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    assert batch.plan.order is None
+    out = gate_up.forward_silu_mul(x, lambda: y.clone(), None, then=down)
+    assert batch.ahead is not None and batch.ahead[0] is out  # the shrink was done ahead
+    torch.testing.assert_close(out, act, atol=1e-4, rtol=1e-4)
+    got = down.forward(out, lambda: residual.clone())
+    assert batch.ahead is None  # consumed
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    no_adapter = token_slots < 0
+    assert torch.equal(got[no_adapter], residual[no_adapter])
+    # Another input than the kernel's output: down_proj does its own shrink (the planes ahead are not reused).
+    gate_up.forward_silu_mul(x, lambda: y.clone(), None, then=down)
+    other = act + 1.0
+    batch.prepare(token_slots, token_slots.numpy())
+    want_other = down.forward(other, lambda: residual.clone())
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    gate_up.forward_silu_mul(x, lambda: y.clone(), None, then=down)
+    torch.testing.assert_close(down.forward(other, lambda: residual.clone()), want_other, atol=1e-4, rtol=1e-4)

@@ -163,9 +163,13 @@ def _expand_tiles_kernel(t_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, count_ptr, M
 @triton.jit(do_not_specialize=["SPLITS"])
 def _expand_silu_rows_kernel(t_ptr, b_ptr, y_ptr, out_ptr, slots_ptr, I, SPLITS,
                              stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
-                             RANK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                             a2_ptr, t2_ptr, N2, stride_a2s, stride_a2n, stride_t2split, stride_t2t,
+                             RANK: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+                             NEXT: tl.constexpr, BLOCK_N2: tl.constexpr):
     """Program (token, n): silu(gate + delta) * (up + delta) for columns n of the token, from the
-    base [gate | up] output y (every token: those without an adapter get no delta)."""
+    base [gate | up] output y (every token: those without an adapter get no delta). NEXT: also
+    the next projection's shrink over these columns (its input is this output: down_proj's A
+    [slots, N2, I]), as plane `n` of its float32 partial sums [I / BLOCK_N, T, N2]."""
     dtype = y_ptr.dtype.element_ty
     t, pid_n = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s = tl.load(slots_ptr + t).to(tl.int64)
@@ -187,7 +191,15 @@ def _expand_silu_rows_kernel(t_ptr, b_ptr, y_ptr, out_ptr, slots_ptr, I, SPLITS,
         gate = (gate + tl.sum(b_gate * s_gate[None, :], axis=1)).to(dtype).to(tl.float32)
         up = (up + tl.sum(b_up * s_up[None, :], axis=1)).to(dtype).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + t * stride_ot + n, (silu * up).to(dtype), mask=n_ok)
+    res = (silu * up).to(dtype)
+    tl.store(out_ptr + t * stride_ot + n, res, mask=n_ok)
+    if NEXT:
+        if s >= 0:
+            n2 = tl.arange(0, BLOCK_N2)
+            a2 = tl.load(a2_ptr + s * stride_a2s + n2[:, None].to(tl.int64) * stride_a2n + n[None, :],
+                         mask=(n2 < N2)[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+            part = tl.sum(a2 * res.to(tl.float32)[None, :], axis=1)
+            tl.store(t2_ptr + pid_n * stride_t2split + t * stride_t2t + n2, part, mask=n2 < N2)
 
 
 @triton.jit(do_not_specialize=["MAX_TILES", "GRID_M", "SPLITS"])
@@ -359,6 +371,9 @@ class StepPlan:
     workspace: torch.Tensor  # float32, at least every projection's planes
     count: torch.Tensor | None = None  # int32 [1]: the step's real tiles (tiles kernels)
     grid_m: int = 0  # the tile kernels' programs along the tiles (`tile_grid`)
+    # rows kernels: the planes of a shrink fused into the previous kernel (`lora_expand_silu`), apart
+    # from `workspace` (read by that same kernel)
+    next_workspace: torch.Tensor | None = None
 
 
 def plan_step(token_slots: torch.Tensor, num_slots: int, shapes: set[tuple[int, int]],
@@ -372,7 +387,10 @@ def plan_step(token_slots: torch.Tensor, num_slots: int, shapes: set[tuple[int, 
     workspace = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
     if rows:  # the rows kernels index token_slots by token: a dense int32 copy when not one already
         # (a one-row prompt chunk's slots are an expanded view with stride 0: read past its element)
-        return StepPlan(num_tokens, num_slots, token_slots.to(torch.int32).contiguous(), None, None, workspace)
+        widest = max((n for n, _ in shapes), default=1)
+        fused = torch.empty(_ROWS_MAX_SPLITS * num_tokens * widest, dtype=torch.float32, device=device)
+        return StepPlan(num_tokens, num_slots, token_slots.to(torch.int32).contiguous(), None, None, workspace,
+                        next_workspace=fused)
     order, tiles, count = plan_tiles(token_slots, num_slots)
     return StepPlan(num_tokens, num_slots, token_slots, order, tiles, workspace, count,
                     tile_grid(num_tokens, num_slots))
@@ -433,20 +451,46 @@ def lora_expand(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.
 
 
 
-def lora_expand_silu(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.Tensor) -> torch.Tensor:
+def _silu_rows_block_n(inter: int) -> int:
+    return min(256, triton.next_power_of_2(inter))
+
+
+def can_fuse_next_shrink(plan: StepPlan, inter: int, next_a: torch.Tensor) -> bool:
+    """Whether `lora_expand_silu` can also do the next projection's shrink (A [slots, N2, inter]):
+    per-token kernels only, and no more planes than the rows expand sums."""
+    return (plan.order is None and next_a.shape[2] == inter and next_a.stride(2) == 1
+            and triton.cdiv(inter, _silu_rows_block_n(inter)) <= _ROWS_MAX_SPLITS and next_a.shape[1] <= 64)
+
+
+def lora_expand_silu(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.Tensor,
+                     next_a: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """silu(gate) * up of the [gate | up] projection's output `y` plus its LoRA deltas, in one pass
     (instead of the expand adding into y and the activation reading it back): a new [T, I] tensor
-    with `SiluAndMul`'s roundings. `b`: [slots, 2 * I, R]; `planes`: the shrink's [splits, T, 2R]."""
+    with `SiluAndMul`'s roundings. `b`: [slots, 2 * I, R]; `planes`: the shrink's [splits, T, 2R].
+    `next_a` (per-token kernels, `can_fuse_next_shrink`): the next projection's A, whose shrink of
+    the output the same kernel computes: returns (output, that shrink's planes) (a view of the
+    plan's `next_workspace`)."""
     splits, num_tokens, _ = planes.shape
     inter, rank = b.shape[1] // 2, b.shape[2]
     assert y.stride(1) == 1 and b.stride(2) == 1 and y.shape[1] == 2 * inter
     out = torch.empty(num_tokens, inter, dtype=y.dtype, device=y.device)
     if plan.order is None:
-        block_n = min(256, triton.next_power_of_2(inter))
-        _expand_silu_rows_kernel[(num_tokens, triton.cdiv(inter, block_n))](
+        block_n = _silu_rows_block_n(inter)
+        grid = (num_tokens, triton.cdiv(inter, block_n))
+        if next_a is not None:
+            assert can_fuse_next_shrink(plan, inter, next_a)
+            n2 = next_a.shape[1]
+            next_planes = plan.next_workspace[:grid[1] * num_tokens * n2].view(grid[1], num_tokens, n2)
+            fused = (next_a, next_planes, n2, next_a.stride(0), next_a.stride(1), next_planes.stride(0),
+                     next_planes.stride(1))
+        else:
+            fused = (y, y, 0, 0, 0, 0, 0)  # (unused)
+        _expand_silu_rows_kernel[grid](
             planes, b, y, out, plan.token_slots, inter, splits, planes.stride(0), planes.stride(1),
-            b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_N=block_n,
-            SPLITS_PAD=_ROWS_MAX_SPLITS)
+            b.stride(0), b.stride(1), y.stride(0), out.stride(0), *fused, RANK=rank, BLOCK_N=block_n,
+            SPLITS_PAD=_ROWS_MAX_SPLITS, NEXT=next_a is not None,
+            BLOCK_N2=triton.next_power_of_2(max(fused[2], 16)))
+        return out if next_a is None else (out, next_planes)
     else:
         block_n = min(SILU_TILE_BLOCK_N, triton.next_power_of_2(inter))
         _expand_silu_tiles_kernel[(plan.grid_m, triton.cdiv(inter, block_n))](
