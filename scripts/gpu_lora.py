@@ -319,6 +319,36 @@ def layer(results, args) -> None:
                 h = torch.addmm(h2, a, w["down"].t())
         return h
 
+    def check_layer(tokens, adapters, mix, h0):
+        """One layer eagerly, the engine's kernels vs the torch reference of every projection."""
+        from tokenmill.layers.lora.torch_lora import lora_reference
+        w = weights[0]
+        batch.side_stream = None
+        batch.prepare(mix)
+        if SMOKE:  # the CUDA path's plan: the Triton kernels (interpreted) instead of the CPU's matmuls
+            batch.plan = triton_lora.plan_step(mix, num_slots, batch.shapes)
+        qkv = w["l_qkv"].forward(h0, lambda: torch.mm(h0, w["qkv"].t()))
+        att = qkv[:, :q]
+        h2 = w["l_o"].forward(att, lambda: torch.addmm(h0, att, w["o"].t()))
+        a = w["l_gate_up"].forward_silu_mul(h2, lambda: torch.mm(h2, w["gate_up"].t()), act, then=w["l_down"])
+        out = w["l_down"].forward(a, lambda: torch.addmm(h2, a, w["down"].t()))
+        batch.clear()
+
+        def ref(name, x, y):
+            sl = w["l_" + name]
+            return y.float() + lora_reference(x, sl.a, sl.b, sl.part_starts, mix)
+        errs = []
+        for name, x, y_base, got in (("qkv", h0, torch.mm(h0, w["qkv"].t()), qkv),
+                                     ("o", att, torch.addmm(h0, att, w["o"].t()), h2),
+                                     ("down", a, torch.addmm(h2, a, w["down"].t()), out)):
+            want = ref(name, x, y_base)
+            errs.append(((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-3)).item())
+        gate, up = ref("gate_up", h2, torch.mm(h2, w["gate_up"].t())).to(dtype).float().chunk(2, dim=1)
+        want = torch.nn.functional.silu(gate).to(dtype).float() * up
+        errs.append(((a.float() - want).abs().max() / want.abs().max().clamp_min(1e-3)).item())
+        check(max(errs) <= (1e-4 if SMOKE else 2e-2),
+              f"layer T={tokens} adapters={adapters}: relative error qkv/o/down/gate_up {['%.1e' % e for e in errs]}")
+
     rows = []
     for tokens in token_counts:
         h0 = rnd(tokens, h_size, scale=1.0)
@@ -326,10 +356,13 @@ def layer(results, args) -> None:
             if adapters > 1 and (tokens < 2 * adapters or tokens == 1):
                 continue
             mix = (torch.randperm(tokens, generator=g, device=device) % adapters).to(torch.int32)
+            check_layer(tokens, adapters, mix, h0)
             for variant in variants:
                 lora, fixed, stream, knobs = LAYER_VARIANTS[variant]
                 if not lora and adapters != 1:
                     continue
+                if tokens > 16 and variant in ("noop", "overlap_hi_nofuse", "seq_nofuse"):
+                    continue  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
                 knobs = dict(knobs or {})
                 fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
                 saved = {k: getattr(triton_lora, k) for k in knobs}
