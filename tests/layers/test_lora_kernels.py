@@ -110,6 +110,20 @@ def test_tiles_cover_each_token_once(num_tokens, slots):
     assert count.tolist() == [real]  # the kernels loop up to it
 
 
+@pytest.mark.parametrize("num_tokens,slots", [(17, 3), (40, 9), (600, 5), (530, 40), (300, 64), (33, 1)])
+def test_plan_kernel_equals_torch_plan(num_tokens, slots):
+    """The one-launch plan (steps up to PLAN_KERNEL_MAX_TOKENS) = the torch ops' plan: the same
+    stable order by slot, the same real tiles and count."""
+    g = torch.Generator().manual_seed(num_tokens + slots)
+    token_slots = torch.randint(-1, slots, (num_tokens,), generator=g)
+    order, tiles, count = plan_tiles(token_slots, slots)
+    order2, tiles2, count2 = triton_lora.plan_tiles_fused(token_slots, slots)
+    real = int(count)
+    assert torch.equal(count2, count) and torch.equal(order2, order)
+    assert torch.equal(tiles2[:, :real], tiles[:, :real])
+    assert (tiles2[0, real:] == triton_lora.NO_TILE).all()
+
+
 @pytest.mark.parametrize("shape", sorted(PARTS))
 def test_cpu_grouped_path_matches_reference(shape):
     x, a, b, token_slots, y, starts = _case(33, PARTS[shape], seed=1)

@@ -284,6 +284,68 @@ def plan_tiles(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor,
     return order.to(torch.int32), tiles.to(torch.int32), tile_end[-1:].to(torch.int32)
 
 
+@triton.jit(do_not_specialize=["T", "MAX_TILES", "GROUPS"])
+def _plan_tiles_kernel(slots_ptr, order_ptr, tiles_ptr, count_ptr, T, MAX_TILES, GROUPS,
+                       BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, NO_TILE_: tl.constexpr):
+    """`plan_tiles` in one program (one launch instead of a sort and a dozen small ops): a
+    counting sort of the tokens by group (slot + 1; stable), then the tile table."""
+    g = tl.arange(0, BLOCK_G)
+    counts = tl.zeros((BLOCK_G,), dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        grp = tl.load(slots_ptr + t, mask=t < T, other=-2).to(tl.int32) + 1
+        counts += tl.sum((grp[:, None] == g[None, :]).to(tl.int32), axis=0)
+    starts = tl.cumsum(counts, axis=0) - counts
+    per_group = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_end = tl.cumsum(per_group, axis=0)
+    total = tl.sum(per_group, axis=0)
+    running = starts
+    for t0 in range(0, T, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        grp = tl.load(slots_ptr + t, mask=t < T, other=-2).to(tl.int32) + 1
+        hot = (grp[:, None] == g[None, :]).to(tl.int32)
+        rank = tl.cumsum(hot, axis=0) - hot  # earlier tokens of the same group in this block
+        pos = tl.sum(hot * (running[None, :] + rank), axis=1)
+        tl.store(order_ptr + pos, t, mask=t < T)
+        running += tl.sum(hot, axis=0)
+    for i0 in range(0, MAX_TILES, BLOCK_T):
+        i = i0 + tl.arange(0, BLOCK_T)
+        valid_g = g < GROUPS
+        grp = tl.sum(((tile_end[None, :] <= i[:, None]) & valid_g[None, :]).to(tl.int32), axis=1)
+        grp = tl.minimum(grp, GROUPS - 1)
+        hot = (grp[:, None] == g[None, :]).to(tl.int32)
+        start = tl.sum(hot * starts[None, :], axis=1)
+        first_tile = tl.sum(hot * (tile_end - per_group)[None, :], axis=1)
+        end = start + tl.sum(hot * counts[None, :], axis=1)
+        first = start + (i - first_tile) * BLOCK_M
+        real = i < total
+        ok = i < MAX_TILES
+        tl.store(tiles_ptr + i, tl.where(real, grp - 1, NO_TILE_), mask=ok)
+        tl.store(tiles_ptr + MAX_TILES + i, first, mask=ok)
+        tl.store(tiles_ptr + 2 * MAX_TILES + i, tl.minimum(first + BLOCK_M, end), mask=ok)
+    tl.store(count_ptr, total)
+
+
+def plan_tiles_fused(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`plan_tiles`' result (the same order, tiles and count) from one kernel."""
+    num_tokens, device = token_slots.shape[0], token_slots.device
+    limit = max_tiles(num_tokens, num_slots)
+    order = torch.empty(num_tokens, dtype=torch.int32, device=device)
+    tiles = torch.empty(3, limit, dtype=torch.int32, device=device)
+    count = torch.empty(1, dtype=torch.int32, device=device)
+    slots = token_slots if token_slots.stride(0) == 1 else token_slots.contiguous()
+    _plan_tiles_kernel[(1,)](slots, order, tiles, count, num_tokens, limit, num_slots + 1,
+                             BLOCK_M=tile_rows(num_tokens), BLOCK_T=64,
+                             BLOCK_G=max(16, triton.next_power_of_2(num_slots + 1)), NO_TILE_=NO_TILE,
+                             num_warps=4)
+    return order, tiles, count
+
+
+# Steps of up to this many tokens get their tile plan from `_plan_tiles_kernel` (one launch; its
+# one program is slower than the torch ops' sort beyond), larger ones from `plan_tiles`.
+PLAN_KERNEL_MAX_TOKENS = 1024
+
+
 # The tile kernels' grid: GRID_M programs along the tiles, each looping over tiles i, i + GRID_M,
 # ... up to the step's real count (read on the device), so the grid never carries the empty
 # programs of the worst-case bound (64 slots: 65 more tiles than a one-adapter step has).
@@ -391,7 +453,8 @@ def plan_step(token_slots: torch.Tensor, num_slots: int, shapes: set[tuple[int, 
         fused = torch.empty(_ROWS_MAX_SPLITS * num_tokens * widest, dtype=torch.float32, device=device)
         return StepPlan(num_tokens, num_slots, token_slots.to(torch.int32).contiguous(), None, None, workspace,
                         next_workspace=fused)
-    order, tiles, count = plan_tiles(token_slots, num_slots)
+    planner = plan_tiles_fused if num_tokens <= PLAN_KERNEL_MAX_TOKENS else plan_tiles
+    order, tiles, count = planner(token_slots, num_slots)
     return StepPlan(num_tokens, num_slots, token_slots, order, tiles, workspace, count,
                     tile_grid(num_tokens, num_slots))
 
