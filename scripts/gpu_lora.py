@@ -260,6 +260,7 @@ LAYER_VARIANTS = {
     "grid2": (True, None, "high", dict(TILE_GRID_FACTOR=2.0)),
     "splits32": (True, None, "high", dict(TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32)),
     "silu128": (True, None, "high", dict(SILU_TILE_BLOCK_N=128)),
+    "wide": (True, None, "high", dict(SILU_TILE_BLOCK_N=128, EXPAND_TILE_BLOCK_N=256)),
     "overlap_hi_nofuse": (True, None, "high", dict(fuse=False)),
     "seq_nofuse": (True, None, None, dict(fuse=False)),
 }
@@ -370,7 +371,7 @@ def layer(results, args) -> None:
                     continue
                 if tokens > 16 and variant in ("noop", "overlap_hi_nofuse", "seq_nofuse"):
                     continue  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
-                if tokens <= 16 and variant in ("old_tiles", "torch_plan", "grid2", "splits32", "silu128"):
+                if tokens <= 16 and variant in ("old_tiles", "torch_plan", "grid2", "splits32", "silu128", "wide"):
                     continue  # (the per-token kernels: no tiles)
                 if (tokens > 16 and variant == "overlap") or (tokens != 256 and variant == "torch_plan") or \
                         (adapters == 1 and variant == "grid2"):

@@ -240,3 +240,25 @@ def test_silu_kernel_does_the_next_shrink(num_tokens, inter):
     batch.plan = plan_step(token_slots, 3, batch.shapes)
     gate_up.forward_silu_mul(x, lambda: y.clone(), None, then=down)
     torch.testing.assert_close(down.forward(other, lambda: residual.clone()), want_other, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("knobs", [dict(SILU_TILE_BLOCK_N=128, EXPAND_TILE_BLOCK_N=256),
+                                   dict(TILE_GRID_FACTOR=2.0, TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32),
+                                   dict(TILE_GRID_FACTOR=1e9, TILE_PROGRAMS_PER_SM=2, _TILES_MAX_SPLITS=8,
+                                        PLAN_KERNEL_MAX_TOKENS=0)])
+def test_tile_knobs_keep_results(monkeypatch, knobs):
+    """The tile kernels' tunables (gpu_lora.py's layer variants: wider blocks, more programs per
+    tile group and splits, the grid and plan of before) change the launch, not the result."""
+    for name, value in knobs.items():
+        monkeypatch.setattr(triton_lora, name, value)
+    for num_tokens, parts in ((40, [512]), (600, [256, 256])):
+        x, a, b, token_slots, y, starts = _case(num_tokens, parts, slots=5, k=300, seed=9)
+        plan = plan_step(token_slots, a.shape[0], {(a.shape[1], 300)})
+        planes = lora_shrink(x, a, plan)
+        delta = lora_reference(x, a, b, starts, token_slots)
+        if len(parts) == 2:
+            gate, up = (y + delta).chunk(2, dim=1)
+            torch.testing.assert_close(lora_expand_silu(planes, b, plan, y), torch.nn.functional.silu(gate) * up,
+                                       atol=1e-4, rtol=1e-4)
+        else:
+            torch.testing.assert_close(lora_expand(planes, b, plan, y.clone(), starts), y + delta, atol=1e-4, rtol=1e-4)

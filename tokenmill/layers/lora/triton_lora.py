@@ -352,6 +352,7 @@ PLAN_KERNEL_MAX_TOKENS = 1024
 TILE_GRID_FACTOR = 1.0  # GRID_M = the fewest real tiles (ceil(T / BLOCK_M)) times this, capped
 TILE_PROGRAMS_PER_SM = 4  # the shrink splits K until about this many programs per SM run
 SILU_TILE_BLOCK_N = 64  # columns of gate (and of up) per program of the fused activation's tiles
+EXPAND_TILE_BLOCK_N = 128  # the widest column block of the expand's tiles (it must divide the parts)
 
 
 def tile_grid(num_tokens: int, num_slots: int, factor: float | None = None) -> int:
@@ -483,8 +484,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, plan: StepPlan) -> torch.Tenso
 
 
 @functools.cache
-def _expand_launch(rows: bool, num_tokens: int, n: int, part_starts: tuple[int, ...], lead: int) -> tuple:
-    block_n = expand_block_n(part_starts, 256 if rows else 128)
+def _expand_launch(rows: bool, num_tokens: int, n: int, part_starts: tuple[int, ...], lead: int,
+                   tile_block_n: int) -> tuple:
+    block_n = expand_block_n(part_starts, 256 if rows else tile_block_n)
     assert block_n, "part boundaries must be multiples of 16"
     bounds = list(part_starts[1:-1]) + [_BIG] * (3 - len(part_starts) + 1)
     return (lead, triton.cdiv(n, block_n)), block_n, bounds[0], bounds[1]
@@ -499,7 +501,7 @@ def lora_expand(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.
     assert y.stride(1) == 1 and b.stride(2) == 1
     rows = plan.order is None
     lead = num_tokens if rows else plan.grid_m
-    grid, block_n, p1, p2 = _expand_launch(rows, num_tokens, n, part_starts, lead)
+    grid, block_n, p1, p2 = _expand_launch(rows, num_tokens, n, part_starts, lead, EXPAND_TILE_BLOCK_N)
     if rows:
         _expand_rows_kernel[grid](planes, b, y, plan.token_slots, n, p1, p2, splits,
                                   planes.stride(0), planes.stride(1), b.stride(0), b.stride(1), y.stride(0),
