@@ -20,6 +20,8 @@ from tokenmill.layers import triton_ops
 from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference
 
 
+# Captured steps of fewer tokens run the shrink in stream order (no side stream).
+OVERLAP_MIN_TOKENS = 0
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
@@ -151,7 +153,8 @@ class LoRASlots:
         """The shrink's planes and base(): side by side while a CUDA graph is captured."""
         from tokenmill.layers.lora.triton_lora import lora_shrink
         batch = self.batch
-        if batch.side_stream is not None and torch.cuda.is_current_stream_capturing():
+        if (batch.side_stream is not None and batch.num_tokens >= OVERLAP_MIN_TOKENS
+                and torch.cuda.is_current_stream_capturing()):
             return run_beside(batch.side_stream, lambda: lora_shrink(x, self.a, batch.plan), base)
         return lora_shrink(x, self.a, batch.plan), base()
 
