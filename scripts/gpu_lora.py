@@ -254,9 +254,10 @@ LAYER_VARIANTS = {
     "overlap": (True, None, "normal", None),
     "overlap_hi": (True, None, "high", None),
     # the tile kernels and the plan as they were (every program one tile of the worst-case bound)
-    "old_tiles": (True, None, "high", dict(TILE_GRID_FACTOR=1e9, TILE_PROGRAMS_PER_SM=2, _TILES_MAX_SPLITS=8,
+    "old_tiles": (True, None, "high", dict(TILE_GRID_FACTOR=None, TILE_PROGRAMS_PER_SM=2, _TILES_MAX_SPLITS=8,
                                            PLAN_KERNEL_MAX_TOKENS=0)),
     "torch_plan": (True, None, "high", dict(PLAN_KERNEL_MAX_TOKENS=0)),
+    "grid1": (True, None, "high", dict(TILE_GRID_FACTOR=1.0)),
     "grid2": (True, None, "high", dict(TILE_GRID_FACTOR=2.0)),
     "splits32": (True, None, "high", dict(TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32)),
     "silu128": (True, None, "high", dict(SILU_TILE_BLOCK_N=128)),
@@ -373,10 +374,11 @@ def layer(results, args) -> None:
                     continue
                 if tokens > 16 and variant in ("noop", "overlap_hi_nofuse", "seq_nofuse"):
                     continue  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
-                if tokens <= 16 and variant in ("old_tiles", "torch_plan", "grid2", "splits32", "silu128", "wide"):
+                if tokens <= 16 and variant in ("old_tiles", "torch_plan", "grid1", "grid2", "splits32", "silu128",
+                                                "wide"):
                     continue  # (the per-token kernels: no tiles)
                 if (tokens > 16 and variant == "overlap") or (tokens != 256 and variant == "torch_plan") or \
-                        (adapters == 1 and variant == "grid2"):
+                        (adapters == 1 and variant in ("grid1", "grid2")):
                     continue  # (fewer runs: overlap_hi vs seq tells the stream's part; grid2 = new for one slot)
                 knobs = dict(knobs or {})
                 fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
