@@ -30,7 +30,7 @@ ROWS_MAX_TOKENS = 16  # steps up to this many tokens use the per-token (rows) ke
 _ROWS_BLOCK_K = 128
 _ROWS_MAX_SPLITS = 64  # the rows expand loads this many planes of a token in one (masked) block
 _TILES_BLOCK_K = 64
-_TILES_MAX_SPLITS = 16
+_TILES_MAX_SPLITS = 8
 
 
 # ---------------------------------------------------------------- rows: one token per program
@@ -347,18 +347,26 @@ PLAN_KERNEL_MAX_TOKENS = 1024
 
 
 # The tile kernels' grid: GRID_M programs along the tiles, each looping over tiles i, i + GRID_M,
-# ... up to the step's real count (read on the device), so the grid never carries the empty
-# programs of the worst-case bound (64 slots: 65 more tiles than a one-adapter step has).
-TILE_GRID_FACTOR = 1.0  # GRID_M = the fewest real tiles (ceil(T / BLOCK_M)) times this, capped
-TILE_PROGRAMS_PER_SM = 4  # the shrink splits K until about this many programs per SM run
+# ... up to the step's real count (read on the device). None: GRID_M = the worst-case bound
+# (`max_tiles`, one tile a program at most). A factor f: about f * ceil(T / BLOCK_M) programs
+# (no empty programs for one adapter; but a program then runs several tiles in a row when the
+# step mixes adapters: on an H200, 256 tokens of 64 adapters took 388 us a layer at f = 1 and
+# 307 at the bound, one adapter the same either way; gpu_lora.py --parts layer).
+TILE_GRID_FACTOR: float | None = None
+# The shrink splits K until about this many programs per SM run; more splits cost more in the
+# expand, which sums the planes (H200: 4 per SM and 16 splits, or 8 and 32, were slower).
+TILE_PROGRAMS_PER_SM = 2
 SILU_TILE_BLOCK_N = 64  # columns of gate (and of up) per program of the fused activation's tiles
 EXPAND_TILE_BLOCK_N = 128  # the widest column block of the expand's tiles (it must divide the parts)
 
 
-def tile_grid(num_tokens: int, num_slots: int, factor: float | None = None) -> int:
+def tile_grid(num_tokens: int, num_slots: int, factor: float | None | str = "default") -> int:
+    factor = TILE_GRID_FACTOR if factor == "default" else factor
+    bound = max_tiles(num_tokens, num_slots)
+    if factor is None:
+        return bound
     fewest = triton.cdiv(num_tokens, tile_rows(num_tokens))
-    factor = TILE_GRID_FACTOR if factor is None else factor
-    return max(1, min(max_tiles(num_tokens, num_slots), int(fewest * factor + 0.999)))
+    return max(1, min(bound, int(fewest * factor + 0.999)))
 
 
 @functools.cache
