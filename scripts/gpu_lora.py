@@ -3,7 +3,7 @@ model in the same run. Prints a table per part, writes $OUT/gpu_lora.json and $O
 (default ./gpu-out; rewritten after every part, so a run cut short keeps what it measured), exits 1
 on a failed check.
 
-Parts (--parts, comma-separated; default micro,tiny,engine,batch1):
+Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1):
   micro   the Triton shrink + expand of one projection on Llama-3.1-8B shapes (qkv 4096->6144,
           o 4096->4096, gate_up 4096->28672, down 14336->4096), rank 16, 64 slots, at 1, 16, 64,
           256 and 8192 tokens with 1, 8 and 64 adapters mixed uniformly: checked against the torch
@@ -12,6 +12,11 @@ Parts (--parts, comma-separated; default micro,tiny,engine,batch1):
           fused with the activation, as the engine runs it); at 16 and 64 tokens both kernel kinds
           (per-token "rows", slot "tiles"); with the shrink in stream order and beside the GEMM;
           the per-step plan; and per token count the four projections summed (one decoder layer)
+  layer   32 Llama-3.1-8B decoder layers' GEMMs (qkv, o, gate_up + SiLU-and-mul, down) with every
+          projection's LoRA in one CUDA graph, the step's plan inside: us per layer at 1, 16, 64,
+          256, 8192 tokens with 1, 8, 64 adapters, base and variants (side stream off / normal /
+          high priority, no fusion, every slot -1, the tile knobs); one layer checked against the
+          torch reference per size
   tiny    a tiny random Llama, float32, CUDA graphs on (and eager): base and three adapters mixed
           in one batch vs HF + PEFT greedy; again with one slot (eviction and reload mid-run)
   engine  Llama-3.1-8B shape, dummy weights, CUDA graphs on, rank-16 adapters on all seven
@@ -624,7 +629,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="micro,tiny,engine,batch1")
+    ap.add_argument("--parts", default="micro,layer,tiny,engine,batch1")
     ap.add_argument("--prompts", type=int, default=1000, help="engine: prompts per run (512 in x 256 out)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (checks that the script runs)")
     ap.add_argument("--layer-tokens", default="1,16,64,256,8192", help="layer: the step sizes")
