@@ -97,7 +97,7 @@ class LlamaMLP(nn.Module):
         if self.silu and not has_lora(gate_up):  # (with LoRA the delta joins gate_up's output first)
             act = silu_mul_linear(x, gate_up.weight, gate_up.bias, self._gate_up_packed)
         if act is None and self.silu:  # (with LoRA on CUDA: its expand and the activation in one kernel)
-            act = lora_forward_silu_mul(gate_up, x, lambda: gate_up(x), self.act)
+            act = lora_forward_silu_mul(gate_up, x, lambda: gate_up(x), self.act, then=self.down_proj)
         elif act is None:
             act = self.act(lora_forward(gate_up, x, lambda: gate_up(x)))
         if residual is None:
