@@ -97,3 +97,20 @@ def test_int4_stream_refuses_a_tile_straddling_groups():
     _, wt = _int4_case(group=32)
     with pytest.raises(ValueError, match="group size 32"):
         int4_stream_gemm(torch.randn(1, 256), wt.qweight, wt.scales, wt.zeros, 32, tiles=Tiles(1, 32, 64))
+
+
+def test_int4_matmul_routes_by_act_order_and_group(monkeypatch):
+    """Plain groups take the streaming kernel (with the layer's counters); act-order and groups
+    that are no multiple of 16 take the per-channel-group kernel."""
+    from tokenmill.layers.quantization import triton_int4, triton_int4_stream
+
+    calls = []
+    monkeypatch.setattr(triton_int4_stream, "int4_stream_gemm", lambda *a: calls.append("stream") or "s")
+    monkeypatch.setattr(triton_int4, "int4_gemm", lambda *a, **k: calls.append("fused") or "f")
+    _, wt = _int4_case(group=64)
+    counters = torch.zeros(8, dtype=torch.int32)
+    x = torch.randn(3, 256)
+    triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, None, 64, counters)
+    triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, torch.zeros(256, dtype=torch.int32), 64, counters)
+    triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, None, 8, counters)
+    assert calls == ["stream", "fused", "fused"]

@@ -72,6 +72,11 @@ def fp8_tiles(m: int, n: int, k: int, block_scales: tuple[int, int] | None, sms:
     return Tiles(bm, bn, bk, _split_for(tiles_mn, k, bk, sms), warps)
 
 
+def streams_blocks(block: tuple[int, int]) -> bool:
+    """Whether fp8 scale blocks of this shape fit the streaming kernel's power-of-two tiles."""
+    return all(b >= 16 and b & (b - 1) == 0 for b in block)
+
+
 def int4_tiles(m: int, n: int, k: int, group: int, sms: int) -> Tiles:
     """The INT4 kernel's configuration; `group` is the group size (k for one group)."""
     if m == 1:
