@@ -489,16 +489,13 @@ def micro(results: dict, device: str) -> None:
 # Candidate tiles (compiled variants; split-K is a launch size, not a recompile).
 def _tune_candidates():
     from tokenmill.layers.quantization.stream_tiles import Tiles as T
-    fp8_gemv = [T(1, 16, 256), T(1, 32, 256), T(1, 32, 512), T(1, 64, 128), T(1, 64, 256), T(1, 64, 256, warps=8),
-                T(1, 128, 128, warps=8)]
-    fp8_dot = [T(16, 16, 256), T(16, 32, 128), T(16, 32, 256), T(16, 64, 128), T(16, 64, 256, warps=8),
-               T(16, 128, 128, warps=8)]
-    int4_gemv = [T(1, 32, 128), T(1, 64, 128), T(1, 128, 128), T(1, 64, 64), T(1, 128, 128, warps=8),
-                 T(1, 256, 128, warps=8)]
-    int4_dot = [T(16, 32, 128), T(16, 64, 128), T(16, 128, 128), T(16, 64, 64), T(16, 128, 128, warps=8)]
-    int4_tc = [T(64, 64, 128), T(64, 128, 128), T(128, 128, 64, warps=8), T(128, 128, 128, warps=8),
-               T(128, 256, 64, warps=8), T(64, 128, 64, stages=4), T(128, 128, 64, stages=4),
-               T(128, 64, 128)]
+    fp8_gemv = [T(1, 32, 256), T(1, 32, 256, flat=False), T(1, 16, 512), T(1, 64, 128), T(1, 64, 256, warps=8, flat=False),
+                T(1, 16, 256, warps=2)]
+    fp8_dot = [T(16, 32, 256), T(16, 64, 128), T(16, 32, 128), T(16, 64, 256, warps=8)]
+    int4_gemv = [T(1, 64, 128), T(1, 32, 128), T(1, 128, 128, warps=8), T(1, 64, 64), T(1, 32, 128, warps=2)]
+    int4_dot = [T(16, 64, 128), T(16, 128, 128, warps=8), T(16, 32, 128), T(16, 64, 64, nibble_dots=False)]
+    int4_tc = [T(64, 64, 128), T(64, 128, 128), T(128, 128, 128, warps=8), T(128, 128, 64, warps=8, nibble_dots=False),
+               T(128, 64, 128), T(64, 128, 64, stages=4, nibble_dots=False), T(128, 256, 128, warps=8)]
     return fp8_gemv, fp8_dot, int4_gemv, int4_dot, int4_tc
 
 
@@ -513,6 +510,63 @@ def _cycled(tensors: list, min_bytes: int = 120 << 20):
         state["i"] += 1
         return copies[state["i"] % len(copies)]
     return next_copy
+
+
+def _tune_calls(device: str):
+    """(label, call) for every compiled variant of the sweep (each tile, with and without split-K)
+    on a small problem whose specialization matches the Llama shapes (sizes multiples of 16)."""
+    from tokenmill.layers.quantization import fp8_ops, stream_tiles
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
+    from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
+    from dataclasses import replace
+
+    n, k = 512, 2048
+    w = torch.randn(n, k, device=device) * 0.02
+    wq, ws = fp8_ops.quantize_rows(w)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    if device != "cuda":
+        wq = wq.float()
+    wt = packing.from_codes(packing.quantize_int4(w, 128, sym=True), dt, act_order=False)
+    counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+    fp8_gemv, fp8_dot, int4_gemv, int4_dot, int4_tc = _tune_candidates()
+    calls = []
+    tagged = [("fp8", t) for t in fp8_gemv + fp8_dot] + [("int4", t) for t in int4_gemv + int4_dot + int4_tc]
+    for kind, t in tagged:
+        for sp in ((1, 2) if t.block_m < 64 else (1,)):
+            tt = replace(t, split=sp)
+            x = torch.randn(max(1, t.block_m // 2), k, device=device, dtype=dt)
+            if kind == "fp8":
+                calls.append((f"fp8:{tt.label()}", lambda x=x, tt=tt: fp8_stream_gemm(x, wq, ws, None, counters, tiles=tt)))
+            else:
+                calls.append((f"int4:{tt.label()}", lambda x=x, tt=tt: int4_stream_gemm(
+                    x, wt.qweight, wt.scales, wt.zeros, 128, counters, tiles=tt)))
+    return calls
+
+
+def precompile_shard(shard: str) -> None:
+    """Compile one shard of the sweep's kernels into Triton's on-disk cache (tune runs shards in
+    parallel processes first: compiling, not timing, is most of the sweep's time)."""
+    i, n = map(int, shard.split("/"))
+    for j, (label, call) in enumerate(_tune_calls("cuda")):
+        if j % n == i:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - reported; the sweep skips what does not compile
+                print(f"  precompile {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    torch.cuda.synchronize()
+
+
+def _precompile_parallel(shards: int = 8, timeout: float = 90.0) -> None:
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile", f"{i}/{shards}"])
+             for i in range(shards)]
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    print(f"  precompiled the sweep's kernels in {shards} processes: {time.perf_counter() - start:.0f} s", flush=True)
 
 
 def tune(results: dict, device: str) -> None:
@@ -531,7 +585,7 @@ def tune(results: dict, device: str) -> None:
     shape = LLAMA8B if cuda else SMOKE
     h, i = shape["hidden_size"], shape["intermediate_size"]
     kv = 2 * h * shape["num_key_value_heads"] // shape["num_attention_heads"]
-    shapes = {"qkv": (h + kv, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i)}
+    shapes = {"gate_up": (2 * i, h), "down": (h, i), "qkv": (h + kv, h), "o": (h, h)}  # most time first
     fp8_gemv, fp8_dot, int4_gemv, int4_dot, int4_tc = _tune_candidates()
     fp8_rows = (1, 2, 4, 8, 16, 32) if cuda else (1, 4)
     int4_rows = (1, 4, 16, 64, 128, 256, 512, 1024, 2048) if cuda else (1, 16, 64)
@@ -542,6 +596,8 @@ def tune(results: dict, device: str) -> None:
     sms = stream_tiles.sm_count(torch.device(device))
     deadline = time.perf_counter() + float(os.environ.get("TUNE_BUDGET_S", "110"))
     rec = results.setdefault("tune", {})
+    if cuda:
+        _precompile_parallel(timeout=(deadline - time.perf_counter()) / 2)
 
     def splits(m, n, k, t):
         tiles_mn = -(-m // t.block_m) * -(-n // t.block_n)
@@ -694,7 +750,11 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run one part in this process
+    ap.add_argument("--precompile", help=argparse.SUPPRESS)  # compile one shard of tune's kernels
     ns = ap.parse_args()
+    if ns.precompile:
+        precompile_shard(ns.precompile)
+        return 0
     os.makedirs(OUT, exist_ok=True)
     if ns.child:
         res = run_part(ns.child, ns.smoke)

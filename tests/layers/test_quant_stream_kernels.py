@@ -24,7 +24,7 @@ except ImportError:
         pytest.fail("triton is not installed, but CI installs it with the test extras", pytrace=False)
     pytest.skip("triton is not installed", allow_module_level=True)
 
-FP8_TILES = [Tiles(1, 16, 32, 1), Tiles(1, 16, 32, 3), Tiles(16, 16, 32, 2)]
+FP8_TILES = [Tiles(1, 16, 32, 1), Tiles(1, 16, 32, 3), Tiles(1, 16, 32, 2, flat=False), Tiles(16, 16, 32, 2)]
 
 
 def _fp8_weight(n, k, block, seed=0):
@@ -59,6 +59,11 @@ def test_fp8_stream_matches_reference(m, block, dtype):
     assert (x.double() @ w.double().t() - ref).abs().max() > 1e-3  # the weight really is quantized
 
 
+# GEMV rows, tensor-core tiles: 8 nibble dots (BLOCK_K >= 128) or one dot after a reshape
+INT4_TILES = [Tiles(1, 32, 32, 1), Tiles(1, 32, 64, 2), Tiles(16, 32, 32, 3), Tiles(32, 64, 64, 1),
+              Tiles(16, 32, 128, 2), Tiles(32, 32, 128, 1, nibble_dots=False)]
+
+
 def _int4_case(n=96, k=256, group=64, sym=False, seed=0):
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g)
@@ -68,7 +73,7 @@ def _int4_case(n=96, k=256, group=64, sym=False, seed=0):
 
 
 @pytest.mark.parametrize("m", [1, 5, 40])
-@pytest.mark.parametrize("group", [64, -1])
+@pytest.mark.parametrize("group", [64, 128, -1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_int4_stream_matches_reference(m, group, dtype):
     from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
@@ -79,8 +84,8 @@ def test_int4_stream_matches_reference(m, group, dtype):
     scales, zeros = wt.scales.to(dtype), wt.zeros.to(dtype)
     counters = torch.zeros(64, dtype=torch.int32)
     tol = 1e-3 if dtype == torch.float32 else 5e-2
-    for t in (Tiles(1, 32, 32, 1), Tiles(1, 32, 64, 2), Tiles(16, 32, 32, 3), Tiles(32, 64, 64, 1)):
-        if m > 1 and t.block_m == 1:
+    for t in INT4_TILES:
+        if (m > 1 and t.block_m == 1) or (group > 0 and group % t.block_k):
             continue
         out = int4_stream_gemm(x, wt.qweight, scales, zeros, group, counters, tiles=t)
         assert out.dtype == dtype

@@ -29,9 +29,12 @@ class Tiles:
     split: int = 1
     warps: int = 4
     stages: int = 3
+    nibble_dots: bool = True  # int4 tensor-core tiles: 8 dots over strided x (else one, after a reshape)
+    flat: bool = True  # fp8 one-row tiles (channel scales): sum over K once at the end (else each step)
 
     def label(self) -> str:
-        return f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split}w{self.warps}st{self.stages}"
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split}w{self.warps}st{self.stages}"
+                f"{'' if self.nibble_dots else 'r'}{'' if self.flat else 'f'}")
 
 
 # Rows up to which the fp8 weight-streaming kernel runs (bf16 activations, no activation
@@ -88,7 +91,7 @@ def int4_tiles(m: int, n: int, k: int, group: int, sms: int) -> Tiles:
     elif m <= 256:
         bm, bn, bk, warps, stages = 64, 128, 128, 4, 3
     else:
-        bm, bn, bk, warps, stages = 128, 128, 64, 8, 3
+        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
     bk = _fit_k(bk, group)
     tiles_mn = -(-m // bm) * -(-n // bn)
     split = _split_for(tiles_mn, k, bk, sms) if m <= 64 else 1

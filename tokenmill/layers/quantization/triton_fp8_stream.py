@@ -6,7 +6,8 @@ At a few rows the GEMM is bound by reading W, so there is nothing to gain from f
 the activations are not quantized (no extra launch, and more accurate than W8A8: only the
 weight is rounded). Each program streams a [BLOCK_N, BLOCK_K] tile of W per step (rows of K
 contiguous: 16-byte vector loads), converts it in registers and accumulates in float32:
-- BLOCK_M == 1 (one row): CUDA-core multiply and row sums;
+- BLOCK_M == 1 (one row): CUDA-core FMAs into a [BLOCK_N, BLOCK_K] float32 accumulator,
+  summed over K at the end (channel scales; block scales sum each step);
 - BLOCK_M >= 16: `tl.dot` on the tile converted to the activation dtype.
 Block scales multiply each K step's product (a K tile sits in one K block, an N tile in one N
 block); channel scales multiply the finished tile. Split-K and its one-launch reduction:
@@ -30,8 +31,10 @@ from tokenmill.layers.quantization.triton_split_k import store_tile
 def _fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, s_xm, s_wn, s_sn, s_om,
+    FLAT: tl.constexpr,  # one row, channel scales: elementwise products, summed over K at the end
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -47,6 +50,8 @@ def _fp8_stream_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FLAT:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * s_wn
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -54,18 +59,24 @@ def _fp8_stream_kernel(
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        if BLOCK_M == 1:
-            part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        if FLAT:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
         else:
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
-        if BLOCK_SCALES:
-            bs = tl.load(s_ptr + (offs_n // GROUP_N) * s_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
-            acc += part * bs[None, :]
-        else:
-            acc += part
+            if BLOCK_M == 1:
+                part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            if BLOCK_SCALES:
+                bs = tl.load(s_ptr + (offs_n // GROUP_N) * s_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
+                acc += part * bs[None, :]
+            else:
+                acc += part
+    if FLAT:
+        acc = tl.sum(acc2, axis=1)[None, :]
     if not BLOCK_SCALES:
         acc *= tl.load(s_ptr + offs_n * s_sn, mask=n_mask, other=0.0)[None, :]
-    store_tile(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_om, pid_n * tiles_m + pid_m, pid_k, split)
+    store_tile(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_om, pid_n * tiles_m + pid_m, pid_k, split,
+               SPLIT_K)
 
 
 def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -91,10 +102,10 @@ def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _fp8_stream_kernel[(tiles_mn, split)](
         x, weight, scale, out, part, counters if split > 1 else out,
         m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
-        BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
+        FLAT=t.block_m == 1 and block is None and t.flat, BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=t.warps, num_stages=t.stages)
+        SPLIT_K=split > 1, num_warps=t.warps, num_stages=t.stages)
     return out
 
 

@@ -1,6 +1,7 @@
 """The split-K epilogue shared by the quantized GEMM kernels (see `stream_tiles` for the scheme).
 
-`store_tile` writes a program's float32 tile: straight to the output when there is one K slice;
+`store_tile` writes a program's float32 tile: straight to the output without split-K (SPLIT_K
+false: one slice);
 else to its slice of the partials [split, M, N], then it counts itself in at the tile's counter
 (acq_rel, after a CTA barrier so every thread's partial is written first). The program that
 counts last sums the slices in slice order (deterministic), writes the output, and resets the
@@ -14,10 +15,11 @@ import triton.language as tl
 
 
 @triton.jit
-def store_tile(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_om, tile_id, pid_k, split):
+def store_tile(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_om, tile_id, pid_k, split,
+               SPLIT_K: tl.constexpr):
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     out_off = offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
-    if split == 1:
+    if not SPLIT_K:  # compiled out when unused: the reduction's registers would cost large tiles
         tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         p_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
