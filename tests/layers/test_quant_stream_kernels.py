@@ -37,8 +37,7 @@ def _fp8_weight(n, k, block, seed=0):
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
-@pytest.mark.parametrize("block", [None, (32, 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block,dtype", [(None, torch.float32), ((32, 64), torch.float32), (None, torch.float16)])
 def test_fp8_stream_matches_reference(m, block, dtype):
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm, fp8_stream_reference
 
@@ -59,9 +58,11 @@ def test_fp8_stream_matches_reference(m, block, dtype):
     assert (x.double() @ w.double().t() - ref).abs().max() > 1e-3  # the weight really is quantized
 
 
-# GEMV rows, tensor-core tiles: 8 nibble dots (BLOCK_K >= 128) or one dot after a reshape
+# GEMV rows; small tiles (16 + q, zero points through x's row sums); >= 64-row tiles (dequantized
+# in registers): with 8 nibble dots (BLOCK_K >= 128) or one dot after a reshape
 INT4_TILES = [Tiles(1, 32, 32, 1), Tiles(1, 32, 64, 2), Tiles(16, 32, 32, 3), Tiles(32, 64, 64, 1),
-              Tiles(16, 32, 128, 2), Tiles(32, 32, 128, 1, nibble_dots=False)]
+              Tiles(16, 32, 128, 2), Tiles(32, 32, 128, 1, nibble_dots=False), Tiles(64, 32, 64),
+              Tiles(64, 32, 128)]
 
 
 def _int4_case(n=96, k=256, group=64, sym=False, seed=0):
@@ -73,8 +74,8 @@ def _int4_case(n=96, k=256, group=64, sym=False, seed=0):
 
 
 @pytest.mark.parametrize("m", [1, 5, 40])
-@pytest.mark.parametrize("group", [64, 128, -1])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("group,dtype", [(64, torch.float32), (128, torch.float32), (-1, torch.float32),
+                                         (128, torch.float16)])
 def test_int4_stream_matches_reference(m, group, dtype):
     from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
 
