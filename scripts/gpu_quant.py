@@ -569,6 +569,46 @@ def _precompile_parallel(shards: int = 8, timeout: float = 90.0) -> None:
     print(f"  precompiled the sweep's kernels in {shards} processes: {time.perf_counter() - start:.0f} s", flush=True)
 
 
+def suggest_tables(rec: dict) -> list[str]:
+    """From tune records: per (kind, table bucket, shape) the tile with the least time summed over
+    the bucket's measured row counts (MEASURED lines for stream_tiles), each bucket's best over the
+    layer, and the crossovers (stream vs _scaled_mm; int4 vs dequantize + mm and bf16)."""
+    from tokenmill.layers.quantization import stream_tiles as st
+
+    by_shape: dict = {}
+    for key, r in rec.items():
+        shape, m = key.rsplit("_m", 1)
+        by_shape.setdefault(shape.rsplit("_", 1)[1], {})[int(m)] = r
+    lines = []
+    for kind, table in (("fp8", st.FP8_TABLE), ("int4", st.INT4_TABLE)):
+        buckets = sorted(table)
+        layer: dict = {}
+        for nk, rows in by_shape.items():
+            n, k = map(int, nk.split("x"))
+            for bi, b in enumerate(buckets):
+                lo = buckets[bi - 1] if bi else 0
+                members = [m for m in rows if lo < m <= b and any(x.startswith(kind + ":") for x in rows[m])]
+                if not members:
+                    continue
+                labels = set.intersection(*({x for x in rows[m] if x.startswith(kind + ":")} for m in members))
+                if not labels:
+                    continue
+                cost = {x: sum(rows[m][x] for m in members) for x in labels}
+                best = min(cost, key=cost.get)
+                tiles = st.Tiles.parse(best.split(":", 1)[1])
+                lines.append(f"    ({kind!r}, {b if b < 1 << 30 else '1 << 30'}, {n}, {k}): {tiles.code()},  "
+                             f"# {cost[best] * 1000:.1f} us over rows {members}")
+                for x, v in cost.items():
+                    layer.setdefault(b, {}).setdefault(x.split(":", 1)[1].replace("s2", "s1").replace("s4", "s1")
+                                                       .replace("s8", "s1"), []).append(v)
+        for b, per in layer.items():
+            full = {x: sum(v) for x, v in per.items() if len(v) == max(len(v2) for v2 in per.values())}
+            if full:
+                best = min(full, key=full.get)
+                lines.append(f"  {kind} bucket {b}: best tile over the layer {best} ({full[best] * 1000:.1f} us)")
+    return lines
+
+
 def tune(results: dict, device: str) -> None:
     """Every candidate tile (and split) of the fp8 streaming and INT4 kernels on each Llama-8B
     linear per row count, against bf16 and the paths they replace; prints the best per bucket."""
@@ -656,6 +696,10 @@ def tune(results: dict, device: str) -> None:
         del w, wq, wt, bf16_w, fp8_w, int4_w
         if cuda:
             torch.cuda.empty_cache()
+        with open(os.path.join(OUT, "tune-partial.json"), "w") as f:  # survives a timeout
+            json.dump(rec, f)
+        for line in suggest_tables(rec):
+            print("  TABLE " + line, flush=True)
     # Per row count: the layer's four linears, each at its best tile, vs bf16.
     totals: dict = {}
     for key, r in rec.items():

@@ -13,7 +13,7 @@ on two streams at once never share one.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +31,23 @@ class Tiles:
     stages: int = 3
     nibble_dots: bool = True  # int4 tensor-core tiles: 8 dots over strided x (else one, after a reshape)
     flat: bool = True  # fp8 one-row tiles (channel scales): sum over K once at the end (else each step)
+
+    @classmethod
+    def parse(cls, label: str) -> "Tiles":
+        """The inverse of `label` (a tune record's key)."""
+        import re
+
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(r?)(f?)", label)
+        if m is None:
+            raise ValueError(f"not a tiles label: {label!r}")
+        bm, bn, bk, split, warps, stages = map(int, m.groups()[:6])
+        return cls(bm, bn, bk, split, warps, stages, nibble_dots=not m.group(7), flat=not m.group(8))
+
+    def code(self) -> str:
+        """The constructor call (for the tables below)."""
+        extra = ("" if self.nibble_dots else ", nibble_dots=False") + ("" if self.flat else ", flat=False")
+        return (f"Tiles({self.block_m}, {self.block_n}, {self.block_k}, {self.split}, {self.warps}, "
+                f"{self.stages}{extra})")
 
     def label(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split}w{self.warps}st{self.stages}"
@@ -63,16 +80,37 @@ def _split_for(tiles_mn: int, k: int, block_k: int, sms: int, max_split: int = 8
     return max(1, min(want, k // (4 * block_k), max_split))
 
 
+# Rows bucket (the largest row count it serves) -> tiles; split-K from `_split_for` unless a
+# measured entry for the exact (N, K) in MEASURED gives one.
+FP8_TABLE: dict[int, Tiles] = {1: Tiles(1, 32, 256), FP8_STREAM_MAX_ROWS: Tiles(16, 64, 128)}
+INT4_TABLE: dict[int, Tiles] = {
+    1: Tiles(1, 64, 128),
+    INT4_STREAM_MAX_ROWS: Tiles(16, 64, 128),
+    64: Tiles(64, 64, 128),
+    256: Tiles(64, 128, 128),
+    1 << 30: Tiles(128, 128, 128, warps=8),
+}
+# (kind, rows bucket, N, K) -> tiles with their split, the best of the H100 sweep (Llama-8B's
+# linears); filled from `scripts/gpu_quant.py --parts tune` (it prints these lines).
+MEASURED: dict[tuple[str, int, int, int], Tiles] = {}
+
+
+def _bucket(table: dict[int, Tiles], m: int) -> int:
+    return min((b for b in table if b >= m), default=max(table))
+
+
 def fp8_tiles(m: int, n: int, k: int, block_scales: tuple[int, int] | None, sms: int) -> Tiles:
     """The fp8 weight-streaming kernel's configuration for an [m, k] x [n, k]^T product."""
-    if m == 1:
-        bm, bn, bk, warps = 1, 32, 256, 4
-    else:
-        bm, bn, bk, warps = 16, 64, 128, 4
+    bucket = _bucket(FP8_TABLE, m)
+    t = MEASURED.get(("fp8", bucket, n, k)) if block_scales is None else None
+    if t is not None:
+        return t
+    t = FP8_TABLE[bucket]
+    bn, bk = t.block_n, t.block_k
     if block_scales is not None:  # a K tile inside one K block, an N tile inside one N block
         bn, bk = min(bn, block_scales[0]), min(bk, block_scales[1])
-    tiles_mn = -(-m // max(bm, 1)) * -(-n // bn)
-    return Tiles(bm, bn, bk, _split_for(tiles_mn, k, bk, sms), warps)
+    tiles_mn = -(-m // t.block_m) * -(-n // bn)
+    return replace(t, block_n=bn, block_k=bk, split=_split_for(tiles_mn, k, bk, sms))
 
 
 def streams_blocks(block: tuple[int, int]) -> bool:
@@ -82,20 +120,15 @@ def streams_blocks(block: tuple[int, int]) -> bool:
 
 def int4_tiles(m: int, n: int, k: int, group: int, sms: int) -> Tiles:
     """The INT4 kernel's configuration; `group` is the group size (k for one group)."""
-    if m == 1:
-        bm, bn, bk, warps, stages = 1, 64, 128, 4, 3
-    elif m <= INT4_STREAM_MAX_ROWS:
-        bm, bn, bk, warps, stages = 16, 64, 128, 4, 3
-    elif m <= 64:
-        bm, bn, bk, warps, stages = 64, 64, 128, 4, 3
-    elif m <= 256:
-        bm, bn, bk, warps, stages = 64, 128, 128, 4, 3
-    else:
-        bm, bn, bk, warps, stages = 128, 128, 128, 8, 3
-    bk = _fit_k(bk, group)
-    tiles_mn = -(-m // bm) * -(-n // bn)
-    split = _split_for(tiles_mn, k, bk, sms) if m <= 64 else 1
-    return Tiles(bm, bn, bk, split, warps, stages)
+    bucket = _bucket(INT4_TABLE, m)
+    t = MEASURED.get(("int4", bucket, n, k))
+    if t is not None and group % t.block_k == 0:
+        return t
+    t = INT4_TABLE[bucket]
+    bk = _fit_k(t.block_k, group)
+    tiles_mn = -(-m // t.block_m) * -(-n // t.block_n)
+    split = _split_for(tiles_mn, k, bk, sms) if t.block_m < 64 else 1
+    return replace(t, block_k=bk, split=split)
 
 
 def _fit_k(block_k: int, group: int) -> int:
