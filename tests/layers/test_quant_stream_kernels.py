@@ -120,3 +120,20 @@ def test_int4_matmul_routes_by_act_order_and_group(monkeypatch):
     triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, torch.zeros(256, dtype=torch.int32), 64, counters)
     triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, None, 8, counters)
     assert calls == ["stream", "fused", "fused"]
+
+
+def test_tile_tables(monkeypatch):
+    """Labels parse back; a measured (kind, bucket, N, K) entry wins over the bucket's default; a
+    group its K tile does not divide falls back to the default with a fitting K tile."""
+    from tokenmill.layers.quantization import stream_tiles as st
+
+    t = Tiles(16, 64, 128, 4, 8, 2, nibble_dots=False, flat=False)
+    assert Tiles.parse(t.label()) == t and eval(t.code(), {"Tiles": Tiles}) == t
+    monkeypatch.setattr(st, "MEASURED", {("int4", 1, 96, 256): Tiles(1, 32, 64, 2)})
+    assert st.int4_tiles(1, 96, 256, 64, 132) == Tiles(1, 32, 64, 2)
+    fallback = st.int4_tiles(1, 96, 256, 32, 132)
+    assert fallback.block_k == 32 and fallback.block_m == 1
+    assert st.int4_tiles(3, 96, 256, 64, 132).block_m == 16  # the 16-row bucket
+    assert st.int4_tiles(300, 4096, 4096, 128, 132).block_m >= 64 and st.int4_tiles(300, 4096, 4096, 128, 132).split == 1
+    assert st.fp8_tiles(1, 4096, 4096, None, 132).split > 1  # 128 N tiles cannot fill 132 SMs twice
+    assert st.fp8_tiles(1, 96, 256, (32, 32), 132).block_k == 32  # inside one scale block
