@@ -2,6 +2,9 @@
 
     python scripts/gpu_bf16.py            # H100: SmolLM2-135M and Llama-3.2-1B shapes (~3-5 min)
     python scripts/gpu_bf16.py --smoke    # any machine (CPU): tiny shapes, a few tokens
+    python scripts/gpu_bf16.py --shapes none --families --smollm2 PATH.gguf
+                                          # the CPU test's table on the GPU: every family's tiny
+                                          # config and the real SmolLM2 (its GGUF)
 
 For each shape, random weights (std 0.06, norms 1) go into HF float32, HF bf16, tokenmill float32
 and tokenmill bf16 models (the same values, rounded alike). HF float32 continues 16 random 8-token
@@ -137,10 +140,59 @@ def run_shape(name: str, shape: dict, device: str, num: int, prompt_len: int, to
     return records
 
 
+def run_checkpoint(label: str, path: str, sequences: list[list[int]], device: str, tolerance: float,
+                   tail_tolerance: float, float32_gap: float) -> list[dict]:
+    """The CPU test's check (tests/model/test_bf16_deviation.py) for one checkpoint, per backend."""
+    records = []
+    for backend, (cls, fused) in backends(device).items():
+        with fused_ops(fused):
+            report = bd.measure_path(path, sequences, label=f"{label} [{backend}]", device=device, attn_backend_cls=cls)
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        ok_gap = report.float32_gap <= float32_gap
+        try:
+            bd.check_not_worse(report, tolerance, tail_tolerance)
+            ok_bf16, why = True, ""
+        except AssertionError as exc:
+            ok_bf16, why = False, str(exc).splitlines()[0]
+        print(bd.format_table([report]), flush=True)
+        print(f"  float32 gap {'ok' if ok_gap else 'FAIL'}; bf16 vs HF {'ok' if ok_bf16 else 'FAIL: ' + why}; "
+              f"worst ratio {report.worst_ratio():.3f}", flush=True)
+        records.append({"shape": label, "backend": backend, "fused_ops": fused, "sequences": len(sequences),
+                        "tokens": len(sequences[0]), "tolerance": [tolerance, tail_tolerance], **report.as_dict(),
+                        "worst_ratio": report.worst_ratio(), "ok": ok_gap and ok_bf16,
+                        "failure": why or (None if ok_gap else "float32 gap")})
+    return records
+
+
+def run_families(device: str, smoke: bool) -> list[dict]:
+    """Every family of the CPU test, its tiny config (same seed, std, sequences and tolerances)."""
+    import tempfile
+
+    from tests.helpers.tiny_models import make_tiny_model_dir
+    from tests.model import test_bf16_deviation as cpu_test
+    families = cpu_test.FAMILIES[:1] if smoke else cpu_test.FAMILIES
+    root = tempfile.mkdtemp(prefix="bf16-tiny-")
+    records = []
+    for arch in families:
+        path = make_tiny_model_dir(arch, root, seed=3, initializer_range=0.1)
+        records += run_checkpoint(arch, path, cpu_test._random_sequences(200, 2, 40), device,
+                                  cpu_test.TINY_TOLERANCE, cpu_test.TINY_TAIL_TOLERANCE, 1e-4 if device == "cpu" else FLOAT32_GAP)
+    return records
+
+
+def run_smollm2(path: str, device: str) -> list[dict]:
+    """The real SmolLM2 (its GGUF) on 80 tokens of English, no tolerance (the CPU test's check)."""
+    sequences = bd.text_sequences(path, bd.SAMPLE_TEXT, 80)
+    return run_checkpoint("SmolLM2-135M-Instruct", path, sequences, device, 0.0, 0.0, 1e-3 if device == "cpu" else FLOAT32_GAP)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (runs on CPU)")
-    p.add_argument("--shapes", default=None, help="comma-separated subset of the shapes")
+    p.add_argument("--shapes", default=None, help="comma-separated subset of the shapes ('none': skip them)")
+    p.add_argument("--families", action="store_true", help="also every family's tiny config (the CPU test's)")
+    p.add_argument("--smollm2", default=None, help="also the real SmolLM2: path of its GGUF")
     ns = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if not ns.smoke and device != "cuda":
@@ -148,11 +200,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shapes = SMOKE_SHAPES if ns.smoke else SHAPES
     if ns.shapes:
-        shapes = {k: shapes[k] for k in ns.shapes.split(",")}
+        shapes = {} if ns.shapes == "none" else {k: shapes[k] for k in ns.shapes.split(",")}
     num, prompt_len, total = (2, 4, 12) if ns.smoke else (16, 8, 64)
     records = []
     for name, shape in shapes.items():
         records += run_shape(name, shape, device, num, prompt_len, total)
+    if ns.families:
+        records += run_families(device, ns.smoke)
+    if ns.smollm2:
+        records += run_smollm2(ns.smollm2, device)
     out_dir = os.environ.get("OUT", "./gpu-out")
     os.makedirs(out_dir, exist_ok=True)
     result = {"script": "gpu_bf16", "smoke": ns.smoke, "device": device, "tolerance": TOLERANCE,

@@ -132,6 +132,27 @@ def test_fp8_rounding_and_scales_match_the_spec():
                                atol=1e-6, rtol=1e-6)
 
 
+def test_fp8_online_weight_scales_minimise_the_rounding_error():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(8, 512, generator=g) * 0.05
+    w[3, 7] = 2.0  # one outlier: clipping it a little buys resolution for the rest of the row
+    q, s = fp8_ops.quantize_weight_rows(w, rows_per_chunk=3)  # chunks of rows give the same result
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (8, 1)
+    assert torch.equal(q, fp8_ops.to_fp8(w / s))  # codes are the rounding of w at the chosen scale
+    amax_q, amax_s = fp8_ops.quantize_rows(w)
+    err = (q.float() * s - w).square().sum(dim=1)
+    amax_err = (amax_q.float() * amax_s - w).square().sum(dim=1)
+    assert (err <= amax_err * (1 + 1e-5)).all()  # amax / 448 is among the candidates: never worse
+    assert err.sum() < amax_err.sum()  # and better somewhere
+    shrink = (s * 448 / w.abs().amax(dim=1, keepdim=True)).squeeze(1)
+    assert (shrink >= 0.8 - 1e-6).all() and (shrink <= 1 + 1e-6).all()
+    # Each row's scale is the best of the grid (brute force over the same candidates).
+    for r in range(8):
+        errs = [((fp8_ops.to_fp8(w[r] / (w[r].abs().max() * f / 448)).float() * (w[r].abs().max() * f / 448) - w[r])
+                 .square().sum()) for f in fp8_ops.WEIGHT_SHRINKS]
+        assert err[r] <= min(errs) * (1 + 1e-5)
+
+
 def test_fp8_weight_round_trips():
     w = torch.randn(40, 64) * 0.05
     q, s = fp8_ops.quantize_rows(w)

@@ -25,9 +25,10 @@ def load_hf_model(model_config, dtype: torch.dtype, device: str):
 
 @torch.inference_mode()
 def run_hf_generate(model_config, prompts: list[list[int]], output_len: int, dtype_name: str,
-                    ignore_eos: bool, warmup_passes: int = 1) -> dict:
-    """Static-batch `generate` over every prompt at once, timed after `warmup_passes` identical
-    untimed passes (a cold baseline pays per-shape first-call costs the engine never does)."""
+                    ignore_eos: bool, warmup_passes: int = 1, warmup_tokens: int | None = None) -> dict:
+    """Static-batch `generate` over every prompt at once, timed after `warmup_passes` untimed passes
+    over the same prompts (a cold baseline pays per-shape first-call costs the engine never does);
+    `warmup_tokens` shortens those passes (the same kernels run; only the cache length differs)."""
     dtype = getattr(torch, dtype_name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = load_hf_model(model_config, dtype, device).to(device)
@@ -42,8 +43,11 @@ def run_hf_generate(model_config, prompts: list[list[int]], output_len: int, dty
     kwargs = dict(max_new_tokens=output_len, do_sample=False, pad_token_id=pad)
     if ignore_eos:
         kwargs["min_new_tokens"] = output_len
+    warm = dict(kwargs)
+    if warmup_tokens is not None:
+        warm.update(max_new_tokens=warmup_tokens, min_new_tokens=warmup_tokens if ignore_eos else 0)
     for _ in range(warmup_passes):
-        model.generate(ids, attention_mask=mask, **kwargs)
+        model.generate(ids, attention_mask=mask, **warm)
     if device == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
@@ -55,4 +59,5 @@ def run_hf_generate(model_config, prompts: list[list[int]], output_len: int, dty
     return {"elapsed_s": elapsed, "requests_per_s": len(prompts) / elapsed,
             "output_tokens_per_s": num_out / elapsed,
             "total_tokens_per_s": (num_out + sum(len(p) for p in prompts)) / elapsed,
-            "num_output_tokens": num_out, "dtype": dtype_name, "batching": "static"}
+            "num_output_tokens": num_out, "dtype": dtype_name, "batching": "static",
+            "experts_implementation": getattr(model.config, "_experts_implementation", None)}

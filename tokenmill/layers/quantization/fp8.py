@@ -91,7 +91,7 @@ class Fp8LinearMethod(LinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.online:
-            q, scale = fp8_ops.quantize_rows(layer.weight.data)
+            q, scale = fp8_ops.quantize_weight_rows(layer.weight.data)
         else:
             q, scale = layer.weight.data, layer.weight_scale.data.float()
         replace_param(layer, "weight", q.contiguous())
@@ -123,7 +123,7 @@ class Fp8LinearMethod(LinearMethod):
         return F.linear(fp8_ops.fake_quantize_rows(x), w, bias)
 
     def describe(self) -> str:
-        return "fp8 W8A8 (per-channel weights, per-token activations)"
+        return "fp8 W8A8 (per-channel weights, MSE-chosen scales when quantized online; per-token activations)"
 
 
 class Fp8BlockLinearMethod(LinearMethod):

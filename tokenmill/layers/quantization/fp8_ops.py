@@ -28,6 +28,35 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return to_fp8(wf / scale), scale
 
 
+# Online weight scales: per output channel, the shrink of amax / 448 (of these) that minimises the
+# row's squared rounding error. Clipping a few outliers buys resolution for every other weight; on
+# SmolLM2-135M this moves the W8A8 NLL from +2.4% (amax scales) to +0.1% of float32's. It is the
+# "mse" observer of llm-compressor, applied at load.
+WEIGHT_SHRINKS = tuple(round(0.8 + 0.005 * i, 3) for i in range(41))  # 0.800 .. 1.000
+
+
+def quantize_weight_rows(w: torch.Tensor, shrinks: tuple[float, ...] = WEIGHT_SHRINKS,
+                         rows_per_chunk: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel fp8 weights with MSE-chosen scales: (fp8 [N, K], float32 scales [N, 1]).
+    Rows go in chunks so the float32 temporaries stay small for the largest weights."""
+    qs, ss = [], []
+    for chunk in w.split(rows_per_chunk):
+        wf = chunk.float()
+        amax = wf.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_SCALE * FP8_MAX)
+        best_scale, best_err = None, None
+        for shrink in shrinks:
+            scale = amax * (shrink / FP8_MAX)
+            err = (to_fp8(wf / scale).float() * scale - wf).square().sum(dim=-1, keepdim=True)
+            if best_err is None:
+                best_scale, best_err = scale, err
+            else:
+                better = err < best_err
+                best_scale, best_err = torch.where(better, scale, best_scale), torch.minimum(err, best_err)
+        qs.append(to_fp8(wf / best_scale))
+        ss.append(best_scale)
+    return torch.cat(qs), torch.cat(ss)
+
+
 def quantize_row_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One scale per `group` consecutive columns of each row (block-wise activations):
     (fp8 [M, K], float32 scales [M, K // group])."""
