@@ -45,7 +45,8 @@ def _warn_slow_path(reason: str) -> None:
 
 def _streams(layer: nn.Module, x: torch.Tensor) -> bool:
     """Whether this call takes the weight-streaming kernel (CUDA with fp8 conversions, few rows)."""
-    return getattr(layer, "stream_counters", None) is not None and x.numel() <= stream_tiles.FP8_STREAM_MAX_ROWS * x.shape[-1]
+    rows = x.numel() // max(x.shape[-1], 1)
+    return getattr(layer, "stream_counters", None) is not None and rows <= stream_tiles.FP8_STREAM_MAX_ROWS
 
 
 def _stream(layer: nn.Module, x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
