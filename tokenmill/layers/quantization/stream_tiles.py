@@ -55,12 +55,16 @@ class Tiles:
 
 
 # Rows up to which the fp8 weight-streaming kernel runs (bf16 activations, no activation
-# quantization); above it torch._scaled_mm (W8A8) is faster. Measured: scripts/gpu_quant.py tune.
+# quantization); above it torch._scaled_mm (W8A8) is faster (H200 sweep: a layer's four linears
+# 94 vs 134 us at 16 rows, 159 vs 134 at 32).
 FP8_STREAM_MAX_ROWS = 16
 # INT4 (no act-order): rows up to which the GEMV / small-tile kernel runs; above it the
 # tensor-core tiles, up to INT4_DEQUANT_MIN_ROWS, from where dequantize + cuBLAS runs.
 INT4_STREAM_MAX_ROWS = 16
-INT4_DEQUANT_MIN_ROWS = 1 << 30  # never, until a measurement says the dequantize path wins
+# The H200 sweep (docs/results/gpu-quant-kernels.md): dequantize + cuBLAS beat the tensor-core
+# tiles at every row count from 256 (369 vs 566 us a layer at 256) and the dequantization's ~190 us
+# are a fixed cost, so from 128 rows (448 us for the tiles; dequantize + mm ~ 190 + 136) it wins.
+INT4_DEQUANT_MIN_ROWS = 128
 
 # The SMs to fill (an H100 SXM has 132); read from the device where there is one.
 _DEFAULT_SMS = 132
@@ -82,17 +86,39 @@ def _split_for(tiles_mn: int, k: int, block_k: int, sms: int, max_split: int = 8
 
 # Rows bucket (the largest row count it serves) -> tiles; split-K from `_split_for` unless a
 # measured entry for the exact (N, K) in MEASURED gives one.
-FP8_TABLE: dict[int, Tiles] = {1: Tiles(1, 32, 256), FP8_STREAM_MAX_ROWS: Tiles(16, 64, 128)}
+FP8_TABLE: dict[int, Tiles] = {1: Tiles(1, 16, 256, warps=2), FP8_STREAM_MAX_ROWS: Tiles(16, 32, 256)}
 INT4_TABLE: dict[int, Tiles] = {
     1: Tiles(1, 64, 128),
     INT4_STREAM_MAX_ROWS: Tiles(16, 64, 128),
-    64: Tiles(64, 64, 128),
-    256: Tiles(64, 128, 128),
-    1 << 30: Tiles(128, 128, 128, warps=8),
+    64: Tiles(64, 128, 64, stages=4, nibble_dots=False),
+    256: Tiles(64, 128, 64, stages=4, nibble_dots=False),
+    1 << 30: Tiles(128, 128, 64, warps=8, nibble_dots=False),
 }
-# (kind, rows bucket, N, K) -> tiles with their split, the best of the H100 sweep (Llama-8B's
-# linears); filled from `scripts/gpu_quant.py --parts tune` (it prints these lines).
-MEASURED: dict[tuple[str, int, int, int], Tiles] = {}
+# (kind, rows bucket, N, K) -> tiles with their split, the best of the sweep (Llama-8B's linears,
+# an H200, 2026-11-25; the times: summed over the bucket's rows); `scripts/gpu_quant.py --parts
+# tune` prints these lines. INT4 buckets from 128 rows take dequantize + cuBLAS (not listed).
+MEASURED: dict[tuple[str, int, int, int], Tiles] = {
+    ('fp8', 1, 28672, 4096): Tiles(1, 16, 256, 1, 2, 3),  # 37.0 us over rows [1]
+    ('fp8', 1, 4096, 14336): Tiles(1, 16, 256, 4, 2, 3),  # 20.5 us over rows [1]
+    ('fp8', 1, 4096, 4096): Tiles(1, 16, 256, 4, 2, 3),  # 9.7 us over rows [1]
+    ('fp8', 1, 6144, 4096): Tiles(1, 16, 512, 1, 4, 3),  # 11.6 us over rows [1]
+    ('fp8', 16, 28672, 4096): Tiles(16, 32, 256, 1, 4, 3),  # 173.2 us over rows [2, 4, 8, 16]
+    ('fp8', 16, 4096, 14336): Tiles(16, 32, 256, 8, 4, 3),  # 101.6 us over rows [2, 4, 8, 16]
+    ('fp8', 16, 4096, 4096): Tiles(16, 64, 128, 4, 4, 3),  # 44.8 us over rows [2, 4, 8, 16]
+    ('fp8', 16, 6144, 4096): Tiles(16, 32, 256, 4, 4, 3),  # 55.5 us over rows [2, 4, 8, 16]
+    ('int4', 1, 28672, 4096): Tiles(1, 128, 128, 4, 8, 3),  # 47.4 us over rows [1]
+    ('int4', 1, 4096, 14336): Tiles(1, 128, 128, 8, 8, 3),  # 27.9 us over rows [1]
+    ('int4', 1, 4096, 4096): Tiles(1, 64, 128, 8, 4, 3),  # 11.7 us over rows [1]
+    ('int4', 1, 6144, 4096): Tiles(1, 64, 128, 8, 4, 3),  # 15.1 us over rows [1]
+    ('int4', 16, 28672, 4096): Tiles(16, 64, 128, 4, 4, 3),  # 218.4 us over rows [4, 16]
+    ('int4', 16, 4096, 14336): Tiles(16, 128, 128, 8, 8, 3),  # 106.7 us over rows [4, 16]
+    ('int4', 16, 4096, 4096): Tiles(16, 128, 128, 8, 8, 3),  # 39.5 us over rows [4, 16]
+    ('int4', 16, 6144, 4096): Tiles(16, 64, 128, 4, 4, 3),  # 57.9 us over rows [4, 16]
+    ('int4', 64, 28672, 4096): Tiles(64, 128, 64, 1, 4, 4, nibble_dots=False),  # 83.0 us over rows [64]
+    ('int4', 64, 4096, 14336): Tiles(64, 128, 64, 8, 4, 4, nibble_dots=False),  # 54.8 us over rows [64]
+    ('int4', 64, 4096, 4096): Tiles(128, 128, 64, 4, 8, 3, nibble_dots=False),  # 25.6 us over rows [64]
+    ('int4', 64, 6144, 4096): Tiles(64, 128, 64, 4, 4, 4, nibble_dots=False),  # 32.6 us over rows [64]
+}
 
 
 def _bucket(table: dict[int, Tiles], m: int) -> int:
