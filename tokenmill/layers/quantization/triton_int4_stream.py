@@ -7,7 +7,8 @@ A K tile sits in one group, so the group's scale and zero are one row per step. 
 floats without int-to-float conversions (`_code_bits`: the nibble ORed into the mantissa of 16.0
 gives 16 + q exactly), so the unpacking costs a shift and a logic op per weight.
 - BLOCK_M == 1 (decode, one row): each word's 8 nibbles meet 8 strided slices of x on CUDA
-  cores, (16 + q) - (16 + z) in float32; a [BLOCK_K/8, BLOCK_N] accumulator summed once at the end.
+  cores, one FMA per weight on 16 + q in float32, the zero point (16 + z) times x's sums once per
+  tile and column; a [BLOCK_K/8, BLOCK_N] accumulator summed once at the end.
 - 16 <= BLOCK_M < 64: `tl.dot` (tensor cores, float32 accumulation) on 16 + q in the activation
   dtype, and  sum_k x_k (q_kn - z_n) = sum_k x_k (16 + q_kn) - (16 + z_n) sum_k x_k  per tile
   (the conversion is the cost that matters at few rows: none here).
@@ -78,14 +79,15 @@ def _int4_stream_kernel(
         g = k0 // GROUP
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         z16 = 16.0 + tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if BLOCK_M == 1:  # float32 FMAs: (16 + q) - (16 + z) is exact
+        if BLOCK_M == 1:  # float32 FMAs on 16 + q (exact); the zero point leaves through x's sums
             d2 = tl.zeros([BLOCK_K // 8, BLOCK_N], dtype=tl.float32)
+            xs = tl.zeros([BLOCK_K // 8], dtype=tl.float32)
             for i in tl.static_range(8):
-                xi = tl.load(x_ptr + offs_m * s_xm + k0 + offs_r * 8 + i, mask=(k0 + offs_r * 8 + i) < K,
-                             other=0.0).to(tl.float32)
-                q = _code_bits(words, 4 * i, 23, 0x41800000, False).to(tl.float32, bitcast=True) - z16[None, :]
-                d2 += q * xi[:, None]
-            acc2 += d2 * s[None, :]
+                # no mask: BLOCK_K divides the group, which divides K
+                xi = tl.load(x_ptr + offs_m * s_xm + k0 + offs_r * 8 + i).to(tl.float32)
+                d2 += _code_bits(words, 4 * i, 23, 0x41800000, False).to(tl.float32, bitcast=True) * xi[:, None]
+                xs += xi
+            acc2 += (d2 - xs[:, None] * z16[None, :]) * s[None, :]
         elif BLOCK_M >= 64:  # large tiles: dequantize in registers, (16 + q) s - (16 + z) s, one accumulator
             zs = z16 * s
             if NIBBLE_DOTS:
@@ -145,8 +147,9 @@ def int4_stream_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     if x.stride(1) != 1:
         x = x.contiguous()
     t = tiles or stream_tiles.int4_tiles(m, n, k, group, stream_tiles.sm_count(x.device))
-    if group % t.block_k or t.block_k % 8:
-        raise ValueError(f"int4 GEMM: BLOCK_K {t.block_k} must be a multiple of 8 dividing the group size {group}")
+    if k % group or group % t.block_k or t.block_k % 8:
+        raise ValueError(f"int4 GEMM: BLOCK_K {t.block_k} must be a multiple of 8 dividing the group size {group}, "
+                         f"which must divide K {k}")
     if x.dtype not in _MAGIC:
         raise ValueError(f"int4 GEMM: activations in {x.dtype}; supported: bfloat16, float16, float32")
     mant, magic, half = _MAGIC[x.dtype]
