@@ -255,6 +255,7 @@ class StructuredOutputConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=
     max_schema_bytes: int = 65536  # larger schemas, regexes, grammars or choice lists are refused (400)
     max_whitespace: int = 4  # most consecutive whitespace characters between JSON tokens
     vocab_file: str = ""  # the tokenizer's vocabulary for the grammar backend, written by the front-end
+    mask_thread: bool = True  # matchers advanced and masks filled on a grammar thread (off: on the core's loop)
 
 
 class LoRAConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -349,6 +350,7 @@ class EngineArgs:
     structured_outputs_compile_timeout: float = 10.0
     structured_outputs_max_schema_bytes: int = 65536
     structured_outputs_max_whitespace: int = 4
+    structured_outputs_mask_thread: bool = True
     quantization: str | None = None  # fp8 (online), or the checkpoint's quant_method (default: from its config)
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
 
@@ -402,6 +404,9 @@ _FLAG_HELP = {
     "structured_outputs_max_schema_bytes": "largest JSON schema, regex, grammar or choice list, in bytes",
     "structured_outputs_max_whitespace": "most consecutive whitespace characters between JSON tokens "
                                          "(a weak model cannot loop in whitespace)",
+    "structured_outputs_mask_thread": "advance grammar matchers and fill token masks on a thread beside the "
+                                      "engine core's loop (--no-structured-outputs-mask-thread: on the loop, "
+                                      "for comparison)",
     "quantization": "fp8 (quantize a float checkpoint's linears to FP8 W8A8 at load), or the checkpoint's "
                     "quant_method (fp8, fbgemm_fp8, compressed-tensors, gptq, awq); default: from its config",
     "kv_cache_dtype": "auto (the model's dtype), fp8 / fp8_e4m3 or fp8_e5m2 (twice the KV blocks; per-layer "

@@ -111,7 +111,8 @@ def resolve_structured(args: EngineArgs) -> StructuredOutputConfig:
     return StructuredOutputConfig(backend=args.structured_outputs_backend,
                                   compile_timeout_s=float(args.structured_outputs_compile_timeout),
                                   max_schema_bytes=args.structured_outputs_max_schema_bytes,
-                                  max_whitespace=args.structured_outputs_max_whitespace)
+                                  max_whitespace=args.structured_outputs_max_whitespace,
+                                  mask_thread=args.structured_outputs_mask_thread)
 
 
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
