@@ -130,7 +130,7 @@ def kernels(results: dict, device: str) -> None:
     check(lin.use_scaled_mm == (device == "cuda") and (lin.stream_counters is not None) == (device == "cuda")
           and not fp8_method._WARNED, f"engine fp8 Linear takes torch._scaled_mm and streams small batches "
                                       f"(fallbacks: {sorted(fp8_method._WARNED) or 'none'})")
-    wq_c, ws_c = fp8_ops.quantize_rows(w)
+    wq_c, ws_c = lin.weight, lin.weight_scale  # the layer's own rounding (online scales are searched)
     from tokenmill.layers.quantization.stream_tiles import FP8_STREAM_MAX_ROWS
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_reference
     for m in (1, 4, 33, 300):
