@@ -1,8 +1,8 @@
 """The engine core: scheduler plus executor, driven by one loop with a bounded in-flight queue.
 
 `max_in_flight` is 1 for synchronous scheduling and 2 with async scheduling; with pipeline
-parallelism it is one batch per stage (plus one with async scheduling, so the first stage has
-its next batch as soon as it is free). The same `step()` serves every mode.
+parallelism it is one batch per stage, or `pp_microbatches` (plus one with async scheduling, so
+the first stage has its next batch as soon as it is free). The same `step()` serves every mode.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class EngineCore:
         stages = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
                                    pipeline_stages=stages, kv_window=config.kv_window, lora=config.lora)
-        self.max_in_flight = stages + (1 if config.scheduler.async_scheduling else 0)
+        batches = max(stages, config.scheduler.pp_microbatches) if stages > 1 else 1  # micro-batches in flight
+        self.max_in_flight = batches + (1 if config.scheduler.async_scheduling else 0)
         self.stats_logger = StatsLogger(enabled=config.log_stats)
         # (step, its result, when it was scheduled)
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], float]] = deque()

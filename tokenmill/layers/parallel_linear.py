@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed.parallel_state import ParallelContext
+from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce
 from tokenmill.layers import cpu_bf16_gemm, cpu_logits, wide_linear
 from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, linear
 from tokenmill.layers.lora.lora_layer import has_lora, lora_forward
@@ -34,6 +34,15 @@ class RowParallelLinear(Linear):
         # is then float32, never rounded to bf16 (`wide_linear`).
         self.wide_output = False
         self._wide_packed = cpu_bf16_gemm.PackedBf16()
+        # Set by layers that hand the output straight to an RMSNorm's `forward_with_residual`:
+        # where the fused kernel exists, `forward` returns the partial sum as a `PendingAllReduce`
+        # and the norm all-reduces, adds and normalizes in one launch.
+        self.defer_reduce = False
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor | PendingAllReduce:
+        if self.defer_reduce and self.parallel.defers_reduce():
+            return PendingAllReduce(partial, self.parallel)
+        return self.parallel.all_reduce(partial)
 
     def _bias(self) -> torch.Tensor | None:
         return self.bias if self.first_rank else None
@@ -48,7 +57,7 @@ class RowParallelLinear(Linear):
             return self.parallel.all_reduce(
                 wide_linear.linear_f32(x, self.weight, self._bias(), self._packed, self._wide_packed))
         # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
-        return self.parallel.all_reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, self._bias())))
+        return self._reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, self._bias())))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`forward(x) + residual`; the add runs inside rank 0's matmul where it can (a float32

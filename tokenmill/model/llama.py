@@ -97,7 +97,7 @@ class LlamaMLP(nn.Module):
         if self.silu and not has_lora(gate_up):  # (with LoRA the delta joins gate_up's output first)
             act = silu_mul_linear(x, gate_up.weight, gate_up.bias, self._gate_up_packed)
         if act is None and self.silu:  # (with LoRA on CUDA: its expand and the activation in one kernel)
-            act = lora_forward_silu_mul(gate_up, x, lambda: gate_up(x), self.act)
+            act = lora_forward_silu_mul(gate_up, x, lambda: gate_up(x), self.act, then=self.down_proj)
         elif act is None:
             act = self.act(lora_forward(gate_up, x, lambda: gate_up(x)))
         if residual is None:
@@ -115,6 +115,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         # The sublayers' outputs join the float32 stream unrounded (CPU bf16: `wide_linear`).
         self.self_attn.o_proj.wide_output = self.mlp.down_proj.wide_output = True
+        # Both feed `forward_with_residual` directly: with TP on CUDA their all-reduce runs fused
+        # with the residual add and the next RMSNorm (`PendingAllReduce`).
+        self.self_attn.o_proj.defer_reduce = self.mlp.down_proj.defer_reduce = True
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
