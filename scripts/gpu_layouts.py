@@ -7,6 +7,11 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
           of two valid one-GPU reductions; then TP=2 with rank 1's rows of a weight swapped
           (TOKENMILL_TEST_FAULTS wrong_shard): gate and up halves swapped must fail; 16 rows swapped
           is reported. A failed check exits 1.
+  allreduce  `tokenmill bench all-reduce --tp 2`: NCCL, one-shot, two-shot per size (checked, timed in
+          CUDA graphs), and the all-reduce fused with the residual add + RMSNorm against NCCL or
+          one-shot + the Triton add + norm (checked against its torch reference, chained, timed).
+  batch1  batch 1 (one prompt at a time, 512 in x 256 out): ms per output token of one GPU, TP=2
+          (fused all-reduce + norm) and TP=2 with them apart (tp2-unfused); goal TP=2 <= 0.6x.
   bench   Llama-3.1-8B shape, dummy bfloat16 weights, 1000 prompts x 512 in x 256 out, one GPU,
           TP=2 and PP=2 at the same --max-num-seqs (scripts/device_check.py's pbench runs): output
           tok/s and the ratios to one GPU (targets TP=2 >= 1.75x, PP=2 >= 1.85x: reported, not
@@ -76,10 +81,14 @@ def check(results: dict, smoke: bool) -> bool:
                                         8 if smoke else 32, common)
     envs = wrong_shards(shape)
     faulty = [lc.Layout(name, lc.PRESETS["tp2"]) for name in envs]
-    report = lc.check_layouts(path, [*(lc.Layout.parse(n) for n in LAYOUTS), *faulty], sequences, common, envs=envs)
+    # TP=2 with the all-reduce, residual add and RMSNorm apart: the fused kernel's numerics beside it.
+    envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
+    unfused = [lc.Layout("tp2-unfused", lc.PRESETS["tp2"])]
+    report = lc.check_layouts(path, [*(lc.Layout.parse(n) for n in LAYOUTS), *unfused, *faulty], sequences, common,
+                              envs=envs)
     print(lc.format_report(report), flush=True)
     verdicts = {v.spread.label: v.passed for v in report.verdicts}
-    ok = all(verdicts[n] for n in LAYOUTS) and not verdicts["tp2-gate-up-swapped"]
+    ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused")) and not verdicts["tp2-gate-up-swapped"]
     results["layout_check"] = {**report.as_dict(), "passed": ok, "seconds": time.perf_counter() - start}
     print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, tp2-gate-up-swapped must fail)")
     return ok
@@ -89,10 +98,16 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     "tp1": ([], {}),
     "tp2": (["--tensor-parallel-size", "2"], {}),
     "tp2-nccl": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE": "nccl"}),
+    # TP=2 with the all-reduce, residual add and RMSNorm apart (two launches where tp2 has one).
+    "tp2-unfused": (["--tensor-parallel-size", "2"], {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}),
     # The same TP=2 steps with every all-reduce skipped (wrong outputs, same shapes and lengths:
     # --ignore-eos): the device step's difference from tp2 is what the all-reduces cost a step.
     "tp2-no-all-reduce": (["--tensor-parallel-size", "2"], {"TOKENMILL_BENCH_SKIP_ALL_REDUCE": "1"}),
     "pp2": (["--pipeline-parallel-size", "2"], {}),
+    # Three micro-batches on two stages: the host's turn-around between a stage's batches hidden.
+    "pp2-mb3": (["--pipeline-parallel-size", "2", "--pp-microbatches", "3"], {}),
+    # The split chosen by timing a layer, the embedding and the LM head at start (logged).
+    "pp2-measured": (["--pipeline-parallel-size", "2", "--pp-layer-partition", "measured"], {}),
 }
 _STEP_KEYS = ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "device_idle_fraction_p50")
 
@@ -123,13 +138,19 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
     one = (figures.get("tp1") or {}).get("output_tokens_per_s")
     ratios = {k: (v["output_tokens_per_s"] / one if v.get("output_tokens_per_s") and one else None)
               for k, v in figures.items() if k != "tp1"}
+    tpot = {k: v.get("tpot_ms_p50") for k, v in figures.items()}
+    if label == "batch1":  # ms per output token against one GPU's (goal: TP=2 <= 0.6x)
+        ratios = {k: (t / tpot["tp1"] if t and tpot.get("tp1") else None) for k, t in tpot.items() if k != "tp1"}
     step = {k: v.get("device_step_ms_p50") for k, v in figures.items()}
     all_reduce_ms = (step["tp2"] - step["tp2-no-all-reduce"]
                      if step.get("tp2") and step.get("tp2-no-all-reduce") else None)
-    targets = {"tp2": 1.75, "pp2": 1.85} if label == "throughput" else {}
+    targets = {"tp2": 1.75, "pp2": 1.85} if label == "throughput" else {"tp2": "<=0.6"}
+    fusion_ms = (tpot["tp2-unfused"] - tpot["tp2"] if tpot.get("tp2") and tpot.get("tp2-unfused") else None)
     results[f"layout_{label}"] = {"max_num_seqs": max_num_seqs, "workload": [n, lin, lout], "layouts": figures,
                                   "ratio_to_one_gpu": ratios, "targets": targets,
-                                  "all_reduce_ms_per_decode_step_p50": all_reduce_ms}
+                                  "all_reduce_ms_per_decode_step_p50": all_reduce_ms,
+                                  "fusion_saves_ms_per_token": fusion_ms,
+                                  "ratio_kind": "ms per token" if label == "batch1" else "output tok/s"}
     print(f"{label}: {n} x {lin} x {lout}, max_num_seqs {max_num_seqs}")
     print(f"{'layout':<18} {'out tok/s':>10} {'x one GPU':>10} {'target':>7} {'tpot p50':>9} {'step p50':>9}")
     for name, fig in figures.items():
@@ -137,17 +158,28 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
         value = fig.get("output_tokens_per_s")
         print(f"{name:<18} {'-' if value is None else round(value):>10} {'' if r is None else f'{r:.3f}':>10} "
               f"{targets.get(name, ''):>7} {fig.get('tpot_ms_p50') or 0:9.3f} {fig.get('device_step_ms_p50') or 0:9.3f}")
+    for name, fig in figures.items():  # the bubble of each stage, from the step trace
+        for i, stage in enumerate((fig.get("pipeline") or {}).get("stages") or []):
+            print(f"  {name} stage {i}: busy {stage.get('busy_s', 0):.2f} s, idle {stage.get('idle_s', 0):.2f} s, "
+                  f"bubble {stage.get('bubble_fraction', 0):.1%} (goal < 3%)")
+    if label == "batch1":
+        print("(batch1: 'x one GPU' is ms per output token over one GPU's)")
+    if fusion_ms is not None:
+        print(f"fused all-reduce + add + RMSNorm saves {fusion_ms:.3f} ms per token (tp2-unfused - tp2, tpot p50)")
     if all_reduce_ms is not None:
         print(f"all-reduces per decode step (tp2 - tp2-no-all-reduce, device step p50): {all_reduce_ms:.3f} ms")
 
 
-def all_reduce(results: dict, smoke: bool) -> bool:
-    """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked."""
+def all_reduce(results: dict, smoke: bool, sizes_kib: str | None) -> bool:
+    """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
+    all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
+    (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
     if smoke:
         print("all-reduce: needs two GPUs (skipped in --smoke)")
         return True
     record = os.path.join(OUT, "all_reduce.json")
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2",
+    sizes = ["--sizes-kib", sizes_kib] if sizes_kib else []
+    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
                            "--output-json", record], cwd=REPO, text=True)
     if os.path.exists(record):
         with open(record) as f:
@@ -159,11 +191,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="allreduce,check,batch1,bench")
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="the same for every layout of the bench")
-    ap.add_argument("--layouts", default="tp1,tp2,tp2-no-all-reduce,pp2", help="the bench's layouts: "
+    ap.add_argument("--layouts", default="tp1,tp2,tp2-no-all-reduce,pp2,pp2-mb3", help="the bench's layouts: "
                     + ", ".join(_BENCH_LAYOUTS))
+    ap.add_argument("--ar-sizes-kib", default=None, help="allreduce: message sizes (default: bench all-reduce's)")
+    ap.add_argument("--batch1-layouts", default="tp1,tp2,tp2-unfused", help="batch1: layouts to time")
+    ap.add_argument("--batch1-prompts", type=int, default=4, help="batch1: prompts (one at a time, 512 in x 256 out)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     import torch
     results: dict = {"smoke": args.smoke, "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
@@ -180,9 +216,9 @@ def main() -> int:
         elif part == "bench":
             bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput")
         elif part == "batch1":
-            bench(results, args.smoke, 1, ["tp1", "tp2"], (4, 512, 256), "batch1")
+            bench(results, args.smoke, 1, args.batch1_layouts.split(","), (args.batch1_prompts, 512, 256), "batch1")
         elif part == "allreduce":
-            ok = all_reduce(results, args.smoke) and ok
+            ok = all_reduce(results, args.smoke, args.ar_sizes_kib) and ok
         else:
             raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, batch1, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)

@@ -3,7 +3,7 @@ model in the same run. Prints a table per part, writes $OUT/gpu_lora.json and $O
 (default ./gpu-out; rewritten after every part, so a run cut short keeps what it measured), exits 1
 on a failed check.
 
-Parts (--parts, comma-separated; default micro,tiny,engine,batch1):
+Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1):
   micro   the Triton shrink + expand of one projection on Llama-3.1-8B shapes (qkv 4096->6144,
           o 4096->4096, gate_up 4096->28672, down 14336->4096), rank 16, 64 slots, at 1, 16, 64,
           256 and 8192 tokens with 1, 8 and 64 adapters mixed uniformly: checked against the torch
@@ -12,6 +12,11 @@ Parts (--parts, comma-separated; default micro,tiny,engine,batch1):
           fused with the activation, as the engine runs it); at 16 and 64 tokens both kernel kinds
           (per-token "rows", slot "tiles"); with the shrink in stream order and beside the GEMM;
           the per-step plan; and per token count the four projections summed (one decoder layer)
+  layer   32 Llama-3.1-8B decoder layers' GEMMs (qkv, o, gate_up + SiLU-and-mul, down) with every
+          projection's LoRA in one CUDA graph, the step's plan inside: us per layer at 1, 16, 64,
+          256, 8192 tokens with 1, 8, 64 adapters, base and variants (side stream off / normal /
+          high priority, no fusion, every slot -1, the tile knobs); one layer checked against the
+          torch reference per size
   tiny    a tiny random Llama, float32, CUDA graphs on (and eager): base and three adapters mixed
           in one batch vs HF + PEFT greedy; again with one slot (eviction and reload mid-run)
   engine  Llama-3.1-8B shape, dummy weights, CUDA graphs on, rank-16 adapters on all seven
@@ -244,6 +249,186 @@ def micro(results: dict, args) -> None:
     MARKDOWN["micro: one decoder layer (the four projections), graph replay"] = layer_lines
 
 
+# ---------------------------------------------------------------- layer: a stack of decoder layers' GEMMs
+
+LAYER_VARIANTS = {
+    # name: (LoRA on, slots (None: the mix; -1: every token without an adapter), side stream, tile knobs)
+    "base": (False, None, None, None),
+    "noop": (True, -1, "high", None),
+    "seq": (True, None, None, None),
+    "overlap": (True, None, "normal", None),
+    "overlap_hi": (True, None, "high", None),
+    # the tile kernels and the plan as they were (every program one tile of the worst-case bound)
+    "old_tiles": (True, None, "high", dict(TILE_GRID_FACTOR=None, TILE_PROGRAMS_PER_SM=2, _TILES_MAX_SPLITS=8,
+                                           PLAN_KERNEL_MAX_TOKENS=0)),
+    "torch_plan": (True, None, "high", dict(PLAN_KERNEL_MAX_TOKENS=0)),
+    "grid1": (True, None, "high", dict(TILE_GRID_FACTOR=1.0)),
+    "grid2": (True, None, "high", dict(TILE_GRID_FACTOR=2.0)),
+    "splits32": (True, None, "high", dict(TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32)),
+    "silu128": (True, None, "high", dict(SILU_TILE_BLOCK_N=128)),
+    "wide": (True, None, "high", dict(SILU_TILE_BLOCK_N=128, EXPAND_TILE_BLOCK_N=256)),
+    "overlap_hi_nofuse": (True, None, "high", dict(fuse=False)),
+    "seq_nofuse": (True, None, None, dict(fuse=False)),
+}
+
+
+def layer(results, args) -> None:
+    """The GEMMs of `layers` Llama-3.1-8B decoder layers in one CUDA graph (qkv, o + residual,
+    gate_up + SiLU-and-mul, down + residual; attention and norms left out), with the LoRA of every
+    projection as the engine runs it (its per-step plan inside the graph) or without; per layer us.
+    Variants: LoRABatch's side stream off / normal / high priority, every slot -1 (the cost of the
+    LoRA engine for base requests), the tile kernels' knobs of before (grid of the worst-case bound)."""
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.lora import lora_layer, triton_lora
+    from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots
+
+    device = torch.device("cpu" if SMOKE else "cuda")
+    dtype = torch.float32 if SMOKE else torch.bfloat16
+    h_size, inter, q, kv, rank, num_slots = 4096, 14336, 4096, 1024, 16, 64
+    layers, sets = 32, 4
+    token_counts = [int(t) for t in args.layer_tokens.split(",")]
+    variants = args.layer_variants.split(",")
+    if SMOKE:
+        h_size, inter, q, kv, num_slots, layers, sets = 64, 96, 64, 32, 4, 2, 2
+        token_counts, variants = [1, 40], ["base", "seq", "old_tiles"]
+    g = torch.Generator(device=device).manual_seed(0)
+    act = SiluAndMul()
+    batch = LoRABatch(device, num_slots)
+    streams = {None: None} if SMOKE else {None: None, "normal": lora_layer.side_stream(device, False),
+                                          "high": lora_layer.side_stream(device, True)}
+
+    def rnd(*shape, scale):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    weights = []
+    for _ in range(sets):
+        w = {"qkv": rnd(q + 2 * kv, h_size, scale=h_size ** -0.5), "o": rnd(h_size, q, scale=q ** -0.5),
+             "gate_up": rnd(2 * inter, h_size, scale=h_size ** -0.5), "down": rnd(h_size, inter, scale=inter ** -0.5)}
+        for name, k, parts in (("qkv", h_size, [q, kv, kv]), ("o", q, [h_size]), ("gate_up", h_size, [inter, inter]),
+                               ("down", inter, [h_size])):
+            slots = LoRASlots(batch, num_slots, rank, k, parts, dtype, device)
+            slots.a.copy_(rnd(*slots.a.shape, scale=k ** -0.5))
+            slots.b.copy_(rnd(*slots.b.shape, scale=0.02))
+            w["l_" + name] = slots
+        weights.append(w)
+
+    fuse = True
+
+    def stack(h, lora: bool):
+        for i in range(layers):
+            w = weights[i % sets]
+            if lora:
+                qkv = w["l_qkv"].forward(h, lambda: torch.mm(h, w["qkv"].t()))
+                att = qkv[:, :q]
+                h2 = w["l_o"].forward(att, lambda: torch.addmm(h, att, w["o"].t()))
+                a = w["l_gate_up"].forward_silu_mul(h2, lambda: torch.mm(h2, w["gate_up"].t()), act,
+                                                      then=w["l_down"] if fuse else None)
+                h = w["l_down"].forward(a, lambda: torch.addmm(h2, a, w["down"].t()))
+            else:
+                att = torch.mm(h, w["qkv"].t())[:, :q]
+                h2 = torch.addmm(h, att, w["o"].t())
+                a = act(torch.mm(h2, w["gate_up"].t()))
+                h = torch.addmm(h2, a, w["down"].t())
+        return h
+
+    def check_layer(tokens, adapters, mix, h0):
+        """One layer eagerly, the engine's kernels vs the torch reference of every projection."""
+        from tokenmill.layers.lora.torch_lora import lora_reference
+        w = weights[0]
+        batch.side_stream = None
+        batch.prepare(mix)
+        if SMOKE:  # the CUDA path's plan: the Triton kernels (interpreted) instead of the CPU's matmuls
+            batch.plan = triton_lora.plan_step(mix, num_slots, batch.shapes)
+        qkv = w["l_qkv"].forward(h0, lambda: torch.mm(h0, w["qkv"].t()))
+        att = qkv[:, :q]
+        h2 = w["l_o"].forward(att, lambda: torch.addmm(h0, att, w["o"].t()))
+        a = w["l_gate_up"].forward_silu_mul(h2, lambda: torch.mm(h2, w["gate_up"].t()), act, then=w["l_down"])
+        out = w["l_down"].forward(a, lambda: torch.addmm(h2, a, w["down"].t()))
+        batch.clear()
+
+        m = min(tokens, 64)  # the reference gathers each token's adapter: the first 64 tokens only
+
+        def ref(name, x, y):
+            sl = w["l_" + name]
+            return y[:m].float() + lora_reference(x[:m], sl.a, sl.b, sl.part_starts, mix[:m])
+        errs = []
+        for name, x, y_base, got in (("qkv", h0, torch.mm(h0, w["qkv"].t()), qkv),
+                                     ("o", att, torch.addmm(h0, att, w["o"].t()), h2),
+                                     ("down", a, torch.addmm(h2, a, w["down"].t()), out)):
+            want = ref(name, x, y_base)
+            errs.append(((got[:m].float() - want).abs().max() / want.abs().max().clamp_min(1e-3)).item())
+        gate, up = ref("gate_up", h2, torch.mm(h2, w["gate_up"].t())).to(dtype).float().chunk(2, dim=1)
+        want = torch.nn.functional.silu(gate).to(dtype).float() * up
+        errs.append(((a[:m].float() - want).abs().max() / want.abs().max().clamp_min(1e-3)).item())
+        check(max(errs) <= (1e-4 if SMOKE else 2e-2),
+              f"layer T={tokens} adapters={adapters}: relative error qkv/o/down/gate_up {['%.1e' % e for e in errs]}")
+
+    rows = []
+    for tokens in token_counts:
+        h0 = rnd(tokens, h_size, scale=1.0)
+        for adapters in (1, 8, 64) if not SMOKE else (1, 3):
+            if adapters > 1 and (tokens < 2 * adapters or tokens == 1):
+                continue
+            if tokens > 1024 and adapters == 8:
+                continue  # (prefill sizes: 1 and 64 tell enough)
+            mix = (torch.randperm(tokens, generator=g, device=device) % adapters).to(torch.int32)
+            check_layer(tokens, adapters, mix, h0)
+            for variant in variants:
+                lora, fixed, stream, knobs = LAYER_VARIANTS[variant]
+                if not lora and adapters != 1:
+                    continue
+                if tokens > 16 and variant in ("noop", "overlap_hi_nofuse", "seq_nofuse"):
+                    continue  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
+                if tokens <= 16 and variant in ("old_tiles", "torch_plan", "grid1", "grid2", "splits32", "silu128",
+                                                "wide"):
+                    continue  # (the per-token kernels: no tiles)
+                if (tokens > 16 and variant == "overlap") or (tokens != 256 and variant == "torch_plan") or \
+                        (adapters == 1 and variant in ("grid1", "grid2")):
+                    continue  # (fewer runs: overlap_hi vs seq tells the stream's part; grid2 = new for one slot)
+                knobs = dict(knobs or {})
+                fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
+                saved = {k: getattr(triton_lora, k) for k in knobs}
+                try:
+                    for k, v in knobs.items():
+                        setattr(triton_lora, k, v)
+                    batch.side_stream = streams.get(stream)
+                    token_slots = mix if fixed is None else torch.full_like(mix, fixed)
+
+                    def body():
+                        if lora:
+                            batch.prepare(token_slots)
+                        out = stack(h0, lora)
+                        batch.clear()
+                        return out
+
+                    body()  # (timing only: the checks are micro's and tiny's)
+                    if SMOKE:
+                        us = 0.0
+                    else:
+                        us = _time_graph(body, reps=1, replays=20) / layers
+                    rows.append({"tokens": tokens, "adapters": adapters, "variant": variant, "us_per_layer": us})
+                    print(f"  T={tokens:5} adapters={adapters:2} {variant:11} {us:9.1f} us per layer", flush=True)
+                except Exception as exc:
+                    traceback.print_exc()
+                    check(False, f"layer T={tokens} adapters={adapters} {variant} raised {exc!r}"[:400])
+                finally:
+                    for k, v in saved.items():
+                        setattr(triton_lora, k, v)
+                    batch.clear()
+    results["layer"] = rows
+    lines = ["| T | adapters | variant | us per layer | + us over base | +% |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        base = next((b["us_per_layer"] for b in rows if b["tokens"] == r["tokens"] and b["variant"] == "base"), None)
+        extra = (r["us_per_layer"] - base) if base else float("nan")
+        pct = 100 * extra / base if base else float("nan")
+        lines.append(f"| {r['tokens']} | {r['adapters']} | {r['variant']} | {r['us_per_layer']:.1f} | {extra:.1f} | "
+                     f"{pct:.1f} |")
+        r["plus_pct"] = pct
+    if not SMOKE:
+        print("\n".join("  " + line for line in lines))
+    MARKDOWN["layer: 32 decoder layers' GEMMs + LoRA in one graph, us per layer"] = lines
+
+
 # ---------------------------------------------------------------- tiny: tokens vs HF + PEFT
 
 def tiny(results: dict, args) -> None:
@@ -350,9 +535,10 @@ def engines(results: dict, args, parts: set[str]) -> None:
         print(f"  NOTE: {num} prompts (the issue's shape is 1000 x 512 x 256)")
     counts = (1, 4) if SMOKE else (1, 8, 64)
     max_loras = max(counts)
+    used = max_loras if "engine" in parts else 1  # batch 1 alone: one adapter written and loaded
     root = tempfile.mkdtemp(prefix="lora-adapters-")
     start = time.perf_counter()
-    folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(8, max_loras))]
+    folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(8, used))]
     print(f"  wrote {len(folders)} rank-16 adapter folders in {time.perf_counter() - start:.1f} s")
     loras = [LoRARequest(f"adapter{i}", i + 1, folders[i % len(folders)]) for i in range(max_loras)]
     prompts = [{"prompt_token_ids": p} for p in
@@ -392,8 +578,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
             # Every adapter read into host memory and a device slot once, before timing (as a server
             # that was given them with --lora-modules would have them after its first requests).
             start = time.perf_counter()
-            llm.generate([prompts[0]] * max_loras, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras)
-            print(f"  loaded {max_loras} adapters in {time.perf_counter() - start:.1f} s")
+            llm.generate([prompts[0]] * used, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras[:used])
+            print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s")
             if "batch1" in parts:
                 llm.generate(one_prompt, one_params, use_tqdm=False, lora_request=loras[0])
                 timed(llm, loras[0], "batch1_lora", one_prompt, one_params, repeat=2)
@@ -443,19 +629,21 @@ def engines(results: dict, args, parts: set[str]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--parts", default="micro,tiny,engine,batch1")
+    ap.add_argument("--parts", default="micro,layer,tiny,engine,batch1")
     ap.add_argument("--prompts", type=int, default=1000, help="engine: prompts per run (512 in x 256 out)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (checks that the script runs)")
+    ap.add_argument("--layer-tokens", default="1,16,64,256,8192", help="layer: the step sizes")
+    ap.add_argument("--layer-variants", default=",".join(LAYER_VARIANTS), help="layer: the variants")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    unknown = parts - {"micro", "tiny", "engine", "batch1"}
+    unknown = parts - {"micro", "layer", "tiny", "engine", "batch1"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
     os.makedirs(OUT, exist_ok=True)
     results: dict = {"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(0), "torch": torch.__version__,
                      "parts": sorted(parts)}
     start_all = time.perf_counter()
-    steps = [(name, fn) for name, fn in (("micro", micro), ("tiny", tiny)) if name in parts]
+    steps = [(name, fn) for name, fn in (("micro", micro), ("layer", layer), ("tiny", tiny)) if name in parts]
     if parts & {"engine", "batch1"}:
         steps.append(("engine / batch1", lambda res, a: engines(res, a, parts)))
     for name, fn in steps:

@@ -19,6 +19,10 @@ Parts (--parts, comma-separated; default all, run in this order):
   micro    each Llama-8B linear (qkv, o, gate_up, down) at 1..8192 rows: bf16 mm, fp8 (activation
            quantization + _scaled_mm), int4 fused kernel, int4 dequantize + mm (where the INT4
            path should switch: triton_int4.DEQUANT_MIN_ROWS)
+  tune     (not by default) every candidate tile and split of the fp8 streaming and INT4 kernels
+           (triton_fp8_stream, triton_int4_stream) on each Llama-8B linear at 1..2048 rows, with
+           bf16, _scaled_mm and the old INT4 paths; the best per bucket feeds stream_tiles' table
+           (TUNE_BUDGET_S caps it, default 110 s)
   tiny     tiny quantized checkpoints of every format (tests/helpers/quant_formats.py) on CUDA
            (bf16, Triton, graphs): prompt logprobs vs the same checkpoint on the CPU engine (float32)
 Goals (issue 22): fp8 >= 1.5x bf16 tok/s and <= 0.6x ms/token at batch 1; int4 batch 1 <= 0.4x,
@@ -123,16 +127,23 @@ def kernels(results: dict, device: str) -> None:
     lin.quant_method = fp8_method.Fp8LinearMethod(online=True)
     lin.quant_method.create_weights(lin)
     lin.quant_method.process_weights_after_loading(lin)
-    check(lin.use_scaled_mm == (device == "cuda") and not fp8_method._WARNED,
-          f"engine fp8 Linear takes torch._scaled_mm (fallbacks: {sorted(fp8_method._WARNED) or 'none'})")
-    wq_c, ws_c = fp8_ops.quantize_rows(w)
-    for m in (1, 33, 300):
+    check(lin.use_scaled_mm == (device == "cuda") and (lin.stream_counters is not None) == (device == "cuda")
+          and not fp8_method._WARNED, f"engine fp8 Linear takes torch._scaled_mm and streams small batches "
+                                      f"(fallbacks: {sorted(fp8_method._WARNED) or 'none'})")
+    wq_c, ws_c = lin.weight, lin.weight_scale  # the layer's own rounding (online scales are searched)
+    from tokenmill.layers.quantization.stream_tiles import FP8_STREAM_MAX_ROWS
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_reference
+    for m in (1, 4, 33, 300):
         xm = torch.randn(m, 512, generator=g).to(device, dt)
         out = lin(xm).float()
-        xq, xs = fp8_ops.quantize_rows(xm)
-        ref = fp8_ops.scaled_mm_reference(xq, xs, wq_c, ws_c, torch.float32)
+        if m <= FP8_STREAM_MAX_ROWS and device == "cuda":  # streaming: bf16 activations, fp8 weight
+            ref = fp8_stream_reference(xm, wq_c, ws_c).float()
+        else:
+            xq, xs = fp8_ops.quantize_rows(xm)
+            ref = fp8_ops.scaled_mm_reference(xq, xs, wq_c, ws_c, torch.float32)
         err = ((out - ref).norm() / ref.norm()).item()
         check(err < 1e-2 and not fp8_method._WARNED, f"engine fp8 Linear m={m}: rel err {err:.1e}")
+    _stream_kernel_checks(device, dt, g)
     # INT4 large batches: dequantize + cuBLAS (int4_matmul from DEQUANT_MIN_ROWS rows).
     from tokenmill.layers.quantization.triton_int4 import DEQUANT_MIN_ROWS, dequantize_int4, int4_matmul
     codes = packing.quantize_int4(w, 128, sym=True)
@@ -144,7 +155,7 @@ def kernels(results: dict, device: str) -> None:
     xm = torch.randn(DEQUANT_MIN_ROWS + 5, 512, generator=g).to(device, dt)
     ref = xm.float() @ ref_w
     err = ((int4_matmul(xm, wt.qweight, wt.scales, wt.zeros, None, 128).float() - ref).norm() / ref.norm()).item()
-    check(err < 1e-2, f"int4 {xm.shape[0]} rows (dequantize + mm): rel err {err:.1e}")
+    check(err < 1e-2, f"int4_matmul {xm.shape[0]} rows: rel err {err:.1e}")
     if device != "cuda":
         return
     fp8 = torch.float8_e4m3fn
@@ -195,6 +206,59 @@ def kernels(results: dict, device: str) -> None:
         n = meta.num_tokens
         err = (out[:n].float().cpu() - expected[:n]).abs().max().item()
         check(err < 2e-3, f"paged attention over {kv_dtype} blocks: max err {err:.1e}")
+
+
+def _stream_kernel_checks(device: str, dt: torch.dtype, g: torch.Generator) -> None:
+    """The fp8 streaming and INT4 kernels at every tile bucket (with split-K) against float64
+    references, the split-K counters zero afterwards, and a CUDA-graph replay on new inputs."""
+    from tokenmill.layers.quantization import fp8_ops, stream_tiles
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm, fp8_stream_reference
+    from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
+
+    n, k = 768, 1024
+    w = (torch.randn(n, k, generator=g) * 0.05).to(device)
+    counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+    cases = {"channel": (fp8_ops.quantize_rows(w), None), "block": (fp8_ops.quantize_blocks(w, (128, 128)), (128, 128))}
+    for label, ((wq, ws), block) in cases.items():
+        if device != "cuda":
+            wq = wq.float()
+        for m in (1, 3, 16):
+            x = torch.randn(m, k, generator=g).to(device, dt)
+            ref = fp8_stream_reference(x, wq, ws, block)
+            out = fp8_stream_gemm(x, wq, ws, block, counters)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            check(err < 1e-2 and not counters.any(), f"fp8 stream ({label} scales) m={m} "
+                  f"{stream_tiles.fp8_tiles(m, n, k, block, stream_tiles.sm_count(x.device)).label()}: rel err {err:.1e}")
+    wt = packing.from_codes(packing.quantize_int4(w, 128, sym=False), dt, act_order=False)
+    ref_w = packing.dequantize(wt, 128, torch.float64)
+    for m in (1, 5, 16, 64, 200, 700):
+        x = torch.randn(m, k, generator=g).to(device, dt)
+        ref = x.double() @ ref_w
+        out = int4_stream_gemm(x, wt.qweight, wt.scales, wt.zeros, 128, counters)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        check(err < 1e-2 and not counters.any(), f"int4 stream m={m} "
+              f"{stream_tiles.int4_tiles(m, n, k, 128, stream_tiles.sm_count(x.device)).label()}: rel err {err:.1e}")
+    if device != "cuda":
+        return
+    # Graph replays: split-K counters must be back at zero after every replay.
+    (wq, ws), _ = cases["channel"]
+    x = torch.randn(2, k, device=device, dtype=dt)
+    fp8_stream_gemm(x, wq, ws, None, counters)
+    int4_stream_gemm(x, wt.qweight, wt.scales, wt.zeros, 128, counters)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y8 = fp8_stream_gemm(x, wq, ws, None, counters)
+        y4 = int4_stream_gemm(x, wt.qweight, wt.scales, wt.zeros, 128, counters)
+    worst = 0.0
+    for _ in range(3):
+        x.copy_(torch.randn(2, k, generator=g).to(device, dt))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, ref in ((y8, fp8_stream_reference(x, wq, ws)), (y4, x.double() @ ref_w)):
+            worst = max(worst, ((got.double() - ref).norm() / ref.norm()).item())
+    check(worst < 1e-2 and not counters.any(), f"fp8 / int4 stream kernels replayed in a CUDA graph: rel err {worst:.1e}")
 
 
 # ---------------------------------------------------------------- tiny checkpoints of every format
@@ -350,68 +414,315 @@ def _time_ms(fn, device: str, reps: int = 20) -> float:
 
 
 def micro(results: dict, device: str) -> None:
-    from tokenmill.layers.quantization import fp8_ops
+    """Each Llama-8B linear per row count, as the engine calls it now (fp8: streaming up to
+    FP8_STREAM_MAX_ROWS, then W8A8 _scaled_mm; int4: int4_matmul) and the paths it chose between.
+    Weights are cycled over copies larger than L2 together (`_cycled`): HBM-bound times."""
+    from tokenmill.layers.quantization import fp8_ops, stream_tiles
     from tokenmill.layers.quantization import int4_packing as packing
     from tokenmill.layers.quantization import triton_int4
     from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
 
-    shape = LLAMA8B if device == "cuda" else SMOKE
+    cuda = device == "cuda"
+    shape = LLAMA8B if cuda else SMOKE
     h, i = shape["hidden_size"], shape["intermediate_size"]
     kv = 2 * h * shape["num_key_value_heads"] // shape["num_attention_heads"]
     shapes = {"qkv": (h + kv, h), "o": (h, h), "gate_up": (2 * i, h), "down": (h, i)}
     rec = results.setdefault("micro", {})
-    rows = (1, 16, 64, 256, 1024, 2048, 8192) if device == "cuda" else (1, 16)
-    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = (1, 4, 16, 64, 256, 1024, 2048, 8192) if cuda else (1, 16)
+    dt = torch.bfloat16 if cuda else torch.float32
     totals: dict = {}
     for name, (n, k) in shapes.items():
         w = torch.randn(n, k, device=device, dtype=dt) * 0.02
         wq, ws = fp8_ops.quantize_rows(w)
-        ws_row = ws.reshape(1, -1).contiguous()
+        if not cuda:
+            wq = wq.float()
         wt = packing.from_codes(packing.quantize_int4(w, 128, sym=True), dt, act_order=False)
-        del w
-        wb = torch.randn(n, k, device=device, dtype=dt)
+        bf16_w = _cycled([w])
+        fp8_w = _cycled([wq, ws, ws.reshape(1, -1).contiguous()])
+        int4_w = _cycled([wt.qweight, wt.scales, wt.zeros])
+        counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
         for m in rows:
             x = torch.randn(m, k, device=device, dtype=dt)
 
-            def fp8():
-                if device != "cuda":  # the smoke run checks the call, on the CPU's _scaled_mm
-                    xq, xs = fp8_ops.quantize_rows(x)
-                else:
-                    xq, xs = quantize_row_groups(x, k)
-                return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16)
-            r = {"bf16": _time_ms(lambda: x @ wb.t(), device), "fp8": _time_ms(fp8, device),
-                 "int4_fused": _time_ms(lambda: triton_int4.int4_gemm(x, wt.qweight, wt.scales, wt.zeros, None, 128),
-                                        device),
-                 "int4_fused_rowloads": _time_ms(lambda: triton_int4.int4_gemm(
-                     x, wt.qweight, wt.scales, wt.zeros, None, 128, unpack_3d=False), device),
-                 "int4_dequant_mm": _time_ms(lambda: x @ triton_int4.dequantize_int4(
-                     wt.qweight, wt.scales, wt.zeros, None, 128, dt), device)}
+            def scaled_mm():
+                q, _, srow = fp8_w()
+                xq, xs = quantize_row_groups(x, k) if cuda else fp8_ops.quantize_rows(x)
+                if not cuda:
+                    xq, q = xq.to(torch.float8_e4m3fn), q.to(torch.float8_e4m3fn)
+                return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=srow, out_dtype=torch.bfloat16)
+
+            def stream():
+                q, sc, _ = fp8_w()
+                return fp8_stream_gemm(x, q, sc, None, counters)
+            r = {"bf16": _time_ms(lambda: x @ bf16_w()[0].t(), device), "fp8_scaled_mm": _time_ms(scaled_mm, device)}
+            if m <= 64:
+                r["fp8_stream"] = _time_ms(stream, device)
+            r["int4"] = _time_ms(lambda: triton_int4.int4_matmul(x, *int4_w(), None, 128, counters), device)
+            if m <= 256:
+                r["int4_old_fused"] = _time_ms(lambda: triton_int4.int4_gemm(x, *int4_w(), None, 128), device)
+            if m >= 256:
+                r["int4_dequant_mm"] = _time_ms(
+                    lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, 128, dt), device)
+            r["fp8"] = r["fp8_stream"] if m <= stream_tiles.FP8_STREAM_MAX_ROWS else r["fp8_scaled_mm"]
             rec[f"{name}_{n}x{k}_m{m}"] = r
             for key, v in r.items():
                 totals.setdefault(m, {}).setdefault(key, 0.0)
                 totals[m][key] += v
-            print(f"  {name} {n}x{k} m={m}: " + ", ".join(f"{key} {v * 1000:.0f} us" for key, v in r.items()), flush=True)
-        del wb, wq, wt
+            print(f"  {name} {n}x{k} m={m}: " + ", ".join(f"{key} {v * 1000:.0f} us" for key, v in r.items()),
+                  flush=True)
+        del w, wq, wt, bf16_w, fp8_w, int4_w
     results["micro_layer_totals_ms"] = {str(m): t for m, t in totals.items()}
     for m, t in totals.items():
         print(f"  one layer's 4 linears, m={m}: " + ", ".join(f"{key} {v * 1000:.0f} us ({v / t['bf16']:.2f}x bf16)"
                                                               for key, v in t.items()), flush=True)
-    # The fewest rows from which dequantize + mm wins at every larger batch measured.
-    best = None
-    for m in reversed(rows):
-        if totals[m]["int4_dequant_mm"] >= totals[m]["int4_fused"]:
+    for m, t in totals.items():  # where the crossovers really are
+        if "fp8_stream" in t and t["fp8_stream"] > t["fp8_scaled_mm"] and m <= stream_tiles.FP8_STREAM_MAX_ROWS:
+            print(f"  NOTE fp8: _scaled_mm beats streaming at m={m} (FP8_STREAM_MAX_ROWS {stream_tiles.FP8_STREAM_MAX_ROWS})")
+        if "int4_dequant_mm" in t and t["int4_dequant_mm"] < t["int4"]:
+            print(f"  NOTE int4: dequantize + mm beats int4_matmul at m={m} "
+                  f"(INT4_DEQUANT_MIN_ROWS {stream_tiles.INT4_DEQUANT_MIN_ROWS})")
+
+
+# ---------------------------------------------------------------- tile sweep of the new kernels
+
+# Candidate tiles (compiled variants; split-K is a launch size, not a recompile).
+def _tune_candidates():
+    from tokenmill.layers.quantization.stream_tiles import Tiles as T
+    fp8_gemv = [T(1, 32, 256), T(1, 32, 256, flat=False), T(1, 16, 512), T(1, 64, 128), T(1, 64, 256, warps=8, flat=False),
+                T(1, 16, 256, warps=2)]
+    fp8_dot = [T(16, 32, 256), T(16, 64, 128), T(16, 32, 128), T(16, 64, 256, warps=8)]
+    int4_gemv = [T(1, 64, 128), T(1, 32, 128), T(1, 128, 128, warps=8), T(1, 64, 64), T(1, 32, 128, warps=2)]
+    int4_dot = [T(16, 64, 128), T(16, 128, 128, warps=8), T(16, 32, 128), T(16, 64, 64, nibble_dots=False)]
+    int4_tc = [T(64, 64, 128), T(64, 128, 128), T(128, 128, 128, warps=8), T(128, 128, 64, warps=8, nibble_dots=False),
+               T(128, 64, 128), T(64, 128, 64, stages=4, nibble_dots=False), T(128, 256, 128, warps=8)]
+    return fp8_gemv, fp8_dot, int4_gemv, int4_dot, int4_tc
+
+
+def _cycled(tensors: list, min_bytes: int = 120 << 20):
+    """Copies of a weight (tuple of tensors) so that consecutive calls read different copies and
+    the 50 MB L2 holds none of them: the times are HBM-bound, as in a model's forward."""
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    copies = [tensors] + [tuple(t.clone() for t in tensors) for _ in range(min(11, -(-min_bytes // size) - 1))]
+    state = {"i": 0}
+
+    def next_copy():
+        state["i"] += 1
+        return copies[state["i"] % len(copies)]
+    return next_copy
+
+
+def _tune_calls(device: str):
+    """(label, call) for every compiled variant of the sweep (each tile, with and without split-K)
+    on a small problem whose specialization matches the Llama shapes (sizes multiples of 16)."""
+    from tokenmill.layers.quantization import fp8_ops, stream_tiles
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
+    from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
+    from dataclasses import replace
+
+    n, k = 512, 2048
+    w = torch.randn(n, k, device=device) * 0.02
+    wq, ws = fp8_ops.quantize_rows(w)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    if device != "cuda":
+        wq = wq.float()
+    wt = packing.from_codes(packing.quantize_int4(w, 128, sym=True), dt, act_order=False)
+    counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+    fp8_gemv, fp8_dot, int4_gemv, int4_dot, int4_tc = _tune_candidates()
+    calls = []
+    tagged = [("fp8", t) for t in fp8_gemv + fp8_dot] + [("int4", t) for t in int4_gemv + int4_dot + int4_tc]
+    for kind, t in tagged:
+        for sp in ((1, 2) if t.block_m < 64 else (1,)):
+            tt = replace(t, split=sp)
+            x = torch.randn(max(1, t.block_m // 2), k, device=device, dtype=dt)
+            if kind == "fp8":
+                calls.append((f"fp8:{tt.label()}", lambda x=x, tt=tt: fp8_stream_gemm(x, wq, ws, None, counters, tiles=tt)))
+            else:
+                calls.append((f"int4:{tt.label()}", lambda x=x, tt=tt: int4_stream_gemm(
+                    x, wt.qweight, wt.scales, wt.zeros, 128, counters, tiles=tt)))
+    return calls
+
+
+def precompile_shard(shard: str) -> None:
+    """Compile one shard of the sweep's kernels into Triton's on-disk cache (tune runs shards in
+    parallel processes first: compiling, not timing, is most of the sweep's time)."""
+    i, n = map(int, shard.split("/"))
+    for j, (label, call) in enumerate(_tune_calls("cuda")):
+        if j % n == i:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - reported; the sweep skips what does not compile
+                print(f"  precompile {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    torch.cuda.synchronize()
+
+
+def _precompile_parallel(shards: int = 8, timeout: float = 90.0) -> None:
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile", f"{i}/{shards}"])
+             for i in range(shards)]
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    print(f"  precompiled the sweep's kernels in {shards} processes: {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def suggest_tables(rec: dict) -> list[str]:
+    """From tune records: per (kind, table bucket, shape) the tile with the least time summed over
+    the bucket's measured row counts (MEASURED lines for stream_tiles), each bucket's best over the
+    layer, and the crossovers (stream vs _scaled_mm; int4 vs dequantize + mm and bf16)."""
+    from tokenmill.layers.quantization import stream_tiles as st
+
+    by_shape: dict = {}
+    for key, r in rec.items():
+        shape, m = key.rsplit("_m", 1)
+        by_shape.setdefault(shape.rsplit("_", 1)[1], {})[int(m)] = r
+    lines = []
+    for kind, table in (("fp8", st.FP8_TABLE), ("int4", st.INT4_TABLE)):
+        buckets = sorted(table)
+        layer: dict = {}
+        for nk, rows in by_shape.items():
+            n, k = map(int, nk.split("x"))
+            for bi, b in enumerate(buckets):
+                lo = buckets[bi - 1] if bi else 0
+                members = [m for m in rows if lo < m <= b and any(x.startswith(kind + ":") for x in rows[m])]
+                if not members:
+                    continue
+                labels = set.intersection(*({x for x in rows[m] if x.startswith(kind + ":")} for m in members))
+                if not labels:
+                    continue
+                cost = {x: sum(rows[m][x] for m in members) for x in labels}
+                best = min(cost, key=cost.get)
+                tiles = st.Tiles.parse(best.split(":", 1)[1])
+                lines.append(f"    ({kind!r}, {b if b < 1 << 30 else '1 << 30'}, {n}, {k}): {tiles.code()},  "
+                             f"# {cost[best] * 1000:.1f} us over rows {members}")
+                for x, v in cost.items():
+                    layer.setdefault(b, {}).setdefault(x.split(":", 1)[1].replace("s2", "s1").replace("s4", "s1")
+                                                       .replace("s8", "s1"), []).append(v)
+        for b, per in layer.items():
+            full = {x: sum(v) for x, v in per.items() if len(v) == max(len(v2) for v2 in per.values())}
+            if full:
+                best = min(full, key=full.get)
+                lines.append(f"  {kind} bucket {b}: best tile over the layer {best} ({full[best] * 1000:.1f} us)")
+    return lines
+
+
+def tune(results: dict, device: str) -> None:
+    """Every candidate tile (and split) of the fp8 streaming and INT4 kernels on each Llama-8B
+    linear per row count, against bf16 and the paths they replace; prints the best per bucket."""
+    from dataclasses import replace
+
+    from tokenmill.layers.quantization import fp8_ops, stream_tiles
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import triton_int4
+    from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
+    from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
+
+    cuda = device == "cuda"
+    shape = LLAMA8B if cuda else SMOKE
+    h, i = shape["hidden_size"], shape["intermediate_size"]
+    kv = 2 * h * shape["num_key_value_heads"] // shape["num_attention_heads"]
+    shapes = {"gate_up": (2 * i, h), "down": (h, i), "qkv": (h + kv, h), "o": (h, h)}  # most time first
+    fp8_gemv, fp8_dot, int4_gemv, int4_dot, int4_tc = _tune_candidates()
+    fp8_rows = (1, 2, 4, 8, 16, 32) if cuda else (1, 4)
+    int4_rows = (1, 4, 16, 64, 128, 256, 512, 1024, 2048) if cuda else (1, 16, 64)
+    if not cuda:  # smoke: the first two candidates of each, tiles shrunk to the tiny shapes
+        shrink = lambda ts: [replace(t, block_n=min(t.block_n, 32), block_k=min(t.block_k, 64)) for t in ts[:2]]
+        fp8_gemv, fp8_dot, int4_gemv, int4_dot, int4_tc = map(shrink, (fp8_gemv, fp8_dot, int4_gemv, int4_dot, int4_tc))
+    dt = torch.bfloat16 if cuda else torch.float32
+    sms = stream_tiles.sm_count(torch.device(device))
+    deadline = time.perf_counter() + float(os.environ.get("TUNE_BUDGET_S", "110"))
+    rec = results.setdefault("tune", {})
+    if cuda:
+        _precompile_parallel(timeout=(deadline - time.perf_counter()) / 2)
+
+    def splits(m, n, k, t):
+        tiles_mn = -(-m // t.block_m) * -(-n // t.block_n)
+        return [s for s in (1, 2, 4, 8) if k // (s * t.block_k) >= 2 and (s == 1 or tiles_mn < 4 * sms)]
+
+    for name, (n, k) in shapes.items():
+        if time.perf_counter() > deadline:
+            print(f"  tune: budget spent, {name} skipped", flush=True)
             break
-        best = m
-    results["int4_dequant_from_rows_measured"] = best
-    print(f"  int4: dequantize + mm beats the fused kernel from m={best} (DEQUANT_MIN_ROWS is "
-          f"{triton_int4.DEQUANT_MIN_ROWS})", flush=True)
+        w = torch.randn(n, k, device=device, dtype=dt) * 0.02
+        wq, ws = fp8_ops.quantize_rows(w)
+        if not cuda:
+            wq = wq.float()  # the interpreter computes on float32 holding fp8 values
+        wt = packing.from_codes(packing.quantize_int4(w, 128, sym=True), dt, act_order=False)
+        bf16_w = _cycled([w])
+        fp8_w = _cycled([wq, ws, ws.reshape(1, -1).contiguous()])
+        int4_w = _cycled([wt.qweight, wt.scales, wt.zeros])
+        counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+        for m in sorted(set(fp8_rows) | set(int4_rows)):
+            if time.perf_counter() > deadline:
+                break
+            x = torch.randn(m, k, device=device, dtype=dt)
+            r = {"bf16": _time_ms(lambda: x @ bf16_w()[0].t(), device)}
+            if m in fp8_rows:
+                def scaled_mm():
+                    q, s, srow = fp8_w()
+                    xq, xs = quantize_row_groups(x, k) if cuda else fp8_ops.quantize_rows(x)
+                    return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=srow, out_dtype=torch.bfloat16)
+                if cuda:
+                    r["fp8_scaled_mm"] = _time_ms(scaled_mm, device)
+                for t in (fp8_gemv if m == 1 else []) + fp8_dot:
+                    for sp in splits(m, n, k, t):
+                        tt = replace(t, split=sp)
+                        r[f"fp8:{tt.label()}"] = _time_ms(lambda: (lambda q, s_, _: fp8_stream_gemm(
+                            x, q, s_, None, counters, tiles=tt))(*fp8_w()), device)
+            if m in int4_rows:
+                if m <= 64:
+                    r["int4_old_fused"] = _time_ms(lambda: triton_int4.int4_gemm(x, *int4_w(), None, 128), device)
+                if m >= 256:
+                    r["int4_dequant_mm"] = _time_ms(lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, 128, dt),
+                                                    device)
+                cands = (int4_gemv if m == 1 else []) + (int4_dot if m <= 64 else []) + (int4_tc if m >= 16 else [])
+                for t in cands:
+                    for sp in (splits(m, n, k, t) if m <= 64 else [1]):
+                        tt = replace(t, split=sp)
+                        r[f"int4:{tt.label()}"] = _time_ms(
+                            lambda: int4_stream_gemm(x, *int4_w(), 128, counters, tiles=tt), device)
+            rec[f"{name}_{n}x{k}_m{m}"] = r
+            best = {kind: min(((v, key) for key, v in r.items() if key.startswith(kind + ":")), default=None)
+                    for kind in ("fp8", "int4")}
+            print(f"  {name} {n}x{k} m={m}: bf16 {r['bf16'] * 1000:.1f} us; " + "; ".join(
+                f"{kind} best {b[1]} {b[0] * 1000:.1f} us" for kind, b in best.items() if b) +
+                (f"; scaled_mm {r['fp8_scaled_mm'] * 1000:.1f}" if 'fp8_scaled_mm' in r else "") +
+                (f"; old int4 {r['int4_old_fused'] * 1000:.1f}" if 'int4_old_fused' in r else "") +
+                (f"; dequant+mm {r['int4_dequant_mm'] * 1000:.1f}" if 'int4_dequant_mm' in r else ""), flush=True)
+        del w, wq, wt, bf16_w, fp8_w, int4_w
+        if cuda:
+            torch.cuda.empty_cache()
+        with open(os.path.join(OUT, "tune-partial.json"), "w") as f:  # survives a timeout
+            json.dump(rec, f)
+        for line in suggest_tables(rec):
+            print("  TABLE " + line, flush=True)
+    # Per row count: the layer's four linears, each at its best tile, vs bf16.
+    totals: dict = {}
+    for key, r in rec.items():
+        m = key.rsplit("_m", 1)[1]
+        t = totals.setdefault(m, {})
+        for kind in ("bf16", "fp8_scaled_mm", "int4_old_fused", "int4_dequant_mm"):
+            if kind in r:
+                t[kind] = t.get(kind, 0.0) + r[kind]
+        for kind in ("fp8", "int4"):
+            vals = [v for k2, v in r.items() if k2.startswith(kind + ":")]
+            if vals:
+                t[kind + "_best"] = t.get(kind + "_best", 0.0) + min(vals)
+    results["tune_layer_totals_ms"] = totals
+    for m, t in totals.items():
+        print(f"  layer m={m}: " + ", ".join(f"{k2} {v * 1000:.0f} us ({v / t['bf16']:.2f}x)" for k2, v in t.items()),
+              flush=True)
 
 
 # ---------------------------------------------------------------- the parts, each in a subprocess
 
-PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "micro", "tiny"]
+PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "micro", "tiny", "tune"]
 # Most seconds a part may take (the budget left caps it further).
-PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "micro": 70, "tiny": 100}
+PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "micro": 70, "tiny": 100, "tune": 150}
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -425,6 +736,8 @@ def run_part(name: str, smoke: bool) -> dict:
             tiny(results, device)
         elif name == "micro":
             micro(results, device)
+        elif name == "tune":
+            tune(results, device)
         else:
             engine_part(results, name, smoke)
     except Exception:
@@ -458,23 +771,34 @@ def _markdown(results: dict) -> str:
                      f"{'—' if r['met'] is None else 'yes' if r['met'] else 'NO'} |")
     totals = results.get("micro_layer_totals_ms")
     if totals:
-        lines += ["", "One Llama-8B layer's four linears (CUDA-graph replays), microseconds:", "",
-                  "| rows | bf16 | fp8 | int4 fused | int4 fused (row loads) | int4 dequant + mm |",
-                  "|---|---|---|---|---|---|"]
+        cols = ["bf16", "fp8", "fp8_stream", "fp8_scaled_mm", "int4", "int4_old_fused", "int4_dequant_mm"]
+        lines += ["", "One Llama-8B layer's four linears (CUDA-graph replays, weights cycled past L2), "
+                  "microseconds (fp8 and int4: the engine's path):", "",
+                  "| rows | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for m, t in totals.items():
-            lines.append(f"| {m} | {t['bf16'] * 1000:.0f} | {t['fp8'] * 1000:.0f} | {t['int4_fused'] * 1000:.0f} "
-                         f"| {t['int4_fused_rowloads'] * 1000:.0f} | {t['int4_dequant_mm'] * 1000:.0f} |")
+            lines.append(f"| {m} | " + " | ".join(f"{t[c] * 1000:.0f}" if c in t else "—" for c in cols) + " |")
+    tune_totals = results.get("tune_layer_totals_ms")
+    if tune_totals:
+        cols = ["bf16", "fp8_scaled_mm", "fp8_best", "int4_old_fused", "int4_dequant_mm", "int4_best"]
+        lines += ["", "Tile sweep: the layer's four linears, each at its best tile (microseconds):", "",
+                  "| rows | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        for m, t in tune_totals.items():
+            lines.append(f"| {m} | " + " | ".join(f"{t[c] * 1000:.0f}" if c in t else "—" for c in cols) + " |")
     lines += ["", f"Parts: {results['part_status']}", f"Failures: {results['failures'] or 'none'}", ""]
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--parts", default=",".join(p for p in PARTS if p != "tune"))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run one part in this process
+    ap.add_argument("--precompile", help=argparse.SUPPRESS)  # compile one shard of tune's kernels
     ns = ap.parse_args()
+    if ns.precompile:
+        precompile_shard(ns.precompile)
+        return 0
     os.makedirs(OUT, exist_ok=True)
     if ns.child:
         res = run_part(ns.child, ns.smoke)

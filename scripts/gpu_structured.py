@@ -1,17 +1,27 @@
 """Structured outputs on the device: throughput with every request constrained vs none, same run.
 
-    python scripts/gpu_structured.py            # H100: Llama-3.1-8B shape, dummy bf16 weights, 256 requests
-    python scripts/gpu_structured.py --smoke    # CPU: a tiny shape, 4 requests (checks the script)
+    python scripts/gpu_structured.py               # H100: Llama-3.1-8B shape, dummy bf16 weights, 256 requests
+    python scripts/gpu_structured.py --smoke       # CPU: a tiny shape, 4 requests (checks the script)
+    python scripts/gpu_structured.py --core-bench  # CPU: the engine core's loop with the grammar thread on and off
 
 The model has a synthetic 128,256-token vocabulary (a word-level tokenizer over random strings of
 letters, digits, punctuation and JSON characters), so XGrammar's masks cover a real vocabulary's
-width. Every constrained request follows a JSON schema whose only string has minLength 100000:
-all its tokens are generated inside that string, where almost any token is allowed, so each step's
-mask is real work. Both runs use ignore_eos and the same max_tokens, so they generate the same
-number of tokens. From the step trace: the core's mask time per constrained row (token), and how
-many steps the device waited for a mask (the worker's `await_mask` spans whose forward pass had
-already finished when the mask arrived). Writes $OUT/gpu_structured.json; exits 1 when the
-constrained run produced an invalid prefix or finished early, or (full mode) the ratio is < 0.95.
+width. Every constrained request follows a JSON schema of 128 required string properties: its
+strings accept any token (the mask inside one allows ~116k tokens and needs the parser for every
+token with a quote or a backslash, so each step's mask is real work) and have no counted
+repetition (a `minLength` string makes XGrammar's accept cost grow with the position: 67 -> 476 us
+per token). The schema cannot be finished in fewer than ~384 tokens, so no request ends before
+`max_tokens`; even so each unconstrained twin gets its constrained request's output length as
+`max_tokens`, so both runs do the same work. The runs alternate: constrained, unconstrained,
+constrained, unconstrained. From the step trace: the grammar thread's feed time per token and
+mask time per row, how long the core waited for the grammar thread, and how many steps the device
+waited for a mask (the worker's `await_mask` spans whose forward pass had already finished when
+the mask arrived). Writes $OUT/gpu_structured.json; exits 1 when the constrained run produced an
+invalid prefix or finished early, or (full mode) the ratio is < 0.95.
+
+`--core-bench` (CPU, a tiny model, 64 constrained rows): the same constrained requests with the
+grammar work on its thread and on the core's loop (`--no-structured-outputs-mask-thread`, as
+before), with the core's time per step blocked on grammar work from the trace.
 
 Then speculative decoding with constraints, on the device's own paths (verification graphs on
 CUDA): a tiny random model (byte tokens, float32), regex-constrained greedy requests whose
@@ -41,18 +51,32 @@ SHAPES = {
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                  tie_word_embeddings=True, rope_theta=10000.0),
 }
-SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 100000}}, "required": ["text"]}
+NUM_FIELDS = 128
+SCHEMA = {"type": "object", "properties": {f"f{i}": {"type": "string"} for i in range(NUM_FIELDS)},
+          "required": [f"f{i}" for i in range(NUM_FIELDS)]}
 _CHARS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789 .,:;!?-_'\"{}[]()/\\"
 
 
-def model_dir(shape: str, vocab: int) -> str:
-    """config.json of `shape` and a word-level tokenizer of `vocab` random strings (ids 0-2 special)."""
+def model_dir(shape: str, vocab: int, quote_fraction: float = 0.004) -> str:
+    """config.json of `shape` and a word-level tokenizer of `vocab` random strings (ids 0-2 special).
+    Inside a JSON string, XGrammar checks every token holding a quote or a backslash with its
+    parser (~0.1-0.3 ms per row with a 128k vocabulary): `quote_fraction` of the tokens hold one,
+    as in a real tokenizer (SmolLM2's: 199 of 49,152, 0.40%), the rest are drawn without them.
+    quote_fraction=None draws every character alike, as before (12.3% of the tokens: ~30x the
+    parser work of a real vocabulary)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, PreTrainedTokenizerFast
     rng = random.Random(0)
     words = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    while len(words) < vocab:
-        words.setdefault("".join(rng.choice(_CHARS) for _ in range(rng.randint(1, 8))), len(words))
+    plain = _CHARS.replace('"', "").replace("\\", "")
+    quoted = 0 if quote_fraction is None else round(quote_fraction * vocab)
+    while len(words) < vocab - quoted:
+        chars = _CHARS if quote_fraction is None else plain
+        words.setdefault("".join(rng.choice(chars) for _ in range(rng.randint(1, 8))), len(words))
+    while len(words) < vocab:  # each holds a quote or a backslash somewhere
+        word = [rng.choice(plain) for _ in range(rng.randint(0, 7))]
+        word.insert(rng.randint(0, len(word)), rng.choice('"\\'))
+        words.setdefault("".join(word), len(words))
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     path = tempfile.mkdtemp(prefix=f"{shape}-structured-")
@@ -79,32 +103,116 @@ def trace_figures(path: str) -> dict:
             for value in node:
                 walk(value)
     walk(trace)
-    masks = [e for e in events if e["name"] == "mask"]
-    waits = [e for e in events if e["name"] == "await_mask"]
+
+    def named(name):
+        return [e for e in events if e["name"] == name]
+    masks, feeds, core_waits, waits = named("mask"), named("grammar_feed"), named("mask_wait"), named("await_mask")
+    updates = named("update")
     rows = sum(e.get("args", {}).get("rows", 0) for e in masks)
+    tokens = sum(e.get("args", {}).get("tokens", 0) for e in feeds)
     idle = [e for e in waits if e.get("args", {}).get("device_idle")]
     return {"mask_steps": len(masks), "mask_rows": rows,
             "mask_us_per_token": sum(e["dur"] for e in masks) / max(rows, 1),
             "mask_us_per_step": sum(e["dur"] for e in masks) / max(len(masks), 1),
+            "feed_tokens": tokens, "feed_us_per_token": sum(e["dur"] for e in feeds) / max(tokens, 1),
+            "core_mask_waits": len(core_waits), "core_mask_wait_us_total": sum(e["dur"] for e in core_waits),
+            "core_update_us_per_step": sum(e["dur"] for e in updates) / max(len(updates), 1),
             "await_mask_steps": len(waits), "steps_device_waited": len(idle),
             "device_wait_us_total": sum(e["dur"] for e in idle)}
+
+
+def print_figures(figures: dict) -> None:
+    print(f"grammar thread: feed {figures['feed_us_per_token']:.1f} us per token; mask "
+          f"{figures['mask_us_per_token']:.1f} us per row, {figures['mask_us_per_step']:.0f} us per step, "
+          f"{figures['mask_steps']} steps", flush=True)
+    print(f"core waited for the grammar thread {figures['core_mask_waits']} times "
+          f"({figures['core_mask_wait_us_total'] / 1e3:.1f} ms in all); core update "
+          f"{figures['core_update_us_per_step']:.0f} us per step", flush=True)
+    print(f"device waited for a mask in {figures['steps_device_waited']} of {figures['await_mask_steps']} "
+          f"steps ({figures['device_wait_us_total'] / 1e3:.1f} ms in all)", flush=True)
+
+
+_REFERENCE: dict = {}  # model directory -> the schema compiled by a fresh XGrammar compiler
+
+
+def constrained_outputs_valid(path: str, outs, failures: list[str]) -> None:
+    """Each constrained output is a prefix a fresh XGrammar matcher accepts (not the engine's own)."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    errors = [o for o in outs if o.outputs[0].finish_reason not in ("length", "stop")]
+    if errors:
+        failures.append(f"{len(errors)} constrained requests ended with {errors[0].outputs[0].finish_reason}")
+    if path not in _REFERENCE:
+        info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(path), vocab_size=128256,
+                                                  stop_token_ids=[2])
+        _REFERENCE[path] = xgr.GrammarCompiler(info).compile_json_schema(
+            json.dumps(SCHEMA), any_whitespace=True, strict_mode=True, max_whitespace_cnt=4)
+    compiled = _REFERENCE[path]
+    bad = 0
+    for out in outs:
+        matcher = xgr.GrammarMatcher(compiled)
+        bad += not all(matcher.accept_token(t) for t in out.outputs[0].token_ids)
+    if bad:
+        failures.append(f"{bad} constrained outputs are not prefixes the grammar accepts")
+
+
+def timed_runs(llm, path: str, prompts, max_tokens: int, rounds: int, failures: list[str]) -> dict:
+    """Constrained, then the same prompts unconstrained with each request's constrained output
+    length as max_tokens; `rounds` times."""
+    from tokenmill import SamplingParams, StructuredOutputsParams
+    constrained = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    results: dict = {"constrained": [], "unconstrained": []}
+    for r in range(rounds):
+        for name in ("constrained", "unconstrained"):
+            if name == "constrained":
+                params = constrained
+            else:
+                params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+                          for n in lengths]
+            print(f"{name} (round {r + 1}): {len(prompts)} requests", flush=True)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            got = [len(o.outputs[0].token_ids) for o in outs]
+            results[name].append({"seconds": seconds, "tokens": sum(got), "tok_s": sum(got) / seconds})
+            print(f"  {sum(got)} tokens in {seconds:.2f} s: {sum(got) / seconds:.1f} tok/s", flush=True)
+            if name == "constrained":
+                lengths = [max(n, 1) for n in got]
+                constrained_outputs_valid(path, outs, failures)
+                short = sum(n != max_tokens for n in got)
+                if short:
+                    failures.append(f"{short} constrained requests ended before max_tokens")
+            elif got != lengths:
+                failures.append("an unconstrained twin did not produce its constrained request's length")
+    return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shape, 4 requests")
+    parser.add_argument("--core-bench", action="store_true",
+                        help="CPU, tiny shape: the grammar work on its thread vs on the core's loop")
     parser.add_argument("--requests", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--no-spec-check", action="store_true")
+    parser.add_argument("--all-chars-vocab", action="store_true",
+                        help="every vocabulary character equally likely (12%% of tokens hold a quote or a "
+                             "backslash, ~30x a real tokenizer's parser work inside JSON strings)")
     args = parser.parse_args()
     out_dir = os.environ.get("OUT", "./gpu-out")
     os.makedirs(out_dir, exist_ok=True)
+    if args.core_bench:
+        return core_bench(args, out_dir)
     smoke = args.smoke
     n = args.requests or (4 if smoke else 256)
     max_tokens = args.max_tokens or (8 if smoke else 256)
     vocab = 128256
     shape = "tiny" if smoke else "llama8b"
     print(f"building the model directory ({shape} shape, {vocab}-token vocabulary)", flush=True)
-    path = model_dir(shape, vocab)
+    quote_fraction = None if args.all_chars_vocab else 0.004
+    path = model_dir(shape, vocab, quote_fraction)
     from tokenmill import LLM, SamplingParams, StructuredOutputsParams
     trace = os.path.join(out_dir, "gpu_structured_trace.json")
     engine = dict(load_format="dummy", dtype="float32" if smoke else "bfloat16", max_num_seqs=max(n, 4),
@@ -116,41 +224,88 @@ def main() -> int:
     plain = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     constrained = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                                  structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    results, failures = {}, []
+    failures: list[str] = []
     with LLM(path, **engine) as llm:
+        start = time.perf_counter()
         llm.generate(prompts[:4], plain, use_tqdm=False)  # warm-up (and the grammar compiled below)
         llm.generate(prompts[:4], constrained, use_tqdm=False)
-        for name, params in (("unconstrained", plain), ("constrained", constrained), ("unconstrained_again", plain)):
-            print(f"{name}: {n} requests x {max_tokens} tokens", flush=True)
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            results[name] = {"seconds": seconds, "tokens": tokens, "tok_s": tokens / seconds}
-            if name == "constrained":
-                short = [o for o in outs if len(o.outputs[0].token_ids) != max_tokens]
-                if short:
-                    failures.append(f"{len(short)} constrained requests ended early: "
-                                    f"{short[0].outputs[0].finish_reason}")
-    base = (results["unconstrained"]["tok_s"] + results["unconstrained_again"]["tok_s"]) / 2
-    ratio = results["constrained"]["tok_s"] / base
+        print(f"warm-up (grammar compiled): {time.perf_counter() - start:.1f} s", flush=True)
+        results = timed_runs(llm, path, prompts, max_tokens, args.rounds, failures)
+    total = {name: (sum(r["tokens"] for r in runs), sum(r["seconds"] for r in runs)) for name, runs in results.items()}
+    tok_s = {name: tokens / seconds for name, (tokens, seconds) in total.items()}
+    ratio = tok_s["constrained"] / tok_s["unconstrained"]
     figures = trace_figures(trace)
-    record = {"device": _device(), "requests": n, "max_tokens": max_tokens, "vocab": vocab, **results,
-              "ratio": ratio, **figures, "smoke": smoke}
-    print(f"\n{'run':<22}{'tok/s':>12}{'seconds':>10}")
-    for name in ("unconstrained", "constrained", "unconstrained_again"):
-        print(f"{name:<22}{results[name]['tok_s']:>12.1f}{results[name]['seconds']:>10.2f}")
-    print(f"ratio constrained / unconstrained: {ratio:.3f} (goal >= 0.95)")
-    print(f"mask: {figures['mask_us_per_token']:.1f} us per token, {figures['mask_us_per_step']:.0f} us per step, "
-          f"{figures['mask_steps']} steps; device waited for a mask in {figures['steps_device_waited']} of "
-          f"{figures['await_mask_steps']} steps ({figures['device_wait_us_total'] / 1e3:.1f} ms in all)", flush=True)
+    record = {"device": _device(), "requests": n, "max_tokens": max_tokens, "vocab": vocab, "schema_fields": NUM_FIELDS,
+              "vocab_quote_fraction": quote_fraction,
+              "runs": results, "tok_s": tok_s, "tokens": {k: v[0] for k, v in total.items()}, "ratio": ratio,
+              **figures, "smoke": smoke}
+    print(f"\n{'run':<16}{'round':>6}{'tokens':>9}{'tok/s':>12}{'seconds':>10}")
+    for name, runs in results.items():
+        for i, r in enumerate(runs):
+            print(f"{name:<16}{i + 1:>6}{r['tokens']:>9}{r['tok_s']:>12.1f}{r['seconds']:>10.2f}")
+    print(f"ratio constrained / unconstrained (all rounds): {ratio:.3f} (goal >= 0.95)")
+    print_figures(figures)
     with open(os.path.join(out_dir, "gpu_structured.json"), "w") as f:  # kept if the check below dies
         json.dump(record, f, indent=1)
-    record["speculative"] = spec_check(smoke, failures)
+    if not args.no_spec_check:
+        record["speculative"] = spec_check(smoke, failures)
     if not smoke and ratio < 0.95:
         failures.append(f"ratio {ratio:.3f} < 0.95")
     record["failures"] = failures
     with open(os.path.join(out_dir, "gpu_structured.json"), "w") as f:
+        json.dump(record, f, indent=1)
+    for failure in failures:
+        print("FAILED:", failure)
+    return 1 if failures else 0
+
+
+def core_bench(args, out_dir: str) -> int:
+    """The same constrained requests on a tiny model (CPU), the grammar work on its thread and on
+    the core's loop: tokens per second, and per step the core's update and its wait for masks."""
+    from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+    n = args.requests or 64
+    max_tokens = args.max_tokens or 48
+    vocab = 128256
+    print(f"building the model directory (tiny shape, {vocab}-token vocabulary)", flush=True)
+    path = model_dir("tiny", vocab, None if args.all_chars_vocab else 0.004)
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(16)]} for _ in range(n)]
+    constrained = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                 structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    record = {"requests": n, "max_tokens": max_tokens, "all_chars_vocab": args.all_chars_vocab}
+    failures, tokens = [], {}
+    for thread in (True, False):
+        name = "grammar thread" if thread else "on the core's loop"
+        trace = os.path.join(out_dir, f"core_bench_{'thread' if thread else 'loop'}_trace.json")
+        with LLM(path, load_format="dummy", dtype="float32", max_num_seqs=n, max_model_len=512, trace_steps=trace,
+                 structured_outputs_compile_timeout=120.0, structured_outputs_mask_thread=thread) as llm:
+            llm.generate(prompts[:2], constrained, use_tqdm=False)  # the grammar compiled
+            best = None
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                outs = llm.generate(prompts, constrained, use_tqdm=False)
+                seconds = time.perf_counter() - start
+                best = seconds if best is None else min(best, seconds)
+        tokens[thread] = [o.outputs[0].token_ids for o in outs]
+        got = sum(len(t) for t in tokens[thread])
+        figures = trace_figures(trace)
+        steps = max(figures["mask_steps"], 1)
+        record[name] = {"tok_s": got / best, "seconds": best, "tokens": got, **figures,
+                        "core_mask_wait_us_per_step": figures["core_mask_wait_us_total"] / steps}
+        print(f"\n{name}: {got / best:.1f} tok/s ({got} tokens, best of {args.rounds}: {best:.2f} s)")
+        print_figures(figures)
+    if tokens[True] != tokens[False]:
+        failures.append("the grammar thread changed the tokens")
+    on, off = record["grammar thread"], record["on the core's loop"]
+    # On the loop, the feed and the mask run on the core's thread: that is the time it is blocked.
+    blocked_off = (off["feed_us_per_token"] * off["feed_tokens"] + off["mask_us_per_step"] * off["mask_steps"]) / max(
+        off["mask_steps"], 1)
+    print(f"\ncore blocked on grammar work per step: on the loop {blocked_off / 1e3:.2f} ms, with the thread "
+          f"{on['core_mask_wait_us_per_step'] / 1e3:.2f} ms; core update per step {off['core_update_us_per_step'] / 1e3:.2f}"
+          f" -> {on['core_update_us_per_step'] / 1e3:.2f} ms; tok/s {off['tok_s']:.1f} -> {on['tok_s']:.1f}")
+    record["core_blocked_ms_per_step"] = {"loop": blocked_off / 1e3, "thread": on["core_mask_wait_us_per_step"] / 1e3}
+    record["failures"] = failures
+    with open(os.path.join(out_dir, "core_bench.json"), "w") as f:
         json.dump(record, f, indent=1)
     for failure in failures:
         print("FAILED:", failure)

@@ -209,6 +209,7 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_num_batched_tokens: int = 8192
     async_scheduling: bool = True
     debug_check_every: int = 0  # every N steps, workers check their view against a digest; 0 = off
+    pp_microbatches: int = 0  # pipeline micro-batches in flight; 0: one per stage
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -219,6 +220,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pipeline_parallel_size: int = 1
     layer_partition: tuple[int, ...] = ()  # decoder layers per pipeline stage (resolved: sums to num_layers)
     backend: str = "mp"  # distributed executor: mp (local worker processes) | ray (actors, several nodes)
+    # Replace layer_partition at start by one balanced by measured time (`distributed.stage_balance`):
+    # rank 0 times a layer, the embedding and the LM head, and every rank takes its split.
+    balance_stages: bool = False
 
     @property
     def world_size(self) -> int:
@@ -255,6 +259,7 @@ class StructuredOutputConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=
     max_schema_bytes: int = 65536  # larger schemas, regexes, grammars or choice lists are refused (400)
     max_whitespace: int = 4  # most consecutive whitespace characters between JSON tokens
     vocab_file: str = ""  # the tokenizer's vocabulary for the grammar backend, written by the front-end
+    mask_thread: bool = True  # matchers advanced and masks filled on a grammar thread (off: on the core's loop)
 
 
 class LoRAConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -349,8 +354,10 @@ class EngineArgs:
     structured_outputs_compile_timeout: float = 10.0
     structured_outputs_max_schema_bytes: int = 65536
     structured_outputs_max_whitespace: int = 4
+    structured_outputs_mask_thread: bool = True
     quantization: str | None = None  # fp8 (online), or the checkpoint's quant_method (default: from its config)
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
+    pp_microbatches: int | None = None  # pipeline micro-batches in flight (default: one per stage)
 
 
 _FLAG_HELP = {
@@ -375,7 +382,8 @@ _FLAG_HELP = {
     "served_model_name": "the model name the API reports",
     "tensor_parallel_size": "tensor-parallel ranks: every layer split over this many devices (-tp)",
     "pipeline_parallel_size": "pipeline stages: the layers split over this many devices in turn (-pp)",
-    "pp_layer_partition": "decoder layers per pipeline stage, comma-separated (default: as even as possible)",
+    "pp_layer_partition": "decoder layers per pipeline stage, comma-separated; 'even' (the default: as even as "
+                          "possible) or 'measured' (balanced by timing a layer, the embedding and the LM head at start)",
     "distributed_executor_backend": "mp (local worker processes) or ray (actors, across nodes; pip install "
                                     "tokenmill[ray])",
     "single_process": "run the engine core and the worker in the caller's process (tests, debugging)",
@@ -402,10 +410,16 @@ _FLAG_HELP = {
     "structured_outputs_max_schema_bytes": "largest JSON schema, regex, grammar or choice list, in bytes",
     "structured_outputs_max_whitespace": "most consecutive whitespace characters between JSON tokens "
                                          "(a weak model cannot loop in whitespace)",
+    "structured_outputs_mask_thread": "advance grammar matchers and fill token masks on a thread beside the "
+                                      "engine core's loop (--no-structured-outputs-mask-thread: on the loop, "
+                                      "for comparison)",
     "quantization": "fp8 (quantize a float checkpoint's linears to FP8 W8A8 at load), or the checkpoint's "
                     "quant_method (fp8, fbgemm_fp8, compressed-tensors, gptq, awq); default: from its config",
     "kv_cache_dtype": "auto (the model's dtype), fp8 / fp8_e4m3 or fp8_e5m2 (twice the KV blocks; per-layer "
                       "scales from the checkpoint, else 1.0)",
+    "pp_microbatches": "pipeline micro-batches in flight, at least pipeline_parallel_size (default: one per "
+                       "stage); more hide the host's turn-around between a stage's batches, smaller batches "
+                       "read the weights more often",
 }
 
 

@@ -20,8 +20,8 @@ from tokenmill.protocol import FinishReason, ModelRunnerOutput
 from tokenmill.sampling_params import SamplingParams
 
 
-def pp_scheduler(num_blocks: int, budget: int = 64, block_size: int = 4) -> Scheduler:
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget),
+def pp_scheduler(num_blocks: int, budget: int = 64, block_size: int = 4, microbatches: int = 0) -> Scheduler:
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=budget, pp_microbatches=microbatches),
                           CacheConfig(block_size=block_size), num_blocks, pipeline_stages=2)
     schedule = scheduler.schedule
 
@@ -52,6 +52,16 @@ def test_micro_batches_split_the_work_by_tokens() -> None:
     decode = scheduler.schedule()  # the first micro-batch's requests decode while the second is in flight
     assert sorted(decode.scheduled_handles) == sorted(first.scheduled_handles)
     assert decode.num_scheduled_tokens == [1] * 4 and np.frombuffer(decode.pp_input_tokens, "<i4").tolist() == [7] * 4
+
+
+def test_more_micro_batches_than_stages_split_the_work_finer() -> None:
+    # pp_microbatches=4 on two stages: the 8 prompts' 80 tokens go as four batches of 20.
+    scheduler = pp_scheduler(num_blocks=200, budget=64, microbatches=4)
+    for handle in range(8):
+        scheduler.add_request(Request(handle, [10 + handle] * 10, SamplingParams(max_tokens=5), (EOS,), 256))
+    batches = [scheduler.schedule() for _ in range(4)]
+    assert [b.total_num_scheduled_tokens for b in batches] == [20] * 4
+    assert scheduler.schedule() is None
 
 
 def test_a_long_prompt_chunks_across_micro_batches() -> None:

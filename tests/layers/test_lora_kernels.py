@@ -94,7 +94,7 @@ def test_tiles_cover_each_token_once(num_tokens, slots):
     BLOCK_M rows; the tile count fits the static bound (worst case: every group ends a partial tile)."""
     g = torch.Generator().manual_seed(num_tokens)
     token_slots = torch.randint(-1, slots, (num_tokens,), generator=g)
-    order, tiles = plan_tiles(token_slots, slots)
+    order, tiles, count = plan_tiles(token_slots, slots)
     block_m = triton_lora.tile_rows(num_tokens)
     seen = torch.zeros(num_tokens, dtype=torch.int64)
     for slot, first, end in tiles.t().tolist():
@@ -107,6 +107,21 @@ def test_tiles_cover_each_token_once(num_tokens, slots):
     assert torch.equal(seen, torch.ones(num_tokens, dtype=torch.int64))
     real = int((tiles[0] != triton_lora.NO_TILE).sum())
     assert (tiles[0, real:] == triton_lora.NO_TILE).all()  # real tiles first
+    assert count.tolist() == [real]  # the kernels loop up to it
+
+
+@pytest.mark.parametrize("num_tokens,slots", [(17, 3), (40, 9), (600, 5), (530, 40), (300, 64), (33, 1)])
+def test_plan_kernel_equals_torch_plan(num_tokens, slots):
+    """The one-launch plan (steps up to PLAN_KERNEL_MAX_TOKENS) = the torch ops' plan: the same
+    stable order by slot, the same real tiles and count."""
+    g = torch.Generator().manual_seed(num_tokens + slots)
+    token_slots = torch.randint(-1, slots, (num_tokens,), generator=g)
+    order, tiles, count = plan_tiles(token_slots, slots)
+    order2, tiles2, count2 = triton_lora.plan_tiles_fused(token_slots, slots)
+    real = int(count)
+    assert torch.equal(count2, count) and torch.equal(order2, order)
+    assert torch.equal(tiles2[:, :real], tiles[:, :real])
+    assert (tiles2[0, real:] == triton_lora.NO_TILE).all()
 
 
 @pytest.mark.parametrize("shape", sorted(PARTS))
@@ -184,3 +199,67 @@ def test_rows_plan_of_one_row_chunk_reads_each_tokens_slot(fused):
                                    atol=1e-4, rtol=1e-4)
     else:
         torch.testing.assert_close(lora_expand(planes, b, plan, y.clone(), starts), y + delta, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens,inter", [(1, 48), (7, 48), (5, 608)])
+def test_silu_kernel_does_the_next_shrink(num_tokens, inter):
+    """At decode sizes gate_up's fused expand + activation also does down_proj's shrink of its own
+    output (one launch less): down_proj's LoRA then equals the unfused path's (and the CPU path's),
+    tokens without an adapter untouched. inter = 608: three column blocks, three planes summed."""
+    g = torch.Generator().manual_seed(11)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    gate_up = LoRASlots(batch, 3, 16, 40, [inter, inter], torch.float32, torch.device("cpu"))
+    down = LoRASlots(batch, 3, 16, inter, [32], torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for part in range(2):
+            gate_up.set_slot(slot, part, torch.randn(8, 40, generator=g), torch.randn(inter, 8, generator=g) * 0.3)
+        down.set_slot(slot, 0, torch.randn(16, inter, generator=g) * 0.1, torch.randn(32, 16, generator=g))
+    x, y = torch.randn(num_tokens, 40, generator=g), torch.randn(num_tokens, 2 * inter, generator=g)
+    token_slots = torch.tensor([(-1, 2, 0, 1)[t % 4] for t in range(num_tokens)]) if num_tokens > 1 else \
+        torch.tensor([2])
+    residual = torch.randn(num_tokens, 32, generator=g)
+    batch.prepare(token_slots, token_slots.numpy())  # the CPU path
+    act = torch.nn.functional.silu(gate_up.forward(x, lambda: y.clone())[:, :inter]) * \
+        gate_up.forward(x, lambda: y.clone())[:, inter:]
+    want = down.forward(act, lambda: residual.clone())
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    assert batch.plan.order is None
+    out = gate_up.forward_silu_mul(x, lambda: y.clone(), None, then=down)
+    assert batch.ahead is not None and batch.ahead[0] is out  # the shrink was done ahead
+    torch.testing.assert_close(out, act, atol=1e-4, rtol=1e-4)
+    got = down.forward(out, lambda: residual.clone())
+    assert batch.ahead is None  # consumed
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    no_adapter = token_slots < 0
+    assert torch.equal(got[no_adapter], residual[no_adapter])
+    # Another input than the kernel's output: down_proj does its own shrink (the planes ahead are not reused).
+    gate_up.forward_silu_mul(x, lambda: y.clone(), None, then=down)
+    other = act + 1.0
+    batch.prepare(token_slots, token_slots.numpy())
+    want_other = down.forward(other, lambda: residual.clone())
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    gate_up.forward_silu_mul(x, lambda: y.clone(), None, then=down)
+    torch.testing.assert_close(down.forward(other, lambda: residual.clone()), want_other, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("knobs", [dict(SILU_TILE_BLOCK_N=128, EXPAND_TILE_BLOCK_N=256),
+                                   dict(TILE_GRID_FACTOR=2.0, TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32),
+                                   dict(TILE_GRID_FACTOR=1.0, PLAN_KERNEL_MAX_TOKENS=0),
+                                   dict(TILE_GRID_FACTOR=1.0)])
+def test_tile_knobs_keep_results(monkeypatch, knobs):
+    """The tile kernels' tunables (gpu_lora.py's layer variants: wider blocks, more programs per
+    tile group and splits, the compact grid whose programs loop over several tiles, the torch
+    plan) change the launch, not the result."""
+    for name, value in knobs.items():
+        monkeypatch.setattr(triton_lora, name, value)
+    for num_tokens, parts in ((40, [512]), (600, [256, 256])):
+        x, a, b, token_slots, y, starts = _case(num_tokens, parts, slots=5, k=300, seed=9)
+        plan = plan_step(token_slots, a.shape[0], {(a.shape[1], 300)})
+        planes = lora_shrink(x, a, plan)
+        delta = lora_reference(x, a, b, starts, token_slots)
+        if len(parts) == 2:
+            gate, up = (y + delta).chunk(2, dim=1)
+            torch.testing.assert_close(lora_expand_silu(planes, b, plan, y), torch.nn.functional.silu(gate) * up,
+                                       atol=1e-4, rtol=1e-4)
+        else:
+            torch.testing.assert_close(lora_expand(planes, b, plan, y.clone(), starts), y + delta, atol=1e-4, rtol=1e-4)

@@ -64,7 +64,11 @@ def test_int4_dequantize_kernel_matches_reference(group, act_order, monkeypatch)
     _, _, wt = _int4_case(n=136, k=96, group=group, act_order=act_order)
     got = triton_int4.dequantize_int4(wt.qweight, wt.scales, wt.zeros, wt.g_idx, group, torch.float32)
     torch.testing.assert_close(got, packing.dequantize(wt, group, torch.float32), atol=0, rtol=0)
+    from tokenmill.layers.quantization import stream_tiles
+
     monkeypatch.setattr(triton_int4, "DEQUANT_MIN_ROWS", 4)
+    monkeypatch.setattr(stream_tiles, "INT4_DEQUANT_MIN_ROWS", 4)
+    monkeypatch.setattr(triton_int4, "int4_gemm", None)  # neither fused kernel may run
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
     ref = x.double() @ packing.dequantize(wt, group, torch.float64)
     out = triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, wt.g_idx, group)

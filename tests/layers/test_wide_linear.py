@@ -1,8 +1,11 @@
 """bf16 linears with a float32 result (`layers/wide_linear.py`) against a float64 reference.
 
-Both branches: the C kernel (up to FEW_ROWS rows) and the two oneDNN passes (hi + lo) beyond.
-The bound, 2e-5 of the largest output, sits between the two-pass error (~2^-18 relative,
-measured ~5e-6) and a bf16-rounded result's (~2e-3): a result rounded to bf16 anywhere fails it.
+Every branch: the packed AVX512-BF16 GEMM (`cpu_bf16_gemm`, any row count, on every kernel path:
+run where the CPU has vdpbf16ps, compile-checked elsewhere), and without it the dot-product C
+kernel (up to FEW_ROWS rows) and the two oneDNN passes (hi + lo) beyond; the residual add in the
+epilogue. The bound, 2e-5 of the largest output, sits between the two-pass error (~2^-18
+relative, measured ~5e-6) and a bf16-rounded result's (~2e-3): a result rounded to bf16
+anywhere fails it (planted: the GEMM's output rounded to bf16 fails every GEMM case here).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tokenmill.layers import cpu_logits, wide_linear
+from tokenmill.layers import cpu_bf16_gemm, cpu_isa, cpu_logits, wide_linear
 from tokenmill.layers.linear import PackedWeight
 from tokenmill.layers.parallel_linear import RowParallelLinear
 
@@ -20,17 +23,65 @@ _ONE_RANK = SimpleNamespace(layout=SimpleNamespace(tp_rank=0), all_reduce=lambda
 pytestmark = pytest.mark.skipif(not cpu_logits.available(), reason="no C compiler for the bf16 -> f32 kernel")
 
 
+def _close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 2e-5
+
+
+@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "no-gemm"])
 @pytest.mark.parametrize("rows", [1, 5, wide_linear.FEW_ROWS, wide_linear.FEW_ROWS + 1, 100])
-def test_float32_result_of_bf16_inputs(rows: int) -> None:
+def test_float32_result_of_bf16_inputs(rows: int, gemm: bool) -> None:
     gen = torch.Generator().manual_seed(rows)
     w = (torch.randn(96, 160, generator=gen) * 0.05).bfloat16()
     bias = torch.randn(96, generator=gen).bfloat16()
     x = (torch.randn(rows, 160, generator=gen) * 3).bfloat16()
+    stream = torch.randn(rows, 96, generator=gen) * 40
     ref = x.double() @ w.double().t() + bias.double()
+    cache = cpu_bf16_gemm.PackedBf16() if gemm else None
     with torch.inference_mode():
-        out = wide_linear.linear_f32(x, w, bias, PackedWeight())
-    assert out.dtype == torch.float32 and out.shape == (rows, 96)
-    assert float((out.double() - ref).abs().max() / ref.abs().max()) < 2e-5
+        _close(wide_linear.linear_f32(x, w, bias, PackedWeight(), cache), ref)
+        _close(wide_linear.linear_f32(x, w, None, PackedWeight(), cache, add=stream),
+               ref - bias.double() + stream.double())
+        _close(wide_linear.linear_f32(x, w, bias, PackedWeight(), cache, add=stream), ref + stream.double())
+
+
+@pytest.mark.parametrize("path", cpu_isa.PATHS, ids=lambda p: p.name)
+@pytest.mark.parametrize("m, k, n", [(1, 64, 16), (7, 33, 17), (13, 576, 100), (100, 1536, 576)])
+def test_gemm_on_every_path(path: cpu_isa.KernelPath, m: int, k: int, n: int) -> None:
+    """The packed GEMM against float64 (odd K, N not a multiple of 16, row tails of every size)."""
+    gen = torch.Generator().manual_seed(m + k)
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    w = (torch.randn(n, k, generator=gen) * 0.1).bfloat16()
+    add = torch.randn(m, n, generator=gen) * 10
+    lib = cpu_bf16_gemm.library(path)
+    if not path.has_dpbf16:
+        assert lib is None  # wide_linear's other branches serve these paths (tested above)
+        return
+    if lib is None:
+        pytest.fail(f"the {path.name} GEMM did not build")
+    ref = x.double() @ w.double().t()
+    if not cpu_isa.can_run(path):
+        # Built (compile-checked) but not runnable here: its arithmetic is the reference's.
+        torch.testing.assert_close(ref.float(), x.float() @ w.float().T, rtol=1e-5, atol=1e-5)
+        return
+    cache = cpu_bf16_gemm.PackedBf16()
+    _close(cpu_bf16_gemm.gemm_f32(x, w, cache, lib=lib), ref)
+    _close(cpu_bf16_gemm.gemm_f32(x, w, cache, add, lib=lib), ref + add.double())
+    with torch.no_grad():
+        w.mul_(2)  # the packed copy follows the weight
+    _close(cpu_bf16_gemm.gemm_f32(x, w, cache, lib=lib), 2 * ref)
+
+
+def test_forward_add_equals_forward_plus_stream() -> None:
+    """RowParallelLinear.forward_add with a float32 stream: the add in the epilogue, bit for bit the
+    unfused add (what LlamaDecoderLayer's fused CPU bf16 path relies on)."""
+    layer = RowParallelLinear(160, 96, bias=False, parallel=_ONE_RANK).to(torch.bfloat16)
+    layer.wide_output = True
+    x = torch.randn(40, 160).bfloat16()
+    stream = torch.randn(40, 96) * 30
+    with torch.inference_mode():
+        fused = layer.forward_add(x, stream)
+        assert torch.equal(fused, stream + layer(x))
 
 
 def test_row_parallel_linear_wide_output_only_where_set() -> None:

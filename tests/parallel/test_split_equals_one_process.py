@@ -17,7 +17,7 @@ from tokenmill import LLM
 CASES = [  # (family, tensor_parallel_size, pipeline_parallel_size, async_scheduling, pp_layer_partition)
     ("llama", 2, 1, True, None),
     ("qwen2-mqa-tied", 2, 1, False, None),  # one KV head on two ranks: replicated
-    ("qwen3", 1, 2, False, None),  # layers (2, 1)
+    ("qwen3", 1, 2, False, "measured"),  # rank 0 times a layer, the embedding and the head; all take its split
     ("qwen2-mqa-tied", 2, 2, True, "1,2"),  # the last stage holds its copy of the tied embedding
     ("qwen3", 2, 2, False, None),
     ("phi3", 2, 1, True, None),
@@ -36,4 +36,13 @@ def test_split_model_matches_one_process(family_dirs, one_process_reference, fam
              async_scheduling=async_scheduling, **ENGINE) as llm:
         outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS), use_tqdm=False)
         assert_matches_one_process(reference, outputs, f"{family} tp={tp} pp={pp} async={async_scheduling}")
+        assert_idle(llm)
+
+
+def test_three_micro_batches_on_two_stages(family_dirs, one_process_reference) -> None:
+    """`pp_microbatches=3`: more batches in flight than stages (the bubble's fix), same tokens."""
+    reference = one_process_reference("llama")
+    with LLM(family_dirs["llama"], pipeline_parallel_size=2, pp_microbatches=3, **ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS), use_tqdm=False)
+        assert_matches_one_process(reference, outputs, "llama pp=2 with 3 micro-batches")
         assert_idle(llm)

@@ -2,11 +2,12 @@
 requests beside plain ones give one process's tokens, async scheduling on and off. The masks go
 through the ring to every rank as they do without pipeline parallelism; only the last stage (the
 sampler) applies them. Pipeline parallelism schedules no row past the tokens it knows, so the
-engine core makes each step's masks as soon as it submits the step. How full the queue of steps in
-flight gets is not asserted: it passed here when grammars compiled during the run, but a second
-pass over the same requests (grammars cached) kept one step in flight at each wait, and the full
-suite once did the same on the first pass (an open performance gap, issue 23). The count is
-printed. (The Ray executor's path: tests/parallel/test_ray_executor.py.)"""
+engine core starts each step's mask job (grammar thread) as soon as it submits the step and ships
+it before the next submit. How full the queue of steps in flight gets is not asserted: it depends
+on how the five rows split into micro-batches (while grammars compile only the plain row runs;
+a second pass over cached grammars kept one step in flight with the masks made on the core's
+loop, two of three with the grammar thread), not on the masks alone. The count is printed.
+(The Ray executor's path: tests/parallel/test_ray_executor.py.)"""
 
 from __future__ import annotations
 

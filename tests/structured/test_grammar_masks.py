@@ -149,6 +149,10 @@ def test_unpack_matches_bit_arithmetic() -> None:
     assert torch.equal(logits[[1, 3]], before[[1, 3]])  # rows not listed are untouched
     for row, mask_row in ((4, 0), (0, 1), (2, 2)):
         assert torch.equal(torch.isfinite(logits[row]), torch.from_numpy(expected[mask_row]))
+    logits = torch.randn(3, vocab)  # every row masked, in another order (the in-place path)
+    apply_token_bitmask(logits, torch.from_numpy(bits), torch.tensor([2, 0, 1]))
+    for row, mask_row in ((2, 0), (0, 1), (1, 2)):
+        assert torch.equal(torch.isfinite(logits[row]), torch.from_numpy(expected[mask_row]))
 
 
 def test_rows_in_one_grammar_state_share_one_mask_on_the_wire(setup) -> None:

@@ -6,7 +6,8 @@ symmetric results must equal NCCL's (on two ranks a sum of two values is rounded
 way, so they are compared bit for bit; above two, within one bf16 step). Then each method's time
 per call inside a CUDA graph of `--calls` back-to-back all-reduces (how a decode step runs them),
 and eagerly. The table shows where each method wins; `symm_all_reduce.AllReduceLimits` holds the
-limits taken from it.
+limits taken from it. Then the all-reduce fused with the residual add and RMSNorm against the two
+apart, per row count (`all_reduce_norm.py`).
 
     tokenmill bench all-reduce --tp 2 --output-json ar.json
 """
@@ -24,7 +25,8 @@ _SIZES_KIB = (8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 _METHODS = ("nccl", "one_shot", "two_shot")
 
 
-def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, out: str | None) -> None:
+def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, out: str | None,
+            fused: list[int], hidden: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -35,7 +37,7 @@ def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             device_id=device)
     group = dist.group.WORLD
-    top = max(sizes_kib) << 10
+    top = max(max([*sizes_kib, 1024]) << 10, max([0, *fused]) * hidden * 2)  # the fused runs' one-shot too
     symm = SymmetricAllReduce(group, device, AllReduceLimits(max_bytes=top, one_shot_bytes=top))
 
     def run(method: str, x: torch.Tensor) -> torch.Tensor:
@@ -108,10 +110,17 @@ def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, 
                                                                               and (r[f"{m}_max_diff"] == 0.0 or world > 2))]
     if rank == 0 and failed:
         print("all-reduce results differ from NCCL's: " + ", ".join(failed), flush=True)
+    fused_rows = []
+    if fused:  # the all-reduce fused with the residual add and RMSNorm (`all_reduce_norm`)
+        from tokenmill.benchmarks.all_reduce_norm import run_fused
+        fused_rows = run_fused(group, device, symm, hidden, fused, calls)
+        failed += [f"fused {r['rows']} rows" for r in fused_rows if not r["ok"]]
+        if rank == 0 and not all(r["ok"] for r in fused_rows):
+            print("fused all-reduce + norm failed its checks", flush=True)
     if rank == 0 and out:
         with open(out, "w") as f:
             json.dump({"world_size": world, "calls_per_graph": calls, "gpu": torch.cuda.get_device_name(0),
-                       "torch": torch.__version__, "rows": rows}, f, indent=2)
+                       "torch": torch.__version__, "rows": rows, "fused_rows": fused_rows}, f, indent=2)
     dist.destroy_process_group()
     if failed:
         raise SystemExit(1)
@@ -123,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     port = args.port
     procs = [subprocess.Popen([sys.executable, "-m", "tokenmill.benchmarks.all_reduce", "--worker", str(rank),
                                "--tp", str(args.tp), "--port", str(port), "--sizes-kib", args.sizes_kib,
-                               "--calls", str(args.calls), *(["--output-json", args.output_json]
+                               "--calls", str(args.calls), "--fused-rows", args.fused_rows,
+                               "--hidden", str(args.hidden), *(["--output-json", args.output_json]
                                                              if args.output_json else [])], env=env)
              for rank in range(args.tp)]
     codes = [p.wait() for p in procs]
@@ -134,6 +144,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=2, help="GPUs (one process each)")
     p.add_argument("--sizes-kib", default=",".join(map(str, _SIZES_KIB)), help="message sizes in KiB")
     p.add_argument("--calls", type=int, default=64, help="all-reduces per captured graph (two per layer)")
+    p.add_argument("--fused-rows", default="1,8,32,128,256,512",
+                   help="rows of the fused all-reduce + residual add + RMSNorm runs ('' for none)")
+    p.add_argument("--hidden", type=int, default=4096, help="the fused runs' row width")
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--output-json", default=None)
 
@@ -152,8 +165,8 @@ def main() -> int:
     args = p.parse_args()
     if args.worker is None:
         return run(args)
-    _worker(args.worker, args.tp, args.port, [int(v) for v in args.sizes_kib.split(",")], args.calls,
-            args.output_json)
+    _worker(args.worker, args.tp, args.port, [int(v) for v in args.sizes_kib.split(",") if v], args.calls,
+            args.output_json, [int(v) for v in args.fused_rows.split(",") if v], args.hidden)
     return 0
 
 

@@ -6,6 +6,15 @@ is taken (teacher forcing: each model sees the given tokens, never its own picks
 run is compared with its own float32 run: the table reports mean / p99 / max |deviation| in nats.
 tokenmill's bf16 should not deviate more than HF's (`check_not_worse`).
 
+Mixture-of-experts models: a router's top-k choice that is a near tie in float32 can flip in either
+engine's bf16 run, a jump of up to ~1 nat at that token that says nothing about the numerics
+(HF's bf16 may or may not make the same jump). With `tie_margin`, positions left out of every
+run's statistics: those where the float32 routing decision is a near tie in some layer
+(`router_margins`), and those where either engine's bf16 run chose other experts than its float32
+run did (`routing_flips`: only a near tie relative to bf16's noise on the router logits flips);
+at most `max_excluded` of them (more raises: the check would say too little). The report counts
+them, and the flips of each engine.
+
 tokenmill is driven two ways over its paged KV cache: "prefill" (the whole sequence in one step:
 the prompt-logprobs path) and "decode" (one token per step after the first: the decode attention
 path). HF runs a plain forward over the whole sequence.
@@ -64,6 +73,8 @@ class DeviationReport:
     float32_gap: float  # max |tokenmill float32 - HF float32| (the two references agree)
     hf: Stats
     tokenmill: dict[str, Stats]  # by mode
+    excluded: int = 0  # positions left out: a float32 routing near tie or a bf16 routing flip
+    flips: dict[str, int] = dataclasses.field(default_factory=dict)  # positions whose bf16 routing flipped, by run
 
     def worst_ratio(self) -> float:
         """The largest tokenmill / HF ratio over the modes and the three statistics."""
@@ -71,7 +82,8 @@ class DeviationReport:
                    for s in self.tokenmill.values() for f in ("mean", "p99", "max"))
 
     def as_dict(self) -> dict:
-        return {"label": self.label, "tokens": self.tokens, "float32_gap": self.float32_gap,
+        return {"label": self.label, "tokens": self.tokens, "float32_gap": self.float32_gap, "excluded": self.excluded,
+                "routing_flips": self.flips,
                 "hf_bf16": dataclasses.asdict(self.hf),
                 "tokenmill_bf16": {m: dataclasses.asdict(s) for m, s in self.tokenmill.items()}}
 
@@ -100,7 +112,11 @@ class _OneSequence:
         num_blocks = -(-max_len // block_size)
         # Blocks in reverse order: the table is not the identity, so paging mistakes show.
         self.block_table = torch.arange(num_blocks - 1, -1, -1, dtype=torch.int32, device=self.device)[None]
-        shape = kv_cache_shape(num_blocks, block_size, dims.num_kv_heads, dims.head_dim)
+        if dims.mla is not None:  # latent attention caches [c | k_pe] per token
+            from tokenmill.layers.attention.mla import mla_cache_shape
+            shape = mla_cache_shape(num_blocks, block_size, dims.mla.latent_dim)
+        else:
+            shape = kv_cache_shape(num_blocks, block_size, dims.num_kv_heads, dims.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=param.dtype, device=self.device) for _ in range(dims.num_layers)]
 
     def step(self, token_ids: Sequence[int], start: int) -> torch.Tensor:
@@ -198,34 +214,184 @@ def load_hf_pair(path: str, device: str = "cpu") -> dict[torch.dtype, object]:
     return {torch.float32: hf32, torch.bfloat16: copy.deepcopy(hf32).to(torch.bfloat16)}
 
 
+def decision_margin(logits: torch.Tensor, moe, correction_bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 [T]: how far each token's expert choice (`routing.select_experts`'s rule) is from a
+    tie: the gap between the k-th and (k+1)-th choice score, and, with groups, between the last
+    kept and the first dropped group. Softmax scores are compared as logits (log-scores: the gap
+    does not shrink with the scores); sigmoid scores (+ correction bias) over their steepest slope.
+    So the margin reads in router-logit units, comparable with bf16's error on the logits."""
+    logits = logits.float()
+    if moe.scoring == "sigmoid":
+        # In logit units as well, to first order: a score gap over the steeper of the two
+        # boundary experts' sigmoid slopes (groups: twice the token's steepest slope).
+        scores = logits.sigmoid()
+        choice = scores if correction_bias is None else scores + correction_bias.float()
+        slope = scores * (1 - scores)
+    else:
+        choice, slope = logits.log_softmax(dim=-1), None
+    margin = torch.full((logits.shape[0],), float("inf"), device=logits.device)
+    if moe.num_groups > 1:
+        t, e = choice.shape
+        grouped = choice.view(t, moe.num_groups, e // moe.num_groups)
+        group_scores = (grouped.topk(2, dim=-1).values.sum(dim=-1) if moe.group_score == "top2_sum"
+                        else grouped.max(dim=-1).values)
+        top = group_scores.topk(min(moe.topk_groups + 1, moe.num_groups), dim=-1).values
+        if top.shape[1] > moe.topk_groups:
+            group_gap = top[:, moe.topk_groups - 1] - top[:, moe.topk_groups]
+            if slope is not None:  # (a group score sums up to two experts' scores: their steepest slope, twice)
+                group_gap = group_gap / (2 * slope.max(dim=-1).values)
+            margin = torch.minimum(margin, group_gap)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(
+            1, group_scores.topk(moe.topk_groups, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(t, e)
+    top = choice.topk(min(moe.top_k + 1, choice.shape[1]), dim=-1)
+    if top.values.shape[1] > moe.top_k:
+        gap = top.values[:, moe.top_k - 1] - top.values[:, moe.top_k]
+        if slope is not None:
+            edge = slope.gather(1, top.indices[:, moe.top_k - 1:moe.top_k + 1]).max(dim=-1).values
+            gap = gap / edge
+        margin = torch.minimum(margin, torch.nan_to_num(gap, posinf=float("inf")))
+    return margin
+
+
+@torch.inference_mode()
+def router_margins(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor | None:
+    """float32 [L]: each position's smallest routing `decision_margin` over the model's MoE layers
+    (one prefill step of `model`, a float32 tokenmill model); None for a model without routers."""
+    from tokenmill.layers.moe.layer import Router
+    margins: list[torch.Tensor] = []
+
+    def hook(router: Router, args: tuple) -> None:
+        x = args[0]
+        logits = torch.nn.functional.linear(x.float(), router.weight.float(),
+                                            None if router.bias is None else router.bias.float())
+        margins.append(decision_margin(logits, router.moe, router.e_score_correction_bias))
+
+    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, Router)]
+    if not handles:
+        return None
+    try:
+        tokenmill_logits(model, token_ids, "prefill")
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.stack(margins).min(dim=0).values.cpu()
+
+
+@torch.inference_mode()
+def tokenmill_routes(model: torch.nn.Module, token_ids: Sequence[int],
+                     mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(`tokenmill_logits`, int64 [L, routers * k]: each position's chosen experts (sorted) in
+    every MoE layer as that run chose them; None for a model without routers)."""
+    from tokenmill.layers.moe.layer import Router
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    calls: dict[int, list[torch.Tensor]] = {id(r): [] for r in routers}
+    handles = [r.register_forward_hook(lambda mod, args, out: calls[id(mod)].append(out[1].sort(dim=-1).values))
+               for r in routers]
+    try:
+        logits = tokenmill_logits(model, token_ids, mode)
+    finally:
+        for h in handles:
+            h.remove()
+    if not routers:
+        return logits, None
+    return logits, torch.cat([torch.cat(calls[id(r)]) for r in routers], dim=-1).cpu()
+
+
+@torch.inference_mode()
+def hf_routes(hf_model, token_ids: Sequence[int], moe) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """As `tokenmill_routes` for a HF model (`hf_logits`, routes): each router module's input
+    (`*.mlp.gate` / `*.mlp.router`) taken by a hook, its logits recomputed in float32 from the
+    model's own (possibly bf16) input and weights, and chosen by tokenmill's rule
+    (`routing.select_experts`, which equals each family's; HF rounds some families' logits to bf16
+    first, so a choice within that rounding of a tie may differ from HF's own)."""
+    from tokenmill.layers.moe import routing
+    gates = [] if moe is None else [
+        m for name, m in hf_model.named_modules()
+        if name.endswith(("mlp.gate", "mlp.router")) and getattr(m, "weight", None) is not None
+        and m.weight.dim() == 2 and m.weight.shape[0] == moe.num_experts]
+    chosen: list[torch.Tensor] = []
+
+    def hook(mod, args) -> None:
+        x = args[0].reshape(-1, args[0].shape[-1]).float()
+        bias = getattr(mod, "bias", None)
+        logits = torch.nn.functional.linear(x, mod.weight.float(), None if bias is None else bias.float())
+        chosen.append(routing.select_experts(logits, moe, getattr(mod, "e_score_correction_bias", None))[1]
+                      .sort(dim=-1).values)
+
+    handles = [g.register_forward_pre_hook(hook) for g in gates]
+    try:
+        logits = hf_logits(hf_model, token_ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, (torch.cat(chosen, dim=-1).cpu() if chosen else None)
+
+
+def routing_flips(bf16_routes: torch.Tensor | None, f32_routes: torch.Tensor | None) -> torch.Tensor | None:
+    """bool [L]: positions whose experts differ between a bf16 run and its float32 run."""
+    if bf16_routes is None or f32_routes is None:
+        return None
+    return (bf16_routes != f32_routes).any(dim=-1)
+
+
 def measure(label: str, sequences: Sequence[Sequence[int]], tokenmill_models: dict[torch.dtype, torch.nn.Module],
-            hf_models: dict[torch.dtype, object], modes: Sequence[str] = MODES) -> DeviationReport:
+            hf_models: dict[torch.dtype, object], modes: Sequence[str] = MODES,
+            tie_margin: float | None = None, max_excluded: float = 0.1) -> DeviationReport:
     """The deviation table for `sequences` (each scored at every position after its first token).
 
     `tokenmill_models` and `hf_models` map torch.float32 and torch.bfloat16 to models holding the
-    same weights."""
+    same weights. `tie_margin` (MoE models): leave out positions whose float32 routing margin is
+    below it (the float32 tokenmill model's routers, which match HF's float32 within
+    `float32_gap`) and positions any bf16 run routed otherwise than its float32 run; more than
+    `max_excluded` of the positions left out raises ValueError."""
     f32, bf16 = torch.float32, torch.bfloat16
-    hf_dev, tm_dev, gap = [], {m: [] for m in modes}, 0.0
+    hf_dev, tm_dev, gap, excluded = [], {m: [] for m in modes}, 0.0, 0
+    flips: dict[str, int] = {}
+    moe = tokenmill_models[f32].dims.moe if tie_margin is not None else None
     for ids in sequences:
-        hf_ref = target_logprobs(hf_logits(hf_models[f32], ids), ids)
-        hf_dev.append(target_logprobs(hf_logits(hf_models[bf16], ids), ids) - hf_ref)
+        # Every run once, its routing taken on the way (MoE with tie_margin only).
+        (hf32, hf32_r), (hf16, hf16_r) = (hf_routes(hf_models[d], ids, moe) for d in (f32, bf16))
+        tm = {(mode, d): tokenmill_routes(tokenmill_models[d], ids, mode) for mode in modes for d in (f32, bf16)}
+        keep = None
+        margins = None if moe is None else router_margins(tokenmill_models[f32], ids)
+        if margins is not None:
+            drop = margins < tie_margin
+            runs = {"hf": routing_flips(hf16_r, hf32_r)}
+            runs.update({f"tokenmill {mode}": routing_flips(tm[mode, bf16][1], tm[mode, f32][1]) for mode in modes})
+            for run, flipped in runs.items():
+                if flipped is not None:
+                    flips[run] = flips.get(run, 0) + int(flipped[:-1].sum())
+                    drop |= flipped
+            keep = ~drop[:-1]  # position i predicts token i + 1
+            excluded += int(drop[:-1].sum())
+        pick = (lambda d: d) if keep is None else (lambda d, k=keep: d[k.to(d.device)])
+        hf_ref = target_logprobs(hf32, ids)
+        hf_dev.append(pick(target_logprobs(hf16, ids) - hf_ref))
         for mode in modes:
-            ref = target_logprobs(tokenmill_logits(tokenmill_models[f32], ids, mode), ids)
+            ref = target_logprobs(tm[mode, f32][0].float(), ids)
             gap = max(gap, float((ref - hf_ref).abs().max()))
-            tm_dev[mode].append(target_logprobs(tokenmill_logits(tokenmill_models[bf16], ids, mode), ids) - ref)
-    return DeviationReport(label=label, tokens=sum(len(s) - 1 for s in sequences), float32_gap=gap,
+            tm_dev[mode].append(pick(target_logprobs(tm[mode, bf16][0].float(), ids) - ref))
+    tokens = sum(len(s) - 1 for s in sequences)
+    if excluded > max_excluded * tokens:
+        raise ValueError(f"{label}: {excluded} of {tokens} positions are routing near ties (margin < {tie_margin}) "
+                         f"or flips {flips}, "
+                         f"more than max_excluded={max_excluded:.0%}: pick other weights or sequences")
+    return DeviationReport(label=label, tokens=tokens, float32_gap=gap,
                            hf=Stats.of(torch.cat(hf_dev)),
-                           tokenmill={m: Stats.of(torch.cat(d)) for m, d in tm_dev.items()})
+                           tokenmill={m: Stats.of(torch.cat(d)) for m, d in tm_dev.items()}, excluded=excluded,
+                           flips=flips)
 
 
 def measure_path(path: str, sequences: Sequence[Sequence[int]], label: str | None = None, device: str = "cpu",
                  modes: Sequence[str] = MODES,
-                 attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend) -> DeviationReport:
+                 attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend,
+                 tie_margin: float | None = None, max_excluded: float = 0.1) -> DeviationReport:
     """`measure` for a checkpoint (HF directory or GGUF file), loading all four models from it."""
     dtypes = (torch.float32, torch.bfloat16)
     tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in dtypes}
     hf = load_hf_pair(path, device)
-    return measure(label or os.path.basename(path.rstrip("/")), sequences, tm, hf, modes)
+    return measure(label or os.path.basename(path.rstrip("/")), sequences, tm, hf, modes, tie_margin, max_excluded)
 
 
 def check_not_worse(report: DeviationReport, tolerance: float, tail_tolerance: float | None = None) -> None:
@@ -247,7 +413,9 @@ def format_table(reports: Sequence[DeviationReport]) -> str:
         rows = [("HF bf16", r.hf)] + [(f"tokenmill bf16 {m}", s) for m, s in r.tokenmill.items()]
         for name, s in rows:
             lines.append(f"{r.label:<28} {name:<17} {s.count:>6} {s.mean:>8.4f} {s.p99:>8.4f} {s.max:>8.4f}")
-        lines.append(f"{r.label:<28} {'fp32 tm vs HF':<17} {'':>6} {'':>8} {'':>8} {r.float32_gap:>8.1e}")
+        lines.append(f"{r.label:<28} {'fp32 tm vs HF':<17} {'':>6} {'':>8} {'':>8} {r.float32_gap:>8.1e}"
+                     + (f"   ({r.excluded} routing near-tie / flip positions left out; flips {r.flips})"
+                        if r.excluded else ""))
     return "\n".join(lines)
 
 

@@ -184,7 +184,8 @@ def roofline_figures(config, ns, figures: dict) -> dict:
     bandwidth = measure_copy_bandwidth()
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     batch = min(ns.num_prompts, config.scheduler.max_num_seqs)
-    rows = batch / pp  # per micro-batch
+    batches = max(pp, config.scheduler.pp_microbatches) if pp > 1 else 1
+    rows = batch / batches  # per micro-batch
     roof = decode_roofline(config.model.arch, config.model.dtype, bandwidth, rows)
     context = ns.input_len + ns.output_len / 2
     floor_s = roof.step_time_s(rows, context) / (tp * pp)

@@ -1,8 +1,8 @@
 """The engine core: scheduler plus executor, driven by one loop with a bounded in-flight queue.
 
 `max_in_flight` is 1 for synchronous scheduling and 2 with async scheduling; with pipeline
-parallelism it is one batch per stage (plus one with async scheduling, so the first stage has
-its next batch as soon as it is free). The same `step()` serves every mode.
+parallelism it is one batch per stage, or `pp_microbatches` (plus one with async scheduling, so
+the first stage has its next batch as soon as it is free). The same `step()` serves every mode.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class EngineCore:
         stages = config.parallel.pipeline_parallel_size
         self.scheduler = Scheduler(config.scheduler, config.cache, num_blocks, config.speculative,
                                    pipeline_stages=stages, kv_window=config.kv_window, lora=config.lora)
-        self.max_in_flight = stages + (1 if config.scheduler.async_scheduling else 0)
+        batches = max(stages, config.scheduler.pp_microbatches) if stages > 1 else 1  # micro-batches in flight
+        self.max_in_flight = batches + (1 if config.scheduler.async_scheduling else 0)
         self.stats_logger = StatsLogger(enabled=config.log_stats)
         # (step, its result, when it was scheduled)
         self.in_flight: deque[tuple[SchedulerOutput, Future[ModelRunnerOutput], float]] = deque()
@@ -91,7 +92,7 @@ class EngineCore:
         self.scheduler.check_fits(core_request)
         if self.grammars is None:
             from tokenmill.core.grammar_masks import GrammarMasks
-            self.grammars = GrammarMasks(self.config)
+            self.grammars = GrammarMasks(self.config, self.telemetry.record)
         self.grammars.add(core_request)  # scheduled once its grammar is compiled
 
     def abort_requests(self, handles: list[int]) -> None:
@@ -101,7 +102,7 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return (self.scheduler.has_unfinished() or bool(self.in_flight) or bool(self._grammar_news)
-                or (self.grammars is not None and bool(self.grammars.compiling)))
+                or (self.grammars is not None and (bool(self.grammars.compiling) or self.grammars.busy())))
 
     def step(self) -> EngineCoreOutputs:
         """Fill the in-flight queue, then wait for the oldest step and apply it.
@@ -110,36 +111,48 @@ class EngineCore:
         if self.grammars is not None and self.grammars.compiling:
             self._admit_compiled()
         while len(self.in_flight) < self.max_in_flight:
-            if self.in_flight and self._owes_bitmask(self.in_flight[-1][0]):
-                break  # its mask must reach the workers before any later step
+            if self.in_flight and self._mask_not_started(self.in_flight[-1][0]):
+                break  # its mask (which needs an earlier step's tokens) must reach the workers first
+            if self.grammars is not None and self.grammars.ready():
+                self._settle_masks()  # news known before scheduling spares a finished request's row
             start = clock()
             batch = self.scheduler.schedule()
             if batch is None:
                 break
             scheduled = clock()
+            self._settle_masks()  # every mask started goes to the workers before this step
+            ready = clock()
             future = self.executor.submit(batch)
             submitted = clock()
             args = {"step": batch.step_id}
             record("schedule", start, scheduled, args)
-            record("submit", scheduled, submitted, args)
+            record("submit", ready, submitted, args)
             self.in_flight.append((batch, future, start))
             if self._masks_at_submit and batch.awaits_bitmask:
-                self._send_bitmask(batch)  # its rows have no token in flight: the mask is known now
-            self._send_due_bitmask()
+                self._start_masks(batch)  # its rows have no token in flight: the mask can be made now
+            self._start_due_masks()
         if not self.in_flight:
             if self.grammars is not None:
-                self.grammars.wait(0.01)  # only grammars compiling: wait for one, do not spin
+                self._settle_masks()  # tokens of the last step: which grammars they completed
+                if not self.in_flight and not self._grammar_news:
+                    self.grammars.wait(0.01)  # only grammars compiling: wait for one, do not spin
             return self._with_grammar_news(EngineCoreOutputs(outputs=[], timestamp=time.time()))
         batch, future, scheduled_at = self.in_flight.popleft()
+        self._settle_masks()  # the step's mask goes out before its result is awaited
         start = clock()
         result = self._wait(batch, future)
         done = clock()
-        outputs = self._with_grammar_news(self.scheduler.update(batch, result))
-        if batch.awaits_bitmask:
-            self._advance_grammars(batch)
+        requests, table = self.scheduler.requests, self.scheduler.table
         if result.draft_rows:  # constrained rows' drafts for the next step (its mask needs them)
-            self.grammars.take_drafts(batch, result, self.scheduler.requests)
-        self._send_due_bitmask()
+            self.grammars.take_drafts(batch, result, requests)
+        # The next mask starts before the update when the step's tokens can be read off its result.
+        fed = batch.awaits_bitmask and self.grammars.feed_sampled(batch, result, requests, table)
+        if fed:
+            self._start_due_masks(ship=False)  # (its news is applied after the update's)
+        outputs = self._with_grammar_news(self.scheduler.update(batch, result))
+        if batch.awaits_bitmask and not fed:
+            self.grammars.feed(batch, requests, table)
+        self._start_due_masks()
         self.stats_logger.record_step(batch.total_num_scheduled_tokens,
                                       outputs.num_new_tokens())
         self.stats_logger.maybe_log(self.scheduler.stats())
@@ -164,31 +177,57 @@ class EngineCore:
             self._grammar_news.append(EngineCoreOutput(request.handle, [], FinishReason.ERROR,
                                                        failure=RowFailure.GRAMMAR))
 
-    def _owes_bitmask(self, batch: SchedulerOutput) -> bool:
-        return batch.awaits_bitmask and not getattr(batch, "bitmask_sent", False)
+    def _mask_not_started(self, batch: SchedulerOutput) -> bool:
+        return batch.awaits_bitmask and not getattr(batch, "mask_started", False)
 
-    def _send_due_bitmask(self) -> None:
-        """The oldest step in flight has every earlier step applied: its mask can be made now."""
-        if self.in_flight and self._owes_bitmask(self.in_flight[0][0]):
-            self._send_bitmask(self.in_flight[0][0])
+    def _start_due_masks(self, ship: bool = True) -> None:
+        """The oldest step in flight has every earlier step applied: its mask can be made now,
+        with the tokens handed over; else those tokens alone (which grammars they complete)."""
+        if self.in_flight and self._mask_not_started(self.in_flight[0][0]):
+            self._start_masks(self.in_flight[0][0], ship)
+        elif self.grammars is not None and self.grammars.has_feed():
+            self.grammars.start(None, self.scheduler.requests, self.scheduler.table)
+        if ship:
+            self._settle_if_inline()
 
-    def _send_bitmask(self, batch: SchedulerOutput) -> None:
-        start = time.perf_counter()
-        mask = self.grammars.bitmask(batch, self.scheduler.requests, self.scheduler.table)
-        made = time.perf_counter()
-        self.executor.send_bitmask(mask)
-        batch.bitmask_sent = True
-        self.telemetry.record("mask", start, made, {"step": batch.step_id, "rows": len(mask.rows) // 4})
-        self.telemetry.record("send_mask", made, time.perf_counter(), {"step": batch.step_id})
+    def _start_masks(self, batch: SchedulerOutput, ship: bool = True) -> None:
+        self.grammars.start(batch, self.scheduler.requests, self.scheduler.table)
+        batch.mask_started = True
+        if ship:
+            self._settle_if_inline()
 
-    def _advance_grammars(self, batch: SchedulerOutput) -> None:
-        """The step's tokens into its constrained requests' matchers; a request whose grammar is
-        complete ends with `stop` (reported with the next outputs)."""
-        complete, broken = self.grammars.advance(batch, self.scheduler.requests, self.scheduler.table)
+    def _settle_if_inline(self) -> None:
+        if self.grammars is not None and not self.config.structured.mask_thread:
+            self._settle_masks()  # the work was done on the loop: ship it now
+
+    def _settle_masks(self) -> None:
+        """Wait for the grammar thread's pending jobs; send their masks (in step order: each is
+        the next message its workers read) and apply their news: a request whose grammar is
+        complete ends with `stop`, one whose matcher refused a token with an error (reported with
+        the next outputs). The core calls this before it submits a step, waits for a result or
+        calls the workers otherwise."""
+        if self.grammars is None or not self.grammars.busy():
+            return
+        clock, record = time.perf_counter, self.telemetry.record
+        start = clock()
+        results = self.grammars.settle()
+        waited = clock()
+        if waited - start > 1e-4:
+            record("mask_wait", start, waited)
+        complete, broken = [], []
+        requests = self.scheduler.requests
+        for result, batch in results:
+            if result.mask is not None:
+                sending = clock()
+                self.executor.send_bitmask(result.mask)
+                record("send_mask", sending, clock(), {"step": batch.step_id})
+            complete += [r for r in map(requests.get, result.complete) if r is not None]
+            broken += [r for r in map(requests.get, result.broken) if r is not None]
         for request in complete:
             request.finish_reason = FinishReason.STOP
             self._grammar_news.append(EngineCoreOutput(request.handle, [], FinishReason.STOP))
         for request in broken:
+            logger.error("request %d: a token broke its grammar", request.handle)
             request.finish_reason = FinishReason.ERROR
             self._grammar_news.append(EngineCoreOutput(request.handle, [], FinishReason.ERROR,
                                                        failure=RowFailure.GRAMMAR))
@@ -223,18 +262,20 @@ class EngineCore:
 
     def telemetry_report(self) -> TelemetryReport:
         """This process's telemetry, then each worker's; speculation counters since the last reset."""
+        self._settle_masks()  # the workers read the pending masks before any call
         speculation = (since(self._spec_at_reset, self.scheduler.spec_stats.snapshot())
                        if self.config.speculative is not None else None)
         return TelemetryReport([self.telemetry.snapshot(), *self.executor.worker_telemetry()], speculation)
 
     def reset_telemetry(self) -> None:
         # Same thread as the counters' writer (the step loop: utility calls run between steps).
+        self._settle_masks()
         self._spec_at_reset = self.scheduler.spec_stats.snapshot()
         self.telemetry.reset()
         self.executor.reset_worker_telemetry()
 
     def shutdown(self) -> None:
         if self.grammars is not None:
-            self.grammars.shutdown()
+            self.grammars.shutdown()  # (a pending mask is not sent: the workers stop anyway)
         self.executor.shutdown()
         self.telemetry.close()

@@ -1,14 +1,24 @@
 """The engine core's structured outputs: grammars compiled off the loop, one matcher per request,
-advanced as tokens come back, and each step's token bitmask.
+advanced as tokens come back, and each step's token bitmask, both on a grammar thread.
 
 Which token a mask is for: a step's mask must follow every token sampled before it. With async
 scheduling step N+1 is launched while step N runs, before N's tokens are known, so the mask of
 N+1 cannot be made when N+1 is scheduled. It is made just in time instead: the worker runs N+1's
-forward pass, sends N's tokens and waits for the mask; the core applies N's tokens (advancing the
-matchers), fills N+1's mask on XGrammar's threads and sends it through the ring. The mask's work
-overlaps N+1's forward pass; the device waits only if it takes longer (the step trace says).
-`EngineCore` sends a step's mask once it is the oldest step in flight, and submits nothing after a
-step whose mask is still owed, so the mask is always the next message the worker reads.
+forward pass, sends N's tokens and waits for the mask. The core applies N's tokens to its
+requests, hands them over with N+1's rows (`start`), and goes on with its loop (the outputs,
+scheduling N+2) while the grammar thread feeds the matchers and fills N+1's mask
+(core/grammar_job.py). The core waits for the thread (`settle`) only where it must ship the mask:
+before it submits anything later (the mask is the next message the worker reads) or waits for
+N+1's result. So the mask's work overlaps N+1's forward pass and the core's own work; the device
+waits only if the mask comes later than the forward pass ends (the step trace says: the worker's
+`await_mask` spans, the core's `grammar_feed`, `mask` and `mask_wait` spans).
+
+Ownership: while a job is pending the grammar thread owns every matcher; the core builds jobs
+from its own state (the tokens it appended, `RequestGrammar.num_fed`, the drafts) and reads the
+thread's results (grammars completed, matchers broken) at `settle`, before it applies any later
+step, so a request whose grammar is complete ends with `stop` before another token of it could
+be reported. A step scheduled before that news is known may carry the finished request's row:
+its token is thrown away, as for any request that finishes with a step in flight.
 
 Speculative decoding: a constrained row verifying k drafts samples k + 1 positions, and the token
 at position j must follow the grammar state after the row's known tokens and its first j drafts.
@@ -27,49 +37,37 @@ grammar the front-end checked: the texts are the same).
 from __future__ import annotations
 
 import logging
-import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-
-import numpy as np
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.grammar_job import GrammarJob, GrammarJobResult, GrammarJobRunner, RequestGrammar, distinct_rows
 from tokenmill.core.request import Request
-from tokenmill.protocol import GrammarBitmask, ModelRunnerOutput, SchedulerOutput, pack_ids
+from tokenmill.protocol import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from tokenmill.structured_output.backend import GrammarBackend, bitmask_words
 from tokenmill.structured_output.compiles import GrammarCompiles
 from tokenmill.structured_output.grammar_spec import grammar_spec
 
+__all__ = ["GrammarMasks", "RequestGrammar", "distinct_rows"]
+
 logger = logging.getLogger(__name__)
 
 
-class RequestGrammar:
-    """A request's matcher, how many of its output tokens the matcher has taken, and the drafts
-    proposed for its next step (speculative decoding) with the step that proposed them."""
-
-    __slots__ = ("matcher", "num_accepted", "drafts", "drafts_step")
-
-    def __init__(self, matcher) -> None:
-        self.matcher = matcher
-        self.num_accepted = 0
-        self.drafts: list[int] = []
-        self.drafts_step = -1
-
-
 class GrammarMasks:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, record: Callable[..., None] | None = None) -> None:
+        """`record(name, start_s, end_s, args)`: telemetry for the grammar thread's spans
+        (`grammar_feed`, `mask`), called on the thread that runs the job."""
         self.config = config
+        self._record = record
         self.compiles = GrammarCompiles(self._make_backend, config.structured.compile_timeout_s)
         self.compiling: dict[int, tuple[Request, Future]] = {}
         self.words = bitmask_words(config.model.arch.vocab_size)
-        self._buffer = np.zeros((0, self.words), np.int32)
-        # Figures for telemetry: masks made, rows in them, seconds spent.
-        self.num_masks = 0
-        self.num_mask_rows = 0
-        self.mask_seconds = 0.0
+        self.runner = GrammarJobRunner(lambda: self.compiles.backend().result(), self.words)
+        self._thread: ThreadPoolExecutor | None = None  # the grammar thread (made with the first job)
+        self._feed: list[tuple[int, RequestGrammar, list[int]]] = []  # tokens handed over, in no job yet
+        self._pending: deque[tuple[Future[GrammarJobResult], SchedulerOutput | None]] = deque()
         self.num_constrained = 0
-        # Draft positions masked (speculative decoding), and drafts the grammar forbade there.
-        self.num_draft_positions = 0
-        self.num_drafts_forbidden = 0
 
     def _make_backend(self) -> GrammarBackend:
         path = self.config.structured.vocab_file
@@ -77,6 +75,15 @@ class GrammarMasks:
             raise RuntimeError("structured outputs: the front-end gave no vocabulary file")
         with open(path) as f:
             return GrammarBackend.from_json(f.read(), self.config.structured)
+
+    # The grammar thread's figures (read them once it is idle).
+    @property
+    def num_draft_positions(self) -> int:
+        return self.runner.num_draft_positions
+
+    @property
+    def num_drafts_forbidden(self) -> int:
+        return self.runner.num_drafts_forbidden
 
     # ------------------------------------------------------------------ requests
 
@@ -111,27 +118,41 @@ class GrammarMasks:
         if self.compiling:
             wait([f for _, f in self.compiling.values()], timeout=timeout_s, return_when=FIRST_COMPLETED)
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ steps (the core's thread)
 
-    def advance(self, so: SchedulerOutput, requests: dict[int, Request], table) -> tuple[list[Request], list[Request]]:
-        """Feed the matchers of `so`'s constrained rows the tokens its update appended. Returns the
-        requests whose grammar is now complete (they end with `stop`) and those whose matcher refused
-        a token (an engine bug: they end with an error)."""
+    def feed(self, so: SchedulerOutput, requests: dict[int, Request], table) -> None:
+        """Hand over the tokens `so`'s update appended to its constrained requests (they go to the
+        grammar thread with the next job)."""
         handles = getattr(so, "structured_handles", None)
-        complete: list[Request] = []
-        broken: list[Request] = []
+        if handles is not None:
+            self._take_tokens(handles.tolist(), requests, table)
+
+    def feed_sampled(self, so: SchedulerOutput, out: ModelRunnerOutput, requests: dict[int, Request], table) -> bool:
+        """Hand over `so`'s sampled tokens straight from its result, before the scheduler applies
+        them, so the next mask can start at once. True if done; False (nothing handed over) when
+        the step needs the scheduler's update first: rows that verified drafts or sampled other than
+        one token, failed rows, or a request with tokens not handed over yet (caught up from the
+        table instead). A request the update finishes still takes its token (it is appended too)."""
+        if getattr(so, "num_drafts", None) is not None or out.count_rows or out.failed_rows:
+            return False
+        handles = getattr(so, "structured_handles", None)
         if handles is None:
-            return complete, broken
-        for handle in handles.tolist():
+            return False
+        tokens = out.sampled_tokens()
+        items = []
+        for row, handle in zip(so.structured_rows.tolist(), handles.tolist()):
             request = requests.get(handle)
             if request is None or request.grammar is None:
-                continue  # finished in this update, or aborted
-            fed = _catch_up(request, table)
-            if fed is None:
-                broken.append(request)
-            elif fed and request.grammar.matcher.is_terminated():
-                complete.append(request)
-        return complete, broken
+                continue
+            g = request.grammar
+            known = table.num_tokens[request.slot] if request.slot >= 0 else len(request.token_ids)
+            if request.num_prompt_tokens + g.num_fed != known:
+                return False
+            items.append((handle, g, [int(tokens[row])]))
+        for _, g, _ in items:
+            g.num_fed += 1
+        self._feed += items
+        return True
 
     def take_drafts(self, so: SchedulerOutput, out: ModelRunnerOutput, requests: dict[int, Request]) -> None:
         """Keep the drafts step `so` proposed for its constrained rows (for the next step's mask)."""
@@ -143,106 +164,106 @@ class GrammarMasks:
                 request.grammar.drafts = row_drafts
                 request.grammar.drafts_step = so.step_id
 
-    def bitmask(self, so: SchedulerOutput, requests: dict[int, Request], table) -> GrammarBitmask:
-        """The next-token masks of every constrained row of `so` (whose earlier steps are all
-        applied), one per position it samples (see the module's docstring for draft positions).
-        Each matcher first takes any token of its request it has not seen (one that came back while
+    def start(self, so: SchedulerOutput | None, requests: dict[int, Request], table) -> None:
+        """Start a job on the grammar thread: the tokens handed over, then (unless `so` is None)
+        the masks of `so`'s constrained rows, whose earlier steps are all applied. Each of those
+        rows first takes any token of its request not handed over yet (one that came back while
         the request was preempted, say), so a mask always follows every known token."""
-        start = time.perf_counter()
-        num_drafts = getattr(so, "num_drafts", None)
-        rows, matchers, drafts = [], [], []
-        for row, handle in zip(so.structured_rows.tolist(), so.structured_handles.tolist()):
-            request = requests.get(handle)
-            if (request is None or request.grammar is None or _catch_up(request, table) is None
-                    or request.grammar.matcher.is_terminated()):
-                continue  # finished by the step before (the row's token is thrown away), or broken
-            rows.append(row)
-            matchers.append(request.grammar.matcher)
-            k = 0 if num_drafts is None else int(num_drafts[row])
-            if k:
-                g = request.grammar
-                assert g.drafts_step == so.step_id - 1 and len(g.drafts) >= k, (
-                    f"request {handle}: step {so.step_id} verifies {k} drafts; the core has {len(g.drafts)} "
-                    f"from step {g.drafts_step}")
-                drafts.append(g.drafts[:k])
-            else:
-                drafts.append(())
-        entries = len(rows) + sum(len(d) for d in drafts)
-        if len(self._buffer) < entries:
-            self._buffer = np.zeros((max(entries, 2 * len(self._buffer)), self.words), np.int32)
-        entry_rows, positions = self._fill(rows, matchers, drafts, self._buffer)
-        distinct, which = distinct_rows(self._buffer[:len(entry_rows)])
-        mask = GrammarBitmask(so.step_id, pack_ids(entry_rows), pack_ids(which), self.words, distinct.tobytes(),
-                              pack_ids(positions) if len(entry_rows) > len(rows) else b"")
-        self.num_masks += 1
-        self.num_mask_rows += len(entry_rows)
-        self.mask_seconds += time.perf_counter() - start
-        return mask
+        job = self._job(so, requests, table)
+        if not self.config.structured.mask_thread:  # on the core's loop, as before (for comparison)
+            done: Future[GrammarJobResult] = Future()
+            done.set_result(self._run(job))
+            self._pending.append((done, so))
+            return
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._pending.append((self._thread.submit(self._run, job), so))
 
-    def _fill(self, rows: list[int], matchers: list, drafts: list, out: np.ndarray) -> tuple[list[int], list[int]]:
-        """Fill `out`'s first entries with each row's masks, position by position: the masks of
-        every row at position j (batched), then each row that drafts further takes its j-th draft
-        (a row whose draft the grammar forbids, or whose grammar it completes, stops there). The
-        matchers end where they began. Returns each entry's (batch row, position)."""
-        entry_rows: list[int] = []
-        positions: list[int] = []
-        if not rows:
-            return entry_rows, positions
-        backend = self.compiles.backend().result()
-        if not any(drafts):  # the usual step: one position per row
-            backend.fill_bitmask(matchers, out)
-            return rows, [0] * len(rows)
-        taken = [0] * len(rows)  # drafts each matcher took (rolled back at the end)
-        active = list(range(len(rows)))
-        depth = 0
-        while active:
-            first = len(entry_rows)
-            backend.fill_bitmask_at([matchers[i] for i in active], out, list(range(first, first + len(active))))
-            entry_rows += [rows[i] for i in active]
-            positions += [depth] * len(active)
-            further = [i for i in active if depth < len(drafts[i])]
-            if not further:
-                break
-            ok = backend.accept_tokens([matchers[i] for i in further], [drafts[i][depth] for i in further])
-            self.num_draft_positions += len(further)
-            active = []
-            for i, good in zip(further, ok):
-                if not good:
-                    self.num_drafts_forbidden += 1
-                    continue
-                taken[i] += 1
-                if not matchers[i].is_terminated():  # (a draft that ends the grammar ends the request)
-                    active.append(i)
-            depth += 1
-        back = [i for i, n in enumerate(taken) if n]
-        backend.rollback([matchers[i] for i in back], [taken[i] for i in back])
-        return entry_rows, positions
+    def _run(self, job: GrammarJob) -> GrammarJobResult:
+        result = self.runner.run(job)
+        if self._record is not None:
+            if result.num_fed:
+                self._record("grammar_feed", *result.feed_span, {"tokens": result.num_fed})
+            if result.mask is not None:
+                self._record("mask", *result.mask_span, {"step": job.mask_step, "rows": len(result.mask.rows) // 4})
+        return result
+
+    def has_feed(self) -> bool:
+        return bool(self._feed)
+
+    def busy(self) -> bool:
+        """Whether tokens or jobs wait to be settled."""
+        return bool(self._feed or self._pending)
+
+    def ready(self) -> bool:
+        """Whether the oldest pending job is done (settling it would not block)."""
+        return bool(self._pending) and self._pending[0][0].done()
+
+    def settle(self, block: bool = True) -> list[tuple[GrammarJobResult, SchedulerOutput | None]]:
+        """The pending jobs' results in order (with the step each masks); without `block`, only
+        those already done. A job that raised raises here."""
+        results = []
+        while self._pending and (block or self._pending[0][0].done()):
+            future, so = self._pending.popleft()
+            results.append((future.result(), so))
+        return results
+
+    def _job(self, so: SchedulerOutput | None, requests: dict[int, Request], table) -> GrammarJob:
+        job = GrammarJob()
+        if so is not None:
+            num_drafts = getattr(so, "num_drafts", None)
+            self._take_tokens(so.structured_handles.tolist(), requests, table)
+            job.mask_step = so.step_id
+            for row, handle in zip(so.structured_rows.tolist(), so.structured_handles.tolist()):
+                request = requests.get(handle)
+                if request is None or request.grammar is None:
+                    continue  # finished by the step before (the row's token is thrown away)
+                g = request.grammar
+                k = 0 if num_drafts is None else int(num_drafts[row])
+                if k:
+                    assert g.drafts_step == so.step_id - 1 and len(g.drafts) >= k, (
+                        f"request {handle}: step {so.step_id} verifies {k} drafts; the core has {len(g.drafts)} "
+                        f"from step {g.drafts_step}")
+                job.rows.append(row)
+                job.grammars.append(g)
+                job.drafts.append(g.drafts[:k] if k else ())
+        job.feed, self._feed = self._feed, []
+        return job
+
+    def _take_tokens(self, handles: list[int], requests: dict[int, Request], table) -> None:
+        """Each request's output tokens not handed over yet (from its row of `table` while it runs,
+        else from the request) into the feed."""
+        for handle in handles:
+            request = requests.get(handle)
+            if request is None or request.grammar is None:
+                continue  # finished in this update, or aborted
+            g = request.grammar
+            first = request.num_prompt_tokens + g.num_fed
+            if request.slot >= 0:
+                new = table.tokens[request.slot, first:table.num_tokens[request.slot]]
+            else:
+                new = request.token_ids[first:]
+            if len(new):
+                g.num_fed += len(new)
+                self._feed.append((handle, g, new.tolist()))
+
+    # ------------------------------------------------------------------ one step at a time (tests)
+
+    def advance(self, so: SchedulerOutput, requests: dict[int, Request], table) -> tuple[list[Request], list[Request]]:
+        """Feed `so`'s constrained requests their new tokens on the calling thread; the requests
+        whose grammar is now complete and those whose matcher refused a token."""
+        assert not self._pending
+        self.feed(so, requests, table)
+        result = self.runner.run(self._job(None, requests, table))
+        return [requests[h] for h in result.complete], [requests[h] for h in result.broken]
+
+    def bitmask(self, so: SchedulerOutput, requests: dict[int, Request], table) -> GrammarBitmask:
+        """`so`'s masks made on the calling thread."""
+        assert not self._pending
+        return self.runner.run(self._job(so, requests, table)).mask
 
     def shutdown(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
+        self.runner.shutdown()
         self.compiles.shutdown()
-
-
-def distinct_rows(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(the distinct rows of `masks` [n, words], each row's index among them)."""
-    if len(masks) <= 1:
-        return masks, np.zeros(len(masks), np.int32)
-    keys = np.ascontiguousarray(masks).view(np.dtype((np.void, masks.shape[1] * 4))).ravel()
-    _, first, which = np.unique(keys, return_index=True, return_inverse=True)
-    return masks[first], which.astype(np.int32)
-
-
-def _catch_up(request: Request, table) -> int | None:
-    """Feed the request's matcher the output tokens it has not taken (from its row of `table` while
-    it runs, else from the request); how many it took, or None if it refused one."""
-    g = request.grammar
-    first = request.num_prompt_tokens + g.num_accepted
-    if request.slot >= 0:
-        new = table.tokens[request.slot, first:table.num_tokens[request.slot]]
-    else:
-        new = request.token_ids[first:]
-    for token in new.tolist():
-        if not g.matcher.accept_token(token):
-            logger.error("request %d: token %d breaks its grammar", request.handle, token)
-            return None
-        g.num_accepted += 1
-    return len(new)

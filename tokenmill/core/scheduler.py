@@ -18,7 +18,7 @@ batch goes to the workers as a diff (`BatchOrder`), made from slot arrays. So a 
 decode step costs O(changes) Python work, plus a few numpy operations over the rows.
 Requests leave and join the table on admission, preemption and finish (O(changes)).
 
-Pipeline parallelism (`pipeline_stages` > 1): up to one batch per stage is in flight. No row
+Pipeline parallelism (`pipeline_stages` > 1): up to one batch per stage (or `pp_microbatches`) is in flight. No row
 is scheduled past the tokens the scheduler knows (`RunningPlanner.no_placeholders`), each
 batch's budget is an even share of the work in sight (`microbatch.py`), and each row's first
 input token travels with the step (`pp_input_tokens`) for the first stage.
@@ -62,6 +62,8 @@ class Scheduler:
         window, so blocks behind it are released while requests run (`KVCacheManager`)."""
         self.config = config
         self.pipeline_stages = pipeline_stages
+        # Micro-batches each step's budget splits the work in sight into (one per stage by default).
+        self.pipeline_batches = max(pipeline_stages, config.pp_microbatches) if pipeline_stages > 1 else 1
         self.in_flight_tokens = 0  # scheduled tokens of the batches not updated yet
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_window)
@@ -173,7 +175,7 @@ class Scheduler:
         if self.spec is not None and self._last_proposed == step_id - 1:
             drafts = self.spec.choose(step_id, t.order, budget, self._prompts_can_start())
         if self.pipeline_stages > 1:
-            budget = pipeline_token_budget(t, self.waiting, self.in_flight_tokens, self.pipeline_stages, budget)
+            budget = pipeline_token_budget(t, self.waiting, self.in_flight_tokens, self.pipeline_batches, budget)
         plan = self.planner.plan(step_id, budget, drafts)
         sched_slots, sched_counts = plan.slots, plan.counts
         budget -= int(sched_counts.sum())

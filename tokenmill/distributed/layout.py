@@ -28,8 +28,9 @@ def even_partition(num_layers: int, num_stages: int) -> tuple[int, ...]:
 
 
 def parse_partition(text: str | None, num_layers: int, num_stages: int) -> tuple[int, ...]:
-    """`--pp-layer-partition "10,6"` -> (10, 6); ValueError naming the field when it does not fit."""
-    if not text:
+    """`--pp-layer-partition "10,6"` -> (10, 6) ("even" or nothing: `even_partition`); ValueError
+    naming the field when it does not fit."""
+    if not text or text.strip().lower() == "even":
         return even_partition(num_layers, num_stages)
     try:
         counts = tuple(int(part) for part in text.split(","))

@@ -14,13 +14,17 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from tokenmill.config import ModelArch, ParallelConfig
+from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm
 from tokenmill.distributed.layout import RankLayout
+from tokenmill.distributed.stage_balance import StageCosts, balanced_partition, explain
 from tokenmill.distributed.symm_all_reduce import SymmetricAllReduce
 
 logger = logging.getLogger(__name__)
@@ -28,14 +32,51 @@ logger = logging.getLogger(__name__)
 _INIT_TIMEOUT = timedelta(minutes=10)
 
 
+class PendingAllReduce:
+    """A row-parallel linear's partial sum whose all-reduce waits for the RMSNorm after it, so
+    both run as one kernel (`ParallelContext.all_reduce_add_norm`). Only layers that hand their
+    output straight to `forward_with_residual` ask for it (`RowParallelLinear.defer_reduce`);
+    `result()` is the plain all-reduce for any other consumer."""
+
+    __slots__ = ("partial", "parallel")
+
+    def __init__(self, partial: torch.Tensor, parallel: ParallelContext) -> None:
+        self.partial, self.parallel = partial, parallel
+
+    def result(self) -> torch.Tensor:
+        return self.parallel.all_reduce(self.partial)
+
+
+def reduced(x: torch.Tensor | PendingAllReduce) -> torch.Tensor:
+    """x, all-reduced if it is still pending."""
+    return x.result() if isinstance(x, PendingAllReduce) else x
+
+
+def _measured_partition(probe: Callable[[], StageCosts] | None, stages: int, num_layers: int,
+                        device: torch.device) -> tuple[int, ...]:
+    """Rank 0 (the one given `probe`) measures and chooses; every rank receives its choice."""
+    counts = torch.zeros(stages, dtype=torch.int64, device=device)
+    if probe is not None:
+        costs = probe()
+        partition = balanced_partition(costs, stages)
+        logger.info("pipeline partition by measured time: %s", explain(costs, partition))
+        counts.copy_(torch.tensor(partition, dtype=torch.int64))
+    dist.broadcast(counts, src=0)
+    partition = tuple(int(c) for c in counts.tolist())
+    if sum(partition) != num_layers or min(partition) < 1:
+        raise RuntimeError(f"measured pipeline partition {partition} does not cover the {num_layers} layers")
+    return partition
+
+
 class ParallelContext:
     def __init__(self, layout: RankLayout, tp_group=None, pp_group=None, backend: str | None = None,
-                 symm: SymmetricAllReduce | None = None) -> None:
+                 symm: SymmetricAllReduce | None = None, fused_norm: FusedAllReduceNorm | None = None) -> None:
         self.layout = layout
         self.tp_group = tp_group
         self.pp_group = pp_group
         self.backend = backend
         self.symm = symm  # small TP all-reduces over peer buffers (CUDA); None: NCCL / gloo only
+        self.fused_norm = fused_norm  # all-reduce + residual add + RMSNorm in one kernel (CUDA); None: apart
         # Measurement only (`bench throughput` with TOKENMILL_BENCH_SKIP_ALL_REDUCE=1): TP steps
         # without their all-reduces, to time what the all-reduces cost a step. Wrong results.
         self.skip_all_reduce = os.environ.get("TOKENMILL_BENCH_SKIP_ALL_REDUCE") == "1"
@@ -50,15 +91,20 @@ class ParallelContext:
 
     @staticmethod
     def init(arch: ModelArch, parallel: ParallelConfig, rank: int, init_method: str,
-             device: torch.device) -> ParallelContext:
-        """Join the world (blocks until every rank has) and build this rank's groups."""
-        layout = RankLayout.of(arch, parallel, rank)
+             device: torch.device, probe: Callable[[], StageCosts] | None = None) -> ParallelContext:
+        """Join the world (blocks until every rank has) and build this rank's groups. With
+        `parallel.balance_stages`, rank 0 runs `probe` (times of a layer, the embedding and the
+        LM head) and every rank takes the partition balanced by them."""
         if parallel.world_size == 1:
-            return ParallelContext(layout)
+            return ParallelContext(RankLayout.of(arch, parallel, rank))
         backend = "nccl" if device.type == "cuda" else "gloo"
         options = {"device_id": device} if device.type == "cuda" and device.index is not None else {}
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=parallel.world_size,
                                 timeout=_INIT_TIMEOUT, **options)
+        if parallel.balance_stages and probe is not None:
+            parallel = msgspec.structs.replace(parallel, layer_partition=_measured_partition(
+                probe if rank == 0 else None, parallel.pipeline_parallel_size, arch.num_layers, device))
+        layout = RankLayout.of(arch, parallel, rank)
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         tp_group = pp_group = None
         for stage in range(pp):  # every rank creates every group, in the same order
@@ -72,7 +118,8 @@ class ParallelContext:
         logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d) (%s)", rank, layout.tp_rank, tp,
                     layout.pp_stage, pp, layout.layer_start, layout.layer_end, backend)
         symm = SymmetricAllReduce.create(tp_group, device) if tp > 1 else None
-        return ParallelContext(layout, tp_group, pp_group, backend, symm)
+        fused_norm = FusedAllReduceNorm.create(tp_group, device) if tp > 1 else None
+        return ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
 
     @property
     def tp_size(self) -> int:
@@ -91,6 +138,19 @@ class ParallelContext:
                 return self.symm.all_reduce(x, method)
         dist.all_reduce(x, group=self.tp_group)
         return x
+
+    def defers_reduce(self) -> bool:
+        """Whether row-parallel linears that feed an RMSNorm leave the all-reduce to it
+        (`PendingAllReduce`): only where the fused kernel exists and the all-reduce is real."""
+        return self.fused_norm is not None and self.tp_size > 1 and not self.skip_all_reduce
+
+    def all_reduce_add_norm(self, partial: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(RMSNorm of residual + sum of the group's partials, that new residual) in one kernel, the
+        residual updated in place; None where the kernel does not take it (the caller reduces)."""
+        if self.fused_norm is None or not self.fused_norm.applies(partial, residual, weight):
+            return None
+        return self.fused_norm(partial, residual, weight, eps)
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """[..., n] on each rank -> [..., tp * n], ranks in order."""

@@ -71,7 +71,8 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
                           kv_cache_dtype="" if kv_dtype == dtype else kv_dtype),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                   async_scheduling=args.async_scheduling,
-                                  debug_check_every=args.debug_check_every),
+                                  debug_check_every=args.debug_check_every,
+                                  pp_microbatches=args.pp_microbatches or 0),
         parallel=parallel,
         device=device, max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
         trace_steps=os.path.abspath(args.trace_steps) if args.trace_steps else None,
@@ -111,7 +112,8 @@ def resolve_structured(args: EngineArgs) -> StructuredOutputConfig:
     return StructuredOutputConfig(backend=args.structured_outputs_backend,
                                   compile_timeout_s=float(args.structured_outputs_compile_timeout),
                                   max_schema_bytes=args.structured_outputs_max_schema_bytes,
-                                  max_whitespace=args.structured_outputs_max_whitespace)
+                                  max_whitespace=args.structured_outputs_max_whitespace,
+                                  mask_thread=args.structured_outputs_mask_thread)
 
 
 _SPEC_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
@@ -178,6 +180,8 @@ def _check_args(args: EngineArgs) -> None:
     _check(args.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size",
            f"must be a power of two in [1, 128], got {args.block_size}")
     _check(args.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {args.max_num_seqs}")
+    _check(args.pp_microbatches is None or args.pp_microbatches >= args.pipeline_parallel_size, "pp_microbatches",
+           f"must be at least pipeline_parallel_size ({args.pipeline_parallel_size}), got {args.pp_microbatches}")
     _check(0.0 < args.gpu_memory_utilization <= 1.0, "gpu_memory_utilization",
            f"must be in (0, 1], got {args.gpu_memory_utilization}")
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -209,13 +213,14 @@ def _quantization_config(hf_config) -> dict | None:
 def resolve_parallel(args: EngineArgs, arch, device: str) -> ParallelConfig:
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     check_parallel(arch, tp, pp)
-    partition = parse_partition(args.pp_layer_partition, arch.num_layers, pp)
+    measured = (args.pp_layer_partition or "").strip().lower() == "measured"
+    partition = parse_partition(None if measured else args.pp_layer_partition, arch.num_layers, pp)
     if device.startswith("cuda") and args.distributed_executor_backend == "mp" and tp * pp > 1:
         import torch
         _check(torch.cuda.device_count() >= tp * pp, "tensor_parallel_size",
                f"times pipeline_parallel_size needs {tp * pp} GPUs, this machine has {torch.cuda.device_count()}")
     return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, layer_partition=partition,
-                          backend=args.distributed_executor_backend)
+                          backend=args.distributed_executor_backend, balance_stages=measured and pp > 1)
 
 
 def resolve_device(name: str) -> str:

@@ -69,7 +69,7 @@ static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; fl
 /* y[r, n..n+NB) for RB rows of x: RB * NB dot products sharing their loads. */
 #define TILE(RB, NB)                                                                                \
 static void tile_##RB##_##NB(const uint16_t *x, int64_t xs, const uint16_t *w, int K, int n,       \
-                             float *y, int64_t ys) {                                                \
+                             float *y, int64_t ys, const float *a, int64_t as) {                    \
     acc_t acc[RB][NB];                                                                              \
     for (int r = 0; r < RB; ++r) for (int j = 0; j < NB; ++j) acc[r][j] = acc_zero();              \
     int k = 0;                                                                                      \
@@ -79,41 +79,52 @@ static void tile_##RB##_##NB(const uint16_t *x, int64_t xs, const uint16_t *w, i
                 acc[r][j] = acc_dot(acc[r][j], x + r * xs + k, w + (int64_t)(n + j) * K + k);       \
     for (int r = 0; r < RB; ++r) {                                                                  \
         if (NB == 4 && k == K) { /* no tail: four sums at once */                                   \
-            acc_sum4(acc[r][0], acc[r][NB > 1], acc[r][2 * (NB > 2)], acc[r][3 * (NB > 3)], y + r * ys + n); \
+            float s4[4];                                                                            \
+            acc_sum4(acc[r][0], acc[r][NB > 1], acc[r][2 * (NB > 2)], acc[r][3 * (NB > 3)], s4);    \
+            for (int j = 0; j < 4; ++j) y[r * ys + n + j] = a ? a[r * as + n + j] + s4[j] : s4[j];  \
             continue;                                                                               \
         }                                                                                           \
         for (int j = 0; j < NB; ++j) {                                                              \
             float s = acc_sum(acc[r][j]);                                                           \
             const uint16_t *wn = w + (int64_t)(n + j) * K;                                          \
             for (int kk = k; kk < K; ++kk) s += bf16_to_f32(x[r * xs + kk]) * bf16_to_f32(wn[kk]);  \
-            y[r * ys + n + j] = s;                                                                  \
+            y[r * ys + n + j] = a ? a[r * as + n + j] + s : s;                                      \
         }                                                                                           \
     }                                                                                               \
 }
 TILE(1, 4) TILE(2, 4) TILE(3, 4) TILE(4, 4) TILE(1, 1) TILE(2, 1) TILE(3, 1) TILE(4, 1)
-typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int, int, float *, int64_t);
+typedef void (*tile_fn)(const uint16_t *, int64_t, const uint16_t *, int, int, float *, int64_t,
+                        const float *, int64_t);
 static const tile_fn TILE4[5] = {0, tile_1_4, tile_2_4, tile_3_4, tile_4_4};
 static const tile_fn TILE1[5] = {0, tile_1_1, tile_2_1, tile_3_1, tile_4_1};
 
-/* x: [R, K] bf16 (row stride xs); w: [N, K] bf16 contiguous; y: [R, N] float32 (row stride ys). */
+/* x: [R, K] bf16 (row stride xs); w: [N, K] bf16 contiguous; y: [R, N] float32 (row stride ys);
+   a: NULL, or [R, N] float32 (row stride as) added to the result (y = a + x w^T; y may be a).
+   Work is split into blocks of RBLK rows x NCHUNK outputs: a block's x rows and weight rows stay
+   in the core's cache while its tiles run (prefill-sized R), and both threads get blocks. */
+#define RBLK 64
+#define NCHUNK 64
 void bf16_linear_f32(const uint16_t *x, int64_t xs, const uint16_t *w, int R, int K, int N,
-                     float *y, int64_t ys, int nthreads) {
-    const int chunk = 64, nchunks = (N + chunk - 1) / chunk;
+                     float *y, int64_t ys, const float *a, int64_t as, int nthreads) {
+    const int nchunks = (N + NCHUNK - 1) / NCHUNK, rblocks = (R + RBLK - 1) / RBLK;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
-    for (int c = 0; c < nchunks; ++c) {
-        const int n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        for (int r0 = 0; r0 < R; r0 += 4) {
-            const int rb = R - r0 < 4 ? R - r0 : 4;
+    for (int t = 0; t < nchunks * rblocks; ++t) {
+        const int c = t % nchunks, rb0 = (t / nchunks) * RBLK;
+        const int n0 = c * NCHUNK, n1 = n0 + NCHUNK < N ? n0 + NCHUNK : N;
+        const int r1 = rb0 + RBLK < R ? rb0 + RBLK : R;
+        for (int r0 = rb0; r0 < r1; r0 += 4) {
+            const int rb = r1 - r0 < 4 ? r1 - r0 : 4;
+            const float *ar = a ? a + r0 * as : 0;
             int n = n0;
-            for (; n + 4 <= n1; n += 4) TILE4[rb](x + r0 * xs, xs, w, K, n, y + r0 * ys, ys);
-            for (; n < n1; ++n) TILE1[rb](x + r0 * xs, xs, w, K, n, y + r0 * ys, ys);
+            for (; n + 4 <= n1; n += 4) TILE4[rb](x + r0 * xs, xs, w, K, n, y + r0 * ys, ys, ar, as);
+            for (; n < n1; ++n) TILE1[rb](x + r0 * xs, xs, w, K, n, y + r0 * ys, ys, ar, as);
         }
     }
 }
 """
 
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 
 
 def build_flags(path: cpu_isa.KernelPath) -> tuple[str, ...]:
@@ -141,8 +152,10 @@ def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and available())
 
 
-def linear_f32(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
-    """float32 `x @ weight.T` of bf16 x [..., K] and weight [N, K] (inputs `supports` accepts)."""
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None = None,
+               add: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `x @ weight.T` (`add + x @ weight.T` with `add`, a float32 [..., N] tensor, added
+    inside the kernel) of bf16 x [..., K] and weight [N, K] (inputs `supports` accepts)."""
     lib = lib or library()
     assert lib is not None
     n, k = weight.shape
@@ -150,7 +163,14 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None = 
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], n), dtype=torch.float32)
+    a2 = None
+    if add is not None:
+        assert add.dtype == torch.float32 and add.shape[-1] == n and add.numel() == out.numel()
+        a2 = add.reshape(-1, n)
+        if a2.stride(1) != 1:
+            a2 = a2.contiguous()
     if x2.shape[0]:
         lib.bf16_linear_f32(x2.data_ptr(), x2.stride(0), weight.data_ptr(), x2.shape[0], k, n, out.data_ptr(),
-                            out.stride(0), torch.get_num_threads())
+                            out.stride(0), None if a2 is None else a2.data_ptr(), 0 if a2 is None else a2.stride(0),
+                            torch.get_num_threads())
     return out.view(*x.shape[:-1], n)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.distributed.parallel_state import PendingAllReduce, reduced
 from tokenmill.layers import triton_ops
 
 RESIDUAL_DTYPE = torch.float32
@@ -45,6 +46,7 @@ def stage_handover(hidden: torch.Tensor, residual: torch.Tensor | None,
     """What a pipeline stage sends the next, in the activation dtype `dtype` (default hidden's; one
     tensor type on the wire): (hidden, residual) where the fused kernels keep them apart (CUDA),
     else the summed stream alone. The next stage widens the residual back to float32 (`residual_stream`)."""
+    hidden = reduced(hidden)
     dtype = dtype or hidden.dtype
     if residual is None:
         return hidden.to(dtype), None
@@ -82,15 +84,25 @@ class RMSNorm(nn.Module):
             normed = normed.to(out_dtype)
         return normed.mul_(self.weight if self.weight.dtype == out_dtype else self.weight.to(out_dtype))
 
-    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor,
+    def forward_with_residual(self, x: torch.Tensor | PendingAllReduce, residual: torch.Tensor,
                               out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Adds `x` into the residual stream, then normalizes it: returns (normed in `out_dtype`,
         default x's, new residual).
+
+        `x` may be a TP partial sum still to be all-reduced (`PendingAllReduce`): the all-reduce,
+        the add and the norm then run as one kernel where it takes them
+        (`ParallelContext.all_reduce_add_norm`), else the all-reduce runs first.
 
         The add happens in the residual's dtype (float32: `residual_stream`), unrounded; `x` may be
         float32 too (a CPU bf16 model's o_proj / down_proj: `wide_linear`). The fused kernel updates
         `residual` in place (and returns it); callers use the returned residual only.
         """
+        if isinstance(x, PendingAllReduce):
+            if out_dtype in (None, x.partial.dtype):
+                fused = x.parallel.all_reduce_add_norm(x.partial, residual, self.weight, self.eps)
+                if fused is not None:
+                    return fused
+            x = x.result()
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -119,6 +131,7 @@ class GemmaRMSNorm(nn.Module):
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor,
                               out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """As `RMSNorm.forward_with_residual` (the fused kernel updates `residual` in place)."""
+        x = reduced(x)  # (Gemma's layers never defer the all-reduce; a defensive no-op)
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps, gemma=True)

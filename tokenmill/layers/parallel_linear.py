@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed.parallel_state import ParallelContext
-from tokenmill.layers import cpu_logits, wide_linear
+from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce
+from tokenmill.layers import cpu_bf16_gemm, cpu_logits, wide_linear
 from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, linear
 from tokenmill.layers.lora.lora_layer import has_lora, lora_forward
 
@@ -33,19 +33,39 @@ class RowParallelLinear(Linear):
         # Set by layers whose output joins the float32 residual stream: on CPU in bf16 the result
         # is then float32, never rounded to bf16 (`wide_linear`).
         self.wide_output = False
+        self._wide_packed = cpu_bf16_gemm.PackedBf16()
+        # Set by layers that hand the output straight to an RMSNorm's `forward_with_residual`:
+        # where the fused kernel exists, `forward` returns the partial sum as a `PendingAllReduce`
+        # and the norm all-reduces, adds and normalizes in one launch.
+        self.defer_reduce = False
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor | PendingAllReduce:
+        if self.defer_reduce and self.parallel.defers_reduce():
+            return PendingAllReduce(partial, self.parallel)
+        return self.parallel.all_reduce(partial)
 
     def _bias(self) -> torch.Tensor | None:
         return self.bias if self.first_rank else None
 
+    def wide(self, x: torch.Tensor) -> bool:
+        """Whether this layer's result for an input like `x` (any width) is float32 (`wide_linear`)."""
+        return self.wide_output and self.quant_method is UNQUANTIZED and not has_lora(self) \
+            and wide_linear.supports_dtype(x, self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.wide_output and self.quant_method is UNQUANTIZED and not has_lora(self) \
-                and wide_linear.supports(x, self.weight):
-            return self.parallel.all_reduce(wide_linear.linear_f32(x, self.weight, self._bias(), self._packed))
+        if self.wide(x):
+            return self.parallel.all_reduce(
+                wide_linear.linear_f32(x, self.weight, self._bias(), self._packed, self._wide_packed))
         # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
-        return self.parallel.all_reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, self._bias())))
+        return self._reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, self._bias())))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """`forward(x) + residual`; the add runs inside rank 0's matmul where it can."""
+        """`forward(x) + residual`; the add runs inside rank 0's matmul where it can (a float32
+        residual stream with a `wide` result: in the GEMM's epilogue, unrounded)."""
+        if self.wide(x) and residual.dtype == torch.float32:
+            return self.parallel.all_reduce(wide_linear.linear_f32(
+                x, self.weight, self._bias(), self._packed, self._wide_packed,
+                add=residual if self.first_rank else None))
         if not self.first_rank:
             return self.parallel.all_reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, None)))
         return self.parallel.all_reduce(

@@ -7,8 +7,11 @@ layer's norm reads (the channel dominates the row's RMS). HF rounds it too (and 
 it); keeping it float32 is what makes tokenmill's bf16 as least as close to float32 as HF's on such
 tokens (docs/bf16-numerics.md).
 
-How, with bf16 inputs and weights (each product exact in float32, sums in float32):
-- up to `FEW_ROWS` rows (decode, speculative verification): the LM head's C kernel
+How, with bf16 inputs and weights (each product exact in float32, sums in float32), and the
+residual stream's add (`add`) in the kernel's epilogue where the caller passes it:
+- on AVX512-BF16 / AMX machines, any row count: the packed GEMM of `cpu_bf16_gemm` (weight packed
+  once; about oneDNN's bf16 time, where the two-matmul split below cost ~2.2x at prefill sizes);
+- elsewhere, up to `FEW_ROWS` rows (decode, speculative verification): the LM head's C kernel
   (`cpu_logits.linear_f32`), which reads the weight once for all rows;
 - more rows (prefill): oneDNN's bf16 matmul twice, the second one's epilogue subtracting the first
   result inside the float32 accumulator: y = hi + lo with hi = bf16(W x) and lo = bf16(W x - hi),
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers import cpu_logits
+from tokenmill.layers import cpu_bf16_gemm, cpu_logits
 from tokenmill.layers.linear import PackedWeight, _use_packed, linear, linear_add
 
 FEW_ROWS = 32
@@ -30,15 +33,31 @@ def supports(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     return weight is not None and x.dim() == 2 and cpu_logits.supports(x, weight)
 
 
+def supports_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """`supports` for an input like `x` of the weight's width (a layer deciding ahead)."""
+    return weight is not None and x.dim() == 2 and weight.dim() == 2 and \
+        cpu_logits.supports(x.new_empty((0, weight.shape[1])), weight)
+
+
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-               cache: PackedWeight) -> torch.Tensor:
-    """float32 `x @ weight.T + bias` of bf16 x [M, K] and weight [N, K] (inputs `supports` accepts)."""
-    if x.shape[0] <= FEW_ROWS:
-        out = cpu_logits.linear_f32(x, weight)
+               cache: PackedWeight, gemm_cache: cpu_bf16_gemm.PackedBf16 | None = None,
+               add: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 `add + x @ weight.T + bias` of bf16 x [M, K] and weight [N, K] (inputs `supports`
+    accepts; `add` float32 [M, N] or None)."""
+    if bias is not None and add is not None:  # bias first, as the unfused add would
+        return linear_f32(x, weight, bias, cache, gemm_cache).add_(add)
+    if gemm_cache is not None and cpu_bf16_gemm.available():
+        out = cpu_bf16_gemm.gemm_f32(x, weight, gemm_cache, add)
+        add = None
+    elif x.shape[0] <= FEW_ROWS:
+        out = cpu_logits.linear_f32(x, weight, add=add)
+        add = None
     elif not _use_packed(x, weight, cache):  # no oneDNN epilogue: plain float32 (slow, exact products)
         out = torch.nn.functional.linear(x.float(), weight.float())
     else:
         hi = linear(x, weight, None, cache)
         lo = linear_add(x, weight, None, hi.neg(), cache)
         out = hi.float().add_(lo.float())
+    if add is not None:
+        out = add + out
     return out if bias is None else out.add_(bias.float())

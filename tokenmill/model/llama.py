@@ -97,7 +97,7 @@ class LlamaMLP(nn.Module):
         if self.silu and not has_lora(gate_up):  # (with LoRA the delta joins gate_up's output first)
             act = silu_mul_linear(x, gate_up.weight, gate_up.bias, self._gate_up_packed)
         if act is None and self.silu:  # (with LoRA on CUDA: its expand and the activation in one kernel)
-            act = lora_forward_silu_mul(gate_up, x, lambda: gate_up(x), self.act)
+            act = lora_forward_silu_mul(gate_up, x, lambda: gate_up(x), self.act, then=self.down_proj)
         elif act is None:
             act = self.act(lora_forward(gate_up, x, lambda: gate_up(x)))
         if residual is None:
@@ -115,6 +115,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
         # The sublayers' outputs join the float32 stream unrounded (CPU bf16: `wide_linear`).
         self.self_attn.o_proj.wide_output = self.mlp.down_proj.wide_output = True
+        # Both feed `forward_with_residual` directly: with TP on CUDA their all-reduce runs fused
+        # with the residual add and the next RMSNorm (`PendingAllReduce`).
+        self.self_attn.o_proj.defer_reduce = self.mlp.down_proj.defer_reduce = True
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -126,16 +129,23 @@ class LlamaDecoderLayer(nn.Module):
         returns the whole stream as `hidden`."""
         act_dtype = self.input_layernorm.weight.dtype  # the model's (a sublayer output may be float32)
         if residual is None:
-            residual, hidden = residual_stream(hidden), self.input_layernorm(hidden)
+            residual, hidden = residual_stream(hidden), self.input_layernorm(hidden, out_dtype=act_dtype)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual, act_dtype)
-        if not add_in_matmul(hidden, residual):
+        if not (add_in_matmul(hidden, residual) or self._wide_adds(hidden, residual)):
             attn = self.self_attn(hidden, rope, kv_cache, meta)
             hidden, residual = self.post_attention_layernorm.forward_with_residual(attn, residual, act_dtype)
             return self.mlp(hidden), residual
         residual = self.self_attn(hidden, rope, kv_cache, meta, residual=residual)
-        hidden = self.post_attention_layernorm(residual)
+        hidden = self.post_attention_layernorm(residual, out_dtype=act_dtype)
         return self.mlp(hidden, residual=residual), None
+
+    def _wide_adds(self, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
+        """CPU bf16: o_proj and down_proj write float32 (`wide_linear`), so each residual add runs in
+        their GEMM's epilogue (one pass over the stream, no separate add)."""
+        mlp = self.mlp
+        return residual.dtype == torch.float32 and hidden.dtype != residual.dtype \
+            and self.self_attn.o_proj.wide(hidden) and isinstance(mlp, LlamaMLP) and mlp.down_proj.wide(hidden)
 
 
 class LlamaModel(nn.Module):
@@ -192,8 +202,8 @@ class LlamaModel(nn.Module):
                                               kv_caches[i - layout.layer_start], meta)
         if self.norm is None:
             return IntermediateTensors(*stage_handover(hidden, residual, act_dtype))
-        if residual is None:
-            return self.norm(hidden)
+        if residual is None:  # (the stream itself: float32 where the layers add in their matmuls)
+            return self.norm(hidden) if hidden.dtype == act_dtype else self.norm(hidden, out_dtype=act_dtype)
         return self.norm.forward_with_residual(hidden, residual, act_dtype)[0]
 
 

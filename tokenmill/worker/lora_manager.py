@@ -172,5 +172,16 @@ class LoRAManager:
                 slots.apply(x, y)
                 if len(slots.part_starts) == 3:  # gate_up's expand fused with SiLU-and-mul
                     slots.forward_silu_mul(x, lambda: y, lambda t: t)
+        # gate_up's kernel with down_proj's shrink in it (decode sizes), and down_proj taking it.
+        for (layer, name), slots in self.slots.items():
+            down = self.slots.get((layer, "down_proj"))
+            if name != "gate_up_proj" or down is None:
+                continue
+            x = torch.zeros(1, slots.a.shape[2], dtype=self.dtype, device=self.device)
+            y = torch.zeros(1, slots.b.shape[1], dtype=self.dtype, device=self.device)
+            self.batch.prepare(torch.zeros(1, dtype=torch.int64, device=self.device))
+            out = slots.forward_silu_mul(x, lambda: y, lambda t: t, then=down)
+            down.apply(out, torch.zeros(1, down.b.shape[1], dtype=self.dtype, device=self.device))
+            break
         self.batch.clear()
         torch.cuda.synchronize()

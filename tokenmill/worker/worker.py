@@ -20,6 +20,7 @@ from tokenmill.worker.fault_injection import FaultInjector
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
 from tokenmill.worker.null_runner import NullRunner, NullStep
 from tokenmill.worker.pp_stage import PipelineStage
+from tokenmill.worker.stage_probe import measure_for
 
 _RUNNER_PHASES = ("prepare", "forward", "sample")
 
@@ -39,7 +40,8 @@ class Worker:
             torch.cuda.set_device(device)  # plain "cuda" keeps the current device
         torch.manual_seed(config.model.seed)
         if parallel.world_size > 1:
-            self.parallel = ParallelContext.init(config.model.arch, parallel, rank, dist_init_method, device)
+            probe = (lambda: measure_for(config, device)) if parallel.balance_stages and not null else None
+            self.parallel = ParallelContext.init(config.model.arch, parallel, rank, dist_init_method, device, probe)
         else:
             self.parallel = ParallelContext.single(config.model.arch)
         self.runner: ModelRunner | NullRunner = NullRunner(config) if null else ModelRunner(

@@ -22,7 +22,8 @@ softcap * tanh(scores / softcap) before the softmax (Gemma 2). SINKS: each head'
 partials merged, in the reduce kernel): l += exp(sink - m), with the running max raised to the
 sink first where the sink is larger (gpt-oss).
 
-FP8 KV cache: K/V tiles are converted to the query's dtype as they load; k_scale joins the
+FP8 KV cache: K/V tiles are converted to the query's dtype as they load (float16 when the query
+is bf16 or fp16: the cheap conversion of fp8; the query is converted once); k_scale joins the
 softmax scale and v_scale multiplies the accumulator (both host floats, the layer's).
 
 Split-KV (flash-decoding): with SPLIT, a program takes only its share of the KV
@@ -77,7 +78,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr, SINKS: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -118,6 +119,10 @@ def _paged_attention_kernel(
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     if not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
+    elif F16_DOT:  # fp8 K/V meet q in float16: fp8 -> fp16 is one cheap conversion per two values, fp8 -> bf16
+        # costs a second, quarter-rate one per value (as many as the HBM reads save, at long contexts).
+        # Queries past fp16's range are clamped: the softmax sees them as the largest finite values.
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
 
     kv_len = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys the tile's last query sees
     kv_lo = tl.maximum(context + q_first - window + 1, 0)  # the first key the tile's first query sees
@@ -258,7 +263,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         SPLIT=split, DOT_PRECISION="ieee" if (q.dtype if kv_fp8 else kv_cache.dtype) == torch.float32 else "tf32",
-        SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8, SINKS=sinks is not None,
+        SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8,
+        F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

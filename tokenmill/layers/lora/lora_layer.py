@@ -20,6 +20,14 @@ from tokenmill.layers import triton_ops
 from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference
 
 
+# Captured steps of more tokens run the shrink in stream order (no side stream): on an H200 (32
+# layers' GEMMs + LoRA in one graph) the side stream saved 5.6 us a layer at 1 token, 16-24 at 64,
+# and cost 2-3 at 256.
+OVERLAP_MAX_TOKENS = 128
+# gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
+FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
+
+
 class LoRABatch:
     """This step's tokens' adapter slots, shared by every LoRA projection of a model.
 
@@ -35,14 +43,20 @@ class LoRABatch:
         self.token_slots: torch.Tensor | None = None
         self.num_tokens = 0
         self.shapes: set[tuple[int, int]] = set()  # every projection's (parts * R, in_features)
-        # CUDA graphs: the shrinks run on this stream beside the base GEMMs (TOKENMILL_LORA_OVERLAP=0: not).
+        # A shrink done ahead by the previous projection's kernel: (its input, its planes), consumed
+        # by the projection whose input that exact tensor is (gate_up's activation -> down_proj).
+        self.ahead: tuple[torch.Tensor, torch.Tensor] | None = None
+        # CUDA graphs: the shrinks run on this stream beside the base GEMMs (TOKENMILL_LORA_OVERLAP=0: not);
+        # TOKENMILL_LORA_SIDE_PRIORITY=1: at a higher priority (no difference measured on an H200).
         overlap = os.environ.get("TOKENMILL_LORA_OVERLAP", "1") not in ("0", "false", "no")
-        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" and overlap else None
+        high = os.environ.get("TOKENMILL_LORA_SIDE_PRIORITY", "0") not in ("0", "false", "no")
+        self.side_stream = side_stream(device, high) if device.type == "cuda" and overlap else None
 
     def prepare(self, token_slots: torch.Tensor, host: np.ndarray | None = None) -> None:
         """`token_slots`: int [T] on the device, -1 for tokens without an adapter; `host`: the same
         on the host when known (eager steps), so a step without adapters skips LoRA entirely."""
         self.num_tokens = token_slots.shape[0]
+        self.ahead = None
         if host is not None and not (host >= 0).any():
             self.active = False
             return
@@ -64,6 +78,7 @@ class LoRABatch:
     def clear(self) -> None:
         self.active = False
         self.plan = None
+        self.ahead = None
 
 
 class LoRASlots:
@@ -105,7 +120,11 @@ class LoRASlots:
             return base()
         if batch.plan is not None and self.triton:
             from tokenmill.layers.lora.triton_lora import lora_expand
-            planes, y = self._shrink_and_base(x, base)
+            ahead, batch.ahead = batch.ahead, None
+            if ahead is not None and ahead[0] is x:  # the previous kernel did this shrink
+                planes, y = ahead[1], base()
+            else:
+                planes, y = self._shrink_and_base(x, base)
             return lora_expand(planes, self.b, batch.plan, y, self.part_starts)
         y = base()
         if batch.device.type == "cuda":  # CUDA without the Triton path: the reference, on the device
@@ -113,14 +132,22 @@ class LoRASlots:
         return lora_add_grouped(x, y, self.a, self.b, self.part_starts, batch.groups)
 
     def forward_silu_mul(self, x: torch.Tensor, base: Callable[[], torch.Tensor],
-                         act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                         act: Callable[[torch.Tensor], torch.Tensor], then: "LoRASlots | None" = None) -> torch.Tensor:
         """act(base() plus the deltas) for a [gate | up] projection, act being SiLU-and-mul: on the
-        Triton path the expand and the activation are one kernel (y is read once, never rewritten)."""
+        Triton path the expand and the activation are one kernel (y is read once, never rewritten).
+        `then`: the LoRA of the projection the output goes to next (down_proj): at decode sizes the
+        same kernel does its shrink too (one launch less per layer; `LoRABatch.ahead`)."""
         batch = self.batch
         halves = len(self.part_starts) == 3 and 2 * self.part_starts[1] == self.part_starts[2]
         if batch.active and x.shape[0] == batch.num_tokens and batch.plan is not None and self.triton and halves:
-            from tokenmill.layers.lora.triton_lora import lora_expand_silu
+            from tokenmill.layers.lora.triton_lora import can_fuse_next_shrink, lora_expand_silu
             planes, y = self._shrink_and_base(x, base)
+            inter = self.part_starts[1]
+            if (then is not None and then.triton and then.batch is batch and FUSE_NEXT_SHRINK
+                    and can_fuse_next_shrink(batch.plan, inter, then.a)):
+                out, ahead = lora_expand_silu(planes, self.b, batch.plan, y, next_a=then.a)
+                batch.ahead = (out, ahead)
+                return out
             return lora_expand_silu(planes, self.b, batch.plan, y)
         return act(self.forward(x, base))
 
@@ -128,9 +155,14 @@ class LoRASlots:
         """The shrink's planes and base(): side by side while a CUDA graph is captured."""
         from tokenmill.layers.lora.triton_lora import lora_shrink
         batch = self.batch
-        if batch.side_stream is not None and torch.cuda.is_current_stream_capturing():
+        if (batch.side_stream is not None and batch.num_tokens <= OVERLAP_MAX_TOKENS
+                and torch.cuda.is_current_stream_capturing()):
             return run_beside(batch.side_stream, lambda: lora_shrink(x, self.a, batch.plan), base)
         return lora_shrink(x, self.a, batch.plan), base()
+
+
+def side_stream(device: torch.device, high: bool) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device, priority=-1 if high else 0)
 
 
 def run_beside(side: torch.cuda.Stream, first: Callable, second: Callable) -> tuple:
@@ -153,10 +185,14 @@ def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], tor
 
 
 def lora_forward_silu_mul(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
-                          act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`act(base() + deltas)` for a [gate | up] projection whose `act` is SiLU-and-mul (fused on CUDA)."""
+                          act: Callable[[torch.Tensor], torch.Tensor], then: torch.nn.Module | None = None
+                          ) -> torch.Tensor:
+    """`act(base() + deltas)` for a [gate | up] projection whose `act` is SiLU-and-mul (fused on CUDA);
+    `then`: the layer that takes the result as its input (its shrink may join the same kernel)."""
     lora = layer.__dict__.get("lora")
-    return act(base()) if lora is None else lora.forward_silu_mul(x, base, act)
+    if lora is None:
+        return act(base())
+    return lora.forward_silu_mul(x, base, act, None if then is None else then.__dict__.get("lora"))
 
 
 def has_lora(layer: torch.nn.Module) -> bool:

@@ -5,9 +5,11 @@
   channel ([N, 1] `weight_scale`), fp8 / compressed-tensors tensor (one scale per checkpoint
   tensor, spread over its rows: a fused q/k/v keeps each part's own). Online: a float weight
   quantized at load. CUDA: `torch._scaled_mm` with row-wise scales (activations: one Triton
-  kernel per call).
+  kernel per call). Up to `stream_tiles.FP8_STREAM_MAX_ROWS` rows (decode) the Triton
+  weight-streaming kernel runs instead (`triton_fp8_stream`): activations stay in bf16, so no
+  quantization launch, and only the weight is rounded.
 - `Fp8BlockLinearMethod`: one scale per [bn, bk] weight tile (`weight_scale_inv`), activations
-  per (token, bk columns); CUDA: the Triton block GEMM.
+  per (token, bk columns); CUDA: the Triton block GEMM (small batches: the streaming kernel).
 Elsewhere (CPU, shapes _scaled_mm refuses) both dequantize the weight for each call and
 round the activations as the GPU would, then run the float matmul: correct, not fast.
 """
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.quantization import fp8_ops
+from tokenmill.layers.quantization import fp8_ops, stream_tiles
 from tokenmill.layers.quantization.base import LinearMethod, ParamLayout, new_param, replace_param
 
 logger = logging.getLogger(__name__)
@@ -39,6 +41,29 @@ def _warn_slow_path(reason: str) -> None:
     if reason not in _WARNED:
         _WARNED.add(reason)
         logger.warning("fp8 W8A8 SLOW PATH on CUDA (dequantizing the weight on every call): %s", reason)
+
+
+def _streams(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether this call takes the weight-streaming kernel (CUDA with fp8 conversions, few rows)."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return getattr(layer, "stream_counters", None) is not None and rows <= stream_tiles.FP8_STREAM_MAX_ROWS
+
+
+def _stream(layer: nn.Module, x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+            bias: torch.Tensor | None) -> torch.Tensor:
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
+
+    out = fp8_stream_gemm(_rows(x), layer.weight, scale, block, layer.stream_counters.tensor)
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _stream_counters(q: torch.Tensor) -> stream_tiles.SplitCounters | None:
+    """The split-K counters of a layer that can stream (Triton's fp8 conversions need 8.9+)."""
+    if not q.is_cuda or torch.cuda.get_device_capability(q.device) < (8, 9):
+        return None
+    return stream_tiles.SplitCounters(q.shape[0], q.device)
 
 
 def _scaled_mm_refusal(q: torch.Tensor) -> str | None:
@@ -76,10 +101,13 @@ class Fp8LinearMethod(LinearMethod):
         layer.scale_row = scale.reshape(1, -1).contiguous()
         refusal = _scaled_mm_refusal(q) if q.is_cuda else "not on CUDA"
         layer.use_scaled_mm = refusal is None
+        layer.stream_counters = _stream_counters(q)
         if q.is_cuda and refusal is not None:
             _warn_slow_path(refusal)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if _streams(layer, x):
+            return _stream(layer, x, layer.weight_scale, None, bias)
         # Row-wise scaled_mm writes bfloat16 only (CUTLASS's row-wise kernels).
         if layer.use_scaled_mm and x.dtype != torch.bfloat16:
             _warn_slow_path(f"activations in {x.dtype} (row-wise torch._scaled_mm writes bfloat16 only)")
@@ -125,9 +153,12 @@ class Fp8BlockLinearMethod(LinearMethod):
             q, scale = layer.weight.data, layer.weight_scale_inv.data.float()
         replace_param(layer, "weight", q.contiguous())
         replace_param(layer, "weight_scale_inv", scale.contiguous())
+        layer.stream_counters = _stream_counters(q)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         bn, bk = self.block
+        if _streams(layer, x) and stream_tiles.streams_blocks(self.block):
+            return _stream(layer, x, layer.weight_scale_inv, self.block, bias)
         if layer.weight.is_cuda:
             from tokenmill.layers.quantization.triton_fp8 import block_fp8_gemm, quantize_row_groups
 

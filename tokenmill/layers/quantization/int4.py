@@ -2,7 +2,8 @@
 in their own layouts (sharded under TP like the weight they stand for) and repacked after
 loading into the one layout the kernel reads (`int4_packing.Int4Weights`).
 
-CUDA: the Triton dequantize-GEMM (`triton_int4`; large batches dequantize, then cuBLAS).
+CUDA: `triton_int4.int4_matmul` (the streaming / tensor-core kernel of `triton_int4_stream`;
+act-order weights: the per-channel-group kernel; large batches: dequantize, then cuBLAS).
 Elsewhere: the weight is dequantized for each call and the float matmul runs (correct, not fast).
 
 Act-order (GPTQ desc_act) under row parallelism: each rank holds a slice of the input channels
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.quantization import int4_packing as packing
+from tokenmill.layers.quantization import stream_tiles
 from tokenmill.layers.quantization.base import LinearMethod, ParamLayout, new_param, replace_param
 from tokenmill.quant_config import QuantConfig
 
@@ -84,6 +86,9 @@ class Int4LinearMethod(LinearMethod):
         replace_param(layer, "scales", wt.scales)
         replace_param(layer, "zeros", wt.zeros)
         replace_param(layer, "g_idx", wt.g_idx)
+        # split-K counters of the small-batch kernel, allocated here: never inside a graph capture
+        layer.stream_counters = (stream_tiles.SplitCounters(wt.qweight.shape[1], wt.qweight.device)
+                                 if wt.qweight.is_cuda else None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[-1]
@@ -91,7 +96,7 @@ class Int4LinearMethod(LinearMethod):
             from tokenmill.layers.quantization.triton_int4 import int4_matmul
 
             out = int4_matmul(x.reshape(-1, k), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
-                            self.config.group_size)
+                            self.config.group_size, layer.stream_counters.tensor)
             if bias is not None:
                 out = out + bias
             return out.view(*x.shape[:-1], out.shape[-1])

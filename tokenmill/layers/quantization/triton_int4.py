@@ -1,4 +1,6 @@
-"""Triton kernel: W4A16 GEMM that dequantizes int4 weights in registers (x @ W^T).
+"""Triton kernel: W4A16 GEMM that dequantizes int4 weights in registers (x @ W^T), and the
+dispatch `int4_matmul`. Since the streaming kernel (`triton_int4_stream`) this one serves
+act-order weights (g_idx) and groups not a multiple of 16 only.
 
 Weights in the kernel layout of `int4_packing.Int4Weights`: `qweight` int32 [K/8, N] (input
 channel 8r + i in bits 4i of row r), `scales` / `zeros` [G, N] in the activation dtype,
@@ -104,7 +106,7 @@ def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, s_qk, s_sg, s
              mask=mask)
 
 
-# From this many rows the dequantize-then-cuBLAS path runs (`int4_matmul`): the fused kernel's
+# Act-order weights: from this many rows the dequantize-then-cuBLAS path runs (`int4_matmul`): the fused kernel's
 # tiles cannot match cuBLAS where the GEMM is compute-bound. A guess for an H100 until measured
 # (scripts/gpu_quant.py --parts micro times both); batches captured in CUDA graphs stay below it.
 DEQUANT_MIN_ROWS = 1024
@@ -125,9 +127,20 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                g_idx: torch.Tensor | None, group_size: int) -> torch.Tensor:
-    """x [M, K] @ W^T: the fused dequantize-GEMM below DEQUANT_MIN_ROWS rows, else dequantize + cuBLAS."""
-    if x.shape[0] >= DEQUANT_MIN_ROWS:
+                g_idx: torch.Tensor | None, group_size: int, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T. Without act-order: `triton_int4_stream` (GEMV / split-K at small batches,
+    tensor-core tiles above) below `stream_tiles.INT4_DEQUANT_MIN_ROWS` rows. Act-order (g_idx):
+    the per-channel-group kernel below DEQUANT_MIN_ROWS rows. Above either: dequantize + cuBLAS.
+    counters: the layer's split-K counters (`stream_tiles.SplitCounters`)."""
+    from tokenmill.layers.quantization import stream_tiles
+
+    m = x.shape[0]
+    group = x.shape[1] if group_size == -1 else group_size
+    if g_idx is None and group % 16 == 0 and m < stream_tiles.INT4_DEQUANT_MIN_ROWS:
+        from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
+
+        return int4_stream_gemm(x, qweight, scales, zeros, group_size, counters)
+    if m >= (DEQUANT_MIN_ROWS if g_idx is not None else stream_tiles.INT4_DEQUANT_MIN_ROWS):
         return x @ dequantize_int4(qweight, scales, zeros, g_idx, group_size, x.dtype)
     return int4_gemm(x, qweight, scales, zeros, g_idx, group_size)
 

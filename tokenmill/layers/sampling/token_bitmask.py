@@ -25,6 +25,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     if not len(rows):
         return
     allowed = unpack_bitmask(bitmask, logits.shape[1])
+    if len(rows) == logits.shape[0]:  # every row masked (rows: a permutation): in place, no logits copy
+        ordered = torch.empty_like(allowed)
+        ordered[rows] = allowed
+        logits.masked_fill_(~ordered, float("-inf"))
+        return
     picked = logits.index_select(0, rows)
     picked.masked_fill_(~allowed, float("-inf"))
     logits.index_copy_(0, rows, picked)

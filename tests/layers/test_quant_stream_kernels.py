@@ -1,0 +1,139 @@
+"""The small-batch quantized GEMM kernels under TRITON_INTERPRET=1 against torch references:
+the fp8 weight-streaming kernel (channel and block scales, bf16-style activations unquantized)
+and the INT4 kernel (GEMV rows, tensor-core tiles), with and without split-K; float32 and
+float16 activations; the split-K counters come back zeroed (graph replays rely on it).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from tokenmill.layers.quantization import fp8_ops
+from tokenmill.layers.quantization import int4_packing as packing
+from tokenmill.layers.quantization.stream_tiles import Tiles
+
+try:
+    import triton  # noqa: F401
+except ImportError:
+    if os.environ.get("CI"):
+        pytest.fail("triton is not installed, but CI installs it with the test extras", pytrace=False)
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+FP8_TILES = [Tiles(1, 16, 32, 1), Tiles(1, 16, 32, 3), Tiles(1, 16, 32, 2, flat=False), Tiles(16, 16, 32, 2)]
+
+
+def _fp8_weight(n, k, block, seed=0):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.1
+    if block is None:
+        q, s = fp8_ops.quantize_rows(w)
+    else:
+        q, s = fp8_ops.quantize_blocks(w, block)
+    return w, q.float(), s  # the interpreter computes on float32 holding the fp8 values
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("block,dtype", [(None, torch.float32), ((32, 64), torch.float32), (None, torch.float16)])
+def test_fp8_stream_matches_reference(m, block, dtype):
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm, fp8_stream_reference
+
+    w, q, s = _fp8_weight(80, 192, block)
+    x = torch.randn(m, 192, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = fp8_stream_reference(x, q, s, block)
+    counters = torch.zeros(64, dtype=torch.int32)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for t in FP8_TILES:
+        if m > 1 and t.block_m == 1:
+            continue
+        out = fp8_stream_gemm(x, q, s, block, counters, tiles=t)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=t.label)
+        assert not counters.any(), "split-K counters must be reset for the next call"
+    # the default tiles, no counters (no split)
+    torch.testing.assert_close(fp8_stream_gemm(x, q, s, block).double(), ref, atol=tol, rtol=tol)
+    assert (x.double() @ w.double().t() - ref).abs().max() > 1e-3  # the weight really is quantized
+
+
+# GEMV rows; small tiles (16 + q, zero points through x's row sums); >= 64-row tiles (dequantized
+# in registers): with 8 nibble dots (BLOCK_K >= 128) or one dot after a reshape
+INT4_TILES = [Tiles(1, 32, 32, 1), Tiles(1, 32, 64, 2), Tiles(16, 32, 32, 3), Tiles(32, 64, 64, 1),
+              Tiles(16, 32, 128, 2), Tiles(32, 32, 128, 1, nibble_dots=False), Tiles(64, 32, 64),
+              Tiles(64, 32, 128)]
+
+
+def _int4_case(n=96, k=256, group=64, sym=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    codes = packing.quantize_int4(w, group, sym)
+    codes.scales = codes.scales.half().float()
+    return w, packing.from_codes(codes, torch.float32, act_order=False)
+
+
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("group,dtype", [(64, torch.float32), (128, torch.float32), (-1, torch.float32),
+                                         (128, torch.float16)])
+def test_int4_stream_matches_reference(m, group, dtype):
+    from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
+
+    w, wt = _int4_case(group=group)
+    x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = x.double() @ packing.dequantize(wt, group, torch.float64)
+    scales, zeros = wt.scales.to(dtype), wt.zeros.to(dtype)
+    counters = torch.zeros(64, dtype=torch.int32)
+    tol = 1e-3 if dtype == torch.float32 else 5e-2
+    for t in INT4_TILES:
+        if (m > 1 and t.block_m == 1) or (group > 0 and group % t.block_k):
+            continue
+        out = int4_stream_gemm(x, wt.qweight, scales, zeros, group, counters, tiles=t)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=t.label)
+        assert not counters.any(), "split-K counters must be reset for the next call"
+    torch.testing.assert_close(int4_stream_gemm(x, wt.qweight, scales, zeros, group).double(), ref,
+                               atol=tol, rtol=tol)
+    assert (x.double() @ w.double().t() - ref).abs().max() > 1e-2
+
+
+def test_int4_stream_refuses_a_tile_straddling_groups():
+    from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
+
+    _, wt = _int4_case(group=32)
+    with pytest.raises(ValueError, match="group size 32"):
+        int4_stream_gemm(torch.randn(1, 256), wt.qweight, wt.scales, wt.zeros, 32, tiles=Tiles(1, 32, 64))
+
+
+def test_int4_matmul_routes_by_act_order_and_group(monkeypatch):
+    """Plain groups take the streaming kernel (with the layer's counters); act-order and groups
+    that are no multiple of 16 take the per-channel-group kernel."""
+    from tokenmill.layers.quantization import triton_int4, triton_int4_stream
+
+    calls = []
+    monkeypatch.setattr(triton_int4_stream, "int4_stream_gemm", lambda *a: calls.append("stream") or "s")
+    monkeypatch.setattr(triton_int4, "int4_gemm", lambda *a, **k: calls.append("fused") or "f")
+    _, wt = _int4_case(group=64)
+    counters = torch.zeros(8, dtype=torch.int32)
+    x = torch.randn(3, 256)
+    triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, None, 64, counters)
+    triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, torch.zeros(256, dtype=torch.int32), 64, counters)
+    triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, None, 8, counters)
+    assert calls == ["stream", "fused", "fused"]
+
+
+def test_tile_tables(monkeypatch):
+    """Labels parse back; a measured (kind, bucket, N, K) entry wins over the bucket's default; a
+    group its K tile does not divide falls back to the default with a fitting K tile."""
+    from tokenmill.layers.quantization import stream_tiles as st
+
+    t = Tiles(16, 64, 128, 4, 8, 2, nibble_dots=False, flat=False)
+    assert Tiles.parse(t.label()) == t and eval(t.code(), {"Tiles": Tiles}) == t
+    monkeypatch.setattr(st, "MEASURED", {("int4", 1, 96, 256): Tiles(1, 32, 64, 2)})
+    assert st.int4_tiles(1, 96, 256, 64, 132) == Tiles(1, 32, 64, 2)
+    fallback = st.int4_tiles(1, 96, 256, 32, 132)
+    assert fallback.block_k == 32 and fallback.block_m == 1
+    assert st.int4_tiles(3, 96, 256, 64, 132).block_m == 16  # the 16-row bucket
+    assert st.int4_tiles(300, 4096, 4096, 128, 132).block_m >= 64 and st.int4_tiles(300, 4096, 4096, 128, 132).split == 1
+    assert st.fp8_tiles(1, 4096, 4096, None, 132).split > 1  # 128 N tiles cannot fill 132 SMs twice
+    assert st.fp8_tiles(1, 96, 256, (32, 32), 132).block_k == 32  # inside one scale block

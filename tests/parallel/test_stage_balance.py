@@ -1,0 +1,81 @@
+"""Pipeline partitions balanced by measured time (`distributed/stage_balance.py`) and the CPU probe
+that measures (`worker/stage_probe.py`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.config import ParallelConfig
+from tokenmill.distributed.layout import parse_partition
+from tokenmill.distributed.stage_balance import StageCosts, balanced_partition, explain
+
+
+def costs(layers: int, layer: float = 1.0, embedding: float = 0.0, head: float = 0.0) -> StageCosts:
+    return StageCosts(layers=(layer,) * layers, embedding=embedding, head=head)
+
+
+def test_a_light_head_keeps_the_even_split():
+    # The 8B case on two H100s: a layer ~0.65 ms of a micro-batch step, the head ~0.3: 17/15 would
+    # make stage 0 slower than 16/16's last stage.
+    assert balanced_partition(costs(32, 0.65, 0.01, 0.3), 2) == (16, 16)
+    assert balanced_partition(costs(32), 2) == (16, 16)
+
+
+def test_a_heavy_head_moves_layers_to_the_first_stage():
+    # Batch 1: the LM head reads as many bytes as ~5 layers.
+    assert balanced_partition(costs(32, 1.0, 0.01, 4.8), 2) == (18, 14)
+    assert balanced_partition(costs(32, 1.0, 0.01, 1.5), 2) == (17, 15)
+    # A heavy embedding the other way (never in practice, but the arithmetic is symmetric).
+    assert balanced_partition(costs(32, 1.0, 4.0, 0.0), 2) == (14, 18)
+
+
+def test_the_slowest_stage_is_minimal_over_every_split():
+    c = StageCosts(layers=(1.0, 2.0, 0.5, 3.0, 1.0, 1.5, 2.5), embedding=0.7, head=2.2)
+    for stages in (2, 3, 4):
+        best = min(max(c.stage_times(p)) for p in _compositions(7, stages))
+        got = balanced_partition(c, stages)
+        assert sum(got) == 7 and min(got) >= 1
+        assert max(c.stage_times(got)) == pytest.approx(best)
+
+
+def _compositions(n: int, k: int):
+    if k == 1:
+        yield (n,)
+        return
+    for first in range(1, n - k + 2):
+        for rest in _compositions(n - first, k - 1):
+            yield (first, *rest)
+
+
+def test_uneven_layer_counts_go_first_when_costs_tie():
+    assert balanced_partition(costs(3), 2) == (2, 1)
+    assert balanced_partition(costs(10), 4) in ((3, 3, 2, 2), (3, 2, 3, 2), (2, 3, 3, 2), (3, 2, 2, 3),
+                                                 (2, 3, 2, 3), (2, 2, 3, 3))
+
+
+def test_bad_stage_counts_name_the_field():
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        balanced_partition(costs(3), 4)
+
+
+def test_the_log_line_says_why():
+    line = explain(costs(32, 1.0, 0.01, 1.5), (17, 15))
+    assert line.startswith("17,15 (stage times 17.010 / 16.500 ms")
+    assert "the even split 16,16 would give 16.010 / 17.500" in line
+
+
+def test_even_and_measured_are_words_of_the_flag():
+    assert parse_partition("even", 5, 2) == (3, 2)
+    assert not ParallelConfig().balance_stages
+
+
+def test_the_probe_times_a_layer_the_embedding_and_the_head_on_cpu():
+    from tokenmill.config import ModelArch
+    from tokenmill.worker.stage_probe import measure
+
+    arch = ModelArch(architecture="LlamaForCausalLM", model_type="llama", vocab_size=4096, hidden_size=64,
+                     intermediate_size=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                     rms_norm_eps=1e-5, max_position=128)
+    c = measure(arch, torch.float32, torch.device("cpu"), rows=4, context=32, tp=2)
+    assert len(c.layers) == 3 and all(t > 0 for t in (*c.layers, c.embedding, c.head))

@@ -1,0 +1,88 @@
+"""Pipeline stage partitions balanced by measured time: pure arithmetic, no torch.
+
+A pipeline runs at the pace of its slowest stage, and every other stage idles by the difference
+(its bubble). Stage s's time is the sum of its decoder layers' times, plus the embedding on the
+first stage and the final norm, LM head and sampling on the last. `balanced_partition` picks the
+contiguous split that minimizes the slowest stage's time (ties: the smallest spread between
+stages, then the most even layer counts, extra layers first). The costs come from timing one layer, the embedding
+and the head on the device at start (`worker/stage_probe.py`); they are in any one unit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Measured times (any unit, e.g. ms per decode micro-batch): one per decoder layer, the
+    embedding (first stage), the final norm + LM head + sampling (last stage)."""
+
+    layers: tuple[float, ...]
+    embedding: float
+    head: float
+
+    def stage_times(self, partition: tuple[int, ...]) -> list[float]:
+        times, start = [], 0
+        for s, count in enumerate(partition):
+            t = sum(self.layers[start:start + count])
+            t += self.embedding if s == 0 else 0.0
+            t += self.head if s == len(partition) - 1 else 0.0
+            times.append(t)
+            start += count
+        return times
+
+
+def balanced_partition(costs: StageCosts, num_stages: int) -> tuple[int, ...]:
+    """Layers per stage (each >= 1, contiguous, summing to the layers) minimizing the slowest stage."""
+    n = len(costs.layers)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"pipeline_parallel_size {num_stages} must be between 1 and the model's {n} layers")
+    prefix = [0.0]
+    for c in costs.layers:
+        prefix.append(prefix[-1] + c)
+
+    def time(s: int, a: int, b: int) -> float:  # stage s holding layers [a, b)
+        return (prefix[b] - prefix[a] + (costs.embedding if s == 0 else 0.0)
+                + (costs.head if s == num_stages - 1 else 0.0))
+
+    # best[s][a]: (slowest, -fastest, sum of squared layer counts, counts) for stages s.. over layers a..
+    inf = (float("inf"), 0.0, 0, ())
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    best[num_stages][n] = (0.0, -float("inf"), 0, ())
+    for s in range(num_stages - 1, -1, -1):
+        for a in range(n - (num_stages - s) + 1):
+            for b in range(a + 1, n - (num_stages - s - 1) + 1):
+                rest = best[s + 1][b]
+                if rest[0] == float("inf"):
+                    continue
+                t = time(s, a, b)
+                cand = (max(t, rest[0]), max(-t, rest[1]), (b - a) ** 2 + rest[2], (b - a, *rest[3]))
+                if _key(cand) < _key(best[s][a]):
+                    best[s][a] = cand
+    return best[0][0][3]
+
+
+def _key(entry: tuple) -> tuple:
+    slowest, neg_fastest, squares, counts = entry
+    # Rounded so that float summation order does not decide between two splits equal in principle;
+    # then the smallest spread, the most even counts, and extra layers on the earlier stages (as
+    # `even_partition`: the last stage also runs the head).
+    return (round(slowest, 9), round(slowest + neg_fastest, 9), squares, tuple(-c for c in counts))
+
+
+def explain(costs: StageCosts, partition: tuple[int, ...], unit: str = "ms") -> str:
+    """One line for the log: the partition, each stage's time and what an even split would give."""
+    from tokenmill.distributed.layout import even_partition
+
+    times = costs.stage_times(partition)
+    even = even_partition(len(costs.layers), len(partition))
+    even_times = costs.stage_times(even)
+    per_layer = sum(costs.layers) / len(costs.layers)
+    text = (f"{','.join(map(str, partition))} (stage times {' / '.join(f'{t:.3f}' for t in times)} {unit}; "
+            f"a layer {per_layer:.3f}, embedding {costs.embedding:.3f}, norm + LM head + sampling "
+            f"{costs.head:.3f}; slowest stage {max(times) / (sum(times) / len(times)):.3f}x the mean")
+    if even != partition:
+        text += (f"; the even split {','.join(map(str, even))} would give "
+                 f"{' / '.join(f'{t:.3f}' for t in even_times)}")
+    return text + ")"

@@ -1,0 +1,175 @@
+"""Tile configurations of the quantized GEMM kernels (`triton_fp8_stream`, `triton_int4_stream`),
+chosen per (kind, rows bucket, N, K) from a fixed table: no autotuning, so a CUDA-graph capture
+never compiles or times anything it has not seen in the warm-up (which runs every captured batch
+size first). The table's figures come from `scripts/gpu_quant.py --parts tune` on an H100.
+
+Split-K: small batches cannot fill 132 SMs with N tiles alone, so K is cut into `split`
+slices; each program writes its float32 partial tile, and the last program of a tile (an
+atomic counter per tile says which) sums the slices in a fixed order, writes the output and
+resets its counter to zero (so graph replays find the counters zeroed). One launch, no memset,
+deterministic sums. The counters belong to one layer (`SplitCounters`), so two layers running
+on two streams at once never share one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch configuration. `block_m == 1`: the GEMV path (one row per program, CUDA-core
+    FMAs); otherwise tensor-core `tl.dot` tiles. `split`: programs along K per output tile."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split: int = 1
+    warps: int = 4
+    stages: int = 3
+    nibble_dots: bool = True  # int4 tensor-core tiles: 8 dots over strided x (else one, after a reshape)
+    flat: bool = True  # fp8 one-row tiles (channel scales): sum over K once at the end (else each step)
+
+    @classmethod
+    def parse(cls, label: str) -> "Tiles":
+        """The inverse of `label` (a tune record's key)."""
+        import re
+
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(r?)(f?)", label)
+        if m is None:
+            raise ValueError(f"not a tiles label: {label!r}")
+        bm, bn, bk, split, warps, stages = map(int, m.groups()[:6])
+        return cls(bm, bn, bk, split, warps, stages, nibble_dots=not m.group(7), flat=not m.group(8))
+
+    def code(self) -> str:
+        """The constructor call (for the tables below)."""
+        extra = ("" if self.nibble_dots else ", nibble_dots=False") + ("" if self.flat else ", flat=False")
+        return (f"Tiles({self.block_m}, {self.block_n}, {self.block_k}, {self.split}, {self.warps}, "
+                f"{self.stages}{extra})")
+
+    def label(self) -> str:
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split}w{self.warps}st{self.stages}"
+                f"{'' if self.nibble_dots else 'r'}{'' if self.flat else 'f'}")
+
+
+# Rows up to which the fp8 weight-streaming kernel runs (bf16 activations, no activation
+# quantization); above it torch._scaled_mm (W8A8) is faster (H200 sweep: a layer's four linears
+# 94 vs 134 us at 16 rows, 159 vs 134 at 32).
+FP8_STREAM_MAX_ROWS = 16
+# INT4 (no act-order): rows up to which the GEMV / small-tile kernel runs; above it the
+# tensor-core tiles, up to INT4_DEQUANT_MIN_ROWS, from where dequantize + cuBLAS runs.
+INT4_STREAM_MAX_ROWS = 16
+# The H200 sweep (docs/results/gpu-quant-kernels.md): dequantize + cuBLAS beat the tensor-core
+# tiles at every row count from 256 (369 vs 566 us a layer at 256) and the dequantization's ~190 us
+# are a fixed cost, so from 128 rows (448 us for the tiles; dequantize + mm ~ 190 + 136) it wins.
+INT4_DEQUANT_MIN_ROWS = 128
+
+# The SMs to fill (an H100 SXM has 132); read from the device where there is one.
+_DEFAULT_SMS = 132
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _DEFAULT_SMS
+    return torch.cuda.get_device_properties(device.index or 0).multi_processor_count
+
+
+def _split_for(tiles_mn: int, k: int, block_k: int, sms: int, max_split: int = 8) -> int:
+    """Enough K slices that the grid has about 2 programs per SM, each slice >= 4 K tiles."""
+    if tiles_mn >= 2 * sms:
+        return 1
+    want = -(-2 * sms // tiles_mn)
+    return max(1, min(want, k // (4 * block_k), max_split))
+
+
+# Rows bucket (the largest row count it serves) -> tiles; split-K from `_split_for` unless a
+# measured entry for the exact (N, K) in MEASURED gives one.
+FP8_TABLE: dict[int, Tiles] = {1: Tiles(1, 16, 256, warps=2), FP8_STREAM_MAX_ROWS: Tiles(16, 32, 256)}
+INT4_TABLE: dict[int, Tiles] = {
+    1: Tiles(1, 64, 128),
+    INT4_STREAM_MAX_ROWS: Tiles(16, 64, 128),
+    64: Tiles(64, 128, 64, stages=4, nibble_dots=False),
+    256: Tiles(64, 128, 64, stages=4, nibble_dots=False),
+    1 << 30: Tiles(128, 128, 64, warps=8, nibble_dots=False),
+}
+# (kind, rows bucket, N, K) -> tiles with their split, the best of the sweep (Llama-8B's linears,
+# an H200, 2026-11-25; the times: summed over the bucket's rows); `scripts/gpu_quant.py --parts
+# tune` prints these lines. INT4 buckets from 128 rows take dequantize + cuBLAS (not listed).
+MEASURED: dict[tuple[str, int, int, int], Tiles] = {
+    ('fp8', 1, 28672, 4096): Tiles(1, 16, 256, 1, 2, 3),  # 37.0 us over rows [1]
+    ('fp8', 1, 4096, 14336): Tiles(1, 16, 256, 4, 2, 3),  # 20.5 us over rows [1]
+    ('fp8', 1, 4096, 4096): Tiles(1, 16, 256, 4, 2, 3),  # 9.7 us over rows [1]
+    ('fp8', 1, 6144, 4096): Tiles(1, 16, 512, 1, 4, 3),  # 11.6 us over rows [1]
+    ('fp8', 16, 28672, 4096): Tiles(16, 32, 256, 1, 4, 3),  # 173.2 us over rows [2, 4, 8, 16]
+    ('fp8', 16, 4096, 14336): Tiles(16, 32, 256, 8, 4, 3),  # 101.6 us over rows [2, 4, 8, 16]
+    ('fp8', 16, 4096, 4096): Tiles(16, 64, 128, 4, 4, 3),  # 44.8 us over rows [2, 4, 8, 16]
+    ('fp8', 16, 6144, 4096): Tiles(16, 32, 256, 4, 4, 3),  # 55.5 us over rows [2, 4, 8, 16]
+    ('int4', 1, 28672, 4096): Tiles(1, 128, 128, 4, 8, 3),  # 47.4 us over rows [1]
+    ('int4', 1, 4096, 14336): Tiles(1, 128, 128, 8, 8, 3),  # 27.9 us over rows [1]
+    ('int4', 1, 4096, 4096): Tiles(1, 64, 128, 8, 4, 3),  # 11.7 us over rows [1]
+    ('int4', 1, 6144, 4096): Tiles(1, 64, 128, 8, 4, 3),  # 15.1 us over rows [1]
+    ('int4', 16, 28672, 4096): Tiles(16, 64, 128, 4, 4, 3),  # 218.4 us over rows [4, 16]
+    ('int4', 16, 4096, 14336): Tiles(16, 128, 128, 8, 8, 3),  # 106.7 us over rows [4, 16]
+    ('int4', 16, 4096, 4096): Tiles(16, 128, 128, 8, 8, 3),  # 39.5 us over rows [4, 16]
+    ('int4', 16, 6144, 4096): Tiles(16, 64, 128, 4, 4, 3),  # 57.9 us over rows [4, 16]
+    ('int4', 64, 28672, 4096): Tiles(64, 128, 64, 1, 4, 4, nibble_dots=False),  # 83.0 us over rows [64]
+    ('int4', 64, 4096, 14336): Tiles(64, 128, 64, 8, 4, 4, nibble_dots=False),  # 54.8 us over rows [64]
+    ('int4', 64, 4096, 4096): Tiles(128, 128, 64, 4, 8, 3, nibble_dots=False),  # 25.6 us over rows [64]
+    ('int4', 64, 6144, 4096): Tiles(64, 128, 64, 4, 4, 4, nibble_dots=False),  # 32.6 us over rows [64]
+}
+
+
+def _bucket(table: dict[int, Tiles], m: int) -> int:
+    return min((b for b in table if b >= m), default=max(table))
+
+
+def fp8_tiles(m: int, n: int, k: int, block_scales: tuple[int, int] | None, sms: int) -> Tiles:
+    """The fp8 weight-streaming kernel's configuration for an [m, k] x [n, k]^T product."""
+    bucket = _bucket(FP8_TABLE, m)
+    t = MEASURED.get(("fp8", bucket, n, k)) if block_scales is None else None
+    if t is not None:
+        return t
+    t = FP8_TABLE[bucket]
+    bn, bk = t.block_n, t.block_k
+    if block_scales is not None:  # a K tile inside one K block, an N tile inside one N block
+        bn, bk = min(bn, block_scales[0]), min(bk, block_scales[1])
+    tiles_mn = -(-m // t.block_m) * -(-n // bn)
+    return replace(t, block_n=bn, block_k=bk, split=_split_for(tiles_mn, k, bk, sms))
+
+
+def streams_blocks(block: tuple[int, int]) -> bool:
+    """Whether fp8 scale blocks of this shape fit the streaming kernel's power-of-two tiles."""
+    return all(b >= 16 and b & (b - 1) == 0 for b in block)
+
+
+def int4_tiles(m: int, n: int, k: int, group: int, sms: int) -> Tiles:
+    """The INT4 kernel's configuration; `group` is the group size (k for one group)."""
+    bucket = _bucket(INT4_TABLE, m)
+    t = MEASURED.get(("int4", bucket, n, k))
+    if t is not None and group % t.block_k == 0:
+        return t
+    t = INT4_TABLE[bucket]
+    bk = _fit_k(t.block_k, group)
+    tiles_mn = -(-m // t.block_m) * -(-n // t.block_n)
+    split = _split_for(tiles_mn, k, bk, sms) if t.block_m < 64 else 1
+    return replace(t, block_k=bk, split=split)
+
+
+def _fit_k(block_k: int, group: int) -> int:
+    """The largest power of two <= block_k dividing the group (a K tile never straddles two)."""
+    while block_k > 16 and group % block_k:
+        block_k //= 2
+    return block_k
+
+
+class SplitCounters:
+    """A layer's zeroed int32 counters for split-K (one per output tile); allocated at load,
+    outside any graph capture. Tiles beyond its size run without split."""
+
+    def __init__(self, n: int, device: torch.device, rows_tiles: int = 4, min_block_n: int = 16) -> None:
+        self.tensor = torch.zeros(rows_tiles * -(-n // min_block_n), dtype=torch.int32, device=device)
+
+    def fits(self, tiles: int) -> bool:
+        return tiles <= self.tensor.numel()

@@ -1,0 +1,121 @@
+"""Triton kernel: FP8-weight GEMM for small batches (decode), activations kept in bf16/fp16.
+
+y = x @ (W * scale)^T with W [N, K] e4m3 and either one float32 scale per output channel
+([N, 1]) or one per [bn, bk] tile ([ceil(N / bn), K / bk], DeepSeek-V3 / Qwen3 block FP8).
+At a few rows the GEMM is bound by reading W, so there is nothing to gain from fp8 activations:
+the activations are not quantized (no extra launch, and more accurate than W8A8: only the
+weight is rounded). Each program streams a [BLOCK_N, BLOCK_K] tile of W per step (rows of K
+contiguous: 16-byte vector loads), converts it in registers and accumulates in float32:
+- BLOCK_M == 1 (one row): CUDA-core FMAs into a [BLOCK_N, BLOCK_K] float32 accumulator,
+  summed over K at the end (channel scales; block scales sum each step);
+- BLOCK_M >= 16: `tl.dot` on the tile converted to the activation dtype.
+Block scales multiply each K step's product (a K tile sits in one K block, an N tile in one N
+block); channel scales multiply the finished tile. Split-K and its one-launch reduction:
+`triton_split_k.store_tile`. Tiles: `stream_tiles.fp8_tiles`.
+
+Torch reference: `fp8_stream_reference` (below). Under TRITON_INTERPRET=1 the weight may be a
+float32 tensor holding fp8 values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.layers.quantization import stream_tiles
+from tokenmill.layers.quantization.triton_split_k import store_tile
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_stream_kernel(
+    x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
+    M, N, K, s_xm, s_wn, s_sn, s_om,
+    FLAT: tl.constexpr,  # one row, channel scales: elementwise products, summed over K at the end
+    BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    split = tl.num_programs(1)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % tiles_m  # programs sharing a weight tile run together: it is read from HBM once
+    pid_n = pid // tiles_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), split) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if FLAT:
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * s_wn
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        if FLAT:
+            acc2 += w.to(tl.float32) * x.to(tl.float32)
+        else:
+            if BLOCK_M == 1:
+                part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+            else:
+                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            if BLOCK_SCALES:
+                bs = tl.load(s_ptr + (offs_n // GROUP_N) * s_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
+                acc += part * bs[None, :]
+            else:
+                acc += part
+    if FLAT:
+        acc = tl.sum(acc2, axis=1)[None, :]
+    if not BLOCK_SCALES:
+        acc *= tl.load(s_ptr + offs_n * s_sn, mask=n_mask, other=0.0)[None, :]
+    store_tile(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_om, pid_n * tiles_m + pid_m, pid_k, split,
+               SPLIT_K)
+
+
+def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                    block: tuple[int, int] | None = None, counters: torch.Tensor | None = None,
+                    tiles: stream_tiles.Tiles | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ (weight [N, K] fp8 * scale)^T -> [M, N] in x's dtype.
+    scale: [N, 1] per channel, or [ceil(N / bn), K / bk] with `block` = (bn, bk).
+    counters: a zeroed int32 tensor (one per output tile, `stream_tiles.SplitCounters`); without
+    it (or too small) the kernel runs without split-K."""
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    t = tiles or stream_tiles.fp8_tiles(m, n, k, block, stream_tiles.sm_count(x.device))
+    if block is not None and (block[0] % t.block_n or block[1] % t.block_k):
+        raise ValueError(f"fp8 stream GEMM: tiles {t.block_n}x{t.block_k} must divide the scale blocks {block}")
+    tiles_mn = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
+    split = t.split if counters is not None and tiles_mn <= counters.numel() else 1
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _fp8_stream_kernel[(tiles_mn, split)](
+        x, weight, scale, out, part, counters if split > 1 else out,
+        m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        FLAT=t.block_m == 1 and block is None and t.flat, BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        SPLIT_K=split > 1, num_warps=t.warps, num_stages=t.stages)
+    return out
+
+
+def fp8_stream_reference(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+                         block: tuple[int, int] | None = None) -> torch.Tensor:
+    """The torch reference, in float64: bf16 activations times the dequantized weight."""
+    n, k = weight.shape
+    if block is None:
+        w = weight.double() * scale.double().reshape(n, 1)
+    else:
+        full = scale.double().repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        w = weight.double() * full
+    return x.double() @ w.t()
