@@ -20,7 +20,7 @@ def figures(tp: int, pp: int, max_num_seqs: int = 256, monkeypatch=None) -> dict
     monkeypatch.setattr(roofline, "measure_copy_bandwidth", lambda *a, **k: BANDWIDTH)
     config = SimpleNamespace(model=SimpleNamespace(arch=LLAMA_8B, dtype="bfloat16"),
                              parallel=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp),
-                             scheduler=SimpleNamespace(max_num_seqs=max_num_seqs))
+                             scheduler=SimpleNamespace(max_num_seqs=max_num_seqs, pp_microbatches=0))
     ns = SimpleNamespace(num_prompts=1000, input_len=512, output_len=256)
     return throughput.roofline_figures(config, ns, {"device_step_ms_p50": 10.0})
 
