@@ -16,6 +16,8 @@ Parts (all by default; --parts a,b to pick):
   mla      DeepSeek-V2-Lite shape: batch-256 decode step time and the KV blocks available, next to
            what a plain multi-head cache of the same model would get
   big      1000 x 512 x 256 for both MoE shapes (off by default: --parts ...,big)
+  full     the whole Qwen3-30B-A3B (48 layers; an H200): 256 x 256 x 128 vs the bound, batch 1 vs the
+           floor, HF transformers on the same work (off by default: --parts full)
   hf       HF transformers (warmed, static batch) on bench's and big's work for both shapes, next to
            tokenmill's figure of the same run (off by default: --parts bench,big,hf); at 1000 x 512 x 256
            HF runs one wave of 256 prompts (the whole does not fit one static batch)
@@ -65,6 +67,12 @@ SHAPES = {
                                                  num_key_value_heads=4, head_dim=128, num_experts=128,
                                                  num_experts_per_tok=8, norm_topk_prob=True,
                                                  max_position_embeddings=40960, **_TOK)),
+    # The whole Qwen3-30B-A3B (48 layers, ~61 GB of bf16 weights): an H200 (`full` part).
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                             moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                             num_key_value_heads=4, head_dim=128, num_experts=128,
+                                             num_experts_per_tok=8, norm_topk_prob=True,
+                                             max_position_embeddings=40960, **_TOK)),
     "deepseek-v2-lite": ("DeepseekV2Config", dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944,
                                                   moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
                                                   num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=6,
@@ -85,6 +93,9 @@ SMOKE_SHAPES = {
     "qwen3-30b-a3b-24l": dict(vocab_size=259, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                               num_experts=8, num_experts_per_tok=2),
+    "qwen3-30b-a3b": dict(vocab_size=259, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          num_experts=8, num_experts_per_tok=2),
     "deepseek-v2-lite": dict(vocab_size=259, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
                              num_experts_per_tok=2, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
@@ -346,6 +357,31 @@ def part_hf(results: dict, smoke: bool) -> None:
                 json.dump(results, f, indent=1, default=str)
 
 
+def part_full(results: dict, smoke: bool, device: str) -> None:
+    """The whole Qwen3-30B-A3B (48 layers; an H200): 256 x 256 x 128 with the bound, batch 1 against
+    the floor, and HF transformers on the same work."""
+    from tokenmill.benchmarks.roofline import kv_bytes_per_token
+    shape = "qwen3-30b-a3b"
+    bw = _bandwidth(device)
+    path = config_dir(shape, smoke)
+    arch = _arch_of(path)
+    n, i, o = (4, 8, 4) if smoke else (256, 256, 128)
+    rec = _engine_run(path, device, n, i, o, batch1=(8, 4) if smoke else (128, 128))
+    ms1 = rec.pop("batch1_ms_per_token")
+    floor_ms = 1e3 * _step_weight_bytes(arch, 1) / bw
+    results[f"batch1_{shape}"] = dict(ms_per_token=ms1, floor_ms=floor_ms, fraction_of_floor=floor_ms / ms1)
+    kv = n * (i + o / 2) * kv_bytes_per_token(arch, "bfloat16")
+    bound_ms = 1e3 * (_step_weight_bytes(arch, n) + kv) / bw
+    rec.update(decode_bound_ms=bound_ms, fraction_of_bound=bound_ms / rec["decode_step_ms"], copy_bandwidth_GBps=bw / 1e9)
+    results[f"bench_{shape}_{n}x{i}x{o}"] = rec
+    print(f"  {shape} (48 layers) {n}x{i}x{o}: {rec['output_tok_s']:.0f} output tok/s, decode step "
+          f"{rec['decode_step_ms']:.2f} ms vs bound {bound_ms:.2f} ms ({100 * rec['fraction_of_bound']:.0f}%; goal >= 60%)")
+    print(f"  batch 1: {ms1:.2f} ms/token vs floor {floor_ms:.2f} ms ({100 * floor_ms / ms1:.0f}%)", flush=True)
+    with open(os.path.join(OUT, "gpu_moe.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    _hf_baseline(results, f"hf_{shape}_{n}x{i}x{o}", path, n, i, o, rec["output_tok_s"])
+
+
 def _batch1_record(results: dict, arch, ms_per_token: float, bw: float) -> None:
     """Batch 1 reads the top-k experts of each MoE layer and every other weight once."""
     floor_ms = 1e3 * _step_weight_bytes(arch, 1) / bw
@@ -497,6 +533,8 @@ def main() -> None:
             part_bench(results, args.smoke, device)
         elif part == "big":
             part_bench(results, args.smoke, device, big=True)
+        elif part == "full":
+            part_full(results, args.smoke, device)
         elif part == "hf":
             part_hf(results, args.smoke)
         elif part == "mla":
