@@ -109,6 +109,21 @@ def backends(device: str) -> dict[str, tuple[type, bool]]:
     return out
 
 
+def judge(report, float32_gap: float, tolerance: float, tail_tolerance: float) -> dict:
+    """Prints the report and its verdict; the record's report fields, worst ratio, ok and failure."""
+    ok_gap = report.float32_gap <= float32_gap
+    try:
+        bd.check_not_worse(report, tolerance, tail_tolerance)
+        ok_bf16, why = True, ""
+    except AssertionError as exc:
+        ok_bf16, why = False, str(exc).splitlines()[0]
+    print(bd.format_table([report]), flush=True)
+    print(f"  float32 gap {'ok' if ok_gap else 'FAIL'}; bf16 vs HF {'ok' if ok_bf16 else 'FAIL: ' + why}; "
+          f"worst ratio {report.worst_ratio():.3f}", flush=True)
+    return {**report.as_dict(), "worst_ratio": report.worst_ratio(), "ok": ok_gap and ok_bf16,
+            "failure": why or (None if ok_gap else "float32 gap")}
+
+
 def run_shape(name: str, shape: dict, device: str, num: int, prompt_len: int, total: int) -> list[dict]:
     start = time.perf_counter()
     hf32 = hf_random_model(shape, device)
@@ -123,18 +138,8 @@ def run_shape(name: str, shape: dict, device: str, num: int, prompt_len: int, to
         del tm
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        ok_gap = report.float32_gap <= FLOAT32_GAP
-        try:
-            bd.check_not_worse(report, TOLERANCE)
-            ok_bf16, why = True, ""
-        except AssertionError as exc:
-            ok_bf16, why = False, str(exc).splitlines()[0]
-        print(bd.format_table([report]), flush=True)
-        print(f"  float32 gap {'ok' if ok_gap else 'FAIL'}; bf16 vs HF {'ok' if ok_bf16 else 'FAIL: ' + why}; "
-              f"worst ratio {report.worst_ratio():.3f}", flush=True)
         records.append({"shape": name, "backend": backend, "fused_ops": fused, "sequences": num, "tokens": total,
-                        "weight_std": WEIGHT_STD, **report.as_dict(), "worst_ratio": report.worst_ratio(),
-                        "ok": ok_gap and ok_bf16, "failure": why or (None if ok_gap else "float32 gap")})
+                        "weight_std": WEIGHT_STD, **judge(report, FLOAT32_GAP, TOLERANCE, TOLERANCE)})
     print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
     del hf32, hf16
     return records
@@ -155,19 +160,9 @@ def run_checkpoint(label: str, path: str, sequences: list[list[int]], device: st
             continue
         if device.startswith("cuda"):
             torch.cuda.empty_cache()
-        ok_gap = report.float32_gap <= float32_gap
-        try:
-            bd.check_not_worse(report, tolerance, tail_tolerance)
-            ok_bf16, why = True, ""
-        except AssertionError as exc:
-            ok_bf16, why = False, str(exc).splitlines()[0]
-        print(bd.format_table([report]), flush=True)
-        print(f"  float32 gap {'ok' if ok_gap else 'FAIL'}; bf16 vs HF {'ok' if ok_bf16 else 'FAIL: ' + why}; "
-              f"worst ratio {report.worst_ratio():.3f}", flush=True)
         records.append({"shape": label, "backend": backend, "fused_ops": fused, "sequences": len(sequences),
-                        "tokens": len(sequences[0]), "tolerance": [tolerance, tail_tolerance], **report.as_dict(),
-                        "worst_ratio": report.worst_ratio(), "ok": ok_gap and ok_bf16,
-                        "failure": why or (None if ok_gap else "float32 gap")})
+                        "tokens": len(sequences[0]), "tolerance": [tolerance, tail_tolerance],
+                        **judge(report, float32_gap, tolerance, tail_tolerance)})
     return records
 
 
