@@ -168,3 +168,18 @@ def dequantize(wt: Int4Weights, group_size: int, dtype: torch.dtype = torch.floa
     else:
         groups = torch.arange(k, device=codes.device) // (k if group_size == -1 else group_size)
     return ((codes.to(torch.float32) - wt.zeros.float()[groups]) * wt.scales.float()[groups]).to(dtype)
+
+
+def to_panels(qweight: torch.Tensor, panel: int) -> torch.Tensor:
+    """The kernel layout's words [K/8, N] as panels [N / panel, K/8, panel]: the words of `panel`
+    output channels over all of K contiguous (what `triton_int4_gemv` streams)."""
+    k8, n = qweight.shape
+    if n % panel:
+        raise ValueError(f"int4 panels: {n} output channels are not a multiple of the panel width {panel}")
+    return qweight.view(k8, n // panel, panel).permute(1, 0, 2).contiguous()
+
+
+def from_panels(qpanels: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_panels`: words [K/8, N]."""
+    tiles, k8, panel = qpanels.shape
+    return qpanels.permute(1, 0, 2).reshape(k8, tiles * panel).contiguous()

@@ -34,7 +34,7 @@ def _fp8_stream_kernel(
     FLAT: tl.constexpr,  # one row, channel scales: elementwise products, summed over K at the end
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, PIPE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -54,7 +54,9 @@ def _fp8_stream_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * s_wn
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    # PIPE > 1: the loop carries num_stages, so Triton pipelines its loads (cp.async) even without
+    # a tl.dot (which it does not do otherwise): bytes in flight while a tile is converted.
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=PIPE):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -105,7 +107,7 @@ def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         FLAT=t.block_m == 1 and block is None and t.flat, BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SPLIT_K=split > 1, num_warps=t.warps, num_stages=t.stages)
+        SPLIT_K=split > 1, PIPE=t.stages if t.pipe else None, num_warps=t.warps, num_stages=t.stages)
     return out
 
 

@@ -23,7 +23,7 @@ def store_tile(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_om, tile
         tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         p_off = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        mn = M.to(tl.int64) * N
+        mn = N.to(tl.int64) * M
         tl.store(part_ptr + pid_k * mn + p_off, acc, mask=mask)
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + tile_id, 1, sem="acq_rel")
