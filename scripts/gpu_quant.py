@@ -243,26 +243,52 @@ def _stream_kernel_checks(device: str, dt: torch.dtype, g: torch.Generator) -> N
         err = ((out.double() - ref).norm() / ref.norm()).item()
         check(err < 1e-2 and not counters.any(), f"int4 stream m={m} "
               f"{stream_tiles.int4_tiles(m, n, k, 128, stream_tiles.sm_count(x.device)).label()}: rel err {err:.1e}")
+    # The engine's layout (`int4.for_device`: panels on CUDA) through int4_matmul: one row takes the
+    # panel GEMV (fp16x2 inline PTX by default), more rows the streaming kernel reading the panels.
+    from tokenmill.layers.quantization.int4 import for_device
+    from tokenmill.layers.quantization.triton_int4 import int4_matmul
+    from tokenmill.layers.quantization.triton_int4_gemv import MODES, int4_gemv
+    wd = for_device(wt, 128)
+    check(wd.qweight.dim() == (3 if device == "cuda" else 2), f"int4 engine layout: qweight {tuple(wd.qweight.shape)}")
+    for m in (1, 3, 64, 300):
+        x = torch.randn(m, k, generator=g).to(device, dt)
+        ref = x.double() @ ref_w
+        err = ((int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters).double() - ref).norm()
+               / ref.norm()).item()
+        check(err < 1e-2 and not counters.any(), f"int4_matmul on the engine's layout m={m}: rel err {err:.1e}")
+    if wd.qweight.dim() == 3:
+        x = torch.randn(1, k, generator=g).to(device, dt) * 300  # fp16x2 mode: x scaled per row of 8
+        ref = x.double() @ ref_w
+        for mode in MODES:
+            out = int4_gemv(x, wd.qweight, wd.scales, wd.zeros, 128, mode=mode, split=4, counters=counters)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            check(err < 1e-2 and not counters.any(), f"int4 GEMV mode {mode} (large x): rel err {err:.1e}")
     if device != "cuda":
         return
     # Graph replays: split-K counters must be back at zero after every replay.
     (wq, ws), _ = cases["channel"]
     x = torch.randn(2, k, device=device, dtype=dt)
+    x1 = torch.randn(1, k, device=device, dtype=dt)
+    counters1 = stream_tiles.SplitCounters(n, torch.device(device)).tensor
     fp8_stream_gemm(x, wq, ws, None, counters)
     int4_stream_gemm(x, wt.qweight, wt.scales, wt.zeros, 128, counters)
+    int4_matmul(x1, wd.qweight, wd.scales, wd.zeros, None, 128, counters1)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y8 = fp8_stream_gemm(x, wq, ws, None, counters)
         y4 = int4_stream_gemm(x, wt.qweight, wt.scales, wt.zeros, 128, counters)
+        y1 = int4_matmul(x1, wd.qweight, wd.scales, wd.zeros, None, 128, counters1)
     worst = 0.0
     for _ in range(3):
         x.copy_(torch.randn(2, k, generator=g).to(device, dt))
+        x1.copy_(torch.randn(1, k, generator=g).to(device, dt))
         graph.replay()
         torch.cuda.synchronize()
-        for got, ref in ((y8, fp8_stream_reference(x, wq, ws)), (y4, x.double() @ ref_w)):
+        for got, ref in ((y8, fp8_stream_reference(x, wq, ws)), (y4, x.double() @ ref_w), (y1, x1.double() @ ref_w)):
             worst = max(worst, ((got.double() - ref).norm() / ref.norm()).item())
-    check(worst < 1e-2 and not counters.any(), f"fp8 / int4 stream kernels replayed in a CUDA graph: rel err {worst:.1e}")
+    check(worst < 1e-2 and not counters.any() and not counters1.any(),
+          f"fp8 / int4 stream kernels and the int4 GEMV replayed in a CUDA graph: rel err {worst:.1e}")
 
 
 # ---------------------------------------------------------------- tiny checkpoints of every format
@@ -445,6 +471,9 @@ def micro(results: dict, device: str) -> None:
         bf16_w = _cycled([w])
         fp8_w = _cycled([wq, ws, ws.reshape(1, -1).contiguous()])
         int4_w = _cycled([wt.qweight, wt.scales, wt.zeros])
+        from tokenmill.layers.quantization.int4 import for_device
+        wd = for_device(wt, 128)  # the engine's layout (panels on CUDA)
+        int4_engine_w = _cycled([wd.qweight, wd.scales, wd.zeros])
         counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
         for m in rows:
             x = torch.randn(m, k, device=device, dtype=dt)
@@ -462,7 +491,7 @@ def micro(results: dict, device: str) -> None:
             r = {"bf16": _time_ms(lambda: x @ bf16_w()[0].t(), device), "fp8_scaled_mm": _time_ms(scaled_mm, device)}
             if m <= 64:
                 r["fp8_stream"] = _time_ms(stream, device)
-            r["int4"] = _time_ms(lambda: triton_int4.int4_matmul(x, *int4_w(), None, 128, counters), device)
+            r["int4"] = _time_ms(lambda: triton_int4.int4_matmul(x, *int4_engine_w(), None, 128, counters), device)
             if m <= 256:
                 r["int4_old_fused"] = _time_ms(lambda: triton_int4.int4_gemm(x, *int4_w(), None, 128), device)
             if m >= 256:
@@ -475,7 +504,7 @@ def micro(results: dict, device: str) -> None:
                 totals[m][key] += v
             print(f"  {name} {n}x{k} m={m}: " + ", ".join(f"{key} {v * 1000:.0f} us" for key, v in r.items()),
                   flush=True)
-        del w, wq, wt, bf16_w, fp8_w, int4_w
+        del w, wq, wt, bf16_w, fp8_w, int4_w, wd, int4_engine_w
     results["micro_layer_totals_ms"] = {str(m): t for m, t in totals.items()}
     for m, t in totals.items():
         print(f"  one layer's 4 linears, m={m}: " + ", ".join(f"{key} {v * 1000:.0f} us ({v / t['bf16']:.2f}x bf16)"

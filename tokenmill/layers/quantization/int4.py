@@ -2,8 +2,10 @@
 in their own layouts (sharded under TP like the weight they stand for) and repacked after
 loading into the one layout the kernel reads (`int4_packing.Int4Weights`).
 
-CUDA: `triton_int4.int4_matmul` (the streaming / tensor-core kernel of `triton_int4_stream`;
-act-order weights: the per-channel-group kernel; large batches: dequantize, then cuBLAS).
+CUDA: `triton_int4.int4_matmul` (one row: the panel GEMV of `triton_int4_gemv`, the weight
+repacked into its panels at load; more rows: the streaming / tensor-core kernel of
+`triton_int4_stream`; act-order weights: the per-channel-group kernel; large batches: dequantize,
+then cuBLAS).
 Elsewhere: the weight is dequantized for each call and the float matmul runs (correct, not fast).
 
 Act-order (GPTQ desc_act) under row parallelism: each rank holds a slice of the input channels
@@ -20,6 +22,20 @@ from tokenmill.layers.quantization import int4_packing as packing
 from tokenmill.layers.quantization import stream_tiles
 from tokenmill.layers.quantization.base import LinearMethod, ParamLayout, new_param, replace_param
 from tokenmill.quant_config import QuantConfig
+
+
+def for_device(wt: packing.Int4Weights, group: int) -> packing.Int4Weights:
+    """On CUDA, words of weights the one-row GEMV serves (no act-order, groups of 16s) repacked
+    into its panels (`int4_packing.to_panels`, the width from `stream_tiles.gemv_config`); every
+    CUDA path of `triton_int4.int4_matmul` reads them. Elsewhere, unchanged."""
+    q = wt.qweight
+    if not q.is_cuda or wt.g_idx is not None or group % 16:
+        return wt
+    k, n = q.shape[0] * 8, q.shape[1]
+    c = stream_tiles.gemv_config(n, k, group, stream_tiles.sm_count(q.device))
+    if not c.panel:
+        return wt
+    return packing.Int4Weights(packing.to_panels(q, c.panel), wt.scales, wt.zeros, None)
 
 
 class Int4LinearMethod(LinearMethod):
@@ -82,12 +98,13 @@ class Int4LinearMethod(LinearMethod):
                      "weight_zero_point"):
             if getattr(layer, name, None) is not None:
                 replace_param(layer, name, None)
+        wt = for_device(wt, self._group(layer.in_features))
         replace_param(layer, "qweight", wt.qweight)
         replace_param(layer, "scales", wt.scales)
         replace_param(layer, "zeros", wt.zeros)
         replace_param(layer, "g_idx", wt.g_idx)
         # split-K counters of the small-batch kernel, allocated here: never inside a graph capture
-        layer.stream_counters = (stream_tiles.SplitCounters(wt.qweight.shape[1], wt.qweight.device)
+        layer.stream_counters = (stream_tiles.SplitCounters(layer.out_features, wt.qweight.device)
                                  if wt.qweight.is_cuda else None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

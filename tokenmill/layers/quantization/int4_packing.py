@@ -160,8 +160,9 @@ def from_codes(c: Int4Codes, dtype: torch.dtype, act_order: bool) -> Int4Weights
 
 
 def dequantize(wt: Int4Weights, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The kernel layout back to w^T [K, N]: the torch reference of the dequantize-GEMM."""
-    codes = unpack_along(wt.qweight, 0)  # [K, N]
+    """The kernel layout (words or panels) back to w^T [K, N]: the torch reference of the kernels."""
+    words = from_panels(wt.qweight) if wt.qweight.dim() == 3 else wt.qweight
+    codes = unpack_along(words, 0)  # [K, N]
     k = codes.shape[0]
     if wt.g_idx is not None:
         groups = wt.g_idx.long()

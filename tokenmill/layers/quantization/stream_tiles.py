@@ -124,6 +124,38 @@ MEASURED: dict[tuple[str, int, int, int], Tiles] = {
 }
 
 
+@dataclass(frozen=True)
+class GemvConfig:
+    """The INT4 one-row GEMV (`triton_int4_gemv`): the panel width the weight is repacked to at
+    load, the arithmetic (MODES), BLOCK_K, split-K, warps and pipeline stages."""
+
+    panel: int
+    mode: int = 2
+    block_k: int = 64
+    split: int = 1
+    warps: int = 4
+    stages: int = 3
+
+
+# (N, K) -> the GEMV's configuration, from `scripts/gpu_quant.py --parts sweep` (Llama-8B's linears).
+GEMV_TABLE: dict[tuple[int, int], GemvConfig] = {}
+_GEMV_PANELS = (128, 64, 32)
+
+
+def gemv_config(n: int, k: int, group: int, sms: int) -> GemvConfig:
+    """The measured configuration for this shape, else the widest panel dividing N, BLOCK_K 64
+    (or the largest power of two dividing the group) and enough K slices to fill the SMs.
+    panel 0: the shape does not fit the GEMV (the weight stays in the [K/8, N] layout)."""
+    c = GEMV_TABLE.get((n, k))
+    if c is not None and group % c.block_k == 0 and n % c.panel == 0:
+        return c
+    panel = next((p for p in _GEMV_PANELS if n % p == 0), 0)
+    bk = _fit_k(64, group)
+    if not panel or group % bk or bk % 8 or k % group:
+        return GemvConfig(0)
+    return GemvConfig(panel, block_k=bk, split=_split_for(n // panel, k, bk, sms, max_split=16))
+
+
 def _bucket(table: dict[int, Tiles], m: int) -> int:
     return min((b for b in table if b >= m), default=max(table))
 

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.quantization.triton_int4_stream import word_offsets
+
 logger = logging.getLogger(__name__)
 
 
@@ -89,11 +91,11 @@ def _int4_gemm_kernel(
 @triton.jit
 def _int4_dequant_kernel(qw_ptr, s_ptr, z_ptr, g_ptr, w_ptr, N, K, s_qk, s_sg, s_wk,
                          GROUP: tl.constexpr, HAS_GIDX: tl.constexpr, BLOCK_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr):
+                         BLOCK_N: tl.constexpr, PANEL: tl.constexpr):
     offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_k < K)[:, None] & (offs_n < N)[None, :]
-    packed = tl.load(qw_ptr + (offs_k // 8)[:, None].to(tl.int64) * s_qk + offs_n[None, :], mask=mask, other=0)
+    packed = tl.load(qw_ptr + word_offsets(offs_k // 8, offs_n, s_qk, K, PANEL), mask=mask, other=0)
     q = ((packed >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
     if HAS_GIDX:
         g = tl.load(g_ptr + offs_k, mask=offs_k < K, other=0).to(tl.int64)
@@ -114,15 +116,17 @@ DEQUANT_MIN_ROWS = 1024
 
 def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor | None,
                     group_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """The kernel layout back to W^T [K, N] in `dtype` (== int4_packing.dequantize)."""
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    """The kernel layout back to W^T [K, N] in `dtype` (== int4_packing.dequantize); qweight:
+    words [K/8, N] or panels [N / P, K/8, P]."""
+    panel = qweight.shape[2] if qweight.dim() == 3 else 0
+    k, n = qweight.shape[-2] * 8, (qweight.shape[0] * panel if panel else qweight.shape[1])
     out = torch.empty((k, n), dtype=dtype, device=qweight.device)
     block_k, block_n = 32, 128
     grid = (triton.cdiv(k, block_k), triton.cdiv(n, block_n))
     _int4_dequant_kernel[grid](qweight, scales, zeros, g_idx if g_idx is not None else qweight, out, n, k,
                                qweight.stride(0), scales.stride(0), out.stride(0),
                                GROUP=k if group_size == -1 else group_size, HAS_GIDX=g_idx is not None,
-                               BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
+                               BLOCK_K=block_k, BLOCK_N=block_n, PANEL=panel, num_warps=4)
     return out
 
 
@@ -131,11 +135,19 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     """x [M, K] @ W^T. Without act-order: `triton_int4_stream` (GEMV / split-K at small batches,
     tensor-core tiles above) below `stream_tiles.INT4_DEQUANT_MIN_ROWS` rows. Act-order (g_idx):
     the per-channel-group kernel below DEQUANT_MIN_ROWS rows. Above either: dequantize + cuBLAS.
-    counters: the layer's split-K counters (`stream_tiles.SplitCounters`)."""
+    counters: the layer's split-K counters (`stream_tiles.SplitCounters`). qweight in panels
+    (3-D, `int4_packing.to_panels`; no act-order): one row takes the GEMV of `triton_int4_gemv`."""
     from tokenmill.layers.quantization import stream_tiles
 
     m = x.shape[0]
     group = x.shape[1] if group_size == -1 else group_size
+    if m == 1 and qweight.dim() == 3:
+        from tokenmill.layers.quantization.triton_int4_gemv import int4_gemv
+
+        n, k = qweight.shape[0] * qweight.shape[2], x.shape[1]
+        c = stream_tiles.gemv_config(n, k, group, stream_tiles.sm_count(x.device))
+        return int4_gemv(x, qweight, scales, zeros, group_size, c.block_k, c.split, c.warps, c.stages, c.mode,
+                         counters)
     if g_idx is None and group % 16 == 0 and m < stream_tiles.INT4_DEQUANT_MIN_ROWS:
         from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
 

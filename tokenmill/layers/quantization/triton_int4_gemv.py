@@ -216,7 +216,7 @@ def gemv_fits(n: int, k: int, group: int, panel: int, block_k: int) -> bool:
 
 
 def int4_gemv(x: torch.Tensor, qpanels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              block_k: int = 128, split: int = 1, warps: int = 4, stages: int = 3, mode: int = 2,
+              block_k: int = 64, split: int = 1, warps: int = 4, stages: int = 3, mode: int = 2,
               counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [1, K] @ W^T -> [1, N] in x's dtype, W in the panel layout qpanels [N / P, K / 8, P].
     split > 1 needs `counters` (a zeroed int32 tensor, one per panel: `stream_tiles.SplitCounters`)."""

@@ -44,13 +44,23 @@ def _code_bits(words, shift, MANT: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.c
     return bits
 
 
+@triton.jit
+def word_offsets(rows, offs_n, s_qk, K, PANEL: tl.constexpr):
+    """Offsets of the words [rows, offs_n]: words [K/8, N] (PANEL 0), or the panels [N / PANEL, K/8,
+    PANEL] of `int4_packing.to_panels`."""
+    if PANEL == 0:
+        return rows[:, None].to(tl.int64) * s_qk + offs_n[None, :]
+    return ((offs_n // PANEL).to(tl.int64) * ((K // 8) * PANEL))[None, :] + rows[:, None] * PANEL + \
+        (offs_n % PANEL)[None, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _int4_stream_kernel(
     x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, s_xm, s_qk, s_sg, s_om,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NIBBLE_DOTS: tl.constexpr, MANT: tl.constexpr, MAGIC: tl.constexpr, HALF: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr, PANEL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -74,7 +84,7 @@ def _int4_stream_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         rows = k0 // 8 + offs_r
-        words = tl.load(qw_ptr + rows[:, None].to(tl.int64) * s_qk + offs_n[None, :],
+        words = tl.load(qw_ptr + word_offsets(rows, offs_n, s_qk, K, PANEL),
                         mask=(rows < K // 8)[:, None] & n_mask[None, :], other=0)
         g = k0 // GROUP
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -137,9 +147,10 @@ def int4_stream_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
                      tiles: stream_tiles.Tiles | None = None) -> torch.Tensor:
     """x [M, K] @ dequantized W^T [K, N] -> [M, N] in x's dtype (no act-order).
     counters: a zeroed int32 tensor (`stream_tiles.SplitCounters`); without it (or too small) the
-    kernel runs without split-K."""
+    kernel runs without split-K. qweight: words [K/8, N], or panels [N / P, K/8, P] (`to_panels`)."""
     m, k = x.shape
-    n = qweight.shape[1]
+    panel = qweight.shape[2] if qweight.dim() == 3 else 0
+    n = qweight.shape[0] * panel if panel else qweight.shape[1]
     group = k if group_size == -1 else group_size
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -162,5 +173,5 @@ def int4_stream_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
         GROUP=group, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         NIBBLE_DOTS=t.nibble_dots and t.block_k >= 128, MANT=mant, MAGIC=magic, HALF=half,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SPLIT_K=split > 1, num_warps=t.warps, num_stages=t.stages)
+        SPLIT_K=split > 1, PANEL=panel, num_warps=t.warps, num_stages=t.stages)
     return out
