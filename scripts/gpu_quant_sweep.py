@@ -150,6 +150,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
     from tokenmill.layers.quantization import fp8_ops, stream_tiles
     from tokenmill.layers.quantization import int4_packing as packing
     from tokenmill.layers.quantization import triton_int4
+    from tokenmill.layers.quantization.int4 import for_device
     from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
     from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
@@ -189,7 +190,11 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
         x1 = torch.randn(1, k, device=device, dtype=dt)
         ref1 = x1.float() @ ref_w
         note("int4_m1", name, "bf16", time_ms(lambda: x1 @ bf16_w()[0].t(), device))
-        note("int4_m1", name, "engine", time_ms(lambda: triton_int4.int4_matmul(x1, *int4_w(), None, 128, counters),
+        wd = for_device(wt, 128)  # the engine's layout: panels on CUDA
+        engine_w = cycled([wd.qweight, wd.scales, wd.zeros])
+        err = _rel(triton_int4.int4_matmul(x1, wd.qweight, wd.scales, wd.zeros, None, 128, counters), ref1)
+        check(err < 1e-2 and not counters.any(), f"int4 engine path {name} m=1: rel err {err:.1e}")
+        note("int4_m1", name, "engine", time_ms(lambda: triton_int4.int4_matmul(x1, *engine_w(), None, 128, counters),
                                                 device))
         panels = {}
         for panel, mode, bk, warps, stages in gemv_variants(smoke):
@@ -277,9 +282,11 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
                         check(False, f"fp8 GEMM {name} m={m} {v}: {type(e).__name__}: {str(e)[:200]}")
             note(f"int4_{sec}", name, "dequant + mm", time_ms(
                 lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, 128, dt), device))
-            note(f"int4_{sec}", name, "engine", time_ms(
-                lambda: triton_int4.int4_matmul(x, *int4_w(), None, 128, counters), device))
             ref4 = x.float() @ ref_w
+            err = _rel(triton_int4.int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters), ref4)
+            check(err < 1e-2, f"int4 engine path {name} m={m}: rel err {err:.1e}")
+            note(f"int4_{sec}", name, "engine", time_ms(
+                lambda: triton_int4.int4_matmul(x, *engine_w(), None, 128, counters), device))
             for t in int4_tc_variants(smoke):
                 try:
                     err = _rel(int4_stream_gemm(x, wt.qweight, wt.scales, wt.zeros, 128, counters, tiles=t), ref4)
@@ -297,7 +304,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
                 print(f"  {section} {name} {n}x{k}: bf16 {r.get('bf16', 0) * 1000:.1f} us, engine "
                       f"{r.get('engine', r.get('quant + rowwise scaled_mm (engine)', 0)) * 1000:.1f}; best: " +
                       "; ".join(f"{lab} {v * 1000:.1f}" for lab, v in best), flush=True)
-        del w, wt, codes, ref_w, bf16_w, int4_w, fp8_w
+        del w, wt, wd, codes, ref_w, bf16_w, int4_w, engine_w, fp8_w
         if cuda:
             torch.cuda.empty_cache()
     # per section: the layer's four linears, each at its best variant, and each variant over the layer

@@ -59,6 +59,24 @@ def _stream(layer: nn.Module, x: torch.Tensor, scale: torch.Tensor, block: tuple
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def _w8a8_mm(layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """xq * xs @ (weight * scale)^T by the GEMM `stream_tiles.w8a8_path` names for this size:
+    row-wise `torch._scaled_mm`, tensor-wise `_scaled_mm` (scales 1) then one scaling pass, or
+    the Triton fp8 GEMM with both scales in its epilogue (`triton_fp8_gemm`)."""
+    m, k = xq.shape
+    n = layer.weight.shape[0]
+    path, tiles = stream_tiles.w8a8_path(m, n, k)
+    if path == "triton":
+        from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
+
+        return fp8_gemm(xq, xs, layer.weight, layer.weight_scale, dtype, *tiles)
+    if path == "tensorwise":
+        one = layer.scale_one
+        return torch._scaled_mm(xq, layer.weight.t(), scale_a=one, scale_b=one, out_dtype=dtype).mul_(
+            xs * layer.scale_row)
+    return torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.scale_row, out_dtype=dtype)
+
+
 def _stream_counters(q: torch.Tensor) -> stream_tiles.SplitCounters | None:
     """The split-K counters of a layer that can stream (Triton's fp8 conversions need 8.9+)."""
     if not q.is_cuda or torch.cuda.get_device_capability(q.device) < (8, 9):
@@ -99,6 +117,7 @@ class Fp8LinearMethod(LinearMethod):
         replace_param(layer, "weight_scale", scale.reshape(-1, 1).contiguous())
         # _scaled_mm wants the weight column-major ([K, N] view of [N, K]) and scales [1, N].
         layer.scale_row = scale.reshape(1, -1).contiguous()
+        layer.scale_one = torch.ones((), dtype=torch.float32, device=q.device)  # tensor-wise _scaled_mm
         refusal = _scaled_mm_refusal(q) if q.is_cuda else "not on CUDA"
         layer.use_scaled_mm = refusal is None
         layer.stream_counters = _stream_counters(q)
@@ -116,7 +135,7 @@ class Fp8LinearMethod(LinearMethod):
 
             x2 = _rows(x)
             xq, xs = quantize_row_groups(x2, x2.shape[1])
-            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=xs, scale_b=layer.scale_row, out_dtype=x.dtype)
+            out = _w8a8_mm(layer, xq, xs, x.dtype)
             if bias is not None:
                 out = out + bias
             return out.view(*x.shape[:-1], out.shape[-1])

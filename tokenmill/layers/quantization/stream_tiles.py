@@ -156,6 +156,24 @@ def gemv_config(n: int, k: int, group: int, sms: int) -> GemvConfig:
     return GemvConfig(panel, block_k=bk, split=_split_for(n // panel, k, bk, sms, max_split=16))
 
 
+# FP8 W8A8 above FP8_STREAM_MAX_ROWS: (rows from which it applies, GEMM) in increasing rows; the
+# GEMMs: "scaled_mm" (row-wise torch._scaled_mm), "tensorwise" (_scaled_mm with unit scales, then
+# one scaling pass), or the Triton fp8 GEMM's (block_m, block_n, block_k, group_m, warps, stages).
+# From `scripts/gpu_quant.py --parts sweep`.
+W8A8_PATHS: tuple[tuple[int, str | tuple[int, ...]], ...] = ((0, "scaled_mm"),)
+
+
+def w8a8_path(m: int, n: int, k: int) -> tuple[str, tuple[int, ...] | None]:
+    """("scaled_mm" | "tensorwise" | "triton", the Triton tiles or None) for an [m, k] x [n, k]^T."""
+    choice: str | tuple[int, ...] = "scaled_mm"
+    for rows, c in W8A8_PATHS:
+        if m >= rows:
+            choice = c
+    if isinstance(choice, tuple):
+        return ("triton", choice) if k % choice[2] == 0 else ("scaled_mm", None)
+    return choice, None
+
+
 def _bucket(table: dict[int, Tiles], m: int) -> int:
     return min((b for b in table if b >= m), default=max(table))
 
