@@ -24,7 +24,8 @@ except ImportError:
         pytest.fail("triton is not installed, but CI installs it with the test extras", pytrace=False)
     pytest.skip("triton is not installed", allow_module_level=True)
 
-FP8_TILES = [Tiles(1, 16, 32, 1), Tiles(1, 16, 32, 3), Tiles(1, 16, 32, 2, flat=False), Tiles(16, 16, 32, 2)]
+FP8_TILES = [Tiles(1, 16, 32, 1), Tiles(1, 16, 32, 3), Tiles(1, 16, 32, 2, flat=False), Tiles(16, 16, 32, 2),
+             Tiles(1, 16, 32, 2, pipe=True), Tiles(16, 16, 32, 1, stages=2, pipe=True)]
 
 
 def _fp8_weight(n, k, block, seed=0):
@@ -127,7 +128,7 @@ def test_tile_tables(monkeypatch):
     group its K tile does not divide falls back to the default with a fitting K tile."""
     from tokenmill.layers.quantization import stream_tiles as st
 
-    t = Tiles(16, 64, 128, 4, 8, 2, nibble_dots=False, flat=False)
+    t = Tiles(16, 64, 128, 4, 8, 2, nibble_dots=False, flat=False, pipe=True)
     assert Tiles.parse(t.label()) == t and eval(t.code(), {"Tiles": Tiles}) == t
     monkeypatch.setattr(st, "MEASURED", {("int4", 1, 96, 256): Tiles(1, 32, 64, 2)})
     assert st.int4_tiles(1, 96, 256, 64, 132) == Tiles(1, 32, 64, 2)

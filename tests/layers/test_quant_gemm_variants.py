@@ -1,0 +1,77 @@
+"""The large-batch quantized GEMM variants under TRITON_INTERPRET=1 against torch references: the
+Triton fp8 W8A8 GEMM (row-wise scales in the epilogue), the swapped-operand INT4 GEMM (words and
+panels), and the per-size choice of the W8A8 GEMM (`stream_tiles.w8a8_path`).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from tokenmill.layers.quantization import fp8_ops
+from tokenmill.layers.quantization import int4_packing as packing
+
+try:
+    import triton  # noqa: F401
+except ImportError:
+    if os.environ.get("CI"):
+        pytest.fail("triton is not installed, but CI installs it with the test extras", pytrace=False)
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+
+@pytest.mark.parametrize("m,tiles", [(37, (16, 32, 64, 2, 4, 2)), (5, (16, 16, 32, 1, 4, 1)),
+                                     (64, (32, 64, 128, 8, 4, 3))])
+def test_fp8_gemm_matches_scaled_mm_reference(m, tiles):
+    from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
+
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(m, 256, generator=g) * 3, torch.randn(80, 256, generator=g) * 0.05
+    xq, xs = fp8_ops.quantize_rows(x)
+    wq, ws = fp8_ops.quantize_rows(w)
+    ref = fp8_ops.scaled_mm_reference(xq, xs, wq, ws, torch.float32)
+    out = fp8_gemm(xq.float(), xs, wq.float(), ws, torch.float32, *tiles)  # float32 holding the fp8 values
+    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
+    assert (out - x @ w.t()).abs().max() > 1e-3  # both operands really are quantized
+
+
+def test_fp8_gemm_refuses_a_ragged_k():
+    from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
+
+    with pytest.raises(ValueError, match="BLOCK_K 128"):
+        fp8_gemm(torch.zeros(4, 192), torch.ones(4, 1), torch.zeros(32, 192), torch.ones(32, 1), torch.float32)
+
+
+@pytest.mark.parametrize("panel", [0, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_swap_matches_reference(panel, dtype):
+    from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
+
+    g = torch.Generator().manual_seed(0)
+    codes = packing.quantize_int4(torch.randn(96, 256, generator=g), 64, sym=False)
+    codes.scales = codes.scales.half().float()
+    wt = packing.from_codes(codes, dtype, act_order=False)
+    q = packing.to_panels(wt.qweight, panel) if panel else wt.qweight
+    x = torch.randn(37, 256, generator=g).to(dtype)
+    ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for tiles in ((32, 16, 32, 4, 2), (64, 64, 64, 4, 1)):
+        out = int4_swap_gemm(x, q, wt.scales, wt.zeros, 64, *tiles)
+        assert out.dtype == dtype and out.shape == (37, 96)
+        assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item(), tiles
+    with pytest.raises(ValueError, match="group size 64"):
+        int4_swap_gemm(x, q, wt.scales, wt.zeros, 64, block_k=128)
+
+
+def test_w8a8_path_by_rows(monkeypatch):
+    from tokenmill.layers.quantization import stream_tiles as st
+
+    assert st.w8a8_path(300, 4096, 4096) == ("scaled_mm", None)  # the default until measured
+    monkeypatch.setattr(st, "W8A8_PATHS", ((0, "scaled_mm"), (128, "tensorwise"), (512, (128, 128, 128, 8, 8, 4))))
+    assert st.w8a8_path(64, 4096, 4096) == ("scaled_mm", None)
+    assert st.w8a8_path(128, 4096, 4096) == ("tensorwise", None)
+    assert st.w8a8_path(2048, 4096, 4096) == ("triton", (128, 128, 128, 8, 8, 4))
+    assert st.w8a8_path(2048, 4096, 4000) == ("scaled_mm", None)  # K not a multiple of the Triton BLOCK_K
