@@ -75,3 +75,21 @@ def test_w8a8_path_by_rows(monkeypatch):
     assert st.w8a8_path(128, 4096, 4096) == ("tensorwise", None)
     assert st.w8a8_path(2048, 4096, 4096) == ("triton", (128, 128, 128, 8, 8, 4))
     assert st.w8a8_path(2048, 4096, 4000) == ("scaled_mm", None)  # K not a multiple of the Triton BLOCK_K
+
+
+def test_int4_matmul_takes_the_swapped_gemm_where_the_table_says(monkeypatch):
+    from tokenmill.layers.quantization import stream_tiles, triton_int4, triton_int4_swap
+
+    g = torch.Generator().manual_seed(1)
+    wt = packing.from_codes(packing.quantize_int4(torch.randn(64, 128, generator=g), 64, sym=True), torch.float32,
+                            act_order=False)
+    monkeypatch.setattr(stream_tiles, "INT4_SWAP", ((8, (32, 16, 32, 4, 1)), (40, None)))
+    seen = []
+    real = triton_int4_swap.int4_swap_gemm
+    monkeypatch.setattr(triton_int4_swap, "int4_swap_gemm", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    for m in (3, 8, 39, 40):
+        x = torch.randn(m, 128, generator=g)
+        out = triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, None, 64, torch.zeros(64, dtype=torch.int32))
+        ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+        assert (out.double() - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
+    assert seen == [8, 39]

@@ -163,6 +163,21 @@ def gemv_config(n: int, k: int, group: int, sms: int) -> GemvConfig:
 W8A8_PATHS: tuple[tuple[int, str | tuple[int, ...]], ...] = ((0, "scaled_mm"),)
 
 
+# INT4 (no act-order) from these rows: the swapped GEMM (`triton_int4_swap`) with its
+# (block_n, block_m, block_k, warps, stages), or None (from there the other paths again);
+# empty: not measured faster anywhere yet.
+INT4_SWAP: tuple[tuple[int, tuple[int, int, int, int, int] | None], ...] = ()
+
+
+def int4_swap_tiles(m: int) -> tuple[int, int, int, int, int] | None:
+    """The swapped INT4 GEMM's tiles for m rows, or None where another path runs."""
+    tiles = None
+    for rows, t in INT4_SWAP:
+        if m >= rows:
+            tiles = t
+    return tiles
+
+
 def w8a8_path(m: int, n: int, k: int) -> tuple[str, tuple[int, ...] | None]:
     """("scaled_mm" | "tensorwise" | "triton", the Triton tiles or None) for an [m, k] x [n, k]^T."""
     choice: str | tuple[int, ...] = "scaled_mm"

@@ -148,6 +148,11 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         c = stream_tiles.gemv_config(n, k, group, stream_tiles.sm_count(x.device))
         return int4_gemv(x, qweight, scales, zeros, group_size, c.block_k, c.split, c.warps, c.stages, c.mode,
                          counters)
+    swap = stream_tiles.int4_swap_tiles(m) if g_idx is None else None
+    if swap is not None and group % swap[2] == 0:
+        from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
+
+        return int4_swap_gemm(x, qweight, scales, zeros, group_size, *swap)
     if g_idx is None and group % 16 == 0 and m < stream_tiles.INT4_DEQUANT_MIN_ROWS:
         from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
 
