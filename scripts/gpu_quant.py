@@ -497,7 +497,18 @@ def micro(results: dict, device: str) -> None:
             if m >= 256:
                 r["int4_dequant_mm"] = _time_ms(
                     lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, 128, dt), device)
-            r["fp8"] = r["fp8_stream"] if m <= stream_tiles.FP8_STREAM_MAX_ROWS else r["fp8_scaled_mm"]
+            if cuda and m > stream_tiles.FP8_STREAM_MAX_ROWS:  # the engine's W8A8 GEMM (stream_tiles.w8a8_path)
+                from types import SimpleNamespace
+
+                from tokenmill.layers.quantization.fp8 import _w8a8_mm
+
+                def w8a8():
+                    q, sc, srow = fp8_w()
+                    layer = SimpleNamespace(weight=q, weight_scale=sc, scale_row=srow, scale_one=one)
+                    return _w8a8_mm(layer, *quantize_row_groups(x, k), dt)
+                one = torch.ones((), device=device)
+                r["fp8_w8a8"] = _time_ms(w8a8, device)
+            r["fp8"] = r["fp8_stream"] if m <= stream_tiles.FP8_STREAM_MAX_ROWS else r.get("fp8_w8a8", r["fp8_scaled_mm"])
             rec[f"{name}_{n}x{k}_m{m}"] = r
             for key, v in r.items():
                 totals.setdefault(m, {}).setdefault(key, 0.0)
@@ -808,7 +819,7 @@ def _markdown(results: dict) -> str:
                      f"{'—' if r['met'] is None else 'yes' if r['met'] else 'NO'} |")
     totals = results.get("micro_layer_totals_ms")
     if totals:
-        cols = ["bf16", "fp8", "fp8_stream", "fp8_scaled_mm", "int4", "int4_old_fused", "int4_dequant_mm"]
+        cols = ["bf16", "fp8", "fp8_stream", "fp8_scaled_mm", "fp8_w8a8", "int4", "int4_old_fused", "int4_dequant_mm"]
         lines += ["", "One Llama-8B layer's four linears (CUDA-graph replays, weights cycled past L2), "
                   "microseconds (fp8 and int4: the engine's path):", "",
                   "| rows | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
