@@ -208,6 +208,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
         engine_w = cycled([wd.qweight, wd.scales, wd.zeros])
         err = _rel(triton_int4.int4_matmul(x1, wd.qweight, wd.scales, wd.zeros, None, 128, counters), ref1)
         check(err < 1e-2 and not counters.any(), f"int4 engine path {name} m=1: rel err {err:.1e}")
+        note("int4_m1", name, "old stream (words, MEASURED tiles)", time_ms(
+            lambda: int4_stream_gemm(x1, *int4_w(), 128, counters), device))
         note("int4_m1", name, "engine", time_ms(lambda: triton_int4.int4_matmul(x1, *engine_w(), None, 128, counters),
                                                 device))
         panels = {}
