@@ -104,6 +104,20 @@ def test_quantize_row_groups_kernel(group):
     torch.testing.assert_close(q.to(torch.float8_e4m3fn).float(), ref_q.float())
 
 
+@pytest.mark.parametrize("k", [512, 768, 2048 * 3])
+def test_quantize_rows_kernel(k):
+    """Per-token groups (the whole row) take the two-pass row kernel (K a multiple of 256)."""
+    from tokenmill.layers.quantization import triton_fp8
+
+    assert triton_fp8._row_chunk(k) >= 256
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)) * 10
+    x[1, k - 3], x[2, 2] = 900.0, -900.0  # a row maximum in the last slice, one in the first
+    q, s = triton_fp8.quantize_row_groups(x, k, out_dtype=torch.float32)
+    ref_q, ref_s = fp8_ops.quantize_row_groups(x, k)
+    torch.testing.assert_close(s, ref_s)
+    torch.testing.assert_close(q.to(torch.float8_e4m3fn).float(), ref_q.float())
+
+
 def _e4m3_reference(x: torch.Tensor) -> torch.Tensor:
     """e4m3fn from its definition, in float64: 3 mantissa bits, exponent >= -6 (subnormals below),
     round to nearest with ties to even, saturated at 448 (what the CPU emulation must match)."""

@@ -89,7 +89,8 @@ def _split_for(tiles_mn: int, k: int, block_k: int, sms: int, max_split: int = 8
 
 # Rows bucket (the largest row count it serves) -> tiles; split-K from `_split_for` unless a
 # measured entry for the exact (N, K) in MEASURED gives one.
-FP8_TABLE: dict[int, Tiles] = {1: Tiles(1, 16, 256, warps=2), FP8_STREAM_MAX_ROWS: Tiles(16, 32, 256)}
+FP8_TABLE: dict[int, Tiles] = {1: Tiles(1, 16, 256, warps=2, stages=4, pipe=True),
+                             FP8_STREAM_MAX_ROWS: Tiles(16, 32, 256)}
 INT4_TABLE: dict[int, Tiles] = {
     1: Tiles(1, 64, 128),
     INT4_STREAM_MAX_ROWS: Tiles(16, 64, 128),
@@ -101,10 +102,12 @@ INT4_TABLE: dict[int, Tiles] = {
 # an H200, 2026-11-25; the times: summed over the bucket's rows); `scripts/gpu_quant.py --parts
 # tune` prints these lines. INT4 buckets from 128 rows take dequantize + cuBLAS (not listed).
 MEASURED: dict[tuple[str, int, int, int], Tiles] = {
-    ('fp8', 1, 28672, 4096): Tiles(1, 16, 256, 1, 2, 3),  # 37.0 us over rows [1]
-    ('fp8', 1, 4096, 14336): Tiles(1, 16, 256, 4, 2, 3),  # 20.5 us over rows [1]
-    ('fp8', 1, 4096, 4096): Tiles(1, 16, 256, 4, 2, 3),  # 9.7 us over rows [1]
-    ('fp8', 1, 6144, 4096): Tiles(1, 16, 512, 1, 4, 3),  # 11.6 us over rows [1]
+    # one row: the pipelined K loop (`--parts sweep`, an H200, 2026-11-26; 37.4 / 20.6 / 9.8 / 11.6
+    # us for the unpipelined tiles above in the same run)
+    ('fp8', 1, 28672, 4096): Tiles(1, 16, 256, 1, 2, 4, pipe=True),  # 31.9 us
+    ('fp8', 1, 4096, 14336): Tiles(1, 16, 256, 2, 2, 4, pipe=True),  # 18.7 us
+    ('fp8', 1, 4096, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True),  # 8.1 us
+    ('fp8', 1, 6144, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True),  # 9.7 us
     ('fp8', 16, 28672, 4096): Tiles(16, 32, 256, 1, 4, 3),  # 173.2 us over rows [2, 4, 8, 16]
     ('fp8', 16, 4096, 14336): Tiles(16, 32, 256, 8, 4, 3),  # 101.6 us over rows [2, 4, 8, 16]
     ('fp8', 16, 4096, 4096): Tiles(16, 64, 128, 4, 4, 3),  # 44.8 us over rows [2, 4, 8, 16]
@@ -137,8 +140,14 @@ class GemvConfig:
     stages: int = 3
 
 
-# (N, K) -> the GEMV's configuration, from `scripts/gpu_quant.py --parts sweep` (Llama-8B's linears).
-GEMV_TABLE: dict[tuple[int, int], GemvConfig] = {}
+# (N, K) -> the GEMV's configuration, from `scripts/gpu_quant.py --parts sweep` (Llama-8B's linears,
+# an H200, 2026-11-26: the layer's four 78 us, bf16 cuBLAS 123, the old one-row stream ~92).
+GEMV_TABLE: dict[tuple[int, int], GemvConfig] = {
+    (28672, 4096): GemvConfig(512, mode=2, block_k=32, split=16, warps=4, stages=2),  # 33.7 us
+    (4096, 14336): GemvConfig(512, mode=0, block_k=64, split=32, warps=4, stages=3),  # 22.1 us
+    (6144, 4096): GemvConfig(128, mode=2, block_k=64, split=6, warps=4, stages=3),  # 12.6 us (the default)
+    (4096, 4096): GemvConfig(128, mode=2, block_k=64, split=9, warps=4, stages=3),  # 9.6 us (the default)
+}
 _GEMV_PANELS = (128, 64, 32)
 
 

@@ -38,10 +38,52 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, s_sm,
     tl.store(s_ptr + row * s_sm + g, scale)
 
 
+@triton.jit(do_not_specialize=["K"])
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, s_sm, CHUNK: tl.constexpr, STAGES: tl.constexpr,
+                          QMAX: tl.constexpr):
+    """Per-token quantization of one row in two passes over CHUNK-wide slices (CHUNK divides K: no
+    masks, 16-byte loads): the absolute maximum, then the codes (the second pass reads x from L2).
+    Both loops are software-pipelined (num_stages), so each program keeps several slices in flight."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, CHUNK)
+    xr = x_ptr + row * s_xm + offs
+    amax = tl.zeros([CHUNK], dtype=tl.float32)
+    for k0 in tl.range(0, K, CHUNK, num_stages=STAGES):
+        amax = tl.maximum(amax, tl.abs(tl.load(xr + k0).to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, 0) / QMAX, 1e-12)
+    qr = q_ptr + row * s_qm + offs
+    for k0 in tl.range(0, K, CHUNK, num_stages=STAGES):
+        x = tl.load(xr + k0).to(tl.float32)
+        tl.store(qr + k0, tl.minimum(tl.maximum(x / scale, -QMAX), QMAX).to(q_ptr.dtype.element_ty))
+    tl.store(s_ptr + row * s_sm, scale)
+
+
+def _row_chunk(k: int) -> int:
+    """The widest power of two <= 2048 dividing K (0: none >= 256; the group kernel runs then)."""
+    c = 2048
+    while c >= 256 and k % c:
+        c //= 2
+    return c if c >= 256 else 0
+
+
+# pipeline depth of the per-token quantization's loops
+ROW_STAGES = 3
+
+
 def quantize_row_groups(x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (codes [M, K] of out_dtype, float32 scales [M, ceil(K / group)])."""
+    """x [M, K] -> (codes [M, K] of out_dtype, float32 scales [M, ceil(K / group)]).
+    A group of the whole row (per token, K a multiple of 256 on contiguous rows) takes the
+    two-pass row kernel; other groups one program per (row, group)."""
     m, k = x.shape
+    chunk = _row_chunk(k) if group == k and x.stride(1) == 1 else 0
+    if chunk:
+        q = torch.empty((m, k), dtype=out_dtype, device=x.device)
+        s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+        if m:
+            _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), CHUNK=chunk,
+                                        STAGES=ROW_STAGES, QMAX=FP8_MAX, num_warps=4)
+        return q, s
     groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)
     s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
