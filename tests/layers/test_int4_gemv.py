@@ -137,3 +137,17 @@ def test_gemv_config_defaults():
     assert c.panel == 128 and c.block_k == 64 and 128 // 1 * c.split >= 132 // 4
     assert st.gemv_config(96, 256, 32, 132).panel == 32 and st.gemv_config(96, 256, 32, 132).block_k == 32
     assert st.gemv_config(24, 256, 64, 132).panel == 0  # no panel width divides 24
+
+
+def test_int4_matmul_one_row_may_take_the_stream_kernel_on_panels(monkeypatch):
+    """GemvConfig.mode STREAM: one row runs the streaming kernel's one-row tiles over the panels."""
+    from tokenmill.layers.quantization import stream_tiles, triton_int4, triton_int4_gemv
+
+    wt = _case()
+    qp = packing.to_panels(wt.qweight, 64)
+    monkeypatch.setattr(stream_tiles, "GEMV_TABLE", {(128, 256): GemvConfig(64, mode=stream_tiles.STREAM)})
+    monkeypatch.setattr(triton_int4_gemv, "int4_gemv", lambda *a: pytest.fail("the GEMV ran"))
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(6))
+    out = triton_int4.int4_matmul(x, qp, wt.scales, wt.zeros, None, 64, torch.zeros(16, dtype=torch.int32))
+    torch.testing.assert_close(out.double(), x.double() @ packing.dequantize(wt, 64, torch.float64),
+                               atol=1e-3, rtol=1e-3)

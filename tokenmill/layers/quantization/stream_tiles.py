@@ -127,10 +127,14 @@ MEASURED: dict[tuple[str, int, int, int], Tiles] = {
 }
 
 
+STREAM = -1  # GemvConfig.mode: one row takes `triton_int4_stream` (its MEASURED tiles) on the panels
+
+
 @dataclass(frozen=True)
 class GemvConfig:
     """The INT4 one-row GEMV (`triton_int4_gemv`): the panel width the weight is repacked to at
-    load, the arithmetic (MODES), BLOCK_K, split-K, warps and pipeline stages."""
+    load, the arithmetic (`triton_int4_gemv.MODES`, or STREAM), BLOCK_K, split-K, warps and
+    pipeline stages."""
 
     panel: int
     mode: int = 2
@@ -141,12 +145,14 @@ class GemvConfig:
 
 
 # (N, K) -> the GEMV's configuration, from `scripts/gpu_quant.py --parts sweep` (Llama-8B's linears,
-# an H200, 2026-11-26: the layer's four 78 us, bf16 cuBLAS 123, the old one-row stream ~92).
+# an H200, 2026-11-26: the layer's four 78 us, bf16 cuBLAS 123, the old one-row stream kernel 84).
 GEMV_TABLE: dict[tuple[int, int], GemvConfig] = {
     (28672, 4096): GemvConfig(512, mode=2, block_k=32, split=16, warps=4, stages=2),  # 33.7 us
     (4096, 14336): GemvConfig(512, mode=0, block_k=64, split=32, warps=4, stages=3),  # 22.1 us
-    (6144, 4096): GemvConfig(128, mode=2, block_k=64, split=6, warps=4, stages=3),  # 12.6 us (the default)
-    (4096, 4096): GemvConfig(128, mode=2, block_k=64, split=9, warps=4, stages=3),  # 9.6 us (the default)
+    # qkv and o: the streaming kernel's one-row tiles (MEASURED) on the panels edge out every GEMV
+    # variant (12.6 vs 12.7 us, 9.6 vs 10.6 on words)
+    (6144, 4096): GemvConfig(128, mode=STREAM),
+    (4096, 4096): GemvConfig(128, mode=STREAM),
 }
 _GEMV_PANELS = (128, 64, 32)
 

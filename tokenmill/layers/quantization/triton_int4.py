@@ -146,6 +146,10 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
         n, k = qweight.shape[0] * qweight.shape[2], x.shape[1]
         c = stream_tiles.gemv_config(n, k, group, stream_tiles.sm_count(x.device))
+        if c.mode == stream_tiles.STREAM:
+            from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
+
+            return int4_stream_gemm(x, qweight, scales, zeros, group_size, counters)
         return int4_gemv(x, qweight, scales, zeros, group_size, c.block_k, c.split, c.warps, c.stages, c.mode,
                          counters)
     swap = stream_tiles.int4_swap_tiles(m) if g_idx is None else None
