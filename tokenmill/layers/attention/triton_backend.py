@@ -33,7 +33,7 @@ import torch
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
-MAX_KV_SPLITS = 32  # the reduce kernel merges at most this many shares (a compile-time size)
+MAX_KV_SPLITS = 64  # the reduce kernel merges at most this many shares
 MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
 
 
@@ -56,6 +56,7 @@ class TritonAttentionConfig:
     min_keys_per_split: int = 256  # a share of the KV axis spans at least this many keys (of max_seq_len)
     waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
+    interior: bool = True  # unmasked walk over the KV tiles every row of a tile sees whole
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,8 @@ class TritonAttentionBackend(AttentionBackend):
         return triton_paged_attention.paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
-            max_splits=MAX_KV_SPLITS, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
+            interior=self.config.interior,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 

@@ -60,6 +60,54 @@ def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, CHUNK: tl.con
     return count
 
 
+@triton.jit
+def _attend_tile(q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
+                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                 KV_FP8: tl.constexpr, MASKED: tl.constexpr):
+    """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
+    every key of the tile is valid and visible to every row (no masks, no table-load guard)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    key = j * BLOCK_N + offs_n
+    if MASKED:
+        key_valid = (key < kv_len) & (key >= kv_lo)
+        block = tl.load(table_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_mask = key_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+    else:
+        block = tl.load(table_row + key // BLOCK_SIZE).to(tl.int64)
+        kv_mask = (offs_n < BLOCK_N)[:, None] & (offs_d < HEAD_DIM)[None, :]  # head_dim padding only
+    kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
+    if HEAD_DIM == HEAD_DIM_PAD and not MASKED:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    else:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
+        cap = softcap * 1.4426950408889634
+        s = cap * (1.0 - 2.0 / (tl.exp2(2.0 * s / cap * 1.4426950408889634) + 1.0))
+    if MASKED:
+        visible = ((key[None, :] <= key_limit[:, None]) & (key[None, :] > key_limit[:, None] - window)
+                   & key_valid[None, :])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no NaN
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HEAD_DIM == HEAD_DIM_PAD and not MASKED:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    else:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
 @triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits", "s_bt", "window"])
 def _paged_attention_kernel(
@@ -78,7 +126,7 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -140,33 +188,31 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * s_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    for j in range(tile_lo, tile_hi):
-        key = j * BLOCK_N + offs_n
-        key_valid = (key < kv_len) & (key >= kv_lo)
-        block = tl.load(table_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
-        kv_mask = key_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
-            cap = softcap * 1.4426950408889634
-            s = cap * (1.0 - 2.0 / (tl.exp2(2.0 * s / cap * 1.4426950408889634) + 1.0))
-        visible = ((key[None, :] <= key_limit[:, None]) & (key[None, :] > key_limit[:, None] - window)
-                   & key_valid[None, :])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no NaN
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if INTERIOR:
+        # Interior tiles: every key valid and seen by every row of the tile (after the window start
+        # of the tile's last query, up to the causal limit of its first): no masks there.
+        q_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1
+        lo_max = tl.maximum(context + q_last - window + 1, 0)
+        mid_lo = tl.minimum(tl.maximum(tl.cdiv(lo_max, BLOCK_N), tile_lo), tile_hi)
+        mid_hi = tl.maximum(tl.minimum((context + q_first + 1) // BLOCK_N, tile_hi), mid_lo)
+    else:
+        mid_lo = tile_hi
+        mid_hi = tile_hi
+    for j in range(tile_lo, mid_lo):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
+            window, softcap, qk_scale, s_cb, s_cs, s_ch,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True)
+    for j in range(mid_lo, mid_hi):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
+            window, softcap, qk_scale, s_cb, s_cs, s_ch,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False)
+    for j in range(mid_hi, tile_hi):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
+            window, softcap, qk_scale, s_cb, s_cs, s_ch,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -223,13 +269,14 @@ def _reduce_splits_kernel(
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
-                    num_warps: int, num_stages: int, sliding_window: int | None = None,
+                    num_warps: int, num_stages: int, interior: bool = True, sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
     `sinks`: [num_heads] sink logits (read as float32), or None.
 
     The launch depends only on shapes and the arguments given here, never on device data.
+    `interior`: walk the tiles every row sees whole without masks (False: mask every tile).
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -264,7 +311,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         SPLIT=split, DOT_PRECISION="ieee" if (q.dtype if kv_fp8 else kv_cache.dtype) == torch.float32 else "tf32",
         SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8,
-        F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None,
+        F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -1,0 +1,316 @@
+"""Decode attention alone on a GPU: bf16 vs fp8 (e4m3) KV cache, against copy bandwidth, with a launch sweep.
+
+    python scripts/gpu_attention.py [--budget S] [--shapes 256x640,1x16384] [--smoke]
+
+Llama-3.1-8B's attention (32 query heads, 8 KV heads, head_dim 128, block size 16), at the decode
+shapes that matter: 256 rows x context 128 / 640 / 2048, and 1 row x 16k. Each case goes through the
+engine's own call path (`TritonAttentionBackend.forward`: the KV write, the attention launch, the
+split reduce) with the metadata a decode CUDA graph is captured with (max_query_len=1,
+max_seq_len=max_model_len), captured once in a CUDA graph and replayed, over fragmented block
+tables. Enough "layers" (separate caches) are replayed per timing that the KV read exceeds L2.
+
+Per case: microseconds per layer, KV bytes read / time, and that as a fraction of the copy
+bandwidth measured here (a large device-to-device copy: read + write bytes / time). Every launch,
+the default and each swept one, is checked against the torch reference backend run in float32
+over what the cache holds (fp8 values times the scales): error within max(2 x the bf16 torch
+backend's error, a floor). Then a sweep of the launch parameters (BLOCK_N, split count, warps,
+stages), coordinate-wise from the backend's own choice, within a time budget, and the best per case.
+
+Prints a table and writes $OUT/gpu_attention.json (default ./gpu-out). Exits 1 on a failed check.
+--smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (fp32 and fp16 queries, fp16 and fp8 caches).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tokenmill.layers.attention.backend import kv_cache_shape, quantize_kv  # noqa: E402
+from tokenmill.layers.attention.metadata import AttentionMetadata  # noqa: E402
+from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
+from tokenmill.layers.attention.triton_backend import (  # noqa: E402
+    TritonAttentionBackend, TritonAttentionConfig, plan_launch)
+
+LLAMA8B = (32, 8, 128)  # num_heads, num_kv_heads, head_dim
+SMOKE_HEADS = (8, 2, 32)
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 16384 + 256 + 16  # what scripts/gpu_quant.py's engines use: decode graphs capture with it
+SHAPES = ["256x640", "1x16384", "256x128", "256x2048"]  # rows x context (keys each row sees)
+SMOKE_SHAPES = ["3x40", "1x150"]
+L2_DEFEAT_BYTES = 256 << 20
+ERR_FLOOR = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+K_SCALE, V_SCALE = 0.5, 2.0  # fp8 cache scales (not 1.0, so a scale left out shows)
+SWEEP = {  # coordinate-wise sweep axes, in this order (then the split count once more)
+    "interior": [False, True],  # False: every KV tile masked (the kernel before the unmasked walk)
+    "kv_splits": [1, 2, 4, 8, 16, 32, 64],
+    "block_n": [16, 32, 64, 128],
+    "decode_warps": [2, 4, 8],
+    "num_stages": [1, 2, 3, 4],
+}
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    kv_dtype: torch.dtype
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    caches: list[torch.Tensor]  # one per "layer", same block tables
+    meta: AttentionMetadata  # as a decode graph captures it
+    kv_bytes: int  # K+V bytes one layer's attention reads
+
+
+def make_case(rows: int, context: int, heads, q_dtype, kv_dtype, dev, max_model_len: int, seed: int = 0) -> Case:
+    """`rows` decodes, each seeing `context` keys (context - 1 cached, then the new one); shuffled blocks."""
+    num_heads, num_kv_heads, head_dim = heads
+    gen = torch.Generator().manual_seed(seed)
+    per_seq = -(-context // BLOCK_SIZE)
+    num_blocks = rows * per_seq + 3
+    table = torch.randperm(num_blocks, generator=gen)[:rows * per_seq].view(rows, per_seq).to(torch.int32)
+    table = torch.cat([table, torch.zeros(rows, 1, dtype=torch.int32)], 1)  # a spare column, as the engine's
+    pos = context - 1
+    slots = table[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    torch.manual_seed(seed)
+    q = torch.randn(rows, num_heads, head_dim, device=dev).to(q_dtype)
+    k = torch.randn(rows, num_kv_heads, head_dim, device=dev).to(q_dtype)
+    v = torch.randn(rows, num_kv_heads, head_dim, device=dev).to(q_dtype)
+    fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    if fp8:  # the step's K/V already fp8 values times the scales (the interpreter's fp8 rounding is off)
+        k = (quantize_kv(k, K_SCALE, kv_dtype).float() * K_SCALE).to(q_dtype)
+        v = (quantize_kv(v, V_SCALE, kv_dtype).float() * V_SCALE).to(q_dtype)
+    shape = kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    elt = torch.empty((), dtype=kv_dtype).element_size()
+    layer_bytes = rows * context * num_kv_heads * head_dim * 2 * elt
+    layers = 1 if dev.type != "cuda" else max(1, min(16, -(-L2_DEFEAT_BYTES // layer_bytes)))
+    caches = []
+    for _ in range(layers):
+        c = torch.randn(shape, device=dev)
+        if fp8:
+            c = torch.stack([quantize_kv(c[0], K_SCALE, kv_dtype), quantize_kv(c[1], V_SCALE, kv_dtype)])
+        caches.append(c.to(kv_dtype))
+    qsl = torch.arange(rows + 1, dtype=torch.int32)
+    lens = torch.full((rows,), context, dtype=torch.int32)
+    meta = AttentionMetadata(
+        num_tokens=rows, max_query_len=1, max_seq_len=max_model_len, query_start_loc=qsl.to(dev),
+        seq_lens=lens.to(dev), block_table=table.to(dev), slot_mapping=slots.to(dev),
+        query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+    return Case(f"{rows}x{context}", kv_dtype, q, k, v, caches, meta, layer_bytes)
+
+
+def make_backend(heads, kv_dtype, config: TritonAttentionConfig | None = None) -> TritonAttentionBackend:
+    backend = TritonAttentionBackend(*heads, heads[2] ** -0.5, config=config)
+    if kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        backend.k_scale, backend.v_scale = K_SCALE, V_SCALE
+    return backend
+
+
+# ---------------------------------------------------------------- checks
+
+def reference(case: Case, heads) -> tuple[torch.Tensor, float]:
+    """float32 attention over what layer 0's cache holds, and the bf16/fp16 torch backend's error."""
+    cache = case.caches[0]
+    fp8 = cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    ks, vs = (K_SCALE, V_SCALE) if fp8 else (1.0, 1.0)
+    k, v = case.k, case.v
+    if fp8:  # the step's K/V as the cache will hold them
+        k = quantize_kv(k, ks, cache.dtype).to(k.dtype) * ks
+        v = quantize_kv(v, vs, cache.dtype).to(v.dtype) * vs
+    f32 = torch.stack([cache[0].float() * ks, cache[1].float() * vs])
+    ref = TorchRefAttentionBackend(*heads, heads[2] ** -0.5)
+    expected = ref.forward(case.q.float(), k.float(), v.float(), f32, case.meta)
+    del f32
+    low = TorchRefAttentionBackend(*heads, heads[2] ** -0.5)
+    low_cache = torch.stack([cache[0].to(case.q.dtype) * ks, cache[1].to(case.q.dtype) * vs])
+    err_low = (low.forward(case.q, k, v, low_cache, case.meta).float() - expected).abs().max().item()
+    return expected, err_low
+
+
+def check(backend, case: Case, expected: torch.Tensor, err_low: float) -> tuple[bool, float]:
+    out = backend.forward(case.q, case.k, case.v, case.caches[0], case.meta)
+    err = (out.float() - expected).abs().max().item()
+    ok = bool(err <= max(2 * err_low, ERR_FLOOR[case.q.dtype])) and not out.isnan().any().item()
+    return ok, err
+
+
+# ---------------------------------------------------------------- timings
+
+def time_us(fn, dev, iters: int = 10) -> float:
+    """Microseconds per call: CUDA graph replays on a GPU, wall clock (one call) on the CPU."""
+    if dev.type != "cuda":
+        fn()
+        start = time.perf_counter()
+        fn()
+        return 1e6 * (time.perf_counter() - start)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def copy_bandwidth(dev) -> float:
+    """Bytes per second of a large device copy (read + write)."""
+    n = (2 << 30) if dev.type == "cuda" else (16 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src), dev, iters=10)
+    del src, dst
+    return 2 * n / (us * 1e-6)
+
+
+def time_layers(backend, case: Case, dev) -> float:
+    def run():
+        for cache in case.caches:
+            backend.forward(case.q, case.k, case.v, cache, case.meta)
+    return time_us(run, dev) / len(case.caches)
+
+
+# ---------------------------------------------------------------- one case: default launch + sweep
+
+def plan_of(backend, case: Case, sm_count: int) -> dict:
+    heads = (backend.num_heads, backend.num_kv_heads)
+    p = plan_launch(backend.config, *heads, case.q.shape[0], case.meta.seq_lens.shape[0], 1,
+                    case.meta.max_seq_len, sm_count)
+    return {"interior": backend.config.interior, "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
+            "num_stages": p.num_stages, "block_q": p.block_q}
+
+
+def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: dict, sm_count: int) -> dict:
+    expected, err_low = reference(case, heads)
+    base = make_backend(heads, case.kv_dtype)
+    ok, err = check(base, case, expected, err_low)
+    us = time_layers(base, case, dev)
+    plan = plan_of(base, case, sm_count)
+    rec = {"case": case.name, "kv": str(case.kv_dtype).split(".")[-1], "us": us, "ok": ok, "err": err,
+           "err_torch_low": err_low, "kv_bytes": case.kv_bytes, "gbps": case.kv_bytes / us / 1e3,
+           "of_copy": case.kv_bytes / (us * 1e-6) / copy_bps, "plan": plan, "layers": len(case.caches)}
+    print(f"  {case.name:>9} {rec['kv']:>13}: {us:8.1f} us/layer  {rec['gbps']:7.0f} GB/s "
+          f"({100 * rec['of_copy']:5.1f}% of copy)  err {err:.2e} {'ok' if ok else 'FAILED'}  {plan}", flush=True)
+
+    tried = {}  # (kv_splits, block_n, decode_warps, num_stages) -> us
+    key_of = lambda p: tuple(p[k] for k in SWEEP)  # noqa: E731
+    best = {k: plan[k] for k in SWEEP}
+    tried[key_of(best)] = us
+    failures = []
+    for axis in list(SWEEP) + ["kv_splits"]:
+        for value in sweep[axis]:
+            if time.perf_counter() > deadline:
+                rec["sweep_cut"] = True
+                break
+            cand = dict(best, **{axis: value})
+            if key_of(cand) in tried:
+                continue
+            config = TritonAttentionConfig(interior=cand["interior"], kv_splits=cand["kv_splits"], block_n=cand["block_n"],
+                                           decode_warps=cand["decode_warps"], num_stages=cand["num_stages"])
+            backend = make_backend(heads, case.kv_dtype, config)
+            try:
+                c_ok, c_err = check(backend, case, expected, err_low)
+                c_us = time_layers(backend, case, dev)
+            except Exception as e:  # noqa: BLE001 - out of resources etc.: note it and go on
+                print(f"    {cand}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                tried[key_of(cand)] = float("inf")
+                continue
+            tried[key_of(cand)] = c_us
+            if not c_ok:
+                failures.append({"launch": cand, "err": c_err})
+                print(f"    {cand}: CHECK FAILED err {c_err:.2e}", flush=True)
+                continue
+            if c_us < tried[key_of(best)]:
+                best = cand
+    best_us = tried[key_of(best)]
+    rec.update(best=best, best_us=best_us, best_gbps=case.kv_bytes / best_us / 1e3,
+               best_of_copy=case.kv_bytes / (best_us * 1e-6) / copy_bps, speedup=us / best_us,
+               sweep=[{**dict(zip(SWEEP, k)), "us": v} for k, v in tried.items()], sweep_failures=failures)
+    rec["ok"] = ok and not failures
+    print(f"    best {best}: {best_us:.1f} us ({100 * rec['best_of_copy']:.1f}% of copy, "
+          f"{rec['speedup']:.2f}x the default; {len(tried)} launches tried)", flush=True)
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
+    ap.add_argument("--shapes", default=None, help="comma-separated ROWSxCONTEXT (default: %s)" % ",".join(SHAPES))
+    ap.add_argument("--budget", type=float, default=75.0, help="seconds for the whole run; sweeps stop at it")
+    ap.add_argument("--no-sweep", action="store_true")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    smoke = args.smoke
+    dev = torch.device("cpu" if smoke else "cuda")
+    heads = SMOKE_HEADS if smoke else LLAMA8B
+    shapes = (args.shapes or ",".join(SMOKE_SHAPES if smoke else SHAPES)).split(",")
+    # (query dtype, KV cache dtype)
+    dtypes = ([(torch.float32, torch.float32), (torch.float16, torch.float8_e4m3fn)] if smoke else
+              [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)])
+    sweep = ({"interior": [False], "kv_splits": [1, 3], "block_n": [16], "decode_warps": [4], "num_stages": [1]}
+             if smoke else SWEEP)
+    if args.no_sweep:
+        sweep = {k: [] for k in SWEEP}
+    max_model_len = 256 if smoke else MAX_MODEL_LEN
+    sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
+    copy_bps = copy_bandwidth(dev)
+    print(f"device {name}, {sm_count} SMs; copy bandwidth {copy_bps / 1e9:.0f} GB/s", flush=True)
+
+    records = []
+    # Each case gets an equal share of what is left of the budget for its sweep.
+    cases = [(s, qd, kd) for s in shapes for qd, kd in dtypes]
+    for i, (shape, q_dtype, kv_dtype) in enumerate(cases):
+        rows, context = (int(x) for x in shape.split("x"))
+        left = args.budget - (time.perf_counter() - start)
+        deadline = time.perf_counter() + max(left, 0) / (len(cases) - i)
+        case = make_case(rows, context, heads, q_dtype, kv_dtype, dev, max_model_len, seed=i)
+        records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count))
+        del case
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+    print("\n| case | KV | default us | % of copy | best us | % of copy | best launch |")
+    print("|---|---|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['case']} | {r['kv']} | {r['us']:.1f} | {100 * r['of_copy']:.1f} | {r['best_us']:.1f} | "
+              f"{100 * r['best_of_copy']:.1f} | {r['best']} |")
+    by_case = {}
+    for r in records:
+        by_case.setdefault(r["case"], {})[r["kv"]] = r
+    for c, rs in by_case.items():
+        if len(rs) == 2:
+            (a, ra), (b, rb) = rs.items()
+            print(f"  {c}: {b} / {a} time, default launch {rb['us'] / ra['us']:.2f}, "
+                  f"best launches {rb['best_us'] / ra['best_us']:.2f}")
+    ok = all(r["ok"] for r in records)
+    out_dir = os.environ.get("OUT", "./gpu-out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_attention.json"), "w") as f:
+        json.dump({"device": name, "sm_count": sm_count, "copy_gbps": copy_bps / 1e9, "ok": ok,
+                   "elapsed_s": time.perf_counter() - start, "records": records}, f, indent=1)
+    print(f"{'all checks passed' if ok else 'CHECK FAILED'} in {time.perf_counter() - start:.0f} s", flush=True)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

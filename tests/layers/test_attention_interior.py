@@ -1,0 +1,49 @@
+"""The Triton kernel's unmasked walk over interior KV tiles (keys every row of a query tile sees whole),
+under TRITON_INTERPRET=1 against the float64 reference, with windows wider than a KV tile so that the
+interior starts after the window of a tile's LAST query, and contexts ending on tile boundaries.
+
+Blocks wholly before a sequence's window are poisoned with NaN (tests/layers/test_attention_windows.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined: before the first import
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers.triton_required import require_triton
+
+require_triton()
+
+from tests.layers.test_attention_windows import poisoned_case, run_backend  # noqa: E402
+from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig  # noqa: E402
+
+# Chunks over cached context (query tiles of several tokens), decodes whose context ends on a KV
+# tile boundary (63 + 1 = 64 keys) or just past it, a multi-token decode and a fresh prefill.
+MIX = ([100, 63, 64, 130, 0, 47], [40, 1, 1, 5, 70, 17])
+
+
+@pytest.mark.parametrize("window", [None, 40, 23])
+@pytest.mark.parametrize("block_n,splits", [(16, None), (16, 3), (32, None)])
+def test_interior_tiles(window, block_n, splits):
+    case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=MIX)
+    config = TritonAttentionConfig(block_n=block_n, kv_splits=splits, prefill_rows=32)
+    backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, None, config=config)
+    torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
+
+
+def test_interior_walk_matches_masked_walk():
+    """interior=False (every tile masked) is the same attention."""
+    case, _ = poisoned_case(23, 0.8, 8, heads=(4, 2), head_dim=16, mix=MIX)
+    outs = []
+    for interior in (True, False):
+        config = TritonAttentionConfig(block_n=16, interior=interior)
+        backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), 23, 0.8, config=config)
+        outs.append(run_backend(backend, case))  # (the K/V write is the same both times)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0], case.expected, atol=1e-4, rtol=1e-4)
