@@ -53,11 +53,13 @@ ERR_FLOOR = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 K_SCALE, V_SCALE = 0.5, 2.0  # fp8 cache scales (not 1.0, so a scale left out shows)
 SWEEP = {  # coordinate-wise sweep axes, in this order (then the split count once more)
     "interior": [False, True],  # False: every KV tile masked (the kernel before the unmasked walk)
-    "kv_splits": [1, 2, 4, 8, 16, 32, 64],
-    "block_n": [16, 32, 64, 128],
-    "decode_warps": [2, 4, 8],
     "num_stages": [1, 2, 3, 4],
+    "block_n": [16, 32, 64, 128],
+    "kv_splits": [1, 2, 4, 8, 16, 32, 64],
+    "decode_warps": [2, 4, 8],
 }
+MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
+WEIGHT = {"256x640": 2, "1x16384": 2}  # the engine's figures: a larger share of the sweep budget
 
 
 @dataclasses.dataclass
@@ -216,8 +218,11 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     best = {k: plan[k] for k in SWEEP}
     tried[key_of(best)] = us
     failures = []
-    for axis in list(SWEEP) + ["kv_splits"]:
-        for value in sweep[axis]:
+    for axis in list(SWEEP) + ["num_stages", "kv_splits"]:
+        values = sweep[axis]
+        if axis == "kv_splits" and case.q.shape[0] * heads[1] >= 2 * sm_count:
+            values = [v for v in values if v in MANY_ROWS_SPLITS]
+        for value in values:
             if time.perf_counter() > deadline:
                 rec["sweep_cut"] = True
                 break
@@ -282,7 +287,8 @@ def main() -> None:
     for i, (shape, q_dtype, kv_dtype) in enumerate(cases):
         rows, context = (int(x) for x in shape.split("x"))
         left = args.budget - (time.perf_counter() - start)
-        deadline = time.perf_counter() + max(left, 0) / (len(cases) - i)
+        weights = [WEIGHT.get(c[0], 1) for c in cases[i:]]
+        deadline = time.perf_counter() + max(left, 0) * weights[0] / sum(weights)
         case = make_case(rows, context, heads, q_dtype, kv_dtype, dev, max_model_len, seed=i)
         records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count))
         del case
