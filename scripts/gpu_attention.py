@@ -193,10 +193,19 @@ def time_layers(backend, case: Case, dev) -> float:
 
 # ---------------------------------------------------------------- one case: default launch + sweep
 
+def launch_config(cand: dict) -> TritonAttentionConfig:
+    """The backend's config that makes a decode launch `cand`, over either cache dtype."""
+    return TritonAttentionConfig(
+        interior=cand["interior"], kv_splits=cand["kv_splits"], decode_block_n=cand["block_n"],
+        decode_warps=cand["decode_warps"], decode_stages=cand["num_stages"], fp8_decode_block_n=cand["block_n"],
+        fp8_decode_warps=cand["decode_warps"], fp8_decode_stages=cand["num_stages"])
+
+
 def plan_of(backend, case: Case, sm_count: int) -> dict:
     heads = (backend.num_heads, backend.num_kv_heads)
+    fp8 = case.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     p = plan_launch(backend.config, *heads, case.q.shape[0], case.meta.seq_lens.shape[0], 1,
-                    case.meta.max_seq_len, sm_count)
+                    case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
 
@@ -229,9 +238,7 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
             cand = dict(best, **{axis: value})
             if key_of(cand) in tried:
                 continue
-            config = TritonAttentionConfig(interior=cand["interior"], kv_splits=cand["kv_splits"], block_n=cand["block_n"],
-                                           decode_warps=cand["decode_warps"], num_stages=cand["num_stages"])
-            backend = make_backend(heads, case.kv_dtype, config)
+            backend = make_backend(heads, case.kv_dtype, launch_config(cand))
             try:
                 c_ok, c_err = check(backend, case, expected, err_low)
                 c_us = time_layers(backend, case, dev)

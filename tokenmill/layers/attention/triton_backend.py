@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.layers.attention.backend import AttentionBackend
+from tokenmill.layers.attention.backend import AttentionBackend, is_fp8
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
 MAX_KV_SPLITS = 64  # the reduce kernel merges at most this many shares
@@ -53,6 +53,13 @@ class TritonAttentionConfig:
     wide_min_query_len: int = 64
     block_n: int = 64  # keys per KV tile
     num_stages: int = 2
+    # Decode launches (max_query_len <= decode_max_query_len): None takes block_n / num_stages.
+    decode_block_n: int | None = None
+    decode_stages: int | None = None
+    # Decode launches over an fp8 cache: None takes the decode values above.
+    fp8_decode_block_n: int | None = None
+    fp8_decode_warps: int | None = None
+    fp8_decode_stages: int | None = None
     min_keys_per_split: int = 256  # a share of the KV axis spans at least this many keys (of max_seq_len)
     waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
@@ -87,14 +94,21 @@ def choose_kv_splits(config: TritonAttentionConfig, num_seqs: int, num_kv_heads:
 
 
 def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int, num_rows: int, num_seqs: int,
-                max_query_len: int, max_seq_len: int, sm_count: int) -> LaunchPlan:
+                max_query_len: int, max_seq_len: int, sm_count: int, kv_fp8: bool = False) -> LaunchPlan:
     group_pad = _next_pow2(num_heads // num_kv_heads)
     min_q = -(-MIN_TILE_ROWS // group_pad)
     if max_query_len <= config.decode_max_query_len:
         # One tile per row where it fits, so a multi-token decode reads its KV once.
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad), min_q, 1)
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
-        return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
+        block_n = config.decode_block_n or config.block_n
+        warps = config.decode_warps
+        stages = config.decode_stages or config.num_stages
+        if kv_fp8:
+            block_n = config.fp8_decode_block_n or block_n
+            warps = config.fp8_decode_warps or warps
+            stages = config.fp8_decode_stages or stages
+        return LaunchPlan(block_q, block_n, splits, warps, stages)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -132,7 +146,7 @@ class TritonAttentionBackend(AttentionBackend):
         keys = meta.max_seq_len if self.sliding_window is None else min(
             meta.max_seq_len, self.sliding_window + meta.max_query_len)
         plan = plan_launch(self.config, self.num_heads, self.num_kv_heads, q.shape[0], meta.seq_lens.shape[0],
-                           meta.max_query_len, keys, self._sm_count_of(q.device))
+                           meta.max_query_len, keys, self._sm_count_of(q.device), is_fp8(kv_cache))
         return triton_paged_attention.paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
