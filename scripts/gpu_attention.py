@@ -53,6 +53,7 @@ ERR_FLOOR = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 K_SCALE, V_SCALE = 0.5, 2.0  # fp8 cache scales (not 1.0, so a scale left out shows)
 SWEEP = {  # coordinate-wise sweep axes, in this order (then the split count once more)
     "interior": [False, True],  # False: every KV tile masked (the kernel before the unmasked walk)
+    "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
     "num_stages": [1, 2, 3, 4],
     "block_n": [16, 32, 64, 128],
     "kv_splits": [1, 2, 4, 8, 16, 32, 64],
@@ -184,6 +185,28 @@ def copy_bandwidth(dev) -> float:
     return 2 * n / (us * 1e-6)
 
 
+def time_parts(backend, case: Case, dev, plan: dict) -> dict:
+    """Microseconds per layer of the K/V write alone and of the attention (+ split reduce) alone."""
+    from tokenmill.layers.attention import triton_kv_write, triton_paged_attention
+
+    m = case.meta
+
+    def write():
+        for cache in case.caches:
+            triton_kv_write.write_kv(case.k, case.v, cache, m.slot_mapping, backend.k_scale, backend.v_scale)
+
+    def attend():
+        for cache in case.caches:
+            triton_paged_attention.paged_attention(
+                case.q, cache, m.query_start_loc, m.seq_lens, m.block_table, backend.scale, backend.num_kv_heads,
+                block_q=plan["block_q"], block_n=plan["block_n"], num_splits=plan["kv_splits"],
+                max_splits=1 << max(plan["kv_splits"] - 1, 0).bit_length(), num_warps=plan["decode_warps"],
+                num_stages=plan["num_stages"], interior=plan["interior"], lookup_blocks=plan["lookup_blocks"],
+                k_scale=backend.k_scale, v_scale=backend.v_scale)
+    n = len(case.caches)
+    return {"write_us": time_us(write, dev) / n, "attend_us": time_us(attend, dev) / n}
+
+
 def time_layers(backend, case: Case, dev) -> float:
     def run():
         for cache in case.caches:
@@ -196,7 +219,8 @@ def time_layers(backend, case: Case, dev) -> float:
 def launch_config(cand: dict) -> TritonAttentionConfig:
     """The backend's config that makes a decode launch `cand`, over either cache dtype."""
     return TritonAttentionConfig(
-        interior=cand["interior"], kv_splits=cand["kv_splits"], decode_block_n=cand["block_n"],
+        interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], kv_splits=cand["kv_splits"],
+        decode_block_n=cand["block_n"],
         decode_warps=cand["decode_warps"], decode_stages=cand["num_stages"], fp8_decode_block_n=cand["block_n"],
         fp8_decode_warps=cand["decode_warps"], fp8_decode_stages=cand["num_stages"])
 
@@ -206,7 +230,8 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
     fp8 = case.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     p = plan_launch(backend.config, *heads, case.q.shape[0], case.meta.seq_lens.shape[0], 1,
                     case.meta.max_seq_len, sm_count, fp8)
-    return {"interior": backend.config.interior, "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
+    return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
+            "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
 
 
@@ -216,11 +241,13 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     ok, err = check(base, case, expected, err_low)
     us = time_layers(base, case, dev)
     plan = plan_of(base, case, sm_count)
-    rec = {"case": case.name, "kv": str(case.kv_dtype).split(".")[-1], "us": us, "ok": ok, "err": err,
+    parts = time_parts(base, case, dev, plan)
+    rec = {**parts, "case": case.name, "kv": str(case.kv_dtype).split(".")[-1], "us": us, "ok": ok, "err": err,
            "err_torch_low": err_low, "kv_bytes": case.kv_bytes, "gbps": case.kv_bytes / us / 1e3,
            "of_copy": case.kv_bytes / (us * 1e-6) / copy_bps, "plan": plan, "layers": len(case.caches)}
     print(f"  {case.name:>9} {rec['kv']:>13}: {us:8.1f} us/layer  {rec['gbps']:7.0f} GB/s "
-          f"({100 * rec['of_copy']:5.1f}% of copy)  err {err:.2e} {'ok' if ok else 'FAILED'}  {plan}", flush=True)
+          f"({100 * rec['of_copy']:5.1f}% of copy; write {parts['write_us']:.1f}, attention "
+          f"{parts['attend_us']:.1f})  err {err:.2e} {'ok' if ok else 'FAILED'}  {plan}", flush=True)
 
     tried = {}  # (kv_splits, block_n, decode_warps, num_stages) -> us
     key_of = lambda p: tuple(p[k] for k in SWEEP)  # noqa: E731
@@ -278,7 +305,8 @@ def main() -> None:
     # (query dtype, KV cache dtype)
     dtypes = ([(torch.float32, torch.float32), (torch.float16, torch.float8_e4m3fn)] if smoke else
               [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)])
-    sweep = ({"interior": [False], "kv_splits": [1, 3], "block_n": [16], "decode_warps": [4], "num_stages": [1]}
+    sweep = ({"interior": [False], "lookup_blocks": [True], "kv_splits": [1, 3], "block_n": [16], "decode_warps": [4],
+              "num_stages": [1]}
              if smoke else SWEEP)
     if args.no_sweep:
         sweep = {k: [] for k in SWEEP}

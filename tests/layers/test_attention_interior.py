@@ -29,10 +29,10 @@ MIX = ([100, 63, 64, 130, 0, 47], [40, 1, 1, 5, 70, 17])
 
 
 @pytest.mark.parametrize("window", [None, 40, 23])
-@pytest.mark.parametrize("block_n,splits", [(16, None), (16, 3), (32, None)])
-def test_interior_tiles(window, block_n, splits):
+@pytest.mark.parametrize("block_n,splits,lookup", [(16, None, False), (16, 3, True), (32, None, True), (32, 2, False)])
+def test_interior_tiles(window, block_n, splits, lookup):
     case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=MIX)
-    config = TritonAttentionConfig(block_n=block_n, kv_splits=splits, prefill_rows=32)
+    config = TritonAttentionConfig(block_n=block_n, kv_splits=splits, prefill_rows=32, lookup_blocks=lookup)
     backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, None, config=config)
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
 

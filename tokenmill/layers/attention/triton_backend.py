@@ -64,6 +64,7 @@ class TritonAttentionConfig:
     waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
     interior: bool = True  # unmasked walk over the KV tiles every row of a tile sees whole
+    lookup_blocks: bool = False  # in those tiles, one block-table read per cache block, not per key
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,7 @@ class TritonAttentionBackend(AttentionBackend):
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
             max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
-            interior=self.config.interior,
+            interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 

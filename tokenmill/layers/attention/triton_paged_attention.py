@@ -65,9 +65,11 @@ def _attend_tile(q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_he
                  window, softcap, qk_scale, s_cb, s_cs, s_ch,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                 KV_FP8: tl.constexpr, MASKED: tl.constexpr):
+                 KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr):
     """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
-    every key of the tile is valid and visible to every row (no masks, no table-load guard)."""
+    every key of the tile is valid and visible to every row (no masks, no table-load guard).
+    LOOKUP_BLOCKS (unmasked tiles, BLOCK_N a multiple of BLOCK_SIZE): one block-table read per cache
+    block of the tile, its slots' offsets spread from it, instead of one read per key."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     key = j * BLOCK_N + offs_n
@@ -75,10 +77,17 @@ def _attend_tile(q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_he
         key_valid = (key < kv_len) & (key >= kv_lo)
         block = tl.load(table_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
         kv_mask = key_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+        kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
     else:
-        block = tl.load(table_row + key // BLOCK_SIZE).to(tl.int64)
         kv_mask = (offs_n < BLOCK_N)[:, None] & (offs_d < HEAD_DIM)[None, :]  # head_dim padding only
-    kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
+        if LOOKUP_BLOCKS:
+            NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            blocks = tl.load(table_row + j * NB + tl.arange(0, NB)).to(tl.int64)
+            slot_off = blocks[:, None] * s_cb + tl.arange(0, BLOCK_SIZE)[None, :] * s_cs
+            kv_off = tl.reshape(slot_off, [BLOCK_N]) + kv_head * s_ch
+        else:
+            block = tl.load(table_row + key // BLOCK_SIZE).to(tl.int64)
+            kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
     if HEAD_DIM == HEAD_DIM_PAD and not MASKED:
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
     else:
@@ -127,6 +136,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
+    LOOKUP_BLOCKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -202,17 +212,17 @@ def _paged_attention_kernel(
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True)
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False)
     for j in range(mid_lo, mid_hi):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False)
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS)
     for j in range(mid_hi, tile_hi):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True)
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -269,7 +279,8 @@ def _reduce_splits_kernel(
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
-                    num_warps: int, num_stages: int, interior: bool = True, sliding_window: int | None = None,
+                    num_warps: int, num_stages: int, interior: bool = True, lookup_blocks: bool = False,
+                    sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
@@ -277,6 +288,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
 
     The launch depends only on shapes and the arguments given here, never on device data.
     `interior`: walk the tiles every row sees whole without masks (False: mask every tile).
+    `lookup_blocks`: in those tiles, one block-table read per cache block (where block_n is a
+    multiple of the block size), not one per key.
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -312,6 +325,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         SPLIT=split, DOT_PRECISION="ieee" if (q.dtype if kv_fp8 else kv_cache.dtype) == torch.float32 else "tf32",
         SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8,
         F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
+        LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0,
         num_warps=num_warps,
         num_stages=num_stages,
     )
