@@ -51,16 +51,16 @@ SMOKE_SHAPES = ["3x40", "1x150"]
 L2_DEFEAT_BYTES = 256 << 20
 ERR_FLOOR = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 K_SCALE, V_SCALE = 0.5, 2.0  # fp8 cache scales (not 1.0, so a scale left out shows)
-SWEEP = {  # coordinate-wise sweep axes, in this order (then the split count once more)
-    "interior": [False, True],  # False: every KV tile masked (the kernel before the unmasked walk)
-    "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
+SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and split count once more)
     "num_stages": [1, 2, 3, 4],
-    "block_n": [16, 32, 64, 128],
+    "block_n": [32, 64, 128, 16],
     "kv_splits": [1, 2, 4, 8, 16, 32, 64],
     "decode_warps": [2, 4, 8],
+    "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
+    "interior": [False, True],  # False: every KV tile masked (the kernel before the unmasked walk)
 }
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
-WEIGHT = {"256x640": 2, "1x16384": 2}  # the engine's figures: a larger share of the sweep budget
+WEIGHT = {"256x640": 3, "1x16384": 3}  # the engine's figures: a larger share of the sweep budget
 
 
 @dataclasses.dataclass
