@@ -54,7 +54,7 @@ K_SCALE, V_SCALE = 0.5, 2.0  # fp8 cache scales (not 1.0, so a scale left out sh
 SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and split count once more)
     "num_stages": [1, 2, 3, 4],
     "block_n": [32, 64, 128, 16],
-    "kv_splits": [1, 2, 4, 8, 16, 32, 64],
+    "kv_splits": [1, 2, 4, 8, 16, 32, 64, 128],
     "decode_warps": [2, 4, 8],
     "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
     "interior": [False, True],  # False: every KV tile masked (the kernel before the unmasked walk)

@@ -47,3 +47,13 @@ def test_interior_walk_matches_masked_walk():
         outs.append(run_backend(backend, case))  # (the K/V write is the same both times)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(outs[0], case.expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [48, 128])  # one KV tile a share: 44 shares, two reduce chunks
+def test_many_splits_reduce_in_chunks(splits):
+    """More shares than the reduce merges in one step (32): every chunk of partials counts."""
+    mix = ([700, 90, 0], [1, 1, 1])  # 44 KV tiles of 16, a short row (many empty shares), a first token
+    case, _ = poisoned_case(None, None, 16, heads=(4, 2), head_dim=16, mix=mix)
+    backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16),
+                                     config=TritonAttentionConfig(block_n=16, kv_splits=splits))
+    torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)

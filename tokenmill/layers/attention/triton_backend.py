@@ -33,7 +33,7 @@ import torch
 from tokenmill.layers.attention.backend import AttentionBackend, is_fp8
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
-MAX_KV_SPLITS = 64  # the reduce kernel merges at most this many shares
+MAX_KV_SPLITS = 128  # the reduce kernel merges at most this many shares
 MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
 
 

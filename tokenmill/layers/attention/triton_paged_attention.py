@@ -42,6 +42,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 SEARCH_CHUNK = 128  # query_start_loc entries read per step of the sequence search
+REDUCE_CHUNK = 32  # split partials merged per step of the reduce
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
 
 
@@ -248,27 +249,33 @@ def _reduce_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, sinks_ptr,
     num_seqs, num_splits, s_ot, s_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    SINKS: tl.constexpr,
+    SINKS: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """One program per (row, head): merge the split partials; rows past the last sequence get zeros."""
+    """One program per (row, head): merge the split partials; rows past the last sequence get zeros.
+    The shares' accumulators are read CHUNK at a time (the maxima and sums of all of them first)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     num_shares = tl.where(row < tl.load(qsl_ptr + num_seqs), num_splits, 0)  # padding rows read none
     offs_s = tl.arange(0, MAX_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = offs_s < num_shares
-    part = (row.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
-    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    base = (row.to(tl.int64) * NUM_HEADS + head) * num_splits
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + base + offs_s, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
     if SINKS:
         sink = tl.load(sinks_ptr + head) * 1.4426950408889634
         m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding rows: no share at all
-    weight = tl.exp2(m - m_max)  # empty shares (max -inf) weigh nothing
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    num = tl.sum(acc * weight[:, None], 0)
-    den = tl.sum(l * weight, 0)
+    den = tl.sum(l * tl.exp2(m - m_max), 0)  # empty shares (max -inf) weigh nothing
+    num = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    for c in tl.static_range(0, MAX_SPLITS, CHUNK):
+        offs_c = c + tl.arange(0, CHUNK)
+        c_mask = offs_c < num_shares
+        m_c = tl.load(part_m_ptr + base + offs_c, mask=c_mask, other=float("-inf"))
+        acc = tl.load(part_acc_ptr + (base + offs_c)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                      mask=c_mask[:, None], other=0.0)
+        num += tl.sum(acc * tl.exp2(m_c - m_max)[:, None], 0)
     if SINKS:
         den += tl.where(num_shares > 0, tl.exp2(sink - m_max), 0.0)
     o = num / tl.where(den > 0.0, den, 1.0)
@@ -334,6 +341,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             out, part_m, part_l, part_acc, query_start_loc, sinks_f32, num_seqs, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, MAX_SPLITS=max_splits,
-            SINKS=sinks is not None,
+            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK),
         )
     return out
