@@ -46,8 +46,9 @@ LLAMA8B = (32, 8, 128)  # num_heads, num_kv_heads, head_dim
 SMOKE_HEADS = (8, 2, 32)
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 16384 + 256 + 16  # what scripts/gpu_quant.py's engines use: decode graphs capture with it
-SHAPES = ["256x640", "1x16384", "256x128", "256x2048"]  # rows x context (keys each row sees)
-SMOKE_SHAPES = ["3x40", "1x150"]
+# rows x context (keys each row sees); +N: and one fresh N-token prompt in the same step (not swept)
+SHAPES = ["256x640", "1x16384", "256x128", "256x2048", "255x640+512"]
+SMOKE_SHAPES = ["3x40", "1x150", "2x40+20"]
 L2_DEFEAT_BYTES = 256 << 20
 ERR_FLOOR = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 K_SCALE, V_SCALE = 0.5, 2.0  # fp8 cache scales (not 1.0, so a scale left out shows)
@@ -75,27 +76,38 @@ class Case:
     kv_bytes: int  # K+V bytes one layer's attention reads
 
 
-def make_case(rows: int, context: int, heads, q_dtype, kv_dtype, dev, max_model_len: int, seed: int = 0) -> Case:
-    """`rows` decodes, each seeing `context` keys (context - 1 cached, then the new one); shuffled blocks."""
+def make_case(rows: int, context: int, heads, q_dtype, kv_dtype, dev, max_model_len: int, seed: int = 0,
+              prefill: int = 0) -> Case:
+    """`rows` decodes, each seeing `context` keys (context - 1 cached, then the new one); shuffled blocks.
+    `prefill` > 0: one more sequence, a fresh prompt of that many tokens (a mixed step, as when the
+    scheduler admits a request among running decodes: not graph-captured, actual bounds)."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
-    per_seq = -(-context // BLOCK_SIZE)
-    num_blocks = rows * per_seq + 3
-    table = torch.randperm(num_blocks, generator=gen)[:rows * per_seq].view(rows, per_seq).to(torch.int32)
-    table = torch.cat([table, torch.zeros(rows, 1, dtype=torch.int32)], 1)  # a spare column, as the engine's
-    pos = context - 1
-    slots = table[:, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE
+    contexts = [context] * rows + ([0] * (prefill > 0))
+    q_lens = [1] * rows + ([prefill] * (prefill > 0))
+    seq_lens = [c + n - 1 if n == 1 else c + n for c, n in zip(contexts, q_lens)]  # decodes: context keys
+    blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks) + 3
+    perm = torch.randperm(num_blocks, generator=gen)
+    table = torch.zeros(len(seq_lens), max(blocks) + 1, dtype=torch.int32)  # a spare column, as the engine's
+    slots, used = [], 0
+    for i, (n_keys, n_q) in enumerate(zip(seq_lens, q_lens)):
+        table[i, :blocks[i]] = perm[used:used + blocks[i]]
+        used += blocks[i]
+        pos = torch.arange(n_keys - n_q, n_keys)
+        slots.append(table[i, pos // BLOCK_SIZE].long() * BLOCK_SIZE + pos % BLOCK_SIZE)
+    num_q = sum(q_lens)
     torch.manual_seed(seed)
-    q = torch.randn(rows, num_heads, head_dim, device=dev).to(q_dtype)
-    k = torch.randn(rows, num_kv_heads, head_dim, device=dev).to(q_dtype)
-    v = torch.randn(rows, num_kv_heads, head_dim, device=dev).to(q_dtype)
+    q = torch.randn(num_q, num_heads, head_dim, device=dev).to(q_dtype)
+    k = torch.randn(num_q, num_kv_heads, head_dim, device=dev).to(q_dtype)
+    v = torch.randn(num_q, num_kv_heads, head_dim, device=dev).to(q_dtype)
     fp8 = kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if fp8:  # the step's K/V already fp8 values times the scales (the interpreter's fp8 rounding is off)
         k = (quantize_kv(k, K_SCALE, kv_dtype).float() * K_SCALE).to(q_dtype)
         v = (quantize_kv(v, V_SCALE, kv_dtype).float() * V_SCALE).to(q_dtype)
     shape = kv_cache_shape(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     elt = torch.empty((), dtype=kv_dtype).element_size()
-    layer_bytes = rows * context * num_kv_heads * head_dim * 2 * elt
+    layer_bytes = sum(seq_lens) * num_kv_heads * head_dim * 2 * elt  # each key once
     layers = 1 if dev.type != "cuda" else max(1, min(16, -(-L2_DEFEAT_BYTES // layer_bytes)))
     caches = []
     for _ in range(layers):
@@ -103,13 +115,14 @@ def make_case(rows: int, context: int, heads, q_dtype, kv_dtype, dev, max_model_
         if fp8:
             c = torch.stack([quantize_kv(c[0], K_SCALE, kv_dtype), quantize_kv(c[1], V_SCALE, kv_dtype)])
         caches.append(c.to(kv_dtype))
-    qsl = torch.arange(rows + 1, dtype=torch.int32)
-    lens = torch.full((rows,), context, dtype=torch.int32)
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
     meta = AttentionMetadata(
-        num_tokens=rows, max_query_len=1, max_seq_len=max_model_len, query_start_loc=qsl.to(dev),
-        seq_lens=lens.to(dev), block_table=table.to(dev), slot_mapping=slots.to(dev),
-        query_start_loc_cpu=qsl, seq_lens_cpu=lens)
-    return Case(f"{rows}x{context}", kv_dtype, q, k, v, caches, meta, layer_bytes)
+        num_tokens=num_q, max_query_len=max(q_lens), max_seq_len=max_model_len if not prefill else max(seq_lens),
+        query_start_loc=qsl.to(dev), seq_lens=lens.to(dev), block_table=table.to(dev),
+        slot_mapping=torch.cat(slots).to(dev), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
+    name = f"{rows}x{context}" + (f"+{prefill}" if prefill else "")
+    return Case(name, kv_dtype, q, k, v, caches, meta, layer_bytes)
 
 
 def make_backend(heads, kv_dtype, config: TritonAttentionConfig | None = None) -> TritonAttentionBackend:
@@ -228,7 +241,7 @@ def launch_config(cand: dict) -> TritonAttentionConfig:
 def plan_of(backend, case: Case, sm_count: int) -> dict:
     heads = (backend.num_heads, backend.num_kv_heads)
     fp8 = case.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    p = plan_launch(backend.config, *heads, case.q.shape[0], case.meta.seq_lens.shape[0], 1,
+    p = plan_launch(backend.config, *heads, case.q.shape[0], case.meta.seq_lens.shape[0], case.meta.max_query_len,
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
@@ -254,7 +267,8 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     best = {k: plan[k] for k in SWEEP}
     tried[key_of(best)] = us
     failures = []
-    for axis in list(SWEEP) + ["num_stages", "kv_splits"]:
+    # The swept parameters are the decode launch's: a mixed step's (prefill tiles) is not swept.
+    for axis in (list(SWEEP) + ["num_stages", "kv_splits"]) if case.meta.max_query_len == 1 else []:
         values = sweep[axis]
         if axis == "kv_splits" and case.q.shape[0] * heads[1] >= 2 * sm_count:
             values = [v for v in values if v in MANY_ROWS_SPLITS]
@@ -320,11 +334,13 @@ def main() -> None:
     # Each case gets an equal share of what is left of the budget for its sweep.
     cases = [(s, qd, kd) for s in shapes for qd, kd in dtypes]
     for i, (shape, q_dtype, kv_dtype) in enumerate(cases):
-        rows, context = (int(x) for x in shape.split("x"))
+        rows, rest = shape.split("x")
+        context, _, prefill = rest.partition("+")
         left = args.budget - (time.perf_counter() - start)
         weights = [WEIGHT.get(c[0], 1) for c in cases[i:]]
         deadline = time.perf_counter() + max(left, 0) * weights[0] / sum(weights)
-        case = make_case(rows, context, heads, q_dtype, kv_dtype, dev, max_model_len, seed=i)
+        case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
+                         prefill=int(prefill or 0))
         records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count))
         del case
         if dev.type == "cuda":
