@@ -47,21 +47,22 @@ SMOKE_HEADS = (8, 2, 32)
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 16384 + 256 + 16  # what scripts/gpu_quant.py's engines use: decode graphs capture with it
 # rows x context (keys each row sees); +N: and one fresh N-token prompt in the same step (not swept)
-SHAPES = ["256x640", "1x16384", "256x128", "256x2048", "255x640+512"]
+SHAPES = ["256x128", "256x2048", "255x640+512", "256x640", "1x16384"]
 SMOKE_SHAPES = ["3x40", "1x150", "2x40+20"]
 L2_DEFEAT_BYTES = 256 << 20
 ERR_FLOOR = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 K_SCALE, V_SCALE = 0.5, 2.0  # fp8 cache scales (not 1.0, so a scale left out shows)
 SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and split count once more)
+    "interior": [False, True],  # False: every KV tile masked (the kernel before the unmasked walk)
     "num_stages": [1, 2, 3, 4],
     "block_n": [32, 64, 128, 16],
     "kv_splits": [1, 2, 4, 8, 16, 32, 64, 128],
     "decode_warps": [2, 4, 8],
     "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
-    "interior": [False, True],  # False: every KV tile masked (the kernel before the unmasked walk)
 }
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
-WEIGHT = {"256x640": 3, "1x16384": 3}  # the engine's figures: a larger share of the sweep budget
+# Shares of the sweep budget: the engine's figures' shapes (others are timed, not swept, unless --sweep-all).
+WEIGHT = {"256x640": 1, "1x16384": 1}
 
 
 @dataclasses.dataclass
@@ -310,6 +311,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="comma-separated ROWSxCONTEXT (default: %s)" % ",".join(SHAPES))
     ap.add_argument("--budget", type=float, default=75.0, help="seconds for the whole run; sweeps stop at it")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only 256x640 and 1x16384")
     args = ap.parse_args()
     start = time.perf_counter()
     smoke = args.smoke
@@ -322,6 +324,8 @@ def main() -> None:
     sweep = ({"interior": [False], "lookup_blocks": [True], "kv_splits": [1, 3], "block_n": [16], "decode_warps": [4],
               "num_stages": [1]}
              if smoke else SWEEP)
+    if smoke:
+        args.sweep_all = True
     if args.no_sweep:
         sweep = {k: [] for k in SWEEP}
     max_model_len = 256 if smoke else MAX_MODEL_LEN
@@ -337,8 +341,8 @@ def main() -> None:
         rows, rest = shape.split("x")
         context, _, prefill = rest.partition("+")
         left = args.budget - (time.perf_counter() - start)
-        weights = [WEIGHT.get(c[0], 1) for c in cases[i:]]
-        deadline = time.perf_counter() + max(left, 0) * weights[0] / sum(weights)
+        weights = [WEIGHT.get(c[0], int(args.sweep_all)) for c in cases[i:]]
+        deadline = time.perf_counter() + max(left, 0) * weights[0] / max(sum(weights), 1)
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
                          prefill=int(prefill or 0))
         records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count))
