@@ -269,9 +269,12 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     tried[key_of(best)] = us
     failures = []
     # The swept parameters are the decode launch's: a mixed step's (prefill tiles) is not swept.
-    for axis in (list(SWEEP) + ["num_stages", "kv_splits"]) if case.meta.max_query_len == 1 else []:
+    many_rows = case.q.shape[0] * heads[1] >= 2 * sm_count
+    # Few rows: the split count first (a runtime argument: no recompiles).
+    order = list(SWEEP) + ["num_stages", "kv_splits"] if many_rows else ["kv_splits"] + list(SWEEP)
+    for axis in order if case.meta.max_query_len == 1 else []:
         values = sweep[axis]
-        if axis == "kv_splits" and case.q.shape[0] * heads[1] >= 2 * sm_count:
+        if axis == "kv_splits" and many_rows:
             values = [v for v in values if v in MANY_ROWS_SPLITS]
         for value in values:
             if time.perf_counter() > deadline:
@@ -303,6 +306,17 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     print(f"    best {best}: {best_us:.1f} us ({100 * rec['best_of_copy']:.1f}% of copy, "
           f"{rec['speedup']:.2f}x the default; {len(tried)} launches tried)", flush=True)
     return rec
+
+
+def save(records: list[dict], device: str, sm_count: int, copy_bps: float, start: float) -> bool:
+    """Writes $OUT/gpu_attention.json; returns whether every check so far passed."""
+    ok = all(r["ok"] for r in records)
+    out_dir = os.environ.get("OUT", "./gpu-out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "gpu_attention.json"), "w") as f:
+        json.dump({"device": device, "sm_count": sm_count, "copy_gbps": copy_bps / 1e9, "ok": ok,
+                   "elapsed_s": time.perf_counter() - start, "records": records}, f, indent=1)
+    return ok
 
 
 def main() -> None:
@@ -346,6 +360,7 @@ def main() -> None:
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
                          prefill=int(prefill or 0))
         records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count))
+        save(records, name, sm_count, copy_bps, start)  # after every case: a run cut short keeps what it has
         del case
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -363,12 +378,7 @@ def main() -> None:
             (a, ra), (b, rb) = rs.items()
             print(f"  {c}: {b} / {a} time, default launch {rb['us'] / ra['us']:.2f}, "
                   f"best launches {rb['best_us'] / ra['best_us']:.2f}")
-    ok = all(r["ok"] for r in records)
-    out_dir = os.environ.get("OUT", "./gpu-out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "gpu_attention.json"), "w") as f:
-        json.dump({"device": name, "sm_count": sm_count, "copy_gbps": copy_bps / 1e9, "ok": ok,
-                   "elapsed_s": time.perf_counter() - start, "records": records}, f, indent=1)
+    ok = save(records, name, sm_count, copy_bps, start)
     print(f"{'all checks passed' if ok else 'CHECK FAILED'} in {time.perf_counter() - start:.0f} s", flush=True)
     sys.exit(0 if ok else 1)
 
