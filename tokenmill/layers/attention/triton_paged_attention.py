@@ -137,7 +137,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
-    LOOKUP_BLOCKS: tl.constexpr,
+    LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -202,24 +202,29 @@ def _paged_attention_kernel(
     if INTERIOR:
         # Interior tiles: every key valid and seen by every row of the tile (after the window start
         # of the tile's last query, up to the causal limit of its first): no masks there.
-        q_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1
-        lo_max = tl.maximum(context + q_last - window + 1, 0)
-        mid_lo = tl.minimum(tl.maximum(tl.cdiv(lo_max, BLOCK_N), tile_lo), tile_hi)
+        if WINDOWED:
+            q_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1
+            lo_max = tl.maximum(context + q_last - window + 1, 0)
+            mid_lo = tl.minimum(tl.maximum(tl.cdiv(lo_max, BLOCK_N), tile_lo), tile_hi)
+        else:
+            mid_lo = tile_lo
         mid_hi = tl.maximum(tl.minimum((context + q_first + 1) // BLOCK_N, tile_hi), mid_lo)
-    else:
-        mid_lo = tile_hi
-        mid_hi = tile_hi
-    for j in range(tile_lo, mid_lo):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
-            window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False)
-    for j in range(mid_lo, mid_hi):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
-            window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS)
-    for j in range(mid_hi, tile_hi):
+    else:  # every tile masked
+        mid_lo = tile_lo
+        mid_hi = tile_lo
+    if INTERIOR and WINDOWED:  # masked tiles the window starts in
+        for j in range(tile_lo, mid_lo):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
+                window, softcap, qk_scale, s_cb, s_cs, s_ch,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False)
+    if INTERIOR:
+        for j in range(mid_lo, mid_hi):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
+                window, softcap, qk_scale, s_cb, s_cs, s_ch,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS)
+    for j in range(mid_hi, tile_hi):  # masked tiles at the causal edge (all of them without INTERIOR)
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
@@ -332,7 +337,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         SPLIT=split, DOT_PRECISION="ieee" if (q.dtype if kv_fp8 else kv_cache.dtype) == torch.float32 else "tf32",
         SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8,
         F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
-        LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0,
+        LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )
