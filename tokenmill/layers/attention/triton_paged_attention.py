@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-SEARCH_CHUNK = 128  # query_start_loc entries read per step of the sequence search
+SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence search (a 256-row batch: one)
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
 
