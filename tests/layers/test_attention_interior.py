@@ -57,3 +57,15 @@ def test_many_splits_reduce_in_chunks(splits):
     backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16),
                                      config=TritonAttentionConfig(block_n=16, kv_splits=splits))
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
+
+
+def test_sequence_search_over_several_steps(monkeypatch):
+    """The kernel finds each tile's sequence reading query_start_loc SEARCH_CHUNK entries a step:
+    with a chunk of 4, nine sequences take three steps."""
+    from tokenmill.layers.attention import triton_paged_attention
+
+    monkeypatch.setattr(triton_paged_attention, "SEARCH_CHUNK", 4)
+    mix = ([30, 0, 5, 17, 40, 2, 0, 9, 33], [1, 6, 1, 2, 1, 1, 3, 1, 1])
+    case, _ = poisoned_case(None, None, 8, heads=(4, 2), head_dim=16, mix=mix)
+    backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), config=TritonAttentionConfig(block_n=16))
+    torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
