@@ -69,3 +69,23 @@ def test_sequence_search_over_several_steps(monkeypatch):
     case, _ = poisoned_case(None, None, 8, heads=(4, 2), head_dim=16, mix=mix)
     backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), config=TritonAttentionConfig(block_n=16))
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_launch_parameters_per_cache_dtype():
+    """Decode launches take the decode fields (else block_n / num_stages), fp8 caches the fp8 ones
+    (else the decode ones); prefill launches neither."""
+    from tokenmill.layers.attention.triton_backend import plan_launch
+
+    config = TritonAttentionConfig(block_n=64, num_stages=2, decode_block_n=32, decode_stages=3, decode_warps=2,
+                                   fp8_decode_block_n=128, fp8_decode_stages=4)
+    bf16 = plan_launch(config, 32, 8, 256, 256, 1, 4096, 132)
+    fp8 = plan_launch(config, 32, 8, 256, 256, 1, 4096, 132, kv_fp8=True)
+    prefill = plan_launch(config, 32, 8, 600, 4, 512, 4096, 132, kv_fp8=True)
+    assert (bf16.block_n, bf16.num_stages, bf16.num_warps) == (32, 3, 2)
+    assert (fp8.block_n, fp8.num_stages, fp8.num_warps) == (128, 4, 2)
+    assert (prefill.block_n, prefill.num_stages) == (64, 2)
+    unset = dict(decode_block_n=None, decode_stages=None, fp8_decode_block_n=None, fp8_decode_warps=None,
+                 fp8_decode_stages=None)
+    plain = plan_launch(TritonAttentionConfig(block_n=16, num_stages=1, **unset), 32, 8, 256, 256, 1, 4096, 132,
+                        kv_fp8=True)
+    assert (plain.block_n, plain.num_stages) == (16, 1)
