@@ -131,8 +131,11 @@ class TritonAttentionBackend(AttentionBackend):
             # Wide heads (Gemma: 256): half-size tiles keep the K/V tiles and the float32
             # accumulator within the SM's shared memory and registers.
             c = self.config
+            half = lambda n: n // 2 if n else n  # noqa: E731 - None stays None
             self.config = dataclasses.replace(c, block_n=c.block_n // 2, prefill_rows=c.prefill_rows // 2,
-                                              wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2)
+                                              wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2,
+                                              decode_block_n=half(c.decode_block_n),
+                                              fp8_decode_block_n=half(c.fp8_decode_block_n))
         self._sm_count: int | None = None  # read from the device on the first forward
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
