@@ -221,6 +221,16 @@ def time_parts(backend, case: Case, dev, plan: dict) -> dict:
     return {"write_us": time_us(write, dev) / n, "attend_us": time_us(attend, dev) / n}
 
 
+def read_bandwidth(dev) -> float:
+    """Bytes per second of a large read-only pass (a max over 2 GiB of bf16; attention reads and
+    barely writes, so this is its roof; a copy also writes)."""
+    n = (1 << 30) if dev.type == "cuda" else (8 << 20)
+    src = torch.ones(n, dtype=torch.bfloat16, device=dev)
+    us = time_us(lambda: src.amax(), dev, iters=10)
+    del src
+    return 2 * n / (us * 1e-6)
+
+
 def time_layers(backend, case: Case, dev) -> float:
     def run():
         for cache in case.caches:
@@ -236,7 +246,8 @@ def launch_config(cand: dict) -> TritonAttentionConfig:
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], kv_splits=cand["kv_splits"],
         decode_block_n=cand["block_n"],
         decode_warps=cand["decode_warps"], decode_stages=cand["num_stages"], fp8_decode_block_n=cand["block_n"],
-        fp8_decode_warps=cand["decode_warps"], fp8_decode_stages=cand["num_stages"])
+        fp8_decode_warps=cand["decode_warps"], fp8_decode_stages=cand["num_stages"],
+        fp8_split_decode_warps=cand["decode_warps"], fp8_split_decode_stages=cand["num_stages"])
 
 
 def before_launch(case: Case, heads, sm_count: int) -> dict:
@@ -259,7 +270,8 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
             "num_stages": p.num_stages, "block_q": p.block_q}
 
 
-def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: dict, sm_count: int) -> dict:
+def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: dict, sm_count: int,
+             read_bps: float) -> dict:
     expected, err_low = reference(case, heads)
     base = make_backend(heads, case.kv_dtype)
     ok, err = check(base, case, expected, err_low)
@@ -268,7 +280,8 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     parts = time_parts(base, case, dev, plan)
     rec = {**parts, "case": case.name, "kv": str(case.kv_dtype).split(".")[-1], "us": us, "ok": ok, "err": err,
            "err_torch_low": err_low, "kv_bytes": case.kv_bytes, "gbps": case.kv_bytes / us / 1e3,
-           "of_copy": case.kv_bytes / (us * 1e-6) / copy_bps, "plan": plan, "layers": len(case.caches)}
+           "of_copy": case.kv_bytes / (us * 1e-6) / copy_bps, "of_read": case.kv_bytes / (us * 1e-6) / read_bps,
+           "plan": plan, "layers": len(case.caches)}
     print(f"  {case.name:>9} {rec['kv']:>13}: {us:8.1f} us/layer  {rec['gbps']:7.0f} GB/s "
           f"({100 * rec['of_copy']:5.1f}% of copy; write {parts['write_us']:.1f}, attention "
           f"{parts['attend_us']:.1f})  err {err:.2e} {'ok' if ok else 'FAILED'}  {plan}", flush=True)
@@ -320,7 +333,8 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
                 best = cand
     best_us = tried[key_of(best)]
     rec.update(best=best, best_us=best_us, best_gbps=case.kv_bytes / best_us / 1e3,
-               best_of_copy=case.kv_bytes / (best_us * 1e-6) / copy_bps, speedup=us / best_us,
+               best_of_copy=case.kv_bytes / (best_us * 1e-6) / copy_bps,
+               best_of_read=case.kv_bytes / (best_us * 1e-6) / read_bps, speedup=us / best_us,
                sweep=[{**dict(zip(SWEEP, k)), "us": v} for k, v in tried.items()], sweep_failures=failures)
     rec["ok"] = ok and not failures
     print(f"    best {best}: {best_us:.1f} us ({100 * rec['best_of_copy']:.1f}% of copy, "
@@ -328,13 +342,14 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     return rec
 
 
-def save(records: list[dict], device: str, sm_count: int, copy_bps: float, start: float) -> bool:
+def save(records: list[dict], device: str, sm_count: int, copy_bps: float, read_bps: float, start: float) -> bool:
     """Writes $OUT/gpu_attention.json; returns whether every check so far passed."""
     ok = all(r["ok"] for r in records)
     out_dir = os.environ.get("OUT", "./gpu-out")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "gpu_attention.json"), "w") as f:
-        json.dump({"device": device, "sm_count": sm_count, "copy_gbps": copy_bps / 1e9, "ok": ok,
+        json.dump({"device": device, "sm_count": sm_count, "copy_gbps": copy_bps / 1e9, "read_gbps": read_bps / 1e9,
+                   "ok": ok,
                    "elapsed_s": time.perf_counter() - start, "records": records}, f, indent=1)
     return ok
 
@@ -366,7 +381,9 @@ def main() -> None:
     sm_count = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (TRITON_INTERPRET=1)"
     copy_bps = copy_bandwidth(dev)
-    print(f"device {name}, {sm_count} SMs; copy bandwidth {copy_bps / 1e9:.0f} GB/s", flush=True)
+    read_bps = read_bandwidth(dev)
+    print(f"device {name}, {sm_count} SMs; copy bandwidth {copy_bps / 1e9:.0f} GB/s (read + write), "
+          f"read bandwidth {read_bps / 1e9:.0f} GB/s", flush=True)
 
     records = []
     # Each case gets an equal share of what is left of the budget for its sweep.
@@ -379,18 +396,19 @@ def main() -> None:
         deadline = time.perf_counter() + max(left, 0) * weights[0] / max(sum(weights), 1)
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
                          prefill=int(prefill or 0))
-        records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count))
-        save(records, name, sm_count, copy_bps, start)  # after every case: a run cut short keeps what it has
+        records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps))
+        save(records, name, sm_count, copy_bps, read_bps, start)  # after every case: a run cut short keeps what it has
         del case
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    print("\n| case | KV | before us | default us | % of copy | best us | % of copy | best launch |")
+    print("\n| case | KV | before us | default us | % of copy / read bw | best us | % of copy / read bw | best launch |")
     print("|---|---|---|---|---|---|---|---|")
     for r in records:
         before = f"{r['before_us']:.1f}" if "before_us" in r else "-"
-        print(f"| {r['case']} | {r['kv']} | {before} | {r['us']:.1f} | {100 * r['of_copy']:.1f} | {r['best_us']:.1f} | "
-              f"{100 * r['best_of_copy']:.1f} | {r['best']} |")
+        print(f"| {r['case']} | {r['kv']} | {before} | {r['us']:.1f} | {100 * r['of_copy']:.0f} / "
+              f"{100 * r['of_read']:.0f} | {r['best_us']:.1f} | {100 * r['best_of_copy']:.0f} / "
+              f"{100 * r['best_of_read']:.0f} | {r['best']} |")
     by_case = {}
     for r in records:
         by_case.setdefault(r["case"], {})[r["kv"]] = r
@@ -399,7 +417,7 @@ def main() -> None:
             (a, ra), (b, rb) = rs.items()
             print(f"  {c}: {b} / {a} time, default launch {rb['us'] / ra['us']:.2f}, "
                   f"best launches {rb['best_us'] / ra['best_us']:.2f}")
-    ok = save(records, name, sm_count, copy_bps, start)
+    ok = save(records, name, sm_count, copy_bps, read_bps, start)
     print(f"{'all checks passed' if ok else 'CHECK FAILED'} in {time.perf_counter() - start:.0f} s", flush=True)
     sys.exit(0 if ok else 1)
 

@@ -73,19 +73,26 @@ def test_sequence_search_over_several_steps(monkeypatch):
 
 def test_decode_launch_parameters_per_cache_dtype():
     """Decode launches take the decode fields (else block_n / num_stages), fp8 caches the fp8 ones
-    (else the decode ones); prefill launches neither."""
+    (else the decode ones), fp8 launches that split the KV axis the fp8 split ones; multi-token
+    decode tiles and prefill launches none of them."""
     from tokenmill.layers.attention.triton_backend import plan_launch
 
-    config = TritonAttentionConfig(block_n=64, num_stages=2, decode_block_n=32, decode_stages=3, decode_warps=2,
-                                   fp8_decode_block_n=128, fp8_decode_stages=4)
+    config = TritonAttentionConfig(block_n=64, num_stages=2, decode_warps=4, decode_block_n=32, decode_stages=3,
+                                   fp8_decode_block_n=128, fp8_decode_warps=2, fp8_decode_stages=1,
+                                   fp8_split_decode_warps=8, fp8_split_decode_stages=4)
     bf16 = plan_launch(config, 32, 8, 256, 256, 1, 4096, 132)
     fp8 = plan_launch(config, 32, 8, 256, 256, 1, 4096, 132, kv_fp8=True)
+    fp8_split = plan_launch(config, 32, 8, 1, 1, 1, 4096, 132, kv_fp8=True)
+    multi = plan_launch(config, 32, 8, 256 * 5, 256, 5, 4096, 132, kv_fp8=True)
     prefill = plan_launch(config, 32, 8, 600, 4, 512, 4096, 132, kv_fp8=True)
-    assert (bf16.block_n, bf16.num_stages, bf16.num_warps) == (32, 3, 2)
-    assert (fp8.block_n, fp8.num_stages, fp8.num_warps) == (128, 4, 2)
+    assert (bf16.block_n, bf16.num_stages, bf16.num_warps, bf16.num_splits) == (32, 3, 4, 1)
+    assert (fp8.block_n, fp8.num_stages, fp8.num_warps) == (128, 1, 2)
+    assert (fp8_split.block_n, fp8_split.num_stages, fp8_split.num_warps) == (128, 4, 8)
+    assert fp8_split.num_splits == 16  # 8 programs: 33 wanted, 4096 // 256 = 16 by length
+    assert (multi.block_q, multi.block_n, multi.num_stages, multi.num_warps) == (8, 64, 2, 4)
     assert (prefill.block_n, prefill.num_stages) == (64, 2)
     unset = dict(decode_block_n=None, decode_stages=None, fp8_decode_block_n=None, fp8_decode_warps=None,
-                 fp8_decode_stages=None)
-    plain = plan_launch(TritonAttentionConfig(block_n=16, num_stages=1, **unset), 32, 8, 256, 256, 1, 4096, 132,
+                 fp8_decode_stages=None, fp8_split_decode_warps=None, fp8_split_decode_stages=None)
+    plain = plan_launch(TritonAttentionConfig(block_n=16, num_stages=1, **unset), 32, 8, 1, 1, 1, 4096, 132,
                         kv_fp8=True)
-    assert (plain.block_n, plain.num_stages) == (16, 1)
+    assert (plain.block_n, plain.num_stages, plain.num_warps) == (16, 1, 4)

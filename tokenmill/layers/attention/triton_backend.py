@@ -39,7 +39,9 @@ MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
 
 @dataclass(frozen=True)
 class TritonAttentionConfig:
-    """Tile sizes and the split-KV rule. The defaults are first guesses for H100/H200, untuned."""
+    """Tile sizes and the split-KV rule. Prefill tiles: first guesses for H100/H200, untuned. Decode
+    tiles of one token (query rows of one KV group padded to 16): tuned on an H200 by
+    scripts/gpu_attention.py (Llama-3.1-8B heads; docs/results/gpu-attention.md)."""
 
     decode_max_query_len: int = 8  # launches with no longer query use decode tiles and may split KV
     decode_max_rows: int = 64  # query rows (tokens x heads of a KV group) per decode program, at most
@@ -53,13 +55,20 @@ class TritonAttentionConfig:
     wide_min_query_len: int = 64
     block_n: int = 64  # keys per KV tile
     num_stages: int = 2
-    # Decode launches (max_query_len <= decode_max_query_len): None takes block_n / num_stages.
-    decode_block_n: int | None = None
-    decode_stages: int | None = None
-    # Decode launches over an fp8 cache: None takes the decode values above.
-    fp8_decode_block_n: int | None = None
-    fp8_decode_warps: int | None = None
-    fp8_decode_stages: int | None = None
+    # Decode launches of 16-row tiles (one token per sequence; multi-token decodes take block_n,
+    # decode_warps, num_stages): None takes block_n / num_stages. H200, bf16 cache: 128-key tiles
+    # 5-11% faster than 64 at 256 rows x 640 / 2048 keys and at 1 row x 16k; 2 stages best.
+    decode_block_n: int | None = 128
+    decode_stages: int | None = 2
+    # The same over an fp8 cache (None: the values above). H200: one stage and 2 warps (the fp8 ->
+    # fp16 conversion keeps the loads in registers; more programs per SM hide the latency) 1.3-1.5x
+    # faster than 2 stages at 256 rows; launches that split the KV axis (few rows, latency-bound)
+    # want 4 stages and 4 warps.
+    fp8_decode_block_n: int | None = 128
+    fp8_decode_warps: int | None = 2
+    fp8_decode_stages: int | None = 1
+    fp8_split_decode_warps: int | None = 4
+    fp8_split_decode_stages: int | None = 4
     min_keys_per_split: int = 256  # a share of the KV axis spans at least this many keys (of max_seq_len)
     waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
@@ -91,7 +100,8 @@ def choose_kv_splits(config: TritonAttentionConfig, num_seqs: int, num_kv_heads:
         return 1
     wanted = -(-target // programs)
     by_length = max(max_seq_len // config.min_keys_per_split, 1)
-    return max(1, min(wanted, by_length, MAX_KV_SPLITS))
+    # A power of two (H200, batch 1 x 16k: 32 shares 28.6 us, 33 shares 29.7).
+    return 1 << (max(1, min(wanted, by_length, MAX_KV_SPLITS)).bit_length() - 1)
 
 
 def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int, num_rows: int, num_seqs: int,
@@ -102,13 +112,19 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
         # One tile per row where it fits, so a multi-token decode reads its KV once.
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad), min_q, 1)
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
+        if block_q * group_pad > MIN_TILE_ROWS:  # multi-token decode tiles: untuned
+            return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
         block_n = config.decode_block_n or config.block_n
         warps = config.decode_warps
         stages = config.decode_stages or config.num_stages
         if kv_fp8:
             block_n = config.fp8_decode_block_n or block_n
-            warps = config.fp8_decode_warps or warps
-            stages = config.fp8_decode_stages or stages
+            if splits > 1:
+                warps = config.fp8_split_decode_warps or config.fp8_decode_warps or warps
+                stages = config.fp8_split_decode_stages or config.fp8_decode_stages or stages
+            else:
+                warps = config.fp8_decode_warps or warps
+                stages = config.fp8_decode_stages or stages
         return LaunchPlan(block_q, block_n, splits, warps, stages)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
