@@ -402,7 +402,7 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    print("\n| case | KV | before us | default us | % of copy / read bw | best us | % of copy / read bw | best launch |")
+    print("\n| case | KV | before us | default us | % copy / read | best us | % copy / read | best launch |")
     print("|---|---|---|---|---|---|---|---|")
     for r in records:
         before = f"{r['before_us']:.1f}" if "before_us" in r else "-"
