@@ -305,6 +305,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
+    if num_splits > max_splits:
+        raise ValueError(f"num_splits={num_splits} exceeds max_splits={max_splits} (the reduce's size)")
     group = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
     out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
