@@ -74,6 +74,7 @@ class TritonAttentionConfig:
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
     interior: bool = True  # unmasked walk over the KV tiles every row of a tile sees whole
     lookup_blocks: bool = False  # in those tiles, one block-table read per cache block, not per key
+    fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted); untimed, off
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
             max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
+            fp8_qk_dot=self.config.fp8_qk_dot,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 

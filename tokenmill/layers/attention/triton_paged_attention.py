@@ -62,15 +62,17 @@ def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, CHUNK: tl.con
 
 
 @triton.jit
-def _attend_tile(q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
-                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
+def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+                 key_limit, window, softcap, qk_scale, s_cb, s_cs, s_ch,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                 KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr):
+                 KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr):
     """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
     every key of the tile is valid and visible to every row (no masks, no table-load guard).
     LOOKUP_BLOCKS (unmasked tiles, BLOCK_N a multiple of BLOCK_SIZE): one block-table read per cache
-    block of the tile, its slots' offsets spread from it, instead of one read per key."""
+    block of the tile, its slots' offsets spread from it, instead of one read per key.
+    F8_QK: q and q_lo are the query's two fp8 terms (q * scale = q + q_lo, row_scale = 1 / scale per
+    row), and the fp8 keys enter the dot unconverted."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     key = j * BLOCK_N + offs_n
@@ -93,9 +95,12 @@ def _attend_tile(q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_he
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
     else:
         k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if KV_FP8:
-        k = k.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if F8_QK:
+        s = (tl.dot(q, tl.trans(k)) + tl.dot(q_lo, tl.trans(k))) * (qk_scale * row_scale)[:, None]
+    else:
+        if KV_FP8:
+            k = k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
         cap = softcap * 1.4426950408889634
         s = cap * (1.0 - 2.0 / (tl.exp2(2.0 * s / cap * 1.4426950408889634) + 1.0))
@@ -112,7 +117,9 @@ def _attend_tile(q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_he
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
     else:
         v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    if KV_FP8:
+    if F8_QK:
+        v = v.to(tl.float16)
+    elif KV_FP8:
         v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -137,7 +144,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
-    LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr,
+    LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -182,6 +189,17 @@ def _paged_attention_kernel(
         # costs a second, quarter-rate one per value (as many as the HBM reads save, at long contexts).
         # Queries past fp16's range are clamped: the softmax sees them as the largest finite values.
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    q_lo = q  # (unused without F8_QK)
+    row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if F8_QK:  # e4m3 queries of two terms, scaled per row to the format's largest value (448):
+        # q * scale = hi + lo to about 2^-8 of each value, as bf16 holds it; the keys stay fp8.
+        qf = q.to(tl.float32)
+        q_max = tl.max(tl.abs(qf), 1)
+        q_up = 448.0 / tl.where(q_max > 0.0, q_max, 1.0)
+        qs = qf * q_up[:, None]
+        q = qs.to(k_cache_ptr.dtype.element_ty)
+        q_lo = (qs - q.to(tl.float32)).to(k_cache_ptr.dtype.element_ty)
+        row_scale = 1.0 / q_up
 
     kv_len = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys the tile's last query sees
     kv_lo = tl.maximum(context + q_first - window + 1, 0)  # the first key the tile's first query sees
@@ -215,20 +233,24 @@ def _paged_attention_kernel(
     if INTERIOR and WINDOWED:  # masked tiles the window starts in
         for j in range(tile_lo, mid_lo):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
+                q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+                key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False)
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK)
     if INTERIOR:
         for j in range(mid_lo, mid_hi):
             m_i, l_i, acc = _attend_tile(
-                q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
+                q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+                key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS)
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS,
+                F8_QK)
     for j in range(mid_hi, tile_hi):  # masked tiles at the causal edge (all of them without INTERIOR)
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo, key_limit,
+            q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+            key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False)
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -292,7 +314,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
                     num_warps: int, num_stages: int, interior: bool = True, lookup_blocks: bool = False,
-                    sliding_window: int | None = None,
+                    fp8_qk_dot: bool = False, sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
@@ -302,6 +324,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `interior`: walk the tiles every row sees whole without masks (False: mask every tile).
     `lookup_blocks`: in those tiles, one block-table read per cache block (where block_n is a
     multiple of the block size), not one per key.
+    `fp8_qk_dot` (e4m3 cache, 16-bit queries): q . k as two fp8 dots (the query split into two fp8
+    terms), so the keys are not converted; values still are.
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -340,6 +364,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8,
         F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
         LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
+        F8_QK=fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
     )
