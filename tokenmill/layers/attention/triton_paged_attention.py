@@ -12,7 +12,9 @@ counting first_tile values <= its tile id, reading query_start_loc on the device
 
 Each program walks the KV tiles (BLOCK_N keys, looked up key by key in the block
 table, so any block size works) up to its last query's causal limit
-(context + query index), with an online softmax in float32 (log2 domain).
+(context + query index), with an online softmax in float32 (log2 domain). Tiles that every row
+of the query tile sees whole (INTERIOR) are walked without masks; only the tiles at the window's
+start and the causal edge are masked.
 A sliding window W (`window`; a huge value means none) masks keys <= query - W, and
 the walk starts at the tile holding the first key the tile's first query sees: keys
 before it are neither loaded nor looked up in the block table (the KV manager may
@@ -24,7 +26,9 @@ sink first where the sink is larger (gpt-oss).
 
 FP8 KV cache: K/V tiles are converted to the query's dtype as they load (float16 when the query
 is bf16 or fp16: the cheap conversion of fp8; the query is converted once); k_scale joins the
-softmax scale and v_scale multiplies the accumulator (both host floats, the layer's).
+softmax scale and v_scale multiplies the accumulator (both host floats, the layer's). F8_QK (opt-in,
+e4m3 caches): the keys enter q . k unconverted, as two fp8 dots with the query split into two
+fp8 terms scaled per row (about bf16's precision), saving one conversion per key value.
 
 Split-KV (flash-decoding): with SPLIT, a program takes only its share of the KV
 tiles (num_splits shares, sized on the device from seq_len, so any seq_len is
