@@ -22,13 +22,15 @@ NUM_WARPS = 4
 @triton.jit
 def _apply_bitmask_kernel(logits_ptr, bits_ptr, which_ptr, V, words, s_logits, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    mask_row = tl.load(which_ptr + row).to(tl.int64)
     tokens = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # The row's mask index, loaded per lane (one address: a broadcast read; a scalar load would
+    # do, but the interpreter cannot mask with a scalar-and-block combination).
+    mask_row = tl.load(which_ptr + row + tokens * 0).to(tl.int64)
     live = (tokens < V) & (mask_row >= 0)
     word = tl.load(bits_ptr + mask_row * words + tokens // 32, mask=live, other=-1)
-    allowed = ((word >> (tokens % 32)) & 1) != 0
+    cleared = live & (((word >> (tokens % 32)) & 1) == 0)
     ninf = tl.full((BLOCK,), float("-inf"), tl.float32).to(logits_ptr.dtype.element_ty)
-    tl.store(logits_ptr + row * s_logits + tokens, ninf, mask=live & ~allowed)
+    tl.store(logits_ptr + row * s_logits + tokens, ninf, mask=cleared)
 
 
 def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor, which: torch.Tensor) -> None:
