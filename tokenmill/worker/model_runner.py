@@ -137,6 +137,9 @@ class ModelRunner:
         self._deferred: _Deferred | None = None  # a step waiting for its grammar masks (structured outputs)
         self._mask_upload = MaskUpload(self.device)
         self.last_mask_wait: tuple[float, float, bool | None] | None = None  # (deferred, mask came, device idle)
+        # CUDA: (step, forward done, mask came) events of the last masked step, read once done:
+        # the device's idle time waiting for that step's masks (`mask_idle`).
+        self._idle_events: tuple[int, object, object] | None = None
         self.lora = None  # LoRAManager, with enable_lora (worker/lora_manager.py)
 
     @property
@@ -336,13 +339,24 @@ class ModelRunner:
         # Whether the device had finished the forward pass before the mask came (it waited).
         idle = None if deferred.forward_done is None else bool(deferred.forward_done.query())
         self.last_mask_wait = (deferred.deferred_at, arrived, idle)
+        if idle:  # an event now runs at once on the idle device: the gap is the device's wait
+            self._idle_events = (mask.step_id, deferred.forward_done, self._forward_done_event())
         self._sample_step(deferred.fwd, deferred.step, deferred.slots, deferred.propose, mask)
         self.last_timings["sample"] = time.perf_counter() - arrived
+
+    def mask_idle(self) -> tuple[int, float] | None:
+        """(step, seconds the device sat idle waiting for its masks) of the last step that waited,
+        once its events are done (None before; each step once)."""
+        if self._idle_events is None or not self._idle_events[2].query():
+            return None
+        step_id, done, came = self._idle_events
+        self._idle_events = None
+        return step_id, done.elapsed_time(came) / 1e3
 
     def _forward_done_event(self):
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
