@@ -8,6 +8,7 @@ the first stage has its next batch as soon as it is free). The same `step()` ser
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,6 +31,8 @@ from tokenmill.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreR
                                 TelemetryReport)
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_SWITCH_INTERVAL_S = 0.0005  # the GIL switch interval once structured outputs are in use
 
 
 class EngineCore:
@@ -93,6 +96,10 @@ class EngineCore:
         if self.grammars is None:
             from tokenmill.core.grammar_masks import GrammarMasks
             self.grammars = GrammarMasks(self.config, self.telemetry.record)
+            # The grammar threads' Python (between GIL-free library calls) is on the path from a
+            # step's tokens to the next mask: it should not wait out the loop's Python for the
+            # default 5 ms switch interval.
+            sys.setswitchinterval(min(sys.getswitchinterval(), GRAMMAR_SWITCH_INTERVAL_S))
         self.grammars.add(core_request)  # scheduled once its grammar is compiled
 
     def abort_requests(self, handles: list[int]) -> None:
