@@ -79,7 +79,9 @@ class GreedyTail:
         """`run` of a masked tail: logits row i (row i // q, position i % q) takes mask row
         which[i] of bits (int32 numpy [distinct, words]; which int32 numpy, -1 or short: none)."""
         upload.into(self.masks, bits, which)
-        return self.run(num_rows)
+        result = self.run(num_rows)
+        self.masks.release()
+        return result
 
     def body(self, size: int) -> torch.Tensor:
         graphs, batch = self.graphs, self.batch

@@ -25,6 +25,13 @@ class StaticMasks:
         self.flat = torch.full((rows * (1 + words),), -1, dtype=torch.int32, device=device)
         self.which = self.flat[:rows]
         self.bits = self.flat[rows:].view(rows, words)
+        self.released = None  # CUDA event recorded after the last replay that read the block
+
+    def release(self) -> None:
+        """Call after the replay that reads the block is enqueued: the next copy waits for it."""
+        if self.flat.is_cuda:
+            self.released = torch.cuda.Event()
+            self.released.record()
 
 
 class MaskUpload:
@@ -55,8 +62,10 @@ class MaskUpload:
         if self._stream is None:
             static.flat[:block.numel()].copy_(block)
             return
-        # The graph that read `static` last ran earlier on the compute stream: write after it.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Write after the replay that read `static` last (not after the whole compute stream: the
+        # forward pass enqueued since runs beside the copy).
+        if static.released is not None:
+            self._stream.wait_event(static.released)
         with torch.cuda.stream(self._stream):
             static.flat[:block.numel()].copy_(block, non_blocking=True)
         self._after_copy(None)
