@@ -227,3 +227,53 @@ def test_draft_position_masks_equal_xgrammar(setup) -> None:
         assert request.grammar.num_accepted == len(prefix) and request.grammar.matcher.accept_token(rest[0])
     late, _, _ = draft_masks(backend, config, so, prefix, row_drafts, shift=1)
     assert (late != np.stack(want)).any(axis=1).sum() >= 3
+
+
+def test_pipelined_job_equals_feed_then_fill(setup) -> None:
+    """A large step's job split into chunks (each chunk's thread feeds its rows, then fills their
+    masks) gives the serial job's masks, completions and refusals: rows at every depth of an
+    output, one completing its grammar (no mask), one refusing its token (broken, no mask), a
+    grammar fed but not masked, a row masked with nothing to feed."""
+    from tokenmill.core.grammar_job import GrammarJob, GrammarJobRunner
+    tokenizer, backend, config = setup
+    so, outputs = CASES[0]
+    compiled = backend.compile(grammar_spec(so, config.max_schema_bytes))
+    ids = tokenizer(outputs[0], add_special_tokens=False).input_ids
+    words = (49152 + 31) // 32
+
+    def job_and_result(chunks: int):
+        grammars, feed = [], []
+        for i in range(48):
+            g = RequestGrammar(backend.matcher(compiled))
+            depth = i % len(ids)
+            for token in ids[:depth]:
+                assert g.matcher.accept_token(token)
+            grammars.append(g)
+            if i == 5:
+                token = 0  # refused (a special token inside the object)
+            elif i == 6:
+                for token in ids[depth:]:
+                    assert g.matcher.accept_token(token)
+                token = 2  # EOS after the whole output: completes the grammar
+            elif i == 7:
+                continue  # nothing to feed: masked as it stands
+            else:
+                token = ids[depth]
+            feed.append((i, g, [token]))
+        outside = RequestGrammar(backend.matcher(compiled))
+        feed.append((99, outside, [ids[0]]))
+        job = GrammarJob(feed, 1, list(range(48)), grammars, [[] for _ in grammars])
+        runner = GrammarJobRunner(lambda: backend, words, mask_chunks=chunks)
+        result = runner.run(job)
+        runner.shutdown()
+        assert outside.num_accepted == 1
+        return result
+
+    serial, pipelined = job_and_result(1), job_and_result(3)
+    assert sorted(serial.complete) == sorted(pipelined.complete) == [6]
+    assert sorted(serial.broken) == sorted(pipelined.broken) == [5]
+    assert serial.num_fed == pipelined.num_fed == 48
+    a, b = serial.mask, pipelined.mask
+    assert a.rows == b.rows and len(a.rows) // 4 == 46
+    assert np.array_equal(a.arrays()[2][np.frombuffer(a.which, np.int32)],
+                          b.arrays()[2][np.frombuffer(b.which, np.int32)])
