@@ -85,25 +85,3 @@ def test_a_mask_filled_before_the_feed_breaks_outputs(tiny_model_dir, tmp_path, 
         return
     assert not all(re.fullmatch(r, o.text) and o.finish_reason == "stop" for r, o in zip(REGEXES, outs)), (
         "a one-token-late mask went unnoticed")
-
-
-def test_pipelined_jobs_give_the_same_tokens(tiny_model_dir, tmp_path, monkeypatch) -> None:
-    """Jobs split over chunk threads (feed then fill per chunk; forced here: CI has 2 cores, where
-    steps are never large enough) give the serial jobs' tokens, and each output matches."""
-    from tokenmill.core import grammar_job
-    serial = _run(tiny_model_dir, tmp_path / "serial.json", thread=True)
-    monkeypatch.setattr(grammar_job, "fill_threads", lambda: 3)
-    monkeypatch.setattr(GrammarJobRunner, "MIN_MASK_CHUNK", 1)
-    calls = []
-    pipelined_run = GrammarJobRunner._pipelined
-
-    def counted(self, job, chunks):
-        calls.append(chunks)
-        return pipelined_run(self, job, chunks)
-
-    monkeypatch.setattr(GrammarJobRunner, "_pipelined", counted)
-    pipelined = _run(tiny_model_dir, tmp_path / "pipelined.json", thread=True)
-    assert len(calls) >= 5 and max(calls) == 3, calls
-    for out, regex in zip(pipelined, REGEXES):
-        assert re.fullmatch(regex, out.text) and out.finish_reason == "stop", out
-    assert [o.token_ids for o in pipelined] == [o.token_ids for o in serial]
