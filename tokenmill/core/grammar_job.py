@@ -8,11 +8,6 @@ a job is pending (core/grammar_masks.py). The library calls release the GIL, so 
 Python (applying the step, scheduling the next) runs meanwhile. Feeding is one token per matcher
 per library call, split across a few threads once the batch is large (XGrammar's batched accept
 runs on the caller's thread); filling uses XGrammar's own thread pool.
-
-A large step without drafts is pipelined instead: its mask rows split into chunks, one per fill
-thread, and each chunk's thread feeds its rows' matchers and at once fills their masks, so the
-job takes about (feed + fill) / threads rather than feed + fill / threads (both sit on the path
-from a step's tokens to the next step's sampling).
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tokenmill.protocol import GrammarBitmask, pack_ids
-from tokenmill.structured_output.backend import fill_threads
 
 
 class RequestGrammar:
@@ -77,19 +71,13 @@ class GrammarJobRunner:
 
     # Feeding splits into chunks of at least this many matchers (a batch call costs a few us per token).
     MIN_CHUNK = 64
-    # A pipelined job's chunks hold at least this many mask rows.
-    MIN_MASK_CHUNK = 16
 
-    def __init__(self, backend: Callable[[], object], words: int, feed_threads: int | None = None,
-                 mask_chunks: int | None = None) -> None:
-        """`backend()`: the GrammarBackend (waits for it the first time); `mask_chunks`: threads of a
-        pipelined job (default: the fill threads; 1: never pipelined)."""
+    def __init__(self, backend: Callable[[], object], words: int, feed_threads: int | None = None) -> None:
+        """`backend()`: the GrammarBackend (waits for it the first time)."""
         self._backend = backend
         self.words = words
         self.feed_threads = default_feed_threads() if feed_threads is None else feed_threads
-        self.mask_chunks = fill_threads() if mask_chunks is None else mask_chunks
         self._pool: ThreadPoolExecutor | None = None
-        self._chunk_pool: ThreadPoolExecutor | None = None
         self._buffer = np.zeros((0, words), np.int32)
         # Figures (written by the thread that runs jobs): masks made, rows in them, seconds spent.
         self.num_masks = 0
@@ -103,13 +91,9 @@ class GrammarJobRunner:
 
     def run(self, job: GrammarJob) -> GrammarJobResult:
         start = time.perf_counter()
-        chunks = min(self.mask_chunks, len(job.rows) // self.MIN_MASK_CHUNK)
-        if job.mask_step is not None and chunks >= 2 and not any(job.drafts):
-            complete, broken, fed, mask, fed_at = self._pipelined(job, chunks)
-        else:
-            complete, broken, fed = self._feed(job.feed)
-            fed_at = time.perf_counter()
-            mask = None if job.mask_step is None else self._mask(job)
+        complete, broken, fed = self._feed(job.feed)
+        fed_at = time.perf_counter()
+        mask = None if job.mask_step is None else self._mask(job)
         end = time.perf_counter()
         self.num_fed += fed
         self.feed_seconds += fed_at - start
@@ -120,62 +104,12 @@ class GrammarJobRunner:
         return GrammarJobResult(complete, broken, mask, fed, (start, fed_at), (fed_at, end))
 
     def shutdown(self) -> None:
-        for pool in (self._pool, self._chunk_pool):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-
-    # ------------------------------------------------------------------ pipelined
-
-    def _pipelined(self, job: GrammarJob, chunks: int):
-        """`_feed` then `_mask` (no drafts) with the rows split into `chunks`: each chunk's thread
-        feeds the tokens of its rows' grammars, then fills those rows' masks at their own index.
-        Tokens of grammars outside the mask rows are fed on this thread meanwhile. Returns what
-        `run` needs; the feed's end is taken as the slowest chunk's."""
-        backend = self._backend()
-        n = len(job.rows)
-        if len(self._buffer) < n:
-            self._buffer = np.zeros((max(n, 2 * len(self._buffer)), self.words), np.int32)
-        bounds = np.linspace(0, n, chunks + 1).astype(int).tolist()
-        chunk_of = {id(g): c for c in range(chunks) for g in job.grammars[bounds[c]:bounds[c + 1]]}
-        groups: list[list] = [[] for _ in range(chunks)]
-        rest = []
-        for item in job.feed:  # a grammar's items stay in order, in one group
-            c = chunk_of.get(id(item[1]))
-            (rest if c is None else groups[c]).append(item)
-        buffer, start = self._buffer, time.perf_counter()
-
-        def chunk(c: int):
-            complete, broken, fed = self._feed(groups[c], serial=True)
-            fed_at = time.perf_counter()
-            kept = [i for i in range(bounds[c], bounds[c + 1])
-                    if not job.grammars[i].broken and not job.grammars[i].matcher.is_terminated()]
-            if kept:
-                backend.fill_bitmask_here([job.grammars[i].matcher for i in kept], buffer, kept)
-            return complete, broken, fed, kept, fed_at - start
-
-        if self._chunk_pool is None:
-            self._chunk_pool = ThreadPoolExecutor(self.mask_chunks, thread_name_prefix="grammar-chunk")
-        futures = [self._chunk_pool.submit(chunk, c) for c in range(chunks)]
-        complete, broken, fed = self._feed(rest, serial=True)
-        kept: list[int] = []
-        feed_seconds = 0.0
-        for future in futures:
-            c_complete, c_broken, c_fed, c_kept, c_seconds = future.result()
-            complete += c_complete
-            broken += c_broken
-            fed += c_fed
-            kept += c_kept
-            feed_seconds = max(feed_seconds, c_seconds)
-        masks = buffer[:n] if len(kept) == n else buffer[kept]
-        distinct, which = distinct_rows(masks)
-        mask = GrammarBitmask(job.mask_step, pack_ids([job.rows[i] for i in kept]), pack_ids(which), self.words,
-                              distinct.tobytes(), b"")
-        return complete, broken, fed, mask, start + feed_seconds
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
     # ------------------------------------------------------------------ feeding
 
-    def _feed(self, feed: list[tuple[int, RequestGrammar, list[int]]],
-              serial: bool = False) -> tuple[list[int], list[int], int]:
+    def _feed(self, feed: list[tuple[int, RequestGrammar, list[int]]]) -> tuple[list[int], list[int], int]:
         """Each grammar takes its tokens, position by position (one batched call per position).
         A matcher that refuses a token is broken and takes nothing more; one whose grammar the
         tokens complete is reported complete."""
@@ -185,7 +119,7 @@ class GrammarJobRunner:
         fed = 0
         depth = 0
         while active:
-            ok = self._accept([g.matcher for _, g, _ in active], [tokens[depth] for _, _, tokens in active], serial)
+            ok = self._accept([g.matcher for _, g, _ in active], [tokens[depth] for _, _, tokens in active])
             fed += len(active)
             further = []
             for item, good in zip(active, ok):
@@ -203,10 +137,10 @@ class GrammarJobRunner:
             depth += 1
         return complete, broken, fed
 
-    def _accept(self, matchers: list, tokens: list[int], serial: bool = False) -> list[bool]:
+    def _accept(self, matchers: list, tokens: list[int]) -> list[bool]:
         backend = self._backend()
         n = len(matchers)
-        chunks = 1 if serial else min(self.feed_threads, n // self.MIN_CHUNK)
+        chunks = min(self.feed_threads, n // self.MIN_CHUNK)
         if chunks <= 1:
             return backend.accept_tokens(matchers, tokens)
         if self._pool is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 from typing import Any
 
 import numpy as np
@@ -51,7 +50,6 @@ class GrammarBackend:
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=compile_threads, cache_enabled=True,
                                             cache_limit_bytes=512 << 20)
         self._batch: Any = None
-        self._local = threading.local()  # each chunk thread's one-thread BatchGrammarMatcher
 
     @classmethod
     def from_tokenizer(cls, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
@@ -103,14 +101,6 @@ class GrammarBackend:
         if self._batch is None:
             self._batch = self._xgr.BatchGrammarMatcher(fill_threads())
         self._batch.batch_fill_next_token_bitmask(matchers, out, indices)
-
-    def fill_bitmask_here(self, matchers: list[Any], out: np.ndarray, indices: list[int]) -> None:
-        """`fill_bitmask_at` on the calling thread alone (without the GIL): for callers that split
-        the rows over threads themselves (core/grammar_job.py's chunks)."""
-        batch = getattr(self._local, "batch", None)
-        if batch is None:
-            batch = self._local.batch = self._xgr.BatchGrammarMatcher(1)
-        batch.batch_fill_next_token_bitmask(matchers, out, indices)
 
     def accept_tokens(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
         """Advance each matcher by its token; False (and no change) where the grammar forbids it.
