@@ -123,7 +123,8 @@ def trace_figures(path: str) -> dict:
             # Exact (CUDA events): how long the device sat idle between a forward pass and its masks.
             "device_idle_steps": len(idle_spans), "device_idle_us_total": sum(e["dur"] for e in idle_spans),
             # The worker's host time from a mask's arrival to its step's sampling enqueued.
-            "sample_masked_us_median": _median([e["dur"] for e in sampled])}
+            "sample_masked_us_median": _median([e["dur"] for e in sampled]),
+            "distinct_masks_per_step_median": _median([e.get("args", {}).get("distinct", 0) for e in masks])}
 
 
 def _median(values: list) -> float:
@@ -142,7 +143,8 @@ def print_figures(figures: dict) -> None:
           f"steps: idle {figures['device_idle_us_total'] / 1e3:.1f} ms in all (CUDA events, "
           f"{figures['device_idle_steps']} steps; from forward launch to mask "
           f"{figures['device_wait_us_total'] / 1e3:.1f} ms); masked sampling on the worker's host "
-          f"{figures['sample_masked_us_median']:.0f} us per step (median)", flush=True)
+          f"{figures['sample_masked_us_median']:.0f} us per step (median); distinct masks per step "
+          f"{figures['distinct_masks_per_step_median']} (median)", flush=True)
 
 
 _REFERENCE: dict = {}  # model directory -> the schema compiled by a fresh XGrammar compiler
