@@ -227,3 +227,28 @@ def test_draft_position_masks_equal_xgrammar(setup) -> None:
         assert request.grammar.num_accepted == len(prefix) and request.grammar.matcher.accept_token(rest[0])
     late, _, _ = draft_masks(backend, config, so, prefix, row_drafts, shift=1)
     assert (late != np.stack(want)).any(axis=1).sum() >= 3
+
+
+def test_a_job_asks_no_matcher_per_row(setup, monkeypatch) -> None:
+    """A step's job makes batched library calls only: each call gives up the GIL and waits to take
+    it back, so per-row calls cost milliseconds beside a busy thread. A matcher is asked whether it
+    terminated only after a stop token (the only way it can), and the mask skips the rows that did."""
+    import xgrammar as xgr
+
+    from tokenmill.core.grammar_job import GrammarJob, GrammarJobRunner
+    tokenizer, backend, config = setup
+    so, outputs = CASES[0]
+    compiled = backend.compile(grammar_spec(so, config.max_schema_bytes))
+    ids = tokenizer(outputs[0], add_special_tokens=False).input_ids
+    grammars = [RequestGrammar(backend.matcher(compiled)) for _ in range(20)]
+    for token in ids:  # the last row has its whole output already: EOS completes it
+        assert grammars[-1].matcher.accept_token(token)
+    asked = []
+    real = xgr.GrammarMatcher.is_terminated
+    monkeypatch.setattr(xgr.GrammarMatcher, "is_terminated", lambda self: asked.append(self) or real(self))
+    feed = [(i, g, [ids[0]]) for i, g in enumerate(grammars[:-1])] + [(19, grammars[-1], [2])]
+    runner = GrammarJobRunner(lambda: backend, (49152 + 31) // 32)
+    result = runner.run(GrammarJob(feed, 1, list(range(20)), grammars, [() for _ in grammars]))
+    assert result.complete == [19] and not result.broken and grammars[-1].terminated
+    assert len(asked) == 1  # the row that took EOS, once
+    assert len(result.mask.rows) // 4 == 19  # the completed row samples unmasked
