@@ -6,6 +6,11 @@ unless the layer has LoRA slots attached (`layer.lora`), and otherwise adds the 
 adapter deltas into y in place. The base layer's code (its linear method) is untouched: LoRA is
 a sum on its output. While a CUDA graph is captured, the shrink (which reads x only) runs on a
 side stream beside the base GEMM, so a replay overlaps them and only the expand follows the GEMM.
+
+`sink` (o_proj, down_proj of one TP rank's whole sum): the float32 residual stream the output is
+added to next. The delta then goes into the sink instead of y, so the whole LoRA (shrink and
+expand) runs beside the base GEMM on the side stream, off the step's critical path; y is the
+base output untouched.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference
 # layers' GEMMs + LoRA in one graph) the side stream saved 5.6 us a layer at 1 token, 16-24 at 64,
 # and cost 2-3 at 256.
 OVERLAP_MAX_TOKENS = 128
+# Captured steps of up to this many tokens run a sink projection's whole LoRA beside its GEMM.
+SINK_OVERLAP_MAX_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_OVERLAP_MAX", "128"))
+# The deltas of o_proj / down_proj go into the residual stream where the model offers it (=0: into y).
+USE_SINK = os.environ.get("TOKENMILL_LORA_SINK", "1") not in ("0", "false", "no")
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
@@ -113,16 +122,23 @@ class LoRASlots:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.forward(x, lambda: y)
 
-    def forward(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """base() (the layer's output for x) plus the step's deltas, added in place."""
+    def forward(self, x: torch.Tensor, base: Callable[[], torch.Tensor], sink: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """base() (the layer's output for x) plus the step's deltas, added in place; with `sink`
+        (a [T, out] tensor y is added to next, before anything reads either) the Triton path adds
+        the deltas there instead and returns base() as it is."""
         batch = self.batch
         if not batch.active or x.shape[0] != batch.num_tokens:
             return base()
         if batch.plan is not None and self.triton:
             from tokenmill.layers.lora.triton_lora import lora_expand
             ahead, batch.ahead = batch.ahead, None
-            if ahead is not None and ahead[0] is x:  # the previous kernel did this shrink
-                planes, y = ahead[1], base()
+            done = ahead[1] if ahead is not None and ahead[0] is x else None  # the previous kernel did this shrink
+            if sink is not None and USE_SINK and sink.shape == (x.shape[0], self.part_starts[-1]) \
+                    and sink.stride(1) == 1:
+                return self._into_sink(x, done, sink, base)
+            if done is not None:
+                planes, y = done, base()
             else:
                 planes, y = self._shrink_and_base(x, base)
             return lora_expand(planes, self.b, batch.plan, y, self.part_starts)
@@ -151,6 +167,23 @@ class LoRASlots:
             return lora_expand_silu(planes, self.b, batch.plan, y)
         return act(self.forward(x, base))
 
+    def _into_sink(self, x: torch.Tensor, planes: torch.Tensor | None, sink: torch.Tensor,
+                   base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """base(), and the deltas (the shrink unless `planes` holds it) added into `sink`: beside
+        base() on the side stream while a small enough CUDA graph is captured."""
+        from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
+        batch = self.batch
+
+        def delta() -> None:
+            done = planes if planes is not None else lora_shrink(x, self.a, batch.plan)
+            lora_expand(done, self.b, batch.plan, sink, self.part_starts)
+        if (batch.side_stream is not None and batch.num_tokens <= SINK_OVERLAP_MAX_TOKENS
+                and torch.cuda.is_current_stream_capturing()):
+            return run_beside(batch.side_stream, delta, base)[1]
+        y = base()
+        delta()
+        return y
+
     def _shrink_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink's planes and base(): side by side while a CUDA graph is captured."""
         from tokenmill.layers.lora.triton_lora import lora_shrink
@@ -178,10 +211,12 @@ def run_beside(side: torch.cuda.Stream, first: Callable, second: Callable) -> tu
     return a, b
 
 
-def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`base()` (the layer's output for `x`) plus the step's LoRA deltas of `layer`, if it has any."""
+def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
+                 sink: torch.Tensor | None = None) -> torch.Tensor:
+    """`base()` (the layer's output for `x`) plus the step's LoRA deltas of `layer`, if it has any;
+    `sink`: the tensor the output is added to next, where the deltas may go instead (`LoRASlots.forward`)."""
     lora = layer.__dict__.get("lora")
-    return base() if lora is None else lora.forward(x, base)
+    return base() if lora is None else lora.forward(x, base, sink)
 
 
 def lora_forward_silu_mul(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
