@@ -247,9 +247,14 @@ def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr
 
 # ---------------------------------------------------------------- per step: the plan
 
+# BLOCK_M of the tile kernels for steps of up to 512 tokens (larger ones: 64). A knob: a step's
+# one adapter would take fewer, larger tiles; many adapters of a few tokens each, smaller ones.
+TILE_ROWS_SMALL = 16
+
+
 def tile_rows(num_tokens: int) -> int:
     """BLOCK_M of the tiles kernels for a step of `num_tokens` tokens."""
-    return 16 if num_tokens <= 512 else 64
+    return TILE_ROWS_SMALL if num_tokens <= 512 else 64
 
 
 def max_tiles(num_tokens: int, num_slots: int) -> int:
@@ -391,12 +396,12 @@ class ShrinkConfig:
 
 def shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int, rows: bool) -> ShrinkConfig:
     return _shrink_config(num_tokens, n, k, num_slots, sm_count, rows, TILE_GRID_FACTOR, TILE_PROGRAMS_PER_SM,
-                          _TILES_MAX_SPLITS)
+                          _TILES_MAX_SPLITS, tile_rows(num_tokens))
 
 
 @functools.cache
 def _shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int, rows: bool, grid_factor: float,
-                   per_sm: int, tiles_max_splits: int) -> ShrinkConfig:
+                   per_sm: int, tiles_max_splits: int, tile_block_m: int) -> ShrinkConfig:
     """K is split so that a few programs per SM run (a decode step has few tokens)."""
     if rows:
         block_n = min(64, triton.next_power_of_2(n))
@@ -405,7 +410,7 @@ def _shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: in
         per_sm = 2
     else:
         block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
-        block_k, block_m, max_splits = _TILES_BLOCK_K, tile_rows(num_tokens), tiles_max_splits
+        block_k, block_m, max_splits = _TILES_BLOCK_K, tile_block_m, tiles_max_splits
         lead = tile_grid(num_tokens, num_slots, grid_factor)
         programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(n, block_n)  # the fewest real tiles
     splits = max(1, min(per_sm * sm_count // programs, triton.cdiv(k, block_k), max_splits))
