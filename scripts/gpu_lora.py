@@ -261,8 +261,9 @@ LAYER_VARIANTS = {
     "noop": (True, -1, "normal", None),
     "engine": (True, None, "normal", None),  # as the engine runs it (the defaults)
     "seq": (True, None, None, None),  # no side stream
-    "nosink": (True, None, "normal", dict(USE_SINK=False)),  # o/down deltas into y (before the sink)
+    "nosink": (True, None, "normal", dict(SINK_MODE="never")),  # o/down deltas into y (before the sink)
     "sink_all": (True, None, "normal", dict(SINK_OVERLAP_MAX_TOKENS=1 << 30)),
+    "sink_seq": (True, None, None, dict(SINK_MODE="always")),  # into the stream, in stream order
     "all_beside": (True, None, "normal", dict(SINK_OVERLAP_MAX_TOKENS=1 << 30, OVERLAP_MAX_TOKENS=1 << 30)),
     "rows32": (True, None, "normal", dict(TILE_ROWS_SMALL=32)),
     "rows64": (True, None, "normal", dict(TILE_ROWS_SMALL=64)),
@@ -270,7 +271,7 @@ LAYER_VARIANTS = {
     "grid2": (True, None, "normal", dict(TILE_GRID_FACTOR=2.0)),
     "nofuse": (True, None, "normal", dict(fuse=False)),
 }
-LORA_LAYER_KNOBS = {"USE_SINK", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
+LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "grid2", "sink_all", "all_beside"}
 
@@ -365,7 +366,11 @@ def layer(results, args) -> None:
         r0 = h0.float() + 0.5
         qkv, y_o, x2, a, y_d = one_layer(w, h0, r0.clone(), True, sink=False)  # deltas into y
         r1 = r0.clone()
-        _, y_o_s, x2_s, a_s, y_d_s = one_layer(w, h0, r1, True)  # sinks: r1 gains both deltas and y_o
+        mode, lora_layer.SINK_MODE = lora_layer.SINK_MODE, "always"  # (eager: by default only beside a GEMM)
+        try:
+            _, y_o_s, x2_s, a_s, y_d_s = one_layer(w, h0, r1, True)  # sinks: r1 gains both deltas and y_o
+        finally:
+            lora_layer.SINK_MODE = mode
         batch.clear()
         m = min(tokens, 64)  # the reference gathers each token's adapter: the first 64 tokens only
 

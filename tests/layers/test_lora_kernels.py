@@ -15,7 +15,7 @@ from tests.helpers.triton_required import require_triton
 
 require_triton()
 
-from tokenmill.layers.lora import triton_lora  # noqa: E402
+from tokenmill.layers.lora import lora_layer, triton_lora  # noqa: E402
 from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots  # noqa: E402
 from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference  # noqa: E402
 from tokenmill.layers.lora.triton_lora import (  # noqa: E402
@@ -243,10 +243,11 @@ def test_silu_kernel_does_the_next_shrink(num_tokens, inter):
 
 
 @pytest.mark.parametrize("num_tokens", [1, 5, 40])
-def test_sink_gets_the_delta_and_y_stays_base(num_tokens):
+def test_sink_gets_the_delta_and_y_stays_base(num_tokens, monkeypatch):
     """With a sink (the float32 stream o_proj's / down_proj's output is added to next), the Triton
     path adds the deltas there and returns base() untouched: y + sink equals the CPU path's; with
     down_proj's shrink done ahead by gate_up's kernel (decode sizes) as well."""
+    monkeypatch.setattr(lora_layer, "SINK_MODE", "always")  # (by default only beside the GEMM: CUDA graphs)
     g = torch.Generator().manual_seed(13)
     batch = LoRABatch(torch.device("cpu"), 3)
     gate_up = LoRASlots(batch, 3, 16, 40, [48, 48], torch.float32, torch.device("cpu"))
@@ -270,6 +271,14 @@ def test_sink_gets_the_delta_and_y_stays_base(num_tokens):
         got = down.forward(out, lambda: base_out.clone(), sink=sink)
         torch.testing.assert_close(got, base_out)  # y: the base output, untouched
         torch.testing.assert_close(got + sink, want, atol=1e-4, rtol=1e-4)
+    # The default: the sink only where the LoRA runs beside the GEMM (a captured graph): else into y.
+    monkeypatch.setattr(lora_layer, "SINK_MODE", "beside")
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    out = gate_up.forward_silu_mul(x, lambda: y.clone(), None)
+    sink = stream.clone()
+    got = down.forward(out, lambda: base_out.clone(), sink=sink)
+    assert torch.equal(sink, stream)
+    torch.testing.assert_close(got + sink, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("knobs", [dict(SILU_TILE_BLOCK_N=128, EXPAND_TILE_BLOCK_N=256),

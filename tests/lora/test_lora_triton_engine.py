@@ -35,6 +35,7 @@ def triton_plans(monkeypatch):
     the decoder layers add each sublayer's output to the stream in the norm, as on CUDA (so
     o_proj's and down_proj's deltas go straight into the stream: `LoRASlots.forward`'s sink)."""
     monkeypatch.setattr(llama, "add_in_matmul", lambda hidden, residual: False)
+    monkeypatch.setattr(lora_layer, "SINK_MODE", "always")  # (by default only beside the GEMM: CUDA graphs)
     prepare = lora_layer.LoRABatch.prepare
 
     def with_plan(self, token_slots, host=None):

@@ -31,8 +31,10 @@ from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference
 OVERLAP_MAX_TOKENS = 128
 # Captured steps of up to this many tokens run a sink projection's whole LoRA beside its GEMM.
 SINK_OVERLAP_MAX_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_OVERLAP_MAX", "128"))
-# The deltas of o_proj / down_proj go into the residual stream where the model offers it (=0: into y).
-USE_SINK = os.environ.get("TOKENMILL_LORA_SINK", "1") not in ("0", "false", "no")
+# Where o_proj's / down_proj's deltas go into the residual stream the model offers (the sink):
+# "beside": only where their LoRA then runs beside the GEMM (else into y: the float32 stream costs
+# twice y's bytes to update, which counts at prefill sizes); "always"; "never".
+SINK_MODE = os.environ.get("TOKENMILL_LORA_SINK", "beside")
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
@@ -134,8 +136,7 @@ class LoRASlots:
             from tokenmill.layers.lora.triton_lora import lora_expand
             ahead, batch.ahead = batch.ahead, None
             done = ahead[1] if ahead is not None and ahead[0] is x else None  # the previous kernel did this shrink
-            if sink is not None and USE_SINK and sink.shape == (x.shape[0], self.part_starts[-1]) \
-                    and sink.stride(1) == 1:
+            if sink is not None and self._use_sink(sink, x):
                 return self._into_sink(x, done, sink, base)
             if done is not None:
                 planes, y = done, base()
@@ -167,6 +168,17 @@ class LoRASlots:
             return lora_expand_silu(planes, self.b, batch.plan, y)
         return act(self.forward(x, base))
 
+    def _use_sink(self, sink: torch.Tensor, x: torch.Tensor) -> bool:
+        if SINK_MODE not in ("beside", "always") or sink.shape != (x.shape[0], self.part_starts[-1]) \
+                or sink.stride(1) != 1:
+            return False
+        return SINK_MODE == "always" or self._sink_beside()
+
+    def _sink_beside(self) -> bool:
+        batch = self.batch
+        return (batch.side_stream is not None and batch.num_tokens <= SINK_OVERLAP_MAX_TOKENS
+                and torch.cuda.is_current_stream_capturing())
+
     def _into_sink(self, x: torch.Tensor, planes: torch.Tensor | None, sink: torch.Tensor,
                    base: Callable[[], torch.Tensor]) -> torch.Tensor:
         """base(), and the deltas (the shrink unless `planes` holds it) added into `sink`: beside
@@ -177,8 +189,7 @@ class LoRASlots:
         def delta() -> None:
             done = planes if planes is not None else lora_shrink(x, self.a, batch.plan)
             lora_expand(done, self.b, batch.plan, sink, self.part_starts)
-        if (batch.side_stream is not None and batch.num_tokens <= SINK_OVERLAP_MAX_TOKENS
-                and torch.cuda.is_current_stream_capturing()):
+        if self._sink_beside():
             return run_beside(batch.side_stream, delta, base)[1]
         y = base()
         delta()
