@@ -271,7 +271,7 @@ LAYER_VARIANTS = {
     "grid2": (True, None, "normal", dict(TILE_GRID_FACTOR=2.0)),
     "nofuse": (True, None, "normal", dict(fuse=False)),
 }
-LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
+LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "grid2", "sink_all", "all_beside"}
 
@@ -560,9 +560,9 @@ def engines(results: dict, args, parts: set[str]) -> None:
     num, inp, out = (12, 32, 8) if SMOKE else (args.prompts, 512, 256)
     if not SMOKE and num != 1000:
         print(f"  NOTE: {num} prompts (the issue's shape is 1000 x 512 x 256)")
-    counts = (1, 4) if SMOKE else (1, 8, 64)
-    max_loras = max(counts)
-    used = max_loras if "engine" in parts else 1  # batch 1 alone: one adapter written and loaded
+    counts = (1, 4) if SMOKE else tuple(int(c) for c in args.engine_adapters.split(","))
+    max_loras = 4 if SMOKE else 64  # (the issue's: max_loras >= the adapters in a step)
+    used = max(counts) if "engine" in parts else 1  # batch 1 alone: one adapter written and loaded
     root = tempfile.mkdtemp(prefix="lora-adapters-")
     start = time.perf_counter()
     folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(8, used))]
@@ -693,6 +693,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (checks that the script runs)")
     ap.add_argument("--layer-tokens", default="1,16,64,256,8192", help="layer: the step sizes")
     ap.add_argument("--layer-variants", default=",".join(LAYER_VARIANTS), help="layer: the variants")
+    ap.add_argument("--engine-adapters", default="1,8,64", help="engine: the adapter mixes timed")
     ap.add_argument("--engine-repeats", type=int, default=2,
                     help="engine: timed runs of the 1-adapter mix (the first before 8 and 64 adapters, "
                          "the others after the base requests); the best is reported")

@@ -31,6 +31,9 @@ from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference
 OVERLAP_MAX_TOKENS = 128
 # Captured steps of up to this many tokens run a sink projection's whole LoRA beside its GEMM.
 SINK_OVERLAP_MAX_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_OVERLAP_MAX", "128"))
+# Eager steps (prefill chunks) of at least this many tokens run it beside the GEMM too (the host's
+# cost of the stream switches is nothing next to such a step's GPU time); default: never.
+SINK_EAGER_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_EAGER_MIN", str(1 << 30)))
 # Where o_proj's / down_proj's deltas go into the residual stream the model offers (the sink):
 # "beside": only where their LoRA then runs beside the GEMM (else into y: the float32 stream costs
 # twice y's bytes to update, which counts at prefill sizes); "always"; "never".
@@ -177,7 +180,7 @@ class LoRASlots:
     def _sink_beside(self) -> bool:
         batch = self.batch
         return (batch.side_stream is not None and batch.num_tokens <= SINK_OVERLAP_MAX_TOKENS
-                and torch.cuda.is_current_stream_capturing())
+                and (batch.num_tokens >= SINK_EAGER_MIN_TOKENS or torch.cuda.is_current_stream_capturing()))
 
     def _into_sink(self, x: torch.Tensor, planes: torch.Tensor | None, sink: torch.Tensor,
                    base: Callable[[], torch.Tensor]) -> torch.Tensor:
