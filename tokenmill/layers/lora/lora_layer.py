@@ -35,8 +35,10 @@ SINK_OVERLAP_MAX_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_OVERLAP_MAX", 
 # cost of the stream switches is nothing next to such a step's GPU time); default: never.
 SINK_EAGER_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_EAGER_MIN", str(1 << 30)))
 # Where o_proj's / down_proj's deltas go into the residual stream the model offers (the sink):
-# "beside": only where their LoRA then runs beside the GEMM (else into y: the float32 stream costs
-# twice y's bytes to update, which counts at prefill sizes); "always"; "never".
+# "beside": in steps of up to SINK_OVERLAP_MAX_TOKENS with a side stream, where captured their
+# LoRA runs beside the GEMM (eager, as the warm-up before a capture, in stream order: the same
+# kernels compile); larger steps add into y (the float32 stream costs twice y's bytes to update,
+# which counts at prefill sizes); "always"; "never".
 SINK_MODE = os.environ.get("TOKENMILL_LORA_SINK", "beside")
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
@@ -175,9 +177,11 @@ class LoRASlots:
         if SINK_MODE not in ("beside", "always") or sink.shape != (x.shape[0], self.part_starts[-1]) \
                 or sink.stride(1) != 1:
             return False
-        return SINK_MODE == "always" or self._sink_beside()
+        batch = self.batch
+        return SINK_MODE == "always" or (batch.side_stream is not None and batch.num_tokens <= SINK_OVERLAP_MAX_TOKENS)
 
     def _sink_beside(self) -> bool:
+        """Whether the sink's LoRA runs on the side stream (captured, or a large eager step)."""
         batch = self.batch
         return (batch.side_stream is not None and batch.num_tokens <= SINK_OVERLAP_MAX_TOKENS
                 and (batch.num_tokens >= SINK_EAGER_MIN_TOKENS or torch.cuda.is_current_stream_capturing()))
