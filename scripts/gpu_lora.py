@@ -269,11 +269,12 @@ LAYER_VARIANTS = {
     "rows64": (True, None, "normal", dict(TILE_ROWS_SMALL=64)),
     "rows64_sink_all": (True, None, "normal", dict(TILE_ROWS_SMALL=64, SINK_OVERLAP_MAX_TOKENS=1 << 30)),
     "grid2": (True, None, "normal", dict(TILE_GRID_FACTOR=2.0)),
+    "rolled": (True, None, "normal", dict(TILE_SPLITS_UNROLL=False)),  # the tile expands' split loop as before
     "nofuse": (True, None, "normal", dict(fuse=False)),
 }
 LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
-TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "grid2", "sink_all", "all_beside"}
+TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "grid2", "sink_all", "all_beside", "rolled"}
 
 
 def layer(results, args) -> None:
