@@ -270,9 +270,12 @@ LAYER_VARIANTS = {
     "rows64_sink_all": (True, None, "normal", dict(TILE_ROWS_SMALL=64, SINK_OVERLAP_MAX_TOKENS=1 << 30)),
     "grid2": (True, None, "normal", dict(TILE_GRID_FACTOR=2.0)),
     "rolled": (True, None, "normal", dict(TILE_SPLITS_UNROLL=False)),  # the tile expands' split loop as before
+    # an eager step of one adapter known on the host: cuBLAS shrink/expand (engine: prefill chunks)
+    "dense": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True)),
+    "dense_sink_all": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, SINK_OVERLAP_MAX_TOKENS=1 << 30)),
     "nofuse": (True, None, "normal", dict(fuse=False)),
 }
-LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
+LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "grid2", "sink_all", "all_beside", "rolled"}
 
@@ -391,9 +394,24 @@ def layer(results, args) -> None:
         # with the sinks: the stream after the layer is the same as with the deltas in y
         want_r = r0[:m] + y_o[:m].float() + y_d[:m].float()
         errs.append(rel(r1 + y_d_s.float(), want_r))
+        if tokens > 512 and adapters == 1 and not SMOKE:  # the dense path of one adapter's eager steps
+            dense, lora_layer.DENSE_MIN_TOKENS = lora_layer.DENSE_MIN_TOKENS, 512
+            try:
+                batch.prepare(mix, mix.cpu().numpy())
+                assert batch.dense_slot == int(mix[0])
+                qkv_d, y_o_d, x2_d, a_d, y_d_d = one_layer(w, h0, r0.clone(), True, sink=False)
+            finally:
+                lora_layer.DENSE_MIN_TOKENS = dense
+                batch.clear()
+            att_d = qkv_d[:, :q]
+            errs += [rel(qkv_d, ref("qkv", h0, torch.mm(h0, w["qkv"].t()))),
+                     rel(y_o_d, ref("o", att_d, torch.mm(att_d, w["o"].t()))),
+                     rel(y_d_d, ref("down", a_d, torch.mm(a_d, w["down"].t())))]
+            gate, up = ref("gate_up", x2_d, torch.mm(x2_d, w["gate_up"].t())).to(dtype).float().chunk(2, dim=1)
+            errs.append(rel(a_d, torch.nn.functional.silu(gate).to(dtype).float() * up))
         check(max(errs) <= (1e-4 if SMOKE else 2e-2),
               f"layer T={tokens} adapters={adapters}: relative error qkv/o/down/gate_up/stream with sinks "
-              f"{['%.1e' % e for e in errs]}")
+              f"(then qkv/o/down/gate_up dense) {['%.1e' % e for e in errs]}")
 
     rows = []
     for tokens in token_counts:
@@ -414,6 +432,9 @@ def layer(results, args) -> None:
                     continue  # (rowsN: the tiles of steps up to 512 tokens)
                 knobs = dict(knobs or {})
                 fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
+                host = mix.cpu().numpy() if knobs.pop("host", False) else None  # (the step's slots known)
+                if host is not None and (tokens <= 512 or adapters > 1):
+                    continue  # (one adapter's large steps only)
                 owner = {k: lora_layer if k in LORA_LAYER_KNOBS else triton_lora for k in knobs}
                 saved = {k: getattr(owner[k], k) for k in knobs}
                 try:
@@ -424,7 +445,7 @@ def layer(results, args) -> None:
 
                     def body():
                         if lora:
-                            batch.prepare(token_slots)
+                            batch.prepare(token_slots, host)
                         out = stack(h0, lora)
                         batch.clear()
                         return out

@@ -281,6 +281,28 @@ def test_sink_gets_the_delta_and_y_stays_base(num_tokens, monkeypatch):
     torch.testing.assert_close(got + sink, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("parts", [[48, 48], [64, 32, 32], [80]])
+def test_dense_path_of_one_slot_steps(parts):
+    """An eager step whose every token has one slot (`DENSE_MIN_TOKENS`: cuBLAS GEMMs on that
+    slot's A and B; gate_up: the shrink a GEMM, the fused activation's kernel after) equals the CPU path."""
+    g = torch.Generator().manual_seed(17)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    slots = LoRASlots(batch, 3, 16, 40, parts, torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for part in range(len(parts)):
+            slots.set_slot(slot, part, torch.randn(8, 40, generator=g), torch.randn(parts[part], 8, generator=g))
+    x, y = torch.randn(40, 40, generator=g), torch.randn(40, sum(parts), generator=g)
+    token_slots = torch.full((40,), 2)
+    batch.prepare(token_slots, token_slots.numpy())  # the CPU path
+    want = slots.forward(x, lambda: y.clone())
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    batch.dense_slot = 2  # (what `prepare` decides on CUDA)
+    torch.testing.assert_close(slots.forward(x, lambda: y.clone()), want, atol=1e-4, rtol=1e-4)
+    if len(parts) == 2:
+        act = slots.forward_silu_mul(x, lambda: y.clone(), None)
+        torch.testing.assert_close(act, torch.nn.functional.silu(want[:, :48]) * want[:, 48:], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("knobs", [dict(SILU_TILE_BLOCK_N=128, EXPAND_TILE_BLOCK_N=256),
                                    dict(TILE_GRID_FACTOR=2.0, TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32),
                                    dict(TILE_GRID_FACTOR=1.0, PLAN_KERNEL_MAX_TOKENS=0),

@@ -40,6 +40,10 @@ SINK_EAGER_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_EAGER_MIN", str(
 # kernels compile); larger steps add into y (the float32 stream costs twice y's bytes to update,
 # which counts at prefill sizes); "always"; "never".
 SINK_MODE = os.environ.get("TOKENMILL_LORA_SINK", "beside")
+# Eager steps of at least this many tokens, every one of one adapter (known on the host: a
+# 1-adapter workload's prefill chunks), run the shrink (and the expand but gate_up's) as cuBLAS
+# GEMMs on that slot's A and B instead of the tile kernels.
+DENSE_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_DENSE_MIN", str(1 << 30)))
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
@@ -58,6 +62,7 @@ class LoRABatch:
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # CPU: (slot, its tokens)
         self.token_slots: torch.Tensor | None = None
         self.num_tokens = 0
+        self.dense_slot: int | None = None  # every token of this eager step has this slot (`DENSE_MIN_TOKENS`)
         self.shapes: set[tuple[int, int]] = set()  # every projection's (parts * R, in_features)
         # A shrink done ahead by the previous projection's kernel: (its input, its planes), consumed
         # by the projection whose input that exact tensor is (gate_up's activation -> down_proj).
@@ -73,6 +78,7 @@ class LoRABatch:
         on the host when known (eager steps), so a step without adapters skips LoRA entirely."""
         self.num_tokens = token_slots.shape[0]
         self.ahead = None
+        self.dense_slot = None
         if host is not None and not (host >= 0).any():
             self.active = False
             return
@@ -80,6 +86,8 @@ class LoRABatch:
         self.token_slots = token_slots
         if self.device.type == "cuda":
             self.plan = None
+            if host is not None and self.num_tokens >= DENSE_MIN_TOKENS and host[0] >= 0 and (host == host[0]).all():
+                self.dense_slot = int(host[0])
             if triton_ops.enabled(token_slots) and self.num_slots:
                 from tokenmill.layers.lora.triton_lora import plan_step
                 self.plan = plan_step(token_slots, self.num_slots, self.shapes)
@@ -95,6 +103,7 @@ class LoRABatch:
         self.active = False
         self.plan = None
         self.ahead = None
+        self.dense_slot = None
 
 
 class LoRASlots:
@@ -139,6 +148,8 @@ class LoRASlots:
             return base()
         if batch.plan is not None and self.triton:
             from tokenmill.layers.lora.triton_lora import lora_expand
+            if batch.dense_slot is not None:
+                return self._dense(x, base(), batch.dense_slot)
             ahead, batch.ahead = batch.ahead, None
             done = ahead[1] if ahead is not None and ahead[0] is x else None  # the previous kernel did this shrink
             if sink is not None and self._use_sink(sink, x):
@@ -163,6 +174,9 @@ class LoRASlots:
         halves = len(self.part_starts) == 3 and 2 * self.part_starts[1] == self.part_starts[2]
         if batch.active and x.shape[0] == batch.num_tokens and batch.plan is not None and self.triton and halves:
             from tokenmill.layers.lora.triton_lora import can_fuse_next_shrink, lora_expand_silu
+            if batch.dense_slot is not None:  # the shrink one GEMM (a plane: no K splits), the rest fused
+                planes = torch.mm(x, self.a[batch.dense_slot].t()).float().unsqueeze(0)
+                return lora_expand_silu(planes, self.b, batch.plan, base())
             planes, y = self._shrink_and_base(x, base)
             inter = self.part_starts[1]
             if (then is not None and then.triton and then.batch is batch and FUSE_NEXT_SHRINK
@@ -172,6 +186,15 @@ class LoRASlots:
                 return out
             return lora_expand_silu(planes, self.b, batch.plan, y)
         return act(self.forward(x, base))
+
+    def _dense(self, x: torch.Tensor, y: torch.Tensor, slot: int) -> torch.Tensor:
+        """y += the deltas of one slot for every token: a GEMM for the shrink, one per part adding
+        into y's columns (cuBLAS's beta = 1: y read and written once)."""
+        shrunk = torch.mm(x, self.a[slot].t())
+        b, rank = self.b[slot], self.rank
+        for i, (lo, hi) in enumerate(zip(self.part_starts[:-1], self.part_starts[1:])):
+            y[:, lo:hi].addmm_(shrunk[:, i * rank:(i + 1) * rank], b[lo:hi].t())
+        return y
 
     def _use_sink(self, sink: torch.Tensor, x: torch.Tensor) -> bool:
         if SINK_MODE not in ("beside", "always") or sink.shape != (x.shape[0], self.part_starts[-1]) \
