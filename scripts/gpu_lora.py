@@ -272,6 +272,7 @@ LAYER_VARIANTS = {
     "rolled": (True, None, "normal", dict(TILE_SPLITS_UNROLL=False)),  # the tile expands' split loop as before
     # an eager step of one adapter known on the host: cuBLAS shrink/expand (engine: prefill chunks)
     "dense": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True)),
+    "tiles_eager": (True, None, "normal", dict(DENSE_MIN_TOKENS=1 << 30, host=True)),  # the same without it
     "dense_sink_all": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, SINK_OVERLAP_MAX_TOKENS=1 << 30)),
     "nofuse": (True, None, "normal", dict(fuse=False)),
 }
@@ -427,6 +428,8 @@ def layer(results, args) -> None:
                 lora, fixed, stream, knobs = LAYER_VARIANTS[variant]
                 if not lora and adapters != 1:
                     continue
+                if tokens > 1024 and adapters > 1 and variant not in ("engine", "nosink", "sink_all"):
+                    continue  # (prefill sizes: the knobs of one adapter)
                 if (tokens > 16 and variant in DECODE_ONLY) or (tokens <= 16 and variant in TILES_ONLY) or \
                         (tokens > 512 and variant.startswith("rows")):
                     continue  # (rowsN: the tiles of steps up to 512 tokens)

@@ -43,7 +43,7 @@ SINK_MODE = os.environ.get("TOKENMILL_LORA_SINK", "beside")
 # Eager steps of at least this many tokens, every one of one adapter (known on the host: a
 # 1-adapter workload's prefill chunks), run the shrink (and the expand but gate_up's) as cuBLAS
 # GEMMs on that slot's A and B instead of the tile kernels.
-DENSE_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_DENSE_MIN", str(1 << 30)))
+DENSE_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_DENSE_MIN", "1024"))
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
