@@ -268,6 +268,7 @@ LAYER_VARIANTS = {
     "rows32": (True, None, "normal", dict(TILE_ROWS_SMALL=32)),
     "rows64": (True, None, "normal", dict(TILE_ROWS_SMALL=64)),
     "rows64_sink_all": (True, None, "normal", dict(TILE_ROWS_SMALL=64, SINK_OVERLAP_MAX_TOKENS=1 << 30)),
+    "rows64s16": (True, None, "normal", dict(TILE_ROWS_SMALL=64, _TILES_MAX_SPLITS=16)),
     "grid2": (True, None, "normal", dict(TILE_GRID_FACTOR=2.0)),
     "rolled": (True, None, "normal", dict(TILE_SPLITS_UNROLL=False)),  # the tile expands' split loop as before
     # an eager step of one adapter known on the host: cuBLAS shrink/expand (engine: prefill chunks)
@@ -278,7 +279,7 @@ LAYER_VARIANTS = {
 }
 LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
-TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "grid2", "sink_all", "all_beside", "rolled"}
+TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "rolled"}
 
 
 def layer(results, args) -> None:
