@@ -630,8 +630,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
     # Warm-up of every configuration before any timing: the step sizes of the timed runs (the
     # prompt chunks mixed with decodes) compile their Triton specializations here, not inside
     # the first timed run that meets them (an earlier run's 1-adapter figure paid for them).
-    warm_batch = prompts[:min(num, 300)]
-    warm_params = SamplingParams(temperature=0.0, max_tokens=min(out, 24), ignore_eos=True, detokenize=False)
+    warm_batch = prompts[:min(num, 128)]
+    warm_params = SamplingParams(temperature=0.0, max_tokens=min(out, 16), ignore_eos=True, detokenize=False)
 
     def warm(llm, lora_request, batch=warm_batch) -> None:
         llm.generate(batch, warm_params, use_tqdm=False, lora_request=lora_request)

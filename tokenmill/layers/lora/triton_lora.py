@@ -122,11 +122,11 @@ def _shrink_tiles_kernel(x_ptr, a_ptr, out_ptr, order_ptr, tiles_ptr, count_ptr,
                      mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["MAX_TILES", "GRID_M"])
+@triton.jit(do_not_specialize=["MAX_TILES", "GRID_M", "SPLITS"])
 def _expand_tiles_kernel(t_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, count_ptr, MAX_TILES, GRID_M, N, P1, P2,
-                         SPLITS: tl.constexpr, stride_split, stride_tt, stride_bs, stride_bn, stride_yt,
+                         SPLITS, stride_split, stride_tt, stride_bs, stride_bn, stride_yt,
                          RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-                         UNROLL: tl.constexpr):
+                         UNROLL: tl.constexpr, SPLITS_MAX: tl.constexpr):
     """Program (i, n): for tiles i, i + GRID_M, ...: the tile's shrink (planes summed once) times
     its slot's B block, into y."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -146,8 +146,9 @@ def _expand_tiles_kernel(t_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, count_ptr, M
             t_ptrs = t_ptr + rows[:, None] * stride_tt + part * RANK + r[None, :]
             shrunk = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
             if UNROLL:  # the planes' loads issued back to back, not one load's latency after another
-                for split in tl.static_range(SPLITS):
-                    shrunk += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
+                for split in tl.static_range(SPLITS_MAX):  # (masked past SPLITS: one compile for every step size)
+                    live = m_ok[:, None] & (tl.full((BLOCK_M, 1), split, tl.int32) < SPLITS)
+                    shrunk += tl.load(t_ptrs + split * stride_split, mask=live, other=0.0)
             else:
                 for split in range(0, SPLITS):
                     shrunk += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
@@ -207,11 +208,11 @@ def _expand_silu_rows_kernel(t_ptr, b_ptr, y_ptr, out_ptr, slots_ptr, I, SPLITS,
             tl.store(t2_ptr + pid_n * stride_t2split + t * stride_t2t + n2, part, mask=n2 < N2)
 
 
-@triton.jit(do_not_specialize=["MAX_TILES", "GRID_M"])
+@triton.jit(do_not_specialize=["MAX_TILES", "GRID_M", "SPLITS"])
 def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr, count_ptr, MAX_TILES, GRID_M, I,
-                              SPLITS: tl.constexpr, stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
+                              SPLITS, stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
                               RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              IEEE: tl.constexpr, UNROLL: tl.constexpr):
+                              IEEE: tl.constexpr, UNROLL: tl.constexpr, SPLITS_MAX: tl.constexpr):
     """Program (i, n): for tiles i, i + GRID_M, ...: the activation of the tile's rows, columns n;
     tiles of tokens without an adapter (slot -1) get no delta."""
     dtype = y_ptr.dtype.element_ty
@@ -235,9 +236,10 @@ def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr
             s_gate = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
             s_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
             if UNROLL:
-                for split in tl.static_range(SPLITS):
-                    s_gate += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
-                    s_up += tl.load(t_ptrs + split * stride_split + RANK, mask=m_ok[:, None], other=0.0)
+                for split in tl.static_range(SPLITS_MAX):
+                    live = m_ok[:, None] & (tl.full((BLOCK_M, 1), split, tl.int32) < SPLITS)
+                    s_gate += tl.load(t_ptrs + split * stride_split, mask=live, other=0.0)
+                    s_up += tl.load(t_ptrs + split * stride_split + RANK, mask=live, other=0.0)
             else:
                 for split in range(0, SPLITS):
                     s_gate += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
@@ -375,6 +377,11 @@ TILE_PROGRAMS_PER_SM = 2
 # splits are a shape's constant): on an H200 each split cost about 0.7 us a layer at 256 tokens
 # in the rolled loop (32 splits vs 8: +16 us).
 TILE_SPLITS_UNROLL = True
+
+
+def _splits_max(splits: int) -> int:
+    """The unrolled split loop's length: the tile shrink's most splits (a knob), so one compile serves every step."""
+    return max(splits, _TILES_MAX_SPLITS)
 SILU_TILE_BLOCK_N = 64  # columns of gate (and of up) per program of the fused activation's tiles
 EXPAND_TILE_BLOCK_N = 128  # the widest column block of the expand's tiles (it must divide the parts)
 
@@ -539,6 +546,7 @@ def lora_expand(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.
                                    planes.stride(0), planes.stride(1), b.stride(0), b.stride(1), y.stride(0),
                                    RANK=rank, BLOCK_M=tile_rows(num_tokens), BLOCK_N=block_n,
                                    IEEE=b.dtype == torch.float32, UNROLL=TILE_SPLITS_UNROLL,
+                                   SPLITS_MAX=_splits_max(splits),
                                    num_warps=_tile_warps(tile_rows(num_tokens), block_n))
     return y
 
@@ -590,5 +598,6 @@ def lora_expand_silu(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: t
             planes, b, y, out, plan.order, plan.tiles, plan.count, plan.tiles.shape[1], plan.grid_m, inter, splits, planes.stride(0), planes.stride(1),
             b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_M=tile_rows(num_tokens),
             BLOCK_N=block_n, IEEE=b.dtype == torch.float32, UNROLL=TILE_SPLITS_UNROLL,
+            SPLITS_MAX=_splits_max(splits),
             num_warps=_tile_warps(tile_rows(num_tokens), 2 * block_n))
     return out
