@@ -270,7 +270,7 @@ LAYER_VARIANTS = {
     "rows64_sink_all": (True, None, "normal", dict(TILE_ROWS_SMALL=64, SINK_OVERLAP_MAX_TOKENS=1 << 30)),
     "rows64s16": (True, None, "normal", dict(TILE_ROWS_SMALL=64, _TILES_MAX_SPLITS=16)),
     "grid2": (True, None, "normal", dict(TILE_GRID_FACTOR=2.0)),
-    "rolled": (True, None, "normal", dict(TILE_SPLITS_UNROLL=False)),  # the tile expands' split loop as before
+    "unrolled": (True, None, "normal", dict(TILE_SPLITS_UNROLL=True)),  # the tile expands' split loop unrolled
     # an eager step of one adapter known on the host: cuBLAS shrink/expand (engine: prefill chunks)
     "dense": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True)),
     "tiles_eager": (True, None, "normal", dict(DENSE_MIN_TOKENS=1 << 30, host=True)),  # the same without it
@@ -279,7 +279,7 @@ LAYER_VARIANTS = {
 }
 LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
-TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "rolled"}
+TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled"}
 
 
 def layer(results, args) -> None:
@@ -601,7 +601,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
     used = max(counts) if "engine" in parts else 1  # batch 1 alone: one adapter written and loaded
     root = tempfile.mkdtemp(prefix="lora-adapters-")
     start = time.perf_counter()
-    folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(8, used))]
+    # (4 folders: the 64 adapters are 64 ids over them, each loaded into a slot of its own)
+    folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(4, used))]
     print(f"  wrote {len(folders)} rank-16 adapter folders in {time.perf_counter() - start:.1f} s")
     loras = [LoRARequest(f"adapter{i}", i + 1, folders[i % len(folders)]) for i in range(max_loras)]
     prompts = [{"prompt_token_ids": p} for p in

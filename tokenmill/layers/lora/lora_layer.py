@@ -26,11 +26,13 @@ from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference
 
 
 # Captured steps of more tokens run the shrink in stream order (no side stream): on an H200 (32
-# layers' GEMMs + LoRA in one graph) the side stream saved 5.6 us a layer at 1 token, 16-24 at 64,
-# and cost 2-3 at 256.
-OVERLAP_MAX_TOKENS = 128
-# Captured steps of up to this many tokens run a sink projection's whole LoRA beside its GEMM.
-SINK_OVERLAP_MAX_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_OVERLAP_MAX", "128"))
+# layers' GEMMs + LoRA in one graph) the side stream saved 5.6 us a layer at 1 token, 16-24 at 64;
+# at 256 it cost 2-3 with the deltas into y, and saved 2 with o's / down's going into the stream.
+OVERLAP_MAX_TOKENS = 256
+# Captured steps of up to this many tokens run a sink projection's whole LoRA beside its GEMM (H200,
+# per layer: 5.5 us saved at 1 token, 4-5 at 256 tokens of 1 or 8 adapters, nothing at 64 adapters;
+# at 8192 tokens it cost 150-200).
+SINK_OVERLAP_MAX_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_OVERLAP_MAX", "256"))
 # Eager steps (prefill chunks) of at least this many tokens run it beside the GEMM too (the host's
 # cost of the stream switches is nothing next to such a step's GPU time); default: never.
 SINK_EAGER_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_EAGER_MIN", str(1 << 30)))
@@ -42,7 +44,8 @@ SINK_EAGER_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_EAGER_MIN", str(
 SINK_MODE = os.environ.get("TOKENMILL_LORA_SINK", "beside")
 # Eager steps of at least this many tokens, every one of one adapter (known on the host: a
 # 1-adapter workload's prefill chunks), run the shrink (and the expand but gate_up's) as cuBLAS
-# GEMMs on that slot's A and B instead of the tile kernels.
+# GEMMs on that slot's A and B instead of the tile kernels (H200, 8192 tokens: 6293 vs 6394 us a
+# layer, the same graph on the tiles; the run-to-run spread there is about 100).
 DENSE_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_DENSE_MIN", "1024"))
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")

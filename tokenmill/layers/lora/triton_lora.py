@@ -373,10 +373,10 @@ TILE_GRID_FACTOR: float | None = None
 # The shrink splits K until about this many programs per SM run; more splits cost more in the
 # expand, which sums the planes (H200: 4 per SM and 16 splits, or 8 and 32, were slower).
 TILE_PROGRAMS_PER_SM = 2
-# The tile expands sum the shrink's K-split planes in an unrolled loop (loads back to back; the
-# splits are a shape's constant): on an H200 each split cost about 0.7 us a layer at 256 tokens
-# in the rolled loop (32 splits vs 8: +16 us).
-TILE_SPLITS_UNROLL = True
+# The tile expands sum the shrink's K-split planes in a loop; unrolled (loads back to back) it was
+# slower on an H200 (gpu_lora layer, 256 tokens: 272 vs 247 us a layer with 1 adapter, 375 vs 312
+# with 64; the unrolled loop of a constexpr split count), so it stays rolled by default.
+TILE_SPLITS_UNROLL = False
 
 
 def _splits_max(splits: int) -> int:
