@@ -277,7 +277,8 @@ LAYER_VARIANTS = {
     "dense_sink_all": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, SINK_OVERLAP_MAX_TOKENS=1 << 30)),
     "nofuse": (True, None, "normal", dict(fuse=False)),
 }
-LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS", "OVERLAP_MAX_TOKENS"}
+LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
+                    "OVERLAP_MAX_TOKENS"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled"}
 

@@ -377,13 +377,14 @@ TILE_PROGRAMS_PER_SM = 2
 # slower on an H200 (gpu_lora layer, 256 tokens: 272 vs 247 us a layer with 1 adapter, 375 vs 312
 # with 64; the unrolled loop of a constexpr split count), so it stays rolled by default.
 TILE_SPLITS_UNROLL = False
+SILU_TILE_BLOCK_N = 64  # columns of gate (and of up) per program of the fused activation's tiles
+EXPAND_TILE_BLOCK_N = 128  # the widest column block of the expand's tiles (it must divide the parts)
 
 
 def _splits_max(splits: int) -> int:
-    """The unrolled split loop's length: the tile shrink's most splits (a knob), so one compile serves every step."""
+    """The unrolled split loop's length: the tile shrink's most splits (a knob), so one compile
+    serves every step size."""
     return max(splits, _TILES_MAX_SPLITS)
-SILU_TILE_BLOCK_N = 64  # columns of gate (and of up) per program of the fused activation's tiles
-EXPAND_TILE_BLOCK_N = 128  # the widest column block of the expand's tiles (it must divide the parts)
 
 
 def tile_grid(num_tokens: int, num_slots: int, factor: float | None | str = "default") -> int:
