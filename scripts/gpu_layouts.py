@@ -12,6 +12,9 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
           one-shot + the Triton add + norm (checked against its torch reference, chained, timed).
   batch1  batch 1 (one prompt at a time, 512 in x 256 out): ms per output token of one GPU, TP=2
           (fused all-reduce + norm) and TP=2 with them apart (tp2-unfused); goal TP=2 <= 0.6x.
+  profile batch1 with a torch.profiler window over 32 decode steps on every rank: per-step device time
+          of each kernel group (GEMMs, attention, norms, all-reduce, rope, sampling, copies, others),
+          launch gaps, host gaps and the gap between steps; one GPU beside TP=2 (off by default).
   bench   Llama-3.1-8B shape, dummy bfloat16 weights, 1000 prompts x 512 in x 256 out, one GPU,
           TP=2 and PP=2 at the same --max-num-seqs (scripts/device_check.py's pbench runs): output
           tok/s and the ratios to one GPU (targets TP=2 >= 1.75x, PP=2 >= 1.85x: reported, not
@@ -113,8 +116,9 @@ _STEP_KEYS = ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "devic
 
 
 def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], workload: tuple[int, int, int],
-          label: str) -> None:
-    """`layouts` on the 8B shape at the same max_num_seqs, in one call; ratios to tp1."""
+          label: str, env_of=lambda name: {}) -> None:
+    """`layouts` on the 8B shape at the same max_num_seqs, in one call; ratios to tp1. `env_of(name)`:
+    more environment for a layout's run."""
     shape = "llama8b-smoke" if smoke else "llama8b"
     n, lin, lout = (min(workload[0], 8), 16, 8) if smoke else workload
     extra = ["--max-num-seqs", str(max_num_seqs), "--warmup", "0"]
@@ -123,6 +127,7 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
     figures: dict[str, dict] = {}
     for name in layouts:
         flags, env = _BENCH_LAYOUTS[name]
+        env = {**env, **env_of(name)}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -139,7 +144,7 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
     ratios = {k: (v["output_tokens_per_s"] / one if v.get("output_tokens_per_s") and one else None)
               for k, v in figures.items() if k != "tp1"}
     tpot = {k: v.get("tpot_ms_p50") for k, v in figures.items()}
-    if label == "batch1":  # ms per output token against one GPU's (goal: TP=2 <= 0.6x)
+    if label.startswith("batch1"):  # ms per output token against one GPU's (goal: TP=2 <= 0.6x)
         ratios = {k: (t / tpot["tp1"] if t and tpot.get("tp1") else None) for k, t in tpot.items() if k != "tp1"}
     step = {k: v.get("device_step_ms_p50") for k, v in figures.items()}
     all_reduce_ms = (step["tp2"] - step["tp2-no-all-reduce"]
@@ -150,7 +155,7 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
                                   "ratio_to_one_gpu": ratios, "targets": targets,
                                   "all_reduce_ms_per_decode_step_p50": all_reduce_ms,
                                   "fusion_saves_ms_per_token": fusion_ms,
-                                  "ratio_kind": "ms per token" if label == "batch1" else "output tok/s"}
+                                  "ratio_kind": "ms per token" if label.startswith("batch1") else "output tok/s"}
     print(f"{label}: {n} x {lin} x {lout}, max_num_seqs {max_num_seqs}")
     print(f"{'layout':<18} {'out tok/s':>10} {'x one GPU':>10} {'target':>7} {'tpot p50':>9} {'step p50':>9}")
     for name, fig in figures.items():
@@ -162,12 +167,57 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
         for i, stage in enumerate((fig.get("pipeline") or {}).get("stages") or []):
             print(f"  {name} stage {i}: busy {stage.get('busy_s', 0):.2f} s, idle {stage.get('idle_s', 0):.2f} s, "
                   f"bubble {stage.get('bubble_fraction', 0):.1%} (goal < 3%)")
-    if label == "batch1":
+    if label.startswith("batch1"):
         print("(batch1: 'x one GPU' is ms per output token over one GPU's)")
     if fusion_ms is not None:
         print(f"fused all-reduce + add + RMSNorm saves {fusion_ms:.3f} ms per token (tp2-unfused - tp2, tpot p50)")
     if all_reduce_ms is not None:
         print(f"all-reduces per decode step (tp2 - tp2-no-all-reduce, device step p50): {all_reduce_ms:.3f} ms")
+
+
+def profile(results: dict, smoke: bool, layouts: list[str], prompts: int) -> None:
+    """Batch 1 (as the batch1 part) with a torch.profiler window over 32 graph-replayed decode steps
+    of the first prompt on every rank (TOKENMILL_DEVICE_PROFILE, tokenmill/worker/device_profile.py):
+    per step, each kernel group's device time, and the idle time split into launch gaps, host gaps
+    inside the step and the gap between steps (tokenmill/benchmarks/step_profile.py). The all-reduce
+    group of TP=2 is the all-reduces' device time per decode step."""
+    from tokenmill.benchmarks import step_profile
+    from tokenmill.worker.device_profile import ENV_VAR
+    window = dict(batch=1, skip=2, steps=3) if smoke else dict(batch=1, skip=64, steps=32)
+
+    def env_of(name: str) -> dict:
+        return {ENV_VAR: json.dumps({"out_dir": os.path.join(OUT, f"profile_{name}"), **window})}
+
+    bench(results, smoke, 1, layouts, (prompts, 512, 256), "batch1_profiled", env_of)
+    figures = {}
+    for name in layouts:
+        ranks = sorted(f for f in os.listdir(os.path.join(OUT, f"profile_{name}"))
+                       if f.startswith("rank")) if os.path.isdir(os.path.join(OUT, f"profile_{name}")) else []
+        for file in ranks:
+            with open(os.path.join(OUT, f"profile_{name}", file)) as f:
+                a = step_profile.analyze(json.load(f))
+            text = step_profile.format_report(f"{name} batch 1", a)
+            print(text, flush=True)
+            with open(os.path.join(OUT, f"profile_{name}_{file[:-5]}.txt"), "w") as f:
+                f.write(text + "\n")
+            figures[f"{name}_{file[:-5]}"] = a
+        if not ranks:
+            print(f"{name}: no profile written")
+    results["profile_batch1"] = figures
+    one, tp = figures.get("tp1_rank0"), figures.get("tp2_rank0")
+    if one and tp:
+        print(f"{'per step (us)':<22} {'one GPU':>9} {'TP=2':>9} {'TP/one':>7}")
+        rows = [("device period", "period_us"), ("kernels", "kernel_us"), ("launch gaps", "launch_gaps_us"),
+                ("host gaps in step", "host_gaps_us"), ("between steps", "between_steps_us")]
+        rows += [(g, g) for g in sorted(set(one["groups_us"]) | set(tp["groups_us"]),
+                                      key=lambda g: -tp["groups_us"].get(g, 0))]
+        for label, key in rows:
+            x = one.get(key, one["groups_us"].get(key, 0.0))
+            y = tp.get(key, tp["groups_us"].get(key, 0.0))
+            print(f"{label:<22} {x:9.1f} {y:9.1f} {y / x if x else float('nan'):7.3f}")
+        print(f"kernels per step: one GPU {one['kernels_per_step']:.0f}, TP=2 {tp['kernels_per_step']:.0f}; "
+              f"all-reduce per decode step (TP=2 rank 0, from the trace): {tp['groups_us'].get('all_reduce', 0):.1f} us "
+              f"in {tp['groups_calls'].get('all_reduce', 0):.0f} calls")
 
 
 def all_reduce(results: dict, smoke: bool, sizes_kib: str | None) -> bool:
@@ -217,10 +267,12 @@ def main() -> int:
             bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput")
         elif part == "batch1":
             bench(results, args.smoke, 1, args.batch1_layouts.split(","), (args.batch1_prompts, 512, 256), "batch1")
+        elif part == "profile":
+            profile(results, args.smoke, args.batch1_layouts.split(","), args.batch1_prompts)
         elif part == "allreduce":
             ok = all_reduce(results, args.smoke, args.ar_sizes_kib) and ok
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, batch1, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, batch1, profile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)

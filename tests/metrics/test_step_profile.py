@@ -1,0 +1,46 @@
+"""The decode-step profile's analysis (tokenmill/benchmarks/step_profile.py) on a made-up timeline."""
+
+import pytest
+
+from tokenmill.benchmarks import step_profile
+
+
+def _step(t0: float) -> list[list]:
+    """One step after the marker at t0: a GEMM, a norm 1 us later, an all-reduce after a 20 us host
+    gap, its last work ending 14 us before the next marker (at t0 + 100)."""
+    return [["nvjet_sm90_tst_64x8", t0 + 5, 20.0], ["_rms_norm_kernel", t0 + 26, 10.0],
+            ["one_shot_all_reduce_kernel", t0 + 56, 30.0]]
+
+
+def test_steps_are_cut_at_markers_and_gaps_split_by_length():
+    events = [["spin_kernel", t, 0.5] for t in (0.0, 100.0, 200.0)] + _step(0.0) + _step(100.0)
+    a = step_profile.analyze({"rank": 0, "events": events, "marker": "spin_kernel"}, host_gap_us=8.0)
+    assert a["steps"] == 2
+    assert a["period_us"] == pytest.approx(100.0)
+    assert a["kernel_us"] == pytest.approx(60.0) and a["busy_us"] == pytest.approx(60.0)
+    assert a["groups_us"] == pytest.approx({"all_reduce": 30.0, "gemm": 20.0, "norm": 10.0})
+    assert a["kernels_per_step"] == pytest.approx(3.0)
+    assert a["launch_gaps_us"] == pytest.approx(1.0) and a["launch_gaps_per_step"] == pytest.approx(1.0)
+    assert a["host_gaps_us"] == pytest.approx(20.0) and a["host_gaps_per_step"] == pytest.approx(1.0)
+    assert a["between_steps_us"] == pytest.approx(5.0 + 14.0)
+    assert a["idle_us"] == pytest.approx(a["launch_gaps_us"] + a["host_gaps_us"] + a["between_steps_us"])
+    assert a["largest_host_gaps"][0]["after"] == "_rms_norm_kernel"
+    assert a["largest_host_gaps"][0]["before"] == "one_shot_all_reduce_kernel"
+
+
+def test_overlapping_events_count_once_as_busy():
+    events = [["spin_kernel", 0.0, 0.5], ["nvjet_a", 2.0, 10.0], ["Memcpy DtoH", 5.0, 10.0], ["spin_kernel", 20.0, 0.5]]
+    a = step_profile.analyze({"events": events})
+    assert a["busy_us"] == pytest.approx(13.0) and a["kernel_us"] == pytest.approx(20.0)
+    assert a["groups_us"] == pytest.approx({"gemm": 10.0, "copies": 10.0})
+
+
+@pytest.mark.parametrize("name, group", [
+    ("_all_reduce_add_rms_norm_kernel", "all_reduce"), ("ncclDevKernel_AllReduce_Sum_bf16", "all_reduce"),
+    ("_paged_attention_kernel", "attention"), ("_reduce_splits_kernel", "attention"),
+    ("_write_kv_kernel", "kv_write"), ("_rotary_kernel", "rope"), ("_silu_and_mul_kernel", "activation"),
+    ("void cublasLt::splitKreduce_kernel<32, 16>", "gemm"), ("Memcpy HtoD (Pinned -> Device)", "copies"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>", "sampling"),
+])
+def test_kernel_groups(name, group):
+    assert step_profile.group_of(name) == group
