@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -106,6 +107,9 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     # The same TP=2 steps with every all-reduce skipped (wrong outputs, same shapes and lengths:
     # --ignore-eos): the device step's difference from tp2 is what the all-reduces cost a step.
     "tp2-no-all-reduce": (["--tensor-parallel-size", "2"], {"TOKENMILL_BENCH_SKIP_ALL_REDUCE": "1"}),
+    # TP=2 with the rotary and the KV-cache write as two kernels (A/B of their fusion).
+    "tp2-rope-apart": (["--tensor-parallel-size", "2"], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
+    "tp1-rope-apart": ([], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
     "pp2": (["--pipeline-parallel-size", "2"], {}),
     # Three micro-batches on two stages: the host's turn-around between a stage's batches hidden.
     "pp2-mb3": (["--pipeline-parallel-size", "2", "--pp-microbatches", "3"], {}),
@@ -188,9 +192,11 @@ def profile(results: dict, smoke: bool, layouts: list[str], prompts: int) -> Non
     def env_of(name: str) -> dict:
         return {ENV_VAR: json.dumps({"out_dir": os.path.join(OUT, f"profile_{name}"), **window})}
 
-    bench(results, smoke, 1, layouts, (prompts, 512, 256), "batch1_profiled", env_of)
-    figures = {}
-    for name in layouts:
+    figures, tpot = {}, {}
+    for name in layouts:  # one bench call each, its profile read at once (a run cut short keeps them)
+        shutil.rmtree(os.path.join(OUT, f"profile_{name}"), ignore_errors=True)  # not an earlier run's
+        bench(results, smoke, 1, [name], (prompts, 512, 256), "batch1_profiled", env_of)
+        tpot[name] = results["layout_batch1_profiled"]["layouts"][name].get("tpot_ms_p50")
         ranks = sorted(f for f in os.listdir(os.path.join(OUT, f"profile_{name}"))
                        if f.startswith("rank")) if os.path.isdir(os.path.join(OUT, f"profile_{name}")) else []
         for file in ranks:
@@ -203,7 +209,12 @@ def profile(results: dict, smoke: bool, layouts: list[str], prompts: int) -> Non
             figures[f"{name}_{file[:-5]}"] = a
         if not ranks:
             print(f"{name}: no profile written")
-    results["profile_batch1"] = figures
+        results["profile_batch1"] = {"tpot_ms_p50": tpot, "ranks": figures}
+        with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    print("batch 1 (profiled runs), ms per token p50: " + ", ".join(
+        f"{k} {v:.3f}" + (f" ({v / tpot['tp1']:.3f}x one GPU)" if k != "tp1" and tpot.get("tp1") else "")
+        for k, v in tpot.items() if v))
     one, tp = figures.get("tp1_rank0"), figures.get("tp2_rank0")
     if one and tp:
         print(f"{'per step (us)':<22} {'one GPU':>9} {'TP=2':>9} {'TP/one':>7}")
