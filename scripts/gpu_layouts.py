@@ -179,36 +179,44 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
         print(f"all-reduces per decode step (tp2 - tp2-no-all-reduce, device step p50): {all_reduce_ms:.3f} ms")
 
 
+def read_profiles(folder: str, label: str) -> dict:
+    """Every rank's profile under $OUT/`folder`, analyzed, printed and written beside it as text."""
+    from tokenmill.benchmarks import step_profile
+    path = os.path.join(OUT, folder)
+    ranks = sorted(f for f in os.listdir(path) if f.startswith("rank")) if os.path.isdir(path) else []
+    figures = {}
+    for file in ranks:
+        with open(os.path.join(path, file)) as f:
+            a = step_profile.analyze(json.load(f))
+        text = step_profile.format_report(label, a)
+        print(text, flush=True)
+        with open(os.path.join(OUT, f"{folder}_{file[:-5]}.txt"), "w") as f:
+            f.write(text + "\n")
+        figures[f"{folder}_{file[:-5]}".removeprefix("profile_")] = a
+    if not ranks:
+        print(f"{label}: no profile written")
+    return figures
+
+
+def profile_env(folder: str, window: dict) -> dict:
+    from tokenmill.worker.device_profile import ENV_VAR
+    shutil.rmtree(os.path.join(OUT, folder), ignore_errors=True)  # not an earlier run's
+    return {ENV_VAR: json.dumps({"out_dir": os.path.join(OUT, folder), **window})}
+
+
 def profile(results: dict, smoke: bool, layouts: list[str], prompts: int) -> None:
     """Batch 1 (as the batch1 part) with a torch.profiler window over 32 graph-replayed decode steps
     of the first prompt on every rank (TOKENMILL_DEVICE_PROFILE, tokenmill/worker/device_profile.py):
     per step, each kernel group's device time, and the idle time split into launch gaps, host gaps
     inside the step and the gap between steps (tokenmill/benchmarks/step_profile.py). The all-reduce
     group of TP=2 is the all-reduces' device time per decode step."""
-    from tokenmill.benchmarks import step_profile
-    from tokenmill.worker.device_profile import ENV_VAR
     window = dict(batch=1, skip=2, steps=3) if smoke else dict(batch=1, skip=64, steps=32)
-
-    def env_of(name: str) -> dict:
-        return {ENV_VAR: json.dumps({"out_dir": os.path.join(OUT, f"profile_{name}"), **window})}
-
     figures, tpot = {}, {}
     for name in layouts:  # one bench call each, its profile read at once (a run cut short keeps them)
-        shutil.rmtree(os.path.join(OUT, f"profile_{name}"), ignore_errors=True)  # not an earlier run's
-        bench(results, smoke, 1, [name], (prompts, 512, 256), "batch1_profiled", env_of)
+        bench(results, smoke, 1, [name], (prompts, 512, 256), "batch1_profiled",
+              lambda layout: profile_env(f"profile_{layout}", window))
         tpot[name] = results["layout_batch1_profiled"]["layouts"][name].get("tpot_ms_p50")
-        ranks = sorted(f for f in os.listdir(os.path.join(OUT, f"profile_{name}"))
-                       if f.startswith("rank")) if os.path.isdir(os.path.join(OUT, f"profile_{name}")) else []
-        for file in ranks:
-            with open(os.path.join(OUT, f"profile_{name}", file)) as f:
-                a = step_profile.analyze(json.load(f))
-            text = step_profile.format_report(f"{name} batch 1", a)
-            print(text, flush=True)
-            with open(os.path.join(OUT, f"profile_{name}_{file[:-5]}.txt"), "w") as f:
-                f.write(text + "\n")
-            figures[f"{name}_{file[:-5]}"] = a
-        if not ranks:
-            print(f"{name}: no profile written")
+        figures.update(read_profiles(f"profile_{name}", f"{name} batch 1"))
         results["profile_batch1"] = {"tpot_ms_p50": tpot, "ranks": figures}
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)
@@ -254,6 +262,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="the same for every layout of the bench")
     ap.add_argument("--layouts", default="tp1,tp2,tp2-no-all-reduce,pp2,pp2-mb3", help="the bench's layouts: "
                     + ", ".join(_BENCH_LAYOUTS))
+    ap.add_argument("--bench-profile", default="tp2", help="bench: layouts whose run profiles 8 full-batch "
+                    "decode steps (after 24), e.g. tp2 (one GPU's KV pool does not hold the full batch)")
     ap.add_argument("--ar-sizes-kib", default=None, help="allreduce: message sizes (default: bench all-reduce's)")
     ap.add_argument("--batch1-layouts", default="tp1,tp2,tp2-unfused", help="batch1: layouts to time")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="batch1: prompts (one at a time, 512 in x 256 out)")
@@ -275,7 +285,22 @@ def main() -> int:
         if part == "check":
             ok = check(results, args.smoke) and ok
         elif part == "bench":
-            bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput")
+            # A profile window over a few full-batch decode steps of the layouts named: the
+            # all-reduce's time per decode step from the trace, and where the rest of the step goes.
+            profiled = [n for n in args.bench_profile.split(",") if n]
+            rows = 8 if args.smoke else 1000
+            window = dict(batch=rows, skip=2, steps=2) if args.smoke else dict(batch=rows, skip=24, steps=8)
+            bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput",
+                  lambda name: profile_env(f"bench_profile_{name}", window) if name in profiled else {})
+            for name in profiled:
+                figures = read_profiles(f"bench_profile_{name}", f"{name} {rows} rows")
+                results.setdefault("profile_throughput", {}).update(figures)
+                r0 = figures.get(f"bench_profile_{name}_rank0".removeprefix("profile_")) or {}
+                if r0:
+                    print(f"{name}: all-reduce per decode step of {rows} rows (rank 0, from the trace): "
+                          f"{r0['groups_us'].get('all_reduce', 0) / 1e3:.3f} ms in "
+                          f"{r0['groups_calls'].get('all_reduce', 0):.0f} calls, of a device period "
+                          f"{r0['period_us'] / 1e3:.3f} ms")
         elif part == "batch1":
             bench(results, args.smoke, 1, args.batch1_layouts.split(","), (args.batch1_prompts, 512, 256), "batch1")
         elif part == "profile":
