@@ -44,3 +44,31 @@ def test_overlapping_events_count_once_as_busy():
 ])
 def test_kernel_groups(name, group):
     assert step_profile.group_of(name) == group
+
+
+def test_worker_window_counts_only_full_batch_decode_steps(tmp_path):
+    """The window opens after `skip` steps of `batch` rows of one token each (others do not count)
+    and writes the rank's file after `steps` more."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from tokenmill.worker.device_profile import ENV_VAR, DeviceProfile
+
+    env = {ENV_VAR: json.dumps({"out_dir": str(tmp_path), "batch": 2, "skip": 2, "steps": 3})}
+    prof = DeviceProfile.from_env(env, 1, torch.device("cpu"))
+    assert DeviceProfile.from_env({}, 0, torch.device("cpu")) is None
+    decode, prefill, other = np.array([1, 1]), np.array([1, 7]), np.array([1, 1, 1])
+    for counts in (prefill, decode, other, decode):  # two counted: the window opens
+        prof.after_launch(counts)
+    for _ in range(2):
+        torch.ones(8).add_(1)
+        prof.after_launch(decode)
+        prof.after_launch(prefill)
+    assert not (tmp_path / "rank1.json").exists()
+    prof.after_launch(decode)
+    record = json.loads((tmp_path / "rank1.json").read_text())
+    assert record["rank"] == 1 and record["steps"] == 3 and record["events"]
+    prof.after_launch(decode)  # closed for good
+    assert step_profile.analyze(record)["steps"] == 3

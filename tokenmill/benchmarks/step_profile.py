@@ -110,6 +110,7 @@ def analyze(record: dict, host_gap_us: float = 8.0) -> dict:
         "groups_us": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
         "groups_calls": {g: calls[g] for g in sorted(groups, key=lambda g: -groups[g])},
         "largest_host_gaps": [{"us": g, "after": a, "before": b} for g, a, b in largest[:5]],
+        "host_syncs": record.get("host_syncs"),
         "kernels": [{"name": n[:160], "us_per_step": us / steps, "calls_per_step": c / steps, "group": group_of(n)}
                     for n, (us, c) in sorted(per_name.items(), key=lambda kv: -kv[1][0])][:40],
     }
@@ -124,6 +125,10 @@ def format_report(label: str, a: dict, top: int = 25) -> str:
              f"host gaps in the step {a['host_gaps_us'] / 1e3:.3f} ({a['host_gaps_per_step']:.1f}), "
              f"between steps {a['between_steps_us'] / 1e3:.3f}]",
              "groups: " + ", ".join(f"{g} {us:.0f} us x{a['groups_calls'][g]:.0f}" for g, us in a["groups_us"].items())]
+    syncs = a.get("host_syncs")
+    if syncs is not None:
+        lines.append(f"host syncs in the window: {sum(syncs.values())}"
+                     + "".join(f"\n  {n} x {where}" for where, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:6]))
     for g in a["largest_host_gaps"][:3]:
         lines.append(f"  host gap {g['us']:.1f} us after {g['after']!r} before {g['before']!r}")
     lines.append(f"{'us/step':>9} {'calls':>6}  {'group':<10} kernel")

@@ -9,7 +9,10 @@ profiler; after the launch of each later one it enqueues a marker kernel (`torch
 into steps marker to marker (tokenmill/benchmarks/step_profile.py reads the file); after the
 `steps`-th marker it synchronizes and stops. The rank writes `<out_dir>/rank<rank>.json`: every
 device event (name, start, duration in microseconds) and the host's wall time per step with and
-without the profiler running.
+without the profiler running. While the window is open, torch's CUDA sync debug mode is on
+("warn"): every operation that makes the host wait for the device (`.item()`, a blocking copy, a
+`nonzero`) is counted with the source line that called it (`host_syncs`); a step that
+never blocks the host has none.
 
     TOKENMILL_DEVICE_PROFILE='{"out_dir": "/tmp/prof", "batch": 1, "skip": 64, "steps": 32}'
 """
@@ -44,6 +47,8 @@ class DeviceProfile:
         self._plain_s = 0.0
         self._start = 0.0
         self._done = False
+        self._syncs: dict[str, int] = {}  # "file:line" of each synchronizing call -> count
+        self._showwarning = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str], rank: int, device) -> DeviceProfile | None:
@@ -70,18 +75,45 @@ class DeviceProfile:
             self._prof = torch.profiler.profile(activities=[activity])
             self._prof.start()
             self._start = time.perf_counter()
+            self._watch_syncs(True)
             return
         if self._prof is None:
             return
         if cuda:
             torch.cuda._sleep(_MARKER_CYCLES)
         if n == w.skip + w.steps:
+            self._watch_syncs(False)
             self._sync()
             wall = (time.perf_counter() - self._start) / w.steps
             self._prof.stop()
             self._done = True
             self._write(wall)
             self._prof = None
+
+    def _watch_syncs(self, on: bool) -> None:
+        """CUDA: count the synchronizing calls made while the window is open (sync debug mode)."""
+        import warnings
+
+        import torch
+        if self.device.type != "cuda":
+            return
+        if on:
+            self._showwarning = warnings.showwarning
+
+            def record(message, category, filename, lineno, file=None, line=None):
+                if "synchronizing CUDA operation" in str(message):
+                    key = f"{filename}:{lineno}"
+                    self._syncs[key] = self._syncs.get(key, 0) + 1
+                else:
+                    self._showwarning(message, category, filename, lineno, file, line)
+            warnings.showwarning = record
+            self._filters = warnings.filters[:]
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        else:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = self._showwarning
+            warnings.filters[:] = self._filters
 
     def _sync(self) -> None:
         import torch
@@ -98,7 +130,8 @@ class DeviceProfile:
         events.sort(key=lambda e: e[1])
         record = {"rank": self.rank, "device": str(self.device), "steps": self.window.steps,
                   "batch": self.window.batch, "marker": MARKER, "wall_ms_per_step": 1e3 * wall_s,
-                  "wall_ms_per_step_unprofiled": 1e3 * self._plain_s, "events": events}
+                  "wall_ms_per_step_unprofiled": 1e3 * self._plain_s, "host_syncs": self._syncs if self.device.type == "cuda" else None,
+                  "events": events}
         os.makedirs(self.window.out_dir, exist_ok=True)
         with open(os.path.join(self.window.out_dir, f"rank{self.rank}.json"), "w") as f:
             json.dump(record, f)
