@@ -35,6 +35,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.setdefault("OUT", os.path.join(os.getcwd(), "gpu-out"))  # before device_check reads it
@@ -72,8 +73,12 @@ def wrong_shards(shape: str) -> dict[str, dict[str, str]]:
         "rank": 1, "parameter": "layers.1.mlp.gate_up_proj.weight", **plan}})} for name, plan in plans.items()}
 
 
-def check(results: dict, smoke: bool) -> bool:
-    """The layout check in bfloat16; True when the layouts pass and the wrong shard fails."""
+CHECK_LAYOUTS = (*LAYOUTS, "tp2-unfused", "tp2-gate-up-swapped", "tp2-16-rows-swapped")
+
+
+def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> bool:
+    """The layout check in bfloat16 over `names` (of CHECK_LAYOUTS); True when the layouts pass and
+    the wrong shard (tp2-gate-up-swapped, where named) fails."""
     shape = "layoutcheck-smoke" if smoke else "layoutcheck"
     path = device_check.weights_dir(shape)
     common = dict(dtype="bfloat16") if smoke else dict(dtype="bfloat16", gpu_memory_utilization=0.3,
@@ -84,15 +89,14 @@ def check(results: dict, smoke: bool) -> bool:
     sequences = lc.greedy_continuations(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
                                         8 if smoke else 32, common)
     envs = wrong_shards(shape)
-    faulty = [lc.Layout(name, lc.PRESETS["tp2"]) for name in envs]
     # TP=2 with the all-reduce, residual add and RMSNorm apart: the fused kernel's numerics beside it.
     envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
-    unfused = [lc.Layout("tp2-unfused", lc.PRESETS["tp2"])]
-    report = lc.check_layouts(path, [*(lc.Layout.parse(n) for n in LAYOUTS), *unfused, *faulty], sequences, common,
-                              envs=envs)
+    layouts = [lc.Layout.parse(n) if n in LAYOUTS else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
+    report = lc.check_layouts(path, layouts, sequences, common, envs=envs)
     print(lc.format_report(report), flush=True)
     verdicts = {v.spread.label: v.passed for v in report.verdicts}
-    ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused")) and not verdicts["tp2-gate-up-swapped"]
+    ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused") if n in verdicts) \
+        and not verdicts.get("tp2-gate-up-swapped", False)
     results["layout_check"] = {**report.as_dict(), "passed": ok, "seconds": time.perf_counter() - start}
     print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, tp2-gate-up-swapped must fail)")
     return ok
@@ -262,6 +266,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="the same for every layout of the bench")
     ap.add_argument("--layouts", default="tp1,tp2,tp2-no-all-reduce,pp2,pp2-mb3", help="the bench's layouts: "
                     + ", ".join(_BENCH_LAYOUTS))
+    ap.add_argument("--check-layouts", default=",".join(CHECK_LAYOUTS), help="check: layouts judged against one "
+                    "GPU (tp2-gate-up-swapped must fail, the others but tp2-16-rows-swapped must pass)")
     ap.add_argument("--bench-profile", default="tp2", help="bench: layouts whose run profiles 8 full-batch "
                     "decode steps (after 24), e.g. tp2 (one GPU's KV pool does not hold the full batch)")
     ap.add_argument("--ar-sizes-kib", default=None, help="allreduce: message sizes (default: bench all-reduce's)")
@@ -283,7 +289,10 @@ def main() -> int:
         start = time.perf_counter()
         print(f"==== {part}", flush=True)
         if part == "check":
-            ok = check(results, args.smoke) and ok
+            unknown = set(args.check_layouts.split(",")) - set(CHECK_LAYOUTS)
+            if unknown:
+                raise SystemExit(f"--check-layouts: unknown {sorted(unknown)} (of {', '.join(CHECK_LAYOUTS)})")
+            ok = check(results, args.smoke, args.check_layouts.split(",")) and ok
         elif part == "bench":
             # A profile window over a few full-batch decode steps of the layouts named: the
             # all-reduce's time per decode step from the trace, and where the rest of the step goes.

@@ -130,7 +130,8 @@ class DeviceProfile:
         events.sort(key=lambda e: e[1])
         record = {"rank": self.rank, "device": str(self.device), "steps": self.window.steps,
                   "batch": self.window.batch, "marker": MARKER, "wall_ms_per_step": 1e3 * wall_s,
-                  "wall_ms_per_step_unprofiled": 1e3 * self._plain_s, "host_syncs": self._syncs if self.device.type == "cuda" else None,
+                  "wall_ms_per_step_unprofiled": 1e3 * self._plain_s,
+                  "host_syncs": self._syncs if self.device.type == "cuda" else None,  # (not watched on CPU)
                   "events": events}
         os.makedirs(self.window.out_dir, exist_ok=True)
         with open(os.path.join(self.window.out_dir, f"rank{self.rank}.json"), "w") as f:
