@@ -95,3 +95,18 @@ def test_backend_forward_with_rope_equals_rotating_first():
     out = backend.forward(q2, case.k.clone(), case.v, cache2, case.meta, rope=step)
     assert torch.equal(cache2, cache)
     assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_vocab_parallel_embedding_kernel_equals_the_torch_path(dtype):
+    """A TP rank's lookup over its vocab rows (triton_ops.vocab_embedding): its rows copied, every
+    other id (below, above, the padded tail's ids) zeros, as VocabParallelEmbedding's torch path."""
+    from tokenmill.layers.triton_ops.vocab_embedding import vocab_embedding
+    rows, d, start = 11, 40, 16  # d: not a power of two
+    weight = torch.randn(rows, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ids = torch.tensor([0, 15, 16, 20, 26, 27, 100, 16])
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    expected = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight).masked_fill_(outside[:, None], 0)
+    assert torch.equal(vocab_embedding(ids, weight, start), expected)
+    assert vocab_embedding(ids[:0], weight, start).shape == (0, d)
