@@ -1,5 +1,6 @@
-"""The rotary + KV-cache write kernel (triton_rope_kv_write) under Triton's CPU interpreter: bit for
-bit what the two kernels it replaces (rotary's `rotate_`, then `write_kv`) leave in q and the cache."""
+"""Fused decode kernels under Triton's CPU interpreter, each bit for bit the path it replaces: the
+rotary + KV-cache write (triton_rope_kv_write) against `rotate_` then `write_kv`, and a TP rank's
+vocab embedding lookup (triton_ops.vocab_embedding) against VocabParallelEmbedding's torch path."""
 
 from __future__ import annotations
 
