@@ -9,7 +9,8 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
           is reported. A failed check exits 1.
   allreduce  `tokenmill bench all-reduce --tp 2`: NCCL, one-shot, two-shot per size (checked, timed in
           CUDA graphs), and the all-reduce fused with the residual add + RMSNorm against NCCL or
-          one-shot + the Triton add + norm (checked against its torch reference, chained, timed).
+          one-shot + the Triton add + norm (checked against its torch reference, chained, timed), in its
+          pull and push variants.
   batch1  batch 1 (one prompt at a time, 512 in x 256 out): ms per output token of one GPU, TP=2
           (fused all-reduce + norm) and TP=2 with them apart (tp2-unfused); goal TP=2 <= 0.6x.
   profile batch1 with a torch.profiler window over 32 decode steps on every rank: per-step device time
@@ -114,6 +115,8 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     # TP=2 with the rotary and the KV-cache write as two kernels (A/B of their fusion).
     "tp2-rope-apart": (["--tensor-parallel-size", "2"], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
     "tp1-rope-apart": ([], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
+    # TP=2 with the fused all-reduce + norm kernel's push variant (reads local, writes remote).
+    "tp2-push": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_PUSH": "1"}),
     "pp2": (["--pipeline-parallel-size", "2"], {}),
     # Three micro-batches on two stages: the host's turn-around between a stage's batches hidden.
     "pp2-mb3": (["--pipeline-parallel-size", "2", "--pp-microbatches", "3"], {}),
@@ -243,7 +246,7 @@ def profile(results: dict, smoke: bool, layouts: list[str], prompts: int) -> Non
               f"in {tp['groups_calls'].get('all_reduce', 0):.0f} calls")
 
 
-def all_reduce(results: dict, smoke: bool, sizes_kib: str | None) -> bool:
+def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None) -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
     (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
@@ -252,6 +255,7 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None) -> bool:
         return True
     record = os.path.join(OUT, "all_reduce.json")
     sizes = ["--sizes-kib", sizes_kib] if sizes_kib else []
+    sizes += ["--fused-rows", fused_rows] if fused_rows else []
     proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
                            "--output-json", record], cwd=REPO, text=True)
     if os.path.exists(record):
@@ -271,6 +275,8 @@ def main() -> int:
     ap.add_argument("--bench-profile", default="tp2", help="bench: layouts whose run profiles 8 full-batch "
                     "decode steps (after 24), e.g. tp2 (one GPU's KV pool does not hold the full batch)")
     ap.add_argument("--ar-sizes-kib", default=None, help="allreduce: message sizes (default: bench all-reduce's)")
+    ap.add_argument("--ar-fused-rows", default=None, help="allreduce: rows of the fused all-reduce + norm runs "
+                    "(pull and push variants; default: bench all-reduce's)")
     ap.add_argument("--batch1-layouts", default="tp1,tp2,tp2-unfused", help="batch1: layouts to time")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="batch1: prompts (one at a time, 512 in x 256 out)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
@@ -315,7 +321,7 @@ def main() -> int:
         elif part == "profile":
             profile(results, args.smoke, args.batch1_layouts.split(","), args.batch1_prompts)
         elif part == "allreduce":
-            ok = all_reduce(results, args.smoke, args.ar_sizes_kib) and ok
+            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows) and ok
         else:
             raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, batch1, profile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
