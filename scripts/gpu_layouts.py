@@ -11,6 +11,8 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
           CUDA graphs), and the all-reduce fused with the residual add + RMSNorm against NCCL or
           one-shot + the Triton add + norm (checked against its torch reference, chained, timed), in its
           pull and push variants.
+  kernels this issue's decode kernels in bf16 on the device, bit for bit the kernels they replace
+          (rotary + KV write, the TP vocab embedding); a difference exits 1.
   batch1  batch 1 (one prompt at a time, 512 in x 256 out): ms per output token of one GPU, TP=2
           (fused all-reduce + norm) and TP=2 with them apart (tp2-unfused); goal TP=2 <= 0.6x.
   profile batch1 with a torch.profiler window over 32 decode steps on every rank: per-step device time
@@ -186,6 +188,55 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
         print(f"all-reduces per decode step (tp2 - tp2-no-all-reduce, device step p50): {all_reduce_ms:.3f} ms")
 
 
+def kernels(results: dict, smoke: bool) -> bool:
+    """This issue's decode kernels on the device in bf16, bit for bit the paths they replace: the
+    rotary + KV-cache write against `rotate_` then `write_kv` (Llama-3.1-8B's heads at TP=2 and one
+    GPU, 1 and 37 tokens, padding slots), and the TP vocab embedding against the torch lookup."""
+    import torch
+
+    from tokenmill.layers.attention.triton_kv_write import write_kv
+    from tokenmill.layers.attention.triton_rope_kv_write import rotate_and_write_kv
+    from tokenmill.layers.rotary import RotaryEmbedding
+    from tokenmill.layers.triton_ops.rotary import rotate_
+    from tokenmill.layers.triton_ops.vocab_embedding import vocab_embedding
+    from tokenmill.config import RopeConfig
+    if smoke or not torch.cuda.is_available():
+        print("kernels: needs CUDA (skipped)")
+        return True
+    dev, dt, ok = torch.device("cuda"), torch.bfloat16, True
+    rope = RotaryEmbedding(128, 8192, RopeConfig(theta=500000.0)).to(dev)
+    checks = {}
+    for hq, hkv in ((16, 4), (32, 8)):
+        for tokens in (1, 37):
+            g = torch.Generator(device=dev).manual_seed(tokens)
+            qkv = torch.randn(tokens, (hq + 2 * hkv) * 128, generator=g, device=dev).to(dt)
+            pos = torch.randint(0, 8000, (tokens,), generator=g, device=dev)
+            slots = torch.randperm(64 * 16, generator=g, device=dev)[:tokens]
+            slots[::5] = -1
+            cache = torch.zeros(2, 64, 16, hkv, 128, device=dev, dtype=dt)
+            ref_qkv, ref_cache = qkv.clone(), cache.clone()
+            qk = ref_qkv[:, :(hq + hkv) * 128].view(tokens, hq + hkv, 128)
+            rotate_(qk, None, pos, rope.cos_cache, rope.sin_cache, 128)
+            q_ref, k_ref = qk.split([hq, hkv], dim=1)
+            write_kv(k_ref, ref_qkv[:, (hq + hkv) * 128:].view(tokens, hkv, 128), ref_cache, slots)
+            qk = qkv[:, :(hq + hkv) * 128].view(tokens, hq + hkv, 128)
+            q, k = qk.split([hq, hkv], dim=1)
+            rotate_and_write_kv(q, k, qkv[:, (hq + hkv) * 128:].view(tokens, hkv, 128), pos, rope.cos_cache,
+                                rope.sin_cache, 128, cache, slots)
+            checks[f"rope_kv_write_{hq}x{hkv}_t{tokens}"] = bool(torch.equal(q, q_ref) and torch.equal(cache, ref_cache))
+    weight = torch.randn(64128, 4096, device=dev).to(dt)
+    ids = torch.tensor([0, 64127, 64128, 100000, 128255, 5], device=dev)
+    for start in (0, 64128):
+        local = ids - start
+        outside = (local < 0) | (local >= weight.shape[0])
+        want = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight).masked_fill_(outside[:, None], 0)
+        checks[f"vocab_embedding_start{start}"] = bool(torch.equal(vocab_embedding(ids, weight, start), want))
+    ok = all(checks.values())
+    results["kernels"] = {"checks": checks, "passed": ok}
+    print("kernels (bf16, bit for bit): " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()))
+    return ok
+
+
 def read_profiles(folder: str, label: str) -> dict:
     """Every rank's profile under $OUT/`folder`, analyzed, printed and written beside it as text."""
     from tokenmill.benchmarks import step_profile
@@ -318,12 +369,14 @@ def main() -> int:
                           f"{r0['period_us'] / 1e3:.3f} ms")
         elif part == "batch1":
             bench(results, args.smoke, 1, args.batch1_layouts.split(","), (args.batch1_prompts, 512, 256), "batch1")
+        elif part == "kernels":
+            ok = kernels(results, args.smoke) and ok
         elif part == "profile":
             profile(results, args.smoke, args.batch1_layouts.split(","), args.batch1_prompts)
         elif part == "allreduce":
             ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows) and ok
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, batch1, profile, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, kernels, batch1, profile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)
