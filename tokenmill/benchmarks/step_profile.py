@@ -46,12 +46,17 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
-def analyze(record: dict, host_gap_us: float = 8.0) -> dict:
-    """Per-step figures (means over the window's steps) from a rank's profile record."""
+def analyze(record: dict, host_gap_us: float = 8.0, settle: int = 4) -> dict:
+    """Per-step figures (means over the window's steps) from a rank's profile record. The first
+    `settle` steps are left out where more than twice as many were profiled: starting the profiler
+    on one rank can stall it long enough that its peer's first all-reduce waits for it."""
     marker = record.get("marker", "spin_kernel")
     events = sorted((e for e in record["events"]), key=lambda e: e[1])
-    marks = [e for e in events if e[0] == marker]
-    kernels = [e for e in events if e[0] != marker]
+    marks = [e for e in events if marker in e[0]]  # (the kernel's name: "...::spin_kernel(long)")
+    if len(marks) > 2 * settle + 1:
+        first = marks[settle][1]
+        marks, events = marks[settle:], [e for e in events if e[1] >= first]
+    kernels = [e for e in events if marker not in e[0]]
     if not kernels:
         raise ValueError("the profile holds no device events")
     end_of_all = max(e[1] + e[2] for e in kernels)
