@@ -13,7 +13,8 @@ def _step(t0: float) -> list[list]:
 
 
 def test_steps_are_cut_at_markers_and_gaps_split_by_length():
-    events = [["spin_kernel", t, 0.5] for t in (0.0, 100.0, 200.0)] + _step(0.0) + _step(100.0)
+    marker = "at::cuda::(anonymous namespace)::spin_kernel(long)"  # the name the trace gives torch.cuda._sleep's
+    events = [[marker, t, 0.5] for t in (0.0, 100.0, 200.0)] + _step(0.0) + _step(100.0)
     a = step_profile.analyze({"rank": 0, "events": events, "marker": "spin_kernel"}, host_gap_us=8.0)
     assert a["steps"] == 2
     assert a["period_us"] == pytest.approx(100.0)
@@ -26,6 +27,14 @@ def test_steps_are_cut_at_markers_and_gaps_split_by_length():
     assert a["idle_us"] == pytest.approx(a["launch_gaps_us"] + a["host_gaps_us"] + a["between_steps_us"])
     assert a["largest_host_gaps"][0]["after"] == "_rms_norm_kernel"
     assert a["largest_host_gaps"][0]["before"] == "one_shot_all_reduce_kernel"
+
+
+def test_the_first_steps_of_a_long_window_are_left_out():
+    """A peer's profiler start stalls the first all-reduce of the window: those steps do not count."""
+    events = [["spin_kernel", 100.0 * i, 0.5] for i in range(13)] + [e for i in range(12) for e in _step(100.0 * i)]
+    events[13 + 2][2] = 5000.0  # step 0's all-reduce waited 5 ms
+    a = step_profile.analyze({"events": events}, settle=4)
+    assert a["steps"] == 8 and a["groups_us"]["all_reduce"] == pytest.approx(30.0)
 
 
 def test_overlapping_events_count_once_as_busy():
