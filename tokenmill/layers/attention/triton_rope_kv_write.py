@@ -3,9 +3,10 @@
 Where q and k come straight from the fused qkv projection (no q/k norm), the rotary kernel
 (`triton_ops.rotary`) and the KV write (`triton_kv_write`) are two launches per layer that each
 read k; at batch 1 each is a few microseconds of launch and ramp, which do not shrink with tensor
-parallelism. This kernel does both, one program per token:
-- q's heads are rotated in place (the attention reads them next), exactly as `rotate_` does;
-- k's heads are rotated in registers and stored, with v, into the paged cache at the token's slot
+parallelism. This kernel does both, two programs per token (so that at batch 1 the two halves of
+the work run side by side, not one after the other):
+- program 0: q's heads are rotated in place (the attention reads them next), exactly as `rotate_` does;
+- program 1: k's heads are rotated in registers and stored, with v, into the paged cache at the token's slot
   (a slot of -1, padding, and rows past the slot mapping write nothing); k itself is left as it was
   (nothing reads it after the cache write).
 Numerics are the two kernels' bit for bit: the same rounding of cos/sin and of each half, and the
@@ -41,7 +42,9 @@ def _rope_kv_write_kernel(
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.load(cos_ptr + pos * s_cache + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * s_cache + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr + t * s_qt, s_qh, c, s, tl.arange(0, BLOCK_HQ), offs_d, d_ok, NUM_Q_HEADS, HALF, BLOCK_HQ)
+    if tl.program_id(1) == 0:
+        _rotate_heads(q_ptr + t * s_qt, s_qh, c, s, tl.arange(0, BLOCK_HQ), offs_d, d_ok, NUM_Q_HEADS, HALF, BLOCK_HQ)
+        return
     if t >= num_slots:
         return
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -93,7 +96,7 @@ def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     block_q = _block_heads(q.shape[1], half_pad)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     tile = max(block_q * half_pad, triton.next_power_of_2(num_kv_heads) * triton.next_power_of_2(head_dim))
-    _rope_kv_write_kernel[(num_tokens,)](
+    _rope_kv_write_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_cache, sin_cache, slot_mapping, k_cache, v_cache, min(num_tokens, slot_mapping.shape[0]),
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
