@@ -18,6 +18,8 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
   profile batch1 with a torch.profiler window over 32 decode steps on every rank: per-step device time
           of each kernel group (GEMMs, attention, norms, all-reduce, rope, sampling, copies, others),
           launch gaps, host gaps and the gap between steps; one GPU beside TP=2 (off by default).
+  arprofile  TP=2 decode steps of 1000 rows profiled (short prompts): the all-reduce's time per decode
+          step of the bench's batch from the trace (off by default).
   bench   Llama-3.1-8B shape, dummy bfloat16 weights, 1000 prompts x 512 in x 256 out, one GPU,
           TP=2 and PP=2 at the same --max-num-seqs (scripts/device_check.py's pbench runs): output
           tok/s and the ratios to one GPU (targets TP=2 >= 1.75x, PP=2 >= 1.85x: reported, not
@@ -298,6 +300,23 @@ def profile(results: dict, smoke: bool, layouts: list[str], prompts: int) -> Non
               f"in {tp['groups_calls'].get('all_reduce', 0):.0f} calls")
 
 
+def ar_profile(results: dict, smoke: bool) -> None:
+    """TP=2 decode steps of 1000 rows, profiled (12 steps after 8; short prompts, so that the run is
+    mostly start-up): the all-reduce's time per decode step of the bench's batch, from the trace.
+    Not inside the bench's timed runs: reading the trace out stalls a run for a few seconds."""
+    rows = 8 if smoke else 1000
+    window = dict(batch=rows, skip=2, steps=3) if smoke else dict(batch=rows, skip=8, steps=12)
+    bench(results, smoke, 1024, ["tp2"], (rows, 32, 48), "arprofile",
+          lambda name: profile_env(f"arprofile_{name}", window))
+    figures = read_profiles("arprofile_tp2", f"tp2 {rows} rows")
+    results["profile_all_reduce"] = figures
+    r0 = figures.get("arprofile_tp2_rank0") or {}
+    if r0:
+        print(f"tp2: all-reduce per decode step of {rows} rows (rank 0, from the trace): "
+              f"{r0['groups_us'].get('all_reduce', 0) / 1e3:.3f} ms in {r0['groups_calls'].get('all_reduce', 0):.0f} "
+              f"calls, of a device period of {r0['period_us'] / 1e3:.3f} ms")
+
+
 def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None) -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
@@ -324,8 +343,6 @@ def main() -> int:
                     + ", ".join(_BENCH_LAYOUTS))
     ap.add_argument("--check-layouts", default=",".join(CHECK_LAYOUTS), help="check: layouts judged against one "
                     "GPU (tp2-gate-up-swapped must fail, the others but tp2-16-rows-swapped must pass)")
-    ap.add_argument("--bench-profile", default="tp2", help="bench: layouts whose run profiles 8 full-batch "
-                    "decode steps (after 24), e.g. tp2 (one GPU's KV pool does not hold the full batch)")
     ap.add_argument("--ar-sizes-kib", default=None, help="allreduce: message sizes (default: bench all-reduce's)")
     ap.add_argument("--ar-fused-rows", default=None, help="allreduce: rows of the fused all-reduce + norm runs "
                     "(pull and push variants; default: bench all-reduce's)")
@@ -352,22 +369,9 @@ def main() -> int:
                 raise SystemExit(f"--check-layouts: unknown {sorted(unknown)} (of {', '.join(CHECK_LAYOUTS)})")
             ok = check(results, args.smoke, args.check_layouts.split(",")) and ok
         elif part == "bench":
-            # A profile window over a few full-batch decode steps of the layouts named: the
-            # all-reduce's time per decode step from the trace, and where the rest of the step goes.
-            profiled = [n for n in args.bench_profile.split(",") if n]
-            rows = 8 if args.smoke else 1000
-            window = dict(batch=rows, skip=2, steps=2) if args.smoke else dict(batch=rows, skip=24, steps=8)
-            bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput",
-                  lambda name: profile_env(f"bench_profile_{name}", window) if name in profiled else {})
-            for name in profiled:
-                figures = read_profiles(f"bench_profile_{name}", f"{name} {rows} rows")
-                results.setdefault("profile_throughput", {}).update(figures)
-                r0 = figures.get(f"bench_profile_{name}_rank0".removeprefix("profile_")) or {}
-                if r0:
-                    print(f"{name}: all-reduce per decode step of {rows} rows (rank 0, from the trace): "
-                          f"{r0['groups_us'].get('all_reduce', 0) / 1e3:.3f} ms in "
-                          f"{r0['groups_calls'].get('all_reduce', 0):.0f} calls, of a device period "
-                          f"{r0['period_us'] / 1e3:.3f} ms")
+            bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput")
+        elif part == "arprofile":
+            ar_profile(results, args.smoke)
         elif part == "batch1":
             bench(results, args.smoke, 1, args.batch1_layouts.split(","), (args.batch1_prompts, 512, 256), "batch1")
         elif part == "kernels":
@@ -377,7 +381,7 @@ def main() -> int:
         elif part == "allreduce":
             ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows) and ok
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, kernels, batch1, profile, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, kernels, batch1, profile, arprofile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)
