@@ -385,7 +385,8 @@ def part_attn_sweep(results: dict, smoke: bool, device: str, dtype, budget_s: fl
                 break
             run = lambda: paged_attention(q, cache, qsl, seq_lens, table, dim ** -0.5, kv_heads,  # noqa: E731
                                           block_q=plan.block_q, block_n=block_n, num_splits=plan.num_splits,
-                                          max_splits=32, num_warps=warps, num_stages=stages)
+                                          max_splits=max(32, plan.num_splits), num_warps=warps,
+                                          num_stages=stages)
             try:
                 out = run()
                 ref = out if ref is None else ref

@@ -221,7 +221,7 @@ def timings(quick: bool) -> list[dict]:
                            TritonAttentionConfig(kv_splits=splits)))
     for block_n in (32, 128):
         sweeps.append((f"  sweep dec b=64 ctx=2048 block_n={block_n}", [2047] * 64, [1] * 64,
-                       TritonAttentionConfig(block_n=block_n)))
+                       TritonAttentionConfig(decode_block_n=block_n)))
     for wide_rows, warps, block_n, stages in ((64, 4, 64, 2), (64, 4, 128, 2), (128, 8, 128, 2), (128, 8, 64, 3)):
         sweeps.append((f"  sweep prefill rows={wide_rows} warps={warps} block_n={block_n} stages={stages}",
                        [0] * 4, [2048] * 4, TritonAttentionConfig(wide_rows=wide_rows, wide_warps=warps,

@@ -86,3 +86,29 @@ def test_triton_kernels_read_fp8_blocks(dtype, splits, q_dtype):
     case.k, case.v = case.k_rt, case.v_rt
     out = backend.forward(case.q.to(q_dtype), case.k.to(q_dtype), case.v.to(q_dtype), cache8, case.meta)
     _check(case, cache8, out.float(), expected, k_scale, v_scale, dtype, 1e-4 if q_dtype == torch.float32 else 5e-3)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_triton_fp8_query_key_dot(splits):
+    """fp8_qk_dot: q . k as two fp8 dots over unconverted e4m3 keys (float16 queries, scaled per row
+    to 448), against the float32 reference over what the cache holds. The interpreter mis-rounds
+    float -> fp8, so the queries here are fp8 values whose row maxima are 448 / 64: the scaled
+    query is exact in its first term (the second term's precision shows only on a GPU:
+    scripts/gpu_attention.py checks it against the reference)."""
+    require_module("triton")
+    from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+
+    k_scale, v_scale = 0.5, 2.0
+    case, cache8, _ = _fp8_case(torch.float8_e4m3fn, k_scale, v_scale)
+    q = (case.q * 100).to(torch.float8_e4m3fn).float()
+    q[..., 0] = 448.0
+    q16 = (q / 64).to(torch.float16)  # values up to 7: scores far from the unscaled query's
+    ref_cache = torch.stack([cache8[0].float() * k_scale, cache8[1].float() * v_scale])
+    expected = TorchRefAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM)).forward(
+        q16.float(), case.k_rt, case.v_rt, ref_cache, case.meta)
+    backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM),
+                                     config=TritonAttentionConfig(kv_splits=splits, fp8_qk_dot=True))
+    backend.k_scale, backend.v_scale = k_scale, v_scale
+    out = backend.forward(q16, case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
+    n = case.meta.num_tokens
+    torch.testing.assert_close(out[:n].float(), expected[:n], atol=5e-3, rtol=5e-3)

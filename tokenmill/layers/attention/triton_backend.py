@@ -32,16 +32,18 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.layers.attention.backend import AttentionBackend
+from tokenmill.layers.attention.backend import AttentionBackend, is_fp8
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
-MAX_KV_SPLITS = 32  # the reduce kernel merges at most this many shares (a compile-time size)
+MAX_KV_SPLITS = 128  # the reduce kernel merges at most this many shares
 MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
 
 
 @dataclass(frozen=True)
 class TritonAttentionConfig:
-    """Tile sizes and the split-KV rule. The defaults are first guesses for H100/H200, untuned."""
+    """Tile sizes and the split-KV rule. Prefill tiles: first guesses for H100/H200, untuned. Decode
+    tiles of one token (query rows of one KV group padded to 16): tuned on an H200 by
+    scripts/gpu_attention.py (Llama-3.1-8B heads; docs/results/gpu-attention.md)."""
 
     decode_max_query_len: int = 8  # launches with no longer query use decode tiles and may split KV
     decode_max_rows: int = 64  # query rows (tokens x heads of a KV group) per decode program, at most
@@ -55,9 +57,26 @@ class TritonAttentionConfig:
     wide_min_query_len: int = 64
     block_n: int = 64  # keys per KV tile
     num_stages: int = 2
+    # Decode launches of 16-row tiles (one token per sequence; multi-token decodes take block_n,
+    # decode_warps, num_stages): None takes block_n / num_stages. H200, bf16 cache: 128-key tiles
+    # 5-11% faster than 64 at 256 rows x 640 / 2048 keys and at 1 row x 16k; 2 stages best.
+    decode_block_n: int | None = 128
+    decode_stages: int | None = 2
+    # The same over an fp8 cache (None: the values above). H200: one stage and 2 warps (the fp8 ->
+    # fp16 conversion keeps the loads in registers; more programs per SM hide the latency) 1.3-1.5x
+    # faster than 2 stages at 256 rows; launches that split the KV axis (few rows, latency-bound)
+    # want 4 stages and 4 warps.
+    fp8_decode_block_n: int | None = 128
+    fp8_decode_warps: int | None = 2
+    fp8_decode_stages: int | None = 1
+    fp8_split_decode_warps: int | None = 4
+    fp8_split_decode_stages: int | None = 4
     min_keys_per_split: int = 256  # a share of the KV axis spans at least this many keys (of max_seq_len)
     waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
+    interior: bool = True  # unmasked walk over the KV tiles every row of a tile sees whole
+    lookup_blocks: bool = False  # in those tiles, one block-table read per cache block, not per key
+    fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted); untimed, off
 
 
 @dataclass(frozen=True)
@@ -84,18 +103,32 @@ def choose_kv_splits(config: TritonAttentionConfig, num_seqs: int, num_kv_heads:
         return 1
     wanted = -(-target // programs)
     by_length = max(max_seq_len // config.min_keys_per_split, 1)
-    return max(1, min(wanted, by_length, MAX_KV_SPLITS))
+    # A power of two (H200, batch 1 x 16k: 32 shares 28.6 us, 33 shares 29.7).
+    return 1 << (max(1, min(wanted, by_length, MAX_KV_SPLITS)).bit_length() - 1)
 
 
 def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int, num_rows: int, num_seqs: int,
-                max_query_len: int, max_seq_len: int, sm_count: int) -> LaunchPlan:
+                max_query_len: int, max_seq_len: int, sm_count: int, kv_fp8: bool = False) -> LaunchPlan:
     group_pad = _next_pow2(num_heads // num_kv_heads)
     min_q = -(-MIN_TILE_ROWS // group_pad)
     if max_query_len <= config.decode_max_query_len:
         # One tile per row where it fits, so a multi-token decode reads its KV once.
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad), min_q, 1)
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
-        return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
+        if block_q * group_pad > MIN_TILE_ROWS:  # multi-token decode tiles: untuned
+            return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
+        block_n = config.decode_block_n or config.block_n
+        warps = config.decode_warps
+        stages = config.decode_stages or config.num_stages
+        if kv_fp8:
+            block_n = config.fp8_decode_block_n or block_n
+            if splits > 1:
+                warps = config.fp8_split_decode_warps or config.fp8_decode_warps or warps
+                stages = config.fp8_split_decode_stages or config.fp8_decode_stages or stages
+            else:
+                warps = config.fp8_decode_warps or warps
+                stages = config.fp8_decode_stages or stages
+        return LaunchPlan(block_q, block_n, splits, warps, stages)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -117,8 +150,11 @@ class TritonAttentionBackend(AttentionBackend):
             # Wide heads (Gemma: 256): half-size tiles keep the K/V tiles and the float32
             # accumulator within the SM's shared memory and registers.
             c = self.config
+            half = lambda n: n // 2 if n else n  # noqa: E731 - None stays None
             self.config = dataclasses.replace(c, block_n=c.block_n // 2, prefill_rows=c.prefill_rows // 2,
-                                              wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2)
+                                              wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2,
+                                              decode_block_n=half(c.decode_block_n),
+                                              fp8_decode_block_n=half(c.fp8_decode_block_n))
         self._sm_count: int | None = None  # read from the device on the first forward
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
@@ -145,11 +181,13 @@ class TritonAttentionBackend(AttentionBackend):
         keys = meta.max_seq_len if self.sliding_window is None else min(
             meta.max_seq_len, self.sliding_window + meta.max_query_len)
         plan = plan_launch(self.config, self.num_heads, self.num_kv_heads, q.shape[0], meta.seq_lens.shape[0],
-                           meta.max_query_len, keys, self._sm_count_of(q.device))
+                           meta.max_query_len, keys, self._sm_count_of(q.device), is_fp8(kv_cache))
         return triton_paged_attention.paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
-            max_splits=MAX_KV_SPLITS, num_warps=plan.num_warps, num_stages=plan.num_stages,
+            max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
+            interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
+            fp8_qk_dot=self.config.fp8_qk_dot,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 

@@ -12,7 +12,9 @@ counting first_tile values <= its tile id, reading query_start_loc on the device
 
 Each program walks the KV tiles (BLOCK_N keys, looked up key by key in the block
 table, so any block size works) up to its last query's causal limit
-(context + query index), with an online softmax in float32 (log2 domain).
+(context + query index), with an online softmax in float32 (log2 domain). Tiles that every row
+of the query tile sees whole (INTERIOR) are walked without masks; only the tiles at the window's
+start and the causal edge are masked.
 A sliding window W (`window`; a huge value means none) masks keys <= query - W, and
 the walk starts at the tile holding the first key the tile's first query sees: keys
 before it are neither loaded nor looked up in the block table (the KV manager may
@@ -24,7 +26,9 @@ sink first where the sink is larger (gpt-oss).
 
 FP8 KV cache: K/V tiles are converted to the query's dtype as they load (float16 when the query
 is bf16 or fp16: the cheap conversion of fp8; the query is converted once); k_scale joins the
-softmax scale and v_scale multiplies the accumulator (both host floats, the layer's).
+softmax scale and v_scale multiplies the accumulator (both host floats, the layer's). F8_QK (opt-in,
+e4m3 caches): the keys enter q . k unconverted, as two fp8 dots with the query split into two
+fp8 terms scaled per row (about bf16's precision), saving one conversion per key value.
 
 Split-KV (flash-decoding): with SPLIT, a program takes only its share of the KV
 tiles (num_splits shares, sized on the device from seq_len, so any seq_len is
@@ -41,7 +45,8 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-SEARCH_CHUNK = 128  # query_start_loc entries read per step of the sequence search
+SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence search (a 256-row batch: one)
+REDUCE_CHUNK = 32  # split partials merged per step of the reduce
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
 
 
@@ -58,6 +63,70 @@ def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, CHUNK: tl.con
         first_tile = tl.load(qsl_ptr + i, mask=in_range, other=0) // BLOCK_Q + i
         count += tl.sum(((first_tile <= tile) & in_range).to(tl.int32), axis=0)
     return count
+
+
+@triton.jit
+def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+                 key_limit, window, softcap, qk_scale, s_cb, s_cs, s_ch,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                 KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr):
+    """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
+    every key of the tile is valid and visible to every row (no masks, no table-load guard).
+    LOOKUP_BLOCKS (unmasked tiles, BLOCK_N a multiple of BLOCK_SIZE): one block-table read per cache
+    block of the tile, its slots' offsets spread from it, instead of one read per key.
+    F8_QK: q and q_lo are the query's two fp8 terms (q * scale = q + q_lo, row_scale = 1 / scale per
+    row), and the fp8 keys enter the dot unconverted."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    key = j * BLOCK_N + offs_n
+    if MASKED:
+        key_valid = (key < kv_len) & (key >= kv_lo)
+        block = tl.load(table_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_mask = key_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
+        kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
+    else:
+        kv_mask = (offs_n < BLOCK_N)[:, None] & (offs_d < HEAD_DIM)[None, :]  # head_dim padding only
+        if LOOKUP_BLOCKS:
+            NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
+            blocks = tl.load(table_row + j * NB + tl.arange(0, NB)).to(tl.int64)
+            slot_off = blocks[:, None] * s_cb + tl.arange(0, BLOCK_SIZE)[None, :] * s_cs
+            kv_off = tl.reshape(slot_off, [BLOCK_N]) + kv_head * s_ch
+        else:
+            block = tl.load(table_row + key // BLOCK_SIZE).to(tl.int64)
+            kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
+    if HEAD_DIM == HEAD_DIM_PAD and not MASKED:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    else:
+        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if F8_QK:
+        s = (tl.dot(q, tl.trans(k)) + tl.dot(q_lo, tl.trans(k))) * (qk_scale * row_scale)[:, None]
+    else:
+        if KV_FP8:
+            k = k.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
+        cap = softcap * 1.4426950408889634
+        s = cap * (1.0 - 2.0 / (tl.exp2(2.0 * s / cap * 1.4426950408889634) + 1.0))
+    if MASKED:
+        visible = ((key[None, :] <= key_limit[:, None]) & (key[None, :] > key_limit[:, None] - window)
+                   & key_valid[None, :])
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no NaN
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if HEAD_DIM == HEAD_DIM_PAD and not MASKED:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
+    else:
+        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if F8_QK:
+        v = v.to(tl.float16)
+    elif KV_FP8:
+        v = v.to(q.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 # Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
@@ -78,7 +147,8 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
+    LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -123,6 +193,17 @@ def _paged_attention_kernel(
         # costs a second, quarter-rate one per value (as many as the HBM reads save, at long contexts).
         # Queries past fp16's range are clamped: the softmax sees them as the largest finite values.
         q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    q_lo = q  # (unused without F8_QK)
+    row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if F8_QK:  # e4m3 queries of two terms, scaled per row to the format's largest value (448):
+        # q * scale = hi + lo to about 2^-8 of each value, as bf16 holds it; the keys stay fp8.
+        qf = q.to(tl.float32)
+        q_max = tl.max(tl.abs(qf), 1)
+        q_up = 448.0 / tl.where(q_max > 0.0, q_max, 1.0)
+        qs = qf * q_up[:, None]
+        q = qs.to(k_cache_ptr.dtype.element_ty)
+        q_lo = (qs - q.to(tl.float32)).to(k_cache_ptr.dtype.element_ty)
+        row_scale = 1.0 / q_up
 
     kv_len = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys the tile's last query sees
     kv_lo = tl.maximum(context + q_first - window + 1, 0)  # the first key the tile's first query sees
@@ -140,33 +221,40 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * s_bt
-    offs_n = tl.arange(0, BLOCK_N)
-    for j in range(tile_lo, tile_hi):
-        key = j * BLOCK_N + offs_n
-        key_valid = (key < kv_len) & (key >= kv_lo)
-        block = tl.load(table_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
-        kv_mask = key_valid[:, None] & d_valid[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
-            cap = softcap * 1.4426950408889634
-            s = cap * (1.0 - 2.0 / (tl.exp2(2.0 * s / cap * 1.4426950408889634) + 1.0))
-        visible = ((key[None, :] <= key_limit[:, None]) & (key[None, :] > key_limit[:, None] - window)
-                   & key_valid[None, :])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet: no NaN
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if INTERIOR:
+        # Interior tiles: every key valid and seen by every row of the tile (after the window start
+        # of the tile's last query, up to the causal limit of its first): no masks there.
+        if WINDOWED:
+            q_last = tl.minimum(q_first + BLOCK_Q, q_len) - 1
+            lo_max = tl.maximum(context + q_last - window + 1, 0)
+            mid_lo = tl.minimum(tl.maximum(tl.cdiv(lo_max, BLOCK_N), tile_lo), tile_hi)
+        else:
+            mid_lo = tile_lo
+        mid_hi = tl.maximum(tl.minimum((context + q_first + 1) // BLOCK_N, tile_hi), mid_lo)
+    else:  # every tile masked
+        mid_lo = tile_lo
+        mid_hi = tile_lo
+    if INTERIOR and WINDOWED:  # masked tiles the window starts in
+        for j in range(tile_lo, mid_lo):
+            m_i, l_i, acc = _attend_tile(
+                q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+                key_limit,
+                window, softcap, qk_scale, s_cb, s_cs, s_ch,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK)
+    if INTERIOR:
+        for j in range(mid_lo, mid_hi):
+            m_i, l_i, acc = _attend_tile(
+                q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+                key_limit,
+                window, softcap, qk_scale, s_cb, s_cs, s_ch,
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS,
+                F8_QK)
+    for j in range(mid_hi, tile_hi):  # masked tiles at the causal edge (all of them without INTERIOR)
+        m_i, l_i, acc = _attend_tile(
+            q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+            key_limit,
+            window, softcap, qk_scale, s_cb, s_cs, s_ch,
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -192,27 +280,33 @@ def _reduce_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, sinks_ptr,
     num_seqs, num_splits, s_ot, s_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    SINKS: tl.constexpr,
+    SINKS: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """One program per (row, head): merge the split partials; rows past the last sequence get zeros."""
+    """One program per (row, head): merge the split partials; rows past the last sequence get zeros.
+    The shares' accumulators are read CHUNK at a time (the maxima and sums of all of them first)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     num_shares = tl.where(row < tl.load(qsl_ptr + num_seqs), num_splits, 0)  # padding rows read none
     offs_s = tl.arange(0, MAX_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = offs_s < num_shares
-    part = (row.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s
-    m = tl.load(part_m_ptr + part, mask=s_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + part, mask=s_mask, other=0.0)
+    base = (row.to(tl.int64) * NUM_HEADS + head) * num_splits
+    m = tl.load(part_m_ptr + base + offs_s, mask=s_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + base + offs_s, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
     if SINKS:
         sink = tl.load(sinks_ptr + head) * 1.4426950408889634
         m_max = tl.maximum(m_max, sink)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding rows: no share at all
-    weight = tl.exp2(m - m_max)  # empty shares (max -inf) weigh nothing
-    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    num = tl.sum(acc * weight[:, None], 0)
-    den = tl.sum(l * weight, 0)
+    den = tl.sum(l * tl.exp2(m - m_max), 0)  # empty shares (max -inf) weigh nothing
+    num = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    for c in tl.static_range(0, MAX_SPLITS, CHUNK):
+        offs_c = c + tl.arange(0, CHUNK)
+        c_mask = offs_c < num_shares
+        m_c = tl.load(part_m_ptr + base + offs_c, mask=c_mask, other=float("-inf"))
+        acc = tl.load(part_acc_ptr + (base + offs_c)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                      mask=c_mask[:, None], other=0.0)
+        num += tl.sum(acc * tl.exp2(m_c - m_max)[:, None], 0)
     if SINKS:
         den += tl.where(num_shares > 0, tl.exp2(sink - m_max), 0.0)
     o = num / tl.where(den > 0.0, den, 1.0)
@@ -223,16 +317,24 @@ def _reduce_splits_kernel(
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
-                    num_warps: int, num_stages: int, sliding_window: int | None = None,
+                    num_warps: int, num_stages: int, interior: bool = True, lookup_blocks: bool = False,
+                    fp8_qk_dot: bool = False, sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
     `sinks`: [num_heads] sink logits (read as float32), or None.
 
     The launch depends only on shapes and the arguments given here, never on device data.
+    `interior`: walk the tiles every row sees whole without masks (False: mask every tile).
+    `lookup_blocks`: in those tiles, one block-table read per cache block (where block_n is a
+    multiple of the block size), not one per key.
+    `fp8_qk_dot` (e4m3 cache, 16-bit queries): q . k as two fp8 dots (the query split into two fp8
+    terms), so the keys are not converted; values still are.
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
+    if num_splits > max_splits:
+        raise ValueError(f"num_splits={num_splits} exceeds max_splits={max_splits} (the reduce's size)")
     group = num_heads // num_kv_heads
     head_dim_pad = triton.next_power_of_2(head_dim)
     out = torch.empty((num_rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
@@ -264,7 +366,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         SPLIT=split, DOT_PRECISION="ieee" if (q.dtype if kv_fp8 else kv_cache.dtype) == torch.float32 else "tf32",
         SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8,
-        F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None,
+        F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
+        LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
+        F8_QK=fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -273,6 +377,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             out, part_m, part_l, part_acc, query_start_loc, sinks_f32, num_seqs, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, MAX_SPLITS=max_splits,
-            SINKS=sinks is not None,
+            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK),
         )
     return out

@@ -1,0 +1,98 @@
+"""The Triton kernel's unmasked walk over interior KV tiles (keys every row of a query tile sees whole),
+under TRITON_INTERPRET=1 against the float64 reference, with windows wider than a KV tile so that the
+interior starts after the window of a tile's LAST query, and contexts ending on tile boundaries.
+
+Blocks wholly before a sequence's window are poisoned with NaN (tests/layers/test_attention_windows.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined: before the first import
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers.triton_required import require_triton
+
+require_triton()
+
+from tests.layers.test_attention_windows import poisoned_case, run_backend  # noqa: E402
+from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig  # noqa: E402
+
+# Chunks over cached context (query tiles of several tokens), decodes whose context ends on a KV
+# tile boundary (63 + 1 = 64 keys) or just past it, a multi-token decode and a fresh prefill.
+MIX = ([100, 63, 64, 130, 0, 47], [40, 1, 1, 5, 70, 17])
+
+
+@pytest.mark.parametrize("window", [None, 40, 23])
+@pytest.mark.parametrize("block_n,splits,lookup", [(16, None, False), (16, 3, True), (32, None, True), (32, 2, False)])
+def test_interior_tiles(window, block_n, splits, lookup):
+    case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=MIX)
+    config = TritonAttentionConfig(block_n=block_n, kv_splits=splits, prefill_rows=32, lookup_blocks=lookup)
+    backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, None, config=config)
+    torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
+
+
+def test_interior_walk_matches_masked_walk():
+    """interior=False (every tile masked) is the same attention."""
+    case, _ = poisoned_case(23, 0.8, 8, heads=(4, 2), head_dim=16, mix=MIX)
+    outs = []
+    for interior in (True, False):
+        config = TritonAttentionConfig(block_n=16, interior=interior)
+        backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), 23, 0.8, config=config)
+        outs.append(run_backend(backend, case))  # (the K/V write is the same both times)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(outs[0], case.expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("splits", [48, 128])  # one KV tile a share: 44 shares, two reduce chunks
+def test_many_splits_reduce_in_chunks(splits):
+    """More shares than the reduce merges in one step (32): every chunk of partials counts."""
+    mix = ([700, 90, 0], [1, 1, 1])  # 44 KV tiles of 16, a short row (many empty shares), a first token
+    case, _ = poisoned_case(None, None, 16, heads=(4, 2), head_dim=16, mix=mix)
+    backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16),
+                                     config=TritonAttentionConfig(block_n=16, kv_splits=splits))
+    torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
+
+
+def test_sequence_search_over_several_steps(monkeypatch):
+    """The kernel finds each tile's sequence reading query_start_loc SEARCH_CHUNK entries a step:
+    with a chunk of 4, nine sequences take three steps."""
+    from tokenmill.layers.attention import triton_paged_attention
+
+    monkeypatch.setattr(triton_paged_attention, "SEARCH_CHUNK", 4)
+    mix = ([30, 0, 5, 17, 40, 2, 0, 9, 33], [1, 6, 1, 2, 1, 1, 3, 1, 1])
+    case, _ = poisoned_case(None, None, 8, heads=(4, 2), head_dim=16, mix=mix)
+    backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), config=TritonAttentionConfig(block_n=16))
+    torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_launch_parameters_per_cache_dtype():
+    """Decode launches take the decode fields (else block_n / num_stages), fp8 caches the fp8 ones
+    (else the decode ones), fp8 launches that split the KV axis the fp8 split ones; multi-token
+    decode tiles and prefill launches none of them."""
+    from tokenmill.layers.attention.triton_backend import plan_launch
+
+    config = TritonAttentionConfig(block_n=64, num_stages=2, decode_warps=4, decode_block_n=32, decode_stages=3,
+                                   fp8_decode_block_n=128, fp8_decode_warps=2, fp8_decode_stages=1,
+                                   fp8_split_decode_warps=8, fp8_split_decode_stages=4)
+    bf16 = plan_launch(config, 32, 8, 256, 256, 1, 4096, 132)
+    fp8 = plan_launch(config, 32, 8, 256, 256, 1, 4096, 132, kv_fp8=True)
+    fp8_split = plan_launch(config, 32, 8, 1, 1, 1, 4096, 132, kv_fp8=True)
+    multi = plan_launch(config, 32, 8, 256 * 5, 256, 5, 4096, 132, kv_fp8=True)
+    prefill = plan_launch(config, 32, 8, 600, 4, 512, 4096, 132, kv_fp8=True)
+    assert (bf16.block_n, bf16.num_stages, bf16.num_warps, bf16.num_splits) == (32, 3, 4, 1)
+    assert (fp8.block_n, fp8.num_stages, fp8.num_warps) == (128, 1, 2)
+    assert (fp8_split.block_n, fp8_split.num_stages, fp8_split.num_warps) == (128, 4, 8)
+    assert fp8_split.num_splits == 16  # 8 programs: 33 wanted, 4096 // 256 = 16 by length
+    assert (multi.block_q, multi.block_n, multi.num_stages, multi.num_warps) == (8, 64, 2, 4)
+    assert (prefill.block_n, prefill.num_stages) == (64, 2)
+    unset = dict(decode_block_n=None, decode_stages=None, fp8_decode_block_n=None, fp8_decode_warps=None,
+                 fp8_decode_stages=None, fp8_split_decode_warps=None, fp8_split_decode_stages=None)
+    plain = plan_launch(TritonAttentionConfig(block_n=16, num_stages=1, **unset), 32, 8, 1, 1, 1, 4096, 132,
+                        kv_fp8=True)
+    assert (plain.block_n, plain.num_stages, plain.num_warps) == (16, 1, 4)
