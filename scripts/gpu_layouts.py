@@ -9,9 +9,17 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
           is reported. A failed check exits 1.
   allreduce  `tokenmill bench all-reduce --tp 2`: NCCL, one-shot, two-shot per size (checked, timed in
           CUDA graphs), and the all-reduce fused with the residual add + RMSNorm against NCCL or
-          one-shot + the Triton add + norm (checked against its torch reference, chained, timed).
+          one-shot + the Triton add + norm (checked against its torch reference, chained, timed), in its
+          pull and push variants.
+  kernels this issue's decode kernels in bf16 on the device, bit for bit the kernels they replace
+          (rotary + KV write, the TP vocab embedding); a difference exits 1.
   batch1  batch 1 (one prompt at a time, 512 in x 256 out): ms per output token of one GPU, TP=2
           (fused all-reduce + norm) and TP=2 with them apart (tp2-unfused); goal TP=2 <= 0.6x.
+  profile batch1 with a torch.profiler window over 32 decode steps on every rank: per-step device time
+          of each kernel group (GEMMs, attention, norms, all-reduce, rope, sampling, copies, others),
+          launch gaps, host gaps and the gap between steps; one GPU beside TP=2 (off by default).
+  arprofile  TP=2 decode steps of 1000 rows profiled (short prompts): the all-reduce's time per decode
+          step of the bench's batch from the trace (off by default).
   bench   Llama-3.1-8B shape, dummy bfloat16 weights, 1000 prompts x 512 in x 256 out, one GPU,
           TP=2 and PP=2 at the same --max-num-seqs (scripts/device_check.py's pbench runs): output
           tok/s and the ratios to one GPU (targets TP=2 >= 1.75x, PP=2 >= 1.85x: reported, not
@@ -28,9 +36,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.setdefault("OUT", os.path.join(os.getcwd(), "gpu-out"))  # before device_check reads it
@@ -68,8 +78,12 @@ def wrong_shards(shape: str) -> dict[str, dict[str, str]]:
         "rank": 1, "parameter": "layers.1.mlp.gate_up_proj.weight", **plan}})} for name, plan in plans.items()}
 
 
-def check(results: dict, smoke: bool) -> bool:
-    """The layout check in bfloat16; True when the layouts pass and the wrong shard fails."""
+CHECK_LAYOUTS = (*LAYOUTS, "tp2-unfused", "tp2-gate-up-swapped", "tp2-16-rows-swapped")
+
+
+def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> bool:
+    """The layout check in bfloat16 over `names` (of CHECK_LAYOUTS); True when the layouts pass and
+    the wrong shard (tp2-gate-up-swapped, where named) fails."""
     shape = "layoutcheck-smoke" if smoke else "layoutcheck"
     path = device_check.weights_dir(shape)
     common = dict(dtype="bfloat16") if smoke else dict(dtype="bfloat16", gpu_memory_utilization=0.3,
@@ -80,15 +94,14 @@ def check(results: dict, smoke: bool) -> bool:
     sequences = lc.greedy_continuations(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
                                         8 if smoke else 32, common)
     envs = wrong_shards(shape)
-    faulty = [lc.Layout(name, lc.PRESETS["tp2"]) for name in envs]
     # TP=2 with the all-reduce, residual add and RMSNorm apart: the fused kernel's numerics beside it.
     envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
-    unfused = [lc.Layout("tp2-unfused", lc.PRESETS["tp2"])]
-    report = lc.check_layouts(path, [*(lc.Layout.parse(n) for n in LAYOUTS), *unfused, *faulty], sequences, common,
-                              envs=envs)
+    layouts = [lc.Layout.parse(n) if n in LAYOUTS else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
+    report = lc.check_layouts(path, layouts, sequences, common, envs=envs)
     print(lc.format_report(report), flush=True)
     verdicts = {v.spread.label: v.passed for v in report.verdicts}
-    ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused")) and not verdicts["tp2-gate-up-swapped"]
+    ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused") if n in verdicts) \
+        and not verdicts.get("tp2-gate-up-swapped", False)
     results["layout_check"] = {**report.as_dict(), "passed": ok, "seconds": time.perf_counter() - start}
     print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, tp2-gate-up-swapped must fail)")
     return ok
@@ -103,6 +116,11 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     # The same TP=2 steps with every all-reduce skipped (wrong outputs, same shapes and lengths:
     # --ignore-eos): the device step's difference from tp2 is what the all-reduces cost a step.
     "tp2-no-all-reduce": (["--tensor-parallel-size", "2"], {"TOKENMILL_BENCH_SKIP_ALL_REDUCE": "1"}),
+    # TP=2 with the rotary and the KV-cache write as two kernels (A/B of their fusion).
+    "tp2-rope-apart": (["--tensor-parallel-size", "2"], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
+    "tp1-rope-apart": ([], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
+    # TP=2 with the fused all-reduce + norm kernel's push variant (reads local, writes remote).
+    "tp2-push": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_PUSH": "1"}),
     "pp2": (["--pipeline-parallel-size", "2"], {}),
     # Three micro-batches on two stages: the host's turn-around between a stage's batches hidden.
     "pp2-mb3": (["--pipeline-parallel-size", "2", "--pp-microbatches", "3"], {}),
@@ -113,8 +131,9 @@ _STEP_KEYS = ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "devic
 
 
 def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], workload: tuple[int, int, int],
-          label: str) -> None:
-    """`layouts` on the 8B shape at the same max_num_seqs, in one call; ratios to tp1."""
+          label: str, env_of=lambda name: {}) -> None:
+    """`layouts` on the 8B shape at the same max_num_seqs, in one call; ratios to tp1. `env_of(name)`:
+    more environment for a layout's run."""
     shape = "llama8b-smoke" if smoke else "llama8b"
     n, lin, lout = (min(workload[0], 8), 16, 8) if smoke else workload
     extra = ["--max-num-seqs", str(max_num_seqs), "--warmup", "0"]
@@ -123,6 +142,7 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
     figures: dict[str, dict] = {}
     for name in layouts:
         flags, env = _BENCH_LAYOUTS[name]
+        env = {**env, **env_of(name)}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
@@ -139,7 +159,7 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
     ratios = {k: (v["output_tokens_per_s"] / one if v.get("output_tokens_per_s") and one else None)
               for k, v in figures.items() if k != "tp1"}
     tpot = {k: v.get("tpot_ms_p50") for k, v in figures.items()}
-    if label == "batch1":  # ms per output token against one GPU's (goal: TP=2 <= 0.6x)
+    if label.startswith("batch1"):  # ms per output token against one GPU's (goal: TP=2 <= 0.6x)
         ratios = {k: (t / tpot["tp1"] if t and tpot.get("tp1") else None) for k, t in tpot.items() if k != "tp1"}
     step = {k: v.get("device_step_ms_p50") for k, v in figures.items()}
     all_reduce_ms = (step["tp2"] - step["tp2-no-all-reduce"]
@@ -150,7 +170,7 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
                                   "ratio_to_one_gpu": ratios, "targets": targets,
                                   "all_reduce_ms_per_decode_step_p50": all_reduce_ms,
                                   "fusion_saves_ms_per_token": fusion_ms,
-                                  "ratio_kind": "ms per token" if label == "batch1" else "output tok/s"}
+                                  "ratio_kind": "ms per token" if label.startswith("batch1") else "output tok/s"}
     print(f"{label}: {n} x {lin} x {lout}, max_num_seqs {max_num_seqs}")
     print(f"{'layout':<18} {'out tok/s':>10} {'x one GPU':>10} {'target':>7} {'tpot p50':>9} {'step p50':>9}")
     for name, fig in figures.items():
@@ -162,7 +182,7 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
         for i, stage in enumerate((fig.get("pipeline") or {}).get("stages") or []):
             print(f"  {name} stage {i}: busy {stage.get('busy_s', 0):.2f} s, idle {stage.get('idle_s', 0):.2f} s, "
                   f"bubble {stage.get('bubble_fraction', 0):.1%} (goal < 3%)")
-    if label == "batch1":
+    if label.startswith("batch1"):
         print("(batch1: 'x one GPU' is ms per output token over one GPU's)")
     if fusion_ms is not None:
         print(f"fused all-reduce + add + RMSNorm saves {fusion_ms:.3f} ms per token (tp2-unfused - tp2, tpot p50)")
@@ -170,7 +190,134 @@ def bench(results: dict, smoke: bool, max_num_seqs: int, layouts: list[str], wor
         print(f"all-reduces per decode step (tp2 - tp2-no-all-reduce, device step p50): {all_reduce_ms:.3f} ms")
 
 
-def all_reduce(results: dict, smoke: bool, sizes_kib: str | None) -> bool:
+def kernels(results: dict, smoke: bool) -> bool:
+    """This issue's decode kernels on the device in bf16, bit for bit the paths they replace: the
+    rotary + KV-cache write against `rotate_` then `write_kv` (Llama-3.1-8B's heads at TP=2 and one
+    GPU, 1 and 37 tokens, padding slots), and the TP vocab embedding against the torch lookup."""
+    import torch
+
+    from tokenmill.layers.attention.triton_kv_write import write_kv
+    from tokenmill.layers.attention.triton_rope_kv_write import rotate_and_write_kv
+    from tokenmill.layers.rotary import RotaryEmbedding
+    from tokenmill.layers.triton_ops.rotary import rotate_
+    from tokenmill.layers.triton_ops.vocab_embedding import vocab_embedding
+    from tokenmill.config import RopeConfig
+    if smoke or not torch.cuda.is_available():
+        print("kernels: needs CUDA (skipped)")
+        return True
+    dev, dt, ok = torch.device("cuda"), torch.bfloat16, True
+    rope = RotaryEmbedding(128, 8192, RopeConfig(theta=500000.0)).to(dev)
+    checks = {}
+    for hq, hkv in ((16, 4), (32, 8)):
+        for tokens in (1, 37):
+            g = torch.Generator(device=dev).manual_seed(tokens)
+            qkv = torch.randn(tokens, (hq + 2 * hkv) * 128, generator=g, device=dev).to(dt)
+            pos = torch.randint(0, 8000, (tokens,), generator=g, device=dev)
+            slots = torch.randperm(64 * 16, generator=g, device=dev)[:tokens]
+            slots[::5] = -1
+            cache = torch.zeros(2, 64, 16, hkv, 128, device=dev, dtype=dt)
+            ref_qkv, ref_cache = qkv.clone(), cache.clone()
+            qk = ref_qkv[:, :(hq + hkv) * 128].view(tokens, hq + hkv, 128)
+            rotate_(qk, None, pos, rope.cos_cache, rope.sin_cache, 128)
+            q_ref, k_ref = qk.split([hq, hkv], dim=1)
+            write_kv(k_ref, ref_qkv[:, (hq + hkv) * 128:].view(tokens, hkv, 128), ref_cache, slots)
+            qk = qkv[:, :(hq + hkv) * 128].view(tokens, hq + hkv, 128)
+            q, k = qk.split([hq, hkv], dim=1)
+            rotate_and_write_kv(q, k, qkv[:, (hq + hkv) * 128:].view(tokens, hkv, 128), pos, rope.cos_cache,
+                                rope.sin_cache, 128, cache, slots)
+            checks[f"rope_kv_write_{hq}x{hkv}_t{tokens}"] = bool(torch.equal(q, q_ref) and torch.equal(cache, ref_cache))
+    weight = torch.randn(64128, 4096, device=dev).to(dt)
+    ids = torch.tensor([0, 64127, 64128, 100000, 128255, 5], device=dev)
+    for start in (0, 64128):
+        local = ids - start
+        outside = (local < 0) | (local >= weight.shape[0])
+        want = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight).masked_fill_(outside[:, None], 0)
+        checks[f"vocab_embedding_start{start}"] = bool(torch.equal(vocab_embedding(ids, weight, start), want))
+    ok = all(checks.values())
+    results["kernels"] = {"checks": checks, "passed": ok}
+    print("kernels (bf16, bit for bit): " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in checks.items()))
+    return ok
+
+
+def read_profiles(folder: str, label: str) -> dict:
+    """Every rank's profile under $OUT/`folder`, analyzed, printed and written beside it as text."""
+    from tokenmill.benchmarks import step_profile
+    path = os.path.join(OUT, folder)
+    ranks = sorted(f for f in os.listdir(path) if f.startswith("rank")) if os.path.isdir(path) else []
+    figures = {}
+    for file in ranks:
+        with open(os.path.join(path, file)) as f:
+            a = step_profile.analyze(json.load(f))
+        text = step_profile.format_report(label, a)
+        print(text, flush=True)
+        with open(os.path.join(OUT, f"{folder}_{file[:-5]}.txt"), "w") as f:
+            f.write(text + "\n")
+        figures[f"{folder}_{file[:-5]}".removeprefix("profile_")] = a
+    if not ranks:
+        print(f"{label}: no profile written")
+    return figures
+
+
+def profile_env(folder: str, window: dict) -> dict:
+    from tokenmill.worker.device_profile import ENV_VAR
+    shutil.rmtree(os.path.join(OUT, folder), ignore_errors=True)  # not an earlier run's
+    return {ENV_VAR: json.dumps({"out_dir": os.path.join(OUT, folder), **window})}
+
+
+def profile(results: dict, smoke: bool, layouts: list[str], prompts: int) -> None:
+    """Batch 1 (as the batch1 part) with a torch.profiler window over 32 graph-replayed decode steps
+    of the first prompt on every rank (TOKENMILL_DEVICE_PROFILE, tokenmill/worker/device_profile.py):
+    per step, each kernel group's device time, and the idle time split into launch gaps, host gaps
+    inside the step and the gap between steps (tokenmill/benchmarks/step_profile.py). The all-reduce
+    group of TP=2 is the all-reduces' device time per decode step."""
+    window = dict(batch=1, skip=2, steps=3) if smoke else dict(batch=1, skip=64, steps=32)
+    figures, tpot = {}, {}
+    for name in layouts:  # one bench call each, its profile read at once (a run cut short keeps them)
+        bench(results, smoke, 1, [name], (prompts, 512, 256), "batch1_profiled",
+              lambda layout: profile_env(f"profile_{layout}", window))
+        # The device step, not the TPOT: reading the trace out stalls the run for a few seconds.
+        tpot[name] = results["layout_batch1_profiled"]["layouts"][name].get("device_step_ms_p50")
+        figures.update(read_profiles(f"profile_{name}", f"{name} batch 1"))
+        results["profile_batch1"] = {"device_step_ms_p50": tpot, "ranks": figures}
+        with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    print("batch 1 (profiled runs), device step ms p50: " + ", ".join(
+        f"{k} {v:.3f}" + (f" ({v / tpot['tp1']:.3f}x one GPU)" if k != "tp1" and tpot.get("tp1") else "")
+        for k, v in tpot.items() if v))
+    one, tp = figures.get("tp1_rank0"), figures.get("tp2_rank0")
+    if one and tp:
+        print(f"{'per step (us)':<22} {'one GPU':>9} {'TP=2':>9} {'TP/one':>7}")
+        rows = [("device period", "period_us"), ("kernels", "kernel_us"), ("launch gaps", "launch_gaps_us"),
+                ("host gaps in step", "host_gaps_us"), ("between steps", "between_steps_us")]
+        rows += [(g, g) for g in sorted(set(one["groups_us"]) | set(tp["groups_us"]),
+                                      key=lambda g: -tp["groups_us"].get(g, 0))]
+        for label, key in rows:
+            x = one.get(key, one["groups_us"].get(key, 0.0))
+            y = tp.get(key, tp["groups_us"].get(key, 0.0))
+            print(f"{label:<22} {x:9.1f} {y:9.1f} {y / x if x else float('nan'):7.3f}")
+        print(f"kernels per step: one GPU {one['kernels_per_step']:.0f}, TP=2 {tp['kernels_per_step']:.0f}; "
+              f"all-reduce per decode step (TP=2 rank 0, from the trace): {tp['groups_us'].get('all_reduce', 0):.1f} us "
+              f"in {tp['groups_calls'].get('all_reduce', 0):.0f} calls")
+
+
+def ar_profile(results: dict, smoke: bool) -> None:
+    """TP=2 decode steps of 1000 rows, profiled (12 steps after 8; short prompts, so that the run is
+    mostly start-up): the all-reduce's time per decode step of the bench's batch, from the trace.
+    Not inside the bench's timed runs: reading the trace out stalls a run for a few seconds."""
+    rows = 8 if smoke else 1000
+    window = dict(batch=rows, skip=2, steps=3) if smoke else dict(batch=rows, skip=8, steps=12)
+    bench(results, smoke, 1024, ["tp2"], (rows, 32, 48), "arprofile",
+          lambda name: profile_env(f"arprofile_{name}", window))
+    figures = read_profiles("arprofile_tp2", f"tp2 {rows} rows")
+    results["profile_all_reduce"] = figures
+    r0 = figures.get("arprofile_tp2_rank0") or {}
+    if r0:
+        print(f"tp2: all-reduce per decode step of {rows} rows (rank 0, from the trace): "
+              f"{r0['groups_us'].get('all_reduce', 0) / 1e3:.3f} ms in {r0['groups_calls'].get('all_reduce', 0):.0f} "
+              f"calls, of a device period of {r0['period_us'] / 1e3:.3f} ms")
+
+
+def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None) -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
     (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
@@ -179,6 +326,7 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None) -> bool:
         return True
     record = os.path.join(OUT, "all_reduce.json")
     sizes = ["--sizes-kib", sizes_kib] if sizes_kib else []
+    sizes += ["--fused-rows", fused_rows] if fused_rows else []
     proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
                            "--output-json", record], cwd=REPO, text=True)
     if os.path.exists(record):
@@ -193,7 +341,11 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="the same for every layout of the bench")
     ap.add_argument("--layouts", default="tp1,tp2,tp2-no-all-reduce,pp2,pp2-mb3", help="the bench's layouts: "
                     + ", ".join(_BENCH_LAYOUTS))
+    ap.add_argument("--check-layouts", default=",".join(CHECK_LAYOUTS), help="check: layouts judged against one "
+                    "GPU (tp2-gate-up-swapped must fail, the others but tp2-16-rows-swapped must pass)")
     ap.add_argument("--ar-sizes-kib", default=None, help="allreduce: message sizes (default: bench all-reduce's)")
+    ap.add_argument("--ar-fused-rows", default=None, help="allreduce: rows of the fused all-reduce + norm runs "
+                    "(pull and push variants; default: bench all-reduce's)")
     ap.add_argument("--batch1-layouts", default="tp1,tp2,tp2-unfused", help="batch1: layouts to time")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="batch1: prompts (one at a time, 512 in x 256 out)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
@@ -212,15 +364,24 @@ def main() -> int:
         start = time.perf_counter()
         print(f"==== {part}", flush=True)
         if part == "check":
-            ok = check(results, args.smoke) and ok
+            unknown = set(args.check_layouts.split(",")) - set(CHECK_LAYOUTS)
+            if unknown:
+                raise SystemExit(f"--check-layouts: unknown {sorted(unknown)} (of {', '.join(CHECK_LAYOUTS)})")
+            ok = check(results, args.smoke, args.check_layouts.split(",")) and ok
         elif part == "bench":
             bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput")
+        elif part == "arprofile":
+            ar_profile(results, args.smoke)
         elif part == "batch1":
             bench(results, args.smoke, 1, args.batch1_layouts.split(","), (args.batch1_prompts, 512, 256), "batch1")
+        elif part == "kernels":
+            ok = kernels(results, args.smoke) and ok
+        elif part == "profile":
+            profile(results, args.smoke, args.batch1_layouts.split(","), args.batch1_prompts)
         elif part == "allreduce":
-            ok = all_reduce(results, args.smoke, args.ar_sizes_kib) and ok
+            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows) and ok
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, batch1, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, kernels, batch1, profile, arprofile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)

@@ -32,11 +32,19 @@ from tokenmill.layers.norm import rms_norm_reference  # noqa: E402
 HALF = 1 << 14  # bytes per half of a rank's buffer (small: the interpreter is slow)
 
 
-def make_group(world: int) -> list[FusedAllReduceNorm]:
+def make_group(world: int, push: bool = False) -> list[FusedAllReduceNorm]:
     """One `FusedAllReduceNorm` per simulated rank, over CPU buffers that stand in for the peers'."""
     buffers = [torch.zeros(buffer_bytes(HALF, world), dtype=torch.uint8) for _ in range(world)]
     addresses = [b.data_ptr() for b in buffers]
-    return [FusedAllReduceNorm(buffers, addresses, r, FusedNormLimits(half_bytes=HALF, max_bytes=HALF)) for r in range(world)]
+    return [FusedAllReduceNorm(buffers, addresses, r, FusedNormLimits(half_bytes=HALF, max_bytes=HALF), push)
+            for r in range(world)]
+
+
+def slot_start(rank: FusedAllReduceNorm, writer: int, call: int, dtype: torch.dtype) -> int:
+    """Where `writer`'s rows of call `call` start in a buffer (elements): its own buffer's half, or
+    (push) its slot in the half of the buffer it pushed to."""
+    half = HALF // torch.empty(0, dtype=dtype).element_size()
+    return (call % 2) * half + (writer * (half // rank.world) if rank.push else 0)
 
 
 def signals(buffer: torch.Tensor) -> torch.Tensor:
@@ -50,17 +58,19 @@ def play_peers(ranks: list[FusedAllReduceNorm], rank: int, partials: list[torch.
     for peer in range(world):
         if peer == rank:
             continue
-        data = ranks[peer].buffers[peer][:2 * HALF].view(partials[0].dtype)
-        start = (call % 2) * (HALF // partials[0].element_size())
+        holder = rank if ranks[rank].push else peer  # push: the peer stored its rows into this rank's buffer
+        data = ranks[holder].buffers[holder][:2 * HALF].view(partials[0].dtype)
+        start = slot_start(ranks[rank], peer, call, partials[0].dtype)
         data[start:start + rows * n] = partials[peer].reshape(-1)
         signals(ranks[rank].buffers[rank]).view(-1, world)[:programs, peer] = call + 1
 
 
+@pytest.mark.parametrize("push", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("world,rows,n", [(2, 1, 64), (2, 5, 96), (4, 3, 32)])
-def test_fused_kernel_equals_the_torch_reference(dtype, world, rows, n):
+def test_fused_kernel_equals_the_torch_reference(dtype, world, rows, n, push):
     torch.manual_seed(0)
-    ranks = make_group(world)
+    ranks = make_group(world, push)
     weight = torch.randn(n).to(dtype)
     eps = 1e-5
     for call in range(3):  # halves 0, 1, 0: the counters pick them
@@ -83,9 +93,10 @@ def test_fused_kernel_equals_the_torch_reference(dtype, world, rows, n):
             for peer in range(world):  # this rank's signal reached every rank's slot [p, rank]
                 slots = signals(ranks[peer].buffers[peer]).view(-1, world)
                 assert (slots[:programs, rank] == call + 1).all()
-            mine = ranks[rank].buffers[rank][:2 * HALF].view(dtype)
-            start = (call % 2) * (HALF // partials[0].element_size())
-            assert torch.equal(mine[start:start + rows * n].view(rows, n), partials[rank])
+            start = slot_start(ranks[rank], rank, call, dtype)
+            for holder in range(world) if push else [rank]:  # push: its rows in every rank's buffer
+                data = ranks[holder].buffers[holder][:2 * HALF].view(dtype)
+                assert torch.equal(data[start:start + rows * n].view(rows, n), partials[rank])
 
 
 def test_reference_is_the_sum_then_hf_rms_norm():
@@ -108,6 +119,11 @@ def test_what_the_kernel_does_not_take():
     assert not rank.applies(x.t(), res.t(), torch.zeros(2))  # not contiguous
     assert not rank.applies(x, torch.zeros(2, 64, dtype=torch.float16), w)  # residual neither float32 nor x's
     assert not rank.applies(x.to(torch.int32), res, w)
+    # Push: a half holds every rank's rows, so the message may fill half of it at two ranks.
+    rows = HALF // 4 // 64 // 2 + 1
+    big = torch.zeros(rows, 64)
+    assert make_group(2)[0].applies(big, big, w) and not make_group(2, push=True)[0].applies(big, big, w)
+    assert make_group(2, push=True)[0].applies(big[:-1], big[:-1], w)
 
 
 def test_off_cuda_there_is_none(monkeypatch):

@@ -114,7 +114,9 @@ def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, 
     if fused:  # the all-reduce fused with the residual add and RMSNorm (`all_reduce_norm`)
         from tokenmill.benchmarks.all_reduce_norm import run_fused
         fused_rows = run_fused(group, device, symm, hidden, fused, calls)
-        failed += [f"fused {r['rows']} rows" for r in fused_rows if not r["ok"]]
+        # The kernel's push variant (rows stored into every peer's buffer, reads local), checked and timed alike.
+        fused_rows += run_fused(group, device, symm, hidden, fused, calls, push=True)
+        failed += [f"fused{' push' if r.get('push') else ''} {r['rows']} rows" for r in fused_rows if not r["ok"]]
         if rank == 0 and not all(r["ok"] for r in fused_rows):
             print("fused all-reduce + norm failed its checks", flush=True)
     if rank == 0 and out:

@@ -10,7 +10,8 @@ does not take (messages over half its buffer, other shapes) goes the usual way.
 Numerics: the ranks' partials are summed in float32 in rank order and added to the float32
 residual unrounded (`reference`), one rounding fewer than all-reduce-then-add (the reduced sum
 in bf16); every rank computes the same bits, so the replicated residual streams stay equal.
-`TOKENMILL_FUSED_ALL_REDUCE_NORM=0` turns it off (A/B measurements).
+`TOKENMILL_FUSED_ALL_REDUCE_NORM=0` turns it off (A/B measurements); `TOKENMILL_ALL_REDUCE_NORM_PUSH=1`
+takes the kernel's push variant (each rank stores its rows into every peer's buffer, reads are local).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class FusedNormLimits:
 
 def wanted() -> bool:
     return os.environ.get("TOKENMILL_FUSED_ALL_REDUCE_NORM", "1").lower() not in ("0", "false", "no")
+
+
+def push_wanted() -> bool:
+    return os.environ.get("TOKENMILL_ALL_REDUCE_NORM_PUSH", "0").lower() in ("1", "true", "yes")
 
 
 def buffer_bytes(half_bytes: int, world: int) -> int:
@@ -76,7 +81,7 @@ class FusedAllReduceNorm:
     """One rank's symmetric buffer for the fused kernel, its peers' addresses and its counters."""
 
     def __init__(self, buffers: list[torch.Tensor] | torch.Tensor, peer_addresses: list[int], rank: int,
-                 limits: FusedNormLimits) -> None:
+                 limits: FusedNormLimits, push: bool = False) -> None:
         device = buffers.device if isinstance(buffers, torch.Tensor) else buffers[rank].device
         self.buffers = buffers  # kept alive: the kernel reads them through raw addresses
         self.rank, self.world, self.limits = rank, len(peer_addresses), limits
@@ -88,9 +93,11 @@ class FusedAllReduceNorm:
         # finished reading it) holds only between calls of one layout. The first call fixes it;
         # calls of another layout are refused (`applies`), after the self-test's barrier.
         self._row_layout: tuple[int, torch.dtype] | None = None
+        self.push = push  # the kernel's push variant: a half holds one slot per rank
 
     @staticmethod
-    def create(group, device: torch.device, limits: FusedNormLimits | None = None) -> FusedAllReduceNorm | None:
+    def create(group, device: torch.device, limits: FusedNormLimits | None = None,
+               push: bool | None = None) -> FusedAllReduceNorm | None:
         """The symmetric buffer (signal slots zeroed on every rank before any use) and a first
         call checked against the expected result, or None (logged): the layers then all-reduce
         and norm apart."""
@@ -108,14 +115,16 @@ class FusedAllReduceNorm:
             handle = symm_mem.rendezvous(buffer, group)
             torch.cuda.synchronize(device)
             dist.barrier(group=group)  # every rank's signal slots are zero before anyone signals
-            self = FusedAllReduceNorm(buffer, [int(a) for a in handle.buffer_ptrs], rank, limits)
+            self = FusedAllReduceNorm(buffer, [int(a) for a in handle.buffer_ptrs], rank, limits,
+                                      push_wanted() if push is None else push)
             self._handle, self._group = handle, group
             self._self_test()
         except Exception as e:  # noqa: BLE001 - any failure means: all-reduce and norm apart
             logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s); the layers all-reduce, then norm",
                            type(e).__name__, e)
             return None
-        logger.info("TP all-reduce fused with residual add + RMSNorm up to %d KiB", limits.max_bytes >> 10)
+        logger.info("TP all-reduce fused with residual add + RMSNorm up to %d KiB%s", self.max_message() >> 10,
+                    " (push variant)" if self.push else "")
         return self
 
     def _self_test(self) -> None:
@@ -145,13 +154,18 @@ class FusedAllReduceNorm:
         elif self._row_layout != (n, x.dtype):
             return False
         return (residual.shape == x.shape and residual.is_contiguous() and residual.dtype in (x.dtype, torch.float32)
-                and weight.shape == (n,) and n <= _MAX_HIDDEN and x.numel() * x.element_size() <= min(self.limits.max_bytes, self.limits.half_bytes)
+                and weight.shape == (n,) and n <= _MAX_HIDDEN and x.numel() * x.element_size() <= self.max_message()
                 and num_programs(rows, n) <= MAX_PROGRAMS)
+
+    def max_message(self) -> int:
+        """Bytes of the largest partial the kernel takes (push: a half holds every rank's)."""
+        half = self.limits.half_bytes // self.world if self.push else self.limits.half_bytes
+        return min(self.limits.max_bytes, half)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed in x's dtype, residual updated in place): `reference` over the group's partials."""
         from tokenmill.distributed.all_reduce_norm_kernel import launch
         out = launch(x, residual, weight, eps, self.peers, self.counters, self.rank, self.world,
-                     self.limits.half_bytes)
+                     self.limits.half_bytes, self.push)
         return out, residual

@@ -14,6 +14,13 @@ Program p of every rank handles the same rows, so the ranks' programs pair up on
 No closing barrier: the two halves alternate, and a rank writes half c % 2 again (at c + 2) only
 after its peers signalled c + 1, which they do after finishing call c's reads (same stream).
 
+PUSH (a variant, `TOKENMILL_ALL_REDUCE_NORM_PUSH=1`): in step 1 each rank stores its rows into
+slot `rank` of half c % 2 of every rank's buffer (remote stores, which do not wait for a reply),
+so that in step 3 every read is local: one NVLink round trip less per call. A half then holds
+WORLD slots of the message. The same counters and signals order it: a rank's slot in a peer's
+half c % 2 is written again only at c + 2, after that peer signalled c + 1, i.e. had finished
+call c's reads.
+
 Buffer layout per rank (bytes): [half 0 | half 1 | int32 signal slots [MAX_PROGRAMS, world]].
 `peers` holds every rank's buffer address (int64), so the kernel reads and signals the peers
 through the pointers torch's symmetric memory maps into this process; on CPU (tests, Triton's
@@ -45,6 +52,7 @@ def _all_reduce_add_rms_norm_kernel(
     half_elems,  # elements of the activation dtype in one half of a rank's buffer
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, WORLD: tl.constexpr,
     SIGNAL_OFFSET: tl.constexpr,  # int32 elements from a buffer's start to its signal slots
+    PUSH: tl.constexpr = False,
 ):
     dtype = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
@@ -57,7 +65,12 @@ def _all_reduce_add_rms_norm_kernel(
 
     own = _buffer(peers_ptr, rank, dtype)
     x = tl.load(x_ptr + (rows * N)[:, None] + cols[None, :], mask=mask, other=0.0)
-    tl.store(own + offs, x, mask=mask)
+    slot_elems = half_elems // WORLD  # PUSH: one slot per rank in each half
+    if PUSH:
+        for peer in tl.static_range(WORLD):
+            tl.store(_buffer(peers_ptr, peer, dtype) + offs + rank * slot_elems, x, mask=mask)
+    else:
+        tl.store(own + offs, x, mask=mask)
 
     tl.debug_barrier()  # every thread's rows are stored before thread 0's release below
     slot = pid * WORLD
@@ -73,8 +86,11 @@ def _all_reduce_add_rms_norm_kernel(
 
     total = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for peer in tl.static_range(WORLD):
-        base = _buffer(peers_ptr, peer, dtype)
-        total += tl.load(base + offs, mask=mask, other=0.0, volatile=True).to(tl.float32)  # not from L1
+        if PUSH:  # every rank's rows in this rank's own buffer
+            part = tl.load(own + offs + peer * slot_elems, mask=mask, other=0.0, volatile=True)
+        else:
+            part = tl.load(_buffer(peers_ptr, peer, dtype) + offs, mask=mask, other=0.0, volatile=True)
+        total += part.to(tl.float32)  # (volatile: not from L1, which may hold the half's previous rows)
 
     res_ptrs = res_ptr + (rows * N)[:, None] + cols[None, :]
     summed = (tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + total).to(res_ptr.dtype.element_ty)
@@ -96,7 +112,7 @@ def num_programs(num_rows: int, n: int) -> int:
 
 
 def launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, peers: torch.Tensor,
-           counters: torch.Tensor, rank: int, world: int, half_bytes: int) -> torch.Tensor:
+           counters: torch.Tensor, rank: int, world: int, half_bytes: int, push: bool = False) -> torch.Tensor:
     """Normed rows in x's dtype; `residual` updated in place. x: [T, n] contiguous partial sums;
     residual: [T, n] contiguous, float32 or x's dtype. The caller checked sizes (`FusedAllReduceNorm.applies`)."""
     num_rows, n = x.shape
@@ -109,7 +125,7 @@ def launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: f
     _all_reduce_add_rms_norm_kernel[(grid,)](
         x, residual, weight, out, peers, counters,
         num_rows, rank, 1.0 / n, eps, half_bytes // x.element_size(),
-        N=n, BLOCK=block, ROWS=rows, WORLD=world, SIGNAL_OFFSET=2 * half_bytes // 4,
+        N=n, BLOCK=block, ROWS=rows, WORLD=world, SIGNAL_OFFSET=2 * half_bytes // 4, PUSH=push,
         num_warps=min(max(block * rows // 256, 1), 16),
     )
     return out

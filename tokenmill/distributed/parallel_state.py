@@ -160,6 +160,8 @@ class ParallelContext:
         if self.backend == "nccl":
             out = torch.empty((self.tp_size, *x.shape), dtype=x.dtype, device=x.device)
             dist.all_gather_into_tensor(out, x, group=self.tp_group)
+            if x.numel() == x.shape[-1]:  # one row (batch-1 logits): the ranks' parts already lie in order
+                return out.view(*x.shape[:-1], self.tp_size * x.shape[-1])
             parts = out.unbind(0)
         else:
             parts = [torch.empty_like(x) for _ in range(self.tp_size)]

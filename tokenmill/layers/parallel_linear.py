@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce
-from tokenmill.layers import cpu_bf16_gemm, cpu_logits, wide_linear
+from tokenmill.layers import cpu_bf16_gemm, cpu_logits, triton_ops, wide_linear
 from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, linear
 from tokenmill.layers.lora.lora_layer import has_lora, lora_forward
 
@@ -87,6 +87,9 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
             return F.embedding(input_ids, self.weight)
+        if triton_ops.enabled(input_ids) and input_ids.dim() == 1 and self.weight.is_contiguous():  # one launch
+            from tokenmill.layers.triton_ops.vocab_embedding import vocab_embedding
+            return self.parallel.all_reduce(vocab_embedding(input_ids, self.weight, self.start))
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
         out = F.embedding(local.masked_fill(outside, 0), self.weight)

@@ -63,6 +63,7 @@ class LlamaAttention(nn.Module):
         qkv = lora_forward(self.qkv_proj, hidden, lambda: self.qkv_proj(hidden))
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        fused = False  # rotary and the KV-cache write in one kernel (the attention backend's)
         if self.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
@@ -72,8 +73,10 @@ class LlamaAttention(nn.Module):
             # q and k sit side by side in qkv: rotate all their heads in one pass.
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = self.attn.forward(q, k, v, kv_cache, meta).reshape(-1, self.q_size)
+            fused = self.attn.fuses_rope(rope, kv_cache)
+            q, k = (qk if fused else rope.rotate(qk)).split([self.num_heads, self.num_kv_heads], dim=1)
+        rotary = {"rope": rope} if fused else {}
+        out = self.attn.forward(q, k, v, kv_cache, meta, **rotary).reshape(-1, self.q_size)
         if residual is None:
             return self.o_proj(out, lora_into)
         return self.o_proj.forward_add(out, residual)

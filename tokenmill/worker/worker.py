@@ -6,6 +6,7 @@ steps, and (debug mode) the check of its request mirror against the scheduler's 
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -16,6 +17,7 @@ from tokenmill.protocol.digest import check_worker_view
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.protocol import GrammarBitmask, ProcessTelemetry, SchedulerOutput
 from tokenmill.worker.device_idle import DeviceIdleMeter
+from tokenmill.worker.device_profile import DeviceProfile
 from tokenmill.worker.fault_injection import FaultInjector
 from tokenmill.worker.model_runner import ModelRunner, PendingStep
 from tokenmill.worker.null_runner import NullRunner, NullStep
@@ -50,6 +52,8 @@ class Worker:
             self.runner.faults = faults
         self._rank = rank
         self.idle = DeviceIdleMeter(torch.device("cpu") if null else device, self.telemetry)
+        # Benchmarks only: a torch.profiler window over decode steps (TOKENMILL_DEVICE_PROFILE).
+        self.profile = None if null else DeviceProfile.from_env(os.environ, rank, device)
 
     def load_model(self) -> None:
         self.runner.load_model()
@@ -77,6 +81,8 @@ class Worker:
         self.idle.step_starting()
         step = self.runner.launch(scheduler_output)
         self.idle.step_launched()
+        if self.profile is not None:
+            self.profile.after_launch(scheduler_output.batch_counts)
         self._record_phases(start, scheduler_output.step_id)
         check_worker_view(scheduler_output, self.runner.mirror_view)
         return step

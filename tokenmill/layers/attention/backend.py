@@ -47,6 +47,11 @@ class AttentionBackend(ABC):
         attention over each sequence's whole context: [T, num_heads, head_dim].
         """
 
+    def fuses_rope(self, rope, kv_cache: torch.Tensor) -> bool:
+        """Whether `forward(..., rope=rope)` takes q and k unrotated and rotates them itself, in the
+        kernel that writes the cache (`rope`: a `RotaryStep`)."""
+        return False
+
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
     return (2, num_blocks, block_size, num_kv_heads, head_dim)

@@ -1,6 +1,7 @@
 """Triton attention backend (GPU fast path): any mix of rows in one attention launch per layer.
 
-1. `triton_kv_write`: this step's K/V into the paged cache at `slot_mapping`.
+1. `triton_kv_write`: this step's K/V into the paged cache at `slot_mapping` (or, given the step's
+   rotary inputs, `triton_rope_kv_write`: q and k rotated and K/V written in one launch).
 2. `triton_paged_attention`: one launch over the paged cache for every row of the
    batch (fresh prefills, chunked prefills over cached context, decodes of 1..8
    tokens), plus a small reduce launch when KV is split (flash-decoding).
@@ -26,6 +27,7 @@ Importing this module does not import triton; the first `forward` does.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import torch
@@ -154,15 +156,27 @@ class TritonAttentionBackend(AttentionBackend):
                                               decode_block_n=half(c.decode_block_n),
                                               fp8_decode_block_n=half(c.fp8_decode_block_n))
         self._sm_count: int | None = None  # read from the device on the first forward
+        # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
+        self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
+
+    def fuses_rope(self, rope, kv_cache: torch.Tensor) -> bool:
+        return self._fuse_rope and rope.cos is None and kv_cache.dtype in (torch.float16, torch.bfloat16,
+                                                                           torch.float32)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        from tokenmill.layers.attention import triton_kv_write, triton_paged_attention
+                kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None) -> torch.Tensor:
+        """`rope` (where `fuses_rope`): q and k are unrotated; one kernel rotates q in place and
+        writes k rotated, with v, into the cache."""
+        from tokenmill.layers.attention import triton_kv_write, triton_paged_attention, triton_rope_kv_write
 
         if kv_cache.stride(-1) != 1:
             raise ValueError("the KV cache's head_dim axis must be contiguous")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        if rope is not None:
+            triton_rope_kv_write.rotate_and_write_kv(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
+                                                     rope.rotary_dim, kv_cache, meta.slot_mapping)
+        else:
+            triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         # A window bounds the keys any query reads: split the KV axis by that, not the context.
         keys = meta.max_seq_len if self.sliding_window is None else min(
             meta.max_seq_len, self.sliding_window + meta.max_query_len)

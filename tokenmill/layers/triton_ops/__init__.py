@@ -3,6 +3,7 @@
 - `rms_norm`: RMSNorm, and RMSNorm fused with the residual add before it.
 - `rotary`: neox rotary embedding of q and k heads in place, cos/sin read by position.
 - `silu_and_mul`: silu(gate) * up over a [gate | up] projection.
+- `vocab_embedding`: a tensor-parallel rank's embedding lookup over its vocab rows (zeros elsewhere).
 - `token_bitmask`: grammar token masks (structured outputs) applied to logits in place.
 
 Each replaces several torch kernels (and their round trips through memory) by one launch, which

@@ -1,0 +1,113 @@
+"""Fused decode kernels under Triton's CPU interpreter, each bit for bit the path it replaces: the
+rotary + KV-cache write (triton_rope_kv_write) against `rotate_` then `write_kv`, and a TP rank's
+vocab embedding lookup (triton_ops.vocab_embedding) against VocabParallelEmbedding's torch path."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined: before the first import
+
+import pytest
+import torch
+
+from tests.helpers.triton_required import require_triton
+
+require_triton()
+
+from tokenmill.config import RopeConfig  # noqa: E402
+from tokenmill.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tokenmill.layers.attention.triton_kv_write import write_kv  # noqa: E402
+from tokenmill.layers.attention.triton_rope_kv_write import rotate_and_write_kv  # noqa: E402
+from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep  # noqa: E402
+from tokenmill.layers.triton_ops.rotary import rotate_  # noqa: E402
+
+BLOCK, BLOCKS = 4, 6
+
+
+def _case(dtype, head_dim, partial, heads=(4, 2), tokens=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv = heads
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=g).to(dtype)
+    rope = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0, partial_rotary_factor=partial))
+    positions = torch.tensor([3, 17, 0, 40, 63, 9, 11][:tokens])
+    # slots: token 2 is padding (-1); the mapping is one row short (the last token writes nothing)
+    slots = torch.tensor([5, 22, -1, 0, 13, 7, 1][:tokens - 1])
+    cache = torch.full((2, BLOCKS, BLOCK, hkv, head_dim), float("nan")).to(dtype)
+    return qkv, rope, positions, slots, cache
+
+
+def _views(qkv, heads, head_dim):
+    hq, hkv = heads
+    t = qkv.shape[0]
+    qk = qkv[:, :(hq + hkv) * head_dim].view(t, hq + hkv, head_dim)
+    v = qkv[:, (hq + hkv) * head_dim:].view(t, hkv, head_dim)
+    return qk, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim, partial", [(64, 1.0), (32, 0.5), (48, 1.0)])
+def test_matches_rotary_then_kv_write_bit_for_bit(dtype, head_dim, partial):
+    heads = (4, 2)
+    qkv, rope, positions, slots, cache = _case(dtype, head_dim, partial, heads)
+    ref_qkv, ref_cache = qkv.clone(), cache.clone()
+    qk, v = _views(ref_qkv, heads, head_dim)
+    rotate_(qk, None, positions, rope.cos_cache, rope.sin_cache, rope.rotary_dim)
+    q_ref, k_ref = qk.split(list(heads), dim=1)
+    write_kv(k_ref, v, ref_cache, slots)
+
+    qk, v = _views(qkv, heads, head_dim)
+    q, k = qk.split(list(heads), dim=1)
+    k_before = k.clone()
+    rotate_and_write_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, rope.rotary_dim, cache, slots)
+    assert torch.equal(q, q_ref)  # q rotated in place
+    assert torch.equal(k, k_before)  # k left as it was
+    written = ~ref_cache.isnan()
+    assert torch.equal(written, ~cache.isnan())  # the same slots written (none for padding or past the map)
+    assert torch.equal(cache[written], ref_cache[written])
+
+
+def test_backend_fuses_only_on_the_fused_rotary_path_and_plain_caches():
+    backend = TritonAttentionBackend(4, 2, 64, 0.125)
+    rope = RotaryEmbedding(64, 64, RopeConfig(theta=10000.0))
+    fused_step = RotaryStep(torch.arange(3), rope.cos_cache, rope.sin_cache, 64)
+    torch_step = RotaryStep(torch.arange(3), rope.cos_cache, rope.sin_cache, 64, *rope.cos_sin(torch.arange(3), torch.float32))
+    cache = torch.zeros(2, 1, 4, 2, 64, dtype=torch.bfloat16)
+    assert backend.fuses_rope(fused_step, cache)
+    assert not backend.fuses_rope(torch_step, cache)
+    assert not backend.fuses_rope(fused_step, cache.to(torch.float8_e4m3fn))
+
+
+def test_backend_forward_with_rope_equals_rotating_first():
+    """A decode batch plus a short prefill: `forward(..., rope=)` on unrotated q and k gives the
+    output and cache of rotating them first and calling `forward` without it."""
+    from tests.layers.test_attention import make_case
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    case = make_case([9, 0, 20], [1, 5, 1], BLOCK, num_heads, num_kv_heads, torch.float32, "cpu", pad_tokens=2,
+                     head_dim=head_dim)
+    rope = RotaryEmbedding(head_dim, 64, RopeConfig(theta=10000.0))
+    positions = torch.tensor([9, 0, 1, 2, 3, 4, 20, 0, 0])
+    step = RotaryStep(positions, rope.cos_cache, rope.sin_cache, head_dim)
+    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5)
+    q, k, cache = case.q.clone(), case.k.clone(), case.kv_cache.clone()
+    rotate_(q, k, positions, rope.cos_cache, rope.sin_cache, head_dim)
+    expected = backend.forward(q, k, case.v, cache, case.meta)
+    q2, cache2 = case.q.clone(), case.kv_cache.clone()
+    out = backend.forward(q2, case.k.clone(), case.v, cache2, case.meta, rope=step)
+    assert torch.equal(cache2, cache)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_vocab_parallel_embedding_kernel_equals_the_torch_path(dtype):
+    """A TP rank's lookup over its vocab rows (triton_ops.vocab_embedding): its rows copied, every
+    other id (below, above, the padded tail's ids) zeros, as VocabParallelEmbedding's torch path."""
+    from tokenmill.layers.triton_ops.vocab_embedding import vocab_embedding
+    rows, d, start = 11, 40, 16  # d: not a power of two
+    weight = torch.randn(rows, d, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ids = torch.tensor([0, 15, 16, 20, 26, 27, 100, 16])
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    expected = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight).masked_fill_(outside[:, None], 0)
+    assert torch.equal(vocab_embedding(ids, weight, start), expected)
+    assert vocab_embedding(ids[:0], weight, start).shape == (0, d)
