@@ -174,26 +174,39 @@ def run_checkpoint(label: str, path: str, sequences: list[list[int]], device: st
     return records
 
 
-def hf_spread(label: str, path: str, sequences: list[list[int]], device: str) -> dict:
+def hf_spread(label: str, path: str, sequences: list[list[int]], device: str,
+              tie_margin: float | None = None) -> dict:
     """HF's bf16 deviation from its own float32 with eager and with SDPA attention (both valid
-    references; every position, no routing exclusions): how much HF's statistics move between
-    two implementations of the same numerics, the scale a tolerance on tokenmill / HF must allow."""
-    stats = {}
+    references): how much HF's statistics move between two implementations of the same
+    numerics, the scale a tolerance on tokenmill / HF must allow. With `tie_margin` (MoE), the
+    check's exclusions: float32 routing near ties and positions either HF run's bf16 routed
+    otherwise than its float32."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    stats, dev, keep = {}, {}, []
+    tm32 = bd.load_tokenmill(path, f32, device) if tie_margin is not None else None
+    moe = tm32.dims.moe if tm32 is not None else None
+    if tm32 is not None:
+        keep = [(bd.router_margins(tm32, s) >= tie_margin)[:-1] for s in sequences]
     for attn in ("eager", "sdpa"):
         try:
             hf = bd.load_hf_pair(path, device, attn)
         except Exception as exc:  # noqa: BLE001 - e.g. SDPA refused for a soft-capped family
             stats[attn] = repr(exc)[:200]
             continue
-        dev = [bd.target_logprobs(bd.hf_logits(hf[torch.bfloat16], s), s)
-               - bd.target_logprobs(bd.hf_logits(hf[torch.float32], s), s) for s in sequences]
-        stats[attn] = bd.Stats.of(torch.cat(dev))
+        dev[attn] = []
+        for i, s in enumerate(sequences):
+            (h32, r32), (h16, r16) = (bd.hf_routes(hf[d], s, moe) for d in (f32, bf16))
+            dev[attn].append(bd.target_logprobs(h16, s) - bd.target_logprobs(h32, s))
+            if keep:
+                keep[i] &= ~bd.routing_flips(r16, r32)[:-1]
         del hf
+    for attn, d in dev.items():
+        stats[attn] = bd.Stats.of(torch.cat([x[k.to(x.device)] for x, k in zip(d, keep)]) if keep else torch.cat(d))
     record = {"shape": label, "spread": {k: v if isinstance(v, str) else vars(v) for k, v in stats.items()}}
     if all(isinstance(v, bd.Stats) for v in stats.values()):
         e, q = stats["eager"], stats["sdpa"]
         record["ratios_sdpa_over_eager"] = {f: getattr(q, f) / max(getattr(e, f), 1e-12) for f in ("mean", "p99", "max")}
-    print(f"{label}: HF bf16 spread (eager vs SDPA, all positions): {record['spread']} "
+    print(f"{label}: HF bf16 spread (eager vs SDPA): {record['spread']} "
           f"ratios {record.get('ratios_sdpa_over_eager')}", flush=True)
     return record
 
@@ -223,7 +236,7 @@ def run_families(device: str, smoke: bool, only: set[str] | None = None, spread:
                                   cpu_test.MOE_TAIL_TOLERANCE, gap, tie_margin=cpu_test.MOE_TIE_MARGIN,
                                   max_excluded=cpu_test.MOE_MAX_EXCLUDED)
         if spread:
-            spreads.append(hf_spread(arch, path, seqs, device))
+            spreads.append(hf_spread(arch, path, seqs, device, cpu_test.MOE_TIE_MARGIN))
     return records, spreads
 
 
