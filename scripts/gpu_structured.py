@@ -108,6 +108,7 @@ def trace_figures(path: str) -> dict:
         return [e for e in events if e["name"] == name]
     masks, feeds, core_waits, waits = named("mask"), named("grammar_feed"), named("mask_wait"), named("await_mask")
     updates = named("update")
+    idle_spans, sampled = named("mask_idle"), named("sample_masked")
     rows = sum(e.get("args", {}).get("rows", 0) for e in masks)
     tokens = sum(e.get("args", {}).get("tokens", 0) for e in feeds)
     idle = [e for e in waits if e.get("args", {}).get("device_idle")]
@@ -118,7 +119,17 @@ def trace_figures(path: str) -> dict:
             "core_mask_waits": len(core_waits), "core_mask_wait_us_total": sum(e["dur"] for e in core_waits),
             "core_update_us_per_step": sum(e["dur"] for e in updates) / max(len(updates), 1),
             "await_mask_steps": len(waits), "steps_device_waited": len(idle),
-            "device_wait_us_total": sum(e["dur"] for e in idle)}
+            "device_wait_us_total": sum(e["dur"] for e in idle),
+            # Exact (CUDA events): how long the device sat idle between a forward pass and its masks.
+            "device_idle_steps": len(idle_spans), "device_idle_us_total": sum(e["dur"] for e in idle_spans),
+            # The worker's host time from a mask's arrival to its step's sampling enqueued.
+            "sample_masked_us_median": _median([e["dur"] for e in sampled]),
+            "distinct_masks_per_step_median": _median([e.get("args", {}).get("distinct", 0) for e in masks])}
+
+
+def _median(values: list) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else 0.0
 
 
 def print_figures(figures: dict) -> None:
@@ -129,10 +140,46 @@ def print_figures(figures: dict) -> None:
           f"({figures['core_mask_wait_us_total'] / 1e3:.1f} ms in all); core update "
           f"{figures['core_update_us_per_step']:.0f} us per step", flush=True)
     print(f"device waited for a mask in {figures['steps_device_waited']} of {figures['await_mask_steps']} "
-          f"steps ({figures['device_wait_us_total'] / 1e3:.1f} ms in all)", flush=True)
+          f"steps: idle {figures['device_idle_us_total'] / 1e3:.1f} ms in all (CUDA events, "
+          f"{figures['device_idle_steps']} steps; from forward launch to mask "
+          f"{figures['device_wait_us_total'] / 1e3:.1f} ms); masked sampling on the worker's host "
+          f"{figures['sample_masked_us_median']:.0f} us per step (median); distinct masks per step "
+          f"{figures['distinct_masks_per_step_median']} (median)", flush=True)
 
 
 _REFERENCE: dict = {}  # model directory -> the schema compiled by a fresh XGrammar compiler
+
+
+def kernel_check(failures: list[str]) -> dict:
+    """CUDA: the Triton mask kernel against the torch reference on a bf16 [256, 128256] logits
+    block (half the rows masked, by 4 distinct masks), and its time (CUDA events, 20 runs)."""
+    import torch
+
+    from tokenmill.layers.sampling.token_bitmask import apply_bitmask_reference
+    from tokenmill.layers.triton_ops.token_bitmask import apply_bitmask
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, vocab = 256, 128256
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen).to(torch.bfloat16)
+    bits = torch.randint(-2**31, 2**31 - 1, (4, (vocab + 31) // 32), device="cuda", generator=gen,
+                         dtype=torch.int64).to(torch.int32)
+    which = torch.where(torch.arange(rows, device="cuda") % 2 == 0, torch.arange(rows, device="cuda") % 4,
+                        -1).to(torch.int32)
+    want, got = logits.clone(), logits.clone()
+    apply_bitmask_reference(want, bits, which)
+    apply_bitmask(got, bits, which)
+    same = bool(torch.equal(got, want))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        apply_bitmask(got, bits, which)
+    end.record()
+    torch.cuda.synchronize()
+    us = start.elapsed_time(end) / 20 * 1e3
+    print(f"mask kernel (bf16 [{rows}, {vocab}], half the rows masked): equal to the torch reference: {same}; "
+          f"{us:.0f} us per launch", flush=True)
+    if not same:
+        failures.append("the Triton mask kernel differs from the torch reference")
+    return {"equal": same, "us_per_launch": us}
 
 
 def constrained_outputs_valid(path: str, outs, failures: list[str]) -> None:
@@ -225,6 +272,7 @@ def main() -> int:
     constrained = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                                  structured_outputs=StructuredOutputsParams(json=SCHEMA))
     failures: list[str] = []
+    kernel = None if smoke else kernel_check(failures)
     with LLM(path, **engine) as llm:
         start = time.perf_counter()
         llm.generate(prompts[:4], plain, use_tqdm=False)  # warm-up (and the grammar compiled below)
@@ -238,7 +286,7 @@ def main() -> int:
     record = {"device": _device(), "requests": n, "max_tokens": max_tokens, "vocab": vocab, "schema_fields": NUM_FIELDS,
               "vocab_quote_fraction": quote_fraction,
               "runs": results, "tok_s": tok_s, "tokens": {k: v[0] for k, v in total.items()}, "ratio": ratio,
-              **figures, "smoke": smoke}
+              **figures, "mask_kernel": kernel, "smoke": smoke}
     print(f"\n{'run':<16}{'round':>6}{'tokens':>9}{'tok/s':>12}{'seconds':>10}")
     for name, runs in results.items():
         for i, r in enumerate(runs):

@@ -15,7 +15,7 @@ from tests.helpers.triton_required import require_triton
 
 require_triton()
 
-from tokenmill.layers.lora import triton_lora  # noqa: E402
+from tokenmill.layers.lora import lora_layer, triton_lora  # noqa: E402
 from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots  # noqa: E402
 from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference  # noqa: E402
 from tokenmill.layers.lora.triton_lora import (  # noqa: E402
@@ -242,10 +242,72 @@ def test_silu_kernel_does_the_next_shrink(num_tokens, inter):
     torch.testing.assert_close(down.forward(other, lambda: residual.clone()), want_other, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])
+def test_sink_gets_the_delta_and_y_stays_base(num_tokens, monkeypatch):
+    """With a sink (the float32 stream o_proj's / down_proj's output is added to next), the Triton
+    path adds the deltas there and returns base() untouched: y + sink equals the CPU path's; with
+    down_proj's shrink done ahead by gate_up's kernel (decode sizes) as well."""
+    monkeypatch.setattr(lora_layer, "SINK_MODE", "always")  # (by default only beside the GEMM: CUDA graphs)
+    g = torch.Generator().manual_seed(13)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    gate_up = LoRASlots(batch, 3, 16, 40, [48, 48], torch.float32, torch.device("cpu"))
+    down = LoRASlots(batch, 3, 16, 48, [32], torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for part in range(2):
+            gate_up.set_slot(slot, part, torch.randn(8, 40, generator=g), torch.randn(48, 8, generator=g) * 0.3)
+        down.set_slot(slot, 0, torch.randn(16, 48, generator=g) * 0.2, torch.randn(32, 16, generator=g))
+    x, y = torch.randn(num_tokens, 40, generator=g), torch.randn(num_tokens, 96, generator=g)
+    base_out = torch.randn(num_tokens, 32, generator=g)
+    stream = torch.randn(num_tokens, 32, generator=g)
+    token_slots = torch.tensor([(2, -1, 0, 1)[t % 4] for t in range(num_tokens)])
+    batch.prepare(token_slots, token_slots.numpy())  # the CPU path: the delta into y
+    act = gate_up.forward_silu_mul(x, lambda: y.clone(), lambda t: torch.nn.functional.silu(t[:, :48]) * t[:, 48:])
+    want = down.forward(act, lambda: base_out.clone()) + stream
+    for ahead in (False, True):
+        batch.plan = plan_step(token_slots, 3, batch.shapes)
+        out = gate_up.forward_silu_mul(x, lambda: y.clone(), None, then=down if ahead else None)
+        assert (batch.ahead is not None) == (ahead and num_tokens <= triton_lora.ROWS_MAX_TOKENS)
+        sink = stream.clone()
+        got = down.forward(out, lambda: base_out.clone(), sink=sink)
+        torch.testing.assert_close(got, base_out)  # y: the base output, untouched
+        torch.testing.assert_close(got + sink, want, atol=1e-4, rtol=1e-4)
+    # The default: the sink only where the LoRA runs beside the GEMM (a captured graph): else into y.
+    monkeypatch.setattr(lora_layer, "SINK_MODE", "beside")
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    out = gate_up.forward_silu_mul(x, lambda: y.clone(), None)
+    sink = stream.clone()
+    got = down.forward(out, lambda: base_out.clone(), sink=sink)
+    assert torch.equal(sink, stream)
+    torch.testing.assert_close(got + sink, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("parts", [[48, 48], [64, 32, 32], [80]])
+def test_dense_path_of_one_slot_steps(parts):
+    """An eager step whose every token has one slot (`DENSE_MIN_TOKENS`: cuBLAS GEMMs on that
+    slot's A and B; gate_up: the shrink a GEMM, the fused activation's kernel after) equals the CPU path."""
+    g = torch.Generator().manual_seed(17)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    slots = LoRASlots(batch, 3, 16, 40, parts, torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for part in range(len(parts)):
+            slots.set_slot(slot, part, torch.randn(8, 40, generator=g), torch.randn(parts[part], 8, generator=g))
+    x, y = torch.randn(40, 40, generator=g), torch.randn(40, sum(parts), generator=g)
+    token_slots = torch.full((40,), 2)
+    batch.prepare(token_slots, token_slots.numpy())  # the CPU path
+    want = slots.forward(x, lambda: y.clone())
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    batch.dense_slot = 2  # (what `prepare` decides on CUDA)
+    torch.testing.assert_close(slots.forward(x, lambda: y.clone()), want, atol=1e-4, rtol=1e-4)
+    if len(parts) == 2:
+        act = slots.forward_silu_mul(x, lambda: y.clone(), None)
+        torch.testing.assert_close(act, torch.nn.functional.silu(want[:, :48]) * want[:, 48:], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("knobs", [dict(SILU_TILE_BLOCK_N=128, EXPAND_TILE_BLOCK_N=256),
                                    dict(TILE_GRID_FACTOR=2.0, TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32),
                                    dict(TILE_GRID_FACTOR=1.0, PLAN_KERNEL_MAX_TOKENS=0),
-                                   dict(TILE_GRID_FACTOR=1.0)])
+                                   dict(TILE_GRID_FACTOR=1.0), dict(TILE_ROWS_SMALL=64),
+                                   dict(TILE_SPLITS_UNROLL=True)])
 def test_tile_knobs_keep_results(monkeypatch, knobs):
     """The tile kernels' tunables (gpu_lora.py's layer variants: wider blocks, more programs per
     tile group and splits, the compact grid whose programs loop over several tiles, the torch

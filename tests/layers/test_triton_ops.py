@@ -198,6 +198,30 @@ def test_silu_and_mul(dtype: torch.dtype, d: int) -> None:
     assert torch.equal(x, before)
 
 
+# ---------------------------------------------------------------- grammar token masks
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [5000, 64])  # 5000: a partial last word and a partial token block
+def test_token_bitmask_by_row(dtype: torch.dtype, vocab: int) -> None:
+    """Each row masked by its own mask row (-1: untouched), against the torch reference; a row of
+    a strided view (the greedy tail's static logits are whole tensors, eager ones may be views)."""
+    from tokenmill.layers.sampling.token_bitmask import apply_bitmask_reference
+    from tokenmill.layers.triton_ops.token_bitmask import apply_bitmask
+    words = -(-vocab // 32)
+    gen = torch.Generator().manual_seed(4)
+    bits = torch.randint(-2**31, 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    which = torch.tensor([2, -1, 0, 1, -1, 0], dtype=torch.int32)
+    wide = Guarded(randn(6, vocab + 8, dtype=dtype, seed=2))
+    logits = wide.t[:, :vocab]
+    want = logits.clone()
+    apply_bitmask_reference(want, bits, which)
+    apply_bitmask(logits, bits, which)
+    assert torch.equal(logits, want)
+    assert torch.isinf(logits[0]).any() and torch.isfinite(logits[1]).all()
+    wide.assert_intact()
+    assert not torch.isinf(wide.t[:, vocab:]).any()  # the columns past the view are not written
+
+
 # ---------------------------------------------------------------- wiring
 
 def test_enabled_only_for_cuda_tensors() -> None:

@@ -21,6 +21,7 @@ from tests.lora.test_lora_graph_bodies import install_eager_graphs  # noqa: E402
 from tokenmill import LLM  # noqa: E402
 from tokenmill.layers.lora import lora_layer  # noqa: E402
 from tokenmill.layers.lora.triton_lora import plan_step  # noqa: E402
+from tokenmill.model import llama  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,11 @@ def setup(tmp_path_factory) -> Setup:
 
 @pytest.fixture
 def triton_plans(monkeypatch):
-    """Every step with an adapter gets the plan a CUDA step builds (so the Triton kernels run)."""
+    """Every step with an adapter gets the plan a CUDA step builds (so the Triton kernels run), and
+    the decoder layers add each sublayer's output to the stream in the norm, as on CUDA (so
+    o_proj's and down_proj's deltas go straight into the stream: `LoRASlots.forward`'s sink)."""
+    monkeypatch.setattr(llama, "add_in_matmul", lambda hidden, residual: False)
+    monkeypatch.setattr(lora_layer, "SINK_MODE", "always")  # (by default only beside the GEMM: CUDA graphs)
     prepare = lora_layer.LoRABatch.prepare
 
     def with_plan(self, token_slots, host=None):

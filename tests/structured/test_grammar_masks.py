@@ -16,7 +16,7 @@ from tests.helpers.requirements import require_smollm2
 from tokenmill.config import StructuredOutputConfig
 from tokenmill.core.grammar_masks import GrammarMasks, RequestGrammar, distinct_rows
 from tokenmill.core.request import Request
-from tokenmill.layers.sampling.token_bitmask import apply_token_bitmask, unpack_bitmask
+from tokenmill.layers.sampling.token_bitmask import apply_bitmask_by_row, unpack_bitmask
 from tokenmill.protocol import GrammarBitmask, SchedulerOutput
 from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured_output.backend import GrammarBackend
@@ -77,8 +77,10 @@ def engine_masks(backend, config, so, prefixes, late=False):
     rows, which, bits = wire.arrays()
     assert len(bits) <= len(rows)
     logits = torch.zeros(len(prefixes), 49152)
-    device_bits, device_rows = MaskUpload(torch.device("cpu"))(bits, which, rows)
-    apply_token_bitmask(logits, device_bits, device_rows)
+    which_of_row = np.full(len(prefixes), -1, np.int32)
+    which_of_row[rows] = which
+    device_bits, device_which = MaskUpload(torch.device("cpu"))(bits, which_of_row)
+    apply_bitmask_by_row(logits, device_bits, device_which)
     return torch.isfinite(logits).numpy()
 
 
@@ -145,13 +147,9 @@ def test_unpack_matches_bit_arithmetic() -> None:
     assert (unpack_bitmask(torch.from_numpy(bits), vocab).numpy() == expected).all()
     logits = torch.randn(5, vocab, dtype=torch.float16)
     before = logits.clone()
-    apply_token_bitmask(logits, torch.from_numpy(bits), torch.tensor([4, 0, 2]))
-    assert torch.equal(logits[[1, 3]], before[[1, 3]])  # rows not listed are untouched
+    apply_bitmask_by_row(logits, torch.from_numpy(bits), torch.tensor([1, -1, 2, -1, 0], dtype=torch.int32))
+    assert torch.equal(logits[[1, 3]], before[[1, 3]])  # rows with -1 are untouched
     for row, mask_row in ((4, 0), (0, 1), (2, 2)):
-        assert torch.equal(torch.isfinite(logits[row]), torch.from_numpy(expected[mask_row]))
-    logits = torch.randn(3, vocab)  # every row masked, in another order (the in-place path)
-    apply_token_bitmask(logits, torch.from_numpy(bits), torch.tensor([2, 0, 1]))
-    for row, mask_row in ((2, 0), (0, 1), (1, 2)):
         assert torch.equal(torch.isfinite(logits[row]), torch.from_numpy(expected[mask_row]))
 
 
@@ -194,10 +192,11 @@ def draft_masks(backend, config, so, prefix, row_drafts, shift=0):
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(masks.bitmask(so_step, requests, None)), type=GrammarBitmask)
     if shift:
         wire.positions = (wire.position_array() + shift).clip(0, num_drafts[wire.arrays()[0]]).astype("<i4").tobytes()
-    runner = SimpleNamespace(_mask_upload=MaskUpload(torch.device("cpu")))
-    bits, rows = ModelRunner._mask_rows(runner, wire, np.arange(len(row_drafts)), num_drafts)
+    arch = SimpleNamespace(vocab_size=49152)
+    runner = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(arch=arch)))
+    bits, which = ModelRunner._mask_entries(runner, wire, np.arange(len(row_drafts)), num_drafts)
     logits = torch.zeros(int((num_drafts + 1).sum()), 49152)
-    apply_token_bitmask(logits, bits, rows)
+    apply_bitmask_by_row(logits, *MaskUpload(torch.device("cpu"))(bits, which))
     return torch.isfinite(logits).numpy(), masks, requests
 
 
@@ -228,3 +227,28 @@ def test_draft_position_masks_equal_xgrammar(setup) -> None:
         assert request.grammar.num_accepted == len(prefix) and request.grammar.matcher.accept_token(rest[0])
     late, _, _ = draft_masks(backend, config, so, prefix, row_drafts, shift=1)
     assert (late != np.stack(want)).any(axis=1).sum() >= 3
+
+
+def test_a_job_asks_no_matcher_per_row(setup, monkeypatch) -> None:
+    """A step's job makes batched library calls only: each call gives up the GIL and waits to take
+    it back, so per-row calls cost milliseconds beside a busy thread. A matcher is asked whether it
+    terminated only after a stop token (the only way it can), and the mask skips the rows that did."""
+    import xgrammar as xgr
+
+    from tokenmill.core.grammar_job import GrammarJob, GrammarJobRunner
+    tokenizer, backend, config = setup
+    so, outputs = CASES[0]
+    compiled = backend.compile(grammar_spec(so, config.max_schema_bytes))
+    ids = tokenizer(outputs[0], add_special_tokens=False).input_ids
+    grammars = [RequestGrammar(backend.matcher(compiled)) for _ in range(20)]
+    for token in ids:  # the last row has its whole output already: EOS completes it
+        assert grammars[-1].matcher.accept_token(token)
+    asked = []
+    real = xgr.GrammarMatcher.is_terminated
+    monkeypatch.setattr(xgr.GrammarMatcher, "is_terminated", lambda self: asked.append(self) or real(self))
+    feed = [(i, g, [ids[0]]) for i, g in enumerate(grammars[:-1])] + [(19, grammars[-1], [2])]
+    runner = GrammarJobRunner(lambda: backend, (49152 + 31) // 32)
+    result = runner.run(GrammarJob(feed, 1, list(range(20)), grammars, [() for _ in grammars]))
+    assert result.complete == [19] and not result.broken and grammars[-1].terminated
+    assert len(asked) == 1  # the row that took EOS, once
+    assert len(result.mask.rows) // 4 == 19  # the completed row samples unmasked

@@ -8,6 +8,12 @@ a job is pending (core/grammar_masks.py). The library calls release the GIL, so 
 Python (applying the step, scheduling the next) runs meanwhile. Feeding is one token per matcher
 per library call, split across a few threads once the batch is large (XGrammar's batched accept
 runs on the caller's thread); filling uses XGrammar's own thread pool.
+
+Every library call releases the GIL and takes it back, and taking it back waits for whichever
+Python thread holds it (the core's loop, say): per-row calls add up (256 `is_terminated` calls
+beside a busy thread took 139 ms at the default 5 ms switch interval on the development CPU).
+So the job makes a few batched calls, and asks a matcher whether it terminated only after it
+took a stop token (the only way it can), keeping the answer in `RequestGrammar.terminated`.
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ class RequestGrammar:
     whether it refused one (`broken`, the thread's); the drafts proposed for its next step
     (speculative decoding) with the step that proposed them (the core's)."""
 
-    __slots__ = ("matcher", "num_fed", "num_accepted", "broken", "drafts", "drafts_step")
+    __slots__ = ("matcher", "num_fed", "num_accepted", "broken", "terminated", "drafts", "drafts_step")
 
     def __init__(self, matcher) -> None:
         self.matcher = matcher
         self.num_fed = 0
         self.num_accepted = 0
         self.broken = False
+        self.terminated = False  # the matcher took a stop token that ended its grammar (the thread's)
         self.drafts: list[int] = []
         self.drafts_step = -1
 
@@ -115,6 +122,7 @@ class GrammarJobRunner:
         tokens complete is reported complete."""
         complete: list[int] = []
         broken: list[int] = []
+        stops = self._backend().stop_token_ids
         active = [item for item in feed if item[2] and not item[1].broken]
         fed = 0
         depth = 0
@@ -131,7 +139,8 @@ class GrammarJobRunner:
                 g.num_accepted += 1
                 if depth + 1 < len(tokens):
                     further.append(item)
-                elif g.matcher.is_terminated():
+                elif tokens[depth] in stops and g.matcher.is_terminated():
+                    g.terminated = True
                     complete.append(handle)
             active = further
             depth += 1
@@ -158,7 +167,7 @@ class GrammarJobRunner:
         (the token after it is thrown away) or broken sample unmasked."""
         rows, matchers, drafts = [], [], []
         for row, g, row_drafts in zip(job.rows, job.grammars, job.drafts):
-            if g.broken or g.matcher.is_terminated():
+            if g.broken or g.terminated:
                 continue
             rows.append(row)
             matchers.append(g.matcher)
@@ -184,6 +193,7 @@ class GrammarJobRunner:
         if not any(drafts):  # the usual step: one position per row
             backend.fill_bitmask(matchers, out)
             return rows, [0] * len(rows)
+        stops = backend.stop_token_ids
         taken = [0] * len(rows)  # drafts each matcher took (rolled back at the end)
         active = list(range(len(rows)))
         depth = 0
@@ -203,7 +213,8 @@ class GrammarJobRunner:
                     self.num_drafts_forbidden += 1
                     continue
                 taken[i] += 1
-                if not matchers[i].is_terminated():  # (a draft that ends the grammar ends the request)
+                # (a draft that ends the grammar ends the request)
+                if drafts[i][depth] not in stops or not matchers[i].is_terminated():
                     active.append(i)
             depth += 1
         back = [i for i, n in enumerate(taken) if n]

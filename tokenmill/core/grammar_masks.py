@@ -185,7 +185,10 @@ class GrammarMasks:
             if result.num_fed:
                 self._record("grammar_feed", *result.feed_span, {"tokens": result.num_fed})
             if result.mask is not None:
-                self._record("mask", *result.mask_span, {"step": job.mask_step, "rows": len(result.mask.rows) // 4})
+                mask = result.mask
+                distinct = len(mask.bitmask) // (4 * mask.words) if mask.words else 0
+                self._record("mask", *result.mask_span, {"step": job.mask_step, "rows": len(mask.rows) // 4,
+                                                         "distinct": distinct})
         return result
 
     def has_feed(self) -> bool:

@@ -52,12 +52,15 @@ class RowParallelLinear(Linear):
         return self.wide_output and self.quant_method is UNQUANTIZED and not has_lora(self) \
             and wide_linear.supports_dtype(x, self.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora_into: torch.Tensor | None = None) -> torch.Tensor:
+        """`lora_into`: the residual stream the output is added to next: without TP (the output is
+        the whole sum) a LoRA delta may go there directly (`LoRASlots.forward`'s sink)."""
         if self.wide(x):
             return self.parallel.all_reduce(
                 wide_linear.linear_f32(x, self.weight, self._bias(), self._packed, self._wide_packed))
         # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
-        return self._reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, self._bias())))
+        sink = lora_into if self.parallel.tp_size == 1 else None
+        return self._reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, self._bias()), sink))
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`forward(x) + residual`; the add runs inside rank 0's matmul where it can (a float32

@@ -57,8 +57,9 @@ class LlamaAttention(nn.Module):
                                      spec.sliding_window, spec.logit_softcap)
 
     def forward(self, hidden: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention output, plus `residual` when given (added inside the o_proj matmul where it can)."""
+                residual: torch.Tensor | None = None, lora_into: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention output, plus `residual` when given (added inside the o_proj matmul where it can);
+        `lora_into`: the stream the output is added to next (o_proj's LoRA delta may go there)."""
         qkv = lora_forward(self.qkv_proj, hidden, lambda: self.qkv_proj(hidden))
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -74,7 +75,7 @@ class LlamaAttention(nn.Module):
             q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
         out = self.attn.forward(q, k, v, kv_cache, meta).reshape(-1, self.q_size)
         if residual is None:
-            return self.o_proj(out)
+            return self.o_proj(out, lora_into)
         return self.o_proj.forward_add(out, residual)
 
 
@@ -90,8 +91,10 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul() if self.silu else GeluTanhAndMul()
         self._gate_up_packed = (PackedWeight(), PackedWeight())
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        """MLP output, plus `residual` when given (added inside the down_proj matmul where it can)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                lora_into: torch.Tensor | None = None) -> torch.Tensor:
+        """MLP output, plus `residual` when given (added inside the down_proj matmul where it can);
+        `lora_into`: the stream the output is added to next (down_proj's LoRA delta may go there)."""
         gate_up = self.gate_up_proj
         act = None
         if self.silu and not has_lora(gate_up):  # (with LoRA the delta joins gate_up's output first)
@@ -101,7 +104,7 @@ class LlamaMLP(nn.Module):
         elif act is None:
             act = self.act(lora_forward(gate_up, x, lambda: gate_up(x)))
         if residual is None:
-            return self.down_proj(act)
+            return self.down_proj(act, lora_into)
         return self.down_proj.forward_add(act, residual)
 
 
@@ -133,8 +136,15 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual, act_dtype)
         if not (add_in_matmul(hidden, residual) or self._wide_adds(hidden, residual)):
-            attn = self.self_attn(hidden, rope, kv_cache, meta)
+            # o_proj's and down_proj's LoRA deltas may go straight into the stream (off the
+            # critical path: beside their GEMMs); families with other sublayers pass nothing.
+            if type(self.self_attn).forward is LlamaAttention.forward:
+                attn = self.self_attn(hidden, rope, kv_cache, meta, lora_into=residual)
+            else:
+                attn = self.self_attn(hidden, rope, kv_cache, meta)
             hidden, residual = self.post_attention_layernorm.forward_with_residual(attn, residual, act_dtype)
+            if type(self.mlp).forward is LlamaMLP.forward:
+                return self.mlp(hidden, lora_into=residual), residual
             return self.mlp(hidden), residual
         residual = self.self_attn(hidden, rope, kv_cache, meta, residual=residual)
         hidden = self.post_attention_layernorm(residual, out_dtype=act_dtype)

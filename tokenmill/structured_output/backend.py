@@ -47,6 +47,8 @@ class GrammarBackend:
         self.config = config
         self.tokenizer_info = tokenizer_info
         self.vocab_size = tokenizer_info.vocab_size
+        # A matcher (terminate_without_stop_token off) ends only by accepting one of these.
+        self.stop_token_ids = frozenset(int(t) for t in tokenizer_info.stop_token_ids)
         self.compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=compile_threads, cache_enabled=True,
                                             cache_limit_bytes=512 << 20)
         self._batch: Any = None

@@ -212,12 +212,13 @@ class ShmRingReader:
         """Whether the next message is already published (never blocks)."""
         return self._seg.atomics.load_u64_acquire(self._seg.chunk(self._next)) == self._next + 1
 
-    def read(self, should_abort: Callable[[], bool] | None = None) -> bytes:
-        """The next message (blocking)."""
+    def read(self, should_abort: Callable[[], bool] | None = None, max_sleep_s: float = 1e-3) -> bytes:
+        """The next message (blocking). `max_sleep_s`: the longest sleep between polls, so also
+        about the longest delay before an arrived message is seen."""
         seg, mm = self._seg, self._seg.mm
         base = seg.chunk(self._next)
         want = self._next + 1
-        backoff = _Backoff(should_abort)
+        backoff = _Backoff(should_abort, max_sleep_s)
         while seg.atomics.load_u64_acquire(base) != want:
             backoff.wait()
         length = _LENGTH.unpack_from(mm, base + _SEQ.size)[0]

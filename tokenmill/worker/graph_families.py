@@ -1,7 +1,7 @@
 """The CUDA graph families of a model runner, captured once at start.
 
 Decode graphs for every batch size (each family with its greedy step-end graph on the last
-pipeline stage), a draft model's KV graphs, batch-1 prompt-chunk graphs, and with speculation the
+pipeline stage, and that graph's masked twin for structured outputs), a draft model's KV graphs, batch-1 prompt-chunk graphs, and with speculation the
 verification graphs and the proposer's. The runner replays them (model_runner.py); this module
 only builds them and sets them on the runner.
 """
@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.greedy_tail import GreedyTail
+from tokenmill.worker.mask_upload import StaticMasks
 from tokenmill.worker.prompt_graphs import PromptGraphs
 
 if TYPE_CHECKING:
@@ -36,11 +37,9 @@ def capture_graph_families(runner: ModelRunner) -> None:
         runner.draft_graphs.capture()
     histories = runner.speculator if runner.speculator is not None and runner.speculator.keeps_histories else None
     if runner.stage.is_last:
-        runner.graph_tail = GreedyTail(runner.graphs, runner.batch, None)
-        runner.graph_tail.capture()
+        runner.graph_tail = _tail(runner, runner.graphs, None)
         if histories is not None:
-            runner.recording_tail = GreedyTail(runner.graphs, runner.batch, histories)
-            runner.recording_tail.capture()
+            runner.recording_tail = _tail(runner, runner.graphs, histories)
     if runner.stage.num_stages > 1:
         return
     runner.prompt_graphs = PromptGraphs(runner.model, runner.batch, runner.kv_caches, max_len, runner.block_size,
@@ -55,9 +54,21 @@ def capture_graph_families(runner: ModelRunner) -> None:
                                         runner.stage.layout, query_len=k + 1, drafts=runner.speculator.drafts,
                                         mirror=mirror, lora=runner.lora)
     runner.verify_graphs.capture()
-    runner.verify_tail = GreedyTail(runner.verify_graphs, runner.batch, histories)
-    runner.verify_tail.capture()
+    runner.verify_tail = _tail(runner, runner.verify_graphs, histories)
     if runner.draft is None:
         runner.speculator.capture(runner.verify_graphs.sizes, runner.verify_graphs.slots)
     else:
         runner.draft.capture_greedy(runner.verify_graphs.sizes, runner.verify_graphs.slots, *runner.draft_inputs())
+
+
+def _tail(runner: ModelRunner, graphs: DecodeGraphs, histories) -> GreedyTail:
+    """A family's greedy step-end graphs, captured, with their masked twin (`masked_twin`: grammar
+    masks applied first, for structured outputs; its static mask block holds the largest size's
+    logits rows)."""
+    tail = GreedyTail(graphs, runner.batch, histories)
+    tail.capture()
+    words = -(-runner.config.model.arch.vocab_size // 32)
+    masks = StaticMasks(max(graphs.sizes) * graphs.query_len, words, runner.device)
+    tail.masked_twin = GreedyTail(graphs, runner.batch, histories, masks)
+    tail.masked_twin.capture()
+    return tail

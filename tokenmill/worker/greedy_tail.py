@@ -16,6 +16,12 @@ count and history length stay as they were.
 Valid only while the sampling plan is plain greedy with no logprobs (the caller checks): the
 argmax of the raw logits is then exactly what `Sampler.sample` returns and `Sampler.advance`
 has nothing to record. On CPU a "replay" runs the body eagerly (tests).
+
+A masked tail (structured outputs) also applies the step's grammar masks between the non-finite
+screen and the argmax: it reads them from a `StaticMasks` block (each logits row's mask index, -1
+for an unconstrained row, then the distinct masks) that `run_masked` fills just before the replay,
+so a constrained greedy step costs one small copy and one replay once its masks arrive, as an
+unconstrained one does.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ import time
 import torch
 
 from tokenmill.layers.sampling.spec_verify import verify_drafts
+from tokenmill.layers.sampling.token_bitmask import apply_bitmask_by_row
 from tokenmill.protocol import RowFailure
 from tokenmill.worker.decode_graphs import DecodeGraphs
 from tokenmill.worker.graph_capture import capture_per_size
+from tokenmill.worker.mask_upload import MaskUpload, StaticMasks
 from tokenmill.worker.persistent_batch import PersistentBatch
 from tokenmill.worker.speculator import Speculator
 
@@ -36,11 +44,15 @@ logger = logging.getLogger(__name__)
 
 
 class GreedyTail:
-    def __init__(self, graphs: DecodeGraphs, batch: PersistentBatch, speculator: Speculator | None) -> None:
+    def __init__(self, graphs: DecodeGraphs, batch: PersistentBatch, speculator: Speculator | None,
+                 masks: StaticMasks | None = None) -> None:
+        """`masks`: a masked tail's block, rows for the largest size's logits rows."""
         assert graphs.last_stage, "only the last pipeline stage has logits"
         self.graphs = graphs
         self.batch = batch
         self.speculator = speculator
+        self.masks = masks
+        self.masked_twin: GreedyTail | None = None  # the same tail with grammar masks (graph_families.py)
         self.results: dict[int, torch.Tensor] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
@@ -63,12 +75,22 @@ class GreedyTail:
             graph.replay()
         return self.results[size][:num_rows].clone()
 
+    def run_masked(self, num_rows: int, upload: MaskUpload, bits, which) -> torch.Tensor:
+        """`run` of a masked tail: logits row i (row i // q, position i % q) takes mask row
+        which[i] of bits (int32 numpy [distinct, words]; which int32 numpy, -1 or short: none)."""
+        upload.into(self.masks, bits, which)
+        result = self.run(num_rows)
+        self.masks.release()
+        return result
+
     def body(self, size: int) -> torch.Tensor:
         graphs, batch = self.graphs, self.batch
         q = graphs.query_len
         slots = graphs.slots[:size]
         logits = graphs.logits[size]  # [size * q, V]
         bad = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # per position
+        if self.masks is not None:  # after the screen: masked logits are -inf by design
+            apply_bitmask_by_row(logits, self.masks.bits, self.masks.which[:size * q])
         sampled = torch.where(bad, 0, logits.argmax(dim=-1))  # a failed row still gets a valid next input
         real = slots != batch.scratch
         failure = -int(RowFailure.NON_FINITE_LOGITS)

@@ -30,7 +30,7 @@ from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
 from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
 from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
 from tokenmill.layers.quantization.methods import linear_methods_summary
-from tokenmill.layers.sampling.token_bitmask import apply_token_bitmask
+from tokenmill.layers.sampling.token_bitmask import apply_bitmask_by_row
 from tokenmill.model.loader import load_model, weight_bytes
 from tokenmill.protocol import GrammarBitmask, NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
@@ -67,6 +67,7 @@ class Forward:
     drafts: np.ndarray | None = None  # per sampling row: drafts it verifies (speculation)
     seq_lens: torch.Tensor | None = None  # per sampling row: context after the step (verification)
     greedy_result: torch.Tensor | None = None  # the greedy step-end graph's packed result
+    masked_tail: GreedyTail | None = None  # the greedy step-end graph to replay once the grammar masks came
     prompt_logprobs: list = field(default_factory=list)
 
 
@@ -136,6 +137,9 @@ class ModelRunner:
         self._deferred: _Deferred | None = None  # a step waiting for its grammar masks (structured outputs)
         self._mask_upload = MaskUpload(self.device)
         self.last_mask_wait: tuple[float, float, bool | None] | None = None  # (deferred, mask came, device idle)
+        # CUDA: (step, forward done, mask came) events of the last masked step, read once done:
+        # the device's idle time waiting for that step's masks (`mask_idle`).
+        self._idle_events: tuple[int, object, object] | None = None
         self.lora = None  # LoRAManager, with enable_lora (worker/lora_manager.py)
 
     @property
@@ -290,9 +294,9 @@ class ModelRunner:
         timings["prepare"] = time.perf_counter() - start
         start = time.perf_counter()
         if use_graph:
-            fwd = self._forward_decode_graph(slots, so.step_id)
+            fwd = self._forward_decode_graph(slots, so.step_id, so.awaits_bitmask)
         elif verify_graph:
-            fwd = self._forward_verify_graph(slots, counts)
+            fwd = self._forward_verify_graph(slots, counts, so.awaits_bitmask)
         elif prompt_graph:
             fwd = self._forward_prompt_graph(slots, counts)
         else:
@@ -335,13 +339,24 @@ class ModelRunner:
         # Whether the device had finished the forward pass before the mask came (it waited).
         idle = None if deferred.forward_done is None else bool(deferred.forward_done.query())
         self.last_mask_wait = (deferred.deferred_at, arrived, idle)
+        if idle:  # an event now runs at once on the idle device: the gap is the device's wait
+            self._idle_events = (mask.step_id, deferred.forward_done, self._forward_done_event())
         self._sample_step(deferred.fwd, deferred.step, deferred.slots, deferred.propose, mask)
         self.last_timings["sample"] = time.perf_counter() - arrived
+
+    def mask_idle(self) -> tuple[int, float] | None:
+        """(step, seconds the device sat idle waiting for its masks) of the last step that waited,
+        once its events are done (None before; each step once)."""
+        if self._idle_events is None or not self._idle_events[2].query():
+            return None
+        step_id, done, came = self._idle_events
+        self._idle_events = None
+        return step_id, done.elapsed_time(came) / 1e3
 
     def _forward_done_event(self):
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
 
@@ -350,10 +365,16 @@ class ModelRunner:
         """Sample the step's rows (grammar masks applied first), set their next inputs and start
         the read-back; propose drafts for the next step if asked."""
         sample_rows, sample_slots, drafts = fwd.sample_rows, fwd.sample_slots, fwd.drafts
-        masked = self._mask_rows(mask, sample_rows, drafts) if mask is not None and mask.rows else None
+        masked = None
+        if fwd.masked_tail is not None:  # a greedy step: masks, argmax and state updates in one replay
+            tail = fwd.masked_tail
+            bits, which = self._mask_entries(mask, sample_rows, drafts, tail.graphs.query_len)
+            fwd.greedy_result = tail.run_masked(len(slots), self._mask_upload, bits, which)
+        elif mask is not None and mask.rows:
+            bits, which = self._mask_entries(mask, sample_rows, drafts)
+            masked = self._mask_upload(bits, which)
         # A row that fails alone (non-finite logits, sampling raising) fails only its request.
         if fwd.greedy_result is not None:
-            assert masked is None, "a constrained step never ends in the greedy graph"
             if drafts is None:
                 step.start_readback(SamplerOutput(fwd.greedy_result, None), self.readback)
             else:
@@ -364,7 +385,7 @@ class ModelRunner:
             logits = fwd.logits
             non_finite = self._screen(logits, sample_slots)
             if masked is not None:  # after the screen: masked logits are -inf by design
-                apply_token_bitmask(logits, *masked)
+                apply_bitmask_by_row(logits, *masked)
             out, failed = row_faults.sample_rows(self._sample, logits, sample_slots, self.sampling.scratch_slot)
             self.batch.next_token_dev[sample_slots] = out.sampled
             if self.speculator is not None and self.speculator.recording:
@@ -395,26 +416,34 @@ class ModelRunner:
         drafts = self.speculator.drafts.index_select(0, sample_slots.index_select(0, index))[:, :self.speculator.k]
         step.start_drafts_readback(sample_rows[which], drafts, self.readback)
 
-    def _mask_rows(self, mask: GrammarBitmask, sample_rows: np.ndarray,
-                   drafts: np.ndarray | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bitmask on the device, the logits rows it masks): each entry's position of its row (a
-        row verifying k drafts has k + 1 logits rows, in order)."""
+    def _mask_entries(self, mask: GrammarBitmask | None, sample_rows: np.ndarray, drafts: np.ndarray | None,
+                      query_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(the distinct masks int32 [D, words], each logits row's mask among them or -1): a row
+        verifying k drafts has k + 1 logits rows, in order, packed one after the other, or with
+        `query_len` (a graph's padded layout) at query_len * row + position."""
+        words = -(-self.config.model.arch.vocab_size // 32)
+        per_row = np.ones(len(sample_rows), np.int64) if drafts is None else drafts + 1
+        num_logits = len(sample_rows) * query_len if query_len is not None else int(per_row.sum())
+        which_of_row = np.full(num_logits, -1, np.int32)
+        if mask is None or not mask.rows:
+            return np.zeros((0, words), np.int32), which_of_row
         rows, which, bits = mask.arrays()
         positions = mask.position_array()
         index = np.searchsorted(sample_rows, rows)
         assert (index < len(sample_rows)).all() and (sample_rows[index] == rows).all(), "a mask row that samples not"
-        if drafts is not None:
-            per_row = drafts + 1
-            assert (positions < per_row[index]).all(), "a mask for a position the row does not sample"
+        assert (positions < per_row[index]).all(), "a mask for a position the row does not sample"
+        if query_len is not None:
+            index = index * query_len + positions
+        elif drafts is not None:
             index = (np.cumsum(per_row) - per_row)[index] + positions
-        else:
-            assert not positions.any(), "a draft position's mask for a step without drafts"
-        return self._mask_upload(bits, which, index)
+        which_of_row[index] = which
+        return bits, which_of_row
 
     # ------------------------------------------------------------------ forward passes
 
-    def _forward_decode_graph(self, slots: np.ndarray, step_id: int) -> Forward | None:
-        """Every row a one-token decode: one replay (and the greedy tail when it applies)."""
+    def _forward_decode_graph(self, slots: np.ndarray, step_id: int, awaits_mask: bool) -> Forward | None:
+        """Every row a one-token decode: one replay (and the greedy tail when it applies: now, or
+        its masked twin once the step's grammar masks came)."""
         graphs = self.graphs
         if self.draft_graphs is not None and self.speculator.live:
             self.draft_graphs.run(slots)  # the draft's KV of the step's inputs (before they advance)
@@ -424,21 +453,33 @@ class ModelRunner:
             return None
         recording = self.speculator is not None and self.speculator.recording
         tail_graphs = self.recording_tail if recording else self.graph_tail
-        tail = tail_graphs.run(len(slots)) if self._greedy_tail_applies(tail_graphs) else None
-        return Forward(logits, np.arange(len(slots)), graphs.slots[:len(slots)], len(slots), greedy_result=tail)
+        fwd = Forward(logits, np.arange(len(slots)), graphs.slots[:len(slots)], len(slots))
+        self._end_in_tail(fwd, tail_graphs, awaits_mask, len(slots))
+        return fwd
 
-    def _forward_verify_graph(self, slots: np.ndarray, counts: np.ndarray) -> Forward:
+    def _end_in_tail(self, fwd: Forward, tail: GreedyTail | None, awaits_mask: bool, num_rows: int) -> bool:
+        """Whether the step ends in the greedy step-end graph: replayed now, or (a step that
+        waits for grammar masks) its masked twin, set for `_sample_step` to replay."""
+        if not self._greedy_tail_applies(tail):
+            return False
+        if not awaits_mask:
+            fwd.greedy_result = tail.run(num_rows)
+            return True
+        if tail.masked_twin is None:
+            return False
+        fwd.masked_tail = tail.masked_twin
+        return True
+
+    def _forward_verify_graph(self, slots: np.ndarray, counts: np.ndarray, awaits_mask: bool) -> Forward:
         """Every row a decode, some verifying drafts: one replay; the logits of the real positions,
-        or the greedy tail's result when it applies."""
+        or the greedy tail (`_end_in_tail`) when it applies."""
         if self.on_device_work is not None:
             self.on_device_work()
         graphs, drafts = self.verify_graphs, counts - 1
         padded_logits = graphs.run(slots, drafts)
         self.batch.num_computed[slots] += counts
         fwd = Forward(None, np.arange(len(slots)), graphs.slots[:len(slots)], int(counts.sum()), drafts=drafts)
-        if self._greedy_tail_applies(self.verify_tail):
-            fwd.greedy_result = self.verify_tail.run(len(slots))
-        else:
+        if not self._end_in_tail(fwd, self.verify_tail, awaits_mask, len(slots)):
             real = to_device(verify_logits_rows(drafts, graphs.query_len), self.device)
             fwd.logits = padded_logits.index_select(0, real)
             fwd.seq_lens = self.batch.num_computed_dev[fwd.sample_slots]
@@ -502,11 +543,10 @@ class ModelRunner:
 
     def _greedy_tail_applies(self, tail: GreedyTail | None) -> bool:
         """Whether this step may end in the greedy step-end graph: every active request plain
-        greedy without logprobs (what `Sampler.sample` would do is then one argmax), and no test
-        hooks on the sampling path."""
+        greedy without logprobs (what `Sampler.sample` would do is then one argmax, after the
+        grammar masks of a constrained step), and no test hooks on the sampling path."""
         plan = self.sampling.plan
-        return (tail is not None and plan.plain_greedy and plan.logprobs is None and not plan.structured
-                and self.faults is None)
+        return tail is not None and plan.plain_greedy and plan.logprobs is None and self.faults is None
 
     def _fits_prompt_graph(self, slots: np.ndarray, counts: np.ndarray) -> bool:
         """Whether a step replays a prompt-chunk graph: one row, whose chunk is all host-known
@@ -556,7 +596,7 @@ class ModelRunner:
         slots_rep, offsets_d, row_of_d, drafts_d = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
         non_finite = self._screen(logits, slots_rep)  # per position
         if masked is not None:  # constrained rows' positions, after the screen
-            apply_token_bitmask(logits, *masked)
+            apply_bitmask_by_row(logits, *masked)
         batch = row_faults.VerifyBatch(logits, slots_rep, offsets_d, slots_d, drafts_d, drafts, self.speculator.k)
         (emitted, num_emitted, logprobs), failed = row_faults.verify_rows(self._verify_rows, batch)
         self.sampler.advance(slots_d, num_emitted, emitted)

@@ -84,7 +84,13 @@ class Worker:
     def finish_step(self, mask: GrammarBitmask) -> None:
         """Sample the launched step that waits for these grammar masks (structured outputs). The
         trace's `await_mask` span runs from the forward pass's launch to the mask's arrival; its
-        `device_idle` says whether the device had finished the forward pass by then (it waited)."""
+        `device_idle` says whether the device had finished the forward pass by then (it waited).
+        On CUDA a `mask_idle` span (recorded a step or more later) lasts as long as the device
+        sat idle between that forward pass and the mask (CUDA events)."""
+        idle = self.runner.mask_idle() if hasattr(self.runner, "mask_idle") else None
+        if idle is not None:  # an earlier step's exact device idle time (its events are done by now)
+            now = time.perf_counter()
+            self.telemetry.record("mask_idle", now - idle[1], now, {"step": idle[0]})
         self.runner.finish_step(mask)
         waited = getattr(self.runner, "last_mask_wait", None)
         if waited is not None:

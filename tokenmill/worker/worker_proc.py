@@ -27,6 +27,8 @@ from tokenmill.worker.fault_injection import FaultInjector
 
 logger = logging.getLogger(__name__)
 
+MASK_POLL_S = 2e-5  # the longest sleep between polls of the ring while a step waits for its masks
+
 _CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "weight_bytes", "init_kv_cache",
           "telemetry_snapshot", "reset_telemetry", "held_requests")
 
@@ -127,8 +129,9 @@ class WorkerProc:
                 pending = step
                 if scheduler_output.awaits_bitmask:
                     # Structured outputs: the core sends this step's masks once it has the tokens
-                    # `flush` just sent; nothing else comes before them.
-                    message = memoryview(self.ring.read(self.parent_gone))
+                    # `flush` just sent; nothing else comes before them. The device may be idle
+                    # for them: poll closely (the default backoff sleeps up to 1 ms).
+                    message = memoryview(self.ring.read(self.parent_gone, max_sleep_s=MASK_POLL_S))
                     if message[0] != WorkerInputKind.BITMASK:
                         raise ValueError(f"expected the grammar masks of step {scheduler_output.step_id}, "
                                          f"got message kind {message[0]}")

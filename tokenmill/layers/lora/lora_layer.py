@@ -6,6 +6,11 @@ unless the layer has LoRA slots attached (`layer.lora`), and otherwise adds the 
 adapter deltas into y in place. The base layer's code (its linear method) is untouched: LoRA is
 a sum on its output. While a CUDA graph is captured, the shrink (which reads x only) runs on a
 side stream beside the base GEMM, so a replay overlaps them and only the expand follows the GEMM.
+
+`sink` (o_proj, down_proj of one TP rank's whole sum): the float32 residual stream the output is
+added to next. The delta then goes into the sink instead of y, so the whole LoRA (shrink and
+expand) runs beside the base GEMM on the side stream, off the step's critical path; y is the
+base output untouched.
 """
 
 from __future__ import annotations
@@ -21,9 +26,27 @@ from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference
 
 
 # Captured steps of more tokens run the shrink in stream order (no side stream): on an H200 (32
-# layers' GEMMs + LoRA in one graph) the side stream saved 5.6 us a layer at 1 token, 16-24 at 64,
-# and cost 2-3 at 256.
-OVERLAP_MAX_TOKENS = 128
+# layers' GEMMs + LoRA in one graph) the side stream saved 5.6 us a layer at 1 token, 16-24 at 64;
+# at 256 it cost 2-3 with the deltas into y, and saved 2 with o's / down's going into the stream.
+OVERLAP_MAX_TOKENS = 256
+# Captured steps of up to this many tokens run a sink projection's whole LoRA beside its GEMM (H200,
+# per layer: 5.5 us saved at 1 token, 4-5 at 256 tokens of 1 or 8 adapters, nothing at 64 adapters;
+# at 8192 tokens it cost 150-200).
+SINK_OVERLAP_MAX_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_OVERLAP_MAX", "256"))
+# Eager steps (prefill chunks) of at least this many tokens run it beside the GEMM too (the host's
+# cost of the stream switches is nothing next to such a step's GPU time); default: never.
+SINK_EAGER_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_SINK_EAGER_MIN", str(1 << 30)))
+# Where o_proj's / down_proj's deltas go into the residual stream the model offers (the sink):
+# "beside": in steps of up to SINK_OVERLAP_MAX_TOKENS with a side stream, where captured their
+# LoRA runs beside the GEMM (eager, as the warm-up before a capture, in stream order: the same
+# kernels compile); larger steps add into y (the float32 stream costs twice y's bytes to update,
+# which counts at prefill sizes); "always"; "never".
+SINK_MODE = os.environ.get("TOKENMILL_LORA_SINK", "beside")
+# Eager steps of at least this many tokens, every one of one adapter (known on the host: a
+# 1-adapter workload's prefill chunks), run the shrink (and the expand but gate_up's) as cuBLAS
+# GEMMs on that slot's A and B instead of the tile kernels (H200, 8192 tokens: 6293 vs 6394 us a
+# layer, the same graph on the tiles; the run-to-run spread there is about 100).
+DENSE_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_DENSE_MIN", "1024"))
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
@@ -42,6 +65,7 @@ class LoRABatch:
         self.groups: list[tuple[int, torch.Tensor | None]] = []  # CPU: (slot, its tokens)
         self.token_slots: torch.Tensor | None = None
         self.num_tokens = 0
+        self.dense_slot: int | None = None  # every token of this eager step has this slot (`DENSE_MIN_TOKENS`)
         self.shapes: set[tuple[int, int]] = set()  # every projection's (parts * R, in_features)
         # A shrink done ahead by the previous projection's kernel: (its input, its planes), consumed
         # by the projection whose input that exact tensor is (gate_up's activation -> down_proj).
@@ -57,6 +81,7 @@ class LoRABatch:
         on the host when known (eager steps), so a step without adapters skips LoRA entirely."""
         self.num_tokens = token_slots.shape[0]
         self.ahead = None
+        self.dense_slot = None
         if host is not None and not (host >= 0).any():
             self.active = False
             return
@@ -64,6 +89,8 @@ class LoRABatch:
         self.token_slots = token_slots
         if self.device.type == "cuda":
             self.plan = None
+            if host is not None and self.num_tokens >= DENSE_MIN_TOKENS and host[0] >= 0 and (host == host[0]).all():
+                self.dense_slot = int(host[0])
             if triton_ops.enabled(token_slots) and self.num_slots:
                 from tokenmill.layers.lora.triton_lora import plan_step
                 self.plan = plan_step(token_slots, self.num_slots, self.shapes)
@@ -79,6 +106,7 @@ class LoRABatch:
         self.active = False
         self.plan = None
         self.ahead = None
+        self.dense_slot = None
 
 
 class LoRASlots:
@@ -113,16 +141,24 @@ class LoRASlots:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.forward(x, lambda: y)
 
-    def forward(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """base() (the layer's output for x) plus the step's deltas, added in place."""
+    def forward(self, x: torch.Tensor, base: Callable[[], torch.Tensor], sink: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """base() (the layer's output for x) plus the step's deltas, added in place; with `sink`
+        (a [T, out] tensor y is added to next, before anything reads either) the Triton path adds
+        the deltas there instead and returns base() as it is."""
         batch = self.batch
         if not batch.active or x.shape[0] != batch.num_tokens:
             return base()
         if batch.plan is not None and self.triton:
             from tokenmill.layers.lora.triton_lora import lora_expand
+            if batch.dense_slot is not None:
+                return self._dense(x, base(), batch.dense_slot)
             ahead, batch.ahead = batch.ahead, None
-            if ahead is not None and ahead[0] is x:  # the previous kernel did this shrink
-                planes, y = ahead[1], base()
+            done = ahead[1] if ahead is not None and ahead[0] is x else None  # the previous kernel did this shrink
+            if sink is not None and self._use_sink(sink, x):
+                return self._into_sink(x, done, sink, base)
+            if done is not None:
+                planes, y = done, base()
             else:
                 planes, y = self._shrink_and_base(x, base)
             return lora_expand(planes, self.b, batch.plan, y, self.part_starts)
@@ -141,6 +177,9 @@ class LoRASlots:
         halves = len(self.part_starts) == 3 and 2 * self.part_starts[1] == self.part_starts[2]
         if batch.active and x.shape[0] == batch.num_tokens and batch.plan is not None and self.triton and halves:
             from tokenmill.layers.lora.triton_lora import can_fuse_next_shrink, lora_expand_silu
+            if batch.dense_slot is not None:  # the shrink one GEMM (a plane: no K splits), the rest fused
+                planes = torch.mm(x, self.a[batch.dense_slot].t()).float().unsqueeze(0)
+                return lora_expand_silu(planes, self.b, batch.plan, base())
             planes, y = self._shrink_and_base(x, base)
             inter = self.part_starts[1]
             if (then is not None and then.triton and then.batch is batch and FUSE_NEXT_SHRINK
@@ -150,6 +189,44 @@ class LoRASlots:
                 return out
             return lora_expand_silu(planes, self.b, batch.plan, y)
         return act(self.forward(x, base))
+
+    def _dense(self, x: torch.Tensor, y: torch.Tensor, slot: int) -> torch.Tensor:
+        """y += the deltas of one slot for every token: a GEMM for the shrink, one per part adding
+        into y's columns (cuBLAS's beta = 1: y read and written once)."""
+        shrunk = torch.mm(x, self.a[slot].t())
+        b, rank = self.b[slot], self.rank
+        for i, (lo, hi) in enumerate(zip(self.part_starts[:-1], self.part_starts[1:])):
+            y[:, lo:hi].addmm_(shrunk[:, i * rank:(i + 1) * rank], b[lo:hi].t())
+        return y
+
+    def _use_sink(self, sink: torch.Tensor, x: torch.Tensor) -> bool:
+        if SINK_MODE not in ("beside", "always") or sink.shape != (x.shape[0], self.part_starts[-1]) \
+                or sink.stride(1) != 1:
+            return False
+        batch = self.batch
+        return SINK_MODE == "always" or (batch.side_stream is not None and batch.num_tokens <= SINK_OVERLAP_MAX_TOKENS)
+
+    def _sink_beside(self) -> bool:
+        """Whether the sink's LoRA runs on the side stream (captured, or a large eager step)."""
+        batch = self.batch
+        return (batch.side_stream is not None and batch.num_tokens <= SINK_OVERLAP_MAX_TOKENS
+                and (batch.num_tokens >= SINK_EAGER_MIN_TOKENS or torch.cuda.is_current_stream_capturing()))
+
+    def _into_sink(self, x: torch.Tensor, planes: torch.Tensor | None, sink: torch.Tensor,
+                   base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """base(), and the deltas (the shrink unless `planes` holds it) added into `sink`: beside
+        base() on the side stream while a small enough CUDA graph is captured."""
+        from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
+        batch = self.batch
+
+        def delta() -> None:
+            done = planes if planes is not None else lora_shrink(x, self.a, batch.plan)
+            lora_expand(done, self.b, batch.plan, sink, self.part_starts)
+        if self._sink_beside():
+            return run_beside(batch.side_stream, delta, base)[1]
+        y = base()
+        delta()
+        return y
 
     def _shrink_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink's planes and base(): side by side while a CUDA graph is captured."""
@@ -178,10 +255,12 @@ def run_beside(side: torch.cuda.Stream, first: Callable, second: Callable) -> tu
     return a, b
 
 
-def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """`base()` (the layer's output for `x`) plus the step's LoRA deltas of `layer`, if it has any."""
+def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
+                 sink: torch.Tensor | None = None) -> torch.Tensor:
+    """`base()` (the layer's output for `x`) plus the step's LoRA deltas of `layer`, if it has any;
+    `sink`: the tensor the output is added to next, where the deltas may go instead (`LoRASlots.forward`)."""
     lora = layer.__dict__.get("lora")
-    return base() if lora is None else lora.forward(x, base)
+    return base() if lora is None else lora.forward(x, base, sink)
 
 
 def lora_forward_silu_mul(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],

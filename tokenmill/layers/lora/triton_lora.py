@@ -125,7 +125,8 @@ def _shrink_tiles_kernel(x_ptr, a_ptr, out_ptr, order_ptr, tiles_ptr, count_ptr,
 @triton.jit(do_not_specialize=["MAX_TILES", "GRID_M", "SPLITS"])
 def _expand_tiles_kernel(t_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, count_ptr, MAX_TILES, GRID_M, N, P1, P2,
                          SPLITS, stride_split, stride_tt, stride_bs, stride_bn, stride_yt,
-                         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+                         RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                         UNROLL: tl.constexpr, SPLITS_MAX: tl.constexpr):
     """Program (i, n): for tiles i, i + GRID_M, ...: the tile's shrink (planes summed once) times
     its slot's B block, into y."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -144,8 +145,13 @@ def _expand_tiles_kernel(t_ptr, b_ptr, y_ptr, order_ptr, tiles_ptr, count_ptr, M
             rows = tl.load(order_ptr + m, mask=m_ok, other=0).to(tl.int64)
             t_ptrs = t_ptr + rows[:, None] * stride_tt + part * RANK + r[None, :]
             shrunk = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-            for split in range(0, SPLITS):
-                shrunk += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
+            if UNROLL:  # the planes' loads issued back to back, not one load's latency after another
+                for split in tl.static_range(SPLITS_MAX):  # (masked past SPLITS: one compile for every step size)
+                    live = m_ok[:, None] & (tl.full((BLOCK_M, 1), split, tl.int32) < SPLITS)
+                    shrunk += tl.load(t_ptrs + split * stride_split, mask=live, other=0.0)
+            else:
+                for split in range(0, SPLITS):
+                    shrunk += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
             bb = tl.load(b_ptr + s * stride_bs + n[None, :].to(tl.int64) * stride_bn + r[:, None],
                          mask=n_ok[None, :], other=0.0)
             if IEEE:
@@ -206,7 +212,7 @@ def _expand_silu_rows_kernel(t_ptr, b_ptr, y_ptr, out_ptr, slots_ptr, I, SPLITS,
 def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr, count_ptr, MAX_TILES, GRID_M, I,
                               SPLITS, stride_split, stride_tt, stride_bs, stride_bn, stride_yt, stride_ot,
                               RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              IEEE: tl.constexpr):
+                              IEEE: tl.constexpr, UNROLL: tl.constexpr, SPLITS_MAX: tl.constexpr):
     """Program (i, n): for tiles i, i + GRID_M, ...: the activation of the tile's rows, columns n;
     tiles of tokens without an adapter (slot -1) get no delta."""
     dtype = y_ptr.dtype.element_ty
@@ -229,9 +235,15 @@ def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr
             t_ptrs = t_ptr + rows[:, None] * stride_tt + r[None, :]
             s_gate = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
             s_up = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-            for split in range(0, SPLITS):
-                s_gate += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
-                s_up += tl.load(t_ptrs + split * stride_split + RANK, mask=m_ok[:, None], other=0.0)
+            if UNROLL:
+                for split in tl.static_range(SPLITS_MAX):
+                    live = m_ok[:, None] & (tl.full((BLOCK_M, 1), split, tl.int32) < SPLITS)
+                    s_gate += tl.load(t_ptrs + split * stride_split, mask=live, other=0.0)
+                    s_up += tl.load(t_ptrs + split * stride_split + RANK, mask=live, other=0.0)
+            else:
+                for split in range(0, SPLITS):
+                    s_gate += tl.load(t_ptrs + split * stride_split, mask=m_ok[:, None], other=0.0)
+                    s_up += tl.load(t_ptrs + split * stride_split + RANK, mask=m_ok[:, None], other=0.0)
             b_cols = b_ptr + s * stride_bs + n[None, :].to(tl.int64) * stride_bn + r[:, None]
             b_gate = tl.load(b_cols, mask=n_ok[None, :], other=0.0)
             b_up = tl.load(b_cols + I * stride_bn, mask=n_ok[None, :], other=0.0)
@@ -247,9 +259,14 @@ def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr
 
 # ---------------------------------------------------------------- per step: the plan
 
+# BLOCK_M of the tile kernels for steps of up to 512 tokens (larger ones: 64). A knob: a step's
+# one adapter would take fewer, larger tiles; many adapters of a few tokens each, smaller ones.
+TILE_ROWS_SMALL = 16
+
+
 def tile_rows(num_tokens: int) -> int:
     """BLOCK_M of the tiles kernels for a step of `num_tokens` tokens."""
-    return 16 if num_tokens <= 512 else 64
+    return TILE_ROWS_SMALL if num_tokens <= 512 else 64
 
 
 def max_tiles(num_tokens: int, num_slots: int) -> int:
@@ -356,8 +373,18 @@ TILE_GRID_FACTOR: float | None = None
 # The shrink splits K until about this many programs per SM run; more splits cost more in the
 # expand, which sums the planes (H200: 4 per SM and 16 splits, or 8 and 32, were slower).
 TILE_PROGRAMS_PER_SM = 2
+# The tile expands sum the shrink's K-split planes in a loop; unrolled (loads back to back) it was
+# slower on an H200 (gpu_lora layer, 256 tokens: 272 vs 247 us a layer with 1 adapter, 375 vs 312
+# with 64; the unrolled loop of a constexpr split count), so it stays rolled by default.
+TILE_SPLITS_UNROLL = False
 SILU_TILE_BLOCK_N = 64  # columns of gate (and of up) per program of the fused activation's tiles
 EXPAND_TILE_BLOCK_N = 128  # the widest column block of the expand's tiles (it must divide the parts)
+
+
+def _splits_max(splits: int) -> int:
+    """The unrolled split loop's length: the tile shrink's most splits (a knob), so one compile
+    serves every step size."""
+    return max(splits, _TILES_MAX_SPLITS)
 
 
 def tile_grid(num_tokens: int, num_slots: int, factor: float | None | str = "default") -> int:
@@ -391,12 +418,12 @@ class ShrinkConfig:
 
 def shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int, rows: bool) -> ShrinkConfig:
     return _shrink_config(num_tokens, n, k, num_slots, sm_count, rows, TILE_GRID_FACTOR, TILE_PROGRAMS_PER_SM,
-                          _TILES_MAX_SPLITS)
+                          _TILES_MAX_SPLITS, tile_rows(num_tokens))
 
 
 @functools.cache
 def _shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: int, rows: bool, grid_factor: float,
-                   per_sm: int, tiles_max_splits: int) -> ShrinkConfig:
+                   per_sm: int, tiles_max_splits: int, tile_block_m: int) -> ShrinkConfig:
     """K is split so that a few programs per SM run (a decode step has few tokens)."""
     if rows:
         block_n = min(64, triton.next_power_of_2(n))
@@ -405,7 +432,7 @@ def _shrink_config(num_tokens: int, n: int, k: int, num_slots: int, sm_count: in
         per_sm = 2
     else:
         block_n = 16 if n <= 16 else (32 if n <= 32 else 64)
-        block_k, block_m, max_splits = _TILES_BLOCK_K, tile_rows(num_tokens), tiles_max_splits
+        block_k, block_m, max_splits = _TILES_BLOCK_K, tile_block_m, tiles_max_splits
         lead = tile_grid(num_tokens, num_slots, grid_factor)
         programs = triton.cdiv(num_tokens, block_m) * triton.cdiv(n, block_n)  # the fewest real tiles
     splits = max(1, min(per_sm * sm_count // programs, triton.cdiv(k, block_k), max_splits))
@@ -519,7 +546,9 @@ def lora_expand(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.
                                    plan.grid_m, n, p1, p2, splits,
                                    planes.stride(0), planes.stride(1), b.stride(0), b.stride(1), y.stride(0),
                                    RANK=rank, BLOCK_M=tile_rows(num_tokens), BLOCK_N=block_n,
-                                   IEEE=b.dtype == torch.float32, num_warps=_tile_warps(tile_rows(num_tokens), block_n))
+                                   IEEE=b.dtype == torch.float32, UNROLL=TILE_SPLITS_UNROLL,
+                                   SPLITS_MAX=_splits_max(splits),
+                                   num_warps=_tile_warps(tile_rows(num_tokens), block_n))
     return y
 
 
@@ -569,5 +598,7 @@ def lora_expand_silu(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: t
         _expand_silu_tiles_kernel[(plan.grid_m, triton.cdiv(inter, block_n))](
             planes, b, y, out, plan.order, plan.tiles, plan.count, plan.tiles.shape[1], plan.grid_m, inter, splits, planes.stride(0), planes.stride(1),
             b.stride(0), b.stride(1), y.stride(0), out.stride(0), RANK=rank, BLOCK_M=tile_rows(num_tokens),
-            BLOCK_N=block_n, IEEE=b.dtype == torch.float32, num_warps=_tile_warps(tile_rows(num_tokens), 2 * block_n))
+            BLOCK_N=block_n, IEEE=b.dtype == torch.float32, UNROLL=TILE_SPLITS_UNROLL,
+            SPLITS_MAX=_splits_max(splits),
+            num_warps=_tile_warps(tile_rows(num_tokens), 2 * block_n))
     return out

@@ -74,7 +74,7 @@ class SamplingPlan:
     frequency: bool = False
     presence: bool = False
     logprobs: int | None = None  # top-k width of the logprobs stage (0 = sampled token only); None = off
-    structured: bool = False  # some slot samples under a grammar mask (no greedy step-end graph)
+    structured: bool = False  # some slot samples under a grammar mask (the masked greedy step-end graph)
 
     @property
     def penalties(self) -> bool:

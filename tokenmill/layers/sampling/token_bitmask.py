@@ -3,11 +3,17 @@
 The mask is XGrammar's layout: int32 [n, ceil(V / 32)], bit t % 32 of word t // 32 set when token t
 is allowed. It is unpacked a byte at a time (little-endian words: byte b of word w holds tokens
 32w + 8b .. 32w + 8b + 7), so the temporary is one byte per token of the masked rows.
+
+`apply_bitmask_by_row` is the worker's form: one mask row index per logits row (-1: unmasked), no
+host sync, so it also runs inside the greedy step-end CUDA graph; on CUDA it is one Triton kernel
+(`triton_ops/token_bitmask.py`), elsewhere `apply_bitmask_reference`.
 """
 
 from __future__ import annotations
 
 import torch
+
+from tokenmill.layers import triton_ops
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -19,17 +25,20 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(n, -1)[:, :vocab_size].bool()
 
 
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
-    """In place: logits[rows[i], t] = -inf wherever row i of `bitmask` clears bit t. `rows` (int64 [n],
-    distinct) index `logits` ([N, V], any float dtype); the other rows are left as they are."""
-    if not len(rows):
+def apply_bitmask_reference(logits: torch.Tensor, bits: torch.Tensor, which: torch.Tensor) -> None:
+    """In place: logits[r, t] = -inf wherever bits[which[r]] clears bit t; rows with which[r] < 0
+    are left alone. `bits` int32 [D, words], `which` int32/int64 [N]. Sync-free torch."""
+    if not logits.shape[0] or not bits.shape[0]:
         return
-    allowed = unpack_bitmask(bitmask, logits.shape[1])
-    if len(rows) == logits.shape[0]:  # every row masked (rows: a permutation): in place, no logits copy
-        ordered = torch.empty_like(allowed)
-        ordered[rows] = allowed
-        logits.masked_fill_(~ordered, float("-inf"))
-        return
-    picked = logits.index_select(0, rows)
-    picked.masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, rows, picked)
+    allowed = unpack_bitmask(bits.index_select(0, which.clamp(min=0).to(torch.int64)), logits.shape[1])
+    allowed |= (which < 0)[:, None]
+    logits.masked_fill_(~allowed, float("-inf"))
+
+
+def apply_bitmask_by_row(logits: torch.Tensor, bits: torch.Tensor, which: torch.Tensor) -> None:
+    """`apply_bitmask_reference`, as one Triton kernel on CUDA."""
+    if triton_ops.enabled(logits):
+        from tokenmill.layers.triton_ops.token_bitmask import apply_bitmask
+        apply_bitmask(logits, bits, which)
+    else:
+        apply_bitmask_reference(logits, bits, which)

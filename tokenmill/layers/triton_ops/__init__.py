@@ -3,6 +3,7 @@
 - `rms_norm`: RMSNorm, and RMSNorm fused with the residual add before it.
 - `rotary`: neox rotary embedding of q and k heads in place, cos/sin read by position.
 - `silu_and_mul`: silu(gate) * up over a [gate | up] projection.
+- `token_bitmask`: grammar token masks (structured outputs) applied to logits in place.
 
 Each replaces several torch kernels (and their round trips through memory) by one launch, which
 matters most inside decode CUDA graphs, where a kernel's cost is its fixed time plus its traffic.
