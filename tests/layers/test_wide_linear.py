@@ -19,7 +19,7 @@ from tokenmill.layers import cpu_bf16_gemm, cpu_isa, cpu_logits, wide_linear
 from tokenmill.layers.linear import PackedWeight
 from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear
 
-_ONE_RANK = SimpleNamespace(layout=SimpleNamespace(tp_rank=0), all_reduce=lambda t: t)  # no TP
+_ONE_RANK = SimpleNamespace(layout=SimpleNamespace(tp_rank=0), tp_size=1, all_reduce=lambda t: t)  # no TP
 pytestmark = pytest.mark.skipif(not cpu_logits.available(), reason="no C compiler for the bf16 -> f32 kernel")
 
 
