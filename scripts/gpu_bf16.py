@@ -5,6 +5,9 @@
     python scripts/gpu_bf16.py --shapes none --families --smollm2 PATH.gguf
                                           # the CPU test's table on the GPU: every family's tiny
                                           # config and the real SmolLM2 (its GGUF)
+    python scripts/gpu_bf16.py --shapes none --families phi3,qwen3_moe --spread
+                                          # some families, and HF's own spread: its bf16 deviation
+                                          # with eager and with SDPA attention (two valid references)
 
 For each shape, random weights (std 0.06, norms 1) go into HF float32, HF bf16, tokenmill float32
 and tokenmill bf16 models (the same values, rounded alike). HF float32 continues 16 random 8-token
@@ -13,6 +16,11 @@ the log-probability of each true next token is compared with its own float32 run
 |deviation|, nats). tokenmill runs twice: with the Triton kernels (paged attention + fused norm /
 rotary / SiLU) and with the torch reference (TorchRef attention, fused ops off), each in one prefill
 step and token by token (decode).
+
+TF32 is off for every float32 matmul and convolution (HF's and tokenmill's float32 runs are the
+references). HF's attention is transformers' default except where `bf16_deviation.hf_attention`
+asks for eager (Gemma 2's soft-capped attention: transformers 5.17 picks SDPA there and drops the
+soft-cap).
 
 Checks (exit 1 on failure): tokenmill float32 within 2e-3 of HF float32 (max |logprob difference|),
 and tokenmill bf16's mean, p99 and max deviation each at most 10% above HF bf16's, per backend and
@@ -166,28 +174,70 @@ def run_checkpoint(label: str, path: str, sequences: list[list[int]], device: st
     return records
 
 
-def run_families(device: str, smoke: bool) -> list[dict]:
-    """Every family of the CPU test, its tiny config (same seed, std, sequences and tolerances), the
-    dense families and then the mixtures of experts and MLA."""
+def hf_spread(label: str, path: str, sequences: list[list[int]], device: str,
+              tie_margin: float | None = None) -> dict:
+    """HF's bf16 deviation from its own float32 with eager and with SDPA attention (both valid
+    references): how much HF's statistics move between two implementations of the same
+    numerics, the scale a tolerance on tokenmill / HF must allow. With `tie_margin` (MoE), the
+    check's exclusions: float32 routing near ties and positions either HF run's bf16 routed
+    otherwise than its float32."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    stats, dev, keep = {}, {}, []
+    tm32 = bd.load_tokenmill(path, f32, device) if tie_margin is not None else None
+    moe = tm32.dims.moe if tm32 is not None else None
+    if tm32 is not None:
+        keep = [(bd.router_margins(tm32, s) >= tie_margin)[:-1] for s in sequences]
+    for attn in ("eager", "sdpa"):
+        try:
+            hf = bd.load_hf_pair(path, device, attn)
+        except Exception as exc:  # noqa: BLE001 - e.g. SDPA refused for a soft-capped family
+            stats[attn] = repr(exc)[:200]
+            continue
+        dev[attn] = []
+        for i, s in enumerate(sequences):
+            (h32, r32), (h16, r16) = (bd.hf_routes(hf[d], s, moe) for d in (f32, bf16))
+            dev[attn].append(bd.target_logprobs(h16, s) - bd.target_logprobs(h32, s))
+            if keep:
+                keep[i] &= ~bd.routing_flips(r16, r32)[:-1]
+        del hf
+    for attn, d in dev.items():
+        stats[attn] = bd.Stats.of(torch.cat([x[k.to(x.device)] for x, k in zip(d, keep)]) if keep else torch.cat(d))
+    record = {"shape": label, "spread": {k: v if isinstance(v, str) else vars(v) for k, v in stats.items()}}
+    if all(isinstance(v, bd.Stats) for v in stats.values()):
+        e, q = stats["eager"], stats["sdpa"]
+        record["ratios_sdpa_over_eager"] = {f: getattr(q, f) / max(getattr(e, f), 1e-12) for f in ("mean", "p99", "max")}
+    print(f"{label}: HF bf16 spread (eager vs SDPA): {record['spread']} "
+          f"ratios {record.get('ratios_sdpa_over_eager')}", flush=True)
+    return record
+
+
+def run_families(device: str, smoke: bool, only: set[str] | None = None, spread: bool = False) -> list[dict]:
+    """Every family of the CPU test (or those in `only`), its tiny config (same seed, std, sequences
+    and tolerances), the dense families and then the mixtures of experts and MLA."""
     import tempfile
 
     from tests.helpers.tiny_models import make_tiny_model_dir
     from tests.model import test_bf16_deviation as cpu_test
-    families = cpu_test.FAMILIES[:1] if smoke else cpu_test.FAMILIES
+    pick = (lambda archs: archs[:1]) if smoke else (lambda archs: [a for a in archs if only is None or a in only])
     root = tempfile.mkdtemp(prefix="bf16-tiny-")
-    records = []
+    records, spreads = [], []
     gap = 1e-4 if device == "cpu" else FLOAT32_GAP
-    for arch in families:
+    for arch in pick(cpu_test.FAMILIES):
         path = make_tiny_model_dir(arch, root, seed=3, initializer_range=0.1)
-        records += run_checkpoint(arch, path, cpu_test._random_sequences(200, 2, 40), device,
-                                  cpu_test.TINY_TOLERANCE, cpu_test.TINY_TAIL_TOLERANCE, gap)
+        seqs = cpu_test._random_sequences(200, 2, 40)
+        records += run_checkpoint(arch, path, seqs, device, cpu_test.TINY_TOLERANCE, cpu_test.TINY_TAIL_TOLERANCE, gap)
+        if spread:
+            spreads.append(hf_spread(arch, path, seqs, device))
     # Mixtures of experts and MLA: routing near ties and flips left out, counted and capped, as on CPU.
-    for arch in cpu_test.MOE_FAMILIES[:1] if smoke else cpu_test.MOE_FAMILIES:
+    for arch in pick(cpu_test.MOE_FAMILIES):
         path = cpu_test.make_tiny_moe_model_dir(arch, root, seed=cpu_test.MOE_SEED, initializer_range=0.1)
-        records += run_checkpoint(arch, path, cpu_test._random_sequences(200, 4, 40), device, cpu_test.MOE_TOLERANCE,
+        seqs = cpu_test._random_sequences(200, 4, 40)
+        records += run_checkpoint(arch, path, seqs, device, cpu_test.MOE_TOLERANCE,
                                   cpu_test.MOE_TAIL_TOLERANCE, gap, tie_margin=cpu_test.MOE_TIE_MARGIN,
                                   max_excluded=cpu_test.MOE_MAX_EXCLUDED)
-    return records
+        if spread:
+            spreads.append(hf_spread(arch, path, seqs, device, cpu_test.MOE_TIE_MARGIN))
+    return records, spreads
 
 
 def run_smollm2(path: str, device: str) -> list[dict]:
@@ -200,10 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes and few tokens (runs on CPU)")
     p.add_argument("--shapes", default=None, help="comma-separated subset of the shapes ('none': skip them)")
-    p.add_argument("--families", action="store_true", help="also every family's tiny config (the CPU test's)")
+    p.add_argument("--families", nargs="?", const="all", default=None,
+                   help="also every family's tiny config (the CPU test's), or a comma-separated list of them")
+    p.add_argument("--spread", action="store_true",
+                   help="with --families: HF's own bf16 deviation with eager and with SDPA attention")
     p.add_argument("--smollm2", default=None, help="also the real SmolLM2: path of its GGUF")
     ns = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # float32 references in float32: no TF32 in any matmul or convolution (HF's or tokenmill's).
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
     if not ns.smoke and device != "cuda":
         print("no CUDA device: use --smoke on CPU", file=sys.stderr)
         return 2
@@ -211,17 +268,19 @@ def main(argv: list[str] | None = None) -> int:
     if ns.shapes:
         shapes = {} if ns.shapes == "none" else {k: shapes[k] for k in ns.shapes.split(",")}
     num, prompt_len, total = (2, 4, 12) if ns.smoke else (16, 8, 64)
-    records = []
+    records, spreads = [], []
     for name, shape in shapes.items():
         records += run_shape(name, shape, device, num, prompt_len, total)
     if ns.families:
-        records += run_families(device, ns.smoke)
+        only = None if ns.families == "all" else set(ns.families.split(","))
+        family_records, spreads = run_families(device, ns.smoke, only, ns.spread)
+        records += family_records
     if ns.smollm2:
         records += run_smollm2(ns.smollm2, device)
     out_dir = os.environ.get("OUT", "./gpu-out")
     os.makedirs(out_dir, exist_ok=True)
     result = {"script": "gpu_bf16", "smoke": ns.smoke, "device": device, "tolerance": TOLERANCE,
-              "machine": machine_info(), "versions": versions(), "records": records,
+              "machine": machine_info(), "versions": versions(), "records": records, "hf_spread": spreads,
               "ok": all(r["ok"] for r in records)}
     with open(os.path.join(out_dir, "gpu_bf16.json"), "w") as f:
         json.dump(result, f, indent=2)

@@ -17,9 +17,9 @@ import torch
 
 from tokenmill.layers import cpu_bf16_gemm, cpu_isa, cpu_logits, wide_linear
 from tokenmill.layers.linear import PackedWeight
-from tokenmill.layers.parallel_linear import RowParallelLinear
+from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear
 
-_ONE_RANK = SimpleNamespace(layout=SimpleNamespace(tp_rank=0), all_reduce=lambda t: t)  # no TP
+_ONE_RANK = SimpleNamespace(layout=SimpleNamespace(tp_rank=0), tp_size=1, all_reduce=lambda t: t)  # no TP
 pytestmark = pytest.mark.skipif(not cpu_logits.available(), reason="no C compiler for the bf16 -> f32 kernel")
 
 
@@ -46,7 +46,10 @@ def test_float32_result_of_bf16_inputs(rows: int, gemm: bool) -> None:
 
 
 @pytest.mark.parametrize("path", cpu_isa.PATHS, ids=lambda p: p.name)
-@pytest.mark.parametrize("m, k, n", [(1, 64, 16), (7, 33, 17), (13, 576, 100), (100, 1536, 576)])
+# Row blocks: one, two equal (64 rows), three uneven (97); the work taken by column tiles (more
+# weight rows than x rows) and by row blocks (130 rows of x over 50 outputs).
+@pytest.mark.parametrize("m, k, n", [(1, 64, 16), (7, 33, 17), (13, 576, 100), (64, 96, 520), (97, 64, 300),
+                                     (100, 1536, 576), (130, 40, 50)])
 def test_gemm_on_every_path(path: cpu_isa.KernelPath, m: int, k: int, n: int) -> None:
     """The packed GEMM against float64 (odd K, N not a multiple of 16, row tails of every size)."""
     gen = torch.Generator().manual_seed(m + k)
@@ -94,3 +97,21 @@ def test_row_parallel_linear_wide_output_only_where_set() -> None:
     assert out.dtype == torch.float32
     ref = x.double() @ layer.weight.detach().double().t()
     assert float((out.double() - ref).abs().max() / ref.abs().max()) < 2e-5
+
+
+@pytest.mark.parametrize("rows", [1, 64])
+def test_lm_head_logits_float32_of_bf16(rows: int) -> None:
+    """ParallelLMHead on CPU in bf16: float32 logits within float32 summation error of the float64
+    product (the packed GEMM where the CPU has vdpbf16ps, else the dot-product kernel); logits
+    rounded to bf16 anywhere fail (planted: the GEMM's result rounded to bf16 fails both cases)."""
+    gen = torch.Generator().manual_seed(rows)
+    hidden = torch.randn(rows, 96, generator=gen).bfloat16()
+    weight = (torch.randn(700, 96, generator=gen) * 0.1).bfloat16()
+    head = ParallelLMHead(SimpleNamespace(tp_size=1, layout=SimpleNamespace(vocab_size=700)))
+    with torch.inference_mode():
+        logits = head.logits(hidden, weight)
+        assert head.gemm_packed.packed is not None or not cpu_bf16_gemm.available()
+        _close(logits, hidden.double() @ weight.double().t())
+        with torch.no_grad():
+            weight.mul_(-1)  # a changed weight is packed again
+        _close(head.logits(hidden, weight), hidden.double() @ weight.double().t())

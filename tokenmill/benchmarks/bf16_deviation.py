@@ -187,8 +187,26 @@ def tokenmill_from_hf(hf_model, dtype: torch.dtype, device: str | torch.device,
     return model.eval()
 
 
-def load_hf(path: str, dtype: torch.dtype, device: str = "cpu"):
-    """HF transformers' model for a HF directory or a GGUF file, as a plain model in `dtype`.
+def hf_attention(path: str) -> str | None:
+    """The attention implementation the HF reference must use for a HF directory: "eager" where
+    the config soft-caps attention logits (Gemma 2), else None (transformers' default).
+
+    Why: transformers 5.17 declares SDPA support for Gemma 2 and picks it by default, and its
+    SDPA path drops `softcap` silently (5.24 refuses SDPA there and picks eager): on the tiny
+    Gemma 2 config that reference differs from eager HF, and from tokenmill, by 0.34 nats in
+    float32 (the "CUDA" gap of docs/results/gpu-bf16.md; the same on CPU with the soft-cap
+    removed). Eager is HF's own reference attention."""
+    if path.endswith(".gguf"):
+        return None
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path)
+    config = getattr(config, "text_config", None) or config
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else None
+
+
+def load_hf(path: str, dtype: torch.dtype, device: str = "cpu", attn_implementation: str | None = None):
+    """HF transformers' model for a HF directory or a GGUF file, as a plain model in `dtype`
+    (attention: `attn_implementation`, default `hf_attention(path)`).
 
     transformers loads a GGUF with its weights kept quantized and every matmul computing in float32
     whatever dtype was asked for: not HF's bf16 numerics. So a GGUF is loaded in float32 and its
@@ -196,7 +214,9 @@ def load_hf(path: str, dtype: torch.dtype, device: str = "cpu"):
     weights every other run uses, rounded alike."""
     from transformers import AutoModelForCausalLM
     if not path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+        attn = attn_implementation or hf_attention(path)
+        kwargs = {} if attn is None else {"attn_implementation": attn}
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device).eval()
     packed = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
                                                   dtype=torch.float32)
     config = packed.config
@@ -207,10 +227,10 @@ def load_hf(path: str, dtype: torch.dtype, device: str = "cpu"):
     return plain.to(device=device, dtype=dtype).eval()
 
 
-def load_hf_pair(path: str, device: str = "cpu") -> dict[torch.dtype, object]:
+def load_hf_pair(path: str, device: str = "cpu", attn_implementation: str | None = None) -> dict[torch.dtype, object]:
     """HF float32 and bf16 models of one checkpoint (the bf16 one a cast copy: loaded once)."""
     import copy
-    hf32 = load_hf(path, torch.float32, device)
+    hf32 = load_hf(path, torch.float32, device, attn_implementation)
     return {torch.float32: hf32, torch.bfloat16: copy.deepcopy(hf32).to(torch.bfloat16)}
 
 

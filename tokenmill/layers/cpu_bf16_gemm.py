@@ -68,11 +68,19 @@ static const kern_fn KERN[MR_MAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, kern
 void bf16_gemm_f32(const uint16_t *x, int64_t xs, const uint16_t *wp, int R, int K, int N,
                    float *y, int64_t ys, const float *a, int64_t as, int nthreads) {
     const int KP = K / 2, nvec = (N + 15) / 16, ntiles = (nvec + NB - 1) / NB;
-    const int rblocks = (R + RBLK - 1) / RBLK;
+    /* Row blocks of equal size (64 rows: two of 32, not 48 + 16, which left one of two threads
+       a quarter of the work). Work items in the order that reads the larger operand once: with
+       more weight rows than x rows (decode, the LM head) a thread takes whole column tiles, each
+       tile's weight panel reused over every row block while in cache, so the threads split the
+       weight between them; with more x rows (prefill) a thread takes row blocks, each block of x
+       reused over every tile while the (smaller) weight comes from cache. */
+    const int rblocks = (R + RBLK - 1) / RBLK, rows = rblocks ? (R + rblocks - 1) / rblocks : 0;
+    const int tiles_outer = N > R;
     #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
     for (int t = 0; t < ntiles * rblocks; ++t) {
-        const int tile = t % ntiles, r0 = (t / ntiles) * RBLK;
-        const int r1 = r0 + RBLK < R ? r0 + RBLK : R;
+        const int tile = tiles_outer ? t / rblocks : t % ntiles;
+        const int r0 = (tiles_outer ? t % rblocks : t / ntiles) * rows;
+        const int r1 = r0 + rows < R ? r0 + rows : R;
         const int v0 = tile * NB, nvs = nvec - v0 < NB ? nvec - v0 : NB;
         const int c0 = 16 * v0, ncols = N - c0;
         const uint16_t *wt = wp + (int64_t)v0 * KP * 32;

@@ -103,6 +103,7 @@ class ParallelLMHead:
     def __init__(self, parallel: ParallelContext) -> None:
         self.parallel = parallel
         self.packed = PackedWeight()
+        self.gemm_packed = cpu_bf16_gemm.PackedBf16()
         self._cuda_f32_out = True  # until torch.mm(out_dtype=float32) turns out unsupported
         self._cuda_f32_into = True  # the same with out=
 
@@ -122,11 +123,20 @@ class ParallelLMHead:
             return F.linear(hidden, weight)
         return result.view(*hidden.shape[:-1], weight.shape[0])
 
+    def _cpu_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """float32 logits of bf16 on CPU: the packed AVX512-BF16 GEMM where the machine has it (the
+        weight packed once, a copy of it kept: ~1.3-2x faster than the dot-product kernel at 1 to
+        64 rows, and than oneDNN's bf16 matmul), else `cpu_logits`' kernel."""
+        if cpu_bf16_gemm.available():
+            h = hidden.reshape(-1, hidden.shape[-1])
+            return cpu_bf16_gemm.gemm_f32(h, weight, self.gemm_packed).view(*hidden.shape[:-1], weight.shape[0])
+        return cpu_logits.linear_f32(hidden, weight)
+
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """float32 logits [rows, V]; written into `out` when given (a buffer a CUDA graph replays into)."""
         whole = self.parallel.tp_size == 1
         if cpu_logits.supports(hidden, weight):  # bf16 on CPU: float32 logits, never rounded to bf16
-            local = cpu_logits.linear_f32(hidden, weight)
+            local = self._cpu_logits(hidden, weight)
         elif self._cuda_f32_out and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             local = self._cuda_logits(hidden, weight, out if whole and hidden.dim() == 2 else None)
             if local is out:

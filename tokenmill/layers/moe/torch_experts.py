@@ -51,9 +51,8 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     ids int64 [T, k] -> [T, H] in x's dtype: sum over k of weight * down(act(gate, up)) (biases
     b13 [E, 2I] / b2 [E, H] added to the projections where given)."""
     num_tokens, top_k = ids.shape
-    out = torch.zeros_like(x)
     if num_tokens == 0:
-        return out
+        return torch.zeros_like(x)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # host values: this path syncs
@@ -69,8 +68,10 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         hidden = gated_activation(F.linear(rows[part], w13[expert], None if b13 is None else b13[expert]), act)
         result[part] = F.linear(hidden, w2[expert], None if b2 is None else b2[expert])
         start += count
-    result = (result.float() * row_weights[:, None]).to(x.dtype)
-    return out.index_add_(0, token_of, result)
+    # The top-k weighted outputs summed in float32 and rounded once (as the fused Triton path
+    # does), not rounded after each expert's add into a bf16 output.
+    summed = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    return summed.index_add_(0, token_of, result.float() * row_weights[:, None]).to(x.dtype)
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
