@@ -14,15 +14,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from tests.helpers.requirements import require_module
 from tokenmill.layers.quantization import int4_packing as packing
 from tokenmill.layers.quantization.stream_tiles import GemvConfig, Tiles
 
-try:
-    import triton  # noqa: F401
-except ImportError:
-    if os.environ.get("CI"):
-        pytest.fail("triton is not installed, but CI installs it with the test extras", pytrace=False)
-    pytest.skip("triton is not installed", allow_module_level=True)
+require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
 
 def _case(n=128, k=256, group=64, seed=0):

@@ -12,15 +12,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from tests.helpers.requirements import require_module
 from tokenmill.layers.quantization import fp8_ops
 from tokenmill.layers.quantization import int4_packing as packing
 
-try:
-    import triton  # noqa: F401
-except ImportError:
-    if os.environ.get("CI"):
-        pytest.fail("triton is not installed, but CI installs it with the test extras", pytrace=False)
-    pytest.skip("triton is not installed", allow_module_level=True)
+require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
 
 @pytest.mark.parametrize("m,tiles", [(37, (16, 32, 64, 2, 4, 2)), (5, (16, 16, 32, 1, 4, 1)),

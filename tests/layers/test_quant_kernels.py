@@ -19,12 +19,7 @@ from tests.helpers.requirements import require_module
 from tokenmill.layers.quantization import fp8_ops
 from tokenmill.layers.quantization import int4_packing as packing
 
-try:
-    import triton  # noqa: F401
-except ImportError:
-    if os.environ.get("CI"):
-        pytest.fail("triton is not installed, but CI installs it with the test extras", pytrace=False)
-    pytest.skip("triton is not installed", allow_module_level=True)
+require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
 
 def _int4_case(n=96, k=128, group=32, sym=False, act_order=False, seed=0):

@@ -13,16 +13,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
+from tests.helpers.requirements import require_module
 from tokenmill.layers.quantization import fp8_ops
 from tokenmill.layers.quantization import int4_packing as packing
 from tokenmill.layers.quantization.stream_tiles import Tiles
 
-try:
-    import triton  # noqa: F401
-except ImportError:
-    if os.environ.get("CI"):
-        pytest.fail("triton is not installed, but CI installs it with the test extras", pytrace=False)
-    pytest.skip("triton is not installed", allow_module_level=True)
+require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
 FP8_TILES = [Tiles(1, 16, 32, 1), Tiles(1, 16, 32, 3), Tiles(1, 16, 32, 2, flat=False), Tiles(16, 16, 32, 2),
              Tiles(1, 16, 32, 2, pipe=True), Tiles(16, 16, 32, 1, stages=2, pipe=True)]
