@@ -171,23 +171,9 @@ def time_us(fn, dev, iters: int = 10) -> float:
         start = time.perf_counter()
         fn()
         return 1e6 * (time.perf_counter() - start)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    from triton_attention_check import time_graph  # the graph capture and replay timing, shared
+
+    return time_graph(fn, iters)
 
 
 def copy_bandwidth(dev) -> float:
