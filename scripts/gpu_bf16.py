@@ -211,9 +211,13 @@ def hf_spread(label: str, path: str, sequences: list[list[int]], device: str,
     return record
 
 
-def run_families(device: str, smoke: bool, only: set[str] | None = None, spread: bool = False) -> list[dict]:
+def run_families(device: str, smoke: bool, only: set[str] | None = None, spread: bool = False,
+                 moe_seeds: list[int] | None = None, router_noise: bool = False) -> list[dict]:
     """Every family of the CPU test (or those in `only`), its tiny config (same seed, std, sequences
-    and tolerances), the dense families and then the mixtures of experts and MLA."""
+    and tolerances), the dense families and then the mixtures of experts and MLA. `moe_seeds`: the
+    MoE families' weights drawn with each of these seeds (default the CPU test's), one record each;
+    `router_noise`: each MoE row also prints how far every router's float32 logits (from its bf16
+    input) land from the float32 run's, per engine and mode (`bd.router_logit_errors`)."""
     import tempfile
 
     from tests.helpers.tiny_models import make_tiny_model_dir
@@ -230,14 +234,34 @@ def run_families(device: str, smoke: bool, only: set[str] | None = None, spread:
             spreads.append(hf_spread(arch, path, seqs, device))
     # Mixtures of experts and MLA: routing near ties and flips left out, counted and capped, as on CPU.
     for arch in pick(cpu_test.MOE_FAMILIES):
-        path = cpu_test.make_tiny_moe_model_dir(arch, root, seed=cpu_test.MOE_SEED, initializer_range=0.1)
-        seqs = cpu_test._random_sequences(200, 4, 40)
-        records += run_checkpoint(arch, path, seqs, device, cpu_test.MOE_TOLERANCE,
-                                  cpu_test.MOE_TAIL_TOLERANCE, gap, tie_margin=cpu_test.MOE_TIE_MARGIN,
-                                  max_excluded=cpu_test.MOE_MAX_EXCLUDED)
-        if spread:
-            spreads.append(hf_spread(arch, path, seqs, device, cpu_test.MOE_TIE_MARGIN))
+        for seed in moe_seeds or [cpu_test.MOE_SEED]:
+            label = arch if seed == cpu_test.MOE_SEED else f"{arch} seed {seed}"
+            path = cpu_test.make_tiny_moe_model_dir(arch, os.path.join(root, f"s{seed}"), seed=seed,
+                                                    initializer_range=0.1)
+            seqs = cpu_test._random_sequences(200, 4, 40)
+            records += run_checkpoint(label, path, seqs, device, cpu_test.MOE_TOLERANCE,
+                                      cpu_test.MOE_TAIL_TOLERANCE, gap, tie_margin=cpu_test.MOE_TIE_MARGIN,
+                                      max_excluded=cpu_test.MOE_MAX_EXCLUDED)
+            if router_noise:
+                records[-1]["router_noise"] = run_router_noise(label, path, seqs, device)
+            if spread:
+                spreads.append(hf_spread(label, path, seqs, device, cpu_test.MOE_TIE_MARGIN))
     return records, spreads
+
+
+def run_router_noise(label: str, path: str, sequences: list[list[int]], device: str) -> dict:
+    """Per MoE layer, |router logits of the bf16 run - of the float32 run| (both computed in float32
+    from each run's router input): p50 / p90 / p99 for HF and for tokenmill per backend and mode."""
+    out = {}
+    for backend, (cls, fused) in backends(device).items():
+        with fused_ops(fused):
+            errors = bd.router_logit_errors(path, sequences, device, cls)
+        out[backend] = errors
+        for run, layers in errors.items():
+            print(f"{label} [{backend}] router logit error {run:<18} " + "  ".join(
+                f"L{i}: p50 {q['p50']:.4f} p90 {q['p90']:.4f} p99 {q['p99']:.4f}" for i, q in enumerate(layers)),
+                flush=True)
+    return out
 
 
 def run_smollm2(path: str, device: str) -> list[dict]:
@@ -254,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="also every family's tiny config (the CPU test's), or a comma-separated list of them")
     p.add_argument("--spread", action="store_true",
                    help="with --families: HF's own bf16 deviation with eager and with SDPA attention")
+    p.add_argument("--moe-seeds", default=None,
+                   help="with --families: the MoE families' tiny weights drawn with each of these seeds (e.g. 3,4,5)")
+    p.add_argument("--router-noise", action="store_true",
+                   help="with --families: each MoE row also prints its routers' logit error, per engine")
     p.add_argument("--smollm2", default=None, help="also the real SmolLM2: path of its GGUF")
     ns = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -273,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
         records += run_shape(name, shape, device, num, prompt_len, total)
     if ns.families:
         only = None if ns.families == "all" else set(ns.families.split(","))
-        family_records, spreads = run_families(device, ns.smoke, only, ns.spread)
+        seeds = [int(v) for v in ns.moe_seeds.split(",")] if ns.moe_seeds else None
+        family_records, spreads = run_families(device, ns.smoke, only, ns.spread, seeds, ns.router_noise)
         records += family_records
     if ns.smollm2:
         records += run_smollm2(ns.smollm2, device)

@@ -348,6 +348,58 @@ def hf_routes(hf_model, token_ids: Sequence[int], moe) -> tuple[torch.Tensor, to
     return logits, (torch.cat(chosen, dim=-1).cpu() if chosen else None)
 
 
+def router_logit_errors(path: str, sequences: Sequence[Sequence[int]], device: str = "cpu",
+                        attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend,
+                        modes: Sequence[str] = MODES) -> dict[str, list[dict[str, float]]]:
+    """How noisy each engine's bf16 router input is: per MoE layer (in order), quantiles (p50 / p90 /
+    p99) of |logits of the bf16 run - logits of the float32 run| over every position and expert,
+    both computed in float32 from each run's own router input and weights (so the router's own
+    arithmetic is left out). Keys: "hf" and "tokenmill MODE"."""
+    from tokenmill.layers.moe.layer import Router
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def f32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).float(), weight.float())
+
+    def tm_run(model, ids, mode) -> list[torch.Tensor]:
+        routers = [m for m in model.modules() if isinstance(m, Router)]
+        calls: dict[int, list[torch.Tensor]] = {id(r): [] for r in routers}
+        handles = [r.register_forward_pre_hook(lambda mod, a: calls[id(mod)].append(f32_logits(a[0], mod.weight)))
+                   for r in routers]
+        try:
+            tokenmill_logits(model, ids, mode)
+        finally:
+            for h in handles:
+                h.remove()
+        return [torch.cat(calls[id(r)]) for r in routers]
+
+    def hf_run(model, ids) -> list[torch.Tensor]:
+        gates = [m for name, m in model.named_modules() if name.endswith(("mlp.gate", "mlp.router"))
+                 and getattr(m, "weight", None) is not None and m.weight.dim() == 2]
+        out: list[torch.Tensor] = []
+        handles = [g.register_forward_pre_hook(lambda mod, a: out.append(f32_logits(a[0], mod.weight))) for g in gates]
+        try:
+            with torch.inference_mode():
+                hf_logits(model, ids)
+        finally:
+            for h in handles:
+                h.remove()
+        return out
+
+    tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in (f32, bf16)}  # (not inference tensors)
+    hf = load_hf_pair(path, device)
+    errors: dict[str, list[list[torch.Tensor]]] = {}
+    for ids in sequences:
+        runs = {"hf": (hf_run(hf[bf16], ids), hf_run(hf[f32], ids))}
+        runs.update({f"tokenmill {m}": (tm_run(tm[bf16], ids, m), tm_run(tm[f32], ids, m)) for m in modes})
+        for run, (low, ref) in runs.items():
+            per_layer = errors.setdefault(run, [[] for _ in ref])
+            for i, (a, b) in enumerate(zip(low, ref)):
+                per_layer[i].append((a - b).abs().flatten().double().cpu())
+    return {run: [{f"p{int(q * 100)}": float(torch.quantile(torch.cat(e), q)) for q in (0.5, 0.9, 0.99)}
+                  for e in layers] for run, layers in errors.items()}
+
+
 def routing_flips(bf16_routes: torch.Tensor | None, f32_routes: torch.Tensor | None) -> torch.Tensor | None:
     """bool [L]: positions whose experts differ between a bf16 run and its float32 run."""
     if bf16_routes is None or f32_routes is None:
