@@ -15,7 +15,8 @@ Precision rules (shared by every model built on these layers):
   (`wide_linear`): HF rounds them to bf16 before its add.
 
 On CUDA (`triton_ops.enabled`) one Triton kernel does it all, the residual add included,
-with the same roundings (`triton_ops.rms_norm`).
+with the same roundings (`triton_ops.rms_norm`); on CPU, a float32 stream normalized into bf16
+goes through one C pass (`cpu_norm`), likewise.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 
 from tokenmill.distributed.parallel_state import PendingAllReduce, reduced
-from tokenmill.layers import triton_ops
+from tokenmill.layers import cpu_norm, triton_ops
 
 RESIDUAL_DTYPE = torch.float32
 
@@ -76,6 +77,8 @@ class RMSNorm(nn.Module):
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, out_dtype)
+        if cpu_norm.supports(x, self.weight, out_dtype):  # CPU bf16: one C pass, same roundings
+            return cpu_norm.add_rms_norm(x, self.weight, self.eps)[0]
         # ||x||^2 / n = mean(x^2), accumulated in float32 whatever x's dtype: one pass, no upcast copy.
         rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
         rstd = rstd.square_().mul_(1.0 / x.shape[-1]).add_(self.eps).rsqrt_()
@@ -106,8 +109,11 @@ class RMSNorm(nn.Module):
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        out_dtype = out_dtype or x.dtype
+        if cpu_norm.supports(residual, self.weight, out_dtype, x):  # CPU bf16: the add and the norm in one pass
+            return cpu_norm.add_rms_norm(residual, self.weight, self.eps, x)
         residual = residual + x
-        return self.forward(residual, out_dtype=out_dtype or x.dtype), residual
+        return self.forward(residual, out_dtype=out_dtype), residual
 
 
 class GemmaRMSNorm(nn.Module):
