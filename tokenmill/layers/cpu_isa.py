@@ -4,8 +4,9 @@ Paths, best first:
 - amx:         AMX-BF16 tiles. bf16 linears: oneDNN with weights packed once (`linear.PackedWeight`),
                which dispatches to AMX; LM head: the AVX512-BF16 C kernel (`cpu_logits`); o_proj /
                down_proj (float32 into the residual stream): the packed `vdpbf16ps` GEMM (`cpu_bf16_gemm`).
-- avx512_bf16: AVX512-BF16 dot products. bf16 linears: packed oneDNN (avx512_core_bf16 kernels);
-               LM head: `vdpbf16ps` in `cpu_logits`; o_proj / down_proj: `cpu_bf16_gemm`. bf16 is
+- avx512_bf16: AVX512-BF16 dot products. Every bf16 linear, the LM head and o_proj / down_proj:
+               the packed `vdpbf16ps` GEMM of `cpu_bf16_gemm` (bf16, silu-mul or float32
+               epilogues; ~2x less CPU than oneDNN's avx512_core_bf16 GEMV at one row). bf16 is
                the fast dtype here.
 - avx512:      AVX-512F without bf16 arithmetic: oneDNN emulates bf16, `cpu_logits` widens bf16 to
                float32 and uses FMAs.
@@ -93,8 +94,8 @@ def describe() -> str:
     shown = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma") if f in flags]
     how = {"amx": "bf16 linears on AMX via oneDNN (packed weights), LM head and o_proj/down_proj (float32 "
                   "out) via AVX512-BF16 C kernels",
-           "avx512_bf16": "bf16 linears via oneDNN avx512_core_bf16 (packed weights), LM head and o_proj/down_proj "
-                          "(float32 out) via vdpbf16ps C kernels",
+           "avx512_bf16": "bf16 linears, LM head and o_proj/down_proj (float32 out) via the packed vdpbf16ps "
+                          "C GEMM",
            "avx512": "bf16 emulated (float32 is faster here), C kernels on AVX-512F",
            "avx2": "bf16 emulated (float32 is faster here), C kernels on AVX2+FMA",
            "generic": "portable C kernels"}[path.name]
