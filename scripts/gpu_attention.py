@@ -60,7 +60,35 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
     "kv_splits": [1, 2, 4, 8, 16, 32, 64, 128],
     "decode_warps": [2, 4, 8],
     "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
+    "fp8_pv_dot": [True, False],  # fp8 caches only: p @ v as two fp8 dots, values unconverted
+    "prefetch": [True, False],  # the next tile's K/V loaded into registers before this one is used
+    "decode_min_rows": [64, 16],  # query rows of a decode tile (16: mma.sync; 64: Hopper's wgmma)
 }
+FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot")
+# --variants: named launches tried per case (on top of the default plan), in order of interest,
+# ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
+_F8 = [{"prefetch": True}, {"prefetch": True, "decode_warps": 4}, {"fp8_qk_dot": True}, {"fp8_pv_dot": True},
+       {"fp8_qk_dot": True, "fp8_pv_dot": True}, {"fp8_qk_dot": True, "fp8_pv_dot": True, "prefetch": True},
+       {"decode_min_rows": 64, "decode_warps": 4},
+       {"decode_min_rows": 64, "decode_warps": 4, "fp8_qk_dot": True, "fp8_pv_dot": True},
+       {"fp8_qk_dot": True, "fp8_pv_dot": True, "num_stages": 2, "decode_warps": 4},
+       {"fp8_qk_dot": True, "fp8_pv_dot": True, "num_stages": 3, "decode_warps": 4},
+       {"lookup_blocks": True}, {"block_n": 64, "prefetch": True}, {"block_n": 256, "decode_warps": 4},
+       {"block_n": 256, "decode_warps": 8, "prefetch": True},
+       {"fp8_qk_dot": True, "fp8_pv_dot": True, "prefetch": True, "decode_warps": 4}]
+_F8_SPLIT = [{"kv_splits": 64}, {"kv_splits": 128}, {"prefetch": True, "num_stages": 1},
+             {"prefetch": True, "num_stages": 1, "kv_splits": 64}, {"fp8_qk_dot": True, "fp8_pv_dot": True},
+             {"fp8_qk_dot": True, "fp8_pv_dot": True, "kv_splits": 64},
+             {"fp8_qk_dot": True, "fp8_pv_dot": True, "prefetch": True, "num_stages": 1},
+             {"decode_min_rows": 64}, {"block_n": 64, "kv_splits": 64}, {"num_stages": 2}, {"lookup_blocks": True},
+             {"block_n": 256, "kv_splits": 16}]
+_BF16_MANY = [{"block_n": 64}, {"block_n": 64, "num_stages": 3}, {"block_n": 64, "num_stages": 1},
+              {"num_stages": 1}, {"prefetch": True, "num_stages": 1}, {"decode_min_rows": 64},
+              {"block_n": 64, "decode_warps": 2}, {"num_stages": 3}]
+VARIANTS = {("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:9], ("256x2048", "fp8"): _F8[:9],
+            ("1x16384", "fp8"): _F8_SPLIT, ("256x128", "bf16"): _BF16_MANY, ("256x640", "bf16"): _BF16_MANY,
+            ("256x2048", "bf16"): _BF16_MANY[:6],
+            ("1x16384", "bf16"): [{"kv_splits": 64}, {"prefetch": True, "num_stages": 1}, {"decode_min_rows": 64}]}
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
 # Shares of the sweep budget: the engine's figures' shapes (others are timed, not swept, unless --sweep-all).
 WEIGHT = {"256x640": 1, "1x16384": 1}
@@ -203,7 +231,7 @@ def time_parts(backend, case: Case, dev, plan: dict) -> dict:
                 block_q=plan["block_q"], block_n=plan["block_n"], num_splits=plan["kv_splits"],
                 max_splits=1 << max(plan["kv_splits"] - 1, 0).bit_length(), num_warps=plan["decode_warps"],
                 num_stages=plan["num_stages"], interior=plan["interior"], lookup_blocks=plan["lookup_blocks"],
-                fp8_qk_dot=plan["fp8_qk_dot"], k_scale=backend.k_scale, v_scale=backend.v_scale)
+                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], prefetch=plan["prefetch"], k_scale=backend.k_scale, v_scale=backend.v_scale)
     n = len(case.caches)
     return {"write_us": time_us(write, dev) / n, "attend_us": time_us(attend, dev) / n}
 
@@ -235,7 +263,9 @@ def launch_config(cand: dict) -> TritonAttentionConfig:
         decode_block_n=cand["block_n"],
         decode_warps=cand["decode_warps"], decode_stages=cand["num_stages"], fp8_decode_block_n=cand["block_n"],
         fp8_decode_warps=cand["decode_warps"], fp8_decode_stages=cand["num_stages"],
-        fp8_split_decode_warps=cand["decode_warps"], fp8_split_decode_stages=cand["num_stages"])
+        fp8_split_decode_warps=cand["decode_warps"], fp8_split_decode_stages=cand["num_stages"],
+        fp8_pv_dot=cand.get("fp8_pv_dot", False), prefetch=cand.get("prefetch", False),
+        fp8_prefetch=cand.get("prefetch", False), decode_min_rows=cand.get("decode_min_rows", 16))
 
 
 def before_launch(case: Case, heads, sm_count: int) -> dict:
@@ -245,7 +275,8 @@ def before_launch(case: Case, heads, sm_count: int) -> dict:
     splits = 1 if programs >= 2 * sm_count else max(1, min(-(-2 * sm_count // programs),
                                                              max(case.meta.max_seq_len // 256, 1), 32))
     return {"interior": False, "num_stages": 2, "block_n": 64, "kv_splits": splits, "decode_warps": 4,
-            "lookup_blocks": False, "fp8_qk_dot": False}
+            "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "prefetch": False,
+            "decode_min_rows": 16}
 
 
 def plan_of(backend, case: Case, sm_count: int) -> dict:
@@ -254,13 +285,14 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
     p = plan_launch(backend.config, *heads, case.q.shape[0], case.meta.seq_lens.shape[0], case.meta.max_query_len,
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
-            "fp8_qk_dot": backend.config.fp8_qk_dot,
+            "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
+            "prefetch": p.prefetch, "decode_min_rows": backend.config.decode_min_rows,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
 
 
 def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: dict, sm_count: int,
-             read_bps: float) -> dict:
+             read_bps: float, variants: dict | None = None) -> dict:
     expected, err_low = reference(case, heads)
     base = make_backend(heads, case.kv_dtype)
     ok, err = check(base, case, expected, err_low)
@@ -294,9 +326,37 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     many_rows = case.q.shape[0] * heads[1] >= 2 * sm_count
     # Few rows: the split count first (a runtime argument: no recompiles).
     order = list(SWEEP) + ["num_stages", "kv_splits"] if many_rows else ["kv_splits"] + list(SWEEP)
+    def attempt(cand: dict) -> None:
+        nonlocal best
+        if key_of(cand) in tried:
+            return
+        backend = make_backend(heads, case.kv_dtype, launch_config(cand))
+        try:
+            c_ok, c_err = check(backend, case, expected, err_low)
+            c_us = time_layers(backend, case, dev)
+        except Exception as e:  # noqa: BLE001 - out of resources etc.: note it and go on
+            print(f"    {cand}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            tried[key_of(cand)] = float("inf")
+            return
+        tried[key_of(cand)] = c_us
+        if not c_ok:
+            failures.append({"launch": cand, "err": c_err})
+            print(f"    {cand}: CHECK FAILED err {c_err:.2e}", flush=True)
+            return
+        changed = {k: v for k, v in cand.items() if plan.get(k) != v}
+        print(f"    {changed}: {c_us:.1f} us ({us / c_us:.2f}x the default)  err {c_err:.2e}", flush=True)
+        if c_us < tried[key_of(best)]:
+            best = cand
+
+    fp8_kind = "fp8" if case.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else "bf16"
+    for override in (variants or {}).get((case.name, fp8_kind), []) if case.meta.max_query_len == 1 else []:
+        if time.perf_counter() > deadline:
+            rec["sweep_cut"] = True
+            break
+        attempt(dict({k: plan[k] for k in SWEEP}, **override))
     for axis in order if case.meta.max_query_len == 1 else []:
         values = sweep[axis]
-        if axis == "fp8_qk_dot" and case.kv_dtype != torch.float8_e4m3fn:
+        if axis in FP8_ONLY and case.kv_dtype != torch.float8_e4m3fn:
             continue
         if axis == "kv_splits" and many_rows:
             values = [v for v in values if v in MANY_ROWS_SPLITS]
@@ -304,24 +364,7 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
             if time.perf_counter() > deadline:
                 rec["sweep_cut"] = True
                 break
-            cand = dict(best, **{axis: value})
-            if key_of(cand) in tried:
-                continue
-            backend = make_backend(heads, case.kv_dtype, launch_config(cand))
-            try:
-                c_ok, c_err = check(backend, case, expected, err_low)
-                c_us = time_layers(backend, case, dev)
-            except Exception as e:  # noqa: BLE001 - out of resources etc.: note it and go on
-                print(f"    {cand}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                tried[key_of(cand)] = float("inf")
-                continue
-            tried[key_of(cand)] = c_us
-            if not c_ok:
-                failures.append({"launch": cand, "err": c_err})
-                print(f"    {cand}: CHECK FAILED err {c_err:.2e}", flush=True)
-                continue
-            if c_us < tried[key_of(best)]:
-                best = cand
+            attempt(dict(best, **{axis: value}))
     best_us = tried[key_of(best)]
     rec.update(best=best, best_us=best_us, best_gbps=case.kv_bytes / best_us / 1e3,
                best_of_copy=case.kv_bytes / (best_us * 1e-6) / copy_bps,
@@ -351,6 +394,9 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="comma-separated ROWSxCONTEXT (default: %s)" % ",".join(SHAPES))
     ap.add_argument("--budget", type=float, default=75.0, help="seconds for the whole run; sweeps stop at it")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--variants", action="store_true",
+                    help="time the named launches of VARIANTS per case first (every shape gets a share)")
+    ap.add_argument("--kv", default="bf16,fp8", help="cache dtypes: bf16,fp8")
     ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only 256x640 and 1x16384")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -361,9 +407,11 @@ def main() -> None:
     # (query dtype, KV cache dtype)
     dtypes = ([(torch.float32, torch.float32), (torch.float16, torch.float8_e4m3fn)] if smoke else
               [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)])
+    dtypes = [d for d, kind in zip(dtypes, ("bf16", "fp8")) if kind in args.kv.split(",")]
     # Smoke: the interpreter mis-rounds float -> fp8, so the fp8 query terms are not checked there.
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
-              "block_n": [16], "decode_warps": [4], "num_stages": [1]}
+              "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [], "prefetch": [True],
+              "decode_min_rows": [64]}
              if smoke else SWEEP)
     if smoke:
         args.sweep_all = True
@@ -384,11 +432,16 @@ def main() -> None:
         rows, rest = shape.split("x")
         context, _, prefill = rest.partition("+")
         left = args.budget - (time.perf_counter() - start)
-        weights = [WEIGHT.get(c[0], int(args.sweep_all)) for c in cases[i:]]
+        if args.variants:  # a share per launch to try
+            kinds = ["fp8" if c[2] != torch.bfloat16 and c[2] != torch.float32 else "bf16" for c in cases[i:]]
+            weights = [1 + len(VARIANTS.get((c[0], k), [])) for c, k in zip(cases[i:], kinds)]
+        else:
+            weights = [WEIGHT.get(c[0], int(args.sweep_all)) for c in cases[i:]]
         deadline = time.perf_counter() + max(left, 0) * weights[0] / max(sum(weights), 1)
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
                          prefill=int(prefill or 0))
-        records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps))
+        records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps,
+                                variants=VARIANTS if args.variants else None))
         save(records, name, sm_count, copy_bps, read_bps, start)  # after every case: a run cut short keeps what it has
         del case
         if dev.type == "cuda":

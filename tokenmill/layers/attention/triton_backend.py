@@ -76,7 +76,13 @@ class TritonAttentionConfig:
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
     interior: bool = True  # unmasked walk over the KV tiles every row of a tile sees whole
     lookup_blocks: bool = False  # in those tiles, one block-table read per cache block, not per key
-    fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted); untimed, off
+    fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted)
+    fp8_pv_dot: bool = False  # e4m3 caches: p @ v as two fp8 dots (values unconverted)
+    # Single-token decode launches: tile j+1's K/V loaded into registers before tile j is used
+    # (16-bit caches; fp8 ones take fp8_prefetch where set).
+    prefetch: bool = False
+    fp8_prefetch: bool | None = None
+    decode_min_rows: int = MIN_TILE_ROWS  # query rows of a single-token decode tile, padded (16 or 64)
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class LaunchPlan:
     num_splits: int
     num_warps: int
     num_stages: int
+    prefetch: bool = False
 
 
 def _next_pow2(n: int) -> int:
@@ -113,14 +120,18 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
     min_q = -(-MIN_TILE_ROWS // group_pad)
     if max_query_len <= config.decode_max_query_len:
         # One tile per row where it fits, so a multi-token decode reads its KV once.
-        block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad), min_q, 1)
+        min_rows = max(config.decode_min_rows, MIN_TILE_ROWS)
+        block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad),
+                      -(-min_rows // group_pad), 1)
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
-        if block_q * group_pad > MIN_TILE_ROWS:  # multi-token decode tiles: untuned
+        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned
             return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
         block_n = config.decode_block_n or config.block_n
         warps = config.decode_warps
         stages = config.decode_stages or config.num_stages
+        prefetch = config.prefetch
         if kv_fp8:
+            prefetch = config.prefetch if config.fp8_prefetch is None else config.fp8_prefetch
             block_n = config.fp8_decode_block_n or block_n
             if splits > 1:
                 warps = config.fp8_split_decode_warps or config.fp8_decode_warps or warps
@@ -128,7 +139,7 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
             else:
                 warps = config.fp8_decode_warps or warps
                 stages = config.fp8_decode_stages or stages
-        return LaunchPlan(block_q, block_n, splits, warps, stages)
+        return LaunchPlan(block_q, block_n, splits, warps, stages, prefetch)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -160,8 +171,8 @@ class TritonAttentionBackend(AttentionBackend):
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
 
     def fuses_rope(self, rope, kv_cache: torch.Tensor) -> bool:
-        return self._fuse_rope and rope.cos is None and kv_cache.dtype in (torch.float16, torch.bfloat16,
-                                                                           torch.float32)
+        return self._fuse_rope and rope.cos is None and kv_cache.dtype in (
+            torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None) -> torch.Tensor:
@@ -174,7 +185,8 @@ class TritonAttentionBackend(AttentionBackend):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         if rope is not None:
             triton_rope_kv_write.rotate_and_write_kv(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
-                                                     rope.rotary_dim, kv_cache, meta.slot_mapping)
+                                                     rope.rotary_dim, kv_cache, meta.slot_mapping, self.k_scale,
+                                                     self.v_scale)
         else:
             triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         # A window bounds the keys any query reads: split the KV axis by that, not the context.
@@ -187,7 +199,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
             max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
-            fp8_qk_dot=self.config.fp8_qk_dot,
+            fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot, prefetch=plan.prefetch,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 
