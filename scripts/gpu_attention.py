@@ -67,28 +67,25 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
 FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot")
 # --variants: named launches tried per case (on top of the default plan), in order of interest,
 # ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
-_F8 = [{"prefetch": True}, {"prefetch": True, "decode_warps": 4}, {"fp8_qk_dot": True}, {"fp8_pv_dot": True},
-       {"fp8_qk_dot": True, "fp8_pv_dot": True}, {"fp8_qk_dot": True, "fp8_pv_dot": True, "prefetch": True},
-       {"decode_min_rows": 64, "decode_warps": 4},
-       {"decode_min_rows": 64, "decode_warps": 4, "fp8_qk_dot": True, "fp8_pv_dot": True},
-       {"fp8_qk_dot": True, "fp8_pv_dot": True, "num_stages": 2, "decode_warps": 4},
-       {"fp8_qk_dot": True, "fp8_pv_dot": True, "num_stages": 3, "decode_warps": 4},
-       {"lookup_blocks": True}, {"block_n": 64, "prefetch": True}, {"block_n": 256, "decode_warps": 4},
-       {"block_n": 256, "decode_warps": 8, "prefetch": True},
-       {"fp8_qk_dot": True, "fp8_pv_dot": True, "prefetch": True, "decode_warps": 4}]
-_F8_SPLIT = [{"kv_splits": 64}, {"kv_splits": 128}, {"prefetch": True, "num_stages": 1},
-             {"prefetch": True, "num_stages": 1, "kv_splits": 64}, {"fp8_qk_dot": True, "fp8_pv_dot": True},
-             {"fp8_qk_dot": True, "fp8_pv_dot": True, "kv_splits": 64},
-             {"fp8_qk_dot": True, "fp8_pv_dot": True, "prefetch": True, "num_stages": 1},
-             {"decode_min_rows": 64}, {"block_n": 64, "kv_splits": 64}, {"num_stages": 2}, {"lookup_blocks": True},
-             {"block_n": 256, "kv_splits": 16}]
-_BF16_MANY = [{"block_n": 64}, {"block_n": 64, "num_stages": 3}, {"block_n": 64, "num_stages": 1},
-              {"num_stages": 1}, {"prefetch": True, "num_stages": 1}, {"decode_min_rows": 64},
-              {"block_n": 64, "decode_warps": 2}, {"num_stages": 3}]
-VARIANTS = {("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:9], ("256x2048", "fp8"): _F8[:9],
-            ("1x16384", "fp8"): _F8_SPLIT, ("256x128", "bf16"): _BF16_MANY, ("256x640", "bf16"): _BF16_MANY,
-            ("256x2048", "bf16"): _BF16_MANY[:6],
-            ("1x16384", "bf16"): [{"kv_splits": 64}, {"prefetch": True, "num_stages": 1}, {"decode_min_rows": 64}]}
+_QKPV = {"fp8_qk_dot": True, "fp8_pv_dot": True}
+_F8 = [{"prefetch": True}, {"fp8_qk_dot": True}, {"fp8_pv_dot": True}, _QKPV, {**_QKPV, "prefetch": True},
+       {"prefetch": True, "decode_warps": 4}, {"decode_min_rows": 64, "decode_warps": 4},
+       {**_QKPV, "decode_min_rows": 64, "decode_warps": 4, "num_stages": 2},
+       {**_QKPV, "num_stages": 2, "decode_warps": 4}, {"block_n": 256, "decode_warps": 4, "prefetch": True},
+       {"lookup_blocks": True}]
+_F8_SPLIT = [{"kv_splits": 64}, {"prefetch": True, "num_stages": 1}, _QKPV, {"kv_splits": 128},
+             {"prefetch": True, "num_stages": 1, "kv_splits": 64}, {**_QKPV, "kv_splits": 64},
+             {"decode_min_rows": 64}, {"block_n": 64, "kv_splits": 64}]
+_BF16_MANY = [{"block_n": 64}, {"prefetch": True, "num_stages": 1}, {"block_n": 64, "num_stages": 3},
+              {"decode_min_rows": 64}, {"num_stages": 1}]
+VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:4] + _F8[6:7],
+            ("256x2048", "fp8"): _F8[:1] + _F8[3:5],
+            ("256x128", "bf16"): _BF16_MANY, ("256x640", "bf16"): _BF16_MANY[:4],
+            ("256x2048", "bf16"): _BF16_MANY[:2],
+            ("1x16384", "bf16"): [{"kv_splits": 64}, {"prefetch": True, "num_stages": 1}],
+            # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
+            ("1x150", "bf16"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64}],
+            ("1x150", "fp8"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64, "prefetch": True}]}
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
 # Shares of the sweep budget: the engine's figures' shapes (others are timed, not swept, unless --sweep-all).
 WEIGHT = {"256x640": 1, "1x16384": 1}
