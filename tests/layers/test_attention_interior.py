@@ -42,8 +42,8 @@ def test_interior_tiles(window, block_n, splits, lookup):
 def test_prefetched_walk_and_wide_decode_tiles(window, splits, min_rows, lookup):
     """`prefetch` (tile j+1's K/V loaded before tile j is used; the last tile reloads itself) and
     decode tiles of 64 query rows (the decode rows padded four times further), 16-key tiles so that
-    decodes walk several unmasked tiles. One-token decodes only: the launch that takes them."""
-    decodes = ([100, 63, 64, 130, 47, 0], [1, 1, 1, 1, 1, 1])
+    decodes walk several unmasked tiles. Decodes only (of up to 8 rows: the launch that takes them)."""
+    decodes = ([100, 63, 64, 130, 47, 0], [1, 1, 3, 1, 6, 1])  # 3 and 6 tokens: verification queries
     case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=decodes)
     config = TritonAttentionConfig(block_n=16, decode_block_n=16, kv_splits=splits, prefill_rows=32,
                                    lookup_blocks=lookup, prefetch=True, decode_min_rows=min_rows)
