@@ -86,6 +86,11 @@ VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", 
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
             ("1x150", "bf16"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64}],
             ("1x150", "fp8"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64, "prefetch": True}]}
+# The decode defaults before the FP8-streaming work (launch fields only; the split rule is the same).
+PREVIOUS_DEFAULTS = TritonAttentionConfig(
+    decode_block_n=128, decode_stages=2, decode_warps=4, fp8_decode_block_n=128, fp8_decode_warps=2,
+    fp8_decode_stages=1, fp8_split_decode_warps=4, fp8_split_decode_stages=4, lookup_blocks=False, fp8_qk_dot=False,
+    fp8_pv_dot=False, prefetch=False, fp8_prefetch=False, decode_min_rows=16)
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
 # Shares of the sweep budget: the engine's figures' shapes (others are timed, not swept, unless --sweep-all).
 WEIGHT = {"256x640": 1, "1x16384": 1}
@@ -319,6 +324,18 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
         rec.update(before=before, before_us=tried[key_of(before)], speedup_vs_before=tried[key_of(before)] / us)
         print(f"    before this work {before}: {tried[key_of(before)]:.1f} us (now {rec['speedup_vs_before']:.2f}x "
               f"faster)", flush=True)
+        # The defaults at the start of the FP8-streaming session (2026-11-27), timed in the same run.
+        prev = {k: v for k, v in plan_of(make_backend(heads, case.kv_dtype, PREVIOUS_DEFAULTS), case, sm_count).items()
+                if k in SWEEP}
+        if key_of(prev) not in tried:
+            p_backend = make_backend(heads, case.kv_dtype, launch_config(prev))
+            p_ok, p_err = check(p_backend, case, expected, err_low)
+            tried[key_of(prev)] = time_layers(p_backend, case, dev)
+            if not p_ok:
+                failures.append({"launch": prev, "err": p_err})
+        rec.update(previous=prev, previous_us=tried[key_of(prev)], speedup_vs_previous=tried[key_of(prev)] / us)
+        print(f"    previous defaults {prev}: {tried[key_of(prev)]:.1f} us (now {rec['speedup_vs_previous']:.2f}x "
+              f"faster)", flush=True)
     # The swept parameters are the decode launch's: a mixed step's (prefill tiles) is not swept.
     many_rows = case.q.shape[0] * heads[1] >= 2 * sm_count
     # Few rows: the split count first (a runtime argument: no recompiles).
@@ -444,11 +461,12 @@ def main() -> None:
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    print("\n| case | KV | before us | default us | % copy / read | best us | % copy / read | best launch |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| case | KV | before us | previous us | default us | % copy / read | best us | % copy / read | best launch |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in records:
         before = f"{r['before_us']:.1f}" if "before_us" in r else "-"
-        print(f"| {r['case']} | {r['kv']} | {before} | {r['us']:.1f} | {100 * r['of_copy']:.0f} / "
+        prev = f"{r['previous_us']:.1f}" if "previous_us" in r else "-"
+        print(f"| {r['case']} | {r['kv']} | {before} | {prev} | {r['us']:.1f} | {100 * r['of_copy']:.0f} / "
               f"{100 * r['of_read']:.0f} | {r['best_us']:.1f} | {100 * r['best_of_copy']:.0f} / "
               f"{100 * r['best_of_read']:.0f} | {r['best']} |")
     by_case = {}
@@ -457,7 +475,9 @@ def main() -> None:
     for c, rs in by_case.items():
         if len(rs) == 2:
             (a, ra), (b, rb) = rs.items()
-            print(f"  {c}: {b} / {a} time, default launch {rb['us'] / ra['us']:.2f}, "
+            prev = (f"previous defaults {rb['previous_us'] / ra['previous_us']:.2f}, "
+                    if "previous_us" in ra and "previous_us" in rb else "")
+            print(f"  {c}: {b} / {a} time, {prev}default launch {rb['us'] / ra['us']:.2f}, "
                   f"best launches {rb['best_us'] / ra['best_us']:.2f}")
     ok = save(records, name, sm_count, copy_bps, read_bps, start)
     print(f"{'all checks passed' if ok else 'CHECK FAILED'} in {time.perf_counter() - start:.0f} s", flush=True)
