@@ -63,34 +63,37 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
     "fp8_pv_dot": [True, False],  # fp8 caches only: p @ v as two fp8 dots, values unconverted
     "prefetch": [True, False],  # the next tile's K/V loaded into registers before this one is used
     "decode_min_rows": [64, 16],  # query rows of a decode tile (16: mma.sync; 64: Hopper's wgmma)
+    "fma": [False],  # q . k and p @ v on the CUDA cores in float32: VARIANTS try it (with 4-row tiles)
 }
 FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot")
 # --variants: named launches tried per case (on top of the default plan), in order of interest,
 # ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
 _QKPV = {"fp8_qk_dot": True, "fp8_pv_dot": True}
+_FMA = {"fma": True, "decode_min_rows": 4, "block_n": 64, "decode_warps": 4, "num_stages": 1}
 _F8 = [{"prefetch": True}, {"fp8_qk_dot": True}, {"fp8_pv_dot": True}, _QKPV, {**_QKPV, "prefetch": True},
        {"prefetch": True, "decode_warps": 4}, {"decode_min_rows": 64, "decode_warps": 4},
        {**_QKPV, "decode_min_rows": 64, "decode_warps": 4, "num_stages": 2},
        {**_QKPV, "num_stages": 2, "decode_warps": 4}, {"block_n": 256, "decode_warps": 4, "prefetch": True},
-       {"lookup_blocks": True}]
+       {"lookup_blocks": True}, _FMA, {**_FMA, "prefetch": True}, {**_FMA, "block_n": 32}]
 _F8_SPLIT = [{"kv_splits": 64}, {"prefetch": True, "num_stages": 1}, _QKPV, {"kv_splits": 128},
              {"prefetch": True, "num_stages": 1, "kv_splits": 64}, {**_QKPV, "kv_splits": 64},
-             {"decode_min_rows": 64}, {"block_n": 64, "kv_splits": 64}]
+             {"decode_min_rows": 64}, {"block_n": 64, "kv_splits": 64}, _FMA, {**_FMA, "kv_splits": 64}]
 _BF16_MANY = [{"block_n": 64}, {"prefetch": True, "num_stages": 1}, {"block_n": 64, "num_stages": 3},
               {"decode_min_rows": 64}, {"num_stages": 1}]
 VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:4] + _F8[6:7],
             ("256x2048", "fp8"): _F8[:1] + _F8[3:5],
-            ("256x128", "bf16"): _BF16_MANY, ("256x640", "bf16"): _BF16_MANY[:4],
+            ("256x128", "bf16"): _BF16_MANY, ("256x640", "bf16"): _BF16_MANY[:4] + [_FMA],
             ("256x2048", "bf16"): _BF16_MANY[:2],
-            ("1x16384", "bf16"): [{"kv_splits": 64}, {"prefetch": True, "num_stages": 1}],
+            ("1x16384", "bf16"): [{"kv_splits": 64}, {"prefetch": True, "num_stages": 1}, _FMA],
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
-            ("1x150", "bf16"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64}],
-            ("1x150", "fp8"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64, "prefetch": True}]}
+            ("1x150", "bf16"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64}, {**_FMA, "block_n": 16}],
+            ("1x150", "fp8"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64, "prefetch": True},
+                               {**_FMA, "block_n": 16, "prefetch": True}]}
 # The decode defaults before the FP8-streaming work (launch fields only; the split rule is the same).
 PREVIOUS_DEFAULTS = TritonAttentionConfig(
     decode_block_n=128, decode_stages=2, decode_warps=4, fp8_decode_block_n=128, fp8_decode_warps=2,
     fp8_decode_stages=1, fp8_split_decode_warps=4, fp8_split_decode_stages=4, lookup_blocks=False, fp8_qk_dot=False,
-    fp8_pv_dot=False, prefetch=False, fp8_prefetch=False, decode_min_rows=16)
+    fp8_pv_dot=False, prefetch=False, fp8_prefetch=False, decode_min_rows=16, decode_fma=False, fp8_decode_fma=False)
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
 # Shares of the sweep budget: the engine's figures' shapes (others are timed, not swept, unless --sweep-all).
 WEIGHT = {"256x640": 1, "1x16384": 1}
@@ -233,7 +236,8 @@ def time_parts(backend, case: Case, dev, plan: dict) -> dict:
                 block_q=plan["block_q"], block_n=plan["block_n"], num_splits=plan["kv_splits"],
                 max_splits=1 << max(plan["kv_splits"] - 1, 0).bit_length(), num_warps=plan["decode_warps"],
                 num_stages=plan["num_stages"], interior=plan["interior"], lookup_blocks=plan["lookup_blocks"],
-                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], prefetch=plan["prefetch"], k_scale=backend.k_scale, v_scale=backend.v_scale)
+                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], prefetch=plan["prefetch"],
+                fma=plan["fma"], k_scale=backend.k_scale, v_scale=backend.v_scale)
     n = len(case.caches)
     return {"write_us": time_us(write, dev) / n, "attend_us": time_us(attend, dev) / n}
 
@@ -267,7 +271,8 @@ def launch_config(cand: dict) -> TritonAttentionConfig:
         fp8_decode_warps=cand["decode_warps"], fp8_decode_stages=cand["num_stages"],
         fp8_split_decode_warps=cand["decode_warps"], fp8_split_decode_stages=cand["num_stages"],
         fp8_pv_dot=cand.get("fp8_pv_dot", False), prefetch=cand.get("prefetch", False),
-        fp8_prefetch=cand.get("prefetch", False), decode_min_rows=cand.get("decode_min_rows", 16))
+        fp8_prefetch=cand.get("prefetch", False), decode_min_rows=cand.get("decode_min_rows", 16),
+        decode_fma=cand.get("fma", False), fp8_decode_fma=cand.get("fma", False))
 
 
 def before_launch(case: Case, heads, sm_count: int) -> dict:
@@ -278,7 +283,7 @@ def before_launch(case: Case, heads, sm_count: int) -> dict:
                                                              max(case.meta.max_seq_len // 256, 1), 32))
     return {"interior": False, "num_stages": 2, "block_n": 64, "kv_splits": splits, "decode_warps": 4,
             "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "prefetch": False,
-            "decode_min_rows": 16}
+            "decode_min_rows": 16, "fma": False}
 
 
 def plan_of(backend, case: Case, sm_count: int) -> dict:
@@ -288,7 +293,7 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
             "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
-            "prefetch": p.prefetch, "decode_min_rows": backend.config.decode_min_rows,
+            "prefetch": p.prefetch, "decode_min_rows": backend.config.decode_min_rows, "fma": p.fma,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
 
@@ -425,7 +430,7 @@ def main() -> None:
     # Smoke: the interpreter mis-rounds float -> fp8, so the fp8 query terms are not checked there.
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
               "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [], "prefetch": [True],
-              "decode_min_rows": [64]}
+              "decode_min_rows": [64], "fma": []}
              if smoke else SWEEP)
     if smoke:
         args.sweep_all = True

@@ -37,16 +37,19 @@ def test_interior_tiles(window, block_n, splits, lookup):
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("window,splits,min_rows,lookup", [(None, None, 16, False), (50, 3, 16, True),
-                                                           (50, None, 64, False), (None, 2, 64, True)])
-def test_prefetched_walk_and_wide_decode_tiles(window, splits, min_rows, lookup):
+@pytest.mark.parametrize("window,splits,min_rows,lookup,fma", [
+    (None, None, 16, False, False), (50, 3, 16, True, False), (50, None, 64, False, False),
+    (None, 2, 64, True, False), (50, 3, 1, False, True), (None, None, 1, True, True)])
+def test_prefetched_walk_and_wide_decode_tiles(window, splits, min_rows, lookup, fma):
     """`prefetch` (tile j+1's K/V loaded before tile j is used; the last tile reloads itself) and
     decode tiles of 64 query rows (the decode rows padded four times further), 16-key tiles so that
-    decodes walk several unmasked tiles. Decodes only (of up to 8 rows: the launch that takes them)."""
-    decodes = ([100, 63, 64, 130, 47, 0], [1, 1, 3, 1, 6, 1])  # 3 and 6 tokens: verification queries
+    decodes walk several unmasked tiles. Decodes only (of up to 8 rows: the launch that takes them).
+    `decode_fma`: one-token decodes on the CUDA cores, a tile per token (2 rows, one KV group)."""
+    # 3 and 6 tokens: verification queries (with fma, the launch's tiles are then the dot's: one-token ones)
+    decodes = ([100, 63, 64, 130, 47, 0], [1] * 6 if fma else [1, 1, 3, 1, 6, 1])
     case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=decodes)
     config = TritonAttentionConfig(block_n=16, decode_block_n=16, kv_splits=splits, prefill_rows=32,
-                                   lookup_blocks=lookup, prefetch=True, decode_min_rows=min_rows)
+                                   lookup_blocks=lookup, prefetch=True, decode_min_rows=min_rows, decode_fma=fma)
     backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, None, config=config)
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
 

@@ -83,6 +83,10 @@ class TritonAttentionConfig:
     prefetch: bool = False
     fp8_prefetch: bool | None = None
     decode_min_rows: int = MIN_TILE_ROWS  # query rows of a single-token decode tile, padded (16 or 64)
+    # Single-token decode launches: q . k and p @ v on the CUDA cores in float32 (no tensor-core dot,
+    # so tiles need not pad to 16 rows: decode_min_rows may go down to one KV group).
+    decode_fma: bool = False
+    fp8_decode_fma: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class LaunchPlan:
     num_warps: int
     num_stages: int
     prefetch: bool = False
+    fma: bool = False
 
 
 def _next_pow2(n: int) -> int:
@@ -120,12 +125,14 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
     min_q = -(-MIN_TILE_ROWS // group_pad)
     if max_query_len <= config.decode_max_query_len:
         # One tile per row where it fits, so a multi-token decode reads its KV once.
-        min_rows = max(config.decode_min_rows, MIN_TILE_ROWS)
+        fma = config.decode_fma if not kv_fp8 or config.fp8_decode_fma is None else config.fp8_decode_fma
+        min_rows = max(config.decode_min_rows, 1 if fma else MIN_TILE_ROWS)
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad),
                       -(-min_rows // group_pad), 1)
+        min_rows = max(min_rows, group_pad)
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
-        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned
-            return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
+        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned (dots: at least 16 rows)
+            return LaunchPlan(max(block_q, min_q), config.block_n, splits, config.decode_warps, config.num_stages)
         block_n = config.decode_block_n or config.block_n
         warps = config.decode_warps
         stages = config.decode_stages or config.num_stages
@@ -139,7 +146,7 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
             else:
                 warps = config.fp8_decode_warps or warps
                 stages = config.fp8_decode_stages or stages
-        return LaunchPlan(block_q, block_n, splits, warps, stages, prefetch)
+        return LaunchPlan(block_q, block_n, splits, warps, stages, prefetch, fma)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -200,6 +207,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
             fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot, prefetch=plan.prefetch,
+            fma=plan.fma,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 
