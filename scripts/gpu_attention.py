@@ -299,7 +299,7 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
 
 
 def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: dict, sm_count: int,
-             read_bps: float, variants: dict | None = None) -> dict:
+             read_bps: float, variants: dict | None = None, with_before: bool = True) -> dict:
     expected, err_low = reference(case, heads)
     base = make_backend(heads, case.kv_dtype)
     ok, err = check(base, case, expected, err_low)
@@ -319,7 +319,7 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     best = {k: plan[k] for k in SWEEP}
     tried[key_of(best)] = us
     failures = []
-    if case.meta.max_query_len == 1:  # the launch before this work, for the speed-up
+    if case.meta.max_query_len == 1 and with_before:  # the launch before this work, for the speed-up
         before = before_launch(case, heads, sm_count)
         if key_of(before) not in tried:
             b_ok, b_err = check(make_backend(heads, case.kv_dtype, launch_config(before)), case, expected, err_low)
@@ -329,7 +329,7 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
         rec.update(before=before, before_us=tried[key_of(before)], speedup_vs_before=tried[key_of(before)] / us)
         print(f"    before this work {before}: {tried[key_of(before)]:.1f} us (now {rec['speedup_vs_before']:.2f}x "
               f"faster)", flush=True)
-        # The defaults at the start of the FP8-streaming session (2026-11-27), timed in the same run.
+    if case.meta.max_query_len == 1:  # the defaults before the fp8-streaming work, timed in the same run
         prev = {k: v for k, v in plan_of(make_backend(heads, case.kv_dtype, PREVIOUS_DEFAULTS), case, sm_count).items()
                 if k in SWEEP}
         if key_of(prev) not in tried:
@@ -415,6 +415,7 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--variants", action="store_true",
                     help="time the named launches of VARIANTS per case first (every shape gets a share)")
+    ap.add_argument("--no-before", action="store_true", help="skip the launches of before the tuning work")
     ap.add_argument("--kv", default="bf16,fp8", help="cache dtypes: bf16,fp8")
     ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only 256x640 and 1x16384")
     args = ap.parse_args()
@@ -460,7 +461,7 @@ def main() -> None:
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
                          prefill=int(prefill or 0))
         records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps,
-                                variants=VARIANTS if args.variants else None))
+                                variants=VARIANTS if args.variants else None, with_before=not args.no_before))
         save(records, name, sm_count, copy_bps, read_bps, start)  # after every case: a run cut short keeps what it has
         del case
         if dev.type == "cuda":
