@@ -40,7 +40,7 @@ from tokenmill.layers.attention.backend import kv_cache_shape, quantize_kv  # no
 from tokenmill.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
 from tokenmill.layers.attention.triton_backend import (  # noqa: E402
-    TritonAttentionBackend, TritonAttentionConfig, plan_launch)
+    DecodeTiles, TritonAttentionBackend, TritonAttentionConfig, decode_tiles_for, plan_launch)
 
 LLAMA8B = (32, 8, 128)  # num_heads, num_kv_heads, head_dim
 SMOKE_HEADS = (8, 2, 32)
@@ -91,9 +91,8 @@ VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", 
                                {**_FMA, "block_n": 16, "prefetch": True}]}
 # The decode defaults before the FP8-streaming work (launch fields only; the split rule is the same).
 PREVIOUS_DEFAULTS = TritonAttentionConfig(
-    decode_block_n=128, decode_stages=2, decode_warps=4, fp8_decode_block_n=128, fp8_decode_warps=2,
-    fp8_decode_stages=1, fp8_split_decode_warps=4, fp8_split_decode_stages=4, lookup_blocks=False, fp8_qk_dot=False,
-    fp8_pv_dot=False, prefetch=False, fp8_prefetch=False, decode_min_rows=16, decode_fma=False, fp8_decode_fma=False)
+    decode_tiles=DecodeTiles(128, 4, 2), split_decode_tiles=None, fp8_decode_tiles=DecodeTiles(128, 2, 1),
+    fp8_split_decode_tiles=DecodeTiles(128, 4, 4), lookup_blocks=False, fp8_qk_dot=False, fp8_pv_dot=False)
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
 # Shares of the sweep budget: the engine's figures' shapes (others are timed, not swept, unless --sweep-all).
 WEIGHT = {"256x640": 1, "1x16384": 1}
@@ -263,16 +262,13 @@ def time_layers(backend, case: Case, dev) -> float:
 
 def launch_config(cand: dict) -> TritonAttentionConfig:
     """The backend's config that makes a decode launch `cand`, over either cache dtype."""
+    tiles = DecodeTiles(block_n=cand["block_n"], warps=cand["decode_warps"], stages=cand["num_stages"],
+                        prefetch=cand.get("prefetch", False), fma=cand.get("fma", False),
+                        min_rows=cand.get("decode_min_rows", 16))
     return TritonAttentionConfig(
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], fp8_qk_dot=cand["fp8_qk_dot"],
-        kv_splits=cand["kv_splits"],
-        decode_block_n=cand["block_n"],
-        decode_warps=cand["decode_warps"], decode_stages=cand["num_stages"], fp8_decode_block_n=cand["block_n"],
-        fp8_decode_warps=cand["decode_warps"], fp8_decode_stages=cand["num_stages"],
-        fp8_split_decode_warps=cand["decode_warps"], fp8_split_decode_stages=cand["num_stages"],
-        fp8_pv_dot=cand.get("fp8_pv_dot", False), prefetch=cand.get("prefetch", False),
-        fp8_prefetch=cand.get("prefetch", False), decode_min_rows=cand.get("decode_min_rows", 16),
-        decode_fma=cand.get("fma", False), fp8_decode_fma=cand.get("fma", False))
+        fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"], decode_tiles=tiles,
+        split_decode_tiles=tiles, fp8_decode_tiles=tiles, fp8_split_decode_tiles=tiles)
 
 
 def before_launch(case: Case, heads, sm_count: int) -> dict:
@@ -293,7 +289,8 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
             "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
-            "prefetch": p.prefetch, "decode_min_rows": backend.config.decode_min_rows, "fma": p.fma,
+            "prefetch": p.prefetch, "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
+            "fma": p.fma,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
 

@@ -122,14 +122,15 @@ def test_triton_fp8_weights_value_dot(splits):
     within one e4m3 rounding: 3e-2 here (the hi term alone misses by 0.2 and more; on a GPU
     scripts/gpu_attention.py checks it against the reference at bf16's tolerance)."""
     require_module("triton")
-    from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+    from tokenmill.layers.attention.triton_backend import DecodeTiles, TritonAttentionBackend, TritonAttentionConfig
 
     k_scale, v_scale = 0.5, 2.0
     case, cache8, expected = _fp8_case(torch.float8_e4m3fn, k_scale, v_scale)
     n = case.meta.num_tokens
     for qk in (False, True):
         backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM), config=TritonAttentionConfig(
-            kv_splits=splits, fp8_pv_dot=True, fp8_qk_dot=qk, fp8_prefetch=True, decode_block_n=16))
+            kv_splits=splits, fp8_pv_dot=True, fp8_qk_dot=qk, fp8_decode_tiles=DecodeTiles(16, prefetch=True),
+            fp8_split_decode_tiles=None))
         backend.k_scale, backend.v_scale = k_scale, v_scale
         out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
         torch.testing.assert_close(out[:n].float(), expected[:n], atol=3e-2, rtol=3e-2)
@@ -140,12 +141,13 @@ def test_triton_fp8_decode_on_cuda_cores(dtype):
     """decode_fma: one-token decodes over fp8 blocks as float32 products on the CUDA cores (a tile
     per token), prefetched 16-key tiles, float16 queries."""
     require_module("triton")
-    from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+    from tokenmill.layers.attention.triton_backend import DecodeTiles, TritonAttentionBackend, TritonAttentionConfig
 
     k_scale, v_scale = 0.5, 2.0
     case, cache8, expected = _fp8_case(dtype, k_scale, v_scale, rows=([5, 40, 17, 0, 70], [1] * 5))
+    tiles = DecodeTiles(16, fma=True, min_rows=1, prefetch=True)
     backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM), config=TritonAttentionConfig(
-        kv_splits=2, fp8_decode_fma=True, decode_min_rows=1, fp8_prefetch=True, fp8_decode_block_n=16))
+        kv_splits=2, fp8_split_decode_tiles=tiles))
     backend.k_scale, backend.v_scale = k_scale, v_scale
     out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
     n = case.meta.num_tokens

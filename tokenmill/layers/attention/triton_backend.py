@@ -40,6 +40,19 @@ MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
 
 
 @dataclass(frozen=True)
+class DecodeTiles:
+    """The launch of single-token decode tiles: each token's query rows of one KV group, padded.
+    (Multi-token decode tiles take the config's block_n, decode_warps and num_stages.)"""
+
+    block_n: int = 128  # keys per KV tile
+    warps: int = 4
+    stages: int = 2
+    prefetch: bool = False  # in the unmasked walk, tile j+1's K/V loaded into registers before tile j is used
+    fma: bool = False  # q . k and p @ v as float32 products on the CUDA cores (no tensor-core dot)
+    min_rows: int = MIN_TILE_ROWS  # query rows per tile at least (dots: 16, 64 for wgmma; fma: one KV group)
+
+
+@dataclass(frozen=True)
 class TritonAttentionConfig:
     """Tile sizes and the split-KV rule. Prefill tiles: first guesses for H100/H200, untuned. Decode
     tiles of one token (query rows of one KV group padded to 16): tuned on an H200 by
@@ -57,20 +70,15 @@ class TritonAttentionConfig:
     wide_min_query_len: int = 64
     block_n: int = 64  # keys per KV tile
     num_stages: int = 2
-    # Decode launches of 16-row tiles (one token per sequence; multi-token decodes take block_n,
-    # decode_warps, num_stages): None takes block_n / num_stages. H200, bf16 cache: 128-key tiles
-    # 5-11% faster than 64 at 256 rows x 640 / 2048 keys and at 1 row x 16k; 2 stages best.
-    decode_block_n: int | None = 128
-    decode_stages: int | None = 2
-    # The same over an fp8 cache (None: the values above). H200: one stage and 2 warps (the fp8 ->
-    # fp16 conversion keeps the loads in registers; more programs per SM hide the latency) 1.3-1.5x
-    # faster than 2 stages at 256 rows; launches that split the KV axis (few rows, latency-bound)
-    # want 4 stages and 4 warps.
-    fp8_decode_block_n: int | None = 128
-    fp8_decode_warps: int | None = 2
-    fp8_decode_stages: int | None = 1
-    fp8_split_decode_warps: int | None = 4
-    fp8_split_decode_stages: int | None = 4
+    # Single-token decode launches, per cache dtype and whether the KV axis is split (None: the next
+    # one up: fp8 split -> fp8 -> (16-bit) split -> decode_tiles). H200, bf16 cache: 128-key tiles
+    # 5-11% faster than 64 at 256 rows x 640 / 2048 keys and at 1 row x 16k; 2 stages best. fp8:
+    # one stage and 2 warps 1.3-1.5x faster than 2 stages at 256 rows; split launches (few rows,
+    # latency-bound) 4 stages and 4 warps.
+    decode_tiles: DecodeTiles = DecodeTiles()
+    split_decode_tiles: DecodeTiles | None = None
+    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=2, stages=1)
+    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4)
     min_keys_per_split: int = 256  # a share of the KV axis spans at least this many keys (of max_seq_len)
     waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
@@ -78,15 +86,13 @@ class TritonAttentionConfig:
     lookup_blocks: bool = False  # in those tiles, one block-table read per cache block, not per key
     fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted)
     fp8_pv_dot: bool = False  # e4m3 caches: p @ v as two fp8 dots (values unconverted)
-    # Single-token decode launches: tile j+1's K/V loaded into registers before tile j is used
-    # (16-bit caches; fp8 ones take fp8_prefetch where set).
-    prefetch: bool = False
-    fp8_prefetch: bool | None = None
-    decode_min_rows: int = MIN_TILE_ROWS  # query rows of a single-token decode tile, padded (16 or 64)
-    # Single-token decode launches: q . k and p @ v on the CUDA cores in float32 (no tensor-core dot,
-    # so tiles need not pad to 16 rows: decode_min_rows may go down to one KV group).
-    decode_fma: bool = False
-    fp8_decode_fma: bool | None = None
+
+
+def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
+    """The single-token decode launch for a cache dtype and a split / unsplit KV axis."""
+    chain = ([config.fp8_split_decode_tiles] if kv_fp8 and split else []) + ([config.fp8_decode_tiles] if kv_fp8 else [])
+    chain += ([config.split_decode_tiles] if split else []) + [config.decode_tiles]
+    return next(t for t in chain if t is not None)
 
 
 @dataclass(frozen=True)
@@ -125,28 +131,14 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
     min_q = -(-MIN_TILE_ROWS // group_pad)
     if max_query_len <= config.decode_max_query_len:
         # One tile per row where it fits, so a multi-token decode reads its KV once.
-        fma = config.decode_fma if not kv_fp8 or config.fp8_decode_fma is None else config.fp8_decode_fma
-        min_rows = max(config.decode_min_rows, 1 if fma else MIN_TILE_ROWS)
+        splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
+        tiles = decode_tiles_for(config, kv_fp8, splits > 1)
+        min_rows = max(tiles.min_rows, 1 if tiles.fma else MIN_TILE_ROWS, group_pad)
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad),
                       -(-min_rows // group_pad), 1)
-        min_rows = max(min_rows, group_pad)
-        splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
         if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned (dots: at least 16 rows)
             return LaunchPlan(max(block_q, min_q), config.block_n, splits, config.decode_warps, config.num_stages)
-        block_n = config.decode_block_n or config.block_n
-        warps = config.decode_warps
-        stages = config.decode_stages or config.num_stages
-        prefetch = config.prefetch
-        if kv_fp8:
-            prefetch = config.prefetch if config.fp8_prefetch is None else config.fp8_prefetch
-            block_n = config.fp8_decode_block_n or block_n
-            if splits > 1:
-                warps = config.fp8_split_decode_warps or config.fp8_decode_warps or warps
-                stages = config.fp8_split_decode_stages or config.fp8_decode_stages or stages
-            else:
-                warps = config.fp8_decode_warps or warps
-                stages = config.fp8_decode_stages or stages
-        return LaunchPlan(block_q, block_n, splits, warps, stages, prefetch, fma)
+        return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages, tiles.prefetch, tiles.fma)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -168,11 +160,13 @@ class TritonAttentionBackend(AttentionBackend):
             # Wide heads (Gemma: 256): half-size tiles keep the K/V tiles and the float32
             # accumulator within the SM's shared memory and registers.
             c = self.config
-            half = lambda n: n // 2 if n else n  # noqa: E731 - None stays None
+            half = lambda t: t and dataclasses.replace(t, block_n=t.block_n // 2)  # noqa: E731 - None stays None
             self.config = dataclasses.replace(c, block_n=c.block_n // 2, prefill_rows=c.prefill_rows // 2,
                                               wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2,
-                                              decode_block_n=half(c.decode_block_n),
-                                              fp8_decode_block_n=half(c.fp8_decode_block_n))
+                                              decode_tiles=half(c.decode_tiles),
+                                              split_decode_tiles=half(c.split_decode_tiles),
+                                              fp8_decode_tiles=half(c.fp8_decode_tiles),
+                                              fp8_split_decode_tiles=half(c.fp8_split_decode_tiles))
         self._sm_count: int | None = None  # read from the device on the first forward
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
