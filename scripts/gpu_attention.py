@@ -61,34 +61,25 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
     "decode_warps": [2, 4, 8],
     "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
     "fp8_pv_dot": [True, False],  # fp8 caches only: p @ v as two fp8 dots, values unconverted
-    "prefetch": [True, False],  # the next tile's K/V loaded into registers before this one is used
     "decode_min_rows": [64, 16],  # query rows of a decode tile (16: mma.sync; 64: Hopper's wgmma)
-    "fma": [False],  # q . k and p @ v on the CUDA cores in float32: VARIANTS try it (with 4-row tiles)
 }
 FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot")
 # --variants: named launches tried per case (on top of the default plan), in order of interest,
 # ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
 _QKPV = {"fp8_qk_dot": True, "fp8_pv_dot": True}
-_FMA = {"fma": True, "decode_min_rows": 4, "block_n": 64, "decode_warps": 4, "num_stages": 1}
-_F8 = [{"prefetch": True}, {"fp8_qk_dot": True}, {"fp8_pv_dot": True}, _QKPV, {**_QKPV, "prefetch": True},
-       {"prefetch": True, "decode_warps": 4}, {"decode_min_rows": 64, "decode_warps": 4},
-       {**_QKPV, "decode_min_rows": 64, "decode_warps": 4, "num_stages": 2},
-       {**_QKPV, "num_stages": 2, "decode_warps": 4}, {"block_n": 256, "decode_warps": 4, "prefetch": True},
-       {"lookup_blocks": True}, _FMA, {**_FMA, "prefetch": True}, {**_FMA, "block_n": 32}]
-_F8_SPLIT = [{"kv_splits": 64}, {"prefetch": True, "num_stages": 1}, _QKPV, {"kv_splits": 128},
-             {"prefetch": True, "num_stages": 1, "kv_splits": 64}, {**_QKPV, "kv_splits": 64},
-             {"decode_min_rows": 64}, {"block_n": 64, "kv_splits": 64}, _FMA, {**_FMA, "kv_splits": 64}]
-_BF16_MANY = [{"block_n": 64}, {"prefetch": True, "num_stages": 1}, {"block_n": 64, "num_stages": 3},
-              {"decode_min_rows": 64}, {"num_stages": 1}]
-VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:4] + _F8[6:7],
-            ("256x2048", "fp8"): _F8[:1] + _F8[3:5],
-            ("256x128", "bf16"): _BF16_MANY, ("256x640", "bf16"): _BF16_MANY[:4] + [_FMA],
-            ("256x2048", "bf16"): _BF16_MANY[:2],
-            ("1x16384", "bf16"): [{"kv_splits": 64}, {"prefetch": True, "num_stages": 1}, _FMA],
+# After the mid-session run of 2026-11-26 (docs/results/h200-attention-variants-mid.json): the fp8 dots
+# pipelined through shared memory (stages >= 2) tied the default at 256 x 640; these follow that up.
+# (Not here: register prefetch and CUDA-core products, 5-60x slower there and removed; fp8 dots with
+# 64-row tiles and 2 stages, which gave NaN.)
+_F8 = [{**_QKPV, "num_stages": 3, "decode_warps": 4}, {**_QKPV, "num_stages": 2, "decode_warps": 8},
+       {**_QKPV, "num_stages": 3, "decode_warps": 4, "block_n": 64}, {"fp8_pv_dot": True, "num_stages": 2, "decode_warps": 4},
+       {**_QKPV, "num_stages": 4, "decode_warps": 4}]
+_F8_SPLIT = [{**_QKPV, "num_stages": 3}, {**_QKPV, "num_stages": 2}, {"num_stages": 3}, {"num_stages": 4, "block_n": 64}]
+VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
+            ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
-            ("1x150", "bf16"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64}, {**_FMA, "block_n": 16}],
-            ("1x150", "fp8"): [{"prefetch": True, "block_n": 16}, {"decode_min_rows": 64, "prefetch": True},
-                               {**_FMA, "block_n": 16, "prefetch": True}]}
+            ("1x150", "bf16"): [{"decode_min_rows": 64, "block_n": 16}],
+            ("1x150", "fp8"): [{"decode_min_rows": 64, "num_stages": 2}]}
 # The decode defaults before the FP8-streaming work (launch fields only; the split rule is the same).
 PREVIOUS_DEFAULTS = TritonAttentionConfig(
     decode_tiles=DecodeTiles(128, 4, 2), split_decode_tiles=None, fp8_decode_tiles=DecodeTiles(128, 2, 1),
@@ -235,8 +226,7 @@ def time_parts(backend, case: Case, dev, plan: dict) -> dict:
                 block_q=plan["block_q"], block_n=plan["block_n"], num_splits=plan["kv_splits"],
                 max_splits=1 << max(plan["kv_splits"] - 1, 0).bit_length(), num_warps=plan["decode_warps"],
                 num_stages=plan["num_stages"], interior=plan["interior"], lookup_blocks=plan["lookup_blocks"],
-                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], prefetch=plan["prefetch"],
-                fma=plan["fma"], k_scale=backend.k_scale, v_scale=backend.v_scale)
+                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], k_scale=backend.k_scale, v_scale=backend.v_scale)
     n = len(case.caches)
     return {"write_us": time_us(write, dev) / n, "attend_us": time_us(attend, dev) / n}
 
@@ -263,7 +253,6 @@ def time_layers(backend, case: Case, dev) -> float:
 def launch_config(cand: dict) -> TritonAttentionConfig:
     """The backend's config that makes a decode launch `cand`, over either cache dtype."""
     tiles = DecodeTiles(block_n=cand["block_n"], warps=cand["decode_warps"], stages=cand["num_stages"],
-                        prefetch=cand.get("prefetch", False), fma=cand.get("fma", False),
                         min_rows=cand.get("decode_min_rows", 16))
     return TritonAttentionConfig(
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], fp8_qk_dot=cand["fp8_qk_dot"],
@@ -278,8 +267,7 @@ def before_launch(case: Case, heads, sm_count: int) -> dict:
     splits = 1 if programs >= 2 * sm_count else max(1, min(-(-2 * sm_count // programs),
                                                              max(case.meta.max_seq_len // 256, 1), 32))
     return {"interior": False, "num_stages": 2, "block_n": 64, "kv_splits": splits, "decode_warps": 4,
-            "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "prefetch": False,
-            "decode_min_rows": 16, "fma": False}
+            "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "decode_min_rows": 16}
 
 
 def plan_of(backend, case: Case, sm_count: int) -> dict:
@@ -289,8 +277,7 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
             "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
-            "prefetch": p.prefetch, "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
-            "fma": p.fma,
+            "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
 
@@ -465,8 +452,8 @@ def main() -> None:
     dtypes = [d for d, kind in zip(dtypes, ("bf16", "fp8")) if kind in args.kv.split(",")]
     # Smoke: the interpreter mis-rounds float -> fp8, so the fp8 query terms are not checked there.
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
-              "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [], "prefetch": [True],
-              "decode_min_rows": [64], "fma": []}
+              "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [],
+              "decode_min_rows": [64]}
              if smoke else SWEEP)
     if smoke:
         args.sweep_all = True

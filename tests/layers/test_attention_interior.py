@@ -38,20 +38,16 @@ def test_interior_tiles(window, block_n, splits, lookup):
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("window,splits,min_rows,lookup,fma", [
-    (None, None, 16, False, False), (50, 3, 16, True, False), (50, None, 64, False, False),
-    (None, 2, 64, True, False), (50, 3, 1, False, True), (None, None, 1, True, True)])
-def test_prefetched_walk_and_wide_decode_tiles(window, splits, min_rows, lookup, fma):
-    """`prefetch` (tile j+1's K/V loaded before tile j is used; the last tile reloads itself) and
-    decode tiles of 64 query rows (the decode rows padded four times further), 16-key tiles so that
-    decodes walk several unmasked tiles. Decodes only (of up to 8 rows: the launch that takes them).
-    `decode_fma`: one-token decodes on the CUDA cores, a tile per token (2 rows, one KV group)."""
-    # 3 and 6 tokens: verification queries (with fma, the launch's tiles are then the dot's: one-token ones)
-    decodes = ([100, 63, 64, 130, 47, 0], [1] * 6 if fma else [1, 1, 3, 1, 6, 1])
+@pytest.mark.parametrize("window,splits,min_rows,lookup", [(None, None, 16, False), (50, 3, 16, True),
+                                                           (50, None, 64, False), (None, 2, 64, True)])
+def test_decode_tiles_of_16_and_64_rows(window, splits, min_rows, lookup):
+    """Decode launches with 16-key tiles (several unmasked ones per decode) and tiles of 16 or 64 query
+    rows (the decode rows padded four times further), one-token decodes and verification-sized ones
+    (3 and 6 tokens: several query rows of one sequence in a tile)."""
+    decodes = ([100, 63, 62, 130, 44, 0], [1, 1, 3, 1, 6, 1])  # the 3- and 6-token ones cross a tile edge
     case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=decodes)
-    tiles = DecodeTiles(16, prefetch=True, min_rows=min_rows, fma=fma)
-    config = TritonAttentionConfig(block_n=16, decode_tiles=tiles, kv_splits=splits, prefill_rows=32,
-                                   lookup_blocks=lookup)
+    config = TritonAttentionConfig(block_n=16, decode_tiles=DecodeTiles(16, min_rows=min_rows), kv_splits=splits,
+                                   prefill_rows=32, lookup_blocks=lookup)
     backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, None, config=config)
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
 
@@ -92,13 +88,12 @@ def test_sequence_search_over_several_steps(monkeypatch):
 
 def test_decode_launch_parameters_per_cache_dtype():
     """Single-token decode launches take their DecodeTiles by cache dtype and split (fp8 split -> fp8 ->
-    split -> decode_tiles, the first set); multi-token decode tiles and prefill launches none of them;
-    fma tiles need not pad to 16 rows."""
+    split -> decode_tiles, the first set); multi-token decode tiles and prefill launches none of them."""
     from tokenmill.layers.attention.triton_backend import plan_launch
 
     config = TritonAttentionConfig(block_n=64, num_stages=2, decode_warps=4,
                                    decode_tiles=DecodeTiles(32, 4, 3), split_decode_tiles=DecodeTiles(16, 8, 1),
-                                   fp8_decode_tiles=DecodeTiles(128, 2, 1, prefetch=True),
+                                   fp8_decode_tiles=DecodeTiles(128, 2, 1),
                                    fp8_split_decode_tiles=DecodeTiles(128, 8, 4, min_rows=64))
     bf16 = plan_launch(config, 32, 8, 256, 256, 1, 4096, 132)
     bf16_split = plan_launch(config, 32, 8, 1, 1, 1, 4096, 132)
@@ -108,17 +103,12 @@ def test_decode_launch_parameters_per_cache_dtype():
     prefill = plan_launch(config, 32, 8, 600, 4, 512, 4096, 132, kv_fp8=True)
     assert (bf16.block_q, bf16.block_n, bf16.num_stages, bf16.num_warps, bf16.num_splits) == (4, 32, 3, 4, 1)
     assert (bf16_split.block_n, bf16_split.num_stages, bf16_split.num_warps) == (16, 1, 8)
-    assert (fp8.block_q, fp8.block_n, fp8.num_stages, fp8.num_warps, fp8.prefetch) == (4, 128, 1, 2, True)
+    assert (fp8.block_q, fp8.block_n, fp8.num_stages, fp8.num_warps) == (4, 128, 1, 2)
     assert (fp8_split.block_q, fp8_split.block_n, fp8_split.num_stages, fp8_split.num_warps) == (16, 128, 4, 8)
     assert fp8_split.num_splits == 16  # 8 programs: 33 wanted, 4096 // 256 = 16 by length
-    assert (multi.block_q, multi.block_n, multi.num_stages, multi.num_warps, multi.prefetch) == (8, 64, 2, 4, False)
+    assert (multi.block_q, multi.block_n, multi.num_stages, multi.num_warps) == (8, 64, 2, 4)
     assert (prefill.block_n, prefill.num_stages) == (64, 2)
     unset = dict(split_decode_tiles=None, fp8_decode_tiles=None, fp8_split_decode_tiles=None)
     plain = plan_launch(TritonAttentionConfig(decode_tiles=DecodeTiles(16, 4, 1), **unset), 32, 8, 1, 1, 1, 4096, 132,
                         kv_fp8=True)
     assert (plain.block_n, plain.num_stages, plain.num_warps, plain.num_splits) == (16, 1, 4, 16)
-    fma = TritonAttentionConfig(decode_tiles=DecodeTiles(64, fma=True, min_rows=1), **unset)
-    one = plan_launch(fma, 32, 8, 256, 256, 1, 4096, 132)
-    two = plan_launch(fma, 32, 8, 512, 256, 2, 4096, 132)  # two tokens: the dot's tiles
-    assert (one.block_q, one.fma) == (1, True)
-    assert (two.block_q, two.fma) == (4, False)

@@ -47,9 +47,7 @@ class DecodeTiles:
     block_n: int = 128  # keys per KV tile
     warps: int = 4
     stages: int = 2
-    prefetch: bool = False  # in the unmasked walk, tile j+1's K/V loaded into registers before tile j is used
-    fma: bool = False  # q . k and p @ v as float32 products on the CUDA cores (no tensor-core dot)
-    min_rows: int = MIN_TILE_ROWS  # query rows per tile at least (dots: 16, 64 for wgmma; fma: one KV group)
+    min_rows: int = MIN_TILE_ROWS  # query rows per tile at least (16; 64: Hopper's wgmma; H200: slower)
 
 
 @dataclass(frozen=True)
@@ -102,8 +100,6 @@ class LaunchPlan:
     num_splits: int
     num_warps: int
     num_stages: int
-    prefetch: bool = False
-    fma: bool = False
 
 
 def _next_pow2(n: int) -> int:
@@ -133,12 +129,12 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
         # One tile per row where it fits, so a multi-token decode reads its KV once.
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
         tiles = decode_tiles_for(config, kv_fp8, splits > 1)
-        min_rows = max(tiles.min_rows, 1 if tiles.fma else MIN_TILE_ROWS, group_pad)
+        min_rows = max(tiles.min_rows, MIN_TILE_ROWS)
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad),
                       -(-min_rows // group_pad), 1)
-        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned (dots: at least 16 rows)
-            return LaunchPlan(max(block_q, min_q), config.block_n, splits, config.decode_warps, config.num_stages)
-        return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages, tiles.prefetch, tiles.fma)
+        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned
+            return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
+        return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -200,8 +196,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
             max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
-            fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot, prefetch=plan.prefetch,
-            fma=plan.fma,
+            fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 

@@ -108,13 +108,11 @@ def _load_rows(cache_ptr, kv_off, key_valid, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
 @triton.jit
 def _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window, softcap, qk_scale,
                   DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
-                  MASKED: tl.constexpr, F8_QK: tl.constexpr, FMA: tl.constexpr):
+                  MASKED: tl.constexpr, F8_QK: tl.constexpr):
     """Scores of one K tile into the online softmax: (p, alpha, new max, new sum).
     F8_QK: q and q_lo are the query's two fp8 terms (q * scale = q + q_lo, row_scale = 1 / scale per
     row), and the fp8 keys enter the dot unconverted."""
-    if FMA:  # CUDA-core products in float32 (few query rows: no 16-row padding for the dot)
-        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * qk_scale
-    elif F8_QK:
+    if F8_QK:
         s = (tl.dot(q, tl.trans(k)) + tl.dot(q_lo, tl.trans(k))) * (qk_scale * row_scale)[:, None]
     else:
         if KV_FP8:
@@ -137,12 +135,10 @@ def _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, wi
 
 @triton.jit
 def _accumulate(acc, alpha, p, v, q_dtype: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-                F8_QK: tl.constexpr, F8_PV: tl.constexpr, FMA: tl.constexpr):
+                F8_QK: tl.constexpr, F8_PV: tl.constexpr):
     """acc * alpha + p @ v. F8_PV (e4m3 values): p (<= 1) scaled to 448 as two e4m3 terms, hi + lo
     (about bf16's precision), against the unconverted values: the accumulator carries the factor
     448, which the caller divides out with v_scale."""
-    if FMA:
-        return acc * alpha[:, None] + tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
     if F8_PV:
         ps = p * 448.0  # F8_P_SCALE
         p_hi = ps.to(v.dtype)
@@ -161,16 +157,16 @@ def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
                  KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr,
-                 F8_PV: tl.constexpr, FMA: tl.constexpr):
+                 F8_PV: tl.constexpr):
     """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
     every key of the tile is valid and visible to every row (no masks, no table-load guard)."""
     key, key_valid, kv_off = _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch,
                                            BLOCK_N, BLOCK_SIZE, MASKED, LOOKUP_BLOCKS)
     k = _load_rows(k_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
     p, alpha, m_new, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window,
-                                         softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, MASKED, F8_QK, FMA)
+                                         softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, MASKED, F8_QK)
     v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, FMA)
+    acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV)
     return m_new, l_i, acc
 
 
@@ -194,7 +190,6 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
     LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr, F8_PV: tl.constexpr,
-    PREFETCH: tl.constexpr, FMA: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -287,43 +282,21 @@ def _paged_attention_kernel(
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK,
-                F8_PV, FMA)
-    if INTERIOR and PREFETCH:
-        # Register double-buffering: tile j+1's K/V loads are issued before tile j is computed, so
-        # that a program keeps a tile of reads in flight while it converts and multiplies (the
-        # pipeliner's shared-memory stages do this for 16-bit caches; fp8 tiles go through registers).
-        if mid_hi > mid_lo:
-            key, key_valid, kv_off = _tile_offsets(mid_lo, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch,
-                                                   BLOCK_N, BLOCK_SIZE, False, LOOKUP_BLOCKS)
-            k_next = _load_rows(k_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, False)
-            v_next = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, False)
-            for j in range(mid_lo, mid_hi):
-                k = k_next
-                v = v_next
-                # The last tile reloads itself (a cache hit) rather than reading past the walk.
-                key_n, valid_n, off_n = _tile_offsets(tl.minimum(j + 1, mid_hi - 1), table_row, kv_head, kv_len,
-                                                      kv_lo, s_cb, s_cs, s_ch, BLOCK_N, BLOCK_SIZE, False,
-                                                      LOOKUP_BLOCKS)
-                k_next = _load_rows(k_cache_ptr, off_n, valid_n, HEAD_DIM, HEAD_DIM_PAD, False)
-                v_next = _load_rows(v_cache_ptr, off_n, valid_n, HEAD_DIM, HEAD_DIM_PAD, False)
-                p, alpha, m_i, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit,
-                                                   window, softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, False,
-                                                   F8_QK, FMA)
-                acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, FMA)
-    elif INTERIOR:
+                F8_PV)
+    if INTERIOR:
         for j in range(mid_lo, mid_hi):
             m_i, l_i, acc = _attend_tile(
                 q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS,
-                F8_QK, F8_PV, FMA)
+                F8_QK, F8_PV)
     for j in range(mid_hi, tile_hi):  # masked tiles at the causal edge (all of them without INTERIOR)
         m_i, l_i, acc = _attend_tile(
             q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
             key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV, FMA)
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -387,7 +360,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
                     num_warps: int, num_stages: int, interior: bool = True, lookup_blocks: bool = False,
-                    fp8_qk_dot: bool = False, fp8_pv_dot: bool = False, prefetch: bool = False, fma: bool = False,
+                    fp8_qk_dot: bool = False, fp8_pv_dot: bool = False,
                     sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -401,9 +374,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `fp8_qk_dot` (e4m3 cache, 16-bit queries): q . k as two fp8 dots (the query split into two fp8
     terms), so the keys are not converted; values still are.
     `fp8_pv_dot` (e4m3 cache, 16-bit queries): p @ v likewise (p as two e4m3 terms), values unconverted.
-    `prefetch`: in the unmasked walk, tile j+1's K/V are loaded (into registers) before tile j is used.
-    `fma`: q . k and p @ v as float32 products and sums on the CUDA cores, not tensor-core dots (so a
-    tile may have fewer than 16 query rows: block_q * next_pow2(group) >= 1; fp8 dots are then off).
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -419,7 +389,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     kv_fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     split = num_splits > 1
-    f8_pv = not fma and fp8_pv_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    f8_pv = fp8_pv_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
     if f8_pv:  # the accumulator carries p's factor 448
         v_scale = v_scale / F8_P_SCALE
     if split:
@@ -445,8 +415,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8,
         F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
         LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
-        F8_QK=not fma and fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        F8_PV=f8_pv, PREFETCH=prefetch, FMA=fma,
+        F8_QK=fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        F8_PV=f8_pv,
         num_warps=num_warps,
         num_stages=num_stages,
     )
