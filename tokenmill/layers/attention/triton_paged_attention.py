@@ -28,7 +28,10 @@ FP8 KV cache: K/V tiles are converted to the query's dtype as they load (float16
 is bf16 or fp16: the cheap conversion of fp8; the query is converted once); k_scale joins the
 softmax scale and v_scale multiplies the accumulator (both host floats, the layer's). F8_QK (opt-in,
 e4m3 caches): the keys enter q . k unconverted, as two fp8 dots with the query split into two
-fp8 terms scaled per row (about bf16's precision), saving one conversion per key value.
+fp8 terms scaled per row (about bf16's precision), saving one conversion per key value. F8_PV
+(opt-in, e4m3 caches) does the same for p @ v: p scaled to 448 as two e4m3 terms, the values
+unconverted, the 448 divided out with v_scale. (H200: neither is faster than converting, except
+pipelined through shared memory, where they tie; docs/results/gpu-attention.md.)
 
 Split-KV (flash-decoding): with SPLIT, a program takes only its share of the KV
 tiles (num_splits shares, sized on the device from seq_len, so any seq_len is
