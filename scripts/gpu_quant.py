@@ -28,6 +28,10 @@ Parts (--parts, comma-separated; default all, run in this order):
            the int4 panel GEMV, the pipelined fp8 stream, W8A8 at 256/1024 rows (activation
            quantization, _scaled_mm row-/tensor-wise, the Triton fp8 GEMM), int4 tiles
            (scripts/gpu_quant_sweep.py; SWEEP_BUDGET_S caps it, default 120 s)
+  int4sweep (not by default) INT4 kernel variants where INT4 loses: the register-prefetched one-row
+           GEMV (panel, arithmetic, prefetch depth, split) against its int4 bytes at copy bandwidth,
+           the swapped and fused GEMMs at 64 / 256 rows, bf16 and the engine's path beside them
+           (scripts/gpu_int4_sweep.py; INT4_SWEEP_BUDGET_S caps its timing loop, default 80 s)
   tiny     tiny quantized checkpoints of every format (tests/helpers/quant_formats.py) on CUDA
            (bf16, Triton, graphs): prompt logprobs vs the same checkpoint on the CPU engine (float32)
 Goals (issue 22): fp8 >= 1.5x bf16 tok/s and <= 0.6x ms/token at batch 1; int4 batch 1 <= 0.4x,
@@ -768,9 +772,10 @@ def tune(results: dict, device: str) -> None:
 
 # ---------------------------------------------------------------- the parts, each in a subprocess
 
-PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep"]
+PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep"]
 # Most seconds a part may take (the budget left caps it further).
-PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150}
+PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
+              "int4sweep": 150}
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -790,6 +795,10 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_quant_sweep
             gpu_quant_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name == "int4sweep":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_int4_sweep
+            gpu_int4_sweep.sweep(results, device, _time_ms, _cycled, check)
         else:
             engine_part(results, name, smoke)
     except Exception:
@@ -847,7 +856,7 @@ def _markdown(results: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep")))
+    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run one part in this process
