@@ -11,7 +11,8 @@ in the same process.
 It prints, per section, each linear's best variants, the layer's four linears at their best, and
 the table lines for `triton_int4_prefetch_gemv.TABLE` / `stream_tiles.INT4_SWAP`.
 Compiling is most of the time: every variant compiles first in parallel processes.
-INT4_SWEEP_BUDGET_S caps the timing loop (default 80 s after compiling).
+INT4_SWEEP_BUDGET_S caps the timing loop (default 80 s after compiling); INT4_SWEEP_ROWS the row
+counts (default 1,256; the one-row section runs first for all four linears).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def gemv_kinds(smoke: bool):
     """(mode, prefetch, stages)."""
     if smoke:
         return [(3, 1, 1), (4, 2, 1), (0, 0, 2)]
-    return [(3, 1, 1), (3, 2, 1), (3, 0, 3), (4, 1, 1), (4, 2, 1), (4, 0, 3)]
+    return [(3, 1, 1), (3, 2, 1), (3, 0, 3), (4, 1, 1), (4, 2, 1)]
 
 
 def gemv_splits(panels: int, k: int, block_k: int, sms: int) -> list[int]:
@@ -84,11 +85,11 @@ def swap_variants(smoke: bool):
 
 
 def fused_variants(smoke: bool):
-    """(block_m, block_n, block_k, warps, stages) of `triton_int4_fused_gemm`."""
+    """(block_m, block_n, block_k, warps, stages, deq) of `triton_int4_fused_gemm`."""
     if smoke:
-        return [(32, 32, 64, 4, 2)]
-    return [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (64, 128, 64, 4, 4),
-            (128, 128, 128, 8, 3), (256, 128, 64, 8, 4)]
+        return [(32, 32, 64, 4, 2, 1), (32, 32, 32, 4, 1, 0)]
+    return [(128, 128, 64, 8, 3, 1), (128, 256, 64, 8, 3, 1), (256, 128, 64, 8, 3, 1), (64, 128, 64, 4, 4, 1),
+            (128, 64, 64, 4, 3, 1), (256, 64, 64, 8, 3, 1), (128, 128, 64, 8, 3, 0), (256, 128, 64, 8, 3, 0)]
 
 
 def _compile_calls(device: str, smoke: bool):
@@ -185,8 +186,10 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
     dt = torch.bfloat16 if cuda else torch.float32
     sms = stream_tiles.sm_count(torch.device(device))
     if cuda:
-        _precompile(min(15, max(1, (os.cpu_count() or 2) - 1)), timeout=60.0)
-    deadline = time.perf_counter() + float(os.environ.get("INT4_SWEEP_BUDGET_S", "80"))
+        _precompile(min(15, max(1, (os.cpu_count() or 2) - 1)), timeout=float(os.environ.get("INT4_SWEEP_COMPILE_S", "45")))
+    budget = float(os.environ.get("INT4_SWEEP_BUDGET_S", "80"))
+    deadline = time.perf_counter() + budget
+    one_row_deadline = time.perf_counter() + 0.6 * budget  # the rest is for the many-row sections
     rec = results.setdefault("int4sweep", {})
     copy_bps = _copy_bandwidth(device, time_ms) if cuda else None
     if copy_bps:
@@ -194,9 +197,9 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
         print(f"  copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write)", flush=True)
     variants = gemv_variants(shapes, smoke, sms)
     best: dict = {}  # (section, name) -> (ms, label, variant)
-    base: dict = {}  # (section, name, "bf16" | "engine" | ...) -> ms
-    rows_list = (1, 64, 256) if cuda else (1, 16)
-    for name, (n, k) in shapes.items():
+    rows_list = tuple(int(r) for r in os.environ.get("INT4_SWEEP_ROWS", "1,256" if cuda else "1,16").split(","))
+    # rows outside, linears inside: one row for all four linears first (what the budget must cover)
+    for name, (n, k), rows in [(nm, shp, (m,)) for m in rows_list for nm, shp in shapes.items()]:
         g = torch.Generator(device=device).manual_seed(0)
         w = torch.randn(n, k, device=device, generator=g).to(dt) * 0.02
         wt = packing.from_codes(packing.quantize_int4(w, group, sym=False), dt, act_order=False)
@@ -207,7 +210,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
         wd = for_device(wt, group)  # the engine's layout now
         engine_w = cycled([wd.qweight, wd.scales, wd.zeros])
         floor_ms = (n * k / 2) / copy_bps * 1000 if copy_bps else None  # the int4 bytes at copy's bytes per second
-        for m in rows_list:
+        for m in rows:
             x = torch.randn(m, k, device=device, dtype=dt)
             ref = x.float() @ ref_w
             sec = f"m{m}"
@@ -227,7 +230,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
             if m == 1:
                 panels = {}
                 for c in variants[name]:
-                    if time.perf_counter() > deadline:
+                    if time.perf_counter() > one_row_deadline:
+                        print(f"  int4sweep: one-row budget spent in {name}", flush=True)
                         break
                     if c.panel not in panels:
                         qp = packing.to_panels(wt.qweight, c.panel)

@@ -107,3 +107,21 @@ def test_panel_width_at_load_follows_the_table(monkeypatch):
     monkeypatch.setattr(pg, "TABLE", {(128, 512): pg.PrefetchGemv(32, block_k=64)})
     assert int4.gemv_panel(128, 512, 64) == 32
     assert int4.gemv_panel(128, 512, 32) != 32  # K tiles of 64 would straddle groups of 32: the older GEMV's
+
+
+@pytest.mark.parametrize("panel", [0, 32])
+@pytest.mark.parametrize("dtype,deq", [(torch.float32, 0), (torch.float16, 1), (torch.float16, 0)])
+def test_fused_gemm_matches_reference(panel, dtype, deq):
+    """The fused dequantize + tl.dot GEMM (`triton_int4_fused_gemm`), words and panels; rows not a
+    multiple of the tile; fp16 dequantizes through 1024 + q in the fp16 mantissa (deq 1)."""
+    from tokenmill.layers.quantization.triton_int4_fused_gemm import int4_fused_gemm
+
+    wt = _case(n=96, k=256)
+    q = packing.to_panels(wt.qweight, panel) if panel else wt.qweight
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(7)).to(dtype)
+    ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for tiles in ((32, 32, 32, 4, 1), (64, 64, 64, 4, 2)):
+        out = int4_fused_gemm(x, q, wt.scales.to(dtype), wt.zeros.to(dtype), 64, *tiles, deq=deq)
+        assert out.dtype == dtype and out.shape == (37, 96)
+        assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item(), tiles

@@ -161,6 +161,12 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             return int4_stream_gemm(x, qweight, scales, zeros, group_size, counters)
         return int4_gemv(x, qweight, scales, zeros, group_size, c.block_k, c.split, c.warps, c.stages, c.mode,
                          counters)
+    if g_idx is None:
+        from tokenmill.layers.quantization import triton_int4_fused_gemm as fused
+
+        tiles = fused.fused_tiles(m)
+        if tiles is not None and group % tiles[2] == 0:
+            return fused.int4_fused_gemm(x, qweight, scales, zeros, group_size, *tiles)
     swap = stream_tiles.int4_swap_tiles(m) if g_idx is None else None
     if swap is not None and group % swap[2] == 0:
         from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm

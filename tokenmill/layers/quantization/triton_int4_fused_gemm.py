@@ -1,0 +1,109 @@
+"""Triton kernel: INT4 W4A16 GEMM for 16..1024 rows, the weight dequantized in registers once per
+BLOCK_M rows and multiplied on the tensor cores (x @ W^T, no act-order).
+
+Aimed at decode batches of 64-256 rows, where dequantize + cuBLAS pays a full bf16 write and
+read of the weight on every call. BLOCK_M up to 256 covers a whole batch of 256 in one row tile,
+so each weight is unpacked once per call; the arithmetic per weight stays small:
+- DEQ 1 (16-bit activations): the nibble ORed into the mantissa of 128.0 in the activation
+  dtype (bf16: 7 mantissa bits; fp16 uses 1024.0 and 10 bits) gives 128 + q exactly with one
+  shift and one logic op; (128 + q) - (128 + z) is exact, times the scale rounded once into the
+  activation dtype: the same rounding as dequantize-then-GEMM.
+- DEQ 0: float32 (16 + q in 16.0's mantissa) times s minus (16 + z) s, then rounded (the float32
+  and interpreter path).
+Weights in the kernel layout (words [K/8, N]) or the panels of `int4_packing.to_panels` (what the
+engine keeps on CUDA). A K tile sits in one group: its scales and zeros are one row.
+
+Torch reference: `int4_packing.dequantize` then a matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tokenmill.layers.quantization.triton_int4_stream import word_offsets
+
+# (magic bits of 128.0 or 1024.0 in the 16-bit dtype, its value) per activation dtype for DEQ 1
+_MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, s_xm, s_qk, s_sg, s_om,
+                       GROUP: tl.constexpr, PANEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, DEQ: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % tiles_m  # the row tiles of one weight tile run side by side: it is read from HBM once
+    pid_n = pid // tiles_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    offs_r = tl.arange(0, BLOCK_K // 8)
+    shifts = tl.arange(0, 8) * 4
+    dt = x_ptr.dtype.element_ty
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        words = tl.load(qw_ptr + word_offsets(k0 // 8 + offs_r, offs_n, s_qk, K, PANEL), mask=n_mask[None, :], other=0)
+        g = k0 // GROUP
+        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0)
+        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0)
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        nib = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: channel 8r + i
+        if DEQ == 1:
+            q = tl.reshape(nib | MAGIC, (BLOCK_K, BLOCK_N)).to(tl.int16).to(dt, bitcast=True)  # OFFSET + q, exact
+            w = ((q - (OFFSET + z.to(tl.float32)).to(dt)[None, :]) * s.to(dt)[None, :]).to(dt)
+        else:
+            q = tl.reshape((nib << 19) | 0x41800000, (BLOCK_K, BLOCK_N)).to(tl.float32, bitcast=True)  # 16 + q
+            s32 = s.to(tl.float32)
+            w = (q * s32[None, :] - ((16.0 + z.to(tl.float32)) * s32)[None, :]).to(dt)
+        acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+    out = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+# From these rows the fused GEMM runs with its (block_m, block_n, block_k, warps, stages, deq), or
+# None (from there the other paths again); from `scripts/gpu_int4_sweep.py` (an H200). Empty: not
+# measured faster than the other paths anywhere yet.
+FUSED_ROWS: tuple[tuple[int, tuple[int, int, int, int, int, int] | None], ...] = ()
+
+
+def fused_tiles(m: int) -> tuple[int, int, int, int, int, int] | None:
+    """The fused GEMM's tiles for m rows, or None where another path runs."""
+    tiles = None
+    for rows, t in FUSED_ROWS:
+        if m >= rows:
+            tiles = t
+    return tiles
+
+
+def int4_fused_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    group_size: int, block_m: int = 256, block_n: int = 128, block_k: int = 64, warps: int = 8,
+                    stages: int = 3, deq: int = 1) -> torch.Tensor:
+    """x [M, K] @ dequantized W^T -> [M, N] in x's dtype (no act-order); qweight: words [K/8, N]
+    or panels [N / P, K/8, P]. deq 1 needs 16-bit activations (else deq 0 runs)."""
+    m, k = x.shape
+    panel = qweight.shape[2] if qweight.dim() == 3 else 0
+    n = qweight.shape[0] * panel if panel else qweight.shape[1]
+    group = k if group_size == -1 else group_size
+    if k % group or group % block_k or block_k % 8:
+        raise ValueError(f"int4 fused GEMM: BLOCK_K {block_k} must be a multiple of 8 dividing the group size "
+                         f"{group}, which must divide K {k}")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    magic, offset = _MAGIC16.get(x.dtype, (0, 0.0))
+    deq = deq if x.dtype in _MAGIC16 else 0
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _int4_fused_kernel[grid](x, qweight, scales, zeros, out, m, n, k, x.stride(0), qweight.stride(0) if not panel else 0,
+                             scales.stride(0), out.stride(0), GROUP=group, PANEL=panel, BLOCK_M=block_m,
+                             BLOCK_N=block_n, BLOCK_K=block_k, DEQ=deq, MAGIC=magic, OFFSET=offset,
+                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                             num_warps=warps, num_stages=stages)
+    return out
