@@ -121,7 +121,10 @@ def test_fused_gemm_matches_reference(panel, dtype, deq):
     x = torch.randn(37, 256, generator=torch.Generator().manual_seed(7)).to(dtype)
     ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for tiles in ((32, 32, 32, 4, 1), (64, 64, 64, 4, 2)):
-        out = int4_fused_gemm(x, q, wt.scales.to(dtype), wt.zeros.to(dtype), 64, *tiles, deq=deq)
+    counters = torch.zeros(16, dtype=torch.int32)
+    for tiles, split in (((32, 32, 32, 4, 1), 1), ((64, 64, 64, 4, 2), 1), ((32, 32, 32, 4, 1), 3)):
+        out = int4_fused_gemm(x, q, wt.scales.to(dtype), wt.zeros.to(dtype), 64, *tiles, deq=deq, split=split,
+                              counters=counters)
         assert out.dtype == dtype and out.shape == (37, 96)
         assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item(), tiles
+        assert not counters.any(), "split-K counters must be reset for the next call"

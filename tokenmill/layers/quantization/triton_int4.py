@@ -166,7 +166,7 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
 
         tiles = fused.fused_tiles(m)
         if tiles is not None and group % tiles[2] == 0:
-            return fused.int4_fused_gemm(x, qweight, scales, zeros, group_size, *tiles)
+            return fused.int4_fused_gemm(x, qweight, scales, zeros, group_size, *tiles, counters=counters)
     swap = stream_tiles.int4_swap_tiles(m) if g_idx is None else None
     if swap is not None and group % swap[2] == 0:
         from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm

@@ -23,17 +23,20 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.quantization.triton_int4_stream import word_offsets
+from tokenmill.layers.quantization.triton_split_k import store_tile
 
 # (magic bits of 128.0 or 1024.0 in the 16-bit dtype, its value) per activation dtype for DEQ 1
 _MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 
 
 @triton.jit(do_not_specialize=["M"])
-def _int4_fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, s_xm, s_qk, s_sg, s_om,
+def _int4_fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_qk, s_sg, s_om,
                        GROUP: tl.constexpr, PANEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DEQ: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr):
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    split = tl.num_programs(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
     pid_m = pid % tiles_m  # the row tiles of one weight tile run side by side: it is read from HBM once
     pid_n = pid // tiles_m
@@ -46,7 +49,10 @@ def _int4_fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, s_xm, s_qk
     dt = x_ptr.dtype.element_ty
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_per_split = tl.cdiv(K // BLOCK_K, split) * BLOCK_K
+    k_lo = pid_k * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         words = tl.load(qw_ptr + word_offsets(k0 // 8 + offs_r, offs_n, s_qk, K, PANEL), mask=n_mask[None, :], other=0)
         g = k0 // GROUP
         s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0)
@@ -62,17 +68,16 @@ def _int4_fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, s_xm, s_qk
             s32 = s.to(tl.float32)
             w = (q * s32[None, :] - ((16.0 + z.to(tl.float32)) * s32)[None, :]).to(dt)
         acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
-    out = out_ptr + offs_m[:, None].to(tl.int64) * s_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+    store_tile(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_om, pid, pid_k, split, SPLIT_K)
 
 
-# From these rows the fused GEMM runs with its (block_m, block_n, block_k, warps, stages, deq), or
+# From these rows the fused GEMM runs with its (block_m, block_n, block_k, warps, stages, deq, split), or
 # None (from there the other paths again); from `scripts/gpu_int4_sweep.py` (an H200). Empty: not
 # measured faster than the other paths anywhere yet.
-FUSED_ROWS: tuple[tuple[int, tuple[int, int, int, int, int, int] | None], ...] = ()
+FUSED_ROWS: tuple[tuple[int, tuple[int, int, int, int, int, int, int] | None], ...] = ()
 
 
-def fused_tiles(m: int) -> tuple[int, int, int, int, int, int] | None:
+def fused_tiles(m: int) -> tuple[int, int, int, int, int, int, int] | None:
     """The fused GEMM's tiles for m rows, or None where another path runs."""
     tiles = None
     for rows, t in FUSED_ROWS:
@@ -83,9 +88,11 @@ def fused_tiles(m: int) -> tuple[int, int, int, int, int, int] | None:
 
 def int4_fused_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     group_size: int, block_m: int = 256, block_n: int = 128, block_k: int = 64, warps: int = 8,
-                    stages: int = 3, deq: int = 1) -> torch.Tensor:
+                    stages: int = 3, deq: int = 1, split: int = 1, counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ dequantized W^T -> [M, N] in x's dtype (no act-order); qweight: words [K/8, N]
-    or panels [N / P, K/8, P]. deq 1 needs 16-bit activations (else deq 0 runs)."""
+    or panels [N / P, K/8, P]. deq 1 needs 16-bit activations (else deq 0 runs). split > 1:
+    split-K (few output tiles: o and down at 256 rows), needs `counters` (zeroed int32, one per
+    output tile: `stream_tiles.SplitCounters`; without them, or too few, no split)."""
     m, k = x.shape
     panel = qweight.shape[2] if qweight.dim() == 3 else 0
     n = qweight.shape[0] * panel if panel else qweight.shape[1]
@@ -100,10 +107,15 @@ def int4_fused_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         x = x.contiguous()
     magic, offset = _MAGIC16.get(x.dtype, (0, 0.0))
     deq = deq if x.dtype in _MAGIC16 else 0
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _int4_fused_kernel[grid](x, qweight, scales, zeros, out, m, n, k, x.stride(0), qweight.stride(0) if not panel else 0,
-                             scales.stride(0), out.stride(0), GROUP=group, PANEL=panel, BLOCK_M=block_m,
-                             BLOCK_N=block_n, BLOCK_K=block_k, DEQ=deq, MAGIC=magic, OFFSET=offset,
-                             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                             num_warps=warps, num_stages=stages)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    if counters is None or counters.numel() < tiles:
+        split = 1
+    split = max(1, min(split, k // block_k))
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _int4_fused_kernel[(tiles, split)](
+        x, qweight, scales, zeros, out, part, counters if split > 1 else out, m, n, k, x.stride(0),
+        qweight.stride(0) if not panel else 0, scales.stride(0), out.stride(0), GROUP=group, PANEL=panel,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DEQ=deq, MAGIC=magic, OFFSET=offset,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_K=split > 1,
+        num_warps=warps, num_stages=stages)
     return out

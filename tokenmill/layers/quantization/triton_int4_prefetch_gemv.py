@@ -13,8 +13,8 @@ three shifts per word. Here:
   arithmetic without shared memory. PREFETCH 0: Triton's cp.async pipeline (`tl.range` stages).
 - Split-K (SPLIT a compile-time constant): each program stores its float32 partial [P]; the one
   that arrives last (an atomic counter per panel, reset after use, so CUDA-graph replays find it
-  zeroed) reads all SPLIT partials in one [SPLIT, P] load and sums them in slice order: one L2
-  round trip, deterministic.
+  zeroed) reads the SPLIT partials in [CHUNK, P] loads issued together (an unrolled loop) and
+  sums them in slice order: about one L2 round trip, deterministic.
 - Arithmetic per word of 8 weights (MODE; a K tile sits in one group, so scales and zeros are one
   row of P per step):
   0: float32, a shift, a logic op and an FMA per weight (16 + q in 16.0's mantissa);
@@ -234,9 +234,14 @@ def _prefetch_gemv_kernel(x_ptr, qp_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_pt
         tl.store(part_ptr + pid_k * N + offs_n, total)
         tl.debug_barrier()  # every thread's partial is written before the program counts itself in
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:  # the last of the panel's slices: one [SPLIT, P] read, summed in slice order
-            parts = tl.load(part_ptr + tl.arange(0, SPLIT)[:, None] * N + offs_n[None, :], cache_modifier=".cg")
-            tl.store(out_ptr + offs_n, tl.sum(parts, axis=0).to(out_ptr.dtype.element_ty))
+        if arrived == SPLIT - 1:  # the last of the panel's slices: [CHUNK, P] reads all issued at once
+            CHUNK: tl.constexpr = SPLIT if SPLIT * PANEL <= 4096 else max(1, 4096 // PANEL)
+            total = tl.zeros([PANEL], dtype=tl.float32)
+            for c in tl.static_range(SPLIT // CHUNK):  # unrolled: independent loads, summed in slice order
+                rows = c * CHUNK + tl.arange(0, CHUNK)
+                parts = tl.load(part_ptr + rows[:, None] * N + offs_n[None, :], cache_modifier=".cg")
+                total += tl.sum(parts, axis=0)
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty))
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
