@@ -395,6 +395,8 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     long_ctx = 1024 if smoke else 16384
     kwargs, workloads = ENGINES[label]
+    only = os.environ.get("GPU_QUANT_WORKLOADS")  # --workloads: a subset for every engine part
+    workloads = [w for w in workloads if not only or w in only.split(",")]
     kwargs = dict(kwargs)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
@@ -859,9 +861,12 @@ def main() -> int:
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
+    ap.add_argument("--workloads", help="only these engine workloads (comma-separated, e.g. batch1,256x256x128)")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run one part in this process
     ap.add_argument("--precompile", help=argparse.SUPPRESS)  # compile one shard of tune's kernels
     ns = ap.parse_args()
+    if ns.workloads:
+        os.environ["GPU_QUANT_WORKLOADS"] = ns.workloads  # the parts' subprocesses inherit it
     if ns.precompile:
         precompile_shard(ns.precompile)
         return 0
