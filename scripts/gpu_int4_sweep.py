@@ -70,8 +70,6 @@ def gemv_variants(shapes: dict, smoke: bool, sms: int):
             for split in gemv_splits(n // panel, k, bk, sms, warps, panel):
                 for mode, pf, st in gemv_kinds(smoke):
                     vs.append(PrefetchGemv(panel, mode, bk, split, warps, pf, st))
-                if not smoke:
-                    vs.append(PrefetchGemv(panel, 0, bk, split, warps, 1, 1))
         out[name] = vs
     return out
 
