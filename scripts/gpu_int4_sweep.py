@@ -12,7 +12,7 @@ It prints, per section, each linear's best variants, the layer's four linears at
 the table lines for `triton_int4_prefetch_gemv.TABLE` / `stream_tiles.INT4_SWAP`.
 Compiling is most of the time: every variant compiles first in parallel processes.
 INT4_SWEEP_BUDGET_S caps the timing loop (default 80 s after compiling); INT4_SWEEP_ROWS the row
-counts (default 1,256; the one-row section runs first for all four linears).
+counts (default 1,256,64,1024, in that order: what the budget leaves out is the last).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def fused_variants(smoke: bool):
     return [(256, 128, 64, 8, 3, 1, 1), (256, 128, 64, 8, 3, 1, 2), (256, 128, 64, 8, 3, 1, 4),
             (128, 128, 64, 8, 3, 1, 1), (128, 128, 64, 8, 3, 1, 2), (128, 256, 64, 8, 3, 1, 1),
             (256, 64, 64, 8, 3, 1, 1), (256, 64, 64, 8, 3, 1, 2), (128, 64, 64, 4, 3, 1, 1),
-            (256, 128, 64, 8, 4, 1, 1), (256, 128, 64, 8, 3, 0, 1)]
+            (256, 128, 64, 8, 4, 1, 1), (256, 128, 64, 8, 3, 0, 1), (64, 128, 64, 4, 3, 1, 1)]
 
 
 def _compile_calls(device: str, smoke: bool):
@@ -197,7 +197,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
         print(f"  copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write)", flush=True)
     variants = gemv_variants(shapes, smoke, sms)
     best: dict = {}  # (section, name) -> (ms, label, variant)
-    rows_list = tuple(int(r) for r in os.environ.get("INT4_SWEEP_ROWS", "1,256" if cuda else "1,16").split(","))
+    rows_list = tuple(int(r) for r in os.environ.get("INT4_SWEEP_ROWS", "1,256,64,1024" if cuda else "1,16").split(","))
     # rows outside, linears inside: one row for all four linears first (what the budget must cover)
     for name, (n, k), rows in [(nm, shp, (m,)) for m in rows_list for nm, shp in shapes.items()]:
         g = torch.Generator(device=device).manual_seed(0)
@@ -240,7 +240,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
                     try:
                         out = prefetch_gemv(x, qp, wt.scales, wt.zeros, group, c, counters)
                         err = _rel(out, ref)
-                        if err > (1e-2 if c.mode == 4 else 2e-3) or counters.any():
+                        if err > (1e-2 if c.mode == 4 else 5e-3) or counters.any():  # bf16 output: ~1e-3
                             check(False, f"int4 GEMV {name} {c.label()}: rel err {err:.1e}, "
                                          f"counters zeroed {not counters.any()}")
                             continue
@@ -249,7 +249,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
                         check(False, f"int4 GEMV {name} {c.label()}: {type(e).__name__}: {str(e)[:300]}")
                 del panels
             else:
-                if m >= 256:
+                if m >= 64:
                     note("dequant + mm", lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, group, dt))
                 kernels = [("swap", int4_swap_gemm, swap_variants(smoke))]
                 if int4_fused_gemm is not None:
