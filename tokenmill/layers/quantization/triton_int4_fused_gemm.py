@@ -33,7 +33,8 @@ _MAGIC16 = {torch.bfloat16: (0x4300, 128.0), torch.float16: (0x6400, 1024.0)}
 def _int4_fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_qk, s_sg, s_om,
                        GROUP: tl.constexpr, PANEL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, DEQ: tl.constexpr, MAGIC: tl.constexpr, OFFSET: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_M: tl.constexpr,
+                       EVEN_N: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     split = tl.num_programs(1)
@@ -53,12 +54,22 @@ def _int4_fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, 
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        words = tl.load(qw_ptr + word_offsets(k0 // 8 + offs_r, offs_n, s_qk, K, PANEL), mask=n_mask[None, :], other=0)
+        # whole tiles (EVEN_*) load unmasked: predicates and selects cost the dequantization's issue slots
+        w_ptrs = qw_ptr + word_offsets(k0 // 8 + offs_r, offs_n, s_qk, K, PANEL)
         g = k0 // GROUP
-        s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0)
-        z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0)
+        if EVEN_N:
+            words = tl.load(w_ptrs)
+            s = tl.load(s_ptr + g * s_sg + offs_n)
+            z = tl.load(z_ptr + g * s_sg + offs_n)
+        else:
+            words = tl.load(w_ptrs, mask=n_mask[None, :], other=0)
+            s = tl.load(s_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0)
+            z = tl.load(z_ptr + g * s_sg + offs_n, mask=n_mask, other=0.0)
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
+        if EVEN_M:
+            x = tl.load(x_rows + offs_k[None, :])
+        else:
+            x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None], other=0.0)
         nib = (words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BLOCK_K / 8, 8, BLOCK_N]: channel 8r + i
         if DEQ == 1:
             q = tl.reshape(nib | MAGIC, (BLOCK_K, BLOCK_N)).to(tl.int16).to(dt, bitcast=True)  # OFFSET + q, exact
@@ -117,5 +128,5 @@ def int4_fused_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
         qweight.stride(0) if not panel else 0, scales.stride(0), out.stride(0), GROUP=group, PANEL=panel,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, DEQ=deq, MAGIC=magic, OFFSET=offset,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_K=split > 1,
-        num_warps=warps, num_stages=stages)
+        EVEN_M=m % block_m == 0, EVEN_N=n % block_n == 0, num_warps=warps, num_stages=stages)
     return out
