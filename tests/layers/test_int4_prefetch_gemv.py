@@ -128,3 +128,7 @@ def test_fused_gemm_matches_reference(panel, dtype, deq):
         assert out.dtype == dtype and out.shape == (37, 96)
         assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item(), tiles
         assert not counters.any(), "split-K counters must be reset for the next call"
+    x64 = torch.randn(64, 256, generator=torch.Generator().manual_seed(8)).to(dtype)  # whole row tiles: unmasked
+    ref64 = x64.double() @ packing.dequantize(wt, 64, torch.float64)
+    out = int4_fused_gemm(x64, q, wt.scales.to(dtype), wt.zeros.to(dtype), 64, 32, 32, 32, 4, 1, deq=deq)
+    assert (out.double() - ref64).abs().max().item() < tol * ref64.abs().max().item()
