@@ -132,3 +132,25 @@ def test_fused_gemm_matches_reference(panel, dtype, deq):
     ref64 = x64.double() @ packing.dequantize(wt, 64, torch.float64)
     out = int4_fused_gemm(x64, q, wt.scales.to(dtype), wt.zeros.to(dtype), 64, 32, 32, 32, 4, 1, deq=deq)
     assert (out.double() - ref64).abs().max().item() < tol * ref64.abs().max().item()
+
+
+def test_int4_matmul_takes_the_fused_gemm_from_its_rows(monkeypatch):
+    """FUSED_ROWS / FUSED_SHAPES say from which rows the fused GEMM runs (None: the other paths)."""
+    from tokenmill.layers.quantization import triton_int4
+    from tokenmill.layers.quantization import triton_int4_fused_gemm as fg
+
+    wt = _case(n=96, k=256)
+    seen = []
+    real = fg.int4_fused_gemm
+    monkeypatch.setattr(fg, "int4_fused_gemm", lambda *a, **kw: seen.append(a[5:]) or real(*a, **kw))
+    monkeypatch.setattr(fg, "FUSED_ROWS", ((8, (32, 32, 32, 4, 1, 1, 1)), (40, None)))
+    monkeypatch.setattr(fg, "FUSED_SHAPES", {(96, 256): ((4, (16, 32, 32, 4, 1, 1, 2)),)})
+    for m, n_seen in ((3, 0), (6, 1)):  # the shape's own list: from 4 rows
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        out = triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, None, 64, torch.zeros(64, dtype=torch.int32))
+        ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+        assert (out.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+        assert len(seen) == n_seen
+    assert seen[-1] == (16, 32, 32, 4, 1, 1, 2)
+    monkeypatch.setattr(fg, "FUSED_SHAPES", {})
+    assert fg.fused_tiles(10) == (32, 32, 32, 4, 1, 1, 1) and fg.fused_tiles(50) is None and fg.fused_tiles(7) is None

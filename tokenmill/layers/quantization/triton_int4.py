@@ -164,7 +164,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if g_idx is None:
         from tokenmill.layers.quantization import triton_int4_fused_gemm as fused
 
-        tiles = fused.fused_tiles(m)
+        n = qweight.shape[0] * qweight.shape[2] if qweight.dim() == 3 else qweight.shape[1]
+        tiles = fused.fused_tiles(m, n, x.shape[1])
         if tiles is not None and group % tiles[2] == 0:
             return fused.int4_fused_gemm(x, qweight, scales, zeros, group_size, *tiles, counters=counters)
     swap = stream_tiles.int4_swap_tiles(m) if g_idx is None else None

@@ -85,13 +85,16 @@ def _int4_fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, 
 # From these rows the fused GEMM runs with its (block_m, block_n, block_k, warps, stages, deq, split), or
 # None (from there the other paths again); from `scripts/gpu_int4_sweep.py` (an H200). Empty: not
 # measured faster than the other paths anywhere yet.
-FUSED_ROWS: tuple[tuple[int, tuple[int, int, int, int, int, int, int] | None], ...] = ()
+FusedTiles = tuple[int, int, int, int, int, int, int]
+FUSED_ROWS: tuple[tuple[int, FusedTiles | None], ...] = ()
+# (N, K) -> the same kind of list for one shape (measured per Llama-8B linear); else FUSED_ROWS.
+FUSED_SHAPES: dict[tuple[int, int], tuple[tuple[int, FusedTiles | None], ...]] = {}
 
 
-def fused_tiles(m: int) -> tuple[int, int, int, int, int, int, int] | None:
-    """The fused GEMM's tiles for m rows, or None where another path runs."""
+def fused_tiles(m: int, n: int = 0, k: int = 0) -> FusedTiles | None:
+    """The fused GEMM's tiles for an [m, k] x [k, n] product, or None where another path runs."""
     tiles = None
-    for rows, t in FUSED_ROWS:
+    for rows, t in FUSED_SHAPES.get((n, k), FUSED_ROWS):
         if m >= rows:
             tiles = t
     return tiles
