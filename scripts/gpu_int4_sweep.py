@@ -71,6 +71,8 @@ def gemv_variants(shapes: dict, smoke: bool, sms: int):
             for split in gemv_splits(n // panel, k, bk, sms, warps, panel):
                 for mode, pf, st in gemv_kinds(smoke):
                     vs.append(PrefetchGemv(panel, mode, bk, split, warps, pf, st))
+                if not smoke and (panel, warps) in ((128, 1), (256, 2)):  # float32 arithmetic, no inline PTX
+                    vs.append(PrefetchGemv(panel, 0, bk, split, warps, 1, 1))
         out[name] = vs
     return out
 
