@@ -453,6 +453,25 @@ def _time_ms(fn, device: str, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def _check_int4_replays(x, wd, counters, w_ref) -> None:
+    """int4_matmul on the engine's layout captured in a CUDA graph, replayed three times: each
+    output matches x @ W (float32 reference), split-K counters are zero after each replay."""
+    from tokenmill.layers.quantization import triton_int4
+
+    triton_int4.int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters)  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_int4.int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters)
+    ref = x.float() @ w_ref
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        check(err < 1e-2 and not counters.any(), f"int4 one row from a graph {tuple(ref.shape)}: rel err {err:.1e}")
+
+
 def micro(results: dict, device: str) -> None:
     """Each Llama-8B linear per row count, as the engine calls it now (fp8: streaming up to
     FP8_STREAM_MAX_ROWS, then W8A8 _scaled_mm; int4: int4_matmul) and the paths it chose between.
@@ -502,6 +521,8 @@ def micro(results: dict, device: str) -> None:
             if m <= 64:
                 r["fp8_stream"] = _time_ms(stream, device)
             r["int4"] = _time_ms(lambda: triton_int4.int4_matmul(x, *int4_engine_w(), None, 128, counters), device)
+            if cuda and m == 1:  # the engine's one-row path replayed from a graph: right, counters back at zero
+                _check_int4_replays(x, wd, counters, packing.dequantize(wt, 128, torch.float32))
             if m <= 256:
                 r["int4_old_fused"] = _time_ms(lambda: triton_int4.int4_gemm(x, *int4_w(), None, 128), device)
             if m >= 256:

@@ -83,8 +83,12 @@ def _int4_fused_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, 
 
 
 # From these rows the fused GEMM runs with its (block_m, block_n, block_k, warps, stages, deq, split), or
-# None (from there the other paths again); from `scripts/gpu_int4_sweep.py` (an H200). Empty: not
-# measured faster than the other paths anywhere yet.
+# None (from there the other paths again); from `scripts/gpu_quant.py --parts int4sweep` (an H200).
+# Empty: measured slower everywhere (2026-11-26, the layer's four at its best tiles: 64 rows 245 us
+# vs 180 for the streaming tiles; 256 rows 403 vs 359 for dequantize + cuBLAS, gate_up alone a tie;
+# 1024 rows 1203 vs 750). Triton waits for each wgmma before the next tile's dequantization
+# (`warp_group_dot_wait` 0: a register-made operand is stored to one shared buffer), so the
+# dequantization does not overlap the tensor cores.
 FusedTiles = tuple[int, int, int, int, int, int, int]
 FUSED_ROWS: tuple[tuple[int, FusedTiles | None], ...] = ()
 # (N, K) -> the same kind of list for one shape (measured per Llama-8B linear); else FUSED_ROWS.

@@ -267,9 +267,15 @@ class PrefetchGemv:
                 f"{f' st{self.stages}' if not self.prefetch else ''}")
 
 
-# (N, K) -> the launch, from `scripts/gpu_int4_sweep.py` on an H200 (Llama-8B's linears). Empty
-# until measured: a shape not here keeps the older GEMV (`stream_tiles.gemv_config`).
-TABLE: dict[tuple[int, int], PrefetchGemv] = {}
+# (N, K) -> the launch, from `scripts/gpu_quant.py --parts int4sweep` (Llama-8B's linears, one H200,
+# 2026-11-26, mid-session: the layer's four 70.5 us against 77.3 for the older GEMV and 124 for
+# bf16 cuBLAS in the same run). A shape not here keeps the older GEMV (`stream_tiles.gemv_config`).
+TABLE: dict[tuple[int, int], PrefetchGemv] = {
+    (28672, 4096): PrefetchGemv(512, mode=3, block_k=32, split=8, warps=4, prefetch=1),  # 32.3 us (older 33.4)
+    (4096, 14336): PrefetchGemv(128, mode=4, block_k=64, split=32, warps=1, prefetch=1),  # 17.9 us (21.6)
+    (6144, 4096): PrefetchGemv(128, mode=4, block_k=64, split=16, warps=1, prefetch=1),  # 11.6 us (12.5)
+    (4096, 4096): PrefetchGemv(128, mode=4, block_k=64, split=32, warps=1, prefetch=1),  # 8.7 us (9.8)
+}
 
 
 def config_for(n: int, k: int, group: int) -> PrefetchGemv | None:
