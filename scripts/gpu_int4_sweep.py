@@ -11,6 +11,7 @@ in the same process.
 It prints, per section, each linear's best variants, the layer's four linears at their best, and
 the table lines for `triton_int4_prefetch_gemv.TABLE` / `stream_tiles.INT4_SWAP`.
 Compiling is most of the time: every variant compiles first in parallel processes.
+INT4_SWEEP_SPLITS=wide tries 4x and 8x more K slices on the winners' bases.
 INT4_SWEEP_BUDGET_S caps the timing loop (default 80 s after compiling); INT4_SWEEP_ROWS the row
 counts (default 1,256,64,1024, in that order: what the budget leaves out is the last).
 """
@@ -37,6 +38,8 @@ def gemv_bases(smoke: bool):
     warps a thread holds two 16-byte vectors per row of 8 channels, halving the x work per word."""
     if smoke:
         return [(32, 64, 2), (64, 32, 4)]
+    if os.environ.get("INT4_SWEEP_SPLITS") == "wide":  # the mid-session winners' bases, and a smaller tile
+        return [(128, 64, 1), (128, 32, 1), (256, 32, 2), (512, 32, 4)]
     return [(64, 64, 1), (128, 64, 1), (256, 32, 1), (256, 32, 2), (512, 32, 2), (512, 32, 4)]
 
 
@@ -55,7 +58,10 @@ def gemv_splits(panels: int, k: int, block_k: int, sms: int, warps: int = 4, pan
     s = 1
     while panels * s < want and tiles % (2 * s) == 0:
         s *= 2
-    return [c for c in (s, 2 * s) if tiles % c == 0 and c * panel_width <= 8192]  # the last program's sum
+    # INT4_SWEEP_SPLITS=wide: also 4x and 8x that (more warps per SM scheduler: the mid-session run
+    # had 2-4 per scheduler at the winners, too few to hide the arithmetic's latencies)
+    cands = (s, 2 * s, 4 * s, 8 * s) if os.environ.get("INT4_SWEEP_SPLITS") == "wide" else (s, 2 * s)
+    return [c for c in cands if tiles % c == 0 and c * panel_width <= 8192]  # the last program's sum
 
 
 def gemv_variants(shapes: dict, smoke: bool, sms: int):
