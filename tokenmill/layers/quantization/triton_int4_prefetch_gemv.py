@@ -24,7 +24,8 @@ three shifts per word. Here:
      (float32, the 1024 offset costs ~10 of the accumulator's 24 bits: ~1e-5 relative);
   4: the same pairs made q - z exactly in fp16 (a subtraction, or an FMA by 1/16 for the
      16 q pairs), times x's pairs in fp16x2 (x scaled per row of 8 by a power of two into
-     [1, 2)), the word's sum widened to float32 (products in fp16: ~1e-3 relative).
+     [1, 2)), the word's sum widened to float32 (products in fp16: ~1e-3 relative);
+  5: mode 4 with x's fp16 pairs made by one packed conversion each.
   On a GPU modes 3 and 4 are inline PTX; under the interpreter the same arithmetic in Triton ops.
 
 Torch reference: `int4_packing.dequantize` (of `from_panels`) then a matmul.
@@ -105,6 +106,14 @@ add.f32 $0, flo, fhi;
 
 
 @triton.jit
+def _half2(lo, hi):
+    """The fp16 pair (lo, hi) as int32 bits, one packed conversion (cvt.rn.f16x2.f32; the single
+    conversions of `_half_bits` run on a quarter-rate pipe, two per pair, plus shifts and ors)."""
+    return tl.inline_asm_elementwise("cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], dtype=tl.int32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
 def _nib(words, I: tl.constexpr):
     return ((words >> (4 * I)) & 0xF).to(tl.float32)
 
@@ -151,15 +160,18 @@ def _tile_dot(words, s, z, x_base, offs_r, MODE: tl.constexpr, ASM: tl.constexpr
             d += (1024.0 + 16.0 * _nib(words, 3)) * (x3 * 0.0625)[:, None]
             d += (1024.0 + 16.0 * _nib(words, 7)) * (x7 * 0.0625)[:, None]
         return (d - xo[:, None] - xs[:, None] * z[None, :]) * s[None, :]
-    else:  # MODE 4
+    else:  # MODE 4 (5: the same, x's pairs packed by one conversion instruction each)
         down, up = _pow2_scale(x0, x1, x2, x3, x4, x5, x6, x7)
         x0, x1, x2, x3 = x0 * down, x1 * down, x2 * down, x3 * down
         x4, x5, x6, x7 = x4 * down, x5 * down, x6 * down, x7 * down
         if ASM:
             z1 = _half_bits(1024.0 + z)
             z16 = _half_bits(-(64.0 + z))
-            xp = (_half_bits(x0) | (_half_bits(x4) << 16), _half_bits(x1) | (_half_bits(x5) << 16),
-                  _half_bits(x2) | (_half_bits(x6) << 16), _half_bits(x3) | (_half_bits(x7) << 16))
+            if MODE == 5:
+                xp = (_half2(x0, x4), _half2(x1, x5), _half2(x2, x6), _half2(x3, x7))
+            else:
+                xp = (_half_bits(x0) | (_half_bits(x4) << 16), _half_bits(x1) | (_half_bits(x5) << 16),
+                      _half_bits(x2) | (_half_bits(x6) << 16), _half_bits(x3) | (_half_bits(x7) << 16))
             d = tl.inline_asm_elementwise(
                 _HALF2_ASM, "=f,r,r,r,r,r,r,r",
                 [words, (z1 | (z1 << 16))[None, :], (z16 | (z16 << 16))[None, :], xp[0][:, None], xp[1][:, None],
@@ -245,7 +257,7 @@ def _prefetch_gemv_kernel(x_ptr, qp_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_pt
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
-MODES = (0, 3, 4)
+MODES = (0, 3, 4, 5)
 
 
 @dataclass(frozen=True)
@@ -318,5 +330,5 @@ def prefetch_gemv(x: torch.Tensor, qpanels: torch.Tensor, scales: torch.Tensor, 
     _prefetch_gemv_kernel[(tiles_n, c.split)](
         x, qpanels, scales, zeros, out, part, counters if c.split > 1 else out, n, k, scales.stride(0),
         GROUP=group, PANEL=panel, BLOCK_K=c.block_k, SPLIT=c.split, PREFETCH=c.prefetch, STAGES=c.stages,
-        MODE=c.mode, ASM=c.mode in (3, 4) and x.is_cuda and not _interpreting(), num_warps=c.warps)
+        MODE=c.mode, ASM=c.mode in (3, 4, 5) and x.is_cuda and not _interpreting(), num_warps=c.warps)
     return out
