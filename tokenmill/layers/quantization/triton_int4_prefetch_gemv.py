@@ -297,8 +297,9 @@ def config_for(n: int, k: int, group: int) -> PrefetchGemv | None:
 
 
 def fits(n: int, k: int, group: int, c: PrefetchGemv) -> bool:
-    """Whole panels, K tiles inside groups, SPLIT a power of two dividing the K tiles."""
-    return (c.panel > 0 and n % c.panel == 0 and c.block_k % 8 == 0 and k % group == 0 and group % c.block_k == 0
+    """Whole panels of a power-of-two width, K tiles inside groups, SPLIT a power of two dividing
+    the K tiles."""
+    return (c.panel > 0 and c.panel & (c.panel - 1) == 0 and n % c.panel == 0 and c.block_k % 8 == 0 and k % group == 0 and group % c.block_k == 0
             and c.split >= 1 and c.split & (c.split - 1) == 0 and (k // c.block_k) % c.split == 0)
 
 
