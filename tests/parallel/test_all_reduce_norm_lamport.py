@@ -1,0 +1,98 @@
+"""The fused all-reduce + add + RMSNorm's lamport variant under Triton's CPU interpreter.
+
+Local tensors stand in for the peers' buffers. Before rank r's launch of call c the test stores
+each peer's rows (with -0.0 turned into +0.0, as the peer's launch does) into the peer's slot of
+epoch c % 3 of r's buffer; the kernel must sum the ranks' rows in rank order (its own from
+registers), add the residual and norm, store its own rows into every peer's buffer, refill its
+tile of epoch (c + 2) % 3 with the sentinel and advance its counters. Reading a slot that still
+holds the sentinel would spin for ever, so the test plays every peer before each launch. The real
+cross-GPU exchange is checked on two GPUs (scripts/gpu_layouts.py --parts allreduce).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined: before the first import
+
+import pytest
+import torch
+
+from tests.helpers.triton_required import require_triton
+
+require_triton()
+
+from tokenmill.distributed import all_reduce_norm_lamport as lamport  # noqa: E402
+from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm, FusedNormLimits, reference  # noqa: E402
+
+HALF = 3 << 12  # bytes per epoch of a rank's buffer (small: the interpreter is slow; a 64-row tile of 32 at three ranks)
+
+
+def make_group(world: int) -> list[FusedAllReduceNorm]:
+    buffers = [torch.full((lamport.buffer_bytes(HALF) // 2,), lamport.SENTINEL, dtype=torch.int16)
+               for _ in range(world)]
+    addresses = [b.data_ptr() for b in buffers]
+    return [FusedAllReduceNorm(buffers, addresses, r, FusedNormLimits(half_bytes=HALF, max_bytes=HALF), "lamport")
+            for r in range(world)]
+
+
+def slot(ranks, owner: int, writer: int, call: int) -> torch.Tensor:
+    """`writer`'s slot of call `call`'s epoch in `owner`'s buffer (int16 elements)."""
+    world = len(ranks)
+    elems = lamport.slot_elements(HALF, world)
+    start = ((call % 3) * world + writer) * elems
+    return ranks[owner].buffers[owner][start:start + elems]
+
+
+def wire(x: torch.Tensor) -> torch.Tensor:
+    """A partial's bits as a rank sends them: -0.0 as +0.0."""
+    bits = x.contiguous().view(torch.int16).reshape(-1).clone()
+    bits[bits == lamport.SENTINEL] = 0
+    return bits
+
+
+@pytest.mark.parametrize("dtype", [torch.float16])
+@pytest.mark.parametrize("world,rows_per_call,n", [(2, (1, 3, 1, 2), 64), (2, (5, 2, 6, 1), 96), (3, (3, 1, 4, 2), 32)])
+def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, n):
+    torch.manual_seed(0)
+    ranks = make_group(world)
+    weight = torch.randn(n).to(dtype)
+    eps = 1e-5
+    tile_rows = lamport.rows_per_program(n)
+    for call, rows in enumerate(rows_per_call):  # epochs 0, 1, 2, 0; the row count varies as in decode
+        partials = [torch.randn(rows, n).to(dtype) for _ in range(world)]
+        partials[0][0, :3] = -0.0  # sent as +0.0: the peers must not wait on them
+        residual = torch.randn(rows, n) * 3
+        want_out, want_res = reference(partials, residual, weight, eps)
+        for rank in range(world):
+            for peer in range(world):
+                if peer != rank:
+                    slot(ranks, rank, peer, call)[:rows * n] = wire(partials[peer])
+            assert ranks[rank].applies(partials[rank], residual, weight)
+            res = residual.clone()
+            out, res_out = ranks[rank](partials[rank], res, weight, eps)
+            assert res_out is res
+            torch.testing.assert_close(res, want_res, rtol=1e-6, atol=1e-5)
+            torch.testing.assert_close(out, want_out, rtol=2e-3, atol=2e-3)
+            programs = -(-rows // tile_rows)
+            tile = programs * tile_rows * n
+            assert (ranks[rank].counters[:programs] >= 1).all()
+            for peer in range(world):  # its rows, as sent, in its slot of every peer's buffer
+                if peer != rank:
+                    assert torch.equal(slot(ranks, peer, rank, call)[:rows * n], wire(partials[rank]))
+                    # the stale epoch's tile refilled with the sentinel, whatever an earlier call wrote there
+                    assert (slot(ranks, rank, peer, call + 2)[:tile] == lamport.SENTINEL).all()
+            # its own slot in its own buffer is never written
+            assert (slot(ranks, rank, rank, call) == lamport.SENTINEL).all()
+
+
+def test_what_the_lamport_variant_does_not_take():
+    rank = make_group(2)[0]
+    w = torch.zeros(64, dtype=torch.float16)
+    x = torch.zeros(2, 64, dtype=torch.float16)
+    assert rank.applies(x, x.float(), w)
+    assert not make_group(2)[0].applies(x.float(), x.float(), w.float())  # one 16-bit sentinel: no float32
+    tile = lamport.rows_per_program(64)  # a program's rows: its whole tile must lie in a slot
+    rows = lamport.slot_elements(HALF, 2) // (tile * 64) * tile
+    big = torch.zeros(rows + 1, 64, dtype=torch.float16)
+    assert not make_group(2)[0].applies(big, big, w) and make_group(2)[0].applies(big[:-1], big[:-1], w)
