@@ -120,7 +120,10 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     "tp2-rope-apart": (["--tensor-parallel-size", "2"], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
     "tp1-rope-apart": ([], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
     # TP=2 with the fused all-reduce + norm kernel's push variant (reads local, writes remote).
-    "tp2-push": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_PUSH": "1"}),
+    "tp2-push": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_VARIANT": "push"}),
+    # ... its lamport variant (rows pushed with their own readiness: no signals) and the pull one.
+    "tp2-lamport": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_VARIANT": "lamport"}),
+    "tp2-pull": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_VARIANT": "pull"}),
     "pp2": (["--pipeline-parallel-size", "2"], {}),
     # Three micro-batches on two stages: the host's turn-around between a stage's batches hidden.
     "pp2-mb3": (["--pipeline-parallel-size", "2", "--pp-microbatches", "3"], {}),
@@ -317,7 +320,8 @@ def ar_profile(results: dict, smoke: bool) -> None:
               f"calls, of a device period of {r0['period_us'] / 1e3:.3f} ms")
 
 
-def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None) -> bool:
+def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None,
+               variants: str = "pull,push,lamport") -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
     (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
@@ -327,12 +331,47 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
     record = os.path.join(OUT, "all_reduce.json")
     sizes = ["--sizes-kib", sizes_kib] if sizes_kib else []
     sizes += ["--fused-rows", fused_rows] if fused_rows else []
+    sizes += ["--fused-variants", variants]
     proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
                            "--output-json", record], cwd=REPO, text=True)
     if os.path.exists(record):
         with open(record) as f:
             results["all_reduce"] = json.load(f)
     return proc.returncode == 0
+
+
+def single_gpu_sweeps(results: dict, smoke: bool, budget: float) -> bool:
+    """One-GPU sweeps side by side, one per GPU: the one-row linears of TP=1 and TP=2 (cuBLAS against
+    the Triton GEMV's tiles, scripts/gpu_gemv.py) on GPU 1, and batch-1 decode attention at a rank's
+    heads (16 query / 4 KV heads at TP=2, 32 / 8 at one GPU; context 640, the bench's max_model_len
+    784 as the decode graphs capture it) swept over its launch (scripts/gpu_attention.py) on GPU 0."""
+    scripts = os.path.join(REPO, "scripts")
+    gemv_out, attn_out = os.path.join(OUT, "gemv"), os.path.join(OUT, "attention_b1")
+    smoke_flag = ["--smoke"] if smoke else []
+    procs = {"gemv": subprocess.Popen(
+        [sys.executable, os.path.join(scripts, "gpu_gemv.py"), "--budget", str(budget * 0.8), *smoke_flag],
+        env={**os.environ, "OUT": gemv_out, "CUDA_VISIBLE_DEVICES": "1"}, text=True)}
+    heads_runs = [(16, 4), (32, 8)]
+    code = ("import sys; sys.argv = ['gpu_attention.py', '--shapes', {shape!r}, '--sweep-all', '--budget', {b!r}] "
+            "+ {smoke!r}; import gpu_attention as g; g.LLAMA8B = ({hq}, {hkv}, 128); g.MAX_MODEL_LEN = 784; g.main()")
+    attn_ok = True
+    if smoke:
+        print("attention sweep: needs CUDA (skipped in --smoke)")
+    else:
+        for hq, hkv in heads_runs:
+            env = {**os.environ, "OUT": os.path.join(attn_out, f"h{hq}x{hkv}"), "CUDA_VISIBLE_DEVICES": "0"}
+            cmd = code.format(shape="1x640", b=str(budget * 0.4), smoke=[], hq=hq, hkv=hkv)
+            attn_ok = subprocess.run([sys.executable, "-c", cmd], cwd=scripts, env=env, text=True).returncode == 0 and attn_ok
+            path = os.path.join(attn_out, f"h{hq}x{hkv}", "gpu_attention.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[f"attention_b1_h{hq}x{hkv}"] = json.load(f)
+    gemv_ok = procs["gemv"].wait() == 0
+    path = os.path.join(gemv_out, "gpu_gemv.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            results["gemv"] = json.load(f)
+    return gemv_ok and attn_ok
 
 
 def main() -> int:
@@ -348,6 +387,8 @@ def main() -> int:
                     "(pull and push variants; default: bench all-reduce's)")
     ap.add_argument("--batch1-layouts", default="tp1,tp2,tp2-unfused", help="batch1: layouts to time")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="batch1: prompts (one at a time, 512 in x 256 out)")
+    ap.add_argument("--sweep-budget", type=float, default=40.0, help="single: seconds for the one-GPU sweeps")
+    ap.add_argument("--ar-variants", default="pull,push,lamport", help="allreduce: the fused kernel's variants")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
@@ -378,10 +419,12 @@ def main() -> int:
             ok = kernels(results, args.smoke) and ok
         elif part == "profile":
             profile(results, args.smoke, args.batch1_layouts.split(","), args.batch1_prompts)
+        elif part == "single":
+            ok = single_gpu_sweeps(results, args.smoke, args.sweep_budget) and ok
         elif part == "allreduce":
-            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows) and ok
+            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants) and ok
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, kernels, batch1, profile, arprofile, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, single, check, kernels, batch1, profile, arprofile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)

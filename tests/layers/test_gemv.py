@@ -36,8 +36,23 @@ def test_gemv_equals_the_reference(dtype, n, k, bias, tiles):
 
 def test_gemv_takes_a_flat_row_and_refuses_strided_weights():
     x, w = torch.randn(48), torch.randn(10, 48)
-    torch.testing.assert_close(gemv(x, w, tiles=GemvTiles(8, 16, 1, 1)).double(), gemv_reference(x, w))
+    torch.testing.assert_close(gemv(x, w, tiles=GemvTiles(8, 16, 1, 1)).double(), gemv_reference(x, w),
+                               rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="contiguous rows"):
         gemv(x, torch.randn(48, 10).t())
     with pytest.raises(ValueError, match="one row"):
         gemv(torch.randn(2, 48), w)
+
+
+def test_which_one_row_linears_take_the_gemv(monkeypatch):
+    from tokenmill.layers.triton_ops import gemv as module
+    x, w = torch.zeros(1, 64, dtype=torch.float16), torch.zeros(32, 64, dtype=torch.float16)
+    monkeypatch.setattr(module, "TABLE", {(32, 64): GemvTiles(8, 32, 1, 1)})
+    assert module.applies(x, w, None)
+    assert not module.applies(x, torch.zeros(16, 64, dtype=torch.float16), None)  # a shape not in the table
+    assert not module.applies(x.float(), w.float(), None)  # 16-bit only
+    assert not module.applies(x, torch.zeros(64, 32, dtype=torch.float16).t(), None)  # strided rows
+    monkeypatch.setenv("TOKENMILL_GEMV", "0")
+    assert not module.applies(x, w, None)
+    monkeypatch.setenv("TOKENMILL_GEMV", "all")
+    assert module.applies(x, torch.zeros(16, 64, dtype=torch.float16), None)

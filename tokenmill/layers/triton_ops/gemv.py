@@ -15,6 +15,7 @@ Torch reference: `gemv_reference` (float64).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +68,23 @@ TABLE: dict[tuple[int, int], GemvTiles] = {}
 
 def gemv_tiles(n: int, k: int) -> GemvTiles:
     return TABLE.get((n, k), DEFAULT)
+
+
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def wanted() -> bool:
+    """`TOKENMILL_GEMV=0`: every one-row linear through cuBLAS (A/B); `all`: every shape through the
+    GEMV (tile sweeps); default: the shapes of TABLE."""
+    return os.environ.get("TOKENMILL_GEMV", "1").lower() not in ("0", "false", "no")
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a one-row linear on the device goes through `gemv` (shapes where it measured faster)."""
+    if not (x.dtype in _DTYPES and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1
+            and weight.device == x.device and (bias is None or bias.dtype == x.dtype) and wanted()):
+        return False
+    return (weight.shape[0], weight.shape[1]) in TABLE or os.environ.get("TOKENMILL_GEMV", "").lower() == "all"
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
