@@ -25,7 +25,7 @@ require_triton()
 from tokenmill.distributed import all_reduce_norm_lamport as lamport  # noqa: E402
 from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm, FusedNormLimits, reference  # noqa: E402
 
-HALF = 3 << 12  # bytes per epoch of a rank's buffer (small: the interpreter is slow; a 64-row tile of 32 at three ranks)
+HALF = 1 << 16  # bytes per epoch of a rank's buffer (small: the interpreter is slow)
 
 
 def make_group(world: int) -> list[FusedAllReduceNorm]:
@@ -36,11 +36,11 @@ def make_group(world: int) -> list[FusedAllReduceNorm]:
             for r in range(world)]
 
 
-def slot(ranks, owner: int, writer: int, call: int) -> torch.Tensor:
-    """`writer`'s slot of call `call`'s epoch in `owner`'s buffer (int16 elements)."""
+def slot(ranks, owner: int, writer: int, epoch: int) -> torch.Tensor:
+    """`writer`'s slot of an epoch in `owner`'s buffer (int16 elements)."""
     world = len(ranks)
     elems = lamport.slot_elements(HALF, world)
-    start = ((call % 3) * world + writer) * elems
+    start = ((epoch % 3) * world + writer) * elems
     return ranks[owner].buffers[owner][start:start + elems]
 
 
@@ -52,38 +52,56 @@ def wire(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16])
-@pytest.mark.parametrize("world,rows_per_call,n", [(2, (1, 3, 1, 2), 64), (2, (5, 2, 6, 1), 96), (3, (3, 1, 4, 2), 32)])
+# n=2048: one row per tile, so up to 6 tiles share the interpreter's 2 programs (`max_programs`),
+# and the tiles' call counts (epochs) drift apart as the row count varies.
+@pytest.mark.parametrize("world,rows_per_call,n", [(2, (1, 3, 1, 2), 64), (2, (5, 2, 6, 1), 2048),
+                                                   (2, (2, 1), 96), (3, (3, 1, 4, 2), 32)])
 def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, n):
     torch.manual_seed(0)
     ranks = make_group(world)
     weight = torch.randn(n).to(dtype)
     eps = 1e-5
     tile_rows = lamport.rows_per_program(n)
-    for call, rows in enumerate(rows_per_call):  # epochs 0, 1, 2, 0; the row count varies as in decode
+    tile_elems = tile_rows * n
+    calls_of_tile = [0] * 64  # per tile: how often it ran (its epoch), the same on every rank
+    for rows in rows_per_call:
         partials = [torch.randn(rows, n).to(dtype) for _ in range(world)]
         partials[0][0, :3] = -0.0  # sent as +0.0: the peers must not wait on them
         residual = torch.randn(rows, n) * 3
         want_out, want_res = reference(partials, residual, weight, eps)
+        tiles = -(-rows // tile_rows)
+
+        def region(owner: int, writer: int, t: int, epoch_shift: int = 0) -> torch.Tensor:
+            return slot(ranks, owner, writer, calls_of_tile[t] + epoch_shift)[t * tile_elems:(t + 1) * tile_elems]
+
         for rank in range(world):
-            for peer in range(world):
+            for peer in range(world):  # what the peers' launches leave in this rank's buffer
                 if peer != rank:
-                    slot(ranks, rank, peer, call)[:rows * n] = wire(partials[peer])
+                    sent = wire(partials[peer])
+                    for t in range(tiles):
+                        part = sent[t * tile_elems:(t + 1) * tile_elems]
+                        region(rank, peer, t)[:part.numel()] = part
             assert ranks[rank].applies(partials[rank], residual, weight)
             res = residual.clone()
             out, res_out = ranks[rank](partials[rank], res, weight, eps)
             assert res_out is res
             torch.testing.assert_close(res, want_res, rtol=1e-6, atol=1e-5)
             torch.testing.assert_close(out, want_out, rtol=2e-3, atol=2e-3)
-            programs = -(-rows // tile_rows)
-            tile = programs * tile_rows * n
-            assert (ranks[rank].counters[:programs] >= 1).all()
-            for peer in range(world):  # its rows, as sent, in its slot of every peer's buffer
-                if peer != rank:
-                    assert torch.equal(slot(ranks, peer, rank, call)[:rows * n], wire(partials[rank]))
-                    # the stale epoch's tile refilled with the sentinel, whatever an earlier call wrote there
-                    assert (slot(ranks, rank, peer, call + 2)[:tile] == lamport.SENTINEL).all()
-            # its own slot in its own buffer is never written
-            assert (slot(ranks, rank, rank, call) == lamport.SENTINEL).all()
+            assert (ranks[rank].counters[:tiles] == torch.tensor(calls_of_tile[:tiles]) + 1).all()
+            assert (ranks[rank].counters[tiles:64] == torch.tensor(calls_of_tile[tiles:])).all()
+            sent = wire(partials[rank])
+            for peer in range(world):
+                if peer == rank:
+                    continue
+                for t in range(tiles):  # its rows, as sent, in its slot of every peer's buffer
+                    part = sent[t * tile_elems:(t + 1) * tile_elems]
+                    assert torch.equal(region(peer, rank, t)[:part.numel()], part)
+                    # the tile's stale epoch refilled with the sentinel, whatever an earlier call wrote there
+                    assert (region(rank, peer, t, 2) == lamport.SENTINEL).all()
+            for e in range(3):  # its own slot in its own buffer is never written
+                assert (slot(ranks, rank, rank, e) == lamport.SENTINEL).all()
+        for t in range(tiles):
+            calls_of_tile[t] += 1
 
 
 def test_what_the_lamport_variant_does_not_take():

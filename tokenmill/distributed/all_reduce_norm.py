@@ -104,8 +104,9 @@ class FusedAllReduceNorm:
         self.rank, self.world, self.limits = rank, len(peer_addresses), limits
         self.peers = torch.tensor(peer_addresses, dtype=torch.int64, device=device)
         from tokenmill.distributed import all_reduce_norm_kernel, all_reduce_norm_lamport
-        programs = (all_reduce_norm_lamport if variant == "lamport" else all_reduce_norm_kernel).MAX_PROGRAMS
-        self.counters = torch.zeros(programs, dtype=torch.int32, device=device)
+        slots = all_reduce_norm_lamport.MAX_TILES if variant == "lamport" else all_reduce_norm_kernel.MAX_PROGRAMS
+        self.counters = torch.zeros(slots, dtype=torch.int32, device=device)
+        self._programs = all_reduce_norm_lamport.max_programs(device) if variant == "lamport" else 0
         # (row width, dtype) of the calls: where program p's rows sit in a half depends on them, and
         # the halves' safety (a rank rewrites a half only after its peers signalled that they
         # finished reading it) holds only between calls of one layout. The first call fixes it;
@@ -205,7 +206,7 @@ class FusedAllReduceNorm:
         if self.variant == "lamport":
             from tokenmill.distributed import all_reduce_norm_lamport
             out = all_reduce_norm_lamport.launch(x, residual, weight, eps, self.peers, self.counters, self.rank,
-                                                 self.world, self.limits.half_bytes)
+                                                 self.world, self.limits.half_bytes, self._programs)
             return out, residual
         from tokenmill.distributed.all_reduce_norm_kernel import launch
         out = launch(x, residual, weight, eps, self.peers, self.counters, self.rank, self.world,
