@@ -114,3 +114,12 @@ def test_what_the_lamport_variant_does_not_take():
     rows = lamport.slot_elements(HALF, 2) // (tile * 64) * tile
     big = torch.zeros(rows + 1, 64, dtype=torch.float16)
     assert not make_group(2)[0].applies(big, big, w) and make_group(2)[0].applies(big[:-1], big[:-1], w)
+
+
+def test_the_lamport_buffer_is_sized_for_its_largest_message(monkeypatch):
+    from tokenmill.distributed.all_reduce_norm import FusedNormLimits, default_limits
+    assert default_limits("pull", 2) == FusedNormLimits()
+    monkeypatch.setenv("TOKENMILL_ALL_REDUCE_NORM_MAX_MIB", "64")  # a prefill chunk: 8192 tokens x 4096, bf16
+    limits = default_limits("lamport", 2)
+    assert limits.max_bytes == 64 << 20 and limits.half_bytes == 128 << 20
+    assert lamport.fits(8192, 4096, limits.half_bytes, 2) and not lamport.fits(8193, 4096, limits.half_bytes, 2)

@@ -42,6 +42,20 @@ class FusedNormLimits:
     max_bytes: int = 2 << 20
 
 
+LAMPORT_MAX_MIB = 2  # the lamport variant's largest message by default (TOKENMILL_ALL_REDUCE_NORM_MAX_MIB)
+
+
+def default_limits(variant: str, world: int) -> FusedNormLimits:
+    """Pull and push: `FusedNormLimits()`. Lamport: a message of up to TOKENMILL_ALL_REDUCE_NORM_MAX_MIB
+    (default LAMPORT_MAX_MIB) from every peer in each of its three epochs (at 64 MiB, a prefill chunk
+    of 8192 tokens x 4096 in bf16: 384 MiB per GPU at two ranks)."""
+    if variant != "lamport":
+        return FusedNormLimits()
+    mib = float(os.environ.get("TOKENMILL_ALL_REDUCE_NORM_MAX_MIB", LAMPORT_MAX_MIB))
+    max_bytes = int(mib * (1 << 20)) // 16 * 16
+    return FusedNormLimits(half_bytes=max(max_bytes * world, 1 << 20), max_bytes=max_bytes)
+
+
 def wanted() -> bool:
     return os.environ.get("TOKENMILL_FUSED_ALL_REDUCE_NORM", "1").lower() not in ("0", "false", "no")
 
@@ -127,9 +141,9 @@ class FusedAllReduceNorm:
             import torch.distributed as dist
             import torch.distributed._symmetric_memory as symm_mem
 
-            limits = limits or FusedNormLimits()
             variant = variant or variant_wanted()
             world, rank = dist.get_world_size(group), dist.get_rank(group)
+            limits = limits or default_limits(variant, world)
             _enable_group(symm_mem, group.group_name)
             buffer = symm_mem.empty(buffer_bytes(limits.half_bytes, world, variant), dtype=torch.uint8, device=device)
             handle = symm_mem.rendezvous(buffer, group)
