@@ -18,6 +18,10 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
   profile batch1 with a torch.profiler window over 32 decode steps on every rank: per-step device time
           of each kernel group (GEMMs, attention, norms, all-reduce, rope, sampling, copies, others),
           launch gaps, host gaps and the gap between steps; one GPU beside TP=2 (off by default).
+  tpprofile  the bench's prefill chunks and 1000-row decode steps profiled in one run per layout
+          (--profile-layouts): per kernel group, and the all-reduce per decode step from the trace.
+  single  one-GPU sweeps side by side: one-row linears (cuBLAS vs the Triton GEMV, gpu_gemv.py) and
+          batch-1 attention launches at a TP rank's heads (gpu_attention.py).
   arprofile  TP=2 decode steps of 1000 rows profiled (short prompts): the all-reduce's time per decode
           step of the bench's batch from the trace (off by default).
   bench   Llama-3.1-8B shape, dummy bfloat16 weights, 1000 prompts x 512 in x 256 out, one GPU,
@@ -320,6 +324,50 @@ def ar_profile(results: dict, smoke: bool) -> None:
               f"calls, of a device period of {r0['period_us'] / 1e3:.3f} ms")
 
 
+def tp_profile(results: dict, smoke: bool, layouts: list[str]) -> None:
+    """The throughput bench's steps profiled (1000 prompts x 512 in, 24 out, max_num_seqs 1024): in
+    one run per layout, a window over 3 prefill chunks (steps of >= 8000 tokens, mixed with the
+    decode rows they carry) and one over 8 decode steps of all 1000 rows, on every rank. Per step
+    and kernel group (GEMMs, attention, all-reduce, ...), side by side per layout: what keeps TP=2
+    from halving a step, and the all-reduce's time per decode step from the trace."""
+    from tokenmill.worker.device_profile import ENV_VAR
+    rows = 8 if smoke else 1000
+
+    def windows(name: str) -> dict:
+        for kind in ("prefill", "decode"):
+            shutil.rmtree(os.path.join(OUT, f"tpprofile_{name}_{kind}"), ignore_errors=True)
+        return {ENV_VAR: json.dumps([
+            dict(out_dir=os.path.join(OUT, f"tpprofile_{name}_prefill"), min_tokens=1 if smoke else 8000,
+                 skip=1 if smoke else 6, steps=2 if smoke else 3),
+            dict(out_dir=os.path.join(OUT, f"tpprofile_{name}_decode"), batch=rows, skip=1 if smoke else 4,
+                 steps=2 if smoke else 8)])}
+
+    figures: dict = {}
+    for name in layouts:
+        bench(results, smoke, 1024, [name], (rows, 512, 24), "tpprofile", windows)
+        for kind in ("prefill", "decode"):
+            figures.update(read_profiles(f"tpprofile_{name}_{kind}", f"{name} {kind}"))
+        results["profile_throughput"] = figures
+        with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    for kind in ("prefill", "decode"):
+        per = {name: figures.get(f"tpprofile_{name}_{kind}_rank0") for name in layouts}
+        per = {k: v for k, v in per.items() if v}
+        if not per:
+            continue
+        groups = sorted({g for v in per.values() for g in v["groups_us"]}, key=lambda g: -max(
+            v["groups_us"].get(g, 0.0) for v in per.values()))
+        print(f"{kind} step (rank 0), ms: " + "  ".join(f"{k} {v['period_us'] / 1e3:.3f}" for k, v in per.items()))
+        print(f"{'group':<14} " + " ".join(f"{k:>12}" for k in per))
+        for g in groups:
+            print(f"{g:<14} " + " ".join(f"{v['groups_us'].get(g, 0.0) / 1e3:12.3f}" for v in per.values()))
+        tp = per.get("tp2")
+        if tp and kind == "decode":
+            print(f"tp2: all-reduce per decode step of {rows} rows (rank 0, from the trace): "
+                  f"{tp['groups_us'].get('all_reduce', 0) / 1e3:.3f} ms in {tp['groups_calls'].get('all_reduce', 0):.0f} "
+                  f"calls, of a device period of {tp['period_us'] / 1e3:.3f} ms")
+
+
 def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None,
                variants: str = "pull,push,lamport") -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
@@ -387,6 +435,7 @@ def main() -> int:
                     "(pull and push variants; default: bench all-reduce's)")
     ap.add_argument("--batch1-layouts", default="tp1,tp2,tp2-unfused", help="batch1: layouts to time")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="batch1: prompts (one at a time, 512 in x 256 out)")
+    ap.add_argument("--profile-layouts", default="tp2", help="tpprofile: layouts profiled (e.g. tp1,tp2)")
     ap.add_argument("--sweep-budget", type=float, default=40.0, help="single: seconds for the one-GPU sweeps")
     ap.add_argument("--ar-variants", default="pull,push,lamport", help="allreduce: the fused kernel's variants")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
@@ -419,12 +468,14 @@ def main() -> int:
             ok = kernels(results, args.smoke) and ok
         elif part == "profile":
             profile(results, args.smoke, args.batch1_layouts.split(","), args.batch1_prompts)
+        elif part == "tpprofile":
+            tp_profile(results, args.smoke, args.profile_layouts.split(","))
         elif part == "single":
             ok = single_gpu_sweeps(results, args.smoke, args.sweep_budget) and ok
         elif part == "allreduce":
             ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants) and ok
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, single, check, kernels, batch1, profile, arprofile, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, single, check, kernels, batch1, profile, arprofile, tpprofile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)
