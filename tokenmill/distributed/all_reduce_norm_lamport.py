@@ -41,6 +41,7 @@ from tokenmill.distributed.all_reduce_norm_kernel import rows_per_program
 
 EPOCHS = 3
 SENTINEL = -32768  # int16 bits of -0.0 in bf16 and fp16
+_SENTINEL = tl.constexpr(SENTINEL)  # (the kernel's view of it: jitted code reads constexpr globals only)
 MAX_TILES = 16384  # a counter each
 
 
@@ -65,7 +66,7 @@ def _lamport_all_reduce_add_rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     col_ok = cols < N
     epoch_elems = slot_elems * WORLD
-    sentinel = tl.full((ROWS, BLOCK), SENTINEL, tl.int16)
+    sentinel = tl.full((ROWS, BLOCK), _SENTINEL, tl.int16)
     # Phase 1, every tile of this program: send its rows, refill the stale epoch. All sends go out
     # before any wait, so a program's NVLink latency is paid once, not once per tile.
     for t in range(pid, num_tiles, programs):
@@ -76,7 +77,7 @@ def _lamport_all_reduce_add_rms_norm_kernel(
         current = (count % 3).to(tl.int64) * epoch_elems
         stale = ((count + 2) % 3).to(tl.int64) * epoch_elems
         bits = tl.load(x_ptr + tile, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-        bits = tl.where(bits == SENTINEL, 0, bits)  # -0.0 -> +0.0: no row value reads as "not arrived"
+        bits = tl.where(bits == _SENTINEL, 0, bits)  # -0.0 -> +0.0: no row value reads as "not arrived"
         for d in tl.static_range(1, WORLD):
             peer = (rank + d) % WORLD
             tl.store(_slot(peers_ptr, peer, current, rank, slot_elems) + tile, bits, mask=mask)
@@ -92,7 +93,7 @@ def _lamport_all_reduce_add_rms_norm_kernel(
         tile = (rows * N)[:, None] + cols[None, :]
         current = (count % 3).to(tl.int64) * epoch_elems
         bits = tl.load(x_ptr + tile, mask=mask, other=0.0).to(tl.int16, bitcast=True)
-        bits = tl.where(bits == SENTINEL, 0, bits)  # as sent: every rank sums the same numbers
+        bits = tl.where(bits == _SENTINEL, 0, bits)  # as sent: every rank sums the same numbers
         own = bits.to(dtype, bitcast=True).to(tl.float32)
         total = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for writer in tl.static_range(WORLD):
@@ -100,7 +101,7 @@ def _lamport_all_reduce_add_rms_norm_kernel(
             wait = mask & ~is_own
             src = _slot(peers_ptr, rank, current, writer, slot_elems) + tile
             got = tl.load(src, mask=wait, other=0, volatile=True)
-            while tl.max(tl.where(wait & (got == SENTINEL), 1, 0)) > 0:
+            while tl.max(tl.where(wait & (got == _SENTINEL), 1, 0)) > 0:
                 got = tl.load(src, mask=wait, other=0, volatile=True)
             total += tl.where(is_own, own, got.to(dtype, bitcast=True).to(tl.float32))
         res_ptrs = res_ptr + tile
