@@ -60,10 +60,22 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, s_wn,
     tl.store(out_ptr + offs_n, y.to(out_ptr.dtype.element_ty), mask=n_mask)
 
 
-# (N, K) -> tiles, from `scripts/gpu_gemv.py` on an H200 (Llama-3.1-8B's linears at TP=1 and TP=2).
-# A shape not listed takes DEFAULT.
+# (N, K) -> tiles, from `scripts/gpu_gemv.py` on an H200 (Llama-3.1-8B's linears at TP=1 and TP=2;
+# bf16, a graph of distinct weights past L2; docs/results/gpu-parallel.md): the shapes where the
+# best tiles beat cuBLAS (`F.linear`, its split-K reduce included) by 3% or more, us per call.
+# Only these shapes take the GEMV (`applies`); DEFAULT serves `TOKENMILL_GEMV=all` and tests.
 DEFAULT = GemvTiles()
-TABLE: dict[tuple[int, int], GemvTiles] = {}
+TABLE: dict[tuple[int, int], GemvTiles] = {
+    (3072, 4096): GemvTiles(2, 1024, 4, 1),   # TP=2 qkv:      7.85 against cuBLAS 10.84
+    (4096, 2048): GemvTiles(4, 1024, 4, 1),   # TP=2 o:        6.01 against 7.14
+    (14336, 4096): GemvTiles(16, 256, 4, 1),  # TP=2 gate_up: 29.03 against 30.88
+    (4096, 7168): GemvTiles(8, 512, 4, 3),    # TP=2 down:    15.81 against 19.79
+    (64128, 4096): GemvTiles(2, 1024, 4, 1),  # TP=2 LM head: 119.8 against 149.9
+    (6144, 4096): GemvTiles(2, 1024, 4, 1),   # one GPU qkv:  13.76 against 15.52
+    (4096, 4096): GemvTiles(8, 512, 4, 3),    # one GPU o:    10.11 against 13.36
+    (4096, 14336): GemvTiles(8, 512, 4, 3),   # one GPU down: 29.00 against 32.21
+    (128256, 4096): GemvTiles(16, 256, 4, 1),  # one GPU LM head: 235.0 against 283.5
+}  # (one GPU's gate_up, 28672 x 4096: 55.3 against 56.8, left to cuBLAS)
 
 
 def gemv_tiles(n: int, k: int) -> GemvTiles:
