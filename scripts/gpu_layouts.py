@@ -369,7 +369,7 @@ def tp_profile(results: dict, smoke: bool, layouts: list[str]) -> None:
 
 
 def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None,
-               variants: str = "pull,push,lamport") -> bool:
+               variants: str = "pull,push,lamport", timeout_s: float = 90.0) -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
     (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
@@ -377,11 +377,23 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
         print("all-reduce: needs two GPUs (skipped in --smoke)")
         return True
     record = os.path.join(OUT, "all_reduce.json")
+    if os.path.exists(record):
+        os.remove(record)  # not an earlier call's
     sizes = ["--sizes-kib", sizes_kib] if sizes_kib else []
     sizes += ["--fused-rows", fused_rows] if fused_rows else []
     sizes += ["--fused-variants", variants]
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
-                           "--output-json", record], cwd=REPO, text=True)
+    # In its own process group with a time limit: a kernel that never returns (two ranks waiting on
+    # each other) ends this part as failed, its workers with it, and the call goes on.
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
+                             "--output-json", record], cwd=REPO, text=True, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        import signal
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"all-reduce: no result after {timeout_s:.0f} s (killed)", flush=True)
+        return False
     if os.path.exists(record):
         with open(record) as f:
             results["all_reduce"] = json.load(f)
@@ -422,6 +434,30 @@ def single_gpu_sweeps(results: dict, smoke: bool, budget: float) -> bool:
     return gemv_ok and attn_ok
 
 
+def pick_variant(results: dict) -> None:
+    """From this call's `allreduce` part: the fused all-reduce + norm variant fastest at one row (of
+    those whose checks passed) for every later engine run of the call (TOKENMILL_ALL_REDUCE_NORM_VARIANT),
+    and, where it is the lamport one and beats the all-reduce + norm apart at every larger row count
+    measured (prefill-sized messages included), its buffer sized for them (TOKENMILL_ALL_REDUCE_NORM_MAX_MIB)."""
+    rows = (results.get("all_reduce") or {}).get("fused_rows") or []
+    at_one = [r for r in rows if r["rows"] == 1 and r["ok"]]
+    if not at_one:
+        print("variant pick: no checked one-row figures; the engine's default stays")
+        return
+    best = min(at_one, key=lambda r: r["fused_graph_us"])
+    variant = best.get("variant") or ("push" if best.get("push") else "pull")
+    os.environ["TOKENMILL_ALL_REDUCE_NORM_VARIANT"] = variant
+    pick = {"variant": variant, "one_row_us": {r.get("variant"): r["fused_graph_us"] for r in at_one}}
+    large = [r for r in rows if r.get("variant") == variant and r["rows"] * r["hidden"] * 2 > (2 << 20)]
+    if variant == "lamport" and large and all(
+            r["ok"] and r["fused_graph_us"] < min(r["one_shot_norm_graph_us"], r["nccl_norm_graph_us"]) for r in large):
+        mib = max(r["rows"] * r["hidden"] * 2 for r in large) >> 20
+        os.environ["TOKENMILL_ALL_REDUCE_NORM_MAX_MIB"] = str(mib)
+        pick["max_mib"] = mib
+    results["variant_pick"] = pick
+    print(f"variant pick for the engine runs below: {pick}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="allreduce,check,batch1,bench")
@@ -437,6 +473,8 @@ def main() -> int:
     ap.add_argument("--batch1-prompts", type=int, default=4, help="batch1: prompts (one at a time, 512 in x 256 out)")
     ap.add_argument("--profile-layouts", default="tp2", help="tpprofile: layouts profiled (e.g. tp1,tp2)")
     ap.add_argument("--sweep-budget", type=float, default=40.0, help="single: seconds for the one-GPU sweeps")
+    ap.add_argument("--pick-variant", action="store_true", help="allreduce: the later engine runs take the fused "
+                    "kernel's variant fastest at one row here (and lamport's large-message buffer where it wins)")
     ap.add_argument("--ar-variants", default="pull,push,lamport", help="allreduce: the fused kernel's variants")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
@@ -474,6 +512,8 @@ def main() -> int:
             ok = single_gpu_sweeps(results, args.smoke, args.sweep_budget) and ok
         elif part == "allreduce":
             ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants) and ok
+            if args.pick_variant:
+                pick_variant(results)
         else:
             raise SystemExit(f"--parts: unknown part {part!r} (allreduce, single, check, kernels, batch1, profile, arprofile, tpprofile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
