@@ -123,3 +123,17 @@ def test_the_lamport_buffer_is_sized_for_its_largest_message(monkeypatch):
     limits = default_limits("lamport", 2)
     assert limits.max_bytes == 64 << 20 and limits.half_bytes == 128 << 20
     assert lamport.fits(8192, 4096, limits.half_bytes, 2) and not lamport.fits(8193, 4096, limits.half_bytes, 2)
+
+
+def test_which_variant_the_environment_asks_for(monkeypatch):
+    from tokenmill.distributed.all_reduce_norm import variant_wanted
+    monkeypatch.delenv("TOKENMILL_ALL_REDUCE_NORM_VARIANT", raising=False)
+    monkeypatch.delenv("TOKENMILL_ALL_REDUCE_NORM_PUSH", raising=False)
+    assert variant_wanted() == "push"  # measured fastest of pull and push
+    monkeypatch.setenv("TOKENMILL_ALL_REDUCE_NORM_PUSH", "0")
+    assert variant_wanted() == "pull"
+    monkeypatch.setenv("TOKENMILL_ALL_REDUCE_NORM_VARIANT", "lamport")
+    assert variant_wanted() == "lamport"
+    monkeypatch.setenv("TOKENMILL_ALL_REDUCE_NORM_VARIANT", "ring")
+    with pytest.raises(ValueError, match="TOKENMILL_ALL_REDUCE_NORM_VARIANT"):
+        variant_wanted()

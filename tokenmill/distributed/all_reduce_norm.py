@@ -11,8 +11,8 @@ Numerics: the ranks' partials are summed in float32 in rank order and added to t
 residual unrounded (`reference`), one rounding fewer than all-reduce-then-add (the reduced sum
 in bf16); every rank computes the same bits, so the replicated residual streams stay equal.
 `TOKENMILL_FUSED_ALL_REDUCE_NORM=0` turns it off (A/B measurements). `TOKENMILL_ALL_REDUCE_NORM_VARIANT`
-picks the kernel: `pull` (each rank reads its peers' buffers after a signal), `push` (each rank stores
-its rows into every peer's buffer, reads are local; `TOKENMILL_ALL_REDUCE_NORM_PUSH=1` too) or
+picks the kernel: `pull` (each rank reads its peers' buffers after a signal; `TOKENMILL_ALL_REDUCE_NORM_PUSH=0`
+too), `push` (the default: each rank stores its rows into every peer's buffer, reads are local) or
 `lamport` (pushed rows that carry their own readiness: no signals, `all_reduce_norm_lamport`).
 """
 
@@ -70,7 +70,9 @@ def variant_wanted() -> str:
         if name not in VARIANTS:
             raise ValueError(f"TOKENMILL_ALL_REDUCE_NORM_VARIANT={name!r}: expected one of {', '.join(VARIANTS)}")
         return name
-    push = os.environ.get("TOKENMILL_ALL_REDUCE_NORM_PUSH", "0").lower() in ("1", "true", "yes")
+    # Default push: on two H200s 5.5 / 6.0 / 10.2 us at 1 / 8 / 128 rows against pull's 5.8 / 6.2 / 10.6
+    # (`bench all-reduce`, docs/results/gpu-parallel.md). TOKENMILL_ALL_REDUCE_NORM_PUSH=0: pull.
+    push = os.environ.get("TOKENMILL_ALL_REDUCE_NORM_PUSH", "1").lower() in ("1", "true", "yes")
     return "push" if push else "pull"
 
 
