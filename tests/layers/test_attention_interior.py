@@ -88,7 +88,7 @@ def test_decode_launch_parameters_per_cache_dtype():
     assert (bf16.block_n, bf16.num_stages, bf16.num_warps, bf16.num_splits) == (32, 3, 4, 1)
     assert (fp8.block_n, fp8.num_stages, fp8.num_warps) == (128, 1, 2)
     assert (fp8_split.block_n, fp8_split.num_stages, fp8_split.num_warps) == (128, 4, 8)
-    assert fp8_split.num_splits == 16  # 8 programs: 33 wanted, 4096 // 256 = 16 by length
+    assert fp8_split.num_splits == 32  # 8 programs: 33 wanted (4096 // 64 = 64 by length), a power of two
     assert (multi.block_q, multi.block_n, multi.num_stages, multi.num_warps) == (8, 64, 2, 4)
     assert (prefill.block_n, prefill.num_stages) == (64, 2)
     unset = dict(decode_block_n=None, decode_stages=None, fp8_decode_block_n=None, fp8_decode_warps=None,
