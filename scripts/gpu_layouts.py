@@ -18,7 +18,7 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
   profile batch1 with a torch.profiler window over 32 decode steps on every rank: per-step device time
           of each kernel group (GEMMs, attention, norms, all-reduce, rope, sampling, copies, others),
           launch gaps, host gaps and the gap between steps; one GPU beside TP=2 (off by default).
-  tpprofile  the bench's prefill chunks and 1000-row decode steps profiled in one run per layout
+  tpprofile  prefill chunks and 1000-row decode steps (64-token prompts) profiled in one run per layout
           (--profile-layouts): per kernel group, and the all-reduce per decode step from the trace.
   single  one-GPU sweeps side by side: one-row linears (cuBLAS vs the Triton GEMV, gpu_gemv.py) and
           batch-1 attention launches at a TP rank's heads (gpu_attention.py).
@@ -95,13 +95,13 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> b
     prompt_lens = [5, 17, 40] if smoke else [8, 64, 200, 400]
     vocab = lc.vocab_size(path)
     start = time.perf_counter()
-    sequences = lc.greedy_continuations(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
-                                        8 if smoke else 32, common)
+    sequences, base = lc.continue_and_score(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
+                                            8 if smoke else 32, common, vocab)
     envs = wrong_shards(shape)
     # TP=2 with the all-reduce, residual add and RMSNorm apart: the fused kernel's numerics beside it.
     envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
     layouts = [lc.Layout.parse(n) if n in LAYOUTS else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
-    report = lc.check_layouts(path, layouts, sequences, common, envs=envs)
+    report = lc.check_layouts(path, layouts, sequences, common, envs=envs, base=base)
     print(lc.format_report(report), flush=True)
     verdicts = {v.spread.label: v.passed for v in report.verdicts}
     ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused") if n in verdicts) \
@@ -325,9 +325,10 @@ def ar_profile(results: dict, smoke: bool) -> None:
 
 
 def tp_profile(results: dict, smoke: bool, layouts: list[str]) -> None:
-    """The throughput bench's steps profiled (1000 prompts x 512 in, 24 out, max_num_seqs 1024): in
-    one run per layout, a window over 3 prefill chunks (steps of >= 8000 tokens, mixed with the
-    decode rows they carry) and one over 8 decode steps of all 1000 rows, on every rank. Per step
+    """The throughput bench's kind of steps profiled (1000 prompts x 64 in, 32 out, max_num_seqs
+    1024: short prompts keep the run short; the bench's are 512): in one run per layout, a window
+    over 3 prefill chunks (steps of >= 8000 tokens) and one over 8 decode steps of all 1000 rows,
+    on every rank. Per step
     and kernel group (GEMMs, attention, all-reduce, ...), side by side per layout: what keeps TP=2
     from halving a step, and the all-reduce's time per decode step from the trace."""
     from tokenmill.worker.device_profile import ENV_VAR
@@ -338,13 +339,13 @@ def tp_profile(results: dict, smoke: bool, layouts: list[str]) -> None:
             shutil.rmtree(os.path.join(OUT, f"tpprofile_{name}_{kind}"), ignore_errors=True)
         return {ENV_VAR: json.dumps([
             dict(out_dir=os.path.join(OUT, f"tpprofile_{name}_prefill"), min_tokens=1 if smoke else 8000,
-                 skip=1 if smoke else 6, steps=2 if smoke else 3),
+                 skip=1 if smoke else 2, steps=2 if smoke else 3),
             dict(out_dir=os.path.join(OUT, f"tpprofile_{name}_decode"), batch=rows, skip=1 if smoke else 4,
                  steps=2 if smoke else 8)])}
 
     figures: dict = {}
     for name in layouts:
-        bench(results, smoke, 1024, [name], (rows, 512, 24), "tpprofile", windows)
+        bench(results, smoke, 1024, [name], (rows, 64, 32), "tpprofile", windows)
         for kind in ("prefill", "decode"):
             figures.update(read_profiles(f"tpprofile_{name}_{kind}", f"{name} {kind}"))
         results["profile_throughput"] = figures
