@@ -105,10 +105,10 @@ def test_decode_launch_parameters_per_cache_dtype():
     assert (bf16_split.block_n, bf16_split.num_stages, bf16_split.num_warps) == (16, 1, 8)
     assert (fp8.block_q, fp8.block_n, fp8.num_stages, fp8.num_warps) == (4, 128, 1, 2)
     assert (fp8_split.block_q, fp8_split.block_n, fp8_split.num_stages, fp8_split.num_warps) == (16, 128, 4, 8)
-    assert fp8_split.num_splits == 16  # 8 programs: 33 wanted, 4096 // 256 = 16 by length
+    assert fp8_split.num_splits == 32  # 8 programs: 33 wanted (4096 // 64 = 64 by length), a power of two
     assert (multi.block_q, multi.block_n, multi.num_stages, multi.num_warps) == (8, 64, 2, 4)
     assert (prefill.block_n, prefill.num_stages) == (64, 2)
     unset = dict(split_decode_tiles=None, fp8_decode_tiles=None, fp8_split_decode_tiles=None)
     plain = plan_launch(TritonAttentionConfig(decode_tiles=DecodeTiles(16, 4, 1), **unset), 32, 8, 1, 1, 1, 4096, 132,
                         kv_fp8=True)
-    assert (plain.block_n, plain.num_stages, plain.num_warps, plain.num_splits) == (16, 1, 4, 16)
+    assert (plain.block_n, plain.num_stages, plain.num_warps, plain.num_splits) == (16, 1, 4, 32)

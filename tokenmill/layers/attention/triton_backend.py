@@ -79,7 +79,10 @@ class TritonAttentionConfig:
     split_decode_tiles: DecodeTiles | None = None
     fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=2, stages=1)
     fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4)
-    min_keys_per_split: int = 256  # a share of the KV axis spans at least this many keys (of max_seq_len)
+    # A share of the KV axis spans at least this many keys (of max_seq_len). H200, batch 1, context 640
+    # captured at max_seq_len 784: 8 shares 8.1 / 8.6 us at 4 / 8 KV heads against 11.2 / 12.8 for the
+    # 2 that 256 allowed (scripts/gpu_layouts.py --parts single).
+    min_keys_per_split: int = 64
     waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
     interior: bool = True  # unmasked walk over the KV tiles every row of a tile sees whole
