@@ -30,6 +30,7 @@ from tokenmill.distributed.symm_all_reduce import SymmetricAllReduce
 logger = logging.getLogger(__name__)
 
 _INIT_TIMEOUT = timedelta(minutes=10)
+MAX_SENDS_IN_FLIGHT = 4  # pipeline steps whose activations may be on their way to the next stage at once
 
 
 class PendingAllReduce:
@@ -83,7 +84,7 @@ class ParallelContext:
         if self.skip_all_reduce and layout.tp_size > 1:
             logger.warning("TOKENMILL_BENCH_SKIP_ALL_REDUCE=1: TP all-reduces are skipped, outputs are WRONG "
                            "(for timing the all-reduce only)")
-        self._sends: list = []  # the last send's work handles, waited for before the next send
+        self._sends: list[list] = []  # per step sent and not yet retired: its (work, tensor) pairs
 
     @staticmethod
     def single(arch: ModelArch) -> ParallelContext:
@@ -171,15 +172,25 @@ class ParallelContext:
     # ------------------------------------------------------------------ pipeline parallel
 
     def send_next(self, tensors: list[torch.Tensor]) -> None:
-        """Start sending to the next stage; returns at once. The previous send is waited for first,
-        so at most one step's activations are on their way (and kept alive) at a time."""
-        self.wait_sends()
+        """Start sending to the next stage; returns at once, with no host sync and nothing for the
+        compute stream to wait on: a send that has not completed (its peer has not posted the
+        matching receive yet) must not hold back this stage's next step. Sends on their way keep
+        their tensors alive; the completed ones are retired here (a non-blocking query), and only
+        past `MAX_SENDS_IN_FLIGHT` steps is the oldest waited for (a stream wait, not a host one)."""
+        self._retire_sends()
         dst = self.layout.next_stage_rank
-        self._sends = [(dist.isend(t.contiguous(), dst=dst, group=self.pp_group), t) for t in tensors]
+        self._sends.append([(dist.isend(t.contiguous(), dst=dst, group=self.pp_group), t) for t in tensors])
+
+    def _retire_sends(self) -> None:
+        while self._sends and (len(self._sends) >= MAX_SENDS_IN_FLIGHT
+                               or all(work.is_completed() for work, _ in self._sends[0])):
+            for work, _ in self._sends.pop(0):
+                work.wait()
 
     def wait_sends(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
+        for sends in self._sends:
+            for work, _ in sends:
+                work.wait()
         self._sends = []
 
     def recv_prev(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

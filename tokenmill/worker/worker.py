@@ -80,6 +80,8 @@ class Worker:
         start = time.perf_counter()
         self.idle.step_starting()
         step = self.runner.launch(scheduler_output)
+        if self.telemetry.trace is not None:  # the step's device span, named (its rows set by launch)
+            self.idle.name_step(_step_args(scheduler_output))
         self.idle.step_launched()
         if self.profile is not None:
             self.profile.after_launch(scheduler_output.batch_counts)
@@ -127,6 +129,7 @@ class Worker:
         self.telemetry.reset()
 
     def shutdown(self) -> None:
+        self.idle.flush(wait=True)  # the last steps' device spans into the trace
         self.telemetry.close()
         self.parallel.destroy()
 
@@ -136,6 +139,15 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     if config.device.startswith("cuda") and config.parallel.world_size > 1:
         return torch.device(f"cuda:{local_rank}")
     return config.torch_device
+
+
+def _step_args(so: SchedulerOutput) -> dict:
+    """A step's device span args: its id, rows, tokens and decode rows (one token each)."""
+    counts = getattr(so, "batch_counts", None)
+    if counts is None:
+        return {"step": so.step_id}
+    return {"step": so.step_id, "rows": len(counts), "tokens": int(counts.sum()),
+            "decode_rows": int((counts == 1).sum())}
 
 
 def _rank_label(config: EngineConfig, rank: int) -> str:
