@@ -65,6 +65,15 @@ def layout_flags(name: str) -> list[str]:
     return flags
 
 
+def run_partition(name: str, shape: str) -> tuple[int, ...]:
+    """The layers per stage a PP layout ran with (a measured split is not known here: the even one)."""
+    from tokenmill.distributed.layout import even_partition
+    m = _LAYOUT.match(name)
+    if m and m["a"]:
+        return int(m["a"]), int(m["b"])
+    return even_partition(device_check.SHAPES[shape]["num_hidden_layers"], 2)
+
+
 def save(results: dict) -> None:
     with open(os.path.join(OUT, "gpu_pipeline.json"), "w") as f:
         json.dump(results, f, indent=2)
@@ -97,6 +106,8 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         fig["engine_pipeline"] = tm.get("pipeline")  # the engine's own busy / idle totals
         if flags and os.path.exists(trace):
             analysis = pipeline_trace.analyze(pipeline_trace.load(trace))
+            if analysis:
+                analysis["partition"] = pipeline_trace.suggest_partition(analysis, run_partition(name, shape))
             fig["trace"] = analysis
             print(pipeline_trace.format_report(name, analysis), flush=True)
         fig["seconds"] = time.perf_counter() - started

@@ -52,3 +52,16 @@ def test_every_idle_gap_gets_its_cause() -> None:
 
 def test_no_device_spans_no_figures() -> None:
     assert analyze({"traceEvents": []}) == {}
+
+
+def test_the_run_argues_for_a_split() -> None:
+    from tokenmill.benchmarks.pipeline_trace import suggest_partition
+    # 8 layers split 4/4: stage 0's decode steps take 4 (a layer is 1), stage 1's 5.5 (a head
+    # of 1.5): 5/3 evens them (5 against 4.5); the prompt steps (equal stages) argue for 4/4.
+    decode = [[(i, 10.0 * i, 10.0 * i + 4, 4) for i in range(1, 20)],
+              [(i, 10.0 * i + 4, 10.0 * i + 9.5, 4) for i in range(1, 20)]]
+    f = analyze(_trace(decode, {}))
+    split = suggest_partition(f, (4, 4))
+    assert split["decode"] == split["mix"] == [5, 3]
+    assert split["kinds"]["decode"]["head_ms"] == pytest.approx(1.5e-3)
+    assert "argue for 5,3" in format_report("pp2", {**f, "partition": split})

@@ -17,7 +17,11 @@ from the first stage's first step to the last stage's last step:
                   the stages' imbalance;
   micro-batches   the spread of consecutive steps' tokens and last-stage times (equal work per
                   micro-batch keeps every stage busy);
-  core            the core's time waiting for results, updating and scheduling.
+  core            the core's time waiting for results, updating and scheduling;
+  partition       given the run's partition, the split its own stage times argue for: a layer's
+                  and the head's cost per step kind from the median stage times
+                  (`stage_balance.costs_from_stage_times`), weighed by the kinds' step counts
+                  (`stage_balance.balanced_for_mix`), and the decode steps' alone.
 
 The trace's host-clock spans (the core's `submit`, `wait`, `update`) line up with the device spans
 because every process uses CLOCK_MONOTONIC and CUDA events are anchored to it once per worker.
@@ -28,6 +32,8 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Iterable
+
+from tokenmill.distributed.stage_balance import balanced_for_mix, costs_from_stage_times
 
 
 def load(path: str) -> dict:
@@ -130,6 +136,26 @@ def analyze(trace: dict) -> dict:
     return figures
 
 
+def suggest_partition(figures: dict, partition: tuple[int, ...]) -> dict:
+    """The split the run's stage times argue for (see the module doc); {} without step kinds
+    measured on every stage."""
+    phases, per_kind = [], {}
+    for kind in ("decode", "prompt"):
+        medians = [s["by_kind"][kind]["median_ms"] for s in figures.get("stages", [])]
+        if len(medians) != len(partition) or not all(medians):
+            continue
+        costs = costs_from_stage_times(medians, partition)
+        steps = figures["stages"][-1]["by_kind"][kind]["steps"]
+        phases.append((steps, costs))
+        per_kind[kind] = {"layer_ms": costs.layers[0], "head_ms": costs.head, "steps": steps}
+    if not phases:
+        return {}
+    out = {"run": list(partition), "kinds": per_kind, "mix": list(balanced_for_mix(phases, len(partition)))}
+    if "decode" in per_kind:
+        out["decode"] = list(balanced_for_mix(phases[:1], len(partition)))
+    return out
+
+
 def format_report(label: str, figures: dict) -> str:
     if not figures:
         return f"{label}: no device_step spans in the trace"
@@ -151,4 +177,11 @@ def format_report(label: str, figures: dict) -> str:
                  f"{mb['tokens_p50'] or 0:.0f} tokens, {mb['decode_rows_p50'] or 0:.0f} decode rows per step (p50)")
     core = figures["core_ms"]
     lines.append("  core: " + ", ".join(f"{k} {v / 1e3:.2f} s" for k, v in core.items()))
+    split = figures.get("partition")
+    if split:
+        kinds = "; ".join(f"{k}: a layer {v['layer_ms']:.3f} ms, head {v['head_ms']:.3f} ms ({v['steps']} steps)"
+                          for k, v in split["kinds"].items())
+        lines.append(f"  partition {','.join(map(str, split['run']))}: its stage times argue for "
+                     f"{','.join(map(str, split['mix']))} (decode steps alone: "
+                     f"{','.join(map(str, split.get('decode') or []))}); {kinds}")
     return "\n".join(lines)
