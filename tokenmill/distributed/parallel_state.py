@@ -84,6 +84,7 @@ class ParallelContext:
         if self.skip_all_reduce and layout.tp_size > 1:
             logger.warning("TOKENMILL_BENCH_SKIP_ALL_REDUCE=1: TP all-reduces are skipped, outputs are WRONG "
                            "(for timing the all-reduce only)")
+        self.token_group = None  # pipeline device tokens: this first / last stage rank and its peer
         self._sends: list[list] = []  # per step sent and not yet retired: its (work, tensor) pairs
 
     @staticmethod
@@ -92,10 +93,12 @@ class ParallelContext:
 
     @staticmethod
     def init(arch: ModelArch, parallel: ParallelConfig, rank: int, init_method: str,
-             device: torch.device, probe: Callable[[], StageCosts] | None = None) -> ParallelContext:
+             device: torch.device, probe: Callable[[], StageCosts] | None = None,
+             device_tokens: bool = False) -> ParallelContext:
         """Join the world (blocks until every rank has) and build this rank's groups. With
         `parallel.balance_stages`, rank 0 runs `probe` (times of a layer, the embedding and the
-        LM head) and every rank takes the partition balanced by them."""
+        LM head) and every rank takes the partition balanced by them. `device_tokens`: a group of
+        each first-stage rank and its last-stage peer, for sampled tokens (`pp_tokens.py`)."""
         if parallel.world_size == 1:
             return ParallelContext(RankLayout.of(arch, parallel, rank))
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -116,11 +119,19 @@ class ParallelContext:
             group = dist.new_group([stage * tp + r for stage in range(pp)], backend=backend)
             if r == layout.tp_rank:
                 pp_group = group
+        token_group = None
+        if device_tokens and pp > 1:  # its own communicator: its own stream, apart from the activations
+            for r in range(tp):
+                group = dist.new_group([r, (pp - 1) * tp + r], backend=backend)
+                if r == layout.tp_rank and (layout.is_first_stage or layout.is_last_stage):
+                    token_group = group
         logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d) (%s)", rank, layout.tp_rank, tp,
                     layout.pp_stage, pp, layout.layer_start, layout.layer_end, backend)
         symm = SymmetricAllReduce.create(tp_group, device) if tp > 1 else None
         fused_norm = FusedAllReduceNorm.create(tp_group, device) if tp > 1 else None
-        return ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
+        context = ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
+        context.token_group = token_group
+        return context
 
     @property
     def tp_size(self) -> int:

@@ -43,7 +43,8 @@ class Worker:
         torch.manual_seed(config.model.seed)
         if parallel.world_size > 1:
             probe = (lambda: measure_for(config, device)) if parallel.balance_stages and not null else None
-            self.parallel = ParallelContext.init(config.model.arch, parallel, rank, dist_init_method, device, probe)
+            self.parallel = ParallelContext.init(config.model.arch, parallel, rank, dist_init_method, device, probe,
+                                                 device_tokens=config.scheduler.pp_device_tokens)
         else:
             self.parallel = ParallelContext.single(config.model.arch)
         self.runner: ModelRunner | NullRunner = NullRunner(config) if null else ModelRunner(
