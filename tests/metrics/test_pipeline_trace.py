@@ -38,8 +38,10 @@ def test_every_idle_gap_gets_its_cause() -> None:
     assert f["window_ms"] == pytest.approx(46e-3)
     first, last = f["stages"]
     assert first["busy_ms"] == pytest.approx(30e-3) and last["busy_ms"] == pytest.approx(32e-3)
-    assert first["idle_causes_ms"] == pytest.approx(dict(fill=0, drain=11e-3, upstream=0, host=3e-3, launch=2e-3))
-    assert last["idle_causes_ms"] == pytest.approx(dict(fill=11e-3, drain=0, upstream=2e-3, host=0, launch=1e-3))
+    assert first["idle_causes_ms"] == pytest.approx(dict(fill=0, drain=11e-3, upstream=0, host=3e-3, tokens=0,
+                                                         launch=2e-3))
+    assert last["idle_causes_ms"] == pytest.approx(dict(fill=11e-3, drain=0, upstream=2e-3, host=0, tokens=0,
+                                                        launch=1e-3))
     for s in f["stages"]:  # the causes account for the whole bubble
         assert sum(s["idle_causes_ms"].values()) == pytest.approx(s["idle_ms"])
         assert s["bubble_fraction"] == pytest.approx(s["idle_ms"] / f["window_ms"])
@@ -48,6 +50,19 @@ def test_every_idle_gap_gets_its_cause() -> None:
     assert f["stages"][0]["by_kind"]["prompt"]["steps"] == 1
     assert f["micro_batches"]["tokens_p50"] == 4
     assert "bubble" in format_report("pp2", f)
+
+
+def test_the_first_stage_waits_for_the_last_stages_tokens() -> None:
+    # Device tokens: step 3 (submitted at 12) needs step 1's tokens, which the last stage's step 1
+    # has at 22: stage 0's gap 20 -> 25 is 2 of tokens (22 - 20) and 3 of launch.
+    trace = _trace([[(1, 0, 10, 4), (2, 10, 20, 4), (3, 25, 35, 4)],
+                    [(1, 11, 22, 4), (2, 22, 33, 4), (3, 36, 46, 4)]],
+                   submits={1: -1.0, 2: 5.0, 3: 12.0})
+    for e in trace["traceEvents"]:
+        if e["name"] == "device_step" and e["args"]["step"] == 3:
+            e["args"]["tokens_upto"] = 1
+    causes = analyze(trace)["stages"][0]["idle_causes_ms"]
+    assert causes["tokens"] == pytest.approx(2e-3) and causes["host"] == 0 and causes["launch"] == pytest.approx(3e-3)
 
 
 def test_no_device_spans_no_figures() -> None:

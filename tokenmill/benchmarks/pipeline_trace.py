@@ -9,7 +9,9 @@ from the first stage's first step to the last stage's last step:
                   `fill` / `drain` (before its first / after its last step: the pipeline filling
                   and emptying), `upstream` (a later stage waiting for the previous stage to finish
                   that step), `host` (the first stage waiting for the core to submit the step:
-                  results coming back, scheduling, the step's message), `launch` (the step was there
+                  results coming back, scheduling, the step's message), `tokens` (the first stage
+                  waiting for the last stage's sampled tokens, device tokens on: the span's
+                  `tokens_upto` step ending on the last stage came last), `launch` (the step was there
                   but its device work had not started: the worker's preparation and, on a later
                   stage, receiving the activations);
   step times      per stage, the median device time of decode-only steps (every row one token) and
@@ -87,15 +89,19 @@ def analyze(trace: dict) -> dict:
     ends = [{a["step"]: e for _, e, a in spans} for spans in stages]
     figures = {"window_ms": window / 1e3, "stages": [], "num_stages": len(stages)}
     for index, spans in enumerate(stages):
-        causes = dict(fill=spans[0][0] - begin, drain=end - spans[-1][1], upstream=0.0, host=0.0, launch=0.0)
+        causes = dict(fill=spans[0][0] - begin, drain=end - spans[-1][1], upstream=0.0, host=0.0, tokens=0.0,
+                      launch=0.0)
         for (_, prev_end, _), (start, _, args) in zip(spans, spans[1:]):
             gap = max(0.0, start - prev_end)
             if index > 0:  # waiting for the previous stage's device to finish this step
-                ready = ends[index - 1].get(args["step"], prev_end)
-            else:  # waiting for the core to submit it
-                ready = submitted.get(args["step"], prev_end)
+                cause, ready = "upstream", ends[index - 1].get(args["step"], prev_end)
+            else:  # waiting for the core to submit it, or for the last stage's tokens
+                cause, ready = "host", submitted.get(args["step"], prev_end)
+                tokens_at = ends[-1].get(args.get("tokens_upto"), prev_end)
+                if tokens_at > ready:
+                    cause, ready = "tokens", tokens_at
             waited = min(gap, max(0.0, ready - prev_end))
-            causes["upstream" if index > 0 else "host"] += waited
+            causes[cause] += waited
             causes["launch"] += gap - waited
         busy = sum(e - s for s, e, _ in spans)
         kinds = {}
@@ -161,13 +167,13 @@ def format_report(label: str, figures: dict) -> str:
         return f"{label}: no device_step spans in the trace"
     lines = [f"{label}: pipeline from the step trace, window {figures['window_ms'] / 1e3:.2f} s, "
              f"bubble {figures['bubble_fraction']:.1%} (mean over stages)",
-             "  stage steps  busy s  bubble |  idle ms: fill  drain upstream  host  launch | "
+             "  stage steps  busy s  bubble |  idle ms: fill  drain upstream  host tokens  launch | "
              "step ms p50: decode  prompt"]
     for s in figures["stages"]:
         c, k = s["idle_causes_ms"], s["by_kind"]
         lines.append(f"  {s['stage']:>5} {s['steps']:>5} {s['busy_ms'] / 1e3:7.2f} {s['bubble_fraction']:7.1%} | "
-                     f"{c['fill']:12.0f} {c['drain']:6.0f} {c['upstream']:8.0f} {c['host']:5.0f} {c['launch']:7.0f} | "
-                     f"{k['decode']['median_ms'] or 0:18.3f} {k['prompt']['median_ms'] or 0:7.3f}")
+                     f"{c['fill']:12.0f} {c['drain']:6.0f} {c['upstream']:8.0f} {c['host']:5.0f} {c['tokens']:6.0f} "
+                     f"{c['launch']:7.0f} | {k['decode']['median_ms'] or 0:18.3f} {k['prompt']['median_ms'] or 0:7.3f}")
     for kind, im in figures["imbalance"].items():
         lines.append(f"  {kind} steps: slowest stage {im['slowest_over_fastest']:.3f}x the fastest "
                      f"(p50 {' / '.join(f'{m:.3f}' for m in im['stage_median_ms'])} ms)")

@@ -147,8 +147,11 @@ def _step_args(so: SchedulerOutput) -> dict:
     counts = getattr(so, "batch_counts", None)
     if counts is None:
         return {"step": so.step_id}
-    return {"step": so.step_id, "rows": len(counts), "tokens": int(counts.sum()),
+    args = {"step": so.step_id, "rows": len(counts), "tokens": int(counts.sum()),
             "decode_rows": int((counts == 1).sum())}
+    if so.pp_tokens_upto:  # pipeline device tokens: the first stage waits for these steps' tokens
+        args["tokens_upto"] = so.pp_tokens_upto
+    return args
 
 
 def _rank_label(config: EngineConfig, rank: int) -> str:
