@@ -108,6 +108,10 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         tm = results.pop(key).get("tokenmill") or {}
         fig = {k: tm.get(k) for k in ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "elapsed_s")}
         fig["engine_pipeline"] = tm.get("pipeline")  # the engine's own busy / idle totals
+        for stage in (tm.get("pipeline") or {}).get("stages") or []:  # they fit in the run's wall time
+            total = stage.get("busy_s", 0) + stage.get("idle_s", 0)
+            print(f"  {name} stage {stage['stage']}: engine busy + idle {total:.2f} s of {tm.get('elapsed_s') or 0:.2f} s "
+                  f"elapsed{' (MORE: a stale step start)' if total > 1.02 * (tm.get('elapsed_s') or 0) else ''}")
         if flags and os.path.exists(trace):
             analysis = pipeline_trace.analyze(pipeline_trace.load(trace))
             if analysis:
@@ -120,15 +124,19 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         save(results)
     one = (figures.get("tp1") or {}).get("output_tokens_per_s")
     print(f"\n{n} x {lin} x {lout}, max_num_seqs {max_num_seqs} for every layout")
-    print(f"{'layout':<18} {'out tok/s':>10} {'x one GPU':>10} {'goal':>6} {'bubble':>8} {'tpot p50':>9}")
+    print(f"{'layout':<18} {'out tok/s':>10} {'x one GPU':>10} {'goal':>6} {'bubble':>8} {'w/o fill':>8} "
+          f"{'tpot p50':>9}")
     for name, fig in figures.items():
         value = fig.get("output_tokens_per_s")
         ratio = value / one if value and one else None
         fig["ratio_to_one_gpu"] = ratio
-        bubble = (fig.get("trace") or {}).get("bubble_fraction")
+        trace = fig.get("trace") or {}
+        bubble, steady = trace.get("bubble_fraction"), trace.get("bubble_between_steps_fraction")
         print(f"{name:<18} {'-' if value is None else round(value):>10} {'' if ratio is None else f'{ratio:.3f}':>10} "
               f"{'>=1.85' if name != 'tp1' else '':>6} {'' if bubble is None else f'{bubble:.1%}':>8} "
-              f"{fig.get('tpot_ms_p50') or 0:9.2f}")
+              f"{'' if steady is None else f'{steady:.1%}':>8} {fig.get('tpot_ms_p50') or 0:9.2f}")
+    print("(bubble: mean over stages of idle / the run's window, from the step trace; goal < 3%. "
+          "w/o fill: each stage from its first step to its last)")
     save(results)
 
 

@@ -42,6 +42,9 @@ def test_every_idle_gap_gets_its_cause() -> None:
                                                          launch=2e-3))
     assert last["idle_causes_ms"] == pytest.approx(dict(fill=11e-3, drain=0, upstream=2e-3, host=0, tokens=0,
                                                         launch=1e-3))
+    # Without fill and drain: stage 0 idles 5 of its 35 (first step to last), stage 1 3 of 35.
+    assert first["bubble_between_steps_fraction"] == pytest.approx(5 / 35)
+    assert last["bubble_between_steps_fraction"] == pytest.approx(3 / 35)
     for s in f["stages"]:  # the causes account for the whole bubble
         assert sum(s["idle_causes_ms"].values()) == pytest.approx(s["idle_ms"])
         assert s["bubble_fraction"] == pytest.approx(s["idle_ms"] / f["window_ms"])

@@ -108,9 +108,11 @@ def analyze(trace: dict) -> dict:
         for kind in ("decode", "prompt"):
             times = [(e - s) / 1e3 for s, e, a in spans if _kind(a) == kind]
             kinds[kind] = {"steps": len(times), "median_ms": _median(times), "total_ms": sum(times)}
+        between = window - causes["fill"] - causes["drain"]  # from its first step to its last
         figures["stages"].append({
             "stage": index, "steps": len(spans), "busy_ms": busy / 1e3, "idle_ms": (window - busy) / 1e3,
             "bubble_fraction": (window - busy) / window if window > 0 else 0.0,
+            "bubble_between_steps_fraction": (between - busy) / between if between > 0 else 0.0,
             "idle_causes_ms": {k: v / 1e3 for k, v in causes.items()},
             "by_kind": kinds})
     # The stages' imbalance: per step kind, the slowest stage's median step time over the fastest's.
@@ -139,6 +141,8 @@ def analyze(trace: dict) -> dict:
         core_ms[name] = sum(e["dur"] for e in spans) / 1e3
     figures["core_ms"] = core_ms
     figures["bubble_fraction"] = statistics.mean(s["bubble_fraction"] for s in figures["stages"])
+    figures["bubble_between_steps_fraction"] = statistics.mean(
+        s["bubble_between_steps_fraction"] for s in figures["stages"])
     return figures
 
 
@@ -166,7 +170,8 @@ def format_report(label: str, figures: dict) -> str:
     if not figures:
         return f"{label}: no device_step spans in the trace"
     lines = [f"{label}: pipeline from the step trace, window {figures['window_ms'] / 1e3:.2f} s, "
-             f"bubble {figures['bubble_fraction']:.1%} (mean over stages)",
+             f"bubble {figures['bubble_fraction']:.1%} (mean over stages; "
+             f"{figures['bubble_between_steps_fraction']:.1%} without the pipeline's fill and drain)",
              "  stage steps  busy s  bubble |  idle ms: fill  drain upstream  host tokens  launch | "
              "step ms p50: decode  prompt"]
     for s in figures["stages"]:
