@@ -133,6 +133,8 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     "pp2-mb3": (["--pipeline-parallel-size", "2", "--pp-microbatches", "3"], {}),
     # The split chosen by timing a layer, the embedding and the LM head at start (logged).
     "pp2-measured": (["--pipeline-parallel-size", "2", "--pp-layer-partition", "measured"], {}),
+    # Sampled tokens from the last stage to the first on the devices (scripts/gpu_pipeline.py times it).
+    "pp2-dt": (["--pipeline-parallel-size", "2", "--pp-device-tokens"], {}),
 }
 _STEP_KEYS = ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "device_idle_fraction_p50")
 
