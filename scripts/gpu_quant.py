@@ -28,6 +28,11 @@ Parts (--parts, comma-separated; default all, run in this order):
            the int4 panel GEMV, the pipelined fp8 stream, W8A8 at 256/1024 rows (activation
            quantization, _scaled_mm row-/tensor-wise, the Triton fp8 GEMM), int4 tiles
            (scripts/gpu_quant_sweep.py; SWEEP_BUDGET_S caps it, default 120 s)
+  profile  (not by default) bf16 and fp8 engines: a decode step of 256 rows (graph) and an eager
+           prefill step of 8192 tokens under torch.profiler, time per kernel group side by side,
+           and each throughput workload's physical bound (scripts/gpu_quant_fp8.py)
+  w8a8     (not by default) the W8A8 GEMMs per Llama-8B linear at 16..8192 rows: quantization,
+           row-/tensor-wise _scaled_mm, the Triton fp8 GEMM's tiles and split-K (W8A8_BUDGET_S)
   tiny     tiny quantized checkpoints of every format (tests/helpers/quant_formats.py) on CUDA
            (bf16, Triton, graphs): prompt logprobs vs the same checkpoint on the CPU engine (float32)
 Goals (issue 22): fp8 >= 1.5x bf16 tok/s and <= 0.6x ms/token at batch 1; int4 batch 1 <= 0.4x,
@@ -768,9 +773,10 @@ def tune(results: dict, device: str) -> None:
 
 # ---------------------------------------------------------------- the parts, each in a subprocess
 
-PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep"]
+PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "profile", "w8a8"]
 # Most seconds a part may take (the budget left caps it further).
-PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150}
+PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
+              "profile": 150, "w8a8": 100}
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -790,6 +796,16 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_quant_sweep
             gpu_quant_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name in ("profile", "w8a8") or name.startswith("profile-one-"):
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_quant_fp8
+            if name == "w8a8":
+                gpu_quant_fp8.w8a8(results, device, _time_ms, _cycled, check)
+            elif name == "profile":
+                gpu_quant_fp8.profile(results, device, smoke, os.path.abspath(__file__), OUT, SMOKE if smoke else LLAMA8B)
+            else:
+                gpu_quant_fp8.profile_one(results, name.removeprefix("profile-one-"), smoke, SMOKE if smoke else LLAMA8B,
+                                          config_dir, OUT)
         else:
             engine_part(results, name, smoke)
     except Exception:
@@ -817,6 +833,31 @@ def _ratios(timings: dict) -> list[dict]:
     return rows
 
 
+def _fp8_profile_lines(results: dict) -> list[str]:
+    """The profile part's group tables, and each workload's bound beside the measured tok/s."""
+    if not results.get("profile"):
+        return []
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_quant_fp8
+    lines = gpu_quant_fp8.group_table(results["profile"])
+    b, timings = results.get("bounds", {}), results.get("timings", {})
+    if b:
+        lines += ["", "Physical bound of each workload (prefill at the profiled GEMM rate, decode at max(bytes / copy "
+                  "bandwidth, FLOPs / that rate), bf16 KV reads included) and the fraction reached:", "",
+                  "| engine | workload | bound tok/s | measured tok/s | fraction | bound fp8 / bf16 |", "|---|---|---|---|---|---|"]
+        for label, rec in b.items():
+            for w, v in rec.items():
+                if not isinstance(v, dict):
+                    continue
+                got = timings.get(label, {}).get(w)
+                bound = v["bound_tok_s"]
+                other = b.get("bf16", {}).get(w, {}).get("bound_tok_s")
+                measured = "— | —" if got is None else f"{got:,.0f} | {got / bound:.2f}"
+                lines.append(f"| {label} ({rec['gemm_tflops_prefill']:.0f} TFLOP/s, {rec['copy_tb_s']:.2f} TB/s) | {w} | "
+                             f"{bound:,.0f} | {measured} | {bound / other if other else float('nan'):.2f} |")
+    return lines
+
+
 def _markdown(results: dict) -> str:
     unit = {"kv_blocks": "blocks", "batch1": "ms/token", "batch1_16k": "ms/token"}
     lines = [f"# gpu_quant on {results['device']} (torch {results['torch']}, triton {results.get('triton')})", "",
@@ -841,13 +882,14 @@ def _markdown(results: dict) -> str:
                   "| rows | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for m, t in tune_totals.items():
             lines.append(f"| {m} | " + " | ".join(f"{t[c] * 1000:.0f}" if c in t else "—" for c in cols) + " |")
+    lines += _fp8_profile_lines(results)
     lines += ["", f"Parts: {results['part_status']}", f"Failures: {results['failures'] or 'none'}", ""]
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep")))
+    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "profile", "w8a8")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run one part in this process

@@ -69,7 +69,9 @@ def _w8a8_mm(layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.
     if path == "triton":
         from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
 
-        return fp8_gemm(xq, xs, layer.weight, layer.weight_scale, dtype, *tiles)
+        counters = getattr(layer, "stream_counters", None)
+        return fp8_gemm(xq, xs, layer.weight, layer.weight_scale, dtype, *tiles,
+                        counters=None if counters is None else counters.tensor)
     if path == "tensorwise":
         one = layer.scale_one
         return torch._scaled_mm(xq, layer.weight.t(), scale_a=one, scale_b=one, out_dtype=dtype).mul_(

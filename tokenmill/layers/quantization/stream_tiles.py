@@ -193,12 +193,24 @@ def int4_swap_tiles(m: int) -> tuple[int, int, int, int, int] | None:
     return tiles
 
 
+# Per Llama-8B linear: (rows bucket: the most rows it serves, N, K) -> the GEMM, as in
+# W8A8_PATHS, the Triton tiles with a 7th entry, split-K (`scripts/gpu_quant.py --parts w8a8`).
+# A shape or row count not listed takes W8A8_PATHS.
+W8A8_MEASURED: dict[tuple[int, int, int], str | tuple[int, ...]] = {}
+W8A8_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def w8a8_bucket(m: int) -> int:
+    return min((b for b in W8A8_BUCKETS if b >= m), default=W8A8_BUCKETS[-1])
+
+
 def w8a8_path(m: int, n: int, k: int) -> tuple[str, tuple[int, ...] | None]:
     """("scaled_mm" | "tensorwise" | "triton", the Triton tiles or None) for an [m, k] x [n, k]^T."""
     choice: str | tuple[int, ...] = "scaled_mm"
     for rows, c in W8A8_PATHS:
         if m >= rows:
             choice = c
+    choice = W8A8_MEASURED.get((w8a8_bucket(m), n, k), choice)
     if isinstance(choice, tuple):
         return ("triton", choice) if k % choice[2] == 0 else ("scaled_mm", None)
     return choice, None
