@@ -191,6 +191,7 @@ def kernels(results: dict, device: str) -> None:
     ref = fp8_ops.scaled_mm_reference(xq, xs, wq_c, ws_c, torch.float32)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     check(err < 1e-2, f"_scaled_mm row-wise: rel err {err:.1e}")
+    _fused_quant_checks(device, g, lin)
     # FP8 KV cache: the Triton write rounds like torch; attention over fp8 blocks = the torch reference's.
     from tests.layers.test_fp8_kv_cache import _fp8_case
     from tokenmill.layers.attention import triton_kv_write
@@ -216,6 +217,43 @@ def kernels(results: dict, device: str) -> None:
         n = meta.num_tokens
         err = (out[:n].float().cpu() - expected[:n]).abs().max().item()
         check(err < 2e-3, f"paged attention over {kv_dtype} blocks: max err {err:.1e}")
+
+
+def _fused_quant_checks(device: str, g: torch.Generator, lin) -> None:
+    """The norm / SiLU-and-mul kernels with the fp8 quantization fused (triton_fp8_fused) against the
+    unfused kernels followed by quantize_row_groups, bit for bit in bfloat16; and the fp8 Linear
+    really takes attached codes (wrong codes attached change its output, the right ones do not)."""
+    from tokenmill.layers.quantization import fp8_ops
+    from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
+    from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant, silu_and_mul_quant
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm, rms_norm
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    def same(out, ref) -> bool:
+        q, s = fp8_ops.attached(out)
+        rq, rs = quantize_row_groups(ref, ref.shape[1])
+        return torch.equal(out, ref) and torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    bf = torch.bfloat16
+    x = (torch.randn(300, 4096, generator=g) * 2).to(device, bf)
+    w = (torch.rand(4096, generator=g) + 0.5).to(device, bf)
+    res = torch.randn(300, 4096, generator=g).to(device)
+    ref, ref_res = fused_add_rms_norm(x, res.clone(), w, 1e-5)
+    res2 = res.clone()
+    out = rms_norm_quant(x, res2, w, 1e-5, bf)
+    check(same(out, ref) and torch.equal(res2, ref_res), "rms_norm_quant (residual add) = fused_add_rms_norm + quantization")
+    check(same(rms_norm_quant(x, None, w, 1e-5, bf), rms_norm(x, w, 1e-5)), "rms_norm_quant = rms_norm + quantization")
+    xg = (torch.randn(300, 2 * 14336, generator=g) * 2).to(device, bf)
+    check(same(silu_and_mul_quant(xg), silu_and_mul(xg)), "silu_and_mul_quant = silu_and_mul + quantization")
+    xm = torch.randn(64, 512, generator=g).to(device, bf)
+    plain = lin(xm)
+    xa = xm.clone()
+    fp8_ops.attach(xa, *quantize_row_groups(xa, 512))
+    same_codes = lin(xa)
+    xb = xm.clone()
+    q, s = quantize_row_groups(xb, 512)
+    fp8_ops.attach(xb, q, s * 2)
+    check(torch.equal(plain, same_codes) and not torch.equal(plain, lin(xb)),
+          "fp8 Linear takes the codes attached to its input (same result; doubled scales change it)")
 
 
 def _stream_kernel_checks(device: str, dt: torch.dtype, g: torch.Generator) -> None:

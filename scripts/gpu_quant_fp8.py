@@ -358,7 +358,33 @@ def w8a8(results: dict, device: str, time_ms, cycled, check) -> None:
               flush=True)
     for (bucket, n, k), (ms, choice) in sorted(best.items()):
         print(f"  W8A8_MEASURED     ({bucket}, {n}, {k}): {choice!r},  # {ms * 1e3:.1f} us", flush=True)
+    if cuda:
+        fused_times(results, device, time_ms)
     gc.collect()
+
+
+def fused_times(results: dict, device: str, time_ms) -> None:
+    """The producers of W8A8 inputs with the quantization fused, against producer + quantization."""
+    from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
+    from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant, silu_and_mul_quant
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    rec = results.setdefault("fused_quant_us", {})
+    bf = torch.bfloat16
+    for m in (32, 256, 8192):
+        x = torch.randn(m, 4096, device=device, dtype=bf)
+        res = torch.randn(m, 4096, device=device)
+        w = torch.ones(4096, device=device, dtype=bf)
+        xg = torch.randn(m, 2 * 14336, device=device, dtype=bf)
+        r = {"norm": time_ms(lambda: fused_add_rms_norm(x, res, w, 1e-5), device),
+             "norm+quant": time_ms(lambda: quantize_row_groups(fused_add_rms_norm(x, res, w, 1e-5)[0], 4096), device),
+             "norm_quant fused": time_ms(lambda: rms_norm_quant(x, res, w, 1e-5, bf), device),
+             "silu": time_ms(lambda: silu_and_mul(xg), device),
+             "silu+quant": time_ms(lambda: quantize_row_groups(silu_and_mul(xg), 14336), device),
+             "silu_quant fused": time_ms(lambda: silu_and_mul_quant(xg), device)}
+        rec[str(m)] = {k: v * 1e3 for k, v in r.items()}
+        print(f"  fused quant m={m}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in r.items()), flush=True)
 
 
 if __name__ == "__main__":
