@@ -73,23 +73,59 @@ def profile_one(results: dict, label: str, smoke: bool, shape: dict, config_dir,
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, detokenize=False)
     llm.generate(prompts(n_prompts, p_len), one, use_tqdm=False)
     cuda = torch.cuda.is_available() and not smoke
-    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
-    if cuda:
-        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    with torch.profiler.profile(activities=[activity]) as prof:
-        llm.generate(prompts(n_prompts, p_len), one, use_tqdm=False)
-        if cuda:
-            torch.cuda.synchronize()
+    a = _profiled(llm, prompts(n_prompts, p_len), one, cuda)
     rec["prefill_wall_ms"] = 1e3 * (time.perf_counter() - t0)
-    events = sorted(([e.name, float(e.time_range.start), float(e.time_range.elapsed_us())] for e in prof.events()
-                     if (e.device_type == torch.autograd.DeviceType.CUDA) == cuda), key=lambda e: e[1])
-    if events:
-        a = step_profile.analyze({"events": events, "steps": 1, "rank": 0})
+    if a:
         rec["prefill"] = a
         rec["prefill_tokens"] = n_prompts * p_len
         print(step_profile.format_report(f"{label} prefill, {n_prompts * p_len} tokens (eager)", a), flush=True)
+    # Batch 1: one 512-token prompt decoding 1 + B1_STEPS tokens minus the same with 1 token (the
+    # prompt's own kernels cancel): per decode step, each group's device time and the span.
+    n = 4 if smoke else B1_STEPS
+    fixed = prompts(1, 512 if not smoke else 16)
+    runs = {}
+    for tokens in (1, 1 + n):
+        params1 = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False)
+        llm.generate(fixed, params1, use_tqdm=False)
+        runs[tokens] = _profiled(llm, fixed, params1, cuda)
+    if runs[1] and runs[1 + n]:
+        long, short = runs[1 + n], runs[1]
+        groups = {g: (long["groups_us"].get(g, 0.0) - short["groups_us"].get(g, 0.0)) / n
+                  for g in set(long["groups_us"]) | set(short["groups_us"])}
+        rec["batch1"] = {"period_us": (long["period_us"] - short["period_us"]) / n,
+                         "kernel_us": (long["kernel_us"] - short["kernel_us"]) / n,
+                         "kernels_per_step": (long["kernels_per_step"] - short["kernels_per_step"]) / n,
+                         "groups_us": dict(sorted(groups.items(), key=lambda kv: -kv[1])),
+                         "launch_gaps_us": 0.0, "host_gaps_us": 0.0, "between_steps_us": 0.0,
+                         "top_kernels": long["kernels"][:25]}
+        rec["batch1"]["idle_us"] = rec["batch1"]["period_us"] - rec["batch1"]["kernel_us"]
+        print(f"  {label} batch 1 decode step: span {rec['batch1']['period_us']:.0f} us, kernels "
+              f"{rec['batch1']['kernel_us']:.0f} us ({rec['batch1']['kernels_per_step']:.0f}/step): " +
+              ", ".join(f"{g} {v:.0f}" for g, v in rec["batch1"]["groups_us"].items()), flush=True)
+        for k in long["kernels"][:25]:
+            print(f"    {k['us_per_step'] / n:8.1f} us/step {k['calls_per_step'] / n:5.1f}x {k['group']:<10} "
+                  f"{k['name'][:90]}", flush=True)
     llm.shutdown()
+
+
+B1_STEPS = 40  # decode steps of the batch-1 profile
+
+
+def _profiled(llm, prompts: list, params, cuda: bool) -> dict | None:
+    """step_profile's analysis of everything the device ran for one generate call (one span)."""
+    from tokenmill.benchmarks import step_profile
+
+    activity = torch.profiler.ProfilerActivity.CUDA if cuda else torch.profiler.ProfilerActivity.CPU
+    if cuda:
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[activity]) as prof:
+        llm.generate(prompts, params, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+    events = sorted(([e.name, float(e.time_range.start), float(e.time_range.elapsed_us())] for e in prof.events()
+                     if (e.device_type == torch.autograd.DeviceType.CUDA) == cuda), key=lambda e: e[1])
+    return step_profile.analyze({"events": events, "steps": 1, "rank": 0}) if events else None
 
 
 def copy_bandwidth(device: str) -> float:
@@ -177,7 +213,7 @@ def profile(results: dict, device: str, smoke: bool, script: str, out: str, shap
 
 def group_table(prof: dict) -> list[str]:
     lines = []
-    for phase in ("decode", "prefill"):
+    for phase in ("decode", "prefill", "batch1"):
         recs = {lab: r[phase] for lab, r in prof.items() if phase in r}
         if len(recs) < 2:
             continue
@@ -190,7 +226,9 @@ def group_table(prof: dict) -> list[str]:
                 ("host gaps in step", b["host_gaps_us"], f["host_gaps_us"]),
                 ("between steps", b["between_steps_us"], f["between_steps_us"])]
         rows += [(g, b["groups_us"].get(g, 0.0), f["groups_us"].get(g, 0.0)) for g in groups]
-        what = f"decode step, {DECODE_ROWS} rows (graph)" if phase == "decode" else f"prefill step (eager)"
+        what = {"decode": f"decode step, {DECODE_ROWS} rows (graph)", "prefill": "prefill step (eager)",
+                "batch1": "batch-1 decode step (graph; span = device time between the steps' first and last kernels)"
+                }[phase]
         lines += ["", f"Profile, {what}: us per step", "", "| | bf16 | fp8 | fp8 / bf16 | fp8 - bf16 |",
                   "|---|---|---|---|---|"]
         for name, x, y in rows:
