@@ -110,7 +110,8 @@ class RMSNorm(nn.Module):
                 if fused is not None:
                     return fused
             x = x.result()
-        if self.fp8_out and _fp8_codes_wanted(self, x, x.dtype) and residual.shape == x.shape:
+        if self.fp8_out and _fp8_codes_wanted(self, x, x.dtype) and residual.shape == x.shape \
+                and residual.stride(-1) == 1:
             from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant
             return rms_norm_quant(x, residual, self.weight, self.eps, x.dtype), residual
         if triton_ops.enabled(x):
