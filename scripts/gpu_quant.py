@@ -41,6 +41,8 @@ batch 256 (256x256x128) >= 1.0x; fp8 KV 2x blocks, >= 1.0x tok/s, 16k decode ms/
     python scripts/gpu_quant.py                      # everything (< 8 minutes on an H100)
     python scripts/gpu_quant.py --parts kernels,tiny # checks only
     python scripts/gpu_quant.py --smoke              # CPU: tiny shapes, a few tokens (no goals)
+    QUANT_BF16_WORKLOADS=256x256x128,1000x512x256,batch1 python scripts/gpu_quant.py \
+        --parts kernels,bf16,fp8,tiny,profile        # the FP8 goals, checks and the step profile
 """
 
 from __future__ import annotations
@@ -434,6 +436,8 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     long_ctx = 1024 if smoke else 16384
     kwargs, workloads = ENGINES[label]
+    if label == "bf16" and os.environ.get("QUANT_BF16_WORKLOADS"):  # e.g. only what the fp8 goals compare
+        workloads = [w for w in workloads if w in os.environ["QUANT_BF16_WORKLOADS"].split(",")]
     kwargs = dict(kwargs)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
