@@ -27,7 +27,8 @@ from tokenmill.layers.quantization.fp8_ops import FP8_MAX, attach
 
 TILE_ELEMENTS = 2048
 MAX_ROWS = 64
-SILU_CHUNK = 2048
+SILU_CHUNK = 1024  # columns per step of the SiLU-and-mul row loops
+SILU_STAGES = 3
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -80,12 +81,15 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 
 @triton.jit(do_not_specialize=["D"])
-def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, s_x, D, CHUNK: tl.constexpr, QMAX: tl.constexpr):
+def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, s_x, D, CHUNK: tl.constexpr, QMAX: tl.constexpr,
+                               STAGES: tl.constexpr):
+    """One row per program; both loops software-pipelined (`num_stages`: Triton pipelines a
+    dot-free loop only then), so a program keeps several chunks' loads in flight."""
     dtype = x_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
     amax = tl.zeros([CHUNK], dtype=tl.float32)
-    for c0 in range(0, D, CHUNK):
+    for c0 in tl.range(0, D, CHUNK, num_stages=STAGES):
         cols = c0 + offs
         mask = cols < D
         gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -95,7 +99,7 @@ def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, s_x, D, CHUNK: tl.c
         tl.store(out_ptr + t * D + cols, out, mask=mask)
         amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
     scale = tl.maximum(tl.max(amax, 0) / QMAX, 1e-12)
-    for c0 in range(0, D, CHUNK):
+    for c0 in tl.range(0, D, CHUNK, num_stages=STAGES):
         cols = c0 + offs
         mask = cols < D
         gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -118,6 +122,6 @@ def silu_and_mul_quant(x: torch.Tensor, code_dtype: torch.dtype = torch.float8_e
     s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
     if t and d:
         chunk = min(SILU_CHUNK, triton.next_power_of_2(d))
-        _silu_and_mul_quant_kernel[(t,)](x, out, q, s, x.stride(0), d, CHUNK=chunk, QMAX=FP8_MAX,
+        _silu_and_mul_quant_kernel[(t,)](x, out, q, s, x.stride(0), d, CHUNK=chunk, QMAX=FP8_MAX, STAGES=SILU_STAGES,
                                          num_warps=8 if chunk >= 2048 else 4)
     return attach(out, q, s)
