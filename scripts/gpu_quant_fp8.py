@@ -41,7 +41,7 @@ def profile_one(results: dict, label: str, smoke: bool, shape: dict, config_dir,
     from tokenmill.worker.device_profile import ENV_VAR
 
     rows, in_len = (4, 16) if smoke else (DECODE_ROWS, 256)
-    skip, steps = (2, 3) if smoke else (16, 24)
+    skip, steps = (2, 3) if smoke else (12, 16)
     folder = os.path.join(out, f"profile_{label}")
     os.environ[ENV_VAR] = json.dumps({"out_dir": folder, "batch": rows, "skip": skip, "steps": steps})
     kwargs = {"quantization": "fp8"} if label == "fp8" else {}
