@@ -1,7 +1,7 @@
-"""The fp8 activation quantization fused into the kernels before a W8A8 linear
-(tokenmill/layers/quantization/triton_fp8_fused.py) under TRITON_INTERPRET=1: each output equals
-the unfused kernel's (triton_ops.rms_norm / silu_and_mul) and its codes and scales equal the torch
-reference's quantization of that output (fp8_ops.quantize_rows); and which producers the fp8
+"""The fp8 activation quantization fused into the RMSNorm before a W8A8 linear
+(tokenmill/layers/quantization/triton_fp8_fused.py) under TRITON_INTERPRET=1: the output equals
+the unfused kernel's (triton_ops.rms_norm / fused_add_rms_norm) and its codes and scales equal the
+torch reference's quantization of that output (fp8_ops.quantize_rows); and which norms the fp8
 method marks in a Llama model.
 """
 
@@ -51,20 +51,6 @@ def test_rms_norm_quant_matches_the_unfused_norm_and_quantization(dtype, with_re
     _codes_match(out)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("d", [48, 3000])  # one chunk; several chunks with a ragged last one
-def test_silu_and_mul_quant_matches_the_unfused_kernel_and_quantization(dtype, d):
-    from tokenmill.layers.quantization import triton_fp8_fused
-    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
-
-    g = torch.Generator().manual_seed(d)
-    x = (torch.randn(3, 2 * d, generator=g) * 2).to(dtype)
-    x[1, d + d - 1] = 30.0  # the row maximum in the last chunk
-    out = triton_fp8_fused.silu_and_mul_quant(x, code_dtype=torch.float32)
-    torch.testing.assert_close(out, silu_and_mul(x), rtol=0, atol=0)
-    _codes_match(out)
-
-
 def test_attached_codes_belong_to_that_tensor_only():
     x = torch.randn(4, 8)
     fp8_ops.attach(x, torch.zeros(4, 8), torch.ones(4, 1))
@@ -73,8 +59,8 @@ def test_attached_codes_belong_to_that_tensor_only():
 
 
 def test_fp8_marks_the_producers_of_its_w8a8_inputs():
-    """In a Llama model whose linears are W8A8 with row-wise _scaled_mm: each layer's two norms
-    and its SiLU-and-mul; the final norm (it feeds the unquantized LM head) stays unmarked."""
+    """In a Llama model whose linears are W8A8 with row-wise _scaled_mm: each layer's two norms;
+    the final norm (it feeds the unquantized LM head) stays unmarked."""
     from torch import nn
 
     from tokenmill.layers.activation import SiluAndMul
@@ -95,11 +81,11 @@ def test_fp8_marks_the_producers_of_its_w8a8_inputs():
     layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act = w8a8(32, 8), w8a8(8, 16), SiluAndMul()
     model = nn.Module()
     model.layers, model.norm = nn.ModuleList([layer]), RMSNorm(8)
-    assert mark_fused_producers(model) == 3
-    assert layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out and layer.mlp.act.fp8_out
+    assert mark_fused_producers(model) == 2
+    assert layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out
     assert not model.norm.fp8_out
     other = RMSNorm(8)  # the class default stays off
     assert not other.fp8_out
-    layer.mlp.down_proj.use_scaled_mm = False  # a weight _scaled_mm refuses: it quantizes nothing per token
-    layer.mlp.act = SiluAndMul()
-    assert mark_fused_producers(model) == 2 and not layer.mlp.act.fp8_out
+    layer.mlp.gate_up_proj.use_scaled_mm = False  # a weight _scaled_mm refuses: it quantizes nothing per token
+    layer.post_attention_layernorm = RMSNorm(8)
+    assert mark_fused_producers(model) == 1 and not layer.post_attention_layernorm.fp8_out

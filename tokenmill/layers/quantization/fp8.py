@@ -207,20 +207,18 @@ def _takes_fused_codes(layer: nn.Module | None) -> bool:
 
 
 def mark_fused_producers(model: nn.Module) -> int:
-    """Let the kernels that write a W8A8 linear's input quantize it too: a decoder layer's
-    input_layernorm (-> qkv_proj), post_attention_layernorm (-> gate_up_proj) and the MLP's
-    SiLU-and-mul (-> down_proj), found by their HF names. Returns how many were marked."""
-    from tokenmill.layers.activation import SiluAndMul
+    """Let the norms that write a W8A8 linear's input quantize it too: a decoder layer's
+    input_layernorm (-> qkv_proj) and post_attention_layernorm (-> gate_up_proj), found by their
+    HF names. Returns how many were marked."""
     from tokenmill.layers.norm import RMSNorm
 
     marked = 0
     for module in model.modules():
         attn, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
         pairs = ((getattr(module, "input_layernorm", None), getattr(attn, "qkv_proj", None)),
-                 (getattr(module, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None)),
-                 (getattr(mlp, "act", None), getattr(mlp, "down_proj", None)))
+                 (getattr(module, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None)))
         for producer, consumer in pairs:
-            if type(producer) in (RMSNorm, SiluAndMul) and _takes_fused_codes(consumer):
+            if type(producer) is RMSNorm and _takes_fused_codes(consumer):
                 producer.fp8_out = True
                 marked += 1
     return marked

@@ -1,5 +1,5 @@
-"""Triton kernels: the per-token fp8 quantization of an FP8 W8A8 linear's input, fused into the
-kernel that produces that input (RMSNorm with its residual add; SiLU-and-mul).
+"""Triton kernel: the per-token fp8 quantization of an FP8 W8A8 linear's input, fused into the
+RMSNorm (with its residual add) that produces that input.
 
 The producer writes its usual output (bf16 / fp16) and, in the same pass, the fp8 codes and
 one float32 scale per row of that output, computed from the rounded output exactly as
@@ -8,12 +8,14 @@ one float32 scale per row of that output, computed from the rounded output exact
 The codes travel with the output tensor (`fp8_ops.attach` / `fp8_ops.attached`), so nothing between the
 producer and the linear changes; any other consumer sees the plain output.
 
-- `rms_norm_quant`: `triton_ops.rms_norm`'s numerics (residual add in the residual's dtype,
-  float32 mean of squares, rounded twice), one or more whole rows per program;
-- `silu_and_mul_quant`: `triton_ops.silu_and_mul`'s numerics, one row per program in two passes
-  over column chunks (the second recomputes the product: bit-identical, read from L2).
+`rms_norm_quant` has `triton_ops.rms_norm`'s numerics (residual add in the residual's dtype,
+float32 mean of squares, rounded twice), one or more whole rows per program (the row is in
+registers: its absolute maximum costs nothing more). An H200 (`gpu_quant.py --parts w8a8`):
+4.2 us at 256 rows against 6.9 for the norm + quantization, 110 vs 138 at 8192.
+SiLU-and-mul is not fused: with its 14336-wide rows (one per program, two passes over column
+chunks) it ran 18.3 us at 256 rows against 9.7 for the two kernels, 359 vs 304 at 8192.
 
-Torch references: the unfused kernels followed by `fp8_ops.quantize_rows`.
+Torch reference: the unfused kernel followed by `fp8_ops.quantize_rows`.
 Requires triton at import.
 """
 
@@ -27,8 +29,6 @@ from tokenmill.layers.quantization.fp8_ops import FP8_MAX, attach
 
 TILE_ELEMENTS = 2048
 MAX_ROWS = 64
-SILU_CHUNK = 1024  # columns per step of the SiLU-and-mul row loops
-SILU_STAGES = 3
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -77,51 +77,4 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
             x, x if residual is None else residual, weight, out, q, s, t, 1.0 / n, eps, x.stride(0),
             0 if residual is None else residual.stride(0), N=n, BLOCK=block, ROWS=rows,
             HAS_RESIDUAL=residual is not None, QMAX=FP8_MAX, num_warps=min(max(block * rows // 256, 1), 16))
-    return attach(out, q, s)
-
-
-@triton.jit(do_not_specialize=["D"])
-def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, s_x, D, CHUNK: tl.constexpr, QMAX: tl.constexpr,
-                               STAGES: tl.constexpr):
-    """One row per program; both loops software-pipelined (`num_stages`: Triton pipelines a
-    dot-free loop only then), so a program keeps several chunks' loads in flight."""
-    dtype = x_ptr.dtype.element_ty
-    t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, CHUNK)
-    amax = tl.zeros([CHUNK], dtype=tl.float32)
-    for c0 in tl.range(0, D, CHUNK, num_stages=STAGES):
-        cols = c0 + offs
-        mask = cols < D
-        gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + t * s_x + D + cols, mask=mask, other=0.0).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        out = (silu * up).to(dtype)
-        tl.store(out_ptr + t * D + cols, out, mask=mask)
-        amax = tl.maximum(amax, tl.abs(out.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0) / QMAX, 1e-12)
-    for c0 in tl.range(0, D, CHUNK, num_stages=STAGES):
-        cols = c0 + offs
-        mask = cols < D
-        gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + t * s_x + D + cols, mask=mask, other=0.0).to(tl.float32)
-        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-        o = (silu * up).to(dtype).to(tl.float32)
-        q = tl.minimum(tl.maximum(o / scale, -QMAX), QMAX)
-        tl.store(q_ptr + t * D + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + t, scale)
-
-
-def silu_and_mul_quant(x: torch.Tensor, code_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
-    """[T, 2 * d] -> [T, d]: silu(gate) * up, with its fp8 codes and row scales attached."""
-    t, two_d = x.shape
-    d = two_d // 2
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty((t, d), dtype=x.dtype, device=x.device)
-    q = torch.empty((t, d), dtype=code_dtype, device=x.device)
-    s = torch.empty((t, 1), dtype=torch.float32, device=x.device)
-    if t and d:
-        chunk = min(SILU_CHUNK, triton.next_power_of_2(d))
-        _silu_and_mul_quant_kernel[(t,)](x, out, q, s, x.stride(0), d, CHUNK=chunk, QMAX=FP8_MAX, STAGES=SILU_STAGES,
-                                         num_warps=8 if chunk >= 2048 else 4)
     return attach(out, q, s)
