@@ -50,6 +50,8 @@ def test_overlapping_events_count_once_as_busy():
     ("_write_kv_kernel", "kv_write"), ("_rotary_kernel", "rope"), ("_silu_and_mul_kernel", "activation"),
     ("void cublasLt::splitKreduce_kernel<32, 16>", "gemm"), ("Memcpy HtoD (Pinned -> Device)", "copies"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>", "sampling"),
+    ("_quantize_rows_kernel", "act_quant"), ("_rms_norm_quant_kernel", "act_quant"), ("_fp8_stream_kernel", "gemm"),
+    ("_fp8_gemm_kernel", "gemm"),
 ])
 def test_kernel_groups(name, group):
     assert step_profile.group_of(name) == group
