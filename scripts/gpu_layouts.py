@@ -18,6 +18,10 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
   profile batch1 with a torch.profiler window over 32 decode steps on every rank: per-step device time
           of each kernel group (GEMMs, attention, norms, all-reduce, rope, sampling, copies, others),
           launch gaps, host gaps and the gap between steps; one GPU beside TP=2 (off by default).
+  tpprofile  prefill chunks and 1000-row decode steps (64-token prompts) profiled in one run per layout
+          (--profile-layouts): per kernel group, and the all-reduce per decode step from the trace.
+  single  one-GPU sweeps side by side: one-row linears (cuBLAS vs the Triton GEMV, gpu_gemv.py) and
+          batch-1 attention launches at a TP rank's heads (gpu_attention.py).
   arprofile  TP=2 decode steps of 1000 rows profiled (short prompts): the all-reduce's time per decode
           step of the bench's batch from the trace (off by default).
   bench   Llama-3.1-8B shape, dummy bfloat16 weights, 1000 prompts x 512 in x 256 out, one GPU,
@@ -91,13 +95,13 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> b
     prompt_lens = [5, 17, 40] if smoke else [8, 64, 200, 400]
     vocab = lc.vocab_size(path)
     start = time.perf_counter()
-    sequences = lc.greedy_continuations(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
-                                        8 if smoke else 32, common)
+    sequences, base = lc.continue_and_score(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
+                                            8 if smoke else 32, common, vocab)
     envs = wrong_shards(shape)
     # TP=2 with the all-reduce, residual add and RMSNorm apart: the fused kernel's numerics beside it.
     envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
     layouts = [lc.Layout.parse(n) if n in LAYOUTS else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
-    report = lc.check_layouts(path, layouts, sequences, common, envs=envs)
+    report = lc.check_layouts(path, layouts, sequences, common, envs=envs, base=base)
     print(lc.format_report(report), flush=True)
     verdicts = {v.spread.label: v.passed for v in report.verdicts}
     ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused") if n in verdicts) \
@@ -120,12 +124,17 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     "tp2-rope-apart": (["--tensor-parallel-size", "2"], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
     "tp1-rope-apart": ([], {"TOKENMILL_FUSED_ROPE_KV_WRITE": "0"}),
     # TP=2 with the fused all-reduce + norm kernel's push variant (reads local, writes remote).
-    "tp2-push": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_PUSH": "1"}),
+    "tp2-push": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_VARIANT": "push"}),
+    # ... its lamport variant (rows pushed with their own readiness: no signals) and the pull one.
+    "tp2-lamport": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_VARIANT": "lamport"}),
+    "tp2-pull": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE_NORM_VARIANT": "pull"}),
     "pp2": (["--pipeline-parallel-size", "2"], {}),
     # Three micro-batches on two stages: the host's turn-around between a stage's batches hidden.
     "pp2-mb3": (["--pipeline-parallel-size", "2", "--pp-microbatches", "3"], {}),
     # The split chosen by timing a layer, the embedding and the LM head at start (logged).
     "pp2-measured": (["--pipeline-parallel-size", "2", "--pp-layer-partition", "measured"], {}),
+    # Sampled tokens from the last stage to the first on the devices (scripts/gpu_pipeline.py times it).
+    "pp2-dt": (["--pipeline-parallel-size", "2", "--pp-device-tokens"], {}),
 }
 _STEP_KEYS = ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "device_idle_fraction_p50")
 
@@ -317,7 +326,53 @@ def ar_profile(results: dict, smoke: bool) -> None:
               f"calls, of a device period of {r0['period_us'] / 1e3:.3f} ms")
 
 
-def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None) -> bool:
+def tp_profile(results: dict, smoke: bool, layouts: list[str]) -> None:
+    """The throughput bench's kind of steps profiled (1000 prompts x 64 in, 32 out, max_num_seqs
+    1024: short prompts keep the run short; the bench's are 512): in one run per layout, a window
+    over 3 prefill chunks (steps of >= 8000 tokens) and one over 8 decode steps of all 1000 rows,
+    on every rank. Per step
+    and kernel group (GEMMs, attention, all-reduce, ...), side by side per layout: what keeps TP=2
+    from halving a step, and the all-reduce's time per decode step from the trace."""
+    from tokenmill.worker.device_profile import ENV_VAR
+    rows = 8 if smoke else 1000
+
+    def windows(name: str) -> dict:
+        for kind in ("prefill", "decode"):
+            shutil.rmtree(os.path.join(OUT, f"tpprofile_{name}_{kind}"), ignore_errors=True)
+        return {ENV_VAR: json.dumps([
+            dict(out_dir=os.path.join(OUT, f"tpprofile_{name}_prefill"), min_tokens=1 if smoke else 8000,
+                 skip=1 if smoke else 2, steps=2 if smoke else 3),
+            dict(out_dir=os.path.join(OUT, f"tpprofile_{name}_decode"), batch=rows, skip=1 if smoke else 4,
+                 steps=2 if smoke else 8)])}
+
+    figures: dict = {}
+    for name in layouts:
+        bench(results, smoke, 1024, [name], (rows, 64, 32), "tpprofile", windows)
+        for kind in ("prefill", "decode"):
+            figures.update(read_profiles(f"tpprofile_{name}_{kind}", f"{name} {kind}"))
+        results["profile_throughput"] = figures
+        with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    for kind in ("prefill", "decode"):
+        per = {name: figures.get(f"tpprofile_{name}_{kind}_rank0") for name in layouts}
+        per = {k: v for k, v in per.items() if v}
+        if not per:
+            continue
+        groups = sorted({g for v in per.values() for g in v["groups_us"]}, key=lambda g: -max(
+            v["groups_us"].get(g, 0.0) for v in per.values()))
+        print(f"{kind} step (rank 0), ms: " + "  ".join(f"{k} {v['period_us'] / 1e3:.3f}" for k, v in per.items()))
+        print(f"{'group':<14} " + " ".join(f"{k:>12}" for k in per))
+        for g in groups:
+            print(f"{g:<14} " + " ".join(f"{v['groups_us'].get(g, 0.0) / 1e3:12.3f}" for v in per.values()))
+        tp = per.get("tp2")
+        if tp and kind == "decode":
+            print(f"tp2: all-reduce per decode step of {rows} rows (rank 0, from the trace): "
+                  f"{tp['groups_us'].get('all_reduce', 0) / 1e3:.3f} ms in {tp['groups_calls'].get('all_reduce', 0):.0f} "
+                  f"calls, of a device period of {tp['period_us'] / 1e3:.3f} ms")
+
+
+def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None,
+               variants: str = "pull,push,lamport", timeout_s: float = 90.0) -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
     (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
@@ -325,14 +380,85 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
         print("all-reduce: needs two GPUs (skipped in --smoke)")
         return True
     record = os.path.join(OUT, "all_reduce.json")
+    if os.path.exists(record):
+        os.remove(record)  # not an earlier call's
     sizes = ["--sizes-kib", sizes_kib] if sizes_kib else []
     sizes += ["--fused-rows", fused_rows] if fused_rows else []
-    proc = subprocess.run([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
-                           "--output-json", record], cwd=REPO, text=True)
+    sizes += ["--fused-variants", variants]
+    # In its own process group with a time limit: a kernel that never returns (two ranks waiting on
+    # each other) ends this part as failed, its workers with it, and the call goes on.
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
+                             "--output-json", record], cwd=REPO, text=True, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        import signal
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        print(f"all-reduce: no result after {timeout_s:.0f} s (killed)", flush=True)
+        return False
     if os.path.exists(record):
         with open(record) as f:
             results["all_reduce"] = json.load(f)
     return proc.returncode == 0
+
+
+def single_gpu_sweeps(results: dict, smoke: bool, budget: float) -> bool:
+    """One-GPU sweeps side by side, one per GPU: the one-row linears of TP=1 and TP=2 (cuBLAS against
+    the Triton GEMV's tiles, scripts/gpu_gemv.py) on GPU 1, and batch-1 decode attention at a rank's
+    heads (16 query / 4 KV heads at TP=2, 32 / 8 at one GPU; context 640, the bench's max_model_len
+    784 as the decode graphs capture it) swept over its launch (scripts/gpu_attention.py) on GPU 0."""
+    scripts = os.path.join(REPO, "scripts")
+    gemv_out, attn_out = os.path.join(OUT, "gemv"), os.path.join(OUT, "attention_b1")
+    smoke_flag = ["--smoke"] if smoke else []
+    procs = {"gemv": subprocess.Popen(
+        [sys.executable, os.path.join(scripts, "gpu_gemv.py"), "--budget", str(budget * 0.8), *smoke_flag],
+        env={**os.environ, "OUT": gemv_out, "CUDA_VISIBLE_DEVICES": "1"}, text=True)}
+    heads_runs = [(16, 4), (32, 8)]
+    code = ("import sys; sys.argv = ['gpu_attention.py', '--shapes', {shape!r}, '--sweep-all', '--budget', {b!r}] "
+            "+ {smoke!r}; import gpu_attention as g; g.LLAMA8B = ({hq}, {hkv}, 128); g.MAX_MODEL_LEN = 784; g.main()")
+    attn_ok = True
+    if smoke:
+        print("attention sweep: needs CUDA (skipped in --smoke)")
+    else:
+        for hq, hkv in heads_runs:
+            env = {**os.environ, "OUT": os.path.join(attn_out, f"h{hq}x{hkv}"), "CUDA_VISIBLE_DEVICES": "0"}
+            cmd = code.format(shape="1x640", b=str(budget * 0.4), smoke=[], hq=hq, hkv=hkv)
+            attn_ok = subprocess.run([sys.executable, "-c", cmd], cwd=scripts, env=env, text=True).returncode == 0 and attn_ok
+            path = os.path.join(attn_out, f"h{hq}x{hkv}", "gpu_attention.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results[f"attention_b1_h{hq}x{hkv}"] = json.load(f)
+    gemv_ok = procs["gemv"].wait() == 0
+    path = os.path.join(gemv_out, "gpu_gemv.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            results["gemv"] = json.load(f)
+    return gemv_ok and attn_ok
+
+
+def pick_variant(results: dict) -> None:
+    """From this call's `allreduce` part: the fused all-reduce + norm variant fastest at one row (of
+    those whose checks passed) for every later engine run of the call (TOKENMILL_ALL_REDUCE_NORM_VARIANT),
+    and, where it is the lamport one and beats the all-reduce + norm apart at every larger row count
+    measured (prefill-sized messages included), its buffer sized for them (TOKENMILL_ALL_REDUCE_NORM_MAX_MIB)."""
+    rows = (results.get("all_reduce") or {}).get("fused_rows") or []
+    at_one = [r for r in rows if r["rows"] == 1 and r["ok"]]
+    if not at_one:
+        print("variant pick: no checked one-row figures; the engine's default stays")
+        return
+    best = min(at_one, key=lambda r: r["fused_graph_us"])
+    variant = best.get("variant") or ("push" if best.get("push") else "pull")
+    os.environ["TOKENMILL_ALL_REDUCE_NORM_VARIANT"] = variant
+    pick = {"variant": variant, "one_row_us": {r.get("variant"): r["fused_graph_us"] for r in at_one}}
+    large = [r for r in rows if r.get("variant") == variant and r["rows"] * r["hidden"] * 2 > (2 << 20)]
+    if variant == "lamport" and large and all(
+            r["ok"] and r["fused_graph_us"] < min(r["one_shot_norm_graph_us"], r["nccl_norm_graph_us"]) for r in large):
+        mib = max(r["rows"] * r["hidden"] * 2 for r in large) >> 20
+        os.environ["TOKENMILL_ALL_REDUCE_NORM_MAX_MIB"] = str(mib)
+        pick["max_mib"] = mib
+    results["variant_pick"] = pick
+    print(f"variant pick for the engine runs below: {pick}", flush=True)
 
 
 def main() -> int:
@@ -348,6 +474,11 @@ def main() -> int:
                     "(pull and push variants; default: bench all-reduce's)")
     ap.add_argument("--batch1-layouts", default="tp1,tp2,tp2-unfused", help="batch1: layouts to time")
     ap.add_argument("--batch1-prompts", type=int, default=4, help="batch1: prompts (one at a time, 512 in x 256 out)")
+    ap.add_argument("--profile-layouts", default="tp2", help="tpprofile: layouts profiled (e.g. tp1,tp2)")
+    ap.add_argument("--sweep-budget", type=float, default=40.0, help="single: seconds for the one-GPU sweeps")
+    ap.add_argument("--pick-variant", action="store_true", help="allreduce: the later engine runs take the fused "
+                    "kernel's variant fastest at one row here (and lamport's large-message buffer where it wins)")
+    ap.add_argument("--ar-variants", default="pull,push,lamport", help="allreduce: the fused kernel's variants")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
@@ -378,10 +509,16 @@ def main() -> int:
             ok = kernels(results, args.smoke) and ok
         elif part == "profile":
             profile(results, args.smoke, args.batch1_layouts.split(","), args.batch1_prompts)
+        elif part == "tpprofile":
+            tp_profile(results, args.smoke, args.profile_layouts.split(","))
+        elif part == "single":
+            ok = single_gpu_sweeps(results, args.smoke, args.sweep_budget) and ok
         elif part == "allreduce":
-            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows) and ok
+            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants) and ok
+            if args.pick_variant:
+                pick_variant(results)
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, check, kernels, batch1, profile, arprofile, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, single, check, kernels, batch1, profile, arprofile, tpprofile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)

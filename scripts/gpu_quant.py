@@ -28,6 +28,15 @@ Parts (--parts, comma-separated; default all, run in this order):
            the int4 panel GEMV, the pipelined fp8 stream, W8A8 at 256/1024 rows (activation
            quantization, _scaled_mm row-/tensor-wise, the Triton fp8 GEMM), int4 tiles
            (scripts/gpu_quant_sweep.py; SWEEP_BUDGET_S caps it, default 120 s)
+  int4sweep (not by default) INT4 kernel variants where INT4 loses: the register-prefetched one-row
+           GEMV (panel, arithmetic, prefetch depth, split) against its int4 bytes at copy bandwidth,
+           the swapped and fused GEMMs at 64 / 256 rows, bf16 and the engine's path beside them
+           (scripts/gpu_int4_sweep.py; INT4_SWEEP_BUDGET_S caps its timing loop, default 80 s)
+  profile  (not by default) bf16 and fp8 engines: a decode step of 256 rows (graph) and an eager
+           prefill step of 8192 tokens under torch.profiler, time per kernel group side by side,
+           and each throughput workload's physical bound (scripts/gpu_quant_fp8.py)
+  w8a8     (not by default) the W8A8 GEMMs per Llama-8B linear at 16..8192 rows: quantization,
+           row-/tensor-wise _scaled_mm, the Triton fp8 GEMM's tiles and split-K (W8A8_BUDGET_S)
   tiny     tiny quantized checkpoints of every format (tests/helpers/quant_formats.py) on CUDA
            (bf16, Triton, graphs): prompt logprobs vs the same checkpoint on the CPU engine (float32)
 Goals (issue 22): fp8 >= 1.5x bf16 tok/s and <= 0.6x ms/token at batch 1; int4 batch 1 <= 0.4x,
@@ -36,6 +45,8 @@ batch 256 (256x256x128) >= 1.0x; fp8 KV 2x blocks, >= 1.0x tok/s, 16k decode ms/
     python scripts/gpu_quant.py                      # everything (< 8 minutes on an H100)
     python scripts/gpu_quant.py --parts kernels,tiny # checks only
     python scripts/gpu_quant.py --smoke              # CPU: tiny shapes, a few tokens (no goals)
+    QUANT_BF16_WORKLOADS=256x256x128,1000x512x256,batch1 python scripts/gpu_quant.py \
+        --parts kernels,bf16,fp8,tiny,profile        # the FP8 goals, checks and the step profile
 """
 
 from __future__ import annotations
@@ -186,6 +197,7 @@ def kernels(results: dict, device: str) -> None:
     ref = fp8_ops.scaled_mm_reference(xq, xs, wq_c, ws_c, torch.float32)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     check(err < 1e-2, f"_scaled_mm row-wise: rel err {err:.1e}")
+    _fused_quant_checks(device, g, lin)
     # FP8 KV cache: the Triton write rounds like torch; attention over fp8 blocks = the torch reference's.
     from tests.layers.test_fp8_kv_cache import _fp8_case
     from tokenmill.layers.attention import triton_kv_write
@@ -211,6 +223,53 @@ def kernels(results: dict, device: str) -> None:
         n = meta.num_tokens
         err = (out[:n].float().cpu() - expected[:n]).abs().max().item()
         check(err < 2e-3, f"paged attention over {kv_dtype} blocks: max err {err:.1e}")
+
+
+def _fused_quant_checks(device: str, g: torch.Generator, lin) -> None:
+    """The RMSNorm kernel with the fp8 quantization fused (triton_fp8_fused) against the unfused
+    kernel followed by quantize_row_groups, bit for bit in bfloat16; and the fp8 Linear
+    really takes attached codes (wrong codes attached change its output, the right ones do not)."""
+    from tokenmill.layers.quantization import fp8_ops
+    from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
+    from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm, rms_norm
+
+    def same(out, ref) -> bool:
+        q, s = fp8_ops.attached(out)
+        rq, rs = quantize_row_groups(ref, ref.shape[1])
+        return torch.equal(out, ref) and torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
+    bf = torch.bfloat16
+    x = (torch.randn(300, 4096, generator=g) * 2).to(device, bf)
+    w = (torch.rand(4096, generator=g) + 0.5).to(device, bf)
+    res = torch.randn(300, 4096, generator=g).to(device)
+    ref, ref_res = fused_add_rms_norm(x, res.clone(), w, 1e-5)
+    res2 = res.clone()
+    out = rms_norm_quant(x, res2, w, 1e-5, bf)
+    check(same(out, ref) and torch.equal(res2, ref_res), "rms_norm_quant (residual add) = fused_add_rms_norm + quantization")
+    check(same(rms_norm_quant(x, None, w, 1e-5, bf), rms_norm(x, w, 1e-5)), "rms_norm_quant = rms_norm + quantization")
+    xm = torch.randn(64, 512, generator=g).to(device, bf)
+    plain = lin(xm)
+    xa = xm.clone()
+    fp8_ops.attach(xa, *quantize_row_groups(xa, 512))
+    same_codes = lin(xa)
+    # the engine's W8A8 choice per (bucket, N, K): Triton tiles with split-K through the layer's counters
+    from tokenmill.layers.quantization import stream_tiles
+    saved = dict(stream_tiles.W8A8_MEASURED)
+    for tiles in ((64, 64, 256, 1, 4, 3, 2), "tensorwise"):
+        stream_tiles.W8A8_MEASURED[(stream_tiles.w8a8_bucket(64), 384, 512)] = tiles
+        xq, xs = fp8_ops.quantize_rows(xm)
+        ref = fp8_ops.scaled_mm_reference(xq, xs, lin.weight, lin.weight_scale, torch.float32)
+        got = lin(xm).float()
+        err = ((got - ref).norm() / ref.norm()).item()
+        check(err < 1e-2 and not lin.stream_counters.tensor.any(), f"engine fp8 Linear through W8A8_MEASURED {tiles}: "
+                                                                  f"rel err {err:.1e}, counters back at zero")
+    stream_tiles.W8A8_MEASURED.clear()
+    stream_tiles.W8A8_MEASURED.update(saved)
+    xb = xm.clone()
+    q, s = quantize_row_groups(xb, 512)
+    fp8_ops.attach(xb, q, s * 2)
+    check(torch.equal(plain, same_codes) and not torch.equal(plain, lin(xb)),
+          "fp8 Linear takes the codes attached to its input (same result; doubled scales change it)")
 
 
 def _stream_kernel_checks(device: str, dt: torch.dtype, g: torch.Generator) -> None:
@@ -391,6 +450,10 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     long_ctx = 1024 if smoke else 16384
     kwargs, workloads = ENGINES[label]
+    only = os.environ.get("GPU_QUANT_WORKLOADS")  # --workloads: these only (a shorter run)
+    workloads = [w for w in workloads if not only or w in only.split(",")]
+    if label == "bf16" and os.environ.get("QUANT_BF16_WORKLOADS"):  # e.g. only what the fp8 goals compare
+        workloads = [w for w in workloads if w in os.environ["QUANT_BF16_WORKLOADS"].split(",")]
     kwargs = dict(kwargs)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
@@ -447,6 +510,25 @@ def _time_ms(fn, device: str, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def _check_int4_replays(x, wd, counters, w_ref) -> None:
+    """int4_matmul on the engine's layout captured in a CUDA graph, replayed three times: each
+    output matches x @ W (float32 reference), split-K counters are zero after each replay."""
+    from tokenmill.layers.quantization import triton_int4
+
+    triton_int4.int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters)  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_int4.int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters)
+    ref = x.float() @ w_ref
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        check(err < 1e-2 and not counters.any(), f"int4 one row from a graph {tuple(ref.shape)}: rel err {err:.1e}")
+
+
 def micro(results: dict, device: str) -> None:
     """Each Llama-8B linear per row count, as the engine calls it now (fp8: streaming up to
     FP8_STREAM_MAX_ROWS, then W8A8 _scaled_mm; int4: int4_matmul) and the paths it chose between.
@@ -496,6 +578,8 @@ def micro(results: dict, device: str) -> None:
             if m <= 64:
                 r["fp8_stream"] = _time_ms(stream, device)
             r["int4"] = _time_ms(lambda: triton_int4.int4_matmul(x, *int4_engine_w(), None, 128, counters), device)
+            if cuda and m == 1:  # the engine's one-row path replayed from a graph: right, counters back at zero
+                _check_int4_replays(x, wd, counters, packing.dequantize(wt, 128, torch.float32))
             if m <= 256:
                 r["int4_old_fused"] = _time_ms(lambda: triton_int4.int4_gemm(x, *int4_w(), None, 128), device)
             if m >= 256:
@@ -768,9 +852,11 @@ def tune(results: dict, device: str) -> None:
 
 # ---------------------------------------------------------------- the parts, each in a subprocess
 
-PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep"]
+PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep", "profile",
+         "w8a8"]
 # Most seconds a part may take (the budget left caps it further).
-PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150}
+PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
+              "int4sweep": 150, "profile": 150, "w8a8": 100}
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -790,6 +876,20 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_quant_sweep
             gpu_quant_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name == "int4sweep":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_int4_sweep
+            gpu_int4_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name in ("profile", "w8a8") or name.startswith("profile-one-"):
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_quant_fp8
+            if name == "w8a8":
+                gpu_quant_fp8.w8a8(results, device, _time_ms, _cycled, check)
+            elif name == "profile":
+                gpu_quant_fp8.profile(results, device, smoke, os.path.abspath(__file__), OUT, SMOKE if smoke else LLAMA8B)
+            else:
+                gpu_quant_fp8.profile_one(results, name.removeprefix("profile-one-"), smoke, SMOKE if smoke else LLAMA8B,
+                                          config_dir, OUT)
         else:
             engine_part(results, name, smoke)
     except Exception:
@@ -817,6 +917,31 @@ def _ratios(timings: dict) -> list[dict]:
     return rows
 
 
+def _fp8_profile_lines(results: dict) -> list[str]:
+    """The profile part's group tables, and each workload's bound beside the measured tok/s."""
+    if not results.get("profile"):
+        return []
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_quant_fp8
+    lines = gpu_quant_fp8.group_table(results["profile"])
+    b, timings = results.get("bounds", {}), results.get("timings", {})
+    if b:
+        lines += ["", "Physical bound of each workload (prefill at the profiled GEMM rate, decode at max(bytes / copy "
+                  "bandwidth, FLOPs / that rate), bf16 KV reads included) and the fraction reached:", "",
+                  "| engine | workload | bound tok/s | measured tok/s | fraction | bound fp8 / bf16 |", "|---|---|---|---|---|---|"]
+        for label, rec in b.items():
+            for w, v in rec.items():
+                if not isinstance(v, dict):
+                    continue
+                got = timings.get(label, {}).get(w)
+                bound = v["bound_tok_s"]
+                other = b.get("bf16", {}).get(w, {}).get("bound_tok_s")
+                measured = "— | —" if got is None else f"{got:,.0f} | {got / bound:.2f}"
+                lines.append(f"| {label} ({rec['gemm_tflops_prefill']:.0f} TFLOP/s, {rec['copy_tb_s']:.2f} TB/s) | {w} | "
+                             f"{bound:,.0f} | {measured} | {bound / other if other else float('nan'):.2f} |")
+    return lines
+
+
 def _markdown(results: dict) -> str:
     unit = {"kv_blocks": "blocks", "batch1": "ms/token", "batch1_16k": "ms/token"}
     lines = [f"# gpu_quant on {results['device']} (torch {results['torch']}, triton {results.get('triton')})", "",
@@ -841,18 +966,22 @@ def _markdown(results: dict) -> str:
                   "| rows | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
         for m, t in tune_totals.items():
             lines.append(f"| {m} | " + " | ".join(f"{t[c] * 1000:.0f}" if c in t else "—" for c in cols) + " |")
+    lines += _fp8_profile_lines(results)
     lines += ["", f"Parts: {results['part_status']}", f"Failures: {results['failures'] or 'none'}", ""]
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep")))
+    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
+    ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run one part in this process
     ap.add_argument("--precompile", help=argparse.SUPPRESS)  # compile one shard of tune's kernels
     ns = ap.parse_args()
+    if ns.workloads:
+        os.environ["GPU_QUANT_WORKLOADS"] = ns.workloads  # the parts' subprocesses inherit it
     if ns.precompile:
         precompile_shard(ns.precompile)
         return 0

@@ -210,6 +210,9 @@ class SchedulerConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     async_scheduling: bool = True
     debug_check_every: int = 0  # every N steps, workers check their view against a digest; 0 = off
     pp_microbatches: int = 0  # pipeline micro-batches in flight; 0: one per stage
+    # Pipeline parallelism: the last stage sends each step's sampled tokens to the first on the
+    # devices, so a row's next step may be scheduled before its token reaches the host.
+    pp_device_tokens: bool = False
 
 
 class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -358,6 +361,7 @@ class EngineArgs:
     quantization: str | None = None  # fp8 (online), or the checkpoint's quant_method (default: from its config)
     kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
     pp_microbatches: int | None = None  # pipeline micro-batches in flight (default: one per stage)
+    pp_device_tokens: bool = False  # sampled tokens go from the last stage to the first on the devices
 
 
 _FLAG_HELP = {
@@ -420,6 +424,10 @@ _FLAG_HELP = {
     "pp_microbatches": "pipeline micro-batches in flight, at least pipeline_parallel_size (default: one per "
                        "stage); more hide the host's turn-around between a stage's batches, smaller batches "
                        "read the weights more often",
+    "pp_device_tokens": "pipeline parallelism: the last stage sends each step's sampled tokens to the first "
+                        "stage device to device, so a micro-batch's next step is scheduled before its tokens "
+                        "reach the host (the host's turn-around leaves the pipeline's cycle; off with "
+                        "speculative decoding, and for rows under a grammar)",
 }
 
 

@@ -34,6 +34,25 @@ def test_fp8_gemm_matches_scaled_mm_reference(m, tiles):
     assert (out - x @ w.t()).abs().max() > 1e-3  # both operands really are quantized
 
 
+@pytest.mark.parametrize("split", [2, 3])
+def test_fp8_gemm_split_k_matches_reference_and_rezeroes_counters(split):
+    """Split-K: the K slices (4 K steps: 2 + 2, or 2 + 2 + 0 for split 3) summed by the tile's
+    last program, the counters back at zero for the next call (graph replays)."""
+    from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
+
+    g = torch.Generator().manual_seed(split)
+    x, w = torch.randn(20, 256, generator=g) * 3, torch.randn(48, 256, generator=g) * 0.05
+    xq, xs = fp8_ops.quantize_rows(x)
+    wq, ws = fp8_ops.quantize_rows(w)
+    ref = fp8_ops.scaled_mm_reference(xq, xs, wq, ws, torch.float32)
+    counters = torch.zeros(16, dtype=torch.int32)
+    for _ in range(2):
+        out = fp8_gemm(xq.float(), xs, wq.float(), ws, torch.float32, 16, 16, 64, 2, 4, 1, split=split,
+                       counters=counters)
+        torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
+        assert not counters.any()
+
+
 def test_fp8_gemm_refuses_a_ragged_k():
     from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
 
@@ -65,12 +84,25 @@ def test_int4_swap_matches_reference(panel, dtype):
 def test_w8a8_path_by_rows(monkeypatch):
     from tokenmill.layers.quantization import stream_tiles as st
 
-    assert st.w8a8_path(300, 4096, 4096) == ("scaled_mm", None)  # the default until measured
+    assert st.w8a8_path(300, 4096, 2048) == ("scaled_mm", None)  # the default for a shape never measured
     monkeypatch.setattr(st, "W8A8_PATHS", ((0, "scaled_mm"), (128, "tensorwise"), (512, (128, 128, 128, 8, 8, 4))))
-    assert st.w8a8_path(64, 4096, 4096) == ("scaled_mm", None)
-    assert st.w8a8_path(128, 4096, 4096) == ("tensorwise", None)
-    assert st.w8a8_path(2048, 4096, 4096) == ("triton", (128, 128, 128, 8, 8, 4))
+    assert st.w8a8_path(64, 4096, 2048) == ("scaled_mm", None)
+    assert st.w8a8_path(128, 4096, 2048) == ("tensorwise", None)
+    assert st.w8a8_path(2048, 4096, 2048) == ("triton", (128, 128, 128, 8, 8, 4))
     assert st.w8a8_path(2048, 4096, 4000) == ("scaled_mm", None)  # K not a multiple of the Triton BLOCK_K
+
+
+def test_w8a8_measured_shapes_take_their_bucket_s_gemm(monkeypatch):
+    """A measured (rows bucket, N, K) wins over the row-count defaults: 17..32 rows take the first
+    bucket's tiles (with split-K), 200 rows the 256 bucket's, 9000 rows (past every bucket) the defaults."""
+    from tokenmill.layers.quantization import stream_tiles as st
+
+    monkeypatch.setattr(st, "W8A8_MEASURED", {(32, 512, 1024): (64, 64, 256, 1, 4, 3, 4), (256, 512, 1024): "tensorwise"})
+    assert st.w8a8_path(17, 512, 1024) == ("triton", (64, 64, 256, 1, 4, 3, 4))
+    assert st.w8a8_path(200, 512, 1024) == ("tensorwise", None)
+    assert st.w8a8_path(200, 512, 2048) == ("scaled_mm", None)
+    assert st.w8a8_path(300, 512, 1024) == ("scaled_mm", None)
+    assert st.w8a8_path(20000, 512, 1024) == ("scaled_mm", None)
 
 
 def test_int4_matmul_takes_the_swapped_gemm_where_the_table_says(monkeypatch):

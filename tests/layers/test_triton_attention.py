@@ -143,12 +143,13 @@ def test_split_rule_uses_static_numbers_only() -> None:
     # Enough programs without splitting: none.
     assert choose_kv_splits(config, 256, 8, 8192, 132) == 1
     # Batch 1: split up to the cap, but never into shares shorter than min_keys_per_split.
-    assert choose_kv_splits(config, 1, 8, 8192, 132) == 32  # 8192 keys / 256 per share
+    assert choose_kv_splits(config, 1, 8, 8192, 132) == 32  # 33 wanted (2 waves), a power of two
     # 8 KV heads x 33 shares fill 2 waves of 132 SMs: rounded down to a power of two.
     assert choose_kv_splits(config, 1, 8, 65536, 132) == 32
     assert choose_kv_splits(config, 3, 8, 65536, 132) == 8  # 11 wanted
-    assert choose_kv_splits(config, 1, 8, 512, 132) == 2
+    assert choose_kv_splits(config, 1, 8, 512, 132) == 8  # 512 keys / 64 per share
     assert choose_kv_splits(config, 1, 8, 100, 132) == 1
+    assert choose_kv_splits(dataclasses.replace(config, min_keys_per_split=256), 1, 8, 512, 132) == 2
     assert choose_kv_splits(TritonAttentionConfig(kv_splits=999), 1, 8, 100, 132) == MAX_KV_SPLITS
     # Prefill-shaped launches never split; decode tiles hold a whole multi-token decode.
     assert plan_launch(config, 32, 8, 600, 4, 512, 8192, 132).num_splits == 1

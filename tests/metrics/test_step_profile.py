@@ -50,6 +50,8 @@ def test_overlapping_events_count_once_as_busy():
     ("_write_kv_kernel", "kv_write"), ("_rotary_kernel", "rope"), ("_silu_and_mul_kernel", "activation"),
     ("void cublasLt::splitKreduce_kernel<32, 16>", "gemm"), ("Memcpy HtoD (Pinned -> Device)", "copies"),
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>", "sampling"),
+    ("_quantize_rows_kernel", "act_quant"), ("_rms_norm_quant_kernel", "act_quant"), ("_fp8_stream_kernel", "gemm"),
+    ("_fp8_gemm_kernel", "gemm"),
 ])
 def test_kernel_groups(name, group):
     assert step_profile.group_of(name) == group
@@ -81,3 +83,33 @@ def test_worker_window_counts_only_full_batch_decode_steps(tmp_path):
     assert record["rank"] == 1 and record["steps"] == 3 and record["events"]
     prof.after_launch(decode)  # closed for good
     assert step_profile.analyze(record)["steps"] == 3
+
+
+def test_a_prefill_window_then_a_decode_window_in_one_run(tmp_path):
+    """A list of windows: the first holds steps of at least `min_tokens` tokens (prefill chunks,
+    whatever their rows), the second full-batch decode steps; each writes its own folder, and the
+    decode window does not open while the prefill one is."""
+    import json
+
+    import numpy as np
+    import torch
+
+    from tokenmill.worker.device_profile import ENV_VAR, DeviceProfile, DeviceProfiles
+
+    windows = [{"out_dir": str(tmp_path / "prefill"), "min_tokens": 8, "skip": 1, "steps": 2},
+               {"out_dir": str(tmp_path / "decode"), "batch": 2, "skip": 1, "steps": 2}]
+    prof = DeviceProfile.from_env({ENV_VAR: json.dumps(windows)}, 0, torch.device("cpu"))
+    assert isinstance(prof, DeviceProfiles)
+    chunk, decode = np.array([1, 9]), np.array([1, 1])
+    prof.after_launch(chunk)  # the prefill window opens
+    prof.after_launch(decode)  # held by nobody: the open window is the prefill one
+    assert not prof.profiles[1].open and prof.profiles[1]._seen == 0
+    for _ in range(2):
+        torch.ones(8).add_(1)
+        prof.after_launch(chunk)
+    record = json.loads((tmp_path / "prefill" / "rank0.json").read_text())
+    assert record["min_tokens"] == 8 and record["steps"] == 2
+    for _ in range(3):
+        torch.ones(8).add_(1)
+        prof.after_launch(decode)
+    assert json.loads((tmp_path / "decode" / "rank0.json").read_text())["batch"] == 2

@@ -36,8 +36,8 @@ def make_group(world: int, push: bool = False) -> list[FusedAllReduceNorm]:
     """One `FusedAllReduceNorm` per simulated rank, over CPU buffers that stand in for the peers'."""
     buffers = [torch.zeros(buffer_bytes(HALF, world), dtype=torch.uint8) for _ in range(world)]
     addresses = [b.data_ptr() for b in buffers]
-    return [FusedAllReduceNorm(buffers, addresses, r, FusedNormLimits(half_bytes=HALF, max_bytes=HALF), push)
-            for r in range(world)]
+    return [FusedAllReduceNorm(buffers, addresses, r, FusedNormLimits(half_bytes=HALF, max_bytes=HALF),
+                               "push" if push else "pull") for r in range(world)]
 
 
 def slot_start(rank: FusedAllReduceNorm, writer: int, call: int, dtype: torch.dtype) -> int:

@@ -91,3 +91,15 @@ def test_bench_prints_bubble_and_trace_shows_overlap(wider_model, tmp_path, caps
     # The timestamps are CLOCK_MONOTONIC in every process; this is causal order, not a duration.
     ends0 = {e["args"]["step"]: e["ts"] + e["dur"] for e in _track(tracks, "pp stage 0") if e["name"] == "stage_compute"}
     assert all(e["ts"] >= ends0[e["args"]["step"]] for e in _track(tracks, "pp stage 1") if e["name"] == "stage_compute")
+    # Each stage's device work is a `device_step` span per step (rows and tokens named), in the
+    # same causal order; the bubble's causes (benchmarks/pipeline_trace) add up to each stage's idle time.
+    device = [{e["args"]["step"]: e for e in _track(tracks, f"pp stage {i}") if e["name"] == "device_step"}
+              for i in range(2)]
+    assert set(device[0]) == set(device[1]) == set(stages[0]), device
+    for step, e in device[1].items():
+        before = device[0][step]
+        assert e["ts"] >= before["ts"] + before["dur"] and e["args"]["tokens"] == before["args"]["tokens"] >= 1
+    from tokenmill.benchmarks.pipeline_trace import analyze
+    figures = analyze(json.loads(trace_path.read_text()))
+    for s in figures["stages"]:
+        assert s["steps"] == len(stages[0]) and sum(s["idle_causes_ms"].values()) == pytest.approx(s["idle_ms"])

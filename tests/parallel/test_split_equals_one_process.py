@@ -46,3 +46,32 @@ def test_three_micro_batches_on_two_stages(family_dirs, one_process_reference) -
         outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS), use_tqdm=False)
         assert_matches_one_process(reference, outputs, "llama pp=2 with 3 micro-batches")
         assert_idle(llm)
+
+
+@pytest.mark.parametrize("microbatches", [2, 3])
+def test_device_tokens_on_two_stages(family_dirs, one_process_reference, microbatches) -> None:
+    """`pp_device_tokens`: rows run on tokens still in flight, which the first stage takes from the
+    last one's send (gloo here): the same tokens, and placeholders were really scheduled."""
+    reference = one_process_reference("llama")
+    with LLM(family_dirs["llama"], pipeline_parallel_size=2, pp_device_tokens=True, pp_microbatches=microbatches,
+             **ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS), use_tqdm=False)
+        assert_matches_one_process(reference, outputs, f"llama pp=2 device tokens, {microbatches} micro-batches")
+        assert_idle(llm)
+        first = next(p for p in llm.telemetry().processes if p.role == "worker0")
+        placeholders = first.channels.get("pp_placeholder_rows")
+        assert placeholders is not None and placeholders.bytes_total > 0, "no row ran on a token in flight"
+
+
+def test_device_tokens_with_tensor_parallel_stages(family_dirs, one_process_reference) -> None:
+    """TP=2 x PP=2 with device tokens: each first-stage TP rank takes the tokens of its last-stage
+    peer (a group per TP index), and both run rows on them."""
+    reference = one_process_reference("qwen3")
+    with LLM(family_dirs["qwen3"], tensor_parallel_size=2, pipeline_parallel_size=2, pp_device_tokens=True,
+             **ENGINE) as llm:
+        outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS), use_tqdm=False)
+        assert_matches_one_process(reference, outputs, "qwen3 tp=2 pp=2 device tokens")
+        assert_idle(llm)
+        for role in ("worker0", "worker1"):  # the first stage's two TP ranks
+            first = next(p for p in llm.telemetry().processes if p.role == role)
+            assert first.channels["pp_placeholder_rows"].bytes_total > 0, role

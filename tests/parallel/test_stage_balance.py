@@ -79,3 +79,39 @@ def test_the_probe_times_a_layer_the_embedding_and_the_head_on_cpu():
                      rms_norm_eps=1e-5, max_position=128)
     c = measure(arch, torch.float32, torch.device("cpu"), rows=4, context=32, tp=2)
     assert len(c.layers) == 3 and all(t > 0 for t in (*c.layers, c.embedding, c.head))
+
+
+# ---------------------------------------------------------------- a mix of step kinds
+
+
+def test_a_mix_weighs_each_kind_at_its_own_slowest_stage():
+    from tokenmill.distributed.stage_balance import balanced_for_mix
+    decode = costs(32, 0.6, 0.0, 0.9)  # the head ~1.5 layers on every row: 17/15 alone
+    prompt = costs(32, 2.6, 0.0, 0.05)  # the head on a chunk's last tokens only: 16/16 alone
+    assert balanced_for_mix([(1.0, decode)], 2) == (17, 15)
+    assert balanced_for_mix([(1.0, prompt)], 2) == (16, 16)
+    # Weights are step counts: 95 decode steps to 5 prompt chunks, 17/15 (95 * 10.2 + 5 * 44.2 =
+    # 1190 against 95 * 10.5 + 5 * 41.65 = 1205.75); 70 to 30, 16/16 (1984.5 against 2040).
+    assert balanced_for_mix([(95, decode), (5, prompt)], 2) == (17, 15)
+    assert balanced_for_mix([(70, decode), (30, prompt)], 2) == (16, 16)
+    # Against every split: the weighted sum of slowest stages is minimal.
+    c1 = StageCosts(layers=(1.0, 2.0, 0.5, 3.0, 1.0, 1.5, 2.5), embedding=0.7, head=2.2)
+    c2 = StageCosts(layers=(2.0, 1.0, 1.0, 1.0, 3.0, 0.5, 0.5), embedding=0.1, head=0.1)
+    for stages in (2, 3):
+        got = balanced_for_mix([(0.5, c1), (0.5, c2)], stages)
+        best = min(0.5 * max(c1.stage_times(p)) + 0.5 * max(c2.stage_times(p)) for p in _compositions(7, stages))
+        assert 0.5 * max(c1.stage_times(got)) + 0.5 * max(c2.stage_times(got)) == pytest.approx(best)
+
+
+def test_a_run_measures_the_layer_and_the_head():
+    from tokenmill.distributed.stage_balance import costs_from_stage_times
+    c = costs_from_stage_times([9.6, 10.5], (16, 16))
+    assert c.layers == (0.6,) * 32 and c.head == pytest.approx(0.9) and c.embedding == 0.0
+    assert balanced_partition(c, 2) == (17, 15)
+    c = costs_from_stage_times([10.2, 9.9], (17, 15))  # the same model, measured under 17/15
+    assert c.layers[0] == pytest.approx(0.6) and c.head == pytest.approx(0.9)
+    # Three stages, an embedding taken off the first; a head faster than nothing is no head.
+    c = costs_from_stage_times([5.1, 5.0, 4.0], (5, 5, 5), embedding=0.1)
+    assert c.layers[0] == pytest.approx(1.0) and c.head == 0.0
+    with pytest.raises(ValueError):
+        costs_from_stage_times([1.0], (4,))

@@ -26,7 +26,7 @@ _METHODS = ("nccl", "one_shot", "two_shot")
 
 
 def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, out: str | None,
-            fused: list[int], hidden: int) -> None:
+            fused: list[int], hidden: int, variants: tuple[str, ...] = ("pull", "push", "lamport")) -> None:
     import torch
     import torch.distributed as dist
 
@@ -113,10 +113,10 @@ def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, 
     fused_rows = []
     if fused:  # the all-reduce fused with the residual add and RMSNorm (`all_reduce_norm`)
         from tokenmill.benchmarks.all_reduce_norm import run_fused
-        fused_rows = run_fused(group, device, symm, hidden, fused, calls)
-        # The kernel's push variant (rows stored into every peer's buffer, reads local), checked and timed alike.
-        fused_rows += run_fused(group, device, symm, hidden, fused, calls, push=True)
-        failed += [f"fused{' push' if r.get('push') else ''} {r['rows']} rows" for r in fused_rows if not r["ok"]]
+        # Each variant of the kernel (`all_reduce_norm.VARIANTS`), checked and timed alike.
+        for variant in variants:
+            fused_rows += run_fused(group, device, symm, hidden, fused, calls, variant)
+        failed += [f"fused {r['variant']} {r['rows']} rows" for r in fused_rows if not r["ok"]]
         if rank == 0 and not all(r["ok"] for r in fused_rows):
             print("fused all-reduce + norm failed its checks", flush=True)
     if rank == 0 and out:
@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     procs = [subprocess.Popen([sys.executable, "-m", "tokenmill.benchmarks.all_reduce", "--worker", str(rank),
                                "--tp", str(args.tp), "--port", str(port), "--sizes-kib", args.sizes_kib,
                                "--calls", str(args.calls), "--fused-rows", args.fused_rows,
-                               "--hidden", str(args.hidden), *(["--output-json", args.output_json]
+                               "--hidden", str(args.hidden), "--fused-variants", args.fused_variants,
+                               *(["--output-json", args.output_json]
                                                              if args.output_json else [])], env=env)
              for rank in range(args.tp)]
     codes = [p.wait() for p in procs]
@@ -149,6 +150,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-rows", default="1,8,32,128,256,512",
                    help="rows of the fused all-reduce + residual add + RMSNorm runs ('' for none)")
     p.add_argument("--hidden", type=int, default=4096, help="the fused runs' row width")
+    p.add_argument("--fused-variants", default="pull,push,lamport", help="the fused kernel's variants to run")
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--output-json", default=None)
 
@@ -168,7 +170,8 @@ def main() -> int:
     if args.worker is None:
         return run(args)
     _worker(args.worker, args.tp, args.port, [int(v) for v in args.sizes_kib.split(",") if v], args.calls,
-            args.output_json, [int(v) for v in args.fused_rows.split(",") if v], args.hidden)
+            args.output_json, [int(v) for v in args.fused_rows.split(",") if v], args.hidden,
+            tuple(v for v in args.fused_variants.split(",") if v))
     return 0
 
 

@@ -44,20 +44,26 @@ def _graph_us(fn, calls: int, replays: int = 10) -> float:
 
 
 def run_fused(group, device: torch.device, symm, hidden: int, rows_list: list[int], calls: int,
-              push: bool = False) -> list[dict]:
-    """`push`: the kernel's push variant (`all_reduce_norm_kernel`)."""
-    from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm, reference
+              variant: str = "pull") -> list[dict]:
+    """`variant`: the kernel's (`all_reduce_norm`: pull, push, lamport). Lamport gets a buffer that
+    holds the largest row count asked for (it is meant for prefill-sized messages too); the others
+    the engine's and skip the rows it does not hold."""
+    from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm, FusedNormLimits, reference
     from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
 
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    fused = FusedAllReduceNorm.create(group, device, push=push)
+    limits = None
+    if variant == "lamport":
+        half = max(FusedNormLimits().half_bytes, world * max(rows_list) * hidden * 2)
+        limits = FusedNormLimits(half_bytes=half, max_bytes=half // world)
+    fused = FusedAllReduceNorm.create(group, device, limits, variant=variant)
     if fused is None:
         raise RuntimeError("the fused all-reduce + norm could not be set up (see the warning above)")
     eps = 1e-5
     out_rows = []
-    capacity = fused.limits.half_bytes // (world if push else 1)  # a message a half holds (push: every rank's)
     for rows in rows_list:
-        if rows * hidden * 2 > capacity:
+        probe = torch.empty(rows, hidden, device=device, dtype=torch.bfloat16)
+        if not fused.applies(probe, probe.float(), probe[0]):  # more than its buffer holds
             continue
         gen = torch.Generator(device=device).manual_seed(7 + rank)
         x = torch.randn(rows, hidden, generator=gen, device=device, dtype=torch.bfloat16)
@@ -73,7 +79,8 @@ def run_fused(group, device: torch.device, symm, hidden: int, rows_list: list[in
         apart_out, apart_res = fused_add_rms_norm(nccl_sum, residual.clone(), weight, eps)
         res_list = [torch.empty_like(got_res) for _ in range(world)]
         dist.all_gather(res_list, got_res, group=group)
-        row: dict = {"rows": rows, "hidden": hidden, "kib": rows * hidden * 2 >> 10, "push": push}
+        row: dict = {"rows": rows, "hidden": hidden, "kib": rows * hidden * 2 >> 10, "variant": variant,
+                     "push": variant == "push"}
         row["ref_res_max_diff"] = (got_res - want_res).abs().max().item()
         row["ref_out_max_diff"] = (got_out.float() - want_out.float()).abs().max().item()
         row["apart_res_max_diff"] = (got_res - apart_res).abs().max().item()
@@ -122,7 +129,7 @@ def run_fused(group, device: torch.device, symm, hidden: int, rows_list: list[in
         row["ok"] = row["ok"] and row["chain_ok"]
         out_rows.append(row)
         if rank == 0:
-            print(f"fused{' push' if push else ''} {rows:>4} x {hidden} ({row['kib']:>5} KiB)  fused {row['fused_graph_us']:6.1f} us  "
+            print(f"fused {variant:<7} {rows:>4} x {hidden} ({row['kib']:>5} KiB)  fused {row['fused_graph_us']:6.1f} us  "
                   f"one-shot+norm {row['one_shot_norm_graph_us']:6.1f} us  nccl+norm {row['nccl_norm_graph_us']:6.1f} us"
                   f"  |res-ref| {row['ref_res_max_diff']:.2g} |out-ref| {row['ref_out_max_diff']:.2g} "
                   f"|res-apart| {row['apart_res_max_diff']:.2g} |out-apart| {row['apart_out_max_diff']:.2g} "

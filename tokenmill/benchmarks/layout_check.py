@@ -164,11 +164,29 @@ def greedy_continuations(model: str, layout: Layout, prompts: Sequence[Sequence[
 def teacher_forced_logprobs(model: str, layout: Layout, sequences: Sequence[Sequence[int]],
                             common: Mapping[str, Any], vocab: int | None = None) -> list[np.ndarray]:
     """Per sequence, float32 [len - 1, vocab]: row i is log p(. | tokens <= i) under `layout`."""
+    vocab = vocab or vocab_size(model)
+    with _engine(model, layout, common, vocab) as llm:
+        return _score(llm, layout, sequences, vocab)
+
+
+def continue_and_score(model: str, layout: Layout, prompts: Sequence[Sequence[int]], num_tokens: int,
+                       common: Mapping[str, Any], vocab: int | None = None
+                       ) -> tuple[list[list[int]], list[np.ndarray]]:
+    """`greedy_continuations` and then `teacher_forced_logprobs` of them, in one engine (one start
+    fewer: the base layout's two runs of `check_layouts`, passed to it as `base`)."""
     from tokenmill import SamplingParams
     vocab = vocab or vocab_size(model)
-    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=vocab, detokenize=False)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, detokenize=False)
     with _engine(model, layout, common, vocab) as llm:
-        outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        sequences = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        return sequences, _score(llm, layout, sequences, vocab)
+
+
+def _score(llm, layout: Layout, sequences: Sequence[Sequence[int]], vocab: int) -> list[np.ndarray]:
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=vocab, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": list(s)} for s in sequences], params, use_tqdm=False)
     result = []
     for seq, out in zip(sequences, outs):
         rows = out.prompt_logprobs[1:]  # the first token has no prediction
@@ -208,14 +226,17 @@ class LayoutReport:
 def check_layouts(model: str, layouts: Sequence[Layout], sequences: Sequence[Sequence[int]],
                   common: Mapping[str, Any], factor: float = DEFAULT_FACTOR,
                   envs: Mapping[str, Mapping[str, str]] | None = None,
-                  one_process: Mapping[str, Any] | None = None) -> LayoutReport:
+                  one_process: Mapping[str, Any] | None = None,
+                  base: list[np.ndarray] | None = None) -> LayoutReport:
     """Scores `sequences` under the base, the reference and each layout; judges each layout's
     spread from the base against the reference's. `envs`: per layout name, environment variables
     set while its engine runs (a test's planted fault). `one_process`: extra engine arguments of
-    the base and the reference (tests: single_process=True)."""
+    the base and the reference (tests: single_process=True). `base`: the base's scores, already
+    computed (`continue_and_score`)."""
     import os
     vocab = vocab_size(model)
-    base = teacher_forced_logprobs(model, base_layout(**(one_process or {})), sequences, common, vocab)
+    if base is None:
+        base = teacher_forced_logprobs(model, base_layout(**(one_process or {})), sequences, common, vocab)
     ref_layout = reference_layout(sequences, **(one_process or {}))
     reference = compare(ref_layout.name, teacher_forced_logprobs(model, ref_layout, sequences, common, vocab), base)
     dtype = str(common.get("dtype", "float32"))

@@ -19,7 +19,8 @@ GROUPS = (
     ("all_reduce", r"all_reduce|allreduce|one_shot|two_shot|nccl|symm"),
     ("attention", r"paged_attention|reduce_splits|flash|attention|fmha"),
     ("kv_write", r"write_kv|kv_write|reshape_and_cache"),
-    ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|sm90_|splitk|cublas|matmul|_linear"),
+    ("act_quant", r"quantize_rows|quantize_groups|rms_norm_quant|silu_and_mul_quant"),  # fp8 activations
+    ("gemm", r"gemm|gemv|cutlass|nvjet|xmma|sm90_|splitk|cublas|matmul|_linear|fp8_stream|int4_stream"),
     ("norm", r"rms_norm|layer_norm|norm_kernel"),
     ("rope", r"rotary|rope"),
     ("activation", r"silu|gelu|act_and_mul"),

@@ -33,6 +33,10 @@ from tokenmill.protocol import (EngineCoreOutput, EngineCoreOutputs, EngineCoreR
 logger = logging.getLogger(__name__)
 
 GRAMMAR_SWITCH_INTERVAL_S = 0.0002  # the GIL switch interval once structured outputs are in use
+# With pipeline parallelism, the first stage idles while a micro-batch's result crosses this
+# process (the reply reader sets the step's future, the loop applies it and schedules the next):
+# no thread should wait out another's Python (the output thread's encoding) for 5 ms.
+PIPELINE_SWITCH_INTERVAL_S = 0.0002
 
 
 class EngineCore:
@@ -80,6 +84,8 @@ class EngineCore:
         # Pipeline parallelism schedules no row past the tokens it knows, so a step's masks can be
         # made as soon as it is submitted, and every stage keeps a step in flight.
         self._masks_at_submit = stages > 1
+        if stages > 1:
+            sys.setswitchinterval(min(sys.getswitchinterval(), PIPELINE_SWITCH_INTERVAL_S))
 
     def add_request(self, request: EngineCoreRequest) -> None:
         core_request = Request(

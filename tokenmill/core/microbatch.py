@@ -20,11 +20,17 @@ from tokenmill.core.running_table import RunningTable
 
 
 def pipeline_token_budget(table: RunningTable, waiting: Iterable[Request], in_flight_tokens: int,
-                          num_batches: int, max_tokens: int) -> int:
-    """The next micro-batch's token budget, in [1, max_tokens]."""
+                          num_batches: int, max_tokens: int, placeholder_ok: np.ndarray | None = None) -> int:
+    """The next micro-batch's token budget, in [1, max_tokens]. `placeholder_ok` (by slot): rows
+    that may run on a token still in flight (pipeline device tokens)."""
     slots = table.order
     ready = table.num_pending[slots] == 0  # a row whose sampled token is in flight has nothing to run
-    running = int(np.maximum(table.num_tokens[slots] - table.num_computed[slots], 0)[ready].sum())
+    reach = table.num_tokens[slots]
+    if placeholder_ok is not None:  # ... unless that token reaches the first stage on the devices
+        ok = placeholder_ok[slots]
+        ready |= ok
+        reach = reach + table.num_pending[slots] * ok
+    running = int(np.maximum(reach - table.num_computed[slots], 0)[ready].sum())
     cap = num_batches * max_tokens  # past this every batch is full anyway: stop counting
     queued = 0
     for request in waiting:

@@ -16,7 +16,9 @@ Python only rows that get blocks or register one. When every row takes all it as
 Pipeline parallelism (`no_placeholders`): the first stage cannot read a sampled token on its
 device, so a row is never scheduled past the tokens it knows: a request whose sampled token
 is in flight takes none (no decode while in flight), while a prompt whose earlier chunk is in
-flight may take its next chunk. Every row is then planned every step (no due steps).
+flight may take its next chunk. Every row is then planned every step (no due steps). With
+device tokens (`placeholder_ok`, by slot) the rows it marks may take one placeholder: their
+token goes from the last stage to the first on the devices.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ class RunningPlanner:
                  no_placeholders: bool = False) -> None:
         """`preempt(slot)` takes a running row out (its request goes back to the waiting queue)."""
         self.no_placeholders = no_placeholders
+        # With no_placeholders: rows (by slot) that may take a placeholder all the same (pipeline
+        # device tokens; set by the scheduler before each plan), or None.
+        self.placeholder_ok: np.ndarray | None = None
         self.table = table
         self.kv = kv
         self.block_size = kv.block_size
@@ -98,7 +103,7 @@ class RunningPlanner:
         known, computed = t.num_tokens[ex_slots], t.num_computed[ex_slots]
         ahead = known + t.num_pending[ex_slots]  # placeholders included
         limit = t.token_limit[ex_slots]
-        uncomputed = (self._reach(known, ahead) - computed) * (ahead < limit)  # a last token in flight: no more
+        uncomputed = (self._reach(ex_slots, known, ahead) - computed) * (ahead < limit)  # a last token in flight: no more
         if drafts is not None:
             uncomputed = uncomputed + drafts[ex_slots] * ((ahead - computed == 1) & (uncomputed > 0))
         if len(slots) - len(examined) + int(uncomputed.sum()) > budget:
@@ -138,9 +143,14 @@ class RunningPlanner:
             plan.slots, plan.counts = slots[scheduled], plan.counts[scheduled]
         return plan
 
-    def _reach(self, known: np.ndarray, ahead: np.ndarray) -> np.ndarray:
+    def _reach(self, slots: np.ndarray, known: np.ndarray, ahead: np.ndarray) -> np.ndarray:
         """How far rows may be computed: placeholders included, unless they are not allowed."""
-        return known if self.no_placeholders else ahead
+        if not self.no_placeholders:
+            return ahead
+        if self.placeholder_ok is None:
+            return known
+        # A row already on a placeholder (computed past `known`) that may not take another: none.
+        return np.where(self.placeholder_ok[slots], ahead, np.maximum(known, self.table.num_computed[slots]))
 
     def set_due_steps(self, slots: np.ndarray, step_id: int) -> None:
         """`due_steps` for rows whose plan for `step_id` is in the table (e.g. just admitted)."""
@@ -164,7 +174,7 @@ class RunningPlanner:
         known = t.num_tokens[slots]
         ahead = known + t.num_pending[slots]
         computed = t.num_computed[slots]
-        uncomputed = (self._reach(known, ahead) - computed) * (ahead < t.token_limit[slots])
+        uncomputed = (self._reach(slots, known, ahead) - computed) * (ahead < t.token_limit[slots])
         if drafts is not None:
             uncomputed = uncomputed + drafts[slots] * ((ahead - computed == 1) & (uncomputed > 0))
         before = uncomputed.cumsum() - uncomputed

@@ -65,6 +65,12 @@ class Scheduler:
         # Micro-batches each step's budget splits the work in sight into (one per stage by default).
         self.pipeline_batches = max(pipeline_stages, config.pp_microbatches) if pipeline_stages > 1 else 1
         self.in_flight_tokens = 0  # scheduled tokens of the batches not updated yet
+        # Pipeline device tokens: the steps in flight (oldest first) and each row's last step. A
+        # row whose one token in flight comes from the oldest step may run on it (a placeholder):
+        # the first stage takes it from the last on the devices, before the step.
+        self.device_tokens = pipeline_stages > 1 and config.pp_device_tokens
+        self._in_flight_steps: deque[int] = deque()
+        self._row_step = np.zeros(config.max_num_seqs, np.int64)
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_window)
         self.requests: dict[int, Request] = {}
@@ -174,8 +180,18 @@ class Scheduler:
         drafts = None
         if self.spec is not None and self._last_proposed == step_id - 1:
             drafts = self.spec.choose(step_id, t.order, budget, self._prompts_can_start())
+        placeholder_ok = None
+        if self.device_tokens and len(self._in_flight_steps) >= self.pipeline_batches:
+            # Once every micro-batch is in flight, the oldest one's rows go again on their tokens
+            # in flight (the next the first stage gets): one placeholder each at most, never under
+            # a grammar (its mask needs the token on the host). Before that, new work fills the
+            # pipeline, so that the micro-batches stay apart.
+            placeholder_ok = ((t.num_pending == 1) & (self._row_step == self._in_flight_steps[0])
+                              & ~t.structured)
+        self.planner.placeholder_ok = placeholder_ok
         if self.pipeline_stages > 1:
-            budget = pipeline_token_budget(t, self.waiting, self.in_flight_tokens, self.pipeline_batches, budget)
+            budget = pipeline_token_budget(t, self.waiting, self.in_flight_tokens, self.pipeline_batches, budget,
+                                           placeholder_ok)
         plan = self.planner.plan(step_id, budget, drafts)
         sched_slots, sched_counts = plan.slots, plan.counts
         budget -= int(sched_counts.sum())
@@ -223,8 +239,18 @@ class Scheduler:
             output.digest = batch_digest((h, int(t.num_computed[s]), self.kv.blocks[h]) for h, s in
                                          zip(output.batch_handles.tolist(), output.row_slots.tolist()))
         if self.pipeline_stages > 1 and len(output.row_slots):
-            first = t.num_computed[output.row_slots] - output.batch_counts  # each row's first input position
-            output.pp_input_tokens = t.tokens[output.row_slots, first].astype("<i4").tobytes()
+            rows = output.row_slots
+            first = t.num_computed[rows] - output.batch_counts  # each row's first input position
+            if placeholder_ok is None:
+                output.pp_input_tokens = t.tokens[rows, first].astype("<i4").tobytes()
+            else:  # -1: a placeholder (its token comes from the last stage, on the devices)
+                known = first < t.num_tokens[rows]
+                ids = t.tokens[rows, np.minimum(first, t.tokens.shape[1] - 1)]
+                output.pp_input_tokens = np.where(known, ids, -1).astype("<i4").tobytes()
+        if self.device_tokens:
+            output.pp_tokens_upto = self._in_flight_steps[0] if self._in_flight_steps else step_id - 1
+            self._row_step[output.row_slots] = step_id
+            self._in_flight_steps.append(step_id)
         self.in_flight_tokens += output.total_num_scheduled_tokens
         self.finished_to_send = []
         return output
@@ -356,6 +382,9 @@ class Scheduler:
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Apply a finished step's sampled tokens; return what the front-end must hear."""
         self.in_flight_tokens -= scheduler_output.total_num_scheduled_tokens
+        if self.device_tokens:
+            done = self._in_flight_steps.popleft()
+            assert done == scheduler_output.step_id, (done, scheduler_output.step_id)  # in order
         result = apply_step(self.table, self.requests, self.eos_ids, scheduler_output, runner_output,
                             self._record_verified if self.spec is not None else None)
         if runner_output.failed_rows:  # rare: rows that failed alone end their requests (row_failures.py)

@@ -30,6 +30,7 @@ from tokenmill.distributed.symm_all_reduce import SymmetricAllReduce
 logger = logging.getLogger(__name__)
 
 _INIT_TIMEOUT = timedelta(minutes=10)
+MAX_SENDS_IN_FLIGHT = 4  # pipeline steps whose activations may be on their way to the next stage at once
 
 
 class PendingAllReduce:
@@ -83,7 +84,8 @@ class ParallelContext:
         if self.skip_all_reduce and layout.tp_size > 1:
             logger.warning("TOKENMILL_BENCH_SKIP_ALL_REDUCE=1: TP all-reduces are skipped, outputs are WRONG "
                            "(for timing the all-reduce only)")
-        self._sends: list = []  # the last send's work handles, waited for before the next send
+        self.token_group = None  # pipeline device tokens: this first / last stage rank and its peer
+        self._sends: list[list] = []  # per step sent and not yet retired: its (work, tensor) pairs
 
     @staticmethod
     def single(arch: ModelArch) -> ParallelContext:
@@ -91,10 +93,12 @@ class ParallelContext:
 
     @staticmethod
     def init(arch: ModelArch, parallel: ParallelConfig, rank: int, init_method: str,
-             device: torch.device, probe: Callable[[], StageCosts] | None = None) -> ParallelContext:
+             device: torch.device, probe: Callable[[], StageCosts] | None = None,
+             device_tokens: bool = False) -> ParallelContext:
         """Join the world (blocks until every rank has) and build this rank's groups. With
         `parallel.balance_stages`, rank 0 runs `probe` (times of a layer, the embedding and the
-        LM head) and every rank takes the partition balanced by them."""
+        LM head) and every rank takes the partition balanced by them. `device_tokens`: a group of
+        each first-stage rank and its last-stage peer, for sampled tokens (`pp_tokens.py`)."""
         if parallel.world_size == 1:
             return ParallelContext(RankLayout.of(arch, parallel, rank))
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -115,11 +119,19 @@ class ParallelContext:
             group = dist.new_group([stage * tp + r for stage in range(pp)], backend=backend)
             if r == layout.tp_rank:
                 pp_group = group
+        token_group = None
+        if device_tokens and pp > 1:  # its own communicator: its own stream, apart from the activations
+            for r in range(tp):
+                group = dist.new_group([r, (pp - 1) * tp + r], backend=backend)
+                if r == layout.tp_rank and (layout.is_first_stage or layout.is_last_stage):
+                    token_group = group
         logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d) (%s)", rank, layout.tp_rank, tp,
                     layout.pp_stage, pp, layout.layer_start, layout.layer_end, backend)
         symm = SymmetricAllReduce.create(tp_group, device) if tp > 1 else None
         fused_norm = FusedAllReduceNorm.create(tp_group, device) if tp > 1 else None
-        return ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
+        context = ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
+        context.token_group = token_group
+        return context
 
     @property
     def tp_size(self) -> int:
@@ -171,15 +183,25 @@ class ParallelContext:
     # ------------------------------------------------------------------ pipeline parallel
 
     def send_next(self, tensors: list[torch.Tensor]) -> None:
-        """Start sending to the next stage; returns at once. The previous send is waited for first,
-        so at most one step's activations are on their way (and kept alive) at a time."""
-        self.wait_sends()
+        """Start sending to the next stage; returns at once, with no host sync and nothing for the
+        compute stream to wait on: a send that has not completed (its peer has not posted the
+        matching receive yet) must not hold back this stage's next step. Sends on their way keep
+        their tensors alive; the completed ones are retired here (a non-blocking query), and only
+        past `MAX_SENDS_IN_FLIGHT` steps is the oldest waited for (a stream wait, not a host one)."""
+        self._retire_sends()
         dst = self.layout.next_stage_rank
-        self._sends = [(dist.isend(t.contiguous(), dst=dst, group=self.pp_group), t) for t in tensors]
+        self._sends.append([(dist.isend(t.contiguous(), dst=dst, group=self.pp_group), t) for t in tensors])
+
+    def _retire_sends(self) -> None:
+        while self._sends and (len(self._sends) >= MAX_SENDS_IN_FLIGHT
+                               or all(work.is_completed() for work, _ in self._sends[0])):
+            for work, _ in self._sends.pop(0):
+                work.wait()
 
     def wait_sends(self) -> None:
-        for work, _ in self._sends:
-            work.wait()
+        for sends in self._sends:
+            for work, _ in sends:
+                work.wait()
         self._sends = []
 
     def recv_prev(self, shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:

@@ -6,6 +6,14 @@ first stage and the final norm, LM head and sampling on the last. `balanced_part
 contiguous split that minimizes the slowest stage's time (ties: the smallest spread between
 stages, then the most even layer counts, extra layers first). The costs come from timing one layer, the embedding
 and the head on the device at start (`worker/stage_probe.py`); they are in any one unit.
+
+A workload runs steps of different kinds whose costs differ in shape: a decode micro-batch pays
+the LM head on every row, a prompt chunk on its last tokens only. `balanced_for_mix` takes the
+costs of each kind with its share of the run and minimizes the sum of their slowest stages (each
+kind's steps run at the pace of their own slowest stage; weights are the kinds' step counts, so
+the sum is the run's time). `costs_from_stage_times` turns the
+stage times of a run with a known partition (the step trace's medians) back into a layer's and
+the head's cost, so that a run measures the split of the next.
 """
 
 from __future__ import annotations
@@ -86,3 +94,58 @@ def explain(costs: StageCosts, partition: tuple[int, ...], unit: str = "ms") -> 
         text += (f"; the even split {','.join(map(str, even))} would give "
                  f"{' / '.join(f'{t:.3f}' for t in even_times)}")
     return text + ")"
+
+
+_MAX_SPLITS = 200_000  # contiguous splits `balanced_for_mix` enumerates at most
+
+
+def balanced_for_mix(phases: list[tuple[float, StageCosts]], num_stages: int) -> tuple[int, ...]:
+    """Layers per stage minimizing sum(weight * slowest stage time) over the step kinds `phases`
+    ((weight: the kind's step count, costs of one step) each, over the same layers); ties as
+    `balanced_partition`. One phase is
+    `balanced_partition`; more enumerate every contiguous split (ValueError past _MAX_SPLITS)."""
+    if len(phases) == 1:
+        return balanced_partition(phases[0][1], num_stages)
+    n = len(phases[0][1].layers)
+    if not 1 <= num_stages <= n or any(len(c.layers) != n for _, c in phases):
+        raise ValueError(f"pipeline_parallel_size {num_stages} must be between 1 and the model's {n} layers "
+                         f"(the same in every phase)")
+    if _count_splits(n, num_stages) > _MAX_SPLITS:
+        raise ValueError(f"pipeline_parallel_size {num_stages}: too many splits of {n} layers to weigh phases")
+    best_key, best = None, None
+    for split in _splits(n, num_stages):
+        total = sum(w * max(c.stage_times(split)) for w, c in phases)
+        spread = sum(w * (max(t) - min(t)) for w, c in phases for t in [c.stage_times(split)])
+        key = (round(total, 9), round(spread, 9), sum(k * k for k in split), tuple(-k for k in split))
+        if best_key is None or key < best_key:
+            best_key, best = key, split
+    return best
+
+
+def costs_from_stage_times(stage_times: list[float], partition: tuple[int, ...],
+                           embedding: float = 0.0) -> StageCosts:
+    """A layer's and the head's cost from each stage's measured time under `partition`: a layer
+    is the first stages' time per layer (`embedding` taken off the first; the mean over the
+    stages before the last), the head is the last stage's time beyond its layers (at least 0)."""
+    if len(stage_times) != len(partition) or len(partition) < 2:
+        raise ValueError("costs_from_stage_times needs the times and layer counts of two or more stages")
+    per_layer = [(t - (embedding if s == 0 else 0.0)) / k
+                 for s, (t, k) in enumerate(zip(stage_times[:-1], partition[:-1]))]
+    layer = sum(per_layer) / len(per_layer)
+    head = max(0.0, stage_times[-1] - partition[-1] * layer)
+    return StageCosts(layers=(layer,) * sum(partition), embedding=embedding, head=head)
+
+
+def _count_splits(n: int, k: int) -> int:
+    from math import comb
+    return comb(n - 1, k - 1)
+
+
+def _splits(n: int, k: int):
+    """Every composition of n into k positive parts."""
+    if k == 1:
+        yield (n,)
+        return
+    for first in range(1, n - k + 2):
+        for rest in _splits(n - first, k - 1):
+            yield (first, *rest)

@@ -72,7 +72,9 @@ def resolve_engine_config(args: EngineArgs) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max_batched,
                                   async_scheduling=args.async_scheduling,
                                   debug_check_every=args.debug_check_every,
-                                  pp_microbatches=args.pp_microbatches or 0),
+                                  pp_microbatches=args.pp_microbatches or 0,
+                                  pp_device_tokens=args.pp_device_tokens and args.pipeline_parallel_size > 1
+                                  and args.speculative_config is None),
         parallel=parallel,
         device=device, max_logprobs=args.max_logprobs, log_stats=not args.disable_log_stats,
         trace_steps=os.path.abspath(args.trace_steps) if args.trace_steps else None,

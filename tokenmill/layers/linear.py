@@ -80,6 +80,10 @@ def _use_gemm(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: PackedWeight) -> torch.Tensor:
+    if x.is_cuda and x.numel() == x.shape[-1]:  # one row on a GPU: the Triton GEMV where it beats cuBLAS
+        from tokenmill.layers.triton_ops import gemv
+        if gemv.applies(x, weight, bias):
+            return gemv.gemv(x, weight, bias)
     if cpu_gemm.supports(x, weight, bias):
         return cpu_gemm.linear(x, weight, bias)
     if _use_gemm(x, weight):

@@ -66,6 +66,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 class RMSNorm(nn.Module):
+    # Set by `quantization.fp8.mark_fused_producers` where an FP8 W8A8 linear reads the output:
+    # the kernel also writes its per-token fp8 codes (`triton_fp8_fused`).
+    fp8_out = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -74,6 +78,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Normalized x in `out_dtype` (default x's dtype)."""
         out_dtype = out_dtype or x.dtype
+        if self.fp8_out and _fp8_codes_wanted(self, x, out_dtype):
+            from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant
+            return rms_norm_quant(x, None, self.weight, self.eps, out_dtype)
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, out_dtype)
@@ -106,6 +113,10 @@ class RMSNorm(nn.Module):
                 if fused is not None:
                     return fused
             x = x.result()
+        if self.fp8_out and _fp8_codes_wanted(self, x, x.dtype) and residual.shape == x.shape \
+                and residual.stride(-1) == 1:
+            from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant
+            return rms_norm_quant(x, residual, self.weight, self.eps, x.dtype), residual
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
@@ -114,6 +125,11 @@ class RMSNorm(nn.Module):
             return cpu_norm.add_rms_norm(residual, self.weight, self.eps, x)
         residual = residual + x
         return self.forward(residual, out_dtype=out_dtype), residual
+
+
+def _fp8_codes_wanted(norm: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    from tokenmill.layers.quantization.fp8 import fused_codes_wanted
+    return triton_ops.enabled(x) and fused_codes_wanted(norm, x, out_dtype)
 
 
 class GemmaRMSNorm(nn.Module):

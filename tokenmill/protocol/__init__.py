@@ -260,6 +260,10 @@ class SchedulerOutput(msgspec.Struct, array_like=True, omit_defaults=True, dict=
     # and adapters of newly arrived requests to start reading into host memory in the background.
     lora_loads: list[LoRALoad] = []
     lora_prefetch: list[LoRARef] = []
+    # Pipeline device tokens only: before this step the first stage applies the sampled tokens the
+    # last stage sent for every step up to this id (rows whose `pp_input_tokens` entry is -1 read
+    # theirs from there); 0: none.
+    pp_tokens_upto: int = 0
 
     @functools.cached_property
     def scheduled_handles(self) -> list[int]:

@@ -15,6 +15,10 @@ without the profiler running. While the window is open, torch's CUDA sync debug 
 never blocks the host has none.
 
     TOKENMILL_DEVICE_PROFILE='{"out_dir": "/tmp/prof", "batch": 1, "skip": 64, "steps": 32}'
+
+`min_tokens` > 0 holds steps of at least that many tokens instead (prefill chunks, whatever
+their rows). A JSON list of windows opens them in turn (each its own `out_dir`; a window does not
+open while another is): a prefill window and a decode window in one run.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class ProfileWindow(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     batch: int = 1  # rows of the steps profiled (each one decode token)
     skip: int = 64  # such steps before the window (warm graphs, steady state)
     steps: int = 32  # steps in the window
+    min_tokens: int = 0  # > 0: the steps held are those of at least this many tokens (not `batch`)
 
 
 class DeviceProfile:
@@ -55,12 +60,26 @@ class DeviceProfile:
         raw = environ.get(ENV_VAR)
         if not raw:
             return None
+        if raw.lstrip().startswith("["):
+            windows = msgspec.json.decode(raw.encode(), type=list[ProfileWindow])
+            return DeviceProfiles([cls(w, rank, device) for w in windows])
         return cls(msgspec.json.decode(raw.encode(), type=ProfileWindow), rank, device)
+
+    @property
+    def open(self) -> bool:
+        return self._prof is not None
+
+    def holds(self, batch_counts) -> bool:
+        """Whether a step of these per-row token counts is one of the window's kind."""
+        w = self.window
+        if w.min_tokens > 0:
+            return int(batch_counts.sum()) >= w.min_tokens
+        return len(batch_counts) == w.batch and int(batch_counts.sum()) == w.batch
 
     def after_launch(self, batch_counts) -> None:
         """Called after a step's launch with its per-row token counts."""
         w = self.window
-        if self._done or len(batch_counts) != w.batch or int(batch_counts.sum()) != w.batch:
+        if self._done or not self.holds(batch_counts):
             return
         import torch
         cuda = self.device.type == "cuda"
@@ -129,10 +148,28 @@ class DeviceProfile:
                 events.append([evt.name, float(evt.time_range.start), float(evt.time_range.elapsed_us())])
         events.sort(key=lambda e: e[1])
         record = {"rank": self.rank, "device": str(self.device), "steps": self.window.steps,
-                  "batch": self.window.batch, "marker": MARKER, "wall_ms_per_step": 1e3 * wall_s,
+                  "batch": self.window.batch, "min_tokens": self.window.min_tokens, "marker": MARKER, "wall_ms_per_step": 1e3 * wall_s,
                   "wall_ms_per_step_unprofiled": 1e3 * self._plain_s,
                   "host_syncs": self._syncs if self.device.type == "cuda" else None,  # (not watched on CPU)
                   "events": events}
         os.makedirs(self.window.out_dir, exist_ok=True)
         with open(os.path.join(self.window.out_dir, f"rank{self.rank}.json"), "w") as f:
             json.dump(record, f)
+
+
+class DeviceProfiles:
+    """Several windows, opened in turn: a step goes to the open window, else to each closed one
+    (so that each counts its skipped steps); a window does not open while another is."""
+
+    def __init__(self, profiles: list[DeviceProfile]) -> None:
+        self.profiles = profiles
+
+    def after_launch(self, batch_counts) -> None:
+        active = next((p for p in self.profiles if p.open), None)
+        if active is not None:
+            active.after_launch(batch_counts)
+            return
+        for p in self.profiles:
+            p.after_launch(batch_counts)
+            if p.open:
+                return

@@ -40,6 +40,7 @@ from tokenmill.worker.greedy_tail import GreedyTail
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
 from tokenmill.worker.mask_upload import MaskUpload
 from tokenmill.worker.persistent_batch import PersistentBatch, to_device
+from tokenmill.distributed.pp_tokens import DeviceTokens
 from tokenmill.worker.pp_stage import PipelineStage, apply_input_tokens
 from tokenmill.worker.prompt_graphs import PromptGraphs
 from tokenmill.worker.readback import Readback
@@ -140,6 +141,7 @@ class ModelRunner:
         # CUDA: (step, forward done, mask came) events of the last masked step, read once done:
         # the device's idle time waiting for that step's masks (`mask_idle`).
         self._idle_events: tuple[int, object, object] | None = None
+        self._deferred_tokens: np.ndarray | None = None  # a deferred step's sampling slots (pipeline device tokens)
         self.lora = None  # LoRAManager, with enable_lora (worker/lora_manager.py)
 
     @property
@@ -266,7 +268,10 @@ class ModelRunner:
             self.lora.read_ahead(so.lora_prefetch)
         if so.lora_loads:  # after every earlier step, before this one (stream order)
             self.lora.load(so.lora_loads)
-        apply_input_tokens(so, self.batch)
+        tokens = self.stage.device_tokens(self.device)
+        if tokens is not None and tokens.is_first:  # the sampled tokens of earlier steps, device to device
+            tokens.apply(so.pp_tokens_upto, self.batch.next_token_dev)
+        self.stage.count_placeholders(apply_input_tokens(so, self.batch))
         self.batch.flush()
         self.sampling.flush()
         if self.speculator is not None:
@@ -291,6 +296,8 @@ class ModelRunner:
                      and self.batch.all_decode(slots))
         verify_graph = not one_token_each and self._fits_verify_graph(slots, counts)
         prompt_graph = not use_graph and not verify_graph and self._fits_prompt_graph(slots, counts)
+        sampling = None if tokens is None else DeviceTokens.sampling_slots(
+            self.batch.num_computed, self.batch.num_known, slots, counts)
         timings["prepare"] = time.perf_counter() - start
         start = time.perf_counter()
         if use_graph:
@@ -302,6 +309,8 @@ class ModelRunner:
         else:
             fwd = self._forward_eager(slots, counts, so.step_id)
         if fwd is None:  # a pipeline stage before the last: its output went on to the next
+            if tokens is not None:  # the first stage: this step's tokens will come back
+                tokens.expect(so.step_id, sampling)
             timings["forward"] = time.perf_counter() - start
             return PendingStep.empty(so.step_id)
         sample_rows, sample_slots, drafts = fwd.sample_rows, fwd.sample_slots, fwd.drafts
@@ -317,9 +326,12 @@ class ModelRunner:
             if prev is not None:
                 prev.output()
             self._deferred = _Deferred(fwd, step, slots, so.propose, time.perf_counter(), self._forward_done_event())
+            self._deferred_tokens = sampling
             self._pending = step
             return step
         self._sample_step(fwd, step, slots, so.propose, None)
+        if tokens is not None:  # the last stage: the tokens just sampled, to the first
+            tokens.send(self.batch.next_token_dev, sampling)
         timings["sample"] = time.perf_counter() - start
         if prev is not None:
             prev.output()
@@ -342,6 +354,9 @@ class ModelRunner:
         if idle:  # an event now runs at once on the idle device: the gap is the device's wait
             self._idle_events = (mask.step_id, deferred.forward_done, self._forward_done_event())
         self._sample_step(deferred.fwd, deferred.step, deferred.slots, deferred.propose, mask)
+        tokens = self.stage.device_tokens(self.device)
+        if tokens is not None:
+            tokens.send(self.batch.next_token_dev, self._deferred_tokens)
         self.last_timings["sample"] = time.perf_counter() - arrived
 
     def mask_idle(self) -> tuple[int, float] | None:

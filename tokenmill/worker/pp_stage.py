@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from tokenmill.distributed.parallel_state import ParallelContext
+from tokenmill.distributed.pp_tokens import DeviceTokens
 from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.metrics.telemetry import Telemetry
 from tokenmill.model.intermediate import IntermediateTensors
@@ -37,6 +38,29 @@ class PipelineStage:
         self.num_stages = parallel.layout.pp_size
         self._sent = telemetry.channel("activations_sent") if telemetry is not None else None
         self._received = telemetry.channel("activations_received") if telemetry is not None else None
+        self._tokens: DeviceTokens | None = None
+        # Device tokens: per step that had them, its rows whose input came from the last stage (4 bytes each).
+        self._placeholders = telemetry.channel("pp_placeholder_rows") if telemetry is not None else None
+
+    def drain_tokens(self) -> None:
+        """At shutdown: the sampled tokens the first stage was sent and never asked for."""
+        if self._tokens is not None and self._tokens.is_first:
+            self._tokens.drain()
+
+    def count_placeholders(self, rows: int) -> None:
+        if rows and self._placeholders is not None:
+            self._placeholders.decoded(4 * rows, 0.0)
+
+    def device_tokens(self, device: torch.device) -> DeviceTokens | None:
+        """This rank's end of the sampled tokens' path (first or last stage, device tokens on), or None."""
+        group = self.parallel.token_group
+        if group is None:
+            return None
+        if self._tokens is None:
+            layout = self.layout
+            last = (layout.pp_size - 1) * layout.tp_size + layout.tp_rank
+            self._tokens = DeviceTokens(group, layout.tp_rank, last, layout.is_first_stage, device)
+        return self._tokens
 
     @property
     def is_last(self) -> bool:
@@ -108,16 +132,19 @@ class PipelineStage:
             self.telemetry.record("stage_send", start, end, {"step": step_id})
 
 
-def apply_input_tokens(so: SchedulerOutput, batch: PersistentBatch) -> None:
+def apply_input_tokens(so: SchedulerOutput, batch: PersistentBatch) -> int:
     """Write each row's first input token into its slot's `next_token` on the device, where a
     single process's sampler would have put it, for rows whose input is not on the host (a
     token sampled since the request was sent). Decode rows then run as in one process: eagerly,
-    or as a CUDA graph replay."""
+    or as a CUDA graph replay. Returns how many rows were placeholders (-1: their token came from
+    the last stage on the devices)."""
     if not so.pp_input_tokens:
-        return
+        return 0
     tokens = np.frombuffer(so.pp_input_tokens, dtype="<i4")
     slots = batch.slots(so.scheduled_handles)
-    missing = np.flatnonzero(batch.num_computed[slots] >= batch.num_known[slots])
+    # -1: a placeholder, whose token the first stage took from the last (pipeline device tokens)
+    missing = np.flatnonzero((batch.num_computed[slots] >= batch.num_known[slots]) & (tokens >= 0))
     if len(missing):
         pairs = to_device(np.stack([slots[missing], tokens[missing].astype(np.int64)]), batch.device)
         batch.next_token_dev[pairs[0]] = pairs[1]
+    return int(np.count_nonzero(tokens < 0))

@@ -43,7 +43,8 @@ class Worker:
         torch.manual_seed(config.model.seed)
         if parallel.world_size > 1:
             probe = (lambda: measure_for(config, device)) if parallel.balance_stages and not null else None
-            self.parallel = ParallelContext.init(config.model.arch, parallel, rank, dist_init_method, device, probe)
+            self.parallel = ParallelContext.init(config.model.arch, parallel, rank, dist_init_method, device, probe,
+                                                 device_tokens=config.scheduler.pp_device_tokens)
         else:
             self.parallel = ParallelContext.single(config.model.arch)
         self.runner: ModelRunner | NullRunner = NullRunner(config) if null else ModelRunner(
@@ -80,6 +81,8 @@ class Worker:
         start = time.perf_counter()
         self.idle.step_starting()
         step = self.runner.launch(scheduler_output)
+        if self.telemetry.trace is not None:  # the step's device span, named (its rows set by launch)
+            self.idle.name_step(_step_args(scheduler_output))
         self.idle.step_launched()
         if self.profile is not None:
             self.profile.after_launch(scheduler_output.batch_counts)
@@ -127,7 +130,11 @@ class Worker:
         self.telemetry.reset()
 
     def shutdown(self) -> None:
+        self.idle.flush(wait=True)  # the last steps' device spans into the trace
         self.telemetry.close()
+        stage = getattr(self.runner, "stage", None)
+        if stage is not None:
+            stage.drain_tokens()  # no send left unmatched before the groups go
         self.parallel.destroy()
 
 
@@ -136,6 +143,18 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     if config.device.startswith("cuda") and config.parallel.world_size > 1:
         return torch.device(f"cuda:{local_rank}")
     return config.torch_device
+
+
+def _step_args(so: SchedulerOutput) -> dict:
+    """A step's device span args: its id, rows, tokens and decode rows (one token each)."""
+    counts = getattr(so, "batch_counts", None)
+    if counts is None:
+        return {"step": so.step_id}
+    args = {"step": so.step_id, "rows": len(counts), "tokens": int(counts.sum()),
+            "decode_rows": int((counts == 1).sum())}
+    if so.pp_tokens_upto:  # pipeline device tokens: the first stage waits for these steps' tokens
+        args["tokens_upto"] = so.pp_tokens_upto
+    return args
 
 
 def _rank_label(config: EngineConfig, rank: int) -> str:

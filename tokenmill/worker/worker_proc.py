@@ -28,6 +28,10 @@ from tokenmill.worker.fault_injection import FaultInjector
 logger = logging.getLogger(__name__)
 
 MASK_POLL_S = 2e-5  # the longest sleep between polls of the ring while a step waits for its masks
+# Pipeline parallelism on GPUs: the longest sleep between polls for the next step. A stage's device
+# may sit idle until its worker sees the step (the first stage, each time a micro-batch comes back
+# from the last): the default backoff (up to 1 ms) would add half a millisecond to each round.
+PIPELINE_POLL_S = 5e-5
 
 _CALLS = ("load_model", "available_kv_blocks", "kv_block_bytes", "weight_bytes", "init_kv_cache",
           "telemetry_snapshot", "reset_telemetry", "held_requests")
@@ -89,6 +93,9 @@ class WorkerProc:
         steps, results = telemetry.channel("steps"), telemetry.channel("results")
         calls, call_results = telemetry.channel("worker_calls"), telemetry.channel("worker_call_results")
         clock = time.perf_counter
+        config = self.launch.config
+        poll_s = PIPELINE_POLL_S if config.parallel.pipeline_parallel_size > 1 and config.device.startswith("cuda") \
+            else 1e-3
 
         def flush() -> None:
             nonlocal pending
@@ -116,7 +123,7 @@ class WorkerProc:
                     flush()
                 else:
                     time.sleep(0)
-            message = memoryview(self.ring.read(self.parent_gone))
+            message = memoryview(self.ring.read(self.parent_gone, max_sleep_s=poll_s))
             kind = message[0]
             if kind == WorkerInputKind.EXECUTE:
                 start = clock()

@@ -69,7 +69,9 @@ def _w8a8_mm(layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.
     if path == "triton":
         from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
 
-        return fp8_gemm(xq, xs, layer.weight, layer.weight_scale, dtype, *tiles)
+        counters = getattr(layer, "stream_counters", None)
+        return fp8_gemm(xq, xs, layer.weight, layer.weight_scale, dtype, *tiles,
+                        counters=None if counters is None else counters.tensor)
     if path == "tensorwise":
         one = layer.scale_one
         return torch._scaled_mm(xq, layer.weight.t(), scale_a=one, scale_b=one, out_dtype=dtype).mul_(
@@ -134,7 +136,8 @@ class Fp8LinearMethod(LinearMethod):
             from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
 
             x2 = _rows(x)
-            xq, xs = quantize_row_groups(x2, x2.shape[1])
+            codes = fp8_ops.attached(x)  # quantized by the kernel that wrote x (`triton_fp8_fused`)
+            xq, xs = codes if codes is not None else quantize_row_groups(x2, x2.shape[1])
             out = _w8a8_mm(layer, xq, xs, x.dtype)
             if bias is not None:
                 out = out + bias
@@ -192,3 +195,37 @@ class Fp8BlockLinearMethod(LinearMethod):
 
     def describe(self) -> str:
         return f"fp8 W8A8 ({self.block[0]}x{self.block[1]} weight blocks, per-token-group activations)"
+
+
+# ---------------------------------------------------------------- fused activation quantization
+
+def _takes_fused_codes(layer: nn.Module | None) -> bool:
+    """Whether this linear quantizes its input per token for row-wise _scaled_mm (so a producer's
+    attached codes save it a launch)."""
+    return (layer is not None and isinstance(getattr(layer, "quant_method", None), Fp8LinearMethod)
+            and bool(getattr(layer, "use_scaled_mm", False)))
+
+
+def mark_fused_producers(model: nn.Module) -> int:
+    """Let the norms that write a W8A8 linear's input quantize it too: a decoder layer's
+    input_layernorm (-> qkv_proj) and post_attention_layernorm (-> gate_up_proj), found by their
+    HF names. Returns how many were marked."""
+    from tokenmill.layers.norm import RMSNorm
+
+    marked = 0
+    for module in model.modules():
+        attn, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
+        pairs = ((getattr(module, "input_layernorm", None), getattr(attn, "qkv_proj", None)),
+                 (getattr(module, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None)))
+        for producer, consumer in pairs:
+            if type(producer) is RMSNorm and _takes_fused_codes(consumer):
+                producer.fp8_out = True
+                marked += 1
+    return marked
+
+
+def fused_codes_wanted(producer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether a marked producer writes codes for this call: CUDA, a bf16 output (row-wise
+    _scaled_mm's), 2-D, and more rows than the streaming kernel takes (it reads bf16)."""
+    return (getattr(producer, "fp8_out", False) and x.is_cuda and out_dtype == torch.bfloat16 and x.dim() == 2
+            and x.shape[0] > stream_tiles.FP8_STREAM_MAX_ROWS)

@@ -101,6 +101,22 @@ def fake_quantize_row_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return (q.float() * s.repeat_interleave(group, 1)).to(x.dtype).view(shape)
 
 
+_CODES_ATTR = "_fp8_rows"
+
+
+def attach(out: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Give `out` its per-token fp8 codes and scales (computed by the kernel that wrote it), for the
+    W8A8 linear it feeds (`triton_fp8_fused`). Only this tensor object carries them: a view or a
+    copy does not, so a consumer never takes codes of anything but exactly these values."""
+    setattr(out, _CODES_ATTR, (q, scale))
+    return out
+
+
+def attached(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(codes [M, K], scales [M, 1]) attached to exactly this tensor, else None."""
+    return getattr(x, _CODES_ATTR, None)
+
+
 def scaled_mm_reference(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                         out_dtype: torch.dtype) -> torch.Tensor:
     """(xq * x_scale) @ (wq * w_scale).T in float32: x_scale [M, 1], w_scale [N, 1]."""

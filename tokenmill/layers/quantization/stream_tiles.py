@@ -193,12 +193,56 @@ def int4_swap_tiles(m: int) -> tuple[int, int, int, int, int] | None:
     return tiles
 
 
+# Per Llama-8B linear: (rows bucket: the most rows it serves, N, K) -> the GEMM, as in
+# W8A8_PATHS, the Triton tiles with a 7th entry, split-K (`scripts/gpu_quant.py --parts w8a8`).
+# A shape or row count not listed takes W8A8_PATHS.
+# H200, `W8A8_BUDGET_S=28 gpu_quant.py --parts profile,w8a8` (2026-11-26, third session), each the
+# fastest of row-wise / tensor-wise _scaled_mm and the Triton tiles at the bucket's row count:
+# a layer's four GEMMs at 16-64 rows 75-80 us (row-wise 111-116), at 256 rows 119 (122).
+W8A8_MEASURED: dict[tuple[int, int, int], str | tuple[int, ...]] = {
+    (32, 4096, 4096): (64, 64, 256, 1, 4, 3, 2),  # 10.2 us
+    (32, 4096, 14336): (64, 64, 256, 1, 4, 3, 4),  # 20.9 us
+    (32, 6144, 4096): (64, 64, 256, 1, 4, 3, 1),  # 11.9 us
+    (32, 28672, 4096): (64, 128, 128, 1, 4, 4, 1),  # 32.8 us
+    (64, 4096, 4096): (64, 64, 256, 1, 4, 3, 2),  # 11.0 us
+    (64, 4096, 14336): (64, 64, 256, 1, 4, 3, 4),  # 23.2 us
+    (64, 6144, 4096): (64, 64, 256, 1, 4, 3, 1),  # 12.4 us
+    (64, 28672, 4096): (64, 128, 128, 1, 4, 4, 1),  # 33.6 us
+    (128, 4096, 4096): (128, 64, 128, 8, 4, 4, 1),  # 13.0 us
+    (128, 4096, 14336): 'tensorwise',  # 29.0 us
+    (128, 6144, 4096): (128, 64, 128, 8, 4, 4, 1),  # 13.9 us
+    (128, 28672, 4096): 'scaled_mm',  # 37.6 us
+    (256, 4096, 4096): (128, 64, 128, 8, 4, 4, 1),  # 13.3 us
+    (256, 4096, 14336): (128, 64, 128, 8, 4, 4, 2),  # 35.2 us
+    (256, 6144, 4096): 'scaled_mm',  # 14.6 us
+    (256, 28672, 4096): 'scaled_mm',  # 56.0 us
+    (512, 4096, 4096): 'scaled_mm',  # 15.5 us
+    (512, 4096, 14336): 'scaled_mm',  # 45.0 us
+    (512, 6144, 4096): (128, 256, 128, 8, 8, 3, 1),  # 25.0 us
+    (512, 28672, 4096): 'scaled_mm',  # 97.5 us
+    (1024, 4096, 4096): (128, 256, 128, 8, 8, 3, 1),  # 26.6 us
+    (1024, 4096, 14336): (128, 256, 128, 8, 8, 3, 1),  # 82.2 us
+    (1024, 6144, 4096): 'scaled_mm',  # 42.3 us
+    (1024, 28672, 4096): (128, 256, 128, 8, 8, 3, 1),  # 182.8 us
+    (8192, 4096, 4096): 'scaled_mm',  # 210.5 us
+    (8192, 4096, 14336): 'scaled_mm',  # 743.6 us
+    (8192, 6144, 4096): (128, 256, 128, 8, 8, 3, 1),  # 312.7 us
+    (8192, 28672, 4096): 'scaled_mm',  # 1568.1 us
+}
+W8A8_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def w8a8_bucket(m: int) -> int:
+    return min((b for b in W8A8_BUCKETS if b >= m), default=W8A8_BUCKETS[-1])
+
+
 def w8a8_path(m: int, n: int, k: int) -> tuple[str, tuple[int, ...] | None]:
     """("scaled_mm" | "tensorwise" | "triton", the Triton tiles or None) for an [m, k] x [n, k]^T."""
     choice: str | tuple[int, ...] = "scaled_mm"
     for rows, c in W8A8_PATHS:
         if m >= rows:
             choice = c
+    choice = W8A8_MEASURED.get((w8a8_bucket(m), n, k), choice)
     if isinstance(choice, tuple):
         return ("triton", choice) if k % choice[2] == 0 else ("scaled_mm", None)
     return choice, None

@@ -1,0 +1,211 @@
+"""Issue 25's pipeline-parallel part on two GPUs, one command: one GPU and PP=2 layouts at the same
+max_num_seqs, the bubble and its causes from the step trace, the stage probe's costs and the
+partition they give, and the teacher-forced check of PP=2 against one GPU.
+
+  bench   Llama-3.1-8B shape, dummy bfloat16 weights, 1000 prompts x 512 in x 256 out (default),
+          every layout at the same --max-num-seqs, one engine each (scripts/device_check.py's bench),
+          each PP layout with `--trace-steps`: output tok/s and the ratio to tp1 (goal PP=2 >= 1.85x),
+          then per stage, from the trace (tokenmill/benchmarks/pipeline_trace.py): busy, bubble
+          (goal < 3%), the idle time split by cause (fill, drain, waiting for the previous stage,
+          waiting for the core, launch), median decode / prompt step per stage and their imbalance,
+          and how equal consecutive micro-batches are.
+          Layouts: tp1, and pp2[-mbN][-dt][-pA.B|-measured]: N micro-batches in flight
+          (--pp-microbatches), sampled tokens from the last stage to the first on the devices (-dt:
+          --pp-device-tokens: the host's turn-around leaves the pipeline's cycle), layers A on stage
+          0 and B on stage 1 (--pp-layer-partition A,B) or the split balanced by the stage probe at
+          start ("measured").
+  probe   tokenmill/worker/stage_probe.py on GPU 0 at the bench's decode micro-batch (max_num_seqs /
+          2 rows): a layer's, the embedding's and the LM head's time, and the partition
+          stage_balance.balanced_partition picks from them (printed beside the even split's times).
+  check   scripts/gpu_layouts.py's teacher-forced layout check in bfloat16, PP=2 against one GPU
+          (tokenmill/benchmarks/layout_check.py): fails (exit 1) when PP=2's logits stray further
+          from one GPU's than two valid one-GPU reductions do.
+
+  NCCL_NVLS_ENABLE=0 OUT=/tmp/gpu-out python scripts/gpu_pipeline.py --layouts tp1,pp2,pp2-mb3
+  python scripts/gpu_pipeline.py --smoke           # CPU (gloo), tiny shapes: checks that it runs
+
+--budget S skips a bench layout that would not finish within S seconds of the start (judged by the
+slowest layout so far). Writes $OUT/gpu_pipeline.json after every part (plus benchmark records
+and traces); $OUT defaults to ./gpu-out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.environ.setdefault("OUT", os.path.join(os.getcwd(), "gpu-out"))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+import device_check  # noqa: E402  (bench, config_dir, SHAPES)
+import gpu_layouts  # noqa: E402  (the layout check; its smoke shapes)
+
+from tokenmill.benchmarks import pipeline_trace  # noqa: E402
+
+_LAYOUT = re.compile(r"^pp2(?:-mb(?P<mb>\d+))?(?P<dt>-dt)?(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|(?P<measured>measured)))?$")
+
+
+def layout_flags(name: str) -> list[str]:
+    """Engine flags of a layout name (see the module doc); ValueError naming an unknown one."""
+    if name == "tp1":
+        return []
+    m = _LAYOUT.match(name)
+    if m is None:
+        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt][-pA.B|-measured])")
+    flags = ["--pipeline-parallel-size", "2"]
+    if m["mb"]:
+        flags += ["--pp-microbatches", m["mb"]]
+    if m["dt"]:
+        flags += ["--pp-device-tokens"]
+    if m["a"]:
+        flags += ["--pp-layer-partition", f"{m['a']},{m['b']}"]
+    elif m["measured"]:
+        flags += ["--pp-layer-partition", "measured"]
+    return flags
+
+
+def run_partition(name: str, shape: str) -> tuple[int, ...]:
+    """The layers per stage a PP layout ran with (a measured split is not known here: the even one)."""
+    from tokenmill.distributed.layout import even_partition
+    m = _LAYOUT.match(name)
+    if m and m["a"]:
+        return int(m["a"]), int(m["b"])
+    return even_partition(device_check.SHAPES[shape]["num_hidden_layers"], 2)
+
+
+def save(results: dict) -> None:
+    with open(os.path.join(OUT, "gpu_pipeline.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+
+def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, workload: tuple[int, int, int],
+          deadline: float | None) -> None:
+    shape = "llama8b-smoke" if smoke else "llama8b"
+    n, lin, lout = (8, 16, 8) if smoke else workload
+    common = ["--max-num-seqs", str(max_num_seqs), "--warmup", "0"]
+    if smoke:
+        common += ["--kv-cache-memory-gb", "0.05"]
+    figures = results.setdefault("bench", {"max_num_seqs": max_num_seqs, "workload": [n, lin, lout],
+                                           "layouts": {}})["layouts"]
+    slowest = 0.0
+    for name in layouts:
+        if deadline is not None and time.perf_counter() + slowest > deadline:
+            print(f"{name}: skipped (the budget would run out: the slowest layout took {slowest:.0f} s)")
+            figures[name] = {"skipped": "budget"}
+            continue
+        started = time.perf_counter()
+        trace = os.path.join(OUT, f"trace_{name}.json")
+        flags = layout_flags(name)
+        if flags:  # the PP layouts: their step trace
+            flags += ["--trace-steps", trace]
+        device_check.bench(results, shape, n, lin, lout, baseline=False, extra=[*flags, *common], run=f"_pp_{name}")
+        key = next(k for k in results if k.startswith(f"bench_{shape}_{n}x{lin}x{lout}") and k.endswith(f"_pp_{name}"))
+        tm = results.pop(key).get("tokenmill") or {}
+        fig = {k: tm.get(k) for k in ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "elapsed_s")}
+        fig["engine_pipeline"] = tm.get("pipeline")  # the engine's own busy / idle totals
+        for stage in (tm.get("pipeline") or {}).get("stages") or []:  # they fit in the run's wall time
+            total = stage.get("busy_s", 0) + stage.get("idle_s", 0)
+            print(f"  {name} stage {stage['stage']}: engine busy + idle {total:.2f} s of {tm.get('elapsed_s') or 0:.2f} s "
+                  f"elapsed{' (MORE: a stale step start)' if total > 1.02 * (tm.get('elapsed_s') or 0) else ''}")
+        if flags and os.path.exists(trace):
+            analysis = pipeline_trace.analyze(pipeline_trace.load(trace))
+            if analysis:
+                analysis["partition"] = pipeline_trace.suggest_partition(analysis, run_partition(name, shape))
+            fig["trace"] = analysis
+            print(pipeline_trace.format_report(name, analysis), flush=True)
+        fig["seconds"] = time.perf_counter() - started
+        slowest = max(slowest, fig["seconds"])
+        figures[name] = fig
+        save(results)
+    one = (figures.get("tp1") or {}).get("output_tokens_per_s")
+    print(f"\n{n} x {lin} x {lout}, max_num_seqs {max_num_seqs} for every layout")
+    print(f"{'layout':<18} {'out tok/s':>10} {'x one GPU':>10} {'goal':>6} {'bubble':>8} {'w/o fill':>8} "
+          f"{'tpot p50':>9}")
+    for name, fig in figures.items():
+        value = fig.get("output_tokens_per_s")
+        ratio = value / one if value and one else None
+        fig["ratio_to_one_gpu"] = ratio
+        trace = fig.get("trace") or {}
+        bubble, steady = trace.get("bubble_fraction"), trace.get("bubble_between_steps_fraction")
+        print(f"{name:<18} {'-' if value is None else round(value):>10} {'' if ratio is None else f'{ratio:.3f}':>10} "
+              f"{'>=1.85' if name != 'tp1' else '':>6} {'' if bubble is None else f'{bubble:.1%}':>8} "
+              f"{'' if steady is None else f'{steady:.1%}':>8} {fig.get('tpot_ms_p50') or 0:9.2f}")
+    print("(bubble: mean over stages of idle / the run's window, from the step trace; goal < 3%. "
+          "w/o fill: each stage from its first step to its last)")
+    save(results)
+
+
+def probe(results: dict, smoke: bool, max_num_seqs: int, context: int) -> None:
+    import torch
+
+    from tokenmill.distributed.stage_balance import balanced_partition, explain
+    from tokenmill.model.arch import model_arch
+    from tokenmill.model.hf_config import load_hf_config
+    from tokenmill.worker.stage_probe import measure
+
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    shape = "llama8b-smoke" if smoke else "llama8b"
+    arch = model_arch(load_hf_config(device_check.config_dir(shape)))
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    rows = max(1, max_num_seqs // 2)
+    figures = {}
+    for label, r in (("decode", rows), ("decode_half", max(1, rows // 2))):
+        costs = measure(arch, dtype, device, r, context)
+        partition = balanced_partition(costs, 2)
+        figures[label] = {"rows": r, "layer_ms": costs.layers[0], "embedding_ms": costs.embedding,
+                          "head_ms": costs.head, "partition": list(partition),
+                          "stage_ms": costs.stage_times(partition)}
+        print(f"probe {r} rows x {context} positions: {explain(costs, partition)}", flush=True)
+    results["probe"] = figures
+    save(results)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="bench,check")
+    ap.add_argument("--layouts", default="tp1,pp2,pp2-mb3")
+    ap.add_argument("--max-num-seqs", type=int, default=1024, help="the same for every layout")
+    ap.add_argument("--workload", default="1000x512x256", help="prompts x input x output tokens")
+    ap.add_argument("--probe-context", type=int, default=640, help="probe: cached positions a row reads")
+    ap.add_argument("--budget", type=float, default=None, help="seconds: skip bench layouts past it")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
+    args = ap.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
+    deadline = time.perf_counter() + args.budget if args.budget else None
+    layouts = args.layouts.split(",")
+    for name in layouts:
+        layout_flags(name)  # an unknown name fails before any run
+    workload = tuple(int(x) for x in args.workload.split("x"))
+    import torch
+    results: dict = {"smoke": args.smoke, "torch": torch.__version__, "num_gpus": torch.cuda.device_count(),
+                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    if not args.smoke and torch.cuda.device_count() < 2:
+        print("needs two GPUs (or --smoke)")
+        return 2
+    ok = True
+    for part in args.parts.split(","):
+        start = time.perf_counter()
+        if part != "bench" and deadline is not None and start > deadline:
+            print(f"==== {part}: skipped (past the budget)")
+            continue
+        print(f"==== {part}", flush=True)
+        if part == "bench":
+            bench(results, args.smoke, layouts, args.max_num_seqs, workload, deadline)
+        elif part == "probe":
+            probe(results, args.smoke, args.max_num_seqs, args.probe_context)
+        elif part == "check":
+            ok = gpu_layouts.check(results, args.smoke, ["pp2"]) and ok
+        else:
+            raise SystemExit(f"--parts: unknown part {part!r} (bench, probe, check)")
+        print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
+        save(results)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""The fp8 activation quantization fused into the RMSNorm before a W8A8 linear
+(tokenmill/layers/quantization/triton_fp8_fused.py) under TRITON_INTERPRET=1: the output equals
+the unfused kernel's (triton_ops.rms_norm / fused_add_rms_norm) and its codes and scales equal the
+torch reference's quantization of that output (fp8_ops.quantize_rows); and which norms the fp8
+method marks in a Llama model.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from tests.helpers.requirements import require_module
+from tokenmill.layers.quantization import fp8_ops
+
+require_module("triton")  # skipped on a machine without it; in CI, missing fails
+
+
+def _codes_match(out: torch.Tensor) -> None:
+    q, s = fp8_ops.attached(out)
+    ref_q, ref_s = fp8_ops.quantize_rows(out)
+    torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
+    # the kernel wrote unrounded codes (float32: the interpreter has no fp8 stores); round them as the GPU does
+    torch.testing.assert_close(q.to(torch.float8_e4m3fn).float(), ref_q.float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_quant_matches_the_unfused_norm_and_quantization(dtype, with_residual):
+    from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(5, 96, generator=g) * 3).to(dtype)
+    x[2, 7] = 40.0  # one outlier sets its row's scale
+    w = (torch.rand(96, generator=g) + 0.5).to(dtype)
+    res = torch.randn(5, 96, generator=g) if with_residual else None  # the float32 stream
+    if with_residual:
+        ref, ref_res = fused_add_rms_norm(x, res.clone(), w, 1e-5)
+        res_in = res.clone()
+        out = rms_norm_quant(x, res_in, w, 1e-5, dtype, code_dtype=torch.float32)
+        torch.testing.assert_close(res_in, ref_res, rtol=0, atol=0)
+    else:
+        ref = rms_norm(x, w, 1e-5)
+        out = rms_norm_quant(x, None, w, 1e-5, dtype, code_dtype=torch.float32)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    _codes_match(out)
+
+
+def test_attached_codes_belong_to_that_tensor_only():
+    x = torch.randn(4, 8)
+    fp8_ops.attach(x, torch.zeros(4, 8), torch.ones(4, 1))
+    assert fp8_ops.attached(x) is not None
+    assert fp8_ops.attached(x.view(4, 8)) is None and fp8_ops.attached(x.clone()) is None
+
+
+def test_fp8_marks_the_producers_of_its_w8a8_inputs():
+    """In a Llama model whose linears are W8A8 with row-wise _scaled_mm: each layer's two norms;
+    the final norm (it feeds the unquantized LM head) stays unmarked."""
+    from torch import nn
+
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, mark_fused_producers
+
+    def w8a8(n, k):
+        lin = Linear(k, n, bias=False)
+        lin.quant_method = Fp8LinearMethod(online=True)
+        lin.use_scaled_mm = True  # (what process_weights_after_loading finds on a CUDA fp8 device)
+        return lin
+
+    layer = nn.Module()
+    layer.input_layernorm, layer.post_attention_layernorm = RMSNorm(8), RMSNorm(8)
+    layer.self_attn, layer.mlp = nn.Module(), nn.Module()
+    layer.self_attn.qkv_proj, layer.self_attn.o_proj = w8a8(16, 8), w8a8(8, 8)
+    layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act = w8a8(32, 8), w8a8(8, 16), SiluAndMul()
+    model = nn.Module()
+    model.layers, model.norm = nn.ModuleList([layer]), RMSNorm(8)
+    assert mark_fused_producers(model) == 2
+    assert layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out
+    assert not model.norm.fp8_out
+    other = RMSNorm(8)  # the class default stays off
+    assert not other.fp8_out
+    layer.mlp.gate_up_proj.use_scaled_mm = False  # a weight _scaled_mm refuses: it quantizes nothing per token
+    layer.post_attention_layernorm = RMSNorm(8)
+    assert mark_fused_producers(model) == 1 and not layer.post_attention_layernorm.fp8_out

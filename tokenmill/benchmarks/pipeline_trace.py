@@ -1,0 +1,198 @@
+"""Where a pipeline's bubble comes from, read off a step trace (`--trace-steps`).
+
+Each stage's device work per step is a `device_step` span on the host clock (TP rank 0 of each
+stage; `worker/device_idle.py`), with the step's rows, tokens and decode rows. Over the window
+from the first stage's first step to the last stage's last step:
+
+  busy / bubble   per stage: the device's time in steps, and the rest of the window;
+  idle causes     each idle gap of a stage split by what it waited for:
+                  `fill` / `drain` (before its first / after its last step: the pipeline filling
+                  and emptying), `upstream` (a later stage waiting for the previous stage to finish
+                  that step), `host` (the first stage waiting for the core to submit the step:
+                  results coming back, scheduling, the step's message), `tokens` (the first stage
+                  waiting for the last stage's sampled tokens, device tokens on: the span's
+                  `tokens_upto` step ending on the last stage came last), `launch` (the step was there
+                  but its device work had not started: the worker's preparation and, on a later
+                  stage, receiving the activations);
+  step times      per stage, the median device time of decode-only steps (every row one token) and
+                  of steps with prompt tokens, and the slowest over the fastest stage per step kind:
+                  the stages' imbalance;
+  micro-batches   the spread of consecutive steps' tokens and last-stage times (equal work per
+                  micro-batch keeps every stage busy);
+  core            the core's time waiting for results, updating and scheduling;
+  partition       given the run's partition, the split its own stage times argue for: a layer's
+                  and the head's cost per step kind from the median stage times
+                  (`stage_balance.costs_from_stage_times`), weighed by the kinds' step counts
+                  (`stage_balance.balanced_for_mix`), and the decode steps' alone.
+
+The trace's host-clock spans (the core's `submit`, `wait`, `update`) line up with the device spans
+because every process uses CLOCK_MONOTONIC and CUDA events are anchored to it once per worker.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Iterable
+
+from tokenmill.distributed.stage_balance import balanced_for_mix, costs_from_stage_times
+
+
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def tracks(trace: dict) -> dict[str, list[dict]]:
+    """Process label -> its complete events, by start time."""
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    out: dict[str, list[dict]] = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            out.setdefault(names.get(e["pid"], str(e["pid"])), []).append(e)
+    for events in out.values():
+        events.sort(key=lambda e: e["ts"])
+    return out
+
+
+def stage_spans(by_track: dict[str, list[dict]]) -> list[list[tuple[float, float, dict]]]:
+    """Per stage (TP rank 0's track), its named device steps as (start us, end us, args)."""
+    stages = []
+    while True:
+        label = next((k for k in by_track if f"pp stage {len(stages)}, tp rank 0" in k), None)
+        if label is None:
+            return stages
+        stages.append([(e["ts"], e["ts"] + e["dur"], e.get("args") or {}) for e in by_track[label]
+                       if e["name"] == "device_step" and "step" in (e.get("args") or {})])
+
+
+def _median(values: Iterable[float]) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def _kind(args: dict) -> str:
+    return "decode" if args.get("tokens") == args.get("rows") else "prompt"
+
+
+def analyze(trace: dict) -> dict:
+    """The figures above (times in ms, fractions of the window); {} when no stage has device spans."""
+    by_track = tracks(trace)
+    stages = stage_spans(by_track)
+    if not stages or not all(stages):
+        return {}
+    core = next((v for k, v in by_track.items() if k.startswith("core")), [])
+    submitted = {e["args"]["step"]: e["ts"] + e["dur"] for e in core if e["name"] == "submit" and e.get("args")}
+    begin = min(s[0][0] for s in stages)
+    end = max(s[-1][1] for s in stages)
+    window = end - begin
+    ends = [{a["step"]: e for _, e, a in spans} for spans in stages]
+    figures = {"window_ms": window / 1e3, "stages": [], "num_stages": len(stages)}
+    for index, spans in enumerate(stages):
+        causes = dict(fill=spans[0][0] - begin, drain=end - spans[-1][1], upstream=0.0, host=0.0, tokens=0.0,
+                      launch=0.0)
+        for (_, prev_end, _), (start, _, args) in zip(spans, spans[1:]):
+            gap = max(0.0, start - prev_end)
+            if index > 0:  # waiting for the previous stage's device to finish this step
+                cause, ready = "upstream", ends[index - 1].get(args["step"], prev_end)
+            else:  # waiting for the core to submit it, or for the last stage's tokens
+                cause, ready = "host", submitted.get(args["step"], prev_end)
+                tokens_at = ends[-1].get(args.get("tokens_upto"), prev_end)
+                if tokens_at > ready:
+                    cause, ready = "tokens", tokens_at
+            waited = min(gap, max(0.0, ready - prev_end))
+            causes[cause] += waited
+            causes["launch"] += gap - waited
+        busy = sum(e - s for s, e, _ in spans)
+        kinds = {}
+        for kind in ("decode", "prompt"):
+            times = [(e - s) / 1e3 for s, e, a in spans if _kind(a) == kind]
+            kinds[kind] = {"steps": len(times), "median_ms": _median(times), "total_ms": sum(times)}
+        between = window - causes["fill"] - causes["drain"]  # from its first step to its last
+        figures["stages"].append({
+            "stage": index, "steps": len(spans), "busy_ms": busy / 1e3, "idle_ms": (window - busy) / 1e3,
+            "bubble_fraction": (window - busy) / window if window > 0 else 0.0,
+            "bubble_between_steps_fraction": (between - busy) / between if between > 0 else 0.0,
+            "idle_causes_ms": {k: v / 1e3 for k, v in causes.items()},
+            "by_kind": kinds})
+    # The stages' imbalance: per step kind, the slowest stage's median step time over the fastest's.
+    imbalance = {}
+    for kind in ("decode", "prompt"):
+        medians = [s["by_kind"][kind]["median_ms"] for s in figures["stages"]]
+        if all(m for m in medians):
+            imbalance[kind] = {"stage_median_ms": medians, "slowest_over_fastest": max(medians) / min(medians)}
+    figures["imbalance"] = imbalance
+    # Consecutive micro-batches' work: the relative spread of their tokens and last-stage times.
+    last = stages[-1]
+    tokens = [a.get("tokens", 0) for _, _, a in last]
+    times = [e - s for s, e, _ in last]
+
+    def spread(values: list[float]) -> float | None:
+        pairs = [abs(a - b) / max(a, b) for a, b in zip(values, values[1:]) if max(a, b) > 0]
+        return _median(pairs)
+
+    figures["micro_batches"] = {"consecutive_token_spread_p50": spread(tokens),
+                                "consecutive_time_spread_p50": spread(times),
+                                "decode_rows_p50": _median(a.get("decode_rows", 0) for _, _, a in last),
+                                "tokens_p50": _median(tokens)}
+    core_ms = {}
+    for name in ("wait", "update", "schedule", "submit"):
+        spans = [e for e in core if e["name"] == name and begin <= e["ts"] <= end]
+        core_ms[name] = sum(e["dur"] for e in spans) / 1e3
+    figures["core_ms"] = core_ms
+    figures["bubble_fraction"] = statistics.mean(s["bubble_fraction"] for s in figures["stages"])
+    figures["bubble_between_steps_fraction"] = statistics.mean(
+        s["bubble_between_steps_fraction"] for s in figures["stages"])
+    return figures
+
+
+def suggest_partition(figures: dict, partition: tuple[int, ...]) -> dict:
+    """The split the run's stage times argue for (see the module doc); {} without step kinds
+    measured on every stage."""
+    phases, per_kind = [], {}
+    for kind in ("decode", "prompt"):
+        medians = [s["by_kind"][kind]["median_ms"] for s in figures.get("stages", [])]
+        if len(medians) != len(partition) or not all(medians):
+            continue
+        costs = costs_from_stage_times(medians, partition)
+        steps = figures["stages"][-1]["by_kind"][kind]["steps"]
+        phases.append((steps, costs))
+        per_kind[kind] = {"layer_ms": costs.layers[0], "head_ms": costs.head, "steps": steps}
+    if not phases:
+        return {}
+    out = {"run": list(partition), "kinds": per_kind, "mix": list(balanced_for_mix(phases, len(partition)))}
+    if "decode" in per_kind:
+        out["decode"] = list(balanced_for_mix(phases[:1], len(partition)))
+    return out
+
+
+def format_report(label: str, figures: dict) -> str:
+    if not figures:
+        return f"{label}: no device_step spans in the trace"
+    lines = [f"{label}: pipeline from the step trace, window {figures['window_ms'] / 1e3:.2f} s, "
+             f"bubble {figures['bubble_fraction']:.1%} (mean over stages; "
+             f"{figures['bubble_between_steps_fraction']:.1%} without the pipeline's fill and drain)",
+             "  stage steps  busy s  bubble |  idle ms: fill  drain upstream  host tokens  launch | "
+             "step ms p50: decode  prompt"]
+    for s in figures["stages"]:
+        c, k = s["idle_causes_ms"], s["by_kind"]
+        lines.append(f"  {s['stage']:>5} {s['steps']:>5} {s['busy_ms'] / 1e3:7.2f} {s['bubble_fraction']:7.1%} | "
+                     f"{c['fill']:12.0f} {c['drain']:6.0f} {c['upstream']:8.0f} {c['host']:5.0f} {c['tokens']:6.0f} "
+                     f"{c['launch']:7.0f} | {k['decode']['median_ms'] or 0:18.3f} {k['prompt']['median_ms'] or 0:7.3f}")
+    for kind, im in figures["imbalance"].items():
+        lines.append(f"  {kind} steps: slowest stage {im['slowest_over_fastest']:.3f}x the fastest "
+                     f"(p50 {' / '.join(f'{m:.3f}' for m in im['stage_median_ms'])} ms)")
+    mb = figures["micro_batches"]
+    lines.append(f"  consecutive micro-batches differ by {mb['consecutive_token_spread_p50'] or 0:.1%} in tokens, "
+                 f"{mb['consecutive_time_spread_p50'] or 0:.1%} in last-stage time (p50); "
+                 f"{mb['tokens_p50'] or 0:.0f} tokens, {mb['decode_rows_p50'] or 0:.0f} decode rows per step (p50)")
+    core = figures["core_ms"]
+    lines.append("  core: " + ", ".join(f"{k} {v / 1e3:.2f} s" for k, v in core.items()))
+    split = figures.get("partition")
+    if split:
+        kinds = "; ".join(f"{k}: a layer {v['layer_ms']:.3f} ms, head {v['head_ms']:.3f} ms ({v['steps']} steps)"
+                          for k, v in split["kinds"].items())
+        lines.append(f"  partition {','.join(map(str, split['run']))}: its stage times argue for "
+                     f"{','.join(map(str, split['mix']))} (decode steps alone: "
+                     f"{','.join(map(str, split.get('decode') or []))}); {kinds}")
+    return "\n".join(lines)
