@@ -190,11 +190,11 @@ def available() -> bool:
     return library() is not None
 
 
-@functools.cache
 def replaces_onednn() -> bool:
     """Whether bf16 linears take this GEMM rather than oneDNN (`linear.linear`, `silu_mul_linear`):
     on the avx512_bf16 path, where it was measured faster at every row count; AMX machines keep
-    oneDNN's AMX kernels (not measured against this one)."""
+    oneDNN's AMX kernels (not measured against this one). Not cached on its own: follows
+    `cpu_isa.kernel_path()` (tests force paths and clear that cache)."""
     return cpu_isa.kernel_path().name == "avx512_bf16" and available()
 
 
