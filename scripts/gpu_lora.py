@@ -726,6 +726,94 @@ def engines(results: dict, args, parts: set[str]) -> None:
         lines
 
 
+# ---------------------------------------------------------------- profile: where a step's time goes
+
+def profile(results: dict, args) -> None:
+    """torch.profiler over a prefill step (16 x 512 tokens, eager) and 256-row decode steps (graph
+    replays) of the base engine and the LoRA engine (1 adapter; base requests), Llama-3.1-8B shape
+    (`scripts/lora_profile.py`); per-group device time, launches, the side stream's overlap."""
+    import gzip
+
+    from scripts import lora_profile as lp
+    from tokenmill import LLM
+    from tokenmill.benchmarks.throughput import make_prompts as mk
+    from tokenmill.lora.request import LoRARequest
+
+    # The analysis on a synthetic trace: two streams, a LoRA kernel half beside a GEMM.
+    synthetic = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": 0, "dur": 10, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "_shrink_tiles_kernel", "ts": 5, "dur": 10, "args": {"stream": 9}},
+        {"ph": "X", "cat": "kernel", "name": "_expand_tiles_kernel", "ts": 20, "dur": 4, "args": {"stream": 7}}]}
+    a = lp.analyze(lp.device_events(synthetic), 1)
+    check(abs(a["busy_us"] - 19) < 1e-9 and abs(a["lora_beside_us"] - 5) < 1e-9 and abs(a["lora_exposed_us"] - 9) < 1e-9
+          and a["groups"]["lora_shrink"]["launches"] == 1 and a["span_us"] == 24,
+          f"profile analysis of a synthetic trace: busy {a['busy_us']}, beside {a['lora_beside_us']}, "
+          f"exposed {a['lora_exposed_us']}, span {a['span_us']}")
+    shape_name = "llama8b"
+    shape = dict(SHAPES[shape_name])
+    rows, chunk, steps = 256, 8192, 4
+    if SMOKE:
+        shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512)
+        SHAPES["lora-smoke"] = shape
+        shape_name = "lora-smoke"
+        rows, chunk, steps = 8, 1024, 2
+    path = config_dir(shape_name)
+    adapter = write_adapter(tempfile.mkdtemp(prefix="lora-prof-"), shape, 16, 0)
+    lora = LoRARequest("adapter0", 1, adapter)
+    serial = [0]
+
+    def prompts_for(kind, n, length):  # fresh prompts every call (no prefix-cache hits)
+        serial[0] += 1
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+        return [{"prompt_token_ids": p} for p in mk(tok, "random", n, length, shape["vocab_size"], seed=serial[0])]
+
+    common = dict(load_format="dummy", dtype="float32" if SMOKE else "bfloat16", max_model_len=512 + 32,
+                  single_process=True, enable_prefix_caching=False)
+    common.update(kv_cache_memory_gb=0.05) if SMOKE else common.update(gpu_memory_utilization=0.45)
+    windows: dict = {}
+    cuda = not SMOKE
+    start = time.perf_counter()
+    with lp.StepWindows(cuda) as win:
+        with LLM(path, **common) as llm:
+            print(f"  base engine up in {time.perf_counter() - start:.1f} s", flush=True)
+            lp.run_windows(llm, win, prompts_for, lambda n: None, "warm", rows, chunk, steps)
+            windows["base"] = lp.run_windows(llm, win, prompts_for, lambda n: None, "base", rows, chunk, steps)
+        if cuda:
+            torch.cuda.empty_cache()
+        start = time.perf_counter()
+        with LLM(path, enable_lora=True, max_loras=4 if SMOKE else 64, max_lora_rank=16, **common) as llm:
+            print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s", flush=True)
+            one = lambda n: [lora] * n  # noqa: E731
+            lp.run_windows(llm, win, prompts_for, one, "warm", rows, chunk, steps)
+            lp.run_windows(llm, win, prompts_for, lambda n: None, "warm", rows, chunk, steps)
+            windows["lora_1"] = lp.run_windows(llm, win, prompts_for, one, "lora_1", rows, chunk, steps)
+            windows["lora_engine_base_requests"] = lp.run_windows(llm, win, prompts_for, lambda n: None,
+                                                                  "lora_engine_base_requests", rows, chunk, steps)
+    out: dict = {}
+    lines = []
+    for kind in ("prefill", "decode"):
+        base = None
+        for label, got in windows.items():
+            trace, wall_ms, caught = got[kind]
+            a = lp.analyze(lp.device_events(trace, ("cpu_op",) if SMOKE else lp.DEVICE_CATS), caught)
+            a["wall_ms"] = wall_ms
+            a["host_launches"] = {k: v / max(caught, 1) for k, v in lp.host_launches(trace).items()}
+            out[f"{kind}/{label}"] = a
+            what = f"{kind} ({chunk} tokens, eager)" if kind == "prefill" else f"decode ({rows} rows, graphs)"
+            lines += lp.format_window(f"{what}, {label}", a, base, wall_ms)
+            base = base or a
+            with gzip.open(os.path.join(OUT, f"trace_{kind}_{label}.json.gz"), "wt") as f:
+                json.dump(trace, f)
+    results["profile"] = out
+    for line in lines:
+        print("  " + line)
+    with open(os.path.join(OUT, "profile_lora.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    MARKDOWN["profile: a prefill step and decode steps, base engine vs LoRA engine"] = lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--parts", default="micro,layer,tiny,engine,batch1")
@@ -739,7 +827,7 @@ def main() -> int:
                          "the others after the base requests); the best is reported")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    unknown = parts - {"micro", "layer", "tiny", "engine", "batch1"}
+    unknown = parts - {"micro", "layer", "tiny", "engine", "batch1", "profile"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
     os.makedirs(OUT, exist_ok=True)
@@ -747,7 +835,7 @@ def main() -> int:
                      "parts": sorted(parts)}
     start_all = time.perf_counter()
     # In the order --parts names them (engine and batch1 share their engines: one step).
-    named = {"micro": micro, "layer": layer, "tiny": tiny}
+    named = {"micro": micro, "layer": layer, "tiny": tiny, "profile": profile}
     steps = []
     for name in args.parts.split(","):
         if name in named:
