@@ -276,11 +276,18 @@ LAYER_VARIANTS = {
     "tiles_eager": (True, None, "normal", dict(DENSE_MIN_TOKENS=1 << 30, host=True)),  # the same without it
     "dense_sink_all": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, SINK_OVERLAP_MAX_TOKENS=1 << 30)),
     "nofuse": (True, None, "normal", dict(fuse=False)),
+    # the dense path adding its delta into y after the base GEMM (before DENSE_FUSED)
+    "dense_add": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, DENSE_FUSED=False)),
+    # wider column blocks of the tile expands (fewer, longer programs)
+    "silu128": (True, None, "normal", dict(SILU_TILE_BLOCK_N=128)),
+    "silu256": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256)),
+    "exp256": (True, None, "normal", dict(EXPAND_TILE_BLOCK_N=256)),
 }
 LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
-                    "OVERLAP_MAX_TOKENS"}
+                    "OVERLAP_MAX_TOKENS", "DENSE_FUSED"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
-TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled"}
+TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
+              "silu128", "silu256", "exp256"}
 
 
 def layer(results, args) -> None:
@@ -290,7 +297,10 @@ def layer(results, args) -> None:
     runs it (its per-step plan inside the graph, o's and down's deltas into the stream) or without;
     per layer us. Variants: the side stream off, the deltas into y (no sink), the sink's LoRA beside
     its GEMM at every size, every slot -1 (the cost of the LoRA engine for base requests), the tile knobs."""
+    from types import SimpleNamespace
+
     from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.linear import UNQUANTIZED
     from tokenmill.layers.lora import lora_layer, triton_lora
     from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots
 
@@ -328,6 +338,8 @@ def layer(results, args) -> None:
         for name, k, parts in (("qkv", h_size, [q, kv, kv]), ("o", q, [h_size]), ("gate_up", h_size, [inter, inter]),
                                ("down", inter, [h_size])):
             slots = LoRASlots(batch, num_slots, rank, k, parts, dtype, device)
+            # (the projection as the engine's: a plain GEMM of this weight, `LoRASlots._plain_weight`)
+            slots.layer = SimpleNamespace(weight=w[name], bias=None, quant_method=UNQUANTIZED)
             slots.a.copy_(rnd(*slots.a.shape, scale=k ** -0.5))
             slots.b.copy_(rnd(*slots.b.shape, scale=0.02))
             w["l_" + name] = slots
@@ -728,6 +740,10 @@ def engines(results: dict, args, parts: set[str]) -> None:
 
 # ---------------------------------------------------------------- profile: where a step's time goes
 
+PROFILE_PREFILL_VARIANTS = {"lora_1_dense_add": dict(DENSE_FUSED=False),
+                            "lora_1_tiles": dict(DENSE_MIN_TOKENS=1 << 30)}
+
+
 def profile(results: dict, args) -> None:
     """torch.profiler over a prefill step (16 x 512 tokens, eager) and 256-row decode steps (graph
     replays) of the base engine and the LoRA engine (1 adapter; base requests), Llama-3.1-8B shape
@@ -736,6 +752,7 @@ def profile(results: dict, args) -> None:
 
     from scripts import lora_profile as lp
     from tokenmill import LLM
+    from tokenmill.layers.lora import lora_layer
     from tokenmill.benchmarks.throughput import make_prompts as mk
     from tokenmill.lora.request import LoRARequest
 
@@ -791,11 +808,26 @@ def profile(results: dict, args) -> None:
             windows["lora_1"] = lp.run_windows(llm, win, prompts_for, one, "lora_1", rows, chunk, steps)
             windows["lora_engine_base_requests"] = lp.run_windows(llm, win, prompts_for, lambda n: None,
                                                                   "lora_engine_base_requests", rows, chunk, steps)
+            # Prefill variants of one adapter (eager: knobs read per call): the delta added into y
+            # after the base GEMM (before `DENSE_FUSED`), and the tile kernels instead of cuBLAS.
+            for label, knobs in PROFILE_PREFILL_VARIANTS.items():
+                saved = {k: getattr(lora_layer, k) for k in knobs}
+                try:
+                    for k, v in knobs.items():
+                        setattr(lora_layer, k, v)
+                    lp.run_windows(llm, win, prompts_for, one, "warm", rows, chunk, steps, kinds=("prefill",))
+                    windows[label] = lp.run_windows(llm, win, prompts_for, one, label, rows, chunk, steps,
+                                                    kinds=("prefill",))
+                finally:
+                    for k, v in saved.items():
+                        setattr(lora_layer, k, v)
     out: dict = {}
     lines = []
     for kind in ("prefill", "decode"):
         base = None
         for label, got in windows.items():
+            if kind not in got:
+                continue
             trace, wall_ms, caught = got[kind]
             a = lp.analyze(lp.device_events(trace, ("cpu_op",) if SMOKE else lp.DEVICE_CATS), caught)
             a["wall_ms"] = wall_ms

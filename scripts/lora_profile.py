@@ -239,10 +239,12 @@ def prefill_step(tokens: int):
 
 
 def run_windows(llm, windows: StepWindows, prompts_for, lora_for, label: str, rows: int, chunk: int,
-                steps: int) -> dict:
-    """The engine's prefill and decode windows; {kind: (analysis, wall ms a step, launches)}."""
+                steps: int, kinds: tuple[str, ...] = ("prefill", "decode")) -> dict:
+    """The engine's prefill and decode windows; {kind: (trace, wall ms a step, steps caught)}."""
     from tokenmill import SamplingParams
     out = {}
+    if "prefill" not in kinds:
+        return _decode_window(llm, windows, prompts_for, lora_for, label, rows, steps, out)
     # prefill: chunk / 512 prompts of 512 tokens, one step (then a short decode that closes the window)
     n = max(1, chunk // 512)
     windows.arm(prefill_step(n * 512), skip=0, steps=1)
@@ -251,6 +253,13 @@ def run_windows(llm, windows: StepWindows, prompts_for, lora_for, label: str, ro
                  use_tqdm=False, lora_request=lora_for(n))
     windows.finish()
     out["prefill"] = windows.trace, windows.wall * 1e3, windows.caught
+    if "decode" not in kinds:
+        return _checked(out, label)
+    return _decode_window(llm, windows, prompts_for, lora_for, label, rows, steps, out)
+
+
+def _decode_window(llm, windows, prompts_for, lora_for, label, rows, steps, out) -> dict:
+    from tokenmill import SamplingParams
     # decode: `rows` prompts of 32 tokens, 2 full-batch steps skipped, `steps` profiled
     windows.arm(decode_step(rows), skip=2, steps=steps)
     llm.generate(prompts_for("decode", rows, 32), SamplingParams(temperature=0.0, max_tokens=steps + 8,
@@ -258,6 +267,10 @@ def run_windows(llm, windows: StepWindows, prompts_for, lora_for, label: str, ro
                  use_tqdm=False, lora_request=lora_for(rows))
     windows.finish()
     out["decode"] = windows.trace, windows.wall * 1e3 / max(windows.caught, 1), windows.caught
+    return _checked(out, label)
+
+
+def _checked(out: dict, label: str) -> dict:
     if any(v[0] is None or v[2] == 0 for v in out.values()):
         raise RuntimeError(f"profile {label}: a window caught no step ({[(k, v[2]) for k, v in out.items()]})")
     return out

@@ -303,6 +303,47 @@ def test_dense_path_of_one_slot_steps(parts):
         torch.testing.assert_close(act, torch.nn.functional.silu(want[:, :48]) * want[:, 48:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("parts", [[48, 48], [64, 32, 32], [80]])
+def test_dense_path_under_the_base_gemm(parts):
+    """With the projection's weight known (unquantized, no bias), a one-slot eager step computes the
+    delta first and the base GEMM on top of it (`_dense_under`): the base output plus the CPU
+    path's deltas; gate_up then takes the plain activation. A base() that adds more than the
+    layer's GEMM (plain=False) or a layer with a bias keeps the path that calls base()."""
+    from tokenmill.layers.linear import Linear
+    g = torch.Generator().manual_seed(23)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    slots = LoRASlots(batch, 3, 16, 40, parts, torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for part in range(len(parts)):
+            slots.set_slot(slot, part, torch.randn(8, 40, generator=g), torch.randn(parts[part], 8, generator=g))
+    layer = Linear(40, sum(parts), bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(sum(parts), 40, generator=g) * 0.2)
+    slots.layer = layer
+    x = torch.randn(40, 40, generator=g)
+    token_slots = torch.full((40,), 1)
+    batch.prepare(token_slots, token_slots.numpy())  # the CPU path
+    want = slots.forward(x, lambda: layer(x))
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    batch.dense_slot = 1  # (what `prepare` decides on CUDA)
+    calls = []
+
+    def base():
+        calls.append(1)
+        return layer(x)
+    torch.testing.assert_close(slots.forward(x, base), want, atol=1e-4, rtol=1e-4)
+    assert not calls  # the GEMM ran under the delta, not through base()
+    extra = torch.full((40, sum(parts)), 0.5)
+    got = slots.forward(x, lambda: layer(x) + extra, plain=False)  # e.g. the residual inside the GEMM
+    torch.testing.assert_close(got, want + extra, atol=1e-4, rtol=1e-4)
+    if len(parts) == 2:
+        act = slots.forward_silu_mul(x, base, lambda t: torch.nn.functional.silu(t[:, :48]) * t[:, 48:])
+        torch.testing.assert_close(act, torch.nn.functional.silu(want[:, :48]) * want[:, 48:], atol=1e-4, rtol=1e-4)
+        assert not calls
+    layer.bias = torch.nn.Parameter(torch.randn(sum(parts), generator=g))
+    torch.testing.assert_close(slots.forward(x, lambda: layer(x)), want + layer.bias.detach(), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("knobs", [dict(SILU_TILE_BLOCK_N=128, EXPAND_TILE_BLOCK_N=256),
                                    dict(TILE_GRID_FACTOR=2.0, TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32),
                                    dict(TILE_GRID_FACTOR=1.0, PLAN_KERNEL_MAX_TOKENS=0),

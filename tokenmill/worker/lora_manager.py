@@ -60,6 +60,7 @@ class LoRAManager:
                 parts = model._shard_sizes(name) if name in ("qkv_proj", "gate_up_proj") else [module.out_features]
                 slots = LoRASlots(self.batch, config.max_loras, self.rank, module.in_features, parts, dtype, device)
                 module.lora = slots
+                slots.layer = module  # (its weight: the dense path's base GEMM, `LoRASlots._plain_weight`)
                 self.slots[(i, name)] = slots
         # Per persistent-batch row (the last is the scratch row of padded graph rows): its adapter slot.
         self.row_slot = np.full(max_rows + 1, -1, dtype=np.int64)
