@@ -282,12 +282,16 @@ LAYER_VARIANTS = {
     "silu128": (True, None, "normal", dict(SILU_TILE_BLOCK_N=128)),
     "silu256": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256)),
     "exp256": (True, None, "normal", dict(EXPAND_TILE_BLOCK_N=256)),
+    # fewer K splits of the tile shrinks (beside the GEMM in captured steps): fewer planes for the
+    # expands on the critical path to sum
+    "splits2": (True, None, "normal", dict(_TILES_MAX_SPLITS=2)),
+    "splits4": (True, None, "normal", dict(_TILES_MAX_SPLITS=4)),
 }
 LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
                     "OVERLAP_MAX_TOKENS", "DENSE_FUSED"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
-              "silu128", "silu256", "exp256"}
+              "silu128", "silu256", "exp256", "splits2", "splits4"}
 
 
 def layer(results, args) -> None:
@@ -431,7 +435,7 @@ def layer(results, args) -> None:
     rows = []
     for tokens in token_counts:
         h0 = rnd(tokens, h_size, scale=1.0)
-        for adapters in (1, 8, 64) if not SMOKE else (1, 3):
+        for adapters in [int(a) for a in args.layer_adapters.split(",")] if not SMOKE else (1, 3):
             if adapters > 1 and (tokens < 2 * adapters or tokens == 1):
                 continue
             if tokens > 1024 and adapters == 8:
@@ -853,6 +857,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (checks that the script runs)")
     ap.add_argument("--layer-tokens", default="1,16,64,256,8192", help="layer: the step sizes")
     ap.add_argument("--layer-variants", default=",".join(LAYER_VARIANTS), help="layer: the variants")
+    ap.add_argument("--layer-adapters", default="1,8,64", help="layer: the adapter mixes")
     ap.add_argument("--engine-adapters", default="1,8,64", help="engine: the adapter mixes timed")
     ap.add_argument("--engine-repeats", type=int, default=2,
                     help="engine: timed runs of the 1-adapter mix (the first before 8 and 64 adapters, "
