@@ -278,6 +278,12 @@ LAYER_VARIANTS = {
     "nofuse": (True, None, "normal", dict(fuse=False)),
     # the dense path adding its delta into y after the base GEMM (before DENSE_FUSED)
     "dense_add": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, DENSE_FUSED=False)),
+    # gate_up's delta through the expand fused with the activation (the others under the GEMM)
+    "dense_silu": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, DENSE_FUSED_SILU=False)),
+    "dense_silu256": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, DENSE_FUSED_SILU=False,
+                                                 SILU_TILE_BLOCK_N=256)),
+    # the dense path at decode-like sizes (eager mixed steps of a few hundred tokens)
+    "dense256": (True, None, "normal", dict(DENSE_MIN_TOKENS=128, host=True)),
     # wider column blocks of the tile expands (fewer, longer programs)
     "silu128": (True, None, "normal", dict(SILU_TILE_BLOCK_N=128)),
     "silu256": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256)),
@@ -288,7 +294,7 @@ LAYER_VARIANTS = {
     "splits4": (True, None, "normal", dict(_TILES_MAX_SPLITS=4)),
 }
 LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
-                    "OVERLAP_MAX_TOKENS", "DENSE_FUSED"}
+                    "OVERLAP_MAX_TOKENS", "DENSE_FUSED", "DENSE_FUSED_SILU"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
               "silu128", "silu256", "exp256", "splits2", "splits4"}
@@ -454,7 +460,7 @@ def layer(results, args) -> None:
                 knobs = dict(knobs or {})
                 fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
                 host = mix.cpu().numpy() if knobs.pop("host", False) else None  # (the step's slots known)
-                if host is not None and (tokens <= 512 or adapters > 1):
+                if host is not None and (tokens < min(knobs.get("DENSE_MIN_TOKENS", 512), 513) or adapters > 1):
                     continue  # (one adapter's large steps only)
                 owner = {k: lora_layer if k in LORA_LAYER_KNOBS else triton_lora for k in knobs}
                 saved = {k: getattr(owner[k], k) for k in knobs}
@@ -745,6 +751,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
 # ---------------------------------------------------------------- profile: where a step's time goes
 
 PROFILE_PREFILL_VARIANTS = {"lora_1_dense_add": dict(DENSE_FUSED=False),
+                            "lora_1_dense_silu": dict(DENSE_FUSED_SILU=False),
                             "lora_1_tiles": dict(DENSE_MIN_TOKENS=1 << 30)}
 
 

@@ -53,6 +53,9 @@ DENSE_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_DENSE_MIN", "1024"))
 # where the layer's base output is a plain GEMM of its weight (unquantized, no bias). 0: the
 # delta added into the base's y afterwards.
 DENSE_FUSED = os.environ.get("TOKENMILL_LORA_DENSE_FUSED", "1") not in ("0", "false", "no")
+# ... gate_up too (0: its shrink a GEMM, then the expand fused with the activation, which reads
+# y once: no delta written and read back, but the tile kernel's own cost).
+DENSE_FUSED_SILU = os.environ.get("TOKENMILL_LORA_DENSE_FUSED_SILU", "1") not in ("0", "false", "no")
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
@@ -187,7 +190,7 @@ class LoRASlots:
         halves = len(self.part_starts) == 3 and 2 * self.part_starts[1] == self.part_starts[2]
         if batch.active and x.shape[0] == batch.num_tokens and batch.plan is not None and self.triton and halves:
             from tokenmill.layers.lora.triton_lora import can_fuse_next_shrink, lora_expand_silu
-            if batch.dense_slot is not None and self._plain_weight(x) is not None:
+            if batch.dense_slot is not None and DENSE_FUSED_SILU and self._plain_weight(x) is not None:
                 return act(self._dense_under(x, self._plain_weight(x), batch.dense_slot))
             if batch.dense_slot is not None:  # the shrink one GEMM (a plane: no K splits), the rest fused
                 planes = torch.mm(x, self.a[batch.dense_slot].t()).float().unsqueeze(0)
