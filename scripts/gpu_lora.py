@@ -3,7 +3,7 @@ model in the same run. Prints a table per part, writes $OUT/gpu_lora.json and $O
 (default ./gpu-out; rewritten after every part, so a run cut short keeps what it measured), exits 1
 on a failed check.
 
-Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1):
+Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1; also profile):
   micro   the Triton shrink + expand of one projection on Llama-3.1-8B shapes (qkv 4096->6144,
           o 4096->4096, gate_up 4096->28672, down 14336->4096), rank 16, 64 slots, at 1, 16, 64,
           256 and 8192 tokens with 1, 8 and 64 adapters mixed uniformly: checked against the torch
@@ -21,12 +21,17 @@ Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1):
           in one batch vs HF + PEFT greedy; again with one slot (eviction and reload mid-run)
   engine  Llama-3.1-8B shape, dummy weights, CUDA graphs on, rank-16 adapters on all seven
           projections: N prompts x 512 in x 256 out (N = --prompts, 1000 by default: the issue's
-          shape), the base engine vs the LoRA engine (max_loras=64) with 1, 8 and 64 adapters mixed
-          uniformly; goals 0.90x, 0.85x, 0.80x the base's output tok/s
+          shape), the base engine and the LoRA engine (max_loras=64) alive together: rounds of a
+          base run and a 1-adapter run alternated (at least 2; the median round's ratio, every
+          round and the spread reported), 8 and 64 adapters mixed uniformly against the median base;
+          base requests in the LoRA engine against base-engine runs alternated with them; goals
+          0.90x, 0.85x, 0.80x the base's output tok/s (`scripts/lora_engines.py`)
   batch1  one prompt, 512 in x 256 out: ms per output token, base engine vs an adapter (goal <= 1.10x),
-          3 runs each (the LoRA engine's alternating adapter and base requests), the best of each
+          3 runs each alternated with a base request in the LoRA engine, the medians
+  profile torch.profiler over a prefill step (16 x 512 tokens) and 256-row decode steps: base engine,
+          1 adapter, base requests in the LoRA engine, prefill variants (`scripts/lora_profile.py`)
   Every configuration of an engine is warmed (a short run of its mix) before the first timing;
-  the 1-adapter mix is timed first and again last (--engine-repeats): its ratio is the runs' mean.
+  every timed run has prompts of its own (no prefix-cache hits between runs).
 
     python scripts/gpu_lora.py                      # everything, on an H100 (under 8 minutes)
     python scripts/gpu_lora.py --parts micro
@@ -57,6 +62,7 @@ from scripts.device_check import SHAPES, config_dir  # noqa: E402
 from tokenmill.benchmarks.throughput import make_prompts, summarize  # noqa: E402
 
 OUT = os.environ.get("OUT", os.path.join(os.getcwd(), "gpu-out"))
+START = time.perf_counter()
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GOALS = {1: 0.90, 8: 0.85, 64: 0.80}
 BATCH1_GOAL = 1.10
@@ -543,6 +549,7 @@ def tiny(results: dict, args) -> None:
     runs = {"graphs": dict(max_loras=3), "one_slot": dict(max_loras=1, max_cpu_loras=1)}
     if not SMOKE:
         runs["eager"] = dict(max_loras=3, enforce_eager=True)
+    runs = {k: v for k, v in runs.items() if k in args.tiny_runs.split(",")}
     rows = {}
     for label, extra in runs.items():
         engine = dict(dtype="float32", enable_lora=True, max_lora_rank=16, **extra)
@@ -551,11 +558,11 @@ def tiny(results: dict, args) -> None:
         else:
             engine.update(gpu_memory_utilization=0.3, max_model_len=256)
         with LLM(path, **engine) as llm:
-            # Batch 1 first (each prefill alone: the prompt-chunk graphs, one row's slot per token),
-            # then everything mixed in one batch.
-            solo = [1, 2, 3]
+            # Batch 1 first (each prefill alone: the prompt-chunk graphs, one row's slot per token;
+            # the base request alone: the graphs captured without LoRA), then everything mixed.
+            solo = [0, 1, 2, 3]
             outs = [llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False,
-                                 lora_request=loras[names[i]])[0] for i in solo]
+                                 lora_request=loras.get(names[i]))[0] for i in solo]
             outs += llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                  lora_request=[None if n is None else loras[n] for n in names])
         exact, notes = 0, []
@@ -603,8 +610,10 @@ def write_adapter(path: str, shape: dict, rank: int, seed: int, dtype=torch.bflo
 
 
 def engines(results: dict, args, parts: set[str]) -> None:
+    """The base engine and the LoRA engine alive together, runs alternated (`scripts/lora_engines.py`)."""
     from transformers import AutoTokenizer
 
+    from scripts import lora_engines as le
     from tokenmill import LLM, SamplingParams
     from tokenmill.lora.request import LoRARequest
 
@@ -617,6 +626,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
         shape_name = "lora-smoke"
     path = config_dir(shape_name)
     num, inp, out = (12, 32, 8) if SMOKE else (args.prompts, 512, 256)
+    base_num = 6 if SMOKE else args.base_in_lora_prompts
     if not SMOKE and num != 1000:
         print(f"  NOTE: {num} prompts (the issue's shape is 1000 x 512 x 256)")
     counts = (1, 4) if SMOKE else tuple(int(c) for c in args.engine_adapters.split(","))
@@ -628,124 +638,77 @@ def engines(results: dict, args, parts: set[str]) -> None:
     folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(4, used))]
     print(f"  wrote {len(folders)} rank-16 adapter folders in {time.perf_counter() - start:.1f} s")
     loras = [LoRARequest(f"adapter{i}", i + 1, folders[i % len(folders)]) for i in range(max_loras)]
-    prompts = [{"prompt_token_ids": p} for p in
-               make_prompts(AutoTokenizer.from_pretrained(path), "random", num, inp, shape["vocab_size"])]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def prompts_of(n: int, seed: int) -> list[dict]:  # fresh prompts per run: no prefix-cache hits
+        return [{"prompt_token_ids": p} for p in make_prompts(tokenizer, "random", n, inp, shape["vocab_size"], seed)]
     params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, detokenize=False)
-    one_params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, detokenize=False)
-    one_prompt = [prompts[0]]
     common = dict(load_format="dummy", dtype="float32" if SMOKE else "bfloat16", max_model_len=inp + out + 16)
     if SMOKE:
         common.update(single_process=True, kv_cache_memory_gb=0.05)
-    figures: dict = results.setdefault("engine", {})
-
-    def timed(llm, lora_request, label: str, batch=prompts, p=params) -> dict:
-        """One timed run; a label timed again keeps every run (`runs`) and reports the best."""
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, p, use_tqdm=False, lora_request=lora_request)
-        f = summarize(outs, time.perf_counter() - t0, inp)
-        runs = figures.get(label, {}).get("runs", []) + [f["output_tokens_per_s"]]
-        best = f if label not in figures or f["output_tokens_per_s"] > figures[label]["output_tokens_per_s"] \
-            else figures[label]
-        figures[label] = dict(best, runs=runs)
-        print(f"  {label:28} {f['output_tokens_per_s']:10.1f} out tok/s  tpot {f['tpot_ms_mean']:.2f} ms  "
-              f"({f['elapsed_s']:.1f} s)", flush=True)
-        return f
-
-    # Warm-up of every configuration before any timing: the step sizes of the timed runs (the
-    # prompt chunks mixed with decodes) compile their Triton specializations here, not inside
-    # the first timed run that meets them (an earlier run's 1-adapter figure paid for them).
-    warm_batch = prompts[:min(num, 128)]
+    else:  # both engines alive at once
+        common.update(gpu_memory_utilization=0.45)
+    bench = le.Bench(prompts_of, summarize, params, inp, args.budget, START)
+    results["engine"] = bench.figures
+    mixes = {count: [loras[i % count] for i in range(num)] for count in counts}
     warm_params = SamplingParams(temperature=0.0, max_tokens=min(out, 16), ignore_eos=True, detokenize=False)
 
-    def warm(llm, lora_request, batch=warm_batch) -> None:
-        llm.generate(batch, warm_params, use_tqdm=False, lora_request=lora_request)
+    def warm(llm, lora_request, n=min(num, 128)) -> None:
+        """A short run of a configuration's mix: its step sizes compile and settle before any timing."""
+        llm.generate(prompts_of(n, 7), warm_params, use_tqdm=False, lora_request=lora_request)
 
-    start = time.perf_counter()
-    with LLM(path, **common) as llm:  # the base model: no LoRA anywhere
-        print(f"  base engine up in {time.perf_counter() - start:.1f} s", flush=True)
-        if "engine" in parts:
-            warm(llm, None)
-        if "batch1" in parts:
-            warm(llm, None, one_prompt)
-            for _ in range(3):
-                timed(llm, None, "batch1_base", one_prompt, one_params)
-        if "engine" in parts:
-            timed(llm, None, "base")
-    save(results)
     try:  # a failure here still leaves the table of what was measured (and fails the run)
         start = time.perf_counter()
-        with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
-                 **common) as llm:
-            print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s", flush=True)
-            # Every adapter read into host memory and a device slot once, before timing (as a server
-            # that was given them with --lora-modules would have them after its first requests).
+        with LLM(path, **common) as base_llm:
+            print(f"  base engine up in {time.perf_counter() - start:.1f} s", flush=True)
             start = time.perf_counter()
-            llm.generate([prompts[0]] * used, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras[:used])
-            print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s")
-            mixes = {count: [loras[i % count] for i in range(num)] for count in counts}
-            start = time.perf_counter()
-            if "engine" in parts:
-                for count in counts:
-                    warm(llm, mixes[count][:len(warm_batch)])
-                warm(llm, None)
-            if "batch1" in parts:
-                warm(llm, loras[0], one_prompt)
-                warm(llm, None, one_prompt)
-            print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
-            if "batch1" in parts:  # alternated: adapter, base request, adapter, ...
-                for _ in range(3):
-                    timed(llm, loras[0], "batch1_lora", one_prompt, one_params)
-                    timed(llm, None, "batch1_base_in_lora_engine", one_prompt, one_params)
-            if "engine" in parts:
-                # 1 adapter both first and last (after 8, 64 and base requests): its figure is the
-                # better of two runs apart, not the luck of one place in the order
-                for count in list(counts) + [counts[0]] * (args.engine_repeats - 1):
-                    timed(llm, mixes[count], f"lora_{count}_adapters")
-                    if count == counts[-1]:
-                        timed(llm, None, "base_in_lora_engine")
+            with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
+                     **common) as lora_llm:
+                print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s", flush=True)
+                # Every adapter read into host memory and a device slot once, before timing (as a
+                # server given them with --lora-modules has them after its first requests).
+                start = time.perf_counter()
+                lora_llm.generate(prompts_of(used, 3), SamplingParams(max_tokens=1), use_tqdm=False,
+                                  lora_request=loras[:used])
+                print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s")
+                start = time.perf_counter()
+                if "batch1" in parts:
+                    warm(base_llm, None, 1)
+                    warm(lora_llm, loras[0], 1)
+                    warm(lora_llm, None, 1)
+                if "engine" in parts:
+                    warm(base_llm, None)
+                    for count in counts:
+                        warm(lora_llm, mixes[count][:min(num, 128)])
+                    warm(lora_llm, None)
+                print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
+                if "batch1" in parts:  # alternated: base engine, adapter, base request in the LoRA engine
+                    for _ in range(le.BATCH1_RUNS):
+                        bench.run(base_llm, None, "batch1_base", 1, kind="b1")
+                        bench.run(lora_llm, loras[0], "batch1_lora", 1, kind="b1")
+                        bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
+                if "engine" in parts:
+                    def round_(r: int) -> None:  # base and 1 adapter, one after the other
+                        bench.run(base_llm, None, "base", num, kind="base")
+                        bench.run(lora_llm, mixes[counts[0]], f"lora_{counts[0]}_adapters", num, kind="lora")
+                    for r in range(2):
+                        round_(r)
+                    for count in counts[1:]:
+                        bench.run(lora_llm, mixes[count], f"lora_{count}_adapters", num, kind="lora")
+                    if bench.fits("small", "small"):  # base requests: LoRA engine vs base engine, alternated
+                        bench.run(base_llm, None, "base_paired", base_num, kind="small")
+                        bench.run(lora_llm, None, "base_in_lora_engine", base_num, kind="small")
+                    for r in range(2, args.engine_repeats):  # more rounds while the budget allows
+                        if not bench.fits("base", "lora"):
+                            print(f"  (rounds {r + 1}.. left out: the {args.budget:.0f} s budget)")
+                            break
+                        round_(r)
     except Exception as exc:
         traceback.print_exc()
-        check(False, f"LoRA engine raised {type(exc).__name__}: {exc}"[:500])
-    lines = ["| run | out tok/s | x base | goal | | TPOT ms |", "|---|---|---|---|---|---|"]
-    base = figures.get("base")
-    if base:
-        print(f"  {'adapters':>8} {'out tok/s':>10} {'x base':>7} {'goal':>6}")
-        lines.append(f"| base ({num} x {inp} x {out}) | {base['output_tokens_per_s']:.1f} | 1 | | | "
-                     f"{base['tpot_ms_mean']:.2f} |")
-        for count in counts:
-            f = figures.get(f"lora_{count}_adapters")
-            if f is None:  # that run did not finish: the table keeps the others
-                continue
-            # the mean of the mix's runs (1 adapter: first and last) over the base's
-            mean = sum(f["runs"]) / len(f["runs"])
-            ratio = mean / base["output_tokens_per_s"]
-            goal = GOALS.get(count, 0.8)
-            results[f"ratio_{count}_adapters"] = ratio
-            verdict = "met" if ratio >= goal else "MISSED"
-            runs = ", ".join(f"{v:.0f}" for v in f.get("runs", []))
-            print(f"  {count:8} {mean:10.1f} {ratio:7.3f} {goal:6.2f} {verdict}   "
-                  f"({mean:.0f} / base {base['output_tokens_per_s']:.0f} tok/s; runs {runs})")
-            lines.append(f"| {count} adapters (runs {runs}) | {mean:.1f} | {ratio:.3f} | >= {goal} | {verdict} | "
-                         f"{f['tpot_ms_mean']:.2f} |")
-        f = figures.get("base_in_lora_engine", base)
-        lines.append(f"| base requests, LoRA engine | {f['output_tokens_per_s']:.1f} | "
-                     f"{f['output_tokens_per_s'] / base['output_tokens_per_s']:.3f} | | | {f['tpot_ms_mean']:.2f} |")
-    if "batch1_base" in figures and "batch1_lora" in figures:
-        # ms per token: the best of each's runs (tok/s best = TPOT best for one prompt)
-        b0, b1 = figures["batch1_base"]["tpot_ms_mean"], figures["batch1_lora"]["tpot_ms_mean"]
-        ratio = b1 / b0
-        results["batch1_tpot_ratio"] = ratio
-        verdict = "met" if ratio <= BATCH1_GOAL else "MISSED"
-        inside = figures.get("batch1_base_in_lora_engine", {}).get("tpot_ms_mean", float("nan"))
-        print(f"  batch 1: {b0:.2f} ms/token base, {b1:.2f} with an adapter: {ratio:.3f}x "
-              f"(goal <= {BATCH1_GOAL}) {verdict}; a base request in the LoRA engine {inside:.2f} "
-              f"({b1 / inside:.3f}x of it)")
-        lines.append(f"| batch 1 base | | | | | {b0:.2f} |")
-        lines.append(f"| batch 1 adapter | | {ratio:.3f} (TPOT) | <= {BATCH1_GOAL} | {verdict} | {b1:.2f} |")
-        lines.append(f"| batch 1 base request, LoRA engine | | | | | "
-                     f"{figures.get('batch1_base_in_lora_engine', {}).get('tpot_ms_mean', float('nan')):.2f} |")
-    MARKDOWN[f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}"] = \
-        lines
+        check(False, f"engines raised {type(exc).__name__}: {exc}"[:500])
+    lines = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results)
+    MARKDOWN[f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}, "
+             f"base and LoRA engines alive together, runs alternated"] = lines
 
 
 # ---------------------------------------------------------------- profile: where a step's time goes
@@ -865,10 +828,15 @@ def main() -> int:
     ap.add_argument("--layer-tokens", default="1,16,64,256,8192", help="layer: the step sizes")
     ap.add_argument("--layer-variants", default=",".join(LAYER_VARIANTS), help="layer: the variants")
     ap.add_argument("--layer-adapters", default="1,8,64", help="layer: the adapter mixes")
+    ap.add_argument("--tiny-runs", default="graphs,one_slot,eager", help="tiny: the engines checked")
     ap.add_argument("--engine-adapters", default="1,8,64", help="engine: the adapter mixes timed")
     ap.add_argument("--engine-repeats", type=int, default=2,
-                    help="engine: timed runs of the 1-adapter mix (the first before 8 and 64 adapters, "
-                         "the others after the base requests); the best is reported")
+                    help="engine: rounds of (base run, 1-adapter run), alternated; at least 2; rounds past the "
+                         "second run after the other mixes, while --budget allows; the median round is reported")
+    ap.add_argument("--base-in-lora-prompts", type=int, default=256,
+                    help="engine: prompts of the paired base-engine / LoRA-engine runs of base requests")
+    ap.add_argument("--budget", type=float, default=290.0,
+                    help="seconds from the start: optional engine runs that would end past it are left out")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     unknown = parts - {"micro", "layer", "tiny", "engine", "batch1", "profile"}
