@@ -298,12 +298,15 @@ LAYER_VARIANTS = {
     # expands on the critical path to sum
     "splits2": (True, None, "normal", dict(_TILES_MAX_SPLITS=2)),
     "splits4": (True, None, "normal", dict(_TILES_MAX_SPLITS=4)),
+    "combo": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0)),
+    "combo_exp": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
+                                             EXPAND_TILE_BLOCK_N=256)),
 }
 LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
                     "OVERLAP_MAX_TOKENS", "DENSE_FUSED", "DENSE_FUSED_SILU"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
-              "silu128", "silu256", "exp256", "splits2", "splits4"}
+              "silu128", "silu256", "exp256", "splits2", "splits4", "combo", "combo_exp"}
 
 
 def layer(results, args) -> None:
