@@ -348,7 +348,9 @@ def test_dense_path_under_the_base_gemm(parts):
                                    dict(TILE_GRID_FACTOR=2.0, TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32),
                                    dict(TILE_GRID_FACTOR=1.0, PLAN_KERNEL_MAX_TOKENS=0),
                                    dict(TILE_GRID_FACTOR=1.0), dict(TILE_ROWS_SMALL=64),
-                                   dict(TILE_SPLITS_UNROLL=True)])
+                                   dict(TILE_SPLITS_UNROLL=True),
+                                   dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
+                                        EXPAND_TILE_BLOCK_N=256)])
 def test_tile_knobs_keep_results(monkeypatch, knobs):
     """The tile kernels' tunables (gpu_lora.py's layer variants: wider blocks, more programs per
     tile group and splits, the compact grid whose programs loop over several tiles, the torch
