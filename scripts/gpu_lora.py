@@ -298,15 +298,20 @@ LAYER_VARIANTS = {
     # expands on the critical path to sum
     "splits2": (True, None, "normal", dict(_TILES_MAX_SPLITS=2)),
     "splits4": (True, None, "normal", dict(_TILES_MAX_SPLITS=4)),
+    # qkv's and gate_up's whole LoRA beside their GEMM into a buffer of its own, then one add
+    "delta_beside": (True, None, "normal", dict(DELTA_BESIDE=True)),
+    "delta_combo": (True, None, "normal", dict(DELTA_BESIDE=True, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
+                                               EXPAND_TILE_BLOCK_N=256)),
     "combo": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0)),
     "combo_exp": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
                                              EXPAND_TILE_BLOCK_N=256)),
 }
 LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
-                    "OVERLAP_MAX_TOKENS", "DENSE_FUSED", "DENSE_FUSED_SILU"}
+                    "OVERLAP_MAX_TOKENS", "DENSE_FUSED", "DENSE_FUSED_SILU", "DELTA_BESIDE"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
-              "silu128", "silu256", "exp256", "splits2", "splits4", "combo", "combo_exp"}
+              "silu128", "silu256", "exp256", "splits2", "splits4", "combo", "combo_exp", "delta_beside",
+              "delta_combo"}
 
 
 def layer(results, args) -> None:
@@ -464,7 +469,7 @@ def layer(results, args) -> None:
                 if tokens > 1024 and adapters > 1 and variant not in ("engine", "nosink", "sink_all"):
                     continue  # (prefill sizes: the knobs of one adapter)
                 if (tokens > 16 and variant in DECODE_ONLY) or (tokens <= 16 and variant in TILES_ONLY) or \
-                        (tokens > 512 and variant.startswith("rows")):
+                        (tokens > 512 and variant.startswith("rows")) or (tokens > 256 and variant.startswith("delta")):
                     continue  # (rowsN: the tiles of steps up to 512 tokens)
                 knobs = dict(knobs or {})
                 fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
@@ -487,7 +492,8 @@ def layer(results, args) -> None:
                         return out
 
                     want = body()  # eager: the sinks' LoRA in stream order
-                    if variant in ("engine", "sink_all") and not SMOKE:  # a replay (side stream) computes the same
+                    if variant in ("engine", "sink_all", "delta_beside", "delta_combo") and not SMOKE:
+                        # a replay (side stream) computes the same
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph):
                             got = body()

@@ -65,6 +65,18 @@ def test_triton_shrink_expand_match_reference(num_tokens, k, shape):
     assert torch.equal(out[no_adapter], y[no_adapter])  # rows without an adapter are untouched
 
 
+@pytest.mark.parametrize("num_tokens,k", [(40, 40), (40, 300), (600, 72)])
+@pytest.mark.parametrize("shape", sorted(PARTS))
+def test_tile_expand_writes_the_delta_alone(num_tokens, k, shape):
+    """`lora_expand(add=False)`: y becomes the delta alone, every row written (zeros for tokens
+    without an adapter), whatever y held."""
+    x, a, b, token_slots, y, starts = _case(num_tokens, PARTS[shape], k=k)
+    plan = plan_step(token_slots, a.shape[0], {(a.shape[1], k)})
+    out = lora_expand(lora_shrink(x, a, plan), b, plan, torch.full_like(y, float("nan")), starts, add=False)
+    torch.testing.assert_close(out, lora_reference(x, a, b, starts, token_slots), atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[token_slots < 0], torch.zeros_like(out[token_slots < 0]))
+
+
 @pytest.mark.parametrize("num_tokens", [5, 40])
 def test_triton_float16(num_tokens):
     x, a, b, token_slots, y, starts = _case(num_tokens, PARTS["qkv"], k=200, seed=4, dtype=torch.float16)
@@ -279,6 +291,37 @@ def test_sink_gets_the_delta_and_y_stays_base(num_tokens, monkeypatch):
     got = down.forward(out, lambda: base_out.clone(), sink=sink)
     assert torch.equal(sink, stream)
     torch.testing.assert_close(got + sink, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens", [5, 40])
+def test_delta_beside_path_equals_cpu_path(num_tokens, monkeypatch):
+    """`DELTA_BESIDE` (tile-kernel steps with a side stream): qkv's and gate_up's deltas written
+    into a buffer of their own, then added to y (gate_up: then the activation) equal the CPU
+    path's; steps of the per-token kernels keep their path."""
+    monkeypatch.setattr(lora_layer, "DELTA_BESIDE", True)
+    g = torch.Generator().manual_seed(29)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    qkv = LoRASlots(batch, 3, 16, 40, [64, 32, 32], torch.float32, torch.device("cpu"))
+    gate_up = LoRASlots(batch, 3, 16, 40, [48, 48], torch.float32, torch.device("cpu"))
+    for slots in (qkv, gate_up):
+        for slot in range(3):
+            for part, size in enumerate(slots.part_starts[1:]):
+                width = size - slots.part_starts[part]
+                slots.set_slot(slot, part, torch.randn(8, 40, generator=g), torch.randn(width, 8, generator=g) * 0.3)
+    x = torch.randn(num_tokens, 40, generator=g)
+    y_qkv, y_gu = torch.randn(num_tokens, 128, generator=g), torch.randn(num_tokens, 96, generator=g)
+    token_slots = torch.tensor([(2, -1, 0, 1)[t % 4] for t in range(num_tokens)])
+    act = lambda t: torch.nn.functional.silu(t[:, :48]) * t[:, 48:]  # noqa: E731
+    batch.prepare(token_slots, token_slots.numpy())  # the CPU path
+    want_qkv, want_act = qkv.forward(x, lambda: y_qkv.clone()), gate_up.forward_silu_mul(x, lambda: y_gu.clone(), act)
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    tiles = num_tokens > triton_lora.ROWS_MAX_TOKENS
+    # (eager: the same kernels in stream order, no stream touched; the per-token path asks CUDA)
+    batch.side_stream = object() if tiles else None
+    assert qkv._delta_beside() == tiles
+    torch.testing.assert_close(qkv.forward(x, lambda: y_qkv.clone()), want_qkv, atol=1e-4, rtol=1e-4)
+    got = gate_up.forward_silu_mul(x, lambda: y_gu.clone(), act if tiles else None)
+    torch.testing.assert_close(got, want_act, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("parts", [[48, 48], [64, 32, 32], [80]])

@@ -56,6 +56,12 @@ DENSE_FUSED = os.environ.get("TOKENMILL_LORA_DENSE_FUSED", "1") not in ("0", "fa
 # ... gate_up too (0: its shrink a GEMM, then the expand fused with the activation, which reads
 # y once: no delta written and read back, but the tile kernel's own cost).
 DENSE_FUSED_SILU = os.environ.get("TOKENMILL_LORA_DENSE_FUSED_SILU", "1") not in ("0", "false", "no")
+# Steps of the tile kernels (more than ROWS_MAX_TOKENS tokens) up to OVERLAP_MAX_TOKENS: qkv's and
+# gate_up's whole LoRA (shrink and expand) beside their GEMM when captured, the expand writing the
+# delta into a buffer of its own, then one add into y (gate_up: then the plain activation): an
+# elementwise pass on the critical path instead of the expand kernel (eager: the same kernels in
+# stream order, as the warm-up before a capture compiles them). 0: only the shrink beside.
+DELTA_BESIDE = os.environ.get("TOKENMILL_LORA_DELTA_BESIDE", "0") not in ("0", "false", "no")
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
@@ -170,6 +176,8 @@ class LoRASlots:
             done = ahead[1] if ahead is not None and ahead[0] is x else None  # the previous kernel did this shrink
             if sink is not None and self._use_sink(sink, x):
                 return self._into_sink(x, done, sink, base)
+            if done is None and self._delta_beside():
+                return self._delta_and_base(x, base)
             if done is not None:
                 planes, y = done, base()
             else:
@@ -195,6 +203,8 @@ class LoRASlots:
             if batch.dense_slot is not None:  # the shrink one GEMM (a plane: no K splits), the rest fused
                 planes = torch.mm(x, self.a[batch.dense_slot].t()).float().unsqueeze(0)
                 return lora_expand_silu(planes, self.b, batch.plan, base())
+            if self._delta_beside():
+                return act(self._delta_and_base(x, base))
             planes, y = self._shrink_and_base(x, base)
             inter = self.part_starts[1]
             if (then is not None and then.triton and then.batch is batch and FUSE_NEXT_SHRINK
@@ -267,6 +277,27 @@ class LoRASlots:
         y = base()
         delta()
         return y
+
+    def _delta_beside(self) -> bool:
+        batch = self.batch
+        return (DELTA_BESIDE and batch.side_stream is not None and batch.plan.order is not None
+                and batch.num_tokens <= OVERLAP_MAX_TOKENS)
+
+    def _delta_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """base() plus the deltas: the LoRA (shrink, then the expand writing a buffer of its own)
+        beside base() on the side stream while a graph is captured, then one add."""
+        from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
+        batch = self.batch
+        delta = torch.empty(x.shape[0], self.part_starts[-1], dtype=x.dtype, device=x.device)
+
+        def lora() -> None:
+            lora_expand(lora_shrink(x, self.a, batch.plan), self.b, batch.plan, delta, self.part_starts, add=False)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            y = run_beside(batch.side_stream, lora, base)[1]
+        else:
+            lora()
+            y = base()
+        return y.add_(delta)
 
     def _shrink_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink's planes and base(): side by side while a CUDA graph is captured."""
