@@ -293,6 +293,19 @@ def test_sink_gets_the_delta_and_y_stays_base(num_tokens, monkeypatch):
     torch.testing.assert_close(got + sink, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_add_kernel(dtype):
+    """silu(gate + dg) * (up + du), the sums and the activation rounded as y + delta then
+    `SiluAndMul` would be."""
+    g = torch.Generator().manual_seed(31)
+    y, d = torch.randn(7, 2 * 600, generator=g).to(dtype), (torch.randn(7, 2 * 600, generator=g) * 0.3).to(dtype)
+    s = (y.float() + d.float()).to(dtype).float()
+    gate, up = s.chunk(2, dim=1)
+    want = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
+    got = triton_lora.silu_mul_add(y, d)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-3 if dtype == torch.float16 else 1e-5, rtol=1e-3)
+
+
 @pytest.mark.parametrize("num_tokens", [5, 40])
 def test_delta_beside_path_equals_cpu_path(num_tokens, monkeypatch):
     """`DELTA_BESIDE` (tile-kernel steps with a side stream): qkv's and gate_up's deltas written

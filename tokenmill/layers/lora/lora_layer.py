@@ -58,7 +58,7 @@ DENSE_FUSED = os.environ.get("TOKENMILL_LORA_DENSE_FUSED", "1") not in ("0", "fa
 DENSE_FUSED_SILU = os.environ.get("TOKENMILL_LORA_DENSE_FUSED_SILU", "1") not in ("0", "false", "no")
 # Steps of the tile kernels (more than ROWS_MAX_TOKENS tokens) up to OVERLAP_MAX_TOKENS: qkv's and
 # gate_up's whole LoRA (shrink and expand) beside their GEMM when captured, the expand writing the
-# delta into a buffer of its own, then one add into y (gate_up: then the plain activation): an
+# delta into a buffer of its own, then one add into y (gate_up: the activation reading both): an
 # elementwise pass on the critical path instead of the expand kernel (eager: the same kernels in
 # stream order, as the warm-up before a capture compiles them). 0: only the shrink beside.
 DELTA_BESIDE = os.environ.get("TOKENMILL_LORA_DELTA_BESIDE", "0") not in ("0", "false", "no")
@@ -204,7 +204,8 @@ class LoRASlots:
                 planes = torch.mm(x, self.a[batch.dense_slot].t()).float().unsqueeze(0)
                 return lora_expand_silu(planes, self.b, batch.plan, base())
             if self._delta_beside():
-                return act(self._delta_and_base(x, base))
+                from tokenmill.layers.lora.triton_lora import silu_mul_add
+                return silu_mul_add(*self._delta_and_base(x, base, add=False))
             planes, y = self._shrink_and_base(x, base)
             inter = self.part_starts[1]
             if (then is not None and then.triton and then.batch is batch and FUSE_NEXT_SHRINK
@@ -283,9 +284,10 @@ class LoRASlots:
         return (DELTA_BESIDE and batch.side_stream is not None and batch.plan.order is not None
                 and batch.num_tokens <= OVERLAP_MAX_TOKENS)
 
-    def _delta_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _delta_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor], add: bool = True):
         """base() plus the deltas: the LoRA (shrink, then the expand writing a buffer of its own)
-        beside base() on the side stream while a graph is captured, then one add."""
+        beside base() on the side stream while a graph is captured, then one add (add=False:
+        (base(), the deltas) for the kernel that adds them itself)."""
         from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
         batch = self.batch
         delta = torch.empty(x.shape[0], self.part_starts[-1], dtype=x.dtype, device=x.device)
@@ -297,7 +299,7 @@ class LoRASlots:
         else:
             lora()
             y = base()
-        return y.add_(delta)
+        return y.add_(delta) if add else (y, delta)
 
     def _shrink_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink's planes and base(): side by side while a CUDA graph is captured."""

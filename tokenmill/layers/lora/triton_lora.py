@@ -270,6 +270,35 @@ def _expand_silu_tiles_kernel(t_ptr, b_ptr, y_ptr, out_ptr, order_ptr, tiles_ptr
         tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], (silu * up).to(dtype), mask=ok)
 
 
+@triton.jit
+def _silu_mul_add_kernel(y_ptr, d_ptr, out_ptr, I, stride_yt, stride_dt, stride_ot, BLOCK: tl.constexpr):
+    """Program (token, n): silu(gate + its delta) * (up + its delta), the sums rounded to y's dtype
+    (as y + delta is stored) and the activation's own roundings (`SiluAndMul`)."""
+    dtype = y_ptr.dtype.element_ty
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = n < I
+    y_row, d_row = y_ptr + t * stride_yt, d_ptr + t * stride_dt
+    gate = tl.load(y_row + n, mask=ok, other=0.0).to(tl.float32) + tl.load(d_row + n, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(y_row + I + n, mask=ok, other=0.0).to(tl.float32) + tl.load(d_row + I + n, mask=ok, other=0.0).to(tl.float32)
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + n, (silu * up).to(dtype), mask=ok)
+
+
+def silu_mul_add(y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of y + delta ([T, 2I] each, [gate | up]) in one pass: a new [T, I] tensor."""
+    num_tokens, inter = y.shape[0], y.shape[1] // 2
+    assert y.shape == delta.shape and y.stride(1) == 1 and delta.stride(1) == 1
+    out = torch.empty(num_tokens, inter, dtype=y.dtype, device=y.device)
+    block = min(triton.next_power_of_2(inter), 1024)
+    if num_tokens:
+        _silu_mul_add_kernel[(num_tokens, triton.cdiv(inter, block))](y, delta, out, inter, y.stride(0), delta.stride(0),
+                                                                      out.stride(0), BLOCK=block, num_warps=4)
+    return out
+
+
 # ---------------------------------------------------------------- per step: the plan
 
 # BLOCK_M of the tile kernels for steps of up to 512 tokens (larger ones: 64). A knob: a step's
