@@ -300,6 +300,7 @@ LAYER_VARIANTS = {
     "splits4": (True, None, "normal", dict(_TILES_MAX_SPLITS=4)),
     # qkv's and gate_up's whole LoRA beside their GEMM into a buffer of its own, then one add
     "delta_beside": (True, None, "normal", dict(DELTA_BESIDE=True)),
+    "shrink_only": (True, None, "normal", dict(DELTA_BESIDE=False)),  # only the shrinks beside (before)
     "delta_combo": (True, None, "normal", dict(DELTA_BESIDE=True, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
                                                EXPAND_TILE_BLOCK_N=256)),
     "combo": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0)),
@@ -311,7 +312,7 @@ LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "S
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
               "silu128", "silu256", "exp256", "splits2", "splits4", "combo", "combo_exp", "delta_beside",
-              "delta_combo"}
+              "delta_combo", "shrink_only"}
 
 
 def layer(results, args) -> None:
@@ -468,8 +469,9 @@ def layer(results, args) -> None:
                     continue
                 if tokens > 1024 and adapters > 1 and variant not in ("engine", "nosink", "sink_all"):
                     continue  # (prefill sizes: the knobs of one adapter)
+                beside_only = variant.startswith("delta") or variant == "shrink_only"  # (captured steps <= 256)
                 if (tokens > 16 and variant in DECODE_ONLY) or (tokens <= 16 and variant in TILES_ONLY) or \
-                        (tokens > 512 and variant.startswith("rows")) or (tokens > 256 and variant.startswith("delta")):
+                        (tokens > 512 and variant.startswith("rows")) or (tokens > 256 and beside_only):
                     continue  # (rowsN: the tiles of steps up to 512 tokens)
                 knobs = dict(knobs or {})
                 fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)

@@ -61,7 +61,7 @@ DENSE_FUSED_SILU = os.environ.get("TOKENMILL_LORA_DENSE_FUSED_SILU", "1") not in
 # delta into a buffer of its own, then one add into y (gate_up: the activation reading both): an
 # elementwise pass on the critical path instead of the expand kernel (eager: the same kernels in
 # stream order, as the warm-up before a capture compiles them). 0: only the shrink beside.
-DELTA_BESIDE = os.environ.get("TOKENMILL_LORA_DELTA_BESIDE", "0") not in ("0", "false", "no")
+DELTA_BESIDE = os.environ.get("TOKENMILL_LORA_DELTA_BESIDE", "1") not in ("0", "false", "no")
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
