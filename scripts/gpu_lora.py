@@ -706,7 +706,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
                         round_(r)
                     for count in counts[1:]:
                         bench.run(lora_llm, mixes[count], f"lora_{count}_adapters", num, kind="lora")
-                    if bench.fits("small", "small"):  # base requests: LoRA engine vs base engine, alternated
+                    # base requests: LoRA engine vs base engine, alternated (a smaller run of the workload)
+                    if bench.fits("base", "base", scale=1.3 * base_num / num):
                         bench.run(base_llm, None, "base_paired", base_num, kind="small")
                         bench.run(lora_llm, None, "base_in_lora_engine", base_num, kind="small")
                     for r in range(2, args.engine_repeats):  # more rounds while the budget allows

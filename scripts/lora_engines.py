@@ -33,9 +33,10 @@ class Bench:
         self.seed = 100
         self.last_s: dict[str, float] = {}  # the last run's seconds per kind of run (time projection)
 
-    def fits(self, *kinds: str, margin: float = 8.0) -> bool:
-        """Whether runs of these kinds still fit the budget (each as long as the last of its kind)."""
-        need = sum(self.last_s.get(k, max(self.last_s.values(), default=30.0)) for k in kinds)
+    def fits(self, *kinds: str, scale: float = 1.0, margin: float = 8.0) -> bool:
+        """Whether runs of these kinds still fit the budget: each as long as the last of its kind
+        (times `scale`: a smaller run of the same workload), or as the longest run so far."""
+        need = sum(self.last_s.get(k, max(self.last_s.values(), default=30.0)) * scale for k in kinds)
         return time.perf_counter() - self.t0 + need + margin <= self.budget_s
 
     def run(self, llm, lora_request, label: str, num: int, params=None, kind: str = "full") -> dict:
