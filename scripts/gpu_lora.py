@@ -294,6 +294,7 @@ LAYER_VARIANTS = {
     "silu128": (True, None, "normal", dict(SILU_TILE_BLOCK_N=128)),
     "silu256": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256)),
     "exp256": (True, None, "normal", dict(EXPAND_TILE_BLOCK_N=256)),
+    "exp128": (True, None, "normal", dict(EXPAND_TILE_BLOCK_N_SMALL=128)),  # (before: 128 at every size)
     # fewer K splits of the tile shrinks (beside the GEMM in captured steps): fewer planes for the
     # expands on the critical path to sum
     "splits2": (True, None, "normal", dict(_TILES_MAX_SPLITS=2)),
@@ -312,7 +313,7 @@ LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "S
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
               "silu128", "silu256", "exp256", "splits2", "splits4", "combo", "combo_exp", "delta_beside",
-              "delta_combo", "shrink_only"}
+              "delta_combo", "shrink_only", "exp128"}
 
 
 def layer(results, args) -> None:
@@ -783,8 +784,12 @@ def profile(results: dict, args) -> None:
             print(f"  base engine up in {time.perf_counter() - start:.1f} s", flush=True)
             lp.run_windows(llm, win, prompts_for, lambda n: None, "warm", rows, chunk, steps)
             windows["base"] = lp.run_windows(llm, win, prompts_for, lambda n: None, "base", rows, chunk, steps)
-        if cuda:
+            del llm
+        if cuda:  # (the base engine's memory back before the LoRA engine sizes its KV pool)
+            import gc
+            gc.collect()
             torch.cuda.empty_cache()
+            common.update(gpu_memory_utilization=0.85)
         start = time.perf_counter()
         with LLM(path, enable_lora=True, max_loras=4 if SMOKE else 64, max_lora_rank=16, **common) as llm:
             print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s", flush=True)

@@ -421,6 +421,9 @@ TILE_PROGRAMS_PER_SM = 2
 TILE_SPLITS_UNROLL = False
 SILU_TILE_BLOCK_N = 64  # columns of gate (and of up) per program of the fused activation's tiles
 EXPAND_TILE_BLOCK_N = 128  # the widest column block of the expand's tiles (it must divide the parts)
+# ... in steps of small tiles (up to 512 tokens): wider (H200, 32 layers at 256 tokens: 243.4 vs
+# 247.2 us a layer with 1 adapter, 288.6 vs 294.4 with 64; at 8192 tokens 256 was slower).
+EXPAND_TILE_BLOCK_N_SMALL = 256
 
 
 def _splits_max(splits: int) -> int:
@@ -579,7 +582,8 @@ def lora_expand(planes: torch.Tensor, b: torch.Tensor, plan: StepPlan, y: torch.
     assert y.stride(1) == 1 and b.stride(2) == 1
     rows = plan.order is None
     lead = num_tokens if rows else plan.grid_m
-    grid, block_n, p1, p2 = _expand_launch(rows, num_tokens, n, part_starts, lead, EXPAND_TILE_BLOCK_N)
+    widest = EXPAND_TILE_BLOCK_N_SMALL if tile_rows(num_tokens) == TILE_ROWS_SMALL else EXPAND_TILE_BLOCK_N
+    grid, block_n, p1, p2 = _expand_launch(rows, num_tokens, n, part_starts, lead, widest)
     assert add or not rows, "the per-token expand only adds"
     if rows:
         _expand_rows_kernel[grid](planes, b, y, plan.token_slots, n, p1, p2, splits,
