@@ -1,8 +1,9 @@
 """The base engine against the LoRA engine, both alive at once, runs alternated
 (`scripts/gpu_lora.py --parts engine,batch1`).
 
-Both engines hold half the device's memory (`gpu_memory_utilization` 0.45 each) so that a base run
-and a LoRA run can alternate (base, 1 adapter, base, 1 adapter, ...): drift of the device or host
+Both engines hold about half the device's memory (the base engine 0.45; the LoRA engine 0.9 less
+what the base engine holds: the KV budget counts other processes' memory) so that a base run and a
+LoRA run can alternate (base, 1 adapter, base, 1 adapter, ...): drift of the device or host
 over the run then falls on both alike. Each run gets prompts of its own (a seed per run): no run
 finds another's prompts in the prefix cache. Every configuration is warmed first (a short run of
 its mix). The 1-adapter ratio of round r is that round's LoRA run over that round's base run; the
