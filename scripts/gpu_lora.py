@@ -815,6 +815,11 @@ def profile(results: dict, args) -> None:
                 finally:
                     for k, v in saved.items():
                         setattr(lora_layer, k, v)
+    del llm
+    if cuda:  # (this process's engines' memory back: a later part's engines size their KV pools)
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
     out: dict = {}
     lines = []
     for kind in ("prefill", "decode"):
