@@ -1,6 +1,7 @@
 """Decode attention alone on a GPU: bf16 vs fp8 (e4m3) KV cache, against copy bandwidth, with a launch sweep.
 
-    python scripts/gpu_attention.py [--budget S] [--shapes 256x640,1x16384] [--smoke]
+    python scripts/gpu_attention.py [--budget S] [--shapes 256x640,1x16384] [--variants] [--no-sweep]
+        [--no-before] [--kv bf16,fp8] [--smoke]
 
 Llama-3.1-8B's attention (32 query heads, 8 KV heads, head_dim 128, block size 16), at the decode
 shapes that matter: 256 rows x context 128 / 640 / 2048, and 1 row x 16k. Each case goes through the
@@ -16,7 +17,11 @@ over what the cache holds (fp8 values times the scales): error within max(2 x th
 backend's error, a floor). Then a sweep of the launch parameters (BLOCK_N, split count, warps,
 stages), coordinate-wise from the backend's own choice, within a time budget, and the best per case.
 
-Prints a table and writes $OUT/gpu_attention.json (default ./gpu-out). Exits 1 on a failed check.
+--variants: first the named launches of VARIANTS per case (opt-in options and their combinations);
+one that fails its check is listed (`variant_failures`) and printed, without failing the run.
+
+Prints a table and writes $OUT/gpu_attention.json (default ./gpu-out). Exits 1 on a failed check
+of the default launch, the earlier defaults or a swept launch.
 --smoke: tiny shapes on the CPU under TRITON_INTERPRET=1 (fp32 and fp16 queries, fp16 and fp8 caches).
 """
 
@@ -40,7 +45,7 @@ from tokenmill.layers.attention.backend import kv_cache_shape, quantize_kv  # no
 from tokenmill.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
 from tokenmill.layers.attention.triton_backend import (  # noqa: E402
-    TritonAttentionBackend, TritonAttentionConfig, plan_launch)
+    DecodeTiles, TritonAttentionBackend, TritonAttentionConfig, decode_tiles_for, plan_launch)
 
 LLAMA8B = (32, 8, 128)  # num_heads, num_kv_heads, head_dim
 SMOKE_HEADS = (8, 2, 32)
@@ -60,7 +65,30 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
     "kv_splits": [1, 2, 4, 8, 16, 32, 64, 128],
     "decode_warps": [2, 4, 8],
     "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
+    "fp8_pv_dot": [True, False],  # fp8 caches only: p @ v as two fp8 dots, values unconverted
+    "decode_min_rows": [64, 16],  # query rows of a decode tile (16: mma.sync; 64: Hopper's wgmma)
 }
+FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot")
+# --variants: named launches tried per case (on top of the default plan), in order of interest,
+# ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
+_QKPV = {"fp8_qk_dot": True, "fp8_pv_dot": True}
+# After the mid-session run of 2026-11-26 (docs/results/h200-attention-variants-mid.json): the fp8 dots
+# pipelined through shared memory (stages >= 2) tied the default at 256 x 640; these follow that up.
+# (Not here: register prefetch and CUDA-core products, 5-60x slower there and removed; fp8 dots with
+# 64-row tiles and 2 stages, which gave NaN.)
+_F8 = [{**_QKPV, "num_stages": 3, "decode_warps": 4}, {**_QKPV, "num_stages": 2, "decode_warps": 8},
+       {**_QKPV, "num_stages": 3, "decode_warps": 4, "block_n": 64}, {"fp8_pv_dot": True, "num_stages": 2, "decode_warps": 4},
+       {**_QKPV, "num_stages": 4, "decode_warps": 4}]
+_F8_SPLIT = [{**_QKPV, "num_stages": 3}, {**_QKPV, "num_stages": 2}, {"num_stages": 3}, {"num_stages": 4, "block_n": 64}]
+VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
+            ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
+            # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
+            ("1x150", "bf16"): [{"decode_min_rows": 64, "block_n": 16}],
+            ("1x150", "fp8"): [{"decode_min_rows": 64, "num_stages": 2}]}
+# The decode defaults before the FP8-streaming work (launch fields only; the split rule is the same).
+PREVIOUS_DEFAULTS = TritonAttentionConfig(
+    decode_tiles=DecodeTiles(128, 4, 2), split_decode_tiles=None, fp8_decode_tiles=DecodeTiles(128, 2, 1),
+    fp8_split_decode_tiles=DecodeTiles(128, 4, 4), lookup_blocks=False, fp8_qk_dot=False, fp8_pv_dot=False)
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
 # Shares of the sweep budget: the engine's figures' shapes (others are timed, not swept, unless --sweep-all).
 WEIGHT = {"256x640": 1, "1x16384": 1}
@@ -203,7 +231,7 @@ def time_parts(backend, case: Case, dev, plan: dict) -> dict:
                 block_q=plan["block_q"], block_n=plan["block_n"], num_splits=plan["kv_splits"],
                 max_splits=1 << max(plan["kv_splits"] - 1, 0).bit_length(), num_warps=plan["decode_warps"],
                 num_stages=plan["num_stages"], interior=plan["interior"], lookup_blocks=plan["lookup_blocks"],
-                fp8_qk_dot=plan["fp8_qk_dot"], k_scale=backend.k_scale, v_scale=backend.v_scale)
+                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], k_scale=backend.k_scale, v_scale=backend.v_scale)
     n = len(case.caches)
     return {"write_us": time_us(write, dev) / n, "attend_us": time_us(attend, dev) / n}
 
@@ -229,13 +257,12 @@ def time_layers(backend, case: Case, dev) -> float:
 
 def launch_config(cand: dict) -> TritonAttentionConfig:
     """The backend's config that makes a decode launch `cand`, over either cache dtype."""
+    tiles = DecodeTiles(block_n=cand["block_n"], warps=cand["decode_warps"], stages=cand["num_stages"],
+                        min_rows=cand.get("decode_min_rows", 16))
     return TritonAttentionConfig(
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], fp8_qk_dot=cand["fp8_qk_dot"],
-        kv_splits=cand["kv_splits"],
-        decode_block_n=cand["block_n"],
-        decode_warps=cand["decode_warps"], decode_stages=cand["num_stages"], fp8_decode_block_n=cand["block_n"],
-        fp8_decode_warps=cand["decode_warps"], fp8_decode_stages=cand["num_stages"],
-        fp8_split_decode_warps=cand["decode_warps"], fp8_split_decode_stages=cand["num_stages"])
+        fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"], decode_tiles=tiles,
+        split_decode_tiles=tiles, fp8_decode_tiles=tiles, fp8_split_decode_tiles=tiles)
 
 
 def before_launch(case: Case, heads, sm_count: int) -> dict:
@@ -245,7 +272,7 @@ def before_launch(case: Case, heads, sm_count: int) -> dict:
     splits = 1 if programs >= 2 * sm_count else max(1, min(-(-2 * sm_count // programs),
                                                              max(case.meta.max_seq_len // 256, 1), 32))
     return {"interior": False, "num_stages": 2, "block_n": 64, "kv_splits": splits, "decode_warps": 4,
-            "lookup_blocks": False, "fp8_qk_dot": False}
+            "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "decode_min_rows": 16}
 
 
 def plan_of(backend, case: Case, sm_count: int) -> dict:
@@ -254,13 +281,52 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
     p = plan_launch(backend.config, *heads, case.q.shape[0], case.meta.seq_lens.shape[0], case.meta.max_query_len,
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
-            "fp8_qk_dot": backend.config.fp8_qk_dot,
+            "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
+            "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
 
 
+def check_fused_fp8_write(dev) -> dict:
+    """The fused rotary + KV write into an fp8 cache against `rotate_` then `write_kv` (on the device: its
+    own fp8 rounding and saturation), bit for bit, Llama-8B heads, 64 tokens at scattered slots."""
+    from tokenmill.config import RopeConfig
+    from tokenmill.layers.attention.triton_kv_write import write_kv
+    from tokenmill.layers.attention.triton_rope_kv_write import rotate_and_write_kv
+    from tokenmill.layers.rotary import RotaryEmbedding
+    from tokenmill.layers.triton_ops.rotary import rotate_
+
+    hq, hkv, d = LLAMA8B if dev.type == "cuda" else SMOKE_HEADS
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16
+    t = 64
+    rope = RotaryEmbedding(d, 4096, RopeConfig(theta=500000.0)).to(dev)
+    gen = torch.Generator().manual_seed(5)
+    qkv = (torch.randn(t, (hq + 2 * hkv) * d, generator=gen) * 200).to(dtype).to(dev)
+    positions = torch.randint(0, 4096, (t,), generator=gen).to(dev)
+    slots = torch.randperm(8 * BLOCK_SIZE * 16, generator=gen)[:t].to(dev)
+    slots[3] = -1
+    rec = {"check": "fused rotary + fp8 KV write", "ok": True}
+    for kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cache = torch.zeros(kv_cache_shape(8 * 16, BLOCK_SIZE, hkv, d), device=dev).to(kv_dtype)
+        ks, vs = 448.0 / torch.finfo(kv_dtype).max, 600.0 / torch.finfo(kv_dtype).max  # some values saturate
+        ref_qkv, ref_cache = qkv.clone(), cache.clone()
+        qk = ref_qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+        rotate_(qk, None, positions, rope.cos_cache, rope.sin_cache, d)
+        write_kv(qk[:, hq:], ref_qkv[:, (hq + hkv) * d:].view(t, hkv, d), ref_cache, slots, ks, vs)
+        f_qkv = qkv.clone()
+        qk = f_qkv[:, :(hq + hkv) * d].view(t, hq + hkv, d)
+        rotate_and_write_kv(qk[:, :hq], qk[:, hq:], f_qkv[:, (hq + hkv) * d:].view(t, hkv, d), positions,
+                            rope.cos_cache, rope.sin_cache, d, cache, slots, ks, vs)
+        same = bool(torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8)))
+        same_q = bool(torch.equal(f_qkv[:, :hq * d], ref_qkv[:, :hq * d]))
+        rec[str(kv_dtype).split(".")[-1]] = {"cache_equal": same, "q_equal": same_q}
+        rec["ok"] = rec["ok"] and same and same_q
+    print(f"  {rec}", flush=True)
+    return rec
+
+
 def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: dict, sm_count: int,
-             read_bps: float) -> dict:
+             read_bps: float, variants: dict | None = None, with_before: bool = True) -> dict:
     expected, err_low = reference(case, heads)
     base = make_backend(heads, case.kv_dtype)
     ok, err = check(base, case, expected, err_low)
@@ -280,7 +346,7 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     best = {k: plan[k] for k in SWEEP}
     tried[key_of(best)] = us
     failures = []
-    if case.meta.max_query_len == 1:  # the launch before this work, for the speed-up
+    if case.meta.max_query_len == 1 and with_before:  # the launch before this work, for the speed-up
         before = before_launch(case, heads, sm_count)
         if key_of(before) not in tried:
             b_ok, b_err = check(make_backend(heads, case.kv_dtype, launch_config(before)), case, expected, err_low)
@@ -290,13 +356,56 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
         rec.update(before=before, before_us=tried[key_of(before)], speedup_vs_before=tried[key_of(before)] / us)
         print(f"    before this work {before}: {tried[key_of(before)]:.1f} us (now {rec['speedup_vs_before']:.2f}x "
               f"faster)", flush=True)
+    if case.meta.max_query_len == 1:  # the defaults before the fp8-streaming work, timed in the same run
+        prev = {k: v for k, v in plan_of(make_backend(heads, case.kv_dtype, PREVIOUS_DEFAULTS), case, sm_count).items()
+                if k in SWEEP}
+        if key_of(prev) not in tried:
+            p_backend = make_backend(heads, case.kv_dtype, launch_config(prev))
+            p_ok, p_err = check(p_backend, case, expected, err_low)
+            tried[key_of(prev)] = time_layers(p_backend, case, dev)
+            if not p_ok:
+                failures.append({"launch": prev, "err": p_err})
+        rec.update(previous=prev, previous_us=tried[key_of(prev)], speedup_vs_previous=tried[key_of(prev)] / us)
+        print(f"    previous defaults {prev}: {tried[key_of(prev)]:.1f} us (now {rec['speedup_vs_previous']:.2f}x "
+              f"faster)", flush=True)
     # The swept parameters are the decode launch's: a mixed step's (prefill tiles) is not swept.
     many_rows = case.q.shape[0] * heads[1] >= 2 * sm_count
     # Few rows: the split count first (a runtime argument: no recompiles).
     order = list(SWEEP) + ["num_stages", "kv_splits"] if many_rows else ["kv_splits"] + list(SWEEP)
+    variant_failures = []  # opt-in launches (--variants) that fail the check: findings, not the defaults' failures
+
+    def attempt(cand: dict, failed: list) -> None:
+        nonlocal best
+        if key_of(cand) in tried:
+            return
+        backend = make_backend(heads, case.kv_dtype, launch_config(cand))
+        try:
+            c_ok, c_err = check(backend, case, expected, err_low)
+            c_us = time_layers(backend, case, dev)
+        except Exception as e:  # noqa: BLE001 - out of resources etc.: note it and go on
+            print(f"    {cand}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            tried[key_of(cand)] = float("inf")
+            return
+        tried[key_of(cand)] = c_us
+        if not c_ok:
+            failed.append({"launch": cand, "err": c_err})
+            print(f"    {cand}: CHECK FAILED err {c_err:.2e}{' (an opt-in variant)' if failed is variant_failures else ''}",
+                  flush=True)
+            return
+        changed = {k: v for k, v in cand.items() if plan.get(k) != v}
+        print(f"    {changed}: {c_us:.1f} us ({us / c_us:.2f}x the default)  err {c_err:.2e}", flush=True)
+        if c_us < tried[key_of(best)]:
+            best = cand
+
+    fp8_kind = "fp8" if case.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else "bf16"
+    for override in (variants or {}).get((case.name, fp8_kind), []) if case.meta.max_query_len == 1 else []:
+        if time.perf_counter() > deadline:
+            rec["sweep_cut"] = True
+            break
+        attempt(dict({k: plan[k] for k in SWEEP}, **override), variant_failures)
     for axis in order if case.meta.max_query_len == 1 else []:
         values = sweep[axis]
-        if axis == "fp8_qk_dot" and case.kv_dtype != torch.float8_e4m3fn:
+        if axis in FP8_ONLY and case.kv_dtype != torch.float8_e4m3fn:
             continue
         if axis == "kv_splits" and many_rows:
             values = [v for v in values if v in MANY_ROWS_SPLITS]
@@ -304,29 +413,13 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
             if time.perf_counter() > deadline:
                 rec["sweep_cut"] = True
                 break
-            cand = dict(best, **{axis: value})
-            if key_of(cand) in tried:
-                continue
-            backend = make_backend(heads, case.kv_dtype, launch_config(cand))
-            try:
-                c_ok, c_err = check(backend, case, expected, err_low)
-                c_us = time_layers(backend, case, dev)
-            except Exception as e:  # noqa: BLE001 - out of resources etc.: note it and go on
-                print(f"    {cand}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                tried[key_of(cand)] = float("inf")
-                continue
-            tried[key_of(cand)] = c_us
-            if not c_ok:
-                failures.append({"launch": cand, "err": c_err})
-                print(f"    {cand}: CHECK FAILED err {c_err:.2e}", flush=True)
-                continue
-            if c_us < tried[key_of(best)]:
-                best = cand
+            attempt(dict(best, **{axis: value}), failures)
     best_us = tried[key_of(best)]
     rec.update(best=best, best_us=best_us, best_gbps=case.kv_bytes / best_us / 1e3,
                best_of_copy=case.kv_bytes / (best_us * 1e-6) / copy_bps,
                best_of_read=case.kv_bytes / (best_us * 1e-6) / read_bps, speedup=us / best_us,
-               sweep=[{**dict(zip(SWEEP, k)), "us": v} for k, v in tried.items()], sweep_failures=failures)
+               sweep=[{**dict(zip(SWEEP, k)), "us": v} for k, v in tried.items()], sweep_failures=failures,
+               variant_failures=variant_failures)
     rec["ok"] = ok and not failures
     print(f"    best {best}: {best_us:.1f} us ({100 * rec['best_of_copy']:.1f}% of copy, "
           f"{rec['speedup']:.2f}x the default; {len(tried)} launches tried)", flush=True)
@@ -351,6 +444,10 @@ def main() -> None:
     ap.add_argument("--shapes", default=None, help="comma-separated ROWSxCONTEXT (default: %s)" % ",".join(SHAPES))
     ap.add_argument("--budget", type=float, default=75.0, help="seconds for the whole run; sweeps stop at it")
     ap.add_argument("--no-sweep", action="store_true")
+    ap.add_argument("--variants", action="store_true",
+                    help="time the named launches of VARIANTS per case first (every shape gets a share)")
+    ap.add_argument("--no-before", action="store_true", help="skip the launches of before the tuning work")
+    ap.add_argument("--kv", default="bf16,fp8", help="cache dtypes: bf16,fp8")
     ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only 256x640 and 1x16384")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -361,9 +458,11 @@ def main() -> None:
     # (query dtype, KV cache dtype)
     dtypes = ([(torch.float32, torch.float32), (torch.float16, torch.float8_e4m3fn)] if smoke else
               [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)])
+    dtypes = [d for d, kind in zip(dtypes, ("bf16", "fp8")) if kind in args.kv.split(",")]
     # Smoke: the interpreter mis-rounds float -> fp8, so the fp8 query terms are not checked there.
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
-              "block_n": [16], "decode_warps": [4], "num_stages": [1]}
+              "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [],
+              "decode_min_rows": [64]}
              if smoke else SWEEP)
     if smoke:
         args.sweep_all = True
@@ -377,37 +476,48 @@ def main() -> None:
     print(f"device {name}, {sm_count} SMs; copy bandwidth {copy_bps / 1e9:.0f} GB/s (read + write), "
           f"read bandwidth {read_bps / 1e9:.0f} GB/s", flush=True)
 
-    records = []
+    records = [check_fused_fp8_write(dev)]
     # Each case gets an equal share of what is left of the budget for its sweep.
     cases = [(s, qd, kd) for s in shapes for qd, kd in dtypes]
     for i, (shape, q_dtype, kv_dtype) in enumerate(cases):
         rows, rest = shape.split("x")
         context, _, prefill = rest.partition("+")
         left = args.budget - (time.perf_counter() - start)
-        weights = [WEIGHT.get(c[0], int(args.sweep_all)) for c in cases[i:]]
+        if args.variants:  # a share per launch to try
+            kinds = ["fp8" if c[2] != torch.bfloat16 and c[2] != torch.float32 else "bf16" for c in cases[i:]]
+            weights = [1 + len(VARIANTS.get((c[0], k), [])) for c, k in zip(cases[i:], kinds)]
+        else:
+            weights = [WEIGHT.get(c[0], int(args.sweep_all)) for c in cases[i:]]
         deadline = time.perf_counter() + max(left, 0) * weights[0] / max(sum(weights), 1)
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
                          prefill=int(prefill or 0))
-        records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps))
+        records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps,
+                                variants=VARIANTS if args.variants else None, with_before=not args.no_before))
         save(records, name, sm_count, copy_bps, read_bps, start)  # after every case: a run cut short keeps what it has
         del case
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-    print("\n| case | KV | before us | default us | % copy / read | best us | % copy / read | best launch |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| case | KV | before us | previous us | default us | % copy / read | best us | % copy / read | best launch |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in records:
+        if "case" not in r:
+            continue
         before = f"{r['before_us']:.1f}" if "before_us" in r else "-"
-        print(f"| {r['case']} | {r['kv']} | {before} | {r['us']:.1f} | {100 * r['of_copy']:.0f} / "
+        prev = f"{r['previous_us']:.1f}" if "previous_us" in r else "-"
+        print(f"| {r['case']} | {r['kv']} | {before} | {prev} | {r['us']:.1f} | {100 * r['of_copy']:.0f} / "
               f"{100 * r['of_read']:.0f} | {r['best_us']:.1f} | {100 * r['best_of_copy']:.0f} / "
               f"{100 * r['best_of_read']:.0f} | {r['best']} |")
     by_case = {}
     for r in records:
-        by_case.setdefault(r["case"], {})[r["kv"]] = r
+        if "case" in r:
+            by_case.setdefault(r["case"], {})[r["kv"]] = r
     for c, rs in by_case.items():
         if len(rs) == 2:
             (a, ra), (b, rb) = rs.items()
-            print(f"  {c}: {b} / {a} time, default launch {rb['us'] / ra['us']:.2f}, "
+            prev = (f"previous defaults {rb['previous_us'] / ra['previous_us']:.2f}, "
+                    if "previous_us" in ra and "previous_us" in rb else "")
+            print(f"  {c}: {b} / {a} time, {prev}default launch {rb['us'] / ra['us']:.2f}, "
                   f"best launches {rb['best_us'] / ra['best_us']:.2f}")
     ok = save(records, name, sm_count, copy_bps, read_bps, start)
     print(f"{'all checks passed' if ok else 'CHECK FAILED'} in {time.perf_counter() - start:.0f} s", flush=True)

@@ -28,6 +28,10 @@ Parts (--parts, comma-separated; default all, run in this order):
            the int4 panel GEMV, the pipelined fp8 stream, W8A8 at 256/1024 rows (activation
            quantization, _scaled_mm row-/tensor-wise, the Triton fp8 GEMM), int4 tiles
            (scripts/gpu_quant_sweep.py; SWEEP_BUDGET_S caps it, default 120 s)
+  int4sweep (not by default) INT4 kernel variants where INT4 loses: the register-prefetched one-row
+           GEMV (panel, arithmetic, prefetch depth, split) against its int4 bytes at copy bandwidth,
+           the swapped and fused GEMMs at 64 / 256 rows, bf16 and the engine's path beside them
+           (scripts/gpu_int4_sweep.py; INT4_SWEEP_BUDGET_S caps its timing loop, default 80 s)
   tiny     tiny quantized checkpoints of every format (tests/helpers/quant_formats.py) on CUDA
            (bf16, Triton, graphs): prompt logprobs vs the same checkpoint on the CPU engine (float32)
 Goals (issue 22): fp8 >= 1.5x bf16 tok/s and <= 0.6x ms/token at batch 1; int4 batch 1 <= 0.4x,
@@ -391,6 +395,8 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     long_ctx = 1024 if smoke else 16384
     kwargs, workloads = ENGINES[label]
+    only = os.environ.get("GPU_QUANT_WORKLOADS")  # --workloads: these only (a shorter run)
+    workloads = [w for w in workloads if not only or w in only.split(",")]
     kwargs = dict(kwargs)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
@@ -447,6 +453,25 @@ def _time_ms(fn, device: str, reps: int = 20) -> float:
     return start.elapsed_time(end) / reps
 
 
+def _check_int4_replays(x, wd, counters, w_ref) -> None:
+    """int4_matmul on the engine's layout captured in a CUDA graph, replayed three times: each
+    output matches x @ W (float32 reference), split-K counters are zero after each replay."""
+    from tokenmill.layers.quantization import triton_int4
+
+    triton_int4.int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters)  # compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = triton_int4.int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters)
+    ref = x.float() @ w_ref
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        check(err < 1e-2 and not counters.any(), f"int4 one row from a graph {tuple(ref.shape)}: rel err {err:.1e}")
+
+
 def micro(results: dict, device: str) -> None:
     """Each Llama-8B linear per row count, as the engine calls it now (fp8: streaming up to
     FP8_STREAM_MAX_ROWS, then W8A8 _scaled_mm; int4: int4_matmul) and the paths it chose between.
@@ -496,6 +521,8 @@ def micro(results: dict, device: str) -> None:
             if m <= 64:
                 r["fp8_stream"] = _time_ms(stream, device)
             r["int4"] = _time_ms(lambda: triton_int4.int4_matmul(x, *int4_engine_w(), None, 128, counters), device)
+            if cuda and m == 1:  # the engine's one-row path replayed from a graph: right, counters back at zero
+                _check_int4_replays(x, wd, counters, packing.dequantize(wt, 128, torch.float32))
             if m <= 256:
                 r["int4_old_fused"] = _time_ms(lambda: triton_int4.int4_gemm(x, *int4_w(), None, 128), device)
             if m >= 256:
@@ -768,9 +795,10 @@ def tune(results: dict, device: str) -> None:
 
 # ---------------------------------------------------------------- the parts, each in a subprocess
 
-PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep"]
+PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep"]
 # Most seconds a part may take (the budget left caps it further).
-PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150}
+PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
+              "int4sweep": 150}
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -790,6 +818,10 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_quant_sweep
             gpu_quant_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name == "int4sweep":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_int4_sweep
+            gpu_int4_sweep.sweep(results, device, _time_ms, _cycled, check)
         else:
             engine_part(results, name, smoke)
     except Exception:
@@ -847,12 +879,15 @@ def _markdown(results: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep")))
+    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
+    ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # run one part in this process
     ap.add_argument("--precompile", help=argparse.SUPPRESS)  # compile one shard of tune's kernels
     ns = ap.parse_args()
+    if ns.workloads:
+        os.environ["GPU_QUANT_WORKLOADS"] = ns.workloads  # the parts' subprocesses inherit it
     if ns.precompile:
         precompile_shard(ns.precompile)
         return 0

@@ -35,7 +35,7 @@ from tokenmill.layers.attention.backend import kv_cache_shape  # noqa: E402
 from tokenmill.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
 from tokenmill.layers.attention.triton_backend import (  # noqa: E402
-    TritonAttentionBackend, TritonAttentionConfig, plan_launch)
+    DecodeTiles, TritonAttentionBackend, TritonAttentionConfig, plan_launch)
 
 MODELS = {  # num_heads, num_kv_heads, head_dim
     "llama3.1-8b": (32, 8, 128),
@@ -221,7 +221,7 @@ def timings(quick: bool) -> list[dict]:
                            TritonAttentionConfig(kv_splits=splits)))
     for block_n in (32, 128):
         sweeps.append((f"  sweep dec b=64 ctx=2048 block_n={block_n}", [2047] * 64, [1] * 64,
-                       TritonAttentionConfig(decode_block_n=block_n)))
+                       TritonAttentionConfig(decode_tiles=DecodeTiles(block_n=block_n))))
     for wide_rows, warps, block_n, stages in ((64, 4, 64, 2), (64, 4, 128, 2), (128, 8, 128, 2), (128, 8, 64, 3)):
         sweeps.append((f"  sweep prefill rows={wide_rows} warps={warps} block_n={block_n} stages={stages}",
                        [0] * 4, [2048] * 4, TritonAttentionConfig(wide_rows=wide_rows, wide_warps=warps,

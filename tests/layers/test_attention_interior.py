@@ -21,7 +21,8 @@ from tests.helpers.triton_required import require_triton
 require_triton()
 
 from tests.layers.test_attention_windows import poisoned_case, run_backend  # noqa: E402
-from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig  # noqa: E402
+from tokenmill.layers.attention.triton_backend import (  # noqa: E402
+    DecodeTiles, TritonAttentionBackend, TritonAttentionConfig)
 
 # Chunks over cached context (query tiles of several tokens), decodes whose context ends on a KV
 # tile boundary (63 + 1 = 64 keys) or just past it, a multi-token decode and a fresh prefill.
@@ -33,6 +34,20 @@ MIX = ([100, 63, 64, 130, 0, 47], [40, 1, 1, 5, 70, 17])
 def test_interior_tiles(window, block_n, splits, lookup):
     case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=MIX)
     config = TritonAttentionConfig(block_n=block_n, kv_splits=splits, prefill_rows=32, lookup_blocks=lookup)
+    backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, None, config=config)
+    torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window,splits,min_rows,lookup", [(None, None, 16, False), (50, 3, 16, True),
+                                                           (50, None, 64, False), (None, 2, 64, True)])
+def test_decode_tiles_of_16_and_64_rows(window, splits, min_rows, lookup):
+    """Decode launches with 16-key tiles (several unmasked ones per decode) and tiles of 16 or 64 query
+    rows (the decode rows padded four times further), one-token decodes and verification-sized ones
+    (3 and 6 tokens: several query rows of one sequence in a tile)."""
+    decodes = ([100, 63, 62, 130, 44, 0], [1, 1, 3, 1, 6, 1])  # the 3- and 6-token ones cross a tile edge
+    case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=decodes)
+    config = TritonAttentionConfig(block_n=16, decode_tiles=DecodeTiles(16, min_rows=min_rows), kv_splits=splits,
+                                   prefill_rows=32, lookup_blocks=lookup)
     backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, None, config=config)
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
 
@@ -72,27 +87,28 @@ def test_sequence_search_over_several_steps(monkeypatch):
 
 
 def test_decode_launch_parameters_per_cache_dtype():
-    """Decode launches take the decode fields (else block_n / num_stages), fp8 caches the fp8 ones
-    (else the decode ones), fp8 launches that split the KV axis the fp8 split ones; multi-token
-    decode tiles and prefill launches none of them."""
+    """Single-token decode launches take their DecodeTiles by cache dtype and split (fp8 split -> fp8 ->
+    split -> decode_tiles, the first set); multi-token decode tiles and prefill launches none of them."""
     from tokenmill.layers.attention.triton_backend import plan_launch
 
-    config = TritonAttentionConfig(block_n=64, num_stages=2, decode_warps=4, decode_block_n=32, decode_stages=3,
-                                   fp8_decode_block_n=128, fp8_decode_warps=2, fp8_decode_stages=1,
-                                   fp8_split_decode_warps=8, fp8_split_decode_stages=4)
+    config = TritonAttentionConfig(block_n=64, num_stages=2, decode_warps=4,
+                                   decode_tiles=DecodeTiles(32, 4, 3), split_decode_tiles=DecodeTiles(16, 8, 1),
+                                   fp8_decode_tiles=DecodeTiles(128, 2, 1),
+                                   fp8_split_decode_tiles=DecodeTiles(128, 8, 4, min_rows=64))
     bf16 = plan_launch(config, 32, 8, 256, 256, 1, 4096, 132)
+    bf16_split = plan_launch(config, 32, 8, 1, 1, 1, 4096, 132)
     fp8 = plan_launch(config, 32, 8, 256, 256, 1, 4096, 132, kv_fp8=True)
     fp8_split = plan_launch(config, 32, 8, 1, 1, 1, 4096, 132, kv_fp8=True)
     multi = plan_launch(config, 32, 8, 256 * 5, 256, 5, 4096, 132, kv_fp8=True)
     prefill = plan_launch(config, 32, 8, 600, 4, 512, 4096, 132, kv_fp8=True)
-    assert (bf16.block_n, bf16.num_stages, bf16.num_warps, bf16.num_splits) == (32, 3, 4, 1)
-    assert (fp8.block_n, fp8.num_stages, fp8.num_warps) == (128, 1, 2)
-    assert (fp8_split.block_n, fp8_split.num_stages, fp8_split.num_warps) == (128, 4, 8)
+    assert (bf16.block_q, bf16.block_n, bf16.num_stages, bf16.num_warps, bf16.num_splits) == (4, 32, 3, 4, 1)
+    assert (bf16_split.block_n, bf16_split.num_stages, bf16_split.num_warps) == (16, 1, 8)
+    assert (fp8.block_q, fp8.block_n, fp8.num_stages, fp8.num_warps) == (4, 128, 1, 2)
+    assert (fp8_split.block_q, fp8_split.block_n, fp8_split.num_stages, fp8_split.num_warps) == (16, 128, 4, 8)
     assert fp8_split.num_splits == 16  # 8 programs: 33 wanted, 4096 // 256 = 16 by length
     assert (multi.block_q, multi.block_n, multi.num_stages, multi.num_warps) == (8, 64, 2, 4)
     assert (prefill.block_n, prefill.num_stages) == (64, 2)
-    unset = dict(decode_block_n=None, decode_stages=None, fp8_decode_block_n=None, fp8_decode_warps=None,
-                 fp8_decode_stages=None, fp8_split_decode_warps=None, fp8_split_decode_stages=None)
-    plain = plan_launch(TritonAttentionConfig(block_n=16, num_stages=1, **unset), 32, 8, 1, 1, 1, 4096, 132,
+    unset = dict(split_decode_tiles=None, fp8_decode_tiles=None, fp8_split_decode_tiles=None)
+    plain = plan_launch(TritonAttentionConfig(decode_tiles=DecodeTiles(16, 4, 1), **unset), 32, 8, 1, 1, 1, 4096, 132,
                         kv_fp8=True)
-    assert (plain.block_n, plain.num_stages, plain.num_warps) == (16, 1, 4)
+    assert (plain.block_n, plain.num_stages, plain.num_warps, plain.num_splits) == (16, 1, 4, 16)

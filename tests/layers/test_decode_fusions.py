@@ -67,7 +67,32 @@ def test_matches_rotary_then_kv_write_bit_for_bit(dtype, head_dim, partial):
     assert torch.equal(cache[written], ref_cache[written])
 
 
-def test_backend_fuses_only_on_the_fused_rotary_path_and_plain_caches():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_cache_matches_rotary_then_scaled_kv_write_bit_for_bit(dtype, cache_dtype):
+    """An fp8 cache: the rotated k (rounded to q's dtype) and v stored times the inverse scales,
+    saturated (values past the format's range here), as `write_kv` stores them after `rotate_`."""
+    heads, head_dim = (4, 2), 64
+    fmax = torch.finfo(cache_dtype).max
+    k_scale, v_scale = 225 / fmax, 300 / fmax  # values ~N(0, 150): those past 1.5 / 2 sigma saturate
+    qkv, rope, positions, slots, cache = _case(dtype, head_dim, 1.0, heads)
+    qkv = (qkv.float() * 150).to(dtype)
+    cache = cache.to(cache_dtype)
+    ref_qkv, ref_cache = qkv.clone(), cache.clone()
+    qk, v = _views(ref_qkv, heads, head_dim)
+    rotate_(qk, None, positions, rope.cos_cache, rope.sin_cache, rope.rotary_dim)
+    write_kv(qk[:, heads[0]:], v, ref_cache, slots, k_scale, v_scale)
+    qk, v = _views(qkv, heads, head_dim)
+    q, k = qk.split(list(heads), dim=1)
+    rotate_and_write_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, rope.rotary_dim, cache, slots,
+                        k_scale, v_scale)
+    written = ~ref_cache.float().isnan()
+    assert torch.equal(written, ~cache.float().isnan())
+    assert written.any() and (ref_cache.float().abs() == torch.finfo(cache_dtype).max).any()  # saturated
+    assert torch.equal(cache.float()[written], ref_cache.float()[written])
+
+
+def test_backend_fuses_only_on_the_fused_rotary_path():
     backend = TritonAttentionBackend(4, 2, 64, 0.125)
     rope = RotaryEmbedding(64, 64, RopeConfig(theta=10000.0))
     fused_step = RotaryStep(torch.arange(3), rope.cos_cache, rope.sin_cache, 64)
@@ -75,7 +100,7 @@ def test_backend_fuses_only_on_the_fused_rotary_path_and_plain_caches():
     cache = torch.zeros(2, 1, 4, 2, 64, dtype=torch.bfloat16)
     assert backend.fuses_rope(fused_step, cache)
     assert not backend.fuses_rope(torch_step, cache)
-    assert not backend.fuses_rope(fused_step, cache.to(torch.float8_e4m3fn))
+    assert backend.fuses_rope(fused_step, cache.to(torch.float8_e4m3fn))  # scaled stores, fused too
 
 
 def test_backend_forward_with_rope_equals_rotating_first():

@@ -112,3 +112,26 @@ def test_triton_fp8_query_key_dot(splits):
     out = backend.forward(q16, case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
     n = case.meta.num_tokens
     torch.testing.assert_close(out[:n].float(), expected[:n], atol=5e-3, rtol=5e-3)
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_triton_fp8_weights_value_dot(splits):
+    """fp8_pv_dot: p @ v as two fp8 dots (p scaled to 448, as hi + lo e4m3 terms) over unconverted
+    e4m3 values, with fp8 q . k too and without. The interpreter mis-rounds float -> fp8 (a value
+    that rounds up into the next power of two comes out halved), which the lo term absorbs to
+    within one e4m3 rounding: 3e-2 here (the hi term alone misses by 0.2 and more; on a GPU
+    scripts/gpu_attention.py checks it against the reference at bf16's tolerance)."""
+    require_module("triton")
+    from tokenmill.layers.attention.triton_backend import DecodeTiles, TritonAttentionBackend, TritonAttentionConfig
+
+    k_scale, v_scale = 0.5, 2.0
+    case, cache8, expected = _fp8_case(torch.float8_e4m3fn, k_scale, v_scale)
+    n = case.meta.num_tokens
+    for qk in (False, True):
+        backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM), config=TritonAttentionConfig(
+            kv_splits=splits, fp8_pv_dot=True, fp8_qk_dot=qk, fp8_decode_tiles=DecodeTiles(16),
+            fp8_split_decode_tiles=None))
+        backend.k_scale, backend.v_scale = k_scale, v_scale
+        out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
+        torch.testing.assert_close(out[:n].float(), expected[:n], atol=3e-2, rtol=3e-2)
+

@@ -40,6 +40,17 @@ MIN_TILE_ROWS = 16  # tl.dot needs at least 16 rows
 
 
 @dataclass(frozen=True)
+class DecodeTiles:
+    """The launch of single-token decode tiles: each token's query rows of one KV group, padded.
+    (Multi-token decode tiles take the config's block_n, decode_warps and num_stages.)"""
+
+    block_n: int = 128  # keys per KV tile
+    warps: int = 4
+    stages: int = 2
+    min_rows: int = MIN_TILE_ROWS  # query rows per tile at least (16; 64: Hopper's wgmma; H200: slower)
+
+
+@dataclass(frozen=True)
 class TritonAttentionConfig:
     """Tile sizes and the split-KV rule. Prefill tiles: first guesses for H100/H200, untuned. Decode
     tiles of one token (query rows of one KV group padded to 16): tuned on an H200 by
@@ -57,26 +68,31 @@ class TritonAttentionConfig:
     wide_min_query_len: int = 64
     block_n: int = 64  # keys per KV tile
     num_stages: int = 2
-    # Decode launches of 16-row tiles (one token per sequence; multi-token decodes take block_n,
-    # decode_warps, num_stages): None takes block_n / num_stages. H200, bf16 cache: 128-key tiles
-    # 5-11% faster than 64 at 256 rows x 640 / 2048 keys and at 1 row x 16k; 2 stages best.
-    decode_block_n: int | None = 128
-    decode_stages: int | None = 2
-    # The same over an fp8 cache (None: the values above). H200: one stage and 2 warps (the fp8 ->
-    # fp16 conversion keeps the loads in registers; more programs per SM hide the latency) 1.3-1.5x
-    # faster than 2 stages at 256 rows; launches that split the KV axis (few rows, latency-bound)
-    # want 4 stages and 4 warps.
-    fp8_decode_block_n: int | None = 128
-    fp8_decode_warps: int | None = 2
-    fp8_decode_stages: int | None = 1
-    fp8_split_decode_warps: int | None = 4
-    fp8_split_decode_stages: int | None = 4
+    # Single-token decode launches, per cache dtype and whether the KV axis is split (None: the next
+    # one up: fp8 split -> fp8 -> (16-bit) split -> decode_tiles). H200, bf16 cache: 128-key tiles
+    # 5-11% faster than 64 at 256 rows x 640 / 2048 keys and at 1 row x 16k; 2 stages best. fp8:
+    # one stage and 2 warps 1.3-1.5x faster than 2 stages at 256 rows; split launches (few rows,
+    # latency-bound) 4 stages and 4 warps. bf16 at 256 rows x 128 keys would take 64-key tiles (48.0 vs
+    # 53.8 us) but 640 / 2048 keys lose 3% / 1% with them, and a decode graph (max_seq_len =
+    # max_model_len) cannot tell the two apart: 128 keys (the engine's 1000x512x256 decodes at 512-768).
+    decode_tiles: DecodeTiles = DecodeTiles()
+    split_decode_tiles: DecodeTiles | None = None
+    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=2, stages=1)
+    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4)
     min_keys_per_split: int = 256  # a share of the KV axis spans at least this many keys (of max_seq_len)
     waves: int = 2  # split until (sequences x KV heads x splits) fills this many waves of SMs
     kv_splits: int | None = None  # force this split count on decode launches (tests, tuning)
     interior: bool = True  # unmasked walk over the KV tiles every row of a tile sees whole
     lookup_blocks: bool = False  # in those tiles, one block-table read per cache block, not per key
-    fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted); untimed, off
+    fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted)
+    fp8_pv_dot: bool = False  # e4m3 caches: p @ v as two fp8 dots (values unconverted)
+
+
+def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
+    """The single-token decode launch for a cache dtype and a split / unsplit KV axis."""
+    chain = ([config.fp8_split_decode_tiles] if kv_fp8 and split else []) + ([config.fp8_decode_tiles] if kv_fp8 else [])
+    chain += ([config.split_decode_tiles] if split else []) + [config.decode_tiles]
+    return next(t for t in chain if t is not None)
 
 
 @dataclass(frozen=True)
@@ -113,22 +129,14 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
     min_q = -(-MIN_TILE_ROWS // group_pad)
     if max_query_len <= config.decode_max_query_len:
         # One tile per row where it fits, so a multi-token decode reads its KV once.
-        block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad), min_q, 1)
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
-        if block_q * group_pad > MIN_TILE_ROWS:  # multi-token decode tiles: untuned
+        tiles = decode_tiles_for(config, kv_fp8, splits > 1)
+        min_rows = max(tiles.min_rows, MIN_TILE_ROWS)
+        block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad),
+                      -(-min_rows // group_pad), 1)
+        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned
             return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
-        block_n = config.decode_block_n or config.block_n
-        warps = config.decode_warps
-        stages = config.decode_stages or config.num_stages
-        if kv_fp8:
-            block_n = config.fp8_decode_block_n or block_n
-            if splits > 1:
-                warps = config.fp8_split_decode_warps or config.fp8_decode_warps or warps
-                stages = config.fp8_split_decode_stages or config.fp8_decode_stages or stages
-            else:
-                warps = config.fp8_decode_warps or warps
-                stages = config.fp8_decode_stages or stages
-        return LaunchPlan(block_q, block_n, splits, warps, stages)
+        return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -150,18 +158,20 @@ class TritonAttentionBackend(AttentionBackend):
             # Wide heads (Gemma: 256): half-size tiles keep the K/V tiles and the float32
             # accumulator within the SM's shared memory and registers.
             c = self.config
-            half = lambda n: n // 2 if n else n  # noqa: E731 - None stays None
+            half = lambda t: t and dataclasses.replace(t, block_n=t.block_n // 2)  # noqa: E731 - None stays None
             self.config = dataclasses.replace(c, block_n=c.block_n // 2, prefill_rows=c.prefill_rows // 2,
                                               wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2,
-                                              decode_block_n=half(c.decode_block_n),
-                                              fp8_decode_block_n=half(c.fp8_decode_block_n))
+                                              decode_tiles=half(c.decode_tiles),
+                                              split_decode_tiles=half(c.split_decode_tiles),
+                                              fp8_decode_tiles=half(c.fp8_decode_tiles),
+                                              fp8_split_decode_tiles=half(c.fp8_split_decode_tiles))
         self._sm_count: int | None = None  # read from the device on the first forward
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
 
     def fuses_rope(self, rope, kv_cache: torch.Tensor) -> bool:
-        return self._fuse_rope and rope.cos is None and kv_cache.dtype in (torch.float16, torch.bfloat16,
-                                                                           torch.float32)
+        return self._fuse_rope and rope.cos is None and kv_cache.dtype in (
+            torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None) -> torch.Tensor:
@@ -174,7 +184,8 @@ class TritonAttentionBackend(AttentionBackend):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         if rope is not None:
             triton_rope_kv_write.rotate_and_write_kv(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
-                                                     rope.rotary_dim, kv_cache, meta.slot_mapping)
+                                                     rope.rotary_dim, kv_cache, meta.slot_mapping, self.k_scale,
+                                                     self.v_scale)
         else:
             triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         # A window bounds the keys any query reads: split the KV axis by that, not the context.
@@ -187,7 +198,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
             max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
-            fp8_qk_dot=self.config.fp8_qk_dot,
+            fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 

@@ -28,7 +28,10 @@ FP8 KV cache: K/V tiles are converted to the query's dtype as they load (float16
 is bf16 or fp16: the cheap conversion of fp8; the query is converted once); k_scale joins the
 softmax scale and v_scale multiplies the accumulator (both host floats, the layer's). F8_QK (opt-in,
 e4m3 caches): the keys enter q . k unconverted, as two fp8 dots with the query split into two
-fp8 terms scaled per row (about bf16's precision), saving one conversion per key value.
+fp8 terms scaled per row (about bf16's precision), saving one conversion per key value. F8_PV
+(opt-in, e4m3 caches) does the same for p @ v: p scaled to 448 as two e4m3 terms, the values
+unconverted, the 448 divided out with v_scale. (H200: neither is faster than converting, except
+pipelined through shared memory, where they tie; docs/results/gpu-attention.md.)
 
 Split-KV (flash-decoding): with SPLIT, a program takes only its share of the KV
 tiles (num_splits shares, sized on the device from seq_len, so any seq_len is
@@ -47,6 +50,7 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence search (a 256-row batch: one)
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
+F8_P_SCALE = 448.0  # fp8_pv_dot: softmax weights (<= 1) scaled to e4m3's largest value
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
 
 
@@ -66,27 +70,20 @@ def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr, CHUNK: tl.con
 
 
 @triton.jit
-def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
-                 key_limit, window, softcap, qk_scale, s_cb, s_cs, s_ch,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                 KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr):
-    """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
-    every key of the tile is valid and visible to every row (no masks, no table-load guard).
+def _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+                  LOOKUP_BLOCKS: tl.constexpr):
+    """Keys j*BLOCK_N .. of the tile, which of them are valid (all, unmasked) and their cache offsets.
     LOOKUP_BLOCKS (unmasked tiles, BLOCK_N a multiple of BLOCK_SIZE): one block-table read per cache
-    block of the tile, its slots' offsets spread from it, instead of one read per key.
-    F8_QK: q and q_lo are the query's two fp8 terms (q * scale = q + q_lo, row_scale = 1 / scale per
-    row), and the fp8 keys enter the dot unconverted."""
+    block of the tile, its slots' offsets spread from it, instead of one read per key."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
     key = j * BLOCK_N + offs_n
     if MASKED:
         key_valid = (key < kv_len) & (key >= kv_lo)
         block = tl.load(table_row + key // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        kv_mask = key_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
         kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
     else:
-        kv_mask = (offs_n < BLOCK_N)[:, None] & (offs_d < HEAD_DIM)[None, :]  # head_dim padding only
+        key_valid = offs_n < BLOCK_N
         if LOOKUP_BLOCKS:
             NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
             blocks = tl.load(table_row + j * NB + tl.arange(0, NB)).to(tl.int64)
@@ -95,10 +92,29 @@ def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr,
         else:
             block = tl.load(table_row + key // BLOCK_SIZE).to(tl.int64)
             kv_off = block * s_cb + (key % BLOCK_SIZE) * s_cs + kv_head * s_ch
+    return key, key_valid, kv_off
+
+
+@triton.jit
+def _load_rows(cache_ptr, kv_off, key_valid, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               MASKED: tl.constexpr):
+    """One tile of K or V rows at `kv_off` (masked: invalid keys and head_dim padding read 0)."""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
     if HEAD_DIM == HEAD_DIM_PAD and not MASKED:
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :])
+        x = tl.load(cache_ptr + kv_off[:, None] + offs_d[None, :])
     else:
-        k = tl.load(k_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        x = tl.load(cache_ptr + kv_off[:, None] + offs_d[None, :],
+                    mask=key_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    return x
+
+
+@triton.jit
+def _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window, softcap, qk_scale,
+                  DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
+                  MASKED: tl.constexpr, F8_QK: tl.constexpr):
+    """Scores of one K tile into the online softmax: (p, alpha, new max, new sum).
+    F8_QK: q and q_lo are the query's two fp8 terms (q * scale = q + q_lo, row_scale = 1 / scale per
+    row), and the fp8 keys enter the dot unconverted."""
     if F8_QK:
         s = (tl.dot(q, tl.trans(k)) + tl.dot(q_lo, tl.trans(k))) * (qk_scale * row_scale)[:, None]
     else:
@@ -117,15 +133,43 @@ def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr,
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if HEAD_DIM == HEAD_DIM_PAD and not MASKED:
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :])
-    else:
-        v = tl.load(v_cache_ptr + kv_off[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _accumulate(acc, alpha, p, v, q_dtype: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                F8_QK: tl.constexpr, F8_PV: tl.constexpr):
+    """acc * alpha + p @ v. F8_PV (e4m3 values): p (<= 1) scaled to 448 as two e4m3 terms, hi + lo
+    (about bf16's precision), against the unconverted values: the accumulator carries the factor
+    448, which the caller divides out with v_scale."""
+    if F8_PV:
+        ps = p * 448.0  # F8_P_SCALE
+        p_hi = ps.to(v.dtype)
+        p_lo = (ps - p_hi.to(tl.float32)).to(v.dtype)
+        return acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
     if F8_QK:
         v = v.to(tl.float16)
     elif KV_FP8:
-        v = v.to(q.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        v = v.to(q_dtype)
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+                 key_limit, window, softcap, qk_scale, s_cb, s_cs, s_ch,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                 KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr,
+                 F8_PV: tl.constexpr):
+    """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
+    every key of the tile is valid and visible to every row (no masks, no table-load guard)."""
+    key, key_valid, kv_off = _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch,
+                                           BLOCK_N, BLOCK_SIZE, MASKED, LOOKUP_BLOCKS)
+    k = _load_rows(k_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+    p, alpha, m_new, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window,
+                                         softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, MASKED, F8_QK)
+    v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+    acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV)
     return m_new, l_i, acc
 
 
@@ -148,7 +192,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
-    LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr,
+    LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr, F8_PV: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -240,7 +284,8 @@ def _paged_attention_kernel(
                 q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
-                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK)
+                BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK,
+                F8_PV)
     if INTERIOR:
         for j in range(mid_lo, mid_hi):
             m_i, l_i, acc = _attend_tile(
@@ -248,13 +293,13 @@ def _paged_attention_kernel(
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS,
-                F8_QK)
+                F8_QK, F8_PV)
     for j in range(mid_hi, tile_hi):  # masked tiles at the causal edge (all of them without INTERIOR)
         m_i, l_i, acc = _attend_tile(
             q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
             key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK)
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -318,7 +363,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
                     num_warps: int, num_stages: int, interior: bool = True, lookup_blocks: bool = False,
-                    fp8_qk_dot: bool = False, sliding_window: int | None = None,
+                    fp8_qk_dot: bool = False, fp8_pv_dot: bool = False,
+                    sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
@@ -330,6 +376,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     multiple of the block size), not one per key.
     `fp8_qk_dot` (e4m3 cache, 16-bit queries): q . k as two fp8 dots (the query split into two fp8
     terms), so the keys are not converted; values still are.
+    `fp8_pv_dot` (e4m3 cache, 16-bit queries): p @ v likewise (p as two e4m3 terms), values unconverted.
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -345,6 +392,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     kv_fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     split = num_splits > 1
+    f8_pv = fp8_pv_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    if f8_pv:  # the accumulator carries p's factor 448
+        v_scale = v_scale / F8_P_SCALE
     if split:
         part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -369,6 +419,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
         LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
         F8_QK=fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
+        F8_PV=f8_pv,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -10,7 +10,8 @@ the work run side by side, not one after the other):
   (a slot of -1, padding, and rows past the slot mapping write nothing); k itself is left as it was
   (nothing reads it after the cache write).
 Numerics are the two kernels' bit for bit: the same rounding of cos/sin and of each half, and the
-cache store casts to the cache dtype. FP8 caches (scaled stores) keep the two-kernel path.
+cache store casts to the cache dtype. FP8 caches: k (rotated, rounded to q's dtype) and v are multiplied by
+the inverse scales in float32 and saturated to the format's range, as `triton_kv_write` stores them.
 
 Requires triton at import; `triton_backend` imports this module lazily.
 """
@@ -24,16 +25,25 @@ import triton.language as tl
 from tokenmill.layers.triton_ops.rotary import _block_heads, _rotate_heads
 
 
+@triton.jit
+def _to_cache(x, inv_scale, cache_dtype: tl.constexpr, FP8_MAX: tl.constexpr):
+    """x as the cache stores it: cast, or (FP8_MAX > 0) scaled in float32 and saturated, then cast."""
+    if FP8_MAX > 0:
+        x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_MAX), FP8_MAX)
+    return x.to(cache_dtype)
+
+
 @triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slot_ptr"])
 def _rope_kv_write_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr, k_cache_ptr, v_cache_ptr, num_slots,
+    inv_k_scale, inv_v_scale,  # fp8 caches (FP8_MAX > 0): what a stored value is multiplied by
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh,  # token and head strides of q, k, v (head_dim stride 1)
     s_cache,  # row stride of the cos/sin caches
     s_cb, s_cs, s_ch,  # KV cache strides: block, slot in block, head (head_dim stride 1)
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr,
     ROTARY_DIM: tl.constexpr, PASS: tl.constexpr, PASS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
@@ -61,29 +71,31 @@ def _rope_kv_write_kernel(
     x2 = tl.load(k_row + HALF + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     o1 = ((x1 * c).to(dtype).to(tl.float32) - x2 * s).to(dtype)
     o2 = ((x2 * c).to(dtype).to(tl.float32) + x1 * s).to(dtype)
-    tl.store(k_cache_ptr + dst + offs_d[None, :], o1.to(cache_dtype), mask=mask)
-    tl.store(k_cache_ptr + dst + HALF + offs_d[None, :], o2.to(cache_dtype), mask=mask)
+    tl.store(k_cache_ptr + dst + offs_d[None, :], _to_cache(o1, inv_k_scale, cache_dtype, FP8_MAX), mask=mask)
+    tl.store(k_cache_ptr + dst + HALF + offs_d[None, :], _to_cache(o2, inv_k_scale, cache_dtype, FP8_MAX), mask=mask)
     if PASS > 0:
         offs_p = ROTARY_DIM + tl.arange(0, PASS_PAD)[None, :]
         p_mask = h_ok & (offs_p < HEAD_DIM)
-        tl.store(k_cache_ptr + dst + offs_p, tl.load(k_row + offs_p, mask=p_mask).to(cache_dtype), mask=p_mask)
+        tl.store(k_cache_ptr + dst + offs_p,
+                 _to_cache(tl.load(k_row + offs_p, mask=p_mask), inv_k_scale, cache_dtype, FP8_MAX), mask=p_mask)
     offs_v = tl.arange(0, HEAD_DIM_PAD)[None, :]
     v_mask = h_ok & (offs_v < HEAD_DIM)
     v = tl.load(v_ptr + t * s_vt + h * s_vh + offs_v, mask=v_mask)
-    tl.store(v_cache_ptr + dst + offs_v, v.to(cache_dtype), mask=v_mask)
+    tl.store(v_cache_ptr + dst + offs_v, _to_cache(v, inv_v_scale, cache_dtype, FP8_MAX), mask=v_mask)
 
 
 def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         cos_cache: torch.Tensor, sin_cache: torch.Tensor, rotary_dim: int,
-                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                        kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> None:
     """q [T, Hq, D] rotated in place; k [T, Hkv, D] rotated and, with v, written into `kv_cache`
-    ([2, num_blocks, block_size, Hkv, D], not FP8) at `slot_mapping` (its rows only)."""
+    ([2, num_blocks, block_size, Hkv, D]) at `slot_mapping` (its rows only); an FP8 cache stores
+    k / k_scale and v / v_scale, saturated."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3 or x.stride(-1) != 1:
             raise ValueError(f"{name} must be [T, heads, head_dim] with a contiguous head_dim axis, "
                              f"got shape {tuple(x.shape)} strides {x.stride()}")
-    if kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        raise ValueError("an FP8 KV cache takes the scaled write (triton_kv_write)")
+    fp8 = kv_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     if positions.shape[0] < q.shape[0]:
         raise ValueError(f"{positions.shape[0]} positions for {q.shape[0]} tokens")
     num_tokens = q.shape[0]
@@ -98,11 +110,13 @@ def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     tile = max(block_q * half_pad, triton.next_power_of_2(num_kv_heads) * triton.next_power_of_2(head_dim))
     _rope_kv_write_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_cache, sin_cache, slot_mapping, k_cache, v_cache, min(num_tokens, slot_mapping.shape[0]),
+        1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_Q_HEADS=q.shape[1], NUM_KV_HEADS=num_kv_heads, KV_HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HALF=half, HALF_PAD=half_pad, BLOCK_HQ=block_q, ROTARY_DIM=rotary_dim, PASS=passed,
         PASS_PAD=triton.next_power_of_2(max(passed, 1)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
         num_warps=min(max(tile // 256, 1), 8),
     )

@@ -24,18 +24,28 @@ from tokenmill.layers.quantization.base import LinearMethod, ParamLayout, new_pa
 from tokenmill.quant_config import QuantConfig
 
 
+def gemv_panel(n: int, k: int, group: int, sms: int = stream_tiles._DEFAULT_SMS) -> int:
+    """The panel width the one-row GEMV reads for this shape: the prefetching GEMV's
+    (`triton_int4_prefetch_gemv.TABLE`) where it lists the shape and the weight fits it, else the
+    older GEMV's (`stream_tiles.gemv_config`); 0: no panels."""
+    from tokenmill.layers.quantization import triton_int4_prefetch_gemv as prefetch
+
+    c = prefetch.config_for(n, k, group)
+    return c.panel if c is not None else stream_tiles.gemv_config(n, k, group, sms).panel
+
+
 def for_device(wt: packing.Int4Weights, group: int) -> packing.Int4Weights:
     """On CUDA, words of weights the one-row GEMV serves (no act-order, groups of 16s) repacked
-    into its panels (`int4_packing.to_panels`, the width from `stream_tiles.gemv_config`); every
-    CUDA path of `triton_int4.int4_matmul` reads them. Elsewhere, unchanged."""
+    into its panels (`int4_packing.to_panels`, the width from `gemv_panel`); every CUDA path of
+    `triton_int4.int4_matmul` reads them. Elsewhere, unchanged."""
     q = wt.qweight
     if not q.is_cuda or wt.g_idx is not None or group % 16:
         return wt
     k, n = q.shape[0] * 8, q.shape[1]
-    c = stream_tiles.gemv_config(n, k, group, stream_tiles.sm_count(q.device))
-    if not c.panel:
+    panel = gemv_panel(n, k, group, stream_tiles.sm_count(q.device))
+    if not panel:
         return wt
-    return packing.Int4Weights(packing.to_panels(q, c.panel), wt.scales, wt.zeros, None)
+    return packing.Int4Weights(packing.to_panels(q, panel), wt.scales, wt.zeros, None)
 
 
 class Int4LinearMethod(LinearMethod):

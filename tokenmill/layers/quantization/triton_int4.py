@@ -145,6 +145,15 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
         from tokenmill.layers.quantization.triton_int4_gemv import int4_gemv
 
         n, k = qweight.shape[0] * qweight.shape[2], x.shape[1]
+        from tokenmill.layers.quantization import triton_int4_prefetch_gemv as prefetch
+
+        pc = prefetch.config_for(n, k, group)
+        if pc is not None and pc.panel == qweight.shape[2]:
+            if pc.split > 1 and (counters is None or counters.numel() < qweight.shape[0]):
+                from dataclasses import replace
+
+                pc = replace(pc, split=1)  # no counters for the split-K sum: one program per panel
+            return prefetch.prefetch_gemv(x, qweight, scales, zeros, group_size, pc, counters)
         c = stream_tiles.gemv_config(n, k, group, stream_tiles.sm_count(x.device))
         if c.mode == stream_tiles.STREAM:
             from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
@@ -152,6 +161,13 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             return int4_stream_gemm(x, qweight, scales, zeros, group_size, counters)
         return int4_gemv(x, qweight, scales, zeros, group_size, c.block_k, c.split, c.warps, c.stages, c.mode,
                          counters)
+    if g_idx is None:
+        from tokenmill.layers.quantization import triton_int4_fused_gemm as fused
+
+        n = qweight.shape[0] * qweight.shape[2] if qweight.dim() == 3 else qweight.shape[1]
+        tiles = fused.fused_tiles(m, n, x.shape[1])
+        if tiles is not None and group % tiles[2] == 0:
+            return fused.int4_fused_gemm(x, qweight, scales, zeros, group_size, *tiles, counters=counters)
     swap = stream_tiles.int4_swap_tiles(m) if g_idx is None else None
     if swap is not None and group % swap[2] == 0:
         from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm

@@ -1,0 +1,312 @@
+"""The `int4sweep` part of scripts/gpu_quant.py: the INT4 kernels where INT4 loses, per Llama-8B
+linear, each checked against a float32 reference and timed from CUDA-graph replays with weights
+cycled past L2 (HBM-bound, as in a forward), bf16 cuBLAS and the engine's current path measured
+in the same process.
+
+- one row: the register-prefetched GEMV (`triton_int4_prefetch_gemv`): panel width, arithmetic
+  MODE, BLOCK_K, warps, PREFETCH depth (or cp.async stages), SPLIT; each linear's time against
+  its int4 bytes (fraction of the copy bandwidth `--copy` measures in the same run);
+- 256 rows (and 64): dequantize + cuBLAS, the engine's path, the swapped GEMM's tiles
+  (`triton_int4_swap`), the fused GEMM's tiles (`triton_int4_fused_gemm`).
+It prints, per section, each linear's best variants, the layer's four linears at their best, and
+the table lines for `triton_int4_prefetch_gemv.TABLE` / `stream_tiles.INT4_SWAP`.
+Compiling is most of the time: every variant compiles first in parallel processes.
+INT4_SWEEP_SPLITS=wide tries 4x and 8x more K slices on the winners' bases.
+INT4_SWEEP_BUDGET_S caps the timing loop (default 80 s after compiling); INT4_SWEEP_ROWS the row
+counts (default 1,256,64,1024, in that order: what the budget leaves out is the last).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+LLAMA_SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
+SMOKE_SHAPES = {"gate_up": (512, 256), "down": (128, 512), "qkv": (256, 256), "o": (128, 256)}
+GROUP = 128
+SMOKE_GROUP = 64
+
+
+def gemv_bases(smoke: bool):
+    """(panel, block_k, warps) of the GEMV to try; each with every (mode, prefetch) below. Warps
+    lie along the panel where panel >= 128 * warps (an sm_90 compile: then the scales and zeros
+    need no layout conversion, which costs two CTA barriers per K step); where panel = 256 *
+    warps a thread holds two 16-byte vectors per row of 8 channels, halving the x work per word."""
+    if smoke:
+        return [(32, 64, 2), (64, 32, 4)]
+    if os.environ.get("INT4_SWEEP_SPLITS") == "wide":  # the mid-session winners' bases, and a smaller tile
+        return [(128, 64, 1), (128, 32, 1), (256, 32, 2), (512, 32, 4)]
+    return [(64, 64, 1), (128, 64, 1), (256, 32, 1), (256, 32, 2), (512, 32, 2), (512, 32, 4)]
+
+
+def gemv_kinds(smoke: bool):
+    """(mode, prefetch, stages)."""
+    if smoke:
+        return [(3, 1, 1), (4, 2, 1), (0, 0, 2)]
+    if os.environ.get("INT4_SWEEP_SPLITS") == "wide":
+        return [(3, 1, 1), (4, 1, 1), (5, 1, 1)]
+    return [(3, 1, 1), (3, 2, 1), (3, 0, 3), (4, 1, 1)]
+
+
+def gemv_splits(panels: int, k: int, block_k: int, sms: int, warps: int = 4, panel_width: int = 128) -> list[int]:
+    """Powers of two dividing the K tiles: the smallest giving at least one program per SM (two
+    for one-warp programs) and the next one."""
+    tiles = k // block_k
+    want = sms * (2 if warps == 1 else 1)
+    s = 1
+    while panels * s < want and tiles % (2 * s) == 0:
+        s *= 2
+    # INT4_SWEEP_SPLITS=wide: also 4x and 8x that (more warps per SM scheduler: the mid-session run
+    # had 2-4 per scheduler at the winners, too few to hide the arithmetic's latencies)
+    cands = (s, 2 * s, 4 * s, 8 * s) if os.environ.get("INT4_SWEEP_SPLITS") == "wide" else (s, 2 * s)
+    return [c for c in cands if tiles % c == 0 and c * panel_width <= 8192]  # the last program's sum
+
+
+def gemv_variants(shapes: dict, smoke: bool, sms: int):
+    """{shape name: [PrefetchGemv]}."""
+    from tokenmill.layers.quantization.triton_int4_prefetch_gemv import PrefetchGemv
+
+    out = {}
+    for name, (n, k) in shapes.items():
+        vs = []
+        for panel, bk, warps in gemv_bases(smoke):
+            if n % panel:
+                continue
+            for split in gemv_splits(n // panel, k, bk, sms, warps, panel):
+                for mode, pf, st in gemv_kinds(smoke):
+                    vs.append(PrefetchGemv(panel, mode, bk, split, warps, pf, st))
+                if not smoke and (panel, warps) in ((128, 1), (256, 2)):  # float32 arithmetic, no inline PTX
+                    vs.append(PrefetchGemv(panel, 0, bk, split, warps, 1, 1))
+        out[name] = vs
+    return out
+
+
+def swap_variants(smoke: bool):
+    """(block_n, block_m, block_k, warps, stages) of `triton_int4_swap`."""
+    if smoke:
+        return [(32, 64, 32, 4, 2)]
+    return [(64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4)]
+
+
+def fused_variants(smoke: bool):
+    """(block_m, block_n, block_k, warps, stages, deq, split) of `triton_int4_fused_gemm`."""
+    if smoke:
+        return [(32, 32, 64, 4, 2, 1, 1), (32, 32, 32, 4, 1, 0, 2)]
+    return [(256, 128, 64, 8, 3, 1, 1), (256, 128, 64, 8, 3, 1, 2), (256, 128, 64, 8, 3, 1, 4),
+            (128, 128, 64, 8, 3, 1, 1), (128, 128, 64, 8, 3, 1, 2), (128, 256, 64, 8, 3, 1, 1),
+            (256, 64, 64, 8, 3, 1, 1), (256, 64, 64, 8, 3, 1, 2), (128, 64, 64, 4, 3, 1, 1),
+            (256, 128, 64, 8, 4, 1, 1), (256, 128, 64, 8, 3, 0, 1), (64, 128, 64, 4, 3, 1, 1)]
+
+
+def _compile_calls(device: str, smoke: bool):
+    """One small call per compiled variant (the same specializations: sizes multiples of 16)."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization.triton_int4_prefetch_gemv import prefetch_gemv
+    from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
+
+    shapes = SMOKE_SHAPES if smoke else LLAMA_SHAPES
+    group = SMOKE_GROUP if smoke else GROUP
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    sms = stream_tiles.sm_count(torch.device(device))
+    n, k = (256, 512) if smoke else (512, 4096)
+    w = torch.randn(n, k, device=device) * 0.02
+    wt = packing.from_codes(packing.quantize_int4(w, group, sym=True), dt, act_order=False)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+    x1 = torch.randn(1, k, device=device, dtype=dt)
+    seen, calls = set(), []
+    panels = {}
+    for vs in gemv_variants(shapes, smoke, sms).values():
+        for c in vs:
+            if c in seen or (k // c.block_k) % c.split:
+                continue
+            seen.add(c)
+            if c.panel not in panels:
+                panels[c.panel] = packing.to_panels(wt.qweight, c.panel)
+            calls.append((f"gemv {c.label()}", lambda c=c: prefetch_gemv(
+                x1, panels[c.panel], wt.scales, wt.zeros, group, c, counters)))
+    x = torch.randn(80, k, device=device, dtype=dt)
+    qp = packing.to_panels(wt.qweight, 128)
+    for v in swap_variants(smoke):
+        calls.append((f"swap {v}", lambda v=v: int4_swap_gemm(x, qp, wt.scales, wt.zeros, group, *v)))
+    try:
+        from tokenmill.layers.quantization.triton_int4_fused_gemm import int4_fused_gemm
+        for v in fused_variants(smoke):
+            calls.append((f"fused {v}", lambda v=v: int4_fused_gemm(x, qp, wt.scales, wt.zeros, group, *v,
+                                                                    counters=counters)))
+    except ImportError:
+        pass
+    return calls
+
+
+def precompile_shard(shard: str) -> None:
+    i, n = map(int, shard.split("/"))
+    for j, (label, call) in enumerate(_compile_calls("cuda", False)):
+        if j % n == i:
+            try:
+                call()
+            except Exception as e:  # noqa: BLE001 - reported again when timed
+                print(f"  precompile {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    torch.cuda.synchronize()
+
+
+def _precompile(shards: int, timeout: float) -> None:
+    start = time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile", f"{i}/{shards}"])
+             for i in range(shards)]
+    for p in procs:
+        try:
+            p.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    print(f"  int4sweep: compiled in {shards} processes: {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def _copy_bandwidth(device: str, time_ms) -> float:
+    """Bytes per second of a device-to-device copy of 1 GiB (read + write): the floor's yardstick."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), device, reps=5)
+    return 2 * a.numel() / (ms / 1000)
+
+
+def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
+    """time_ms(fn, device[, reps]), cycled(tensors) and check(ok, what) come from gpu_quant.py."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import stream_tiles, triton_int4
+    from tokenmill.layers.quantization.int4 import for_device
+    from tokenmill.layers.quantization.triton_int4_prefetch_gemv import prefetch_gemv
+    from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
+
+    try:
+        from tokenmill.layers.quantization.triton_int4_fused_gemm import int4_fused_gemm
+    except ImportError:
+        int4_fused_gemm = None
+    cuda = device == "cuda"
+    smoke = not cuda
+    shapes = SMOKE_SHAPES if smoke else LLAMA_SHAPES
+    group = SMOKE_GROUP if smoke else GROUP
+    dt = torch.bfloat16 if cuda else torch.float32
+    sms = stream_tiles.sm_count(torch.device(device))
+    if cuda:
+        _precompile(min(15, max(1, (os.cpu_count() or 2) - 1)), timeout=float(os.environ.get("INT4_SWEEP_COMPILE_S", "45")))
+    budget = float(os.environ.get("INT4_SWEEP_BUDGET_S", "80"))
+    deadline = time.perf_counter() + budget
+    one_row_deadline = time.perf_counter() + 0.6 * budget  # the rest is for the many-row sections
+    rec = results.setdefault("int4sweep", {})
+    copy_bps = _copy_bandwidth(device, time_ms) if cuda else None
+    if copy_bps:
+        rec["copy_GBps"] = copy_bps / 1e9
+        print(f"  copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write)", flush=True)
+    variants = gemv_variants(shapes, smoke, sms)
+    best: dict = {}  # (section, name) -> (ms, label, variant)
+    rows_list = tuple(int(r) for r in os.environ.get("INT4_SWEEP_ROWS", "1,256,64,1024" if cuda else "1,16").split(","))
+    # rows outside, linears inside: one row for all four linears first (what the budget must cover)
+    for name, (n, k), rows in [(nm, shp, (m,)) for m in rows_list for nm, shp in shapes.items()]:
+        g = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(n, k, device=device, generator=g).to(dt) * 0.02
+        wt = packing.from_codes(packing.quantize_int4(w, group, sym=False), dt, act_order=False)
+        ref_w = packing.dequantize(wt, group, torch.float32)  # [K, N]
+        counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+        bf16_w = cycled([w])
+        int4_w = cycled([wt.qweight, wt.scales, wt.zeros])
+        wd = for_device(wt, group)  # the engine's layout now
+        engine_w = cycled([wd.qweight, wd.scales, wd.zeros])
+        floor_ms = (n * k / 2) / copy_bps * 1000 if copy_bps else None  # the int4 bytes at copy's bytes per second
+        for m in rows:
+            x = torch.randn(m, k, device=device, dtype=dt)
+            ref = x.float() @ ref_w
+            sec = f"m{m}"
+            r = rec.setdefault(f"{sec}/{name}", {})
+
+            def note(label, fn, variant=None, r=r, sec=sec):
+                if time.perf_counter() > deadline:
+                    return
+                ms = time_ms(fn, device)
+                r[label] = ms
+                if variant is not None and ms < best.get((sec, name), (float("inf"),))[0]:
+                    best[(sec, name)] = (ms, label, variant)
+            note("bf16", lambda: x @ bf16_w()[0].t())
+            err = _rel(triton_int4.int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, group, counters), ref)
+            check(err < 1e-2 and not counters.any(), f"int4 engine path {name} m={m}: rel err {err:.1e}")
+            note("engine", lambda: triton_int4.int4_matmul(x, *engine_w(), None, group, counters))
+            if m == 1:
+                panels = {}
+                for c in variants[name]:
+                    if time.perf_counter() > one_row_deadline:
+                        print(f"  int4sweep: one-row budget spent in {name}", flush=True)
+                        break
+                    if c.panel not in panels:
+                        qp = packing.to_panels(wt.qweight, c.panel)
+                        panels[c.panel] = (qp, cycled([qp, wt.scales, wt.zeros]))
+                    qp, cyc = panels[c.panel]
+                    try:
+                        out = prefetch_gemv(x, qp, wt.scales, wt.zeros, group, c, counters)
+                        err = _rel(out, ref)
+                        if err > (1e-2 if c.mode >= 4 else 5e-3) or counters.any():  # bf16 output: ~1e-3
+                            check(False, f"int4 GEMV {name} {c.label()}: rel err {err:.1e}, "
+                                         f"counters zeroed {not counters.any()}")
+                            continue
+                        note(c.label(), lambda c=c, cyc=cyc: prefetch_gemv(x, *cyc(), group, c, counters), c)
+                    except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                        check(False, f"int4 GEMV {name} {c.label()}: {type(e).__name__}: {str(e)[:300]}")
+                del panels
+            else:
+                if m >= 64:
+                    note("dequant + mm", lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, group, dt))
+                kernels = [("swap", int4_swap_gemm, swap_variants(smoke))]
+                if int4_fused_gemm is not None:
+                    kernels.append(("fused", lambda *a: int4_fused_gemm(*a, counters=counters), fused_variants(smoke)))
+                for kind, fn, vs in kernels:
+                    for v in vs:
+                        label = f"{kind} " + "x".join(map(str, v))
+                        try:
+                            err = _rel(fn(x, wd.qweight, wd.scales, wd.zeros, group, *v), ref)
+                            if err > 1e-2 or counters.any():
+                                check(False, f"int4 {label} {name} m={m}: rel err {err:.1e}")
+                                continue
+                            note(label, lambda fn=fn, v=v: fn(x, *engine_w(), group, *v), (kind, v))
+                        except Exception as e:  # noqa: BLE001
+                            check(False, f"int4 {label} {name} m={m}: {type(e).__name__}: {str(e)[:300]}")
+            ranked = sorted(((v, lab) for lab, v in r.items()), key=lambda t: t[0])
+            frac = (lambda ms: f" ({floor_ms / ms:.0%} of copy bw)") if floor_ms and m == 1 else (lambda ms: "")
+            print(f"  {sec} {name} {n}x{k}: bf16 {r.get('bf16', 0) * 1000:.1f} us, engine {r.get('engine', 0) * 1000:.1f}"
+                  f"{frac(r['engine']) if 'engine' in r else ''}; best: " +
+                  "; ".join(f"{lab} {v * 1000:.1f}{frac(v)}" for v, lab in ranked[:5]), flush=True)
+        del w, wt, wd, ref_w, bf16_w, int4_w, engine_w
+        if cuda:
+            torch.cuda.empty_cache()
+    summary: dict = {}
+    for m in rows_list:
+        sec = f"m{m}"
+        per = {nm: rec.get(f"{sec}/{nm}", {}) for nm in shapes}
+        if not all(per.values()):
+            continue
+        tot = {key: sum(per[nm].get(key, float("nan")) for nm in shapes) * 1000 for key in ("bf16", "engine")}
+        tot["best_each"] = sum(best[(sec, nm)][0] for nm in shapes if (sec, nm) in best) * 1000
+        summary[sec] = tot
+        print(f"  INT4SWEEP {sec}: the layer's four linears: bf16 {tot['bf16']:.0f} us, engine {tot['engine']:.0f}, "
+              f"best each {tot['best_each']:.0f} ({tot['best_each'] / tot['bf16']:.2f}x bf16)", flush=True)
+    for (sec, nm), (ms, label, v) in sorted(best.items()):
+        n, k = shapes[nm]
+        if sec == "m1":
+            print(f"  TABLE ({n}, {k}): PrefetchGemv({v.panel}, mode={v.mode}, block_k={v.block_k}, split={v.split}, "
+                  f"warps={v.warps}, prefetch={v.prefetch}, stages={v.stages}),  # {ms * 1000:.1f} us", flush=True)
+        else:
+            print(f"  BEST {sec} {nm}: {label} {ms * 1000:.1f} us", flush=True)
+    results["int4sweep_summary_us"] = summary
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--precompile":
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        os.environ["TRITON_INTERPRET"] = "0"
+        precompile_shard(sys.argv[2])

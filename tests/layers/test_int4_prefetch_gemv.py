@@ -1,0 +1,156 @@
+"""The register-prefetched INT4 GEMV (`triton_int4_prefetch_gemv`) under TRITON_INTERPRET=1 against
+a float64 torch reference: each arithmetic mode, prefetch depth (and the cp.async variant), panel
+width, K step and split-K (one-shot sum of the partials; counters come back zeroed), float32
+and float16 activations, large activations; `int4_matmul` sends one row to it when the table
+names the shape; the launches it refuses.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from tests.helpers.requirements import require_module
+from tokenmill.layers.quantization import int4_packing as packing
+
+require_module("triton")  # skipped on a machine without it; in CI, missing fails
+
+
+def _case(n=128, k=512, group=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = packing.quantize_int4(torch.randn(n, k, generator=g), group, sym=False)
+    codes.scales = codes.scales.half().float()
+    return packing.from_codes(codes, torch.float32, act_order=False)
+
+
+# (mode, panel, block_k, split, prefetch); mode 4 is the fp16x2 arithmetic (~1e-3 relative)
+CASES = [(0, 32, 64, 1, 1), (3, 64, 32, 4, 2), (3, 32, 64, 2, 0), (4, 128, 64, 2, 1), (4, 32, 32, 1, 2),
+         (3, 128, 64, 8, 1), (0, 64, 64, 2, 2), (5, 64, 64, 4, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mode,panel,block_k,split,prefetch", CASES)
+def test_prefetch_gemv_matches_reference(mode, panel, block_k, split, prefetch, dtype):
+    from tokenmill.layers.quantization.triton_int4_prefetch_gemv import PrefetchGemv, prefetch_gemv
+
+    wt = _case()
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+    counters = torch.zeros(8, dtype=torch.int32)
+    c = PrefetchGemv(panel, mode, block_k, split, 4, prefetch, stages=2)
+    for _ in range(2):  # a second call reuses the counters
+        out = prefetch_gemv(x, packing.to_panels(wt.qweight, panel), wt.scales.to(dtype), wt.zeros.to(dtype), 64, c,
+                            counters)
+        assert out.dtype == dtype and out.shape == (1, 128)
+        tol = {0: 1e-5, 3: 1e-4, 4: 5e-3, 5: 5e-3}[mode] if dtype == torch.float32 else 2e-2
+        assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item()
+        assert not counters.any(), "split-K counters must be reset for the next call"
+
+
+def test_prefetch_gemv_half_mode_survives_large_activations():
+    """fp16 overflows at 65504: mode 4 scales each row of 8 x values by a power of two first."""
+    from tokenmill.layers.quantization.triton_int4_prefetch_gemv import PrefetchGemv, prefetch_gemv
+
+    wt = _case()
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(2)) * 1e3
+    x[0, 5] = 3e5  # one outlier channel, far past fp16's range
+    ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+    for mode in (3, 4, 5):
+        out = prefetch_gemv(x, packing.to_panels(wt.qweight, 64), wt.scales, wt.zeros, 64, PrefetchGemv(64, mode, 64))
+        assert torch.isfinite(out).all()
+        assert (out.double() - ref).abs().max().item() < 5e-3 * ref.abs().max().item(), mode
+
+
+def test_prefetch_gemv_refuses_bad_launches():
+    from tokenmill.layers.quantization.triton_int4_prefetch_gemv import PrefetchGemv, prefetch_gemv
+
+    wt = _case()
+    qp = packing.to_panels(wt.qweight, 64)
+    x = torch.randn(1, 512)
+    with pytest.raises(ValueError, match="one row"):
+        prefetch_gemv(torch.randn(2, 512), qp, wt.scales, wt.zeros, 64, PrefetchGemv(64))
+    with pytest.raises(ValueError, match="do not fit"):  # a K tile would straddle two groups
+        prefetch_gemv(x, qp, wt.scales, wt.zeros, 64, PrefetchGemv(64, block_k=128))
+    with pytest.raises(ValueError, match="do not fit"):  # 3 does not divide the 8 K tiles
+        prefetch_gemv(x, qp, wt.scales, wt.zeros, 64, PrefetchGemv(64, block_k=64, split=3))
+    with pytest.raises(ValueError, match="counters"):
+        prefetch_gemv(x, qp, wt.scales, wt.zeros, 64, PrefetchGemv(64, block_k=64, split=2))
+
+
+def test_int4_matmul_takes_the_prefetch_gemv_for_a_listed_shape(monkeypatch):
+    from tokenmill.layers.quantization import triton_int4, triton_int4_gemv
+    from tokenmill.layers.quantization import triton_int4_prefetch_gemv as pg
+
+    wt = _case()
+    c = pg.PrefetchGemv(32, mode=3, block_k=64, split=2, prefetch=2)
+    monkeypatch.setattr(pg, "TABLE", {(128, 512): c})
+    monkeypatch.setattr(triton_int4_gemv, "int4_gemv", lambda *a: pytest.fail("the older GEMV ran"))
+    seen = []
+    real = pg.prefetch_gemv
+    monkeypatch.setattr(pg, "prefetch_gemv", lambda *a: seen.append(a[5]) or real(*a))
+    qp = packing.to_panels(wt.qweight, 32)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(4))
+    out = triton_int4.int4_matmul(x, qp, wt.scales, wt.zeros, None, 64, torch.zeros(16, dtype=torch.int32))
+    assert seen == [c]
+    ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+    assert (out.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+
+
+def test_panel_width_at_load_follows_the_table(monkeypatch):
+    from tokenmill.layers.quantization import int4
+    from tokenmill.layers.quantization import triton_int4_prefetch_gemv as pg
+
+    monkeypatch.setattr(pg, "TABLE", {(128, 512): pg.PrefetchGemv(32, block_k=64)})
+    assert int4.gemv_panel(128, 512, 64) == 32
+    assert int4.gemv_panel(128, 512, 32) != 32  # K tiles of 64 would straddle groups of 32: the older GEMV's
+
+
+@pytest.mark.parametrize("panel", [0, 32])
+@pytest.mark.parametrize("dtype,deq", [(torch.float32, 0), (torch.float16, 1), (torch.float16, 0)])
+def test_fused_gemm_matches_reference(panel, dtype, deq):
+    """The fused dequantize + tl.dot GEMM (`triton_int4_fused_gemm`), words and panels; rows not a
+    multiple of the tile; fp16 dequantizes through 1024 + q in the fp16 mantissa (deq 1)."""
+    from tokenmill.layers.quantization.triton_int4_fused_gemm import int4_fused_gemm
+
+    wt = _case(n=96, k=256)
+    q = packing.to_panels(wt.qweight, panel) if panel else wt.qweight
+    x = torch.randn(37, 256, generator=torch.Generator().manual_seed(7)).to(dtype)
+    ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    counters = torch.zeros(16, dtype=torch.int32)
+    for tiles, split in (((32, 32, 32, 4, 1), 1), ((64, 64, 64, 4, 2), 1), ((32, 32, 32, 4, 1), 3)):
+        out = int4_fused_gemm(x, q, wt.scales.to(dtype), wt.zeros.to(dtype), 64, *tiles, deq=deq, split=split,
+                              counters=counters)
+        assert out.dtype == dtype and out.shape == (37, 96)
+        assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item(), tiles
+        assert not counters.any(), "split-K counters must be reset for the next call"
+    x64 = torch.randn(64, 256, generator=torch.Generator().manual_seed(8)).to(dtype)  # whole row tiles: unmasked
+    ref64 = x64.double() @ packing.dequantize(wt, 64, torch.float64)
+    out = int4_fused_gemm(x64, q, wt.scales.to(dtype), wt.zeros.to(dtype), 64, 32, 32, 32, 4, 1, deq=deq)
+    assert (out.double() - ref64).abs().max().item() < tol * ref64.abs().max().item()
+
+
+def test_int4_matmul_takes_the_fused_gemm_from_its_rows(monkeypatch):
+    """FUSED_ROWS / FUSED_SHAPES say from which rows the fused GEMM runs (None: the other paths)."""
+    from tokenmill.layers.quantization import triton_int4
+    from tokenmill.layers.quantization import triton_int4_fused_gemm as fg
+
+    wt = _case(n=96, k=256)
+    seen = []
+    real = fg.int4_fused_gemm
+    monkeypatch.setattr(fg, "int4_fused_gemm", lambda *a, **kw: seen.append(a[5:]) or real(*a, **kw))
+    monkeypatch.setattr(fg, "FUSED_ROWS", ((8, (32, 32, 32, 4, 1, 1, 1)), (40, None)))
+    monkeypatch.setattr(fg, "FUSED_SHAPES", {(96, 256): ((4, (16, 32, 32, 4, 1, 1, 2)),)})
+    for m, n_seen in ((3, 0), (6, 1)):  # the shape's own list: from 4 rows
+        x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m))
+        out = triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, None, 64, torch.zeros(64, dtype=torch.int32))
+        ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+        assert (out.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+        assert len(seen) == n_seen
+    assert seen[-1] == (16, 32, 32, 4, 1, 1, 2)
+    monkeypatch.setattr(fg, "FUSED_SHAPES", {})
+    assert fg.fused_tiles(10) == (32, 32, 32, 4, 1, 1, 1) and fg.fused_tiles(50) is None and fg.fused_tiles(7) is None
