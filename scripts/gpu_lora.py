@@ -3,7 +3,7 @@ model in the same run. Prints a table per part, writes $OUT/gpu_lora.json and $O
 (default ./gpu-out; rewritten after every part, so a run cut short keeps what it measured), exits 1
 on a failed check.
 
-Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1):
+Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1; also profile):
   micro   the Triton shrink + expand of one projection on Llama-3.1-8B shapes (qkv 4096->6144,
           o 4096->4096, gate_up 4096->28672, down 14336->4096), rank 16, 64 slots, at 1, 16, 64,
           256 and 8192 tokens with 1, 8 and 64 adapters mixed uniformly: checked against the torch
@@ -21,12 +21,17 @@ Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1):
           in one batch vs HF + PEFT greedy; again with one slot (eviction and reload mid-run)
   engine  Llama-3.1-8B shape, dummy weights, CUDA graphs on, rank-16 adapters on all seven
           projections: N prompts x 512 in x 256 out (N = --prompts, 1000 by default: the issue's
-          shape), the base engine vs the LoRA engine (max_loras=64) with 1, 8 and 64 adapters mixed
-          uniformly; goals 0.90x, 0.85x, 0.80x the base's output tok/s
+          shape), the base engine and the LoRA engine (max_loras=64) alive together: rounds of a
+          base run and a 1-adapter run alternated (at least 2; the median round's ratio, every
+          round and the spread reported), 8 and 64 adapters mixed uniformly against the median base;
+          base requests in the LoRA engine against base-engine runs alternated with them; goals
+          0.90x, 0.85x, 0.80x the base's output tok/s (`scripts/lora_engines.py`)
   batch1  one prompt, 512 in x 256 out: ms per output token, base engine vs an adapter (goal <= 1.10x),
-          3 runs each (the LoRA engine's alternating adapter and base requests), the best of each
+          3 runs each alternated with a base request in the LoRA engine, the medians
+  profile torch.profiler over a prefill step (16 x 512 tokens) and 256-row decode steps: base engine,
+          1 adapter, base requests in the LoRA engine, prefill variants (`scripts/lora_profile.py`)
   Every configuration of an engine is warmed (a short run of its mix) before the first timing;
-  the 1-adapter mix is timed first and again last (--engine-repeats): its ratio is the runs' mean.
+  every timed run has prompts of its own (no prefix-cache hits between runs).
 
     python scripts/gpu_lora.py                      # everything, on an H100 (under 8 minutes)
     python scripts/gpu_lora.py --parts micro
@@ -57,6 +62,7 @@ from scripts.device_check import SHAPES, config_dir  # noqa: E402
 from tokenmill.benchmarks.throughput import make_prompts, summarize  # noqa: E402
 
 OUT = os.environ.get("OUT", os.path.join(os.getcwd(), "gpu-out"))
+START = time.perf_counter()
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GOALS = {1: 0.90, 8: 0.85, 64: 0.80}
 BATCH1_GOAL = 1.10
@@ -276,11 +282,38 @@ LAYER_VARIANTS = {
     "tiles_eager": (True, None, "normal", dict(DENSE_MIN_TOKENS=1 << 30, host=True)),  # the same without it
     "dense_sink_all": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, SINK_OVERLAP_MAX_TOKENS=1 << 30)),
     "nofuse": (True, None, "normal", dict(fuse=False)),
+    # the dense path adding its delta into y after the base GEMM (before DENSE_FUSED)
+    "dense_add": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, DENSE_FUSED=False)),
+    # gate_up's delta through the expand fused with the activation (the others under the GEMM)
+    "dense_silu": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, DENSE_FUSED_SILU=False)),
+    "dense_silu256": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, DENSE_FUSED_SILU=False,
+                                                 SILU_TILE_BLOCK_N=256)),
+    # the dense path at decode-like sizes (eager mixed steps of a few hundred tokens)
+    "dense256": (True, None, "normal", dict(DENSE_MIN_TOKENS=128, host=True)),
+    # wider column blocks of the tile expands (fewer, longer programs)
+    "silu128": (True, None, "normal", dict(SILU_TILE_BLOCK_N=128)),
+    "silu256": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256)),
+    "exp256": (True, None, "normal", dict(EXPAND_TILE_BLOCK_N=256)),
+    "exp128": (True, None, "normal", dict(EXPAND_TILE_BLOCK_N_SMALL=128)),  # (before: 128 at every size)
+    # fewer K splits of the tile shrinks (beside the GEMM in captured steps): fewer planes for the
+    # expands on the critical path to sum
+    "splits2": (True, None, "normal", dict(_TILES_MAX_SPLITS=2)),
+    "splits4": (True, None, "normal", dict(_TILES_MAX_SPLITS=4)),
+    # qkv's and gate_up's whole LoRA beside their GEMM into a buffer of its own, then one add
+    "delta_beside": (True, None, "normal", dict(DELTA_BESIDE=True)),
+    "shrink_only": (True, None, "normal", dict(DELTA_BESIDE=False)),  # only the shrinks beside (before)
+    "delta_combo": (True, None, "normal", dict(DELTA_BESIDE=True, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
+                                               EXPAND_TILE_BLOCK_N=256)),
+    "combo": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0)),
+    "combo_exp": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
+                                             EXPAND_TILE_BLOCK_N=256)),
 }
 LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
-                    "OVERLAP_MAX_TOKENS"}
+                    "OVERLAP_MAX_TOKENS", "DENSE_FUSED", "DENSE_FUSED_SILU", "DELTA_BESIDE"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
-TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled"}
+TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
+              "silu128", "silu256", "exp256", "splits2", "splits4", "combo", "combo_exp", "delta_beside",
+              "delta_combo", "shrink_only", "exp128"}
 
 
 def layer(results, args) -> None:
@@ -290,7 +323,10 @@ def layer(results, args) -> None:
     runs it (its per-step plan inside the graph, o's and down's deltas into the stream) or without;
     per layer us. Variants: the side stream off, the deltas into y (no sink), the sink's LoRA beside
     its GEMM at every size, every slot -1 (the cost of the LoRA engine for base requests), the tile knobs."""
+    from types import SimpleNamespace
+
     from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.linear import UNQUANTIZED
     from tokenmill.layers.lora import lora_layer, triton_lora
     from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots
 
@@ -328,6 +364,8 @@ def layer(results, args) -> None:
         for name, k, parts in (("qkv", h_size, [q, kv, kv]), ("o", q, [h_size]), ("gate_up", h_size, [inter, inter]),
                                ("down", inter, [h_size])):
             slots = LoRASlots(batch, num_slots, rank, k, parts, dtype, device)
+            # (the projection as the engine's: a plain GEMM of this weight, `LoRASlots._plain_weight`)
+            slots.layer = SimpleNamespace(weight=w[name], bias=None, quant_method=UNQUANTIZED)
             slots.a.copy_(rnd(*slots.a.shape, scale=k ** -0.5))
             slots.b.copy_(rnd(*slots.b.shape, scale=0.02))
             w["l_" + name] = slots
@@ -419,7 +457,7 @@ def layer(results, args) -> None:
     rows = []
     for tokens in token_counts:
         h0 = rnd(tokens, h_size, scale=1.0)
-        for adapters in (1, 8, 64) if not SMOKE else (1, 3):
+        for adapters in [int(a) for a in args.layer_adapters.split(",")] if not SMOKE else (1, 3):
             if adapters > 1 and (tokens < 2 * adapters or tokens == 1):
                 continue
             if tokens > 1024 and adapters == 8:
@@ -432,13 +470,14 @@ def layer(results, args) -> None:
                     continue
                 if tokens > 1024 and adapters > 1 and variant not in ("engine", "nosink", "sink_all"):
                     continue  # (prefill sizes: the knobs of one adapter)
+                beside_only = variant.startswith("delta") or variant == "shrink_only"  # (captured steps <= 256)
                 if (tokens > 16 and variant in DECODE_ONLY) or (tokens <= 16 and variant in TILES_ONLY) or \
-                        (tokens > 512 and variant.startswith("rows")):
+                        (tokens > 512 and variant.startswith("rows")) or (tokens > 256 and beside_only):
                     continue  # (rowsN: the tiles of steps up to 512 tokens)
                 knobs = dict(knobs or {})
                 fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
                 host = mix.cpu().numpy() if knobs.pop("host", False) else None  # (the step's slots known)
-                if host is not None and (tokens <= 512 or adapters > 1):
+                if host is not None and (tokens < min(knobs.get("DENSE_MIN_TOKENS", 512), 513) or adapters > 1):
                     continue  # (one adapter's large steps only)
                 owner = {k: lora_layer if k in LORA_LAYER_KNOBS else triton_lora for k in knobs}
                 saved = {k: getattr(owner[k], k) for k in knobs}
@@ -456,7 +495,8 @@ def layer(results, args) -> None:
                         return out
 
                     want = body()  # eager: the sinks' LoRA in stream order
-                    if variant in ("engine", "sink_all") and not SMOKE:  # a replay (side stream) computes the same
+                    if variant in ("engine", "sink_all", "delta_beside", "delta_combo") and not SMOKE:
+                        # a replay (side stream) computes the same
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph):
                             got = body()
@@ -521,6 +561,7 @@ def tiny(results: dict, args) -> None:
     runs = {"graphs": dict(max_loras=3), "one_slot": dict(max_loras=1, max_cpu_loras=1)}
     if not SMOKE:
         runs["eager"] = dict(max_loras=3, enforce_eager=True)
+    runs = {k: v for k, v in runs.items() if k in args.tiny_runs.split(",")}
     rows = {}
     for label, extra in runs.items():
         engine = dict(dtype="float32", enable_lora=True, max_lora_rank=16, **extra)
@@ -529,11 +570,11 @@ def tiny(results: dict, args) -> None:
         else:
             engine.update(gpu_memory_utilization=0.3, max_model_len=256)
         with LLM(path, **engine) as llm:
-            # Batch 1 first (each prefill alone: the prompt-chunk graphs, one row's slot per token),
-            # then everything mixed in one batch.
-            solo = [1, 2, 3]
+            # Batch 1 first (each prefill alone: the prompt-chunk graphs, one row's slot per token;
+            # the base request alone: the graphs captured without LoRA), then everything mixed.
+            solo = [0, 1, 2, 3]
             outs = [llm.generate([{"prompt_token_ids": prompts[i]}], params, use_tqdm=False,
-                                 lora_request=loras[names[i]])[0] for i in solo]
+                                 lora_request=loras.get(names[i]))[0] for i in solo]
             outs += llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                  lora_request=[None if n is None else loras[n] for n in names])
         exact, notes = 0, []
@@ -581,8 +622,10 @@ def write_adapter(path: str, shape: dict, rank: int, seed: int, dtype=torch.bflo
 
 
 def engines(results: dict, args, parts: set[str]) -> None:
+    """The base engine and the LoRA engine alive together, runs alternated (`scripts/lora_engines.py`)."""
     from transformers import AutoTokenizer
 
+    from scripts import lora_engines as le
     from tokenmill import LLM, SamplingParams
     from tokenmill.lora.request import LoRARequest
 
@@ -595,6 +638,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
         shape_name = "lora-smoke"
     path = config_dir(shape_name)
     num, inp, out = (12, 32, 8) if SMOKE else (args.prompts, 512, 256)
+    base_num = 6 if SMOKE else args.base_in_lora_prompts
     if not SMOKE and num != 1000:
         print(f"  NOTE: {num} prompts (the issue's shape is 1000 x 512 x 256)")
     counts = (1, 4) if SMOKE else tuple(int(c) for c in args.engine_adapters.split(","))
@@ -606,124 +650,199 @@ def engines(results: dict, args, parts: set[str]) -> None:
     folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(4, used))]
     print(f"  wrote {len(folders)} rank-16 adapter folders in {time.perf_counter() - start:.1f} s")
     loras = [LoRARequest(f"adapter{i}", i + 1, folders[i % len(folders)]) for i in range(max_loras)]
-    prompts = [{"prompt_token_ids": p} for p in
-               make_prompts(AutoTokenizer.from_pretrained(path), "random", num, inp, shape["vocab_size"])]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+
+    def prompts_of(n: int, seed: int) -> list[dict]:  # fresh prompts per run: no prefix-cache hits
+        return [{"prompt_token_ids": p} for p in make_prompts(tokenizer, "random", n, inp, shape["vocab_size"], seed)]
     params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, detokenize=False)
-    one_params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, detokenize=False)
-    one_prompt = [prompts[0]]
     common = dict(load_format="dummy", dtype="float32" if SMOKE else "bfloat16", max_model_len=inp + out + 16)
     if SMOKE:
         common.update(single_process=True, kv_cache_memory_gb=0.05)
-    figures: dict = results.setdefault("engine", {})
-
-    def timed(llm, lora_request, label: str, batch=prompts, p=params) -> dict:
-        """One timed run; a label timed again keeps every run (`runs`) and reports the best."""
-        t0 = time.perf_counter()
-        outs = llm.generate(batch, p, use_tqdm=False, lora_request=lora_request)
-        f = summarize(outs, time.perf_counter() - t0, inp)
-        runs = figures.get(label, {}).get("runs", []) + [f["output_tokens_per_s"]]
-        best = f if label not in figures or f["output_tokens_per_s"] > figures[label]["output_tokens_per_s"] \
-            else figures[label]
-        figures[label] = dict(best, runs=runs)
-        print(f"  {label:28} {f['output_tokens_per_s']:10.1f} out tok/s  tpot {f['tpot_ms_mean']:.2f} ms  "
-              f"({f['elapsed_s']:.1f} s)", flush=True)
-        return f
-
-    # Warm-up of every configuration before any timing: the step sizes of the timed runs (the
-    # prompt chunks mixed with decodes) compile their Triton specializations here, not inside
-    # the first timed run that meets them (an earlier run's 1-adapter figure paid for them).
-    warm_batch = prompts[:min(num, 128)]
+    # Both engines alive at once: the base engine takes 0.45 of the device; the LoRA engine, started
+    # second, sizes its KV pool to 0.9 of the device less what the base engine holds (the KV budget
+    # counts other processes' memory), so each gets about half (both hold 256 rows of 784 tokens).
+    share = {} if SMOKE else {"gpu_memory_utilization": 0.45}
+    second = {} if SMOKE else {"gpu_memory_utilization": 0.9}
+    bench = le.Bench(prompts_of, summarize, params, inp, args.budget, START)
+    results["engine"] = bench.figures
+    mixes = {count: [loras[i % count] for i in range(num)] for count in counts}
     warm_params = SamplingParams(temperature=0.0, max_tokens=min(out, 16), ignore_eos=True, detokenize=False)
 
-    def warm(llm, lora_request, batch=warm_batch) -> None:
-        llm.generate(batch, warm_params, use_tqdm=False, lora_request=lora_request)
+    def warm(llm, lora_request, n=min(num, 128)) -> None:
+        """A short run of a configuration's mix: its step sizes compile and settle before any timing."""
+        llm.generate(prompts_of(n, 7), warm_params, use_tqdm=False, lora_request=lora_request)
 
-    start = time.perf_counter()
-    with LLM(path, **common) as llm:  # the base model: no LoRA anywhere
-        print(f"  base engine up in {time.perf_counter() - start:.1f} s", flush=True)
-        if "engine" in parts:
-            warm(llm, None)
-        if "batch1" in parts:
-            warm(llm, None, one_prompt)
-            for _ in range(3):
-                timed(llm, None, "batch1_base", one_prompt, one_params)
-        if "engine" in parts:
-            timed(llm, None, "base")
-    save(results)
     try:  # a failure here still leaves the table of what was measured (and fails the run)
         start = time.perf_counter()
-        with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
-                 **common) as llm:
-            print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s", flush=True)
-            # Every adapter read into host memory and a device slot once, before timing (as a server
-            # that was given them with --lora-modules would have them after its first requests).
+        with LLM(path, **common, **share) as base_llm:
+            print(f"  base engine up in {time.perf_counter() - start:.1f} s", flush=True)
             start = time.perf_counter()
-            llm.generate([prompts[0]] * used, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras[:used])
-            print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s")
-            mixes = {count: [loras[i % count] for i in range(num)] for count in counts}
-            start = time.perf_counter()
-            if "engine" in parts:
-                for count in counts:
-                    warm(llm, mixes[count][:len(warm_batch)])
-                warm(llm, None)
-            if "batch1" in parts:
-                warm(llm, loras[0], one_prompt)
-                warm(llm, None, one_prompt)
-            print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
-            if "batch1" in parts:  # alternated: adapter, base request, adapter, ...
-                for _ in range(3):
-                    timed(llm, loras[0], "batch1_lora", one_prompt, one_params)
-                    timed(llm, None, "batch1_base_in_lora_engine", one_prompt, one_params)
-            if "engine" in parts:
-                # 1 adapter both first and last (after 8, 64 and base requests): its figure is the
-                # better of two runs apart, not the luck of one place in the order
-                for count in list(counts) + [counts[0]] * (args.engine_repeats - 1):
-                    timed(llm, mixes[count], f"lora_{count}_adapters")
-                    if count == counts[-1]:
-                        timed(llm, None, "base_in_lora_engine")
+            with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
+                     **common, **second) as lora_llm:
+                print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s", flush=True)
+                # Every adapter read into host memory and a device slot once, before timing (as a
+                # server given them with --lora-modules has them after its first requests).
+                start = time.perf_counter()
+                lora_llm.generate(prompts_of(used, 3), SamplingParams(max_tokens=1), use_tqdm=False,
+                                  lora_request=loras[:used])
+                print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s")
+                start = time.perf_counter()
+                if "batch1" in parts:
+                    warm(base_llm, None, 1)
+                    warm(lora_llm, loras[0], 1)
+                    warm(lora_llm, None, 1)
+                if "engine" in parts:
+                    warm(base_llm, None)
+                    for count in counts:
+                        warm(lora_llm, mixes[count][:min(num, 128)])
+                    warm(lora_llm, None)
+                print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
+                if "batch1" in parts:  # alternated: base engine, adapter, base request in the LoRA engine
+                    for _ in range(le.BATCH1_RUNS):
+                        bench.run(base_llm, None, "batch1_base", 1, kind="b1")
+                        bench.run(lora_llm, loras[0], "batch1_lora", 1, kind="b1")
+                        bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
+                if "engine" in parts:
+                    def round_(r: int) -> None:  # base and 1 adapter, one after the other
+                        bench.run(base_llm, None, "base", num, kind="base")
+                        bench.run(lora_llm, mixes[counts[0]], f"lora_{counts[0]}_adapters", num, kind="lora")
+                    for r in range(2):
+                        round_(r)
+                    for count in counts[1:]:
+                        bench.run(lora_llm, mixes[count], f"lora_{count}_adapters", num, kind="lora")
+                    # base requests: LoRA engine vs base engine, alternated (a smaller run of the workload)
+                    if bench.fits("base", "base", scale=1.3 * base_num / num):
+                        bench.run(base_llm, None, "base_paired", base_num, kind="small")
+                        bench.run(lora_llm, None, "base_in_lora_engine", base_num, kind="small")
+                    for r in range(2, args.engine_repeats):  # more rounds while the budget allows
+                        if not bench.fits("base", "lora"):
+                            print(f"  (rounds {r + 1}.. left out: the {args.budget:.0f} s budget)")
+                            break
+                        round_(r)
     except Exception as exc:
         traceback.print_exc()
-        check(False, f"LoRA engine raised {type(exc).__name__}: {exc}"[:500])
-    lines = ["| run | out tok/s | x base | goal | | TPOT ms |", "|---|---|---|---|---|---|"]
-    base = figures.get("base")
-    if base:
-        print(f"  {'adapters':>8} {'out tok/s':>10} {'x base':>7} {'goal':>6}")
-        lines.append(f"| base ({num} x {inp} x {out}) | {base['output_tokens_per_s']:.1f} | 1 | | | "
-                     f"{base['tpot_ms_mean']:.2f} |")
-        for count in counts:
-            f = figures.get(f"lora_{count}_adapters")
-            if f is None:  # that run did not finish: the table keeps the others
+        check(False, f"engines raised {type(exc).__name__}: {exc}"[:500])
+    lines = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results)
+    MARKDOWN[f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}, "
+             f"base and LoRA engines alive together, runs alternated"] = lines
+
+
+# ---------------------------------------------------------------- profile: where a step's time goes
+
+PROFILE_PREFILL_VARIANTS = {"lora_1_dense_add": dict(DENSE_FUSED=False),
+                            "lora_1_dense_silu": dict(DENSE_FUSED_SILU=False),
+                            "lora_1_tiles": dict(DENSE_MIN_TOKENS=1 << 30)}
+
+
+def profile(results: dict, args) -> None:
+    """torch.profiler over a prefill step (16 x 512 tokens, eager) and 256-row decode steps (graph
+    replays) of the base engine and the LoRA engine (1 adapter; base requests), Llama-3.1-8B shape
+    (`scripts/lora_profile.py`); per-group device time, launches, the side stream's overlap."""
+    import gzip
+
+    from scripts import lora_profile as lp
+    from tokenmill import LLM
+    from tokenmill.layers.lora import lora_layer
+    from tokenmill.benchmarks.throughput import make_prompts as mk
+    from tokenmill.lora.request import LoRARequest
+
+    # The analysis on a synthetic trace: two streams, a LoRA kernel half beside a GEMM.
+    synthetic = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "sm90_gemm", "ts": 0, "dur": 10, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "_shrink_tiles_kernel", "ts": 5, "dur": 10, "args": {"stream": 9}},
+        {"ph": "X", "cat": "kernel", "name": "_expand_tiles_kernel", "ts": 20, "dur": 4, "args": {"stream": 7}}]}
+    a = lp.analyze(lp.device_events(synthetic), 1)
+    check(abs(a["busy_us"] - 19) < 1e-9 and abs(a["lora_beside_us"] - 5) < 1e-9 and abs(a["lora_exposed_us"] - 9) < 1e-9
+          and a["groups"]["lora_shrink"]["launches"] == 1 and a["span_us"] == 24,
+          f"profile analysis of a synthetic trace: busy {a['busy_us']}, beside {a['lora_beside_us']}, "
+          f"exposed {a['lora_exposed_us']}, span {a['span_us']}")
+    shape_name = "llama8b"
+    shape = dict(SHAPES[shape_name])
+    rows, chunk, steps = 256, 8192, 4
+    if SMOKE:
+        shape.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, vocab_size=512)
+        SHAPES["lora-smoke"] = shape
+        shape_name = "lora-smoke"
+        rows, chunk, steps = 8, 1024, 2
+    path = config_dir(shape_name)
+    adapter = write_adapter(tempfile.mkdtemp(prefix="lora-prof-"), shape, 16, 0)
+    lora = LoRARequest("adapter0", 1, adapter)
+    serial = [0]
+
+    def prompts_for(kind, n, length):  # fresh prompts every call (no prefix-cache hits)
+        serial[0] += 1
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+        return [{"prompt_token_ids": p} for p in mk(tok, "random", n, length, shape["vocab_size"], seed=serial[0])]
+
+    common = dict(load_format="dummy", dtype="float32" if SMOKE else "bfloat16", max_model_len=512 + 32,
+                  single_process=True, enable_prefix_caching=False)
+    common.update(kv_cache_memory_gb=0.05) if SMOKE else common.update(gpu_memory_utilization=0.45)
+    windows: dict = {}
+    cuda = not SMOKE
+    start = time.perf_counter()
+    with lp.StepWindows(cuda) as win:
+        with LLM(path, **common) as llm:
+            print(f"  base engine up in {time.perf_counter() - start:.1f} s", flush=True)
+            lp.run_windows(llm, win, prompts_for, lambda n: None, "warm", rows, chunk, steps)
+            windows["base"] = lp.run_windows(llm, win, prompts_for, lambda n: None, "base", rows, chunk, steps)
+            del llm
+        if cuda:  # (the base engine's memory back before the LoRA engine sizes its KV pool)
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
+            common.update(gpu_memory_utilization=0.85)
+        start = time.perf_counter()
+        with LLM(path, enable_lora=True, max_loras=4 if SMOKE else 64, max_lora_rank=16, **common) as llm:
+            print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s", flush=True)
+            one = lambda n: [lora] * n  # noqa: E731
+            lp.run_windows(llm, win, prompts_for, one, "warm", rows, chunk, steps)
+            lp.run_windows(llm, win, prompts_for, lambda n: None, "warm", rows, chunk, steps)
+            windows["lora_1"] = lp.run_windows(llm, win, prompts_for, one, "lora_1", rows, chunk, steps)
+            windows["lora_engine_base_requests"] = lp.run_windows(llm, win, prompts_for, lambda n: None,
+                                                                  "lora_engine_base_requests", rows, chunk, steps)
+            # Prefill variants of one adapter (eager: knobs read per call): the delta added into y
+            # after the base GEMM (before `DENSE_FUSED`), and the tile kernels instead of cuBLAS.
+            for label, knobs in PROFILE_PREFILL_VARIANTS.items():
+                saved = {k: getattr(lora_layer, k) for k in knobs}
+                try:
+                    for k, v in knobs.items():
+                        setattr(lora_layer, k, v)
+                    lp.run_windows(llm, win, prompts_for, one, "warm", rows, chunk, steps, kinds=("prefill",))
+                    windows[label] = lp.run_windows(llm, win, prompts_for, one, label, rows, chunk, steps,
+                                                    kinds=("prefill",))
+                finally:
+                    for k, v in saved.items():
+                        setattr(lora_layer, k, v)
+    del llm
+    if cuda:  # (this process's engines' memory back: a later part's engines size their KV pools)
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+    out: dict = {}
+    lines = []
+    for kind in ("prefill", "decode"):
+        base = None
+        for label, got in windows.items():
+            if kind not in got:
                 continue
-            # the mean of the mix's runs (1 adapter: first and last) over the base's
-            mean = sum(f["runs"]) / len(f["runs"])
-            ratio = mean / base["output_tokens_per_s"]
-            goal = GOALS.get(count, 0.8)
-            results[f"ratio_{count}_adapters"] = ratio
-            verdict = "met" if ratio >= goal else "MISSED"
-            runs = ", ".join(f"{v:.0f}" for v in f.get("runs", []))
-            print(f"  {count:8} {mean:10.1f} {ratio:7.3f} {goal:6.2f} {verdict}   "
-                  f"({mean:.0f} / base {base['output_tokens_per_s']:.0f} tok/s; runs {runs})")
-            lines.append(f"| {count} adapters (runs {runs}) | {mean:.1f} | {ratio:.3f} | >= {goal} | {verdict} | "
-                         f"{f['tpot_ms_mean']:.2f} |")
-        f = figures.get("base_in_lora_engine", base)
-        lines.append(f"| base requests, LoRA engine | {f['output_tokens_per_s']:.1f} | "
-                     f"{f['output_tokens_per_s'] / base['output_tokens_per_s']:.3f} | | | {f['tpot_ms_mean']:.2f} |")
-    if "batch1_base" in figures and "batch1_lora" in figures:
-        # ms per token: the best of each's runs (tok/s best = TPOT best for one prompt)
-        b0, b1 = figures["batch1_base"]["tpot_ms_mean"], figures["batch1_lora"]["tpot_ms_mean"]
-        ratio = b1 / b0
-        results["batch1_tpot_ratio"] = ratio
-        verdict = "met" if ratio <= BATCH1_GOAL else "MISSED"
-        inside = figures.get("batch1_base_in_lora_engine", {}).get("tpot_ms_mean", float("nan"))
-        print(f"  batch 1: {b0:.2f} ms/token base, {b1:.2f} with an adapter: {ratio:.3f}x "
-              f"(goal <= {BATCH1_GOAL}) {verdict}; a base request in the LoRA engine {inside:.2f} "
-              f"({b1 / inside:.3f}x of it)")
-        lines.append(f"| batch 1 base | | | | | {b0:.2f} |")
-        lines.append(f"| batch 1 adapter | | {ratio:.3f} (TPOT) | <= {BATCH1_GOAL} | {verdict} | {b1:.2f} |")
-        lines.append(f"| batch 1 base request, LoRA engine | | | | | "
-                     f"{figures.get('batch1_base_in_lora_engine', {}).get('tpot_ms_mean', float('nan')):.2f} |")
-    MARKDOWN[f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}"] = \
-        lines
+            trace, wall_ms, caught = got[kind]
+            a = lp.analyze(lp.device_events(trace, ("cpu_op",) if SMOKE else lp.DEVICE_CATS), caught)
+            a["wall_ms"] = wall_ms
+            a["host_launches"] = {k: v / max(caught, 1) for k, v in lp.host_launches(trace).items()}
+            out[f"{kind}/{label}"] = a
+            what = f"{kind} ({chunk} tokens, eager)" if kind == "prefill" else f"decode ({rows} rows, graphs)"
+            lines += lp.format_window(f"{what}, {label}", a, base, wall_ms)
+            base = base or a
+            with gzip.open(os.path.join(OUT, f"trace_{kind}_{label}.json.gz"), "wt") as f:
+                json.dump(trace, f)
+    results["profile"] = out
+    for line in lines:
+        print("  " + line)
+    with open(os.path.join(OUT, "profile_lora.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    MARKDOWN["profile: a prefill step and decode steps, base engine vs LoRA engine"] = lines
 
 
 def main() -> int:
@@ -733,13 +852,19 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (checks that the script runs)")
     ap.add_argument("--layer-tokens", default="1,16,64,256,8192", help="layer: the step sizes")
     ap.add_argument("--layer-variants", default=",".join(LAYER_VARIANTS), help="layer: the variants")
+    ap.add_argument("--layer-adapters", default="1,8,64", help="layer: the adapter mixes")
+    ap.add_argument("--tiny-runs", default="graphs,one_slot,eager", help="tiny: the engines checked")
     ap.add_argument("--engine-adapters", default="1,8,64", help="engine: the adapter mixes timed")
     ap.add_argument("--engine-repeats", type=int, default=2,
-                    help="engine: timed runs of the 1-adapter mix (the first before 8 and 64 adapters, "
-                         "the others after the base requests); the best is reported")
+                    help="engine: rounds of (base run, 1-adapter run), alternated; at least 2; rounds past the "
+                         "second run after the other mixes, while --budget allows; the median round is reported")
+    ap.add_argument("--base-in-lora-prompts", type=int, default=256,
+                    help="engine: prompts of the paired base-engine / LoRA-engine runs of base requests")
+    ap.add_argument("--budget", type=float, default=290.0,
+                    help="seconds from the start: optional engine runs that would end past it are left out")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    unknown = parts - {"micro", "layer", "tiny", "engine", "batch1"}
+    unknown = parts - {"micro", "layer", "tiny", "engine", "batch1", "profile"}
     if unknown:
         ap.error(f"unknown parts {sorted(unknown)}")
     os.makedirs(OUT, exist_ok=True)
@@ -747,7 +872,7 @@ def main() -> int:
                      "parts": sorted(parts)}
     start_all = time.perf_counter()
     # In the order --parts names them (engine and batch1 share their engines: one step).
-    named = {"micro": micro, "layer": layer, "tiny": tiny}
+    named = {"micro": micro, "layer": layer, "tiny": tiny, "profile": profile}
     steps = []
     for name in args.parts.split(","):
         if name in named:

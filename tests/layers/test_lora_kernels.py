@@ -65,6 +65,18 @@ def test_triton_shrink_expand_match_reference(num_tokens, k, shape):
     assert torch.equal(out[no_adapter], y[no_adapter])  # rows without an adapter are untouched
 
 
+@pytest.mark.parametrize("num_tokens,k", [(40, 40), (40, 300), (600, 72)])
+@pytest.mark.parametrize("shape", sorted(PARTS))
+def test_tile_expand_writes_the_delta_alone(num_tokens, k, shape):
+    """`lora_expand(add=False)`: y becomes the delta alone, every row written (zeros for tokens
+    without an adapter), whatever y held."""
+    x, a, b, token_slots, y, starts = _case(num_tokens, PARTS[shape], k=k)
+    plan = plan_step(token_slots, a.shape[0], {(a.shape[1], k)})
+    out = lora_expand(lora_shrink(x, a, plan), b, plan, torch.full_like(y, float("nan")), starts, add=False)
+    torch.testing.assert_close(out, lora_reference(x, a, b, starts, token_slots), atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[token_slots < 0], torch.zeros_like(out[token_slots < 0]))
+
+
 @pytest.mark.parametrize("num_tokens", [5, 40])
 def test_triton_float16(num_tokens):
     x, a, b, token_slots, y, starts = _case(num_tokens, PARTS["qkv"], k=200, seed=4, dtype=torch.float16)
@@ -281,6 +293,50 @@ def test_sink_gets_the_delta_and_y_stays_base(num_tokens, monkeypatch):
     torch.testing.assert_close(got + sink, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_mul_add_kernel(dtype):
+    """silu(gate + dg) * (up + du), the sums and the activation rounded as y + delta then
+    `SiluAndMul` would be."""
+    g = torch.Generator().manual_seed(31)
+    y, d = torch.randn(7, 2 * 600, generator=g).to(dtype), (torch.randn(7, 2 * 600, generator=g) * 0.3).to(dtype)
+    s = (y.float() + d.float()).to(dtype).float()
+    gate, up = s.chunk(2, dim=1)
+    want = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
+    got = triton_lora.silu_mul_add(y, d)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-3 if dtype == torch.float16 else 1e-5, rtol=1e-3)
+
+
+@pytest.mark.parametrize("num_tokens", [5, 40])
+def test_delta_beside_path_equals_cpu_path(num_tokens, monkeypatch):
+    """`DELTA_BESIDE` (tile-kernel steps with a side stream): qkv's and gate_up's deltas written
+    into a buffer of their own, then added to y (gate_up: then the activation) equal the CPU
+    path's; steps of the per-token kernels keep their path."""
+    monkeypatch.setattr(lora_layer, "DELTA_BESIDE", True)
+    g = torch.Generator().manual_seed(29)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    qkv = LoRASlots(batch, 3, 16, 40, [64, 32, 32], torch.float32, torch.device("cpu"))
+    gate_up = LoRASlots(batch, 3, 16, 40, [48, 48], torch.float32, torch.device("cpu"))
+    for slots in (qkv, gate_up):
+        for slot in range(3):
+            for part, size in enumerate(slots.part_starts[1:]):
+                width = size - slots.part_starts[part]
+                slots.set_slot(slot, part, torch.randn(8, 40, generator=g), torch.randn(width, 8, generator=g) * 0.3)
+    x = torch.randn(num_tokens, 40, generator=g)
+    y_qkv, y_gu = torch.randn(num_tokens, 128, generator=g), torch.randn(num_tokens, 96, generator=g)
+    token_slots = torch.tensor([(2, -1, 0, 1)[t % 4] for t in range(num_tokens)])
+    act = lambda t: torch.nn.functional.silu(t[:, :48]) * t[:, 48:]  # noqa: E731
+    batch.prepare(token_slots, token_slots.numpy())  # the CPU path
+    want_qkv, want_act = qkv.forward(x, lambda: y_qkv.clone()), gate_up.forward_silu_mul(x, lambda: y_gu.clone(), act)
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    tiles = num_tokens > triton_lora.ROWS_MAX_TOKENS
+    # (eager: the same kernels in stream order, no stream touched; the per-token path asks CUDA)
+    batch.side_stream = object() if tiles else None
+    assert qkv._delta_beside() == tiles
+    torch.testing.assert_close(qkv.forward(x, lambda: y_qkv.clone()), want_qkv, atol=1e-4, rtol=1e-4)
+    got = gate_up.forward_silu_mul(x, lambda: y_gu.clone(), act if tiles else None)
+    torch.testing.assert_close(got, want_act, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("parts", [[48, 48], [64, 32, 32], [80]])
 def test_dense_path_of_one_slot_steps(parts):
     """An eager step whose every token has one slot (`DENSE_MIN_TOKENS`: cuBLAS GEMMs on that
@@ -303,11 +359,54 @@ def test_dense_path_of_one_slot_steps(parts):
         torch.testing.assert_close(act, torch.nn.functional.silu(want[:, :48]) * want[:, 48:], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("parts", [[48, 48], [64, 32, 32], [80]])
+def test_dense_path_under_the_base_gemm(parts):
+    """With the projection's weight known (unquantized, no bias), a one-slot eager step computes the
+    delta first and the base GEMM on top of it (`_dense_under`): the base output plus the CPU
+    path's deltas; gate_up then takes the plain activation. A base() that adds more than the
+    layer's GEMM (plain=False) or a layer with a bias keeps the path that calls base()."""
+    from tokenmill.layers.linear import Linear
+    g = torch.Generator().manual_seed(23)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    slots = LoRASlots(batch, 3, 16, 40, parts, torch.float32, torch.device("cpu"))
+    for slot in range(3):
+        for part in range(len(parts)):
+            slots.set_slot(slot, part, torch.randn(8, 40, generator=g), torch.randn(parts[part], 8, generator=g))
+    layer = Linear(40, sum(parts), bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(sum(parts), 40, generator=g) * 0.2)
+    slots.layer = layer
+    x = torch.randn(40, 40, generator=g)
+    token_slots = torch.full((40,), 1)
+    batch.prepare(token_slots, token_slots.numpy())  # the CPU path
+    want = slots.forward(x, lambda: layer(x))
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    batch.dense_slot = 1  # (what `prepare` decides on CUDA)
+    calls = []
+
+    def base():
+        calls.append(1)
+        return layer(x)
+    torch.testing.assert_close(slots.forward(x, base), want, atol=1e-4, rtol=1e-4)
+    assert not calls  # the GEMM ran under the delta, not through base()
+    extra = torch.full((40, sum(parts)), 0.5)
+    got = slots.forward(x, lambda: layer(x) + extra, plain=False)  # e.g. the residual inside the GEMM
+    torch.testing.assert_close(got, want + extra, atol=1e-4, rtol=1e-4)
+    if len(parts) == 2:
+        act = slots.forward_silu_mul(x, base, lambda t: torch.nn.functional.silu(t[:, :48]) * t[:, 48:])
+        torch.testing.assert_close(act, torch.nn.functional.silu(want[:, :48]) * want[:, 48:], atol=1e-4, rtol=1e-4)
+        assert not calls
+    layer.bias = torch.nn.Parameter(torch.randn(sum(parts), generator=g))
+    torch.testing.assert_close(slots.forward(x, lambda: layer(x)), want + layer.bias.detach(), atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("knobs", [dict(SILU_TILE_BLOCK_N=128, EXPAND_TILE_BLOCK_N=256),
                                    dict(TILE_GRID_FACTOR=2.0, TILE_PROGRAMS_PER_SM=8, _TILES_MAX_SPLITS=32),
                                    dict(TILE_GRID_FACTOR=1.0, PLAN_KERNEL_MAX_TOKENS=0),
                                    dict(TILE_GRID_FACTOR=1.0), dict(TILE_ROWS_SMALL=64),
-                                   dict(TILE_SPLITS_UNROLL=True)])
+                                   dict(TILE_SPLITS_UNROLL=True),
+                                   dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
+                                        EXPAND_TILE_BLOCK_N=256)])
 def test_tile_knobs_keep_results(monkeypatch, knobs):
     """The tile kernels' tunables (gpu_lora.py's layer variants: wider blocks, more programs per
     tile group and splits, the compact grid whose programs loop over several tiles, the torch

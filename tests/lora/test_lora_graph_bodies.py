@@ -24,7 +24,16 @@ class _EagerReplay:
         self.counter[0] += 1
 
 
-def _decode_graphs(runner, query_len: int, counter: list[int]) -> DecodeGraphs:
+def _plain_body(graphs, size: int):
+    """A body as captured for `plain_graphs` (without LoRA)."""
+    graphs._plain = True
+    try:
+        return graphs._body(size)
+    finally:
+        graphs._plain = False
+
+
+def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: list[int]) -> DecodeGraphs:
     spec = runner.speculator
     graphs = DecodeGraphs(runner.model, runner.batch, runner.kv_caches, 8, runner.config.model.max_model_len,
                           runner.block_size, query_len=query_len, drafts=None if spec is None else spec.drafts,
@@ -32,18 +41,25 @@ def _decode_graphs(runner, query_len: int, counter: list[int]) -> DecodeGraphs:
 
     def body(size: int):
         graphs.logits[size] = graphs._body(size)
+
+    def plain(size: int):
+        graphs.logits[size] = _plain_body(graphs, size)
     graphs.graphs = {size: _EagerReplay(lambda size=size: body(size), counter) for size in graphs.sizes}
+    graphs.plain_graphs = {size: _EagerReplay(lambda size=size: plain(size), plain_counter) for size in graphs.sizes}
     with torch.inference_mode():  # as capture does first: the shared output buffer, of the largest size
         graphs._body(graphs.sizes[-1])
     return graphs
 
 
 def install_eager_graphs(llm) -> dict[str, list[int]]:
+    """Eager stand-ins for every graph family, each with its variant without LoRA (for steps
+    without adapters), counting replays of each."""
     runner = worker_runner(llm)
-    counts = {"decode": [0], "verify": [0], "prompt": [0]}
-    runner.graphs = _decode_graphs(runner, 1, counts["decode"])
+    counts = {k: [0] for k in ("decode", "verify", "prompt", "decode_plain", "verify_plain", "prompt_plain")}
+    runner.graphs = _decode_graphs(runner, 1, counts["decode"], counts["decode_plain"])
     if runner.speculator is not None:
-        runner.verify_graphs = _decode_graphs(runner, runner.speculator.k + 1, counts["verify"])
+        runner.verify_graphs = _decode_graphs(runner, runner.speculator.k + 1, counts["verify"],
+                                              counts["verify_plain"])
     prompt = PromptGraphs(runner.model, runner.batch, runner.kv_caches, runner.config.model.max_model_len,
                           runner.block_size, runner.config.scheduler.max_num_batched_tokens, lora=runner.lora)
     body = prompt._body
@@ -51,7 +67,16 @@ def install_eager_graphs(llm) -> dict[str, list[int]]:
     def counted(size: int):
         counts["prompt"][0] += 1
         return body(size)
+
+    def plain(size: int):  # (the body itself: `counted` counts the LoRA variant's runs)
+        prompt._plain = True
+        try:
+            prompt.plain_logits[size] = body(size)
+        finally:
+            prompt._plain = False
     prompt._body = counted
+    prompt.plain_graphs = {size: _EagerReplay(lambda size=size: plain(size), counts["prompt_plain"])
+                           for size in prompt.sizes}
     runner.prompt_graphs = prompt
     return counts
 
@@ -74,6 +99,21 @@ def test_graph_bodies_with_adapters_equal_peft(setup, extra) -> None:
         outputs = run(llm, setup, names[:1], PROMPTS[:1])  # batch 1: its prefill replays the prompt graph
         outputs += run(llm, setup, names, PROMPTS)
     setup.check(outputs, names[:1] + names, PROMPTS[:1] + PROMPTS)
-    assert counts["decode"][0] + counts["verify"][0] > 5 and counts["prompt"][0] >= 1, counts
+    assert counts["decode"][0] + counts["verify"][0] > 5 and counts["prompt_plain"][0] >= 1, counts
     if "speculative_config" in extra:
         assert counts["verify"][0] > 5, counts
+
+
+def test_steps_without_adapters_replay_the_graphs_without_lora(setup) -> None:
+    """A step none of whose rows has an adapter replays the variant captured without LoRA (decode
+    and batch-1 prompt chunks); a step with one adapter row, the LoRA one: both give HF + PEFT's tokens."""
+    names = [None, None, None, "a2", None]
+    with LLM(setup.path, max_loras=3, max_num_seqs=8, **ENGINE) as llm:
+        counts = install_eager_graphs(llm)
+        outputs = run(llm, setup, names[:1], PROMPTS[:1])  # a base request alone: plain prompt + decode graphs
+        plain = {k: v[0] for k, v in counts.items()}
+        outputs += run(llm, setup, names[3:4], PROMPTS[3:4])  # an adapter alone: the LoRA graphs
+        outputs += run(llm, setup, names, PROMPTS[:len(names)])  # mixed: the LoRA graphs while a2 runs
+    setup.check(outputs, names[:1] + names[3:4] + names, PROMPTS[:1] + PROMPTS[3:4] + PROMPTS[:len(names)])
+    assert plain["prompt_plain"] >= 1 and plain["decode_plain"] > 3 and plain["decode"] == plain["prompt"] == 0, plain
+    assert counts["decode"][0] > plain["decode"] and counts["prompt"][0] >= 1, counts

@@ -10,15 +10,11 @@ first stage takes the token from the last stage's send, stream-ordered, no host 
   last stage   after sampling step j: the sampled ids of j's sampling rows (in batch order), sent
                on its own communicator (`ParallelContext.token_group`; not the activations', whose
                sends run the other way and would queue behind these);
-  first stage  notes each launched step's sampling rows; before a step k with `pp_tokens_upto >=
-               j` it posts the receive of j's ids on the compute stream, which waits for it and
-               writes them into `next_token` of j's sampling rows, where a one-process sampler
-               would have put them. Host-known tokens are written after (`apply_input_tokens`), so
-               a placeholder row alone keeps the device's. The receive is posted just in time: one
-               posted at j's launch ran (NCCL's receive kernel polling) beside the next step's
-               compute until the last stage sent, and slowed the first stage's prompt steps by ~6%
-               on H200s. A step's tokens not needed yet stay with the sender until a later step
-               asks for them (every step's tokens are received, in order; the rest at shutdown).
+  first stage  after launching step j: a receive of as many ids, posted on a side stream (it
+               holds back nothing); before a step k with `pp_tokens_upto >= j`: the compute stream
+               waits for that receive and writes the ids into `next_token` of j's sampling rows,
+               where a one-process sampler would have put them. Host-known tokens are written
+               after (`apply_input_tokens`), so a placeholder row alone keeps the device's.
 
 Both stages compute the same sampling rows (a row samples when its step reaches the end of the
 tokens the worker knows: both mirrors know the same), so every send has its receive, in order.
@@ -41,7 +37,8 @@ class DeviceTokens:
         self.first_rank, self.last_rank = first_rank, last_rank
         self.is_first = is_first
         self.device = device
-        self._expected: deque[tuple[int, np.ndarray]] = deque()  # first stage: (step, its sampling slots)
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._expected: deque[tuple[int, torch.Tensor, torch.Tensor, object]] = deque()  # first stage
         self._sends: deque[tuple[object, torch.Tensor]] = deque()  # last stage
 
     @staticmethod
@@ -72,24 +69,23 @@ class DeviceTokens:
     # ------------------------------------------------------------------ first stage
 
     def expect(self, step_id: int, sample_slots: np.ndarray) -> None:
-        """Step `step_id` was launched: its sampling rows' tokens will come (received by `apply`)."""
-        if len(sample_slots):
-            self._expected.append((step_id, sample_slots))
+        """Post the receive of step `step_id`'s tokens (after launching it); nothing waits for it yet."""
+        if not len(sample_slots):
+            return
+        index = self._index(sample_slots)
+        buffer = torch.empty(len(sample_slots), dtype=torch.int64, device=self.device)
+        if self._side is not None:
+            self._side.wait_stream(torch.cuda.current_stream(self.device))  # the buffer and index exist
+            with torch.cuda.stream(self._side):
+                work = dist.irecv(buffer, src=self.last_rank, group=self.group)
+        else:
+            work = dist.irecv(buffer, src=self.last_rank, group=self.group)
+        self._expected.append((step_id, index, buffer, work))
 
     def apply(self, upto: int, next_token: torch.Tensor) -> None:
-        """Receive the tokens of every step up to `upto` and write them into `next_token`, on the
-        compute stream (which waits for them; the host does not, on CUDA)."""
+        """Write the tokens of every step up to `upto` into `next_token` (the compute stream waits
+        for their receives; the host does not, on CUDA)."""
         while self._expected and self._expected[0][0] <= upto:
-            _, slots = self._expected.popleft()
-            buffer = torch.empty(len(slots), dtype=torch.int64, device=self.device)
-            work = dist.irecv(buffer, src=self.last_rank, group=self.group)
+            _, index, buffer, work = self._expected.popleft()
             work.wait()
-            next_token.index_copy_(0, self._index(slots), buffer)
-
-    def drain(self) -> None:
-        """Receive (and drop) every step's tokens not asked for yet: at shutdown, so that no send
-        of the last stage is left without its receive (NCCL's teardown waits for its kernels)."""
-        while self._expected:
-            _, slots = self._expected.popleft()
-            buffer = torch.empty(len(slots), dtype=torch.int64, device=self.device)
-            dist.irecv(buffer, src=self.last_rank, group=self.group).wait()
+            next_token.index_copy_(0, index, buffer)

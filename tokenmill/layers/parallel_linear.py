@@ -70,9 +70,10 @@ class RowParallelLinear(Linear):
                 x, self.weight, self._bias(), self._packed, self._wide_packed,
                 add=residual if self.first_rank else None))
         if not self.first_rank:
-            return self.parallel.all_reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, None)))
+            return self.parallel.all_reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, None),
+                                                         plain=False))
         return self.parallel.all_reduce(
-            lora_forward(self, x, lambda: self.quant_method.apply_add(self, x, self.bias, residual)))
+            lora_forward(self, x, lambda: self.quant_method.apply_add(self, x, self.bias, residual), plain=False))
 
 
 class VocabParallelEmbedding(nn.Module):

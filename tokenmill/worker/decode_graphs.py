@@ -74,6 +74,10 @@ class DecodeGraphs:
         self.slots, self.num_drafts = self._rows[0], self._rows[1]
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device) * query_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # With LoRA: the same bodies without it, replayed for steps none of whose rows has an
+        # adapter (a LoRA engine's base requests run as the base model's); same output buffers.
+        self.plain_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._plain = False  # capturing (running) the bodies without LoRA
         self.logits: dict[int, torch.Tensor] = {}  # the last stage's output
         self.activations: dict[int, list[torch.Tensor]] = {}  # an earlier stage's output
         # A later pipeline stage's input: the previous stage's activations, copied in before a replay.
@@ -100,6 +104,12 @@ class DecodeGraphs:
             self.logits = outputs
         else:
             self.activations = outputs
+        if self.lora is not None and self.lora.plain_graphs:
+            self._plain = True
+            try:  # (their outputs are views of the same buffers: `_outputs`)
+                self.plain_graphs, _ = capture_per_size(self.sizes, self._body)
+            finally:
+                self._plain = False
         logger.info("captured %d decode CUDA graphs (batch 1..%d, %d query tokens per row) in %.1f s",
                     len(self.graphs), self.sizes[-1], self.query_len, time.perf_counter() - start)
 
@@ -124,7 +134,8 @@ class DecodeGraphs:
                 rows[1, :len(slots)] = num_drafts
             copy_to_device(rows, self._rows)
             self._loaded = key
-        self.graphs[size].replay()
+        plain = self.plain_graphs and not self.lora.any_adapter(slots)
+        (self.plain_graphs if plain else self.graphs)[size].replay()
         if self.kv_only:
             return None
         rows = len(slots) * self.query_len
@@ -159,7 +170,7 @@ class DecodeGraphs:
             seq_lens_cpu=torch.full((size,), q, dtype=torch.int32), seq_lens_exact=False,
             prompt_lens=torch.zeros_like(seq_lens))  # every token is past its prompt: its own position decides
         if self.lora is not None:
-            self.lora.prepare_rows(slots, q)
+            self.lora.prepare_rows(slots, q, plain=self._plain)
         if self.inputs:
             out = self.model(input_ids, positions, self.kv_caches, meta,
                              IntermediateTensors.of([t[:size] for t in self.inputs]))

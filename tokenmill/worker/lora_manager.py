@@ -16,6 +16,7 @@ its delta summed with the base's partial output by the same all-reduce.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -60,10 +61,14 @@ class LoRAManager:
                 parts = model._shard_sizes(name) if name in ("qkv_proj", "gate_up_proj") else [module.out_features]
                 slots = LoRASlots(self.batch, config.max_loras, self.rank, module.in_features, parts, dtype, device)
                 module.lora = slots
+                slots.layer = module  # (its weight: the dense path's base GEMM, `LoRASlots._plain_weight`)
                 self.slots[(i, name)] = slots
         # Per persistent-batch row (the last is the scratch row of padded graph rows): its adapter slot.
         self.row_slot = np.full(max_rows + 1, -1, dtype=np.int64)
         self.row_slot_dev = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=device)
+        # The graph families also capture their bodies without LoRA, for steps without adapters
+        # (TOKENMILL_LORA_PLAIN_GRAPHS=0: not; their LoRA kernels then run and find no rows).
+        self.plain_graphs = os.environ.get("TOKENMILL_LORA_PLAIN_GRAPHS", "1") not in ("0", "false", "no")
         self.host: OrderedDict[int, dict] = OrderedDict()  # adapter id -> this rank's tensors (LRU)
         self.held: list[LoRARef | None] = [None] * config.max_loras
         self.num_reads = 0  # adapters read from disk (tests: evictions of the host LRU)
@@ -148,8 +153,16 @@ class LoRAManager:
         host = self.row_slot[token_rows]
         self.batch.prepare(to_device(host, self.device) if (host >= 0).any() else torch.empty(len(host)), host)
 
-    def prepare_rows(self, rows: torch.Tensor, query_len: int = 1) -> None:
-        """Inside a graph body: the rows' (device) slots, `query_len` tokens each."""
+    def any_adapter(self, rows: np.ndarray) -> bool:
+        """Whether some of these persistent-batch rows has an adapter (else a graph without LoRA)."""
+        return bool((self.row_slot[rows] >= 0).any())
+
+    def prepare_rows(self, rows: torch.Tensor, query_len: int = 1, plain: bool = False) -> None:
+        """Inside a graph body: the rows' (device) slots, `query_len` tokens each; `plain`: a body
+        without LoRA (`plain_graphs`)."""
+        if plain:
+            self.batch.clear()
+            return
         slots = self.row_slot_dev[rows]
         if query_len > 1:
             # contiguous(): one row's expand would reshape to a stride-0 view, which the kernels

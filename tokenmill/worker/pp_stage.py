@@ -42,11 +42,6 @@ class PipelineStage:
         # Device tokens: per step that had them, its rows whose input came from the last stage (4 bytes each).
         self._placeholders = telemetry.channel("pp_placeholder_rows") if telemetry is not None else None
 
-    def drain_tokens(self) -> None:
-        """At shutdown: the sampled tokens the first stage was sent and never asked for."""
-        if self._tokens is not None and self._tokens.is_first:
-            self._tokens.drain()
-
     def count_placeholders(self, rows: int) -> None:
         if rows and self._placeholders is not None:
             self._placeholders.decoded(4 * rows, 0.0)

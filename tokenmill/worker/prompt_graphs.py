@@ -56,7 +56,10 @@ class PromptGraphs:
         self._query_start_loc: dict[int, torch.Tensor] = {
             s: torch.tensor([0, s], dtype=torch.int32, device=device) for s in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.plain_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # with LoRA: for a row without an adapter
+        self._plain = False  # capturing (running) the bodies without LoRA
         self.logits: dict[int, torch.Tensor] = {}
+        self.plain_logits: dict[int, torch.Tensor] = {}
 
     def padded_size(self, num_tokens: int, first: int) -> int | None:
         """The graph for a chunk of `num_tokens` starting at position `first`; None: run eagerly."""
@@ -68,6 +71,12 @@ class PromptGraphs:
         """Every size, largest first, into one pool. The inputs hold n = 0: nothing is written."""
         start = time.perf_counter()
         self.graphs, self.logits = capture_per_size(self.sizes, self._body)
+        if self.lora is not None and self.lora.plain_graphs:
+            self._plain = True
+            try:  # their own logits buffers (a prompt graph's output is its own, not shared)
+                self.plain_graphs, self.plain_logits = capture_per_size(self.sizes, self._body)
+            finally:
+                self._plain = False
         logger.info("captured %d prompt-chunk CUDA graphs (up to %d tokens) in %.1f s", len(self.graphs),
                     max(self.sizes, default=0), time.perf_counter() - start)
 
@@ -80,12 +89,14 @@ class PromptGraphs:
         host[:4] = slot, first, n, self.batch.num_prompt[slot]
         host[4:4 + n] = token_ids
         copy_to_device(host, self._inputs[:4 + size])
-        graph = self.graphs.get(size)
+        plain = bool(self.plain_graphs) and not self.lora.any_adapter(np.array([slot]))
+        graphs, logits = (self.plain_graphs, self.plain_logits) if plain else (self.graphs, self.logits)
+        graph = graphs.get(size)
         if graph is None:  # not captured (CPU tests): the body itself
-            self.logits[size] = self._body(size)
+            logits[size] = self._body(size)
         else:
             graph.replay()
-        return self.logits[size]
+        return logits[size]
 
     def _body(self, size: int) -> torch.Tensor:
         batch, bs, inputs = self.batch, self.block_size, self._inputs
@@ -106,7 +117,7 @@ class PromptGraphs:
             prompt_lens=inputs[3:4])
         input_ids = inputs[4:4 + size]
         if self.lora is not None:
-            self.lora.prepare_rows(slot, size)
+            self.lora.prepare_rows(slot, size, plain=self._plain)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if self.mirror is not None:
             self.mirror(input_ids, positions, meta)

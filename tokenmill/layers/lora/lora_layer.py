@@ -47,6 +47,21 @@ SINK_MODE = os.environ.get("TOKENMILL_LORA_SINK", "beside")
 # GEMMs on that slot's A and B instead of the tile kernels (H200, 8192 tokens: 6293 vs 6394 us a
 # layer, the same graph on the tiles; the run-to-run spread there is about 100).
 DENSE_MIN_TOKENS = int(os.environ.get("TOKENMILL_LORA_DENSE_MIN", "1024"))
+# Those dense steps compute each projection's delta first (cuBLAS: the shrink, then one GEMM per
+# part writing the delta) and then the base GEMM on top of it (addmm, beta = 1: the delta is read
+# in the GEMM's epilogue, no pass over y of its own; gate_up then takes the plain activation),
+# where the layer's base output is a plain GEMM of its weight (unquantized, no bias). 0: the
+# delta added into the base's y afterwards.
+DENSE_FUSED = os.environ.get("TOKENMILL_LORA_DENSE_FUSED", "1") not in ("0", "false", "no")
+# ... gate_up too (0: its shrink a GEMM, then the expand fused with the activation, which reads
+# y once: no delta written and read back, but the tile kernel's own cost).
+DENSE_FUSED_SILU = os.environ.get("TOKENMILL_LORA_DENSE_FUSED_SILU", "1") not in ("0", "false", "no")
+# Steps of the tile kernels (more than ROWS_MAX_TOKENS tokens) up to OVERLAP_MAX_TOKENS: qkv's and
+# gate_up's whole LoRA (shrink and expand) beside their GEMM when captured, the expand writing the
+# delta into a buffer of its own, then one add into y (gate_up: the activation reading both): an
+# elementwise pass on the critical path instead of the expand kernel (eager: the same kernels in
+# stream order, as the warm-up before a capture compiles them). 0: only the shrink beside.
+DELTA_BESIDE = os.environ.get("TOKENMILL_LORA_DELTA_BESIDE", "1") not in ("0", "false", "no")
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
 
@@ -117,6 +132,7 @@ class LoRASlots:
                  dtype: torch.dtype, device: torch.device) -> None:
         self.batch = batch
         self.rank = rank
+        self.layer: torch.nn.Module | None = None  # the projection (`_plain_weight`)
         self.part_starts = tuple(int(v) for v in np.cumsum([0] + part_sizes))
         out = self.part_starts[-1]
         # The Triton expand needs part boundaries on multiples of 16 (every real model's); else torch.
@@ -141,8 +157,8 @@ class LoRASlots:
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.forward(x, lambda: y)
 
-    def forward(self, x: torch.Tensor, base: Callable[[], torch.Tensor], sink: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, base: Callable[[], torch.Tensor], sink: torch.Tensor | None = None,
+                plain: bool = True) -> torch.Tensor:
         """base() (the layer's output for x) plus the step's deltas, added in place; with `sink`
         (a [T, out] tensor y is added to next, before anything reads either) the Triton path adds
         the deltas there instead and returns base() as it is."""
@@ -152,11 +168,16 @@ class LoRASlots:
         if batch.plan is not None and self.triton:
             from tokenmill.layers.lora.triton_lora import lora_expand
             if batch.dense_slot is not None:
+                weight = self._plain_weight(x) if plain else None
+                if weight is not None:
+                    return self._dense_under(x, weight, batch.dense_slot)
                 return self._dense(x, base(), batch.dense_slot)
             ahead, batch.ahead = batch.ahead, None
             done = ahead[1] if ahead is not None and ahead[0] is x else None  # the previous kernel did this shrink
             if sink is not None and self._use_sink(sink, x):
                 return self._into_sink(x, done, sink, base)
+            if done is None and self._delta_beside():
+                return self._delta_and_base(x, base)
             if done is not None:
                 planes, y = done, base()
             else:
@@ -177,9 +198,14 @@ class LoRASlots:
         halves = len(self.part_starts) == 3 and 2 * self.part_starts[1] == self.part_starts[2]
         if batch.active and x.shape[0] == batch.num_tokens and batch.plan is not None and self.triton and halves:
             from tokenmill.layers.lora.triton_lora import can_fuse_next_shrink, lora_expand_silu
+            if batch.dense_slot is not None and DENSE_FUSED_SILU and self._plain_weight(x) is not None:
+                return act(self._dense_under(x, self._plain_weight(x), batch.dense_slot))
             if batch.dense_slot is not None:  # the shrink one GEMM (a plane: no K splits), the rest fused
                 planes = torch.mm(x, self.a[batch.dense_slot].t()).float().unsqueeze(0)
                 return lora_expand_silu(planes, self.b, batch.plan, base())
+            if self._delta_beside():
+                from tokenmill.layers.lora.triton_lora import silu_mul_add
+                return silu_mul_add(*self._delta_and_base(x, base, add=False))
             planes, y = self._shrink_and_base(x, base)
             inter = self.part_starts[1]
             if (then is not None and then.triton and then.batch is batch and FUSE_NEXT_SHRINK
@@ -198,6 +224,31 @@ class LoRASlots:
         for i, (lo, hi) in enumerate(zip(self.part_starts[:-1], self.part_starts[1:])):
             y[:, lo:hi].addmm_(shrunk[:, i * rank:(i + 1) * rank], b[lo:hi].t())
         return y
+
+    def _plain_weight(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The layer's weight where its base output is exactly x @ weight^T (`DENSE_FUSED`)."""
+        layer = self.layer
+        if not DENSE_FUSED or layer is None or getattr(layer, "bias", None) is not None \
+                or getattr(getattr(layer, "quant_method", None), "quantized", True):
+            return None
+        weight = getattr(layer, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != x.dtype \
+                or weight.device != x.device or weight.shape[0] != self.part_starts[-1]:
+            return None
+        return weight
+
+    def _dense_under(self, x: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor:
+        """x @ weight^T plus one slot's deltas for every token: the delta first (a GEMM for the
+        shrink, one per part writing its columns), then the base GEMM adding onto it (beta = 1)."""
+        shrunk = torch.mm(x, self.a[slot].t())
+        b, rank = self.b[slot], self.rank
+        if len(self.part_starts) == 2:
+            out = torch.mm(shrunk, b.t())
+        else:
+            out = torch.empty(x.shape[0], self.part_starts[-1], dtype=x.dtype, device=x.device)
+            for i, (lo, hi) in enumerate(zip(self.part_starts[:-1], self.part_starts[1:])):
+                torch.mm(shrunk[:, i * rank:(i + 1) * rank], b[lo:hi].t(), out=out[:, lo:hi])
+        return out.addmm_(x, weight.t())
 
     def _use_sink(self, sink: torch.Tensor, x: torch.Tensor) -> bool:
         if SINK_MODE not in ("beside", "always") or sink.shape != (x.shape[0], self.part_starts[-1]) \
@@ -228,6 +279,28 @@ class LoRASlots:
         delta()
         return y
 
+    def _delta_beside(self) -> bool:
+        batch = self.batch
+        return (DELTA_BESIDE and batch.side_stream is not None and batch.plan.order is not None
+                and batch.num_tokens <= OVERLAP_MAX_TOKENS)
+
+    def _delta_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor], add: bool = True):
+        """base() plus the deltas: the LoRA (shrink, then the expand writing a buffer of its own)
+        beside base() on the side stream while a graph is captured, then one add (add=False:
+        (base(), the deltas) for the kernel that adds them itself)."""
+        from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
+        batch = self.batch
+        delta = torch.empty(x.shape[0], self.part_starts[-1], dtype=x.dtype, device=x.device)
+
+        def lora() -> None:
+            lora_expand(lora_shrink(x, self.a, batch.plan), self.b, batch.plan, delta, self.part_starts, add=False)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            y = run_beside(batch.side_stream, lora, base)[1]
+        else:
+            lora()
+            y = base()
+        return y.add_(delta) if add else (y, delta)
+
     def _shrink_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink's planes and base(): side by side while a CUDA graph is captured."""
         from tokenmill.layers.lora.triton_lora import lora_shrink
@@ -256,11 +329,12 @@ def run_beside(side: torch.cuda.Stream, first: Callable, second: Callable) -> tu
 
 
 def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
-                 sink: torch.Tensor | None = None) -> torch.Tensor:
+                 sink: torch.Tensor | None = None, plain: bool = True) -> torch.Tensor:
     """`base()` (the layer's output for `x`) plus the step's LoRA deltas of `layer`, if it has any;
-    `sink`: the tensor the output is added to next, where the deltas may go instead (`LoRASlots.forward`)."""
+    `sink`: the tensor the output is added to next, where the deltas may go instead (`LoRASlots.forward`);
+    `plain`: base() is the layer's own output, nothing added (else its GEMM is never replaced)."""
     lora = layer.__dict__.get("lora")
-    return base() if lora is None else lora.forward(x, base, sink)
+    return base() if lora is None else lora.forward(x, base, sink, plain)
 
 
 def lora_forward_silu_mul(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
