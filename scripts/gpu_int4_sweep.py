@@ -19,11 +19,12 @@ counts (default 1,256,64,1024, in that order: what the budget leaves out is the 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
 import torch
+
+import triton_precompile  # scripts/: compiles a sweep's kernels in parallel processes
 
 LLAMA_SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
 SMOKE_SHAPES = {"gate_up": (512, 256), "down": (128, 512), "qkv": (256, 256), "o": (128, 256)}
@@ -144,26 +145,11 @@ def _compile_calls(device: str, smoke: bool):
 
 
 def precompile_shard(shard: str) -> None:
-    i, n = map(int, shard.split("/"))
-    for j, (label, call) in enumerate(_compile_calls("cuda", False)):
-        if j % n == i:
-            try:
-                call()
-            except Exception as e:  # noqa: BLE001 - reported again when timed
-                print(f"  precompile {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    torch.cuda.synchronize()
+    triton_precompile.compile_shard(_compile_calls("cuda", False), shard)
 
 
 def _precompile(shards: int, timeout: float) -> None:
-    start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile", f"{i}/{shards}"])
-             for i in range(shards)]
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    print(f"  int4sweep: compiled in {shards} processes: {time.perf_counter() - start:.0f} s", flush=True)
+    triton_precompile.compile_in_processes(__file__, "--precompile", shards, timeout, "int4sweep")
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -64,6 +64,8 @@ import traceback
 
 import torch
 
+import triton_precompile  # scripts/: compiles a sweep's kernels in parallel processes
+
 # On a GPU the kernels must compile; a CPU smoke run interprets them.
 os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 
@@ -679,26 +681,11 @@ def _tune_calls(device: str):
 def precompile_shard(shard: str) -> None:
     """Compile one shard of the sweep's kernels into Triton's on-disk cache (tune runs shards in
     parallel processes first: compiling, not timing, is most of the sweep's time)."""
-    i, n = map(int, shard.split("/"))
-    for j, (label, call) in enumerate(_tune_calls("cuda")):
-        if j % n == i:
-            try:
-                call()
-            except Exception as e:  # noqa: BLE001 - reported; the sweep skips what does not compile
-                print(f"  precompile {label}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-    torch.cuda.synchronize()
+    triton_precompile.compile_shard(_tune_calls("cuda"), shard)
 
 
 def _precompile_parallel(shards: int = 8, timeout: float = 90.0) -> None:
-    start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile", f"{i}/{shards}"])
-             for i in range(shards)]
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    print(f"  precompiled the sweep's kernels in {shards} processes: {time.perf_counter() - start:.0f} s", flush=True)
+    triton_precompile.compile_in_processes(__file__, "--precompile", shards, timeout, "tune")
 
 
 def suggest_tables(rec: dict) -> list[str]:

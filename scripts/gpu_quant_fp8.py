@@ -25,6 +25,8 @@ import time
 
 import torch
 
+import triton_precompile  # scripts/: compiles a sweep's kernels in parallel processes
+
 # Decode rows profiled (the 256x256x128 workload's batch) and the eager prefill chunk's tokens.
 DECODE_ROWS = 256
 PREFILL_TOKENS = 8192
@@ -284,26 +286,11 @@ def _compile_calls(device: str):
 
 
 def precompile_shard(shard: str) -> None:
-    i, n = map(int, shard.split("/"))
-    for j, call in enumerate(_compile_calls("cuda")):
-        if j % n == i:
-            try:
-                call()
-            except Exception as e:  # noqa: BLE001 - the sweep reports it again when it times
-                print(f"  precompile: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    torch.cuda.synchronize()
+    triton_precompile.compile_shard(_compile_calls("cuda"), shard)
 
 
 def _precompile(shards: int = 12, timeout: float = 40.0) -> None:
-    start = time.perf_counter()
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--precompile-w8a8", f"{i}/{shards}"])
-             for i in range(shards)]
-    for p in procs:
-        try:
-            p.wait(timeout=max(1.0, timeout - (time.perf_counter() - start)))
-        except subprocess.TimeoutExpired:
-            p.kill()
-    print(f"  w8a8: compiled the Triton variants in {shards} processes: {time.perf_counter() - start:.0f} s", flush=True)
+    triton_precompile.compile_in_processes(__file__, "--precompile-w8a8", shards, timeout, "w8a8")
 
 
 def w8a8(results: dict, device: str, time_ms, cycled, check) -> None:
