@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenmill.layers.triton_ops.gemv import GemvTiles, gemv, gemv_reference  # noqa: E402
 
+import triton_attention_check  # noqa: E402  (scripts/: CUDA-graph timing)
+
 # name: (N, K) of the weight at TP=2 (rank's share) and at TP=1
 SHAPES = {
     "qkv": ((3072, 4096), (6144, 4096)),
@@ -46,27 +48,8 @@ L2_DEFEAT_BYTES = 1 << 30
 
 
 def time_chain(fn, weights, x, replays: int = 5) -> float:
-    """Microseconds per call over a graph of one call per weight."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(x, w)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for w in weights:
-                fn(x, w)
-    torch.cuda.synchronize()
-    graph.replay()
-    torch.cuda.synchronize()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) * 1e3 / (replays * len(weights))
+    """Microseconds per call over a graph of one call per weight (distinct weights defeat L2)."""
+    return triton_attention_check.time_graph(lambda: [fn(x, w) for w in weights], iters=replays) / len(weights)
 
 
 def main() -> int:
