@@ -24,6 +24,7 @@ import torch.distributed as dist
 from tokenmill.config import ModelArch, ParallelConfig
 from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm
 from tokenmill.distributed.layout import RankLayout
+from tokenmill.distributed.p2p_order import P2POrderLog
 from tokenmill.distributed.stage_balance import StageCosts, balanced_partition, explain
 from tokenmill.distributed.symm_all_reduce import SymmetricAllReduce
 
@@ -86,6 +87,7 @@ class ParallelContext:
                            "(for timing the all-reduce only)")
         self.token_group = None  # pipeline device tokens: this first / last stage rank and its peer
         self._sends: list[list] = []  # per step sent and not yet retired: its (work, tensor) pairs
+        self.p2p_log: P2POrderLog | None = None  # tests: the order of this rank's sends and receives
 
     @staticmethod
     def single(arch: ModelArch) -> ParallelContext:
@@ -131,6 +133,7 @@ class ParallelContext:
         fused_norm = FusedAllReduceNorm.create(tp_group, device) if tp > 1 else None
         context = ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
         context.token_group = token_group
+        context.p2p_log = P2POrderLog.from_env(rank)
         return context
 
     @property
@@ -190,6 +193,8 @@ class ParallelContext:
         past `MAX_SENDS_IN_FLIGHT` steps is the oldest waited for (a stream wait, not a host one)."""
         self._retire_sends()
         dst = self.layout.next_stage_rank
+        if self.p2p_log is not None:
+            self.p2p_log.record(dst, "send", "act")
         self._sends.append([(dist.isend(t.contiguous(), dst=dst, group=self.pp_group), t) for t in tensors])
 
     def _retire_sends(self) -> None:
@@ -208,6 +213,8 @@ class ParallelContext:
         """Receive the previous stage's activations (blocks until they arrive)."""
         out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
         src = self.layout.prev_stage_rank
+        if self.p2p_log is not None:
+            self.p2p_log.record(src, "recv", "act")
         works = [dist.irecv(t, src=src, group=self.pp_group) for t in out]
         for work in works:
             work.wait()
@@ -216,5 +223,7 @@ class ParallelContext:
     def destroy(self) -> None:
         """Leave the groups (at shutdown; a send still on its way is dropped: its peer stops too)."""
         self._sends = []
+        if self.p2p_log is not None:
+            self.p2p_log.write()
         if self.backend is not None and dist.is_initialized():  # only what `init` set up
             dist.destroy_process_group()
