@@ -133,6 +133,18 @@ class DeviceTokens:
             next_token.index_copy_(0, entry.index, entry.buffer)
 
     def drain(self) -> None:
-        """At shutdown: post the receives not posted yet, so that no send of the last stage is
-        left without its match when the groups go."""
-        self.post_pending()
+        """At shutdown, both ends: every send matched and done before the groups go (the first
+        stage posts the receives not posted yet; both wait for theirs). A peer that died leaves
+        this waiting: the executor's stop then kills the process."""
+        works = []
+        if self.is_first:
+            self.post_pending()
+            works = [entry.work for entry in self._expected]
+            self._expected.clear()
+        else:
+            works = [work for work, _ in self._sends]
+        for work in works:
+            work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self._sends.clear()

@@ -43,8 +43,8 @@ class PipelineStage:
         self._placeholders = telemetry.channel("pp_placeholder_rows") if telemetry is not None else None
 
     def drain_tokens(self) -> None:
-        """At shutdown: the sampled tokens' receives not posted yet (no send left unmatched)."""
-        if self._tokens is not None and self._tokens.is_first:
+        """At shutdown: the sampled tokens' sends and receives all matched and done."""
+        if self._tokens is not None:
             self._tokens.drain()
 
     def count_placeholders(self, rows: int) -> None:
