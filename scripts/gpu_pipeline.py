@@ -9,9 +9,10 @@ partition they give, and the teacher-forced check of PP=2 against one GPU.
           (goal < 3%), the idle time split by cause (fill, drain, waiting for the previous stage,
           waiting for the core, launch), median decode / prompt step per stage and their imbalance,
           and how equal consecutive micro-batches are.
-          Layouts: tp1, and pp2[-mbN][-dt][-pA.B|-measured]: N micro-batches in flight
+          Layouts: tp1, and pp2[-mbN][-dt|-nodt][-pA.B|-measured]: N micro-batches in flight
           (--pp-microbatches), sampled tokens from the last stage to the first on the devices (-dt:
-          --pp-device-tokens: the host's turn-around leaves the pipeline's cycle), layers A on stage
+          --pp-device-tokens: the host's turn-around leaves the pipeline's cycle; -nodt: the
+          host's way, whatever the engine's default), layers A on stage
           0 and B on stage 1 (--pp-layer-partition A,B) or the split balanced by the stage probe at
           start ("measured").
   probe   tokenmill/worker/stage_probe.py on GPU 0 at the bench's decode micro-batch (max_num_seqs /
@@ -48,7 +49,7 @@ import gpu_layouts  # noqa: E402  (the layout check; its smoke shapes)
 
 from tokenmill.benchmarks import pipeline_trace  # noqa: E402
 
-_LAYOUT = re.compile(r"^pp2(?:-mb(?P<mb>\d+))?(?P<dt>-dt)?(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|(?P<measured>measured)))?$")
+_LAYOUT = re.compile(r"^pp2(?:-mb(?P<mb>\d+))?(?P<dt>-dt|-nodt)?(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|(?P<measured>measured)))?$")
 
 
 def layout_flags(name: str) -> list[str]:
@@ -57,12 +58,12 @@ def layout_flags(name: str) -> list[str]:
         return []
     m = _LAYOUT.match(name)
     if m is None:
-        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt][-pA.B|-measured])")
+        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt|-nodt][-pA.B|-measured])")
     flags = ["--pipeline-parallel-size", "2"]
     if m["mb"]:
         flags += ["--pp-microbatches", m["mb"]]
     if m["dt"]:
-        flags += ["--pp-device-tokens"]
+        flags += ["--pp-device-tokens" if m["dt"] == "-dt" else "--no-pp-device-tokens"]
     if m["a"]:
         flags += ["--pp-layer-partition", f"{m['a']},{m['b']}"]
     elif m["measured"]:
