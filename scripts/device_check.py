@@ -266,7 +266,7 @@ def run_killable(argv: list[str], env: dict, timeout_s: float | None) -> subproc
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGABRT)
         try:
-            out, err = proc.communicate(timeout=5)
+            out, err = proc.communicate(timeout=3)
         except subprocess.TimeoutExpired:
             out, err = "", ""
         try:
@@ -274,7 +274,7 @@ def run_killable(argv: list[str], env: dict, timeout_s: float | None) -> subproc
         except ProcessLookupError:
             pass
         proc.wait()
-        time.sleep(3)  # the killed workers' GPU memory is released
+        time.sleep(2)  # the killed workers' GPU memory is released
         return subprocess.CompletedProcess(argv, 124, out or "", (err or "") + f"\nTIMEOUT: killed after {timeout_s:.0f} s")
     finally:
         LIVE.discard(proc.pid)

@@ -40,6 +40,8 @@ import re
 import sys
 import time
 
+STARTED = time.perf_counter()  # --budget counts from here: the imports below take seconds on a fresh machine
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.setdefault("OUT", os.path.join(os.getcwd(), "gpu-out"))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -99,10 +101,12 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         if deadline is not None:
             timeout = min(timeout, deadline - time.perf_counter())
             if timeout < min_run:
-                print(f"{name}: skipped (the budget leaves {max(timeout, 0):.0f} s, under --min-run {min_run:.0f})")
+                print(f"{name}: skipped (the budget leaves {max(timeout, 0):.0f} s, under --min-run {min_run:.0f})",
+                      flush=True)
                 figures[name] = {"skipped": "budget"}
                 continue
         started = time.perf_counter()
+        print(f"[{name}: starts {started - STARTED:.0f} s into the script, killed after {timeout:.0f} s]", flush=True)
         trace = os.path.join(OUT, f"trace_{name}.json")
         flags = layout_flags(name)
         if flags:  # the PP layouts: their step trace
@@ -194,7 +198,7 @@ def main() -> int:
     import signal
     for sig in (signal.SIGTERM, signal.SIGINT):  # stopped from outside: no engine left holding the GPUs
         signal.signal(sig, device_check.kill_live)
-    deadline = time.perf_counter() + args.budget if args.budget else None
+    deadline = STARTED + args.budget if args.budget else None
     layouts = args.layouts.split(",")
     for name in layouts:
         layout_flags(name)  # an unknown name fails before any run
