@@ -70,6 +70,23 @@ def _measured_partition(probe: Callable[[], StageCosts] | None, stages: int, num
     return partition
 
 
+def _connect_token_pair(group, layout: RankLayout, device: torch.device) -> None:
+    """One token from the last stage to the first on the device tokens' group, now, on both
+    ranks. NCCL connects a pair lazily, at its first send / receive, and the sender's host then
+    blocks until the receiver's host posts its own: the last stage's first token send sat in
+    `isend` while the first stage, whose first receive comes only with its next step, waited for
+    the core, which waited for that send's step (two H100s, mid-session stacks)."""
+    first = layout.tp_rank
+    last = (layout.pp_size - 1) * layout.tp_size + layout.tp_rank
+    token = torch.zeros(1, dtype=torch.int64, device=device)
+    if layout.is_first_stage:
+        dist.irecv(token, src=last, group=group).wait()
+    else:
+        dist.isend(token, dst=first, group=group).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class ParallelContext:
     def __init__(self, layout: RankLayout, tp_group=None, pp_group=None, backend: str | None = None,
                  symm: SymmetricAllReduce | None = None, fused_norm: FusedAllReduceNorm | None = None) -> None:
@@ -134,6 +151,8 @@ class ParallelContext:
         context = ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
         context.token_group = token_group
         context.p2p_log = P2POrderLog.from_env(rank)
+        if token_group is not None:
+            _connect_token_pair(token_group, layout, device)
         return context
 
     @property
