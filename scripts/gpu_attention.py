@@ -67,8 +67,10 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
     "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
     "fp8_pv_dot": [True, False],  # fp8 caches only: p @ v as two fp8 dots, values unconverted
     "decode_min_rows": [64, 16],  # query rows of a decode tile (16: mma.sync; 64: Hopper's wgmma)
+    "early_v_load": [True, False],  # each tile's V rows loaded with its K rows (twice the bytes in flight)
+    "fp8_bit_convert": [True, False],  # fp8 caches only: fp8 -> float16 by integer bit moves
 }
-FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot")
+FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot", "fp8_bit_convert")
 # --variants: named launches tried per case (on top of the default plan), in order of interest,
 # ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
 _QKPV = {"fp8_qk_dot": True, "fp8_pv_dot": True}
@@ -80,6 +82,15 @@ _F8 = [{**_QKPV, "num_stages": 3, "decode_warps": 4}, {**_QKPV, "num_stages": 2,
        {**_QKPV, "num_stages": 3, "decode_warps": 4, "block_n": 64}, {"fp8_pv_dot": True, "num_stages": 2, "decode_warps": 4},
        {**_QKPV, "num_stages": 4, "decode_warps": 4}]
 _F8_SPLIT = [{**_QKPV, "num_stages": 3}, {**_QKPV, "num_stages": 2}, {"num_stages": 3}, {"num_stages": 4, "block_n": 64}]
+# Session of 2026-11-26 (fourth): the fp8 cache's conversion (bit moves instead of cvt) and bytes in
+# flight (V loaded with K), alone and together, at the two shapes of the engine figures.
+_BIT, _EARLY = {"fp8_bit_convert": True}, {"early_v_load": True}
+_F8_IO = [_BIT, _EARLY, {**_BIT, **_EARLY}, {**_EARLY, "decode_warps": 4}, {**_BIT, **_EARLY, "decode_warps": 4},
+          {**_BIT, "num_stages": 2, "decode_warps": 4}]
+_F8_SPLIT_IO = [_BIT, _EARLY, {**_BIT, **_EARLY}, {**_BIT, **_EARLY, "num_stages": 2}, {**_BIT, "block_n": 64, "kv_splits": 64}]
+VARIANTS_IO = {("1x16384", "fp8"): _F8_SPLIT_IO, ("256x640", "fp8"): _F8_IO, ("256x128", "fp8"): _F8_IO[:3],
+               ("1x16384", "bf16"): [_EARLY], ("256x640", "bf16"): [_EARLY, {**_EARLY, "num_stages": 1}],
+               ("1x150", "bf16"): [_EARLY], ("1x150", "fp8"): [{**_BIT, **_EARLY}]}
 VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
             ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
@@ -231,7 +242,8 @@ def time_parts(backend, case: Case, dev, plan: dict) -> dict:
                 block_q=plan["block_q"], block_n=plan["block_n"], num_splits=plan["kv_splits"],
                 max_splits=1 << max(plan["kv_splits"] - 1, 0).bit_length(), num_warps=plan["decode_warps"],
                 num_stages=plan["num_stages"], interior=plan["interior"], lookup_blocks=plan["lookup_blocks"],
-                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], k_scale=backend.k_scale, v_scale=backend.v_scale)
+                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], early_v_load=plan["early_v_load"],
+                fp8_bit_convert=plan["fp8_bit_convert"], k_scale=backend.k_scale, v_scale=backend.v_scale)
     n = len(case.caches)
     return {"write_us": time_us(write, dev) / n, "attend_us": time_us(attend, dev) / n}
 
@@ -261,7 +273,9 @@ def launch_config(cand: dict) -> TritonAttentionConfig:
                         min_rows=cand.get("decode_min_rows", 16))
     return TritonAttentionConfig(
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], fp8_qk_dot=cand["fp8_qk_dot"],
-        fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"], decode_tiles=tiles,
+        fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"],
+        early_v_load=cand.get("early_v_load", False), fp8_bit_convert=cand.get("fp8_bit_convert", False),
+        decode_tiles=tiles,
         split_decode_tiles=tiles, fp8_decode_tiles=tiles, fp8_split_decode_tiles=tiles)
 
 
@@ -272,7 +286,8 @@ def before_launch(case: Case, heads, sm_count: int) -> dict:
     splits = 1 if programs >= 2 * sm_count else max(1, min(-(-2 * sm_count // programs),
                                                              max(case.meta.max_seq_len // 256, 1), 32))
     return {"interior": False, "num_stages": 2, "block_n": 64, "kv_splits": splits, "decode_warps": 4,
-            "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "decode_min_rows": 16}
+            "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "decode_min_rows": 16,
+            "early_v_load": False, "fp8_bit_convert": False}
 
 
 def plan_of(backend, case: Case, sm_count: int) -> dict:
@@ -282,6 +297,7 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
             "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
+            "early_v_load": backend.config.early_v_load, "fp8_bit_convert": backend.config.fp8_bit_convert,
             "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
@@ -446,6 +462,8 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--variants", action="store_true",
                     help="time the named launches of VARIANTS per case first (every shape gets a share)")
+    ap.add_argument("--io-variants", action="store_true",
+                    help="as --variants, with VARIANTS_IO (the fp8 conversion and load-order launches)")
     ap.add_argument("--no-before", action="store_true", help="skip the launches of before the tuning work")
     ap.add_argument("--kv", default="bf16,fp8", help="cache dtypes: bf16,fp8")
     ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only 256x640 and 1x16384")
@@ -462,7 +480,7 @@ def main() -> None:
     # Smoke: the interpreter mis-rounds float -> fp8, so the fp8 query terms are not checked there.
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
               "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [],
-              "decode_min_rows": [64]}
+              "decode_min_rows": [64], "early_v_load": [True], "fp8_bit_convert": [True]}
              if smoke else SWEEP)
     if smoke:
         args.sweep_all = True
@@ -483,16 +501,18 @@ def main() -> None:
         rows, rest = shape.split("x")
         context, _, prefill = rest.partition("+")
         left = args.budget - (time.perf_counter() - start)
-        if args.variants:  # a share per launch to try
+        table = VARIANTS_IO if args.io_variants else VARIANTS
+        if args.variants or args.io_variants:  # a share per launch to try
             kinds = ["fp8" if c[2] != torch.bfloat16 and c[2] != torch.float32 else "bf16" for c in cases[i:]]
-            weights = [1 + len(VARIANTS.get((c[0], k), [])) for c, k in zip(cases[i:], kinds)]
+            weights = [1 + len(table.get((c[0], k), [])) for c, k in zip(cases[i:], kinds)]
         else:
             weights = [WEIGHT.get(c[0], int(args.sweep_all)) for c in cases[i:]]
         deadline = time.perf_counter() + max(left, 0) * weights[0] / max(sum(weights), 1)
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
                          prefill=int(prefill or 0))
         records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps,
-                                variants=VARIANTS if args.variants else None, with_before=not args.no_before))
+                                variants=table if args.variants or args.io_variants else None,
+                                with_before=not args.no_before))
         save(records, name, sm_count, copy_bps, read_bps, start)  # after every case: a run cut short keeps what it has
         del case
         if dev.type == "cuda":

@@ -89,6 +89,8 @@ class TritonAttentionConfig:
     lookup_blocks: bool = False  # in those tiles, one block-table read per cache block, not per key
     fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted)
     fp8_pv_dot: bool = False  # e4m3 caches: p @ v as two fp8 dots (values unconverted)
+    early_v_load: bool = False  # decode launches: each tile's V loaded with its K (more bytes in flight)
+    fp8_bit_convert: bool = False  # fp8 caches: K/V to float16 by integer bit moves, not cvt instructions
 
 
 def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
@@ -202,7 +204,8 @@ class TritonAttentionBackend(AttentionBackend):
             max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
             fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot,
-            sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+            early_v_load=self.config.early_v_load and meta.max_query_len <= self.config.decode_max_query_len,
+            fp8_bit_convert=self.config.fp8_bit_convert, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 
     def _sm_count_of(self, device: torch.device) -> int:

@@ -52,6 +52,21 @@ SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence sear
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
 F8_P_SCALE = 448.0  # fp8_pv_dot: softmax weights (<= 1) scaled to e4m3's largest value
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
+E4M3_BITS_FACTOR = 256.0  # fp8_bit_convert: e4m3 bits moved into float16 stand for value / 2^8
+
+
+@triton.jit
+def _fp8_bits_to_f16(x, E5M2: tl.constexpr):
+    """fp8 -> float16 by moving bits (integer ops, no conversion instruction). e5m2 is float16's top
+    byte: exact. e4m3: sign to bit 15, exponent and mantissa to bits 7..13, so the float16 (normal or
+    subnormal) is the value / 2^8 exactly (E4M3_BITS_FACTOR, which the caller folds into its scales).
+    NaN codes become finite values: the cache never holds them (saturated stores)."""
+    b = x.to(tl.uint8, bitcast=True).to(tl.uint16)
+    if E5M2:
+        h = b << 8
+    else:
+        h = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
+    return h.to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -111,14 +126,16 @@ def _load_rows(cache_ptr, kv_off, key_valid, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
 @triton.jit
 def _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window, softcap, qk_scale,
                   DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
-                  MASKED: tl.constexpr, F8_QK: tl.constexpr):
+                  MASKED: tl.constexpr, F8_QK: tl.constexpr, BIT_CVT: tl.constexpr, E5M2: tl.constexpr):
     """Scores of one K tile into the online softmax: (p, alpha, new max, new sum).
     F8_QK: q and q_lo are the query's two fp8 terms (q * scale = q + q_lo, row_scale = 1 / scale per
     row), and the fp8 keys enter the dot unconverted."""
     if F8_QK:
         s = (tl.dot(q, tl.trans(k)) + tl.dot(q_lo, tl.trans(k))) * (qk_scale * row_scale)[:, None]
     else:
-        if KV_FP8:
+        if BIT_CVT:  # float16 queries (F16_DOT)
+            k = _fp8_bits_to_f16(k, E5M2)
+        elif KV_FP8:
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
@@ -138,7 +155,7 @@ def _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, wi
 
 @triton.jit
 def _accumulate(acc, alpha, p, v, q_dtype: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-                F8_QK: tl.constexpr, F8_PV: tl.constexpr):
+                F8_QK: tl.constexpr, F8_PV: tl.constexpr, BIT_CVT: tl.constexpr, E5M2: tl.constexpr):
     """acc * alpha + p @ v. F8_PV (e4m3 values): p (<= 1) scaled to 448 as two e4m3 terms, hi + lo
     (about bf16's precision), against the unconverted values: the accumulator carries the factor
     448, which the caller divides out with v_scale."""
@@ -147,7 +164,9 @@ def _accumulate(acc, alpha, p, v, q_dtype: tl.constexpr, DOT_PRECISION: tl.const
         p_hi = ps.to(v.dtype)
         p_lo = (ps - p_hi.to(tl.float32)).to(v.dtype)
         return acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-    if F8_QK:
+    if BIT_CVT:
+        v = _fp8_bits_to_f16(v, E5M2)
+    elif F8_QK:
         v = v.to(tl.float16)
     elif KV_FP8:
         v = v.to(q_dtype)
@@ -160,16 +179,21 @@ def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
                  KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr,
-                 F8_PV: tl.constexpr):
+                 F8_PV: tl.constexpr, EARLY_V: tl.constexpr, BIT_CVT: tl.constexpr, E5M2: tl.constexpr):
     """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
-    every key of the tile is valid and visible to every row (no masks, no table-load guard)."""
+    every key of the tile is valid and visible to every row (no masks, no table-load guard).
+    EARLY_V: the V rows are loaded with the K rows, before the scores (twice the bytes in flight)."""
     key, key_valid, kv_off = _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch,
                                            BLOCK_N, BLOCK_SIZE, MASKED, LOOKUP_BLOCKS)
     k = _load_rows(k_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+    if EARLY_V:
+        v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
     p, alpha, m_new, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window,
-                                         softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, MASKED, F8_QK)
-    v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV)
+                                         softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, MASKED, F8_QK, BIT_CVT,
+                                         E5M2)
+    if not EARLY_V:
+        v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+    acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, BIT_CVT, E5M2)
     return m_new, l_i, acc
 
 
@@ -193,6 +217,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
     LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr, F8_PV: tl.constexpr,
+    EARLY_V: tl.constexpr, BIT_CVT: tl.constexpr, E5M2: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -285,7 +310,7 @@ def _paged_attention_kernel(
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK,
-                F8_PV)
+                F8_PV, EARLY_V, BIT_CVT, E5M2)
     if INTERIOR:
         for j in range(mid_lo, mid_hi):
             m_i, l_i, acc = _attend_tile(
@@ -293,13 +318,14 @@ def _paged_attention_kernel(
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS,
-                F8_QK, F8_PV)
+                F8_QK, F8_PV, EARLY_V, BIT_CVT, E5M2)
     for j in range(mid_hi, tile_hi):  # masked tiles at the causal edge (all of them without INTERIOR)
         m_i, l_i, acc = _attend_tile(
             q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
             key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV)
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV,
+            EARLY_V, BIT_CVT, E5M2)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -363,8 +389,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
                     num_warps: int, num_stages: int, interior: bool = True, lookup_blocks: bool = False,
-                    fp8_qk_dot: bool = False, fp8_pv_dot: bool = False,
-                    sliding_window: int | None = None,
+                    fp8_qk_dot: bool = False, fp8_pv_dot: bool = False, early_v_load: bool = False,
+                    fp8_bit_convert: bool = False, sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
@@ -377,6 +403,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `fp8_qk_dot` (e4m3 cache, 16-bit queries): q . k as two fp8 dots (the query split into two fp8
     terms), so the keys are not converted; values still are.
     `fp8_pv_dot` (e4m3 cache, 16-bit queries): p @ v likewise (p as two e4m3 terms), values unconverted.
+    `early_v_load`: each tile's V rows are loaded together with its K rows (before the scores).
+    `fp8_bit_convert` (fp8 cache, 16-bit queries, neither fp8 dot): K/V reach float16 by moving bits
+    (integer ops) instead of the conversion instruction; e4m3's factor 2^8 joins the scales.
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -395,6 +424,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     f8_pv = fp8_pv_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
     if f8_pv:  # the accumulator carries p's factor 448
         v_scale = v_scale / F8_P_SCALE
+    f8_qk = fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    bit_cvt = fp8_bit_convert and kv_fp8 and q.dtype != torch.float32 and not (f8_qk or f8_pv)
+    if bit_cvt and kv_cache.dtype == torch.float8_e4m3fn:  # the float16 K/V stand for value / 2^8
+        k_scale, v_scale = k_scale * E4M3_BITS_FACTOR, v_scale * E4M3_BITS_FACTOR
     if split:
         part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -418,8 +451,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8,
         F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
         LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
-        F8_QK=fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        F8_PV=f8_pv,
+        F8_QK=f8_qk, F8_PV=f8_pv, EARLY_V=early_v_load, BIT_CVT=bit_cvt,
+        E5M2=kv_cache.dtype == torch.float8_e5m2,
         num_warps=num_warps,
         num_stages=num_stages,
     )
