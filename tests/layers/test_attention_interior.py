@@ -112,3 +112,17 @@ def test_decode_launch_parameters_per_cache_dtype():
     plain = plan_launch(TritonAttentionConfig(decode_tiles=DecodeTiles(16, 4, 1), **unset), 32, 8, 1, 1, 1, 4096, 132,
                         kv_fp8=True)
     assert (plain.block_n, plain.num_stages, plain.num_warps, plain.num_splits) == (16, 1, 4, 32)
+
+
+@pytest.mark.parametrize("window,splits,early_v", [(None, None, False), (40, 3, True), (23, None, True), (None, 2, False)])
+def test_table_prefetch_and_early_v(window, splits, early_v):
+    """table_prefetch (each interior tile's block-table lookups issued one tile ahead; the lookahead
+    past the last interior tile reads nothing) and early_v_load (V loaded with K, decode launches),
+    over windows (blocks before them poisoned with NaN), splits and chunked prefills."""
+    decodes = ([100, 63, 62, 130, 44, 0], [1, 1, 3, 1, 6, 1])
+    for mix in (MIX, decodes):
+        case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=mix)
+        config = TritonAttentionConfig(block_n=16, decode_tiles=DecodeTiles(16), kv_splits=splits, prefill_rows=32,
+                                       table_prefetch=True, early_v_load=early_v)
+        backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, None, config=config)
+        torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)

@@ -91,6 +91,7 @@ class TritonAttentionConfig:
     fp8_pv_dot: bool = False  # e4m3 caches: p @ v as two fp8 dots (values unconverted)
     early_v_load: bool = False  # decode launches: each tile's V loaded with its K (more bytes in flight)
     fp8_bit_convert: bool = False  # fp8 caches: K/V to float16 by integer bit moves, not cvt instructions
+    table_prefetch: bool = False  # unmasked walk: block-table lookups issued one tile ahead
 
 
 def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
@@ -205,7 +206,8 @@ class TritonAttentionBackend(AttentionBackend):
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
             fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot,
             early_v_load=self.config.early_v_load and meta.max_query_len <= self.config.decode_max_query_len,
-            fp8_bit_convert=self.config.fp8_bit_convert, sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
+            fp8_bit_convert=self.config.fp8_bit_convert, table_prefetch=self.config.table_prefetch,
+            sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 
     def _sm_count_of(self, device: torch.device) -> int:

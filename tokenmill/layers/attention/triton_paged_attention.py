@@ -174,17 +174,13 @@ def _accumulate(acc, alpha, p, v, q_dtype: tl.constexpr, DOT_PRECISION: tl.const
 
 
 @triton.jit
-def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
-                 key_limit, window, softcap, qk_scale, s_cb, s_cs, s_ch,
-                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
-                 KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr,
+def _attend_rows(q, q_lo, row_scale, m_i, l_i, acc, key, key_valid, kv_off, k_cache_ptr, v_cache_ptr,
+                 key_limit, window, softcap, qk_scale,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, MASKED: tl.constexpr, F8_QK: tl.constexpr,
                  F8_PV: tl.constexpr, EARLY_V: tl.constexpr, BIT_CVT: tl.constexpr, E5M2: tl.constexpr):
-    """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
-    every key of the tile is valid and visible to every row (no masks, no table-load guard).
-    EARLY_V: the V rows are loaded with the K rows, before the scores (twice the bytes in flight)."""
-    key, key_valid, kv_off = _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch,
-                                           BLOCK_N, BLOCK_SIZE, MASKED, LOOKUP_BLOCKS)
+    """The keys of one tile (cache offsets `kv_off`) into the online softmax. EARLY_V: the V rows are
+    loaded with the K rows, before the scores (both loads in flight at once)."""
     k = _load_rows(k_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
     if EARLY_V:
         v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
@@ -195,6 +191,22 @@ def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr,
         v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
     acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, BIT_CVT, E5M2)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
+                 key_limit, window, softcap, qk_scale, s_cb, s_cs, s_ch,
+                 BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                 KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr,
+                 F8_PV: tl.constexpr, EARLY_V: tl.constexpr, BIT_CVT: tl.constexpr, E5M2: tl.constexpr):
+    """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
+    every key of the tile is valid and visible to every row (no masks, no table-load guard)."""
+    key, key_valid, kv_off = _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch,
+                                           BLOCK_N, BLOCK_SIZE, MASKED, LOOKUP_BLOCKS)
+    return _attend_rows(q, q_lo, row_scale, m_i, l_i, acc, key, key_valid, kv_off, k_cache_ptr, v_cache_ptr,
+                        key_limit, window, softcap, qk_scale, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP,
+                        KV_FP8, MASKED, F8_QK, F8_PV, EARLY_V, BIT_CVT, E5M2)
 
 
 # Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
@@ -217,7 +229,7 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
     LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr, F8_PV: tl.constexpr,
-    EARLY_V: tl.constexpr, BIT_CVT: tl.constexpr, E5M2: tl.constexpr,
+    EARLY_V: tl.constexpr, BIT_CVT: tl.constexpr, E5M2: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -311,7 +323,22 @@ def _paged_attention_kernel(
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK,
                 F8_PV, EARLY_V, BIT_CVT, E5M2)
-    if INTERIOR:
+    if INTERIOR and PREFETCH_TABLE:
+        # The next tile's block-table lookups are issued before this tile's K/V loads, so a tile waits
+        # on one round trip (its K/V), not two (table, then K/V). The lookups are the masked ones
+        # (valid keys only), so the one past the last interior tile reads nothing out of bounds.
+        interior_len = tl.minimum(kv_len, mid_hi * BLOCK_N)
+        key_n, valid_n, off_n = _tile_offsets(mid_lo, table_row, kv_head, interior_len, kv_lo, s_cb, s_cs, s_ch,
+                                              BLOCK_N, BLOCK_SIZE, True, False)
+        for j in range(mid_lo, mid_hi):
+            key, valid, kv_off = key_n, valid_n, off_n
+            key_n, valid_n, off_n = _tile_offsets(j + 1, table_row, kv_head, interior_len, kv_lo, s_cb, s_cs, s_ch,
+                                                  BLOCK_N, BLOCK_SIZE, True, False)
+            m_i, l_i, acc = _attend_rows(q, q_lo, row_scale, m_i, l_i, acc, key, valid, kv_off, k_cache_ptr,
+                                         v_cache_ptr, key_limit, window, softcap, qk_scale, HEAD_DIM, HEAD_DIM_PAD,
+                                         DOT_PRECISION, SOFTCAP, KV_FP8, False, F8_QK, F8_PV, EARLY_V, BIT_CVT,
+                                         E5M2)
+    elif INTERIOR:
         for j in range(mid_lo, mid_hi):
             m_i, l_i, acc = _attend_tile(
                 q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
@@ -390,7 +417,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
                     num_warps: int, num_stages: int, interior: bool = True, lookup_blocks: bool = False,
                     fp8_qk_dot: bool = False, fp8_pv_dot: bool = False, early_v_load: bool = False,
-                    fp8_bit_convert: bool = False, sliding_window: int | None = None,
+                    fp8_bit_convert: bool = False, table_prefetch: bool = False,
+                    sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
@@ -406,6 +434,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `early_v_load`: each tile's V rows are loaded together with its K rows (before the scores).
     `fp8_bit_convert` (fp8 cache, 16-bit queries, neither fp8 dot): K/V reach float16 by moving bits
     (integer ops) instead of the conversion instruction; e4m3's factor 2^8 joins the scales.
+    `table_prefetch`: in the unmasked walk, each tile's block-table lookups are issued one tile ahead.
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -452,7 +481,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
         LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
         F8_QK=f8_qk, F8_PV=f8_pv, EARLY_V=early_v_load, BIT_CVT=bit_cvt,
-        E5M2=kv_cache.dtype == torch.float8_e5m2,
+        E5M2=kv_cache.dtype == torch.float8_e5m2, PREFETCH_TABLE=table_prefetch,
         num_warps=num_warps,
         num_stages=num_stages,
     )
