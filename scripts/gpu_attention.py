@@ -96,8 +96,8 @@ _F8_SPLIT_IO = [_EP, {**_EP, "num_stages": 1}, {**_EP, "num_stages": 1, "kv_spli
                 {**_EP, "num_stages": 1, "kv_splits": 128, "decode_warps": 2}, {**_EP, **_BIT}, _EARLY, _PRE,
                 {"num_stages": 1, "kv_splits": 64}]
 VARIANTS_IO = {("1x16384", "fp8"): _F8_SPLIT_IO, ("256x640", "fp8"): _F8_IO, ("256x128", "fp8"): _F8_IO[:3],
-               ("1x16384", "bf16"): [_EP, {**_EP, "num_stages": 1, "kv_splits": 64}, _EARLY],
-               ("256x640", "bf16"): [_EP, _EARLY, _PRE],
+               ("1x16384", "bf16"): [_EP, {**_EP, "num_stages": 1, "kv_splits": 64}],
+               ("256x640", "bf16"): [_EP],
                ("1x150", "bf16"): [_EP], ("1x150", "fp8"): [{**_BIT, **_EP}]}
 VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
             ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
@@ -465,7 +465,51 @@ def save(records: list[dict], device: str, sm_count: int, copy_bps: float, read_
     return ok
 
 
+def _precompile_calls(shapes: list[str], kinds: list[str], table: dict | None, sm_count: int,
+                      dev: torch.device = torch.device("cuda")) -> list:
+    """One small call per launch a run will time (each case's default and its variants), with the
+    constexprs of the real case (heads, block size, tiles, splits, options): the kernels compile in
+    Triton's disk cache, which the timed run then reads."""
+    calls = []
+    for shape in shapes:
+        rows = int(shape.split("x")[0])
+        if "+" in shape:
+            continue
+        for kind in kinds:
+            kv_dtype = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
+
+            def small(rows=rows, kv_dtype=kv_dtype):
+                return make_case(rows, 64, LLAMA8B, torch.bfloat16 if dev.type == "cuda" else torch.float16, kv_dtype,
+                                 dev, MAX_MODEL_LEN)
+            base = make_backend(LLAMA8B, kv_dtype)
+            calls.append((f"{shape} {kind} default", lambda small=small, base=base: _run_small(base, small())))
+            for override in (table or {}).get((shape, kind), []):
+                def call(small=small, kv_dtype=kv_dtype, override=override):
+                    case = small()
+                    p = plan_of(make_backend(LLAMA8B, kv_dtype), case, sm_count)
+                    cand = dict({k: v for k, v in p.items() if k in SWEEP}, **override)
+                    _run_small(make_backend(LLAMA8B, kv_dtype, launch_config(cand)), case)
+                calls.append((f"{shape} {kind} {override}", call))
+    return calls
+
+
+def _run_small(backend, case: Case) -> None:
+    if case.q.is_cuda:
+        backend._sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    backend.forward(case.q, case.k, case.v, case.caches[0], case.meta)
+
+
+PRECOMPILE_ENV = "GPU_ATTENTION_PRECOMPILE"  # JSON: shapes, kinds, io (for the --precompile children)
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--precompile":  # a child of the parallel compile
+        import triton_precompile
+        spec = json.loads(os.environ[PRECOMPILE_ENV])
+        sm = torch.cuda.get_device_properties(0).multi_processor_count
+        triton_precompile.compile_shard(_precompile_calls(spec["shapes"], spec["kinds"], VARIANTS_IO if spec["io"] else
+                                                          VARIANTS if spec["variants"] else None, sm), sys.argv[2])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--shapes", default=None, help="comma-separated ROWSxCONTEXT (default: %s)" % ",".join(SHAPES))
@@ -476,6 +520,8 @@ def main() -> None:
     ap.add_argument("--io-variants", action="store_true",
                     help="as --variants, with VARIANTS_IO (the fp8 conversion and load-order launches)")
     ap.add_argument("--no-before", action="store_true", help="skip the launches of before the tuning work")
+    ap.add_argument("--precompile-shards", type=int, default=0,
+                    help="compile the default and variant launches in this many processes first (0: off)")
     ap.add_argument("--kv", default="bf16,fp8", help="cache dtypes: bf16,fp8")
     ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only 256x640 and 1x16384")
     args = ap.parse_args()
@@ -506,6 +552,12 @@ def main() -> None:
     print(f"device {name}, {sm_count} SMs; copy bandwidth {copy_bps / 1e9:.0f} GB/s (read + write), "
           f"read bandwidth {read_bps / 1e9:.0f} GB/s", flush=True)
 
+    if dev.type == "cuda" and args.precompile_shards > 0:  # the kernels compile in parallel processes
+        import triton_precompile
+        os.environ[PRECOMPILE_ENV] = json.dumps({"shapes": shapes, "kinds": args.kv.split(","), "io": args.io_variants,
+                                                 "variants": args.variants})
+        triton_precompile.compile_in_processes(__file__, "--precompile", args.precompile_shards,
+                                               min(40.0, args.budget / 2), "attention launches")
     records = [check_fused_fp8_write(dev)]
     # Each case gets an equal share of what is left of the budget for its sweep.
     cases = [(s, qd, kd) for s in shapes for qd, kd in dtypes]

@@ -11,7 +11,7 @@ so that every ratio has its baseline measured in the same process, interleaved.
   request's metrics, so the prefill (~0.6 s, whose run-to-run spread divided by 64 tokens was the
   old figure's noise) is not in it. Rounds alternate the engines' order; the figure is each
   engine's median over the rounds (every round's value is in the record).
-- The first batch-1 request of each engine runs under a device-profile window
+- After the timed runs, one more batch-1 request of each engine runs under a device-profile window
   (tokenmill/worker/device_profile.py, batch 1): its decode steps cut into kernel groups
   (tokenmill/benchmarks/step_profile.py), printed side by side with the attention kernels apart
   (the paged attention launch, the split reduce, the fused rotary + KV write).
@@ -27,9 +27,9 @@ import random
 import statistics
 import time
 
-BATCH1_TOKENS = 96  # decode steps per batch-1 run
-ROUNDS = 3
-PROFILE = {"skip": 8, "steps": 24}  # the device-profile window over the first batch-1 request
+BATCH1_TOKENS = int(os.environ.get("KVFP8_TOKENS", "96"))  # decode steps per timed batch-1 run
+ROUNDS = int(os.environ.get("KVFP8_ROUNDS", "3"))  # timed batch-1 runs per engine
+PROFILE_STEPS = 16  # decode steps in the device-profile window (the request after the timed ones)
 LABELS = ("bf16kv", "fp8kv")  # the baseline first
 ENGINE_KWARGS = {"bf16kv": {"gpu_memory_utilization": 0.45}, "fp8kv": {"kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.9}}
 # Kernels shown apart from their step_profile group (a name fragment -> a row of the table).
@@ -80,6 +80,14 @@ def profile_table(prof: dict) -> list[str]:
     return lines
 
 
+def _save(results: dict, out: str) -> None:
+    """What is measured so far, to $OUT/kvfp8_side_by_side.json (a run cut short keeps it)."""
+    os.makedirs(out, exist_ok=True)
+    keep = {k: results[k] for k in ("timings", "kvprofile") if k in results}
+    with open(os.path.join(out, "kvfp8_side_by_side.json"), "w") as f:
+        json.dump(keep, f, indent=1, default=str)
+
+
 def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads: list[str], out: str,
                  throughput, scale) -> None:
     """`throughput(llm, num, input_len, output_len)` -> output tok/s (gpu_quant's); `scale` shrinks
@@ -89,7 +97,9 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
     from tokenmill.worker.device_profile import ENV_VAR
 
     tokens = 4 if smoke else BATCH1_TOKENS
-    window = {"skip": 2, "steps": 3} if smoke else PROFILE
+    rounds = 1 if smoke else ROUNDS
+    # The window opens on the profiled request, after the timed runs' decode steps (not slowed by it).
+    window = {"skip": rounds * tokens + 4, "steps": 3 if smoke else PROFILE_STEPS}
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     timings = results.setdefault("timings", {})
     recs = {label: timings.setdefault("kvfp8" if label == "fp8kv" else "kvfp8_bf16kv", {}) for label in LABELS}
@@ -115,8 +125,10 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
             print(f"  {label}: engine up in {recs[label]['engine_up_s']:.0f} s; {recs[label]['kv_blocks']} KV blocks",
                   flush=True)
         print(f"  KV blocks fp8 / bf16: {recs['fp8kv']['kv_blocks'] / recs['bf16kv']['kv_blocks']:.3f}", flush=True)
+        _save(results, out)
         if "batch1_16k" in workloads:
-            _batch1(engines, recs, results, long_ctx, tokens, window, out, step_profile, smoke)
+            _batch1(engines, recs, results, long_ctx, tokens, rounds, window, out, step_profile)
+            _save(results, out)
         if "1000x512x256" in workloads:
             order = LABELS if os.environ.get("KVFP8_ORDER", "") != "fp8-first" else LABELS[::-1]
             for label in order:
@@ -124,6 +136,7 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
                 recs[label]["1000x512x256"] = throughput(engines[label], scale(1000), scale(512), scale(256))
                 print(f"  {label} 1000x512x256: {recs[label]['1000x512x256']:,.0f} output tok/s "
                       f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                _save(results, out)
             r = recs["fp8kv"]["1000x512x256"] / recs["bf16kv"]["1000x512x256"]
             print(f"  1000x512x256 fp8 KV / bf16 KV: {r:.3f}", flush=True)
     finally:
@@ -131,24 +144,9 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
             llm.shutdown()
 
 
-def _batch1(engines, recs, results, long_ctx, tokens, window, out, step_profile, smoke) -> None:
-    # The profiled request first (its steps are slowed by the window), then the timed rounds.
-    prof = results.setdefault("kvprofile", {})
-    for label, llm in engines.items():
-        first = decode_ms(llm, long_ctx, window["skip"] + window["steps"] + 8, seed=100)
-        path = os.path.join(out, f"kvprofile_{label}", "rank0.json")
-        if not os.path.exists(path):
-            print(f"  {label}: no profile window written ({path})", flush=True)
-            continue
-        with open(path) as f:
-            a = step_profile.analyze(json.load(f))
-        prof[label] = a
-        print(step_profile.format_report(f"{label} batch-1 decode at {long_ctx} tokens (profiled request: "
-                                         f"{first['ms_per_token']:.3f} ms/token)", a, top=12), flush=True)
-    for line in profile_table(prof):
-        print("  " + line, flush=True)
+def _batch1(engines, recs, results, long_ctx, tokens, rounds, window, out, step_profile) -> None:
     runs = {label: [] for label in engines}
-    for r in range(ROUNDS if not smoke else 1):
+    for r in range(rounds):
         for label in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             runs[label].append(decode_ms(engines[label], long_ctx, tokens, seed=1000 * r + len(runs[label])))
         print(f"  round {r + 1}: " + ", ".join(f"{lb} {runs[lb][-1]['ms_per_token']:.3f} ms/token" for lb in engines),
@@ -159,4 +157,20 @@ def _batch1(engines, recs, results, long_ctx, tokens, window, out, step_profile,
         recs[label]["batch1_16k_runs"] = runs[label]
     r = recs["fp8kv"]["batch1_16k"] / recs["bf16kv"]["batch1_16k"]
     print(f"  batch 1 x {long_ctx}: bf16 KV {recs['bf16kv']['batch1_16k']:.3f}, fp8 KV {recs['fp8kv']['batch1_16k']:.3f} "
-          f"ms/token (medians of {len(runs['fp8kv'])}): fp8 / bf16 {r:.3f}", flush=True)
+          f"ms/token (medians of {rounds}): fp8 / bf16 {r:.3f}", flush=True)
+    _save(results, out)
+    # The profiled request (its steps are slowed by the window: not timed).
+    prof = results.setdefault("kvprofile", {})
+    for label, llm in engines.items():
+        decode_ms(llm, long_ctx, window["steps"] + 12, seed=100)
+        path = os.path.join(out, f"kvprofile_{label}", "rank0.json")
+        if not os.path.exists(path):
+            print(f"  {label}: no profile window written ({path})", flush=True)
+            continue
+        with open(path) as f:
+            a = step_profile.analyze(json.load(f))
+        prof[label] = a
+        print(step_profile.format_report(f"{label} batch-1 decode at {long_ctx} tokens", a, top=12), flush=True)
+        _save(results, out)
+    for line in profile_table(prof):
+        print("  " + line, flush=True)
