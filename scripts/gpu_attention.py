@@ -279,7 +279,9 @@ def time_layers(backend, case: Case, dev) -> float:
 def launch_config(cand: dict) -> TritonAttentionConfig:
     """The backend's config that makes a decode launch `cand`, over either cache dtype."""
     tiles = DecodeTiles(block_n=cand["block_n"], warps=cand["decode_warps"], stages=cand["num_stages"],
-                        min_rows=cand.get("decode_min_rows", 16))
+                        min_rows=cand.get("decode_min_rows", 16), early_v_load=cand.get("early_v_load", False),
+                        table_prefetch=cand.get("table_prefetch", False),
+                        fp8_bit_convert=cand.get("fp8_bit_convert", False))
     return TritonAttentionConfig(
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], fp8_qk_dot=cand["fp8_qk_dot"],
         fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"],
@@ -307,8 +309,7 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
             "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
-            "early_v_load": backend.config.early_v_load, "fp8_bit_convert": backend.config.fp8_bit_convert,
-            "table_prefetch": backend.config.table_prefetch,
+            "early_v_load": p.early_v_load, "fp8_bit_convert": p.fp8_bit_convert, "table_prefetch": p.table_prefetch,
             "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
