@@ -68,10 +68,10 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
     "fp8_pv_dot": [True, False],  # fp8 caches only: p @ v as two fp8 dots, values unconverted
     "decode_min_rows": [64, 16],  # query rows of a decode tile (16: mma.sync; 64: Hopper's wgmma)
     "early_v_load": [True, False],  # each tile's V rows loaded with its K rows (twice the bytes in flight)
-    "fp8_bit_convert": [True, False],  # fp8 caches only: fp8 -> float16 by integer bit moves
+    "fp8_convert_on_load": [True, False],  # fp8 caches only: K/V to float16 where they load
     "table_prefetch": [True, False],  # block-table lookups one tile ahead in the unmasked walk
 }
-FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot", "fp8_bit_convert")
+FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot", "fp8_convert_on_load")
 # --variants: named launches tried per case (on top of the default plan), in order of interest,
 # ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
 _QKPV = {"fp8_qk_dot": True, "fp8_pv_dot": True}
@@ -83,22 +83,25 @@ _F8 = [{**_QKPV, "num_stages": 3, "decode_warps": 4}, {**_QKPV, "num_stages": 2,
        {**_QKPV, "num_stages": 3, "decode_warps": 4, "block_n": 64}, {"fp8_pv_dot": True, "num_stages": 2, "decode_warps": 4},
        {**_QKPV, "num_stages": 4, "decode_warps": 4}]
 _F8_SPLIT = [{**_QKPV, "num_stages": 3}, {**_QKPV, "num_stages": 2}, {"num_stages": 3}, {"num_stages": 4, "block_n": 64}]
-# Session of 2026-11-26 (fourth): the sweeps of the sessions before say a decode program is bound by
-# round trips, not bytes: at 1 x 16384 the time is proportional to the tiles each program walks (1 to
-# 16 shares: 375 -> 33 us) whatever the stages (1-4: 25.9-23.9 us), about 2-3 us per tile, the latency
-# of a block-table lookup, then the K load, then the V load, one after another. So: V loaded with K
-# (early_v_load), the table looked up one tile ahead (table_prefetch), one stage (little shared
-# memory: more programs per SM) with more shares, and the fp8 conversion by bit moves.
-_BIT, _EARLY, _PRE = {"fp8_bit_convert": True}, {"early_v_load": True}, {"table_prefetch": True}
+# Session of 2026-11-26 (fourth). Compiled offline for sm_90 (triton 3.9), every fp8 launch reads its V
+# tile back from shared memory ONE BYTE PER LOAD (256 LDS.U8 per thread per 128-key tile): the compiler
+# moves the fp8 -> float16 conversion after the layout change the p @ v dot needs, and an 8-bit tile
+# cannot be transposed by ldmatrix. fp8_convert_on_load pins the conversion where the tile loads (no
+# LDS.U8, ldmatrix.trans on float16, 222 registers and no spill at 2 warps against 255 + 272 bytes of
+# stack). The sweeps before also say a decode program is bound by round trips at batch 1 (1 to 16
+# shares: 375 -> 33 us; stages 1-4: 25.9-23.9 us): V loaded with K (early_v_load), the table looked
+# up one tile ahead (table_prefetch), one stage (little shared memory) with more shares.
+_CVT, _EARLY, _PRE = {"fp8_convert_on_load": True}, {"early_v_load": True}, {"table_prefetch": True}
 _EP = {**_EARLY, **_PRE}
-_F8_IO = [_EP, {**_EP, "decode_warps": 4}, {**_EP, **_BIT}, _BIT, _EARLY, _PRE]
-_F8_SPLIT_IO = [_EP, {**_EP, "num_stages": 1}, {**_EP, "num_stages": 1, "kv_splits": 64},
-                {**_EP, "num_stages": 1, "kv_splits": 128, "decode_warps": 2}, {**_EP, **_BIT}, _EARLY, _PRE,
-                {"num_stages": 1, "kv_splits": 64}]
-VARIANTS_IO = {("1x16384", "fp8"): _F8_SPLIT_IO, ("256x640", "fp8"): _F8_IO, ("256x128", "fp8"): _F8_IO[:3],
+_F8_IO = [_CVT, {**_CVT, "decode_warps": 4}, {**_CVT, **_EP}, {**_CVT, **_EP, "decode_warps": 4},
+          {**_CVT, "num_stages": 2, "decode_warps": 4}, {**_CVT, "block_n": 64, "decode_warps": 4}, _EP]
+_F8_SPLIT_IO = [_CVT, {**_CVT, **_EP}, {**_CVT, "num_stages": 2}, {**_CVT, **_EP, "num_stages": 1},
+                {**_CVT, "kv_splits": 64}, {**_CVT, **_EP, "num_stages": 1, "kv_splits": 64}, _EP]
+VARIANTS_IO = {("1x16384", "fp8"): _F8_SPLIT_IO, ("256x640", "fp8"): _F8_IO, ("256x128", "fp8"): _F8_IO[:4],
+               ("256x2048", "fp8"): _F8_IO[:4],
                ("1x16384", "bf16"): [_EP, {**_EP, "num_stages": 1, "kv_splits": 64}],
                ("256x640", "bf16"): [_EP],
-               ("1x150", "bf16"): [_EP], ("1x150", "fp8"): [{**_BIT, **_EP}]}
+               ("1x150", "bf16"): [_EP], ("1x150", "fp8"): [{**_CVT, **_EP}]}
 VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
             ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
@@ -251,7 +254,7 @@ def time_parts(backend, case: Case, dev, plan: dict) -> dict:
                 max_splits=1 << max(plan["kv_splits"] - 1, 0).bit_length(), num_warps=plan["decode_warps"],
                 num_stages=plan["num_stages"], interior=plan["interior"], lookup_blocks=plan["lookup_blocks"],
                 fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], early_v_load=plan["early_v_load"],
-                fp8_bit_convert=plan["fp8_bit_convert"], table_prefetch=plan["table_prefetch"],
+                fp8_convert_on_load=plan["fp8_convert_on_load"], table_prefetch=plan["table_prefetch"],
                 k_scale=backend.k_scale, v_scale=backend.v_scale)
     n = len(case.caches)
     return {"write_us": time_us(write, dev) / n, "attend_us": time_us(attend, dev) / n}
@@ -281,11 +284,11 @@ def launch_config(cand: dict) -> TritonAttentionConfig:
     tiles = DecodeTiles(block_n=cand["block_n"], warps=cand["decode_warps"], stages=cand["num_stages"],
                         min_rows=cand.get("decode_min_rows", 16), early_v_load=cand.get("early_v_load", False),
                         table_prefetch=cand.get("table_prefetch", False),
-                        fp8_bit_convert=cand.get("fp8_bit_convert", False))
+                        fp8_convert_on_load=cand.get("fp8_convert_on_load", False))
     return TritonAttentionConfig(
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], fp8_qk_dot=cand["fp8_qk_dot"],
         fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"],
-        early_v_load=cand.get("early_v_load", False), fp8_bit_convert=cand.get("fp8_bit_convert", False),
+        early_v_load=cand.get("early_v_load", False), fp8_convert_on_load=cand.get("fp8_convert_on_load", False),
         table_prefetch=cand.get("table_prefetch", False),
         decode_tiles=tiles,
         split_decode_tiles=tiles, fp8_decode_tiles=tiles, fp8_split_decode_tiles=tiles)
@@ -299,7 +302,7 @@ def before_launch(case: Case, heads, sm_count: int) -> dict:
                                                              max(case.meta.max_seq_len // 256, 1), 32))
     return {"interior": False, "num_stages": 2, "block_n": 64, "kv_splits": splits, "decode_warps": 4,
             "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "decode_min_rows": 16,
-            "early_v_load": False, "fp8_bit_convert": False, "table_prefetch": False}
+            "early_v_load": False, "fp8_convert_on_load": False, "table_prefetch": False}
 
 
 def plan_of(backend, case: Case, sm_count: int) -> dict:
@@ -309,7 +312,7 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
             "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
-            "early_v_load": p.early_v_load, "fp8_bit_convert": p.fp8_bit_convert, "table_prefetch": p.table_prefetch,
+            "early_v_load": p.early_v_load, "fp8_convert_on_load": p.fp8_convert_on_load, "table_prefetch": p.table_prefetch,
             "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
@@ -538,7 +541,7 @@ def main() -> None:
     # Smoke: the interpreter mis-rounds float -> fp8, so the fp8 query terms are not checked there.
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
               "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [],
-              "decode_min_rows": [64], "early_v_load": [True], "fp8_bit_convert": [True],
+              "decode_min_rows": [64], "early_v_load": [True], "fp8_convert_on_load": [True],
               "table_prefetch": [True]}
              if smoke else SWEEP)
     if smoke:

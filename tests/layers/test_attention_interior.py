@@ -114,16 +114,16 @@ def test_decode_launch_parameters_per_cache_dtype():
     assert (plain.block_n, plain.num_stages, plain.num_warps, plain.num_splits) == (16, 1, 4, 32)
     # The round-trip options: per DecodeTiles (here the fp8 split launch's), or the config's for all.
     tiles = dict(config.__dict__, fp8_split_decode_tiles=DecodeTiles(128, 4, 4, early_v_load=True, table_prefetch=True,
-                                                                      fp8_bit_convert=True))
+                                                                      fp8_convert_on_load=True))
     on = plan_launch(TritonAttentionConfig(**tiles), 32, 8, 1, 1, 1, 4096, 132, kv_fp8=True)
     off = plan_launch(TritonAttentionConfig(**tiles), 32, 8, 256, 256, 1, 4096, 132, kv_fp8=True)
-    assert (on.early_v_load, on.table_prefetch, on.fp8_bit_convert) == (True, True, True)
-    assert (off.early_v_load, off.table_prefetch, off.fp8_bit_convert) == (False, False, False)
-    everywhere = TritonAttentionConfig(early_v_load=True, table_prefetch=True, fp8_bit_convert=True)
+    assert (on.early_v_load, on.table_prefetch, on.fp8_convert_on_load) == (True, True, True)
+    assert (off.early_v_load, off.table_prefetch, off.fp8_convert_on_load) == (False, False, False)
+    everywhere = TritonAttentionConfig(early_v_load=True, table_prefetch=True, fp8_convert_on_load=True)
     pre = plan_launch(everywhere, 32, 8, 600, 4, 512, 4096, 132, kv_fp8=True)
-    assert (pre.early_v_load, pre.table_prefetch, pre.fp8_bit_convert) == (False, True, True)  # no early V in prefill
+    assert (pre.early_v_load, pre.table_prefetch, pre.fp8_convert_on_load) == (False, True, True)  # no early V in prefill
     dec = plan_launch(everywhere, 32, 8, 256, 256, 1, 4096, 132, kv_fp8=True)
-    assert (dec.early_v_load, dec.table_prefetch, dec.fp8_bit_convert) == (True, True, True)
+    assert (dec.early_v_load, dec.table_prefetch, dec.fp8_convert_on_load) == (True, True, True)
 
 
 @pytest.mark.parametrize("window,splits,early_v", [(None, None, False), (40, 3, True), (23, None, True), (None, 2, False)])

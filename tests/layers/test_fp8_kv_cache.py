@@ -140,23 +140,23 @@ def test_triton_fp8_weights_value_dot(splits):
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
 @pytest.mark.parametrize("splits,early_v,rows", [(None, False, ROWS), (3, True, DECODE_ROWS), (None, True, DECODE_ROWS)])
-def test_triton_fp8_bit_convert(dtype, splits, early_v, rows):
-    """fp8_bit_convert: K/V reach float16 by integer bit moves (e4m3: value / 2^8, the factor folded
-    into the scales; e5m2: float16's top byte), float16 queries; early_v_load (decode launches only:
-    decode rows) with and without split KV. Exact integer arithmetic, so the interpreter checks it as
-    a GPU runs it."""
+def test_triton_fp8_convert_on_load(dtype, splits, early_v, rows):
+    """fp8_convert_on_load (K/V tiles converted to float16 where they load; on a GPU by inline PTX the
+    compiler cannot move, here the plain conversion: scripts/gpu_attention.py checks the PTX against
+    the reference) with float16 queries, early_v_load (decode launches only: decode rows) with and
+    without split KV; subnormals, the largest value and -0 in a block that is read."""
     require_module("triton")
     from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
 
     k_scale, v_scale = 0.5, 2.0
     case, cache8, expected = _fp8_case(dtype, k_scale, v_scale, rows=rows)
     cache8[0, 0, 1, 0, :4] = torch.tensor([2.0 ** -9, -(2.0 ** -7), 448.0 if dtype == torch.float8_e4m3fn else 57344.0,
-                                           -0.0]).to(dtype)  # subnormals, the largest value, -0
+                                           -0.0]).to(dtype)
     ref_cache = torch.stack([cache8[0].float() * k_scale, cache8[1].float() * v_scale])
     expected = TorchRefAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM)).forward(
         case.q, case.k_rt, case.v_rt, ref_cache, case.meta)
     backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM), config=TritonAttentionConfig(
-        kv_splits=splits, fp8_bit_convert=True, early_v_load=early_v))
+        kv_splits=splits, fp8_convert_on_load=True, early_v_load=early_v))
     backend.k_scale, backend.v_scale = k_scale, v_scale
     out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
     n = case.meta.num_tokens

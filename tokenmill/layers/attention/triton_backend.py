@@ -51,7 +51,7 @@ class DecodeTiles:
     # Round trips a tile waits on (the config's flags of the same names turn them on everywhere):
     early_v_load: bool = False  # V loaded with K (one round trip for both)
     table_prefetch: bool = False  # the next tile's block-table lookups issued before this tile's loads
-    fp8_bit_convert: bool = False  # fp8 caches: fp8 -> float16 by integer bit moves
+    fp8_convert_on_load: bool = False  # fp8 caches: K/V to float16 where they load (not after the layout change)
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,10 @@ class TritonAttentionConfig:
     lookup_blocks: bool = False  # in those tiles, one block-table read per cache block, not per key
     fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted)
     fp8_pv_dot: bool = False  # e4m3 caches: p @ v as two fp8 dots (values unconverted)
-    # On for every launch (else per DecodeTiles): decode launches' V loaded with K; fp8 -> float16 by
-    # integer bit moves; block-table lookups one tile ahead in the unmasked walk.
+    # On for every launch (else per DecodeTiles): decode launches' V loaded with K; fp8 K/V converted to
+    # float16 where they load; block-table lookups one tile ahead in the unmasked walk.
     early_v_load: bool = False
-    fp8_bit_convert: bool = False
+    fp8_convert_on_load: bool = False
     table_prefetch: bool = False
 
 
@@ -116,7 +116,7 @@ class LaunchPlan:
     num_stages: int
     early_v_load: bool = False
     table_prefetch: bool = False
-    fp8_bit_convert: bool = False
+    fp8_convert_on_load: bool = False
 
 
 def _next_pow2(n: int) -> int:
@@ -151,19 +151,19 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
                       -(-min_rows // group_pad), 1)
         early_v = config.early_v_load
         prefetch = config.table_prefetch
-        bits = config.fp8_bit_convert
+        bits = config.fp8_convert_on_load
         if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned
             return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages, early_v,
                               prefetch, bits)
         return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages, early_v or tiles.early_v_load,
-                          prefetch or tiles.table_prefetch, bits or tiles.fp8_bit_convert)
+                          prefetch or tiles.table_prefetch, bits or tiles.fp8_convert_on_load)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
         rows, warps = config.prefill_rows, config.prefill_warps
     # Prefill launches: no early V (its tiles' registers); the table lookahead and bit conversion as set.
     return LaunchPlan(max(rows // group_pad, min_q, 1), config.block_n, 1, warps, config.num_stages, False,
-                      config.table_prefetch, config.fp8_bit_convert)
+                      config.table_prefetch, config.fp8_convert_on_load)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -221,7 +221,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
             fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot,
-            early_v_load=plan.early_v_load, fp8_bit_convert=plan.fp8_bit_convert, table_prefetch=plan.table_prefetch,
+            early_v_load=plan.early_v_load, fp8_convert_on_load=plan.fp8_convert_on_load, table_prefetch=plan.table_prefetch,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 
