@@ -81,8 +81,10 @@ class TritonAttentionConfig:
     # max_model_len) cannot tell the two apart: 128 keys (the engine's 1000x512x256 decodes at 512-768).
     decode_tiles: DecodeTiles = DecodeTiles()
     split_decode_tiles: DecodeTiles | None = None
-    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=2, stages=1)
-    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4)
+    # fp8: K/V converted to float16 where they load (fp8_convert_on_load; without it every fp8 launch read
+    # its V tile back from shared memory one byte per load: docs/results/gpu-attention.md).
+    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=2, stages=1, fp8_convert_on_load=True)
+    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4, fp8_convert_on_load=True)
     # A share of the KV axis spans at least this many keys (of max_seq_len). H200, batch 1, context 640
     # captured at max_seq_len 784: 8 shares 8.1 / 8.6 us at 4 / 8 KV heads against 11.2 / 12.8 for the
     # 2 that 256 allowed (scripts/gpu_layouts.py --parts single).
