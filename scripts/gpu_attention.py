@@ -481,7 +481,7 @@ def _precompile_calls(shapes: list[str], kinds: list[str], table: dict | None, s
         if "+" in shape:
             continue
         for kind in kinds:
-            kv_dtype = torch.bfloat16 if kind == "bf16" else torch.float8_e4m3fn
+            kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kind]
 
             def small(rows=rows, kv_dtype=kv_dtype):
                 return make_case(rows, 64, LLAMA8B, torch.bfloat16 if dev.type == "cuda" else torch.float16, kv_dtype,
@@ -529,7 +529,7 @@ def main() -> None:
     ap.add_argument("--no-before", action="store_true", help="skip the launches of before the tuning work")
     ap.add_argument("--precompile-shards", type=int, default=0,
                     help="compile the default and variant launches in this many processes first (0: off)")
-    ap.add_argument("--kv", default="bf16,fp8", help="cache dtypes: bf16,fp8")
+    ap.add_argument("--kv", default="bf16,fp8", help="cache dtypes: bf16,fp8,fp8_e5m2")
     ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only 256x640 and 1x16384")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -541,6 +541,8 @@ def main() -> None:
     dtypes = ([(torch.float32, torch.float32), (torch.float16, torch.float8_e4m3fn)] if smoke else
               [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)])
     dtypes = [d for d, kind in zip(dtypes, ("bf16", "fp8")) if kind in args.kv.split(",")]
+    if "fp8_e5m2" in args.kv.split(","):  # the e5m2 conversion (timed and checked like e4m3's)
+        dtypes.append((torch.float16 if smoke else torch.bfloat16, torch.float8_e5m2))
     # Smoke: the interpreter mis-rounds float -> fp8, so the fp8 query terms are not checked there.
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
               "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [],
@@ -609,8 +611,9 @@ def main() -> None:
         if "case" in r and "error" not in r:
             by_case.setdefault(r["case"], {})[r["kv"]] = r
     for c, rs in by_case.items():
-        if len(rs) == 2:
-            (a, ra), (b, rb) = rs.items()
+        base_kind = "bfloat16" if "bfloat16" in rs else "float32"
+        for b, rb in ((k, r) for k, r in rs.items() if k != base_kind and base_kind in rs):
+            a, ra = base_kind, rs[base_kind]
             prev = (f"previous defaults {rb['previous_us'] / ra['previous_us']:.2f}, "
                     if "previous_us" in ra and "previous_us" in rb else "")
             print(f"  {c}: {b} / {a} time, {prev}default launch {rb['us'] / ra['us']:.2f}, "
