@@ -81,10 +81,13 @@ class TritonAttentionConfig:
     # max_model_len) cannot tell the two apart: 128 keys (the engine's 1000x512x256 decodes at 512-768).
     decode_tiles: DecodeTiles = DecodeTiles()
     split_decode_tiles: DecodeTiles | None = None
-    # fp8: K/V converted to float16 where they load (fp8_convert_on_load; without it every fp8 launch read
-    # its V tile back from shared memory one byte per load: docs/results/gpu-attention.md).
-    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=2, stages=1, fp8_convert_on_load=True)
-    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4, fp8_convert_on_load=True)
+    # fp8 unsplit: K/V converted to float16 where they load (fp8_convert_on_load; without it the V tile is
+    # read back from shared memory one byte per load), 4 warps, 2 stages: H100, 256 rows x 640 keys,
+    # 157.3 us against 180.7 before (1 stage, 2 warps, no conversion on load; that with it: 177.9).
+    # Split (batch 1 x 16k): as before, 26.2 us against 27.9 converting on load
+    # (docs/results/gpu-kvfp8.md).
+    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=2, fp8_convert_on_load=True)
+    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4)
     # A share of the KV axis spans at least this many keys (of max_seq_len). H200, batch 1, context 640
     # captured at max_seq_len 784: 8 shares 8.1 / 8.6 us at 4 / 8 KV heads against 11.2 / 12.8 for the
     # 2 that 256 allowed (scripts/gpu_layouts.py --parts single).
