@@ -100,7 +100,9 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
     tokens = 4 if smoke else BATCH1_TOKENS
     rounds = 1 if smoke else ROUNDS
     # The window opens on the profiled request, after the timed runs' decode steps (not slowed by it).
-    window = {"skip": rounds * tokens + 4, "steps": 3 if smoke else PROFILE_STEPS}
+    # A run's one-token steps: its decode steps, and the first step too when the prompt is cached but for
+    # its last token (a one-row, one-token step); the window opens 8 steps into the profiled request.
+    window = {"skip": rounds * (tokens + 1) + 8, "steps": 3 if smoke else PROFILE_STEPS}
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     timings = results.setdefault("timings", {})
     recs = {label: timings.setdefault("kvfp8" if label == "fp8kv" else "kvfp8_bf16kv", {}) for label in LABELS}
@@ -174,7 +176,7 @@ def _batch1(engines, recs, results, long_ctx, tokens, rounds, window, out, step_
     # The profiled request (its steps are slowed by the window: not timed).
     prof = results.setdefault("kvprofile", {})
     for label, llm in engines.items():
-        decode_ms(llm, long_ctx, window["steps"] + 12, seed=7)
+        decode_ms(llm, long_ctx, window["steps"] + 24, seed=7)
         path = os.path.join(out, f"kvprofile_{label}", "rank0.json")
         if not os.path.exists(path):
             print(f"  {label}: no profile window written ({path})", flush=True)
