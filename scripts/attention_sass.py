@@ -30,10 +30,10 @@ OPS = ("LDS.U8", "LDSM.16.MT88", "LDSM.16.M88", "LDGSTS", "LDG.E.128", "F2FP.F16
 DEFAULTS = [  # the decode launches of TritonAttentionConfig's defaults (see triton_backend.py)
     {"kv": "bf16", "warps": 4, "stages": 2, "split": False},
     {"kv": "bf16", "warps": 4, "stages": 2, "split": True},
-    {"kv": "fp8", "warps": 2, "stages": 1, "split": False, "convert_on_load": True},
-    {"kv": "fp8", "warps": 4, "stages": 4, "split": True, "convert_on_load": True},
-    {"kv": "fp8", "warps": 2, "stages": 1, "split": False, "convert_on_load": False},
+    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": True},
     {"kv": "fp8", "warps": 4, "stages": 4, "split": True, "convert_on_load": False},
+    {"kv": "fp8", "warps": 2, "stages": 1, "split": False, "convert_on_load": False},  # the unsplit one before
+    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": False},
 ]
 
 
