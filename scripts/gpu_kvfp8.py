@@ -130,11 +130,18 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
             finally:
                 os.environ.pop(ENV_VAR, None)
             recs[label]["engine_up_s"] = time.perf_counter() - start
-            recs[label]["kv_blocks"] = engines[label].kv_cache_stats()["num_blocks"]
-            print(f"  {label}: engine up in {recs[label]['engine_up_s']:.0f} s; {recs[label]['kv_blocks']} KV blocks",
+            # Not "kv_blocks": the two pools of this process differ in size (the second engine's budget
+            # counts the first's memory), so their block counts are no 2x figure; blocks per GiB are.
+            blocks = engines[label].kv_cache_stats()["num_blocks"]
+            arch = engines[label].config.model.arch
+            per_block = (2 * arch.num_layers * engines[label].config.cache.block_size * arch.num_kv_heads * arch.head_dim
+                         * (1 if label == "fp8kv" else 2))
+            recs[label]["kv_blocks_this_pool"] = blocks
+            recs[label]["kv_pool_gib"] = blocks * per_block / 2**30
+            recs[label]["kv_blocks_per_gib"] = 2**30 / per_block
+            print(f"  {label}: engine up in {recs[label]['engine_up_s']:.0f} s; {blocks} KV blocks "
+                  f"({recs[label]['kv_pool_gib']:.1f} GiB pool, {recs[label]['kv_blocks_per_gib']:.0f} blocks a GiB)",
                   flush=True)
-        if len(engines) == 2:
-            print(f"  KV blocks fp8 / bf16: {recs['fp8kv']['kv_blocks'] / recs['bf16kv']['kv_blocks']:.3f}", flush=True)
         _save(results, out)
         if "batch1_16k" in workloads:
             _batch1(engines, recs, results, long_ctx, tokens, rounds, window, out, step_profile)
