@@ -51,6 +51,23 @@ def test_prefetch_gemv_matches_reference(mode, panel, block_k, split, prefetch, 
         assert not counters.any(), "split-K counters must be reset for the next call"
 
 
+@pytest.mark.parametrize("prefetch,split,stagger", [(1, 2, 1), (2, 1, 3), (0, 2, 1), (1, 4, 5)])
+def test_prefetch_gemv_staggered_slices_match_reference(prefetch, split, stagger):
+    """STAGGER rotates each panel's K slice (panel i starts i * STAGGER tiles in, wrapping): every
+    tile is still read once, with its own group's scales and zeros; PDL asked for on a CPU is
+    ignored (the launch is the plain one)."""
+    from tokenmill.layers.quantization.triton_int4_prefetch_gemv import PrefetchGemv, prefetch_gemv
+
+    wt = _case(n=128, k=512, group=32)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(3))
+    ref = x.double() @ packing.dequantize(wt, 32, torch.float64)
+    counters = torch.zeros(8, dtype=torch.int32)
+    c = PrefetchGemv(32, 3, 32, split, 4, prefetch, stages=2, stagger=stagger, pdl=True)
+    out = prefetch_gemv(x, packing.to_panels(wt.qweight, 32), wt.scales, wt.zeros, 32, c, counters)
+    assert (out.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    assert not counters.any()
+
+
 def test_prefetch_gemv_half_mode_survives_large_activations():
     """fp16 overflows at 65504: mode 4 scales each row of 8 x values by a power of two first."""
     from tokenmill.layers.quantization.triton_int4_prefetch_gemv import PrefetchGemv, prefetch_gemv

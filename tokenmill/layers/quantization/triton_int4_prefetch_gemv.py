@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.quantization.triton_int4_gemv import _half_bits, _nibble_as_float, _pow2_scale
+from tokenmill.layers.quantization.triton_panels import grid_dependency_wait, panel_prologue, pdl_supported
 
 # Mode 3: $0 <- sum over the word $1's 8 nibbles of (offset + q) * x, x in $2..$9 (float32; the
 # odd nibbles' x already divided by 16). Pairs: (0, 4), (1, 5) from the word, (2, 6), (3, 7) from
@@ -191,46 +192,60 @@ def _tile_dot(words, s, z, x_base, offs_r, MODE: tl.constexpr, ASM: tl.constexpr
 
 
 @triton.jit
+def _k_step(i, t_lo, steps, rot):
+    """The K tile a program reads at its i-th step: its slice [t_lo, t_lo + steps) rotated by
+    `rot` (STAGGER: programs of neighbouring panels start at different offsets in their slices,
+    so that the loads in flight at one time are not all at the same offset modulo the slice)."""
+    return t_lo + (i + rot) % steps
+
+
+@triton.jit
 def _prefetch_gemv_kernel(x_ptr, qp_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, N, K, s_sg,
                           GROUP: tl.constexpr, PANEL: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
-                          PREFETCH: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr, ASM: tl.constexpr):
+                          PREFETCH: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr, ASM: tl.constexpr,
+                          STAGGER: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8
-    offs_r = tl.arange(0, R)
-    offs_c = tl.arange(0, PANEL)
-    offs_n = pid_n * PANEL + offs_c
+    offs_r, offs_c, offs_n, panel = panel_prologue(qp_ptr, pid_n, K, PANEL, BLOCK_K)
     tile_offs = offs_r[:, None] * PANEL + offs_c[None, :]
-    panel = qp_ptr + pid_n.to(tl.int64) * (K // 8) * PANEL
     steps = K // BLOCK_K // SPLIT  # the host checks that SPLIT divides the K tiles
     t_lo = pid_k * steps
-    t_hi = t_lo + steps
+    rot = (pid_n * STAGGER) % steps
     acc = tl.zeros([R, PANEL], dtype=tl.float32)
     if PREFETCH == 0:  # Triton's pipeline (cp.async into shared memory) over the K loop
-        for t in tl.range(t_lo, t_hi, num_stages=STAGES):
+        if PDL:  # x (and the outputs) belong to the kernels before: wait for them
+            grid_dependency_wait()
+        for i in tl.range(0, steps, num_stages=STAGES):
+            t = _k_step(i, t_lo, steps, rot)
             words = tl.load(panel + t * (R * PANEL) + tile_offs)
             g = (t * BLOCK_K) // GROUP
             s = tl.load(s_ptr + g * s_sg + offs_n).to(tl.float32)
             z = tl.load(z_ptr + g * s_sg + offs_n).to(tl.float32)
             acc += _tile_dot(words, s, z, x_ptr + t * BLOCK_K, offs_r, MODE, ASM)
-    else:  # registers: the tiles of steps t + 1 .. t + PREFETCH are in flight during step t
-        w0 = tl.load(panel + t_lo * (R * PANEL) + tile_offs)
-        g = (t_lo * BLOCK_K) // GROUP
+    else:  # registers: the tiles of steps i + 1 .. i + PREFETCH are in flight during step i
+        t0 = _k_step(0, t_lo, steps, rot)
+        w0 = tl.load(panel + t0 * (R * PANEL) + tile_offs)
+        g = (t0 * BLOCK_K) // GROUP
         s0 = tl.load(s_ptr + g * s_sg + offs_n)
         z0 = tl.load(z_ptr + g * s_sg + offs_n)
         if PREFETCH == 2:
-            t1 = tl.minimum(t_lo + 1, t_hi - 1)
+            t1 = _k_step(tl.minimum(1, steps - 1), t_lo, steps, rot)
             w1 = tl.load(panel + t1 * (R * PANEL) + tile_offs)
             g = (t1 * BLOCK_K) // GROUP
             s1 = tl.load(s_ptr + g * s_sg + offs_n)
             z1 = tl.load(z_ptr + g * s_sg + offs_n)
-        for t in range(t_lo, t_hi):
-            tn = t + PREFETCH
+        if PDL:  # the weights above are the model's (read before the kernels ahead finish); x is theirs
+            grid_dependency_wait()
+        for i in range(0, steps):
+            t = _k_step(i, t_lo, steps, rot)
+            inext = i + PREFETCH
+            tn = _k_step(tl.minimum(inext, steps - 1), t_lo, steps, rot)
             # past the slice: no words read (rows masked as a whole: the mask is constant along P, so
             # the loads stay 16-byte vectors); scales and zeros of the last step again (a [P] row, unused)
-            rows_ok = offs_r[:, None] < tl.where(tn < t_hi, R, 0)
+            rows_ok = offs_r[:, None] < tl.where(inext < steps, R, 0)
             wn = tl.load(panel + tn * (R * PANEL) + tile_offs, mask=rows_ok, other=0)
-            g = (tl.minimum(tn, t_hi - 1) * BLOCK_K) // GROUP
+            g = (tn * BLOCK_K) // GROUP
             sn = tl.load(s_ptr + g * s_sg + offs_n)
             zn = tl.load(z_ptr + g * s_sg + offs_n)
             acc += _tile_dot(w0, s0.to(tl.float32), z0.to(tl.float32), x_ptr + t * BLOCK_K, offs_r, MODE, ASM)
@@ -273,10 +288,13 @@ class PrefetchGemv:
     warps: int = 4
     prefetch: int = 1
     stages: int = 3
+    stagger: int = 0  # K tiles each panel's slice is rotated by, times the panel index (0: none)
+    pdl: bool = False  # programmatic dependent launch (where `triton_panels.pdl_supported`)
 
     def label(self) -> str:
         return (f"p{self.panel} m{self.mode} k{self.block_k} s{self.split} w{self.warps} pf{self.prefetch}"
-                f"{f' st{self.stages}' if not self.prefetch else ''}")
+                f"{f' st{self.stages}' if not self.prefetch else ''}{f' rot{self.stagger}' if self.stagger else ''}"
+                f"{' pdl' if self.pdl else ''}")
 
 
 # (N, K) -> the launch, from `scripts/gpu_quant.py --parts int4sweep` (Llama-8B's linears, one H200,
@@ -328,8 +346,11 @@ def prefetch_gemv(x: torch.Tensor, qpanels: torch.Tensor, scales: torch.Tensor, 
         x = x.contiguous()
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
+    gpu = x.is_cuda and not _interpreting()
+    pdl = c.pdl and gpu and pdl_supported(x.device)
     _prefetch_gemv_kernel[(tiles_n, c.split)](
         x, qpanels, scales, zeros, out, part, counters if c.split > 1 else out, n, k, scales.stride(0),
         GROUP=group, PANEL=panel, BLOCK_K=c.block_k, SPLIT=c.split, PREFETCH=c.prefetch, STAGES=c.stages,
-        MODE=c.mode, ASM=c.mode in (3, 4, 5) and x.is_cuda and not _interpreting(), num_warps=c.warps)
+        MODE=c.mode, ASM=c.mode in (3, 4, 5) and gpu, STAGGER=c.stagger, PDL=pdl, num_warps=c.warps,
+        **({"launch_pdl": True} if pdl else {}))
     return out
