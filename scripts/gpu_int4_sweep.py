@@ -79,13 +79,15 @@ def stream_variants(n: int, k: int, smoke: bool) -> list:
     if base is None:
         return []
     tiles = k // base.block_k
-    vs = [base, replace(base, stagger=1), replace(base, stagger=3), replace(base, pdl=True),
-          replace(base, stagger=1, pdl=True), replace(base, prefetch=2, stagger=1),
-          replace(base, prefetch=0, stages=4, stagger=1)]
+    base = replace(base, prefetch=1)
+    vs = [base, replace(base, stagger=1), replace(base, pdl=True), replace(base, stagger=1, pdl=True),
+          replace(base, l1_ahead=3), replace(base, l1_ahead=3, stagger=1), replace(base, l1_ahead=5, stagger=1),
+          replace(base, prefetch=0, stages=4, stagger=1), replace(base, prefetch=0, stages=6, stagger=1),
+          replace(base, prefetch=-2, stagger=1)]
     if tiles % (2 * base.split) == 0 and 2 * base.split * base.panel <= 8192:
-        vs.append(replace(base, split=2 * base.split, stagger=1))
+        vs.append(replace(base, split=2 * base.split, stagger=1, l1_ahead=3))
     if base.split >= 2:
-        vs.append(replace(base, split=base.split // 2, stagger=1))
+        vs.append(replace(base, split=base.split // 2, stagger=1, l1_ahead=3))
     return [v for v in vs if pf.fits(n, k, SMOKE_GROUP if smoke else GROUP, v)]
 
 
@@ -261,19 +263,33 @@ def _probes_and_chain(name, n, k, wt, x, group, counters, smoke, note, r, check,
     if base is None:
         return
     wcyc = cycled([qp, wt.scales, wt.zeros])
-    for c in (base, replace(base, pdl=True), replace(base, stagger=1), replace(base, stagger=1, pdl=True)):
+    for c in (base, replace(base, pdl=True)):
         if time.perf_counter() > deadline:
             return
         # x + 0.0: an elementwise kernel that writes the GEMV's input, as the norm / activation does
         note(f"chain {c.label()}", lambda c=c: pf.prefetch_gemv(x + 0.0, *wcyc(), group, c, counters))
     note("chain elementwise alone", lambda: x + 0.0)
+    if x.is_cuda:  # PDL is only safe if the wait sits before every read of x: replayed back to back, checked
+        c = replace(base, pdl=True)
+        ref_w = packing.dequantize(wt, group, torch.float32)
+        xs = [torch.randn_like(x) for _ in range(4)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [pf.prefetch_gemv(probe.copy_ahead(xi, True), qp, wt.scales, wt.zeros, group, c, counters)
+                    for xi in xs]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        errs = [_rel(o, xi.float() @ ref_w) for o, xi in zip(outs, xs)]
+        check(max(errs) < 1e-2 and not counters.any(), f"int4 GEMV {name} with PDL in a graph, behind a "
+                                                       f"triggering kernel: rel errs {max(errs):.1e}")
+        del graph, outs
     # a Triton copy ahead instead, without and with the early trigger a norm could add
-    for c in (base, replace(base, pdl=True)):
-        for trig in (False, True):
-            if time.perf_counter() > deadline:
-                return
-            note(f"chain copy{' trigger' if trig else ''} {c.label()}",
-                 lambda c=c, trig=trig: pf.prefetch_gemv(probe.copy_ahead(x, trig), *wcyc(), group, c, counters))
+    for c, trig in ((base, False), (replace(base, pdl=True), False), (replace(base, pdl=True), True)):
+        if time.perf_counter() > deadline:
+            return
+        note(f"chain copy{' trigger' if trig else ''} {c.label()}",
+             lambda c=c, trig=trig: pf.prefetch_gemv(probe.copy_ahead(x, trig), *wcyc(), group, c, counters))
 
 
 def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
@@ -381,6 +397,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
             print(f"  {sec} {name} {n}x{k}: bf16 {r.get('bf16', 0) * 1000:.1f} us, engine {r.get('engine', 0) * 1000:.1f}"
                   f"{frac(r['engine']) if 'engine' in r else ''}; best: " +
                   "; ".join(f"{lab} {v * 1000:.1f}{frac(v)}" for v, lab in ranked[:5]), flush=True)
+            if os.environ.get("INT4_SWEEP_SET") == "stream":  # every figure: the probes and chains steer the design
+                print(f"  ALL {sec} {name}: " + "; ".join(f"{lab} {v * 1000:.1f}" for lab, v in r.items()), flush=True)
         del w, wt, wd, ref_w, bf16_w, int4_w, engine_w
         if cuda:
             torch.cuda.empty_cache()
@@ -398,8 +416,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
     for (sec, nm), (ms, label, v) in sorted(best.items()):
         n, k = shapes[nm]
         if sec == "m1":
-            print(f"  TABLE ({n}, {k}): PrefetchGemv({v.panel}, mode={v.mode}, block_k={v.block_k}, split={v.split}, "
-                  f"warps={v.warps}, prefetch={v.prefetch}, stages={v.stages}),  # {ms * 1000:.1f} us", flush=True)
+            print(f"  TABLE ({n}, {k}): {v!r},  # {ms * 1000:.1f} us", flush=True)
         else:
             print(f"  BEST {sec} {nm}: {label} {ms * 1000:.1f} us", flush=True)
     results["int4sweep_summary_us"] = summary

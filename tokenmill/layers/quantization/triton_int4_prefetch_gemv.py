@@ -40,7 +40,8 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.quantization.triton_int4_gemv import _half_bits, _nibble_as_float, _pow2_scale
-from tokenmill.layers.quantization.triton_panels import grid_dependency_wait, panel_prologue, pdl_supported
+from tokenmill.layers.quantization.triton_panels import (grid_dependency_wait, panel_prologue, pdl_supported,
+                                                         prefetch_tile_l1)
 
 # Mode 3: $0 <- sum over the word $1's 8 nibbles of (offset + q) * x, x in $2..$9 (float32; the
 # odd nibbles' x already divided by 16). Pairs: (0, 4), (1, 5) from the word, (2, 6), (3, 7) from
@@ -203,7 +204,7 @@ def _k_step(i, t_lo, steps, rot):
 def _prefetch_gemv_kernel(x_ptr, qp_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, N, K, s_sg,
                           GROUP: tl.constexpr, PANEL: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                           PREFETCH: tl.constexpr, STAGES: tl.constexpr, MODE: tl.constexpr, ASM: tl.constexpr,
-                          STAGGER: tl.constexpr, PDL: tl.constexpr):
+                          STAGGER: tl.constexpr, PDL: tl.constexpr, L1_AHEAD: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     R: tl.constexpr = BLOCK_K // 8
@@ -213,7 +214,18 @@ def _prefetch_gemv_kernel(x_ptr, qp_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_pt
     t_lo = pid_k * steps
     rot = (pid_n * STAGGER) % steps
     acc = tl.zeros([R, PANEL], dtype=tl.float32)
-    if PREFETCH == 0:  # Triton's pipeline (cp.async into shared memory) over the K loop
+    if PREFETCH < 0:  # steps unrolled by -PREFETCH: ptxas issues the loads of the unrolled steps together
+        if PDL:
+            grid_dependency_wait()
+        for j in range(0, steps, -PREFETCH):
+            for u in tl.static_range(-PREFETCH):
+                t = _k_step(j + u, t_lo, steps, rot)
+                words = tl.load(panel + t * (R * PANEL) + tile_offs)
+                g = (t * BLOCK_K) // GROUP
+                s = tl.load(s_ptr + g * s_sg + offs_n).to(tl.float32)
+                z = tl.load(z_ptr + g * s_sg + offs_n).to(tl.float32)
+                acc += _tile_dot(words, s, z, x_ptr + t * BLOCK_K, offs_r, MODE, ASM)
+    elif PREFETCH == 0:  # Triton's pipeline (cp.async into shared memory) over the K loop
         if PDL:  # x (and the outputs) belong to the kernels before: wait for them
             grid_dependency_wait()
         for i in tl.range(0, steps, num_stages=STAGES):
@@ -237,9 +249,16 @@ def _prefetch_gemv_kernel(x_ptr, qp_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_pt
             z1 = tl.load(z_ptr + g * s_sg + offs_n)
         if PDL:  # the weights above are the model's (read before the kernels ahead finish); x is theirs
             grid_dependency_wait()
+        if L1_AHEAD > 0:  # L1 prefetches of the tiles PREFETCH + 1 .. L1_AHEAD ahead (x's too)
+            for d in tl.static_range(PREFETCH + 1, L1_AHEAD + 1):
+                if d < steps:
+                    prefetch_tile_l1(panel, _k_step(d, t_lo, steps, rot), x_ptr, R, PANEL, BLOCK_K)
         for i in range(0, steps):
             t = _k_step(i, t_lo, steps, rot)
             inext = i + PREFETCH
+            if L1_AHEAD > 0:
+                if i + L1_AHEAD < steps:
+                    prefetch_tile_l1(panel, _k_step(i + L1_AHEAD, t_lo, steps, rot), x_ptr, R, PANEL, BLOCK_K)
             tn = _k_step(tl.minimum(inext, steps - 1), t_lo, steps, rot)
             # past the slice: no words read (rows masked as a whole: the mask is constant along P, so
             # the loads stay 16-byte vectors); scales and zeros of the last step again (a [P] row, unused)
@@ -279,7 +298,7 @@ MODES = (0, 3, 4, 5)
 class PrefetchGemv:
     """A launch of this GEMV: panel width (the weight is repacked to it at load), arithmetic
     MODE, BLOCK_K, SPLIT (a power of two dividing the K tiles), warps, PREFETCH depth (0: cp.async
-    with `stages`)."""
+    with `stages`; negative: the K loop unrolled by -PREFETCH steps, which must divide a slice's)."""
 
     panel: int
     mode: int = 3
@@ -290,11 +309,12 @@ class PrefetchGemv:
     stages: int = 3
     stagger: int = 0  # K tiles each panel's slice is rotated by, times the panel index (0: none)
     pdl: bool = False  # programmatic dependent launch (where `triton_panels.pdl_supported`)
+    l1_ahead: int = 0  # register prefetch only: L1 prefetches up to this many tiles ahead (CUDA)
 
     def label(self) -> str:
         return (f"p{self.panel} m{self.mode} k{self.block_k} s{self.split} w{self.warps} pf{self.prefetch}"
                 f"{f' st{self.stages}' if not self.prefetch else ''}{f' rot{self.stagger}' if self.stagger else ''}"
-                f"{' pdl' if self.pdl else ''}")
+                f"{' pdl' if self.pdl else ''}{f' l1{self.l1_ahead}' if self.l1_ahead else ''}")
 
 
 # (N, K) -> the launch, from `scripts/gpu_quant.py --parts int4sweep` (Llama-8B's linears, one H200,
@@ -318,7 +338,8 @@ def fits(n: int, k: int, group: int, c: PrefetchGemv) -> bool:
     """Whole panels of a power-of-two width, K tiles inside groups, SPLIT a power of two dividing
     the K tiles."""
     return (c.panel > 0 and c.panel & (c.panel - 1) == 0 and n % c.panel == 0 and c.block_k % 8 == 0 and k % group == 0 and group % c.block_k == 0
-            and c.split >= 1 and c.split & (c.split - 1) == 0 and (k // c.block_k) % c.split == 0)
+            and c.split >= 1 and c.split & (c.split - 1) == 0 and (k // c.block_k) % c.split == 0
+            and (c.prefetch >= 0 or (k // c.block_k // c.split) % -c.prefetch == 0))
 
 
 def _interpreting() -> bool:
@@ -351,6 +372,7 @@ def prefetch_gemv(x: torch.Tensor, qpanels: torch.Tensor, scales: torch.Tensor, 
     _prefetch_gemv_kernel[(tiles_n, c.split)](
         x, qpanels, scales, zeros, out, part, counters if c.split > 1 else out, n, k, scales.stride(0),
         GROUP=group, PANEL=panel, BLOCK_K=c.block_k, SPLIT=c.split, PREFETCH=c.prefetch, STAGES=c.stages,
-        MODE=c.mode, ASM=c.mode in (3, 4, 5) and gpu, STAGGER=c.stagger, PDL=pdl, num_warps=c.warps,
+        MODE=c.mode, ASM=c.mode in (3, 4, 5) and gpu, STAGGER=c.stagger, PDL=pdl,
+        L1_AHEAD=c.l1_ahead if gpu and c.prefetch > 0 else 0, num_warps=c.warps,
         **({"launch_pdl": True} if pdl else {}))
     return out

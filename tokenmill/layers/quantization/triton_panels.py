@@ -67,3 +67,21 @@ def _pdl_supported(index: int) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+@triton.jit
+def prefetch_l1(ptrs):
+    """`prefetch.global.L1` of each pointer's line (no register, no wait: ptxas cannot hold it back
+    to its use, as it does with a register-prefetch load). CUDA only (inline PTX)."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_tile_l1(panel, t, x_ptr, R: tl.constexpr, PANEL: tl.constexpr, BLOCK_K: tl.constexpr):
+    """L1 prefetch of K tile t of a panel (its [R, PANEL] words, one pointer per 128-byte line) and
+    of x's BLOCK_K values there."""
+    LINES: tl.constexpr = PANEL // 32 if PANEL >= 32 else 1
+    line = tl.arange(0, R)[:, None] * PANEL + (tl.arange(0, LINES) * 32)[None, :]
+    prefetch_l1(panel + t * (R * PANEL) + line)
+    prefetch_l1(x_ptr + t * BLOCK_K + tl.arange(0, 1))
