@@ -12,6 +12,10 @@ It prints, per section, each linear's best variants, the layer's four linears at
 the table lines for `triton_int4_prefetch_gemv.TABLE` / `stream_tiles.INT4_SWAP`.
 Compiling is most of the time: every variant compiles first in parallel processes.
 INT4_SWEEP_SPLITS=wide tries 4x and 8x more K slices on the winners' bases.
+INT4_SWEEP_SET=stream (one row): the table's launch per shape with what changes its access pattern
+(STAGGER, L1 prefetch of the tiles ahead, cp.async stages, an unrolled loop, PDL, split x2 / /2),
+the read probes of `int4_read_probe` (the pattern's ceiling without arithmetic; a flat layout's),
+and chains behind an elementwise kernel (PDL on / off; a PDL run checked in a replayed graph).
 INT4_SWEEP_BUDGET_S caps the timing loop (default 80 s after compiling); INT4_SWEEP_ROWS the row
 counts (default 1,256,64,1024, in that order: what the budget leaves out is the last).
 """
