@@ -325,6 +325,11 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
         rec["copy_GBps"] = copy_bps / 1e9
         print(f"  copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write)", flush=True)
     variants = gemv_variants(shapes, smoke, sms)
+    if os.environ.get("INT4_SWEEP_SET") == "stream":
+        from tokenmill.layers.quantization.triton_panels import pdl_supported
+        rec["pdl_supported"] = pdl_supported(torch.device(device))
+        print(f"  PDL launches supported here: {rec['pdl_supported']} (else the 'pdl' variants launch plainly)",
+              flush=True)
     best: dict = {}  # (section, name) -> (ms, label, variant)
     rows_list = tuple(int(r) for r in os.environ.get("INT4_SWEEP_ROWS", "1,256,64,1024" if cuda else "1,16").split(","))
     # rows outside, linears inside: one row for all four linears first (what the budget must cover)
