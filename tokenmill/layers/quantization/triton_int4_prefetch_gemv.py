@@ -317,14 +317,19 @@ class PrefetchGemv:
                 f"{' pdl' if self.pdl else ''}{f' l1{self.l1_ahead}' if self.l1_ahead else ''}")
 
 
-# (N, K) -> the launch, from `scripts/gpu_quant.py --parts int4sweep` (Llama-8B's linears, one H200,
-# 2026-11-26, mid-session: the layer's four 70.5 us against 77.3 for the older GEMV and 124 for
-# bf16 cuBLAS in the same run). A shape not here keeps the older GEMV (`stream_tiles.gemv_config`).
+# (N, K) -> the launch, from `scripts/gpu_quant.py --parts int4sweep` (Llama-8B's linears).
+# 2026-11-26 (third session), one H200: the layer's four 70.5 us against 77.3 for the older GEMV
+# and 124 for bf16 cuBLAS. Fourth session, mid-session, one H100 (INT4_SWEEP_SET=stream, the
+# launches below side by side with the third session's in one process): gate_up staggered 33.7 us
+# (34.8 unstaggered), qkv at split 32 staggered 11.1 (12.4); down 19.6 and o 9.4 kept (no variant
+# faster beyond noise); the layer 74 us against 76, bf16 163. A shape not here keeps the older GEMV
+# (`stream_tiles.gemv_config`). PDL stays off: behind a kernel that does not trigger early (every
+# kernel ahead of a GEMV today) it measured 0 to 0.6 us slower per linear.
 TABLE: dict[tuple[int, int], PrefetchGemv] = {
-    (28672, 4096): PrefetchGemv(512, mode=3, block_k=32, split=8, warps=4, prefetch=1),  # 32.3 us (older 33.4)
-    (4096, 14336): PrefetchGemv(128, mode=4, block_k=64, split=32, warps=1, prefetch=1),  # 17.9 us (21.6)
-    (6144, 4096): PrefetchGemv(128, mode=4, block_k=64, split=16, warps=1, prefetch=1),  # 11.6 us (12.5)
-    (4096, 4096): PrefetchGemv(128, mode=4, block_k=64, split=32, warps=1, prefetch=1),  # 8.7 us (9.8)
+    (28672, 4096): PrefetchGemv(512, mode=3, block_k=32, split=8, warps=4, prefetch=1, stagger=1),
+    (4096, 14336): PrefetchGemv(128, mode=4, block_k=64, split=32, warps=1, prefetch=1),
+    (6144, 4096): PrefetchGemv(128, mode=4, block_k=64, split=32, warps=1, prefetch=1, stagger=1, l1_ahead=3),
+    (4096, 4096): PrefetchGemv(128, mode=4, block_k=64, split=32, warps=1, prefetch=1),
 }
 
 
