@@ -13,7 +13,8 @@ the table lines for `triton_int4_prefetch_gemv.TABLE` / `stream_tiles.INT4_SWAP`
 Compiling is most of the time: every variant compiles first in parallel processes.
 INT4_SWEEP_SPLITS=wide tries 4x and 8x more K slices on the winners' bases.
 INT4_SWEEP_SET=stream (one row): the table's launch per shape with what changes its access pattern
-(STAGGER, L1 prefetch of the tiles ahead, cp.async stages, an unrolled loop, PDL, split x2 / /2),
+(STAGGER, L1 prefetch of the tiles ahead, cp.async stages, an unrolled loop, PDL, split x2 / /2,
+arithmetic MODE 6: mode 3 with the rows summed before offsets, zeros and scales),
 the read probes of `int4_read_probe` (the pattern's ceiling without arithmetic; a flat layout's),
 and chains behind an elementwise kernel (PDL on / off; a PDL run checked in a replayed graph).
 INT4_SWEEP_BUDGET_S caps the timing loop (default 80 s after compiling); INT4_SWEEP_ROWS the row
@@ -84,15 +85,17 @@ def stream_variants(n: int, k: int, smoke: bool) -> list:
         return []
     tiles = k // base.block_k
     base = replace(base, prefetch=1)
-    vs = [base, replace(base, stagger=1), replace(base, pdl=True), replace(base, stagger=1, pdl=True),
+    vs = [base, replace(base, stagger=0), replace(base, stagger=1), replace(base, l1_ahead=0), replace(base, pdl=True),
+          replace(base, stagger=1, pdl=True),
           replace(base, l1_ahead=3), replace(base, l1_ahead=3, stagger=1), replace(base, l1_ahead=5, stagger=1),
           replace(base, prefetch=0, stages=4, stagger=1), replace(base, prefetch=0, stages=6, stagger=1),
-          replace(base, prefetch=-2, stagger=1)]
+          replace(base, prefetch=-2, stagger=1), replace(base, mode=6), replace(base, mode=6, stagger=1),
+          replace(base, mode=6, l1_ahead=0)]
     if tiles % (2 * base.split) == 0 and 2 * base.split * base.panel <= 8192:
         vs.append(replace(base, split=2 * base.split, stagger=1, l1_ahead=3))
     if base.split >= 2:
         vs.append(replace(base, split=base.split // 2, stagger=1, l1_ahead=3))
-    return [v for v in vs if pf.fits(n, k, SMOKE_GROUP if smoke else GROUP, v)]
+    return [v for v in dict.fromkeys(vs) if pf.fits(n, k, SMOKE_GROUP if smoke else GROUP, v)]
 
 
 def gemv_variants(shapes: dict, smoke: bool, sms: int):

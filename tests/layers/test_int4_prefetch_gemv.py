@@ -29,7 +29,8 @@ def _case(n=128, k=512, group=64, seed=0):
 
 # (mode, panel, block_k, split, prefetch); mode 4 is the fp16x2 arithmetic (~1e-3 relative)
 CASES = [(0, 32, 64, 1, 1), (3, 64, 32, 4, 2), (3, 32, 64, 2, 0), (4, 128, 64, 2, 1), (4, 32, 32, 1, 2),
-         (3, 128, 64, 8, 1), (0, 64, 64, 2, 2), (5, 64, 64, 4, 1)]
+         (3, 128, 64, 8, 1), (0, 64, 64, 2, 2), (5, 64, 64, 4, 1), (6, 64, 32, 4, 1), (6, 32, 64, 2, 0),
+         (6, 128, 64, 1, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -46,7 +47,7 @@ def test_prefetch_gemv_matches_reference(mode, panel, block_k, split, prefetch, 
         out = prefetch_gemv(x, packing.to_panels(wt.qweight, panel), wt.scales.to(dtype), wt.zeros.to(dtype), 64, c,
                             counters)
         assert out.dtype == dtype and out.shape == (1, 128)
-        tol = {0: 1e-5, 3: 1e-4, 4: 5e-3, 5: 5e-3}[mode] if dtype == torch.float32 else 2e-2
+        tol = {0: 1e-5, 3: 1e-4, 4: 5e-3, 5: 5e-3, 6: 1e-4}[mode] if dtype == torch.float32 else 2e-2
         assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item()
         assert not counters.any(), "split-K counters must be reset for the next call"
 
