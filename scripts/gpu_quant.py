@@ -33,7 +33,8 @@ Parts (--parts, comma-separated; default all, run in this order):
   int4sweep (not by default) INT4 kernel variants where INT4 loses: the register-prefetched one-row
            GEMV (panel, arithmetic, prefetch depth, split) against its int4 bytes at copy bandwidth,
            the swapped and fused GEMMs at 64 / 256 rows, bf16 and the engine's path beside them
-           (scripts/gpu_int4_sweep.py; INT4_SWEEP_BUDGET_S caps its timing loop, default 80 s)
+           (scripts/gpu_int4_sweep.py; INT4_SWEEP_BUDGET_S caps its timing loop, default 80 s;
+           INT4_SWEEP_SET=stream: the one-row access-pattern variants, read probes, PDL chains)
   profile  (not by default) bf16 and fp8 engines: a decode step of 256 rows (graph) and an eager
            prefill step of 8192 tokens under torch.profiler, time per kernel group side by side,
            and each throughput workload's physical bound (scripts/gpu_quant_fp8.py)
