@@ -12,6 +12,7 @@ model (torch.distributed's own default group lives in the worker process, which 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -48,9 +49,28 @@ class PendingAllReduce:
         return self.parallel.all_reduce(self.partial)
 
 
-def reduced(x: torch.Tensor | PendingAllReduce) -> torch.Tensor:
-    """x, all-reduced if it is still pending."""
-    return x.result() if isinstance(x, PendingAllReduce) else x
+class StartedAllReduce:
+    """A row-parallel linear's partial sum whose all-reduce is already on its way (NCCL / gloo, on
+    the collective's own stream) while the caller goes on computing: `result()` makes the current
+    stream wait for it (no host sync on CUDA) and returns the sum. Made by `RowParallelLinear`
+    inside `ParallelContext.starting_reduces()` (`model/tp_overlap.py`: one half of a batch's
+    all-reduce runs under the other half's GEMMs)."""
+
+    __slots__ = ("tensor", "work")
+
+    def __init__(self, tensor: torch.Tensor, work) -> None:
+        self.tensor, self.work = tensor, work
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.tensor
+
+
+def reduced(x: torch.Tensor | PendingAllReduce | StartedAllReduce) -> torch.Tensor:
+    """x, all-reduced if it is still pending (or waited for, if started)."""
+    return x.result() if isinstance(x, (PendingAllReduce, StartedAllReduce)) else x
 
 
 def _measured_partition(probe: Callable[[], StageCosts] | None, stages: int, num_layers: int,
@@ -86,6 +106,9 @@ class ParallelContext:
                            "(for timing the all-reduce only)")
         self.token_group = None  # pipeline device tokens: this first / last stage rank and its peer
         self._sends: list[list] = []  # per step sent and not yet retired: its (work, tensor) pairs
+        # Inside `starting_reduces()`: row-parallel linears start their all-reduce and return a
+        # `StartedAllReduce` (the TP overlap of model/tp_overlap.py).
+        self.starts_reduces = False
 
     @staticmethod
     def single(arch: ModelArch) -> ParallelContext:
@@ -150,6 +173,22 @@ class ParallelContext:
                 return self.symm.all_reduce(x, method)
         dist.all_reduce(x, group=self.tp_group)
         return x
+
+    def start_all_reduce(self, x: torch.Tensor) -> StartedAllReduce:
+        """Start the sum over the TP group of `x` (in place) and return at once: NCCL runs it on its
+        own stream after the work queued so far, the caller's stream waits only at `result()`."""
+        if self.tp_size == 1 or self.skip_all_reduce:
+            return StartedAllReduce(x, None)
+        return StartedAllReduce(x, dist.all_reduce(x, group=self.tp_group, async_op=True))
+
+    @contextlib.contextmanager
+    def starting_reduces(self):
+        """Row-parallel linears called inside start their all-reduce (`start_all_reduce`)."""
+        previous, self.starts_reduces = self.starts_reduces, True
+        try:
+            yield
+        finally:
+            self.starts_reduces = previous
 
     def defers_reduce(self) -> bool:
         """Whether row-parallel linears that feed an RMSNorm leave the all-reduce to it

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce
+from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce, StartedAllReduce
 from tokenmill.layers import cpu_bf16_gemm, cpu_logits, triton_ops, wide_linear
 from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, linear
 from tokenmill.layers.lora.lora_layer import has_lora, lora_forward
@@ -39,7 +39,9 @@ class RowParallelLinear(Linear):
         # and the norm all-reduces, adds and normalizes in one launch.
         self.defer_reduce = False
 
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor | PendingAllReduce:
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor | PendingAllReduce | StartedAllReduce:
+        if self.parallel.starts_reduces:  # (model/tp_overlap.py: waited for later, by its caller)
+            return self.parallel.start_all_reduce(partial)
         if self.defer_reduce and self.parallel.defers_reduce():
             return PendingAllReduce(partial, self.parallel)
         return self.parallel.all_reduce(partial)
