@@ -50,21 +50,27 @@ class PendingAllReduce:
 
 
 class StartedAllReduce:
-    """A row-parallel linear's partial sum whose all-reduce is already on its way (NCCL / gloo, on
-    the collective's own stream) while the caller goes on computing: `result()` makes the current
-    stream wait for it (no host sync on CUDA) and returns the sum. Made by `RowParallelLinear`
-    inside `ParallelContext.starting_reduces()` (`model/tp_overlap.py`: one half of a batch's
-    all-reduce runs under the other half's GEMMs)."""
+    """A row-parallel linear's partial sum whose all-reduce is already on its way while the caller
+    goes on computing: NCCL / gloo on the collective's own stream (`work`), or the symmetric
+    buffer's kernel on the TP side stream (`stream`; capturable in a CUDA graph). `result()` makes
+    the current stream wait for it (no host sync on CUDA) and returns the sum. Made by
+    `RowParallelLinear` inside `ParallelContext.starting_reduces()` (`model/tp_overlap.py`: one
+    half of a batch's all-reduce runs under the other half's GEMMs)."""
 
-    __slots__ = ("tensor", "work")
+    __slots__ = ("tensor", "work", "stream", "source")
 
-    def __init__(self, tensor: torch.Tensor, work) -> None:
-        self.tensor, self.work = tensor, work
+    def __init__(self, tensor: torch.Tensor, work, stream=None, source: torch.Tensor | None = None) -> None:
+        # `source`: the partial the side stream reads, kept alive until the current stream has
+        # waited for it (its memory is then reused only after the read).
+        self.tensor, self.work, self.stream, self.source = tensor, work, stream, source
 
     def result(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+        if self.stream is not None:
+            torch.cuda.current_stream(self.tensor.device).wait_stream(self.stream)
+            self.stream = self.source = None
         return self.tensor
 
 
@@ -109,6 +115,7 @@ class ParallelContext:
         # Inside `starting_reduces()`: row-parallel linears start their all-reduce and return a
         # `StartedAllReduce` (the TP overlap of model/tp_overlap.py).
         self.starts_reduces = False
+        self._side_stream = None  # CUDA: where started all-reduces over the symmetric buffer run
 
     @staticmethod
     def single(arch: ModelArch) -> ParallelContext:
@@ -174,11 +181,27 @@ class ParallelContext:
         dist.all_reduce(x, group=self.tp_group)
         return x
 
+    def side_all_reduce_fits(self, x: torch.Tensor) -> bool:
+        """Whether `start_all_reduce(x)` takes the symmetric buffer on the side stream (the only
+        way it may run inside a CUDA graph being captured)."""
+        return self.symm is not None and x.is_contiguous() and self.symm.method_for(x) != "nccl"
+
     def start_all_reduce(self, x: torch.Tensor) -> StartedAllReduce:
-        """Start the sum over the TP group of `x` (in place) and return at once: NCCL runs it on its
-        own stream after the work queued so far, the caller's stream waits only at `result()`."""
+        """Start the sum over the TP group of `x` and return at once; the caller's stream waits only
+        at `result()`. Messages the symmetric buffer takes: its kernel on the TP side stream, after
+        the work queued so far on the current stream (the sum in a new tensor); others: NCCL / gloo
+        on the collective's own stream (in place)."""
         if self.tp_size == 1 or self.skip_all_reduce:
             return StartedAllReduce(x, None)
+        if self.side_all_reduce_fits(x):
+            current = torch.cuda.current_stream(x.device)
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=x.device, priority=-1)
+            out = torch.empty_like(x)  # (allocated on the current stream, which reads it after the wait)
+            self._side_stream.wait_stream(current)
+            with torch.cuda.stream(self._side_stream):
+                self.symm.all_reduce(x, self.symm.method_for(x), out)
+            return StartedAllReduce(out, None, self._side_stream, x)
         return StartedAllReduce(x, dist.all_reduce(x, group=self.tp_group, async_op=True))
 
     @contextlib.contextmanager

@@ -96,10 +96,11 @@ class SymmetricAllReduce:
     def method_for(self, x: torch.Tensor) -> str:
         return choose_method(x.numel() * x.element_size(), x.dtype, self.limits)
 
-    def all_reduce(self, x: torch.Tensor, method: str) -> torch.Tensor:
-        """The sum over the group of `x` (contiguous, `method` from `method_for`), in a new tensor."""
+    def all_reduce(self, x: torch.Tensor, method: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum over the group of `x` (contiguous, `method` from `method_for`), in a new tensor
+        (or in `out`, contiguous, x's shape and dtype)."""
         flat = x.reshape(-1)
-        out = torch.empty_like(flat)
+        out = torch.empty_like(flat) if out is None else out.view(-1)
         symm = self.buffer[:flat.numel() * flat.element_size()].view(flat.dtype)
         if method == "one_shot":
             self._ops.one_shot_all_reduce_copy_out(symm, flat, "sum", self.group_name, out)

@@ -12,12 +12,14 @@ waited for only where that half needs the sum, with the other half's work queued
 
 AR_o(B) runs under A's MLP, AR_d(A) under B's MLP, AR_d(B) under the next layer's norm + qkv of A.
 Attention runs once over all rows (its metadata is per sequence), on the halves' qkv joined.
+A started all-reduce (`ParallelContext.start_all_reduce`) runs the symmetric buffer's kernel on
+a side stream where the message fits it (so decode steps captured in CUDA graphs overlap too:
+the fork and join are stream waits, which a graph records), NCCL on its own stream above.
 
-Numerics are the one-batch path's: the same kernels on fewer rows, the all-reduce a plain sum
-(NCCL, where the one-batch path may take the symmetric buffer or the fused all-reduce + norm for
-small messages; this path only runs for large steps, which take NCCL there too). Steps of at
-least `TOKENMILL_TP_OVERLAP_MIN_TOKENS` tokens (default MIN_TOKENS) take it, on CUDA outside graph
-capture; `TOKENMILL_TP_OVERLAP=0` turns it off, `=1` lets it run on CPU too (gloo) and on one rank (tests).
+Numerics: the same kernels on fewer rows; the all-reduce a plain sum, then the residual add and
+the norm apart (the one-batch path fuses them for small messages, with one rounding fewer).
+Steps of at least `TOKENMILL_TP_OVERLAP_MIN_TOKENS` tokens (default MIN_TOKENS) take it on CUDA;
+`TOKENMILL_TP_OVERLAP=0` turns it off, `=1` lets it run on CPU too (gloo) and on one rank (tests).
 Only the plain Llama layers (Llama, Qwen2/3, Mistral, ...) without LoRA.
 """
 
@@ -31,7 +33,7 @@ from tokenmill.distributed.parallel_state import reduced
 from tokenmill.layers.lora.lora_layer import has_lora
 from tokenmill.layers.norm import residual_stream
 
-MIN_TOKENS = 2048  # a step's tokens from which the halves run (prefill chunks; decode graphs never do)
+MIN_TOKENS = 512  # a step's tokens (decode rows) from which the halves run; below, the fused kernels win
 
 
 def _setting() -> str:
@@ -68,12 +70,15 @@ def applies(model, hidden: torch.Tensor) -> bool:
         return False
     if parallel.tp_size == 1 and not forced:
         return False
-    if hidden.is_cuda:
-        if torch.cuda.is_current_stream_capturing():  # a graph: its all-reduces stay in-stream
-            return False
-    elif not forced:
+    if not hidden.is_cuda and not forced:
         return False
-    return hidden.shape[0] >= max(min_tokens(), 2) and _layers_fit(model)
+    if hidden.shape[0] < max(min_tokens(), 2) or not _layers_fit(model):
+        return False
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        # In a graph (decode steps) the halves' all-reduces must take the symmetric buffer on the
+        # side stream (NCCL's own stream is not captured here): the larger half's message must fit.
+        return parallel.side_all_reduce_fits(hidden[:split_point(hidden.shape[0])])
+    return True
 
 
 def split_point(num_tokens: int) -> int:
