@@ -11,7 +11,8 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
   allreduce  `tokenmill bench all-reduce --tp 2`: NCCL, one-shot, two-shot per size (checked, timed in
           CUDA graphs), and the all-reduce fused with the residual add + RMSNorm against NCCL or
           one-shot + the Triton add + norm (checked against its torch reference, chained, timed), in its
-          pull and push variants.
+          pull and push variants; and the TP overlap (model/tp_overlap.py) on an 8-layer MLP chain:
+          halves with their all-reduces on the side stream against one batch, checked, timed.
   kernels this issue's decode kernels in bf16 on the device, bit for bit the kernels they replace
           (rotary + KV write, the TP vocab embedding); a difference exits 1.
   batch1  batch 1 (one prompt at a time, 512 in x 256 out): ms per output token of one GPU, TP=2
@@ -379,7 +380,7 @@ def tp_profile(results: dict, smoke: bool, layouts: list[str]) -> None:
 
 
 def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None,
-               variants: str = "pull,push,lamport", timeout_s: float = 90.0) -> bool:
+               variants: str = "pull,push,lamport", timeout_s: float = 90.0, overlap_rows: str = "") -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
     (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
@@ -389,9 +390,9 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
     record = os.path.join(OUT, "all_reduce.json")
     if os.path.exists(record):
         os.remove(record)  # not an earlier call's
-    sizes = ["--sizes-kib", sizes_kib] if sizes_kib else []
-    sizes += ["--fused-rows", fused_rows] if fused_rows else []
-    sizes += ["--fused-variants", variants]
+    sizes = ["--sizes-kib", sizes_kib] if sizes_kib is not None else []
+    sizes += ["--fused-rows", fused_rows] if fused_rows is not None else []
+    sizes += ["--fused-variants", variants, "--overlap-rows", overlap_rows]
     # In its own process group with a time limit: a kernel that never returns (two ranks waiting on
     # each other) ends this part as failed, its workers with it, and the call goes on.
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
@@ -486,6 +487,8 @@ def main() -> int:
     ap.add_argument("--pick-variant", action="store_true", help="allreduce: the later engine runs take the fused "
                     "kernel's variant fastest at one row here (and lamport's large-message buffer where it wins)")
     ap.add_argument("--ar-variants", default="pull,push,lamport", help="allreduce: the fused kernel's variants")
+    ap.add_argument("--ar-overlap-rows", default="1024,8192", help="allreduce: rows of the TP overlap's check "
+                    "and timing (an 8-layer MLP chain in halves against one batch; '' for none)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
@@ -521,7 +524,8 @@ def main() -> int:
         elif part == "single":
             ok = single_gpu_sweeps(results, args.smoke, args.sweep_budget) and ok
         elif part == "allreduce":
-            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants) and ok
+            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants,
+                            overlap_rows=args.ar_overlap_rows) and ok
             if args.pick_variant:
                 pick_variant(results)
         else:

@@ -52,25 +52,26 @@ class PendingAllReduce:
 class StartedAllReduce:
     """A row-parallel linear's partial sum whose all-reduce is already on its way while the caller
     goes on computing: NCCL / gloo on the collective's own stream (`work`), or the symmetric
-    buffer's kernel on the TP side stream (`stream`; capturable in a CUDA graph). `result()` makes
+    buffer's kernel on the TP side stream (`done`, its event; capturable in a CUDA graph). `result()` makes
     the current stream wait for it (no host sync on CUDA) and returns the sum. Made by
     `RowParallelLinear` inside `ParallelContext.starting_reduces()` (`model/tp_overlap.py`: one
     half of a batch's all-reduce runs under the other half's GEMMs)."""
 
-    __slots__ = ("tensor", "work", "stream", "source")
+    __slots__ = ("tensor", "work", "done", "source")
 
-    def __init__(self, tensor: torch.Tensor, work, stream=None, source: torch.Tensor | None = None) -> None:
-        # `source`: the partial the side stream reads, kept alive until the current stream has
-        # waited for it (its memory is then reused only after the read).
-        self.tensor, self.work, self.stream, self.source = tensor, work, stream, source
+    def __init__(self, tensor: torch.Tensor, work, done=None, source: torch.Tensor | None = None) -> None:
+        # `done`: the side stream's event after this all-reduce (a join waits for it alone, not for
+        # the other half's, started later). `source`: the partial the side stream reads, kept
+        # alive until the current stream has joined (its memory is reused only after the read).
+        self.tensor, self.work, self.done, self.source = tensor, work, done, source
 
     def result(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        if self.stream is not None:
-            torch.cuda.current_stream(self.tensor.device).wait_stream(self.stream)
-            self.stream = self.source = None
+        if self.done is not None:
+            torch.cuda.current_stream(self.tensor.device).wait_event(self.done)
+            self.done = self.source = None
         return self.tensor
 
 
@@ -194,14 +195,10 @@ class ParallelContext:
         if self.tp_size == 1 or self.skip_all_reduce:
             return StartedAllReduce(x, None)
         if self.side_all_reduce_fits(x):
-            current = torch.cuda.current_stream(x.device)
             if self._side_stream is None:
                 self._side_stream = torch.cuda.Stream(device=x.device, priority=-1)
-            out = torch.empty_like(x)  # (allocated on the current stream, which reads it after the wait)
-            self._side_stream.wait_stream(current)
-            with torch.cuda.stream(self._side_stream):
-                self.symm.all_reduce(x, self.symm.method_for(x), out)
-            return StartedAllReduce(out, None, self._side_stream, x)
+            out, done = self.symm.start(x, self._side_stream)
+            return StartedAllReduce(out, None, done, x)
         return StartedAllReduce(x, dist.all_reduce(x, group=self.tp_group, async_op=True))
 
     @contextlib.contextmanager

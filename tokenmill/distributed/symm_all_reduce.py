@@ -108,3 +108,17 @@ class SymmetricAllReduce:
             symm.copy_(flat)
             self._ops.two_shot_all_reduce_out(symm, "sum", self.group_name, out)
         return out.view_as(x)
+
+    def start(self, x: torch.Tensor, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Fork: the sum over the group of `x` (`method_for(x)` not "nccl") into a new tensor, by this
+        buffer's kernel on `stream` after the work queued on the current stream so far; returns the
+        tensor and the event that marks its end. The caller joins (`current_stream().wait_event`)
+        before it reads the sum, and keeps `x` alive until then: a join waits for this all-reduce
+        only, not for ones started after it. Stream waits only: capturable in a CUDA graph."""
+        out = torch.empty_like(x)  # (allocated on the current stream, which reads it after the join)
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):
+            self.all_reduce(x, self.method_for(x), out)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return out, done
