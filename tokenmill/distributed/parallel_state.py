@@ -239,6 +239,18 @@ class ParallelContext:
             dist.all_gather(parts, x, group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
+    def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """[tp, *x.shape]: every rank's `x`, ranks in order (capturable on CUDA)."""
+        if self.tp_size == 1:
+            return x[None]
+        x = x.contiguous()
+        out = torch.empty((self.tp_size, *x.shape), dtype=x.dtype, device=x.device)
+        if self.backend == "nccl":
+            dist.all_gather_into_tensor(out, x, group=self.tp_group)
+        else:
+            dist.all_gather(list(out.unbind(0)), x, group=self.tp_group)
+        return out
+
     # ------------------------------------------------------------------ pipeline parallel
 
     def send_next(self, tensors: list[torch.Tensor]) -> None:

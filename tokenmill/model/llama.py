@@ -270,14 +270,20 @@ class LlamaForCausalLM(nn.Module):
                 ) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [rows, V]; in `out` when given."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True
+                       ) -> torch.Tensor:
+        """float32 logits [rows, V]; in `out` when given. `gather=False`: this TP rank's vocab
+        columns only (`logits_head.gather` / `.argmax` finish them)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self._lm_head.logits(hidden, weight, out)
+        logits = self._lm_head.logits(hidden, weight, out, gather)
         cap = self.dims.final_logit_softcap
         if cap is not None:  # HF: logits / c, tanh, * c
             logits = torch.tanh(logits.div_(cap), out=logits).mul_(cap)
         return logits
+
+    @property
+    def logits_head(self) -> ParallelLMHead:
+        return self._lm_head
 
     def intermediate_shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
         """What a stage hands the next: the hidden state, plus the residual where the fused

@@ -469,7 +469,8 @@ class ModelRunner:
         recording = self.speculator is not None and self.speculator.recording
         tail_graphs = self.recording_tail if recording else self.graph_tail
         fwd = Forward(logits, np.arange(len(slots)), graphs.slots[:len(slots)], len(slots))
-        self._end_in_tail(fwd, tail_graphs, awaits_mask, len(slots))
+        if not self._end_in_tail(fwd, tail_graphs, awaits_mask, len(slots)):
+            fwd.logits = graphs.whole_logits(logits)  # (TP: gathered only for steps that sample them)
         return fwd
 
     def _end_in_tail(self, fwd: Forward, tail: GreedyTail | None, awaits_mask: bool, num_rows: int) -> bool:
