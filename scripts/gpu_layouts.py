@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import device_check  # noqa: E402  (its SHAPES, weights_dir, config_dir and bench)
 
+from tokenmill.benchmarks import decode_consistency as dc  # noqa: E402
 from tokenmill.benchmarks import layout_check as lc  # noqa: E402
 
 _COMMON = dict(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -92,28 +93,45 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> b
     the wrong shard (tp2-gate-up-swapped, where named) fails."""
     shape = "layoutcheck-smoke" if smoke else "layoutcheck"
     path = device_check.weights_dir(shape)
-    common = dict(dtype="bfloat16") if smoke else dict(dtype="bfloat16", gpu_memory_utilization=0.3,
-                                                       max_model_len=1024)
+    # (no prefix caching: the decode probe generates the same prompts twice, and must see the same steps)
+    common = dict(dtype="bfloat16", enable_prefix_caching=False) if smoke else dict(
+        dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024, enable_prefix_caching=False)
     prompt_lens = [5, 17, 40] if smoke else [8, 64, 200, 400]
     vocab = lc.vocab_size(path)
     start = time.perf_counter()
+    # Each engine's decode steps against its own prompt steps (`decode_consistency`): 64 sequences.
+    probe_prompts = dc.random_prompts(vocab, 16 if smoke else 64)
+    probes: dict[str, dict] = {}
+
+    def probe(name: str, llm) -> None:
+        probes[name] = dc.probe(llm, probe_prompts, 4 if smoke else 16)
+        print(dc.format_line(name, probes[name], probes.get("one")), flush=True)
+
     sequences, base = lc.continue_and_score(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
-                                            8 if smoke else 32, common, vocab)
+                                            8 if smoke else 32, common, vocab, probe)
     envs = wrong_shards(shape)
-    # tp2 runs its prompt steps (< 1000 tokens here) in overlapped halves (model/tp_overlap.py), which
-    # the engine takes from 2048 tokens on; tp2-sync keeps one batch: both paths are checked.
-    envs["tp2"] = {"TOKENMILL_TP_OVERLAP_MIN_TOKENS": "64"}
+    # tp2 runs its prompt steps (< 1000 tokens here) and its decode steps of >= 32 rows (the probe's)
+    # in overlapped halves (model/tp_overlap.py), which the engine takes from 512 rows on; tp2-sync
+    # keeps one batch: both paths are checked.
+    envs["tp2"] = {"TOKENMILL_TP_OVERLAP_MIN_TOKENS": "32"}
     # TP=2 with the all-reduce, residual add and RMSNorm apart: the fused kernel's numerics beside it.
     envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
     layouts = [lc.Layout.parse(n) if n in LAYOUTS else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
-    report = lc.check_layouts(path, layouts, sequences, common, envs=envs, base=base)
+    report = lc.check_layouts(path, layouts, sequences, common, envs=envs, base=base, probe=probe)
     print(lc.format_report(report), flush=True)
     verdicts = {v.spread.label: v.passed for v in report.verdicts}
     ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused") if n in verdicts) \
         and not verdicts.get("tp2-gate-up-swapped", False)
-    results["layout_check"] = {**report.as_dict(), "passed": ok, "seconds": time.perf_counter() - start}
-    print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, tp2-gate-up-swapped must fail)")
-    return ok
+    decode_ok = {n: dc.judge(r, probes["one"]) for n, r in probes.items() if n != "one"}
+    for name, result in probes.items():
+        print(dc.format_line(name, result, None if name == "one" else probes["one"]))
+    # The swapped shard computes a wrong model the same way on both paths: its probe is reported only.
+    decode_passed = all(v for n, v in decode_ok.items() if n != "tp2-gate-up-swapped")
+    results["layout_check"] = {**report.as_dict(), "passed": ok, "seconds": time.perf_counter() - start,
+                               "decode_probe": {"results": probes, "passed": decode_ok, "all_passed": decode_passed}}
+    print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, tp2-gate-up-swapped must fail); "
+          f"decode vs prompt path: {'ok' if decode_passed else 'FAILED'}")
+    return ok and decode_passed
 
 
 _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
