@@ -99,12 +99,12 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> b
     prompt_lens = [5, 17, 40] if smoke else [8, 64, 200, 400]
     vocab = lc.vocab_size(path)
     start = time.perf_counter()
-    # Each engine's decode steps against its own prompt steps (`decode_consistency`): 64 sequences.
-    probe_prompts = dc.random_prompts(vocab, 16 if smoke else 64)
+    # Each engine's decode steps against its own prompt steps (`decode_consistency`): 48 sequences.
+    probe_prompts = dc.random_prompts(vocab, 16 if smoke else 48)
     probes: dict[str, dict] = {}
 
     def probe(name: str, llm) -> None:
-        probes[name] = dc.probe(llm, probe_prompts, 4 if smoke else 16)
+        probes[name] = dc.probe(llm, probe_prompts, 4 if smoke else 12)
         print(dc.format_line(name, probes[name], probes.get("one")), flush=True)
 
     sequences, base = lc.continue_and_score(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),

@@ -30,7 +30,7 @@ FLOOR = 2e-3  # |delta logprob| floor of the reference (a run whose two paths ha
 NEAR_TIE = 0.05  # top-2 logprob gap under which two valid runs may pick differently (bf16)
 
 
-def random_prompts(vocab: int, count: int = 64, seed: int = 1) -> list[list[int]]:
+def random_prompts(vocab: int, count: int = 48, seed: int = 1) -> list[list[int]]:
     """`count` prompts of 8 to 24 random ids (enough rows that the decode steps run in halves where the
     layout's overlap starts at 32 rows)."""
     rng = random.Random(seed)
