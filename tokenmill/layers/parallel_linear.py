@@ -40,7 +40,7 @@ class RowParallelLinear(Linear):
         self.defer_reduce = False
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor | PendingAllReduce | StartedAllReduce:
-        if self.parallel.starts_reduces:  # (model/tp_overlap.py: waited for later, by its caller)
+        if getattr(self.parallel, "starts_reduces", False):  # (model/tp_overlap.py: its caller waits)
             return self.parallel.start_all_reduce(partial)
         if self.defer_reduce and self.parallel.defers_reduce():
             return PendingAllReduce(partial, self.parallel)
