@@ -3,8 +3,9 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
 
   check   tokenmill/benchmarks/layout_check.py on random weights of Llama-3.2-1B's layers (8 of them)
           with an 8192-token vocabulary (full distributions come back as prompt logprobs): TP=2,
-          PP=2 and TP=2 with async scheduling off against one GPU (tp2 with its prompt steps in
-          overlapped halves, model/tp_overlap.py; tp2-sync in one batch), each judged against the spread
+          PP=2 and TP=2 with async scheduling off against one GPU (tp2 with its steps in overlapped
+          halves, model/tp_overlap.py, opt-in; tp2-sync in one batch), each engine with a decode
+          probe (decode steps against its prompt path, the greedy tail against the sampler), each judged against the spread
           of two valid one-GPU reductions; then TP=2 with rank 1's rows of a weight swapped
           (TOKENMILL_TEST_FAULTS wrong_shard): gate and up halves swapped must fail; 16 rows swapped
           is reported. A failed check exits 1.
@@ -111,9 +112,9 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> b
                                             8 if smoke else 32, common, vocab, probe)
     envs = wrong_shards(shape)
     # tp2 runs its prompt steps (< 1000 tokens here) and its decode steps of >= 32 rows (the probe's)
-    # in overlapped halves (model/tp_overlap.py), which the engine takes from 512 rows on; tp2-sync
-    # keeps one batch: both paths are checked.
-    envs["tp2"] = {"TOKENMILL_TP_OVERLAP_MIN_TOKENS": "32"}
+    # in overlapped halves (model/tp_overlap.py, off by default); tp2-sync keeps one batch: both
+    # paths are checked.
+    envs["tp2"] = {"TOKENMILL_TP_OVERLAP": "1", "TOKENMILL_TP_OVERLAP_MIN_TOKENS": "32"}
     # TP=2 with the all-reduce, residual add and RMSNorm apart: the fused kernel's numerics beside it.
     envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
     layouts = [lc.Layout.parse(n) if n in LAYOUTS else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
@@ -138,9 +139,13 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     "tp1": ([], {}),
     "tp2": (["--tensor-parallel-size", "2"], {}),
     "tp2-nccl": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE": "nccl"}),
-    # TP=2 with every step's rows in one batch (no halves overlapping all-reduces and GEMMs:
-    # model/tp_overlap.py), the A/B of the overlap.
-    "tp2-no-overlap": (["--tensor-parallel-size", "2"], {"TOKENMILL_TP_OVERLAP": "0"}),
+    # TP=2 with steps of >= 512 rows in two halves, all-reduces beside GEMMs (model/tp_overlap.py,
+    # off by default), and with prompt chunks only (>= 2048 tokens): the A/B of the overlap.
+    "tp2-overlap": (["--tensor-parallel-size", "2"], {"TOKENMILL_TP_OVERLAP": "1"}),
+    "tp2-overlap-prefill": (["--tensor-parallel-size", "2"], {"TOKENMILL_TP_OVERLAP": "1",
+                                                              "TOKENMILL_TP_OVERLAP_MIN_TOKENS": "2048"}),
+    # TP=2 with the decode logits gathered for the greedy argmax (before the sharded argmax).
+    "tp2-gathered-logits": (["--tensor-parallel-size", "2"], {"TOKENMILL_TP_SHARDED_ARGMAX": "0"}),
     # TP=2 with the all-reduce, residual add and RMSNorm apart (two launches where tp2 has one).
     "tp2-unfused": (["--tensor-parallel-size", "2"], {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}),
     # The same TP=2 steps with every all-reduce skipped (wrong outputs, same shapes and lengths:

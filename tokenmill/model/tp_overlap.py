@@ -18,9 +18,15 @@ the fork and join are stream waits, which a graph records), NCCL on its own stre
 
 Numerics: the same kernels on fewer rows; the all-reduce a plain sum, then the residual add and
 the norm apart (the one-batch path fuses them for small messages, with one rounding fewer).
-Steps of at least `TOKENMILL_TP_OVERLAP_MIN_TOKENS` tokens (default MIN_TOKENS) take it on CUDA;
-`TOKENMILL_TP_OVERLAP=0` turns it off, `=1` lets it run on CPU too (gloo) and on one rank (tests).
 Only the plain Llama layers (Llama, Qwen2/3, Mistral, ...) without LoRA.
+
+Off by default (`TOKENMILL_TP_OVERLAP=1` turns it on, for steps of at least
+`TOKENMILL_TP_OVERLAP_MIN_TOKENS` tokens, default MIN_TOKENS). On two H100s (`bench all-reduce
+--overlap-rows`, an 8-layer Llama-8B MLP chain at TP=2 in CUDA graphs) the halves took 1.20x /
+1.08x / 0.997x the one-batch time at 512 / 1024 / 8192 rows: the all-reduce kernels beside the
+GEMMs slow both (a 32 MiB two-shot 215 us there against ~150 alone), the halves' GEMMs run less
+efficiently, and the copy into the symmetric buffer and the qkv join cost their own passes. It is
+kept, checked (the GPU layout check's tp2 runs it), for a GEMM that leaves SMs to the all-reduce.
 """
 
 from __future__ import annotations
@@ -36,8 +42,11 @@ from tokenmill.layers.norm import residual_stream
 MIN_TOKENS = 512  # a step's tokens (decode rows) from which the halves run; below, the fused kernels win
 
 
-def _setting() -> str:
-    return os.environ.get("TOKENMILL_TP_OVERLAP", "auto").lower()
+def wanted() -> bool:
+    """Off unless TOKENMILL_TP_OVERLAP=1 (on two H100s it measured a loss at decode sizes and a wash
+    at prefill ones: see the module's docstring). On, it runs wherever the layers fit: CUDA or
+    CPU (gloo), and on one rank too, where the halves only split the GEMMs (tests)."""
+    return os.environ.get("TOKENMILL_TP_OVERLAP", "0").lower() in ("1", "true", "yes", "on")
 
 
 def min_tokens() -> int:
@@ -64,13 +73,7 @@ def _layers_fit(model) -> bool:
 def applies(model, hidden: torch.Tensor) -> bool:
     """Whether this step of `model` (a `LlamaModel`) runs its layers in overlapped halves."""
     parallel = getattr(model, "parallel", None)
-    setting = _setting()
-    forced = setting in ("1", "true", "yes", "on")  # (tests: CPU, and one rank, where it changes nothing)
-    if parallel is None or parallel.skip_all_reduce or hidden.dim() != 2 or setting in ("0", "false", "no", "off"):
-        return False
-    if parallel.tp_size == 1 and not forced:
-        return False
-    if not hidden.is_cuda and not forced:
+    if parallel is None or parallel.skip_all_reduce or hidden.dim() != 2 or not wanted():
         return False
     if hidden.shape[0] < max(min_tokens(), 2) or not _layers_fit(model):
         return False
