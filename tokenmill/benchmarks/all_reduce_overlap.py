@@ -11,7 +11,7 @@ rows, two ways:
   all-reduce runs under the other half's GEMMs.
 Checked: the halves' output against the serial one (bf16, within 2%: the GEMMs of fewer rows may
 round differently; a join that came too early reads a partial, off by the peer's share), ranks
-equal. Timed: us per layer of each, graph replays. Messages above the buffer (NCCL) run eagerly
+equal. Timed: us per layer of each, graph replays (`graph_timing.graph_us`). Messages above the buffer (NCCL) run eagerly
 are skipped (the engine's halves take NCCL's own stream there, outside graphs).
 """
 
@@ -36,6 +36,7 @@ def _mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
 def run_overlap(group, device: torch.device, rows_list: list[int], layers: int = 8) -> list[dict]:
     import torch.distributed as dist
 
+    from tokenmill.benchmarks.graph_timing import graph_us
     from tokenmill.distributed.symm_all_reduce import AllReduceLimits, SymmetricAllReduce
     from tokenmill.model.tp_overlap import split_point
 
@@ -94,30 +95,12 @@ def run_overlap(group, device: torch.device, rows_list: list[int], layers: int =
         row["ranks_equal"] = all(bool(torch.equal(o, others[0])) for o in others)
         row["ok"] = rel < 2e-2 and row["ranks_equal"]
         for name, fn in (("serial", serial), ("halves", halves)):
-            graph = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream(device=device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                fn(x.clone())
-                torch.cuda.synchronize()
-                with torch.cuda.graph(graph, stream=stream):
-                    out = fn(x)
-            torch.cuda.synchronize()
+            held: list = [None]  # the captured graph's output (its last replay's)
             dist.barrier(group=group)
-            graph.replay()
-            torch.cuda.synchronize()
-            row[f"{name}_graph_ok"] = bool(((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                                          < 2e-2)
-            dist.barrier(group=group)
-            replays = 5
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(replays):
-                graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            row[f"{name}_us_per_layer"] = begin.elapsed_time(end) * 1e3 / (replays * layers)
-            del graph, out
+            row[f"{name}_us_per_layer"] = graph_us(lambda fn=fn: held.__setitem__(0, fn(x)), replays=5, warmup=1) / layers
+            rel_graph = ((held[0].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            row[f"{name}_graph_ok"] = bool(rel_graph < 2e-2)
+            del held
             dist.barrier(group=group)
         row["ok"] = row["ok"] and row["serial_graph_ok"] and row["halves_graph_ok"]
         row["halves_over_serial"] = row["halves_us_per_layer"] / row["serial_us_per_layer"]
