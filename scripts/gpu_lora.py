@@ -264,6 +264,9 @@ LAYER_VARIANTS = {
     # name: (LoRA on, slots (None: the mix; -1: every token without an adapter), side stream, knobs of
     # triton_lora or lora_layer (LORA_LAYER_KNOBS))
     "base": (False, None, None, None),
+    "base_strided": (False, None, None, dict(strided=True)),  # base GEMMs on the LoRA engine's wider weights
+    "noconcat": (True, None, "normal", dict(CONCAT=False)),  # one adapter as 8 or 64 run (before the concat path)
+    "dense_noconcat": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, CONCAT=False)),
     "noop": (True, -1, "normal", None),
     "engine": (True, None, "normal", None),  # as the engine runs it (the defaults)
     "seq": (True, None, None, None),  # no side stream
@@ -308,7 +311,7 @@ LAYER_VARIANTS = {
     "combo_exp": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
                                              EXPAND_TILE_BLOCK_N=256)),
 }
-LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
+LORA_LAYER_KNOBS = {"CONCAT", "SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
                     "OVERLAP_MAX_TOKENS", "DENSE_FUSED", "DENSE_FUSED_SILU", "DELTA_BESIDE"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
@@ -338,7 +341,7 @@ def layer(results, args) -> None:
     variants = args.layer_variants.split(",")
     if SMOKE:
         h_size, inter, q, kv, num_slots, layers, sets = 64, 96, 64, 32, 4, 2, 2
-        token_counts, variants = [1, 40], ["base", "seq", "nosink", "rows64"]
+        token_counts, variants = [1, 40], ["base", "base_strided", "seq", "nosink", "rows64", "noconcat"]
     g = torch.Generator(device=device).manual_seed(0)
     act = SiluAndMul()
     batch = LoRABatch(device, num_slots)
@@ -369,26 +372,34 @@ def layer(results, args) -> None:
             slots.a.copy_(rnd(*slots.a.shape, scale=k ** -0.5))
             slots.b.copy_(rnd(*slots.b.shape, scale=0.02))
             w["l_" + name] = slots
+            # qkv's and gate_up's weights as the LoRA engine holds them: views of wider buffers
+            # (`LoRASlots.attach_concat`); "base" keeps the contiguous ones (the base engine's)
+            if name in ("qkv", "gate_up") and lora_layer.CONCAT and slots.attach_concat(cuda_only=False):
+                w["lw_" + name] = slots.layer.weight
+            else:
+                w["lw_" + name] = w[name]
         weights.append(w)
 
     fuse = True
+    strided = False  # "base_strided": the base GEMMs on the LoRA engine's (wider) weights
 
     def one_layer(w, x, r, lora: bool, sink: bool = True):
         """(qkv, o output, r after attention, activation, down output, next x, r at the end)."""
         if lora:
-            qkv = w["l_qkv"].forward(x, lambda: torch.mm(x, w["qkv"].t()))
+            qkv = w["l_qkv"].forward(x, lambda: torch.mm(x, w["lw_qkv"].t()))
             att = qkv[:, :q]
             y_o = w["l_o"].forward(att, lambda: torch.mm(att, w["o"].t()), r if sink else None)
             x2, r = add_norm(y_o, r)
-            a = w["l_gate_up"].forward_silu_mul(x2, lambda: torch.mm(x2, w["gate_up"].t()), act,
+            a = w["l_gate_up"].forward_silu_mul(x2, lambda: torch.mm(x2, w["lw_gate_up"].t()), act,
                                                 then=w["l_down"] if fuse else None)
             y_d = w["l_down"].forward(a, lambda: torch.mm(a, w["down"].t()), r if sink else None)
         else:
-            qkv = torch.mm(x, w["qkv"].t())
+            pre = "lw_" if strided else ""
+            qkv = torch.mm(x, w[pre + "qkv"].t())
             att = qkv[:, :q]
             y_o = torch.mm(att, w["o"].t())
             x2, r = add_norm(y_o, r)
-            a = act(torch.mm(x2, w["gate_up"].t()))
+            a = act(torch.mm(x2, w[pre + "gate_up"].t()))
             y_d = torch.mm(a, w["down"].t())
         return qkv, y_o, x2, a, y_d
 
@@ -399,15 +410,30 @@ def layer(results, args) -> None:
             x, r = add_norm(y_d, r)
         return x
 
-    def check_layer(tokens, adapters, mix, h0):
+    def prepare(mix, host=None, single=False):
+        """`batch.prepare`, and the one-slot graph family's path when `single` (CONCAT)."""
+        batch.prepare(mix, host, single=single)
+        if SMOKE and host is None:  # the CUDA path's plan: the Triton kernels (interpreted), not the CPU's matmuls
+            batch.plan = triton_lora.plan_step(mix, num_slots, batch.shapes)
+            if single and tokens_of(mix) > triton_lora.ROWS_MAX_TOKENS:
+                batch.concat = True
+                batch._concat_inputs(mix)
+        if single and batch.concat:
+            for wt in weights:
+                for name in ("qkv", "gate_up"):
+                    wt["l_" + name].load_slot(int(mix.max()))
+
+    def tokens_of(mix):
+        return mix.shape[0]
+
+    def check_layer(tokens, adapters, mix, h0, single=False):
         """One layer eagerly, the engine's kernels vs the torch reference of every projection (o's
-        and down's deltas are what their sinks gained)."""
+        and down's deltas are what their sinks gained); `single`: the one-slot path (qkv's and
+        gate_up's LoRA inside their GEMMs)."""
         from tokenmill.layers.lora.torch_lora import lora_reference
         w = weights[0]
         batch.side_stream = None
-        batch.prepare(mix)
-        if SMOKE:  # the CUDA path's plan: the Triton kernels (interpreted) instead of the CPU's matmuls
-            batch.plan = triton_lora.plan_step(mix, num_slots, batch.shapes)
+        prepare(mix, single=single)
         r0 = h0.float() + 0.5
         qkv, y_o, x2, a, y_d = one_layer(w, h0, r0.clone(), True, sink=False)  # deltas into y
         r1 = r0.clone()
@@ -451,10 +477,10 @@ def layer(results, args) -> None:
             gate, up = ref("gate_up", x2_d, torch.mm(x2_d, w["gate_up"].t())).to(dtype).float().chunk(2, dim=1)
             errs.append(rel(a_d, torch.nn.functional.silu(gate).to(dtype).float() * up))
         check(max(errs) <= (1e-4 if SMOKE else 2e-2),
-              f"layer T={tokens} adapters={adapters}: relative error qkv/o/down/gate_up/stream with sinks "
+              f"layer T={tokens} adapters={adapters}{' one-slot path' if single else ''}: relative error qkv/o/down/gate_up/stream with sinks "
               f"(then qkv/o/down/gate_up dense) {['%.1e' % e for e in errs]}")
 
-    rows = []
+    rows = results["layer"] = []  # (saved after every row: a run cut short keeps what it measured)
     for tokens in token_counts:
         h0 = rnd(tokens, h_size, scale=1.0)
         for adapters in [int(a) for a in args.layer_adapters.split(",")] if not SMOKE else (1, 3):
@@ -464,6 +490,8 @@ def layer(results, args) -> None:
                 continue  # (prefill sizes: 1 and 64 tell enough)
             mix = (torch.randperm(tokens, generator=g, device=device) % adapters).to(torch.int32)
             check_layer(tokens, adapters, mix, h0)
+            if adapters == 1 and lora_layer.CONCAT:
+                check_layer(tokens, adapters, mix, h0, single=True)
             for variant in variants:
                 lora, fixed, stream, knobs = LAYER_VARIANTS[variant]
                 if not lora and adapters != 1:
@@ -476,6 +504,7 @@ def layer(results, args) -> None:
                     continue  # (rowsN: the tiles of steps up to 512 tokens)
                 knobs = dict(knobs or {})
                 fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
+                strided = knobs.pop("strided", False)
                 host = mix.cpu().numpy() if knobs.pop("host", False) else None  # (the step's slots known)
                 if host is not None and (tokens < min(knobs.get("DENSE_MIN_TOKENS", 512), 513) or adapters > 1):
                     continue  # (one adapter's large steps only)
@@ -487,9 +516,12 @@ def layer(results, args) -> None:
                     batch.side_stream = streams.get(stream)
                     token_slots = mix if fixed is None else torch.full_like(mix, fixed)
 
+                    # one adapter: the engine replays its one-slot graph family (CONCAT)
+                    single = lora and fixed is None and adapters == 1 and host is None and lora_layer.CONCAT
+
                     def body():
                         if lora:
-                            batch.prepare(token_slots, host)
+                            prepare(token_slots, host, single)
                         out = stack(h0, lora)
                         batch.clear()
                         return out
@@ -511,6 +543,7 @@ def layer(results, args) -> None:
                     else:
                         us = _time_graph(body, reps=1, replays=20) / layers
                     rows.append({"tokens": tokens, "adapters": adapters, "variant": variant, "us_per_layer": us})
+                    save(results)
                     print(f"  T={tokens:5} adapters={adapters:2} {variant:11} {us:9.1f} us per layer", flush=True)
                 except Exception as exc:
                     traceback.print_exc()
@@ -558,6 +591,9 @@ def tiny(results: dict, args) -> None:
     new = 8 if SMOKE else 24
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     refs = [peft.greedy(n, p, new) for n, p in zip(names, prompts)]
+    # one adapter and base rows in a batch of more than 16 rows: the one-slot graphs (CONCAT)
+    one = [None if i % 3 == 0 else "a1" for i in range(len(names))]
+    refs += [refs[i] if n == names[i] else peft.greedy(n, p, new) for i, (n, p) in enumerate(zip(one, prompts))]
     runs = {"graphs": dict(max_loras=3), "one_slot": dict(max_loras=1, max_cpu_loras=1)}
     if not SMOKE:
         runs["eager"] = dict(max_loras=3, enforce_eager=True)
@@ -577,8 +613,10 @@ def tiny(results: dict, args) -> None:
                                  lora_request=loras.get(names[i]))[0] for i in solo]
             outs += llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                  lora_request=[None if n is None else loras[n] for n in names])
+            outs += llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                 lora_request=[None if n is None else loras[n] for n in one])
         exact, notes = 0, []
-        for out, ref, n in zip(outs, [refs[i] for i in solo] + refs, [names[i] for i in solo] + names):
+        for out, ref, n in zip(outs, [refs[i] for i in solo] + refs, [names[i] for i in solo] + names + one):
             try:
                 note = compare_greedy(list(out.outputs[0].token_ids), ref, f"{label} {n}")
             except AssertionError as exc:

@@ -78,6 +78,8 @@ class DecodeGraphs:
         # adapter (a LoRA engine's base requests run as the base model's); same output buffers.
         self.plain_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._plain = False  # capturing (running) the bodies without LoRA
+        self.single_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # LoRA: steps of one slot (`LoRAManager.concat`)
+        self._single = False
         self.logits: dict[int, torch.Tensor] = {}  # the last stage's output
         self.activations: dict[int, list[torch.Tensor]] = {}  # an earlier stage's output
         # A later pipeline stage's input: the previous stage's activations, copied in before a replay.
@@ -110,6 +112,14 @@ class DecodeGraphs:
                 self.plain_graphs, _ = capture_per_size(self.sizes, self._body)
             finally:
                 self._plain = False
+        if self.lora is not None and self.lora.concat and self.query_len == 1 and not self.kv_only:
+            # steps whose adapter rows all use one slot: qkv's and gate_up's LoRA inside their GEMMs
+            self._single = True
+            try:
+                from tokenmill.layers.lora.triton_lora import ROWS_MAX_TOKENS  # (smaller: the per-token kernels)
+                self.single_graphs, _ = capture_per_size([s for s in self.sizes if s > ROWS_MAX_TOKENS], self._body)
+            finally:
+                self._single = False
         logger.info("captured %d decode CUDA graphs (batch 1..%d, %d query tokens per row) in %.1f s",
                     len(self.graphs), self.sizes[-1], self.query_len, time.perf_counter() - start)
 
@@ -135,7 +145,13 @@ class DecodeGraphs:
             copy_to_device(rows, self._rows)
             self._loaded = key
         plain = self.plain_graphs and not self.lora.any_adapter(slots)
-        (self.plain_graphs if plain else self.graphs)[size].replay()
+        graphs = self.plain_graphs if plain else self.graphs
+        if not plain and size in self.single_graphs:
+            slot = self.lora.single_slot(slots)
+            if slot is not None:
+                self.lora.load_concat(slot)
+                graphs = self.single_graphs
+        graphs[size].replay()
         if self.kv_only:
             return None
         rows = len(slots) * self.query_len
@@ -170,7 +186,7 @@ class DecodeGraphs:
             seq_lens_cpu=torch.full((size,), q, dtype=torch.int32), seq_lens_exact=False,
             prompt_lens=torch.zeros_like(seq_lens))  # every token is past its prompt: its own position decides
         if self.lora is not None:
-            self.lora.prepare_rows(slots, q, plain=self._plain)
+            self.lora.prepare_rows(slots, q, plain=self._plain, single=self._single)
         if self.inputs:
             out = self.model(input_ids, positions, self.kv_caches, meta,
                              IntermediateTensors.of([t[:size] for t in self.inputs]))

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import LoRAConfig, ModelArch
+from tokenmill.layers.lora import lora_layer
 from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots
 from tokenmill.lora.peft import TARGETS, load_adapter, read_adapter
 from tokenmill.protocol import LoRALoad, LoRARef
@@ -63,6 +64,9 @@ class LoRAManager:
                 module.lora = slots
                 slots.layer = module  # (its weight: the dense path's base GEMM, `LoRASlots._plain_weight`)
                 self.slots[(i, name)] = slots
+        # qkv's and gate_up's weights in wider buffers: one-slot steps run their LoRA inside the GEMM.
+        self.concat = [s for (_, name), s in self.slots.items() if name in ("qkv_proj", "gate_up_proj")
+                       and lora_layer.CONCAT and device.type == "cuda" and s.attach_concat()]
         # Per persistent-batch row (the last is the scratch row of padded graph rows): its adapter slot.
         self.row_slot = np.full(max_rows + 1, -1, dtype=np.int64)
         self.row_slot_dev = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=device)
@@ -157,9 +161,20 @@ class LoRAManager:
         """Whether some of these persistent-batch rows has an adapter (else a graph without LoRA)."""
         return bool((self.row_slot[rows] >= 0).any())
 
-    def prepare_rows(self, rows: torch.Tensor, query_len: int = 1, plain: bool = False) -> None:
+    def single_slot(self, rows: np.ndarray) -> int | None:
+        """The one slot of these rows' adapters when they have exactly one (rows without one aside)."""
+        used = self.row_slot[rows]
+        used = used[used >= 0]
+        return int(used[0]) if len(used) and (used == used[0]).all() else None
+
+    def load_concat(self, slot: int) -> None:
+        """Before replaying a one-slot graph: the slot's B in every wider weight (a no-op when there)."""
+        for slots in self.concat:
+            slots.load_slot(slot)
+
+    def prepare_rows(self, rows: torch.Tensor, query_len: int = 1, plain: bool = False, single: bool = False) -> None:
         """Inside a graph body: the rows' (device) slots, `query_len` tokens each; `plain`: a body
-        without LoRA (`plain_graphs`)."""
+        without LoRA (`plain_graphs`); `single`: every adapter row uses one slot (`load_concat` before each replay)."""
         if plain:
             self.batch.clear()
             return
@@ -168,7 +183,7 @@ class LoRAManager:
             # contiguous(): one row's expand would reshape to a stride-0 view, which the kernels
             # (indexing slots by token) would read past.
             slots = slots[:, None].expand(-1, query_len).contiguous().view(-1)
-        self.batch.prepare(slots)
+        self.batch.prepare(slots, single=single)
 
     def warm_up(self) -> None:
         """CUDA: compile the kernels for every projection shape, per-token and both tile sizes."""
