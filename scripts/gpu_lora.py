@@ -415,16 +415,11 @@ def layer(results, args) -> None:
         batch.prepare(mix, host, single=single)
         if SMOKE and host is None:  # the CUDA path's plan: the Triton kernels (interpreted), not the CPU's matmuls
             batch.plan = triton_lora.plan_step(mix, num_slots, batch.shapes)
-            if single and tokens_of(mix) > triton_lora.ROWS_MAX_TOKENS:
-                batch.concat = True
-                batch._concat_inputs(mix)
+            batch.decide_concat(mix, None, single)
         if single and batch.concat:
             for wt in weights:
                 for name in ("qkv", "gate_up"):
                     wt["l_" + name].load_slot(int(mix.max()))
-
-    def tokens_of(mix):
-        return mix.shape[0]
 
     def check_layer(tokens, adapters, mix, h0, single=False):
         """One layer eagerly, the engine's kernels vs the torch reference of every projection (o's

@@ -33,7 +33,17 @@ def _plain_body(graphs, size: int):
         graphs._plain = False
 
 
-def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: list[int]) -> DecodeGraphs:
+def _single_body(graphs, size: int):
+    """A body as captured for `single_graphs` (every adapter row of one slot: LoRA inside the GEMMs)."""
+    graphs._single = True
+    try:
+        return graphs._body(size)
+    finally:
+        graphs._single = False
+
+
+def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: list[int],
+                   single_counter: list[int] | None = None) -> DecodeGraphs:
     spec = runner.speculator
     graphs = DecodeGraphs(runner.model, runner.batch, runner.kv_caches, 8, runner.config.model.max_model_len,
                           runner.block_size, query_len=query_len, drafts=None if spec is None else spec.drafts,
@@ -46,6 +56,13 @@ def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: li
         graphs.logits[size] = _plain_body(graphs, size)
     graphs.graphs = {size: _EagerReplay(lambda size=size: body(size), counter) for size in graphs.sizes}
     graphs.plain_graphs = {size: _EagerReplay(lambda size=size: plain(size), plain_counter) for size in graphs.sizes}
+    if runner.lora.concat and query_len == 1:  # (as `DecodeGraphs.capture`: sizes past the per-token kernels')
+        from tokenmill.layers.lora import triton_lora
+
+        def single(size: int):
+            graphs.logits[size] = _single_body(graphs, size)
+        graphs.single_graphs = {size: _EagerReplay(lambda size=size: single(size), single_counter)
+                                for size in graphs.sizes if size > triton_lora.ROWS_MAX_TOKENS}
     with torch.inference_mode():  # as capture does first: the shared output buffer, of the largest size
         graphs._body(graphs.sizes[-1])
     return graphs
@@ -53,10 +70,12 @@ def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: li
 
 def install_eager_graphs(llm) -> dict[str, list[int]]:
     """Eager stand-ins for every graph family, each with its variant without LoRA (for steps
-    without adapters), counting replays of each."""
+    without adapters) and the decode graphs' one-slot variant (where the manager has wider
+    weights: `LoRAManager.concat`), counting replays of each."""
     runner = worker_runner(llm)
-    counts = {k: [0] for k in ("decode", "verify", "prompt", "decode_plain", "verify_plain", "prompt_plain")}
-    runner.graphs = _decode_graphs(runner, 1, counts["decode"], counts["decode_plain"])
+    counts = {k: [0] for k in ("decode", "verify", "prompt", "decode_plain", "verify_plain", "prompt_plain",
+                               "decode_single")}
+    runner.graphs = _decode_graphs(runner, 1, counts["decode"], counts["decode_plain"], counts["decode_single"])
     if runner.speculator is not None:
         runner.verify_graphs = _decode_graphs(runner, runner.speculator.k + 1, counts["verify"],
                                               counts["verify_plain"])

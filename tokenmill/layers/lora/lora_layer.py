@@ -120,16 +120,9 @@ class LoRABatch:
             if host is not None and self.num_tokens >= DENSE_MIN_TOKENS and host[0] >= 0 and (host == host[0]).all():
                 self.dense_slot = int(host[0])
             if triton_ops.enabled(token_slots) and self.num_slots:
-                from tokenmill.layers.lora.triton_lora import ROWS_MAX_TOKENS, plan_step
+                from tokenmill.layers.lora.triton_lora import plan_step
                 self.plan = plan_step(token_slots, self.num_slots, self.shapes)
-                if CONCAT and self.num_tokens > ROWS_MAX_TOKENS:
-                    if host is not None:
-                        used = np.unique(host[host >= 0])
-                        single = len(used) == 1
-                        self.concat_slot = int(used[0]) if single else None
-                    self.concat = single
-                    if single:
-                        self._concat_inputs(token_slots)
+                self.decide_concat(token_slots, host, single)
             return
         if host is None:
             host = token_slots.cpu().numpy()
@@ -138,11 +131,23 @@ class LoRABatch:
             rows = np.flatnonzero(host == slot)
             self.groups.append((slot, None if len(rows) == len(host) else torch.from_numpy(rows)))
 
-    def _concat_inputs(self, token_slots: torch.Tensor) -> None:
-        from tokenmill.layers.lora.triton_concat import ConcatWorkspace
-        if self.concat_ws is None:
-            self.concat_ws = ConcatWorkspace(self.device)
-        self.concat_slots = token_slots.to(torch.int32).contiguous()
+    def decide_concat(self, token_slots: torch.Tensor, host: np.ndarray | None, single: bool) -> None:
+        """Whether this step runs qkv's and gate_up's LoRA inside their GEMMs (`CONCAT`): more tokens
+        than the per-token kernels take, every adapter token of one slot (known from `host`, or
+        `single` for a graph body of the one-slot family)."""
+        from tokenmill.layers.lora import triton_lora
+        if not CONCAT or self.num_tokens <= triton_lora.ROWS_MAX_TOKENS:
+            return
+        if host is not None:
+            used = np.unique(host[host >= 0])
+            single = len(used) == 1
+            self.concat_slot = int(used[0]) if single else None
+        self.concat = single
+        if single:
+            from tokenmill.layers.lora.triton_concat import ConcatWorkspace
+            if self.concat_ws is None:
+                self.concat_ws = ConcatWorkspace(self.device)
+            self.concat_slots = token_slots.to(torch.int32).contiguous()
 
     def clear(self) -> None:
         self.active = False
@@ -194,7 +199,7 @@ class LoRASlots:
         Only for a plain weight (unquantized, no bias) on CUDA; False where it does not apply."""
         from tokenmill.layers.lora.triton_concat import ext_columns
         layer = self.layer
-        weight = self._base_weight()
+        weight = self._base_weight(bias_ok=True)
         if weight is None or (cuda_only and not weight.is_cuda) or not self.triton:
             return False
         n, k = weight.shape
@@ -225,7 +230,8 @@ class LoRASlots:
         if batch.concat_slot is not None:
             self.load_slot(batch.concat_slot)
         xe = concat_shrink(x, self.a, batch.concat_slots, self.ext.shape[1] - x.shape[1], batch.concat_ws)
-        return torch.mm(xe, self.ext.t())
+        bias = getattr(self.layer, "bias", None)
+        return torch.mm(xe, self.ext.t()) if bias is None else torch.addmm(bias, xe, self.ext.t())
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.forward(x, lambda: y)
@@ -309,10 +315,10 @@ class LoRASlots:
             return None
         return weight
 
-    def _base_weight(self) -> torch.Tensor | None:
-        """The layer's weight where its output is exactly x @ weight^T (unquantized, no bias)."""
+    def _base_weight(self, bias_ok: bool = False) -> torch.Tensor | None:
+        """The layer's weight where its output is exactly x @ weight^T (+ its bias: `bias_ok`; unquantized)."""
         layer = self.layer
-        if layer is None or getattr(layer, "bias", None) is not None \
+        if layer is None or (getattr(layer, "bias", None) is not None and not bias_ok) \
                 or getattr(getattr(layer, "quant_method", None), "quantized", True):
             return None
         weight = getattr(layer, "weight", None)
