@@ -701,7 +701,14 @@ def engines(results: dict, args, parts: set[str]) -> None:
     mixes = {count: [loras[i % count] for i in range(num)] for count in counts}
     warm_params = SamplingParams(temperature=0.0, max_tokens=min(out, 16), ignore_eos=True, detokenize=False)
 
-    def warm(llm, lora_request, n=min(num, 128)) -> None:
+    def publish() -> None:  # after every run: a run cut short keeps every figure it measured
+        MARKDOWN[title] = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results, verbose=False)
+        save(results)
+    title = (f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}, "
+             f"base and LoRA engines alive together, runs alternated")
+    bench.on_run = publish
+
+    def warm(llm, lora_request, n=min(num, 64)) -> None:
         """A short run of a configuration's mix: its step sizes compile and settle before any timing."""
         llm.generate(prompts_of(n, 7), warm_params, use_tqdm=False, lora_request=lora_request)
 
@@ -727,7 +734,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
                 if "engine" in parts:
                     warm(base_llm, None)
                     for count in counts:
-                        warm(lora_llm, mixes[count][:min(num, 128)])
+                        warm(lora_llm, mixes[count][:min(num, 64)])
                     warm(lora_llm, None)
                 print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
                 if "batch1" in parts:  # alternated: base engine, adapter, base request in the LoRA engine
@@ -736,28 +743,34 @@ def engines(results: dict, args, parts: set[str]) -> None:
                         bench.run(lora_llm, loras[0], "batch1_lora", 1, kind="b1")
                         bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
                 if "engine" in parts:
-                    def round_(r: int) -> None:  # base and 1 adapter, one after the other
+                    # In order of worth, each figure written as soon as measured: a round (base, 1
+                    # adapter), each other mix once, a second round, base requests in the LoRA
+                    # engine, more rounds; past the first round only what fits the budget.
+                    def round_(r: int) -> bool:  # base and 1 adapter, one after the other
+                        if r and not bench.fits("base", "lora"):
+                            print(f"  (round {r + 1} left out: the {args.budget:.0f} s budget)")
+                            return False
                         bench.run(base_llm, None, "base", num, kind="base")
                         bench.run(lora_llm, mixes[counts[0]], f"lora_{counts[0]}_adapters", num, kind="lora")
-                    for r in range(2):
-                        round_(r)
+                        return True
+                    round_(0)
                     for count in counts[1:]:
+                        if not bench.fits("lora"):
+                            print(f"  ({count} adapters left out: the {args.budget:.0f} s budget)")
+                            continue
                         bench.run(lora_llm, mixes[count], f"lora_{count}_adapters", num, kind="lora")
+                    more = round_(1) if args.engine_repeats >= 2 else True
                     # base requests: LoRA engine vs base engine, alternated (a smaller run of the workload)
                     if bench.fits("base", "base", scale=1.3 * base_num / num):
                         bench.run(base_llm, None, "base_paired", base_num, kind="small")
                         bench.run(lora_llm, None, "base_in_lora_engine", base_num, kind="small")
-                    for r in range(2, args.engine_repeats):  # more rounds while the budget allows
-                        if not bench.fits("base", "lora"):
-                            print(f"  (rounds {r + 1}.. left out: the {args.budget:.0f} s budget)")
+                    for r in range(2, args.engine_repeats if more else 0):  # more rounds while the budget allows
+                        if not round_(r):
                             break
-                        round_(r)
     except Exception as exc:
         traceback.print_exc()
         check(False, f"engines raised {type(exc).__name__}: {exc}"[:500])
-    lines = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results)
-    MARKDOWN[f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}, "
-             f"base and LoRA engines alive together, runs alternated"] = lines
+    MARKDOWN[title] = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results)
 
 
 # ---------------------------------------------------------------- profile: where a step's time goes
