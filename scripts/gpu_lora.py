@@ -266,6 +266,8 @@ LAYER_VARIANTS = {
     "base": (False, None, None, None),
     "base_strided": (False, None, None, dict(strided=True)),  # base GEMMs on the LoRA engine's wider weights
     "noconcat": (True, None, "normal", dict(CONCAT=False)),  # one adapter as 8 or 64 run (before the concat path)
+    "concat_all": (True, None, "normal", dict(CONCAT_SINKS=True)),  # o's and down's LoRA inside their GEMMs too
+    "dense_concat_all": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, CONCAT_SINKS=True)),
     "dense_noconcat": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, CONCAT=False)),
     "noop": (True, -1, "normal", None),
     "engine": (True, None, "normal", None),  # as the engine runs it (the defaults)
@@ -311,7 +313,7 @@ LAYER_VARIANTS = {
     "combo_exp": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
                                              EXPAND_TILE_BLOCK_N=256)),
 }
-LORA_LAYER_KNOBS = {"CONCAT", "SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
+LORA_LAYER_KNOBS = {"CONCAT", "CONCAT_SINKS", "SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
                     "OVERLAP_MAX_TOKENS", "DENSE_FUSED", "DENSE_FUSED_SILU", "DELTA_BESIDE"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
@@ -341,7 +343,7 @@ def layer(results, args) -> None:
     variants = args.layer_variants.split(",")
     if SMOKE:
         h_size, inter, q, kv, num_slots, layers, sets = 64, 96, 64, 32, 4, 2, 2
-        token_counts, variants = [1, 40], ["base", "base_strided", "seq", "nosink", "rows64", "noconcat"]
+        token_counts, variants = [1, 40], ["base", "base_strided", "seq", "nosink", "rows64", "noconcat", "concat_all"]
     g = torch.Generator(device=device).manual_seed(0)
     act = SiluAndMul()
     batch = LoRABatch(device, num_slots)
@@ -374,7 +376,7 @@ def layer(results, args) -> None:
             w["l_" + name] = slots
             # qkv's and gate_up's weights as the LoRA engine holds them: views of wider buffers
             # (`LoRASlots.attach_concat`); "base" keeps the contiguous ones (the base engine's)
-            if name in ("qkv", "gate_up") and lora_layer.CONCAT and slots.attach_concat(cuda_only=False):
+            if lora_layer.CONCAT and slots.attach_concat(cuda_only=False):  # (o, down: used with CONCAT_SINKS)
                 w["lw_" + name] = slots.layer.weight
             else:
                 w["lw_" + name] = w[name]
@@ -388,19 +390,19 @@ def layer(results, args) -> None:
         if lora:
             qkv = w["l_qkv"].forward(x, lambda: torch.mm(x, w["lw_qkv"].t()))
             att = qkv[:, :q]
-            y_o = w["l_o"].forward(att, lambda: torch.mm(att, w["o"].t()), r if sink else None)
+            y_o = w["l_o"].forward(att, lambda: torch.mm(att, w["lw_o"].t()), r if sink else None)
             x2, r = add_norm(y_o, r)
             a = w["l_gate_up"].forward_silu_mul(x2, lambda: torch.mm(x2, w["lw_gate_up"].t()), act,
                                                 then=w["l_down"] if fuse else None)
-            y_d = w["l_down"].forward(a, lambda: torch.mm(a, w["down"].t()), r if sink else None)
+            y_d = w["l_down"].forward(a, lambda: torch.mm(a, w["lw_down"].t()), r if sink else None)
         else:
             pre = "lw_" if strided else ""
             qkv = torch.mm(x, w[pre + "qkv"].t())
             att = qkv[:, :q]
-            y_o = torch.mm(att, w["o"].t())
+            y_o = torch.mm(att, w[pre + "o"].t())
             x2, r = add_norm(y_o, r)
             a = act(torch.mm(x2, w[pre + "gate_up"].t()))
-            y_d = torch.mm(a, w["down"].t())
+            y_d = torch.mm(a, w[pre + "down"].t())
         return qkv, y_o, x2, a, y_d
 
     def stack(h, lora: bool):
@@ -418,7 +420,7 @@ def layer(results, args) -> None:
             batch.decide_concat(mix, None, single)
         if single and batch.concat:
             for wt in weights:
-                for name in ("qkv", "gate_up"):
+                for name in ("qkv", "o", "gate_up", "down"):
                     wt["l_" + name].load_slot(int(mix.max()))
 
     def check_layer(tokens, adapters, mix, h0, single=False):

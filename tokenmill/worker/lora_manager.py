@@ -41,6 +41,9 @@ _MODULES = {
 }
 
 
+_COLUMN = ("qkv_proj", "gate_up_proj")  # column-parallel: each rank's bias is its own
+
+
 def kernel_rank(max_lora_rank: int) -> int:
     """The padded rank of the slot buffers: a power of two, at least 16 (the kernels' dot width)."""
     return max(16, 1 << (max_lora_rank - 1).bit_length())
@@ -65,8 +68,12 @@ class LoRAManager:
                 slots.layer = module  # (its weight: the dense path's base GEMM, `LoRASlots._plain_weight`)
                 self.slots[(i, name)] = slots
         # qkv's and gate_up's weights in wider buffers: one-slot steps run their LoRA inside the GEMM.
-        self.concat = [s for (_, name), s in self.slots.items() if name in ("qkv_proj", "gate_up_proj")
-                       and lora_layer.CONCAT and device.type == "cuda" and s.attach_concat()]
+        # (o_proj's and down_proj's too with CONCAT_SINKS, where they have no bias: a row-parallel
+        # layer adds its bias on the first rank only)
+        wider = ("qkv_proj", "gate_up_proj") + (("o_proj", "down_proj") if lora_layer.CONCAT_SINKS else ())
+        self.concat = [s for (_, name), s in self.slots.items() if name in wider and lora_layer.CONCAT
+                       and device.type == "cuda" and (name in _COLUMN or getattr(s.layer, "bias", None) is None)
+                       and s.attach_concat()]
         # Per persistent-batch row (the last is the scratch row of padded graph rows): its adapter slot.
         self.row_slot = np.full(max_rows + 1, -1, dtype=np.int64)
         self.row_slot_dev = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=device)

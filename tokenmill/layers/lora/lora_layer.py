@@ -68,6 +68,9 @@ FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", 
 # the host; graphs: the one-adapter family) run qkv's and gate_up's LoRA inside their GEMM
 # (`triton_concat`: [x | t] @ [W | B]^T, the weight in a wider buffer): no expand, no delta (=0: not).
 CONCAT = os.environ.get("TOKENMILL_LORA_CONCAT", "1") not in ("0", "false", "no")
+# ... o_proj's and down_proj's too (their input copied into [x | t]: instead of their LoRA beside
+# the GEMM into the residual stream), where their weights are wider (=1; the manager then makes them so).
+CONCAT_SINKS = os.environ.get("TOKENMILL_LORA_CONCAT_SINKS", "0") not in ("0", "false", "no")
 
 
 class LoRABatch:
@@ -246,7 +249,7 @@ class LoRASlots:
             return base()
         if batch.plan is not None and self.triton:
             from tokenmill.layers.lora.triton_lora import lora_expand
-            if batch.concat and self.ext is not None and plain and x.stride(1) == 1:
+            if batch.concat and self.ext is not None and plain and x.stride(1) == 1 and (sink is None or CONCAT_SINKS):
                 return self._concat(x)
             if batch.dense_slot is not None:
                 weight = self._plain_weight(x) if plain else None
