@@ -131,7 +131,10 @@ def micro(results: dict, args) -> None:
     from tokenmill.layers.lora.lora_layer import run_beside
     from tokenmill.layers.lora.torch_lora import lora_reference
     from tokenmill.layers.activation import SiluAndMul
-    from tokenmill.layers.lora.triton_lora import lora_expand, lora_expand_silu, lora_shrink, plan_step
+    from tokenmill.layers.lora.triton_expand import lora_expand
+    from tokenmill.layers.lora.triton_fused import lora_expand_silu
+    from tokenmill.layers.lora.triton_lora import plan_step
+    from tokenmill.layers.lora.triton_shrink import lora_shrink
 
     device = "cpu" if SMOKE else "cuda"
     dtype = torch.float32 if SMOKE else torch.bfloat16

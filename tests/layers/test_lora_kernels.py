@@ -15,11 +15,13 @@ from tests.helpers.triton_required import require_triton
 
 require_triton()
 
-from tokenmill.layers.lora import lora_layer, triton_lora  # noqa: E402
+from tokenmill.layers.lora import lora_layer, triton_fused, triton_lora  # noqa: E402
 from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots  # noqa: E402
 from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference  # noqa: E402
-from tokenmill.layers.lora.triton_lora import (  # noqa: E402
-    lora_expand, lora_expand_silu, lora_shrink, plan_step, plan_tiles)
+from tokenmill.layers.lora.triton_expand import lora_expand  # noqa: E402
+from tokenmill.layers.lora.triton_fused import lora_expand_silu  # noqa: E402
+from tokenmill.layers.lora.triton_lora import plan_step, plan_tiles  # noqa: E402
+from tokenmill.layers.lora.triton_shrink import lora_shrink  # noqa: E402
 
 PARTS = {"qkv": [64, 32, 32], "gate_up": [48, 48], "single": [80]}
 
@@ -302,7 +304,7 @@ def test_silu_mul_add_kernel(dtype):
     s = (y.float() + d.float()).to(dtype).float()
     gate, up = s.chunk(2, dim=1)
     want = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
-    got = triton_lora.silu_mul_add(y, d)
+    got = triton_fused.silu_mul_add(y, d)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-3 if dtype == torch.float16 else 1e-5, rtol=1e-3)
 
 

@@ -248,7 +248,7 @@ class LoRASlots:
         if not batch.active or x.shape[0] != batch.num_tokens:
             return base()
         if batch.plan is not None and self.triton:
-            from tokenmill.layers.lora.triton_lora import lora_expand
+            from tokenmill.layers.lora.triton_expand import lora_expand
             if batch.concat and self.ext is not None and plain and x.stride(1) == 1 and (sink is None or CONCAT_SINKS):
                 return self._concat(x)
             if batch.dense_slot is not None:
@@ -281,7 +281,7 @@ class LoRASlots:
         batch = self.batch
         halves = len(self.part_starts) == 3 and 2 * self.part_starts[1] == self.part_starts[2]
         if batch.active and x.shape[0] == batch.num_tokens and batch.plan is not None and self.triton and halves:
-            from tokenmill.layers.lora.triton_lora import can_fuse_next_shrink, lora_expand_silu
+            from tokenmill.layers.lora.triton_fused import can_fuse_next_shrink, lora_expand_silu
             if batch.concat and self.ext is not None and x.stride(1) == 1:
                 return act(self._concat(x))
             if batch.dense_slot is not None and DENSE_FUSED_SILU and self._plain_weight(x) is not None:
@@ -290,7 +290,7 @@ class LoRASlots:
                 planes = torch.mm(x, self.a[batch.dense_slot].t()).float().unsqueeze(0)
                 return lora_expand_silu(planes, self.b, batch.plan, base())
             if self._delta_beside():
-                from tokenmill.layers.lora.triton_lora import silu_mul_add
+                from tokenmill.layers.lora.triton_fused import silu_mul_add
                 return silu_mul_add(*self._delta_and_base(x, base, add=False))
             planes, y = self._shrink_and_base(x, base)
             inter = self.part_starts[1]
@@ -360,7 +360,8 @@ class LoRASlots:
                    base: Callable[[], torch.Tensor]) -> torch.Tensor:
         """base(), and the deltas (the shrink unless `planes` holds it) added into `sink`: beside
         base() on the side stream while a small enough CUDA graph is captured."""
-        from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
+        from tokenmill.layers.lora.triton_expand import lora_expand
+        from tokenmill.layers.lora.triton_shrink import lora_shrink
         batch = self.batch
 
         def delta() -> None:
@@ -381,7 +382,8 @@ class LoRASlots:
         """base() plus the deltas: the LoRA (shrink, then the expand writing a buffer of its own)
         beside base() on the side stream while a graph is captured, then one add (add=False:
         (base(), the deltas) for the kernel that adds them itself)."""
-        from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
+        from tokenmill.layers.lora.triton_expand import lora_expand
+        from tokenmill.layers.lora.triton_shrink import lora_shrink
         batch = self.batch
         delta = torch.empty(x.shape[0], self.part_starts[-1], dtype=x.dtype, device=x.device)
 
@@ -396,7 +398,7 @@ class LoRASlots:
 
     def _shrink_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink's planes and base(): side by side while a CUDA graph is captured."""
-        from tokenmill.layers.lora.triton_lora import lora_shrink
+        from tokenmill.layers.lora.triton_shrink import lora_shrink
         batch = self.batch
         if (batch.side_stream is not None and batch.num_tokens <= OVERLAP_MAX_TOKENS
                 and torch.cuda.is_current_stream_capturing()):
