@@ -207,6 +207,9 @@ class LoRAManager:
                 slots.apply(x, y)
                 if len(slots.part_starts) == 3:  # gate_up's expand fused with SiLU-and-mul
                     slots.forward_silu_mul(x, lambda: y, lambda t: t)
+                if slots.ext is not None and tokens > 16:  # the one-slot path (`concat`): [x | t] and its GEMM
+                    self.batch.prepare(torch.zeros(tokens, dtype=torch.int64, device=self.device), single=True)
+                    slots.apply(x, y)
         # gate_up's kernel with down_proj's shrink in it (decode sizes), and down_proj taking it.
         for (layer, name), slots in self.slots.items():
             down = self.slots.get((layer, "down_proj"))
