@@ -316,7 +316,7 @@ LAYER_VARIANTS = {
     "combo_exp": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
                                              EXPAND_TILE_BLOCK_N=256)),
 }
-LORA_LAYER_KNOBS = {"CONCAT", "CONCAT_SINKS", "SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
+LORA_LAYER_KNOBS = {"CONCAT", "CONCAT_SINKS", "CONCAT_EAGER", "CONCAT_GRAPHS", "SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
                     "OVERLAP_MAX_TOKENS", "DENSE_FUSED", "DENSE_FUSED_SILU", "DELTA_BESIDE"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",

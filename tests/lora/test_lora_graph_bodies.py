@@ -56,7 +56,7 @@ def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: li
         graphs.logits[size] = _plain_body(graphs, size)
     graphs.graphs = {size: _EagerReplay(lambda size=size: body(size), counter) for size in graphs.sizes}
     graphs.plain_graphs = {size: _EagerReplay(lambda size=size: plain(size), plain_counter) for size in graphs.sizes}
-    if runner.lora.concat and query_len == 1:  # (as `DecodeGraphs.capture`: sizes past the per-token kernels')
+    if runner.lora.concat_graphs and query_len == 1:  # (as `DecodeGraphs.capture`: sizes past the per-token kernels')
         from tokenmill.layers.lora import triton_lora
 
         def single(size: int):

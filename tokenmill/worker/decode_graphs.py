@@ -112,7 +112,7 @@ class DecodeGraphs:
                 self.plain_graphs, _ = capture_per_size(self.sizes, self._body)
             finally:
                 self._plain = False
-        if self.lora is not None and self.lora.concat and self.query_len == 1 and not self.kv_only:
+        if self.lora is not None and self.lora.concat_graphs and self.query_len == 1 and not self.kv_only:
             # steps whose adapter rows all use one slot: qkv's and gate_up's LoRA inside their GEMMs
             self._single = True
             try:

@@ -168,6 +168,11 @@ class LoRAManager:
         """Whether some of these persistent-batch rows has an adapter (else a graph without LoRA)."""
         return bool((self.row_slot[rows] >= 0).any())
 
+    @property
+    def concat_graphs(self) -> bool:
+        """Whether the decode graphs get a one-slot family (`DecodeGraphs.single_graphs`)."""
+        return bool(self.concat) and lora_layer.CONCAT_GRAPHS
+
     def single_slot(self, rows: np.ndarray) -> int | None:
         """The one slot of these rows' adapters when they have exactly one (rows without one aside)."""
         used = self.row_slot[rows]

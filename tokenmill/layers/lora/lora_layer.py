@@ -71,6 +71,9 @@ CONCAT = os.environ.get("TOKENMILL_LORA_CONCAT", "1") not in ("0", "false", "no"
 # ... o_proj's and down_proj's too (their input copied into [x | t]: instead of their LoRA beside
 # the GEMM into the residual stream), where their weights are wider (=1; the manager then makes them so).
 CONCAT_SINKS = os.environ.get("TOKENMILL_LORA_CONCAT_SINKS", "0") not in ("0", "false", "no")
+# ... in eager steps (prefill chunks: the slot known on the host) / in the one-slot decode graphs (=0: not)
+CONCAT_EAGER = os.environ.get("TOKENMILL_LORA_CONCAT_EAGER", "1") not in ("0", "false", "no")
+CONCAT_GRAPHS = os.environ.get("TOKENMILL_LORA_CONCAT_GRAPHS", "1") not in ("0", "false", "no")
 
 
 class LoRABatch:
@@ -139,7 +142,8 @@ class LoRABatch:
         than the per-token kernels take, every adapter token of one slot (known from `host`, or
         `single` for a graph body of the one-slot family)."""
         from tokenmill.layers.lora import triton_lora
-        if not CONCAT or self.num_tokens <= triton_lora.ROWS_MAX_TOKENS:
+        if not CONCAT or self.num_tokens <= triton_lora.ROWS_MAX_TOKENS or not (CONCAT_GRAPHS if host is None
+                                                                                 else CONCAT_EAGER):
             return
         if host is not None:
             used = np.unique(host[host >= 0])
