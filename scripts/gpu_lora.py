@@ -421,7 +421,9 @@ def layer(results, args) -> None:
         if SMOKE and host is None:  # the CUDA path's plan: the Triton kernels (interpreted), not the CPU's matmuls
             batch.plan = triton_lora.plan_step(mix, num_slots, batch.shapes)
             batch.decide_concat(mix, None, single)
-        if single and batch.concat:
+        # (the slot's B into the wider weights as the engine does before a replay: not inside a capture,
+        # whose body's eager run just before has put it there)
+        if single and batch.concat and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             for wt in weights:
                 for name in ("qkv", "o", "gate_up", "down"):
                     wt["l_" + name].load_slot(int(mix.max()))
@@ -940,6 +942,10 @@ def main() -> int:
             check(False, f"{name} raised {type(exc).__name__}: {exc}"[:500])
         print(f"[{name} took {time.perf_counter() - start:.0f} s]", flush=True)
         save(results)
+        if not SMOKE:  # (a part's device memory back before the next one's engines size their KV pools)
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
     results["total_s"] = time.perf_counter() - start_all
     save(results)
     print(f"total {results['total_s']:.0f} s; {len(FAILED)} failed check(s); wrote {OUT}/gpu_lora.json and .md")
