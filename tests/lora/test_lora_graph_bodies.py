@@ -136,3 +136,22 @@ def test_steps_without_adapters_replay_the_graphs_without_lora(setup) -> None:
     setup.check(outputs, names[:1] + names[3:4] + names, PROMPTS[:1] + PROMPTS[3:4] + PROMPTS[:len(names)])
     assert plain["prompt_plain"] >= 1 and plain["decode_plain"] > 3 and plain["decode"] == plain["prompt"] == 0, plain
     assert counts["decode"][0] > plain["decode"] and counts["prompt"][0] >= 1, counts
+
+
+@pytest.mark.parametrize("single_ms,kept", [(9.0, True), (11.0, False)])
+def test_one_slot_decode_family_kept_only_where_it_replays_faster(monkeypatch, single_ms, kept) -> None:
+    """Start-up's A/B (`DecodeGraphs._single_pays`): the largest size of each family replayed with
+    every row of one slot (the scratch row given slot 0, then given back -1), the faster kept."""
+    from types import SimpleNamespace
+
+    from tokenmill.worker import decode_graphs
+
+    general, single = object(), object()
+    monkeypatch.setattr(decode_graphs, "_replay_ms", lambda graph, replays: 10.0 if graph is general else single_ms)
+    calls = []
+    lora = SimpleNamespace(set_row=lambda row, slot: calls.append(("row", row, slot)),
+                           load_concat=lambda slot: calls.append(("load", slot)))
+    fake = SimpleNamespace(single_graphs={32: None, 64: single}, graphs={32: None, 64: general},
+                           batch=SimpleNamespace(scratch=7), lora=lora)
+    assert DecodeGraphs._single_pays(fake) is kept
+    assert calls == [("row", 7, 0), ("load", 0), ("row", 7, -1)], calls

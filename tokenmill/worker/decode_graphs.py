@@ -32,6 +32,7 @@ a stage before the last ends with its activations instead of logits (`PipelineSt
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -46,6 +47,22 @@ from tokenmill.worker.graph_capture import capture_per_size, smallest_fitting
 from tokenmill.worker.persistent_batch import PersistentBatch, copy_to_device
 
 logger = logging.getLogger(__name__)
+
+# LoRA: the one-slot decode family is kept only where it replays faster than the general one at
+# start-up (`DecodeGraphs._single_pays`; =0: kept without the check).
+SINGLE_CHECK = os.environ.get("TOKENMILL_LORA_SINGLE_CHECK", "1") not in ("0", "false", "no")
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds a replay of `graph` (one warm replay first)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 class DecodeGraphs:
@@ -120,8 +137,31 @@ class DecodeGraphs:
                 self.single_graphs, _ = capture_per_size([s for s in self.sizes if s > ROWS_MAX_TOKENS], self._body)
             finally:
                 self._single = False
+            if self.single_graphs and SINGLE_CHECK and not self._single_pays():
+                self.single_graphs = {}
         logger.info("captured %d decode CUDA graphs (batch 1..%d, %d query tokens per row) in %.1f s",
                     len(self.graphs), self.sizes[-1], self.query_len, time.perf_counter() - start)
+
+    def _single_pays(self) -> bool:
+        """Start-up's A/B: whether the one-slot family replays faster than the general one at the
+        largest size, every row of one slot (the padding rows' scratch slot given slot 0 for it;
+        both families then do that slot's LoRA work), best of two alternations; logged."""
+        size = max(self.single_graphs)
+        scratch = self.batch.scratch
+        times: dict[str, list[float]] = {"general": [], "single": []}
+        self.lora.set_row(scratch, 0)
+        self.lora.load_concat(0)
+        try:
+            for _ in range(2):
+                for name, graphs in (("general", self.graphs), ("single", self.single_graphs)):
+                    times[name].append(_replay_ms(graphs[size], 5))
+        finally:
+            self.lora.set_row(scratch, -1)
+        general, single = min(times["general"]), min(times["single"])
+        logger.info("LoRA one-slot decode graphs (LoRA inside qkv's and gate_up's GEMMs), %d rows of one adapter: "
+                    "%.3f ms a step vs %.3f for the general graphs: %s", size, single, general,
+                    "kept" if single < general else "dropped")
+        return single < general
 
     def input_views(self, num_rows: int) -> list[torch.Tensor]:
         """A later pipeline stage: where the previous stage's activations for `num_rows` rows go."""
