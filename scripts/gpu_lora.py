@@ -663,6 +663,11 @@ def write_adapter(path: str, shape: dict, rank: int, seed: int, dtype=torch.bflo
 
 def engines(results: dict, args, parts: set[str]) -> None:
     """The base engine and the LoRA engine alive together, runs alternated (`scripts/lora_engines.py`)."""
+    import logging
+    # tokenmill's INFO lines (the workers follow this level): the engines' start-up, with the LoRA
+    # engine's one-slot graph A/B (`DecodeGraphs._single_pays`: kept or dropped, both timings)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tokenmill").setLevel(logging.INFO)
     from transformers import AutoTokenizer
 
     from scripts import lora_engines as le

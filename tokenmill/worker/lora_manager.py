@@ -86,8 +86,9 @@ class LoRAManager:
         self._reader: ThreadPoolExecutor | None = None  # reads ahead, off the step's path
         self._reading: dict[int, Future] = {}
         self.num_read_ahead = 0  # loads served by a read ahead (not waiting for the disk in the step)
-        logger.info("LoRA: %d device slots of rank %d on %d projections, %d adapters in host memory",
-                    config.max_loras, self.rank, len(self.slots), config.max_cpu_loras)
+        logger.info("LoRA: %d device slots of rank %d on %d projections, %d adapters in host memory; %d projections "
+                    "with one slot's LoRA inside their GEMM", config.max_loras, self.rank, len(self.slots),
+                    config.max_cpu_loras, len(self.concat))
 
     # ------------------------------------------------------------------ adapters
 
