@@ -450,9 +450,10 @@ def test_concat_shrink_matches_reference(num_tokens, k, parts, dtype, monkeypatc
     assert int(workspace.counters.abs().sum()) == 0  # every tile's counter back to zero (graph replays)
 
 
-def test_concat_lora_inside_the_gemm_equals_base_plus_delta():
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_concat_lora_inside_the_gemm_equals_base_plus_delta(with_bias):
     """`LoRASlots` with a wider weight: a one-slot step's output through the GEMM over [x | t]
-    equals the base output plus the reference delta, for every part (qkv-like: 3 parts)."""
+    equals the base output (and its bias) plus the reference delta, for every part (qkv-like: 3 parts)."""
     from types import SimpleNamespace
 
     from tokenmill.layers.linear import UNQUANTIZED
@@ -463,12 +464,13 @@ def test_concat_lora_inside_the_gemm_equals_base_plus_delta():
     slots.a.copy_(a)
     slots.b.copy_(b)
     weight = torch.randn(starts[-1], 72)
-    slots.layer = SimpleNamespace(weight=weight.clone(), bias=None, quant_method=UNQUANTIZED)
+    bias = torch.randn(starts[-1]) if with_bias else None
+    slots.layer = SimpleNamespace(weight=weight.clone(), bias=bias, quant_method=UNQUANTIZED)
     assert slots.attach_concat(cuda_only=False) and slots.layer.weight.stride(0) > 72
     batch.prepare(token_slots, token_slots.numpy())
     batch.plan = plan_step(token_slots, 3, batch.shapes)
     batch.decide_concat(token_slots, token_slots.numpy(), False)
     assert batch.concat and batch.concat_slot == 1
     got = slots.forward(x, lambda: pytest.fail("the base GEMM runs inside the concat GEMM"))
-    want = x @ weight.t() + lora_reference(x, a, b, starts, token_slots)
+    want = x @ weight.t() + lora_reference(x, a, b, starts, token_slots) + (0 if bias is None else bias)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -16,10 +16,10 @@ from tests.helpers.triton_required import require_triton
 
 require_triton()
 
+from tests.helpers.engine import worker_runner  # noqa: E402
 from tests.lora.test_lora_engine import ENGINE, PROMPTS, Setup, run  # noqa: E402
 from tests.lora.test_lora_graph_bodies import install_eager_graphs  # noqa: E402
 from tokenmill import LLM  # noqa: E402
-from tests.helpers.engine import worker_runner  # noqa: E402
 from tokenmill.layers.lora import lora_layer, triton_lora  # noqa: E402
 from tokenmill.layers.lora.triton_lora import plan_step  # noqa: E402
 from tokenmill.model import llama  # noqa: E402
@@ -64,15 +64,14 @@ def llama_setup(tmp_path_factory) -> Setup:
     return Setup(tmp_path_factory.mktemp("lora-triton-llama"), "llama")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_one_slot_steps_with_lora_inside_the_gemm_equal_peft(request, family, triton_plans, monkeypatch) -> None:
+def test_one_slot_steps_with_lora_inside_the_gemm_equal_peft(llama_setup, triton_plans, monkeypatch) -> None:
     """Steps whose adapter rows all use one slot run qkv's and gate_up's LoRA inside their GEMMs
     (`triton_concat`: [x | t] against the wider weight holding that slot's B): eager prefills (the
     slot known on the host) and the one-slot decode graphs (the B put in before each replay); a
     step mixing two adapters replays the general graphs. Two device slots for three adapters: a1
     alone (with base rows), a2 and a3 mixed (a3 evicts a1: the slot whose B the wider weights
-    hold is reloaded), a3 alone, a1 alone again. qwen2: qkv with its bias."""
-    setup = request.getfixturevalue("setup" if family == "qwen2" else "llama_setup")
+    hold is reloaded), a3 alone, a1 alone again. (A bias: `test_lora_kernels`.)"""
+    setup = llama_setup
     monkeypatch.setattr(triton_lora, "ROWS_MAX_TOKENS", 2)  # (the one-slot path from 3 tokens: this test's batches)
     with LLM(setup.path, max_loras=2, max_num_seqs=8, **ENGINE) as llm:
         manager = worker_runner(llm).lora
