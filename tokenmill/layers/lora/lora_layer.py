@@ -11,6 +11,9 @@ side stream beside the base GEMM, so a replay overlaps them and only the expand 
 added to next. The delta then goes into the sink instead of y, so the whole LoRA (shrink and
 expand) runs beside the base GEMM on the side stream, off the step's critical path; y is the
 base output untouched.
+
+One slot a step (`LoRABatch.concat`; qkv and gate_up, whose weights `attach_concat` moved into
+wider buffers): the LoRA runs inside the GEMM itself, [x | t] against [W | B] (`triton_concat`).
 """
 
 from __future__ import annotations
