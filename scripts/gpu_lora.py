@@ -131,7 +131,10 @@ def micro(results: dict, args) -> None:
     from tokenmill.layers.lora.lora_layer import run_beside
     from tokenmill.layers.lora.torch_lora import lora_reference
     from tokenmill.layers.activation import SiluAndMul
-    from tokenmill.layers.lora.triton_lora import lora_expand, lora_expand_silu, lora_shrink, plan_step
+    from tokenmill.layers.lora.triton_expand import lora_expand
+    from tokenmill.layers.lora.triton_fused import lora_expand_silu
+    from tokenmill.layers.lora.triton_lora import plan_step
+    from tokenmill.layers.lora.triton_shrink import lora_shrink
 
     device = "cpu" if SMOKE else "cuda"
     dtype = torch.float32 if SMOKE else torch.bfloat16
@@ -264,6 +267,11 @@ LAYER_VARIANTS = {
     # name: (LoRA on, slots (None: the mix; -1: every token without an adapter), side stream, knobs of
     # triton_lora or lora_layer (LORA_LAYER_KNOBS))
     "base": (False, None, None, None),
+    "base_strided": (False, None, None, dict(strided=True)),  # base GEMMs on the LoRA engine's wider weights
+    "noconcat": (True, None, "normal", dict(CONCAT=False)),  # one adapter as 8 or 64 run (before the concat path)
+    "concat_all": (True, None, "normal", dict(CONCAT_SINKS=True)),  # o's and down's LoRA inside their GEMMs too
+    "dense_concat_all": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, CONCAT_SINKS=True)),
+    "dense_noconcat": (True, None, "normal", dict(DENSE_MIN_TOKENS=512, host=True, CONCAT=False)),
     "noop": (True, -1, "normal", None),
     "engine": (True, None, "normal", None),  # as the engine runs it (the defaults)
     "seq": (True, None, None, None),  # no side stream
@@ -308,7 +316,7 @@ LAYER_VARIANTS = {
     "combo_exp": (True, None, "normal", dict(SILU_TILE_BLOCK_N=256, _TILES_MAX_SPLITS=2, TILE_GRID_FACTOR=2.0,
                                              EXPAND_TILE_BLOCK_N=256)),
 }
-LORA_LAYER_KNOBS = {"SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
+LORA_LAYER_KNOBS = {"CONCAT", "CONCAT_SINKS", "CONCAT_EAGER", "CONCAT_GRAPHS", "SINK_MODE", "SINK_EAGER_MIN_TOKENS", "DENSE_MIN_TOKENS", "SINK_OVERLAP_MAX_TOKENS",
                     "OVERLAP_MAX_TOKENS", "DENSE_FUSED", "DENSE_FUSED_SILU", "DELTA_BESIDE"}
 DECODE_ONLY = {"noop", "nofuse"}  # (no fusion beyond decode sizes; base requests skip LoRA in eager steps)
 TILES_ONLY = {"rows32", "rows64", "rows64_sink_all", "rows64s16", "grid2", "sink_all", "all_beside", "unrolled",
@@ -338,7 +346,7 @@ def layer(results, args) -> None:
     variants = args.layer_variants.split(",")
     if SMOKE:
         h_size, inter, q, kv, num_slots, layers, sets = 64, 96, 64, 32, 4, 2, 2
-        token_counts, variants = [1, 40], ["base", "seq", "nosink", "rows64"]
+        token_counts, variants = [1, 40], ["base", "base_strided", "seq", "nosink", "rows64", "noconcat", "concat_all"]
     g = torch.Generator(device=device).manual_seed(0)
     act = SiluAndMul()
     batch = LoRABatch(device, num_slots)
@@ -369,27 +377,35 @@ def layer(results, args) -> None:
             slots.a.copy_(rnd(*slots.a.shape, scale=k ** -0.5))
             slots.b.copy_(rnd(*slots.b.shape, scale=0.02))
             w["l_" + name] = slots
+            # qkv's and gate_up's weights as the LoRA engine holds them: views of wider buffers
+            # (`LoRASlots.attach_concat`); "base" keeps the contiguous ones (the base engine's)
+            if lora_layer.CONCAT and slots.attach_concat(cuda_only=False):  # (o, down: used with CONCAT_SINKS)
+                w["lw_" + name] = slots.layer.weight
+            else:
+                w["lw_" + name] = w[name]
         weights.append(w)
 
     fuse = True
+    strided = False  # "base_strided": the base GEMMs on the LoRA engine's (wider) weights
 
     def one_layer(w, x, r, lora: bool, sink: bool = True):
         """(qkv, o output, r after attention, activation, down output, next x, r at the end)."""
         if lora:
-            qkv = w["l_qkv"].forward(x, lambda: torch.mm(x, w["qkv"].t()))
+            qkv = w["l_qkv"].forward(x, lambda: torch.mm(x, w["lw_qkv"].t()))
             att = qkv[:, :q]
-            y_o = w["l_o"].forward(att, lambda: torch.mm(att, w["o"].t()), r if sink else None)
+            y_o = w["l_o"].forward(att, lambda: torch.mm(att, w["lw_o"].t()), r if sink else None)
             x2, r = add_norm(y_o, r)
-            a = w["l_gate_up"].forward_silu_mul(x2, lambda: torch.mm(x2, w["gate_up"].t()), act,
+            a = w["l_gate_up"].forward_silu_mul(x2, lambda: torch.mm(x2, w["lw_gate_up"].t()), act,
                                                 then=w["l_down"] if fuse else None)
-            y_d = w["l_down"].forward(a, lambda: torch.mm(a, w["down"].t()), r if sink else None)
+            y_d = w["l_down"].forward(a, lambda: torch.mm(a, w["lw_down"].t()), r if sink else None)
         else:
-            qkv = torch.mm(x, w["qkv"].t())
+            pre = "lw_" if strided else ""
+            qkv = torch.mm(x, w[pre + "qkv"].t())
             att = qkv[:, :q]
-            y_o = torch.mm(att, w["o"].t())
+            y_o = torch.mm(att, w[pre + "o"].t())
             x2, r = add_norm(y_o, r)
-            a = act(torch.mm(x2, w["gate_up"].t()))
-            y_d = torch.mm(a, w["down"].t())
+            a = act(torch.mm(x2, w[pre + "gate_up"].t()))
+            y_d = torch.mm(a, w[pre + "down"].t())
         return qkv, y_o, x2, a, y_d
 
     def stack(h, lora: bool):
@@ -399,15 +415,27 @@ def layer(results, args) -> None:
             x, r = add_norm(y_d, r)
         return x
 
-    def check_layer(tokens, adapters, mix, h0):
+    def prepare(mix, host=None, single=False):
+        """`batch.prepare`, and the one-slot graph family's path when `single` (CONCAT)."""
+        batch.prepare(mix, host, single=single)
+        if SMOKE and host is None:  # the CUDA path's plan: the Triton kernels (interpreted), not the CPU's matmuls
+            batch.plan = triton_lora.plan_step(mix, num_slots, batch.shapes)
+            batch.decide_concat(mix, None, single)
+        # (the slot's B into the wider weights as the engine does before a replay: not inside a capture,
+        # whose body's eager run just before has put it there)
+        if single and batch.concat and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            for wt in weights:
+                for name in ("qkv", "o", "gate_up", "down"):
+                    wt["l_" + name].load_slot(int(mix.max()))
+
+    def check_layer(tokens, adapters, mix, h0, single=False):
         """One layer eagerly, the engine's kernels vs the torch reference of every projection (o's
-        and down's deltas are what their sinks gained)."""
+        and down's deltas are what their sinks gained); `single`: the one-slot path (qkv's and
+        gate_up's LoRA inside their GEMMs)."""
         from tokenmill.layers.lora.torch_lora import lora_reference
         w = weights[0]
         batch.side_stream = None
-        batch.prepare(mix)
-        if SMOKE:  # the CUDA path's plan: the Triton kernels (interpreted) instead of the CPU's matmuls
-            batch.plan = triton_lora.plan_step(mix, num_slots, batch.shapes)
+        prepare(mix, single=single)
         r0 = h0.float() + 0.5
         qkv, y_o, x2, a, y_d = one_layer(w, h0, r0.clone(), True, sink=False)  # deltas into y
         r1 = r0.clone()
@@ -451,10 +479,10 @@ def layer(results, args) -> None:
             gate, up = ref("gate_up", x2_d, torch.mm(x2_d, w["gate_up"].t())).to(dtype).float().chunk(2, dim=1)
             errs.append(rel(a_d, torch.nn.functional.silu(gate).to(dtype).float() * up))
         check(max(errs) <= (1e-4 if SMOKE else 2e-2),
-              f"layer T={tokens} adapters={adapters}: relative error qkv/o/down/gate_up/stream with sinks "
+              f"layer T={tokens} adapters={adapters}{' one-slot path' if single else ''}: relative error qkv/o/down/gate_up/stream with sinks "
               f"(then qkv/o/down/gate_up dense) {['%.1e' % e for e in errs]}")
 
-    rows = []
+    rows = results["layer"] = []  # (saved after every row: a run cut short keeps what it measured)
     for tokens in token_counts:
         h0 = rnd(tokens, h_size, scale=1.0)
         for adapters in [int(a) for a in args.layer_adapters.split(",")] if not SMOKE else (1, 3):
@@ -464,6 +492,8 @@ def layer(results, args) -> None:
                 continue  # (prefill sizes: 1 and 64 tell enough)
             mix = (torch.randperm(tokens, generator=g, device=device) % adapters).to(torch.int32)
             check_layer(tokens, adapters, mix, h0)
+            if adapters == 1 and lora_layer.CONCAT:
+                check_layer(tokens, adapters, mix, h0, single=True)
             for variant in variants:
                 lora, fixed, stream, knobs = LAYER_VARIANTS[variant]
                 if not lora and adapters != 1:
@@ -476,6 +506,7 @@ def layer(results, args) -> None:
                     continue  # (rowsN: the tiles of steps up to 512 tokens)
                 knobs = dict(knobs or {})
                 fuse = knobs.pop("fuse", True)  # gate_up's kernel doing down_proj's shrink (decode sizes)
+                strided = knobs.pop("strided", False)
                 host = mix.cpu().numpy() if knobs.pop("host", False) else None  # (the step's slots known)
                 if host is not None and (tokens < min(knobs.get("DENSE_MIN_TOKENS", 512), 513) or adapters > 1):
                     continue  # (one adapter's large steps only)
@@ -487,9 +518,12 @@ def layer(results, args) -> None:
                     batch.side_stream = streams.get(stream)
                     token_slots = mix if fixed is None else torch.full_like(mix, fixed)
 
+                    # one adapter: the engine replays its one-slot graph family (CONCAT)
+                    single = lora and fixed is None and adapters == 1 and host is None and lora_layer.CONCAT
+
                     def body():
                         if lora:
-                            batch.prepare(token_slots, host)
+                            prepare(token_slots, host, single)
                         out = stack(h0, lora)
                         batch.clear()
                         return out
@@ -511,6 +545,7 @@ def layer(results, args) -> None:
                     else:
                         us = _time_graph(body, reps=1, replays=20) / layers
                     rows.append({"tokens": tokens, "adapters": adapters, "variant": variant, "us_per_layer": us})
+                    save(results)
                     print(f"  T={tokens:5} adapters={adapters:2} {variant:11} {us:9.1f} us per layer", flush=True)
                 except Exception as exc:
                     traceback.print_exc()
@@ -558,6 +593,9 @@ def tiny(results: dict, args) -> None:
     new = 8 if SMOKE else 24
     params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
     refs = [peft.greedy(n, p, new) for n, p in zip(names, prompts)]
+    # one adapter and base rows in a batch of more than 16 rows: the one-slot graphs (CONCAT)
+    one = [None if i % 3 == 0 else "a1" for i in range(len(names))]
+    refs += [refs[i] if n == names[i] else peft.greedy(n, p, new) for i, (n, p) in enumerate(zip(one, prompts))]
     runs = {"graphs": dict(max_loras=3), "one_slot": dict(max_loras=1, max_cpu_loras=1)}
     if not SMOKE:
         runs["eager"] = dict(max_loras=3, enforce_eager=True)
@@ -577,8 +615,10 @@ def tiny(results: dict, args) -> None:
                                  lora_request=loras.get(names[i]))[0] for i in solo]
             outs += llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
                                  lora_request=[None if n is None else loras[n] for n in names])
+            outs += llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                 lora_request=[None if n is None else loras[n] for n in one])
         exact, notes = 0, []
-        for out, ref, n in zip(outs, [refs[i] for i in solo] + refs, [names[i] for i in solo] + names):
+        for out, ref, n in zip(outs, [refs[i] for i in solo] + refs, [names[i] for i in solo] + names + one):
             try:
                 note = compare_greedy(list(out.outputs[0].token_ids), ref, f"{label} {n}")
             except AssertionError as exc:
@@ -623,6 +663,11 @@ def write_adapter(path: str, shape: dict, rank: int, seed: int, dtype=torch.bflo
 
 def engines(results: dict, args, parts: set[str]) -> None:
     """The base engine and the LoRA engine alive together, runs alternated (`scripts/lora_engines.py`)."""
+    import logging
+    # tokenmill's INFO lines (the workers follow this level): the engines' start-up, with the LoRA
+    # engine's one-slot graph A/B (`DecodeGraphs._single_pays`: kept or dropped, both timings)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tokenmill").setLevel(logging.INFO)
     from transformers import AutoTokenizer
 
     from scripts import lora_engines as le
@@ -668,7 +713,14 @@ def engines(results: dict, args, parts: set[str]) -> None:
     mixes = {count: [loras[i % count] for i in range(num)] for count in counts}
     warm_params = SamplingParams(temperature=0.0, max_tokens=min(out, 16), ignore_eos=True, detokenize=False)
 
-    def warm(llm, lora_request, n=min(num, 128)) -> None:
+    def publish() -> None:  # after every run: a run cut short keeps every figure it measured
+        MARKDOWN[title] = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results, verbose=False)
+        save(results)
+    title = (f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}, "
+             f"base and LoRA engines alive together, runs alternated")
+    bench.on_run = publish
+
+    def warm(llm, lora_request, n=min(num, 64)) -> None:
         """A short run of a configuration's mix: its step sizes compile and settle before any timing."""
         llm.generate(prompts_of(n, 7), warm_params, use_tqdm=False, lora_request=lora_request)
 
@@ -694,7 +746,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
                 if "engine" in parts:
                     warm(base_llm, None)
                     for count in counts:
-                        warm(lora_llm, mixes[count][:min(num, 128)])
+                        warm(lora_llm, mixes[count][:min(num, 64)])
                     warm(lora_llm, None)
                 print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
                 if "batch1" in parts:  # alternated: base engine, adapter, base request in the LoRA engine
@@ -703,28 +755,34 @@ def engines(results: dict, args, parts: set[str]) -> None:
                         bench.run(lora_llm, loras[0], "batch1_lora", 1, kind="b1")
                         bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
                 if "engine" in parts:
-                    def round_(r: int) -> None:  # base and 1 adapter, one after the other
+                    # In order of worth, each figure written as soon as measured: a round (base, 1
+                    # adapter), each other mix once, a second round, base requests in the LoRA
+                    # engine, more rounds; past the first round only what fits the budget.
+                    def round_(r: int) -> bool:  # base and 1 adapter, one after the other
+                        if r and not bench.fits("base", "lora"):
+                            print(f"  (round {r + 1} left out: the {args.budget:.0f} s budget)")
+                            return False
                         bench.run(base_llm, None, "base", num, kind="base")
                         bench.run(lora_llm, mixes[counts[0]], f"lora_{counts[0]}_adapters", num, kind="lora")
-                    for r in range(2):
-                        round_(r)
+                        return True
+                    round_(0)
                     for count in counts[1:]:
+                        if not bench.fits("lora"):
+                            print(f"  ({count} adapters left out: the {args.budget:.0f} s budget)")
+                            continue
                         bench.run(lora_llm, mixes[count], f"lora_{count}_adapters", num, kind="lora")
+                    more = round_(1) if args.engine_repeats >= 2 else True
                     # base requests: LoRA engine vs base engine, alternated (a smaller run of the workload)
                     if bench.fits("base", "base", scale=1.3 * base_num / num):
                         bench.run(base_llm, None, "base_paired", base_num, kind="small")
                         bench.run(lora_llm, None, "base_in_lora_engine", base_num, kind="small")
-                    for r in range(2, args.engine_repeats):  # more rounds while the budget allows
-                        if not bench.fits("base", "lora"):
-                            print(f"  (rounds {r + 1}.. left out: the {args.budget:.0f} s budget)")
+                    for r in range(2, args.engine_repeats if more else 0):  # more rounds while the budget allows
+                        if not round_(r):
                             break
-                        round_(r)
     except Exception as exc:
         traceback.print_exc()
         check(False, f"engines raised {type(exc).__name__}: {exc}"[:500])
-    lines = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results)
-    MARKDOWN[f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}, "
-             f"base and LoRA engines alive together, runs alternated"] = lines
+    MARKDOWN[title] = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results)
 
 
 # ---------------------------------------------------------------- profile: where a step's time goes
@@ -889,6 +947,10 @@ def main() -> int:
             check(False, f"{name} raised {type(exc).__name__}: {exc}"[:500])
         print(f"[{name} took {time.perf_counter() - start:.0f} s]", flush=True)
         save(results)
+        if not SMOKE:  # (a part's device memory back before the next one's engines size their KV pools)
+            import gc
+            gc.collect()
+            torch.cuda.empty_cache()
     results["total_s"] = time.perf_counter() - start_all
     save(results)
     print(f"total {results['total_s']:.0f} s; {len(FAILED)} failed check(s); wrote {OUT}/gpu_lora.json and .md")

@@ -17,6 +17,8 @@ from __future__ import annotations
 import statistics
 import time
 
+_print = print
+
 BATCH1_RUNS = 3
 
 
@@ -33,6 +35,7 @@ class Bench:
         self.figures: dict[str, list[dict]] = {}
         self.seed = 100
         self.last_s: dict[str, float] = {}  # the last run's seconds per kind of run (time projection)
+        self.on_run = None  # called after every run (the caller writes its figures so far)
 
     def fits(self, *kinds: str, scale: float = 1.0, margin: float = 8.0) -> bool:
         """Whether runs of these kinds still fit the budget: each as long as the last of its kind
@@ -50,7 +53,9 @@ class Bench:
         self.last_s[kind] = elapsed
         self.figures.setdefault(label, []).append(f)
         print(f"  {label:34} {f['output_tokens_per_s']:10.1f} out tok/s  tpot {f['tpot_ms_mean']:.2f} ms  "
-              f"({elapsed:.1f} s)", flush=True)
+              f"({elapsed:.1f} s; {time.perf_counter() - self.t0:.0f} s from the start)", flush=True)
+        if self.on_run is not None:
+            self.on_run()
         return f
 
 
@@ -59,9 +64,10 @@ def tok_s(runs: list[dict]) -> list[float]:
 
 
 def report(bench: Bench, counts: tuple[int, ...], goals: dict, num: int, inp: int, out: int,
-           batch1_goal: float, results: dict) -> list[str]:
+           batch1_goal: float, results: dict, verbose: bool = True) -> list[str]:
     """The table: every run, the 1-adapter median over rounds and its spread, the others over the
-    median base; batch 1 from the medians of its alternated runs."""
+    median base; batch 1 from the medians of its alternated runs. `verbose`: also printed."""
+    print = _print if verbose else (lambda *a, **k: None)  # noqa: A001
     fig = bench.figures
     lines = ["| run | runs (out tok/s) | median | x base (median) | per round | spread | goal | |",
              "|---|---|---|---|---|---|---|---|"]

@@ -15,11 +15,13 @@ from tests.helpers.triton_required import require_triton
 
 require_triton()
 
-from tokenmill.layers.lora import lora_layer, triton_lora  # noqa: E402
+from tokenmill.layers.lora import lora_layer, triton_fused, triton_lora  # noqa: E402
 from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots  # noqa: E402
 from tokenmill.layers.lora.torch_lora import lora_add_grouped, lora_reference  # noqa: E402
-from tokenmill.layers.lora.triton_lora import (  # noqa: E402
-    lora_expand, lora_expand_silu, lora_shrink, plan_step, plan_tiles)
+from tokenmill.layers.lora.triton_expand import lora_expand  # noqa: E402
+from tokenmill.layers.lora.triton_fused import lora_expand_silu  # noqa: E402
+from tokenmill.layers.lora.triton_lora import plan_step, plan_tiles  # noqa: E402
+from tokenmill.layers.lora.triton_shrink import lora_shrink  # noqa: E402
 
 PARTS = {"qkv": [64, 32, 32], "gate_up": [48, 48], "single": [80]}
 
@@ -302,7 +304,7 @@ def test_silu_mul_add_kernel(dtype):
     s = (y.float() + d.float()).to(dtype).float()
     gate, up = s.chunk(2, dim=1)
     want = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
-    got = triton_lora.silu_mul_add(y, d)
+    got = triton_fused.silu_mul_add(y, d)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-3 if dtype == torch.float16 else 1e-5, rtol=1e-3)
 
 
@@ -424,3 +426,51 @@ def test_tile_knobs_keep_results(monkeypatch, knobs):
                                        atol=1e-4, rtol=1e-4)
         else:
             torch.testing.assert_close(lora_expand(planes, b, plan, y.clone(), starts), y + delta, atol=1e-4, rtol=1e-4)
+
+
+# The one-slot path (`triton_concat`): [x | t] in one kernel. K = 300 at 20 and 40 tokens is split
+# over programs (the last program of a row tile sums the slices); 600 tokens in tiles of 64 rows.
+@pytest.mark.parametrize("num_tokens,k,parts", [(1, 40, 3), (20, 300, 3), (40, 300, 2), (600, 72, 1), (17, 520, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_concat_shrink_matches_reference(num_tokens, k, parts, dtype, monkeypatch):
+    from tokenmill.layers.lora import triton_concat
+    monkeypatch.setattr(triton_concat, "_sm_count", lambda device: 64)
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, k, generator=g).to(dtype)
+    a = (torch.randn(4, parts * 16, k, generator=g) * 0.3).to(dtype)
+    token_slots = torch.where(torch.rand(num_tokens, generator=g) < 0.3, -1, 2)  # one slot, and base tokens
+    e = triton_concat.ext_columns(parts, 16)
+    workspace = triton_concat.ConcatWorkspace(torch.device("cpu"))
+    got = triton_concat.concat_shrink(x, a, token_slots, e, workspace)
+    want = triton_concat.concat_shrink_reference(x, a, token_slots, e)
+    assert got.shape == (num_tokens, k + e)
+    assert torch.equal(got[:, :k], x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got[:, k:].float(), want[:, k:].float(), rtol=tol, atol=tol)
+    assert int(workspace.counters.abs().sum()) == 0  # every tile's counter back to zero (graph replays)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_concat_lora_inside_the_gemm_equals_base_plus_delta(with_bias):
+    """`LoRASlots` with a wider weight: a one-slot step's output through the GEMM over [x | t]
+    equals the base output (and its bias) plus the reference delta, for every part (qkv-like: 3 parts)."""
+    from types import SimpleNamespace
+
+    from tokenmill.layers.linear import UNQUANTIZED
+    x, a, b, _, _, starts = _case(40, PARTS["qkv"], k=72)
+    token_slots = torch.where(torch.arange(40) % 5 == 0, -1, 1)
+    batch = LoRABatch(torch.device("cpu"), 3)
+    slots = LoRASlots(batch, 3, 16, 72, PARTS["qkv"], torch.float32, torch.device("cpu"))
+    slots.a.copy_(a)
+    slots.b.copy_(b)
+    weight = torch.randn(starts[-1], 72)
+    bias = torch.randn(starts[-1]) if with_bias else None
+    slots.layer = SimpleNamespace(weight=weight.clone(), bias=bias, quant_method=UNQUANTIZED)
+    assert slots.attach_concat(cuda_only=False) and slots.layer.weight.stride(0) > 72
+    batch.prepare(token_slots, token_slots.numpy())
+    batch.plan = plan_step(token_slots, 3, batch.shapes)
+    batch.decide_concat(token_slots, token_slots.numpy(), False)
+    assert batch.concat and batch.concat_slot == 1
+    got = slots.forward(x, lambda: pytest.fail("the base GEMM runs inside the concat GEMM"))
+    want = x @ weight.t() + lora_reference(x, a, b, starts, token_slots) + (0 if bias is None else bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -33,7 +33,17 @@ def _plain_body(graphs, size: int):
         graphs._plain = False
 
 
-def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: list[int]) -> DecodeGraphs:
+def _single_body(graphs, size: int):
+    """A body as captured for `single_graphs` (every adapter row of one slot: LoRA inside the GEMMs)."""
+    graphs._single = True
+    try:
+        return graphs._body(size)
+    finally:
+        graphs._single = False
+
+
+def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: list[int],
+                   single_counter: list[int] | None = None) -> DecodeGraphs:
     spec = runner.speculator
     graphs = DecodeGraphs(runner.model, runner.batch, runner.kv_caches, 8, runner.config.model.max_model_len,
                           runner.block_size, query_len=query_len, drafts=None if spec is None else spec.drafts,
@@ -46,6 +56,13 @@ def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: li
         graphs.logits[size] = _plain_body(graphs, size)
     graphs.graphs = {size: _EagerReplay(lambda size=size: body(size), counter) for size in graphs.sizes}
     graphs.plain_graphs = {size: _EagerReplay(lambda size=size: plain(size), plain_counter) for size in graphs.sizes}
+    if runner.lora.concat_graphs and query_len == 1:  # (as `DecodeGraphs.capture`: sizes past the per-token kernels')
+        from tokenmill.layers.lora import triton_lora
+
+        def single(size: int):
+            graphs.logits[size] = _single_body(graphs, size)
+        graphs.single_graphs = {size: _EagerReplay(lambda size=size: single(size), single_counter)
+                                for size in graphs.sizes if size > triton_lora.ROWS_MAX_TOKENS}
     with torch.inference_mode():  # as capture does first: the shared output buffer, of the largest size
         graphs._body(graphs.sizes[-1])
     return graphs
@@ -53,10 +70,12 @@ def _decode_graphs(runner, query_len: int, counter: list[int], plain_counter: li
 
 def install_eager_graphs(llm) -> dict[str, list[int]]:
     """Eager stand-ins for every graph family, each with its variant without LoRA (for steps
-    without adapters), counting replays of each."""
+    without adapters) and the decode graphs' one-slot variant (where the manager has wider
+    weights: `LoRAManager.concat`), counting replays of each."""
     runner = worker_runner(llm)
-    counts = {k: [0] for k in ("decode", "verify", "prompt", "decode_plain", "verify_plain", "prompt_plain")}
-    runner.graphs = _decode_graphs(runner, 1, counts["decode"], counts["decode_plain"])
+    counts = {k: [0] for k in ("decode", "verify", "prompt", "decode_plain", "verify_plain", "prompt_plain",
+                               "decode_single")}
+    runner.graphs = _decode_graphs(runner, 1, counts["decode"], counts["decode_plain"], counts["decode_single"])
     if runner.speculator is not None:
         runner.verify_graphs = _decode_graphs(runner, runner.speculator.k + 1, counts["verify"],
                                               counts["verify_plain"])
@@ -117,3 +136,22 @@ def test_steps_without_adapters_replay_the_graphs_without_lora(setup) -> None:
     setup.check(outputs, names[:1] + names[3:4] + names, PROMPTS[:1] + PROMPTS[3:4] + PROMPTS[:len(names)])
     assert plain["prompt_plain"] >= 1 and plain["decode_plain"] > 3 and plain["decode"] == plain["prompt"] == 0, plain
     assert counts["decode"][0] > plain["decode"] and counts["prompt"][0] >= 1, counts
+
+
+@pytest.mark.parametrize("single_ms,kept", [(9.0, True), (11.0, False)])
+def test_one_slot_decode_family_kept_only_where_it_replays_faster(monkeypatch, single_ms, kept) -> None:
+    """Start-up's A/B (`DecodeGraphs._single_pays`): the largest size of each family replayed with
+    every row of one slot (the scratch row given slot 0, then given back -1), the faster kept."""
+    from types import SimpleNamespace
+
+    from tokenmill.worker import decode_graphs
+
+    general, single = object(), object()
+    monkeypatch.setattr(decode_graphs, "_replay_ms", lambda graph, replays: 10.0 if graph is general else single_ms)
+    calls = []
+    lora = SimpleNamespace(set_row=lambda row, slot: calls.append(("row", row, slot)),
+                           load_concat=lambda slot: calls.append(("load", slot)))
+    fake = SimpleNamespace(single_graphs={32: None, 64: single}, graphs={32: None, 64: general},
+                           batch=SimpleNamespace(scratch=7), lora=lora)
+    assert DecodeGraphs._single_pays(fake) is kept
+    assert calls == [("row", 7, 0), ("load", 0), ("row", 7, -1)], calls

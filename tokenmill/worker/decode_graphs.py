@@ -48,6 +48,22 @@ from tokenmill.worker.persistent_batch import PersistentBatch, copy_to_device
 
 logger = logging.getLogger(__name__)
 
+# LoRA: the one-slot decode family is kept only where it replays faster than the general one at
+# start-up (`DecodeGraphs._single_pays`; =0: kept without the check).
+SINGLE_CHECK = os.environ.get("TOKENMILL_LORA_SINGLE_CHECK", "1") not in ("0", "false", "no")
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    """Milliseconds a replay of `graph` (one warm replay first)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, batch: PersistentBatch, kv_caches: list[torch.Tensor],
@@ -85,6 +101,8 @@ class DecodeGraphs:
         # adapter (a LoRA engine's base requests run as the base model's); same output buffers.
         self.plain_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._plain = False  # capturing (running) the bodies without LoRA
+        self.single_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # LoRA: steps of one slot (`LoRAManager.concat`)
+        self._single = False
         self.logits: dict[int, torch.Tensor] = {}  # the last stage's output
         self.activations: dict[int, list[torch.Tensor]] = {}  # an earlier stage's output
         # A later pipeline stage's input: the previous stage's activations, copied in before a replay.
@@ -117,8 +135,39 @@ class DecodeGraphs:
                 self.plain_graphs, _ = capture_per_size(self.sizes, self._body)
             finally:
                 self._plain = False
+        if self.lora is not None and self.lora.concat_graphs and self.query_len == 1 and not self.kv_only:
+            # steps whose adapter rows all use one slot: qkv's and gate_up's LoRA inside their GEMMs
+            self._single = True
+            try:
+                from tokenmill.layers.lora.triton_lora import ROWS_MAX_TOKENS  # (smaller: the per-token kernels)
+                self.single_graphs, _ = capture_per_size([s for s in self.sizes if s > ROWS_MAX_TOKENS], self._body)
+            finally:
+                self._single = False
+            if self.single_graphs and SINGLE_CHECK and not self._single_pays():
+                self.single_graphs = {}
         logger.info("captured %d decode CUDA graphs (batch 1..%d, %d query tokens per row) in %.1f s",
                     len(self.graphs), self.sizes[-1], self.query_len, time.perf_counter() - start)
+
+    def _single_pays(self) -> bool:
+        """Start-up's A/B: whether the one-slot family replays faster than the general one at the
+        largest size, every row of one slot (the padding rows' scratch slot given slot 0 for it;
+        both families then do that slot's LoRA work), best of two alternations; logged."""
+        size = max(self.single_graphs)
+        scratch = self.batch.scratch
+        times: dict[str, list[float]] = {"general": [], "single": []}
+        self.lora.set_row(scratch, 0)
+        self.lora.load_concat(0)
+        try:
+            for _ in range(2):
+                for name, graphs in (("general", self.graphs), ("single", self.single_graphs)):
+                    times[name].append(_replay_ms(graphs[size], 5))
+        finally:
+            self.lora.set_row(scratch, -1)
+        general, single = min(times["general"]), min(times["single"])
+        logger.info("LoRA one-slot decode graphs (LoRA inside qkv's and gate_up's GEMMs), %d rows of one adapter: "
+                    "%.3f ms a step vs %.3f for the general graphs: %s", size, single, general,
+                    "kept" if single < general else "dropped")
+        return single < general
 
     def input_views(self, num_rows: int) -> list[torch.Tensor]:
         """A later pipeline stage: where the previous stage's activations for `num_rows` rows go."""
@@ -142,7 +191,13 @@ class DecodeGraphs:
             copy_to_device(rows, self._rows)
             self._loaded = key
         plain = self.plain_graphs and not self.lora.any_adapter(slots)
-        (self.plain_graphs if plain else self.graphs)[size].replay()
+        graphs = self.plain_graphs if plain else self.graphs
+        if not plain and size in self.single_graphs:
+            slot = self.lora.single_slot(slots)
+            if slot is not None:
+                self.lora.load_concat(slot)
+                graphs = self.single_graphs
+        graphs[size].replay()
         if self.kv_only:
             return None
         rows = len(slots) * self.query_len
@@ -181,7 +236,7 @@ class DecodeGraphs:
             seq_lens_cpu=torch.full((size,), q, dtype=torch.int32), seq_lens_exact=False,
             prompt_lens=torch.zeros_like(seq_lens))  # every token is past its prompt: its own position decides
         if self.lora is not None:
-            self.lora.prepare_rows(slots, q, plain=self._plain)
+            self.lora.prepare_rows(slots, q, plain=self._plain, single=self._single)
         if self.inputs:
             out = self.model(input_ids, positions, self.kv_caches, meta,
                              IntermediateTensors.of([t[:size] for t in self.inputs]))

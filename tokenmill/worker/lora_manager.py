@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tokenmill.config import LoRAConfig, ModelArch
+from tokenmill.layers.lora import lora_layer
 from tokenmill.layers.lora.lora_layer import LoRABatch, LoRASlots
 from tokenmill.lora.peft import TARGETS, load_adapter, read_adapter
 from tokenmill.protocol import LoRALoad, LoRARef
@@ -38,6 +39,9 @@ _MODULES = {
     "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
     "down_proj": ("mlp", ("down_proj",)),
 }
+
+
+_COLUMN = ("qkv_proj", "gate_up_proj")  # column-parallel: each rank's bias is its own
 
 
 def kernel_rank(max_lora_rank: int) -> int:
@@ -63,6 +67,13 @@ class LoRAManager:
                 module.lora = slots
                 slots.layer = module  # (its weight: the dense path's base GEMM, `LoRASlots._plain_weight`)
                 self.slots[(i, name)] = slots
+        # qkv's and gate_up's weights in wider buffers: one-slot steps run their LoRA inside the GEMM.
+        # (o_proj's and down_proj's too with CONCAT_SINKS, where they have no bias: a row-parallel
+        # layer adds its bias on the first rank only)
+        wider = ("qkv_proj", "gate_up_proj") + (("o_proj", "down_proj") if lora_layer.CONCAT_SINKS else ())
+        self.concat = [s for (_, name), s in self.slots.items() if name in wider and lora_layer.CONCAT
+                       and device.type == "cuda" and (name in _COLUMN or getattr(s.layer, "bias", None) is None)
+                       and s.attach_concat()]
         # Per persistent-batch row (the last is the scratch row of padded graph rows): its adapter slot.
         self.row_slot = np.full(max_rows + 1, -1, dtype=np.int64)
         self.row_slot_dev = torch.full((max_rows + 1,), -1, dtype=torch.int32, device=device)
@@ -75,8 +86,9 @@ class LoRAManager:
         self._reader: ThreadPoolExecutor | None = None  # reads ahead, off the step's path
         self._reading: dict[int, Future] = {}
         self.num_read_ahead = 0  # loads served by a read ahead (not waiting for the disk in the step)
-        logger.info("LoRA: %d device slots of rank %d on %d projections, %d adapters in host memory",
-                    config.max_loras, self.rank, len(self.slots), config.max_cpu_loras)
+        logger.info("LoRA: %d device slots of rank %d on %d projections, %d adapters in host memory; %d projections "
+                    "with one slot's LoRA inside their GEMM", config.max_loras, self.rank, len(self.slots),
+                    config.max_cpu_loras, len(self.concat))
 
     # ------------------------------------------------------------------ adapters
 
@@ -157,9 +169,25 @@ class LoRAManager:
         """Whether some of these persistent-batch rows has an adapter (else a graph without LoRA)."""
         return bool((self.row_slot[rows] >= 0).any())
 
-    def prepare_rows(self, rows: torch.Tensor, query_len: int = 1, plain: bool = False) -> None:
+    @property
+    def concat_graphs(self) -> bool:
+        """Whether the decode graphs get a one-slot family (`DecodeGraphs.single_graphs`)."""
+        return bool(self.concat) and lora_layer.CONCAT_GRAPHS
+
+    def single_slot(self, rows: np.ndarray) -> int | None:
+        """The one slot of these rows' adapters when they have exactly one (rows without one aside)."""
+        used = self.row_slot[rows]
+        used = used[used >= 0]
+        return int(used[0]) if len(used) and (used == used[0]).all() else None
+
+    def load_concat(self, slot: int) -> None:
+        """Before replaying a one-slot graph: the slot's B in every wider weight (a no-op when there)."""
+        for slots in self.concat:
+            slots.load_slot(slot)
+
+    def prepare_rows(self, rows: torch.Tensor, query_len: int = 1, plain: bool = False, single: bool = False) -> None:
         """Inside a graph body: the rows' (device) slots, `query_len` tokens each; `plain`: a body
-        without LoRA (`plain_graphs`)."""
+        without LoRA (`plain_graphs`); `single`: every adapter row uses one slot (`load_concat` before each replay)."""
         if plain:
             self.batch.clear()
             return
@@ -168,7 +196,7 @@ class LoRAManager:
             # contiguous(): one row's expand would reshape to a stride-0 view, which the kernels
             # (indexing slots by token) would read past.
             slots = slots[:, None].expand(-1, query_len).contiguous().view(-1)
-        self.batch.prepare(slots)
+        self.batch.prepare(slots, single=single)
 
     def warm_up(self) -> None:
         """CUDA: compile the kernels for every projection shape, per-token and both tile sizes."""
@@ -185,6 +213,9 @@ class LoRAManager:
                 slots.apply(x, y)
                 if len(slots.part_starts) == 3:  # gate_up's expand fused with SiLU-and-mul
                     slots.forward_silu_mul(x, lambda: y, lambda t: t)
+                if slots.ext is not None and tokens > 16:  # the one-slot path (`concat`): [x | t] and its GEMM
+                    self.batch.prepare(torch.zeros(tokens, dtype=torch.int64, device=self.device), single=True)
+                    slots.apply(x, y)
         # gate_up's kernel with down_proj's shrink in it (decode sizes), and down_proj taking it.
         for (layer, name), slots in self.slots.items():
             down = self.slots.get((layer, "down_proj"))

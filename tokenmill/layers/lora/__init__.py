@@ -6,8 +6,11 @@ padded max rank, the scaling folded into B. A fused projection (qkv, gate_up) ha
 HF projection: output columns of part i read the shrink's columns [i * R, (i + 1) * R).
 
 `y += (x @ A[s]^T) @ B[s]^T` per token, s the token's slot (-1: nothing added):
-- `triton_lora.py` (CUDA): shrink and expand, per token at decode sizes and over tiles of
-  tokens of one slot (sorted on the device) beyond, adding into y in place (gate_up: fused with
-  SiLU-and-mul); planned once per step, capture-safe (no host syncs);
+- Triton (CUDA): shrink and expand, per token at decode sizes and over tiles of tokens of one
+  slot (sorted on the device) beyond, adding into y in place, planned once per step,
+  capture-safe (no host syncs): `triton_lora.py` the step's plan and launch shapes (and every
+  tunable), `triton_shrink.py`, `triton_expand.py`, `triton_fused.py` (the decode path's fusions:
+  gate_up's expand with SiLU-and-mul, the next projection's shrink), `triton_concat.py` (a step of
+  one slot: its LoRA inside the base GEMM, as extra K columns of a wider weight);
 - `torch_lora.py`: the reference (gathered per token) and the CPU path (a matmul per slot).
 """

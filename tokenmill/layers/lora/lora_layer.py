@@ -11,6 +11,9 @@ side stream beside the base GEMM, so a replay overlaps them and only the expand 
 added to next. The delta then goes into the sink instead of y, so the whole LoRA (shrink and
 expand) runs beside the base GEMM on the side stream, off the step's critical path; y is the
 base output untouched.
+
+One slot a step (`LoRABatch.concat`; qkv and gate_up, whose weights `attach_concat` moved into
+wider buffers): the LoRA runs inside the GEMM itself, [x | t] against [W | B] (`triton_concat`).
 """
 
 from __future__ import annotations
@@ -64,6 +67,16 @@ DENSE_FUSED_SILU = os.environ.get("TOKENMILL_LORA_DENSE_FUSED_SILU", "1") not in
 DELTA_BESIDE = os.environ.get("TOKENMILL_LORA_DELTA_BESIDE", "1") not in ("0", "false", "no")
 # gate_up's fused expand + activation also does down_proj's shrink at decode sizes (=0: not).
 FUSE_NEXT_SHRINK = os.environ.get("TOKENMILL_LORA_FUSE_NEXT", "1") not in ("0", "false", "no")
+# Steps of more than ROWS_MAX_TOKENS tokens whose adapter tokens all use one slot (eager: known on
+# the host; graphs: the one-adapter family) run qkv's and gate_up's LoRA inside their GEMM
+# (`triton_concat`: [x | t] @ [W | B]^T, the weight in a wider buffer): no expand, no delta (=0: not).
+CONCAT = os.environ.get("TOKENMILL_LORA_CONCAT", "1") not in ("0", "false", "no")
+# ... o_proj's and down_proj's too (their input copied into [x | t]: instead of their LoRA beside
+# the GEMM into the residual stream), where their weights are wider (=1; the manager then makes them so).
+CONCAT_SINKS = os.environ.get("TOKENMILL_LORA_CONCAT_SINKS", "0") not in ("0", "false", "no")
+# ... in eager steps (prefill chunks: the slot known on the host) / in the one-slot decode graphs (=0: not)
+CONCAT_EAGER = os.environ.get("TOKENMILL_LORA_CONCAT_EAGER", "1") not in ("0", "false", "no")
+CONCAT_GRAPHS = os.environ.get("TOKENMILL_LORA_CONCAT_GRAPHS", "1") not in ("0", "false", "no")
 
 
 class LoRABatch:
@@ -82,6 +95,13 @@ class LoRABatch:
         self.num_tokens = 0
         self.dense_slot: int | None = None  # every token of this eager step has this slot (`DENSE_MIN_TOKENS`)
         self.shapes: set[tuple[int, int]] = set()  # every projection's (parts * R, in_features)
+        # One slot for every adapter token of the step (`CONCAT`): projections with a wider weight
+        # run their LoRA inside the GEMM; `concat_slot`: that slot when known on the host (eager
+        # steps: its B is put into the weights first), None in a graph (the host did it before the replay).
+        self.concat = False
+        self.concat_slot: int | None = None
+        self.concat_slots: torch.Tensor | None = None  # int32 [T]
+        self.concat_ws = None  # triton_concat.ConcatWorkspace
         # A shrink done ahead by the previous projection's kernel: (its input, its planes), consumed
         # by the projection whose input that exact tensor is (gate_up's activation -> down_proj).
         self.ahead: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -91,12 +111,14 @@ class LoRABatch:
         high = os.environ.get("TOKENMILL_LORA_SIDE_PRIORITY", "0") not in ("0", "false", "no")
         self.side_stream = side_stream(device, high) if device.type == "cuda" and overlap else None
 
-    def prepare(self, token_slots: torch.Tensor, host: np.ndarray | None = None) -> None:
+    def prepare(self, token_slots: torch.Tensor, host: np.ndarray | None = None, single: bool = False) -> None:
         """`token_slots`: int [T] on the device, -1 for tokens without an adapter; `host`: the same
-        on the host when known (eager steps), so a step without adapters skips LoRA entirely."""
+        on the host when known (eager steps), so a step without adapters skips LoRA entirely;
+        `single` (graph bodies): every adapter token of the step uses one slot (`CONCAT`)."""
         self.num_tokens = token_slots.shape[0]
         self.ahead = None
         self.dense_slot = None
+        self.concat, self.concat_slot = False, None
         if host is not None and not (host >= 0).any():
             self.active = False
             return
@@ -109,6 +131,7 @@ class LoRABatch:
             if triton_ops.enabled(token_slots) and self.num_slots:
                 from tokenmill.layers.lora.triton_lora import plan_step
                 self.plan = plan_step(token_slots, self.num_slots, self.shapes)
+                self.decide_concat(token_slots, host, single)
             return
         if host is None:
             host = token_slots.cpu().numpy()
@@ -117,11 +140,31 @@ class LoRABatch:
             rows = np.flatnonzero(host == slot)
             self.groups.append((slot, None if len(rows) == len(host) else torch.from_numpy(rows)))
 
+    def decide_concat(self, token_slots: torch.Tensor, host: np.ndarray | None, single: bool) -> None:
+        """Whether this step runs qkv's and gate_up's LoRA inside their GEMMs (`CONCAT`): more tokens
+        than the per-token kernels take, every adapter token of one slot (known from `host`, or
+        `single` for a graph body of the one-slot family)."""
+        from tokenmill.layers.lora import triton_lora
+        if not CONCAT or self.num_tokens <= triton_lora.ROWS_MAX_TOKENS or not (CONCAT_GRAPHS if host is None
+                                                                                 else CONCAT_EAGER):
+            return
+        if host is not None:
+            used = np.unique(host[host >= 0])
+            single = len(used) == 1
+            self.concat_slot = int(used[0]) if single else None
+        self.concat = single
+        if single:
+            from tokenmill.layers.lora.triton_concat import ConcatWorkspace
+            if self.concat_ws is None:
+                self.concat_ws = ConcatWorkspace(self.device)
+            self.concat_slots = token_slots.to(torch.int32).contiguous()
+
     def clear(self) -> None:
         self.active = False
         self.plan = None
         self.ahead = None
         self.dense_slot = None
+        self.concat, self.concat_slot, self.concat_slots = False, None, None
 
 
 class LoRASlots:
@@ -139,6 +182,10 @@ class LoRASlots:
         self.triton = all(p % 16 == 0 for p in self.part_starts[:-1])
         self.a = torch.zeros(num_slots, len(part_sizes) * rank, in_features, dtype=dtype, device=device)
         self.b = torch.zeros(num_slots, out, rank, dtype=dtype, device=device)
+        # `attach_concat`: the layer's weight as a view of ext [out, in + E] whose last E columns
+        # hold slot `ext_slot`'s B (block-diagonal by part; -1: none yet)
+        self.ext: torch.Tensor | None = None
+        self.ext_slot = -1
         batch.num_slots = max(batch.num_slots, num_slots)
         if self.triton:
             batch.shapes.add((len(part_sizes) * rank, in_features))
@@ -147,12 +194,54 @@ class LoRASlots:
         """Put one part's A [r, in] and B [out_part, r] into `slot` (None: zeros), rank zero-padded."""
         lo, hi = self.part_starts[part], self.part_starts[part + 1]
         rows = slice(part * self.rank, (part + 1) * self.rank)
+        if slot == self.ext_slot:  # the wider weight's B columns no longer hold this slot's B
+            self.ext_slot = -1
         self.a[slot, rows].zero_()
         self.b[slot, lo:hi].zero_()
         if a is not None:
             r = a.shape[0]
             self.a[slot, part * self.rank:part * self.rank + r].copy_(a, non_blocking=True)
             self.b[slot, lo:hi, :r].copy_(b, non_blocking=True)
+
+    def attach_concat(self, cuda_only: bool = True) -> bool:
+        """Move the layer's weight into a wider buffer `ext` [out, in + E] (the layer keeps a view of
+        its first `in` columns) so that one-slot steps run the LoRA inside the GEMM (`CONCAT`).
+        Only for a plain weight (unquantized, no bias) on CUDA; False where it does not apply."""
+        from tokenmill.layers.lora.triton_concat import ext_columns
+        layer = self.layer
+        weight = self._base_weight(bias_ok=True)
+        if weight is None or (cuda_only and not weight.is_cuda) or not self.triton:
+            return False
+        n, k = weight.shape
+        ext = torch.zeros(n, k + ext_columns(len(self.part_starts) - 1, self.rank), dtype=weight.dtype,
+                          device=weight.device)
+        ext[:, :k].copy_(weight)
+        if isinstance(layer.weight, torch.nn.Parameter):
+            layer.weight.data = ext[:, :k]
+        else:
+            layer.weight = ext[:, :k]
+        self.ext, self.ext_slot = ext, -1
+        return True
+
+    def load_slot(self, slot: int) -> None:
+        """Put slot `slot`'s B into the wider weight's last columns (part i's rows: columns
+        in + i * R ..), unless they hold it already."""
+        if self.ext is None or self.ext_slot == slot:
+            return
+        k, rank = self.a.shape[2], self.rank
+        for i, (lo, hi) in enumerate(zip(self.part_starts[:-1], self.part_starts[1:])):
+            self.ext[lo:hi, k + i * rank:k + (i + 1) * rank].copy_(self.b[slot, lo:hi])
+        self.ext_slot = slot
+
+    def _concat(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output plus the step's one slot's deltas: one GEMM over [x | t] and the wider weight."""
+        from tokenmill.layers.lora.triton_concat import concat_shrink
+        batch = self.batch
+        if batch.concat_slot is not None:
+            self.load_slot(batch.concat_slot)
+        xe = concat_shrink(x, self.a, batch.concat_slots, self.ext.shape[1] - x.shape[1], batch.concat_ws)
+        bias = getattr(self.layer, "bias", None)
+        return torch.mm(xe, self.ext.t()) if bias is None else torch.addmm(bias, xe, self.ext.t())
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.forward(x, lambda: y)
@@ -166,7 +255,9 @@ class LoRASlots:
         if not batch.active or x.shape[0] != batch.num_tokens:
             return base()
         if batch.plan is not None and self.triton:
-            from tokenmill.layers.lora.triton_lora import lora_expand
+            from tokenmill.layers.lora.triton_expand import lora_expand
+            if batch.concat and self.ext is not None and plain and x.stride(1) == 1 and (sink is None or CONCAT_SINKS):
+                return self._concat(x)
             if batch.dense_slot is not None:
                 weight = self._plain_weight(x) if plain else None
                 if weight is not None:
@@ -197,14 +288,16 @@ class LoRASlots:
         batch = self.batch
         halves = len(self.part_starts) == 3 and 2 * self.part_starts[1] == self.part_starts[2]
         if batch.active and x.shape[0] == batch.num_tokens and batch.plan is not None and self.triton and halves:
-            from tokenmill.layers.lora.triton_lora import can_fuse_next_shrink, lora_expand_silu
+            from tokenmill.layers.lora.triton_fused import can_fuse_next_shrink, lora_expand_silu
+            if batch.concat and self.ext is not None and x.stride(1) == 1:
+                return act(self._concat(x))
             if batch.dense_slot is not None and DENSE_FUSED_SILU and self._plain_weight(x) is not None:
                 return act(self._dense_under(x, self._plain_weight(x), batch.dense_slot))
             if batch.dense_slot is not None:  # the shrink one GEMM (a plane: no K splits), the rest fused
                 planes = torch.mm(x, self.a[batch.dense_slot].t()).float().unsqueeze(0)
                 return lora_expand_silu(planes, self.b, batch.plan, base())
             if self._delta_beside():
-                from tokenmill.layers.lora.triton_lora import silu_mul_add
+                from tokenmill.layers.lora.triton_fused import silu_mul_add
                 return silu_mul_add(*self._delta_and_base(x, base, add=False))
             planes, y = self._shrink_and_base(x, base)
             inter = self.part_starts[1]
@@ -227,13 +320,20 @@ class LoRASlots:
 
     def _plain_weight(self, x: torch.Tensor) -> torch.Tensor | None:
         """The layer's weight where its base output is exactly x @ weight^T (`DENSE_FUSED`)."""
+        weight = self._base_weight() if DENSE_FUSED else None
+        if weight is None or weight.dtype != x.dtype or weight.device != x.device:
+            return None
+        return weight
+
+    def _base_weight(self, bias_ok: bool = False) -> torch.Tensor | None:
+        """The layer's weight where its output is exactly x @ weight^T (+ its bias: `bias_ok`; unquantized)."""
         layer = self.layer
-        if not DENSE_FUSED or layer is None or getattr(layer, "bias", None) is not None \
+        if layer is None or (getattr(layer, "bias", None) is not None and not bias_ok) \
                 or getattr(getattr(layer, "quant_method", None), "quantized", True):
             return None
         weight = getattr(layer, "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype != x.dtype \
-                or weight.device != x.device or weight.shape[0] != self.part_starts[-1]:
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != self.part_starts[-1] \
+                or weight.stride(1) != 1:
             return None
         return weight
 
@@ -267,7 +367,8 @@ class LoRASlots:
                    base: Callable[[], torch.Tensor]) -> torch.Tensor:
         """base(), and the deltas (the shrink unless `planes` holds it) added into `sink`: beside
         base() on the side stream while a small enough CUDA graph is captured."""
-        from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
+        from tokenmill.layers.lora.triton_expand import lora_expand
+        from tokenmill.layers.lora.triton_shrink import lora_shrink
         batch = self.batch
 
         def delta() -> None:
@@ -288,7 +389,8 @@ class LoRASlots:
         """base() plus the deltas: the LoRA (shrink, then the expand writing a buffer of its own)
         beside base() on the side stream while a graph is captured, then one add (add=False:
         (base(), the deltas) for the kernel that adds them itself)."""
-        from tokenmill.layers.lora.triton_lora import lora_expand, lora_shrink
+        from tokenmill.layers.lora.triton_expand import lora_expand
+        from tokenmill.layers.lora.triton_shrink import lora_shrink
         batch = self.batch
         delta = torch.empty(x.shape[0], self.part_starts[-1], dtype=x.dtype, device=x.device)
 
@@ -303,7 +405,7 @@ class LoRASlots:
 
     def _shrink_and_base(self, x: torch.Tensor, base: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """The shrink's planes and base(): side by side while a CUDA graph is captured."""
-        from tokenmill.layers.lora.triton_lora import lora_shrink
+        from tokenmill.layers.lora.triton_shrink import lora_shrink
         batch = self.batch
         if (batch.side_stream is not None and batch.num_tokens <= OVERLAP_MAX_TOKENS
                 and torch.cuda.is_current_stream_capturing()):
