@@ -129,9 +129,11 @@ def test_float32_models_keep_the_plain_path() -> None:
     assert qk_norm.qkv_float32(layer, torch.zeros(3, 64)) is None
 
 
-def test_bf16_qwen3_attention_rounds_q_and_k_once(tmp_path) -> None:
+def test_bf16_qwen3_attention_rounds_q_and_k_once(tmp_path, monkeypatch) -> None:
     """A bf16 Qwen3 layer's q and k, as they enter attention, are the exact norm + rotary of the
-    exact projection (bf16 weights and input, float64 arithmetic), rounded once."""
+    exact projection (bf16 weights and input, float64 arithmetic), rounded once (the CPU path,
+    off by default there, turned on: the same code the CUDA path runs, but for the GEMM)."""
+    monkeypatch.setattr(qk_norm, "ON_CPU", True)
     from tokenmill.benchmarks import bf16_deviation as bd
     from tokenmill.model.llama import LlamaAttention
     path = make_tiny_model_dir("qwen3", tmp_path, seed=3, initializer_range=0.1)

@@ -15,7 +15,7 @@ noisier input moves, at a few positions); with them gone, 1.2x at worst over see
 about 0.9x typical (docs/bf16-numerics.md).
 
 `qkv_float32` returns None where it cannot (float32 models, LoRA or quantized qkv, no float32
-epilogue): the caller keeps the plain path. On CUDA with the fused kernels the norm and rotary are
+epilogue) and, for now, on CPU (`ON_CPU`): the caller keeps the plain path. On CUDA with the fused kernels the norm and rotary are
 one Triton launch (`triton_ops.qk_norm_rope`); elsewhere torch ops (`norm_rope_reference`).
 """
 
@@ -28,6 +28,14 @@ from torch import nn
 
 from tokenmill.layers import triton_ops, wide_linear
 from tokenmill.layers.rotary import RotaryStep
+
+
+# On CPU the same path lowers the pooled deviation of tiny Qwen3-MoE over seeds 3-16 (tokenmill /
+# HF mean 0.895 -> 0.85 prefill, 0.907 -> 0.837 decode), but the CPU test's single seed then
+# misses its max bound in decode (1.55x -> 1.74x HF's, one position whose error is set by the
+# direction of the router input's noise, not its size). Off on CPU until that check's tail
+# statistic is sturdier; tests turn it on to check the CPU wiring.
+ON_CPU = False
 
 
 @functools.cache
@@ -55,7 +63,7 @@ def qkv_float32(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
             return None
         out = torch.mm(x, weight.t(), out_dtype=torch.float32)
         return out if bias is None else out.add_(bias.float())
-    if not wide_linear.supports(x, weight):
+    if not ON_CPU or not wide_linear.supports(x, weight):
         return None
     cache = getattr(layer, "_qkv_f32_packed", None)
     if cache is None:
