@@ -12,6 +12,7 @@ model (torch.distributed's own default group lives in the worker process, which 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -48,9 +49,35 @@ class PendingAllReduce:
         return self.parallel.all_reduce(self.partial)
 
 
-def reduced(x: torch.Tensor | PendingAllReduce) -> torch.Tensor:
-    """x, all-reduced if it is still pending."""
-    return x.result() if isinstance(x, PendingAllReduce) else x
+class StartedAllReduce:
+    """A row-parallel linear's partial sum whose all-reduce is already on its way while the caller
+    goes on computing: NCCL / gloo on the collective's own stream (`work`), or the symmetric
+    buffer's kernel on the TP side stream (`done`, its event; capturable in a CUDA graph). `result()` makes
+    the current stream wait for it (no host sync on CUDA) and returns the sum. Made by
+    `RowParallelLinear` inside `ParallelContext.starting_reduces()` (`model/tp_overlap.py`: one
+    half of a batch's all-reduce runs under the other half's GEMMs)."""
+
+    __slots__ = ("tensor", "work", "done", "source")
+
+    def __init__(self, tensor: torch.Tensor, work, done=None, source: torch.Tensor | None = None) -> None:
+        # `done`: the side stream's event after this all-reduce (a join waits for it alone, not for
+        # the other half's, started later). `source`: the partial the side stream reads, kept
+        # alive until the current stream has joined (its memory is reused only after the read).
+        self.tensor, self.work, self.done, self.source = tensor, work, done, source
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.done is not None:
+            torch.cuda.current_stream(self.tensor.device).wait_event(self.done)
+            self.done = self.source = None
+        return self.tensor
+
+
+def reduced(x: torch.Tensor | PendingAllReduce | StartedAllReduce) -> torch.Tensor:
+    """x, all-reduced if it is still pending (or waited for, if started)."""
+    return x.result() if isinstance(x, (PendingAllReduce, StartedAllReduce)) else x
 
 
 def _measured_partition(probe: Callable[[], StageCosts] | None, stages: int, num_layers: int,
@@ -86,6 +113,10 @@ class ParallelContext:
                            "(for timing the all-reduce only)")
         self.token_group = None  # pipeline device tokens: this first / last stage rank and its peer
         self._sends: list[list] = []  # per step sent and not yet retired: its (work, tensor) pairs
+        # Inside `starting_reduces()`: row-parallel linears start their all-reduce and return a
+        # `StartedAllReduce` (the TP overlap of model/tp_overlap.py).
+        self.starts_reduces = False
+        self._side_stream = None  # CUDA: where started all-reduces over the symmetric buffer run
 
     @staticmethod
     def single(arch: ModelArch) -> ParallelContext:
@@ -151,6 +182,34 @@ class ParallelContext:
         dist.all_reduce(x, group=self.tp_group)
         return x
 
+    def side_all_reduce_fits(self, x: torch.Tensor) -> bool:
+        """Whether `start_all_reduce(x)` takes the symmetric buffer on the side stream (the only
+        way it may run inside a CUDA graph being captured)."""
+        return self.symm is not None and x.is_contiguous() and self.symm.method_for(x) != "nccl"
+
+    def start_all_reduce(self, x: torch.Tensor) -> StartedAllReduce:
+        """Start the sum over the TP group of `x` and return at once; the caller's stream waits only
+        at `result()`. Messages the symmetric buffer takes: its kernel on the TP side stream, after
+        the work queued so far on the current stream (the sum in a new tensor); others: NCCL / gloo
+        on the collective's own stream (in place)."""
+        if self.tp_size == 1 or self.skip_all_reduce:
+            return StartedAllReduce(x, None)
+        if self.side_all_reduce_fits(x):
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=x.device, priority=-1)
+            out, done = self.symm.start(x, self._side_stream)
+            return StartedAllReduce(out, None, done, x)
+        return StartedAllReduce(x, dist.all_reduce(x, group=self.tp_group, async_op=True))
+
+    @contextlib.contextmanager
+    def starting_reduces(self):
+        """Row-parallel linears called inside start their all-reduce (`start_all_reduce`)."""
+        previous, self.starts_reduces = self.starts_reduces, True
+        try:
+            yield
+        finally:
+            self.starts_reduces = previous
+
     def defers_reduce(self) -> bool:
         """Whether row-parallel linears that feed an RMSNorm leave the all-reduce to it
         (`PendingAllReduce`): only where the fused kernel exists and the all-reduce is real."""
@@ -179,6 +238,18 @@ class ParallelContext:
             parts = [torch.empty_like(x) for _ in range(self.tp_size)]
             dist.all_gather(parts, x, group=self.tp_group)
         return torch.cat(parts, dim=-1)
+
+    def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """[tp, *x.shape]: every rank's `x`, ranks in order (capturable on CUDA)."""
+        if self.tp_size == 1:
+            return x[None]
+        x = x.contiguous()
+        out = torch.empty((self.tp_size, *x.shape), dtype=x.dtype, device=x.device)
+        if self.backend == "nccl":
+            dist.all_gather_into_tensor(out, x, group=self.tp_group)
+        else:
+            dist.all_gather(list(out.unbind(0)), x, group=self.tp_group)
+        return out
 
     # ------------------------------------------------------------------ pipeline parallel
 
