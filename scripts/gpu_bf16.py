@@ -5,6 +5,9 @@
     python scripts/gpu_bf16.py --shapes none --families --smollm2 PATH.gguf
                                           # the CPU test's table on the GPU: every family's tiny
                                           # config and the real SmolLM2 (its GGUF)
+    python scripts/gpu_bf16.py --shapes none --families qwen3,gemma3,qwen3_moe --moe-seeds 3,4,5 \
+        --layer-trace --qk-kernel           # q/k-norm families: the Triton q/k norm + rotary kernel
+                                          # checked in bf16, and where each MoE row's error enters
     python scripts/gpu_bf16.py --shapes none --families phi3,qwen3_moe --spread
                                           # some families, and HF's own spread: its bf16 deviation
                                           # with eager and with SDPA attention (two valid references)
@@ -212,7 +215,8 @@ def hf_spread(label: str, path: str, sequences: list[list[int]], device: str,
 
 
 def run_families(device: str, smoke: bool, only: set[str] | None = None, spread: bool = False,
-                 moe_seeds: list[int] | None = None, router_noise: bool = False) -> list[dict]:
+                 moe_seeds: list[int] | None = None, router_noise: bool = False,
+                 layer_trace: bool = False) -> list[dict]:
     """Every family of the CPU test (or those in `only`), its tiny config (same seed, std, sequences
     and tolerances), the dense families and then the mixtures of experts and MLA. `moe_seeds`: the
     MoE families' weights drawn with each of these seeds (default the CPU test's), one record each;
@@ -244,6 +248,8 @@ def run_families(device: str, smoke: bool, only: set[str] | None = None, spread:
                                       max_excluded=cpu_test.MOE_MAX_EXCLUDED)
             if router_noise:
                 records[-1]["router_noise"] = run_router_noise(label, path, seqs, device)
+            if layer_trace:
+                records[-1]["layer_errors"] = run_layer_trace(label, path, seqs, device)
             if spread:
                 spreads.append(hf_spread(label, path, seqs, device, cpu_test.MOE_TIE_MARGIN))
     return records, spreads
@@ -264,6 +270,60 @@ def run_router_noise(label: str, path: str, sequences: list[list[int]], device: 
     return out
 
 
+def run_layer_trace(label: str, path: str, sequences: list[list[int]], device: str) -> dict:
+    """Per decoder layer: mean |stream_bf16 - stream_f32| / |stream_f32| per engine, backend and mode."""
+    out = {}
+    for backend, (cls, fused) in backends(device).items():
+        with fused_ops(fused):
+            errors = bd.layer_errors(path, sequences, device, cls)
+        out[backend] = errors
+        for run, layers in errors.items():
+            print(f"{label} [{backend}] stream error {run:<18} " + "  ".join(
+                f"L{i} {e:.4f}" for i, e in enumerate(layers)), flush=True)
+    return out
+
+
+def check_qk_kernel(device: str) -> dict:
+    """`triton_ops.qk_norm_rope` against its torch reference on the device, float32 / fp16 / bf16
+    outputs: float32 within 2e-6, half types within one unit in the last place."""
+    from tokenmill.config import RopeConfig
+    from tokenmill.layers import qk_norm
+    from tokenmill.layers.rotary import RotaryEmbedding
+    from tokenmill.layers.triton_ops.qk_norm_rope import qk_norm_rope
+    worst: dict[str, float] = {}
+    ok = True
+    for head_dim, partial, hq, hk in ((128, 1.0, 32, 4), (64, 0.5, 9, 3)):
+        rope = RotaryEmbedding(head_dim, 4096, RopeConfig(theta=1e6, partial_rotary_factor=partial)).to(device)
+        gen = torch.Generator().manual_seed(head_dim + hq)
+        t = 37
+        qkv = (3 * torch.randn(t, (hq + 2 * hk) * head_dim, generator=gen)).to(device)
+        positions = torch.randint(0, 4096, (t,), generator=gen).to(device)
+        q = qkv[:, :hq * head_dim].view(t, hq, head_dim)
+        k = qkv[:, hq * head_dim:(hq + hk) * head_dim].view(t, hk, head_dim)
+        wq, wk = (1 + 0.5 * torch.randn(head_dim, generator=gen)).to(device), torch.ones(head_dim, device=device)
+        cos = rope.cos_cache.index_select(0, positions)[:, None, :rope.rotary_dim]
+        sin = rope.sin_cache.index_select(0, positions)[:, None, :rope.rotary_dim]
+        for dtype in (torch.float32, torch.bfloat16):
+            got = qk_norm_rope(q, k, wq, wk, 1e-6, 1e-6, positions, rope.cos_cache, rope.sin_cache, rope.rotary_dim, dtype)
+            ref = (qk_norm.norm_rope_reference(q, wq, 1e-6, cos, sin, dtype),
+                   qk_norm.norm_rope_reference(k, wk, 1e-6, cos, sin, dtype))
+            bits = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}[dtype]
+            for a, b in zip(got, ref):
+                diff = (a.double() - b.double()).abs()
+                ulp = torch.exp2(torch.floor(torch.log2(b.double().abs().clamp_min(1e-30))) - bits)
+                if dtype == torch.float32:
+                    err = float((diff / (2e-6 * b.double().abs().max())).max())
+                else:
+                    err = float((diff / ulp).max())
+                key = f"d{head_dim} p{partial} {str(dtype).removeprefix('torch.')}"
+                worst[key] = max(worst.get(key, 0.0), err)
+                ok &= err <= 1.0
+    print(f"qk_norm_rope kernel vs torch reference (ulps; float32: units of 2e-6 x max): {worst} "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return {"shape": "qk_norm_rope kernel", "backend": "triton", "worst": worst, "ok": ok,
+            "failure": None if ok else "qk_norm_rope beyond one rounding of its reference"}
+
+
 def run_smollm2(path: str, device: str) -> list[dict]:
     """The real SmolLM2 (its GGUF) on 80 tokens of English, no tolerance (the CPU test's check)."""
     sequences = bd.text_sequences(path, bd.SAMPLE_TEXT, 80)
@@ -282,6 +342,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --families: the MoE families' tiny weights drawn with each of these seeds (e.g. 3,4,5)")
     p.add_argument("--router-noise", action="store_true",
                    help="with --families: each MoE row also prints its routers' logit error, per engine")
+    p.add_argument("--layer-trace", action="store_true",
+                   help="with --families: each MoE row also prints the stream's error after every layer, per engine")
+    p.add_argument("--qk-kernel", action="store_true",
+                   help="check the q/k norm + rotary Triton kernel against its torch reference first (CUDA)")
     p.add_argument("--smollm2", default=None, help="also the real SmolLM2: path of its GGUF")
     ns = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -297,12 +361,18 @@ def main(argv: list[str] | None = None) -> int:
         shapes = {} if ns.shapes == "none" else {k: shapes[k] for k in ns.shapes.split(",")}
     num, prompt_len, total = (2, 4, 12) if ns.smoke else (16, 8, 64)
     records, spreads = [], []
+    if ns.qk_kernel and device == "cuda":
+        from tokenmill.layers import qk_norm
+        print(f"cuBLAS bf16 -> float32 matmul (q/k norm from the float32 projection): "
+              f"{qk_norm._cuda_mm_f32_works()}", flush=True)
+        records.append(check_qk_kernel(device))
     for name, shape in shapes.items():
         records += run_shape(name, shape, device, num, prompt_len, total)
     if ns.families:
         only = None if ns.families == "all" else set(ns.families.split(","))
         seeds = [int(v) for v in ns.moe_seeds.split(",")] if ns.moe_seeds else None
-        family_records, spreads = run_families(device, ns.smoke, only, ns.spread, seeds, ns.router_noise)
+        family_records, spreads = run_families(device, ns.smoke, only, ns.spread, seeds, ns.router_noise,
+                                               ns.layer_trace)
         records += family_records
     if ns.smollm2:
         records += run_smollm2(ns.smollm2, device)

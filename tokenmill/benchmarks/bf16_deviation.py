@@ -400,6 +400,57 @@ def router_logit_errors(path: str, sequences: Sequence[Sequence[int]], device: s
                   for e in layers] for run, layers in errors.items()}
 
 
+def layer_errors(path: str, sequences: Sequence[Sequence[int]], device: str = "cpu",
+                 attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend,
+                 modes: Sequence[str] = MODES) -> dict[str, list[float]]:
+    """Where bf16 error enters, layer by layer: the mean over positions of |stream_bf16 - stream_f32| /
+    |stream_f32| for the residual stream after each decoder layer (HF: the layer's output; tokenmill:
+    its hidden + residual), each engine against its own float32 run. Keys "hf" and "tokenmill MODE"."""
+    f32, bf16 = torch.float32, torch.bfloat16
+
+    def tm_run(model, ids, mode) -> list[torch.Tensor]:
+        layers = [m for m in model.model.layers if len(list(m.parameters()))]
+        out: list[list[torch.Tensor]] = [[] for _ in layers]
+
+        def hook(i):
+            def fn(mod, args, result):
+                hidden, residual = result
+                out[i].append(hidden.double() + (0 if residual is None else residual.double()))
+            return fn
+
+        handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(layers)]
+        try:
+            tokenmill_logits(model, ids, mode)
+        finally:
+            for h in handles:
+                h.remove()
+        return [torch.cat(o) for o in out]
+
+    def hf_run(model, ids) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        handles = [m.register_forward_hook(
+            lambda mod, a, result: out.append((result[0] if isinstance(result, tuple) else result)[0].double()))
+            for m in model.model.layers]
+        try:
+            hf_logits(model, ids)
+        finally:
+            for h in handles:
+                h.remove()
+        return out
+
+    tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in (f32, bf16)}
+    hf = load_hf_pair(path, device)
+    errors: dict[str, list[list[torch.Tensor]]] = {}
+    for ids in sequences:
+        runs = {"hf": (hf_run(hf[bf16], ids), hf_run(hf[f32], ids))}
+        runs.update({f"tokenmill {m}": (tm_run(tm[bf16], ids, m), tm_run(tm[f32], ids, m)) for m in modes})
+        for run, (low, ref) in runs.items():
+            per_layer = errors.setdefault(run, [[] for _ in ref])
+            for i, (a, b) in enumerate(zip(low, ref)):
+                per_layer[i].append(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)).cpu())
+    return {run: [float(torch.cat(e).mean()) for e in layers] for run, layers in errors.items()}
+
+
 def routing_flips(bf16_routes: torch.Tensor | None, f32_routes: torch.Tensor | None) -> torch.Tensor | None:
     """bool [L]: positions whose experts differ between a bf16 run and its float32 run."""
     if bf16_routes is None or f32_routes is None:

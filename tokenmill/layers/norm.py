@@ -84,15 +84,16 @@ class RMSNorm(nn.Module):
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, out_dtype)
-        if cpu_norm.supports(x, self.weight, out_dtype):  # CPU bf16: one C pass, same roundings
-            return cpu_norm.add_rms_norm(x, self.weight, self.eps)[0]
+        weight = self.weight
+        if out_dtype == torch.bfloat16 and cpu_norm.supports(x, weight, out_dtype):  # CPU bf16: one C pass
+            return cpu_norm.add_rms_norm(x, weight, self.eps)[0]
         # ||x||^2 / n = mean(x^2), accumulated in float32 whatever x's dtype: one pass, no upcast copy.
         rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
         rstd = rstd.square_().mul_(1.0 / x.shape[-1]).add_(self.eps).rsqrt_()
         normed = torch.mul(x, rstd)  # float32 (rstd is), rounded once below
         if out_dtype != torch.float32:
             normed = normed.to(out_dtype)
-        return normed.mul_(self.weight if self.weight.dtype == out_dtype else self.weight.to(out_dtype))
+        return normed.mul_(weight if weight.dtype == out_dtype else weight.to(out_dtype))
 
     def forward_with_residual(self, x: torch.Tensor | PendingAllReduce, residual: torch.Tensor,
                               out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:

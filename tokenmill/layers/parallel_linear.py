@@ -51,8 +51,9 @@ class RowParallelLinear(Linear):
 
     def wide(self, x: torch.Tensor) -> bool:
         """Whether this layer's result for an input like `x` (any width) is float32 (`wide_linear`)."""
-        return self.wide_output and self.quant_method is UNQUANTIZED and not has_lora(self) \
-            and wide_linear.supports_dtype(x, self.weight)
+        # The dtype first: float32 models (the float32 CPU decode path) stop here, at no cost.
+        return self.wide_output and x.dtype == torch.bfloat16 and self.quant_method is UNQUANTIZED \
+            and not has_lora(self) and wide_linear.supports_dtype(x, self.weight)
 
     def forward(self, x: torch.Tensor, lora_into: torch.Tensor | None = None) -> torch.Tensor:
         """`lora_into`: the residual stream the output is added to next: without TP (the output is
@@ -60,6 +61,8 @@ class RowParallelLinear(Linear):
         if self.wide(x):
             return self.parallel.all_reduce(
                 wide_linear.linear_f32(x, self.weight, self._bias(), self._packed, self._wide_packed))
+        if not has_lora(self):  # (no closure per call)
+            return self._reduce(self.quant_method.apply(self, x, self._bias()))
         # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
         sink = lora_into if self.parallel.tp_size == 1 else None
         return self._reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, self._bias()), sink))
@@ -71,6 +74,9 @@ class RowParallelLinear(Linear):
             return self.parallel.all_reduce(wide_linear.linear_f32(
                 x, self.weight, self._bias(), self._packed, self._wide_packed,
                 add=residual if self.first_rank else None))
+        if not has_lora(self):  # (no closure per call)
+            return self.parallel.all_reduce(self.quant_method.apply_add(self, x, self.bias, residual) if self.first_rank
+                                            else self.quant_method.apply(self, x, None))
         if not self.first_rank:
             return self.parallel.all_reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, None),
                                                          plain=False))

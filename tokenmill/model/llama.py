@@ -20,7 +20,7 @@ from torch import nn
 from tokenmill.config import ModelArch
 from tokenmill.distributed.layout import RankLayout
 from tokenmill.distributed.parallel_state import ParallelContext
-from tokenmill.layers import triton_ops
+from tokenmill.layers import qk_norm, triton_ops
 from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
@@ -61,20 +61,26 @@ class LlamaAttention(nn.Module):
                 residual: torch.Tensor | None = None, lora_into: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output, plus `residual` when given (added inside the o_proj matmul where it can);
         `lora_into`: the stream the output is added to next (o_proj's LoRA delta may go there)."""
-        qkv = lora_forward(self.qkv_proj, hidden, lambda: self.qkv_proj(hidden))
-        out = self.attend(qkv, rope, kv_cache, meta)
+        qkv32 = qk_norm.qkv_float32(self.qkv_proj, hidden) if self.qk_norm else None
+        qkv = qkv32 if qkv32 is not None else lora_forward(self.qkv_proj, hidden, lambda: self.qkv_proj(hidden))
+        out = self.attend(qkv, rope, kv_cache, meta, hidden.dtype)
         if residual is None:
             return self.o_proj(out, lora_into)
         return self.o_proj.forward_add(out, residual)
 
-    def attend(self, qkv: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata
-               ) -> torch.Tensor:
+    def attend(self, qkv: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
+               act_dtype: torch.dtype | None = None) -> torch.Tensor:
         """From the qkv projection's output to the input of o_proj ([tokens, q_size]): q/k norms,
-        rotary, the KV-cache write and attention."""
+        rotary, the KV-cache write and attention. A float32 `qkv` of a half-precision model
+        (`act_dtype`; q/k-norm families on CUDA, `qk_norm.qkv_float32`) is rounded once, after them."""
+        qkv32 = qkv if self.qk_norm and act_dtype is not None and qkv.dtype != act_dtype else None
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         fused = False  # rotary and the KV-cache write in one kernel (the attention backend's)
-        if self.qk_norm:
+        if qkv32 is not None:  # half precision: q/k norm and rotary from the float32 projection, one rounding
+            q, k, v = qk_norm.norm_rope(qkv32, self.q_size, self.kv_size, self.head_dim, self.q_norm, self.k_norm,
+                                        rope, act_dtype)
+        elif self.qk_norm:
             q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
