@@ -1,0 +1,238 @@
+"""FP8 W8A8 parts of scripts/gpu_quant.py that time engines side by side in ONE process.
+
+- `pdl`: programmatic dependent launch (tokenmill/layers/triton_ops/pdl.py) on and off.
+  1. The batch-1 decode chain of CHAIN_LAYERS Llama-8B layers without attention (fused add +
+     RMSNorm, the fp8 GEMVs of qkv / o / gate_up / down, SiLU-and-mul), captured in a CUDA graph
+     twice (PDL off, on) and replayed alternately: microseconds per layer, and the two outputs
+     must be bit-identical (a PDL kernel that read its input before the wait would race).
+  2. Batch-1 engines (max_num_seqs 1: one decode graph), each built after the last one shut down:
+     fp8 with PDL, fp8 without, bf16 with PDL (ms per output token; the first two decide whether
+     PDL pays for fp8; bf16 runs with it too, since PDL reaches its norm and SiLU kernels).
+- `pdlplant`: the chain check against a planted race (every kernel's wait removed): it must fail.
+- `fp8engines`: the goal figures in one process, every engine warmed on the workload first:
+  bf16, fp8 weights, fp8 weights + fp8 KV cache at 256x256x128 and 1000x512x256, batch 1 (bf16
+  and fp8). The engines are built one after the other, each shut down before the next.
+
+Each engine's figures are written to $OUT/part-<name>-partial.json as they come, so a run cut
+by its time limit still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+CHAIN_LAYERS = 8  # distinct weights: 8 x 218 MB of fp8, far past the 50 MB L2
+SMOKE_CHAIN = dict(hidden=128, inter=256, qkv=256)
+
+
+def _save(results: dict, out: str, name: str) -> None:
+    with open(os.path.join(out, f"part-{name}-partial.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+
+def _chain(device: str, smoke: bool, layers: int):
+    """Build the chain's weights; returns run(x) -> output (kernels launched with the PDL setting
+    read at launch, so at capture)."""
+    from tokenmill.layers.quantization import fp8_ops, stream_tiles
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    h, inter, qkv = ((SMOKE_CHAIN["hidden"], SMOKE_CHAIN["inter"], SMOKE_CHAIN["qkv"]) if smoke
+                     else (4096, 14336, 6144))
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def weight(n, k):
+        w = torch.randn(n, k, device=device, generator=g) * (1.0 / k ** 0.5)
+        q, s = fp8_ops.quantize_rows(w)
+        if device != "cuda":
+            q = q.float()  # the interpreter reads fp8 values from float32
+        counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor if device == "cuda" else None
+        return q, s, counters
+
+    ws = [{"qkv": weight(qkv, h), "o": weight(h, h), "gate_up": weight(2 * inter, h), "down": weight(h, inter),
+           "n1": torch.ones(h, device=device, dtype=dt), "n2": torch.ones(h, device=device, dtype=dt)}
+          for _ in range(layers)]
+
+    def mm(x, w):
+        q, s, c = w
+        return fp8_stream_gemm(x, q, s, None, c)
+
+    def run(x, residual):
+        for w in ws:
+            a, residual = fused_add_rms_norm(x, residual, w["n1"], 1e-5)
+            t = mm(a, w["qkv"])
+            o = mm(t[:, :h], w["o"])  # attention's place: the q part stands in for its output
+            b, residual = fused_add_rms_norm(o, residual, w["n2"], 1e-5)
+            x = mm(silu_and_mul(mm(b, w["gate_up"])), w["down"])
+        return x
+    return run, h, dt
+
+
+def _chain_part(results: dict, device: str, smoke: bool, check, planted: bool = False) -> None:
+    from tokenmill.layers.triton_ops import pdl
+
+    layers = 2 if smoke or planted else CHAIN_LAYERS
+    run, h, dt = _chain(device, smoke, layers)
+    x0 = torch.randn(1, h, device=device, dtype=dt)
+    res0 = torch.randn(1, h, device=device, dtype=torch.float32)
+    res = res0.clone()
+
+    def body():
+        res.copy_(res0)
+        return run(x0, res)
+    rec = results.setdefault("pdl_chain", {})
+    rec["layers"] = layers
+    if device != "cuda":
+        out = body()
+        rec["eager_ok"] = bool(torch.isfinite(out).all())
+        check(rec["eager_ok"], "pdl chain (CPU, interpreter): finite output")
+        return
+    graphs, outs = {}, {}
+    for on in (False, True):
+        pdl.FORCE = on
+        for _ in range(2):
+            body()  # compile both variants outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = body()
+        graphs[on], outs[on] = graph, out
+    pdl.FORCE = None
+    times = {False: [], True: []}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for rep in range(6):
+        # A fresh input, then ONE replay of each graph compared: a PDL kernel reading before its
+        # wait would see its graph's buffers from the previous input (a later replay would not).
+        x0.copy_(torch.randn(x0.shape, device=device, dtype=dt))
+        graphs[False].replay()
+        graphs[True].replay()
+        torch.cuda.synchronize()
+        if not torch.equal(outs[True], outs[False]):
+            rec["mismatch"] = (f"rep {rep}: max diff "
+                               f"{(outs[True].float() - outs[False].float()).abs().max().item():.3g}")
+        for on in (False, True):
+            ev[0].record()
+            for _ in range(10):
+                graphs[on].replay()
+            ev[1].record()
+            torch.cuda.synchronize()
+            times[on].append(ev[0].elapsed_time(ev[1]) * 1000 / 10 / layers)
+    rec["us_per_layer_off"] = min(times[False])
+    rec["us_per_layer_on"] = min(times[True])
+    print(f"  pdl chain, batch 1, {layers} layers: {rec['us_per_layer_off']:.1f} us/layer without PDL, "
+          f"{rec['us_per_layer_on']:.1f} with (all reps: {[round(t, 1) for t in times[False]]} / "
+          f"{[round(t, 1) for t in times[True]]})", flush=True)
+    if planted:
+        rec["planted_race_caught"] = "mismatch" in rec
+        check("mismatch" in rec, "planted defect (no wait in any kernel): the chain check catches the race")
+    else:
+        check("mismatch" not in rec, f"pdl chain: graph replays with and without PDL bit-identical "
+              f"({rec.get('mismatch', 'yes')})")
+
+
+@triton.jit
+def _no_wait(USE_PDL: tl.constexpr):
+    """The planted defect: `pdl.wait` that does not wait."""
+    pass
+
+
+def plant_part(results: dict, device: str, smoke: bool, check) -> None:
+    """The chain check against a planted defect, in its own process (before anything compiles):
+    `pdl.wait` replaced by a no-op, so every PDL kernel reads its input while the previous kernel
+    may still be writing it. The check must see the outputs differ."""
+    from tokenmill.layers.triton_ops import pdl
+
+    pdl.wait = _no_wait
+    results["pdl_chain"] = {}
+    _chain_part(results, device, smoke, check, planted=True)
+
+
+def _engine(config_dir, shape, smoke: bool, label: str, **kwargs):
+    from tokenmill import LLM
+
+    extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
+    start = time.perf_counter()
+    llm = LLM(config_dir(shape), load_format="dummy", dtype="bfloat16", max_model_len=4096, disable_log_stats=True,
+              enable_prefix_caching=False, **kwargs, **extra)
+    up = time.perf_counter() - start
+    print(f"  {label}: engine up in {up:.0f} s, {llm.kv_cache_stats()['num_blocks']} KV blocks", flush=True)
+    return llm, up
+
+
+def _set_pdl(on: bool | None) -> None:
+    """PDL for the next engine: its worker (this process or a child) reads it at capture."""
+    from tokenmill.layers.triton_ops import pdl
+
+    pdl.FORCE = on
+    if on is None:
+        os.environ.pop(pdl.ENV_VAR, None)
+    else:
+        os.environ[pdl.ENV_VAR] = "1" if on else "0"
+
+
+def _free(llm) -> None:
+    llm.shutdown()
+    del llm
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def pdl_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, out: str, check,
+             ms_per_token) -> None:
+    _chain_part(results, device, smoke, check)
+    _save(results, out, "pdl")
+    rec = results.setdefault("pdl_batch1", {})
+    order = [("fp8", True), ("fp8", False), ("bf16", True)]
+    for weights, on in order[:2] if smoke else order:
+        label = f"{weights} pdl {'on' if on else 'off'}"
+        _set_pdl(on)
+        llm, up = _engine(config_dir, shape, smoke, label, max_num_seqs=1,
+                          **({"quantization": "fp8"} if weights == "fp8" else {}))
+        rec[label] = ms_per_token(llm, 16 if smoke else 512, 4 if smoke else 256)
+        print(f"  {label}: batch 1 {rec[label]:.3f} ms/token", flush=True)
+        _free(llm)
+        _save(results, out, "pdl")
+    _set_pdl(None)
+    for on in ("on", "off"):
+        f, b = rec.get(f"fp8 pdl {on}"), rec.get(f"bf16 pdl {on}")
+        if f and b:
+            rec[f"ratio pdl {on}"] = f / b
+            print(f"  batch 1 fp8 / bf16, PDL {on}: {f / b:.3f}", flush=True)
+
+
+# (label, engine kwargs, workloads) of the goal figures, in this order
+FP8_ENGINES = [
+    ("bf16", {}, ["256x256x128", "1000x512x256", "batch1"]),
+    ("fp8", {"quantization": "fp8"}, ["256x256x128", "1000x512x256", "batch1"]),
+    ("fp8kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["1000x512x256"]),
+]
+
+
+def engines_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, out: str, throughput,
+                 ms_per_token) -> None:
+    scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
+    timings = results.setdefault("timings", {})
+    for label, kwargs, workloads in FP8_ENGINES:
+        llm, up = _engine(config_dir, shape, smoke, label, **kwargs)
+        rec = timings.setdefault(label, {"kv_blocks": llm.kv_cache_stats()["num_blocks"], "engine_up_s": up})
+        for w in workloads:
+            start = time.perf_counter()
+            if w == "batch1":
+                rec[w] = ms_per_token(llm, scale(512), scale(256) if not smoke else 4)
+            else:
+                num, inp, outp = (int(v) for v in w.split("x"))
+                rec[w] = throughput(llm, scale(num), scale(inp), scale(outp))
+            print(f"  {label} {w}: {rec[w]:.2f} {'ms/token' if w == 'batch1' else 'output tok/s'} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+            _save(results, out, "fp8engines")
+        _free(llm)
