@@ -8,6 +8,8 @@
   2. Batch-1 engines (max_num_seqs 1: one decode graph), each built after the last one shut down:
      fp8 with PDL, fp8 without, bf16 with PDL (ms per output token; the first two decide whether
      PDL pays for fp8; bf16 runs with it too, since PDL reaches its norm and SiLU kernels).
+  3. (before the engines) SiLU-and-mul + fp8 quantization of down_proj's input, two kernels against
+     the fused one, at 32..8192 rows (checked equal first).
 - `pdlplant`: the chain check against a planted race (every kernel's wait removed): it must fail.
 - `fp8engines`: the goal figures in one process, every engine warmed on the workload first:
   bf16, fp8 weights, fp8 weights + fp8 KV cache at 256x256x128 and 1000x512x256, batch 1 (bf16
@@ -156,6 +158,57 @@ def plant_part(results: dict, device: str, smoke: bool, check) -> None:
     _chain_part(results, device, smoke, check, planted=True)
 
 
+def _graph_us(fn, reps: int = 20) -> float:
+    """Microseconds per call of fn, replayed from a CUDA graph of `reps` calls (the best of 3)."""
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    best = float("inf")
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for _ in range(3):
+        ev[0].record()
+        graph.replay()
+        ev[1].record()
+        torch.cuda.synchronize()
+        best = min(best, ev[0].elapsed_time(ev[1]) * 1000 / reps)
+    return best
+
+
+def silu_quant_part(results: dict, device: str, smoke: bool, check) -> None:
+    """SiLU-and-mul + per-token fp8 quantization of down_proj's input: the two kernels the engine
+    ran before against `triton_fp8_fused.silu_and_mul_quant` (same values and codes, checked)."""
+    from tokenmill.layers.quantization import fp8_ops
+    from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
+    from tokenmill.layers.quantization.triton_fp8_fused import silu_and_mul_quant
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    d = SMOKE_CHAIN["inter"] if smoke else 14336
+    rec = results.setdefault("silu_quant_us", {})
+    for m in ((4, 40) if smoke else (32, 256, 1024, 8192)):
+        x = torch.randn(m, 2 * d, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+        out = silu_and_mul_quant(x, code_dtype=torch.float8_e4m3fn if device == "cuda" else torch.float32)
+        ref = silu_and_mul(x)
+        rq, rs = quantize_row_groups(ref, d) if device == "cuda" else fp8_ops.quantize_rows(ref)
+        q, sc = fp8_ops.attached(out)
+        q = q.to(torch.float8_e4m3fn)  # (CPU: the interpreter wrote unrounded float32 codes)
+        same = torch.equal(out, ref) and torch.equal(sc, rs) and torch.equal(q.float(), rq.float())
+        check(same, f"silu_and_mul_quant at {m} rows: output, scales and codes equal the two kernels'")
+        if device != "cuda":
+            continue
+
+        def two():
+            y = silu_and_mul(x)
+            return quantize_row_groups(y, d)
+        rec[str(m)] = {"silu": _graph_us(lambda: silu_and_mul(x)), "silu+quant": _graph_us(two),
+                       "fused": _graph_us(lambda: silu_and_mul_quant(x))}
+        print(f"  silu+quant at {m} rows: silu {rec[str(m)]['silu']:.1f} us, silu then quant "
+              f"{rec[str(m)]['silu+quant']:.1f}, fused {rec[str(m)]['fused']:.1f}", flush=True)
+
+
 def _engine(config_dir, shape, smoke: bool, label: str, **kwargs):
     from tokenmill import LLM
 
@@ -190,6 +243,7 @@ def _free(llm) -> None:
 def pdl_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, out: str, check,
              ms_per_token) -> None:
     _chain_part(results, device, smoke, check)
+    silu_quant_part(results, device, smoke, check)
     _save(results, out, "pdl")
     rec = results.setdefault("pdl_batch1", {})
     order = [("fp8", True), ("fp8", False), ("bf16", True)]
