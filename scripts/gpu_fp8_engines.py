@@ -1,10 +1,12 @@
 """FP8 W8A8 parts of scripts/gpu_quant.py that time engines side by side in ONE process.
 
 - `pdl`: programmatic dependent launch (tokenmill/layers/triton_ops/pdl.py) on and off.
-  1. The batch-1 decode chain of CHAIN_LAYERS Llama-8B layers without attention (fused add +
-     RMSNorm, the fp8 GEMVs of qkv / o / gate_up / down, SiLU-and-mul), captured in a CUDA graph
-     twice (PDL off, on) and replayed alternately: microseconds per layer, and the two outputs
-     must be bit-identical (a PDL kernel that read its input before the wait would race).
+  1. The decode chain of CHAIN_LAYERS Llama-8B layers without attention (fused add + RMSNorm,
+     the fp8 linears qkv / o / gate_up / down, SiLU-and-mul: the engine's modules) at 1 row (the
+     stream GEMVs) and 256 rows (W8A8 with the fused quantizations), captured in CUDA graphs with
+     PDL off and on (256 rows also without the fused SiLU quantization) and replayed alternately:
+     microseconds per layer; the variants' outputs must be bit-identical (a PDL kernel that read
+     its input before the wait would race).
   2. Batch-1 engines (max_num_seqs 1: one decode graph), each built after the last one shut down:
      fp8 with PDL, fp8 without, bf16 with PDL (ms per output token; the first two decide whether
      PDL pays for fp8; bf16 runs with it too, since PDL reaches its norm and SiLU kernels).
@@ -41,104 +43,130 @@ def _save(results: dict, out: str, name: str) -> None:
 
 
 def _chain(device: str, smoke: bool, layers: int):
-    """Build the chain's weights; returns run(x) -> output (kernels launched with the PDL setting
-    read at launch, so at capture)."""
-    from tokenmill.layers.quantization import fp8_ops, stream_tiles
-    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
-    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
-    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+    """Build the chain's layers from the engine's own modules (Linear with the online fp8 method,
+    RMSNorm and SiluAndMul marked as `mark_fused_producers` marks them): the same code paths as
+    the engine (batch 1: the stream GEMV; 256 rows: fused norm / SiLU quantization + W8A8).
+    Returns (run(x, residual) -> output, the layers' SiLU modules, hidden size, dtype)."""
+    from torch import nn
+
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, mark_fused_producers
 
     h, inter, qkv = ((SMOKE_CHAIN["hidden"], SMOKE_CHAIN["inter"], SMOKE_CHAIN["qkv"]) if smoke
                      else (4096, 14336, 6144))
     dt = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator(device=device).manual_seed(0)
+    torch.manual_seed(0)
 
-    def weight(n, k):
-        w = torch.randn(n, k, device=device, generator=g) * (1.0 / k ** 0.5)
-        q, s = fp8_ops.quantize_rows(w)
-        if device != "cuda":
-            q = q.float()  # the interpreter reads fp8 values from float32
-        counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor if device == "cuda" else None
-        return q, s, counters
+    def linear(n, k):
+        lin = Linear(k, n, bias=False, device=device, dtype=dt)
+        nn.init.normal_(lin.weight, std=k ** -0.5)
+        lin.quant_method = Fp8LinearMethod(online=True)
+        lin.quant_method.process_weights_after_loading(lin)
+        return lin
 
-    ws = [{"qkv": weight(qkv, h), "o": weight(h, h), "gate_up": weight(2 * inter, h), "down": weight(h, inter),
-           "n1": torch.ones(h, device=device, dtype=dt), "n2": torch.ones(h, device=device, dtype=dt)}
-          for _ in range(layers)]
-
-    def mm(x, w):
-        q, s, c = w
-        return fp8_stream_gemm(x, q, s, None, c)
+    model = nn.Module()
+    model.layers = nn.ModuleList()
+    for _ in range(layers):
+        layer = nn.Module()
+        layer.input_layernorm, layer.post_attention_layernorm = RMSNorm(h).to(device, dt), RMSNorm(h).to(device, dt)
+        layer.self_attn, layer.mlp = nn.Module(), nn.Module()
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj = linear(qkv, h), linear(h, h)
+        layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act = linear(2 * inter, h), linear(h, inter), SiluAndMul()
+        model.layers.append(layer)
+    mark_fused_producers(model)
 
     def run(x, residual):
-        for w in ws:
-            a, residual = fused_add_rms_norm(x, residual, w["n1"], 1e-5)
-            t = mm(a, w["qkv"])
-            o = mm(t[:, :h], w["o"])  # attention's place: the q part stands in for its output
-            b, residual = fused_add_rms_norm(o, residual, w["n2"], 1e-5)
-            x = mm(silu_and_mul(mm(b, w["gate_up"])), w["down"])
+        for layer in model.layers:
+            a, residual = layer.input_layernorm.forward_with_residual(x, residual)
+            t = layer.self_attn.qkv_proj(a)
+            o = layer.self_attn.o_proj(t[:, :h].contiguous())  # attention's place: q stands in for its output
+            b, residual = layer.post_attention_layernorm.forward_with_residual(o, residual)
+            x = layer.mlp.down_proj(layer.mlp.act(layer.mlp.gate_up_proj(b)))
         return x
-    return run, h, dt
+    return run, [layer.mlp.act for layer in model.layers], h, dt
+
+
+def _replays(graphs: dict, outs: dict, x0: torch.Tensor, layers: int, rec: dict, what: str) -> dict:
+    """Alternate the graphs (labels -> graph): per round a fresh input and ONE replay of each,
+    outputs compared (a PDL kernel reading before its wait would see its graph's buffers from the
+    previous input; a later replay would not), then 10 timed replays of each. Best us per layer."""
+    labels = list(graphs)
+    times = {k: [] for k in labels}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for rep in range(6):
+        x0.copy_(torch.randn(x0.shape, device=x0.device, dtype=x0.dtype))
+        for k in labels:
+            graphs[k].replay()
+        torch.cuda.synchronize()
+        for k in labels[1:]:
+            if not torch.equal(outs[k], outs[labels[0]]):
+                rec.setdefault("mismatch", {})[f"{what} {k}"] = (
+                    f"rep {rep}: max diff {(outs[k].float() - outs[labels[0]].float()).abs().max().item():.3g}")
+        for k in labels:
+            ev[0].record()
+            for _ in range(10):
+                graphs[k].replay()
+            ev[1].record()
+            torch.cuda.synchronize()
+            times[k].append(ev[0].elapsed_time(ev[1]) * 1000 / 10 / layers)
+    return {k: min(v) for k, v in times.items()}
 
 
 def _chain_part(results: dict, device: str, smoke: bool, check, planted: bool = False) -> None:
+    """The chain at 1 row (PDL off / on) and 256 rows (PDL off / on, and on without the fused SiLU
+    quantization), each variant its own graph; all variants of a row count must agree bitwise."""
     from tokenmill.layers.triton_ops import pdl
 
     layers = 2 if smoke or planted else CHAIN_LAYERS
-    run, h, dt = _chain(device, smoke, layers)
-    x0 = torch.randn(1, h, device=device, dtype=dt)
-    res0 = torch.randn(1, h, device=device, dtype=torch.float32)
-    res = res0.clone()
-
-    def body():
-        res.copy_(res0)
-        return run(x0, res)
+    run, acts, h, dt = _chain(device, smoke, layers)
     rec = results.setdefault("pdl_chain", {})
     rec["layers"] = layers
-    if device != "cuda":
-        out = body()
-        rec["eager_ok"] = bool(torch.isfinite(out).all())
-        check(rec["eager_ok"], "pdl chain (CPU, interpreter): finite output")
-        return
-    graphs, outs = {}, {}
-    for on in (False, True):
-        pdl.FORCE = on
-        for _ in range(2):
-            body()  # compile both variants outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+    for rows in ((1, 40) if smoke else (1,) if planted else (1, 256)):
+        x0 = torch.randn(rows, h, device=device, dtype=dt)
+        res0 = torch.randn(rows, h, device=device, dtype=torch.float32)
+        res = res0.clone()
+
+        def body():
+            res.copy_(res0)
+            return run(x0, res)
+        if device != "cuda":
             out = body()
-        graphs[on], outs[on] = graph, out
-    pdl.FORCE = None
-    times = {False: [], True: []}
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    for rep in range(6):
-        # A fresh input, then ONE replay of each graph compared: a PDL kernel reading before its
-        # wait would see its graph's buffers from the previous input (a later replay would not).
-        x0.copy_(torch.randn(x0.shape, device=device, dtype=dt))
-        graphs[False].replay()
-        graphs[True].replay()
-        torch.cuda.synchronize()
-        if not torch.equal(outs[True], outs[False]):
-            rec["mismatch"] = (f"rep {rep}: max diff "
-                               f"{(outs[True].float() - outs[False].float()).abs().max().item():.3g}")
-        for on in (False, True):
-            ev[0].record()
-            for _ in range(10):
-                graphs[on].replay()
-            ev[1].record()
+            rec[f"eager_ok_{rows}"] = bool(torch.isfinite(out).all())
+            check(rec[f"eager_ok_{rows}"], f"pdl chain at {rows} rows (CPU, interpreter): finite output")
+            continue
+        variants = {"pdl off": (False, True), "pdl on": (True, True)}
+        if rows > 1 and not planted:
+            variants["pdl on, silu unfused"] = (True, False)
+        graphs, outs = {}, {}
+        for label, (on, fused) in variants.items():
+            pdl.FORCE = on
+            for act in acts:
+                act.fp8_out = fused
+            for _ in range(2):
+                body()  # compile outside the capture
             torch.cuda.synchronize()
-            times[on].append(ev[0].elapsed_time(ev[1]) * 1000 / 10 / layers)
-    rec["us_per_layer_off"] = min(times[False])
-    rec["us_per_layer_on"] = min(times[True])
-    print(f"  pdl chain, batch 1, {layers} layers: {rec['us_per_layer_off']:.1f} us/layer without PDL, "
-          f"{rec['us_per_layer_on']:.1f} with (all reps: {[round(t, 1) for t in times[False]]} / "
-          f"{[round(t, 1) for t in times[True]]})", flush=True)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = body()
+            graphs[label], outs[label] = graph, out
+        pdl.FORCE = None
+        for act in acts:
+            act.fp8_out = True
+        best = _replays(graphs, outs, x0, layers, rec, f"{rows} rows")
+        rec[f"us_per_layer_{rows}"] = best
+        print(f"  chain, {rows} rows, {layers} layers, us per layer: " +
+              ", ".join(f"{k} {v:.1f}" for k, v in best.items()), flush=True)
+        del graphs, outs
+    if device != "cuda":
+        return
     if planted:
         rec["planted_race_caught"] = "mismatch" in rec
-        check("mismatch" in rec, "planted defect (no wait in any kernel): the chain check catches the race")
+        check("mismatch" in rec, f"planted defect (no wait in any kernel): the chain check catches the race "
+              f"({rec.get('mismatch')})")
     else:
-        check("mismatch" not in rec, f"pdl chain: graph replays with and without PDL bit-identical "
+        check("mismatch" not in rec, f"pdl chain: graph replays of every variant bit-identical "
               f"({rec.get('mismatch', 'yes')})")
 
 
