@@ -279,7 +279,7 @@ def pdl_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, o
             check(False, f"{piece.__name__} raised {type(exc).__name__}")
         _save(results, out, "pdl")
     rec = results.setdefault("pdl_batch1", {})
-    order = [("fp8", True), ("fp8", False), ("bf16", True)]
+    order = [("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)]  # the last if time is left
     for weights, on in order[:2] if smoke else order:
         label = f"{weights} pdl {'on' if on else 'off'}"
         _set_pdl(on)
