@@ -123,7 +123,8 @@ def _chain_part(results: dict, device: str, smoke: bool, check, planted: bool = 
     run, acts, h, dt = _chain(device, smoke, layers)
     rec = results.setdefault("pdl_chain", {})
     rec["layers"] = layers
-    for rows in ((1, 40) if smoke else (1,) if planted else (1, 256)):
+    chain_rows = tuple(int(r) for r in os.environ.get("GPU_FP8_CHAIN_ROWS", "1,256").split(",") if r)
+    for rows in ((1, 40) if smoke else (1,) if planted else chain_rows):
         x0 = torch.randn(rows, h, device=device, dtype=dt)
         res0 = torch.randn(rows, h, device=device, dtype=torch.float32)
         res = res0.clone()
@@ -280,6 +281,9 @@ def pdl_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, o
         _save(results, out, "pdl")
     rec = results.setdefault("pdl_batch1", {})
     order = [("fp8", True), ("fp8", False), ("bf16", True), ("bf16", False)]  # the last if time is left
+    only = os.environ.get("GPU_FP8_PDL_ENGINES")  # e.g. "fp8:on,fp8:off"
+    if only:
+        order = [(w, on == "on") for w, on in (item.split(":") for item in only.split(","))]
     for weights, on in order[:2] if smoke else order:
         label = f"{weights} pdl {'on' if on else 'off'}"
         _set_pdl(on)

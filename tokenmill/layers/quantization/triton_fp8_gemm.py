@@ -23,13 +23,12 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.quantization.triton_split_k import store_tile
-from tokenmill.layers.triton_ops import pdl
 
 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_am, s_bn, s_cm,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+                     DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     split = tl.num_programs(1)
@@ -52,8 +51,6 @@ def _fp8_gemm_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, 
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * s_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[:, None].to(tl.int64) * s_bn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)  # xq and its scales come from the kernel before
     for _ in range(k_lo, k_hi, BLOCK_K):
         a = tl.load(a_ptrs, mask=m_mask[:, None], other=0.0)
         b = tl.load(b_ptrs, mask=n_mask[:, None], other=0.0)
@@ -89,6 +86,5 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale:
                                      xq.stride(0), wq.stride(0), out.stride(0),
                                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m,
                                      DOT_PRECISION="ieee" if xq.dtype == torch.float32 else "tf32",
-                                     SPLIT_K=split > 1, num_warps=warps, num_stages=stages,
-                                     **pdl.launch_kwargs(xq.device))
+                                     SPLIT_K=split > 1, num_warps=warps, num_stages=stages)
     return out
