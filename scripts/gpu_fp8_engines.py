@@ -120,11 +120,14 @@ def _chain_part(results: dict, device: str, smoke: bool, check, planted: bool = 
     from tokenmill.layers.triton_ops import pdl
 
     layers = 2 if smoke or planted else CHAIN_LAYERS
+    chain_rows = tuple(int(r) for r in os.environ.get("GPU_FP8_CHAIN_ROWS", "1,256").split(",") if r)
+    row_counts = (1, 40) if smoke else (1,) if planted else chain_rows
+    if not row_counts:
+        return
     run, acts, h, dt = _chain(device, smoke, layers)
     rec = results.setdefault("pdl_chain", {})
     rec["layers"] = layers
-    chain_rows = tuple(int(r) for r in os.environ.get("GPU_FP8_CHAIN_ROWS", "1,256").split(",") if r)
-    for rows in ((1, 40) if smoke else (1,) if planted else chain_rows):
+    for rows in row_counts:
         x0 = torch.randn(rows, h, device=device, dtype=dt)
         res0 = torch.randn(rows, h, device=device, dtype=torch.float32)
         res = res0.clone()
