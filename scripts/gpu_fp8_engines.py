@@ -247,7 +247,9 @@ def _engine(config_dir, shape, smoke: bool, label: str, **kwargs):
 
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     start = time.perf_counter()
-    llm = LLM(config_dir(shape), load_format="dummy", dtype="bfloat16", max_model_len=4096, disable_log_stats=True,
+    # max_model_len as gpu_quant.py's engine parts (16k prompts + 272), so the figures compare with theirs
+    llm = LLM(config_dir(shape), load_format="dummy", dtype="bfloat16", max_model_len=(1024 if smoke else 16384) + 272,
+              disable_log_stats=True,
               enable_prefix_caching=False, **kwargs, **extra)
     up = time.perf_counter() - start
     print(f"  {label}: engine up in {up:.0f} s, {llm.kv_cache_stats()['num_blocks']} KV blocks", flush=True)
