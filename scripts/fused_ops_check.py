@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tokenmill.benchmarks.graph_timing import graph_us  # noqa: E402
 from tokenmill.config import RopeConfig  # noqa: E402
 from tokenmill.layers import triton_ops  # noqa: E402
 from tokenmill.layers.activation import SiluAndMul  # noqa: E402
@@ -244,24 +245,7 @@ def graph_replay(model: str = "llama3.2-1b", tokens: int = 64, dtype: torch.dtyp
 
 def time_graph(fn: Callable[[], object], calls: int = GRAPH_CALLS, replays: int = 5) -> float:
     """µs per call of `fn`, from replays of one CUDA graph holding `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * calls)
+    return graph_us(fn, calls=calls, replays=replays, warmup=2)
 
 
 def op_bodies(inp: Inputs, dtype: torch.dtype) -> dict[str, Callable[[], object]]:

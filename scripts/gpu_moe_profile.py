@@ -237,22 +237,8 @@ def _graph_time(fn, device: str, reps: int) -> float:
         start = time.perf_counter()
         fn()
         return time.perf_counter() - start
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(reps):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / (reps * 10)
+    from tokenmill.benchmarks.graph_timing import graph_us
+    return graph_us(fn, calls=10, replays=reps, warmup=1) * 1e-6
 
 
 SWEEP_TILES = {  # (block_m, block_n, block_k, num_warps, num_stages); down uses the same n/k; likeliest first

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from tokenmill.benchmarks.graph_timing import graph_us  # noqa: E402
 from tokenmill.layers.attention.backend import kv_cache_shape  # noqa: E402
 from tokenmill.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
@@ -142,24 +143,8 @@ def correctness() -> list[dict]:
 # ---------------------------------------------------------------- (b) timings
 
 def time_graph(fn, iters: int = 20) -> float:
-    """Microseconds per call of `fn`, captured once in a CUDA graph and replayed."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    """Microseconds per call of `fn`, captured once in a CUDA graph and replayed `iters` times."""
+    return graph_us(fn, calls=1, replays=iters, warmup=3)
 
 
 def time_eager(fn, iters: int = 5) -> float:
