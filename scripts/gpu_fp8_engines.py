@@ -191,32 +191,13 @@ def plant_part(results: dict, device: str, smoke: bool, check) -> None:
     _chain_part(results, device, smoke, check, planted=True)
 
 
-def _graph_us(fn, reps: int = 20) -> float:
-    """Microseconds per call of fn, replayed from a CUDA graph of `reps` calls (the best of 3)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    best = float("inf")
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    for _ in range(3):
-        ev[0].record()
-        graph.replay()
-        ev[1].record()
-        torch.cuda.synchronize()
-        best = min(best, ev[0].elapsed_time(ev[1]) * 1000 / reps)
-    return best
-
-
 def silu_quant_part(results: dict, device: str, smoke: bool, check) -> None:
     """SiLU-and-mul + per-token fp8 quantization of down_proj's input: the two kernels the engine
     ran before against `triton_fp8_fused.silu_and_mul_quant` (same values and codes, checked)."""
     from tokenmill.layers.quantization import fp8_ops
     from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
     from tokenmill.layers.quantization.triton_fp8_fused import silu_and_mul_quant
+    from tokenmill.benchmarks.graph_timing import graph_us
     from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
 
     d = SMOKE_CHAIN["inter"] if smoke else 14336
@@ -236,8 +217,9 @@ def silu_quant_part(results: dict, device: str, smoke: bool, check) -> None:
         def two():
             y = silu_and_mul(x)
             return quantize_row_groups(y, d)
-        rec[str(m)] = {"silu": _graph_us(lambda: silu_and_mul(x)), "silu+quant": _graph_us(two),
-                       "fused": _graph_us(lambda: silu_and_mul_quant(x))}
+        rec[str(m)] = {"silu": graph_us(lambda: silu_and_mul(x), calls=20),
+                       "silu+quant": graph_us(two, calls=20),
+                       "fused": graph_us(lambda: silu_and_mul_quant(x), calls=20)}
         print(f"  silu+quant at {m} rows: silu {rec[str(m)]['silu']:.1f} us, silu then quant "
               f"{rec[str(m)]['silu+quant']:.1f}, fused {rec[str(m)]['fused']:.1f}", flush=True)
 
