@@ -15,7 +15,8 @@
 - `pdlplant`: the chain check against a planted race (every kernel's wait removed): it must fail.
 - `fp8engines`: the goal figures in one process, every engine warmed on the workload first:
   bf16, fp8 weights, fp8 weights + fp8 KV cache at 256x256x128 and 1000x512x256, batch 1 (bf16
-  and fp8). The engines are built one after the other, each shut down before the next.
+  and fp8). The engines are built one after the other, each shut down before the next;
+  GPU_FP8_ENGINES=bf16,fp8 leaves fp8kv out.
 
 Each engine's figures are written to $OUT/part-<name>-partial.json as they come, so a run cut
 by its time limit still leaves what it measured.
@@ -304,7 +305,10 @@ def engines_part(results: dict, device: str, smoke: bool, shape: dict, config_di
                  ms_per_token) -> None:
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     timings = results.setdefault("timings", {})
+    only = os.environ.get("GPU_FP8_ENGINES")  # e.g. "bf16,fp8" (a shorter run without fp8kv)
     for label, kwargs, workloads in FP8_ENGINES:
+        if only and label not in only.split(","):
+            continue
         llm, up = _engine(config_dir, shape, smoke, label, **kwargs)
         rec = timings.setdefault(label, {"kv_blocks": llm.kv_cache_stats()["num_blocks"], "engine_up_s": up})
         for w in workloads:
