@@ -210,8 +210,10 @@ def tiny_families(results: dict) -> None:
 
 
 def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_len: int, baseline: bool,
-          extra: list[str] = (), run: str = "") -> None:
-    """`run`: a suffix that tells repeated runs of the same bench apart (records and keys)."""
+          extra: list[str] = (), run: str = "", timeout_s: float | None = None) -> None:
+    """`run`: a suffix that tells repeated runs of the same bench apart (records and keys).
+    `timeout_s`: past it the run and every process it started (its session) are killed, and its
+    record says so (a hung engine must not hold the GPUs for the runs after it)."""
     path = config_dir(shape)
     extra = [e.replace('"SAME"', json.dumps(path)) for e in extra]
     if "--speculative-config" in extra:  # the JSON holds a path: name the record by the method
@@ -227,11 +229,12 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
     if baseline:
         argv += ["--baseline", "hf"]
     start = time.perf_counter()
-    proc = subprocess.run(argv, cwd=REPO, env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    proc = run_killable(argv, env, timeout_s)
     lines = [ln for ln in proc.stdout.splitlines() if not ln.startswith("{")]
     print("\n".join(lines[-30:]))
     if proc.returncode != 0:
-        print(proc.stderr[-3000:])
+        print(proc.stderr[-(12000 if proc.returncode == 124 else 3000):])
     key = f"bench_{shape}_{num_prompts}x{input_len}x{output_len}{tag}"
     if proc.returncode == 0 and os.path.exists(record):
         with open(record) as f:
@@ -241,6 +244,54 @@ def bench(results: dict, shape: str, num_prompts: int, input_len: int, output_le
     else:
         results[key] = {"error": proc.stderr[-2000:]}
     print(f"[{key} took {time.perf_counter() - start:.0f} s]")
+
+
+def run_killable(argv: list[str], env: dict, timeout_s: float | None) -> subprocess.CompletedProcess:
+    """`subprocess.run` in a session of its own: on timeout every process of the session (the
+    engine's core and workers too) first prints its threads' stacks (SIGABRT with Python's
+    faulthandler on: where a hang sits), then is killed; returncode 124 and a note in stderr."""
+    import signal
+    env = {**env, "PYTHONFAULTHANDLER": "1"}
+    import resource
+
+    def no_core_files() -> None:  # an aborted engine must not write a core file of its mappings
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=no_core_files)
+    LIVE.add(proc.pid)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=3)
+        except subprocess.TimeoutExpired:
+            out, err = "", ""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the session is left (workers)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        time.sleep(2)  # the killed workers' GPU memory is released
+        return subprocess.CompletedProcess(argv, 124, out or "", (err or "") + f"\nTIMEOUT: killed after {timeout_s:.0f} s")
+    finally:
+        LIVE.discard(proc.pid)
+
+
+LIVE: set[int] = set()  # sessions of runs under way (`kill_live` ends them when the script is stopped)
+
+
+def kill_live(*_args) -> None:
+    """Kill every run's session still under way, then exit (a SIGTERM / SIGINT handler)."""
+    import signal
+    for pid in list(LIVE):
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    raise SystemExit(124)
 
 
 def spec_ab(results: dict, shape: str, num_prompts: int, rounds: int, spec: dict, tag: str) -> None:

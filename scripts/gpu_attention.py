@@ -67,8 +67,11 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
     "lookup_blocks": [True, False],  # one block-table read per cache block in unmasked tiles
     "fp8_pv_dot": [True, False],  # fp8 caches only: p @ v as two fp8 dots, values unconverted
     "decode_min_rows": [64, 16],  # query rows of a decode tile (16: mma.sync; 64: Hopper's wgmma)
+    "early_v_load": [True, False],  # each tile's V rows loaded with its K rows (twice the bytes in flight)
+    "fp8_convert_on_load": [True, False],  # fp8 caches only: K/V to float16 where they load
+    "table_prefetch": [True, False],  # block-table lookups one tile ahead in the unmasked walk
 }
-FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot")
+FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot", "fp8_convert_on_load")
 # --variants: named launches tried per case (on top of the default plan), in order of interest,
 # ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
 _QKPV = {"fp8_qk_dot": True, "fp8_pv_dot": True}
@@ -80,12 +83,32 @@ _F8 = [{**_QKPV, "num_stages": 3, "decode_warps": 4}, {**_QKPV, "num_stages": 2,
        {**_QKPV, "num_stages": 3, "decode_warps": 4, "block_n": 64}, {"fp8_pv_dot": True, "num_stages": 2, "decode_warps": 4},
        {**_QKPV, "num_stages": 4, "decode_warps": 4}]
 _F8_SPLIT = [{**_QKPV, "num_stages": 3}, {**_QKPV, "num_stages": 2}, {"num_stages": 3}, {"num_stages": 4, "block_n": 64}]
+# Session of 2026-11-26 (fourth). Compiled offline for sm_90 (triton 3.9), every fp8 launch reads its V
+# tile back from shared memory ONE BYTE PER LOAD (256 LDS.U8 per thread per 128-key tile): the compiler
+# moves the fp8 -> float16 conversion after the layout change the p @ v dot needs, and an 8-bit tile
+# cannot be transposed by ldmatrix. fp8_convert_on_load pins the conversion where the tile loads (no
+# LDS.U8, ldmatrix.trans on float16, 222 registers and no spill at 2 warps against 255 + 272 bytes of
+# stack). The sweeps before also say a decode program is bound by round trips at batch 1 (1 to 16
+# shares: 375 -> 33 us; stages 1-4: 25.9-23.9 us): V loaded with K (early_v_load), the table looked
+# up one tile ahead (table_prefetch), one stage (little shared memory) with more shares.
+# The fp8 defaults now convert on load; "previous defaults" is the launch before (timed beside it).
+_NOCVT, _EARLY, _PRE = {"fp8_convert_on_load": False}, {"early_v_load": True}, {"table_prefetch": True}
+_EP = {**_EARLY, **_PRE}
+_F8_IO = [{"decode_warps": 4}, _EP, {**_EP, "decode_warps": 4}, {"num_stages": 2, "decode_warps": 4},
+          {"block_n": 64, "decode_warps": 4}, {**_NOCVT, **_EP}]
+_F8_SPLIT_IO = [_EP, {"num_stages": 2}, {**_EP, "num_stages": 1}, {"kv_splits": 64},
+                {**_EP, "num_stages": 1, "kv_splits": 64}, {**_NOCVT, **_EP}, {"num_stages": 3}]
+VARIANTS_IO = {("1x16384", "fp8"): _F8_SPLIT_IO, ("256x640", "fp8"): _F8_IO, ("256x128", "fp8"): _F8_IO[:4],
+               ("256x2048", "fp8"): _F8_IO[:4],
+               ("1x16384", "bf16"): [_EP, {**_EP, "num_stages": 1, "kv_splits": 64}],
+               ("256x640", "bf16"): [_EP],
+               ("1x150", "bf16"): [_EP], ("1x150", "fp8"): [_EP, {**_NOCVT, **_EP}]}
 VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
             ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
             ("1x150", "bf16"): [{"decode_min_rows": 64, "block_n": 16}],
             ("1x150", "fp8"): [{"decode_min_rows": 64, "num_stages": 2}]}
-# The decode defaults before the FP8-streaming work (launch fields only; the split rule is the same).
+# The decode defaults before this session's work (fp8: conversion after the layout change).
 PREVIOUS_DEFAULTS = TritonAttentionConfig(
     decode_tiles=DecodeTiles(128, 4, 2), split_decode_tiles=None, fp8_decode_tiles=DecodeTiles(128, 2, 1),
     fp8_split_decode_tiles=DecodeTiles(128, 4, 4), lookup_blocks=False, fp8_qk_dot=False, fp8_pv_dot=False)
@@ -231,7 +254,9 @@ def time_parts(backend, case: Case, dev, plan: dict) -> dict:
                 block_q=plan["block_q"], block_n=plan["block_n"], num_splits=plan["kv_splits"],
                 max_splits=1 << max(plan["kv_splits"] - 1, 0).bit_length(), num_warps=plan["decode_warps"],
                 num_stages=plan["num_stages"], interior=plan["interior"], lookup_blocks=plan["lookup_blocks"],
-                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], k_scale=backend.k_scale, v_scale=backend.v_scale)
+                fp8_qk_dot=plan["fp8_qk_dot"], fp8_pv_dot=plan["fp8_pv_dot"], early_v_load=plan["early_v_load"],
+                fp8_convert_on_load=plan["fp8_convert_on_load"], table_prefetch=plan["table_prefetch"],
+                k_scale=backend.k_scale, v_scale=backend.v_scale)
     n = len(case.caches)
     return {"write_us": time_us(write, dev) / n, "attend_us": time_us(attend, dev) / n}
 
@@ -258,10 +283,15 @@ def time_layers(backend, case: Case, dev) -> float:
 def launch_config(cand: dict) -> TritonAttentionConfig:
     """The backend's config that makes a decode launch `cand`, over either cache dtype."""
     tiles = DecodeTiles(block_n=cand["block_n"], warps=cand["decode_warps"], stages=cand["num_stages"],
-                        min_rows=cand.get("decode_min_rows", 16))
+                        min_rows=cand.get("decode_min_rows", 16), early_v_load=cand.get("early_v_load", False),
+                        table_prefetch=cand.get("table_prefetch", False),
+                        fp8_convert_on_load=cand.get("fp8_convert_on_load", False))
     return TritonAttentionConfig(
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], fp8_qk_dot=cand["fp8_qk_dot"],
-        fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"], decode_tiles=tiles,
+        fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"],
+        early_v_load=cand.get("early_v_load", False), fp8_convert_on_load=cand.get("fp8_convert_on_load", False),
+        table_prefetch=cand.get("table_prefetch", False),
+        decode_tiles=tiles,
         split_decode_tiles=tiles, fp8_decode_tiles=tiles, fp8_split_decode_tiles=tiles)
 
 
@@ -272,7 +302,8 @@ def before_launch(case: Case, heads, sm_count: int) -> dict:
     splits = 1 if programs >= 2 * sm_count else max(1, min(-(-2 * sm_count // programs),
                                                              max(case.meta.max_seq_len // 256, 1), 32))
     return {"interior": False, "num_stages": 2, "block_n": 64, "kv_splits": splits, "decode_warps": 4,
-            "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "decode_min_rows": 16}
+            "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "decode_min_rows": 16,
+            "early_v_load": False, "fp8_convert_on_load": False, "table_prefetch": False}
 
 
 def plan_of(backend, case: Case, sm_count: int) -> dict:
@@ -282,6 +313,7 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
                     case.meta.max_seq_len, sm_count, fp8)
     return {"interior": backend.config.interior, "lookup_blocks": backend.config.lookup_blocks,
             "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
+            "early_v_load": p.early_v_load, "fp8_convert_on_load": p.fp8_convert_on_load, "table_prefetch": p.table_prefetch,
             "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
@@ -438,7 +470,53 @@ def save(records: list[dict], device: str, sm_count: int, copy_bps: float, read_
     return ok
 
 
+def _precompile_calls(shapes: list[str], kinds: list[str], table: dict | None, sm_count: int,
+                      dev: torch.device = torch.device("cuda")) -> list:
+    """One small call per launch a run will time (each case's default and its variants), with the
+    constexprs of the real case (heads, block size, tiles, splits, options): the kernels compile in
+    Triton's disk cache, which the timed run then reads."""
+    calls = []
+    for shape in shapes:
+        rows = int(shape.split("x")[0])
+        if "+" in shape:
+            continue
+        for kind in kinds:
+            kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kind]
+
+            def small(rows=rows, kv_dtype=kv_dtype):
+                return make_case(rows, 64, LLAMA8B, torch.bfloat16 if dev.type == "cuda" else torch.float16, kv_dtype,
+                                 dev, MAX_MODEL_LEN)
+            base = make_backend(LLAMA8B, kv_dtype)
+            calls.append((f"{shape} {kind} default", lambda small=small, base=base: _run_small(base, small())))
+            prev = make_backend(LLAMA8B, kv_dtype, PREVIOUS_DEFAULTS)
+            calls.append((f"{shape} {kind} previous", lambda small=small, prev=prev: _run_small(prev, small())))
+            for override in (table or {}).get((shape, kind), []):
+                def call(small=small, kv_dtype=kv_dtype, override=override):
+                    case = small()
+                    p = plan_of(make_backend(LLAMA8B, kv_dtype), case, sm_count)
+                    cand = dict({k: v for k, v in p.items() if k in SWEEP}, **override)
+                    _run_small(make_backend(LLAMA8B, kv_dtype, launch_config(cand)), case)
+                calls.append((f"{shape} {kind} {override}", call))
+    return calls
+
+
+def _run_small(backend, case: Case) -> None:
+    if case.q.is_cuda:
+        backend._sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    backend.forward(case.q, case.k, case.v, case.caches[0], case.meta)
+
+
+PRECOMPILE_ENV = "GPU_ATTENTION_PRECOMPILE"  # JSON: shapes, kinds, io (for the --precompile children)
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--precompile":  # a child of the parallel compile
+        import triton_precompile
+        spec = json.loads(os.environ[PRECOMPILE_ENV])
+        sm = torch.cuda.get_device_properties(0).multi_processor_count
+        triton_precompile.compile_shard(_precompile_calls(spec["shapes"], spec["kinds"], VARIANTS_IO if spec["io"] else
+                                                          VARIANTS if spec["variants"] else None, sm), sys.argv[2])
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--shapes", default=None, help="comma-separated ROWSxCONTEXT (default: %s)" % ",".join(SHAPES))
@@ -446,8 +524,12 @@ def main() -> None:
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--variants", action="store_true",
                     help="time the named launches of VARIANTS per case first (every shape gets a share)")
+    ap.add_argument("--io-variants", action="store_true",
+                    help="as --variants, with VARIANTS_IO (the fp8 conversion and load-order launches)")
     ap.add_argument("--no-before", action="store_true", help="skip the launches of before the tuning work")
-    ap.add_argument("--kv", default="bf16,fp8", help="cache dtypes: bf16,fp8")
+    ap.add_argument("--precompile-shards", type=int, default=0,
+                    help="compile the default and variant launches in this many processes first (0: off)")
+    ap.add_argument("--kv", default="bf16,fp8", help="cache dtypes: bf16,fp8,fp8_e5m2")
     ap.add_argument("--sweep-all", action="store_true", help="sweep every shape, not only 256x640 and 1x16384")
     args = ap.parse_args()
     start = time.perf_counter()
@@ -459,10 +541,13 @@ def main() -> None:
     dtypes = ([(torch.float32, torch.float32), (torch.float16, torch.float8_e4m3fn)] if smoke else
               [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float8_e4m3fn)])
     dtypes = [d for d, kind in zip(dtypes, ("bf16", "fp8")) if kind in args.kv.split(",")]
+    if "fp8_e5m2" in args.kv.split(","):  # the e5m2 conversion (timed and checked like e4m3's)
+        dtypes.append((torch.float16 if smoke else torch.bfloat16, torch.float8_e5m2))
     # Smoke: the interpreter mis-rounds float -> fp8, so the fp8 query terms are not checked there.
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
               "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [],
-              "decode_min_rows": [64]}
+              "decode_min_rows": [64], "early_v_load": [True], "fp8_convert_on_load": [True],
+              "table_prefetch": [True]}
              if smoke else SWEEP)
     if smoke:
         args.sweep_all = True
@@ -476,6 +561,12 @@ def main() -> None:
     print(f"device {name}, {sm_count} SMs; copy bandwidth {copy_bps / 1e9:.0f} GB/s (read + write), "
           f"read bandwidth {read_bps / 1e9:.0f} GB/s", flush=True)
 
+    if dev.type == "cuda" and args.precompile_shards > 0:  # the kernels compile in parallel processes
+        import triton_precompile
+        os.environ[PRECOMPILE_ENV] = json.dumps({"shapes": shapes, "kinds": args.kv.split(","), "io": args.io_variants,
+                                                 "variants": args.variants})
+        triton_precompile.compile_in_processes(__file__, "--precompile", args.precompile_shards,
+                                               min(40.0, args.budget / 2), "attention launches")
     records = [check_fused_fp8_write(dev)]
     # Each case gets an equal share of what is left of the budget for its sweep.
     cases = [(s, qd, kd) for s in shapes for qd, kd in dtypes]
@@ -483,16 +574,23 @@ def main() -> None:
         rows, rest = shape.split("x")
         context, _, prefill = rest.partition("+")
         left = args.budget - (time.perf_counter() - start)
-        if args.variants:  # a share per launch to try
+        table = VARIANTS_IO if args.io_variants else VARIANTS
+        if args.variants or args.io_variants:  # a share per launch to try
             kinds = ["fp8" if c[2] != torch.bfloat16 and c[2] != torch.float32 else "bf16" for c in cases[i:]]
-            weights = [1 + len(VARIANTS.get((c[0], k), [])) for c, k in zip(cases[i:], kinds)]
+            weights = [1 + len(table.get((c[0], k), [])) for c, k in zip(cases[i:], kinds)]
         else:
             weights = [WEIGHT.get(c[0], int(args.sweep_all)) for c in cases[i:]]
         deadline = time.perf_counter() + max(left, 0) * weights[0] / max(sum(weights), 1)
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
                          prefill=int(prefill or 0))
-        records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps,
-                                variants=VARIANTS if args.variants else None, with_before=not args.no_before))
+        try:
+            records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps,
+                                    variants=table if args.variants or args.io_variants else None,
+                                    with_before=not args.no_before))
+        except Exception as e:  # noqa: BLE001 - a launch that does not compile: recorded, the other cases go on
+            print(f"  {case.name} {case.kv_dtype}: {type(e).__name__}: {str(e)[:400]}", flush=True)
+            records.append({"case": case.name, "kv": str(case.kv_dtype).split(".")[-1], "ok": False,
+                            "error": f"{type(e).__name__}: {str(e)[:400]}"})
         save(records, name, sm_count, copy_bps, read_bps, start)  # after every case: a run cut short keeps what it has
         del case
         if dev.type == "cuda":
@@ -501,7 +599,7 @@ def main() -> None:
     print("\n| case | KV | before us | previous us | default us | % copy / read | best us | % copy / read | best launch |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in records:
-        if "case" not in r:
+        if "case" not in r or "error" in r:
             continue
         before = f"{r['before_us']:.1f}" if "before_us" in r else "-"
         prev = f"{r['previous_us']:.1f}" if "previous_us" in r else "-"
@@ -510,11 +608,12 @@ def main() -> None:
               f"{100 * r['best_of_read']:.0f} | {r['best']} |")
     by_case = {}
     for r in records:
-        if "case" in r:
+        if "case" in r and "error" not in r:
             by_case.setdefault(r["case"], {})[r["kv"]] = r
     for c, rs in by_case.items():
-        if len(rs) == 2:
-            (a, ra), (b, rb) = rs.items()
+        base_kind = "bfloat16" if "bfloat16" in rs else "float32"
+        for b, rb in ((k, r) for k, r in rs.items() if k != base_kind and base_kind in rs):
+            a, ra = base_kind, rs[base_kind]
             prev = (f"previous defaults {rb['previous_us'] / ra['previous_us']:.2f}, "
                     if "previous_us" in ra and "previous_us" in rb else "")
             print(f"  {c}: {b} / {a} time, {prev}default launch {rb['us'] / ra['us']:.2f}, "

@@ -12,6 +12,11 @@ It prints, per section, each linear's best variants, the layer's four linears at
 the table lines for `triton_int4_prefetch_gemv.TABLE` / `stream_tiles.INT4_SWAP`.
 Compiling is most of the time: every variant compiles first in parallel processes.
 INT4_SWEEP_SPLITS=wide tries 4x and 8x more K slices on the winners' bases.
+INT4_SWEEP_SET=stream (one row): the table's launch per shape with what changes its access pattern
+(STAGGER, L1 prefetch of the tiles ahead, cp.async stages, an unrolled loop, PDL, split x2 / /2,
+arithmetic MODE 6: mode 3 with the rows summed before offsets, zeros and scales),
+the read probes of `int4_read_probe` (the pattern's ceiling without arithmetic; a flat layout's),
+and chains behind an elementwise kernel (PDL on / off; a PDL run checked in a replayed graph).
 INT4_SWEEP_BUDGET_S caps the timing loop (default 80 s after compiling); INT4_SWEEP_ROWS the row
 counts (default 1,256,64,1024, in that order: what the budget leaves out is the last).
 """
@@ -67,10 +72,38 @@ def gemv_splits(panels: int, k: int, block_k: int, sms: int, warps: int = 4, pan
     return [c for c in cands if tiles % c == 0 and c * panel_width <= 8192]  # the last program's sum
 
 
+def stream_variants(n: int, k: int, smoke: bool) -> list:
+    """INT4_SWEEP_SET=stream: the table's launch for this shape (or a small one under --smoke)
+    with what changes its access pattern: STAGGER (slices rotated per panel), PDL, deeper
+    prefetch or cp.async stages, twice / half the K slices."""
+    from dataclasses import replace
+
+    from tokenmill.layers.quantization import triton_int4_prefetch_gemv as pf
+
+    base = pf.PrefetchGemv(32, 3, 32, 2, 1, 1) if smoke else pf.TABLE.get((n, k))
+    if base is None:
+        return []
+    tiles = k // base.block_k
+    base = replace(base, prefetch=1)
+    vs = [base, replace(base, stagger=0), replace(base, stagger=1), replace(base, l1_ahead=0), replace(base, pdl=True),
+          replace(base, stagger=1, pdl=True),
+          replace(base, l1_ahead=3), replace(base, l1_ahead=3, stagger=1), replace(base, l1_ahead=5, stagger=1),
+          replace(base, prefetch=0, stages=4, stagger=1), replace(base, prefetch=0, stages=6, stagger=1),
+          replace(base, prefetch=-2, stagger=1), replace(base, mode=6), replace(base, mode=6, stagger=1),
+          replace(base, mode=6, l1_ahead=0)]
+    if tiles % (2 * base.split) == 0 and 2 * base.split * base.panel <= 8192:
+        vs.append(replace(base, split=2 * base.split, stagger=1, l1_ahead=3))
+    if base.split >= 2:
+        vs.append(replace(base, split=base.split // 2, stagger=1, l1_ahead=3))
+    return [v for v in dict.fromkeys(vs) if pf.fits(n, k, SMOKE_GROUP if smoke else GROUP, v)]
+
+
 def gemv_variants(shapes: dict, smoke: bool, sms: int):
     """{shape name: [PrefetchGemv]}."""
     from tokenmill.layers.quantization.triton_int4_prefetch_gemv import PrefetchGemv
 
+    if os.environ.get("INT4_SWEEP_SET") == "stream":
+        return {name: stream_variants(n, k, smoke) for name, (n, k) in shapes.items()}
     out = {}
     for name, (n, k) in shapes.items():
         vs = []
@@ -103,6 +136,21 @@ def fused_variants(smoke: bool):
             (256, 128, 64, 8, 4, 1, 1), (256, 128, 64, 8, 3, 0, 1), (64, 128, 64, 4, 3, 1, 1)]
 
 
+def probe_variants(n: int, k: int, smoke: bool) -> list[tuple]:
+    """(block_k, split, stages, stagger, warps) of the panel read probe (`int4_read_probe`) at the
+    table's panel and grid for this shape: no pipelining, 3 and 5 cp.async stages, staggered."""
+    from tokenmill.layers.quantization import triton_int4_prefetch_gemv as pf
+
+    base = pf.PrefetchGemv(32, 3, 32, 2, 1, 1) if smoke else pf.TABLE.get((n, k))
+    if base is None:
+        return []
+    b = (base.block_k, base.split)
+    return [(*b, 1, 0, base.warps), (*b, 3, 0, base.warps), (*b, 3, 1, base.warps), (*b, 5, 1, base.warps)]
+
+
+FLAT_PROBES = ((1056, 2048, 4, 4), (264, 4096, 4, 8))  # (programs, block, stages, warps): 8 and 2 per SM
+
+
 def _compile_calls(device: str, smoke: bool):
     """One small call per compiled variant (the same specializations: sizes multiples of 16)."""
     from tokenmill.layers.quantization import int4_packing as packing
@@ -130,6 +178,20 @@ def _compile_calls(device: str, smoke: bool):
                 panels[c.panel] = packing.to_panels(wt.qweight, c.panel)
             calls.append((f"gemv {c.label()}", lambda c=c: prefetch_gemv(
                 x1, panels[c.panel], wt.scales, wt.zeros, group, c, counters)))
+    import int4_read_probe as probe
+
+    for name, (pn, pk) in shapes.items():
+        for v in probe_variants(pn, pk, smoke):
+            panel = pf_table_panel(pn, pk, smoke)
+            qpp = torch.zeros((2, k // 8, panel), dtype=torch.int32, device=device)
+            calls.append((f"probe {v}", lambda v=v, qpp=qpp: probe.panel_probe(qpp, *v)))
+    x1c = torch.randn(1, k, device=device, dtype=dt)
+    calls += [("copy", lambda: probe.copy_ahead(x1c, False)), ("copy trigger", lambda: probe.copy_ahead(x1c, True))]
+    for v in FLAT_PROBES:
+        calls.append((f"flat probe {v}", lambda v=v: probe.flat_probe(wt.qweight, v[0], v[1] if not smoke else 64,
+                                                                       v[2], v[3])))
+    if os.environ.get("INT4_SWEEP_ROWS", "1,256,64,1024") == "1":
+        return calls
     x = torch.randn(80, k, device=device, dtype=dt)
     qp = packing.to_panels(wt.qweight, 128)
     for v in swap_variants(smoke):
@@ -142,6 +204,12 @@ def _compile_calls(device: str, smoke: bool):
     except ImportError:
         pass
     return calls
+
+
+def pf_table_panel(n: int, k: int, smoke: bool) -> int:
+    from tokenmill.layers.quantization import triton_int4_prefetch_gemv as pf
+
+    return 32 if smoke else pf.TABLE[(n, k)].panel
 
 
 def precompile_shard(shard: str) -> None:
@@ -162,6 +230,73 @@ def _copy_bandwidth(device: str, time_ms) -> float:
     b = torch.empty_like(a)
     ms = time_ms(lambda: b.copy_(a), device, reps=5)
     return 2 * a.numel() / (ms / 1000)
+
+
+def _probes_and_chain(name, n, k, wt, x, group, counters, smoke, note, r, check, cycled, deadline) -> None:
+    """One row, after the GEMV variants: the read probes (the access pattern's own ceiling) and the
+    engine's launch for this shape in a chain behind an elementwise kernel (as in a forward, where
+    a norm or an activation writes x), with and without PDL."""
+    from dataclasses import replace
+
+    import int4_read_probe as probe
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import triton_int4_prefetch_gemv as pf
+
+    panel = pf_table_panel(n, k, smoke)
+    qp = packing.to_panels(wt.qweight, panel)
+    cyc = cycled([qp])
+    for v in probe_variants(n, k, smoke):
+        if time.perf_counter() > deadline:
+            return
+        label = "probe k{} s{} st{} rot{} w{}".format(*v)
+        try:
+            ok = torch.equal(probe.panel_probe(qp, *v), probe.panel_probe_reference(qp, v[1]))
+            check(ok, f"int4 read probe {name} {label}")
+            if ok:
+                note(label, lambda v=v: probe.panel_probe(cyc()[0], *v))
+        except Exception as e:  # noqa: BLE001
+            check(False, f"int4 read probe {name} {label}: {type(e).__name__}: {str(e)[:300]}")
+    for v in FLAT_PROBES:
+        v = (v[0], v[1] if not smoke else 64, v[2], v[3])
+        label = "flat probe p{} b{} st{} w{}".format(*v)
+        try:
+            ok = torch.equal(probe.flat_probe(qp, *v), probe.flat_probe_reference(qp, v[0], v[1]))
+            check(ok, f"int4 read probe {name} {label}")
+            if ok:
+                note(label, lambda v=v: probe.flat_probe(cyc()[0], *v))
+        except Exception as e:  # noqa: BLE001
+            check(False, f"int4 read probe {name} {label}: {type(e).__name__}: {str(e)[:300]}")
+    base = pf.PrefetchGemv(32, 3, 32, 2, 1, 1) if smoke else pf.TABLE.get((n, k))
+    if base is None:
+        return
+    wcyc = cycled([qp, wt.scales, wt.zeros])
+    for c in (base, replace(base, pdl=True)):
+        if time.perf_counter() > deadline:
+            return
+        # x + 0.0: an elementwise kernel that writes the GEMV's input, as the norm / activation does
+        note(f"chain {c.label()}", lambda c=c: pf.prefetch_gemv(x + 0.0, *wcyc(), group, c, counters))
+    note("chain elementwise alone", lambda: x + 0.0)
+    if x.is_cuda:  # PDL is only safe if the wait sits before every read of x: replayed back to back, checked
+        c = replace(base, pdl=True)
+        ref_w = packing.dequantize(wt, group, torch.float32)
+        xs = [torch.randn_like(x) for _ in range(4)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [pf.prefetch_gemv(probe.copy_ahead(xi, True), qp, wt.scales, wt.zeros, group, c, counters)
+                    for xi in xs]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        errs = [_rel(o, xi.float() @ ref_w) for o, xi in zip(outs, xs)]
+        check(max(errs) < 1e-2 and not counters.any(), f"int4 GEMV {name} with PDL in a graph, behind a "
+                                                       f"triggering kernel: rel errs {max(errs):.1e}")
+        del graph, outs
+    # a Triton copy ahead instead, without and with the early trigger a norm could add
+    for c, trig in ((base, False), (replace(base, pdl=True), False), (replace(base, pdl=True), True)):
+        if time.perf_counter() > deadline:
+            return
+        note(f"chain copy{' trigger' if trig else ''} {c.label()}",
+             lambda c=c, trig=trig: pf.prefetch_gemv(probe.copy_ahead(x, trig), *wcyc(), group, c, counters))
 
 
 def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
@@ -193,6 +328,11 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
         rec["copy_GBps"] = copy_bps / 1e9
         print(f"  copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write)", flush=True)
     variants = gemv_variants(shapes, smoke, sms)
+    if os.environ.get("INT4_SWEEP_SET") == "stream":
+        from tokenmill.layers.quantization.triton_panels import pdl_supported
+        rec["pdl_supported"] = pdl_supported(torch.device(device))
+        print(f"  PDL launches supported here: {rec['pdl_supported']} (else the 'pdl' variants launch plainly)",
+              flush=True)
     best: dict = {}  # (section, name) -> (ms, label, variant)
     rows_list = tuple(int(r) for r in os.environ.get("INT4_SWEEP_ROWS", "1,256,64,1024" if cuda else "1,16").split(","))
     # rows outside, linears inside: one row for all four linears first (what the budget must cover)
@@ -245,6 +385,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
                     except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
                         check(False, f"int4 GEMV {name} {c.label()}: {type(e).__name__}: {str(e)[:300]}")
                 del panels
+                _probes_and_chain(name, n, k, wt, x, group, counters, smoke, note, r, check, cycled,
+                                  one_row_deadline)
             else:
                 if m >= 64:
                     note("dequant + mm", lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, group, dt))
@@ -267,6 +409,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
             print(f"  {sec} {name} {n}x{k}: bf16 {r.get('bf16', 0) * 1000:.1f} us, engine {r.get('engine', 0) * 1000:.1f}"
                   f"{frac(r['engine']) if 'engine' in r else ''}; best: " +
                   "; ".join(f"{lab} {v * 1000:.1f}{frac(v)}" for v, lab in ranked[:5]), flush=True)
+            if os.environ.get("INT4_SWEEP_SET") == "stream":  # every figure: the probes and chains steer the design
+                print(f"  ALL {sec} {name}: " + "; ".join(f"{lab} {v * 1000:.1f}" for lab, v in r.items()), flush=True)
         del w, wt, wd, ref_w, bf16_w, int4_w, engine_w
         if cuda:
             torch.cuda.empty_cache()
@@ -284,8 +428,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
     for (sec, nm), (ms, label, v) in sorted(best.items()):
         n, k = shapes[nm]
         if sec == "m1":
-            print(f"  TABLE ({n}, {k}): PrefetchGemv({v.panel}, mode={v.mode}, block_k={v.block_k}, split={v.split}, "
-                  f"warps={v.warps}, prefetch={v.prefetch}, stages={v.stages}),  # {ms * 1000:.1f} us", flush=True)
+            print(f"  TABLE ({n}, {k}): {v!r},  # {ms * 1000:.1f} us", flush=True)
         else:
             print(f"  BEST {sec} {nm}: {label} {ms * 1000:.1f} us", flush=True)
     results["int4sweep_summary_us"] = summary

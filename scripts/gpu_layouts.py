@@ -3,14 +3,17 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
 
   check   tokenmill/benchmarks/layout_check.py on random weights of Llama-3.2-1B's layers (8 of them)
           with an 8192-token vocabulary (full distributions come back as prompt logprobs): TP=2,
-          PP=2 and TP=2 with async scheduling off against one GPU, each judged against the spread
+          PP=2 and TP=2 with async scheduling off against one GPU (tp2 with its steps in overlapped
+          halves, model/tp_overlap.py, opt-in; tp2-sync in one batch), each engine with a decode
+          probe (decode steps against its prompt path, the greedy tail against the sampler), each judged against the spread
           of two valid one-GPU reductions; then TP=2 with rank 1's rows of a weight swapped
           (TOKENMILL_TEST_FAULTS wrong_shard): gate and up halves swapped must fail; 16 rows swapped
           is reported. A failed check exits 1.
   allreduce  `tokenmill bench all-reduce --tp 2`: NCCL, one-shot, two-shot per size (checked, timed in
           CUDA graphs), and the all-reduce fused with the residual add + RMSNorm against NCCL or
           one-shot + the Triton add + norm (checked against its torch reference, chained, timed), in its
-          pull and push variants.
+          pull and push variants; and the TP overlap (model/tp_overlap.py) on an 8-layer MLP chain:
+          halves with their all-reduces on the side stream against one batch, checked, timed.
   kernels this issue's decode kernels in bf16 on the device, bit for bit the kernels they replace
           (rotary + KV write, the TP vocab embedding); a difference exits 1.
   batch1  batch 1 (one prompt at a time, 512 in x 256 out): ms per output token of one GPU, TP=2
@@ -54,6 +57,7 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import device_check  # noqa: E402  (its SHAPES, weights_dir, config_dir and bench)
 
+from tokenmill.benchmarks import decode_consistency as dc  # noqa: E402
 from tokenmill.benchmarks import layout_check as lc  # noqa: E402
 
 _COMMON = dict(rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -90,31 +94,58 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> b
     the wrong shard (tp2-gate-up-swapped, where named) fails."""
     shape = "layoutcheck-smoke" if smoke else "layoutcheck"
     path = device_check.weights_dir(shape)
-    common = dict(dtype="bfloat16") if smoke else dict(dtype="bfloat16", gpu_memory_utilization=0.3,
-                                                       max_model_len=1024)
+    # (no prefix caching: the decode probe generates the same prompts twice, and must see the same steps)
+    common = dict(dtype="bfloat16", enable_prefix_caching=False) if smoke else dict(
+        dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024, enable_prefix_caching=False)
     prompt_lens = [5, 17, 40] if smoke else [8, 64, 200, 400]
     vocab = lc.vocab_size(path)
     start = time.perf_counter()
+    # Each engine's decode steps against its own prompt steps (`decode_consistency`): 48 sequences.
+    probe_prompts = dc.random_prompts(vocab, 16 if smoke else 48)
+    probes: dict[str, dict] = {}
+
+    def probe(name: str, llm) -> None:
+        probes[name] = dc.probe(llm, probe_prompts, 4 if smoke else 12)
+        print(dc.format_line(name, probes[name], probes.get("one")), flush=True)
+
     sequences, base = lc.continue_and_score(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
-                                            8 if smoke else 32, common, vocab)
+                                            8 if smoke else 32, common, vocab, probe)
     envs = wrong_shards(shape)
+    # tp2 runs its prompt steps (< 1000 tokens here) and its decode steps of >= 32 rows (the probe's)
+    # in overlapped halves (model/tp_overlap.py, off by default); tp2-sync keeps one batch: both
+    # paths are checked.
+    envs["tp2"] = {"TOKENMILL_TP_OVERLAP": "1", "TOKENMILL_TP_OVERLAP_MIN_TOKENS": "32"}
     # TP=2 with the all-reduce, residual add and RMSNorm apart: the fused kernel's numerics beside it.
     envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
     layouts = [lc.Layout.parse(n) if n in LAYOUTS else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
-    report = lc.check_layouts(path, layouts, sequences, common, envs=envs, base=base)
+    report = lc.check_layouts(path, layouts, sequences, common, envs=envs, base=base, probe=probe)
     print(lc.format_report(report), flush=True)
     verdicts = {v.spread.label: v.passed for v in report.verdicts}
     ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused") if n in verdicts) \
         and not verdicts.get("tp2-gate-up-swapped", False)
-    results["layout_check"] = {**report.as_dict(), "passed": ok, "seconds": time.perf_counter() - start}
-    print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, tp2-gate-up-swapped must fail)")
-    return ok
+    decode_ok = {n: dc.judge(r, probes["one"]) for n, r in probes.items() if n != "one"}
+    for name, result in probes.items():
+        print(dc.format_line(name, result, None if name == "one" else probes["one"]))
+    # The swapped shard computes a wrong model the same way on both paths: its probe is reported only.
+    decode_passed = all(v for n, v in decode_ok.items() if n != "tp2-gate-up-swapped")
+    results["layout_check"] = {**report.as_dict(), "passed": ok, "seconds": time.perf_counter() - start,
+                               "decode_probe": {"results": probes, "passed": decode_ok, "all_passed": decode_passed}}
+    print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, tp2-gate-up-swapped must fail); "
+          f"decode vs prompt path: {'ok' if decode_passed else 'FAILED'}")
+    return ok and decode_passed
 
 
 _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     "tp1": ([], {}),
     "tp2": (["--tensor-parallel-size", "2"], {}),
     "tp2-nccl": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE": "nccl"}),
+    # TP=2 with steps of >= 512 rows in two halves, all-reduces beside GEMMs (model/tp_overlap.py,
+    # off by default), and with prompt chunks only (>= 2048 tokens): the A/B of the overlap.
+    "tp2-overlap": (["--tensor-parallel-size", "2"], {"TOKENMILL_TP_OVERLAP": "1"}),
+    "tp2-overlap-prefill": (["--tensor-parallel-size", "2"], {"TOKENMILL_TP_OVERLAP": "1",
+                                                              "TOKENMILL_TP_OVERLAP_MIN_TOKENS": "2048"}),
+    # TP=2 with the decode logits gathered for the greedy argmax (before the sharded argmax).
+    "tp2-gathered-logits": (["--tensor-parallel-size", "2"], {"TOKENMILL_TP_SHARDED_ARGMAX": "0"}),
     # TP=2 with the all-reduce, residual add and RMSNorm apart (two launches where tp2 has one).
     "tp2-unfused": (["--tensor-parallel-size", "2"], {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}),
     # The same TP=2 steps with every all-reduce skipped (wrong outputs, same shapes and lengths:
@@ -372,7 +403,7 @@ def tp_profile(results: dict, smoke: bool, layouts: list[str]) -> None:
 
 
 def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None,
-               variants: str = "pull,push,lamport", timeout_s: float = 90.0) -> bool:
+               variants: str = "pull,push,lamport", timeout_s: float = 90.0, overlap_rows: str = "") -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
     (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
@@ -382,9 +413,9 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
     record = os.path.join(OUT, "all_reduce.json")
     if os.path.exists(record):
         os.remove(record)  # not an earlier call's
-    sizes = ["--sizes-kib", sizes_kib] if sizes_kib else []
-    sizes += ["--fused-rows", fused_rows] if fused_rows else []
-    sizes += ["--fused-variants", variants]
+    sizes = ["--sizes-kib", sizes_kib] if sizes_kib is not None else []
+    sizes += ["--fused-rows", fused_rows] if fused_rows is not None else []
+    sizes += ["--fused-variants", variants, "--overlap-rows", overlap_rows]
     # In its own process group with a time limit: a kernel that never returns (two ranks waiting on
     # each other) ends this part as failed, its workers with it, and the call goes on.
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
@@ -479,6 +510,8 @@ def main() -> int:
     ap.add_argument("--pick-variant", action="store_true", help="allreduce: the later engine runs take the fused "
                     "kernel's variant fastest at one row here (and lamport's large-message buffer where it wins)")
     ap.add_argument("--ar-variants", default="pull,push,lamport", help="allreduce: the fused kernel's variants")
+    ap.add_argument("--ar-overlap-rows", default="1024,8192", help="allreduce: rows of the TP overlap's check "
+                    "and timing (an 8-layer MLP chain in halves against one batch; '' for none)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
@@ -514,7 +547,8 @@ def main() -> int:
         elif part == "single":
             ok = single_gpu_sweeps(results, args.smoke, args.sweep_budget) and ok
         elif part == "allreduce":
-            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants) and ok
+            ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants,
+                            overlap_rows=args.ar_overlap_rows) and ok
             if args.pick_variant:
                 pick_variant(results)
         else:

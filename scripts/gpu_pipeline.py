@@ -9,9 +9,10 @@ partition they give, and the teacher-forced check of PP=2 against one GPU.
           (goal < 3%), the idle time split by cause (fill, drain, waiting for the previous stage,
           waiting for the core, launch), median decode / prompt step per stage and their imbalance,
           and how equal consecutive micro-batches are.
-          Layouts: tp1, and pp2[-mbN][-dt][-pA.B|-measured]: N micro-batches in flight
+          Layouts: tp1, and pp2[-mbN][-dt|-nodt][-pA.B|-measured]: N micro-batches in flight
           (--pp-microbatches), sampled tokens from the last stage to the first on the devices (-dt:
-          --pp-device-tokens: the host's turn-around leaves the pipeline's cycle), layers A on stage
+          --pp-device-tokens: the host's turn-around leaves the pipeline's cycle; -nodt: the
+          host's way, whatever the engine's default), layers A on stage
           0 and B on stage 1 (--pp-layer-partition A,B) or the split balanced by the stage probe at
           start ("measured").
   probe   tokenmill/worker/stage_probe.py on GPU 0 at the bench's decode micro-batch (max_num_seqs /
@@ -24,8 +25,9 @@ partition they give, and the teacher-forced check of PP=2 against one GPU.
   NCCL_NVLS_ENABLE=0 OUT=/tmp/gpu-out python scripts/gpu_pipeline.py --layouts tp1,pp2,pp2-mb3
   python scripts/gpu_pipeline.py --smoke           # CPU (gloo), tiny shapes: checks that it runs
 
---budget S skips a bench layout that would not finish within S seconds of the start (judged by the
-slowest layout so far). Writes $OUT/gpu_pipeline.json after every part (plus benchmark records
+Every bench run is killed (its whole process session, after each process printed its stacks) past
+--run-timeout, or at --budget seconds from the start; a layout left less than --min-run is
+skipped; a killed or failed layout is reported and the next one runs. Writes $OUT/gpu_pipeline.json after every part (plus benchmark records
 and traces); $OUT defaults to ./gpu-out.
 """
 
@@ -38,6 +40,8 @@ import re
 import sys
 import time
 
+STARTED = time.perf_counter()  # --budget counts from here: the imports below take seconds on a fresh machine
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.environ.setdefault("OUT", os.path.join(os.getcwd(), "gpu-out"))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -47,7 +51,7 @@ import gpu_layouts  # noqa: E402  (the layout check; its smoke shapes)
 
 from tokenmill.benchmarks import pipeline_trace  # noqa: E402
 
-_LAYOUT = re.compile(r"^pp2(?:-mb(?P<mb>\d+))?(?P<dt>-dt)?(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|(?P<measured>measured)))?$")
+_LAYOUT = re.compile(r"^pp2(?:-mb(?P<mb>\d+))?(?P<dt>-dt|-nodt)?(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|(?P<measured>measured)))?$")
 
 
 def layout_flags(name: str) -> list[str]:
@@ -56,12 +60,12 @@ def layout_flags(name: str) -> list[str]:
         return []
     m = _LAYOUT.match(name)
     if m is None:
-        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt][-pA.B|-measured])")
+        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt|-nodt][-pA.B|-measured])")
     flags = ["--pipeline-parallel-size", "2"]
     if m["mb"]:
         flags += ["--pp-microbatches", m["mb"]]
     if m["dt"]:
-        flags += ["--pp-device-tokens"]
+        flags += ["--pp-device-tokens" if m["dt"] == "-dt" else "--no-pp-device-tokens"]
     if m["a"]:
         flags += ["--pp-layer-partition", f"{m['a']},{m['b']}"]
     elif m["measured"]:
@@ -84,7 +88,7 @@ def save(results: dict) -> None:
 
 
 def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, workload: tuple[int, int, int],
-          deadline: float | None) -> None:
+          deadline: float | None, run_timeout: float, min_run: float) -> None:
     shape = "llama8b-smoke" if smoke else "llama8b"
     n, lin, lout = (8, 16, 8) if smoke else workload
     common = ["--max-num-seqs", str(max_num_seqs), "--warmup", "0"]
@@ -92,20 +96,31 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         common += ["--kv-cache-memory-gb", "0.05"]
     figures = results.setdefault("bench", {"max_num_seqs": max_num_seqs, "workload": [n, lin, lout],
                                            "layouts": {}})["layouts"]
-    slowest = 0.0
     for name in layouts:
-        if deadline is not None and time.perf_counter() + slowest > deadline:
-            print(f"{name}: skipped (the budget would run out: the slowest layout took {slowest:.0f} s)")
-            figures[name] = {"skipped": "budget"}
-            continue
+        timeout = run_timeout
+        if deadline is not None:
+            timeout = min(timeout, deadline - time.perf_counter())
+            if timeout < min_run:
+                print(f"{name}: skipped (the budget leaves {max(timeout, 0):.0f} s, under --min-run {min_run:.0f})",
+                      flush=True)
+                figures[name] = {"skipped": "budget"}
+                continue
         started = time.perf_counter()
+        print(f"[{name}: starts {started - STARTED:.0f} s into the script, killed after {timeout:.0f} s]", flush=True)
         trace = os.path.join(OUT, f"trace_{name}.json")
         flags = layout_flags(name)
         if flags:  # the PP layouts: their step trace
             flags += ["--trace-steps", trace]
-        device_check.bench(results, shape, n, lin, lout, baseline=False, extra=[*flags, *common], run=f"_pp_{name}")
+        device_check.bench(results, shape, n, lin, lout, baseline=False, extra=[*flags, *common], run=f"_pp_{name}",
+                           timeout_s=timeout)
         key = next(k for k in results if k.startswith(f"bench_{shape}_{n}x{lin}x{lout}") and k.endswith(f"_pp_{name}"))
-        tm = results.pop(key).get("tokenmill") or {}
+        record = results.pop(key)
+        tm = record.get("tokenmill") or {}
+        if not tm:  # failed or killed at its timeout (a hang): said so, and the next layouts still run
+            figures[name] = {"error": (record.get("error") or "")[-600:], "seconds": time.perf_counter() - started}
+            print(f"{name}: FAILED after {figures[name]['seconds']:.0f} s (timeout {timeout:.0f} s)", flush=True)
+            save(results)
+            continue
         fig = {k: tm.get(k) for k in ("output_tokens_per_s", "tpot_ms_p50", "device_step_ms_p50", "elapsed_s")}
         fig["engine_pipeline"] = tm.get("pipeline")  # the engine's own busy / idle totals
         for stage in (tm.get("pipeline") or {}).get("stages") or []:  # they fit in the run's wall time
@@ -119,7 +134,7 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
             fig["trace"] = analysis
             print(pipeline_trace.format_report(name, analysis), flush=True)
         fig["seconds"] = time.perf_counter() - started
-        slowest = max(slowest, fig["seconds"])
+        print(f"[{name}: {fig['seconds']:.0f} s]", flush=True)
         figures[name] = fig
         save(results)
     one = (figures.get("tp1") or {}).get("output_tokens_per_s")
@@ -172,11 +187,18 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=1024, help="the same for every layout")
     ap.add_argument("--workload", default="1000x512x256", help="prompts x input x output tokens")
     ap.add_argument("--probe-context", type=int, default=640, help="probe: cached positions a row reads")
-    ap.add_argument("--budget", type=float, default=None, help="seconds: skip bench layouts past it")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds from the start: every bench run is killed by then, and one with less than "
+                         "--min-run left is skipped")
+    ap.add_argument("--run-timeout", type=float, default=150.0, help="seconds: a bench run is killed past it")
+    ap.add_argument("--min-run", type=float, default=30.0, help="seconds: the least a bench run is started with")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
-    deadline = time.perf_counter() + args.budget if args.budget else None
+    import signal
+    for sig in (signal.SIGTERM, signal.SIGINT):  # stopped from outside: no engine left holding the GPUs
+        signal.signal(sig, device_check.kill_live)
+    deadline = STARTED + args.budget if args.budget else None
     layouts = args.layouts.split(",")
     for name in layouts:
         layout_flags(name)  # an unknown name fails before any run
@@ -195,7 +217,8 @@ def main() -> int:
             continue
         print(f"==== {part}", flush=True)
         if part == "bench":
-            bench(results, args.smoke, layouts, args.max_num_seqs, workload, deadline)
+            bench(results, args.smoke, layouts, args.max_num_seqs, workload, deadline, args.run_timeout,
+                  args.min_run)
         elif part == "probe":
             probe(results, args.smoke, args.max_num_seqs, args.probe_context)
         elif part == "check":

@@ -15,7 +15,9 @@ Parts (--parts, comma-separated; default all, run in this order):
            16k-token prompt; KV blocks
   fp8      FP8 W8A8 (online, per-channel weights): 256x256x128, 1000x512x256, batch 1
   int4     INT4 W4A16 (a GPTQ config, group 128; dummy weights quantized at load): batch 1, 256x256x128
-  kvfp8    bf16 weights, fp8 (e4m3) KV cache: KV blocks, 1000x512x256, batch 1 with a 16k prompt
+  kvfp8    bf16 weights, fp8 (e4m3) KV cache against a bf16-KV engine in the same process
+           (scripts/gpu_kvfp8.py): KV blocks, batch 1 with a 16k prompt (decode ms/token from token
+           timestamps, rounds interleaved; the decode step profiled per kernel group), 1000x512x256
   fp8kv    fp8 weights and fp8 KV cache together (no goal of its own): 256x256x128, 1000x512x256
   micro    each Llama-8B linear (qkv, o, gate_up, down) at 1..8192 rows: bf16 mm, fp8 (activation
            quantization + _scaled_mm), int4 fused kernel, int4 dequantize + mm (where the INT4
@@ -31,7 +33,8 @@ Parts (--parts, comma-separated; default all, run in this order):
   int4sweep (not by default) INT4 kernel variants where INT4 loses: the register-prefetched one-row
            GEMV (panel, arithmetic, prefetch depth, split) against its int4 bytes at copy bandwidth,
            the swapped and fused GEMMs at 64 / 256 rows, bf16 and the engine's path beside them
-           (scripts/gpu_int4_sweep.py; INT4_SWEEP_BUDGET_S caps its timing loop, default 80 s)
+           (scripts/gpu_int4_sweep.py; INT4_SWEEP_BUDGET_S caps its timing loop, default 80 s;
+           INT4_SWEEP_SET=stream: the one-row access-pattern variants, read probes, PDL chains)
   profile  (not by default) bf16 and fp8 engines: a decode step of 256 rows (graph) and an eager
            prefill step of 8192 tokens under torch.profiler, time per kernel group side by side,
            and each throughput workload's physical bound (scripts/gpu_quant_fp8.py)
@@ -898,6 +901,13 @@ def run_part(name: str, smoke: bool) -> dict:
             else:
                 gpu_quant_fp8.profile_one(results, name.removeprefix("profile-one-"), smoke, SMOKE if smoke else LLAMA8B,
                                           config_dir, OUT)
+        elif name == "kvfp8":  # bf16 KV and fp8 KV engines side by side in this process
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_kvfp8
+            only = os.environ.get("GPU_QUANT_WORKLOADS")
+            gpu_kvfp8.side_by_side(results, smoke, config_dir(SMOKE if smoke else LLAMA8B), 1024 if smoke else 16384,
+                                   [w for w in ENGINES["kvfp8"][1] if not only or w in only.split(",")], OUT,
+                                   throughput, (lambda n: max(1, n // 64)) if smoke else (lambda n: n))
         else:
             engine_part(results, name, smoke)
     except Exception:
@@ -912,7 +922,8 @@ def _ratios(timings: dict) -> list[dict]:
     base = timings.get("bf16", {})
     rows = []
     for label, w, goal, higher in GOALS:
-        value, ref = timings.get(label, {}).get(w), base.get(w)
+        # kvfp8 has its own bf16-KV baseline, measured in the same process (scripts/gpu_kvfp8.py).
+        value, ref = timings.get(label, {}).get(w), timings.get(f"{label}_bf16kv", base).get(w)
         r = value / ref if value is not None and ref else None
         met = None if r is None else (r >= goal * (0.995 if w == "kv_blocks" else 1.0) if higher else r <= goal)
         rows.append({"part": label, "workload": w, "value": value, "bf16": ref, "ratio": r,

@@ -112,3 +112,29 @@ def test_decode_launch_parameters_per_cache_dtype():
     plain = plan_launch(TritonAttentionConfig(decode_tiles=DecodeTiles(16, 4, 1), **unset), 32, 8, 1, 1, 1, 4096, 132,
                         kv_fp8=True)
     assert (plain.block_n, plain.num_stages, plain.num_warps, plain.num_splits) == (16, 1, 4, 32)
+    # The round-trip options: per DecodeTiles (here the fp8 split launch's), or the config's for all.
+    tiles = dict(config.__dict__, fp8_split_decode_tiles=DecodeTiles(128, 4, 4, early_v_load=True, table_prefetch=True,
+                                                                      fp8_convert_on_load=True))
+    on = plan_launch(TritonAttentionConfig(**tiles), 32, 8, 1, 1, 1, 4096, 132, kv_fp8=True)
+    off = plan_launch(TritonAttentionConfig(**tiles), 32, 8, 256, 256, 1, 4096, 132, kv_fp8=True)
+    assert (on.early_v_load, on.table_prefetch, on.fp8_convert_on_load) == (True, True, True)
+    assert (off.early_v_load, off.table_prefetch, off.fp8_convert_on_load) == (False, False, False)
+    everywhere = TritonAttentionConfig(early_v_load=True, table_prefetch=True, fp8_convert_on_load=True)
+    pre = plan_launch(everywhere, 32, 8, 600, 4, 512, 4096, 132, kv_fp8=True)
+    assert (pre.early_v_load, pre.table_prefetch, pre.fp8_convert_on_load) == (False, True, True)  # no early V in prefill
+    dec = plan_launch(everywhere, 32, 8, 256, 256, 1, 4096, 132, kv_fp8=True)
+    assert (dec.early_v_load, dec.table_prefetch, dec.fp8_convert_on_load) == (True, True, True)
+
+
+@pytest.mark.parametrize("window,splits,early_v", [(None, None, False), (40, 3, True), (23, None, True), (None, 2, False)])
+def test_table_prefetch_and_early_v(window, splits, early_v):
+    """table_prefetch (each interior tile's block-table lookups issued one tile ahead; the lookahead
+    past the last interior tile reads nothing) and early_v_load (V loaded with K, decode launches),
+    over windows (blocks before them poisoned with NaN), splits and chunked prefills."""
+    decodes = ([100, 63, 62, 130, 44, 0], [1, 1, 3, 1, 6, 1])
+    for mix in (MIX, decodes):
+        case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=mix)
+        config = TritonAttentionConfig(block_n=16, decode_tiles=DecodeTiles(16), kv_splits=splits, prefill_rows=32,
+                                       table_prefetch=True, early_v_load=early_v)
+        backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, None, config=config)
+        torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)

@@ -25,11 +25,12 @@ from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
 HEAD_DIM = 32
 # (contexts, query lengths): decodes, a multi-token decode and chunks over cached context.
 ROWS = ([5, 40, 17, 9, 30, 0], [1, 1, 3, 6, 20, 12])
+DECODE_ROWS = ([5, 40, 17, 9, 30], [1, 1, 3, 6, 1])  # decode launches (query length <= 8)
 FP8_DTYPES = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
-def _fp8_case(dtype: torch.dtype, k_scale: float, v_scale: float, heads=(4, 2), block_size=16):
-    case = make_case(*ROWS, block_size, *heads, torch.float32, "cpu", pad_tokens=2, head_dim=HEAD_DIM)
+def _fp8_case(dtype: torch.dtype, k_scale: float, v_scale: float, heads=(4, 2), block_size=16, rows=ROWS):
+    case = make_case(*rows, block_size, *heads, torch.float32, "cpu", pad_tokens=2, head_dim=HEAD_DIM)
     cache8 = torch.empty(case.kv_cache.shape, dtype=dtype)
     cache8[0] = quantize_kv(case.kv_cache[0], k_scale, dtype)
     cache8[1] = quantize_kv(case.kv_cache[1], v_scale, dtype)
@@ -135,3 +136,28 @@ def test_triton_fp8_weights_value_dot(splits):
         out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
         torch.testing.assert_close(out[:n].float(), expected[:n], atol=3e-2, rtol=3e-2)
 
+
+
+@pytest.mark.parametrize("dtype", FP8_DTYPES)
+@pytest.mark.parametrize("splits,early_v,rows", [(None, False, ROWS), (3, True, DECODE_ROWS), (None, True, DECODE_ROWS)])
+def test_triton_fp8_convert_on_load(dtype, splits, early_v, rows):
+    """fp8_convert_on_load (K/V tiles converted to float16 where they load; on a GPU by inline PTX the
+    compiler cannot move, here the plain conversion: scripts/gpu_attention.py checks the PTX against
+    the reference) with float16 queries, early_v_load (decode launches only: decode rows) with and
+    without split KV; subnormals, the largest value and -0 in a block that is read."""
+    require_module("triton")
+    from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
+
+    k_scale, v_scale = 0.5, 2.0
+    case, cache8, expected = _fp8_case(dtype, k_scale, v_scale, rows=rows)
+    cache8[0, 0, 1, 0, :4] = torch.tensor([2.0 ** -9, -(2.0 ** -7), 448.0 if dtype == torch.float8_e4m3fn else 57344.0,
+                                           -0.0]).to(dtype)
+    ref_cache = torch.stack([cache8[0].float() * k_scale, cache8[1].float() * v_scale])
+    expected = TorchRefAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM)).forward(
+        case.q, case.k_rt, case.v_rt, ref_cache, case.meta)
+    backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM), config=TritonAttentionConfig(
+        kv_splits=splits, fp8_convert_on_load=True, early_v_load=early_v))
+    backend.k_scale, backend.v_scale = k_scale, v_scale
+    out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
+    n = case.meta.num_tokens
+    torch.testing.assert_close(out[:n].float(), expected[:n], atol=5e-3, rtol=5e-3)

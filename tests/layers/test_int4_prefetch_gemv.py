@@ -29,7 +29,8 @@ def _case(n=128, k=512, group=64, seed=0):
 
 # (mode, panel, block_k, split, prefetch); mode 4 is the fp16x2 arithmetic (~1e-3 relative)
 CASES = [(0, 32, 64, 1, 1), (3, 64, 32, 4, 2), (3, 32, 64, 2, 0), (4, 128, 64, 2, 1), (4, 32, 32, 1, 2),
-         (3, 128, 64, 8, 1), (0, 64, 64, 2, 2), (5, 64, 64, 4, 1)]
+         (3, 128, 64, 8, 1), (0, 64, 64, 2, 2), (5, 64, 64, 4, 1), (6, 64, 32, 4, 1), (6, 32, 64, 2, 0),
+         (6, 128, 64, 1, 2)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -46,9 +47,26 @@ def test_prefetch_gemv_matches_reference(mode, panel, block_k, split, prefetch, 
         out = prefetch_gemv(x, packing.to_panels(wt.qweight, panel), wt.scales.to(dtype), wt.zeros.to(dtype), 64, c,
                             counters)
         assert out.dtype == dtype and out.shape == (1, 128)
-        tol = {0: 1e-5, 3: 1e-4, 4: 5e-3, 5: 5e-3}[mode] if dtype == torch.float32 else 2e-2
+        tol = {0: 1e-5, 3: 1e-4, 4: 5e-3, 5: 5e-3, 6: 1e-4}[mode] if dtype == torch.float32 else 2e-2
         assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item()
         assert not counters.any(), "split-K counters must be reset for the next call"
+
+
+@pytest.mark.parametrize("prefetch,split,stagger", [(1, 2, 1), (2, 1, 3), (0, 2, 1), (1, 4, 5), (-2, 2, 1), (-4, 1, 0)])
+def test_prefetch_gemv_staggered_slices_match_reference(prefetch, split, stagger):
+    """STAGGER rotates each panel's K slice (panel i starts i * STAGGER tiles in, wrapping): every
+    tile is still read once, with its own group's scales and zeros; the unrolled K loop (negative
+    PREFETCH) likewise; PDL and L1 prefetches asked for on a CPU are ignored (plain launch)."""
+    from tokenmill.layers.quantization.triton_int4_prefetch_gemv import PrefetchGemv, prefetch_gemv
+
+    wt = _case(n=128, k=512, group=32)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(3))
+    ref = x.double() @ packing.dequantize(wt, 32, torch.float64)
+    counters = torch.zeros(8, dtype=torch.int32)
+    c = PrefetchGemv(32, 3, 32, split, 4, prefetch, stages=2, stagger=stagger, pdl=True, l1_ahead=3)
+    out = prefetch_gemv(x, packing.to_panels(wt.qweight, 32), wt.scales, wt.zeros, 32, c, counters)
+    assert (out.double() - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    assert not counters.any()
 
 
 def test_prefetch_gemv_half_mode_survives_large_activations():
@@ -79,6 +97,8 @@ def test_prefetch_gemv_refuses_bad_launches():
         prefetch_gemv(x, qp, wt.scales, wt.zeros, 64, PrefetchGemv(64, block_k=64, split=3))
     with pytest.raises(ValueError, match="counters"):
         prefetch_gemv(x, qp, wt.scales, wt.zeros, 64, PrefetchGemv(64, block_k=64, split=2))
+    with pytest.raises(ValueError, match="do not fit"):  # an unroll of 3 does not divide the 8 steps
+        prefetch_gemv(x, qp, wt.scales, wt.zeros, 64, PrefetchGemv(64, block_k=64, prefetch=-3))
 
 
 def test_int4_matmul_takes_the_prefetch_gemv_for_a_listed_shape(monkeypatch):

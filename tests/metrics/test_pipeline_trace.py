@@ -83,3 +83,17 @@ def test_the_run_argues_for_a_split() -> None:
     assert split["decode"] == split["mix"] == [5, 3]
     assert split["kinds"]["decode"]["head_ms"] == pytest.approx(1.5e-3)
     assert "argue for 5,3" in format_report("pp2", {**f, "partition": split})
+
+
+def test_phases_say_which_stage_bounds_each_part() -> None:
+    # Step 1 is a prompt chunk (40 tokens), ending on stage 1 at 20: the prompt part is [0, 20],
+    # where stage 0 is busy 20 of 20 and stage 1 10; the decode part [20, 44], stage 0 busy 10
+    # (step 3) of 24, stage 1 all of it.
+    trace = _trace([[(1, 0, 10, 40), (2, 10, 20, 4), (3, 20, 30, 4)],
+                    [(1, 10, 20, 40), (2, 20, 32, 4), (3, 32, 44, 4)]], submits={})
+    f = analyze(trace)
+    prompt, decode = f["phases"]["prompt"], f["phases"]["decode"]
+    assert prompt["window_ms"] == pytest.approx(20e-3) and decode["window_ms"] == pytest.approx(24e-3)
+    assert prompt["busy_fraction"] == pytest.approx([1.0, 0.5])
+    assert decode["busy_fraction"] == pytest.approx([10 / 24, 1.0])
+    assert "phases" in format_report("pp2", f)

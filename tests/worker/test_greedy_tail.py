@@ -38,7 +38,8 @@ def make(query_len: int, slots: list[int], logits: torch.Tensor, num_drafts: lis
     size = len(slots)
     graphs = SimpleNamespace(query_len=query_len, slots=torch.tensor(slots), logits={size: logits},
                              num_drafts=torch.tensor(num_drafts), drafts=spec.drafts, last_stage=True,
-                             sizes=[size], padded_size=lambda n: size)
+                             sizes=[size], padded_size=lambda n: size, local_logits=False,
+                             whole_logits=lambda x: x)
     # The forward graph advanced each real row by 1 + its drafts before the tail runs.
     for slot, n in zip(slots, num_drafts):
         if slot != SCRATCH:
@@ -75,3 +76,26 @@ def test_plain_decode_rows() -> None:
     assert tail.run(3).tolist() == [3, BAD, 2]
     assert batch.next_token_dev[[2, 0]].tolist() == [3, 0]  # a failed row still gets a valid input
     assert spec.history_len.tolist() == [4, 3, 4, 3, 3, 0] and spec.history[2, 3] == 3
+
+
+def test_plain_decode_rows_from_vocab_shards() -> None:
+    """TP (`DecodeGraphs.local_logits`): the forward graph left rank 0's vocab columns; the tail takes
+    the argmax across ranks (`ParallelLMHead.argmax`, here over rank 1's columns held aside) and
+    gets the same tokens and failures as from the whole rows."""
+    from tokenmill.layers.parallel_linear import pack_shard_argmax, pick_sharded_argmax
+    logits = logits_choosing([3, 7, 2, 9, 8])
+    logits[1, 0] = float("inf")  # rank 0's part of row 1 not finite
+    logits[3, 9] = logits[3, 4] = 1.0  # a tie across the ranks: the lower id wins
+    per_rank = 6  # 11 = 6 + 5: rank 1's shard has one padding column (never chosen)
+    other = torch.cat([logits[:, per_rank:], torch.full((5, 1), 5.0)], dim=1)
+    head = SimpleNamespace(argmax=lambda local: pick_sharded_argmax(torch.stack(
+        [pack_shard_argmax(local, 0, per_rank), pack_shard_argmax(other, per_rank, VOCAB - per_rank)])))
+
+    def no_gather(_):
+        raise AssertionError("a plain greedy tail must not gather the logits")
+
+    tail, batch, spec = make(1, [2, 0, 1, 3, SCRATCH], logits[:, :per_rank].clone(), [0] * 5, {})
+    tail.graphs.local_logits, tail.graphs.model = True, SimpleNamespace(logits_head=head)
+    tail.graphs.whole_logits = no_gather
+    assert tail.run(5).tolist() == [3, BAD, 2, 4, 8]
+    assert batch.next_token_dev[[2, 0, 1, 3]].tolist() == [3, 0, 2, 4]

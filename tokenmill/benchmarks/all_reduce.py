@@ -7,7 +7,8 @@ way, so they are compared bit for bit; above two, within one bf16 step). Then ea
 per call inside a CUDA graph of `--calls` back-to-back all-reduces (how a decode step runs them),
 and eagerly. The table shows where each method wins; `symm_all_reduce.AllReduceLimits` holds the
 limits taken from it. Then the all-reduce fused with the residual add and RMSNorm against the two
-apart, per row count (`all_reduce_norm.py`).
+apart, per row count (`all_reduce_norm.py`), and the TP overlap's halves against one batch
+(`--overlap-rows`, `all_reduce_overlap.py`).
 
     tokenmill bench all-reduce --tp 2 --output-json ar.json
 """
@@ -26,7 +27,8 @@ _METHODS = ("nccl", "one_shot", "two_shot")
 
 
 def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, out: str | None,
-            fused: list[int], hidden: int, variants: tuple[str, ...] = ("pull", "push", "lamport")) -> None:
+            fused: list[int], hidden: int, variants: tuple[str, ...] = ("pull", "push", "lamport"),
+            overlap: list[int] = ()) -> None:
     import torch
     import torch.distributed as dist
 
@@ -119,10 +121,16 @@ def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, 
         failed += [f"fused {r['variant']} {r['rows']} rows" for r in fused_rows if not r["ok"]]
         if rank == 0 and not all(r["ok"] for r in fused_rows):
             print("fused all-reduce + norm failed its checks", flush=True)
+    overlap_rows = []
+    if overlap:  # the TP overlap's halves against one batch (`all_reduce_overlap.py`)
+        from tokenmill.benchmarks.all_reduce_overlap import run_overlap
+        overlap_rows = run_overlap(group, device, list(overlap))
+        failed += [f"overlap {r['rows']} rows" for r in overlap_rows if r.get("ok") is False]
     if rank == 0 and out:
         with open(out, "w") as f:
             json.dump({"world_size": world, "calls_per_graph": calls, "gpu": torch.cuda.get_device_name(0),
-                       "torch": torch.__version__, "rows": rows, "fused_rows": fused_rows}, f, indent=2)
+                       "torch": torch.__version__, "rows": rows, "fused_rows": fused_rows,
+                       "overlap_rows": overlap_rows}, f, indent=2)
     dist.destroy_process_group()
     if failed:
         raise SystemExit(1)
@@ -136,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
                                "--tp", str(args.tp), "--port", str(port), "--sizes-kib", args.sizes_kib,
                                "--calls", str(args.calls), "--fused-rows", args.fused_rows,
                                "--hidden", str(args.hidden), "--fused-variants", args.fused_variants,
+                               "--overlap-rows", args.overlap_rows,
                                *(["--output-json", args.output_json]
                                                              if args.output_json else [])], env=env)
              for rank in range(args.tp)]
@@ -151,6 +160,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="rows of the fused all-reduce + residual add + RMSNorm runs ('' for none)")
     p.add_argument("--hidden", type=int, default=4096, help="the fused runs' row width")
     p.add_argument("--fused-variants", default="pull,push,lamport", help="the fused kernel's variants to run")
+    p.add_argument("--overlap-rows", default="", help="rows of the TP overlap's check and timing (halves "
+                   "against one batch, `all_reduce_overlap.py`; '' for none), e.g. 1024,8192")
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--output-json", default=None)
 
@@ -171,7 +182,7 @@ def main() -> int:
         return run(args)
     _worker(args.worker, args.tp, args.port, [int(v) for v in args.sizes_kib.split(",") if v], args.calls,
             args.output_json, [int(v) for v in args.fused_rows.split(",") if v], args.hidden,
-            tuple(v for v in args.fused_variants.split(",") if v))
+            tuple(v for v in args.fused_variants.split(",") if v), [int(v) for v in args.overlap_rows.split(",") if v])
     return 0
 
 

@@ -31,7 +31,7 @@ import argparse
 import dataclasses
 import json
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -162,15 +162,21 @@ def greedy_continuations(model: str, layout: Layout, prompts: Sequence[Sequence[
 
 
 def teacher_forced_logprobs(model: str, layout: Layout, sequences: Sequence[Sequence[int]],
-                            common: Mapping[str, Any], vocab: int | None = None) -> list[np.ndarray]:
-    """Per sequence, float32 [len - 1, vocab]: row i is log p(. | tokens <= i) under `layout`."""
+                            common: Mapping[str, Any], vocab: int | None = None,
+                            probe: Callable[[str, Any], None] | None = None) -> list[np.ndarray]:
+    """Per sequence, float32 [len - 1, vocab]: row i is log p(. | tokens <= i) under `layout`.
+    `probe(layout name, engine)`: more checks in the same engine, after the scoring."""
     vocab = vocab or vocab_size(model)
     with _engine(model, layout, common, vocab) as llm:
-        return _score(llm, layout, sequences, vocab)
+        scores = _score(llm, layout, sequences, vocab)
+        if probe is not None:
+            probe(layout.name, llm)
+        return scores
 
 
 def continue_and_score(model: str, layout: Layout, prompts: Sequence[Sequence[int]], num_tokens: int,
-                       common: Mapping[str, Any], vocab: int | None = None
+                       common: Mapping[str, Any], vocab: int | None = None,
+                       probe: Callable[[str, Any], None] | None = None
                        ) -> tuple[list[list[int]], list[np.ndarray]]:
     """`greedy_continuations` and then `teacher_forced_logprobs` of them, in one engine (one start
     fewer: the base layout's two runs of `check_layouts`, passed to it as `base`)."""
@@ -180,7 +186,10 @@ def continue_and_score(model: str, layout: Layout, prompts: Sequence[Sequence[in
     with _engine(model, layout, common, vocab) as llm:
         outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         sequences = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
-        return sequences, _score(llm, layout, sequences, vocab)
+        scores = _score(llm, layout, sequences, vocab)
+        if probe is not None:
+            probe(layout.name, llm)
+        return sequences, scores
 
 
 def _score(llm, layout: Layout, sequences: Sequence[Sequence[int]], vocab: int) -> list[np.ndarray]:
@@ -227,18 +236,21 @@ def check_layouts(model: str, layouts: Sequence[Layout], sequences: Sequence[Seq
                   common: Mapping[str, Any], factor: float = DEFAULT_FACTOR,
                   envs: Mapping[str, Mapping[str, str]] | None = None,
                   one_process: Mapping[str, Any] | None = None,
-                  base: list[np.ndarray] | None = None) -> LayoutReport:
+                  base: list[np.ndarray] | None = None,
+                  probe: Callable[[str, Any], None] | None = None) -> LayoutReport:
     """Scores `sequences` under the base, the reference and each layout; judges each layout's
     spread from the base against the reference's. `envs`: per layout name, environment variables
     set while its engine runs (a test's planted fault). `one_process`: extra engine arguments of
     the base and the reference (tests: single_process=True). `base`: the base's scores, already
-    computed (`continue_and_score`)."""
+    computed (`continue_and_score`). `probe`: run in the reference's and each layout's engine
+    (`teacher_forced_logprobs`)."""
     import os
     vocab = vocab_size(model)
     if base is None:
         base = teacher_forced_logprobs(model, base_layout(**(one_process or {})), sequences, common, vocab)
     ref_layout = reference_layout(sequences, **(one_process or {}))
-    reference = compare(ref_layout.name, teacher_forced_logprobs(model, ref_layout, sequences, common, vocab), base)
+    reference = compare(ref_layout.name, teacher_forced_logprobs(model, ref_layout, sequences, common, vocab, probe),
+                        base)
     dtype = str(common.get("dtype", "float32"))
     verdicts = []
     for layout in layouts:
@@ -246,7 +258,7 @@ def check_layouts(model: str, layouts: Sequence[Layout], sequences: Sequence[Seq
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            got = teacher_forced_logprobs(model, layout, sequences, common, vocab)
+            got = teacher_forced_logprobs(model, layout, sequences, common, vocab, probe)
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -19,6 +19,9 @@ from the first stage's first step to the last stage's last step:
                   the stages' imbalance;
   micro-batches   the spread of consecutive steps' tokens and last-stage times (equal work per
                   micro-batch keeps every stage busy);
+  phases          the run cut where the first stage's last step with prompt tokens ends on the
+                  last stage: each part's length and each stage's busy fraction in it (the
+                  busiest stage bounds that part: which one, prompt chunks or decode);
   core            the core's time waiting for results, updating and scheduling;
   partition       given the run's partition, the split its own stage times argue for: a layer's
                   and the head's cost per step kind from the median stage times
@@ -135,6 +138,7 @@ def analyze(trace: dict) -> dict:
                                 "consecutive_time_spread_p50": spread(times),
                                 "decode_rows_p50": _median(a.get("decode_rows", 0) for _, _, a in last),
                                 "tokens_p50": _median(tokens)}
+    figures["phases"] = _phases(stages, begin, end)
     core_ms = {}
     for name in ("wait", "update", "schedule", "submit"):
         spans = [e for e in core if e["name"] == name and begin <= e["ts"] <= end]
@@ -144,6 +148,21 @@ def analyze(trace: dict) -> dict:
     figures["bubble_between_steps_fraction"] = statistics.mean(
         s["bubble_between_steps_fraction"] for s in figures["stages"])
     return figures
+
+
+def _phases(stages: list[list[tuple[float, float, dict]]], begin: float, end: float) -> dict:
+    """The run cut where the first stage's last step with prompt tokens ends on the last stage:
+    per part, its length and each stage's busy fraction within it (the busiest bounds the part)."""
+    prompts = [a["step"] for _, _, a in stages[0] if _kind(a) == "prompt"]
+    last_end = {a["step"]: e for _, e, a in stages[-1]}
+    cut = last_end.get(prompts[-1], begin) if prompts else begin
+    out = {}
+    for name, (a, b) in (("prompt", (begin, cut)), ("decode", (cut, end))):
+        if b <= a:
+            continue
+        busy = [sum(max(0.0, min(e, b) - max(s, a)) for s, e, _ in spans) / (b - a) for spans in stages]
+        out[name] = {"window_ms": (b - a) / 1e3, "busy_fraction": busy}
+    return out
 
 
 def suggest_partition(figures: dict, partition: tuple[int, ...]) -> dict:
@@ -186,6 +205,11 @@ def format_report(label: str, figures: dict) -> str:
     lines.append(f"  consecutive micro-batches differ by {mb['consecutive_token_spread_p50'] or 0:.1%} in tokens, "
                  f"{mb['consecutive_time_spread_p50'] or 0:.1%} in last-stage time (p50); "
                  f"{mb['tokens_p50'] or 0:.0f} tokens, {mb['decode_rows_p50'] or 0:.0f} decode rows per step (p50)")
+    phases = figures.get("phases") or {}
+    if phases:
+        lines.append("  phases (to the last prompt step, then decode): " + "; ".join(
+            f"{k} {v['window_ms'] / 1e3:.2f} s, stages busy {' / '.join(f'{b:.1%}' for b in v['busy_fraction'])}"
+            for k, v in phases.items()))
     core = figures["core_ms"]
     lines.append("  core: " + ", ".join(f"{k} {v / 1e3:.2f} s" for k, v in core.items()))
     split = figures.get("partition")

@@ -12,8 +12,8 @@ residual unrounded (`reference`), one rounding fewer than all-reduce-then-add (t
 in bf16); every rank computes the same bits, so the replicated residual streams stay equal.
 `TOKENMILL_FUSED_ALL_REDUCE_NORM=0` turns it off (A/B measurements). `TOKENMILL_ALL_REDUCE_NORM_VARIANT`
 picks the kernel: `pull` (each rank reads its peers' buffers after a signal; `TOKENMILL_ALL_REDUCE_NORM_PUSH=0`
-too), `push` (the default: each rank stores its rows into every peer's buffer, reads are local) or
-`lamport` (pushed rows that carry their own readiness: no signals, `all_reduce_norm_lamport`).
+too), `push` (each rank stores its rows into every peer's buffer, reads are local; `..._PUSH=1` too) or
+`lamport` (the default: pushed rows that carry their own readiness, no signals, `all_reduce_norm_lamport`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ class FusedNormLimits:
     max_bytes: int = 2 << 20
 
 
-LAMPORT_MAX_MIB = 2  # the lamport variant's largest message by default (TOKENMILL_ALL_REDUCE_NORM_MAX_MIB)
+# The lamport variant's largest message by default (TOKENMILL_ALL_REDUCE_NORM_MAX_MIB): 1024 rows of
+# 4096 in bf16, a decode step of 1000 rows at TP=2, where it took 50.1 us on two H200s against 66.3
+# for NCCL + norm and ~58 for the two-shot + its copy + norm (engine profile); not 8192 rows (434 vs 380).
+LAMPORT_MAX_MIB = 8
 
 
 def default_limits(variant: str, world: int) -> FusedNormLimits:
@@ -70,10 +73,13 @@ def variant_wanted() -> str:
         if name not in VARIANTS:
             raise ValueError(f"TOKENMILL_ALL_REDUCE_NORM_VARIANT={name!r}: expected one of {', '.join(VARIANTS)}")
         return name
-    # Default push: on two H200s 5.5 / 6.0 / 10.2 us at 1 / 8 / 128 rows against pull's 5.8 / 6.2 / 10.6
-    # (`bench all-reduce`, docs/results/gpu-parallel.md). TOKENMILL_ALL_REDUCE_NORM_PUSH=0: pull.
-    push = os.environ.get("TOKENMILL_ALL_REDUCE_NORM_PUSH", "1").lower() in ("1", "true", "yes")
-    return "push" if push else "pull"
+    # Default lamport: on two H200s 3.9 / 6.9 / 50.1 us at 1 / 128 / 1024 rows against push's 5.5 /
+    # 10.2 / - and NCCL + norm's - / - / 66.3 (`bench all-reduce`, docs/results/gpu-parallel.md, the
+    # final call of 2026-11-26). TOKENMILL_ALL_REDUCE_NORM_PUSH=1: push, =0: pull.
+    push = os.environ.get("TOKENMILL_ALL_REDUCE_NORM_PUSH", "").lower()
+    if not push:
+        return "lamport"
+    return "push" if push in ("1", "true", "yes") else "pull"
 
 
 def buffer_bytes(half_bytes: int, world: int, variant: str = "pull") -> int:

@@ -45,6 +45,31 @@ def _buffer(peers_ptr, rank, dtype: tl.constexpr):
     return tl.multiple_of(tl.load(peers_ptr + rank).to(tl.pointer_type(dtype)), 16)
 
 
+@triton.jit
+def tile_rows(t, num_rows, N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Tile t's ROWS rows of a [num_rows, N] row-major tensor: (element offsets [ROWS, BLOCK], mask).
+    Shared by this kernel and the lamport one (`all_reduce_norm_lamport`)."""
+    rows = (t * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (cols < N)[None, :]
+    return (rows * N)[:, None] + cols[None, :], mask
+
+
+@triton.jit
+def add_rms_norm_store(total, res_ptr, w, out_ptr, tile, mask, inv_n, eps):
+    """The epilogue both kernels share: the ranks' float32 sum `total` added to the residual (stored in
+    place, in its dtype), then RMSNorm of it with HF's roundings times `w` (float32 [BLOCK]) into out
+    (the activation dtype)."""
+    dtype = out_ptr.dtype.element_ty
+    res_ptrs = res_ptr + tile
+    summed = (tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + total).to(res_ptr.dtype.element_ty)
+    tl.store(res_ptrs, summed, mask=mask)
+    h = summed.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=1) * inv_n + eps)
+    normed = (h * rstd[:, None]).to(dtype).to(tl.float32)
+    tl.store(out_ptr + tile, (normed * w[None, :]).to(dtype), mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_rows", "rank"])
 def _all_reduce_add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, peers_ptr, counters_ptr,
@@ -57,14 +82,11 @@ def _all_reduce_add_rms_norm_kernel(
     dtype = x_ptr.dtype.element_ty
     pid = tl.program_id(0)
     count = tl.load(counters_ptr + pid)
-    rows = (pid * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    col_ok = cols < N
-    mask = (rows < num_rows)[:, None] & col_ok[None, :]
-    offs = (count % 2).to(tl.int64) * half_elems + (rows * N)[:, None] + cols[None, :]
+    tile, mask = tile_rows(pid, num_rows, N, BLOCK, ROWS)
+    offs = (count % 2).to(tl.int64) * half_elems + tile
 
     own = _buffer(peers_ptr, rank, dtype)
-    x = tl.load(x_ptr + (rows * N)[:, None] + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + tile, mask=mask, other=0.0)
     slot_elems = half_elems // WORLD  # PUSH: one slot per rank in each half
     if PUSH:
         for peer in tl.static_range(WORLD):
@@ -92,14 +114,9 @@ def _all_reduce_add_rms_norm_kernel(
             part = tl.load(_buffer(peers_ptr, peer, dtype) + offs, mask=mask, other=0.0, volatile=True)
         total += part.to(tl.float32)  # (volatile: not from L1, which may hold the half's previous rows)
 
-    res_ptrs = res_ptr + (rows * N)[:, None] + cols[None, :]
-    summed = (tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + total).to(res_ptr.dtype.element_ty)
-    tl.store(res_ptrs, summed, mask=mask)
-    h = summed.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) * inv_n + eps)
-    normed = (h * rstd[:, None]).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + (rows * N)[:, None] + cols[None, :], (normed * w[None, :]).to(dtype), mask=mask)
+    cols = tl.arange(0, BLOCK)
+    w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    add_rms_norm_store(total, res_ptr, w, out_ptr, tile, mask, inv_n, eps)
     tl.store(counters_ptr + pid, count + 1)
 
 

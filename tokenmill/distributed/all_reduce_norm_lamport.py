@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.distributed.all_reduce_norm_kernel import rows_per_program
+from tokenmill.distributed.all_reduce_norm_kernel import add_rms_norm_store, rows_per_program, tile_rows
 
 EPOCHS = 3
 SENTINEL = -32768  # int16 bits of -0.0 in bf16 and fp16
@@ -71,9 +71,7 @@ def _lamport_all_reduce_add_rms_norm_kernel(
     # before any wait, so a program's NVLink latency is paid once, not once per tile.
     for t in range(pid, num_tiles, programs):
         count = tl.load(counters_ptr + t)
-        rows = (t * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        mask = (rows < num_rows)[:, None] & col_ok[None, :]
-        tile = (rows * N)[:, None] + cols[None, :]
+        tile, mask = tile_rows(t, num_rows, N, BLOCK, ROWS)
         current = (count % 3).to(tl.int64) * epoch_elems
         stale = ((count + 2) % 3).to(tl.int64) * epoch_elems
         bits = tl.load(x_ptr + tile, mask=mask, other=0.0).to(tl.int16, bitcast=True)
@@ -88,9 +86,8 @@ def _lamport_all_reduce_add_rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     for t in range(pid, num_tiles, programs):
         count = tl.load(counters_ptr + t)
+        tile, mask = tile_rows(t, num_rows, N, BLOCK, ROWS)
         rows = (t * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-        mask = (rows < num_rows)[:, None] & col_ok[None, :]
-        tile = (rows * N)[:, None] + cols[None, :]
         current = (count % 3).to(tl.int64) * epoch_elems
         bits = tl.load(x_ptr + tile, mask=mask, other=0.0).to(tl.int16, bitcast=True)
         bits = tl.where(bits == _SENTINEL, 0, bits)  # as sent: every rank sums the same numbers
@@ -104,13 +101,7 @@ def _lamport_all_reduce_add_rms_norm_kernel(
             while tl.max(tl.where(wait & (got == _SENTINEL), 1, 0)) > 0:
                 got = tl.load(src, mask=wait, other=0, volatile=True)
             total += tl.where(is_own, own, got.to(dtype, bitcast=True).to(tl.float32))
-        res_ptrs = res_ptr + tile
-        summed = (tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + total).to(res_ptr.dtype.element_ty)
-        tl.store(res_ptrs, summed, mask=mask)
-        h = summed.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(h * h, axis=1) * inv_n + eps)
-        normed = (h * rstd[:, None]).to(dtype).to(tl.float32)
-        tl.store(out_ptr + tile, (normed * w[None, :]).to(dtype), mask=mask)
+        add_rms_norm_store(total, res_ptr, w, out_ptr, tile, mask, inv_n, eps)
         tl.store(counters_ptr + t, count + 1)
 
 

@@ -12,6 +12,7 @@ model (torch.distributed's own default group lives in the worker process, which 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from tokenmill.config import ModelArch, ParallelConfig
 from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm
 from tokenmill.distributed.layout import RankLayout
+from tokenmill.distributed.p2p_order import P2POrderLog
 from tokenmill.distributed.stage_balance import StageCosts, balanced_partition, explain
 from tokenmill.distributed.symm_all_reduce import SymmetricAllReduce
 
@@ -48,9 +50,35 @@ class PendingAllReduce:
         return self.parallel.all_reduce(self.partial)
 
 
-def reduced(x: torch.Tensor | PendingAllReduce) -> torch.Tensor:
-    """x, all-reduced if it is still pending."""
-    return x.result() if isinstance(x, PendingAllReduce) else x
+class StartedAllReduce:
+    """A row-parallel linear's partial sum whose all-reduce is already on its way while the caller
+    goes on computing: NCCL / gloo on the collective's own stream (`work`), or the symmetric
+    buffer's kernel on the TP side stream (`done`, its event; capturable in a CUDA graph). `result()` makes
+    the current stream wait for it (no host sync on CUDA) and returns the sum. Made by
+    `RowParallelLinear` inside `ParallelContext.starting_reduces()` (`model/tp_overlap.py`: one
+    half of a batch's all-reduce runs under the other half's GEMMs)."""
+
+    __slots__ = ("tensor", "work", "done", "source")
+
+    def __init__(self, tensor: torch.Tensor, work, done=None, source: torch.Tensor | None = None) -> None:
+        # `done`: the side stream's event after this all-reduce (a join waits for it alone, not for
+        # the other half's, started later). `source`: the partial the side stream reads, kept
+        # alive until the current stream has joined (its memory is reused only after the read).
+        self.tensor, self.work, self.done, self.source = tensor, work, done, source
+
+    def result(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        if self.done is not None:
+            torch.cuda.current_stream(self.tensor.device).wait_event(self.done)
+            self.done = self.source = None
+        return self.tensor
+
+
+def reduced(x: torch.Tensor | PendingAllReduce | StartedAllReduce) -> torch.Tensor:
+    """x, all-reduced if it is still pending (or waited for, if started)."""
+    return x.result() if isinstance(x, (PendingAllReduce, StartedAllReduce)) else x
 
 
 def _measured_partition(probe: Callable[[], StageCosts] | None, stages: int, num_layers: int,
@@ -67,6 +95,23 @@ def _measured_partition(probe: Callable[[], StageCosts] | None, stages: int, num
     if sum(partition) != num_layers or min(partition) < 1:
         raise RuntimeError(f"measured pipeline partition {partition} does not cover the {num_layers} layers")
     return partition
+
+
+def _connect_token_pair(group, layout: RankLayout, device: torch.device) -> None:
+    """One token from the last stage to the first on the device tokens' group, now, on both
+    ranks. NCCL connects a pair lazily, at its first send / receive, and the sender's host then
+    blocks until the receiver's host posts its own: the last stage's first token send sat in
+    `isend` while the first stage, whose first receive comes only with its next step, waited for
+    the core, which waited for that send's step (two H100s, mid-session stacks)."""
+    first = layout.tp_rank
+    last = (layout.pp_size - 1) * layout.tp_size + layout.tp_rank
+    token = torch.zeros(1, dtype=torch.int64, device=device)
+    if layout.is_first_stage:
+        dist.irecv(token, src=last, group=group).wait()
+    else:
+        dist.isend(token, dst=first, group=group).wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class ParallelContext:
@@ -86,6 +131,11 @@ class ParallelContext:
                            "(for timing the all-reduce only)")
         self.token_group = None  # pipeline device tokens: this first / last stage rank and its peer
         self._sends: list[list] = []  # per step sent and not yet retired: its (work, tensor) pairs
+        self.p2p_log: P2POrderLog | None = None  # tests: the order of this rank's sends and receives
+        # Inside `starting_reduces()`: row-parallel linears start their all-reduce and return a
+        # `StartedAllReduce` (the TP overlap of model/tp_overlap.py).
+        self.starts_reduces = False
+        self._side_stream = None  # CUDA: where started all-reduces over the symmetric buffer run
 
     @staticmethod
     def single(arch: ModelArch) -> ParallelContext:
@@ -131,6 +181,9 @@ class ParallelContext:
         fused_norm = FusedAllReduceNorm.create(tp_group, device) if tp > 1 else None
         context = ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
         context.token_group = token_group
+        context.p2p_log = P2POrderLog.from_env(rank)
+        if token_group is not None:
+            _connect_token_pair(token_group, layout, device)
         return context
 
     @property
@@ -150,6 +203,34 @@ class ParallelContext:
                 return self.symm.all_reduce(x, method)
         dist.all_reduce(x, group=self.tp_group)
         return x
+
+    def side_all_reduce_fits(self, x: torch.Tensor) -> bool:
+        """Whether `start_all_reduce(x)` takes the symmetric buffer on the side stream (the only
+        way it may run inside a CUDA graph being captured)."""
+        return self.symm is not None and x.is_contiguous() and self.symm.method_for(x) != "nccl"
+
+    def start_all_reduce(self, x: torch.Tensor) -> StartedAllReduce:
+        """Start the sum over the TP group of `x` and return at once; the caller's stream waits only
+        at `result()`. Messages the symmetric buffer takes: its kernel on the TP side stream, after
+        the work queued so far on the current stream (the sum in a new tensor); others: NCCL / gloo
+        on the collective's own stream (in place)."""
+        if self.tp_size == 1 or self.skip_all_reduce:
+            return StartedAllReduce(x, None)
+        if self.side_all_reduce_fits(x):
+            if self._side_stream is None:
+                self._side_stream = torch.cuda.Stream(device=x.device, priority=-1)
+            out, done = self.symm.start(x, self._side_stream)
+            return StartedAllReduce(out, None, done, x)
+        return StartedAllReduce(x, dist.all_reduce(x, group=self.tp_group, async_op=True))
+
+    @contextlib.contextmanager
+    def starting_reduces(self):
+        """Row-parallel linears called inside start their all-reduce (`start_all_reduce`)."""
+        previous, self.starts_reduces = self.starts_reduces, True
+        try:
+            yield
+        finally:
+            self.starts_reduces = previous
 
     def defers_reduce(self) -> bool:
         """Whether row-parallel linears that feed an RMSNorm leave the all-reduce to it
@@ -180,6 +261,18 @@ class ParallelContext:
             dist.all_gather(parts, x, group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
+    def all_gather_stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """[tp, *x.shape]: every rank's `x`, ranks in order (capturable on CUDA)."""
+        if self.tp_size == 1:
+            return x[None]
+        x = x.contiguous()
+        out = torch.empty((self.tp_size, *x.shape), dtype=x.dtype, device=x.device)
+        if self.backend == "nccl":
+            dist.all_gather_into_tensor(out, x, group=self.tp_group)
+        else:
+            dist.all_gather(list(out.unbind(0)), x, group=self.tp_group)
+        return out
+
     # ------------------------------------------------------------------ pipeline parallel
 
     def send_next(self, tensors: list[torch.Tensor]) -> None:
@@ -190,6 +283,8 @@ class ParallelContext:
         past `MAX_SENDS_IN_FLIGHT` steps is the oldest waited for (a stream wait, not a host one)."""
         self._retire_sends()
         dst = self.layout.next_stage_rank
+        if self.p2p_log is not None:
+            self.p2p_log.record(dst, "send", "act")
         self._sends.append([(dist.isend(t.contiguous(), dst=dst, group=self.pp_group), t) for t in tensors])
 
     def _retire_sends(self) -> None:
@@ -208,6 +303,8 @@ class ParallelContext:
         """Receive the previous stage's activations (blocks until they arrive)."""
         out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
         src = self.layout.prev_stage_rank
+        if self.p2p_log is not None:
+            self.p2p_log.record(src, "recv", "act")
         works = [dist.irecv(t, src=src, group=self.pp_group) for t in out]
         for work in works:
             work.wait()
@@ -216,5 +313,7 @@ class ParallelContext:
     def destroy(self) -> None:
         """Leave the groups (at shutdown; a send still on its way is dropped: its peer stops too)."""
         self._sends = []
+        if self.p2p_log is not None:
+            self.p2p_log.write()
         if self.backend is not None and dist.is_initialized():  # only what `init` set up
             dist.destroy_process_group()

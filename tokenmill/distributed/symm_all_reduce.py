@@ -96,10 +96,11 @@ class SymmetricAllReduce:
     def method_for(self, x: torch.Tensor) -> str:
         return choose_method(x.numel() * x.element_size(), x.dtype, self.limits)
 
-    def all_reduce(self, x: torch.Tensor, method: str) -> torch.Tensor:
-        """The sum over the group of `x` (contiguous, `method` from `method_for`), in a new tensor."""
+    def all_reduce(self, x: torch.Tensor, method: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum over the group of `x` (contiguous, `method` from `method_for`), in a new tensor
+        (or in `out`, contiguous, x's shape and dtype)."""
         flat = x.reshape(-1)
-        out = torch.empty_like(flat)
+        out = torch.empty_like(flat) if out is None else out.view(-1)
         symm = self.buffer[:flat.numel() * flat.element_size()].view(flat.dtype)
         if method == "one_shot":
             self._ops.one_shot_all_reduce_copy_out(symm, flat, "sum", self.group_name, out)
@@ -107,3 +108,17 @@ class SymmetricAllReduce:
             symm.copy_(flat)
             self._ops.two_shot_all_reduce_out(symm, "sum", self.group_name, out)
         return out.view_as(x)
+
+    def start(self, x: torch.Tensor, stream: torch.cuda.Stream) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """Fork: the sum over the group of `x` (`method_for(x)` not "nccl") into a new tensor, by this
+        buffer's kernel on `stream` after the work queued on the current stream so far; returns the
+        tensor and the event that marks its end. The caller joins (`current_stream().wait_event`)
+        before it reads the sum, and keeps `x` alive until then: a join waits for this all-reduce
+        only, not for ones started after it. Stream waits only: capturable in a CUDA graph."""
+        out = torch.empty_like(x)  # (allocated on the current stream, which reads it after the join)
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):
+            self.all_reduce(x, self.method_for(x), out)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return out, done

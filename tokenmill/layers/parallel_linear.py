@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce
+from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce, StartedAllReduce
 from tokenmill.layers import cpu_bf16_gemm, cpu_logits, triton_ops, wide_linear
 from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, linear
 from tokenmill.layers.lora.lora_layer import has_lora, lora_forward
@@ -39,7 +39,9 @@ class RowParallelLinear(Linear):
         # and the norm all-reduces, adds and normalizes in one launch.
         self.defer_reduce = False
 
-    def _reduce(self, partial: torch.Tensor) -> torch.Tensor | PendingAllReduce:
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor | PendingAllReduce | StartedAllReduce:
+        if getattr(self.parallel, "starts_reduces", False):  # (model/tp_overlap.py: its caller waits)
+            return self.parallel.start_all_reduce(partial)
         if self.defer_reduce and self.parallel.defers_reduce():
             return PendingAllReduce(partial, self.parallel)
         return self.parallel.all_reduce(partial)
@@ -133,9 +135,12 @@ class ParallelLMHead:
             return cpu_bf16_gemm.gemm_f32(h, weight, self.gemm_packed).view(*hidden.shape[:-1], weight.shape[0])
         return cpu_logits.linear_f32(hidden, weight)
 
-    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [rows, V]; written into `out` when given (a buffer a CUDA graph replays into)."""
-        whole = self.parallel.tp_size == 1
+    def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,
+               gather: bool = True) -> torch.Tensor:
+        """float32 logits [rows, V]; written into `out` when given (a buffer a CUDA graph replays into).
+        `gather=False`: this rank's vocab columns only ([rows, vocab_per_rank], the last shard's
+        padding columns included), for `gather` or `argmax` later."""
+        whole = self.parallel.tp_size == 1 or not gather
         if cpu_logits.supports(hidden, weight):  # bf16 on CPU: float32 logits, never rounded to bf16
             local = self._cpu_logits(hidden, weight)
         elif self._cuda_f32_out and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
@@ -144,5 +149,43 @@ class ParallelLMHead:
                 return out
         else:
             local = linear(hidden, weight, None, self.packed)
-        result = local if whole else self.parallel.all_gather_last_dim(local)[..., :self.parallel.layout.vocab_size]
+        result = local if whole else self.gather(local)
         return result.float() if out is None else out.copy_(result)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole vocabulary's logits from every rank's `logits(..., gather=False)`."""
+        if self.parallel.tp_size == 1:
+            return local
+        return self.parallel.all_gather_last_dim(local)[..., :self.parallel.layout.vocab_size]
+
+    def shards_argmax(self) -> bool:
+        """Whether `argmax` serves this layout: TP > 1 and every rank holds a vocab row."""
+        layout = self.parallel.layout
+        return layout.tp_size > 1 and (layout.tp_size - 1) * layout.vocab_per_rank < layout.vocab_size
+
+    def argmax(self, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(greedy token id, row not finite) per row of the whole vocabulary's float32 logits, from this
+        rank's columns `local` ([rows, vocab_per_rank]) without gathering them: each rank's
+        maximum, its id and its row's finiteness go to every rank (3 numbers a row instead of the
+        logits), `pick_sharded_argmax` takes the row's answer. Equal on every rank."""
+        start, count = self.parallel.layout.vocab_rows()
+        return pick_sharded_argmax(self.parallel.all_gather_stacked(pack_shard_argmax(local, start, count)))
+
+
+def pack_shard_argmax(local: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """float32 [3, rows]: per row of a rank's logits columns (the first `count` real, vocab ids from
+    `start`), its maximum, the maximum's first id, and 1.0 where the row is not finite."""
+    part = local[:, :count]
+    bad = ~torch.isfinite(part.sum(dim=-1, dtype=torch.float32))
+    idx = part.argmax(dim=-1)
+    best = part.gather(1, idx[:, None]).squeeze(1).float()
+    return torch.stack([best, (idx + start).to(torch.float32), bad.to(torch.float32)])  # (ids exact below 2**24)
+
+
+def pick_sharded_argmax(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From every rank's `pack_shard_argmax` ([ranks, 3, rows], ranks in vocab order): per row the id
+    of the first rank holding the largest maximum (ties: the lowest id, as `argmax` over the whole
+    row) and whether any rank's part of the row is not finite."""
+    rank = every[:, 0].argmax(dim=0)
+    ids = every[:, 1].gather(0, rank[None]).squeeze(0).to(torch.int64)
+    return ids, every[:, 2].amax(dim=0) > 0

@@ -29,6 +29,7 @@ from tokenmill.layers.lora.lora_layer import has_lora, lora_forward, lora_forwar
 from tokenmill.layers.norm import RMSNorm, add_in_matmul, residual_stream, stage_handover
 from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
+from tokenmill.model import tp_overlap
 from tokenmill.model.intermediate import IntermediateTensors
 from tokenmill.model.quant_loading import load_quantized_param, quantized_layout
 from tokenmill.model.weight_source import LazyTensor, read_slice, tensor_shape
@@ -61,6 +62,15 @@ class LlamaAttention(nn.Module):
         """Attention output, plus `residual` when given (added inside the o_proj matmul where it can);
         `lora_into`: the stream the output is added to next (o_proj's LoRA delta may go there)."""
         qkv = lora_forward(self.qkv_proj, hidden, lambda: self.qkv_proj(hidden))
+        out = self.attend(qkv, rope, kv_cache, meta)
+        if residual is None:
+            return self.o_proj(out, lora_into)
+        return self.o_proj.forward_add(out, residual)
+
+    def attend(self, qkv: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata
+               ) -> torch.Tensor:
+        """From the qkv projection's output to the input of o_proj ([tokens, q_size]): q/k norms,
+        rotary, the KV-cache write and attention."""
         num_tokens = qkv.shape[0]
         v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         fused = False  # rotary and the KV-cache write in one kernel (the attention backend's)
@@ -76,10 +86,7 @@ class LlamaAttention(nn.Module):
             fused = self.attn.fuses_rope(rope, kv_cache)
             q, k = (qk if fused else rope.rotate(qk)).split([self.num_heads, self.num_kv_heads], dim=1)
         rotary = {"rope": rope} if fused else {}
-        out = self.attn.forward(q, k, v, kv_cache, meta, **rotary).reshape(-1, self.q_size)
-        if residual is None:
-            return self.o_proj(out, lora_into)
-        return self.o_proj.forward_add(out, residual)
+        return self.attn.forward(q, k, v, kv_cache, meta, **rotary).reshape(-1, self.q_size)
 
 
 class LlamaMLP(nn.Module):
@@ -177,6 +184,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         layout = parallel.layout
         self.layout = layout
+        self.parallel = parallel
         self.embed_tokens = (VocabParallelEmbedding(layout.vocab_per_rank, dims.hidden_size, parallel)
                              if layout.is_first_stage else None)
         self.rotary_emb = RotaryEmbedding(dims.head_dim, dims.max_position, dims.rope)
@@ -210,9 +218,12 @@ class LlamaModel(nn.Module):
             residual = None if intermediate.residual is None else residual_stream(intermediate.residual)
         act_dtype = hidden.dtype
         ropes = [r.prepare(positions, hidden.dtype, meta) for r in (self.rotary_emb, *self.extra_rotary_embs)]
-        for i in range(layout.layer_start, layout.layer_end):
-            hidden, residual = self.layers[i](hidden, residual, ropes[self._rope_of_layer[i]],
-                                              kv_caches[i - layout.layer_start], meta)
+        if tp_overlap.applies(self, hidden):  # TP: each half's all-reduces under the other half's GEMMs
+            hidden, residual = tp_overlap.run_layers(self, hidden, residual, ropes, kv_caches, meta)
+        else:
+            for i in range(layout.layer_start, layout.layer_end):
+                hidden, residual = self.layers[i](hidden, residual, ropes[self._rope_of_layer[i]],
+                                                  kv_caches[i - layout.layer_start], meta)
         if self.norm is None:
             return IntermediateTensors(*stage_handover(hidden, residual, act_dtype))
         if residual is None:  # (the stream itself: float32 where the layers add in their matmuls)
@@ -259,14 +270,20 @@ class LlamaForCausalLM(nn.Module):
                 ) -> torch.Tensor | IntermediateTensors:
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 logits [rows, V]; in `out` when given."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None, gather: bool = True
+                       ) -> torch.Tensor:
+        """float32 logits [rows, V]; in `out` when given. `gather=False`: this TP rank's vocab
+        columns only (`logits_head.gather` / `.argmax` finish them)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = self._lm_head.logits(hidden, weight, out)
+        logits = self._lm_head.logits(hidden, weight, out, gather)
         cap = self.dims.final_logit_softcap
         if cap is not None:  # HF: logits / c, tanh, * c
             logits = torch.tanh(logits.div_(cap), out=logits).mul_(cap)
         return logits
+
+    @property
+    def logits_head(self) -> ParallelLMHead:
+        return self._lm_head
 
     def intermediate_shapes(self, num_tokens: int) -> list[tuple[int, ...]]:
         """What a stage hands the next: the hidden state, plus the residual where the fused

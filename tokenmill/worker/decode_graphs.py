@@ -32,6 +32,7 @@ a stage before the last ends with its activations instead of logits (`PipelineSt
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -66,6 +67,12 @@ class DecodeGraphs:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.sizes = graph_batch_sizes(max_num_seqs)
+        # TP plain decode: the graphs leave each rank's vocab columns of the logits; the greedy
+        # tail takes their argmax across ranks without gathering them (`ParallelLMHead.argmax`),
+        # other steps gather them after the replay (`whole_logits`).
+        self.local_logits = (layout is not None and layout.tp_size > 1 and self.last_stage and query_len == 1
+                             and not kv_only and hasattr(model, "logits_head") and model.logits_head.shards_argmax()
+                             and os.environ.get("TOKENMILL_TP_SHARDED_ARGMAX", "1") != "0")
         device = batch.device
         largest = self.sizes[-1]
         # The rows' slots (padding: the scratch slot) and draft counts, loaded by one copy.
@@ -119,7 +126,7 @@ class DecodeGraphs:
 
     def run(self, slots: np.ndarray, num_drafts: np.ndarray | None = None) -> torch.Tensor | list[torch.Tensor]:
         """Replay the decode step of rows `slots`; logits [len(slots) * query_len, V] (a view of the
-        graph's output), or on a pipeline stage before the last its activations (views: copy
+        graph's output; with `local_logits` this rank's vocab columns: see `whole_logits`), or on a pipeline stage before the last its activations (views: copy
         before the next replay). Advances every row's computed-token count on the device by
         1 + its drafts (the caller does the host's). `num_drafts`: per row, with `query_len` > 1.
         `kv_only`: writes the KV of the rows' next inputs, returns None, advances nothing."""
@@ -142,6 +149,10 @@ class DecodeGraphs:
         if not self.last_stage:
             return [t[:rows] for t in self.activations[size]]
         return self.logits[size][:rows]
+
+    def whole_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """`run`'s logits over the whole vocabulary (`local_logits`: gathered from the ranks now)."""
+        return self.model.logits_head.gather(logits) if self.local_logits else logits
 
     def _body(self, size: int) -> torch.Tensor | list[torch.Tensor]:
         batch, bs, q = self.batch, self.block_size, self.query_len
@@ -183,9 +194,10 @@ class DecodeGraphs:
         batch.num_computed_dev.index_add_(0, slots, advance)
         if not self.last_stage:
             return self._into_outputs(out.tensors())
+        gather = not self.local_logits
         if self._outputs is None:
-            self._outputs = [self.model.compute_logits(out)]
-        return self.model.compute_logits(out, out=self._outputs[0][:out.shape[0]])
+            self._outputs = [self.model.compute_logits(out, gather=gather)]
+        return self.model.compute_logits(out, out=self._outputs[0][:out.shape[0]], gather=gather)
 
     def _into_outputs(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._outputs is None:

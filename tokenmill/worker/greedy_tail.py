@@ -87,11 +87,16 @@ class GreedyTail:
         graphs, batch = self.graphs, self.batch
         q = graphs.query_len
         slots = graphs.slots[:size]
-        logits = graphs.logits[size]  # [size * q, V]
-        bad = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # per position
-        if self.masks is not None:  # after the screen: masked logits are -inf by design
-            apply_bitmask_by_row(logits, self.masks.bits, self.masks.which[:size * q])
-        sampled = torch.where(bad, 0, logits.argmax(dim=-1))  # a failed row still gets a valid next input
+        logits = graphs.logits[size]  # [size * q, V] (`local_logits`: this TP rank's vocab columns)
+        if graphs.local_logits and self.masks is None:  # argmax across the ranks, logits not gathered
+            sampled, bad = graphs.model.logits_head.argmax(logits)
+        else:
+            logits = graphs.whole_logits(logits)
+            bad = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # per position
+            if self.masks is not None:  # after the screen: masked logits are -inf by design
+                apply_bitmask_by_row(logits, self.masks.bits, self.masks.which[:size * q])
+            sampled = logits.argmax(dim=-1)
+        sampled = torch.where(bad, 0, sampled)  # a failed row still gets a valid next input
         real = slots != batch.scratch
         failure = -int(RowFailure.NON_FINITE_LOGITS)
         if q == 1:

@@ -36,6 +36,7 @@ from tokenmill.protocol import GrammarBitmask, NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs, verify_logits_rows
 from tokenmill.worker.draft_catch_up import catch_up as draft_catch_up
+from tokenmill.worker import sharded_greedy
 from tokenmill.worker.greedy_tail import GreedyTail
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
 from tokenmill.worker.mask_upload import MaskUpload
@@ -307,7 +308,7 @@ class ModelRunner:
         elif prompt_graph:
             fwd = self._forward_prompt_graph(slots, counts)
         else:
-            fwd = self._forward_eager(slots, counts, so.step_id)
+            fwd = self._forward_eager(slots, counts, so.step_id, so.awaits_bitmask)
         if fwd is None:  # a pipeline stage before the last: its output went on to the next
             if tokens is not None:  # the first stage: this step's tokens will come back
                 tokens.expect(so.step_id, sampling)
@@ -469,7 +470,8 @@ class ModelRunner:
         recording = self.speculator is not None and self.speculator.recording
         tail_graphs = self.recording_tail if recording else self.graph_tail
         fwd = Forward(logits, np.arange(len(slots)), graphs.slots[:len(slots)], len(slots))
-        self._end_in_tail(fwd, tail_graphs, awaits_mask, len(slots))
+        if not self._end_in_tail(fwd, tail_graphs, awaits_mask, len(slots)):
+            fwd.logits = graphs.whole_logits(logits)  # (TP: gathered only for steps that sample them)
         return fwd
 
     def _end_in_tail(self, fwd: Forward, tail: GreedyTail | None, awaits_mask: bool, num_rows: int) -> bool:
@@ -510,7 +512,8 @@ class ModelRunner:
         self.batch.num_computed[slot] = first + n
         return Forward(logits, np.flatnonzero(first + n >= self.batch.num_known[slots]), self.prompt_graphs.slot, 0)
 
-    def _forward_eager(self, slots: np.ndarray, counts: np.ndarray, step_id: int) -> Forward | None:
+    def _forward_eager(self, slots: np.ndarray, counts: np.ndarray, step_id: int,
+                       awaits_mask: bool = False) -> Forward | None:
         """Any step: inputs built on the host (`step_inputs.py`), the model run eagerly."""
         # While the proposer sleeps no drafts are in flight (the last ones were read back steps
         # ago, so the host's counts are exact): the plain inputs, as without speculation.
@@ -527,6 +530,10 @@ class ModelRunner:
         step_prompt_logprobs = []
         if self.batch.num_prompt_logprobs:
             step_prompt_logprobs = prompt_logprobs(self, slots, counts, hidden, inputs.meta)
+        if sharded_greedy.applies(self, inputs.sample_rows, inputs.sample_drafts, awaits_mask):
+            result = sharded_greedy.run(self, hidden[inputs.logits_indices], inputs.sample_slots)
+            return Forward(None, inputs.sample_rows, inputs.sample_slots, inputs.num_device_inputs,
+                           greedy_result=result, prompt_logprobs=step_prompt_logprobs)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return Forward(logits, inputs.sample_rows, inputs.sample_slots, inputs.num_device_inputs,
                        drafts=inputs.sample_drafts, seq_lens=inputs.sample_seq_lens,

@@ -42,6 +42,11 @@ class PipelineStage:
         # Device tokens: per step that had them, its rows whose input came from the last stage (4 bytes each).
         self._placeholders = telemetry.channel("pp_placeholder_rows") if telemetry is not None else None
 
+    def drain_tokens(self) -> None:
+        """At shutdown: the sampled tokens' sends and receives all matched and done."""
+        if self._tokens is not None:
+            self._tokens.drain()
+
     def count_placeholders(self, rows: int) -> None:
         if rows and self._placeholders is not None:
             self._placeholders.decoded(4 * rows, 0.0)
@@ -54,7 +59,8 @@ class PipelineStage:
         if self._tokens is None:
             layout = self.layout
             last = (layout.pp_size - 1) * layout.tp_size + layout.tp_rank
-            self._tokens = DeviceTokens(group, layout.tp_rank, last, layout.is_first_stage, device)
+            self._tokens = DeviceTokens(group, layout.tp_rank, last, layout.is_first_stage, device,
+                                        self.parallel.p2p_log)
         return self._tokens
 
     @property
@@ -120,6 +126,10 @@ class PipelineStage:
     def _send(self, out: IntermediateTensors, step_id: int) -> None:
         start = time.perf_counter()
         tensors = out.tensors()
+        if self._tokens is not None and self._tokens.is_first:
+            # The earlier steps' token receives go first (pp_tokens.py: the order both ranks keep),
+            # polling only after this step's forward pass.
+            self._tokens.post_pending()
         self.parallel.send_next(tensors)
         if self.telemetry is not None:
             end = time.perf_counter()

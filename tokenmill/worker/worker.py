@@ -132,6 +132,9 @@ class Worker:
     def shutdown(self) -> None:
         self.idle.flush(wait=True)  # the last steps' device spans into the trace
         self.telemetry.close()
+        stage = getattr(self.runner, "stage", None)
+        if stage is not None:
+            stage.drain_tokens()  # no send left unmatched before the groups go
         self.parallel.destroy()
 
 

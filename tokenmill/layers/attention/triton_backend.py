@@ -48,6 +48,10 @@ class DecodeTiles:
     warps: int = 4
     stages: int = 2
     min_rows: int = MIN_TILE_ROWS  # query rows per tile at least (16; 64: Hopper's wgmma; H200: slower)
+    # Round trips a tile waits on (the config's flags of the same names turn them on everywhere):
+    early_v_load: bool = False  # V loaded with K (one round trip for both)
+    table_prefetch: bool = False  # the next tile's block-table lookups issued before this tile's loads
+    fp8_convert_on_load: bool = False  # fp8 caches: K/V to float16 where they load (not after the layout change)
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,12 @@ class TritonAttentionConfig:
     # max_model_len) cannot tell the two apart: 128 keys (the engine's 1000x512x256 decodes at 512-768).
     decode_tiles: DecodeTiles = DecodeTiles()
     split_decode_tiles: DecodeTiles | None = None
-    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=2, stages=1)
+    # fp8 unsplit: K/V converted to float16 where they load (fp8_convert_on_load; without it the V tile is
+    # read back from shared memory one byte per load), 4 warps, 2 stages: H100, 256 rows x 640 keys,
+    # 157.3 us against 180.7 before (1 stage, 2 warps, no conversion on load; that with it: 177.9).
+    # Split (batch 1 x 16k): as before, 26.2 us against 27.9 converting on load
+    # (docs/results/gpu-kvfp8.md).
+    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=2, fp8_convert_on_load=True)
     fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4)
     # A share of the KV axis spans at least this many keys (of max_seq_len). H200, batch 1, context 640
     # captured at max_seq_len 784: 8 shares 8.1 / 8.6 us at 4 / 8 KV heads against 11.2 / 12.8 for the
@@ -89,6 +98,11 @@ class TritonAttentionConfig:
     lookup_blocks: bool = False  # in those tiles, one block-table read per cache block, not per key
     fp8_qk_dot: bool = False  # e4m3 caches: q . k as two fp8 dots (keys unconverted)
     fp8_pv_dot: bool = False  # e4m3 caches: p @ v as two fp8 dots (values unconverted)
+    # On for every launch (else per DecodeTiles): decode launches' V loaded with K; fp8 K/V converted to
+    # float16 where they load; block-table lookups one tile ahead in the unmasked walk.
+    early_v_load: bool = False
+    fp8_convert_on_load: bool = False
+    table_prefetch: bool = False
 
 
 def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
@@ -105,6 +119,9 @@ class LaunchPlan:
     num_splits: int
     num_warps: int
     num_stages: int
+    early_v_load: bool = False
+    table_prefetch: bool = False
+    fp8_convert_on_load: bool = False
 
 
 def _next_pow2(n: int) -> int:
@@ -137,14 +154,21 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
         min_rows = max(tiles.min_rows, MIN_TILE_ROWS)
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad),
                       -(-min_rows // group_pad), 1)
+        early_v = config.early_v_load
+        prefetch = config.table_prefetch
+        bits = config.fp8_convert_on_load
         if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned
-            return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages)
-        return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages)
+            return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages, early_v,
+                              prefetch, bits)
+        return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages, early_v or tiles.early_v_load,
+                          prefetch or tiles.table_prefetch, bits or tiles.fp8_convert_on_load)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
         rows, warps = config.prefill_rows, config.prefill_warps
-    return LaunchPlan(max(rows // group_pad, min_q, 1), config.block_n, 1, warps, config.num_stages)
+    # Prefill launches: no early V (its tiles' registers); the table lookahead and bit conversion as set.
+    return LaunchPlan(max(rows // group_pad, min_q, 1), config.block_n, 1, warps, config.num_stages, False,
+                      config.table_prefetch, config.fp8_convert_on_load)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -202,6 +226,7 @@ class TritonAttentionBackend(AttentionBackend):
             max_splits=_next_pow2(plan.num_splits), num_warps=plan.num_warps, num_stages=plan.num_stages,
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
             fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot,
+            early_v_load=plan.early_v_load, fp8_convert_on_load=plan.fp8_convert_on_load, table_prefetch=plan.table_prefetch,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
 

@@ -43,6 +43,8 @@ Requires triton at import; `triton_backend` imports this module lazily.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -52,6 +54,21 @@ SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence sear
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
 F8_P_SCALE = 448.0  # fp8_pv_dot: softmax weights (<= 1) scaled to e4m3's largest value
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline PTX under the interpreter
+
+
+@triton.jit
+def _fp8_to_f16(x, E5M2: tl.constexpr, PTX: tl.constexpr):
+    """An fp8 tile to float16 where it stands (CVT_ON_LOAD): the conversion instruction in inline PTX
+    marked impure (4 values per call), which the compiler cannot move past the tile's layout change
+    for the dot, so that change moves 16-bit values (ldmatrix, transposed for V) instead of reading
+    the fp8 tile back byte by byte. Without PTX (TRITON_INTERPRET) the plain conversion: the same values."""
+    if PTX:
+        fmt: tl.constexpr = "e5m2x2" if E5M2 else "e4m3x2"
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2." + fmt + " $0, lo; cvt.rn.f16x2." + fmt
+            + " $1, hi; }", "=r,=r,r", [x.to(tl.uint8, bitcast=True)], dtype=tl.float16, is_pure=False, pack=4)
+    return x.to(tl.float16)
 
 
 @triton.jit
@@ -111,14 +128,14 @@ def _load_rows(cache_ptr, kv_off, key_valid, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
 @triton.jit
 def _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window, softcap, qk_scale,
                   DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
-                  MASKED: tl.constexpr, F8_QK: tl.constexpr):
+                  MASKED: tl.constexpr, F8_QK: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr):
     """Scores of one K tile into the online softmax: (p, alpha, new max, new sum).
     F8_QK: q and q_lo are the query's two fp8 terms (q * scale = q + q_lo, row_scale = 1 / scale per
     row), and the fp8 keys enter the dot unconverted."""
     if F8_QK:
         s = (tl.dot(q, tl.trans(k)) + tl.dot(q_lo, tl.trans(k))) * (qk_scale * row_scale)[:, None]
     else:
-        if KV_FP8:
+        if KV_FP8 and not CVT_ON_LOAD:  # (CVT_ON_LOAD: the rows came in as float16, the queries' dtype)
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
@@ -138,7 +155,7 @@ def _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, wi
 
 @triton.jit
 def _accumulate(acc, alpha, p, v, q_dtype: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-                F8_QK: tl.constexpr, F8_PV: tl.constexpr):
+                F8_QK: tl.constexpr, F8_PV: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr):
     """acc * alpha + p @ v. F8_PV (e4m3 values): p (<= 1) scaled to 448 as two e4m3 terms, hi + lo
     (about bf16's precision), against the unconverted values: the accumulator carries the factor
     448, which the caller divides out with v_scale."""
@@ -147,11 +164,40 @@ def _accumulate(acc, alpha, p, v, q_dtype: tl.constexpr, DOT_PRECISION: tl.const
         p_hi = ps.to(v.dtype)
         p_lo = (ps - p_hi.to(tl.float32)).to(v.dtype)
         return acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-    if F8_QK:
+    if CVT_ON_LOAD:  # the rows came in as float16
+        pass
+    elif F8_QK:
         v = v.to(tl.float16)
     elif KV_FP8:
         v = v.to(q_dtype)
     return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _attend_rows(q, q_lo, row_scale, m_i, l_i, acc, key, key_valid, kv_off, k_cache_ptr, v_cache_ptr,
+                 key_limit, window, softcap, qk_scale, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, MASKED: tl.constexpr, F8_QK: tl.constexpr,
+                 F8_PV: tl.constexpr, EARLY_V: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr,
+                 PTX: tl.constexpr):
+    """The keys of one tile (cache offsets `kv_off`) into the online softmax. EARLY_V: the V rows are
+    loaded with the K rows, before the scores (both loads in flight at once)."""
+    k = _load_rows(k_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+    if CVT_ON_LOAD:
+        k = _fp8_to_f16(k, E5M2, PTX)
+    if EARLY_V:
+        v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        if CVT_ON_LOAD:
+            v = _fp8_to_f16(v, E5M2, PTX)
+    p, alpha, m_new, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window,
+                                         softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, MASKED, F8_QK, CVT_ON_LOAD,
+                                         E5M2)
+    if not EARLY_V:
+        v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+        if CVT_ON_LOAD:
+            v = _fp8_to_f16(v, E5M2, PTX)
+    acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, CVT_ON_LOAD, E5M2)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -160,17 +206,15 @@ def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr,
                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
                  KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr,
-                 F8_PV: tl.constexpr):
+                 F8_PV: tl.constexpr, EARLY_V: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr,
+                 PTX: tl.constexpr):
     """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
     every key of the tile is valid and visible to every row (no masks, no table-load guard)."""
     key, key_valid, kv_off = _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch,
                                            BLOCK_N, BLOCK_SIZE, MASKED, LOOKUP_BLOCKS)
-    k = _load_rows(k_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    p, alpha, m_new, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window,
-                                         softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, MASKED, F8_QK)
-    v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV)
-    return m_new, l_i, acc
+    return _attend_rows(q, q_lo, row_scale, m_i, l_i, acc, key, key_valid, kv_off, k_cache_ptr, v_cache_ptr,
+                        key_limit, window, softcap, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP,
+                        KV_FP8, MASKED, F8_QK, F8_PV, EARLY_V, CVT_ON_LOAD, E5M2, PTX)
 
 
 # Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
@@ -193,6 +237,8 @@ def _paged_attention_kernel(
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, SEARCH: tl.constexpr, SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
     LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr, F8_PV: tl.constexpr,
+    EARLY_V: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
+    PTX: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     tile = tl.program_id(0)
@@ -285,21 +331,38 @@ def _paged_attention_kernel(
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK,
-                F8_PV)
-    if INTERIOR:
+                F8_PV, EARLY_V, CVT_ON_LOAD, E5M2, PTX)
+    if INTERIOR and PREFETCH_TABLE:
+        # The next tile's block-table lookups are issued before this tile's K/V loads, so a tile waits
+        # on one round trip (its K/V), not two (table, then K/V). The lookups are the masked ones
+        # (valid keys only), so the one past the last interior tile reads nothing out of bounds.
+        interior_len = tl.minimum(kv_len, mid_hi * BLOCK_N)
+        key_n, valid_n, off_n = _tile_offsets(mid_lo, table_row, kv_head, interior_len, kv_lo, s_cb, s_cs, s_ch,
+                                              BLOCK_N, BLOCK_SIZE, True, False)
+        for j in range(mid_lo, mid_hi):
+            key, valid, kv_off = key_n, valid_n, off_n
+            key_n, valid_n, off_n = _tile_offsets(j + 1, table_row, kv_head, interior_len, kv_lo, s_cb, s_cs, s_ch,
+                                                  BLOCK_N, BLOCK_SIZE, True, False)
+            m_i, l_i, acc = _attend_rows(q, q_lo, row_scale, m_i, l_i, acc, key, valid, kv_off, k_cache_ptr,
+                                         v_cache_ptr, key_limit, window, softcap, qk_scale, BLOCK_N, HEAD_DIM,
+                                         HEAD_DIM_PAD,
+                                         DOT_PRECISION, SOFTCAP, KV_FP8, False, F8_QK, F8_PV, EARLY_V, CVT_ON_LOAD,
+                                         E5M2, PTX)
+    elif INTERIOR:
         for j in range(mid_lo, mid_hi):
             m_i, l_i, acc = _attend_tile(
                 q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS,
-                F8_QK, F8_PV)
+                F8_QK, F8_PV, EARLY_V, CVT_ON_LOAD, E5M2, PTX)
     for j in range(mid_hi, tile_hi):  # masked tiles at the causal edge (all of them without INTERIOR)
         m_i, l_i, acc = _attend_tile(
             q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
             key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
-            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV)
+            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV,
+            EARLY_V, CVT_ON_LOAD, E5M2, PTX)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -363,7 +426,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     seq_lens: torch.Tensor, block_table: torch.Tensor, scale: float, num_kv_heads: int, *,
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
                     num_warps: int, num_stages: int, interior: bool = True, lookup_blocks: bool = False,
-                    fp8_qk_dot: bool = False, fp8_pv_dot: bool = False,
+                    fp8_qk_dot: bool = False, fp8_pv_dot: bool = False, early_v_load: bool = False,
+                    fp8_convert_on_load: bool = False, table_prefetch: bool = False,
                     sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -377,6 +441,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `fp8_qk_dot` (e4m3 cache, 16-bit queries): q . k as two fp8 dots (the query split into two fp8
     terms), so the keys are not converted; values still are.
     `fp8_pv_dot` (e4m3 cache, 16-bit queries): p @ v likewise (p as two e4m3 terms), values unconverted.
+    `early_v_load`: each tile's V rows are loaded together with its K rows (before the scores).
+    `fp8_convert_on_load` (fp8 cache, 16-bit queries, neither fp8 dot): K/V tiles converted to float16
+    where they load (pinned there in inline PTX), so the dot's layout change moves 16-bit values.
+    `table_prefetch`: in the unmasked walk, each tile's block-table lookups are issued one tile ahead.
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -395,6 +463,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     f8_pv = fp8_pv_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
     if f8_pv:  # the accumulator carries p's factor 448
         v_scale = v_scale / F8_P_SCALE
+    f8_qk = fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
+    cvt_on_load = fp8_convert_on_load and kv_fp8 and q.dtype != torch.float32 and not (f8_qk or f8_pv)
     if split:
         part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -418,8 +488,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         SEARCH=SEARCH_CHUNK, SOFTCAP=logit_softcap is not None, KV_FP8=kv_fp8,
         F16_DOT=kv_fp8 and q.dtype != torch.float32, SINKS=sinks is not None, INTERIOR=interior,
         LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
-        F8_QK=fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32,
-        F8_PV=f8_pv,
+        F8_QK=f8_qk, F8_PV=f8_pv, EARLY_V=early_v_load, CVT_ON_LOAD=cvt_on_load,
+        E5M2=kv_cache.dtype == torch.float8_e5m2, PREFETCH_TABLE=table_prefetch, PTX=not _INTERPRETED,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -152,7 +152,8 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             if pc.split > 1 and (counters is None or counters.numel() < qweight.shape[0]):
                 from dataclasses import replace
 
-                pc = replace(pc, split=1)  # no counters for the split-K sum: one program per panel
+                # no counters for the split-K sum: one program per panel (an unroll may not divide its steps)
+                pc = replace(pc, split=1, prefetch=1 if pc.prefetch < 0 else pc.prefetch)
             return prefetch.prefetch_gemv(x, qweight, scales, zeros, group_size, pc, counters)
         c = stream_tiles.gemv_config(n, k, group, stream_tiles.sm_count(x.device))
         if c.mode == stream_tiles.STREAM:

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.quantization.triton_panels import panel_prologue
 from tokenmill.layers.quantization.triton_split_k import store_tile
 
 
@@ -147,10 +148,7 @@ def _int4_gemv_kernel(x_ptr, qp_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, N
     pid_k = tl.program_id(1)
     split = tl.num_programs(1)
     R: tl.constexpr = BLOCK_K // 8
-    offs_r = tl.arange(0, R)
-    offs_c = tl.arange(0, PANEL)
-    offs_n = pid_n * PANEL + offs_c
-    panel = qp_ptr + pid_n.to(tl.int64) * (K // 8) * PANEL
+    offs_r, offs_c, offs_n, panel = panel_prologue(qp_ptr, pid_n, K, PANEL, BLOCK_K)
     tiles_k = K // BLOCK_K
     per_split = tl.cdiv(tiles_k, split)
     t_lo = pid_k * per_split

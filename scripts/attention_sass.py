@@ -1,0 +1,105 @@
+"""Compile the paged-attention decode kernel for sm_90 on a machine without a GPU and count what its
+SASS does per launch: registers, stack (spills), shared memory, and the instructions that matter for
+an fp8 cache (byte-wise shared loads LDS.U8, ldmatrix LDSM / LDSM.T, cp.async LDGSTS, fp8
+conversions F2FP, HMMA). Uses triton's bundled ptxas / cuobjdump; needs no device.
+
+    python scripts/attention_sass.py                       # the decode launches of the defaults
+    python scripts/attention_sass.py --launch '{"kv": "fp8", "warps": 2, "stages": 1, "convert_on_load": false}'
+
+Llama-3.1-8B heads (32 / 8, head_dim 128), block size 16, one-token decode tiles (16 rows). This is how
+the fp8 cache's V tile was found read back from shared memory one byte per load (256 LDS.U8 per thread
+per 128-key tile) where the compiler converts it after the p @ v layout change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+os.environ.pop("TRITON_INTERPRET", None)  # a real compile
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+OPS = ("LDS.U8", "LDSM.16.MT88", "LDSM.16.M88", "LDGSTS", "LDG.E.128", "F2FP.F16.E4M3", "F2FP.F16.E5M2", "HMMA",
+       "STL", "LDL")
+DEFAULTS = [  # the decode launches of TritonAttentionConfig's defaults (see triton_backend.py)
+    {"kv": "bf16", "warps": 4, "stages": 2, "split": False},
+    {"kv": "bf16", "warps": 4, "stages": 2, "split": True},
+    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": True},
+    {"kv": "fp8", "warps": 4, "stages": 4, "split": True, "convert_on_load": False},
+    {"kv": "fp8", "warps": 2, "stages": 1, "split": False, "convert_on_load": False},  # the unsplit one before
+    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": False},
+]
+
+
+def compile_launch(launch: dict):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tokenmill.layers.attention import triton_paged_attention as tpa
+
+    kv = {"bf16": "bf16", "fp8": "fp8e4nv", "fp8_e5m2": "fp8e5"}[launch.get("kv", "fp8")]
+    fp8 = kv.startswith("fp8")
+    const = dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=launch.get("block_n", 128), BLOCK_SIZE=16,
+                 HEAD_DIM=128, HEAD_DIM_PAD=128, SPLIT=launch.get("split", False), DOT_PRECISION="tf32", SEARCH=256,
+                 SOFTCAP=False, KV_FP8=fp8, SINKS=False, F16_DOT=fp8, INTERIOR=True, LOOKUP_BLOCKS=False, WINDOWED=False,
+                 F8_QK=False, F8_PV=False, EARLY_V=launch.get("early_v_load", False),
+                 CVT_ON_LOAD=fp8 and launch.get("convert_on_load", False), E5M2=kv == "fp8e5",
+                 PREFETCH_TABLE=launch.get("table_prefetch", False), PTX=True)
+    ptrs = {"q_ptr": "bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "out_ptr": "bf16", "part_m_ptr": "fp32",
+            "part_l_ptr": "fp32", "part_acc_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
+            "block_table_ptr": "i32", "sinks_ptr": "fp32"}
+    aligned = {"s_qt", "s_qh", "s_ot", "s_oh", "s_cb", "s_cs", "s_ch"}  # multiples of 16, as the engine's
+    sig, attrs = {}, {}
+    for i, name in enumerate(tpa._paged_attention_kernel.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
+        elif name in ("qk_scale", "v_scale", "softcap"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name in aligned:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(tpa._paged_attention_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": launch.get("warps", 4), "num_stages": launch.get("stages", 2)})
+
+
+def sass_figures(kernel) -> dict:
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    fig = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+    fig["shared_bytes"] = kernel.metadata.shared
+    ops = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_.]+)", sass, flags=re.M))
+    fig["instructions"] = sum(ops.values())
+    for op in OPS:
+        fig[op] = sum(n for name, n in ops.items() if name.startswith(op))
+    return fig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--launch", action="append", help="JSON: kv (bf16|fp8|fp8_e5m2), warps, stages, split, block_n, "
+                    "convert_on_load, early_v_load, table_prefetch (default: the defaults' decode launches)")
+    args = ap.parse_args()
+    launches = [json.loads(x) for x in args.launch] if args.launch else DEFAULTS
+    for launch in launches:
+        fig = sass_figures(compile_launch(launch))
+        print(json.dumps(launch), json.dumps(fig), flush=True)
+
+
+if __name__ == "__main__":
+    main()
