@@ -40,6 +40,13 @@ Parts (--parts, comma-separated; default all, run in this order):
            and each throughput workload's physical bound (scripts/gpu_quant_fp8.py)
   w8a8     (not by default) the W8A8 GEMMs per Llama-8B linear at 16..8192 rows: quantization,
            row-/tensor-wise _scaled_mm, the Triton fp8 GEMM's tiles and split-K (W8A8_BUDGET_S)
+  pdl      (not by default) programmatic dependent launch on / off: the batch-1 decode chain of fp8 GEMVs,
+           norms and SiLU in a graph (bit-identical outputs), then batch-1 fp8 and bf16 engines
+           (scripts/gpu_fp8_engines.py, one process)
+  pdlplant (not by default) pdl's chain check against a planted race (no kernel waits): must fail
+  siluquant (not by default) SiLU-and-mul + fp8 quantization: two kernels vs the fused one (256, 8192 rows)
+  fp8engines (not by default) the FP8 goal figures in one process: bf16, fp8, fp8 + fp8 KV cache
+           at 256x256x128 and 1000x512x256, batch 1 (bf16, fp8), every engine warmed
   tiny     tiny quantized checkpoints of every format (tests/helpers/quant_formats.py) on CUDA
            (bf16, Triton, graphs): prompt logprobs vs the same checkpoint on the CPU engine (float32)
 Goals (issue 22): fp8 >= 1.5x bf16 tok/s and <= 0.6x ms/token at batch 1; int4 batch 1 <= 0.4x,
@@ -844,9 +851,11 @@ def tune(results: dict, device: str) -> None:
 
 PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep", "profile",
          "w8a8"]
+PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
+PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200})
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -870,6 +879,18 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_int4_sweep
             gpu_int4_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name in ("pdl", "pdlplant", "siluquant", "fp8engines"):
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_fp8_engines
+            shape = SMOKE if smoke else LLAMA8B
+            if name == "pdlplant":
+                gpu_fp8_engines.plant_part(results, device, smoke, check)
+            elif name == "siluquant":
+                gpu_fp8_engines.silu_quant_part(results, device, smoke, check)
+            elif name == "pdl":
+                gpu_fp8_engines.pdl_part(results, device, smoke, shape, config_dir, OUT, check, ms_per_token)
+            else:
+                gpu_fp8_engines.engines_part(results, device, smoke, shape, config_dir, OUT, throughput, ms_per_token)
         elif name in ("profile", "w8a8") or name.startswith("profile-one-"):
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_quant_fp8
@@ -971,7 +992,8 @@ def _markdown(results: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8")))
+    ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
+                                                                          "pdl", "pdlplant", "siluquant", "fp8engines")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")

@@ -51,6 +51,21 @@ def test_rms_norm_quant_matches_the_unfused_norm_and_quantization(dtype, with_re
     _codes_match(out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("d", [96, 100])  # a power of two's row and a masked one
+def test_silu_and_mul_quant_matches_the_unfused_kernel_and_quantization(dtype, d):
+    from tokenmill.layers.quantization.triton_fp8_fused import silu_and_mul_quant
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(6, 2 * d, generator=g) * 3).to(dtype)
+    x[3, d + 5] = 60.0  # an outlier in up sets its row's scale
+    x[4] = 0.0  # an all-zero row: the scale floor, codes 0
+    out = silu_and_mul_quant(x, code_dtype=torch.float32)
+    torch.testing.assert_close(out, silu_and_mul(x), rtol=0, atol=0)
+    _codes_match(out)
+
+
 def test_attached_codes_belong_to_that_tensor_only():
     x = torch.randn(4, 8)
     fp8_ops.attach(x, torch.zeros(4, 8), torch.ones(4, 1))
@@ -59,8 +74,8 @@ def test_attached_codes_belong_to_that_tensor_only():
 
 
 def test_fp8_marks_the_producers_of_its_w8a8_inputs():
-    """In a Llama model whose linears are W8A8 with row-wise _scaled_mm: each layer's two norms;
-    the final norm (it feeds the unquantized LM head) stays unmarked."""
+    """In a Llama model whose linears are W8A8 with row-wise _scaled_mm: each layer's two norms
+    and its SiLU-and-mul; the final norm (it feeds the unquantized LM head) stays unmarked."""
     from torch import nn
 
     from tokenmill.layers.activation import SiluAndMul
@@ -81,11 +96,11 @@ def test_fp8_marks_the_producers_of_its_w8a8_inputs():
     layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act = w8a8(32, 8), w8a8(8, 16), SiluAndMul()
     model = nn.Module()
     model.layers, model.norm = nn.ModuleList([layer]), RMSNorm(8)
-    assert mark_fused_producers(model) == 2
-    assert layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out
+    assert mark_fused_producers(model) == 3
+    assert layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out and layer.mlp.act.fp8_out
     assert not model.norm.fp8_out
     other = RMSNorm(8)  # the class default stays off
     assert not other.fp8_out
     layer.mlp.gate_up_proj.use_scaled_mm = False  # a weight _scaled_mm refuses: it quantizes nothing per token
     layer.post_attention_layernorm = RMSNorm(8)
-    assert mark_fused_producers(model) == 1 and not layer.post_attention_layernorm.fp8_out
+    assert mark_fused_producers(model) == 2 and not layer.post_attention_layernorm.fp8_out

@@ -12,7 +12,16 @@ from tokenmill.layers import triton_ops
 class SiluAndMul(nn.Module):
     """[..., 2 * d] -> [..., d]: silu(gate) * up, with gate the first half (one fused kernel on CUDA)."""
 
+    # Set by `quantization.fp8.mark_fused_producers` where an FP8 W8A8 linear reads the output:
+    # the kernel also writes its per-token fp8 codes (`triton_fp8_fused.silu_and_mul_quant`).
+    fp8_out = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_out and triton_ops.enabled(x):
+            from tokenmill.layers.quantization.fp8 import fused_codes_wanted
+            if fused_codes_wanted(self, x, x.dtype):
+                from tokenmill.layers.quantization.triton_fp8_fused import silu_and_mul_quant
+                return silu_and_mul_quant(x)
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
             return silu_and_mul(x)

@@ -199,6 +199,13 @@ class Fp8BlockLinearMethod(LinearMethod):
 
 # ---------------------------------------------------------------- fused activation quantization
 
+# Whether SiLU-and-mul quantizes down_proj's input in the same pass
+# (`triton_fp8_fused.silu_and_mul_quant`, rows of up to SILU_QUANT_MAX_COLS), instead of the
+# down_proj's own quantization launch re-reading the activation.
+FUSE_SILU_QUANT = True
+SILU_QUANT_MAX_COLS = 16384
+
+
 def _takes_fused_codes(layer: nn.Module | None) -> bool:
     """Whether this linear quantizes its input per token for row-wise _scaled_mm (so a producer's
     attached codes save it a launch)."""
@@ -207,18 +214,22 @@ def _takes_fused_codes(layer: nn.Module | None) -> bool:
 
 
 def mark_fused_producers(model: nn.Module) -> int:
-    """Let the norms that write a W8A8 linear's input quantize it too: a decoder layer's
-    input_layernorm (-> qkv_proj) and post_attention_layernorm (-> gate_up_proj), found by their
-    HF names. Returns how many were marked."""
+    """Let the kernels that write a W8A8 linear's input quantize it too: a decoder layer's
+    input_layernorm (-> qkv_proj), post_attention_layernorm (-> gate_up_proj), found by their
+    HF names, and its MLP's SiLU-and-mul (`mlp.act` -> down_proj) when FUSE_SILU_QUANT.
+    Returns how many were marked."""
+    from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
 
     marked = 0
     for module in model.modules():
         attn, mlp = getattr(module, "self_attn", None), getattr(module, "mlp", None)
-        pairs = ((getattr(module, "input_layernorm", None), getattr(attn, "qkv_proj", None)),
-                 (getattr(module, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None)))
-        for producer, consumer in pairs:
-            if type(producer) is RMSNorm and _takes_fused_codes(consumer):
+        pairs = [(getattr(module, "input_layernorm", None), getattr(attn, "qkv_proj", None), RMSNorm),
+                 (getattr(module, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None), RMSNorm)]
+        if FUSE_SILU_QUANT:
+            pairs.append((getattr(mlp, "act", None), getattr(mlp, "down_proj", None), SiluAndMul))
+        for producer, consumer, kind in pairs:
+            if type(producer) is kind and _takes_fused_codes(consumer):
                 producer.fp8_out = True
                 marked += 1
     return marked
@@ -228,4 +239,4 @@ def fused_codes_wanted(producer: nn.Module, x: torch.Tensor, out_dtype: torch.dt
     """Whether a marked producer writes codes for this call: CUDA, a bf16 output (row-wise
     _scaled_mm's), 2-D, and more rows than the streaming kernel takes (it reads bf16)."""
     return (getattr(producer, "fp8_out", False) and x.is_cuda and out_dtype == torch.bfloat16 and x.dim() == 2
-            and x.shape[0] > stream_tiles.FP8_STREAM_MAX_ROWS)
+            and x.shape[0] > stream_tiles.FP8_STREAM_MAX_ROWS and x.shape[-1] <= 2 * SILU_QUANT_MAX_COLS)

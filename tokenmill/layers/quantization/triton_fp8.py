@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.quantization.fp8_ops import FP8_MAX
+from tokenmill.layers.triton_ops import pdl
 
 
 @triton.jit(do_not_specialize=["K"])
@@ -40,12 +41,14 @@ def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, s_sm,
 
 @triton.jit(do_not_specialize=["K"])
 def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, s_sm, CHUNK: tl.constexpr, STAGES: tl.constexpr,
-                          QMAX: tl.constexpr):
+                          QMAX: tl.constexpr, USE_PDL: tl.constexpr = False):
     """Per-token quantization of one row in two passes over CHUNK-wide slices (CHUNK divides K: no
     masks, 16-byte loads): the absolute maximum, then the codes (the second pass reads x from L2).
     Both loops are software-pipelined (num_stages), so each program keeps several slices in flight."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, CHUNK)
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     xr = x_ptr + row * s_xm + offs
     amax = tl.zeros([CHUNK], dtype=tl.float32)
     for k0 in tl.range(0, K, CHUNK, num_stages=STAGES):
@@ -82,7 +85,7 @@ def quantize_row_groups(x: torch.Tensor, group: int, out_dtype: torch.dtype = to
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
         if m:
             _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), CHUNK=chunk,
-                                        STAGES=ROW_STAGES, QMAX=FP8_MAX, num_warps=4)
+                                        STAGES=ROW_STAGES, QMAX=FP8_MAX, num_warps=4, **pdl.launch_kwargs(x.device))
         return q, s
     groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=out_dtype, device=x.device)

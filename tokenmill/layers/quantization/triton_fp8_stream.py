@@ -25,6 +25,21 @@ import triton.language as tl
 
 from tokenmill.layers.quantization import stream_tiles
 from tokenmill.layers.quantization.triton_split_k import store_tile
+from tokenmill.layers.triton_ops import pdl
+
+
+@triton.jit
+def _k_part(acc, w, x, s_ptr, offs_n, n_mask, k0, s_sn, BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr,
+            GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One K step of the non-FLAT tiles: acc + the [BLOCK_N, BLOCK_K] tile w times the rows x."""
+    if BLOCK_M == 1:
+        part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    else:
+        part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+    if BLOCK_SCALES:
+        bs = tl.load(s_ptr + (offs_n // GROUP_N) * s_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
+        return acc + part * bs[None, :]
+    return acc + part
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -35,6 +50,7 @@ def _fp8_stream_kernel(
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_K: tl.constexpr, PIPE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # `pdl`: the first weight tile is loaded before waiting for x's producer
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -54,9 +70,22 @@ def _fp8_stream_kernel(
         acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * s_wn
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * s_xm
+    # The first K step is peeled: its weight tile (constant data) is read before the wait, so
+    # under PDL it streams while the kernel that writes x is still finishing.
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    k_mask = offs_k < k_hi
+    w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
+    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    if FLAT:
+        acc2 += w.to(tl.float32) * x.to(tl.float32)
+    else:
+        acc = _k_part(acc, w, x, s_ptr, offs_n, n_mask, k_lo, s_sn, BLOCK_SCALES, GROUP_N, GROUP_K, BLOCK_M,
+                      DOT_PRECISION)
     # PIPE > 1: the loop carries num_stages, so Triton pipelines its loads (cp.async) even without
     # a tl.dot (which it does not do otherwise): bytes in flight while a tile is converted.
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=PIPE):
+    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=PIPE):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -64,15 +93,8 @@ def _fp8_stream_kernel(
         if FLAT:
             acc2 += w.to(tl.float32) * x.to(tl.float32)
         else:
-            if BLOCK_M == 1:
-                part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-            else:
-                part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
-            if BLOCK_SCALES:
-                bs = tl.load(s_ptr + (offs_n // GROUP_N) * s_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
-                acc += part * bs[None, :]
-            else:
-                acc += part
+            acc = _k_part(acc, w, x, s_ptr, offs_n, n_mask, k0, s_sn, BLOCK_SCALES, GROUP_N, GROUP_K, BLOCK_M,
+                          DOT_PRECISION)
     if FLAT:
         acc = tl.sum(acc2, axis=1)[None, :]
     if not BLOCK_SCALES:
@@ -107,7 +129,8 @@ def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         FLAT=t.block_m == 1 and block is None and t.flat, BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        SPLIT_K=split > 1, PIPE=t.stages if t.pipe else None, num_warps=t.warps, num_stages=t.stages)
+        SPLIT_K=split > 1, PIPE=t.stages if t.pipe else None, num_warps=t.warps, num_stages=t.stages,
+        **pdl.launch_kwargs(x.device))
     return out
 
 

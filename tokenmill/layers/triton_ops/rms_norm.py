@@ -27,8 +27,33 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.triton_ops import pdl
+
 TILE_ELEMENTS = 2048  # elements per program at least: rows are packed until a tile holds this many
 MAX_ROWS = 64
+
+
+@triton.jit
+def rms_norm_rows(x_ptr, res_ptr, w_ptr, x_rows, rows, cols, col_ok, mask, s_res, inv_n, eps, dtype: tl.constexpr,
+                  HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr):
+    """The rows' RMSNorm in `dtype` (a [ROWS, BLOCK] tile), after `residual += x` stored in place
+    when HAS_RESIDUAL; x's rows start at x_rows. Shared by this kernel and the fp8-quantizing
+    one (`quantization.triton_fp8_fused`), so both keep one set of numerics."""
+    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        res_ptrs = res_ptr + (rows * s_res)[:, None] + cols[None, :]
+        summed = (x + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
+        tl.store(res_ptrs, summed, mask=mask)
+        x = summed.to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) * inv_n
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if GEMMA:
+        out = (x * tl.rsqrt(mean_sq + eps)[:, None] * (1.0 + w[None, :])).to(dtype)
+    else:
+        rstd = tl.rsqrt(mean_sq + eps)
+        normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+        out = (normed * w[None, :]).to(dtype)
+    return out
 
 
 # num_rows changes every step; inner is not specialized either, so q and k norms (32 and 8 heads,
@@ -41,30 +66,18 @@ def _rms_norm_kernel(
     s_x_outer, s_x_inner,  # x strides of row r's (r // inner, r % inner); columns are contiguous
     s_res,  # residual row stride (2-D only)
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr = False,
+    HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
 ):
     dtype = out_ptr.dtype.element_ty
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < N
     mask = (rows < num_rows)[:, None] & col_ok[None, :]
-
     x_rows = (rows // inner) * s_x_outer + (rows % inner) * s_x_inner
-    x = tl.load(x_ptr + x_rows[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        res_ptrs = res_ptr + (rows * s_res)[:, None] + cols[None, :]
-        summed = (x + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)).to(res_ptr.dtype.element_ty)
-        tl.store(res_ptrs, summed, mask=mask)
-        x = summed.to(tl.float32)
-
-    mean_sq = tl.sum(x * x, axis=1) * inv_n
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if GEMMA:
-        out = (x * tl.rsqrt(mean_sq + eps)[:, None] * (1.0 + w[None, :])).to(dtype)
-    else:
-        rstd = tl.rsqrt(mean_sq + eps)
-        normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
-        out = (normed * w[None, :]).to(dtype)
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
+    out = rms_norm_rows(x_ptr, res_ptr, w_ptr, x_rows, rows, cols, col_ok, mask, s_res, inv_n, eps, dtype,
+                        HAS_RESIDUAL, GEMMA)
     tl.store(out_ptr + (rows * N)[:, None] + cols[None, :], out, mask=mask)
 
 
@@ -90,6 +103,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x, x if residual is None else residual, weight, out,
         num_rows, 1.0 / n, eps, inner, s_outer, s_inner, 0 if residual is None else residual.stride(0),
         N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, GEMMA=gemma, num_warps=num_warps,
+        **pdl.launch_kwargs(x.device),
     )
     return out
 

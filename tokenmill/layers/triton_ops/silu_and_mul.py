@@ -13,16 +13,20 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.triton_ops import pdl
+
 MAX_BLOCK = 1024  # output columns per program, at most
 NUM_WARPS = 4
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, D: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, D: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
     dtype = x_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + t * s_x + D + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
@@ -42,5 +46,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(d), MAX_BLOCK)
     _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(d, block))](
-        flat, out, flat.stride(0), D=d, BLOCK=block, num_warps=NUM_WARPS)
+        flat, out, flat.stride(0), D=d, BLOCK=block, num_warps=NUM_WARPS, **pdl.launch_kwargs(x.device))
     return out
