@@ -9,9 +9,10 @@ ranks' vocab shards). In one engine, `probe`:
 2. generates them again without logprobs (the greedy step-end graph: at TP its argmax over the
    vocab shards): the tokens must be the same, except where the requests reached the engine in
    other batches (the engine steps while they are submitted, so a step's rows can differ between
-   the runs, and with them the roundings): a sequence may part at a near tie of the first run
-   (top-2 logprobs within NEAR_TIE), at most a quarter of them (prefix caching off, else the second
-   run's prompt steps would differ on purpose);
+   the runs, and with them the roundings): sequences may part, as often as they part in the
+   reference engine (doubled) or in a quarter of them; the report says how many parted at a near tie
+   of the first run (top-2 logprobs within NEAR_TIE) (prefix caching off, else the second run's
+   prompt steps would differ on purpose);
 3. scores prompt + continuation as a prompt (prompt logprobs: the prompt path) and takes |delta|
    between each generated token's logprob from its decode step and from the prompt path.
 The decode path passes when its mean |delta| is within `factor` of one process's (the check's
@@ -71,10 +72,13 @@ def probe(llm, prompts: Sequence[Sequence[int]], num_tokens: int) -> dict:
 
 
 def judge(result: dict, reference: dict, factor: float = 4.0) -> bool:
-    """The greedy step-end graph's tokens equal the sampler's on every sequence but near ties (at
-    most a quarter), and the decode path's mean |delta| within `factor` of the reference engine's
-    (floored)."""
-    return (result["tail_parted"] == 0 and result["tail_near_ties"] <= result["sequences"] // 4
+    """The greedy step-end graph's tokens equal the sampler's but where two valid runs of the
+    reference engine also part (its own count, doubled, or a quarter of the sequences, whichever is
+    more: in bf16 two batchings of one engine part beyond NEAR_TIE too), and the decode path's mean
+    |delta| within `factor` of the reference engine's (floored). A wrong shard offset or a wrong half
+    parts nearly every sequence."""
+    parts, ref_parts = (r["tail_near_ties"] + r["tail_parted"] for r in (result, reference))
+    return (parts <= max(2 * ref_parts, result["sequences"] // 4)
             and result["mean"] <= factor * max(reference["mean"], FLOOR))
 
 

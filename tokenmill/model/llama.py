@@ -53,6 +53,10 @@ class LlamaAttention(nn.Module):
             self.q_norm = norm_cls(dims.head_dim, dims.rms_norm_eps)
             self.k_norm = norm_cls(dims.head_dim, dims.rms_norm_eps)
         self.qk_norm = dims.qk_norm
+        # q/k from a float32 qkv, rounded once (qk_norm.qkv_float32): measured closer to float32 than HF
+        # for Qwen3's plain RMSNorm on the GPU; Gemma's offset norms measured worse there, so they keep
+        # the bf16 projection.
+        self.qk_norm_f32 = dims.qk_norm and norm_cls is RMSNorm
         spec = dims.layer_spec(layer)
         self.attn = attn_backend_cls(self.num_heads, self.num_kv_heads, dims.head_dim, dims.attention_scale,
                                      spec.sliding_window, spec.logit_softcap)
@@ -61,7 +65,7 @@ class LlamaAttention(nn.Module):
                 residual: torch.Tensor | None = None, lora_into: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output, plus `residual` when given (added inside the o_proj matmul where it can);
         `lora_into`: the stream the output is added to next (o_proj's LoRA delta may go there)."""
-        qkv32 = qk_norm.qkv_float32(self.qkv_proj, hidden) if self.qk_norm else None
+        qkv32 = qk_norm.qkv_float32(self.qkv_proj, hidden) if self.qk_norm_f32 else None
         qkv = qkv32 if qkv32 is not None else lora_forward(self.qkv_proj, hidden, lambda: self.qkv_proj(hidden))
         out = self.attend(qkv, rope, kv_cache, meta, hidden.dtype)
         if residual is None:
