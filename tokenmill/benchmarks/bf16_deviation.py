@@ -348,6 +348,25 @@ def hf_routes(hf_model, token_ids: Sequence[int], moe) -> tuple[torch.Tensor, to
     return logits, (torch.cat(chosen, dim=-1).cpu() if chosen else None)
 
 
+def _per_layer_errors(path, sequences, device, attn_backend_cls, modes, tm_run, hf_run, diff
+                      ) -> dict[str, list[list[torch.Tensor]]]:
+    """Each engine's bf16 run against its own float32 run, per hooked layer: `diff(bf16, f32)` of the
+    tensors `tm_run(model, ids, mode)` / `hf_run(model, ids)` return, listed over `sequences`.
+    Keys "hf" and "tokenmill MODE"."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in (f32, bf16)}  # (not inference tensors)
+    hf = load_hf_pair(path, device)
+    errors: dict[str, list[list[torch.Tensor]]] = {}
+    for ids in sequences:
+        runs = {"hf": (hf_run(hf[bf16], ids), hf_run(hf[f32], ids))}
+        runs.update({f"tokenmill {m}": (tm_run(tm[bf16], ids, m), tm_run(tm[f32], ids, m)) for m in modes})
+        for run, (low, ref) in runs.items():
+            per_layer = errors.setdefault(run, [[] for _ in ref])
+            for i, (a, b) in enumerate(zip(low, ref)):
+                per_layer[i].append(diff(a, b))
+    return errors
+
+
 def router_logit_errors(path: str, sequences: Sequence[Sequence[int]], device: str = "cpu",
                         attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend,
                         modes: Sequence[str] = MODES) -> dict[str, list[dict[str, float]]]:
@@ -356,7 +375,6 @@ def router_logit_errors(path: str, sequences: Sequence[Sequence[int]], device: s
     both computed in float32 from each run's own router input and weights (so the router's own
     arithmetic is left out). Keys: "hf" and "tokenmill MODE"."""
     from tokenmill.layers.moe.layer import Router
-    f32, bf16 = torch.float32, torch.bfloat16
 
     def f32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).float(), weight.float())
@@ -386,16 +404,8 @@ def router_logit_errors(path: str, sequences: Sequence[Sequence[int]], device: s
                 h.remove()
         return out
 
-    tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in (f32, bf16)}  # (not inference tensors)
-    hf = load_hf_pair(path, device)
-    errors: dict[str, list[list[torch.Tensor]]] = {}
-    for ids in sequences:
-        runs = {"hf": (hf_run(hf[bf16], ids), hf_run(hf[f32], ids))}
-        runs.update({f"tokenmill {m}": (tm_run(tm[bf16], ids, m), tm_run(tm[f32], ids, m)) for m in modes})
-        for run, (low, ref) in runs.items():
-            per_layer = errors.setdefault(run, [[] for _ in ref])
-            for i, (a, b) in enumerate(zip(low, ref)):
-                per_layer[i].append((a - b).abs().flatten().double().cpu())
+    errors = _per_layer_errors(path, sequences, device, attn_backend_cls, modes, tm_run, hf_run,
+                               lambda a, b: (a - b).abs().flatten().double().cpu())
     return {run: [{f"p{int(q * 100)}": float(torch.quantile(torch.cat(e), q)) for q in (0.5, 0.9, 0.99)}
                   for e in layers] for run, layers in errors.items()}
 
@@ -406,7 +416,6 @@ def layer_errors(path: str, sequences: Sequence[Sequence[int]], device: str = "c
     """Where bf16 error enters, layer by layer: the mean over positions of |stream_bf16 - stream_f32| /
     |stream_f32| for the residual stream after each decoder layer (HF: the layer's output; tokenmill:
     its hidden + residual), each engine against its own float32 run. Keys "hf" and "tokenmill MODE"."""
-    f32, bf16 = torch.float32, torch.bfloat16
 
     def tm_run(model, ids, mode) -> list[torch.Tensor]:
         layers = [m for m in model.model.layers if len(list(m.parameters()))]
@@ -438,16 +447,8 @@ def layer_errors(path: str, sequences: Sequence[Sequence[int]], device: str = "c
                 h.remove()
         return out
 
-    tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in (f32, bf16)}
-    hf = load_hf_pair(path, device)
-    errors: dict[str, list[list[torch.Tensor]]] = {}
-    for ids in sequences:
-        runs = {"hf": (hf_run(hf[bf16], ids), hf_run(hf[f32], ids))}
-        runs.update({f"tokenmill {m}": (tm_run(tm[bf16], ids, m), tm_run(tm[f32], ids, m)) for m in modes})
-        for run, (low, ref) in runs.items():
-            per_layer = errors.setdefault(run, [[] for _ in ref])
-            for i, (a, b) in enumerate(zip(low, ref)):
-                per_layer[i].append(((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)).cpu())
+    errors = _per_layer_errors(path, sequences, device, attn_backend_cls, modes, tm_run, hf_run,
+                               lambda a, b: ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)).cpu())
     return {run: [float(torch.cat(e).mean()) for e in layers] for run, layers in errors.items()}
 
 
