@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tokenmill.benchmarks import bf16_deviation as bd  # noqa: E402
+from tokenmill.benchmarks import bf16_diagnostics as diag  # noqa: E402
 from tokenmill.benchmarks.record import machine_info, versions  # noqa: E402
 from tokenmill.layers import triton_ops  # noqa: E402
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
@@ -51,6 +52,7 @@ from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noq
 TOLERANCE = 0.10
 FLOAT32_GAP = 2e-3
 WEIGHT_STD = 0.06
+START = time.perf_counter()
 
 SHAPES = {
     "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -111,13 +113,16 @@ def fused_ops(enabled: bool):
         triton_ops._usable.cache_clear()
 
 
+BACKENDS: set[str] | None = None  # --backends: the subset to run (None: every one the device has)
+
+
 def backends(device: str) -> dict[str, tuple[type, bool]]:
     """name -> (attention backend class, fused ops on)."""
     out = {"torch": (TorchRefAttentionBackend, False)}
     if device.startswith("cuda"):
         from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
         out["triton"] = (TritonAttentionBackend, True)
-    return out
+    return {k: v for k, v in out.items() if BACKENDS is None or k in BACKENDS}
 
 
 def judge(report, float32_gap: float, tolerance: float, tail_tolerance: float) -> dict:
@@ -216,17 +221,24 @@ def hf_spread(label: str, path: str, sequences: list[list[int]], device: str,
 
 def run_families(device: str, smoke: bool, only: set[str] | None = None, spread: bool = False,
                  moe_seeds: list[int] | None = None, router_noise: bool = False,
-                 layer_trace: bool = False) -> list[dict]:
+                 layer_trace: bool = False, forced: bool = False, tail: bool = False,
+                 moe_sequences: int = 4, on_row=lambda records: None) -> list[dict]:
     """Every family of the CPU test (or those in `only`), its tiny config (same seed, std, sequences
     and tolerances), the dense families and then the mixtures of experts and MLA. `moe_seeds`: the
     MoE families' weights drawn with each of these seeds (default the CPU test's), one record each;
     `router_noise`: each MoE row also prints how far every router's float32 logits (from its bf16
-    input) land from the float32 run's, per engine and mode (`bd.router_logit_errors`)."""
+    input) land from the float32 run's, per engine and mode (`diag.router_logit_errors`);
+    `forced`: each MoE row is also measured with every bf16 run routed as its float32 run
+    (`diag.forced_routing`), and that table is the row's verdict (the routed one is still printed
+    and recorded, `judged: false`); `tail`: the positions behind each MoE row's p99 / max, with the
+    routing flips before them (`diag.tail_positions`); `moe_sequences`: sequences per MoE row."""
     import tempfile
 
     from tests.helpers.tiny_models import make_tiny_model_dir
     from tests.model import test_bf16_deviation as cpu_test
-    pick = (lambda archs: archs[:1]) if smoke else (lambda archs: [a for a in archs if only is None or a in only])
+    def pick(archs):  # smoke: the first of those asked for
+        chosen = [a for a in archs if only is None or a in only]
+        return chosen[:1] if smoke else chosen
     root = tempfile.mkdtemp(prefix="bf16-tiny-")
     records, spreads = [], []
     gap = 1e-4 if device == "cpu" else FLOAT32_GAP
@@ -236,23 +248,61 @@ def run_families(device: str, smoke: bool, only: set[str] | None = None, spread:
         records += run_checkpoint(arch, path, seqs, device, cpu_test.TINY_TOLERANCE, cpu_test.TINY_TAIL_TOLERANCE, gap)
         if spread:
             spreads.append(hf_spread(arch, path, seqs, device))
+        on_row(records)
     # Mixtures of experts and MLA: routing near ties and flips left out, counted and capped, as on CPU.
     for arch in pick(cpu_test.MOE_FAMILIES):
         for seed in moe_seeds or [cpu_test.MOE_SEED]:
             label = arch if seed == cpu_test.MOE_SEED else f"{arch} seed {seed}"
             path = cpu_test.make_tiny_moe_model_dir(arch, os.path.join(root, f"s{seed}"), seed=seed,
                                                     initializer_range=0.1)
-            seqs = cpu_test._random_sequences(200, 4, 40)
-            records += run_checkpoint(label, path, seqs, device, cpu_test.MOE_TOLERANCE,
-                                      cpu_test.MOE_TAIL_TOLERANCE, gap, tie_margin=cpu_test.MOE_TIE_MARGIN,
-                                      max_excluded=cpu_test.MOE_MAX_EXCLUDED)
+            seqs = cpu_test._random_sequences(200, 2 if smoke else moe_sequences, 40)
+            routed = run_checkpoint(label, path, seqs, device, cpu_test.MOE_TOLERANCE,
+                                    cpu_test.MOE_TAIL_TOLERANCE, gap, tie_margin=cpu_test.MOE_TIE_MARGIN,
+                                    max_excluded=cpu_test.MOE_MAX_EXCLUDED)
+            if tail:
+                for r in routed:
+                    if "worst_ratio" in r:
+                        r["tail"] = run_tail(r["shape"], path, seqs, device, r["backend"])
+            if forced:
+                for r in routed:
+                    r["judged"] = False
+                records += routed + run_forced(label, path, seqs, device, gap)
+            else:
+                records += routed
             if router_noise:
                 records[-1]["router_noise"] = run_router_noise(label, path, seqs, device)
             if layer_trace:
                 records[-1]["layer_errors"] = run_layer_trace(label, path, seqs, device)
             if spread:
                 spreads.append(hf_spread(label, path, seqs, device, cpu_test.MOE_TIE_MARGIN))
+            on_row(records)
+            print(f"{label}: done at {time.perf_counter() - START:.1f} s", flush=True)
     return records, spreads
+
+
+def run_forced(label: str, path: str, sequences: list[list[int]], device: str, gap: float) -> list[dict]:
+    """The MoE row's deviation table with every bf16 run routed as its own float32 run routed,
+    judged with the MoE tolerances (every position scored: no near tie or flip left out)."""
+    from tests.model import test_bf16_deviation as cpu_test
+    records = []
+    for backend, (cls, fused) in backends(device).items():
+        with fused_ops(fused):
+            report = diag.forced_routing(path, sequences, f"{label} forced [{backend}]", device, cls)
+        records.append({"shape": f"{label} forced routing", "backend": backend, "fused_ops": fused,
+                        "sequences": len(sequences), "tokens": len(sequences[0]),
+                        "tolerance": [cpu_test.MOE_TOLERANCE, cpu_test.MOE_TAIL_TOLERANCE],
+                        **judge(report, gap, cpu_test.MOE_TOLERANCE, cpu_test.MOE_TAIL_TOLERANCE)})
+    return records
+
+
+def run_tail(label: str, path: str, sequences: list[list[int]], device: str, backend: str) -> dict:
+    """Each engine's largest kept deviations (tokenmill prefill) with the flips before them."""
+    from tests.model import test_bf16_deviation as cpu_test
+    cls, fused = backends(device)[backend]
+    with fused_ops(fused):
+        tails = diag.tail_positions(path, sequences, device, cls, tie_margin=cpu_test.MOE_TIE_MARGIN)
+    print(diag.format_tail(label, tails), flush=True)
+    return tails
 
 
 def run_router_noise(label: str, path: str, sequences: list[list[int]], device: str) -> dict:
@@ -261,7 +311,7 @@ def run_router_noise(label: str, path: str, sequences: list[list[int]], device: 
     out = {}
     for backend, (cls, fused) in backends(device).items():
         with fused_ops(fused):
-            errors = bd.router_logit_errors(path, sequences, device, cls)
+            errors = diag.router_logit_errors(path, sequences, device, cls)
         out[backend] = errors
         for run, layers in errors.items():
             print(f"{label} [{backend}] router logit error {run:<18} " + "  ".join(
@@ -275,7 +325,7 @@ def run_layer_trace(label: str, path: str, sequences: list[list[int]], device: s
     out = {}
     for backend, (cls, fused) in backends(device).items():
         with fused_ops(fused):
-            errors = bd.layer_errors(path, sequences, device, cls)
+            errors = diag.layer_errors(path, sequences, device, cls)
         out[backend] = errors
         for run, layers in errors.items():
             print(f"{label} [{backend}] stream error {run:<18} " + "  ".join(
@@ -344,10 +394,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --families: each MoE row also prints its routers' logit error, per engine")
     p.add_argument("--layer-trace", action="store_true",
                    help="with --families: each MoE row also prints the stream's error after every layer, per engine")
+    p.add_argument("--forced-routing", action="store_true",
+                   help="with --families: each MoE row also with every bf16 run routed as its float32 run; "
+                        "that table is the row's verdict")
+    p.add_argument("--tail", action="store_true",
+                   help="with --families: the positions behind each MoE row's p99 / max and the flips before them")
+    p.add_argument("--moe-sequences", type=int, default=4, help="with --families: sequences of 40 tokens per MoE row")
+    p.add_argument("--backends", default=None, help="comma-separated subset of torch,triton (default: both on CUDA)")
     p.add_argument("--qk-kernel", action="store_true",
                    help="check the q/k norm + rotary Triton kernel against its torch reference first (CUDA)")
     p.add_argument("--smollm2", default=None, help="also the real SmolLM2: path of its GGUF")
     ns = p.parse_args(argv)
+    global BACKENDS
+    BACKENDS = set(ns.backends.split(",")) if ns.backends else None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # float32 references in float32: no TF32 in any matmul or convolution (HF's or tokenmill's).
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -368,22 +427,33 @@ def main(argv: list[str] | None = None) -> int:
         records.append(check_qk_kernel(device))
     for name, shape in shapes.items():
         records += run_shape(name, shape, device, num, prompt_len, total)
+    out_dir = os.environ.get("OUT", "./gpu-out")
+    os.makedirs(out_dir, exist_ok=True)
+
+    machine = machine_info()
+
+    def save(rows: list[dict], partial: bool) -> dict:
+        """The JSON record, rewritten after every row (a job killed at its limit keeps what it did)."""
+        result = {"script": "gpu_bf16", "smoke": ns.smoke, "device": device, "tolerance": TOLERANCE,
+                  "argv": sys.argv[1:], "partial": partial, "machine": machine, "versions": versions(),
+                  "records": rows, "hf_spread": spreads,
+                  "ok": all(r["ok"] for r in rows if r.get("judged", True))}
+        with open(os.path.join(out_dir, "gpu_bf16.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        return result
+
     if ns.families:
         only = None if ns.families == "all" else set(ns.families.split(","))
         seeds = [int(v) for v in ns.moe_seeds.split(",")] if ns.moe_seeds else None
         family_records, spreads = run_families(device, ns.smoke, only, ns.spread, seeds, ns.router_noise,
-                                               ns.layer_trace)
+                                               ns.layer_trace, ns.forced_routing, ns.tail, ns.moe_sequences,
+                                               on_row=lambda rows: save(records + rows, partial=True))
         records += family_records
     if ns.smollm2:
         records += run_smollm2(ns.smollm2, device)
-    out_dir = os.environ.get("OUT", "./gpu-out")
-    os.makedirs(out_dir, exist_ok=True)
-    result = {"script": "gpu_bf16", "smoke": ns.smoke, "device": device, "tolerance": TOLERANCE,
-              "machine": machine_info(), "versions": versions(), "records": records, "hf_spread": spreads,
-              "ok": all(r["ok"] for r in records)}
-    with open(os.path.join(out_dir, "gpu_bf16.json"), "w") as f:
-        json.dump(result, f, indent=2)
-    print(json.dumps({"ok": result["ok"], "worst_ratio": max((r.get("worst_ratio", 0.0) for r in records), default=0.0)}))
+    result = save(records, partial=False)
+    judged = [r for r in records if r.get("judged", True)]
+    print(json.dumps({"ok": result["ok"], "worst_ratio": max((r.get("worst_ratio", 0.0) for r in judged), default=0.0)}))
     return 0 if result["ok"] else 1
 
 

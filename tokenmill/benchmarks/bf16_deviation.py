@@ -28,10 +28,11 @@ Rows go to the device the models run on (`--device`, default cpu).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -49,6 +50,18 @@ SAMPLE_TEXT = (
     "he made tea on the iron stove, read a chapter of an old novel about sailors, and listened to the "
     "sea until the clock struck ten."
 )
+
+
+@contextlib.contextmanager
+def hooked(handles: Iterable[torch.utils.hooks.RemovableHandle]) -> Iterator[list]:
+    """Holds module hooks (the handles `register_forward_hook` and kin return) for a `with` block
+    and removes every one of them on the way out, raised or not."""
+    held = list(handles)
+    try:
+        yield held
+    finally:
+        for h in held:
+            h.remove()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,14 +300,10 @@ def router_margins(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Te
                                             None if router.bias is None else router.bias.float())
         margins.append(decision_margin(logits, router.moe, router.e_score_correction_bias))
 
-    handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, Router)]
-    if not handles:
-        return None
-    try:
+    with hooked(m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, Router)) as handles:
+        if not handles:
+            return None
         tokenmill_logits(model, token_ids, "prefill")
-    finally:
-        for h in handles:
-            h.remove()
     return torch.stack(margins).min(dim=0).values.cpu()
 
 
@@ -306,13 +315,9 @@ def tokenmill_routes(model: torch.nn.Module, token_ids: Sequence[int],
     from tokenmill.layers.moe.layer import Router
     routers = [m for m in model.modules() if isinstance(m, Router)]
     calls: dict[int, list[torch.Tensor]] = {id(r): [] for r in routers}
-    handles = [r.register_forward_hook(lambda mod, args, out: calls[id(mod)].append(out[1].sort(dim=-1).values))
-               for r in routers]
-    try:
+    with hooked(r.register_forward_hook(lambda mod, args, out: calls[id(mod)].append(out[1].sort(dim=-1).values))
+                for r in routers):
         logits = tokenmill_logits(model, token_ids, mode)
-    finally:
-        for h in handles:
-            h.remove()
     if not routers:
         return logits, None
     return logits, torch.cat([torch.cat(calls[id(r)]) for r in routers], dim=-1).cpu()
@@ -339,117 +344,9 @@ def hf_routes(hf_model, token_ids: Sequence[int], moe) -> tuple[torch.Tensor, to
         chosen.append(routing.select_experts(logits, moe, getattr(mod, "e_score_correction_bias", None))[1]
                       .sort(dim=-1).values)
 
-    handles = [g.register_forward_pre_hook(hook) for g in gates]
-    try:
+    with hooked(g.register_forward_pre_hook(hook) for g in gates):
         logits = hf_logits(hf_model, token_ids)
-    finally:
-        for h in handles:
-            h.remove()
     return logits, (torch.cat(chosen, dim=-1).cpu() if chosen else None)
-
-
-def _per_layer_errors(path, sequences, device, attn_backend_cls, modes, tm_run, hf_run, diff
-                      ) -> dict[str, list[list[torch.Tensor]]]:
-    """Each engine's bf16 run against its own float32 run, per hooked layer: `diff(bf16, f32)` of the
-    tensors `tm_run(model, ids, mode)` / `hf_run(model, ids)` return, listed over `sequences`.
-    Keys "hf" and "tokenmill MODE"."""
-    f32, bf16 = torch.float32, torch.bfloat16
-    tm = {d: load_tokenmill(path, d, device, attn_backend_cls) for d in (f32, bf16)}  # (not inference tensors)
-    hf = load_hf_pair(path, device)
-    errors: dict[str, list[list[torch.Tensor]]] = {}
-    for ids in sequences:
-        runs = {"hf": (hf_run(hf[bf16], ids), hf_run(hf[f32], ids))}
-        runs.update({f"tokenmill {m}": (tm_run(tm[bf16], ids, m), tm_run(tm[f32], ids, m)) for m in modes})
-        for run, (low, ref) in runs.items():
-            per_layer = errors.setdefault(run, [[] for _ in ref])
-            for i, (a, b) in enumerate(zip(low, ref)):
-                per_layer[i].append(diff(a, b))
-    return errors
-
-
-def router_logit_errors(path: str, sequences: Sequence[Sequence[int]], device: str = "cpu",
-                        attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend,
-                        modes: Sequence[str] = MODES) -> dict[str, list[dict[str, float]]]:
-    """How noisy each engine's bf16 router input is: per MoE layer (in order), quantiles (p50 / p90 /
-    p99) of |logits of the bf16 run - logits of the float32 run| over every position and expert,
-    both computed in float32 from each run's own router input and weights (so the router's own
-    arithmetic is left out). Keys: "hf" and "tokenmill MODE"."""
-    from tokenmill.layers.moe.layer import Router
-
-    def f32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).float(), weight.float())
-
-    def tm_run(model, ids, mode) -> list[torch.Tensor]:
-        routers = [m for m in model.modules() if isinstance(m, Router)]
-        calls: dict[int, list[torch.Tensor]] = {id(r): [] for r in routers}
-        handles = [r.register_forward_pre_hook(lambda mod, a: calls[id(mod)].append(f32_logits(a[0], mod.weight)))
-                   for r in routers]
-        try:
-            tokenmill_logits(model, ids, mode)
-        finally:
-            for h in handles:
-                h.remove()
-        return [torch.cat(calls[id(r)]) for r in routers]
-
-    def hf_run(model, ids) -> list[torch.Tensor]:
-        gates = [m for name, m in model.named_modules() if name.endswith(("mlp.gate", "mlp.router"))
-                 and getattr(m, "weight", None) is not None and m.weight.dim() == 2]
-        out: list[torch.Tensor] = []
-        handles = [g.register_forward_pre_hook(lambda mod, a: out.append(f32_logits(a[0], mod.weight))) for g in gates]
-        try:
-            with torch.inference_mode():
-                hf_logits(model, ids)
-        finally:
-            for h in handles:
-                h.remove()
-        return out
-
-    errors = _per_layer_errors(path, sequences, device, attn_backend_cls, modes, tm_run, hf_run,
-                               lambda a, b: (a - b).abs().flatten().double().cpu())
-    return {run: [{f"p{int(q * 100)}": float(torch.quantile(torch.cat(e), q)) for q in (0.5, 0.9, 0.99)}
-                  for e in layers] for run, layers in errors.items()}
-
-
-def layer_errors(path: str, sequences: Sequence[Sequence[int]], device: str = "cpu",
-                 attn_backend_cls: type[AttentionBackend] = TorchRefAttentionBackend,
-                 modes: Sequence[str] = MODES) -> dict[str, list[float]]:
-    """Where bf16 error enters, layer by layer: the mean over positions of |stream_bf16 - stream_f32| /
-    |stream_f32| for the residual stream after each decoder layer (HF: the layer's output; tokenmill:
-    its hidden + residual), each engine against its own float32 run. Keys "hf" and "tokenmill MODE"."""
-
-    def tm_run(model, ids, mode) -> list[torch.Tensor]:
-        layers = [m for m in model.model.layers if len(list(m.parameters()))]
-        out: list[list[torch.Tensor]] = [[] for _ in layers]
-
-        def hook(i):
-            def fn(mod, args, result):
-                hidden, residual = result
-                out[i].append(hidden.double() + (0 if residual is None else residual.double()))
-            return fn
-
-        handles = [m.register_forward_hook(hook(i)) for i, m in enumerate(layers)]
-        try:
-            tokenmill_logits(model, ids, mode)
-        finally:
-            for h in handles:
-                h.remove()
-        return [torch.cat(o) for o in out]
-
-    def hf_run(model, ids) -> list[torch.Tensor]:
-        out: list[torch.Tensor] = []
-        handles = [m.register_forward_hook(
-            lambda mod, a, result: out.append((result[0] if isinstance(result, tuple) else result)[0].double()))
-            for m in model.model.layers]
-        try:
-            hf_logits(model, ids)
-        finally:
-            for h in handles:
-                h.remove()
-        return out
-
-    errors = _per_layer_errors(path, sequences, device, attn_backend_cls, modes, tm_run, hf_run,
-                               lambda a, b: ((a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-30)).cpu())
-    return {run: [float(torch.cat(e).mean()) for e in layers] for run, layers in errors.items()}
 
 
 def routing_flips(bf16_routes: torch.Tensor | None, f32_routes: torch.Tensor | None) -> torch.Tensor | None:

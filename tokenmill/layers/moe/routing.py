@@ -23,12 +23,24 @@ def select_experts(logits: torch.Tensor, moe: MoEArch,
     if moe.num_groups > 1:
         choice = _mask_groups(choice, moe)
     ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False).indices
+    return _weights_of(scores, ids, moe), ids
+
+
+def expert_weights(logits: torch.Tensor, moe: MoEArch, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [T, k]: the weights `select_experts` gives experts `ids` [T, k] (chosen by any rule,
+    e.g. another run's choice imposed by a diagnostic) from `logits` [T, E]."""
+    logits = logits.float()
+    scores = logits.sigmoid() if moe.scoring == "sigmoid" else logits.softmax(dim=-1)
+    return _weights_of(scores, ids, moe)
+
+
+def _weights_of(scores: torch.Tensor, ids: torch.Tensor, moe: MoEArch) -> torch.Tensor:
     weights = scores.gather(1, ids)
     if moe.renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     if moe.routed_scaling_factor != 1.0:
         weights = weights * moe.routed_scaling_factor
-    return weights, ids
+    return weights
 
 
 def fused_router_applies(moe: MoEArch) -> bool:
