@@ -24,12 +24,15 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 def init_child_process() -> None:
     """First thing in a child's entry point, before torch loads: pickle refused when
-    TOKENMILL_FORBID_PICKLE is set (tests prove no channel uses it), and idle OpenMP threads
-    that sleep instead of spinning (see `tokenmill.cpu_threads`)."""
+    TOKENMILL_FORBID_PICKLE is set (tests prove no channel uses it), idle OpenMP threads
+    that sleep instead of spinning (see `tokenmill.cpu_threads`), and huge pages for torch's
+    large CPU allocations (`tokenmill.cpu_memory`)."""
+    from tokenmill.cpu_memory import set_allocator_defaults
     from tokenmill.cpu_threads import set_openmp_defaults
     from tokenmill.no_pickle import forbid_pickle_if_requested
     forbid_pickle_if_requested()
     set_openmp_defaults()
+    set_allocator_defaults()
 
 
 def package_root() -> str:

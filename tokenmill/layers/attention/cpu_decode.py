@@ -67,11 +67,13 @@ static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,  
             for (int g = 0; g < G; ++g) {                                                      \
                 const float *qg = qf + g * HD; float dot = 0.f;                                \
                 for (int d = 0; d < HD; ++d) dot += qg[d] * LD(kr + d);                        \
-                if (cap > 0.f) dot = cap * tanhf(dot / cap);                                   \
                 sc[(size_t)g * N + l - start + o] = dot;                                       \
             }                                                                                  \
         l += n;                                                                                \
     }                                                                                          \
+    /* the soft-cap in its own pass: the dot loop above stays branch-free for every other model */ \
+    if (cap > 0.f)                                                                             \
+        for (int i = 0; i < G * N; ++i) sc[i] = cap * tanhf(sc[i] / cap);                      \
     for (int g = 0; g < G; ++g) {                                                              \
         float *sg = sc + (size_t)g * N, m = sg[0], sum = 0.f;                                  \
         for (int l = 1; l < N; ++l) m = sg[l] > m ? sg[l] : m;                                 \
