@@ -8,6 +8,12 @@
     python scripts/gpu_bf16.py --shapes none --families qwen3,gemma3,qwen3_moe --moe-seeds 3,4,5 \
         --layer-trace --qk-kernel           # q/k-norm families: the Triton q/k norm + rotary kernel
                                           # checked in bf16, and where each MoE row's error enters
+    python scripts/gpu_bf16.py --shapes none --families qwen3,gemma3,qwen3_moe --moe-seeds 3,4,5 \
+        --qk-kernel --forced-routing [--tail] [--backends triton]
+                                          # MoE rows judged with every bf16 run routed as its float32
+                                          # run (a flipped near tie's echo left out; the routed
+                                          # table printed, `judged: false`); --tail: the positions
+                                          # behind each routed row's p99 / max and the flips before
     python scripts/gpu_bf16.py --shapes none --families phi3,qwen3_moe --spread
                                           # some families, and HF's own spread: its bf16 deviation
                                           # with eager and with SDPA attention (two valid references)
@@ -27,7 +33,7 @@ soft-cap).
 
 Checks (exit 1 on failure): tokenmill float32 within 2e-3 of HF float32 (max |logprob difference|),
 and tokenmill bf16's mean, p99 and max deviation each at most 10% above HF bf16's, per backend and
-mode. Prints a table; writes $OUT/gpu_bf16.json ($OUT defaults to ./gpu-out).
+mode. Prints a table; writes $OUT/gpu_bf16.json after every row ($OUT defaults to ./gpu-out).
 """
 
 from __future__ import annotations
