@@ -22,7 +22,8 @@ path). HF runs a plain forward over the whole sequence.
     python -m tokenmill.benchmarks.bf16_deviation --model smollm2 [--model DIR ...] [--output-json F]
     tokenmill bench bf16-deviation --model smollm2
 
-Rows go to the device the models run on (`--device`, default cpu).
+Rows go to the device the models run on (`--device`, default cpu). Where a deviation comes from
+(per-layer and router errors, forced routing, the positions behind a tail): `bf16_diagnostics`.
 """
 
 from __future__ import annotations
