@@ -49,9 +49,10 @@ def compile_launch(launch: dict):
     const = dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=launch.get("block_n", 128), BLOCK_SIZE=16,
                  HEAD_DIM=128, HEAD_DIM_PAD=128, SPLIT=launch.get("split", False), DOT_PRECISION="tf32", SEARCH=256,
                  SOFTCAP=False, KV_FP8=fp8, SINKS=False, F16_DOT=fp8, INTERIOR=True, LOOKUP_BLOCKS=False, WINDOWED=False,
-                 F8_QK=False, F8_PV=False, EARLY_V=launch.get("early_v_load", False),
+                 F8_QK=launch.get("f8_qk", False), F8_PV=launch.get("f8_pv", False), EARLY_V=launch.get("early_v_load", False),
                  CVT_ON_LOAD=fp8 and launch.get("convert_on_load", False), E5M2=kv == "fp8e5",
-                 PREFETCH_TABLE=launch.get("table_prefetch", False), PTX=True)
+                 PREFETCH_TABLE=launch.get("table_prefetch", False), PTX=True,
+                 V_TRANS=launch.get("v_transposed", False))
     ptrs = {"q_ptr": "bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "out_ptr": "bf16", "part_m_ptr": "fp32",
             "part_l_ptr": "fp32", "part_acc_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
             "block_table_ptr": "i32", "sinks_ptr": "fp32"}

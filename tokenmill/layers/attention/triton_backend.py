@@ -51,7 +51,8 @@ class DecodeTiles:
     # Round trips a tile waits on (the config's flags of the same names turn them on everywhere):
     early_v_load: bool = False  # V loaded with K (one round trip for both)
     table_prefetch: bool = False  # the next tile's block-table lookups issued before this tile's loads
-    fp8_convert_on_load: bool = False  # fp8 caches: K/V to float16 where they load (not after the layout change)
+    fp8_convert_on_load: bool | int = False  # fp8 caches: K/V to float16 where they load (not after the layout
+    # change); 2: the values only (the keys' layout change is no transpose: wide shared-memory reads already)
 
 
 @dataclass(frozen=True)
@@ -103,6 +104,10 @@ class TritonAttentionConfig:
     early_v_load: bool = False
     fp8_convert_on_load: bool = False
     table_prefetch: bool = False
+    # fp8 caches: each block's values stored [kv head, head_dim, slot] (slots contiguous), so p @ v takes
+    # its fp8 operand without a transpose (no float16 round trip through shared memory); the backend's
+    # writes and reads both follow it, and nothing else reads the cache (backend.transpose_v_blocks).
+    fp8_v_transposed: bool = False
 
 
 def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
@@ -121,7 +126,7 @@ class LaunchPlan:
     num_stages: int
     early_v_load: bool = False
     table_prefetch: bool = False
-    fp8_convert_on_load: bool = False
+    fp8_convert_on_load: bool | int = False
 
 
 def _next_pow2(n: int) -> int:
@@ -209,12 +214,14 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_cache.stride(-1) != 1:
             raise ValueError("the KV cache's head_dim axis must be contiguous")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        v_trans = self.v_transposed(kv_cache)
         if rope is not None:
             triton_rope_kv_write.rotate_and_write_kv(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
                                                      rope.rotary_dim, kv_cache, meta.slot_mapping, self.k_scale,
-                                                     self.v_scale)
+                                                     self.v_scale, v_transposed=v_trans)
         else:
-            triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale,
+                                     v_transposed=v_trans)
         # A window bounds the keys any query reads: split the KV axis by that, not the context.
         keys = meta.max_seq_len if self.sliding_window is None else min(
             meta.max_seq_len, self.sliding_window + meta.max_query_len)
@@ -227,8 +234,13 @@ class TritonAttentionBackend(AttentionBackend):
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
             fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot,
             early_v_load=plan.early_v_load, fp8_convert_on_load=plan.fp8_convert_on_load, table_prefetch=plan.table_prefetch,
+            v_transposed=v_trans,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
+
+    def v_transposed(self, kv_cache: torch.Tensor) -> bool:
+        """Whether this backend stores `kv_cache`'s values transposed per block (fp8_v_transposed)."""
+        return self.config.fp8_v_transposed and is_fp8(kv_cache)
 
     def _sm_count_of(self, device: torch.device) -> int:
         if self._sm_count is None:
