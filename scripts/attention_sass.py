@@ -70,7 +70,8 @@ def compile_launch(launch: dict):
             if name in aligned:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(tpa._paged_attention_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": launch.get("warps", 4), "num_stages": launch.get("stages", 2)})
+                          options={"num_warps": launch.get("warps", 4), "num_stages": launch.get("stages", 2),
+                                   **({"maxnreg": launch["maxnreg"]} if launch.get("maxnreg") else {})})
 
 
 def sass_figures(kernel) -> dict:

@@ -41,7 +41,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tokenmill.layers.attention.backend import kv_cache_shape, quantize_kv  # noqa: E402
+from tokenmill.layers.attention.backend import kv_cache_shape, quantize_kv, transpose_v_blocks  # noqa: E402
 from tokenmill.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
 from tokenmill.layers.attention.triton_backend import (  # noqa: E402
@@ -70,8 +70,9 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
     "early_v_load": [True, False],  # each tile's V rows loaded with its K rows (twice the bytes in flight)
     "fp8_convert_on_load": [True, False],  # fp8 caches only: K/V to float16 where they load
     "table_prefetch": [True, False],  # block-table lookups one tile ahead in the unmasked walk
+    "fp8_v_transposed": [True, False],  # fp8 caches only: value blocks stored [head, dim, slot]
 }
-FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot", "fp8_convert_on_load")
+FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot", "fp8_convert_on_load", "fp8_v_transposed")
 # --variants: named launches tried per case (on top of the default plan), in order of interest,
 # ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
 _QKPV = {"fp8_qk_dot": True, "fp8_pv_dot": True}
@@ -103,6 +104,19 @@ VARIANTS_IO = {("1x16384", "fp8"): _F8_SPLIT_IO, ("256x640", "fp8"): _F8_IO, ("2
                ("1x16384", "bf16"): [_EP, {**_EP, "num_stages": 1, "kv_splits": 64}],
                ("256x640", "bf16"): [_EP],
                ("1x150", "bf16"): [_EP], ("1x150", "fp8"): [_EP, {**_NOCVT, **_EP}]}
+# Session of 2026-11-26 (fifth). Offline sm_90 SASS of one 128-key fp8 tile (the loop body, per thread):
+# converting on load still moves BOTH tiles through shared memory twice (8 LDS.128 + 16 STS.128 +
+# 16 ldmatrix each: 192 KB of shared traffic per 32 KB read from HBM, against bf16's 128 KB per 64 KB).
+# The keys need none of it: q . k takes K keys-major as it lies (CVT_VALUES, 2: values only, K read
+# by ldmatrix from the cp.async buffer); and with the values stored transposed per block
+# (fp8_v_transposed) neither does V: 4 STS per tile as bf16, no float16 round trip.
+_VT = {"fp8_v_transposed": True}
+_F8_VT = [_VT, {**_VT, "num_stages": 3}, {**_VT, "decode_warps": 8}, {**_VT, "block_n": 64, "num_stages": 3},
+          {"fp8_convert_on_load": 2}, {**_VT, "num_stages": 1, "decode_warps": 2}]
+_F8_SPLIT_VT = [_VT, {**_VT, "num_stages": 2}, {"fp8_convert_on_load": 2}, {**_VT, "kv_splits": 64}]
+VARIANTS_VT = {("1x16384", "fp8"): _F8_SPLIT_VT, ("256x640", "fp8"): _F8_VT, ("1000x640", "fp8"): _F8_VT[:4],
+               ("256x2048", "fp8"): _F8_VT[:2], ("256x128", "fp8"): _F8_VT[:2],
+               ("3x40", "fp8"): [_VT, {"fp8_convert_on_load": 2}], ("1x150", "fp8"): [_VT]}
 VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
             ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
@@ -127,6 +141,16 @@ class Case:
     caches: list[torch.Tensor]  # one per "layer", same block tables
     meta: AttentionMetadata  # as a decode graph captures it
     kv_bytes: int  # K+V bytes one layer's attention reads
+    caches_vt: list[torch.Tensor] | None = None  # the same caches with value blocks transposed (made once)
+
+
+def caches_for(backend, case: Case) -> list[torch.Tensor]:
+    """The case's caches in the layout `backend` reads and writes (fp8_v_transposed: values transposed)."""
+    if not backend.v_transposed(case.caches[0]):
+        return case.caches
+    if case.caches_vt is None:
+        case.caches_vt = [transpose_v_blocks(c) for c in case.caches]
+    return case.caches_vt
 
 
 def make_case(rows: int, context: int, heads, q_dtype, kv_dtype, dev, max_model_len: int, seed: int = 0,
@@ -207,7 +231,7 @@ def reference(case: Case, heads) -> tuple[torch.Tensor, float]:
 
 
 def check(backend, case: Case, expected: torch.Tensor, err_low: float) -> tuple[bool, float]:
-    out = backend.forward(case.q, case.k, case.v, case.caches[0], case.meta)
+    out = backend.forward(case.q, case.k, case.v, caches_for(backend, case)[0], case.meta)
     err = (out.float() - expected).abs().max().item()
     ok = bool(err <= max(2 * err_low, ERR_FLOOR[case.q.dtype])) and not out.isnan().any().item()
     return ok, err
@@ -272,8 +296,10 @@ def read_bandwidth(dev) -> float:
 
 
 def time_layers(backend, case: Case, dev) -> float:
+    caches = caches_for(backend, case)
+
     def run():
-        for cache in case.caches:
+        for cache in caches:
             backend.forward(case.q, case.k, case.v, cache, case.meta)
     return time_us(run, dev) / len(case.caches)
 
@@ -290,7 +316,7 @@ def launch_config(cand: dict) -> TritonAttentionConfig:
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], fp8_qk_dot=cand["fp8_qk_dot"],
         fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"],
         early_v_load=cand.get("early_v_load", False), fp8_convert_on_load=cand.get("fp8_convert_on_load", False),
-        table_prefetch=cand.get("table_prefetch", False),
+        table_prefetch=cand.get("table_prefetch", False), fp8_v_transposed=cand.get("fp8_v_transposed", False),
         decode_tiles=tiles,
         split_decode_tiles=tiles, fp8_decode_tiles=tiles, fp8_split_decode_tiles=tiles)
 
@@ -303,7 +329,7 @@ def before_launch(case: Case, heads, sm_count: int) -> dict:
                                                              max(case.meta.max_seq_len // 256, 1), 32))
     return {"interior": False, "num_stages": 2, "block_n": 64, "kv_splits": splits, "decode_warps": 4,
             "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "decode_min_rows": 16,
-            "early_v_load": False, "fp8_convert_on_load": False, "table_prefetch": False}
+            "early_v_load": False, "fp8_convert_on_load": False, "table_prefetch": False, "fp8_v_transposed": False}
 
 
 def plan_of(backend, case: Case, sm_count: int) -> dict:
@@ -315,6 +341,7 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
             "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
             "early_v_load": p.early_v_load, "fp8_convert_on_load": p.fp8_convert_on_load, "table_prefetch": p.table_prefetch,
             "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
+            "fp8_v_transposed": backend.config.fp8_v_transposed,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
 
@@ -368,7 +395,7 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     rec = {**parts, "case": case.name, "kv": str(case.kv_dtype).split(".")[-1], "us": us, "ok": ok, "err": err,
            "err_torch_low": err_low, "kv_bytes": case.kv_bytes, "gbps": case.kv_bytes / us / 1e3,
            "of_copy": case.kv_bytes / (us * 1e-6) / copy_bps, "of_read": case.kv_bytes / (us * 1e-6) / read_bps,
-           "plan": plan, "layers": len(case.caches)}
+           "plan": plan, "layers": len(case.caches), "bound_us": case.kv_bytes / read_bps * 1e6}
     print(f"  {case.name:>9} {rec['kv']:>13}: {us:8.1f} us/layer  {rec['gbps']:7.0f} GB/s "
           f"({100 * rec['of_copy']:5.1f}% of copy; write {parts['write_us']:.1f}, attention "
           f"{parts['attend_us']:.1f})  err {err:.2e} {'ok' if ok else 'FAILED'}  {plan}", flush=True)
@@ -503,7 +530,7 @@ def _precompile_calls(shapes: list[str], kinds: list[str], table: dict | None, s
 def _run_small(backend, case: Case) -> None:
     if case.q.is_cuda:
         backend._sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    backend.forward(case.q, case.k, case.v, case.caches[0], case.meta)
+    backend.forward(case.q, case.k, case.v, caches_for(backend, case)[0], case.meta)
 
 
 PRECOMPILE_ENV = "GPU_ATTENTION_PRECOMPILE"  # JSON: shapes, kinds, io (for the --precompile children)
@@ -514,8 +541,8 @@ def main() -> None:
         import triton_precompile
         spec = json.loads(os.environ[PRECOMPILE_ENV])
         sm = torch.cuda.get_device_properties(0).multi_processor_count
-        triton_precompile.compile_shard(_precompile_calls(spec["shapes"], spec["kinds"], VARIANTS_IO if spec["io"] else
-                                                          VARIANTS if spec["variants"] else None, sm), sys.argv[2])
+        table = VARIANTS_VT if spec.get("vt") else VARIANTS_IO if spec["io"] else VARIANTS if spec["variants"] else None
+        triton_precompile.compile_shard(_precompile_calls(spec["shapes"], spec["kinds"], table, sm), sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
@@ -526,6 +553,8 @@ def main() -> None:
                     help="time the named launches of VARIANTS per case first (every shape gets a share)")
     ap.add_argument("--io-variants", action="store_true",
                     help="as --variants, with VARIANTS_IO (the fp8 conversion and load-order launches)")
+    ap.add_argument("--vt-variants", action="store_true",
+                    help="as --variants, with VARIANTS_VT (fp8 values transposed per block; values-only conversion)")
     ap.add_argument("--no-before", action="store_true", help="skip the launches of before the tuning work")
     ap.add_argument("--precompile-shards", type=int, default=0,
                     help="compile the default and variant launches in this many processes first (0: off)")
@@ -547,7 +576,7 @@ def main() -> None:
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
               "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [],
               "decode_min_rows": [64], "early_v_load": [True], "fp8_convert_on_load": [True],
-              "table_prefetch": [True]}
+              "table_prefetch": [True], "fp8_v_transposed": [True]}
              if smoke else SWEEP)
     if smoke:
         args.sweep_all = True
@@ -564,7 +593,7 @@ def main() -> None:
     if dev.type == "cuda" and args.precompile_shards > 0:  # the kernels compile in parallel processes
         import triton_precompile
         os.environ[PRECOMPILE_ENV] = json.dumps({"shapes": shapes, "kinds": args.kv.split(","), "io": args.io_variants,
-                                                 "variants": args.variants})
+                                                 "variants": args.variants, "vt": args.vt_variants})
         triton_precompile.compile_in_processes(__file__, "--precompile", args.precompile_shards,
                                                min(40.0, args.budget / 2), "attention launches")
     records = [check_fused_fp8_write(dev)]
@@ -574,8 +603,9 @@ def main() -> None:
         rows, rest = shape.split("x")
         context, _, prefill = rest.partition("+")
         left = args.budget - (time.perf_counter() - start)
-        table = VARIANTS_IO if args.io_variants else VARIANTS
-        if args.variants or args.io_variants:  # a share per launch to try
+        table = VARIANTS_VT if args.vt_variants else VARIANTS_IO if args.io_variants else VARIANTS
+        any_variants = args.variants or args.io_variants or args.vt_variants
+        if any_variants:  # a share per launch to try
             kinds = ["fp8" if c[2] != torch.bfloat16 and c[2] != torch.float32 else "bf16" for c in cases[i:]]
             weights = [1 + len(table.get((c[0], k), [])) for c, k in zip(cases[i:], kinds)]
         else:
@@ -585,7 +615,7 @@ def main() -> None:
                          prefill=int(prefill or 0))
         try:
             records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps,
-                                    variants=table if args.variants or args.io_variants else None,
+                                    variants=table if any_variants else None,
                                     with_before=not args.no_before))
         except Exception as e:  # noqa: BLE001 - a launch that does not compile: recorded, the other cases go on
             print(f"  {case.name} {case.kv_dtype}: {type(e).__name__}: {str(e)[:400]}", flush=True)
@@ -618,6 +648,12 @@ def main() -> None:
                     if "previous_us" in ra and "previous_us" in rb else "")
             print(f"  {c}: {b} / {a} time, {prev}default launch {rb['us'] / ra['us']:.2f}, "
                   f"best launches {rb['best_us'] / ra['best_us']:.2f}")
+    print("\nByte bound (KV bytes at the read roof measured here) and the fraction of it reached:")
+    for r in records:
+        if "case" in r and "error" not in r:
+            print(f"  {r['case']:>9} {r['kv']:>13}: bound {r['bound_us']:7.1f} us; default {r['us']:7.1f} us "
+                  f"({100 * r['bound_us'] / r['us']:3.0f}%); best {r['best_us']:7.1f} us "
+                  f"({100 * r['bound_us'] / r['best_us']:3.0f}%) {({k: v for k, v in r['best'].items() if r['plan'].get(k) != v})}")
     ok = save(records, name, sm_count, copy_bps, read_bps, start)
     print(f"{'all checks passed' if ok else 'CHECK FAILED'} in {time.perf_counter() - start:.0f} s", flush=True)
     sys.exit(0 if ok else 1)
