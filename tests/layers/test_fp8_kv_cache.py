@@ -139,12 +139,15 @@ def test_triton_fp8_weights_value_dot(splits):
 
 
 @pytest.mark.parametrize("dtype", FP8_DTYPES)
-@pytest.mark.parametrize("splits,early_v,rows", [(None, False, ROWS), (3, True, DECODE_ROWS), (None, True, DECODE_ROWS)])
-def test_triton_fp8_convert_on_load(dtype, splits, early_v, rows):
+@pytest.mark.parametrize("splits,early_v,rows,mode", [(None, False, ROWS, True), (3, True, DECODE_ROWS, True),
+                                                     (None, True, DECODE_ROWS, True), (None, False, ROWS, 2),
+                                                     (3, False, DECODE_ROWS, 2)])
+def test_triton_fp8_convert_on_load(dtype, splits, early_v, rows, mode):
     """fp8_convert_on_load (K/V tiles converted to float16 where they load; on a GPU by inline PTX the
     compiler cannot move, here the plain conversion: scripts/gpu_attention.py checks the PTX against
     the reference) with float16 queries, early_v_load (decode launches only: decode rows) with and
-    without split KV; subnormals, the largest value and -0 in a block that is read."""
+    without split KV; subnormals, the largest value and -0 in a block that is read. Mode 2: the
+    values only (the keys converted where the dot takes them)."""
     require_module("triton")
     from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig
 
@@ -156,7 +159,7 @@ def test_triton_fp8_convert_on_load(dtype, splits, early_v, rows):
     expected = TorchRefAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM)).forward(
         case.q, case.k_rt, case.v_rt, ref_cache, case.meta)
     backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM), config=TritonAttentionConfig(
-        kv_splits=splits, fp8_convert_on_load=True, early_v_load=early_v))
+        kv_splits=splits, fp8_convert_on_load=mode, early_v_load=early_v))
     backend.k_scale, backend.v_scale = k_scale, v_scale
     out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
     n = case.meta.num_tokens
