@@ -46,7 +46,7 @@ def compile_launch(launch: dict):
 
     kv = {"bf16": "bf16", "fp8": "fp8e4nv", "fp8_e5m2": "fp8e5"}[launch.get("kv", "fp8")]
     fp8 = kv.startswith("fp8")
-    const = dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=4, BLOCK_Q=4, BLOCK_N=launch.get("block_n", 128), BLOCK_SIZE=16,
+    const = dict(NUM_HEADS=32, GROUP=4, GROUP_PAD=4, BLOCK_Q=launch.get("block_q", 4), BLOCK_N=launch.get("block_n", 128), BLOCK_SIZE=16,
                  HEAD_DIM=128, HEAD_DIM_PAD=128, SPLIT=launch.get("split", False), DOT_PRECISION="tf32", SEARCH=256,
                  SOFTCAP=False, KV_FP8=fp8, SINKS=False, F16_DOT=fp8, INTERIOR=True, LOOKUP_BLOCKS=False, WINDOWED=False,
                  F8_QK=launch.get("f8_qk", False), F8_PV=launch.get("f8_pv", False), EARLY_V=launch.get("early_v_load", False),
