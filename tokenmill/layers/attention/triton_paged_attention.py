@@ -143,8 +143,12 @@ def _load_v_rows(v_cache_ptr, kv_off, key, key_valid, HEAD_DIM: tl.constexpr, HE
         if MASKED or HEAD_DIM != HEAD_DIM_PAD:
             x = tl.load(v_cache_ptr + vt_off[None, :] + offs_d[:, None] * BLOCK_SIZE,
                         mask=key_valid[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
-        else:  # runs of BLOCK_SIZE keys (one cache block) are contiguous and start 16-aligned
-            vt_off = tl.max_contiguous(tl.multiple_of(vt_off, BLOCK_SIZE), BLOCK_SIZE)
+        else:
+            # A tile of whole blocks (a power of two of slots): its keys come in runs of BLOCK_SIZE
+            # contiguous values starting at a multiple of BLOCK_SIZE (the cache's block stride and a
+            # head's run, head_dim * BLOCK_SIZE, are), which the compiler cannot see through the table.
+            if key.shape[0] % BLOCK_SIZE == 0 and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
+                vt_off = tl.max_contiguous(tl.multiple_of(vt_off, BLOCK_SIZE), BLOCK_SIZE)
             x = tl.load(v_cache_ptr + vt_off[None, :] + offs_d[:, None] * BLOCK_SIZE)
         return tl.trans(x)
     return _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
