@@ -27,9 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 OPS = ("LDS.U8", "LDSM.16.MT88", "LDSM.16.M88", "LDGSTS", "LDG.E.128", "F2FP.F16.E4M3", "F2FP.F16.E5M2", "HMMA",
        "STL", "LDL")
-DEFAULTS = [  # the decode launches of TritonAttentionConfig's defaults (see triton_backend.py)
+DEFAULTS = [  # the decode launches of TritonAttentionConfig's defaults (see triton_backend.py), and others
     {"kv": "bf16", "warps": 4, "stages": 2, "split": False},
     {"kv": "bf16", "warps": 4, "stages": 2, "split": True},
+    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "v_transposed": True},
+    {"kv": "fp8", "warps": 4, "stages": 4, "split": True, "v_transposed": True},
+    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": 2},
     {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": True},
     {"kv": "fp8", "warps": 4, "stages": 4, "split": True, "convert_on_load": False},
     {"kv": "fp8", "warps": 2, "stages": 1, "split": False, "convert_on_load": False},  # the unsplit one before
@@ -89,13 +92,40 @@ def sass_figures(kernel) -> dict:
     fig["instructions"] = sum(ops.values())
     for op in OPS:
         fig[op] = sum(n for name, n in ops.items() if name.startswith(op))
+    fig["tile_loop"] = tile_loop(sass)
+    return fig
+
+
+TILE_OPS = {"LDGSTS": "LDGSTS", "LDS": "LDS.", "STS": "STS.", "LDSM": "LDSM", "STSM": "STSM", "BAR": "BAR.SYNC",
+            "F2FP": "F2FP.F16.E", "HMMA": "HMMA"}
+
+
+def tile_loop(sass: str) -> dict:
+    """Per-thread instructions of one KV tile: the body of the first loop with MMAs (a backward branch's
+    range; the unmasked walk, before the masked one at the causal edge), counted by kind: cp.async
+    (LDGSTS), shared loads / stores (LDS / STS; not ldmatrix LDSM / STSM), barriers, fp8 conversions
+    (F2FP), tensor-core MMAs."""
+    ins = [(int(a, 16), op, rest) for a, op, rest in
+           re.findall(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_.]+)([^;]*);", sass, flags=re.M)]
+    best: list[str] = []
+    for addr, op, rest in ins:
+        target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
+        if target and int(target.group(1), 16) < addr:
+            body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
+            if any(o.startswith("HMMA") for o in body):
+                best = body
+                break
+    fig = {"instructions": len(best)}
+    for name, prefix in TILE_OPS.items():
+        fig[name] = sum(1 for o in best if o.startswith(prefix) or o == prefix.rstrip("."))
     return fig
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launch", action="append", help="JSON: kv (bf16|fp8|fp8_e5m2), warps, stages, split, block_n, "
-                    "convert_on_load, early_v_load, table_prefetch (default: the defaults' decode launches)")
+                    "block_q, convert_on_load (true, or 2: values only), early_v_load, table_prefetch, v_transposed, "
+                    "f8_qk, f8_pv, maxnreg (default: the defaults' decode launches)")
     args = ap.parse_args()
     launches = [json.loads(x) for x in args.launch] if args.launch else DEFAULTS
     for launch in launches:

@@ -125,10 +125,12 @@ VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", 
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
             ("1x150", "bf16"): [{"decode_min_rows": 64, "block_n": 16}],
             ("1x150", "fp8"): [{"decode_min_rows": 64, "num_stages": 2}]}
-# The decode defaults before this session's work (fp8: conversion after the layout change).
+# The decode defaults before this session's work (2026-11-26, fifth): fp8 unsplit converting K and V on
+# load (4 warps, 2 stages), split 4 warps / 4 stages; values stored as keys are (not transposed).
 PREVIOUS_DEFAULTS = TritonAttentionConfig(
-    decode_tiles=DecodeTiles(128, 4, 2), split_decode_tiles=None, fp8_decode_tiles=DecodeTiles(128, 2, 1),
-    fp8_split_decode_tiles=DecodeTiles(128, 4, 4), lookup_blocks=False, fp8_qk_dot=False, fp8_pv_dot=False)
+    decode_tiles=DecodeTiles(128, 4, 2), split_decode_tiles=None,
+    fp8_decode_tiles=DecodeTiles(128, 4, 2, fp8_convert_on_load=True), fp8_split_decode_tiles=DecodeTiles(128, 4, 4),
+    lookup_blocks=False, fp8_qk_dot=False, fp8_pv_dot=False, fp8_v_transposed=False)
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
 # Shares of the sweep budget: the engine's figures' shapes (others are timed, not swept, unless --sweep-all).
 WEIGHT = {"256x640": 1, "1x16384": 1}

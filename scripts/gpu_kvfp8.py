@@ -18,6 +18,10 @@ so that every ratio has its baseline measured in the same process, interleaved.
   (the paged attention launch, the split reduce, the fused rotary + KV write).
 - 1000x512x256: output tok/s of each engine, one after the other (KVFP8_ORDER=fp8-first swaps them).
   Without it (--workloads batch1_16k) the engines take max_num_seqs 1: one decode graph to capture.
+- attention (first, before the engines take the device's memory): the decode attention kernels alone,
+  bf16 against fp8 KV, at 256 x 640, 1000 x 640 and 1 x 16384 (scripts/gpu_attention.py in a child
+  process: every launch checked against the float32 reference, the defaults beside the previous
+  defaults, microseconds per layer and the fraction of the byte bound, its JSON in $OUT).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 BATCH1_TOKENS = int(os.environ.get("KVFP8_TOKENS", "64"))  # decode steps per timed batch-1 run
@@ -36,6 +42,35 @@ ENGINE_KWARGS = {"bf16kv": {"gpu_memory_utilization": 0.45}, "fp8kv": {"kv_cache
 # Kernels shown apart from their step_profile group (a name fragment -> a row of the table).
 KERNELS = {"paged attention": "_paged_attention_kernel", "split reduce": "_reduce_splits_kernel",
            "rotary + KV write": "rope_kv_write"}
+
+
+ATTENTION_SHAPES = "256x640,1000x640,1x16384"
+ATTENTION_BUDGET_S = float(os.environ.get("KVFP8_ATTENTION_BUDGET", "22"))  # gpu_attention.py's --budget
+
+
+def attention_microbench(results: dict, smoke: bool, out: str) -> None:
+    """scripts/gpu_attention.py (default launches, no sweep) in a child process; its table printed as it
+    runs, its records under results["timings"]["kvfp8_attention"]. A failed check fails the part."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention.py")
+    args = ([sys.executable, script, "--no-sweep", "--no-before", "--kv", "bf16,fp8"]
+            + (["--smoke", "--shapes", "3x40,1x150"] if smoke else
+               ["--shapes", ATTENTION_SHAPES, "--precompile-shards", "8"])
+            + ["--budget", str(ATTENTION_BUDGET_S)])
+    env = dict(os.environ, OUT=os.path.join(out, "attention"))
+    start = time.perf_counter()
+    proc = subprocess.run(args, env=env, timeout=ATTENTION_BUDGET_S + 30 if not smoke else 900)
+    rec = results.setdefault("timings", {}).setdefault("kvfp8_attention", {})
+    rec["seconds"] = time.perf_counter() - start
+    path = os.path.join(out, "attention", "gpu_attention.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        rec.update(device=data["device"], read_gbps=data["read_gbps"], copy_gbps=data["copy_gbps"], cases={
+            f"{r['case']} {r['kv']}": {k: r.get(k) for k in ("us", "bound_us", "previous_us", "attend_us", "write_us",
+                                                            "ok", "err", "plan")}
+            for r in data["records"] if "case" in r and "error" not in r})
+    if proc.returncode != 0:
+        raise RuntimeError(f"gpu_attention.py exited {proc.returncode} (a failed check or a crash)")
 
 
 def _prompt(length: int, seed: int) -> list[dict]:
@@ -84,7 +119,7 @@ def profile_table(prof: dict) -> list[str]:
 def _save(results: dict, out: str) -> None:
     """What is measured so far, to $OUT/kvfp8_side_by_side.json (a run cut short keeps it)."""
     os.makedirs(out, exist_ok=True)
-    keep = {k: results[k] for k in ("timings", "kvprofile") if k in results}
+    keep = {k: results[k] for k in ("timings", "kvprofile") if k in results}  # (timings: kvfp8_attention too)
     with open(os.path.join(out, "kvfp8_side_by_side.json"), "w") as f:
         json.dump(keep, f, indent=1, default=str)
 
@@ -105,6 +140,11 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
     window = {"skip": rounds * (tokens + 1) + 8, "steps": 3 if smoke else PROFILE_STEPS}
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     timings = results.setdefault("timings", {})
+    if "attention" in workloads:
+        attention_microbench(results, smoke, out)
+        _save(results, out)
+    if not {"batch1_16k", "1000x512x256"} & set(workloads):
+        return
     recs = {label: timings.setdefault("kvfp8" if label == "fp8kv" else "kvfp8_bf16kv", {}) for label in LABELS}
     engines, failed = {}, []
     try:
