@@ -25,7 +25,7 @@ from collections import Counter
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-OPS = ("LDS.U8", "LDSM.16.MT88", "LDSM.16.M88", "LDGSTS", "LDG.E.128", "F2FP.F16.E4M3", "F2FP.F16.E5M2", "HMMA",
+OPS = ("QGMMA", "HGMMA", "LDS.U8", "LDSM.16.MT88", "LDSM.16.M88", "LDGSTS", "LDG.E.128", "F2FP.F16.E4M3", "F2FP.F16.E5M2", "HMMA",
        "STL", "LDL")
 DEFAULTS = [  # the decode launches of TritonAttentionConfig's defaults (see triton_backend.py), and others
     {"kv": "bf16", "warps": 4, "stages": 2, "split": False},
@@ -97,7 +97,7 @@ def sass_figures(kernel) -> dict:
 
 
 TILE_OPS = {"LDGSTS": "LDGSTS", "LDS": "LDS.", "STS": "STS.", "LDSM": "LDSM", "STSM": "STSM", "BAR": "BAR.SYNC",
-            "F2FP": "F2FP.F16.E", "HMMA": "HMMA"}
+            "F2FP": "F2FP.F16.E", "HMMA": "HMMA", "GMMA": "QGMMA", "HGMMA": "HGMMA"}
 
 
 def tile_loop(sass: str) -> dict:
@@ -112,7 +112,7 @@ def tile_loop(sass: str) -> dict:
         target = re.search(r"0x([0-9a-f]+)", rest) if op == "BRA" else None
         if target and int(target.group(1), 16) < addr:
             body = [o for a, o, _ in ins if int(target.group(1), 16) <= a <= addr]
-            if any(o.startswith("HMMA") for o in body):
+            if any(o.startswith(("HMMA", "HGMMA", "QGMMA")) for o in body):
                 best = body
                 break
     fig = {"instructions": len(best)}

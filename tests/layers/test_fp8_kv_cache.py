@@ -19,7 +19,7 @@ import torch
 
 from tests.helpers.requirements import require_module
 from tests.layers.test_attention import make_case
-from tokenmill.layers.attention.backend import quantize_kv
+from tokenmill.layers.attention.backend import quantize_kv, transpose_v_blocks
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
 
 HEAD_DIM = 32
@@ -128,12 +128,13 @@ def test_triton_fp8_weights_value_dot(splits):
     k_scale, v_scale = 0.5, 2.0
     case, cache8, expected = _fp8_case(torch.float8_e4m3fn, k_scale, v_scale)
     n = case.meta.num_tokens
-    for qk in (False, True):
+    for qk, vt in ((False, False), (True, False), (True, True)):  # vt: values transposed (K-major for the dot)
         backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM), config=TritonAttentionConfig(
             kv_splits=splits, fp8_pv_dot=True, fp8_qk_dot=qk, fp8_decode_tiles=DecodeTiles(16),
-            fp8_split_decode_tiles=None))
+            fp8_split_decode_tiles=None, fp8_v_transposed=vt))
         backend.k_scale, backend.v_scale = k_scale, v_scale
-        out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
+        cache = transpose_v_blocks(cache8) if vt else cache8
+        out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache, case.meta)
         torch.testing.assert_close(out[:n].float(), expected[:n], atol=3e-2, rtol=3e-2)
 
 
@@ -168,8 +169,6 @@ def test_triton_fp8_convert_on_load(dtype, splits, early_v, rows, mode):
 
 def test_transpose_v_blocks_round_trip():
     """The transposed-values layout: block b's values at [head, dim, slot] of its run, keys untouched."""
-    from tokenmill.layers.attention.backend import transpose_v_blocks
-
     cache = torch.randn(2, 3, 4, 2, 5)
     t = transpose_v_blocks(cache)
     assert t.shape == cache.shape and torch.equal(t[0], cache[0])
@@ -187,7 +186,6 @@ def test_triton_fp8_transposed_values(dtype, splits, rows, block_size, prefetch)
     (unmasked tiles: contiguous runs of a block's slots; masked ones: per key), with float16 and
     float32 queries, split and not, the block-table lookahead, a block size of 8."""
     require_module("triton")
-    from tokenmill.layers.attention.backend import transpose_v_blocks
     from tokenmill.layers.attention.triton_backend import DecodeTiles, TritonAttentionBackend, TritonAttentionConfig
 
     k_scale, v_scale = 0.5, 2.0
@@ -209,7 +207,6 @@ def test_triton_fp8_rope_write_transposed_values(dtype):
     """The fused rotary + KV write stores values transposed per block as the plain write does."""
     require_module("triton")
     from tokenmill.layers.attention import triton_kv_write, triton_rope_kv_write
-    from tokenmill.layers.attention.backend import transpose_v_blocks
 
     torch.manual_seed(0)
     t, hq, hkv, d, bs = 5, 4, 2, HEAD_DIM, 8
