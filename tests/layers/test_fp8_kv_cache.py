@@ -44,6 +44,15 @@ def _fp8_case(dtype: torch.dtype, k_scale: float, v_scale: float, heads=(4, 2), 
     return case, cache8, expected
 
 
+def _layout(backend, cache8: torch.Tensor) -> torch.Tensor:
+    """`cache8` (plain layout) as `backend` stores it (its values transposed per block where it does)."""
+    return transpose_v_blocks(cache8) if backend.v_transposed(cache8) else cache8
+
+
+def _plain(backend, cache: torch.Tensor) -> torch.Tensor:
+    return transpose_v_blocks(cache, inverse=True) if backend.v_transposed(cache) else cache
+
+
 def _check(case, cache8, out, expected, k_scale, v_scale, dtype, tol):
     n = case.meta.num_tokens
     torch.testing.assert_close(out[:n], expected[:n], atol=tol, rtol=tol)
@@ -85,8 +94,10 @@ def test_triton_kernels_read_fp8_blocks(dtype, splits, q_dtype):
     # two, so the new K/V given here are already fp8 values times the scale: the write scales them
     # and stores them exactly. (Rounding on the device: scripts/gpu_quant.py's kernel checks.)
     case.k, case.v = case.k_rt, case.v_rt
-    out = backend.forward(case.q.to(q_dtype), case.k.to(q_dtype), case.v.to(q_dtype), cache8, case.meta)
-    _check(case, cache8, out.float(), expected, k_scale, v_scale, dtype, 1e-4 if q_dtype == torch.float32 else 5e-3)
+    cache = _layout(backend, cache8)
+    out = backend.forward(case.q.to(q_dtype), case.k.to(q_dtype), case.v.to(q_dtype), cache, case.meta)
+    _check(case, _plain(backend, cache), out.float(), expected, k_scale, v_scale, dtype,
+           1e-4 if q_dtype == torch.float32 else 5e-3)
 
 
 @pytest.mark.parametrize("splits", [None, 3])
@@ -110,7 +121,7 @@ def test_triton_fp8_query_key_dot(splits):
     backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM),
                                      config=TritonAttentionConfig(kv_splits=splits, fp8_qk_dot=True))
     backend.k_scale, backend.v_scale = k_scale, v_scale
-    out = backend.forward(q16, case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
+    out = backend.forward(q16, case.k_rt.half(), case.v_rt.half(), _layout(backend, cache8), case.meta)
     n = case.meta.num_tokens
     torch.testing.assert_close(out[:n].float(), expected[:n], atol=5e-3, rtol=5e-3)
 
@@ -162,7 +173,7 @@ def test_triton_fp8_convert_on_load(dtype, splits, early_v, rows, mode):
     backend = TritonAttentionBackend(4, 2, HEAD_DIM, 1 / math.sqrt(HEAD_DIM), config=TritonAttentionConfig(
         kv_splits=splits, fp8_convert_on_load=mode, early_v_load=early_v))
     backend.k_scale, backend.v_scale = k_scale, v_scale
-    out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), cache8, case.meta)
+    out = backend.forward(case.q.half(), case.k_rt.half(), case.v_rt.half(), _layout(backend, cache8), case.meta)
     n = case.meta.num_tokens
     torch.testing.assert_close(out[:n].float(), expected[:n], atol=5e-3, rtol=5e-3)
 
