@@ -1,7 +1,10 @@
 """Compile the paged-attention decode kernel for sm_90 on a machine without a GPU and count what its
 SASS does per launch: registers, stack (spills), shared memory, and the instructions that matter for
 an fp8 cache (byte-wise shared loads LDS.U8, ldmatrix LDSM / LDSM.T, cp.async LDGSTS, fp8
-conversions F2FP, HMMA). Uses triton's bundled ptxas / cuobjdump; needs no device.
+conversions F2FP, HMMA / wgmma), in the whole kernel and in one KV tile's loop body (`tile_loop`).
+Use the GPU's triton: a different version compiles differently (triton 3.9 kept the transposed-values
+launch in 228 registers; 3.6, the GPU's, spills it), e.g. `pip install --target DIR triton==3.6.0` and
+PYTHONPATH=DIR. Uses triton's bundled ptxas / cuobjdump; needs no device.
 
     python scripts/attention_sass.py                       # the decode launches of the defaults
     python scripts/attention_sass.py --launch '{"kv": "fp8", "warps": 2, "stages": 1, "convert_on_load": false}'
@@ -27,16 +30,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 OPS = ("QGMMA", "HGMMA", "LDS.U8", "LDSM.16.MT88", "LDSM.16.M88", "LDGSTS", "LDG.E.128", "F2FP.F16.E4M3", "F2FP.F16.E5M2", "HMMA",
        "STL", "LDL")
-DEFAULTS = [  # the decode launches of TritonAttentionConfig's defaults (see triton_backend.py), and others
+DEFAULTS = [  # the decode launches of TritonAttentionConfig's defaults (see triton_backend.py), then others
     {"kv": "bf16", "warps": 4, "stages": 2, "split": False},
     {"kv": "bf16", "warps": 4, "stages": 2, "split": True},
-    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "v_transposed": True},
-    {"kv": "fp8", "warps": 4, "stages": 4, "split": True, "v_transposed": True},
-    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": 2},
-    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": True},
+    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": 2},  # values converted on load
+    {"kv": "fp8", "warps": 4, "stages": 4, "split": True, "convert_on_load": 2},
+    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": True},  # the defaults before
     {"kv": "fp8", "warps": 4, "stages": 4, "split": True, "convert_on_load": False},
-    {"kv": "fp8", "warps": 2, "stages": 1, "split": False, "convert_on_load": False},  # the unsplit one before
-    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": False},
+    {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "v_transposed": True},  # values transposed (opt-in)
 ]
 
 

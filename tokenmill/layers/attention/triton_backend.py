@@ -82,13 +82,14 @@ class TritonAttentionConfig:
     # max_model_len) cannot tell the two apart: 128 keys (the engine's 1000x512x256 decodes at 512-768).
     decode_tiles: DecodeTiles = DecodeTiles()
     split_decode_tiles: DecodeTiles | None = None
-    # fp8 unsplit: K/V converted to float16 where they load (fp8_convert_on_load; without it the V tile is
-    # read back from shared memory one byte per load), 4 warps, 2 stages: H100, 256 rows x 640 keys,
-    # 157.3 us against 180.7 before (1 stage, 2 warps, no conversion on load; that with it: 177.9).
-    # Split (batch 1 x 16k): as before, 26.2 us against 27.9 converting on load
-    # (docs/results/gpu-kvfp8.md).
-    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=2, fp8_convert_on_load=True)
-    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4)
+    # fp8: the VALUES converted to float16 where they load (fp8_convert_on_load=2; without it the V tile is
+    # read back from shared memory one byte per load), the keys after their layout change (no transpose:
+    # wide shared-memory reads; converting them on load too sent them through shared memory twice more).
+    # H100, per layer with the KV write: 256 rows x 640 keys 143.0 us against 168.9 converting both
+    # (bf16 236.2); batch 1 x 16k (split, 4 stages) 24.9 against 25.9 converting neither (bf16 36.2)
+    # (docs/results/gpu-kvfp8.md). 4 warps, 2 stages unsplit (3 stages: 143.4).
+    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=2, fp8_convert_on_load=2)
+    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4, fp8_convert_on_load=2)
     # A share of the KV axis spans at least this many keys (of max_seq_len). H200, batch 1, context 640
     # captured at max_seq_len 784: 8 shares 8.1 / 8.6 us at 4 / 8 KV heads against 11.2 / 12.8 for the
     # 2 that 256 allowed (scripts/gpu_layouts.py --parts single).
@@ -107,6 +108,8 @@ class TritonAttentionConfig:
     # fp8 caches: each block's values stored [kv head, head_dim, slot] (slots contiguous), so p @ v takes
     # its fp8 operand without a transpose (no float16 round trip through shared memory); the backend's
     # writes and reads both follow it, and nothing else reads the cache (backend.transpose_v_blocks).
+    # Off: lean in triton 3.9's SASS, but triton 3.6 (the GPU's) spills it (255 registers + 584 bytes of
+    # stack at 2 stages, 4,320 bytes at 3): H100 256 x 640 170.2 us (3 stages: 779) against 143.0.
     fp8_v_transposed: bool = False
 
 
