@@ -37,6 +37,7 @@ import time
 BATCH1_TOKENS = int(os.environ.get("KVFP8_TOKENS", "64"))  # decode steps per timed batch-1 run
 ROUNDS = int(os.environ.get("KVFP8_ROUNDS", "3"))  # timed batch-1 runs per engine
 PROFILE_STEPS = 16  # decode steps in the device-profile window (the request after the timed ones)
+PROFILE = os.environ.get("KVFP8_PROFILE", "1") != "0"  # 0: no profiled batch-1 request (a shorter run)
 LABELS = ("bf16kv", "fp8kv")  # the baseline first
 ENGINE_KWARGS = {"bf16kv": {"gpu_memory_utilization": 0.45}, "fp8kv": {"kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.9}}
 # Kernels shown apart from their step_profile group (a name fragment -> a row of the table).
@@ -45,20 +46,21 @@ KERNELS = {"paged attention": "_paged_attention_kernel", "split reduce": "_reduc
 
 
 ATTENTION_SHAPES = "256x640,1000x640,1x16384"
-ATTENTION_BUDGET_S = float(os.environ.get("KVFP8_ATTENTION_BUDGET", "22"))  # gpu_attention.py's --budget
+ATTENTION_BUDGET_S = float(os.environ.get("KVFP8_ATTENTION_BUDGET", "30"))  # gpu_attention.py's --budget
+ATTENTION_KV = os.environ.get("KVFP8_ATTENTION_KV", "bf16,fp8,fp8_e5m2")  # e5m2: the other format's conversion
 
 
 def attention_microbench(results: dict, smoke: bool, out: str) -> None:
     """scripts/gpu_attention.py (default launches, no sweep) in a child process; its table printed as it
     runs, its records under results["timings"]["kvfp8_attention"]. A failed check fails the part."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention.py")
-    args = ([sys.executable, script, "--no-sweep", "--no-before", "--kv", "bf16,fp8"]
+    args = ([sys.executable, script, "--no-sweep", "--no-before", "--kv", ATTENTION_KV]
             + (["--smoke", "--shapes", "3x40,1x150"] if smoke else
                ["--shapes", ATTENTION_SHAPES, "--precompile-shards", "8"])
             + ["--budget", str(ATTENTION_BUDGET_S)])
     env = dict(os.environ, OUT=os.path.join(out, "attention"))
     start = time.perf_counter()
-    proc = subprocess.run(args, env=env, timeout=ATTENTION_BUDGET_S + 30 if not smoke else 900)
+    proc = subprocess.run(args, env=env, timeout=ATTENTION_BUDGET_S + 20 if not smoke else 900)
     rec = results.setdefault("timings", {}).setdefault("kvfp8_attention", {})
     rec["seconds"] = time.perf_counter() - start
     path = os.path.join(out, "attention", "gpu_attention.json")
@@ -140,9 +142,11 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
     window = {"skip": rounds * (tokens + 1) + 8, "steps": 3 if smoke else PROFILE_STEPS}
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     timings = results.setdefault("timings", {})
+    t0_part = time.perf_counter()
     if "attention" in workloads:
         attention_microbench(results, smoke, out)
         _save(results, out)
+        print(f"  [attention kernels: {time.perf_counter() - t0_part:.0f} s]", flush=True)
     if not {"batch1_16k", "1000x512x256"} & set(workloads):
         return
     recs = {label: timings.setdefault("kvfp8" if label == "fp8kv" else "kvfp8_bf16kv", {}) for label in LABELS}
@@ -150,7 +154,7 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
     try:
         for label in LABELS:
             folder = os.path.join(out, f"kvprofile_{label}")
-            if "batch1_16k" in workloads:
+            if "batch1_16k" in workloads and PROFILE:
                 os.environ[ENV_VAR] = json.dumps({"out_dir": folder, "batch": 1, **window})
             kwargs = dict(ENGINE_KWARGS[label])
             if "1000x512x256" not in workloads:  # batch 1 only: one decode graph (batch 1) to capture
@@ -183,9 +187,11 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
                   f"({recs[label]['kv_pool_gib']:.1f} GiB pool, {recs[label]['kv_blocks_per_gib']:.0f} blocks a GiB)",
                   flush=True)
         _save(results, out)
+        print(f"  [engines up: {time.perf_counter() - t0_part:.0f} s into the part]", flush=True)
         if "batch1_16k" in workloads:
             _batch1(engines, recs, results, long_ctx, tokens, rounds, window, out, step_profile)
             _save(results, out)
+            print(f"  [batch 1: {time.perf_counter() - t0_part:.0f} s into the part]", flush=True)
         if "1000x512x256" in workloads:
             order = LABELS if os.environ.get("KVFP8_ORDER", "") != "fp8-first" else LABELS[::-1]
             for label in (lb for lb in order if lb in engines):
@@ -220,6 +226,8 @@ def _batch1(engines, recs, results, long_ctx, tokens, rounds, window, out, step_
         print(f"  batch 1 x {long_ctx}: bf16 KV {recs['bf16kv']['batch1_16k']:.3f}, fp8 KV "
               f"{recs['fp8kv']['batch1_16k']:.3f} ms/token (medians of {rounds}): fp8 / bf16 {r:.3f}", flush=True)
     _save(results, out)
+    if not PROFILE:
+        return
     # The profiled request (its steps are slowed by the window: not timed).
     prof = results.setdefault("kvprofile", {})
     for label, llm in engines.items():
