@@ -106,27 +106,23 @@ VARIANTS_IO = {("1x16384", "fp8"): _F8_SPLIT_IO, ("256x640", "fp8"): _F8_IO, ("2
                ("256x640", "bf16"): [_EP],
                ("1x150", "bf16"): [_EP], ("1x150", "fp8"): [_EP, {**_NOCVT, **_EP}]}
 # Session of 2026-11-26 (fifth). Offline sm_90 SASS of one 128-key fp8 tile (the loop body, per thread):
-# converting on load still moves BOTH tiles through shared memory twice (8 LDS.128 + 16 STS.128 +
-# 16 ldmatrix each: 192 KB of shared traffic per 32 KB read from HBM, against bf16's 128 KB per 64 KB).
-# The keys need none of it: q . k takes K keys-major as it lies (CVT_VALUES, 2: values only, K read
-# by ldmatrix from the cp.async buffer); and with the values stored transposed per block
-# (fp8_v_transposed) neither does V: 4 STS per tile as bf16, no float16 round trip.
+# converting on load moved BOTH tiles through shared memory twice; the keys need none of it (q . k takes
+# K keys-major as it lies): CVT_VALUES (2) converts only the values on load, now the default (H100
+# mid-session: 143.0 against 168.9 us at 256 x 640). With the values stored transposed per block
+# (fp8_v_transposed) neither tile makes a float16 round trip; the mid-session launches of it spilled in
+# triton 3.6 (170-779 us): its V tile is now loaded [keys, dim] keys-contiguous, no tl.trans (3.6: 206
+# registers, no stack). These time it beside the defaults (docs/results/gpu-kvfp8.md has the mid run's).
 _VT = {"fp8_v_transposed": True}
-# Registers (sm_90, 4 warps): 228 at 2 stages (2 programs an SM; maxnreg 168 spills), 179 with 64-key tiles.
-_F8_VT = [_VT, {**_VT, "num_stages": 3}, {**_VT, "decode_warps": 8}, {**_VT, "block_n": 64, "num_stages": 3},
-          {"fp8_convert_on_load": 2}, {**_VT, "num_stages": 4}, {**_VT, "decode_warps": 8, "num_stages": 3},
-          {**_VT, "block_n": 256, "decode_warps": 8}, {"fp8_convert_on_load": 2, "num_stages": 3}]
 # No conversion at all: with values transposed both dots take their fp8 operand K-major, as Hopper's fp8
 # wgmma wants (64-row tiles: 16x the rows a decode needs; q and p as two e4m3 terms each). 8 warps and
-# 64-key tiles: 208 registers, no spill (4 warps or 128 keys spill).
+# 64-key tiles (triton 3.6: 222 registers, no spill).
 _WG = {**_VT, **_QKPV, "decode_min_rows": 64, "decode_warps": 8, "block_n": 64}
-_F8_VT.insert(2, _WG)
-_F8_SPLIT_VT = [_VT, {**_VT, "num_stages": 2}, {"fp8_convert_on_load": 2}, {**_VT, "kv_splits": 64}, _WG]
-VARIANTS_VT = {("1x16384", "fp8"): _F8_SPLIT_VT, ("256x640", "fp8"): _F8_VT, ("1000x640", "fp8"): _F8_VT[:4],
-               ("256x2048", "fp8"): _F8_VT[:2], ("256x128", "fp8"): _F8_VT[:2],
+_F8_VT = [_VT, {"decode_warps": 8}, _WG]  # (8 warps with the values-only conversion: 114 registers)
+VARIANTS_VT = {("1x16384", "fp8"): [_VT, {"decode_warps": 8}], ("256x640", "fp8"): _F8_VT,
+               ("1000x640", "fp8"): [_VT], ("256x2048", "fp8"): [_VT], ("256x128", "fp8"): [_VT],
                ("255x640+512", "fp8"): [_VT],  # the prefill tiles over transposed values (a mixed step)
-               ("3x40", "fp8"): [_VT, {"fp8_convert_on_load": 2}], ("1x150", "fp8"): [_VT], ("2x40+20", "fp8"): [_VT]}
-VARIANTS_VT[("3x40", "fp8")].append(_WG)  # (smoke: the code path; the interpreter mis-rounds fp8 dots)
+               ("3x40", "fp8"): [_VT, {"fp8_convert_on_load": True}, _WG], ("1x150", "fp8"): [_VT],
+               ("2x40+20", "fp8"): [_VT]}  # (smoke: the code paths; the interpreter mis-rounds fp8 dots)
 VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
             ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)

@@ -21,7 +21,8 @@ so that every ratio has its baseline measured in the same process, interleaved.
 - attention (first, before the engines take the device's memory): the decode attention kernels alone,
   bf16 against fp8 KV, at 256 x 640, 1000 x 640 and 1 x 16384 (scripts/gpu_attention.py in a child
   process: every launch checked against the float32 reference, the defaults beside the previous
-  defaults, microseconds per layer and the fraction of the byte bound, its JSON in $OUT).
+  defaults and a few opt-in fp8 launches (--vt-variants), microseconds per layer and the fraction of
+  the byte bound, its JSON in $OUT).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def attention_microbench(results: dict, smoke: bool, out: str) -> None:
     """scripts/gpu_attention.py (default launches, no sweep) in a child process; its table printed as it
     runs, its records under results["timings"]["kvfp8_attention"]. A failed check fails the part."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention.py")
-    args = ([sys.executable, script, "--no-sweep", "--no-before", "--kv", ATTENTION_KV]
+    args = ([sys.executable, script, "--no-sweep", "--no-before", "--vt-variants", "--kv", ATTENTION_KV]
             + (["--smoke", "--shapes", "3x40,1x150"] if smoke else
                ["--shapes", ATTENTION_SHAPES, "--precompile-shards", "8"])
             + ["--budget", str(ATTENTION_BUDGET_S)])

@@ -108,8 +108,9 @@ class TritonAttentionConfig:
     # fp8 caches: each block's values stored [kv head, head_dim, slot] (slots contiguous), so p @ v takes
     # its fp8 operand without a transpose (no float16 round trip through shared memory); the backend's
     # writes and reads both follow it, and nothing else reads the cache (backend.transpose_v_blocks).
-    # Off: lean in triton 3.9's SASS, but triton 3.6 (the GPU's) spills it (255 registers + 584 bytes of
-    # stack at 2 stages, 4,320 bytes at 3): H100 256 x 640 170.2 us (3 stages: 779) against 143.0.
+    # Off: as first written (its V tile loaded [dim, keys] and transposed) triton 3.6, the GPU's, spilled
+    # it (255 registers + 584 bytes of stack; H100 256 x 640 170.2 us, 3 stages 779, against 143.0); the
+    # tile is now loaded [keys, dim] keys-contiguous (3.6: 206 registers, no stack), not yet timed.
     fp8_v_transposed: bool = False
 
 

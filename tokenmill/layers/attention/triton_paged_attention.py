@@ -133,24 +133,25 @@ def _load_v_rows(v_cache_ptr, kv_off, key, key_valid, HEAD_DIM: tl.constexpr, HE
                  MASKED: tl.constexpr, V_TRANS: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLOT_STRIDE: tl.constexpr):
     """One tile of V rows [keys, head_dim]. V_TRANS: the cache holds each block's values as
     [head, head_dim, slot] (slots contiguous; `v_cache_ptr` already points at this program's head), so
-    the tile is read as [head_dim, keys], runs of BLOCK_SIZE keys contiguous, and transposed here: the
-    p @ v dot then takes its keys-contiguous operand as it is (no transpose through shared memory).
+    the tile's keys come in contiguous runs of BLOCK_SIZE: the p @ v dot takes this keys-contiguous
+    operand as it is (no transpose through shared memory). (Loaded [head_dim, keys] and transposed with
+    tl.trans instead, triton 3.6 spilled the kernel: 584 bytes of stack.)
     `kv_off` is the row layout's offset (block, slot, head); SLOT_STRIDE that layout's slot stride."""
     if V_TRANS:
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         slot = key % BLOCK_SIZE
         vt_off = kv_off + slot * (1 - SLOT_STRIDE)  # block * s_cb + slot (the head: in the pointer)
         if MASKED or HEAD_DIM != HEAD_DIM_PAD:
-            x = tl.load(v_cache_ptr + vt_off[None, :] + offs_d[:, None] * BLOCK_SIZE,
-                        mask=key_valid[None, :] & (offs_d < HEAD_DIM)[:, None], other=0.0)
+            x = tl.load(v_cache_ptr + vt_off[:, None] + offs_d[None, :] * BLOCK_SIZE,
+                        mask=key_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
         else:
             # A tile of whole blocks (a power of two of slots): its keys come in runs of BLOCK_SIZE
             # contiguous values starting at a multiple of BLOCK_SIZE (the cache's block stride and a
             # head's run, head_dim * BLOCK_SIZE, are), which the compiler cannot see through the table.
             if key.shape[0] % BLOCK_SIZE == 0 and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
                 vt_off = tl.max_contiguous(tl.multiple_of(vt_off, BLOCK_SIZE), BLOCK_SIZE)
-            x = tl.load(v_cache_ptr + vt_off[None, :] + offs_d[:, None] * BLOCK_SIZE)
-        return tl.trans(x)
+            x = tl.load(v_cache_ptr + vt_off[:, None] + offs_d[None, :] * BLOCK_SIZE)
+        return x
     return _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
 
 
