@@ -26,7 +26,9 @@ sink first where the sink is larger (gpt-oss).
 
 FP8 KV cache: K/V tiles are converted to the query's dtype as they load (float16 when the query
 is bf16 or fp16: the cheap conversion of fp8; the query is converted once); k_scale joins the
-softmax scale and v_scale multiplies the accumulator (both host floats, the layer's). F8_QK (opt-in,
+softmax scale and v_scale multiplies the accumulator (both host floats, the layer's). CVT_ON_LOAD
+(1: keys and values, 2: values only) pins the conversion where the tile loads; V_TRANS reads a cache
+whose value blocks are stored [head, head_dim, slot] (slots contiguous: p @ v without a transpose). F8_QK (opt-in,
 e4m3 caches): the keys enter q . k unconverted, as two fp8 dots with the query split into two
 fp8 terms scaled per row (about bf16's precision), saving one conversion per key value. F8_PV
 (opt-in, e4m3 caches) does the same for p @ v: p scaled to 448 as two e4m3 terms, the values
