@@ -51,9 +51,10 @@ ATTENTION_BUDGET_S = float(os.environ.get("KVFP8_ATTENTION_BUDGET", "30"))  # gp
 ATTENTION_KV = os.environ.get("KVFP8_ATTENTION_KV", "bf16,fp8")  # fp8_e5m2 too: the other format (+3 cases)
 
 
-def attention_microbench(results: dict, smoke: bool, out: str) -> None:
+def attention_microbench(results: dict, smoke: bool, out: str) -> str | None:
     """scripts/gpu_attention.py (default launches, no sweep) in a child process; its table printed as it
-    runs, its records under results["timings"]["kvfp8_attention"]. A failed check fails the part."""
+    runs, its records under results["timings"]["kvfp8_attention"]. Returns what failed (a check, a
+    crash, its time limit), which fails the part after the engines have run, or None."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention.py")
     args = ([sys.executable, script, "--no-sweep", "--no-before", "--vt-variants", "--kv", ATTENTION_KV]
             + (["--smoke", "--shapes", "3x40,1x150"] if smoke else
@@ -61,7 +62,10 @@ def attention_microbench(results: dict, smoke: bool, out: str) -> None:
             + ["--budget", str(ATTENTION_BUDGET_S)])
     env = dict(os.environ, OUT=os.path.join(out, "attention"))
     start = time.perf_counter()
-    proc = subprocess.run(args, env=env, timeout=ATTENTION_BUDGET_S + 20 if not smoke else 900)
+    try:
+        rc = subprocess.run(args, env=env, timeout=ATTENTION_BUDGET_S + 20 if not smoke else 900).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
     rec = results.setdefault("timings", {}).setdefault("kvfp8_attention", {})
     rec["seconds"] = time.perf_counter() - start
     path = os.path.join(out, "attention", "gpu_attention.json")
@@ -70,10 +74,10 @@ def attention_microbench(results: dict, smoke: bool, out: str) -> None:
             data = json.load(f)
         rec.update(device=data["device"], read_gbps=data["read_gbps"], copy_gbps=data["copy_gbps"], cases={
             f"{r['case']} {r['kv']}": {k: r.get(k) for k in ("us", "bound_us", "previous_us", "attend_us", "write_us",
-                                                            "ok", "err", "plan")}
+                                                            "ok", "err", "plan", "best", "best_us",
+                                                            "variant_failures")}
             for r in data["records"] if "case" in r and "error" not in r})
-    if proc.returncode != 0:
-        raise RuntimeError(f"gpu_attention.py exited {proc.returncode} (a failed check or a crash)")
+    return None if rc == 0 else f"gpu_attention.py: rc={rc} (a failed check, a crash or its time limit)"
 
 
 def _prompt(length: int, seed: int) -> list[dict]:
@@ -144,14 +148,16 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     timings = results.setdefault("timings", {})
     t0_part = time.perf_counter()
+    engines, failed = {}, []
     if "attention" in workloads:
-        attention_microbench(results, smoke, out)
+        failed += [e for e in [attention_microbench(results, smoke, out)] if e]
         _save(results, out)
         print(f"  [attention kernels: {time.perf_counter() - t0_part:.0f} s]", flush=True)
     if not {"batch1_16k", "1000x512x256"} & set(workloads):
+        if failed:
+            raise RuntimeError("; ".join(failed))
         return
     recs = {label: timings.setdefault("kvfp8" if label == "fp8kv" else "kvfp8_bf16kv", {}) for label in LABELS}
-    engines, failed = {}, []
     try:
         for label in LABELS:
             folder = os.path.join(out, f"kvprofile_{label}")
