@@ -1,7 +1,7 @@
 """Decode attention alone on a GPU: bf16 vs fp8 (e4m3) KV cache, against copy bandwidth, with a launch sweep.
 
-    python scripts/gpu_attention.py [--budget S] [--shapes 256x640,1x16384] [--variants] [--no-sweep]
-        [--no-before] [--kv bf16,fp8] [--smoke]
+    python scripts/gpu_attention.py [--budget S] [--shapes 256x640,1x16384] [--variants | --io-variants |
+        --vt-variants] [--no-sweep] [--no-before] [--kv bf16,fp8] [--smoke]
 
 Llama-3.1-8B's attention (32 query heads, 8 KV heads, head_dim 128, block size 16), at the decode
 shapes that matter: 256 rows x context 128 / 640 / 2048, and 1 row x 16k. Each case goes through the
@@ -19,6 +19,9 @@ stages), coordinate-wise from the backend's own choice, within a time budget, an
 
 --variants: first the named launches of VARIANTS per case (opt-in options and their combinations);
 one that fails its check is listed (`variant_failures`) and printed, without failing the run.
+--io-variants / --vt-variants: the same with VARIANTS_IO (load order) / VARIANTS_VT (fp8 values
+transposed per block, 8 warps, fp8 wgmma). Each case also prints its byte bound (KV bytes at the
+faster of the read roof, the copy rate and 3.0 TB/s) and the fraction of it reached.
 
 Prints a table and writes $OUT/gpu_attention.json (default ./gpu-out). Exits 1 on a failed check
 of the default launch, the earlier defaults or a swept launch.
