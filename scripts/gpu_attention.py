@@ -166,14 +166,16 @@ def caches_for(backend, case: Case) -> list[torch.Tensor]:
 
 
 def make_case(rows: int, context: int, heads, q_dtype, kv_dtype, dev, max_model_len: int, seed: int = 0,
-              prefill: int = 0) -> Case:
+              prefill: int = 0, q_len: int = 1) -> Case:
     """`rows` decodes, each seeing `context` keys (context - 1 cached, then the new one); shuffled blocks.
     `prefill` > 0: one more sequence, a fresh prompt of that many tokens (a mixed step, as when the
-    scheduler admits a request among running decodes: not graph-captured, actual bounds)."""
+    scheduler admits a request among running decodes: not graph-captured, actual bounds).
+    `q_len` > 1: each decode row is that many tokens over `context` cached keys (speculative
+    verification: multi-token decode tiles)."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     contexts = [context] * rows + ([0] * (prefill > 0))
-    q_lens = [1] * rows + ([prefill] * (prefill > 0))
+    q_lens = [q_len] * rows + ([prefill] * (prefill > 0))
     seq_lens = [c + n - 1 if n == 1 else c + n for c, n in zip(contexts, q_lens)]  # decodes: context keys
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks) + 3
@@ -210,7 +212,7 @@ def make_case(rows: int, context: int, heads, q_dtype, kv_dtype, dev, max_model_
         num_tokens=num_q, max_query_len=max(q_lens), max_seq_len=max_model_len if not prefill else max(seq_lens),
         query_start_loc=qsl.to(dev), seq_lens=lens.to(dev), block_table=table.to(dev),
         slot_mapping=torch.cat(slots).to(dev), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
-    name = f"{rows}x{context}" + (f"+{prefill}" if prefill else "")
+    name = f"{rows}x{context}" + (f"q{q_len}" if q_len > 1 else "") + (f"+{prefill}" if prefill else "")
     return Case(name, kv_dtype, q, k, v, caches, meta, layer_bytes)
 
 
@@ -430,9 +432,11 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
         rec.update(before=before, before_us=tried[key_of(before)], speedup_vs_before=tried[key_of(before)] / us)
         print(f"    before this work {before}: {tried[key_of(before)]:.1f} us (now {rec['speedup_vs_before']:.2f}x "
               f"faster)", flush=True)
-    if case.meta.max_query_len == 1:  # the defaults before the fp8-streaming work, timed in the same run
+    if case.meta.max_query_len <= 8:  # decode launches: the defaults before this session's work, same run
         prev = {k: v for k, v in plan_of(make_backend(heads, case.kv_dtype, PREVIOUS_DEFAULTS), case, sm_count).items()
                 if k in SWEEP}
+        if case.meta.max_query_len > 1:  # multi-token decode tiles took only the config-wide conversion (off)
+            prev["fp8_convert_on_load"] = False
         if key_of(prev) not in tried:
             p_backend = make_backend(heads, case.kv_dtype, launch_config(prev))
             p_ok, p_err = check(p_backend, case, expected, err_low)
@@ -521,14 +525,15 @@ def _precompile_calls(shapes: list[str], kinds: list[str], table: dict | None, s
     calls = []
     for shape in shapes:
         rows = int(shape.split("x")[0])
+        q_len = int(shape.partition("q")[2] or 1)
         if "+" in shape:
             continue
         for kind in kinds:
             kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kind]
 
-            def small(rows=rows, kv_dtype=kv_dtype):
+            def small(rows=rows, kv_dtype=kv_dtype, q_len=q_len):
                 return make_case(rows, 64, LLAMA8B, torch.bfloat16 if dev.type == "cuda" else torch.float16, kv_dtype,
-                                 dev, MAX_MODEL_LEN)
+                                 dev, MAX_MODEL_LEN, q_len=q_len)
             base = make_backend(LLAMA8B, kv_dtype)
             calls.append((f"{shape} {kind} default", lambda small=small, base=base: _run_small(base, small())))
             prev = make_backend(LLAMA8B, kv_dtype, PREVIOUS_DEFAULTS)
@@ -618,6 +623,7 @@ def main() -> None:
     for i, (shape, q_dtype, kv_dtype) in enumerate(cases):
         rows, rest = shape.split("x")
         context, _, prefill = rest.partition("+")
+        context, _, q_len = context.partition("q")  # RxCqN: N-token decode rows
         left = args.budget - (time.perf_counter() - start)
         table = VARIANTS_VT if args.vt_variants else VARIANTS_IO if args.io_variants else VARIANTS
         any_variants = args.variants or args.io_variants or args.vt_variants
@@ -628,7 +634,7 @@ def main() -> None:
             weights = [WEIGHT.get(c[0], int(args.sweep_all)) for c in cases[i:]]
         deadline = time.perf_counter() + max(left, 0) * weights[0] / max(sum(weights), 1)
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
-                         prefill=int(prefill or 0))
+                         prefill=int(prefill or 0), q_len=int(q_len or 1))
         try:
             records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps,
                                     variants=table if any_variants else None,

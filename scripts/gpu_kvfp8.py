@@ -19,7 +19,8 @@ so that every ratio has its baseline measured in the same process, interleaved.
 - 1000x512x256: output tok/s of each engine, one after the other (KVFP8_ORDER=fp8-first swaps them).
   Without it (--workloads batch1_16k) the engines take max_num_seqs 1: one decode graph to capture.
 - attention (first, before the engines take the device's memory): the decode attention kernels alone,
-  bf16 against fp8 KV, at 256 x 640, 1000 x 640 and 1 x 16384 (scripts/gpu_attention.py in a child
+  bf16 against fp8 KV, at 256 x 640, 1000 x 640, 1 x 16384 and 256 rows of 5 tokens over 640 keys
+  (multi-token decode tiles, as speculative verification launches them) (scripts/gpu_attention.py in a child
   process: every launch checked against the float32 reference, the defaults beside the previous
   defaults and a few opt-in fp8 launches (--vt-variants), microseconds per layer and the fraction of
   the byte bound, its JSON in $OUT).
@@ -46,7 +47,7 @@ KERNELS = {"paged attention": "_paged_attention_kernel", "split reduce": "_reduc
            "rotary + KV write": "rope_kv_write"}
 
 
-ATTENTION_SHAPES = "256x640,1000x640,1x16384"
+ATTENTION_SHAPES = "256x640,1000x640,1x16384,256x640q5"  # q5: 5-token rows (speculative verification)
 ATTENTION_BUDGET_S = float(os.environ.get("KVFP8_ATTENTION_BUDGET", "30"))  # gpu_attention.py's --budget
 ATTENTION_KV = os.environ.get("KVFP8_ATTENTION_KV", "bf16,fp8")  # fp8_e5m2 too: the other format (+3 cases)
 

@@ -166,9 +166,10 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
         early_v = config.early_v_load
         prefetch = config.table_prefetch
         bits = config.fp8_convert_on_load
-        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned
+        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned, but fp8 ones convert as the
+            # single-token tiles of the dtype do (sm_90 SASS, 32 rows: without it V is read one byte per load)
             return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages, early_v,
-                              prefetch, bits)
+                              prefetch, bits or (tiles.fp8_convert_on_load if kv_fp8 else False))
         return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages, early_v or tiles.early_v_load,
                           prefetch or tiles.table_prefetch, bits or tiles.fp8_convert_on_load)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
