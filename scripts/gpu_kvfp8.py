@@ -58,7 +58,7 @@ def attention_microbench(results: dict, smoke: bool, out: str) -> str | None:
     crash, its time limit), which fails the part after the engines have run, or None."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention.py")
     args = ([sys.executable, script, "--no-sweep", "--no-before", "--vt-variants", "--kv", ATTENTION_KV]
-            + (["--smoke", "--shapes", "3x40,1x150"] if smoke else
+            + (["--smoke", "--shapes", "3x40,1x150,3x40q5"] if smoke else
                ["--shapes", ATTENTION_SHAPES, "--precompile-shards", "8"])
             + ["--budget", str(ATTENTION_BUDGET_S)])
     env = dict(os.environ, OUT=os.path.join(out, "attention"))
