@@ -21,13 +21,15 @@ Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1; also pr
           in one batch vs HF + PEFT greedy; again with one slot (eviction and reload mid-run)
   engine  Llama-3.1-8B shape, dummy weights, CUDA graphs on, rank-16 adapters on all seven
           projections: N prompts x 512 in x 256 out (N = --prompts, 1000 by default: the issue's
-          shape), the base engine and the LoRA engine (max_loras=64) alive together: rounds of a
-          base run and a 1-adapter run alternated (at least 2; the median round's ratio, every
-          round and the spread reported), 8 and 64 adapters mixed uniformly against the median base;
-          base requests in the LoRA engine against base-engine runs alternated with them; goals
-          0.90x, 0.85x, 0.80x the base's output tok/s (`scripts/lora_engines.py`)
+          shape), the base engine and the LoRA engine (max_loras=64) alive together with the SAME
+          number of KV blocks (the LoRA engine sizes its pool from --lora-memory, the base engine
+          gets that count; or --kv-blocks for both), each run's blocks and preemptions recorded:
+          a round of a base run and a 1-adapter run, 8 and 64 adapters mixed uniformly against the
+          median base, then more rounds (the median round's ratio, every round and the spread
+          reported) and base requests in the LoRA engine while --budget allows; goals 0.90x,
+          0.85x, 0.80x the base's output tok/s (`scripts/lora_engines.py`)
   batch1  one prompt, 512 in x 256 out: ms per output token, base engine vs an adapter (goal <= 1.10x),
-          3 runs each alternated with a base request in the LoRA engine, the medians
+          --batch1-runs alternations (and one base request in the LoRA engine), the medians
   profile torch.profiler over a prefill step (16 x 512 tokens) and 256-row decode steps: base engine,
           1 adapter, base requests in the LoRA engine, prefill variants (`scripts/lora_profile.py`)
   Every configuration of an engine is warmed (a short run of its mix) before the first timing;
@@ -703,12 +705,16 @@ def engines(results: dict, args, parts: set[str]) -> None:
     common = dict(load_format="dummy", dtype="float32" if SMOKE else "bfloat16", max_model_len=inp + out + 16)
     if SMOKE:
         common.update(single_process=True, kv_cache_memory_gb=0.05)
-    # Both engines alive at once: the base engine takes 0.45 of the device; the LoRA engine, started
-    # second, sizes its KV pool to 0.9 of the device less what the base engine holds (the KV budget
-    # counts other processes' memory), so each gets about half (both hold 256 rows of 784 tokens).
-    share = {} if SMOKE else {"gpu_memory_utilization": 0.45}
-    second = {} if SMOKE else {"gpu_memory_utilization": 0.9}
-    bench = le.Bench(prompts_of, summarize, params, inp, args.budget, START)
+    # Like for like: both engines alive at once with the SAME number of KV blocks. The LoRA engine
+    # (the larger one: its adapter slots) starts first and sizes its pool from its share of the
+    # device (--lora-memory; the smoke run: a smaller CPU pool than the base engine's default);
+    # the base engine gets that count (`num_gpu_blocks_override`); --kv-blocks fixes it for both.
+    if args.kv_blocks:
+        lora_kv = {"num_gpu_blocks_override": args.kv_blocks}
+    else:
+        lora_kv = {"kv_cache_memory_gb": 0.04} if SMOKE else {"gpu_memory_utilization": args.lora_memory}
+    from tokenmill.benchmarks.throughput import step_figures
+    bench = le.Bench(prompts_of, summarize, params, inp, args.budget, START, step_figures=step_figures)
     results["engine"] = bench.figures
     mixes = {count: [loras[i % count] for i in range(num)] for count in counts}
     warm_params = SamplingParams(temperature=0.0, max_tokens=min(out, 16), ignore_eos=True, detokenize=False)
@@ -717,21 +723,34 @@ def engines(results: dict, args, parts: set[str]) -> None:
         MARKDOWN[title] = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results, verbose=False)
         save(results)
     title = (f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}, "
-             f"base and LoRA engines alive together, runs alternated")
+             f"base and LoRA engines alive together with the same KV blocks, runs alternated")
     bench.on_run = publish
 
     def warm(llm, lora_request, n=min(num, 64)) -> None:
         """A short run of a configuration's mix: its step sizes compile and settle before any timing."""
         llm.generate(prompts_of(n, 7), warm_params, use_tqdm=False, lora_request=lora_request)
 
+    def free_gib() -> str:
+        if SMOKE:
+            return "n/a (CPU)"
+        free, total = torch.cuda.mem_get_info()
+        return f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB"
+
     try:  # a failure here still leaves the table of what was measured (and fails the run)
         start = time.perf_counter()
-        with LLM(path, **common, **share) as base_llm:
-            print(f"  base engine up in {time.perf_counter() - start:.1f} s", flush=True)
+        with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
+                 **{**common, **lora_kv}) as lora_llm:
+            blocks = lora_llm.scheduler_stats()["num_kv_blocks"]
+            print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s: {blocks} KV blocks "
+                  f"({'--kv-blocks' if args.kv_blocks else 'sized from its memory share'}); device free {free_gib()}",
+                  flush=True)
             start = time.perf_counter()
-            with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
-                     **common, **second) as lora_llm:
-                print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s", flush=True)
+            with LLM(path, **common, num_gpu_blocks_override=blocks) as base_llm:
+                base_blocks = base_llm.scheduler_stats()["num_kv_blocks"]
+                print(f"  base engine up in {time.perf_counter() - start:.1f} s: {base_blocks} KV blocks; "
+                      f"device free {free_gib()}", flush=True)
+                results["engine_kv_blocks"] = {"lora_engine": blocks, "base_engine": base_blocks}
+                check(base_blocks == blocks, f"engines: the same KV blocks (base {base_blocks}, LoRA {blocks})")
                 # Every adapter read into host memory and a device slot once, before timing (as a
                 # server given them with --lora-modules has them after its first requests).
                 start = time.perf_counter()
@@ -747,17 +766,17 @@ def engines(results: dict, args, parts: set[str]) -> None:
                     warm(base_llm, None)
                     for count in counts:
                         warm(lora_llm, mixes[count][:min(num, 64)])
-                    warm(lora_llm, None)
                 print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
                 if "batch1" in parts:  # alternated: base engine, adapter, base request in the LoRA engine
-                    for _ in range(le.BATCH1_RUNS):
+                    for i in range(args.batch1_runs):
                         bench.run(base_llm, None, "batch1_base", 1, kind="b1")
                         bench.run(lora_llm, loras[0], "batch1_lora", 1, kind="b1")
-                        bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
+                        if i == 0:
+                            bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
                 if "engine" in parts:
                     # In order of worth, each figure written as soon as measured: a round (base, 1
-                    # adapter), each other mix once, a second round, base requests in the LoRA
-                    # engine, more rounds; past the first round only what fits the budget.
+                    # adapter), each other mix once, then more rounds and base requests in the LoRA
+                    # engine while the budget allows.
                     def round_(r: int) -> bool:  # base and 1 adapter, one after the other
                         if r and not bench.fits("base", "lora"):
                             print(f"  (round {r + 1} left out: the {args.budget:.0f} s budget)")
@@ -767,13 +786,13 @@ def engines(results: dict, args, parts: set[str]) -> None:
                         return True
                     round_(0)
                     for count in counts[1:]:
-                        if not bench.fits("lora"):
+                        if not bench.fits("lora", margin=0.0):
                             print(f"  ({count} adapters left out: the {args.budget:.0f} s budget)")
                             continue
                         bench.run(lora_llm, mixes[count], f"lora_{count}_adapters", num, kind="lora")
-                    more = round_(1) if args.engine_repeats >= 2 else True
+                    more = round_(1) if args.engine_repeats >= 2 else False
                     # base requests: LoRA engine vs base engine, alternated (a smaller run of the workload)
-                    if bench.fits("base", "base", scale=1.3 * base_num / num):
+                    if more and bench.fits("base", "base", scale=1.3 * base_num / num):
                         bench.run(base_llm, None, "base_paired", base_num, kind="small")
                         bench.run(lora_llm, None, "base_in_lora_engine", base_num, kind="small")
                     for r in range(2, args.engine_repeats if more else 0):  # more rounds while the budget allows
@@ -916,6 +935,12 @@ def main() -> int:
     ap.add_argument("--engine-repeats", type=int, default=2,
                     help="engine: rounds of (base run, 1-adapter run), alternated; at least 2; rounds past the "
                          "second run after the other mixes, while --budget allows; the median round is reported")
+    ap.add_argument("--lora-memory", type=float, default=0.46,
+                    help="engine: the LoRA engine's share of the device, from which it sizes its KV pool; the "
+                         "base engine, alive beside it, gets the same number of KV blocks")
+    ap.add_argument("--kv-blocks", type=int, default=0,
+                    help="engine: KV blocks of both engines (num_gpu_blocks_override); 0: from --lora-memory")
+    ap.add_argument("--batch1-runs", type=int, default=2, help="batch1: alternations of base engine and adapter")
     ap.add_argument("--base-in-lora-prompts", type=int, default=256,
                     help="engine: prompts of the paired base-engine / LoRA-engine runs of base requests")
     ap.add_argument("--budget", type=float, default=290.0,
