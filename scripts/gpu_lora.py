@@ -692,10 +692,19 @@ def engines(results: dict, args, parts: set[str]) -> None:
     max_loras = 4 if SMOKE else 64  # (the issue's: max_loras >= the adapters in a step)
     used = max(counts) if "engine" in parts else 1  # batch 1 alone: one adapter written and loaded
     root = tempfile.mkdtemp(prefix="lora-adapters-")
-    start = time.perf_counter()
-    # (4 folders: the 64 adapters are 64 ids over them, each loaded into a slot of its own)
-    folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(4, used))]
-    print(f"  wrote {len(folders)} rank-16 adapter folders in {time.perf_counter() - start:.1f} s")
+    # (4 folders: the 64 adapters are 64 ids over them, each loaded into a slot of its own), written
+    # on a thread while the engines start (`written()` waits for them before the first load)
+    from concurrent.futures import ThreadPoolExecutor
+    folders = [os.path.join(root, f"f{i}") for i in range(min(4, used))]
+    writer = ThreadPoolExecutor(1)
+    writing = writer.submit(lambda: [write_adapter(f, shape, 16, i) for i, f in enumerate(folders)])
+    writer.shutdown(wait=False)
+
+    def written() -> None:
+        start = time.perf_counter()
+        writing.result()
+        print(f"  wrote {len(folders)} rank-16 adapter folders (waited {time.perf_counter() - start:.1f} s "
+              f"for them after the engines' start)")
     loras = [LoRARequest(f"adapter{i}", i + 1, folders[i % len(folders)]) for i in range(max_loras)]
     tokenizer = AutoTokenizer.from_pretrained(path)
 
@@ -736,8 +745,26 @@ def engines(results: dict, args, parts: set[str]) -> None:
         free, total = torch.cuda.mem_get_info()
         return f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB"
 
+    # --decode-profile R: each engine's worker profiles full decode steps (`device_profile.py`), one
+    # window per profiled configuration told apart by its row count (R, R - 1, R - 2: the profile
+    # runs below have exactly that many prompts, the timed runs never R - 2 .. R rows of pure decode
+    # before these runs close the windows: they run first).
+    rows = args.decode_profile
+    profiled = {"base": [("base", rows)],
+                "lora": [("lora_1", rows), (f"lora_{counts[-1]}", rows - 1), ("lora_engine_base_requests", rows - 2)]
+                } if rows else {}
+    skip, steps = (2, 3) if SMOKE else (12, 10)
+
+    def profile_env(engine: str) -> None:
+        from tokenmill.worker.device_profile import ENV_VAR
+        os.environ.pop(ENV_VAR, None)
+        if engine in profiled:
+            os.environ[ENV_VAR] = json.dumps([{"out_dir": os.path.join(OUT, "decode_profile", name), "batch": b,
+                                               "skip": skip, "steps": steps} for name, b in profiled[engine]])
+
     try:  # a failure here still leaves the table of what was measured (and fails the run)
         start = time.perf_counter()
+        profile_env("lora")
         with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
                  **{**common, **lora_kv}) as lora_llm:
             blocks = lora_llm.scheduler_stats()["num_kv_blocks"]
@@ -745,7 +772,9 @@ def engines(results: dict, args, parts: set[str]) -> None:
                   f"({'--kv-blocks' if args.kv_blocks else 'sized from its memory share'}); device free {free_gib()}",
                   flush=True)
             start = time.perf_counter()
+            profile_env("base")
             with LLM(path, **common, num_gpu_blocks_override=blocks) as base_llm:
+                profile_env("none")
                 base_blocks = base_llm.scheduler_stats()["num_kv_blocks"]
                 print(f"  base engine up in {time.perf_counter() - start:.1f} s: {base_blocks} KV blocks; "
                       f"device free {free_gib()}", flush=True)
@@ -753,6 +782,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
                 check(base_blocks == blocks, f"engines: the same KV blocks (base {base_blocks}, LoRA {blocks})")
                 # Every adapter read into host memory and a device slot once, before timing (as a
                 # server given them with --lora-modules has them after its first requests).
+                written()
                 start = time.perf_counter()
                 lora_llm.generate(prompts_of(used, 3), SamplingParams(max_tokens=1), use_tqdm=False,
                                   lora_request=loras[:used])
@@ -767,6 +797,9 @@ def engines(results: dict, args, parts: set[str]) -> None:
                     for count in counts:
                         warm(lora_llm, mixes[count][:min(num, 64)])
                 print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
+                if rows:
+                    decode_profiles(results, {"base": base_llm, "lora": lora_llm}, profiled, mixes, loras, rows,
+                                    blocks, skip + steps + 8, tokenizer, shape, common["max_model_len"])
                 if "batch1" in parts:  # alternated: base engine, adapter, base request in the LoRA engine
                     for i in range(args.batch1_runs):
                         bench.run(base_llm, None, "batch1_base", 1, kind="b1")
@@ -802,6 +835,48 @@ def engines(results: dict, args, parts: set[str]) -> None:
         traceback.print_exc()
         check(False, f"engines raised {type(exc).__name__}: {exc}"[:500])
     MARKDOWN[title] = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results)
+
+
+def decode_profiles(results: dict, engines: dict, profiled: dict, mixes: dict, loras: list, rows: int, blocks: int,
+                    decode_steps: int, tokenizer, shape: dict, max_len: int) -> None:
+    """The engine part's profile runs (--decode-profile): per window, `rows` (less its offset)
+    prompts decoding together in the engine that holds the window; each worker's window record
+    cut into steps; per-group and top kernels against the base engine's window (`lora_profile`)."""
+    from scripts import lora_profile as lp
+    from tokenmill import SamplingParams
+
+    out = decode_steps + rows * 384 // 8192 + 4  # (the window's pure decode steps follow the prefill chunks)
+    # every row's KV fits (no preemption), within max_model_len
+    in_len = max(16, min(384, max_len - out, int(0.8 * blocks * 16 / rows) - out))
+    params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, detokenize=False)
+    lines, base = [], None
+    for engine, windows in profiled.items():
+        for name, n in windows:
+            request = None if name in ("base", "lora_engine_base_requests") else \
+                [mixes[int(name.split("_")[1])][i % len(mixes[int(name.split("_")[1])])] for i in range(n)]
+            prompts = [{"prompt_token_ids": p} for p in make_prompts(tokenizer, "random", n, in_len,
+                                                                      shape["vocab_size"], 500 + n)]
+            start = time.perf_counter()
+            engines[engine].generate(prompts, params, use_tqdm=False, lora_request=request)
+            path = os.path.join(OUT, "decode_profile", name, "rank0.json")
+            if not os.path.exists(path):
+                check(False, f"decode profile {name}: no window written ({path})")
+                continue
+            with open(path) as f:
+                record = json.load(f)
+            a = lp.analyze(*lp.window_events(record))
+            a["wall_ms_unprofiled"] = record.get("wall_ms_per_step_unprofiled")
+            results.setdefault("decode_profile", {})[name] = a
+            base = base or (a if name == "base" else None)
+            what = f"decode, {n} rows x ~{in_len + out // 2} context (graphs), {name}"
+            lines += lp.format_window(what, a, base if name != "base" else None,
+                                      record.get("wall_ms_per_step") or 0.0)
+            print(f"  decode profile {name}: {n} rows, span {a['span_us']:.0f} us a step, busy {a['busy_us']:.0f}, "
+                  f"LoRA kernels {a['lora_sum_us']:.0f} ({a['lora_beside_us']:.0f} beside others) "
+                  f"[{time.perf_counter() - start:.1f} s]", flush=True)
+    for line in lines:
+        print("  " + line)
+    MARKDOWN["decode profile: the engine part's engines, full decode steps (worker windows)"] = lines
 
 
 # ---------------------------------------------------------------- profile: where a step's time goes
@@ -940,6 +1015,9 @@ def main() -> int:
                          "base engine, alive beside it, gets the same number of KV blocks")
     ap.add_argument("--kv-blocks", type=int, default=0,
                     help="engine: KV blocks of both engines (num_gpu_blocks_override); 0: from --lora-memory")
+    ap.add_argument("--decode-profile", type=int, default=0,
+                    help="engine: profile R-row decode steps in each engine (its base, 1 and the most adapters, "
+                         "base requests in the LoRA engine) before the timed runs; 0: off")
     ap.add_argument("--batch1-runs", type=int, default=2, help="batch1: alternations of base engine and adapter")
     ap.add_argument("--base-in-lora-prompts", type=int, default=256,
                     help="engine: prompts of the paired base-engine / LoRA-engine runs of base requests")

@@ -49,6 +49,24 @@ def kernel_rank(max_lora_rank: int) -> int:
     return max(16, 1 << (max_lora_rank - 1).bit_length())
 
 
+def packed(pairs: dict, dtype: torch.dtype, pin: bool) -> dict:
+    """Every (A, B) of an adapter in `dtype`, as contiguous views of one flat host buffer (pinned
+    on CUDA: one page-locked allocation per adapter rather than one per tensor, which made reading
+    64 Llama-8B-sized adapters take about 15 s)."""
+    total = sum(a.numel() + b.numel() for a, b in pairs.values())
+    flat = torch.empty(total, dtype=dtype, pin_memory=pin)
+    out, at = {}, 0
+    for key, pair in pairs.items():
+        views = []
+        for t in pair:
+            view = flat[at:at + t.numel()].view(t.shape)
+            view.copy_(t)
+            at += t.numel()
+            views.append(view)
+        out[key] = tuple(views)
+    return out
+
+
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, config: LoRAConfig, arch: ModelArch, max_rows: int,
                  device: torch.device, dtype: torch.dtype) -> None:
@@ -127,18 +145,13 @@ class LoRAManager:
     def _read(self, lora: LoRARef) -> dict:
         """The adapter's tensors for this rank, in the model's dtype (pinned on CUDA)."""
         adapter = read_adapter(lora.path, self.arch, self.config.max_lora_rank, lora.name)
-        weights = {}
+        pairs = {}
         layout = self.model.layout
         for (layer, hf), (a, b) in load_adapter(adapter).items():
-            if not layout.layer_start <= layer < layout.layer_end:
-                continue
-            a, b = self._shard(layer, hf, a, b)
-            a, b = a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous()
-            if self.device.type == "cuda":
-                a, b = a.pin_memory(), b.pin_memory()
-            weights[(layer, hf)] = (a, b)
+            if layout.layer_start <= layer < layout.layer_end:
+                pairs[(layer, hf)] = self._shard(layer, hf, a, b)
         self.num_reads += 1
-        return weights
+        return packed(pairs, self.dtype, pin=self.device.type == "cuda")
 
     def _shard(self, layer: int, hf: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's part of a (full) pair, sliced as the base weight is (`_source_slice`)."""
