@@ -806,7 +806,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
                         bench.run(lora_llm, loras[0], "batch1_lora", 1, kind="b1")
                         if i == 0:
                             bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
-                if "engine" in parts:
+                if "engine" in parts and args.engine_repeats > 0:
                     # In order of worth, each figure written as soon as measured: a round (base, 1
                     # adapter), each other mix once, then more rounds and base requests in the LoRA
                     # engine while the budget allows.
@@ -1008,8 +1008,9 @@ def main() -> int:
     ap.add_argument("--tiny-runs", default="graphs,one_slot,eager", help="tiny: the engines checked")
     ap.add_argument("--engine-adapters", default="1,8,64", help="engine: the adapter mixes timed")
     ap.add_argument("--engine-repeats", type=int, default=2,
-                    help="engine: rounds of (base run, 1-adapter run), alternated; at least 2; rounds past the "
-                         "second run after the other mixes, while --budget allows; the median round is reported")
+                    help="engine: rounds of (base run, 1-adapter run), alternated; rounds past the first run after "
+                         "the other mixes, while --budget allows; the median round is reported; 0: no timed run "
+                         "(start-up, KV blocks and --decode-profile only)")
     ap.add_argument("--lora-memory", type=float, default=0.46,
                     help="engine: the LoRA engine's share of the device, from which it sizes its KV pool; the "
                          "base engine, alive beside it, gets the same number of KV blocks")

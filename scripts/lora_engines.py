@@ -159,9 +159,10 @@ def report(bench: Bench, counts: tuple[int, ...], goals: dict, num: int, inp: in
                      f"{', '.join(f'{v:.2f}' for v in b1)}; base request in the LoRA engine "
                      f"{', '.join(f'{v:.2f}' for v in b2)} | | {median(b1):.2f} | **{ratio:.3f}** (TPOT) | | | | "
                      f"<= {batch1_goal} | {verdict} |")
-    kinds = sorted({b for values in blocks.values() for b in values})
-    verdict = "like for like" if fair else "NOT like for like"
-    lines += ["", f"KV blocks of every run: {', '.join(str(b) for b in kinds)} ({verdict}); preemptions per run "
-                  f"in the table (blocks / preemptions)."]
-    print(f"  KV blocks of every run: {', '.join(str(b) for b in kinds)} ({verdict})")
+    if blocks:
+        kinds = sorted({b for values in blocks.values() for b in values})
+        verdict = "like for like" if fair else "NOT like for like"
+        lines += ["", f"KV blocks of every run: {', '.join(str(b) for b in kinds)} ({verdict}); preemptions per run "
+                      f"in the table (blocks / preemptions)."]
+        print(f"  KV blocks of every run: {', '.join(str(b) for b in kinds)} ({verdict})")
     return lines
