@@ -792,20 +792,24 @@ def engines(results: dict, args, parts: set[str]) -> None:
                     warm(base_llm, None, 1)
                     warm(lora_llm, loras[0], 1)
                     warm(lora_llm, None, 1)
-                if "engine" in parts:
+                if "engine" in parts:  # (the other mixes: the load above ran a step of every adapter)
                     warm(base_llm, None)
-                    for count in counts:
-                        warm(lora_llm, mixes[count][:min(num, 64)])
+                    warm(lora_llm, mixes[counts[0]][:min(num, 64)])
                 print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
                 if rows:
                     decode_profiles(results, {"base": base_llm, "lora": lora_llm}, profiled, mixes, loras, rows,
                                     blocks, skip + steps + 8, tokenizer, shape, common["max_model_len"])
-                if "batch1" in parts:  # alternated: base engine, adapter, base request in the LoRA engine
+                def batch1() -> None:  # alternated: base engine, adapter, base request in the LoRA engine
                     for i in range(args.batch1_runs):
+                        if i and not bench.fits("b1", "b1", margin=0.0):
+                            print(f"  (batch 1 alternation {i + 1} left out: the {args.budget:.0f} s budget)")
+                            break
                         bench.run(base_llm, None, "batch1_base", 1, kind="b1")
                         bench.run(lora_llm, loras[0], "batch1_lora", 1, kind="b1")
                         if i == 0:
                             bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
+                if "batch1" in parts and not ("engine" in parts and args.engine_repeats > 0):
+                    batch1()
                 if "engine" in parts and args.engine_repeats > 0:
                     # In order of worth, each figure written as soon as measured: a round (base, 1
                     # adapter), each other mix once, then more rounds and base requests in the LoRA
@@ -823,6 +827,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
                             print(f"  ({count} adapters left out: the {args.budget:.0f} s budget)")
                             continue
                         bench.run(lora_llm, mixes[count], f"lora_{count}_adapters", num, kind="lora")
+                    if "batch1" in parts:  # (a few seconds: after the throughput figures, before repeats)
+                        batch1()
                     more = round_(1) if args.engine_repeats >= 2 else False
                     # base requests: LoRA engine vs base engine, alternated (a smaller run of the workload)
                     if more and bench.fits("base", "base", scale=1.3 * base_num / num):
