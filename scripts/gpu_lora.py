@@ -769,7 +769,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
                  **{**common, **lora_kv}) as lora_llm:
             blocks = lora_llm.scheduler_stats()["num_kv_blocks"]
             print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s: {blocks} KV blocks "
-                  f"({'--kv-blocks' if args.kv_blocks else 'sized from its memory share'}); device free {free_gib()}",
+                  f"({'--kv-blocks' if args.kv_blocks else 'sized from its memory share'}); device free {free_gib()}; "
+                  f"{time.perf_counter() - START:.0f} s from the start",
                   flush=True)
             start = time.perf_counter()
             profile_env("base")
@@ -777,7 +778,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
                 profile_env("none")
                 base_blocks = base_llm.scheduler_stats()["num_kv_blocks"]
                 print(f"  base engine up in {time.perf_counter() - start:.1f} s: {base_blocks} KV blocks; "
-                      f"device free {free_gib()}", flush=True)
+                      f"device free {free_gib()}; {time.perf_counter() - START:.0f} s from the start", flush=True)
                 results["engine_kv_blocks"] = {"lora_engine": blocks, "base_engine": base_blocks}
                 check(base_blocks == blocks, f"engines: the same KV blocks (base {base_blocks}, LoRA {blocks})")
                 # Every adapter read into host memory and a device slot once, before timing (as a
@@ -786,7 +787,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
                 start = time.perf_counter()
                 lora_llm.generate(prompts_of(used, 3), SamplingParams(max_tokens=1), use_tqdm=False,
                                   lora_request=loras[:used])
-                print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s")
+                print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s; "
+                      f"{time.perf_counter() - START:.0f} s from the start", flush=True)
                 start = time.perf_counter()
                 if "batch1" in parts:
                     warm(base_llm, None, 1)
@@ -795,7 +797,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
                 if "engine" in parts:  # (the other mixes: the load above ran a step of every adapter)
                     warm(base_llm, None)
                     warm(lora_llm, mixes[counts[0]][:min(num, 64)])
-                print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
+                print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s; "
+                      f"{time.perf_counter() - START:.0f} s from the start", flush=True)
                 if rows:
                     decode_profiles(results, {"base": base_llm, "lora": lora_llm}, profiled, mixes, loras, rows,
                                     blocks, skip + steps + 8, tokenizer, shape, common["max_model_len"])
