@@ -1020,7 +1020,7 @@ def main() -> int:
                     help="engine: rounds of (base run, 1-adapter run), alternated; rounds past the first run after "
                          "the other mixes, while --budget allows; the median round is reported; 0: no timed run "
                          "(start-up, KV blocks and --decode-profile only)")
-    ap.add_argument("--lora-memory", type=float, default=0.46,
+    ap.add_argument("--lora-memory", type=float, default=0.51,
                     help="engine: the LoRA engine's share of the device, from which it sizes its KV pool; the "
                          "base engine, alive beside it, gets the same number of KV blocks")
     ap.add_argument("--kv-blocks", type=int, default=0,
