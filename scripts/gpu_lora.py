@@ -765,6 +765,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
     try:  # a failure here still leaves the table of what was measured (and fails the run)
         start = time.perf_counter()
         profile_env("lora")
+        if args.keep_one_slot:  # (the LoRA engine's worker reads it at start: decode_graphs.SINGLE_CHECK)
+            os.environ["TOKENMILL_LORA_SINGLE_CHECK"] = "0"
         with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
                  **{**common, **lora_kv}) as lora_llm:
             blocks = lora_llm.scheduler_stats()["num_kv_blocks"]
@@ -774,6 +776,8 @@ def engines(results: dict, args, parts: set[str]) -> None:
                   flush=True)
             start = time.perf_counter()
             profile_env("base")
+            if args.keep_one_slot:
+                os.environ.pop("TOKENMILL_LORA_SINGLE_CHECK", None)
             with LLM(path, **common, num_gpu_blocks_override=blocks) as base_llm:
                 profile_env("none")
                 base_blocks = base_llm.scheduler_stats()["num_kv_blocks"]
@@ -1028,6 +1032,9 @@ def main() -> int:
     ap.add_argument("--decode-profile", type=int, default=0,
                     help="engine: profile R-row decode steps in each engine (its base, 1 and the most adapters, "
                          "base requests in the LoRA engine) before the timed runs; 0: off")
+    ap.add_argument("--keep-one-slot", action="store_true",
+                    help="engine: the LoRA engine keeps its one-slot decode graphs without the start-up A/B "
+                         "(TOKENMILL_LORA_SINGLE_CHECK=0), e.g. to profile that path with --decode-profile")
     ap.add_argument("--batch1-runs", type=int, default=2, help="batch1: alternations of base engine and adapter")
     ap.add_argument("--base-in-lora-prompts", type=int, default=256,
                     help="engine: prompts of the paired base-engine / LoRA-engine runs of base requests")
