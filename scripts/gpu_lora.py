@@ -43,6 +43,7 @@ Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1; also pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -762,6 +763,29 @@ def engines(results: dict, args, parts: set[str]) -> None:
             os.environ[ENV_VAR] = json.dumps([{"out_dir": os.path.join(OUT, "decode_profile", name), "batch": b,
                                                "skip": skip, "steps": steps} for name, b in profiled[engine]])
 
+    # --kv-blocks (no profile windows, which go by environment at each engine's start): the base
+    # engine starts on a thread beside the LoRA engine (their start-ups overlap: about 10 s of the
+    # call; the LoRA engine's start-up A/B of its one-slot graphs comes last, after the base's).
+    base_future = None
+    if args.kv_blocks and not rows and not args.keep_one_slot:
+        from concurrent.futures import ThreadPoolExecutor as _Pool
+        pool = _Pool(1)
+        base_future = pool.submit(lambda: LLM(path, **common, num_gpu_blocks_override=args.kv_blocks))
+        pool.shutdown(wait=False)
+
+    @contextlib.contextmanager
+    def base_engine(blocks: int):
+        if base_future is not None:
+            llm = base_future.result()
+        else:
+            profile_env("base")
+            if args.keep_one_slot:
+                os.environ.pop("TOKENMILL_LORA_SINGLE_CHECK", None)
+            llm = LLM(path, **common, num_gpu_blocks_override=blocks)
+        with llm:
+            profile_env("none")
+            yield llm
+
     try:  # a failure here still leaves the table of what was measured (and fails the run)
         start = time.perf_counter()
         profile_env("lora")
@@ -775,14 +799,11 @@ def engines(results: dict, args, parts: set[str]) -> None:
                   f"{time.perf_counter() - START:.0f} s from the start",
                   flush=True)
             start = time.perf_counter()
-            profile_env("base")
-            if args.keep_one_slot:
-                os.environ.pop("TOKENMILL_LORA_SINGLE_CHECK", None)
-            with LLM(path, **common, num_gpu_blocks_override=blocks) as base_llm:
-                profile_env("none")
+            with base_engine(blocks) as base_llm:
                 base_blocks = base_llm.scheduler_stats()["num_kv_blocks"]
-                print(f"  base engine up in {time.perf_counter() - start:.1f} s: {base_blocks} KV blocks; "
-                      f"device free {free_gib()}; {time.perf_counter() - START:.0f} s from the start", flush=True)
+                print(f"  base engine up {'(started beside the LoRA engine) ' if base_future else ''}in "
+                      f"{time.perf_counter() - start:.1f} s more: {base_blocks} KV blocks; device free {free_gib()}; "
+                      f"{time.perf_counter() - START:.0f} s from the start", flush=True)
                 results["engine_kv_blocks"] = {"lora_engine": blocks, "base_engine": base_blocks}
                 check(base_blocks == blocks, f"engines: the same KV blocks (base {base_blocks}, LoRA {blocks})")
                 # Every adapter read into host memory and a device slot once, before timing (as a
@@ -847,6 +868,12 @@ def engines(results: dict, args, parts: set[str]) -> None:
     except Exception as exc:
         traceback.print_exc()
         check(False, f"engines raised {type(exc).__name__}: {exc}"[:500])
+    finally:
+        if base_future is not None:  # (a base engine started beside a LoRA engine that failed: stopped too)
+            try:
+                base_future.result().shutdown()
+            except Exception:
+                pass
     MARKDOWN[title] = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results)
 
 
