@@ -768,8 +768,7 @@ def engines(results: dict, args, parts: set[str]) -> None:
     # call; the LoRA engine's start-up A/B of its one-slot graphs comes last, after the base's).
     base_future = None
     if args.kv_blocks and not rows and not args.keep_one_slot:
-        from concurrent.futures import ThreadPoolExecutor as _Pool
-        pool = _Pool(1)
+        pool = ThreadPoolExecutor(1)
         base_future = pool.submit(lambda: LLM(path, **common, num_gpu_blocks_override=args.kv_blocks))
         pool.shutdown(wait=False)
 
