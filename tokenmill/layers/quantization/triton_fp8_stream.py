@@ -42,6 +42,21 @@ def _k_part(acc, w, x, s_ptr, offs_n, n_mask, k0, s_sn, BLOCK_SCALES: tl.constex
     return acc + part
 
 
+@triton.jit
+def _load_x(x_rows, offs_k, mask, K, SILU_X: tl.constexpr):
+    """The activation tile: x itself, or (SILU_X) silu(gate) * up of a [gate | up] row pair read
+    where the gate half starts at column 0 and the up half at column K, rounded as
+    `triton_ops.silu_and_mul` rounds (silu to x's dtype, then the product), so the fused call
+    equals SiLU-and-mul followed by the GEMV."""
+    if SILU_X:
+        dtype = x_rows.dtype.element_ty
+        gate = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        return (silu * up).to(dtype)
+    return tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -51,6 +66,7 @@ def _fp8_stream_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_K: tl.constexpr, PIPE: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # `pdl`: the first weight tile is loaded before waiting for x's producer
+    SILU_X: tl.constexpr = False,  # x is [M, 2K] (gate | up): the GEMV reads silu(gate) * up (`_load_x`)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -77,7 +93,7 @@ def _fp8_stream_kernel(
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
-    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    x = _load_x(x_rows, offs_k, m_mask[:, None] & k_mask[None, :], K, SILU_X)
     if FLAT:
         acc2 += w.to(tl.float32) * x.to(tl.float32)
     else:
@@ -89,7 +105,7 @@ def _fp8_stream_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x = _load_x(x_rows, offs_k, m_mask[:, None] & k_mask[None, :], K, SILU_X)
         if FLAT:
             acc2 += w.to(tl.float32) * x.to(tl.float32)
         else:
@@ -105,14 +121,22 @@ def _fp8_stream_kernel(
 
 def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     block: tuple[int, int] | None = None, counters: torch.Tensor | None = None,
-                    tiles: stream_tiles.Tiles | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32) @ (weight [N, K] fp8 * scale)^T -> [M, N] in x's dtype.
+                    tiles: stream_tiles.Tiles | None = None, silu_x: bool = False,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ (weight [N, K] fp8 * scale)^T -> [M, N] in x's dtype (or `out_dtype`).
     scale: [N, 1] per channel, or [ceil(N / bn), K / bk] with `block` = (bn, bk).
     counters: a zeroed int32 tensor (one per output tile, `stream_tiles.SplitCounters`); without
-    it (or too small) the kernel runs without split-K."""
+    it (or too small) the kernel runs without split-K.
+    silu_x: x is [M, 2K], a [gate | up] projection's output, and the product is taken with
+    silu(gate) * up (SiLU-and-mul done in the GEMV's loads: one launch less per MLP)."""
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if silu_x:
+        if k != 2 * weight.shape[1]:
+            raise ValueError(f"fp8 stream GEMM with silu_x: x has {k} columns, the weight {weight.shape[1]} "
+                             f"(x must be [gate | up], twice the weight's)")
+        k //= 2
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     if x.stride(1) != 1:
@@ -130,7 +154,7 @@ def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SPLIT_K=split > 1, PIPE=t.stages if t.pipe else None, num_warps=t.warps, num_stages=t.stages,
-        **pdl.launch_kwargs(x.device))
+        SILU_X=silu_x, **pdl.launch_kwargs(x.device))
     return out
 
 
