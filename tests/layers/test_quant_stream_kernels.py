@@ -205,3 +205,33 @@ def test_fp8_silu_defers_to_the_streaming_down_proj():
         assert layer.mlp.act(x).shape == (2, 64)
     finally:
         fp8.FUSE_SILU_GEMV = True
+
+
+def test_fp8_lm_head_gives_float32_logits_of_the_rounded_head():
+    """The opt-in fp8 LM head (`fp8_lm_head`): float32 logits straight from the streaming GEMV
+    (out_dtype), equal to the torch reference of the rounded head; `ParallelLMHead.logits` takes
+    them for the rows the copy serves (into a graph's `out` buffer too)."""
+    from types import SimpleNamespace
+
+    from tokenmill.layers.parallel_linear import ParallelLMHead
+    from tokenmill.layers.quantization import fp8_lm_head
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_reference
+
+    w = torch.randn(200, 64, generator=torch.Generator().manual_seed(4)) * 0.1
+    q, s = fp8_ops.quantize_weight_rows(w)
+    head = fp8_lm_head.Fp8Head(q.float(), s, fp8_lm_head.stream_tiles.SplitCounters(200, torch.device("cpu")))
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5)).half()
+    logits = head.logits(x)
+    assert logits.dtype == torch.float32 and logits.shape == (1, 200)
+    torch.testing.assert_close(logits.double(), fp8_stream_reference(x, q.float(), s), atol=1e-4, rtol=1e-4)
+    assert (logits.double() - x.double() @ w.double().t()).abs().max() > 1e-4  # the head really is rounded
+
+    class Taking(fp8_lm_head.Fp8Head):
+        def takes(self, hidden):  # (the real one wants CUDA)
+            return True
+
+    lm = ParallelLMHead(SimpleNamespace(tp_size=1, layout=SimpleNamespace(vocab_size=200)))
+    lm.fp8 = Taking(head.weight, head.scale, head.counters)
+    out = torch.empty(1, 200)
+    assert lm.logits(x, w.half(), out) is out
+    assert torch.equal(out, logits)
