@@ -45,6 +45,9 @@ Parts (--parts, comma-separated; default all, run in this order):
            (scripts/gpu_fp8_engines.py, one process)
   pdlplant (not by default) pdl's chain check against a planted race (no kernel waits): must fail
   siluquant (not by default) SiLU-and-mul + fp8 quantization: two kernels vs the fused one (256, 8192 rows)
+  b1       (not by default) the fp8 batch-1 weight stream at kernel level: each linear and the LM head at
+           one row (bf16, the engine's tiles, a one-row tile sweep) as fractions of copy bandwidth, SiLU
+           in down_proj's GEMV, the fp8 LM head's time and error, the one-row chain (scripts/gpu_fp8_batch1.py)
   fp8engines (not by default) the FP8 goal figures in one process: bf16, fp8, fp8 + fp8 KV cache
            at 256x256x128 and 1000x512x256, batch 1 (bf16, fp8), every engine warmed
   tiny     tiny quantized checkpoints of every format (tests/helpers/quant_formats.py) on CUDA
@@ -852,10 +855,11 @@ def tune(results: dict, device: str) -> None:
 PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep", "profile",
          "w8a8"]
 PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
+PARTS += ["b1"]  # scripts/gpu_fp8_batch1.py (not by default)
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
-PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200})
+PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90})
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -879,6 +883,10 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_int4_sweep
             gpu_int4_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name == "b1":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_fp8_batch1
+            gpu_fp8_batch1.batch1_part(results, device, smoke, check, _time_ms, _cycled, OUT)
         elif name in ("pdl", "pdlplant", "siluquant", "fp8engines"):
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_engines
@@ -993,7 +1001,8 @@ def _markdown(results: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
-                                                                          "pdl", "pdlplant", "siluquant", "fp8engines")))
+                                                                          "pdl", "pdlplant", "siluquant", "fp8engines",
+                                                                          "b1")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")
