@@ -21,7 +21,9 @@ from tokenmill.layers.quantization.stream_tiles import Tiles
 require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
 FP8_TILES = [Tiles(1, 16, 32, 1), Tiles(1, 16, 32, 3), Tiles(1, 16, 32, 2, flat=False), Tiles(16, 16, 32, 2),
-             Tiles(1, 16, 32, 2, pipe=True), Tiles(16, 16, 32, 1, stages=2, pipe=True)]
+             Tiles(1, 16, 32, 2, pipe=True), Tiles(16, 16, 32, 1, stages=2, pipe=True),
+             # more weight tiles loaded before the PDL wait (with more than, and fewer than, the slice's tiles)
+             Tiles(1, 16, 32, 1, pipe=True, pre=3), Tiles(1, 16, 32, 3, pipe=True, pre=4), Tiles(1, 16, 64, 2, pre=2)]
 
 
 def _fp8_weight(n, k, block, seed=0):

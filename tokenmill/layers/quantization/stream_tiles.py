@@ -32,29 +32,31 @@ class Tiles:
     nibble_dots: bool = True  # int4 tensor-core tiles: 8 dots over strided x (else one, after a reshape)
     flat: bool = True  # fp8 one-row tiles (channel scales): sum over K once at the end (else each step)
     pipe: bool = False  # fp8 streaming: software-pipeline the K loop's loads (num_stages on the loop)
+    pre: int = 1  # fp8 one-row tiles: weight tiles loaded before the PDL wait (1-4)
 
     @classmethod
     def parse(cls, label: str) -> "Tiles":
         """The inverse of `label` (a tune record's key)."""
         import re
 
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(r?)(f?)(p?)", label)
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(r?)(f?)(p?)(?:e(\d))?", label)
         if m is None:
             raise ValueError(f"not a tiles label: {label!r}")
         bm, bn, bk, split, warps, stages = map(int, m.groups()[:6])
         return cls(bm, bn, bk, split, warps, stages, nibble_dots=not m.group(7), flat=not m.group(8),
-                   pipe=bool(m.group(9)))
+                   pipe=bool(m.group(9)), pre=int(m.group(10) or 1))
 
     def code(self) -> str:
         """The constructor call (for the tables below)."""
         extra = ("" if self.nibble_dots else ", nibble_dots=False") + ("" if self.flat else ", flat=False") + \
-            (", pipe=True" if self.pipe else "")
+            (", pipe=True" if self.pipe else "") + (f", pre={self.pre}" if self.pre != 1 else "")
         return (f"Tiles({self.block_m}, {self.block_n}, {self.block_k}, {self.split}, {self.warps}, "
                 f"{self.stages}{extra})")
 
     def label(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split}w{self.warps}st{self.stages}"
-                f"{'' if self.nibble_dots else 'r'}{'' if self.flat else 'f'}{'p' if self.pipe else ''}")
+                f"{'' if self.nibble_dots else 'r'}{'' if self.flat else 'f'}{'p' if self.pipe else ''}"
+                f"{f'e{self.pre}' if self.pre != 1 else ''}")
 
 
 # Rows up to which the fp8 weight-streaming kernel runs (bf16 activations, no activation

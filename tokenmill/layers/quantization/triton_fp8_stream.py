@@ -67,6 +67,7 @@ def _fp8_stream_kernel(
     SPLIT_K: tl.constexpr, PIPE: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # `pdl`: the first weight tile is loaded before waiting for x's producer
     SILU_X: tl.constexpr = False,  # x is [M, 2K] (gate | up): the GEMV reads silu(gate) * up (`_load_x`)
+    PRE: tl.constexpr = 1,  # weight tiles loaded before the PDL wait (1-4; more than 1: FLAT only)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -91,17 +92,37 @@ def _fp8_stream_kernel(
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     k_mask = offs_k < k_hi
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    # PRE > 1 (one row): the next tiles too, so more of a small weight is in flight across the wait
+    # (the previous kernels' tails); consumed in order after it, the same sums as PRE 1.
+    if PRE >= 2:
+        w1 = tl.load(w_rows + (offs_k + BLOCK_K)[None, :], mask=n_mask[:, None] & (offs_k + BLOCK_K < k_hi)[None, :],
+                     other=0.0)
+    if PRE >= 3:
+        w2 = tl.load(w_rows + (offs_k + 2 * BLOCK_K)[None, :],
+                     mask=n_mask[:, None] & (offs_k + 2 * BLOCK_K < k_hi)[None, :], other=0.0)
+    if PRE >= 4:
+        w3 = tl.load(w_rows + (offs_k + 3 * BLOCK_K)[None, :],
+                     mask=n_mask[:, None] & (offs_k + 3 * BLOCK_K < k_hi)[None, :], other=0.0)
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     x = _load_x(x_rows, offs_k, m_mask[:, None] & k_mask[None, :], K, SILU_X)
     if FLAT:
         acc2 += w.to(tl.float32) * x.to(tl.float32)
+        if PRE >= 2:
+            acc2 += w1.to(tl.float32) * _load_x(x_rows, offs_k + BLOCK_K, (offs_k + BLOCK_K < k_hi)[None, :], K,
+                                                SILU_X).to(tl.float32)
+        if PRE >= 3:
+            acc2 += w2.to(tl.float32) * _load_x(x_rows, offs_k + 2 * BLOCK_K, (offs_k + 2 * BLOCK_K < k_hi)[None, :],
+                                                K, SILU_X).to(tl.float32)
+        if PRE >= 4:
+            acc2 += w3.to(tl.float32) * _load_x(x_rows, offs_k + 3 * BLOCK_K, (offs_k + 3 * BLOCK_K < k_hi)[None, :],
+                                                K, SILU_X).to(tl.float32)
     else:
         acc = _k_part(acc, w, x, s_ptr, offs_n, n_mask, k_lo, s_sn, BLOCK_SCALES, GROUP_N, GROUP_K, BLOCK_M,
                       DOT_PRECISION)
     # PIPE > 1: the loop carries num_stages, so Triton pipelines its loads (cp.async) even without
     # a tl.dot (which it does not do otherwise): bytes in flight while a tile is converted.
-    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=PIPE):
+    for k0 in tl.range(k_lo + PRE * BLOCK_K, k_hi, BLOCK_K, num_stages=PIPE):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
@@ -154,7 +175,7 @@ def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SPLIT_K=split > 1, PIPE=t.stages if t.pipe else None, num_warps=t.warps, num_stages=t.stages,
-        SILU_X=silu_x, **pdl.launch_kwargs(x.device))
+        SILU_X=silu_x, PRE=t.pre if t.block_m == 1 and block is None and t.flat else 1, **pdl.launch_kwargs(x.device))
     return out
 
 
