@@ -16,7 +16,9 @@
 - `fp8engines`: the goal figures in one process, every engine warmed on the workload first:
   bf16, fp8 weights, fp8 weights + fp8 KV cache at 256x256x128 and 1000x512x256, batch 1 (bf16
   and fp8). The engines are built one after the other, each shut down before the next;
-  GPU_FP8_ENGINES=bf16,fp8 leaves fp8kv out.
+  GPU_FP8_ENGINES=bf16,fp8 leaves fp8kv out. Then each throughput workload's per-step bound from
+  this card's rates measured in the same process (scripts/fp8_engine_bounds.py), beside the
+  measured tok/s and the ratios to bf16.
 
 Each engine's figures are written to $OUT/part-<name>-partial.json as they come, so a run cut
 by its time limit still leaves what it measured.
@@ -297,7 +299,7 @@ def pdl_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, o
 FP8_ENGINES = [
     ("bf16", {}, ["256x256x128", "1000x512x256", "batch1"]),
     ("fp8", {"quantization": "fp8"}, ["256x256x128", "1000x512x256", "batch1"]),
-    ("fp8kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["1000x512x256"]),
+    ("fp8kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["256x256x128", "1000x512x256"]),
 ]
 
 
@@ -322,3 +324,19 @@ def engines_part(results: dict, device: str, smoke: bool, shape: dict, config_di
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
             _save(results, out, "fp8engines")
         _free(llm)
+    _bounds(results, device, shape, timings)
+    _save(results, out, "fp8engines")
+
+
+def _bounds(results: dict, device: str, shape: dict, timings: dict) -> None:
+    """Each engine's per-step bound from this card's rates (`fp8_engine_bounds`), beside the measured
+    tok/s: whether the issue's 1.5x is within what fp8 weights (+ fp8 KV) allow, and how far each is."""
+    import fp8_engine_bounds as eb
+
+    rates = eb.measure_rates(device)
+    bounds = eb.engine_bounds(shape, rates, timings, FP8_ENGINES)
+    results["fp8_rates"] = rates
+    results["fp8_bounds"] = bounds
+    results["fp8_bound_lines"] = eb.bound_lines(bounds, rates)
+    for line in results["fp8_bound_lines"]:
+        print("  " + line, flush=True)

@@ -994,6 +994,8 @@ def _markdown(results: dict) -> str:
         for m, t in tune_totals.items():
             lines.append(f"| {m} | " + " | ".join(f"{t[c] * 1000:.0f}" if c in t else "—" for c in cols) + " |")
     lines += _fp8_profile_lines(results)
+    if results.get("fp8_bound_lines"):  # the fp8engines part's per-step bounds
+        lines += [""] + results["fp8_bound_lines"]
     lines += ["", f"Parts: {results['part_status']}", f"Failures: {results['failures'] or 'none'}", ""]
     return "\n".join(lines)
 
