@@ -36,6 +36,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "lm_head": (128256, 4096)}
 SMOKE_SHAPES = {"qkv": (256, 128), "o": (128, 128), "gate_up": (512, 128), "down": (128, 256), "lm_head": (320, 128)}
 LAYERS = 32  # Llama-3.1-8B
+LAYER_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))  # qkv, o, gate_up, down
+CHAIN_PRE = (2, 4)  # chain variants: every GEMV with this many weight tiles before the PDL wait
 
 
 def one_row_tiles(smoke: bool):
@@ -75,12 +77,18 @@ def _compile_calls(device: str, smoke: bool):
         calls.append((tt.label() + " f32", lambda tt=tt: fp8_stream_gemm(x, q, s, None, counters, tiles=tt,
                                                                           out_dtype=torch.float32)))
     from tokenmill.layers.quantization import stream_tiles
+    sms = stream_tiles.sm_count(torch.device(device))
     for n, k in ((4096, 14336), (128256, 4096)):  # the engine's down_proj tiles with SiLU; its head tiles
-        tt = stream_tiles.fp8_tiles(1, n, k, None, stream_tiles.sm_count(torch.device(device)))
+        tt = stream_tiles.fp8_tiles(1, n, k, None, sms)
         calls.append((tt.label() + " silu", lambda tt=tt: fp8_stream_gemm(x2, q, s, None, counters, tiles=tt,
                                                                            silu_x=True)))
         calls.append((tt.label() + " f32", lambda tt=tt: fp8_stream_gemm(x, q, s, None, counters, tiles=tt,
                                                                           out_dtype=torch.float32)))
+    for pre in CHAIN_PRE:  # the chain's variants: the engine's tiles with more tiles before the wait
+        for (n, k), silu in zip(LAYER_SHAPES, (False, False, False, True)):
+            tt = replace(stream_tiles.fp8_tiles(1, n, k, None, sms), pre=pre)
+            calls.append((tt.label(), lambda tt=tt, silu=silu: fp8_stream_gemm(x2 if silu else x, q, s, None, counters,
+                                                                                 tiles=tt, silu_x=silu)))
     return calls
 
 
@@ -280,23 +288,36 @@ def _chain(rec: dict, device: str, smoke: bool, check) -> None:
         fp8.FUSE_SILU_GEMV = True
         check(torch.allclose(a, body(), atol=1e-5), "b1 chain (CPU): SiLU deferred or not, the same output")
         return
+    from tokenmill.layers.quantization import stream_tiles
+
     graphs, outs = {}, {}
-    for label, fused in (("silu in down GEMV", True), ("silu kernel", False)):
+    sms = stream_tiles.sm_count(torch.device(device))
+    saved = dict(stream_tiles.MEASURED)
+    variants = [("silu in down GEMV", True, 1), ("silu kernel", False, 1)]
+    variants += [(f"silu in GEMV, pre {p}", True, p) for p in CHAIN_PRE]
+    for label, fused, pre in variants:
         fp8.FUSE_SILU_GEMV = fused
-        for _ in range(2):
-            body()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = body()
-        graphs[label], outs[label] = graph, out
+        for n, k in LAYER_SHAPES:  # the tiles the layers pick at capture (`stream_tiles.fp8_tiles`)
+            stream_tiles.MEASURED[("fp8", 1, n, k)] = replace(stream_tiles.fp8_tiles(1, n, k, None, sms), pre=pre)
+        try:
+            for _ in range(2):
+                body()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = body()
+            graphs[label], outs[label] = graph, out
+        finally:
+            stream_tiles.MEASURED.clear()
+            stream_tiles.MEASURED.update(saved)
     fp8.FUSE_SILU_GEMV = True
     chain: dict = {"layers": layers}
     best = gpu_fp8_engines._replays(graphs, outs, x0, layers, chain, "1 row")
     chain["us_per_layer"] = best
     rec["chain"] = chain
     print("  chain, 1 row, us per layer: " + ", ".join(f"{k} {v:.1f}" for k, v in best.items()), flush=True)
-    check("mismatch" not in chain, f"b1 chain: SiLU in the GEMV bit-identical to the SiLU kernel ({chain.get('mismatch', 'yes')})")
+    check("mismatch" not in chain, f"b1 chain: SiLU in the GEMV and the pre variants bit-identical to the SiLU kernel "
+          f"({chain.get('mismatch', 'yes')})")
 
 
 if __name__ == "__main__":
