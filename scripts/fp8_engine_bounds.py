@@ -45,9 +45,16 @@ def _time_s(fn, reps: int = 10) -> float:
 
 
 def measure_rates(device: str) -> dict:
-    """copy bytes/s, bf16 and fp8 GEMM FLOP/s on this card (CPU smoke: nominal figures)."""
+    """copy bytes/s, bf16 and fp8 GEMM FLOP/s on this card (CPU smoke: nominal figures). Its memory
+    goes back to the device after (an engine built next sizes its KV pool from what is free)."""
     if device != "cuda":
         return {"copy_b_s": 50e9, "bf16_flop_s": 1e12, "fp8_flop_s": 2e12}
+    rates = _measure_cuda(device)
+    torch.cuda.empty_cache()
+    return rates
+
+
+def _measure_cuda(device: str) -> dict:
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     copy = 2 * x.numel() / _time_s(lambda: y.copy_(x))
