@@ -104,12 +104,14 @@ INT4_TABLE: dict[int, Tiles] = {
 # an H200, 2026-11-25; the times: summed over the bucket's rows); `scripts/gpu_quant.py --parts
 # tune` prints these lines. INT4 buckets from 128 rows take dequantize + cuBLAS (not listed).
 MEASURED: dict[tuple[str, int, int, int], Tiles] = {
-    # one row: the pipelined K loop (`--parts sweep`, an H200, 2026-11-26; 37.4 / 20.6 / 9.8 / 11.6
-    # us for the unpipelined tiles above in the same run)
-    ('fp8', 1, 28672, 4096): Tiles(1, 16, 256, 1, 2, 4, pipe=True),  # 31.9 us
-    ('fp8', 1, 4096, 14336): Tiles(1, 16, 256, 2, 2, 4, pipe=True),  # 18.7 us
-    ('fp8', 1, 4096, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True),  # 8.1 us
-    ('fp8', 1, 6144, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True),  # 9.7 us
+    # one row: `gpu_quant.py --parts b1` on an H100 (2026-11-26, fifth session; the H200 sweep's
+    # tiles before: 41.6 / 23.8 / 9.0 / 11.3 us in the same run); qkv and o load 2 weight tiles
+    # before the PDL wait (`Tiles.pre`)
+    ('fp8', 1, 28672, 4096): Tiles(1, 16, 256, 1, 2, 4, pipe=True),  # 41.6 us (94% of copy bandwidth)
+    ('fp8', 1, 4096, 14336): Tiles(1, 16, 512, 2, 4, 3, pipe=True),  # 22.9 us (85%)
+    ('fp8', 1, 4096, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True, pre=2),  # 8.4 us (66%)
+    ('fp8', 1, 6144, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True, pre=2),  # 10.5 us (80%)
+    ('fp8', 1, 128256, 4096): Tiles(1, 16, 256, 1, 2, 4, pipe=True, pre=4),  # 171.5 us (the 8-bit LM head)
     ('fp8', 16, 28672, 4096): Tiles(16, 32, 256, 1, 4, 3),  # 173.2 us over rows [2, 4, 8, 16]
     ('fp8', 16, 4096, 14336): Tiles(16, 32, 256, 8, 4, 3),  # 101.6 us over rows [2, 4, 8, 16]
     ('fp8', 16, 4096, 4096): Tiles(16, 64, 128, 4, 4, 3),  # 44.8 us over rows [2, 4, 8, 16]
