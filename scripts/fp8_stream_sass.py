@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OPS = ("LDG.E.128", "LDG.E.64", "LDG.E", "LDGSTS", "LDS", "F2FP", "FFMA", "HADD2", "STL", "LDL")
 
 
-def compile_tiles(label: str, silu: bool, out_f32: bool = False):
+def compile_tiles(label: str, silu: bool, out_f32: bool = False, int8: bool = False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -40,7 +40,7 @@ def compile_tiles(label: str, silu: bool, out_f32: bool = False):
                  BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION="tf32", SPLIT_K=t.split > 1,
                  PIPE=t.stages if t.pipe else None, USE_PDL=True, SILU_X=silu,
                  PRE=t.pre if t.block_m == 1 and t.flat else 1)
-    ptrs = {"x_ptr": "bf16", "w_ptr": "fp8e4nv", "s_ptr": "fp32", "out_ptr": "fp32" if out_f32 else "bf16",
+    ptrs = {"x_ptr": "bf16", "w_ptr": "i8" if int8 else "fp8e4nv", "s_ptr": "fp32", "out_ptr": "fp32" if out_f32 else "bf16",
             "part_ptr": "fp32", "cnt_ptr": "i32"}
     aligned = {"N", "K", "s_xm", "s_wn", "s_om"}
     sig, attrs = {}, {}
@@ -87,11 +87,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiles", action="append", help="a Tiles label (default: the engine's one-row Llama-8B tiles)")
     ap.add_argument("--silu", action="store_true", help="the SiLU-in-the-loads variant (down_proj)")
+    ap.add_argument("--head", action="store_true", help="the int8 LM head's launch (int8 weights, float32 out)")
     args = ap.parse_args()
     labels = args.tiles or sorted({stream_tiles.fp8_tiles(1, n, k, None, 132).label()
                                    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))})
     for label in labels:
-        print(label, json.dumps(sass_figures(compile_tiles(label, args.silu))), flush=True)
+        print(label, json.dumps(sass_figures(compile_tiles(label, args.silu, out_f32=args.head, int8=args.head))),
+              flush=True)
 
 
 if __name__ == "__main__":

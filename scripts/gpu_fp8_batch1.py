@@ -9,7 +9,7 @@ forward), CUDA-graph replays (`gpu_quant._time_ms`):
    the winners as `stream_tiles.MEASURED` lines;
 3. down_proj with SiLU-and-mul in the GEMV's loads (`silu_x`) against the SiLU kernel + GEMV
    (checked bitwise equal first);
-4. the fp8 LM head (`fp8_lm_head`) against the bf16 head: time, and the logits' error on
+4. the 8-bit LM heads (`lm_head_8bit`, int8 and fp8) against the bf16 head: time, and the logits' error on
    random hidden states (max |difference| over the bf16 logits' spread, top-1 agreement);
 5. the decode chain of CHAIN_LAYERS layers at one row (`gpu_fp8_engines._chain`, PDL on) with
    SiLU fused into down_proj's GEMV and without: microseconds per layer, outputs bit-identical;
@@ -119,7 +119,7 @@ def _save(results: dict, out: str) -> None:
 
 
 def batch1_part(results: dict, device: str, smoke: bool, check, time_ms, cycled, out: str) -> None:
-    from tokenmill.layers.quantization import fp8_lm_head, fp8_ops, stream_tiles
+    from tokenmill.layers.quantization import fp8_ops, lm_head_8bit, stream_tiles
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
     from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
 
@@ -189,7 +189,7 @@ def batch1_part(results: dict, device: str, smoke: bool, check, time_ms, cycled,
             print(f"  down_proj + SiLU-and-mul, 1 row: fused {rec['down_silu']['fused_us']:.1f} us, two kernels "
                   f"{rec['down_silu']['two_kernels_us']:.1f}", flush=True)
         if name == "lm_head":
-            _head_error(rec, w, device, dt, fp8_lm_head, check)
+            _head_error(rec, w, device, dt, lm_head_8bit, check)
         del w, q, s, fp8_w, bf16_w
         _save(results, out)
     if lines:
@@ -231,26 +231,26 @@ def _tiny_decode(rec: dict, device: str, check) -> None:
 
     from tests.helpers.tiny_models import make_tiny_model_dir
     from tokenmill import LLM, SamplingParams
-    from tokenmill.layers.quantization import fp8_lm_head
+    from tokenmill.layers.quantization import lm_head_8bit
 
     root = tempfile.mkdtemp(prefix="b1-tiny-")
     path = make_tiny_model_dir("llama", root, hidden_size=128, intermediate_size=256, num_attention_heads=4,
                                num_key_value_heads=2)
-    fp8_lm_head.FORCE = True
+    lm_head_8bit.FORCE = "int8"
     extra = {} if device == "cuda" else {"device": "cpu"}
-    real_attach, attached = fp8_lm_head.attach, 0
+    real_attach, attached = lm_head_8bit.attach, 0
 
     def counting_attach(model):
         nonlocal attached
         ok = real_attach(model)
         attached += ok
         return ok
-    fp8_lm_head.attach = counting_attach
+    lm_head_8bit.attach = counting_attach
     try:
         llm = LLM(path, dtype="bfloat16" if device == "cuda" else "float32", quantization="fp8", single_process=True,
                   kv_cache_memory_gb=0.01, max_model_len=128, max_num_seqs=4, **extra)
     finally:
-        fp8_lm_head.FORCE, fp8_lm_head.attach = None, real_attach
+        lm_head_8bit.FORCE, lm_head_8bit.attach = None, real_attach
     prompt = [(i * 37 + 11) % 250 + 3 for i in range(24)]
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=16, logprobs=0),
                        use_tqdm=False)[0].outputs[0]
@@ -278,22 +278,33 @@ def _f32_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x @ w.t()).float()
 
 
-def _head_error(rec: dict, w: torch.Tensor, device: str, dt, fp8_lm_head, check) -> None:
-    """The fp8 head's logits against the bf16 head's on 16 random unit-variance hidden states."""
-    head = fp8_lm_head.quantize_head(w)
-    if device != "cuda":
-        head.weight = head.weight.float()
+def _head_error(rec: dict, w: torch.Tensor, device: str, dt, lm_head_8bit, check) -> None:
+    """The 8-bit heads' logits against the bf16 head's on 16 random unit-variance hidden states, and
+    the int8 head's time at one row (the fp8 head's is the sweep above)."""
     h = torch.randn(16, w.shape[1], device=device, dtype=dt)
     ref = _f32_mm(h, w)
-    got = torch.cat([head.logits(h[i:i + 1]) for i in range(h.shape[0])])
     spread = ref.std().item()
-    err = (got - ref).abs().max().item() / spread
-    top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-    rec["lm_head_fp8_error"] = {"max_abs_over_std": err, "rms_over_std": ((got - ref).pow(2).mean().sqrt() / spread).item(),
-                                "top1_agreement": top1}
-    print(f"  fp8 LM head vs bf16 head, 16 random rows: max |diff| {err:.3f} of the logits' std, "
-          f"rms {rec['lm_head_fp8_error']['rms_over_std']:.4f}, top-1 agreement {top1:.2f}", flush=True)
-    check(err < 0.25, f"fp8 LM head logits within 0.25 std of the bf16 head's (max {err:.3f})")
+    for kind in lm_head_8bit.KINDS:
+        head = lm_head_8bit.quantize_head(w, kind)
+        if device != "cuda":
+            head.weight = head.weight.float()
+        got = torch.cat([head.logits(h[i:i + 1]) for i in range(h.shape[0])])
+        err = (got - ref).abs().max().item() / spread
+        top1 = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        r = {"max_abs_over_std": err, "rms_over_std": ((got - ref).pow(2).mean().sqrt() / spread).item(),
+             "top1_agreement": top1}
+        if kind == "int8" and device == "cuda":
+            from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
+            import gpu_quant
+            x = h[:1].contiguous()
+            r["us"] = 1000 * gpu_quant._time_ms(lambda: fp8_stream_gemm(x, head.weight, head.scale, None,
+                                                                         head.counters.tensor,
+                                                                         out_dtype=torch.float32), device)
+        rec[f"lm_head_{kind}_error"] = r
+        print(f"  {kind} LM head vs bf16 head, 16 random rows: max |diff| {err:.3f} of the logits' std, "
+              f"rms {r['rms_over_std']:.4f}, top-1 agreement {top1:.2f}" +
+              (f"; {r['us']:.1f} us at one row" if "us" in r else ""), flush=True)
+        check(err < 0.25, f"{kind} LM head logits within 0.25 std of the bf16 head's (max {err:.3f})")
 
 
 def _chain(rec: dict, device: str, smoke: bool, check) -> None:

@@ -209,31 +209,53 @@ def test_fp8_silu_defers_to_the_streaming_down_proj():
         fp8.FUSE_SILU_GEMV = True
 
 
-def test_fp8_lm_head_gives_float32_logits_of_the_rounded_head():
-    """The opt-in fp8 LM head (`fp8_lm_head`): float32 logits straight from the streaming GEMV
-    (out_dtype), equal to the torch reference of the rounded head; `ParallelLMHead.logits` takes
-    them for the rows the copy serves (into a graph's `out` buffer too)."""
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_8bit_lm_head_gives_float32_logits_of_the_rounded_head(kind):
+    """The opt-in 8-bit LM head (`lm_head_8bit`): float32 logits straight from the streaming GEMV
+    (out_dtype, int8 or e4m3 weights), equal to the torch reference of the rounded head;
+    `ParallelLMHead.logits` takes them for the rows the copy serves (into a graph's `out` buffer too).
+    int8 rounds far closer than e4m3 (uniform steps)."""
     from types import SimpleNamespace
 
     from tokenmill.layers.parallel_linear import ParallelLMHead
-    from tokenmill.layers.quantization import fp8_lm_head
+    from tokenmill.layers.quantization import lm_head_8bit
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_reference
 
     w = torch.randn(200, 64, generator=torch.Generator().manual_seed(4)) * 0.1
-    q, s = fp8_ops.quantize_weight_rows(w)
-    head = fp8_lm_head.Fp8Head(q.float(), s, fp8_lm_head.stream_tiles.SplitCounters(200, torch.device("cpu")))
+    head = lm_head_8bit.quantize_head(w, kind)
+    if kind == "int8":
+        assert head.weight.dtype == torch.int8 and head.weight.abs().max() <= 127
+    else:
+        head.weight = head.weight.float()  # the interpreter computes on float32 holding the fp8 values
     x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5)).half()
     logits = head.logits(x)
     assert logits.dtype == torch.float32 and logits.shape == (1, 200)
-    torch.testing.assert_close(logits.double(), fp8_stream_reference(x, q.float(), s), atol=1e-4, rtol=1e-4)
-    assert (logits.double() - x.double() @ w.double().t()).abs().max() > 1e-4  # the head really is rounded
+    torch.testing.assert_close(logits.double(), fp8_stream_reference(x, head.weight, head.scale), atol=1e-4, rtol=1e-4)
+    exact = x.double() @ w.double().t()
+    err = (logits.double() - exact).abs().max()
+    assert err > 1e-5  # the head really is rounded
+    other = lm_head_8bit.quantize_head(w, "fp8" if kind == "int8" else "int8")
+    if kind == "int8":  # ... and int8 closer than e4m3
+        assert err < 0.5 * (fp8_stream_reference(x, other.weight.float(), other.scale) - exact).abs().max()
 
-    class Taking(fp8_lm_head.Fp8Head):
+    class Taking(lm_head_8bit.Head8Bit):
         def takes(self, hidden):  # (the real one wants CUDA)
             return True
 
     lm = ParallelLMHead(SimpleNamespace(tp_size=1, layout=SimpleNamespace(vocab_size=200)))
-    lm.fp8 = Taking(head.weight, head.scale, head.counters)
+    lm.head_8bit = Taking(head.weight, head.scale, head.counters)
     out = torch.empty(1, 200)
     assert lm.logits(x, w.half(), out) is out
     assert torch.equal(out, logits)
+
+
+def test_8bit_lm_head_kind_is_checked(monkeypatch):
+    from tokenmill.layers.quantization import lm_head_8bit
+
+    monkeypatch.setenv(lm_head_8bit.ENV_VAR, "int4")
+    with pytest.raises(ValueError, match="TOKENMILL_LM_HEAD_8BIT.*int8, fp8"):
+        lm_head_8bit.wanted()
+    monkeypatch.setenv(lm_head_8bit.ENV_VAR, "off")
+    assert lm_head_8bit.wanted() is None
+    monkeypatch.setenv(lm_head_8bit.ENV_VAR, "INT8")
+    assert lm_head_8bit.wanted() == "int8"

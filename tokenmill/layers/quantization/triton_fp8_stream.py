@@ -33,13 +33,23 @@ def _k_part(acc, w, x, s_ptr, offs_n, n_mask, k0, s_sn, BLOCK_SCALES: tl.constex
             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One K step of the non-FLAT tiles: acc + the [BLOCK_N, BLOCK_K] tile w times the rows x."""
     if BLOCK_M == 1:
-        part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        part = tl.sum(_w_f32(w) * x.to(tl.float32), axis=1)[None, :]
     else:
         part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
     if BLOCK_SCALES:
         bs = tl.load(s_ptr + (offs_n // GROUP_N) * s_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
         return acc + part * bs[None, :]
     return acc + part
+
+
+@triton.jit
+def _w_f32(w):
+    """A weight tile in float32. int8 (the 8-bit LM head, `lm_head_8bit`): through the float bits of
+    2^23 + 128 + w (an integer add and a float subtract, both exact) instead of I2F, a conversion
+    Hopper issues at a quarter of the FMA rate: at one row it would bound the head's GEMV."""
+    if w.dtype == tl.int8:
+        return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    return w.to(tl.float32)
 
 
 @triton.jit
@@ -107,15 +117,15 @@ def _fp8_stream_kernel(
     pdl.wait(USE_PDL)
     x = _load_x(x_rows, offs_k, m_mask[:, None] & k_mask[None, :], K, SILU_X)
     if FLAT:
-        acc2 += w.to(tl.float32) * x.to(tl.float32)
+        acc2 += _w_f32(w) * x.to(tl.float32)
         if PRE >= 2:
-            acc2 += w1.to(tl.float32) * _load_x(x_rows, offs_k + BLOCK_K, (offs_k + BLOCK_K < k_hi)[None, :], K,
+            acc2 += _w_f32(w1) * _load_x(x_rows, offs_k + BLOCK_K, (offs_k + BLOCK_K < k_hi)[None, :], K,
                                                 SILU_X).to(tl.float32)
         if PRE >= 3:
-            acc2 += w2.to(tl.float32) * _load_x(x_rows, offs_k + 2 * BLOCK_K, (offs_k + 2 * BLOCK_K < k_hi)[None, :],
+            acc2 += _w_f32(w2) * _load_x(x_rows, offs_k + 2 * BLOCK_K, (offs_k + 2 * BLOCK_K < k_hi)[None, :],
                                                 K, SILU_X).to(tl.float32)
         if PRE >= 4:
-            acc2 += w3.to(tl.float32) * _load_x(x_rows, offs_k + 3 * BLOCK_K, (offs_k + 3 * BLOCK_K < k_hi)[None, :],
+            acc2 += _w_f32(w3) * _load_x(x_rows, offs_k + 3 * BLOCK_K, (offs_k + 3 * BLOCK_K < k_hi)[None, :],
                                                 K, SILU_X).to(tl.float32)
     else:
         acc = _k_part(acc, w, x, s_ptr, offs_n, n_mask, k_lo, s_sn, BLOCK_SCALES, GROUP_N, GROUP_K, BLOCK_M,
@@ -128,7 +138,7 @@ def _fp8_stream_kernel(
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
         x = _load_x(x_rows, offs_k, m_mask[:, None] & k_mask[None, :], K, SILU_X)
         if FLAT:
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
+            acc2 += _w_f32(w) * x.to(tl.float32)
         else:
             acc = _k_part(acc, w, x, s_ptr, offs_n, n_mask, k0, s_sn, BLOCK_SCALES, GROUP_N, GROUP_K, BLOCK_M,
                           DOT_PRECISION)
