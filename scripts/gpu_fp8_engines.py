@@ -313,10 +313,16 @@ def engines_part(results: dict, device: str, smoke: bool, shape: dict, config_di
     timings = results.setdefault("timings", {})
     results["fp8_rates"] = eb.measure_rates(device)  # first, on an idle card; the bounds follow every figure
     only = os.environ.get("GPU_FP8_ENGINES")  # e.g. "bf16,fp8" (a shorter run without fp8kv)
+    failed: list[str] = []
     for label, kwargs, workloads in FP8_ENGINES:
         if only and label not in only.split(","):
             continue
-        llm, up = _engine(config_dir, shape, smoke, label, **kwargs)
+        try:
+            llm, up = _engine(config_dir, shape, smoke, label, **kwargs)
+        except Exception:  # noqa: BLE001 - the next engine still runs; the part fails at the end
+            traceback.print_exc()
+            failed.append(label)
+            continue
         rec = timings.setdefault(label, {"kv_blocks": llm.kv_cache_stats()["num_blocks"], "engine_up_s": up})
         for w in workloads:
             start = time.perf_counter()
@@ -332,6 +338,8 @@ def engines_part(results: dict, device: str, smoke: bool, shape: dict, config_di
         _free(llm)
     for line in results.get("fp8_bound_lines", []):
         print("  " + line, flush=True)
+    if failed:
+        raise RuntimeError(f"fp8engines: engine(s) {failed} failed to start")
 
 
 def _bounds(results: dict, shape: dict, timings: dict) -> None:
