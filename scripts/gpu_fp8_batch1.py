@@ -223,8 +223,8 @@ def batch1_part(results: dict, device: str, smoke: bool, check, time_ms, cycled,
 
 
 def _tiny_decode(rec: dict, device: str, check) -> None:
-    """An engine end to end (tiny random Llama, fp8 W8A8, graphs, the fp8 LM head forced on): each
-    greedy token's logprob from the batch-1 decode steps (SiLU in down_proj's GEMV, the fp8 head)
+    """An engine end to end (tiny random Llama, fp8 W8A8, graphs, the int8 LM head forced on): each
+    greedy token's logprob from the batch-1 decode steps (SiLU in down_proj's GEMV, the int8 head)
     against the same token's prompt logprob when prompt + output are prefilled again (W8A8 GEMMs,
     the bf16 head). They may differ by the two paths' roundings only."""
     import tempfile
@@ -262,9 +262,9 @@ def _tiny_decode(rec: dict, device: str, check) -> None:
     err = max(abs(a - b) for a, b in zip(decode, prefill))
     rec["tiny_decode"] = {"max_logprob_diff": err, "tokens": len(gen), "fp8_heads_attached": attached}
     print(f"  tiny fp8 engine: {len(gen)} greedy tokens, decode vs prefill logprob max diff {err:.4f}", flush=True)
-    check(err < 0.1, f"tiny fp8 engine (fp8 head, SiLU in the GEMV): decode logprobs vs prefill, max diff {err:.4f}")
+    check(err < 0.1, f"tiny fp8 engine (int8 head, SiLU in the GEMV): decode logprobs vs prefill, max diff {err:.4f}")
     if device == "cuda":
-        check(attached > 0, "tiny fp8 engine: the fp8 LM head attached")
+        check(attached > 0, "tiny fp8 engine: the int8 LM head attached")
     llm.shutdown()
 
 
