@@ -115,7 +115,7 @@ class ParallelLMHead:
         self.gemm_packed = cpu_bf16_gemm.PackedBf16()
         self._cuda_f32_out = True  # until torch.mm(out_dtype=float32) turns out unsupported
         self._cuda_f32_into = True  # the same with out=
-        self.head_8bit = None  # an 8-bit copy of the head for small batches (`quantization.lm_head_8bit`, opt-in)
+        self.head_8bit = None  # fp8 models on CUDA: an 8-bit copy for small batches (`quantization.lm_head_8bit`)
 
     def _cuda_logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """float32 logits straight from cuBLAS's float32 accumulation (not rounded to bf16 first),

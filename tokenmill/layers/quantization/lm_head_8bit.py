@@ -3,8 +3,8 @@
 At batch 1 the LM head of a Llama-3.1-8B shape is 1 GB of bf16 read per token, a tenth of an
 fp8 step (405 us of an H100's ~4 ms). An fp8 W8A8 model (`Fp8LinearMethod` linears) on a GPU
 with fp8 conversions (compute capability 8.9+) also keeps the head's rows in 8 bits
-(TOKENMILL_LM_HEAD_8BIT: int8, the default; fp8; off) with one float32 scale per vocab row, and steps of up to `stream_tiles.FP8_STREAM_MAX_ROWS`
-rows take their float32 logits from the weight-streaming GEMV (`triton_fp8_stream`, which
+(TOKENMILL_LM_HEAD_8BIT: int8, the default; fp8; off) with one float32 scale per vocab row, and
+steps of up to `stream_tiles.FP8_STREAM_MAX_ROWS` rows take their float32 logits from the weight-streaming GEMV (`triton_fp8_stream`, which
 converts int8 or e4m3 weights alike; bf16 activations: only the weight is rounded). Larger steps
 (prefill, prompt logprobs, large decode batches) keep the bf16 head.
 - int8: round to nearest of w / scale in [-127, 127], the scale the shrink of the row's amax / 127
@@ -96,11 +96,13 @@ def attach(model: nn.Module) -> bool:
     from tokenmill.layers.linear import Linear
     from tokenmill.layers.quantization.fp8 import Fp8LinearMethod
 
-    kind = wanted()
-    head = getattr(model, "logits_head", None) if kind else None
-    if head is None:
-        return False
+    head = getattr(model, "logits_head", None)
+    if head is None or not getattr(getattr(model, "layout", None), "is_last_stage", True):
+        return False  # (a pipeline stage without the head; a first stage's tied embedding is no head)
     if not any(isinstance(m, Linear) and isinstance(m.quant_method, Fp8LinearMethod) for m in model.modules()):
+        return False
+    kind = wanted()
+    if kind is None:
         return False
     owner = getattr(model, "lm_head", None)
     if owner is None:
