@@ -315,13 +315,16 @@ def _stream_kernel_checks(device: str, dt: torch.dtype, g: torch.Generator) -> N
         err = ((out.double() - ref).norm() / ref.norm()).item()
         check(err < 1e-2 and not counters.any(), f"int4 stream m={m} "
               f"{stream_tiles.int4_tiles(m, n, k, 128, stream_tiles.sm_count(x.device)).label()}: rel err {err:.1e}")
-    # The engine's layout (`int4.for_device`: panels on CUDA) through int4_matmul: one row takes the
-    # panel GEMV (fp16x2 inline PTX by default), more rows the streaming kernel reading the panels.
+    # The engine's layout (`int4.for_device`: on CUDA the tensor-core GEMV's, or panels with
+    # TOKENMILL_INT4_MMA=0) through int4_matmul: with panels one row takes the panel GEMV, more
+    # rows the streaming kernel; with the mma layout, `triton_int4_mma.mma_matmul`.
     from tokenmill.layers.quantization.int4 import for_device
     from tokenmill.layers.quantization.triton_int4 import int4_matmul
     from tokenmill.layers.quantization.triton_int4_gemv import MODES, int4_gemv
     wd = for_device(wt, 128)
-    check(wd.qweight.dim() == (3 if device == "cuda" else 2), f"int4 engine layout: qweight {tuple(wd.qweight.shape)}")
+    from tokenmill.layers.quantization.int4 import mma_enabled
+    want = (4 if mma_enabled() else 3) if device == "cuda" else 2
+    check(wd.qweight.dim() == want, f"int4 engine layout: qweight {tuple(wd.qweight.shape)}")
     for m in (1, 3, 64, 300):
         x = torch.randn(m, k, generator=g).to(device, dt)
         ref = x.double() @ ref_w

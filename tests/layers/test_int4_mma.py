@@ -92,3 +92,21 @@ def test_mma_gemv_refuses_what_does_not_fit():
         mma_gemv(torch.randn(1, 256), qm, wt.scales, wt.zeros, 64, MmaGemv(1, 2))
     with pytest.raises(ValueError, match="multiple of 64"):
         packing.to_mma(packing.pack_along(torch.zeros(96, 16, dtype=torch.int64), 0))
+
+
+def test_int4_matmul_sends_the_mma_layout_to_mma_matmul(monkeypatch):
+    """A 4-D weight (the mma layout `int4.for_device` makes on CUDA) goes to `mma_matmul` at
+    every row count; the result matches the reference."""
+    from tokenmill.layers.quantization import triton_int4
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    wt = _case(n=32, k=128)
+    qm = packing.to_mma(wt.qweight)
+    calls = []
+    real = mma.mma_matmul
+    monkeypatch.setattr(mma, "mma_matmul", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
+    for m in (1, 5):
+        x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
+        out = triton_int4.int4_matmul(x, qm, wt.scales, wt.zeros, None, 64, torch.zeros(8, dtype=torch.int32))
+        torch.testing.assert_close(out, x @ packing.dequantize(wt, 64, torch.float32), rtol=1e-4, atol=1e-4)
+    assert calls == [1, 5]

@@ -34,14 +34,28 @@ def gemv_panel(n: int, k: int, group: int, sms: int = stream_tiles._DEFAULT_SMS)
     return c.panel if c is not None else stream_tiles.gemv_config(n, k, group, sms).panel
 
 
+def mma_enabled() -> bool:
+    """The tensor-core GEMV's layout on CUDA (`TOKENMILL_INT4_MMA=0`: the panels, for A/B runs)."""
+    import os
+
+    return os.environ.get("TOKENMILL_INT4_MMA", "1") != "0"
+
+
 def for_device(wt: packing.Int4Weights, group: int) -> packing.Int4Weights:
-    """On CUDA, words of weights the one-row GEMV serves (no act-order, groups of 16s) repacked
-    into its panels (`int4_packing.to_panels`, the width from `gemv_panel`); every CUDA path of
-    `triton_int4.int4_matmul` reads them. Elsewhere, unchanged."""
+    """On CUDA, words of weights without act-order repacked for the small-batch kernels:
+    16-bit activations, K a multiple of 64 and of a group of 64s, N of 16: the tensor-core GEMV's
+    layout (`int4_packing.to_mma`; `triton_int4_mma.mma_matmul` serves every row count from it);
+    else groups of 16s: the panels of the CUDA-core GEMV (`int4_packing.to_panels`, the width
+    from `gemv_panel`), which every other CUDA path of `triton_int4.int4_matmul` reads too.
+    Elsewhere, unchanged."""
     q = wt.qweight
     if not q.is_cuda or wt.g_idx is not None or group % 16:
         return wt
     k, n = q.shape[0] * 8, q.shape[1]
+    from tokenmill.layers.quantization.triton_int4_mma import layout_fits
+
+    if mma_enabled() and wt.scales.dtype in (torch.bfloat16, torch.float16) and layout_fits(n, k, group):
+        return packing.Int4Weights(packing.to_mma(q), wt.scales, wt.zeros, None)
     panel = gemv_panel(n, k, group, stream_tiles.sm_count(q.device))
     if not panel:
         return wt

@@ -61,7 +61,7 @@ def _setup_asm() -> str:
         "shl.b32 u, wid, 4;", "add.u32 u, u, g;", "cvt.u64.u32 $2, u;", "}"])
 
 
-def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False) -> str:
+def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, hint: bool = False) -> str:
     """The PTX of one loop step: GPC groups of SPG 64-input K steps, for the calling thread.
     Operands: $0..$3 its four float32 sums out (channel g rows 2j, 2j+1; channel g+8 rows 2j,
     2j+1); $4 its weight words at this step, $5 its x values, $6 / $7 its scale / zero (channel
@@ -72,7 +72,8 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False) 
     just before its first use, serialising their latencies).
     zmma: the zero points leave through a second mma per word, of the A fragment -(M + z) (each
     channel's, constant along k) with the same x, into the same sums, instead of four packed
-    subtractions per word (the weights enter as M + q; sums ~M / 8 times larger in float32)."""
+    subtractions per word (the weights enter as M + q; sums ~M / 8 times larger in float32).
+    hint: the weight loads skip L1 (read once; L1 keeps x) and ask L2 for 256-byte fetches."""
     magic = "0x64006400" if f16 else "0x43004300"
     one = "0x3C003C00" if f16 else "0x3F803F80"
     big = "0f44800000" if f16 else "0f43000000"  # 1024.0 / 128.0
@@ -84,7 +85,8 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False) 
              f".reg .b32 w<{4 * steps}>, x<{8 * steps}>, sz<{4 * gpc}>;",
              f"mov.b32 one2, {one};", "mov.f32 $0, $10;", "mov.f32 $1, $11;", "mov.f32 $2, $12;", "mov.f32 $3, $13;"]
     for t in range(steps):  # every load first
-        lines.append(f"ld.global.nc.v4.b32 {{w{4 * t}, w{4 * t + 1}, w{4 * t + 2}, w{4 * t + 3}}}, [$4+{512 * t}];")
+        ld = "ld.global.nc.L1::no_allocate.L2::256B" if hint else "ld.global.nc"
+        lines.append(f"{ld}.v4.b32 {{w{4 * t}, w{4 * t + 1}, w{4 * t + 2}, w{4 * t + 3}}}, [$4+{512 * t}];")
     for t in range(steps):
         for half in range(2):
             regs = ", ".join(f"x{8 * t + 4 * half + i}" for i in range(4))
@@ -263,10 +265,11 @@ class MmaGemv:
     gpc: int = 1
     early: bool = True  # every load issued before the arithmetic (`_asm`)
     zmma: bool = False  # zero points through a second mma per word (`_asm`)
+    hint: bool = False  # weight loads past L1, 256-byte L2 fetches (`_asm`)
 
     def label(self) -> str:
         return (f"mma w{self.warps} s{self.split} g{self.gpc}{'' if self.early else ' late'}"
-                f"{' zmma' if self.zmma else ''}")
+                f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}")
 
 
 # (N, K) -> the launch (Llama-8B's linears). Until measured on an H100: `default_config`.
@@ -301,8 +304,9 @@ def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
 
 
 @functools.cache
-def _asm_texts(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False) -> tuple[str, str, str, str]:
-    return _setup_asm(), _asm(spg, gpc, f16, early, zmma), _store_asm(False, f16), _store_asm(True, f16)
+def _asm_texts(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False,
+               hint: bool = False) -> tuple[str, str, str, str]:
+    return _setup_asm(), _asm(spg, gpc, f16, early, zmma, hint), _store_asm(False, f16), _store_asm(True, f16)
 
 
 def _interpreting() -> bool:
@@ -331,7 +335,8 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         x = x.contiguous()
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
-    setup, step, store, store32 = _asm_texts(group // 64, c.gpc, x.dtype == torch.float16, c.early, c.zmma)
+    setup, step, store, store32 = _asm_texts(group // 64, c.gpc, x.dtype == torch.float16, c.early, c.zmma,
+                                             c.hint)
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
