@@ -65,18 +65,23 @@ def test_mma_gemv_matches_reference(m, group, warps, split, dtype):
         assert not counters.any(), "split-K counters must be reset for the next call"
 
 
-def test_mma_dequantize_and_matmul_match_reference():
+def test_mma_dequantize_and_matmul_match_reference(monkeypatch):
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
+    launches = []
+    real = mma.mma_gemv
+    monkeypatch.setattr(mma, "mma_gemv", lambda *a, **kw: launches.append(a[0].shape[0]) or real(*a, **kw))
     wt = _case(n=32, k=128, group=64)
     qm = packing.to_mma(wt.qweight)
     ref_w = packing.dequantize(wt, 64, torch.float32)
     assert torch.equal(mma.mma_dequantize(qm, wt.scales, wt.zeros, 64, torch.float32), ref_w)
     counters = torch.zeros(4, dtype=torch.int32)
-    for m in (12, 40):  # looped 8-row GEMVs; dequantize + matmul
+    for m, rows in ((12, [8, 4]), (40, [])):  # looped 8-row GEMVs; dequantize + matmul
         x = torch.randn(m, 128, generator=torch.Generator().manual_seed(m))
+        launches.clear()
         out = mma.mma_matmul(x, qm, wt.scales, wt.zeros, 64, counters)
         assert out.shape == (m, 32) and torch.allclose(out, x @ ref_w, rtol=1e-4, atol=1e-4)
+        assert launches == rows
 
 
 def test_mma_gemv_refuses_what_does_not_fit():
@@ -110,3 +115,70 @@ def test_int4_matmul_sends_the_mma_layout_to_mma_matmul(monkeypatch):
         out = triton_int4.int4_matmul(x, qm, wt.scales, wt.zeros, None, 64, torch.zeros(8, dtype=torch.int32))
         torch.testing.assert_close(out, x @ packing.dequantize(wt, 64, torch.float32), rtol=1e-4, atol=1e-4)
     assert calls == [1, 5]
+
+
+def _fragment_coords(lane: int):
+    """(row, col) of mma.m16n8k16's A elements a0..a7 and B elements b0..b3 held by `lane` (the
+    PTX ISA's "Matrix Fragments for mma.m16n8k16 with floating point type")."""
+    g, t = lane >> 2, lane % 4
+    a = [(g if i < 2 or 4 <= i < 6 else g + 8, t * 2 + (i & 1) + (8 if i >= 4 else 0)) for i in range(8)]
+    b = [(t * 2 + (i & 1) + (8 if i >= 2 else 0), g) for i in range(4)]
+    return a, b
+
+
+def test_mma_fragments_the_ptx_builds_compute_the_product():
+    """A model of what `_asm` hands the tensor cores, lane by lane: register pair p of word m is
+    nibbles (p, p + 4) of the lane's word (one lop3 after a shift by 4p), minus the zero point of
+    channel g (pairs 0, 2) or g + 8 (pairs 1, 3); the B pairs are the lane's x values
+    16 j + 4 m + (0, 1) and (2, 3) of x row g. Placed by the PTX fragment map and multiplied, the
+    16 x 8 D must be W x^T for the block's 16 channels and 8 rows."""
+    g_ = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 16, (64, 16), generator=g_)  # [K, N]: one K step, one channel block
+    zeros = torch.randint(0, 16, (16,), generator=g_)
+    x = torch.randn(8, 64, generator=g_, dtype=torch.float64)
+    qm = packing.to_mma(packing.pack_along(codes, 0))
+    d = torch.zeros(16, 8, dtype=torch.float64)
+    for m in range(4):
+        a_mat = torch.zeros(16, 16, dtype=torch.float64)
+        b_mat = torch.zeros(16, 8, dtype=torch.float64)
+        for lane in range(32):
+            g, j = lane >> 2, lane % 4
+            word = qm[0, 0, lane, m].item() & 0xFFFFFFFF
+            regs = [((word >> (4 * p)) & 0xF, (word >> (16 + 4 * p)) & 0xF) for p in range(4)]
+            zs = [zeros[g], zeros[g + 8], zeros[g], zeros[g + 8]]
+            a_vals = [float(q - zs[p]) for p in range(4) for q in regs[p]]  # a0..a7, low half first
+            xb = 16 * j + 4 * m
+            b_vals = [x[g, xb], x[g, xb + 1], x[g, xb + 2], x[g, xb + 3]]  # x pairs {X[2m]}, {X[2m+1]}
+            a_pos, b_pos = _fragment_coords(lane)
+            for (r, c), v in zip(a_pos, a_vals):
+                a_mat[r, c] = v
+            for (r, c), v in zip(b_pos, b_vals):
+                b_mat[r, c] = v
+        d += a_mat @ b_mat
+    ref = (codes.double() - zeros.double()[None, :]).t() @ x.t()  # [16 channels, 8 rows]
+    torch.testing.assert_close(d, ref)
+
+
+def test_mma_ptx_assembles_for_sm90():
+    """The inline PTX of the engine's default launch and of the sweep's variants (fp16, split-K,
+    two groups a step, zero points by mma, load hints) compiles to sm_90 SASS with triton's
+    bundled ptxas, no GPU needed (`scripts/int4_mma_sass.py`, in a process of its own: a real
+    compile, not the interpreter): a typo fails here, not on the H100. Every 16-byte load of a
+    loop step is issued before its first mma (the `early` predicate), and nothing spills."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "int4_mma_sass.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr) and "No such file" in proc.stderr:
+        pytest.skip("triton without its bundled CUDA tools")  # pragma: no cover
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line.split("} {") for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 4
+    for launch, figs in ((json.loads(a + "}"), json.loads("{" + b)) for a, b in rows):
+        assert figs["HMMA"] > 0 and figs["stack"] == 0, (launch, figs)
+        if launch.get("early", True):
+            assert figs["wide_loads_before_first_hmma"] == figs["wide_loads"], (launch, figs)

@@ -80,7 +80,7 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
     ty = "f16" if f16 else "bf16"
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
     steps = spg * gpc
-    lines = ["{", ".reg .b32 u, sh, one2, nz0, nz8, p0, p1, p2, p3;", ".reg .b16 h0;", ".reg .b64 sa, za, o64;",
+    lines = ["{", ".reg .b32 u, sh, one2, nz0, nz8, p0, p1, p2, p3, za0, za1, za2, za3;", ".reg .b16 h0;", ".reg .b64 sa, za, o64;",
              ".reg .f32 d0, d1, d2, d3, s0, s8, z0, z8;",
              f".reg .b32 w<{4 * steps}>, x<{8 * steps}>, sz<{4 * gpc}>;",
              f"mov.b32 one2, {one};", "mov.f32 $0, $10;", "mov.f32 $1, $11;", "mov.f32 $2, $12;", "mov.f32 $3, $13;"]
@@ -115,6 +115,8 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
                 lines += [f"shl.b32 u, sz{4 * q + src}, 16;", f"mov.b32 {reg}, u;"]
         for z, nz in (("z0", "nz0"), ("z8", "nz8")):
             lines += [f"add.f32 {z}, {z}, {big};", f"neg.f32 {z}, {z};", f"cvt.rn.{ty}x2.f32 {nz}, {z}, {z};"]
+        if zmma:  # the zero points' A fragment in four registers of its own (one quad for ptxas, per group)
+            lines += ["mov.b32 za0, nz0;", "mov.b32 za1, nz8;", "mov.b32 za2, nz0;", "mov.b32 za3, nz8;"]
         lines += [f"mov.f32 d{i}, 0f00000000;" for i in range(4)]
         for h in range(spg):
             t = q * spg + h
@@ -125,7 +127,7 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
                 for i, p in ((1, "p1"), (2, "p2"), (3, "p3")):
                     lines += [f"shr.u32 sh, {w}, {4 * i};", f"lop3.b32 {p}, sh, 0x000F000F, {magic}, 0xEA;"]
                 if zmma:
-                    lines.append(f"{mma} {{d0, d1, d2, d3}}, {{nz0, nz8, nz0, nz8}}, {xb}, {{d0, d1, d2, d3}};")
+                    lines.append(f"{mma} {{d0, d1, d2, d3}}, {{za0, za1, za2, za3}}, {xb}, {{d0, d1, d2, d3}};")
                 else:
                     lines += [f"fma.rn.{ty}x2 p0, p0, one2, nz0;", f"fma.rn.{ty}x2 p1, p1, one2, nz8;",
                               f"fma.rn.{ty}x2 p2, p2, one2, nz0;", f"fma.rn.{ty}x2 p3, p3, one2, nz8;"]
