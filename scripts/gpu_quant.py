@@ -15,6 +15,8 @@ Parts (--parts, comma-separated; default all, run in this order):
            16k-token prompt; KV blocks
   fp8      FP8 W8A8 (online, per-channel weights): 256x256x128, 1000x512x256, batch 1
   int4     INT4 W4A16 (a GPTQ config, group 128; dummy weights quantized at load): batch 1, 256x256x128
+  int4panels (not by default) the same INT4 engine with the CUDA-core panel GEMV of before the
+           tensor-core one (TOKENMILL_INT4_MMA=0): batch 1, a same-run figure beside int4's
   kvfp8    bf16 weights, fp8 (e4m3) KV cache against a bf16-KV engine in the same process
            (scripts/gpu_kvfp8.py): KV blocks, batch 1 with a 16k prompt (decode ms/token from token
            timestamps, rounds interleaved; the decode step profiled per kernel group), 1000x512x256
@@ -448,6 +450,7 @@ ENGINES = {
     "bf16": ({}, ["256x256x128", "1000x512x256", "batch1", "batch1_16k"]),
     "fp8": ({"quantization": "fp8"}, ["256x256x128", "1000x512x256", "batch1"]),
     "int4": ({"gptq": True}, ["batch1", "256x256x128"]),
+    "int4panels": ({"gptq": True}, ["batch1"]),  # TOKENMILL_INT4_MMA=0: the panel GEMV (engine_part sets it)
     "kvfp8": ({"kv_cache_dtype": "fp8"}, ["1000x512x256", "batch1_16k"]),
     # What FP8 serving usually means (weights and KV cache): a figure beside the goals, not one of them.
     "fp8kv": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["256x256x128", "1000x512x256"]),
@@ -457,7 +460,7 @@ GOALS = [("fp8", "256x256x128", 1.5, True), ("fp8", "1000x512x256", 1.5, True), 
          ("int4", "batch1", 0.4, False), ("int4", "256x256x128", 1.0, True),
          ("kvfp8", "kv_blocks", 2.0, True), ("kvfp8", "1000x512x256", 1.0, True),
          ("kvfp8", "batch1_16k", 1.0, False)]
-INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256")]  # ratios printed, no goal
+INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256"), ("int4panels", "batch1")]  # ratios printed, no goal
 
 
 def engine_part(results: dict, label: str, smoke: bool) -> None:
@@ -470,6 +473,8 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     if label == "bf16" and os.environ.get("QUANT_BF16_WORKLOADS"):  # e.g. only what the fp8 goals compare
         workloads = [w for w in workloads if w in os.environ["QUANT_BF16_WORKLOADS"].split(",")]
     kwargs = dict(kwargs)
+    if label == "int4panels":  # this part's own process (and the engine's, which inherit it)
+        os.environ["TOKENMILL_INT4_MMA"] = "0"
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     # Prefix caching off: the batch-1 runs repeat prompts, and every run must prefill.
@@ -855,8 +860,9 @@ def tune(results: dict, device: str) -> None:
 PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep", "profile",
          "w8a8"]
 PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
+PARTS += ["int4panels"]  # (not by default)
 # Most seconds a part may take (the budget left caps it further).
-PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
+PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "int4panels": 80, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
 PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200})
 
@@ -996,7 +1002,8 @@ def _markdown(results: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
-                                                                          "pdl", "pdlplant", "siluquant", "fp8engines")))
+                                                                          "pdl", "pdlplant", "siluquant", "fp8engines",
+                                                                          "int4panels")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")
