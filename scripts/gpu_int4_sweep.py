@@ -442,7 +442,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
 def mma_variants(n: int, k: int, group: int, smoke: bool) -> list:
     """The tensor-core GEMV's launches for one row of this shape: WARPS 4 / 8, SPLIT half / the
     default's / twice, GPC 1 / 2, zero points by subtraction / by a second mma; and the default
-    with its loads left where ptxas puts them (early off), and with the L1 / L2 load hints."""
+    with its loads left where ptxas puts them (early off), with the L1 / L2 load hints, with 4
+    groups a step, with 2 warps a CTA."""
     from dataclasses import replace
 
     from tokenmill.layers.quantization import triton_int4_mma as mma
@@ -450,7 +451,8 @@ def mma_variants(n: int, k: int, group: int, smoke: bool) -> list:
     d = mma.default_config(n, k, group)
     if smoke:  # the interpreter is slow: the default and its other arithmetic
         return [v for v in (d, replace(d, zmma=True)) if mma.fits(n, k, group, v)]
-    vs = [replace(d, early=False), replace(d, hint=True), replace(d, hint=True, zmma=True)]
+    vs = [replace(d, early=False), replace(d, hint=True), replace(d, hint=True, zmma=True),
+          replace(d, gpc=4), replace(d, warps=2), replace(d, warps=2, split=2 * d.split)]
     for warps in (4, 8):
         for split in dict.fromkeys((max(1, d.split // 2), d.split, 2 * d.split)):
             for gpc in (1, 2):
