@@ -477,8 +477,9 @@ def _mma_calls(device: str, smoke: bool):
     counters = torch.zeros(4096, dtype=torch.int32, device=device)
     for m in (1, 8):
         x = torch.randn(m, k, device=device, dtype=dt)
-        for sn, sk in shapes.values():
-            for c in mma_variants(sn, sk, group, smoke):
+        for sn, sk in shapes.values():  # eight rows: the default launch (and zmma) only, as the sweep times
+            d = mma.config_for(sn, sk, group)
+            for c in (mma_variants(sn, sk, group, smoke) if m == 1 else (d, replace_zmma(d))):
                 key = (c, m)
                 if key in seen or not mma.fits(n, k, group, c):
                     continue
