@@ -182,3 +182,16 @@ def test_mma_ptx_assembles_for_sm90():
         assert figs["HMMA"] > 0 and figs["stack"] == 0, (launch, figs)
         if launch.get("early", True):
             assert figs["wide_loads_before_first_hmma"] == figs["wide_loads"], (launch, figs)
+
+
+def test_mma_gemv_takes_rows_of_any_stride():
+    """x's rows are read in 16-byte vectors: a view whose rows start off a 16-byte boundary (or
+    with a stride not a multiple of 8 values) is copied first; the result is the same."""
+    from tokenmill.layers.quantization.triton_int4_mma import MmaGemv, mma_gemv
+
+    wt = _case(n=32, k=128)
+    qm = packing.to_mma(wt.qweight)
+    big = torch.randn(3, 133, generator=torch.Generator().manual_seed(9))
+    x = big[:, 1:129]  # stride 133, offset one value
+    out = mma_gemv(x, qm, wt.scales, wt.zeros, 64, MmaGemv(1, 1))
+    torch.testing.assert_close(out, x @ packing.dequantize(wt, 64, torch.float32), rtol=1e-4, atol=1e-4)

@@ -333,8 +333,8 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     ctas = n // (16 * c.warps)
     if c.split > 1 and (counters is None or counters.numel() < ctas):
         raise ValueError(f"int4 mma GEMV: split {c.split} needs {ctas} zeroed counters")
-    if x.stride(1) != 1:
-        x = x.contiguous()
+    if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:  # x's rows are read in 16-byte vectors
+        x = x.clone(memory_format=torch.contiguous_format)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
     setup, step, store, store32 = _asm_texts(group // 64, c.gpc, x.dtype == torch.float16, c.early, c.zmma,
