@@ -187,11 +187,16 @@ def test_mma_ptx_assembles_for_sm90():
 def test_mma_gemv_takes_rows_of_any_stride():
     """x's rows are read in 16-byte vectors: a view whose rows start off a 16-byte boundary (or
     with a stride not a multiple of 8 values) is copied first; the result is the same."""
-    from tokenmill.layers.quantization.triton_int4_mma import MmaGemv, mma_gemv
+    from tokenmill.layers.quantization.triton_int4_mma import MmaGemv, mma_gemv, vector_rows
 
     wt = _case(n=32, k=128)
     qm = packing.to_mma(wt.qweight)
-    big = torch.randn(3, 133, generator=torch.Generator().manual_seed(9))
-    x = big[:, 1:129]  # stride 133, offset one value
+    big = torch.randn(3, 136, generator=torch.Generator().manual_seed(9))
+    for view, copied in ((big[:, :128], False), (big[:, 1:129], True), (big[1:, 4:132], False),
+                         (torch.randn(3, 133)[:, :128], True)):
+        y = vector_rows(view)
+        assert (y.data_ptr() != view.data_ptr()) == copied and torch.equal(y, view)
+        assert y.data_ptr() % 16 == 0 and (y.stride(0) * y.element_size()) % 16 == 0 and y.stride(1) == 1
+    x = big[:, 1:129]  # offset one value
     out = mma_gemv(x, qm, wt.scales, wt.zeros, 64, MmaGemv(1, 1))
     torch.testing.assert_close(out, x @ packing.dequantize(wt, 64, torch.float32), rtol=1e-4, atol=1e-4)

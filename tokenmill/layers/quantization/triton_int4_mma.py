@@ -315,6 +315,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def vector_rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself where its rows may be read in 16-byte vectors (unit stride along K, the first row
+    on a 16-byte boundary, rows a multiple of 16 bytes apart), else a contiguous copy."""
+    if x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
 def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
              c: MmaGemv | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 8) @ W^T -> [M, N] in x's dtype; W in the mma layout qm [N/16, K/64, 32, 4].
@@ -333,8 +341,7 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     ctas = n // (16 * c.warps)
     if c.split > 1 and (counters is None or counters.numel() < ctas):
         raise ValueError(f"int4 mma GEMV: split {c.split} needs {ctas} zeroed counters")
-    if x.stride(1) != 1 or x.data_ptr() % 16 or x.stride(0) % 8:  # x's rows are read in 16-byte vectors
-        x = x.clone(memory_format=torch.contiguous_format)
+    x = vector_rows(x)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
     setup, step, store, store32 = _asm_texts(group // 64, c.gpc, x.dtype == torch.float16, c.early, c.zmma,
