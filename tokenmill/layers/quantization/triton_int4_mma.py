@@ -161,16 +161,16 @@ def _store_asm(f32: bool, f16: bool) -> str:
 @triton.jit
 def _codes_at(w_ptr, k, n, K):
     """The codes [k.shape x n.shape] of input channels k ([BK, 1]) and outputs n ([1, BN]) in the
-    mma layout (the inverse of `int4_packing.to_mma`'s index map)."""
-    c = n % 16
-    r = k % 64
-    g = c % 8
-    j = r // 16
-    m = (r % 16) // 4
-    off = r % 4
-    nib = c // 8 + 2 * (off // 2) + 4 * (off % 2)
-    word = (((n // 16).to(tl.int64) * (K // 64) + k // 64) * 32 + 4 * g + j) * 4 + m
-    return (tl.load(w_ptr + word) >> (4 * nib)) & 0xF
+    mma layout (the inverse of `int4_packing.to_mma`'s index map). The word index and the nibble
+    are sums of a part of k and a part of n (computed once per row and per column):
+    word = (n // 16) (K / 64) 128 + 16 g + [128 (k // 64) + 4 j + m], nibble = (n % 16) // 8 +
+    [2 (off // 2) + 4 (off % 2)], with g = n % 8, j = (k % 64) // 16, m = (k % 16) // 4, off = k % 4."""
+    off = k % 4
+    k_word = (k // 64) * 128 + ((k % 64) // 16) * 4 + (k % 16) // 4
+    k_shift = 8 * (off // 2) + 16 * (off % 2)
+    n_word = (n // 16).to(tl.int64) * (K // 64) * 128 + 16 * (n % 8)
+    n_shift = 4 * ((n % 16) // 8)
+    return (tl.load(w_ptr + (n_word + k_word)) >> (n_shift + k_shift)) & 0xF
 
 
 @triton.jit
@@ -245,16 +245,28 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
 
 
 @triton.jit
-def _mma_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, s_sg, s_ok, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
-    """W^T [K, N] in out's dtype from the mma layout (== int4_packing.dequantize of from_mma)."""
-    offs_k = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    q = _codes_at(w_ptr, offs_k[:, None], offs_n[None, :], K).to(tl.float32)
-    g = (offs_k // GROUP)[:, None] * s_sg + offs_n[None, :]
-    s = tl.load(s_ptr + g).to(tl.float32)
-    z = tl.load(z_ptr + g).to(tl.float32)
-    tl.store(out_ptr + offs_k[:, None].to(tl.int64) * s_ok + offs_n[None, :], ((q - z) * s).to(out_ptr.dtype.element_ty))
+def _mma_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, K, s_sg, s_on, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """W [N, K] in out's dtype from the mma layout (== int4_packing.dequantize of from_mma,
+    transposed). A program takes ROWS consecutive 16-byte rows of the layout (a lane's four words
+    of one K step: 16-byte loads) and writes the 16 consecutive inputs they hold of channels g and
+    g + 8 (two 32-byte runs; 4 lanes of one g cover 64 consecutive inputs)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * 4 + tl.arange(0, 4)[None, :])  # [ROWS, 4 (m)]
+    steps = K // 64
+    lane = rows % 32
+    n0 = (rows // (steps * 32)) * 16 + lane // 4
+    k0 = ((rows // 32) % steps) * 64 + (lane % 4) * 16
+    grp = (k0 // GROUP).to(tl.int64) * s_sg
+    off = tl.arange(0, 4)  # input offset within a word's pair of pairs: nibble 2 (off // 2) + 4 (off % 2)
+    shift = 8 * (off // 2) + 16 * (off % 2)
+    cols = k0[:, None] + tl.arange(0, 16)[None, :]
+    for hi in tl.static_range(2):  # channel g + 8 hi: nibbles one up
+        q = ((words[:, :, None] >> (shift + 4 * hi)[None, None, :]) & 0xF).to(tl.float32)  # [ROWS, m, off]
+        q = tl.reshape(q, (ROWS, 16))  # input 4 m + off
+        n = n0 + 8 * hi
+        sc = tl.load(s_ptr + grp + n).to(tl.float32)
+        z = tl.load(z_ptr + grp + n).to(tl.float32)
+        tl.store(out_ptr + n.to(tl.int64)[:, None] * s_on + cols, ((q - z[:, None]) * sc[:, None]).to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -360,14 +372,16 @@ LOOP_MAX_ROWS = 32
 
 def mma_dequantize(qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                    dtype: torch.dtype) -> torch.Tensor:
-    """The mma layout back to W^T [K, N] in `dtype`."""
+    """The mma layout back to W^T [K, N] in `dtype` (a transposed view of W [N, K]: the kernel
+    writes rows of W contiguously; cuBLAS takes either)."""
     n, k = qm.shape[0] * 16, qm.shape[1] * 64
     group = k if group_size == -1 else group_size
-    out = torch.empty((k, n), dtype=dtype, device=qm.device)
-    block_k, block_n = 64, (64 if n % 64 == 0 else 16)
-    _mma_dequant_kernel[(k // block_k, n // block_n)](qm, scales, zeros, out, n, k, scales.stride(0), out.stride(0),
-                                                       GROUP=group, BLOCK_K=block_k, BLOCK_N=block_n, num_warps=4)
-    return out
+    out = torch.empty((n, k), dtype=dtype, device=qm.device)
+    rows = n * k // 32
+    block = 256 if rows % 256 == 0 else 32  # rows is a multiple of 32 (16 outputs x 64 inputs / 32)
+    _mma_dequant_kernel[(rows // block,)](qm, scales, zeros, out, k, scales.stride(0), out.stride(0), GROUP=group,
+                                          ROWS=block, num_warps=4)
+    return out.t()
 
 
 def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
