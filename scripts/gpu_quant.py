@@ -463,6 +463,33 @@ GOALS = [("fp8", "256x256x128", 1.5, True), ("fp8", "1000x512x256", 1.5, True), 
 INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256"), ("int4panels", "batch1")]  # ratios printed, no goal
 
 
+def _int4_engine_layout_check(results: dict, device: str = "cuda", n: int = 6144, k: int = 4096) -> None:
+    """int4_matmul on the layout the engine keeps (`int4.for_device`) for a Llama-8B qkv weight at
+    1, 3, 8, 16, 40 and 300 rows against a float32 reference (a few seconds)."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization.int4 import for_device
+    from tokenmill.layers.quantization.triton_int4 import int4_matmul
+
+    g = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    w = torch.randn(n, k, device=device, generator=g) * 0.02
+    wt = packing.from_codes(packing.quantize_int4(w, 128, sym=False), dt, act_order=False)
+    wd = for_device(wt, 128)
+    ref_w = packing.dequantize(wt, 128, torch.float32)
+    counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+    errs = {}
+    for m in (1, 3, 8, 16, 40, 300):
+        x = torch.randn(m, k, device=device, generator=g).to(dt)
+        ref = x.float() @ ref_w
+        errs[m] = ((int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters).float() - ref).norm()
+                   / ref.norm()).item()
+    results.setdefault("int4_layout_check", {})[f"{tuple(wd.qweight.shape)}"] = errs
+    check(max(errs.values()) < 1e-2 and not counters.any(),
+          f"int4 engine layout {tuple(wd.qweight.shape)}: int4_matmul at 1..300 rows, worst rel err "
+          f"{max(errs.values()):.1e}")
+
+
 def engine_part(results: dict, label: str, smoke: bool) -> None:
     shape = SMOKE if smoke else LLAMA8B
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
@@ -475,6 +502,8 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     kwargs = dict(kwargs)
     if label == "int4panels":  # this part's own process (and the engine's, which inherit it)
         os.environ["TOKENMILL_INT4_MMA"] = "0"
+    if label in ("int4", "int4panels") and not smoke:  # what the engine times must be right: its layout checked first
+        _int4_engine_layout_check(results)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     # Prefix caching off: the batch-1 runs repeat prompts, and every run must prefill.
