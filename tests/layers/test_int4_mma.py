@@ -97,6 +97,10 @@ def test_mma_gemv_refuses_what_does_not_fit():
         mma_gemv(torch.randn(1, 256), qm, wt.scales, wt.zeros, 64, MmaGemv(1, 2))
     with pytest.raises(ValueError, match="multiple of 64"):
         packing.to_mma(packing.pack_along(torch.zeros(96, 16, dtype=torch.int64), 0))
+    from tokenmill.layers.quantization.triton_int4_mma import layout_fits
+
+    assert layout_fits(4096, 4096, 128) and layout_fits(32, 512, 256)
+    assert not layout_fits(4096, 4096, 512) and not layout_fits(4096, 4096, 32) and not layout_fits(40, 4096, 128)
 
 
 def test_int4_matmul_sends_the_mma_layout_to_mma_matmul(monkeypatch):

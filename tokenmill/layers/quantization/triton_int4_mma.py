@@ -306,9 +306,13 @@ def config_for(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
     return c if fits(n, k, group, c) else MmaGemv(warps=1, split=1)
 
 
+MAX_GROUP = 256  # a loop step unrolls a group's K steps (registers: 12 per 64 inputs)
+
+
 def layout_fits(n: int, k: int, group: int) -> bool:
-    """The mma layout holds a weight of N outputs, K inputs and this group size."""
-    return n % 16 == 0 and k % 64 == 0 and group % 64 == 0 and k % group == 0
+    """The mma layout holds a weight of N outputs, K inputs and this group size (64, 128 or 256:
+    one group over all of K, GPTQ's -1, stays with the panels)."""
+    return n % 16 == 0 and k % 64 == 0 and group % 64 == 0 and group <= MAX_GROUP and k % group == 0
 
 
 def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
