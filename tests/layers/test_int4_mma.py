@@ -204,3 +204,22 @@ def test_mma_gemv_takes_rows_of_any_stride():
     x = big[:, 1:129]  # offset one value
     out = mma_gemv(x, qm, wt.scales, wt.zeros, 64, MmaGemv(1, 1))
     torch.testing.assert_close(out, x @ packing.dequantize(wt, 64, torch.float32), rtol=1e-4, atol=1e-4)
+
+
+def test_mma_selftest_passes_and_falls_back(monkeypatch, caplog):
+    """`int4.mma_selftest` (run once per device before the engine takes the mma layout) passes on
+    the kernel as it is (here the interpreter's program) and fails, with a warning, on a GEMV
+    that is wrong or does not compile: then the engine keeps the panels."""
+    from tokenmill.layers.quantization import int4
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    monkeypatch.setattr(int4, "_SELFTEST", {})
+    assert int4.mma_selftest(torch.device("cpu"), torch.float16)
+    real = mma.mma_gemv
+    for broken in (lambda *a, **kw: real(*a, **kw) * 1.05,
+                   lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("CompilationError"))):
+        monkeypatch.setattr(int4, "_SELFTEST", {})
+        monkeypatch.setattr(mma, "mma_gemv", broken)
+        with caplog.at_level("WARNING"):
+            assert not int4.mma_selftest(torch.device("cpu"), torch.float16)
+        assert "self-test" in caplog.text

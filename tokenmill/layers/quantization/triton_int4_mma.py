@@ -200,16 +200,18 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         for grp in range(g_lo, g_lo + per, GPC):
             a0, a1, a2, a3 = tl.inline_asm_elementwise(
                 ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
-                [w_thr + grp * (SPG * 128), x_thr + grp * GROUP, s_thr + grp * s_sg, z_thr + grp * s_sg,
+                # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
+                [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                 (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
                  one + s_sg * 2, one + M, a0, a1, a2, a3],
                 dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
         if SPLIT == 1:
             tl.inline_asm_elementwise(ASM_STORE, "=r,l,r,r,f,f,f,f",
-                                      [out_ptr + n0 + one, one + N * 2, one + M, a0, a1, a2, a3],
+                                      [(out_ptr + n0 + one).to(tl.int64), one + N * 2, one + M, a0, a1, a2, a3],
                                       dtype=tl.int32, is_pure=False, pack=1)
         else:
             tl.inline_asm_elementwise(ASM_STORE_F32, "=r,l,r,r,f,f,f,f",
-                                      [part_ptr + pid_k.to(tl.int64) * M * N + n0 + one, one + N * 4, one + M,
+                                      [(part_ptr + pid_k.to(tl.int64) * M * N + n0 + one).to(tl.int64), one + N * 4, one + M,
                                        a0, a1, a2, a3], dtype=tl.int32, is_pure=False, pack=1)
     else:  # the same sums in Triton ops (interpreter): codes gathered by the inverse index map
         rows = tl.arange(0, 8)
