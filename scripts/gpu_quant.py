@@ -886,10 +886,9 @@ def tune(results: dict, device: str) -> None:
 
 # ---------------------------------------------------------------- the parts, each in a subprocess
 
-PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep", "profile",
+PARTS = ["kernels", "bf16", "fp8", "int4", "int4panels", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep", "profile",
          "w8a8"]
 PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
-PARTS += ["int4panels"]  # (not by default)
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "int4panels": 80, "kvfp8": 120, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
