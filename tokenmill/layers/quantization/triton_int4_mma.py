@@ -292,13 +292,19 @@ class MmaGemv:
 TABLE: dict[tuple[int, int], MmaGemv] = {}
 
 
+# Warps per SM the default launch aims at: a memory-bound stream wants many warps in flight (each
+# holds 1 KB of loads per step); 52 registers a thread leave room for 9 CTAs of 4 warps per SM,
+# so every CTA is resident in one wave.
+TARGET_WARPS_PER_SM = 32
+
+
 def default_config(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
     """Four warps a CTA; K split (a power of two dividing the groups, at most 16) until there are
-    about 16 warps per SM."""
+    about TARGET_WARPS_PER_SM warps per SM."""
     blocks = n // 16
     groups = k // group
     split = 1
-    while blocks * split * 2 <= 16 * sms and groups % (2 * split) == 0 and split < 16:
+    while blocks * split * 2 <= TARGET_WARPS_PER_SM * sms and groups % (2 * split) == 0 and split < 16:
         split *= 2
     return MmaGemv(warps=4, split=split)
 
