@@ -1,7 +1,7 @@
 """Decode attention alone on a GPU: bf16 vs fp8 (e4m3) KV cache, against copy bandwidth, with a launch sweep.
 
-    python scripts/gpu_attention.py [--budget S] [--shapes 256x640,1x16384] [--variants] [--no-sweep]
-        [--no-before] [--kv bf16,fp8] [--smoke]
+    python scripts/gpu_attention.py [--budget S] [--shapes 256x640,1x16384] [--variants | --io-variants |
+        --vt-variants] [--no-sweep] [--no-before] [--kv bf16,fp8] [--smoke]
 
 Llama-3.1-8B's attention (32 query heads, 8 KV heads, head_dim 128, block size 16), at the decode
 shapes that matter: 256 rows x context 128 / 640 / 2048, and 1 row x 16k. Each case goes through the
@@ -19,6 +19,9 @@ stages), coordinate-wise from the backend's own choice, within a time budget, an
 
 --variants: first the named launches of VARIANTS per case (opt-in options and their combinations);
 one that fails its check is listed (`variant_failures`) and printed, without failing the run.
+--io-variants / --vt-variants: the same with VARIANTS_IO (load order) / VARIANTS_VT (fp8 values
+transposed per block, 8 warps, fp8 wgmma). Each case also prints its byte bound (KV bytes at the
+faster of the read roof, the copy rate and 3.0 TB/s) and the fraction of it reached.
 
 Prints a table and writes $OUT/gpu_attention.json (default ./gpu-out). Exits 1 on a failed check
 of the default launch, the earlier defaults or a swept launch.
@@ -41,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tokenmill.layers.attention.backend import kv_cache_shape, quantize_kv  # noqa: E402
+from tokenmill.layers.attention.backend import kv_cache_shape, quantize_kv, transpose_v_blocks  # noqa: E402
 from tokenmill.layers.attention.metadata import AttentionMetadata  # noqa: E402
 from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
 from tokenmill.layers.attention.triton_backend import (  # noqa: E402
@@ -55,6 +58,7 @@ MAX_MODEL_LEN = 16384 + 256 + 16  # what scripts/gpu_quant.py's engines use: dec
 SHAPES = ["256x128", "256x2048", "255x640+512", "256x640", "1x16384"]
 SMOKE_SHAPES = ["3x40", "1x150", "2x40+20"]
 L2_DEFEAT_BYTES = 256 << 20
+NOMINAL_BPS = 3.0e12  # H100 SXM HBM3, about what a large copy measures on an idle card (3.01 TB/s)
 ERR_FLOOR = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 1e-4}
 K_SCALE, V_SCALE = 0.5, 2.0  # fp8 cache scales (not 1.0, so a scale left out shows)
 SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and split count once more)
@@ -70,8 +74,9 @@ SWEEP = {  # coordinate-wise sweep axes, in this order (then the stages and spli
     "early_v_load": [True, False],  # each tile's V rows loaded with its K rows (twice the bytes in flight)
     "fp8_convert_on_load": [True, False],  # fp8 caches only: K/V to float16 where they load
     "table_prefetch": [True, False],  # block-table lookups one tile ahead in the unmasked walk
+    "fp8_v_transposed": [True, False],  # fp8 caches only: value blocks stored [head, dim, slot]
 }
-FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot", "fp8_convert_on_load")
+FP8_ONLY = ("fp8_qk_dot", "fp8_pv_dot", "fp8_convert_on_load", "fp8_v_transposed")
 # --variants: named launches tried per case (on top of the default plan), in order of interest,
 # ahead of the coordinate-wise sweep. Keys: (case, "fp8" | "bf16").
 _QKPV = {"fp8_qk_dot": True, "fp8_pv_dot": True}
@@ -103,15 +108,36 @@ VARIANTS_IO = {("1x16384", "fp8"): _F8_SPLIT_IO, ("256x640", "fp8"): _F8_IO, ("2
                ("1x16384", "bf16"): [_EP, {**_EP, "num_stages": 1, "kv_splits": 64}],
                ("256x640", "bf16"): [_EP],
                ("1x150", "bf16"): [_EP], ("1x150", "fp8"): [_EP, {**_NOCVT, **_EP}]}
+# Session of 2026-11-26 (fifth). Offline sm_90 SASS of one 128-key fp8 tile (the loop body, per thread):
+# converting on load moved BOTH tiles through shared memory twice; the keys need none of it (q . k takes
+# K keys-major as it lies): CVT_VALUES (2) converts only the values on load, now the default (H100
+# mid-session: 143.0 against 168.9 us at 256 x 640). With the values stored transposed per block
+# (fp8_v_transposed) neither tile makes a float16 round trip; the mid-session launches of it spilled in
+# triton 3.6 (170-779 us): its V tile is now loaded [keys, dim] keys-contiguous, no tl.trans (3.6: 206
+# registers, no stack). These time it beside the defaults (docs/results/gpu-kvfp8.md has the mid run's).
+_VT = {"fp8_v_transposed": True}
+# No conversion at all: with values transposed both dots take their fp8 operand K-major, as Hopper's fp8
+# wgmma wants (64-row tiles: 16x the rows a decode needs; q and p as two e4m3 terms each). 8 warps and
+# 64-key tiles (triton 3.6: 222 registers, no spill).
+_WG = {**_VT, **_QKPV, "decode_min_rows": 64, "decode_warps": 8, "block_n": 64}
+_F8_VT = [_VT, {"decode_warps": 8}, _WG]  # (8 warps with the values-only conversion: 114 registers)
+# (Few: gpu_kvfp8's final run times these beside the defaults within its budget; the wgmma one last.)
+VARIANTS_VT = {("1x16384", "fp8"): [_VT], ("256x640", "fp8"): _F8_VT,
+               ("256x2048", "fp8"): [_VT], ("256x128", "fp8"): [_VT],
+               ("255x640+512", "fp8"): [_VT],  # the prefill tiles over transposed values (a mixed step)
+               ("3x40", "fp8"): [_VT, {"fp8_convert_on_load": True}, _WG], ("1x150", "fp8"): [_VT],
+               ("2x40+20", "fp8"): [_VT]}  # (smoke: the code paths; the interpreter mis-rounds fp8 dots)
 VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
             ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
             ("1x150", "bf16"): [{"decode_min_rows": 64, "block_n": 16}],
             ("1x150", "fp8"): [{"decode_min_rows": 64, "num_stages": 2}]}
-# The decode defaults before this session's work (fp8: conversion after the layout change).
+# The decode defaults before this session's work (2026-11-26, fifth): fp8 unsplit converting K and V on
+# load (4 warps, 2 stages), split 4 warps / 4 stages; values stored as keys are (not transposed).
 PREVIOUS_DEFAULTS = TritonAttentionConfig(
-    decode_tiles=DecodeTiles(128, 4, 2), split_decode_tiles=None, fp8_decode_tiles=DecodeTiles(128, 2, 1),
-    fp8_split_decode_tiles=DecodeTiles(128, 4, 4), lookup_blocks=False, fp8_qk_dot=False, fp8_pv_dot=False)
+    decode_tiles=DecodeTiles(128, 4, 2), split_decode_tiles=None,
+    fp8_decode_tiles=DecodeTiles(128, 4, 2, fp8_convert_on_load=True), fp8_split_decode_tiles=DecodeTiles(128, 4, 4),
+    lookup_blocks=False, fp8_qk_dot=False, fp8_pv_dot=False, fp8_v_transposed=False)
 MANY_ROWS_SPLITS = [1, 2, 4]  # split counts tried where rows x KV heads already fill the SMs
 # Shares of the sweep budget: the engine's figures' shapes (others are timed, not swept, unless --sweep-all).
 WEIGHT = {"256x640": 1, "1x16384": 1}
@@ -127,17 +153,29 @@ class Case:
     caches: list[torch.Tensor]  # one per "layer", same block tables
     meta: AttentionMetadata  # as a decode graph captures it
     kv_bytes: int  # K+V bytes one layer's attention reads
+    caches_vt: list[torch.Tensor] | None = None  # the same caches with value blocks transposed (made once)
+
+
+def caches_for(backend, case: Case) -> list[torch.Tensor]:
+    """The case's caches in the layout `backend` reads and writes (fp8_v_transposed: values transposed)."""
+    if not backend.v_transposed(case.caches[0]):
+        return case.caches
+    if case.caches_vt is None:
+        case.caches_vt = [transpose_v_blocks(c) for c in case.caches]
+    return case.caches_vt
 
 
 def make_case(rows: int, context: int, heads, q_dtype, kv_dtype, dev, max_model_len: int, seed: int = 0,
-              prefill: int = 0) -> Case:
+              prefill: int = 0, q_len: int = 1) -> Case:
     """`rows` decodes, each seeing `context` keys (context - 1 cached, then the new one); shuffled blocks.
     `prefill` > 0: one more sequence, a fresh prompt of that many tokens (a mixed step, as when the
-    scheduler admits a request among running decodes: not graph-captured, actual bounds)."""
+    scheduler admits a request among running decodes: not graph-captured, actual bounds).
+    `q_len` > 1: each decode row is that many tokens over `context` cached keys (speculative
+    verification: multi-token decode tiles)."""
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     contexts = [context] * rows + ([0] * (prefill > 0))
-    q_lens = [1] * rows + ([prefill] * (prefill > 0))
+    q_lens = [q_len] * rows + ([prefill] * (prefill > 0))
     seq_lens = [c + n - 1 if n == 1 else c + n for c, n in zip(contexts, q_lens)]  # decodes: context keys
     blocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks) + 3
@@ -174,7 +212,7 @@ def make_case(rows: int, context: int, heads, q_dtype, kv_dtype, dev, max_model_
         num_tokens=num_q, max_query_len=max(q_lens), max_seq_len=max_model_len if not prefill else max(seq_lens),
         query_start_loc=qsl.to(dev), seq_lens=lens.to(dev), block_table=table.to(dev),
         slot_mapping=torch.cat(slots).to(dev), query_start_loc_cpu=qsl, seq_lens_cpu=lens)
-    name = f"{rows}x{context}" + (f"+{prefill}" if prefill else "")
+    name = f"{rows}x{context}" + (f"q{q_len}" if q_len > 1 else "") + (f"+{prefill}" if prefill else "")
     return Case(name, kv_dtype, q, k, v, caches, meta, layer_bytes)
 
 
@@ -207,7 +245,7 @@ def reference(case: Case, heads) -> tuple[torch.Tensor, float]:
 
 
 def check(backend, case: Case, expected: torch.Tensor, err_low: float) -> tuple[bool, float]:
-    out = backend.forward(case.q, case.k, case.v, case.caches[0], case.meta)
+    out = backend.forward(case.q, case.k, case.v, caches_for(backend, case)[0], case.meta)
     err = (out.float() - expected).abs().max().item()
     ok = bool(err <= max(2 * err_low, ERR_FLOOR[case.q.dtype])) and not out.isnan().any().item()
     return ok, err
@@ -272,8 +310,10 @@ def read_bandwidth(dev) -> float:
 
 
 def time_layers(backend, case: Case, dev) -> float:
+    caches = caches_for(backend, case)
+
     def run():
-        for cache in case.caches:
+        for cache in caches:
             backend.forward(case.q, case.k, case.v, cache, case.meta)
     return time_us(run, dev) / len(case.caches)
 
@@ -290,7 +330,7 @@ def launch_config(cand: dict) -> TritonAttentionConfig:
         interior=cand["interior"], lookup_blocks=cand["lookup_blocks"], fp8_qk_dot=cand["fp8_qk_dot"],
         fp8_pv_dot=cand.get("fp8_pv_dot", False), kv_splits=cand["kv_splits"],
         early_v_load=cand.get("early_v_load", False), fp8_convert_on_load=cand.get("fp8_convert_on_load", False),
-        table_prefetch=cand.get("table_prefetch", False),
+        table_prefetch=cand.get("table_prefetch", False), fp8_v_transposed=cand.get("fp8_v_transposed", False),
         decode_tiles=tiles,
         split_decode_tiles=tiles, fp8_decode_tiles=tiles, fp8_split_decode_tiles=tiles)
 
@@ -303,7 +343,7 @@ def before_launch(case: Case, heads, sm_count: int) -> dict:
                                                              max(case.meta.max_seq_len // 256, 1), 32))
     return {"interior": False, "num_stages": 2, "block_n": 64, "kv_splits": splits, "decode_warps": 4,
             "lookup_blocks": False, "fp8_qk_dot": False, "fp8_pv_dot": False, "decode_min_rows": 16,
-            "early_v_load": False, "fp8_convert_on_load": False, "table_prefetch": False}
+            "early_v_load": False, "fp8_convert_on_load": False, "table_prefetch": False, "fp8_v_transposed": False}
 
 
 def plan_of(backend, case: Case, sm_count: int) -> dict:
@@ -315,6 +355,7 @@ def plan_of(backend, case: Case, sm_count: int) -> dict:
             "fp8_qk_dot": backend.config.fp8_qk_dot, "fp8_pv_dot": backend.config.fp8_pv_dot,
             "early_v_load": p.early_v_load, "fp8_convert_on_load": p.fp8_convert_on_load, "table_prefetch": p.table_prefetch,
             "decode_min_rows": decode_tiles_for(backend.config, fp8, p.num_splits > 1).min_rows,
+            "fp8_v_transposed": backend.config.fp8_v_transposed,
             "kv_splits": p.num_splits, "block_n": p.block_n, "decode_warps": p.num_warps,
             "num_stages": p.num_stages, "block_q": p.block_q}
 
@@ -368,7 +409,10 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
     rec = {**parts, "case": case.name, "kv": str(case.kv_dtype).split(".")[-1], "us": us, "ok": ok, "err": err,
            "err_torch_low": err_low, "kv_bytes": case.kv_bytes, "gbps": case.kv_bytes / us / 1e3,
            "of_copy": case.kv_bytes / (us * 1e-6) / copy_bps, "of_read": case.kv_bytes / (us * 1e-6) / read_bps,
-           "plan": plan, "layers": len(case.caches)}
+           "plan": plan, "layers": len(case.caches),
+           # The byte bound: the KV bytes at the faster of the two rates measured here (a read-only pass,
+           # or a copy's read + write bytes), else the H100's nominal 3.0 TB/s if both measure below it.
+           "bound_us": case.kv_bytes / max(read_bps, copy_bps, NOMINAL_BPS if dev.type == "cuda" else 0) * 1e6}
     print(f"  {case.name:>9} {rec['kv']:>13}: {us:8.1f} us/layer  {rec['gbps']:7.0f} GB/s "
           f"({100 * rec['of_copy']:5.1f}% of copy; write {parts['write_us']:.1f}, attention "
           f"{parts['attend_us']:.1f})  err {err:.2e} {'ok' if ok else 'FAILED'}  {plan}", flush=True)
@@ -388,9 +432,11 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
         rec.update(before=before, before_us=tried[key_of(before)], speedup_vs_before=tried[key_of(before)] / us)
         print(f"    before this work {before}: {tried[key_of(before)]:.1f} us (now {rec['speedup_vs_before']:.2f}x "
               f"faster)", flush=True)
-    if case.meta.max_query_len == 1:  # the defaults before the fp8-streaming work, timed in the same run
+    if case.meta.max_query_len <= 8:  # decode launches: the defaults before this session's work, same run
         prev = {k: v for k, v in plan_of(make_backend(heads, case.kv_dtype, PREVIOUS_DEFAULTS), case, sm_count).items()
                 if k in SWEEP}
+        if case.meta.max_query_len > 1:  # multi-token decode tiles took only the config-wide conversion (off)
+            prev["fp8_convert_on_load"] = False
         if key_of(prev) not in tried:
             p_backend = make_backend(heads, case.kv_dtype, launch_config(prev))
             p_ok, p_err = check(p_backend, case, expected, err_low)
@@ -430,7 +476,8 @@ def run_case(case: Case, heads, dev, copy_bps: float, deadline: float, sweep: di
             best = cand
 
     fp8_kind = "fp8" if case.kv_dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else "bf16"
-    for override in (variants or {}).get((case.name, fp8_kind), []) if case.meta.max_query_len == 1 else []:
+    # (A mixed step's launch takes prefill tiles: its entries change only the cache-wide options.)
+    for override in (variants or {}).get((case.name, fp8_kind), []):
         if time.perf_counter() > deadline:
             rec["sweep_cut"] = True
             break
@@ -478,14 +525,15 @@ def _precompile_calls(shapes: list[str], kinds: list[str], table: dict | None, s
     calls = []
     for shape in shapes:
         rows = int(shape.split("x")[0])
+        q_len = int(shape.partition("q")[2] or 1)
         if "+" in shape:
             continue
         for kind in kinds:
             kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kind]
 
-            def small(rows=rows, kv_dtype=kv_dtype):
+            def small(rows=rows, kv_dtype=kv_dtype, q_len=q_len):
                 return make_case(rows, 64, LLAMA8B, torch.bfloat16 if dev.type == "cuda" else torch.float16, kv_dtype,
-                                 dev, MAX_MODEL_LEN)
+                                 dev, MAX_MODEL_LEN, q_len=q_len)
             base = make_backend(LLAMA8B, kv_dtype)
             calls.append((f"{shape} {kind} default", lambda small=small, base=base: _run_small(base, small())))
             prev = make_backend(LLAMA8B, kv_dtype, PREVIOUS_DEFAULTS)
@@ -503,7 +551,7 @@ def _precompile_calls(shapes: list[str], kinds: list[str], table: dict | None, s
 def _run_small(backend, case: Case) -> None:
     if case.q.is_cuda:
         backend._sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    backend.forward(case.q, case.k, case.v, case.caches[0], case.meta)
+    backend.forward(case.q, case.k, case.v, caches_for(backend, case)[0], case.meta)
 
 
 PRECOMPILE_ENV = "GPU_ATTENTION_PRECOMPILE"  # JSON: shapes, kinds, io (for the --precompile children)
@@ -514,8 +562,8 @@ def main() -> None:
         import triton_precompile
         spec = json.loads(os.environ[PRECOMPILE_ENV])
         sm = torch.cuda.get_device_properties(0).multi_processor_count
-        triton_precompile.compile_shard(_precompile_calls(spec["shapes"], spec["kinds"], VARIANTS_IO if spec["io"] else
-                                                          VARIANTS if spec["variants"] else None, sm), sys.argv[2])
+        table = VARIANTS_VT if spec.get("vt") else VARIANTS_IO if spec["io"] else VARIANTS if spec["variants"] else None
+        triton_precompile.compile_shard(_precompile_calls(spec["shapes"], spec["kinds"], table, sm), sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
@@ -526,6 +574,8 @@ def main() -> None:
                     help="time the named launches of VARIANTS per case first (every shape gets a share)")
     ap.add_argument("--io-variants", action="store_true",
                     help="as --variants, with VARIANTS_IO (the fp8 conversion and load-order launches)")
+    ap.add_argument("--vt-variants", action="store_true",
+                    help="as --variants, with VARIANTS_VT (fp8 values transposed per block; values-only conversion)")
     ap.add_argument("--no-before", action="store_true", help="skip the launches of before the tuning work")
     ap.add_argument("--precompile-shards", type=int, default=0,
                     help="compile the default and variant launches in this many processes first (0: off)")
@@ -547,7 +597,7 @@ def main() -> None:
     sweep = ({"interior": [False], "fp8_qk_dot": [], "lookup_blocks": [True], "kv_splits": [1, 3],
               "block_n": [16], "decode_warps": [4], "num_stages": [1], "fp8_pv_dot": [],
               "decode_min_rows": [64], "early_v_load": [True], "fp8_convert_on_load": [True],
-              "table_prefetch": [True]}
+              "table_prefetch": [True], "fp8_v_transposed": [True]}
              if smoke else SWEEP)
     if smoke:
         args.sweep_all = True
@@ -564,7 +614,7 @@ def main() -> None:
     if dev.type == "cuda" and args.precompile_shards > 0:  # the kernels compile in parallel processes
         import triton_precompile
         os.environ[PRECOMPILE_ENV] = json.dumps({"shapes": shapes, "kinds": args.kv.split(","), "io": args.io_variants,
-                                                 "variants": args.variants})
+                                                 "variants": args.variants, "vt": args.vt_variants})
         triton_precompile.compile_in_processes(__file__, "--precompile", args.precompile_shards,
                                                min(40.0, args.budget / 2), "attention launches")
     records = [check_fused_fp8_write(dev)]
@@ -573,19 +623,21 @@ def main() -> None:
     for i, (shape, q_dtype, kv_dtype) in enumerate(cases):
         rows, rest = shape.split("x")
         context, _, prefill = rest.partition("+")
+        context, _, q_len = context.partition("q")  # RxCqN: N-token decode rows
         left = args.budget - (time.perf_counter() - start)
-        table = VARIANTS_IO if args.io_variants else VARIANTS
-        if args.variants or args.io_variants:  # a share per launch to try
+        table = VARIANTS_VT if args.vt_variants else VARIANTS_IO if args.io_variants else VARIANTS
+        any_variants = args.variants or args.io_variants or args.vt_variants
+        if any_variants:  # a share per launch to try
             kinds = ["fp8" if c[2] != torch.bfloat16 and c[2] != torch.float32 else "bf16" for c in cases[i:]]
             weights = [1 + len(table.get((c[0], k), [])) for c, k in zip(cases[i:], kinds)]
         else:
             weights = [WEIGHT.get(c[0], int(args.sweep_all)) for c in cases[i:]]
         deadline = time.perf_counter() + max(left, 0) * weights[0] / max(sum(weights), 1)
         case = make_case(int(rows), int(context), heads, q_dtype, kv_dtype, dev, max_model_len, seed=i,
-                         prefill=int(prefill or 0))
+                         prefill=int(prefill or 0), q_len=int(q_len or 1))
         try:
             records.append(run_case(case, heads, dev, copy_bps, deadline, sweep, sm_count, read_bps,
-                                    variants=table if args.variants or args.io_variants else None,
+                                    variants=table if any_variants else None,
                                     with_before=not args.no_before))
         except Exception as e:  # noqa: BLE001 - a launch that does not compile: recorded, the other cases go on
             print(f"  {case.name} {case.kv_dtype}: {type(e).__name__}: {str(e)[:400]}", flush=True)
@@ -618,6 +670,12 @@ def main() -> None:
                     if "previous_us" in ra and "previous_us" in rb else "")
             print(f"  {c}: {b} / {a} time, {prev}default launch {rb['us'] / ra['us']:.2f}, "
                   f"best launches {rb['best_us'] / ra['best_us']:.2f}")
+    print("\nByte bound (KV bytes at max(read roof, copy rate, 3.0 TB/s)) and the fraction of it reached:")
+    for r in records:
+        if "case" in r and "error" not in r:
+            print(f"  {r['case']:>9} {r['kv']:>13}: bound {r['bound_us']:7.1f} us; default {r['us']:7.1f} us "
+                  f"({100 * r['bound_us'] / r['us']:3.0f}%); best {r['best_us']:7.1f} us "
+                  f"({100 * r['bound_us'] / r['best_us']:3.0f}%) {({k: v for k, v in r['best'].items() if r['plan'].get(k) != v})}")
     ok = save(records, name, sm_count, copy_bps, read_bps, start)
     print(f"{'all checks passed' if ok else 'CHECK FAILED'} in {time.perf_counter() - start:.0f} s", flush=True)
     sys.exit(0 if ok else 1)

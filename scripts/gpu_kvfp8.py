@@ -18,6 +18,12 @@ so that every ratio has its baseline measured in the same process, interleaved.
   (the paged attention launch, the split reduce, the fused rotary + KV write).
 - 1000x512x256: output tok/s of each engine, one after the other (KVFP8_ORDER=fp8-first swaps them).
   Without it (--workloads batch1_16k) the engines take max_num_seqs 1: one decode graph to capture.
+- attention (first, before the engines take the device's memory): the decode attention kernels alone,
+  bf16 against fp8 KV, at 256 x 640, 1000 x 640, 1 x 16384 and 256 rows of 5 tokens over 640 keys
+  (multi-token decode tiles, as speculative verification launches them) (scripts/gpu_attention.py in a child
+  process: every launch checked against the float32 reference, the defaults beside the previous
+  defaults and a few opt-in fp8 launches (--vt-variants), microseconds per layer and the fraction of
+  the byte bound, its JSON in $OUT).
 """
 
 from __future__ import annotations
@@ -26,16 +32,53 @@ import json
 import os
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 BATCH1_TOKENS = int(os.environ.get("KVFP8_TOKENS", "64"))  # decode steps per timed batch-1 run
 ROUNDS = int(os.environ.get("KVFP8_ROUNDS", "3"))  # timed batch-1 runs per engine
 PROFILE_STEPS = 16  # decode steps in the device-profile window (the request after the timed ones)
+PROFILE = os.environ.get("KVFP8_PROFILE", "1") != "0"  # 0: no profiled batch-1 request (a shorter run)
 LABELS = ("bf16kv", "fp8kv")  # the baseline first
 ENGINE_KWARGS = {"bf16kv": {"gpu_memory_utilization": 0.45}, "fp8kv": {"kv_cache_dtype": "fp8", "gpu_memory_utilization": 0.9}}
 # Kernels shown apart from their step_profile group (a name fragment -> a row of the table).
 KERNELS = {"paged attention": "_paged_attention_kernel", "split reduce": "_reduce_splits_kernel",
            "rotary + KV write": "rope_kv_write"}
+
+
+ATTENTION_SHAPES = "256x640,1000x640,1x16384,256x640q5"  # q5: 5-token rows (speculative verification)
+ATTENTION_BUDGET_S = float(os.environ.get("KVFP8_ATTENTION_BUDGET", "30"))  # gpu_attention.py's --budget
+ATTENTION_KV = os.environ.get("KVFP8_ATTENTION_KV", "bf16,fp8")  # fp8_e5m2 too: the other format (+3 cases)
+
+
+def attention_microbench(results: dict, smoke: bool, out: str) -> str | None:
+    """scripts/gpu_attention.py (default launches, no sweep) in a child process; its table printed as it
+    runs, its records under results["timings"]["kvfp8_attention"]. Returns what failed (a check, a
+    crash, its time limit), which fails the part after the engines have run, or None."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_attention.py")
+    args = ([sys.executable, script, "--no-sweep", "--no-before", "--vt-variants", "--kv", ATTENTION_KV]
+            + (["--smoke", "--shapes", "3x40,1x150,3x40q5"] if smoke else
+               ["--shapes", ATTENTION_SHAPES, "--precompile-shards", "8"])
+            + ["--budget", str(ATTENTION_BUDGET_S)])
+    env = dict(os.environ, OUT=os.path.join(out, "attention"))
+    start = time.perf_counter()
+    try:
+        rc = subprocess.run(args, env=env, timeout=ATTENTION_BUDGET_S + 20 if not smoke else 900).returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    rec = results.setdefault("timings", {}).setdefault("kvfp8_attention", {})
+    rec["seconds"] = time.perf_counter() - start
+    path = os.path.join(out, "attention", "gpu_attention.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+        rec.update(device=data["device"], read_gbps=data["read_gbps"], copy_gbps=data["copy_gbps"], cases={
+            f"{r['case']} {r['kv']}": {k: r.get(k) for k in ("us", "bound_us", "previous_us", "attend_us", "write_us",
+                                                            "ok", "err", "plan", "best", "best_us",
+                                                            "variant_failures")}
+            for r in data["records"] if "case" in r and "error" not in r})
+    return None if rc == 0 else f"gpu_attention.py: rc={rc} (a failed check, a crash or its time limit)"
 
 
 def _prompt(length: int, seed: int) -> list[dict]:
@@ -84,7 +127,7 @@ def profile_table(prof: dict) -> list[str]:
 def _save(results: dict, out: str) -> None:
     """What is measured so far, to $OUT/kvfp8_side_by_side.json (a run cut short keeps it)."""
     os.makedirs(out, exist_ok=True)
-    keep = {k: results[k] for k in ("timings", "kvprofile") if k in results}
+    keep = {k: results[k] for k in ("timings", "kvprofile") if k in results}  # (timings: kvfp8_attention too)
     with open(os.path.join(out, "kvfp8_side_by_side.json"), "w") as f:
         json.dump(keep, f, indent=1, default=str)
 
@@ -105,12 +148,21 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
     window = {"skip": rounds * (tokens + 1) + 8, "steps": 3 if smoke else PROFILE_STEPS}
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     timings = results.setdefault("timings", {})
-    recs = {label: timings.setdefault("kvfp8" if label == "fp8kv" else "kvfp8_bf16kv", {}) for label in LABELS}
+    t0_part = time.perf_counter()
     engines, failed = {}, []
+    if "attention" in workloads:
+        failed += [e for e in [attention_microbench(results, smoke, out)] if e]
+        _save(results, out)
+        print(f"  [attention kernels: {time.perf_counter() - t0_part:.0f} s]", flush=True)
+    if not {"batch1_16k", "1000x512x256"} & set(workloads):
+        if failed:
+            raise RuntimeError("; ".join(failed))
+        return
+    recs = {label: timings.setdefault("kvfp8" if label == "fp8kv" else "kvfp8_bf16kv", {}) for label in LABELS}
     try:
         for label in LABELS:
             folder = os.path.join(out, f"kvprofile_{label}")
-            if "batch1_16k" in workloads:
+            if "batch1_16k" in workloads and PROFILE:
                 os.environ[ENV_VAR] = json.dumps({"out_dir": folder, "batch": 1, **window})
             kwargs = dict(ENGINE_KWARGS[label])
             if "1000x512x256" not in workloads:  # batch 1 only: one decode graph (batch 1) to capture
@@ -143,9 +195,11 @@ def side_by_side(results: dict, smoke: bool, path: str, long_ctx: int, workloads
                   f"({recs[label]['kv_pool_gib']:.1f} GiB pool, {recs[label]['kv_blocks_per_gib']:.0f} blocks a GiB)",
                   flush=True)
         _save(results, out)
+        print(f"  [engines up: {time.perf_counter() - t0_part:.0f} s into the part]", flush=True)
         if "batch1_16k" in workloads:
             _batch1(engines, recs, results, long_ctx, tokens, rounds, window, out, step_profile)
             _save(results, out)
+            print(f"  [batch 1: {time.perf_counter() - t0_part:.0f} s into the part]", flush=True)
         if "1000x512x256" in workloads:
             order = LABELS if os.environ.get("KVFP8_ORDER", "") != "fp8-first" else LABELS[::-1]
             for label in (lb for lb in order if lb in engines):
@@ -180,6 +234,8 @@ def _batch1(engines, recs, results, long_ctx, tokens, rounds, window, out, step_
         print(f"  batch 1 x {long_ctx}: bf16 KV {recs['bf16kv']['batch1_16k']:.3f}, fp8 KV "
               f"{recs['fp8kv']['batch1_16k']:.3f} ms/token (medians of {rounds}): fp8 / bf16 {r:.3f}", flush=True)
     _save(results, out)
+    if not PROFILE:
+        return
     # The profiled request (its steps are slowed by the window: not timed).
     prof = results.setdefault("kvprofile", {})
     for label, llm in engines.items():

@@ -86,6 +86,21 @@ def test_sequence_search_over_several_steps(monkeypatch):
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
 
 
+def test_fp8_conversion_on_load_follows_the_dtype_into_multi_token_decode_tiles():
+    """The fp8 decode tiles' conversion on load (2: values only) holds for multi-token decode tiles of
+    an fp8 cache too (without it their V tile is read one byte per load), not for bf16 ones, and
+    prefill tiles keep the config-wide setting."""
+    from tokenmill.layers.attention.triton_backend import plan_launch
+
+    config = TritonAttentionConfig(fp8_decode_tiles=DecodeTiles(128, 4, 2, fp8_convert_on_load=2),
+                                   fp8_split_decode_tiles=DecodeTiles(128, 4, 4, fp8_convert_on_load=2))
+    multi = plan_launch(config, 32, 8, 256 * 5, 256, 5, 4096, 132, kv_fp8=True)
+    assert multi.block_q == 8 and multi.fp8_convert_on_load == 2
+    assert not plan_launch(config, 32, 8, 256 * 5, 256, 5, 4096, 132).fp8_convert_on_load
+    assert not plan_launch(config, 32, 8, 600, 4, 512, 4096, 132, kv_fp8=True).fp8_convert_on_load
+    assert plan_launch(config, 32, 8, 256, 256, 1, 4096, 132, kv_fp8=True).fp8_convert_on_load == 2
+
+
 def test_decode_launch_parameters_per_cache_dtype():
     """Single-token decode launches take their DecodeTiles by cache dtype and split (fp8 split -> fp8 ->
     split -> decode_tiles, the first set); multi-token decode tiles and prefill launches none of them."""

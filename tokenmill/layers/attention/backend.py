@@ -64,6 +64,28 @@ def is_fp8(t: torch.Tensor) -> bool:
     return t.dtype in FP8_KV_DTYPES
 
 
+def check_v_transposable(kv_cache: torch.Tensor) -> None:
+    """A cache whose values may be stored transposed per block: contiguous, so that a block's
+    values are one run of block_size * num_kv_heads * head_dim elements."""
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"a KV cache with transposed value blocks must be contiguous, got strides {kv_cache.stride()}")
+
+
+def transpose_v_blocks(kv_cache: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """A copy of `kv_cache` (contiguous) with each block's values stored [num_kv_heads, head_dim,
+    block_size] instead of [block_size, num_kv_heads, head_dim] (the Triton backend's
+    `fp8_v_transposed` layout: slots contiguous, so the p @ v dot reads an fp8 tile without a
+    transpose); the tensor's shape stays the same. `inverse`: back to the plain layout."""
+    check_v_transposable(kv_cache)
+    out = kv_cache.clone()
+    _, nb, bs, h, d = kv_cache.shape
+    if inverse:
+        out[1] = kv_cache[1].reshape(nb, h, d, bs).permute(0, 3, 1, 2)
+    else:
+        out[1] = kv_cache[1].permute(0, 2, 3, 1).reshape(nb, bs, h, d)
+    return out
+
+
 def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """x / scale rounded to the fp8 `dtype`, saturating at its largest finite value."""
     limit = torch.finfo(dtype).max

@@ -51,7 +51,8 @@ class DecodeTiles:
     # Round trips a tile waits on (the config's flags of the same names turn them on everywhere):
     early_v_load: bool = False  # V loaded with K (one round trip for both)
     table_prefetch: bool = False  # the next tile's block-table lookups issued before this tile's loads
-    fp8_convert_on_load: bool = False  # fp8 caches: K/V to float16 where they load (not after the layout change)
+    fp8_convert_on_load: bool | int = False  # fp8 caches: K/V to float16 where they load (not after the layout
+    # change); 2: the values only (the keys' layout change is no transpose: wide shared-memory reads already)
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,14 @@ class TritonAttentionConfig:
     # max_model_len) cannot tell the two apart: 128 keys (the engine's 1000x512x256 decodes at 512-768).
     decode_tiles: DecodeTiles = DecodeTiles()
     split_decode_tiles: DecodeTiles | None = None
-    # fp8 unsplit: K/V converted to float16 where they load (fp8_convert_on_load; without it the V tile is
-    # read back from shared memory one byte per load), 4 warps, 2 stages: H100, 256 rows x 640 keys,
-    # 157.3 us against 180.7 before (1 stage, 2 warps, no conversion on load; that with it: 177.9).
-    # Split (batch 1 x 16k): as before, 26.2 us against 27.9 converting on load
-    # (docs/results/gpu-kvfp8.md).
-    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=2, fp8_convert_on_load=True)
-    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4)
+    # fp8: the VALUES converted to float16 where they load (fp8_convert_on_load=2; without it the V tile is
+    # read back from shared memory one byte per load), the keys after their layout change (no transpose:
+    # wide shared-memory reads; converting them on load too sent them through shared memory twice more).
+    # H100, per layer with the KV write: 256 rows x 640 keys 143.0 us against 168.9 converting both
+    # (bf16 236.2); batch 1 x 16k (split, 4 stages) 24.9 against 25.9 converting neither (bf16 36.2)
+    # (docs/results/gpu-kvfp8.md). 4 warps, 2 stages unsplit (3 stages: 143.4).
+    fp8_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=2, fp8_convert_on_load=2)
+    fp8_split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=4, stages=4, fp8_convert_on_load=2)
     # A share of the KV axis spans at least this many keys (of max_seq_len). H200, batch 1, context 640
     # captured at max_seq_len 784: 8 shares 8.1 / 8.6 us at 4 / 8 KV heads against 11.2 / 12.8 for the
     # 2 that 256 allowed (scripts/gpu_layouts.py --parts single).
@@ -103,6 +105,13 @@ class TritonAttentionConfig:
     early_v_load: bool = False
     fp8_convert_on_load: bool = False
     table_prefetch: bool = False
+    # fp8 caches: each block's values stored [kv head, head_dim, slot] (slots contiguous), so p @ v takes
+    # its fp8 operand without a transpose (no float16 round trip through shared memory); the backend's
+    # writes and reads both follow it, and nothing else reads the cache (backend.transpose_v_blocks).
+    # Off: as first written (its V tile loaded [dim, keys] and transposed) triton 3.6, the GPU's, spilled
+    # it (255 registers + 584 bytes of stack; H100 256 x 640 170.2 us, 3 stages 779, against 143.0); the
+    # tile is now loaded [keys, dim] keys-contiguous (3.6: 206 registers, no stack), not yet timed.
+    fp8_v_transposed: bool = False
 
 
 def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
@@ -121,7 +130,7 @@ class LaunchPlan:
     num_stages: int
     early_v_load: bool = False
     table_prefetch: bool = False
-    fp8_convert_on_load: bool = False
+    fp8_convert_on_load: bool | int = False
 
 
 def _next_pow2(n: int) -> int:
@@ -157,9 +166,10 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
         early_v = config.early_v_load
         prefetch = config.table_prefetch
         bits = config.fp8_convert_on_load
-        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned
+        if block_q * group_pad > min_rows:  # multi-token decode tiles: untuned, but fp8 ones convert as the
+            # single-token tiles of the dtype do (sm_90 SASS, 32 rows: without it V is read one byte per load)
             return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages, early_v,
-                              prefetch, bits)
+                              prefetch, bits or (tiles.fp8_convert_on_load if kv_fp8 else False))
         return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages, early_v or tiles.early_v_load,
                           prefetch or tiles.table_prefetch, bits or tiles.fp8_convert_on_load)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
@@ -209,12 +219,14 @@ class TritonAttentionBackend(AttentionBackend):
         if kv_cache.stride(-1) != 1:
             raise ValueError("the KV cache's head_dim axis must be contiguous")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        v_trans = self.v_transposed(kv_cache)
         if rope is not None:
             triton_rope_kv_write.rotate_and_write_kv(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
                                                      rope.rotary_dim, kv_cache, meta.slot_mapping, self.k_scale,
-                                                     self.v_scale)
+                                                     self.v_scale, v_transposed=v_trans)
         else:
-            triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+            triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale,
+                                     v_transposed=v_trans)
         # A window bounds the keys any query reads: split the KV axis by that, not the context.
         keys = meta.max_seq_len if self.sliding_window is None else min(
             meta.max_seq_len, self.sliding_window + meta.max_query_len)
@@ -227,8 +239,13 @@ class TritonAttentionBackend(AttentionBackend):
             interior=self.config.interior, lookup_blocks=self.config.lookup_blocks,
             fp8_qk_dot=self.config.fp8_qk_dot, fp8_pv_dot=self.config.fp8_pv_dot,
             early_v_load=plan.early_v_load, fp8_convert_on_load=plan.fp8_convert_on_load, table_prefetch=plan.table_prefetch,
+            v_transposed=v_trans,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
             k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
+
+    def v_transposed(self, kv_cache: torch.Tensor) -> bool:
+        """Whether this backend stores `kv_cache`'s values transposed per block (fp8_v_transposed)."""
+        return self.config.fp8_v_transposed and is_fp8(kv_cache)
 
     def _sm_count_of(self, device: torch.device) -> int:
         if self._sm_count is None:

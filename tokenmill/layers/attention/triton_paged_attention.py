@@ -26,7 +26,9 @@ sink first where the sink is larger (gpt-oss).
 
 FP8 KV cache: K/V tiles are converted to the query's dtype as they load (float16 when the query
 is bf16 or fp16: the cheap conversion of fp8; the query is converted once); k_scale joins the
-softmax scale and v_scale multiplies the accumulator (both host floats, the layer's). F8_QK (opt-in,
+softmax scale and v_scale multiplies the accumulator (both host floats, the layer's). CVT_ON_LOAD
+(1: keys and values, 2: values only) pins the conversion where the tile loads; V_TRANS reads a cache
+whose value blocks are stored [head, head_dim, slot] (slots contiguous: p @ v without a transpose). F8_QK (opt-in,
 e4m3 caches): the keys enter q . k unconverted, as two fp8 dots with the query split into two
 fp8 terms scaled per row (about bf16's precision), saving one conversion per key value. F8_PV
 (opt-in, e4m3 caches) does the same for p @ v: p scaled to 448 as two e4m3 terms, the values
@@ -49,11 +51,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.attention.backend import check_v_transposable
+
 LOG2E = 1.4426950408889634
 SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence search (a 256-row batch: one)
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
 F8_P_SCALE = 448.0  # fp8_pv_dot: softmax weights (<= 1) scaled to e4m3's largest value
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
+CVT_KV, CVT_VALUES = 1, 2  # fp8_convert_on_load: keys and values, or the values only
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # no inline PTX under the interpreter
 
 
@@ -126,6 +131,33 @@ def _load_rows(cache_ptr, kv_off, key_valid, HEAD_DIM: tl.constexpr, HEAD_DIM_PA
 
 
 @triton.jit
+def _load_v_rows(v_cache_ptr, kv_off, key, key_valid, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                 MASKED: tl.constexpr, V_TRANS: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLOT_STRIDE: tl.constexpr):
+    """One tile of V rows [keys, head_dim]. V_TRANS: the cache holds each block's values as
+    [head, head_dim, slot] (slots contiguous; `v_cache_ptr` already points at this program's head), so
+    the tile's keys come in contiguous runs of BLOCK_SIZE: the p @ v dot takes this keys-contiguous
+    operand as it is (no transpose through shared memory). (Loaded [head_dim, keys] and transposed with
+    tl.trans instead, triton 3.6 spilled the kernel: 584 bytes of stack.)
+    `kv_off` is the row layout's offset (block, slot, head); SLOT_STRIDE that layout's slot stride."""
+    if V_TRANS:
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        slot = key % BLOCK_SIZE
+        vt_off = kv_off + slot * (1 - SLOT_STRIDE)  # block * s_cb + slot (the head: in the pointer)
+        if MASKED or HEAD_DIM != HEAD_DIM_PAD:
+            x = tl.load(v_cache_ptr + vt_off[:, None] + offs_d[None, :] * BLOCK_SIZE,
+                        mask=key_valid[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        else:
+            # A tile of whole blocks (a power of two of slots): its keys come in runs of BLOCK_SIZE
+            # contiguous values starting at a multiple of BLOCK_SIZE (the cache's block stride and a
+            # head's run, head_dim * BLOCK_SIZE, are), which the compiler cannot see through the table.
+            if key.shape[0] % BLOCK_SIZE == 0 and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
+                vt_off = tl.max_contiguous(tl.multiple_of(vt_off, BLOCK_SIZE), BLOCK_SIZE)
+            x = tl.load(v_cache_ptr + vt_off[:, None] + offs_d[None, :] * BLOCK_SIZE)
+        return x
+    return _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
+
+
+@triton.jit
 def _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window, softcap, qk_scale,
                   DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr,
                   MASKED: tl.constexpr, F8_QK: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr):
@@ -135,7 +167,7 @@ def _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, wi
     if F8_QK:
         s = (tl.dot(q, tl.trans(k)) + tl.dot(q_lo, tl.trans(k))) * (qk_scale * row_scale)[:, None]
     else:
-        if KV_FP8 and not CVT_ON_LOAD:  # (CVT_ON_LOAD: the rows came in as float16, the queries' dtype)
+        if KV_FP8 and CVT_ON_LOAD != 1:  # (CVT_ON_LOAD 1: the rows came in as float16, the queries' dtype)
             k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     if SOFTCAP:  # in the log2 domain: cap' = softcap * log2(e); tanh(x) = 1 - 2 / (exp(2x) + 1)
@@ -164,7 +196,7 @@ def _accumulate(acc, alpha, p, v, q_dtype: tl.constexpr, DOT_PRECISION: tl.const
         p_hi = ps.to(v.dtype)
         p_lo = (ps - p_hi.to(tl.float32)).to(v.dtype)
         return acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-    if CVT_ON_LOAD:  # the rows came in as float16
+    if CVT_ON_LOAD != 0:  # the rows came in as float16
         pass
     elif F8_QK:
         v = v.to(tl.float16)
@@ -179,22 +211,24 @@ def _attend_rows(q, q_lo, row_scale, m_i, l_i, acc, key, key_valid, kv_off, k_ca
                  HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
                  SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, MASKED: tl.constexpr, F8_QK: tl.constexpr,
                  F8_PV: tl.constexpr, EARLY_V: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr,
-                 PTX: tl.constexpr):
+                 PTX: tl.constexpr, V_TRANS: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLOT_STRIDE: tl.constexpr):
     """The keys of one tile (cache offsets `kv_off`) into the online softmax. EARLY_V: the V rows are
     loaded with the K rows, before the scores (both loads in flight at once)."""
     k = _load_rows(k_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-    if CVT_ON_LOAD:
-        k = _fp8_to_f16(k, E5M2, PTX)
+    if CVT_ON_LOAD == 1:  # (2: the values only; the keys convert after their layout change, which reads
+        k = _fp8_to_f16(k, E5M2, PTX)  # them from shared memory as wide loads: no transpose for q . k)
     if EARLY_V:
-        v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        if CVT_ON_LOAD:
+        v = _load_v_rows(v_cache_ptr, kv_off, key, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED, V_TRANS, BLOCK_SIZE,
+                         SLOT_STRIDE)
+        if CVT_ON_LOAD != 0:
             v = _fp8_to_f16(v, E5M2, PTX)
     p, alpha, m_new, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k, key, key_valid, key_limit, window,
                                          softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, MASKED, F8_QK, CVT_ON_LOAD,
                                          E5M2)
     if not EARLY_V:
-        v = _load_rows(v_cache_ptr, kv_off, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED)
-        if CVT_ON_LOAD:
+        v = _load_v_rows(v_cache_ptr, kv_off, key, key_valid, HEAD_DIM, HEAD_DIM_PAD, MASKED, V_TRANS, BLOCK_SIZE,
+                         SLOT_STRIDE)
+        if CVT_ON_LOAD != 0:
             v = _fp8_to_f16(v, E5M2, PTX)
     acc = _accumulate(acc, alpha, p, v, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, CVT_ON_LOAD, E5M2)
     return m_new, l_i, acc
@@ -207,14 +241,15 @@ def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr,
                  HEAD_DIM_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
                  KV_FP8: tl.constexpr, MASKED: tl.constexpr, LOOKUP_BLOCKS: tl.constexpr, F8_QK: tl.constexpr,
                  F8_PV: tl.constexpr, EARLY_V: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr,
-                 PTX: tl.constexpr):
+                 PTX: tl.constexpr, V_TRANS: tl.constexpr, SLOT_STRIDE: tl.constexpr):
     """One KV tile (keys j*BLOCK_N ..) into the online softmax. MASKED=False: the caller vouches that
     every key of the tile is valid and visible to every row (no masks, no table-load guard)."""
     key, key_valid, kv_off = _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch,
                                            BLOCK_N, BLOCK_SIZE, MASKED, LOOKUP_BLOCKS)
     return _attend_rows(q, q_lo, row_scale, m_i, l_i, acc, key, key_valid, kv_off, k_cache_ptr, v_cache_ptr,
                         key_limit, window, softcap, qk_scale, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP,
-                        KV_FP8, MASKED, F8_QK, F8_PV, EARLY_V, CVT_ON_LOAD, E5M2, PTX)
+                        KV_FP8, MASKED, F8_QK, F8_PV, EARLY_V, CVT_ON_LOAD, E5M2, PTX, V_TRANS, BLOCK_SIZE,
+                        SLOT_STRIDE)
 
 
 # Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
@@ -238,9 +273,10 @@ def _paged_attention_kernel(
     KV_FP8: tl.constexpr, SINKS: tl.constexpr, F16_DOT: tl.constexpr, INTERIOR: tl.constexpr,
     LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr, F8_PV: tl.constexpr,
     EARLY_V: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, V_TRANS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    SLOT_STRIDE: tl.constexpr = NUM_HEADS // GROUP * HEAD_DIM  # V_TRANS: the contiguous cache's slot stride
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -311,6 +347,8 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     table_row = block_table_ptr + seq.to(tl.int64) * s_bt
+    if V_TRANS:  # this head's [head_dim, slot] values of a block start at head * head_dim * block_size
+        v_cache_ptr += kv_head * (HEAD_DIM * BLOCK_SIZE - s_ch)
     if INTERIOR:
         # Interior tiles: every key valid and seen by every row of the tile (after the window start
         # of the tile's last query, up to the causal limit of its first): no masks there.
@@ -331,7 +369,7 @@ def _paged_attention_kernel(
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK,
-                F8_PV, EARLY_V, CVT_ON_LOAD, E5M2, PTX)
+                F8_PV, EARLY_V, CVT_ON_LOAD, E5M2, PTX, V_TRANS, SLOT_STRIDE)
     if INTERIOR and PREFETCH_TABLE:
         # The next tile's block-table lookups are issued before this tile's K/V loads, so a tile waits
         # on one round trip (its K/V), not two (table, then K/V). The lookups are the masked ones
@@ -347,7 +385,7 @@ def _paged_attention_kernel(
                                          v_cache_ptr, key_limit, window, softcap, qk_scale, BLOCK_N, HEAD_DIM,
                                          HEAD_DIM_PAD,
                                          DOT_PRECISION, SOFTCAP, KV_FP8, False, F8_QK, F8_PV, EARLY_V, CVT_ON_LOAD,
-                                         E5M2, PTX)
+                                         E5M2, PTX, V_TRANS, BLOCK_SIZE, SLOT_STRIDE)
     elif INTERIOR:
         for j in range(mid_lo, mid_hi):
             m_i, l_i, acc = _attend_tile(
@@ -355,14 +393,14 @@ def _paged_attention_kernel(
                 key_limit,
                 window, softcap, qk_scale, s_cb, s_cs, s_ch,
                 BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, False, LOOKUP_BLOCKS,
-                F8_QK, F8_PV, EARLY_V, CVT_ON_LOAD, E5M2, PTX)
+                F8_QK, F8_PV, EARLY_V, CVT_ON_LOAD, E5M2, PTX, V_TRANS, SLOT_STRIDE)
     for j in range(mid_hi, tile_hi):  # masked tiles at the causal edge (all of them without INTERIOR)
         m_i, l_i, acc = _attend_tile(
             q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr, table_row, kv_head, kv_len, kv_lo,
             key_limit,
             window, softcap, qk_scale, s_cb, s_cs, s_ch,
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV,
-            EARLY_V, CVT_ON_LOAD, E5M2, PTX)
+            EARLY_V, CVT_ON_LOAD, E5M2, PTX, V_TRANS, SLOT_STRIDE)
 
     if KV_FP8:
         acc = acc * v_scale
@@ -427,8 +465,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     block_q: int, block_n: int, num_splits: int, max_splits: int,
                     num_warps: int, num_stages: int, interior: bool = True, lookup_blocks: bool = False,
                     fp8_qk_dot: bool = False, fp8_pv_dot: bool = False, early_v_load: bool = False,
-                    fp8_convert_on_load: bool = False, table_prefetch: bool = False,
-                    sliding_window: int | None = None,
+                    fp8_convert_on_load: bool | int = False, table_prefetch: bool = False,
+                    v_transposed: bool = False, sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
@@ -444,6 +482,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `early_v_load`: each tile's V rows are loaded together with its K rows (before the scores).
     `fp8_convert_on_load` (fp8 cache, 16-bit queries, neither fp8 dot): K/V tiles converted to float16
     where they load (pinned there in inline PTX), so the dot's layout change moves 16-bit values.
+    CVT_VALUES (2): the value tiles only (the keys' layout change needs no transpose).
+    `v_transposed`: the cache (contiguous) holds each block's values as [num_kv_heads, head_dim,
+    block_size] (`backend.transpose_v_blocks`; the writers' `v_transposed`), so p @ v reads its
+    operand keys-contiguous, without a transpose: an fp8 tile goes from shared memory to the dot as
+    the keys do, with no float16 round trip through shared memory.
     `table_prefetch`: in the unmasked walk, each tile's block-table lookups are issued one tile ahead.
     """
     num_rows, num_heads, head_dim = q.shape
@@ -464,7 +507,12 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     if f8_pv:  # the accumulator carries p's factor 448
         v_scale = v_scale / F8_P_SCALE
     f8_qk = fp8_qk_dot and kv_cache.dtype == torch.float8_e4m3fn and q.dtype != torch.float32
-    cvt_on_load = fp8_convert_on_load and kv_fp8 and q.dtype != torch.float32 and not (f8_qk or f8_pv)
+    cvt_on_load = int(fp8_convert_on_load) if kv_fp8 and q.dtype != torch.float32 and not (f8_qk or f8_pv) else 0
+    if cvt_on_load not in (0, CVT_KV, CVT_VALUES):
+        raise ValueError(f"fp8_convert_on_load={fp8_convert_on_load}: False, True (keys and values) or 2 (values)")
+    if v_transposed:  # both tiles reach the dot without a transpose: converting after it is the cheap way
+        check_v_transposable(kv_cache)
+        cvt_on_load = 0
     if split:
         part_m = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
@@ -490,6 +538,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
         F8_QK=f8_qk, F8_PV=f8_pv, EARLY_V=early_v_load, CVT_ON_LOAD=cvt_on_load,
         E5M2=kv_cache.dtype == torch.float8_e5m2, PREFETCH_TABLE=table_prefetch, PTX=not _INTERPRETED,
+        V_TRANS=v_transposed,
         num_warps=num_warps,
         num_stages=num_stages,
     )

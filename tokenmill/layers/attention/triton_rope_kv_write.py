@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.attention.backend import check_v_transposable
 from tokenmill.layers.triton_ops.rotary import _block_heads, _rotate_heads
 
 
@@ -44,6 +45,7 @@ def _rope_kv_write_kernel(
     HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_HQ: tl.constexpr,
     ROTARY_DIM: tl.constexpr, PASS: tl.constexpr, PASS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
+    V_TRANS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
@@ -81,16 +83,20 @@ def _rope_kv_write_kernel(
     offs_v = tl.arange(0, HEAD_DIM_PAD)[None, :]
     v_mask = h_ok & (offs_v < HEAD_DIM)
     v = tl.load(v_ptr + t * s_vt + h * s_vh + offs_v, mask=v_mask)
-    tl.store(v_cache_ptr + dst + offs_v, _to_cache(v, inv_v_scale, cache_dtype, FP8_MAX), mask=v_mask)
+    if V_TRANS:  # [head, head_dim, slot] per block
+        dst_v = (slot // BLOCK_SIZE) * s_cb + (h * HEAD_DIM + offs_v) * BLOCK_SIZE + slot % BLOCK_SIZE
+    else:
+        dst_v = dst + offs_v
+    tl.store(v_cache_ptr + dst_v, _to_cache(v, inv_v_scale, cache_dtype, FP8_MAX), mask=v_mask)
 
 
 def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         cos_cache: torch.Tensor, sin_cache: torch.Tensor, rotary_dim: int,
                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                        v_scale: float = 1.0) -> None:
+                        v_scale: float = 1.0, v_transposed: bool = False) -> None:
     """q [T, Hq, D] rotated in place; k [T, Hkv, D] rotated and, with v, written into `kv_cache`
     ([2, num_blocks, block_size, Hkv, D]) at `slot_mapping` (its rows only); an FP8 cache stores
-    k / k_scale and v / v_scale, saturated."""
+    k / k_scale and v / v_scale, saturated. `v_transposed`: values stored per block as [Hkv, D, block_size]."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3 or x.stride(-1) != 1:
             raise ValueError(f"{name} must be [T, heads, head_dim] with a contiguous head_dim axis, "
@@ -107,6 +113,8 @@ def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
     passed = head_dim - rotary_dim
     block_q = _block_heads(q.shape[1], half_pad)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    if v_transposed:
+        check_v_transposable(kv_cache)
     tile = max(block_q * half_pad, triton.next_power_of_2(num_kv_heads) * triton.next_power_of_2(head_dim))
     _rope_kv_write_kernel[(num_tokens, 2)](
         q, k, v, positions, cos_cache, sin_cache, slot_mapping, k_cache, v_cache, min(num_tokens, slot_mapping.shape[0]),
@@ -117,6 +125,6 @@ def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         HALF=half, HALF_PAD=half_pad, BLOCK_HQ=block_q, ROTARY_DIM=rotary_dim, PASS=passed,
         PASS_PAD=triton.next_power_of_2(max(passed, 1)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0, V_TRANS=v_transposed,
         num_warps=min(max(tile // 256, 1), 8),
     )
