@@ -175,8 +175,10 @@ class ParallelContext:
                 group = dist.new_group([r, (pp - 1) * tp + r], backend=backend)
                 if r == layout.tp_rank and (layout.is_first_stage or layout.is_last_stage):
                     token_group = group
-        logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d) (%s)", rank, layout.tp_rank, tp,
-                    layout.pp_stage, pp, layout.layer_start, layout.layer_end, backend)
+        logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d)%s%s (%s)", rank, layout.tp_rank, tp,
+                    layout.pp_stage, pp, layout.layer_start, layout.layer_end,
+                    f", layer {layout.layer_start}'s MLP only" if layout.lends_attention else "",
+                    f", plus layer {layout.layer_end}'s attention" if layout.borrows_attention else "", backend)
         symm = SymmetricAllReduce.create(tp_group, device) if tp > 1 else None
         fused_norm = FusedAllReduceNorm.create(tp_group, device) if tp > 1 else None
         context = ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)
