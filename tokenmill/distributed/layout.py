@@ -67,10 +67,16 @@ def parse_layer_split(text: str | None, num_layers: int, num_stages: int
     if len(halves) != num_stages or sum(halves) != 2 * num_layers or any(h != int(h) or h < 2 for h in halves):
         raise ValueError(f"pp_layer_partition must give each of the {num_stages} pipeline stages a whole or half "
                          f"number of layers (at least 1: every stage holds an attention and its KV cache) summing to the model's {num_layers} layers, got {text!r}")
+    return split_from_halves(tuple(int(h) for h in halves))
+
+
+def split_from_halves(halves: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """Half layers per stage, (33, 31) -> ((16, 16), (True,)): `ParallelConfig`'s layer counts and
+    split boundaries (see `parse_layer_split`)."""
     bounds = [0]
     for h in halves:
-        bounds.append(bounds[-1] + int(h))  # in half layers: 2i is layer i's attention, 2i + 1 its MLP
-    counts = tuple(bounds[s + 1] // 2 - bounds[s] // 2 for s in range(num_stages))
+        bounds.append(bounds[-1] + h)  # in half layers: 2i is layer i's attention, 2i + 1 its MLP
+    counts = tuple(bounds[s + 1] // 2 - bounds[s] // 2 for s in range(len(halves)))
     return counts, tuple(bool(b % 2) for b in bounds[1:-1])
 
 

@@ -264,6 +264,12 @@ class LlamaModel(nn.Module):
         return self.norm.forward_with_residual(hidden, residual, act_dtype)[0]
 
 
+def splits_at_attention(model_cls: type[nn.Module]) -> bool:
+    """Whether a causal-LM class's pipeline stages can split a layer after its attention (half
+    layers: the plain Llama decoder layer)."""
+    return getattr(getattr(model_cls, "model_cls", None), "layer_cls", None) is LlamaDecoderLayer
+
+
 def _stage_part(layer: nn.Module, part: str) -> nn.Module:
     """`layer` keeping only what this stage runs of it: all, or a half layer's attention (input
     norm + attention) or MLP (post-attention norm + MLP)."""
