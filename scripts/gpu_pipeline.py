@@ -18,8 +18,9 @@ partition they give, and the teacher-forced check of PP=2 against one GPU.
           16.5,15.5, stage 0 also runs layer 16's attention) or the split balanced by the stage
           probe at start ("measured").
   probe   tokenmill/worker/stage_probe.py on GPU 0 at the bench's decode micro-batch (max_num_seqs /
-          2 rows): a layer's, the embedding's and the LM head's time, and the partition
-          stage_balance.balanced_partition picks from them (printed beside the even split's times).
+          3 rows; / 2 with device tokens): a layer's (and its attention half's), the embedding's and
+          the LM head's time, and the partitions stage_balance picks from them in whole and in half
+          layers (printed beside the even split's times).
   check   scripts/gpu_layouts.py's teacher-forced layout check in bfloat16, PP=2 and --check-layouts
           (default: PP=2 with half layers) against one GPU (tokenmill/benchmarks/layout_check.py):
           fails (exit 1) when their logits stray further from one GPU's than two valid one-GPU
@@ -173,7 +174,7 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
 def probe(results: dict, smoke: bool, max_num_seqs: int, context: int) -> None:
     import torch
 
-    from tokenmill.distributed.stage_balance import balanced_partition, explain
+    from tokenmill.distributed.stage_balance import balanced_halves, balanced_partition, explain, explain_halves
     from tokenmill.model.arch import model_arch
     from tokenmill.model.hf_config import load_hf_config
     from tokenmill.worker.stage_probe import measure
@@ -182,15 +183,17 @@ def probe(results: dict, smoke: bool, max_num_seqs: int, context: int) -> None:
     shape = "llama8b-smoke" if smoke else "llama8b"
     arch = model_arch(load_hf_config(device_check.config_dir(shape)))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    rows = max(1, max_num_seqs // 2)
+    rows = max(1, max_num_seqs // 3)  # three micro-batches in flight (two stages, the async slot)
     figures = {}
-    for label, r in (("decode", rows), ("decode_half", max(1, rows // 2))):
+    for label, r in (("decode", rows), ("decode_dt", max(1, max_num_seqs // 2))):
         costs = measure(arch, dtype, device, r, context)
-        partition = balanced_partition(costs, 2)
-        figures[label] = {"rows": r, "layer_ms": costs.layers[0], "embedding_ms": costs.embedding,
-                          "head_ms": costs.head, "partition": list(partition),
-                          "stage_ms": costs.stage_times(partition)}
+        partition, halves = balanced_partition(costs, 2), balanced_halves(costs, 2)
+        figures[label] = {"rows": r, "layer_ms": costs.layers[0], "attention_half_ms": costs.attention[0],
+                          "embedding_ms": costs.embedding, "head_ms": costs.head, "partition": list(partition),
+                          "stage_ms": costs.stage_times(partition), "halves": list(halves),
+                          "halves_stage_ms": costs.halves().stage_times(halves)}
         print(f"probe {r} rows x {context} positions: {explain(costs, partition)}", flush=True)
+        print(f"  in half layers: {explain_halves(costs, halves)}", flush=True)
     results["probe"] = figures
     save(results)
 
