@@ -92,6 +92,20 @@ def run_partition(name: str, shape: str) -> tuple[int, ...] | None:
     return even_partition(device_check.SHAPES[shape]["num_hidden_layers"], 2)
 
 
+def written_record(shape: str, workload: tuple[int, int, int], name: str, since: float) -> dict | None:
+    """The bench record a layout's run wrote (device_check.bench's file: `_pp_<name>` ends its
+    name) since `since` (time.perf_counter), or None: a run killed while its engine shut down has
+    finished its bench and its figures stand."""
+    import glob
+    n, lin, lout = workload
+    cutoff = time.time() - (time.perf_counter() - since)
+    for path in glob.glob(os.path.join(OUT, f"bench_{shape}_{n}x{lin}x{lout}_*_pp_{glob.escape(name)}.json")):
+        if os.path.getmtime(path) >= cutoff:
+            with open(path) as f:
+                return json.load(f)
+    return None
+
+
 def save(results: dict) -> None:
     with open(os.path.join(OUT, "gpu_pipeline.json"), "w") as f:
         json.dump(results, f, indent=2)
@@ -126,6 +140,10 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         key = next(k for k in results if k.startswith(f"bench_{shape}_{n}x{lin}x{lout}") and k.endswith(f"_pp_{name}"))
         record = results.pop(key)
         tm = record.get("tokenmill") or {}
+        late = None if tm else written_record(shape, (n, lin, lout), name, started)
+        if late is not None:  # killed at shutdown, after the bench wrote its record (mid-session, two H100s)
+            tm = late.get("tokenmill") or {}
+            print(f"{name}: killed after its bench finished and wrote its record: its figures stand", flush=True)
         if not tm:  # failed or killed at its timeout (a hang): said so, and the next layouts still run
             figures[name] = {"error": (record.get("error") or "")[-600:], "seconds": time.perf_counter() - started}
             print(f"{name}: FAILED after {figures[name]['seconds']:.0f} s (timeout {timeout:.0f} s)", flush=True)
