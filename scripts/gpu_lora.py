@@ -21,13 +21,15 @@ Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1; also pr
           in one batch vs HF + PEFT greedy; again with one slot (eviction and reload mid-run)
   engine  Llama-3.1-8B shape, dummy weights, CUDA graphs on, rank-16 adapters on all seven
           projections: N prompts x 512 in x 256 out (N = --prompts, 1000 by default: the issue's
-          shape), the base engine and the LoRA engine (max_loras=64) alive together: rounds of a
-          base run and a 1-adapter run alternated (at least 2; the median round's ratio, every
-          round and the spread reported), 8 and 64 adapters mixed uniformly against the median base;
-          base requests in the LoRA engine against base-engine runs alternated with them; goals
-          0.90x, 0.85x, 0.80x the base's output tok/s (`scripts/lora_engines.py`)
+          shape), the base engine and the LoRA engine (max_loras=64) alive together with the SAME
+          number of KV blocks (the LoRA engine sizes its pool from --lora-memory, the base engine
+          gets that count; or --kv-blocks for both), each run's blocks and preemptions recorded:
+          a round of a base run and a 1-adapter run, 8 and 64 adapters mixed uniformly against the
+          median base, then more rounds (the median round's ratio, every round and the spread
+          reported) and base requests in the LoRA engine while --budget allows; goals 0.90x,
+          0.85x, 0.80x the base's output tok/s (`scripts/lora_engines.py`)
   batch1  one prompt, 512 in x 256 out: ms per output token, base engine vs an adapter (goal <= 1.10x),
-          3 runs each alternated with a base request in the LoRA engine, the medians
+          --batch1-runs alternations (and one base request in the LoRA engine), the medians
   profile torch.profiler over a prefill step (16 x 512 tokens) and 256-row decode steps: base engine,
           1 adapter, base requests in the LoRA engine, prefill variants (`scripts/lora_profile.py`)
   Every configuration of an engine is warmed (a short run of its mix) before the first timing;
@@ -41,6 +43,7 @@ Parts (--parts, comma-separated; default micro,layer,tiny,engine,batch1; also pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -690,10 +693,19 @@ def engines(results: dict, args, parts: set[str]) -> None:
     max_loras = 4 if SMOKE else 64  # (the issue's: max_loras >= the adapters in a step)
     used = max(counts) if "engine" in parts else 1  # batch 1 alone: one adapter written and loaded
     root = tempfile.mkdtemp(prefix="lora-adapters-")
-    start = time.perf_counter()
-    # (4 folders: the 64 adapters are 64 ids over them, each loaded into a slot of its own)
-    folders = [write_adapter(os.path.join(root, f"f{i}"), shape, 16, i) for i in range(min(4, used))]
-    print(f"  wrote {len(folders)} rank-16 adapter folders in {time.perf_counter() - start:.1f} s")
+    # (4 folders: the 64 adapters are 64 ids over them, each loaded into a slot of its own), written
+    # on a thread while the engines start (`written()` waits for them before the first load)
+    from concurrent.futures import ThreadPoolExecutor
+    folders = [os.path.join(root, f"f{i}") for i in range(min(4, used))]
+    writer = ThreadPoolExecutor(1)
+    writing = writer.submit(lambda: [write_adapter(f, shape, 16, i) for i, f in enumerate(folders)])
+    writer.shutdown(wait=False)
+
+    def written() -> None:
+        start = time.perf_counter()
+        writing.result()
+        print(f"  wrote {len(folders)} rank-16 adapter folders (waited {time.perf_counter() - start:.1f} s "
+              f"for them after the engines' start)")
     loras = [LoRARequest(f"adapter{i}", i + 1, folders[i % len(folders)]) for i in range(max_loras)]
     tokenizer = AutoTokenizer.from_pretrained(path)
 
@@ -703,12 +715,16 @@ def engines(results: dict, args, parts: set[str]) -> None:
     common = dict(load_format="dummy", dtype="float32" if SMOKE else "bfloat16", max_model_len=inp + out + 16)
     if SMOKE:
         common.update(single_process=True, kv_cache_memory_gb=0.05)
-    # Both engines alive at once: the base engine takes 0.45 of the device; the LoRA engine, started
-    # second, sizes its KV pool to 0.9 of the device less what the base engine holds (the KV budget
-    # counts other processes' memory), so each gets about half (both hold 256 rows of 784 tokens).
-    share = {} if SMOKE else {"gpu_memory_utilization": 0.45}
-    second = {} if SMOKE else {"gpu_memory_utilization": 0.9}
-    bench = le.Bench(prompts_of, summarize, params, inp, args.budget, START)
+    # Like for like: both engines alive at once with the SAME number of KV blocks. The LoRA engine
+    # (the larger one: its adapter slots) starts first and sizes its pool from its share of the
+    # device (--lora-memory; the smoke run: a smaller CPU pool than the base engine's default);
+    # the base engine gets that count (`num_gpu_blocks_override`); --kv-blocks fixes it for both.
+    if args.kv_blocks:
+        lora_kv = {"num_gpu_blocks_override": args.kv_blocks}
+    else:
+        lora_kv = {"kv_cache_memory_gb": 0.04} if SMOKE else {"gpu_memory_utilization": args.lora_memory}
+    from tokenmill.benchmarks.throughput import step_figures
+    bench = le.Bench(prompts_of, summarize, params, inp, args.budget, START, step_figures=step_figures)
     results["engine"] = bench.figures
     mixes = {count: [loras[i % count] for i in range(num)] for count in counts}
     warm_params = SamplingParams(temperature=0.0, max_tokens=min(out, 16), ignore_eos=True, detokenize=False)
@@ -717,47 +733,115 @@ def engines(results: dict, args, parts: set[str]) -> None:
         MARKDOWN[title] = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results, verbose=False)
         save(results)
     title = (f"engine: Llama-3.1-8B shape, dummy weights, rank 16 on all seven projections, max_loras={max_loras}, "
-             f"base and LoRA engines alive together, runs alternated")
+             f"base and LoRA engines alive together with the same KV blocks, runs alternated")
     bench.on_run = publish
 
     def warm(llm, lora_request, n=min(num, 64)) -> None:
         """A short run of a configuration's mix: its step sizes compile and settle before any timing."""
         llm.generate(prompts_of(n, 7), warm_params, use_tqdm=False, lora_request=lora_request)
 
+    def free_gib() -> str:
+        if SMOKE:
+            return "n/a (CPU)"
+        free, total = torch.cuda.mem_get_info()
+        return f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB"
+
+    # --decode-profile R: each engine's worker profiles full decode steps (`device_profile.py`), one
+    # window per profiled configuration told apart by its row count (R, R - 1, R - 2: the profile
+    # runs below have exactly that many prompts, the timed runs never R - 2 .. R rows of pure decode
+    # before these runs close the windows: they run first).
+    rows = args.decode_profile
+    profiled = {"base": [("base", rows)],
+                "lora": [("lora_1", rows), (f"lora_{counts[-1]}", rows - 1), ("lora_engine_base_requests", rows - 2)]
+                } if rows else {}
+    skip, steps = (2, 3) if SMOKE else (12, 10)
+
+    def profile_env(engine: str) -> None:
+        from tokenmill.worker.device_profile import ENV_VAR
+        os.environ.pop(ENV_VAR, None)
+        if engine in profiled:
+            os.environ[ENV_VAR] = json.dumps([{"out_dir": os.path.join(OUT, "decode_profile", name), "batch": b,
+                                               "skip": skip, "steps": steps} for name, b in profiled[engine]])
+
+    # --kv-blocks (no profile windows, which go by environment at each engine's start): the base
+    # engine starts on a thread beside the LoRA engine (their start-ups overlap: about 10 s of the
+    # call; the LoRA engine's start-up A/B of its one-slot graphs comes last, after the base's).
+    base_future = None
+    if args.kv_blocks and not rows and not args.keep_one_slot:
+        pool = ThreadPoolExecutor(1)
+        base_future = pool.submit(lambda: LLM(path, **common, num_gpu_blocks_override=args.kv_blocks))
+        pool.shutdown(wait=False)
+
+    @contextlib.contextmanager
+    def base_engine(blocks: int):
+        if base_future is not None:
+            llm = base_future.result()
+        else:
+            profile_env("base")
+            if args.keep_one_slot:
+                os.environ.pop("TOKENMILL_LORA_SINGLE_CHECK", None)
+            llm = LLM(path, **common, num_gpu_blocks_override=blocks)
+        with llm:
+            profile_env("none")
+            yield llm
+
     try:  # a failure here still leaves the table of what was measured (and fails the run)
         start = time.perf_counter()
-        with LLM(path, **common, **share) as base_llm:
-            print(f"  base engine up in {time.perf_counter() - start:.1f} s", flush=True)
+        profile_env("lora")
+        if args.keep_one_slot:  # (the LoRA engine's worker reads it at start: decode_graphs.SINGLE_CHECK)
+            os.environ["TOKENMILL_LORA_SINGLE_CHECK"] = "0"
+        with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
+                 **{**common, **lora_kv}) as lora_llm:
+            blocks = lora_llm.scheduler_stats()["num_kv_blocks"]
+            print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s: {blocks} KV blocks "
+                  f"({'--kv-blocks' if args.kv_blocks else 'sized from its memory share'}); device free {free_gib()}; "
+                  f"{time.perf_counter() - START:.0f} s from the start",
+                  flush=True)
             start = time.perf_counter()
-            with LLM(path, enable_lora=True, max_loras=max_loras, max_lora_rank=16, max_cpu_loras=max_loras,
-                     **common, **second) as lora_llm:
-                print(f"  LoRA engine up in {time.perf_counter() - start:.1f} s", flush=True)
+            with base_engine(blocks) as base_llm:
+                base_blocks = base_llm.scheduler_stats()["num_kv_blocks"]
+                print(f"  base engine up {'(started beside the LoRA engine) ' if base_future else ''}in "
+                      f"{time.perf_counter() - start:.1f} s more: {base_blocks} KV blocks; device free {free_gib()}; "
+                      f"{time.perf_counter() - START:.0f} s from the start", flush=True)
+                results["engine_kv_blocks"] = {"lora_engine": blocks, "base_engine": base_blocks}
+                check(base_blocks == blocks, f"engines: the same KV blocks (base {base_blocks}, LoRA {blocks})")
                 # Every adapter read into host memory and a device slot once, before timing (as a
                 # server given them with --lora-modules has them after its first requests).
+                written()
                 start = time.perf_counter()
-                lora_llm.generate(prompts_of(used, 3), SamplingParams(max_tokens=1), use_tqdm=False,
-                                  lora_request=loras[:used])
-                print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s")
+                short = [{"prompt_token_ids": p["prompt_token_ids"][:16]} for p in prompts_of(used, 3)]
+                lora_llm.generate(short, SamplingParams(max_tokens=1), use_tqdm=False, lora_request=loras[:used])
+                print(f"  loaded {used} adapters in {time.perf_counter() - start:.1f} s; "
+                      f"{time.perf_counter() - START:.0f} s from the start", flush=True)
                 start = time.perf_counter()
                 if "batch1" in parts:
                     warm(base_llm, None, 1)
                     warm(lora_llm, loras[0], 1)
                     warm(lora_llm, None, 1)
-                if "engine" in parts:
+                if "engine" in parts:  # (the other mixes: the load above ran a step of every adapter)
                     warm(base_llm, None)
-                    for count in counts:
-                        warm(lora_llm, mixes[count][:min(num, 64)])
-                    warm(lora_llm, None)
-                print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s", flush=True)
-                if "batch1" in parts:  # alternated: base engine, adapter, base request in the LoRA engine
-                    for _ in range(le.BATCH1_RUNS):
+                    warm(lora_llm, mixes[counts[0]][:min(num, 64)])
+                print(f"  warmed every configuration in {time.perf_counter() - start:.1f} s; "
+                      f"{time.perf_counter() - START:.0f} s from the start", flush=True)
+                if rows:
+                    decode_profiles(results, {"base": base_llm, "lora": lora_llm}, profiled, mixes, loras, rows,
+                                    blocks, skip + steps + 8, tokenizer, shape, common["max_model_len"])
+                def batch1() -> None:  # alternated: base engine, adapter, base request in the LoRA engine
+                    bench.last_s.setdefault("b1", 2.0)  # (a 512 x 256 batch-1 run: about 1.6 s on an H100)
+                    for i in range(args.batch1_runs):
+                        if not bench.fits("b1", "b1", margin=0.0):
+                            print(f"  (batch 1 alternation {i + 1} left out: the {args.budget:.0f} s budget)")
+                            break
                         bench.run(base_llm, None, "batch1_base", 1, kind="b1")
                         bench.run(lora_llm, loras[0], "batch1_lora", 1, kind="b1")
-                        bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
-                if "engine" in parts:
+                        if i == 0 and bench.fits("b1", margin=0.0):
+                            bench.run(lora_llm, None, "batch1_base_in_lora_engine", 1, kind="b1")
+                if "batch1" in parts and not ("engine" in parts and args.engine_repeats > 0):
+                    batch1()
+                if "engine" in parts and args.engine_repeats > 0:
                     # In order of worth, each figure written as soon as measured: a round (base, 1
-                    # adapter), each other mix once, a second round, base requests in the LoRA
-                    # engine, more rounds; past the first round only what fits the budget.
+                    # adapter), each other mix once, then more rounds and base requests in the LoRA
+                    # engine while the budget allows.
                     def round_(r: int) -> bool:  # base and 1 adapter, one after the other
                         if r and not bench.fits("base", "lora"):
                             print(f"  (round {r + 1} left out: the {args.budget:.0f} s budget)")
@@ -767,13 +851,15 @@ def engines(results: dict, args, parts: set[str]) -> None:
                         return True
                     round_(0)
                     for count in counts[1:]:
-                        if not bench.fits("lora"):
+                        if not bench.fits("lora", margin=0.0):
                             print(f"  ({count} adapters left out: the {args.budget:.0f} s budget)")
                             continue
                         bench.run(lora_llm, mixes[count], f"lora_{count}_adapters", num, kind="lora")
-                    more = round_(1) if args.engine_repeats >= 2 else True
+                    if "batch1" in parts:  # (a few seconds: after the throughput figures, before repeats)
+                        batch1()
+                    more = round_(1) if args.engine_repeats >= 2 else False
                     # base requests: LoRA engine vs base engine, alternated (a smaller run of the workload)
-                    if bench.fits("base", "base", scale=1.3 * base_num / num):
+                    if more and bench.fits("base", "base", scale=1.3 * base_num / num):
                         bench.run(base_llm, None, "base_paired", base_num, kind="small")
                         bench.run(lora_llm, None, "base_in_lora_engine", base_num, kind="small")
                     for r in range(2, args.engine_repeats if more else 0):  # more rounds while the budget allows
@@ -782,7 +868,55 @@ def engines(results: dict, args, parts: set[str]) -> None:
     except Exception as exc:
         traceback.print_exc()
         check(False, f"engines raised {type(exc).__name__}: {exc}"[:500])
+    finally:
+        if base_future is not None:  # (a base engine started beside a LoRA engine that failed: stopped too)
+            try:
+                base_future.result().shutdown()
+            except Exception:
+                pass
     MARKDOWN[title] = le.report(bench, counts, GOALS, num, inp, out, BATCH1_GOAL, results)
+
+
+def decode_profiles(results: dict, engines: dict, profiled: dict, mixes: dict, loras: list, rows: int, blocks: int,
+                    decode_steps: int, tokenizer, shape: dict, max_len: int) -> None:
+    """The engine part's profile runs (--decode-profile): per window, `rows` (less its offset)
+    prompts decoding together in the engine that holds the window; each worker's window record
+    cut into steps; per-group and top kernels against the base engine's window (`lora_profile`)."""
+    from scripts import lora_profile as lp
+    from tokenmill import SamplingParams
+
+    out = decode_steps + rows * 384 // 8192 + 4  # (the window's pure decode steps follow the prefill chunks)
+    # every row's KV fits (no preemption), within max_model_len
+    in_len = max(16, min(384, max_len - out, int(0.8 * blocks * 16 / rows) - out))
+    params = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, detokenize=False)
+    lines, base = [], None
+    for engine, windows in profiled.items():
+        for name, n in windows:
+            request = None if name in ("base", "lora_engine_base_requests") else \
+                [mixes[int(name.split("_")[1])][i % len(mixes[int(name.split("_")[1])])] for i in range(n)]
+            prompts = [{"prompt_token_ids": p} for p in make_prompts(tokenizer, "random", n, in_len,
+                                                                      shape["vocab_size"], 500 + n)]
+            start = time.perf_counter()
+            engines[engine].generate(prompts, params, use_tqdm=False, lora_request=request)
+            path = os.path.join(OUT, "decode_profile", name, "rank0.json")
+            if not os.path.exists(path):
+                check(False, f"decode profile {name}: no window written ({path})")
+                continue
+            with open(path) as f:
+                record = json.load(f)
+            a = lp.analyze(*lp.window_events(record))
+            a["wall_ms_unprofiled"] = record.get("wall_ms_per_step_unprofiled")
+            results.setdefault("decode_profile", {})[name] = a
+            base = base or (a if name == "base" else None)
+            what = f"decode, {n} rows x ~{in_len + out // 2} context (graphs), {name}"
+            lines += lp.format_window(what, a, base if name != "base" else None,
+                                      record.get("wall_ms_per_step") or 0.0)
+            print(f"  decode profile {name}: {n} rows, span {a['span_us']:.0f} us a step, busy {a['busy_us']:.0f}, "
+                  f"LoRA kernels {a['lora_sum_us']:.0f} ({a['lora_beside_us']:.0f} beside others) "
+                  f"[{time.perf_counter() - start:.1f} s]", flush=True)
+    for line in lines:
+        print("  " + line)
+    MARKDOWN["decode profile: the engine part's engines, full decode steps (worker windows)"] = lines
 
 
 # ---------------------------------------------------------------- profile: where a step's time goes
@@ -914,8 +1048,21 @@ def main() -> int:
     ap.add_argument("--tiny-runs", default="graphs,one_slot,eager", help="tiny: the engines checked")
     ap.add_argument("--engine-adapters", default="1,8,64", help="engine: the adapter mixes timed")
     ap.add_argument("--engine-repeats", type=int, default=2,
-                    help="engine: rounds of (base run, 1-adapter run), alternated; at least 2; rounds past the "
-                         "second run after the other mixes, while --budget allows; the median round is reported")
+                    help="engine: rounds of (base run, 1-adapter run), alternated; rounds past the first run after "
+                         "the other mixes, while --budget allows; the median round is reported; 0: no timed run "
+                         "(start-up, KV blocks and --decode-profile only)")
+    ap.add_argument("--lora-memory", type=float, default=0.51,
+                    help="engine: the LoRA engine's share of the device, from which it sizes its KV pool; the "
+                         "base engine, alive beside it, gets the same number of KV blocks")
+    ap.add_argument("--kv-blocks", type=int, default=0,
+                    help="engine: KV blocks of both engines (num_gpu_blocks_override); 0: from --lora-memory")
+    ap.add_argument("--decode-profile", type=int, default=0,
+                    help="engine: profile R-row decode steps in each engine (its base, 1 and the most adapters, "
+                         "base requests in the LoRA engine) before the timed runs; 0: off")
+    ap.add_argument("--keep-one-slot", action="store_true",
+                    help="engine: the LoRA engine keeps its one-slot decode graphs without the start-up A/B "
+                         "(TOKENMILL_LORA_SINGLE_CHECK=0), e.g. to profile that path with --decode-profile")
+    ap.add_argument("--batch1-runs", type=int, default=2, help="batch1: alternations of base engine and adapter")
     ap.add_argument("--base-in-lora-prompts", type=int, default=256,
                     help="engine: prompts of the paired base-engine / LoRA-engine runs of base requests")
     ap.add_argument("--budget", type=float, default=290.0,

@@ -98,6 +98,21 @@ def host_launches(trace: dict) -> dict[str, int]:
     return dict(counts)
 
 
+def window_events(record: dict) -> tuple[list[dict], int]:
+    """A worker's decode profile window (`tokenmill/worker/device_profile.py`, written under
+    `gpu_lora.py --decode-profile` by the engines of the engine part): its kernels between the
+    first and the last step marker as `analyze`'s events, and the number of whole steps there."""
+    marker = record.get("marker", "spin_kernel")
+    events = sorted(record["events"], key=lambda e: e[1])
+    marks = [e[1] for e in events if marker in e[0]]
+    if len(marks) >= 2:
+        lo, hi, steps = marks[0], marks[-1], len(marks) - 1
+    else:  # CPU (smoke): no markers; the window as one span
+        lo, hi, steps = float("-inf"), float("inf"), max(int(record.get("steps", 1)), 1)
+    return [{"name": n, "ts": t, "dur": d, "stream": 0} for n, t, d in events
+            if marker not in n and lo <= t < hi], steps
+
+
 def analyze(events: list[dict], steps: int) -> dict:
     """Per-step figures of a window of `steps` steps: device time and launches per group, the busy
     union, the LoRA kernels' time that ran beside other kernels, the top kernels."""

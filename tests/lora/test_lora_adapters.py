@@ -85,3 +85,32 @@ def test_graph_body_token_slots_are_dense() -> None:
     assert slots.stride() == (1,) and slots.tolist() == [3] * 16
     manager.prepare_rows(torch.tensor([2, 1]), 3)
     assert np.array_equal(manager.batch.token_slots.numpy(), [2, 2, 2, 3, 3, 3])
+
+
+@pytest.mark.parametrize("file_dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("model_dtype", ["float32", "bfloat16"])
+def test_packed_host_copy_equals_scaling_in_float32(file_dtype, model_dtype) -> None:
+    """An adapter's host copy (`lora_manager.packed`: one buffer, one conversion pass, B scaled on
+    the way) equals A in the model's dtype and B scaled in float32 and rounded once, whatever the
+    file's dtype; each tensor its own contiguous part of the buffer."""
+    import torch
+
+    from tokenmill.worker.lora_manager import packed
+
+    g = torch.Generator().manual_seed(0)
+    file_dt, model_dt = getattr(torch, file_dtype), getattr(torch, model_dtype)
+    pairs = {(layer, name): (torch.randn(8, 48, generator=g).to(file_dt),
+                             torch.randn(40, 8, generator=g).to(file_dt)[:, :6])  # (a narrowed B: a view)
+             for layer in range(2) for name in ("q_proj", "down_proj")}
+    scaling = 0.37
+    got = packed(pairs, model_dt, pin=False, scaling=scaling)
+    ends = []
+    for key, (a, b) in pairs.items():
+        ga, gb = got[key]
+        assert ga.dtype == gb.dtype == model_dt and ga.is_contiguous() and gb.is_contiguous()
+        assert torch.equal(ga, a.to(model_dt))
+        assert torch.equal(gb, (b.float() * scaling).to(model_dt)), key
+        ends += [(ga.data_ptr(), ga.numel()), (gb.data_ptr(), gb.numel())]
+    size = torch.empty((), dtype=model_dt).element_size()
+    ends.sort()
+    assert all(p0 + n0 * size <= p1 for (p0, n0), (p1, _) in zip(ends, ends[1:]))  # no two overlap

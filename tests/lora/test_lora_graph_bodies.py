@@ -147,7 +147,7 @@ def test_one_slot_decode_family_kept_only_where_it_replays_faster(monkeypatch, s
     from tokenmill.worker import decode_graphs
 
     general, single = object(), object()
-    monkeypatch.setattr(decode_graphs, "_replay_ms", lambda graph, replays: 10.0 if graph is general else single_ms)
+    monkeypatch.setattr(decode_graphs, "replay_ms", lambda graph, replays: 10.0 if graph is general else single_ms)
     calls = []
     lora = SimpleNamespace(set_row=lambda row, slot: calls.append(("row", row, slot)),
                            load_concat=lambda slot: calls.append(("load", slot)))

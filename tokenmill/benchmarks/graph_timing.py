@@ -2,7 +2,7 @@
 
 A graph holding `calls` back-to-back calls of `fn` is captured once on a side stream (after `warmup`
 eager calls there, so Triton compiles and allocators settle outside the capture), replayed once to
-warm, then `replays` times between two CUDA events. Replay removes the launch overhead, so the
+warm, then `replays` times between two CUDA events (`worker/graph_replay_timing.replay_ms`). Replay removes the launch overhead, so the
 figure is the kernels' device time per call.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from tokenmill.worker.graph_replay_timing import replay_ms
 
 
 def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 20, warmup: int = 3) -> float:
@@ -25,11 +27,4 @@ def graph_us(fn: Callable[[], object], calls: int = 1, replays: int = 20, warmup
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1000 / (replays * calls)
+    return replay_ms(graph, replays) * 1000 / calls

@@ -141,8 +141,9 @@ def _check_tensors(weights: str, arch: ModelArch, rank: int, label: str) -> set[
 
 
 def load_adapter(adapter: PeftAdapter):
-    """{(layer, HF projection): (A [r, in], B [out, r] times the scaling)} as float32 CPU tensors."""
-    import torch
+    """{(layer, HF projection): (A [r, in], B [out, r])} as CPU tensors in the file's dtype, B NOT
+    yet multiplied by `adapter.scaling` (the caller does it while converting to the model's dtype:
+    one pass over the tensors instead of a float32 copy first)."""
     from safetensors import safe_open
 
     out = {}
@@ -151,6 +152,5 @@ def load_adapter(adapter: PeftAdapter):
             match = _KEY.search(key)
             layer, module, part = int(match.group(1)), match.group(2), match.group(3)
             pair = out.setdefault((layer, module), [None, None])
-            tensor = f.get_tensor(key).to(torch.float32)
-            pair[0 if part == "A" else 1] = tensor if part == "A" else tensor * adapter.scaling
+            pair[0 if part == "A" else 1] = f.get_tensor(key)
     return {k: (a, b) for k, (a, b) in out.items()}

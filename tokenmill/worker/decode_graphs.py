@@ -44,6 +44,7 @@ from tokenmill.layers.attention.metadata import AttentionMetadata
 from tokenmill.model.intermediate import IntermediateTensors
 from tokenmill.padded_batches import graph_batch_sizes
 from tokenmill.worker.graph_capture import capture_per_size, smallest_fitting
+from tokenmill.worker.graph_replay_timing import replay_ms
 from tokenmill.worker.persistent_batch import PersistentBatch, copy_to_device
 
 logger = logging.getLogger(__name__)
@@ -51,18 +52,6 @@ logger = logging.getLogger(__name__)
 # LoRA: the one-slot decode family is kept only where it replays faster than the general one at
 # start-up (`DecodeGraphs._single_pays`; =0: kept without the check).
 SINGLE_CHECK = os.environ.get("TOKENMILL_LORA_SINGLE_CHECK", "1") not in ("0", "false", "no")
-
-
-def _replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """Milliseconds a replay of `graph` (one warm replay first)."""
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 class DecodeGraphs:
@@ -160,7 +149,7 @@ class DecodeGraphs:
         try:
             for _ in range(2):
                 for name, graphs in (("general", self.graphs), ("single", self.single_graphs)):
-                    times[name].append(_replay_ms(graphs[size], 5))
+                    times[name].append(replay_ms(graphs[size], 5))
         finally:
             self.lora.set_row(scratch, -1)
         general, single = min(times["general"]), min(times["single"])
