@@ -529,10 +529,12 @@ def main() -> int:
         start = time.perf_counter()
         print(f"==== {part}", flush=True)
         if part == "check":
-            unknown = set(args.check_layouts.split(",")) - set(CHECK_LAYOUTS)
+            # ';' separates layouts when one is a key=value name ("tp2;pp=2,split=4.5:3.5")
+            names = args.check_layouts.split(";" if ";" in args.check_layouts else ",")
+            unknown = {n for n in names if "=" not in n} - set(CHECK_LAYOUTS)
             if unknown:
                 raise SystemExit(f"--check-layouts: unknown {sorted(unknown)} (of {', '.join(CHECK_LAYOUTS)})")
-            ok = check(results, args.smoke, args.check_layouts.split(",")) and ok
+            ok = check(results, args.smoke, names) and ok
         elif part == "bench":
             bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput")
         elif part == "arprofile":
