@@ -16,7 +16,9 @@
 - `fp8engines`: the goal figures in one process, every engine warmed on the workload first:
   bf16, fp8 weights, fp8 weights + fp8 KV cache at 256x256x128 and 1000x512x256, batch 1 (bf16
   and fp8). The engines are built one after the other, each shut down before the next;
-  GPU_FP8_ENGINES=bf16,fp8 leaves fp8kv out.
+  GPU_FP8_ENGINES=bf16,fp8 leaves fp8kv out. Then each throughput workload's per-step bound from
+  this card's rates measured in the same process (scripts/fp8_engine_bounds.py), beside the
+  measured tok/s and the ratios to bf16.
 
 Each engine's figures are written to $OUT/part-<name>-partial.json as they come, so a run cut
 by its time limit still leaves what it measured.
@@ -294,22 +296,33 @@ def pdl_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, o
 
 
 # (label, engine kwargs, workloads) of the goal figures, in this order
+# (the fp8 weights + fp8 KV engine before the fp8 one, whose 1000x512x256 with a bf16 KV cache, beyond
+# its bound's 1.5x, comes last: a run cut at its limit loses that one first)
 FP8_ENGINES = [
     ("bf16", {}, ["256x256x128", "1000x512x256", "batch1"]),
-    ("fp8", {"quantization": "fp8"}, ["256x256x128", "1000x512x256", "batch1"]),
-    ("fp8kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["1000x512x256"]),
+    ("fp8kv", {"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["256x256x128", "1000x512x256"]),
+    ("fp8", {"quantization": "fp8"}, ["batch1", "256x256x128", "1000x512x256"]),
 ]
 
 
 def engines_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, out: str, throughput,
                  ms_per_token) -> None:
+    import fp8_engine_bounds as eb
+
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     timings = results.setdefault("timings", {})
+    results["fp8_rates"] = eb.measure_rates(device)  # first, on an idle card; the bounds follow every figure
     only = os.environ.get("GPU_FP8_ENGINES")  # e.g. "bf16,fp8" (a shorter run without fp8kv)
+    failed: list[str] = []
     for label, kwargs, workloads in FP8_ENGINES:
         if only and label not in only.split(","):
             continue
-        llm, up = _engine(config_dir, shape, smoke, label, **kwargs)
+        try:
+            llm, up = _engine(config_dir, shape, smoke, label, **kwargs)
+        except Exception:  # noqa: BLE001 - the next engine still runs; the part fails at the end
+            traceback.print_exc()
+            failed.append(label)
+            continue
         rec = timings.setdefault(label, {"kv_blocks": llm.kv_cache_stats()["num_blocks"], "engine_up_s": up})
         for w in workloads:
             start = time.perf_counter()
@@ -320,5 +333,21 @@ def engines_part(results: dict, device: str, smoke: bool, shape: dict, config_di
                 rec[w] = throughput(llm, scale(num), scale(inp), scale(outp))
             print(f"  {label} {w}: {rec[w]:.2f} {'ms/token' if w == 'batch1' else 'output tok/s'} "
                   f"({time.perf_counter() - start:.0f} s)", flush=True)
+            _bounds(results, shape, timings)
             _save(results, out, "fp8engines")
         _free(llm)
+    for line in results.get("fp8_bound_lines", []):
+        print("  " + line, flush=True)
+    if failed:
+        raise RuntimeError(f"fp8engines: engine(s) {failed} failed to start")
+
+
+def _bounds(results: dict, shape: dict, timings: dict) -> None:
+    """Each engine's per-step bound from this card's rates (`fp8_engine_bounds`), beside the measured
+    tok/s: whether the issue's 1.5x is within what fp8 weights (+ fp8 KV) allow, and how far each is."""
+    import fp8_engine_bounds as eb
+
+    rates = results["fp8_rates"]
+    bounds = eb.engine_bounds(shape, rates, timings, FP8_ENGINES)
+    results["fp8_bounds"] = bounds
+    results["fp8_bound_lines"] = eb.bound_lines(bounds, rates)

@@ -301,6 +301,8 @@ def _probes_and_chain(name, n, k, wt, x, group, counters, smoke, note, r, check,
 
 def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
     """time_ms(fn, device[, reps]), cycled(tensors) and check(ok, what) come from gpu_quant.py."""
+    if os.environ.get("INT4_SWEEP_SET") == "mma":
+        return mma_sweep(results, device, time_ms, cycled, check)
     from tokenmill.layers.quantization import int4_packing as packing
     from tokenmill.layers.quantization import stream_tiles, triton_int4
     from tokenmill.layers.quantization.int4 import for_device
@@ -434,8 +436,188 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
     results["int4sweep_summary_us"] = summary
 
 
+
+# ---------------------------------------------------------------- INT4_SWEEP_SET=mma
+
+def mma_variants(n: int, k: int, group: int, smoke: bool) -> list:
+    """The tensor-core GEMV's launches for one row of this shape: WARPS 4 / 8, SPLIT half / the
+    default's / twice, GPC 1 / 2, zero points by subtraction / by a second mma; and the default
+    with its loads left where ptxas puts them (early off), with the L1 / L2 load hints, with 4
+    groups a step, with 2 warps a CTA."""
+    from dataclasses import replace
+
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    d = mma.default_config(n, k, group)
+    if smoke:  # the interpreter is slow: the default and its other arithmetic
+        return [v for v in (d, replace(d, zmma=True)) if mma.fits(n, k, group, v)]
+    vs = [replace(d, early=False), replace(d, hint=True), replace(d, hint=True, zmma=True),
+          replace(d, gpc=4), replace(d, warps=2), replace(d, warps=2, split=2 * d.split)]
+    for warps in (4, 8):
+        for split in dict.fromkeys((max(1, d.split // 2), d.split, 2 * d.split)):
+            for gpc in (1, 2):
+                for zmma in (False, True):
+                    vs.append(mma.MmaGemv(warps, split, gpc, True, zmma))
+    return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
+
+
+def _mma_calls(device: str, smoke: bool):
+    """One small call per compiled mma variant (one row and eight) and the dequantization."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    shapes = SMOKE_SHAPES if smoke else LLAMA_SHAPES
+    group = SMOKE_GROUP if smoke else GROUP
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    calls, seen = [], set()
+    n, k = 1024, 4096
+    wt = packing.from_codes(packing.quantize_int4(torch.randn(n, k, device=device), group, sym=False), dt,
+                            act_order=False)
+    qm = packing.to_mma(wt.qweight)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+    for m in (1, 8):
+        x = torch.randn(m, k, device=device, dtype=dt)
+        for sn, sk in shapes.values():  # eight rows: the default launch (and zmma) only, as the sweep times
+            d = mma.config_for(sn, sk, group)
+            for c in (mma_variants(sn, sk, group, smoke) if m == 1 else (d, replace_zmma(d))):
+                key = (c, m)
+                if key in seen or not mma.fits(n, k, group, c):
+                    continue
+                seen.add(key)
+                calls.append((f"mma {c.label()} m{m}", lambda c=c, x=x: mma.mma_gemv(x, qm, wt.scales, wt.zeros, group,
+                                                                                     c, counters)))
+    calls.append(("mma dequant", lambda: mma.mma_dequantize(qm, wt.scales, wt.zeros, group, dt)))
+    return calls
+
+
+def mma_precompile_shard(shard: str) -> None:
+    triton_precompile.compile_shard(_mma_calls("cuda", False), shard)
+
+
+def mma_sweep(results: dict, device: str, time_ms, cycled, check) -> None:
+    """INT4_SWEEP_SET=mma: per Llama-8B linear, bf16 cuBLAS, the engine's one-row GEMV of today
+    (the prefetching GEMV's table launch on its panels) and the tensor-core GEMV's variants, each
+    checked against a float32 reference; then 8 rows, 16 rows (two launches) and 256 rows
+    (dequantize the mma layout + cuBLAS against the panel layout's dequantize + cuBLAS)."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import stream_tiles, triton_int4
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+    from tokenmill.layers.quantization import triton_int4_prefetch_gemv as pf
+
+    cuda = device == "cuda"
+    smoke = not cuda
+    shapes = SMOKE_SHAPES if smoke else LLAMA_SHAPES
+    group = SMOKE_GROUP if smoke else GROUP
+    dt = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        triton_precompile.compile_in_processes(__file__, "--mma-precompile", min(15, max(1, (os.cpu_count() or 2) - 1)),
+                                               float(os.environ.get("INT4_SWEEP_COMPILE_S", "40")), "int4sweep mma")
+    deadline = time.perf_counter() + float(os.environ.get("INT4_SWEEP_BUDGET_S", "60"))
+    rec = results.setdefault("int4sweep_mma", {})
+    copy_bps = _copy_bandwidth(device, time_ms) if cuda else None
+    if copy_bps:
+        rec["copy_GBps"] = copy_bps / 1e9
+        print(f"  copy bandwidth {copy_bps / 1e12:.2f} TB/s (read + write)", flush=True)
+    best: dict = {}
+    for name, (n, k) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(n, k, device=device, generator=g).to(dt) * 0.02
+        wt = packing.from_codes(packing.quantize_int4(w, group, sym=False), dt, act_order=False)
+        ref_w = packing.dequantize(wt, group, torch.float32)
+        counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+        qm = packing.to_mma(wt.qweight)
+        bf16_w = cycled([w])
+        mma_w = cycled([qm, wt.scales, wt.zeros])
+        x = torch.randn(1, k, device=device, dtype=dt)
+        ref = x.float() @ ref_w
+        r = rec.setdefault(f"m1/{name}", {})
+
+        def note(label, fn, r=r, variant=None, name=name):
+            if time.perf_counter() > deadline:
+                return
+            ms = time_ms(fn, device)
+            r[label] = ms
+            if variant is not None and ms < best.get(name, (float("inf"),))[0]:
+                best[name] = (ms, label, variant)
+        note("bf16", lambda: x @ bf16_w()[0].t())
+        pc = pf.config_for(n, k, group) if not smoke else None
+        if pc is not None:  # today's engine path for one row
+            qp = packing.to_panels(wt.qweight, pc.panel)
+            err = _rel(pf.prefetch_gemv(x, qp, wt.scales, wt.zeros, group, pc, counters), ref)
+            check(err < 1e-2 and not counters.any(), f"int4 prefetch GEMV {name}: rel err {err:.1e}")
+            pf_w = cycled([qp, wt.scales, wt.zeros])
+            note("prefetch (engine today)", lambda: pf.prefetch_gemv(x, *pf_w(), group, pc, counters))
+            del qp, pf_w
+        for c in mma_variants(n, k, group, smoke):
+            try:
+                out = mma.mma_gemv(x, qm, wt.scales, wt.zeros, group, c, counters)
+                err = _rel(out, ref)
+                if err > 1e-2 or counters.any():
+                    check(False, f"int4 mma GEMV {name} {c.label()}: rel err {err:.1e}, counters zeroed "
+                                 f"{not counters.any()}")
+                    continue
+                note(c.label(), lambda c=c: mma.mma_gemv(x, *mma_w(), group, c, counters), variant=c)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                check(False, f"int4 mma GEMV {name} {c.label()}: {type(e).__name__}: {str(e)[:400]}")
+        if name in best:
+            check(True, f"int4 mma GEMV {name}: every variant within 1e-2 of the reference")
+        floor = (lambda ms: f" ({(n * k / 2) / copy_bps * 1000 / ms:.0%} of copy bw)") if copy_bps else (lambda ms: "")
+        ranked = sorted((v, lab) for lab, v in r.items())
+        print(f"  m1 {name} {n}x{k}: " + "; ".join(f"{lab} {v * 1000:.1f}{floor(v)}" for v, lab in ranked), flush=True)
+        # more rows: 8 (one launch), 16 (two), 256 (dequantize + cuBLAS, mma layout against panels)
+        c = mma.config_for(n, k, group)
+        for m in (8, 16, 256):
+            if time.perf_counter() > deadline:
+                break
+            xm = torch.randn(m, k, device=device, dtype=dt)
+            refm = xm.float() @ ref_w
+            rm = rec.setdefault(f"m{m}/{name}", {})
+            err = _rel(mma.mma_matmul(xm, qm, wt.scales, wt.zeros, group, counters), refm)
+            check(err < 1e-2 and not counters.any(), f"int4 mma_matmul {name} m={m}: rel err {err:.1e}")
+            note("bf16", lambda: xm @ bf16_w()[0].t(), r=rm)
+            note("mma_matmul", lambda: mma.mma_matmul(xm, *mma_w(), group, counters), r=rm)
+            if m <= 8:
+                note("mma zmma", lambda: mma.mma_gemv(xm, *mma_w(), group, replace_zmma(c), counters), r=rm)
+            words_w = cycled([wt.qweight, wt.scales, wt.zeros])
+            if m == 256:
+                note("dequant(words) + mm", lambda: xm @ triton_int4.dequantize_int4(*words_w(), None, group, dt), r=rm)
+            else:
+                note("engine today", lambda: triton_int4.int4_matmul(xm, *words_w(), None, group, counters), r=rm)
+            print(f"  m{m} {name}: " + "; ".join(f"{lab} {v * 1000:.1f}" for lab, v in rm.items()), flush=True)
+        if cuda and name == "qkv":  # in a CUDA graph, replayed: split-K counters reset every time
+            xs = [torch.randn(1, k, device=device, dtype=dt) for _ in range(3)]
+            mma.mma_gemv(xs[0], qm, wt.scales, wt.zeros, group, c, counters)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = [mma.mma_gemv(xi, qm, wt.scales, wt.zeros, group, c, counters) for xi in xs]
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            errs = [_rel(o, xi.float() @ ref_w) for o, xi in zip(outs, xs)]
+            check(max(errs) < 1e-2 and not counters.any(), f"int4 mma GEMV {c.label()} replayed in a CUDA graph: "
+                                                           f"rel err {max(errs):.1e}")
+            del graph, outs
+        del w, wt, ref_w, qm, bf16_w, mma_w
+        if cuda:
+            torch.cuda.empty_cache()
+    tot = {key: sum(rec.get(f"m1/{nm}", {}).get(key, float("nan")) for nm in shapes) * 1000
+           for key in ("bf16", "prefetch (engine today)")}
+    tot["mma best each"] = sum(best[nm][0] for nm in shapes if nm in best) * 1000
+    results["int4sweep_mma_summary_us"] = tot
+    print(f"  INT4SWEEP mma m1: the layer's four linears: " + ", ".join(f"{k_} {v:.1f} us" for k_, v in tot.items()),
+          flush=True)
+    for nm, (ms, label, v) in sorted(best.items()):
+        print(f"  MMA TABLE {shapes[nm]}: {v!r},  # {ms * 1000:.1f} us", flush=True)
+
+
+def replace_zmma(c):
+    from dataclasses import replace
+
+    return replace(c, zmma=not c.zmma)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--precompile":
+    if len(sys.argv) == 3 and sys.argv[1] in ("--precompile", "--mma-precompile"):
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         os.environ["TRITON_INTERPRET"] = "0"
-        precompile_shard(sys.argv[2])
+        (precompile_shard if sys.argv[1] == "--precompile" else mma_precompile_shard)(sys.argv[2])

@@ -117,11 +117,12 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> b
     envs["tp2"] = {"TOKENMILL_TP_OVERLAP": "1", "TOKENMILL_TP_OVERLAP_MIN_TOKENS": "32"}
     # TP=2 with the all-reduce, residual add and RMSNorm apart: the fused kernel's numerics beside it.
     envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
-    layouts = [lc.Layout.parse(n) if n in LAYOUTS else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
+    # (a name of key=value pairs, e.g. "pp=2,split=4.5:3.5", is its own layout: `Layout.parse`)
+    layouts = [lc.Layout.parse(n) if n in LAYOUTS or "=" in n else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
     report = lc.check_layouts(path, layouts, sequences, common, envs=envs, base=base, probe=probe)
     print(lc.format_report(report), flush=True)
     verdicts = {v.spread.label: v.passed for v in report.verdicts}
-    ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused") if n in verdicts) \
+    ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused", *(n for n in names if "=" in n)) if n in verdicts) \
         and not verdicts.get("tp2-gate-up-swapped", False)
     decode_ok = {n: dc.judge(r, probes["one"]) for n, r in probes.items() if n != "one"}
     for name, result in probes.items():
@@ -528,10 +529,12 @@ def main() -> int:
         start = time.perf_counter()
         print(f"==== {part}", flush=True)
         if part == "check":
-            unknown = set(args.check_layouts.split(",")) - set(CHECK_LAYOUTS)
+            # ';' separates layouts when one is a key=value name ("tp2;pp=2,split=4.5:3.5")
+            names = args.check_layouts.split(";" if ";" in args.check_layouts else ",")
+            unknown = {n for n in names if "=" not in n} - set(CHECK_LAYOUTS)
             if unknown:
                 raise SystemExit(f"--check-layouts: unknown {sorted(unknown)} (of {', '.join(CHECK_LAYOUTS)})")
-            ok = check(results, args.smoke, args.check_layouts.split(",")) and ok
+            ok = check(results, args.smoke, names) and ok
         elif part == "bench":
             bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput")
         elif part == "arprofile":

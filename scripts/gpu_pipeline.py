@@ -6,21 +6,25 @@ partition they give, and the teacher-forced check of PP=2 against one GPU.
           every layout at the same --max-num-seqs, one engine each (scripts/device_check.py's bench),
           each PP layout with `--trace-steps`: output tok/s and the ratio to tp1 (goal PP=2 >= 1.85x),
           then per stage, from the trace (tokenmill/benchmarks/pipeline_trace.py): busy, bubble
-          (goal < 3%), the idle time split by cause (fill, drain, waiting for the previous stage,
-          waiting for the core, launch), median decode / prompt step per stage and their imbalance,
+          (the steady state's device idle, fill and drain apart; goal < 3%), the idle time split
+          into the partition's imbalance (behind the busiest stage) and stalls, and gap by gap by
+          cause (fill, drain, waiting for the previous stage, waiting for the core, launch), median decode / prompt step per stage and their imbalance,
           and how equal consecutive micro-batches are.
           Layouts: tp1, and pp2[-mbN][-dt|-nodt][-pA.B|-measured]: N micro-batches in flight
           (--pp-microbatches), sampled tokens from the last stage to the first on the devices (-dt:
           --pp-device-tokens: the host's turn-around leaves the pipeline's cycle; -nodt: the
           host's way, whatever the engine's default), layers A on stage
-          0 and B on stage 1 (--pp-layer-partition A,B) or the split balanced by the stage probe at
-          start ("measured").
+          0 and B on stage 1 (--pp-layer-partition A,B), -hA.B: A and B half layers (h33.31:
+          16.5,15.5, stage 0 also runs layer 16's attention) or the split balanced by the stage
+          probe at start ("measured").
   probe   tokenmill/worker/stage_probe.py on GPU 0 at the bench's decode micro-batch (max_num_seqs /
-          2 rows): a layer's, the embedding's and the LM head's time, and the partition
-          stage_balance.balanced_partition picks from them (printed beside the even split's times).
-  check   scripts/gpu_layouts.py's teacher-forced layout check in bfloat16, PP=2 against one GPU
-          (tokenmill/benchmarks/layout_check.py): fails (exit 1) when PP=2's logits stray further
-          from one GPU's than two valid one-GPU reductions do.
+          3 rows; / 2 with device tokens): a layer's (and its attention half's), the embedding's and
+          the LM head's time, and the partitions stage_balance picks from them in whole and in half
+          layers (printed beside the even split's times).
+  check   scripts/gpu_layouts.py's teacher-forced layout check in bfloat16, PP=2 and --check-layouts
+          (default: PP=2 with half layers) against one GPU (tokenmill/benchmarks/layout_check.py):
+          fails (exit 1) when their logits stray further from one GPU's than two valid one-GPU
+          reductions do.
 
   NCCL_NVLS_ENABLE=0 OUT=/tmp/gpu-out python scripts/gpu_pipeline.py --layouts tp1,pp2,pp2-mb3
   python scripts/gpu_pipeline.py --smoke           # CPU (gloo), tiny shapes: checks that it runs
@@ -51,7 +55,8 @@ import gpu_layouts  # noqa: E402  (the layout check; its smoke shapes)
 
 from tokenmill.benchmarks import pipeline_trace  # noqa: E402
 
-_LAYOUT = re.compile(r"^pp2(?:-mb(?P<mb>\d+))?(?P<dt>-dt|-nodt)?(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|(?P<measured>measured)))?$")
+_LAYOUT = re.compile(r"^pp2(?:-mb(?P<mb>\d+))?(?P<dt>-dt|-nodt)?"
+                     r"(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|h(?P<ha>\d+)\.(?P<hb>\d+)|(?P<measured>measured)))?$")
 
 
 def layout_flags(name: str) -> list[str]:
@@ -60,7 +65,7 @@ def layout_flags(name: str) -> list[str]:
         return []
     m = _LAYOUT.match(name)
     if m is None:
-        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt|-nodt][-pA.B|-measured])")
+        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt|-nodt][-pA.B|-hA.B|-measured])")
     flags = ["--pipeline-parallel-size", "2"]
     if m["mb"]:
         flags += ["--pp-microbatches", m["mb"]]
@@ -68,18 +73,37 @@ def layout_flags(name: str) -> list[str]:
         flags += ["--pp-device-tokens" if m["dt"] == "-dt" else "--no-pp-device-tokens"]
     if m["a"]:
         flags += ["--pp-layer-partition", f"{m['a']},{m['b']}"]
+    elif m["ha"]:  # half layers: 33.31 -> 16.5,15.5 (a boundary after a layer's attention)
+        flags += ["--pp-layer-partition", f"{int(m['ha']) / 2:g},{int(m['hb']) / 2:g}"]
     elif m["measured"]:
         flags += ["--pp-layer-partition", "measured"]
     return flags
 
 
-def run_partition(name: str, shape: str) -> tuple[int, ...]:
-    """The layers per stage a PP layout ran with (a measured split is not known here: the even one)."""
+def run_partition(name: str, shape: str) -> tuple[int, ...] | None:
+    """The layers per stage a PP layout ran with (a measured split is not known here: the even one;
+    None for half layers, which the trace's whole-layer suggestion does not model)."""
     from tokenmill.distributed.layout import even_partition
     m = _LAYOUT.match(name)
+    if m and m["ha"]:
+        return None
     if m and m["a"]:
         return int(m["a"]), int(m["b"])
     return even_partition(device_check.SHAPES[shape]["num_hidden_layers"], 2)
+
+
+def written_record(shape: str, workload: tuple[int, int, int], name: str, since: float) -> dict | None:
+    """The bench record a layout's run wrote (device_check.bench's file: `_pp_<name>` ends its
+    name) since `since` (time.perf_counter), or None: a run killed while its engine shut down has
+    finished its bench and its figures stand."""
+    import glob
+    n, lin, lout = workload
+    cutoff = time.time() - (time.perf_counter() - since)
+    for path in glob.glob(os.path.join(OUT, f"bench_{shape}_{n}x{lin}x{lout}_*_pp_{glob.escape(name)}.json")):
+        if os.path.getmtime(path) >= cutoff:
+            with open(path) as f:
+                return json.load(f)
+    return None
 
 
 def save(results: dict) -> None:
@@ -116,6 +140,10 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         key = next(k for k in results if k.startswith(f"bench_{shape}_{n}x{lin}x{lout}") and k.endswith(f"_pp_{name}"))
         record = results.pop(key)
         tm = record.get("tokenmill") or {}
+        late = None if tm else written_record(shape, (n, lin, lout), name, started)
+        if late is not None:  # killed at shutdown, after the bench wrote its record (mid-session, two H100s)
+            tm = late.get("tokenmill") or {}
+            print(f"{name}: killed after its bench finished and wrote its record: its figures stand", flush=True)
         if not tm:  # failed or killed at its timeout (a hang): said so, and the next layouts still run
             figures[name] = {"error": (record.get("error") or "")[-600:], "seconds": time.perf_counter() - started}
             print(f"{name}: FAILED after {figures[name]['seconds']:.0f} s (timeout {timeout:.0f} s)", flush=True)
@@ -129,8 +157,9 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
                   f"elapsed{' (MORE: a stale step start)' if total > 1.02 * (tm.get('elapsed_s') or 0) else ''}")
         if flags and os.path.exists(trace):
             analysis = pipeline_trace.analyze(pipeline_trace.load(trace))
-            if analysis:
-                analysis["partition"] = pipeline_trace.suggest_partition(analysis, run_partition(name, shape))
+            partition = run_partition(name, shape)
+            if analysis and partition is not None:
+                analysis["partition"] = pipeline_trace.suggest_partition(analysis, partition)
             fig["trace"] = analysis
             print(pipeline_trace.format_report(name, analysis), flush=True)
         fig["seconds"] = time.perf_counter() - started
@@ -139,26 +168,31 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         save(results)
     one = (figures.get("tp1") or {}).get("output_tokens_per_s")
     print(f"\n{n} x {lin} x {lout}, max_num_seqs {max_num_seqs} for every layout")
-    print(f"{'layout':<18} {'out tok/s':>10} {'x one GPU':>10} {'goal':>6} {'bubble':>8} {'w/o fill':>8} "
-          f"{'tpot p50':>9}")
+    print(f"{'layout':<18} {'out tok/s':>10} {'x one GPU':>10} {'goal':>6} {'bubble':>8} {'stage 0':>8} "
+          f"{'stage 1':>8} {'w/ fill':>8} {'tpot p50':>9}")
     for name, fig in figures.items():
         value = fig.get("output_tokens_per_s")
         ratio = value / one if value and one else None
         fig["ratio_to_one_gpu"] = ratio
         trace = fig.get("trace") or {}
-        bubble, steady = trace.get("bubble_fraction"), trace.get("bubble_between_steps_fraction")
+        steady, whole = trace.get("bubble_steady_fraction"), trace.get("bubble_fraction")
+        per_stage = [s["steady"]["bubble_fraction"] for s in trace.get("stages") or []] or [None, None]
+
+        def pct(x):
+            return "" if x is None else f"{x:.1%}"
         print(f"{name:<18} {'-' if value is None else round(value):>10} {'' if ratio is None else f'{ratio:.3f}':>10} "
-              f"{'>=1.85' if name != 'tp1' else '':>6} {'' if bubble is None else f'{bubble:.1%}':>8} "
-              f"{'' if steady is None else f'{steady:.1%}':>8} {fig.get('tpot_ms_p50') or 0:9.2f}")
-    print("(bubble: mean over stages of idle / the run's window, from the step trace; goal < 3%. "
-          "w/o fill: each stage from its first step to its last)")
+              f"{'>=1.85' if name != 'tp1' else '':>6} {pct(steady):>8} {pct(per_stage[0]):>8} "
+              f"{pct(per_stage[-1]):>8} {pct(whole):>8} {fig.get('tpot_ms_p50') or 0:9.2f}")
+    print("(bubble: the steady state's device idle, mean over stages (stage 0, stage 1 beside it): from the last "
+          "stage's first step to the first stage's last, from the step trace; goal < 3%. w/ fill: the whole run, "
+          "fill and drain included)")
     save(results)
 
 
 def probe(results: dict, smoke: bool, max_num_seqs: int, context: int) -> None:
     import torch
 
-    from tokenmill.distributed.stage_balance import balanced_partition, explain
+    from tokenmill.distributed.stage_balance import balanced_halves, balanced_partition, explain, explain_halves
     from tokenmill.model.arch import model_arch
     from tokenmill.model.hf_config import load_hf_config
     from tokenmill.worker.stage_probe import measure
@@ -167,15 +201,17 @@ def probe(results: dict, smoke: bool, max_num_seqs: int, context: int) -> None:
     shape = "llama8b-smoke" if smoke else "llama8b"
     arch = model_arch(load_hf_config(device_check.config_dir(shape)))
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    rows = max(1, max_num_seqs // 2)
+    rows = max(1, max_num_seqs // 3)  # three micro-batches in flight (two stages, the async slot)
     figures = {}
-    for label, r in (("decode", rows), ("decode_half", max(1, rows // 2))):
+    for label, r in (("decode", rows), ("decode_dt", max(1, max_num_seqs // 2))):
         costs = measure(arch, dtype, device, r, context)
-        partition = balanced_partition(costs, 2)
-        figures[label] = {"rows": r, "layer_ms": costs.layers[0], "embedding_ms": costs.embedding,
-                          "head_ms": costs.head, "partition": list(partition),
-                          "stage_ms": costs.stage_times(partition)}
+        partition, halves = balanced_partition(costs, 2), balanced_halves(costs, 2)
+        figures[label] = {"rows": r, "layer_ms": costs.layers[0], "attention_half_ms": costs.attention[0],
+                          "embedding_ms": costs.embedding, "head_ms": costs.head, "partition": list(partition),
+                          "stage_ms": costs.stage_times(partition), "halves": list(halves),
+                          "halves_stage_ms": costs.halves().stage_times(halves)}
         print(f"probe {r} rows x {context} positions: {explain(costs, partition)}", flush=True)
+        print(f"  in half layers: {explain_halves(costs, halves)}", flush=True)
     results["probe"] = figures
     save(results)
 
@@ -192,6 +228,10 @@ def main() -> int:
                          "--min-run left is skipped")
     ap.add_argument("--run-timeout", type=float, default=150.0, help="seconds: a bench run is killed past it")
     ap.add_argument("--min-run", type=float, default=30.0, help="seconds: the least a bench run is started with")
+    ap.add_argument("--check-layouts", default=None,
+                    help="check: layouts judged beside pp2, ';'-separated, as layout_check.Layout.parse takes them "
+                         "(default pp=2,split=4.5:3.5: the check's model has 8 layers, layer 4's attention on stage 0; "
+                         "smoke: 3 layers, split=1.5:1.5)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
@@ -222,7 +262,9 @@ def main() -> int:
         elif part == "probe":
             probe(results, args.smoke, args.max_num_seqs, args.probe_context)
         elif part == "check":
-            ok = gpu_layouts.check(results, args.smoke, ["pp2"]) and ok
+            extra = args.check_layouts if args.check_layouts is not None else \
+                "pp=2,split=1.5:1.5" if args.smoke else "pp=2,split=4.5:3.5"
+            ok = gpu_layouts.check(results, args.smoke, ["pp2", *filter(None, extra.split(";"))]) and ok
         else:
             raise SystemExit(f"--parts: unknown part {part!r} (bench, probe, check)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)

@@ -15,6 +15,8 @@ Parts (--parts, comma-separated; default all, run in this order):
            16k-token prompt; KV blocks
   fp8      FP8 W8A8 (online, per-channel weights): 256x256x128, 1000x512x256, batch 1
   int4     INT4 W4A16 (a GPTQ config, group 128; dummy weights quantized at load): batch 1, 256x256x128
+  int4panels (not by default) the same INT4 engine with the CUDA-core panel GEMV of before the
+           tensor-core one (TOKENMILL_INT4_MMA=0): batch 1, a same-run figure beside int4's
   kvfp8    bf16 weights, fp8 (e4m3) KV cache against a bf16-KV engine in the same process
            (scripts/gpu_kvfp8.py): KV blocks, batch 1 with a 16k prompt (decode ms/token from token
            timestamps, rounds interleaved; the decode step profiled per kernel group), 1000x512x256
@@ -45,6 +47,9 @@ Parts (--parts, comma-separated; default all, run in this order):
            (scripts/gpu_fp8_engines.py, one process)
   pdlplant (not by default) pdl's chain check against a planted race (no kernel waits): must fail
   siluquant (not by default) SiLU-and-mul + fp8 quantization: two kernels vs the fused one (256, 8192 rows)
+  b1       (not by default) the fp8 batch-1 weight stream at kernel level: each linear and the LM head at
+           one row (bf16, the engine's tiles, a one-row tile sweep) as fractions of copy bandwidth, SiLU
+           in down_proj's GEMV, the fp8 LM head's time and error, the one-row chain (scripts/gpu_fp8_batch1.py)
   fp8engines (not by default) the FP8 goal figures in one process: bf16, fp8, fp8 + fp8 KV cache
            at 256x256x128 and 1000x512x256, batch 1 (bf16, fp8), every engine warmed
   tiny     tiny quantized checkpoints of every format (tests/helpers/quant_formats.py) on CUDA
@@ -318,13 +323,16 @@ def _stream_kernel_checks(device: str, dt: torch.dtype, g: torch.Generator) -> N
         err = ((out.double() - ref).norm() / ref.norm()).item()
         check(err < 1e-2 and not counters.any(), f"int4 stream m={m} "
               f"{stream_tiles.int4_tiles(m, n, k, 128, stream_tiles.sm_count(x.device)).label()}: rel err {err:.1e}")
-    # The engine's layout (`int4.for_device`: panels on CUDA) through int4_matmul: one row takes the
-    # panel GEMV (fp16x2 inline PTX by default), more rows the streaming kernel reading the panels.
+    # The engine's layout (`int4.for_device`: on CUDA the tensor-core GEMV's, or panels with
+    # TOKENMILL_INT4_MMA=0) through int4_matmul: with panels one row takes the panel GEMV, more
+    # rows the streaming kernel; with the mma layout, `triton_int4_mma.mma_matmul`.
     from tokenmill.layers.quantization.int4 import for_device
     from tokenmill.layers.quantization.triton_int4 import int4_matmul
     from tokenmill.layers.quantization.triton_int4_gemv import MODES, int4_gemv
     wd = for_device(wt, 128)
-    check(wd.qweight.dim() == (3 if device == "cuda" else 2), f"int4 engine layout: qweight {tuple(wd.qweight.shape)}")
+    from tokenmill.layers.quantization.int4 import mma_enabled
+    want = (4 if mma_enabled() else 3) if device == "cuda" else 2
+    check(wd.qweight.dim() == want, f"int4 engine layout: qweight {tuple(wd.qweight.shape)}")
     for m in (1, 3, 64, 300):
         x = torch.randn(m, k, generator=g).to(device, dt)
         ref = x.double() @ ref_w
@@ -448,6 +456,7 @@ ENGINES = {
     "bf16": ({}, ["256x256x128", "1000x512x256", "batch1", "batch1_16k"]),
     "fp8": ({"quantization": "fp8"}, ["256x256x128", "1000x512x256", "batch1"]),
     "int4": ({"gptq": True}, ["batch1", "256x256x128"]),
+    "int4panels": ({"gptq": True}, ["batch1"]),  # TOKENMILL_INT4_MMA=0: the panel GEMV (engine_part sets it)
     "kvfp8": ({"kv_cache_dtype": "fp8"}, ["attention", "1000x512x256", "batch1_16k"]),  # attention: kernels alone
     # What FP8 serving usually means (weights and KV cache): a figure beside the goals, not one of them.
     "fp8kv": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["256x256x128", "1000x512x256"]),
@@ -457,7 +466,34 @@ GOALS = [("fp8", "256x256x128", 1.5, True), ("fp8", "1000x512x256", 1.5, True), 
          ("int4", "batch1", 0.4, False), ("int4", "256x256x128", 1.0, True),
          ("kvfp8", "kv_blocks", 2.0, True), ("kvfp8", "1000x512x256", 1.0, True),
          ("kvfp8", "batch1_16k", 1.0, False)]
-INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256")]  # ratios printed, no goal
+INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256"), ("int4panels", "batch1")]  # ratios printed, no goal
+
+
+def _int4_engine_layout_check(results: dict, device: str = "cuda", n: int = 6144, k: int = 4096) -> None:
+    """int4_matmul on the layout the engine keeps (`int4.for_device`) for a Llama-8B qkv weight at
+    1, 3, 8, 16, 40 and 300 rows against a float32 reference (a few seconds)."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization.int4 import for_device
+    from tokenmill.layers.quantization.triton_int4 import int4_matmul
+
+    g = torch.Generator(device=device).manual_seed(0)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    w = torch.randn(n, k, device=device, generator=g) * 0.02
+    wt = packing.from_codes(packing.quantize_int4(w, 128, sym=False), dt, act_order=False)
+    wd = for_device(wt, 128)
+    ref_w = packing.dequantize(wt, 128, torch.float32)
+    counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+    errs = {}
+    for m in (1, 3, 8, 16, 40, 300):
+        x = torch.randn(m, k, device=device, generator=g).to(dt)
+        ref = x.float() @ ref_w
+        errs[m] = ((int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters).float() - ref).norm()
+                   / ref.norm()).item()
+    results.setdefault("int4_layout_check", {})[f"{tuple(wd.qweight.shape)}"] = errs
+    check(max(errs.values()) < 1e-2 and not counters.any(),
+          f"int4 engine layout {tuple(wd.qweight.shape)}: int4_matmul at 1..300 rows, worst rel err "
+          f"{max(errs.values()):.1e}")
 
 
 def engine_part(results: dict, label: str, smoke: bool) -> None:
@@ -470,6 +506,10 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     if label == "bf16" and os.environ.get("QUANT_BF16_WORKLOADS"):  # e.g. only what the fp8 goals compare
         workloads = [w for w in workloads if w in os.environ["QUANT_BF16_WORKLOADS"].split(",")]
     kwargs = dict(kwargs)
+    if label == "int4panels":  # this part's own process (and the engine's, which inherit it)
+        os.environ["TOKENMILL_INT4_MMA"] = "0"
+    if label in ("int4", "int4panels") and not smoke:  # what the engine times must be right: its layout checked first
+        _int4_engine_layout_check(results)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     # Prefix caching off: the batch-1 runs repeat prompts, and every run must prefill.
@@ -852,13 +892,14 @@ def tune(results: dict, device: str) -> None:
 
 # ---------------------------------------------------------------- the parts, each in a subprocess
 
-PARTS = ["kernels", "bf16", "fp8", "int4", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep", "profile",
+PARTS = ["kernels", "bf16", "fp8", "int4", "int4panels", "kvfp8", "fp8kv", "micro", "tiny", "tune", "sweep", "int4sweep", "profile",
          "w8a8"]
 PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
+PARTS += ["b1"]  # scripts/gpu_fp8_batch1.py (not by default)
 # Most seconds a part may take (the budget left caps it further).
-PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
+PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "int4panels": 80, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
-PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200})
+PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90})
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -882,6 +923,10 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_int4_sweep
             gpu_int4_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name == "b1":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_fp8_batch1
+            gpu_fp8_batch1.batch1_part(results, device, smoke, check, _time_ms, _cycled, OUT)
         elif name in ("pdl", "pdlplant", "siluquant", "fp8engines"):
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_engines
@@ -989,6 +1034,8 @@ def _markdown(results: dict) -> str:
         for m, t in tune_totals.items():
             lines.append(f"| {m} | " + " | ".join(f"{t[c] * 1000:.0f}" if c in t else "—" for c in cols) + " |")
     lines += _fp8_profile_lines(results)
+    if results.get("fp8_bound_lines"):  # the fp8engines part's per-step bounds
+        lines += [""] + results["fp8_bound_lines"]
     lines += ["", f"Parts: {results['part_status']}", f"Failures: {results['failures'] or 'none'}", ""]
     return "\n".join(lines)
 
@@ -996,7 +1043,8 @@ def _markdown(results: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
-                                                                          "pdl", "pdlplant", "siluquant", "fp8engines")))
+                                                                          "pdl", "pdlplant", "siluquant", "fp8engines",
+                                                                          "int4panels", "b1")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")

@@ -226,6 +226,9 @@ class ParallelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # Replace layer_partition at start by one balanced by measured time (`distributed.stage_balance`):
     # rank 0 times a layer, the embedding and the LM head, and every rank takes its split.
     balance_stages: bool = False
+    # Per stage boundary: it falls after the attention of the later stage's first layer (half
+    # layers, `distributed/layout.py`); () : every boundary between whole layers.
+    split_attention: tuple[bool, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -387,7 +390,8 @@ _FLAG_HELP = {
     "tensor_parallel_size": "tensor-parallel ranks: every layer split over this many devices (-tp)",
     "pipeline_parallel_size": "pipeline stages: the layers split over this many devices in turn (-pp)",
     "pp_layer_partition": "decoder layers per pipeline stage, comma-separated; 'even' (the default: as even as "
-                          "possible) or 'measured' (balanced by timing a layer, the embedding and the LM head at start)",
+                          "possible) or 'measured' (balanced by timing a layer, the embedding and the LM head at start); "
+                          "halves (16.5,15.5: a boundary after a layer's attention) for Llama-layer families",
     "distributed_executor_backend": "mp (local worker processes) or ray (actors, across nodes; pip install "
                                     "tokenmill[ray])",
     "single_process": "run the engine core and the worker in the caller's process (tests, debugging)",

@@ -21,7 +21,9 @@ from tokenmill.layers.quantization.stream_tiles import Tiles
 require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
 FP8_TILES = [Tiles(1, 16, 32, 1), Tiles(1, 16, 32, 3), Tiles(1, 16, 32, 2, flat=False), Tiles(16, 16, 32, 2),
-             Tiles(1, 16, 32, 2, pipe=True), Tiles(16, 16, 32, 1, stages=2, pipe=True)]
+             Tiles(1, 16, 32, 2, pipe=True), Tiles(16, 16, 32, 1, stages=2, pipe=True),
+             # more weight tiles loaded before the PDL wait (with more than, and fewer than, the slice's tiles)
+             Tiles(1, 16, 32, 1, pipe=True, pre=3), Tiles(1, 16, 32, 3, pipe=True, pre=4), Tiles(1, 16, 64, 2, pre=2)]
 
 
 def _fp8_weight(n, k, block, seed=0):
@@ -134,3 +136,128 @@ def test_tile_tables(monkeypatch):
     assert st.int4_tiles(300, 4096, 4096, 128, 132).block_m >= 64 and st.int4_tiles(300, 4096, 4096, 128, 132).split == 1
     assert st.fp8_tiles(1, 4096, 4096, None, 132).split > 1  # 128 N tiles cannot fill 132 SMs twice
     assert st.fp8_tiles(1, 96, 256, (32, 32), 132).block_k == 32  # inside one scale block
+
+
+def _silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up with `triton_ops.silu_and_mul`'s roundings (silu to x's dtype, then the product)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate).to(x.dtype).float() * up).to(x.dtype)
+
+
+@pytest.mark.parametrize("m,dtype", [(1, torch.float32), (3, torch.float32), (1, torch.float16), (5, torch.float16)])
+def test_fp8_stream_silu_x_is_silu_and_mul_then_the_gemv(m, dtype):
+    """silu_x: the GEMV reads a [gate | up] row pair and multiplies silu(gate) * up in its loads; it
+    must equal SiLU-and-mul followed by the plain GEMV (bitwise where the summation is the same)."""
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm, fp8_stream_reference
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    w, q, s = _fp8_weight(48, 128, None)
+    x = (torch.randn(m, 256, generator=torch.Generator().manual_seed(2)) * 2).to(dtype)
+    act = _silu_mul_reference(x)
+    ref = fp8_stream_reference(act, q, s)
+    counters = torch.zeros(64, dtype=torch.int32)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for t in FP8_TILES:
+        if m > 1 and t.block_m == 1:
+            continue
+        fused = fp8_stream_gemm(x, q, s, None, counters, tiles=t, silu_x=True)
+        torch.testing.assert_close(fused.double(), ref, atol=tol, rtol=tol, msg=t.label)
+        unfused = fp8_stream_gemm(silu_and_mul(x), q, s, None, counters, tiles=t)  # the engine's two kernels
+        assert torch.equal(fused, unfused), t.label
+        assert not counters.any()
+    with pytest.raises(ValueError, match="silu_x"):
+        fp8_stream_gemm(x[:, :200], q, s, silu_x=True)
+
+
+def test_fp8_silu_defers_to_the_streaming_down_proj():
+    """The engine's wiring: a marked SiLU-and-mul hands [gate | up] to down_proj's streaming GEMV at
+    few rows (no separate kernel), the same result as computing it first; at more rows than the
+    GEMV takes, with LoRA on down_proj, or with the switch off it computes the product itself."""
+    from torch import nn
+
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quantization import fp8, stream_tiles
+
+    _, q, s = _fp8_weight(32, 64, None)
+    down = Linear(64, 32, bias=False)
+    down.quant_method = fp8.Fp8LinearMethod(online=False)
+    down.weight = nn.Parameter(q, requires_grad=False)  # float32 holding fp8 values (the interpreter)
+    down.weight_scale = nn.Parameter(s, requires_grad=False)
+    down.stream_counters = stream_tiles.SplitCounters(32, torch.device("cpu"))  # (CUDA 8.9+ sets it at load)
+    down.use_scaled_mm = False
+    layer = nn.Module()
+    layer.mlp = nn.Module()
+    layer.mlp.down_proj, layer.mlp.act = down, SiluAndMul()
+    assert fp8.mark_fused_producers(layer) == 1 and layer.mlp.act.fp8_defer
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(3))
+    pending = layer.mlp.act(x)
+    assert pending.shape == x.shape and getattr(pending, fp8._SILU_PENDING, False)
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+    expected = fp8_stream_gemm(silu_and_mul(x), q, s, None, down.stream_counters.tensor)
+    assert torch.equal(down(pending), expected)
+    many = torch.randn(stream_tiles.FP8_STREAM_MAX_ROWS + 1, 128)
+    assert layer.mlp.act(many).shape == (many.shape[0], 64)  # computed here: W8A8 takes that many rows
+    down.__dict__["lora"] = object()
+    assert layer.mlp.act(x).shape == (2, 64)
+    del down.__dict__["lora"]
+    fp8.FUSE_SILU_GEMV = False
+    try:
+        assert layer.mlp.act(x).shape == (2, 64)
+    finally:
+        fp8.FUSE_SILU_GEMV = True
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_8bit_lm_head_gives_float32_logits_of_the_rounded_head(kind):
+    """The opt-in 8-bit LM head (`lm_head_8bit`): float32 logits straight from the streaming GEMV
+    (out_dtype, int8 or e4m3 weights), equal to the torch reference of the rounded head;
+    `ParallelLMHead.logits` takes them for the rows the copy serves (into a graph's `out` buffer too).
+    int8 rounds far closer than e4m3 (uniform steps)."""
+    from types import SimpleNamespace
+
+    from tokenmill.layers.parallel_linear import ParallelLMHead
+    from tokenmill.layers.quantization import lm_head_8bit
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_reference
+
+    w = torch.randn(200, 64, generator=torch.Generator().manual_seed(4)) * 0.1
+    head = lm_head_8bit.quantize_head(w, kind)
+    if kind == "int8":
+        assert head.weight.dtype == torch.int8 and head.weight.abs().max() <= 127
+    else:
+        head.weight = head.weight.float()  # the interpreter computes on float32 holding the fp8 values
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(5)).half()
+    logits = head.logits(x)
+    assert logits.dtype == torch.float32 and logits.shape == (1, 200)
+    torch.testing.assert_close(logits.double(), fp8_stream_reference(x, head.weight, head.scale), atol=1e-4, rtol=1e-4)
+    exact = x.double() @ w.double().t()
+    err = (logits.double() - exact).abs().max()
+    assert err > 1e-5  # the head really is rounded
+    other = lm_head_8bit.quantize_head(w, "fp8" if kind == "int8" else "int8")
+    if kind == "int8":  # ... and int8 closer than e4m3
+        assert err < 0.5 * (fp8_stream_reference(x, other.weight.float(), other.scale) - exact).abs().max()
+
+    class Taking(lm_head_8bit.Head8Bit):
+        def takes(self, hidden):  # (the real one wants CUDA)
+            return True
+
+    lm = ParallelLMHead(SimpleNamespace(tp_size=1, layout=SimpleNamespace(vocab_size=200)))
+    lm.head_8bit = Taking(head.weight, head.scale, head.counters)
+    out = torch.empty(1, 200)
+    assert lm.logits(x, w.half(), out) is out
+    assert torch.equal(out, logits)
+
+
+def test_8bit_lm_head_kind_is_checked(monkeypatch):
+    from tokenmill.layers.quantization import lm_head_8bit
+
+    monkeypatch.setenv(lm_head_8bit.ENV_VAR, "int4")
+    with pytest.raises(ValueError, match="TOKENMILL_LM_HEAD_8BIT.*int8, fp8"):
+        lm_head_8bit.wanted()
+    monkeypatch.setenv(lm_head_8bit.ENV_VAR, "off")
+    assert lm_head_8bit.wanted() is None
+    monkeypatch.delenv(lm_head_8bit.ENV_VAR)
+    assert lm_head_8bit.wanted() == "int8"  # the default (SmolLM2's NLL: within noise of the bf16 head)
+    monkeypatch.setenv(lm_head_8bit.ENV_VAR, "INT8")
+    assert lm_head_8bit.wanted() == "int8"

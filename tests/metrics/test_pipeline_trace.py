@@ -97,3 +97,26 @@ def test_phases_say_which_stage_bounds_each_part() -> None:
     assert prompt["busy_fraction"] == pytest.approx([1.0, 0.5])
     assert decode["busy_fraction"] == pytest.approx([10 / 24, 1.0])
     assert "phases" in format_report("pp2", f)
+
+
+def test_the_bubble_is_the_steady_states_idle_split_into_imbalance_and_stalls() -> None:
+    # The steady state runs from stage 1's first step (11) to stage 0's last end (35): 24. Stage 0
+    # is busy 9 + 10 there and waits 20 -> 25 (host 3, launch 2); stage 1 is busy 11 + 11 and
+    # waits 33 -> 35 for stage 0's step 3 (upstream; its last 1 of launch falls in the drain).
+    # Stage 1 is the busiest (22): stage 0's 5 idle is 3 behind it and 2 of stalls, which stage 1's
+    # own 2 idle equals (a stall of the busiest holds back the whole pipeline).
+    trace = _trace([[(1, 0, 10, 4), (2, 10, 20, 4), (3, 25, 35, 40)],
+                    [(1, 11, 22, 4), (2, 22, 33, 4), (3, 36, 46, 40)]],
+                   submits={1: -1.0, 2: 5.0, 3: 23.0})
+    f = analyze(trace)
+    assert f["steady_window_ms"] == pytest.approx(24e-3) and f["steady_begin_ms"] == pytest.approx(11e-3)
+    first, last = (s["steady"] for s in f["stages"])
+    assert first["busy_ms"] == pytest.approx(19e-3) and last["busy_ms"] == pytest.approx(22e-3)
+    assert first["idle_causes_ms"] == pytest.approx(dict(upstream=0, host=3e-3, tokens=0, launch=2e-3))
+    assert last["idle_causes_ms"] == pytest.approx(dict(upstream=2e-3, host=0, tokens=0, launch=0))
+    assert first["behind_busiest_ms"] == pytest.approx(3e-3) and last["behind_busiest_ms"] == 0
+    assert first["bubble_fraction"] == pytest.approx(5 / 24) and last["bubble_fraction"] == pytest.approx(2 / 24)
+    assert f["bubble_steady_fraction"] == pytest.approx(7 / 48)
+    for s in (first, last):  # the gaps' causes account for the steady idle
+        assert sum(s["idle_causes_ms"].values()) == pytest.approx(s["idle_ms"])
+    assert "BUBBLE 14.6% in the steady state" in format_report("pp2", f)

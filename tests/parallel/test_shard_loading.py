@@ -135,3 +135,47 @@ def test_layout_and_bad_splits() -> None:
         check_parallel(arch, 3, 1)
     with pytest.raises(ValueError, match="pipeline_parallel_size 6"):
         check_parallel(arch, 1, 6)
+
+
+def test_half_layers_split_a_layer_after_its_attention(tmp_path) -> None:
+    """`16.5,15.5`-style partitions: the earlier stage holds the split layer's input norm,
+    attention and KV cache, the later its post-attention norm and MLP, each loaded from the
+    checkpoint (and only its half read), the same values as in one rank."""
+    from tokenmill.distributed.layout import parse_layer_split
+    from tokenmill.model.llama import splits_at_attention
+    from tokenmill.model.registry import get_model_class
+
+    arch = model_arch(make_tiny_config("llama", num_hidden_layers=3))
+    partition, split = parse_layer_split("1.5,1.5", 3, 2)
+    assert (partition, split) == ((1, 2), (True,))
+    parallel = ParallelConfig(pipeline_parallel_size=2, layer_partition=partition, split_attention=split)
+    first, last = (RankLayout.of(arch, parallel, r) for r in range(2))
+    assert (first.layer_start, first.layer_end, first.layers_end, first.kv_layer_start, first.num_kv_layers) \
+        == (0, 1, 2, 0, 2)
+    assert (last.layer_start, last.layers_end, last.kv_layer_start, last.num_kv_layers) == (1, 3, 2, 1)
+    assert [first.layer_part(i) for i in (0, 1)] == ["layer", "attention"]
+    assert [last.layer_part(i) for i in (1, 2)] == ["mlp", "layer"]
+    path = make_tiny_model_dir("llama", tmp_path, num_hidden_layers=3)
+    full = dict(_load(path, arch, "safetensors").named_parameters())
+    halves = {"model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.qkv_proj.weight",
+              "model.layers.1.self_attn.o_proj.weight"}
+    for rank, layout in enumerate((first, last)):
+        reads: list[str] = []
+        model = load_model(path, arch, "safetensors", torch.float32, torch.device("cpu"), TorchRefAttentionBackend,
+                           parallel=ParallelContext(layout))
+        params = dict(model.named_parameters())
+        layer1 = {n for n in params if n.startswith("model.layers.1.")}
+        assert layer1 and (layer1 == halves) == (rank == 0), layer1
+        _assert_shard_of(full, params, arch, layout)
+        with torch.device("meta"):
+            lazy = LlamaForCausalLM(arch, TorchRefAttentionBackend, ParallelContext(layout))
+        lazy.to_empty(device="cpu")
+        lazy.load_weights((name, _Recorder(name, t, reads)) for name, t in SafetensorsWeights(path).lazy())
+        read1 = {n for n in reads if n.startswith("model.layers.1.")}
+        attention_read = {n for n in read1 if ".self_attn." in n or "input_layernorm" in n}
+        assert read1 and (attention_read == read1) == (rank == 0), read1
+    assert splits_at_attention(get_model_class("LlamaForCausalLM"))
+    assert not splits_at_attention(get_model_class("Gemma2ForCausalLM"))
+    assert not splits_at_attention(get_model_class("Qwen3MoeForCausalLM"))
+    with pytest.raises(ValueError, match="pp_layer_partition must give each"):
+        parse_layer_split("2.5,0.5", 3, 2)  # a stage of half a layer: no attention, no KV cache

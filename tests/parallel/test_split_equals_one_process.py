@@ -23,6 +23,9 @@ CASES = [  # (family, tensor_parallel_size, pipeline_parallel_size, async_schedu
     ("phi3", 2, 1, True, None),
     ("gemma2", 2, 2, False, None),
     ("gemma3", 1, 2, True, None),
+    # Half layers: stage 0 also runs layer 1's attention, stage 1 its MLP (the boundary inside it).
+    ("llama", 1, 2, True, "1.5,1.5"),
+    ("qwen3", 2, 2, False, "1.5,1.5"),
 ]
 
 

@@ -79,6 +79,34 @@ def test_the_probe_times_a_layer_the_embedding_and_the_head_on_cpu():
                      rms_norm_eps=1e-5, max_position=128)
     c = measure(arch, torch.float32, torch.device("cpu"), rows=4, context=32, tp=2)
     assert len(c.layers) == 3 and all(t > 0 for t in (*c.layers, c.embedding, c.head))
+    assert len(c.attention) == 3 and all(0 < a < whole for a, whole in zip(c.attention, c.layers))
+
+
+# ---------------------------------------------------------------- half layers
+
+
+def test_half_layers_even_out_a_head_whole_layers_cannot():
+    from tokenmill.distributed.layout import split_from_halves
+    from tokenmill.distributed.stage_balance import balanced_halves, explain_halves
+    # Last session's 330-row decode step on two H100s: a layer 0.6 ms, the head 0.73 beyond the
+    # embedding. Whole layers: 16/16 idles stage 0 0.73 a step, 17/15 stage 1 0.47 (10.2 ms the
+    # step); with the attention half at 0.33, 16.5/15.5 leaves 0.07 (10.0 ms).
+    c = StageCosts(layers=(0.6,) * 32, embedding=0.0, head=0.73, attention=(0.33,) * 32)
+    assert balanced_partition(c, 2) == (17, 15)
+    halves = balanced_halves(c, 2)
+    assert halves == (33, 31)
+    assert split_from_halves(halves) == ((16, 16), (True,))
+    times = c.halves().stage_times(halves)
+    assert times == pytest.approx([16 * 0.6 + 0.33, 15 * 0.6 + 0.27 + 0.73])
+    assert explain_halves(c, halves).startswith("16.5,15.5 (stage times 9.930 / 10.000 ms")
+    # A heavier head: a whole layer more, and half of the next.
+    c = StageCosts(layers=(0.6,) * 32, embedding=0.0, head=1.6, attention=(0.3,) * 32)
+    assert balanced_halves(c, 2) == (35, 29)
+    # Every stage keeps at least one layer's worth (an attention and its KV cache).
+    c = StageCosts(layers=(1.0,) * 3, embedding=0.0, head=100.0, attention=(0.5,) * 3)
+    assert balanced_halves(c, 2) == (4, 2)
+    with pytest.raises(ValueError):
+        StageCosts(layers=(1.0,) * 3, embedding=0.0, head=0.0).halves()
 
 
 # ---------------------------------------------------------------- a mix of step kinds
@@ -115,3 +143,21 @@ def test_a_run_measures_the_layer_and_the_head():
     assert c.layers[0] == pytest.approx(1.0) and c.head == 0.0
     with pytest.raises(ValueError):
         costs_from_stage_times([1.0], (4,))
+
+
+def test_the_measured_partition_takes_half_layers_where_the_probe_timed_them(tmp_path):
+    """Rank 0's choice as every rank receives it (a world of one, gloo): half layers where the
+    costs have attention halves (the Llama layer), whole layers where they do not."""
+    import torch.distributed as dist
+
+    from tokenmill.distributed.parallel_state import _measured_partition
+
+    halves = StageCosts(layers=(0.6,) * 32, embedding=0.0, head=0.73, attention=(0.33,) * 32)
+    whole = StageCosts(layers=(0.6,) * 32, embedding=0.0, head=0.73)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        cpu = torch.device("cpu")
+        assert _measured_partition(lambda: halves, 2, 32, cpu) == ((16, 16), (True,))
+        assert _measured_partition(lambda: whole, 2, 32, cpu) == ((17, 15), ())
+    finally:
+        dist.destroy_process_group()

@@ -50,7 +50,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 _KEYS = {"tp": ("tensor_parallel_size", int), "pp": ("pipeline_parallel_size", int),
          "async": ("async_scheduling", lambda v: v not in ("0", "false", "off")),
          "eager": ("enforce_eager", lambda v: v not in ("0", "false", "off")),
-         "seqs": ("max_num_seqs", int), "chunk": ("max_num_batched_tokens", int)}
+         "seqs": ("max_num_seqs", int), "chunk": ("max_num_batched_tokens", int),
+         # the pipeline's layers per stage, ':' between stages (',' separates keys): split=4.5:3.5
+         "split": ("pp_layer_partition", lambda v: v.replace(":", ","))}
 
 
 @dataclasses.dataclass(frozen=True)

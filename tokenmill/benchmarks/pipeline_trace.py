@@ -1,8 +1,21 @@
 """Where a pipeline's bubble comes from, read off a step trace (`--trace-steps`).
 
 Each stage's device work per step is a `device_step` span on the host clock (TP rank 0 of each
-stage; `worker/device_idle.py`), with the step's rows, tokens and decode rows. Over the window
-from the first stage's first step to the last stage's last step:
+stage; `worker/device_idle.py`), with the step's rows, tokens and decode rows.
+
+The bubble (issue 25's figure, goal < 3%) is the devices' idle time in the pipeline's steady
+state: the window from the last stage's first step start (every stage has work: the fill is
+over) to the first stage's last step end (no stage has run out: the drain has not begun). Per
+stage: its idle time in that window over the window; the run's bubble is the mean over stages
+(idle device time over all devices' time). Fill and drain are left out of it and reported apart;
+the whole run's figure (`bubble_fraction`, from the first stage's first step to the last stage's
+last, fill and drain included) is printed beside it. In the steady window each stage's idle
+splits into `behind_busiest` (the busiest stage's busy time minus its own: the idle the
+partition's imbalance forces, since every micro-batch passes every stage) and the rest, which
+equals the busiest stage's own idle (stalls that hold back the whole pipeline); and, gap by gap,
+into the causes below.
+
+Over the window from the first stage's first step to the last stage's last step:
 
   busy / bubble   per stage: the device's time in steps, and the rest of the window;
   idle causes     each idle gap of a stage split by what it waited for:
@@ -90,10 +103,19 @@ def analyze(trace: dict) -> dict:
     end = max(s[-1][1] for s in stages)
     window = end - begin
     ends = [{a["step"]: e for _, e, a in spans} for spans in stages]
-    figures = {"window_ms": window / 1e3, "stages": [], "num_stages": len(stages)}
+    # The steady state: every stage has started and none has finished (see the module doc).
+    steady_begin, steady_end = max(s[0][0] for s in stages), min(s[-1][1] for s in stages)
+    steady = max(0.0, steady_end - steady_begin)
+
+    def clip(a: float, b: float) -> float:  # the part of [a, b] inside the steady window
+        return max(0.0, min(b, steady_end) - max(a, steady_begin))
+
+    figures = {"window_ms": window / 1e3, "stages": [], "num_stages": len(stages),
+               "steady_window_ms": steady / 1e3, "steady_begin_ms": (steady_begin - begin) / 1e3}
     for index, spans in enumerate(stages):
         causes = dict(fill=spans[0][0] - begin, drain=end - spans[-1][1], upstream=0.0, host=0.0, tokens=0.0,
                       launch=0.0)
+        steady_causes = dict(upstream=0.0, host=0.0, tokens=0.0, launch=0.0)
         for (_, prev_end, _), (start, _, args) in zip(spans, spans[1:]):
             gap = max(0.0, start - prev_end)
             if index > 0:  # waiting for the previous stage's device to finish this step
@@ -106,7 +128,10 @@ def analyze(trace: dict) -> dict:
             waited = min(gap, max(0.0, ready - prev_end))
             causes[cause] += waited
             causes["launch"] += gap - waited
+            steady_causes[cause] += clip(prev_end, prev_end + waited)
+            steady_causes["launch"] += clip(prev_end + waited, start)
         busy = sum(e - s for s, e, _ in spans)
+        steady_busy = sum(clip(s, e) for s, e, _ in spans)
         kinds = {}
         for kind in ("decode", "prompt"):
             times = [(e - s) / 1e3 for s, e, a in spans if _kind(a) == kind]
@@ -117,7 +142,13 @@ def analyze(trace: dict) -> dict:
             "bubble_fraction": (window - busy) / window if window > 0 else 0.0,
             "bubble_between_steps_fraction": (between - busy) / between if between > 0 else 0.0,
             "idle_causes_ms": {k: v / 1e3 for k, v in causes.items()},
+            "steady": {"busy_ms": steady_busy / 1e3, "idle_ms": (steady - steady_busy) / 1e3,
+                       "bubble_fraction": (steady - steady_busy) / steady if steady > 0 else 0.0,
+                       "idle_causes_ms": {k: v / 1e3 for k, v in steady_causes.items()}},
             "by_kind": kinds})
+    busiest = max(s["steady"]["busy_ms"] for s in figures["stages"])
+    for s in figures["stages"]:
+        s["steady"]["behind_busiest_ms"] = busiest - s["steady"]["busy_ms"]
     # The stages' imbalance: per step kind, the slowest stage's median step time over the fastest's.
     imbalance = {}
     for kind in ("decode", "prompt"):
@@ -147,6 +178,7 @@ def analyze(trace: dict) -> dict:
     figures["bubble_fraction"] = statistics.mean(s["bubble_fraction"] for s in figures["stages"])
     figures["bubble_between_steps_fraction"] = statistics.mean(
         s["bubble_between_steps_fraction"] for s in figures["stages"])
+    figures["bubble_steady_fraction"] = statistics.mean(s["steady"]["bubble_fraction"] for s in figures["stages"])
     return figures
 
 
@@ -188,14 +220,27 @@ def suggest_partition(figures: dict, partition: tuple[int, ...]) -> dict:
 def format_report(label: str, figures: dict) -> str:
     if not figures:
         return f"{label}: no device_step spans in the trace"
-    lines = [f"{label}: pipeline from the step trace, window {figures['window_ms'] / 1e3:.2f} s, "
-             f"bubble {figures['bubble_fraction']:.1%} (mean over stages; "
-             f"{figures['bubble_between_steps_fraction']:.1%} without the pipeline's fill and drain)",
-             "  stage steps  busy s  bubble |  idle ms: fill  drain upstream  host tokens  launch | "
-             "step ms p50: decode  prompt"]
+    steady = figures.get("bubble_steady_fraction")
+    lines = [f"{label}: pipeline from the step trace: BUBBLE {steady:.1%} in the steady state (mean over stages "
+             f"of device idle / the {figures['steady_window_ms'] / 1e3:.2f} s from the last stage's first step to "
+             f"the first stage's last; goal < 3%); {figures['bubble_fraction']:.1%} over the whole "
+             f"{figures['window_ms'] / 1e3:.2f} s run with fill and drain; "
+             f"{figures['bubble_between_steps_fraction']:.1%} each stage from its first step to its last",
+             "  steady: stage  busy s  bubble  idle ms = behind busiest + its own stalls | its gaps by cause, ms: "
+             "upstream  host tokens launch",
+             ]
+    for s in figures["stages"]:
+        st = s["steady"]
+        c = st["idle_causes_ms"]
+        lines.append(f"  {s['stage']:>13} {st['busy_ms'] / 1e3:7.2f} {st['bubble_fraction']:7.1%} "
+                     f"{st['idle_ms']:8.0f} = {st['behind_busiest_ms']:13.0f} + "
+                     f"{st['idle_ms'] - st['behind_busiest_ms']:14.0f} | {c['upstream']:27.0f} {c['host']:5.0f} "
+                     f"{c['tokens']:6.0f} {c['launch']:6.0f}")
+    lines.append("  whole: stage steps  busy s  bubble |  idle ms: fill  drain upstream  host tokens  launch | "
+                 "step ms p50: decode  prompt")
     for s in figures["stages"]:
         c, k = s["idle_causes_ms"], s["by_kind"]
-        lines.append(f"  {s['stage']:>5} {s['steps']:>5} {s['busy_ms'] / 1e3:7.2f} {s['bubble_fraction']:7.1%} | "
+        lines.append(f"  {s['stage']:>12} {s['steps']:>5} {s['busy_ms'] / 1e3:7.2f} {s['bubble_fraction']:7.1%} | "
                      f"{c['fill']:12.0f} {c['drain']:6.0f} {c['upstream']:8.0f} {c['host']:5.0f} {c['tokens']:6.0f} "
                      f"{c['launch']:7.0f} | {k['decode']['median_ms'] or 0:18.3f} {k['prompt']['median_ms'] or 0:7.3f}")
     for kind, im in figures["imbalance"].items():

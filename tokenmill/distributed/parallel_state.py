@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from tokenmill.config import ModelArch, ParallelConfig
 from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm
-from tokenmill.distributed.layout import RankLayout
+from tokenmill.distributed.layout import RankLayout, split_from_halves
 from tokenmill.distributed.p2p_order import P2POrderLog
-from tokenmill.distributed.stage_balance import StageCosts, balanced_partition, explain
+from tokenmill.distributed.stage_balance import (StageCosts, balanced_halves, balanced_partition, explain,
+                                                 explain_halves)
 from tokenmill.distributed.symm_all_reduce import SymmetricAllReduce
 
 logger = logging.getLogger(__name__)
@@ -82,19 +83,27 @@ def reduced(x: torch.Tensor | PendingAllReduce | StartedAllReduce) -> torch.Tens
 
 
 def _measured_partition(probe: Callable[[], StageCosts] | None, stages: int, num_layers: int,
-                        device: torch.device) -> tuple[int, ...]:
-    """Rank 0 (the one given `probe`) measures and chooses; every rank receives its choice."""
-    counts = torch.zeros(stages, dtype=torch.int64, device=device)
+                        device: torch.device) -> tuple[tuple[int, ...], tuple[bool, ...]]:
+    """Rank 0 (the one given `probe`) measures and chooses; every rank receives its choice:
+    (layers per stage, split boundaries), in half layers where the probe timed the attention
+    halves (`StageCosts.attention`: the model's layers can be split), else whole layers."""
+    choice = torch.zeros(stages + 1, dtype=torch.int64, device=device)  # counts, then 1: they are halves
     if probe is not None:
         costs = probe()
-        partition = balanced_partition(costs, stages)
-        logger.info("pipeline partition by measured time: %s", explain(costs, partition))
-        counts.copy_(torch.tensor(partition, dtype=torch.int64))
-    dist.broadcast(counts, src=0)
-    partition = tuple(int(c) for c in counts.tolist())
-    if sum(partition) != num_layers or min(partition) < 1:
-        raise RuntimeError(f"measured pipeline partition {partition} does not cover the {num_layers} layers")
-    return partition
+        if costs.attention:
+            halves = balanced_halves(costs, stages)
+            logger.info("pipeline partition by measured time, half layers: %s", explain_halves(costs, halves))
+            choice.copy_(torch.tensor([*halves, 1], dtype=torch.int64))
+        else:
+            partition = balanced_partition(costs, stages)
+            logger.info("pipeline partition by measured time: %s", explain(costs, partition))
+            choice.copy_(torch.tensor([*partition, 0], dtype=torch.int64))
+    dist.broadcast(choice, src=0)
+    *counts, in_halves = (int(c) for c in choice.tolist())
+    partition, split = split_from_halves(tuple(counts)) if in_halves else (tuple(counts), ())
+    if sum(partition) != num_layers or min(counts) < (2 if in_halves else 1):
+        raise RuntimeError(f"measured pipeline partition {counts} does not cover the {num_layers} layers")
+    return partition, split if any(split) else ()
 
 
 def _connect_token_pair(group, layout: RankLayout, device: torch.device) -> None:
@@ -156,8 +165,9 @@ class ParallelContext:
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=parallel.world_size,
                                 timeout=_INIT_TIMEOUT, **options)
         if parallel.balance_stages and probe is not None:
-            parallel = msgspec.structs.replace(parallel, layer_partition=_measured_partition(
-                probe if rank == 0 else None, parallel.pipeline_parallel_size, arch.num_layers, device))
+            partition, split = _measured_partition(probe if rank == 0 else None, parallel.pipeline_parallel_size,
+                                                   arch.num_layers, device)
+            parallel = msgspec.structs.replace(parallel, layer_partition=partition, split_attention=split)
         layout = RankLayout.of(arch, parallel, rank)
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         tp_group = pp_group = None
@@ -175,8 +185,10 @@ class ParallelContext:
                 group = dist.new_group([r, (pp - 1) * tp + r], backend=backend)
                 if r == layout.tp_rank and (layout.is_first_stage or layout.is_last_stage):
                     token_group = group
-        logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d) (%s)", rank, layout.tp_rank, tp,
-                    layout.pp_stage, pp, layout.layer_start, layout.layer_end, backend)
+        logger.info("rank %d: tp rank %d/%d, pp stage %d/%d, layers [%d, %d)%s%s (%s)", rank, layout.tp_rank, tp,
+                    layout.pp_stage, pp, layout.layer_start, layout.layer_end,
+                    f", layer {layout.layer_start}'s MLP only" if layout.lends_attention else "",
+                    f", plus layer {layout.layer_end}'s attention" if layout.borrows_attention else "", backend)
         symm = SymmetricAllReduce.create(tp_group, device) if tp > 1 else None
         fused_norm = FusedAllReduceNorm.create(tp_group, device) if tp > 1 else None
         context = ParallelContext(layout, tp_group, pp_group, backend, symm, fused_norm)

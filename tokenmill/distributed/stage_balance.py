@@ -11,7 +11,11 @@ A workload runs steps of different kinds whose costs differ in shape: a decode m
 the LM head on every row, a prompt chunk on its last tokens only. `balanced_for_mix` takes the
 costs of each kind with its share of the run and minimizes the sum of their slowest stages (each
 kind's steps run at the pace of their own slowest stage; weights are the kinds' step counts, so
-the sum is the run's time). `costs_from_stage_times` turns the
+the sum is the run's time). Half layers (`distributed/layout.py`): where the probe also timed each layer's attention half
+(`StageCosts.attention`), `balanced_halves` splits the model's half layers instead (attention,
+MLP, attention, ...), so that a stage boundary may fall after a layer's attention: a decode
+micro-batch's LM head costs more than a layer's share and less than two, and half a layer
+evens the stages where whole layers cannot. `costs_from_stage_times` turns the
 stage times of a run with a known partition (the step trace's medians) back into a layer's and
 the head's cost, so that a run measures the split of the next.
 """
@@ -29,6 +33,16 @@ class StageCosts:
     layers: tuple[float, ...]
     embedding: float
     head: float
+    # Per layer, the part of layers[i] that is its attention half (input norm, q/k/v, attention,
+    # o_proj); () where halves were not timed (or the model's layers cannot be split).
+    attention: tuple[float, ...] = ()
+
+    def halves(self) -> StageCosts:
+        """The same costs over half layers: (attention 0, MLP 0, attention 1, ...)."""
+        if len(self.attention) != len(self.layers):
+            raise ValueError("StageCosts.halves needs an attention time per layer")
+        units = tuple(x for a, whole in zip(self.attention, self.layers) for x in (a, whole - a))
+        return StageCosts(layers=units, embedding=self.embedding, head=self.head)
 
     def stage_times(self, partition: tuple[int, ...]) -> list[float]:
         times, start = [], 0
@@ -41,11 +55,13 @@ class StageCosts:
         return times
 
 
-def balanced_partition(costs: StageCosts, num_stages: int) -> tuple[int, ...]:
-    """Layers per stage (each >= 1, contiguous, summing to the layers) minimizing the slowest stage."""
+def balanced_partition(costs: StageCosts, num_stages: int, min_count: int = 1) -> tuple[int, ...]:
+    """Layers per stage (each >= min_count, contiguous, summing to the layers) minimizing the
+    slowest stage."""
     n = len(costs.layers)
-    if not 1 <= num_stages <= n:
-        raise ValueError(f"pipeline_parallel_size {num_stages} must be between 1 and the model's {n} layers")
+    if not 1 <= num_stages * min_count <= n:
+        raise ValueError(f"pipeline_parallel_size {num_stages} must be between 1 and the model's "
+                         f"{n // min_count} layers")
     prefix = [0.0]
     for c in costs.layers:
         prefix.append(prefix[-1] + c)
@@ -59,8 +75,8 @@ def balanced_partition(costs: StageCosts, num_stages: int) -> tuple[int, ...]:
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     best[num_stages][n] = (0.0, -float("inf"), 0, ())
     for s in range(num_stages - 1, -1, -1):
-        for a in range(n - (num_stages - s) + 1):
-            for b in range(a + 1, n - (num_stages - s - 1) + 1):
+        for a in range(n - (num_stages - s) * min_count + 1):
+            for b in range(a + min_count, n - (num_stages - s - 1) * min_count + 1):
                 rest = best[s + 1][b]
                 if rest[0] == float("inf"):
                     continue
@@ -69,6 +85,12 @@ def balanced_partition(costs: StageCosts, num_stages: int) -> tuple[int, ...]:
                 if _key(cand) < _key(best[s][a]):
                     best[s][a] = cand
     return best[0][0][3]
+
+
+def balanced_halves(costs: StageCosts, num_stages: int) -> tuple[int, ...]:
+    """Half layers per stage (each stage at least one layer's worth: 2), minimizing the slowest
+    stage over `costs.halves()`: e.g. (33, 31) for 16.5,15.5 (`layout.split_from_halves`)."""
+    return balanced_partition(costs.halves(), num_stages, min_count=2)
 
 
 def _key(entry: tuple) -> tuple:
@@ -94,6 +116,19 @@ def explain(costs: StageCosts, partition: tuple[int, ...], unit: str = "ms") -> 
         text += (f"; the even split {','.join(map(str, even))} would give "
                  f"{' / '.join(f'{t:.3f}' for t in even_times)}")
     return text + ")"
+
+
+def explain_halves(costs: StageCosts, halves: tuple[int, ...], unit: str = "ms") -> str:
+    """One line for the log: a half-layer split (`balanced_halves`), its stage times, and the best
+    whole-layer split's beside it."""
+    times = costs.halves().stage_times(halves)
+    whole = balanced_partition(costs, len(halves))
+    whole_times = costs.stage_times(whole)
+    attention = sum(costs.attention) / len(costs.attention)
+    return (f"{','.join(f'{h / 2:g}' for h in halves)} (stage times {' / '.join(f'{t:.3f}' for t in times)} {unit}; "
+            f"a layer {sum(costs.layers) / len(costs.layers):.3f} of which attention {attention:.3f}, "
+            f"embedding {costs.embedding:.3f}, norm + LM head + sampling {costs.head:.3f}; whole layers "
+            f"{','.join(map(str, whole))} would give {' / '.join(f'{t:.3f}' for t in whole_times)})")
 
 
 _MAX_SPLITS = 200_000  # contiguous splits `balanced_for_mix` enumerates at most

@@ -11,7 +11,7 @@ import os
 
 from tokenmill.config import (CacheConfig, EngineArgs, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig,
                               SchedulerConfig, SpeculativeConfig, StructuredOutputConfig)
-from tokenmill.distributed.layout import check_parallel, parse_partition
+from tokenmill.distributed.layout import check_parallel, parse_layer_split
 from tokenmill.model.arch import model_arch
 from tokenmill.model.default_model import resolve_model_path
 from tokenmill.model.hf_config import load_eos_token_ids, load_hf_config
@@ -216,13 +216,16 @@ def resolve_parallel(args: EngineArgs, arch, device: str) -> ParallelConfig:
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     check_parallel(arch, tp, pp)
     measured = (args.pp_layer_partition or "").strip().lower() == "measured"
-    partition = parse_partition(None if measured else args.pp_layer_partition, arch.num_layers, pp)
+    partition, split = parse_layer_split(None if measured else args.pp_layer_partition, arch.num_layers, pp)
+    _check(not any(split) or not args.enable_lora, "pp_layer_partition",
+           "half layers (a boundary after a layer's attention) do not take LoRA adapters (enable_lora)")
     if device.startswith("cuda") and args.distributed_executor_backend == "mp" and tp * pp > 1:
         import torch
         _check(torch.cuda.device_count() >= tp * pp, "tensor_parallel_size",
                f"times pipeline_parallel_size needs {tp * pp} GPUs, this machine has {torch.cuda.device_count()}")
     return ParallelConfig(tensor_parallel_size=tp, pipeline_parallel_size=pp, layer_partition=partition,
-                          backend=args.distributed_executor_backend, balance_stages=measured and pp > 1)
+                          backend=args.distributed_executor_backend, balance_stages=measured and pp > 1,
+                          split_attention=split if any(split) else ())
 
 
 def resolve_device(name: str) -> str:

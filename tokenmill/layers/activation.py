@@ -15,8 +15,16 @@ class SiluAndMul(nn.Module):
     # Set by `quantization.fp8.mark_fused_producers` where an FP8 W8A8 linear reads the output:
     # the kernel also writes its per-token fp8 codes (`triton_fp8_fused.silu_and_mul_quant`).
     fp8_out = False
+    # Set by `quantization.fp8.mark_fused_producers` where the fp8 weight-streaming GEMV reads the
+    # output (small batches): the product is left to that GEMV's loads (`fp8.defer_silu`).
+    fp8_defer = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8_defer:
+            from tokenmill.layers.quantization.fp8 import defer_silu
+            deferred = defer_silu(self, x)
+            if deferred is not None:
+                return deferred
         if self.fp8_out and triton_ops.enabled(x):
             from tokenmill.layers.quantization.fp8 import fused_codes_wanted
             if fused_codes_wanted(self, x, x.dtype):

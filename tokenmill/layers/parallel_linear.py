@@ -115,6 +115,7 @@ class ParallelLMHead:
         self.gemm_packed = cpu_bf16_gemm.PackedBf16()
         self._cuda_f32_out = True  # until torch.mm(out_dtype=float32) turns out unsupported
         self._cuda_f32_into = True  # the same with out=
+        self.head_8bit = None  # fp8 models on CUDA: an 8-bit copy for small batches (`quantization.lm_head_8bit`)
 
     def _cuda_logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """float32 logits straight from cuBLAS's float32 accumulation (not rounded to bf16 first),
@@ -149,6 +150,8 @@ class ParallelLMHead:
         whole = self.parallel.tp_size == 1 or not gather
         if cpu_logits.supports(hidden, weight):  # bf16 on CPU: float32 logits, never rounded to bf16
             local = self._cpu_logits(hidden, weight)
+        elif self.head_8bit is not None and self.head_8bit.takes(hidden):
+            local = self.head_8bit.logits(hidden)
         elif self._cuda_f32_out and hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16):
             local = self._cuda_logits(hidden, weight, out if whole and hidden.dim() == 2 else None)
             if local is out:

@@ -149,31 +149,45 @@ class LlamaDecoderLayer(nn.Module):
         happens in the RMSNorm after it (one fused kernel on CUDA), and the layer returns
         (mlp output, residual). Where the activations are float32 on CPU, each add runs in the
         epilogue of the matmul before it instead (o_proj, down_proj: oneDNN), and the layer
-        returns the whole stream as `hidden`."""
+        returns the whole stream as `hidden`. The two halves may run on two pipeline stages
+        (`layout.py`'s half layers): what `forward_attention` returns is a stream like any other."""
+        hidden, residual = self.forward_attention(hidden, residual, rope, kv_cache, meta)
+        return self.forward_mlp(hidden, residual)
+
+    def forward_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
+                          kv_cache: torch.Tensor, meta: AttentionMetadata
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The input norm and attention: (attention output, residual), or (the stream with the
+        attention output added in o_proj's matmul, None)."""
         act_dtype = self.input_layernorm.weight.dtype  # the model's (a sublayer output may be float32)
         if residual is None:
             residual, hidden = residual_stream(hidden), self.input_layernorm(hidden, out_dtype=act_dtype)
         else:
             hidden, residual = self.input_layernorm.forward_with_residual(hidden, residual, act_dtype)
-        if not (add_in_matmul(hidden, residual) or self._wide_adds(hidden, residual)):
-            # o_proj's and down_proj's LoRA deltas may go straight into the stream (off the
-            # critical path: beside their GEMMs); families with other sublayers pass nothing.
-            if type(self.self_attn).forward is LlamaAttention.forward:
-                attn = self.self_attn(hidden, rope, kv_cache, meta, lora_into=residual)
-            else:
-                attn = self.self_attn(hidden, rope, kv_cache, meta)
-            hidden, residual = self.post_attention_layernorm.forward_with_residual(attn, residual, act_dtype)
-            if type(self.mlp).forward is LlamaMLP.forward:
-                return self.mlp(hidden, lora_into=residual), residual
-            return self.mlp(hidden), residual
-        residual = self.self_attn(hidden, rope, kv_cache, meta, residual=residual)
-        hidden = self.post_attention_layernorm(residual, out_dtype=act_dtype)
-        return self.mlp(hidden, residual=residual), None
+        if add_in_matmul(hidden, residual) or self._wide_adds(hidden, residual):
+            return self.self_attn(hidden, rope, kv_cache, meta, residual=residual), None
+        # o_proj's and down_proj's LoRA deltas may go straight into the stream (off the critical
+        # path: beside their GEMMs); families with other sublayers pass nothing.
+        if type(self.self_attn).forward is LlamaAttention.forward:
+            return self.self_attn(hidden, rope, kv_cache, meta, lora_into=residual), residual
+        return self.self_attn(hidden, rope, kv_cache, meta), residual
+
+    def forward_mlp(self, hidden: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The post-attention norm and MLP, from what `forward_attention` returned."""
+        act_dtype = self.post_attention_layernorm.weight.dtype
+        if residual is None:  # the stream: the MLP's output is added in down_proj's matmul
+            normed = self.post_attention_layernorm(hidden, out_dtype=act_dtype)
+            return self.mlp(normed, residual=hidden), None
+        hidden, residual = self.post_attention_layernorm.forward_with_residual(hidden, residual, act_dtype)
+        if type(self.mlp).forward is LlamaMLP.forward:
+            return self.mlp(hidden, lora_into=residual), residual
+        return self.mlp(hidden), residual
 
     def _wide_adds(self, hidden: torch.Tensor, residual: torch.Tensor) -> bool:
         """CPU bf16: o_proj and down_proj write float32 (`wide_linear`), so each residual add runs in
         their GEMM's epilogue (one pass over the stream, no separate add)."""
-        mlp = self.mlp
+        mlp = getattr(self, "mlp", None)  # (None: a half layer's attention, whose MLP runs on the next stage)
         return residual.dtype == torch.float32 and hidden.dtype != residual.dtype \
             and self.self_attn.o_proj.wide(hidden) and isinstance(mlp, LlamaMLP) and mlp.down_proj.wide(hidden)
 
@@ -207,8 +221,12 @@ class LlamaModel(nn.Module):
             self._rope_of_layer.append(ropes.index(rope))
         self.extra_rotary_embs = nn.ModuleList(RotaryEmbedding(dims.head_dim, dims.max_position, r)
                                                for r in ropes[1:])
+        if layout.has_split_layers and self.layer_cls is not LlamaDecoderLayer:
+            raise ValueError(f"pp_layer_partition: half layers (a stage boundary after a layer's attention) need "
+                             f"the plain Llama decoder layer; {dims.architecture} has {self.layer_cls.__name__}")
         self.layers = nn.ModuleList(
-            self.layer_cls(dims, attn_backend_cls, parallel, i) if layout.has_layer(i) else nn.Identity()
+            _stage_part(self.layer_cls(dims, attn_backend_cls, parallel, i), layout.layer_part(i))
+            if layout.has_layer(i) else nn.Identity()
             for i in range(dims.num_layers))
         self.norm = self.norm_cls(dims.hidden_size, dims.rms_norm_eps) if layout.is_last_stage else None
 
@@ -231,15 +249,39 @@ class LlamaModel(nn.Module):
         if tp_overlap.applies(self, hidden):  # TP: each half's all-reduces under the other half's GEMMs
             hidden, residual = tp_overlap.run_layers(self, hidden, residual, ropes, kv_caches, meta)
         else:
-            for i in range(layout.layer_start, layout.layer_end):
-                hidden, residual = self.layers[i](hidden, residual, ropes[self._rope_of_layer[i]],
-                                                  kv_caches[i - layout.layer_start], meta)
+            for i in range(layout.layer_start, layout.layers_end):
+                part, layer = layout.layer_part(i), self.layers[i]
+                if part == "mlp":  # the previous stage ran this layer's attention
+                    hidden, residual = layer.forward_mlp(hidden, residual)
+                    continue
+                run = layer.forward_attention if part == "attention" else layer
+                hidden, residual = run(hidden, residual, ropes[self._rope_of_layer[i]],
+                                       kv_caches[i - layout.kv_layer_start], meta)
         if self.norm is None:
             return IntermediateTensors(*stage_handover(hidden, residual, act_dtype))
         if residual is None:  # (the stream itself: float32 where the layers add in their matmuls)
             return self.norm(hidden) if hidden.dtype == act_dtype else self.norm(hidden, out_dtype=act_dtype)
         return self.norm.forward_with_residual(hidden, residual, act_dtype)[0]
 
+
+def splits_at_attention(model_cls: type[nn.Module]) -> bool:
+    """Whether a causal-LM class's pipeline stages can split a layer after its attention (half
+    layers: the plain Llama decoder layer)."""
+    return getattr(getattr(model_cls, "model_cls", None), "layer_cls", None) is LlamaDecoderLayer
+
+
+def _stage_part(layer: nn.Module, part: str) -> nn.Module:
+    """`layer` keeping only what this stage runs of it: all, or a half layer's attention (input
+    norm + attention) or MLP (post-attention norm + MLP)."""
+    drop = {"attention": _MLP_HALF, "mlp": _ATTENTION_HALF}.get(part, ())
+    for name in drop:
+        setattr(layer, name, None)
+    return layer
+
+
+# A decoder layer's halves, by submodule (and checkpoint name: model.layers.N.<submodule>.*).
+_ATTENTION_HALF = ("input_layernorm", "self_attn")
+_MLP_HALF = ("post_attention_layernorm", "mlp")
 
 # HF per-projection names -> (our fused parameter, shard index) in stacking order.
 _FUSED_SHARDS: dict[str, tuple[str, int]] = {
@@ -336,6 +378,9 @@ class LlamaForCausalLM(nn.Module):
         parts = hf_name.split(".")
         if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
             index = int(parts[2])
+            if index < self.dims.num_layers and layout.has_layer(index) and len(parts) > 3:
+                other = {"attention": _MLP_HALF, "mlp": _ATTENTION_HALF}.get(layout.layer_part(index), ())
+                return parts[3] in other  # the other half of a layer split between two stages
             return index < self.dims.num_layers and not layout.has_layer(index)
         if hf_name.startswith("model.embed_tokens."):
             tied_head = self.dims.tie_word_embeddings and self.lm_head is not None

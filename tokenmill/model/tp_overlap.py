@@ -55,8 +55,10 @@ def min_tokens() -> int:
 
 def _layers_fit(model) -> bool:
     """Every layer of the stage is the plain Llama layer (its forward is what `run_layers` redoes),
-    with no LoRA on its linears. Decided once per model."""
+    whole (no half layers at a stage boundary), with no LoRA on its linears. Decided once per model."""
     fits = getattr(model, "_tp_overlap_fits", None)
+    if fits is None and model.layout.has_split_layers:
+        fits = model._tp_overlap_fits = False
     if fits is None:
         from tokenmill.model.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
         layers = [model.layers[i] for i in range(model.layout.layer_start, model.layout.layer_end)]

@@ -106,7 +106,7 @@ class ModelRunner:
         arch = config.model.arch
         self.stage = stage or PipelineStage(ParallelContext.single(arch))
         layout = self.stage.layout  # this rank's layers and KV heads
-        self.num_layers, self.num_kv_heads, self.head_dim = layout.num_layers, layout.num_kv_heads, arch.head_dim
+        self.num_layers, self.num_kv_heads, self.head_dim = layout.num_kv_layers, layout.num_kv_heads, arch.head_dim
         max_seqs = config.scheduler.max_num_seqs
         self.batch = PersistentBatch(max_seqs, -(-config.model.max_model_len // self.block_size), self.device)
         self.sampling = SamplingState(max_seqs, arch.vocab_size, config.model.eos_token_ids, self.device)

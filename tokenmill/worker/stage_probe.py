@@ -2,14 +2,15 @@
 
 What `distributed.stage_balance` needs to split the layers over pipeline stages by time: random
 tensors of this rank's shapes (its TP shard), a decode micro-batch of `rows` tokens each reading
-`context` cached positions. A layer is timed as its matmuls (q/k/v, o, gate/up, down), its
-attention over the cache (torch SDPA) and its two norms; the head as the final norm, the float32
+`context` cached positions. A layer is timed as its attention half (norm, q/k/v, attention over
+the cache with torch SDPA, o) and its MLP half (norm, gate/up, SiLU-and-mul, down); the head as the final norm, the float32
 logits of the rank's vocab rows and the argmax. Medians of a few repeats, CUDA events on GPU.
 The figures are relative costs for the split, not a benchmark.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -28,10 +29,14 @@ _REPEATS = 5
 
 
 def probe_shape(config: EngineConfig) -> tuple[int, int]:
-    """(rows, context): a decode micro-batch (max_num_seqs over the stages) and half the model length
-    (at most 1024 positions), the cache a typical row reads."""
+    """(rows, context): a decode micro-batch and half the model length (at most 1024 positions),
+    the cache a typical row reads. The rows split over the micro-batches in flight: one per stage
+    (or `pp_microbatches`), plus the async slot's where sampled tokens come back through the host
+    (the trace: 330-row steps at max_num_seqs 1000 on two stages; ~500 with device tokens)."""
+    sched = config.scheduler
     pp = config.parallel.pipeline_parallel_size
-    rows = max(1, config.scheduler.max_num_seqs // pp)
+    batches = max(pp, sched.pp_microbatches) + (1 if sched.async_scheduling and not sched.pp_device_tokens else 0)
+    rows = max(1, sched.max_num_seqs // batches)
     return rows, max(1, min(config.max_model_len, 2048) // 2)
 
 
@@ -95,16 +100,17 @@ def measure(arch: ModelArch, dtype: torch.dtype, device: torch.device, rows: int
             q = q.view(rows, hkv, hq // hkv, d)
         return F.scaled_dot_product_attention(q, k, v).reshape(rows, hq * d)
 
-    def matmuls() -> None:
-        a = _rms(x, norm_w)
-        qkv = F.linear(a, w_qkv)
-        o = F.linear(qkv[:, :hq * d].contiguous(), w_o)
-        m = _rms(o + x, norm_w)
-        gate, up = F.linear(m, w_gate_up).chunk(2, dim=-1)
+    def attention_matmuls() -> None:  # the attention half's norm and projections
+        qkv = F.linear(_rms(x, norm_w), w_qkv)
+        F.linear(qkv[:, :hq * d].contiguous(), w_o)
+
+    def mlp() -> None:  # the MLP half: its norm, gate/up, SiLU-and-mul, down
+        gate, up = F.linear(_rms(x, norm_w), w_gate_up).chunk(2, dim=-1)
         F.linear(F.silu(gate) * up, w_down)
 
     q = rand(rows, hq * d)
-    layer = timed(matmuls) + timed(lambda: attention(q)) * (context / ctx)
+    attention_half = timed(attention_matmuls) + timed(lambda: attention(q)) * (context / ctx)
+    layer = attention_half + timed(mlp)
     del k, v, w_qkv, w_o, w_gate_up, w_down
     table = rand(vocab, h)
     ids = torch.randint(0, vocab, (rows,), device=device)
@@ -114,14 +120,21 @@ def measure(arch: ModelArch, dtype: torch.dtype, device: torch.device, rows: int
     if device.type == "cuda":
         torch.cuda.empty_cache()
     # Every layer costs the same here (sliding-window layers are timed as full ones: an upper bound).
-    return StageCosts(layers=(layer,) * arch.num_layers, embedding=embedding, head=head)
+    return StageCosts(layers=(layer,) * arch.num_layers, embedding=embedding, head=head,
+                      attention=(attention_half,) * arch.num_layers)
 
 
 def measure_for(config: EngineConfig, device: torch.device) -> StageCosts:
     """`measure` at this engine's decode micro-batch (`probe_shape`), logged."""
+    from tokenmill.model.llama import splits_at_attention
+    from tokenmill.model.registry import get_model_class
+
     rows, context = probe_shape(config)
-    costs = measure(config.model.arch, config.model.torch_dtype, device, rows, context,
-                    config.parallel.tensor_parallel_size)
-    logger.info("stage probe (%d rows x %d cached positions): a layer %.3f ms, embedding %.3f ms, "
-                "norm + LM head + sampling %.3f ms", rows, context, costs.layers[0], costs.embedding, costs.head)
+    arch = config.model.arch
+    costs = measure(arch, config.model.torch_dtype, device, rows, context, config.parallel.tensor_parallel_size)
+    logger.info("stage probe (%d rows x %d cached positions): a layer %.3f ms (attention half %.3f), embedding "
+                "%.3f ms, norm + LM head + sampling %.3f ms", rows, context, costs.layers[0], costs.attention[0],
+                costs.embedding, costs.head)
+    if not splits_at_attention(get_model_class(arch.architecture)) or config.lora is not None:
+        costs = dataclasses.replace(costs, attention=())  # whole layers only
     return costs

@@ -17,6 +17,7 @@ round the activations as the GPU would, then run the float matmul: correct, not 
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -50,10 +51,10 @@ def _streams(layer: nn.Module, x: torch.Tensor) -> bool:
 
 
 def _stream(layer: nn.Module, x: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-            bias: torch.Tensor | None) -> torch.Tensor:
+            bias: torch.Tensor | None, silu_x: bool = False) -> torch.Tensor:
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
 
-    out = fp8_stream_gemm(_rows(x), layer.weight, scale, block, layer.stream_counters.tensor)
+    out = fp8_stream_gemm(_rows(x), layer.weight, scale, block, layer.stream_counters.tensor, silu_x=silu_x)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out.shape[-1])
@@ -127,6 +128,8 @@ class Fp8LinearMethod(LinearMethod):
             _warn_slow_path(refusal)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if getattr(x, _SILU_PENDING, False):  # x is [gate | up]: SiLU-and-mul happens in the GEMV (`defer_silu`)
+            return _stream(layer, x, layer.weight_scale, None, bias, silu_x=True)
         if _streams(layer, x):
             return _stream(layer, x, layer.weight_scale, None, bias)
         # Row-wise scaled_mm writes bfloat16 only (CUTLASS's row-wise kernels).
@@ -206,6 +209,34 @@ FUSE_SILU_QUANT = True
 SILU_QUANT_MAX_COLS = 16384
 
 
+# Whether SiLU-and-mul leaves its product to down_proj's fp8 weight-streaming GEMV at small
+# batches (`defer_silu`): one launch and one round trip of the activation less per layer.
+FUSE_SILU_GEMV = True
+_SILU_PENDING = "_fp8_silu_pending"
+
+
+def _streams_silu(layer: nn.Module | None) -> bool:
+    """Whether this linear can take a deferred SiLU-and-mul: channel-scale fp8 with the streaming kernel."""
+    return (layer is not None and isinstance(getattr(layer, "quant_method", None), Fp8LinearMethod)
+            and getattr(layer, "stream_counters", None) is not None)
+
+
+def defer_silu(producer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """For a marked SiLU-and-mul (`mark_fused_producers`): where its consumer takes this call with the
+    streaming GEMV (few rows, no LoRA), a new view of `x` itself ([.., 2d], gate | up) flagged so
+    that the consumer's GEMV computes silu(gate) * up in its loads; else None (compute it here).
+    Only the flagged tensor object carries the flag, and its width (2d) fails any other consumer."""
+    ref = producer.__dict__.get("_fp8_consumer")
+    consumer = ref() if ref is not None else None
+    if not FUSE_SILU_GEMV or consumer is None or "lora" in consumer.__dict__ and consumer.__dict__["lora"] is not None:
+        return None
+    if x.dim() != 2 or x.stride(-1) != 1 or x.shape[-1] != 2 * consumer.in_features or not _streams(consumer, x):
+        return None
+    out = x.view(x.shape)
+    setattr(out, _SILU_PENDING, True)
+    return out
+
+
 def _takes_fused_codes(layer: nn.Module | None) -> bool:
     """Whether this linear quantizes its input per token for row-wise _scaled_mm (so a producer's
     attached codes save it a launch)."""
@@ -216,7 +247,8 @@ def _takes_fused_codes(layer: nn.Module | None) -> bool:
 def mark_fused_producers(model: nn.Module) -> int:
     """Let the kernels that write a W8A8 linear's input quantize it too: a decoder layer's
     input_layernorm (-> qkv_proj), post_attention_layernorm (-> gate_up_proj), found by their
-    HF names, and its MLP's SiLU-and-mul (`mlp.act` -> down_proj) when FUSE_SILU_QUANT.
+    HF names, and its MLP's SiLU-and-mul (`mlp.act` -> down_proj) when FUSE_SILU_QUANT; and let
+    that SiLU-and-mul defer to down_proj's streaming GEMV at small batches (`defer_silu`).
     Returns how many were marked."""
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
@@ -232,6 +264,11 @@ def mark_fused_producers(model: nn.Module) -> int:
             if type(producer) is kind and _takes_fused_codes(consumer):
                 producer.fp8_out = True
                 marked += 1
+        act, down = getattr(mlp, "act", None), getattr(mlp, "down_proj", None)
+        if type(act) is SiluAndMul and _streams_silu(down):
+            act.fp8_defer = True
+            act._fp8_consumer = weakref.ref(down)
+            marked += 1
     return marked
 
 

@@ -14,6 +14,8 @@ whose groups are scattered, so it keeps every group's scales and zeros (`g_idx` 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,6 +24,8 @@ from tokenmill.layers.quantization import int4_packing as packing
 from tokenmill.layers.quantization import stream_tiles
 from tokenmill.layers.quantization.base import LinearMethod, ParamLayout, new_param, replace_param
 from tokenmill.quant_config import QuantConfig
+
+logger = logging.getLogger(__name__)
 
 
 def gemv_panel(n: int, k: int, group: int, sms: int = stream_tiles._DEFAULT_SMS) -> int:
@@ -34,14 +38,67 @@ def gemv_panel(n: int, k: int, group: int, sms: int = stream_tiles._DEFAULT_SMS)
     return c.panel if c is not None else stream_tiles.gemv_config(n, k, group, sms).panel
 
 
+def mma_enabled() -> bool:
+    """The tensor-core GEMV's layout on CUDA (`TOKENMILL_INT4_MMA=0`: the panels, for A/B runs)."""
+    import os
+
+    return os.environ.get("TOKENMILL_INT4_MMA", "1") != "0"
+
+
+_SELFTEST: dict = {}
+
+
+def mma_selftest(device: torch.device, dtype: torch.dtype) -> bool:
+    """Once per device and dtype: the tensor-core GEMV (inline PTX: what this GPU and Triton
+    compile and run) on a small random weight at 1, 5 and 12 rows, split-K included, against
+    dequantize + matmul. False (logged): the engine keeps the panels and their GEMVs."""
+    key = (str(device), dtype)
+    if key not in _SELFTEST:
+        from tokenmill.layers.quantization import triton_int4_mma as mma
+
+        ok, why = False, ""
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            n, k, group = 256, 512, 128
+            codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
+            wt = packing.from_codes(codes, dtype, act_order=False)
+            qm = packing.to_mma(wt.qweight)
+            ref_w = packing.dequantize(wt, group, torch.float32)
+            counters = torch.zeros(64, dtype=torch.int32, device=device)
+            errs = []
+            for m, c in ((1, mma.MmaGemv(4, 2)), (5, mma.MmaGemv(2, 1)), (12, None)):
+                x = torch.randn(m, k, device=device, generator=g).to(dtype)
+                out = (mma.mma_gemv(x, qm, wt.scales, wt.zeros, group, c, counters) if c is not None
+                       else mma.mma_matmul(x, qm, wt.scales, wt.zeros, group, counters))
+                ref = x.float() @ ref_w
+                errs.append(((out.float() - ref).norm() / ref.norm()).item())
+            ok = max(errs) < 1e-2 and not counters.any()
+            why = f"relative errors {', '.join(f'{e:.1e}' for e in errs)}"
+        except Exception as e:  # noqa: BLE001 - a compile or launch failure: fall back, loudly
+            why = f"{type(e).__name__}: {str(e)[:500]}"
+        if not ok:
+            logger.warning("int4: the tensor-core GEMV failed its self-test on %s (%s); INT4 layers keep the "
+                           "panel GEMVs", device, why)
+        _SELFTEST[key] = ok
+    return _SELFTEST[key]
+
+
 def for_device(wt: packing.Int4Weights, group: int) -> packing.Int4Weights:
-    """On CUDA, words of weights the one-row GEMV serves (no act-order, groups of 16s) repacked
-    into its panels (`int4_packing.to_panels`, the width from `gemv_panel`); every CUDA path of
-    `triton_int4.int4_matmul` reads them. Elsewhere, unchanged."""
+    """On CUDA, words of weights without act-order repacked for the small-batch kernels:
+    16-bit activations, K a multiple of 64 and of a group of 64s, N of 16: the tensor-core GEMV's
+    layout (`int4_packing.to_mma`; `triton_int4_mma.mma_matmul` serves every row count from it);
+    if the GEMV passes its self-test there (`mma_selftest`); else groups of 16s: the panels of the CUDA-core GEMV (`int4_packing.to_panels`, the width
+    from `gemv_panel`), which every other CUDA path of `triton_int4.int4_matmul` reads too.
+    Elsewhere, unchanged."""
     q = wt.qweight
     if not q.is_cuda or wt.g_idx is not None or group % 16:
         return wt
     k, n = q.shape[0] * 8, q.shape[1]
+    from tokenmill.layers.quantization.triton_int4_mma import layout_fits
+
+    if (mma_enabled() and wt.scales.dtype in (torch.bfloat16, torch.float16) and layout_fits(n, k, group)
+            and mma_selftest(q.device, wt.scales.dtype)):
+        return packing.Int4Weights(packing.to_mma(q), wt.scales, wt.zeros, None)
     panel = gemv_panel(n, k, group, stream_tiles.sm_count(q.device))
     if not panel:
         return wt

@@ -161,7 +161,7 @@ def from_codes(c: Int4Codes, dtype: torch.dtype, act_order: bool) -> Int4Weights
 
 def dequantize(wt: Int4Weights, group_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The kernel layout (words or panels) back to w^T [K, N]: the torch reference of the kernels."""
-    words = from_panels(wt.qweight) if wt.qweight.dim() == 3 else wt.qweight
+    words = {3: from_panels, 4: from_mma}.get(wt.qweight.dim(), lambda q: q)(wt.qweight)
     codes = unpack_along(words, 0)  # [K, N]
     k = codes.shape[0]
     if wt.g_idx is not None:
@@ -184,3 +184,31 @@ def from_panels(qpanels: torch.Tensor) -> torch.Tensor:
     """The inverse of `to_panels`: words [K/8, N]."""
     tiles, k8, panel = qpanels.shape
     return qpanels.permute(1, 0, 2).reshape(k8, tiles * panel).contiguous()
+
+
+def to_mma(qweight: torch.Tensor) -> torch.Tensor:
+    """The kernel layout's words [K/8, N] as the tensor-core GEMV's layout int32 [N/16, K/64, 32, 4]
+    (`triton_int4_mma`): per block of 16 output channels and K step of 64 inputs, lane t (g = t // 4,
+    j = t % 4) holds in word m the codes of channels g and g + 8 at inputs 64 s + 16 j + 4 m + (0..3);
+    nibble n: channel g + 8 (n % 2), input offset 2 ((n % 4) // 2) + n // 4."""
+    codes = unpack_along(qweight, 0)  # [K, N]
+    k, n = codes.shape
+    if k % 64 or n % 16:
+        raise ValueError(f"int4 mma layout: {k} inputs must be a multiple of 64 and {n} outputs of 16")
+    # k = 64 s + 16 j + 4 m + 2 a + b; n = 16 cb + 8 hi + g; nibble = hi + 2 a + 4 b
+    v = codes.view(k // 64, 4, 4, 2, 2, n // 16, 2, 8)  # s, j, m, a, b, cb, hi, g
+    v = v.permute(5, 0, 7, 1, 2, 4, 3, 6).reshape(n // 16, k // 64, 32, 4, 8)  # cb, s, (g, j), m, (b, a, hi)
+    words = torch.zeros(v.shape[:-1], dtype=torch.int64, device=v.device)
+    for nib in range(8):
+        words |= v[..., nib] << (4 * nib)
+    return _to_int32(words)
+
+
+def from_mma(qm: torch.Tensor) -> torch.Tensor:
+    """The inverse of `to_mma`: words [K/8, N]."""
+    blocks, steps = qm.shape[:2]
+    w = qm.to(torch.int64)
+    nibs = torch.stack([(w >> (4 * nib)) & 0xF for nib in range(8)], dim=-1)  # cb, s, lane, m, nibble
+    v = nibs.view(blocks, steps, 8, 4, 4, 2, 2, 2)  # cb, s, g, j, m, b, a, hi
+    codes = v.permute(1, 3, 4, 6, 5, 0, 7, 2).reshape(steps * 64, blocks * 16)  # s, j, m, a, b, cb, hi, g
+    return pack_along(codes, 0)

@@ -79,6 +79,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
                 module.quant_method.process_weights_after_loading(module)
     from tokenmill.layers.quantization.fp8 import mark_fused_producers
     mark_fused_producers(model)  # norms / activations that feed W8A8 linears quantize for them
+    from tokenmill.layers.quantization import lm_head_8bit
+    lm_head_8bit.attach(model)  # (opt-in: TOKENMILL_LM_HEAD_8BIT=int8|fp8)
 
 
 def linear_methods_summary(model: nn.Module) -> str:

@@ -32,29 +32,31 @@ class Tiles:
     nibble_dots: bool = True  # int4 tensor-core tiles: 8 dots over strided x (else one, after a reshape)
     flat: bool = True  # fp8 one-row tiles (channel scales): sum over K once at the end (else each step)
     pipe: bool = False  # fp8 streaming: software-pipeline the K loop's loads (num_stages on the loop)
+    pre: int = 1  # fp8 one-row tiles: weight tiles loaded before the PDL wait (1-4)
 
     @classmethod
     def parse(cls, label: str) -> "Tiles":
         """The inverse of `label` (a tune record's key)."""
         import re
 
-        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(r?)(f?)(p?)", label)
+        m = re.fullmatch(r"m(\d+)n(\d+)k(\d+)s(\d+)w(\d+)st(\d+)(r?)(f?)(p?)(?:e(\d))?", label)
         if m is None:
             raise ValueError(f"not a tiles label: {label!r}")
         bm, bn, bk, split, warps, stages = map(int, m.groups()[:6])
         return cls(bm, bn, bk, split, warps, stages, nibble_dots=not m.group(7), flat=not m.group(8),
-                   pipe=bool(m.group(9)))
+                   pipe=bool(m.group(9)), pre=int(m.group(10) or 1))
 
     def code(self) -> str:
         """The constructor call (for the tables below)."""
         extra = ("" if self.nibble_dots else ", nibble_dots=False") + ("" if self.flat else ", flat=False") + \
-            (", pipe=True" if self.pipe else "")
+            (", pipe=True" if self.pipe else "") + (f", pre={self.pre}" if self.pre != 1 else "")
         return (f"Tiles({self.block_m}, {self.block_n}, {self.block_k}, {self.split}, {self.warps}, "
                 f"{self.stages}{extra})")
 
     def label(self) -> str:
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}s{self.split}w{self.warps}st{self.stages}"
-                f"{'' if self.nibble_dots else 'r'}{'' if self.flat else 'f'}{'p' if self.pipe else ''}")
+                f"{'' if self.nibble_dots else 'r'}{'' if self.flat else 'f'}{'p' if self.pipe else ''}"
+                f"{f'e{self.pre}' if self.pre != 1 else ''}")
 
 
 # Rows up to which the fp8 weight-streaming kernel runs (bf16 activations, no activation
@@ -102,12 +104,14 @@ INT4_TABLE: dict[int, Tiles] = {
 # an H200, 2026-11-25; the times: summed over the bucket's rows); `scripts/gpu_quant.py --parts
 # tune` prints these lines. INT4 buckets from 128 rows take dequantize + cuBLAS (not listed).
 MEASURED: dict[tuple[str, int, int, int], Tiles] = {
-    # one row: the pipelined K loop (`--parts sweep`, an H200, 2026-11-26; 37.4 / 20.6 / 9.8 / 11.6
-    # us for the unpipelined tiles above in the same run)
-    ('fp8', 1, 28672, 4096): Tiles(1, 16, 256, 1, 2, 4, pipe=True),  # 31.9 us
-    ('fp8', 1, 4096, 14336): Tiles(1, 16, 256, 2, 2, 4, pipe=True),  # 18.7 us
-    ('fp8', 1, 4096, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True),  # 8.1 us
-    ('fp8', 1, 6144, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True),  # 9.7 us
+    # one row: `gpu_quant.py --parts b1` on an H100 (2026-11-26, fifth session; the H200 sweep's
+    # tiles before: 41.6 / 23.8 / 9.0 / 11.3 us in the same run); qkv and o load 2 weight tiles
+    # before the PDL wait (`Tiles.pre`). The 8-bit LM head (128256 x 4096) keeps FP8_TABLE's tile:
+    # 172.0 us for fp8 (102% of copy), pre=4 171.5 but it spills with int8 weights (offline sm_90 SASS)
+    ('fp8', 1, 28672, 4096): Tiles(1, 16, 256, 1, 2, 4, pipe=True),  # 41.6 us (94% of copy bandwidth)
+    ('fp8', 1, 4096, 14336): Tiles(1, 16, 512, 2, 4, 3, pipe=True),  # 22.9 us (85%)
+    ('fp8', 1, 4096, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True, pre=2),  # 8.4 us (66%)
+    ('fp8', 1, 6144, 4096): Tiles(1, 16, 512, 1, 4, 3, pipe=True, pre=2),  # 10.5 us (80%)
     ('fp8', 16, 28672, 4096): Tiles(16, 32, 256, 1, 4, 3),  # 173.2 us over rows [2, 4, 8, 16]
     ('fp8', 16, 4096, 14336): Tiles(16, 32, 256, 8, 4, 3),  # 101.6 us over rows [2, 4, 8, 16]
     ('fp8', 16, 4096, 4096): Tiles(16, 64, 128, 4, 4, 3),  # 44.8 us over rows [2, 4, 8, 16]

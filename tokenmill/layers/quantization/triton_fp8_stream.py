@@ -33,13 +33,38 @@ def _k_part(acc, w, x, s_ptr, offs_n, n_mask, k0, s_sn, BLOCK_SCALES: tl.constex
             GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One K step of the non-FLAT tiles: acc + the [BLOCK_N, BLOCK_K] tile w times the rows x."""
     if BLOCK_M == 1:
-        part = tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        part = tl.sum(_w_f32(w) * x.to(tl.float32), axis=1)[None, :]
     else:
         part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
     if BLOCK_SCALES:
         bs = tl.load(s_ptr + (offs_n // GROUP_N) * s_sn + k0 // GROUP_K, mask=n_mask, other=0.0)
         return acc + part * bs[None, :]
     return acc + part
+
+
+@triton.jit
+def _w_f32(w):
+    """A weight tile in float32. int8 (the 8-bit LM head, `lm_head_8bit`): through the float bits of
+    2^23 + 128 + w (an integer add and a float subtract, both exact) instead of I2F, a conversion
+    Hopper issues at a quarter of the FMA rate: at one row it would bound the head's GEMV."""
+    if w.dtype == tl.int8:
+        return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _load_x(x_rows, offs_k, mask, K, SILU_X: tl.constexpr):
+    """The activation tile: x itself, or (SILU_X) silu(gate) * up of a [gate | up] row pair read
+    where the gate half starts at column 0 and the up half at column K, rounded as
+    `triton_ops.silu_and_mul` rounds (silu to x's dtype, then the product), so the fused call
+    equals SiLU-and-mul followed by the GEMV."""
+    if SILU_X:
+        dtype = x_rows.dtype.element_ty
+        gate = tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_rows + K + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        return (silu * up).to(dtype)
+    return tl.load(x_rows + offs_k[None, :], mask=mask, other=0.0)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -51,6 +76,8 @@ def _fp8_stream_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     SPLIT_K: tl.constexpr, PIPE: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # `pdl`: the first weight tile is loaded before waiting for x's producer
+    SILU_X: tl.constexpr = False,  # x is [M, 2K] (gate | up): the GEMV reads silu(gate) * up (`_load_x`)
+    PRE: tl.constexpr = 1,  # weight tiles loaded before the PDL wait (1-4; more than 1: FLAT only)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -75,23 +102,43 @@ def _fp8_stream_kernel(
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     k_mask = offs_k < k_hi
     w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+    # PRE > 1 (one row): the next tiles too, so more of a small weight is in flight across the wait
+    # (the previous kernels' tails); consumed in order after it, the same sums as PRE 1.
+    if PRE >= 2:
+        w1 = tl.load(w_rows + (offs_k + BLOCK_K)[None, :], mask=n_mask[:, None] & (offs_k + BLOCK_K < k_hi)[None, :],
+                     other=0.0)
+    if PRE >= 3:
+        w2 = tl.load(w_rows + (offs_k + 2 * BLOCK_K)[None, :],
+                     mask=n_mask[:, None] & (offs_k + 2 * BLOCK_K < k_hi)[None, :], other=0.0)
+    if PRE >= 4:
+        w3 = tl.load(w_rows + (offs_k + 3 * BLOCK_K)[None, :],
+                     mask=n_mask[:, None] & (offs_k + 3 * BLOCK_K < k_hi)[None, :], other=0.0)
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
-    x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+    x = _load_x(x_rows, offs_k, m_mask[:, None] & k_mask[None, :], K, SILU_X)
     if FLAT:
-        acc2 += w.to(tl.float32) * x.to(tl.float32)
+        acc2 += _w_f32(w) * x.to(tl.float32)
+        if PRE >= 2:
+            acc2 += _w_f32(w1) * _load_x(x_rows, offs_k + BLOCK_K, (offs_k + BLOCK_K < k_hi)[None, :], K,
+                                                SILU_X).to(tl.float32)
+        if PRE >= 3:
+            acc2 += _w_f32(w2) * _load_x(x_rows, offs_k + 2 * BLOCK_K, (offs_k + 2 * BLOCK_K < k_hi)[None, :],
+                                                K, SILU_X).to(tl.float32)
+        if PRE >= 4:
+            acc2 += _w_f32(w3) * _load_x(x_rows, offs_k + 3 * BLOCK_K, (offs_k + 3 * BLOCK_K < k_hi)[None, :],
+                                                K, SILU_X).to(tl.float32)
     else:
         acc = _k_part(acc, w, x, s_ptr, offs_n, n_mask, k_lo, s_sn, BLOCK_SCALES, GROUP_N, GROUP_K, BLOCK_M,
                       DOT_PRECISION)
     # PIPE > 1: the loop carries num_stages, so Triton pipelines its loads (cp.async) even without
     # a tl.dot (which it does not do otherwise): bytes in flight while a tile is converted.
-    for k0 in tl.range(k_lo + BLOCK_K, k_hi, BLOCK_K, num_stages=PIPE):
+    for k0 in tl.range(k_lo + PRE * BLOCK_K, k_hi, BLOCK_K, num_stages=PIPE):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x = _load_x(x_rows, offs_k, m_mask[:, None] & k_mask[None, :], K, SILU_X)
         if FLAT:
-            acc2 += w.to(tl.float32) * x.to(tl.float32)
+            acc2 += _w_f32(w) * x.to(tl.float32)
         else:
             acc = _k_part(acc, w, x, s_ptr, offs_n, n_mask, k0, s_sn, BLOCK_SCALES, GROUP_N, GROUP_K, BLOCK_M,
                           DOT_PRECISION)
@@ -105,14 +152,22 @@ def _fp8_stream_kernel(
 
 def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     block: tuple[int, int] | None = None, counters: torch.Tensor | None = None,
-                    tiles: stream_tiles.Tiles | None = None) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32) @ (weight [N, K] fp8 * scale)^T -> [M, N] in x's dtype.
+                    tiles: stream_tiles.Tiles | None = None, silu_x: bool = False,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ (weight [N, K] fp8 * scale)^T -> [M, N] in x's dtype (or `out_dtype`).
     scale: [N, 1] per channel, or [ceil(N / bn), K / bk] with `block` = (bn, bk).
     counters: a zeroed int32 tensor (one per output tile, `stream_tiles.SplitCounters`); without
-    it (or too small) the kernel runs without split-K."""
+    it (or too small) the kernel runs without split-K.
+    silu_x: x is [M, 2K], a [gate | up] projection's output, and the product is taken with
+    silu(gate) * up (SiLU-and-mul done in the GEMV's loads: one launch less per MLP)."""
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if silu_x:
+        if k != 2 * weight.shape[1]:
+            raise ValueError(f"fp8 stream GEMM with silu_x: x has {k} columns, the weight {weight.shape[1]} "
+                             f"(x must be [gate | up], twice the weight's)")
+        k //= 2
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     if x.stride(1) != 1:
@@ -130,7 +185,7 @@ def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SPLIT_K=split > 1, PIPE=t.stages if t.pipe else None, num_warps=t.warps, num_stages=t.stages,
-        **pdl.launch_kwargs(x.device))
+        SILU_X=silu_x, PRE=t.pre if t.block_m == 1 and block is None and t.flat else 1, **pdl.launch_kwargs(x.device))
     return out
 
 

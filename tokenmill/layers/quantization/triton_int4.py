@@ -136,11 +136,16 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     tensor-core tiles above) below `stream_tiles.INT4_DEQUANT_MIN_ROWS` rows. Act-order (g_idx):
     the per-channel-group kernel below DEQUANT_MIN_ROWS rows. Above either: dequantize + cuBLAS.
     counters: the layer's split-K counters (`stream_tiles.SplitCounters`). qweight in panels
-    (3-D, `int4_packing.to_panels`; no act-order): one row takes the GEMV of `triton_int4_gemv`."""
+    (3-D, `int4_packing.to_panels`; no act-order): one row takes the GEMV of `triton_int4_gemv`.
+    qweight in the mma layout (4-D, `int4_packing.to_mma`): `triton_int4_mma.mma_matmul`."""
     from tokenmill.layers.quantization import stream_tiles
 
     m = x.shape[0]
     group = x.shape[1] if group_size == -1 else group_size
+    if qweight.dim() == 4:  # the tensor-core GEMV's layout (`int4.for_device`): every row count
+        from tokenmill.layers.quantization.triton_int4_mma import mma_matmul
+
+        return mma_matmul(x, qweight, scales, zeros, group_size, counters)
     if m == 1 and qweight.dim() == 3:
         from tokenmill.layers.quantization.triton_int4_gemv import int4_gemv
 

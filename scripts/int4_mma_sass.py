@@ -1,0 +1,87 @@
+"""Compile the tensor-core INT4 GEMV (`triton_int4_mma`) for sm_90 on a machine without a GPU and
+count what its SASS does: registers, spills, HMMA / LDG / LOP3 / SHF / HADD2 per launch, and
+whether every global load of a loop step is issued before its first HMMA (what the `early`
+predicate is for). Uses triton's bundled ptxas / cuobjdump; needs no device.
+
+    python scripts/int4_mma_sass.py                     # the defaults
+    python scripts/int4_mma_sass.py --launch '{"warps": 8, "split": 4, "gpc": 2, "zmma": true, "f16": false}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+
+os.environ.pop("TRITON_INTERPRET", None)  # a real compile
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+DEFAULTS = [{"warps": 4, "split": 1}, {"warps": 4, "split": 4, "gpc": 2, "zmma": True, "hint": True, "f16": True},
+            {"warps": 8, "split": 2, "zmma": True}, {"warps": 4, "split": 1, "early": False}]
+OPS = ("HMMA", "LDG", "LOP3", "SHF", "HADD2", "HFMA2", "IMAD", "STL", "LDL")
+
+
+def compile_launch(launch: dict):
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    group = launch.get("group", 128)
+    f16 = launch.get("f16", False)
+    setup, step, store, store32 = mma._asm_texts(group // 64, launch.get("gpc", 1), f16, launch.get("early", True),
+                                                 launch.get("zmma", False), launch.get("hint", False))
+    const = dict(GROUP=group, SPLIT=launch.get("split", 1), WARPS=launch.get("warps", 4), GPC=launch.get("gpc", 1),
+                 ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32)
+    dt = "fp16" if f16 else "bf16"
+    ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(mma._mma_gemv_kernel.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+    return triton.compile(ASTSource(mma._mma_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": launch.get("warps", 4)})
+
+
+def sass_figures(kernel) -> dict:
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
+    fig = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_.]+)", sass, flags=re.M)
+    counts = Counter(op.split(".")[0] for op in ops)
+    for op in OPS:
+        fig[op] = counts.get(op, 0)
+    # loads of the loop step (128-bit: weights and x) before its first HMMA
+    first_mma = next((i for i, op in enumerate(ops) if op.startswith("HMMA")), len(ops))
+    wide = [i for i, op in enumerate(ops) if op.startswith("LDG") and ".128" in op]
+    fig["wide_loads_before_first_hmma"] = sum(i < first_mma for i in wide)
+    fig["wide_loads"] = len(wide)
+    return fig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--launch", action="append", help="JSON: warps, split, gpc, zmma, hint, early, f16, group")
+    args = ap.parse_args()
+    for launch in ([json.loads(x) for x in args.launch] if args.launch else DEFAULTS):
+        print(json.dumps(launch), json.dumps(sass_figures(compile_launch(launch))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

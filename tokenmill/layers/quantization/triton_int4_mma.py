@@ -1,0 +1,408 @@
+"""Triton kernel: INT4 W4A16 GEMV for 1..8 rows on the tensor cores (mma.sync m16n8k16, CUDA
+cores only unpack), and the dequantization of its weight layout for more rows.
+
+Why: the CUDA-core GEMVs (`triton_int4_prefetch_gemv`) spend ~36-42 instructions per word of 8
+weights (unpack, convert, zero point, FMA with x, widen): as long as the read of the word itself
+on an H100, so they reach about half of the byte bound. Here a word is exactly one mma A fragment
+(8 bf16/fp16 weights of one thread), and its arithmetic is 3 shifts, 4 logic ops, 4 packed
+subtractions and a quarter of an mma (~12 instructions):
+- the nibbles go into the mantissa of 128.0 (bf16) / 1024.0 (fp16) with one `lop3` per pair,
+  giving M + q exactly; a packed FMA with -(M + z) makes q - z exactly (an integer in [-15, 15]);
+- the mma multiplies them by x (the B operand: row r of x in column r, rows >= M zero) and sums
+  in float32; per group the sums are scaled in float32 (no rounding of the weight: closer to
+  exact than dequantize-then-GEMM).
+
+Layout (`int4_packing.to_mma`): int32 [N/16, K/64, 32, 4]. A warp owns 16 output channels (a
+"channel block"); a 64-channel K step of a block is 32 lanes x 4 words (512 contiguous bytes: one
+16-byte load per lane). Lane t (g = t / 4, j = t % 4) holds, in word m, the codes of channels
+g and g + 8 at input channels k = 64 s + 16 j + 4 m + (0..3): the mma's k positions 2j, 2j+1,
+2j+8, 2j+9 are mapped to 4 consecutive inputs so that a lane's x values for a step are 16
+consecutive values (two 16-byte loads). Nibble n of a word: channel g + 8 (n % 2), input offset
+2 ((n % 4) // 2) + n // 4.
+
+Scales and zeros stay [G, N] in the activation dtype (`Int4Weights`); zero points must be
+integers in [0, 127] (every supported format's are in [0, 16]). A group is a multiple of 64.
+
+The program: a CTA of WARPS warps owns WARPS channel blocks and K / SPLIT of K (whole groups).
+On a GPU the loop body is one inline-PTX block per GPC groups (all its loads first, then the
+arithmetic: ptxas cannot move the loads behind it), the lane index read from %tid. Partial sums
+of SPLIT > 1 slices go to a float32 buffer; the CTA that arrives last for its channel blocks
+(one counter each, reset after use: CUDA-graph replays find it zeroed) sums them in slice order.
+Under the interpreter (CPU tests) the same program runs in Triton ops: the codes gathered from
+the layout by the inverse index map (`_codes_at`), checked against the torch reference.
+
+Torch reference: `int4_packing.dequantize` (of `from_mma`) then a matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS = 8  # rows of x one launch takes (the mma's N)
+
+
+def _setup_asm() -> str:
+    """PTX of the thread's element offsets, once per program: $0 into the weight (its channel
+    block's words, its lane's 16 bytes), $1 into x (row min(g, M - 1): rows past M are read but
+    their sums never stored; its lane's 16 inputs), $2 into scales / zeros (channel g of its
+    block). $3 words between channel blocks, $4 x's row stride, $5 M (r)."""
+    return "\n".join([
+        "{", ".reg .b32 tid, wid, lane, g, j, u, v;",
+        "mov.u32 tid, %tid.x;", "shr.u32 wid, tid, 5;", "and.b32 lane, tid, 31;", "shr.u32 g, lane, 2;",
+        "and.b32 j, lane, 3;",
+        "shl.b32 u, lane, 2;", "mad.lo.u32 u, wid, $3, u;", "cvt.u64.u32 $0, u;",
+        "sub.u32 v, $5, 1;", "min.u32 v, g, v;", "shl.b32 u, j, 4;", "mad.lo.u32 u, v, $4, u;", "cvt.u64.u32 $1, u;",
+        "shl.b32 u, wid, 4;", "add.u32 u, u, g;", "cvt.u64.u32 $2, u;", "}"])
+
+
+def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, hint: bool = False) -> str:
+    """The PTX of one loop step: GPC groups of SPG 64-input K steps, for the calling thread.
+    Operands: $0..$3 its four float32 sums out (channel g rows 2j, 2j+1; channel g+8 rows 2j,
+    2j+1); $4 its weight words at this step, $5 its x values, $6 / $7 its scale / zero (channel
+    g; g + 8 is 16 bytes on) at this group (l); $8 bytes between groups in scales / zeros, $9 M
+    (r); $10..$13 the four sums in (f).
+    early: a false-at-run-time predicate computed from one register of every load, right after
+    the loads: ptxas must issue them all before any arithmetic (it otherwise sinks each load to
+    just before its first use, serialising their latencies).
+    zmma: the zero points leave through a second mma per word, of the A fragment -(M + z) (each
+    channel's, constant along k) with the same x, into the same sums, instead of four packed
+    subtractions per word (the weights enter as M + q; sums ~M / 8 times larger in float32).
+    hint: the weight loads skip L1 (read once; L1 keeps x) and ask L2 for 256-byte fetches."""
+    magic = "0x64006400" if f16 else "0x43004300"
+    one = "0x3C003C00" if f16 else "0x3F803F80"
+    big = "0f44800000" if f16 else "0f43000000"  # 1024.0 / 128.0
+    ty = "f16" if f16 else "bf16"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
+    steps = spg * gpc
+    lines = ["{", ".reg .b32 u, sh, one2, nz0, nz8, p0, p1, p2, p3, za0, za1, za2, za3;", ".reg .b16 h0;", ".reg .b64 sa, za, o64;",
+             ".reg .f32 d0, d1, d2, d3, s0, s8, z0, z8;",
+             f".reg .b32 w<{4 * steps}>, x<{8 * steps}>, sz<{4 * gpc}>;",
+             f"mov.b32 one2, {one};", "mov.f32 $0, $10;", "mov.f32 $1, $11;", "mov.f32 $2, $12;", "mov.f32 $3, $13;"]
+    for t in range(steps):  # every load first
+        ld = "ld.global.nc.L1::no_allocate.L2::256B" if hint else "ld.global.nc"
+        lines.append(f"{ld}.v4.b32 {{w{4 * t}, w{4 * t + 1}, w{4 * t + 2}, w{4 * t + 3}}}, [$4+{512 * t}];")
+    for t in range(steps):
+        for half in range(2):
+            regs = ", ".join(f"x{8 * t + 4 * half + i}" for i in range(4))
+            lines.append(f"ld.global.v4.b32 {{{regs}}}, [$5+{128 * t + 16 * half}];")
+    # scales and zeros of channels g and g + 8, each group's: sz[4q + 0..3] = s(g), s(g+8), z(g), z(g+8)
+    lines += ["mov.b64 sa, $6;", "mov.b64 za, $7;", "cvt.u64.u32 o64, $8;"]
+    for q in range(gpc):
+        if q:
+            lines += ["add.s64 sa, sa, o64;", "add.s64 za, za, o64;"]
+        lines += [f"ld.global.nc.u16 sz{4 * q}, [sa];", f"ld.global.nc.u16 sz{4 * q + 1}, [sa+16];",
+                  f"ld.global.nc.u16 sz{4 * q + 2}, [za];", f"ld.global.nc.u16 sz{4 * q + 3}, [za+16];"]
+    if early:  # dep = xor of one register per load; pz = (dep == 0) and (M == 0): never true
+        firsts = ([f"w{4 * t}" for t in range(steps)] + [f"x{8 * t + 4 * half}" for t in range(steps) for half in range(2)]
+                  + [f"sz{i}" for i in range(4 * gpc)])
+        lines += [".reg .b32 dep;", ".reg .pred pa, pz;", f"mov.b32 dep, {firsts[0]};"]
+        for a in range(1, len(firsts), 2):
+            b = firsts[a + 1] if a + 1 < len(firsts) else "0"
+            lines.append(f"lop3.b32 dep, dep, {firsts[a]}, {b}, 0x96;")
+        lines += ["setp.eq.u32 pa, $9, 0;", "setp.eq.and.u32 pz, dep, 0, pa;", "@pz mov.f32 $0, 0f7FC00000;"]
+    for q in range(gpc):
+        # float32 scales, and -(M + z) pairs, of channels g and g + 8
+        for reg, src in (("s0", 0), ("s8", 1), ("z0", 2), ("z8", 3)):
+            if f16:
+                lines += [f"cvt.u16.u32 h0, sz{4 * q + src};", f"cvt.f32.f16 {reg}, h0;"]
+            else:
+                lines += [f"shl.b32 u, sz{4 * q + src}, 16;", f"mov.b32 {reg}, u;"]
+        for z, nz in (("z0", "nz0"), ("z8", "nz8")):
+            lines += [f"add.f32 {z}, {z}, {big};", f"neg.f32 {z}, {z};", f"cvt.rn.{ty}x2.f32 {nz}, {z}, {z};"]
+        if zmma:  # the zero points' A fragment in four registers of its own (one quad for ptxas, per group)
+            lines += ["mov.b32 za0, nz0;", "mov.b32 za1, nz8;", "mov.b32 za2, nz0;", "mov.b32 za3, nz8;"]
+        lines += [f"mov.f32 d{i}, 0f00000000;" for i in range(4)]
+        for h in range(spg):
+            t = q * spg + h
+            for m in range(4):
+                w = f"w{4 * t + m}"
+                xb = f"{{x{8 * t + 2 * m}, x{8 * t + 2 * m + 1}}}"
+                lines.append(f"lop3.b32 p0, {w}, 0x000F000F, {magic}, 0xEA;")
+                for i, p in ((1, "p1"), (2, "p2"), (3, "p3")):
+                    lines += [f"shr.u32 sh, {w}, {4 * i};", f"lop3.b32 {p}, sh, 0x000F000F, {magic}, 0xEA;"]
+                if zmma:
+                    lines.append(f"{mma} {{d0, d1, d2, d3}}, {{za0, za1, za2, za3}}, {xb}, {{d0, d1, d2, d3}};")
+                else:
+                    lines += [f"fma.rn.{ty}x2 p0, p0, one2, nz0;", f"fma.rn.{ty}x2 p1, p1, one2, nz8;",
+                              f"fma.rn.{ty}x2 p2, p2, one2, nz0;", f"fma.rn.{ty}x2 p3, p3, one2, nz8;"]
+                lines.append(f"{mma} {{d0, d1, d2, d3}}, {{p0, p1, p2, p3}}, {xb}, {{d0, d1, d2, d3}};")
+        lines += ["fma.rn.f32 $0, d0, s0, $0;", "fma.rn.f32 $1, d1, s0, $1;",
+                  "fma.rn.f32 $2, d2, s8, $2;", "fma.rn.f32 $3, d3, s8, $3;"]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _store_asm(f32: bool, f16: bool) -> str:
+    """PTX storing the thread's four sums: $0 (dummy out), $1 the destination at the CTA's first
+    channel (l), $2 bytes between rows (r), $3 M (r), $4..$7 the sums (f). f32: float32 stores
+    (split-K partials), else rounded to bf16 / fp16. Then a fence: the CTA counts itself in
+    after every thread's stores are visible at GPU scope."""
+    esz = 4 if f32 else 2
+    lines = ["{", ".reg .pred pr;", ".reg .b32 tid, wid, lane, g, j, r, c, cc;", ".reg .b64 a, o64;", ".reg .b16 hv;",
+             "mov.u32 tid, %tid.x;", "shr.u32 wid, tid, 5;", "and.b32 lane, tid, 31;", "shr.u32 g, lane, 2;",
+             "and.b32 j, lane, 3;", "shl.b32 c, wid, 4;", "add.u32 c, c, g;"]
+    for i, (dr, dc) in enumerate(((0, 0), (1, 0), (0, 8), (1, 8))):  # (row 2j + dr, channel g + dc)
+        lines += ["shl.b32 r, j, 1;", f"add.u32 r, r, {dr};", "setp.lt.u32 pr, r, $3;", "mul.wide.u32 a, r, $2;",
+                  f"add.u32 cc, c, {dc};", f"mul.wide.u32 o64, cc, {esz};", "add.s64 a, a, o64;", "add.s64 a, a, $1;"]
+        if f32:
+            lines.append(f"@pr st.global.f32 [a], ${4 + i};")
+        else:
+            lines += [f"cvt.rn.{'f16' if f16 else 'bf16'}.f32 hv, ${4 + i};", "@pr st.global.b16 [a], hv;"]
+    lines += ["fence.acq_rel.gpu;", "mov.b32 $0, 0;", "}"]
+    return "\n".join(lines)
+
+
+@triton.jit
+def _codes_at(w_ptr, k, n, K):
+    """The codes [k.shape x n.shape] of input channels k ([BK, 1]) and outputs n ([1, BN]) in the
+    mma layout (the inverse of `int4_packing.to_mma`'s index map). The word index and the nibble
+    are sums of a part of k and a part of n (computed once per row and per column):
+    word = (n // 16) (K / 64) 128 + 16 g + [128 (k // 64) + 4 j + m], nibble = (n % 16) // 8 +
+    [2 (off // 2) + 4 (off % 2)], with g = n % 8, j = (k % 64) // 16, m = (k % 16) // 4, off = k % 4."""
+    off = k % 4
+    k_word = (k // 64) * 128 + ((k % 64) // 16) * 4 + (k % 16) // 4
+    k_shift = 8 * (off // 2) + 16 * (off % 2)
+    n_word = (n // 16).to(tl.int64) * (K // 64) * 128 + 16 * (n % 8)
+    n_shift = 4 * ((n % 16) // 8)
+    return (tl.load(w_ptr + (n_word + k_word)) >> (n_shift + k_shift)) & 0xF
+
+
+@triton.jit
+def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_sg,
+                     GROUP: tl.constexpr, SPLIT: tl.constexpr, WARPS: tl.constexpr, GPC: tl.constexpr,
+                     ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    BN: tl.constexpr = 16 * WARPS
+    SPG: tl.constexpr = GROUP // 64
+    per = K // GROUP // SPLIT  # the host checks that SPLIT divides the groups
+    g_lo = pid_k * per
+    n0 = pid_n * BN
+    if ASM:
+        one = tl.zeros([1], dtype=tl.int32)
+        a0 = tl.zeros([1], dtype=tl.float32)
+        a1 = tl.zeros([1], dtype=tl.float32)
+        a2 = tl.zeros([1], dtype=tl.float32)
+        a3 = tl.zeros([1], dtype=tl.float32)
+        w_ofs, x_ofs, s_ofs = tl.inline_asm_elementwise(
+            ASM_SETUP, "=l,=l,=l,r,r,r", [one + (K // 64) * 128, one + s_xm, one + M],
+            dtype=(tl.int64, tl.int64, tl.int64), is_pure=True, pack=1)
+        w_thr = w_ptr + (pid_n * WARPS).to(tl.int64) * (K // 64) * 128 + w_ofs
+        x_thr = x_ptr + x_ofs
+        s_thr = s_ptr + n0 + s_ofs
+        z_thr = z_ptr + n0 + s_ofs
+        for grp in range(g_lo, g_lo + per, GPC):
+            a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
+                # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
+                [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                 (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                 one + s_sg * 2, one + M, a0, a1, a2, a3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+        if SPLIT == 1:
+            tl.inline_asm_elementwise(ASM_STORE, "=r,l,r,r,f,f,f,f",
+                                      [(out_ptr + n0 + one).to(tl.int64), one + N * 2, one + M, a0, a1, a2, a3],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.inline_asm_elementwise(ASM_STORE_F32, "=r,l,r,r,f,f,f,f",
+                                      [(part_ptr + pid_k.to(tl.int64) * M * N + n0 + one).to(tl.int64), one + N * 4, one + M,
+                                       a0, a1, a2, a3], dtype=tl.int32, is_pure=False, pack=1)
+    else:  # the same sums in Triton ops (interpreter): codes gathered by the inverse index map
+        rows = tl.arange(0, 8)
+        offs_n = n0 + tl.arange(0, BN)
+        kk = tl.arange(0, GROUP)
+        acc = tl.zeros([8, BN], dtype=tl.float32)
+        for grp in range(g_lo, g_lo + per):
+            k = grp * GROUP + kk
+            q = _codes_at(w_ptr, k[:, None], offs_n[None, :], K).to(tl.float32)
+            z = tl.load(z_ptr + grp * s_sg + offs_n).to(tl.float32)
+            s = tl.load(s_ptr + grp * s_sg + offs_n).to(tl.float32)
+            x = tl.load(x_ptr + rows[:, None] * s_xm + k[None, :], mask=rows[:, None] < M, other=0.0).to(tl.float32)
+            d = tl.sum(x[:, :, None] * (q - z[None, :])[None, :, :], axis=1)
+            acc += d * s[None, :]
+        mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+        if SPLIT == 1:
+            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
+    if SPLIT > 1:
+        tl.debug_barrier()  # every thread's partial is stored (and fenced) before the CTA counts itself in
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == SPLIT - 1:  # the last slice of these channels: sum the partials in slice order
+            rows = tl.arange(0, 8)
+            offs_n = n0 + tl.arange(0, BN)
+            mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+            total = tl.zeros([8, BN], dtype=tl.float32)
+            for sl in range(SPLIT):
+                total += tl.load(part_ptr + sl * M * N + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
+                                 cache_modifier=".cg")
+            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0)
+
+
+@triton.jit
+def _mma_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, K, s_sg, s_on, GROUP: tl.constexpr, ROWS: tl.constexpr):
+    """W [N, K] in out's dtype from the mma layout (== int4_packing.dequantize of from_mma,
+    transposed). A program takes ROWS consecutive 16-byte rows of the layout (a lane's four words
+    of one K step: 16-byte loads) and writes the 16 consecutive inputs they hold of channels g and
+    g + 8 (two 32-byte runs; 4 lanes of one g cover 64 consecutive inputs)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    words = tl.load(w_ptr + rows.to(tl.int64)[:, None] * 4 + tl.arange(0, 4)[None, :])  # [ROWS, 4 (m)]
+    steps = K // 64
+    lane = rows % 32
+    n0 = (rows // (steps * 32)) * 16 + lane // 4
+    k0 = ((rows // 32) % steps) * 64 + (lane % 4) * 16
+    grp = (k0 // GROUP).to(tl.int64) * s_sg
+    off = tl.arange(0, 4)  # input offset within a word's pair of pairs: nibble 2 (off // 2) + 4 (off % 2)
+    shift = 8 * (off // 2) + 16 * (off % 2)
+    cols = k0[:, None] + tl.arange(0, 16)[None, :]
+    for hi in tl.static_range(2):  # channel g + 8 hi: nibbles one up
+        q = ((words[:, :, None] >> (shift + 4 * hi)[None, None, :]) & 0xF).to(tl.float32)  # [ROWS, m, off]
+        q = tl.reshape(q, (ROWS, 16))  # input 4 m + off
+        n = n0 + 8 * hi
+        sc = tl.load(s_ptr + grp + n).to(tl.float32)
+        z = tl.load(z_ptr + grp + n).to(tl.float32)
+        tl.store(out_ptr + n.to(tl.int64)[:, None] * s_on + cols, ((q - z[:, None]) * sc[:, None]).to(out_ptr.dtype.element_ty))
+
+
+@dataclass(frozen=True)
+class MmaGemv:
+    """A launch: WARPS channel blocks (16 outputs each) per CTA, SPLIT slices of K (whole groups;
+    a power of two dividing them), GPC groups per loop step."""
+
+    warps: int = 4
+    split: int = 1
+    gpc: int = 1
+    early: bool = True  # every load issued before the arithmetic (`_asm`)
+    zmma: bool = False  # zero points through a second mma per word (`_asm`)
+    hint: bool = False  # weight loads past L1, 256-byte L2 fetches (`_asm`)
+
+    def label(self) -> str:
+        return (f"mma w{self.warps} s{self.split} g{self.gpc}{'' if self.early else ' late'}"
+                f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}")
+
+
+# (N, K) -> the launch (Llama-8B's linears). Until measured on an H100: `default_config`.
+TABLE: dict[tuple[int, int], MmaGemv] = {}
+
+
+# Warps per SM the default launch aims at: a memory-bound stream wants many warps in flight (each
+# holds 1 KB of loads per step); 52 registers a thread leave room for 9 CTAs of 4 warps per SM,
+# so every CTA is resident in one wave.
+TARGET_WARPS_PER_SM = 32
+
+
+def default_config(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
+    """Four warps a CTA; K split (a power of two dividing the groups, at most 16) until there are
+    about TARGET_WARPS_PER_SM warps per SM."""
+    blocks = n // 16
+    groups = k // group
+    split = 1
+    while blocks * split * 2 <= TARGET_WARPS_PER_SM * sms and groups % (2 * split) == 0 and split < 16:
+        split *= 2
+    return MmaGemv(warps=4, split=split)
+
+
+def config_for(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
+    c = TABLE.get((n, k)) or default_config(n, k, group, sms)
+    return c if fits(n, k, group, c) else MmaGemv(warps=1, split=1)
+
+
+MAX_GROUP = 256  # a loop step unrolls a group's K steps (registers: 12 per 64 inputs)
+
+
+def layout_fits(n: int, k: int, group: int) -> bool:
+    """The mma layout holds a weight of N outputs, K inputs and this group size (64, 128 or 256:
+    one group over all of K, GPTQ's -1, stays with the panels)."""
+    return n % 16 == 0 and k % 64 == 0 and group % 64 == 0 and group <= MAX_GROUP and k % group == 0
+
+
+def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
+    groups = k // group
+    return (layout_fits(n, k, group) and c.warps in (1, 2, 4, 8) and n % (16 * c.warps) == 0
+            and c.split >= 1 and groups % c.split == 0 and (groups // c.split) % c.gpc == 0)
+
+
+@functools.cache
+def _asm_texts(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False,
+               hint: bool = False) -> tuple[str, str, str, str]:
+    return _setup_asm(), _asm(spg, gpc, f16, early, zmma, hint), _store_asm(False, f16), _store_asm(True, f16)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def vector_rows(x: torch.Tensor) -> torch.Tensor:
+    """x itself where its rows may be read in 16-byte vectors (unit stride along K, the first row
+    on a 16-byte boundary, rows a multiple of 16 bytes apart), else a contiguous copy."""
+    if x.stride(1) != 1 or x.data_ptr() % 16 or (x.stride(0) * x.element_size()) % 16:
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
+
+
+def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+             c: MmaGemv | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (M <= 8) @ W^T -> [M, N] in x's dtype; W in the mma layout qm [N/16, K/64, 32, 4].
+    c.split > 1 needs `counters` (zeroed int32, one per CTA: N / (16 c.warps))."""
+    m, k = x.shape
+    n = qm.shape[0] * 16
+    group = k if group_size == -1 else group_size
+    c = c or config_for(n, k, group)
+    gpu = x.is_cuda and not _interpreting()
+    if m > ROWS or qm.shape[1] * 64 != k or not fits(n, k, group, c):
+        raise ValueError(f"int4 mma GEMV: x {tuple(x.shape)}, weight {tuple(qm.shape)}, group {group} do not fit "
+                         f"{c.label()} (at most {ROWS} rows; K a multiple of 64 and of the group, a multiple of 64; "
+                         f"SPLIT * GPC dividing the groups; N a multiple of 16 * WARPS)")
+    if gpu and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"int4 mma GEMV: activations in bf16 or fp16 on a GPU, got {x.dtype}")
+    ctas = n // (16 * c.warps)
+    if c.split > 1 and (counters is None or counters.numel() < ctas):
+        raise ValueError(f"int4 mma GEMV: split {c.split} needs {ctas} zeroed counters")
+    x = vector_rows(x)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
+    setup, step, store, store32 = _asm_texts(group // 64, c.gpc, x.dtype == torch.float16, c.early, c.zmma,
+                                             c.hint)
+    _mma_gemv_kernel[(ctas, c.split)](
+        x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
+        GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
+        ASM_STORE_F32=store32, num_warps=c.warps)
+    return out
+
+
+# Rows up to which `mma_matmul` runs the GEMV once per 8 rows (each launch reads the weight
+# again); above, dequantize + cuBLAS. A guess until measured (a launch ~ the weight's read).
+LOOP_MAX_ROWS = 32
+
+
+def mma_dequantize(qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The mma layout back to W^T [K, N] in `dtype` (a transposed view of W [N, K]: the kernel
+    writes rows of W contiguously; cuBLAS takes either)."""
+    n, k = qm.shape[0] * 16, qm.shape[1] * 64
+    group = k if group_size == -1 else group_size
+    out = torch.empty((n, k), dtype=dtype, device=qm.device)
+    rows = n * k // 32
+    block = 256 if rows % 256 == 0 else 32  # rows is a multiple of 32 (16 outputs x 64 inputs / 32)
+    _mma_dequant_kernel[(rows // block,)](qm, scales, zeros, out, k, scales.stride(0), out.stride(0), GROUP=group,
+                                          ROWS=block, num_warps=4)
+    return out.t()
+
+
+def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+               counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ W^T for any M: the GEMV per 8 rows up to LOOP_MAX_ROWS, else dequantize + cuBLAS."""
+    m = x.shape[0]
+    if m <= ROWS:
+        return mma_gemv(x, qm, scales, zeros, group_size, counters=counters)
+    if m <= LOOP_MAX_ROWS:
+        return torch.cat([mma_gemv(x[i:i + ROWS], qm, scales, zeros, group_size, counters=counters)
+                          for i in range(0, m, ROWS)])
+    return x @ mma_dequantize(qm, scales, zeros, group_size, x.dtype)
