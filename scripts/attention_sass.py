@@ -20,13 +20,13 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_tools import disassemble, opcodes  # noqa: E402
 
 OPS = ("QGMMA", "HGMMA", "LDS.U8", "LDSM.16.MT88", "LDSM.16.M88", "LDGSTS", "LDG.E.128", "F2FP.F16.E4M3", "F2FP.F16.E5M2", "HMMA",
        "STL", "LDL")
@@ -79,17 +79,9 @@ def compile_launch(launch: dict):
 
 
 def sass_figures(kernel) -> dict:
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-    fig = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
-    fig["shared_bytes"] = kernel.metadata.shared
-    ops = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_.]+)", sass, flags=re.M))
+    fig, sass = disassemble(kernel)
+    lines = opcodes(sass)
+    ops = Counter(lines)
     fig["instructions"] = sum(ops.values())
     for op in OPS:
         fig[op] = sum(n for name, n in ops.items() if name.startswith(op))

@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_tools import disassemble, opcodes  # noqa: E402
 
 OPS = ("LDG.E.128", "LDG.E.64", "LDG.E", "LDGSTS", "LDS", "F2FP", "FFMA", "HADD2", "STL", "LDL")
 
@@ -58,17 +57,8 @@ def compile_tiles(label: str, silu: bool, out_f32: bool = False, int8: bool = Fa
 
 
 def sass_figures(kernel) -> dict:
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-    fig = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
-    fig["shared_bytes"] = kernel.metadata.shared
-    lines = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_.]+)", sass, flags=re.M)
+    fig, sass = disassemble(kernel)
+    lines = opcodes(sass)
     ops = Counter(lines)
     fig["instructions"] = len(lines)
     for op in OPS:

@@ -12,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_tools import disassemble, opcodes  # noqa: E402
 
 DEFAULTS = [{"warps": 4, "split": 1}, {"warps": 4, "split": 4, "gpc": 2, "zmma": True, "hint": True, "f16": True},
             {"warps": 8, "split": 2, "zmma": True}, {"warps": 4, "split": 1, "early": False}]
@@ -54,16 +53,8 @@ def compile_launch(launch: dict):
 
 
 def sass_figures(kernel) -> dict:
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kernel.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
-                               capture_output=True, text=True).stdout
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", f.name], capture_output=True, text=True).stdout
-    fig = {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", usage)}
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[0-9T] )?([A-Z0-9_.]+)", sass, flags=re.M)
+    fig, sass = disassemble(kernel)
+    ops = opcodes(sass)
     counts = Counter(op.split(".")[0] for op in ops)
     for op in OPS:
         fig[op] = counts.get(op, 0)
