@@ -26,7 +26,7 @@ from collections import Counter
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_tools import disassemble, opcodes  # noqa: E402
+from sass_tools import compile_sm90, disassemble, opcodes  # noqa: E402
 
 OPS = ("QGMMA", "HGMMA", "LDS.U8", "LDSM.16.MT88", "LDSM.16.M88", "LDGSTS", "LDG.E.128", "F2FP.F16.E4M3", "F2FP.F16.E5M2", "HMMA",
        "STL", "LDL")
@@ -42,10 +42,6 @@ DEFAULTS = [  # the decode launches of TritonAttentionConfig's defaults (see tri
 
 
 def compile_launch(launch: dict):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tokenmill.layers.attention import triton_paged_attention as tpa
 
     kv = {"bf16": "bf16", "fp8": "fp8e4nv", "fp8_e5m2": "fp8e5"}[launch.get("kv", "fp8")]
@@ -61,21 +57,9 @@ def compile_launch(launch: dict):
             "part_l_ptr": "fp32", "part_acc_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
             "block_table_ptr": "i32", "sinks_ptr": "fp32"}
     aligned = {"s_qt", "s_qh", "s_ot", "s_oh", "s_cb", "s_cs", "s_ch"}  # multiples of 16, as the engine's
-    sig, attrs = {}, {}
-    for i, name in enumerate(tpa._paged_attention_kernel.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
-        elif name in ("qk_scale", "v_scale", "softcap"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if name in aligned:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(tpa._paged_attention_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": launch.get("warps", 4), "num_stages": launch.get("stages", 2),
-                                   **({"maxnreg": launch["maxnreg"]} if launch.get("maxnreg") else {})})
+    return compile_sm90(tpa._paged_attention_kernel, const, ptrs, aligned, floats=("qk_scale", "v_scale", "softcap"),
+                        num_warps=launch.get("warps", 4), num_stages=launch.get("stages", 2),
+                        **({"maxnreg": launch["maxnreg"]} if launch.get("maxnreg") else {}))
 
 
 def sass_figures(kernel) -> dict:

@@ -21,16 +21,12 @@ from collections import Counter
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_tools import disassemble, opcodes  # noqa: E402
+from sass_tools import compile_sm90, disassemble, opcodes  # noqa: E402
 
 OPS = ("LDG.E.128", "LDG.E.64", "LDG.E", "LDGSTS", "LDS", "F2FP", "FFMA", "HADD2", "STL", "LDL")
 
 
 def compile_tiles(label: str, silu: bool, out_f32: bool = False, int8: bool = False):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tokenmill.layers.quantization import triton_fp8_stream as ts
     from tokenmill.layers.quantization.stream_tiles import Tiles
 
@@ -42,18 +38,7 @@ def compile_tiles(label: str, silu: bool, out_f32: bool = False, int8: bool = Fa
     ptrs = {"x_ptr": "bf16", "w_ptr": "i8" if int8 else "fp8e4nv", "s_ptr": "fp32", "out_ptr": "fp32" if out_f32 else "bf16",
             "part_ptr": "fp32", "cnt_ptr": "i32"}
     aligned = {"N", "K", "s_xm", "s_wn", "s_om"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(ts._fp8_stream_kernel.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-            if name in aligned:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(ts._fp8_stream_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": t.warps, "num_stages": t.stages})
+    return compile_sm90(ts._fp8_stream_kernel, const, ptrs, aligned, num_warps=t.warps, num_stages=t.stages)
 
 
 def sass_figures(kernel) -> dict:

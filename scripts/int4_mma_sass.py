@@ -18,7 +18,7 @@ from collections import Counter
 os.environ.pop("TRITON_INTERPRET", None)  # a real compile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_tools import disassemble, opcodes  # noqa: E402
+from sass_tools import compile_sm90, disassemble, opcodes  # noqa: E402
 
 DEFAULTS = [{"warps": 4, "split": 1}, {"warps": 4, "split": 4, "gpc": 2, "zmma": True, "hint": True, "f16": True},
             {"warps": 8, "split": 2, "zmma": True}, {"warps": 4, "split": 1, "early": False}]
@@ -26,10 +26,6 @@ OPS = ("HMMA", "LDG", "LOP3", "SHF", "HADD2", "HFMA2", "IMAD", "STL", "LDL")
 
 
 def compile_launch(launch: dict):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
     group = launch.get("group", 128)
@@ -40,16 +36,7 @@ def compile_launch(launch: dict):
                  ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32)
     dt = "fp16" if f16 else "bf16"
     ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(mma._mma_gemv_kernel.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-    return triton.compile(ASTSource(mma._mma_gemv_kernel, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": launch.get("warps", 4)})
+    return compile_sm90(mma._mma_gemv_kernel, const, ptrs, num_warps=launch.get("warps", 4))
 
 
 def sass_figures(kernel) -> dict:
