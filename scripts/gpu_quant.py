@@ -42,6 +42,9 @@ Parts (--parts, comma-separated; default all, run in this order):
            and each throughput workload's physical bound (scripts/gpu_quant_fp8.py)
   w8a8     (not by default) the W8A8 GEMMs per Llama-8B linear at 16..8192 rows: quantization,
            row-/tensor-wise _scaled_mm, the Triton fp8 GEMM's tiles and split-K (W8A8_BUDGET_S)
+  w8a8tma  (not by default) the TMA-fed Triton W8A8 GEMM's tiles (plain, swapped, split-K, persistent)
+           per Llama-8B linear at 256 / 8192 / 1024 / 512 / 128 / 64 rows beside row-wise _scaled_mm
+           and the engine's path (scripts/gpu_fp8_gemm.py; W8A8TMA_BUDGET_S, W8A8TMA_ROWS)
   pdl      (not by default) programmatic dependent launch on / off: the batch-1 decode chain of fp8 GEMVs,
            norms and SiLU in a graph (bit-identical outputs), then batch-1 fp8 and bf16 engines
            (scripts/gpu_fp8_engines.py, one process)
@@ -896,10 +899,11 @@ PARTS = ["kernels", "bf16", "fp8", "int4", "int4panels", "kvfp8", "fp8kv", "micr
          "w8a8"]
 PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
 PARTS += ["b1"]  # scripts/gpu_fp8_batch1.py (not by default)
+PARTS += ["w8a8tma"]  # scripts/gpu_fp8_gemm.py (not by default)
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "int4panels": 80, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
-PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90})
+PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90})
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -923,6 +927,10 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_int4_sweep
             gpu_int4_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name == "w8a8tma":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_fp8_gemm
+            gpu_fp8_gemm.sweep(results, device, _time_ms, _cycled, check, OUT)
         elif name == "b1":
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_batch1
@@ -1044,7 +1052,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
-                                                                          "int4panels", "b1")))
+                                                                          "int4panels", "b1", "w8a8tma")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")

@@ -1,0 +1,195 @@
+"""The `w8a8tma` part of scripts/gpu_quant.py: the W8A8 GEMM of each Llama-8B linear (qkv, o,
+gate_up, down) at the engine's row counts, row-wise `torch._scaled_mm` (cuBLASLt), the engine's
+current path (`fp8._w8a8_mm` through `stream_tiles.W8A8_MEASURED`) and the TMA-fed Triton GEMM
+(`triton_fp8_tma`) at its tiles (plain, swapped operands, split-K, persistent), every variant
+checked against the torch reference first, weights cycled past L2 (as in a model's forward), each
+time a CUDA-graph replay of 20 calls. Rows in the order 256 (the decode batch of both goal
+workloads), 8192 (their prefill chunks), 1024, 512, 128, 64, each shape's records written to
+$OUT/part-w8a8tma-partial.json as they come (a run cut at its limit keeps them). Ends with the
+`W8A8_MEASURED` lines of the winners (the fastest of row-wise, the engine's and the TMA tiles).
+
+W8A8TMA_BUDGET_S caps the timing loop (default 45 s); W8A8TMA_ROWS picks the row counts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import triton_precompile  # scripts/: compiles a sweep's kernels in parallel processes
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SMOKE_SHAPES = {"qkv": (96, 128), "o": (64, 128), "gate_up": (256, 128), "down": (64, 256)}
+ROWS = (256, 8192, 1024, 512, 128, 64)
+
+
+def candidates(m: int, smoke: bool) -> list:
+    """The TMA tiles (split 1; the sweep adds the splits that fit) tried at m rows."""
+    from tokenmill.layers.quantization.triton_fp8_tma import TmaTiles as T
+
+    if smoke:
+        return [T(16, 32, 64, 2, 4, 2), T(16, 32, 64, 2, 4, 2, swap=True), T(16, 32, 64, 2, 4, 2, persistent=True)]
+    if m <= 128:
+        return [T(64, 128, 128, 8, 4, 4, swap=True), T(m, 128, 128, 8, 4, 4, swap=True),
+                T(m, 128, 128, 8, 8, 4, swap=True), T(64, 64, 128, 8, 4, 4), T(64, 128, 128, 8, 4, 4),
+                T(m, 64, 128, 8, 4, 5, swap=True)]
+    if m <= 1024:
+        return [T(128, 128, 128, 8, 8, 4), T(128, 256, 128, 8, 8, 4), T(128, 256, 128, 8, 8, 3),
+                T(256, 128, 128, 8, 8, 4), T(64, 256, 128, 8, 4, 4), T(256, 128, 128, 8, 8, 4, swap=True),
+                T(256, 128, 128, 8, 8, 3, swap=True), T(256, 64, 128, 8, 4, 4, swap=True),
+                T(128, 128, 128, 8, 8, 4, swap=True), T(128, 256, 128, 8, 8, 4, persistent=True),
+                T(256, 128, 128, 8, 8, 4, swap=True, persistent=True), T(128, 128, 128, 8, 8, 4, persistent=True)]
+    return [T(128, 256, 128, 8, 8, 4), T(256, 128, 128, 8, 8, 4), T(128, 256, 128, 8, 8, 4, persistent=True),
+            T(256, 128, 128, 8, 8, 4, swap=True, persistent=True), T(128, 128, 128, 8, 8, 4, persistent=True)]
+
+
+def splits(tiles_mn: int, k: int, block_k: int, sms: int) -> list[int]:
+    """Split-K counts worth timing: 1, and those that bring an under-filled grid to <= 2.5 waves
+    with >= 4 K steps per slice."""
+    out = [1]
+    if tiles_mn < sms:
+        for s in (2, 3, 4, 6, 8):
+            if tiles_mn * s <= 2.5 * sms and k // (s * block_k) >= 4:
+                out.append(s)
+    return out
+
+
+def _variants(m: int, n: int, k: int, sms: int, smoke: bool) -> list:
+    from dataclasses import replace
+
+    out = []
+    for t in candidates(m, smoke):
+        tiles_mn = -(-m // t.block_m) * -(-n // t.block_n)
+        for s in ([1, 2] if smoke else splits(tiles_mn, k, t.block_k, sms)):
+            out.append(replace(t, split=s))
+    return out
+
+
+def _compile_calls(device: str):
+    """Every variant once on a small problem of the same specialization (sizes multiples of 16)."""
+    from tokenmill.layers.quantization import fp8_ops
+    from tokenmill.layers.quantization.triton_fp8_tma import fp8_gemm_tma
+
+    n, k = 1024, 2048
+    wq, ws = fp8_ops.quantize_rows(torch.randn(n, k, device=device) * 0.02)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+    seen, calls = set(), []
+    for m in ROWS:
+        xq, xs = fp8_ops.quantize_rows(torch.randn(m, k, device=device))
+        for name, (nn_, kk) in SHAPES.items():
+            for t in _variants(m, nn_, kk, 132, False):
+                key = (t.block_m, t.block_n, t.block_k, t.warps, t.stages, t.split > 1, t.swap, t.persistent, t.ws)
+                if key not in seen:
+                    seen.add(key)
+                    calls.append((t.label(), lambda t=t, xq=xq, xs=xs: fp8_gemm_tma(
+                        xq, xs, wq, ws, torch.bfloat16, t, counters=counters)))
+    return calls
+
+
+def precompile_shard(shard: str) -> None:
+    triton_precompile.compile_shard(_compile_calls("cuda"), shard)
+
+
+def _save(results: dict, out: str) -> None:
+    with open(os.path.join(out, "part-w8a8tma-partial.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+
+def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
+    """time_ms(fn, device), cycled(tensors) and check(ok, what) come from gpu_quant.py."""
+    from types import SimpleNamespace
+
+    from tokenmill.layers.quantization import fp8_ops, stream_tiles
+    from tokenmill.layers.quantization.fp8 import _w8a8_mm
+    from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
+    from tokenmill.layers.quantization.triton_fp8_tma import fp8_gemm_tma
+
+    cuda = device == "cuda"
+    smoke = not cuda
+    shapes = SHAPES if cuda else SMOKE_SHAPES
+    rows = tuple(int(r) for r in os.environ.get("W8A8TMA_ROWS", ",".join(map(str, ROWS))).split(",")) if cuda \
+        else (40,)
+    dt = torch.bfloat16 if cuda else torch.float32
+    sms = stream_tiles.sm_count(torch.device(device))
+    budget = float(os.environ.get("W8A8TMA_BUDGET_S", "45"))
+    if cuda:
+        t0 = time.perf_counter()
+        triton_precompile.compile_in_processes(__file__, "--precompile", 14, min(35.0, 0.6 * budget), "w8a8tma")
+        budget -= 0.5 * (time.perf_counter() - t0)
+    deadline = time.perf_counter() + budget
+    rec = results.setdefault("w8a8tma", {})
+    best: dict = {}
+    g = torch.Generator(device=device).manual_seed(0)
+    one = torch.ones((), device=device)
+    weights = {}
+    for name, (n, k) in shapes.items():
+        w = (torch.randn(n, k, device=device, generator=g) * 0.02).to(dt)
+        wq, ws = fp8_ops.quantize_rows(w)
+        if not cuda:
+            wq = wq.float()
+        weights[name] = (cycled([w]), cycled([wq, ws, ws.reshape(1, -1).contiguous()]),
+                         stream_tiles.SplitCounters(n, torch.device(device)).tensor)
+    for m in rows:
+        layer = {}
+        for name, (n, k) in shapes.items():
+            if time.perf_counter() > deadline:
+                print(f"  w8a8tma: budget spent before m={m} {name}", flush=True)
+                _save(results, out)
+                return
+            bf16_w, fp8_w, counters = weights[name]
+            x = torch.randn(m, k, device=device, dtype=dt, generator=g)
+            xq, xs = quantize_row_groups(x, k) if cuda else fp8_ops.quantize_rows(x)
+            if not cuda:
+                xq = xq.float()
+            wq, ws, _ = fp8_w()
+            ref = fp8_ops.scaled_mm_reference(xq, xs, wq, ws, torch.float32)
+            r = {"bf16": time_ms(lambda: x @ bf16_w()[0].t(), device)}
+            if cuda:
+                r["rowwise"] = time_ms(lambda: (lambda q, s, sr: torch._scaled_mm(
+                    xq, q.t(), scale_a=xs, scale_b=sr, out_dtype=dt))(*fp8_w()), device)
+                lay = lambda q, s, sr: SimpleNamespace(weight=q, weight_scale=s, scale_row=sr, scale_one=one,
+                                                       stream_counters=SimpleNamespace(tensor=counters))
+                r["engine"] = time_ms(lambda: _w8a8_mm(lay(*fp8_w()), xq, xs, dt), device)
+            for t in _variants(m, n, k, sms, smoke):
+                label = t.label()
+                try:
+                    o = fp8_gemm_tma(xq, xs, wq, ws, dt, t, counters=counters, sms=sms)
+                    err = ((o.float() - ref).norm() / ref.norm()).item()
+                    if not err < 1e-2 or bool(counters.any()):
+                        check(False, f"w8a8tma {label} {name} m={m}: rel err {err:.1e}, counters zeroed "
+                                     f"{not counters.any()}")
+                        continue
+                    r[label] = time_ms(lambda: (lambda q, s, _: fp8_gemm_tma(
+                        xq, xs, q, s, dt, t, counters=counters, sms=sms))(*fp8_w()), device)
+                except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                    check(False, f"w8a8tma {label} {name} m={m}: {type(e).__name__}: {str(e)[:200]}")
+            rec[f"{name}_m{m}"] = {key: v * 1e3 for key, v in r.items()}  # us
+            gemms = {key: v for key, v in r.items() if key not in ("bf16",)}
+            win = min(gemms, key=gemms.get)
+            best[(stream_tiles.w8a8_bucket(m), n, k)] = (gemms[win], win)
+            for key in ("bf16", "rowwise", "engine"):
+                if key in r:
+                    layer[key] = layer.get(key, 0.0) + r[key]
+            layer["best"] = layer.get("best", 0.0) + gemms[win]
+            top = sorted(gemms.items(), key=lambda kv: kv[1])[:4]
+            print(f"  w8a8tma {name} {n}x{k} m={m}: bf16 {r['bf16'] * 1e3:.1f} us"
+                  + (f", rowwise {r['rowwise'] * 1e3:.1f}, engine {r['engine'] * 1e3:.1f}" if cuda else "")
+                  + "; best " + ", ".join(f"{lab} {v * 1e3:.1f}" for lab, v in top), flush=True)
+            results.setdefault("w8a8tma_best", {})[f"{name}_m{m}"] = {"label": win, "us": gemms[win] * 1e3}
+            _save(results, out)
+        results.setdefault("w8a8tma_layer_us", {})[str(m)] = {key: v * 1e3 for key, v in layer.items()}
+        print(f"  W8A8 layer m={m}: " + ", ".join(f"{key} {v * 1e3:.1f} us" for key, v in layer.items()), flush=True)
+    for (bucket, n, k), (ms, win) in sorted(best.items()):
+        print(f"  W8A8_MEASURED     ({bucket}, {n}, {k}): {win!r},  # {ms * 1e3:.1f} us", flush=True)
+    _save(results, out)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--precompile":
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        os.environ["TRITON_INTERPRET"] = "0"
+        precompile_shard(sys.argv[2])
