@@ -99,6 +99,55 @@ def _save(results: dict, out: str) -> None:
         json.dump(results, f, indent=2)
 
 
+def graph_check(results: dict, device: str, check) -> None:
+    """The engine's W8A8 call (`fp8._w8a8_mm`) with a TMA entry in the table, captured in a CUDA
+    graph (host-side descriptors captured with it), replayed on fresh inputs: every replay equals
+    the torch reference and leaves the split-K counters zeroed."""
+    from types import SimpleNamespace
+
+    from tokenmill.layers.quantization import fp8_ops, stream_tiles
+    from tokenmill.layers.quantization.fp8 import _w8a8_mm
+    from tokenmill.layers.quantization.triton_fp8_tma import TmaTiles
+
+    if device != "cuda":
+        return
+    m, n, k = 256, 4096, 4096
+    w = torch.randn(n, k, device=device) * 0.02
+    wq, ws = fp8_ops.quantize_rows(w)
+    counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+    layer = SimpleNamespace(weight=wq, weight_scale=ws, scale_row=ws.reshape(1, -1).contiguous(),
+                            scale_one=torch.ones((), device=device), stream_counters=SimpleNamespace(tensor=counters))
+    saved = dict(stream_tiles.W8A8_MEASURED)
+    ok = True
+    try:
+        for t in (TmaTiles(256, 128, 128, 8, 8, 4, split=4, swap=True), TmaTiles(128, 128, 128, 8, 8, 4, persistent=True)):
+            stream_tiles.W8A8_MEASURED[(256, n, k)] = t.label()
+            xq, xs = fp8_ops.quantize_rows(torch.randn(m, k, device=device))
+            _w8a8_mm(layer, xq, xs, torch.bfloat16)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = _w8a8_mm(layer, xq, xs, torch.bfloat16)
+            for rep in range(3):
+                q, s = fp8_ops.quantize_rows(torch.randn(m, k, device=device) * (rep + 1))
+                xq.copy_(q)
+                xs.copy_(s)
+                graph.replay()
+                torch.cuda.synchronize()
+                ref = fp8_ops.scaled_mm_reference(xq, xs, wq, ws, torch.float32)
+                err = ((out.float() - ref).norm() / ref.norm()).item()
+                good = err < 1e-2 and not counters.any()
+                ok &= good
+                if not good:
+                    print(f"  w8a8tma graph check {t.label()} replay {rep}: rel err {err:.1e}, counters "
+                          f"zeroed {not counters.any()}", flush=True)
+    finally:
+        stream_tiles.W8A8_MEASURED.clear()
+        stream_tiles.W8A8_MEASURED.update(saved)
+    results["w8a8tma_graph_check"] = ok
+    check(ok, "w8a8tma: the engine's W8A8 call through TMA tiles, graph-captured, equals the reference on 3 replays")
+
+
 def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
     """time_ms(fn, device), cycled(tensors) and check(ok, what) come from gpu_quant.py."""
     from types import SimpleNamespace
@@ -121,6 +170,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
         triton_precompile.compile_in_processes(__file__, "--precompile", 14, min(35.0, 0.6 * budget), "w8a8tma")
         budget -= 0.5 * (time.perf_counter() - t0)
     deadline = time.perf_counter() + budget
+    graph_check(results, device, check)
     rec = results.setdefault("w8a8tma", {})
     best: dict = {}
     g = torch.Generator(device=device).manual_seed(0)

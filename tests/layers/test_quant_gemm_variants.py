@@ -121,3 +121,66 @@ def test_int4_matmul_takes_the_swapped_gemm_where_the_table_says(monkeypatch):
         ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
         assert (out.double() - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
     assert seen == [8, 39]
+
+
+@pytest.mark.parametrize("swap,persistent,split", [(False, False, 1), (True, False, 1), (False, True, 3),
+                                                   (True, True, 2), (True, False, 3)])
+def test_fp8_tma_gemm_matches_scaled_mm_reference(swap, persistent, split):
+    """The TMA-fed W8A8 GEMM (descriptors in the interpreter) against the float reference: plain
+    and swapped operand tiles, one program per unit or persistent ones (3 programs for 15 units),
+    split-K summed by each tile's last slice with the counters back at zero (twice: graph replays)."""
+    from tokenmill.layers.quantization.triton_fp8_tma import TmaTiles, fp8_gemm_tma
+
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(37, 256, generator=g) * 3, torch.randn(80, 256, generator=g) * 0.05
+    xq, xs = fp8_ops.quantize_rows(x)
+    wq, ws = fp8_ops.quantize_rows(w)
+    ref = fp8_ops.scaled_mm_reference(xq, xs, wq, ws, torch.float32)
+    tiles = TmaTiles(16, 32, 64, 2, 4, 2, split, swap=swap, persistent=persistent)
+    assert TmaTiles.parse(tiles.label()) == tiles
+    counters = torch.zeros(16, dtype=torch.int32)
+    for _ in range(2):
+        out = fp8_gemm_tma(xq.float(), xs, wq.float(), ws, torch.float32, tiles, counters=counters, sms=3)
+        torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
+        assert not counters.any()
+    assert (out - x @ w.t()).abs().max() > 1e-3  # both operands really are quantized
+
+
+def test_fp8_tma_gemm_refuses_unaligned_rows():
+    from tokenmill.layers.quantization.triton_fp8_tma import TmaTiles, fp8_gemm_tma, tma_refusal
+
+    x = torch.zeros(8, 72)[:, :68]  # rows of 68 floats inside 72: K-contiguous, row stride 288 bytes ok ...
+    assert tma_refusal(x, torch.zeros(16, 64)) is None
+    bad = torch.zeros(8, 70)[:, :64]  # ... but 280-byte rows are not 16-byte aligned
+    assert "activations" in tma_refusal(bad, torch.zeros(16, 64))
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        fp8_gemm_tma(bad, torch.ones(8, 1), torch.zeros(16, 64), torch.ones(16, 1), torch.float32,
+                     TmaTiles(16, 16, 32))
+
+
+def test_w8a8_table_entry_takes_the_tma_gemm(monkeypatch):
+    """A "tma-..." W8A8_MEASURED entry routes the engine's W8A8 call (`fp8._w8a8_mm`) to the TMA
+    GEMM with those tiles (split-K with the layer's counters); the result equals the reference."""
+    from types import SimpleNamespace
+
+    from tokenmill.layers.quantization import stream_tiles as st
+    from tokenmill.layers.quantization import triton_fp8_tma
+    from tokenmill.layers.quantization.fp8 import _w8a8_mm
+
+    label = triton_fp8_tma.TmaTiles(16, 32, 64, 2, 4, 2, split=2, swap=True).label()
+    monkeypatch.setattr(st, "W8A8_MEASURED", {(64, 80, 256): label})
+    assert st.w8a8_path(40, 80, 256) == ("tma", label)
+    assert st.w8a8_path(40, 96, 256) == ("scaled_mm", None)
+    seen = []
+    real = triton_fp8_tma.fp8_gemm_tma
+    monkeypatch.setattr(triton_fp8_tma, "fp8_gemm_tma", lambda *a, **kw: seen.append(a[5]) or real(*a, **kw))
+    g = torch.Generator().manual_seed(3)
+    xq, xs = fp8_ops.quantize_rows(torch.randn(40, 256, generator=g))
+    wq, ws = fp8_ops.quantize_rows(torch.randn(80, 256, generator=g) * 0.05)
+    counters = torch.zeros(32, dtype=torch.int32)
+    layer = SimpleNamespace(weight=wq.float(), weight_scale=ws, stream_counters=SimpleNamespace(tensor=counters))
+    out = _w8a8_mm(layer, xq.float(), xs, torch.float32)
+    assert [t.label() for t in seen] == [label]
+    ref = fp8_ops.scaled_mm_reference(xq, xs, wq, ws, torch.float32)
+    torch.testing.assert_close(out, ref, atol=1e-4 * ref.abs().max().item(), rtol=1e-5)
+    assert not counters.any()

@@ -62,11 +62,21 @@ def _stream(layer: nn.Module, x: torch.Tensor, scale: torch.Tensor, block: tuple
 
 def _w8a8_mm(layer: nn.Module, xq: torch.Tensor, xs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """xq * xs @ (weight * scale)^T by the GEMM `stream_tiles.w8a8_path` names for this size:
-    row-wise `torch._scaled_mm`, tensor-wise `_scaled_mm` (scales 1) then one scaling pass, or
-    the Triton fp8 GEMM with both scales in its epilogue (`triton_fp8_gemm`)."""
+    row-wise `torch._scaled_mm`, tensor-wise `_scaled_mm` (scales 1) then one scaling pass, the
+    Triton fp8 GEMM with both scales in its epilogue (`triton_fp8_gemm`), or its TMA-fed form
+    (`triton_fp8_tma`; row-wise `_scaled_mm` where TMA refuses the operands)."""
     m, k = xq.shape
     n = layer.weight.shape[0]
     path, tiles = stream_tiles.w8a8_path(m, n, k)
+    if path == "tma":
+        from tokenmill.layers.quantization.triton_fp8_tma import fp8_gemm_tma, tiles_of, tma_refusal
+
+        if tma_refusal(xq, layer.weight) is None:
+            counters = getattr(layer, "stream_counters", None)
+            return fp8_gemm_tma(xq, xs, layer.weight, layer.weight_scale, dtype, tiles_of(tiles),
+                                counters=None if counters is None else counters.tensor,
+                                sms=stream_tiles.sm_count(xq.device))
+        path = "scaled_mm"  # (e.g. codes of a strided view: TMA wants 16-byte aligned rows)
     if path == "triton":
         from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
 

@@ -240,13 +240,17 @@ def w8a8_bucket(m: int) -> int:
     return min((b for b in W8A8_BUCKETS if b >= m), default=W8A8_BUCKETS[-1])
 
 
-def w8a8_path(m: int, n: int, k: int) -> tuple[str, tuple[int, ...] | None]:
-    """("scaled_mm" | "tensorwise" | "triton", the Triton tiles or None) for an [m, k] x [n, k]^T."""
+def w8a8_path(m: int, n: int, k: int) -> tuple[str, tuple[int, ...] | str | None]:
+    """("scaled_mm" | "tensorwise" | "triton" | "tma", the Triton tiles, the TMA tiles' label, or
+    None) for an [m, k] x [n, k]^T. A W8A8_MEASURED entry "tma-..." names a
+    `triton_fp8_tma.TmaTiles` label (the TMA-fed GEMM)."""
     choice: str | tuple[int, ...] = "scaled_mm"
     for rows, c in W8A8_PATHS:
         if m >= rows:
             choice = c
     choice = W8A8_MEASURED.get((w8a8_bucket(m), n, k), choice)
+    if isinstance(choice, str) and choice.startswith("tma-"):
+        return "tma", choice
     if isinstance(choice, tuple):
         return ("triton", choice) if k % choice[2] == 0 else ("scaled_mm", None)
     return choice, None

@@ -26,6 +26,7 @@ float32 tensors holding fp8 values (descriptors work in the interpreter).
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -127,6 +128,12 @@ def _fp8_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M,
     else:
         _unit(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_cm, tl.program_id(0), tiles_m,
               tiles_n, split, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SWAP, SPLIT_K, WS, DOT_PRECISION)
+
+
+@functools.cache
+def tiles_of(label: str) -> TmaTiles:
+    """`TmaTiles.parse`, once per label (the engine's table names tiles by their labels)."""
+    return TmaTiles.parse(label)
 
 
 def tma_refusal(xq: torch.Tensor, wq: torch.Tensor) -> str | None:
