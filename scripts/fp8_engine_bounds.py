@@ -11,6 +11,9 @@ what the KV pool holds at I + O tokens) rows:
   LM head in bf16) + every row's KV (I + j tokens, 2 bytes per value, fp8 KV 1), FLOPs = 2 * R *
   (linear + LM head params);
 - bound tok/s = N * O / (prefill + decode). No step overheads, no norms, no sampling: a ceiling.
+- serial bound: the same, but a decode step's GEMMs (max(weight bytes / bandwidth, FLOPs / rate))
+  and its attention (KV bytes / bandwidth) one after the other, as the engine runs them (no kernel
+  overlaps the two): the ceiling for this engine's structure.
 The ratio of two engines' bounds says what speed-up the bytes and FLOPs allow at best.
 """
 
@@ -81,11 +84,13 @@ def workload_bound(f: dict, rates: dict, fp8_weights: bool, kv_bytes: int, kv_bl
     wbytes = f["linear_params"] * (1 if fp8_weights else 2) + 2 * f["lm_head_params"]
     step_flops = 2 * rows * (f["linear_params"] + f["lm_head_params"])
     steps = num * (outp - 1) / rows
-    decode_s = 0.0
+    decode_s = serial_s = 0.0
     for j in range(outp - 1):
-        b = wbytes + rows * (inp + j) * f["kv_values_per_token"] * kv_bytes
-        decode_s += max(b / bw, step_flops / rate) * steps / (outp - 1)
-    return {"rows": rows, "prefill_s": prefill_s, "decode_s": decode_s, "bound_tok_s": num * outp / (prefill_s + decode_s)}
+        kv = rows * (inp + j) * f["kv_values_per_token"] * kv_bytes
+        decode_s += max((wbytes + kv) / bw, step_flops / rate) * steps / (outp - 1)
+        serial_s += (max(wbytes / bw, step_flops / rate) + kv / bw) * steps / (outp - 1)
+    return {"rows": rows, "prefill_s": prefill_s, "decode_s": decode_s, "bound_tok_s": num * outp / (prefill_s + decode_s),
+            "serial_decode_s": serial_s, "serial_bound_tok_s": num * outp / (prefill_s + serial_s)}
 
 
 def engine_bounds(shape: dict, rates: dict, timings: dict, engines: list) -> dict:
@@ -113,8 +118,9 @@ def bound_lines(bounds: dict, rates: dict) -> list[str]:
     """A markdown table: each engine and workload, its bound, measured, fraction, both ratios to bf16."""
     lines = [f"Bounds (copy {rates['copy_b_s'] / 1e12:.2f} TB/s, bf16 GEMM {rates['bf16_flop_s'] / 1e12:.0f} TFLOP/s, "
              f"fp8 GEMM {rates['fp8_flop_s'] / 1e12:.0f} TFLOP/s, measured in this process):", "",
-             "| engine | workload | rows | bound tok/s | measured | fraction | bound / bf16's | measured / bf16's |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| engine | workload | rows | bound tok/s | measured | fraction | bound / bf16's | measured / bf16's | "
+             "serial bound | fraction of it | serial bound / bf16's |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     base = bounds.get("bf16", {})
     for label, recs in bounds.items():
         for w, b in recs.items():
@@ -122,6 +128,9 @@ def bound_lines(bounds: dict, rates: dict) -> list[str]:
             rb = b["bound_tok_s"] / ref["bound_tok_s"] if ref else float("nan")
             rm = b.get("measured_tok_s", 0) / ref["measured_tok_s"] if ref.get("measured_tok_s") and \
                 b.get("measured_tok_s") else float("nan")
+            sb = b["serial_bound_tok_s"]
+            rs = sb / ref["serial_bound_tok_s"] if ref else float("nan")
+            fs = b["measured_tok_s"] / sb if b.get("measured_tok_s") else float("nan")
             lines.append(f"| {label} | {w} | {b['rows']} | {b['bound_tok_s']:,.0f} | {b.get('measured_tok_s', 0):,.0f} | "
-                         f"{b.get('fraction', float('nan')):.2f} | {rb:.2f} | {rm:.2f} |")
+                         f"{b.get('fraction', float('nan')):.2f} | {rb:.2f} | {rm:.2f} | {sb:,.0f} | {fs:.2f} | {rs:.2f} |")
     return lines

@@ -16,8 +16,8 @@
 - `fp8engines`: the goal figures in one process, every engine warmed on the workload first:
   bf16, fp8 weights, fp8 weights + fp8 KV cache at 256x256x128 and 1000x512x256, batch 1 (bf16
   and fp8). The engines are built one after the other, each shut down before the next;
-  GPU_FP8_ENGINES=bf16,fp8 leaves fp8kv out. Then each throughput workload's per-step bound from
-  this card's rates measured in the same process (scripts/fp8_engine_bounds.py), beside the
+  GPU_FP8_ENGINES=bf16,fp8 leaves fp8kv out, GPU_FP8_WORKLOADS=256x256x128,1000x512x256 leaves
+  batch 1 out. Then each throughput workload's per-step bound (and its serial form) from this card's rates measured in the same process (scripts/fp8_engine_bounds.py), beside the
   measured tok/s and the ratios to bf16.
 
 Each engine's figures are written to $OUT/part-<name>-partial.json as they come, so a run cut
@@ -313,10 +313,12 @@ def engines_part(results: dict, device: str, smoke: bool, shape: dict, config_di
     timings = results.setdefault("timings", {})
     results["fp8_rates"] = eb.measure_rates(device)  # first, on an idle card; the bounds follow every figure
     only = os.environ.get("GPU_FP8_ENGINES")  # e.g. "bf16,fp8" (a shorter run without fp8kv)
+    only_w = os.environ.get("GPU_FP8_WORKLOADS")  # e.g. "256x256x128,1000x512x256" (no batch 1)
     failed: list[str] = []
     for label, kwargs, workloads in FP8_ENGINES:
         if only and label not in only.split(","):
             continue
+        workloads = [w for w in workloads if not only_w or w in only_w.split(",")]
         try:
             llm, up = _engine(config_dir, shape, smoke, label, **kwargs)
         except Exception:  # noqa: BLE001 - the next engine still runs; the part fails at the end
