@@ -3,7 +3,8 @@ gate_up, down) at the engine's row counts, row-wise `torch._scaled_mm` (cuBLASLt
 current path (`fp8._w8a8_mm` through `stream_tiles.W8A8_MEASURED`) and the TMA-fed Triton GEMM
 (`triton_fp8_tma`) at its tiles (plain, swapped operands, split-K, persistent), every variant
 checked against the torch reference first, weights cycled past L2 (as in a model's forward), each
-time a CUDA-graph replay of 20 calls. Rows in the order 256 (the decode batch of both goal
+time a CUDA-graph replay of 20 calls. After the first row count (256), its winners run in the
+engine's own decode-layer chain beside the current table (`chain_ab`). Rows in the order 256 (the decode batch of both goal
 workloads), 8192 (their prefill chunks), 1024, 512, 128, 64, each shape's records written to
 $OUT/part-w8a8tma-partial.json as they come (a run cut at its limit keeps them). Ends with the
 `W8A8_MEASURED` lines of the winners (the fastest of row-wise, the engine's and the TMA tiles).
@@ -148,6 +149,70 @@ def graph_check(results: dict, device: str, check) -> None:
     check(ok, "w8a8tma: the engine's W8A8 call through TMA tiles, graph-captured, equals the reference on 3 replays")
 
 
+def chain_ab(results: dict, device: str, smoke: bool, labels: dict, rows: int = 256, layers: int = 4) -> None:
+    """The decode chain of `layers` Llama-8B layers without attention (the engine's modules: fused
+    norm / SiLU quantization, the four fp8 linears; scripts/gpu_fp8_engines._chain) at `rows`
+    rows, captured twice in CUDA graphs: the W8A8 table as it is, and with each shape's sweep
+    winner at this bucket (`labels`: (n, k) -> table entry); replayed alternately, best of 6
+    rounds of 10 replays, us per layer; the outputs' relative difference printed (GEMM orders
+    differ: not bitwise)."""
+    import gpu_fp8_engines
+
+    from tokenmill.layers.quantization import stream_tiles
+
+    run, _, h, dt = gpu_fp8_engines._chain(device, smoke, layers)
+    x0 = torch.randn(rows, h, device=device, dtype=dt)
+    res0 = torch.randn(rows, h, device=device, dtype=torch.float32)
+    res = res0.clone()
+
+    def body():
+        res.copy_(res0)
+        return run(x0, res)
+    saved = dict(stream_tiles.W8A8_MEASURED)
+    bucket = stream_tiles.w8a8_bucket(rows)
+    graphs, outs = {}, {}
+    try:
+        for variant in ("table", "sweep best"):
+            if variant == "sweep best":
+                for (n, k), entry in labels.items():
+                    stream_tiles.W8A8_MEASURED[(bucket, n, k)] = entry
+            for _ in range(2):
+                body()
+            if device != "cuda":
+                outs[variant] = body()
+                continue
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs[variant] = body()
+            graphs[variant] = graph
+    finally:
+        stream_tiles.W8A8_MEASURED.clear()
+        stream_tiles.W8A8_MEASURED.update(saved)
+    a, b = outs["table"].float(), outs["sweep best"].float()
+    rel = ((a - b).norm() / a.norm()).item()
+    rec = results.setdefault("w8a8tma_chain", {})
+    rec[f"rel_diff_{rows}"] = rel
+    rec[f"entries_{rows}"] = {f"{n}x{k}": e for (n, k), e in labels.items()}
+    if device != "cuda":
+        return
+    times = {k: [] for k in graphs}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for _ in range(6):
+        for label, graph in graphs.items():
+            ev[0].record()
+            for _ in range(10):
+                graph.replay()
+            ev[1].record()
+            torch.cuda.synchronize()
+            times[label].append(ev[0].elapsed_time(ev[1]) * 1000 / 10 / layers)
+    best = {k: min(v) for k, v in times.items()}
+    rec[f"us_per_layer_{rows}"] = best
+    print(f"  w8a8tma chain, {rows} rows, {layers} layers (norms, quantization, 4 fp8 linears), us per layer: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in best.items()) + f"; outputs differ by {rel:.1e} (relative)",
+          flush=True)
+
+
 def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
     """time_ms(fn, device), cycled(tensors) and check(ok, what) come from gpu_quant.py."""
     from types import SimpleNamespace
@@ -185,6 +250,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
                          stream_tiles.SplitCounters(n, torch.device(device)).tensor)
     for m in rows:
         layer = {}
+        winners: dict = {}
         for name, (n, k) in shapes.items():
             if time.perf_counter() > deadline:
                 print(f"  w8a8tma: budget spent before m={m} {name}", flush=True)
@@ -230,9 +296,19 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
                   + (f", rowwise {r['rowwise'] * 1e3:.1f}, engine {r['engine'] * 1e3:.1f}" if cuda else "")
                   + "; best " + ", ".join(f"{lab} {v * 1e3:.1f}" for lab, v in top), flush=True)
             results.setdefault("w8a8tma_best", {})[f"{name}_m{m}"] = {"label": win, "us": gemms[win] * 1e3}
+            if win != "engine":  # (the engine's path: the table's entry stays)
+                winners[(n, k)] = "scaled_mm" if win == "rowwise" else win
             _save(results, out)
         results.setdefault("w8a8tma_layer_us", {})[str(m)] = {key: v * 1e3 for key, v in layer.items()}
         print(f"  W8A8 layer m={m}: " + ", ".join(f"{key} {v * 1e3:.1f} us" for key, v in layer.items()), flush=True)
+        if m == rows[0]:  # the decode batch: the winners in the engine's own layer chain, beside the table
+            try:
+                chain_ab(results, device, smoke, winners, rows=m if cuda else 40)
+                rel = results["w8a8tma_chain"][f"rel_diff_{m if cuda else 40}"]
+                check(rel < 2e-2, f"w8a8tma chain: the winners' outputs within 2e-2 of the table's ({rel:.1e})")
+            except Exception as e:  # noqa: BLE001 - the sweep goes on
+                check(False, f"w8a8tma chain raised {type(e).__name__}: {str(e)[:200]}")
+            _save(results, out)
     for (bucket, n, k), (ms, win) in sorted(best.items()):
         print(f"  W8A8_MEASURED     ({bucket}, {n}, {k}): {win!r},  # {ms * 1e3:.1f} us", flush=True)
     _save(results, out)
