@@ -42,7 +42,8 @@ def candidates(m: int, smoke: bool) -> list:
         return [T(128, 128, 128, 8, 8, 4), T(128, 256, 128, 8, 8, 4), T(128, 256, 128, 8, 8, 3),
                 T(256, 128, 128, 8, 8, 4), T(64, 256, 128, 8, 4, 4), T(256, 128, 128, 8, 8, 4, swap=True),
                 T(256, 128, 128, 8, 8, 3, swap=True), T(256, 64, 128, 8, 4, 4, swap=True),
-                T(128, 128, 128, 8, 8, 4, swap=True), T(128, 256, 128, 8, 8, 4, persistent=True),
+                T(128, 128, 128, 8, 8, 4, swap=True), T(128, 128, 128, 8, 8, 3), T(256, 64, 128, 8, 4, 2, swap=True),
+                T(128, 256, 128, 8, 8, 4, persistent=True),
                 T(256, 128, 128, 8, 8, 4, swap=True, persistent=True), T(128, 128, 128, 8, 8, 4, persistent=True)]
     return [T(128, 256, 128, 8, 8, 4), T(256, 128, 128, 8, 8, 4), T(128, 256, 128, 8, 8, 4, persistent=True),
             T(256, 128, 128, 8, 8, 4, swap=True, persistent=True), T(128, 128, 128, 8, 8, 4, persistent=True)]
