@@ -4,7 +4,9 @@ current path (`fp8._w8a8_mm` through `stream_tiles.W8A8_MEASURED`) and the TMA-f
 (`triton_fp8_tma`) at its tiles (plain, swapped operands, split-K, persistent), every variant
 checked against the torch reference first, weights cycled past L2 (as in a model's forward), each
 time a CUDA-graph replay of 20 calls. After the first row count (256), its winners run in the
-engine's own decode-layer chain beside the current table (`chain_ab`). Rows in the order 256 (the decode batch of both goal
+engine's own decode-layer chain beside the current table (`chain_ab`), and the fused producers
+of W8A8 inputs (SiLU-and-mul, add + RMSNorm) are timed with and without their bf16 output
+(`producer_times`; W8A8TMA_PRODUCERS=0 skips them). Rows in the order 256 (the decode batch of both goal
 workloads), 8192 (their prefill chunks), 1024, 512, 128, 64, each shape's records written to
 $OUT/part-w8a8tma-partial.json as they come (a run cut at its limit keeps them). Ends with the
 `W8A8_MEASURED` lines of the winners (the fastest of row-wise, the engine's and the TMA tiles).
@@ -97,6 +99,22 @@ def _compile_calls(device: str):
                     seen.add(key)
                     calls.append((t.label(), lambda t=t, xq=xq, xs=xs: fp8_gemm_tma(
                         xq, xs, wq, ws, torch.bfloat16, t, counters=counters)))
+    if os.environ.get("W8A8TMA_PRODUCERS", "1") == "1":  # `producer_times`' kernels (rows are not specialized)
+        from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant, silu_and_mul_quant
+        from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
+        from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+        x = torch.randn(2, 2 * 14336, device=device, dtype=torch.bfloat16)
+        h = torch.randn(2, 4096, device=device, dtype=torch.bfloat16)
+        res = torch.randn(2, 4096, device=device)
+        w = torch.ones(4096, device=device, dtype=torch.bfloat16)
+        calls += [("silu", lambda: silu_and_mul(x)), ("silu_quant", lambda: silu_and_mul_quant(x)),
+                  ("silu_quant codes", lambda: silu_and_mul_quant(x, write_out=False)),
+                  ("add_norm", lambda: fused_add_rms_norm(h, res, w, 1e-5)),
+                  ("add_norm_quant", lambda: rms_norm_quant(h, res, w, 1e-5, torch.bfloat16)),
+                  ("add_norm_quant codes", lambda: rms_norm_quant(h, res, w, 1e-5, torch.bfloat16, write_out=False)),
+                  ("norm_quant", lambda: rms_norm_quant(h, None, w, 1e-5, torch.bfloat16)),
+                  ("norm_quant codes", lambda: rms_norm_quant(h, None, w, 1e-5, torch.bfloat16, write_out=False))]
     return calls
 
 
@@ -231,6 +249,41 @@ def chain_ab(results: dict, device: str, smoke: bool, labels: dict, rows: int = 
         print(f"    {v}: " + ", ".join(f"{n}x{k} {e}" for (n, k), e in entries.items()), flush=True)
 
 
+def producer_times(results: dict, device: str, time_ms, check) -> None:
+    """The fused producers of W8A8 inputs at 256 and 8192 rows: SiLU-and-mul (bf16, the engine's
+    bf16 kernel) against silu_and_mul_quant writing its bf16 output and codes, or codes only; the
+    fused add + RMSNorm against rms_norm_quant with and without its bf16 output. Codes checked
+    equal between the two forms first."""
+    from tokenmill.layers.quantization import fp8_ops
+    from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant, silu_and_mul_quant
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    if device != "cuda":
+        return
+    rec = results.setdefault("w8a8tma_producers_us", {})
+    bf = torch.bfloat16
+    for m in (256, 8192):
+        x = torch.randn(m, 2 * 14336, device=device, dtype=bf)
+        h = torch.randn(m, 4096, device=device, dtype=bf)
+        res = torch.randn(m, 4096, device=device)
+        w = torch.ones(4096, device=device, dtype=bf)
+        a, b = fp8_ops.attached(silu_and_mul_quant(x)), fp8_ops.attached(silu_and_mul_quant(x, write_out=False))
+        same = torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+        a = fp8_ops.attached(rms_norm_quant(h, None, w, 1e-5, bf))
+        b = fp8_ops.attached(rms_norm_quant(h, None, w, 1e-5, bf, write_out=False))
+        same &= torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+        check(same, f"producers m={m}: codes-only forms write the same codes and scales")
+        r = {"silu": time_ms(lambda: silu_and_mul(x), device),
+             "silu_quant": time_ms(lambda: silu_and_mul_quant(x), device),
+             "silu_quant codes only": time_ms(lambda: silu_and_mul_quant(x, write_out=False), device),
+             "add_norm": time_ms(lambda: fused_add_rms_norm(h, res, w, 1e-5), device),
+             "add_norm_quant": time_ms(lambda: rms_norm_quant(h, res, w, 1e-5, bf), device),
+             "add_norm_quant codes only": time_ms(lambda: rms_norm_quant(h, res, w, 1e-5, bf, write_out=False), device)}
+        rec[str(m)] = {k: v * 1e3 for k, v in r.items()}
+        print(f"  producers m={m}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in r.items()), flush=True)
+
+
 def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
     """time_ms(fn, device), cycled(tensors) and check(ok, what) come from gpu_quant.py."""
     from types import SimpleNamespace
@@ -326,6 +379,11 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
                 check(rel < 2e-2, f"w8a8tma chain: every variant's output within 2e-2 of scaled_mm's ({rel:.1e})")
             except Exception as e:  # noqa: BLE001 - the sweep goes on
                 check(False, f"w8a8tma chain raised {type(e).__name__}: {str(e)[:200]}")
+            if os.environ.get("W8A8TMA_PRODUCERS", "1") == "1":
+                try:
+                    producer_times(results, device, time_ms, check)
+                except Exception as e:  # noqa: BLE001 - the sweep goes on
+                    check(False, f"w8a8tma producers raised {type(e).__name__}: {str(e)[:200]}")
             _save(results, out)
     for (bucket, n, k), (ms, win) in sorted(best.items()):
         print(f"  W8A8_MEASURED     ({bucket}, {n}, {k}): {win!r},  # {ms * 1e3:.1f} us", flush=True)

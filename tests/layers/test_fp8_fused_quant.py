@@ -104,3 +104,23 @@ def test_fp8_marks_the_producers_of_its_w8a8_inputs():
     layer.mlp.gate_up_proj.use_scaled_mm = False  # a weight _scaled_mm refuses: it quantizes nothing per token
     layer.post_attention_layernorm = RMSNorm(8)
     assert mark_fused_producers(model) == 2 and not layer.post_attention_layernorm.fp8_out
+
+
+def test_codes_only_producers_write_the_same_codes():
+    """write_out=False (codes for a consumer that reads them alone): the same codes and scales as
+    the full kernels, and the residual still updated."""
+    from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant, silu_and_mul_quant
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 200, generator=g) * 3
+    full, part = silu_and_mul_quant(x, torch.float32), silu_and_mul_quant(x, torch.float32, write_out=False)
+    for a, b in zip(fp8_ops.attached(full), fp8_ops.attached(part)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    h, w = torch.randn(5, 96, generator=g), torch.rand(96, generator=g) + 0.5
+    res_a, res_b = torch.randn(5, 96, generator=g), None
+    res_b = res_a.clone()
+    full = rms_norm_quant(h, res_a, w, 1e-5, torch.float32, code_dtype=torch.float32)
+    part = rms_norm_quant(h, res_b, w, 1e-5, torch.float32, code_dtype=torch.float32, write_out=False)
+    torch.testing.assert_close(res_a, res_b, rtol=0, atol=0)
+    for a, b in zip(fp8_ops.attached(full), fp8_ops.attached(part)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -37,7 +37,7 @@ MAX_ROWS = 64
 @triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, num_rows, inv_n, eps, s_x, s_res,
                            N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                           QMAX: tl.constexpr, USE_PDL: tl.constexpr = False):
+                           QMAX: tl.constexpr, USE_PDL: tl.constexpr = False, WRITE_OUT: tl.constexpr = True):
     dtype = out_ptr.dtype.element_ty
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -48,7 +48,8 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, num_row
     pdl.wait(USE_PDL)
     out = rms_norm_rows(x_ptr, res_ptr, w_ptr, rows * s_x, rows, cols, col_ok, mask, s_res, inv_n, eps, dtype,
                         HAS_RESIDUAL, False)
-    tl.store(out_ptr + (rows * N)[:, None] + cols[None, :], out, mask=mask)
+    if WRITE_OUT:
+        tl.store(out_ptr + (rows * N)[:, None] + cols[None, :], out, mask=mask)
     o = out.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(o), axis=1) / QMAX, 1e-12)
     q = tl.minimum(tl.maximum(o / scale[:, None], -QMAX), QMAX)
@@ -57,9 +58,11 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, out_ptr, q_ptr, s_ptr, num_row
 
 
 def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                   out_dtype: torch.dtype, code_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+                   out_dtype: torch.dtype, code_dtype: torch.dtype = torch.float8_e4m3fn,
+                   write_out: bool = True) -> torch.Tensor:
     """RMSNorm of x [T, n] (after `residual += x` in place when given, as `fused_add_rms_norm`):
-    a new [T, n] tensor in `out_dtype` with its fp8 codes and row scales attached."""
+    a new [T, n] tensor in `out_dtype` with its fp8 codes and row scales attached. write_out=False:
+    the tensor is left unwritten (only its codes hold the values; for a consumer that reads them alone)."""
     t, n = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -73,7 +76,7 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
             x, x if residual is None else residual, weight, out, q, s, t, 1.0 / n, eps, x.stride(0),
             0 if residual is None else residual.stride(0), N=n, BLOCK=block, ROWS=rows,
             HAS_RESIDUAL=residual is not None, QMAX=FP8_MAX, num_warps=min(max(block * rows // 256, 1), 16),
-            **pdl.launch_kwargs(x.device))
+            WRITE_OUT=write_out, **pdl.launch_kwargs(x.device))
     return attach(out, q, s)
 
 
@@ -84,7 +87,7 @@ def rms_norm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
 
 @triton.jit(do_not_specialize=["num_rows"])
 def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, num_rows, s_x, D: tl.constexpr, BLOCK: tl.constexpr,
-                               QMAX: tl.constexpr, USE_PDL: tl.constexpr = False):
+                               QMAX: tl.constexpr, USE_PDL: tl.constexpr = False, WRITE_OUT: tl.constexpr = True):
     dtype = out_ptr.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -95,7 +98,8 @@ def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, num_rows, s_x, D: t
     up = tl.load(x_ptr + row * s_x + D + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)  # `silu_and_mul`'s roundings
     out = (silu * up).to(dtype)
-    tl.store(out_ptr + row * D + cols, out, mask=mask)
+    if WRITE_OUT:
+        tl.store(out_ptr + row * D + cols, out, mask=mask)
     o = out.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(o), axis=0) / QMAX, 1e-12)
     q = tl.minimum(tl.maximum(o / scale, -QMAX), QMAX)
@@ -103,9 +107,11 @@ def _silu_and_mul_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, num_rows, s_x, D: t
     tl.store(s_ptr + row, scale)
 
 
-def silu_and_mul_quant(x: torch.Tensor, code_dtype: torch.dtype = torch.float8_e4m3fn) -> torch.Tensor:
+def silu_and_mul_quant(x: torch.Tensor, code_dtype: torch.dtype = torch.float8_e4m3fn,
+                       write_out: bool = True) -> torch.Tensor:
     """silu(x[:, :d]) * x[:, d:] for x [T, 2d] (`triton_ops.silu_and_mul`'s values): a new [T, d]
-    tensor with its per-token fp8 codes and scales attached."""
+    tensor with its per-token fp8 codes and scales attached (write_out=False: left unwritten, as
+    `rms_norm_quant`'s)."""
     t, two_d = x.shape
     d = two_d // 2
     if two_d % 2 or d > SILU_QUANT_MAX_COLS:
@@ -119,5 +125,6 @@ def silu_and_mul_quant(x: torch.Tensor, code_dtype: torch.dtype = torch.float8_e
     if t:
         block = triton.next_power_of_2(d)
         _silu_and_mul_quant_kernel[(t,)](x, out, q, s, t, x.stride(0), D=d, BLOCK=block, QMAX=FP8_MAX,
-                                         num_warps=min(max(block // 1024, 1), 16), **pdl.launch_kwargs(x.device))
+                                         num_warps=min(max(block // 1024, 1), 16), WRITE_OUT=write_out,
+                                         **pdl.launch_kwargs(x.device))
     return attach(out, q, s)
