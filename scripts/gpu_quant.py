@@ -278,7 +278,7 @@ def _fused_quant_checks(device: str, g: torch.Generator, lin) -> None:
     # the engine's W8A8 choice per (bucket, N, K): Triton tiles with split-K through the layer's counters
     from tokenmill.layers.quantization import stream_tiles
     saved = dict(stream_tiles.W8A8_MEASURED)
-    for tiles in ((64, 64, 256, 1, 4, 3, 2), "tensorwise"):
+    for tiles in ((64, 64, 256, 1, 4, 3, 2), "tensorwise", "tma-m64n128k128g8w4st4s2-swap"):
         stream_tiles.W8A8_MEASURED[(stream_tiles.w8a8_bucket(64), 384, 512)] = tiles
         xq, xs = fp8_ops.quantize_rows(xm)
         ref = fp8_ops.scaled_mm_reference(xq, xs, lin.weight, lin.weight_scale, torch.float32)
