@@ -182,11 +182,13 @@ def chain_ab(results: dict, device: str, smoke: bool, labels: dict, rows: int = 
     rows, each variant of the W8A8 table captured in its own CUDA graph: every linear on row-wise
     `_scaled_mm` (last session's path at 256 rows), the table as it is, and each shape's sweep
     winner at this bucket (`labels`: (n, k) -> table entry; left out where it is the table);
-    replayed alternately, best of 6 rounds of 10 replays, us per layer; each output's relative
-    difference from the `_scaled_mm` one (GEMM orders differ: not bitwise)."""
+    and the table with SiLU-and-mul writing its bf16 product beside the codes (`fp8.CODES_ONLY`
+    off: the output must be bitwise the table's); replayed alternately, best of 6 rounds of 10
+    replays, us per layer; each output's relative difference from the `_scaled_mm` one (GEMM orders
+    differ: not bitwise)."""
     import gpu_fp8_engines
 
-    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization import fp8, stream_tiles
 
     run, _, h, dt = gpu_fp8_engines._chain(device, smoke, layers)
     x0 = torch.randn(rows, h, device=device, dtype=dt)
@@ -204,11 +206,13 @@ def chain_ab(results: dict, device: str, smoke: bool, labels: dict, rows: int = 
     best = {nk: labels.get(nk, variants["table"][nk]) for nk in shapes.values()}
     if best != variants["table"]:
         variants["sweep best"] = best
+    variants["table, SiLU writes bf16 too"] = variants["table"]  # fp8.CODES_ONLY off: same codes, more traffic
     graphs, outs = {}, {}
     try:
         for variant, entries in variants.items():
             for (n, k), entry in entries.items():
                 stream_tiles.W8A8_MEASURED[(bucket, n, k)] = entry
+            fp8.CODES_ONLY = variant != "table, SiLU writes bf16 too"
             for _ in range(2):
                 body()
             if device != "cuda":
@@ -224,7 +228,9 @@ def chain_ab(results: dict, device: str, smoke: bool, labels: dict, rows: int = 
     finally:
         stream_tiles.W8A8_MEASURED.clear()
         stream_tiles.W8A8_MEASURED.update(saved)
+        fp8.CODES_ONLY = True
     rec = results.setdefault("w8a8tma_chain", {})
+    rec[f"codes_only_bitwise_{rows}"] = torch.equal(outs["table"], outs["table, SiLU writes bf16 too"])
     ref = outs["scaled_mm"].float()
     rec[f"rel_diff_{rows}"] = {v: ((o.float() - ref).norm() / ref.norm()).item() for v, o in outs.items()}
     rec[f"entries_{rows}"] = {v: {f"{n}x{k}": e for (n, k), e in entries.items()} for v, entries in variants.items()}
@@ -375,8 +381,11 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
         if m == rows[0]:  # the decode batch: the winners in the engine's own layer chain, beside the table
             try:
                 chain_ab(results, device, smoke, winners, rows=m if cuda else 40)
-                rel = max(results["w8a8tma_chain"][f"rel_diff_{m if cuda else 40}"].values())
+                chain = results["w8a8tma_chain"]
+                rel = max(chain[f"rel_diff_{m if cuda else 40}"].values())
                 check(rel < 2e-2, f"w8a8tma chain: every variant's output within 2e-2 of scaled_mm's ({rel:.1e})")
+                check(chain[f"codes_only_bitwise_{m if cuda else 40}"],
+                      "w8a8tma chain: SiLU writing codes only gives bitwise the output of SiLU writing bf16 too")
             except Exception as e:  # noqa: BLE001 - the sweep goes on
                 check(False, f"w8a8tma chain raised {type(e).__name__}: {str(e)[:200]}")
             if os.environ.get("W8A8TMA_PRODUCERS", "1") == "1":

@@ -124,3 +124,47 @@ def test_codes_only_producers_write_the_same_codes():
     torch.testing.assert_close(res_a, res_b, rtol=0, atol=0)
     for a, b in zip(fp8_ops.attached(full), fp8_ops.attached(part)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_silu_writes_codes_only_where_down_proj_is_its_one_reader():
+    """`fp8.codes_only`: only a SiLU-and-mul whose MLP declares down_proj its one reader
+    (LlamaMLP's own forward; not a subclass with another), and only while down_proj has no LoRA."""
+    from torch import nn
+
+    from tokenmill.config import ModelArch
+    from tokenmill.distributed.parallel_state import ParallelContext
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, codes_only, mark_fused_producers
+    from tokenmill.model.llama import LlamaMLP
+
+    def w8a8(n, k):
+        lin = Linear(k, n, bias=False)
+        lin.quant_method = Fp8LinearMethod(online=True)
+        lin.use_scaled_mm = True
+        return lin
+
+    def model_with(mlp_flag):
+        layer = nn.Module()
+        layer.mlp = nn.Module()
+        layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act = w8a8(32, 8), w8a8(8, 16), SiluAndMul()
+        if mlp_flag is not None:
+            layer.mlp.act_feeds_only_down = mlp_flag
+        mark_fused_producers(layer)
+        return layer.mlp
+
+    assert not codes_only(model_with(None).act) and not codes_only(model_with(False).act)
+    mlp = model_with(True)
+    assert mlp.act.fp8_out and codes_only(mlp.act)
+    mlp.down_proj.lora = object()  # LoRA slots on down_proj read the bf16 product
+    assert not codes_only(mlp.act)
+    arch = ModelArch(architecture="LlamaForCausalLM", model_type="llama", vocab_size=64, hidden_size=8,
+                     intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4,
+                     rms_norm_eps=1e-5, max_position=64)
+    parallel = ParallelContext.single(arch)
+    assert LlamaMLP(arch, parallel).act_feeds_only_down
+
+    class OtherMLP(LlamaMLP):
+        def forward(self, x, residual=None, lora_into=None):  # another reader could see the product
+            return super().forward(x, residual, lora_into)
+    assert not OtherMLP(arch, parallel).act_feeds_only_down

@@ -28,8 +28,9 @@ class SiluAndMul(nn.Module):
         if self.fp8_out and triton_ops.enabled(x):
             from tokenmill.layers.quantization.fp8 import fused_codes_wanted
             if fused_codes_wanted(self, x, x.dtype):
+                from tokenmill.layers.quantization.fp8 import codes_only
                 from tokenmill.layers.quantization.triton_fp8_fused import silu_and_mul_quant
-                return silu_and_mul_quant(x)
+                return silu_and_mul_quant(x, write_out=not codes_only(self))
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
             return silu_and_mul(x)

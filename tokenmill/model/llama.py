@@ -108,6 +108,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(dims.hidden_size, 2 * size, bias=dims.mlp_bias)
         self.down_proj = RowParallelLinear(size, dims.hidden_size, dims.mlp_bias, parallel)
         self.silu = dims.hidden_act == "silu"
+        # The activation's output has one reader, down_proj (this forward's contract; a subclass with
+        # its own forward does not inherit it): fp8 may leave it unwritten when down_proj reads its
+        # codes alone (`quantization.fp8.mark_fused_producers`).
+        self.act_feeds_only_down = type(self).forward is LlamaMLP.forward
         self.act = SiluAndMul() if self.silu else GeluTanhAndMul()
         self._gate_up_packed = (PackedWeight(), PackedWeight())
 

@@ -258,7 +258,8 @@ def mark_fused_producers(model: nn.Module) -> int:
     """Let the kernels that write a W8A8 linear's input quantize it too: a decoder layer's
     input_layernorm (-> qkv_proj), post_attention_layernorm (-> gate_up_proj), found by their
     HF names, and its MLP's SiLU-and-mul (`mlp.act` -> down_proj) when FUSE_SILU_QUANT; and let
-    that SiLU-and-mul defer to down_proj's streaming GEMV at small batches (`defer_silu`).
+    that SiLU-and-mul defer to down_proj's streaming GEMV at small batches (`defer_silu`), and
+    write codes only where its MLP says down_proj is its one reader (`codes_only`).
     Returns how many were marked."""
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
@@ -274,12 +275,27 @@ def mark_fused_producers(model: nn.Module) -> int:
             if type(producer) is kind and _takes_fused_codes(consumer):
                 producer.fp8_out = True
                 marked += 1
+                if kind is SiluAndMul and getattr(mlp, "act_feeds_only_down", False):
+                    producer._fp8_codes_reader = weakref.ref(consumer)
         act, down = getattr(mlp, "act", None), getattr(mlp, "down_proj", None)
         if type(act) is SiluAndMul and _streams_silu(down):
             act.fp8_defer = True
             act._fp8_consumer = weakref.ref(down)
             marked += 1
     return marked
+
+
+# Whether a marked SiLU-and-mul whose one reader is down_proj (`act_feeds_only_down`) writes only
+# the codes down_proj reads (not its bf16 product: a third of its traffic) when down_proj has no LoRA.
+CODES_ONLY = True
+
+
+def codes_only(producer: nn.Module) -> bool:
+    """Whether this producer (its output's only reader a W8A8 linear without LoRA, which reads the
+    attached codes alone) may leave its bf16 output unwritten for this call."""
+    ref = producer.__dict__.get("_fp8_codes_reader")
+    consumer = ref() if ref is not None else None
+    return CODES_ONLY and consumer is not None and consumer.__dict__.get("lora") is None
 
 
 def fused_codes_wanted(producer: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
