@@ -99,6 +99,15 @@ def _compile_calls(device: str):
                     seen.add(key)
                     calls.append((t.label(), lambda t=t, xq=xq, xs=xs: fp8_gemm_tma(
                         xq, xs, wq, ws, torch.bfloat16, t, counters=counters)))
+    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
+    from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
+
+    for entry in set(v for v in stream_tiles.W8A8_MEASURED.values() if isinstance(v, tuple)):  # the engine path's
+        calls.append((f"table {entry}", lambda e=entry: fp8_gemm(xq, xs, wq, ws, torch.bfloat16, *e[:6],
+                                                                split=e[6] if len(e) > 6 else 1, counters=counters)))
+    xb = torch.randn(2, 4096, device=device, dtype=torch.bfloat16)
+    calls.append(("quantize_rows", lambda: quantize_row_groups(xb, 4096)))
     if os.environ.get("W8A8TMA_PRODUCERS", "1") == "1":  # `producer_times`' kernels (rows are not specialized)
         from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant, silu_and_mul_quant
         from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
