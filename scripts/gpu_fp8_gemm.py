@@ -146,31 +146,39 @@ def graph_check(results: dict, device: str, check) -> None:
     from tokenmill.layers.quantization.fp8 import _w8a8_mm
     from tokenmill.layers.quantization.triton_fp8_tma import TmaTiles
 
-    if device != "cuda":
-        return
-    m, n, k = 256, 4096, 4096
+    cuda = device == "cuda"
+    m, n, k = (256, 4096, 4096) if cuda else (40, 64, 256)  # (CPU smoke: the interpreter, calls for replays)
     w = torch.randn(n, k, device=device) * 0.02
     wq, ws = fp8_ops.quantize_rows(w)
     counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
-    layer = SimpleNamespace(weight=wq, weight_scale=ws, scale_row=ws.reshape(1, -1).contiguous(),
+    layer = SimpleNamespace(weight=wq if cuda else wq.float(), weight_scale=ws, scale_row=ws.reshape(1, -1).contiguous(),
                             scale_one=torch.ones((), device=device), stream_counters=SimpleNamespace(tensor=counters))
+    dt = torch.bfloat16 if cuda else torch.float32
     saved = dict(stream_tiles.W8A8_MEASURED)
     ok = True
+    tiles = ((TmaTiles(256, 128, 128, 8, 8, 4, split=4, swap=True), TmaTiles(128, 128, 128, 8, 8, 4, persistent=True))
+             if cuda else (TmaTiles(16, 32, 64, 2, 4, 2, split=2, swap=True), TmaTiles(16, 32, 64, 2, 4, 2, persistent=True)))
     try:
-        for t in (TmaTiles(256, 128, 128, 8, 8, 4, split=4, swap=True), TmaTiles(128, 128, 128, 8, 8, 4, persistent=True)):
-            stream_tiles.W8A8_MEASURED[(256, n, k)] = t.label()
+        for t in tiles:
+            stream_tiles.W8A8_MEASURED[(stream_tiles.w8a8_bucket(m), n, k)] = t.label()
             xq, xs = fp8_ops.quantize_rows(torch.randn(m, k, device=device))
-            _w8a8_mm(layer, xq, xs, torch.bfloat16)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = _w8a8_mm(layer, xq, xs, torch.bfloat16)
+            if not cuda:
+                xq = xq.float()
+            _w8a8_mm(layer, xq, xs, dt)
+            if cuda:
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = _w8a8_mm(layer, xq, xs, dt)
             for rep in range(3):
                 q, s = fp8_ops.quantize_rows(torch.randn(m, k, device=device) * (rep + 1))
                 xq.copy_(q)
                 xs.copy_(s)
-                graph.replay()
-                torch.cuda.synchronize()
+                if cuda:
+                    graph.replay()
+                    torch.cuda.synchronize()
+                else:
+                    out = _w8a8_mm(layer, xq, xs, dt)
                 ref = fp8_ops.scaled_mm_reference(xq, xs, wq, ws, torch.float32)
                 err = ((out.float() - ref).norm() / ref.norm()).item()
                 good = err < 1e-2 and not counters.any()
@@ -392,7 +400,10 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
                 chain_ab(results, device, smoke, winners, rows=m if cuda else 40)
                 chain = results["w8a8tma_chain"]
                 rel = max(chain[f"rel_diff_{m if cuda else 40}"].values())
-                check(rel < 2e-2, f"w8a8tma chain: every variant's output within 2e-2 of scaled_mm's ({rel:.1e})")
+                # Not a precision check (the GEMMs are checked one by one against the reference): per-token
+                # fp8 rounding over 4 random layers amplifies GEMM-order differences (on an H100 the
+                # earlier table's checked kernels end 8.7e-2 from all-_scaled_mm); a broken GEMM ends ~1.
+                check(rel < 0.25, f"w8a8tma chain: every variant's output within 0.25 of scaled_mm's ({rel:.1e})")
                 check(chain[f"codes_only_bitwise_{m if cuda else 40}"],
                       "w8a8tma chain: SiLU writing codes only gives bitwise the output of SiLU writing bf16 too")
             except Exception as e:  # noqa: BLE001 - the sweep goes on

@@ -198,11 +198,16 @@ def int4_swap_tiles(m: int) -> tuple[int, int, int, int, int] | None:
 
 
 # Per Llama-8B linear: (rows bucket: the most rows it serves, N, K) -> the GEMM, as in
-# W8A8_PATHS, the Triton tiles with a 7th entry, split-K (`scripts/gpu_quant.py --parts w8a8`).
+# W8A8_PATHS, the Triton tiles with a 7th entry, split-K (`scripts/gpu_quant.py --parts w8a8`), or
+# the label of the TMA-fed GEMM's tiles ("tma-...": `triton_fp8_tma.TmaTiles`).
 # A shape or row count not listed takes W8A8_PATHS.
-# H200, `W8A8_BUDGET_S=28 gpu_quant.py --parts profile,w8a8` (2026-11-26, third session), each the
-# fastest of row-wise / tensor-wise _scaled_mm and the Triton tiles at the bucket's row count:
-# a layer's four GEMMs at 16-64 rows 75-80 us (row-wise 111-116), at 256 rows 119 (122).
+# 16-64 rows, and o / down at 256: H200, `W8A8_BUDGET_S=28 gpu_quant.py --parts profile,w8a8`
+# (2026-11-26, third session): the fastest of row-wise / tensor-wise _scaled_mm and the Triton tiles.
+# 128 rows (but gate_up), gate_up at 256, 512 rows and up: H100, `gpu_quant.py --parts w8a8tma`
+# (sixth session, docs/results/h100-quant-w8a8tma-s6-mid.json): the TMA tiles where they beat
+# row-wise _scaled_mm and the earlier entry; a layer's four GEMMs at 8192 rows 2,690 us against
+# 2,962 (row-wise), at 1024 321.5 against 342.6 (the earlier table), at 256 in the decode-layer
+# chain (norms, quantization, linears) 161.1 us a layer against 168.0 (all row-wise).
 W8A8_MEASURED: dict[tuple[int, int, int], str | tuple[int, ...]] = {
     (32, 4096, 4096): (64, 64, 256, 1, 4, 3, 2),  # 10.2 us
     (32, 4096, 14336): (64, 64, 256, 1, 4, 3, 4),  # 20.9 us
@@ -212,26 +217,26 @@ W8A8_MEASURED: dict[tuple[int, int, int], str | tuple[int, ...]] = {
     (64, 4096, 14336): (64, 64, 256, 1, 4, 3, 4),  # 23.2 us
     (64, 6144, 4096): (64, 64, 256, 1, 4, 3, 1),  # 12.4 us
     (64, 28672, 4096): (64, 128, 128, 1, 4, 4, 1),  # 33.6 us
-    (128, 4096, 4096): (128, 64, 128, 8, 4, 4, 1),  # 13.0 us
-    (128, 4096, 14336): 'tensorwise',  # 29.0 us
-    (128, 6144, 4096): (128, 64, 128, 8, 4, 4, 1),  # 13.9 us
-    (128, 28672, 4096): 'scaled_mm',  # 37.6 us
-    (256, 4096, 4096): (128, 64, 128, 8, 4, 4, 1),  # 13.3 us
-    (256, 4096, 14336): (128, 64, 128, 8, 4, 4, 2),  # 35.2 us
-    (256, 6144, 4096): 'scaled_mm',  # 14.6 us
-    (256, 28672, 4096): 'scaled_mm',  # 56.0 us
-    (512, 4096, 4096): 'scaled_mm',  # 15.5 us
-    (512, 4096, 14336): 'scaled_mm',  # 45.0 us
-    (512, 6144, 4096): (128, 256, 128, 8, 8, 3, 1),  # 25.0 us
-    (512, 28672, 4096): 'scaled_mm',  # 97.5 us
-    (1024, 4096, 4096): (128, 256, 128, 8, 8, 3, 1),  # 26.6 us
-    (1024, 4096, 14336): (128, 256, 128, 8, 8, 3, 1),  # 82.2 us
-    (1024, 6144, 4096): 'scaled_mm',  # 42.3 us
-    (1024, 28672, 4096): (128, 256, 128, 8, 8, 3, 1),  # 182.8 us
-    (8192, 4096, 4096): 'scaled_mm',  # 210.5 us
-    (8192, 4096, 14336): 'scaled_mm',  # 743.6 us
-    (8192, 6144, 4096): (128, 256, 128, 8, 8, 3, 1),  # 312.7 us
-    (8192, 28672, 4096): 'scaled_mm',  # 1568.1 us
+    (128, 4096, 4096): 'tma-m128n64k128g8w4st5s1-swap',  # H100 12.3 us (earlier entry 13.6, row-wise 14.4)
+    (128, 4096, 14336): 'tma-m128n64k128g8w4st5s2-swap',  # H100 31.9 us (34.6, 37.2)
+    (128, 6144, 4096): 'tma-m128n64k128g8w4st5s1-swap',  # H100 14.6 us (15.5, 15.0)
+    (128, 28672, 4096): 'scaled_mm',  # 37.6 us (H100: 50.6, the TMA tiles' best 51.7)
+    (256, 4096, 4096): (128, 64, 128, 8, 4, 4, 1),  # 13.3 us (H100: 15.1, row-wise 14.1)
+    (256, 4096, 14336): (128, 64, 128, 8, 4, 4, 2),  # 35.2 us (H100: 40.0, row-wise 38.3)
+    (256, 6144, 4096): 'scaled_mm',  # 14.6 us (H100: 16.5, the TMA tiles' best 16.9)
+    (256, 28672, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 59.0 us (row-wise 63.9)
+    (512, 4096, 4096): 'tma-m64n256k128g8w4st4s1',  # H100 16.2 us (row-wise 16.8)
+    (512, 4096, 14336): 'scaled_mm',  # H100 45.8 us (the TMA tiles' best 48.0)
+    (512, 6144, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 25.7 us (earlier entry 26.1, row-wise 28.8)
+    (512, 28672, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 98.7 us (row-wise 102.6)
+    (1024, 4096, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 26.5 us (27.0, 27.8)
+    (1024, 4096, 14336): 'tma-m128n256k128g8w8st4s1',  # H100 79.8 us (80.9, 88.7)
+    (1024, 6144, 4096): 'tma-m128n128k128g8w8st4s1-pers',  # H100 43.5 us (52.3, 52.5)
+    (1024, 28672, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 171.7 us (182.5, 199.1)
+    (8192, 4096, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 194.4 us (row-wise 211.1)
+    (8192, 4096, 14336): 'tma-m128n256k128g8w8st4s1-pers',  # H100 676.2 us (847.7)
+    (8192, 6144, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 290.7 us (312.0)
+    (8192, 28672, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 1528.9 us (1591.0)
 }
 W8A8_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
