@@ -78,6 +78,7 @@ def _chain(device: str, smoke: bool, layers: int):
         layer.self_attn.qkv_proj, layer.self_attn.o_proj = linear(qkv, h), linear(h, h)
         layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act = linear(2 * inter, h), linear(h, inter), SiluAndMul()
         layer.mlp.act_feeds_only_down = True  # as LlamaMLP's: down_proj is the product's one reader
+        layer.norms_feed_only_linears = True  # as LlamaDecoderLayer's: each norm's one reader is its linear
         model.layers.append(layer)
     mark_fused_producers(model)
 

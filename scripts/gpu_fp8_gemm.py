@@ -136,6 +136,44 @@ def _save(results: dict, out: str) -> None:
         json.dump(results, f, indent=2)
 
 
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=False, rms_norm_eps=1e-5,
+            bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def engine_codes_check(results: dict, device: str, smoke: bool, config_dir, check) -> None:
+    """A tiny random Llama engine with fp8 W8A8 (online; one process, eager, so the flag below
+    reaches its modules): greedy tokens and prompt logprobs of 40-token prompts (past the streaming
+    rows: the fused norm / SiLU quantization runs) with the producers writing codes only
+    (`fp8.CODES_ONLY`, the default) and with their bf16 outputs written too: bitwise the same. A
+    reader of a codes-only output other than its linear would read unwritten memory and differ."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.quantization import fp8
+
+    if config_dir is None:
+        return
+    extra = dict(device="cpu", kv_cache_memory_gb=0.05) if smoke else {}
+    llm = LLM(config_dir(TINY), load_format="dummy", dtype="bfloat16" if not smoke else "float32",
+              quantization="fp8", max_model_len=256, enforce_eager=True, single_process=True,
+              enable_prefix_caching=False, disable_log_stats=True, **extra)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(3, 500, (40,), generator=g).tolist()} for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, prompt_logprobs=1, ignore_eos=True, detokenize=False)
+    got = {}
+    try:
+        for on in (True, False):
+            fp8.CODES_ONLY = on
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            got[on] = [(o.outputs[0].token_ids, [sorted((k, v.logprob) for k, v in (lp or {}).items())
+                                                 for lp in o.prompt_logprobs]) for o in outs]
+    finally:
+        fp8.CODES_ONLY = True
+        llm.shutdown()
+    same = got[True] == got[False]
+    results["w8a8tma_codes_only_engine_same"] = same
+    check(same, "tiny fp8 engine: codes-only producers give bitwise the tokens and prompt logprobs of bf16-writing ones")
+
+
 def graph_check(results: dict, device: str, check) -> None:
     """The engine's W8A8 call (`fp8._w8a8_mm`) with a TMA entry in the table, captured in a CUDA
     graph (host-side descriptors captured with it), replayed on fresh inputs: every replay equals
@@ -223,13 +261,13 @@ def chain_ab(results: dict, device: str, smoke: bool, labels: dict, rows: int = 
     best = {nk: labels.get(nk, variants["table"][nk]) for nk in shapes.values()}
     if best != variants["table"]:
         variants["sweep best"] = best
-    variants["table, SiLU writes bf16 too"] = variants["table"]  # fp8.CODES_ONLY off: same codes, more traffic
+    variants["table, producers write bf16 too"] = variants["table"]  # fp8.CODES_ONLY off: same codes, more traffic
     graphs, outs = {}, {}
     try:
         for variant, entries in variants.items():
             for (n, k), entry in entries.items():
                 stream_tiles.W8A8_MEASURED[(bucket, n, k)] = entry
-            fp8.CODES_ONLY = variant != "table, SiLU writes bf16 too"
+            fp8.CODES_ONLY = variant != "table, producers write bf16 too"
             for _ in range(2):
                 body()
             if device != "cuda":
@@ -247,7 +285,7 @@ def chain_ab(results: dict, device: str, smoke: bool, labels: dict, rows: int = 
         stream_tiles.W8A8_MEASURED.update(saved)
         fp8.CODES_ONLY = True
     rec = results.setdefault("w8a8tma_chain", {})
-    rec[f"codes_only_bitwise_{rows}"] = torch.equal(outs["table"], outs["table, SiLU writes bf16 too"])
+    rec[f"codes_only_bitwise_{rows}"] = torch.equal(outs["table"], outs["table, producers write bf16 too"])
     ref = outs["scaled_mm"].float()
     rec[f"rel_diff_{rows}"] = {v: ((o.float() - ref).norm() / ref.norm()).item() for v, o in outs.items()}
     rec[f"entries_{rows}"] = {v: {f"{n}x{k}": e for (n, k), e in entries.items()} for v, entries in variants.items()}
@@ -307,8 +345,8 @@ def producer_times(results: dict, device: str, time_ms, check) -> None:
         print(f"  producers m={m}: " + ", ".join(f"{k} {v * 1e3:.1f} us" for k, v in r.items()), flush=True)
 
 
-def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
-    """time_ms(fn, device), cycled(tensors) and check(ok, what) come from gpu_quant.py."""
+def sweep(results: dict, device: str, time_ms, cycled, check, out: str, config_dir=None) -> None:
+    """time_ms(fn, device), cycled(tensors), check(ok, what) and config_dir(shape) come from gpu_quant.py."""
     from types import SimpleNamespace
 
     from tokenmill.layers.quantization import fp8_ops, stream_tiles
@@ -329,6 +367,10 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
         triton_precompile.compile_in_processes(__file__, "--precompile", 14, min(35.0, 0.6 * budget), "w8a8tma")
         budget -= 0.5 * (time.perf_counter() - t0)
     deadline = time.perf_counter() + budget
+    try:
+        engine_codes_check(results, device, smoke, config_dir, check)
+    except Exception as e:  # noqa: BLE001 - the sweep goes on
+        check(False, f"w8a8tma tiny engine raised {type(e).__name__}: {str(e)[:200]}")
     graph_check(results, device, check)
     rec = results.setdefault("w8a8tma", {})
     best: dict = {}
@@ -379,6 +421,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
                     check(False, f"w8a8tma {label} {name} m={m}: {type(e).__name__}: {str(e)[:200]}")
             rec[f"{name}_m{m}"] = {key: v * 1e3 for key, v in r.items()}  # us
             gemms = {key: v for key, v in r.items() if key not in ("bf16",)}
+            if not gemms:  # (CPU smoke in table-only mode: nothing fp8 to time)
+                continue
             win = min(gemms, key=gemms.get)
             best[(stream_tiles.w8a8_bucket(m), n, k)] = (gemms[win], win)
             for key in ("bf16", "rowwise", "engine"):
@@ -405,7 +449,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str) -> None:
                 # earlier table's checked kernels end 8.7e-2 from all-_scaled_mm); a broken GEMM ends ~1.
                 check(rel < 0.25, f"w8a8tma chain: every variant's output within 0.25 of scaled_mm's ({rel:.1e})")
                 check(chain[f"codes_only_bitwise_{m if cuda else 40}"],
-                      "w8a8tma chain: SiLU writing codes only gives bitwise the output of SiLU writing bf16 too")
+                      "w8a8tma chain: producers writing codes only give bitwise the output of producers writing bf16 too")
             except Exception as e:  # noqa: BLE001 - the sweep goes on
                 check(False, f"w8a8tma chain raised {type(e).__name__}: {str(e)[:200]}")
             if os.environ.get("W8A8TMA_PRODUCERS", "1") == "1":

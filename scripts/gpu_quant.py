@@ -930,7 +930,7 @@ def run_part(name: str, smoke: bool) -> dict:
         elif name == "w8a8tma":
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_gemm
-            gpu_fp8_gemm.sweep(results, device, _time_ms, _cycled, check, OUT)
+            gpu_fp8_gemm.sweep(results, device, _time_ms, _cycled, check, OUT, config_dir)
         elif name == "b1":
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_batch1

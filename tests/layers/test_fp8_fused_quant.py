@@ -168,3 +168,56 @@ def test_silu_writes_codes_only_where_down_proj_is_its_one_reader():
         def forward(self, x, residual=None, lora_into=None):  # another reader could see the product
             return super().forward(x, residual, lora_into)
     assert not OtherMLP(arch, parallel).act_feeds_only_down
+
+
+def test_norms_write_codes_only_where_the_decoder_layer_says_so():
+    """`fp8.codes_only` for a decoder layer's two RMSNorms: only where the layer declares each
+    norm's linear its one reader (LlamaDecoderLayer with its own forwards and LlamaAttention's /
+    LlamaMLP's; not a subclass with another forward), and only while that linear has no LoRA."""
+    from torch import nn
+
+    from tokenmill.config import ModelArch
+    from tokenmill.distributed.parallel_state import ParallelContext
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
+    from tokenmill.layers.linear import Linear
+    from tokenmill.layers.norm import RMSNorm
+    from tokenmill.layers.quantization.fp8 import Fp8LinearMethod, codes_only, mark_fused_producers
+    from tokenmill.model.llama import LlamaDecoderLayer
+
+    def w8a8(n, k):
+        lin = Linear(k, n, bias=False)
+        lin.quant_method = Fp8LinearMethod(online=True)
+        lin.use_scaled_mm = True
+        return lin
+
+    def layer_with(flag):
+        layer = nn.Module()
+        layer.input_layernorm, layer.post_attention_layernorm = RMSNorm(8), RMSNorm(8)
+        layer.self_attn, layer.mlp = nn.Module(), nn.Module()
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj = w8a8(16, 8), w8a8(8, 8)
+        layer.mlp.gate_up_proj, layer.mlp.down_proj, layer.mlp.act = w8a8(32, 8), w8a8(8, 16), SiluAndMul()
+        if flag is not None:
+            layer.norms_feed_only_linears = flag
+        mark_fused_producers(layer)
+        return layer
+
+    for flag in (None, False):
+        layer = layer_with(flag)
+        assert layer.input_layernorm.fp8_out and not codes_only(layer.input_layernorm)
+        assert not codes_only(layer.post_attention_layernorm)
+    layer = layer_with(True)
+    assert codes_only(layer.input_layernorm) and codes_only(layer.post_attention_layernorm)
+    layer.self_attn.qkv_proj.lora = object()  # LoRA on qkv_proj reads the bf16 norm output
+    assert not codes_only(layer.input_layernorm) and codes_only(layer.post_attention_layernorm)
+
+    arch = ModelArch(architecture="LlamaForCausalLM", model_type="llama", vocab_size=64, hidden_size=8,
+                     intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4,
+                     rms_norm_eps=1e-5, max_position=64)
+    parallel = ParallelContext.single(arch)
+    assert LlamaDecoderLayer(arch, TorchRefAttentionBackend, parallel).norms_feed_only_linears
+
+    class OtherLayer(LlamaDecoderLayer):
+        def forward_mlp(self, hidden, residual):  # another reader could see the norm's output
+            return super().forward_mlp(hidden, residual)
+    assert not OtherLayer(arch, TorchRefAttentionBackend, parallel).norms_feed_only_linears

@@ -79,8 +79,9 @@ class RMSNorm(nn.Module):
         """Normalized x in `out_dtype` (default x's dtype)."""
         out_dtype = out_dtype or x.dtype
         if self.fp8_out and _fp8_codes_wanted(self, x, out_dtype):
+            from tokenmill.layers.quantization.fp8 import codes_only
             from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant
-            return rms_norm_quant(x, None, self.weight, self.eps, out_dtype)
+            return rms_norm_quant(x, None, self.weight, self.eps, out_dtype, write_out=not codes_only(self))
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import rms_norm
             return rms_norm(x, self.weight, self.eps, out_dtype)
@@ -116,8 +117,10 @@ class RMSNorm(nn.Module):
             x = x.result()
         if self.fp8_out and _fp8_codes_wanted(self, x, x.dtype) and residual.shape == x.shape \
                 and residual.stride(-1) == 1:
+            from tokenmill.layers.quantization.fp8 import codes_only
             from tokenmill.layers.quantization.triton_fp8_fused import rms_norm_quant
-            return rms_norm_quant(x, residual, self.weight, self.eps, x.dtype), residual
+            return rms_norm_quant(x, residual, self.weight, self.eps, x.dtype,
+                                  write_out=not codes_only(self)), residual
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
             return fused_add_rms_norm(x, residual, self.weight, self.eps)

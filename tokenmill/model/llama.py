@@ -145,6 +145,13 @@ class LlamaDecoderLayer(nn.Module):
         # Both feed `forward_with_residual` directly: with TP on CUDA their all-reduce runs fused
         # with the residual add and the next RMSNorm (`PendingAllReduce`).
         self.self_attn.o_proj.defer_reduce = self.mlp.down_proj.defer_reduce = True
+        # Each norm's output has one reader, the linear after it (qkv_proj, gate_up_proj: this class's
+        # forwards and LlamaAttention's / LlamaMLP's own, as `tp_overlap` redoes them): fp8 may leave
+        # it unwritten when that linear reads its codes alone (`quantization.fp8.mark_fused_producers`).
+        self.norms_feed_only_linears = (
+            all(getattr(type(self), f) is getattr(LlamaDecoderLayer, f) for f in ("forward", "forward_attention",
+                                                                                  "forward_mlp"))
+            and type(self.self_attn).forward is LlamaAttention.forward and type(self.mlp).forward is LlamaMLP.forward)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:

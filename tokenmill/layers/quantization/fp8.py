@@ -258,8 +258,8 @@ def mark_fused_producers(model: nn.Module) -> int:
     """Let the kernels that write a W8A8 linear's input quantize it too: a decoder layer's
     input_layernorm (-> qkv_proj), post_attention_layernorm (-> gate_up_proj), found by their
     HF names, and its MLP's SiLU-and-mul (`mlp.act` -> down_proj) when FUSE_SILU_QUANT; and let
-    that SiLU-and-mul defer to down_proj's streaming GEMV at small batches (`defer_silu`), and
-    write codes only where its MLP says down_proj is its one reader (`codes_only`).
+    that SiLU-and-mul defer to down_proj's streaming GEMV at small batches (`defer_silu`); each
+    writes codes only where its MLP / decoder layer says the linear is its one reader (`codes_only`).
     Returns how many were marked."""
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
@@ -275,7 +275,8 @@ def mark_fused_producers(model: nn.Module) -> int:
             if type(producer) is kind and _takes_fused_codes(consumer):
                 producer.fp8_out = True
                 marked += 1
-                if kind is SiluAndMul and getattr(mlp, "act_feeds_only_down", False):
+                if kind is SiluAndMul and getattr(mlp, "act_feeds_only_down", False) or \
+                        kind is RMSNorm and getattr(module, "norms_feed_only_linears", False):
                     producer._fp8_codes_reader = weakref.ref(consumer)
         act, down = getattr(mlp, "act", None), getattr(mlp, "down_proj", None)
         if type(act) is SiluAndMul and _streams_silu(down):
@@ -285,8 +286,10 @@ def mark_fused_producers(model: nn.Module) -> int:
     return marked
 
 
-# Whether a marked SiLU-and-mul whose one reader is down_proj (`act_feeds_only_down`) writes only
-# the codes down_proj reads (not its bf16 product: a third of its traffic) when down_proj has no LoRA.
+# Whether a marked producer whose one reader is its W8A8 linear writes only the codes that linear
+# reads (not its bf16 output) when the linear has no LoRA: a SiLU-and-mul whose MLP says so
+# (`act_feeds_only_down`: a third of its traffic), a decoder layer's two RMSNorms where the layer
+# says so (`norms_feed_only_linears`: 15% of theirs, the residual stream's reads and writes remain).
 CODES_ONLY = True
 
 
