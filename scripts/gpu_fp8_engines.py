@@ -17,8 +17,9 @@
   bf16, fp8 weights, fp8 weights + fp8 KV cache at 256x256x128 and 1000x512x256, batch 1 (bf16
   and fp8). The engines are built one after the other, each shut down before the next;
   GPU_FP8_ENGINES=bf16,fp8 leaves fp8kv out, GPU_FP8_WORKLOADS=256x256x128,1000x512x256 leaves
-  batch 1 out. Then each throughput workload's per-step bound (and its serial form) from this card's rates measured in the same process (scripts/fp8_engine_bounds.py), beside the
-  measured tok/s and the ratios to bf16.
+  batch 1 out. Then each throughput workload's per-step bound (and its serial form) from this
+  card's rates measured in the same process (scripts/fp8_engine_bounds.py), beside the measured
+  tok/s and the ratios to bf16.
 
 Each engine's figures are written to $OUT/part-<name>-partial.json as they come, so a run cut
 by its time limit still leaves what it measured.

@@ -103,6 +103,12 @@ def _compile_calls(device: str):
     from tokenmill.layers.quantization.triton_fp8 import quantize_row_groups
     from tokenmill.layers.quantization.triton_fp8_gemm import fp8_gemm
 
+    for t in graph_check_tiles():
+        key = (t.block_m, t.block_n, t.block_k, t.warps, t.stages, t.split > 1, t.swap, t.persistent, t.ws)
+        if key not in seen:
+            seen.add(key)
+            calls.append((t.label(), lambda t=t: fp8_gemm_tma(xq, xs, wq, ws, torch.bfloat16, t, counters=counters)))
+
     for entry in set(v for v in stream_tiles.W8A8_MEASURED.values() if isinstance(v, tuple)):  # the engine path's
         calls.append((f"table {entry}", lambda e=entry: fp8_gemm(xq, xs, wq, ws, torch.bfloat16, *e[:6],
                                                                 split=e[6] if len(e) > 6 else 1, counters=counters)))
@@ -174,6 +180,12 @@ def engine_codes_check(results: dict, device: str, smoke: bool, config_dir, chec
     check(same, "tiny fp8 engine: codes-only producers give bitwise the tokens and prompt logprobs of bf16-writing ones")
 
 
+def graph_check_tiles() -> tuple:
+    """`graph_check`'s TMA tiles (split-K swapped, persistent)."""
+    from tokenmill.layers.quantization.triton_fp8_tma import TmaTiles
+    return (TmaTiles(256, 128, 128, 8, 8, 4, split=4, swap=True), TmaTiles(128, 256, 128, 8, 8, 4, persistent=True))
+
+
 def graph_check(results: dict, device: str, check) -> None:
     """The engine's W8A8 call (`fp8._w8a8_mm`) with a TMA entry in the table, captured in a CUDA
     graph (host-side descriptors captured with it), replayed on fresh inputs: every replay equals
@@ -194,8 +206,8 @@ def graph_check(results: dict, device: str, check) -> None:
     dt = torch.bfloat16 if cuda else torch.float32
     saved = dict(stream_tiles.W8A8_MEASURED)
     ok = True
-    tiles = ((TmaTiles(256, 128, 128, 8, 8, 4, split=4, swap=True), TmaTiles(128, 128, 128, 8, 8, 4, persistent=True))
-             if cuda else (TmaTiles(16, 32, 64, 2, 4, 2, split=2, swap=True), TmaTiles(16, 32, 64, 2, 4, 2, persistent=True)))
+    tiles = graph_check_tiles() if cuda else (TmaTiles(16, 32, 64, 2, 4, 2, split=2, swap=True),
+                                              TmaTiles(16, 32, 64, 2, 4, 2, persistent=True))
     try:
         for t in tiles:
             stream_tiles.W8A8_MEASURED[(stream_tiles.w8a8_bucket(m), n, k)] = t.label()
@@ -364,7 +376,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str, config_d
     budget = float(os.environ.get("W8A8TMA_BUDGET_S", "45"))
     if cuda:
         t0 = time.perf_counter()
-        triton_precompile.compile_in_processes(__file__, "--precompile", 14, min(35.0, 0.6 * budget), "w8a8tma")
+        shards = 8 if os.environ.get("W8A8TMA_TABLE_ONLY") == "1" else 14  # (few kernels: fewer processes to start)
+        triton_precompile.compile_in_processes(__file__, "--precompile", shards, min(35.0, 0.6 * budget), "w8a8tma")
         budget -= 0.5 * (time.perf_counter() - t0)
     deadline = time.perf_counter() + budget
     try:
