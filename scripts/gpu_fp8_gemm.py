@@ -374,16 +374,22 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str, config_d
     dt = torch.bfloat16 if cuda else torch.float32
     sms = stream_tiles.sm_count(torch.device(device))
     budget = float(os.environ.get("W8A8TMA_BUDGET_S", "45"))
+    # the part's kill time (gpu_quant.py): stop a few seconds before it, keeping what was measured
+    kill_at = float(os.environ.get("GPU_QUANT_PART_DEADLINE", "inf"))
+    if kill_at - time.time() > 30 or smoke:
+        try:
+            engine_codes_check(results, device, smoke, config_dir, check)
+        except Exception as e:  # noqa: BLE001 - the sweep goes on
+            check(False, f"w8a8tma tiny engine raised {type(e).__name__}: {str(e)[:200]}")
+    else:
+        print(f"  w8a8tma: {kill_at - time.time():.0f} s left, the tiny engine check skipped", flush=True)
     if cuda:
         t0 = time.perf_counter()
         shards = 8 if os.environ.get("W8A8TMA_TABLE_ONLY") == "1" else 14  # (few kernels: fewer processes to start)
-        triton_precompile.compile_in_processes(__file__, "--precompile", shards, min(35.0, 0.6 * budget), "w8a8tma")
+        triton_precompile.compile_in_processes(__file__, "--precompile", shards,
+                                               min(35.0, 0.6 * budget, 0.4 * (kill_at - time.time())), "w8a8tma")
         budget -= 0.5 * (time.perf_counter() - t0)
-    deadline = time.perf_counter() + budget
-    try:
-        engine_codes_check(results, device, smoke, config_dir, check)
-    except Exception as e:  # noqa: BLE001 - the sweep goes on
-        check(False, f"w8a8tma tiny engine raised {type(e).__name__}: {str(e)[:200]}")
+    deadline = time.perf_counter() + min(budget, kill_at - time.time() - 4)
     graph_check(results, device, check)
     rec = results.setdefault("w8a8tma", {})
     best: dict = {}
@@ -452,7 +458,9 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out: str, config_d
             _save(results, out)
         results.setdefault("w8a8tma_layer_us", {})[str(m)] = {key: v * 1e3 for key, v in layer.items()}
         print(f"  W8A8 layer m={m}: " + ", ".join(f"{key} {v * 1e3:.1f} us" for key, v in layer.items()), flush=True)
-        if m == rows[0]:  # the decode batch: the winners in the engine's own layer chain, beside the table
+        if m == rows[0] and deadline - time.perf_counter() < 8:
+            print("  w8a8tma: too little time left for the chain", flush=True)
+        elif m == rows[0]:  # the decode batch: the winners in the engine's own layer chain, beside the table
             try:
                 chain_ab(results, device, smoke, winners, rows=m if cuda else 40)
                 chain = results["w8a8tma_chain"]

@@ -900,6 +900,7 @@ PARTS = ["kernels", "bf16", "fp8", "int4", "int4panels", "kvfp8", "fp8kv", "micr
 PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
 PARTS += ["b1"]  # scripts/gpu_fp8_batch1.py (not by default)
 PARTS += ["w8a8tma"]  # scripts/gpu_fp8_gemm.py (not by default)
+PART_DEADLINE_ENV = "GPU_QUANT_PART_DEADLINE"  # a part's kill time (time.time()), set for its process
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "int4panels": 80, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
@@ -1100,6 +1101,8 @@ def main() -> int:
             os.remove(part_file)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", name] + (["--smoke"] if ns.smoke else [])
         t0 = time.perf_counter()
+        # the wall-clock time the part is killed at: a part may cut itself short before it (w8a8tma)
+        os.environ[PART_DEADLINE_ENV] = str(time.time() + limit)
         try:
             rc = subprocess.run(cmd, timeout=limit).returncode
         except subprocess.TimeoutExpired:
