@@ -18,6 +18,7 @@ checks and times the engine's choices on the card at hand).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -158,7 +159,7 @@ def engine_codes_check(results: dict, device: str, smoke: bool, config_dir, chec
 
     if config_dir is None:
         return
-    extra = dict(device="cpu", kv_cache_memory_gb=0.05) if smoke else {}
+    extra = dict(device="cpu", kv_cache_memory_gb=0.05) if smoke else dict(num_gpu_blocks_override=512)
     llm = LLM(config_dir(TINY), load_format="dummy", dtype="bfloat16" if not smoke else "float32",
               quantization="fp8", max_model_len=256, enforce_eager=True, single_process=True,
               enable_prefix_caching=False, disable_log_stats=True, **extra)
@@ -175,6 +176,10 @@ def engine_codes_check(results: dict, device: str, smoke: bool, config_dir, chec
     finally:
         fp8.CODES_ONLY = True
         llm.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     same = got[True] == got[False]
     results["w8a8tma_codes_only_engine_same"] = same
     check(same, "tiny fp8 engine: codes-only producers give bitwise the tokens and prompt logprobs of bf16-writing ones")
