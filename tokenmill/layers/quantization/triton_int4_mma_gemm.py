@@ -123,6 +123,24 @@ class GemmTiles:
         return f"GemmTiles({self.block_n}, {self.block_m}, {self.warps}, {self.stages}{extra})"
 
 
+# (rows bucket: the most rows it serves, N, K) -> the GEMM's tiles, or None: dequantize + cuBLAS (or the
+# GEMV per 8 rows up to `triton_int4_mma.LOOP_MAX_ROWS`) where that measured faster; from
+# `scripts/gpu_quant.py --parts int4gemm` (Llama-8B's linears). A shape not listed takes ROWS_TABLE.
+TABLE: dict[tuple[int, int, int], GemmTiles | None] = {}
+# rows bucket -> tiles for other shapes; rows above the last bucket: dequantize + cuBLAS.
+ROWS_TABLE: dict[int, GemmTiles | None] = {}
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def gemm_tiles(m: int, n: int, k: int, group: int) -> GemmTiles | None:
+    """The GEMM's tiles for an [m, k] x [k, n] product on the mma layout, or None (another path)."""
+    bucket = next((b for b in BUCKETS if b >= m), None)
+    if bucket is None:
+        return None
+    t = TABLE.get((bucket, n, k), ROWS_TABLE.get(bucket))
+    return t if t is not None and fits(n, k, group, t.block_n) else None
+
+
 def fits(n: int, k: int, group: int, block_n: int) -> bool:
     """The kernel takes a weight of N outputs, K inputs in the mma layout with this BLOCK_N."""
     return n % block_n == 0 and block_n % 16 == 0 and k % 64 == 0 and group % 64 == 0 and k % group == 0
