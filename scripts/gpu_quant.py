@@ -39,6 +39,8 @@ Parts (--parts, comma-separated; default all, run in this order):
            INT4_SWEEP_SET=stream: the one-row access-pattern variants, read probes, PDL chains)
   int4gemm (not by default) the INT4 GEMM on the mma layout (scripts/gpu_int4_gemm.py) against the
            engine's dequantize + cuBLAS and bf16 cuBLAS per Llama-8B linear at 16-1024 rows
+  int4profile (not by default) the INT4 engine under `profile`'s per-kernel-group step profile: decode
+           at 256 rows and at batch 1, an eager 8192-token prefill step (scripts/gpu_quant_fp8.profile_one)
   profile  (not by default) bf16 and fp8 engines: a decode step of 256 rows (graph) and an eager
            prefill step of 8192 tokens under torch.profiler, time per kernel group side by side,
            and each throughput workload's physical bound (scripts/gpu_quant_fp8.py)
@@ -898,12 +900,12 @@ PARTS = ["kernels", "bf16", "fp8", "int4", "int4panels", "kvfp8", "fp8kv", "micr
          "w8a8"]
 PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
 PARTS += ["b1"]  # scripts/gpu_fp8_batch1.py (not by default)
-PARTS += ["int4gemm"]  # scripts/gpu_int4_gemm.py (not by default)
+PARTS += ["int4gemm", "int4profile"]  # scripts/gpu_int4_gemm.py; the int4 engine under profile_one (not by default)
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "int4panels": 80, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
 PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90})
-PART_CAP_S["int4gemm"] = 150
+PART_CAP_S.update({"int4gemm": 150, "int4profile": 120})
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -931,6 +933,11 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_int4_gemm
             gpu_int4_gemm.sweep(results, device, _time_ms, _cycled, check, OUT)
+        elif name == "int4profile":  # where an INT4 engine's decode steps (256 rows, batch 1) and prefill go
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_quant_fp8
+            gpu_quant_fp8.profile_one(results, "int4", smoke, SMOKE if smoke else LLAMA8B,
+                                      lambda shape: config_dir(shape, GPTQ_CONFIG), OUT)
         elif name == "b1":
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_batch1
@@ -1052,7 +1059,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
-                                                                          "int4panels", "b1", "int4gemm")))
+                                                                          "int4panels", "b1", "int4gemm",
+                                                                          "int4profile")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")
