@@ -45,7 +45,7 @@ def variants(m: int, smoke: bool) -> list:
                 T(128, 128, 8, 3, flat=False)]
     return [T(128, 256, 8, 3), T(128, 256, 8, 2), T(128, 128, 8, 3), T(64, 128, 4, 4), T(64, 256, 4, 3),
             T(128, 128, 8, 3, flat=False), T(128, 128, 8, 4, group_n=4), T(128, 128, 8, 3, split=2),
-            T(128, 256, 8, 3, split=2), T(128, 256, 8, 3, split=4)]
+            T(128, 256, 8, 3, split=2), T(128, 256, 8, 3, split=4), T(128, 256, 8, 3, xperm=True)]
 
 
 def _rows(cuda: bool) -> tuple[int, ...]:

@@ -35,7 +35,7 @@ def test_perm_inputs_is_the_layouts_fragment_order():
     from tokenmill.layers.quantization.triton_int4_mma_gemm import _perm_inputs
 
     p = torch.arange(64)
-    inputs = _perm_inputs.fn(p) if hasattr(_perm_inputs, "fn") else _perm_inputs(p)
+    inputs = _perm_inputs.fn(p)  # the jitted function's Python body on torch tensors
     assert sorted(inputs.tolist()) == list(range(64))  # a permutation of the step's inputs
     for pi, k in zip(p.tolist(), inputs.tolist()):
         m, j, a, b = pi // 16, (pi // 2) % 4, (pi // 8) % 2, pi % 2
@@ -49,6 +49,7 @@ def test_perm_inputs_is_the_layouts_fragment_order():
     (21, 128, dict(block_n=16, block_m=16, flat=False)),
     (40, 64, dict(block_n=32, block_m=16, split=3)),
     (33, 128, dict(block_n=16, block_m=32, group_n=2, flat=False, split=2)),
+    (24, 64, dict(block_n=32, block_m=16, xperm=True)),
 ])
 def test_mma_gemm_matches_reference(m, group, tiles, dtype):
     from tokenmill.layers.quantization.triton_int4_mma_gemm import GemmTiles, mma_gemm

@@ -44,7 +44,7 @@ def _perm_inputs(p):
 def _mma_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_sg, s_om,
                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DEQ: tl.constexpr,
                      MAGIC: tl.constexpr, OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_M: tl.constexpr,
-                     GROUP_N: tl.constexpr, FLAT: tl.constexpr, SPLIT_K: tl.constexpr):
+                     GROUP_N: tl.constexpr, FLAT: tl.constexpr, SPLIT_K: tl.constexpr, XPERM: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     split = tl.num_programs(1)
@@ -70,7 +70,10 @@ def _mma_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         two = tl.arange(0, 2)
         shift = hi[:, None, None, None, None] + 8 * two[None, None, :, None, None] + \
             16 * two[None, None, None, None, :]
-    x_ptrs = x_ptr + offs_r[None, :].to(tl.int64) * s_xm + _perm_inputs(p)[:, None]  # x^T [64, BM]
+    if XPERM:  # x's columns already in A's order (`permuted_rows`): 16-byte loads
+        x_ptrs = x_ptr + offs_r[None, :].to(tl.int64) * s_xm + p[:, None]  # x^T [64, BM]
+    else:  # gathered in A's order: pairs of inputs (4-byte loads)
+        x_ptrs = x_ptr + offs_r[None, :].to(tl.int64) * s_xm + _perm_inputs(p)[:, None]
     r_mask = offs_r[None, :] < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     k_per_split = tl.cdiv(K // 64, split) * 64
@@ -111,15 +114,16 @@ class GemmTiles:
     flat: bool = True
     split: int = 1
     group_n: int = 1
+    xperm: bool = False  # x's columns permuted into A's K order first (`permuted_rows`), then 16-byte loads
 
     def label(self) -> str:
         return (f"gemm n{self.block_n} m{self.block_m} w{self.warps} st{self.stages}"
                 f"{'' if self.flat else ' reshape'}{f' s{self.split}' if self.split > 1 else ''}"
-                f"{f' gn{self.group_n}' if self.group_n > 1 else ''}")
+                f"{f' gn{self.group_n}' if self.group_n > 1 else ''}{' xperm' if self.xperm else ''}")
 
     def code(self) -> str:
         extra = ("" if self.flat else ", flat=False") + (f", split={self.split}" if self.split > 1 else "") + \
-            (f", group_n={self.group_n}" if self.group_n > 1 else "")
+            (f", group_n={self.group_n}" if self.group_n > 1 else "") + (", xperm=True" if self.xperm else "")
         return f"GemmTiles({self.block_n}, {self.block_m}, {self.warps}, {self.stages}{extra})"
 
 
@@ -139,6 +143,19 @@ def gemm_tiles(m: int, n: int, k: int, group: int) -> GemmTiles | None:
         return None
     t = TABLE.get((bucket, n, k), ROWS_TABLE.get(bucket))
     return t if t is not None and fits(n, k, group, t.block_n) else None
+
+
+_PERMS: dict = {}
+
+
+def permuted_rows(x: torch.Tensor) -> torch.Tensor:
+    """x with each 64-column step's columns in A's K order (column p <- input `_perm_inputs(p)`)."""
+    k = x.shape[1]
+    key = (k, x.device)
+    if key not in _PERMS:
+        p = torch.arange(k, device=x.device)
+        _PERMS[key] = (p // 64) * 64 + _perm_inputs.fn(p % 64)
+    return x.index_select(1, _PERMS[key])
 
 
 def fits(n: int, k: int, group: int, block_n: int) -> bool:
@@ -163,7 +180,9 @@ def mma_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if x.stride(1) != 1:
+    if t.xperm:
+        x = permuted_rows(x)
+    elif x.stride(1) != 1:
         x = x.contiguous()
     magic, offset = _MAGIC16.get(x.dtype, (0, 0.0))
     deq = deq if x.dtype in _MAGIC16 else 0
@@ -179,5 +198,5 @@ def mma_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         x, qm, scales, zeros, out, part, counters if split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         out.stride(0), GROUP=group, BLOCK_N=t.block_n, BLOCK_M=t.block_m, DEQ=deq, MAGIC=magic, OFFSET=offset,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_M=m % t.block_m == 0, GROUP_N=group_n,
-        FLAT=t.flat, SPLIT_K=split > 1, num_warps=t.warps, num_stages=t.stages)
+        FLAT=t.flat, SPLIT_K=split > 1, XPERM=t.xperm, num_warps=t.warps, num_stages=t.stages)
     return out
