@@ -99,3 +99,28 @@ def test_mma_matmul_takes_the_gemm_where_its_table_says(monkeypatch):
     monkeypatch.setattr(gemm, "TABLE", {})
     mma.mma_matmul(torch.randn(100, 128), qm, wt.scales, wt.zeros, 64, counters)  # ROWS_TABLE's tiles
     assert calls == [40, 100]
+
+
+def test_gemm_selftest_passes_and_switches_the_gemm_off(monkeypatch, caplog):
+    """`int4.gemm_selftest` (once per device, when the engine takes the mma layout) runs every launch
+    the tables list against the reference; a wrong or failing GEMM is switched off, with a warning,
+    and `gemm_tiles` then sends every row count to the other paths."""
+    from tokenmill.layers.quantization import int4
+    from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
+
+    monkeypatch.setattr(gemm, "TABLE", {(16, 256, 512): gemm.GemmTiles(64, 16, 4, 1, split=2)})
+    monkeypatch.setattr(gemm, "ROWS_TABLE", {16: gemm.GemmTiles(64, 16, 4, 1)})
+    monkeypatch.setattr(gemm, "ENABLED", True)
+    monkeypatch.setattr(int4, "_GEMM_SELFTEST", {})
+    assert int4.gemm_selftest(torch.device("cpu"), torch.float16) and gemm.ENABLED
+    assert gemm.gemm_tiles(16, 256, 512, 128) == gemm.GemmTiles(64, 16, 4, 1, split=2)
+    real = gemm.mma_gemm
+    for broken in (lambda *a, **kw: real(*a, **kw) * 1.05,
+                   lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("CompilationError"))):
+        monkeypatch.setattr(int4, "_GEMM_SELFTEST", {})
+        monkeypatch.setattr(gemm, "ENABLED", True)
+        monkeypatch.setattr(gemm, "mma_gemm", broken)
+        with caplog.at_level("WARNING"):
+            assert not int4.gemm_selftest(torch.device("cpu"), torch.float16)
+        assert "self-test" in caplog.text and not gemm.ENABLED
+        assert gemm.gemm_tiles(16, 256, 512, 128) is None

@@ -134,12 +134,14 @@ TABLE: dict[tuple[int, int, int], GemmTiles | None] = {}
 # rows bucket -> tiles for other shapes; rows above the last bucket: dequantize + cuBLAS.
 ROWS_TABLE: dict[int, GemmTiles | None] = {}
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+# False after a failed start-up self-test (`int4.gemm_selftest`): every row count takes the other paths.
+ENABLED = True
 
 
 def gemm_tiles(m: int, n: int, k: int, group: int) -> GemmTiles | None:
     """The GEMM's tiles for an [m, k] x [k, n] product on the mma layout, or None (another path)."""
     bucket = next((b for b in BUCKETS if b >= m), None)
-    if bucket is None:
+    if bucket is None or not ENABLED:
         return None
     t = TABLE.get((bucket, n, k), ROWS_TABLE.get(bucket))
     return t if t is not None and fits(n, k, group, t.block_n) else None
