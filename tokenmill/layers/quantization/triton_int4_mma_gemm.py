@@ -43,7 +43,7 @@ def _perm_inputs(p):
 @triton.jit(do_not_specialize=["M"])
 def _mma_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_sg, s_om,
                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DEQ: tl.constexpr,
-                     MAGIC: tl.constexpr, OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_M: tl.constexpr,
+                     MAGIC: tl.constexpr, OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      GROUP_N: tl.constexpr, FLAT: tl.constexpr, SPLIT_K: tl.constexpr, XPERM: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -93,10 +93,8 @@ def _mma_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
             w = ((q - (OFFSET + z.to(tl.float32)).to(dt)[:, None]) * s[:, None]).to(dt)
         else:
             w = ((codes.to(tl.float32) - z.to(tl.float32)[:, None]) * s.to(tl.float32)[:, None]).to(dt)
-        if EVEN_M:
-            xt = tl.load(x_ptrs + k0)
-        else:
-            xt = tl.load(x_ptrs + k0, mask=r_mask, other=0.0)
+        # rows past M masked (no EVEN_M specialization: one compile per launch serves every row count)
+        xt = tl.load(x_ptrs + k0, mask=r_mask, other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=DOT_PRECISION)
     store_tile(tl.trans(acc), out_ptr, part_ptr, cnt_ptr, offs_r, offs_c, M, N, s_om, pid, pid_k, split, SPLIT_K)
 
@@ -199,6 +197,6 @@ def mma_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     _mma_gemm_kernel[(n_tiles, split)](
         x, qm, scales, zeros, out, part, counters if split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         out.stride(0), GROUP=group, BLOCK_N=t.block_n, BLOCK_M=t.block_m, DEQ=deq, MAGIC=magic, OFFSET=offset,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", EVEN_M=m % t.block_m == 0, GROUP_N=group_n,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GROUP_N=group_n,
         FLAT=t.flat, SPLIT_K=split > 1, XPERM=t.xperm, num_warps=t.warps, num_stages=t.stages)
     return out
