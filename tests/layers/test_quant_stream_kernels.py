@@ -261,4 +261,3 @@ def test_8bit_lm_head_kind_is_checked(monkeypatch):
     assert lm_head_8bit.wanted() == "int8"  # the default (SmolLM2's NLL: within noise of the bf16 head)
     monkeypatch.setenv(lm_head_8bit.ENV_VAR, "INT8")
     assert lm_head_8bit.wanted() == "int8"
-
