@@ -6,6 +6,7 @@ cycled past L2 (HBM-bound, as in a forward). Prints per (rows, linear) the ranki
 four linears at their best, and the `triton_int4_mma_gemm.TABLE` lines; writes
 `$OUT/int4gemm.json` after every linear (a killed run keeps what it measured).
 
+INT4_GEMM_SET=next: the launches with every loop load pipelined (see `variants`).
 INT4_GEMM_ROWS: the row counts, in order (default 256,64,1024,128,16,512: what the budget leaves out is
 the last); INT4_GEMM_BUDGET_S caps the timing (default 60 s after compiling); INT4_GEMM_COMPILE_S the
 parallel compile (default 30 s).
@@ -29,11 +30,21 @@ SMOKE_GROUP = 64
 
 
 def variants(m: int, smoke: bool) -> list:
-    """`triton_int4_mma_gemm.GemmTiles` to try at m rows."""
+    """`triton_int4_mma_gemm.GemmTiles` to try at m rows (INT4_GEMM_SET=next: the mid-session's best
+    beside the same launches with every loop load pipelined: x permuted first, scales and zeros
+    packed into 4-byte words)."""
     from tokenmill.layers.quantization.triton_int4_mma_gemm import GemmTiles as T
 
     if smoke:
-        return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2)]
+        return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2), T(32, 16, 4, 1, flat=False, xperm=True,
+                                                                          psz=True)]
+    if os.environ.get("INT4_GEMM_SET") == "next":
+        if m <= 64:
+            return [T(64, 64, 4, 4, split=2), T(64, 64, 4, 4, flat=False, xperm=True, psz=True, split=2),
+                    T(128, 64, 8, 3, flat=False, xperm=True, psz=True)]
+        return [T(128, 128, 8, 3, flat=False), T(128, 128, 8, 3, flat=False, xperm=True, psz=True),
+                T(128, 256, 8, 3, flat=False, xperm=True, psz=True), T(128, 128, 8, 3, xperm=True, psz=True),
+                T(128, 256, 8, 3, flat=False, xperm=True, psz=True, split=2)]
     if m <= 16:
         return [T(64, 16, 4, 4), T(64, 16, 4, 4, split=2), T(64, 16, 4, 4, split=4), T(128, 16, 8, 3),
                 T(128, 16, 8, 3, split=2)]
@@ -91,7 +102,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
     from tokenmill.layers.quantization import int4_packing as packing
     from tokenmill.layers.quantization import stream_tiles
     from tokenmill.layers.quantization import triton_int4_mma as mma
-    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
+    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm, packed_scales_zeros
 
     cuda = device == "cuda"
     smoke = not cuda
@@ -113,7 +124,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         qm = packing.to_mma(wt.qweight)
         data[name] = (packing.dequantize(wt, group, torch.float32), qm, wt.scales, wt.zeros,
                       stream_tiles.SplitCounters(n, torch.device(device)).tensor, cycled([w]),
-                      cycled([qm, wt.scales, wt.zeros]))
+                      cycled([qm, wt.scales, wt.zeros, packed_scales_zeros(wt.scales, wt.zeros)]))
         del w, wt
     # rows outside, linears inside: the first row count for all four linears first (the budget's cut)
     for m, (name, (n, k)) in [(m, s) for m in rows for s in shapes.items()]:
@@ -134,9 +145,9 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         note("bf16", lambda: x @ bf16_w()[0].t())
         err = _rel(mma.mma_matmul(x, qm, scales, zeros, group, counters), ref)
         check(err < 1e-2 and not counters.any(), f"int4 mma_matmul (engine before) {name} m={m}: rel err {err:.1e}")
-        note("engine before", lambda: mma.mma_matmul(x, *mma_w(), group, counters))
+        note("engine before", lambda: mma.mma_matmul(x, *mma_w()[:3], group, counters))
         if m > mma.ROWS:
-            note("dequant + mm", lambda: x @ mma.mma_dequantize(*mma_w(), group, dt))
+            note("dequant + mm", lambda: x @ mma.mma_dequantize(*mma_w()[:3], group, dt))
         for t in variants(m, smoke):
             try:
                 err = _rel(mma_gemm(x, qm, scales, zeros, group, t, counters), ref)
@@ -144,7 +155,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
                     check(False, f"int4 mma GEMM {name} m={m} {t.label()}: rel err {err:.1e}, counters zeroed "
                                  f"{not counters.any()}")
                     continue
-                note(t.label(), lambda t=t: mma_gemm(x, *mma_w(), group, t, counters), t)
+                note(t.label(), lambda t=t: _gemm_on(mma_w(), x, group, t, counters), t)
             except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 check(False, f"int4 mma GEMM {name} m={m} {t.label()}: {type(e).__name__}: {str(e)[:400]}")
         ranked = sorted((v, lab) for lab, v in r.items())
@@ -184,6 +195,13 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
               flush=True)
     results["int4gemm_summary_us"] = summary
     _write(results, out_dir)
+
+
+def _gemm_on(w, x, group, t, counters):
+    """The GEMM on one cycled copy (qm, scales, zeros, packed scales and zeros)."""
+    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
+
+    return mma_gemm(x, w[0], w[1], w[2], group, t, counters, sz=w[3])
 
 
 def _write(results: dict, out_dir: str) -> None:

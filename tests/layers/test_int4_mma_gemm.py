@@ -50,6 +50,7 @@ def test_perm_inputs_is_the_layouts_fragment_order():
     (40, 64, dict(block_n=32, block_m=16, split=3)),
     (33, 128, dict(block_n=16, block_m=32, group_n=2, flat=False, split=2)),
     (24, 64, dict(block_n=32, block_m=16, xperm=True)),
+    (30, 128, dict(block_n=32, block_m=16, flat=False, xperm=True, psz=True, split=2)),
 ])
 def test_mma_gemm_matches_reference(m, group, tiles, dtype):
     from tokenmill.layers.quantization.triton_int4_mma_gemm import GemmTiles, mma_gemm

@@ -41,10 +41,11 @@ def _perm_inputs(p):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _mma_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_sg, s_om,
+def _mma_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_sg, s_om,
                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DEQ: tl.constexpr,
                      MAGIC: tl.constexpr, OFFSET: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                     GROUP_N: tl.constexpr, FLAT: tl.constexpr, SPLIT_K: tl.constexpr, XPERM: tl.constexpr):
+                     GROUP_N: tl.constexpr, FLAT: tl.constexpr, SPLIT_K: tl.constexpr, XPERM: tl.constexpr,
+                     PACKED_SZ: tl.constexpr):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     split = tl.num_programs(1)
@@ -86,8 +87,13 @@ def _mma_gemm_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         else:
             codes = tl.reshape((words[:, :, None, :, None] >> shift) & 0xF, (BLOCK_N, 64))
         g = k0 // GROUP
-        s = tl.load(s_ptr + g * s_sg + offs_c)
-        z = tl.load(z_ptr + g * s_sg + offs_c)
+        if PACKED_SZ:  # one 4-byte word per channel (scale bits low, zero bits high): cp.async can pipeline it
+            sz = tl.load(sz_ptr + g * N + offs_c)
+            s = (sz & 0xFFFF).to(tl.int16).to(dt, bitcast=True)
+            z = (sz >> 16).to(tl.int16).to(dt, bitcast=True)
+        else:  # 2-byte loads: not pipelined (cp.async moves 4+ bytes), a round trip every step
+            s = tl.load(s_ptr + g * s_sg + offs_c)
+            z = tl.load(z_ptr + g * s_sg + offs_c)
         if DEQ == 1:
             q = (codes | MAGIC).to(tl.int16).to(dt, bitcast=True)  # OFFSET + q, exact
             w = ((q - (OFFSET + z.to(tl.float32)).to(dt)[:, None]) * s[:, None]).to(dt)
@@ -113,15 +119,18 @@ class GemmTiles:
     split: int = 1
     group_n: int = 1
     xperm: bool = False  # x's columns permuted into A's K order first (`permuted_rows`), then 16-byte loads
+    psz: bool = False  # scales and zeros packed into one int32 per channel and group (`packed_scales_zeros`)
 
     def label(self) -> str:
         return (f"gemm n{self.block_n} m{self.block_m} w{self.warps} st{self.stages}"
                 f"{'' if self.flat else ' reshape'}{f' s{self.split}' if self.split > 1 else ''}"
-                f"{f' gn{self.group_n}' if self.group_n > 1 else ''}{' xperm' if self.xperm else ''}")
+                f"{f' gn{self.group_n}' if self.group_n > 1 else ''}{' xperm' if self.xperm else ''}"
+                f"{' psz' if self.psz else ''}")
 
     def code(self) -> str:
         extra = ("" if self.flat else ", flat=False") + (f", split={self.split}" if self.split > 1 else "") + \
-            (f", group_n={self.group_n}" if self.group_n > 1 else "") + (", xperm=True" if self.xperm else "")
+            (f", group_n={self.group_n}" if self.group_n > 1 else "") + (", xperm=True" if self.xperm else "") + \
+            (", psz=True" if self.psz else "")
         return f"GemmTiles({self.block_n}, {self.block_m}, {self.warps}, {self.stages}{extra})"
 
 
@@ -158,17 +167,26 @@ def permuted_rows(x: torch.Tensor) -> torch.Tensor:
     return x.index_select(1, _PERMS[key])
 
 
+def packed_scales_zeros(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """int32 [G, N]: each channel's 16-bit scale in the low half, its 16-bit zero point in the high half."""
+    lo = scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
+    hi = zeros.contiguous().view(torch.int16).to(torch.int32) << 16
+    return lo | hi
+
+
 def fits(n: int, k: int, group: int, block_n: int) -> bool:
     """The kernel takes a weight of N outputs, K inputs in the mma layout with this BLOCK_N."""
     return n % block_n == 0 and block_n % 16 == 0 and k % 64 == 0 and group % 64 == 0 and k % group == 0
 
 
 def mma_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-             tiles: GemmTiles | None = None, counters: torch.Tensor | None = None, deq: int = 1) -> torch.Tensor:
+             tiles: GemmTiles | None = None, counters: torch.Tensor | None = None, deq: int = 1,
+             sz: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype; W in the mma layout qm [N/16, K/64, 32, 4], scales
     and zeros [G, N]. deq 1 needs 16-bit activations (else deq 0 runs). tiles.split > 1: K cut
     into that many slices (`triton_split_k.store_tile`), needs `counters` (zeroed int32, one per
-    output tile: `stream_tiles.SplitCounters`; without them, or too few, no split)."""
+    output tile: `stream_tiles.SplitCounters`; without them, or too few, no split). tiles.psz: the
+    scales and zeros packed (`sz`, from `packed_scales_zeros`, else packed here: 16-bit dtypes only)."""
     t = tiles or GemmTiles()
     m, k = x.shape
     n = qm.shape[0] * 16
@@ -186,6 +204,9 @@ def mma_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         x = x.contiguous()
     magic, offset = _MAGIC16.get(x.dtype, (0, 0.0))
     deq = deq if x.dtype in _MAGIC16 else 0
+    psz = t.psz and scales.element_size() == 2
+    if psz and sz is None:
+        sz = packed_scales_zeros(scales, zeros)
     tiles_n = n // t.block_n
     group_n = max(1, min(t.group_n, tiles_n))
     while tiles_n % group_n:
@@ -195,8 +216,9 @@ def mma_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     split = max(1, min(split, k // 64))
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _mma_gemm_kernel[(n_tiles, split)](
-        x, qm, scales, zeros, out, part, counters if split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
+        x, qm, scales, zeros, sz if psz else scales, out, part, counters if split > 1 else out, m, n, k, x.stride(0),
+        scales.stride(0),
         out.stride(0), GROUP=group, BLOCK_N=t.block_n, BLOCK_M=t.block_m, DEQ=deq, MAGIC=magic, OFFSET=offset,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", GROUP_N=group_n,
-        FLAT=t.flat, SPLIT_K=split > 1, XPERM=t.xperm, num_warps=t.warps, num_stages=t.stages)
+        FLAT=t.flat, SPLIT_K=split > 1, XPERM=t.xperm, PACKED_SZ=psz, num_warps=t.warps, num_stages=t.stages)
     return out
