@@ -1,6 +1,6 @@
 """Triton kernel: INT4 W4A16 GEMM for 16..1024 rows reading the tensor-core GEMV's weight layout
-(`int4_packing.to_mma`), so the engine keeps one copy of each weight and no row count pays a
-dequantize + cuBLAS pass (which writes and reads the weight in bf16: ~4.5x its int4 bytes).
+(`int4_packing.to_mma`). The aim: one copy of each weight, and no dequantize + cuBLAS pass above
+8 rows (it writes and reads the weight in bf16: ~4.5x its int4 bytes).
 
 Operands swapped: out^T [N, M] = W [N, K] x^T [K, M]. The weight tile is the tensor cores' A
 operand, made in registers (Hopper's wgmma reads A from registers, B from shared memory), and
@@ -11,6 +11,12 @@ The K order inside a 64-input step: the A tile's column p = 16 m + 8 a + 2 j + b
 16 j + 4 m + 2 a + b (word m of lane (g, j), nibble hi + 2 a + 4 b: the layout's own fragment
 order, so every word is read once and spread by shifts alone) and x^T's row p is read from the
 same input (`_perm_inputs`): the product is unchanged, only the summation order differs.
+
+Measured (H100, docs/results/gpu-int4-gemm.md): 3-17x slower than dequantize + cuBLAS at 16-1024
+rows, so `TABLE` / `ROWS_TABLE` are empty and the engine never routes here. Per 64-input step a
+CTA waited microseconds: 2-byte scale / zero loads that Triton cannot pipeline (`psz` packs them
+into 4-byte words), 4-byte gathers of words (FLAT) and of x (`xperm` permutes x first), and A
+converted through shared memory.
 
 Dequantization (DEQ 1, 16-bit activations): the nibble ORed into the mantissa of 128.0 (bf16) or
 1024.0 (fp16) is M + q exactly; minus (M + z) is q - z exactly; times the scale rounds once in
