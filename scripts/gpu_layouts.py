@@ -404,7 +404,8 @@ def tp_profile(results: dict, smoke: bool, layouts: list[str]) -> None:
 
 
 def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None,
-               variants: str = "pull,push,lamport", timeout_s: float = 90.0, overlap_rows: str = "") -> bool:
+               variants: str = "pull,push,lamport", timeout_s: float = 90.0, overlap_rows: str = "",
+               lamport_tiles: str = "", key: str = "all_reduce") -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
     (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
@@ -416,7 +417,7 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
         os.remove(record)  # not an earlier call's
     sizes = ["--sizes-kib", sizes_kib] if sizes_kib is not None else []
     sizes += ["--fused-rows", fused_rows] if fused_rows is not None else []
-    sizes += ["--fused-variants", variants, "--overlap-rows", overlap_rows]
+    sizes += ["--fused-variants", variants, "--overlap-rows", overlap_rows, "--lamport-tiles", lamport_tiles]
     # In its own process group with a time limit: a kernel that never returns (two ranks waiting on
     # each other) ends this part as failed, its workers with it, and the call goes on.
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
@@ -431,8 +432,43 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
         return False
     if os.path.exists(record):
         with open(record) as f:
-            results["all_reduce"] = json.load(f)
+            results[key] = json.load(f)
+        os.replace(record, os.path.join(OUT, f"{key}.json"))
     return proc.returncode == 0
+
+
+# NCCL's settings tried on the prefill chunks' all-reduce (64 MiB: 8192 tokens x 4096 in bf16, which
+# NCCL carries), each in its own pair of processes (`arsweep`); "default" is the engine's today.
+NCCL_ENVS = {
+    "ch32": {"NCCL_MIN_NCHANNELS": "32"},
+    "ch32-nt512": {"NCCL_MIN_NCHANNELS": "32", "NCCL_NTHREADS": "512"},
+    "simple-ch24": {"NCCL_PROTO": "Simple", "NCCL_MIN_NCHANNELS": "24"},
+}
+LAMPORT_TILES = "1:16:1,1:8:1,1:16:2,1:8:2,1:8:4,2:16:1,2:32:1,4:16:1"
+
+
+def ar_sweep(results: dict, smoke: bool, tiles: str, fused_rows: str, nccl_envs: list[str]) -> bool:
+    """What would make the engine's all-reduces faster, each checked: the lamport fused kernel's
+    launch shapes (`--lamport-tiles`: rows per tile, warps, programs per SM) at the decode steps'
+    row counts, then NCCL's settings (NCCL_ENVS) against its default on prefill-sized messages."""
+    ok = all_reduce(results, smoke, "65536", fused_rows, "lamport", lamport_tiles=tiles, key="arsweep_default")
+    for name in nccl_envs:
+        saved = {k: os.environ.get(k) for k in NCCL_ENVS[name]}
+        os.environ.update(NCCL_ENVS[name])
+        try:
+            ok = all_reduce(results, smoke, "32768,65536", "", "lamport", timeout_s=40.0,
+                            key=f"arsweep_{name}") and ok
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    base = {r["kib"]: r["nccl_graph_us"] for r in (results.get("arsweep_default") or {}).get("rows", [])}
+    print(f"{'NCCL settings':<14} {'64 MiB us':>10}  (default {base.get(65536, float('nan')):.1f})")
+    for name in nccl_envs:
+        rows = {r["kib"]: r["nccl_graph_us"] for r in (results.get(f"arsweep_{name}") or {}).get("rows", [])}
+        print(f"{name:<14} {rows.get(65536, float('nan')):10.1f}  32 MiB {rows.get(32768, float('nan')):.1f}")
+    return ok
 
 
 def single_gpu_sweeps(results: dict, smoke: bool, budget: float) -> bool:
@@ -513,6 +549,10 @@ def main() -> int:
     ap.add_argument("--ar-variants", default="pull,push,lamport", help="allreduce: the fused kernel's variants")
     ap.add_argument("--ar-overlap-rows", default="1024,8192", help="allreduce: rows of the TP overlap's check "
                     "and timing (an 8-layer MLP chain in halves against one batch; '' for none)")
+    ap.add_argument("--ar-lamport-tiles", default=LAMPORT_TILES, help="arsweep: the lamport kernel's launch "
+                    "shapes, rows:warps:per_sm")
+    ap.add_argument("--ar-nccl-envs", default=",".join(NCCL_ENVS), help="arsweep: NCCL settings tried (of "
+                    + ", ".join(NCCL_ENVS) + ")")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
@@ -549,13 +589,16 @@ def main() -> int:
             tp_profile(results, args.smoke, args.profile_layouts.split(","))
         elif part == "single":
             ok = single_gpu_sweeps(results, args.smoke, args.sweep_budget) and ok
+        elif part == "arsweep":
+            ok = ar_sweep(results, args.smoke, args.ar_lamport_tiles, args.ar_fused_rows or "1,256,1024",
+                          [n for n in args.ar_nccl_envs.split(",") if n]) and ok
         elif part == "allreduce":
             ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants,
                             overlap_rows=args.ar_overlap_rows) and ok
             if args.pick_variant:
                 pick_variant(results)
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, single, check, kernels, batch1, profile, arprofile, tpprofile, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, arsweep, single, check, kernels, batch1, profile, arprofile, tpprofile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)

@@ -54,14 +54,20 @@ def wire(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float16])
 # n=2048: one row per tile, so up to 6 tiles share the interpreter's 2 programs (`max_programs`),
 # and the tiles' call counts (epochs) drift apart as the row count varies.
-@pytest.mark.parametrize("world,rows_per_call,n", [(2, (1, 3, 1, 2), 64), (2, (5, 2, 6, 1), 2048),
-                                                   (2, (2, 1), 96), (3, (3, 1, 4, 2), 32)])
-def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, n):
+# tiles: the default launch shape, or another (`LamportTiles`: rows per tile, warps, programs per SM;
+# `bench all-reduce --lamport-tiles` times them on the GPUs).
+@pytest.mark.parametrize("world,rows_per_call,n,tiles", [
+    (2, (1, 3, 1, 2), 64, None), (2, (5, 2, 6, 1), 2048, None), (2, (2, 1), 96, None), (3, (3, 1, 4, 2), 32, None),
+    (2, (5, 2, 9, 1), 64, "4:2:1"), (2, (3, 1, 2), 96, "1:4:2")])
+def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, n, tiles):
     torch.manual_seed(0)
     ranks = make_group(world)
+    if tiles is not None:
+        for r in ranks:
+            r.lamport_tiles = lamport.LamportTiles.parse(tiles)
     weight = torch.randn(n).to(dtype)
     eps = 1e-5
-    tile_rows = lamport.rows_per_program(n)
+    tile_rows = lamport.tiles_for(n).rows if tiles is None else lamport.LamportTiles.parse(tiles).rows
     tile_elems = tile_rows * n
     calls_of_tile = [0] * 64  # per tile: how often it ran (its epoch), the same on every rank
     for rows in rows_per_call:
@@ -102,6 +108,19 @@ def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, 
                 assert (slot(ranks, rank, rank, e) == lamport.SENTINEL).all()
         for t in range(tiles):
             calls_of_tile[t] += 1
+
+
+def test_lamport_tiles_from_text_and_environment(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_LAMPORT_TILES", raising=False)
+    assert lamport.tiles_for(4096) == lamport.LamportTiles(1, 16, 1)  # the launch before tiles could be chosen
+    assert lamport.tiles_for(64) == lamport.LamportTiles(32, 8, 1)
+    monkeypatch.setenv("TOKENMILL_LAMPORT_TILES", "2:16:2")
+    assert lamport.tiles_for(4096) == lamport.LamportTiles(2, 16, 2)
+    for bad in ("3:16", "2", "2:12:1", "2:16:9", "a:b"):
+        with pytest.raises(ValueError, match="lamport tiles"):
+            lamport.LamportTiles.parse(bad)
+    # programs: one per SM until the compiled kernel said how many fit (off CUDA: always the count given)
+    assert lamport.programs(torch.device("cpu"), 4096, lamport.LamportTiles(1, 8, 4), 132) == 132
 
 
 def test_what_the_lamport_variant_does_not_take():

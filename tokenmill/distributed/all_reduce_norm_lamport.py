@@ -33,6 +33,9 @@ tensors stand in for the peers.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -114,11 +117,59 @@ def slot_elements(half_bytes: int, world: int) -> int:
     return half_bytes // world // 2
 
 
-def fits(num_rows: int, n: int, half_bytes: int, world: int) -> bool:
-    """Whether every whole tile (ROWS rows, refilled whatever the call's rows) lies in a slot."""
+@dataclasses.dataclass(frozen=True)
+class LamportTiles:
+    """How a launch cuts the rows: `rows` per tile, `warps` per program, and up to `per_sm` programs
+    per SM (more than one only where the compiled kernel's registers let that many stay resident
+    at once: `programs`). None: the default for the row width (`tiles_for`)."""
+
+    rows: int
+    warps: int
+    per_sm: int = 1
+
+    @staticmethod
+    def parse(text: str) -> LamportTiles:
+        """"rows:warps[:per_sm]", e.g. "2:16:2" (TOKENMILL_LAMPORT_TILES, `bench all-reduce --lamport-tiles`)."""
+        try:
+            parts = [int(v) for v in text.split(":")]
+            tiles = LamportTiles(*parts)
+        except (TypeError, ValueError):
+            raise ValueError(f"lamport tiles {text!r}: expected rows:warps[:per_sm], e.g. 2:16:1") from None
+        if not (1 <= tiles.rows <= 64 and tiles.rows & (tiles.rows - 1) == 0 and tiles.warps in (1, 2, 4, 8, 16, 32)
+                and 1 <= tiles.per_sm <= 8):
+            raise ValueError(f"lamport tiles {text!r}: rows a power of two in 1..64, warps in 1..32 (a power "
+                             "of two), per_sm in 1..8")
+        return tiles
+
+
+def tiles_for(n: int) -> LamportTiles:
+    """TOKENMILL_LAMPORT_TILES where set, else the rows that make a tile of 2048 elements (one row
+    at hidden 4096) with a warp per 256 of them (at most 16), one program per SM."""
+    text = os.environ.get("TOKENMILL_LAMPORT_TILES", "")
+    if text:
+        return LamportTiles.parse(text)
     rows = rows_per_program(n)
-    tiles = triton.cdiv(num_rows, rows)
-    return tiles <= MAX_TILES and tiles * rows * n <= slot_elements(half_bytes, world)
+    return LamportTiles(rows, min(max(triton.next_power_of_2(n) * rows // 256, 1), 16), 1)
+
+
+def fits(num_rows: int, n: int, half_bytes: int, world: int, tiles: LamportTiles | None = None) -> bool:
+    """Whether every whole tile (its rows, refilled whatever the call's rows) lies in a slot."""
+    rows = (tiles or tiles_for(n)).rows
+    tiles_needed = triton.cdiv(num_rows, rows)
+    return tiles_needed <= MAX_TILES and tiles_needed * rows * n <= slot_elements(half_bytes, world)
+
+
+def resident_per_sm(kernel, warps: int, device: torch.device) -> int:
+    """How many programs of the compiled `kernel` one SM holds at once (registers, shared memory,
+    threads), at least 1."""
+    props = torch.cuda.get_device_properties(device)
+    threads = warps * 32
+    regs = max(int(getattr(kernel, "n_regs", 0) or 0), 1)
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (((regs * 32 + 255) // 256) * 256 * warps)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
+    shared = int(getattr(kernel, "metadata", None) and getattr(kernel.metadata, "shared", 0) or 0)
+    by_shared = (getattr(props, "shared_memory_per_multiprocessor", 228 << 10) // shared) if shared else 32
+    return max(min(by_regs, by_threads, by_shared, 32), 1)
 
 
 def max_programs(device: torch.device) -> int:
@@ -130,20 +181,39 @@ def max_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+_RESIDENT: dict[tuple, int] = {}  # (device, N, tiles) -> programs per SM the compiled kernel allows
+
+
+def programs(device: torch.device, n: int, tiles: LamportTiles, sms: int) -> int:
+    """Programs of a launch: `sms` (one per SM, always resident together) times `tiles.per_sm`
+    where the compiled kernel fits that many per SM, known after its first launch (which takes one
+    per SM). Every program must be resident at once: each waits for its peer program's rows, and a
+    program queued behind waiting ones would never start."""
+    if tiles.per_sm == 1 or device.type != "cuda":
+        return sms
+    known = _RESIDENT.get((device.index, n, tiles))
+    return sms * min(tiles.per_sm, known) if known else sms
+
+
 def launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, peers: torch.Tensor,
-           counters: torch.Tensor, rank: int, world: int, half_bytes: int, programs: int = 2) -> torch.Tensor:
+           counters: torch.Tensor, rank: int, world: int, half_bytes: int, programs_: int = 2,
+           tiles: LamportTiles | None = None) -> torch.Tensor:
     """Normed rows in x's dtype (16-bit); `residual` updated in place (float32 or x's dtype). The
-    caller checked sizes (`fits`) and that the buffers hold the sentinel where no rows are due."""
+    caller checked sizes (`fits`, with the same `tiles`) and that the buffers hold the sentinel where
+    no rows are due. `programs_`: one per SM (`max_programs`); `tiles.per_sm` may multiply it."""
     num_rows, n = x.shape
     out = torch.empty_like(x)
     if num_rows == 0:
         return out
+    tiles = tiles or tiles_for(n)
     block = triton.next_power_of_2(n)
-    rows = rows_per_program(n)
-    _lamport_all_reduce_add_rms_norm_kernel[(min(triton.cdiv(num_rows, rows), programs),)](
+    grid = min(triton.cdiv(num_rows, tiles.rows), programs(x.device, n, tiles, programs_))
+    kernel = _lamport_all_reduce_add_rms_norm_kernel[(grid,)](
         x, residual, weight, out, peers, counters,
         num_rows, rank, 1.0 / n, eps, slot_elements(half_bytes, world),
-        N=n, BLOCK=block, ROWS=rows, WORLD=world,
-        num_warps=min(max(block * rows // 256, 1), 16),
+        N=n, BLOCK=block, ROWS=tiles.rows, WORLD=world,
+        num_warps=tiles.warps,
     )
+    if tiles.per_sm > 1 and x.device.type == "cuda" and (x.device.index, n, tiles) not in _RESIDENT:
+        _RESIDENT[(x.device.index, n, tiles)] = resident_per_sm(kernel, tiles.warps, x.device)
     return out
