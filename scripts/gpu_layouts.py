@@ -511,33 +511,44 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
 # NCCL carries), each in its own pair of processes (`arsweep`); "default" is the engine's today.
 NCCL_ENVS = {
     "ch32": {"NCCL_MIN_NCHANNELS": "32"},
-    "ch32-nt512": {"NCCL_MIN_NCHANNELS": "32", "NCCL_NTHREADS": "512"},
     "simple-ch24": {"NCCL_PROTO": "Simple", "NCCL_MIN_NCHANNELS": "24"},
+    "ch32-nt512": {"NCCL_MIN_NCHANNELS": "32", "NCCL_NTHREADS": "512"},
 }
-LAMPORT_TILES = "1:16:1,1:8:1,1:16:2,1:8:2,1:8:4,2:16:1,2:32:1,4:16:1"
+# The lamport kernel's launch shapes (rows:warps:per_sm[:pdl]); at hidden 4096 the compiled kernel
+# (sm_90, offline) holds 50 / 80 / 46 registers a thread at 1:16 / 1:8 / 2:32: 2 / 3 / 1 programs per SM.
+LAMPORT_TILES = "1:16:1,1:16:2,1:8:1,1:8:3,2:32:1,1:16:1:pdl,1:8:3:pdl"
 
 
 def ar_sweep(results: dict, smoke: bool, tiles: str, fused_rows: str, nccl_envs: list[str]) -> bool:
-    """What would make the engine's all-reduces faster, each checked: the lamport fused kernel's
-    launch shapes (`--lamport-tiles`: rows per tile, warps, programs per SM) at the decode steps'
-    row counts, then NCCL's settings (NCCL_ENVS) against its default on prefill-sized messages."""
-    ok = all_reduce(results, smoke, "65536", fused_rows, "lamport", lamport_tiles=tiles, key="arsweep_default")
-    for name in nccl_envs:
-        saved = {k: os.environ.get(k) for k in NCCL_ENVS[name]}
-        os.environ.update(NCCL_ENVS[name])
+    """What would make the engine's all-reduces faster, each checked: NCCL's settings (NCCL_ENVS)
+    against its default on prefill-sized messages, then the lamport fused kernel's launch shapes
+    (`--lamport-tiles`: rows per tile, warps, programs per SM, PDL) at the decode steps' row counts."""
+    ok = True
+    for name in ["default", *nccl_envs]:
+        env = NCCL_ENVS.get(name, {})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            ok = all_reduce(results, smoke, "32768,65536", "", "lamport", timeout_s=40.0,
-                            key=f"arsweep_{name}") and ok
+            ok = all_reduce(results, smoke, "32768,65536", "", "lamport", timeout_s=30.0,
+                            key=f"arsweep_nccl_{name}") and ok
         finally:
             for k, v in saved.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        rows = {r["kib"]: r for r in (results.get(f"arsweep_nccl_{name}") or {}).get("rows", [])}
+        if rows:
+            print(f"NCCL {name:<12} " + "  ".join(
+                f"{kib >> 10} MiB nccl {r['nccl_graph_us']:.1f} two-shot {r['two_shot_graph_us']:.1f} us"
+                for kib, r in sorted(rows.items())), flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)
-    base = {r["kib"]: r["nccl_graph_us"] for r in (results.get("arsweep_default") or {}).get("rows", [])}
-    print(f"{'NCCL settings':<14} {'64 MiB us':>10}  (default {base.get(65536, float('nan')):.1f})")
-    for name in nccl_envs:
-        rows = {r["kib"]: r["nccl_graph_us"] for r in (results.get(f"arsweep_{name}") or {}).get("rows", [])}
-        print(f"{name:<14} {rows.get(65536, float('nan')):10.1f}  32 MiB {rows.get(32768, float('nan')):.1f}")
+    ok = all_reduce(results, smoke, "", fused_rows, "lamport", lamport_tiles=tiles, key="arsweep_lamport") and ok
+    by_rows: dict[int, list] = {}
+    for r in (results.get("arsweep_lamport") or {}).get("fused_rows", []):
+        by_rows.setdefault(r["rows"], []).append(r)
+    for rows, runs in sorted(by_rows.items()):
+        best = min((r for r in runs if r["ok"]), key=lambda r: r["fused_graph_us"], default=None)
+        print(f"lamport {rows:>5} rows: " + "  ".join(f"{r['tiles']} {r['fused_graph_us']:.1f}" for r in runs)
+              + (f"  best {best['tiles']}" if best else "  none checked ok"), flush=True)
     return ok
 
 

@@ -86,7 +86,7 @@ def run_fused(group, device: torch.device, symm, hidden: int, rows_list: list[in
         res_list = [torch.empty_like(got_res) for _ in range(world)]
         dist.all_gather(res_list, got_res, group=group)
         row: dict = {"rows": rows, "hidden": hidden, "kib": rows * hidden * 2 >> 10, "variant": variant,
-                     "push": variant == "push", "tiles": str(fused.lamport_tiles) if variant == "lamport" else None}
+                     "push": variant == "push", "tiles": tiles_text or (str(fused.lamport_tiles) if variant == "lamport" else None)}
         row["ref_res_max_diff"] = (got_res - want_res).abs().max().item()
         row["ref_out_max_diff"] = (got_out.float() - want_out.float()).abs().max().item()
         row["apart_res_max_diff"] = (got_res - apart_res).abs().max().item()

@@ -61,8 +61,14 @@ def _lamport_all_reduce_add_rms_norm_kernel(
     num_rows, rank, inv_n, eps,
     slot_elems,  # 16-bit elements of one rank's slot in an epoch
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, WORLD: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     dtype = x_ptr.dtype.element_ty
+    # PDL (as `layers/triton_ops/pdl.py`): the launch may come before the kernel ahead has finished; this
+    # kernel touches nothing before that kernel's writes are visible (its counters, buffers and rows
+    # are all written by earlier kernels of the stream).
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     num_tiles = tl.cdiv(num_rows, ROWS)
@@ -85,6 +91,8 @@ def _lamport_all_reduce_add_rms_norm_kernel(
         for d in tl.static_range(1, WORLD):
             writer = (rank + d) % WORLD
             tl.store(_slot(peers_ptr, rank, stale, writer, slot_elems) + tile, sentinel, mask=col_ok[None, :])
+    if USE_PDL:  # (the next kernel waits for this whole grid before it reads)
+        tl.extra.cuda.gdc_launch_dependents()
     # Phase 2: wait for the peers' rows of each tile, sum in rank order, add, norm.
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     for t in range(pid, num_tiles, programs):
@@ -121,20 +129,27 @@ def slot_elements(half_bytes: int, world: int) -> int:
 class LamportTiles:
     """How a launch cuts the rows: `rows` per tile, `warps` per program, and up to `per_sm` programs
     per SM (more than one only where the compiled kernel's registers let that many stay resident
-    at once: `programs`). None: the default for the row width (`tiles_for`)."""
+    at once: `programs`); `pdl`: launched with programmatic dependent launch where the device has
+    it (`layers/triton_ops/pdl.py`; TOKENMILL_PDL=0 still turns it off). None: the default for the
+    row width (`tiles_for`)."""
 
     rows: int
     warps: int
     per_sm: int = 1
+    pdl: bool = False
 
     @staticmethod
     def parse(text: str) -> LamportTiles:
-        """"rows:warps[:per_sm]", e.g. "2:16:2" (TOKENMILL_LAMPORT_TILES, `bench all-reduce --lamport-tiles`)."""
+        """"rows:warps[:per_sm[:pdl]]", e.g. "2:16:2" or "1:16:1:pdl" (TOKENMILL_LAMPORT_TILES,
+        `bench all-reduce --lamport-tiles`)."""
+        fields = text.split(":")
+        pdl_on = len(fields) == 4 and fields[3] == "pdl"
         try:
-            parts = [int(v) for v in text.split(":")]
-            tiles = LamportTiles(*parts)
+            if len(fields) == 4 and not pdl_on:
+                raise ValueError
+            tiles = LamportTiles(*[int(v) for v in fields[:3]], pdl=pdl_on)
         except (TypeError, ValueError):
-            raise ValueError(f"lamport tiles {text!r}: expected rows:warps[:per_sm], e.g. 2:16:1") from None
+            raise ValueError(f"lamport tiles {text!r}: expected rows:warps[:per_sm[:pdl]], e.g. 2:16:1") from None
         if not (1 <= tiles.rows <= 64 and tiles.rows & (tiles.rows - 1) == 0 and tiles.warps in (1, 2, 4, 8, 16, 32)
                 and 1 <= tiles.per_sm <= 8):
             raise ValueError(f"lamport tiles {text!r}: rows a power of two in 1..64, warps in 1..32 (a power "
@@ -181,6 +196,16 @@ def max_programs(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _pdl_kwargs(device: torch.device) -> dict:
+    """PDL's launch keywords where the device has it (9.0+) and TOKENMILL_PDL is not 0 (as
+    `layers/triton_ops/pdl.py`, which this layer may not import)."""
+    if device.type != "cuda" or os.environ.get("TOKENMILL_PDL", "1").lower() in ("0", "false", "no"):
+        return {}
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        return {}
+    return {"USE_PDL": True, "launch_pdl": True}
+
+
 _RESIDENT: dict[tuple, int] = {}  # (device, N, tiles) -> programs per SM the compiled kernel allows
 
 
@@ -212,7 +237,7 @@ def launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: f
         x, residual, weight, out, peers, counters,
         num_rows, rank, 1.0 / n, eps, slot_elements(half_bytes, world),
         N=n, BLOCK=block, ROWS=tiles.rows, WORLD=world,
-        num_warps=tiles.warps,
+        num_warps=tiles.warps, **(_pdl_kwargs(x.device) if tiles.pdl else {}),
     )
     if tiles.per_sm > 1 and x.device.type == "cuda" and (x.device.index, n, tiles) not in _RESIDENT:
         _RESIDENT[(x.device.index, n, tiles)] = resident_per_sm(kernel, tiles.warps, x.device)
