@@ -519,17 +519,22 @@ NCCL_ENVS = {
 LAMPORT_TILES = "1:16:1,1:16:2,1:8:1,1:8:3,2:32:1,1:16:1:pdl,1:8:3:pdl"
 
 
-def ar_sweep(results: dict, smoke: bool, tiles: str, fused_rows: str, nccl_envs: list[str]) -> bool:
+def ar_sweep(results: dict, smoke: bool, tiles: str, fused_rows: str, nccl_envs: list[str],
+             budget_s: float = 150.0) -> bool:
     """What would make the engine's all-reduces faster, each checked: NCCL's settings (NCCL_ENVS)
     against its default on prefill-sized messages, then the lamport fused kernel's launch shapes
-    (`--lamport-tiles`: rows per tile, warps, programs per SM, PDL) at the decode steps' row counts."""
+    (`--lamport-tiles`: rows per tile, warps, programs per SM, PDL) at the decode steps' row counts.
+    Every run ends (killed where it must) within `budget_s` of the start: a call's limit must not
+    leave its processes on the GPUs."""
+    deadline = time.perf_counter() + budget_s
     ok = True
     for name in ["default", *nccl_envs]:
         env = NCCL_ENVS.get(name, {})
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            ok = all_reduce(results, smoke, "32768,65536", "", "lamport", timeout_s=30.0,
+            ok = all_reduce(results, smoke, "32768,65536", "", "lamport",
+                            timeout_s=max(min(30.0, deadline - time.perf_counter() - 30), 1.0),
                             key=f"arsweep_nccl_{name}") and ok
         finally:
             for k, v in saved.items():
@@ -541,7 +546,8 @@ def ar_sweep(results: dict, smoke: bool, tiles: str, fused_rows: str, nccl_envs:
                 for kib, r in sorted(rows.items())), flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)
-    ok = all_reduce(results, smoke, "", fused_rows, "lamport", lamport_tiles=tiles, key="arsweep_lamport") and ok
+    ok = all_reduce(results, smoke, "", fused_rows, "lamport", lamport_tiles=tiles, key="arsweep_lamport",
+                    timeout_s=max(deadline - time.perf_counter(), 1.0)) and ok
     by_rows: dict[int, list] = {}
     for r in (results.get("arsweep_lamport") or {}).get("fused_rows", []):
         by_rows.setdefault(r["rows"], []).append(r)
@@ -635,6 +641,7 @@ def main() -> int:
                     "after which engines still running are killed (their rows reported missing)")
     ap.add_argument("--ar-lamport-tiles", default=LAMPORT_TILES, help="arsweep: the lamport kernel's launch "
                     "shapes, rows:warps:per_sm")
+    ap.add_argument("--ar-budget", type=float, default=150.0, help="arsweep: seconds for all its runs")
     ap.add_argument("--ar-nccl-envs", default=",".join(NCCL_ENVS), help="arsweep: NCCL settings tried (of "
                     + ", ".join(NCCL_ENVS) + ")")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
@@ -675,7 +682,7 @@ def main() -> int:
             ok = single_gpu_sweeps(results, args.smoke, args.sweep_budget) and ok
         elif part == "arsweep":
             ok = ar_sweep(results, args.smoke, args.ar_lamport_tiles, args.ar_fused_rows or "1,256,1024",
-                          [n for n in args.ar_nccl_envs.split(",") if n]) and ok
+                          [n for n in args.ar_nccl_envs.split(",") if n], args.ar_budget) and ok
         elif part == "allreduce":
             ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants,
                             overlap_rows=args.ar_overlap_rows) and ok
