@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -60,7 +62,9 @@ class JobSpec:
         return bool(self.prompts)
 
     def path(self, suffix: str) -> str:
-        return os.path.join(self.workdir, f"{self.name}{suffix}")
+        """A file of this job in `workdir` (the layout's name with only [A-Za-z0-9._-] kept)."""
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.name)
+        return os.path.join(self.workdir, f"{safe}{suffix}")
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -88,6 +92,13 @@ def run_job(spec: JobSpec) -> None:
     from tokenmill.benchmarks import layout_check as lc
 
     began = time.perf_counter()
+    # INFO with times, here and in the engine's processes (they take this level): the log says
+    # where a job killed at the budget was.
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def note(what: str) -> None:
+        print(f"[{spec.name}: {what} at {time.perf_counter() - began:.1f} s]", flush=True)
+
     if spec.parent_pid:  # a parent killed at a call's limit takes its jobs' engines with it
         from tokenmill.child_process import die_with_parent
         die_with_parent(spec.parent_pid)
@@ -97,6 +108,7 @@ def run_job(spec: JobSpec) -> None:
     vocab = int(spec.engine["max_logprobs"])
     with LLM(spec.model, **spec.engine) as llm:
         started = time.perf_counter()
+        note("engine started")
         if spec.is_base:
             params = SamplingParams(temperature=0.0, max_tokens=spec.continuation, ignore_eos=True, detokenize=False)
             outs = llm.generate([{"prompt_token_ids": list(p)} for p in spec.prompts], params, use_tqdm=False)
@@ -105,9 +117,11 @@ def run_job(spec: JobSpec) -> None:
         else:
             sequences = _wait_for_sequences(spec)
         waited = time.perf_counter()
+        note("sequences in")
         scores = lc._score(llm, lc.Layout(spec.name, {}), sequences, vocab)
         np.save(spec.path(".npy"), np.concatenate(scores))
         scored = time.perf_counter()
+        note("scored")
         probe = dc.probe(llm, spec.probe_prompts, spec.probe_tokens) if spec.probe_prompts else None
     _write_atomic(spec.path(".json"), json.dumps({
         "name": spec.name, "rows": [len(s) - 1 for s in sequences], "probe": probe,
@@ -115,11 +129,14 @@ def run_job(spec: JobSpec) -> None:
                     "probe": time.perf_counter() - scored, "total": time.perf_counter() - began}}))
 
 
-def load_scores(spec: JobSpec) -> tuple[list[np.ndarray], dict]:
-    """A finished job's scores, split back into sequences, and its record."""
+def load_scores(spec: JobSpec, remove: bool = True) -> tuple[list[np.ndarray], dict]:
+    """A finished job's scores, split back into sequences, and its record; `remove`: the scores'
+    file goes (tens of MB a layout: not for a GPU call's output folder)."""
     with open(spec.path(".json")) as f:
         record = json.load(f)
     flat = np.load(spec.path(".npy"))
+    if remove:
+        os.remove(spec.path(".npy"))
     bounds = np.cumsum(record["rows"])[:-1]
     return list(np.split(flat, bounds)), record
 
