@@ -8,7 +8,12 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
           probe (decode steps against its prompt path, the greedy tail against the sampler), each judged against the spread
           of two valid one-GPU reductions; then TP=2 with rank 1's rows of a weight swapped
           (TOKENMILL_TEST_FAULTS wrong_shard): gate and up halves swapped must fail; 16 rows swapped
-          is reported. A failed check exits 1.
+          is reported. Every engine in its own process, all at once (benchmarks/layout_jobs.py; the
+          one-GPU base and reference on different GPUs), each row printed when its scores are in,
+          what still runs at --check-budget killed and reported missing. A failed check exits 1.
+  arsweep  what would speed the engine's all-reduces, checked: NCCL's settings (NCCL_ENVS) against
+          its default at 32 and 64 MiB (prefill chunks), then the lamport all-reduce + norm's launch
+          shapes (--ar-lamport-tiles) at decode row counts; within --ar-budget.
   allreduce  `tokenmill bench all-reduce --tp 2`: NCCL, one-shot, two-shot per size (checked, timed in
           CUDA graphs), and the all-reduce fused with the residual add + RMSNorm against NCCL or
           one-shot + the Triton add + norm (checked against its torch reference, chained, timed), in its
