@@ -58,7 +58,8 @@ def wire(x: torch.Tensor) -> torch.Tensor:
 # `bench all-reduce --lamport-tiles` times them on the GPUs).
 @pytest.mark.parametrize("world,rows_per_call,n,tiles", [
     (2, (1, 3, 1, 2), 64, None), (2, (5, 2, 6, 1), 2048, None), (2, (2, 1), 96, None), (3, (3, 1, 4, 2), 32, None),
-    (2, (5, 2, 9, 1), 64, "4:2:1"), (2, (3, 1, 2), 96, "1:4:2:pdl")])
+    (2, (5, 2, 9, 1), 64, "4:2:1"), (2, (3, 1, 2), 96, "1:4:2:pdl"), (2, (5, 2, 6, 1), 2048, "1:4:1:pre"),
+    (3, (3, 1, 4), 32, "2:2:1:pdl+pre")])
 def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, n, tiles):
     torch.manual_seed(0)
     ranks = make_group(world)
@@ -117,7 +118,8 @@ def test_lamport_tiles_from_text_and_environment(monkeypatch):
     monkeypatch.setenv("TOKENMILL_LAMPORT_TILES", "2:16:2")
     assert lamport.tiles_for(4096) == lamport.LamportTiles(2, 16, 2)
     assert lamport.LamportTiles.parse("1:16:1:pdl") == lamport.LamportTiles(1, 16, 1, pdl=True)
-    for bad in ("3:16", "2", "2:12:1", "2:16:9", "a:b", "1:16:1:yes"):
+    assert lamport.LamportTiles.parse("1:16:1:pre+pdl") == lamport.LamportTiles(1, 16, 1, pdl=True, prefetch=True)
+    for bad in ("3:16", "2", "2:12:1", "2:16:9", "a:b", "1:16:1:yes", "1:16:1:pdl:pre"):
         with pytest.raises(ValueError, match="lamport tiles"):
             lamport.LamportTiles.parse(bad)
     # programs: one per SM until the compiled kernel said how many fit (off CUDA: always the count given)

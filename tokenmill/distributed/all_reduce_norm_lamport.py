@@ -40,7 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.distributed.all_reduce_norm_kernel import add_rms_norm_store, rows_per_program, tile_rows
+from tokenmill.distributed.all_reduce_norm_kernel import (add_rms_norm_store, add_rms_norm_store_loaded,
+                                                          rows_per_program, tile_rows)
 
 EPOCHS = 3
 SENTINEL = -32768  # int16 bits of -0.0 in bf16 and fp16
@@ -62,6 +63,7 @@ def _lamport_all_reduce_add_rms_norm_kernel(
     slot_elems,  # 16-bit elements of one rank's slot in an epoch
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, WORLD: tl.constexpr,
     USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,  # the residual's tile loaded before the wait for the peers' rows
 ):
     dtype = x_ptr.dtype.element_ty
     # PDL (as `layers/triton_ops/pdl.py`): the launch may come before the kernel ahead has finished; this
@@ -103,6 +105,8 @@ def _lamport_all_reduce_add_rms_norm_kernel(
         bits = tl.load(x_ptr + tile, mask=mask, other=0.0).to(tl.int16, bitcast=True)
         bits = tl.where(bits == _SENTINEL, 0, bits)  # as sent: every rank sums the same numbers
         own = bits.to(dtype, bitcast=True).to(tl.float32)
+        if PREFETCH:  # (its latency under the peers' NVLink trip; only this kernel writes it meanwhile)
+            residual = tl.load(res_ptr + tile, mask=mask, other=0.0)
         total = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
         for writer in tl.static_range(WORLD):
             is_own = (rows * 0 + writer == rank)[:, None]  # (a tensor: rank is a plain int when interpreted)
@@ -112,7 +116,10 @@ def _lamport_all_reduce_add_rms_norm_kernel(
             while tl.max(tl.where(wait & (got == _SENTINEL), 1, 0)) > 0:
                 got = tl.load(src, mask=wait, other=0, volatile=True)
             total += tl.where(is_own, own, got.to(dtype, bitcast=True).to(tl.float32))
-        add_rms_norm_store(total, res_ptr, w, out_ptr, tile, mask, inv_n, eps)
+        if PREFETCH:
+            add_rms_norm_store_loaded(residual, total, res_ptr, w, out_ptr, tile, mask, inv_n, eps)
+        else:
+            add_rms_norm_store(total, res_ptr, w, out_ptr, tile, mask, inv_n, eps)
         tl.store(counters_ptr + t, count + 1)
 
 
@@ -130,26 +137,28 @@ class LamportTiles:
     """How a launch cuts the rows: `rows` per tile, `warps` per program, and up to `per_sm` programs
     per SM (more than one only where the compiled kernel's registers let that many stay resident
     at once: `programs`); `pdl`: launched with programmatic dependent launch where the device has
-    it (`layers/triton_ops/pdl.py`; TOKENMILL_PDL=0 still turns it off). None: the default for the
-    row width (`tiles_for`)."""
+    it (`layers/triton_ops/pdl.py`; TOKENMILL_PDL=0 still turns it off); `prefetch`: the residual's
+    tile loaded before the wait for the peers' rows. None: the default for the row width
+    (`tiles_for`)."""
 
     rows: int
     warps: int
     per_sm: int = 1
     pdl: bool = False
+    prefetch: bool = False
 
     @staticmethod
     def parse(text: str) -> LamportTiles:
-        """"rows:warps[:per_sm[:pdl]]", e.g. "2:16:2" or "1:16:1:pdl" (TOKENMILL_LAMPORT_TILES,
-        `bench all-reduce --lamport-tiles`)."""
+        """"rows:warps[:per_sm[:flags]]", flags "pdl", "pre" or "pdl+pre": e.g. "2:16:2" or
+        "1:16:1:pdl+pre" (TOKENMILL_LAMPORT_TILES, `bench all-reduce --lamport-tiles`)."""
         fields = text.split(":")
-        pdl_on = len(fields) == 4 and fields[3] == "pdl"
+        flags = set(fields[3].split("+")) if len(fields) == 4 else set()
         try:
-            if len(fields) == 4 and not pdl_on:
+            if len(fields) > 4 or not flags <= {"pdl", "pre"}:
                 raise ValueError
-            tiles = LamportTiles(*[int(v) for v in fields[:3]], pdl=pdl_on)
+            tiles = LamportTiles(*[int(v) for v in fields[:3]], pdl="pdl" in flags, prefetch="pre" in flags)
         except (TypeError, ValueError):
-            raise ValueError(f"lamport tiles {text!r}: expected rows:warps[:per_sm[:pdl]], e.g. 2:16:1") from None
+            raise ValueError(f"lamport tiles {text!r}: expected rows:warps[:per_sm[:pdl+pre]], e.g. 2:16:1") from None
         if not (1 <= tiles.rows <= 64 and tiles.rows & (tiles.rows - 1) == 0 and tiles.warps in (1, 2, 4, 8, 16, 32)
                 and 1 <= tiles.per_sm <= 8):
             raise ValueError(f"lamport tiles {text!r}: rows a power of two in 1..64, warps in 1..32 (a power "
@@ -236,7 +245,7 @@ def launch(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: f
     kernel = _lamport_all_reduce_add_rms_norm_kernel[(grid,)](
         x, residual, weight, out, peers, counters,
         num_rows, rank, 1.0 / n, eps, slot_elements(half_bytes, world),
-        N=n, BLOCK=block, ROWS=tiles.rows, WORLD=world,
+        N=n, BLOCK=block, ROWS=tiles.rows, WORLD=world, PREFETCH=tiles.prefetch,
         num_warps=tiles.warps, **(_pdl_kwargs(x.device) if tiles.pdl else {}),
     )
     if tiles.per_sm > 1 and x.device.type == "cuda" and (x.device.index, n, tiles) not in _RESIDENT:
