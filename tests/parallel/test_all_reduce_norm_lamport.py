@@ -161,3 +161,13 @@ def test_which_variant_the_environment_asks_for(monkeypatch):
     monkeypatch.setenv("TOKENMILL_ALL_REDUCE_NORM_VARIANT", "ring")
     with pytest.raises(ValueError, match="TOKENMILL_ALL_REDUCE_NORM_VARIANT"):
         variant_wanted()
+
+
+def test_nccl_tuning_fills_only_what_the_user_left_unset(monkeypatch):
+    from tokenmill.distributed import nccl_tuning
+    monkeypatch.setattr(nccl_tuning, "TUNING", {"NCCL_MIN_NCHANNELS": "32", "NCCL_PROTO": "Simple"})
+    env = {"NCCL_PROTO": "LL128"}
+    assert nccl_tuning.apply(2, env) == {"NCCL_MIN_NCHANNELS": "32"}
+    assert env == {"NCCL_PROTO": "LL128", "NCCL_MIN_NCHANNELS": "32"}  # the user's value wins
+    assert nccl_tuning.apply(1, {}) == {}  # no TP group: nothing to tune
+    assert nccl_tuning.apply(2, {"TOKENMILL_NCCL_TUNING": "0"}) == {}  # A/B: NCCL's own choice
