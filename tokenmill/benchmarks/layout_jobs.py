@@ -87,10 +87,6 @@ def _wait_for_sequences(spec: JobSpec) -> list[list[int]]:
 
 def run_job(spec: JobSpec) -> None:
     """The child's work (see the module's docstring)."""
-    from tokenmill import LLM, SamplingParams
-    from tokenmill.benchmarks import decode_consistency as dc
-    from tokenmill.benchmarks import layout_check as lc
-
     began = time.perf_counter()
     # INFO with times, here and in the engine's processes (they take this level): the log says
     # where a job killed at the budget was.
@@ -102,9 +98,13 @@ def run_job(spec: JobSpec) -> None:
     if spec.parent_pid:  # a parent killed at a call's limit takes its jobs' engines with it
         from tokenmill.child_process import die_with_parent
         die_with_parent(spec.parent_pid)
-    os.environ.update(spec.env)
+    os.environ.update(spec.env)  # (before anything could start CUDA or an engine process)
     if spec.devices is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = spec.devices
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.benchmarks import decode_consistency as dc
+    from tokenmill.benchmarks import layout_check as lc
+
     vocab = int(spec.engine["max_logprobs"])
     with LLM(spec.model, **spec.engine) as llm:
         started = time.perf_counter()
