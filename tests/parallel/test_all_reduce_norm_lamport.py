@@ -171,3 +171,21 @@ def test_nccl_tuning_fills_only_what_the_user_left_unset(monkeypatch):
     assert env == {"NCCL_PROTO": "LL128", "NCCL_MIN_NCHANNELS": "32"}  # the user's value wins
     assert nccl_tuning.apply(1, {}) == {}  # no TP group: nothing to tune
     assert nccl_tuning.apply(2, {"TOKENMILL_NCCL_TUNING": "0"}) == {}  # A/B: NCCL's own choice
+
+
+def test_programs_per_sm_from_the_compiled_kernel(monkeypatch):
+    """Registers decide (sm_90 figures of the kernel at hidden 4096, compiled offline): 50 a thread
+    at 16 warps -> 2 programs an SM, 80 at 8 warps -> 3; unknown registers -> 1."""
+    from types import SimpleNamespace
+    props = SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                            shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+
+    def kernel(regs, shared):
+        return SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=shared))
+
+    assert lamport.resident_per_sm(kernel(50, 16384), 16, None) == 2
+    assert lamport.resident_per_sm(kernel(80, 8192), 8, None) == 3
+    assert lamport.resident_per_sm(kernel(36, 8192), 32, None) == 1
+    assert lamport.resident_per_sm(kernel(24, 120000), 4, None) == 1  # shared memory decides
+    assert lamport.resident_per_sm(SimpleNamespace(), 16, None) == 1

@@ -186,9 +186,11 @@ def fits(num_rows: int, n: int, half_bytes: int, world: int, tiles: LamportTiles
 def resident_per_sm(kernel, warps: int, device: torch.device) -> int:
     """How many programs of the compiled `kernel` one SM holds at once (registers, shared memory,
     threads), at least 1."""
+    regs = int(getattr(kernel, "n_regs", 0) or 0)
+    if regs <= 0:  # not known: one, always safe
+        return 1
     props = torch.cuda.get_device_properties(device)
     threads = warps * 32
-    regs = max(int(getattr(kernel, "n_regs", 0) or 0), 1)
     by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (((regs * 32 + 255) // 256) * 256 * warps)
     by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // threads
     shared = int(getattr(kernel, "metadata", None) and getattr(kernel.metadata, "shared", 0) or 0)
