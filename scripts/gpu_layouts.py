@@ -103,10 +103,10 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS, para
     different GPUs) beside the layouts (`benchmarks/layout_jobs.py`); each row printed as soon as its
     scores are in; jobs still running at `budget_s` are killed and reported as missing (a failure)."""
     from tokenmill.benchmarks import layout_jobs as lj
+    import threading
     shape = "layoutcheck-smoke" if smoke else "layoutcheck"
     start = time.perf_counter()
-    path = device_check.weights_dir(shape)
-    vocab = lc.vocab_size(path)
+    vocab = device_check.SHAPES[shape]["vocab_size"]
     # No prefix caching: the decode probe generates the same prompts twice, and must see the same
     # steps. The KV pool is a fixed number of blocks (enough for the probe's 48 sequences): engines
     # that start side by side must not size it from the memory the others happen to leave.
@@ -130,6 +130,14 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS, para
     workdir = os.path.join(OUT, "layout_check")
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
+    # The weights are made while the jobs import (seconds each): a job waits for their path.
+    model_file = os.path.join(workdir, "model_path")
+
+    def make_weights() -> None:
+        lj.write_atomic(model_file, device_check.weights_dir(shape))
+        print(f"weights written [{time.perf_counter() - start:.0f} s]", flush=True)
+
+    threading.Thread(target=make_weights, name="weights", daemon=True).start()
     base = lc.base_layout()
     # the reference's chunks: a third of the shortest sequence (prompt + continuation), as `reference_layout`
     reference = lc.reference_layout([[0] * (n + continuation) for n in prompt_lens])
@@ -137,9 +145,9 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS, para
 
     def spec(layout: lc.Layout, device: str | None, **extra) -> lj.JobSpec:
         probed = layout.name not in ("tp2-gate-up-swapped", "tp2-16-rows-swapped")  # (a wrong model: not judged)
-        return lj.JobSpec(layout.name, path, {**common, **layout.engine}, workdir, envs.get(layout.name, {}),
+        return lj.JobSpec(layout.name, "", {**common, **layout.engine}, workdir, envs.get(layout.name, {}),
                           device if gpus else None, probe_prompts=probe_prompts if probed else (),
-                          probe_tokens=probe_tokens, **extra)
+                          probe_tokens=probe_tokens, model_file=model_file, **extra)
 
     specs = [spec(base, "0", prompts=prompts, continuation=continuation), spec(reference, "1"),
              *(spec(layout, None) for layout in layouts)]
@@ -186,7 +194,7 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS, para
             json.dump(results, f, indent=2)
 
     print(f"layout check: {len(specs)} engines, {parallel or len(specs)} at once, budget "
-          f"{budget_s - (time.perf_counter() - start):.0f} s [weights {time.perf_counter() - start:.0f} s]", flush=True)
+          f"{budget_s - (time.perf_counter() - start):.0f} s", flush=True)
     states = lj.run_jobs(specs, parallel or len(specs), budget_s - (time.perf_counter() - start), on_done)
     record["jobs_state"] = states
     missing = [layout.name for layout in layouts if layout.name not in verdicts]

@@ -113,8 +113,9 @@ def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, 
 
 def test_lamport_tiles_from_text_and_environment(monkeypatch):
     monkeypatch.delenv("TOKENMILL_LAMPORT_TILES", raising=False)
-    assert lamport.tiles_for(4096) == lamport.LamportTiles(1, 16, 1)  # the launch before tiles could be chosen
-    assert lamport.tiles_for(64) == lamport.LamportTiles(32, 8, 1)
+    # the fastest of the shapes measured on two H100s (1:8:3:pdl), and its kind at other widths
+    assert lamport.tiles_for(4096) == lamport.LamportTiles(1, 8, 3, pdl=True)
+    assert lamport.tiles_for(64) == lamport.LamportTiles(32, 4, 3, pdl=True)
     monkeypatch.setenv("TOKENMILL_LAMPORT_TILES", "2:16:2")
     assert lamport.tiles_for(4096) == lamport.LamportTiles(2, 16, 2)
     assert lamport.LamportTiles.parse("1:16:1:pdl") == lamport.LamportTiles(1, 16, 1, pdl=True)

@@ -54,7 +54,8 @@ class JobSpec:
     continuation: int = 0
     probe_prompts: Sequence[Sequence[int]] = ()
     probe_tokens: int = 0
-    wait_s: float = 600.0  # for the sequences file
+    wait_s: float = 600.0  # for the sequences file (and the model's, below)
+    model_file: str = ""  # model "": its path is read from this file once it exists (weights made meanwhile)
     parent_pid: int = 0  # the job dies with it (and its engine's processes with the job); 0: no watch
 
     @property
@@ -67,22 +68,26 @@ class JobSpec:
         return os.path.join(self.workdir, f"{safe}{suffix}")
 
 
-def _write_atomic(path: str, text: str) -> None:
+def write_atomic(path: str, text: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
 
 
-def _wait_for_sequences(spec: JobSpec) -> list[list[int]]:
-    path = os.path.join(spec.workdir, SEQUENCES)
+def _wait_for(spec: JobSpec, path: str, what: str) -> str:
+    """The text of `path` once it exists (written atomically by another process)."""
     deadline = time.monotonic() + spec.wait_s
     while not os.path.exists(path):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{spec.name}: no {SEQUENCES} after {spec.wait_s:.0f} s (the base job failed?)")
+            raise TimeoutError(f"{spec.name}: no {os.path.basename(path)} after {spec.wait_s:.0f} s ({what})")
         time.sleep(0.1)
     with open(path) as f:
-        return json.load(f)
+        return f.read()
+
+
+def _wait_for_sequences(spec: JobSpec) -> list[list[int]]:
+    return json.loads(_wait_for(spec, os.path.join(spec.workdir, SEQUENCES), "the base job failed?"))
 
 
 def run_job(spec: JobSpec) -> None:
@@ -105,15 +110,18 @@ def run_job(spec: JobSpec) -> None:
     from tokenmill.benchmarks import decode_consistency as dc
     from tokenmill.benchmarks import layout_check as lc
 
+    note("imported")
     vocab = int(spec.engine["max_logprobs"])
-    with LLM(spec.model, **spec.engine) as llm:
+    model = spec.model or _wait_for(spec, spec.model_file, "the weights were not written?").strip()
+    note("weights in")
+    with LLM(model, **spec.engine) as llm:
         started = time.perf_counter()
         note("engine started")
         if spec.is_base:
             params = SamplingParams(temperature=0.0, max_tokens=spec.continuation, ignore_eos=True, detokenize=False)
             outs = llm.generate([{"prompt_token_ids": list(p)} for p in spec.prompts], params, use_tqdm=False)
             sequences = [list(p) + list(o.outputs[0].token_ids) for p, o in zip(spec.prompts, outs)]
-            _write_atomic(os.path.join(spec.workdir, SEQUENCES), json.dumps(sequences))
+            write_atomic(os.path.join(spec.workdir, SEQUENCES), json.dumps(sequences))
         else:
             sequences = _wait_for_sequences(spec)
         waited = time.perf_counter()
@@ -123,7 +131,7 @@ def run_job(spec: JobSpec) -> None:
         scored = time.perf_counter()
         note("scored")
         probe = dc.probe(llm, spec.probe_prompts, spec.probe_tokens) if spec.probe_prompts else None
-    _write_atomic(spec.path(".json"), json.dumps({
+    write_atomic(spec.path(".json"), json.dumps({
         "name": spec.name, "rows": [len(s) - 1 for s in sequences], "probe": probe,
         "seconds": {"start": started - began, "sequences": waited - started, "score": scored - waited,
                     "probe": time.perf_counter() - scored, "total": time.perf_counter() - began}}))
@@ -143,7 +151,7 @@ def load_scores(spec: JobSpec, remove: bool = True) -> tuple[list[np.ndarray], d
 
 def write_spec(spec: JobSpec) -> str:
     path = spec.path(".spec.json")
-    _write_atomic(path, json.dumps(dataclasses.asdict(spec)))
+    write_atomic(path, json.dumps(dataclasses.asdict(spec)))
     return path
 
 
