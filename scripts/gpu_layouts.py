@@ -223,10 +223,9 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     "tp1": ([], {}),
     "tp2": (["--tensor-parallel-size", "2"], {}),
     "tp2-nccl": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE": "nccl"}),
-    # TP=2 as before this session's all-reduce settings: the lamport kernel's first launch shape
-    # (one row a tile, 16 warps, a program per SM) and NCCL's own settings (the A/B of both).
-    "tp2-before": (["--tensor-parallel-size", "2"], {"TOKENMILL_LAMPORT_TILES": "1:16:1",
-                                                     "TOKENMILL_NCCL_TUNING": "0"}),
+    # TP=2 with the lamport kernel's first launch shape (one row a tile, 16 warps, a program per
+    # SM, no PDL): the A/B of the default shape.
+    "tp2-before": (["--tensor-parallel-size", "2"], {"TOKENMILL_LAMPORT_TILES": "1:16:1"}),
     # TP=2 with steps of >= 512 rows in two halves, all-reduces beside GEMMs (model/tp_overlap.py,
     # off by default), and with prompt chunks only (>= 2048 tokens): the A/B of the overlap.
     "tp2-overlap": (["--tensor-parallel-size", "2"], {"TOKENMILL_TP_OVERLAP": "1"}),

@@ -164,16 +164,6 @@ def test_which_variant_the_environment_asks_for(monkeypatch):
         variant_wanted()
 
 
-def test_nccl_tuning_fills_only_what_the_user_left_unset(monkeypatch):
-    from tokenmill.distributed import nccl_tuning
-    monkeypatch.setattr(nccl_tuning, "TUNING", {"NCCL_MIN_NCHANNELS": "32", "NCCL_PROTO": "Simple"})
-    env = {"NCCL_PROTO": "LL128"}
-    assert nccl_tuning.apply(2, env) == {"NCCL_MIN_NCHANNELS": "32"}
-    assert env == {"NCCL_PROTO": "LL128", "NCCL_MIN_NCHANNELS": "32"}  # the user's value wins
-    assert nccl_tuning.apply(1, {}) == {}  # no TP group: nothing to tune
-    assert nccl_tuning.apply(2, {"TOKENMILL_NCCL_TUNING": "0"}) == {}  # A/B: NCCL's own choice
-
-
 def test_programs_per_sm_from_the_compiled_kernel(monkeypatch):
     """Registers decide (sm_90 figures of the kernel at hidden 4096, compiled offline): 50 a thread
     at 16 warps -> 2 programs an SM, 80 at 8 warps -> 3; unknown registers -> 1."""

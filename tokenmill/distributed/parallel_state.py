@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import ModelArch, ParallelConfig
-from tokenmill.distributed import nccl_tuning
 from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm
 from tokenmill.distributed.layout import RankLayout, split_from_halves
 from tokenmill.distributed.p2p_order import P2POrderLog
@@ -162,8 +161,6 @@ class ParallelContext:
         if parallel.world_size == 1:
             return ParallelContext(RankLayout.of(arch, parallel, rank))
         backend = "nccl" if device.type == "cuda" else "gloo"
-        if backend == "nccl":
-            nccl_tuning.apply(parallel.tensor_parallel_size)  # before any communicator reads it
         options = {"device_id": device} if device.type == "cuda" and device.index is not None else {}
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=parallel.world_size,
                                 timeout=_INIT_TIMEOUT, **options)
