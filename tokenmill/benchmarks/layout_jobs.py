@@ -180,7 +180,12 @@ def run_jobs(specs: Sequence[JobSpec], parallel: int, budget_s: float,
             del running[name]
             ok = code == 0 and os.path.exists(spec.path(".json"))
             states[name] = "ok" if ok else f"failed (exit {code})"
-            on_done(spec, ok, _tail(spec.path(".log")))
+            try:
+                on_done(spec, ok, _tail(spec.path(".log")))
+            except Exception as e:  # noqa: BLE001 - one job's bad result must not end the others' report
+                import traceback
+                traceback.print_exc()
+                states[name] = f"failed ({type(e).__name__}: {e})"
         if time.monotonic() > deadline:
             for name, (spec, log, proc) in running.items():
                 os.killpg(proc.pid, signal.SIGKILL)
