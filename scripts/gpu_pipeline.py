@@ -133,8 +133,8 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         print(f"[{name}: starts {started - STARTED:.0f} s into the script, killed after {timeout:.0f} s]", flush=True)
         trace = os.path.join(OUT, f"trace_{name}.json")
         flags = layout_flags(name)
-        if flags:  # the PP layouts: their step trace
-            flags += ["--trace-steps", trace]
+        pipeline = bool(flags)
+        flags += ["--trace-steps", trace]  # every layout: its phases (one GPU too); PP: the bubble
         device_check.bench(results, shape, n, lin, lout, baseline=False, extra=[*flags, *common], run=f"_pp_{name}",
                            timeout_s=timeout)
         key = next(k for k in results if k.startswith(f"bench_{shape}_{n}x{lin}x{lout}") and k.endswith(f"_pp_{name}"))
@@ -155,7 +155,9 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
             total = stage.get("busy_s", 0) + stage.get("idle_s", 0)
             print(f"  {name} stage {stage['stage']}: engine busy + idle {total:.2f} s of {tm.get('elapsed_s') or 0:.2f} s "
                   f"elapsed{' (MORE: a stale step start)' if total > 1.02 * (tm.get('elapsed_s') or 0) else ''}")
-        if flags and os.path.exists(trace):
+        if os.path.exists(trace):
+            fig["phases"] = pipeline_trace.run_phases(pipeline_trace.load(trace))
+        if pipeline and os.path.exists(trace):
             analysis = pipeline_trace.analyze(pipeline_trace.load(trace))
             partition = run_partition(name, shape)
             if analysis and partition is not None:
@@ -186,6 +188,20 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
     print("(bubble: the steady state's device idle, mean over stages (stage 0, stage 1 beside it): from the last "
           "stage's first step to the first stage's last, from the step trace; goal < 3%. w/ fill: the whole run, "
           "fill and drain included)")
+    base = (figures.get("tp1") or {}).get("phases") or {}
+    print(f"\n{'layout':<18} {'prompt s':>9} {'steps':>6} {'x one GPU':>10} {'decode s':>9} {'steps':>6} "
+          f"{'x one GPU':>10} {'device s':>9}")
+    for name, fig in figures.items():
+        ph = fig.get("phases") or {}
+        if not ph:
+            continue
+        cells = []
+        for part in ("prompt", "decode"):
+            ms, ref = ph[part]["ms"], (base.get(part) or {}).get("ms")
+            cells.append(f"{ms / 1e3:9.2f} {ph[part]['steps']:6d} {f'{ref / ms:.3f}' if ref and ms else '':>10}")
+        print(f"{name:<18} {' '.join(cells)} {ph['window_ms'] / 1e3:9.2f}")
+    print("(phases: the run cut where the last step with prompt tokens ends on the last stage's device; steps: the "
+          "last stage's; x one GPU: tp1's time for the part over this layout's)")
     save(results)
 
 

@@ -140,3 +140,22 @@ def test_host_pauses_count_collections_and_long_host_spans() -> None:
     stage1 = next(v for k, v in pauses.items() if k.startswith("worker1"))
     assert stage1["gc_count"] == 0 and stage1["spikes"] == {}
     assert "longest 6.0 ms" in format_report("pp2", analyze(trace))
+
+
+def test_run_phases_cut_a_pipeline_and_one_gpu_alike() -> None:
+    from tokenmill.benchmarks.pipeline_trace import run_phases
+    # Two stages: prompt steps (40 tokens) end on the last stage at 33; decode runs to 46.
+    trace = _trace([[(1, 0, 10, 40), (2, 10, 20, 40), (3, 25, 35, 4)],
+                    [(1, 11, 22, 40), (2, 22, 33, 40), (3, 36, 46, 4)]], submits={})
+    phases = run_phases(trace)
+    assert phases["prompt"] == {"ms": pytest.approx(33e-3), "steps": 2}
+    assert phases["decode"] == {"ms": pytest.approx(13e-3), "steps": 1}
+    # One GPU: its only worker's track (named without a stage).
+    one = _trace([[(1, 0, 20, 40), (2, 20, 24, 4), (3, 25, 29, 4)]], submits={})
+    for e in one["traceEvents"]:
+        if e["name"] == "process_name" and e["pid"] == 2:
+            e["args"]["name"] = "worker0 (pid 2)"
+    phases = run_phases(one)
+    assert phases["prompt"]["ms"] == pytest.approx(20e-3) and phases["decode"] == {"ms": pytest.approx(9e-3),
+                                                                                    "steps": 2}
+    assert run_phases({"traceEvents": []}) == {}

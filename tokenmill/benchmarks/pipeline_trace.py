@@ -86,6 +86,29 @@ def stage_spans(by_track: dict[str, list[dict]]) -> list[list[tuple[float, float
                        if e["name"] == "device_step" and "step" in (e.get("args") or {})])
 
 
+def run_phases(trace: dict) -> dict:
+    """Any engine's trace (one GPU or a pipeline): the run cut where the last step with prompt
+    tokens ends on the last (or only) worker's device. Per part, its wall time in ms and steps,
+    so that two layouts compare phase by phase (where the prompt chunks' or the decode steps'
+    speed-up falls short); {} without device spans."""
+    by_track = tracks(trace)
+    stages = stage_spans(by_track)
+    if stages and all(stages):
+        first, last = stages[0], stages[-1]
+    else:
+        worker = next((v for k, v in by_track.items() if k.startswith("worker0")), [])
+        first = last = [(e["ts"], e["ts"] + e["dur"], e.get("args") or {}) for e in worker
+                        if e["name"] == "device_step" and "step" in (e.get("args") or {})]
+    if not last:
+        return {}
+    begin, end = first[0][0], last[-1][1]
+    prompt_ends = [e for _, e, a in last if _kind(a) == "prompt"]
+    cut = max(prompt_ends) if prompt_ends else begin
+    return {"prompt": {"ms": (cut - begin) / 1e3, "steps": sum(1 for s, _, _ in last if s < cut)},
+            "decode": {"ms": (end - cut) / 1e3, "steps": sum(1 for s, _, _ in last if s >= cut)},
+            "window_ms": (end - begin) / 1e3}
+
+
 def _median(values: Iterable[float]) -> float | None:
     values = list(values)
     return statistics.median(values) if values else None
