@@ -16,7 +16,8 @@ partition they give, and the teacher-forced check of PP=2 against one GPU.
           host's way, whatever the engine's default), layers A on stage
           0 and B on stage 1 (--pp-layer-partition A,B), -hA.B: A and B half layers (h33.31:
           16.5,15.5, stage 0 also runs layer 16's attention) or the split balanced by the stage
-          probe at start ("measured").
+          probe at start ("measured"); -btN: at most N tokens per micro-batch (--max-num-batched-tokens;
+          default 8192, one GPU's per step, so a round of two micro-batches holds twice one GPU's).
   probe   tokenmill/worker/stage_probe.py on GPU 0 at the bench's decode micro-batch (max_num_seqs /
           3 rows; / 2 with device tokens): a layer's (and its attention half's), the embedding's and
           the LM head's time, and the partitions stage_balance picks from them in whole and in half
@@ -56,7 +57,8 @@ import gpu_layouts  # noqa: E402  (the layout check; its smoke shapes)
 from tokenmill.benchmarks import pipeline_trace  # noqa: E402
 
 _LAYOUT = re.compile(r"^pp2(?:-mb(?P<mb>\d+))?(?P<dt>-dt|-nodt)?"
-                     r"(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|h(?P<ha>\d+)\.(?P<hb>\d+)|(?P<measured>measured)))?$")
+                     r"(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|h(?P<ha>\d+)\.(?P<hb>\d+)|(?P<measured>measured)))?"
+                     r"(?:-bt(?P<bt>\d+))?$")
 
 
 def layout_flags(name: str) -> list[str]:
@@ -65,7 +67,7 @@ def layout_flags(name: str) -> list[str]:
         return []
     m = _LAYOUT.match(name)
     if m is None:
-        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt|-nodt][-pA.B|-hA.B|-measured])")
+        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt|-nodt][-pA.B|-hA.B|-measured][-btN])")
     flags = ["--pipeline-parallel-size", "2"]
     if m["mb"]:
         flags += ["--pp-microbatches", m["mb"]]
@@ -77,6 +79,8 @@ def layout_flags(name: str) -> list[str]:
         flags += ["--pp-layer-partition", f"{int(m['ha']) / 2:g},{int(m['hb']) / 2:g}"]
     elif m["measured"]:
         flags += ["--pp-layer-partition", "measured"]
+    if m["bt"]:  # tokens per micro-batch: 4096 x 2 micro-batches = one GPU's 8192 per step
+        flags += ["--max-num-batched-tokens", m["bt"]]
     return flags
 
 
