@@ -4,15 +4,17 @@ One process, engines built one after the other as the `fp8engines` part builds t
 shape, dummy weights, graphs on, prefix caching off), each shut down before the next:
 1. each engine's batch-1 ms per output token (`gpu_quant.ms_per_token`: 512-token prompt, 256
    tokens), the goal's figure, with bf16's measured in the same process;
-2. during its warm-up run, a torch.profiler window over B1_STEPS graph-replayed batch-1 decode
+2. during its warm-up run, a torch.profiler window over STEPS graph-replayed batch-1 decode
    steps (`worker/device_profile`): the step's period, busy and idle time and kernel groups
    (`benchmarks/step_profile`), and per kernel and slot (qkv / o / gate_up / down of the one
    GEMV kernel, the LM head as its tail) what it adds to the step when PDL overlaps kernels
    (`benchmarks/step_path`);
 3. if time is left, each fp8 linear at one row on its own (CUDA-graph replays, weights cycled past
    L2) with the engine's tiles: microseconds and the fraction of this card's copy bandwidth.
+First (B1_CHAIN=0 leaves it out), the one-row fp8 chain with and without L2 prefetch of the next
+weight (`_prefetch_chain`, plans PLANS). Engines (B1_ENGINES, default fp8,fp8pf,bf16): fp8 with
+prefetch off, fp8pf with the plan B1_PREFETCH_PLAN (default PLANS[2]), bf16.
 Every figure is written to $OUT/part-b1profile-partial.json as it comes.
-B1_ENGINES=fp8,bf16 (default) picks the engines and their order.
 """
 
 from __future__ import annotations
@@ -38,11 +40,16 @@ def _save(results: dict, out: str) -> None:
 
 def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
     from tokenmill import LLM
+    from tokenmill.layers.quantization import fp8_prefetch
     from tokenmill.worker.device_profile import ENV_VAR
 
-    kwargs = {"quantization": "fp8"} if label == "fp8" else {}
+    kwargs = {"quantization": "fp8"} if label.startswith("fp8") else {}
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     os.environ[ENV_VAR] = json.dumps(window)  # read by the worker when it starts (a child inherits it)
+    # fp8pf: the L2 prefetch plan B1_PREFETCH_PLAN; fp8: prefetch off (whatever the default)
+    before = os.environ.get(fp8_prefetch.ENV_VAR)
+    if label.startswith("fp8"):
+        os.environ[fp8_prefetch.ENV_VAR] = os.environ.get("B1_PREFETCH_PLAN", PLANS[2]) if label == "fp8pf" else "off"
     try:
         start = time.perf_counter()
         # as gpu_fp8_engines._engine builds the goal's engines (max_model_len 16k + 272)
@@ -51,6 +58,9 @@ def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
                   enable_prefix_caching=False, **kwargs, **extra)
     finally:
         os.environ.pop(ENV_VAR, None)
+        os.environ.pop(fp8_prefetch.ENV_VAR, None)
+        if before is not None:
+            os.environ[fp8_prefetch.ENV_VAR] = before
     print(f"  {label}: engine up in {time.perf_counter() - start:.0f} s", flush=True)
     return llm, time.perf_counter() - start
 
@@ -120,13 +130,96 @@ def _gemvs(results: dict, device: str, smoke: bool, time_ms, cycled) -> None:
         del weights, q, s
 
 
+CHAIN_LAYERS = 4  # distinct weights (4 x 218 MB of fp8), far past L2
+ATTN_US = 6.0  # the attention stand-in between qkv and o: a spin of about this long
+PLANS = ["o=all,mode=1", "o=all,mode=3", "o=all,gate_up=16,qkv=8,mode=1", "o=all,gate_up=32,qkv=all,down=4,mode=1"]
+
+
+def _prefetch_chain(results: dict, device: str, smoke: bool, time_ms, check) -> None:
+    """The one-row fp8 chain of CHAIN_LAYERS layers as the engine runs it (PDL on): fused add +
+    RMSNorm, qkv GEMV, a spin standing in for attention, o GEMV, add + RMSNorm, gate_up GEMV,
+    down GEMV with SiLU-and-mul in its loads; without L2 prefetch and with each of PLANS
+    (`fp8_prefetch.Plan`: each GEMV prefetches the next weight's first bytes). Microseconds per
+    layer; the outputs must be bit-identical (a prefetch changes no value)."""
+    from tokenmill.layers.quantization import fp8_ops, stream_tiles
+    from tokenmill.layers.quantization.fp8_prefetch import Plan
+    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
+
+    rec = results.setdefault("b1_prefetch_chain", {})
+    h, inter, qkv_n = (128, 256, 256) if smoke else (4096, 14336, 6144)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator(device=device).manual_seed(0)
+    layers = []
+    for _ in range(CHAIN_LAYERS if not smoke else 2):
+        lin = {}
+        for kind, (n, k) in (("qkv", (qkv_n, h)), ("o", (h, h)), ("gate_up", (2 * inter, h)), ("down", (h, inter))):
+            lin[kind] = fp8_ops.quantize_rows(torch.randn(n, k, device=device, generator=g) * 0.02)
+        layers.append((lin, torch.rand(h, device=device, generator=g).to(dt) + 0.5,
+                       torch.rand(h, device=device, generator=g).to(dt) + 0.5,
+                       stream_tiles.SplitCounters(2 * inter, torch.device(device)).tensor))
+    order = [(i, kind) for i in range(len(layers)) for kind in ("qkv", "o", "gate_up", "down")]
+    x0 = torch.randn(1, h, device=device, generator=g).to(dt)
+    r0 = torch.randn(1, h, device=device, generator=g)
+    residual = r0.clone()
+    cycles = int(ATTN_US * 1.9e3)
+
+    def make(plan):
+        nxt = {}
+        for (i, kind), (j, kind2) in zip(order, order[1:] + order[:1]):
+            w = layers[j][0][kind2][0]
+            nb = plan.bytes_for(kind2, w.numel()) if plan is not None else 0
+            nxt[(i, kind)] = (w.data_ptr(), nb, plan.mode) if nb and device == "cuda" else None
+
+        def run():
+            residual.copy_(r0)
+            x = x0
+            res = residual
+            for i, (lin, w_in, w_post, counters) in enumerate(layers):
+                a, res = fused_add_rms_norm(x, res, w_in, 1e-5)
+                q = fp8_stream_gemm(a, *lin["qkv"], None, counters, prefetch=nxt[(i, "qkv")])
+                if device == "cuda":
+                    torch.cuda._sleep(cycles)
+                o = fp8_stream_gemm(q[:, :h].contiguous(), *lin["o"], None, counters, prefetch=nxt[(i, "o")])
+                b, res = fused_add_rms_norm(o, res, w_post, 1e-5)
+                gu = fp8_stream_gemm(b, *lin["gate_up"], None, counters, prefetch=nxt[(i, "gate_up")])
+                x = fp8_stream_gemm(gu, *lin["down"], None, counters, silu_x=True, prefetch=nxt[(i, "down")])
+            return x
+        return run
+
+    plans = [("none", None)] + [(spec, Plan.parse(spec)) for spec in PLANS]
+    ref = make(None)().clone()
+    for label, plan in plans:
+        try:
+            run = make(plan)
+            out = run().clone()
+            check(torch.equal(out, ref), f"prefetch chain {label}: output bit-identical to the chain without prefetch")
+            us = 1e3 * time_ms(run, device, reps=10) / len(layers)
+        except Exception as exc:  # noqa: BLE001 - the other plans still run
+            traceback.print_exc()
+            check(False, f"prefetch chain {label} raised {type(exc).__name__}")
+            continue
+        rec[label] = us
+        print(f"  chain {label}: {us:.1f} us per layer", flush=True)
+
+
 def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, out: str, ms_per_token,
-                 time_ms, cycled) -> None:
+                 time_ms, cycled, check) -> None:
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     skip, steps = (2, 3) if smoke else (SKIP, STEPS)
     timings = results.setdefault("timings", {})
     failed = []
-    for label in os.environ.get("B1_ENGINES", "fp8,bf16").split(","):
+    if os.environ.get("B1_CHAIN", "1") != "0":
+        try:
+            _prefetch_chain(results, device, smoke, time_ms, check)
+        except Exception:  # noqa: BLE001 - the engines still run
+            traceback.print_exc()
+            failed.append("chain")
+        _save(results, out)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for label in os.environ.get("B1_ENGINES", "fp8,fp8pf,bf16").split(","):
         folder = os.path.join(out, f"b1profile_{label}")
         window = {"out_dir": folder, "batch": 1, "skip": skip, "steps": steps}
         try:
@@ -144,11 +237,12 @@ def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_di
             traceback.print_exc()
             failed.append(label)
         _save(results, out)
-    if "fp8" in timings and "bf16" in timings:
-        r = timings["fp8"]["batch1"] / timings["bf16"]["batch1"]
-        results["b1_ratio"] = r
-        print(f"  fp8 / bf16 batch-1 ms/token: {timings['fp8']['batch1']:.3f} / {timings['bf16']['batch1']:.3f} "
-              f"= {r:.3f} (goal <= 0.6)", flush=True)
+    for label in ("fp8", "fp8pf"):
+        if label in timings and "bf16" in timings:
+            r = timings[label]["batch1"] / timings["bf16"]["batch1"]
+            results.setdefault("b1_ratio", {})[label] = r
+            print(f"  {label} / bf16 batch-1 ms/token: {timings[label]['batch1']:.3f} / "
+                  f"{timings['bf16']['batch1']:.3f} = {r:.3f} (goal <= 0.6)", flush=True)
     _save(results, out)
     try:
         _gemvs(results, device, smoke, time_ms, cycled)

@@ -935,7 +935,7 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_b1_profile
             gpu_fp8_b1_profile.profile_part(results, device, smoke, SMOKE if smoke else LLAMA8B, config_dir, OUT,
-                                            ms_per_token, _time_ms, _cycled)
+                                            ms_per_token, _time_ms, _cycled, check)
         elif name in ("pdl", "pdlplant", "siluquant", "fp8engines"):
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_engines
