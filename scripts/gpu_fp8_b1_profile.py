@@ -132,7 +132,7 @@ def _gemvs(results: dict, device: str, smoke: bool, time_ms, cycled) -> None:
 
 CHAIN_LAYERS = 4  # distinct weights (4 x 218 MB of fp8), far past L2
 ATTN_US = 6.0  # the attention stand-in between qkv and o: a spin of about this long
-PLANS = ["o=all,mode=1", "o=all,mode=3", "o=all,gate_up=16,qkv=8,mode=1", "o=all,gate_up=32,qkv=all,down=4,mode=1"]
+PLANS = ["qkv=16,mode=1", "qkv=16,mode=3", "qkv=32,o=32,down=8,mode=1", "qkv=40,o=40,gate_up=8,down=24,mode=1"]
 
 
 def _prefetch_chain(results: dict, device: str, smoke: bool, time_ms, check) -> None:
@@ -142,7 +142,7 @@ def _prefetch_chain(results: dict, device: str, smoke: bool, time_ms, check) -> 
     (`fp8_prefetch.Plan`: each GEMV prefetches the next weight's first bytes). Microseconds per
     layer; the outputs must be bit-identical (a prefetch changes no value)."""
     from tokenmill.layers.quantization import fp8_ops, stream_tiles
-    from tokenmill.layers.quantization.fp8_prefetch import Plan
+    from tokenmill.layers.quantization.fp8_prefetch import Plan, plan_links
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
     from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
 
@@ -165,11 +165,11 @@ def _prefetch_chain(results: dict, device: str, smoke: bool, time_ms, check) -> 
     cycles = int(ATTN_US * 1.9e3)
 
     def make(plan):
-        nxt = {}
-        for (i, kind), (j, kind2) in zip(order, order[1:] + order[:1]):
-            w = layers[j][0][kind2][0]
-            nb = plan.bytes_for(kind2, w.numel()) if plan is not None else 0
-            nxt[(i, kind)] = (w.data_ptr(), nb, plan.mode) if nb and device == "cuda" else None
+        chain = [(kind, (i, kind), layers[i][0][kind][0]) for i, kind in order]
+        nxt = {key: None for key in order}
+        if device == "cuda":
+            for key, link in plan_links(chain, plan, lambda key: True):
+                nxt[key] = link.args()
 
         def run():
             residual.copy_(r0)

@@ -3,14 +3,15 @@
 A one-row decode step reads the fp8 linears in a fixed order: per decoder layer qkv, o, gate_up,
 down, then the next layer's qkv, and at the end the LM head. Between some of them HBM idles:
 attention over a short context sits between qkv and o; a norm and a kernel boundary sit between
-o and gate_up, and between down and the next qkv. `link` gives each streaming fp8 linear the
-next weight of the chain and how many of its first bytes to prefetch, so that the one-row GEMV
-(`triton_fp8_stream`, rows == 1) asks L2 for them once its own weight reads are done; the next
-GEMV then finds them in L2.
+o and gate_up, and between down and the next qkv. `link` gives each streaming fp8 linear up to two
+byte ranges of the weights after it, which its one-row GEMV (`triton_fp8_stream`, rows == 1) asks
+L2 to fetch once its own weight reads are done; the GEMVs after it then find them in L2.
 
-How much of each weight its predecessor prefetches is a `Plan`: from TOKENMILL_FP8_L2_PREFETCH,
-e.g. `o=all,gate_up=16,down=0,qkv=8,head=8,mode=1` (MiB of the named weight; `all`: the whole
-weight; absent names 0), `0`/`off` for none. The default is DEFAULT.
+The ranges come from a `Plan`: how far ahead of its own end each kind of linear wants the chain in
+L2 (MiB of the chain's weights laid end to end, from the end of its own weight). A linear
+prefetches from the furthest byte already asked for (or its own end) up to that point, so nothing
+is asked for twice. TOKENMILL_FP8_L2_PREFETCH, e.g. `qkv=32,o=32,gate_up=4,down=8,mode=1` (absent
+names: 0), `0`/`off` for none; the default is DEFAULT.
 """
 
 from __future__ import annotations
@@ -23,21 +24,19 @@ from torch import nn
 
 ENV_VAR = "TOKENMILL_FP8_L2_PREFETCH"
 KINDS = ("qkv", "o", "gate_up", "down", "head")
-ALL = -1
 DEFAULT = "off"
+MAX_RANGES = 2  # byte ranges one GEMV prefetches (the kernel's pf_addr / pf_addr2)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """MiB of each kind of weight prefetched by the linear before it (ALL: the whole weight)."""
+    """MiB of the chain each kind of linear wants in L2 ahead of its own end."""
 
-    mib: tuple[tuple[str, int], ...] = ()
+    ahead_mib: tuple[tuple[str, int], ...] = ()
     mode: int = 1
 
-    def bytes_for(self, kind: str, weight_bytes: int) -> int:
-        mib = dict(self.mib).get(kind, 0)
-        n = weight_bytes if mib == ALL else min(weight_bytes, mib << 20)
-        return n // 4096 * 4096
+    def ahead(self, kind: str) -> int:
+        return dict(self.ahead_mib).get(kind, 0) << 20
 
     @classmethod
     def parse(cls, spec: str) -> "Plan | None":
@@ -47,31 +46,33 @@ class Plan:
             return None
         from tokenmill.layers.triton_ops.l2_prefetch import MODES
 
-        mib: dict[str, int] = {}
+        ahead: dict[str, int] = {}
         mode = 1
         for item in spec.split(","):
             name, _, value = item.partition("=")
             name, value = name.strip(), value.strip()
             if name == "mode" and value.isdigit() and int(value) in MODES:
                 mode = int(value)
-            elif name in KINDS and (value == "all" or value.isdigit()):
-                mib[name] = ALL if value == "all" else int(value)
+            elif name in KINDS and value.isdigit():
+                ahead[name] = int(value)
             else:
-                raise ValueError(f"{ENV_VAR}: cannot read {item!r} (names {', '.join(KINDS)} = MiB or 'all'; "
+                raise ValueError(f"{ENV_VAR}: cannot read {item!r} (names {', '.join(KINDS)} = MiB ahead; "
                                  f"mode = one of {sorted(MODES)})")
-        return cls(tuple(sorted(mib.items())), mode)
+        return cls(tuple(sorted(ahead.items())), mode)
 
 
 @dataclass(frozen=True)
 class Link:
-    """What one linear prefetches: the first `nbytes` of `weight`."""
+    """What one linear prefetches: up to MAX_RANGES (weight, first byte, bytes) ranges."""
 
-    weight: torch.Tensor
-    nbytes: int
+    ranges: tuple[tuple[torch.Tensor, int, int], ...]
     mode: int
 
-    def args(self) -> tuple[int, int, int]:
-        return self.weight.data_ptr(), self.nbytes, self.mode
+    def args(self) -> tuple[int, int, int, int, int]:
+        """(address, bytes, address 2, bytes 2, mode) for `fp8_stream_gemm`'s `prefetch`."""
+        flat = [(w.data_ptr() + lo, n) for w, lo, n in self.ranges]
+        flat += [(flat[0][0], 0)] * (MAX_RANGES - len(flat))  # (an address all the same: one compiled variant)
+        return flat[0][0], flat[0][1], flat[1][0], flat[1][1], self.mode
 
 
 def plan_from_env() -> Plan | None:
@@ -101,28 +102,49 @@ def _streams(module: nn.Module) -> bool:
         getattr(module, "stream_counters", None) is not None
 
 
+def _nbytes(w: torch.Tensor) -> int:
+    return w.numel() * w.element_size()
+
+
 def plan_links(chain: list[tuple[str, nn.Module, torch.Tensor]], plan: Plan | None,
                usable) -> list[tuple[nn.Module, Link]]:
-    """(module, its Link) for each pair of the chain where `usable(module, next_weight)` and the plan
-    prefetches some of the next weight."""
-    links = []
-    for (_, module, _), (kind, _, weight) in zip(chain, chain[1:]):
-        if plan is None or not usable(module, weight):
+    """(module, its Link) for each linear of the chain that `usable(module)` and whose plan asks for
+    bytes beyond what the linears before it asked for. Ranges start and end on 4 KiB boundaries
+    inside one weight each."""
+    if plan is None:
+        return []
+    starts, total = [], 0
+    for _, _, w in chain:
+        starts.append(total)
+        total += _nbytes(w)
+    links, frontier = [], 0
+    for i, (kind, module, w) in enumerate(chain[:-1]):
+        end = starts[i] + _nbytes(w)
+        lo, hi = max(frontier, end), min(end + plan.ahead(kind), total)
+        if hi <= lo or not usable(module):
             continue
-        nbytes = plan.bytes_for(kind, weight.numel() * weight.element_size())
-        if nbytes:
-            links.append((module, Link(weight, nbytes, plan.mode)))
+        frontier = hi
+        ranges = []
+        for j in range(i + 1, len(chain)):
+            w_lo, w_hi = starts[j], starts[j] + _nbytes(chain[j][2])
+            a = -(-(max(lo, w_lo) - w_lo) // 4096) * 4096
+            b = (min(hi, w_hi) - w_lo) // 4096 * 4096
+            if b > a and len(ranges) < MAX_RANGES:
+                ranges.append((chain[j][2], a, b - a))
+        if ranges:
+            links.append((module, Link(tuple(ranges), plan.mode)))
     return links
 
 
-def _usable(module: nn.Module, weight: torch.Tensor) -> bool:
-    """A streaming fp8 linear, and a next weight on a CUDA device of compute capability 9.0+."""
-    return _streams(module) and weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (9, 0)
+def _usable(module: nn.Module) -> bool:
+    """A streaming fp8 linear on a CUDA device of compute capability 9.0+."""
+    return _streams(module) and module.weight.is_cuda and \
+        torch.cuda.get_device_capability(module.weight.device) >= (9, 0)
 
 
 def link(model: nn.Module, plan: Plan | None = None) -> int:
-    """Give each streaming fp8 linear of the chain its `l2_prefetch` Link to the next weight (`plan`
-    default: the environment's). Returns the links made."""
+    """Give each streaming fp8 linear of the chain its `l2_prefetch` Link (`plan` default: the
+    environment's). Returns the links made."""
     plan = plan_from_env() if plan is None else plan
     chain = _chain(model)
     for _, module, _ in chain:
@@ -133,7 +155,7 @@ def link(model: nn.Module, plan: Plan | None = None) -> int:
     return len(links)
 
 
-def prefetch_args(module: nn.Module, x: torch.Tensor) -> tuple[int, int, int] | None:
+def prefetch_args(module: nn.Module, x: torch.Tensor) -> tuple[int, int, int, int, int] | None:
     """The GEMV's `prefetch` argument for this call: the module's link at one row, else None."""
     link_ = module.__dict__.get("l2_prefetch")
     if link_ is None or x.numel() != x.shape[-1]:
