@@ -12,8 +12,9 @@ shape, dummy weights, graphs on, prefix caching off), each shut down before the 
 3. if time is left, each fp8 linear at one row on its own (CUDA-graph replays, weights cycled past
    L2) with the engine's tiles: microseconds and the fraction of this card's copy bandwidth.
 First (B1_CHAIN=0 leaves it out), the one-row fp8 chain with and without L2 prefetch of the next
-weight (`_prefetch_chain`, plans PLANS). Engines (B1_ENGINES, default fp8,fp8pf,bf16): fp8 with
-prefetch off, fp8pf with the plan B1_PREFETCH_PLAN (default PLANS[2]), bf16.
+weight (`_prefetch_chain`, plans PLANS). Engines (B1_ENGINES, default fp8,fp8pf,bf16): fp8 as it
+comes (`fp8_prefetch.DEFAULT`), fp8pf with the plan B1_PREFETCH_PLAN (default PLANS[2]), fp8off
+without prefetch, bf16. B1_GEMVS=0 leaves step 3 out.
 Every figure is written to $OUT/part-b1profile-partial.json as it comes.
 """
 
@@ -46,9 +47,9 @@ def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
     kwargs = {"quantization": "fp8"} if label.startswith("fp8") else {}
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     os.environ[ENV_VAR] = json.dumps(window)  # read by the worker when it starts (a child inherits it)
-    # fp8pf: the L2 prefetch plan B1_PREFETCH_PLAN; fp8: prefetch off (whatever the default)
+    # fp8: the engine's default L2 prefetch; fp8pf: the plan B1_PREFETCH_PLAN; fp8off: none
     before = os.environ.get(fp8_prefetch.ENV_VAR)
-    if label.startswith("fp8"):
+    if label in ("fp8pf", "fp8off"):
         os.environ[fp8_prefetch.ENV_VAR] = os.environ.get("B1_PREFETCH_PLAN", PLANS[2]) if label == "fp8pf" else "off"
     try:
         start = time.perf_counter()
@@ -237,13 +238,17 @@ def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_di
             traceback.print_exc()
             failed.append(label)
         _save(results, out)
-    for label in ("fp8", "fp8pf"):
+    for label in ("fp8", "fp8pf", "fp8off"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("b1_ratio", {})[label] = r
             print(f"  {label} / bf16 batch-1 ms/token: {timings[label]['batch1']:.3f} / "
                   f"{timings['bf16']['batch1']:.3f} = {r:.3f} (goal <= 0.6)", flush=True)
     _save(results, out)
+    if os.environ.get("B1_GEMVS", "1") == "0":
+        if failed:
+            raise RuntimeError(f"b1profile: {failed} failed")
+        return
     try:
         _gemvs(results, device, smoke, time_ms, cycled)
     except Exception:  # noqa: BLE001

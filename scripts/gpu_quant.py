@@ -903,7 +903,7 @@ PARTS += ["b1profile"]  # scripts/gpu_fp8_b1_profile.py (not by default)
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "int4panels": 80, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
-PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "b1profile": 88})
+PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "b1profile": 118})
 
 
 def run_part(name: str, smoke: bool) -> dict:
