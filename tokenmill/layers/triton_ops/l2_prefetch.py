@@ -47,17 +47,3 @@ def prefetch_share(addr, nbytes, prog, nprog, MODE: tl.constexpr, BLOCK: tl.cons
     for u0 in range(lo, hi, BLOCK):
         offs = u0 + tl.arange(0, BLOCK)
         _issue(addr + offs.to(tl.int64) * UNIT, offs < hi, MODE)
-
-
-@triton.jit
-def _prefetch_kernel(addr, nbytes, MODE: tl.constexpr, BLOCK: tl.constexpr):
-    prefetch_share(addr, nbytes, tl.program_id(0), tl.num_programs(0), MODE, BLOCK)
-
-
-def prefetch(tensor, nbytes: int | None = None, mode: int = 1, programs: int = 32) -> None:
-    """A launch of its own that prefetches the first `nbytes` of `tensor` (default all, rounded
-    down to 4096) into L2 (CUDA only; benchmarks and experiments)."""
-    nbytes = (tensor.numel() * tensor.element_size() if nbytes is None else nbytes) // 4096 * 4096
-    if nbytes == 0 or not tensor.is_cuda:
-        return
-    _prefetch_kernel[(programs,)](tensor.data_ptr(), nbytes, MODE=mode, BLOCK=128, num_warps=4)
