@@ -13,7 +13,7 @@ shape, dummy weights, graphs on, prefix caching off), each shut down before the 
    L2) with the engine's tiles: microseconds and the fraction of this card's copy bandwidth.
 First (B1_CHAIN=0 leaves it out), the one-row fp8 chain with and without L2 prefetch of the next
 weight (`_prefetch_chain`, plans PLANS). Engines (B1_ENGINES, default fp8,fp8pf,bf16): fp8 as it
-comes (`fp8_prefetch.DEFAULT`), fp8pf with the plan B1_PREFETCH_PLAN (default PLANS[2]), fp8off
+comes (`fp8_prefetch.DEFAULT`), fp8pf with the plan B1_PREFETCH_PLAN (default PLANS[1]), fp8off
 without prefetch, bf16. B1_GEMVS=0 leaves step 3 out.
 Every figure is written to $OUT/part-b1profile-partial.json as it comes.
 """
@@ -50,7 +50,7 @@ def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
     # fp8: the engine's default L2 prefetch; fp8pf: the plan B1_PREFETCH_PLAN; fp8off: none
     before = os.environ.get(fp8_prefetch.ENV_VAR)
     if label in ("fp8pf", "fp8off"):
-        os.environ[fp8_prefetch.ENV_VAR] = os.environ.get("B1_PREFETCH_PLAN", PLANS[2]) if label == "fp8pf" else "off"
+        os.environ[fp8_prefetch.ENV_VAR] = os.environ.get("B1_PREFETCH_PLAN", PLANS[1]) if label == "fp8pf" else "off"
     try:
         start = time.perf_counter()
         # as gpu_fp8_engines._engine builds the goal's engines (max_model_len 16k + 272)
@@ -133,7 +133,8 @@ def _gemvs(results: dict, device: str, smoke: bool, time_ms, cycled) -> None:
 
 CHAIN_LAYERS = 4  # distinct weights (4 x 218 MB of fp8), far past L2
 ATTN_US = 6.0  # the attention stand-in between qkv and o: a spin of about this long
-PLANS = ["qkv=16,mode=1", "qkv=16,mode=3", "qkv=32,o=32,down=8,mode=1", "qkv=40,o=40,gate_up=8,down=24,mode=1"]
+PLANS = ["qkv=16,mode=1", "qkv=32,o=32,down=8,mode=1", "qkv=16,mode=2", "qkv=16,mode=3",
+         "qkv=40,o=40,gate_up=8,down=24,mode=1"]
 
 
 def _prefetch_chain(results: dict, device: str, smoke: bool, time_ms, check) -> None:

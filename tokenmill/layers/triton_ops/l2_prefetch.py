@@ -9,7 +9,7 @@ the ordering rules of `pdl` are untouched (a prefetch reads no memory another ke
 
 Program `prog` of `nprog` covers its share of the range in units of:
 - MODE 1: 128-byte lines, `prefetch.global.L2::evict_last` (sm_80+);
-- MODE 2: 32-byte sectors, the same instruction (in case a line's prefetch fills one sector);
+- MODE 2: 128-byte lines, `prefetch.global.L2` (no eviction priority);
 - MODE 3: 4096-byte chunks, `cp.async.bulk.prefetch.L2.global` (sm_90+).
 The range is `nbytes` from `addr` (an integer address); `nbytes` a multiple of 4096.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-MODES = {1: 128, 2: 32, 3: 4096}  # mode -> bytes per instruction
+MODES = {1: 128, 2: 128, 3: 4096}  # mode -> bytes per instruction
 
 
 @triton.jit
@@ -29,6 +29,10 @@ def _issue(a, mask, MODE: tl.constexpr):
     if MODE == 3:
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], 4096; mov.b32 $0, 0; }",
+            "=r,l,r", [a, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    elif MODE == 2:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
             "=r,l,r", [a, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
     else:
         tl.inline_asm_elementwise(
@@ -39,7 +43,7 @@ def _issue(a, mask, MODE: tl.constexpr):
 @triton.jit
 def prefetch_share(addr, nbytes, prog, nprog, MODE: tl.constexpr, BLOCK: tl.constexpr):
     """This program's share of [addr, addr + nbytes) into L2 (see the module docstring)."""
-    UNIT: tl.constexpr = 4096 if MODE == 3 else (32 if MODE == 2 else 128)
+    UNIT: tl.constexpr = 4096 if MODE == 3 else 128
     units = nbytes // UNIT
     per = tl.cdiv(units, nprog)
     lo = prog * per
