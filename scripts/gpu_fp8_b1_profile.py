@@ -165,6 +165,7 @@ def _prefetch_chain(results: dict, device: str, smoke: bool, time_ms, check) -> 
     r0 = torch.randn(1, h, device=device, generator=g)
     residual = r0.clone()
     cycles = int(ATTN_US * 1.9e3)
+    plant = os.environ.get("B1_CHAIN_PLANT") == "1"  # the check must fail (tests/README.md)
 
     def make(plan):
         chain = [(kind, (i, kind), layers[i][0][kind][0]) for i, kind in order]
@@ -185,7 +186,11 @@ def _prefetch_chain(results: dict, device: str, smoke: bool, time_ms, check) -> 
                 o = fp8_stream_gemm(q[:, :h].contiguous(), *lin["o"], None, counters, prefetch=nxt[(i, "o")])
                 b, res = fused_add_rms_norm(o, res, w_post, 1e-5)
                 gu = fp8_stream_gemm(b, *lin["gate_up"], None, counters, prefetch=nxt[(i, "gate_up")])
-                x = fp8_stream_gemm(gu, *lin["down"], None, counters, silu_x=True, prefetch=nxt[(i, "down")])
+                if plant and plan is not None:  # planted: SiLU-and-mul in torch, rounded otherwise
+                    act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(dt)
+                    x = fp8_stream_gemm(act, *lin["down"], None, counters, prefetch=nxt[(i, "down")])
+                else:
+                    x = fp8_stream_gemm(gu, *lin["down"], None, counters, silu_x=True, prefetch=nxt[(i, "down")])
             return x
         return run
 
