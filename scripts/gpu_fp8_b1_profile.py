@@ -14,7 +14,9 @@ shape, dummy weights, graphs on, prefix caching off), each shut down before the 
 First (B1_CHAIN=0 leaves it out), the one-row fp8 chain with and without L2 prefetch of the next
 weight (`_prefetch_chain`, plans PLANS). Engines (B1_ENGINES, default fp8,fp8pf,bf16): fp8 as it
 comes (`fp8_prefetch.DEFAULT`), fp8pf with the plan B1_PREFETCH_PLAN (default PLANS[1]), fp8off
-without prefetch, bf16. B1_GEMVS=0 leaves step 3 out.
+without prefetch, fp8nopdl with programmatic dependent launch off, bf16; every fp8 engine's greedy
+tokens for one prompt must be the same (neither prefetch nor PDL changes arithmetic). B1_GEMVS=0
+leaves step 3 out; B1_MAX_SEQS=1 builds engines with one decode graph (a shorter start-up).
 Every figure is written to $OUT/part-b1profile-partial.json as it comes.
 """
 
@@ -47,10 +49,17 @@ def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
     kwargs = {"quantization": "fp8"} if label.startswith("fp8") else {}
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     os.environ[ENV_VAR] = json.dumps(window)  # read by the worker when it starts (a child inherits it)
-    # fp8: the engine's default L2 prefetch; fp8pf: the plan B1_PREFETCH_PLAN; fp8off: none
-    before = os.environ.get(fp8_prefetch.ENV_VAR)
+    from tokenmill.layers.triton_ops import pdl
+
+    # fp8: the engine's default L2 prefetch; fp8pf: the plan B1_PREFETCH_PLAN; fp8off: none;
+    # fp8nopdl: as fp8 with programmatic dependent launch off (the tokens' reference)
+    before = {k: os.environ.get(k) for k in (fp8_prefetch.ENV_VAR, pdl.ENV_VAR)}
     if label in ("fp8pf", "fp8off"):
         os.environ[fp8_prefetch.ENV_VAR] = os.environ.get("B1_PREFETCH_PLAN", PLANS[1]) if label == "fp8pf" else "off"
+    if label == "fp8nopdl":
+        os.environ[pdl.ENV_VAR], pdl.FORCE = "0", False
+    if os.environ.get("B1_MAX_SEQS"):  # fewer decode graphs to capture (a shorter start-up)
+        extra["max_num_seqs"] = int(os.environ["B1_MAX_SEQS"])
     try:
         start = time.perf_counter()
         # as gpu_fp8_engines._engine builds the goal's engines (max_model_len 16k + 272)
@@ -59,11 +68,22 @@ def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
                   enable_prefix_caching=False, **kwargs, **extra)
     finally:
         os.environ.pop(ENV_VAR, None)
-        os.environ.pop(fp8_prefetch.ENV_VAR, None)
-        if before is not None:
-            os.environ[fp8_prefetch.ENV_VAR] = before
+        pdl.FORCE = None
+        for k, v in before.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
     print(f"  {label}: engine up in {time.perf_counter() - start:.0f} s", flush=True)
     return llm, time.perf_counter() - start
+
+
+def _greedy_tokens(llm, prompt_len: int, n: int = 32) -> list[int]:
+    from tokenmill import SamplingParams
+
+    import gpu_quant
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
+    out = llm.generate(gpu_quant._prompts(1, prompt_len, seed=11), params, use_tqdm=False)[0]
+    return list(out.outputs[0].token_ids)
 
 
 def _free(llm) -> None:
@@ -215,6 +235,7 @@ def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_di
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     skip, steps = (2, 3) if smoke else (SKIP, STEPS)
     timings = results.setdefault("timings", {})
+    tokens: dict[str, list[int]] = {}
     failed = []
     if os.environ.get("B1_CHAIN", "1") != "0":
         try:
@@ -235,6 +256,7 @@ def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_di
             ms = ms_per_token(llm, scale(512), scale(256) if not smoke else 8)
             timings.setdefault(label, {})["batch1"] = ms
             timings[label]["engine_up_s"] = up
+            tokens[label] = _greedy_tokens(llm, scale(512))
             print(f"  {label} batch1: {ms:.3f} ms/token ({time.perf_counter() - t0:.0f} s)", flush=True)
             _save(results, out)
             _free(llm)
@@ -244,7 +266,13 @@ def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_di
             traceback.print_exc()
             failed.append(label)
         _save(results, out)
-    for label in ("fp8", "fp8pf", "fp8off"):
+    fp8_runs = {k: v for k, v in tokens.items() if k.startswith("fp8")}
+    if len(fp8_runs) > 1:  # prefetch and PDL change no arithmetic: the same greedy tokens
+        first = next(iter(fp8_runs))
+        for label, toks in fp8_runs.items():
+            check(toks == fp8_runs[first], f"{label}: the same {len(toks)} greedy tokens as {first}")
+    results["b1_tokens"] = tokens
+    for label in ("fp8", "fp8pf", "fp8off", "fp8nopdl"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("b1_ratio", {})[label] = r
