@@ -153,8 +153,7 @@ def _gemvs(results: dict, device: str, smoke: bool, time_ms, cycled) -> None:
 
 CHAIN_LAYERS = 4  # distinct weights (4 x 218 MB of fp8), far past L2
 ATTN_US = 6.0  # the attention stand-in between qkv and o: a spin of about this long
-PLANS = ["qkv=16,mode=1", "qkv=32,o=32,down=8,mode=1", "qkv=16,mode=2", "qkv=16,mode=3",
-         "qkv=40,o=40,gate_up=8,down=24,mode=1"]
+PLANS = ["qkv=16,mode=1", "qkv=32,o=32,down=8,mode=1", "qkv=16,mode=3", "qkv=40,o=40,gate_up=8,down=24,mode=1"]
 
 
 def _prefetch_chain(results: dict, device: str, smoke: bool, time_ms, check) -> None:
