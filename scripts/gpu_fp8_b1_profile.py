@@ -77,12 +77,12 @@ def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
     return llm, time.perf_counter() - start
 
 
-def _greedy_tokens(llm, prompt_len: int, n: int = 32) -> list[int]:
+def _greedy_tokens(llm, prompt_len: int, n: int = 32, seed: int = 11) -> list[int]:
     from tokenmill import SamplingParams
 
     import gpu_quant
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False)
-    out = llm.generate(gpu_quant._prompts(1, prompt_len, seed=11), params, use_tqdm=False)[0]
+    out = llm.generate(gpu_quant._prompts(1, prompt_len, seed=seed), params, use_tqdm=False)[0]
     return list(out.outputs[0].token_ids)
 
 
@@ -255,7 +255,9 @@ def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_di
             ms = ms_per_token(llm, scale(512), scale(256) if not smoke else 8)
             timings.setdefault(label, {})["batch1"] = ms
             timings[label]["engine_up_s"] = up
-            tokens[label] = _greedy_tokens(llm, scale(512))
+            # B1_TOKENS_PLANT=1: engines after the first read another prompt (the check must fail)
+            planted = os.environ.get("B1_TOKENS_PLANT") == "1" and bool(tokens)
+            tokens[label] = _greedy_tokens(llm, scale(512), seed=12 if planted else 11)
             print(f"  {label} batch1: {ms:.3f} ms/token ({time.perf_counter() - t0:.0f} s)", flush=True)
             _save(results, out)
             _free(llm)
