@@ -34,7 +34,7 @@ def compile_tiles(label: str, silu: bool, out_f32: bool = False, int8: bool = Fa
     const = dict(FLAT=t.block_m == 1 and t.flat, BLOCK_SCALES=False, GROUP_N=1, GROUP_K=1, BLOCK_M=t.block_m,
                  BLOCK_N=t.block_n, BLOCK_K=t.block_k, DOT_PRECISION="tf32", SPLIT_K=t.split > 1,
                  PIPE=t.stages if t.pipe else None, USE_PDL=True, SILU_X=silu,
-                 PRE=t.pre if t.block_m == 1 and t.flat else 1, PF_MODE=0)
+                 PRE=t.pre if t.block_m == 1 and t.flat else 1)
     ptrs = {"x_ptr": "bf16", "w_ptr": "i8" if int8 else "fp8e4nv", "s_ptr": "fp32", "out_ptr": "fp32" if out_f32 else "bf16",
             "part_ptr": "fp32", "cnt_ptr": "i32"}
     aligned = {"N", "K", "s_xm", "s_wn", "s_om"}

@@ -1,23 +1,22 @@
 """The `b1profile` part of scripts/gpu_quant.py: where a batch-1 decode step's time goes, fp8 beside bf16.
 
 One process, engines built one after the other as the `fp8engines` part builds them (Llama-3.1-8B
-shape, dummy weights, graphs on, prefix caching off), each shut down before the next:
+shape, dummy weights, graphs on, prefix caching off), each shut down before the next
+(B1_ENGINES, default fp8,bf16,fp8nopdl: fp8 W8A8, bf16, and fp8 with programmatic dependent launch
+off):
 1. each engine's batch-1 ms per output token (`gpu_quant.ms_per_token`: 512-token prompt, 256
-   tokens), the goal's figure, with bf16's measured in the same process;
+   tokens), the goal's figure, bf16's measured in the same process, and 32 greedy tokens of one
+   prompt: every fp8 engine's must be the same (PDL changes no arithmetic; B1_TOKENS_PLANT=1
+   gives the later engines another prompt, so the check must fail);
 2. during its warm-up run, a torch.profiler window over STEPS graph-replayed batch-1 decode
    steps (`worker/device_profile`): the step's period, busy and idle time and kernel groups
    (`benchmarks/step_profile`), and per kernel and slot (qkv / o / gate_up / down of the one
    GEMV kernel, the LM head as its tail) what it adds to the step when PDL overlaps kernels
    (`benchmarks/step_path`);
-3. if time is left, each fp8 linear at one row on its own (CUDA-graph replays, weights cycled past
-   L2) with the engine's tiles: microseconds and the fraction of this card's copy bandwidth.
-First (B1_CHAIN=0 leaves it out), the one-row fp8 chain with and without L2 prefetch of the next
-weight (`_prefetch_chain`, plans PLANS). Engines (B1_ENGINES, default fp8,fp8pf,bf16): fp8 as it
-comes (`fp8_prefetch.DEFAULT`), fp8pf with the plan B1_PREFETCH_PLAN (default PLANS[1]), fp8off
-without prefetch, fp8nopdl with programmatic dependent launch off, bf16; every fp8 engine's greedy
-tokens for one prompt must be the same (neither prefetch nor PDL changes arithmetic). B1_GEMVS=0
-leaves step 3 out; B1_MAX_SEQS=1 builds engines with one decode graph (a shorter start-up).
-Every figure is written to $OUT/part-b1profile-partial.json as it comes.
+3. unless B1_GEMVS=0, each fp8 linear at one row on its own (CUDA-graph replays, weights cycled
+   past L2) with the engine's tiles: microseconds and the fraction of this card's copy bandwidth.
+B1_MAX_SEQS=1 builds the engines with one decode graph (a shorter start-up). Every figure is
+written to $OUT/part-b1profile-partial.json as it comes.
 """
 
 from __future__ import annotations
@@ -43,19 +42,14 @@ def _save(results: dict, out: str) -> None:
 
 def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
     from tokenmill import LLM
-    from tokenmill.layers.quantization import fp8_prefetch
+    from tokenmill.layers.triton_ops import pdl
     from tokenmill.worker.device_profile import ENV_VAR
 
     kwargs = {"quantization": "fp8"} if label.startswith("fp8") else {}
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
     os.environ[ENV_VAR] = json.dumps(window)  # read by the worker when it starts (a child inherits it)
-    from tokenmill.layers.triton_ops import pdl
-
-    # fp8: the engine's default L2 prefetch; fp8pf: the plan B1_PREFETCH_PLAN; fp8off: none;
-    # fp8nopdl: as fp8 with programmatic dependent launch off (the tokens' reference)
-    before = {k: os.environ.get(k) for k in (fp8_prefetch.ENV_VAR, pdl.ENV_VAR)}
-    if label in ("fp8pf", "fp8off"):
-        os.environ[fp8_prefetch.ENV_VAR] = os.environ.get("B1_PREFETCH_PLAN", PLANS[1]) if label == "fp8pf" else "off"
+    # fp8nopdl: fp8 with programmatic dependent launch off (its tokens are the reference)
+    before = os.environ.get(pdl.ENV_VAR)
     if label == "fp8nopdl":
         os.environ[pdl.ENV_VAR], pdl.FORCE = "0", False
     if os.environ.get("B1_MAX_SEQS"):  # fewer decode graphs to capture (a shorter start-up)
@@ -69,10 +63,9 @@ def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
     finally:
         os.environ.pop(ENV_VAR, None)
         pdl.FORCE = None
-        for k, v in before.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
+        os.environ.pop(pdl.ENV_VAR, None)
+        if before is not None:
+            os.environ[pdl.ENV_VAR] = before
     print(f"  {label}: engine up in {time.perf_counter() - start:.0f} s", flush=True)
     return llm, time.perf_counter() - start
 
@@ -137,7 +130,7 @@ def _gemvs(results: dict, device: str, smoke: bool, time_ms, cycled) -> None:
         out_dtype = torch.float32 if name == "lm_head" else None
         t = stream_tiles.fp8_tiles(1, n, k, None, stream_tiles.sm_count(torch.device(device)))
 
-        def call(t=t):
+        def call(t=t, weights=weights, out_dtype=out_dtype):
             w, sc = weights()
             fp8_stream_gemm(x, w, sc, None, counters, tiles=t, out_dtype=out_dtype)
         us = 1e3 * time_ms(call, device)
@@ -148,105 +141,18 @@ def _gemvs(results: dict, device: str, smoke: bool, time_ms, cycled) -> None:
         rec[name] = row
         print(f"  {name} {n}x{k} {t.label()}: {us:.1f} us"
               + (f" ({row['fraction_of_copy']:.0%} of copy)" if "fraction_of_copy" in row else ""), flush=True)
-        del weights, q, s
-
-
-CHAIN_LAYERS = 4  # distinct weights (4 x 218 MB of fp8), far past L2
-ATTN_US = 6.0  # the attention stand-in between qkv and o: a spin of about this long
-PLANS = ["qkv=16,mode=1", "qkv=32,o=32,down=8,mode=1", "qkv=16,mode=3", "qkv=40,o=40,gate_up=8,down=24,mode=1"]
-
-
-def _prefetch_chain(results: dict, device: str, smoke: bool, time_ms, check) -> None:
-    """The one-row fp8 chain of CHAIN_LAYERS layers as the engine runs it (PDL on): fused add +
-    RMSNorm, qkv GEMV, a spin standing in for attention, o GEMV, add + RMSNorm, gate_up GEMV,
-    down GEMV with SiLU-and-mul in its loads; without L2 prefetch and with each of PLANS
-    (`fp8_prefetch.Plan`: each GEMV prefetches the next weight's first bytes). Microseconds per
-    layer; the outputs must be bit-identical (a prefetch changes no value)."""
-    from tokenmill.layers.quantization import fp8_ops, stream_tiles
-    from tokenmill.layers.quantization.fp8_prefetch import Plan, plan_links
-    from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
-    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
-
-    rec = results.setdefault("b1_prefetch_chain", {})
-    h, inter, qkv_n = (128, 256, 256) if smoke else (4096, 14336, 6144)
-    dt = torch.bfloat16 if device == "cuda" else torch.float32
-    g = torch.Generator(device=device).manual_seed(0)
-    layers = []
-    for _ in range(CHAIN_LAYERS if not smoke else 2):
-        lin = {}
-        for kind, (n, k) in (("qkv", (qkv_n, h)), ("o", (h, h)), ("gate_up", (2 * inter, h)), ("down", (h, inter))):
-            lin[kind] = fp8_ops.quantize_rows(torch.randn(n, k, device=device, generator=g) * 0.02)
-        layers.append((lin, torch.rand(h, device=device, generator=g).to(dt) + 0.5,
-                       torch.rand(h, device=device, generator=g).to(dt) + 0.5,
-                       stream_tiles.SplitCounters(2 * inter, torch.device(device)).tensor))
-    order = [(i, kind) for i in range(len(layers)) for kind in ("qkv", "o", "gate_up", "down")]
-    x0 = torch.randn(1, h, device=device, generator=g).to(dt)
-    r0 = torch.randn(1, h, device=device, generator=g)
-    residual = r0.clone()
-    cycles = int(ATTN_US * 1.9e3)
-    plant = os.environ.get("B1_CHAIN_PLANT") == "1"  # the check must fail (tests/README.md)
-
-    def make(plan):
-        chain = [(kind, (i, kind), layers[i][0][kind][0]) for i, kind in order]
-        nxt = {key: None for key in order}
-        if device == "cuda":
-            for key, link in plan_links(chain, plan, lambda key: True):
-                nxt[key] = link.args()
-
-        def run():
-            residual.copy_(r0)
-            x = x0
-            res = residual
-            for i, (lin, w_in, w_post, counters) in enumerate(layers):
-                a, res = fused_add_rms_norm(x, res, w_in, 1e-5)
-                q = fp8_stream_gemm(a, *lin["qkv"], None, counters, prefetch=nxt[(i, "qkv")])
-                if device == "cuda":
-                    torch.cuda._sleep(cycles)
-                o = fp8_stream_gemm(q[:, :h].contiguous(), *lin["o"], None, counters, prefetch=nxt[(i, "o")])
-                b, res = fused_add_rms_norm(o, res, w_post, 1e-5)
-                gu = fp8_stream_gemm(b, *lin["gate_up"], None, counters, prefetch=nxt[(i, "gate_up")])
-                if plant and plan is not None:  # planted: SiLU-and-mul in torch, rounded otherwise
-                    act = (torch.nn.functional.silu(gu[:, :inter].float()) * gu[:, inter:].float()).to(dt)
-                    x = fp8_stream_gemm(act, *lin["down"], None, counters, prefetch=nxt[(i, "down")])
-                else:
-                    x = fp8_stream_gemm(gu, *lin["down"], None, counters, silu_x=True, prefetch=nxt[(i, "down")])
-            return x
-        return run
-
-    plans = [("none", None)] + [(spec, Plan.parse(spec)) for spec in PLANS]
-    ref = make(None)().clone()
-    for label, plan in plans:
-        try:
-            run = make(plan)
-            out = run().clone()
-            check(torch.equal(out, ref), f"prefetch chain {label}: output bit-identical to the chain without prefetch")
-            us = 1e3 * time_ms(run, device, reps=10) / len(layers)
-        except Exception as exc:  # noqa: BLE001 - the other plans still run
-            traceback.print_exc()
-            check(False, f"prefetch chain {label} raised {type(exc).__name__}")
-            continue
-        rec[label] = us
-        print(f"  chain {label}: {us:.1f} us per layer", flush=True)
+        del q, s
 
 
 def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, out: str, ms_per_token,
                  time_ms, cycled, check) -> None:
+    """The part (module docstring); raises at the end if an engine or the GEMV timing failed."""
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     skip, steps = (2, 3) if smoke else (SKIP, STEPS)
     timings = results.setdefault("timings", {})
     tokens: dict[str, list[int]] = {}
     failed = []
-    if os.environ.get("B1_CHAIN", "1") != "0":
-        try:
-            _prefetch_chain(results, device, smoke, time_ms, check)
-        except Exception:  # noqa: BLE001 - the engines still run
-            traceback.print_exc()
-            failed.append("chain")
-        _save(results, out)
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    for label in os.environ.get("B1_ENGINES", "fp8,fp8pf,bf16").split(","):
+    for label in os.environ.get("B1_ENGINES", "fp8,bf16,fp8nopdl").split(","):
         folder = os.path.join(out, f"b1profile_{label}")
         window = {"out_dir": folder, "batch": 1, "skip": skip, "steps": steps}
         try:
@@ -268,12 +174,12 @@ def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_di
             failed.append(label)
         _save(results, out)
     fp8_runs = {k: v for k, v in tokens.items() if k.startswith("fp8")}
-    if len(fp8_runs) > 1:  # prefetch and PDL change no arithmetic: the same greedy tokens
+    if len(fp8_runs) > 1:  # PDL changes no arithmetic: the same greedy tokens
         first = next(iter(fp8_runs))
         for label, toks in fp8_runs.items():
             check(toks == fp8_runs[first], f"{label}: the same {len(toks)} greedy tokens as {first}")
     results["b1_tokens"] = tokens
-    for label in ("fp8", "fp8pf", "fp8off", "fp8nopdl"):
+    for label in ("fp8", "fp8nopdl"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("b1_ratio", {})[label] = r

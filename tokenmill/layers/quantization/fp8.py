@@ -54,10 +54,7 @@ def _stream(layer: nn.Module, x: torch.Tensor, scale: torch.Tensor, block: tuple
             bias: torch.Tensor | None, silu_x: bool = False) -> torch.Tensor:
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
 
-    from tokenmill.layers.quantization.fp8_prefetch import prefetch_args
-
-    out = fp8_stream_gemm(_rows(x), layer.weight, scale, block, layer.stream_counters.tensor, silu_x=silu_x,
-                          prefetch=prefetch_args(layer, x) if block is None else None)
+    out = fp8_stream_gemm(_rows(x), layer.weight, scale, block, layer.stream_counters.tensor, silu_x=silu_x)
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out.shape[-1])

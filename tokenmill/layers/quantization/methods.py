@@ -81,8 +81,6 @@ def process_weights_after_loading(model: nn.Module) -> None:
     mark_fused_producers(model)  # norms / activations that feed W8A8 linears quantize for them
     from tokenmill.layers.quantization import lm_head_8bit
     lm_head_8bit.attach(model)  # (opt-in: TOKENMILL_LM_HEAD_8BIT=int8|fp8)
-    from tokenmill.layers.quantization import fp8_prefetch
-    fp8_prefetch.link(model)  # one-row fp8 GEMVs prefetch the next weight into L2 (TOKENMILL_FP8_L2_PREFETCH)
 
 
 def linear_methods_summary(model: nn.Module) -> str:

@@ -26,7 +26,6 @@ import triton.language as tl
 from tokenmill.layers.quantization import stream_tiles
 from tokenmill.layers.quantization.triton_split_k import store_tile
 from tokenmill.layers.triton_ops import pdl
-from tokenmill.layers.triton_ops.l2_prefetch import prefetch_share
 
 
 @triton.jit
@@ -72,7 +71,6 @@ def _load_x(x_rows, offs_k, mask, K, SILU_X: tl.constexpr):
 def _fp8_stream_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, cnt_ptr,
     M, N, K, s_xm, s_wn, s_sn, s_om,
-    pf_addr, pf_bytes, pf_addr2, pf_bytes2,  # PF_MODE > 0: two byte ranges prefetched into L2 at the end
     FLAT: tl.constexpr,  # one row, channel scales: elementwise products, summed over K at the end
     BLOCK_SCALES: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -80,7 +78,6 @@ def _fp8_stream_kernel(
     USE_PDL: tl.constexpr = False,  # `pdl`: the first weight tile is loaded before waiting for x's producer
     SILU_X: tl.constexpr = False,  # x is [M, 2K] (gate | up): the GEMV reads silu(gate) * up (`_load_x`)
     PRE: tl.constexpr = 1,  # weight tiles loaded before the PDL wait (1-4; more than 1: FLAT only)
-    PF_MODE: tl.constexpr = 0,  # `l2_prefetch` mode (0: none)
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -149,9 +146,6 @@ def _fp8_stream_kernel(
         acc = tl.sum(acc2, axis=1)[None, :]
     if not BLOCK_SCALES:
         acc *= tl.load(s_ptr + offs_n * s_sn, mask=n_mask, other=0.0)[None, :]
-    if PF_MODE > 0:  # this program's weight reads are done: the next weight may stream into L2
-        prefetch_share(pf_addr, pf_bytes, pid * split + pid_k, tl.num_programs(0) * split, PF_MODE, 128)
-        prefetch_share(pf_addr2, pf_bytes2, pid * split + pid_k, tl.num_programs(0) * split, PF_MODE, 128)
     store_tile(acc, out_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_om, pid_n * tiles_m + pid_m, pid_k, split,
                SPLIT_K)
 
@@ -159,17 +153,13 @@ def _fp8_stream_kernel(
 def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                     block: tuple[int, int] | None = None, counters: torch.Tensor | None = None,
                     tiles: stream_tiles.Tiles | None = None, silu_x: bool = False,
-                    out_dtype: torch.dtype | None = None,
-                    prefetch: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ (weight [N, K] fp8 * scale)^T -> [M, N] in x's dtype (or `out_dtype`).
     scale: [N, 1] per channel, or [ceil(N / bn), K / bk] with `block` = (bn, bk).
     counters: a zeroed int32 tensor (one per output tile, `stream_tiles.SplitCounters`); without
     it (or too small) the kernel runs without split-K.
     silu_x: x is [M, 2K], a [gate | up] projection's output, and the product is taken with
-    silu(gate) * up (SiLU-and-mul done in the GEMV's loads: one launch less per MLP).
-    prefetch: (address, bytes, address 2, bytes 2, mode): two ranges of memory the programs ask L2
-    to fetch once their own weight reads are done (`triton_ops.l2_prefetch`; CUDA only): the
-    weights of the linears after this one (`fp8_prefetch`)."""
+    silu(gate) * up (SiLU-and-mul done in the GEMV's loads: one launch less per MLP)."""
     m, k = x.shape
     n = weight.shape[0]
     if silu_x:
@@ -188,16 +178,14 @@ def fp8_stream_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     tiles_mn = triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n)
     split = t.split if counters is not None and tiles_mn <= counters.numel() else 1
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    pf_addr, pf_bytes, pf_addr2, pf_bytes2, pf_mode = prefetch if prefetch is not None and x.is_cuda else (0,) * 5
     _fp8_stream_kernel[(tiles_mn, split)](
         x, weight, scale, out, part, counters if split > 1 else out,
-        m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), pf_addr, pf_bytes, pf_addr2, pf_bytes2,
+        m, n, k, x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         FLAT=t.block_m == 1 and block is None and t.flat, BLOCK_SCALES=block is not None, GROUP_N=block[0] if block else 1, GROUP_K=block[1] if block else 1,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         SPLIT_K=split > 1, PIPE=t.stages if t.pipe else None, num_warps=t.warps, num_stages=t.stages,
-        SILU_X=silu_x, PRE=t.pre if t.block_m == 1 and block is None and t.flat else 1, PF_MODE=pf_mode,
-        **pdl.launch_kwargs(x.device))
+        SILU_X=silu_x, PRE=t.pre if t.block_m == 1 and block is None and t.flat else 1, **pdl.launch_kwargs(x.device))
     return out
 
 
