@@ -3,7 +3,7 @@
 One process, engines built one after the other as the `fp8engines` part builds them (Llama-3.1-8B
 shape, dummy weights, graphs on, prefix caching off), each shut down before the next
 (B1_ENGINES, default fp8,bf16,fp8nopdl: fp8 W8A8, bf16, and fp8 with programmatic dependent launch
-off):
+off, built with max_num_seqs 1 for a shorter start-up):
 1. each engine's batch-1 ms per output token (`gpu_quant.ms_per_token`: 512-token prompt, 256
    tokens), the goal's figure, bf16's measured in the same process, and 32 greedy tokens of one
    prompt: every fp8 engine's must be the same (PDL changes no arithmetic; B1_TOKENS_PLANT=1
@@ -54,6 +54,8 @@ def _engine(config_dir, shape, smoke: bool, label: str, window: dict):
         os.environ[pdl.ENV_VAR], pdl.FORCE = "0", False
     if os.environ.get("B1_MAX_SEQS"):  # fewer decode graphs to capture (a shorter start-up)
         extra["max_num_seqs"] = int(os.environ["B1_MAX_SEQS"])
+    if label == "fp8nopdl":  # the tokens' reference: one decode graph (its PDL-off kernels compile anew)
+        extra["max_num_seqs"] = 1
     try:
         start = time.perf_counter()
         # as gpu_fp8_engines._engine builds the goal's engines (max_model_len 16k + 272)
