@@ -152,6 +152,8 @@ def profile_part(results: dict, device: str, smoke: bool, shape: dict, config_di
     scale = (lambda n: max(1, n // 64)) if smoke else (lambda n: n)
     skip, steps = (2, 3) if smoke else (SKIP, STEPS)
     timings = results.setdefault("timings", {})
+    results["b1_device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"  b1profile on {results['b1_device']}", flush=True)  # (the part's record names the card too)
     tokens: dict[str, list[int]] = {}
     failed = []
     for label in os.environ.get("B1_ENGINES", "fp8,bf16,fp8nopdl").split(","):
