@@ -52,7 +52,7 @@ def compile_launch(launch: dict):
                  F8_QK=launch.get("f8_qk", False), F8_PV=launch.get("f8_pv", False), EARLY_V=launch.get("early_v_load", False),
                  CVT_ON_LOAD=fp8 and launch.get("convert_on_load", False), E5M2=kv == "fp8e5",
                  PREFETCH_TABLE=launch.get("table_prefetch", False), PTX=True,
-                 V_TRANS=launch.get("v_transposed", False))
+                 V_TRANS=launch.get("v_transposed", False), USE_PDL=True)
     ptrs = {"q_ptr": "bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "out_ptr": "bf16", "part_m_ptr": "fp32",
             "part_l_ptr": "fp32", "part_acc_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
             "block_table_ptr": "i32", "sinks_ptr": "fp32"}

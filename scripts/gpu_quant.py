@@ -59,6 +59,9 @@ Parts (--parts, comma-separated; default all, run in this order):
   b1       (not by default) the fp8 batch-1 weight stream at kernel level: each linear and the LM head at
            one row (bf16, the engine's tiles, a one-row tile sweep) as fractions of copy bandwidth, SiLU
            in down_proj's GEMV, the fp8 LM head's time and error, the one-row chain (scripts/gpu_fp8_batch1.py)
+  b1profile (not by default) batch 1, fp8 beside bf16 in one process: ms/token, a profiled window of
+           decode steps (kernel groups; what each kernel and GEMV slot adds to the step under PDL),
+           each fp8 linear at one row against copy bandwidth (scripts/gpu_fp8_b1_profile.py)
   fp8engines (not by default) the FP8 goal figures in one process: bf16, fp8, fp8 + fp8 KV cache
            at 256x256x128 and 1000x512x256, batch 1 (bf16, fp8), every engine warmed
   tiny     tiny quantized checkpoints of every format (tests/helpers/quant_formats.py) on CUDA
@@ -909,6 +912,7 @@ PARTS = ["kernels", "bf16", "fp8", "int4", "int4panels", "kvfp8", "fp8kv", "micr
          "w8a8"]
 PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
 PARTS += ["b1"]  # scripts/gpu_fp8_batch1.py (not by default)
+PARTS += ["b1profile"]  # scripts/gpu_fp8_b1_profile.py (not by default)
 PARTS += ["int4gemm", "int4profile"]  # scripts/gpu_int4_gemm.py; the int4 engine under profile_one (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4bf16head")  # the int4 engine with the bf16 LM head (not by default)
 PARTS += ["w8a8tma"]  # scripts/gpu_fp8_gemm.py (not by default)
@@ -916,7 +920,8 @@ PART_DEADLINE_ENV = "GPU_QUANT_PART_DEADLINE"  # a part's kill time (time.time()
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "int4panels": 80, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
-PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90})
+PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90,
+                   "b1profile": 118})
 PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80})
 
 
@@ -958,6 +963,11 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_batch1
             gpu_fp8_batch1.batch1_part(results, device, smoke, check, _time_ms, _cycled, OUT)
+        elif name == "b1profile":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_fp8_b1_profile
+            gpu_fp8_b1_profile.profile_part(results, device, smoke, SMOKE if smoke else LLAMA8B, config_dir, OUT,
+                                            ms_per_token, _time_ms, _cycled, check)
         elif name in ("pdl", "pdlplant", "siluquant", "fp8engines"):
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_engines
@@ -1075,7 +1085,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
-                                                                          "int4panels", "b1", "int4gemm",
+                                                                          "int4panels", "b1", "b1profile", "int4gemm",
                                                                           "int4profile", "int4bf16head", "w8a8tma")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")

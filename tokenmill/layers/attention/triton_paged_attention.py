@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.attention.backend import check_v_transposable
+from tokenmill.layers.triton_ops import pdl
 
 LOG2E = 1.4426950408889634
 SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence search (a 256-row batch: one)
@@ -274,7 +275,10 @@ def _paged_attention_kernel(
     LOOKUP_BLOCKS: tl.constexpr, WINDOWED: tl.constexpr, F8_QK: tl.constexpr, F8_PV: tl.constexpr,
     EARLY_V: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
     PTX: tl.constexpr, V_TRANS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # `pdl`: launched early, waits for the kernel before it before reading anything
 ):
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     SLOT_STRIDE: tl.constexpr = NUM_HEADS // GROUP * HEAD_DIM  # V_TRANS: the contiguous cache's slot stride
     tile = tl.program_id(0)
@@ -426,10 +430,12 @@ def _reduce_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, sinks_ptr,
     num_seqs, num_splits, s_ot, s_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    SINKS: tl.constexpr, CHUNK: tl.constexpr,
+    SINKS: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """One program per (row, head): merge the split partials; rows past the last sequence get zeros.
     The shares' accumulators are read CHUNK at a time (the maxima and sums of all of them first)."""
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     num_shares = tl.where(row < tl.load(qsl_ptr + num_seqs), num_splits, 0)  # padding rows read none
@@ -541,12 +547,13 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         V_TRANS=v_transposed,
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl.launch_kwargs(q.device),
     )
     if split:
         _reduce_splits_kernel[(num_rows, num_heads)](
             out, part_m, part_l, part_acc, query_start_loc, sinks_f32, num_seqs, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, MAX_SPLITS=max_splits,
-            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK),
+            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK), **pdl.launch_kwargs(q.device),
         )
     return out

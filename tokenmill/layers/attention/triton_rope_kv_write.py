@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.attention.backend import check_v_transposable
+from tokenmill.layers.triton_ops import pdl
 from tokenmill.layers.triton_ops.rotary import _block_heads, _rotate_heads
 
 
@@ -46,7 +47,10 @@ def _rope_kv_write_kernel(
     ROTARY_DIM: tl.constexpr, PASS: tl.constexpr, PASS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
     V_TRANS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # `pdl`: launched early, waits for the kernel before it before reading anything
 ):
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
     offs_d = tl.arange(0, HALF_PAD)
@@ -126,5 +130,5 @@ def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         PASS_PAD=triton.next_power_of_2(max(passed, 1)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0, V_TRANS=v_transposed,
-        num_warps=min(max(tile // 256, 1), 8),
+        num_warps=min(max(tile // 256, 1), 8), **pdl.launch_kwargs(q.device),
     )
