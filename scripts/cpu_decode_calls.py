@@ -20,7 +20,7 @@ import random
 
 def _name(func: tuple) -> str:
     path, line, name = func
-    for root in ("/tokenmill/", "/torch/"):
+    for root in ("/tokenmill/", "/site-packages/", "/torch/"):  # (two builds' venvs and checkouts alike)
         if root in path:
             path = root.strip("/") + "/" + path.split(root, 1)[1]
             break

@@ -66,13 +66,13 @@ class RowParallelLinear(Linear):
     def _bind_run(self, base: Callable, lora) -> Callable:
         reduce = self._reduce
         if lora is not None:
-            batch, parallel = lora.batch, self.parallel
+            batch = lora.batch
 
             def run_lora(x: torch.Tensor, lora_into: torch.Tensor | None = None):
                 if not batch.active:
                     return reduce(base(x))
                 # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
-                sink = lora_into if parallel.tp_size == 1 else None
+                sink = lora_into if self.parallel.tp_size == 1 else None
                 return reduce(lora.forward(x, lambda: base(x), sink))
             return run_lora
         if self._wide_weight is None:
@@ -87,7 +87,6 @@ class RowParallelLinear(Linear):
 
     def _bind_run_add(self, base: Callable, lora, bias: torch.Tensor | None) -> Callable:
         """(x, residual) -> `forward(x) + residual` (the add on rank 0 only), reduced."""
-        all_reduce = self.parallel.all_reduce
         if self.first_rank:
             add = bind_base_add(self, bias, base)
         else:
@@ -98,18 +97,19 @@ class RowParallelLinear(Linear):
 
             def run_lora(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
                 if not batch.active:
-                    return all_reduce(add(x, residual))
-                return all_reduce(lora.forward(x, lambda: add(x, residual), plain=False))
+                    return self.parallel.all_reduce(add(x, residual))
+                return self.parallel.all_reduce(lora.forward(x, lambda: add(x, residual), plain=False))
             return run_lora
         if self._wide_weight is None:
-            return lambda x, residual: all_reduce(add(x, residual))
+            return lambda x, residual: self.parallel.all_reduce(add(x, residual))
 
         def run_wide(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
             # a float32 residual stream with a `wide` result: the add in the GEMM's epilogue, unrounded
             if self.wide(x) and residual.dtype == torch.float32:
-                return all_reduce(wide_linear.linear_f32(x, self._wide_weight, self._bias(), self._packed,
-                                                         self._wide_packed, add=residual if self.first_rank else None))
-            return all_reduce(add(x, residual))
+                return self.parallel.all_reduce(wide_linear.linear_f32(
+                    x, self._wide_weight, self._bias(), self._packed, self._wide_packed,
+                    add=residual if self.first_rank else None))
+            return self.parallel.all_reduce(add(x, residual))
         return run_wide
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor | PendingAllReduce | StartedAllReduce:
