@@ -7,11 +7,13 @@
 - The state's changes rebind: LoRA slots attached and removed (planted: the `lora` setter without
   the rebind fails), `wide_output` set on a bf16 row-parallel layer (planted: its setter without
   the rebind fails), a layer built on the meta device then allocated and loaded (planted: no
-  rebind in `_apply` fails: the bound function still holds the meta weight).
+  rebind in `_apply` fails: the bound function still holds the meta weight), and a deep copy
+  (planted: no rebind in `__setstate__` fails: the copy computes with the original's weight).
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from types import SimpleNamespace
 
@@ -129,3 +131,13 @@ def test_built_on_meta_then_loaded_computes_with_the_loaded_weight() -> None:
         layer.bias.copy_(bias)
         x = torch.randn(1, 16)
         torch.testing.assert_close(layer(x), x @ w.t() + bias)
+
+
+def test_a_copy_computes_with_its_own_weight() -> None:
+    layer = Linear(16, 8, bias=False)
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.mul_(2.0)
+        x = torch.randn(1, 16)
+        torch.testing.assert_close(twin(x), x @ twin.weight.t())
+        torch.testing.assert_close(layer(x), x @ layer.weight.t())

@@ -26,9 +26,9 @@ model was built; such a layer's `weight` is None and its own parameters replace 
 What a layer computes with is decided once per layer state, not per call (`Linear.rebind`): its
 method, its LoRA slots, and for a float32 CPU weight the C kernel, bound into `run` (and
 `run_silu_mul` for a [gate | up] projection). The state changes only through `quant_method` /
-`lora` (setters), a parameter registered or replaced, and `.to()` / `to_empty()` (`_apply`): each
-rebinds. Only the input's own shape, dtype and device are looked at per call (decode and prefill
-rows take different kernels).
+`lora` (setters), a parameter registered or replaced, `.to()` / `to_empty()` (`_apply`) and a
+copy (`__setstate__`): each rebinds. Per call only the input's own shape, dtype and device are
+looked at (decode and prefill rows take different kernels).
 """
 
 from __future__ import annotations
@@ -214,6 +214,10 @@ class Linear(nn.Linear):
         out = super()._apply(fn, recurse)
         self.rebind()  # new device or dtype: maybe other kernels
         return out
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.rebind()  # (a copy's bound functions would still hold the original's tensors)
 
     def rebind(self) -> None:
         """Decide, for the layer's state now, the function each call runs (`run`; `run_silu_mul`).
