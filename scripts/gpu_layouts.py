@@ -8,7 +8,12 @@ like-for-like throughput of one GPU, TP=2 and PP=2.
           probe (decode steps against its prompt path, the greedy tail against the sampler), each judged against the spread
           of two valid one-GPU reductions; then TP=2 with rank 1's rows of a weight swapped
           (TOKENMILL_TEST_FAULTS wrong_shard): gate and up halves swapped must fail; 16 rows swapped
-          is reported. A failed check exits 1.
+          is reported. Every engine in its own process, all at once (benchmarks/layout_jobs.py; the
+          one-GPU base and reference on different GPUs), each row printed when its scores are in,
+          what still runs at --check-budget killed and reported missing. A failed check exits 1.
+  arsweep  what would speed the engine's all-reduces, checked: NCCL's settings (NCCL_ENVS) against
+          its default at 32 and 64 MiB (prefill chunks), then the lamport all-reduce + norm's launch
+          shapes (--ar-lamport-tiles) at decode row counts; within --ar-budget.
   allreduce  `tokenmill bench all-reduce --tp 2`: NCCL, one-shot, two-shot per size (checked, timed in
           CUDA graphs), and the all-reduce fused with the residual add + RMSNorm against NCCL or
           one-shot + the Triton add + norm (checked against its torch reference, chained, timed), in its
@@ -41,6 +46,7 @@ Writes $OUT/gpu_layouts.json (plus the benchmark records); $OUT defaults to ./gp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -89,27 +95,29 @@ def wrong_shards(shape: str) -> dict[str, dict[str, str]]:
 CHECK_LAYOUTS = (*LAYOUTS, "tp2-unfused", "tp2-gate-up-swapped", "tp2-16-rows-swapped")
 
 
-def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> bool:
-    """The layout check in bfloat16 over `names` (of CHECK_LAYOUTS); True when the layouts pass and
-    the wrong shard (tp2-gate-up-swapped, where named) fails."""
+def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS, parallel: int = 0,
+          budget_s: float = 140.0) -> bool:
+    """The layout check in bfloat16 over `names` (of CHECK_LAYOUTS, or key=value layouts); True when
+    the layouts pass and the wrong shard (tp2-gate-up-swapped, where named) fails. Every engine in
+    its own process, `parallel` at once (0: all), the base and the reference (one GPU each, on
+    different GPUs) beside the layouts (`benchmarks/layout_jobs.py`); each row printed as soon as its
+    scores are in; jobs still running at `budget_s` are killed and reported as missing (a failure)."""
+    from tokenmill.benchmarks import layout_jobs as lj
+    import threading
     shape = "layoutcheck-smoke" if smoke else "layoutcheck"
-    path = device_check.weights_dir(shape)
-    # (no prefix caching: the decode probe generates the same prompts twice, and must see the same steps)
-    common = dict(dtype="bfloat16", enable_prefix_caching=False) if smoke else dict(
-        dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=1024, enable_prefix_caching=False)
-    prompt_lens = [5, 17, 40] if smoke else [8, 64, 200, 400]
-    vocab = lc.vocab_size(path)
     start = time.perf_counter()
+    vocab = device_check.SHAPES[shape]["vocab_size"]
+    # No prefix caching: the decode probe generates the same prompts twice, and must see the same
+    # steps. The KV pool is a fixed number of blocks (enough for the probe's 48 sequences): engines
+    # that start side by side must not size it from the memory the others happen to leave.
+    common = dict(dtype="bfloat16", enable_prefix_caching=False, max_logprobs=vocab, max_num_seqs=64)
+    if not smoke:
+        common.update(max_model_len=1024, num_gpu_blocks_override=1024)
+    prompt_lens, continuation = ([5, 17, 40], 4) if smoke else ([8, 64, 200, 400], 32)
+    prompts = lc.random_prompts(vocab, prompt_lens)
     # Each engine's decode steps against its own prompt steps (`decode_consistency`): 48 sequences.
     probe_prompts = dc.random_prompts(vocab, 16 if smoke else 48)
-    probes: dict[str, dict] = {}
-
-    def probe(name: str, llm) -> None:
-        probes[name] = dc.probe(llm, probe_prompts, 4 if smoke else 12)
-        print(dc.format_line(name, probes[name], probes.get("one")), flush=True)
-
-    sequences, base = lc.continue_and_score(path, lc.base_layout(), lc.random_prompts(vocab, prompt_lens),
-                                            8 if smoke else 32, common, vocab, probe)
+    probe_tokens = 4 if smoke else 12
     envs = wrong_shards(shape)
     # tp2 runs its prompt steps (< 1000 tokens here) and its decode steps of >= 32 rows (the probe's)
     # in overlapped halves (model/tp_overlap.py, off by default); tp2-sync keeps one batch: both
@@ -119,20 +127,95 @@ def check(results: dict, smoke: bool, names: Sequence[str] = CHECK_LAYOUTS) -> b
     envs["tp2-unfused"] = {"TOKENMILL_FUSED_ALL_REDUCE_NORM": "0"}
     # (a name of key=value pairs, e.g. "pp=2,split=4.5:3.5", is its own layout: `Layout.parse`)
     layouts = [lc.Layout.parse(n) if n in LAYOUTS or "=" in n else lc.Layout(n, lc.PRESETS["tp2"]) for n in names]
-    report = lc.check_layouts(path, layouts, sequences, common, envs=envs, base=base, probe=probe)
-    print(lc.format_report(report), flush=True)
-    verdicts = {v.spread.label: v.passed for v in report.verdicts}
-    ok = all(verdicts[n] for n in (*LAYOUTS, "tp2-unfused", *(n for n in names if "=" in n)) if n in verdicts) \
-        and not verdicts.get("tp2-gate-up-swapped", False)
-    decode_ok = {n: dc.judge(r, probes["one"]) for n, r in probes.items() if n != "one"}
-    for name, result in probes.items():
-        print(dc.format_line(name, result, None if name == "one" else probes["one"]))
-    # The swapped shard computes a wrong model the same way on both paths: its probe is reported only.
-    decode_passed = all(v for n, v in decode_ok.items() if n != "tp2-gate-up-swapped")
-    results["layout_check"] = {**report.as_dict(), "passed": ok, "seconds": time.perf_counter() - start,
-                               "decode_probe": {"results": probes, "passed": decode_ok, "all_passed": decode_passed}}
+    workdir = os.path.join(OUT, "layout_check")
+    shutil.rmtree(workdir, ignore_errors=True)
+    os.makedirs(workdir)
+    # The weights are made while the jobs import (seconds each): a job waits for their path.
+    model_file = os.path.join(workdir, "model_path")
+
+    def make_weights() -> None:
+        lj.write_atomic(model_file, device_check.weights_dir(shape))
+        print(f"weights written [{time.perf_counter() - start:.0f} s]", flush=True)
+
+    threading.Thread(target=make_weights, name="weights", daemon=True).start()
+    base = lc.base_layout()
+    # the reference's chunks: a third of the shortest sequence (prompt + continuation), as `reference_layout`
+    reference = lc.reference_layout([[0] * (n + continuation) for n in prompt_lens])
+    gpus = 2 if not smoke else 0
+
+    def spec(layout: lc.Layout, device: str | None, **extra) -> lj.JobSpec:
+        probed = layout.name not in ("tp2-gate-up-swapped", "tp2-16-rows-swapped")  # (a wrong model: not judged)
+        return lj.JobSpec(layout.name, "", {**common, **layout.engine}, workdir, envs.get(layout.name, {}),
+                          device if gpus else None, probe_prompts=probe_prompts if probed else (),
+                          probe_tokens=probe_tokens, model_file=model_file, **extra)
+
+    specs = [spec(base, "0", prompts=prompts, continuation=continuation), spec(reference, "1"),
+             *(spec(layout, None) for layout in layouts)]
+    scores: dict[str, list] = {}
+    probes: dict[str, dict] = {}
+    verdicts: dict[str, lc.Verdict] = {}
+    record: dict = {"dtype": "bfloat16", "layouts": {}, "jobs": {}}
+    results["layout_check"] = record
+    ref_spread: list = []
+
+    def judge_ready() -> None:
+        if "one" not in scores or reference.name not in scores:
+            return
+        if not ref_spread:
+            ref_spread.append(lc.compare(reference.name, scores[reference.name], scores["one"]))
+            record["reference"] = dataclasses.asdict(ref_spread[0])
+            print(f"reference spread ({reference.name} vs one): mean {ref_spread[0].mean:.2e} p99 "
+                  f"{ref_spread[0].p99:.2e} max {ref_spread[0].max:.2e}", flush=True)
+        for layout in layouts:
+            if layout.name in scores and layout.name not in verdicts:
+                v = lc.judge(lc.compare(layout.name, scores[layout.name], scores["one"]), ref_spread[0], "bfloat16")
+                verdicts[layout.name] = v
+                record["layouts"][layout.name] = {**dataclasses.asdict(v.spread), "ratios": v.ratios,
+                                                  "factor": v.factor, "passed": v.passed,
+                                                  "seconds": time.perf_counter() - start}
+                print(lc.format_report(lc.LayoutReport("bfloat16", ref_spread[0], [v])).splitlines()[-1]
+                      + f"   [{time.perf_counter() - start:.0f} s]", flush=True)
+
+    def on_done(job: lj.JobSpec, ok: bool, tail: str) -> None:
+        if not ok:
+            print(f"{job.name}: job failed [{time.perf_counter() - start:.0f} s]; its log ends:\n{tail}", flush=True)
+            record["jobs"][job.name] = {"ok": False}
+        else:
+            scores[job.name], info = lj.load_scores(job)
+            record["jobs"][job.name] = {"ok": True, "seconds": info["seconds"]}
+            print(f"{job.name}: scored [{time.perf_counter() - start:.0f} s; engine start "
+                  f"{info['seconds']['start']:.0f} s, job {info['seconds']['total']:.0f} s]", flush=True)
+            if info["probe"] is not None:
+                probes[job.name] = info["probe"]
+                if job.name != "one":
+                    print(dc.format_line(job.name, info["probe"], probes.get("one")), flush=True)
+            judge_ready()
+        with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
+            json.dump(results, f, indent=2)
+
+    print(f"layout check: {len(specs)} engines, {parallel or len(specs)} at once, budget "
+          f"{budget_s - (time.perf_counter() - start):.0f} s", flush=True)
+    states = lj.run_jobs(specs, parallel or len(specs), budget_s - (time.perf_counter() - start), on_done)
+    record["jobs_state"] = states
+    missing = [layout.name for layout in layouts if layout.name not in verdicts]
+    if ref_spread:
+        print(lc.format_report(lc.LayoutReport("bfloat16", ref_spread[0],
+                                               [verdicts[n.name] for n in layouts if n.name in verdicts])))
+    for name in ["one", *(n for n in states if n != "one")]:
+        if name in probes:
+            print(dc.format_line(name, probes[name], None if name == "one" else probes.get("one")))
+    if missing:
+        print("no verdict for " + ", ".join(f"{n} ({states.get(n, 'no base or reference scores')})" for n in missing))
+    passed = {n: v.passed for n, v in verdicts.items()}
+    must_pass = [n for n in (*LAYOUTS, "tp2-unfused", *(n for n in names if "=" in n)) if n in names]
+    ok = (not missing and all(passed[n] for n in must_pass)
+          and not passed.get("tp2-gate-up-swapped", False))
+    decode_ok = {n: dc.judge(r, probes["one"]) for n, r in probes.items() if n != "one"} if "one" in probes else {}
+    decode_passed = bool(decode_ok) and all(decode_ok.values())
+    record.update(passed=ok, seconds=time.perf_counter() - start,
+                  decode_probe={"results": probes, "passed": decode_ok, "all_passed": decode_passed})
     print(f"layout check: {'ok' if ok else 'FAILED'} (layouts must pass, tp2-gate-up-swapped must fail); "
-          f"decode vs prompt path: {'ok' if decode_passed else 'FAILED'}")
+          f"decode vs prompt path: {'ok' if decode_passed else 'FAILED'} [{time.perf_counter() - start:.0f} s]")
     return ok and decode_passed
 
 
@@ -140,6 +223,9 @@ _BENCH_LAYOUTS = {  # name: (engine flags, extra environment)
     "tp1": ([], {}),
     "tp2": (["--tensor-parallel-size", "2"], {}),
     "tp2-nccl": (["--tensor-parallel-size", "2"], {"TOKENMILL_ALL_REDUCE": "nccl"}),
+    # TP=2 with the lamport kernel's first launch shape (one row a tile, 16 warps, a program per
+    # SM, no PDL): the A/B of the default shape.
+    "tp2-before": (["--tensor-parallel-size", "2"], {"TOKENMILL_LAMPORT_TILES": "1:16:1"}),
     # TP=2 with steps of >= 512 rows in two halves, all-reduces beside GEMMs (model/tp_overlap.py,
     # off by default), and with prompt chunks only (>= 2048 tokens): the A/B of the overlap.
     "tp2-overlap": (["--tensor-parallel-size", "2"], {"TOKENMILL_TP_OVERLAP": "1"}),
@@ -404,7 +490,8 @@ def tp_profile(results: dict, smoke: bool, layouts: list[str]) -> None:
 
 
 def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: str | None = None,
-               variants: str = "pull,push,lamport", timeout_s: float = 90.0, overlap_rows: str = "") -> bool:
+               variants: str = "pull,push,lamport", timeout_s: float = 90.0, overlap_rows: str = "",
+               lamport_tiles: str = "", key: str = "all_reduce") -> bool:
     """`tokenmill bench all-reduce --tp 2`: NCCL vs the symmetric buffer per size, checked; then the
     all-reduce fused with the residual add + RMSNorm against NCCL / one-shot + the Triton add + norm
     (checked against `all_reduce_norm.reference`, chained in a graph, timed)."""
@@ -416,7 +503,7 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
         os.remove(record)  # not an earlier call's
     sizes = ["--sizes-kib", sizes_kib] if sizes_kib is not None else []
     sizes += ["--fused-rows", fused_rows] if fused_rows is not None else []
-    sizes += ["--fused-variants", variants, "--overlap-rows", overlap_rows]
+    sizes += ["--fused-variants", variants, "--overlap-rows", overlap_rows, "--lamport-tiles", lamport_tiles]
     # In its own process group with a time limit: a kernel that never returns (two ranks waiting on
     # each other) ends this part as failed, its workers with it, and the call goes on.
     proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "bench", "all-reduce", "--tp", "2", *sizes,
@@ -431,8 +518,62 @@ def all_reduce(results: dict, smoke: bool, sizes_kib: str | None, fused_rows: st
         return False
     if os.path.exists(record):
         with open(record) as f:
-            results["all_reduce"] = json.load(f)
+            results[key] = json.load(f)
+        os.replace(record, os.path.join(OUT, f"{key}.json"))
     return proc.returncode == 0
+
+
+# NCCL's settings tried on the prefill chunks' all-reduce (64 MiB: 8192 tokens x 4096 in bf16, which
+# NCCL carries), each in its own pair of processes (`arsweep`); "default" is the engine's today.
+NCCL_ENVS = {
+    "ch32": {"NCCL_MIN_NCHANNELS": "32"},
+    "simple-ch24": {"NCCL_PROTO": "Simple", "NCCL_MIN_NCHANNELS": "24"},
+    "ch32-nt512": {"NCCL_MIN_NCHANNELS": "32", "NCCL_NTHREADS": "512"},
+}
+# The lamport kernel's launch shapes (rows:warps:per_sm[:pdl+pre]), in order of interest (a run cut at
+# its budget keeps the first). At hidden 4096 the compiled kernel (sm_90, offline) holds 50 / 52 /
+# 80 / 93 / 36 registers a thread at 1:16 / 1:16:pre / 1:8 / 1:8:pre / 1:32:pre: 2 / 2 / 3 / 2 / 1
+# programs per SM.
+LAMPORT_TILES = "1:16:1,1:16:1:pre,1:16:1:pdl+pre,1:16:2:pre,1:8:3,1:32:1:pre,2:32:1:pre,1:8:2:pre"
+
+
+def ar_sweep(results: dict, smoke: bool, tiles: str, fused_rows: str, nccl_envs: list[str],
+             budget_s: float = 150.0) -> bool:
+    """What would make the engine's all-reduces faster, each checked: NCCL's settings (NCCL_ENVS)
+    against its default on prefill-sized messages, then the lamport fused kernel's launch shapes
+    (`--lamport-tiles`: rows per tile, warps, programs per SM, PDL) at the decode steps' row counts.
+    Every run ends (killed where it must) within `budget_s` of the start: a call's limit must not
+    leave its processes on the GPUs."""
+    deadline = time.perf_counter() + budget_s
+    ok = True
+    for name in ["default", *nccl_envs]:
+        env = NCCL_ENVS.get(name, {})
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            ok = all_reduce(results, smoke, "32768,65536", "", "lamport",
+                            timeout_s=max(min(30.0, deadline - time.perf_counter() - 30), 1.0),
+                            key=f"arsweep_nccl_{name}") and ok
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        rows = {r["kib"]: r for r in (results.get(f"arsweep_nccl_{name}") or {}).get("rows", [])}
+        if rows:
+            print(f"NCCL {name:<12} " + "  ".join(
+                f"{kib >> 10} MiB nccl {r['nccl_graph_us']:.1f} two-shot {r['two_shot_graph_us']:.1f} us"
+                for kib, r in sorted(rows.items())), flush=True)
+        with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
+            json.dump(results, f, indent=2)
+    ok = all_reduce(results, smoke, "", fused_rows, "lamport", lamport_tiles=tiles, key="arsweep_lamport",
+                    timeout_s=max(deadline - time.perf_counter(), 1.0)) and ok
+    by_rows: dict[int, list] = {}
+    for r in (results.get("arsweep_lamport") or {}).get("fused_rows", []):
+        by_rows.setdefault(r["rows"], []).append(r)
+    for rows, runs in sorted(by_rows.items()):
+        best = min((r for r in runs if r["ok"]), key=lambda r: r["fused_graph_us"], default=None)
+        print(f"lamport {rows:>5} rows: " + "  ".join(f"{r['tiles']} {r['fused_graph_us']:.1f}" for r in runs)
+              + (f"  best {best['tiles']}" if best else "  none checked ok"), flush=True)
+    return ok
 
 
 def single_gpu_sweeps(results: dict, smoke: bool, budget: float) -> bool:
@@ -513,6 +654,14 @@ def main() -> int:
     ap.add_argument("--ar-variants", default="pull,push,lamport", help="allreduce: the fused kernel's variants")
     ap.add_argument("--ar-overlap-rows", default="1024,8192", help="allreduce: rows of the TP overlap's check "
                     "and timing (an 8-layer MLP chain in halves against one batch; '' for none)")
+    ap.add_argument("--check-parallel", type=int, default=0, help="check: engines at once (0: all)")
+    ap.add_argument("--check-budget", type=float, default=140.0, help="check: seconds from the part's start "
+                    "after which engines still running are killed (their rows reported missing)")
+    ap.add_argument("--ar-lamport-tiles", default=LAMPORT_TILES, help="arsweep: the lamport kernel's launch "
+                    "shapes, rows:warps:per_sm")
+    ap.add_argument("--ar-budget", type=float, default=150.0, help="arsweep: seconds for all its runs")
+    ap.add_argument("--ar-nccl-envs", default=",".join(NCCL_ENVS), help="arsweep: NCCL settings tried (of "
+                    + ", ".join(NCCL_ENVS) + ")")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: only that the script runs")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast on the lent machines
@@ -534,7 +683,7 @@ def main() -> int:
             unknown = {n for n in names if "=" not in n} - set(CHECK_LAYOUTS)
             if unknown:
                 raise SystemExit(f"--check-layouts: unknown {sorted(unknown)} (of {', '.join(CHECK_LAYOUTS)})")
-            ok = check(results, args.smoke, names) and ok
+            ok = check(results, args.smoke, names, args.check_parallel, args.check_budget) and ok
         elif part == "bench":
             bench(results, args.smoke, args.max_num_seqs, args.layouts.split(","), (1000, 512, 256), "throughput")
         elif part == "arprofile":
@@ -549,13 +698,16 @@ def main() -> int:
             tp_profile(results, args.smoke, args.profile_layouts.split(","))
         elif part == "single":
             ok = single_gpu_sweeps(results, args.smoke, args.sweep_budget) and ok
+        elif part == "arsweep":
+            ok = ar_sweep(results, args.smoke, args.ar_lamport_tiles, args.ar_fused_rows or "1,256,1024",
+                          [n for n in args.ar_nccl_envs.split(",") if n], args.ar_budget) and ok
         elif part == "allreduce":
             ok = all_reduce(results, args.smoke, args.ar_sizes_kib, args.ar_fused_rows, args.ar_variants,
                             overlap_rows=args.ar_overlap_rows) and ok
             if args.pick_variant:
                 pick_variant(results)
         else:
-            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, single, check, kernels, batch1, profile, arprofile, tpprofile, bench)")
+            raise SystemExit(f"--parts: unknown part {part!r} (allreduce, arsweep, single, check, kernels, batch1, profile, arprofile, tpprofile, bench)")
         print(f"[{part}: {time.perf_counter() - start:.0f} s]", flush=True)
         with open(os.path.join(OUT, "gpu_layouts.json"), "w") as f:
             json.dump(results, f, indent=2)

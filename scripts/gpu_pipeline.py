@@ -16,7 +16,8 @@ partition they give, and the teacher-forced check of PP=2 against one GPU.
           host's way, whatever the engine's default), layers A on stage
           0 and B on stage 1 (--pp-layer-partition A,B), -hA.B: A and B half layers (h33.31:
           16.5,15.5, stage 0 also runs layer 16's attention) or the split balanced by the stage
-          probe at start ("measured").
+          probe at start ("measured"); -btN: at most N tokens per micro-batch (--max-num-batched-tokens;
+          default 8192, one GPU's per step, so a round of two micro-batches holds twice one GPU's).
   probe   tokenmill/worker/stage_probe.py on GPU 0 at the bench's decode micro-batch (max_num_seqs /
           3 rows; / 2 with device tokens): a layer's (and its attention half's), the embedding's and
           the LM head's time, and the partitions stage_balance picks from them in whole and in half
@@ -56,7 +57,8 @@ import gpu_layouts  # noqa: E402  (the layout check; its smoke shapes)
 from tokenmill.benchmarks import pipeline_trace  # noqa: E402
 
 _LAYOUT = re.compile(r"^pp2(?:-mb(?P<mb>\d+))?(?P<dt>-dt|-nodt)?"
-                     r"(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|h(?P<ha>\d+)\.(?P<hb>\d+)|(?P<measured>measured)))?$")
+                     r"(?:-(?:p(?P<a>\d+)\.(?P<b>\d+)|h(?P<ha>\d+)\.(?P<hb>\d+)|(?P<measured>measured)))?"
+                     r"(?:-bt(?P<bt>\d+))?$")
 
 
 def layout_flags(name: str) -> list[str]:
@@ -65,7 +67,7 @@ def layout_flags(name: str) -> list[str]:
         return []
     m = _LAYOUT.match(name)
     if m is None:
-        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt|-nodt][-pA.B|-hA.B|-measured])")
+        raise ValueError(f"--layouts: unknown layout {name!r} (tp1, pp2[-mbN][-dt|-nodt][-pA.B|-hA.B|-measured][-btN])")
     flags = ["--pipeline-parallel-size", "2"]
     if m["mb"]:
         flags += ["--pp-microbatches", m["mb"]]
@@ -77,6 +79,8 @@ def layout_flags(name: str) -> list[str]:
         flags += ["--pp-layer-partition", f"{int(m['ha']) / 2:g},{int(m['hb']) / 2:g}"]
     elif m["measured"]:
         flags += ["--pp-layer-partition", "measured"]
+    if m["bt"]:  # tokens per micro-batch: 4096 x 2 micro-batches = one GPU's 8192 per step
+        flags += ["--max-num-batched-tokens", m["bt"]]
     return flags
 
 
@@ -133,8 +137,8 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
         print(f"[{name}: starts {started - STARTED:.0f} s into the script, killed after {timeout:.0f} s]", flush=True)
         trace = os.path.join(OUT, f"trace_{name}.json")
         flags = layout_flags(name)
-        if flags:  # the PP layouts: their step trace
-            flags += ["--trace-steps", trace]
+        pipeline = bool(flags)
+        flags += ["--trace-steps", trace]  # every layout: its phases (one GPU too); PP: the bubble
         device_check.bench(results, shape, n, lin, lout, baseline=False, extra=[*flags, *common], run=f"_pp_{name}",
                            timeout_s=timeout)
         key = next(k for k in results if k.startswith(f"bench_{shape}_{n}x{lin}x{lout}") and k.endswith(f"_pp_{name}"))
@@ -155,7 +159,9 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
             total = stage.get("busy_s", 0) + stage.get("idle_s", 0)
             print(f"  {name} stage {stage['stage']}: engine busy + idle {total:.2f} s of {tm.get('elapsed_s') or 0:.2f} s "
                   f"elapsed{' (MORE: a stale step start)' if total > 1.02 * (tm.get('elapsed_s') or 0) else ''}")
-        if flags and os.path.exists(trace):
+        if os.path.exists(trace):
+            fig["phases"] = pipeline_trace.run_phases(pipeline_trace.load(trace))
+        if pipeline and os.path.exists(trace):
             analysis = pipeline_trace.analyze(pipeline_trace.load(trace))
             partition = run_partition(name, shape)
             if analysis and partition is not None:
@@ -186,6 +192,20 @@ def bench(results: dict, smoke: bool, layouts: list[str], max_num_seqs: int, wor
     print("(bubble: the steady state's device idle, mean over stages (stage 0, stage 1 beside it): from the last "
           "stage's first step to the first stage's last, from the step trace; goal < 3%. w/ fill: the whole run, "
           "fill and drain included)")
+    base = (figures.get("tp1") or {}).get("phases") or {}
+    print(f"\n{'layout':<18} {'prompt s':>9} {'steps':>6} {'x one GPU':>10} {'decode s':>9} {'steps':>6} "
+          f"{'x one GPU':>10} {'device s':>9}")
+    for name, fig in figures.items():
+        ph = fig.get("phases") or {}
+        if not ph:
+            continue
+        cells = []
+        for part in ("prompt", "decode"):
+            ms, ref = ph[part]["ms"], (base.get(part) or {}).get("ms")
+            cells.append(f"{ms / 1e3:9.2f} {ph[part]['steps']:6d} {f'{ref / ms:.3f}' if ref and ms else '':>10}")
+        print(f"{name:<18} {' '.join(cells)} {ph['window_ms'] / 1e3:9.2f}")
+    print("(phases: the run cut where the last step with prompt tokens ends on the last stage's device; steps: the "
+          "last stage's; x one GPU: tp1's time for the part over this layout's)")
     save(results)
 
 

@@ -37,6 +37,12 @@ Parts (--parts, comma-separated; default all, run in this order):
            the swapped and fused GEMMs at 64 / 256 rows, bf16 and the engine's path beside them
            (scripts/gpu_int4_sweep.py; INT4_SWEEP_BUDGET_S caps its timing loop, default 80 s;
            INT4_SWEEP_SET=stream: the one-row access-pattern variants, read probes, PDL chains)
+  int4gemm (not by default) the INT4 GEMM on the mma layout (scripts/gpu_int4_gemm.py) against the
+           engine's dequantize + cuBLAS and bf16 cuBLAS per Llama-8B linear at 16-1024 rows
+  int4bf16head (not by default) the int4 engine at batch 1 with the bf16 LM head (TOKENMILL_LM_HEAD_8BIT=off):
+           the 8-bit head's A/B
+  int4profile (not by default) the INT4 engine under `profile`'s per-kernel-group step profile: decode
+           at 256 rows and at batch 1, an eager 8192-token prefill step (scripts/gpu_quant_fp8.profile_one)
   profile  (not by default) bf16 and fp8 engines: a decode step of 256 rows (graph) and an eager
            prefill step of 8192 tokens under torch.profiler, time per kernel group side by side,
            and each throughput workload's physical bound (scripts/gpu_quant_fp8.py)
@@ -457,6 +463,7 @@ ENGINES = {
     "fp8": ({"quantization": "fp8"}, ["256x256x128", "1000x512x256", "batch1"]),
     "int4": ({"gptq": True}, ["batch1", "256x256x128"]),
     "int4panels": ({"gptq": True}, ["batch1"]),  # TOKENMILL_INT4_MMA=0: the panel GEMV (engine_part sets it)
+    "int4bf16head": ({"gptq": True}, ["batch1"]),  # TOKENMILL_LM_HEAD_8BIT=off: the bf16 head (engine_part sets it)
     "kvfp8": ({"kv_cache_dtype": "fp8"}, ["attention", "1000x512x256", "batch1_16k"]),  # attention: kernels alone
     # What FP8 serving usually means (weights and KV cache): a figure beside the goals, not one of them.
     "fp8kv": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["256x256x128", "1000x512x256"]),
@@ -467,6 +474,7 @@ GOALS = [("fp8", "256x256x128", 1.5, True), ("fp8", "1000x512x256", 1.5, True), 
          ("kvfp8", "kv_blocks", 2.0, True), ("kvfp8", "1000x512x256", 1.0, True),
          ("kvfp8", "batch1_16k", 1.0, False)]
 INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256"), ("int4panels", "batch1")]  # ratios printed, no goal
+INFO.append(("int4bf16head", "batch1"))
 
 
 def _int4_engine_layout_check(results: dict, device: str = "cuda", n: int = 6144, k: int = 4096) -> None:
@@ -508,7 +516,9 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     kwargs = dict(kwargs)
     if label == "int4panels":  # this part's own process (and the engine's, which inherit it)
         os.environ["TOKENMILL_INT4_MMA"] = "0"
-    if label in ("int4", "int4panels") and not smoke:  # what the engine times must be right: its layout checked first
+    if label == "int4bf16head":  # the int8 head off: A/B against the int4 part's batch 1
+        os.environ["TOKENMILL_LM_HEAD_8BIT"] = "off"
+    if label in ("int4", "int4panels", "int4bf16head") and not smoke:  # what the engine times must be right: its layout checked first
         _int4_engine_layout_check(results)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
     extra = dict(device="cpu", enforce_eager=True, kv_cache_memory_gb=0.05) if smoke else {}
@@ -896,10 +906,13 @@ PARTS = ["kernels", "bf16", "fp8", "int4", "int4panels", "kvfp8", "fp8kv", "micr
          "w8a8"]
 PARTS += ["pdlplant", "pdl", "siluquant", "fp8engines"]  # scripts/gpu_fp8_engines.py (not by default)
 PARTS += ["b1"]  # scripts/gpu_fp8_batch1.py (not by default)
+PARTS += ["int4gemm", "int4profile"]  # scripts/gpu_int4_gemm.py; the int4 engine under profile_one (not by default)
+PARTS.insert(PARTS.index("int4") + 1, "int4bf16head")  # the int4 engine with the bf16 LM head (not by default)
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 110, "int4panels": 80, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
 PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90})
+PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80})
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -923,6 +936,15 @@ def run_part(name: str, smoke: bool) -> dict:
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_int4_sweep
             gpu_int4_sweep.sweep(results, device, _time_ms, _cycled, check)
+        elif name == "int4gemm":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_int4_gemm
+            gpu_int4_gemm.sweep(results, device, _time_ms, _cycled, check, OUT)
+        elif name == "int4profile":  # where an INT4 engine's decode steps (256 rows, batch 1) and prefill go
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_quant_fp8
+            gpu_quant_fp8.profile_one(results, "int4", smoke, SMOKE if smoke else LLAMA8B,
+                                      lambda shape: config_dir(shape, GPTQ_CONFIG), OUT)
         elif name == "b1":
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_batch1
@@ -1044,7 +1066,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
-                                                                          "int4panels", "b1")))
+                                                                          "int4panels", "b1", "int4gemm",
+                                                                          "int4profile", "int4bf16head")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")

@@ -120,3 +120,42 @@ def test_the_bubble_is_the_steady_states_idle_split_into_imbalance_and_stalls() 
     for s in (first, last):  # the gaps' causes account for the steady idle
         assert sum(s["idle_causes_ms"].values()) == pytest.approx(s["idle_ms"])
     assert "BUBBLE 14.6% in the steady state" in format_report("pp2", f)
+
+
+def test_host_pauses_count_collections_and_long_host_spans() -> None:
+    # Stage 0's worker: a full collection of 6 and one of generation 1 inside the run, one after
+    # it (not counted); its prepare spans: one of 0.1 (every step's) and one of 5 (a stall).
+    trace = _trace([[(1, 0, 10, 4), (2, 10, 20, 4)], [(1, 11, 22, 4), (2, 22, 33, 4)]], submits={1: -1.0, 2: 5.0})
+    worker0 = 2
+    trace["traceEvents"] += [
+        {"name": "gc", "ph": "X", "pid": worker0, "tid": 1, "ts": 3.0, "dur": 6e3, "args": {"generation": 2}},
+        {"name": "gc", "ph": "X", "pid": worker0, "tid": 1, "ts": 4.0, "dur": 500.0, "args": {"generation": 1}},
+        {"name": "gc", "ph": "X", "pid": worker0, "tid": 1, "ts": 90.0, "dur": 9e3, "args": {"generation": 2}},
+        {"name": "prepare", "ph": "X", "pid": worker0, "tid": 1, "ts": 12.0, "dur": 5e3}]
+    pauses = analyze(trace)["host_pauses"]
+    stage0 = next(v for k, v in pauses.items() if k.startswith("worker0"))
+    assert stage0["gc_count"] == 2 and stage0["gc_full"] == 1
+    assert stage0["gc_ms"] == pytest.approx(6.5) and stage0["gc_max_ms"] == pytest.approx(6.0)
+    assert stage0["spikes"] == {"prepare": 1}
+    stage1 = next(v for k, v in pauses.items() if k.startswith("worker1"))
+    assert stage1["gc_count"] == 0 and stage1["spikes"] == {}
+    assert "longest 6.0 ms" in format_report("pp2", analyze(trace))
+
+
+def test_run_phases_cut_a_pipeline_and_one_gpu_alike() -> None:
+    from tokenmill.benchmarks.pipeline_trace import run_phases
+    # Two stages: prompt steps (40 tokens) end on the last stage at 33; decode runs to 46.
+    trace = _trace([[(1, 0, 10, 40), (2, 10, 20, 40), (3, 25, 35, 4)],
+                    [(1, 11, 22, 40), (2, 22, 33, 40), (3, 36, 46, 4)]], submits={})
+    phases = run_phases(trace)
+    assert phases["prompt"] == {"ms": pytest.approx(33e-3), "steps": 2}
+    assert phases["decode"] == {"ms": pytest.approx(13e-3), "steps": 1}
+    # One GPU: its only worker's track (named without a stage).
+    one = _trace([[(1, 0, 20, 40), (2, 20, 24, 4), (3, 25, 29, 4)]], submits={})
+    for e in one["traceEvents"]:
+        if e["name"] == "process_name" and e["pid"] == 2:
+            e["args"]["name"] = "worker0 (pid 2)"
+    phases = run_phases(one)
+    assert phases["prompt"]["ms"] == pytest.approx(20e-3) and phases["decode"] == {"ms": pytest.approx(9e-3),
+                                                                                    "steps": 2}
+    assert run_phases({"traceEvents": []}) == {}

@@ -54,14 +54,21 @@ def wire(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float16])
 # n=2048: one row per tile, so up to 6 tiles share the interpreter's 2 programs (`max_programs`),
 # and the tiles' call counts (epochs) drift apart as the row count varies.
-@pytest.mark.parametrize("world,rows_per_call,n", [(2, (1, 3, 1, 2), 64), (2, (5, 2, 6, 1), 2048),
-                                                   (2, (2, 1), 96), (3, (3, 1, 4, 2), 32)])
-def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, n):
+# tiles: the default launch shape, or another (`LamportTiles`: rows per tile, warps, programs per SM;
+# `bench all-reduce --lamport-tiles` times them on the GPUs).
+@pytest.mark.parametrize("world,rows_per_call,n,tiles", [
+    (2, (1, 3, 1, 2), 64, None), (2, (5, 2, 6, 1), 2048, None), (2, (2, 1), 96, None), (3, (3, 1, 4, 2), 32, None),
+    (2, (5, 2, 9, 1), 64, "4:2:1"), (2, (3, 1, 2), 96, "1:4:2:pdl"), (2, (5, 2, 6, 1), 2048, "1:4:1:pre"),
+    (3, (3, 1, 4), 32, "2:2:1:pdl+pre")])
+def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, n, tiles):
     torch.manual_seed(0)
     ranks = make_group(world)
+    if tiles is not None:
+        for r in ranks:
+            r.lamport_tiles = lamport.LamportTiles.parse(tiles)
     weight = torch.randn(n).to(dtype)
     eps = 1e-5
-    tile_rows = lamport.rows_per_program(n)
+    tile_rows = lamport.tiles_for(n).rows if tiles is None else lamport.LamportTiles.parse(tiles).rows
     tile_elems = tile_rows * n
     calls_of_tile = [0] * 64  # per tile: how often it ran (its epoch), the same on every rank
     for rows in rows_per_call:
@@ -104,6 +111,22 @@ def test_lamport_kernel_equals_the_torch_reference(dtype, world, rows_per_call, 
             calls_of_tile[t] += 1
 
 
+def test_lamport_tiles_from_text_and_environment(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_LAMPORT_TILES", raising=False)
+    # the fastest of the shapes measured on two H100s (1:8:3:pdl), and its kind at other widths
+    assert lamport.tiles_for(4096) == lamport.LamportTiles(1, 8, 3, pdl=True)
+    assert lamport.tiles_for(64) == lamport.LamportTiles(32, 4, 3, pdl=True)
+    monkeypatch.setenv("TOKENMILL_LAMPORT_TILES", "2:16:2")
+    assert lamport.tiles_for(4096) == lamport.LamportTiles(2, 16, 2)
+    assert lamport.LamportTiles.parse("1:16:1:pdl") == lamport.LamportTiles(1, 16, 1, pdl=True)
+    assert lamport.LamportTiles.parse("1:16:1:pre+pdl") == lamport.LamportTiles(1, 16, 1, pdl=True, prefetch=True)
+    for bad in ("3:16", "2", "2:12:1", "2:16:9", "a:b", "1:16:1:yes", "1:16:1:pdl:pre"):
+        with pytest.raises(ValueError, match="lamport tiles"):
+            lamport.LamportTiles.parse(bad)
+    # programs: one per SM until the compiled kernel said how many fit (off CUDA: always the count given)
+    assert lamport.programs(torch.device("cpu"), 4096, lamport.LamportTiles(1, 8, 4), 132) == 132
+
+
 def test_what_the_lamport_variant_does_not_take():
     rank = make_group(2)[0]
     w = torch.zeros(64, dtype=torch.float16)
@@ -139,3 +162,21 @@ def test_which_variant_the_environment_asks_for(monkeypatch):
     monkeypatch.setenv("TOKENMILL_ALL_REDUCE_NORM_VARIANT", "ring")
     with pytest.raises(ValueError, match="TOKENMILL_ALL_REDUCE_NORM_VARIANT"):
         variant_wanted()
+
+
+def test_programs_per_sm_from_the_compiled_kernel(monkeypatch):
+    """Registers decide (sm_90 figures of the kernel at hidden 4096, compiled offline): 50 a thread
+    at 16 warps -> 2 programs an SM, 80 at 8 warps -> 3; unknown registers -> 1."""
+    from types import SimpleNamespace
+    props = SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                            shared_memory_per_multiprocessor=233472)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+
+    def kernel(regs, shared):
+        return SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=shared))
+
+    assert lamport.resident_per_sm(kernel(50, 16384), 16, None) == 2
+    assert lamport.resident_per_sm(kernel(80, 8192), 8, None) == 3
+    assert lamport.resident_per_sm(kernel(36, 8192), 32, None) == 1
+    assert lamport.resident_per_sm(kernel(24, 120000), 4, None) == 1  # shared memory decides
+    assert lamport.resident_per_sm(SimpleNamespace(), 16, None) == 1

@@ -51,15 +51,17 @@ def test_three_micro_batches_on_two_stages(family_dirs, one_process_reference) -
         assert_idle(llm)
 
 
-@pytest.mark.parametrize("microbatches", [2, 3])
-def test_device_tokens_on_two_stages(family_dirs, one_process_reference, microbatches) -> None:
+@pytest.mark.parametrize("microbatches,partition", [(2, None), (3, None), (2, "1.5,1.5")])
+def test_device_tokens_on_two_stages(family_dirs, one_process_reference, microbatches, partition) -> None:
     """`pp_device_tokens`: rows run on tokens still in flight, which the first stage takes from the
-    last one's send (gloo here): the same tokens, and placeholders were really scheduled."""
+    last one's send (gloo here): the same tokens, and placeholders were really scheduled. With half
+    layers too (the GPU bench's pp2-dt-h33.31)."""
     reference = one_process_reference("llama")
     with LLM(family_dirs["llama"], pipeline_parallel_size=2, pp_device_tokens=True, pp_microbatches=microbatches,
-             **ENGINE) as llm:
+             pp_layer_partition=partition, **ENGINE) as llm:
         outputs = llm.generate(PROMPTS, greedy_params(NEW_TOKENS), use_tqdm=False)
-        assert_matches_one_process(reference, outputs, f"llama pp=2 device tokens, {microbatches} micro-batches")
+        assert_matches_one_process(reference, outputs,
+                                   f"llama pp=2 device tokens, {microbatches} micro-batches, split {partition}")
         assert_idle(llm)
         first = next(p for p in llm.telemetry().processes if p.role == "worker0")
         placeholders = first.channels.get("pp_placeholder_rows")

@@ -28,7 +28,7 @@ _METHODS = ("nccl", "one_shot", "two_shot")
 
 def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, out: str | None,
             fused: list[int], hidden: int, variants: tuple[str, ...] = ("pull", "push", "lamport"),
-            overlap: list[int] = ()) -> None:
+            overlap: list[int] = (), lamport_tiles: list[str] = ()) -> None:
     import torch
     import torch.distributed as dist
 
@@ -117,7 +117,7 @@ def _worker(rank: int, world: int, port: int, sizes_kib: list[int], calls: int, 
         from tokenmill.benchmarks.all_reduce_norm import run_fused
         # Each variant of the kernel (`all_reduce_norm.VARIANTS`), checked and timed alike.
         for variant in variants:
-            fused_rows += run_fused(group, device, symm, hidden, fused, calls, variant)
+            fused_rows += run_fused(group, device, symm, hidden, fused, calls, variant, lamport_tiles)
         failed += [f"fused {r['variant']} {r['rows']} rows" for r in fused_rows if not r["ok"]]
         if rank == 0 and not all(r["ok"] for r in fused_rows):
             print("fused all-reduce + norm failed its checks", flush=True)
@@ -144,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                                "--tp", str(args.tp), "--port", str(port), "--sizes-kib", args.sizes_kib,
                                "--calls", str(args.calls), "--fused-rows", args.fused_rows,
                                "--hidden", str(args.hidden), "--fused-variants", args.fused_variants,
-                               "--overlap-rows", args.overlap_rows,
+                               "--overlap-rows", args.overlap_rows, "--lamport-tiles", args.lamport_tiles,
                                *(["--output-json", args.output_json]
                                                              if args.output_json else [])], env=env)
              for rank in range(args.tp)]
@@ -162,6 +162,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fused-variants", default="pull,push,lamport", help="the fused kernel's variants to run")
     p.add_argument("--overlap-rows", default="", help="rows of the TP overlap's check and timing (halves "
                    "against one batch, `all_reduce_overlap.py`; '' for none), e.g. 1024,8192")
+    p.add_argument("--lamport-tiles", default="", help="the lamport variant's launch shapes, rows:warps:per_sm "
+                   "separated by ',' (e.g. 1:16:1,2:16:1,1:8:2), each checked and timed ('': the engine's)")
     p.add_argument("--port", type=int, default=29611)
     p.add_argument("--output-json", default=None)
 
@@ -182,7 +184,8 @@ def main() -> int:
         return run(args)
     _worker(args.worker, args.tp, args.port, [int(v) for v in args.sizes_kib.split(",") if v], args.calls,
             args.output_json, [int(v) for v in args.fused_rows.split(",") if v], args.hidden,
-            tuple(v for v in args.fused_variants.split(",") if v), [int(v) for v in args.overlap_rows.split(",") if v])
+            tuple(v for v in args.fused_variants.split(",") if v), [int(v) for v in args.overlap_rows.split(",") if v],
+            [v for v in args.lamport_tiles.split(",") if v])
     return 0
 
 

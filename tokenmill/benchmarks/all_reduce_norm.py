@@ -44,10 +44,12 @@ def _graph_us(fn, calls: int, replays: int = 10) -> float:
 
 
 def run_fused(group, device: torch.device, symm, hidden: int, rows_list: list[int], calls: int,
-              variant: str = "pull") -> list[dict]:
+              variant: str = "pull", lamport_tiles: list[str] = ()) -> list[dict]:
     """`variant`: the kernel's (`all_reduce_norm`: pull, push, lamport). Lamport gets a buffer that
     holds the largest row count asked for (it is meant for prefill-sized messages too); the others
-    the engine's and skip the rows it does not hold."""
+    the engine's and skip the rows it does not hold. `lamport_tiles`: lamport's launch shapes
+    ("rows:warps:per_sm", `all_reduce_norm_lamport.LamportTiles`), each checked and timed at every
+    row count (default: the engine's)."""
     from tokenmill.distributed.all_reduce_norm import FusedAllReduceNorm, FusedNormLimits, reference
     from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
 
@@ -61,7 +63,11 @@ def run_fused(group, device: torch.device, symm, hidden: int, rows_list: list[in
         raise RuntimeError("the fused all-reduce + norm could not be set up (see the warning above)")
     eps = 1e-5
     out_rows = []
-    for rows in rows_list:
+    shapes = [None] if variant != "lamport" or not lamport_tiles else list(lamport_tiles)
+    for tiles_text, rows in [(t, r) for t in shapes for r in rows_list]:
+        if tiles_text is not None and (rows == rows_list[0]):
+            from tokenmill.distributed.all_reduce_norm_lamport import LamportTiles
+            fused.set_lamport_tiles(LamportTiles.parse(tiles_text))
         probe = torch.empty(rows, hidden, device=device, dtype=torch.bfloat16)
         if not fused.applies(probe, probe.float(), probe[0]):  # more than its buffer holds
             continue
@@ -80,7 +86,7 @@ def run_fused(group, device: torch.device, symm, hidden: int, rows_list: list[in
         res_list = [torch.empty_like(got_res) for _ in range(world)]
         dist.all_gather(res_list, got_res, group=group)
         row: dict = {"rows": rows, "hidden": hidden, "kib": rows * hidden * 2 >> 10, "variant": variant,
-                     "push": variant == "push"}
+                     "push": variant == "push", "tiles": tiles_text or (str(fused.lamport_tiles) if variant == "lamport" else None)}
         row["ref_res_max_diff"] = (got_res - want_res).abs().max().item()
         row["ref_out_max_diff"] = (got_out.float() - want_out.float()).abs().max().item()
         row["apart_res_max_diff"] = (got_res - apart_res).abs().max().item()
@@ -117,19 +123,23 @@ def run_fused(group, device: torch.device, symm, hidden: int, rows_list: list[in
 
         res_t = residual.clone()
         row["fused_graph_us"] = _graph_us(lambda: fused(x, res_t, weight, eps), calls)
-        row["one_shot_norm_graph_us"] = _graph_us(
-            lambda: fused_add_rms_norm(symm.all_reduce(x, "one_shot"), res_t, weight, eps), calls)
 
         def nccl_norm():
             y = x.clone()
             dist.all_reduce(y, group=group)
             return fused_add_rms_norm(y, res_t, weight, eps)
 
-        row["nccl_norm_graph_us"] = _graph_us(nccl_norm, calls)
+        if tiles_text is None or tiles_text == shapes[0]:  # (the ones apart: once per row count)
+            row["one_shot_norm_graph_us"] = _graph_us(
+                lambda: fused_add_rms_norm(symm.all_reduce(x, "one_shot"), res_t, weight, eps), calls)
+            row["nccl_norm_graph_us"] = _graph_us(nccl_norm, calls)
+        else:
+            row["one_shot_norm_graph_us"] = row["nccl_norm_graph_us"] = float("nan")
         row["ok"] = row["ok"] and row["chain_ok"]
         out_rows.append(row)
         if rank == 0:
-            print(f"fused {variant:<7} {rows:>4} x {hidden} ({row['kib']:>5} KiB)  fused {row['fused_graph_us']:6.1f} us  "
+            tiles_note = f" tiles {tiles_text}" if tiles_text else ""
+            print(f"fused {variant:<7}{tiles_note} {rows:>4} x {hidden} ({row['kib']:>5} KiB)  fused {row['fused_graph_us']:6.1f} us  "
                   f"one-shot+norm {row['one_shot_norm_graph_us']:6.1f} us  nccl+norm {row['nccl_norm_graph_us']:6.1f} us"
                   f"  |res-ref| {row['ref_res_max_diff']:.2g} |out-ref| {row['ref_out_max_diff']:.2g} "
                   f"|res-apart| {row['apart_res_max_diff']:.2g} |out-apart| {row['apart_out_max_diff']:.2g} "

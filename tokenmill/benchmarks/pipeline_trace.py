@@ -54,6 +54,10 @@ from collections.abc import Iterable
 from tokenmill.distributed.stage_balance import balanced_for_mix, costs_from_stage_times
 
 
+SPIKE_MS = 3.0  # a host span longer than this is a stall worth counting (steady ones take ~0.1-1 ms)
+HOST_SPANS = ("schedule", "update", "submit", "prepare", "decode", "readback", "sample", "send")
+
+
 def load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -80,6 +84,29 @@ def stage_spans(by_track: dict[str, list[dict]]) -> list[list[tuple[float, float
             return stages
         stages.append([(e["ts"], e["ts"] + e["dur"], e.get("args") or {}) for e in by_track[label]
                        if e["name"] == "device_step" and "step" in (e.get("args") or {})])
+
+
+def run_phases(trace: dict) -> dict:
+    """Any engine's trace (one GPU or a pipeline): the run cut where the last step with prompt
+    tokens ends on the last (or only) worker's device. Per part, its wall time in ms and steps,
+    so that two layouts compare phase by phase (where the prompt chunks' or the decode steps'
+    speed-up falls short); {} without device spans."""
+    by_track = tracks(trace)
+    stages = stage_spans(by_track)
+    if stages and all(stages):
+        first, last = stages[0], stages[-1]
+    else:
+        worker = next((v for k, v in by_track.items() if k.startswith("worker0")), [])
+        first = last = [(e["ts"], e["ts"] + e["dur"], e.get("args") or {}) for e in worker
+                        if e["name"] == "device_step" and "step" in (e.get("args") or {})]
+    if not last:
+        return {}
+    begin, end = first[0][0], last[-1][1]
+    prompt_ends = [e for _, e, a in last if _kind(a) == "prompt"]
+    cut = max(prompt_ends) if prompt_ends else begin
+    return {"prompt": {"ms": (cut - begin) / 1e3, "steps": sum(1 for s, _, _ in last if s < cut)},
+            "decode": {"ms": (end - cut) / 1e3, "steps": sum(1 for s, _, _ in last if s >= cut)},
+            "window_ms": (end - begin) / 1e3}
 
 
 def _median(values: Iterable[float]) -> float | None:
@@ -175,11 +202,35 @@ def analyze(trace: dict) -> dict:
         spans = [e for e in core if e["name"] == name and begin <= e["ts"] <= end]
         core_ms[name] = sum(e["dur"] for e in spans) / 1e3
     figures["core_ms"] = core_ms
+    figures["host_pauses"] = host_pauses(by_track, begin, end)
     figures["bubble_fraction"] = statistics.mean(s["bubble_fraction"] for s in figures["stages"])
     figures["bubble_between_steps_fraction"] = statistics.mean(
         s["bubble_between_steps_fraction"] for s in figures["stages"])
     figures["bubble_steady_fraction"] = statistics.mean(s["steady"]["bubble_fraction"] for s in figures["stages"])
     return figures
+
+
+def host_pauses(by_track: dict[str, list[dict]], begin: float, end: float, spike_ms: float = SPIKE_MS) -> dict:
+    """Per process (the core and each worker), within the run: its garbage collections (`gc`
+    events, `metrics/gc_pauses.py`: count, full ones, total and longest ms) and its host spans
+    (`schedule`, `prepare`, ...) longer than `spike_ms`, by name: the stalls a closed pipeline
+    loop passes on to every stage."""
+    out = {}
+    for label, events in by_track.items():
+        if not (label.startswith("core") or "rank" in label):
+            continue
+        inside = [e for e in events if begin <= e["ts"] <= end]
+        gcs = [e for e in inside if e["name"] == "gc"]
+        spikes: dict[str, int] = {}
+        for e in inside:
+            if e["name"] in HOST_SPANS and e["dur"] > spike_ms * 1e3:
+                spikes[e["name"]] = spikes.get(e["name"], 0) + 1
+        out[label] = {"gc_count": len(gcs),
+                      "gc_full": sum(1 for e in gcs if (e.get("args") or {}).get("generation") == 2),
+                      "gc_ms": sum(e["dur"] for e in gcs) / 1e3,
+                      "gc_max_ms": max((e["dur"] for e in gcs), default=0.0) / 1e3,
+                      "spikes": spikes}
+    return out
 
 
 def _phases(stages: list[list[tuple[float, float, dict]]], begin: float, end: float) -> dict:
@@ -257,6 +308,10 @@ def format_report(label: str, figures: dict) -> str:
             for k, v in phases.items()))
     core = figures["core_ms"]
     lines.append("  core: " + ", ".join(f"{k} {v / 1e3:.2f} s" for k, v in core.items()))
+    for name, p in (figures.get("host_pauses") or {}).items():
+        spikes = ", ".join(f"{k} {v}" for k, v in sorted(p["spikes"].items())) or "none"
+        lines.append(f"  {name}: gc {p['gc_count']} collections ({p['gc_full']} full), {p['gc_ms']:.1f} ms, "
+                     f"longest {p['gc_max_ms']:.1f} ms; host spans over {SPIKE_MS:g} ms: {spikes}")
     split = figures.get("partition")
     if split:
         kinds = "; ".join(f"{k}: a layer {v['layer_ms']:.3f} ms, head {v['head_ms']:.3f} ms ({v['steps']} steps)"

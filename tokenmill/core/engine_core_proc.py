@@ -23,6 +23,7 @@ import zmq
 
 from tokenmill.child_process import die_with_parent, exit_now, init_child_process
 from tokenmill.errors import EngineDeadError, error_report
+from tokenmill.metrics.gc_pauses import freeze_heap
 from tokenmill.protocol import (AbortRequests, CoreInputKind, CoreLaunch, CoreOutputKind, EngineCoreOutput,
                                 EngineCoreOutputs, EngineCoreReady, EngineCoreRequest, FinishReason, UtilityCall,
                                 UtilityResult)
@@ -82,6 +83,7 @@ class EngineCoreProc:
                 workers.shutdown()
             self._send(CoreOutputKind.ERROR, error_report(exc))
             return 1
+        freeze_heap()  # start-up's heap, out of the collector's way (gc_pauses.py)
         self._input.start()
         output_thread = threading.Thread(target=self._output_thread, name="core-output", daemon=True)
         output_thread.start()

@@ -136,6 +136,9 @@ class FusedAllReduceNorm:
         self._row_layout: tuple[int, torch.dtype] | None = None
         self.variant = variant
         self.push = variant == "push"  # the kernel's push variant: a half holds one slot per rank
+        # lamport: how a launch cuts the rows (`all_reduce_norm_lamport.tiles_for`), fixed with the
+        # row layout; `set_lamport_tiles` changes it between calls (collective, `bench all-reduce`).
+        self.lamport_tiles = None
 
     @staticmethod
     def create(group, device: torch.device, limits: FusedNormLimits | None = None,
@@ -207,6 +210,9 @@ class FusedAllReduceNorm:
         rows, n = x.shape
         if self._row_layout is None:
             self._row_layout = (n, x.dtype)
+            if self.variant == "lamport" and self.lamport_tiles is None:
+                from tokenmill.distributed.all_reduce_norm_lamport import tiles_for
+                self.lamport_tiles = tiles_for(n)
         elif self._row_layout != (n, x.dtype):
             return False
         if not (residual.shape == x.shape and residual.is_contiguous() and residual.dtype in (x.dtype, torch.float32)
@@ -214,8 +220,14 @@ class FusedAllReduceNorm:
             return False
         if self.variant == "lamport":
             from tokenmill.distributed.all_reduce_norm_lamport import fits
-            return fits(rows, n, self.limits.half_bytes, self.world)
+            return fits(rows, n, self.limits.half_bytes, self.world, self.lamport_tiles)
         return num_programs(rows, n) <= MAX_PROGRAMS
+
+    def set_lamport_tiles(self, tiles) -> None:
+        """Cut later calls' rows by `tiles` (`all_reduce_norm_lamport.LamportTiles`): a tile's rows and
+        its counter change meaning, so every rank's buffer and counters start afresh (collective)."""
+        self.lamport_tiles = tiles
+        self._reset()
 
     def max_message(self) -> int:
         """Bytes of the largest partial the kernel takes (push, lamport: a half holds every rank's)."""
@@ -228,7 +240,8 @@ class FusedAllReduceNorm:
         if self.variant == "lamport":
             from tokenmill.distributed import all_reduce_norm_lamport
             out = all_reduce_norm_lamport.launch(x, residual, weight, eps, self.peers, self.counters, self.rank,
-                                                 self.world, self.limits.half_bytes, self._programs)
+                                                 self.world, self.limits.half_bytes, self._programs,
+                                                 self.lamport_tiles)
             return out, residual
         from tokenmill.distributed.all_reduce_norm_kernel import launch
         out = launch(x, residual, weight, eps, self.peers, self.counters, self.rank, self.world,

@@ -60,9 +60,17 @@ def add_rms_norm_store(total, res_ptr, w, out_ptr, tile, mask, inv_n, eps):
     """The epilogue both kernels share: the ranks' float32 sum `total` added to the residual (stored in
     place, in its dtype), then RMSNorm of it with HF's roundings times `w` (float32 [BLOCK]) into out
     (the activation dtype)."""
+    add_rms_norm_store_loaded(tl.load(res_ptr + tile, mask=mask, other=0.0), total, res_ptr, w, out_ptr, tile,
+                              mask, inv_n, eps)
+
+
+@triton.jit
+def add_rms_norm_store_loaded(residual, total, res_ptr, w, out_ptr, tile, mask, inv_n, eps):
+    """`add_rms_norm_store` with the residual's tile already loaded (`residual`, in its dtype): a
+    kernel may issue that load before it waits for its peers."""
     dtype = out_ptr.dtype.element_ty
     res_ptrs = res_ptr + tile
-    summed = (tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32) + total).to(res_ptr.dtype.element_ty)
+    summed = (residual.to(tl.float32) + total).to(res_ptr.dtype.element_ty)
     tl.store(res_ptrs, summed, mask=mask)
     h = summed.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=1) * inv_n + eps)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import time
 
+from tokenmill.metrics.gc_pauses import trace_pauses
 from tokenmill.metrics.message_stats import MessageStats
 from tokenmill.metrics.step_timings import StepTimings
 from tokenmill.metrics.step_trace import StepTrace
@@ -38,6 +39,8 @@ class Telemetry:
         self.channels: dict[str, MessageStats] = {}
         self.timings = StepTimings()
         self.trace = StepTrace(trace_path, role, label) if trace_path else None
+        # The garbage collector's pauses on the trace (they stall the step loop; gc_pauses.py).
+        self._stop_gc_trace = trace_pauses(self.trace.add) if self.trace is not None else None
         self._since = time.perf_counter()
 
     def channel(self, name: str) -> MessageStats:
@@ -67,5 +70,8 @@ class Telemetry:
 
     def close(self) -> None:
         """Write this process's trace part, if tracing."""
+        if self._stop_gc_trace is not None:
+            self._stop_gc_trace()
+            self._stop_gc_trace = None
         if self.trace is not None:
             self.trace.write_part()

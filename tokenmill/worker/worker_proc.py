@@ -19,6 +19,7 @@ import zmq
 
 from tokenmill.child_process import die_with_parent, exit_now, init_child_process
 from tokenmill.errors import error_report
+from tokenmill.metrics.gc_pauses import freeze_heap
 from tokenmill.protocol import (GrammarBitmask, SchedulerOutput, WorkerCall, WorkerCallResult, WorkerInputKind,
                                 WorkerLaunch, WorkerOutputKind)
 from tokenmill.transport.channels import REPLY_HEAD
@@ -153,6 +154,8 @@ class WorkerProc:
                     raise ValueError(f"unknown worker call {call.method!r}")
                 method = getattr(worker, call.method)
                 value = method() if call.arg is None else method(call.arg)
+                if call.method == "init_kv_cache":  # start-up's last call: its heap, out of the collector's way
+                    freeze_heap()
                 start = clock()
                 payload = encoder.encode(WorkerCallResult(value))
                 call_results.encoded(len(payload) + REPLY_HEAD.size, clock() - start)

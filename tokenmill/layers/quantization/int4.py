@@ -5,7 +5,9 @@ loading into the one layout the kernel reads (`int4_packing.Int4Weights`).
 CUDA: `triton_int4.int4_matmul` (one row: the panel GEMV of `triton_int4_gemv`, the weight
 repacked into its panels at load; more rows: the streaming / tensor-core kernel of
 `triton_int4_stream`; act-order weights: the per-channel-group kernel; large batches: dequantize,
-then cuBLAS).
+then cuBLAS). Weights in the tensor-core GEMV's layout (the default on CUDA, `for_device`):
+`triton_int4_mma.mma_matmul` (the GEMV up to 8 rows, the GEMM of `triton_int4_mma_gemm` where
+its measured tables list the rows, else dequantize + cuBLAS).
 Elsewhere: the weight is dequantized for each call and the float matmul runs (correct, not fast).
 
 Act-order (GPTQ desc_act) under row parallelism: each rank holds a slice of the input channels
@@ -83,6 +85,48 @@ def mma_selftest(device: torch.device, dtype: torch.dtype) -> bool:
     return _SELFTEST[key]
 
 
+_GEMM_SELFTEST: dict = {}
+
+
+def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
+    """Once per device and dtype: every launch the INT4 GEMM's tables list (`triton_int4_mma_gemm`)
+    on a small random weight against dequantize + matmul, at a row count filling its row tile and
+    one that does not (the compiles the engine's warm-up needs anyway). False (logged): the GEMM
+    is switched off (`ENABLED`) and every row count above 8 takes the other paths."""
+    key = (str(device), dtype)
+    if key not in _GEMM_SELFTEST:
+        from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
+
+        tiles = {t for t in (*gemm.TABLE.values(), *gemm.ROWS_TABLE.values()) if t is not None}
+        ok, why = True, "no launches listed"
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            n, k, group = 256, 512, 128
+            codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
+            wt = packing.from_codes(codes, dtype, act_order=False)
+            qm = packing.to_mma(wt.qweight)
+            ref_w = packing.dequantize(wt, group, torch.float32)
+            counters = torch.zeros(256, dtype=torch.int32, device=device)
+            errs = []
+            for t in sorted(tiles, key=lambda t: t.label()):
+                for m in (t.block_m, t.block_m + 3):
+                    x = torch.randn(m, k, device=device, generator=g).to(dtype)
+                    ref = x.float() @ ref_w
+                    errs.append(((gemm.mma_gemm(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
+                                 / ref.norm()).item())
+            if errs:
+                ok = max(errs) < 1e-2 and not counters.any()
+                why = f"worst relative error {max(errs):.1e} over {len(tiles)} launches"
+        except Exception as e:  # noqa: BLE001 - a compile or launch failure: fall back, loudly
+            ok, why = False, f"{type(e).__name__}: {str(e)[:500]}"
+        if not ok:
+            logger.warning("int4: the GEMM on the mma layout failed its self-test on %s (%s); more than 8 rows "
+                           "take dequantize + cuBLAS", device, why)
+            gemm.ENABLED = False
+        _GEMM_SELFTEST[key] = ok
+    return _GEMM_SELFTEST[key]
+
+
 def for_device(wt: packing.Int4Weights, group: int) -> packing.Int4Weights:
     """On CUDA, words of weights without act-order repacked for the small-batch kernels:
     16-bit activations, K a multiple of 64 and of a group of 64s, N of 16: the tensor-core GEMV's
@@ -98,6 +142,7 @@ def for_device(wt: packing.Int4Weights, group: int) -> packing.Int4Weights:
 
     if (mma_enabled() and wt.scales.dtype in (torch.bfloat16, torch.float16) and layout_fits(n, k, group)
             and mma_selftest(q.device, wt.scales.dtype)):
+        gemm_selftest(q.device, wt.scales.dtype)
         return packing.Int4Weights(packing.to_mma(q), wt.scales, wt.zeros, None)
     panel = gemv_panel(n, k, group, stream_tiles.sm_count(q.device))
     if not panel:

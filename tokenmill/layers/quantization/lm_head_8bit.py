@@ -1,4 +1,4 @@
-"""An 8-bit copy of the LM head for small batches (decode) of an fp8 model on CUDA.
+"""An 8-bit copy of the LM head for small batches (decode) of an fp8 or INT4 model on CUDA.
 
 At batch 1 the LM head of a Llama-3.1-8B shape is 1 GB of bf16 read per token, a tenth of an
 fp8 step (405 us of an H100's ~4 ms). An fp8 W8A8 model (`Fp8LinearMethod` linears) on a GPU
@@ -89,17 +89,25 @@ def quantize_head(weight: torch.Tensor, kind: str = "int8") -> Head8Bit:
     return Head8Bit(q.contiguous(), scale.contiguous(), stream_tiles.SplitCounters(q.shape[0], q.device))
 
 
-def attach(model: nn.Module) -> bool:
-    """Give an fp8 model's LM head (`model.logits_head`) its 8-bit copy where asked for and possible.
-    The copy is also registered as buffers of the module owning the head's weight, so the model's
-    weight bytes (and the KV pool sized after them) count it. Returns whether it attached."""
+def has_quantized_linears(model: nn.Module) -> bool:
+    """Whether the model's linears are fp8 W8A8 or INT4 W4A16: weight-streaming models whose batch-1
+    step the bf16 head would weigh on (an INT4 Llama-8B's head is a quarter of its bytes)."""
     from tokenmill.layers.linear import Linear
     from tokenmill.layers.quantization.fp8 import Fp8LinearMethod
+    from tokenmill.layers.quantization.int4 import Int4LinearMethod
 
+    return any(isinstance(m, Linear) and isinstance(m.quant_method, (Fp8LinearMethod, Int4LinearMethod))
+               for m in model.modules())
+
+
+def attach(model: nn.Module) -> bool:
+    """Give an fp8 or INT4 model's LM head (`model.logits_head`) its 8-bit copy where asked for and possible.
+    The copy is also registered as buffers of the module owning the head's weight, so the model's
+    weight bytes (and the KV pool sized after them) count it. Returns whether it attached."""
     head = getattr(model, "logits_head", None)
     if head is None or not getattr(getattr(model, "layout", None), "is_last_stage", True):
         return False  # (a pipeline stage without the head; a first stage's tied embedding is no head)
-    if not any(isinstance(m, Linear) and isinstance(m.quant_method, Fp8LinearMethod) for m in model.modules()):
+    if not has_quantized_linears(model):
         return False
     kind = wanted()
     if kind is None:

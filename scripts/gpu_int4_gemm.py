@@ -1,0 +1,217 @@
+"""The `int4gemm` part of scripts/gpu_quant.py: the INT4 W4A16 GEMM on the tensor-core GEMV's
+layout (`triton_int4_mma_gemm`) against the engine's path (dequantize the mma layout + cuBLAS
+above 8 rows; the GEMV per 8 rows up to 32) and bf16 cuBLAS, per Llama-8B linear and row count,
+each variant checked against a float32 reference, timed from CUDA-graph replays with weights
+cycled past L2 (HBM-bound, as in a forward). Prints per (rows, linear) the ranking, the layer's
+four linears at their best, and the `triton_int4_mma_gemm.TABLE` lines; writes
+`$OUT/int4gemm.json` after every linear (a killed run keeps what it measured).
+
+INT4_GEMM_SET=next: the launches with every loop load pipelined (see `variants`).
+INT4_GEMM_ROWS: the row counts, in order (default 256,64,1024,128,16,512: what the budget leaves out is
+the last); INT4_GEMM_BUDGET_S caps the timing (default 60 s after compiling); INT4_GEMM_COMPILE_S the
+parallel compile (default 30 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import triton_precompile  # scripts/: compiles a sweep's kernels in parallel processes
+
+LLAMA_SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
+SMOKE_SHAPES = {"gate_up": (256, 256), "down": (128, 512)}
+GROUP = 128
+SMOKE_GROUP = 64
+
+
+def variants(m: int, smoke: bool) -> list:
+    """`triton_int4_mma_gemm.GemmTiles` to try at m rows (INT4_GEMM_SET=next: the mid-session's best
+    beside the same launches with every loop load pipelined: x permuted first, scales and zeros
+    packed into 4-byte words)."""
+    from tokenmill.layers.quantization.triton_int4_mma_gemm import GemmTiles as T
+
+    if smoke:
+        return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2), T(32, 16, 4, 1, flat=False, xperm=True,
+                                                                          psz=True)]
+    if os.environ.get("INT4_GEMM_SET") == "next":
+        if m <= 64:
+            return [T(64, 64, 4, 4, split=2), T(64, 64, 4, 4, flat=False, xperm=True, psz=True, split=2),
+                    T(128, 64, 8, 3, flat=False, xperm=True, psz=True)]
+        return [T(128, 128, 8, 3, flat=False), T(128, 128, 8, 3, flat=False, xperm=True, psz=True),
+                T(128, 256, 8, 3, flat=False, xperm=True, psz=True), T(128, 128, 8, 3, xperm=True, psz=True),
+                T(128, 256, 8, 3, flat=False, xperm=True, psz=True, split=2)]
+    if m <= 16:
+        return [T(64, 16, 4, 4), T(64, 16, 4, 4, split=2), T(64, 16, 4, 4, split=4), T(128, 16, 8, 3),
+                T(128, 16, 8, 3, split=2)]
+    if m <= 64:
+        return [T(64, 64, 4, 4), T(64, 64, 4, 4, split=2), T(128, 64, 8, 3), T(128, 64, 8, 3, split=2),
+                T(64, 32, 4, 4, split=2)]
+    if m <= 128:
+        return [T(128, 128, 8, 3), T(64, 128, 4, 4), T(128, 64, 8, 3), T(128, 128, 8, 3, split=2),
+                T(128, 128, 8, 3, flat=False)]
+    return [T(128, 256, 8, 3), T(128, 256, 8, 2), T(128, 128, 8, 3), T(64, 128, 4, 4), T(64, 256, 4, 3),
+            T(128, 128, 8, 3, flat=False), T(128, 128, 8, 4, group_n=4), T(128, 128, 8, 3, split=2),
+            T(128, 256, 8, 3, split=2), T(128, 256, 8, 3, split=4), T(128, 256, 8, 3, xperm=True)]
+
+
+def _rows(cuda: bool) -> tuple[int, ...]:
+    return tuple(int(r) for r in os.environ.get("INT4_GEMM_ROWS", "256,64,1024,128,16,512" if cuda else "16,48").split(","))
+
+
+def _calls(device: str, smoke: bool):
+    """One small call per compiled variant (sizes multiples of 16, as the Llama shapes)."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
+
+    group = SMOKE_GROUP if smoke else GROUP
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    n, k = (256, 256) if smoke else (1024, 4096)
+    wt = packing.from_codes(packing.quantize_int4(torch.randn(n, k, device=device), group, sym=False), dt,
+                            act_order=False)
+    qm = packing.to_mma(wt.qweight)
+    counters = torch.zeros(4096, dtype=torch.int32, device=device)
+    calls, seen = [], set()
+    for m in _rows(device == "cuda"):
+        x = torch.randn(m, k, device=device, dtype=dt)
+        for t in variants(m, smoke):
+            if t in seen:
+                continue
+            seen.add(t)
+            calls.append((f"gemm {t.label()} m{m}", lambda t=t, x=x: mma_gemm(x, qm, wt.scales, wt.zeros, group, t,
+                                                                               counters)))
+    calls.append(("mma dequant", lambda: mma.mma_dequantize(qm, wt.scales, wt.zeros, group, dt)))
+    return calls
+
+
+def precompile_shard(shard: str) -> None:
+    triton_precompile.compile_shard(_calls("cuda", False), shard)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> None:
+    """time_ms(fn, device[, reps]), cycled(tensors) and check(ok, what) come from gpu_quant.py."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm, packed_scales_zeros
+
+    cuda = device == "cuda"
+    smoke = not cuda
+    shapes = SMOKE_SHAPES if smoke else LLAMA_SHAPES
+    group = SMOKE_GROUP if smoke else GROUP
+    dt = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        triton_precompile.compile_in_processes(__file__, "--precompile", min(15, max(1, (os.cpu_count() or 2) - 1)),
+                                               float(os.environ.get("INT4_GEMM_COMPILE_S", "30")), "int4gemm")
+    deadline = time.perf_counter() + float(os.environ.get("INT4_GEMM_BUDGET_S", "60"))
+    rec = results.setdefault("int4gemm", {})
+    best: dict = {}  # (m, name) -> (ms, tiles)
+    rows = _rows(cuda)
+    data = {}
+    for name, (n, k) in shapes.items():
+        g = torch.Generator(device=device).manual_seed(0)
+        w = torch.randn(n, k, device=device, generator=g).to(dt) * 0.02
+        wt = packing.from_codes(packing.quantize_int4(w, group, sym=False), dt, act_order=False)
+        qm = packing.to_mma(wt.qweight)
+        data[name] = (packing.dequantize(wt, group, torch.float32), qm, wt.scales, wt.zeros,
+                      stream_tiles.SplitCounters(n, torch.device(device)).tensor, cycled([w]),
+                      cycled([qm, wt.scales, wt.zeros, packed_scales_zeros(wt.scales, wt.zeros)]))
+        del w, wt
+    # rows outside, linears inside: the first row count for all four linears first (the budget's cut)
+    for m, (name, (n, k)) in [(m, s) for m in rows for s in shapes.items()]:
+        if time.perf_counter() > deadline:
+            break
+        ref_w, qm, scales, zeros, counters, bf16_w, mma_w = data[name]
+        x = torch.randn(m, k, device=device, dtype=dt)
+        ref = x.float() @ ref_w
+        r = rec.setdefault(f"m{m}/{name}", {})
+
+        def note(label, fn, tiles=None, r=r, m=m, name=name):
+            if time.perf_counter() > deadline:
+                return
+            ms = time_ms(fn, device)
+            r[label] = ms * 1000
+            if tiles is not None and ms < best.get((m, name), (float("inf"),))[0]:
+                best[(m, name)] = (ms, tiles)
+        note("bf16", lambda: x @ bf16_w()[0].t())
+        err = _rel(mma.mma_matmul(x, qm, scales, zeros, group, counters), ref)
+        check(err < 1e-2 and not counters.any(), f"int4 mma_matmul (engine before) {name} m={m}: rel err {err:.1e}")
+        note("engine before", lambda: mma.mma_matmul(x, *mma_w()[:3], group, counters))
+        if m > mma.ROWS:
+            note("dequant + mm", lambda: x @ mma.mma_dequantize(*mma_w()[:3], group, dt))
+        for t in variants(m, smoke):
+            try:
+                err = _rel(mma_gemm(x, qm, scales, zeros, group, t, counters), ref)
+                if err > 1e-2 or counters.any():
+                    check(False, f"int4 mma GEMM {name} m={m} {t.label()}: rel err {err:.1e}, counters zeroed "
+                                 f"{not counters.any()}")
+                    continue
+                note(t.label(), lambda t=t: _gemm_on(mma_w(), x, group, t, counters), t)
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                check(False, f"int4 mma GEMM {name} m={m} {t.label()}: {type(e).__name__}: {str(e)[:400]}")
+        ranked = sorted((v, lab) for lab, v in r.items())
+        print(f"  m{m} {name} {n}x{k}: " + "; ".join(f"{lab} {v:.1f}" for v, lab in ranked), flush=True)
+        _write(results, out_dir)
+    if cuda and time.perf_counter() < deadline:  # in a CUDA graph, replayed: split-K counters reset every time
+        from tokenmill.layers.quantization.triton_int4_mma_gemm import GemmTiles
+        ref_w, qm, scales, zeros, counters, _, _ = data["qkv"]
+        xs = [torch.randn(64, qm.shape[1] * 64, device=device, dtype=dt) for _ in range(3)]
+        t = GemmTiles(64, 64, 4, 4, split=2)
+        mma_gemm(xs[0], qm, scales, zeros, group, t, counters)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [mma_gemm(xi, qm, scales, zeros, group, t, counters) for xi in xs]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        errs = [_rel(o, xi.float() @ ref_w) for o, xi in zip(outs, xs)]
+        check(max(errs) < 1e-2 and not counters.any(), f"int4 mma GEMM {t.label()} replayed in a CUDA graph: "
+                                                       f"rel err {max(errs):.1e}")
+        del graph, outs
+    summary = {}
+    for m in rows:
+        per = {nm: rec.get(f"m{m}/{nm}", {}) for nm in shapes}
+        if not all(per.values()) or not all((m, nm) in best for nm in shapes):
+            continue
+        tot = {key: sum(per[nm].get(key, float("nan")) for nm in shapes) for key in ("bf16", "engine before")}
+        tot["gemm best each"] = sum(best[(m, nm)][0] for nm in shapes) * 1000
+        summary[f"m{m}"] = tot
+        print(f"  INT4GEMM m{m}: the layer's four linears: bf16 {tot['bf16']:.0f} us, engine before "
+              f"{tot['engine before']:.0f}, GEMM best each {tot['gemm best each']:.0f} "
+              f"({tot['gemm best each'] / tot['bf16']:.2f}x bf16)", flush=True)
+    for (m, nm), (ms, t) in sorted(best.items()):
+        n, k = shapes[nm]
+        before = rec[f"m{m}/{nm}"].get("engine before", float("inf"))
+        print(f"  GEMM TABLE ({m}, {n}, {k}): {t.code()},  # {ms * 1000:.1f} us (engine before {before:.1f})",
+              flush=True)
+    results["int4gemm_summary_us"] = summary
+    _write(results, out_dir)
+
+
+def _gemm_on(w, x, group, t, counters):
+    """The GEMM on one cycled copy (qm, scales, zeros, packed scales and zeros)."""
+    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
+
+    return mma_gemm(x, w[0], w[1], w[2], group, t, counters, sz=w[3])
+
+
+def _write(results: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "int4gemm.json"), "w") as f:
+        json.dump({k: v for k, v in results.items() if k.startswith("int4gemm")}, f, indent=1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--precompile":
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        os.environ["TRITON_INTERPRET"] = "0"
+        precompile_shard(sys.argv[2])
