@@ -107,6 +107,15 @@ def supports(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return 1 <= rows <= MAX_ROWS and available()
 
 
+def takes_weight(weight: torch.Tensor | None, bias: torch.Tensor | None) -> bool:
+    """`supports`' checks on the weight and bias alone, made once where a layer binds its forward
+    (`linear.cpu_f32_run`): what is left per call is the input's (float32, CPU, rows, autograd)."""
+    return (weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.is_contiguous()
+            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu" and bias.is_contiguous()))
+            and available())
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for inputs `supports` accepts."""
     lib = _library()

@@ -22,11 +22,19 @@ Anywhere else (GPUs, no oneDNN, or if packing ever fails) it is plain `F.linear`
 Every `Linear` computes through its `quant_method` (`tokenmill.layers.quantization.base`):
 `UNQUANTIZED` (all of the above) unless a quantized format's method was attached after the
 model was built; such a layer's `weight` is None and its own parameters replace it.
+
+What a layer computes with is decided once per layer state, not per call (`Linear.rebind`): its
+method, its LoRA slots, and for a float32 CPU weight the C kernel, bound into `run` (and
+`run_silu_mul` for a [gate | up] projection). The state changes only through `quant_method` /
+`lora` (setters), a parameter registered or replaced, `.to()` / `to_empty()` (`_apply`) and a
+copy (`__setstate__`): each rebinds. Per call only the input's own shape, dtype and device are
+looked at (decode and prefill rows take different kernels).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -168,12 +176,148 @@ UNQUANTIZED = UnquantizedLinearMethod()
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters and state dict) with the packed CPU bfloat16 fast path,
-    computing through its `quant_method`."""
+    computing through its `quant_method`, plus LoRA deltas where slots are attached (`lora`)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._packed = PackedWeight()
-        self.quant_method: LinearMethod = UNQUANTIZED
+        self._silu_packed = (PackedWeight(), PackedWeight())  # `silu_mul_linear`'s halves
+        self.__dict__["quant_method"] = UNQUANTIZED
+        self.__dict__["lora"] = None  # (read as `__dict__["lora"]` by `lora_layer.has_lora`)
+        self.rebind()
+
+    @property
+    def quant_method(self) -> LinearMethod:
+        return self.__dict__["quant_method"]
+
+    @quant_method.setter
+    def quant_method(self, method: LinearMethod) -> None:
+        self.__dict__["quant_method"] = method
+        self.rebind()
+
+    @property
+    def lora(self):
+        """The layer's `LoRASlots` (`worker/lora_manager.py`), or None."""
+        return self.__dict__["lora"]
+
+    @lora.setter
+    def lora(self, slots) -> None:
+        self.__dict__["lora"] = slots
+        self.rebind()
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        super().register_parameter(name, param)
+        if "_packed" in self.__dict__:  # (not during nn.Linear's own __init__)
+            self.rebind()
+
+    def _apply(self, fn, recurse: bool = True):
+        out = super()._apply(fn, recurse)
+        self.rebind()  # new device or dtype: maybe other kernels
+        return out
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.rebind()  # (a copy's bound functions would still hold the original's tensors)
+
+    def rebind(self) -> None:
+        """Decide, for the layer's state now, the function each call runs (`run`; `run_silu_mul`).
+        The only place these decisions are made: see the module docstring for when it runs."""
+        base = bind_base(self, self.bias)
+        self.run = with_lora(self.__dict__["lora"], base)
+        self.run_silu_mul = bind_silu_mul(self, base)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self.run(x)
+
+
+F32 = torch.float32
+
+
+def bind_base(layer: Linear, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> `x @ W.T + bias` through the layer's method (no LoRA): a quantized method's `apply`;
+    unquantized, `linear` on the weight, or the C kernel straight for a float32 CPU weight
+    (`cpu_f32_run`)."""
+    method = layer.quant_method
+    if method is not UNQUANTIZED:
+        return lambda x: method.apply(layer, x, bias)
+    weight, cache = layer.weight, layer._packed
+    if cpu_gemm.takes_weight(weight, bias):
+        return cpu_f32_run(weight, bias, cache)
+    return lambda x: linear(x, weight, bias, cache)
+
+
+def bind_base_add(layer: Linear, bias: torch.Tensor | None, base: Callable[[torch.Tensor], torch.Tensor]
+                  ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """(x, other) -> `base(x) + other`, the add inside the packed matmul where it runs (`linear_add`)."""
+    method = layer.quant_method
+    if method is not UNQUANTIZED:
+        return lambda x, other: method.apply_add(layer, x, bias, other)
+    weight, cache = layer.weight, layer._packed
+    if not cpu_gemm.takes_weight(weight, bias):
+        return lambda x, other: linear_add(x, weight, bias, other, cache)
+    max_rows = cpu_gemm.MAX_ROWS
+
+    def add(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        if x.numel() <= max_rows * x.shape[-1]:  # the C kernel's rows: no fused add there (as `linear_add`)
+            return base(x) + other
+        return linear_add(x, weight, bias, other, cache)
+    return add
+
+
+def cpu_f32_run(weight: torch.Tensor, bias: torch.Tensor | None, cache: PackedWeight
+                ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """For a weight `cpu_gemm.takes_weight` accepted: up to MAX_ROWS float32 CPU rows (decode,
+    speculative verification) go to the C kernel with no further checks on the weight; anything
+    else to `linear`, which decides as always."""
+    max_rows = cpu_gemm.MAX_ROWS
+    grad_enabled = torch.is_grad_enabled
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if (x.dtype is F32 and x.is_cpu and 0 < x.numel() <= max_rows * x.shape[-1]
+                and not (grad_enabled() and (weight.requires_grad or x.requires_grad))):
+            return cpu_gemm.linear(x, weight, bias)
+        return linear(x, weight, bias, cache)
+    return run
+
+
+def with_lora(lora, base: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`base` plus the step's LoRA deltas of `lora` (a `LoRASlots`; None: `base` itself). Decided by
+    whether slots are attached, not by whether an adapter is loaded: CUDA graphs are captured with
+    the LoRA path before any adapter arrives, and `LoRABatch.active` is the per-step switch (a step
+    without adapter tokens runs `base` alone, no closure made)."""
+    if lora is None:
+        return base
+    batch = lora.batch
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        if not batch.active:
+            return base(x)
+        return lora.forward(x, lambda: base(x))
+    return run
+
+
+def bind_silu_mul(layer: Linear, base: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    """(x, act, then) -> `act(layer(x))` for a [gate | up] projection whose `act` is SiLU-and-mul,
+    `then` the layer its output goes to: with LoRA, `LoRASlots.forward_silu_mul` (fused on CUDA);
+    unquantized, the packed path's fused matmuls where they run (`silu_mul_linear`)."""
+    lora = layer.__dict__["lora"]
+    if lora is not None:
+        batch = lora.batch
+
+        def run_lora(x: torch.Tensor, act: Callable, then: nn.Module | None) -> torch.Tensor:
+            if not batch.active:
+                return act(base(x))
+            return lora.forward_silu_mul(x, lambda: base(x), act, None if then is None else then.__dict__.get("lora"))
+        return run_lora
+    if layer.quant_method is not UNQUANTIZED:
+        return lambda x, act, then: act(base(x))
+    weight, bias, caches = layer.weight, layer.bias, layer._silu_packed
+    f32_cpu = cpu_gemm.takes_weight(weight, bias)
+
+    def run(x: torch.Tensor, act: Callable, then: nn.Module | None) -> torch.Tensor:
+        if not (f32_cpu and x.numel() <= cpu_gemm.MAX_ROWS * x.shape[-1]):  # (few float32 rows: never fused)
+            out = silu_mul_linear(x, weight, bias, caches)
+            if out is not None:
+                return out
+        return act(base(x))
+    return run

@@ -15,14 +15,15 @@ With one rank every class is its plain counterpart, numerically identical.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce, StartedAllReduce
 from tokenmill.layers import cpu_bf16_gemm, cpu_logits, triton_ops, wide_linear
-from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, linear
-from tokenmill.layers.lora.lora_layer import has_lora, lora_forward
+from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, bind_base, bind_base_add, linear
 
 
 class RowParallelLinear(Linear):
@@ -30,14 +31,86 @@ class RowParallelLinear(Linear):
         super().__init__(in_features, out_features, bias=bias)
         self.parallel = parallel
         self.first_rank = parallel.layout.tp_rank == 0
-        # Set by layers whose output joins the float32 residual stream: on CPU in bf16 the result
-        # is then float32, never rounded to bf16 (`wide_linear`).
-        self.wide_output = False
         self._wide_packed = cpu_bf16_gemm.PackedBf16()
         # Set by layers that hand the output straight to an RMSNorm's `forward_with_residual`:
         # where the fused kernel exists, `forward` returns the partial sum as a `PendingAllReduce`
         # and the norm all-reduces, adds and normalizes in one launch.
         self.defer_reduce = False
+        # Set by layers whose output joins the float32 residual stream: on CPU in bf16 the result
+        # is then float32, never rounded to bf16 (`wide_linear`). (Rebinds.)
+        self.wide_output = False
+
+    @property
+    def wide_output(self) -> bool:
+        return self.__dict__["wide_output"]
+
+    @wide_output.setter
+    def wide_output(self, value: bool) -> None:
+        self.__dict__["wide_output"] = value
+        self.rebind()
+
+    def rebind(self) -> None:
+        """`Linear.rebind` for a row-parallel layer: `run` (x, lora_into) and `run_add` (x, residual),
+        each ending in the TP reduction, and the weight a float32 result may come from (`wide`)."""
+        if "wide_output" not in self.__dict__:  # (Linear's __init__: this one's binds at its end)
+            return
+        lora, weight = self.__dict__["lora"], self.weight
+        bias = self.bias if self.first_rank else None
+        base = bind_base(self, bias)
+        self.__dict__["_wide_weight"] = weight if (  # (not registered: the weight's own Parameter)
+            self.wide_output and lora is None and self.quant_method is UNQUANTIZED
+            and wide_linear.takes_weight(weight)) else None
+        self.run = self._bind_run(base, lora)
+        self.run_add = self._bind_run_add(base, lora, bias)
+
+    def _bind_run(self, base: Callable, lora) -> Callable:
+        reduce = self._reduce
+        if lora is not None:
+            batch = lora.batch
+
+            def run_lora(x: torch.Tensor, lora_into: torch.Tensor | None = None):
+                if not batch.active:
+                    return reduce(base(x))
+                # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
+                sink = lora_into if self.parallel.tp_size == 1 else None
+                return reduce(lora.forward(x, lambda: base(x), sink))
+            return run_lora
+        if self._wide_weight is None:
+            return lambda x, lora_into=None: reduce(base(x))
+
+        def run_wide(x: torch.Tensor, lora_into: torch.Tensor | None = None):
+            if self.wide(x):
+                return self.parallel.all_reduce(
+                    wide_linear.linear_f32(x, self._wide_weight, self._bias(), self._packed, self._wide_packed))
+            return reduce(base(x))
+        return run_wide
+
+    def _bind_run_add(self, base: Callable, lora, bias: torch.Tensor | None) -> Callable:
+        """(x, residual) -> `forward(x) + residual` (the add on rank 0 only), reduced."""
+        if self.first_rank:
+            add = bind_base_add(self, bias, base)
+        else:
+            def add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+                return base(x)
+        if lora is not None:
+            batch = lora.batch
+
+            def run_lora(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+                if not batch.active:
+                    return self.parallel.all_reduce(add(x, residual))
+                return self.parallel.all_reduce(lora.forward(x, lambda: add(x, residual), plain=False))
+            return run_lora
+        if self._wide_weight is None:
+            return lambda x, residual: self.parallel.all_reduce(add(x, residual))
+
+        def run_wide(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            # a float32 residual stream with a `wide` result: the add in the GEMM's epilogue, unrounded
+            if self.wide(x) and residual.dtype == torch.float32:
+                return self.parallel.all_reduce(wide_linear.linear_f32(
+                    x, self._wide_weight, self._bias(), self._packed, self._wide_packed,
+                    add=residual if self.first_rank else None))
+            return self.parallel.all_reduce(add(x, residual))
+        return run_wide
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor | PendingAllReduce | StartedAllReduce:
         if getattr(self.parallel, "starts_reduces", False):  # (model/tp_overlap.py: its caller waits)
@@ -51,37 +124,19 @@ class RowParallelLinear(Linear):
 
     def wide(self, x: torch.Tensor) -> bool:
         """Whether this layer's result for an input like `x` (any width) is float32 (`wide_linear`)."""
-        # The dtype first: float32 models (the float32 CPU decode path) stop here, at no cost.
-        return self.wide_output and x.dtype == torch.bfloat16 and self.quant_method is UNQUANTIZED \
-            and not has_lora(self) and wide_linear.supports_dtype(x, self.weight)
+        weight = self._wide_weight  # (None unless a plain bf16 CPU weight of a wide_output layer: `rebind`)
+        return weight is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_cpu \
+            and not (torch.is_grad_enabled() and weight.requires_grad)
 
     def forward(self, x: torch.Tensor, lora_into: torch.Tensor | None = None) -> torch.Tensor:
         """`lora_into`: the residual stream the output is added to next: without TP (the output is
         the whole sum) a LoRA delta may go there directly (`LoRASlots.forward`'s sink)."""
-        if self.wide(x):
-            return self.parallel.all_reduce(
-                wide_linear.linear_f32(x, self.weight, self._bias(), self._packed, self._wide_packed))
-        if not has_lora(self):  # (no closure per call)
-            return self._reduce(self.quant_method.apply(self, x, self._bias()))
-        # A LoRA delta (on this rank's input columns) joins the partial sum before the reduction.
-        sink = lora_into if self.parallel.tp_size == 1 else None
-        return self._reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, self._bias()), sink))
+        return self.run(x, lora_into)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """`forward(x) + residual`; the add runs inside rank 0's matmul where it can (a float32
         residual stream with a `wide` result: in the GEMM's epilogue, unrounded)."""
-        if self.wide(x) and residual.dtype == torch.float32:
-            return self.parallel.all_reduce(wide_linear.linear_f32(
-                x, self.weight, self._bias(), self._packed, self._wide_packed,
-                add=residual if self.first_rank else None))
-        if not has_lora(self):  # (no closure per call)
-            return self.parallel.all_reduce(self.quant_method.apply_add(self, x, self.bias, residual) if self.first_rank
-                                            else self.quant_method.apply(self, x, None))
-        if not self.first_rank:
-            return self.parallel.all_reduce(lora_forward(self, x, lambda: self.quant_method.apply(self, x, None),
-                                                         plain=False))
-        return self.parallel.all_reduce(
-            lora_forward(self, x, lambda: self.quant_method.apply_add(self, x, self.bias, residual), plain=False))
+        return self.run_add(x, residual)
 
 
 class VocabParallelEmbedding(nn.Module):

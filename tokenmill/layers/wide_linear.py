@@ -39,6 +39,13 @@ def supports_dtype(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
         cpu_logits.supports(x.new_empty((0, weight.shape[1])), weight)
 
 
+def takes_weight(weight: torch.Tensor | None) -> bool:
+    """`supports_dtype`'s checks on the weight alone (a layer binding its forward once): bf16, 2-D,
+    contiguous, on CPU, with the C kernel built. Per call the input must still be bf16, 2-D, CPU."""
+    return (weight is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.is_contiguous() and cpu_logits.available())
+
+
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                cache: PackedWeight, gemm_cache: cpu_bf16_gemm.PackedBf16 | None = None,
                add: torch.Tensor | None = None) -> torch.Tensor:

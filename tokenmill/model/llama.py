@@ -24,8 +24,7 @@ from tokenmill.layers import qk_norm, triton_ops
 from tokenmill.layers.activation import GeluTanhAndMul, SiluAndMul
 from tokenmill.layers.attention.backend import AttentionBackend
 from tokenmill.layers.attention.metadata import AttentionMetadata
-from tokenmill.layers.linear import Linear, PackedWeight, silu_mul_linear
-from tokenmill.layers.lora.lora_layer import has_lora, lora_forward, lora_forward_silu_mul
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm, add_in_matmul, residual_stream, stage_handover
 from tokenmill.layers.parallel_linear import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
@@ -66,7 +65,7 @@ class LlamaAttention(nn.Module):
         """Attention output, plus `residual` when given (added inside the o_proj matmul where it can);
         `lora_into`: the stream the output is added to next (o_proj's LoRA delta may go there)."""
         qkv32 = qk_norm.qkv_float32(self.qkv_proj, hidden) if self.qk_norm_f32 else None
-        qkv = qkv32 if qkv32 is not None else lora_forward(self.qkv_proj, hidden, lambda: self.qkv_proj(hidden))
+        qkv = qkv32 if qkv32 is not None else self.qkv_proj(hidden)  # (its LoRA deltas included: `Linear.rebind`)
         out = self.attend(qkv, rope, kv_cache, meta, hidden.dtype)
         if residual is None:
             return self.o_proj(out, lora_into)
@@ -113,20 +112,15 @@ class LlamaMLP(nn.Module):
         # codes alone (`quantization.fp8.mark_fused_producers`).
         self.act_feeds_only_down = type(self).forward is LlamaMLP.forward
         self.act = SiluAndMul() if self.silu else GeluTanhAndMul()
-        self._gate_up_packed = (PackedWeight(), PackedWeight())
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 lora_into: torch.Tensor | None = None) -> torch.Tensor:
         """MLP output, plus `residual` when given (added inside the down_proj matmul where it can);
         `lora_into`: the stream the output is added to next (down_proj's LoRA delta may go there)."""
-        gate_up = self.gate_up_proj
-        act = None
-        if self.silu and not has_lora(gate_up):  # (with LoRA the delta joins gate_up's output first)
-            act = silu_mul_linear(x, gate_up.weight, gate_up.bias, self._gate_up_packed)
-        if act is None and self.silu:  # (with LoRA on CUDA: its expand and the activation in one kernel)
-            act = lora_forward_silu_mul(gate_up, x, lambda: gate_up(x), self.act, then=self.down_proj)
-        elif act is None:
-            act = self.act(lora_forward(gate_up, x, lambda: gate_up(x)))
+        if self.silu:  # (fused where it can: packed matmuls, or LoRA's expand with the activation on CUDA)
+            act = self.gate_up_proj.run_silu_mul(x, self.act, self.down_proj)
+        else:
+            act = self.act(self.gate_up_proj(x))
         if residual is None:
             return self.down_proj(act, lora_into)
         return self.down_proj.forward_add(act, residual)
@@ -240,6 +234,10 @@ class LlamaModel(nn.Module):
             if layout.has_layer(i) else nn.Identity()
             for i in range(dims.num_layers))
         self.norm = self.norm_cls(dims.hidden_size, dims.rms_norm_eps) if layout.is_last_stage else None
+        # What each of this stage's layers runs, fixed by the layout (asked once, not every step):
+        # (layer, part, its rotary table, its KV cache's index in the stage's list).
+        self._stage_plan = [(self.layers[i], layout.layer_part(i), self._rope_of_layer[i], i - layout.kv_layer_start)
+                            for i in range(layout.layer_start, layout.layers_end)]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -248,7 +246,6 @@ class LlamaModel(nn.Module):
                 meta: AttentionMetadata, intermediate: IntermediateTensors | None = None
                 ) -> torch.Tensor | IntermediateTensors:
         """`kv_caches`: this stage's layers' caches. Stages after the first start from `intermediate`."""
-        layout = self.layout
         if self.embed_tokens is not None:
             hidden, residual = self.embed(input_ids), None
         else:
@@ -260,14 +257,12 @@ class LlamaModel(nn.Module):
         if tp_overlap.applies(self, hidden):  # TP: each half's all-reduces under the other half's GEMMs
             hidden, residual = tp_overlap.run_layers(self, hidden, residual, ropes, kv_caches, meta)
         else:
-            for i in range(layout.layer_start, layout.layers_end):
-                part, layer = layout.layer_part(i), self.layers[i]
+            for layer, part, rope, kv in self._stage_plan:
                 if part == "mlp":  # the previous stage ran this layer's attention
                     hidden, residual = layer.forward_mlp(hidden, residual)
                     continue
                 run = layer.forward_attention if part == "attention" else layer
-                hidden, residual = run(hidden, residual, ropes[self._rope_of_layer[i]],
-                                       kv_caches[i - layout.kv_layer_start], meta)
+                hidden, residual = run(hidden, residual, ropes[rope], kv_caches[kv], meta)
         if self.norm is None:
             return IntermediateTensors(*stage_handover(hidden, residual, act_dtype))
         if residual is None:  # (the stream itself: float32 where the layers add in their matmuls)

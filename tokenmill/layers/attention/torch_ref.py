@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers.attention import cpu_decode
-from tokenmill.layers.attention.backend import AttentionBackend, is_fp8, quantize_kv
+from tokenmill.layers.attention.backend import FP8_KV_DTYPES, AttentionBackend, is_fp8, quantize_kv
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
 
@@ -213,8 +213,9 @@ class TorchRefAttentionBackend(AttentionBackend):
         block_size = kv_cache.shape[2]
         plan = _plan_for(meta, block_size, self.sliding_window)
         n = plan.num_tokens
-        _write(kv_cache, k, v, plan, self.k_scale, self.v_scale)
-        if is_fp8(kv_cache) and plan.fresh:  # what the cache holds, for prefills that skip reading it
+        fp8 = kv_cache.dtype in FP8_KV_DTYPES  # (asked once per layer call, not per helper)
+        _write(kv_cache, k, v, plan, self.k_scale, self.v_scale, fp8)
+        if fp8 and plan.fresh:  # what the cache holds, for prefills that skip reading it
             k = quantize_kv(k, self.k_scale, kv_cache.dtype).to(k.dtype) * self.k_scale
             v = quantize_kv(v, self.v_scale, kv_cache.dtype).to(v.dtype) * self.v_scale
         if plan.all_fresh and q.shape[0] == n:
@@ -232,7 +233,7 @@ class TorchRefAttentionBackend(AttentionBackend):
                 o = self._fresh(q[first], k[first], v[first], 0, q_len, count)
                 out[first] = o.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
         if plan.num_decodes:
-            self._decode(q, kv_cache, plan, out)
+            self._decode(q, kv_cache, plan, out, fp8)
         for c in plan.chunks:
             out[c.start:c.end] = self._chunk(q[c.start:c.end], kv_cache, meta.block_table[c.seq], c)
         return out
@@ -256,10 +257,10 @@ class TorchRefAttentionBackend(AttentionBackend):
         return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=band_mask(q_len, q_len, window, q.device),
                                               scale=self.scale, enable_gqa=self.group > 1)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, out: torch.Tensor) -> None:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, out: torch.Tensor, fp8: bool) -> None:
         s = plan.num_decodes
         qd = q[:s] if plan.decode_contiguous else q[plan.decode_rows]
-        if plan.decode_block_table is not None and not is_fp8(kv_cache) and cpu_decode.supports(qd, kv_cache):
+        if plan.decode_block_table is not None and not fp8 and cpu_decode.supports(qd, kv_cache):
             o = cpu_decode.decode_attention(qd, kv_cache, plan.decode_block_table, plan.decode_seq_lens,
                                             self.scale, self.sliding_window, self.logit_softcap, self.sinks)
             if plan.decode_contiguous:
@@ -352,14 +353,14 @@ def _cooked(raw: torch.Tensor, cache_dtype: torch.dtype, dtype: torch.dtype) -> 
 
 
 def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _StepPlan, k_scale: float,
-           v_scale: float) -> None:
-    flat = _raw(kv_cache).view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
+           v_scale: float, fp8: bool) -> None:
+    flat = (kv_cache.view(torch.uint8) if fp8 else kv_cache).view(2, -1, kv_cache.shape[3], kv_cache.shape[4])
     n = plan.num_tokens
     if plan.valid_rows is None:
         k, v = k[:n], v[:n]
     else:
         k, v = k[plan.valid_rows], v[plan.valid_rows]
-    if is_fp8(kv_cache):
+    if fp8:
         k, v = (quantize_kv(k, k_scale, kv_cache.dtype).view(torch.uint8),
                 quantize_kv(v, v_scale, kv_cache.dtype).view(torch.uint8))
     flat[0].index_copy_(0, plan.slots, k.to(flat.dtype))

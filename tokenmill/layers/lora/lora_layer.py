@@ -1,9 +1,9 @@
 """A projection's LoRA slots and the step's token -> slot map, and the hook the model calls.
 
-The model calls `lora_forward(layer, x, base)` for a LoRA-capable projection, `base()` computing
-the layer's output y for input x (before any tensor-parallel reduction): it returns base()
-unless the layer has LoRA slots attached (`layer.lora`), and otherwise adds the step's per-token
-adapter deltas into y in place. The base layer's code (its linear method) is untouched: LoRA is
+A projection with LoRA slots attached (`layer.lora`) binds them into its forward once
+(`linear.with_lora`, `Linear.rebind`): `LoRASlots.forward(x, base)`, `base()` computing the layer's
+output y for input x (before any tensor-parallel reduction), adds the step's per-token adapter
+deltas into y in place; a step without adapter tokens (`LoRABatch.active` False) skips it. The base layer's code (its linear method) is untouched: LoRA is
 a sum on its output. While a CUDA graph is captured, the shrink (which reads x only) runs on a
 side stream beside the base GEMM, so a replay overlaps them and only the expand follows the GEMM.
 
@@ -221,6 +221,8 @@ class LoRASlots:
         else:
             layer.weight = ext[:, :k]
         self.ext, self.ext_slot = ext, -1
+        if hasattr(layer, "rebind"):
+            layer.rebind()  # (its bound forward holds the weight it had)
         return True
 
     def load_slot(self, slot: int) -> None:
@@ -428,26 +430,6 @@ def run_beside(side: torch.cuda.Stream, first: Callable, second: Callable) -> tu
     b = second()
     main.wait_stream(side)
     return a, b
-
-
-def lora_forward(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
-                 sink: torch.Tensor | None = None, plain: bool = True) -> torch.Tensor:
-    """`base()` (the layer's output for `x`) plus the step's LoRA deltas of `layer`, if it has any;
-    `sink`: the tensor the output is added to next, where the deltas may go instead (`LoRASlots.forward`);
-    `plain`: base() is the layer's own output, nothing added (else its GEMM is never replaced)."""
-    lora = layer.__dict__.get("lora")
-    return base() if lora is None else lora.forward(x, base, sink, plain)
-
-
-def lora_forward_silu_mul(layer: torch.nn.Module, x: torch.Tensor, base: Callable[[], torch.Tensor],
-                          act: Callable[[torch.Tensor], torch.Tensor], then: torch.nn.Module | None = None
-                          ) -> torch.Tensor:
-    """`act(base() + deltas)` for a [gate | up] projection whose `act` is SiLU-and-mul (fused on CUDA);
-    `then`: the layer that takes the result as its input (its shrink may join the same kernel)."""
-    lora = layer.__dict__.get("lora")
-    if lora is None:
-        return act(base())
-    return lora.forward_silu_mul(x, base, act, None if then is None else then.__dict__.get("lora"))
 
 
 def has_lora(layer: torch.nn.Module) -> bool:

@@ -77,6 +77,9 @@ def process_weights_after_loading(model: nn.Module) -> None:
         for module in model.modules():
             if isinstance(module, Linear) and module.quant_method is not UNQUANTIZED:
                 module.quant_method.process_weights_after_loading(module)
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.rebind()  # the weights are final: each layer's forward is decided for them (`Linear.rebind`)
     from tokenmill.layers.quantization.fp8 import mark_fused_producers
     mark_fused_producers(model)  # norms / activations that feed W8A8 linears quantize for them
     from tokenmill.layers.quantization import lm_head_8bit
