@@ -169,11 +169,10 @@ def test_rows_in_one_grammar_state_share_one_mask_on_the_wire(setup) -> None:
 def draft_masks(backend, config, so, prefix, row_drafts, shift=0):
     """Speculative decoding: allowed tokens (bool [sum(1 + k), V]) at every position the rows
     sample, each row at `prefix` with its drafts, through the core's GrammarMasks and the
-    worker's own mapping of mask entries to logits rows (ModelRunner._mask_rows). `shift`: the
+    worker's own mapping of mask entries to logits rows (worker/mask_entries.py). `shift`: the
     planted defect, each entry applied `shift` positions later in its row."""
-    from types import SimpleNamespace
+    from tokenmill.worker.mask_entries import mask_entries
 
-    from tokenmill.worker.model_runner import ModelRunner
     masks = GrammarMasks(_Config(config, 49152))
     masks.compiles._backend = _done(backend)
     compiled = backend.compile(grammar_spec(so, config.max_schema_bytes))
@@ -192,9 +191,7 @@ def draft_masks(backend, config, so, prefix, row_drafts, shift=0):
     wire = msgspec.msgpack.decode(msgspec.msgpack.encode(masks.bitmask(so_step, requests, None)), type=GrammarBitmask)
     if shift:
         wire.positions = (wire.position_array() + shift).clip(0, num_drafts[wire.arrays()[0]]).astype("<i4").tobytes()
-    arch = SimpleNamespace(vocab_size=49152)
-    runner = SimpleNamespace(config=SimpleNamespace(model=SimpleNamespace(arch=arch)))
-    bits, which = ModelRunner._mask_entries(runner, wire, np.arange(len(row_drafts)), num_drafts)
+    bits, which = mask_entries(49152, wire, np.arange(len(row_drafts)), num_drafts)
     logits = torch.zeros(int((num_drafts + 1).sum()), 49152)
     apply_bitmask_by_row(logits, *MaskUpload(torch.device("cpu"))(bits, which))
     return torch.isfinite(logits).numpy(), masks, requests

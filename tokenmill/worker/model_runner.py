@@ -27,8 +27,6 @@ from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.layers.attention.backend import AttentionBackend, kv_cache_shape
 from tokenmill.layers.attention.mla import mla_cache_shape
 from tokenmill.layers.sampling import Sampler, SamplerOutput, SamplingState
-from tokenmill.layers.sampling.spec_layout import flat_rows, flat_to_padded
-from tokenmill.layers.sampling.spec_verify import rejection_sample, verify_drafts
 from tokenmill.layers.quantization.methods import linear_methods_summary
 from tokenmill.layers.sampling.token_bitmask import apply_bitmask_by_row
 from tokenmill.model.loader import load_model, weight_bytes
@@ -36,9 +34,11 @@ from tokenmill.protocol import GrammarBitmask, NewRequestData, SchedulerOutput
 from tokenmill.protocol.batch_diff import BatchOrder
 from tokenmill.worker.decode_graphs import DecodeGraphs, verify_logits_rows
 from tokenmill.worker.draft_catch_up import catch_up as draft_catch_up
+from tokenmill.worker.draft_verify import verify_step
 from tokenmill.worker import sharded_greedy
 from tokenmill.worker.greedy_tail import GreedyTail
 from tokenmill.worker.pending_step import PendingStep, prompt_logprobs
+from tokenmill.worker.mask_entries import mask_entries
 from tokenmill.worker.mask_upload import MaskUpload
 from tokenmill.worker.persistent_batch import PersistentBatch, to_device
 from tokenmill.distributed.pp_tokens import DeviceTokens
@@ -100,6 +100,7 @@ class ModelRunner:
         self.config = config
         self.device = device or config.torch_device
         self.dtype = config.model.torch_dtype
+        self.vocab_size = config.model.arch.vocab_size
         self.kv_dtype = config.cache.kv_torch_dtype(self.dtype)  # fp8 with kv_cache_dtype fp8*
         self.weight_bytes = 0
         self.block_size = config.cache.block_size
@@ -314,7 +315,7 @@ class ModelRunner:
                 tokens.expect(so.step_id, sampling)
             timings["forward"] = time.perf_counter() - start
             return PendingStep.empty(so.step_id)
-        sample_rows, sample_slots, drafts = fwd.sample_rows, fwd.sample_slots, fwd.drafts
+        sample_rows = fwd.sample_rows
         timings["forward"] = time.perf_counter() - start
         start = time.perf_counter()
         if prev is not None and not prev.on_host:
@@ -384,10 +385,10 @@ class ModelRunner:
         masked = None
         if fwd.masked_tail is not None:  # a greedy step: masks, argmax and state updates in one replay
             tail = fwd.masked_tail
-            bits, which = self._mask_entries(mask, sample_rows, drafts, tail.graphs.query_len)
+            bits, which = mask_entries(self.vocab_size, mask, sample_rows, drafts, tail.graphs.query_len)
             fwd.greedy_result = tail.run_masked(len(slots), self._mask_upload, bits, which)
         elif mask is not None and mask.rows:
-            bits, which = self._mask_entries(mask, sample_rows, drafts)
+            bits, which = mask_entries(self.vocab_size, mask, sample_rows, drafts)
             masked = self._mask_upload(bits, which)
         # A row that fails alone (non-finite logits, sampling raising) fails only its request.
         if fwd.greedy_result is not None:
@@ -396,7 +397,7 @@ class ModelRunner:
             else:
                 step.start_packed_readback(fwd.greedy_result, self.readback, slots, drafts)
         elif len(sample_rows) and drafts is not None and drafts.any():
-            self._verify(fwd.logits, slots[sample_rows], sample_slots, drafts, fwd.seq_lens, step, masked)
+            verify_step(self, fwd.logits, slots[sample_rows], sample_slots, drafts, fwd.seq_lens, step, masked)
         elif len(sample_rows):
             logits = fwd.logits
             non_finite = self._screen(logits, sample_slots)
@@ -431,29 +432,6 @@ class ModelRunner:
         index = to_device(which.astype(np.int64), self.device)
         drafts = self.speculator.drafts.index_select(0, sample_slots.index_select(0, index))[:, :self.speculator.k]
         step.start_drafts_readback(sample_rows[which], drafts, self.readback)
-
-    def _mask_entries(self, mask: GrammarBitmask | None, sample_rows: np.ndarray, drafts: np.ndarray | None,
-                      query_len: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """(the distinct masks int32 [D, words], each logits row's mask among them or -1): a row
-        verifying k drafts has k + 1 logits rows, in order, packed one after the other, or with
-        `query_len` (a graph's padded layout) at query_len * row + position."""
-        words = -(-self.config.model.arch.vocab_size // 32)
-        per_row = np.ones(len(sample_rows), np.int64) if drafts is None else drafts + 1
-        num_logits = len(sample_rows) * query_len if query_len is not None else int(per_row.sum())
-        which_of_row = np.full(num_logits, -1, np.int32)
-        if mask is None or not mask.rows:
-            return np.zeros((0, words), np.int32), which_of_row
-        rows, which, bits = mask.arrays()
-        positions = mask.position_array()
-        index = np.searchsorted(sample_rows, rows)
-        assert (index < len(sample_rows)).all() and (sample_rows[index] == rows).all(), "a mask row that samples not"
-        assert (positions < per_row[index]).all(), "a mask for a position the row does not sample"
-        if query_len is not None:
-            index = index * query_len + positions
-        elif drafts is not None:
-            index = (np.cumsum(per_row) - per_row)[index] + positions
-        which_of_row[index] = which
-        return bits, which_of_row
 
     # ------------------------------------------------------------------ forward passes
 
@@ -603,53 +581,6 @@ class ModelRunner:
         if self.faults is not None:
             self.faults.before_sampling(self, slots)
         return self.sampler.sample(logits, slots, offsets=offsets, record=record)
-
-    def _verify(self, logits: torch.Tensor, slots: np.ndarray, slots_d: torch.Tensor, drafts: np.ndarray,
-                seq_lens: torch.Tensor, step: PendingStep, masked: tuple | None = None) -> None:
-        """Sample every position of the sampling rows (logits [sum(1 + drafts), V]), keep each row's
-        drafts up to the first that differs from the target's own sample, plus that sample; set
-        the rows' next input, computed count and history from what they emitted."""
-        per_row = drafts + 1
-        offsets = np.arange(per_row.sum()) - np.repeat(np.cumsum(per_row) - per_row, per_row)
-        row_of = np.repeat(np.arange(len(slots)), per_row)
-        host = np.concatenate([np.repeat(slots, per_row), offsets, row_of, drafts])
-        packed = to_device(host, self.device)
-        n = len(offsets)
-        slots_rep, offsets_d, row_of_d, drafts_d = packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:]
-        non_finite = self._screen(logits, slots_rep)  # per position
-        if masked is not None:  # constrained rows' positions, after the screen
-            apply_bitmask_by_row(logits, *masked)
-        batch = row_faults.VerifyBatch(logits, slots_rep, offsets_d, slots_d, drafts_d, drafts, self.speculator.k)
-        (emitted, num_emitted, logprobs), failed = row_faults.verify_rows(self._verify_rows, batch)
-        self.sampler.advance(slots_d, num_emitted, emitted)
-        self.batch.next_token_dev[slots_d] = emitted.gather(1, (num_emitted - 1)[:, None]).squeeze(1)
-        self.batch.num_computed_dev[slots_d] = seq_lens - drafts_d - 1 + num_emitted
-        if self.speculator.recording:
-            self.speculator.record(slots_d, emitted, num_emitted)
-        num_emitted = row_faults.mark_failed_counts(num_emitted, non_finite, row_of_d, failed)  # read-back copy
-        step.start_speculative_readback(emitted, num_emitted, self.readback, slots, drafts, logprobs)
-
-    def _verify_rows(self, b: row_faults.VerifyBatch) -> row_faults.Verified:
-        """`_verify`'s tokens for the rows of `b`, changing no state (row_faults may retry rows)."""
-        k = b.max_drafts
-        out = self._sample(b.logits, b.position_slots, offsets=b.offsets, record=False)
-        if self.draft is not None and self.draft.probs is not None and self.sampling.plan.any_random:
-            # Draft distributions: rejection sampling (greedy rows fall out of it: one-hot p and q).
-            target = self.sampler.probs(b.logits, b.position_slots, b.offsets)
-            draft_rows, draft_cols = flat_rows(b.num_drafts - 1, int(b.drafts.sum()))  # one row per draft
-            q = self.draft.probs[b.slots[draft_rows], draft_cols]
-            emitted, num_emitted = rejection_sample(self.sampler, b.slots, target, q,
-                                                    self.speculator.drafts[b.slots, :k], b.num_drafts)
-        else:
-            grid = flat_to_padded(out.sampled, b.num_drafts, k, -1)
-            emitted, num_emitted = verify_drafts(grid, self.speculator.drafts[b.slots, :k], b.num_drafts)
-        logprobs = None
-        if out.logprobs is not None:  # rows that want logprobs have no drafts: their one position
-            first = to_device(np.cumsum(b.drafts + 1) - b.drafts - 1, self.device)
-            lp = out.logprobs
-            logprobs = [t.index_select(0, first) for t in (lp.sampled_logprobs, lp.sampled_ranks,
-                                                          lp.topk_token_ids, lp.topk_logprobs)]
-        return emitted, num_emitted, logprobs
 
     def _cpu_threads(self) -> StepThreads:
         """Per-step CPU thread count (see tokenmill/cpu_threads.py); made on first use."""
