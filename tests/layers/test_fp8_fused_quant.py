@@ -8,6 +8,7 @@ method marks in a Llama model.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -126,6 +127,13 @@ def test_codes_only_producers_write_the_same_codes():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+class _StubSlots:
+    """Stands for attached LoRA slots: a linear's `lora` setter binds through `with_lora`, which
+    reads the slots' per-step batch."""
+
+    batch = SimpleNamespace(active=False)
+
+
 def test_silu_writes_codes_only_where_down_proj_is_its_one_reader():
     """`fp8.codes_only`: only a SiLU-and-mul whose MLP declares down_proj its one reader
     (LlamaMLP's own forward; not a subclass with another), and only while down_proj has no LoRA."""
@@ -156,7 +164,7 @@ def test_silu_writes_codes_only_where_down_proj_is_its_one_reader():
     assert not codes_only(model_with(None).act) and not codes_only(model_with(False).act)
     mlp = model_with(True)
     assert mlp.act.fp8_out and codes_only(mlp.act)
-    mlp.down_proj.lora = object()  # LoRA slots on down_proj read the bf16 product
+    mlp.down_proj.lora = _StubSlots()  # LoRA slots on down_proj read the bf16 product
     assert not codes_only(mlp.act)
     arch = ModelArch(architecture="LlamaForCausalLM", model_type="llama", vocab_size=64, hidden_size=8,
                      intermediate_size=16, num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4,
@@ -208,7 +216,7 @@ def test_norms_write_codes_only_where_the_decoder_layer_says_so():
         assert not codes_only(layer.post_attention_layernorm)
     layer = layer_with(True)
     assert codes_only(layer.input_layernorm) and codes_only(layer.post_attention_layernorm)
-    layer.self_attn.qkv_proj.lora = object()  # LoRA on qkv_proj reads the bf16 norm output
+    layer.self_attn.qkv_proj.lora = _StubSlots()  # LoRA on qkv_proj reads the bf16 norm output
     assert not codes_only(layer.input_layernorm) and codes_only(layer.post_attention_layernorm)
 
     arch = ModelArch(architecture="LlamaForCausalLM", model_type="llama", vocab_size=64, hidden_size=8,
