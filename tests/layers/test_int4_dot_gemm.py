@@ -141,3 +141,23 @@ def test_ptx_dequantization_emulated(dtype):
                 want = torch.tensor([(q - zeros[e][ch]) * scales[e, ch].item()], dtype=torch.float64).to(dtype)
                 got = _half16((out[f"r{nib}"] >> (16 * e)) & 0xFFFF, dtype)
                 assert got == want.item(), (trial, nib, e, got, want.item())
+
+
+def test_mma_matmul_routes_by_the_table(monkeypatch):
+    """A (rows bucket, N, K) listed in `triton_int4_dot_gemm.TABLE` takes the dot GEMM (right
+    result); an unlisted row count does not."""
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    wt = _case()
+    qm = packing.to_mma(wt.qweight)
+    calls = []
+    real = dot.dot_gemm
+    monkeypatch.setattr(dot, "dot_gemm", lambda *a, **kw: calls.append(a[5]) or real(*a, **kw))
+    monkeypatch.setattr(dot, "TABLE", {(32, 64, 256): dot.DotTiles(16, 32, 64, 4, 1, deq=1)})
+    x = torch.randn(20, 256, generator=torch.Generator().manual_seed(3))
+    out = mma.mma_matmul(x, qm, wt.scales, wt.zeros, 64)
+    ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
+    assert calls == [dot.DotTiles(16, 32, 64, 4, 1, deq=1)]
+    assert (out.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+    assert dot.dot_tiles(40, 64, 256, 64) is None and dot.dot_tiles(20, 64, 256, 64) is not None

@@ -182,6 +182,22 @@ class DotTiles:
                 f"{self.split}, {self.group_n}, {self.deq})")
 
 
+# (rows bucket: the most rows it serves, N, K) -> the tiles where this GEMM measured fastest (Llama-8B's
+# linears, `scripts/gpu_int4_gemm.py` with INT4_GEMM_SET=dot); a shape or row count not listed takes
+# the other paths of `triton_int4_mma.mma_matmul`. Empty until measured on an H100.
+TABLE: dict[tuple[int, int, int], DotTiles] = {}
+BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+# False after a failed start-up self-test: every row count takes the other paths.
+ENABLED = True
+
+
+def dot_tiles(m: int, n: int, k: int, group: int) -> DotTiles | None:
+    """The tiles for an [m, k] x [k, n] product on the mma layout, or None (another path)."""
+    bucket = next((b for b in BUCKETS if b >= m), None)
+    t = TABLE.get((bucket, n, k)) if bucket is not None and ENABLED else None
+    return t if t is not None and fits(n, k, group, t) else None
+
+
 def packed_scale_offset(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """int32 [G, N] for DEQ 2: each channel's 16-bit scale in the low half, M + z (M: 128.0 in bf16,
     1024.0 in fp16; exact for the integer zero points every format stores) in the high half."""
@@ -189,6 +205,18 @@ def packed_scale_offset(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tens
     lo = scales.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
     hi = (zeros.float() + magic).to(scales.dtype).contiguous().view(torch.int16).to(torch.int32) << 16
     return lo | hi
+
+
+def _cached_scale_offset(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """`packed_scale_offset` kept on the scales tensor (made on the first call outside a graph
+    capture, e.g. the engine's warm-up; it lives as long as the layer's scales: +4 bytes per
+    group and channel, the size of the scales and zeros together)."""
+    sz = getattr(scales, "_int4_dot_sz", None)
+    if sz is None:
+        sz = packed_scale_offset(scales, zeros)
+        if not (scales.is_cuda and torch.cuda.is_current_stream_capturing()):
+            scales._int4_dot_sz = sz
+    return sz
 
 
 def fits(n: int, k: int, group: int, t: DotTiles) -> bool:
@@ -223,7 +251,7 @@ def dot_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     if deq == 2 and not x.is_cuda:
         deq = 1  # inline PTX: GPUs only
     if deq == 2 and sz is None:
-        sz = packed_scale_offset(scales, zeros)
+        sz = _cached_scale_offset(scales, zeros)
     tiles_n = n // t.block_n
     group_n = max(1, min(t.group_n, tiles_n))
     while tiles_n % group_n:
