@@ -8,7 +8,9 @@ four linears at their best, and the `triton_int4_mma_gemm.TABLE` lines; writes
 
 INT4_GEMM_SET=next: the launches with every loop load pipelined (see `variants`).
 INT4_GEMM_SET=dot: the plain tl.dot GEMM (`triton_int4_dot_gemm`: x as A, the weight dequantized as B,
-PTX or Triton dequantization) over its tiles, splits and pipeline depths.
+PTX or Triton dequantization) over its tiles, splits and pipeline depths. INT4_GEMM_SET=gluon: the
+Gluon GEMM (`gluon_int4_gemm`: the same dequantization with its wgmma kept in flight; GPUs only,
+its own process so that a fault cannot cost the dot set's figures).
 INT4_GEMM_ROWS: the row counts, in order (default 256,64,1024,128,16,512: what the budget leaves out is
 the last); INT4_GEMM_BUDGET_S caps the timing (default 60 s after compiling); INT4_GEMM_COMPILE_S the
 parallel compile (default 30 s).
@@ -39,6 +41,8 @@ def variants(m: int, smoke: bool) -> list:
 
     if os.environ.get("INT4_GEMM_SET") == "dot":
         return dot_variants(m, smoke)
+    if os.environ.get("INT4_GEMM_SET") == "gluon":  # GPUs only (a smoke run falls back to the dot set)
+        return dot_variants(m, smoke) if smoke else gluon_variants(m)
     if smoke:
         return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2), T(32, 16, 4, 1, flat=False, xperm=True,
                                                                           psz=True)]
@@ -89,11 +93,28 @@ def dot_variants(m: int, smoke: bool) -> list:
             D(128, 128, 64, 4, 4, deq=1)]
 
 
+def gluon_variants(m: int) -> list:
+    """`gluon_int4_gemm.GluonTiles` (block_m, block_n, stages, warps): the Gluon GEMM whose wgmma stays
+    in flight while the next tile is dequantized (bf16, GPUs only; no split-K)."""
+    from tokenmill.layers.quantization.gluon_int4_gemm import GluonTiles as G
+
+    if m <= 64:
+        return [G(64, 128, 4, 4), G(64, 128, 3, 4), G(64, 256, 3, 4)]
+    if m <= 128:
+        return [G(128, 128, 3, 4), G(64, 128, 4, 4), G(128, 128, 3, 8), G(128, 256, 3, 8)]
+    return [G(128, 128, 3, 4), G(128, 128, 4, 4), G(128, 128, 3, 8), G(128, 256, 3, 8), G(256, 128, 3, 8)]
+
+
 def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
-    """One launch of either GEMM: `GemmTiles` (triton_int4_mma_gemm) or `DotTiles` (triton_int4_dot_gemm)."""
+    """One launch of any GEMM: `GemmTiles` (triton_int4_mma_gemm), `DotTiles` (triton_int4_dot_gemm)
+    or `GluonTiles` (gluon_int4_gemm)."""
     from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles, dot_gemm
     from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
 
+    if type(t).__name__ == "GluonTiles":
+        from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
+
+        return gluon_gemm(x, qm, scales, zeros, group, t, sz=pso)
     if isinstance(t, DotTiles):
         return dot_gemm(x, qm, scales, zeros, group, t, counters, sz=pso)
     return mma_gemm(x, qm, scales, zeros, group, t, counters, sz=psz)
