@@ -94,15 +94,17 @@ def dot_variants(m: int, smoke: bool) -> list:
 
 
 def gluon_variants(m: int) -> list:
-    """`gluon_int4_gemm.GluonTiles` (block_m, block_n, stages, warps): the Gluon GEMM whose wgmma stays
-    in flight while the next tile is dequantized (bf16, GPUs only; no split-K)."""
+    """`gluon_int4_gemm.GluonTiles` (block_m, block_n, stages, warps, split): the Gluon GEMM whose wgmma
+    stays in flight while the next tile is dequantized (bf16, GPUs only)."""
     from tokenmill.layers.quantization.gluon_int4_gemm import GluonTiles as G
 
     if m <= 64:
-        return [G(64, 128, 4, 4), G(64, 128, 3, 4), G(64, 256, 3, 4)]
+        return [G(64, 128, 4, 4), G(64, 128, 3, 4), G(64, 256, 3, 4), G(64, 128, 4, 4, 2), G(64, 128, 4, 4, 4)]
     if m <= 128:
-        return [G(128, 128, 3, 4), G(64, 128, 4, 4), G(128, 128, 3, 8), G(128, 256, 3, 8)]
-    return [G(128, 128, 3, 4), G(128, 128, 4, 4), G(128, 128, 3, 8), G(128, 256, 3, 8), G(256, 128, 3, 8)]
+        return [G(128, 128, 3, 4), G(64, 128, 4, 4), G(128, 128, 3, 8), G(128, 256, 3, 8), G(128, 128, 3, 8, 2),
+                G(128, 128, 3, 8, 4)]
+    return [G(128, 128, 3, 4), G(128, 128, 4, 4), G(128, 128, 3, 8), G(128, 256, 3, 8), G(256, 128, 3, 8),
+            G(128, 128, 3, 8, 2), G(128, 128, 3, 8, 4), G(128, 128, 3, 4, 2)]
 
 
 def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
@@ -114,7 +116,7 @@ def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
     if type(t).__name__ == "GluonTiles":
         from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
 
-        return gluon_gemm(x, qm, scales, zeros, group, t, sz=pso)
+        return gluon_gemm(x, qm, scales, zeros, group, t, sz=pso, counters=counters)
     if isinstance(t, DotTiles):
         return dot_gemm(x, qm, scales, zeros, group, t, counters, sz=pso)
     return mma_gemm(x, qm, scales, zeros, group, t, counters, sz=psz)

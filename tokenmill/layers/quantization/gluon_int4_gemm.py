@@ -40,6 +40,7 @@ def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
 @gluon.jit
 def _issue(x_smem, w_smem, lo_smem, hi_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, step, slot, N,
            BK: gl.constexpr, GROUP: gl.constexpr):
+    """Step `step`'s (global K step) x tile, words and packed scales into stage `slot`."""
     k0 = step * BK
     cp.async_copy_global_to_shared(x_smem.index(slot), x_ptrs + k0, mask=m_mask)
     cp.async_copy_global_to_shared(w_smem.index(slot), w_ptrs + step * 128)
@@ -49,7 +50,7 @@ def _issue(x_smem, w_smem, lo_smem, hi_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, st
 
 
 @gluon.jit
-def _step(acc, i, n_k, x_smem, w_smem, lo_smem, hi_smem, b_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, N,
+def _step(acc, i, n_k, s0, x_smem, w_smem, lo_smem, hi_smem, b_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, N,
           w_ld: gl.constexpr, sz_ld: gl.constexpr, BK: gl.constexpr, BN: gl.constexpr, GROUP: gl.constexpr,
           STAGES: gl.constexpr):
     """K step i: its stage's words dequantized into B buffer i % 2, its wgmma left in flight once
@@ -74,19 +75,21 @@ def _step(acc, i, n_k, x_smem, w_smem, lo_smem, hi_smem, b_smem, x_ptrs, w_ptrs,
     acc = warpgroup_mma(x_smem.index(slot), b, acc, use_acc=i > 0, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
     nxt = gl.minimum(i + STAGES - 1, n_k - 1)  # past the end: step n_k - 1 again, into a free stage
-    _issue(x_smem, w_smem, lo_smem, hi_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, nxt, (i + STAGES - 1) % STAGES, N,
-           BK, GROUP)
+    _issue(x_smem, w_smem, lo_smem, hi_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, s0 + nxt, (i + STAGES - 1) % STAGES,
+           N, BK, GROUP)
     cp.commit_group()
     return acc
 
 
 @gluon.jit
-def _gluon_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, s_xm, s_om, GROUP: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr):
+def _gluon_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_om, GROUP: gl.constexpr,
+                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr):
     BK: gl.constexpr = 64
     CB: gl.constexpr = BN // 16
     num_warps: gl.constexpr = gl.num_warps()
     pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    split = gl.num_programs(1)
     tiles_m = gl.cdiv(M, BM)
     pid_m = pid % tiles_m
     pid_n = pid // tiles_m
@@ -128,26 +131,41 @@ def _gluon_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, M, N, K, s_xm, s_om, GROUP
     sg = gl.arange(0, 8, layout=gl.SliceLayout(0, sz_ld))
     sz_ptrs = sz_ptr + gl.expand_dims((pid_n * CB + scb) * 16, 1) + gl.expand_dims(sg, 0)
 
-    n_k = K // BK
+    n_k = K // BK // split  # K steps per slice (the wrapper makes the split divide them)
+    s0 = pid_k * n_k
     for s in gl.static_range(STAGES - 1):
-        _issue(x_smem, w_smem, lo_smem, hi_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, s, s, N, BK, GROUP)
+        _issue(x_smem, w_smem, lo_smem, hi_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, s0 + gl.minimum(s, n_k - 1), s, N,
+               BK, GROUP)
         cp.commit_group()
     acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
     # step 0 peeled: on every path the accumulator's last writer before the final wait is a wgmma
     # (ptxas serializes all wgmmas when a zero-trip path defines it in between)
-    acc = _step(acc, 0, n_k, x_smem, w_smem, lo_smem, hi_smem, b_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, N,
+    acc = _step(acc, 0, n_k, s0, x_smem, w_smem, lo_smem, hi_smem, b_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, N,
                 w_ld, sz_ld, BK, BN, GROUP, STAGES)
     for i in range(1, n_k):
-        acc = _step(acc, i, n_k, x_smem, w_smem, lo_smem, hi_smem, b_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, N,
+        acc = _step(acc, i, n_k, s0, x_smem, w_smem, lo_smem, hi_smem, b_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, N,
                     w_ld, sz_ld, BK, BN, GROUP, STAGES)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     cp.wait_group(0)
 
-    res = gl.convert_layout(acc.to(gl.bfloat16), out_l)
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
     on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-    gl.store(out_ptr + gl.expand_dims(om.to(gl.int64) * s_om, 1) + gl.expand_dims(on, 0), res,
-             mask=gl.expand_dims(om < M, 1))
+    o_off = gl.expand_dims(om.to(gl.int64) * s_om, 1) + gl.expand_dims(on, 0)
+    o_mask = gl.expand_dims(om < M, 1)
+    if SPLIT_K:  # as `triton_split_k.store_tile`: partials, then the last slice to arrive sums them in order
+        p_off = gl.expand_dims(om.to(gl.int64) * N, 1) + gl.expand_dims(on, 0)
+        mn = N.to(gl.int64) * M
+        gl.store(part_ptr + pid_k * mn + p_off, gl.convert_layout(acc, out_l), mask=o_mask)
+        gl.thread_barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == split - 1:
+            total = gl.zeros([BM, BN], gl.float32, layout=out_l)
+            for sl in range(split):
+                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
+            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
+            gl.atomic_xchg(cnt_ptr + pid, 0)
+    else:
+        gl.store(out_ptr + o_off, gl.convert_layout(acc.to(gl.bfloat16), out_l), mask=o_mask)
 
 
 @dataclass(frozen=True)
@@ -158,18 +176,23 @@ class GluonTiles:
     block_n: int = 128
     stages: int = 3
     warps: int = 4
+    split: int = 1
 
     def label(self) -> str:
-        return f"gluon m{self.block_m} n{self.block_n} st{self.stages} w{self.warps}"
+        return (f"gluon m{self.block_m} n{self.block_n} st{self.stages} w{self.warps}"
+                f"{f' s{self.split}' if self.split > 1 else ''}")
 
     def code(self) -> str:
-        return f"GluonTiles({self.block_m}, {self.block_n}, {self.stages}, {self.warps})"
+        return f"GluonTiles({self.block_m}, {self.block_n}, {self.stages}, {self.warps}, {self.split})"
 
 
 def gluon_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               tiles: GluonTiles | None = None, sz: torch.Tensor | None = None) -> torch.Tensor:
+               tiles: GluonTiles | None = None, sz: torch.Tensor | None = None,
+               counters: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ W^T -> [M, N]; W in the mma layout, scales / zeros [G, N] bf16 (or `sz` from
-    `triton_int4_dot_gemm.packed_scale_offset`). CUDA and bf16 only."""
+    `triton_int4_dot_gemm.packed_scale_offset`). CUDA and bf16 only. tiles.split > 1: K cut into
+    that many slices (the largest dividing K / 64 up to it), needs `counters` (zeroed int32, one per
+    output tile; without them, or too few, no split)."""
     t = tiles or GluonTiles()
     block_m, block_n = t.block_m, t.block_n
     m, k = x.shape
@@ -184,7 +207,12 @@ def gluon_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
     x = x.contiguous()
     if sz is None:
         sz = _cached_scale_offset(scales, zeros)
-    grid = (triton.cdiv(m, block_m) * (n // block_n),)
-    _gluon_gemm_kernel[grid](x, qm, sz, out, m, n, k, x.stride(0), out.stride(0), GROUP=group, BM=block_m,
-                             BN=block_n, STAGES=t.stages, num_warps=t.warps)
+    tiles = triton.cdiv(m, block_m) * (n // block_n)
+    split = t.split if counters is not None and counters.numel() >= tiles else 1
+    while (k // 64) % split:
+        split -= 1
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _gluon_gemm_kernel[(tiles, split)](x, qm, sz, out, part, counters if split > 1 else out, m, n, k, x.stride(0),
+                                       out.stride(0), GROUP=group, BM=block_m, BN=block_n, STAGES=t.stages,
+                                       SPLIT_K=split > 1, num_warps=t.warps)
     return out
