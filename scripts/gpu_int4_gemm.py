@@ -231,6 +231,9 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         if os.environ.get("INT4_GEMM_SET") == "dot":
             from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles
             t = DotTiles(64, 128, 64, 4, 4, split=2)
+        elif os.environ.get("INT4_GEMM_SET") == "gluon":
+            from tokenmill.layers.quantization.gluon_int4_gemm import GluonTiles
+            t = GluonTiles(64, 128, 4, 4, 2)
         else:
             t = GemmTiles(64, 64, 4, 4, split=2)
         run_tiles(t, xs[0], qm, scales, zeros, group, counters)
