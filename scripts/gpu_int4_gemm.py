@@ -96,7 +96,7 @@ def dot_variants(m: int, smoke: bool) -> list:
 def gluon_variants(m: int) -> list:
     """`gluon_int4_gemm.GluonTiles` (block_m, block_n, stages, warps, split): the Gluon GEMM whose wgmma
     stays in flight while the next tile is dequantized (bf16, GPUs only)."""
-    from tokenmill.layers.quantization.gluon_int4_gemm import GluonTiles as G
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles as G
 
     if m <= 64:
         return [G(64, 128, 4, 4), G(64, 128, 3, 4), G(64, 256, 3, 4), G(64, 128, 4, 4, 2), G(64, 128, 4, 4, 4)]
@@ -113,7 +113,9 @@ def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
     from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles, dot_gemm
     from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
 
-    if type(t).__name__ == "GluonTiles":
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles
+
+    if isinstance(t, GluonTiles):
         from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
 
         return gluon_gemm(x, qm, scales, zeros, group, t, sz=pso, counters=counters)
@@ -232,7 +234,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
             from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles
             t = DotTiles(64, 128, 64, 4, 4, split=2)
         elif os.environ.get("INT4_GEMM_SET") == "gluon":
-            from tokenmill.layers.quantization.gluon_int4_gemm import GluonTiles
+            from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles
             t = GluonTiles(64, 128, 4, 4, 2)
         else:
             t = GemmTiles(64, 64, 4, 4, split=2)

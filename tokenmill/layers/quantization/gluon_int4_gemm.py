@@ -13,8 +13,6 @@ reference before timing it. Torch reference: `int4_packing.dequantize` then a ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -28,6 +26,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from tokenmill.layers.quantization.triton_int4_dot_gemm import (
     _ASM_BF16,
+    GluonTiles,
     _cached_scale_offset,
 )
 
@@ -166,24 +165,6 @@ def _gluon_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K
             gl.atomic_xchg(cnt_ptr + pid, 0)
     else:
         gl.store(out_ptr + o_off, gl.convert_layout(acc.to(gl.bfloat16), out_l), mask=o_mask)
-
-
-@dataclass(frozen=True)
-class GluonTiles:
-    """A launch: BLOCK_M rows by BLOCK_N channels per CTA, cp.async stages, warps (4: one warpgroup)."""
-
-    block_m: int = 128
-    block_n: int = 128
-    stages: int = 3
-    warps: int = 4
-    split: int = 1
-
-    def label(self) -> str:
-        return (f"gluon m{self.block_m} n{self.block_n} st{self.stages} w{self.warps}"
-                f"{f' s{self.split}' if self.split > 1 else ''}")
-
-    def code(self) -> str:
-        return f"GluonTiles({self.block_m}, {self.block_n}, {self.stages}, {self.warps}, {self.split})"
 
 
 def gluon_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

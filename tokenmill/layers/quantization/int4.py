@@ -114,7 +114,7 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
                 for m in (t.block_m, t.block_m + 3):
                     x = torch.randn(m, k, device=device, generator=g).to(dtype)
                     ref = x.float() @ ref_w
-                    run = dot.dot_gemm if isinstance(t, dot.DotTiles) else gemm.mma_gemm
+                    run = dot.run if isinstance(t, (dot.DotTiles, dot.GluonTiles)) else gemm.mma_gemm
                     errs.append(((run(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
                                  / ref.norm()).item())
             if errs:

@@ -182,20 +182,55 @@ class DotTiles:
                 f"{self.split}, {self.group_n}, {self.deq})")
 
 
-# (rows bucket: the most rows it serves, N, K) -> the tiles where this GEMM measured fastest (Llama-8B's
-# linears, `scripts/gpu_int4_gemm.py` with INT4_GEMM_SET=dot); a shape or row count not listed takes
-# the other paths of `triton_int4_mma.mma_matmul`. Empty until measured on an H100.
-TABLE: dict[tuple[int, int, int], DotTiles] = {}
+@dataclass(frozen=True)
+class GluonTiles:
+    """A launch of the Gluon GEMM (`gluon_int4_gemm`; defined here so that tables name it without
+    importing Gluon): BLOCK_M rows by BLOCK_N channels per CTA, cp.async stages, warps (4: one
+    warpgroup), split-K slices."""
+
+    block_m: int = 128
+    block_n: int = 128
+    stages: int = 3
+    warps: int = 4
+    split: int = 1
+
+    def label(self) -> str:
+        return (f"gluon m{self.block_m} n{self.block_n} st{self.stages} w{self.warps}"
+                f"{f' s{self.split}' if self.split > 1 else ''}")
+
+    def code(self) -> str:
+        return f"GluonTiles({self.block_m}, {self.block_n}, {self.stages}, {self.warps}, {self.split})"
+
+
+# (rows bucket: the most rows it serves, N, K) -> the launch where this GEMM (DotTiles) or the Gluon
+# one (GluonTiles, bf16) measured fastest (Llama-8B's linears, `scripts/gpu_int4_gemm.py` with
+# INT4_GEMM_SET=dot / gluon); a shape or row count not listed takes the other paths of
+# `triton_int4_mma.mma_matmul`. Empty until measured on an H100.
+TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles] = {}
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 # False after a failed start-up self-test: every row count takes the other paths.
 ENABLED = True
 
 
-def dot_tiles(m: int, n: int, k: int, group: int) -> DotTiles | None:
-    """The tiles for an [m, k] x [k, n] product on the mma layout, or None (another path)."""
+def dot_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bfloat16
+              ) -> DotTiles | GluonTiles | None:
+    """The launch for an [m, k] x [k, n] product on the mma layout, or None (another path)."""
     bucket = next((b for b in BUCKETS if b >= m), None)
     t = TABLE.get((bucket, n, k)) if bucket is not None and ENABLED else None
+    if isinstance(t, GluonTiles):
+        ok = dtype == torch.bfloat16 and n % t.block_n == 0 and k % 64 == 0 and group % 64 == 0 and k % group == 0
+        return t if ok else None
     return t if t is not None and fits(n, k, group, t) else None
+
+
+def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+        tiles: DotTiles | GluonTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The launch `dot_tiles` chose: this module's GEMM or the Gluon one."""
+    if isinstance(tiles, GluonTiles):
+        from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
+
+        return gluon_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
+    return dot_gemm(x, qm, scales, zeros, group_size, tiles, counters)
 
 
 def packed_scale_offset(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:

@@ -408,9 +408,9 @@ def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
     from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
 
     n, k = qm.shape[0] * 16, qm.shape[1] * 64
-    dtiles = dot.dot_tiles(m, n, k, k if group_size == -1 else group_size)
-    if dtiles is not None:  # the tl.dot GEMM where its measured table lists the rows and shape
-        return dot.dot_gemm(x, qm, scales, zeros, group_size, dtiles, counters)
+    dtiles = dot.dot_tiles(m, n, k, k if group_size == -1 else group_size, x.dtype)
+    if dtiles is not None:  # the tl.dot / Gluon GEMM where its measured table lists the rows and shape
+        return dot.run(x, qm, scales, zeros, group_size, dtiles, counters)
     tiles = gemm.gemm_tiles(m, n, k, k if group_size == -1 else group_size)
     if tiles is not None:
         return gemm.mma_gemm(x, qm, scales, zeros, group_size, tiles, counters)
