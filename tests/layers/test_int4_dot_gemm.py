@@ -161,3 +161,13 @@ def test_mma_matmul_routes_by_the_table(monkeypatch):
     assert calls == [dot.DotTiles(16, 32, 64, 4, 1, deq=1)]
     assert (out.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
     assert dot.dot_tiles(40, 64, 256, 64) is None and dot.dot_tiles(20, 64, 256, 64) is not None
+
+
+def test_table_entries_fit_their_shapes():
+    """Every measured entry names a launch that takes its (N, K) at group 128 in its rows bucket."""
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+
+    for (bucket, n, k), t in dot.TABLE.items():
+        assert bucket in dot.BUCKETS
+        assert dot.dot_tiles(bucket, n, k, 128) == t, (bucket, n, k, t)
+        assert dot.dot_tiles(bucket, n, k, 128, torch.float16) == (None if isinstance(t, dot.GluonTiles) else t)
