@@ -42,7 +42,7 @@ def variants(m: int, smoke: bool) -> list:
     if os.environ.get("INT4_GEMM_SET") == "dot":
         return dot_variants(m, smoke)
     if os.environ.get("INT4_GEMM_SET") == "gluon":  # GPUs only (a smoke run falls back to the dot set)
-        return dot_variants(m, smoke) if smoke else gluon_variants(m)
+        return dot_variants(m, smoke) if smoke else list(dict.fromkeys(gluon_variants(m)))
     if smoke:
         return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2), T(32, 16, 4, 1, flat=False, xperm=True,
                                                                           psz=True)]
@@ -93,11 +93,32 @@ def dot_variants(m: int, smoke: bool) -> list:
             D(128, 128, 64, 4, 4, deq=1)]
 
 
+def _table_launches(m: int) -> list:
+    """The launches `triton_int4_dot_gemm.TABLE` lists for this row count (timed beside the new ones;
+    compiling them here also warms the cache the engine's self-test reads)."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import TABLE
+
+    return list(dict.fromkeys(t for (bucket, _, _), t in TABLE.items() if bucket == m))
+
+
 def gluon_variants(m: int) -> list:
     """`gluon_int4_gemm.GluonTiles` (block_m, block_n, stages, warps, split): the Gluon GEMM whose wgmma
     stays in flight while the next tile is dequantized (bf16, GPUs only)."""
     from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles as G
 
+    if os.environ.get("INT4_GEMM_GLUON") == "round2":  # deeper pipelines and K tiles of 128 (session 7's second run)
+        if m <= 64:
+            return [*_table_launches(m), G(64, 128, 5, 4), G(64, 128, 6, 4), G(64, 128, 3, 4, 1, 128),
+                    G(64, 128, 4, 4, 1, 128), G(64, 256, 4, 4), G(64, 128, 5, 4, 2), G(64, 128, 5, 4, 4),
+                    G(64, 128, 3, 4, 4, 128)]
+        if m <= 128:
+            return [*_table_launches(m), G(128, 128, 4, 8), G(128, 128, 5, 8), G(128, 128, 2, 8, 1, 128),
+                    G(128, 128, 3, 8, 1, 128), G(128, 256, 4, 8), G(128, 128, 4, 8, 4), G(128, 128, 5, 8, 4),
+                    G(128, 128, 3, 8, 4, 128), G(128, 128, 4, 8, 2)]
+        return [*_table_launches(m), G(256, 128, 3, 8), G(256, 128, 4, 8), G(256, 128, 5, 8), G(256, 128, 2, 8, 1, 128),
+                G(128, 128, 4, 8), G(128, 128, 5, 8), G(128, 128, 3, 8, 1, 128), G(128, 256, 4, 8),
+                G(128, 128, 4, 8, 4), G(128, 128, 5, 8, 4), G(256, 128, 4, 8, 2), G(256, 128, 4, 8, 4),
+                G(128, 128, 3, 8, 4, 128)]
     if m <= 64:
         return [G(64, 128, 4, 4), G(64, 128, 3, 4), G(64, 256, 3, 4), G(64, 128, 4, 4, 2), G(64, 128, 4, 4, 4)]
     if m <= 128:

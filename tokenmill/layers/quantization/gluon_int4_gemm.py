@@ -39,10 +39,10 @@ def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
 @gluon.jit
 def _issue(x_smem, w_smem, lo_smem, hi_smem, x_ptrs, w_ptrs, sz_ptrs, m_mask, step, slot, N,
            BK: gl.constexpr, GROUP: gl.constexpr):
-    """Step `step`'s (global K step) x tile, words and packed scales into stage `slot`."""
+    """K tile `step`'s (global) x tile, words (BK / 64 layout steps) and packed scales into stage `slot`."""
     k0 = step * BK
     cp.async_copy_global_to_shared(x_smem.index(slot), x_ptrs + k0, mask=m_mask)
-    cp.async_copy_global_to_shared(w_smem.index(slot), w_ptrs + step * 128)
+    cp.async_copy_global_to_shared(w_smem.index(slot), w_ptrs + step * (BK // 64) * 128)
     grp = k0 // GROUP
     cp.async_copy_global_to_shared(lo_smem.index(slot), sz_ptrs + grp * N)
     cp.async_copy_global_to_shared(hi_smem.index(slot), sz_ptrs + grp * N + 8)
@@ -58,15 +58,15 @@ def _step(acc, i, n_k, s0, x_smem, w_smem, lo_smem, hi_smem, b_smem, x_ptrs, w_p
     cp.wait_group(STAGES - 2)
     gl.thread_barrier()
     words = w_smem.index(slot).load(w_ld)
-    lo = gl.expand_dims(gl.expand_dims(lo_smem.index(slot).load(sz_ld), 2), 3)
-    hi = gl.expand_dims(gl.expand_dims(hi_smem.index(slot).load(sz_ld), 2), 3)
+    lo = gl.expand_dims(gl.expand_dims(gl.expand_dims(lo_smem.index(slot).load(sz_ld), 1), 3), 4)
+    hi = gl.expand_dims(gl.expand_dims(gl.expand_dims(hi_smem.index(slot).load(sz_ld), 1), 3), 4)
     lo, _ = gl.broadcast(lo, words)
     hi, _ = gl.broadcast(hi, words)
     o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
         _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, lo, hi],
         dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
-    v = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [CB, g, j, m, hi, a, b]
-    w = gl.reshape(gl.permute(v, (2, 3, 5, 6, 0, 4, 1)), (BK, BN))
+    v = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [CB, S2, g, j, m, hi, a, b]
+    w = gl.reshape(gl.permute(v, (1, 3, 4, 6, 7, 0, 5, 2)), (BK, BN))
     b = b_smem.index(i % 2)
     b.store(w)
     fence_async_shared()
@@ -80,11 +80,12 @@ def _step(acc, i, n_k, s0, x_smem, w_smem, lo_smem, hi_smem, b_smem, x_ptrs, w_p
     return acc
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["M"])  # one compile per launch serves every row count
 def _gluon_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_om, GROUP: gl.constexpr,
-                       BM: gl.constexpr, BN: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr):
-    BK: gl.constexpr = 64
+                       BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                       SPLIT_K: gl.constexpr):
     CB: gl.constexpr = BN // 16
+    S2: gl.constexpr = BK // 64
     num_warps: gl.constexpr = gl.num_warps()
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -94,16 +95,19 @@ def _gluon_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K
     pid_n = pid // tiles_m
 
     x_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 4], [1, 8, 4, 1], [num_warps, 1, 1, 1], [3, 2, 1, 0])
-    sz_ld: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, w_ld))
+    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [num_warps, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    L4: gl.constexpr = gl.SliceLayout(4, w_ld)  # [CB, S2, 8, 4]
+    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [CB, S2, 8]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [CB, S2]
+    sz_ld: gl.constexpr = gl.SliceLayout(1, L3)  # [CB, 8]
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BN, 16])
     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK],
                                        gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16))
-    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, CB, 8, 4, 4],
-                                       gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0]))
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, CB, S2, 8, 4, 4],
+                                       gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0]))
     lo_smem = gl.allocate_shared_memory(gl.int32, [STAGES, CB, 8],
                                         gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     hi_smem = gl.allocate_shared_memory(gl.int32, [STAGES, CB, 8],
@@ -116,15 +120,17 @@ def _gluon_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, x_ld))
     x_ptrs = x_ptr + gl.expand_dims(rm.to(gl.int64) * s_xm, 1) + gl.expand_dims(rk, 0)
     m_mask = gl.expand_dims(rm < M, 1)
-    # word tile pointers [CB, 8 g, 4 j, 4 m] of step 0
-    L3: gl.constexpr = gl.SliceLayout(3, w_ld)
-    cb = gl.arange(0, CB, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-    g8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, L3)))
-    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    m4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, w_ld))))
-    base3 = gl.expand_dims(gl.expand_dims(((pid_n * CB + cb).to(gl.int64) * ((K // 64) * 128)), 1), 2) \
-        + gl.expand_dims(gl.expand_dims(g8 * 16, 0), 2) + gl.expand_dims(gl.expand_dims(j4 * 4, 0), 1)
-    w_ptrs = w_ptr + gl.expand_dims(base3, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(m4, 0), 1), 2)
+    # word tile pointers [CB, S2 steps, 8 g, 4 j, 4 m] of K tile 0
+    cb = gl.arange(0, CB, layout=gl.SliceLayout(1, L2))
+    s2 = gl.arange(0, S2, layout=gl.SliceLayout(0, L2))
+    base2 = gl.expand_dims((pid_n * CB + cb).to(gl.int64) * ((K // 64) * 128), 1) + gl.expand_dims(s2 * 128, 0)
+    g8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    base3 = gl.expand_dims(base2, 2) + gl.expand_dims(gl.expand_dims(g8 * 16, 0), 1)
+    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    base4 = gl.expand_dims(base3, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(j4 * 4, 0), 1), 2)
+    m4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w_ld)))))
+    w_ptrs = w_ptr + gl.expand_dims(base4, 4) + \
+        gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(m4, 0), 1), 2), 3)
     # packed scale / offset pointers [CB, 8] (channel 16 cb + g; + 8 for the odd nibbles)
     scb = gl.arange(0, CB, layout=gl.SliceLayout(1, sz_ld))
     sg = gl.arange(0, 8, layout=gl.SliceLayout(0, sz_ld))
@@ -179,7 +185,7 @@ def gluon_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
     m, k = x.shape
     n = qm.shape[0] * 16
     group = k if group_size == -1 else group_size
-    if x.dtype != torch.bfloat16 or n % block_n or k % 64 or group % 64 or k % group:
+    if x.dtype != torch.bfloat16 or n % block_n or t.block_k not in (64, 128) or group % t.block_k or k % group:
         raise ValueError(f"gluon int4 GEMM: bf16 x, N a multiple of {block_n}, K and the group of 64 (x {x.dtype}, "
                          f"N {n}, K {k}, group {group})")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -190,10 +196,11 @@ def gluon_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
         sz = _cached_scale_offset(scales, zeros)
     tiles = triton.cdiv(m, block_m) * (n // block_n)
     split = t.split if counters is not None and counters.numel() >= tiles else 1
-    while (k // 64) % split:
+    while (k // t.block_k) % split:
         split -= 1
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _gluon_gemm_kernel[(tiles, split)](x, qm, sz, out, part, counters if split > 1 else out, m, n, k, x.stride(0),
-                                       out.stride(0), GROUP=group, BM=block_m, BN=block_n, STAGES=t.stages,
+                                       out.stride(0), GROUP=group, BM=block_m, BN=block_n, BK=t.block_k,
+                                       STAGES=t.stages,
                                        SPLIT_K=split > 1, num_warps=t.warps)
     return out

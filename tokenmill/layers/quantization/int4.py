@@ -220,6 +220,10 @@ class Int4LinearMethod(LinearMethod):
         replace_param(layer, "scales", wt.scales)
         replace_param(layer, "zeros", wt.zeros)
         replace_param(layer, "g_idx", wt.g_idx)
+        if wt.qweight.dim() == 4 and wt.qweight.is_cuda:  # the mma layout: the GEMMs' packed scales, made now
+            from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+
+            dot.keep_scale_offset(layer.scales, layer.zeros)
         # split-K counters of the small-batch kernel, allocated here: never inside a graph capture
         layer.stream_counters = (stream_tiles.SplitCounters(layer.out_features, wt.qweight.device)
                                  if wt.qweight.is_cuda else None)

@@ -193,13 +193,15 @@ class GluonTiles:
     stages: int = 3
     warps: int = 4
     split: int = 1
+    block_k: int = 64  # one or two of the layout's 64-input steps a K tile
 
     def label(self) -> str:
         return (f"gluon m{self.block_m} n{self.block_n} st{self.stages} w{self.warps}"
-                f"{f' s{self.split}' if self.split > 1 else ''}")
+                f"{f' s{self.split}' if self.split > 1 else ''}{' k128' if self.block_k == 128 else ''}")
 
     def code(self) -> str:
-        return f"GluonTiles({self.block_m}, {self.block_n}, {self.stages}, {self.warps}, {self.split})"
+        return (f"GluonTiles({self.block_m}, {self.block_n}, {self.stages}, {self.warps}, {self.split}"
+                f"{', 128' if self.block_k == 128 else ''})")
 
 
 # (rows bucket: the most rows it serves, N, K) -> the launch where this GEMM (DotTiles) or the Gluon
@@ -230,7 +232,7 @@ def dot_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bfl
     bucket = next((b for b in BUCKETS if b >= m), None)
     t = TABLE.get((bucket, n, k)) if bucket is not None and ENABLED else None
     if isinstance(t, GluonTiles):
-        ok = dtype == torch.bfloat16 and n % t.block_n == 0 and k % 64 == 0 and group % 64 == 0 and k % group == 0
+        ok = dtype == torch.bfloat16 and n % t.block_n == 0 and group % t.block_k == 0 and k % group == 0
         return t if ok else None
     return t if t is not None and fits(n, k, group, t) else None
 
@@ -264,6 +266,14 @@ def _cached_scale_offset(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Ten
         if not (scales.is_cuda and torch.cuda.is_current_stream_capturing()):
             scales._int4_dot_sz = sz
     return sz
+
+
+def keep_scale_offset(scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    """At load (outside any graph capture): the packed scales and offsets the GEMMs read, kept on
+    the layer's scales where a table lists launches (a capture would otherwise pack them on every
+    replay). +4 bytes per group and channel."""
+    if TABLE and ENABLED and scales.is_cuda and scales.dtype in _MAGIC16:
+        scales._int4_dot_sz = packed_scale_offset(scales, zeros)
 
 
 def fits(n: int, k: int, group: int, t: DotTiles) -> bool:
