@@ -207,19 +207,20 @@ class GluonTiles:
 # (rows bucket: the most rows it serves, N, K) -> the launch where this GEMM (DotTiles) or the Gluon
 # one (GluonTiles, bf16) measured fastest (Llama-8B's linears, `scripts/gpu_int4_gemm.py` with
 # INT4_GEMM_SET=dot / gluon); a shape or row count not listed takes the other paths of
-# `triton_int4_mma.mma_matmul`. From the session 7 mid-session sweep on one H100 (us a call against
-# the engine's dequantize + cuBLAS, docs/results/gpu-int4-gemm.md); only where it was >= 3% faster.
+# `triton_int4_mma.mma_matmul`. From session 7's two mid-session sweeps on one H100 (us a call; in
+# brackets dequantize + cuBLAS in the same process; docs/results/gpu-int4-gemm.md): only where >= 3%
+# faster. 256 rows: qkv and o stay on dequantize + cuBLAS (47 / 33 us against 48 / 42).
 TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles] = {
-    (64, 28672, 4096): GluonTiles(64, 128, 4, 4, 1),  # 72.3 us (195.1)
-    (64, 4096, 14336): GluonTiles(64, 128, 4, 4, 4),  # 45.5 (100.9)
-    (64, 6144, 4096): DotTiles(64, 64, 64, 4, 4, 4, 1, 2),  # 26.1 (41.0)
-    (64, 4096, 4096): DotTiles(64, 64, 64, 4, 4, 4, 1, 2),  # 19.9 (25.4)
-    (128, 28672, 4096): GluonTiles(128, 128, 3, 8, 1),  # 95.9 (197.4)
-    (128, 4096, 14336): GluonTiles(128, 128, 3, 8, 4),  # 63.1 (106.8)
-    (128, 6144, 4096): GluonTiles(128, 128, 3, 8, 2),  # 36.7 (42.0)
-    (128, 4096, 4096): DotTiles(128, 64, 64, 4, 4, 2, 1, 2),  # 27.4 (29.3)
-    (256, 28672, 4096): GluonTiles(256, 128, 3, 8, 1),  # 164.4 (210.5)
-    (256, 4096, 14336): GluonTiles(128, 128, 3, 8, 4),  # 103.0 (114.3)
+    (64, 28672, 4096): GluonTiles(64, 128, 4, 4, 1),  # 70.9 us (195.0)
+    (64, 4096, 14336): GluonTiles(64, 128, 3, 4, 4, 128),  # 41.8 (101.0)
+    (64, 6144, 4096): DotTiles(64, 64, 64, 4, 4, 4, 1, 2),  # 26.3 (41.4)
+    (64, 4096, 4096): GluonTiles(64, 128, 3, 4, 4, 128),  # 18.6 (25.6)
+    (128, 28672, 4096): GluonTiles(128, 128, 3, 8, 1),  # 93.9 (197.9)
+    (128, 4096, 14336): GluonTiles(128, 128, 5, 8, 4),  # 59.7 (106.3)
+    (128, 6144, 4096): GluonTiles(128, 128, 3, 8, 2),  # 36.9 (41.9)
+    (128, 4096, 4096): GluonTiles(128, 128, 5, 8, 4),  # 26.4 (29.0)
+    (256, 28672, 4096): GluonTiles(256, 128, 4, 8, 1),  # 154.6 (210.1)
+    (256, 4096, 14336): GluonTiles(256, 128, 4, 8, 4),  # 92.5 (112.7)
 }
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 # False after a failed start-up self-test: every row count takes the other paths.
