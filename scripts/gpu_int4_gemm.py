@@ -7,6 +7,10 @@ four linears at their best, and the `triton_int4_mma_gemm.TABLE` lines; writes
 `$OUT/int4gemm.json` after every linear (a killed run keeps what it measured).
 
 INT4_GEMM_SET=next: the launches with every loop load pipelined (see `variants`).
+INT4_GEMM_SET=dot: the plain tl.dot GEMM (`triton_int4_dot_gemm`: x as A, the weight dequantized as B,
+PTX or Triton dequantization) over its tiles, splits and pipeline depths. INT4_GEMM_SET=gluon: the
+Gluon GEMM (`gluon_int4_gemm`: the same dequantization with its wgmma kept in flight; GPUs only,
+its own process so that a fault cannot cost the dot set's figures).
 INT4_GEMM_ROWS: the row counts, in order (default 256,64,1024,128,16,512: what the budget leaves out is
 the last); INT4_GEMM_BUDGET_S caps the timing (default 60 s after compiling); INT4_GEMM_COMPILE_S the
 parallel compile (default 30 s).
@@ -35,6 +39,10 @@ def variants(m: int, smoke: bool) -> list:
     packed into 4-byte words)."""
     from tokenmill.layers.quantization.triton_int4_mma_gemm import GemmTiles as T
 
+    if os.environ.get("INT4_GEMM_SET") == "dot":
+        return dot_variants(m, smoke)
+    if os.environ.get("INT4_GEMM_SET") == "gluon":  # GPUs only (a smoke run falls back to the dot set)
+        return dot_variants(m, smoke) if smoke else list(dict.fromkeys(gluon_variants(m)))
     if smoke:
         return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2), T(32, 16, 4, 1, flat=False, xperm=True,
                                                                           psz=True)]
@@ -59,6 +67,84 @@ def variants(m: int, smoke: bool) -> list:
             T(128, 256, 8, 3, split=2), T(128, 256, 8, 3, split=4), T(128, 256, 8, 3, xperm=True)]
 
 
+def dot_variants(m: int, smoke: bool) -> list:
+    """`triton_int4_dot_gemm.DotTiles` (block_m, block_n, block_k, warps, stages, split, group_n, deq)
+    to try at m rows: one or two CTAs an SM (a CTA's dequantization then overlaps the other's
+    wgmma: Triton waits for each wgmma whose operand was made in registers), K tiles of one or two
+    layout steps, split-K for the linears of few output tiles, and the Triton dequantization beside
+    the PTX one."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles as D
+
+    if smoke:
+        return [D(16, 32, 64, 4, 1, deq=1), D(16, 32, 64, 4, 1, split=2, deq=1), D(32, 32, 64, 4, 2)]
+    if m <= 64:
+        return [D(64, 128, 64, 4, 4), D(64, 128, 128, 4, 3), D(64, 256, 64, 4, 4), D(64, 128, 64, 4, 4, split=2),
+                D(64, 64, 128, 4, 4, split=2), D(64, 64, 64, 4, 4, split=4), D(64, 128, 128, 4, 3, split=4),
+                D(64, 128, 64, 4, 4, deq=1)]
+    if m <= 128:
+        return [D(128, 128, 64, 4, 4), D(128, 128, 64, 4, 3), D(128, 128, 128, 4, 2), D(128, 64, 64, 4, 4),
+                D(64, 128, 64, 4, 4), D(128, 256, 64, 8, 3), D(128, 128, 64, 4, 4, split=2),
+                D(128, 128, 64, 4, 4, split=4), D(128, 64, 64, 4, 4, split=2), D(128, 64, 128, 4, 3, split=2),
+                D(128, 128, 64, 4, 4, deq=1)]
+    return [D(128, 128, 64, 4, 4), D(128, 128, 64, 4, 3), D(128, 128, 128, 4, 2), D(128, 128, 128, 4, 3),
+            D(128, 64, 64, 4, 4), D(256, 64, 64, 8, 3), D(256, 64, 128, 8, 3), D(256, 128, 64, 8, 3),
+            D(128, 256, 64, 8, 3), D(128, 128, 64, 8, 4), D(128, 128, 64, 4, 4, group_n=4),
+            D(128, 128, 64, 4, 4, split=2), D(128, 128, 64, 4, 4, split=4), D(256, 64, 64, 8, 3, split=2),
+            D(128, 128, 64, 4, 4, deq=1)]
+
+
+def _table_launches(m: int) -> list:
+    """The launches `triton_int4_dot_gemm.TABLE` lists for this row count (timed beside the new ones;
+    compiling them here also warms the cache the engine's self-test reads)."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import TABLE
+
+    return list(dict.fromkeys(t for (bucket, _, _), t in TABLE.items() if bucket == m))
+
+
+def gluon_variants(m: int) -> list:
+    """`gluon_int4_gemm.GluonTiles` (block_m, block_n, stages, warps, split): the Gluon GEMM whose wgmma
+    stays in flight while the next tile is dequantized (bf16, GPUs only)."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles as G
+
+    if os.environ.get("INT4_GEMM_GLUON") == "round2":  # deeper pipelines and K tiles of 128 (session 7's second run)
+        if m <= 64:
+            return [*_table_launches(m), G(64, 128, 5, 4), G(64, 128, 6, 4), G(64, 128, 3, 4, 1, 128),
+                    G(64, 128, 4, 4, 1, 128), G(64, 256, 4, 4), G(64, 128, 5, 4, 2), G(64, 128, 5, 4, 4),
+                    G(64, 128, 3, 4, 4, 128)]
+        if m <= 128:
+            return [*_table_launches(m), G(128, 128, 4, 8), G(128, 128, 5, 8), G(128, 128, 2, 8, 1, 128),
+                    G(128, 128, 3, 8, 1, 128), G(128, 256, 4, 8), G(128, 128, 4, 8, 4), G(128, 128, 5, 8, 4),
+                    G(128, 128, 3, 8, 4, 128), G(128, 128, 4, 8, 2)]
+        return [*_table_launches(m), G(256, 128, 3, 8), G(256, 128, 4, 8), G(256, 128, 5, 8), G(256, 128, 2, 8, 1, 128),
+                G(128, 128, 4, 8), G(128, 128, 5, 8), G(128, 128, 3, 8, 1, 128), G(128, 256, 4, 8),
+                G(128, 128, 4, 8, 4), G(128, 128, 5, 8, 4), G(256, 128, 4, 8, 2), G(256, 128, 4, 8, 4),
+                G(128, 128, 3, 8, 4, 128)]
+    if m <= 64:
+        return [G(64, 128, 4, 4), G(64, 128, 3, 4), G(64, 256, 3, 4), G(64, 128, 4, 4, 2), G(64, 128, 4, 4, 4)]
+    if m <= 128:
+        return [G(128, 128, 3, 4), G(64, 128, 4, 4), G(128, 128, 3, 8), G(128, 256, 3, 8), G(128, 128, 3, 8, 2),
+                G(128, 128, 3, 8, 4)]
+    return [G(128, 128, 3, 4), G(128, 128, 4, 4), G(128, 128, 3, 8), G(128, 256, 3, 8), G(256, 128, 3, 8),
+            G(128, 128, 3, 8, 2), G(128, 128, 3, 8, 4), G(128, 128, 3, 4, 2)]
+
+
+def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
+    """One launch of any GEMM: `GemmTiles` (triton_int4_mma_gemm), `DotTiles` (triton_int4_dot_gemm)
+    or `GluonTiles` (gluon_int4_gemm)."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles, dot_gemm
+    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
+
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles
+
+    if isinstance(t, GluonTiles):
+        from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
+
+        return gluon_gemm(x, qm, scales, zeros, group, t, sz=pso, counters=counters)
+    if isinstance(t, DotTiles):
+        return dot_gemm(x, qm, scales, zeros, group, t, counters, sz=pso)
+    return mma_gemm(x, qm, scales, zeros, group, t, counters, sz=psz)
+
+
 def _rows(cuda: bool) -> tuple[int, ...]:
     return tuple(int(r) for r in os.environ.get("INT4_GEMM_ROWS", "256,64,1024,128,16,512" if cuda else "16,48").split(","))
 
@@ -67,8 +153,6 @@ def _calls(device: str, smoke: bool):
     """One small call per compiled variant (sizes multiples of 16, as the Llama shapes)."""
     from tokenmill.layers.quantization import int4_packing as packing
     from tokenmill.layers.quantization import triton_int4_mma as mma
-    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
-
     group = SMOKE_GROUP if smoke else GROUP
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     n, k = (256, 256) if smoke else (1024, 4096)
@@ -83,7 +167,7 @@ def _calls(device: str, smoke: bool):
             if t in seen:
                 continue
             seen.add(t)
-            calls.append((f"gemm {t.label()} m{m}", lambda t=t, x=x: mma_gemm(x, qm, wt.scales, wt.zeros, group, t,
+            calls.append((f"gemm {t.label()} m{m}", lambda t=t, x=x: run_tiles(t, x, qm, wt.scales, wt.zeros, group,
                                                                                counters)))
     calls.append(("mma dequant", lambda: mma.mma_dequantize(qm, wt.scales, wt.zeros, group, dt)))
     return calls
@@ -102,7 +186,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
     from tokenmill.layers.quantization import int4_packing as packing
     from tokenmill.layers.quantization import stream_tiles
     from tokenmill.layers.quantization import triton_int4_mma as mma
-    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm, packed_scales_zeros
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import packed_scale_offset
+    from tokenmill.layers.quantization.triton_int4_mma_gemm import packed_scales_zeros
 
     cuda = device == "cuda"
     smoke = not cuda
@@ -124,7 +209,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         qm = packing.to_mma(wt.qweight)
         data[name] = (packing.dequantize(wt, group, torch.float32), qm, wt.scales, wt.zeros,
                       stream_tiles.SplitCounters(n, torch.device(device)).tensor, cycled([w]),
-                      cycled([qm, wt.scales, wt.zeros, packed_scales_zeros(wt.scales, wt.zeros)]))
+                      cycled([qm, wt.scales, wt.zeros, packed_scales_zeros(wt.scales, wt.zeros),
+                              packed_scale_offset(wt.scales, wt.zeros) if cuda else wt.scales]))
         del w, wt
     # rows outside, linears inside: the first row count for all four linears first (the budget's cut)
     for m, (name, (n, k)) in [(m, s) for m in rows for s in shapes.items()]:
@@ -150,7 +236,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
             note("dequant + mm", lambda: x @ mma.mma_dequantize(*mma_w()[:3], group, dt))
         for t in variants(m, smoke):
             try:
-                err = _rel(mma_gemm(x, qm, scales, zeros, group, t, counters), ref)
+                err = _rel(run_tiles(t, x, qm, scales, zeros, group, counters), ref)
                 if err > 1e-2 or counters.any():
                     check(False, f"int4 mma GEMM {name} m={m} {t.label()}: rel err {err:.1e}, counters zeroed "
                                  f"{not counters.any()}")
@@ -165,16 +251,23 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         from tokenmill.layers.quantization.triton_int4_mma_gemm import GemmTiles
         ref_w, qm, scales, zeros, counters, _, _ = data["qkv"]
         xs = [torch.randn(64, qm.shape[1] * 64, device=device, dtype=dt) for _ in range(3)]
-        t = GemmTiles(64, 64, 4, 4, split=2)
-        mma_gemm(xs[0], qm, scales, zeros, group, t, counters)
+        if os.environ.get("INT4_GEMM_SET") == "dot":
+            from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles
+            t = DotTiles(64, 128, 64, 4, 4, split=2)
+        elif os.environ.get("INT4_GEMM_SET") == "gluon":
+            from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles
+            t = GluonTiles(64, 128, 4, 4, 2)
+        else:
+            t = GemmTiles(64, 64, 4, 4, split=2)
+        run_tiles(t, xs[0], qm, scales, zeros, group, counters)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = [mma_gemm(xi, qm, scales, zeros, group, t, counters) for xi in xs]
+            outs = [run_tiles(t, xi, qm, scales, zeros, group, counters) for xi in xs]
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
         errs = [_rel(o, xi.float() @ ref_w) for o, xi in zip(outs, xs)]
-        check(max(errs) < 1e-2 and not counters.any(), f"int4 mma GEMM {t.label()} replayed in a CUDA graph: "
+        check(max(errs) < 1e-2 and not counters.any(), f"int4 GEMM {t.label()} replayed in a CUDA graph: "
                                                        f"rel err {max(errs):.1e}")
         del graph, outs
     summary = {}
@@ -198,10 +291,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
 
 
 def _gemm_on(w, x, group, t, counters):
-    """The GEMM on one cycled copy (qm, scales, zeros, packed scales and zeros)."""
-    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
-
-    return mma_gemm(x, w[0], w[1], w[2], group, t, counters, sz=w[3])
+    """The GEMM on one cycled copy (qm, scales, zeros, packed scales and zeros, packed scales and offsets)."""
+    return run_tiles(t, x, w[0], w[1], w[2], group, counters, psz=w[3], pso=w[4] if w[4].dtype == torch.int32 else None)
 
 
 def _write(results: dict, out_dir: str) -> None:

@@ -89,15 +89,17 @@ _GEMM_SELFTEST: dict = {}
 
 
 def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
-    """Once per device and dtype: every launch the INT4 GEMM's tables list (`triton_int4_mma_gemm`)
+    """Once per device and dtype: every launch the INT4 GEMMs' tables list (`triton_int4_mma_gemm`,
+    `triton_int4_dot_gemm`)
     on a small random weight against dequantize + matmul, at a row count filling its row tile and
     one that does not (the compiles the engine's warm-up needs anyway). False (logged): the GEMM
     is switched off (`ENABLED`) and every row count above 8 takes the other paths."""
     key = (str(device), dtype)
     if key not in _GEMM_SELFTEST:
+        from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
         from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
 
-        tiles = {t for t in (*gemm.TABLE.values(), *gemm.ROWS_TABLE.values()) if t is not None}
+        tiles = {t for t in (*gemm.TABLE.values(), *gemm.ROWS_TABLE.values(), *dot.TABLE.values()) if t is not None}
         ok, why = True, "no launches listed"
         try:
             g = torch.Generator(device=device).manual_seed(0)
@@ -109,10 +111,13 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
             counters = torch.zeros(256, dtype=torch.int32, device=device)
             errs = []
             for t in sorted(tiles, key=lambda t: t.label()):
+                if isinstance(t, dot.GluonTiles) and dtype != torch.bfloat16:
+                    continue  # the Gluon GEMM serves bf16 only (`dot.dot_tiles` skips it otherwise)
                 for m in (t.block_m, t.block_m + 3):
                     x = torch.randn(m, k, device=device, generator=g).to(dtype)
                     ref = x.float() @ ref_w
-                    errs.append(((gemm.mma_gemm(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
+                    run = dot.run if isinstance(t, (dot.DotTiles, dot.GluonTiles)) else gemm.mma_gemm
+                    errs.append(((run(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
                                  / ref.norm()).item())
             if errs:
                 ok = max(errs) < 1e-2 and not counters.any()
@@ -122,7 +127,7 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
         if not ok:
             logger.warning("int4: the GEMM on the mma layout failed its self-test on %s (%s); more than 8 rows "
                            "take dequantize + cuBLAS", device, why)
-            gemm.ENABLED = False
+            gemm.ENABLED = dot.ENABLED = False
         _GEMM_SELFTEST[key] = ok
     return _GEMM_SELFTEST[key]
 
@@ -215,6 +220,10 @@ class Int4LinearMethod(LinearMethod):
         replace_param(layer, "scales", wt.scales)
         replace_param(layer, "zeros", wt.zeros)
         replace_param(layer, "g_idx", wt.g_idx)
+        if wt.qweight.dim() == 4 and wt.qweight.is_cuda:  # the mma layout: the GEMMs' packed scales, made now
+            from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+
+            dot.keep_scale_offset(layer.scales, layer.zeros)
         # split-K counters of the small-batch kernel, allocated here: never inside a graph capture
         layer.stream_counters = (stream_tiles.SplitCounters(layer.out_features, wt.qweight.device)
                                  if wt.qweight.is_cuda else None)

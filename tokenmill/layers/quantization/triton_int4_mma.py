@@ -398,15 +398,19 @@ def mma_dequantize(qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 
 def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                counters: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ W^T for any M: the GEMV up to 8 rows; above, the GEMM on this layout
-    (`triton_int4_mma_gemm`) where its table lists the rows and shape, else the GEMV per 8 rows up
-    to LOOP_MAX_ROWS, else dequantize + cuBLAS."""
+    """x [M, K] @ W^T for any M: the GEMV up to 8 rows; above, a GEMM on this layout
+    (`triton_int4_dot_gemm`, then `triton_int4_mma_gemm`) where its table lists the rows and
+    shape, else the GEMV per 8 rows up to LOOP_MAX_ROWS, else dequantize + cuBLAS."""
     m = x.shape[0]
     if m <= ROWS:
         return mma_gemv(x, qm, scales, zeros, group_size, counters=counters)
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
     from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
 
     n, k = qm.shape[0] * 16, qm.shape[1] * 64
+    dtiles = dot.dot_tiles(m, n, k, k if group_size == -1 else group_size, x.dtype)
+    if dtiles is not None:  # the tl.dot / Gluon GEMM where its measured table lists the rows and shape
+        return dot.run(x, qm, scales, zeros, group_size, dtiles, counters)
     tiles = gemm.gemm_tiles(m, n, k, k if group_size == -1 else group_size)
     if tiles is not None:
         return gemm.mma_gemm(x, qm, scales, zeros, group_size, tiles, counters)
