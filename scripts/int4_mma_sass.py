@@ -5,6 +5,10 @@ predicate is for). Uses triton's bundled ptxas / cuobjdump; needs no device.
 
     python scripts/int4_mma_sass.py                     # the defaults
     python scripts/int4_mma_sass.py --launch '{"warps": 8, "split": 4, "gpc": 2, "zmma": true, "f16": false}'
+    python scripts/int4_mma_sass.py --launch '{"warps": 4, "split": 8, "pdl": true}'   # PDL, first step preloaded
+
+With "pdl" (and "pre", default true) it also counts the 16-byte loads before the PDL wait
+(`ACQBULK`, griddepcontrol.wait) and where the first load of x sits.
 """
 
 from __future__ import annotations
@@ -30,10 +34,14 @@ def compile_launch(launch: dict):
 
     group = launch.get("group", 128)
     f16 = launch.get("f16", False)
-    setup, step, store, store32 = mma._asm_texts(group // 64, launch.get("gpc", 1), f16, launch.get("early", True),
-                                                 launch.get("zmma", False), launch.get("hint", False))
+    texts = (group // 64, launch.get("gpc", 1), f16, launch.get("early", True), launch.get("zmma", False),
+             launch.get("hint", False))
+    setup, step, store, store32 = mma._asm_texts(*texts)
+    use_pdl = launch.get("pdl", False)
+    pre, step_in = mma._pre_texts(*texts) if use_pdl and launch.get("pre", True) else ("", "")
     const = dict(GROUP=group, SPLIT=launch.get("split", 1), WARPS=launch.get("warps", 4), GPC=launch.get("gpc", 1),
-                 ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32)
+                 ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32,
+                 USE_PDL=use_pdl, ASM_PRE=pre, ASM_STEP_IN=step_in)
     dt = "fp16" if f16 else "bf16"
     ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}
     return compile_sm90(mma._mma_gemv_kernel, const, ptrs, num_warps=launch.get("warps", 4))
@@ -50,6 +58,10 @@ def sass_figures(kernel) -> dict:
     wide = [i for i, op in enumerate(ops) if op.startswith("LDG") and ".128" in op]
     fig["wide_loads_before_first_hmma"] = sum(i < first_mma for i in wide)
     fig["wide_loads"] = len(wide)
+    wait = next((i for i, op in enumerate(ops) if op.startswith("ACQBULK")), None)
+    if wait is not None:  # PDL: the weight words loaded before griddepcontrol.wait (none of x's loads)
+        fig["wide_loads_before_wait"] = sum(i < wait for i in wide)
+        fig["loads_before_wait"] = sum(i < wait for i, op in enumerate(ops) if op.startswith("LDG"))
     return fig
 
 

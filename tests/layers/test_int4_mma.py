@@ -176,18 +176,27 @@ def test_mma_ptx_assembles_for_sm90():
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "int4_mma_sass.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    launches = ['{"warps": 4, "split": 1}', '{"warps": 4, "split": 4, "gpc": 2, "zmma": true, "hint": true, "f16": true}']
+    launches = ['{"warps": 4, "split": 1}', '{"warps": 4, "split": 4, "gpc": 2, "zmma": true, "hint": true, "f16": true}',
+                '{"warps": 4, "split": 8, "pdl": true}', '{"warps": 4, "split": 2, "gpc": 2, "hint": true, "pdl": true}',
+                '{"warps": 4, "split": 8, "pdl": true, "pre": false}']
     proc = subprocess.run([sys.executable, str(script)] + [a for j in launches for a in ("--launch", j)],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr) and "No such file" in proc.stderr:
         pytest.skip("triton without its bundled CUDA tools")  # pragma: no cover
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("} {") for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2
+    assert len(rows) == len(launches)
     for launch, figs in ((json.loads(a + "}"), json.loads("{" + b)) for a, b in rows):
         assert figs["HMMA"] > 0 and figs["stack"] == 0, (launch, figs)
-        if launch.get("early", True):
-            assert figs["wide_loads_before_first_hmma"] == figs["wide_loads"], (launch, figs)
+        # PDL: the first step's weight words (one 16-byte load per K step) and nothing else before
+        # the wait (x, partials and counters are another kernel's); without `pre`, no load at all
+        pre = launch.get("pdl") and launch.get("pre", True)
+        steps = 2 * launch.get("gpc", 1)  # groups of 128: two 64-input K steps a group
+        if launch.get("early", True):  # (a preloaded first step is peeled: its words and x, 3 loads a K step)
+            assert figs["wide_loads_before_first_hmma"] == (3 * steps if pre else figs["wide_loads"]), (launch, figs)
+        assert ("loads_before_wait" in figs) == bool(launch.get("pdl")), (launch, figs)
+        if launch.get("pdl"):
+            assert figs["wide_loads_before_wait"] == figs["loads_before_wait"] == (steps if pre else 0), (launch, figs)
 
 
 def test_mma_gemv_takes_rows_of_any_stride():

@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.triton_ops import pdl
+
 ROWS = 8  # rows of x one launch takes (the mma's N)
 
 
@@ -61,7 +63,8 @@ def _setup_asm() -> str:
         "shl.b32 u, wid, 4;", "add.u32 u, u, g;", "cvt.u64.u32 $2, u;", "}"])
 
 
-def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, hint: bool = False) -> str:
+def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, hint: bool = False,
+         words_in: bool = False) -> str:
     """The PTX of one loop step: GPC groups of SPG 64-input K steps, for the calling thread.
     Operands: $0..$3 its four float32 sums out (channel g rows 2j, 2j+1; channel g+8 rows 2j,
     2j+1); $4 its weight words at this step, $5 its x values, $6 / $7 its scale / zero (channel
@@ -73,7 +76,9 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
     zmma: the zero points leave through a second mma per word, of the A fragment -(M + z) (each
     channel's, constant along k) with the same x, into the same sums, instead of four packed
     subtractions per word (the weights enter as M + q; sums ~M / 8 times larger in float32).
-    hint: the weight loads skip L1 (read once; L1 keeps x) and ask L2 for 256-byte fetches."""
+    hint: the weight loads skip L1 (read once; L1 keeps x) and ask L2 for 256-byte fetches.
+    words_in: the step's weight words are operands $14.. (loaded by `_preload_asm` before the PDL
+    wait), not loaded here."""
     magic = "0x64006400" if f16 else "0x43004300"
     one = "0x3C003C00" if f16 else "0x3F803F80"
     big = "0f44800000" if f16 else "0f43000000"  # 1024.0 / 128.0
@@ -85,8 +90,10 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
              f".reg .b32 w<{4 * steps}>, x<{8 * steps}>, sz<{4 * gpc}>;",
              f"mov.b32 one2, {one};", "mov.f32 $0, $10;", "mov.f32 $1, $11;", "mov.f32 $2, $12;", "mov.f32 $3, $13;"]
     for t in range(steps):  # every load first
-        ld = "ld.global.nc.L1::no_allocate.L2::256B" if hint else "ld.global.nc"
-        lines.append(f"{ld}.v4.b32 {{w{4 * t}, w{4 * t + 1}, w{4 * t + 2}, w{4 * t + 3}}}, [$4+{512 * t}];")
+        if words_in:
+            lines += [f"mov.b32 w{4 * t + m}, ${14 + 4 * t + m};" for m in range(4)]
+        else:
+            lines.append(f"{_ld_words(hint)} {{w{4 * t}, w{4 * t + 1}, w{4 * t + 2}, w{4 * t + 3}}}, [$4+{512 * t}];")
     for t in range(steps):
         for half in range(2):
             regs = ", ".join(f"x{8 * t + 4 * half + i}" for i in range(4))
@@ -138,6 +145,18 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
     return "\n".join(lines)
 
 
+def _ld_words(hint: bool) -> str:
+    return ("ld.global.nc.L1::no_allocate.L2::256B" if hint else "ld.global.nc") + ".v4.b32"
+
+
+def _preload_asm(steps: int, hint: bool) -> str:
+    """PTX loading the thread's weight words of STEPS K steps into $0 .. $(4 STEPS - 1) from the
+    address operand after them (l): the first loop step's, issued before the PDL wait (constant data)."""
+    n = 4 * steps
+    return "\n".join(f"{_ld_words(hint)} {{${4 * t}, ${4 * t + 1}, ${4 * t + 2}, ${4 * t + 3}}}, [${n}+{512 * t}];"
+                     for t in range(steps))
+
+
 def _store_asm(f32: bool, f16: bool) -> str:
     """PTX storing the thread's four sums: $0 (dummy out), $1 the destination at the CTA's first
     channel (l), $2 bytes between rows (r), $3 M (r), $4..$7 the sums (f). f32: float32 stores
@@ -174,9 +193,43 @@ def _codes_at(w_ptr, k, n, K):
 
 
 @triton.jit
+def _first_step(ASM_PRE: tl.constexpr, ASM_STEP_IN: tl.constexpr, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
+                STEPS: tl.constexpr, SPG: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+    """The first loop step under PDL: its weight words loaded, then the wait, then its sums (from 0)."""
+    zero = tl.zeros([1], dtype=tl.float32)
+    w_first = (w_thr + g_lo * (SPG * 128)).to(tl.int64)
+    if STEPS == 1:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(ASM_PRE, "=r,=r,=r,=r,l", [w_first], dtype=(tl.int32,) * 4,
+                                                   is_pure=False, pack=1)
+        words = [w0, w1, w2, w3]
+    elif STEPS == 2:
+        w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+            ASM_PRE, "=r,=r,=r,=r,=r,=r,=r,=r,l", [w_first], dtype=(tl.int32,) * 8, is_pure=False, pack=1)
+        words = [w0, w1, w2, w3, w4, w5, w6, w7]
+    else:
+        tl.static_assert(STEPS == 4, "a first step preloads 1, 2 or 4 K steps of words")
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = tl.inline_asm_elementwise(
+            ASM_PRE, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l", [w_first], dtype=(tl.int32,) * 16,
+            is_pure=False, pack=1)
+        words = [w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15]
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
+    return tl.inline_asm_elementwise(
+        ASM_STEP_IN, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f" + ",r" * (4 * STEPS),
+        [w_first, (x_thr + g_lo * GROUP).to(tl.int64), (s_thr + g_lo * s_sg).to(tl.int64),
+         (z_thr + g_lo * s_sg).to(tl.int64), one + s_sg * 2, one + M, zero, zero, zero, zero] + words,
+        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+
+
+@triton.jit
 def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_sg,
                      GROUP: tl.constexpr, SPLIT: tl.constexpr, WARPS: tl.constexpr, GPC: tl.constexpr,
-                     ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr):
+                     ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr,
+                     USE_PDL: tl.constexpr = False, ASM_PRE: tl.constexpr = "", ASM_STEP_IN: tl.constexpr = ""):
+    """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
+    anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
+    weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
+    them: under PDL the GEMV streams while the kernel before it finishes."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -197,7 +250,15 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         x_thr = x_ptr + x_ofs
         s_thr = s_ptr + n0 + s_ofs
         z_thr = z_ptr + n0 + s_ofs
-        for grp in range(g_lo, g_lo + per, GPC):
+        g_first = g_lo
+        if ASM_PRE != "":
+            a0, a1, a2, a3 = _first_step(ASM_PRE, ASM_STEP_IN, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
+                                         SPG * GPC, SPG, GROUP, USE_PDL)
+            g_first = g_lo + GPC
+        else:
+            pdl.launch_dependents(USE_PDL)
+            pdl.wait(USE_PDL)
+        for grp in range(g_first, g_lo + per, GPC):
             a0, a1, a2, a3 = tl.inline_asm_elementwise(
                 ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
                 # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
@@ -214,6 +275,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                                       [(part_ptr + pid_k.to(tl.int64) * M * N + n0 + one).to(tl.int64), one + N * 4, one + M,
                                        a0, a1, a2, a3], dtype=tl.int32, is_pure=False, pack=1)
     else:  # the same sums in Triton ops (interpreter): codes gathered by the inverse index map
+        pdl.launch_dependents(USE_PDL)
+        pdl.wait(USE_PDL)
         rows = tl.arange(0, 8)
         offs_n = n0 + tl.arange(0, BN)
         kk = tl.arange(0, GROUP)
@@ -282,10 +345,13 @@ class MmaGemv:
     early: bool = True  # every load issued before the arithmetic (`_asm`)
     zmma: bool = False  # zero points through a second mma per word (`_asm`)
     hint: bool = False  # weight loads past L1, 256-byte L2 fetches (`_asm`)
+    pdl: bool = True  # programmatic dependent launch where the device has it (`triton_ops.pdl`)
+    pre: bool = True  # under PDL, the first loop step's weight words loaded before the wait
 
     def label(self) -> str:
         return (f"mma w{self.warps} s{self.split} g{self.gpc}{'' if self.early else ' late'}"
-                f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}")
+                f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}"
+                f"{'' if self.pdl else ' nopdl'}{'' if self.pre or not self.pdl else ' nopre'}")
 
 
 # (N, K) -> the launch (Llama-8B's linears). Until measured on an H100: `default_config`.
@@ -335,6 +401,17 @@ def _asm_texts(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = F
     return _setup_asm(), _asm(spg, gpc, f16, early, zmma, hint), _store_asm(False, f16), _store_asm(True, f16)
 
 
+PRE_STEPS = (1, 2, 4)  # K steps of words a first step may preload (`_first_step`'s unpacking)
+
+
+@functools.cache
+def _pre_texts(spg: int, gpc: int, f16: bool, early: bool, zmma: bool, hint: bool) -> tuple[str, str]:
+    """(ASM_PRE, ASM_STEP_IN) of a PDL launch preloading its first step; ("", "") where it cannot."""
+    if spg * gpc not in PRE_STEPS:
+        return "", ""
+    return _preload_asm(spg * gpc, hint), _asm(spg, gpc, f16, early, zmma, hint, words_in=True)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -368,12 +445,15 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     x = vector_rows(x)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
-    setup, step, store, store32 = _asm_texts(group // 64, c.gpc, x.dtype == torch.float16, c.early, c.zmma,
-                                             c.hint)
+    f16 = x.dtype == torch.float16
+    setup, step, store, store32 = _asm_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint)
+    launch = pdl.launch_kwargs(x.device) if c.pdl else {"USE_PDL": False}
+    pre, step_in = (_pre_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint)
+                    if gpu and c.pre and launch["USE_PDL"] else ("", ""))
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
-        ASM_STORE_F32=store32, num_warps=c.warps)
+        ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, num_warps=c.warps, **launch)
     return out
 
 
