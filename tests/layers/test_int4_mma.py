@@ -234,3 +234,23 @@ def test_mma_selftest_passes_and_falls_back(monkeypatch, caplog):
         with caplog.at_level("WARNING"):
             assert not int4.mma_selftest(torch.device("cpu"), torch.float16)
         assert "self-test" in caplog.text
+
+
+def test_launch_labels_round_trip_and_the_env_table(monkeypatch):
+    """`parse_label` reads what `MmaGemv.label` writes (every flag), refuses what it cannot read,
+    and TOKENMILL_INT4_MMA_TABLE's entries take precedence over TABLE and the default launch."""
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    for c in (mma.MmaGemv(), mma.MmaGemv(8, 16, 2, False, True, True, False, True), mma.MmaGemv(2, 4, pre=False),
+              mma.MmaGemv(4, 8, hint=True)):
+        assert mma.parse_label(c.label()) == c, c.label()
+    with pytest.raises(ValueError, match="expected"):
+        mma.parse_label("w4 s8")
+    with pytest.raises(ValueError, match="expected"):
+        mma.parse_label("w4 s8 g1 fast")
+    monkeypatch.delenv(mma.TABLE_ENV, raising=False)
+    assert mma.config_for(6144, 4096, 128) == mma.default_config(6144, 4096, 128)
+    monkeypatch.setenv(mma.TABLE_ENV, "6144x4096=mma w4 s4 g1 hint; 4096x4096=w2 s16 g1 nopdl")
+    assert mma.config_for(6144, 4096, 128) == mma.MmaGemv(4, 4, hint=True)
+    assert mma.config_for(4096, 4096, 128) == mma.MmaGemv(2, 16, pdl=False)
+    assert mma.config_for(28672, 4096, 128) == mma.default_config(28672, 4096, 128)

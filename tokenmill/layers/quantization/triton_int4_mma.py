@@ -356,6 +356,41 @@ class MmaGemv:
 
 # (N, K) -> the launch (Llama-8B's linears). Until measured on an H100: `default_config`.
 TABLE: dict[tuple[int, int], MmaGemv] = {}
+TABLE_ENV = "TOKENMILL_INT4_MMA_TABLE"  # "NxK=<label>;..." (labels as `MmaGemv.label` writes them): benchmarks' A/B
+
+
+def parse_label(label: str) -> MmaGemv:
+    """The launch `MmaGemv.label` names ("mma w4 s8 g1 hint nopdl"; the leading "mma" optional)."""
+    words = label.split()
+    if words and words[0] == "mma":
+        words = words[1:]
+    flags = {"late": ("early", False), "zmma": ("zmma", True), "hint": ("hint", True), "nopdl": ("pdl", False),
+             "nopre": ("pre", False)}
+    try:
+        fields = {"warps": int(words[0].removeprefix("w")), "split": int(words[1].removeprefix("s")),
+                  "gpc": int(words[2].removeprefix("g"))}
+        fields.update(flags[w] for w in words[3:])
+    except (IndexError, KeyError, ValueError) as e:
+        raise ValueError(f"int4 mma launch label {label!r}: expected 'w<warps> s<split> g<gpc>' then any of "
+                         f"{sorted(flags)}") from e
+    return MmaGemv(**fields)
+
+
+@functools.cache
+def _env_table(text: str) -> dict[tuple[int, int], MmaGemv]:
+    table = {}
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        shape, _, label = item.partition("=")
+        n, _, k = shape.partition("x")
+        table[(int(n), int(k))] = parse_label(label)
+    return table
+
+
+def table() -> dict[tuple[int, int], MmaGemv]:
+    """TABLE, with TOKENMILL_INT4_MMA_TABLE's entries over it (read when a launch is chosen: an
+    engine's graphs capture them at start)."""
+    text = os.environ.get(TABLE_ENV, "")
+    return {**TABLE, **_env_table(text)} if text else TABLE
 
 
 # Warps per SM the default launch aims at: a memory-bound stream wants many warps in flight (each
@@ -376,7 +411,7 @@ def default_config(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
 
 
 def config_for(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
-    c = TABLE.get((n, k)) or default_config(n, k, group, sms)
+    c = table().get((n, k)) or default_config(n, k, group, sms)
     return c if fits(n, k, group, c) else MmaGemv(warps=1, split=1)
 
 
