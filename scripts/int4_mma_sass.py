@@ -8,7 +8,7 @@ predicate is for). Uses triton's bundled ptxas / cuobjdump; needs no device.
     python scripts/int4_mma_sass.py --launch '{"warps": 4, "split": 8, "pdl": true}'   # PDL, first step preloaded
 
 With "pdl" (and "pre", default true) it also counts the 16-byte loads before the PDL wait
-(`ACQBULK`, griddepcontrol.wait) and where the first load of x sits.
+(`ACQBULK`, griddepcontrol.wait) and the loads there of data other kernels write (none allowed).
 """
 
 from __future__ import annotations
@@ -59,9 +59,12 @@ def sass_figures(kernel) -> dict:
     fig["wide_loads_before_first_hmma"] = sum(i < first_mma for i in wide)
     fig["wide_loads"] = len(wide)
     wait = next((i for i, op in enumerate(ops) if op.startswith("ACQBULK")), None)
-    if wait is not None:  # PDL: the weight words loaded before griddepcontrol.wait (none of x's loads)
+    if wait is not None:  # PDL: the weight words loaded before griddepcontrol.wait, none of x's loads
         fig["wide_loads_before_wait"] = sum(i < wait for i in wide)
-        fig["loads_before_wait"] = sum(i < wait for i, op in enumerate(ops) if op.startswith("LDG"))
+        # loads of data another kernel may write (x, partials, counters): not read-only (.CONSTANT);
+        # ptxas may hoist a read-only scale load above the wait (constant data: harmless)
+        fig["plain_loads_before_wait"] = sum(i < wait for i, op in enumerate(ops)
+                                             if op.startswith(("LDG", "LD.", "ATOM", "RED")) and "CONSTANT" not in op)
     return fig
 
 

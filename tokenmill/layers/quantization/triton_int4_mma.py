@@ -195,30 +195,45 @@ def _codes_at(w_ptr, k, n, K):
 @triton.jit
 def _first_step(ASM_PRE: tl.constexpr, ASM_STEP_IN: tl.constexpr, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
                 STEPS: tl.constexpr, SPG: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
-    """The first loop step under PDL: its weight words loaded, then the wait, then its sums (from 0)."""
-    zero = tl.zeros([1], dtype=tl.float32)
-    w_first = (w_thr + g_lo * (SPG * 128)).to(tl.int64)
+    """The first loop step under PDL: its weight words loaded, then the wait, then its sums (from
+    0). Spelled out per STEPS: Triton 3.6 neither multiplies strings nor binds dtype tuples in a kernel."""
+    z = tl.zeros([1], dtype=tl.float32)
+    w0_ = (w_thr + g_lo * (SPG * 128)).to(tl.int64)
+    x0_ = (x_thr + g_lo * GROUP).to(tl.int64)
+    s0_ = (s_thr + g_lo * s_sg).to(tl.int64)
+    z0_ = (z_thr + g_lo * s_sg).to(tl.int64)
     if STEPS == 1:
-        w0, w1, w2, w3 = tl.inline_asm_elementwise(ASM_PRE, "=r,=r,=r,=r,l", [w_first], dtype=(tl.int32,) * 4,
-                                                   is_pure=False, pack=1)
-        words = [w0, w1, w2, w3]
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            ASM_PRE, "=r,=r,=r,=r,l", [w0_], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        pdl.launch_dependents(USE_PDL)
+        pdl.wait(USE_PDL)
+        return tl.inline_asm_elementwise(
+            ASM_STEP_IN, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,r,r,r,r",
+            [w0_, x0_, s0_, z0_, one + s_sg * 2, one + M, z, z, z, z, w0, w1, w2, w3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
     elif STEPS == 2:
         w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
-            ASM_PRE, "=r,=r,=r,=r,=r,=r,=r,=r,l", [w_first], dtype=(tl.int32,) * 8, is_pure=False, pack=1)
-        words = [w0, w1, w2, w3, w4, w5, w6, w7]
+            ASM_PRE, "=r,=r,=r,=r,=r,=r,=r,=r,l", [w0_],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        pdl.launch_dependents(USE_PDL)
+        pdl.wait(USE_PDL)
+        return tl.inline_asm_elementwise(
+            ASM_STEP_IN, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,r,r,r,r,r,r,r,r",
+            [w0_, x0_, s0_, z0_, one + s_sg * 2, one + M, z, z, z, z, w0, w1, w2, w3, w4, w5, w6, w7],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
     else:
         tl.static_assert(STEPS == 4, "a first step preloads 1, 2 or 4 K steps of words")
         w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = tl.inline_asm_elementwise(
-            ASM_PRE, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l", [w_first], dtype=(tl.int32,) * 16,
-            is_pure=False, pack=1)
-        words = [w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15]
-    pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
-    return tl.inline_asm_elementwise(
-        ASM_STEP_IN, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f" + ",r" * (4 * STEPS),
-        [w_first, (x_thr + g_lo * GROUP).to(tl.int64), (s_thr + g_lo * s_sg).to(tl.int64),
-         (z_thr + g_lo * s_sg).to(tl.int64), one + s_sg * 2, one + M, zero, zero, zero, zero] + words,
-        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+            ASM_PRE, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l", [w0_],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                   tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        pdl.launch_dependents(USE_PDL)
+        pdl.wait(USE_PDL)
+        return tl.inline_asm_elementwise(
+            ASM_STEP_IN, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w0_, x0_, s0_, z0_, one + s_sg * 2, one + M, z, z, z, z, w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11,
+             w12, w13, w14, w15],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
 
 
 @triton.jit
