@@ -26,7 +26,7 @@ from sass_tools import compile_sm90, disassemble, opcodes  # noqa: E402
 
 DEFAULTS = [{"warps": 4, "split": 1}, {"warps": 4, "split": 4, "gpc": 2, "zmma": True, "hint": True, "f16": True},
             {"warps": 8, "split": 2, "zmma": True}, {"warps": 4, "split": 1, "early": False}]
-OPS = ("HMMA", "LDG", "LOP3", "SHF", "HADD2", "HFMA2", "IMAD", "STL", "LDL")
+OPS = ("HMMA", "LDG", "LOP3", "SHF", "HADD2", "HFMA2", "IMAD", "STL", "LDL", "CCTL")
 
 
 def compile_launch(launch: dict):
@@ -36,12 +36,13 @@ def compile_launch(launch: dict):
     f16 = launch.get("f16", False)
     texts = (group // 64, launch.get("gpc", 1), f16, launch.get("early", True), launch.get("zmma", False),
              launch.get("hint", False))
-    setup, step, store, store32 = mma._asm_texts(*texts)
+    ahead = launch.get("ahead", 0)
+    setup, step, store, store32 = mma._asm_texts(*texts, ("L1" if launch.get("ahead_l1") else "L2") if ahead else "")
     use_pdl = launch.get("pdl", False)
     pre, step_in = mma._pre_texts(*texts) if use_pdl and launch.get("pre", True) else ("", "")
     const = dict(GROUP=group, SPLIT=launch.get("split", 1), WARPS=launch.get("warps", 4), GPC=launch.get("gpc", 1),
                  ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32,
-                 USE_PDL=use_pdl, ASM_PRE=pre, ASM_STEP_IN=step_in)
+                 USE_PDL=use_pdl, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=ahead)
     dt = "fp16" if f16 else "bf16"
     ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}
     return compile_sm90(mma._mma_gemv_kernel, const, ptrs, num_warps=launch.get("warps", 4))

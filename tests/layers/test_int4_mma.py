@@ -178,7 +178,8 @@ def test_mma_ptx_assembles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     launches = ['{"warps": 4, "split": 1}', '{"warps": 4, "split": 4, "gpc": 2, "zmma": true, "hint": true, "f16": true}',
                 '{"warps": 4, "split": 8, "pdl": true}', '{"warps": 4, "split": 2, "gpc": 2, "hint": true, "pdl": true}',
-                '{"warps": 4, "split": 8, "pdl": true, "pre": false}', '{"warps": 4, "split": 4, "pdl": true, "group": 256}']
+                '{"warps": 4, "split": 8, "pdl": true, "pre": false}', '{"warps": 4, "split": 4, "pdl": true, "group": 256}',
+                '{"warps": 4, "split": 8, "pdl": true, "ahead": 2}']
     proc = subprocess.run([sys.executable, str(script)] + [a for j in launches for a in ("--launch", j)],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr) and "No such file" in proc.stderr:
@@ -245,7 +246,7 @@ def test_launch_labels_round_trip_and_the_env_table(monkeypatch):
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
     for c in (mma.MmaGemv(), mma.MmaGemv(8, 16, 2, False, True, True, False, True), mma.MmaGemv(2, 4, pre=False),
-              mma.MmaGemv(4, 8, hint=True)):
+              mma.MmaGemv(4, 8, hint=True), mma.MmaGemv(4, 8, ahead=2), mma.MmaGemv(4, 2, ahead=1, ahead_l1=True)):
         assert mma.parse_label(c.label()) == c, c.label()
     with pytest.raises(ValueError, match="expected"):
         mma.parse_label("w4 s8")

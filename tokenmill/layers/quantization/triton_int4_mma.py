@@ -64,7 +64,7 @@ def _setup_asm() -> str:
 
 
 def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, hint: bool = False,
-         words_in: bool = False) -> str:
+         words_in: bool = False, ahead: str = "") -> str:
     """The PTX of one loop step: GPC groups of SPG 64-input K steps, for the calling thread.
     Operands: $0..$3 its four float32 sums out (channel g rows 2j, 2j+1; channel g+8 rows 2j,
     2j+1); $4 its weight words at this step, $5 its x values, $6 / $7 its scale / zero (channel
@@ -78,7 +78,10 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
     subtractions per word (the weights enter as M + q; sums ~M / 8 times larger in float32).
     hint: the weight loads skip L1 (read once; L1 keeps x) and ask L2 for 256-byte fetches.
     words_in: the step's weight words are operands $14.. (loaded by `_preload_asm` before the PDL
-    wait), not loaded here."""
+    wait), not loaded here.
+    ahead ("L1" / "L2", not with words_in): first, `prefetch.global.<ahead>` of the words at $14
+    (l: a later step's, the kernel clamps it to its slice), so a step's loads find them in cache
+    while the DRAM reads of the steps after it are already in flight (no registers held)."""
     magic = "0x64006400" if f16 else "0x43004300"
     one = "0x3C003C00" if f16 else "0x3F803F80"
     big = "0f44800000" if f16 else "0f43000000"  # 1024.0 / 128.0
@@ -89,6 +92,8 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
              ".reg .f32 d0, d1, d2, d3, s0, s8, z0, z8;",
              f".reg .b32 w<{4 * steps}>, x<{8 * steps}>, sz<{4 * gpc}>;",
              f"mov.b32 one2, {one};", "mov.f32 $0, $10;", "mov.f32 $1, $11;", "mov.f32 $2, $12;", "mov.f32 $3, $13;"]
+    if ahead:
+        lines += [f"prefetch.global.{ahead} [$14+{512 * t}];" for t in range(steps)]
     for t in range(steps):  # every load first
         if words_in:
             lines += [f"mov.b32 w{4 * t + m}, ${14 + 4 * t + m};" for m in range(4)]
@@ -240,11 +245,13 @@ def _first_step(ASM_PRE: tl.constexpr, ASM_STEP_IN: tl.constexpr, w_thr, x_thr, 
 def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_sg,
                      GROUP: tl.constexpr, SPLIT: tl.constexpr, WARPS: tl.constexpr, GPC: tl.constexpr,
                      ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr,
-                     USE_PDL: tl.constexpr = False, ASM_PRE: tl.constexpr = "", ASM_STEP_IN: tl.constexpr = ""):
+                     USE_PDL: tl.constexpr = False, ASM_PRE: tl.constexpr = "", ASM_STEP_IN: tl.constexpr = "",
+                     AHEAD: tl.constexpr = 0):
     """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
     anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
     weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
-    them: under PDL the GEMV streams while the kernel before it finishes."""
+    them: under PDL the GEMV streams while the kernel before it finishes. AHEAD > 0: ASM_STEP
+    prefetches the words AHEAD loop steps on (`_asm`'s ahead)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -274,13 +281,22 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
             pdl.launch_dependents(USE_PDL)
             pdl.wait(USE_PDL)
         for grp in range(g_first, g_lo + per, GPC):
-            a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
-                # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
-                [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
-                 (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
-                 one + s_sg * 2, one + M, a0, a1, a2, a3],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+            if AHEAD == 0:
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
+                    # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
+                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                     one + s_sg * 2, one + M, a0, a1, a2, a3],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+            else:  # the words AHEAD steps on prefetched (the slice's last step at most: never past it)
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l",
+                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                     one + s_sg * 2, one + M, a0, a1, a2, a3,
+                     (w_thr + tl.minimum(grp + AHEAD * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
         if SPLIT == 1:
             tl.inline_asm_elementwise(ASM_STORE, "=r,l,r,r,f,f,f,f",
                                       [(out_ptr + n0 + one).to(tl.int64), one + N * 2, one + M, a0, a1, a2, a3],
@@ -362,10 +378,13 @@ class MmaGemv:
     hint: bool = False  # weight loads past L1, 256-byte L2 fetches (`_asm`)
     pdl: bool = True  # programmatic dependent launch where the device has it (`triton_ops.pdl`)
     pre: bool = True  # under PDL, the first loop step's weight words loaded before the wait
+    ahead: int = 0  # loop steps ahead whose words each step prefetches (0: none; `_asm`)
+    ahead_l1: bool = False  # the prefetch into L1, not L2
 
     def label(self) -> str:
         return (f"mma w{self.warps} s{self.split} g{self.gpc}{'' if self.early else ' late'}"
                 f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}"
+                f"{f' a{self.ahead}' + ('l1' if self.ahead_l1 else '') if self.ahead else ''}"
                 f"{'' if self.pdl else ' nopdl'}{'' if self.pre or not self.pdl else ' nopre'}")
 
 
@@ -384,7 +403,11 @@ def parse_label(label: str) -> MmaGemv:
     try:
         fields = {"warps": int(words[0].removeprefix("w")), "split": int(words[1].removeprefix("s")),
                   "gpc": int(words[2].removeprefix("g"))}
-        fields.update(flags[w] for w in words[3:])
+        for w in words[3:]:
+            if w.startswith("a") and w.removesuffix("l1")[1:].isdigit():
+                fields.update(ahead=int(w.removesuffix("l1")[1:]), ahead_l1=w.endswith("l1"))
+            else:
+                fields.update([flags[w]])
     except (IndexError, KeyError, ValueError) as e:
         raise ValueError(f"int4 mma launch label {label!r}: expected 'w<warps> s<split> g<gpc>' then any of "
                          f"{sorted(flags)}") from e
@@ -447,8 +470,9 @@ def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
 
 @functools.cache
 def _asm_texts(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False,
-               hint: bool = False) -> tuple[str, str, str, str]:
-    return _setup_asm(), _asm(spg, gpc, f16, early, zmma, hint), _store_asm(False, f16), _store_asm(True, f16)
+               hint: bool = False, ahead: str = "") -> tuple[str, str, str, str]:
+    return (_setup_asm(), _asm(spg, gpc, f16, early, zmma, hint, ahead=ahead), _store_asm(False, f16),
+            _store_asm(True, f16))
 
 
 PRE_STEPS = (1, 2, 4)  # K steps of words a first step may preload (`_first_step`'s unpacking)
@@ -496,14 +520,16 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
     f16 = x.dtype == torch.float16
-    setup, step, store, store32 = _asm_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint)
+    setup, step, store, store32 = _asm_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint,
+                                             ("L1" if c.ahead_l1 else "L2") if c.ahead and gpu else "")
     launch = pdl.launch_kwargs(x.device) if c.pdl else {"USE_PDL": False}
     pre, step_in = (_pre_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint)
                     if gpu and c.pre and launch["USE_PDL"] else ("", ""))
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
-        ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, num_warps=c.warps, **launch)
+        ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=c.ahead if gpu else 0, num_warps=c.warps,
+        **launch)
     return out
 
 
