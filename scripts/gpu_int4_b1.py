@@ -36,8 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-SMOKE_SHAPES = {"qkv": (384, 256), "o": (256, 256), "gate_up": (512, 256), "down": (256, 512)}
+# the largest first: a sweep cut by its deadline leaves the defaults on the smallest
+SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
+SMOKE_SHAPES = {"gate_up": (512, 256), "down": (256, 512), "qkv": (384, 256), "o": (256, 256)}
 GROUP, SMOKE_GROUP = 128, 64
 CHAIN, LAYERS = 16, 8  # weights per shape's chain; layers in the layer chain
 ENV = "TOKENMILL_INT4_MMA_TABLE"
@@ -217,7 +218,7 @@ def kernels(results: dict, device: str, smoke: bool, check, deadline: float) -> 
             best[(n, k)] = mma.default_config(n, k, group)
             continue
         d = mma.default_config(n, k, group)
-        if name == "qkv":  # PDL races: x written late must still be read after the wait
+        if name == "down":  # PDL races: x written late must still be read after the wait (split-K too)
             _race_check(name, n, k, group, d, device, dt, check, planted=False)
             _race_check(name, n, k, group, d, device, dt, check, planted=True)
         # timing: CHAIN distinct weights, each behind an RMSNorm writing its x (a PDL kernel)
