@@ -57,7 +57,8 @@ def variants(n: int, k: int, group: int) -> list:
     vs = [replace(d, pdl=False), d, replace(d, pre=False), replace(d, hint=True),
           replace(d, split=d.split * 2), replace(d, split=max(1, d.split // 2)),
           replace(d, warps=8), replace(d, warps=2, split=d.split * 2), replace(d, gpc=2),
-          replace(d, ahead=1), replace(d, ahead=2), replace(d, ahead=1, ahead_l1=True), replace(d, ahead=1, hint=True)]
+          replace(d, ahead=1), replace(d, ahead=2), replace(d, ahead=1, ahead_l1=True), replace(d, ahead=1, hint=True),
+          replace(d, split=max(1, d.split // 2), ahead=1), replace(d, split=max(1, d.split // 4), ahead=2)]
     return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
 
 
