@@ -42,7 +42,9 @@ def compile_launch(launch: dict):
     pre, step_in = mma._pre_texts(*texts) if use_pdl and launch.get("pre", True) else ("", "")
     const = dict(GROUP=group, SPLIT=launch.get("split", 1), WARPS=launch.get("warps", 4), GPC=launch.get("gpc", 1),
                  ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32,
-                 USE_PDL=use_pdl, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=ahead)
+                 USE_PDL=use_pdl, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=ahead,
+                 ASM_PF=mma._prefetch_asm(texts[0] * texts[1], "L1" if launch.get("ahead_l1") else "L2")
+                 if pre and ahead else "")
     dt = "fp16" if f16 else "bf16"
     ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}
     return compile_sm90(mma._mma_gemv_kernel, const, ptrs, num_warps=launch.get("warps", 4))
@@ -64,6 +66,7 @@ def sass_figures(kernel) -> dict:
         fig["wide_loads_before_wait"] = sum(i < wait for i in wide)
         # loads of data another kernel may write (x, partials, counters): not read-only (.CONSTANT);
         # ptxas may hoist a read-only scale load above the wait (constant data: harmless)
+        fig["prefetches_before_wait"] = sum(i < wait for i, op in enumerate(ops) if op.startswith("CCTL.E.PF"))
         fig["plain_loads_before_wait"] = sum(i < wait for i, op in enumerate(ops)
                                              if op.startswith(("LDG", "LD.", "ATOM", "RED")) and "CONSTANT" not in op)
     return fig

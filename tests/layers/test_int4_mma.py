@@ -201,6 +201,8 @@ def test_mma_ptx_assembles_for_sm90():
         if launch.get("pdl"):
             assert figs["plain_loads_before_wait"] == 0, (launch, figs)
             assert figs["wide_loads_before_wait"] == (steps if pre else 0), (launch, figs)
+            # `ahead`: the loop steps after the first prefetched before the wait as well
+            assert figs["prefetches_before_wait"] == (launch.get("ahead", 0) * steps if pre else 0), (launch, figs)
 
 
 def test_mma_gemv_takes_rows_of_any_stride():

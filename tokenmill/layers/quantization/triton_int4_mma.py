@@ -162,6 +162,12 @@ def _preload_asm(steps: int, hint: bool) -> str:
                      for t in range(steps))
 
 
+def _prefetch_asm(steps: int, level: str) -> str:
+    """PTX prefetching (into `level`) the thread's words of one loop step (STEPS K steps) at $1
+    (l); $0 a dummy output."""
+    return "\n".join([f"prefetch.global.{level} [$1+{512 * t}];" for t in range(steps)] + ["mov.b32 $0, 0;"])
+
+
 def _store_asm(f32: bool, f16: bool) -> str:
     """PTX storing the thread's four sums: $0 (dummy out), $1 the destination at the CTA's first
     channel (l), $2 bytes between rows (r), $3 M (r), $4..$7 the sums (f). f32: float32 stores
@@ -246,12 +252,13 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                      GROUP: tl.constexpr, SPLIT: tl.constexpr, WARPS: tl.constexpr, GPC: tl.constexpr,
                      ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr,
                      USE_PDL: tl.constexpr = False, ASM_PRE: tl.constexpr = "", ASM_STEP_IN: tl.constexpr = "",
-                     AHEAD: tl.constexpr = 0):
+                     AHEAD: tl.constexpr = 0, ASM_PF: tl.constexpr = ""):
     """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
     anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
     weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
     them: under PDL the GEMV streams while the kernel before it finishes. AHEAD > 0: ASM_STEP
-    prefetches the words AHEAD loop steps on (`_asm`'s ahead)."""
+    prefetches the words AHEAD loop steps on (`_asm`'s ahead); with ASM_PRE, ASM_PF prefetches
+    the AHEAD steps after the first before the wait (`_prefetch_asm`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -274,6 +281,11 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         z_thr = z_ptr + n0 + s_ofs
         g_first = g_lo
         if ASM_PRE != "":
+            if ASM_PF != "":  # the AHEAD loop steps after the first prefetched too, before the wait
+                for j in tl.static_range(1, AHEAD + 1):
+                    tl.inline_asm_elementwise(
+                        ASM_PF, "=r,l", [(w_thr + tl.minimum(g_lo + j * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
+                        dtype=tl.int32, is_pure=False, pack=1)
             a0, a1, a2, a3 = _first_step(ASM_PRE, ASM_STEP_IN, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
                                          SPG * GPC, SPG, GROUP, USE_PDL)
             g_first = g_lo + GPC
@@ -528,8 +540,9 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
-        ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=c.ahead if gpu else 0, num_warps=c.warps,
-        **launch)
+        ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=c.ahead if gpu else 0,
+        ASM_PF=_prefetch_asm((group // 64) * c.gpc, "L1" if c.ahead_l1 else "L2") if pre and c.ahead else "",
+        num_warps=c.warps, **launch)
     return out
 
 
