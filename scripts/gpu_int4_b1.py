@@ -2,7 +2,7 @@
 
 1. kernels: each Llama-8B linear's tensor-core GEMV (`triton_int4_mma`) in launch variants (PDL
    on / off, the first step preloaded or not, load hints, split-K, warps, groups a step, words
-   prefetched 1-2 steps ahead into L2 / L1), each
+   prefetched 1-2 steps ahead into L2 / L1, words through a cp.async ring of shared memory), each
    checked against a float32 reference, then timed as the engine runs it: 16 distinct weights
    (past L2) each behind an RMSNorm that writes its x (a PDL kernel, as in a layer), in one CUDA
    graph; us per norm + GEMV pair. The best launch per shape makes a table
@@ -58,7 +58,10 @@ def variants(n: int, k: int, group: int) -> list:
           replace(d, split=d.split * 2), replace(d, split=max(1, d.split // 2)),
           replace(d, warps=8), replace(d, warps=2, split=d.split * 2), replace(d, gpc=2),
           replace(d, ahead=1), replace(d, ahead=2), replace(d, ahead=1, ahead_l1=True), replace(d, ahead=1, hint=True),
-          replace(d, split=max(1, d.split // 2), ahead=1), replace(d, split=max(1, d.split // 4), ahead=2)]
+          replace(d, split=max(1, d.split // 2), ahead=1), replace(d, split=max(1, d.split // 4), ahead=2),
+          replace(d, ring=4), replace(d, ring=8), replace(d, ring=16), replace(d, ring=8, hint=True),
+          replace(d, ring=8, split=max(1, d.split // 2)), replace(d, ring=16, split=max(1, d.split // 2)),
+          replace(d, ring=8, warps=8)]
     return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
 
 

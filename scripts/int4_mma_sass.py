@@ -37,12 +37,18 @@ def compile_launch(launch: dict):
     texts = (group // 64, launch.get("gpc", 1), f16, launch.get("early", True), launch.get("zmma", False),
              launch.get("hint", False))
     ahead = launch.get("ahead", 0)
-    setup, step, store, store32 = mma._asm_texts(*texts, ("L1" if launch.get("ahead_l1") else "L2") if ahead else "")
+    ring = launch.get("ring", 0)
+    setup, step, store, store32 = mma._asm_texts(*texts, ("L1" if launch.get("ahead_l1") else "L2") if ahead else "",
+                                                 ring, launch.get("warps", 4))
+    if ring:
+        use_pdl_pre = False
+    else:
+        use_pdl_pre = True
     use_pdl = launch.get("pdl", False)
-    pre, step_in = mma._pre_texts(*texts) if use_pdl and launch.get("pre", True) else ("", "")
+    pre, step_in = mma._pre_texts(*texts) if use_pdl and use_pdl_pre and launch.get("pre", True) else ("", "")
     const = dict(GROUP=group, SPLIT=launch.get("split", 1), WARPS=launch.get("warps", 4), GPC=launch.get("gpc", 1),
                  ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32,
-                 USE_PDL=use_pdl, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=ahead,
+                 USE_PDL=use_pdl, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=ahead, RING=ring,
                  ASM_PF=mma._prefetch_asm(texts[0] * texts[1], "L1" if launch.get("ahead_l1") else "L2")
                  if pre and ahead else "")
     dt = "fp16" if f16 else "bf16"
