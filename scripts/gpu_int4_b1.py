@@ -17,8 +17,9 @@
 3. engines (Llama-3.1-8B shape, dummy weights, graphs on, GPTQ group 128, prefix caching off):
    INT4 with the table (and a torch.profiler window over its batch-1 decode steps: kernel groups
    and what each kernel adds under PDL, `benchmarks/step_path`), bf16, and INT4 with main's
-   launches; batch-1 ms per output token each (`gpu_quant.ms_per_token`), ratios to bf16.
-   INT4_B1_ENGINES picks them (default int4,bf16,int4main).
+   launches, and INT4 with the committed TABLE (int4head); batch-1 ms per output token each
+   (`gpu_quant.ms_per_token`), ratios to bf16. INT4_B1_ENGINES picks them (default
+   int4,bf16,int4main,int4head).
 INT4_B1_BUDGET_S (default 140) stops starting things past it. Figures go to
 $OUT/part-int4b1-partial.json as they come.
 """
@@ -225,6 +226,8 @@ def kernels(results: dict, device: str, smoke: bool, check, deadline: float) -> 
         if name == "down":  # PDL races: x written late must still be read after the wait (split-K too)
             _race_check(name, n, k, group, d, device, dt, check, planted=False)
             _race_check(name, n, k, group, d, device, dt, check, planted=True)
+            if mma.fits(n, k, group, replace(d, ring=8)):  # the ring's launch waits before its loop
+                _race_check(name, n, k, group, replace(d, ring=8), device, dt, check, planted=False)
         # timing: CHAIN distinct weights, each behind an RMSNorm writing its x (a PDL kernel)
         ws = _weights(n, k, group, CHAIN, device, dt)
         x0 = torch.randn(1, k, device=device, dtype=dt)
@@ -326,12 +329,12 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
     from tokenmill.layers.quantization import triton_int4_mma as mma
     group = SMOKE_GROUP if smoke else GROUP
     shapes = SMOKE_SHAPES if smoke else SHAPES
-    tables = {"int4": _table_text(best),
+    tables = {"int4": _table_text(best), "int4head": "",  # int4head: the committed TABLE
               "int4main": ";".join(f"{n}x{k}={replace(mma.default_config(n, k, group), pdl=False).label()}"
                                    for n, k in shapes.values())}
     timings = results.setdefault("timings", {})
     failed = []
-    for label in os.environ.get("INT4_B1_ENGINES", "int4,bf16,int4main").split(","):
+    for label in os.environ.get("INT4_B1_ENGINES", "int4,bf16,int4main,int4head").split(","):
         if time.perf_counter() > deadline:
             print(f"  {label}: skipped (budget)", flush=True)
             continue
@@ -352,7 +355,7 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             traceback.print_exc()
             failed.append(label)
         _save(results, out)
-    for label in ("int4", "int4main"):
+    for label in ("int4", "int4main", "int4head"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r
