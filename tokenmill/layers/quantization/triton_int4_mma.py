@@ -434,12 +434,13 @@ class MmaGemv:
 
 
 # (N, K) -> the launch (Llama-8B's linears; other shapes: `default_config`). From
-# `gpu_quant.py --parts int4b1` on an H100 (session 7, mid-session): us per norm + GEMV in a graph.
+# `gpu_quant.py --parts int4b1` on an H100 (session 7, two rounds): us per norm + GEMV in a graph,
+# against the default launch with PDL and without it (docs/results/gpu-int4-batch1.md).
 TABLE: dict[tuple[int, int], MmaGemv] = {
-    (28672, 4096): MmaGemv(4, 2, hint=True),  # gate_up 27.2 (default 28.1, without PDL 29.7)
-    (4096, 14336): MmaGemv(4, 16, hint=True),  # down 16.4 (17.0, 18.9)
-    (6144, 4096): MmaGemv(4, 8, ahead=1),  # qkv 10.0 (10.1, 11.7)
-    (4096, 4096): MmaGemv(8, 16),  # o 8.0 (8.4, 10.3)
+    (28672, 4096): MmaGemv(4, 2, hint=True),  # gate_up 27.2 / 27.1 (default 28.1, without PDL 29.7)
+    (4096, 14336): MmaGemv(4, 16, hint=True),  # down 16.4 / 16.3 (17.0, 18.9)
+    (6144, 4096): MmaGemv(4, 8, hint=True),  # qkv 10.0 / 9.8 (10.1, 11.7)
+    (4096, 4096): MmaGemv(8, 16),  # o 8.0 / 8.0 (8.4, 10.3)
 }
 TABLE_ENV = "TOKENMILL_INT4_MMA_TABLE"  # "NxK=<label>;..." (labels as `MmaGemv.label` writes them): benchmarks' A/B
 
