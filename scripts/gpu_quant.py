@@ -59,6 +59,10 @@ Parts (--parts, comma-separated; default all, run in this order):
   b1       (not by default) the fp8 batch-1 weight stream at kernel level: each linear and the LM head at
            one row (bf16, the engine's tiles, a one-row tile sweep) as fractions of copy bandwidth, SiLU
            in down_proj's GEMV, the fp8 LM head's time and error, the one-row chain (scripts/gpu_fp8_batch1.py)
+  int4b1   (not by default) INT4 at batch 1 in one process: the tensor-core GEMV's launches per Llama-8B
+           linear behind a norm (PDL on / off, splits, hints; a PDL race check and its plant), the
+           layer chain, then engines INT4 (the best launches; step profile), bf16, INT4 with main's
+           launches: batch-1 ms/token and ratios (scripts/gpu_int4_b1.py)
   b1profile (not by default) batch 1, fp8 beside bf16 in one process: ms/token, a profiled window of
            decode steps (kernel groups; what each kernel and GEMV slot adds to the step under PDL),
            each fp8 linear at one row against copy bandwidth (scripts/gpu_fp8_b1_profile.py)
@@ -916,13 +920,14 @@ PARTS += ["b1profile"]  # scripts/gpu_fp8_b1_profile.py (not by default)
 PARTS += ["int4gemm", "int4profile"]  # scripts/gpu_int4_gemm.py; the int4 engine under profile_one (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4bf16head")  # the int4 engine with the bf16 LM head (not by default)
 PARTS += ["w8a8tma"]  # scripts/gpu_fp8_gemm.py (not by default)
+PARTS += ["int4b1"]  # scripts/gpu_int4_b1.py (not by default)
 PART_DEADLINE_ENV = "GPU_QUANT_PART_DEADLINE"  # a part's kill time (time.time()), set for its process
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 170, "int4panels": 80, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
 PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90,
                    "b1profile": 118})
-PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80})
+PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80, "int4b1": 150})
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -959,6 +964,11 @@ def run_part(name: str, smoke: bool) -> dict:
             import gpu_quant_fp8
             gpu_quant_fp8.profile_one(results, "int4", smoke, SMOKE if smoke else LLAMA8B,
                                       lambda shape: config_dir(shape, GPTQ_CONFIG), OUT)
+        elif name == "int4b1":
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_int4_b1
+            gpu_int4_b1.b1_part(results, device, smoke, SMOKE if smoke else LLAMA8B, config_dir, OUT, ms_per_token,
+                                check)
         elif name == "b1":
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_fp8_batch1
@@ -1086,7 +1096,8 @@ def main() -> int:
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
                                                                           "int4panels", "b1", "b1profile", "int4gemm",
-                                                                          "int4profile", "int4bf16head", "w8a8tma")))
+                                                                          "int4profile", "int4bf16head", "w8a8tma",
+                                                                          "int4b1")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
     ap.add_argument("--workloads", help="engine parts time only these (e.g. 1000x512x256,batch1_16k)")

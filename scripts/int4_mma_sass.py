@@ -5,6 +5,10 @@ predicate is for). Uses triton's bundled ptxas / cuobjdump; needs no device.
 
     python scripts/int4_mma_sass.py                     # the defaults
     python scripts/int4_mma_sass.py --launch '{"warps": 8, "split": 4, "gpc": 2, "zmma": true, "f16": false}'
+    python scripts/int4_mma_sass.py --launch '{"warps": 4, "split": 8, "pdl": true}'   # PDL, first step preloaded
+
+With "pdl" (and "pre", default true) it also counts the 16-byte loads before the PDL wait
+(`ACQBULK`, griddepcontrol.wait) and the loads there of data other kernels write (none allowed).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from sass_tools import compile_sm90, disassemble, opcodes  # noqa: E402
 
 DEFAULTS = [{"warps": 4, "split": 1}, {"warps": 4, "split": 4, "gpc": 2, "zmma": True, "hint": True, "f16": True},
             {"warps": 8, "split": 2, "zmma": True}, {"warps": 4, "split": 1, "early": False}]
-OPS = ("HMMA", "LDG", "LOP3", "SHF", "HADD2", "HFMA2", "IMAD", "STL", "LDL")
+OPS = ("HMMA", "LDG", "LOP3", "SHF", "HADD2", "HFMA2", "IMAD", "STL", "LDL", "CCTL")
 
 
 def compile_launch(launch: dict):
@@ -30,10 +34,23 @@ def compile_launch(launch: dict):
 
     group = launch.get("group", 128)
     f16 = launch.get("f16", False)
-    setup, step, store, store32 = mma._asm_texts(group // 64, launch.get("gpc", 1), f16, launch.get("early", True),
-                                                 launch.get("zmma", False), launch.get("hint", False))
+    texts = (group // 64, launch.get("gpc", 1), f16, launch.get("early", True), launch.get("zmma", False),
+             launch.get("hint", False))
+    ahead = launch.get("ahead", 0)
+    ring = launch.get("ring", 0)
+    setup, step, store, store32 = mma._asm_texts(*texts, ("L1" if launch.get("ahead_l1") else "L2") if ahead else "",
+                                                 ring, launch.get("warps", 4))
+    if ring:
+        use_pdl_pre = False
+    else:
+        use_pdl_pre = True
+    use_pdl = launch.get("pdl", False)
+    pre, step_in = mma._pre_texts(*texts) if use_pdl and use_pdl_pre and launch.get("pre", True) else ("", "")
     const = dict(GROUP=group, SPLIT=launch.get("split", 1), WARPS=launch.get("warps", 4), GPC=launch.get("gpc", 1),
-                 ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32)
+                 ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32,
+                 USE_PDL=use_pdl, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=ahead, RING=ring,
+                 ASM_PF=mma._prefetch_asm(texts[0] * texts[1], "L1" if launch.get("ahead_l1") else "L2")
+                 if pre and ahead else "")
     dt = "fp16" if f16 else "bf16"
     ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}
     return compile_sm90(mma._mma_gemv_kernel, const, ptrs, num_warps=launch.get("warps", 4))
@@ -50,6 +67,14 @@ def sass_figures(kernel) -> dict:
     wide = [i for i, op in enumerate(ops) if op.startswith("LDG") and ".128" in op]
     fig["wide_loads_before_first_hmma"] = sum(i < first_mma for i in wide)
     fig["wide_loads"] = len(wide)
+    wait = next((i for i, op in enumerate(ops) if op.startswith("ACQBULK")), None)
+    if wait is not None:  # PDL: the weight words loaded before griddepcontrol.wait, none of x's loads
+        fig["wide_loads_before_wait"] = sum(i < wait for i in wide)
+        # loads of data another kernel may write (x, partials, counters): not read-only (.CONSTANT);
+        # ptxas may hoist a read-only scale load above the wait (constant data: harmless)
+        fig["prefetches_before_wait"] = sum(i < wait for i, op in enumerate(ops) if op.startswith("CCTL.E.PF"))
+        fig["plain_loads_before_wait"] = sum(i < wait for i, op in enumerate(ops)
+                                             if op.startswith(("LDG", "LD.", "ATOM", "RED")) and "CONSTANT" not in op)
     return fig
 
 

@@ -176,18 +176,33 @@ def test_mma_ptx_assembles_for_sm90():
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "int4_mma_sass.py"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    launches = ['{"warps": 4, "split": 1}', '{"warps": 4, "split": 4, "gpc": 2, "zmma": true, "hint": true, "f16": true}']
+    launches = ['{"warps": 4, "split": 1}', '{"warps": 4, "split": 4, "gpc": 2, "zmma": true, "hint": true, "f16": true}',
+                '{"warps": 4, "split": 8, "pdl": true}', '{"warps": 4, "split": 2, "gpc": 2, "hint": true, "pdl": true}',
+                '{"warps": 4, "split": 8, "pdl": true, "pre": false}', '{"warps": 4, "split": 4, "pdl": true, "group": 256}',
+                '{"warps": 4, "split": 8, "pdl": true, "ahead": 2}', '{"warps": 4, "split": 2, "pdl": true, "ring": 8}']
     proc = subprocess.run([sys.executable, str(script)] + [a for j in launches for a in ("--launch", j)],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr) and "No such file" in proc.stderr:
         pytest.skip("triton without its bundled CUDA tools")  # pragma: no cover
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split("} {") for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2
+    assert len(rows) == len(launches)
     for launch, figs in ((json.loads(a + "}"), json.loads("{" + b)) for a, b in rows):
         assert figs["HMMA"] > 0 and figs["stack"] == 0, (launch, figs)
-        if launch.get("early", True):
-            assert figs["wide_loads_before_first_hmma"] == figs["wide_loads"], (launch, figs)
+        # PDL: the first step's weight words (one 16-byte load per K step) and nothing else before
+        # the wait (x, partials and counters are another kernel's); without `pre`, no load at all
+        pre = launch.get("pdl") and launch.get("pre", True) and not launch.get("ring")  # (a ring: no preload)
+        steps = launch.get("group", 128) // 64 * launch.get("gpc", 1)  # 64-input K steps a loop step
+        # (a preloaded first step is peeled: its words and x, 3 loads a K step; with groups of 256
+        # ptxas may start its first mma before the step's last x load)
+        if launch.get("early", True) and launch.get("group", 128) == 128:
+            assert figs["wide_loads_before_first_hmma"] == (3 * steps if pre else figs["wide_loads"]), (launch, figs)
+        assert ("plain_loads_before_wait" in figs) == bool(launch.get("pdl")), (launch, figs)
+        if launch.get("pdl"):
+            assert figs["plain_loads_before_wait"] == 0, (launch, figs)
+            assert figs["wide_loads_before_wait"] == (steps if pre else 0), (launch, figs)
+            # `ahead`: the loop steps after the first prefetched before the wait as well
+            assert figs["prefetches_before_wait"] == (launch.get("ahead", 0) * steps if pre else 0), (launch, figs)
 
 
 def test_mma_gemv_takes_rows_of_any_stride():
@@ -225,3 +240,26 @@ def test_mma_selftest_passes_and_falls_back(monkeypatch, caplog):
         with caplog.at_level("WARNING"):
             assert not int4.mma_selftest(torch.device("cpu"), torch.float16)
         assert "self-test" in caplog.text
+
+
+def test_launch_labels_round_trip_and_the_env_table(monkeypatch):
+    """`parse_label` reads what `MmaGemv.label` writes (every flag), refuses what it cannot read,
+    and TOKENMILL_INT4_MMA_TABLE's entries take precedence over TABLE and the default launch."""
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    for c in (mma.MmaGemv(), mma.MmaGemv(8, 16, 2, False, True, True, False, True), mma.MmaGemv(2, 4, pre=False),
+              mma.MmaGemv(4, 8, hint=True), mma.MmaGemv(4, 8, ahead=2), mma.MmaGemv(4, 2, ahead=1, ahead_l1=True),
+              mma.MmaGemv(4, 2, ring=8, hint=True)):
+        assert mma.parse_label(c.label()) == c, c.label()
+    with pytest.raises(ValueError, match="expected"):
+        mma.parse_label("w4 s8")
+    with pytest.raises(ValueError, match="expected"):
+        mma.parse_label("w4 s8 g1 fast")
+    monkeypatch.delenv(mma.TABLE_ENV, raising=False)
+    assert mma.config_for(6144, 4096, 128) == mma.TABLE[(6144, 4096)]
+    assert mma.config_for(6144, 8192, 128) == mma.default_config(6144, 8192, 128)
+    assert all(mma.fits(n, k, 128, c) for (n, k), c in mma.TABLE.items())
+    monkeypatch.setenv(mma.TABLE_ENV, "6144x4096=mma w4 s4 g1 hint; 4096x4096=w2 s16 g1 nopdl")
+    assert mma.config_for(6144, 4096, 128) == mma.MmaGemv(4, 4, hint=True)
+    assert mma.config_for(4096, 4096, 128) == mma.MmaGemv(2, 16, pdl=False)
+    assert mma.config_for(28672, 4096, 128) == mma.TABLE[(28672, 4096)]

@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.triton_ops import pdl
+
 ROWS = 8  # rows of x one launch takes (the mma's N)
 
 
@@ -61,7 +63,8 @@ def _setup_asm() -> str:
         "shl.b32 u, wid, 4;", "add.u32 u, u, g;", "cvt.u64.u32 $2, u;", "}"])
 
 
-def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, hint: bool = False) -> str:
+def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, hint: bool = False,
+         words_in: bool = False, ahead: str = "", ring: int = 0, warps: int = 4) -> str:
     """The PTX of one loop step: GPC groups of SPG 64-input K steps, for the calling thread.
     Operands: $0..$3 its four float32 sums out (channel g rows 2j, 2j+1; channel g+8 rows 2j,
     2j+1); $4 its weight words at this step, $5 its x values, $6 / $7 its scale / zero (channel
@@ -73,7 +76,17 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
     zmma: the zero points leave through a second mma per word, of the A fragment -(M + z) (each
     channel's, constant along k) with the same x, into the same sums, instead of four packed
     subtractions per word (the weights enter as M + q; sums ~M / 8 times larger in float32).
-    hint: the weight loads skip L1 (read once; L1 keeps x) and ask L2 for 256-byte fetches."""
+    hint: the weight loads skip L1 (read once; L1 keeps x) and ask L2 for 256-byte fetches.
+    words_in: the step's weight words are operands $14.. (loaded by `_preload_asm` before the PDL
+    wait), not loaded here.
+    ahead ("L1" / "L2", not with words_in): first, `prefetch.global.<ahead>` of the words at $14
+    (l: a later step's, the kernel clamps it to its slice), so a step's loads find them in cache
+    while the DRAM reads of the steps after it are already in flight (no registers held).
+    ring (RING K steps, a multiple of the step's): the words come through a per-thread ring of
+    shared memory filled by cp.async RING K steps ahead (each lane reads back only its own 16
+    bytes: no barrier); the first step (`$16` nonzero) fills it. Operands $14 the words RING K
+    steps on (l), $15 how many of those K steps lie in the slice (r), $16 first (r), $17 this
+    step's first slot (r). Bytes in flight without registers: RING x 512 per warp."""
     magic = "0x64006400" if f16 else "0x43004300"
     one = "0x3C003C00" if f16 else "0x3F803F80"
     big = "0f44800000" if f16 else "0f43000000"  # 1024.0 / 128.0
@@ -84,9 +97,26 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
              ".reg .f32 d0, d1, d2, d3, s0, s8, z0, z8;",
              f".reg .b32 w<{4 * steps}>, x<{8 * steps}>, sz<{4 * gpc}>;",
              f"mov.b32 one2, {one};", "mov.f32 $0, $10;", "mov.f32 $1, $11;", "mov.f32 $2, $12;", "mov.f32 $3, $13;"]
+    if ahead:
+        lines += [f"prefetch.global.{ahead} [$14+{512 * t}];" for t in range(steps)]
+    stride = warps * 32 * 16  # bytes of one ring slot (a K step of the CTA's threads)
+    cp = "cp.async.cg.shared.global" + (".L2::256B" if hint else "")
+    if ring:
+        lines += [f".shared .align 16 .b8 i4ring[{ring * stride}];", ".reg .b32 rb, rl, ra, rs;", ".reg .pred pf, pt;",
+                  "mov.u32 rb, i4ring;", "mov.u32 rl, %tid.x;", "shl.b32 rl, rl, 4;", "add.u32 rb, rb, rl;",
+                  "setp.ne.u32 pf, $16, 0;"]
+        for d in range(ring):  # the first step fills the ring (its slice holds at least RING K steps)
+            lines.append(f"@pf {cp} [rb+{d * stride}], [$4+{512 * d}], 16;")
+            if (d + 1) % steps == 0:
+                lines.append("@pf cp.async.commit_group;")
+        lines += [f"cp.async.wait_group {ring // steps - 1};", f"mul.lo.u32 rs, $17, {stride};", "add.u32 rs, rs, rb;"]
     for t in range(steps):  # every load first
-        ld = "ld.global.nc.L1::no_allocate.L2::256B" if hint else "ld.global.nc"
-        lines.append(f"{ld}.v4.b32 {{w{4 * t}, w{4 * t + 1}, w{4 * t + 2}, w{4 * t + 3}}}, [$4+{512 * t}];")
+        if ring:
+            lines.append(f"ld.shared.v4.b32 {{w{4 * t}, w{4 * t + 1}, w{4 * t + 2}, w{4 * t + 3}}}, [rs+{t * stride}];")
+        elif words_in:
+            lines += [f"mov.b32 w{4 * t + m}, ${14 + 4 * t + m};" for m in range(4)]
+        else:
+            lines.append(f"{_ld_words(hint)} {{w{4 * t}, w{4 * t + 1}, w{4 * t + 2}, w{4 * t + 3}}}, [$4+{512 * t}];")
     for t in range(steps):
         for half in range(2):
             regs = ", ".join(f"x{8 * t + 4 * half + i}" for i in range(4))
@@ -106,6 +136,10 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
             b = firsts[a + 1] if a + 1 < len(firsts) else "0"
             lines.append(f"lop3.b32 dep, dep, {firsts[a]}, {b}, 0x96;")
         lines += ["setp.eq.u32 pa, $9, 0;", "setp.eq.and.u32 pz, dep, 0, pa;", "@pz mov.f32 $0, 0f7FC00000;"]
+    if ring:  # the slots just read (dep consumed them) take the words RING K steps on
+        for t in range(steps):
+            lines += [f"setp.gt.s32 pt, $15, {t};", f"@pt {cp} [rs+{t * stride}], [$14+{512 * t}], 16;"]
+        lines.append("cp.async.commit_group;")
     for q in range(gpc):
         # float32 scales, and -(M + z) pairs, of channels g and g + 8
         for reg, src in (("s0", 0), ("s8", 1), ("z0", 2), ("z8", 3)):
@@ -136,6 +170,24 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
                   "fma.rn.f32 $2, d2, s8, $2;", "fma.rn.f32 $3, d3, s8, $3;"]
     lines.append("}")
     return "\n".join(lines)
+
+
+def _ld_words(hint: bool) -> str:
+    return ("ld.global.nc.L1::no_allocate.L2::256B" if hint else "ld.global.nc") + ".v4.b32"
+
+
+def _preload_asm(steps: int, hint: bool) -> str:
+    """PTX loading the thread's weight words of STEPS K steps into $0 .. $(4 STEPS - 1) from the
+    address operand after them (l): the first loop step's, issued before the PDL wait (constant data)."""
+    n = 4 * steps
+    return "\n".join(f"{_ld_words(hint)} {{${4 * t}, ${4 * t + 1}, ${4 * t + 2}, ${4 * t + 3}}}, [${n}+{512 * t}];"
+                     for t in range(steps))
+
+
+def _prefetch_asm(steps: int, level: str) -> str:
+    """PTX prefetching (into `level`) the thread's words of one loop step (STEPS K steps) at $1
+    (l); $0 a dummy output."""
+    return "\n".join([f"prefetch.global.{level} [$1+{512 * t}];" for t in range(steps)] + ["mov.b32 $0, 0;"])
 
 
 def _store_asm(f32: bool, f16: bool) -> str:
@@ -174,9 +226,61 @@ def _codes_at(w_ptr, k, n, K):
 
 
 @triton.jit
+def _first_step(ASM_PRE: tl.constexpr, ASM_STEP_IN: tl.constexpr, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
+                STEPS: tl.constexpr, SPG: tl.constexpr, GROUP: tl.constexpr, USE_PDL: tl.constexpr):
+    """The first loop step under PDL: its weight words loaded, then the wait, then its sums (from
+    0). Spelled out per STEPS: Triton 3.6 neither multiplies strings nor binds dtype tuples in a kernel."""
+    z = tl.zeros([1], dtype=tl.float32)
+    w0_ = (w_thr + g_lo * (SPG * 128)).to(tl.int64)
+    x0_ = (x_thr + g_lo * GROUP).to(tl.int64)
+    s0_ = (s_thr + g_lo * s_sg).to(tl.int64)
+    z0_ = (z_thr + g_lo * s_sg).to(tl.int64)
+    if STEPS == 1:
+        w0, w1, w2, w3 = tl.inline_asm_elementwise(
+            ASM_PRE, "=r,=r,=r,=r,l", [w0_], dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        pdl.launch_dependents(USE_PDL)
+        pdl.wait(USE_PDL)
+        return tl.inline_asm_elementwise(
+            ASM_STEP_IN, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,r,r,r,r",
+            [w0_, x0_, s0_, z0_, one + s_sg * 2, one + M, z, z, z, z, w0, w1, w2, w3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+    elif STEPS == 2:
+        w0, w1, w2, w3, w4, w5, w6, w7 = tl.inline_asm_elementwise(
+            ASM_PRE, "=r,=r,=r,=r,=r,=r,=r,=r,l", [w0_],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        pdl.launch_dependents(USE_PDL)
+        pdl.wait(USE_PDL)
+        return tl.inline_asm_elementwise(
+            ASM_STEP_IN, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,r,r,r,r,r,r,r,r",
+            [w0_, x0_, s0_, z0_, one + s_sg * 2, one + M, z, z, z, z, w0, w1, w2, w3, w4, w5, w6, w7],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+    else:
+        tl.static_assert(STEPS == 4, "a first step preloads 1, 2 or 4 K steps of words")
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = tl.inline_asm_elementwise(
+            ASM_PRE, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l", [w0_],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                   tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        pdl.launch_dependents(USE_PDL)
+        pdl.wait(USE_PDL)
+        return tl.inline_asm_elementwise(
+            ASM_STEP_IN, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+            [w0_, x0_, s0_, z0_, one + s_sg * 2, one + M, z, z, z, z, w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11,
+             w12, w13, w14, w15],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+
+
+@triton.jit
 def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_sg,
                      GROUP: tl.constexpr, SPLIT: tl.constexpr, WARPS: tl.constexpr, GPC: tl.constexpr,
-                     ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr):
+                     ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr,
+                     USE_PDL: tl.constexpr = False, ASM_PRE: tl.constexpr = "", ASM_STEP_IN: tl.constexpr = "",
+                     AHEAD: tl.constexpr = 0, ASM_PF: tl.constexpr = "", RING: tl.constexpr = 0):
+    """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
+    anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
+    weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
+    them: under PDL the GEMV streams while the kernel before it finishes. AHEAD > 0: ASM_STEP
+    prefetches the words AHEAD loop steps on (`_asm`'s ahead); with ASM_PRE, ASM_PF prefetches
+    the AHEAD steps after the first before the wait (`_prefetch_asm`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -197,14 +301,45 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         x_thr = x_ptr + x_ofs
         s_thr = s_ptr + n0 + s_ofs
         z_thr = z_ptr + n0 + s_ofs
-        for grp in range(g_lo, g_lo + per, GPC):
-            a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
-                # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
-                [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
-                 (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
-                 one + s_sg * 2, one + M, a0, a1, a2, a3],
-                dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+        g_first = g_lo
+        if ASM_PRE != "":
+            if ASM_PF != "":  # the AHEAD loop steps after the first prefetched too, before the wait
+                for j in tl.static_range(1, AHEAD + 1):
+                    tl.inline_asm_elementwise(
+                        ASM_PF, "=r,l", [(w_thr + tl.minimum(g_lo + j * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
+                        dtype=tl.int32, is_pure=False, pack=1)
+            a0, a1, a2, a3 = _first_step(ASM_PRE, ASM_STEP_IN, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
+                                         SPG * GPC, SPG, GROUP, USE_PDL)
+            g_first = g_lo + GPC
+        else:
+            pdl.launch_dependents(USE_PDL)
+            pdl.wait(USE_PDL)
+        for grp in range(g_first, g_lo + per, GPC):
+            if RING > 0:  # words through the shared-memory ring (`_asm`'s ring)
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l,r,r,r",
+                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                     one + s_sg * 2, one + M, a0, a1, a2, a3,
+                     (w_thr + (grp * SPG + RING) * 128).to(tl.int64), one + ((g_lo + per - grp) * SPG - RING),
+                     one + (grp == g_lo).to(tl.int32), one + ((grp - g_lo) * SPG) % RING],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+            elif AHEAD == 0:
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
+                    # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
+                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                     one + s_sg * 2, one + M, a0, a1, a2, a3],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+            else:  # the words AHEAD steps on prefetched (the slice's last step at most: never past it)
+                a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l",
+                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                     one + s_sg * 2, one + M, a0, a1, a2, a3,
+                     (w_thr + tl.minimum(grp + AHEAD * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
+                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
         if SPLIT == 1:
             tl.inline_asm_elementwise(ASM_STORE, "=r,l,r,r,f,f,f,f",
                                       [(out_ptr + n0 + one).to(tl.int64), one + N * 2, one + M, a0, a1, a2, a3],
@@ -214,6 +349,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                                       [(part_ptr + pid_k.to(tl.int64) * M * N + n0 + one).to(tl.int64), one + N * 4, one + M,
                                        a0, a1, a2, a3], dtype=tl.int32, is_pure=False, pack=1)
     else:  # the same sums in Triton ops (interpreter): codes gathered by the inverse index map
+        pdl.launch_dependents(USE_PDL)
+        pdl.wait(USE_PDL)
         rows = tl.arange(0, 8)
         offs_n = n0 + tl.arange(0, BN)
         kk = tl.arange(0, GROUP)
@@ -282,14 +419,70 @@ class MmaGemv:
     early: bool = True  # every load issued before the arithmetic (`_asm`)
     zmma: bool = False  # zero points through a second mma per word (`_asm`)
     hint: bool = False  # weight loads past L1, 256-byte L2 fetches (`_asm`)
+    pdl: bool = True  # programmatic dependent launch where the device has it (`triton_ops.pdl`)
+    pre: bool = True  # under PDL, the first loop step's weight words loaded before the wait
+    ahead: int = 0  # loop steps ahead whose words each step prefetches (0: none; `_asm`)
+    ahead_l1: bool = False  # the prefetch into L1, not L2
+    ring: int = 0  # K steps of words in flight through shared memory (cp.async; 0: loads to registers)
 
     def label(self) -> str:
         return (f"mma w{self.warps} s{self.split} g{self.gpc}{'' if self.early else ' late'}"
-                f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}")
+                f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}"
+                f"{f' a{self.ahead}' + ('l1' if self.ahead_l1 else '') if self.ahead else ''}"
+                f"{f' r{self.ring}' if self.ring else ''}"
+                f"{'' if self.pdl else ' nopdl'}{'' if self.pre or not self.pdl else ' nopre'}")
 
 
-# (N, K) -> the launch (Llama-8B's linears). Until measured on an H100: `default_config`.
-TABLE: dict[tuple[int, int], MmaGemv] = {}
+# (N, K) -> the launch (Llama-8B's linears; other shapes: `default_config`). From
+# `gpu_quant.py --parts int4b1` on an H100 (session 7, two rounds): us per norm + GEMV in a graph,
+# against the default launch with PDL and without it (docs/results/gpu-int4-batch1.md).
+TABLE: dict[tuple[int, int], MmaGemv] = {
+    (28672, 4096): MmaGemv(4, 2, hint=True),  # gate_up 27.2 / 27.1 (default 28.1, without PDL 29.7)
+    (4096, 14336): MmaGemv(4, 16, hint=True),  # down 16.4 / 16.3 (17.0, 18.9)
+    (6144, 4096): MmaGemv(4, 8, hint=True),  # qkv 10.0 / 9.8 (10.1, 11.7)
+    (4096, 4096): MmaGemv(8, 16),  # o 8.0 / 8.0 (8.4, 10.3)
+}
+TABLE_ENV = "TOKENMILL_INT4_MMA_TABLE"  # "NxK=<label>;..." (labels as `MmaGemv.label` writes them): benchmarks' A/B
+
+
+def parse_label(label: str) -> MmaGemv:
+    """The launch `MmaGemv.label` names ("mma w4 s8 g1 hint nopdl"; the leading "mma" optional)."""
+    words = label.split()
+    if words and words[0] == "mma":
+        words = words[1:]
+    flags = {"late": ("early", False), "zmma": ("zmma", True), "hint": ("hint", True), "nopdl": ("pdl", False),
+             "nopre": ("pre", False)}
+    try:
+        fields = {"warps": int(words[0].removeprefix("w")), "split": int(words[1].removeprefix("s")),
+                  "gpc": int(words[2].removeprefix("g"))}
+        for w in words[3:]:
+            if w.startswith("r") and w[1:].isdigit():
+                fields.update(ring=int(w[1:]))
+            elif w.startswith("a") and w.removesuffix("l1")[1:].isdigit():
+                fields.update(ahead=int(w.removesuffix("l1")[1:]), ahead_l1=w.endswith("l1"))
+            else:
+                fields.update([flags[w]])
+    except (IndexError, KeyError, ValueError) as e:
+        raise ValueError(f"int4 mma launch label {label!r}: expected 'w<warps> s<split> g<gpc>' then any of "
+                         f"{sorted(flags)}") from e
+    return MmaGemv(**fields)
+
+
+@functools.cache
+def _env_table(text: str) -> dict[tuple[int, int], MmaGemv]:
+    table = {}
+    for item in filter(None, (t.strip() for t in text.split(";"))):
+        shape, _, label = item.partition("=")
+        n, _, k = shape.partition("x")
+        table[(int(n), int(k))] = parse_label(label)
+    return table
+
+
+def table() -> dict[tuple[int, int], MmaGemv]:
+    """TABLE, with TOKENMILL_INT4_MMA_TABLE's entries over it (read when a launch is chosen: an
+    engine's graphs capture them at start)."""
+    text = os.environ.get(TABLE_ENV, "")
+    return {**TABLE, **_env_table(text)} if text else TABLE
 
 
 # Warps per SM the default launch aims at: a memory-bound stream wants many warps in flight (each
@@ -310,7 +503,7 @@ def default_config(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
 
 
 def config_for(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
-    c = TABLE.get((n, k)) or default_config(n, k, group, sms)
+    c = table().get((n, k)) or default_config(n, k, group, sms)
     return c if fits(n, k, group, c) else MmaGemv(warps=1, split=1)
 
 
@@ -326,13 +519,27 @@ def layout_fits(n: int, k: int, group: int) -> bool:
 def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
     groups = k // group
     return (layout_fits(n, k, group) and c.warps in (1, 2, 4, 8) and n % (16 * c.warps) == 0
-            and c.split >= 1 and groups % c.split == 0 and (groups // c.split) % c.gpc == 0)
+            and c.split >= 1 and groups % c.split == 0 and (groups // c.split) % c.gpc == 0
+            and (not c.ring or (c.ring % (group // 64 * c.gpc) == 0 and c.ring <= groups // c.split * (group // 64)
+                                and c.ring * c.warps * 512 <= 48 * 1024 and not c.ahead)))
 
 
 @functools.cache
 def _asm_texts(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False,
-               hint: bool = False) -> tuple[str, str, str, str]:
-    return _setup_asm(), _asm(spg, gpc, f16, early, zmma, hint), _store_asm(False, f16), _store_asm(True, f16)
+               hint: bool = False, ahead: str = "", ring: int = 0, warps: int = 4) -> tuple[str, str, str, str]:
+    return (_setup_asm(), _asm(spg, gpc, f16, early, zmma, hint, ahead=ahead, ring=ring, warps=warps),
+            _store_asm(False, f16), _store_asm(True, f16))
+
+
+PRE_STEPS = (1, 2, 4)  # K steps of words a first step may preload (`_first_step`'s unpacking)
+
+
+@functools.cache
+def _pre_texts(spg: int, gpc: int, f16: bool, early: bool, zmma: bool, hint: bool) -> tuple[str, str]:
+    """(ASM_PRE, ASM_STEP_IN) of a PDL launch preloading its first step; ("", "") where it cannot."""
+    if spg * gpc not in PRE_STEPS:
+        return "", ""
+    return _preload_asm(spg * gpc, hint), _asm(spg, gpc, f16, early, zmma, hint, words_in=True)
 
 
 def _interpreting() -> bool:
@@ -368,12 +575,19 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     x = vector_rows(x)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
-    setup, step, store, store32 = _asm_texts(group // 64, c.gpc, x.dtype == torch.float16, c.early, c.zmma,
-                                             c.hint)
+    f16 = x.dtype == torch.float16
+    setup, step, store, store32 = _asm_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint,
+                                             ("L1" if c.ahead_l1 else "L2") if c.ahead and gpu else "",
+                                             c.ring if gpu else 0, c.warps)
+    launch = pdl.launch_kwargs(x.device) if c.pdl else {"USE_PDL": False}
+    pre, step_in = (_pre_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint)
+                    if gpu and c.pre and not c.ring and launch["USE_PDL"] else ("", ""))
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
-        ASM_STORE_F32=store32, num_warps=c.warps)
+        ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=c.ahead if gpu else 0, RING=c.ring if gpu else 0,
+        ASM_PF=_prefetch_asm((group // 64) * c.gpc, "L1" if c.ahead_l1 else "L2") if pre and c.ahead else "",
+        num_warps=c.warps, **launch)
     return out
 
 

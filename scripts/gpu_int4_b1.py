@@ -1,0 +1,407 @@
+"""The `int4b1` part of scripts/gpu_quant.py: INT4 W4A16 at batch 1 (issue 22), in one process.
+
+1. kernels: each Llama-8B linear's tensor-core GEMV (`triton_int4_mma`) in launch variants (PDL
+   on / off, the first step preloaded or not, load hints, split-K, warps, groups a step, words
+   prefetched 1-2 steps ahead into L2 / L1, words through a cp.async ring of shared memory), each
+   checked against a float32 reference, then timed as the engine runs it: 16 distinct weights
+   (past L2) each behind an RMSNorm that writes its x (a PDL kernel, as in a layer), in one CUDA
+   graph; us per norm + GEMV pair. The best launch per shape makes a table
+   (TOKENMILL_INT4_MMA_TABLE) for the engines below. With PDL, a race check: x written by a
+   kernel that lets its dependents start at once and spins before writing (x NaN before each
+   replay): the GEMV must read only the written x; the same check on a GEMV launched with PDL
+   but without its wait (planted) must fail.
+2. layers: 8 distinct Llama-8B layers' GEMVs with RMSNorm / SiLU-and-mul between them (an
+   attention stand-in: an RMSNorm over q) in one graph: us per layer for main's launch (no PDL
+   in the GEMVs), the default launch, and the table; main's and the default's outputs must be
+   bitwise equal (PDL changes no arithmetic).
+3. engines (Llama-3.1-8B shape, dummy weights, graphs on, GPTQ group 128, prefix caching off):
+   INT4 with the table (and a torch.profiler window over its batch-1 decode steps: kernel groups
+   and what each kernel adds under PDL, `benchmarks/step_path`), bf16, and INT4 with main's
+   launches, and INT4 with the committed TABLE (int4head); batch-1 ms per output token each
+   (`gpu_quant.ms_per_token`), ratios to bf16. INT4_B1_ENGINES picks them (default
+   int4,bf16,int4main,int4head).
+INT4_B1_BUDGET_S (default 140) stops starting things past it. Figures go to
+$OUT/part-int4b1-partial.json as they come.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import replace
+
+import torch
+import triton
+import triton.language as tl
+
+# the largest first: a sweep cut by its deadline leaves the defaults on the smallest
+SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
+SMOKE_SHAPES = {"gate_up": (512, 256), "down": (256, 512), "qkv": (384, 256), "o": (256, 256)}
+GROUP, SMOKE_GROUP = 128, 64
+CHAIN, LAYERS = 16, 8  # weights per shape's chain; layers in the layer chain
+ENV = "TOKENMILL_INT4_MMA_TABLE"
+
+
+def _save(results: dict, out: str) -> None:
+    with open(os.path.join(out, "part-int4b1-partial.json"), "w") as f:
+        json.dump(results, f, indent=2)
+
+
+def variants(n: int, k: int, group: int) -> list:
+    """The launches tried per shape: main's (no PDL), the default, and around it."""
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    d = mma.default_config(n, k, group)
+    vs = [replace(d, pdl=False), d, replace(d, pre=False), replace(d, hint=True),
+          replace(d, split=d.split * 2), replace(d, split=max(1, d.split // 2)),
+          replace(d, warps=8), replace(d, warps=2, split=d.split * 2), replace(d, gpc=2),
+          replace(d, ahead=1), replace(d, ahead=2), replace(d, ahead=1, ahead_l1=True), replace(d, ahead=1, hint=True),
+          replace(d, split=max(1, d.split // 2), ahead=1), replace(d, split=max(1, d.split // 4), ahead=2),
+          replace(d, ring=4), replace(d, ring=8), replace(d, ring=16), replace(d, ring=8, hint=True),
+          replace(d, ring=8, split=max(1, d.split // 2)), replace(d, ring=16, split=max(1, d.split // 2)),
+          replace(d, ring=8, warps=8)]
+    return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
+
+
+def _compile_calls(smoke: bool = False) -> list:
+    """One small call per launch `kernels` times (the same specializations: one row, N and K
+    multiples of 16, aligned), the race check's kernels and the layer chain's norms."""
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm, rms_norm
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    shapes, group = (SMOKE_SHAPES, SMOKE_GROUP) if smoke else (SHAPES, GROUP)
+    dt, dev = torch.bfloat16, "cuda"
+    calls, seen = [], set()
+    counters = torch.zeros(4096, dtype=torch.int32, device=dev)
+    for n, k in shapes.values():
+        qm, s, z = _weights(128, k, group, 1, dev, dt)[0]
+        x = torch.randn(1, k, device=dev, dtype=dt)
+        for c in variants(n, k, group):
+            if c not in seen and mma.fits(128, k, group, c):
+                seen.add(c)
+                calls.append((c.label(), lambda c=c, x=x, qm=qm, s=s, z=z: mma.mma_gemv(x, qm, s, z, group, c, counters)))
+        calls.append(("norm", lambda x=x, k=k: rms_norm(x, torch.ones(k, device=dev, dtype=dt), 1e-5)))
+    h = torch.randn(1, shapes["o"][0], device=dev, dtype=dt)
+    calls.append(("add norm", lambda: fused_add_rms_norm(h, h.clone(), torch.ones_like(h[0]), 1e-5)))
+    calls.append(("silu", lambda: silu_and_mul(torch.randn(1, 2 * shapes["down"][1], device=dev, dtype=dt))))
+    return calls
+
+
+def precompile_shard(shard: str) -> None:
+    import triton_precompile
+    triton_precompile.compile_shard(_compile_calls(), shard)
+
+
+def _table_text(best: dict) -> str:
+    return ";".join(f"{n}x{k}={c.label()}" for (n, k), c in best.items())
+
+
+def _weights(n: int, k: int, group: int, count: int, device: str, dt):
+    """`count` random mma-layout weights (words, scales ~0.01, zeros 8) of one shape."""
+    g = torch.Generator(device=device).manual_seed(n + k)
+    out = []
+    for _ in range(count):
+        qm = torch.randint(-2**31, 2**31 - 1, (n // 16, k // 64, 32, 4), dtype=torch.int32, device=device, generator=g)
+        s = (torch.rand(k // group, n, device=device, generator=g) * 0.02 + 0.005).to(dt)
+        z = torch.full((k // group, n), 8.0, device=device, dtype=dt)
+        out.append((qm, s, z))
+    return out
+
+
+@triton.jit
+def _slow_copy_kernel(x_ptr, y_ptr, n, ITERS, BLOCK: tl.constexpr):
+    """y = x after a spin of ITERS dependent FMAs, letting the next kernel (PDL) start at once."""
+    tl.extra.cuda.gdc_launch_dependents()
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
+    acc = x.to(tl.float32)
+    for _ in range(ITERS):
+        acc = acc * 0.999 + 0.001
+    tl.store(y_ptr + offs, tl.where(acc < 3.0e38, x, 0.0), mask=offs < n)  # always x: the spin's result kept
+
+
+def _race_check(name, n, k, group, c, device, dt, check, planted: bool) -> bool:
+    """x NaN before each replay; in the graph a slow writer then the GEMV (module docstring)."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    g = torch.Generator(device=device).manual_seed(7)
+    w = torch.randn(n, k, device=device, generator=g) * 0.02
+    wt = packing.from_codes(packing.quantize_int4(w, group, sym=True), dt, act_order=False)
+    qm = packing.to_mma(wt.qweight)
+    ref_w = packing.dequantize(wt, group, torch.float32)
+    counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+    xs = [torch.randn(1, k, device=device, dtype=dt) for _ in range(3)]
+    ys = [torch.empty_like(x) for x in xs]
+
+    def gemv(y):
+        if not planted:
+            return mma.mma_gemv(y, qm, wt.scales, wt.zeros, group, c, counters)
+        # planted: launched with PDL, but the kernel never waits (USE_PDL off inside)
+        out = torch.empty((1, n), dtype=dt, device=device)
+        part = torch.empty((c.split, 1, n), dtype=torch.float32, device=device) if c.split > 1 else out
+        setup, step, store, store32 = mma._asm_texts(group // 64, c.gpc, dt == torch.float16, c.early, c.zmma, c.hint)
+        mma._mma_gemv_kernel[(n // (16 * c.warps), c.split)](
+            y, qm, wt.scales, wt.zeros, out, part, counters if c.split > 1 else out, 1, n, k, y.stride(0),
+            wt.scales.stride(0), GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=True, ASM_SETUP=setup,
+            ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32, num_warps=c.warps, USE_PDL=False, launch_pdl=True)
+        return out
+
+    def body(ys=ys):
+        outs = []
+        for x, y in zip(xs, ys):
+            _slow_copy_kernel[(triton.cdiv(k, 1024),)](x, y, k, 20000, BLOCK=1024, num_warps=4)
+            outs.append(gemv(y))
+        return outs
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = body()
+    errs = []
+    for _ in range(3):
+        for y in ys:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        errs.append(max(((o.float() - x.float() @ ref_w).norm() / (x.float() @ ref_w).norm()).nan_to_num(9.0).item()
+                        for o, x in zip(outs, xs)))
+    ok = max(errs) < 1e-2 and not counters.any()
+    what = f"int4 mma GEMV {name} {c.label()} behind a slow PDL writer{' (planted: no wait)' if planted else ''}"
+    check(ok != planted, f"{what}: worst rel err {max(errs):.1e}{' (must fail)' if planted else ''}")
+    del graph
+    return ok
+
+
+def kernels(results: dict, device: str, smoke: bool, check, deadline: float) -> dict:
+    """Part 1; returns the best launch per (N, K)."""
+    from tokenmill.benchmarks.graph_timing import graph_us
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+    from tokenmill.layers.triton_ops.rms_norm import rms_norm
+
+    cuda = device == "cuda"
+    shapes, group = (SMOKE_SHAPES, SMOKE_GROUP) if smoke else (SHAPES, GROUP)
+    dt = torch.bfloat16 if cuda else torch.float32
+    if cuda:  # compiling is most of this part's kernel time: in parallel processes, into Triton's cache
+        import triton_precompile
+        triton_precompile.compile_in_processes(__file__, "--precompile", min(12, max(1, (os.cpu_count() or 2) - 2)),
+                                               float(os.environ.get("INT4_B1_COMPILE_S", "30")), "int4b1")
+    rec = results.setdefault("int4b1_gemvs", {})
+    best: dict = {}
+    for name, (n, k) in shapes.items():
+        r = rec.setdefault(name, {})
+        # correctness of every variant: one weight, float32 reference
+        g = torch.Generator(device=device).manual_seed(1)
+        w = torch.randn(n, k, device=device, generator=g) * 0.02
+        wt = packing.from_codes(packing.quantize_int4(w, group, sym=True), dt, act_order=False)
+        qm = packing.to_mma(wt.qweight)
+        ref_w = packing.dequantize(wt, group, torch.float32)
+        counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
+        x = torch.randn(1, k, device=device, dtype=dt)
+        ref = x.float() @ ref_w
+        good = []
+        for c in variants(n, k, group):
+            try:
+                err = ((mma.mma_gemv(x, qm, wt.scales, wt.zeros, group, c, counters).float() - ref).norm()
+                       / ref.norm()).item()
+                if err < 1e-2 and not counters.any():
+                    good.append(c)
+                else:
+                    check(False, f"int4 mma GEMV {name} {c.label()}: rel err {err:.1e}")
+            except Exception as e:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                check(False, f"int4 mma GEMV {name} {c.label()}: {type(e).__name__}: {str(e)[:300]}")
+        check(len(good) == len(variants(n, k, group)), f"int4 mma GEMV {name}: {len(good)} launches within 1e-2")
+        del w, wt, qm, ref_w
+        if not cuda or time.perf_counter() > deadline:
+            best[(n, k)] = mma.default_config(n, k, group)
+            continue
+        d = mma.default_config(n, k, group)
+        if name == "down":  # PDL races: x written late must still be read after the wait (split-K too)
+            _race_check(name, n, k, group, d, device, dt, check, planted=False)
+            _race_check(name, n, k, group, d, device, dt, check, planted=True)
+            if mma.fits(n, k, group, replace(d, ring=8)):  # the ring's launch waits before its loop
+                _race_check(name, n, k, group, replace(d, ring=8), device, dt, check, planted=False)
+        # timing: CHAIN distinct weights, each behind an RMSNorm writing its x (a PDL kernel)
+        ws = _weights(n, k, group, CHAIN, device, dt)
+        x0 = torch.randn(1, k, device=device, dtype=dt)
+        nw = torch.ones(k, device=device, dtype=dt)
+        for c in good:
+            if time.perf_counter() > deadline:
+                break
+
+            def chain(c=c, ws=ws, x0=x0, nw=nw, counters=counters):
+                for qm_, s_, z_ in ws:
+                    mma.mma_gemv(rms_norm(x0, nw, 1e-5), qm_, s_, z_, group, c, counters)
+            r[c.label()] = graph_us(chain, replays=10) / CHAIN
+        r["norm alone"] = graph_us(lambda x0=x0, nw=nw: rms_norm(x0, nw, 1e-5), replays=10)
+        timed = [(r[c.label()], c) for c in good if c.label() in r]
+        if timed:
+            best[(n, k)] = min(timed, key=lambda t: t[0])[1]
+        mb = (n * k / 2 + 4 * n * k / group) / 1e6
+        ranked = sorted((v, lab) for lab, v in r.items())
+        print(f"  {name} {n}x{k} ({mb:.1f} MB), us per norm + GEMV: "
+              + "; ".join(f"{lab} {v:.2f}" for v, lab in ranked), flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    results["int4b1_table"] = _table_text(best)
+    print(f"  INT4 MMA TABLE: {results['int4b1_table']}", flush=True)
+    return best
+
+
+def layers(results: dict, device: str, smoke: bool, best: dict, check) -> None:
+    """Part 2: the layer chain per launch set (module docstring)."""
+    from tokenmill.benchmarks.graph_timing import graph_us
+    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm, rms_norm
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    shapes, group = (SMOKE_SHAPES, SMOKE_GROUP) if smoke else (SHAPES, GROUP)
+    dt = torch.bfloat16
+    hidden = shapes["o"][0]
+    ws = {name: _weights(n, k, group, LAYERS, device, dt) for name, (n, k) in shapes.items()}
+    counters = {name: stream_tiles.SplitCounters(n, torch.device(device)).tensor for name, (n, _) in shapes.items()}
+    nw = torch.ones(hidden, device=device, dtype=dt)
+    x0 = torch.randn(1, hidden, device=device, dtype=dt)
+    sets = {"main (GEMVs without PDL)": {s: replace(mma.default_config(*s, group), pdl=False) for s in shapes.values()},
+            "default": {s: mma.default_config(*s, group) for s in shapes.values()},
+            "table": dict(best)}
+    rec = results.setdefault("int4b1_layers", {})
+    outs = {}
+    for label, launches in sets.items():
+        def layer_chain(launches=launches):
+            res = x0.clone()
+            h = rms_norm(res, nw, 1e-5)
+            for i in range(LAYERS):
+                def lin(name, t, i=i):
+                    qm_, s_, z_ = ws[name][i]
+                    return mma.mma_gemv(t, qm_, s_, z_, group, launches[shapes[name]], counters[name])
+                qkv = lin("qkv", h)
+                a = rms_norm(qkv[:, :hidden], nw, 1e-5)  # attention's stand-in: a PDL kernel over q
+                h, res = fused_add_rms_norm(lin("o", a), res, nw, 1e-5)
+                h, res = fused_add_rms_norm(lin("down", silu_and_mul(lin("gate_up", h))), res, nw, 1e-5)
+            return h
+        outs[label] = layer_chain()
+        rec[label] = graph_us(layer_chain, replays=10) / LAYERS
+        print(f"  layer chain, {label}: {rec[label]:.1f} us per layer", flush=True)
+    a, b = outs["main (GEMVs without PDL)"], outs["default"]
+    check(torch.equal(a, b) and bool(torch.isfinite(a).all()),
+          "layer chain: main's launches and the default (PDL) give bitwise equal outputs")
+
+
+def _engine(config_dir, shape, label: str, table: str, window: dict | None):
+    import gpu_quant
+
+    from tokenmill import LLM
+    from tokenmill.worker.device_profile import ENV_VAR
+    path = config_dir(shape, gpu_quant.GPTQ_CONFIG) if label.startswith("int4") else config_dir(shape)
+    saved = {k: os.environ.get(k) for k in (ENV, ENV_VAR)}
+    if label.startswith("int4"):
+        os.environ[ENV] = table
+    if window:
+        os.environ[ENV_VAR] = json.dumps(window)
+    try:
+        start = time.perf_counter()
+        llm = LLM(path, load_format="dummy", dtype="bfloat16", max_model_len=512 + 256 + 16, disable_log_stats=True,
+                  enable_prefix_caching=False, max_num_seqs=int(os.environ.get("INT4_B1_MAX_SEQS", "1")))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+    print(f"  {label}: engine up in {time.perf_counter() - start:.0f} s"
+          + (f" ({ENV}={table})" if label.startswith("int4") else ""), flush=True)
+    return llm, time.perf_counter() - start
+
+
+def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_per_token, best: dict,
+            deadline: float) -> list[str]:
+    """Part 3; returns the engines that failed."""
+    import gpu_fp8_b1_profile as b1
+
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+    group = SMOKE_GROUP if smoke else GROUP
+    shapes = SMOKE_SHAPES if smoke else SHAPES
+    tables = {"int4": _table_text(best), "int4head": "",  # int4head: the committed TABLE
+              "int4main": ";".join(f"{n}x{k}={replace(mma.default_config(n, k, group), pdl=False).label()}"
+                                   for n, k in shapes.values())}
+    timings = results.setdefault("timings", {})
+    failed = []
+    for label in os.environ.get("INT4_B1_ENGINES", "int4,bf16,int4main,int4head").split(","):
+        if time.perf_counter() > deadline:
+            print(f"  {label}: skipped (budget)", flush=True)
+            continue
+        folder = os.path.join(out, f"int4b1_{label}")
+        window = {"out_dir": folder, "batch": 1, "skip": 2 if smoke else 40, "steps": 3 if smoke else 24}
+        try:
+            llm, up = _engine(config_dir, shape, label, tables.get(label, ""), window if label == "int4" else None)
+            t0 = time.perf_counter()
+            ms = ms_per_token(llm, 8 if smoke else 512, 8 if smoke else 256)
+            timings[label] = {"batch1": ms, "engine_up_s": up}
+            results.setdefault("int4b1_engine_tables", {})[label] = tables.get(label, "")
+            print(f"  {label} batch1: {ms:.3f} ms/token ({time.perf_counter() - t0:.0f} s)", flush=True)
+            b1._free(llm)
+            if label == "int4":
+                b1._profile(results.setdefault("int4b1_profile", {}).setdefault(label, {}), label, folder,
+                            shape["num_hidden_layers"])
+        except Exception:  # noqa: BLE001 - the next engine still runs; the part fails at the end
+            traceback.print_exc()
+            failed.append(label)
+        _save(results, out)
+    for label in ("int4", "int4main", "int4head"):
+        if label in timings and "bf16" in timings:
+            r = timings[label]["batch1"] / timings["bf16"]["batch1"]
+            results.setdefault("int4b1_ratio", {})[label] = r
+            print(f"  {label} / bf16 batch-1 ms/token: {timings[label]['batch1']:.3f} / "
+                  f"{timings['bf16']['batch1']:.3f} = {r:.3f} (goal <= 0.4)", flush=True)
+    return failed
+
+
+def b1_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, out: str, ms_per_token,
+            check) -> None:
+    """The part (module docstring); raises at the end if something failed to run."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    start = time.perf_counter()
+    budget = float(os.environ.get("INT4_B1_BUDGET_S", "140"))
+    results["int4b1_device"] = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"  int4b1 on {results['int4b1_device']}", flush=True)
+    failed = []
+    best: dict = {}
+    try:
+        best = kernels(results, device, smoke, check, start + float(os.environ.get("INT4_B1_KERNELS_S", "45")))
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+        failed.append("kernels")
+    _save(results, out)
+    print(f"  int4b1: kernels done at {time.perf_counter() - start:.0f} s", flush=True)
+    if device == "cuda" and best:
+        try:
+            layers(results, device, smoke, best, check)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            failed.append("layers")
+        _save(results, out)
+        torch.cuda.empty_cache()
+    print(f"  int4b1: layers done at {time.perf_counter() - start:.0f} s", flush=True)
+    # an engine takes ~25 s: none starts past the budget or within 28 s of the part's kill time
+    kill = float(os.environ.get("GPU_QUANT_PART_DEADLINE", "inf"))
+    failed += engines(results, smoke, shape, config_dir, out, ms_per_token, best,
+                      min(start + budget, start + (kill - time.time()) - 28))
+    _save(results, out)
+    if failed:
+        raise RuntimeError(f"int4b1: {failed} failed")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--precompile":
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        os.environ["TRITON_INTERPRET"] = "0"
+        precompile_shard(sys.argv[2])
