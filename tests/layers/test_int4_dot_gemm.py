@@ -24,6 +24,13 @@ from tokenmill.layers.quantization import int4_packing as packing
 require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
 
+
+@pytest.fixture(autouse=True)
+def _dot_gemm_enabled(monkeypatch):
+    """An earlier test's `int4.gemm_selftest` may have switched the dot GEMM off for the process."""
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+    monkeypatch.setattr(dot, "ENABLED", True)
+
 def _case(n=64, k=256, group=64, seed=0):
     g = torch.Generator().manual_seed(seed)
     codes = packing.quantize_int4(torch.randn(n, k, generator=g), group, sym=False)
