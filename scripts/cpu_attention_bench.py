@@ -1,0 +1,112 @@
+"""Per-step cost of CPU attention at the shapes of the CPU side by side (SmolLM2-135M: 9 heads, 3 KV
+heads, head dim 64, 30 layers): decode over the paged cache (the C kernel, `cpu_decode`) and the
+fresh prefill chunk (SDPA in `torch_ref`), in ms per model step (one layer's call x layers), best of N.
+
+    python scripts/cpu_attention_bench.py --out before.json            # default shapes
+    python scripts/cpu_attention_bench.py --dtype float32 --batch 1 --context 192
+
+Prints one line per case and a JSON record (also written to --out). Run it on a quiet machine:
+the figures are the best of --repeat timed runs of --iters calls each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers import cpu_isa
+from tokenmill.layers.attention import cpu_decode
+from tokenmill.layers.attention.backend import kv_cache_shape
+
+
+def _best_ms(fn, iters: int, repeat: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        best = min(best, (time.perf_counter() - t) / iters)
+    return best * 1e3
+
+
+def decode_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                block_size: int, iters: int, repeat: int, layers: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    nb_seq = -(-context // block_size)
+    num_blocks = batch * nb_seq
+    cache = torch.randn(kv_cache_shape(num_blocks, block_size, kv_heads, head_dim), generator=g).to(dtype)
+    table = torch.randperm(num_blocks, generator=g).view(batch, nb_seq).int().contiguous()
+    # contexts spread around `context` (as in a batch whose requests started at different steps)
+    lens = torch.tensor([max(1, context - (i * 37) % (context // 3 + 1)) for i in range(batch)], dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    ms = _best_ms(lambda: cpu_decode.decode_attention(q, cache, table, lens, scale), iters, repeat)
+    flops = 4 * heads * head_dim * int(lens.sum())
+    return {"case": "decode", "batch": batch, "context": context, "mean_len": float(lens.float().mean()),
+            "dtype": str(dtype).split(".")[-1], "call_ms": ms, "step_ms": ms * layers,
+            "gflops": flops / ms / 1e6}
+
+
+def prefill_case(batch: int, q_len: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 iters: int, repeat: int, layers: int) -> dict:
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, q_len, heads, head_dim, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(batch, q_len, kv_heads, head_dim, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(batch, q_len, kv_heads, head_dim, generator=g).to(dtype).transpose(1, 2)
+    gqa = heads != kv_heads
+    # what torch_ref's fresh prefill runs, and the same with K/V expanded to the query heads
+    ms = _best_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa), iters, repeat)
+    rep = heads // kv_heads
+    ke, ve = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    ms_exp = _best_ms(lambda: F.scaled_dot_product_attention(q, ke, ve, is_causal=True), iters, repeat)
+    flops = 2 * heads * head_dim * batch * q_len * (q_len + 1)  # causal QK and PV
+    return {"case": "prefill", "batch": batch, "q_len": q_len, "dtype": str(dtype).split(".")[-1],
+            "call_ms": ms, "step_ms": ms * layers, "expanded_kv_call_ms": ms_exp, "gflops": flops / ms / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", choices=["bfloat16", "float32", "both"], default="both")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64, 1])
+    ap.add_argument("--context", type=int, default=192, help="decode context (lengths spread below it)")
+    ap.add_argument("--prefill-len", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default="")
+    ns = ap.parse_args()
+    dtypes = [torch.bfloat16, torch.float32] if ns.dtype == "both" else [getattr(torch, ns.dtype)]
+    cases = []
+    for dtype in dtypes:
+        for b in ns.batch:
+            cases.append(decode_case(b, ns.context, ns.heads, ns.kv_heads, ns.head_dim, dtype, ns.block_size,
+                                     ns.iters, ns.repeat, ns.layers))
+            if not ns.no_prefill:
+                cases.append(prefill_case(b, ns.prefill_len, ns.heads, ns.kv_heads, ns.head_dim, dtype,
+                                          max(2, ns.iters // 10 if b > 8 else ns.iters), ns.repeat, ns.layers))
+    for c in cases:
+        extra = f" expanded-KV {c['expanded_kv_call_ms']:.3f} ms" if "expanded_kv_call_ms" in c else ""
+        print(f"{c['case']:8s} {c['dtype']:8s} batch {c['batch']:3d}: {c['call_ms']:.3f} ms/call, "
+              f"{c['step_ms']:.2f} ms/step ({c['gflops']:.1f} GFLOP/s){extra}")
+    record = {"label": ns.label, "cpu_path": cpu_isa.kernel_path().name, "machine": platform.processor() or
+              platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__, "cases": cases}
+    print(json.dumps(record))
+    if ns.out:
+        with open(ns.out, "w") as f:
+            json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
