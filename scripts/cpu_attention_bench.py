@@ -2,18 +2,27 @@
 heads, head dim 64, 30 layers): decode over the paged cache (the C kernel, `cpu_decode`) and the
 fresh prefill chunk (SDPA in `torch_ref`), in ms per model step (one layer's call x layers), best of N.
 
-    python scripts/cpu_attention_bench.py --out before.json            # default shapes
+    python scripts/cpu_attention_bench.py --baseline main --out after.json   # this tree vs main's kernel
     python scripts/cpu_attention_bench.py --dtype float32 --batch 1 --context 192
+    python scripts/cpu_attention_bench.py --threads 1 --cpu-time --baseline main  # on a busy machine
 
 Prints one line per case and a JSON record (also written to --out). Run it on a quiet machine:
-the figures are the best of --repeat timed runs of --iters calls each.
+the figures are the best of --repeat timed runs of --iters calls each. `--baseline REF` also
+times the decode kernel as git REF has it (`cpu_decode.py` loaded from `git show`), in the same
+process on the same inputs. On a shared machine, `--threads 1 --cpu-time` counts only this
+thread's CPU time (other processes taking the core between calls do not count).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -23,20 +32,37 @@ from tokenmill.layers import cpu_isa
 from tokenmill.layers.attention import cpu_decode
 from tokenmill.layers.attention.backend import kv_cache_shape
 
+_CLOCK = time.perf_counter
+
 
 def _best_ms(fn, iters: int, repeat: int) -> float:
     fn()
     best = float("inf")
     for _ in range(repeat):
-        t = time.perf_counter()
+        t = _CLOCK()
         for _ in range(iters):
             fn()
-        best = min(best, (time.perf_counter() - t) / iters)
+        best = min(best, (_CLOCK() - t) / iters)
     return best * 1e3
 
 
+def _baseline_module(ref: str):
+    """cpu_decode.py as git `ref` has it, as a module of its own (its C library builds under its own key)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    src = subprocess.run(["git", "-C", root, "show", f"{ref}:tokenmill/layers/attention/cpu_decode.py"],
+                         check=True, capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(), "cpu_decode_baseline.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("cpu_decode_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def decode_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                block_size: int, iters: int, repeat: int, layers: int) -> dict:
+                block_size: int, iters: int, repeat: int, layers: int, baseline=None) -> dict:
     g = torch.Generator().manual_seed(0)
     nb_seq = -(-context // block_size)
     num_blocks = batch * nb_seq
@@ -48,9 +74,16 @@ def decode_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
     scale = head_dim ** -0.5
     ms = _best_ms(lambda: cpu_decode.decode_attention(q, cache, table, lens, scale), iters, repeat)
     flops = 4 * heads * head_dim * int(lens.sum())
-    return {"case": "decode", "batch": batch, "context": context, "mean_len": float(lens.float().mean()),
-            "dtype": str(dtype).split(".")[-1], "call_ms": ms, "step_ms": ms * layers,
-            "gflops": flops / ms / 1e6}
+    record = {"case": "decode", "batch": batch, "context": context, "mean_len": float(lens.float().mean()),
+              "dtype": str(dtype).split(".")[-1], "call_ms": ms, "step_ms": ms * layers,
+              "gflops": flops / ms / 1e6}
+    if baseline is not None:
+        out, ref = (cpu_decode.decode_attention(q, cache, table, lens, scale),
+                    baseline.decode_attention(q, cache, table, lens, scale))
+        record["max_abs_diff_vs_baseline"] = float((out.float() - ref.float()).abs().max())
+        base = _best_ms(lambda: baseline.decode_attention(q, cache, table, lens, scale), iters, repeat)
+        record.update(baseline_call_ms=base, baseline_step_ms=base * layers, speedup=base / ms)
+    return record
 
 
 def prefill_case(batch: int, q_len: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -84,23 +117,35 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--baseline", default="", help="git ref whose decode kernel to time alongside (e.g. main)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    ap.add_argument("--cpu-time", action="store_true", help="time this thread's CPU time (with --threads 1)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="")
     ns = ap.parse_args()
+    global _CLOCK
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    if ns.cpu_time:
+        _CLOCK = time.thread_time
+    baseline = _baseline_module(ns.baseline) if ns.baseline else None
     dtypes = [torch.bfloat16, torch.float32] if ns.dtype == "both" else [getattr(torch, ns.dtype)]
     cases = []
     for dtype in dtypes:
         for b in ns.batch:
             cases.append(decode_case(b, ns.context, ns.heads, ns.kv_heads, ns.head_dim, dtype, ns.block_size,
-                                     ns.iters, ns.repeat, ns.layers))
+                                     ns.iters, ns.repeat, ns.layers, baseline))
             if not ns.no_prefill:
                 cases.append(prefill_case(b, ns.prefill_len, ns.heads, ns.kv_heads, ns.head_dim, dtype,
                                           max(2, ns.iters // 10 if b > 8 else ns.iters), ns.repeat, ns.layers))
     for c in cases:
         extra = f" expanded-KV {c['expanded_kv_call_ms']:.3f} ms" if "expanded_kv_call_ms" in c else ""
+        if "baseline_call_ms" in c:
+            extra = (f" | before ({ns.baseline}) {c['baseline_call_ms']:.3f} ms/call, {c['baseline_step_ms']:.2f} "
+                     f"ms/step: {c['speedup']:.2f}x (max diff {c['max_abs_diff_vs_baseline']:.1e})")
         print(f"{c['case']:8s} {c['dtype']:8s} batch {c['batch']:3d}: {c['call_ms']:.3f} ms/call, "
               f"{c['step_ms']:.2f} ms/step ({c['gflops']:.1f} GFLOP/s){extra}")
-    record = {"label": ns.label, "cpu_path": cpu_isa.kernel_path().name, "machine": platform.processor() or
+    record = {"label": ns.label, "baseline": ns.baseline, "clock": "thread_time" if ns.cpu_time else "wall", "cpu_path": cpu_isa.kernel_path().name, "machine": platform.processor() or
               platform.machine(), "threads": torch.get_num_threads(), "torch": torch.__version__, "cases": cases}
     print(json.dumps(record))
     if ns.out:

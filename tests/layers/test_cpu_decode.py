@@ -158,7 +158,7 @@ def test_long_context_split_over_threads(threads, dtype) -> None:
     (with sinks and a window cutting the first part's range), the same as one part."""
     g = torch.Generator().manual_seed(threads)
     num_heads, num_kv_heads, head_dim, block_size = 8, 2, 64, 16
-    seq_lens = [1000, 300]
+    seq_lens = [2500, 300]  # 22k (key, head) pairs: enough work to go parallel
     cache, table = _paged(seq_lens, block_size, num_kv_heads, head_dim, dtype, g)
     q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(dtype)
     sinks = torch.linspace(-1, 2, num_heads)
@@ -166,7 +166,7 @@ def test_long_context_split_over_threads(threads, dtype) -> None:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for window in (None, 700):
+        for window in (None, 2100):
             out = cpu_decode.decode_attention(q, cache, table, lens, 0.25, window, None, sinks)
             expected = _reference(q, cache, table, seq_lens, 0.25, window, None, sinks)
             tol = 2e-5 if dtype == torch.float32 else 1e-2

@@ -41,6 +41,7 @@ _SOURCE = r"""
 #include <string.h>
 
 #define TILE 16  /* keys per tile */
+#define MIN_PARALLEL_PAIRS 16384
 
 static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
 static inline uint16_t f32_to_bf16(float f) {
@@ -405,10 +406,15 @@ void decode_attention(const void *q, int64_t q_s, int64_t q_h, const void *k, co
                 bf16, bf16 && D % 32 == 0, scale, cap, sinks};
     const int G = H / Hkv, items = S * Hkv;
     int maxn = 0;
+    int64_t pairs = 0;  /* (key, query head) pairs: the work, ~5 ns each */
     for (int s = 0; s < S; ++s) {
         const int L = seq_lens[s], n = W > 0 && L > W ? W : L;
         maxn = n > maxn ? n : maxn;
+        pairs += (int64_t)(n > 0 ? n : 0) * H;
     }
+    /* Below ~100 us of work a parallel region costs more than it saves (waking threads; on a
+       shared machine, a barrier waiting for a descheduled thread). */
+    if (pairs < MIN_PARALLEL_PAIRS) nthreads = 1;
     /* Fewer items than the threads can share: split long contexts (>= 128 keys a part). */
     int P = 1;
     if (nthreads > 1 && items < 4 * nthreads) {
@@ -419,7 +425,7 @@ void decode_attention(const void *q, int64_t q_s, int64_t q_h, const void *k, co
     const size_t stride = (size_t)G * (2 + a.Dp);
     float *parts = P > 1 ? (float *)malloc(sizeof(float) * stride * (size_t)items * P) : NULL;
     if (P > 1 && !parts) P = 1;
-    #pragma omp parallel num_threads(nthreads)
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         float one[stride];  /* a single part's state, when the context is not split */
         #pragma omp for schedule(dynamic, 1)
