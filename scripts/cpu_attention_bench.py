@@ -25,6 +25,10 @@ import sys
 import tempfile
 import time
 
+# As the engine's processes do (`tokenmill.cpu_threads`): idle OpenMP threads sleep, so a busy
+# machine does not stall every parallel region a scheduler time slice. Set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 import torch.nn.functional as F
 
