@@ -17,7 +17,7 @@ Instructions by `cpu_isa` path (chosen at build time from the path's flags):
 - avx512_bf16 / amx: bf16 q.k with `vdpbf16ps` (each bf16 product is exact in float32), bf16 rows
   widened to float32 by shifts for the weights x V; AVX-512 everywhere else.
 - avx512: AVX-512F, bf16 widened by shifts.   - avx2: the same on 256-bit vectors.
-- generic: portable C, one lane.
+- generic: portable C (GCC vector extensions of 4 lanes: SSE2, NEON).
 exp is a degree-7 polynomial after range reduction (~1 ulp); the soft-cap's tanh is libm's.
 
 Plain C (no torch headers), built once per machine and path with the system C compiler
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 
 import torch
 
@@ -139,21 +140,42 @@ static inline vf v_hsum(const vf *v) {
                              _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
     return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
 }
-#else  /* portable: one lane */
-#define VL 1
-typedef float vf;
-static inline vf v_load(const float *p) { return *p; }
-static inline void v_store(float *p, vf v) { *p = v; }
-static inline vf v_set1(float x) { return x; }
-static inline vf v_zero(void) { return 0.f; }
-static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }
+#else  /* portable: GCC vector extensions, 4 lanes (SSE2, NEON: every 64-bit target has them) */
+#define VL 4
+typedef float vf __attribute__((vector_size(16)));
+static inline vf v_load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void v_store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf v_set1(float x) { return (vf){0} + x; }
+static inline vf v_zero(void) { return (vf){0}; }
+static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }  /* contracted to FMAs where the target has them */
 static inline vf v_sub(vf a, vf b) { return a - b; }
 static inline vf v_add(vf a, vf b) { return a + b; }
-static inline vf v_load_bf16(const uint16_t *p) { return bf16_to_f32(*p); }
-static inline vf v_exp(vf x) { return expf(x); }
-static inline vf v_hsum(const vf *v) { return v[0]; }
-static inline float v_hmax(vf v) { return v; }
-static inline float v_hadd(vf v) { return v; }
+typedef int32_t vi __attribute__((vector_size(16)));
+typedef uint32_t vu __attribute__((vector_size(16)));
+typedef uint16_t vh __attribute__((vector_size(8)));
+static inline vf v_load_bf16(const uint16_t *p) {
+    vh h; memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+static inline vf v_select(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }  /* m ? a : b */
+static inline vf v_exp(vf x) {  /* below -87.3 (2^n would leave the normal range), -inf included: 0 */
+    const vi tiny = x < -87.3f;
+    x = v_select(x < -87.3f, v_set1(-87.3f), x);
+    x = v_select(x > 88.f, v_set1(88.f), x);
+    const vf big = v_set1(12582912.f);  /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    const vf n = (x * LOG2E + big) - big;
+    vf r = x - n * LN2_HI;
+    r = r - n * LN2_LO;
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return v_select(tiny, v_zero(), EXP_POLY(v_fma, v_set1, r) * (vf)e);
+}
+static inline vf v_hsum(const vf *v) {
+    vf r;
+    for (int i = 0; i < VL; ++i) r[i] = (v[i][0] + v[i][2]) + (v[i][1] + v[i][3]);
+    return r;
+}
+static inline float v_hmax(vf v) { float m = v[0]; for (int i = 1; i < VL; ++i) m = v[i] > m ? v[i] : m; return m; }
+static inline float v_hadd(vf v) { return (v[0] + v[2]) + (v[1] + v[3]); }
 #endif
 
 typedef struct {
@@ -456,7 +478,9 @@ _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, c
 
 
 def build_flags(path: cpu_isa.KernelPath) -> tuple[str, ...]:
-    return (*c_build.BASE_FLAGS, *path.build_flags, "-ffp-contract=fast")
+    """The path's flags pin x86 instruction sets; elsewhere (ARM...) -march=native alone decides."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return (*c_build.BASE_FLAGS, *(path.build_flags if x86 else ()), "-ffp-contract=fast")
 
 
 @functools.cache
