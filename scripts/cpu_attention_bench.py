@@ -5,12 +5,16 @@ fresh prefill chunk (SDPA in `torch_ref`), in ms per model step (one layer's cal
     python scripts/cpu_attention_bench.py --baseline main --out after.json   # this tree vs main's kernel
     python scripts/cpu_attention_bench.py --dtype float32 --batch 1 --context 192
     python scripts/cpu_attention_bench.py --threads 1 --cpu-time --baseline main  # on a busy machine
+    python scripts/cpu_attention_bench.py --cold --baseline main --no-prefill  # K/V from memory, as in a model
 
 Prints one line per case and a JSON record (also written to --out). Run it on a quiet machine:
 the figures are the best of --repeat timed runs of --iters calls each. `--baseline REF` also
 times the decode kernel as git REF has it (`cpu_decode.py` loaded from `git show`), in the same
 process on the same inputs. On a shared machine, `--threads 1 --cpu-time` counts only this
-thread's CPU time (other processes taking the core between calls do not count).
+thread's CPU time (other processes taking the core between calls do not count). `--cold`
+times decode as a model runs it: each of the --layers layers has its own cache, and ~9 MB of
+"weights" pass through the CPU caches before each call, so K/V come from memory (warm runs
+keep one layer's 8 MB in L2/L3 and flatter a kernel).
 """
 
 from __future__ import annotations
@@ -65,8 +69,18 @@ def _baseline_module(ref: str):
     return module
 
 
+def _call_ms(fn, cache: torch.Tensor, iters: int, repeat: int, step_fn=None) -> float:
+    """Best ms per call of fn(cache); with step_fn (cold runs), only the calls themselves are timed."""
+    if step_fn is None:
+        return _best_ms(lambda: fn(cache), iters, repeat)
+    run = step_fn(fn)
+    run()
+    return min(sum(run() for _ in range(iters)) / iters for _ in range(repeat)) * 1e3
+
+
 def decode_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                block_size: int, iters: int, repeat: int, layers: int, baseline=None) -> dict:
+                block_size: int, iters: int, repeat: int, layers: int, baseline=None, cold: bool = False,
+                cold_mb: int = 9) -> dict:
     g = torch.Generator().manual_seed(0)
     nb_seq = -(-context // block_size)
     num_blocks = batch * nb_seq
@@ -76,16 +90,31 @@ def decode_case(batch: int, context: int, heads: int, kv_heads: int, head_dim: i
     lens = torch.tensor([max(1, context - (i * 37) % (context // 3 + 1)) for i in range(batch)], dtype=torch.int32)
     q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
     scale = head_dim ** -0.5
-    ms = _best_ms(lambda: cpu_decode.decode_attention(q, cache, table, lens, scale), iters, repeat)
+    if cold:  # as in a model: `layers` caches, and each layer's weights read between two calls
+        caches = [cache] + [torch.randn_like(cache, dtype=torch.float32).to(dtype) for _ in range(layers - 1)]
+        weights = torch.zeros(layers, cold_mb * 2**20 // 4)
+        state = {"l": 0}
+
+        def step_fn(fn):
+            def run():
+                layer = state["l"] = (state["l"] + 1) % layers
+                weights[layer].sum()
+                t = time.perf_counter()
+                fn(caches[layer])
+                return time.perf_counter() - t
+            return run
+    ms = _call_ms(lambda c: cpu_decode.decode_attention(q, c, table, lens, scale), cache, iters, repeat,
+                  step_fn if cold else None)
     flops = 4 * heads * head_dim * int(lens.sum())
-    record = {"case": "decode", "batch": batch, "context": context, "mean_len": float(lens.float().mean()),
+    record = {"case": "decode", "cold": cold, "batch": batch, "context": context, "mean_len": float(lens.float().mean()),
               "dtype": str(dtype).split(".")[-1], "call_ms": ms, "step_ms": ms * layers,
               "gflops": flops / ms / 1e6}
     if baseline is not None:
         out, ref = (cpu_decode.decode_attention(q, cache, table, lens, scale),
                     baseline.decode_attention(q, cache, table, lens, scale))
         record["max_abs_diff_vs_baseline"] = float((out.float() - ref.float()).abs().max())
-        base = _best_ms(lambda: baseline.decode_attention(q, cache, table, lens, scale), iters, repeat)
+        base = _call_ms(lambda c: baseline.decode_attention(q, c, table, lens, scale), cache, iters, repeat,
+                        step_fn if cold else None)
         record.update(baseline_call_ms=base, baseline_step_ms=base * layers, speedup=base / ms)
     return record
 
@@ -124,6 +153,9 @@ def main() -> None:
     ap.add_argument("--baseline", default="", help="git ref whose decode kernel to time alongside (e.g. main)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     ap.add_argument("--cpu-time", action="store_true", help="time this thread's CPU time (with --threads 1)")
+    ap.add_argument("--cold", action="store_true",
+                    help="decode as in a model: one cache per layer, --cold-mb of weights read before each call")
+    ap.add_argument("--cold-mb", type=int, default=9, help="MB read between calls (SmolLM2 bf16: ~9 per layer)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="")
     ns = ap.parse_args()
@@ -138,7 +170,7 @@ def main() -> None:
     for dtype in dtypes:
         for b in ns.batch:
             cases.append(decode_case(b, ns.context, ns.heads, ns.kv_heads, ns.head_dim, dtype, ns.block_size,
-                                     ns.iters, ns.repeat, ns.layers, baseline))
+                                     ns.iters, ns.repeat, ns.layers, baseline, ns.cold, ns.cold_mb))
             if not ns.no_prefill:
                 cases.append(prefill_case(b, ns.prefill_len, ns.heads, ns.kv_heads, ns.head_dim, dtype,
                                           max(2, ns.iters // 10 if b > 8 else ns.iters), ns.repeat, ns.layers))

@@ -11,7 +11,8 @@ walks its keys in tiles of 16 (never across a block): the 16 x G scores of a til
 read of its K rows (each K row's products summed in vector lanes, then the 16 sums reduced
 together), an online softmax (running max and denominator per query head, the accumulator
 rescaled when the max grows) turns them into weights, and one read of the tile's V rows adds them
-to the G accumulators. No score buffer over the context, no allocation per item.
+to the G accumulators; the next tile's rows are prefetched meanwhile. No score buffer over
+the context, no allocation per item.
 
 Instructions by `cpu_isa` path (chosen at build time from the path's flags):
 - avx512_bf16 / amx: bf16 q.k with `vdpbf16ps` (each bf16 product is exact in float32), bf16 rows
@@ -314,6 +315,22 @@ static int tile_values_direct(const float *p, int G, int D, const void *vp, int 
 #undef CASE
 }
 
+/* Asks for the K and V rows of the tile starting at key t while this one is computed: in a model
+   the cache comes from memory (the layers' weights pass through the caches between two calls), and
+   the next tile is often in another block, which no hardware prefetcher guesses. */
+static inline void prefetch_tile(const args_t *a, const int32_t *bt, int kh, int t, int l1, int64_t row, size_t esz) {
+    const int bs = a->bs, o = t % bs, left = l1 - t;
+    int n = bs - o < left ? bs - o : left;
+    n = n < TILE ? n : TILE;
+    const int64_t base = (((int64_t)bt[t / bs] * bs + o) * row + (int64_t)kh * a->D) * (int64_t)esz;
+    const char *k = (const char *)a->k + base, *v = (const char *)a->v + base;
+    for (int j = 0; j < n; ++j)
+        for (size_t b = 0; b < (size_t)a->D * esz; b += 64) {
+            __builtin_prefetch(k + j * row * (int64_t)esz + b);
+            __builtin_prefetch(v + j * row * (int64_t)esz + b);
+        }
+}
+
 /* Keys [l0, l1) of sequence s for KV head kh, as an unnormalized softmax: per query head g the
    running max m[g], denominator l[g] and weighted sum of values acc[g * Dp ...] (float32). */
 static void attend_range(const args_t *a, int s, int kh, int l0, int l1, float *m, float *l, float *acc) {
@@ -344,6 +361,7 @@ static void attend_range(const args_t *a, int s, int kh, int l0, int l1, float *
         if (n < TILE) for (int j = n; j < TILE; ++j) woff[j] = (int64_t)(n - 1) * Dp;
         const int64_t base = ((int64_t)bt[t / bs] * bs + o0) * row + (int64_t)kh * D;
         const void *kr = (const char *)a->k + base * esz, *vr = (const char *)a->v + base * esz;
+        if (t + n < l1) prefetch_tile(a, bt, kh, t + n, l1, row, esz);
 #if HAVE_DP
         if (dp) {
             tile_scores_dp((const uint16_t *)a->q + qoff, a->q_h, G, D, a->scale, (const uint16_t *)kr, off, sc);
