@@ -1,25 +1,40 @@
 """A small C kernel for decode attention on CPU, straight over the paged KV cache.
 
-The pure-torch decode path gathers every decode's blocks into a buffer and then
-runs SDPA over it: three passes over the context's K/V, plus SDPA's per-head
-overhead at query length 1. This kernel reads each K and V row once, where the
-block table says it is, accumulating in float32: one work item per (sequence,
-KV head), all of that head's query heads together (GQA without copies).
+The pure-torch decode path gathers every decode's blocks into a buffer and then runs SDPA over
+it: three passes over the context's K/V, plus SDPA's per-head overhead at query length 1. This
+kernel reads each K and V row once, where the block table says it is, accumulating in float32.
 
-It is plain C (no torch headers), built once per machine with the system C
-compiler (~1 s, `c_build.py`) and called through ctypes. Where no compiler is
-found, the build fails, or TOKENMILL_NO_C_KERNELS=1 is set, `available()` is
-False and the torch path runs instead.
+Work items are (sequence, KV head) pairs, all of that head's G query heads together (GQA without
+copies); where there are fewer items than threads can share and contexts are long, each
+sequence's context is split into parts whose partial softmaxes are merged at the end. An item
+walks its keys in tiles of 16 (never across a block): the 16 x G scores of a tile come from one
+read of its K rows (each K row's products summed in vector lanes, then the 16 sums reduced
+together), an online softmax (running max and denominator per query head, the accumulator
+rescaled when the max grows) turns them into weights, and one read of the tile's V rows adds them
+to the G accumulators; the next tile's rows are prefetched meanwhile. No score buffer over
+the context, no allocation per item.
+
+Instructions by `cpu_isa` path (chosen at build time from the path's flags):
+- avx512_bf16 / amx: bf16 q.k with `vdpbf16ps` (each bf16 product is exact in float32), bf16 rows
+  widened to float32 by shifts for the weights x V; AVX-512 everywhere else.
+- avx512: AVX-512F, bf16 widened by shifts.   - avx2: the same on 256-bit vectors.
+- generic: portable C (GCC vector extensions of 4 lanes: SSE2, NEON).
+exp is a degree-7 polynomial after range reduction (~1 ulp); the soft-cap's tanh is libm's.
+
+Plain C (no torch headers), built once per machine and path with the system C compiler
+(`c_build.py`) and called through ctypes. Where no compiler is found, the build fails, or
+TOKENMILL_NO_C_KERNELS=1 is set, `available()` is False and the torch path runs instead.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import platform
 
 import torch
 
-from tokenmill.layers import c_build
+from tokenmill.layers import c_build, cpu_isa
 
 _SOURCE = r"""
 #include <math.h>
@@ -27,123 +42,475 @@ _SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-static inline float ld_f32(const float *p) { return *p; }
-static inline void st_f32(float *p, float v) { *p = v; }
-static inline float ld_bf16(const uint16_t *p) {
-    uint32_t u = (uint32_t)(*p) << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline void st_bf16(uint16_t *p, float f) {
+#define TILE 16  /* keys per tile */
+#define MIN_PARALLEL_PAIRS 16384
+
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {
     uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) { *p = (uint16_t)((u >> 16) | 64); return; }
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);
     u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-    *p = (uint16_t)(u >> 16);
+    return (uint16_t)(u >> 16);
 }
 
-/* One (sequence, KV head) work item: its G query heads over the sequence's last N cached tokens
-   (N = L, or the window W when 0 < W < L: keys L-W..L-1; blocks before them are never read).
-   cap > 0: scores become cap * tanh(score / cap) (logit soft-capping).
-   sinks (NULL: none): float32 [H], a per-head logit in the softmax's denominator, with no value.
-   HD is the head dim: a constant for the common sizes (fully unrolled), else the runtime D. */
-#define DECODE_ITEM(NAME, T, LD, ST, HD)                                                       \
-static void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,                 \
-                 const int32_t *bt, int L, T *out, int s, int kh, int H, int Hkv, int D,       \
-                 int bs, float scale, int W, float cap, const float *sinks, float *qf) {       \
-    const int G = H / Hkv;                                                                     \
-    float *acc = qf + (size_t)G * HD, *sc = acc + (size_t)G * HD;                              \
-    for (int g = 0; g < G; ++g) {                                                              \
-        const T *qp = q + (int64_t)s * q_s + (int64_t)(kh * G + g) * q_h;                      \
-        for (int d = 0; d < HD; ++d) { qf[g * HD + d] = LD(qp + d) * scale; acc[g * HD + d] = 0.f; } \
-    }                                                                                          \
-    if (L <= 0) { /* a padding row (no keys): zeros, and no read past the scratch */           \
-        for (int i = 0; i < G * HD; ++i) ST(out + ((int64_t)s * H + kh * G) * HD + i, 0.f);    \
-        return;                                                                                \
-    }                                                                                          \
-    const int start = (W > 0 && L > W) ? L - W : 0, N = L - start;                             \
-    const int64_t row = (int64_t)Hkv * HD;                                                     \
-    for (int l = start; l < L;) {                                                              \
-        const int o0 = l % bs, n = bs - o0 < L - l ? bs - o0 : L - l;                          \
-        const T *kr = k + ((int64_t)bt[l / bs] * bs + o0) * row + (int64_t)kh * HD;            \
-        for (int o = 0; o < n; ++o, kr += row)                                                 \
-            for (int g = 0; g < G; ++g) {                                                      \
-                const float *qg = qf + g * HD; float dot = 0.f;                                \
-                for (int d = 0; d < HD; ++d) dot += qg[d] * LD(kr + d);                        \
-                sc[(size_t)g * N + l - start + o] = dot;                                       \
-            }                                                                                  \
-        l += n;                                                                                \
-    }                                                                                          \
-    /* the soft-cap in its own pass: the dot loop above stays branch-free for every other model */ \
-    if (cap > 0.f)                                                                             \
-        for (int i = 0; i < G * N; ++i) sc[i] = cap * tanhf(sc[i] / cap);                      \
-    for (int g = 0; g < G; ++g) {                                                              \
-        float *sg = sc + (size_t)g * N, m = sg[0], sum = 0.f;                                  \
-        for (int l = 1; l < N; ++l) m = sg[l] > m ? sg[l] : m;                                 \
-        if (sinks) { const float sk = sinks[kh * G + g]; m = sk > m ? sk : m; sum = expf(sk - m); } \
-        for (int l = 0; l < N; ++l) { sg[l] = expf(sg[l] - m); sum += sg[l]; }                 \
-        const float inv = 1.f / sum;                                                           \
-        for (int l = 0; l < N; ++l) sg[l] *= inv;                                              \
-    }                                                                                          \
-    for (int l = start; l < L;) {                                                              \
-        const int o0 = l % bs, n = bs - o0 < L - l ? bs - o0 : L - l;                          \
-        const T *vr = v + ((int64_t)bt[l / bs] * bs + o0) * row + (int64_t)kh * HD;            \
-        for (int o = 0; o < n; ++o, vr += row)                                                 \
-            for (int g = 0; g < G; ++g) {                                                      \
-                const float p = sc[(size_t)g * N + l - start + o]; float *ag = acc + g * HD;   \
-                for (int d = 0; d < HD; ++d) ag[d] += p * LD(vr + d);                          \
-            }                                                                                  \
-        l += n;                                                                                \
-    }                                                                                          \
-    for (int g = 0; g < G; ++g) {                                                              \
-        T *op = out + ((int64_t)s * H + kh * G + g) * HD;                                      \
-        for (int d = 0; d < HD; ++d) ST(op + d, acc[g * HD + d]);                              \
-    }                                                                                          \
+/* ---- the vector layer: VL float lanes per vector ---- */
+#define LOG2E 1.44269504088896341f
+#define LN2_HI 0.693145751953125f      /* ln 2 in two parts (Cody-Waite range reduction) */
+#define LN2_LO 1.42860682030941723e-06f
+/* e^r on |r| <= ln2/2: Taylor to degree 7 (truncation < 1e-8 relative), Horner with FMAs */
+#define EXP_POLY(FMA, SET1, r) \
+    FMA(FMA(FMA(FMA(FMA(FMA(FMA(SET1(1.f / 5040), r, SET1(1.f / 720)), r, SET1(1.f / 120)), r, \
+        SET1(1.f / 24)), r, SET1(1.f / 6)), r, SET1(0.5f)), r, SET1(1.f)), r, SET1(1.f))
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define VL 16
+typedef __m512 vf;
+#define v_load _mm512_loadu_ps
+#define v_store _mm512_storeu_ps
+#define v_set1 _mm512_set1_ps
+#define v_zero _mm512_setzero_ps
+#define v_fma _mm512_fmadd_ps
+#define v_sub _mm512_sub_ps
+#define v_add _mm512_add_ps
+static inline vf v_load_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf v_exp(vf x) {  /* below -104 (e^x under the smallest subnormal), -inf included: 0 */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.f)), _mm512_set1_ps(88.f));
+    const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    return _mm512_scalef_ps(EXP_POLY(_mm512_fmadd_ps, _mm512_set1_ps, r), n);
+}
+/* Lane i of the result: the sum of v[i]'s lanes (16 vectors reduced together, ~3 ops each). */
+static inline float v_hmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline float v_hadd(vf v) { return _mm512_reduce_add_ps(v); }
+static inline vf v_hsum(const vf *v) {
+    vf a[8], b[4], c[2];
+    for (int i = 0; i < 8; ++i)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; ++i)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VL 8
+typedef __m256 vf;
+#define v_load _mm256_loadu_ps
+#define v_store _mm256_storeu_ps
+#define v_set1 _mm256_set1_ps
+#define v_zero _mm256_setzero_ps
+#define v_fma _mm256_fmadd_ps
+#define v_sub _mm256_sub_ps
+#define v_add _mm256_add_ps
+static inline vf v_load_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf v_exp(vf x) {  /* below -87.3 (2^n would leave the normal range), -inf included: 0 */
+    const vf tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.f));
+    const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(EXP_POLY(_mm256_fmadd_ps, _mm256_set1_ps, r), _mm256_castsi256_ps(e)));
+}
+static inline float v_hmax(vf v) {
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+static inline float v_hadd(vf v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+static inline vf v_hsum(const vf *v) {
+    vf a[4], b[2];
+    for (int i = 0; i < 4; ++i)
+        a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; ++i)
+        b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
+}
+#else  /* portable: GCC vector extensions, 4 lanes (SSE2, NEON: every 64-bit target has them) */
+#define VL 4
+typedef float vf __attribute__((vector_size(16)));
+static inline vf v_load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+static inline void v_store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+static inline vf v_set1(float x) { return (vf){0} + x; }
+static inline vf v_zero(void) { return (vf){0}; }
+static inline vf v_fma(vf a, vf b, vf c) { return a * b + c; }  /* contracted to FMAs where the target has them */
+static inline vf v_sub(vf a, vf b) { return a - b; }
+static inline vf v_add(vf a, vf b) { return a + b; }
+typedef int32_t vi __attribute__((vector_size(16)));
+typedef uint32_t vu __attribute__((vector_size(16)));
+typedef uint16_t vh __attribute__((vector_size(8)));
+static inline vf v_load_bf16(const uint16_t *p) {
+    vh h; memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+static inline vf v_select(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }  /* m ? a : b */
+static inline vf v_exp(vf x) {  /* below -87.3 (2^n would leave the normal range), -inf included: 0 */
+    const vi tiny = x < -87.3f;
+    x = v_select(x < -87.3f, v_set1(-87.3f), x);
+    x = v_select(x > 88.f, v_set1(88.f), x);
+    const vf big = v_set1(12582912.f);  /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    const vf n = (x * LOG2E + big) - big;
+    vf r = x - n * LN2_HI;
+    r = r - n * LN2_LO;
+    const vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return v_select(tiny, v_zero(), EXP_POLY(v_fma, v_set1, r) * (vf)e);
+}
+static inline vf v_hsum(const vf *v) {
+    vf r;
+    for (int i = 0; i < VL; ++i) r[i] = (v[i][0] + v[i][2]) + (v[i][1] + v[i][3]);
+    return r;
+}
+static inline float v_hmax(vf v) { float m = v[0]; for (int i = 1; i < VL; ++i) m = v[i] > m ? v[i] : m; return m; }
+static inline float v_hadd(vf v) { return (v[0] + v[2]) + (v[1] + v[3]); }
+#endif
+
+typedef struct {
+    const void *q; int64_t q_s, q_h;
+    const void *k, *v;
+    const int32_t *bt; int64_t bt_s;
+    const int32_t *lens;
+    void *out;
+    int S, H, Hkv, D, Dp, bs, W, bf16, dp;  /* Dp: D rounded up to VL; dp: bf16 q.k by vdpbf16ps */
+    float scale, cap;
+    const float *sinks;
+} args_t;
+
+/* A tile is always TILE rows: off[j] is row j's offset from the tile's first row, and rows past
+   the n in the block repeat the last one (their scores are masked, their weights are 0), so every
+   loop below has a constant trip count and the 16 partial sums stay in registers. */
+
+/* The tile's rows (bf16 or float32) as float32 rows of Dp, zero padded past D. */
+static void widen_tile(const void *src, int bf16, const int64_t *off, int n, int D, int Dp, float *dst) {
+    for (int j = 0; j < n; ++j) {
+        float *d = dst + (size_t)j * Dp;
+        int x = 0;
+        if (bf16) {
+            const uint16_t *s = (const uint16_t *)src + off[j];
+            for (; x + VL <= D; x += VL) v_store(d + x, v_load_bf16(s + x));
+            for (; x < D; ++x) d[x] = bf16_to_f32(s[x]);
+        } else {
+            memcpy(d, (const float *)src + off[j], sizeof(float) * (size_t)D);
+            x = D;
+        }
+        for (; x < Dp; ++x) d[x] = 0.f;
+    }
 }
 
-/* q: [S, H, D] with strides (q_s, q_h, 1); cache planes k, v: [slots, Hkv, D] contiguous;
-   block_table: [S, bt_s] int32; seq_lens: [S] int32 (0: a padding row, zeros); out: [S, H, D] contiguous;
-   W: sliding window (0: none); cap: logit soft-cap (0: none); sinks: float32 [H] or NULL. */
-#define DECODE_KERNEL(NAME, T, LD, ST)                                                        \
-DECODE_ITEM(NAME##_d64, T, LD, ST, 64)                                                         \
-DECODE_ITEM(NAME##_d128, T, LD, ST, 128)                                                       \
-DECODE_ITEM(NAME##_dany, T, LD, ST, D)                                                         \
-void NAME(const T *q, int64_t q_s, int64_t q_h, const T *k, const T *v,                      \
-          const int32_t *block_table, int64_t bt_s, const int32_t *seq_lens, T *out,           \
-          int S, int H, int Hkv, int D, int bs, float scale, int W, float cap,                 \
-          const float *sinks, int nthreads) {                                                  \
-    const int G = H / Hkv;                                                                     \
-    _Pragma("omp parallel for num_threads(nthreads) schedule(dynamic, 1)")                     \
-    for (int w = 0; w < S * Hkv; ++w) {                                                        \
-        const int s = w / Hkv, kh = w % Hkv, L = seq_lens[s];                                  \
-        float *qf = (float *)malloc(sizeof(float) * (size_t)G * (2 * D + (L > 0 ? L : 0)));    \
-        const int32_t *bt = block_table + (int64_t)s * bt_s;                                   \
-        if (D == 64) NAME##_d64(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, W, cap, sinks, qf); \
-        else if (D == 128) NAME##_d128(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, W, cap,  \
-                                       sinks, qf);                                             \
-        else NAME##_dany(q, q_s, q_h, k, v, bt, L, out, s, kh, H, Hkv, D, bs, scale, W, cap, sinks, qf); \
-        free(qf);                                                                              \
-    }                                                                                          \
+/* Scores of G float32 query rows qf [G, Dp] against the tile's key rows: sc [G, TILE]. */
+static void tile_scores(const float *qf, int G, int Dp, const float *kp, const int64_t *off, float *sc) {
+    const int C = Dp / VL;
+    for (int g = 0; g < G; ++g) {
+        const float *qg = qf + (size_t)g * Dp;
+        vf part[TILE];
+        for (int j = 0; j < TILE; ++j) part[j] = v_zero();
+        for (int c = 0; c < C; ++c) {
+            const vf qc = v_load(qg + c * VL);
+            for (int j = 0; j < TILE; ++j) part[j] = v_fma(qc, v_load(kp + off[j] + c * VL), part[j]);
+        }
+        for (int j = 0; j < TILE; j += VL) v_store(sc + g * TILE + j, v_hsum(part + j));
+    }
 }
 
-DECODE_KERNEL(decode_attention_f32, float, ld_f32, st_f32)
-DECODE_KERNEL(decode_attention_bf16, uint16_t, ld_bf16, st_bf16)
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define HAVE_DP 1
+/* As tile_scores, for bf16 q rows (q_h apart) and bf16 key rows, D a multiple of 32, times scale. */
+static void tile_scores_dp(const uint16_t *q, int64_t q_h, int G, int D, float scale, const uint16_t *kp,
+                           const int64_t *off, float *sc) {
+    const int C = D / 32;
+    for (int g = 0; g < G; ++g) {
+        const uint16_t *qg = q + g * q_h;
+        vf part[TILE];
+        for (int j = 0; j < TILE; ++j) part[j] = v_zero();
+        for (int c = 0; c < C; ++c) {
+            const __m512bh qc = (__m512bh)_mm512_loadu_si512(qg + c * 32);
+            for (int j = 0; j < TILE; ++j)
+                part[j] = _mm512_dpbf16_ps(part[j], qc, (__m512bh)_mm512_loadu_si512(kp + off[j] + c * 32));
+        }
+        _mm512_storeu_ps(sc + g * TILE, _mm512_mul_ps(v_hsum(part), _mm512_set1_ps(scale)));
+    }
+}
+#else
+#define HAVE_DP 0
+#endif
+
+/* acc [G, Dp] += p [G, TILE] x the tile's float32 value rows: 4 vectors of acc at a time, as 8
+   FMA chains (even and odd rows) so that the FMAs' latency hides. */
+static void tile_values(const float *p, int G, int Dp, const float *vp, const int64_t *off, float *acc) {
+    const int C = Dp / VL;
+    for (int g = 0; g < G; ++g) {
+        const float *pg = p + g * TILE;
+        float *ag = acc + (size_t)g * Dp;
+        int c = 0;
+        for (; c + 4 <= C; c += 4) {
+            vf a0 = v_load(ag + c * VL), a1 = v_load(ag + (c + 1) * VL), a2 = v_load(ag + (c + 2) * VL),
+               a3 = v_load(ag + (c + 3) * VL), b0 = v_zero(), b1 = v_zero(), b2 = v_zero(), b3 = v_zero();
+            for (int j = 0; j < TILE; j += 2) {
+                const vf pj = v_set1(pg[j]), pk = v_set1(pg[j + 1]);
+                const float *vr = vp + off[j] + c * VL, *vs = vp + off[j + 1] + c * VL;
+                a0 = v_fma(pj, v_load(vr), a0); a1 = v_fma(pj, v_load(vr + VL), a1);
+                a2 = v_fma(pj, v_load(vr + 2 * VL), a2); a3 = v_fma(pj, v_load(vr + 3 * VL), a3);
+                b0 = v_fma(pk, v_load(vs), b0); b1 = v_fma(pk, v_load(vs + VL), b1);
+                b2 = v_fma(pk, v_load(vs + 2 * VL), b2); b3 = v_fma(pk, v_load(vs + 3 * VL), b3);
+            }
+            v_store(ag + c * VL, v_add(a0, b0)); v_store(ag + (c + 1) * VL, v_add(a1, b1));
+            v_store(ag + (c + 2) * VL, v_add(a2, b2)); v_store(ag + (c + 3) * VL, v_add(a3, b3));
+        }
+        for (; c < C; ++c) {
+            vf a = v_load(ag + c * VL), b = v_zero();
+            for (int j = 0; j < TILE; j += 2) {
+                a = v_fma(v_set1(pg[j]), v_load(vp + off[j] + c * VL), a);
+                b = v_fma(v_set1(pg[j + 1]), v_load(vp + off[j + 1] + c * VL), b);
+            }
+            v_store(ag + c * VL, v_add(a, b));
+        }
+    }
+}
+
+/* The same for value rows read in place (bf16 widened in registers, or float32), G query heads
+   at once (G known when compiled): each row is loaded once for all G, 4 vectors of acc per head
+   in registers. D must be a multiple of 4 vectors. */
+#define TILE_VALUES_G(GG, SUFFIX, T, LOADV)                                                         \
+static void tile_values_##SUFFIX##GG(const float *p, int D, const T *vp, const int64_t *off, float *acc) { \
+    for (int c = 0; c < D; c += 4 * VL) {                                                        \
+        vf a[GG][4];                                                                              \
+        for (int g = 0; g < GG; ++g)                                                              \
+            for (int i = 0; i < 4; ++i) a[g][i] = v_load(acc + g * D + c + i * VL);               \
+        for (int j = 0; j < TILE; ++j) {                                                          \
+            const T *r = vp + off[j] + c;                                                         \
+            const vf v0 = LOADV(r), v1 = LOADV(r + VL), v2 = LOADV(r + 2 * VL), v3 = LOADV(r + 3 * VL); \
+            for (int g = 0; g < GG; ++g) {                                                        \
+                const vf pg = v_set1(p[g * TILE + j]);                                            \
+                a[g][0] = v_fma(pg, v0, a[g][0]); a[g][1] = v_fma(pg, v1, a[g][1]);               \
+                a[g][2] = v_fma(pg, v2, a[g][2]); a[g][3] = v_fma(pg, v3, a[g][3]);               \
+            }                                                                                     \
+        }                                                                                         \
+        for (int g = 0; g < GG; ++g)                                                              \
+            for (int i = 0; i < 4; ++i) v_store(acc + g * D + c + i * VL, a[g][i]);               \
+    }                                                                                             \
+}
+#define TILE_VALUES_ALL(GG) TILE_VALUES_G(GG, f32_, float, v_load) TILE_VALUES_G(GG, bf16_, uint16_t, v_load_bf16)
+TILE_VALUES_ALL(1) TILE_VALUES_ALL(2) TILE_VALUES_ALL(3) TILE_VALUES_ALL(4) TILE_VALUES_ALL(5) TILE_VALUES_ALL(6)
+
+/* tile_values straight from the cache rows where a specialization fits; 0 where none does. */
+static int tile_values_direct(const float *p, int G, int D, const void *vp, int bf16, const int64_t *off, float *acc) {
+    if (D % (4 * VL) != 0) return 0;
+#define CASE(GG) case GG: if (bf16) tile_values_bf16_##GG(p, D, (const uint16_t *)vp, off, acc); \
+                          else tile_values_f32_##GG(p, D, (const float *)vp, off, acc); return 1;
+    switch (G) { CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) default: return 0; }
+#undef CASE
+}
+
+/* Asks for the K and V rows of the tile starting at key t while this one is computed: in a model
+   the cache comes from memory (the layers' weights pass through the caches between two calls), and
+   the next tile is often in another block, which no hardware prefetcher guesses. */
+static inline void prefetch_tile(const args_t *a, const int32_t *bt, int kh, int t, int l1, int64_t row, size_t esz) {
+    const int bs = a->bs, o = t % bs, left = l1 - t;
+    int n = bs - o < left ? bs - o : left;
+    n = n < TILE ? n : TILE;
+    const int64_t base = (((int64_t)bt[t / bs] * bs + o) * row + (int64_t)kh * a->D) * (int64_t)esz;
+    const char *k = (const char *)a->k + base, *v = (const char *)a->v + base;
+    for (int j = 0; j < n; ++j)
+        for (size_t b = 0; b < (size_t)a->D * esz; b += 64) {
+            __builtin_prefetch(k + j * row * (int64_t)esz + b);
+            __builtin_prefetch(v + j * row * (int64_t)esz + b);
+        }
+}
+
+/* Keys [l0, l1) of sequence s for KV head kh, as an unnormalized softmax: per query head g the
+   running max m[g], denominator l[g] and weighted sum of values acc[g * Dp ...] (float32). */
+static void attend_range(const args_t *a, int s, int kh, int l0, int l1, float *m, float *l, float *acc) {
+    const int G = a->H / a->Hkv, D = a->D, Dp = a->Dp, bs = a->bs;
+    const int64_t row = (int64_t)a->Hkv * D, qoff = (int64_t)s * a->q_s + (int64_t)kh * G * a->q_h;
+    const int32_t *bt = a->bt + (int64_t)s * a->bt_s;
+    float qf[G * Dp], sc[G * TILE], kt[TILE * Dp], vt[TILE * Dp];
+    const int dp = a->dp && HAVE_DP;
+    const int raw_f32 = !a->bf16 && Dp == D;  /* float32 rows read in place */
+    for (int g = 0; g < G; ++g) {
+        m[g] = -INFINITY; l[g] = 0.f;
+        for (int x = 0; x < Dp; ++x) acc[g * Dp + x] = 0.f;
+        if (dp) continue;
+        for (int x = 0; x < Dp; ++x) {
+            const int64_t i = qoff + g * a->q_h + x;
+            const float qv = x >= D ? 0.f : a->bf16 ? bf16_to_f32(((const uint16_t *)a->q)[i]) : ((const float *)a->q)[i];
+            qf[g * Dp + x] = qv * a->scale;
+        }
+    }
+    const size_t esz = a->bf16 ? 2 : 4;
+    int64_t off[TILE], woff[TILE];  /* rows in the cache; rows in the widened scratch */
+    for (int j = 0; j < TILE; ++j) woff[j] = (int64_t)j * Dp;
+    for (int t = l0; t < l1;) {
+        const int o0 = t % bs, left = l1 - t;
+        int n = bs - o0 < left ? bs - o0 : left;
+        n = n < TILE ? n : TILE;
+        for (int j = 0; j < TILE; ++j) off[j] = (int64_t)(j < n ? j : n - 1) * row;
+        if (n < TILE) for (int j = n; j < TILE; ++j) woff[j] = (int64_t)(n - 1) * Dp;
+        const int64_t base = ((int64_t)bt[t / bs] * bs + o0) * row + (int64_t)kh * D;
+        const void *kr = (const char *)a->k + base * esz, *vr = (const char *)a->v + base * esz;
+        if (t + n < l1) prefetch_tile(a, bt, kh, t + n, l1, row, esz);
+#if HAVE_DP
+        if (dp) {
+            tile_scores_dp((const uint16_t *)a->q + qoff, a->q_h, G, D, a->scale, (const uint16_t *)kr, off, sc);
+        } else
+#endif
+        if (raw_f32) {
+            tile_scores(qf, G, Dp, (const float *)kr, off, sc);
+        } else {
+            widen_tile(kr, a->bf16, off, n, D, Dp, kt);
+            tile_scores(qf, G, Dp, kt, woff, sc);
+        }
+        if (a->cap > 0.f)
+            for (int i = 0; i < G * TILE; ++i) sc[i] = a->cap * tanhf(sc[i] / a->cap);
+        for (int g = 0; g < G; ++g) {
+            float *sg = sc + g * TILE, tm = -INFINITY;
+            for (int j = n; j < TILE; ++j) sg[j] = -INFINITY;
+            for (int j = 0; j < TILE; j += VL) { const float x = v_hmax(v_load(sg + j)); tm = x > tm ? x : tm; }
+            const float mn = m[g] > tm ? m[g] : tm;
+            float sum = 0.f;
+            for (int j = 0; j < TILE; j += VL) {
+                const vf e = v_exp(v_sub(v_load(sg + j), v_set1(mn)));
+                v_store(sg + j, e);
+                sum += v_hadd(e);
+            }
+            if (mn != m[g]) {  /* a new max: rescale what came before */
+                const float alpha = expf(m[g] - mn);
+                l[g] *= alpha;
+                for (int x = 0; x < Dp; ++x) acc[g * Dp + x] *= alpha;
+                m[g] = mn;
+            }
+            l[g] += sum;
+        }
+        if (Dp == D && tile_values_direct(sc, G, D, vr, a->bf16, off, acc)) {
+        } else if (raw_f32) {
+            tile_values(sc, G, Dp, (const float *)vr, off, acc);
+        } else {
+            widen_tile(vr, a->bf16, off, n, D, Dp, vt);
+            tile_values(sc, G, Dp, vt, woff, acc);
+        }
+        if (n < TILE) for (int j = n; j < TILE; ++j) woff[j] = (int64_t)j * Dp;
+        t += n;
+    }
+}
+
+/* Merge P partial softmaxes (m, l, acc per part, `stride` floats apart) and the sinks into out. */
+static void finish(const args_t *a, int s, int kh, int P, const float *parts, size_t stride) {
+    const int G = a->H / a->Hkv, D = a->D, Dp = a->Dp;
+    for (int g = 0; g < G; ++g) {
+        const int h = kh * G + g;
+        float M = a->sinks ? a->sinks[h] : -INFINITY;
+        for (int p = 0; p < P; ++p) { const float mp = parts[p * stride + g]; M = mp > M ? mp : M; }
+        float den = a->sinks ? expf(a->sinks[h] - M) : 0.f, o[Dp];
+        for (int x = 0; x < Dp; ++x) o[x] = 0.f;
+        for (int p = 0; p < P; ++p) {
+            const float *pp = parts + p * stride, w = expf(pp[g] - M);
+            if (w == 0.f) continue;  /* a part without keys (m = -inf) */
+            den += pp[G + g] * w;
+            for (int x = 0; x < Dp; ++x) o[x] += pp[2 * G + g * Dp + x] * w;
+        }
+        const float inv = 1.f / den;
+        const int64_t oi = ((int64_t)s * a->H + h) * D;
+        if (a->bf16) for (int x = 0; x < D; ++x) ((uint16_t *)a->out)[oi + x] = f32_to_bf16(o[x] * inv);
+        else for (int x = 0; x < D; ++x) ((float *)a->out)[oi + x] = o[x] * inv;
+    }
+}
+
+static void zero_out(const args_t *a, int s, int kh) {  /* a padding row (no keys) */
+    const int G = a->H / a->Hkv;
+    const int64_t oi = ((int64_t)s * a->H + kh * G) * a->D;
+    memset((char *)a->out + oi * (a->bf16 ? 2 : 4), 0, (size_t)G * a->D * (a->bf16 ? 2 : 4));
+}
+
+/* q: [S, H, D] with strides (q_s, q_h, 1), float32 or bf16 (bf16 != 0); cache planes k, v:
+   [slots, Hkv, D] contiguous, q's dtype; block_table: [S, bt_s] int32; seq_lens: [S] int32 (0: a
+   padding row, zeros); out: [S, H, D] contiguous; W: sliding window (0: none); cap: logit
+   soft-cap (0: none); sinks: float32 [H] or NULL. */
+void decode_attention(const void *q, int64_t q_s, int64_t q_h, const void *k, const void *v,
+                      const int32_t *block_table, int64_t bt_s, const int32_t *seq_lens, void *out,
+                      int S, int H, int Hkv, int D, int bs, float scale, int W, float cap,
+                      const float *sinks, int bf16, int nthreads) {
+    args_t a = {q, q_s, q_h, k, v, block_table, bt_s, seq_lens, out, S, H, Hkv, D, (D + VL - 1) / VL * VL, bs, W,
+                bf16, bf16 && D % 32 == 0, scale, cap, sinks};
+    const int G = H / Hkv, items = S * Hkv;
+    int maxn = 0;
+    int64_t pairs = 0;  /* (key, query head) pairs: the work, ~5 ns each */
+    for (int s = 0; s < S; ++s) {
+        const int L = seq_lens[s], n = W > 0 && L > W ? W : L;
+        maxn = n > maxn ? n : maxn;
+        pairs += (int64_t)(n > 0 ? n : 0) * H;
+    }
+    /* Below ~100 us of work a parallel region costs more than it saves (waking threads; on a
+       shared machine, a barrier waiting for a descheduled thread). */
+    if (pairs < MIN_PARALLEL_PAIRS) nthreads = 1;
+    /* Fewer items than the threads can share: split long contexts (>= 128 keys a part). */
+    int P = 1;
+    if (nthreads > 1 && items < 4 * nthreads) {
+        P = (4 * nthreads + items - 1) / items;
+        P = P < maxn / 128 ? P : maxn / 128;
+        P = P < 1 ? 1 : P;
+    }
+    const size_t stride = (size_t)G * (2 + a.Dp);
+    float *parts = P > 1 ? (float *)malloc(sizeof(float) * stride * (size_t)items * P) : NULL;
+    if (P > 1 && !parts) P = 1;
+    #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float one[stride];  /* a single part's state, when the context is not split */
+        #pragma omp for schedule(dynamic, 1)
+        for (int w = 0; w < items * P; ++w) {
+            const int it = w / P, p = w % P, s = it / Hkv, kh = it % Hkv, L = seq_lens[s];
+            if (L <= 0) { if (p == 0) zero_out(&a, s, kh); continue; }
+            const int start = W > 0 && L > W ? L - W : 0, N = L - start;
+            const int l0 = start + (int)((int64_t)N * p / P), l1 = start + (int)((int64_t)N * (p + 1) / P);
+            float *st = P > 1 ? parts + (size_t)w * stride : one;
+            attend_range(&a, s, kh, l0, l1, st, st + G, st + 2 * G);
+            if (P == 1) finish(&a, s, kh, 1, st, stride);
+        }
+        if (P > 1) {
+            #pragma omp for schedule(dynamic, 1)
+            for (int it = 0; it < items; ++it)
+                if (seq_lens[it / Hkv] > 0) finish(&a, it / Hkv, it % Hkv, P, parts + (size_t)it * P * stride, stride);
+        }
+    }
+    free(parts);
+}
 """
 
-# Reordered float32 sums so loops vectorize (c_build.py says why never -ffast-math).
-_FLAGS = (*c_build.BASE_FLAGS, "-fassociative-math", "-fno-signed-zeros")
+# -ffp-contract=fast: a * b + c as one FMA in the portable path too (c_build.py says why never -ffast-math).
 _ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
              ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float,
-             ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+             ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+
+
+def build_flags(path: cpu_isa.KernelPath) -> tuple[str, ...]:
+    """The path's flags pin x86 instruction sets; elsewhere (ARM...) -march=native alone decides."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+    return (*c_build.BASE_FLAGS, *(path.build_flags if x86 else ()), "-ffp-contract=fast")
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    """Built (or loaded from the cache directory) once per process; None where it cannot be."""
-    return c_build.load_library("cpu_decode", _SOURCE, _FLAGS,
-                                {"decode_attention_f32": _ARGTYPES, "decode_attention_bf16": _ARGTYPES})
+def library(path: cpu_isa.KernelPath | None = None) -> ctypes.CDLL | None:
+    """The kernel built for `path` (default: this machine's), or None where it cannot be."""
+    path = path or cpu_isa.kernel_path()
+    return c_build.load_library(f"cpu_decode_{path.name}", _SOURCE, build_flags(path),
+                                {"decode_attention": _ARGTYPES})
 
 
 def available() -> bool:
-    return _library() is not None
+    return library() is not None
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -153,20 +520,21 @@ def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
                      scale: float, sliding_window: int | None = None, logit_softcap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """q: [S, H, D] (last dim contiguous); kv_cache: [2, blocks, bs, Hkv, D]; block_table: int32 [S, W]
-    contiguous; seq_lens: int32 [S] (each >= 1). Returns [S, H, D] attention of each q over its context
-    (its last `sliding_window` keys when set; the table's entries before them are never read);
-    `sinks` [H]: each head's sink logit joins its softmax's denominator."""
-    lib = _library()
+    contiguous; seq_lens: int32 [S] (0: a padding row, zeros). Returns [S, H, D] attention of each q
+    over its context (its last `sliding_window` keys when set; the table's entries before them are
+    never read); `sinks` [H]: each head's sink logit joins its softmax's denominator. `lib`: a
+    kernel built for another path (tests)."""
+    lib = lib or library()
     assert lib is not None
     s, h, d = q.shape
     _, _, bs, hkv, _ = kv_cache.shape
     out = torch.empty((s, h, d), dtype=q.dtype)
-    fn = lib.decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.decode_attention_f32
     sinks = None if sinks is None else sinks.detach().float().contiguous()
-    fn(q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-       block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(),
-       s, h, hkv, d, bs, scale, sliding_window or 0, logit_softcap or 0.0,
-       None if sinks is None else sinks.data_ptr(), torch.get_num_threads())
+    lib.decode_attention(q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                         block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(),
+                         s, h, hkv, d, bs, scale, sliding_window or 0, logit_softcap or 0.0,
+                         None if sinks is None else sinks.data_ptr(), int(q.dtype == torch.bfloat16),
+                         torch.get_num_threads())
     return out
