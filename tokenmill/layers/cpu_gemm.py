@@ -38,27 +38,38 @@ static inline v8 fma8(v8 a, v8 b, v8 c) { return a * b + c; }  /* -ffp-contract=
 #endif
 static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
-/* y[r, n] = x[r, :] . w[n, :] (+ bias[n]) for R rows (a compile-time constant) and n in [n0, n1). */
-#define ROWS(R)                                                                                    \
+/* y[r, n..n+C) = x[r, :] . w[n + c, :] (+ bias) for R rows: C weight rows at once, each output its own
+   accumulator chain (C chains hide the FMA latency that bounds one row's single chain), so every
+   output's operations and their order are those of C = 1. R and C are compile-time constants. */
+static inline __attribute__((always_inline)) void block(const float *x, int64_t xs, const float *w,
+        const float *bias, int K, int n, float *y, int64_t ys, const int R, const int C) {
+    v8 acc[4][8];
+    for (int c = 0; c < C; ++c) for (int r = 0; r < R; ++r) acc[c][r] = (v8){0};
+    int k = 0;
+    for (; k + 8 <= K; k += 8)
+        for (int c = 0; c < C; ++c) {
+            const v8 wv = ld8(w + (int64_t)(n + c) * K + k);
+            for (int r = 0; r < R; ++r) acc[c][r] = fma8(wv, ld8(x + r * xs + k), acc[c][r]);
+        }
+    for (int c = 0; c < C; ++c) {
+        const float *wn = w + (int64_t)(n + c) * K;
+        for (int r = 0; r < R; ++r) {
+            float s = hsum8(acc[c][r]);
+            for (int j = k; j < K; ++j) s += wn[j] * x[r * xs + j];
+            y[r * ys + n + c] = bias ? s + bias[n + c] : s;
+        }
+    }
+}
+
+/* y[r, n] = x[r, :] . w[n, :] (+ bias[n]) for R rows and n in [n0, n1), C outputs per pass. */
+#define ROWS(R, C)                                                                                 \
 static void rows##R(const float *x, int64_t xs, const float *w, const float *bias, int K,         \
                     int n0, int n1, float *y, int64_t ys) {                                        \
-    for (int n = n0; n < n1; ++n) {                                                                \
-        const float *wn = w + (int64_t)n * K;                                                      \
-        v8 acc[R];                                                                                 \
-        for (int r = 0; r < R; ++r) acc[r] = (v8){0};                                             \
-        int k = 0;                                                                                 \
-        for (; k + 8 <= K; k += 8) {                                                               \
-            const v8 wv = ld8(wn + k);                                                             \
-            for (int r = 0; r < R; ++r) acc[r] = fma8(wv, ld8(x + r * xs + k), acc[r]);           \
-        }                                                                                          \
-        for (int r = 0; r < R; ++r) {                                                              \
-            float s = hsum8(acc[r]);                                                               \
-            for (int j = k; j < K; ++j) s += wn[j] * x[r * xs + j];                                \
-            y[r * ys + n] = bias ? s + bias[n] : s;                                                \
-        }                                                                                          \
-    }                                                                                              \
+    int n = n0;                                                                                    \
+    for (; n + C <= n1; n += C) block(x, xs, w, bias, K, n, y, ys, R, C);                          \
+    for (; n < n1; ++n) block(x, xs, w, bias, K, n, y, ys, R, 1);                                  \
 }
-ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
+ROWS(1, 4) ROWS(2, 2) ROWS(3, 1) ROWS(4, 1) ROWS(5, 1) ROWS(6, 1) ROWS(7, 1) ROWS(8, 1)
 typedef void (*rows_fn)(const float *, int64_t, const float *, const float *, int, int, int, float *, int64_t);
 static const rows_fn ROWS_FN[9] = {0, rows1, rows2, rows3, rows4, rows5, rows6, rows7, rows8};
 
