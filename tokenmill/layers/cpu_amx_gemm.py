@@ -104,30 +104,50 @@ int amx_init(void) {
 }
 #endif
 
-/* bf16 rounding (nearest even; NaN stays NaN) and cpu_bf16_gemm's exp polynomial, in plain C
-   (the compiler vectorizes the epilogue loops). */
-static inline uint16_t f2bf(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    const uint32_t r = (u & 0x7fffffffu) > 0x7f800000u ? (u | 0x400000u) : u + 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(r >> 16);
+/* The epilogue's math on 16 lanes, in plain C written for the vectorizer (no calls, no branches):
+   bf16 rounding (nearest even; NaN stays NaN) and cpu_bf16_gemm's exp polynomial. */
+static inline void to_bf16_16(const float *f, uint16_t *out) {
+#if defined(__AVX512BF16__) && !defined(TM_AMX_EMULATE)
+    /* the same rounding in one instruction (what cpu_bf16_gemm uses) */
+    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(f)));
+    return;
+#endif
+    uint32_t u[16];
+    memcpy(u, f, 64);
+    for (int i = 0; i < 16; ++i) {
+        const uint32_t r = (u[i] & 0x7fffffffu) > 0x7f800000u ? (u[i] | 0x400000u) : u[i] + 0x7fffu + ((u[i] >> 16) & 1u);
+        out[i] = (uint16_t)(r >> 16);
+    }
 }
-static inline float bfround(float f) { uint32_t u = (uint32_t)f2bf(f) << 16; float r; memcpy(&r, &u, 4); return r; }
-static inline float exp_c(float x) {
-    x = fmaxf(fminf(x, 88.0f), -87.0f);
-    const float n = rintf(x * 1.44269504088896341f);
-    float r = fmaf(-n, 0.693359375f, x);
-    r = fmaf(-n, -2.12194440e-4f, r);
-    float p = 1.9875691500e-4f;
-    p = fmaf(p, r, 1.3981999507e-3f);
-    p = fmaf(p, r, 8.3334519073e-3f);
-    p = fmaf(p, r, 4.1665795894e-2f);
-    p = fmaf(p, r, 1.6666665459e-1f);
-    p = fmaf(p, r, 5.0000001201e-1f);
-    p = fmaf(p * r, r, r + 1.0f);
-    const uint32_t e = (uint32_t)((int)n + 127) << 23;
-    float s; memcpy(&s, &e, 4);
-    return p * s;
+static inline void bf16_round16(float *f) {
+    uint16_t h[16]; uint32_t u[16];
+    to_bf16_16(f, h);
+    for (int i = 0; i < 16; ++i) u[i] = (uint32_t)h[i] << 16;
+    memcpy(f, u, 64);
 }
+static inline void silu16(const float *g, float *s) {  /* s = g / (1 + exp(-g)) */
+    float e[16]; int32_t bits[16];
+    for (int i = 0; i < 16; ++i) {
+        float x = -g[i];
+        x = x > 88.0f ? 88.0f : x;
+        x = x < -87.0f ? -87.0f : x;
+        const float n = __builtin_rintf(x * 1.44269504088896341f);
+        float r = __builtin_fmaf(-n, 0.693359375f, x);
+        r = __builtin_fmaf(-n, -2.12194440e-4f, r);
+        float p = 1.9875691500e-4f;
+        p = __builtin_fmaf(p, r, 1.3981999507e-3f);
+        p = __builtin_fmaf(p, r, 8.3334519073e-3f);
+        p = __builtin_fmaf(p, r, 4.1665795894e-2f);
+        p = __builtin_fmaf(p, r, 1.6666665459e-1f);
+        p = __builtin_fmaf(p, r, 5.0000001201e-1f);
+        e[i] = __builtin_fmaf(p * r, r, r + 1.0f);
+        bits[i] = ((int32_t)n + 127) << 23;  /* 2^n: n in [-126, 127] after the clamp */
+    }
+    float scale[16];
+    memcpy(scale, bits, 64);
+    for (int i = 0; i < 16; ++i) s[i] = g[i] / (1.0f + e[i] * scale[i]);
+}
+static const float ZEROS[32];
 
 typedef struct {
     const uint16_t *x; int64_t xs;          /* activations [R, K], row stride (elements) */
@@ -189,32 +209,35 @@ static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, 
         if (j->mode == OUT_SILU_MUL) {
             uint16_t *y = (uint16_t *)j->y + r * j->ys;
             for (int v = v0; v + 1 < v1; v += 2) {
-                const float *g = c + 16 * (v - v0), *u = g + 16;
-                const float *bg = j->bias ? j->bias + 16 * v : 0, *bu = bg ? bg + 16 : 0;
+                const float *g = c + 16 * (v - v0), *u = g + 16, *b = j->bias ? j->bias + 16 * v : ZEROS;
                 const int col = 8 * v, n = j->ncols - col < 16 ? j->ncols - col : 16;
+                float gv[16], s[16];
                 uint16_t out[16];
-                for (int i = 0; i < 16; ++i) {
-                    const float gv = bg ? g[i] + bg[i] : g[i], uv = bu ? u[i] + bu[i] : u[i];
-                    const float s = bfround(gv / (1.0f + exp_c(-gv)));
-                    out[i] = f2bf(uv * s);
-                }
+                for (int i = 0; i < 16; ++i) gv[i] = g[i] + b[i];
+                silu16(gv, s);
+                bf16_round16(s);
+                for (int i = 0; i < 16; ++i) s[i] *= u[i] + b[16 + i];
+                to_bf16_16(s, out);
                 memcpy(y + col, out, 2 * (size_t)n);
             }
             continue;
         }
         for (int v = v0; v < v1; ++v) {
             const int col = 16 * v, n = j->ncols - col < 16 ? j->ncols - col : 16;
-            const float *cv = c + 16 * (v - v0), *b = j->bias ? j->bias + col : 0;
+            const float *cv = c + 16 * (v - v0), *b = j->bias ? j->bias + col : ZEROS;
             float t[16];
-            for (int i = 0; i < 16; ++i) t[i] = b ? cv[i] + b[i] : cv[i];
+            for (int i = 0; i < 16; ++i) t[i] = cv[i] + b[i];
             if (j->mode == OUT_BF16) {
                 uint16_t out[16];
-                for (int i = 0; i < 16; ++i) out[i] = f2bf(t[i]);
+                to_bf16_16(t, out);
                 memcpy((uint16_t *)j->y + r * j->ys + col, out, 2 * (size_t)n);
             } else {
                 float *y = (float *)j->y + r * j->ys + col;
-                if (j->add) { const float *a = j->add + r * j->as + col; for (int i = 0; i < n; ++i) y[i] = a[i] + t[i]; }
-                else memcpy(y, t, 4 * (size_t)n);
+                if (j->add) {
+                    const float *a = j->add + r * j->as + col;
+                    if (n == 16) for (int i = 0; i < 16; ++i) y[i] = a[i] + t[i];
+                    else for (int i = 0; i < n; ++i) y[i] = a[i] + t[i];
+                } else memcpy(y, t, 4 * (size_t)n);
             }
         }
     }
@@ -226,12 +249,15 @@ static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc) {
     const int nchunks = (KB + KCB_MAX - 1) / KCB_MAX, per = nchunks ? (KB + nchunks - 1) / nchunks : 0;
     for (int kb0 = 0; kb0 < KB; kb0 += per) {
         const int kb1 = kb0 + per < KB ? kb0 + per : KB;
-        for (int r = r0; r < r1; r += 32) {
-            const int mt = r + 16 < r1 ? 2 : 1;
+#ifdef TM_ROWS_INNER
+        for (int v = v0; v < v1; v += 2)
+            for (int r = r0; r < r1; r += 32)
+#else
+        for (int r = r0; r < r1; r += 32)
             for (int v = v0; v < v1; v += 2)
-                tile_step(j, r, mt, v, v + 1 < v1 ? 2 : 1, kb0, kb1, acc + (int64_t)(r - r0) * ldc + 16 * (v - v0),
-                          ldc, kb0 == 0);
-        }
+#endif
+                tile_step(j, r, r + 16 < r1 ? 2 : 1, v, v + 1 < v1 ? 2 : 1, kb0, kb1,
+                          acc + (int64_t)(r - r0) * ldc + 16 * (v - v0), ldc, kb0 == 0);
     }
     epilogue(j, acc, ldc, r0, r1, v0, v1);
 }
@@ -295,12 +321,17 @@ def _load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL | None:
 
 
 @functools.cache
+def native_library() -> ctypes.CDLL | None:
+    """The AMX build on a CPU that has AMX-BF16 (whatever path this process takes; tests), else None."""
+    if not cpu_isa.can_run(cpu_isa.PATHS[0]):
+        return None
+    return _load("cpu_amx_gemm", ("-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"))
+
+
 def library() -> ctypes.CDLL | None:
     """The AMX build, on the `amx` kernel path only (None elsewhere, or where it cannot be built or
-    Linux refuses the tile state)."""
-    if cpu_isa.kernel_path().name != "amx":
-        return None
-    return _load("cpu_amx_gemm", ("-mamx-tile", "-mamx-bf16"))
+    Linux refuses the tile state). Follows `cpu_isa.kernel_path()` (tests force paths)."""
+    return native_library() if cpu_isa.kernel_path().name == "amx" else None
 
 
 @functools.cache
