@@ -117,11 +117,11 @@ def test_routing_on_the_amx_path() -> None:
         xr = x[:rows]
         out = wide_linear.linear_f32(xr, w, None, PackedWeight(), cpu_bf16_gemm.PackedBf16())
         amx = cpu_amx_gemm.gemm(xr, w, cpu_bf16_gemm.PackedBf16())
-        assert torch.equal(out, amx) == cpu_amx_gemm.takes_f32(rows, w.shape[1])
+        assert torch.equal(out, amx) == cpu_amx_gemm.takes_f32(rows)
         bf = linear(xr, w, None, PackedWeight())
         act = silu_mul_linear(xr, wg, None, (PackedWeight(), PackedWeight()))
-        if cpu_amx_gemm.takes_bf16(rows, w.shape[1]):
+        if cpu_amx_gemm.takes_bf16(rows):
             assert torch.equal(bf, cpu_amx_gemm.gemm(xr, w, cpu_bf16_gemm.PackedBf16(), mode=cpu_amx_gemm.OUT_BF16))
             assert torch.equal(act, cpu_amx_gemm.gemm(xr, wg, cpu_bf16_gemm.PackedBf16(),
                                                       mode=cpu_amx_gemm.OUT_SILU_MUL))
-    assert "AMX tile GEMM" in cpu_isa.describe()
+    assert "AMX tile GEMM up to" in cpu_isa.describe()

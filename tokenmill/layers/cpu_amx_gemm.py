@@ -344,6 +344,22 @@ def available() -> bool:
     return library() is not None
 
 
+# Row counts where the tiles win, measured on a 2-core Sapphire Rapids VM (SmolLM2 and Llama-1B
+# shapes, `scripts/cpu_amx_gemm_bench.py`, docs/results/cpu-amx-gemm.md):
+F32_MIN_ROWS = 4  # float32 out: vs the vdpbf16ps GEMM, which streams the weight faster at 1-3 rows
+BF16_MAX_ROWS = 16  # bf16 / silu-mul out: vs oneDNN's AMX kernels, faster from ~64 rows
+
+
+def takes_f32(rows: int) -> bool:
+    """Whether a float32-out bf16 GEMM of `rows` rows takes this kernel (the amx path only)."""
+    return rows >= F32_MIN_ROWS and library() is not None
+
+
+def takes_bf16(rows: int) -> bool:
+    """Whether a bf16-out or silu-mul bf16 linear of `rows` rows takes this kernel over oneDNN."""
+    return 0 < rows <= BF16_MAX_ROWS and library() is not None
+
+
 def gemm(x: torch.Tensor, weight: torch.Tensor, cache: cpu_bf16_gemm.PackedBf16, *, bias: torch.Tensor | None = None,
          add: torch.Tensor | None = None, mode: int = OUT_F32, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """`cpu_bf16_gemm.gemm` on AMX tiles (same arguments, packing cache and results within float32
