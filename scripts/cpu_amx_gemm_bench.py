@@ -12,6 +12,7 @@ error of the float32 outputs against a float64 reference. Writes a JSON record (
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -25,6 +26,7 @@ SHAPES = ((576, 576), (576, 1536), (2048, 2048), (2048, 8192))  # (N out, K in)
 
 
 def best_ms(fn, reps: int, budget_s: float) -> float:
+    """Best time of up to `reps` calls (other processes share the cores: the best is the quiet one)."""
     fn()
     fn()
     best, start = float("inf"), time.perf_counter()
@@ -63,20 +65,20 @@ def main() -> None:
             err: dict[str, float] = {}
             with torch.inference_mode():
                 if cpu_bf16_gemm.available():
-                    t["vdp_f32"] = best_ms(lambda: cpu_bf16_gemm.gemm_f32(x, w, pk, res), args.reps, args.budget_s)
+                    t["vdp_f32"] = best_ms(functools.partial(cpu_bf16_gemm.gemm_f32, x, w, pk, res), args.reps, args.budget_s)
                     err["vdp_f32"] = (cpu_bf16_gemm.gemm_f32(x, w, pk, res).double() - ref).abs().max().item()
                 if L._use_packed(x, w, pw):
-                    t["hilo_f32"] = best_ms(lambda: wide_linear.linear_f32(x, w, None, pw, None, res), args.reps,
+                    t["hilo_f32"] = best_ms(functools.partial(wide_linear.linear_f32, x, w, None, pw, None, res), args.reps,
                                             args.budget_s)
                     err["hilo_f32"] = (wide_linear.linear_f32(x, w, None, pw, None, res).double() - ref).abs().max().item()
-                    t["onednn_bf16"] = best_ms(lambda: L.linear(x, w, None, pw), args.reps, args.budget_s)
-                    t["onednn_silu"] = best_ms(lambda: L.silu_mul_linear(x, wg, None, ps), args.reps, args.budget_s)
+                    t["onednn_bf16"] = best_ms(functools.partial(L.linear, x, w, None, pw), args.reps, args.budget_s)
+                    t["onednn_silu"] = best_ms(functools.partial(L.silu_mul_linear, x, wg, None, ps), args.reps, args.budget_s)
                 if amx is not None:
-                    t["amx_f32"] = best_ms(lambda: cpu_amx_gemm.gemm(x, w, pk, add=res), args.reps, args.budget_s)
+                    t["amx_f32"] = best_ms(functools.partial(cpu_amx_gemm.gemm, x, w, pk, add=res), args.reps, args.budget_s)
                     err["amx_f32"] = (cpu_amx_gemm.gemm(x, w, pk, add=res).double() - ref).abs().max().item()
-                    t["amx_bf16"] = best_ms(lambda: cpu_amx_gemm.gemm(x, w, pk, mode=cpu_amx_gemm.OUT_BF16),
+                    t["amx_bf16"] = best_ms(functools.partial(cpu_amx_gemm.gemm, x, w, pk, mode=cpu_amx_gemm.OUT_BF16),
                                             args.reps, args.budget_s)
-                    t["amx_silu"] = best_ms(lambda: cpu_amx_gemm.gemm(x, wg, pg, mode=cpu_amx_gemm.OUT_SILU_MUL),
+                    t["amx_silu"] = best_ms(functools.partial(cpu_amx_gemm.gemm, x, wg, pg, mode=cpu_amx_gemm.OUT_SILU_MUL),
                                             args.reps, args.budget_s)
             records.append({"rows": rows, "n": n, "k": k, "ms": t, "max_err": err})
             print(f"rows {rows:5d} {n}x{k}: " + "  ".join(f"{name} {v:.3f}" for name, v in t.items())

@@ -47,8 +47,15 @@ _SOURCE = r"""
 #define OUT_F32 0
 #define OUT_BF16 1
 #define OUT_SILU_MUL 2
+#ifndef RP
 #define RP 128        /* rows of a panel */
+#endif
+#ifndef PV_MAX
+#define PV_MAX 8      /* 16-column vectors of a panel */
+#endif
+#ifndef KCB_MAX
 #define KCB_MAX 32    /* k-blocks (of 32) per chunk */
+#endif
 
 #ifdef TM_AMX_EMULATE
 /* Portable tiles: 8 registers of 16 rows x 64 bytes per thread; tdpbf16ps as the ISA defines it
@@ -279,7 +286,7 @@ void amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const 
     /* Panels: RP rows x pv vectors; with few row panels, narrower column panels so that every
        thread has several (2 vectors at the least: a gate/up pair stays in one panel). */
     const int nrp = (R + RP - 1) / RP;
-    int pv = 8;
+    int pv = PV_MAX;
     while (pv > 2 && nrp * ((NV + pv - 1) / pv) < 4 * nthreads) pv /= 2;
     const int ncp = (NV + pv - 1) / pv, items = nrp * ncp;
     const int nt = nthreads < items ? nthreads : items;
