@@ -354,7 +354,8 @@ def available() -> bool:
 # Row counts where the tiles win, measured on a 2-core Sapphire Rapids VM (SmolLM2 and Llama-1B
 # shapes, `scripts/cpu_amx_gemm_bench.py`, docs/results/cpu-amx-gemm.md):
 F32_MIN_ROWS = 4  # float32 out: vs the vdpbf16ps GEMM, which streams the weight faster at 1-3 rows
-BF16_MAX_ROWS = 16  # bf16 / silu-mul out: vs oneDNN's AMX kernels, faster from ~64 rows
+BF16_MAX_ROWS = 32  # bf16 out: vs oneDNN's AMX kernels, faster from ~64 rows
+SILU_MAX_ROWS = 256  # silu-mul out: vs oneDNN's two matmuls (swish, then mul), faster above
 
 
 def takes_f32(rows: int) -> bool:
@@ -362,9 +363,10 @@ def takes_f32(rows: int) -> bool:
     return rows >= F32_MIN_ROWS and library() is not None
 
 
-def takes_bf16(rows: int) -> bool:
-    """Whether a bf16-out or silu-mul bf16 linear of `rows` rows takes this kernel over oneDNN."""
-    return 0 < rows <= BF16_MAX_ROWS and library() is not None
+def takes_bf16(rows: int, silu_mul: bool = False) -> bool:
+    """Whether a bf16-out (or [gate | up] silu-mul) bf16 linear of `rows` rows takes this kernel
+    over oneDNN."""
+    return 0 < rows <= (SILU_MAX_ROWS if silu_mul else BF16_MAX_ROWS) and library() is not None
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, cache: cpu_bf16_gemm.PackedBf16, *, bias: torch.Tensor | None = None,
