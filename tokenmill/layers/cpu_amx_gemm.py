@@ -47,6 +47,7 @@ _SOURCE = r"""
 #define OUT_F32 0
 #define OUT_BF16 1
 #define OUT_SILU_MUL 2
+/* Panel and chunk sizes (overridable with -D for experiments; the variants measured alike here). */
 #ifndef RP
 #define RP 128        /* rows of a panel */
 #endif
@@ -256,13 +257,8 @@ static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc) {
     const int nchunks = (KB + KCB_MAX - 1) / KCB_MAX, per = nchunks ? (KB + nchunks - 1) / nchunks : 0;
     for (int kb0 = 0; kb0 < KB; kb0 += per) {
         const int kb1 = kb0 + per < KB ? kb0 + per : KB;
-#ifdef TM_ROWS_INNER
-        for (int v = v0; v < v1; v += 2)
-            for (int r = r0; r < r1; r += 32)
-#else
         for (int r = r0; r < r1; r += 32)
             for (int v = v0; v < v1; v += 2)
-#endif
                 tile_step(j, r, r + 16 < r1 ? 2 : 1, v, v + 1 < v1 ? 2 : 1, kb0, kb1,
                           acc + (int64_t)(r - r0) * ldc + 16 * (v - v0), ldc, kb0 == 0);
     }
@@ -271,15 +267,16 @@ static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc) {
 
 /* x: [R, K] bf16 (K a multiple of 32), row stride xs; wp: packed [NV][KPs][16][2] (KPs >= K/2);
    bias: NULL or float32 [16 NV] in packed column order; y: [R, ncols] float32 (OUT_F32) or bf16,
-   row stride ys; add: NULL or float32 [R, ncols] (stride as), OUT_F32 only. */
-void amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const float *bias, int R, int K,
+   row stride ys; add: NULL or float32 [R, ncols] (stride as), OUT_F32 only. Returns 0, or -1 where
+   memory for the work buffers was refused (y then incomplete). */
+int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const float *bias, int R, int K,
               int NV, int mode, void *y, int64_t ys, int ncols, const float *add, int64_t as, int nthreads) {
     job_t j = {x, xs, 0, wp, (int64_t)KPs * 32, bias, R, K, NV, mode, ncols, y, ys, add, as};
     uint16_t *tail = 0;
     if (R % 16) {
         const int t0 = R - R % 16;
         tail = calloc((size_t)16 * K, 2);
-        if (!tail) return;
+        if (!tail) return -1;
         for (int r = t0; r < R; ++r) memcpy(tail + (int64_t)(r - t0) * K, x + r * xs, 2 * (size_t)K);
         j.tail = tail;
     }
@@ -290,6 +287,7 @@ void amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const 
     while (pv > 2 && nrp * ((NV + pv - 1) / pv) < 4 * nthreads) pv /= 2;
     const int ncp = (NV + pv - 1) / pv, items = nrp * ncp;
     const int nt = nthreads < items ? nthreads : items;
+    int failed = 0;
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         float *acc = aligned_alloc(64, (size_t)RP * 16 * pv * 4);
@@ -301,10 +299,15 @@ void amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const 
             const int v0 = cp * pv, v1 = v0 + pv < NV ? v0 + pv : NV;
             if (acc) panel(&j, r0, r1, v0, v1, acc);
         }
+        if (!acc) {
+            #pragma omp atomic write
+            failed = 1;
+        }
         tiles_off();
         free(acc);
     }
     free(tail);
+    return failed ? -1 : 0;
 }
 """
 
@@ -320,6 +323,7 @@ def _load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.amx_init.restype = ctypes.c_int
+    lib.amx_gemm.restype = ctypes.c_int
     status = lib.amx_init()
     if status:
         logger.warning("AMX tiles refused by the kernel (arch_prctl: %d): the AMX GEMM is off", status)
@@ -389,8 +393,10 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, cache: cpu_bf16_gemm.PackedBf16,
     if x2.shape[0]:
         packed = cache.get(weight, bias, gate_up)
         b = cache.bias
-        lib.amx_gemm(x2.data_ptr(), x2.stride(0), packed.data_ptr(), packed.shape[1],
-                     None if b is None else b.data_ptr(), x2.shape[0], x2.shape[1], packed.shape[0], mode,
-                     out.data_ptr(), out.stride(0), width, None if a2 is None else a2.data_ptr(),
-                     0 if a2 is None else a2.stride(0), torch.get_num_threads())
+        status = lib.amx_gemm(x2.data_ptr(), x2.stride(0), packed.data_ptr(), packed.shape[1],
+                              None if b is None else b.data_ptr(), x2.shape[0], x2.shape[1], packed.shape[0],
+                              mode, out.data_ptr(), out.stride(0), width, None if a2 is None else a2.data_ptr(),
+                              0 if a2 is None else a2.stride(0), torch.get_num_threads())
+        if status:
+            raise MemoryError("cpu_amx_gemm: work buffers refused")
     return out
