@@ -265,6 +265,18 @@ static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc) {
     epilogue(j, acc, ldc, r0, r1, v0, v1);
 }
 
+/* This thread's panel buffer, kept between calls (OpenMP's threads persist): no allocation per call. */
+static float *panel_buffer(size_t floats) {
+    static _Thread_local float *buf;
+    static _Thread_local size_t cap;
+    if (floats > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+        cap = buf ? floats : 0;
+    }
+    return buf;
+}
+
 /* x: [R, K] bf16 (K a multiple of 32), row stride xs; wp: packed [NV][KPs][16][2] (KPs >= K/2);
    bias: NULL or float32 [16 NV] in packed column order; y: [R, ncols] float32 (OUT_F32) or bf16,
    row stride ys; add: NULL or float32 [R, ncols] (stride as), OUT_F32 only. Returns 0, or -1 where
@@ -290,7 +302,7 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
     int failed = 0;
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
-        float *acc = aligned_alloc(64, (size_t)RP * 16 * pv * 4);
+        float *acc = panel_buffer((size_t)RP * 16 * pv);
         tiles_on();
         #pragma omp for schedule(static)
         for (int t = 0; t < items; ++t) {
@@ -304,7 +316,6 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
             failed = 1;
         }
         tiles_off();
-        free(acc);
     }
     free(tail);
     return failed ? -1 : 0;
