@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.layers import cpu_bf16_gemm, cpu_isa, cpu_norm
+from tokenmill.layers import cpu_amx_gemm, cpu_bf16_gemm, cpu_isa, cpu_norm
 from tokenmill.layers.linear import PackedWeight, linear, silu_mul_linear
 from tokenmill.layers.norm import RMSNorm, rms_norm_reference
 
@@ -98,7 +98,8 @@ def test_decode_split_is_the_one_thread_result() -> None:
 @needs_gemm
 def test_linears_take_the_gemm_on_the_avx512_bf16_path() -> None:
     """`linear` and `silu_mul_linear` in bf16 go through the packed GEMM where it replaces oneDNN
-    (the avx512_bf16 path), with its results; elsewhere through oneDNN (no GEMM packing made)."""
+    (the avx512_bf16 path), with its results; elsewhere through oneDNN (no GEMM packing made) or,
+    at decode sizes on the amx path, the AMX tile GEMM (`cpu_amx_gemm`, on the same packing)."""
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(4, 96, generator=gen).bfloat16()
     w = (torch.randn(64, 96, generator=gen) * 0.1).bfloat16()
@@ -108,7 +109,7 @@ def test_linears_take_the_gemm_on_the_avx512_bf16_path() -> None:
         act = silu_mul_linear(x, w, None, caches)
     used = cpu_bf16_gemm.replaces_onednn()
     assert used == (cpu_isa.kernel_path().name == "avx512_bf16")
-    assert (caches[0].gemm is not None) == used
+    assert (caches[0].gemm is not None) == (used or cpu_amx_gemm.takes_bf16(x.shape[0]))
     if used:
         assert torch.equal(out, cpu_bf16_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(), mode=cpu_bf16_gemm.OUT_BF16))
         assert torch.equal(act, cpu_bf16_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(),

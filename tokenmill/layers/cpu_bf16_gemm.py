@@ -70,11 +70,10 @@ static inline void store_bf16(uint16_t *y, __m512 v, int left) {
    output column (OUT_SILU_MUL: half of v0's packed column), `ncols` the output width. */
 #define KERNEL(MR)                                                                                 \
 static void kern_##MR(const uint16_t *x, int64_t xs, const uint16_t *wt, const float *bias, int KP, \
-                      int nvs, int mode, void *y, int64_t ys, const float *a, int64_t as,           \
+                      int64_t vstride, int nvs, int mode, void *y, int64_t ys, const float *a, int64_t as,           \
                       int col, int ncols) {                                                         \
     __m512 acc[MR][NB];                                                                            \
     for (int m = 0; m < MR; ++m) for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();    \
-    const int64_t vstride = (int64_t)KP * 32; /* one 16-column block of the packed weight */       \
     for (int kp = 0; kp < KP; ++kp) {                                                              \
         __m512bh b[NB];                                                                            \
         for (int j = 0; j < NB; ++j)                                                               \
@@ -110,33 +109,36 @@ static void kern_##MR(const uint16_t *x, int64_t xs, const uint16_t *wt, const f
     }                                                                                              \
 }
 KERNEL(1) KERNEL(2) KERNEL(3) KERNEL(4) KERNEL(5) KERNEL(6)
-typedef void (*kern_fn)(const uint16_t *, int64_t, const uint16_t *, const float *, int, int, int, void *,
+typedef void (*kern_fn)(const uint16_t *, int64_t, const uint16_t *, const float *, int, int64_t, int, int, void *,
                         int64_t, const float *, int64_t, int, int);
 static const kern_fn KERN[MR_MAX + 1] = {0, kern_1, kern_2, kern_3, kern_4, kern_5, kern_6};
 
 /* Rows [r0, r1) over vectors [v0, v1), tile by tile. */
-static void run_block(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *bias, int KP,
+static void run_block(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *bias, int KP, int64_t vstride,
                       int v0, int v1, int r0, int r1, int mode, void *y, int64_t ys, int esize,
                       const float *a, int64_t as, int ncols) {
     for (int v = v0; v < v1; v += NB) {
         const int nvs = v1 - v < NB ? v1 - v : NB;
         const int col = mode == OUT_SILU_MUL ? 8 * v : 16 * v;
-        const uint16_t *wt = wp + (int64_t)v * KP * 32;
+        const uint16_t *wt = wp + v * vstride;
         for (int m = r0; m < r1; m += MR_MAX) {
             const int mr = r1 - m < MR_MAX ? r1 - m : MR_MAX;
-            KERN[mr](x + m * xs, xs, wt, bias ? bias + 16 * v : 0, KP, nvs, mode,
+            KERN[mr](x + m * xs, xs, wt, bias ? bias + 16 * v : 0, KP, vstride, nvs, mode,
                      (char *)y + (int64_t)m * ys * esize, ys, a ? a + m * as : 0, as, col, ncols);
         }
     }
 }
 
 /* x: [R, K] bf16, row stride xs (K even: the packing pads odd K, the caller pads x);
-   wp: packed weight [NV][K/2][16][2]; bias: NULL or float32 [16 NV] in packed column order;
+   wp: packed weight [NV][KPs][16][2] (KPs >= K/2: zero pairs up to `cpu_amx_gemm`'s 16-pair k-blocks,
+   so both kernels share one packing); bias: NULL or float32 [16 NV] in packed column order;
    y: [R, ncols] float32 (OUT_F32) or bf16, row stride ys (elements); a: NULL or [R, ncols]
    float32 (stride as), OUT_F32 only. */
-void bf16_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *bias, int R, int K, int NV,
+void bf16_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const float *bias, int R, int K, int NV,
                int mode, void *y, int64_t ys, int ncols, const float *a, int64_t as, int nthreads) {
-    const int KP = K / 2, esize = mode == OUT_F32 ? 4 : 2;
+    const int KP = K / 2;
+    const int64_t vstride = (int64_t)KPs * 32;  /* one 16-column block of the packed weight */
+    const int esize = mode == OUT_F32 ? 4 : 2;
     /* Row blocks of equal size (64 rows: two of 32, not 48 + 16, which left one of two threads
        a quarter of the work). */
     const int rblocks = (R + RBLK - 1) / RBLK, rows = rblocks ? (R + rblocks - 1) / rblocks : 0;
@@ -149,7 +151,7 @@ void bf16_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *b
         {
             const int t = omp_get_thread_num(), n = omp_get_num_threads();
             const int u0 = (int)((int64_t)units * t / n), u1 = (int)((int64_t)units * (t + 1) / n);
-            run_block(x, xs, wp, bias, KP, u0 * unit, u1 * unit, 0, R, mode, y, ys, esize, a, as, ncols);
+            run_block(x, xs, wp, bias, KP, vstride, u0 * unit, u1 * unit, 0, R, mode, y, ys, esize, a, as, ncols);
         }
         return;
     }
@@ -165,12 +167,12 @@ void bf16_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, const float *b
         const int r0 = (tiles_outer ? t % rblocks : t / ntiles) * rows;
         const int r1 = r0 + rows < R ? r0 + rows : R;
         const int v0 = tile * NB, v1 = v0 + NB < NV ? v0 + NB : NV;
-        run_block(x, xs, wp, bias, KP, v0, v1, r0, r1, mode, y, ys, esize, a, as, ncols);
+        run_block(x, xs, wp, bias, KP, vstride, v0, v1, r0, r1, mode, y, ys, esize, a, as, ncols);
     }
 }
 """
 
-_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+_ARGTYPES = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
              ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
 OUT_F32, OUT_BF16, OUT_SILU_MUL = 0, 1, 2  # the kernel's epilogues (`mode`)
 
@@ -210,13 +212,14 @@ def gate_up_rows(n: int) -> torch.Tensor:
 
 
 def pack(weight: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
-    """bf16 weight [N, K] -> [ceil(N/16), ceil(K/2), 16, 2] (zero padding); `gate_up`: rows in
-    `gate_up_rows` order first."""
+    """bf16 weight [N, K] -> [ceil(N/16), ceil(K/32) * 16, 16, 2] (zero padding; K to whole
+    32-column k-blocks, which `cpu_amx_gemm` loads as 16 x 32 tiles, so that both GEMMs read the
+    one copy); `gate_up`: rows in `gate_up_rows` order first."""
     n, k = weight.shape
     w = weight.detach()
     if gate_up:
         w = torch.cat([w, w.new_zeros(1, k)])[gate_up_rows(n)]
-    padded = torch.nn.functional.pad(w, (0, k % 2, 0, -w.shape[0] % 16))
+    padded = torch.nn.functional.pad(w, (0, -k % 32, 0, -w.shape[0] % 16))
     return padded.view(padded.shape[0] // 16, 16, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
@@ -277,7 +280,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, cache: PackedBf16, *, bias: torc
     if x2.shape[0]:
         packed = cache.get(weight, bias, gate_up)
         b = cache.bias
-        lib.bf16_gemm(x2.data_ptr(), x2.stride(0), packed.data_ptr(), None if b is None else b.data_ptr(),
+        lib.bf16_gemm(x2.data_ptr(), x2.stride(0), packed.data_ptr(), packed.shape[1], None if b is None else b.data_ptr(),
                       x2.shape[0], x2.shape[1], packed.shape[0], mode, out.data_ptr(), out.stride(0), width,
                       None if a2 is None else a2.data_ptr(), 0 if a2 is None else a2.stride(0),
                       torch.get_num_threads())

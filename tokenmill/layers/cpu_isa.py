@@ -1,9 +1,11 @@
 """Which CPU kernel path this machine takes: decided once at start from the CPU's flags, and logged.
 
 Paths, best first:
-- amx:         AMX-BF16 tiles. bf16 linears: oneDNN with weights packed once (`linear.PackedWeight`),
-               which dispatches to AMX; LM head: the AVX512-BF16 C kernel (`cpu_logits`); o_proj /
-               down_proj (float32 into the residual stream): the packed `vdpbf16ps` GEMM (`cpu_bf16_gemm`).
+- amx:         AMX-BF16 tiles. bf16 linears: the AMX tile C GEMM (`cpu_amx_gemm`) up to 32 rows
+               (the fused [gate | up] silu-mul up to 256), oneDNN's AMX kernels (weights packed
+               once, `linear.PackedWeight`) above; o_proj / down_proj (float32 into the residual stream)
+               and the LM head: the AMX tile GEMM from 4 rows, the packed `vdpbf16ps` GEMM
+               (`cpu_bf16_gemm`) below (both read one packed copy of the weight).
 - avx512_bf16: AVX512-BF16 dot products. Every bf16 linear, the LM head and o_proj / down_proj:
                the packed `vdpbf16ps` GEMM of `cpu_bf16_gemm` (bf16, silu-mul or float32
                epilogues; ~2x less CPU than oneDNN's avx512_core_bf16 GEMV at one row). bf16 is
@@ -87,13 +89,24 @@ def kernel_path() -> KernelPath:
     return chosen
 
 
+def amx_how() -> str:
+    """What runs on the amx path, as the kernels that loaded decide."""
+    from tokenmill.layers import cpu_amx_gemm  # (imports this module)
+    if cpu_amx_gemm.library() is None:
+        return ("bf16 linears on AMX via oneDNN (packed weights), LM head and o_proj/down_proj (float32 "
+                "out) via AVX512-BF16 C kernels (AMX tile GEMM unavailable)")
+    return (f"bf16 linears via the AMX tile GEMM up to {cpu_amx_gemm.BF16_MAX_ROWS} rows (silu-mul "
+            f"{cpu_amx_gemm.SILU_MAX_ROWS}), oneDNN's AMX above; "
+            f"LM head and o_proj/down_proj (float32 out) via the AMX tile GEMM from {cpu_amx_gemm.F32_MIN_ROWS} "
+            "rows, the AVX512-BF16 C GEMM below")
+
+
 def describe() -> str:
     """One line for the start-up log: the path and why."""
     path = kernel_path()
     flags = cpu_flags()
     shown = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2", "fma") if f in flags]
-    how = {"amx": "bf16 linears on AMX via oneDNN (packed weights), LM head and o_proj/down_proj (float32 "
-                  "out) via AVX512-BF16 C kernels",
+    how = {"amx": amx_how(),
            "avx512_bf16": "bf16 linears, LM head and o_proj/down_proj (float32 out) via the packed vdpbf16ps "
                           "C GEMM",
            "avx512": "bf16 emulated (float32 is faster here), C kernels on AVX-512F",

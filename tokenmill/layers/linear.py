@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers import cpu_bf16_gemm, cpu_gemm
+from tokenmill.layers import cpu_amx_gemm, cpu_bf16_gemm, cpu_gemm
 from tokenmill.layers.quantization.base import LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,16 @@ def _use_gemm(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
             and not (torch.is_grad_enabled() and weight.requires_grad) and cpu_bf16_gemm.replaces_onednn())
 
 
+def _use_amx(x: torch.Tensor, weight: torch.Tensor | None, silu_mul: bool = False) -> bool:
+    """bf16 on the amx path at the row counts where `cpu_amx_gemm`'s tiles beat oneDNN's AMX
+    kernels (`takes_bf16`: decode sizes, and up to a few hundred rows for the fused silu-mul),
+    with the same roundings."""
+    return (weight is not None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
+            and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
+            and not (torch.is_grad_enabled() and weight.requires_grad)
+            and cpu_amx_gemm.takes_bf16(x.numel() // x.shape[-1] if x.shape[-1] else 0, silu_mul))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: PackedWeight) -> torch.Tensor:
     if x.is_cuda and x.numel() == x.shape[-1]:  # one row on a GPU: the Triton GEMV where it beats cuBLAS
         from tokenmill.layers.triton_ops import gemv
@@ -97,6 +107,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cac
     if _use_gemm(x, weight):
         out = cpu_bf16_gemm.gemm(x.reshape(-1, x.shape[-1]), weight, cache.gemm_cache(), bias=bias,
                                  mode=cpu_bf16_gemm.OUT_BF16)
+        return out.view(*x.shape[:-1], weight.shape[0])
+    if _use_amx(x, weight):
+        out = cpu_amx_gemm.gemm(x.reshape(-1, x.shape[-1]), weight, cache.gemm_cache(), bias=bias,
+                                mode=cpu_amx_gemm.OUT_BF16)
         return out.view(*x.shape[:-1], weight.shape[0])
     if _use_packed(x, weight, cache):
         try:
@@ -139,9 +153,12 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     """`silu(gate) * up` of `F.linear(x, weight, bias)` split in halves [gate | up], as two matmuls
     with the activation and the product done inside them; None where the packed path is off
     (or the layer is quantized: `weight` None). On AVX512-BF16 CPUs without AMX: one pass of the
-    vdpbf16ps GEMM over the weight with gate and up rows interleaved, the same roundings."""
+    vdpbf16ps GEMM over the weight with gate and up rows interleaved, the same roundings; on AMX
+    CPUs up to a few hundred rows the AMX tile GEMM the same way (`cpu_amx_gemm.takes_bf16`)."""
     if x.dim() == 2 and _use_gemm(x, weight):
         return cpu_bf16_gemm.gemm(x, weight, caches[0].gemm_cache(), bias=bias, mode=cpu_bf16_gemm.OUT_SILU_MUL)
+    if x.dim() == 2 and _use_amx(x, weight, silu_mul=True):  # (AMX tiles: the same interleaved packing)
+        return cpu_amx_gemm.gemm(x, weight, caches[0].gemm_cache(), bias=bias, mode=cpu_amx_gemm.OUT_SILU_MUL)
     if weight is None or not (_use_packed(x, weight, caches[0]) and caches[1].usable and x.dim() == 2):
         return None
     half = weight.shape[0] // 2

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.distributed.parallel_state import ParallelContext, PendingAllReduce, StartedAllReduce
-from tokenmill.layers import cpu_bf16_gemm, cpu_logits, triton_ops, wide_linear
+from tokenmill.layers import cpu_amx_gemm, cpu_bf16_gemm, cpu_logits, triton_ops, wide_linear
 from tokenmill.layers.linear import UNQUANTIZED, Linear, PackedWeight, bind_base, bind_base_add, linear
 
 
@@ -194,7 +194,11 @@ class ParallelLMHead:
         64 rows, and than oneDNN's bf16 matmul), else `cpu_logits`' kernel."""
         if cpu_bf16_gemm.available():
             h = hidden.reshape(-1, hidden.shape[-1])
-            return cpu_bf16_gemm.gemm_f32(h, weight, self.gemm_packed).view(*hidden.shape[:-1], weight.shape[0])
+            if cpu_amx_gemm.takes_f32(h.shape[0]):  # (AMX tiles: the same packed weight)
+                out = cpu_amx_gemm.gemm(h, weight, self.gemm_packed)
+            else:
+                out = cpu_bf16_gemm.gemm_f32(h, weight, self.gemm_packed)
+            return out.view(*hidden.shape[:-1], weight.shape[0])
         return cpu_logits.linear_f32(hidden, weight)
 
     def logits(self, hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None,

@@ -9,8 +9,10 @@ tokens (docs/bf16-numerics.md).
 
 How, with bf16 inputs and weights (each product exact in float32, sums in float32), and the
 residual stream's add (`add`) in the kernel's epilogue where the caller passes it:
-- on AVX512-BF16 / AMX machines, any row count: the packed GEMM of `cpu_bf16_gemm` (weight packed
-  once; about oneDNN's bf16 time, where the two-matmul split below cost ~2.2x at prefill sizes);
+- on AMX machines from `cpu_amx_gemm.F32_MIN_ROWS` rows: the AMX tile GEMM of `cpu_amx_gemm`
+  (~5x the vdpbf16ps GEMM's speed at prefill sizes there, ~1.7x the two-matmul split below);
+- on AVX512-BF16 machines, and AMX ones below that: the packed GEMM of `cpu_bf16_gemm` (the same
+  packed weight; about oneDNN's bf16 time on AVX512-BF16, where the split below cost ~2.2x);
 - elsewhere, up to `FEW_ROWS` rows (decode, speculative verification): the LM head's C kernel
   (`cpu_logits.linear_f32`), which reads the weight once for all rows;
 - more rows (prefill): oneDNN's bf16 matmul twice, the second one's epilogue subtracting the first
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers import cpu_bf16_gemm, cpu_logits
+from tokenmill.layers import cpu_amx_gemm, cpu_bf16_gemm, cpu_logits
 from tokenmill.layers.linear import PackedWeight, _use_packed, linear, linear_add
 
 FEW_ROWS = 32
@@ -53,7 +55,10 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     accepts; `add` float32 [M, N] or None)."""
     if bias is not None and add is not None:  # bias first, as the unfused add would
         return linear_f32(x, weight, bias, cache, gemm_cache).add_(add)
-    if gemm_cache is not None and cpu_bf16_gemm.available():
+    if gemm_cache is not None and cpu_amx_gemm.takes_f32(x.shape[0]):
+        out = cpu_amx_gemm.gemm(x, weight, gemm_cache, add=add)
+        add = None
+    elif gemm_cache is not None and cpu_bf16_gemm.available():
         out = cpu_bf16_gemm.gemm_f32(x, weight, gemm_cache, add)
         add = None
     elif x.shape[0] <= FEW_ROWS:
