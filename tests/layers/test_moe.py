@@ -114,7 +114,9 @@ def test_triton_router_equals_the_torch_rule(arch, overrides, t):
         want_ids, order = want_ids.sort(dim=-1)
         got_ids, got_order = got_ids.sort(dim=-1)
         assert torch.equal(got_ids, want_ids)
-        torch.testing.assert_close(got_w.gather(1, got_order), want_w.gather(1, order), atol=1e-6, rtol=1e-5)
+        # float32 summation order: the kernel sums 5 slices of the hidden axis, F.linear whatever its BLAS
+        # does on this CPU (on an AMX Xeon MKL's order moved one weight by 1.4e-5 relative)
+        torch.testing.assert_close(got_w.gather(1, got_order), want_w.gather(1, order), atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("t,k,e,block_m", [(1, 8, 128, 16), (9, 3, 6, 4), (300, 8, 64, 32), (37, 2, 5, 16)])
