@@ -390,17 +390,8 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, cache: cpu_bf16_gemm.PackedBf16,
     summation order); `lib` defaults to the AMX build (`available()` must be True)."""
     lib = lib or library()
     assert lib is not None
-    n, k = weight.shape
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
-    if k % 32:  # whole k-blocks: zero columns (the packed weight has zero rows there)
-        x2 = torch.nn.functional.pad(x2, (0, -k % 32))
-    gate_up = mode == OUT_SILU_MUL
-    width = n // 2 if gate_up else n
-    out = torch.empty((x2.shape[0], width), dtype=torch.float32 if mode == OUT_F32 else torch.bfloat16)
-    a2 = None
-    if add is not None:
-        assert mode == OUT_F32 and add.dtype == torch.float32 and add.shape == out.shape
-        a2 = add if add.stride(-1) == 1 else add.contiguous()
+    # whole k-blocks of 32: zero columns (the packed weight has zero rows there)
+    x2, out, a2, width, gate_up = cpu_bf16_gemm.gemm_operands(x, weight, mode, add, k_multiple=32)
     if x2.shape[0]:
         packed = cache.get(weight, bias, gate_up)
         b = cache.bias

@@ -258,6 +258,25 @@ class PackedBf16:
         return self.packed
 
 
+def gemm_operands(x: torch.Tensor, weight: torch.Tensor, mode: int, add: torch.Tensor | None, k_multiple: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, bool]:
+    """What a packed-GEMM call passes its C kernel: x with unit column stride, zero-padded to a multiple
+    of `k_multiple` columns (the packing pads K with zero rows), the empty result, `add` with unit
+    column stride (float32 results only), the result's width and whether it is the [gate | up] form."""
+    n, k = weight.shape
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    if k % k_multiple:
+        x2 = torch.nn.functional.pad(x2, (0, -k % k_multiple))
+    gate_up = mode == OUT_SILU_MUL
+    width = n // 2 if gate_up else n
+    out = torch.empty((x2.shape[0], width), dtype=torch.float32 if mode == OUT_F32 else torch.bfloat16)
+    a2 = None
+    if add is not None:
+        assert mode == OUT_F32 and add.dtype == torch.float32 and add.shape == out.shape
+        a2 = add if add.stride(-1) == 1 else add.contiguous()
+    return x2, out, a2, width, gate_up
+
+
 def gemm(x: torch.Tensor, weight: torch.Tensor, cache: PackedBf16, *, bias: torch.Tensor | None = None,
          add: torch.Tensor | None = None, mode: int = OUT_F32, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """bf16 x [M, K] times weight [N, K]^T (`available()` must be True), float32 accumulation, then
@@ -266,17 +285,7 @@ def gemm(x: torch.Tensor, weight: torch.Tensor, cache: PackedBf16, *, bias: torc
     [M, I] `round(up * round(silu(gate)))` (as oneDNN's swish then mul post-ops)."""
     lib = lib or library()
     assert lib is not None
-    n, k = weight.shape
-    x2 = x if x.stride(-1) == 1 else x.contiguous()
-    if k % 2:  # the packing pads K with a zero column; x gets one too
-        x2 = torch.nn.functional.pad(x2, (0, 1))
-    gate_up = mode == OUT_SILU_MUL
-    width = n // 2 if gate_up else n
-    out = torch.empty((x2.shape[0], width), dtype=torch.float32 if mode == OUT_F32 else torch.bfloat16)
-    a2 = None
-    if add is not None:
-        assert mode == OUT_F32 and add.dtype == torch.float32 and add.shape == out.shape
-        a2 = add if add.stride(-1) == 1 else add.contiguous()
+    x2, out, a2, width, gate_up = gemm_operands(x, weight, mode, add, k_multiple=2)
     if x2.shape[0]:
         packed = cache.get(weight, bias, gate_up)
         b = cache.bias
