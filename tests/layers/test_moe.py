@@ -21,13 +21,19 @@ def _hf_router(arch: str, config):
     if arch == "mixtral":
         from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter as R
     elif arch in ("qwen2_moe", "qwen3_moe"):
-        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter as R
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import (
+            Qwen2MoeTopKRouter as R,
+        )
     elif arch == "olmoe":
         from transformers.models.olmoe.modeling_olmoe import OlmoeTopKRouter as R
     elif arch == "deepseek_v2":
-        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter as R
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import (
+            DeepseekV2TopkRouter as R,
+        )
     else:
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter as R
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+            DeepseekV3TopkRouter as R,
+        )
     return R(config)
 
 

@@ -242,7 +242,7 @@ class PackedBf16:
     """The packed form of one weight (and bias), rebuilt whenever either changes (storage or
     version) or another layout is asked for."""
 
-    __slots__ = ("key", "packed", "bias")
+    __slots__ = ("bias", "key", "packed")
 
     def __init__(self) -> None:
         self.key: tuple | None = None
