@@ -204,6 +204,28 @@ class GluonTiles:
                 f"{', 128' if self.block_k == 128 else ''})")
 
 
+@dataclass(frozen=True)
+class SwapTiles:
+    """A launch of the swapped Gluon GEMM (`gluon_int4_swap_gemm`: the dequantized weight as wgmma's
+    register A operand): BLOCK_T rows of x (wgmma's N: 8..256) by 16 x warps channels per CTA,
+    cp.async stages of x (>= 3), split-K slices, inputs a K step (64 or 128), the words' register
+    prefetch distance in steps (1 or 2)."""
+
+    block_t: int = 256
+    warps: int = 8
+    stages: int = 4
+    split: int = 1
+    block_k: int = 64
+    ahead: int = 2
+
+    def label(self) -> str:
+        return (f"swap t{self.block_t} c{16 * self.warps} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
+                f"{' k128' if self.block_k == 128 else ''} a{self.ahead}")
+
+    def code(self) -> str:
+        return f"SwapTiles({self.block_t}, {self.warps}, {self.stages}, {self.split}, {self.block_k}, {self.ahead})"
+
+
 # (rows bucket: the most rows it serves, N, K) -> the launch where this GEMM (DotTiles) or the Gluon
 # one (GluonTiles, bf16) measured fastest (Llama-8B's linears, `scripts/gpu_int4_gemm.py` with
 # INT4_GEMM_SET=dot / gluon); a shape or row count not listed takes the other paths of
