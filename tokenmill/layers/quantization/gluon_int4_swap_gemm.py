@@ -30,9 +30,15 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
-from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles, _cached_scale_offset
+from tokenmill.layers.quantization.triton_int4_dot_gemm import (
+    SwapTiles,
+    _cached_scale_offset,
+)
 
 # cp.async of a tile: `async_copy_global_to_shared` in triton 3.6 (the GPU's), `async_load` from 3.7
 # (the offline compile test runs whichever is installed)

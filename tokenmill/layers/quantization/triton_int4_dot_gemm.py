@@ -218,6 +218,10 @@ class SwapTiles:
     block_k: int = 64
     ahead: int = 2
 
+    @property
+    def block_m(self) -> int:  # the rows of x a CTA takes, as the other launches name it
+        return self.block_t
+
     def label(self) -> str:
         return (f"swap t{self.block_t} c{16 * self.warps} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
                 f"{' k128' if self.block_k == 128 else ''} a{self.ahead}")
@@ -232,7 +236,7 @@ class SwapTiles:
 # `triton_int4_mma.mma_matmul`. From session 7's two mid-session sweeps on one H100 (us a call; in
 # brackets dequantize + cuBLAS in the same process; docs/results/gpu-int4-gemm.md): only where >= 3%
 # faster. 256 rows: qkv and o stay on dequantize + cuBLAS (47 / 33 us against 48 / 42).
-TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles] = {
+TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles | SwapTiles] = {
     (64, 28672, 4096): GluonTiles(64, 128, 4, 4, 1),  # 70.9 us (195.0)
     (64, 4096, 14336): GluonTiles(64, 128, 3, 4, 4, 128),  # 41.8 (101.0)
     (64, 6144, 4096): DotTiles(64, 64, 64, 4, 4, 4, 1, 2),  # 26.3 (41.4)
@@ -250,23 +254,31 @@ ENABLED = True
 
 
 def dot_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bfloat16
-              ) -> DotTiles | GluonTiles | None:
+              ) -> DotTiles | GluonTiles | SwapTiles | None:
     """The launch for an [m, k] x [k, n] product on the mma layout, or None (another path)."""
     bucket = next((b for b in BUCKETS if b >= m), None)
     t = TABLE.get((bucket, n, k)) if bucket is not None and ENABLED else None
     if isinstance(t, GluonTiles):
         ok = dtype == torch.bfloat16 and n % t.block_n == 0 and group % t.block_k == 0 and k % group == 0
         return t if ok else None
+    if isinstance(t, SwapTiles):
+        ok = (dtype == torch.bfloat16 and n % (16 * t.warps) == 0 and group % t.block_k == 0 and k % group == 0
+              and (k // t.block_k) % 2 == 0)
+        return t if ok else None
     return t if t is not None and fits(n, k, group, t) else None
 
 
 def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-        tiles: DotTiles | GluonTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """The launch `dot_tiles` chose: this module's GEMM or the Gluon one."""
+        tiles: DotTiles | GluonTiles | SwapTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The launch `dot_tiles` chose: this module's GEMM or a Gluon one."""
     if isinstance(tiles, GluonTiles):
         from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
 
         return gluon_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
+    if isinstance(tiles, SwapTiles):
+        from tokenmill.layers.quantization.gluon_int4_swap_gemm import swap_gemm
+
+        return swap_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
     return dot_gemm(x, qm, scales, zeros, group_size, tiles, counters)
 
 
