@@ -59,11 +59,23 @@ _ASM_SWAP = gl.constexpr("{\n.reg .b32 t, one, nz;\nmov.b32 one, 0x3F803F80;\nmo
     for k in range(4)) + "}")
 
 
+# `_dequant`'s permute of [CB, S2, g, j, m, b, hi, a] to [CB, hi, g | S2, m, a, j, b]: A tile rows
+# 16 cb + 8 hi + g, columns (logical K) 64 s2 + 16 m + 8 a + 2 j + b
+A_ORDER = gl.constexpr((0, 6, 2, 1, 4, 7, 3, 5))
+
+
 def permute_x(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] with each 64-input step's columns in the weight fragment's K order: column
     16 m + 8 a + 2 j + b of a step holds input 16 j + 4 m + 2 a + b (a contiguous copy)."""
     m, k = x.shape
     return x.view(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+
+
+def scale_pairs(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The words `_pairs` makes in the kernel from packed scale / offset words (int64 values of the
+    int32 bits): the scale twice, -(128 + z) twice (the CPU test feeds them to the emulated PTX)."""
+    lo, hi = sz & 0xFFFF, (sz >> 16) & 0xFFFF
+    return lo | (lo << 16), (hi | (hi << 16)) ^ 0x80008000
 
 
 def fragment_tile(qm: torch.Tensor, step: int, block: int) -> torch.Tensor:
@@ -131,7 +143,7 @@ def _dequant(words, sz_lo, sz_hi, a_l: gl.constexpr, BC: gl.constexpr, BK: gl.co
                                                [w2, sl, zl, sh, zh], dtype=(gl.bfloat16,) * 4, is_pure=True,
                                                pack=2)
     v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [CB, S2, g, j, m, b, hi, a]
-    a = gl.reshape(gl.permute(v, (0, 6, 2, 1, 4, 7, 3, 5)), (BC, BK))  # [cb hi g, s2 m a j b]
+    a = gl.reshape(gl.permute(v, A_ORDER), (BC, BK))  # [cb hi g, s2 m a j b]
     return gl.convert_layout(a, a_l, assert_trivial=True)
 
 
