@@ -26,6 +26,20 @@ def _case(n=64, k=256, group=64, seed=0):
     return packing.from_codes(codes, torch.float32, act_order=False)
 
 
+def test_table_takes_swap_tiles_where_they_fit(monkeypatch):
+    """`dot_tiles` hands a listed SwapTiles launch to bf16 products whose N fills its channel tiles
+    and whose K holds an even number of steps; fp16, a ragged N or an odd step count get None."""
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+
+    t = dot.SwapTiles(256, 8, 4)
+    monkeypatch.setattr(dot, "ENABLED", True)
+    monkeypatch.setattr(dot, "TABLE", {(256, 256, 512): t, (256, 272, 512): t, (256, 256, 576): t})
+    assert dot.dot_tiles(200, 256, 512, 128) == t
+    assert dot.dot_tiles(200, 256, 512, 128, torch.float16) is None
+    assert dot.dot_tiles(200, 272, 512, 128) is None  # 272 channels: not tiles of 128
+    assert dot.dot_tiles(200, 256, 576, 64) is None  # 9 steps of 64
+
+
 @pytest.mark.parametrize("n,k,group", [(64, 256, 64), (32, 512, 128)])
 def test_emulated_product_matches_reference(n, k, group):
     """The fragment map times x in the permuted K order is x @ W^T (a wrong K order or map fails)."""

@@ -143,7 +143,10 @@ def _dequant(words, sz_lo, sz_hi, a_l: gl.constexpr, BC: gl.constexpr, BK: gl.co
                                                [w2, sl, zl, sh, zh], dtype=(gl.bfloat16,) * 4, is_pure=True,
                                                pack=2)
     v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [CB, S2, g, j, m, b, hi, a]
-    a = gl.reshape(gl.permute(v, A_ORDER), (BC, BK))  # [cb hi g, s2 m a j b]
+    # A_ORDER element by element: triton 3.6's permute takes no constexpr tuple
+    v = gl.permute(v, (A_ORDER[0], A_ORDER[1], A_ORDER[2], A_ORDER[3], A_ORDER[4], A_ORDER[5], A_ORDER[6],
+                       A_ORDER[7]))
+    a = gl.reshape(v, (BC, BK))  # [cb hi g, s2 m a j b]
     return gl.convert_layout(a, a_l, assert_trivial=True)
 
 
