@@ -118,10 +118,12 @@ def test_compiles_for_sm90_with_wgmma_in_flight():
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from tokenmill.layers.quantization.gluon_int4_swap_gemm import _swap_gemm_kernel as fn
+    from tokenmill.layers.quantization.gluon_int4_swap_gemm import (
+        _swap_gemm_kernel as fn,
+    )
 
-    const = dict(GROUP=128, BT=256, BK=64, STAGES=4, AHEAD=2, SPLIT_K=False)
-    ptrs = dict(x_ptr="bf16", w_ptr="i32", sz_ptr="i32", out_ptr="bf16", part_ptr="fp32", cnt_ptr="i32")
+    const = {"GROUP": 128, "BT": 256, "BK": 64, "STAGES": 4, "AHEAD": 2, "SPLIT_K": False}
+    ptrs = {"x_ptr": "bf16", "w_ptr": "i32", "sz_ptr": "i32", "out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -133,7 +135,7 @@ def test_compiles_for_sm90_with_wgmma_in_flight():
             if name in ("N", "K", "s_xm", "s_om"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=8))
+                            options={"num_warps": 8})
     fig, sass = sass_tools.disassemble(kernel)
     assert fig["stack"] == 0, fig
     hgmma = re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, (R\d+), gdesc", sass)
