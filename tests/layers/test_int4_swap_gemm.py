@@ -62,6 +62,17 @@ def test_permute_x_is_a_permutation_within_steps():
     assert xp[0, 16 * 1 + 8 * 1 + 2 * 2 + 1].item() == 16 * 2 + 4 * 1 + 2 * 1 + 1
 
 
+def test_gathered_x_columns_are_the_permutation():
+    """The kernel's in-place gather (xnat) reads, column by column, what `permute_x` would hold."""
+    from tokenmill.layers.quantization.gluon_int4_swap_gemm import (
+        gather_columns,
+        permute_x,
+    )
+
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(x[:, gather_columns(128)], permute_x(x))
+
+
 def test_kernel_join_permute_builds_the_fragment_tile():
     """The kernel's `_dequant` index algebra (join of the word with itself, four outputs joined
     (hi, a), permute `A_ORDER`, reshape) mirrored on codes gives `fragment_tile`."""
@@ -122,7 +133,8 @@ def test_compiles_for_sm90_with_wgmma_in_flight():
         _swap_gemm_kernel as fn,
     )
 
-    const = {"GROUP": 128, "BT": 256, "BK": 64, "STAGES": 4, "AHEAD": 2, "SPLIT_K": False}
+    const = {"GROUP": 128, "BT": 256, "BK": 64, "STAGES": 4, "AHEAD": 2, "SPLIT_K": False,
+             "XNAT": False}
     ptrs = {"x_ptr": "bf16", "w_ptr": "i32", "sz_ptr": "i32", "out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

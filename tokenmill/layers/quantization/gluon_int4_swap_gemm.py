@@ -13,7 +13,8 @@ pair (i, i + 4) by nibble pair, an m16n8k16 A fragment (registers a0..a3: channe
 input pair 0-1 / 2-3 of 16 j + 4 m + 0..3), i.e. wgmma's register A operand for a K order that is
 a permutation of the step's 64 inputs: logical 16 m + 8 a + 2 j + b is physical 16 j + 4 m + 2 a + b.
 The wrapper gives the kernel x with its columns in that order (`permute_x`: one copy of x, 2 MB
-at 256 rows of 4096 inputs); the sum over K does not change.
+at 256 rows of 4096 inputs), or (`SwapTiles.xnat`) the kernel gathers x as it is in 4-byte
+cp.asyncs (an input pair b = 0, 1 stays contiguous) into that order; the sum over K does not change.
 
 Dequantization (PTX, one word a call): nibbles i and i + 4 of the word ORed into 128.0's mantissa
 as a bf16 pair (one `lop3`), (128 + q) - (128 + z) exact, times the scale rounded once: the same
@@ -69,6 +70,15 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     16 m + 8 a + 2 j + b of a step holds input 16 j + 4 m + 2 a + b (a contiguous copy)."""
     m, k = x.shape
     return x.view(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+
+
+def gather_columns(bk: int) -> torch.Tensor:
+    """The input each logical column of a K tile reads when the kernel gathers x (`SwapTiles.xnat`):
+    the CPU mirror of the kernel's offsets, checked against `permute_x`."""
+    rk = torch.arange(bk)
+    c = rk % 64
+    p = c // 2
+    return (rk // 64) * 64 + 2 * (8 * (p % 4) + 2 * (p // 8) + (p // 4) % 2) + c % 2
 
 
 def scale_pairs(sz: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,15 +161,19 @@ def _dequant(words, sz_lo, sz_hi, a_l: gl.constexpr, BC: gl.constexpr, BK: gl.co
 
 
 @gluon.jit
-def _issue_x(x_smem, x_ptrs, t_mask, step, slot, BK: gl.constexpr):
-    _async_load(x_smem.index(slot), x_ptrs + step * BK, mask=t_mask)
+def _issue_x(x_smem, x_ptrs, t_mask, step, slot, BK: gl.constexpr, x_ptr, XNAT: gl.constexpr):
+    """Step `step`'s x tile into stage `slot` (x_ptrs: pointers, or with XNAT int32 offsets from x_ptr)."""
+    if XNAT:
+        _async_load(x_smem.index(slot), x_ptr + (x_ptrs + step * BK), mask=t_mask)
+    else:
+        _async_load(x_smem.index(slot), x_ptrs + step * BK, mask=t_mask)
     cp.commit_group()
 
 
 @gluon.jit
-def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
+def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N, x_ptr,
           a_l: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-          AHEAD: gl.constexpr):
+          AHEAD: gl.constexpr, XNAT: gl.constexpr):
     """Step i (of the slice from s0): its words (wa) dequantized while wgmma i - 1 runs, its wgmma
     left in flight once i - 1's is retired, the words AHEAD steps on loaded, x of step
     i + STAGES - 2 issued into the stage wgmma i - 2 left (every warp retired it before the barrier)."""
@@ -175,14 +189,15 @@ def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, h
         wb, lb, hb = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + i + 2, last), N, BK, GROUP)
     acc = warpgroup_mma(a, x_smem.index(i % STAGES).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-    _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + i + STAGES - 2, last), (i + STAGES - 2) % STAGES, BK)
+    _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + i + STAGES - 2, last), (i + STAGES - 2) % STAGES, BK, x_ptr,
+             XNAT)
     return acc, wa, la, ha, wb, lb, hb, wc, lc, hc
 
 
 @gluon.jit(do_not_specialize=["M"])  # one compile per launch serves every row count
 def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_om,
                       GROUP: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      AHEAD: gl.constexpr, SPLIT_K: gl.constexpr):
+                      AHEAD: gl.constexpr, SPLIT_K: gl.constexpr, XNAT: gl.constexpr):
     W: gl.constexpr = gl.num_warps()
     BC: gl.constexpr = 16 * W  # one 16-channel block a warp
     S2: gl.constexpr = BK // 64
@@ -200,7 +215,10 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
     L3: gl.constexpr = gl.SliceLayout(3, L4)  # [CB, S2, 8]
     L2: gl.constexpr = gl.SliceLayout(2, L3)  # [CB, S2]
     sz_l: gl.constexpr = gl.SliceLayout(1, L3)  # [CB, 8]
-    x_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
+    if XNAT:  # one row's 64 inputs a warp, a pair a lane: 4-byte cp.asyncs, one 128-byte line, no bank conflict
+        x_ld: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [W, 1], [1, 0])
+    else:
+        x_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
     out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, W], [0, 1])  # channels contiguous per thread
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK],
@@ -209,7 +227,14 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
     # x tile pointers [BT, BK] (x already in the fragment's K order)
     rt = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(1, x_ld))
     rk = gl.arange(0, BK, layout=gl.SliceLayout(0, x_ld))
-    x_ptrs = x_ptr + gl.expand_dims(rt.to(gl.int64) * s_xm, 1) + gl.expand_dims(rk, 0)
+    if XNAT:  # x as it is: logical column 16 m + 8 a + 2 j + b (pair p = 8 m + 4 a + j) reads input 16 j + 4 m + 2 a + b
+        c = rk % 64
+        p = c // 2
+        rk = (rk // 64) * 64 + 2 * (8 * (p % 4) + 2 * (p // 8) + (p // 4) % 2) + c % 2
+        # int32 offsets (the wrapper checks M x K < 2^31): 32 copies a thread, 64-bit pointers would spill
+        x_ptrs = gl.expand_dims(rt * s_xm, 1) + gl.expand_dims(rk, 0)
+    else:
+        x_ptrs = x_ptr + gl.expand_dims(rt.to(gl.int64) * s_xm, 1) + gl.expand_dims(rk, 0)
     t_mask = gl.expand_dims(rt < M, 1)
     # word pointers [CB, S2, 8 g, 4 j, 4 m] of step 0: lane (g, j)'s 16 contiguous bytes
     cb = gl.arange(0, W, layout=gl.SliceLayout(1, L2))
@@ -231,7 +256,7 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
     s0 = pid_k * n_k
     last = s0 + n_k - 1
     for s in gl.static_range(STAGES - 2):  # x: STAGES - 2 steps in flight, one stage read, one retiring
-        _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + s, last), s, BK)
+        _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + s, last), s, BK, x_ptr, XNAT)
     wa, la, ha = _load_words(w_ptrs, sz_ptrs, s0, N, BK, GROUP)
     wb, lb, hb = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 1, last), N, BK, GROUP)
     wc, lc, hc = wb, lb, hb
@@ -243,17 +268,17 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
     # own, which the wgmma still in flight (the previous step's, another call site's) never reads.
     acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
         0, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-        a_l, BC, BK, GROUP, STAGES, AHEAD)
+        x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT)
     for i in range(1, n_k - 1, 2):
         acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
             i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-            a_l, BC, BK, GROUP, STAGES, AHEAD)
+            x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT)
         acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
             i + 1, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-            a_l, BC, BK, GROUP, STAGES, AHEAD)
+            x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT)
     acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
         n_k - 1, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-        a_l, BC, BK, GROUP, STAGES, AHEAD)
+        x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     cp.wait_group(0)
 
@@ -296,7 +321,9 @@ def swap_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: to
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    xp = permute_x(x)
+    if t.xnat and m * k >= 2 ** 31:
+        raise ValueError(f"gluon int4 swap GEMM: x [{m}, {k}] too large for the gathered read's int32 offsets")
+    xp = x.contiguous() if t.xnat else permute_x(x)
     if sz is None:
         sz = _cached_scale_offset(scales, zeros)
     n_tiles = triton.cdiv(m, t.block_t) * (n // block_c)
@@ -309,6 +336,6 @@ def swap_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: to
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _swap_gemm_kernel[(n_tiles, split)](xp, qm, sz, out, part, counters if split > 1 else out, m, n, k, xp.stride(0),
                                         out.stride(0), GROUP=group, BT=t.block_t, BK=t.block_k, STAGES=t.stages,
-                                        AHEAD=t.ahead, SPLIT_K=split > 1, num_warps=t.warps)
+                                        AHEAD=t.ahead, SPLIT_K=split > 1, XNAT=t.xnat, num_warps=t.warps)
     return out
 

@@ -209,7 +209,7 @@ class SwapTiles:
     """A launch of the swapped Gluon GEMM (`gluon_int4_swap_gemm`: the dequantized weight as wgmma's
     register A operand): BLOCK_T rows of x (wgmma's N: 8..256) by 16 x warps channels per CTA,
     cp.async stages of x (>= 3), split-K slices, inputs a K step (64 or 128), the words' register
-    prefetch distance in steps (1 or 2)."""
+    prefetch distance in steps (1 or 2), x gathered in the kernel (else permuted by a copy first)."""
 
     block_t: int = 256
     warps: int = 8
@@ -217,6 +217,7 @@ class SwapTiles:
     split: int = 1
     block_k: int = 64
     ahead: int = 2
+    xnat: bool = False  # x read as it is, gathered into the K order in 4-byte copies (else permuted first)
 
     @property
     def block_m(self) -> int:  # the rows of x a CTA takes, as the other launches name it
@@ -224,10 +225,11 @@ class SwapTiles:
 
     def label(self) -> str:
         return (f"swap t{self.block_t} c{16 * self.warps} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
-                f"{' k128' if self.block_k == 128 else ''} a{self.ahead}")
+                f"{' k128' if self.block_k == 128 else ''} a{self.ahead}{' xn' if self.xnat else ''}")
 
     def code(self) -> str:
-        return f"SwapTiles({self.block_t}, {self.warps}, {self.stages}, {self.split}, {self.block_k}, {self.ahead})"
+        return (f"SwapTiles({self.block_t}, {self.warps}, {self.stages}, {self.split}, {self.block_k}, {self.ahead}"
+                f"{', True' if self.xnat else ''})")
 
 
 # (rows bucket: the most rows it serves, N, K) -> the launch where this GEMM (DotTiles) or the Gluon
