@@ -29,7 +29,8 @@ def main() -> None:
     ref_w = packing.dequantize(wt, group, torch.float32)
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     res = {}
-    for t in (S(256, 8, 4), S(256, 8, 4, xnat=True), S(64, 4, 4), S(128, 8, 4, 2), S(256, 4, 3, 2)):
+    for t in (S(256, 8, 4), S(256, 8, 4, xnat=True), S(64, 4, 4), S(128, 8, 4, 2), S(256, 4, 3, 2),
+              S(128, 8, 4, ahead=1, cpw=2), S(64, 4, 4, 2, cpw=2)):
         for m in (t.block_t, t.block_t - 37):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             try:

@@ -134,7 +134,7 @@ def test_compiles_for_sm90_with_wgmma_in_flight():
     )
 
     const = {"GROUP": 128, "BT": 256, "BK": 64, "STAGES": 4, "AHEAD": 2, "SPLIT_K": False,
-             "XNAT": False}
+             "XNAT": False, "CPW": 1}
     ptrs = {"x_ptr": "bf16", "w_ptr": "i32", "sz_ptr": "i32", "out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -197,9 +197,10 @@ def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, h
 @gluon.jit(do_not_specialize=["M"])  # one compile per launch serves every row count
 def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_om,
                       GROUP: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      AHEAD: gl.constexpr, SPLIT_K: gl.constexpr, XNAT: gl.constexpr):
+                      AHEAD: gl.constexpr, SPLIT_K: gl.constexpr, XNAT: gl.constexpr, CPW: gl.constexpr):
     W: gl.constexpr = gl.num_warps()
-    BC: gl.constexpr = 16 * W  # one 16-channel block a warp
+    CB: gl.constexpr = CPW * W  # 16-channel blocks a CTA: warp w takes blocks w, w + W, ...
+    BC: gl.constexpr = 16 * CB
     S2: gl.constexpr = BK // 64
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
@@ -237,9 +238,9 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
         x_ptrs = x_ptr + gl.expand_dims(rt.to(gl.int64) * s_xm, 1) + gl.expand_dims(rk, 0)
     t_mask = gl.expand_dims(rt < M, 1)
     # word pointers [CB, S2, 8 g, 4 j, 4 m] of step 0: lane (g, j)'s 16 contiguous bytes
-    cb = gl.arange(0, W, layout=gl.SliceLayout(1, L2))
+    cb = gl.arange(0, CB, layout=gl.SliceLayout(1, L2))
     s2 = gl.arange(0, S2, layout=gl.SliceLayout(0, L2))
-    base2 = gl.expand_dims((pid_c * W + cb).to(gl.int64) * ((K // 64) * 128), 1) + gl.expand_dims(s2 * 128, 0)
+    base2 = gl.expand_dims((pid_c * CB + cb).to(gl.int64) * ((K // 64) * 128), 1) + gl.expand_dims(s2 * 128, 0)
     g8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
     base3 = gl.expand_dims(base2, 2) + gl.expand_dims(gl.expand_dims(g8 * 16, 0), 1)
     j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
@@ -248,9 +249,9 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
     w_ptrs = w_ptr + gl.expand_dims(base4, 4) + \
         gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(m4, 0), 1), 2), 3)
     # packed scale / offset pointers [CB, 8]: channel 16 cb + g (+ 8 for the odd nibbles)
-    scb = gl.arange(0, W, layout=gl.SliceLayout(1, sz_l))
+    scb = gl.arange(0, CB, layout=gl.SliceLayout(1, sz_l))
     sg = gl.arange(0, 8, layout=gl.SliceLayout(0, sz_l))
-    sz_ptrs = sz_ptr + gl.expand_dims((pid_c * W + scb) * 16, 1) + gl.expand_dims(sg, 0)
+    sz_ptrs = sz_ptr + gl.expand_dims((pid_c * CB + scb) * 16, 1) + gl.expand_dims(sg, 0)
 
     n_k = K // BK // split  # steps per slice (the wrapper makes the split divide them, n_k even)
     s0 = pid_k * n_k
@@ -314,7 +315,7 @@ def swap_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: to
     m, k = x.shape
     n = qm.shape[0] * 16
     group = k if group_size == -1 else group_size
-    block_c = 16 * t.warps
+    block_c = 16 * t.warps * t.cpw
     if x.dtype != torch.bfloat16 or n % block_c or t.block_k not in (64, 128) or group % t.block_k or k % group:
         raise ValueError(f"gluon int4 swap GEMM: bf16 x, N a multiple of {block_c}, K and the group of "
                          f"{t.block_k} (x {x.dtype}, N {n}, K {k}, group {group})")
@@ -336,6 +337,6 @@ def swap_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: to
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _swap_gemm_kernel[(n_tiles, split)](xp, qm, sz, out, part, counters if split > 1 else out, m, n, k, xp.stride(0),
                                         out.stride(0), GROUP=group, BT=t.block_t, BK=t.block_k, STAGES=t.stages,
-                                        AHEAD=t.ahead, SPLIT_K=split > 1, XNAT=t.xnat, num_warps=t.warps)
+                                        AHEAD=t.ahead, SPLIT_K=split > 1, XNAT=t.xnat, CPW=t.cpw, num_warps=t.warps)
     return out
 

@@ -207,7 +207,7 @@ class GluonTiles:
 @dataclass(frozen=True)
 class SwapTiles:
     """A launch of the swapped Gluon GEMM (`gluon_int4_swap_gemm`: the dequantized weight as wgmma's
-    register A operand): BLOCK_T rows of x (wgmma's N: 8..256) by 16 x warps channels per CTA,
+    register A operand): BLOCK_T rows of x (wgmma's N: 8..256) by 16 x warps x cpw channels per CTA,
     cp.async stages of x (>= 3), split-K slices, inputs a K step (64 or 128), the words' register
     prefetch distance in steps (1 or 2), x gathered in the kernel (else permuted by a copy first)."""
 
@@ -218,18 +218,19 @@ class SwapTiles:
     block_k: int = 64
     ahead: int = 2
     xnat: bool = False  # x read as it is, gathered into the K order in 4-byte copies (else permuted first)
+    cpw: int = 1  # 16-channel blocks a warp (two: m64 twice a warpgroup, twice the channels a CTA)
 
     @property
     def block_m(self) -> int:  # the rows of x a CTA takes, as the other launches name it
         return self.block_t
 
     def label(self) -> str:
-        return (f"swap t{self.block_t} c{16 * self.warps} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
+        return (f"swap t{self.block_t} c{16 * self.warps * self.cpw} w{self.warps} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
                 f"{' k128' if self.block_k == 128 else ''} a{self.ahead}{' xn' if self.xnat else ''}")
 
     def code(self) -> str:
         return (f"SwapTiles({self.block_t}, {self.warps}, {self.stages}, {self.split}, {self.block_k}, {self.ahead}"
-                f"{', True' if self.xnat else ''})")
+                f"{f', {self.xnat}' if self.xnat or self.cpw > 1 else ''}{f', {self.cpw}' if self.cpw > 1 else ''})")
 
 
 # (rows bucket: the most rows it serves, N, K) -> the launch where this GEMM (DotTiles) or the Gluon
@@ -264,7 +265,7 @@ def dot_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bfl
         ok = dtype == torch.bfloat16 and n % t.block_n == 0 and group % t.block_k == 0 and k % group == 0
         return t if ok else None
     if isinstance(t, SwapTiles):
-        ok = (dtype == torch.bfloat16 and n % (16 * t.warps) == 0 and group % t.block_k == 0 and k % group == 0
+        ok = (dtype == torch.bfloat16 and n % (16 * t.warps * t.cpw) == 0 and group % t.block_k == 0 and k % group == 0
               and (k // t.block_k) % 2 == 0)
         return t if ok else None
     return t if t is not None and fits(n, k, group, t) else None
