@@ -69,7 +69,7 @@ def permute_x(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] with each 64-input step's columns in the weight fragment's K order: column
     16 m + 8 a + 2 j + b of a step holds input 16 j + 4 m + 2 a + b (a contiguous copy)."""
     m, k = x.shape
-    return x.view(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
+    return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
 
 
 def gather_columns(bk: int) -> torch.Tensor:
