@@ -138,23 +138,26 @@ def swap_variants(m: int) -> list:
     shared memory) beside the launches the table routes now (bf16, GPUs only). 16 x warps channels a
     CTA (x cpw: two 16-channel blocks a warp, fewer x bytes per FLOP); split-K for the linears of few
     channel tiles (down, qkv, o); xnat: x gathered in the kernel (4-byte cp.asyncs) instead of
-    permuted by a copy first."""
+    permuted by a copy first; wtop: wgmma i - 2 retired after the step's barrier (no barrier waits on
+    the other warpgroup's wgmma)."""
     from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles as S
 
     if m <= 64:
-        return [*_table_launches(m), S(64, 4, 4), S(64, 4, 6), S(64, 8, 4), S(64, 4, 4, 2), S(64, 4, 4, 4),
-                S(64, 8, 4, 2), S(64, 8, 4, 4), S(64, 4, 4, xnat=True), S(64, 4, 4, 4, xnat=True), S(64, 4, 4, cpw=2),
-                S(64, 4, 4, 2, cpw=2)]
+        return [*_table_launches(m), S(64, 4, 4), S(64, 8, 4), S(64, 4, 4, 2), S(64, 4, 4, 4), S(64, 8, 4, 4),
+                S(64, 4, 4, xnat=True), S(64, 4, 4, 4, xnat=True), S(64, 4, 4, cpw=2), S(64, 4, 4, 2, cpw=2),
+                S(64, 4, 5, wtop=True), S(64, 4, 5, 4, wtop=True)]
     if m <= 128:
-        return [*_table_launches(m), S(128, 8, 4), S(128, 4, 4), S(128, 4, 5), S(128, 8, 4, 2), S(128, 8, 4, 4),
-                S(128, 4, 4, 2), S(128, 4, 4, 4), S(128, 8, 4, xnat=True), S(128, 8, 4, 4, xnat=True)]
+        return [*_table_launches(m), S(128, 8, 4), S(128, 4, 4), S(128, 8, 4, 2), S(128, 8, 4, 4), S(128, 4, 4, 2),
+                S(128, 8, 4, xnat=True), S(128, 8, 4, 4, xnat=True), S(128, 8, 5, wtop=True),
+                S(128, 8, 5, 4, wtop=True), S(128, 8, 5, 2, wtop=True)]
     if m <= 256:
-        return [*_table_launches(m), S(256, 8, 4), S(256, 8, 3), S(256, 8, 5), S(256, 8, 4, ahead=1),
-                S(256, 4, 3), S(128, 4, 4), S(256, 8, 4, 2), S(256, 8, 4, 4), S(256, 4, 3, 2), S(128, 4, 4, 2),
-                S(256, 8, 4, xnat=True), S(256, 8, 4, ahead=1, xnat=True), S(256, 8, 4, 4, xnat=True),
-                S(128, 8, 4, xnat=True), S(128, 8, 4, 2, xnat=True), S(128, 8, 4, ahead=1, cpw=2),
-                S(128, 8, 4, 2, ahead=1, cpw=2)]
-    return [S(256, 8, 4), S(256, 8, 3), S(128, 4, 4), S(256, 8, 4, 2), S(128, 8, 4, xnat=True)]
+        return [*_table_launches(m), S(256, 8, 4), S(256, 8, 4, ahead=1), S(256, 4, 3), S(128, 4, 4),
+                S(256, 8, 4, 2), S(256, 8, 4, 4), S(256, 8, 4, xnat=True), S(256, 8, 4, 4, xnat=True),
+                S(128, 8, 4, xnat=True), S(128, 8, 4, ahead=1, cpw=2), S(128, 8, 4, 2, ahead=1, cpw=2),
+                S(256, 8, 5, wtop=True), S(256, 8, 4, wtop=True), S(256, 8, 6, wtop=True), S(256, 8, 5, 2, wtop=True),
+                S(256, 8, 5, 4, wtop=True), S(256, 8, 5, xnat=True, wtop=True), S(256, 8, 5, 4, xnat=True, wtop=True)]
+    return [S(256, 8, 4), S(256, 8, 5, wtop=True), S(128, 4, 4), S(256, 8, 5, 2, wtop=True),
+            S(128, 8, 4, ahead=1, cpw=2)]
 
 
 def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):

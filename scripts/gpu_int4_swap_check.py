@@ -30,7 +30,8 @@ def main() -> None:
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     res = {}
     for t in (S(256, 8, 4), S(256, 8, 4, xnat=True), S(64, 4, 4), S(128, 8, 4, 2), S(256, 4, 3, 2),
-              S(128, 8, 4, ahead=1, cpw=2), S(64, 4, 4, 2, cpw=2)):
+              S(128, 8, 4, ahead=1, cpw=2), S(64, 4, 4, 2, cpw=2), S(256, 8, 5, wtop=True),
+              S(256, 8, 5, 4, xnat=True, wtop=True)):
         for m in (t.block_t, t.block_t - 37):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             try:

@@ -116,7 +116,8 @@ def test_ptx_dequantization_emulated():
                 assert got == want.to(torch.bfloat16).item(), (trial, k, b)
 
 
-def test_compiles_for_sm90_with_wgmma_in_flight():
+@pytest.mark.parametrize("wtop", [0, 1])
+def test_compiles_for_sm90_with_wgmma_in_flight(wtop):
     """Offline sm_90 compile (no GPU): register-A HGMMAs, the loop's wgmma left in flight
     (`WARPGROUP.DEPBAR.LE gsb0, 0x1`), the loop's two call sites dequantizing into disjoint
     registers (the wgmma in flight reads the other set), no local memory."""
@@ -133,8 +134,8 @@ def test_compiles_for_sm90_with_wgmma_in_flight():
         _swap_gemm_kernel as fn,
     )
 
-    const = {"GROUP": 128, "BT": 256, "BK": 64, "STAGES": 4, "AHEAD": 2, "SPLIT_K": False,
-             "XNAT": False, "CPW": 1}
+    const = {"GROUP": 128, "BT": 256, "BK": 64, "STAGES": 4 + wtop, "AHEAD": 2, "SPLIT_K": False,
+             "XNAT": False, "CPW": 1, "WTOP": wtop}
     ptrs = {"x_ptr": "bf16", "w_ptr": "i32", "sz_ptr": "i32", "out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -153,6 +154,8 @@ def test_compiles_for_sm90_with_wgmma_in_flight():
     hgmma = re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, (R\d+), gdesc", sass)
     assert len(hgmma) == 16, hgmma  # 4 k16 steps x (peeled step, two loop call sites, last step)
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+    if wtop:  # two steps' wgmmas in flight at the end of a step
+        assert "WARPGROUP.DEPBAR.LE gsb0, 0x2" in sass
     # A register sets in program order: peel, loop site 1, loop site 2, last step
     sets = [set(hgmma[4 * i:4 * i + 4]) for i in range(4)]
     assert sets[1].isdisjoint(sets[2]), sets

@@ -173,12 +173,22 @@ def _issue_x(x_smem, x_ptrs, t_mask, step, slot, BK: gl.constexpr, x_ptr, XNAT: 
 @gluon.jit
 def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N, x_ptr,
           a_l: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
-          AHEAD: gl.constexpr, XNAT: gl.constexpr):
+          AHEAD: gl.constexpr, XNAT: gl.constexpr, WTOP: gl.constexpr):
     """Step i (of the slice from s0): its words (wa) dequantized while wgmma i - 1 runs, its wgmma
     left in flight once i - 1's is retired, the words AHEAD steps on loaded, x of step
-    i + STAGES - 2 issued into the stage wgmma i - 2 left (every warp retired it before the barrier)."""
-    cp.wait_group(STAGES - 3)  # step i's x landed (this thread's copies) ...
-    _barrier()  # ... everyone's
+    i + STAGES - 2 issued into the stage wgmma i - 2 left (every warp retired it before the barrier).
+    WTOP: wgmma i - 2 is retired at the top instead, after the barrier, so that no barrier waits for
+    the other warpgroup's wgmma: the dequantization has both warpgroups' wgmma i - 1 to hide behind;
+    x of step i + STAGES - 3 goes into the stage of i - 3."""
+    if WTOP:
+        cp.wait_group(STAGES - 4)  # step i's x landed (this thread's copies) ...
+        _barrier()  # ... everyone's; every warp retired wgmma i - 3 (its stage is free)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # retire i - 2 (this set's last reader)
+        _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + i + STAGES - 3, last), (i + STAGES - 3) % STAGES, BK,
+                 x_ptr, XNAT)
+    else:
+        cp.wait_group(STAGES - 3)  # step i's x landed (this thread's copies) ...
+        _barrier()  # ... everyone's
     a = _dequant(wa, la, ha, a_l, BC, BK)
     if AHEAD == 2:
         wa, la, ha = wb, lb, hb
@@ -188,16 +198,20 @@ def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, h
         wa, la, ha = wb, lb, hb
         wb, lb, hb = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + i + 2, last), N, BK, GROUP)
     acc = warpgroup_mma(a, x_smem.index(i % STAGES).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-    _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + i + STAGES - 2, last), (i + STAGES - 2) % STAGES, BK, x_ptr,
-             XNAT)
+    if WTOP:  # i - 1 and i stay in flight (the wait only hands the loop a tensor)
+        acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
+    else:  # retire i - 1, then refill the stage i - 2 left
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + i + STAGES - 2, last), (i + STAGES - 2) % STAGES, BK,
+                 x_ptr, XNAT)
     return acc, wa, la, ha, wb, lb, hb, wc, lc, hc
 
 
 @gluon.jit(do_not_specialize=["M"])  # one compile per launch serves every row count
 def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_om,
                       GROUP: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                      AHEAD: gl.constexpr, SPLIT_K: gl.constexpr, XNAT: gl.constexpr, CPW: gl.constexpr):
+                      AHEAD: gl.constexpr, SPLIT_K: gl.constexpr, XNAT: gl.constexpr, CPW: gl.constexpr,
+                      WTOP: gl.constexpr):
     W: gl.constexpr = gl.num_warps()
     CB: gl.constexpr = CPW * W  # 16-channel blocks a CTA: warp w takes blocks w, w + W, ...
     BC: gl.constexpr = 16 * CB
@@ -256,7 +270,7 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
     n_k = K // BK // split  # steps per slice (the wrapper makes the split divide them, n_k even)
     s0 = pid_k * n_k
     last = s0 + n_k - 1
-    for s in gl.static_range(STAGES - 2):  # x: STAGES - 2 steps in flight, one stage read, one retiring
+    for s in gl.static_range(STAGES - 2 - WTOP):  # x: STAGES - 2 (- 1) steps in flight, one read, one (two) retiring
         _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + s, last), s, BK, x_ptr, XNAT)
     wa, la, ha = _load_words(w_ptrs, sz_ptrs, s0, N, BK, GROUP)
     wb, lb, hb = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 1, last), N, BK, GROUP)
@@ -269,17 +283,17 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
     # own, which the wgmma still in flight (the previous step's, another call site's) never reads.
     acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
         0, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-        x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT)
+        x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
     for i in range(1, n_k - 1, 2):
         acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
             i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-            x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT)
+            x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
         acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
             i + 1, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-            x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT)
+            x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
     acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
         n_k - 1, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-        x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT)
+        x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     cp.wait_group(0)
 
@@ -337,6 +351,6 @@ def swap_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: to
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _swap_gemm_kernel[(n_tiles, split)](xp, qm, sz, out, part, counters if split > 1 else out, m, n, k, xp.stride(0),
                                         out.stride(0), GROUP=group, BT=t.block_t, BK=t.block_k, STAGES=t.stages,
-                                        AHEAD=t.ahead, SPLIT_K=split > 1, XNAT=t.xnat, CPW=t.cpw, num_warps=t.warps)
+                                        AHEAD=t.ahead, SPLIT_K=split > 1, XNAT=t.xnat, CPW=t.cpw, WTOP=int(t.wtop), num_warps=t.warps)
     return out
 

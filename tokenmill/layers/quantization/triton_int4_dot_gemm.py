@@ -219,6 +219,7 @@ class SwapTiles:
     ahead: int = 2
     xnat: bool = False  # x read as it is, gathered into the K order in 4-byte copies (else permuted first)
     cpw: int = 1  # 16-channel blocks a warp (two: m64 twice a warpgroup, twice the channels a CTA)
+    wtop: bool = False  # retire wgmma i - 2 after step i's barrier (no barrier waits on a wgmma; stages >= 4)
 
     @property
     def block_m(self) -> int:  # the rows of x a CTA takes, as the other launches name it
@@ -226,11 +227,12 @@ class SwapTiles:
 
     def label(self) -> str:
         return (f"swap t{self.block_t} c{16 * self.warps * self.cpw} w{self.warps} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
-                f"{' k128' if self.block_k == 128 else ''} a{self.ahead}{' xn' if self.xnat else ''}")
+                f"{' k128' if self.block_k == 128 else ''} a{self.ahead}{' xn' if self.xnat else ''}{' wt' if self.wtop else ''}")
 
     def code(self) -> str:
         return (f"SwapTiles({self.block_t}, {self.warps}, {self.stages}, {self.split}, {self.block_k}, {self.ahead}"
-                f"{f', {self.xnat}' if self.xnat or self.cpw > 1 else ''}{f', {self.cpw}' if self.cpw > 1 else ''})")
+                f"{f', {self.xnat}' if self.xnat or self.cpw > 1 or self.wtop else ''}"
+                f"{f', {self.cpw}' if self.cpw > 1 or self.wtop else ''}{', True' if self.wtop else ''})")
 
 
 # (rows bucket: the most rows it serves, N, K) -> the launch where this GEMM (DotTiles) or the Gluon
