@@ -235,23 +235,25 @@ class SwapTiles:
                 f"{f', {self.cpw}' if self.cpw > 1 or self.wtop else ''}{', True' if self.wtop else ''})")
 
 
-# (rows bucket: the most rows it serves, N, K) -> the launch where this GEMM (DotTiles) or the Gluon
-# one (GluonTiles, bf16) measured fastest (Llama-8B's linears, `scripts/gpu_int4_gemm.py` with
-# INT4_GEMM_SET=dot / gluon); a shape or row count not listed takes the other paths of
-# `triton_int4_mma.mma_matmul`. From session 7's two mid-session sweeps on one H100 (us a call; in
-# brackets dequantize + cuBLAS in the same process; docs/results/gpu-int4-gemm.md): only where >= 3%
-# faster. 256 rows: qkv and o stay on dequantize + cuBLAS (47 / 33 us against 48 / 42).
+# (rows bucket: the most rows it serves, N, K) -> the launch that measured fastest (Llama-8B's
+# linears, `scripts/gpu_int4_gemm.py` INT4_GEMM_SET=swap): this GEMM (DotTiles), the Gluon one
+# (GluonTiles) or the swapped Gluon one (SwapTiles, bf16); a shape or row count not listed takes the
+# other paths of `triton_int4_mma.mma_matmul`. From session 8's mid-session sweep (one H200; us a
+# call; in brackets the table before, i.e. session 7's Gluon / tl.dot launches or dequantize + cuBLAS,
+# and bf16 cuBLAS, same process; docs/results/gpu-int4-gemm.md): only where >= 3% faster. 256 rows:
+# o stays on dequantize + cuBLAS (28.0 us against 30.1); 8192 rows (prefill): every swap launch lost.
 TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles | SwapTiles] = {
-    (64, 28672, 4096): GluonTiles(64, 128, 4, 4, 1),  # 70.9 us (195.0)
-    (64, 4096, 14336): GluonTiles(64, 128, 3, 4, 4, 128),  # 41.8 (101.0)
-    (64, 6144, 4096): DotTiles(64, 64, 64, 4, 4, 4, 1, 2),  # 26.3 (41.4)
-    (64, 4096, 4096): GluonTiles(64, 128, 3, 4, 4, 128),  # 18.6 (25.6)
-    (128, 28672, 4096): GluonTiles(128, 128, 3, 8, 1),  # 93.9 (197.9)
-    (128, 4096, 14336): GluonTiles(128, 128, 5, 8, 4),  # 59.7 (106.3)
-    (128, 6144, 4096): GluonTiles(128, 128, 3, 8, 2),  # 36.9 (41.9)
-    (128, 4096, 4096): GluonTiles(128, 128, 5, 8, 4),  # 26.4 (29.0)
-    (256, 28672, 4096): GluonTiles(256, 128, 4, 8, 1),  # 154.6 (210.1)
-    (256, 4096, 14336): GluonTiles(256, 128, 4, 8, 4),  # 92.5 (112.7)
+    (64, 28672, 4096): SwapTiles(64, 8, 4, 1, 64, 2),  # 47.3 us (74.2; bf16 66.3)
+    (64, 4096, 14336): SwapTiles(64, 4, 5, 4, 64, 2, False, 1, True),  # 34.4 (41.7; 36.2)
+    (64, 6144, 4096): SwapTiles(64, 4, 5, 4, 64, 2, False, 1, True),  # 19.4 (31.1; 16.7)
+    (64, 4096, 4096): SwapTiles(64, 4, 4, 4, 64, 2, True),  # 16.4 (27.9; 12.1)
+    (128, 28672, 4096): SwapTiles(128, 8, 4, 1, 64, 2),  # 71.1 (97.3; 67.7)
+    (128, 4096, 14336): SwapTiles(128, 8, 4, 4, 64, 2, True),  # 47.0 (60.1; 37.8)
+    (128, 6144, 4096): SwapTiles(128, 4, 4, 1, 64, 2),  # 28.3 (47.0; 16.9)
+    (128, 4096, 4096): SwapTiles(128, 4, 4, 2, 64, 2),  # 24.5 (39.2; 15.0)
+    (256, 28672, 4096): SwapTiles(256, 8, 4, 1, 64, 1),  # 103.3 (155.4; 90.9)
+    (256, 4096, 14336): SwapTiles(256, 8, 5, 4, 64, 2, False, 1, True),  # 78.9 (93.6; 49.0)
+    (256, 6144, 4096): SwapTiles(128, 8, 4, 1, 64, 2, True),  # 37.8 (40.2; 23.0)
 }
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 # False after a failed start-up self-test: every row count takes the other paths.
