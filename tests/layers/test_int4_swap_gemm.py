@@ -9,6 +9,10 @@ scripts/gpu_int4_gemm.py (INT4_GEMM_SET=swap) checks every timed launch against 
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton permute; the sm_90 compile test is offline
+
 import re
 
 import pytest
@@ -73,6 +77,18 @@ def test_gathered_x_columns_are_the_permutation():
     assert torch.equal(x[:, gather_columns(128)], permute_x(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k,block_r,block_k", [(5, 128, 8, 64), (19, 320, 8, 128), (3, 1024, 2, 512)])
+def test_triton_permute_matches_view_permute(m, k, block_r, block_k, dtype):
+    """`triton_x_permute` (interpreted) equals the view permute, with rows and columns that do not
+    fill a block."""
+    from tokenmill.layers.quantization.gluon_int4_swap_gemm import permute_x
+    from tokenmill.layers.quantization.triton_x_permute import permute_x_triton
+
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    assert torch.equal(permute_x_triton(x, block_r, block_k), permute_x(x))
+
+
 def test_kernel_join_permute_builds_the_fragment_tile():
     """The kernel's `_dequant` index algebra (join of the word with itself, four outputs joined
     (hi, a), permute `A_ORDER`, reshape) mirrored on codes gives `fragment_tile`."""
@@ -122,7 +138,6 @@ def test_compiles_for_sm90_with_wgmma_in_flight(wtop):
     (`WARPGROUP.DEPBAR.LE gsb0, 0x1`), the loop's two call sites dequantizing into disjoint
     registers (the wgmma in flight reads the other set), no local memory."""
     pytest.importorskip("triton.experimental.gluon")
-    import os
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     import sass_tools

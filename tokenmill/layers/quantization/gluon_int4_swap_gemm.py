@@ -67,8 +67,13 @@ A_ORDER = gl.constexpr((0, 6, 2, 1, 4, 7, 3, 5))
 
 def permute_x(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] with each 64-input step's columns in the weight fragment's K order: column
-    16 m + 8 a + 2 j + b of a step holds input 16 j + 4 m + 2 a + b (a contiguous copy)."""
+    16 m + 8 a + 2 j + b of a step holds input 16 j + 4 m + 2 a + b (a contiguous copy; on CUDA
+    `triton_x_permute`'s one-pass kernel, else this view permute, its reference)."""
     m, k = x.shape
+    if x.is_cuda and x.stride(1) == 1:
+        from tokenmill.layers.quantization.triton_x_permute import permute_x_triton
+
+        return permute_x_triton(x)
     return x.reshape(m, k // 64, 4, 4, 2, 2).permute(0, 1, 3, 4, 2, 5).reshape(m, k)
 
 
