@@ -1,7 +1,7 @@
 """Triton kernel: x [M, K] with each 64-input step's columns in the INT4 mma layout's fragment K
 order (logical column 16 m + 8 a + 2 j + b holds input 16 j + 4 m + 2 a + b), the operand the
-swapped Gluon INT4 GEMM (`gluon_int4_swap_gemm`) reads. One pass: 4-byte gathers inside each row's
-128-byte step, 16-byte stores; torch's permute copy of the same view took 4.2 us at 256 x 4096 and
+swapped Gluon INT4 GEMM (`gluon_int4_swap_gemm`) reads. One pass of 4-byte input pairs (b = 0, 1
+stay together): gathered inside each row's 128-byte step, stored contiguous; torch's permute copy of the same view took 4.2 us at 256 x 4096 and
 10.4 us at 256 x 14336 on an H200 (`scripts/gpu_int4_permute_cost.py`). Torch reference:
 `gluon_int4_swap_gemm.permute_x`'s view permute (the CPU path)."""
 
@@ -12,17 +12,17 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # one compile serves every row count
 def _permute_kernel(x_ptr, out_ptr, M, K, s_xm, s_om, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    cc = c % 64
-    p = cc // 2  # pair 8 m + 4 a + j of the step -> input pair 8 j + 2 m + a
-    src = (c // 64) * 64 + 2 * (8 * (p % 4) + 2 * (p // 8) + (p // 4) % 2) + cc % 2
-    mask = (rows[:, None] < M) & (c[None, :] < K)
-    r64 = rows[:, None].to(tl.int64)
-    v = tl.load(x_ptr + r64 * s_xm + src[None, :], mask=mask)
-    tl.store(out_ptr + r64 * s_om + c[None, :], v, mask=mask)
+    q = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)  # output pairs
+    p = q % 32  # pair 8 m + 4 a + j of the step -> input pair 8 j + 2 m + a
+    src = (q // 32) * 64 + 2 * (8 * (p % 4) + 2 * (p // 8) + (p // 4) % 2)
+    b = tl.arange(0, 2)
+    r64 = rows[:, None, None].to(tl.int64)
+    mask = (rows[:, None, None] < M) & (q[None, :, None] * 2 < K)
+    v = tl.load(x_ptr + r64 * s_xm + src[None, :, None] + b[None, None, :], mask=mask)  # 4-byte pairs
+    tl.store(out_ptr + r64 * s_om + q[None, :, None] * 2 + b[None, None, :], v, mask=mask)
 
 
 def permute_x_triton(x: torch.Tensor, block_r: int = 8, block_k: int = 512) -> torch.Tensor:
