@@ -13,7 +13,8 @@ Gluon GEMM (`gluon_int4_gemm`: the same dequantization with its wgmma kept in fl
 its own process so that a fault cannot cost the dot set's figures). INT4_GEMM_SET=swap: the swapped
 Gluon GEMM (`gluon_int4_swap_gemm`: the weight dequantized into wgmma's register operand) beside the
 table's launches (GPUs only).
-INT4_GEMM_ROWS: the row counts, in order (default 256,64,1024,128,16,512: what the budget leaves out is
+INT4_GEMM_SET=swap2: the second round's launches for the skinny linears at 256 rows (`swap2_variants`).
+INT4_GEMM_LINEARS: only these linears (e.g. down,qkv,o). INT4_GEMM_ROWS: the row counts, in order (default 256,64,1024,128,16,512: what the budget leaves out is
 the last); INT4_GEMM_BUDGET_S caps the timing (default 60 s after compiling); INT4_GEMM_COMPILE_S the
 parallel compile (default 30 s).
 """
@@ -47,6 +48,8 @@ def variants(m: int, smoke: bool) -> list:
         return dot_variants(m, smoke) if smoke else list(dict.fromkeys(gluon_variants(m)))
     if os.environ.get("INT4_GEMM_SET") == "swap":  # GPUs only (a smoke run falls back to the dot set)
         return dot_variants(m, smoke) if smoke else list(dict.fromkeys(swap_variants(m)))
+    if os.environ.get("INT4_GEMM_SET") == "swap2":  # session 8's second round: 256 rows, down / qkv / o
+        return dot_variants(m, smoke) if smoke else list(dict.fromkeys(swap2_variants(m)))
     if smoke:
         return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2), T(32, 16, 4, 1, flat=False, xperm=True,
                                                                           psz=True)]
@@ -160,6 +163,17 @@ def swap_variants(m: int) -> list:
             S(128, 8, 4, ahead=1, cpw=2)]
 
 
+def swap2_variants(m: int) -> list:
+    """The second round's `SwapTiles` for the skinny linears at 256 rows (down, qkv, o: few channel
+    tiles): two token tiles of 128 with split-K 2 instead of split 4 (half the fp32 partials), the
+    late retire (wtop) and the gathered x, beside the table's launches."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles as S
+
+    return [*_table_launches(m), S(128, 8, 4, 2), S(128, 8, 5, 2, wtop=True), S(128, 8, 4, 2, xnat=True),
+            S(128, 4, 4, 2), S(128, 8, 4), S(128, 8, 5, wtop=True), S(128, 8, 5, xnat=True, wtop=True),
+            S(128, 4, 4), S(256, 8, 5, 4, wtop=True)]
+
+
 def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
     """One launch of any GEMM: `GemmTiles` (triton_int4_mma_gemm), `DotTiles` (triton_int4_dot_gemm),
     `GluonTiles` (gluon_int4_gemm) or `SwapTiles` (gluon_int4_swap_gemm)."""
@@ -226,6 +240,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
     cuda = device == "cuda"
     smoke = not cuda
     shapes = SMOKE_SHAPES if smoke else LLAMA_SHAPES
+    if os.environ.get("INT4_GEMM_LINEARS") and not smoke:  # e.g. down,qkv,o: these linears only
+        shapes = {nm: shapes[nm] for nm in os.environ["INT4_GEMM_LINEARS"].split(",")}
     group = SMOKE_GROUP if smoke else GROUP
     dt = torch.bfloat16 if cuda else torch.float32
     if cuda:
@@ -291,7 +307,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         elif os.environ.get("INT4_GEMM_SET") == "gluon":
             from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles
             t = GluonTiles(64, 128, 4, 4, 2)
-        elif os.environ.get("INT4_GEMM_SET") == "swap":
+        elif os.environ.get("INT4_GEMM_SET") in ("swap", "swap2"):
             from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles
             t = SwapTiles(64, 4, 4, 2)
         else:
