@@ -164,16 +164,18 @@ def swap_variants(m: int) -> list:
 
 
 def swap2_variants(m: int) -> list:
-    """The second round's `SwapTiles` for the skinny linears at 256 rows (down, qkv, o: few channel
+    """The later rounds' `SwapTiles` for the skinny linears at 256 rows (down, qkv, o: few channel
     tiles): two token tiles of 128 with split-K 2 instead of split 4 (half the fp32 partials), the
-    late retire (wtop) and the gathered x, beside the table's launches."""
+    late retire (wtop) and the gathered x, beside the table's launches (x permuted by the Triton
+    pass now)."""
     from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles as S
 
     if m != 256:  # the table's launches only (compiling them warms the cache an engine started next reads)
         return _table_launches(m)
     return [*_table_launches(m), S(128, 8, 4, 2), S(128, 8, 5, 2, wtop=True), S(128, 8, 4, 2, xnat=True),
             S(128, 4, 4, 2), S(128, 8, 4), S(128, 8, 5, wtop=True), S(128, 8, 5, xnat=True, wtop=True),
-            S(128, 4, 4), S(256, 8, 5, 4, wtop=True)]
+            S(128, 4, 4), S(256, 8, 5, 4, wtop=True), S(128, 8, 4, 4), S(128, 8, 5, 4, wtop=True),
+            S(128, 4, 4, 2, xnat=True), S(64, 4, 4, 2), S(256, 8, 4, ahead=1)]
 
 
 def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
