@@ -241,7 +241,9 @@ class SwapTiles:
 # other paths of `triton_int4_mma.mma_matmul`. From session 8's mid-session sweep (one H200; us a
 # call; in brackets the table before, i.e. session 7's Gluon / tl.dot launches or dequantize + cuBLAS,
 # and bf16 cuBLAS, same process; docs/results/gpu-int4-gemm.md): only where >= 3% faster. 256 rows:
-# o stays on dequantize + cuBLAS (28.0 us against 30.1); 8192 rows (prefill): every swap launch lost.
+# the third round's sweep (x permuted by the Triton pass, more launches for down / qkv / o) moved qkv
+# (37.6 -> 36.3 us); o stays on dequantize + cuBLAS (28.1 us against 29.0); 8192 rows (prefill):
+# every swap launch lost to dequantize + cuBLAS.
 TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles | SwapTiles] = {
     (64, 28672, 4096): SwapTiles(64, 8, 4, 1, 64, 2),  # 47.3 us (74.2; bf16 66.3)
     (64, 4096, 14336): SwapTiles(64, 4, 5, 4, 64, 2, False, 1, True),  # 34.4 (41.7; 36.2)
@@ -251,9 +253,9 @@ TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles | SwapTiles] = {
     (128, 4096, 14336): SwapTiles(128, 8, 4, 4, 64, 2, True),  # 47.0 (60.1; 37.8)
     (128, 6144, 4096): SwapTiles(128, 4, 4, 1, 64, 2),  # 28.3 (47.0; 16.9)
     (128, 4096, 4096): SwapTiles(128, 4, 4, 2, 64, 2),  # 24.5 (39.2; 15.0)
-    (256, 28672, 4096): SwapTiles(256, 8, 4, 1, 64, 1),  # 103.3 (155.4; 90.9)
-    (256, 4096, 14336): SwapTiles(256, 8, 5, 4, 64, 2, False, 1, True),  # 78.9 (93.6; 49.0)
-    (256, 6144, 4096): SwapTiles(128, 8, 4, 1, 64, 2, True),  # 37.8 (40.2; 23.0)
+    (256, 28672, 4096): SwapTiles(256, 8, 4, 1, 64, 1),  # 103.3 (155.4; 90.9); third round 101.7 (89.9)
+    (256, 4096, 14336): SwapTiles(256, 8, 5, 4, 64, 2, False, 1, True),  # 78.9 (93.6; 49.0); 73.8 (47.9)
+    (256, 6144, 4096): SwapTiles(128, 8, 5, 1, 64, 2, False, 1, True),  # third round 36.3 (40.8; 22.6)
 }
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 # False after a failed start-up self-test: every row count takes the other paths.
