@@ -10,8 +10,11 @@ INT4_GEMM_SET=next: the launches with every loop load pipelined (see `variants`)
 INT4_GEMM_SET=dot: the plain tl.dot GEMM (`triton_int4_dot_gemm`: x as A, the weight dequantized as B,
 PTX or Triton dequantization) over its tiles, splits and pipeline depths. INT4_GEMM_SET=gluon: the
 Gluon GEMM (`gluon_int4_gemm`: the same dequantization with its wgmma kept in flight; GPUs only,
-its own process so that a fault cannot cost the dot set's figures).
-INT4_GEMM_ROWS: the row counts, in order (default 256,64,1024,128,16,512: what the budget leaves out is
+its own process so that a fault cannot cost the dot set's figures). INT4_GEMM_SET=swap: the swapped
+Gluon GEMM (`gluon_int4_swap_gemm`: the weight dequantized into wgmma's register operand) beside the
+table's launches (GPUs only).
+INT4_GEMM_SET=swap2: the second round's launches for the skinny linears at 256 rows (`swap2_variants`).
+INT4_GEMM_LINEARS: only these linears (e.g. down,qkv,o). INT4_GEMM_ROWS: the row counts, in order (default 256,64,1024,128,16,512: what the budget leaves out is
 the last); INT4_GEMM_BUDGET_S caps the timing (default 60 s after compiling); INT4_GEMM_COMPILE_S the
 parallel compile (default 30 s).
 """
@@ -43,6 +46,10 @@ def variants(m: int, smoke: bool) -> list:
         return dot_variants(m, smoke)
     if os.environ.get("INT4_GEMM_SET") == "gluon":  # GPUs only (a smoke run falls back to the dot set)
         return dot_variants(m, smoke) if smoke else list(dict.fromkeys(gluon_variants(m)))
+    if os.environ.get("INT4_GEMM_SET") == "swap":  # GPUs only (a smoke run falls back to the dot set)
+        return dot_variants(m, smoke) if smoke else list(dict.fromkeys(swap_variants(m)))
+    if os.environ.get("INT4_GEMM_SET") == "swap2":  # session 8's second round: 256 rows, down / qkv / o
+        return dot_variants(m, smoke) if smoke else list(dict.fromkeys(swap2_variants(m)))
     if smoke:
         return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2), T(32, 16, 4, 1, flat=False, xperm=True,
                                                                           psz=True)]
@@ -128,18 +135,63 @@ def gluon_variants(m: int) -> list:
             G(128, 128, 3, 8, 2), G(128, 128, 3, 8, 4), G(128, 128, 3, 4, 2)]
 
 
-def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
-    """One launch of any GEMM: `GemmTiles` (triton_int4_mma_gemm), `DotTiles` (triton_int4_dot_gemm)
-    or `GluonTiles` (gluon_int4_gemm)."""
-    from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles, dot_gemm
-    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
+def swap_variants(m: int) -> list:
+    """`SwapTiles` (block_t, warps, stages, split, block_k, ahead) of the swapped Gluon GEMM
+    (`gluon_int4_swap_gemm`: the weight dequantized into wgmma's register A operand, x through
+    shared memory) beside the launches the table routes now (bf16, GPUs only). 16 x warps channels a
+    CTA (x cpw: two 16-channel blocks a warp, fewer x bytes per FLOP); split-K for the linears of few
+    channel tiles (down, qkv, o); xnat: x gathered in the kernel (4-byte cp.asyncs) instead of
+    permuted by a copy first; wtop: wgmma i - 2 retired after the step's barrier (no barrier waits on
+    the other warpgroup's wgmma)."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles as S
 
-    from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles
+    if m <= 64:
+        return [*_table_launches(m), S(64, 4, 4), S(64, 8, 4), S(64, 4, 4, 2), S(64, 4, 4, 4), S(64, 8, 4, 4),
+                S(64, 4, 4, xnat=True), S(64, 4, 4, 4, xnat=True), S(64, 4, 4, cpw=2), S(64, 4, 4, 2, cpw=2),
+                S(64, 4, 5, wtop=True), S(64, 4, 5, 4, wtop=True)]
+    if m <= 128:
+        return [*_table_launches(m), S(128, 8, 4), S(128, 4, 4), S(128, 8, 4, 2), S(128, 8, 4, 4), S(128, 4, 4, 2),
+                S(128, 8, 4, xnat=True), S(128, 8, 4, 4, xnat=True), S(128, 8, 5, wtop=True),
+                S(128, 8, 5, 4, wtop=True), S(128, 8, 5, 2, wtop=True)]
+    if m <= 256:
+        return [*_table_launches(m), S(256, 8, 4), S(256, 8, 4, ahead=1), S(256, 4, 3), S(128, 4, 4),
+                S(256, 8, 4, 2), S(256, 8, 4, 4), S(256, 8, 4, xnat=True), S(256, 8, 4, 4, xnat=True),
+                S(128, 8, 4, xnat=True), S(128, 8, 4, ahead=1, cpw=2), S(128, 8, 4, 2, ahead=1, cpw=2),
+                S(256, 8, 5, wtop=True), S(256, 8, 4, wtop=True), S(256, 8, 6, wtop=True), S(256, 8, 5, 2, wtop=True),
+                S(256, 8, 5, 4, wtop=True), S(256, 8, 5, xnat=True, wtop=True), S(256, 8, 5, 4, xnat=True, wtop=True)]
+    return [S(256, 8, 4), S(256, 8, 5, wtop=True), S(128, 4, 4), S(256, 8, 5, 2, wtop=True),
+            S(128, 8, 4, ahead=1, cpw=2)]
+
+
+def swap2_variants(m: int) -> list:
+    """The later rounds' `SwapTiles` for the skinny linears at 256 rows (down, qkv, o: few channel
+    tiles): two token tiles of 128 with split-K 2 instead of split 4 (half the fp32 partials), the
+    late retire (wtop) and the gathered x, beside the table's launches (x permuted by the Triton
+    pass now)."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles as S
+
+    if m != 256:  # the table's launches only (compiling them warms the cache an engine started next reads)
+        return _table_launches(m)
+    return [*_table_launches(m), S(128, 8, 4, 2), S(128, 8, 5, 2, wtop=True), S(128, 8, 4, 2, xnat=True),
+            S(128, 4, 4, 2), S(128, 8, 4), S(128, 8, 5, wtop=True), S(128, 8, 5, xnat=True, wtop=True),
+            S(128, 4, 4), S(256, 8, 5, 4, wtop=True), S(128, 8, 4, 4), S(128, 8, 5, 4, wtop=True),
+            S(128, 4, 4, 2, xnat=True), S(64, 4, 4, 2), S(256, 8, 4, ahead=1)]
+
+
+def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
+    """One launch of any GEMM: `GemmTiles` (triton_int4_mma_gemm), `DotTiles` (triton_int4_dot_gemm),
+    `GluonTiles` (gluon_int4_gemm) or `SwapTiles` (gluon_int4_swap_gemm)."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles, GluonTiles, SwapTiles, dot_gemm
+    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
 
     if isinstance(t, GluonTiles):
         from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
 
         return gluon_gemm(x, qm, scales, zeros, group, t, sz=pso, counters=counters)
+    if isinstance(t, SwapTiles):
+        from tokenmill.layers.quantization.gluon_int4_swap_gemm import swap_gemm
+
+        return swap_gemm(x, qm, scales, zeros, group, t, sz=pso, counters=counters)
     if isinstance(t, DotTiles):
         return dot_gemm(x, qm, scales, zeros, group, t, counters, sz=pso)
     return mma_gemm(x, qm, scales, zeros, group, t, counters, sz=psz)
@@ -192,6 +244,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
     cuda = device == "cuda"
     smoke = not cuda
     shapes = SMOKE_SHAPES if smoke else LLAMA_SHAPES
+    if os.environ.get("INT4_GEMM_LINEARS") and not smoke:  # e.g. down,qkv,o: these linears only
+        shapes = {nm: shapes[nm] for nm in os.environ["INT4_GEMM_LINEARS"].split(",")}
     group = SMOKE_GROUP if smoke else GROUP
     dt = torch.bfloat16 if cuda else torch.float32
     if cuda:
@@ -257,6 +311,9 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         elif os.environ.get("INT4_GEMM_SET") == "gluon":
             from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles
             t = GluonTiles(64, 128, 4, 4, 2)
+        elif os.environ.get("INT4_GEMM_SET") in ("swap", "swap2"):
+            from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles
+            t = SwapTiles(64, 4, 4, 2)
         else:
             t = GemmTiles(64, 64, 4, 4, split=2)
         run_tiles(t, xs[0], qm, scales, zeros, group, counters)

@@ -177,4 +177,5 @@ def test_table_entries_fit_their_shapes():
     for (bucket, n, k), t in dot.TABLE.items():
         assert bucket in dot.BUCKETS
         assert dot.dot_tiles(bucket, n, k, 128) == t, (bucket, n, k, t)
-        assert dot.dot_tiles(bucket, n, k, 128, torch.float16) == (None if isinstance(t, dot.GluonTiles) else t)
+        gluon = isinstance(t, (dot.GluonTiles, dot.SwapTiles))  # bf16 only
+        assert dot.dot_tiles(bucket, n, k, 128, torch.float16) == (None if gluon else t)

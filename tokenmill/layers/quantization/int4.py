@@ -111,12 +111,12 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
             counters = torch.zeros(256, dtype=torch.int32, device=device)
             errs = []
             for t in sorted(tiles, key=lambda t: t.label()):
-                if isinstance(t, dot.GluonTiles) and dtype != torch.bfloat16:
-                    continue  # the Gluon GEMM serves bf16 only (`dot.dot_tiles` skips it otherwise)
+                if isinstance(t, (dot.GluonTiles, dot.SwapTiles)) and dtype != torch.bfloat16:
+                    continue  # the Gluon GEMMs serve bf16 only (`dot.dot_tiles` skips it otherwise)
                 for m in (t.block_m, t.block_m + 3):
                     x = torch.randn(m, k, device=device, generator=g).to(dtype)
                     ref = x.float() @ ref_w
-                    run = dot.run if isinstance(t, (dot.DotTiles, dot.GluonTiles)) else gemm.mma_gemm
+                    run = dot.run if isinstance(t, (dot.DotTiles, dot.GluonTiles, dot.SwapTiles)) else gemm.mma_gemm
                     errs.append(((run(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
                                  / ref.norm()).item())
             if errs:

@@ -204,23 +204,58 @@ class GluonTiles:
                 f"{', 128' if self.block_k == 128 else ''})")
 
 
-# (rows bucket: the most rows it serves, N, K) -> the launch where this GEMM (DotTiles) or the Gluon
-# one (GluonTiles, bf16) measured fastest (Llama-8B's linears, `scripts/gpu_int4_gemm.py` with
-# INT4_GEMM_SET=dot / gluon); a shape or row count not listed takes the other paths of
-# `triton_int4_mma.mma_matmul`. From session 7's two mid-session sweeps on one H100 (us a call; in
-# brackets dequantize + cuBLAS in the same process; docs/results/gpu-int4-gemm.md): only where >= 3%
-# faster. 256 rows: qkv and o stay on dequantize + cuBLAS (47 / 33 us against 48 / 42).
-TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles] = {
-    (64, 28672, 4096): GluonTiles(64, 128, 4, 4, 1),  # 70.9 us (195.0)
-    (64, 4096, 14336): GluonTiles(64, 128, 3, 4, 4, 128),  # 41.8 (101.0)
-    (64, 6144, 4096): DotTiles(64, 64, 64, 4, 4, 4, 1, 2),  # 26.3 (41.4)
-    (64, 4096, 4096): GluonTiles(64, 128, 3, 4, 4, 128),  # 18.6 (25.6)
-    (128, 28672, 4096): GluonTiles(128, 128, 3, 8, 1),  # 93.9 (197.9)
-    (128, 4096, 14336): GluonTiles(128, 128, 5, 8, 4),  # 59.7 (106.3)
-    (128, 6144, 4096): GluonTiles(128, 128, 3, 8, 2),  # 36.9 (41.9)
-    (128, 4096, 4096): GluonTiles(128, 128, 5, 8, 4),  # 26.4 (29.0)
-    (256, 28672, 4096): GluonTiles(256, 128, 4, 8, 1),  # 154.6 (210.1)
-    (256, 4096, 14336): GluonTiles(256, 128, 4, 8, 4),  # 92.5 (112.7)
+@dataclass(frozen=True)
+class SwapTiles:
+    """A launch of the swapped Gluon GEMM (`gluon_int4_swap_gemm`: the dequantized weight as wgmma's
+    register A operand): BLOCK_T rows of x (wgmma's N: 8..256) by 16 x warps x cpw channels per CTA,
+    cp.async stages of x (>= 3), split-K slices, inputs a K step (64 or 128), the words' register
+    prefetch distance in steps (1 or 2), x gathered in the kernel (else permuted by a copy first)."""
+
+    block_t: int = 256
+    warps: int = 8
+    stages: int = 4
+    split: int = 1
+    block_k: int = 64
+    ahead: int = 2
+    xnat: bool = False  # x read as it is, gathered into the K order in 4-byte copies (else permuted first)
+    cpw: int = 1  # 16-channel blocks a warp (two: m64 twice a warpgroup, twice the channels a CTA)
+    wtop: bool = False  # retire wgmma i - 2 after step i's barrier (no barrier waits on a wgmma; stages >= 4)
+
+    @property
+    def block_m(self) -> int:  # the rows of x a CTA takes, as the other launches name it
+        return self.block_t
+
+    def label(self) -> str:
+        return (f"swap t{self.block_t} c{16 * self.warps * self.cpw} w{self.warps} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
+                f"{' k128' if self.block_k == 128 else ''} a{self.ahead}{' xn' if self.xnat else ''}{' wt' if self.wtop else ''}")
+
+    def code(self) -> str:
+        return (f"SwapTiles({self.block_t}, {self.warps}, {self.stages}, {self.split}, {self.block_k}, {self.ahead}"
+                f"{f', {self.xnat}' if self.xnat or self.cpw > 1 or self.wtop else ''}"
+                f"{f', {self.cpw}' if self.cpw > 1 or self.wtop else ''}{', True' if self.wtop else ''})")
+
+
+# (rows bucket: the most rows it serves, N, K) -> the launch that measured fastest (Llama-8B's
+# linears, `scripts/gpu_int4_gemm.py` INT4_GEMM_SET=swap): this GEMM (DotTiles), the Gluon one
+# (GluonTiles) or the swapped Gluon one (SwapTiles, bf16); a shape or row count not listed takes the
+# other paths of `triton_int4_mma.mma_matmul`. From session 8's mid-session sweep (one H200; us a
+# call; in brackets the table before, i.e. session 7's Gluon / tl.dot launches or dequantize + cuBLAS,
+# and bf16 cuBLAS, same process; docs/results/gpu-int4-gemm.md): only where >= 3% faster. 256 rows:
+# the third round's sweep (x permuted by the Triton pass, more launches for down / qkv / o) moved qkv
+# (37.6 -> 36.3 us); o stays on dequantize + cuBLAS (28.1 us against 29.0); 8192 rows (prefill):
+# every swap launch lost to dequantize + cuBLAS.
+TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles | SwapTiles] = {
+    (64, 28672, 4096): SwapTiles(64, 8, 4, 1, 64, 2),  # 47.3 us (74.2; bf16 66.3)
+    (64, 4096, 14336): SwapTiles(64, 4, 5, 4, 64, 2, False, 1, True),  # 34.4 (41.7; 36.2)
+    (64, 6144, 4096): SwapTiles(64, 4, 5, 4, 64, 2, False, 1, True),  # 19.4 (31.1; 16.7)
+    (64, 4096, 4096): SwapTiles(64, 4, 4, 4, 64, 2, True),  # 16.4 (27.9; 12.1)
+    (128, 28672, 4096): SwapTiles(128, 8, 4, 1, 64, 2),  # 71.1 (97.3; 67.7)
+    (128, 4096, 14336): SwapTiles(128, 8, 4, 4, 64, 2, True),  # 47.0 (60.1; 37.8)
+    (128, 6144, 4096): SwapTiles(128, 4, 4, 1, 64, 2),  # 28.3 (47.0; 16.9)
+    (128, 4096, 4096): SwapTiles(128, 4, 4, 2, 64, 2),  # 24.5 (39.2; 15.0)
+    (256, 28672, 4096): SwapTiles(256, 8, 4, 1, 64, 1),  # 103.3 (155.4; 90.9); third round 101.7 (89.9)
+    (256, 4096, 14336): SwapTiles(256, 8, 5, 4, 64, 2, False, 1, True),  # 78.9 (93.6; 49.0); 73.8 (47.9)
+    (256, 6144, 4096): SwapTiles(128, 8, 5, 1, 64, 2, False, 1, True),  # third round 36.3 (40.8; 22.6)
 }
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 # False after a failed start-up self-test: every row count takes the other paths.
@@ -228,23 +263,31 @@ ENABLED = True
 
 
 def dot_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bfloat16
-              ) -> DotTiles | GluonTiles | None:
+              ) -> DotTiles | GluonTiles | SwapTiles | None:
     """The launch for an [m, k] x [k, n] product on the mma layout, or None (another path)."""
     bucket = next((b for b in BUCKETS if b >= m), None)
     t = TABLE.get((bucket, n, k)) if bucket is not None and ENABLED else None
     if isinstance(t, GluonTiles):
         ok = dtype == torch.bfloat16 and n % t.block_n == 0 and group % t.block_k == 0 and k % group == 0
         return t if ok else None
+    if isinstance(t, SwapTiles):
+        ok = (dtype == torch.bfloat16 and n % (16 * t.warps * t.cpw) == 0 and group % t.block_k == 0 and k % group == 0
+              and (k // t.block_k) % 2 == 0)
+        return t if ok else None
     return t if t is not None and fits(n, k, group, t) else None
 
 
 def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-        tiles: DotTiles | GluonTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """The launch `dot_tiles` chose: this module's GEMM or the Gluon one."""
+        tiles: DotTiles | GluonTiles | SwapTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The launch `dot_tiles` chose: this module's GEMM or a Gluon one."""
     if isinstance(tiles, GluonTiles):
         from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
 
         return gluon_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
+    if isinstance(tiles, SwapTiles):
+        from tokenmill.layers.quantization.gluon_int4_swap_gemm import swap_gemm
+
+        return swap_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
     return dot_gemm(x, qm, scales, zeros, group_size, tiles, counters)
 
 
