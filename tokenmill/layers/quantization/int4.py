@@ -47,6 +47,24 @@ def mma_enabled() -> bool:
     return os.environ.get("TOKENMILL_INT4_MMA", "1") != "0"
 
 
+def silu_pairs_enabled() -> bool:
+    """[gate | up] INT4 weights in the mma layout are kept in `int4_packing.gate_up_pairs` order, so
+    that a few rows' GEMV writes silu(gate) * up itself (`Int4LinearMethod.apply_silu_mul`; one
+    launch less per MLP). TOKENMILL_INT4_SILU_PAIRS=0: natural order (A/B runs)."""
+    import os
+
+    return os.environ.get("TOKENMILL_INT4_SILU_PAIRS", "1") != "0"
+
+
+def pair_gate_up(wt: packing.Int4Weights) -> tuple[packing.Int4Weights, torch.Tensor]:
+    """Weights in the mma layout with their channels in `gate_up_pairs` order, and the index that
+    puts a result of them back in natural order."""
+    order = packing.gate_up_pairs(wt.scales.shape[1]).to(wt.scales.device)
+    q = packing.to_mma(packing.from_mma(wt.qweight)[:, order])
+    return packing.Int4Weights(q, wt.scales[:, order].contiguous(), wt.zeros[:, order].contiguous(), None), \
+        torch.argsort(order)
+
+
 _SELFTEST: dict = {}
 
 
@@ -216,6 +234,10 @@ class Int4LinearMethod(LinearMethod):
             if getattr(layer, name, None) is not None:
                 replace_param(layer, name, None)
         wt = for_device(wt, self._group(layer.in_features))
+        layer.pair_order = None  # natural order of a paired [gate | up] weight's results (`pair_gate_up`)
+        if (wt.qweight.dim() == 4 and getattr(layer, "silu_halves", False) and layer.bias is None
+                and wt.qweight.shape[0] % 2 == 0 and silu_pairs_enabled()):
+            wt, layer.pair_order = pair_gate_up(wt)
         replace_param(layer, "qweight", wt.qweight)
         replace_param(layer, "scales", wt.scales)
         replace_param(layer, "zeros", wt.zeros)
@@ -235,12 +257,37 @@ class Int4LinearMethod(LinearMethod):
 
             out = int4_matmul(x.reshape(-1, k), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
                             self.config.group_size, layer.stream_counters.tensor)
+            if getattr(layer, "pair_order", None) is not None:  # a paired [gate | up] weight: natural order
+                out = out.index_select(-1, layer.pair_order)
             if bias is not None:
                 out = out + bias
             return out.view(*x.shape[:-1], out.shape[-1])
         wt = packing.Int4Weights(layer.qweight, layer.scales, layer.zeros, layer.g_idx)
         w = packing.dequantize(wt, self.config.group_size, x.dtype)  # [K, N]
         return F.linear(x, w.t(), bias)
+
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module
+                       ) -> torch.Tensor:
+        """act(x @ W^T + bias) for a [gate | up] layer whose act is SiLU-and-mul (`Linear.run_silu_mul`).
+        A paired weight (`pair_gate_up`): up to 8 rows the GEMV writes the product itself (SILU);
+        more rows, its GEMM's paired result goes through `silu_and_mul(paired=True)`. Else, act
+        of `apply`. The same values as `act(apply(...))` either way."""
+        from tokenmill.layers.activation import SiluAndMul
+
+        order = getattr(layer, "pair_order", None)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if order is None or bias is not None or type(act) is not SiluAndMul or act.fp8_defer or rows == 0:
+            return act(self.apply(layer, x, bias))
+        from tokenmill.layers.quantization import triton_int4_mma as mma
+        from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+        x2 = x.reshape(rows, x.shape[-1])
+        args = (layer.qweight, layer.scales, layer.zeros, self.config.group_size)
+        if rows <= mma.ROWS:
+            out = mma.mma_gemv(x2, *args, counters=layer.stream_counters.tensor, silu=True)
+        else:
+            out = silu_and_mul(mma.mma_matmul(x2, *args, layer.stream_counters.tensor), paired=True)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def describe(self) -> str:
         return self.config.describe()

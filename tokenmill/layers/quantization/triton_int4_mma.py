@@ -210,6 +210,49 @@ def _store_asm(f32: bool, f16: bool) -> str:
     return "\n".join(lines)
 
 
+@functools.cache
+def _store_pair_asm(f16: bool) -> str:
+    """PTX storing the thread's two SiLU-and-mul products (`SILU`): $0 (dummy out), $1 the product
+    tensor at the CTA's first product channel (l), $2 bytes between rows (r), $3 M (r), $4 / $5
+    rows 2j / 2j + 1 of product channel 8 wid + g (f), rounded to bf16 / fp16."""
+    lines = ["{", ".reg .pred pr;", ".reg .b32 tid, wid, lane, g, j, r, c;", ".reg .b64 a, o64;", ".reg .b16 hv;",
+             "mov.u32 tid, %tid.x;", "shr.u32 wid, tid, 5;", "and.b32 lane, tid, 31;", "shr.u32 g, lane, 2;",
+             "and.b32 j, lane, 3;", "shl.b32 c, wid, 3;", "add.u32 c, c, g;"]
+    for dr in range(2):
+        lines += ["shl.b32 r, j, 1;", f"add.u32 r, r, {dr};", "setp.lt.u32 pr, r, $3;", "mul.wide.u32 a, r, $2;",
+                  "mul.wide.u32 o64, c, 2;", "add.s64 a, a, o64;", "add.s64 a, a, $1;",
+                  f"cvt.rn.{'f16' if f16 else 'bf16'}.f32 hv, ${4 + dr};", "@pr st.global.b16 [a], hv;"]
+    lines += ["mov.b32 $0, 0;", "}"]
+    return "\n".join(lines)
+
+
+@triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up with the roundings of the unfused path: the GEMV's float32 sums rounded to
+    the activation dtype, then `silu_and_mul`'s kernel arithmetic (its silu rounded once more)."""
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return silu * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _ref_sums(x_ptr, w_ptr, s_ptr, z_ptr, cols, g_lo, per, M, K, s_xm, s_sg, GROUP: tl.constexpr):
+    """The interpreter's sums [8 rows, cols] over groups g_lo .. g_lo + per: codes gathered by the
+    inverse index map (`_codes_at`), float32."""
+    rows = tl.arange(0, 8)
+    kk = tl.arange(0, GROUP)
+    acc = tl.zeros([8, cols.shape[0]], dtype=tl.float32)
+    for grp in range(g_lo, g_lo + per):
+        k = grp * GROUP + kk
+        q = _codes_at(w_ptr, k[:, None], cols[None, :], K).to(tl.float32)
+        z = tl.load(z_ptr + grp * s_sg + cols).to(tl.float32)
+        s = tl.load(s_ptr + grp * s_sg + cols).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * s_xm + k[None, :], mask=rows[:, None] < M, other=0.0).to(tl.float32)
+        d = tl.sum(x[:, :, None] * (q - z[None, :])[None, :, :], axis=1)
+        acc += d * s[None, :]
+    return acc
+
+
 @triton.jit
 def _codes_at(w_ptr, k, n, K):
     """The codes [k.shape x n.shape] of input channels k ([BK, 1]) and outputs n ([1, BN]) in the
@@ -274,13 +317,17 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                      GROUP: tl.constexpr, SPLIT: tl.constexpr, WARPS: tl.constexpr, GPC: tl.constexpr,
                      ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr,
                      USE_PDL: tl.constexpr = False, ASM_PRE: tl.constexpr = "", ASM_STEP_IN: tl.constexpr = "",
-                     AHEAD: tl.constexpr = 0, ASM_PF: tl.constexpr = "", RING: tl.constexpr = 0):
+                     AHEAD: tl.constexpr = 0, ASM_PF: tl.constexpr = "", RING: tl.constexpr = 0,
+                     SILU: tl.constexpr = False, ASM_STORE_PAIR: tl.constexpr = ""):
     """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
     anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
     weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
     them: under PDL the GEMV streams while the kernel before it finishes. AHEAD > 0: ASM_STEP
     prefetches the words AHEAD loop steps on (`_asm`'s ahead); with ASM_PRE, ASM_PF prefetches
-    the AHEAD steps after the first before the wait (`_prefetch_asm`)."""
+    the AHEAD steps after the first before the wait (`_prefetch_asm`).
+    SILU (`int4_packing.gate_up_pairs`: channels g / g + 8 of each 16-channel block are gate / up
+    of one product channel): out is [M, N / 2], silu(gate) * up (`_silu_mul`), written by the
+    thread that holds both sums (ASM_STORE_PAIR) or by the split-K epilogue."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -340,7 +387,13 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                      one + s_sg * 2, one + M, a0, a1, a2, a3,
                      (w_thr + tl.minimum(grp + AHEAD * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
                     dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
-        if SPLIT == 1:
+        if SPLIT == 1 and SILU:
+            dt: tl.constexpr = out_ptr.dtype.element_ty
+            tl.inline_asm_elementwise(ASM_STORE_PAIR, "=r,l,r,r,f,f",
+                                      [(out_ptr + n0 // 2 + one).to(tl.int64), one + N, one + M,
+                                       _silu_mul(a0, a2, dt), _silu_mul(a1, a3, dt)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        elif SPLIT == 1:
             tl.inline_asm_elementwise(ASM_STORE, "=r,l,r,r,f,f,f,f",
                                       [(out_ptr + n0 + one).to(tl.int64), one + N * 2, one + M, a0, a1, a2, a3],
                                       dtype=tl.int32, is_pure=False, pack=1)
@@ -352,34 +405,52 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         pdl.launch_dependents(USE_PDL)
         pdl.wait(USE_PDL)
         rows = tl.arange(0, 8)
-        offs_n = n0 + tl.arange(0, BN)
-        kk = tl.arange(0, GROUP)
-        acc = tl.zeros([8, BN], dtype=tl.float32)
-        for grp in range(g_lo, g_lo + per):
-            k = grp * GROUP + kk
-            q = _codes_at(w_ptr, k[:, None], offs_n[None, :], K).to(tl.float32)
-            z = tl.load(z_ptr + grp * s_sg + offs_n).to(tl.float32)
-            s = tl.load(s_ptr + grp * s_sg + offs_n).to(tl.float32)
-            x = tl.load(x_ptr + rows[:, None] * s_xm + k[None, :], mask=rows[:, None] < M, other=0.0).to(tl.float32)
-            d = tl.sum(x[:, :, None] * (q - z[None, :])[None, :, :], axis=1)
-            acc += d * s[None, :]
-        mask = (rows[:, None] < M) & (offs_n[None, :] < N)
-        if SPLIT == 1:
-            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if SILU:  # gate and up channels summed apart (`_ref_sums` is elementwise in the channels)
+            c = tl.arange(0, BN // 2)
+            gcols = n0 + 16 * (c // 8) + c % 8
+            acc_g = _ref_sums(x_ptr, w_ptr, s_ptr, z_ptr, gcols, g_lo, per, M, K, s_xm, s_sg, GROUP)
+            acc_u = _ref_sums(x_ptr, w_ptr, s_ptr, z_ptr, gcols + 8, g_lo, per, M, K, s_xm, s_sg, GROUP)
+            mask = (rows[:, None] < M) & (gcols[None, :] < N)
+            if SPLIT == 1:
+                tl.store(out_ptr + rows[:, None] * (N // 2) + (n0 // 2 + c)[None, :],
+                         _silu_mul(acc_g, acc_u, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                base = part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N
+                tl.store(base + gcols[None, :], acc_g, mask=mask)
+                tl.store(base + gcols[None, :] + 8, acc_u, mask=mask)
         else:
-            tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
+            offs_n = n0 + tl.arange(0, BN)
+            acc = _ref_sums(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, g_lo, per, M, K, s_xm, s_sg, GROUP)
+            mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+            if SPLIT == 1:
+                tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
     if SPLIT > 1:
         tl.debug_barrier()  # every thread's partial is stored (and fenced) before the CTA counts itself in
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT - 1:  # the last slice of these channels: sum the partials in slice order
             rows = tl.arange(0, 8)
-            offs_n = n0 + tl.arange(0, BN)
-            mask = (rows[:, None] < M) & (offs_n[None, :] < N)
-            total = tl.zeros([8, BN], dtype=tl.float32)
-            for sl in range(SPLIT):
-                total += tl.load(part_ptr + sl * M * N + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+            if SILU:  # gate / up: channels g / g + 8 of each 16-channel block
+                c = tl.arange(0, BN // 2)
+                gcols = n0 + 16 * (c // 8) + c % 8
+                mask = (rows[:, None] < M) & (gcols[None, :] < N)
+                gate = tl.zeros([8, BN // 2], dtype=tl.float32)
+                up = tl.zeros([8, BN // 2], dtype=tl.float32)
+                for sl in range(SPLIT):
+                    base = part_ptr + sl * M * N + rows[:, None] * N + gcols[None, :]
+                    gate += tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
+                    up += tl.load(base + 8, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + rows[:, None] * (N // 2) + (n0 // 2 + c)[None, :],
+                         _silu_mul(gate, up, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                offs_n = n0 + tl.arange(0, BN)
+                mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+                total = tl.zeros([8, BN], dtype=tl.float32)
+                for sl in range(SPLIT):
+                    total += tl.load(part_ptr + sl * M * N + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
@@ -424,12 +495,13 @@ class MmaGemv:
     ahead: int = 0  # loop steps ahead whose words each step prefetches (0: none; `_asm`)
     ahead_l1: bool = False  # the prefetch into L1, not L2
     ring: int = 0  # K steps of words in flight through shared memory (cp.async; 0: loads to registers)
+    maxnreg: int = 0  # registers a thread at most (ptxas `.maxnreg`; 0: its choice): more CTAs resident an SM
 
     def label(self) -> str:
         return (f"mma w{self.warps} s{self.split} g{self.gpc}{'' if self.early else ' late'}"
                 f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}"
                 f"{f' a{self.ahead}' + ('l1' if self.ahead_l1 else '') if self.ahead else ''}"
-                f"{f' r{self.ring}' if self.ring else ''}"
+                f"{f' r{self.ring}' if self.ring else ''}{f' m{self.maxnreg}' if self.maxnreg else ''}"
                 f"{'' if self.pdl else ' nopdl'}{'' if self.pre or not self.pdl else ' nopre'}")
 
 
@@ -458,6 +530,8 @@ def parse_label(label: str) -> MmaGemv:
         for w in words[3:]:
             if w.startswith("r") and w[1:].isdigit():
                 fields.update(ring=int(w[1:]))
+            elif w.startswith("m") and w[1:].isdigit():
+                fields.update(maxnreg=int(w[1:]))
             elif w.startswith("a") and w.removesuffix("l1")[1:].isdigit():
                 fields.update(ahead=int(w.removesuffix("l1")[1:]), ahead_l1=w.endswith("l1"))
             else:
@@ -555,9 +629,11 @@ def vector_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-             c: MmaGemv | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+             c: MmaGemv | None = None, counters: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 8) @ W^T -> [M, N] in x's dtype; W in the mma layout qm [N/16, K/64, 32, 4].
-    c.split > 1 needs `counters` (zeroed int32, one per CTA: N / (16 c.warps))."""
+    c.split > 1 needs `counters` (zeroed int32, one per CTA: N / (16 c.warps)). silu: W's channels
+    in `int4_packing.gate_up_pairs` order, and the result [M, N / 2] is silu(gate) * up (the
+    kernel's `SILU`), as `silu_and_mul` of the plain GEMV's result in natural order."""
     m, k = x.shape
     n = qm.shape[0] * 16
     group = k if group_size == -1 else group_size
@@ -573,7 +649,7 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     if c.split > 1 and (counters is None or counters.numel() < ctas):
         raise ValueError(f"int4 mma GEMV: split {c.split} needs {ctas} zeroed counters")
     x = vector_rows(x)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
     f16 = x.dtype == torch.float16
     setup, step, store, store32 = _asm_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint,
@@ -587,7 +663,8 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
         ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=c.ahead if gpu else 0, RING=c.ring if gpu else 0,
         ASM_PF=_prefetch_asm((group // 64) * c.gpc, "L1" if c.ahead_l1 else "L2") if pre and c.ahead else "",
-        num_warps=c.warps, **launch)
+        SILU=silu, ASM_STORE_PAIR=_store_pair_asm(f16) if gpu and silu else "",
+        num_warps=c.warps, **launch, **({"maxnreg": c.maxnreg} if gpu and c.maxnreg else {}))
     return out
 
 
