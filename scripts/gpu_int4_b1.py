@@ -21,7 +21,7 @@
    and what each kernel adds under PDL, `benchmarks/step_path`), bf16, and INT4 with main's
    launches, and INT4 with the committed TABLE (int4head); batch-1 ms per output token each
    (`gpu_quant.ms_per_token`), ratios to bf16. INT4_B1_ENGINES picks them (default
-   int4,bf16,int4head,int4silu: int4head is main's engine, int4silu the committed TABLE with SiLU
+   bf16,int4head,int4,int4silu: int4head is main's engine, int4silu the committed TABLE with SiLU
    in gate_up's epilogue; int4 has both, with the sweep's table; `ENGINE_ENV`).
 INT4_B1_BUDGET_S (default 140) stops starting things past it. Figures go to
 $OUT/part-int4b1-partial.json as they come.
@@ -56,14 +56,20 @@ def _save(results: dict, out: str) -> None:
 def variants(n: int, k: int, group: int) -> list:
     """The launches tried per shape. INT4_B1_VARIANTS=regs (the default): the committed TABLE's
     launch, and it with fewer registers a thread (`maxnreg`: more CTAs resident an SM) at its split
-    and at twice it; =all: main's (no PDL), the default, and around it (session 7's sweep)."""
+    and at twice it, and with two groups a loop step under a register cap; =all: main's (no PDL),
+    the default, and around it (session 7's sweep)."""
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
     d = mma.default_config(n, k, group)
     if os.environ.get("INT4_B1_VARIANTS", "regs") != "all":
         t = mma.TABLE.get((n, k), d)
-        vs = [t, replace(t, maxnreg=56), replace(t, maxnreg=48), replace(t, split=2 * t.split, maxnreg=48),
-              replace(t, split=2 * t.split, maxnreg=56), replace(t, split=2 * t.split)]
+        s2 = 2 * t.split
+        # two groups a loop step (a small GEMV's whole K slice loaded before the PDL wait) need ~94
+        # registers: capped so that the grid stays one wave (ptxas spills a few)
+        vs = [t, replace(t, maxnreg=56), replace(t, maxnreg=48), replace(t, split=s2, maxnreg=48),
+              replace(t, split=s2, maxnreg=56), replace(t, split=s2), replace(t, gpc=2, maxnreg=72),
+              replace(t, gpc=2, maxnreg=64), replace(t, split=s2, gpc=2, maxnreg=72),
+              replace(t, warps=4, gpc=2, maxnreg=64), replace(t, split=max(1, t.split // 2), gpc=2, maxnreg=72)]
         return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
     vs = [replace(d, pdl=False), d, replace(d, pre=False), replace(d, hint=True),
           replace(d, split=d.split * 2), replace(d, split=max(1, d.split // 2)),
@@ -380,7 +386,7 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
                                    for n, k in shapes.values())}
     timings = results.setdefault("timings", {})
     failed = []
-    for label in os.environ.get("INT4_B1_ENGINES", "int4,bf16,int4head,int4silu").split(","):
+    for label in os.environ.get("INT4_B1_ENGINES", "bf16,int4head,int4,int4silu").split(","):
         if time.perf_counter() > deadline:
             print(f"  {label}: skipped (budget)", flush=True)
             continue

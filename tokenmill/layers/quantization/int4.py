@@ -65,6 +65,44 @@ def pair_gate_up(wt: packing.Int4Weights) -> tuple[packing.Int4Weights, torch.Te
         torch.argsort(order)
 
 
+_SILU_SELFTEST: dict = {}
+
+
+def silu_selftest(device: torch.device, dtype: torch.dtype) -> bool:
+    """Once per device and dtype: the GEMV's SiLU-and-mul epilogue (one slice and split-K) on a
+    small paired weight against silu(gate) * up of dequantize + matmul. False (logged): gate_up
+    weights stay in natural order (the SiLU kernel after the GEMV)."""
+    key = (str(device), dtype)
+    if key not in _SILU_SELFTEST:
+        from tokenmill.layers.quantization import triton_int4_mma as mma
+
+        ok, why = False, ""
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            n, k, group = 256, 512, 128
+            codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
+            wt = packing.from_codes(codes, dtype, act_order=False)
+            ref_w = packing.dequantize(wt, group, torch.float32)
+            paired, _ = pair_gate_up(packing.Int4Weights(packing.to_mma(wt.qweight), wt.scales, wt.zeros, None))
+            counters = torch.zeros(64, dtype=torch.int32, device=device)
+            errs = []
+            for m, c in ((1, mma.MmaGemv(4, 2)), (3, mma.MmaGemv(4, 1))):
+                x = torch.randn(m, k, device=device, generator=g).to(dtype)
+                out = mma.mma_gemv(x, paired.qweight, paired.scales, paired.zeros, group, c, counters, silu=True)
+                r = x.float() @ ref_w
+                ref = F.silu(r[:, :n // 2]) * r[:, n // 2:]
+                errs.append(((out.float() - ref).norm() / ref.norm()).item())
+            ok = max(errs) < 2e-2 and not counters.any()
+            why = f"relative errors {', '.join(f'{e:.1e}' for e in errs)}"
+        except Exception as e:  # noqa: BLE001 - a compile or launch failure: fall back, loudly
+            why = f"{type(e).__name__}: {str(e)[:500]}"
+        if not ok:
+            logger.warning("int4: the GEMV's SiLU-and-mul epilogue failed its self-test on %s (%s); gate_up "
+                           "weights stay in natural order", device, why)
+        _SILU_SELFTEST[key] = ok
+    return _SILU_SELFTEST[key]
+
+
 _SELFTEST: dict = {}
 
 
@@ -236,7 +274,7 @@ class Int4LinearMethod(LinearMethod):
         wt = for_device(wt, self._group(layer.in_features))
         layer.pair_order = None  # natural order of a paired [gate | up] weight's results (`pair_gate_up`)
         if (wt.qweight.dim() == 4 and getattr(layer, "silu_halves", False) and layer.bias is None
-                and wt.qweight.shape[0] % 2 == 0 and silu_pairs_enabled()):
+                and silu_pairs_enabled() and silu_selftest(wt.qweight.device, wt.scales.dtype)):
             wt, layer.pair_order = pair_gate_up(wt)
         replace_param(layer, "qweight", wt.qweight)
         replace_param(layer, "scales", wt.scales)
