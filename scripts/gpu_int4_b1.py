@@ -56,8 +56,8 @@ def _save(results: dict, out: str) -> None:
 def variants(n: int, k: int, group: int) -> list:
     """The launches tried per shape. INT4_B1_VARIANTS=regs (the default): the committed TABLE's
     launch, and it with fewer registers a thread (`maxnreg`: more CTAs resident an SM) at its split
-    and at twice it, and with two groups a loop step under a register cap; =all: main's (no PDL),
-    the default, and around it (session 7's sweep)."""
+    and at twice it, with two groups a loop step under a register cap, and pipelined (`pipe`: each
+    step loads the next one's words); =all: main's (no PDL), the default, and around it (session 7's sweep)."""
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
     d = mma.default_config(n, k, group)
@@ -66,10 +66,10 @@ def variants(n: int, k: int, group: int) -> list:
         s2 = 2 * t.split
         # two groups a loop step (a small GEMV's whole K slice loaded before the PDL wait) need ~94
         # registers: capped so that the grid stays one wave (ptxas spills a few)
-        vs = [t, replace(t, maxnreg=56), replace(t, maxnreg=48), replace(t, split=s2, maxnreg=48),
-              replace(t, split=s2, maxnreg=56), replace(t, split=s2), replace(t, gpc=2, maxnreg=72),
+        vs = [t, replace(t, maxnreg=48), replace(t, split=s2, maxnreg=48), replace(t, split=s2), replace(t, gpc=2, maxnreg=72),
               replace(t, gpc=2, maxnreg=64), replace(t, split=s2, gpc=2, maxnreg=72),
-              replace(t, warps=4, gpc=2, maxnreg=64), replace(t, split=max(1, t.split // 2), gpc=2, maxnreg=72)]
+              replace(t, warps=4, gpc=2, maxnreg=64), replace(t, split=max(1, t.split // 2), gpc=2, maxnreg=72),
+              replace(t, pipe=True), replace(t, split=max(1, t.split // 2), pipe=True)]
         return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
     vs = [replace(d, pdl=False), d, replace(d, pre=False), replace(d, hint=True),
           replace(d, split=d.split * 2), replace(d, split=max(1, d.split // 2)),
@@ -258,6 +258,8 @@ def kernels(results: dict, device: str, smoke: bool, check, deadline: float) -> 
         if name == "down":  # PDL races: x written late must still be read after the wait (split-K too)
             _race_check(name, n, k, group, d, device, dt, check, planted=False)
             _race_check(name, n, k, group, d, device, dt, check, planted=True)
+            if mma.fits(n, k, group, replace(d, pipe=True)):  # the pipelined loop's first loads precede the wait
+                _race_check(name, n, k, group, replace(d, pipe=True), device, dt, check, planted=False)
             if mma.fits(n, k, group, replace(d, ring=8)):  # the ring's launch waits before its loop
                 _race_check(name, n, k, group, replace(d, ring=8), device, dt, check, planted=False)
         if name == "gate_up":  # the SiLU-and-mul epilogue (its split-K sum and its one-slice store)

@@ -181,7 +181,8 @@ def test_mma_ptx_assembles_for_sm90():
                 '{"warps": 4, "split": 8, "pdl": true, "pre": false}', '{"warps": 4, "split": 4, "pdl": true, "group": 256}',
                 '{"warps": 4, "split": 8, "pdl": true, "ahead": 2}', '{"warps": 4, "split": 2, "pdl": true, "ring": 8}',
                 '{"warps": 4, "split": 2, "pdl": true, "hint": true, "silu": true}', '{"warps": 4, "split": 1, "pdl": true, "silu": true}',
-                '{"warps": 4, "split": 8, "pdl": true, "hint": true, "maxnreg": 48}']
+                '{"warps": 4, "split": 8, "pdl": true, "hint": true, "maxnreg": 48}',
+                '{"warps": 4, "split": 2, "pdl": true, "hint": true, "pipe": true}', '{"warps": 8, "split": 16, "pdl": true, "pipe": true}']
     proc = subprocess.run([sys.executable, str(script)] + [a for j in launches for a in ("--launch", j)],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr) and "No such file" in proc.stderr:
@@ -195,7 +196,8 @@ def test_mma_ptx_assembles_for_sm90():
         assert figs["reg"] <= launch.get("maxnreg", 255), (launch, figs)
         # PDL: the first step's weight words (one 16-byte load per K step) and nothing else before
         # the wait (x, partials and counters are another kernel's); without `pre`, no load at all
-        pre = launch.get("pdl") and launch.get("pre", True) and not launch.get("ring")  # (a ring: no preload)
+        pipe = launch.get("pipe", False)  # its first step's words and scales before the wait, in its own loads
+        pre = launch.get("pdl") and launch.get("pre", True) and not launch.get("ring") and not pipe  # (a ring: no preload)
         steps = launch.get("group", 128) // 64 * launch.get("gpc", 1)  # 64-input K steps a loop step
         # (a preloaded first step is peeled: its words and x, 3 loads a K step; with groups of 256
         # ptxas may start its first mma before the step's last x load)
@@ -203,8 +205,9 @@ def test_mma_ptx_assembles_for_sm90():
             assert figs["wide_loads_before_first_hmma"] == (3 * steps if pre else figs["wide_loads"]), (launch, figs)
         assert ("plain_loads_before_wait" in figs) == bool(launch.get("pdl")), (launch, figs)
         if launch.get("pdl"):
-            assert figs["plain_loads_before_wait"] == 0, (launch, figs)
-            assert figs["wide_loads_before_wait"] == (steps if pre else 0), (launch, figs)
+            # (pipe: its first step's words and scales (constant) by plain loads: 2 + 4; never x)
+            assert figs["plain_loads_before_wait"] == (6 if pipe else 0), (launch, figs)
+            assert figs["wide_loads_before_wait"] == (steps if pre or pipe else 0), (launch, figs)
             # `ahead`: the loop steps after the first prefetched before the wait as well
             assert figs["prefetches_before_wait"] == (launch.get("ahead", 0) * steps if pre else 0), (launch, figs)
 

@@ -172,6 +172,98 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
     return "\n".join(lines)
 
 
+@functools.cache
+def _pipe_asm(f16: bool, hint: bool) -> str:
+    """PTX of one loop step of the pipelined launch (`MmaGemv.pipe`; groups of 128, one a step):
+    the NEXT step's weight words and scales / zeros are loaded first into outputs (consumed by the
+    next step, not here: their DRAM latency runs under this step's arithmetic), then this step's x
+    (pinned by the `early` predicate), then this step's arithmetic on the words and scales the
+    previous step loaded (inputs). Operands: $0..$3 sums out (f); $4..$11 next words out (r);
+    $12..$15 next s(g), s(g+8), z(g), z(g+8) out (r); $16 this step's x (l); $17 the next words
+    (l); $18 / $19 the next scale / zero (l); $20 M (r); $21..$24 sums in (f); $25..$32 this step's
+    words (r); $33..$36 its scales / zeros (r)."""
+    magic = "0x64006400" if f16 else "0x43004300"
+    one = "0x3C003C00" if f16 else "0x3F803F80"
+    big = "0f44800000" if f16 else "0f43000000"
+    ty = "f16" if f16 else "bf16"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
+    lines = ["{", ".reg .b32 u, sh, one2, nz0, nz8, p0, p1, p2, p3, dep;", ".reg .b16 h0;", ".reg .pred pa, pz;",
+             ".reg .f32 d0, d1, d2, d3, s0, s8, z0, z8;", ".reg .b32 x<16>;",
+             f"mov.b32 one2, {one};", "mov.f32 $0, $21;", "mov.f32 $1, $22;", "mov.f32 $2, $23;", "mov.f32 $3, $24;",
+             f"{_ld_pinned(hint)} {{$4, $5, $6, $7}}, [$17];", f"{_ld_pinned(hint)} {{$8, $9, $10, $11}}, [$17+512];",
+             "ld.global.u16 $12, [$18];", "ld.global.u16 $13, [$18+16];",
+             "ld.global.u16 $14, [$19];", "ld.global.u16 $15, [$19+16];", "bar.warp.sync -1;"]
+    for t in range(2):
+        for half in range(2):
+            regs = ", ".join(f"x{8 * t + 4 * half + i}" for i in range(4))
+            lines.append(f"ld.global.v4.b32 {{{regs}}}, [$16+{128 * t + 16 * half}];")
+    lines += ["lop3.b32 dep, x0, x4, x8, 0x96;", "xor.b32 dep, dep, x12;", "setp.eq.u32 pa, $20, 0;",
+              "setp.eq.and.u32 pz, dep, 0, pa;", "@pz mov.f32 $0, 0f7FC00000;"]
+    for reg, src in (("s0", 33), ("s8", 34), ("z0", 35), ("z8", 36)):
+        if f16:
+            lines += [f"cvt.u16.u32 h0, ${src};", f"cvt.f32.f16 {reg}, h0;"]
+        else:
+            lines += [f"shl.b32 u, ${src}, 16;", f"mov.b32 {reg}, u;"]
+    for z, nz in (("z0", "nz0"), ("z8", "nz8")):
+        lines += [f"add.f32 {z}, {z}, {big};", f"neg.f32 {z}, {z};", f"cvt.rn.{ty}x2.f32 {nz}, {z}, {z};"]
+    lines += [f"mov.f32 d{i}, 0f00000000;" for i in range(4)]
+    for t in range(2):
+        for m in range(4):
+            w = f"${25 + 4 * t + m}"
+            xb = f"{{x{8 * t + 2 * m}, x{8 * t + 2 * m + 1}}}"
+            lines.append(f"lop3.b32 p0, {w}, 0x000F000F, {magic}, 0xEA;")
+            for i, p in ((1, "p1"), (2, "p2"), (3, "p3")):
+                lines += [f"shr.u32 sh, {w}, {4 * i};", f"lop3.b32 {p}, sh, 0x000F000F, {magic}, 0xEA;"]
+            lines += [f"fma.rn.{ty}x2 p0, p0, one2, nz0;", f"fma.rn.{ty}x2 p1, p1, one2, nz8;",
+                      f"fma.rn.{ty}x2 p2, p2, one2, nz0;", f"fma.rn.{ty}x2 p3, p3, one2, nz8;",
+                      f"{mma} {{d0, d1, d2, d3}}, {{p0, p1, p2, p3}}, {xb}, {{d0, d1, d2, d3}};"]
+    lines += ["fma.rn.f32 $0, d0, s0, $0;", "fma.rn.f32 $1, d1, s0, $1;",
+              "fma.rn.f32 $2, d2, s8, $2;", "fma.rn.f32 $3, d3, s8, $3;", "}"]
+    return "\n".join(lines)
+
+
+@functools.cache
+def _pipe_first_asm(hint: bool) -> str:
+    """PTX of the pipelined launch's first loads (constant data: before the PDL wait): $0..$7 the
+    first step's words, $8..$11 its scales / zeros (r), from $12 words, $13 scale, $14 zero (l)."""
+    return "\n".join([f"{_ld_pinned(hint)} {{$0, $1, $2, $3}}, [$12];", f"{_ld_pinned(hint)} {{$4, $5, $6, $7}}, [$12+512];",
+                      "ld.global.u16 $8, [$13];", "ld.global.u16 $9, [$13+16];",
+                      "ld.global.u16 $10, [$14];", "ld.global.u16 $11, [$14+16];", "bar.warp.sync -1;"])
+
+
+@triton.jit
+def _pipe_loop(ASM_FIRST: tl.constexpr, ASM_PIPE: tl.constexpr, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
+               USE_PDL: tl.constexpr):
+    """The pipelined launch's K loop (`_pipe_asm`): the first step's words and scales loaded before
+    the PDL wait, then each step loads the next one's while it computes its own (the last step
+    loads its own again: never past the slice)."""
+    z = tl.zeros([1], dtype=tl.float32)
+    w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3 = tl.inline_asm_elementwise(
+        ASM_FIRST, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l",
+        [(w_thr + g_lo * 256).to(tl.int64), (s_thr + g_lo * s_sg).to(tl.int64), (z_thr + g_lo * s_sg).to(tl.int64)],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+               tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
+    a0, a1, a2, a3 = z, z, z, z
+    for grp in range(g_lo, g_lo + per):
+        nxt = tl.minimum(grp + 1, g_lo + per - 1)
+        a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            # early-clobber outputs ("=&r"): written before the inputs are read, never the same registers
+            ASM_PIPE, "=f,=f,=f,=f,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,l,l,l,l,r,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r",
+            [(x_thr + grp * 128).to(tl.int64), (w_thr + nxt * 256).to(tl.int64), (s_thr + nxt * s_sg).to(tl.int64),
+             (z_thr + nxt * s_sg).to(tl.int64), one + M, a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.int32, tl.int32, tl.int32, tl.int32,
+                   tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+    return a0, a1, a2, a3
+
+
+def _ld_pinned(hint: bool) -> str:
+    """A weight-word load ptxas keeps where it is written when a `bar.warp.sync` follows it: not
+    `.nc` (ptxas moves those across loop iterations to just before their first use)."""
+    return ("ld.global.L1::no_allocate.L2::256B" if hint else "ld.global") + ".v4.b32"
+
+
 def _ld_words(hint: bool) -> str:
     return ("ld.global.nc.L1::no_allocate.L2::256B" if hint else "ld.global.nc") + ".v4.b32"
 
@@ -318,7 +410,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                      ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr,
                      USE_PDL: tl.constexpr = False, ASM_PRE: tl.constexpr = "", ASM_STEP_IN: tl.constexpr = "",
                      AHEAD: tl.constexpr = 0, ASM_PF: tl.constexpr = "", RING: tl.constexpr = 0,
-                     SILU: tl.constexpr = False, ASM_STORE_PAIR: tl.constexpr = ""):
+                     SILU: tl.constexpr = False, ASM_STORE_PAIR: tl.constexpr = "", ASM_PIPE: tl.constexpr = "",
+                     ASM_FIRST: tl.constexpr = ""):
     """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
     anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
     weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
@@ -327,7 +420,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
     the AHEAD steps after the first before the wait (`_prefetch_asm`).
     SILU (`int4_packing.gate_up_pairs`: channels g / g + 8 of each 16-channel block are gate / up
     of one product channel): out is [M, N / 2], silu(gate) * up (`_silu_mul`), written by the
-    thread that holds both sums (ASM_STORE_PAIR) or by the split-K epilogue."""
+    thread that holds both sums (ASM_STORE_PAIR) or by the split-K epilogue.
+    ASM_PIPE (`_pipe_loop`): the K loop loads each next step's words while computing the current one."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -348,45 +442,49 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         x_thr = x_ptr + x_ofs
         s_thr = s_ptr + n0 + s_ofs
         z_thr = z_ptr + n0 + s_ofs
-        g_first = g_lo
-        if ASM_PRE != "":
-            if ASM_PF != "":  # the AHEAD loop steps after the first prefetched too, before the wait
-                for j in tl.static_range(1, AHEAD + 1):
-                    tl.inline_asm_elementwise(
-                        ASM_PF, "=r,l", [(w_thr + tl.minimum(g_lo + j * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
-                        dtype=tl.int32, is_pure=False, pack=1)
-            a0, a1, a2, a3 = _first_step(ASM_PRE, ASM_STEP_IN, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
-                                         SPG * GPC, SPG, GROUP, USE_PDL)
-            g_first = g_lo + GPC
+        if ASM_PIPE != "":  # the next step's words loaded under this step's arithmetic (`_pipe_asm`)
+            a0, a1, a2, a3 = _pipe_loop(ASM_FIRST, ASM_PIPE, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
+                                        USE_PDL)
         else:
-            pdl.launch_dependents(USE_PDL)
-            pdl.wait(USE_PDL)
-        for grp in range(g_first, g_lo + per, GPC):
-            if RING > 0:  # words through the shared-memory ring (`_asm`'s ring)
-                a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l,r,r,r",
-                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
-                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
-                     one + s_sg * 2, one + M, a0, a1, a2, a3,
-                     (w_thr + (grp * SPG + RING) * 128).to(tl.int64), one + ((g_lo + per - grp) * SPG - RING),
-                     one + (grp == g_lo).to(tl.int32), one + ((grp - g_lo) * SPG) % RING],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
-            elif AHEAD == 0:
-                a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
-                    # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
-                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
-                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
-                     one + s_sg * 2, one + M, a0, a1, a2, a3],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
-            else:  # the words AHEAD steps on prefetched (the slice's last step at most: never past it)
-                a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l",
-                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
-                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
-                     one + s_sg * 2, one + M, a0, a1, a2, a3,
-                     (w_thr + tl.minimum(grp + AHEAD * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+            g_first = g_lo
+            if ASM_PRE != "":
+                if ASM_PF != "":  # the AHEAD loop steps after the first prefetched too, before the wait
+                    for j in tl.static_range(1, AHEAD + 1):
+                        tl.inline_asm_elementwise(
+                            ASM_PF, "=r,l", [(w_thr + tl.minimum(g_lo + j * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
+                            dtype=tl.int32, is_pure=False, pack=1)
+                a0, a1, a2, a3 = _first_step(ASM_PRE, ASM_STEP_IN, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
+                                             SPG * GPC, SPG, GROUP, USE_PDL)
+                g_first = g_lo + GPC
+            else:
+                pdl.launch_dependents(USE_PDL)
+                pdl.wait(USE_PDL)
+            for grp in range(g_first, g_lo + per, GPC):
+                if RING > 0:  # words through the shared-memory ring (`_asm`'s ring)
+                    a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                        ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l,r,r,r",
+                        [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                         (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                         one + s_sg * 2, one + M, a0, a1, a2, a3,
+                         (w_thr + (grp * SPG + RING) * 128).to(tl.int64), one + ((g_lo + per - grp) * SPG - RING),
+                         one + (grp == g_lo).to(tl.int32), one + ((grp - g_lo) * SPG) % RING],
+                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+                elif AHEAD == 0:
+                    a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                        ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
+                        # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
+                        [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                         (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                         one + s_sg * 2, one + M, a0, a1, a2, a3],
+                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+                else:  # the words AHEAD steps on prefetched (the slice's last step at most: never past it)
+                    a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                        ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l",
+                        [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                         (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                         one + s_sg * 2, one + M, a0, a1, a2, a3,
+                         (w_thr + tl.minimum(grp + AHEAD * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
+                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
         if SPLIT == 1 and SILU:
             dt: tl.constexpr = out_ptr.dtype.element_ty
             tl.inline_asm_elementwise(ASM_STORE_PAIR, "=r,l,r,r,f,f",
@@ -496,12 +594,14 @@ class MmaGemv:
     ahead_l1: bool = False  # the prefetch into L1, not L2
     ring: int = 0  # K steps of words in flight through shared memory (cp.async; 0: loads to registers)
     maxnreg: int = 0  # registers a thread at most (ptxas `.maxnreg`; 0: its choice): more CTAs resident an SM
+    pipe: bool = False  # each loop step loads the next one's words and scales under its arithmetic (`_pipe_asm`)
 
     def label(self) -> str:
         return (f"mma w{self.warps} s{self.split} g{self.gpc}{'' if self.early else ' late'}"
                 f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}"
                 f"{f' a{self.ahead}' + ('l1' if self.ahead_l1 else '') if self.ahead else ''}"
                 f"{f' r{self.ring}' if self.ring else ''}{f' m{self.maxnreg}' if self.maxnreg else ''}"
+                f"{' pipe' if self.pipe else ''}"
                 f"{'' if self.pdl else ' nopdl'}{'' if self.pre or not self.pdl else ' nopre'}")
 
 
@@ -523,7 +623,7 @@ def parse_label(label: str) -> MmaGemv:
     if words and words[0] == "mma":
         words = words[1:]
     flags = {"late": ("early", False), "zmma": ("zmma", True), "hint": ("hint", True), "nopdl": ("pdl", False),
-             "nopre": ("pre", False)}
+             "nopre": ("pre", False), "pipe": ("pipe", True)}
     try:
         fields = {"warps": int(words[0].removeprefix("w")), "split": int(words[1].removeprefix("s")),
                   "gpc": int(words[2].removeprefix("g"))}
@@ -595,7 +695,8 @@ def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
     return (layout_fits(n, k, group) and c.warps in (1, 2, 4, 8) and n % (16 * c.warps) == 0
             and c.split >= 1 and groups % c.split == 0 and (groups // c.split) % c.gpc == 0
             and (not c.ring or (c.ring % (group // 64 * c.gpc) == 0 and c.ring <= groups // c.split * (group // 64)
-                                and c.ring * c.warps * 512 <= 48 * 1024 and not c.ahead)))
+                                and c.ring * c.warps * 512 <= 48 * 1024 and not c.ahead))
+            and (not c.pipe or (group == 128 and c.gpc == 1 and c.early and not (c.zmma or c.ring or c.ahead))))
 
 
 @functools.cache
@@ -664,6 +765,7 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=c.ahead if gpu else 0, RING=c.ring if gpu else 0,
         ASM_PF=_prefetch_asm((group // 64) * c.gpc, "L1" if c.ahead_l1 else "L2") if pre and c.ahead else "",
         SILU=silu, ASM_STORE_PAIR=_store_pair_asm(f16) if gpu and silu else "",
+        ASM_PIPE=_pipe_asm(f16, c.hint) if gpu and c.pipe else "", ASM_FIRST=_pipe_first_asm(c.hint) if gpu and c.pipe else "",
         num_warps=c.warps, **launch, **({"maxnreg": c.maxnreg} if gpu and c.maxnreg else {}))
     return out
 
