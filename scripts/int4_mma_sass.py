@@ -41,7 +41,7 @@ def compile_launch(launch: dict):
     ring = launch.get("ring", 0)
     setup, step, store, store32 = mma._asm_texts(*texts, ("L1" if launch.get("ahead_l1") else "L2") if ahead else "",
                                                  ring, launch.get("warps", 4))
-    if ring:
+    if ring or launch.get("pipe"):
         use_pdl_pre = False
     else:
         use_pdl_pre = True
@@ -53,7 +53,7 @@ def compile_launch(launch: dict):
                  ASM_PF=mma._prefetch_asm(texts[0] * texts[1], "L1" if launch.get("ahead_l1") else "L2")
                  if pre and ahead else "",
                  SILU=launch.get("silu", False), ASM_STORE_PAIR=mma._store_pair_asm(f16) if launch.get("silu") else "",
-                 ASM_PIPE=mma._pipe_asm(f16, launch.get("hint", False)) if launch.get("pipe") else "",
+                 ASM_PIPE=mma._pipe_asm(f16, launch.get("hint", False), ahead > 0) if launch.get("pipe") else "",
                  ASM_FIRST=mma._pipe_first_asm(launch.get("hint", False)) if launch.get("pipe") else "")
     dt = "fp16" if f16 else "bf16"
     ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}

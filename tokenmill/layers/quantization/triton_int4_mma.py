@@ -173,7 +173,7 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
 
 
 @functools.cache
-def _pipe_asm(f16: bool, hint: bool) -> str:
+def _pipe_asm(f16: bool, hint: bool, ahead: bool = False) -> str:
     """PTX of one loop step of the pipelined launch (`MmaGemv.pipe`; groups of 128, one a step):
     the NEXT step's weight words and scales / zeros are loaded first into outputs (consumed by the
     next step, not here: their DRAM latency runs under this step's arithmetic), then this step's x
@@ -181,7 +181,8 @@ def _pipe_asm(f16: bool, hint: bool) -> str:
     previous step loaded (inputs). Operands: $0..$3 sums out (f); $4..$11 next words out (r);
     $12..$15 next s(g), s(g+8), z(g), z(g+8) out (r); $16 this step's x (l); $17 the next words
     (l); $18 / $19 the next scale / zero (l); $20 M (r); $21..$24 sums in (f); $25..$32 this step's
-    words (r); $33..$36 its scales / zeros (r)."""
+    words (r); $33..$36 its scales / zeros (r). ahead: first, an L2 prefetch of the words at $37
+    (l: `MmaGemv.ahead` steps past the next one), so the next step's loads find them in L2."""
     magic = "0x64006400" if f16 else "0x43004300"
     one = "0x3C003C00" if f16 else "0x3F803F80"
     big = "0f44800000" if f16 else "0f43000000"
@@ -189,8 +190,10 @@ def _pipe_asm(f16: bool, hint: bool) -> str:
     mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
     lines = ["{", ".reg .b32 u, sh, one2, nz0, nz8, p0, p1, p2, p3, dep;", ".reg .b16 h0;", ".reg .pred pa, pz;",
              ".reg .f32 d0, d1, d2, d3, s0, s8, z0, z8;", ".reg .b32 x<16>;",
-             f"mov.b32 one2, {one};", "mov.f32 $0, $21;", "mov.f32 $1, $22;", "mov.f32 $2, $23;", "mov.f32 $3, $24;",
-             f"{_ld_pinned(hint)} {{$4, $5, $6, $7}}, [$17];", f"{_ld_pinned(hint)} {{$8, $9, $10, $11}}, [$17+512];",
+             f"mov.b32 one2, {one};", "mov.f32 $0, $21;", "mov.f32 $1, $22;", "mov.f32 $2, $23;", "mov.f32 $3, $24;"]
+    if ahead:
+        lines += ["prefetch.global.L2 [$37];", "prefetch.global.L2 [$37+512];"]
+    lines += [f"{_ld_pinned(hint)} {{$4, $5, $6, $7}}, [$17];", f"{_ld_pinned(hint)} {{$8, $9, $10, $11}}, [$17+512];",
              "ld.global.u16 $12, [$18];", "ld.global.u16 $13, [$18+16];",
              "ld.global.u16 $14, [$19];", "ld.global.u16 $15, [$19+16];", "bar.warp.sync -1;"]
     for t in range(2):
@@ -233,7 +236,7 @@ def _pipe_first_asm(hint: bool) -> str:
 
 @triton.jit
 def _pipe_loop(ASM_FIRST: tl.constexpr, ASM_PIPE: tl.constexpr, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
-               USE_PDL: tl.constexpr):
+               USE_PDL: tl.constexpr, AHEAD: tl.constexpr):
     """The pipelined launch's K loop (`_pipe_asm`): the first step's words and scales loaded before
     the PDL wait, then each step loads the next one's while it computes its own (the last step
     loads its own again: never past the slice)."""
@@ -248,13 +251,22 @@ def _pipe_loop(ASM_FIRST: tl.constexpr, ASM_PIPE: tl.constexpr, w_thr, x_thr, s_
     a0, a1, a2, a3 = z, z, z, z
     for grp in range(g_lo, g_lo + per):
         nxt = tl.minimum(grp + 1, g_lo + per - 1)
-        a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3 = tl.inline_asm_elementwise(
-            # early-clobber outputs ("=&r"): written before the inputs are read, never the same registers
-            ASM_PIPE, "=f,=f,=f,=f,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,l,l,l,l,r,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r",
-            [(x_thr + grp * 128).to(tl.int64), (w_thr + nxt * 256).to(tl.int64), (s_thr + nxt * s_sg).to(tl.int64),
-             (z_thr + nxt * s_sg).to(tl.int64), one + M, a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3],
-            dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.int32, tl.int32, tl.int32, tl.int32,
-                   tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        if AHEAD > 0:  # (spelled out: the operand list is a constexpr of the call)
+            a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                ASM_PIPE, "=f,=f,=f,=f,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,l,l,l,l,r,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,l",
+                [(x_thr + grp * 128).to(tl.int64), (w_thr + nxt * 256).to(tl.int64), (s_thr + nxt * s_sg).to(tl.int64),
+                 (z_thr + nxt * s_sg).to(tl.int64), one + M, a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2,
+                 c3, (w_thr + tl.minimum(grp + 1 + AHEAD, g_lo + per - 1) * 256).to(tl.int64)],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.int32, tl.int32, tl.int32, tl.int32,
+                       tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        else:
+            a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                # early-clobber outputs ("=&r"): written before the inputs are read, never the same registers
+                ASM_PIPE, "=f,=f,=f,=f,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,l,l,l,l,r,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r",
+                [(x_thr + grp * 128).to(tl.int64), (w_thr + nxt * 256).to(tl.int64), (s_thr + nxt * s_sg).to(tl.int64),
+                 (z_thr + nxt * s_sg).to(tl.int64), one + M, a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.int32, tl.int32, tl.int32, tl.int32,
+                       tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
     return a0, a1, a2, a3
 
 
@@ -444,7 +456,7 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         z_thr = z_ptr + n0 + s_ofs
         if ASM_PIPE != "":  # the next step's words loaded under this step's arithmetic (`_pipe_asm`)
             a0, a1, a2, a3 = _pipe_loop(ASM_FIRST, ASM_PIPE, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
-                                        USE_PDL)
+                                        USE_PDL, AHEAD)
         else:
             g_first = g_lo
             if ASM_PRE != "":
@@ -696,7 +708,7 @@ def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
             and c.split >= 1 and groups % c.split == 0 and (groups // c.split) % c.gpc == 0
             and (not c.ring or (c.ring % (group // 64 * c.gpc) == 0 and c.ring <= groups // c.split * (group // 64)
                                 and c.ring * c.warps * 512 <= 48 * 1024 and not c.ahead))
-            and (not c.pipe or (group == 128 and c.gpc == 1 and c.early and not (c.zmma or c.ring or c.ahead))))
+            and (not c.pipe or (group == 128 and c.gpc == 1 and c.early and not (c.zmma or c.ring or c.ahead_l1))))
 
 
 @functools.cache
@@ -758,14 +770,14 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
                                              c.ring if gpu else 0, c.warps)
     launch = pdl.launch_kwargs(x.device) if c.pdl else {"USE_PDL": False}
     pre, step_in = (_pre_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint)
-                    if gpu and c.pre and not c.ring and launch["USE_PDL"] else ("", ""))
+                    if gpu and c.pre and not c.ring and not c.pipe and launch["USE_PDL"] else ("", ""))
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
         ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=c.ahead if gpu else 0, RING=c.ring if gpu else 0,
         ASM_PF=_prefetch_asm((group // 64) * c.gpc, "L1" if c.ahead_l1 else "L2") if pre and c.ahead else "",
         SILU=silu, ASM_STORE_PAIR=_store_pair_asm(f16) if gpu and silu else "",
-        ASM_PIPE=_pipe_asm(f16, c.hint) if gpu and c.pipe else "", ASM_FIRST=_pipe_first_asm(c.hint) if gpu and c.pipe else "",
+        ASM_PIPE=_pipe_asm(f16, c.hint, c.ahead > 0) if gpu and c.pipe else "", ASM_FIRST=_pipe_first_asm(c.hint) if gpu and c.pipe else "",
         num_warps=c.warps, **launch, **({"maxnreg": c.maxnreg} if gpu and c.maxnreg else {}))
     return out
 
