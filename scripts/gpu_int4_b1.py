@@ -69,7 +69,8 @@ def variants(n: int, k: int, group: int) -> list:
         vs = [t, replace(t, maxnreg=48), replace(t, split=s2, maxnreg=48), replace(t, split=s2), replace(t, gpc=2, maxnreg=72),
               replace(t, gpc=2, maxnreg=64), replace(t, split=s2, gpc=2, maxnreg=72),
               replace(t, warps=4, gpc=2, maxnreg=64), replace(t, split=max(1, t.split // 2), gpc=2, maxnreg=72),
-              replace(t, pipe=True), replace(t, split=max(1, t.split // 2), pipe=True), replace(t, pipe=True, ahead=2)]
+              replace(t, pipe=True), replace(t, split=max(1, t.split // 2), pipe=True), replace(t, pipe=True, ahead=1),
+              replace(t, pipe=True, ahead=2)]
         return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
     vs = [replace(d, pdl=False), d, replace(d, pre=False), replace(d, hint=True),
           replace(d, split=d.split * 2), replace(d, split=max(1, d.split // 2)),
