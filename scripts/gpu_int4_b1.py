@@ -21,8 +21,9 @@
    and what each kernel adds under PDL, `benchmarks/step_path`), bf16, and INT4 with main's
    launches, and INT4 with the committed TABLE (int4head); batch-1 ms per output token each
    (`gpu_quant.ms_per_token`), ratios to bf16. INT4_B1_ENGINES picks them (default
-   bf16,int4head,int4,int4silu: int4head is main's engine, int4silu the committed TABLE with SiLU
-   in gate_up's epilogue; int4 has both, with the sweep's table; `ENGINE_ENV`).
+   bf16,int4head,int4branch,int4: int4head is main's engine (its TABLE, no SiLU epilogue),
+   int4branch this branch's (the committed TABLE, SiLU in gate_up's epilogue; int4silu the same),
+   int4 the sweep's table with the SiLU epilogue; `ENGINE_ENV`).
 INT4_B1_BUDGET_S (default 140) stops starting things past it. Figures go to
 $OUT/part-int4b1-partial.json as they come.
 """
@@ -54,16 +55,25 @@ def _save(results: dict, out: str) -> None:
 
 
 def variants(n: int, k: int, group: int) -> list:
-    """The launches tried per shape. INT4_B1_VARIANTS=regs (the default): the committed TABLE's
-    launch, and it with fewer registers a thread (`maxnreg`: more CTAs resident an SM) at its split
-    and at twice it, with two groups a loop step under a register cap, and pipelined (`pipe`: each
-    step loads the next one's words); =all: main's (no PDL), the default, and around it (session 7's sweep)."""
+    """The launches tried per shape. INT4_B1_VARIANTS=pipe (the default): the committed TABLE's
+    launch with and without the pipelined loop, and the loop at other warps, splits, hints and
+    with one step of L2 prefetch; =regs (round 1): the TABLE's launch, and it with fewer registers
+    a thread (`maxnreg`: more CTAs resident an SM) at its split and at twice it, with two groups a
+    loop step under a register cap, and pipelined (`pipe`: each step loads the next one's words);
+    =all: main's (no PDL), the default, and around it (session 7's sweep)."""
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
     d = mma.default_config(n, k, group)
-    if os.environ.get("INT4_B1_VARIANTS", "regs") != "all":
-        t = mma.TABLE.get((n, k), d)
-        s2 = 2 * t.split
+    which = os.environ.get("INT4_B1_VARIANTS", "pipe")
+    t = mma.TABLE.get((n, k), d)
+    s2 = 2 * t.split
+    if which == "pipe":  # session 8, round 2: the pipelined loop around the committed TABLE
+        vs = [t, replace(t, pipe=not t.pipe), replace(t, pipe=True, warps=8), replace(t, pipe=True, hint=not t.hint),
+              replace(t, pipe=True, ahead=1), replace(t, split=s2, pipe=False), replace(t, split=s2, pipe=True),
+              replace(t, split=max(1, t.split // 2), pipe=True)]
+        return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
+    if which == "regs":  # session 8, round 1 (the TABLE then: without the pipelined loop)
+        t = replace(t, pipe=False)
         # two groups a loop step (a small GEMV's whole K slice loaded before the PDL wait) need ~94
         # registers: capped so that the grid stays one wave (ptxas spills a few)
         vs = [t, replace(t, maxnreg=48), replace(t, split=s2, maxnreg=48), replace(t, split=s2), replace(t, gpc=2, maxnreg=72),
@@ -311,6 +321,7 @@ def layers(results: dict, device: str, smoke: bool, best: dict, check) -> None:
     x0 = torch.randn(1, hidden, device=device, dtype=dt)
     sets = {"main (GEMVs without PDL)": {s: replace(mma.default_config(*s, group), pdl=False) for s in shapes.values()},
             "default": {s: mma.default_config(*s, group) for s in shapes.values()},
+            "main's TABLE (no pipelined loop)": {s: replace(mma.config_for(*s, group), pipe=False) for s in shapes.values()},
             "committed TABLE": {s: mma.config_for(*s, group) for s in shapes.values()},
             "committed TABLE, SiLU in gate_up's epilogue": {s: mma.config_for(*s, group) for s in shapes.values()},
             "table": dict(best), "table, SiLU in gate_up's epilogue": dict(best)}
@@ -347,6 +358,8 @@ def layers(results: dict, device: str, smoke: bool, best: dict, check) -> None:
 # Engines' switches beside the launch table: main's engines keep gate_up in natural order (the
 # SiLU-and-mul kernel after it); int4silu: the committed TABLE with SiLU in gate_up's epilogue.
 ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKENMILL_INT4_SILU_PAIRS": "0"}}
+# int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
+# branch's committed TABLE (""); int4 the sweep's table.
 
 
 def _engine(config_dir, shape, label: str, table: str, window: dict | None):
@@ -384,12 +397,14 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
     from tokenmill.layers.quantization import triton_int4_mma as mma
     group = SMOKE_GROUP if smoke else GROUP
     shapes = SMOKE_SHAPES if smoke else SHAPES
-    tables = {"int4": _table_text(best), "int4head": "", "int4silu": "",  # "": the committed TABLE
+    tables = {"int4": _table_text(best), "int4branch": "", "int4silu": "",  # "": the committed TABLE
+              "int4head": ";".join(f"{n}x{k}={replace(mma.config_for(n, k, group), pipe=False).label()}"
+                                   for n, k in shapes.values()),
               "int4main": ";".join(f"{n}x{k}={replace(mma.default_config(n, k, group), pdl=False).label()}"
                                    for n, k in shapes.values())}
     timings = results.setdefault("timings", {})
     failed = []
-    for label in os.environ.get("INT4_B1_ENGINES", "bf16,int4head,int4,int4silu").split(","):
+    for label in os.environ.get("INT4_B1_ENGINES", "bf16,int4head,int4branch,int4").split(","):
         if time.perf_counter() > deadline:
             print(f"  {label}: skipped (budget)", flush=True)
             continue
@@ -410,7 +425,7 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             traceback.print_exc()
             failed.append(label)
         _save(results, out)
-    for label in ("int4", "int4main", "int4head", "int4silu"):
+    for label in ("int4", "int4main", "int4head", "int4silu", "int4branch"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r

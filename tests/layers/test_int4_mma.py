@@ -345,3 +345,16 @@ def test_silu_selftest_passes_and_falls_back(monkeypatch, caplog):
     monkeypatch.setattr(mma, "mma_gemv", lambda *a, **kw: real(*a, **kw) * 1.1)
     assert not int4.silu_selftest(torch.device("cpu"), torch.float16)
     assert "SiLU-and-mul epilogue failed its self-test" in caplog.text
+
+
+def test_pipelined_launches_leave_the_table_when_their_selftest_failed(monkeypatch):
+    """`PIPE_ENABLED` off (`int4._pipe_selftest` failed on the device): the table's pipelined
+    launches run without the loop, everything else as listed."""
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    shape = (28672, 4096)
+    assert mma.TABLE[shape].pipe and mma.config_for(*shape, 128) == mma.TABLE[shape]
+    monkeypatch.setattr(mma, "PIPE_ENABLED", False)
+    c = mma.config_for(*shape, 128)
+    assert not c.pipe and c == mma.MmaGemv(**{**vars(mma.TABLE[shape]), "pipe": False})
+    assert mma.parse_label("mma w4 s2 g1 hint a1 pipe m56") == mma.MmaGemv(4, 2, hint=True, ahead=1, pipe=True, maxnreg=56)

@@ -103,6 +103,34 @@ def silu_selftest(device: torch.device, dtype: torch.dtype) -> bool:
     return _SILU_SELFTEST[key]
 
 
+def _pipe_selftest(device: torch.device, dtype: torch.dtype) -> bool:
+    """The pipelined loop (`MmaGemv.pipe`; inline PTX only on a GPU) at one row against dequantize +
+    matmul, one slice and split-K; False (logged) where it fails."""
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    why = ""
+    try:
+        g = torch.Generator(device=device).manual_seed(1)
+        n, k, group = 256, 1024, 128
+        codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
+        wt = packing.from_codes(codes, dtype, act_order=False)
+        qm = packing.to_mma(wt.qweight)
+        ref_w = packing.dequantize(wt, group, torch.float32)
+        counters = torch.zeros(64, dtype=torch.int32, device=device)
+        x = torch.randn(1, k, device=device, generator=g).to(dtype)
+        ref = x.float() @ ref_w
+        errs = [((mma.mma_gemv(x, qm, wt.scales, wt.zeros, group, mma.MmaGemv(4, s, hint=True, pipe=True), counters)
+                  .float() - ref).norm() / ref.norm()).item() for s in (1, 2)]
+        if max(errs) < 1e-2 and not counters.any():
+            return True
+        why = f"relative errors {', '.join(f'{e:.1e}' for e in errs)}"
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure: fall back, loudly
+        why = f"{type(e).__name__}: {str(e)[:500]}"
+    logger.warning("int4: the GEMV's pipelined loop failed its self-test on %s (%s); launches run without it",
+                   device, why)
+    return False
+
+
 _SELFTEST: dict = {}
 
 
@@ -137,6 +165,8 @@ def mma_selftest(device: torch.device, dtype: torch.dtype) -> bool:
         if not ok:
             logger.warning("int4: the tensor-core GEMV failed its self-test on %s (%s); INT4 layers keep the "
                            "panel GEMVs", device, why)
+        elif not _pipe_selftest(device, dtype):
+            mma.PIPE_ENABLED = False
         _SELFTEST[key] = ok
     return _SELFTEST[key]
 
