@@ -23,7 +23,8 @@
    (`gpu_quant.ms_per_token`), ratios to bf16. INT4_B1_ENGINES picks them (default
    bf16,int4head,int4branch,int4: int4head is main's engine (its TABLE, no SiLU epilogue),
    int4branch this branch's (the committed TABLE, SiLU in gate_up's epilogue; int4silu the same),
-   int4 the sweep's table with the SiLU epilogue; `ENGINE_ENV`).
+   int4 the sweep's table with the SiLU epilogue; `ENGINE_ENV`). INT4_B1_PROFILE names the engine
+   profiled (default int4). The engines' self-tests run first in this process (their outcome printed).
 INT4_B1_BUDGET_S (default 140) stops starting things past it. Figures go to
 $OUT/part-int4b1-partial.json as they come.
 """
@@ -404,6 +405,14 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
                                    for n, k in shapes.values())}
     timings = results.setdefault("timings", {})
     failed = []
+    profiled = os.environ.get("INT4_B1_PROFILE", "int4")  # the engine whose decode steps are profiled
+    if not smoke:  # the engines' self-tests, here in this process (an engine runs them in its worker)
+        from tokenmill.layers.quantization import int4
+        ok = int4.mma_selftest(torch.device("cuda"), torch.bfloat16)
+        silu = int4.silu_selftest(torch.device("cuda"), torch.bfloat16)
+        results["int4b1_selftests"] = {"mma": ok, "pipe": mma.PIPE_ENABLED, "silu": silu}
+        print(f"  self-tests on this GPU: mma GEMV {ok}, pipelined loop {mma.PIPE_ENABLED}, SiLU epilogue {silu}",
+              flush=True)
     for label in os.environ.get("INT4_B1_ENGINES", "bf16,int4head,int4branch,int4").split(","):
         if time.perf_counter() > deadline:
             print(f"  {label}: skipped (budget)", flush=True)
@@ -411,14 +420,14 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
         folder = os.path.join(out, f"int4b1_{label}")
         window = {"out_dir": folder, "batch": 1, "skip": 2 if smoke else 40, "steps": 3 if smoke else 24}
         try:
-            llm, up = _engine(config_dir, shape, label, tables.get(label, ""), window if label == "int4" else None)
+            llm, up = _engine(config_dir, shape, label, tables.get(label, ""), window if label == profiled else None)
             t0 = time.perf_counter()
             ms = ms_per_token(llm, 8 if smoke else 512, 8 if smoke else 256)
             timings[label] = {"batch1": ms, "engine_up_s": up}
             results.setdefault("int4b1_engine_tables", {})[label] = tables.get(label, "")
             print(f"  {label} batch1: {ms:.3f} ms/token ({time.perf_counter() - t0:.0f} s)", flush=True)
             b1._free(llm)
-            if label == "int4":
+            if label == profiled:
                 b1._profile(results.setdefault("int4b1_profile", {}).setdefault(label, {}), label, folder,
                             shape["num_hidden_layers"])
         except Exception:  # noqa: BLE001 - the next engine still runs; the part fails at the end
