@@ -624,10 +624,11 @@ class MmaGemv:
 # (N, K) -> the launch (Llama-8B's linears; other shapes: `default_config`). From
 # `gpu_quant.py --parts int4b1` on an H100 (session 7, two rounds): us per norm + GEMV in a graph,
 # against the default launch with PDL and without it (docs/results/gpu-int4-batch1.md).
-# Session 8 (an H200): the pipelined loop for gate_up (22.9 us against 24.6 without) and qkv (9.2 / 9.7);
-# it lost on down (17.7 / 14.3) and o (9.2 / 7.2).
+# Session 8 (an H200, three rounds): the pipelined loop for gate_up (22.9-23.1 us against 24.6-24.8
+# without; 8 warps 22.9 too) and qkv (9.1-9.2 / 9.6-9.7); it loses on down (17.0-17.7 / 14.2-14.3) and
+# o (9.1-9.2 / 7.2-7.3). Session 7's H100 figures (without the loop) in the comments.
 TABLE: dict[tuple[int, int], MmaGemv] = {
-    (28672, 4096): MmaGemv(4, 2, hint=True, pipe=True),  # gate_up 27.2 / 27.1 (default 28.1, without PDL 29.7)
+    (28672, 4096): MmaGemv(4, 2, hint=True, pipe=True),  # gate_up H100 27.2 / 27.1 (default 28.1, without PDL 29.7)
     (4096, 14336): MmaGemv(4, 16, hint=True),  # down 16.4 / 16.3 (17.0, 18.9)
     (6144, 4096): MmaGemv(4, 8, hint=True, pipe=True),  # qkv 10.0 / 9.8 (10.1, 11.7)
     (4096, 4096): MmaGemv(8, 16),  # o 8.0 / 8.0 (8.4, 10.3)
