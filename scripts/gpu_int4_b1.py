@@ -9,17 +9,22 @@
    (TOKENMILL_INT4_MMA_TABLE) for the engines below. With PDL, a race check: x written by a
    kernel that lets its dependents start at once and spins before writing (x NaN before each
    replay): the GEMV must read only the written x; the same check on a GEMV launched with PDL
-   but without its wait (planted) must fail.
+   but without its wait (planted) must fail; and on gate_up's SiLU-and-mul epilogue (split-K
+   and one slice). INT4_B1_VARIANTS picks the launches (`variants`).
 2. layers: 8 distinct Llama-8B layers' GEMVs with RMSNorm / SiLU-and-mul between them (an
    attention stand-in: an RMSNorm over q) in one graph: us per layer for main's launch (no PDL
-   in the GEMVs), the default launch, and the table; main's and the default's outputs must be
-   bitwise equal (PDL changes no arithmetic).
+   in the GEMVs), the default launch, the committed TABLE and the sweep's table, each of the
+   last two also with SiLU-and-mul in gate_up's epilogue (no SiLU kernel); main's and the
+   default's outputs must be bitwise equal (PDL changes no arithmetic).
 3. engines (Llama-3.1-8B shape, dummy weights, graphs on, GPTQ group 128, prefix caching off):
    INT4 with the table (and a torch.profiler window over its batch-1 decode steps: kernel groups
    and what each kernel adds under PDL, `benchmarks/step_path`), bf16, and INT4 with main's
    launches, and INT4 with the committed TABLE (int4head); batch-1 ms per output token each
    (`gpu_quant.ms_per_token`), ratios to bf16. INT4_B1_ENGINES picks them (default
-   int4,bf16,int4main,int4head).
+   bf16,int4head,int4branch,int4: int4head is main's engine (its TABLE, no SiLU epilogue),
+   int4branch this branch's (the committed TABLE, SiLU in gate_up's epilogue; int4silu the same),
+   int4 the sweep's table with the SiLU epilogue; `ENGINE_ENV`). INT4_B1_PROFILE names the engine
+   profiled (default int4). The engines' self-tests run first in this process (their outcome printed).
 INT4_B1_BUDGET_S (default 140) stops starting things past it. Figures go to
 $OUT/part-int4b1-partial.json as they come.
 """
@@ -51,10 +56,33 @@ def _save(results: dict, out: str) -> None:
 
 
 def variants(n: int, k: int, group: int) -> list:
-    """The launches tried per shape: main's (no PDL), the default, and around it."""
+    """The launches tried per shape. INT4_B1_VARIANTS=pipe (the default): the committed TABLE's
+    launch with and without the pipelined loop, and the loop at other warps, splits, hints and
+    with one step of L2 prefetch; =regs (round 1): the TABLE's launch, and it with fewer registers
+    a thread (`maxnreg`: more CTAs resident an SM) at its split and at twice it, with two groups a
+    loop step under a register cap, and pipelined (`pipe`: each step loads the next one's words);
+    =all: main's (no PDL), the default, and around it (session 7's sweep)."""
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
     d = mma.default_config(n, k, group)
+    which = os.environ.get("INT4_B1_VARIANTS", "pipe")
+    t = mma.TABLE.get((n, k), d)
+    s2 = 2 * t.split
+    if which == "pipe":  # session 8, round 2: the pipelined loop around the committed TABLE
+        vs = [t, replace(t, pipe=not t.pipe), replace(t, pipe=True, warps=8), replace(t, pipe=True, hint=not t.hint),
+              replace(t, pipe=True, ahead=1), replace(t, split=s2, pipe=False), replace(t, split=s2, pipe=True),
+              replace(t, split=max(1, t.split // 2), pipe=True)]
+        return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
+    if which == "regs":  # session 8, round 1 (the TABLE then: without the pipelined loop)
+        t = replace(t, pipe=False)
+        # two groups a loop step (a small GEMV's whole K slice loaded before the PDL wait) need ~94
+        # registers: capped so that the grid stays one wave (ptxas spills a few)
+        vs = [t, replace(t, maxnreg=48), replace(t, split=s2, maxnreg=48), replace(t, split=s2), replace(t, gpc=2, maxnreg=72),
+              replace(t, gpc=2, maxnreg=64), replace(t, split=s2, gpc=2, maxnreg=72),
+              replace(t, warps=4, gpc=2, maxnreg=64), replace(t, split=max(1, t.split // 2), gpc=2, maxnreg=72),
+              replace(t, pipe=True), replace(t, split=max(1, t.split // 2), pipe=True), replace(t, pipe=True, ahead=1),
+              replace(t, pipe=True, ahead=2)]
+        return [v for v in dict.fromkeys(vs) if mma.fits(n, k, group, v)]
     vs = [replace(d, pdl=False), d, replace(d, pre=False), replace(d, hint=True),
           replace(d, split=d.split * 2), replace(d, split=max(1, d.split // 2)),
           replace(d, warps=8), replace(d, warps=2, split=d.split * 2), replace(d, gpc=2),
@@ -80,10 +108,16 @@ def _compile_calls(smoke: bool = False) -> list:
     for n, k in shapes.values():
         qm, s, z = _weights(128, k, group, 1, dev, dt)[0]
         x = torch.randn(1, k, device=dev, dtype=dt)
-        for c in variants(n, k, group):
-            if c not in seen and mma.fits(128, k, group, c):
-                seen.add(c)
-                calls.append((c.label(), lambda c=c, x=x, qm=qm, s=s, z=z: mma.mma_gemv(x, qm, s, z, group, c, counters)))
+        launches = variants(n, k, group)
+        if (n, k) == shapes["gate_up"]:  # the SiLU epilogue: the sweep's launches, the race check's one slice
+            launches += [replace(c, split=1) for c in launches]
+        for c in launches:
+            for silu in (False, True) if (n, k) == shapes["gate_up"] else (False,):
+                if (c, silu) not in seen and mma.fits(128, k, group, c):
+                    seen.add((c, silu))
+                    calls.append((c.label() + (" silu" if silu else ""),
+                                  lambda c=c, x=x, qm=qm, s=s, z=z, silu=silu: mma.mma_gemv(x, qm, s, z, group, c, counters,
+                                                                                         silu=silu)))
         calls.append(("norm", lambda x=x, k=k: rms_norm(x, torch.ones(k, device=dev, dtype=dt), 1e-5)))
     h = torch.randn(1, shapes["o"][0], device=dev, dtype=dt)
     calls.append(("add norm", lambda: fused_add_rms_norm(h, h.clone(), torch.ones_like(h[0]), 1e-5)))
@@ -124,8 +158,9 @@ def _slow_copy_kernel(x_ptr, y_ptr, n, ITERS, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, tl.where(acc < 3.0e38, x, 0.0), mask=offs < n)  # always x: the spin's result kept
 
 
-def _race_check(name, n, k, group, c, device, dt, check, planted: bool) -> bool:
-    """x NaN before each replay; in the graph a slow writer then the GEMV (module docstring)."""
+def _race_check(name, n, k, group, c, device, dt, check, planted: bool, silu: bool = False) -> bool:
+    """x NaN before each replay; in the graph a slow writer then the GEMV (module docstring).
+    silu: the GEMV's SiLU-and-mul epilogue on the weight in `gate_up_pairs` order."""
     from tokenmill.layers.quantization import int4_packing as packing
     from tokenmill.layers.quantization import stream_tiles
     from tokenmill.layers.quantization import triton_int4_mma as mma
@@ -133,15 +168,23 @@ def _race_check(name, n, k, group, c, device, dt, check, planted: bool) -> bool:
     g = torch.Generator(device=device).manual_seed(7)
     w = torch.randn(n, k, device=device, generator=g) * 0.02
     wt = packing.from_codes(packing.quantize_int4(w, group, sym=True), dt, act_order=False)
-    qm = packing.to_mma(wt.qweight)
     ref_w = packing.dequantize(wt, group, torch.float32)
+    if silu:
+        order = packing.gate_up_pairs(n).to(device)
+        wt = packing.Int4Weights(wt.qweight[:, order], wt.scales[:, order].contiguous(),
+                                 wt.zeros[:, order].contiguous(), None)
+    qm = packing.to_mma(wt.qweight)
     counters = stream_tiles.SplitCounters(n, torch.device(device)).tensor
     xs = [torch.randn(1, k, device=device, dtype=dt) for _ in range(3)]
+
+    def ref(x):
+        r = x.float() @ ref_w
+        return torch.nn.functional.silu(r[:, :n // 2]) * r[:, n // 2:] if silu else r
     ys = [torch.empty_like(x) for x in xs]
 
     def gemv(y):
         if not planted:
-            return mma.mma_gemv(y, qm, wt.scales, wt.zeros, group, c, counters)
+            return mma.mma_gemv(y, qm, wt.scales, wt.zeros, group, c, counters, silu=silu)
         # planted: launched with PDL, but the kernel never waits (USE_PDL off inside)
         out = torch.empty((1, n), dtype=dt, device=device)
         part = torch.empty((c.split, 1, n), dtype=torch.float32, device=device) if c.split > 1 else out
@@ -169,10 +212,11 @@ def _race_check(name, n, k, group, c, device, dt, check, planted: bool) -> bool:
             y.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        errs.append(max(((o.float() - x.float() @ ref_w).norm() / (x.float() @ ref_w).norm()).nan_to_num(9.0).item()
+        errs.append(max(((o.float() - ref(x)).norm() / ref(x).norm()).nan_to_num(9.0).item()
                         for o, x in zip(outs, xs)))
     ok = max(errs) < 1e-2 and not counters.any()
-    what = f"int4 mma GEMV {name} {c.label()} behind a slow PDL writer{' (planted: no wait)' if planted else ''}"
+    what = (f"int4 mma GEMV {name} {c.label()}{' silu' if silu else ''} behind a slow PDL writer"
+            f"{' (planted: no wait)' if planted else ''}")
     check(ok != planted, f"{what}: worst rel err {max(errs):.1e}{' (must fail)' if planted else ''}")
     del graph
     return ok
@@ -226,8 +270,14 @@ def kernels(results: dict, device: str, smoke: bool, check, deadline: float) -> 
         if name == "down":  # PDL races: x written late must still be read after the wait (split-K too)
             _race_check(name, n, k, group, d, device, dt, check, planted=False)
             _race_check(name, n, k, group, d, device, dt, check, planted=True)
+            if mma.fits(n, k, group, replace(d, pipe=True)):  # the pipelined loop's first loads precede the wait
+                _race_check(name, n, k, group, replace(d, pipe=True), device, dt, check, planted=False)
             if mma.fits(n, k, group, replace(d, ring=8)):  # the ring's launch waits before its loop
                 _race_check(name, n, k, group, replace(d, ring=8), device, dt, check, planted=False)
+        if name == "gate_up":  # the SiLU-and-mul epilogue (its split-K sum and its one-slice store)
+            t = mma.config_for(n, k, group)
+            _race_check(name, n, k, group, t, device, dt, check, planted=False, silu=True)
+            _race_check(name, n, k, group, replace(t, split=1), device, dt, check, planted=False, silu=True)
         # timing: CHAIN distinct weights, each behind an RMSNorm writing its x (a PDL kernel)
         ws = _weights(n, k, group, CHAIN, device, dt)
         x0 = torch.randn(1, k, device=device, dtype=dt)
@@ -272,11 +322,16 @@ def layers(results: dict, device: str, smoke: bool, best: dict, check) -> None:
     x0 = torch.randn(1, hidden, device=device, dtype=dt)
     sets = {"main (GEMVs without PDL)": {s: replace(mma.default_config(*s, group), pdl=False) for s in shapes.values()},
             "default": {s: mma.default_config(*s, group) for s in shapes.values()},
-            "table": dict(best)}
+            "main's TABLE (no pipelined loop)": {s: replace(mma.config_for(*s, group), pipe=False) for s in shapes.values()},
+            "committed TABLE": {s: mma.config_for(*s, group) for s in shapes.values()},
+            "committed TABLE, SiLU in gate_up's epilogue": {s: mma.config_for(*s, group) for s in shapes.values()},
+            "table": dict(best), "table, SiLU in gate_up's epilogue": dict(best)}
     rec = results.setdefault("int4b1_layers", {})
     outs = {}
     for label, launches in sets.items():
-        def layer_chain(launches=launches):
+        silu = "SiLU" in label  # gate_up's GEMV writes silu(gate) * up (the random words: any channel order)
+
+        def layer_chain(launches=launches, silu=silu):
             res = x0.clone()
             h = rms_norm(res, nw, 1e-5)
             for i in range(LAYERS):
@@ -286,7 +341,12 @@ def layers(results: dict, device: str, smoke: bool, best: dict, check) -> None:
                 qkv = lin("qkv", h)
                 a = rms_norm(qkv[:, :hidden], nw, 1e-5)  # attention's stand-in: a PDL kernel over q
                 h, res = fused_add_rms_norm(lin("o", a), res, nw, 1e-5)
-                h, res = fused_add_rms_norm(lin("down", silu_and_mul(lin("gate_up", h))), res, nw, 1e-5)
+                if silu:
+                    qm_, s_, z_ = ws["gate_up"][i]
+                    act = mma.mma_gemv(h, qm_, s_, z_, group, launches[shapes["gate_up"]], counters["gate_up"], silu=True)
+                else:
+                    act = silu_and_mul(lin("gate_up", h))
+                h, res = fused_add_rms_norm(lin("down", act), res, nw, 1e-5)
             return h
         outs[label] = layer_chain()
         rec[label] = graph_us(layer_chain, replays=10) / LAYERS
@@ -296,13 +356,22 @@ def layers(results: dict, device: str, smoke: bool, best: dict, check) -> None:
           "layer chain: main's launches and the default (PDL) give bitwise equal outputs")
 
 
+# Engines' switches beside the launch table: main's engines keep gate_up in natural order (the
+# SiLU-and-mul kernel after it); int4silu: the committed TABLE with SiLU in gate_up's epilogue.
+ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKENMILL_INT4_SILU_PAIRS": "0"}}
+# int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
+# branch's committed TABLE (""); int4 the sweep's table.
+
+
 def _engine(config_dir, shape, label: str, table: str, window: dict | None):
     import gpu_quant
 
     from tokenmill import LLM
     from tokenmill.worker.device_profile import ENV_VAR
     path = config_dir(shape, gpu_quant.GPTQ_CONFIG) if label.startswith("int4") else config_dir(shape)
-    saved = {k: os.environ.get(k) for k in (ENV, ENV_VAR)}
+    switches = ENGINE_ENV.get(label, {})
+    saved = {k: os.environ.get(k) for k in (ENV, ENV_VAR, *switches)}
+    os.environ.update(switches)
     if label.startswith("int4"):
         os.environ[ENV] = table
     if window:
@@ -317,7 +386,7 @@ def _engine(config_dir, shape, label: str, table: str, window: dict | None):
             if v is not None:
                 os.environ[k] = v
     print(f"  {label}: engine up in {time.perf_counter() - start:.0f} s"
-          + (f" ({ENV}={table})" if label.startswith("int4") else ""), flush=True)
+          + (f" ({ENV}={table})" if label.startswith("int4") else "") + (f" {switches}" if switches else ""), flush=True)
     return llm, time.perf_counter() - start
 
 
@@ -329,33 +398,43 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
     from tokenmill.layers.quantization import triton_int4_mma as mma
     group = SMOKE_GROUP if smoke else GROUP
     shapes = SMOKE_SHAPES if smoke else SHAPES
-    tables = {"int4": _table_text(best), "int4head": "",  # int4head: the committed TABLE
+    tables = {"int4": _table_text(best), "int4branch": "", "int4silu": "",  # "": the committed TABLE
+              "int4head": ";".join(f"{n}x{k}={replace(mma.config_for(n, k, group), pipe=False).label()}"
+                                   for n, k in shapes.values()),
               "int4main": ";".join(f"{n}x{k}={replace(mma.default_config(n, k, group), pdl=False).label()}"
                                    for n, k in shapes.values())}
     timings = results.setdefault("timings", {})
     failed = []
-    for label in os.environ.get("INT4_B1_ENGINES", "int4,bf16,int4main,int4head").split(","):
+    profiled = os.environ.get("INT4_B1_PROFILE", "int4")  # the engine whose decode steps are profiled
+    if not smoke:  # the engines' self-tests, here in this process (an engine runs them in its worker)
+        from tokenmill.layers.quantization import int4
+        ok = int4.mma_selftest(torch.device("cuda"), torch.bfloat16)
+        silu = int4.silu_selftest(torch.device("cuda"), torch.bfloat16)
+        results["int4b1_selftests"] = {"mma": ok, "pipe": mma.PIPE_ENABLED, "silu": silu}
+        print(f"  self-tests on this GPU: mma GEMV {ok}, pipelined loop {mma.PIPE_ENABLED}, SiLU epilogue {silu}",
+              flush=True)
+    for label in os.environ.get("INT4_B1_ENGINES", "bf16,int4head,int4branch,int4").split(","):
         if time.perf_counter() > deadline:
             print(f"  {label}: skipped (budget)", flush=True)
             continue
         folder = os.path.join(out, f"int4b1_{label}")
         window = {"out_dir": folder, "batch": 1, "skip": 2 if smoke else 40, "steps": 3 if smoke else 24}
         try:
-            llm, up = _engine(config_dir, shape, label, tables.get(label, ""), window if label == "int4" else None)
+            llm, up = _engine(config_dir, shape, label, tables.get(label, ""), window if label == profiled else None)
             t0 = time.perf_counter()
             ms = ms_per_token(llm, 8 if smoke else 512, 8 if smoke else 256)
             timings[label] = {"batch1": ms, "engine_up_s": up}
             results.setdefault("int4b1_engine_tables", {})[label] = tables.get(label, "")
             print(f"  {label} batch1: {ms:.3f} ms/token ({time.perf_counter() - t0:.0f} s)", flush=True)
             b1._free(llm)
-            if label == "int4":
+            if label == profiled:
                 b1._profile(results.setdefault("int4b1_profile", {}).setdefault(label, {}), label, folder,
                             shape["num_hidden_layers"])
         except Exception:  # noqa: BLE001 - the next engine still runs; the part fails at the end
             traceback.print_exc()
             failed.append(label)
         _save(results, out)
-    for label in ("int4", "int4main", "int4head"):
+    for label in ("int4", "int4main", "int4head", "int4silu", "int4branch"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r

@@ -6,6 +6,7 @@ predicate is for). Uses triton's bundled ptxas / cuobjdump; needs no device.
     python scripts/int4_mma_sass.py                     # the defaults
     python scripts/int4_mma_sass.py --launch '{"warps": 8, "split": 4, "gpc": 2, "zmma": true, "f16": false}'
     python scripts/int4_mma_sass.py --launch '{"warps": 4, "split": 8, "pdl": true}'   # PDL, first step preloaded
+    python scripts/int4_mma_sass.py --launch '{"warps": 4, "split": 2, "pdl": true, "silu": true, "maxnreg": 48}'
 
 With "pdl" (and "pre", default true) it also counts the 16-byte loads before the PDL wait
 (`ACQBULK`, griddepcontrol.wait) and the loads there of data other kernels write (none allowed).
@@ -40,7 +41,7 @@ def compile_launch(launch: dict):
     ring = launch.get("ring", 0)
     setup, step, store, store32 = mma._asm_texts(*texts, ("L1" if launch.get("ahead_l1") else "L2") if ahead else "",
                                                  ring, launch.get("warps", 4))
-    if ring:
+    if ring or launch.get("pipe"):
         use_pdl_pre = False
     else:
         use_pdl_pre = True
@@ -50,10 +51,14 @@ def compile_launch(launch: dict):
                  ASM=True, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store, ASM_STORE_F32=store32,
                  USE_PDL=use_pdl, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=ahead, RING=ring,
                  ASM_PF=mma._prefetch_asm(texts[0] * texts[1], "L1" if launch.get("ahead_l1") else "L2")
-                 if pre and ahead else "")
+                 if pre and ahead else "",
+                 SILU=launch.get("silu", False), ASM_STORE_PAIR=mma._store_pair_asm(f16) if launch.get("silu") else "",
+                 ASM_PIPE=mma._pipe_asm(f16, launch.get("hint", False), ahead > 0) if launch.get("pipe") else "",
+                 ASM_FIRST=mma._pipe_first_asm(launch.get("hint", False)) if launch.get("pipe") else "")
     dt = "fp16" if f16 else "bf16"
     ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}
-    return compile_sm90(mma._mma_gemv_kernel, const, ptrs, num_warps=launch.get("warps", 4))
+    extra = {"maxnreg": launch["maxnreg"]} if launch.get("maxnreg") else {}
+    return compile_sm90(mma._mma_gemv_kernel, const, ptrs, num_warps=launch.get("warps", 4), **extra)
 
 
 def sass_figures(kernel) -> dict:
@@ -80,7 +85,8 @@ def sass_figures(kernel) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--launch", action="append", help="JSON: warps, split, gpc, zmma, hint, early, f16, group")
+    ap.add_argument("--launch", action="append",
+                    help="JSON: warps, split, gpc, zmma, hint, early, f16, group, pdl, pre, ahead, ring, silu, maxnreg")
     args = ap.parse_args()
     for launch in ([json.loads(x) for x in args.launch] if args.launch else DEFAULTS):
         print(json.dumps(launch), json.dumps(sass_figures(compile_launch(launch))), flush=True)

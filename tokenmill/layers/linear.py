@@ -327,6 +327,10 @@ def bind_silu_mul(layer: Linear, base: Callable[[torch.Tensor], torch.Tensor]) -
             return lora.forward_silu_mul(x, lambda: base(x), act, None if then is None else then.__dict__.get("lora"))
         return run_lora
     if layer.quant_method is not UNQUANTIZED:
+        method = layer.quant_method
+        fused = getattr(method, "apply_silu_mul", None)  # (INT4: the product in the GEMV's epilogue)
+        if fused is not None:
+            return lambda x, act, then: fused(layer, x, layer.bias, act)
         return lambda x, act, then: act(base(x))
     weight, bias, caches = layer.weight, layer.bias, layer._silu_packed
     f32_cpu = cpu_gemm.takes_weight(weight, bias)

@@ -112,6 +112,9 @@ class LlamaMLP(nn.Module):
         # codes alone (`quantization.fp8.mark_fused_producers`).
         self.act_feeds_only_down = type(self).forward is LlamaMLP.forward
         self.act = SiluAndMul() if self.silu else GeluTanhAndMul()
+        # gate_up's output is [gate | up] halves read through `run_silu_mul`: an INT4 method may keep
+        # its channels paired so that its GEMV writes the product (`int4.pair_gate_up`)
+        self.gate_up_proj.silu_halves = self.silu
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
                 lora_into: torch.Tensor | None = None) -> torch.Tensor:

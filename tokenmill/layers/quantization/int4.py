@@ -47,6 +47,90 @@ def mma_enabled() -> bool:
     return os.environ.get("TOKENMILL_INT4_MMA", "1") != "0"
 
 
+def silu_pairs_enabled() -> bool:
+    """[gate | up] INT4 weights in the mma layout are kept in `int4_packing.gate_up_pairs` order, so
+    that a few rows' GEMV writes silu(gate) * up itself (`Int4LinearMethod.apply_silu_mul`; one
+    launch less per MLP). TOKENMILL_INT4_SILU_PAIRS=0: natural order (A/B runs)."""
+    import os
+
+    return os.environ.get("TOKENMILL_INT4_SILU_PAIRS", "1") != "0"
+
+
+def pair_gate_up(wt: packing.Int4Weights) -> tuple[packing.Int4Weights, torch.Tensor]:
+    """Weights in the mma layout with their channels in `gate_up_pairs` order, and the index that
+    puts a result of them back in natural order."""
+    order = packing.gate_up_pairs(wt.scales.shape[1]).to(wt.scales.device)
+    q = packing.to_mma(packing.from_mma(wt.qweight)[:, order])
+    return packing.Int4Weights(q, wt.scales[:, order].contiguous(), wt.zeros[:, order].contiguous(), None), \
+        torch.argsort(order)
+
+
+_SILU_SELFTEST: dict = {}
+
+
+def silu_selftest(device: torch.device, dtype: torch.dtype) -> bool:
+    """Once per device and dtype: the GEMV's SiLU-and-mul epilogue (one slice and split-K) on a
+    small paired weight against silu(gate) * up of dequantize + matmul. False (logged): gate_up
+    weights stay in natural order (the SiLU kernel after the GEMV)."""
+    key = (str(device), dtype)
+    if key not in _SILU_SELFTEST:
+        from tokenmill.layers.quantization import triton_int4_mma as mma
+
+        ok, why = False, ""
+        try:
+            g = torch.Generator(device=device).manual_seed(0)
+            n, k, group = 256, 512, 128
+            codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
+            wt = packing.from_codes(codes, dtype, act_order=False)
+            ref_w = packing.dequantize(wt, group, torch.float32)
+            paired, _ = pair_gate_up(packing.Int4Weights(packing.to_mma(wt.qweight), wt.scales, wt.zeros, None))
+            counters = torch.zeros(64, dtype=torch.int32, device=device)
+            errs = []
+            for m, c in ((1, mma.MmaGemv(4, 2)), (3, mma.MmaGemv(4, 1))):
+                x = torch.randn(m, k, device=device, generator=g).to(dtype)
+                out = mma.mma_gemv(x, paired.qweight, paired.scales, paired.zeros, group, c, counters, silu=True)
+                r = x.float() @ ref_w
+                ref = F.silu(r[:, :n // 2]) * r[:, n // 2:]
+                errs.append(((out.float() - ref).norm() / ref.norm()).item())
+            ok = max(errs) < 2e-2 and not counters.any()
+            why = f"relative errors {', '.join(f'{e:.1e}' for e in errs)}"
+        except Exception as e:  # noqa: BLE001 - a compile or launch failure: fall back, loudly
+            why = f"{type(e).__name__}: {str(e)[:500]}"
+        if not ok:
+            logger.warning("int4: the GEMV's SiLU-and-mul epilogue failed its self-test on %s (%s); gate_up "
+                           "weights stay in natural order", device, why)
+        _SILU_SELFTEST[key] = ok
+    return _SILU_SELFTEST[key]
+
+
+def _pipe_selftest(device: torch.device, dtype: torch.dtype) -> bool:
+    """The pipelined loop (`MmaGemv.pipe`; inline PTX only on a GPU) at one row against dequantize +
+    matmul, one slice and split-K; False (logged) where it fails."""
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    why = ""
+    try:
+        g = torch.Generator(device=device).manual_seed(1)
+        n, k, group = 256, 1024, 128
+        codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
+        wt = packing.from_codes(codes, dtype, act_order=False)
+        qm = packing.to_mma(wt.qweight)
+        ref_w = packing.dequantize(wt, group, torch.float32)
+        counters = torch.zeros(64, dtype=torch.int32, device=device)
+        x = torch.randn(1, k, device=device, generator=g).to(dtype)
+        ref = x.float() @ ref_w
+        errs = [((mma.mma_gemv(x, qm, wt.scales, wt.zeros, group, mma.MmaGemv(4, s, hint=True, pipe=True), counters)
+                  .float() - ref).norm() / ref.norm()).item() for s in (1, 2)]
+        if max(errs) < 1e-2 and not counters.any():
+            return True
+        why = f"relative errors {', '.join(f'{e:.1e}' for e in errs)}"
+    except Exception as e:  # noqa: BLE001 - a compile or launch failure: fall back, loudly
+        why = f"{type(e).__name__}: {str(e)[:500]}"
+    logger.warning("int4: the GEMV's pipelined loop failed its self-test on %s (%s); launches run without it",
+                   device, why)
+    return False
+
+
 _SELFTEST: dict = {}
 
 
@@ -81,6 +165,8 @@ def mma_selftest(device: torch.device, dtype: torch.dtype) -> bool:
         if not ok:
             logger.warning("int4: the tensor-core GEMV failed its self-test on %s (%s); INT4 layers keep the "
                            "panel GEMVs", device, why)
+        elif not _pipe_selftest(device, dtype):
+            mma.PIPE_ENABLED = False
         _SELFTEST[key] = ok
     return _SELFTEST[key]
 
@@ -216,6 +302,10 @@ class Int4LinearMethod(LinearMethod):
             if getattr(layer, name, None) is not None:
                 replace_param(layer, name, None)
         wt = for_device(wt, self._group(layer.in_features))
+        layer.pair_order = None  # natural order of a paired [gate | up] weight's results (`pair_gate_up`)
+        if (wt.qweight.dim() == 4 and getattr(layer, "silu_halves", False) and layer.bias is None
+                and silu_pairs_enabled() and silu_selftest(wt.qweight.device, wt.scales.dtype)):
+            wt, layer.pair_order = pair_gate_up(wt)
         replace_param(layer, "qweight", wt.qweight)
         replace_param(layer, "scales", wt.scales)
         replace_param(layer, "zeros", wt.zeros)
@@ -235,12 +325,37 @@ class Int4LinearMethod(LinearMethod):
 
             out = int4_matmul(x.reshape(-1, k), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
                             self.config.group_size, layer.stream_counters.tensor)
+            if getattr(layer, "pair_order", None) is not None:  # a paired [gate | up] weight: natural order
+                out = out.index_select(-1, layer.pair_order)
             if bias is not None:
                 out = out + bias
             return out.view(*x.shape[:-1], out.shape[-1])
         wt = packing.Int4Weights(layer.qweight, layer.scales, layer.zeros, layer.g_idx)
         w = packing.dequantize(wt, self.config.group_size, x.dtype)  # [K, N]
         return F.linear(x, w.t(), bias)
+
+    def apply_silu_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act: nn.Module
+                       ) -> torch.Tensor:
+        """act(x @ W^T + bias) for a [gate | up] layer whose act is SiLU-and-mul (`Linear.run_silu_mul`).
+        A paired weight (`pair_gate_up`): up to 8 rows the GEMV writes the product itself (SILU);
+        more rows, its GEMM's paired result goes through `silu_and_mul(paired=True)`. Else, act
+        of `apply`. The same values as `act(apply(...))` either way."""
+        from tokenmill.layers.activation import SiluAndMul
+
+        order = getattr(layer, "pair_order", None)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if order is None or bias is not None or type(act) is not SiluAndMul or act.fp8_defer or rows == 0:
+            return act(self.apply(layer, x, bias))
+        from tokenmill.layers.quantization import triton_int4_mma as mma
+        from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+        x2 = x.reshape(rows, x.shape[-1])
+        args = (layer.qweight, layer.scales, layer.zeros, self.config.group_size)
+        if rows <= mma.ROWS:
+            out = mma.mma_gemv(x2, *args, counters=layer.stream_counters.tensor, silu=True)
+        else:
+            out = silu_and_mul(mma.mma_matmul(x2, *args, layer.stream_counters.tensor), paired=True)
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def describe(self) -> str:
         return self.config.describe()

@@ -186,6 +186,19 @@ def from_panels(qpanels: torch.Tensor) -> torch.Tensor:
     return qpanels.permute(1, 0, 2).reshape(k8, tiles * panel).contiguous()
 
 
+def gate_up_pairs(n: int) -> torch.Tensor:
+    """The channel order of a [gate | up] weight of N = 2 I outputs (I a multiple of 8) in which
+    the tensor-core GEMV computes silu(gate) * up in its epilogue (`triton_int4_mma`'s SILU): in
+    each block of 16 channels, gate channels 8b .. 8b + 7 then up channels I + 8b .. I + 8b + 7, so
+    one thread's two channels (g, g + 8) are one product's. Returns the natural channel at each
+    position (int64 [N]); `argsort` of it puts a result back in natural order."""
+    if n % 16:
+        raise ValueError(f"gate_up_pairs: {n} channels are not a multiple of 16")
+    pos = torch.arange(n)
+    block, r = pos // 16, pos % 16
+    return torch.where(r < 8, 8 * block + r, n // 2 + 8 * block + r - 8)
+
+
 def to_mma(qweight: torch.Tensor) -> torch.Tensor:
     """The kernel layout's words [K/8, N] as the tensor-core GEMV's layout int32 [N/16, K/64, 32, 4]
     (`triton_int4_mma`): per block of 16 output channels and K step of 64 inputs, lane t (g = t // 4,

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -172,6 +172,114 @@ def _asm(spg: int, gpc: int, f16: bool, early: bool = True, zmma: bool = False, 
     return "\n".join(lines)
 
 
+@functools.cache
+def _pipe_asm(f16: bool, hint: bool, ahead: bool = False) -> str:
+    """PTX of one loop step of the pipelined launch (`MmaGemv.pipe`; groups of 128, one a step):
+    the NEXT step's weight words and scales / zeros are loaded first into outputs (consumed by the
+    next step, not here: their DRAM latency runs under this step's arithmetic), then this step's x
+    (pinned by the `early` predicate), then this step's arithmetic on the words and scales the
+    previous step loaded (inputs). Operands: $0..$3 sums out (f); $4..$11 next words out (r);
+    $12..$15 next s(g), s(g+8), z(g), z(g+8) out (r); $16 this step's x (l); $17 the next words
+    (l); $18 / $19 the next scale / zero (l); $20 M (r); $21..$24 sums in (f); $25..$32 this step's
+    words (r); $33..$36 its scales / zeros (r); then (r) whether there is a next step (the last
+    step loads nothing). ahead: first, an L2 prefetch of the words at $37 (l: `MmaGemv.ahead` steps
+    past the next one; the flag is then $38), so the next step's loads find them in L2."""
+    magic = "0x64006400" if f16 else "0x43004300"
+    one = "0x3C003C00" if f16 else "0x3F803F80"
+    big = "0f44800000" if f16 else "0f43000000"
+    ty = "f16" if f16 else "bf16"
+    mma = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32"
+    more = "$38" if ahead else "$37"
+    lines = ["{", ".reg .b32 u, sh, one2, nz0, nz8, p0, p1, p2, p3, dep;", ".reg .b16 h0;", ".reg .pred pa, pz, pn;",
+             ".reg .f32 d0, d1, d2, d3, s0, s8, z0, z8;", ".reg .b32 x<16>;",
+             f"mov.b32 one2, {one};", "mov.f32 $0, $21;", "mov.f32 $1, $22;", "mov.f32 $2, $23;", "mov.f32 $3, $24;"]
+    if ahead:
+        lines += ["prefetch.global.L2 [$37];", "prefetch.global.L2 [$37+512];"]
+    lines += [f"setp.ne.u32 pn, {more}, 0;",
+              f"@pn {_ld_pinned(hint)} {{$4, $5, $6, $7}}, [$17];", f"@pn {_ld_pinned(hint)} {{$8, $9, $10, $11}}, [$17+512];",
+              "@pn ld.global.u16 $12, [$18];", "@pn ld.global.u16 $13, [$18+16];",
+              "@pn ld.global.u16 $14, [$19];", "@pn ld.global.u16 $15, [$19+16];", "bar.warp.sync -1;"]
+    for t in range(2):
+        for half in range(2):
+            regs = ", ".join(f"x{8 * t + 4 * half + i}" for i in range(4))
+            lines.append(f"ld.global.v4.b32 {{{regs}}}, [$16+{128 * t + 16 * half}];")
+    lines += ["lop3.b32 dep, x0, x4, x8, 0x96;", "xor.b32 dep, dep, x12;", "setp.eq.u32 pa, $20, 0;",
+              "setp.eq.and.u32 pz, dep, 0, pa;", "@pz mov.f32 $0, 0f7FC00000;"]
+    for reg, src in (("s0", 33), ("s8", 34), ("z0", 35), ("z8", 36)):
+        if f16:
+            lines += [f"cvt.u16.u32 h0, ${src};", f"cvt.f32.f16 {reg}, h0;"]
+        else:
+            lines += [f"shl.b32 u, ${src}, 16;", f"mov.b32 {reg}, u;"]
+    for z, nz in (("z0", "nz0"), ("z8", "nz8")):
+        lines += [f"add.f32 {z}, {z}, {big};", f"neg.f32 {z}, {z};", f"cvt.rn.{ty}x2.f32 {nz}, {z}, {z};"]
+    lines += [f"mov.f32 d{i}, 0f00000000;" for i in range(4)]
+    for t in range(2):
+        for m in range(4):
+            w = f"${25 + 4 * t + m}"
+            xb = f"{{x{8 * t + 2 * m}, x{8 * t + 2 * m + 1}}}"
+            lines.append(f"lop3.b32 p0, {w}, 0x000F000F, {magic}, 0xEA;")
+            for i, p in ((1, "p1"), (2, "p2"), (3, "p3")):
+                lines += [f"shr.u32 sh, {w}, {4 * i};", f"lop3.b32 {p}, sh, 0x000F000F, {magic}, 0xEA;"]
+            lines += [f"fma.rn.{ty}x2 p0, p0, one2, nz0;", f"fma.rn.{ty}x2 p1, p1, one2, nz8;",
+                      f"fma.rn.{ty}x2 p2, p2, one2, nz0;", f"fma.rn.{ty}x2 p3, p3, one2, nz8;",
+                      f"{mma} {{d0, d1, d2, d3}}, {{p0, p1, p2, p3}}, {xb}, {{d0, d1, d2, d3}};"]
+    lines += ["fma.rn.f32 $0, d0, s0, $0;", "fma.rn.f32 $1, d1, s0, $1;",
+              "fma.rn.f32 $2, d2, s8, $2;", "fma.rn.f32 $3, d3, s8, $3;", "}"]
+    return "\n".join(lines)
+
+
+@functools.cache
+def _pipe_first_asm(hint: bool) -> str:
+    """PTX of the pipelined launch's first loads (constant data: before the PDL wait): $0..$7 the
+    first step's words, $8..$11 its scales / zeros (r), from $12 words, $13 scale, $14 zero (l)."""
+    return "\n".join([f"{_ld_pinned(hint)} {{$0, $1, $2, $3}}, [$12];", f"{_ld_pinned(hint)} {{$4, $5, $6, $7}}, [$12+512];",
+                      "ld.global.u16 $8, [$13];", "ld.global.u16 $9, [$13+16];",
+                      "ld.global.u16 $10, [$14];", "ld.global.u16 $11, [$14+16];", "bar.warp.sync -1;"])
+
+
+@triton.jit
+def _pipe_loop(ASM_FIRST: tl.constexpr, ASM_PIPE: tl.constexpr, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
+               USE_PDL: tl.constexpr, AHEAD: tl.constexpr):
+    """The pipelined launch's K loop (`_pipe_asm`): the first step's words and scales loaded before
+    the PDL wait, then each step loads the next one's while it computes its own (the last step
+    loads nothing; its address stays in the slice)."""
+    z = tl.zeros([1], dtype=tl.float32)
+    w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3 = tl.inline_asm_elementwise(
+        ASM_FIRST, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l",
+        [(w_thr + g_lo * 256).to(tl.int64), (s_thr + g_lo * s_sg).to(tl.int64), (z_thr + g_lo * s_sg).to(tl.int64)],
+        dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+               tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+    pdl.launch_dependents(USE_PDL)
+    pdl.wait(USE_PDL)
+    a0, a1, a2, a3 = z, z, z, z
+    for grp in range(g_lo, g_lo + per):
+        nxt = tl.minimum(grp + 1, g_lo + per - 1)
+        if AHEAD > 0:  # (spelled out: the operand list is a constexpr of the call)
+            a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                ASM_PIPE, "=f,=f,=f,=f,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,l,l,l,l,r,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,l,r",
+                [(x_thr + grp * 128).to(tl.int64), (w_thr + nxt * 256).to(tl.int64), (s_thr + nxt * s_sg).to(tl.int64),
+                 (z_thr + nxt * s_sg).to(tl.int64), one + M, a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2,
+                 c3, (w_thr + tl.minimum(grp + 1 + AHEAD, g_lo + per - 1) * 256).to(tl.int64), one + (grp + 1 < g_lo + per).to(tl.int32)],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.int32, tl.int32, tl.int32, tl.int32,
+                       tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+        else:
+            a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                # early-clobber outputs ("=&r"): written before the inputs are read, never the same registers
+                ASM_PIPE, "=f,=f,=f,=f,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,=&r,l,l,l,l,r,f,f,f,f,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                [(x_thr + grp * 128).to(tl.int64), (w_thr + nxt * 256).to(tl.int64), (s_thr + nxt * s_sg).to(tl.int64),
+                 (z_thr + nxt * s_sg).to(tl.int64), one + M, a0, a1, a2, a3, w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3,
+                 one + (grp + 1 < g_lo + per).to(tl.int32)],
+                dtype=(tl.float32, tl.float32, tl.float32, tl.float32, tl.int32, tl.int32, tl.int32, tl.int32,
+                       tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+    return a0, a1, a2, a3
+
+
+def _ld_pinned(hint: bool) -> str:
+    """A weight-word load ptxas keeps where it is written when a `bar.warp.sync` follows it: not
+    `.nc` (ptxas moves those across loop iterations to just before their first use)."""
+    return ("ld.global.L1::no_allocate.L2::256B" if hint else "ld.global") + ".v4.b32"
+
+
 def _ld_words(hint: bool) -> str:
     return ("ld.global.nc.L1::no_allocate.L2::256B" if hint else "ld.global.nc") + ".v4.b32"
 
@@ -208,6 +316,49 @@ def _store_asm(f32: bool, f16: bool) -> str:
             lines += [f"cvt.rn.{'f16' if f16 else 'bf16'}.f32 hv, ${4 + i};", "@pr st.global.b16 [a], hv;"]
     lines += ["fence.acq_rel.gpu;", "mov.b32 $0, 0;", "}"]
     return "\n".join(lines)
+
+
+@functools.cache
+def _store_pair_asm(f16: bool) -> str:
+    """PTX storing the thread's two SiLU-and-mul products (`SILU`): $0 (dummy out), $1 the product
+    tensor at the CTA's first product channel (l), $2 bytes between rows (r), $3 M (r), $4 / $5
+    rows 2j / 2j + 1 of product channel 8 wid + g (f), rounded to bf16 / fp16."""
+    lines = ["{", ".reg .pred pr;", ".reg .b32 tid, wid, lane, g, j, r, c;", ".reg .b64 a, o64;", ".reg .b16 hv;",
+             "mov.u32 tid, %tid.x;", "shr.u32 wid, tid, 5;", "and.b32 lane, tid, 31;", "shr.u32 g, lane, 2;",
+             "and.b32 j, lane, 3;", "shl.b32 c, wid, 3;", "add.u32 c, c, g;"]
+    for dr in range(2):
+        lines += ["shl.b32 r, j, 1;", f"add.u32 r, r, {dr};", "setp.lt.u32 pr, r, $3;", "mul.wide.u32 a, r, $2;",
+                  "mul.wide.u32 o64, c, 2;", "add.s64 a, a, o64;", "add.s64 a, a, $1;",
+                  f"cvt.rn.{'f16' if f16 else 'bf16'}.f32 hv, ${4 + dr};", "@pr st.global.b16 [a], hv;"]
+    lines += ["mov.b32 $0, 0;", "}"]
+    return "\n".join(lines)
+
+
+@triton.jit
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up with the roundings of the unfused path: the GEMV's float32 sums rounded to
+    the activation dtype, then `silu_and_mul`'s kernel arithmetic (its silu rounded once more)."""
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return silu * up.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _ref_sums(x_ptr, w_ptr, s_ptr, z_ptr, cols, g_lo, per, M, K, s_xm, s_sg, GROUP: tl.constexpr):
+    """The interpreter's sums [8 rows, cols] over groups g_lo .. g_lo + per: codes gathered by the
+    inverse index map (`_codes_at`), float32."""
+    rows = tl.arange(0, 8)
+    kk = tl.arange(0, GROUP)
+    acc = tl.zeros([8, cols.shape[0]], dtype=tl.float32)
+    for grp in range(g_lo, g_lo + per):
+        k = grp * GROUP + kk
+        q = _codes_at(w_ptr, k[:, None], cols[None, :], K).to(tl.float32)
+        z = tl.load(z_ptr + grp * s_sg + cols).to(tl.float32)
+        s = tl.load(s_ptr + grp * s_sg + cols).to(tl.float32)
+        x = tl.load(x_ptr + rows[:, None] * s_xm + k[None, :], mask=rows[:, None] < M, other=0.0).to(tl.float32)
+        d = tl.sum(x[:, :, None] * (q - z[None, :])[None, :, :], axis=1)
+        acc += d * s[None, :]
+    return acc
 
 
 @triton.jit
@@ -274,13 +425,19 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                      GROUP: tl.constexpr, SPLIT: tl.constexpr, WARPS: tl.constexpr, GPC: tl.constexpr,
                      ASM: tl.constexpr, ASM_SETUP: tl.constexpr, ASM_STEP: tl.constexpr, ASM_STORE: tl.constexpr, ASM_STORE_F32: tl.constexpr,
                      USE_PDL: tl.constexpr = False, ASM_PRE: tl.constexpr = "", ASM_STEP_IN: tl.constexpr = "",
-                     AHEAD: tl.constexpr = 0, ASM_PF: tl.constexpr = "", RING: tl.constexpr = 0):
+                     AHEAD: tl.constexpr = 0, ASM_PF: tl.constexpr = "", RING: tl.constexpr = 0,
+                     SILU: tl.constexpr = False, ASM_STORE_PAIR: tl.constexpr = "", ASM_PIPE: tl.constexpr = "",
+                     ASM_FIRST: tl.constexpr = ""):
     """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
     anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
     weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
     them: under PDL the GEMV streams while the kernel before it finishes. AHEAD > 0: ASM_STEP
     prefetches the words AHEAD loop steps on (`_asm`'s ahead); with ASM_PRE, ASM_PF prefetches
-    the AHEAD steps after the first before the wait (`_prefetch_asm`)."""
+    the AHEAD steps after the first before the wait (`_prefetch_asm`).
+    SILU (`int4_packing.gate_up_pairs`: channels g / g + 8 of each 16-channel block are gate / up
+    of one product channel): out is [M, N / 2], silu(gate) * up (`_silu_mul`), written by the
+    thread that holds both sums (ASM_STORE_PAIR) or by the split-K epilogue.
+    ASM_PIPE (`_pipe_loop`): the K loop loads each next step's words while computing the current one."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -301,46 +458,56 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         x_thr = x_ptr + x_ofs
         s_thr = s_ptr + n0 + s_ofs
         z_thr = z_ptr + n0 + s_ofs
-        g_first = g_lo
-        if ASM_PRE != "":
-            if ASM_PF != "":  # the AHEAD loop steps after the first prefetched too, before the wait
-                for j in tl.static_range(1, AHEAD + 1):
-                    tl.inline_asm_elementwise(
-                        ASM_PF, "=r,l", [(w_thr + tl.minimum(g_lo + j * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
-                        dtype=tl.int32, is_pure=False, pack=1)
-            a0, a1, a2, a3 = _first_step(ASM_PRE, ASM_STEP_IN, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
-                                         SPG * GPC, SPG, GROUP, USE_PDL)
-            g_first = g_lo + GPC
+        if ASM_PIPE != "":  # the next step's words loaded under this step's arithmetic (`_pipe_asm`)
+            a0, a1, a2, a3 = _pipe_loop(ASM_FIRST, ASM_PIPE, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
+                                        USE_PDL, AHEAD)
         else:
-            pdl.launch_dependents(USE_PDL)
-            pdl.wait(USE_PDL)
-        for grp in range(g_first, g_lo + per, GPC):
-            if RING > 0:  # words through the shared-memory ring (`_asm`'s ring)
-                a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l,r,r,r",
-                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
-                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
-                     one + s_sg * 2, one + M, a0, a1, a2, a3,
-                     (w_thr + (grp * SPG + RING) * 128).to(tl.int64), one + ((g_lo + per - grp) * SPG - RING),
-                     one + (grp == g_lo).to(tl.int32), one + ((grp - g_lo) * SPG) % RING],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
-            elif AHEAD == 0:
-                a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
-                    # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
-                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
-                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
-                     one + s_sg * 2, one + M, a0, a1, a2, a3],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
-            else:  # the words AHEAD steps on prefetched (the slice's last step at most: never past it)
-                a0, a1, a2, a3 = tl.inline_asm_elementwise(
-                    ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l",
-                    [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
-                     (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
-                     one + s_sg * 2, one + M, a0, a1, a2, a3,
-                     (w_thr + tl.minimum(grp + AHEAD * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
-                    dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
-        if SPLIT == 1:
+            g_first = g_lo
+            if ASM_PRE != "":
+                if ASM_PF != "":  # the AHEAD loop steps after the first prefetched too, before the wait
+                    for j in tl.static_range(1, AHEAD + 1):
+                        tl.inline_asm_elementwise(
+                            ASM_PF, "=r,l", [(w_thr + tl.minimum(g_lo + j * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
+                            dtype=tl.int32, is_pure=False, pack=1)
+                a0, a1, a2, a3 = _first_step(ASM_PRE, ASM_STEP_IN, w_thr, x_thr, s_thr, z_thr, g_lo, one, s_sg, M,
+                                             SPG * GPC, SPG, GROUP, USE_PDL)
+                g_first = g_lo + GPC
+            else:
+                pdl.launch_dependents(USE_PDL)
+                pdl.wait(USE_PDL)
+            for grp in range(g_first, g_lo + per, GPC):
+                if RING > 0:  # words through the shared-memory ring (`_asm`'s ring)
+                    a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                        ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l,r,r,r",
+                        [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                         (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                         one + s_sg * 2, one + M, a0, a1, a2, a3,
+                         (w_thr + (grp * SPG + RING) * 128).to(tl.int64), one + ((g_lo + per - grp) * SPG - RING),
+                         one + (grp == g_lo).to(tl.int32), one + ((grp - g_lo) * SPG) % RING],
+                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+                elif AHEAD == 0:
+                    a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                        ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f",
+                        # pointers as int64: Triton 3.6 refuses pointers of different element types in one asm
+                        [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                         (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                         one + s_sg * 2, one + M, a0, a1, a2, a3],
+                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+                else:  # the words AHEAD steps on prefetched (the slice's last step at most: never past it)
+                    a0, a1, a2, a3 = tl.inline_asm_elementwise(
+                        ASM_STEP, "=f,=f,=f,=f,l,l,l,l,r,r,f,f,f,f,l",
+                        [(w_thr + grp * (SPG * 128)).to(tl.int64), (x_thr + grp * GROUP).to(tl.int64),
+                         (s_thr + grp * s_sg).to(tl.int64), (z_thr + grp * s_sg).to(tl.int64),
+                         one + s_sg * 2, one + M, a0, a1, a2, a3,
+                         (w_thr + tl.minimum(grp + AHEAD * GPC, g_lo + per - GPC) * (SPG * 128)).to(tl.int64)],
+                        dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=False, pack=1)
+        if SPLIT == 1 and SILU:
+            dt: tl.constexpr = out_ptr.dtype.element_ty
+            tl.inline_asm_elementwise(ASM_STORE_PAIR, "=r,l,r,r,f,f",
+                                      [(out_ptr + n0 // 2 + one).to(tl.int64), one + N, one + M,
+                                       _silu_mul(a0, a2, dt), _silu_mul(a1, a3, dt)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        elif SPLIT == 1:
             tl.inline_asm_elementwise(ASM_STORE, "=r,l,r,r,f,f,f,f",
                                       [(out_ptr + n0 + one).to(tl.int64), one + N * 2, one + M, a0, a1, a2, a3],
                                       dtype=tl.int32, is_pure=False, pack=1)
@@ -352,34 +519,52 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         pdl.launch_dependents(USE_PDL)
         pdl.wait(USE_PDL)
         rows = tl.arange(0, 8)
-        offs_n = n0 + tl.arange(0, BN)
-        kk = tl.arange(0, GROUP)
-        acc = tl.zeros([8, BN], dtype=tl.float32)
-        for grp in range(g_lo, g_lo + per):
-            k = grp * GROUP + kk
-            q = _codes_at(w_ptr, k[:, None], offs_n[None, :], K).to(tl.float32)
-            z = tl.load(z_ptr + grp * s_sg + offs_n).to(tl.float32)
-            s = tl.load(s_ptr + grp * s_sg + offs_n).to(tl.float32)
-            x = tl.load(x_ptr + rows[:, None] * s_xm + k[None, :], mask=rows[:, None] < M, other=0.0).to(tl.float32)
-            d = tl.sum(x[:, :, None] * (q - z[None, :])[None, :, :], axis=1)
-            acc += d * s[None, :]
-        mask = (rows[:, None] < M) & (offs_n[None, :] < N)
-        if SPLIT == 1:
-            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if SILU:  # gate and up channels summed apart (`_ref_sums` is elementwise in the channels)
+            c = tl.arange(0, BN // 2)
+            gcols = n0 + 16 * (c // 8) + c % 8
+            acc_g = _ref_sums(x_ptr, w_ptr, s_ptr, z_ptr, gcols, g_lo, per, M, K, s_xm, s_sg, GROUP)
+            acc_u = _ref_sums(x_ptr, w_ptr, s_ptr, z_ptr, gcols + 8, g_lo, per, M, K, s_xm, s_sg, GROUP)
+            mask = (rows[:, None] < M) & (gcols[None, :] < N)
+            if SPLIT == 1:
+                tl.store(out_ptr + rows[:, None] * (N // 2) + (n0 // 2 + c)[None, :],
+                         _silu_mul(acc_g, acc_u, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                base = part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N
+                tl.store(base + gcols[None, :], acc_g, mask=mask)
+                tl.store(base + gcols[None, :] + 8, acc_u, mask=mask)
         else:
-            tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
+            offs_n = n0 + tl.arange(0, BN)
+            acc = _ref_sums(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, g_lo, per, M, K, s_xm, s_sg, GROUP)
+            mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+            if SPLIT == 1:
+                tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                tl.store(part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + offs_n[None, :], acc, mask=mask)
     if SPLIT > 1:
         tl.debug_barrier()  # every thread's partial is stored (and fenced) before the CTA counts itself in
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
         if arrived == SPLIT - 1:  # the last slice of these channels: sum the partials in slice order
             rows = tl.arange(0, 8)
-            offs_n = n0 + tl.arange(0, BN)
-            mask = (rows[:, None] < M) & (offs_n[None, :] < N)
-            total = tl.zeros([8, BN], dtype=tl.float32)
-            for sl in range(SPLIT):
-                total += tl.load(part_ptr + sl * M * N + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
-                                 cache_modifier=".cg")
-            tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+            if SILU:  # gate / up: channels g / g + 8 of each 16-channel block
+                c = tl.arange(0, BN // 2)
+                gcols = n0 + 16 * (c // 8) + c % 8
+                mask = (rows[:, None] < M) & (gcols[None, :] < N)
+                gate = tl.zeros([8, BN // 2], dtype=tl.float32)
+                up = tl.zeros([8, BN // 2], dtype=tl.float32)
+                for sl in range(SPLIT):
+                    base = part_ptr + sl * M * N + rows[:, None] * N + gcols[None, :]
+                    gate += tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
+                    up += tl.load(base + 8, mask=mask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + rows[:, None] * (N // 2) + (n0 // 2 + c)[None, :],
+                         _silu_mul(gate, up, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
+            else:
+                offs_n = n0 + tl.arange(0, BN)
+                mask = (rows[:, None] < M) & (offs_n[None, :] < N)
+                total = tl.zeros([8, BN], dtype=tl.float32)
+                for sl in range(SPLIT):
+                    total += tl.load(part_ptr + sl * M * N + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
@@ -424,22 +609,28 @@ class MmaGemv:
     ahead: int = 0  # loop steps ahead whose words each step prefetches (0: none; `_asm`)
     ahead_l1: bool = False  # the prefetch into L1, not L2
     ring: int = 0  # K steps of words in flight through shared memory (cp.async; 0: loads to registers)
+    maxnreg: int = 0  # registers a thread at most (ptxas `.maxnreg`; 0: its choice): more CTAs resident an SM
+    pipe: bool = False  # each loop step loads the next one's words and scales under its arithmetic (`_pipe_asm`)
 
     def label(self) -> str:
         return (f"mma w{self.warps} s{self.split} g{self.gpc}{'' if self.early else ' late'}"
                 f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}"
                 f"{f' a{self.ahead}' + ('l1' if self.ahead_l1 else '') if self.ahead else ''}"
-                f"{f' r{self.ring}' if self.ring else ''}"
+                f"{f' r{self.ring}' if self.ring else ''}{f' m{self.maxnreg}' if self.maxnreg else ''}"
+                f"{' pipe' if self.pipe else ''}"
                 f"{'' if self.pdl else ' nopdl'}{'' if self.pre or not self.pdl else ' nopre'}")
 
 
 # (N, K) -> the launch (Llama-8B's linears; other shapes: `default_config`). From
 # `gpu_quant.py --parts int4b1` on an H100 (session 7, two rounds): us per norm + GEMV in a graph,
 # against the default launch with PDL and without it (docs/results/gpu-int4-batch1.md).
+# Session 8 (an H200, three rounds): the pipelined loop for gate_up (22.9-23.1 us against 24.6-24.8
+# without; 8 warps 22.9 too) and qkv (9.1-9.2 / 9.6-9.7); it loses on down (17.0-17.7 / 14.2-14.3) and
+# o (9.1-9.2 / 7.2-7.3). Session 7's H100 figures (without the loop) in the comments.
 TABLE: dict[tuple[int, int], MmaGemv] = {
-    (28672, 4096): MmaGemv(4, 2, hint=True),  # gate_up 27.2 / 27.1 (default 28.1, without PDL 29.7)
+    (28672, 4096): MmaGemv(4, 2, hint=True, pipe=True),  # gate_up H100 27.2 / 27.1 (default 28.1, without PDL 29.7)
     (4096, 14336): MmaGemv(4, 16, hint=True),  # down 16.4 / 16.3 (17.0, 18.9)
-    (6144, 4096): MmaGemv(4, 8, hint=True),  # qkv 10.0 / 9.8 (10.1, 11.7)
+    (6144, 4096): MmaGemv(4, 8, hint=True, pipe=True),  # qkv 10.0 / 9.8 (10.1, 11.7)
     (4096, 4096): MmaGemv(8, 16),  # o 8.0 / 8.0 (8.4, 10.3)
 }
 TABLE_ENV = "TOKENMILL_INT4_MMA_TABLE"  # "NxK=<label>;..." (labels as `MmaGemv.label` writes them): benchmarks' A/B
@@ -451,13 +642,15 @@ def parse_label(label: str) -> MmaGemv:
     if words and words[0] == "mma":
         words = words[1:]
     flags = {"late": ("early", False), "zmma": ("zmma", True), "hint": ("hint", True), "nopdl": ("pdl", False),
-             "nopre": ("pre", False)}
+             "nopre": ("pre", False), "pipe": ("pipe", True)}
     try:
         fields = {"warps": int(words[0].removeprefix("w")), "split": int(words[1].removeprefix("s")),
                   "gpc": int(words[2].removeprefix("g"))}
         for w in words[3:]:
             if w.startswith("r") and w[1:].isdigit():
                 fields.update(ring=int(w[1:]))
+            elif w.startswith("m") and w[1:].isdigit():
+                fields.update(maxnreg=int(w[1:]))
             elif w.startswith("a") and w.removesuffix("l1")[1:].isdigit():
                 fields.update(ahead=int(w.removesuffix("l1")[1:]), ahead_l1=w.endswith("l1"))
             else:
@@ -502,8 +695,15 @@ def default_config(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
     return MmaGemv(warps=4, split=split)
 
 
+# Whether launches may take the pipelined loop (`MmaGemv.pipe`): `int4.mma_selftest` turns it off
+# for the process where it fails on the device (the table's other launches then run without it).
+PIPE_ENABLED = True
+
+
 def config_for(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
     c = table().get((n, k)) or default_config(n, k, group, sms)
+    if c.pipe and not PIPE_ENABLED:
+        c = replace(c, pipe=False)
     return c if fits(n, k, group, c) else MmaGemv(warps=1, split=1)
 
 
@@ -521,7 +721,8 @@ def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
     return (layout_fits(n, k, group) and c.warps in (1, 2, 4, 8) and n % (16 * c.warps) == 0
             and c.split >= 1 and groups % c.split == 0 and (groups // c.split) % c.gpc == 0
             and (not c.ring or (c.ring % (group // 64 * c.gpc) == 0 and c.ring <= groups // c.split * (group // 64)
-                                and c.ring * c.warps * 512 <= 48 * 1024 and not c.ahead)))
+                                and c.ring * c.warps * 512 <= 48 * 1024 and not c.ahead))
+            and (not c.pipe or (group == 128 and c.gpc == 1 and c.early and not (c.zmma or c.ring or c.ahead_l1))))
 
 
 @functools.cache
@@ -555,9 +756,11 @@ def vector_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-             c: MmaGemv | None = None, counters: torch.Tensor | None = None) -> torch.Tensor:
+             c: MmaGemv | None = None, counters: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
     """x [M, K] (M <= 8) @ W^T -> [M, N] in x's dtype; W in the mma layout qm [N/16, K/64, 32, 4].
-    c.split > 1 needs `counters` (zeroed int32, one per CTA: N / (16 c.warps))."""
+    c.split > 1 needs `counters` (zeroed int32, one per CTA: N / (16 c.warps)). silu: W's channels
+    in `int4_packing.gate_up_pairs` order, and the result [M, N / 2] is silu(gate) * up (the
+    kernel's `SILU`), as `silu_and_mul` of the plain GEMV's result in natural order."""
     m, k = x.shape
     n = qm.shape[0] * 16
     group = k if group_size == -1 else group_size
@@ -573,7 +776,7 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     if c.split > 1 and (counters is None or counters.numel() < ctas):
         raise ValueError(f"int4 mma GEMV: split {c.split} needs {ctas} zeroed counters")
     x = vector_rows(x)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
     f16 = x.dtype == torch.float16
     setup, step, store, store32 = _asm_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint,
@@ -581,13 +784,15 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
                                              c.ring if gpu else 0, c.warps)
     launch = pdl.launch_kwargs(x.device) if c.pdl else {"USE_PDL": False}
     pre, step_in = (_pre_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint)
-                    if gpu and c.pre and not c.ring and launch["USE_PDL"] else ("", ""))
+                    if gpu and c.pre and not c.ring and not c.pipe and launch["USE_PDL"] else ("", ""))
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
         ASM_STORE_F32=store32, ASM_PRE=pre, ASM_STEP_IN=step_in, AHEAD=c.ahead if gpu else 0, RING=c.ring if gpu else 0,
         ASM_PF=_prefetch_asm((group // 64) * c.gpc, "L1" if c.ahead_l1 else "L2") if pre and c.ahead else "",
-        num_warps=c.warps, **launch)
+        SILU=silu, ASM_STORE_PAIR=_store_pair_asm(f16) if gpu and silu else "",
+        ASM_PIPE=_pipe_asm(f16, c.hint, c.ahead > 0) if gpu and c.pipe else "", ASM_FIRST=_pipe_first_asm(c.hint) if gpu and c.pipe else "",
+        num_warps=c.warps, **launch, **({"maxnreg": c.maxnreg} if gpu and c.maxnreg else {}))
     return out
 
 

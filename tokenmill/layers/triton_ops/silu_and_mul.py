@@ -20,23 +20,30 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, D: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
+def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, D: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False,
+                         PAIRED: tl.constexpr = False):
     dtype = x_ptr.dtype.element_ty
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
-    gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + t * s_x + D + cols, mask=mask, other=0.0).to(tl.float32)
+    if PAIRED:  # `int4_packing.gate_up_pairs` order: in each 16 columns, 8 gates then their 8 ups
+        g_cols = 16 * (cols // 8) + cols % 8
+        gate = tl.load(x_ptr + t * s_x + g_cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + t * s_x + g_cols + 8, mask=mask, other=0.0).to(tl.float32)
+    else:
+        gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + t * s_x + D + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     tl.store(out_ptr + t * D + cols, (silu * up).to(dtype), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2 * d] -> [..., d] (a new contiguous tensor): silu(x[..., :d]) * x[..., d:]."""
-    if x.shape[-1] % 2:
-        raise ValueError(f"silu_and_mul needs an even last axis, got {x.shape[-1]}")
+def silu_and_mul(x: torch.Tensor, paired: bool = False) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d] (a new contiguous tensor): silu(x[..., :d]) * x[..., d:]; paired:
+    x's columns in `int4_packing.gate_up_pairs` order (d a multiple of 8), the same product."""
+    if x.shape[-1] % (16 if paired else 2):
+        raise ValueError(f"silu_and_mul needs an even last axis (paired: a multiple of 16), got {x.shape[-1]}")
     d = x.shape[-1] // 2
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
@@ -46,5 +53,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(triton.next_power_of_2(d), MAX_BLOCK)
     _silu_and_mul_kernel[(flat.shape[0], triton.cdiv(d, block))](
-        flat, out, flat.stride(0), D=d, BLOCK=block, num_warps=NUM_WARPS, **pdl.launch_kwargs(x.device))
+        flat, out, flat.stride(0), D=d, BLOCK=block, num_warps=NUM_WARPS, PAIRED=paired, **pdl.launch_kwargs(x.device))
     return out
