@@ -57,6 +57,12 @@ _SOURCE = r"""
 #ifndef KCB_MAX
 #define KCB_MAX 32    /* k-blocks (of 32) per chunk */
 #endif
+#ifndef ORDER_V
+#define ORDER_V 0     /* 1: a panel's vector pairs outer, row pairs inner */
+#endif
+#ifndef APACK
+#define APACK 0       /* pack A into contiguous tiles once per call from this many rows (0: never) */
+#endif
 
 #ifdef TM_AMX_EMULATE
 /* Portable tiles: 8 registers of 16 rows x 64 bytes per thread; tdpbf16ps as the ISA defines it
@@ -112,14 +118,12 @@ int amx_init(void) {
 }
 #endif
 
-/* The epilogue's math on 16 lanes, in plain C written for the vectorizer (no calls, no branches):
-   bf16 rounding (nearest even; NaN stays NaN) and cpu_bf16_gemm's exp polynomial. */
+static const float ZEROS[32];
+
+#ifdef TM_AMX_EMULATE
+/* The epilogue's math on 16 lanes in plain C (the emulated build): bf16 rounding (nearest even;
+   NaN stays NaN) and cpu_bf16_gemm's exp polynomial. */
 static inline void to_bf16_16(const float *f, uint16_t *out) {
-#if defined(__AVX512BF16__) && !defined(TM_AMX_EMULATE)
-    /* the same rounding in one instruction (what cpu_bf16_gemm uses) */
-    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(f)));
-    return;
-#endif
     uint32_t u[16];
     memcpy(u, f, 64);
     for (int i = 0; i < 16; ++i) {
@@ -155,11 +159,11 @@ static inline void silu16(const float *g, float *s) {  /* s = g / (1 + exp(-g)) 
     memcpy(scale, bits, 64);
     for (int i = 0; i < 16; ++i) s[i] = g[i] / (1.0f + e[i] * scale[i]);
 }
-static const float ZEROS[32];
-
+#endif
 typedef struct {
     const uint16_t *x; int64_t xs;          /* activations [R, K], row stride (elements) */
     const uint16_t *tail;                   /* the last R % 16 rows, zero-padded to 16 (K stride) */
+    const uint16_t *ap;                     /* APACK: A packed [R16 / 16][K / 32][16][32] (or NULL) */
     const uint16_t *wp; int64_t vstride;    /* packed weight, elements per 16-column vector */
     const float *bias;
     int R, K, NV, mode, ncols;
@@ -167,17 +171,34 @@ typedef struct {
     const float *add; int64_t as;
 } job_t;
 
-static inline const uint16_t *a_rows(const job_t *j, int row) {  /* 16 rows starting at `row` */
-    return row + 16 <= j->R ? j->x + row * j->xs : j->tail;
+/* The A tile of 16 rows from `row` at k-block 0, and the byte stride between its rows (k-block kb
+   is kb * ka elements further). */
+static inline const uint16_t *a_tile(const job_t *j, int row, int64_t *stride, int64_t *ka) {
+    if (j->ap) { *stride = 64; *ka = 512; return j->ap + (int64_t)(row / 16) * (j->K / 32) * 512; }
+    *ka = 32;
+    if (row + 16 <= j->R) { *stride = j->xs * 2; return j->x + row * j->xs; }
+    *stride = (int64_t)j->K * 2;
+    return j->tail;
+}
+
+#ifndef PF
+#define PF 0          /* software prefetch distance (k-blocks) of the A tiles; 0: none */
+#endif
+static inline void prefetch_tile(const uint16_t *p, int64_t stride) {
+#if !defined(TM_AMX_EMULATE)
+    for (int i = 0; i < 16; ++i) _mm_prefetch((const char *)p + i * stride, _MM_HINT_T0);
+#else
+    (void)p; (void)stride;
+#endif
 }
 
 /* Accumulate k-blocks [kb0, kb1) of rows r (1 or 2 row tiles: mt) x vectors v (1 or 2: nt) into
    acc (row stride ldc floats), starting from zero (`first`) or acc's sums. */
 static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int kb1, float *acc, int ldc,
                       int first) {
-    const int64_t ab = (r + 16 <= j->R ? j->xs : j->K) * 2, cb = (int64_t)ldc * 4;
-    const uint16_t *a0 = a_rows(j, r), *a1 = mt > 1 ? a_rows(j, r + 16) : 0;
-    const int64_t ab1 = mt > 1 ? (r + 32 <= j->R ? j->xs : j->K) * 2 : 0;
+    const int64_t cb = (int64_t)ldc * 4;
+    int64_t ab, ab1 = 0, ka, ka1 = 0;
+    const uint16_t *a0 = a_tile(j, r, &ab, &ka), *a1 = mt > 1 ? a_tile(j, r + 16, &ab1, &ka1) : 0;
     const uint16_t *b0 = j->wp + v * j->vstride, *b1 = b0 + j->vstride;
     if (first) { TZERO(0); TZERO(1); TZERO(2); TZERO(3); }
     else {
@@ -186,23 +207,26 @@ static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int
     }
     if (mt > 1 && nt > 1) {
         for (int kb = kb0; kb < kb1; ++kb) {
-            TLOAD(4, a0 + kb * 32, ab); TLOAD(6, b0 + kb * 512, 64);
-            TLOAD(5, a1 + kb * 32, ab1); TLOAD(7, b1 + kb * 512, 64);
+#if PF
+            if (kb + PF < kb1) { prefetch_tile(a0 + (kb + PF) * ka, ab); prefetch_tile(a1 + (kb + PF) * ka1, ab1); }
+#endif
+            TLOAD(4, a0 + kb * ka, ab); TLOAD(6, b0 + kb * 512, 64);
+            TLOAD(5, a1 + kb * ka1, ab1); TLOAD(7, b1 + kb * 512, 64);
             TDP(0, 4, 6); TDP(1, 4, 7); TDP(2, 5, 6); TDP(3, 5, 7);
         }
     } else if (nt > 1) {
         for (int kb = kb0; kb < kb1; ++kb) {
-            TLOAD(4, a0 + kb * 32, ab); TLOAD(6, b0 + kb * 512, 64); TLOAD(7, b1 + kb * 512, 64);
+            TLOAD(4, a0 + kb * ka, ab); TLOAD(6, b0 + kb * 512, 64); TLOAD(7, b1 + kb * 512, 64);
             TDP(0, 4, 6); TDP(1, 4, 7);
         }
     } else if (mt > 1) {
         for (int kb = kb0; kb < kb1; ++kb) {
-            TLOAD(4, a0 + kb * 32, ab); TLOAD(5, a1 + kb * 32, ab1); TLOAD(6, b0 + kb * 512, 64);
+            TLOAD(4, a0 + kb * ka, ab); TLOAD(5, a1 + kb * ka1, ab1); TLOAD(6, b0 + kb * 512, 64);
             TDP(0, 4, 6); TDP(2, 5, 6);
         }
     } else {
         for (int kb = kb0; kb < kb1; ++kb) {
-            TLOAD(4, a0 + kb * 32, ab); TLOAD(6, b0 + kb * 512, 64);
+            TLOAD(4, a0 + kb * ka, ab); TLOAD(6, b0 + kb * 512, 64);
             TDP(0, 4, 6);
         }
     }
@@ -210,6 +234,7 @@ static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int
     if (mt > 1) { TSTORE(2, acc + 16 * ldc, cb); if (nt > 1) TSTORE(3, acc + 16 * ldc + 16, cb); }
 }
 
+#ifdef TM_AMX_EMULATE
 /* The epilogue of rows [r0, r1) x vectors [v0, v1) from acc (row r0, vector v0; stride ldc). */
 static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, int v0, int v1) {
     for (int r = r0; r < r1; ++r) {
@@ -251,18 +276,92 @@ static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, 
     }
 }
 
+#else
+/* The same epilogue on AVX-512 registers (cpu_bf16_gemm's instructions: its exp polynomial, cvtneps
+   rounding), with masked loads and stores at the N tail: the plain C one above compiled to scalar
+   adds through the stack and a store-forwarding stall per vector, ~40% of a prefill call. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+static inline __m512 bf16_round_v(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, int v0, int v1) {
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (int r = r0; r < r1; ++r) {
+        const float *c = acc + (int64_t)(r - r0) * ldc;
+        if (j->mode == OUT_SILU_MUL) {
+            uint16_t *y = (uint16_t *)j->y + r * j->ys;
+            for (int v = v0; v + 1 < v1; v += 2) {
+                const float *g = c + 16 * (v - v0), *b = j->bias ? j->bias + 16 * v : ZEROS;
+                const int col = 8 * v, n = j->ncols - col < 16 ? j->ncols - col : 16;
+                const __m512 gv = _mm512_add_ps(_mm512_loadu_ps(g), _mm512_loadu_ps(b));
+                const __m512 uv = _mm512_add_ps(_mm512_loadu_ps(g + 16), _mm512_loadu_ps(b + 16));
+                const __m512 sv = bf16_round_v(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, gv)))));
+                _mm256_mask_storeu_epi16(y + col, (__mmask16)((1u << n) - 1),
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(uv, sv)));
+            }
+            continue;
+        }
+        for (int v = v0; v < v1; ++v) {
+            const int col = 16 * v, n = j->ncols - col < 16 ? j->ncols - col : 16;
+            const __mmask16 mask = (__mmask16)((1u << n) - 1);
+            __m512 t = _mm512_loadu_ps(c + 16 * (v - v0));
+            if (j->bias) t = _mm512_add_ps(t, _mm512_loadu_ps(j->bias + col));
+            if (j->mode == OUT_BF16) {
+                _mm256_mask_storeu_epi16((uint16_t *)j->y + r * j->ys + col, mask, (__m256i)_mm512_cvtneps_pbh(t));
+            } else {
+                if (j->add) t = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, j->add + r * j->as + col), t);
+                _mm512_mask_storeu_ps((float *)j->y + r * j->ys + col, mask, t);
+            }
+        }
+    }
+}
+#endif
+
 /* One panel: rows [r0, r1) x vectors [v0, v1), all of K, into the panel buffer acc, then out. */
 static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc) {
     const int ldc = 16 * (v1 - v0), KB = j->K / 32;
     const int nchunks = (KB + KCB_MAX - 1) / KCB_MAX, per = nchunks ? (KB + nchunks - 1) / nchunks : 0;
     for (int kb0 = 0; kb0 < KB; kb0 += per) {
         const int kb1 = kb0 + per < KB ? kb0 + per : KB;
+#if ORDER_V
+        for (int v = v0; v < v1; v += 2)
+            for (int r = r0; r < r1; r += 32)
+#else
         for (int r = r0; r < r1; r += 32)
             for (int v = v0; v < v1; v += 2)
+#endif
                 tile_step(j, r, r + 16 < r1 ? 2 : 1, v, v + 1 < v1 ? 2 : 1, kb0, kb1,
                           acc + (int64_t)(r - r0) * ldc + 16 * (v - v0), ldc, kb0 == 0);
     }
     epilogue(j, acc, ldc, r0, r1, v0, v1);
+}
+
+/* A's 16-row block rb packed as K/32 contiguous 1 KiB tiles (rows past R zero). */
+static void pack_a(const job_t *j, uint16_t *ap, int rb) {
+    const int KB = j->K / 32;
+    uint16_t *dst = ap + (int64_t)rb * KB * 512;
+    for (int i = 0; i < 16; ++i) {
+        const int r = rb * 16 + i;
+        if (r < j->R) {
+            const uint16_t *src = j->x + r * j->xs;
+            for (int kb = 0; kb < KB; ++kb) memcpy(dst + kb * 512 + i * 32, src + kb * 32, 64);
+        } else
+            for (int kb = 0; kb < KB; ++kb) memset(dst + kb * 512 + i * 32, 0, 64);
+    }
 }
 
 /* This thread's panel buffer, kept between calls (OpenMP's threads persist): no allocation per call. */
@@ -283,9 +382,22 @@ static float *panel_buffer(size_t floats) {
    memory for the work buffers was refused (y then incomplete). */
 int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const float *bias, int R, int K,
               int NV, int mode, void *y, int64_t ys, int ncols, const float *add, int64_t as, int nthreads) {
-    job_t j = {x, xs, 0, wp, (int64_t)KPs * 32, bias, R, K, NV, mode, ncols, y, ys, add, as};
+    job_t j = {x, xs, 0, 0, wp, (int64_t)KPs * 32, bias, R, K, NV, mode, ncols, y, ys, add, as};
     uint16_t *tail = 0;
-    if (R % 16) {
+    const int nrb = (R + 15) / 16;
+    const int packa = APACK && R >= APACK;
+    if (packa) {  /* the caller thread's buffer, kept between calls */
+        static _Thread_local uint16_t *abuf;
+        static _Thread_local size_t acap;
+        const size_t need = (size_t)nrb * 16 * K;
+        if (need > acap) {
+            free(abuf);
+            abuf = aligned_alloc(64, (need * 2 + 63) / 64 * 64);
+            acap = abuf ? need : 0;
+        }
+        if (!abuf) return -1;
+        j.ap = abuf;
+    } else if (R % 16) {
         const int t0 = R - R % 16;
         tail = calloc((size_t)16 * K, 2);
         if (!tail) return -1;
@@ -303,6 +415,10 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         float *acc = panel_buffer((size_t)RP * 16 * pv);
+        if (packa) {
+            #pragma omp for schedule(static)
+            for (int rb = 0; rb < nrb; ++rb) pack_a(&j, (uint16_t *)j.ap, rb);
+        }
         tiles_on();
         #pragma omp for schedule(static)
         for (int t = 0; t < items; ++t) {
@@ -347,7 +463,7 @@ def native_library() -> ctypes.CDLL | None:
     """The AMX build on a CPU that has AMX-BF16 (whatever path this process takes; tests), else None."""
     if not cpu_isa.can_run(cpu_isa.PATHS[0]):
         return None
-    return _load("cpu_amx_gemm", ("-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"))
+    return _load("cpu_amx_gemm", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"))
 
 
 def library() -> ctypes.CDLL | None:
