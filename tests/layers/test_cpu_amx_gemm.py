@@ -120,9 +120,9 @@ def test_routing_on_the_amx_path() -> None:
     are the kernel's own."""
     if cpu_amx_gemm.library() is None:
         pytest.skip("not on the amx kernel path")
-    x, w = _data(300, 576, 576, seed=4)
-    wg = _data(300, 576, 2 * 576, seed=5)[1]
-    for rows in (1, 16, 64, 300):
+    x, w = _data(1000, 576, 576, seed=4)
+    wg = _data(1, 576, 2 * 576, seed=5)[1]
+    for rows in (1, 16, 64, 300, 1000):  # (1000 x 576 bf16 activations: oneDNN's, but for silu-mul)
         xr = x[:rows]
         out = wide_linear.linear_f32(xr, w, None, PackedWeight(), cpu_bf16_gemm.PackedBf16())
         amx = cpu_amx_gemm.gemm(xr, w, cpu_bf16_gemm.PackedBf16())
@@ -132,8 +132,8 @@ def test_routing_on_the_amx_path() -> None:
         cache, caches = PackedWeight(), (PackedWeight(), PackedWeight())
         bf = linear(xr, w, None, cache)
         act = silu_mul_linear(xr, wg, None, caches)
-        assert (cache.gemm is not None) == cpu_amx_gemm.takes_bf16(rows)
-        assert (caches[0].gemm is not None) == cpu_amx_gemm.takes_bf16(rows, silu_mul=True)
+        assert (cache.gemm is not None) == cpu_amx_gemm.takes_bf16(rows, xr.shape[1])
+        assert (caches[0].gemm is not None) == cpu_amx_gemm.takes_bf16(rows, xr.shape[1], silu_mul=True)
         if cache.gemm is not None:
             assert torch.equal(bf, cpu_amx_gemm.gemm(xr, w, cpu_bf16_gemm.PackedBf16(), mode=cpu_amx_gemm.OUT_BF16))
         if caches[0].gemm is not None:

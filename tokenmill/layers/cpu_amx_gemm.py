@@ -60,6 +60,9 @@ _SOURCE = r"""
 #ifndef ORDER_V
 #define ORDER_V 0     /* 1: a panel's vector pairs outer, row pairs inner */
 #endif
+#ifndef COLS_MAJOR
+#define COLS_MAJOR 2  /* panel order: 0 row panels outer, 1 column panels outer, 2 the bigger operand outer */
+#endif
 #ifndef APACK
 #define APACK 0       /* pack A into contiguous tiles once per call from this many rows (0: never) */
 #endif
@@ -184,6 +187,9 @@ static inline const uint16_t *a_tile(const job_t *j, int row, int64_t *stride, i
 #ifndef PF
 #define PF 0          /* software prefetch distance (k-blocks) of the A tiles; 0: none */
 #endif
+#ifndef PFB
+#define PFB 0         /* the same for the B tiles */
+#endif
 static inline void prefetch_tile(const uint16_t *p, int64_t stride) {
 #if !defined(TM_AMX_EMULATE)
     for (int i = 0; i < 16; ++i) _mm_prefetch((const char *)p + i * stride, _MM_HINT_T0);
@@ -209,6 +215,9 @@ static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int
         for (int kb = kb0; kb < kb1; ++kb) {
 #if PF
             if (kb + PF < kb1) { prefetch_tile(a0 + (kb + PF) * ka, ab); prefetch_tile(a1 + (kb + PF) * ka1, ab1); }
+#endif
+#if PFB
+            if (kb + PFB < kb1) { prefetch_tile(b0 + (kb + PFB) * 512, 64); prefetch_tile(b1 + (kb + PFB) * 512, 64); }
 #endif
             TLOAD(4, a0 + kb * ka, ab); TLOAD(6, b0 + kb * 512, 64);
             TLOAD(5, a1 + kb * ka1, ab1); TLOAD(7, b1 + kb * 512, 64);
@@ -411,6 +420,8 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
     while (pv > 2 && nrp * ((NV + pv - 1) / pv) < 4 * nthreads) pv /= 2;
     const int ncp = (NV + pv - 1) / pv, items = nrp * ncp;
     const int nt = nthreads < items ? nthreads : items;
+    const int bmajor = NV * 16 > R;  /* the weight is the bigger operand: stream it once */
+    (void)bmajor;
     int failed = 0;
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -422,7 +433,13 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
         tiles_on();
         #pragma omp for schedule(static)
         for (int t = 0; t < items; ++t) {
+#if COLS_MAJOR == 1
+            const int cp = t / nrp, rp = t % nrp;
+#elif COLS_MAJOR == 2
+            const int cp = bmajor ? t / nrp : t % ncp, rp = bmajor ? t % nrp : t / ncp;
+#else
             const int rp = t / ncp, cp = t % ncp;
+#endif
             const int r0 = rp * RP, r1 = r0 + RP < R ? r0 + RP : R;
             const int v0 = cp * pv, v1 = v0 + pv < NV ? v0 + pv : NV;
             if (acc) panel(&j, r0, r1, v0, v1, acc);
@@ -482,11 +499,14 @@ def available() -> bool:
     return library() is not None
 
 
-# Row counts where the tiles win, measured on a 2-core Sapphire Rapids VM (SmolLM2 and Llama-1B
-# shapes, `scripts/cpu_amx_gemm_bench.py`, docs/results/cpu-amx-gemm.md):
+# Where the tiles win, measured on a 2-core Emerald Rapids VM (SmolLM2 and Llama-1B shapes,
+# `scripts/cpu_amx_gemm_bench.py`, docs/results/cpu-amx-gemm.md):
 F32_MIN_ROWS = 4  # float32 out: vs the vdpbf16ps GEMM, which streams the weight faster at 1-3 rows
-BF16_MAX_ROWS = 32  # bf16 out: vs oneDNN's AMX kernels, faster from ~64 rows
-SILU_MAX_ROWS = 256  # silu-mul out: vs oneDNN's two matmuls (swish, then mul), faster above
+# bf16 out, vs oneDNN's AMX kernels: ahead while the activations (rows x K bf16) stay within ~1 MiB
+# (SmolLM2's qkv, K 576: 1.2-1.7x at 32-128 rows, even at 1024; oneDNN 15% ahead at 2048. Llama-1B's,
+# K 2048: 1.1x at 16-64 rows, oneDNN 10% ahead from 256).
+BF16_MAX_ELEMENTS = 1 << 19
+# [gate | up] silu-mul: every row count (one pass against oneDNN's two matmuls: 1.0-1.2x at 32-2048 rows).
 
 
 def takes_f32(rows: int) -> bool:
@@ -494,10 +514,10 @@ def takes_f32(rows: int) -> bool:
     return rows >= F32_MIN_ROWS and library() is not None
 
 
-def takes_bf16(rows: int, silu_mul: bool = False) -> bool:
-    """Whether a bf16-out (or [gate | up] silu-mul) bf16 linear of `rows` rows takes this kernel
-    over oneDNN."""
-    return 0 < rows <= (SILU_MAX_ROWS if silu_mul else BF16_MAX_ROWS) and library() is not None
+def takes_bf16(rows: int, k: int, silu_mul: bool = False) -> bool:
+    """Whether a bf16-out (or [gate | up] silu-mul) bf16 linear of `rows` rows of `k` inputs takes
+    this kernel over oneDNN."""
+    return rows > 0 and (silu_mul or rows * k < BF16_MAX_ELEMENTS) and library() is not None
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, cache: cpu_bf16_gemm.PackedBf16, *, bias: torch.Tensor | None = None,
