@@ -61,7 +61,10 @@ _SOURCE = r"""
 #define ORDER_V 0     /* 1: a panel's vector pairs outer, row pairs inner */
 #endif
 #ifndef COLS_MAJOR
-#define COLS_MAJOR 2  /* panel order: 0 row panels outer, 1 column panels outer, 2 the bigger operand outer */
+#define COLS_MAJOR 3  /* panel order: 0 row panels outer, 1 column panels outer, 2 the bigger operand outer, 3 as 2 with L2-sized weight groups */
+#endif
+#ifndef B_L2
+#define B_L2 (1 << 20)
 #endif
 #ifndef APACK
 #define APACK 0       /* pack A into contiguous tiles once per call from this many rows (0: never) */
@@ -421,7 +424,10 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
     const int ncp = (NV + pv - 1) / pv, items = nrp * ncp;
     const int nt = nthreads < items ? nthreads : items;
     const int bmajor = NV * 16 > R;  /* the weight is the bigger operand: stream it once */
-    (void)bmajor;
+    /* otherwise row panels outer within groups of column panels whose weight fits in L2 (B_L2 bytes):
+       each group's weight is read from memory once, then from L2 by every row panel */
+    const int gcp_fit = (int)(B_L2 / ((int64_t)pv * 16 * K * 2)), gcp = gcp_fit < 1 ? 1 : gcp_fit;
+    (void)bmajor; (void)gcp;
     int failed = 0;
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -437,6 +443,9 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
             const int cp = t / nrp, rp = t % nrp;
 #elif COLS_MAJOR == 2
             const int cp = bmajor ? t / nrp : t % ncp, rp = bmajor ? t % nrp : t / ncp;
+#elif COLS_MAJOR == 3
+            const int g = t / (nrp * gcp), u = t % (nrp * gcp), gsz = ncp - g * gcp < gcp ? ncp - g * gcp : gcp;
+            const int cp = bmajor ? t / nrp : g * gcp + u % gsz, rp = bmajor ? t % nrp : u / gsz;
 #else
             const int rp = t / ncp, cp = t % ncp;
 #endif
