@@ -103,6 +103,27 @@ def test_silu_mul_epilogue(which: str, m: int, k: int, inter: int, with_bias: bo
 
 
 @pytest.mark.parametrize("which", _LIBS)
+def test_panel_orders_agree(which: str) -> None:
+    """Both panel orders (column panels outer where the weight is bigger; else row panels over
+    groups of column panels, the last group short) cover every output once: a build whose L2
+    budget makes groups of 2 column panels (3 of them) gives the default build's result exactly."""
+    lib = _lib(which)
+    small = cpu_amx_gemm.variant_library(which == "emulated", ("B_L2=16384",))
+    if small is None:
+        skip_or_fail("no C compiler (or TOKENMILL_NO_C_KERNELS set)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for m, n in ((300, 80), (200, 300)):  # rows > columns: grouped rows-major; else columns outer
+            x, w = _data(m, 96, n, seed=6)
+            got = cpu_amx_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(), lib=small)
+            assert torch.equal(got, cpu_amx_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(), lib=lib))
+            assert ((got.double() - x.double() @ w.double().T).abs() <= _sum_error(x, w)).all()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("which", _LIBS)
 def test_matches_the_vdpbf16ps_gemm(which: str) -> None:
     """Where `cpu_bf16_gemm` runs: the same packed weight, results within float32 summation order."""
     if not cpu_bf16_gemm.available():

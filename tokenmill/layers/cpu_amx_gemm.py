@@ -10,18 +10,21 @@ is copied into a zeroed 16-row block first). K must be a multiple of 32: `gemm` 
 (the weight's padding is zeros).
 
 Blocking: each OpenMP thread takes panels of up to 128 rows x 128 columns (finer column panels
-when there are few rows, so both threads get work at decode sizes), runs K in chunks of up to 1024
-(A and B chunks stay in L2), 2 x 2 tiles of 16 x 16 float32 accumulators at a time, and keeps the
-panel's sums in a float32 buffer between chunks. The epilogue runs on the finished panel:
+when there are few rows, so both threads get work at decode sizes), in an order that reads the
+bigger operand from memory once (column panels outer where the weight is bigger; else row panels
+outer over L2-sized groups of the weight's columns), runs K in chunks of up to 1024 (A and B
+chunks stay in L2), 2 x 2 tiles of 16 x 16 float32 accumulators at a time, and keeps the panel's
+sums in a float32 buffer between chunks. The epilogue (AVX-512 intrinsics) runs on the finished
+panel:
 OUT_F32 `bias + acc (+ add)`, OUT_BF16 `round(bias + acc)`, OUT_SILU_MUL `round(up *
 round(silu(gate)))` (the gate and up vectors interleaved as in `cpu_bf16_gemm.gate_up_rows`), with
 `cpu_bf16_gemm`'s roundings and exp polynomial, so results agree with it within float32 summation
 order (the tiles sum products pair by pair in float32 as `vdpbf16ps` does, in another order).
 
-The same source builds a second time with `-DTM_AMX_EMULATE`: the tile registers become arrays and
-`tdpbf16ps` a C loop with the same pair-wise float32 math, so the kernel's blocking, tails and
-epilogues are tested on any CPU (`emulated_library`). The real build (`library`) exists only on the
-`amx` kernel path, after Linux granted the process the tile state (arch_prctl
+The same source builds a second time with `-DTM_AMX_EMULATE`: the tile registers become arrays,
+`tdpbf16ps` a C loop with the same pair-wise float32 math and the epilogue plain C with the same
+roundings, so the kernel's blocking, tails and epilogues are tested on any CPU (`emulated_library`).
+The real build (`library`) exists only on the `amx` kernel path, after Linux granted the process the tile state (arch_prctl
 ARCH_REQ_XCOMP_PERM); refused, it is None and callers keep their other kernels.
 """
 
@@ -57,17 +60,8 @@ _SOURCE = r"""
 #ifndef KCB_MAX
 #define KCB_MAX 32    /* k-blocks (of 32) per chunk */
 #endif
-#ifndef ORDER_V
-#define ORDER_V 0     /* 1: a panel's vector pairs outer, row pairs inner */
-#endif
-#ifndef COLS_MAJOR
-#define COLS_MAJOR 3  /* panel order: 0 row panels outer, 1 column panels outer, 2 the bigger operand outer, 3 as 2 with L2-sized weight groups */
-#endif
 #ifndef B_L2
-#define B_L2 (1 << 20)
-#endif
-#ifndef APACK
-#define APACK 0       /* pack A into contiguous tiles once per call from this many rows (0: never) */
+#define B_L2 (1 << 20) /* bytes of the weight that row panels walk before the next columns (L2: 2 MiB) */
 #endif
 
 #ifdef TM_AMX_EMULATE
@@ -169,7 +163,6 @@ static inline void silu16(const float *g, float *s) {  /* s = g / (1 + exp(-g)) 
 typedef struct {
     const uint16_t *x; int64_t xs;          /* activations [R, K], row stride (elements) */
     const uint16_t *tail;                   /* the last R % 16 rows, zero-padded to 16 (K stride) */
-    const uint16_t *ap;                     /* APACK: A packed [R16 / 16][K / 32][16][32] (or NULL) */
     const uint16_t *wp; int64_t vstride;    /* packed weight, elements per 16-column vector */
     const float *bias;
     int R, K, NV, mode, ncols;
@@ -177,37 +170,21 @@ typedef struct {
     const float *add; int64_t as;
 } job_t;
 
-/* The A tile of 16 rows from `row` at k-block 0, and the byte stride between its rows (k-block kb
-   is kb * ka elements further). */
-static inline const uint16_t *a_tile(const job_t *j, int row, int64_t *stride, int64_t *ka) {
-    if (j->ap) { *stride = 64; *ka = 512; return j->ap + (int64_t)(row / 16) * (j->K / 32) * 512; }
-    *ka = 32;
+/* The A tile of 16 rows from `row` at k-block 0, and the byte stride between its rows. */
+static inline const uint16_t *a_tile(const job_t *j, int row, int64_t *stride) {
     if (row + 16 <= j->R) { *stride = j->xs * 2; return j->x + row * j->xs; }
     *stride = (int64_t)j->K * 2;
     return j->tail;
 }
 
-#ifndef PF
-#define PF 0          /* software prefetch distance (k-blocks) of the A tiles; 0: none */
-#endif
-#ifndef PFB
-#define PFB 0         /* the same for the B tiles */
-#endif
-static inline void prefetch_tile(const uint16_t *p, int64_t stride) {
-#if !defined(TM_AMX_EMULATE)
-    for (int i = 0; i < 16; ++i) _mm_prefetch((const char *)p + i * stride, _MM_HINT_T0);
-#else
-    (void)p; (void)stride;
-#endif
-}
 
 /* Accumulate k-blocks [kb0, kb1) of rows r (1 or 2 row tiles: mt) x vectors v (1 or 2: nt) into
    acc (row stride ldc floats), starting from zero (`first`) or acc's sums. */
 static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int kb1, float *acc, int ldc,
                       int first) {
     const int64_t cb = (int64_t)ldc * 4;
-    int64_t ab, ab1 = 0, ka, ka1 = 0;
-    const uint16_t *a0 = a_tile(j, r, &ab, &ka), *a1 = mt > 1 ? a_tile(j, r + 16, &ab1, &ka1) : 0;
+    int64_t ab, ab1 = 0;
+    const uint16_t *a0 = a_tile(j, r, &ab), *a1 = mt > 1 ? a_tile(j, r + 16, &ab1) : 0;
     const uint16_t *b0 = j->wp + v * j->vstride, *b1 = b0 + j->vstride;
     if (first) { TZERO(0); TZERO(1); TZERO(2); TZERO(3); }
     else {
@@ -216,29 +193,23 @@ static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int
     }
     if (mt > 1 && nt > 1) {
         for (int kb = kb0; kb < kb1; ++kb) {
-#if PF
-            if (kb + PF < kb1) { prefetch_tile(a0 + (kb + PF) * ka, ab); prefetch_tile(a1 + (kb + PF) * ka1, ab1); }
-#endif
-#if PFB
-            if (kb + PFB < kb1) { prefetch_tile(b0 + (kb + PFB) * 512, 64); prefetch_tile(b1 + (kb + PFB) * 512, 64); }
-#endif
-            TLOAD(4, a0 + kb * ka, ab); TLOAD(6, b0 + kb * 512, 64);
-            TLOAD(5, a1 + kb * ka1, ab1); TLOAD(7, b1 + kb * 512, 64);
+            TLOAD(4, a0 + kb * 32, ab); TLOAD(6, b0 + kb * 512, 64);
+            TLOAD(5, a1 + kb * 32, ab1); TLOAD(7, b1 + kb * 512, 64);
             TDP(0, 4, 6); TDP(1, 4, 7); TDP(2, 5, 6); TDP(3, 5, 7);
         }
     } else if (nt > 1) {
         for (int kb = kb0; kb < kb1; ++kb) {
-            TLOAD(4, a0 + kb * ka, ab); TLOAD(6, b0 + kb * 512, 64); TLOAD(7, b1 + kb * 512, 64);
+            TLOAD(4, a0 + kb * 32, ab); TLOAD(6, b0 + kb * 512, 64); TLOAD(7, b1 + kb * 512, 64);
             TDP(0, 4, 6); TDP(1, 4, 7);
         }
     } else if (mt > 1) {
         for (int kb = kb0; kb < kb1; ++kb) {
-            TLOAD(4, a0 + kb * ka, ab); TLOAD(5, a1 + kb * ka1, ab1); TLOAD(6, b0 + kb * 512, 64);
+            TLOAD(4, a0 + kb * 32, ab); TLOAD(5, a1 + kb * 32, ab1); TLOAD(6, b0 + kb * 512, 64);
             TDP(0, 4, 6); TDP(2, 5, 6);
         }
     } else {
         for (int kb = kb0; kb < kb1; ++kb) {
-            TLOAD(4, a0 + kb * ka, ab); TLOAD(6, b0 + kb * 512, 64);
+            TLOAD(4, a0 + kb * 32, ab); TLOAD(6, b0 + kb * 512, 64);
             TDP(0, 4, 6);
         }
     }
@@ -349,31 +320,12 @@ static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc) {
     const int nchunks = (KB + KCB_MAX - 1) / KCB_MAX, per = nchunks ? (KB + nchunks - 1) / nchunks : 0;
     for (int kb0 = 0; kb0 < KB; kb0 += per) {
         const int kb1 = kb0 + per < KB ? kb0 + per : KB;
-#if ORDER_V
-        for (int v = v0; v < v1; v += 2)
-            for (int r = r0; r < r1; r += 32)
-#else
         for (int r = r0; r < r1; r += 32)
             for (int v = v0; v < v1; v += 2)
-#endif
                 tile_step(j, r, r + 16 < r1 ? 2 : 1, v, v + 1 < v1 ? 2 : 1, kb0, kb1,
                           acc + (int64_t)(r - r0) * ldc + 16 * (v - v0), ldc, kb0 == 0);
     }
     epilogue(j, acc, ldc, r0, r1, v0, v1);
-}
-
-/* A's 16-row block rb packed as K/32 contiguous 1 KiB tiles (rows past R zero). */
-static void pack_a(const job_t *j, uint16_t *ap, int rb) {
-    const int KB = j->K / 32;
-    uint16_t *dst = ap + (int64_t)rb * KB * 512;
-    for (int i = 0; i < 16; ++i) {
-        const int r = rb * 16 + i;
-        if (r < j->R) {
-            const uint16_t *src = j->x + r * j->xs;
-            for (int kb = 0; kb < KB; ++kb) memcpy(dst + kb * 512 + i * 32, src + kb * 32, 64);
-        } else
-            for (int kb = 0; kb < KB; ++kb) memset(dst + kb * 512 + i * 32, 0, 64);
-    }
 }
 
 /* This thread's panel buffer, kept between calls (OpenMP's threads persist): no allocation per call. */
@@ -394,22 +346,9 @@ static float *panel_buffer(size_t floats) {
    memory for the work buffers was refused (y then incomplete). */
 int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const float *bias, int R, int K,
               int NV, int mode, void *y, int64_t ys, int ncols, const float *add, int64_t as, int nthreads) {
-    job_t j = {x, xs, 0, 0, wp, (int64_t)KPs * 32, bias, R, K, NV, mode, ncols, y, ys, add, as};
+    job_t j = {x, xs, 0, wp, (int64_t)KPs * 32, bias, R, K, NV, mode, ncols, y, ys, add, as};
     uint16_t *tail = 0;
-    const int nrb = (R + 15) / 16;
-    const int packa = APACK && R >= APACK;
-    if (packa) {  /* the caller thread's buffer, kept between calls */
-        static _Thread_local uint16_t *abuf;
-        static _Thread_local size_t acap;
-        const size_t need = (size_t)nrb * 16 * K;
-        if (need > acap) {
-            free(abuf);
-            abuf = aligned_alloc(64, (need * 2 + 63) / 64 * 64);
-            acap = abuf ? need : 0;
-        }
-        if (!abuf) return -1;
-        j.ap = abuf;
-    } else if (R % 16) {
+    if (R % 16) {
         const int t0 = R - R % 16;
         tail = calloc((size_t)16 * K, 2);
         if (!tail) return -1;
@@ -423,32 +362,20 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
     while (pv > 2 && nrp * ((NV + pv - 1) / pv) < 4 * nthreads) pv /= 2;
     const int ncp = (NV + pv - 1) / pv, items = nrp * ncp;
     const int nt = nthreads < items ? nthreads : items;
-    const int bmajor = NV * 16 > R;  /* the weight is the bigger operand: stream it once */
-    /* otherwise row panels outer within groups of column panels whose weight fits in L2 (B_L2 bytes):
-       each group's weight is read from memory once, then from L2 by every row panel */
+    /* Panel order: where the weight is the bigger operand, column panels outer (it is read once, the
+       activations from L2); else row panels outer within groups of column panels whose weight fits
+       in L2 (B_L2 bytes), so each group's weight is read from memory once, then from L2. */
+    const int bmajor = NV * 16 > R;
     const int gcp_fit = (int)(B_L2 / ((int64_t)pv * 16 * K * 2)), gcp = gcp_fit < 1 ? 1 : gcp_fit;
-    (void)bmajor; (void)gcp;
     int failed = 0;
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
         float *acc = panel_buffer((size_t)RP * 16 * pv);
-        if (packa) {
-            #pragma omp for schedule(static)
-            for (int rb = 0; rb < nrb; ++rb) pack_a(&j, (uint16_t *)j.ap, rb);
-        }
         tiles_on();
         #pragma omp for schedule(static)
         for (int t = 0; t < items; ++t) {
-#if COLS_MAJOR == 1
-            const int cp = t / nrp, rp = t % nrp;
-#elif COLS_MAJOR == 2
-            const int cp = bmajor ? t / nrp : t % ncp, rp = bmajor ? t % nrp : t / ncp;
-#elif COLS_MAJOR == 3
             const int g = t / (nrp * gcp), u = t % (nrp * gcp), gsz = ncp - g * gcp < gcp ? ncp - g * gcp : gcp;
             const int cp = bmajor ? t / nrp : g * gcp + u % gsz, rp = bmajor ? t % nrp : u / gsz;
-#else
-            const int rp = t / ncp, cp = t % ncp;
-#endif
             const int r0 = rp * RP, r1 = r0 + RP < R ? r0 + RP : R;
             const int v0 = cp * pv, v1 = v0 + pv < NV ? v0 + pv : NV;
             if (acc) panel(&j, r0, r1, v0, v1, acc);
@@ -484,12 +411,15 @@ def _load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     return lib
 
 
+_NATIVE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+
+
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The AMX build on a CPU that has AMX-BF16 (whatever path this process takes; tests), else None."""
     if not cpu_isa.can_run(cpu_isa.PATHS[0]):
         return None
-    return _load("cpu_amx_gemm", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"))
+    return _load("cpu_amx_gemm", _NATIVE_FLAGS)
 
 
 def library() -> ctypes.CDLL | None:
@@ -502,6 +432,15 @@ def library() -> ctypes.CDLL | None:
 def emulated_library() -> ctypes.CDLL | None:
     """The same source with the tiles emulated in C (any CPU; tests)."""
     return _load("cpu_amx_gemm_emulated", ("-DTM_AMX_EMULATE",))
+
+
+@functools.cache
+def variant_library(emulated: bool, defines: tuple[str, ...]) -> ctypes.CDLL | None:
+    """A build with other blocking constants (`defines`: "NAME=VALUE"; tests of the panel orders)."""
+    if not emulated and not cpu_isa.can_run(cpu_isa.PATHS[0]):
+        return None
+    flags = ("-DTM_AMX_EMULATE",) if emulated else _NATIVE_FLAGS
+    return _load("cpu_amx_gemm_variant", (*flags, *(f"-D{d}" for d in defines)))
 
 
 def available() -> bool:
