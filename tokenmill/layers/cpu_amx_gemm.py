@@ -24,8 +24,8 @@ order (the tiles sum products pair by pair in float32 as `vdpbf16ps` does, in an
 The same source builds a second time with `-DTM_AMX_EMULATE`: the tile registers become arrays,
 `tdpbf16ps` a C loop with the same pair-wise float32 math and the epilogue plain C with the same
 roundings, so the kernel's blocking, tails and epilogues are tested on any CPU (`emulated_library`).
-The real build (`library`) exists only on the `amx` kernel path, after Linux granted the process the tile state (arch_prctl
-ARCH_REQ_XCOMP_PERM); refused, it is None and callers keep their other kernels.
+The real build (`library`) exists only on the `amx` kernel path, after Linux granted the process
+the tile state (arch_prctl ARCH_REQ_XCOMP_PERM); refused, it is None and callers keep their other kernels.
 """
 
 from __future__ import annotations
