@@ -160,6 +160,7 @@ static inline void silu16(const float *g, float *s) {  /* s = g / (1 + exp(-g)) 
     for (int i = 0; i < 16; ++i) s[i] = g[i] / (1.0f + e[i] * scale[i]);
 }
 #endif
+
 typedef struct {
     const uint16_t *x; int64_t xs;          /* activations [R, K], row stride (elements) */
     const uint16_t *tail;                   /* the last R % 16 rows, zero-padded to 16 (K stride) */
@@ -176,7 +177,6 @@ static inline const uint16_t *a_tile(const job_t *j, int row, int64_t *stride) {
     *stride = (int64_t)j->K * 2;
     return j->tail;
 }
-
 
 /* Accumulate k-blocks [kb0, kb1) of rows r (1 or 2 row tiles: mt) x vectors v (1 or 2: nt) into
    acc (row stride ldc floats), starting from zero (`first`) or acc's sums. */
