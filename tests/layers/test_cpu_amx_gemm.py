@@ -103,6 +103,27 @@ def test_silu_mul_epilogue(which: str, m: int, k: int, inter: int, with_bias: bo
 
 
 @pytest.mark.parametrize("which", _LIBS)
+def test_panel_orders_agree(which: str) -> None:
+    """Both panel orders (column panels outer where the weight is bigger; else row panels over
+    groups of column panels, the last group short) cover every output once: a build whose L2
+    budget makes groups of 2 column panels (3 of them) gives the default build's result exactly."""
+    lib = _lib(which)
+    small = cpu_amx_gemm.variant_library(which == "emulated", ("B_L2=16384",))
+    if small is None:
+        skip_or_fail("no C compiler (or TOKENMILL_NO_C_KERNELS set)")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for m, n in ((300, 80), (200, 300)):  # rows > columns: grouped rows-major; else columns outer
+            x, w = _data(m, 96, n, seed=6)
+            got = cpu_amx_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(), lib=small)
+            assert torch.equal(got, cpu_amx_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(), lib=lib))
+            assert ((got.double() - x.double() @ w.double().T).abs() <= _sum_error(x, w)).all()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("which", _LIBS)
 def test_matches_the_vdpbf16ps_gemm(which: str) -> None:
     """Where `cpu_bf16_gemm` runs: the same packed weight, results within float32 summation order."""
     if not cpu_bf16_gemm.available():
@@ -120,9 +141,9 @@ def test_routing_on_the_amx_path() -> None:
     are the kernel's own."""
     if cpu_amx_gemm.library() is None:
         pytest.skip("not on the amx kernel path")
-    x, w = _data(300, 576, 576, seed=4)
-    wg = _data(300, 576, 2 * 576, seed=5)[1]
-    for rows in (1, 16, 64, 300):
+    x, w = _data(1000, 576, 576, seed=4)
+    wg = _data(1, 576, 2 * 576, seed=5)[1]
+    for rows in (1, 16, 64, 300, 1000):  # (1000 x 576 bf16 activations: oneDNN's, but for silu-mul)
         xr = x[:rows]
         out = wide_linear.linear_f32(xr, w, None, PackedWeight(), cpu_bf16_gemm.PackedBf16())
         amx = cpu_amx_gemm.gemm(xr, w, cpu_bf16_gemm.PackedBf16())
@@ -132,8 +153,8 @@ def test_routing_on_the_amx_path() -> None:
         cache, caches = PackedWeight(), (PackedWeight(), PackedWeight())
         bf = linear(xr, w, None, cache)
         act = silu_mul_linear(xr, wg, None, caches)
-        assert (cache.gemm is not None) == cpu_amx_gemm.takes_bf16(rows)
-        assert (caches[0].gemm is not None) == cpu_amx_gemm.takes_bf16(rows, silu_mul=True)
+        assert (cache.gemm is not None) == cpu_amx_gemm.takes_bf16(rows, xr.shape[1])
+        assert (caches[0].gemm is not None) == cpu_amx_gemm.takes_bf16(rows, xr.shape[1], silu_mul=True)
         if cache.gemm is not None:
             assert torch.equal(bf, cpu_amx_gemm.gemm(xr, w, cpu_bf16_gemm.PackedBf16(), mode=cpu_amx_gemm.OUT_BF16))
         if caches[0].gemm is not None:

@@ -109,7 +109,7 @@ def test_linears_take_the_gemm_on_the_avx512_bf16_path() -> None:
         act = silu_mul_linear(x, w, None, caches)
     used = cpu_bf16_gemm.replaces_onednn()
     assert used == (cpu_isa.kernel_path().name == "avx512_bf16")
-    assert (caches[0].gemm is not None) == (used or cpu_amx_gemm.takes_bf16(x.shape[0]))
+    assert (caches[0].gemm is not None) == (used or cpu_amx_gemm.takes_bf16(x.shape[0], x.shape[1]))
     if used:
         assert torch.equal(out, cpu_bf16_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(), mode=cpu_bf16_gemm.OUT_BF16))
         assert torch.equal(act, cpu_bf16_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(),

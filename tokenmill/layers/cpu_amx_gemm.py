@@ -10,19 +10,22 @@ is copied into a zeroed 16-row block first). K must be a multiple of 32: `gemm` 
 (the weight's padding is zeros).
 
 Blocking: each OpenMP thread takes panels of up to 128 rows x 128 columns (finer column panels
-when there are few rows, so both threads get work at decode sizes), runs K in chunks of up to 1024
-(A and B chunks stay in L2), 2 x 2 tiles of 16 x 16 float32 accumulators at a time, and keeps the
-panel's sums in a float32 buffer between chunks. The epilogue runs on the finished panel:
+when there are few rows, so both threads get work at decode sizes), in an order that reads the
+bigger operand from memory once (column panels outer where the weight is bigger; else row panels
+outer over L2-sized groups of the weight's columns), runs K in chunks of up to 1024 (A and B
+chunks stay in L2), 2 x 2 tiles of 16 x 16 float32 accumulators at a time, and keeps the panel's
+sums in a float32 buffer between chunks. The epilogue (AVX-512 intrinsics) runs on the finished
+panel:
 OUT_F32 `bias + acc (+ add)`, OUT_BF16 `round(bias + acc)`, OUT_SILU_MUL `round(up *
 round(silu(gate)))` (the gate and up vectors interleaved as in `cpu_bf16_gemm.gate_up_rows`), with
 `cpu_bf16_gemm`'s roundings and exp polynomial, so results agree with it within float32 summation
 order (the tiles sum products pair by pair in float32 as `vdpbf16ps` does, in another order).
 
-The same source builds a second time with `-DTM_AMX_EMULATE`: the tile registers become arrays and
-`tdpbf16ps` a C loop with the same pair-wise float32 math, so the kernel's blocking, tails and
-epilogues are tested on any CPU (`emulated_library`). The real build (`library`) exists only on the
-`amx` kernel path, after Linux granted the process the tile state (arch_prctl
-ARCH_REQ_XCOMP_PERM); refused, it is None and callers keep their other kernels.
+The same source builds a second time with `-DTM_AMX_EMULATE`: the tile registers become arrays,
+`tdpbf16ps` a C loop with the same pair-wise float32 math and the epilogue plain C with the same
+roundings, so the kernel's blocking, tails and epilogues are tested on any CPU (`emulated_library`).
+The real build (`library`) exists only on the `amx` kernel path, after Linux granted the process
+the tile state (arch_prctl ARCH_REQ_XCOMP_PERM); refused, it is None and callers keep their other kernels.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ _SOURCE = r"""
 #endif
 #ifndef KCB_MAX
 #define KCB_MAX 32    /* k-blocks (of 32) per chunk */
+#endif
+#ifndef B_L2
+#define B_L2 (1 << 20) /* bytes of the weight that row panels walk before the next columns (L2: 2 MiB) */
 #endif
 
 #ifdef TM_AMX_EMULATE
@@ -112,14 +118,12 @@ int amx_init(void) {
 }
 #endif
 
-/* The epilogue's math on 16 lanes, in plain C written for the vectorizer (no calls, no branches):
-   bf16 rounding (nearest even; NaN stays NaN) and cpu_bf16_gemm's exp polynomial. */
+static const float ZEROS[32];
+
+#ifdef TM_AMX_EMULATE
+/* The epilogue's math on 16 lanes in plain C (the emulated build): bf16 rounding (nearest even;
+   NaN stays NaN) and cpu_bf16_gemm's exp polynomial. */
 static inline void to_bf16_16(const float *f, uint16_t *out) {
-#if defined(__AVX512BF16__) && !defined(TM_AMX_EMULATE)
-    /* the same rounding in one instruction (what cpu_bf16_gemm uses) */
-    _mm256_storeu_si256((__m256i *)out, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(f)));
-    return;
-#endif
     uint32_t u[16];
     memcpy(u, f, 64);
     for (int i = 0; i < 16; ++i) {
@@ -155,7 +159,7 @@ static inline void silu16(const float *g, float *s) {  /* s = g / (1 + exp(-g)) 
     memcpy(scale, bits, 64);
     for (int i = 0; i < 16; ++i) s[i] = g[i] / (1.0f + e[i] * scale[i]);
 }
-static const float ZEROS[32];
+#endif
 
 typedef struct {
     const uint16_t *x; int64_t xs;          /* activations [R, K], row stride (elements) */
@@ -167,17 +171,20 @@ typedef struct {
     const float *add; int64_t as;
 } job_t;
 
-static inline const uint16_t *a_rows(const job_t *j, int row) {  /* 16 rows starting at `row` */
-    return row + 16 <= j->R ? j->x + row * j->xs : j->tail;
+/* The A tile of 16 rows from `row` at k-block 0, and the byte stride between its rows. */
+static inline const uint16_t *a_tile(const job_t *j, int row, int64_t *stride) {
+    if (row + 16 <= j->R) { *stride = j->xs * 2; return j->x + row * j->xs; }
+    *stride = (int64_t)j->K * 2;
+    return j->tail;
 }
 
 /* Accumulate k-blocks [kb0, kb1) of rows r (1 or 2 row tiles: mt) x vectors v (1 or 2: nt) into
    acc (row stride ldc floats), starting from zero (`first`) or acc's sums. */
 static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int kb1, float *acc, int ldc,
                       int first) {
-    const int64_t ab = (r + 16 <= j->R ? j->xs : j->K) * 2, cb = (int64_t)ldc * 4;
-    const uint16_t *a0 = a_rows(j, r), *a1 = mt > 1 ? a_rows(j, r + 16) : 0;
-    const int64_t ab1 = mt > 1 ? (r + 32 <= j->R ? j->xs : j->K) * 2 : 0;
+    const int64_t cb = (int64_t)ldc * 4;
+    int64_t ab, ab1 = 0;
+    const uint16_t *a0 = a_tile(j, r, &ab), *a1 = mt > 1 ? a_tile(j, r + 16, &ab1) : 0;
     const uint16_t *b0 = j->wp + v * j->vstride, *b1 = b0 + j->vstride;
     if (first) { TZERO(0); TZERO(1); TZERO(2); TZERO(3); }
     else {
@@ -210,6 +217,7 @@ static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int
     if (mt > 1) { TSTORE(2, acc + 16 * ldc, cb); if (nt > 1) TSTORE(3, acc + 16 * ldc + 16, cb); }
 }
 
+#ifdef TM_AMX_EMULATE
 /* The epilogue of rows [r0, r1) x vectors [v0, v1) from acc (row r0, vector v0; stride ldc). */
 static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, int v0, int v1) {
     for (int r = r0; r < r1; ++r) {
@@ -250,6 +258,61 @@ static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, 
         }
     }
 }
+
+#else
+/* The same epilogue on AVX-512 registers (cpu_bf16_gemm's instructions: its exp polynomial, cvtneps
+   rounding), with masked loads and stores at the N tail: the plain C one above compiled to scalar
+   adds through the stack and a store-forwarding stall per vector, ~40% of a prefill call. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+static inline __m512 bf16_round_v(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, int v0, int v1) {
+    const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    for (int r = r0; r < r1; ++r) {
+        const float *c = acc + (int64_t)(r - r0) * ldc;
+        if (j->mode == OUT_SILU_MUL) {
+            uint16_t *y = (uint16_t *)j->y + r * j->ys;
+            for (int v = v0; v + 1 < v1; v += 2) {
+                const float *g = c + 16 * (v - v0), *b = j->bias ? j->bias + 16 * v : ZEROS;
+                const int col = 8 * v, n = j->ncols - col < 16 ? j->ncols - col : 16;
+                const __m512 gv = _mm512_add_ps(_mm512_loadu_ps(g), _mm512_loadu_ps(b));
+                const __m512 uv = _mm512_add_ps(_mm512_loadu_ps(g + 16), _mm512_loadu_ps(b + 16));
+                const __m512 sv = bf16_round_v(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, gv)))));
+                _mm256_mask_storeu_epi16(y + col, (__mmask16)((1u << n) - 1),
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(uv, sv)));
+            }
+            continue;
+        }
+        for (int v = v0; v < v1; ++v) {
+            const int col = 16 * v, n = j->ncols - col < 16 ? j->ncols - col : 16;
+            const __mmask16 mask = (__mmask16)((1u << n) - 1);
+            __m512 t = _mm512_loadu_ps(c + 16 * (v - v0));
+            if (j->bias) t = _mm512_add_ps(t, _mm512_loadu_ps(j->bias + col));
+            if (j->mode == OUT_BF16) {
+                _mm256_mask_storeu_epi16((uint16_t *)j->y + r * j->ys + col, mask, (__m256i)_mm512_cvtneps_pbh(t));
+            } else {
+                if (j->add) t = _mm512_add_ps(_mm512_maskz_loadu_ps(mask, j->add + r * j->as + col), t);
+                _mm512_mask_storeu_ps((float *)j->y + r * j->ys + col, mask, t);
+            }
+        }
+    }
+}
+#endif
 
 /* One panel: rows [r0, r1) x vectors [v0, v1), all of K, into the panel buffer acc, then out. */
 static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc) {
@@ -299,6 +362,11 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
     while (pv > 2 && nrp * ((NV + pv - 1) / pv) < 4 * nthreads) pv /= 2;
     const int ncp = (NV + pv - 1) / pv, items = nrp * ncp;
     const int nt = nthreads < items ? nthreads : items;
+    /* Panel order: where the weight is the bigger operand, column panels outer (it is read once, the
+       activations from L2); else row panels outer within groups of column panels whose weight fits
+       in L2 (B_L2 bytes), so each group's weight is read from memory once, then from L2. */
+    const int bmajor = NV * 16 > R;
+    const int gcp_fit = (int)(B_L2 / ((int64_t)pv * 16 * K * 2)), gcp = gcp_fit < 1 ? 1 : gcp_fit;
     int failed = 0;
     #pragma omp parallel num_threads(nt) if (nt > 1)
     {
@@ -306,7 +374,8 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
         tiles_on();
         #pragma omp for schedule(static)
         for (int t = 0; t < items; ++t) {
-            const int rp = t / ncp, cp = t % ncp;
+            const int g = t / (nrp * gcp), u = t % (nrp * gcp), gsz = ncp - g * gcp < gcp ? ncp - g * gcp : gcp;
+            const int cp = bmajor ? t / nrp : g * gcp + u % gsz, rp = bmajor ? t % nrp : u / gsz;
             const int r0 = rp * RP, r1 = r0 + RP < R ? r0 + RP : R;
             const int v0 = cp * pv, v1 = v0 + pv < NV ? v0 + pv : NV;
             if (acc) panel(&j, r0, r1, v0, v1, acc);
@@ -342,12 +411,15 @@ def _load(name: str, flags: tuple[str, ...]) -> ctypes.CDLL | None:
     return lib
 
 
+_NATIVE_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")
+
+
 @functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The AMX build on a CPU that has AMX-BF16 (whatever path this process takes; tests), else None."""
     if not cpu_isa.can_run(cpu_isa.PATHS[0]):
         return None
-    return _load("cpu_amx_gemm", ("-mavx512f", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"))
+    return _load("cpu_amx_gemm", _NATIVE_FLAGS)
 
 
 def library() -> ctypes.CDLL | None:
@@ -362,15 +434,27 @@ def emulated_library() -> ctypes.CDLL | None:
     return _load("cpu_amx_gemm_emulated", ("-DTM_AMX_EMULATE",))
 
 
+@functools.cache
+def variant_library(emulated: bool, defines: tuple[str, ...]) -> ctypes.CDLL | None:
+    """A build with other blocking constants (`defines`: "NAME=VALUE"; tests of the panel orders)."""
+    if not emulated and not cpu_isa.can_run(cpu_isa.PATHS[0]):
+        return None
+    flags = ("-DTM_AMX_EMULATE",) if emulated else _NATIVE_FLAGS
+    return _load("cpu_amx_gemm_variant", (*flags, *(f"-D{d}" for d in defines)))
+
+
 def available() -> bool:
     return library() is not None
 
 
-# Row counts where the tiles win, measured on a 2-core Sapphire Rapids VM (SmolLM2 and Llama-1B
-# shapes, `scripts/cpu_amx_gemm_bench.py`, docs/results/cpu-amx-gemm.md):
+# Where the tiles win, measured on a 2-core Emerald Rapids VM (SmolLM2 and Llama-1B shapes,
+# `scripts/cpu_amx_gemm_bench.py`, docs/results/cpu-amx-gemm.md):
 F32_MIN_ROWS = 4  # float32 out: vs the vdpbf16ps GEMM, which streams the weight faster at 1-3 rows
-BF16_MAX_ROWS = 32  # bf16 out: vs oneDNN's AMX kernels, faster from ~64 rows
-SILU_MAX_ROWS = 256  # silu-mul out: vs oneDNN's two matmuls (swish, then mul), faster above
+# bf16 out, vs oneDNN's AMX kernels: ahead while the activations (rows x K bf16) stay within ~1 MiB
+# (SmolLM2's qkv, K 576: 1.2-1.7x at 32-128 rows, even at 1024; oneDNN 15% ahead at 2048. Llama-1B's,
+# K 2048: 1.1x at 16-64 rows, oneDNN 10% ahead from 256).
+BF16_MAX_ELEMENTS = 1 << 19
+# [gate | up] silu-mul: every row count (one pass against oneDNN's two matmuls: 1.0-1.2x at 32-2048 rows).
 
 
 def takes_f32(rows: int) -> bool:
@@ -378,10 +462,10 @@ def takes_f32(rows: int) -> bool:
     return rows >= F32_MIN_ROWS and library() is not None
 
 
-def takes_bf16(rows: int, silu_mul: bool = False) -> bool:
-    """Whether a bf16-out (or [gate | up] silu-mul) bf16 linear of `rows` rows takes this kernel
-    over oneDNN."""
-    return 0 < rows <= (SILU_MAX_ROWS if silu_mul else BF16_MAX_ROWS) and library() is not None
+def takes_bf16(rows: int, k: int, silu_mul: bool = False) -> bool:
+    """Whether a bf16-out (or [gate | up] silu-mul) bf16 linear of `rows` rows of `k` inputs takes
+    this kernel over oneDNN."""
+    return rows > 0 and (silu_mul or rows * k < BF16_MAX_ELEMENTS) and library() is not None
 
 
 def gemm(x: torch.Tensor, weight: torch.Tensor, cache: cpu_bf16_gemm.PackedBf16, *, bias: torch.Tensor | None = None,

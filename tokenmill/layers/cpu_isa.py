@@ -1,9 +1,9 @@
 """Which CPU kernel path this machine takes: decided once at start from the CPU's flags, and logged.
 
 Paths, best first:
-- amx:         AMX-BF16 tiles. bf16 linears: the AMX tile C GEMM (`cpu_amx_gemm`) up to 32 rows
-               (the fused [gate | up] silu-mul up to 256), oneDNN's AMX kernels (weights packed
-               once, `linear.PackedWeight`) above; o_proj / down_proj (float32 into the residual stream)
+- amx:         AMX-BF16 tiles. bf16 linears: the AMX tile C GEMM (`cpu_amx_gemm`) while the
+               activations stay within ~1 MiB (the fused [gate | up] silu-mul always), oneDNN's
+               AMX kernels (weights packed once, `linear.PackedWeight`) above; o_proj / down_proj (float32 into the residual stream)
                and the LM head: the AMX tile GEMM from 4 rows, the packed `vdpbf16ps` GEMM
                (`cpu_bf16_gemm`) below (both read one packed copy of the weight).
 - avx512_bf16: AVX512-BF16 dot products. Every bf16 linear, the LM head and o_proj / down_proj:
@@ -95,8 +95,8 @@ def amx_how() -> str:
     if cpu_amx_gemm.library() is None:
         return ("bf16 linears on AMX via oneDNN (packed weights), LM head and o_proj/down_proj (float32 "
                 "out) via AVX512-BF16 C kernels (AMX tile GEMM unavailable)")
-    return (f"bf16 linears via the AMX tile GEMM up to {cpu_amx_gemm.BF16_MAX_ROWS} rows (silu-mul "
-            f"{cpu_amx_gemm.SILU_MAX_ROWS}), oneDNN's AMX above; "
+    return (f"bf16 linears via the AMX tile GEMM up to {cpu_amx_gemm.BF16_MAX_ELEMENTS} activation elements "
+            "(gate/up with silu-mul: always), oneDNN's AMX above; "
             f"LM head and o_proj/down_proj (float32 out) via the AMX tile GEMM from {cpu_amx_gemm.F32_MIN_ROWS} "
             "rows, the AVX512-BF16 C GEMM below")
 

@@ -88,13 +88,12 @@ def _use_gemm(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
 
 
 def _use_amx(x: torch.Tensor, weight: torch.Tensor | None, silu_mul: bool = False) -> bool:
-    """bf16 on the amx path at the row counts where `cpu_amx_gemm`'s tiles beat oneDNN's AMX
-    kernels (`takes_bf16`: decode sizes, and up to a few hundred rows for the fused silu-mul),
-    with the same roundings."""
+    """bf16 on the amx path where `cpu_amx_gemm`'s tiles beat oneDNN's AMX kernels (`takes_bf16`:
+    activations up to ~1 MiB, and every size for the fused silu-mul), with the same roundings."""
     return (weight is not None and x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16
             and x.device.type == "cpu" and weight.device.type == "cpu" and weight.dim() == 2
             and not (torch.is_grad_enabled() and weight.requires_grad)
-            and cpu_amx_gemm.takes_bf16(x.numel() // x.shape[-1] if x.shape[-1] else 0, silu_mul))
+            and cpu_amx_gemm.takes_bf16(x.numel() // x.shape[-1] if x.shape[-1] else 0, x.shape[-1], silu_mul))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: PackedWeight) -> torch.Tensor:
@@ -154,7 +153,7 @@ def silu_mul_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     with the activation and the product done inside them; None where the packed path is off
     (or the layer is quantized: `weight` None). On AVX512-BF16 CPUs without AMX: one pass of the
     vdpbf16ps GEMM over the weight with gate and up rows interleaved, the same roundings; on AMX
-    CPUs up to a few hundred rows the AMX tile GEMM the same way (`cpu_amx_gemm.takes_bf16`)."""
+    CPUs the AMX tile GEMM the same way (`cpu_amx_gemm.takes_bf16`)."""
     if x.dim() == 2 and _use_gemm(x, weight):
         return cpu_bf16_gemm.gemm(x, weight, caches[0].gemm_cache(), bias=bias, mode=cpu_bf16_gemm.OUT_SILU_MUL)
     if x.dim() == 2 and _use_amx(x, weight, silu_mul=True):  # (AMX tiles: the same interleaved packing)
