@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import cpu_decode
+from tokenmill.layers.attention import cpu_decode, cpu_rope_kv
 from tokenmill.layers.attention.backend import FP8_KV_DTYPES, AttentionBackend, is_fp8, quantize_kv
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
@@ -208,13 +208,23 @@ class TorchRefAttentionBackend(AttentionBackend):
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.group = num_heads // num_kv_heads
 
+    def fuses_rope(self, rope, kv_cache: torch.Tensor) -> bool:
+        """On CPU, rotary and the KV write run as one C pass (`cpu_rope_kv`) where it takes the cache."""
+        return rope.cos is not None and cpu_rope_kv.supports(kv_cache, rope.rotary_dim)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None) -> torch.Tensor:
+        """`rope` (where `fuses_rope`): q and k are unrotated; the C pass rotates them in place and
+        writes k and v into the cache (or, where it cannot take these tensors, torch does both)."""
         block_size = kv_cache.shape[2]
         plan = _plan_for(meta, block_size, self.sliding_window)
         n = plan.num_tokens
         fp8 = kv_cache.dtype in FP8_KV_DTYPES  # (asked once per layer call, not per helper)
-        _write(kv_cache, k, v, plan, self.k_scale, self.v_scale, fp8)
+        if rope is None or not cpu_rope_kv.rotate_and_write(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
+                                                            rope.rotary_dim, kv_cache, meta.slot_mapping, n):
+            if rope is not None:
+                q, k = rope.rotate(q), rope.rotate(k)
+            _write(kv_cache, k, v, plan, self.k_scale, self.v_scale, fp8)
         if fp8 and plan.fresh:  # what the cache holds, for prefills that skip reading it
             k = quantize_kv(k, self.k_scale, kv_cache.dtype).to(k.dtype) * self.k_scale
             v = quantize_kv(v, self.v_scale, kv_cache.dtype).to(v.dtype) * self.v_scale
