@@ -153,8 +153,9 @@ def rotate_and_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position
         return True
     lib = library()
     hk, d = k.shape[1], k.shape[2]
+    k_ptr = kv_cache.data_ptr()  # (contiguous: the V plane follows the K plane)
     lib.rope_kv_write(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
                       v.stride(0), v.stride(1), positions.data_ptr(), cos_cache.data_ptr(), sin_cache.data_ptr(),
-                      cos_cache.stride(0), slots.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), t,
+                      cos_cache.stride(0), slots.data_ptr(), k_ptr, k_ptr + kv_cache.stride(0) * kv_cache.element_size(), t,
                       num_write, q.shape[1], hk, d, rotary_dim, int(dtype == torch.bfloat16), torch.get_num_threads())
     return True
