@@ -32,7 +32,11 @@ def test_plain_greedy_step_is_one_argmax(device) -> None:
     h.add(1, SamplingParams(temperature=1e-6, top_k=3, seed=1))
     h.add(2, SamplingParams(**ALL))
     h.remove(2)  # what it needed is no longer paid for
-    assert step_ops(h, 4, [0, 1, h.scratch, 0]) == Counter({"argmax": 1})
+    ops = step_ops(h, 4, [0, 1, h.scratch, 0])
+    if device == "cpu":  # host float32 logits: numpy's argmax (`row_argmax`), its result wrapped
+        assert set(ops) <= {"lift_fresh", "detach", "resolve_conj", "resolve_neg", "to"}, ops  # no compute op
+    else:
+        assert ops == Counter({"argmax": 1})
 
 
 ALL = dict(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05, seed=1, logit_bias={1: 1.0}, min_tokens=5,

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from tokenmill.child_process import package_root
-from tokenmill.cpu_memory import THP_ENV
+from tokenmill.cpu_memory import KEEP_ENV, THP_ENV
 
 # A child's first lines, then one weight-sized tensor written once: the huge pages behind it.
 _CHILD = r"""
@@ -66,3 +66,28 @@ def test_child_processes_default_to_huge_pages_and_the_user_wins() -> None:
 @pytest.mark.skipif(_thp_mode() != "madvise", reason="only THP mode madvise tells the two apart")
 def test_without_the_default_the_tensor_gets_small_pages() -> None:
     assert _run_child("0")["huge_kib"] == 0
+
+
+# A step's activation freed and allocated again: the minor page faults of the second one's writes.
+_REUSE_CHILD = r"""
+import json, resource
+from tokenmill.child_process import init_child_process
+init_child_process()
+import torch
+torch.ones(8 << 18).fill_(2.0)  # 8 MiB, written, freed
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+torch.empty(8 << 18).fill_(3.0)
+print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_activations_are_reused_without_fresh_pages() -> None:
+    """Planted defect seen failing: `keep_freed_memory` not called from `set_allocator_defaults`."""
+    def faults(keep: str) -> int:
+        env = {**os.environ, THP_ENV: "0", KEEP_ENV: keep, "PYTHONPATH": package_root()}
+        out = subprocess.run([sys.executable, "-c", _REUSE_CHILD], env=env, capture_output=True, text=True,
+                             timeout=120, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])["faults"]
+    assert faults("1") < 64  # the freed block's pages, still mapped
+    assert faults("0") >= 1024  # a fresh mapping: a fault per 4 KiB page written (2048)

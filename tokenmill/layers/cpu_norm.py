@@ -96,7 +96,8 @@ def supports(stream: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype,
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    t = t.reshape(-1, t.shape[-1])
+    if t.dim() != 2:  # (a decoder's stream is [tokens, H] already: no reshape op per norm)
+        t = t.reshape(-1, t.shape[-1])
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
@@ -120,5 +121,7 @@ def add_rms_norm(stream: torch.Tensor, weight: torch.Tensor, eps: float,
                               int(x2 is not None and x2.dtype == torch.bfloat16), 0 if x2 is None else x2.stride(0),
                               new.data_ptr(), new.stride(0), w.data_ptr(), eps, out.data_ptr(), out.stride(0),
                               s2.shape[0], h, torch.get_num_threads())
+    if stream.dim() == 2:
+        return out, (stream if x is None else new)
     shape = stream.shape
     return out.view(shape), (stream if x is None else new.view(shape))

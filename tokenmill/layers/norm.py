@@ -31,8 +31,9 @@ RESIDUAL_DTYPE = torch.float32
 
 
 def residual_stream(x: torch.Tensor) -> torch.Tensor:
-    """The residual stream started from the embeddings `x` (a float32 copy)."""
-    return x.to(RESIDUAL_DTYPE)
+    """The residual stream started from the embeddings `x` (a float32 copy; `x` itself where it is
+    float32 already: a CPU layer that adds in its matmuls hands on the stream, no op per layer)."""
+    return x if x.dtype == RESIDUAL_DTYPE else x.to(RESIDUAL_DTYPE)
 
 
 def add_in_matmul(x: torch.Tensor, residual: torch.Tensor) -> bool:

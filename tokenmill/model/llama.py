@@ -78,22 +78,26 @@ class LlamaAttention(nn.Module):
         (`act_dtype`; q/k-norm families on CUDA, `qk_norm.qkv_float32`) is rounded once, after them."""
         qkv32 = qkv if self.qk_norm and act_dtype is not None and qkv.dtype != act_dtype else None
         num_tokens = qkv.shape[0]
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         fused = False  # rotary and the KV-cache write in one kernel (the attention backend's)
         if qkv32 is not None:  # half precision: q/k norm and rotary from the float32 projection, one rounding
             q, k, v = qk_norm.norm_rope(qkv32, self.q_size, self.kv_size, self.head_dim, self.q_norm, self.k_norm,
                                         rope, act_dtype)
         elif self.qk_norm:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = rope.rotate_pair(q, k)
+        elif self.attn.fuses_rope(rope, kv_cache):  # q, k and v as views of qkv's heads (two ops)
+            fused = True
+            q, k, v = qkv.view(num_tokens, -1, self.head_dim).split(
+                [self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         else:
             # q and k sit side by side in qkv: rotate all their heads in one pass.
             qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                           self.head_dim)
-            fused = self.attn.fuses_rope(rope, kv_cache)
-            q, k = (qk if fused else rope.rotate(qk)).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
+            v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         rotary = {"rope": rope} if fused else {}
         return self.attn.forward(q, k, v, kv_cache, meta, **rotary).reshape(-1, self.q_size)
 

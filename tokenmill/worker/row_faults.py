@@ -69,7 +69,10 @@ def screen_logits(logits: torch.Tensor) -> torch.Tensor:
     """bool [N] on the device: rows with a NaN or infinite logit (or finite ones summing past
     float32's range). Those rows are zeroed in place."""
     bad = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))
-    logits.masked_fill_(bad[:, None], 0.0)
+    # On the host the check is free, and a healthy step (almost every one) skips a pass over the
+    # logits (~1.3% of a CPU worker at 64 rows x 49k vocab); on a GPU it would sync: always fill.
+    if logits.device.type != "cpu" or bool(bad.any()):
+        logits.masked_fill_(bad[:, None], 0.0)
     return bad
 
 

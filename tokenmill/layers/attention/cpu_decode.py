@@ -532,7 +532,8 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     _, _, bs, hkv, _ = kv_cache.shape
     out = torch.empty((s, h, d), dtype=q.dtype)
     sinks = None if sinks is None else sinks.detach().float().contiguous()
-    lib.decode_attention(q.data_ptr(), q.stride(0), q.stride(1), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+    k_ptr = kv_cache.data_ptr()  # the K and V planes by address (contiguous cache: no two select ops per layer)
+    lib.decode_attention(q.data_ptr(), q.stride(0), q.stride(1), k_ptr, k_ptr + kv_cache.stride(0) * kv_cache.element_size(),
                          block_table.data_ptr(), block_table.stride(0), seq_lens.data_ptr(), out.data_ptr(),
                          s, h, hkv, d, bs, scale, sliding_window or 0, logit_softcap or 0.0,
                          None if sinks is None else sinks.data_ptr(), int(q.dtype == torch.bfloat16),

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.attention import cpu_decode
+from tokenmill.layers.attention import cpu_decode, cpu_rope_kv
 from tokenmill.layers.attention.backend import FP8_KV_DTYPES, AttentionBackend, is_fp8, quantize_kv
 from tokenmill.layers.attention.metadata import AttentionMetadata
 
@@ -208,13 +208,23 @@ class TorchRefAttentionBackend(AttentionBackend):
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         self.group = num_heads // num_kv_heads
 
+    def fuses_rope(self, rope, kv_cache: torch.Tensor) -> bool:
+        """On CPU, rotary and the KV write run as one C pass (`cpu_rope_kv`) where it takes the cache."""
+        return rope.cos is not None and cpu_rope_kv.supports(kv_cache, rope.rotary_dim)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None) -> torch.Tensor:
+        """`rope` (where `fuses_rope`): q and k are unrotated; the C pass rotates them in place and
+        writes k and v into the cache (or, where it cannot take these tensors, torch does both)."""
         block_size = kv_cache.shape[2]
         plan = _plan_for(meta, block_size, self.sliding_window)
         n = plan.num_tokens
         fp8 = kv_cache.dtype in FP8_KV_DTYPES  # (asked once per layer call, not per helper)
-        _write(kv_cache, k, v, plan, self.k_scale, self.v_scale, fp8)
+        if rope is None or not cpu_rope_kv.rotate_and_write(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
+                                                            rope.rotary_dim, kv_cache, meta.slot_mapping, n):
+            if rope is not None:
+                q, k = rope.rotate(q), rope.rotate(k)
+            _write(kv_cache, k, v, plan, self.k_scale, self.v_scale, fp8)
         if fp8 and plan.fresh:  # what the cache holds, for prefills that skip reading it
             k = quantize_kv(k, self.k_scale, kv_cache.dtype).to(k.dtype) * self.k_scale
             v = quantize_kv(v, self.v_scale, kv_cache.dtype).to(v.dtype) * self.v_scale
@@ -222,6 +232,8 @@ class TorchRefAttentionBackend(AttentionBackend):
             q_len, _, count = plan.fresh[0]
             o = self._fresh(q, k, v, 0, q_len, count)
             return o.transpose(1, 2).reshape(n, self.num_heads, self.head_dim)
+        if plan.decode_contiguous and plan.num_decodes == n == q.shape[0] and not fp8:
+            return self._decode(q, kv_cache, plan, None, fp8)  # all decodes: their output is the output
         # Rows past the last sequence (padding for a fixed batch shape) stay zero.
         out = q.new_zeros(q.shape) if q.shape[0] > n else q.new_empty(q.shape)
         for q_len, first, count in plan.fresh:
@@ -257,17 +269,21 @@ class TorchRefAttentionBackend(AttentionBackend):
         return F.scaled_dot_product_attention(qb, kb, vb, attn_mask=band_mask(q_len, q_len, window, q.device),
                                               scale=self.scale, enable_gqa=self.group > 1)
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, out: torch.Tensor, fp8: bool) -> None:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _StepPlan, out: torch.Tensor | None,
+                fp8: bool) -> torch.Tensor | None:
+        """The decode rows' attention into `out`; `out` None (every row a decode, in order): returned."""
         s = plan.num_decodes
-        qd = q[:s] if plan.decode_contiguous else q[plan.decode_rows]
+        qd = q if out is None else q[:s] if plan.decode_contiguous else q[plan.decode_rows]
         if plan.decode_block_table is not None and not fp8 and cpu_decode.supports(qd, kv_cache):
             o = cpu_decode.decode_attention(qd, kv_cache, plan.decode_block_table, plan.decode_seq_lens,
                                             self.scale, self.sliding_window, self.logit_softcap, self.sinks)
+            if out is None:
+                return o
             if plan.decode_contiguous:
                 out[:s] = o
             else:
                 out[plan.decode_rows] = o
-            return
+            return None
         blocks = plan.decode_blocks
         cache = _raw(kv_cache)
         key = (cache.dtype, cache.shape[2:])
@@ -286,10 +302,13 @@ class TorchRefAttentionBackend(AttentionBackend):
             sinks = None if self.sinks is None else self.sinks.view(1, self.num_kv_heads, self.group, 1)
             o = self._attend(qd, self._k_scaled(kv[0], kv_cache), kv[1], plan.decode_mask, group=1, sinks=sinks)
         o = self._v_scaled(o.reshape(s, self.num_heads, self.head_dim), kv_cache)
+        if out is None:
+            return o
         if plan.decode_contiguous:
             out[:s] = o
         else:
             out[plan.decode_rows] = o
+        return None
 
     def _chunk(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, c: _Chunk) -> torch.Tensor:
         # [2, nb, bs, Hkv, D] -> [2, Hkv, keys, D], from the first block any query sees

@@ -31,6 +31,7 @@ from tokenmill.layers.sampling.adjustments import add_token_values, apply_penalt
 from tokenmill.layers.sampling.filters import apply_min_p, top_k_only, top_k_top_p
 from tokenmill.layers.sampling.logprobs import LogprobsResult, compute_logprobs
 from tokenmill.layers.sampling.plan import SamplingPlan
+from tokenmill.layers.sampling.row_argmax import row_argmax
 from tokenmill.layers.sampling.noise import exponential_noise, output_positions, uniform_noise
 from tokenmill.layers.sampling.seeded_noise import NoiseStream
 from tokenmill.layers.sampling.slot_table import FloatCol, IntCol, RowParams
@@ -60,11 +61,11 @@ class Sampler:
         self.state.flush()
         plan = self.state.plan
         if plan.plain_greedy:
-            sampled = logits.argmax(dim=-1)
+            sampled = row_argmax(logits)
         else:
             rows = self.state.table.gather(slots)
             x = self._adjust(logits, slots, rows, plan, offsets)
-            sampled = self._draw(x, rows, plan, offsets) if plan.any_random else x.argmax(dim=-1)
+            sampled = self._draw(x, rows, plan, offsets) if plan.any_random else row_argmax(x)
         logprobs = None if plan.logprobs is None else compute_logprobs(logits, sampled, plan.logprobs)
         if record:
             self.record(slots, sampled)
@@ -117,12 +118,12 @@ class Sampler:
         self.state.flush()
         plan = self.state.plan
         if plan.plain_greedy:
-            return _one_hot(logits.argmax(dim=-1, keepdim=True), torch.zeros_like(logits, dtype=torch.float32))
+            return _one_hot(row_argmax(logits, keepdim=True), torch.zeros_like(logits, dtype=torch.float32))
         rows = self.state.table.gather(slots)
         x = self._adjust(logits, slots, rows, plan, offsets)
         if not plan.any_random:
-            return _one_hot(x.argmax(dim=-1, keepdim=True), x.zero_())
-        greedy = x.argmax(dim=-1, keepdim=True) if plan.any_greedy else None
+            return _one_hot(row_argmax(x, keepdim=True), x.zero_())
+        greedy = row_argmax(x, keepdim=True) if plan.any_greedy else None
         probs = self._filtered_probs(x, rows, plan)
         if greedy is not None:  # one-hot on greedy rows, the softmax elsewhere
             is_greedy = (rows.i(IntCol.GREEDY) != 0)[:, None]
@@ -139,12 +140,12 @@ class Sampler:
         self.state.flush()
         plan = self.state.plan
         if not plan.any_random:
-            return probs.argmax(dim=-1)
+            return row_argmax(probs)
         rows = self.state.table.gather(slots)
         noise = exponential_noise(probs, rows, plan, self.state.token_keys(), offsets, stream)
-        sampled = torch.div(probs, noise, out=noise).argmax(dim=-1)
+        sampled = row_argmax(torch.div(probs, noise, out=noise))
         if plan.any_greedy:
-            sampled = torch.where(rows.i(IntCol.GREEDY) != 0, probs.argmax(dim=-1), sampled)
+            sampled = torch.where(rows.i(IntCol.GREEDY) != 0, row_argmax(probs), sampled)
         return sampled
 
     @torch.inference_mode()
@@ -197,11 +198,11 @@ class Sampler:
     def _draw(self, x: torch.Tensor, rows: RowParams, plan: SamplingPlan,
               offsets: torch.Tensor | None) -> torch.Tensor:
         """Random rows sample; greedy rows (when the step mixes both) take the argmax of `x`."""
-        greedy = x.argmax(dim=-1) if plan.any_greedy else None
+        greedy = row_argmax(x) if plan.any_greedy else None
         probs = self._filtered_probs(x, rows, plan)
         # `x` is free once probs exist: the generator's noise goes there.
         noise = exponential_noise(x, rows, plan, self.state.token_keys(), offsets, buffer=x)
-        sampled = probs.div_(noise).argmax(dim=-1)
+        sampled = row_argmax(probs.div_(noise))
         if greedy is not None:
             sampled = torch.where(rows.i(IntCol.GREEDY) != 0, greedy, sampled)
         return sampled
