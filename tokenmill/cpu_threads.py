@@ -13,7 +13,9 @@ Two defences:
   processes call it first thing, in `init_child_process`).
 - `StepThreads`: steps use every core unless other processes kept more than
   half a core busy over the last probe interval (all CPUs' busy and stolen
-  time in /proc/stat less this process's own), then one thread. Where /proc
+  time in /proc/stat less the engine's own: this process and its ancestors,
+  i.e. the engine core and the frontend, whose host work between steps would
+  otherwise send an idle machine's steps to one thread), then one thread. Where /proc
   cannot be read: a timing probe (the best of a few decode-sized matmuls on 1
   thread, then on all; parallel where it is really faster right now).
   The load reading replaced the timing probe as the default because on
@@ -121,13 +123,37 @@ _TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def _cpu_load() -> tuple[float, int, int] | None:
-    """(monotonic time, busy + stolen ticks of all CPUs, this process's ticks), or None off Linux."""
+    """(monotonic time, busy + stolen ticks of all CPUs, the engine's own ticks), or None off Linux.
+
+    The engine's own: this process and its ancestors (the engine core, the frontend and
+    whatever idle process started them), not their other children, so that another engine
+    or test worker beside this one still counts as load."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()  # cpu user nice system idle iowait irq softirq steal ...
-        with open("/proc/self/stat") as f:
-            own = f.read().rsplit(")", 1)[1].split()  # after the command name: state is field 0
-    except (OSError, IndexError):
+        own = _ancestry_ticks()
+    except (OSError, IndexError, ValueError):
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[1:9])
-    return time.monotonic(), user + nice + system + irq + softirq + steal, int(own[11]) + int(own[12])
+    return time.monotonic(), user + nice + system + irq + softirq + steal, own
+
+
+def _process_ticks(pid: str) -> tuple[int, int]:
+    """(user + system ticks, parent pid) of one process from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        after_name = f.read().rsplit(")", 1)[1].split()  # after the command name: state is field 0
+    return int(after_name[11]) + int(after_name[12]), int(after_name[1])
+
+
+def _ancestry_ticks(max_depth: int = 8) -> int:
+    """CPU ticks of this process and of its ancestors below init."""
+    ticks, parent = _process_ticks("self")
+    for _ in range(max_depth):
+        if parent <= 1:
+            break
+        try:
+            more, parent = _process_ticks(str(parent))
+        except (OSError, IndexError, ValueError):  # the parent exited between two reads
+            break
+        ticks += more
+    return ticks

@@ -47,6 +47,19 @@ def test_stolen_time_counts_as_busy(monkeypatch):
     assert (busy, own) == (100 + 50 + 70, 42)
 
 
+def test_the_engine_core_and_frontend_count_as_own_load(monkeypatch):
+    # the worker's ancestors (engine core, frontend) work between steps: their ticks are the
+    # engine's own, or an idle machine's steps would go to one thread; the walk stops at init
+    stats = {"/proc/stat": "cpu 100 0 50 900 0 0 0 0 0 0",
+             "/proc/self/stat": "30 (worker) S 20 1 1 0 -1 0 0 0 0 0 40 2 0 0",
+             "/proc/20/stat": "20 (engine core) S 10 1 1 0 -1 0 0 0 0 0 7 1 0 0",
+             "/proc/10/stat": "10 (py thon) S 1 1 1 0 -1 0 0 0 0 0 5 5 0 0"}
+    monkeypatch.setattr(cpu_threads, "open", lambda path: __import__("io").StringIO(stats[path] + "\n"),
+                        raising=False)
+    _, busy, own = cpu_threads._cpu_load()
+    assert (busy, own) == (150, 42 + 8 + 10)
+
+
 def test_fixed_threads_from_env(monkeypatch):
     monkeypatch.setenv(cpu_threads.STEP_THREADS_ENV, "1")
     _loads(monkeypatch, [(0.0, 0, 0)] * 4)  # an idle machine would get every core
