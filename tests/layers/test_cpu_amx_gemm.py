@@ -124,6 +124,34 @@ def test_panel_orders_agree(which: str) -> None:
 
 
 @pytest.mark.parametrize("which", _LIBS)
+def test_weight_prefetch_changes_nothing(which: str) -> None:
+    """The weight prefetch of panels that stream it (column panels outer: decode, the LM head) only
+    asks for memory: a build without it gives the same bits, every epilogue, one and two threads,
+    row tails, N tails and K in two chunks included (and the results are right)."""
+    lib = _lib(which)
+    plain = cpu_amx_gemm.variant_library(which == "emulated", ("PF_AHEAD=0",))
+    if plain is None:
+        skip_or_fail("no C compiler (or TOKENMILL_NO_C_KERNELS set)")
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m, k, n in ((3, 96, 600), (40, 1100, 330), (64, 576, 1000)):  # rows < columns: streamed
+                x, w = _data(m, k, n, seed=7)
+                add = torch.randn(m, n, generator=torch.Generator().manual_seed(8))
+                for mode in (cpu_amx_gemm.OUT_F32, cpu_amx_gemm.OUT_BF16, cpu_amx_gemm.OUT_SILU_MUL):
+                    a = None if mode != cpu_amx_gemm.OUT_F32 else add
+                    got = cpu_amx_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(), add=a, mode=mode, lib=lib)
+                    assert torch.equal(got, cpu_amx_gemm.gemm(x, w, cpu_bf16_gemm.PackedBf16(), add=a, mode=mode,
+                                                              lib=plain)), (threads, m, k, n, mode)
+                    if mode == cpu_amx_gemm.OUT_F32:
+                        want = x.double() @ w.double().T + add.double()
+                        assert ((got.double() - want).abs() <= _sum_error(x, w)).all()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("which", _LIBS)
 def test_matches_the_vdpbf16ps_gemm(which: str) -> None:
     """Where `cpu_bf16_gemm` runs: the same packed weight, results within float32 summation order."""
     if not cpu_bf16_gemm.available():

@@ -63,6 +63,12 @@ _SOURCE = r"""
 #ifndef B_L2
 #define B_L2 (1 << 20) /* bytes of the weight that row panels walk before the next columns (L2: 2 MiB) */
 #endif
+#ifndef PF_AHEAD
+#define PF_AHEAD 2    /* weight prefetch distance, in 2-vector steps (0: none) */
+#endif
+#ifndef PF_LOC
+#define PF_LOC 2      /* its __builtin_prefetch locality (2: prefetcht1, into L2) */
+#endif
 
 #ifdef TM_AMX_EMULATE
 /* Portable tiles: 8 registers of 16 rows x 64 bytes per thread; tdpbf16ps as the ISA defines it
@@ -178,10 +184,20 @@ static inline const uint16_t *a_tile(const job_t *j, int row, int64_t *stride) {
     return j->tail;
 }
 
+/* Prefetch k-block kb of the two weight vectors from `pf` on (NULL: none): where the weight streams
+   from memory, the tile loads wait on it with nothing else to do (tiles are not renamed, so the
+   next loads cannot run ahead of the dot products); asking for the vectors PF_AHEAD steps ahead
+   keeps the memory busy meanwhile. */
+static inline void prefetch_b(const uint16_t *pf, int64_t vstride, int kb) {
+    if (!pf) return;
+    const char *p = (const char *)(pf + (int64_t)kb * 512), *q = p + 2 * vstride;
+    for (int l = 0; l < 1024; l += 64) { __builtin_prefetch(p + l, 0, PF_LOC); __builtin_prefetch(q + l, 0, PF_LOC); }
+}
+
 /* Accumulate k-blocks [kb0, kb1) of rows r (1 or 2 row tiles: mt) x vectors v (1 or 2: nt) into
-   acc (row stride ldc floats), starting from zero (`first`) or acc's sums. */
+   acc (row stride ldc floats), starting from zero (`first`) or acc's sums; `pf` as prefetch_b. */
 static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int kb1, float *acc, int ldc,
-                      int first) {
+                      int first, const uint16_t *pf) {
     const int64_t cb = (int64_t)ldc * 4;
     int64_t ab, ab1 = 0;
     const uint16_t *a0 = a_tile(j, r, &ab), *a1 = mt > 1 ? a_tile(j, r + 16, &ab1) : 0;
@@ -193,22 +209,26 @@ static void tile_step(const job_t *j, int r, int mt, int v, int nt, int kb0, int
     }
     if (mt > 1 && nt > 1) {
         for (int kb = kb0; kb < kb1; ++kb) {
+            prefetch_b(pf, j->vstride, kb);
             TLOAD(4, a0 + kb * 32, ab); TLOAD(6, b0 + kb * 512, 64);
             TLOAD(5, a1 + kb * 32, ab1); TLOAD(7, b1 + kb * 512, 64);
             TDP(0, 4, 6); TDP(1, 4, 7); TDP(2, 5, 6); TDP(3, 5, 7);
         }
     } else if (nt > 1) {
         for (int kb = kb0; kb < kb1; ++kb) {
+            prefetch_b(pf, j->vstride, kb);
             TLOAD(4, a0 + kb * 32, ab); TLOAD(6, b0 + kb * 512, 64); TLOAD(7, b1 + kb * 512, 64);
             TDP(0, 4, 6); TDP(1, 4, 7);
         }
     } else if (mt > 1) {
         for (int kb = kb0; kb < kb1; ++kb) {
+            prefetch_b(pf, j->vstride, kb);
             TLOAD(4, a0 + kb * 32, ab); TLOAD(5, a1 + kb * 32, ab1); TLOAD(6, b0 + kb * 512, 64);
             TDP(0, 4, 6); TDP(2, 5, 6);
         }
     } else {
         for (int kb = kb0; kb < kb1; ++kb) {
+            prefetch_b(pf, j->vstride, kb);
             TLOAD(4, a0 + kb * 32, ab); TLOAD(6, b0 + kb * 512, 64);
             TDP(0, 4, 6);
         }
@@ -314,8 +334,11 @@ static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, 
 }
 #endif
 
-/* One panel: rows [r0, r1) x vectors [v0, v1), all of K, into the panel buffer acc, then out. */
-static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc) {
+/* One panel: rows [r0, r1) x vectors [v0, v1), all of K, into the panel buffer acc, then out.
+   `stream`: the panel's weight comes from memory (column panels outer); its first row tiles then
+   prefetch the weight PF_AHEAD vector pairs ahead (into the next panel, which is this thread's
+   next with the static schedule). */
+static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc, int stream) {
     const int ldc = 16 * (v1 - v0), KB = j->K / 32;
     const int nchunks = (KB + KCB_MAX - 1) / KCB_MAX, per = nchunks ? (KB + nchunks - 1) / nchunks : 0;
     for (int kb0 = 0; kb0 < KB; kb0 += per) {
@@ -323,7 +346,9 @@ static void panel(const job_t *j, int r0, int r1, int v0, int v1, float *acc) {
         for (int r = r0; r < r1; r += 32)
             for (int v = v0; v < v1; v += 2)
                 tile_step(j, r, r + 16 < r1 ? 2 : 1, v, v + 1 < v1 ? 2 : 1, kb0, kb1,
-                          acc + (int64_t)(r - r0) * ldc + 16 * (v - v0), ldc, kb0 == 0);
+                          acc + (int64_t)(r - r0) * ldc + 16 * (v - v0), ldc, kb0 == 0,
+                          PF_AHEAD && stream && r == r0 && v + 2 * PF_AHEAD < j->NV
+                              ? j->wp + (int64_t)(v + 2 * PF_AHEAD) * j->vstride : 0);
     }
     epilogue(j, acc, ldc, r0, r1, v0, v1);
 }
@@ -378,7 +403,7 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
             const int cp = bmajor ? t / nrp : g * gcp + u % gsz, rp = bmajor ? t % nrp : u / gsz;
             const int r0 = rp * RP, r1 = r0 + RP < R ? r0 + RP : R;
             const int v0 = cp * pv, v1 = v0 + pv < NV ? v0 + pv : NV;
-            if (acc) panel(&j, r0, r1, v0, v1, acc);
+            if (acc) panel(&j, r0, r1, v0, v1, acc, bmajor);
         }
         if (!acc) {
             #pragma omp atomic write
