@@ -474,7 +474,10 @@ def available() -> bool:
 
 # Where the tiles win, measured on a 2-core Emerald Rapids VM (SmolLM2 and Llama-1B shapes,
 # `scripts/cpu_amx_gemm_bench.py`, docs/results/cpu-amx-gemm.md):
-F32_MIN_ROWS = 4  # float32 out: vs the vdpbf16ps GEMM, which streams the weight faster at 1-3 rows
+# float32 out: vs the vdpbf16ps GEMM, every row count since the weight prefetch (weights cold, one
+# thread: the LM head 5.1 vs 5.5 ms at 1 row, 5.2 vs 6.0 at 3; 30 layers' o_proj + down_proj 9.4 vs
+# 9.5 ms at 1 row, 9.7 vs 10.6 at 3; without the prefetch the tiles were 10-30% slower at 1-3 rows).
+F32_MIN_ROWS = 1
 # bf16 out, vs oneDNN's AMX kernels: ahead while the activations (rows x K bf16) stay within ~1 MiB
 # (SmolLM2's qkv, K 576: 1.2-1.7x at 32-128 rows, even at 1024; oneDNN 15% ahead at 2048. Llama-1B's,
 # K 2048: 1.1x at 16-64 rows, oneDNN 10% ahead from 256).

@@ -97,8 +97,9 @@ def amx_how() -> str:
                 "out) via AVX512-BF16 C kernels (AMX tile GEMM unavailable)")
     return (f"bf16 linears via the AMX tile GEMM up to {cpu_amx_gemm.BF16_MAX_ELEMENTS} activation elements "
             "(gate/up with silu-mul: always), oneDNN's AMX above; "
-            f"LM head and o_proj/down_proj (float32 out) via the AMX tile GEMM from {cpu_amx_gemm.F32_MIN_ROWS} "
-            "rows, the AVX512-BF16 C GEMM below")
+            "LM head and o_proj/down_proj (float32 out) via the AMX tile GEMM"
+            + (f" from {cpu_amx_gemm.F32_MIN_ROWS} rows, the AVX512-BF16 C GEMM below"
+               if cpu_amx_gemm.F32_MIN_ROWS > 1 else " at every row count"))
 
 
 def describe() -> str:

@@ -9,9 +9,9 @@ tokens (docs/bf16-numerics.md).
 
 How, with bf16 inputs and weights (each product exact in float32, sums in float32), and the
 residual stream's add (`add`) in the kernel's epilogue where the caller passes it:
-- on AMX machines from `cpu_amx_gemm.F32_MIN_ROWS` rows: the AMX tile GEMM of `cpu_amx_gemm`
+- on AMX machines from `cpu_amx_gemm.F32_MIN_ROWS` rows (1): the AMX tile GEMM of `cpu_amx_gemm`
   (~5x the vdpbf16ps GEMM's speed at prefill sizes there, ~1.7x the two-matmul split below);
-- on AVX512-BF16 machines, and AMX ones below that: the packed GEMM of `cpu_bf16_gemm` (the same
+- on AVX512-BF16 machines (and AMX ones below that row count): the packed GEMM of `cpu_bf16_gemm` (the same
   packed weight; about oneDNN's bf16 time on AVX512-BF16, where the split below cost ~2.2x);
 - elsewhere, up to `FEW_ROWS` rows (decode, speculative verification): the LM head's C kernel
   (`cpu_logits.linear_f32`), which reads the weight once for all rows;
