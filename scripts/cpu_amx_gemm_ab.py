@@ -8,11 +8,15 @@ Prints min / median ms per call and TMAC/s (of the min); writes a JSON record (`
 
     python scripts/cpu_amx_gemm_ab.py --variants "old=@0533ad4;new=" --rows 64,2048
     python scripts/cpu_amx_gemm_ab.py --variants "new=;small=B_L2=65536" --shapes gu:3072x576:silu
+    python scripts/cpu_amx_gemm_ab.py --variants "old=PF_AHEAD=0;new=" --rows 1,64 --cold 30 \
+        --shapes "qkv:960x576:bf16,gu:3072x576:silu,o:576x576:f32,down:576x1536:f32,head:49152x576:f32"
 
 A variant is NAME=[@REV][,DEFINE...]: REV a git revision of this checkout whose kernel source is
 built, DEFINE a NAME=VALUE constant of the source (`RP`, `PV_MAX`, `KCB_MAX`, `B_L2`). Shapes are
 TAG:NxK:EPILOGUE (f32 adds a float32 residual, as o_proj / down_proj do; bf16; silu: [gate | up]
-of N rows). Needs the AMX build (an AMX-BF16 CPU).
+of N rows). `--cold L` times whole decode steps instead: L layers of the shapes (the last shape, the
+LM head, once), every weight its own copy, so that they stream from memory as in an engine's step
+(per shape called alone, the weights stay in the caches). Needs the AMX build (an AMX-BF16 CPU).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,16,64,256,2048")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cold", type=int, default=0, help="time decode steps of this many layers (see above)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     if cpu_amx_gemm.native_library() is None:
@@ -71,6 +76,8 @@ def main() -> None:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     libs = {name: build(name, spec) for name, _, spec in (v.partition("=") for v in args.variants.split(";"))}
     torch.manual_seed(0)
+    if args.cold:
+        return cold_steps(args, libs)
     records = []
     for shape in args.shapes.split(","):
         tag, nk, epi = shape.split(":")
@@ -118,6 +125,55 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"variants": args.variants, "threads": args.threads,
                        "clock": "thread CPU time" if args.threads == 1 else "wall", "records": records}, f, indent=1)
+
+
+def _call(n: int, k: int, epi: str, rows: int, nthreads: int) -> tuple:
+    """A prepared call of one linear: (ctypes arguments, output, tensors kept alive)."""
+    mode = MODES[epi]
+    w = (torch.randn(n, k) * 0.05).to(torch.bfloat16)
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    res = torch.randn(rows, n) if mode == cpu_amx_gemm.OUT_F32 else None
+    x2, out, a2, width, gate_up = cpu_bf16_gemm.gemm_operands(x, w, mode, res, k_multiple=32)
+    packed = cpu_bf16_gemm.PackedBf16().get(w, None, gate_up)
+    cargs = (x2.data_ptr(), x2.stride(0), packed.data_ptr(), packed.shape[1], None, rows, x2.shape[1],
+             packed.shape[0], mode, out.data_ptr(), out.stride(0), width,
+             None if a2 is None else a2.data_ptr(), 0 if a2 is None else a2.stride(0), nthreads)
+    return cargs, out, (x2, a2, packed)
+
+
+def cold_steps(args, libs: dict) -> None:
+    """Decode steps over `args.cold` layers of the shapes (the last one once: the LM head), every
+    weight its own copy; ms per step (layers, then the last shape) per variant, min / median."""
+    shapes = [(s.split(":")[0], *(int(v) for v in s.split(":")[1].split("x")), s.split(":")[2])
+              for s in args.shapes.split(",")]
+    records = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        layers = [_call(n, k, epi, rows, args.threads) for _ in range(args.cold) for _, n, k, epi in shapes[:-1]]
+        last = _call(*shapes[-1][1:], rows, args.threads)
+        clock = time.thread_time if args.threads == 1 else time.perf_counter
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in libs}
+        outs = {}
+        for _ in range(args.rounds):
+            for name, lib in libs.items():
+                t0 = clock()
+                for cargs, _, _ in layers:
+                    lib.amx_gemm(*cargs)
+                t1 = clock()
+                lib.amx_gemm(*last[0])
+                times[name].append(((t1 - t0) * 1e3, (clock() - t1) * 1e3))
+                outs[name] = (layers[-1][1].clone(), last[1].clone())
+        first = next(iter(outs.values()))
+        same = {name: all(torch.equal(a, b) for a, b in zip(o, first)) for name, o in outs.items()}
+        print(f"rows {rows:4d}, {args.cold} layers + {shapes[-1][0]}: " + "  ".join(
+            f"{name} {min(t[0] for t in v):.2f}/{statistics.median(t[0] for t in v):.2f} + "
+            f"{min(t[1] for t in v):.2f}/{statistics.median(t[1] for t in v):.2f}ms" for name, v in times.items())
+            + ("" if all(same.values()) else f"  DIFFERENT: {same}"), flush=True)
+        records.append({"rows": rows, "layers_ms": {n: [t[0] for t in v] for n, v in times.items()},
+                        "last_ms": {n: [t[1] for t in v] for n, v in times.items()}, "same_bits": same})
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"variants": args.variants, "cold_layers": args.cold, "shapes": args.shapes,
+                       "threads": args.threads, "records": records}, f, indent=1)
 
 
 if __name__ == "__main__":
