@@ -14,7 +14,9 @@ when there are few rows, so both threads get work at decode sizes), in an order 
 bigger operand from memory once (column panels outer where the weight is bigger; else row panels
 outer over L2-sized groups of the weight's columns), runs K in chunks of up to 1024 (A and B
 chunks stay in L2), 2 x 2 tiles of 16 x 16 float32 accumulators at a time, and keeps the panel's
-sums in a float32 buffer between chunks. The epilogue (AVX-512 intrinsics) runs on the finished
+sums in a float32 buffer between chunks. Where the weight streams from memory (column panels outer:
+decode steps, the LM head) the first row tiles prefetch it into L2 two vector pairs ahead: tiles are
+not renamed, so a tile load waiting on memory holds up the next ones. The epilogue (AVX-512 intrinsics) runs on the finished
 panel:
 OUT_F32 `bias + acc (+ add)`, OUT_BF16 `round(bias + acc)`, OUT_SILU_MUL `round(up *
 round(silu(gate)))` (the gate and up vectors interleaved as in `cpu_bf16_gemm.gate_up_rows`), with
