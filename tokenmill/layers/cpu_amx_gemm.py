@@ -405,7 +405,7 @@ int amx_gemm(const uint16_t *x, int64_t xs, const uint16_t *wp, int KPs, const f
             const int cp = bmajor ? t / nrp : g * gcp + u % gsz, rp = bmajor ? t % nrp : u / gsz;
             const int r0 = rp * RP, r1 = r0 + RP < R ? r0 + RP : R;
             const int v0 = cp * pv, v1 = v0 + pv < NV ? v0 + pv : NV;
-            if (acc) panel(&j, r0, r1, v0, v1, acc, bmajor);
+            if (acc) panel(&j, r0, r1, v0, v1, acc, bmajor && rp == 0);  /* (later row panels: the weight is in L2) */
         }
         if (!acc) {
             #pragma omp atomic write
