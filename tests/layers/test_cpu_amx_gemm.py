@@ -127,7 +127,8 @@ def test_panel_orders_agree(which: str) -> None:
 def test_weight_prefetch_changes_nothing(which: str) -> None:
     """The weight prefetch of panels that stream it (column panels outer: decode, the LM head) only
     asks for memory: a build without it gives the same bits, every epilogue, one and two threads,
-    row tails, N tails and K in two chunks included (and the results are right)."""
+    row tails, N tails, K in two chunks and two row panels (only the first prefetches) included (and
+    the results are right)."""
     lib = _lib(which)
     plain = cpu_amx_gemm.variant_library(which == "emulated", ("PF_AHEAD=0",))
     if plain is None:
@@ -136,7 +137,7 @@ def test_weight_prefetch_changes_nothing(which: str) -> None:
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            for m, k, n in ((3, 96, 600), (40, 1100, 330), (64, 576, 1000)):  # rows < columns: streamed
+            for m, k, n in ((3, 96, 600), (40, 1100, 330), (64, 576, 1000), (200, 64, 700)):  # rows < columns
                 x, w = _data(m, k, n, seed=7)
                 add = torch.randn(m, n, generator=torch.Generator().manual_seed(8))
                 for mode in (cpu_amx_gemm.OUT_F32, cpu_amx_gemm.OUT_BF16, cpu_amx_gemm.OUT_SILU_MUL):
