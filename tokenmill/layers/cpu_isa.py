@@ -4,8 +4,8 @@ Paths, best first:
 - amx:         AMX-BF16 tiles. bf16 linears: the AMX tile C GEMM (`cpu_amx_gemm`) while the
                activations stay within ~1 MiB (the fused [gate | up] silu-mul always), oneDNN's
                AMX kernels (weights packed once, `linear.PackedWeight`) above; o_proj / down_proj (float32 into the residual stream)
-               and the LM head: the AMX tile GEMM from 4 rows, the packed `vdpbf16ps` GEMM
-               (`cpu_bf16_gemm`) below (both read one packed copy of the weight).
+               and the LM head: the AMX tile GEMM at every row count (`cpu_amx_gemm.F32_MIN_ROWS`;
+               the packed `vdpbf16ps` GEMM of `cpu_bf16_gemm` below it, the same packed weight).
 - avx512_bf16: AVX512-BF16 dot products. Every bf16 linear, the LM head and o_proj / down_proj:
                the packed `vdpbf16ps` GEMM of `cpu_bf16_gemm` (bf16, silu-mul or float32
                epilogues; ~2x less CPU than oneDNN's avx512_core_bf16 GEMV at one row). bf16 is
