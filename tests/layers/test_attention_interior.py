@@ -64,7 +64,7 @@ def test_interior_walk_matches_masked_walk():
     torch.testing.assert_close(outs[0], case.expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("splits", [48, 128])  # one KV tile a share: 44 shares, two reduce chunks
+@pytest.mark.parametrize("splits", [48])  # one KV tile a share: 44 shares, two reduce chunks, empty shares
 def test_many_splits_reduce_in_chunks(splits):
     """More shares than the reduce merges in one step (32): every chunk of partials counts."""
     mix = ([700, 90, 0], [1, 1, 1])  # 44 KV tiles of 16, a short row (many empty shares), a first token
