@@ -176,14 +176,15 @@ def test_long_context_split_over_threads(threads, dtype) -> None:
 
 
 @pytest.mark.parametrize("path", _RUNNABLE, ids=lambda p: p.name)
-@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 1), 128), ((4, 2), 32)], ids=["9x3-64", "8x1-128", "4x2-32"])
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 128), ((8, 1), 128), ((4, 2), 32)],
+                         ids=["9x3-64", "8x2-128", "8x1-128", "4x2-32"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_bf16_is_the_rounded_exact_answer(path, heads, head_dim, threads) -> None:
     """bf16 cache and q: the output is float64 attention over the same bf16 inputs, rounded once to
     bf16 (float32 scores, weights and sums lose nothing that shows), bar a few elements a bf16 ulp
     off. Rounding anything on the way (the weights to bf16, say) fails this; the reference test's
     1e-2 does not see it. Enough sequences that an item takes every KV head (the bf16 fast path's
-    whole-sequence walk), and one thread or two."""
+    whole-sequence walk; 8x1 and head size 32 take the per-head walk), and one thread or two."""
     lib = cpu_decode.library(path)
     if lib is None:
         skip_or_fail(f"the C decode kernel for path {path.name} did not build")

@@ -14,7 +14,7 @@ rescaled when the max grows) turns them into weights, and one read of the tile's
 to the G accumulators; the next tile's rows are prefetched meanwhile. No score buffer over
 the context, no allocation per item.
 
-A bf16 cache with head size 32, 64, 96 or 128 and up to 8 query heads a KV head takes the
+A bf16 cache with head size 64 (1-4 query heads a KV head) or 128 (1, 2 or 4) takes the
 AVX-512 bf16 path (`dp_range`, on the amx, avx512_bf16 and avx512 paths): where there are at
 least 4 sequences a thread, an item is a whole sequence, all KV heads, so each tile reads one
 contiguous stretch of a block (K and V of every head) and the tile after it is prefetched as one
@@ -430,7 +430,7 @@ static void attend_range(const args_t *a, int s, int kh, int l0, int l1, float *
 }
 
 #if defined(__AVX512F__)
-/* ---- The fast bf16 path (AVX-512, bf16 cache, D = 32 C with C <= 4, G <= 8 query heads a KV head). ----
+/* ---- The fast bf16 path (AVX-512, bf16 cache, D = 64 or 128, the GQA ratios dp_attend lists). ----
    A work item takes nkh KV heads of one sequence (all of them when there are enough sequences),
    so each tile is one pass over a stretch of one block's rows, contiguous in the cache, for all of
    them. bf16 rows are widened in registers without reordering lanes: the even elements of 32 by a
@@ -441,7 +441,7 @@ static void attend_range(const args_t *a, int s, int kh, int l0, int l1, float *
    the faster instruction (QK_DP: the avx512_bf16 path; on AMX CPUs a zmm vdpbf16ps costs 4 FMAs'
    time, so FMAs on widened rows, exact alike: a bf16 x bf16 product is exact in float32).
    Softmax in float32 as everywhere: per-lane denominators, summed at the end. */
-#define DP_MAXG 8
+#define DP_MAXG 4
 #ifndef QK_DP
 #define QK_DP HAVE_DP
 #endif
@@ -532,6 +532,7 @@ static inline __attribute__((always_inline)) void dp_tile(
             qv[g][2 * c] = _mm512_loadu_ps(qe + (g * C + c) * 16);
             qv[g][2 * c + 1] = _mm512_loadu_ps(qo + (g * C + c) * 16);
         }
+    #pragma GCC unroll 1  /* (the rows' loops stay loops: build time) */
     for (int r = 0; r < TILE / 4; ++r) {
         __m512 part[DP_MAXG][4];
         for (int g = 0; g < G; ++g)
@@ -580,6 +581,7 @@ static inline __attribute__((always_inline)) void dp_tile(
     __m512 x[DP_MAXG][8];
     for (int g = 0; g < G; ++g)
         for (int i = 0; i < 2 * C; ++i) x[g][i] = _mm512_loadu_ps(acc + g * 32 * C + i * 16);
+    #pragma GCC unroll 2
     for (int j = 0; j < TILE; ++j) {
         __m512 vw[8];
         for (int c = 0; c < C; ++c) {
@@ -653,16 +655,22 @@ static inline __attribute__((always_inline)) void dp_range(const int G, const in
     }
 }
 
-/* dp_range specialized for G and C known when compiled; 0 where the shape has no specialization. */
+/* dp_range specialized for G and C known when compiled (each costs ~0.6 s of build: the common
+   GQA ratios only); 0 where the shape has none (attend_range takes it). */
 static int dp_attend(const args_t *a, int s, int kh0, int nkh, int l0, int l1, float *st) {
     const int G = a->H / a->Hkv, C = a->D / 32;
 #define DP_G(GG, CC) case GG: dp_range(GG, CC, a, s, kh0, nkh, l0, l1, st); return 1;
-#define DP_C(CC) case CC: switch (G) { DP_G(1, CC) DP_G(2, CC) DP_G(3, CC) DP_G(4, CC) DP_G(5, CC) DP_G(6, CC) DP_G(7, CC) DP_G(8, CC) default: return 0; }
-    switch (C) { DP_C(1) DP_C(2) DP_C(3) DP_C(4) default: return 0; }
-#undef DP_C
+    switch (C) {
+    case 2: switch (G) { DP_G(1, 2) DP_G(2, 2) DP_G(3, 2) DP_G(4, 2) default: return 0; }
+    case 4: switch (G) { DP_G(1, 4) DP_G(2, 4) DP_G(4, 4) default: return 0; }
+    default: return 0;
+    }
 #undef DP_G
 }
-static int dp_fits(const args_t *a) { return a->bf16 && a->D % 32 == 0 && a->D <= 128 && a->H / a->Hkv <= DP_MAXG; }
+static int dp_fits(const args_t *a) {
+    const int G = a->H / a->Hkv;
+    return a->bf16 && ((a->D == 64 && G <= 4) || (a->D == 128 && (G <= 2 || G == 4)));
+}
 #else
 static int dp_attend(const args_t *a, int s, int kh0, int nkh, int l0, int l1, float *st) {
     (void)a; (void)s; (void)kh0; (void)nkh; (void)l0; (void)l1; (void)st; return 0;
