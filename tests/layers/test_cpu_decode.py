@@ -173,3 +173,36 @@ def test_long_context_split_over_threads(threads, dtype) -> None:
             torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("path", _RUNNABLE, ids=lambda p: p.name)
+@pytest.mark.parametrize("heads,head_dim", [((9, 3), 64), ((8, 2), 128), ((8, 1), 128), ((4, 2), 32)],
+                         ids=["9x3-64", "8x2-128", "8x1-128", "4x2-32"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_is_the_rounded_exact_answer(path, heads, head_dim, threads) -> None:
+    """bf16 cache and q: the output is float64 attention over the same bf16 inputs, rounded once to
+    bf16 (float32 scores, weights and sums lose nothing that shows), bar a few elements a bf16 ulp
+    off. Rounding anything on the way (the weights to bf16, say) fails this; the reference test's
+    1e-2 does not see it. Enough sequences that an item takes every KV head (the bf16 fast path's
+    whole-sequence walk; 8x1 and head size 32 take the per-head walk), and one thread or two."""
+    lib = cpu_decode.library(path)
+    if lib is None:
+        skip_or_fail(f"the C decode kernel for path {path.name} did not build")
+    g = torch.Generator().manual_seed(5 + head_dim)
+    num_heads, num_kv_heads = heads
+    seq_lens = [200, 150, 64, 31, 180, 97, 120, 160, 1, 16, 17, 77]
+    cache, table = _paged(seq_lens, 16, num_kv_heads, head_dim, torch.bfloat16, g)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=g).to(torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_decode.decode_attention(q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), 0.25, lib=lib)
+    finally:
+        torch.set_num_threads(before)
+    expected = _reference(q, cache, table, seq_lens, 0.25, None, None, None)
+    rounded = expected.to(torch.bfloat16)
+    off = out != rounded
+    assert off.float().mean() < 0.005, f"{int(off.sum())} of {off.numel()} outputs are not the rounded answer"
+    # the others: a bf16 ulp away (8 significant bits), or float32 sums' error near 0 (values ~1)
+    near = (out.double() - rounded.double()).abs() <= torch.maximum(out.double().abs(), rounded.double().abs()) * 2.0 ** -7 + 1e-6
+    assert near[off].all()
