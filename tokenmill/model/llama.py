@@ -163,8 +163,41 @@ class LlamaDecoderLayer(nn.Module):
         epilogue of the matmul before it instead (o_proj, down_proj: oneDNN), and the layer
         returns the whole stream as `hidden`. The two halves may run on two pipeline stages
         (`layout.py`'s half layers): what `forward_attention` returns is a stream like any other."""
+        if self._int4_fold is not False and self._folds(hidden):
+            return self._forward_folded(hidden, residual, rope, kv_cache, meta)
         hidden, residual = self.forward_attention(hidden, residual, rope, kv_cache, meta)
         return self.forward_mlp(hidden, residual)
+
+    _int4_fold: bool | None = None  # whether `int4_norm_fold` fits this layer (None: not asked yet)
+
+    def _folds(self, hidden: torch.Tensor) -> bool:
+        """INT4 at up to 8 rows: norms and residual adds in the GEMVs (`quantization.int4_norm_fold`)."""
+        if not hidden.is_cuda or hidden.dim() != 2 or hidden.shape[0] > 8 or not triton_ops.enabled(hidden):
+            return False
+        if self._int4_fold is None:
+            from tokenmill.layers.quantization import int4_norm_fold
+
+            self._int4_fold = (type(self).forward is LlamaDecoderLayer.forward and self.norms_feed_only_linears
+                               and int4_norm_fold.layer_fits(self))
+        return self._int4_fold
+
+    def _forward_folded(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
+                        kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
+        """`forward` in four GEMV launches and attention: returns the stream (float32, updated in place)."""
+        from tokenmill.layers.quantization import int4_norm_fold as fold
+
+        sumsq = fold.take_sumsq(residual if residual is not None else hidden)  # (another layer's: kept as it was?)
+        if residual is None:  # the stream itself (a folded layer's: with its sums of squares)
+            stream = residual_stream(hidden)
+        else:
+            stream, sumsq = residual.add_(hidden), None
+        attn, mlp = self.self_attn, self.mlp
+        qkv = fold.normed_gemv(attn.qkv_proj, stream, self.input_layernorm, sumsq if stream is hidden else None)
+        out = attn.attend(qkv, rope, kv_cache, meta, self.input_layernorm.weight.dtype)
+        sumsq = fold.add_gemv(attn.o_proj, out, stream)
+        act = fold.normed_gemv(mlp.gate_up_proj, stream, self.post_attention_layernorm, sumsq, silu=True)
+        fold.keep_sumsq(stream, fold.add_gemv(mlp.down_proj, act, stream))
+        return stream, None
 
     def forward_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                           kv_cache: torch.Tensor, meta: AttentionMetadata

@@ -238,28 +238,43 @@ def _pipe_first_asm(hint: bool) -> str:
 
 
 @triton.jit
-def _norm_rows(res_ptr, nw_ptr, xn_ptr, M, K, s_rm, s_xm, lo, hi, inv_n, eps, KB: tl.constexpr):
+def _norm_rows(res_ptr, nw_ptr, xn_ptr, M, K, s_rm, s_xm, lo, hi, inv_n, eps, KB: tl.constexpr, sq_ptr, nparts,
+               SQ: tl.constexpr):
     """NORM's prologue: the RMSNorm of the float32 stream's rows < M (`res_ptr`, rows s_rm apart),
     columns [lo, hi) (the CTA's K slice), into xn (its dtype, rows s_xm apart), with the numerics
     of `triton_ops.rms_norm` (the mean of squares over the whole row in float32, the row times
-    rsqrt rounded, times the weight rounded). Every CTA of a slice writes the same values; each
-    reads back only its own after the barrier (global writes of a CTA are visible to its threads)."""
+    rsqrt rounded, times the weight rounded). KB columns a pass (a 16-byte load a thread: few
+    registers, so the GEMV keeps its occupancy): one pass over the row for the sum of squares,
+    one over the slice. Every CTA of a slice writes the same values; each reads back only its
+    own after the barrier (global writes of a CTA are visible to its threads). The stream is read
+    past L1 (.cg): another kernel wrote it. SQ: the rows' sums of squares are the sums of the
+    `nparts` partial sums (rows nparts apart) that the launch which last added into the stream
+    wrote (RES with SQ), in their order: no pass over the row."""
     dt: tl.constexpr = xn_ptr.dtype.element_ty
     cols = tl.arange(0, KB)
-    own = (cols >= lo) & (cols < hi)
-    w = tl.load(nw_ptr + cols, mask=own, other=0.0).to(tl.float32)
     for r in range(M):
-        x = tl.load(res_ptr + r * s_rm + cols, mask=cols < K, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) * inv_n + eps)
-        normed = (x * rstd).to(dt).to(tl.float32)
-        tl.store(xn_ptr + r * s_xm + cols, (normed * w).to(dt), mask=own)
+        row = res_ptr + r * s_rm
+        if SQ:
+            sq = tl.load(sq_ptr + r * nparts + cols, mask=cols < nparts, other=0.0, cache_modifier=".cg")
+        else:
+            sq = tl.zeros([KB], dtype=tl.float32)
+            for c0 in range(0, K, KB):
+                x = tl.load(row + c0 + cols, mask=c0 + cols < K, other=0.0, cache_modifier=".cg")
+                sq += x * x
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) * inv_n + eps)
+        for c0 in range(lo, hi, KB):
+            own = c0 + cols < hi
+            x = tl.load(row + c0 + cols, mask=own, other=0.0, cache_modifier=".cg")
+            normed = (x * rstd).to(dt).to(tl.float32)
+            w = tl.load(nw_ptr + c0 + cols, mask=own, other=0.0).to(tl.float32)
+            tl.store(xn_ptr + r * s_xm + c0 + cols, (normed * w).to(dt), mask=own)
     tl.debug_barrier()
 
 
 @triton.jit
 def _pipe_loop(ASM_FIRST: tl.constexpr, ASM_PIPE: tl.constexpr, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
                USE_PDL: tl.constexpr, AHEAD: tl.constexpr, res_ptr, nw_ptr, x_ptr, K, s_rm, s_xm, inv_n, eps,
-               GROUP: tl.constexpr, NORM: tl.constexpr, KB: tl.constexpr):
+               GROUP: tl.constexpr, NORM: tl.constexpr, KB: tl.constexpr, sq_ptr, nparts, SQ: tl.constexpr):
     """The pipelined launch's K loop (`_pipe_asm`): the first step's words and scales loaded before
     the PDL wait, then each step loads the next one's while it computes its own (the last step
     loads nothing; its address stays in the slice). NORM: x normalized first (`_norm_rows`)."""
@@ -272,7 +287,8 @@ def _pipe_loop(ASM_FIRST: tl.constexpr, ASM_PIPE: tl.constexpr, w_thr, x_thr, s_
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
     if NORM:
-        _norm_rows(res_ptr, nw_ptr, x_ptr, M, K, s_rm, s_xm, g_lo * GROUP, (g_lo + per) * GROUP, inv_n, eps, KB)
+        _norm_rows(res_ptr, nw_ptr, x_ptr, M, K, s_rm, s_xm, g_lo * GROUP, (g_lo + per) * GROUP, inv_n, eps, KB,
+                   sq_ptr, nparts, SQ)
     a0, a1, a2, a3 = z, z, z, z
     for grp in range(g_lo, g_lo + per):
         nxt = tl.minimum(grp + 1, g_lo + per - 1)
@@ -450,7 +466,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                      AHEAD: tl.constexpr = 0, ASM_PF: tl.constexpr = "", RING: tl.constexpr = 0,
                      SILU: tl.constexpr = False, ASM_STORE_PAIR: tl.constexpr = "", ASM_PIPE: tl.constexpr = "",
                      ASM_FIRST: tl.constexpr = "", res_ptr=None, nw_ptr=None, s_rm=0, inv_n=0.0, eps=0.0,
-                     NORM: tl.constexpr = False, KB: tl.constexpr = 1, RES: tl.constexpr = False):
+                     NORM: tl.constexpr = False, KB: tl.constexpr = 1, RES: tl.constexpr = False, sq_ptr=None,
+                     nparts=0, SQ: tl.constexpr = False):
     """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
     anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
     weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
@@ -465,7 +482,9 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
     K slice, with the RMSNorm (weight nw_ptr) of the float32 stream res_ptr: the norm kernel before
     the GEMV folded into it. RES (SPLIT > 1): the split-K epilogue adds the result, rounded to the
     activation dtype (the scales'), into the float32 stream res_ptr in place (out_ptr unused): the
-    residual add of the norm after it, folded here."""
+    residual add of the norm after it, folded here. SQ with RES: each channel block also writes its
+    rows' sums of squares of the new stream to sq_ptr [M, nparts] (column pid_n); SQ with NORM:
+    the norm reads them there (`_norm_rows`)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -488,7 +507,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         z_thr = z_ptr + n0 + s_ofs
         if ASM_PIPE != "":  # the next step's words loaded under this step's arithmetic (`_pipe_asm`)
             a0, a1, a2, a3 = _pipe_loop(ASM_FIRST, ASM_PIPE, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
-                                        USE_PDL, AHEAD, res_ptr, nw_ptr, x_ptr, K, s_rm, s_xm, inv_n, eps, GROUP, NORM, KB)
+                                        USE_PDL, AHEAD, res_ptr, nw_ptr, x_ptr, K, s_rm, s_xm, inv_n, eps, GROUP, NORM, KB,
+                                        sq_ptr, nparts, SQ)
         else:
             g_first = g_lo
             if ASM_PRE != "":
@@ -504,7 +524,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                 pdl.launch_dependents(USE_PDL)
                 pdl.wait(USE_PDL)
                 if NORM:
-                    _norm_rows(res_ptr, nw_ptr, x_ptr, M, K, s_rm, s_xm, g_lo * GROUP, (g_lo + per) * GROUP, inv_n, eps, KB)
+                    _norm_rows(res_ptr, nw_ptr, x_ptr, M, K, s_rm, s_xm, g_lo * GROUP, (g_lo + per) * GROUP, inv_n, eps, KB,
+                   sq_ptr, nparts, SQ)
             for grp in range(g_first, g_lo + per, GPC):
                 if RING > 0:  # words through the shared-memory ring (`_asm`'s ring)
                     a0, a1, a2, a3 = tl.inline_asm_elementwise(
@@ -549,7 +570,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         pdl.launch_dependents(USE_PDL)
         pdl.wait(USE_PDL)
         if NORM:
-            _norm_rows(res_ptr, nw_ptr, x_ptr, M, K, s_rm, s_xm, g_lo * GROUP, (g_lo + per) * GROUP, inv_n, eps, KB)
+            _norm_rows(res_ptr, nw_ptr, x_ptr, M, K, s_rm, s_xm, g_lo * GROUP, (g_lo + per) * GROUP, inv_n, eps, KB,
+                   sq_ptr, nparts, SQ)
         rows = tl.arange(0, 8)
         if SILU:  # gate and up channels summed apart (`_ref_sums` is elementwise in the channels)
             c = tl.arange(0, BN // 2)
@@ -598,8 +620,11 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                                      cache_modifier=".cg")
                 if RES:  # the stream += the result as the unfused path rounds it (then adds in float32)
                     dst = res_ptr + rows[:, None] * s_rm + offs_n[None, :]
-                    tl.store(dst, total.to(s_ptr.dtype.element_ty).to(tl.float32) + tl.load(dst, mask=mask, other=0.0),
-                             mask=mask)
+                    h = total.to(s_ptr.dtype.element_ty).to(tl.float32) + tl.load(dst, mask=mask, other=0.0,
+                                                                                   cache_modifier=".cg")
+                    tl.store(dst, h, mask=mask)
+                    if SQ:  # this block's share of the next norm's sums of squares
+                        tl.store(sq_ptr + rows * nparts + pid_n, tl.sum(h * h, axis=1), mask=rows < M)
                 else:
                     tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
                              mask=mask)
@@ -795,7 +820,8 @@ def vector_rows(x: torch.Tensor) -> torch.Tensor:
 
 def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
              c: MmaGemv | None = None, counters: torch.Tensor | None = None, silu: bool = False,
-             norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None) -> torch.Tensor:
+             norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
+             sumsq: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (M <= 8) @ W^T -> [M, N] in x's dtype; W in the mma layout qm [N/16, K/64, 32, 4].
     c.split > 1 needs `counters` (zeroed int32, one per CTA: N / (16 c.warps)). silu: W's channels
     in `int4_packing.gate_up_pairs` order, and the result [M, N / 2] is silu(gate) * up (the
@@ -803,7 +829,10 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     norm (weight [K], eps): x is the float32 residual stream, and the GEMV reads its RMSNorm in the
     scales' dtype (the kernel's NORM: `triton_ops.rms_norm(x, weight, eps, dtype)` then the GEMV,
     one launch). add_to (float32 [M, N], contiguous; split-K launches): the result, rounded to the
-    scales' dtype, is added into it in place and it is returned (RES: `add_to += GEMV(x)`)."""
+    scales' dtype, is added into it in place and it is returned (RES: `add_to += GEMV(x)`).
+    sumsq (float32 [M, `sumsq_parts`], contiguous): with add_to, filled with partial sums of squares
+    of the new stream's rows; with norm, those of x (a launch with add_to filled them since x last
+    changed): the norm then reads them instead of a pass over the row (the kernel's SQ)."""
     m, k = x.shape
     n = qm.shape[0] * 16
     group = k if group_size == -1 else group_size
@@ -824,6 +853,11 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         raise ValueError(f"int4 mma GEMV: adding into the stream needs a split-K launch (got {c.label()}), no SiLU "
                          f"and a contiguous float32 [{m}, {n}] stream")
     ctas = n // (16 * c.warps)
+    if sumsq is not None and ((norm is None) == (add_to is None) or sumsq.dtype != torch.float32 or sumsq.shape[0] != m
+                              or sumsq.stride() != (sumsq.shape[1], 1) or (add_to is not None and sumsq.shape[1] != ctas)
+                              or sumsq.shape[1] > 128 * c.warps):
+        raise ValueError(f"int4 mma GEMV: sums of squares go with a norm or an add, float32 [{m}, parts] contiguous "
+                         f"({ctas} parts for this add; at most {128 * c.warps} for a norm), got {tuple(sumsq.shape)}")
     if c.split > 1 and (counters is None or counters.numel() < ctas):
         raise ValueError(f"int4 mma GEMV: split {c.split} needs {ctas} zeroed counters")
     stream = x
@@ -844,7 +878,9 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         fold = {"res_ptr": stream if norm is not None else add_to, "s_rm": (stream if norm is not None else add_to).stride(0),
                 "NORM": norm is not None, "RES": add_to is not None}
     if norm is not None:
-        fold.update(nw_ptr=norm[0], inv_n=1.0 / k, eps=norm[1], KB=triton.next_power_of_2(k))
+        fold.update(nw_ptr=norm[0], inv_n=1.0 / k, eps=norm[1], KB=128 * c.warps)  # 4 values a thread
+    if sumsq is not None:
+        fold.update(sq_ptr=sumsq, nparts=sumsq.shape[1], SQ=True)
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
@@ -854,6 +890,11 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         ASM_PIPE=_pipe_asm(f16, c.hint, c.ahead > 0) if gpu and c.pipe else "", ASM_FIRST=_pipe_first_asm(c.hint) if gpu and c.pipe else "",
         num_warps=c.warps, **launch, **fold, **({"maxnreg": c.maxnreg} if gpu and c.maxnreg else {}))
     return out
+
+
+def sumsq_parts(n: int, k: int, group: int) -> int:
+    """Columns of the sums of squares (`mma_gemv`'s sumsq) that an add launch of this weight writes."""
+    return n // (16 * config_for(n, k, group).warps)
 
 
 # Rows up to which `mma_matmul` runs the GEMV once per 8 rows (each launch reads the weight

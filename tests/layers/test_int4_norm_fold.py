@@ -1,0 +1,144 @@
+"""INT4 GEMVs with a Llama layer's RMSNorm and residual add folded in (`triton_int4_mma`'s NORM and
+RES, `quantization.int4_norm_fold`) under TRITON_INTERPRET=1: equal, bit for bit, to the unfused
+path (`triton_ops.rms_norm` then the GEMV; the GEMV then a float32 add), in float32 and float16,
+at 1..8 rows, one slice and split-K, with and without the SiLU epilogue. The inline PTX runs on
+a GPU only (`int4_norm_fold.selftest`, `scripts/gpu_int4_b1.py`)."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from tests.helpers.requirements import require_module
+from tokenmill.layers.quantization import int4_packing as packing
+
+require_module("triton")
+
+
+def _case(n=128, k=256, group=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    codes = packing.quantize_int4(torch.randn(n, k, generator=g), group, sym=False)
+    codes.scales = codes.scales.half().float()
+    return packing.from_codes(codes, torch.float32, act_order=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,group,warps,split,silu", [(1, 64, 1, 1, False), (3, 128, 4, 2, False), (8, 64, 2, 4, False),
+                                                     (1, 64, 2, 2, True), (5, 128, 1, 1, True)])
+def test_folded_norm_equals_the_norm_kernel_then_the_gemv(m, group, warps, split, silu, dtype):
+    from tokenmill.layers.quantization.triton_int4_mma import MmaGemv, mma_gemv
+    from tokenmill.layers.triton_ops.rms_norm import rms_norm
+
+    n, k = 128, 256
+    wt = _case(n, k, group)
+    if silu:
+        perm = packing.gate_up_pairs(n)
+        qm, s, z = packing.to_mma(wt.qweight[:, perm]), wt.scales[:, perm].to(dtype), wt.zeros[:, perm].to(dtype)
+    else:
+        qm, s, z = packing.to_mma(wt.qweight), wt.scales.to(dtype), wt.zeros.to(dtype)
+    g = torch.Generator().manual_seed(2)
+    stream = torch.randn(m, k, generator=g) * 3
+    w = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    counters = torch.zeros(8, dtype=torch.int32)
+    c = MmaGemv(warps, split)
+    ref = mma_gemv(rms_norm(stream, w, 1e-5, dtype), qm, s, z, group, c, counters, silu=silu)
+    before = stream.clone()
+    for _ in range(2):  # a second call reuses the counters
+        out = mma_gemv(stream, qm, s, z, group, c, counters, silu=silu, norm=(w, 1e-5))
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert torch.equal(out, ref)
+        assert not counters.any()
+    assert torch.equal(stream, before), "the folded norm reads the stream, never writes it"
+    # the check can fail: another norm weight is another product
+    assert not torch.equal(mma_gemv(stream, qm, s, z, group, c, counters, silu=silu, norm=(w * 2, 1e-5)), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,warps,split", [(1, 1, 2), (4, 2, 4), (8, 4, 2)])
+def test_folded_add_equals_the_gemv_then_a_float32_add(m, warps, split, dtype):
+    from tokenmill.layers.quantization.triton_int4_mma import MmaGemv, mma_gemv
+
+    wt = _case()
+    qm, s, z = packing.to_mma(wt.qweight), wt.scales.to(dtype), wt.zeros.to(dtype)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(m, 256, generator=g).to(dtype)
+    res = torch.randn(m, 128, generator=g)
+    counters = torch.zeros(8, dtype=torch.int32)
+    c = MmaGemv(warps, split)
+    ref = res + mma_gemv(x, qm, s, z, 64, c, counters).float()  # the GEMV's result rounded, then added
+    stream = res.clone()
+    assert mma_gemv(x, qm, s, z, 64, c, counters, add_to=stream) is stream
+    assert torch.equal(stream, ref) and not counters.any()
+    assert not torch.equal(res + mma_gemv(x, qm, s, z, 64, c, counters).double().float() * 1.001, ref)
+
+
+def test_fold_refuses_what_it_cannot_take():
+    from tokenmill.layers.quantization.triton_int4_mma import MmaGemv, mma_gemv
+
+    wt = _case()
+    qm = packing.to_mma(wt.qweight)
+    counters = torch.zeros(8, dtype=torch.int32)
+    x = torch.randn(1, 256)
+    with pytest.raises(ValueError, match="split-K"):  # the add runs in the split-K epilogue only
+        mma_gemv(x, qm, wt.scales, wt.zeros, 64, MmaGemv(1, 1), counters, add_to=torch.zeros(1, 128))
+    with pytest.raises(ValueError, match="float32 stream"):
+        mma_gemv(x.half(), qm, wt.scales, wt.zeros, 64, MmaGemv(1, 1), counters, norm=(torch.ones(256), 1e-5))
+    with pytest.raises(ValueError, match="contiguous float32"):
+        mma_gemv(x, qm, wt.scales, wt.zeros, 64, MmaGemv(1, 2), counters, add_to=torch.zeros(1, 128).half())
+
+
+def test_fold_switch(monkeypatch):
+    from tokenmill.layers.quantization import int4_norm_fold
+
+    assert int4_norm_fold.enabled()
+    monkeypatch.setenv(int4_norm_fold.ENV_VAR, "0")
+    assert not int4_norm_fold.enabled()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,warps", [(1, 1), (3, 2), (8, 4)])
+def test_adds_hand_the_norm_their_sums_of_squares(m, warps, dtype):
+    """RES with sumsq: each channel block's sums of squares of the new stream's rows; the folded
+    norm from them equals the norm kernel then the GEMV (up to the float32 order of the sum: close,
+    and bit for bit where that order does not change the rounding)."""
+    from tokenmill.layers.quantization.triton_int4_mma import MmaGemv, mma_gemv
+    from tokenmill.layers.triton_ops.rms_norm import rms_norm
+
+    k = 256
+    add_w, norm_w = _case(n=k, k=k, seed=5), _case(n=128, k=k, seed=6)
+    aq, a_s, a_z = packing.to_mma(add_w.qweight), add_w.scales.to(dtype), add_w.zeros.to(dtype)
+    nq, n_s, n_z = packing.to_mma(norm_w.qweight), norm_w.scales.to(dtype), norm_w.zeros.to(dtype)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    stream = torch.randn(m, k, generator=g) * 2
+    w = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    counters = torch.zeros(16, dtype=torch.int32)
+    c = MmaGemv(warps, 2)
+    parts = k // (16 * warps)
+    sumsq = torch.full((m, parts), float("nan"))
+    mma_gemv(x, aq, a_s, a_z, 64, c, counters, add_to=stream, sumsq=sumsq)
+    whole = stream.double().square().sum(1)
+    assert torch.allclose(sumsq.double().sum(1), whole, rtol=1e-6)
+    blocks = stream.double().square().view(m, parts, 16 * warps).sum(2)
+    assert torch.allclose(sumsq.double(), blocks, rtol=1e-6), "column b: channel block b's share"
+    ref = mma_gemv(rms_norm(stream, w, 1e-5, dtype), nq, n_s, n_z, 64, MmaGemv(1, 2), counters)
+    out = mma_gemv(stream, nq, n_s, n_z, 64, MmaGemv(1, 2), counters, norm=(w, 1e-5), sumsq=sumsq)
+    tol = 1e-6 if dtype == torch.float32 else 2e-3
+    assert (out.double() - ref.double()).abs().max().item() <= tol * ref.double().abs().max().item()
+    # the check can fail: the sums of another stream give another norm
+    wrong = mma_gemv(stream, nq, n_s, n_z, 64, MmaGemv(1, 2), counters, norm=(w, 1e-5), sumsq=sumsq * 1.5)
+    assert (wrong.double() - ref.double()).abs().max().item() > 10 * tol * ref.double().abs().max().item()
+    assert not counters.any()
+
+
+def test_sums_of_squares_ride_on_the_stream_between_layers():
+    from tokenmill.layers.quantization import int4_norm_fold as fold
+
+    stream, sq = torch.zeros(1, 4), torch.ones(1, 2)
+    assert fold.take_sumsq(stream) is None
+    fold.keep_sumsq(stream, sq)
+    assert fold.take_sumsq(stream) is sq and fold.take_sumsq(stream) is None, "taken once"
