@@ -60,6 +60,11 @@ def compile_launch(launch: dict):
     ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}
     if launch.get("norm") or launch.get("res"):  # the folded norm / residual add (`int4_norm_fold`)
         ptrs.update(res_ptr="fp32", **({"nw_ptr": dt} if launch.get("norm") else {}))
+    if launch.get("sq"):  # sums of squares handed from the add to the norm
+        const["SQ"] = True
+        ptrs["sq_ptr"] = "fp32"
+    else:
+        const.update(SQ=False, sq_ptr=None)
     if not launch.get("norm"):
         const["nw_ptr"] = None
     if not (launch.get("norm") or launch.get("res")):
@@ -95,7 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launch", action="append",
                     help="JSON: warps, split, gpc, zmma, hint, early, f16, group, pdl, pre, ahead, ring, silu, maxnreg, "
-                         "norm, res")
+                         "norm, res, sq")
     args = ap.parse_args()
     for launch in ([json.loads(x) for x in args.launch] if args.launch else DEFAULTS):
         print(json.dumps(launch), json.dumps(sass_figures(compile_launch(launch))), flush=True)

@@ -1,6 +1,7 @@
 """INT4 GEMVs with a Llama layer's RMSNorm and residual add folded in (`triton_int4_mma`'s NORM and
-RES, `quantization.int4_norm_fold`) under TRITON_INTERPRET=1: equal, bit for bit, to the unfused
-path (`triton_ops.rms_norm` then the GEMV; the GEMV then a float32 add), in float32 and float16,
+RES, `quantization.int4_norm_fold`) under TRITON_INTERPRET=1 against the unfused path
+(`triton_ops.rms_norm` then the GEMV: equal up to the float32 order of the rms's sum; the GEMV
+then a float32 add: bit for bit), in float32 and float16,
 at 1..8 rows, one slice and split-K, with and without the SiLU epilogue. The inline PTX runs on
 a GPU only (`int4_norm_fold.selftest`, `scripts/gpu_int4_b1.py`)."""
 
@@ -50,11 +51,22 @@ def test_folded_norm_equals_the_norm_kernel_then_the_gemv(m, group, warps, split
     for _ in range(2):  # a second call reuses the counters
         out = mma_gemv(stream, qm, s, z, group, c, counters, silu=silu, norm=(w, 1e-5))
         assert out.dtype == dtype and out.shape == ref.shape
-        assert torch.equal(out, ref)
+        _close_to_unfused(out, ref, dtype)
         assert not counters.any()
     assert torch.equal(stream, before), "the folded norm reads the stream, never writes it"
     # the check can fail: another norm weight is another product
-    assert not torch.equal(mma_gemv(stream, qm, s, z, group, c, counters, silu=silu, norm=(w * 2, 1e-5)), ref)
+    with pytest.raises(AssertionError):
+        _close_to_unfused(mma_gemv(stream, qm, s, z, group, c, counters, silu=silu, norm=(w * 1.01, 1e-5)), ref, dtype)
+
+
+def _close_to_unfused(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    """The folded norm sums the squares in another float32 order than the norm kernel (rstd may
+    differ in its last bit): float32 within a few ulps; float16 bit for bit but for rare roundings."""
+    err = (out.double() - ref.double()).abs().max().item() / ref.double().abs().max().item()
+    if dtype == torch.float32:
+        assert err < 1e-6, err
+    else:
+        assert err < 2e-3 and (out == ref).double().mean().item() > 0.95, err
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -12,8 +12,8 @@ Here the layer runs four launches where it ran six (plus attention):
   before it wrote (one per channel block: 32-64 floats a row, summed in a fixed order), or, for
   the first layer (TOKENMILL_INT4_NORM_FOLD=row: every layer), from a pass over the row. The layer returns (stream, None): the stream form
   `LlamaDecoderLayer` already hands on where adds run in matmuls.
-Values: those of the unfused path up to the float32 summation order of the rms (equal bit for
-bit under the interpreter; `tests/layers/test_int4_norm_fold.py`).
+Values: those of the unfused path up to the float32 summation order of the rms (the adds: bit
+for bit; `tests/layers/test_int4_norm_fold.py`).
 
 Where: CUDA, <= 8 rows, every linear of the layer INT4 in the mma layout without bias or LoRA,
 gate_up paired (`int4.pair_gate_up`), o_proj and down_proj split-K, no TP, plain `RMSNorm`s,
