@@ -27,7 +27,8 @@
    profiled (default int4). The engines' self-tests run first in this process (their outcome printed).
    Session 9: int4nofold / int4fold / int4row (TOKENMILL_INT4_NORM_FOLD=0 / 1 / row: the norms and
    residual adds apart, folded into the GEMVs, folded without the adds' sums of squares); the INT4
-   engines' greedy tokens on one prompt are compared (`int4b1_greedy_equal`). INT4_B1_SKIP_KERNELS=1:
+   engines' greedy tokens on one prompt are compared (`int4b1_greedy_equal`); int4foldattn: int4fold
+   with TOKENMILL_ATTN_FUSED_REDUCE=1. INT4_B1_SKIP_KERNELS=1:
    parts 1 and 2 skipped.
 INT4_B1_BUDGET_S (default 140) stops starting things past it. Figures go to
 $OUT/part-int4b1-partial.json as they come.
@@ -365,7 +366,9 @@ def layers(results: dict, device: str, smoke: bool, best: dict, check) -> None:
 ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKENMILL_INT4_SILU_PAIRS": "0"},
               # session 9: the committed TABLE without / with the norms and residual adds in the GEMVs
               "int4nofold": {"TOKENMILL_INT4_NORM_FOLD": "0"}, "int4fold": {"TOKENMILL_INT4_NORM_FOLD": "1"},
-              "int4row": {"TOKENMILL_INT4_NORM_FOLD": "row"}}  # (row: each norm a pass over the row)
+              "int4row": {"TOKENMILL_INT4_NORM_FOLD": "row"},  # (row: each norm a pass over the row)
+              # + attention's split partials merged by its last split program (no reduce launch)
+              "int4foldattn": {"TOKENMILL_INT4_NORM_FOLD": "1", "TOKENMILL_ATTN_FUSED_REDUCE": "1"}}
 # int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
 # branch's committed TABLE (""); int4 the sweep's table.
 
@@ -461,7 +464,8 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             results.setdefault("int4b1_greedy_equal", {})[f"{int4s[0]}={k}"] = diff is None
             print(f"  greedy tokens {int4s[0]} vs {k}: " + ("equal" if diff is None else f"differ from token {diff}"),
                   flush=True)
-    for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row"):
+    for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row",
+                  "int4foldattn"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r
