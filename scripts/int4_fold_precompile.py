@@ -36,7 +36,7 @@ def _calls():
         for m in (1, 2):
             for sq in (True, False):
                 if name in ("qkv", "gate_up"):
-                    def call(m=m, sq=sq, qm=qm, wt=wt, n=n, k=k, silu=name == "gate_up"):
+                    def call(m=m, sq=sq, qm=qm, wt=wt, k=k, parts=parts, silu=name == "gate_up"):
                         stream = torch.randn(m, k, device=dev)
                         sumsq = stream.square().view(m, parts, -1).sum(2) if sq else None
                         return mma.mma_gemv(stream, qm, wt.scales, wt.zeros, GROUP, counters=counters, silu=silu,
