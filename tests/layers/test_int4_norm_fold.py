@@ -154,3 +154,64 @@ def test_sums_of_squares_ride_on_the_stream_between_layers():
     assert fold.take_sumsq(stream) is None
     fold.keep_sumsq(stream, sq)
     assert fold.take_sumsq(stream) is sq and fold.take_sumsq(stream) is None, "taken once"
+
+
+def test_a_folded_llama_layer_equals_its_unfused_steps():
+    """`LlamaDecoderLayer._forward_folded` (attention stubbed) against the same steps unfused: the
+    norm kernels, the GEMVs, float32 adds; twice, the second layer reading the first one's sums of
+    squares off the stream it returned."""
+    from types import SimpleNamespace
+
+    from tokenmill.config import ModelArch
+    from tokenmill.distributed.parallel_state import ParallelContext
+    from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
+    from tokenmill.layers.quantization import int4
+    from tokenmill.layers.quantization.triton_int4_mma import mma_gemv
+    from tokenmill.layers.triton_ops.rms_norm import rms_norm
+    from tokenmill.model.llama import LlamaDecoderLayer
+
+    dt, group, hidden, inter = torch.float16, 64, 256, 128
+    arch = ModelArch(architecture="LlamaForCausalLM", model_type="llama", vocab_size=64, hidden_size=hidden,
+                     intermediate_size=inter, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=64,
+                     rms_norm_eps=1e-5, max_position=64)
+    layer = LlamaDecoderLayer(arch, TorchRefAttentionBackend, ParallelContext.single(arch))
+    attn, mlp = layer.self_attn, layer.mlp
+    weights = {}
+    for seed, (name, lin) in enumerate((("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                        ("down", mlp.down_proj))):
+        wt = _case(lin.out_features, lin.in_features, group, seed=10 + seed)
+        wt = packing.Int4Weights(packing.to_mma(wt.qweight), wt.scales.to(dt), wt.zeros.to(dt), None)
+        if name == "gate_up":
+            wt, _ = int4.pair_gate_up(wt)
+        weights[name] = wt
+        # (the attributes the fold reads, set on the module without the loader)
+        object.__setattr__(lin, "qweight", wt.qweight)
+        object.__setattr__(lin, "scales", wt.scales)
+        object.__setattr__(lin, "zeros", wt.zeros)
+        lin.stream_counters = SimpleNamespace(tensor=torch.zeros(64, dtype=torch.int32))
+        lin.quant_method = SimpleNamespace(config=SimpleNamespace(group_size=group))
+    g = torch.Generator().manual_seed(11)
+    for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+        norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(dt)
+    attn.attend = lambda qkv, rope, kv_cache, meta, act_dtype: (qkv[:, :hidden] * 0.5).contiguous()
+
+    def unfused(stream):
+        def gemv(name, x, **kw):
+            w = weights[name]
+            return mma_gemv(x, w.qweight, w.scales, w.zeros, group, counters=torch.zeros(64, dtype=torch.int32), **kw)
+        qkv = gemv("qkv", rms_norm(stream, layer.input_layernorm.weight, 1e-5, dt))
+        stream = stream + gemv("o", (qkv[:, :hidden] * 0.5).contiguous()).float()
+        act = gemv("gate_up", rms_norm(stream, layer.post_attention_layernorm.weight, 1e-5, dt), silu=True)
+        return stream + gemv("down", act).float()
+
+    x = torch.randn(3, hidden, generator=g).to(dt)
+    residual = torch.randn(3, hidden, generator=g) * 2
+    ref = unfused(residual + x.float())
+    out, none = layer._forward_folded(x, residual.clone(), None, None, None)
+    assert none is None and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    assert getattr(out, "_int4_fold_sumsq").shape == (3, hidden // 64)  # down's channel blocks (4 warps)
+    ref2 = unfused(out.clone())
+    out2, _ = layer._forward_folded(out, None, None, None, None)
+    assert out2 is out, "the stream is updated in place"
+    torch.testing.assert_close(out2, ref2, rtol=1e-3, atol=1e-3)
