@@ -210,7 +210,7 @@ def test_a_folded_llama_layer_equals_its_unfused_steps():
     out, none = layer._forward_folded(x, residual.clone(), None, None, None)
     assert none is None and out.dtype == torch.float32
     torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
-    assert getattr(out, "_int4_fold_sumsq").shape == (3, hidden // 64)  # down's channel blocks (4 warps)
+    assert out.__dict__["_int4_fold_sumsq"].shape == (3, hidden // 64)  # down's channel blocks (4 warps)
     ref2 = unfused(out.clone())
     out2, _ = layer._forward_folded(out, None, None, None, None)
     assert out2 is out, "the stream is updated in place"
