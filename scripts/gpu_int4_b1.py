@@ -25,8 +25,8 @@
    int4branch this branch's (the committed TABLE, SiLU in gate_up's epilogue; int4silu the same),
    int4 the sweep's table with the SiLU epilogue; `ENGINE_ENV`). INT4_B1_PROFILE names the engine
    profiled (default int4). The engines' self-tests run first in this process (their outcome printed).
-   Session 9: int4nofold / int4fold / int4row (TOKENMILL_INT4_NORM_FOLD=0 / 1 / row: the norms and
-   residual adds apart, folded into the GEMVs, folded without the adds' sums of squares); the INT4
+   Session 9: int4nofold (and int4nofold2) / int4scale (and int4scaleprof) / int4fold / int4row
+   (TOKENMILL_INT4_NORM_FOLD=0 / scale / prologue / row: `int4_norm_fold`'s modes); the INT4
    engines' greedy tokens on one prompt are compared (`int4b1_greedy_equal`); int4foldattn: int4fold
    with TOKENMILL_ATTN_FUSED_REDUCE=1. INT4_B1_SKIP_KERNELS=1:
    parts 1 and 2 skipped.
@@ -365,10 +365,12 @@ def layers(results: dict, device: str, smoke: bool, best: dict, check) -> None:
 # SiLU-and-mul kernel after it); int4silu: the committed TABLE with SiLU in gate_up's epilogue.
 ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKENMILL_INT4_SILU_PAIRS": "0"},
               # session 9: the committed TABLE without / with the norms and residual adds in the GEMVs
-              "int4nofold": {"TOKENMILL_INT4_NORM_FOLD": "0"}, "int4fold": {"TOKENMILL_INT4_NORM_FOLD": "1"},
+              "int4nofold": {"TOKENMILL_INT4_NORM_FOLD": "0"}, "int4nofold2": {"TOKENMILL_INT4_NORM_FOLD": "0"},
+              "int4fold": {"TOKENMILL_INT4_NORM_FOLD": "prologue"},
+              "int4scale": {"TOKENMILL_INT4_NORM_FOLD": "scale"}, "int4scaleprof": {"TOKENMILL_INT4_NORM_FOLD": "scale"},
               "int4row": {"TOKENMILL_INT4_NORM_FOLD": "row"},  # (row: each norm a pass over the row)
               # + attention's split partials merged by its last split program (no reduce launch)
-              "int4foldattn": {"TOKENMILL_INT4_NORM_FOLD": "1", "TOKENMILL_ATTN_FUSED_REDUCE": "1"}}
+              "int4foldattn": {"TOKENMILL_INT4_NORM_FOLD": "prologue", "TOKENMILL_ATTN_FUSED_REDUCE": "1"}}
 # int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
 # branch's committed TABLE (""); int4 the sweep's table.
 
@@ -465,7 +467,7 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             print(f"  greedy tokens {int4s[0]} vs {k}: " + ("equal" if diff is None else f"differ from token {diff}"),
                   flush=True)
     for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row",
-                  "int4foldattn"):
+                  "int4foldattn", "int4scale", "int4nofold2", "int4scaleprof"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r

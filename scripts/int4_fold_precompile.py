@@ -28,27 +28,32 @@ def _calls():
     counters = torch.zeros(8192, dtype=torch.int32, device=dev)
     w = torch.ones(HIDDEN, dtype=dt, device=dev)
     calls = [("selftest", lambda: fold.selftest(dev, dt))]
+    parts = mma.sumsq_parts(HIDDEN, HIDDEN, GROUP)  # o's (32); down's is 64: the same specialization
     for name, (n, k) in SHAPES.items():
         wt = packing.from_codes(packing.quantize_int4(torch.randn(n, k, device=dev), GROUP, sym=False), dt,
                                 act_order=False)
         qm = packing.to_mma(wt.qweight)
-        parts = mma.sumsq_parts(HIDDEN, HIDDEN, GROUP)  # o's (32); down's is 64: the same specialization
         for m in (1, 2):
-            for sq in (True, False):
+            # scale mode (the default's launches), then prologue mode's
+            for variant in ("scale", "prologue"):
                 if name in ("qkv", "gate_up"):
-                    def call(m=m, sq=sq, qm=qm, wt=wt, k=k, parts=parts, silu=name == "gate_up"):
+                    def call(m=m, variant=variant, qm=qm, wt=wt, k=k, silu=name == "gate_up"):
                         stream = torch.randn(m, k, device=dev)
-                        sumsq = stream.square().view(m, parts, -1).sum(2) if sq else None
+                        sumsq = stream.square().view(m, parts, -1).sum(2)
+                        if variant == "scale":
+                            return mma.mma_gemv(stream.to(dt), qm, wt.scales, wt.zeros, GROUP, counters=counters,
+                                                silu=silu, rstd_of=(sumsq, 1e-5))
                         return mma.mma_gemv(stream, qm, wt.scales, wt.zeros, GROUP, counters=counters, silu=silu,
                                             norm=(w, 1e-5), sumsq=sumsq)
-                else:
-                    def call(m=m, sq=sq, qm=qm, wt=wt, n=n, k=k):
+                else:  # the adds: with y (scale), without (prologue; scale's last layer)
+                    def call(m=m, variant=variant, qm=qm, wt=wt, n=n, k=k):
                         x = torch.randn(m, k, device=dev, dtype=dt)
                         stream = torch.randn(m, n, device=dev)
-                        sumsq = (torch.empty((m, mma.sumsq_parts(n, k, GROUP)), device=dev) if sq else None)
+                        sumsq = torch.empty((m, mma.sumsq_parts(n, k, GROUP)), device=dev)
+                        y = torch.empty((m, n), device=dev, dtype=dt) if variant == "scale" else None
                         return mma.mma_gemv(x, qm, wt.scales, wt.zeros, GROUP, counters=counters, add_to=stream,
-                                            sumsq=sumsq)
-                calls.append((f"{name} m{m}{' sq' if sq else ''}", call))
+                                            sumsq=sumsq, weighted=(y, w) if y is not None else None)
+                calls.append((f"{name} m{m} {variant}", call))
     return calls
 
 
@@ -57,5 +62,5 @@ if __name__ == "__main__":
         triton_precompile.compile_shard(_calls(), sys.argv[2])
     else:
         timeout = float(sys.argv[1]) if len(sys.argv) > 1 else 60.0
-        triton_precompile.compile_in_processes(__file__, "--shard", max(1, min(17, (os.cpu_count() or 2) - 1)),
+        triton_precompile.compile_in_processes(__file__, "--shard", max(1, min(15, (os.cpu_count() or 2) - 1)),
                                                timeout, "int4 folded norm / add launches (17 calls)")

@@ -63,9 +63,19 @@ def compile_launch(launch: dict):
     if launch.get("sq"):  # sums of squares handed from the add to the norm
         const["SQ"] = True
         ptrs["sq_ptr"] = "fp32"
-    else:
+    elif not launch.get("rstd"):
         const.update(SQ=False, sq_ptr=None)
-    if not launch.get("norm"):
+    else:
+        const["SQ"] = False
+    const.update(YW=launch.get("yw", False), RSTD=launch.get("rstd", False))
+    if launch.get("yw"):  # scale mode's add: y = stream * weight
+        ptrs.update(y_ptr=dt, nw_ptr=dt)
+    else:
+        const["y_ptr"] = None
+    if launch.get("rstd"):  # scale mode's GEMV: rows times rstd in the split-K epilogue
+        ptrs["sq_ptr"] = "fp32"
+        const["KB"] = 64
+    if not launch.get("norm") and not launch.get("yw"):
         const["nw_ptr"] = None
     if not (launch.get("norm") or launch.get("res")):
         const["res_ptr"] = None
@@ -100,7 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launch", action="append",
                     help="JSON: warps, split, gpc, zmma, hint, early, f16, group, pdl, pre, ahead, ring, silu, maxnreg, "
-                         "norm, res, sq")
+                         "norm, res, sq, yw, rstd")
     args = ap.parse_args()
     for launch in ([json.loads(x) for x in args.launch] if args.launch else DEFAULTS):
         print(json.dumps(launch), json.dumps(sass_figures(compile_launch(launch))), flush=True)

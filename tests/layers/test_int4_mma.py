@@ -188,7 +188,10 @@ def test_mma_ptx_assembles_for_sm90():
                 '{"warps": 4, "split": 2, "pdl": true, "hint": true, "pipe": true, "silu": true, "norm": true, "sq": true}',
                 '{"warps": 4, "split": 8, "pdl": true, "hint": true, "pipe": true, "norm": true}',
                 '{"warps": 4, "split": 16, "pdl": true, "hint": true, "res": true, "sq": true}',
-                '{"warps": 8, "split": 16, "pdl": true, "res": true, "sq": true}']
+                '{"warps": 8, "split": 16, "pdl": true, "res": true, "sq": true}',
+                # scale mode: rows times rstd after the GEMV (qkv, gate_up); the adds also write y (o, down)
+                '{"warps": 4, "split": 2, "pdl": true, "hint": true, "pipe": true, "silu": true, "rstd": true}',
+                '{"warps": 4, "split": 16, "pdl": true, "hint": true, "res": true, "sq": true, "yw": true}']
     proc = subprocess.run([sys.executable, str(script)] + [a for j in launches for a in ("--launch", j)],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr) and "No such file" in proc.stderr:

@@ -104,11 +104,14 @@ def test_fold_refuses_what_it_cannot_take():
 
 
 def test_fold_switch(monkeypatch):
-    from tokenmill.layers.quantization import int4_norm_fold
+    from tokenmill.layers.quantization import int4_norm_fold as fold
 
-    assert int4_norm_fold.enabled()
-    monkeypatch.setenv(int4_norm_fold.ENV_VAR, "0")
-    assert not int4_norm_fold.enabled()
+    for value, mode in (("0", "off"), ("1", "scale"), ("scale", "scale"), ("prologue", "prologue"), ("row", "row")):
+        monkeypatch.setenv(fold.ENV_VAR, value)
+        assert fold.mode() == mode and fold.enabled() == (mode != "off") and fold.partial_sums() == (mode != "row")
+    monkeypatch.setenv(fold.ENV_VAR, "yes")
+    with pytest.raises(ValueError, match="expected one of"):
+        fold.mode()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -147,19 +150,23 @@ def test_adds_hand_the_norm_their_sums_of_squares(m, warps, dtype):
     assert not counters.any()
 
 
-def test_sums_of_squares_ride_on_the_stream_between_layers():
+def test_what_an_add_made_rides_on_the_stream_between_layers():
     from tokenmill.layers.quantization import int4_norm_fold as fold
 
-    stream, sq = torch.zeros(1, 4), torch.ones(1, 2)
-    assert fold.take_sumsq(stream) is None
-    fold.keep_sumsq(stream, sq)
-    assert fold.take_sumsq(stream) is sq and fold.take_sumsq(stream) is None, "taken once"
+    stream, carry = torch.zeros(1, 4), fold.Carry(torch.ones(1, 2), None, None)
+    assert fold.take_carry(stream) is None
+    fold.keep_carry(stream, carry)
+    assert fold.take_carry(stream) is carry and fold.take_carry(stream) is None, "taken once"
 
 
-def test_a_folded_llama_layer_equals_its_unfused_steps():
+@pytest.mark.parametrize("mode", ["prologue", "scale"])
+def test_a_folded_llama_layer_equals_its_unfused_steps(monkeypatch, mode):
     """`LlamaDecoderLayer._forward_folded` (attention stubbed) against the same steps unfused: the
-    norm kernels, the GEMVs, float32 adds; twice, the second layer reading the first one's sums of
-    squares off the stream it returned."""
+    norm kernels, the GEMVs, float32 adds; twice, the second layer reading what the first one's
+    last add made off the stream it returned (scale: y for its norm, set as the next layer's)."""
+    from tokenmill.layers.quantization import int4_norm_fold as fold
+
+    monkeypatch.setenv(fold.ENV_VAR, mode)
     from types import SimpleNamespace
 
     from tokenmill.config import ModelArch
@@ -194,6 +201,7 @@ def test_a_folded_llama_layer_equals_its_unfused_steps():
     for norm in (layer.input_layernorm, layer.post_attention_layernorm):
         norm.weight.data = (torch.rand(hidden, generator=g) + 0.5).to(dt)
     attn.attend = lambda qkv, rope, kv_cache, meta, act_dtype: (qkv[:, :hidden] * 0.5).contiguous()
+    object.__setattr__(layer, "_next_input_norm", layer.input_layernorm)  # (the layer runs twice: its own next)
 
     def unfused(stream):
         def gemv(name, x, **kw):
@@ -209,9 +217,59 @@ def test_a_folded_llama_layer_equals_its_unfused_steps():
     ref = unfused(residual + x.float())
     out, none = layer._forward_folded(x, residual.clone(), None, None, None)
     assert none is None and out.dtype == torch.float32
-    torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
-    assert out.__dict__["_int4_fold_sumsq"].shape == (3, hidden // 64)  # down's channel blocks (4 warps)
+    _layer_close(out, ref, mode)
+    carry = out.__dict__["_int4_fold_carry"]
+    assert carry.sumsq.shape == (3, hidden // 64)  # down's channel blocks (4 warps)
+    assert (carry.y is not None) == (mode == "scale")
     ref2 = unfused(out.clone())
     out2, _ = layer._forward_folded(out, None, None, None, None)
     assert out2 is out, "the stream is updated in place"
-    torch.testing.assert_close(out2, ref2, rtol=1e-3, atol=1e-3)
+    _layer_close(out2, ref2, mode)
+
+
+def _layer_close(out: torch.Tensor, ref: torch.Tensor, mode: str) -> None:
+    """prologue: the norm kernel's roundings (the sum's order aside); scale: the normalized input
+    rounded once instead of twice, which float16 GEMVs of these random weights (outputs ~1e3)
+    carry into the stream at its rounding's size."""
+    if mode == "prologue":
+        torch.testing.assert_close(out, ref, rtol=1e-3, atol=1e-3)
+    else:
+        assert ((out - ref).norm() / ref.norm()).item() < 2e-3, ((out - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,warps,silu", [(1, 1, False), (3, 2, True), (8, 4, False)])
+def test_rstd_after_the_gemv_of_the_weighted_stream(m, warps, silu, dtype):
+    """`weighted` + `rstd_of` (the kernel's YW and RSTD): the add writes y = stream * weight (rounded)
+    beside the sums of squares, and the next GEMV of y scales each row by its rstd in the split-K
+    epilogue: the norm kernel then the GEMV, but for one rounding of the normalized input less."""
+    from tokenmill.layers.quantization.triton_int4_mma import MmaGemv, mma_gemv
+    from tokenmill.layers.triton_ops.rms_norm import rms_norm
+
+    k = 256
+    add_w, nxt = _case(n=k, k=k, seed=8), _case(n=128, k=k, seed=9)
+    aq, a_s, a_z = packing.to_mma(add_w.qweight), add_w.scales.to(dtype), add_w.zeros.to(dtype)
+    if silu:
+        perm = packing.gate_up_pairs(128)
+        nq, n_s, n_z = packing.to_mma(nxt.qweight[:, perm]), nxt.scales[:, perm].to(dtype), nxt.zeros[:, perm].to(dtype)
+    else:
+        nq, n_s, n_z = packing.to_mma(nxt.qweight), nxt.scales.to(dtype), nxt.zeros.to(dtype)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    stream = torch.randn(m, k, generator=g) * 2
+    w = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    counters = torch.zeros(16, dtype=torch.int32)
+    parts = k // (16 * warps)
+    sumsq, y = torch.empty(m, parts), torch.full((m, k), float("nan")).to(dtype)
+    mma_gemv(x, aq, a_s, a_z, 64, MmaGemv(warps, 2), counters, add_to=stream, sumsq=sumsq, weighted=(y, w))
+    assert torch.equal(y, (stream * w.float()).to(dtype))
+    c = MmaGemv(1, 2)
+    ref = mma_gemv(rms_norm(stream, w, 1e-5, dtype), nq, n_s, n_z, 64, c, counters, silu=silu)
+    out = mma_gemv(y, nq, n_s, n_z, 64, c, counters, silu=silu, rstd_of=(sumsq, 1e-5))
+    err = (out.double() - ref.double()).abs().max().item() / ref.double().abs().max().item()
+    assert err < (1e-6 if dtype == torch.float32 else 4e-3), err
+    wrong = mma_gemv(y, nq, n_s, n_z, 64, c, counters, silu=silu, rstd_of=(sumsq * 1.1, 1e-5))
+    assert (wrong.double() - ref.double()).abs().max().item() / ref.double().abs().max().item() > 10 * err
+    assert not counters.any()
+    with pytest.raises(ValueError, match="split-K"):
+        mma_gemv(y, nq, n_s, n_z, 64, MmaGemv(1, 1), counters, rstd_of=(sumsq, 1e-5))

@@ -169,6 +169,7 @@ class LlamaDecoderLayer(nn.Module):
         return self.forward_mlp(hidden, residual)
 
     _int4_fold: bool | None = None  # whether `int4_norm_fold` fits this layer (None: not asked yet)
+    _next_input_norm: nn.Module | None = None  # the next layer's on this stage (set by LlamaModel, unregistered)
 
     def _folds(self, hidden: torch.Tensor) -> bool:
         """INT4 at up to 8 rows: norms and residual adds in the GEMVs (`quantization.int4_norm_fold`)."""
@@ -186,17 +187,18 @@ class LlamaDecoderLayer(nn.Module):
         """`forward` in four GEMV launches and attention: returns the stream (float32, updated in place)."""
         from tokenmill.layers.quantization import int4_norm_fold as fold
 
-        sumsq = fold.take_sumsq(residual if residual is not None else hidden)  # (another layer's: kept as it was?)
-        if residual is None:  # the stream itself (a folded layer's: with its sums of squares)
+        carry = fold.take_carry(residual if residual is not None else hidden)  # (another layer's, if any)
+        if residual is None:  # the stream itself (a folded layer's: with what its last add made)
             stream = residual_stream(hidden)
+            carry = carry if stream is hidden else None
         else:
-            stream, sumsq = residual.add_(hidden), None
+            stream, carry = residual.add_(hidden), None
         attn, mlp = self.self_attn, self.mlp
-        qkv = fold.normed_gemv(attn.qkv_proj, stream, self.input_layernorm, sumsq if stream is hidden else None)
+        qkv = fold.input_gemv(attn.qkv_proj, stream, self.input_layernorm, carry)
         out = attn.attend(qkv, rope, kv_cache, meta, self.input_layernorm.weight.dtype)
-        sumsq = fold.add_gemv(attn.o_proj, out, stream)
-        act = fold.normed_gemv(mlp.gate_up_proj, stream, self.post_attention_layernorm, sumsq, silu=True)
-        fold.keep_sumsq(stream, fold.add_gemv(mlp.down_proj, act, stream))
+        carry = fold.add_gemv(attn.o_proj, out, stream, self.post_attention_layernorm)
+        act = fold.input_gemv(mlp.gate_up_proj, stream, self.post_attention_layernorm, carry, silu=True)
+        fold.keep_carry(stream, fold.add_gemv(mlp.down_proj, act, stream, self._next_input_norm))
         return stream, None
 
     def forward_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
@@ -274,6 +276,9 @@ class LlamaModel(nn.Module):
             if layout.has_layer(i) else nn.Identity()
             for i in range(dims.num_layers))
         self.norm = self.norm_cls(dims.hidden_size, dims.rms_norm_eps) if layout.is_last_stage else None
+        for a, b in zip(self.layers, self.layers[1:]):  # a folded INT4 layer's last add prepares the next's norm
+            if isinstance(a, LlamaDecoderLayer) and isinstance(b, LlamaDecoderLayer) and b.input_layernorm is not None:
+                object.__setattr__(a, "_next_input_norm", b.input_layernorm)  # (not a submodule: no second name)
         # What each of this stage's layers runs, fixed by the layout (asked once, not every step):
         # (layer, part, its rotary table, its KV cache's index in the stage's list).
         self._stage_plan = [(self.layers[i], layout.layer_part(i), self._rope_of_layer[i], i - layout.kv_layer_start)

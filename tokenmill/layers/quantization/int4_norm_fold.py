@@ -2,29 +2,36 @@
 
 Why: at batch 1 each norm is a kernel of its own between two GEMVs (~1.8 us a step each on an
 H100 under PDL, 64 a step: ~115 us of a 2.6 ms token), mostly the chain's latency, not its bytes.
-Here the layer runs four launches where it ran six (plus attention):
-- o_proj and down_proj (split-K launches) add their result into the float32 residual stream in
-  their epilogue (`mma_gemv(add_to=stream)`: the result rounded to the activation dtype, then
-  added in float32, as the fused add + norm kernel did);
-- qkv_proj and gate_up_proj read the stream itself: each CTA computes the row's rms and writes
-  the normalized slice of K it reads (`mma_gemv(norm=...)`, the kernel's NORM), with
-  `triton_ops.rms_norm`'s roundings. The rms comes from partial sums of squares that the add
-  before it wrote (one per channel block: 32-64 floats a row, summed in a fixed order), or, for
-  the first layer (TOKENMILL_INT4_NORM_FOLD=row: every layer), from a pass over the row. The layer returns (stream, None): the stream form
-  `LlamaDecoderLayer` already hands on where adds run in matmuls.
-Values: those of the unfused path up to the float32 summation order of the rms (the adds: bit
-for bit; `tests/layers/test_int4_norm_fold.py`).
+The layer returns (stream, None), the stream form `LlamaDecoderLayer` already hands on where adds
+run in matmuls; o_proj and down_proj (split-K launches) add their result into the float32 stream
+in their epilogue (`mma_gemv(add_to=stream)`: rounded to the activation dtype, then added in
+float32, as the fused add + norm kernel did) and write each channel block's sums of squares of the
+new rows (`sumsq`). The norm before qkv_proj / gate_up_proj then runs, by TOKENMILL_INT4_NORM_FOLD:
+- scale (1): the add also writes y = stream * the next norm's weight (rounded); the GEMV reads y
+  and multiplies each row's float32 result by rstd (from the sums of squares) in its split-K
+  epilogue (RSTD): the normalized input rounded once where the norm kernel rounds it twice. A
+  layer whose input comes from no folded add (the first) runs the norm kernel before its qkv.
+- prologue: each GEMV CTA normalizes the slice of K it reads into scratch first (NORM; the
+  rstd from the sums of squares), with the norm kernel's roundings;
+- row: as prologue, the rstd from a pass over the whole row (no sums handed on);
+- 0: off (the norm kernels).
+H200, session 9 round 1: prologue / row cost the GEMVs more than the norms they replace (qkv
++100, gate_up +176 us a step: every CTA writes and reads its normalized slice); scale keeps
+the GEMVs' loads as they are. What each mode gives: `scripts/gpu_int4_b1.py` (int4nofold /
+int4scale / int4fold). Values: the unfused path's up to the float32 order of the sum of squares
+(and, scaled, the one rounding); `tests/layers/test_int4_norm_fold.py`.
 
 Where: CUDA, <= 8 rows, every linear of the layer INT4 in the mma layout without bias or LoRA,
-gate_up paired (`int4.pair_gate_up`), o_proj and down_proj split-K, no TP, plain `RMSNorm`s,
-no q/k norm; the device self-test passed (`selftest`). TOKENMILL_INT4_NORM_FOLD=0: off, =row: no
-partial sums (A/B runs).
+gate_up paired (`int4.pair_gate_up`), o_proj and down_proj split-K (scale: qkv and gate_up too;
+bf16 activations: y is not normalized), no TP, plain `RMSNorm`s, no q/k norm; the device
+self-test passed (`selftest`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -34,17 +41,34 @@ from tokenmill.layers.quantization import int4_packing as packing
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "TOKENMILL_INT4_NORM_FOLD"
+MODES = {"0": "off", "1": "scale", "scale": "scale", "prologue": "prologue", "row": "row"}
+DEFAULT = "0"
+
+
+def mode() -> str:
+    """TOKENMILL_INT4_NORM_FOLD: 0 (off), 1 / scale, prologue, row (module docstring)."""
+    value = os.environ.get(ENV_VAR, DEFAULT)
+    if value not in MODES:
+        raise ValueError(f"{ENV_VAR}={value!r}: expected one of {sorted(MODES)}")
+    return MODES[value]
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV_VAR, "1") != "0"
+    return mode() != "off"
 
 
 def partial_sums() -> bool:
-    """Whether the adds hand the next norm their partial sums of squares (`mma_gemv`'s sumsq: the
-    norm reads 32-64 floats a row, not the row); TOKENMILL_INT4_NORM_FOLD=row: each norm's CTAs
-    make a pass over the whole row instead (A/B runs)."""
-    return os.environ.get(ENV_VAR, "1") != "row"
+    """Whether the adds hand the next norm their partial sums of squares (`mma_gemv`'s sumsq)."""
+    return mode() != "row"
+
+
+class Carry(NamedTuple):
+    """What an add hands the next norm: the new stream's partial sums of squares, and in scale mode
+    y = stream * that norm's weight (None where no norm follows on this stage)."""
+
+    sumsq: torch.Tensor | None
+    y: torch.Tensor | None
+    norm: nn.Module | None
 
 
 def _mma_int4(linear: nn.Module) -> bool:
@@ -72,7 +96,12 @@ def layer_fits(layer: nn.Module) -> bool:
             and getattr(mlp.gate_up_proj, "pair_order", None) is not None
             and type(mlp.act) is SiluAndMul and not mlp.act.fp8_defer):
         return False
-    for lin in (attn.o_proj, mlp.down_proj):  # the add runs in the split-K epilogue
+    # the add runs in the split-K epilogue; in scale mode, the rstd too (and bf16: y = stream * weight
+    # is not normalized, fp16 could overflow)
+    split_k = (attn.o_proj, mlp.down_proj) + ((attn.qkv_proj, mlp.gate_up_proj) if mode() == "scale" else ())
+    if mode() == "scale" and attn.qkv_proj.scales.dtype != torch.bfloat16:
+        return False
+    for lin in split_k:
         n, k = lin.qweight.shape[0] * 16, lin.qweight.shape[1] * 64
         if mma.config_for(n, k, _group(lin, k)).split == 1:
             return False
@@ -85,42 +114,58 @@ def _group(linear: nn.Module, k: int) -> int:
     return k if g == -1 else g
 
 
-def normed_gemv(linear: nn.Module, stream: torch.Tensor, norm: nn.Module, sumsq: torch.Tensor | None,
-                silu: bool = False) -> torch.Tensor:
-    """linear(norm(stream)) (silu: SiLU-and-mul of it, the paired gate_up) in one launch; `sumsq`:
-    the stream's partial sums of squares from the add that last changed it (`add_gemv`), or None."""
+def _args(linear: nn.Module) -> tuple:
+    return linear.qweight, linear.scales, linear.zeros, linear.quant_method.config.group_size
+
+
+def input_gemv(linear: nn.Module, stream: torch.Tensor, norm: nn.Module, carry: Carry | None,
+               silu: bool = False) -> torch.Tensor:
+    """linear(norm(stream)) (silu: SiLU-and-mul of it, the paired gate_up) as the mode does it, from
+    what the add before it handed on (`carry`, None: nothing, as for the first layer)."""
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
-    return mma.mma_gemv(stream, linear.qweight, linear.scales, linear.zeros, linear.quant_method.config.group_size,
-                        counters=linear.stream_counters.tensor, silu=silu, norm=(norm.weight, norm.eps), sumsq=sumsq)
+    counters = linear.stream_counters.tensor
+    if mode() != "scale":  # the norm in the GEMV's prologue
+        sumsq = carry.sumsq if carry is not None else None
+        return mma.mma_gemv(stream, *_args(linear), counters=counters, silu=silu, norm=(norm.weight, norm.eps),
+                            sumsq=sumsq)
+    if carry is not None and carry.y is not None and carry.norm is norm:  # rstd after the GEMV of y
+        return mma.mma_gemv(carry.y, *_args(linear), counters=counters, silu=silu, rstd_of=(carry.sumsq, norm.eps))
+    from tokenmill.layers.triton_ops.rms_norm import rms_norm
+
+    return mma.mma_gemv(rms_norm(stream, norm.weight, norm.eps, linear.scales.dtype), *_args(linear),
+                        counters=counters, silu=silu)
 
 
-def add_gemv(linear: nn.Module, x: torch.Tensor, stream: torch.Tensor) -> torch.Tensor | None:
-    """stream += linear(x), in place (the split-K epilogue); returns the new stream's partial sums
-    of squares for the next norm (`partial_sums`), or None."""
+def add_gemv(linear: nn.Module, x: torch.Tensor, stream: torch.Tensor, next_norm: nn.Module | None) -> Carry:
+    """stream += linear(x), in place (the split-K epilogue); returns what the next norm (`next_norm`,
+    None: none on this stage) gets: the new stream's partial sums of squares, and in scale mode
+    y = stream * its weight."""
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
-    group = linear.quant_method.config.group_size
-    n, k = linear.qweight.shape[0] * 16, linear.qweight.shape[1] * 64
+    qweight, scales, zeros, group = _args(linear)
+    n, k = qweight.shape[0] * 16, qweight.shape[1] * 64
     sumsq = (torch.empty((x.shape[0], mma.sumsq_parts(n, k, k if group == -1 else group)), dtype=torch.float32,
                          device=x.device) if partial_sums() else None)
-    mma.mma_gemv(x, linear.qweight, linear.scales, linear.zeros, group, counters=linear.stream_counters.tensor,
-                 add_to=stream, sumsq=sumsq)
-    return sumsq
+    y = (torch.empty((x.shape[0], n), dtype=scales.dtype, device=x.device)
+         if mode() == "scale" and next_norm is not None else None)
+    mma.mma_gemv(x, qweight, scales, zeros, group, counters=linear.stream_counters.tensor, add_to=stream,
+                 sumsq=sumsq, weighted=(y, next_norm.weight) if y is not None else None)
+    return Carry(sumsq, y, next_norm if y is not None else None)
 
 
-_SUMSQ = "_int4_fold_sumsq"  # the attribute of a stream tensor that holds its sums of squares between layers
+_CARRY = "_int4_fold_carry"  # the attribute of a stream tensor that holds its Carry between layers
 
 
-def keep_sumsq(stream: torch.Tensor, sumsq: torch.Tensor | None) -> None:
-    """Hand the next layer's folded norm the stream's sums of squares (the layer returns the stream)."""
-    setattr(stream, _SUMSQ, sumsq)
+def keep_carry(stream: torch.Tensor, carry: Carry) -> None:
+    """Hand the next layer's first GEMV what the last add made (the layer returns the stream)."""
+    setattr(stream, _CARRY, carry)
 
 
-def take_sumsq(stream: torch.Tensor) -> torch.Tensor | None:
-    """What `keep_sumsq` left on the stream, removed (valid only if nothing changed the stream since:
+def take_carry(stream: torch.Tensor) -> Carry | None:
+    """What `keep_carry` left on the stream, removed (valid only if nothing changed the stream since:
     callers take it only for a stream handed on as it was)."""
-    return stream.__dict__.pop(_SUMSQ, None)
+    return stream.__dict__.pop(_CARRY, None)
 
 
 _SELFTEST: dict = {}
@@ -128,8 +173,9 @@ _SELFTEST: dict = {}
 
 def selftest(device: torch.device, dtype: torch.dtype) -> bool:
     """Once per device and dtype: NORM (the plain and the pipelined loop, with and without SiLU
-    pairs) and RES on a small weight against `rms_norm` + the GEMV and the GEMV + a float32 add,
-    under PDL as the engine launches them. False (logged): layers run unfused."""
+    pairs), RES with its sums of squares and y, and RSTD on a small weight against `rms_norm` + the
+    GEMV and the GEMV + a float32 add, under PDL as the engine launches them. False (logged): layers
+    run unfused."""
     key = (str(device), dtype)
     if key in _SELFTEST:
         return _SELFTEST[key]
@@ -167,6 +213,14 @@ def selftest(device: torch.device, dtype: torch.dtype) -> bool:
         ref = mma.mma_gemv(rms_norm(res, w, 1e-5, dtype), qm, wt.scales, wt.zeros, group, c, counters)
         out = mma.mma_gemv(res, qm, wt.scales, wt.zeros, group, c, counters, norm=(w, 1e-5), sumsq=sumsq)
         errs.append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
+        # scale mode: the add writes y = stream * weight; the GEMV of y scales its rows by rstd
+        y = torch.empty((2, k), dtype=dtype, device=device)
+        mma.mma_gemv(x, sq_qm, sq_w.scales, sq_w.zeros, group, c, counters, add_to=res, sumsq=sumsq, weighted=(y, w))
+        errs.append(((y.float() - res * w.float()).norm() / (res * w.float()).norm()).item())
+        for c2, silu in ((mma.MmaGemv(4, 2, hint=True, pipe=mma.PIPE_ENABLED), True), (mma.MmaGemv(4, 8), False)):
+            ref = mma.mma_gemv(rms_norm(res, w, 1e-5, dtype), qm, wt.scales, wt.zeros, group, c2, counters, silu=silu)
+            out = mma.mma_gemv(y, qm, wt.scales, wt.zeros, group, c2, counters, silu=silu, rstd_of=(sumsq, 1e-5))
+            errs.append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
         ok = max(errs) < 5e-3 and not counters.any()
         why = f"relative errors {', '.join(f'{e:.1e}' for e in errs)}"
     except Exception as e:  # noqa: BLE001 - a compile or launch failure: fall back, loudly

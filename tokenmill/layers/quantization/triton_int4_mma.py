@@ -272,6 +272,16 @@ def _norm_rows(res_ptr, nw_ptr, xn_ptr, M, K, s_rm, s_xm, lo, hi, inv_n, eps, KB
 
 
 @triton.jit
+def _rows_rstd(sq_ptr, nparts, M, inv_n, eps, KB: tl.constexpr):
+    """RSTD: rows 0..7's rsqrt(mean of squares + eps) from their nparts partial sums (rows < M)."""
+    rows = tl.arange(0, 8)
+    pc = tl.arange(0, KB)
+    sq = tl.load(sq_ptr + rows[:, None] * nparts + pc[None, :], mask=(rows[:, None] < M) & (pc[None, :] < nparts),
+                 other=0.0, cache_modifier=".cg")
+    return tl.rsqrt(tl.sum(sq, axis=1) * inv_n + eps)
+
+
+@triton.jit
 def _pipe_loop(ASM_FIRST: tl.constexpr, ASM_PIPE: tl.constexpr, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
                USE_PDL: tl.constexpr, AHEAD: tl.constexpr, res_ptr, nw_ptr, x_ptr, K, s_rm, s_xm, inv_n, eps,
                GROUP: tl.constexpr, NORM: tl.constexpr, KB: tl.constexpr, sq_ptr, nparts, SQ: tl.constexpr):
@@ -467,7 +477,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                      SILU: tl.constexpr = False, ASM_STORE_PAIR: tl.constexpr = "", ASM_PIPE: tl.constexpr = "",
                      ASM_FIRST: tl.constexpr = "", res_ptr=None, nw_ptr=None, s_rm=0, inv_n=0.0, eps=0.0,
                      NORM: tl.constexpr = False, KB: tl.constexpr = 1, RES: tl.constexpr = False, sq_ptr=None,
-                     nparts=0, SQ: tl.constexpr = False):
+                     nparts=0, SQ: tl.constexpr = False, y_ptr=None, YW: tl.constexpr = False,
+                     RSTD: tl.constexpr = False):
     """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
     anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
     weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
@@ -484,7 +495,10 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
     activation dtype (the scales'), into the float32 stream res_ptr in place (out_ptr unused): the
     residual add of the norm after it, folded here. SQ with RES: each channel block also writes its
     rows' sums of squares of the new stream to sq_ptr [M, nparts] (column pid_n); SQ with NORM:
-    the norm reads them there (`_norm_rows`)."""
+    the norm reads them there (`_norm_rows`). YW with RES and SQ: also y = (new stream * weight
+    nw_ptr) in the activation dtype to y_ptr [M, N]. RSTD (SPLIT > 1): the split-K epilogue scales
+    each row's result by rsqrt(sum of its sq_ptr partials * inv_n + eps) before rounding: with x = y,
+    the GEMV of the RMSNorm of the stream, the norm's rstd applied after the GEMV (`mma_gemv`'s rstd_of)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -609,6 +623,10 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                     base = part_ptr + sl * M * N + rows[:, None] * N + gcols[None, :]
                     gate += tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
                     up += tl.load(base + 8, mask=mask, other=0.0, cache_modifier=".cg")
+                if RSTD:
+                    rstd = _rows_rstd(sq_ptr, nparts, M, inv_n, eps, KB)
+                    gate *= rstd[:, None]
+                    up *= rstd[:, None]
                 tl.store(out_ptr + rows[:, None] * (N // 2) + (n0 // 2 + c)[None, :],
                          _silu_mul(gate, up, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
             else:
@@ -618,6 +636,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                 for sl in range(SPLIT):
                     total += tl.load(part_ptr + sl * M * N + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
                                      cache_modifier=".cg")
+                if RSTD:
+                    total *= _rows_rstd(sq_ptr, nparts, M, inv_n, eps, KB)[:, None]
                 if RES:  # the stream += the result as the unfused path rounds it (then adds in float32)
                     dst = res_ptr + rows[:, None] * s_rm + offs_n[None, :]
                     h = total.to(s_ptr.dtype.element_ty).to(tl.float32) + tl.load(dst, mask=mask, other=0.0,
@@ -625,6 +645,10 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                     tl.store(dst, h, mask=mask)
                     if SQ:  # this block's share of the next norm's sums of squares
                         tl.store(sq_ptr + rows * nparts + pid_n, tl.sum(h * h, axis=1), mask=rows < M)
+                    if YW:  # the next norm's input times its weight, for a GEMV that scales by rstd after (RSTD)
+                        w = tl.load(nw_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+                        tl.store(y_ptr + rows[:, None] * N + offs_n[None, :],
+                                 (h * w[None, :]).to(s_ptr.dtype.element_ty), mask=mask)
                 else:
                     tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
                              mask=mask)
@@ -821,7 +845,8 @@ def vector_rows(x: torch.Tensor) -> torch.Tensor:
 def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
              c: MmaGemv | None = None, counters: torch.Tensor | None = None, silu: bool = False,
              norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
-             sumsq: torch.Tensor | None = None) -> torch.Tensor:
+             sumsq: torch.Tensor | None = None, weighted: tuple[torch.Tensor, torch.Tensor] | None = None,
+             rstd_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [M, K] (M <= 8) @ W^T -> [M, N] in x's dtype; W in the mma layout qm [N/16, K/64, 32, 4].
     c.split > 1 needs `counters` (zeroed int32, one per CTA: N / (16 c.warps)). silu: W's channels
     in `int4_packing.gate_up_pairs` order, and the result [M, N / 2] is silu(gate) * up (the
@@ -832,7 +857,11 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     scales' dtype, is added into it in place and it is returned (RES: `add_to += GEMV(x)`).
     sumsq (float32 [M, `sumsq_parts`], contiguous): with add_to, filled with partial sums of squares
     of the new stream's rows; with norm, those of x (a launch with add_to filled them since x last
-    changed): the norm then reads them instead of a pass over the row (the kernel's SQ)."""
+    changed): the norm then reads them instead of a pass over the row (the kernel's SQ).
+    weighted (y [M, N] in the scales' dtype, weight [N]; with add_to and sumsq): y = new stream *
+    weight, rounded (YW). rstd_of (sumsq [M, parts] of x's stream, eps; split-K launches): each row's
+    result times rsqrt(sum(sumsq[row]) / K + eps) (RSTD): with x = `weighted`'s y, the GEMV of the
+    stream's RMSNorm (rounded once, as y, where the norm kernel rounds twice)."""
     m, k = x.shape
     n = qm.shape[0] * 16
     group = k if group_size == -1 else group_size
@@ -853,6 +882,12 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         raise ValueError(f"int4 mma GEMV: adding into the stream needs a split-K launch (got {c.label()}), no SiLU "
                          f"and a contiguous float32 [{m}, {n}] stream")
     ctas = n // (16 * c.warps)
+    if (weighted is not None and (add_to is None or sumsq is None or weighted[0].shape != (m, n)
+                                  or weighted[0].stride() != (n, 1) or weighted[1].shape != (n,))) or (
+            rstd_of is not None and (c.split == 1 or norm is not None or rstd_of[0].dtype != torch.float32
+                                     or rstd_of[0].shape[0] != m or rstd_of[0].stride() != (rstd_of[0].shape[1], 1))):
+        raise ValueError(f"int4 mma GEMV: `weighted` needs add_to, sumsq, y [{m}, {n}] contiguous and a weight [{n}]; "
+                         f"`rstd_of` a split-K launch (got {c.label()}), no norm, float32 sums [{m}, parts]")
     if sumsq is not None and ((norm is None) == (add_to is None) or sumsq.dtype != torch.float32 or sumsq.shape[0] != m
                               or sumsq.stride() != (sumsq.shape[1], 1) or (add_to is not None and sumsq.shape[1] != ctas)
                               or sumsq.shape[1] > 128 * c.warps):
@@ -881,6 +916,11 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         fold.update(nw_ptr=norm[0], inv_n=1.0 / k, eps=norm[1], KB=128 * c.warps)  # 4 values a thread
     if sumsq is not None:
         fold.update(sq_ptr=sumsq, nparts=sumsq.shape[1], SQ=True)
+    if weighted is not None:
+        fold.update(y_ptr=weighted[0], nw_ptr=weighted[1], YW=True)
+    if rstd_of is not None:
+        fold.update(sq_ptr=rstd_of[0], nparts=rstd_of[0].shape[1], inv_n=1.0 / k, eps=rstd_of[1], RSTD=True,
+                    KB=triton.next_power_of_2(rstd_of[0].shape[1]))
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
