@@ -367,7 +367,8 @@ ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKE
               # session 9: the committed TABLE without / with the norms and residual adds in the GEMVs
               "int4nofold": {"TOKENMILL_INT4_NORM_FOLD": "0"}, "int4nofold2": {"TOKENMILL_INT4_NORM_FOLD": "0"},
               "int4fold": {"TOKENMILL_INT4_NORM_FOLD": "prologue"},
-              "int4scale": {"TOKENMILL_INT4_NORM_FOLD": "scale"}, "int4scaleprof": {"TOKENMILL_INT4_NORM_FOLD": "scale"},
+              "int4scale": {"TOKENMILL_INT4_NORM_FOLD": "scale"}, "int4scale2": {"TOKENMILL_INT4_NORM_FOLD": "scale"},
+              "int4scaleprof": {"TOKENMILL_INT4_NORM_FOLD": "scale"},
               "int4row": {"TOKENMILL_INT4_NORM_FOLD": "row"},  # (row: each norm a pass over the row)
               # + attention's split partials merged by its last split program (no reduce launch)
               "int4foldattn": {"TOKENMILL_INT4_NORM_FOLD": "prologue", "TOKENMILL_ATTN_FUSED_REDUCE": "1"}}
@@ -466,8 +467,17 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             results.setdefault("int4b1_greedy_equal", {})[f"{int4s[0]}={k}"] = diff is None
             print(f"  greedy tokens {int4s[0]} vs {k}: " + ("equal" if diff is None else f"differ from token {diff}"),
                   flush=True)
+    pairs = {"off": ("int4nofold", "int4nofold2"), "scale": ("int4scale", "int4scale2")}  # means over instances
+    for mode, labels in pairs.items():
+        got = [timings[lb]["batch1"] for lb in labels if lb in timings]
+        if got and "bf16" in timings:
+            mean = sum(got) / len(got)
+            results.setdefault("int4b1_mean", {})[mode] = {"ms": mean, "x_bf16": mean / timings["bf16"]["batch1"],
+                                                           "instances": got}
+            print(f"  INT4 fold {mode}: mean of {len(got)} engines {mean:.3f} ms/token = "
+                  f"{mean / timings['bf16']['batch1']:.3f} x bf16", flush=True)
     for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row",
-                  "int4foldattn", "int4scale", "int4nofold2", "int4scaleprof"):
+                  "int4foldattn", "int4scale", "int4nofold2", "int4scale2", "int4scaleprof"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r

@@ -273,3 +273,17 @@ def test_rstd_after_the_gemv_of_the_weighted_stream(m, warps, silu, dtype):
     assert not counters.any()
     with pytest.raises(ValueError, match="split-K"):
         mma_gemv(y, nq, n_s, n_z, 64, MmaGemv(1, 1), counters, rstd_of=(sumsq, 1e-5))
+
+
+def test_selftest_passes_and_falls_back(monkeypatch, caplog):
+    """The fold's device self-test passes on the interpreter (float16); a GEMV that drops the rstd
+    fails it, logged (layers then run their norms apart)."""
+    from tokenmill.layers.quantization import int4_norm_fold as fold
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    monkeypatch.setattr(fold, "_SELFTEST", {})
+    assert fold.selftest(torch.device("cpu"), torch.float16)
+    monkeypatch.setattr(fold, "_SELFTEST", {})
+    real = mma.mma_gemv
+    monkeypatch.setattr(mma, "mma_gemv", lambda *a, rstd_of=None, **kw: real(*a, **kw))
+    assert not fold.selftest(torch.device("cpu"), torch.float16) and "failed their self-test" in caplog.text

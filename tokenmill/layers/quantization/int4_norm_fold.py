@@ -216,12 +216,19 @@ def selftest(device: torch.device, dtype: torch.dtype) -> bool:
         # scale mode: the add writes y = stream * weight; the GEMV of y scales its rows by rstd
         y = torch.empty((2, k), dtype=dtype, device=device)
         mma.mma_gemv(x, sq_qm, sq_w.scales, sq_w.zeros, group, c, counters, add_to=res, sumsq=sumsq, weighted=(y, w))
-        errs.append(((y.float() - res * w.float()).norm() / (res * w.float()).norm()).item())
+        # (scale mode rounds the normalized input once where the norm kernel rounds it twice: its
+        # outputs differ from the unfused ones by a bf16 rounding's size, ~2-6e-3 on an H100, and
+        # are checked against a float32 reference; a missing or wrong rstd is off by far more)
+        scaled = [((y.float() - res * w.float()).norm() / (res * w.float()).norm()).item()]
+        normed32 = res * torch.rsqrt(res.square().mean(-1, keepdim=True) + 1e-5) * w.float()
+        ref32 = normed32 @ packing.dequantize(wt, group, torch.float32)
         for c2, silu in ((mma.MmaGemv(4, 2, hint=True, pipe=mma.PIPE_ENABLED), True), (mma.MmaGemv(4, 8), False)):
-            ref = mma.mma_gemv(rms_norm(res, w, 1e-5, dtype), qm, wt.scales, wt.zeros, group, c2, counters, silu=silu)
+            ref = ref32 if not silu else mma.mma_gemv(rms_norm(res, w, 1e-5, dtype), qm, wt.scales, wt.zeros, group, c2,
+                                                      counters, silu=silu).float()
             out = mma.mma_gemv(y, qm, wt.scales, wt.zeros, group, c2, counters, silu=silu, rstd_of=(sumsq, 1e-5))
-            errs.append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
-        ok = max(errs) < 5e-3 and not counters.any()
+            scaled.append(((out.float() - ref).norm() / ref.norm()).item())
+        ok = max(errs) < 5e-3 and max(scaled) < 2e-2 and not counters.any()
+        errs += scaled
         why = f"relative errors {', '.join(f'{e:.1e}' for e in errs)}"
     except Exception as e:  # noqa: BLE001 - a compile or launch failure: fall back, loudly
         why = f"{type(e).__name__}: {str(e)[:500]}"
