@@ -12,6 +12,6 @@ timeout 24 python scripts/int4_fold_precompile.py 22 2>&1 | grep -v "^ *File\|^ 
 echo "precompiled at $(( $(date +%s) - t0 )) s"
 INT4_B1_SKIP_KERNELS=1 INT4_B1_BUDGET_S=95 INT4_B1_PROFILE=none \
   INT4_B1_ENGINES=bf16,int4nofold,int4scale,int4nofold2,int4scale2 \
-  timeout 120 python scripts/gpu_quant.py --parts int4b1 --budget 118 > "$OUT/int4b1.log" 2>&1
+  timeout 122 python scripts/gpu_quant.py --parts int4b1 --budget 120 > "$OUT/int4b1.log" 2>&1
 echo "gpu_quant rc=$? at $(( $(date +%s) - t0 )) s"
 grep -E "self-tests|batch1:|/ bf16|mean of|engine up|Traceback|Error" "$OUT/int4b1.log" | head -40
