@@ -25,6 +25,11 @@
    int4branch this branch's (the committed TABLE, SiLU in gate_up's epilogue; int4silu the same),
    int4 the sweep's table with the SiLU epilogue; `ENGINE_ENV`). INT4_B1_PROFILE names the engine
    profiled (default int4). The engines' self-tests run first in this process (their outcome printed).
+   Session 9: int4nofold (and int4nofold2) / int4scale (and int4scaleprof) / int4fold / int4row
+   (TOKENMILL_INT4_NORM_FOLD=0 / scale / prologue / row: `int4_norm_fold`'s modes); the INT4
+   engines' greedy tokens on one prompt are compared (`int4b1_greedy_equal`); int4foldattn: int4fold
+   with TOKENMILL_ATTN_FUSED_REDUCE=1. INT4_B1_SKIP_KERNELS=1:
+   parts 1 and 2 skipped.
 INT4_B1_BUDGET_S (default 140) stops starting things past it. Figures go to
 $OUT/part-int4b1-partial.json as they come.
 """
@@ -358,7 +363,15 @@ def layers(results: dict, device: str, smoke: bool, best: dict, check) -> None:
 
 # Engines' switches beside the launch table: main's engines keep gate_up in natural order (the
 # SiLU-and-mul kernel after it); int4silu: the committed TABLE with SiLU in gate_up's epilogue.
-ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKENMILL_INT4_SILU_PAIRS": "0"}}
+ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKENMILL_INT4_SILU_PAIRS": "0"},
+              # session 9: the committed TABLE without / with the norms and residual adds in the GEMVs
+              "int4nofold": {"TOKENMILL_INT4_NORM_FOLD": "0"}, "int4nofold2": {"TOKENMILL_INT4_NORM_FOLD": "0"},
+              "int4fold": {"TOKENMILL_INT4_NORM_FOLD": "prologue"},
+              "int4scale": {"TOKENMILL_INT4_NORM_FOLD": "scale"}, "int4scale2": {"TOKENMILL_INT4_NORM_FOLD": "scale"},
+              "int4scaleprof": {"TOKENMILL_INT4_NORM_FOLD": "scale"},
+              "int4row": {"TOKENMILL_INT4_NORM_FOLD": "row"},  # (row: each norm a pass over the row)
+              # + attention's split partials merged by its last split program (no reduce launch)
+              "int4foldattn": {"TOKENMILL_INT4_NORM_FOLD": "prologue", "TOKENMILL_ATTN_FUSED_REDUCE": "1"}}
 # int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
 # branch's committed TABLE (""); int4 the sweep's table.
 
@@ -390,6 +403,14 @@ def _engine(config_dir, shape, label: str, table: str, window: dict | None):
     return llm, time.perf_counter() - start
 
 
+def _greedy_tokens(llm, input_len: int, output_len: int) -> list[int]:
+    import gpu_quant
+
+    from tokenmill import SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    return list(llm.generate(gpu_quant._prompts(1, input_len, seed=7), params, use_tqdm=False)[0].outputs[0].token_ids)
+
+
 def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_per_token, best: dict,
             deadline: float) -> list[str]:
     """Part 3; returns the engines that failed."""
@@ -404,15 +425,18 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
               "int4main": ";".join(f"{n}x{k}={replace(mma.default_config(n, k, group), pdl=False).label()}"
                                    for n, k in shapes.values())}
     timings = results.setdefault("timings", {})
+    greedy = results.setdefault("int4b1_greedy", {})
     failed = []
     profiled = os.environ.get("INT4_B1_PROFILE", "int4")  # the engine whose decode steps are profiled
     if not smoke:  # the engines' self-tests, here in this process (an engine runs them in its worker)
         from tokenmill.layers.quantization import int4
         ok = int4.mma_selftest(torch.device("cuda"), torch.bfloat16)
         silu = int4.silu_selftest(torch.device("cuda"), torch.bfloat16)
-        results["int4b1_selftests"] = {"mma": ok, "pipe": mma.PIPE_ENABLED, "silu": silu}
-        print(f"  self-tests on this GPU: mma GEMV {ok}, pipelined loop {mma.PIPE_ENABLED}, SiLU epilogue {silu}",
-              flush=True)
+        from tokenmill.layers.quantization import int4_norm_fold
+        fold = int4_norm_fold.selftest(torch.device("cuda"), torch.bfloat16)
+        results["int4b1_selftests"] = {"mma": ok, "pipe": mma.PIPE_ENABLED, "silu": silu, "norm_fold": fold}
+        print(f"  self-tests on this GPU: mma GEMV {ok}, pipelined loop {mma.PIPE_ENABLED}, SiLU epilogue {silu}, "
+              f"folded norms / adds {fold}", flush=True)
     for label in os.environ.get("INT4_B1_ENGINES", "bf16,int4head,int4branch,int4").split(","):
         if time.perf_counter() > deadline:
             print(f"  {label}: skipped (budget)", flush=True)
@@ -426,6 +450,7 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             timings[label] = {"batch1": ms, "engine_up_s": up}
             results.setdefault("int4b1_engine_tables", {})[label] = tables.get(label, "")
             print(f"  {label} batch1: {ms:.3f} ms/token ({time.perf_counter() - t0:.0f} s)", flush=True)
+            greedy[label] = _greedy_tokens(llm, 8 if smoke else 512, 8 if smoke else 64)
             b1._free(llm)
             if label == profiled:
                 b1._profile(results.setdefault("int4b1_profile", {}).setdefault(label, {}), label, folder,
@@ -434,7 +459,25 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             traceback.print_exc()
             failed.append(label)
         _save(results, out)
-    for label in ("int4", "int4main", "int4head", "int4silu", "int4branch"):
+    int4s = [k for k in greedy if k.startswith("int4")]
+    if len(int4s) > 1:  # the INT4 engines' greedy tokens (one batch-1 prompt): equal, position of the first difference
+        a = greedy[int4s[0]]
+        for k in int4s[1:]:
+            diff = next((i for i, (u, v) in enumerate(zip(a, greedy[k])) if u != v), None)
+            results.setdefault("int4b1_greedy_equal", {})[f"{int4s[0]}={k}"] = diff is None
+            print(f"  greedy tokens {int4s[0]} vs {k}: " + ("equal" if diff is None else f"differ from token {diff}"),
+                  flush=True)
+    pairs = {"off": ("int4nofold", "int4nofold2"), "scale": ("int4scale", "int4scale2")}  # means over instances
+    for mode, labels in pairs.items():
+        got = [timings[lb]["batch1"] for lb in labels if lb in timings]
+        if got and "bf16" in timings:
+            mean = sum(got) / len(got)
+            results.setdefault("int4b1_mean", {})[mode] = {"ms": mean, "x_bf16": mean / timings["bf16"]["batch1"],
+                                                           "instances": got}
+            print(f"  INT4 fold {mode}: mean of {len(got)} engines {mean:.3f} ms/token = "
+                  f"{mean / timings['bf16']['batch1']:.3f} x bf16", flush=True)
+    for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row",
+                  "int4foldattn", "int4scale", "int4nofold2", "int4scale2", "int4scaleprof"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r
@@ -454,7 +497,8 @@ def b1_part(results: dict, device: str, smoke: bool, shape: dict, config_dir, ou
     failed = []
     best: dict = {}
     try:
-        best = kernels(results, device, smoke, check, start + float(os.environ.get("INT4_B1_KERNELS_S", "45")))
+        if os.environ.get("INT4_B1_SKIP_KERNELS") != "1":  # (1: the engines alone)
+            best = kernels(results, device, smoke, check, start + float(os.environ.get("INT4_B1_KERNELS_S", "45")))
     except Exception:  # noqa: BLE001
         traceback.print_exc()
         failed.append("kernels")

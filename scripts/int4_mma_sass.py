@@ -41,7 +41,7 @@ def compile_launch(launch: dict):
     ring = launch.get("ring", 0)
     setup, step, store, store32 = mma._asm_texts(*texts, ("L1" if launch.get("ahead_l1") else "L2") if ahead else "",
                                                  ring, launch.get("warps", 4))
-    if ring or launch.get("pipe"):
+    if ring or launch.get("pipe") or launch.get("norm"):
         use_pdl_pre = False
     else:
         use_pdl_pre = True
@@ -54,11 +54,34 @@ def compile_launch(launch: dict):
                  if pre and ahead else "",
                  SILU=launch.get("silu", False), ASM_STORE_PAIR=mma._store_pair_asm(f16) if launch.get("silu") else "",
                  ASM_PIPE=mma._pipe_asm(f16, launch.get("hint", False), ahead > 0) if launch.get("pipe") else "",
-                 ASM_FIRST=mma._pipe_first_asm(launch.get("hint", False)) if launch.get("pipe") else "")
+                 ASM_FIRST=mma._pipe_first_asm(launch.get("hint", False)) if launch.get("pipe") else "",
+                 NORM=launch.get("norm", False), KB=128 * launch.get("warps", 4) if launch.get("norm") else 1, RES=launch.get("res", False))
     dt = "fp16" if f16 else "bf16"
     ptrs = {"x_ptr": dt, "w_ptr": "i32", "s_ptr": dt, "z_ptr": dt, "out_ptr": dt, "part_ptr": "fp32", "cnt_ptr": "i32"}
+    if launch.get("norm") or launch.get("res"):  # the folded norm / residual add (`int4_norm_fold`)
+        ptrs.update(res_ptr="fp32", **({"nw_ptr": dt} if launch.get("norm") else {}))
+    if launch.get("sq"):  # sums of squares handed from the add to the norm
+        const["SQ"] = True
+        ptrs["sq_ptr"] = "fp32"
+    elif not launch.get("rstd"):
+        const.update(SQ=False, sq_ptr=None)
+    else:
+        const["SQ"] = False
+    const.update(YW=launch.get("yw", False), RSTD=launch.get("rstd", False))
+    if launch.get("yw"):  # scale mode's add: y = stream * weight
+        ptrs.update(y_ptr=dt, nw_ptr=dt)
+    else:
+        const["y_ptr"] = None
+    if launch.get("rstd"):  # scale mode's GEMV: rows times rstd in the split-K epilogue
+        ptrs["sq_ptr"] = "fp32"
+        const["KB"] = 64
+    if not launch.get("norm") and not launch.get("yw"):
+        const["nw_ptr"] = None
+    if not (launch.get("norm") or launch.get("res")):
+        const["res_ptr"] = None
     extra = {"maxnreg": launch["maxnreg"]} if launch.get("maxnreg") else {}
-    return compile_sm90(mma._mma_gemv_kernel, const, ptrs, num_warps=launch.get("warps", 4), **extra)
+    return compile_sm90(mma._mma_gemv_kernel, const, ptrs, floats=("inv_n", "eps"), num_warps=launch.get("warps", 4),
+                        **extra)
 
 
 def sass_figures(kernel) -> dict:
@@ -86,7 +109,8 @@ def sass_figures(kernel) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launch", action="append",
-                    help="JSON: warps, split, gpc, zmma, hint, early, f16, group, pdl, pre, ahead, ring, silu, maxnreg")
+                    help="JSON: warps, split, gpc, zmma, hint, early, f16, group, pdl, pre, ahead, ring, silu, maxnreg, "
+                         "norm, res, sq, yw, rstd")
     args = ap.parse_args()
     for launch in ([json.loads(x) for x in args.launch] if args.launch else DEFAULTS):
         print(json.dumps(launch), json.dumps(sass_figures(compile_launch(launch))), flush=True)

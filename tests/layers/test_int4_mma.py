@@ -165,7 +165,8 @@ def test_mma_fragments_the_ptx_builds_compute_the_product():
 
 def test_mma_ptx_assembles_for_sm90():
     """The inline PTX of the engine's default launch and of the sweep's variants (fp16, split-K,
-    two groups a step, zero points by mma, load hints, the SiLU epilogue, a register cap) compiles to sm_90 SASS with triton's
+    two groups a step, zero points by mma, load hints, the SiLU epilogue, a register cap, the folded
+    norm and residual add) compiles to sm_90 SASS with triton's
     bundled ptxas, no GPU needed (`scripts/int4_mma_sass.py`, in a process of its own: a real
     compile, not the interpreter): a typo fails here, not on the H100. Every 16-byte load of a
     loop step is issued before its first mma (the `early` predicate), and nothing spills."""
@@ -182,7 +183,15 @@ def test_mma_ptx_assembles_for_sm90():
                 '{"warps": 4, "split": 8, "pdl": true, "ahead": 2}', '{"warps": 4, "split": 2, "pdl": true, "ring": 8}',
                 '{"warps": 4, "split": 2, "pdl": true, "hint": true, "silu": true}', '{"warps": 4, "split": 1, "pdl": true, "silu": true}',
                 '{"warps": 4, "split": 8, "pdl": true, "hint": true, "maxnreg": 48}',
-                '{"warps": 4, "split": 2, "pdl": true, "hint": true, "pipe": true}', '{"warps": 8, "split": 16, "pdl": true, "pipe": true}']
+                '{"warps": 4, "split": 2, "pdl": true, "hint": true, "pipe": true}', '{"warps": 8, "split": 16, "pdl": true, "pipe": true}',
+                # the folded norm (`int4_norm_fold`: gate_up's and qkv's launches) and residual add (down's, o's)
+                '{"warps": 4, "split": 2, "pdl": true, "hint": true, "pipe": true, "silu": true, "norm": true, "sq": true}',
+                '{"warps": 4, "split": 8, "pdl": true, "hint": true, "pipe": true, "norm": true}',
+                '{"warps": 4, "split": 16, "pdl": true, "hint": true, "res": true, "sq": true}',
+                '{"warps": 8, "split": 16, "pdl": true, "res": true, "sq": true}',
+                # scale mode: rows times rstd after the GEMV (qkv, gate_up); the adds also write y (o, down)
+                '{"warps": 4, "split": 2, "pdl": true, "hint": true, "pipe": true, "silu": true, "rstd": true}',
+                '{"warps": 4, "split": 16, "pdl": true, "hint": true, "res": true, "sq": true, "yw": true}']
     proc = subprocess.run([sys.executable, str(script)] + [a for j in launches for a in ("--launch", j)],
                           capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr) and "No such file" in proc.stderr:
@@ -194,10 +203,13 @@ def test_mma_ptx_assembles_for_sm90():
         # a register cap below what ptxas would take (~56) reaches it: it spills instead
         assert figs["HMMA"] > 0 and (figs["stack"] == 0) == ("maxnreg" not in launch), (launch, figs)
         assert figs["reg"] <= launch.get("maxnreg", 255), (launch, figs)
+        if launch.get("norm"):  # the norm's prologue must not cost the GEMV its one wave (8 CTAs of 4 warps an SM)
+            assert figs["reg"] <= 64, (launch, figs)
         # PDL: the first step's weight words (one 16-byte load per K step) and nothing else before
         # the wait (x, partials and counters are another kernel's); without `pre`, no load at all
         pipe = launch.get("pipe", False)  # its first step's words and scales before the wait, in its own loads
-        pre = launch.get("pdl") and launch.get("pre", True) and not launch.get("ring") and not pipe  # (a ring: no preload)
+        pre = (launch.get("pdl") and launch.get("pre", True) and not launch.get("ring") and not pipe
+               and not launch.get("norm"))  # (a ring, a folded norm: no preload)
         steps = launch.get("group", 128) // 64 * launch.get("gpc", 1)  # 64-input K steps a loop step
         # (a preloaded first step is peeled: its words and x, 3 loads a K step; with groups of 256
         # ptxas may start its first mma before the step's last x load)

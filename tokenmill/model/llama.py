@@ -163,8 +163,43 @@ class LlamaDecoderLayer(nn.Module):
         epilogue of the matmul before it instead (o_proj, down_proj: oneDNN), and the layer
         returns the whole stream as `hidden`. The two halves may run on two pipeline stages
         (`layout.py`'s half layers): what `forward_attention` returns is a stream like any other."""
+        if self._int4_fold is not False and self._folds(hidden):
+            return self._forward_folded(hidden, residual, rope, kv_cache, meta)
         hidden, residual = self.forward_attention(hidden, residual, rope, kv_cache, meta)
         return self.forward_mlp(hidden, residual)
+
+    _int4_fold: bool | None = None  # whether `int4_norm_fold` fits this layer (None: not asked yet)
+    _next_input_norm: nn.Module | None = None  # the next layer's on this stage (set by LlamaModel, unregistered)
+
+    def _folds(self, hidden: torch.Tensor) -> bool:
+        """INT4 at up to 8 rows: norms and residual adds in the GEMVs (`quantization.int4_norm_fold`)."""
+        if not hidden.is_cuda or hidden.dim() != 2 or hidden.shape[0] > 8 or not triton_ops.enabled(hidden):
+            return False
+        if self._int4_fold is None:
+            from tokenmill.layers.quantization import int4_norm_fold
+
+            self._int4_fold = (type(self).forward is LlamaDecoderLayer.forward and self.norms_feed_only_linears
+                               and int4_norm_fold.layer_fits(self))
+        return self._int4_fold
+
+    def _forward_folded(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
+                        kv_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
+        """`forward` in four GEMV launches and attention: returns the stream (float32, updated in place)."""
+        from tokenmill.layers.quantization import int4_norm_fold as fold
+
+        carry = fold.take_carry(residual if residual is not None else hidden)  # (another layer's, if any)
+        if residual is None:  # the stream itself (a folded layer's: with what its last add made)
+            stream = residual_stream(hidden)
+            carry = carry if stream is hidden else None
+        else:
+            stream, carry = residual.add_(hidden), None
+        attn, mlp = self.self_attn, self.mlp
+        qkv = fold.input_gemv(attn.qkv_proj, stream, self.input_layernorm, carry)
+        out = attn.attend(qkv, rope, kv_cache, meta, self.input_layernorm.weight.dtype)
+        carry = fold.add_gemv(attn.o_proj, out, stream, self.post_attention_layernorm)
+        act = fold.input_gemv(mlp.gate_up_proj, stream, self.post_attention_layernorm, carry, silu=True)
+        fold.keep_carry(stream, fold.add_gemv(mlp.down_proj, act, stream, self._next_input_norm))
+        return stream, None
 
     def forward_attention(self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: RotaryStep,
                           kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -241,6 +276,9 @@ class LlamaModel(nn.Module):
             if layout.has_layer(i) else nn.Identity()
             for i in range(dims.num_layers))
         self.norm = self.norm_cls(dims.hidden_size, dims.rms_norm_eps) if layout.is_last_stage else None
+        for a, b in zip(self.layers, self.layers[1:]):  # a folded INT4 layer's last add prepares the next's norm
+            if isinstance(a, LlamaDecoderLayer) and isinstance(b, LlamaDecoderLayer) and b.input_layernorm is not None:
+                object.__setattr__(a, "_next_input_norm", b.input_layernorm)  # (not a submodule: no second name)
         # What each of this stage's layers runs, fixed by the layout (asked once, not every step):
         # (layer, part, its rotary table, its KV cache's index in the stage's list).
         self._stage_plan = [(self.layers[i], layout.layer_part(i), self._rope_of_layer[i], i - layout.kv_layer_start)

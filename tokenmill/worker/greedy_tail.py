@@ -27,10 +27,12 @@ unconstrained one does.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
 
+from tokenmill.layers import triton_ops
 from tokenmill.layers.sampling.spec_verify import verify_drafts
 from tokenmill.layers.sampling.token_bitmask import apply_bitmask_by_row
 from tokenmill.protocol import RowFailure
@@ -41,6 +43,17 @@ from tokenmill.worker.persistent_batch import PersistentBatch
 from tokenmill.worker.speculator import Speculator
 
 logger = logging.getLogger(__name__)
+
+
+def _triton_greedy(logits: torch.Tensor) -> bool:
+    """Whether the unmasked argmax and non-finite screen run as one Triton kernel
+    (`triton_ops.greedy_argmax`, after its device self-test; TOKENMILL_TRITON_GREEDY=0: torch's two
+    reductions, A/B runs)."""
+    if not (triton_ops.enabled(logits) and logits.dim() == 2 and logits.stride(-1) == 1
+            and os.environ.get("TOKENMILL_TRITON_GREEDY", "1") != "0"):
+        return False
+    from tokenmill.layers.triton_ops.greedy_argmax import selftest
+    return selftest(logits.device)
 
 
 class GreedyTail:
@@ -60,6 +73,9 @@ class GreedyTail:
     def capture(self) -> None:
         """One graph per size of the forward graphs (which must be captured already)."""
         start = time.perf_counter()
+        for logits in self.graphs.logits.values():  # the argmax kernel's self-test, before the captures
+            _triton_greedy(logits)
+            break
         # Every graph row is the scratch slot now: the bodies run here write nothing that is read.
         self._graphs, self.results = capture_per_size(self.graphs.sizes, self.body)
         logger.info("captured %d greedy step-end CUDA graphs in %.2f s", len(self._graphs),
@@ -92,10 +108,14 @@ class GreedyTail:
             sampled, bad = graphs.model.logits_head.argmax(logits)
         else:
             logits = graphs.whole_logits(logits)
-            bad = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # per position
-            if self.masks is not None:  # after the screen: masked logits are -inf by design
-                apply_bitmask_by_row(logits, self.masks.bits, self.masks.which[:size * q])
-            sampled = logits.argmax(dim=-1)
+            if self.masks is None and _triton_greedy(logits):  # one launch: the argmax and the screen
+                from tokenmill.layers.triton_ops.greedy_argmax import greedy_argmax
+                sampled, bad = greedy_argmax(logits)
+            else:
+                bad = ~torch.isfinite(logits.sum(dim=-1, dtype=torch.float32))  # per position
+                if self.masks is not None:  # after the screen: masked logits are -inf by design
+                    apply_bitmask_by_row(logits, self.masks.bits, self.masks.which[:size * q])
+                sampled = logits.argmax(dim=-1)
         sampled = torch.where(bad, 0, sampled)  # a failed row still gets a valid next input
         real = slots != batch.scratch
         failure = -int(RowFailure.NON_FINITE_LOGITS)

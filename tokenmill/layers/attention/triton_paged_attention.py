@@ -38,7 +38,9 @@ pipelined through shared memory, where they tie; docs/results/gpu-attention.md.)
 Split-KV (flash-decoding): with SPLIT, a program takes only its share of the KV
 tiles (num_splits shares, sized on the device from seq_len, so any seq_len is
 right) and writes partial (max, sum, unnormalised acc); `_reduce_splits_kernel`
-merges the shares and writes the output, zeros for padding rows.
+merges the shares and writes the output, zeros for padding rows. FUSED_REDUCE
+(TOKENMILL_ATTN_FUSED_REDUCE=1, no sinks): no reduce launch; the last split program of each
+(query tile, KV head) merges them (`_merge_if_last`, a counter per pair).
 
 Requires triton at import; `triton_backend` imports this module lazily.
 """
@@ -276,6 +278,8 @@ def _paged_attention_kernel(
     EARLY_V: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
     PTX: tl.constexpr, V_TRANS: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # `pdl`: launched early, waits for the kernel before it before reading anything
+    cnt_ptr=None,  # FUSED_REDUCE: int32 counters, one per (tile, KV head), zero between launches
+    FUSED_REDUCE: tl.constexpr = False,  # SPLIT: the last split program of a (tile, KV head) merges the partials
 ):
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
@@ -293,7 +297,7 @@ def _paged_attention_kernel(
 
     seq = _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q, SEARCH)
     if seq >= num_seqs:
-        if not SPLIT:  # spare tile: zero its share of the rows past the last sequence
+        if not SPLIT or (FUSED_REDUCE and split == 0):  # spare tile: zero its share of the rows past the last sequence
             total = tl.load(qsl_ptr + num_seqs)
             spare = tile - (total // BLOCK_Q + num_seqs)
             tok = (total // BLOCK_Q + spare) * BLOCK_Q + offs_m // GROUP_PAD
@@ -413,6 +417,9 @@ def _paged_attention_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
+        if FUSED_REDUCE:
+            _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr + tile * (NUM_HEADS // GROUP) + kv_head,
+                           tok, head, row_valid, offs_d, d_valid, num_splits, s_ot, s_oh, NUM_HEADS, HEAD_DIM_PAD, PTX)
     else:
         if SINKS:  # the sink in the log2 domain, as one more (valueless) key
             sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
@@ -423,6 +430,39 @@ def _paged_attention_kernel(
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+
+
+@triton.jit
+def _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt, tok, head, row_valid, offs_d, d_valid,
+                   num_splits, s_ot, s_oh, NUM_HEADS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PTX: tl.constexpr):
+    """FUSED_REDUCE: the program's partials made visible GPU-wide, it counts itself in for its
+    (tile, KV head); the last of the num_splits merges all the splits' partials of its rows (as
+    `_reduce_splits_kernel`: the maximum first, then the weighted sums, in split order) and resets
+    the counter (a CUDA graph's next replay finds it zero). One launch less per layer."""
+    if PTX:  # each thread's partial stores ordered before the CTA's count (as the int4 GEMV's split-K)
+        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [tl.zeros([1], dtype=tl.int32)],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
+    if arrived == num_splits - 1:
+        base = (tok * NUM_HEADS + head) * num_splits
+        m_max = tl.full(base.shape, float("-inf"), dtype=tl.float32)
+        for s in range(num_splits):
+            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s, mask=row_valid, other=float("-inf"),
+                                              cache_modifier=".cg"))
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+        den = tl.zeros(base.shape, dtype=tl.float32)
+        num = tl.zeros([base.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
+        for s in range(num_splits):
+            wgt = tl.exp2(tl.load(part_m_ptr + base + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
+                          - m_max)
+            den += tl.load(part_l_ptr + base + s, mask=row_valid, other=0.0, cache_modifier=".cg") * wgt
+            num += tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=row_valid[:, None],
+                           other=0.0, cache_modifier=".cg") * wgt[:, None]
+        o = num / tl.where(den > 0.0, den, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+        tl.atomic_xchg(cnt, 0)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
@@ -464,6 +504,28 @@ def _reduce_splits_kernel(
     o = num / tl.where(den > 0.0, den, 1.0)
     tl.store(out_ptr + row.to(tl.int64) * s_ot + head * s_oh + offs_d, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
+
+
+FUSED_REDUCE_ENV = "TOKENMILL_ATTN_FUSED_REDUCE"  # 1: split partials merged by the last split program
+_COUNTERS: dict[str, torch.Tensor] = {}
+COUNTERS = 4096  # (tile, KV head) counters per device: a decode launch of up to ~500 rows x 8 KV heads
+
+
+def fused_reduce_enabled() -> bool:
+    return os.environ.get(FUSED_REDUCE_ENV, "0") == "1"
+
+
+def _fused_reduce_counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The device's zeroed counters for FUSED_REDUCE, or None (off, too few, or first asked inside a
+    CUDA graph capture: they are allocated and zeroed outside any, once)."""
+    if not fused_reduce_enabled() or needed > COUNTERS:
+        return None
+    key = str(device)
+    if key not in _COUNTERS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -528,6 +590,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         part_m = part_l = part_acc = out  # unused
     sinks_f32 = out if sinks is None else sinks.float().contiguous()  # (unused without sinks)
     grid = (num_rows // block_q + num_seqs + 1, num_kv_heads, num_splits)
+    counters = _fused_reduce_counters(q.device, grid[0] * num_kv_heads)  # (made at the first call: a prefill)
+    counters = counters if split and sinks is None else None
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc,
         query_start_loc, seq_lens, block_table,
@@ -547,9 +611,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         V_TRANS=v_transposed,
         num_warps=num_warps,
         num_stages=num_stages,
+        cnt_ptr=counters, FUSED_REDUCE=counters is not None,
         **pdl.launch_kwargs(q.device),
     )
-    if split:
+    if split and counters is None:
         _reduce_splits_kernel[(num_rows, num_heads)](
             out, part_m, part_l, part_acc, query_start_loc, sinks_f32, num_seqs, num_splits,
             out.stride(0), out.stride(1),

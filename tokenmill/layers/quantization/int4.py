@@ -314,6 +314,10 @@ class Int4LinearMethod(LinearMethod):
             from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
 
             dot.keep_scale_offset(layer.scales, layer.zeros)
+            from tokenmill.layers.quantization import int4_norm_fold
+
+            if int4_norm_fold.enabled():  # (now, once per device: never inside a graph capture)
+                int4_norm_fold.selftest(wt.qweight.device, wt.scales.dtype)
         # split-K counters of the small-batch kernel, allocated here: never inside a graph capture
         layer.stream_counters = (stream_tiles.SplitCounters(layer.out_features, wt.qweight.device)
                                  if wt.qweight.is_cuda else None)

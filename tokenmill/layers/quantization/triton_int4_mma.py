@@ -238,11 +238,56 @@ def _pipe_first_asm(hint: bool) -> str:
 
 
 @triton.jit
+def _norm_rows(res_ptr, nw_ptr, xn_ptr, M, K, s_rm, s_xm, lo, hi, inv_n, eps, KB: tl.constexpr, sq_ptr, nparts,
+               SQ: tl.constexpr):
+    """NORM's prologue: the RMSNorm of the float32 stream's rows < M (`res_ptr`, rows s_rm apart),
+    columns [lo, hi) (the CTA's K slice), into xn (its dtype, rows s_xm apart), with the numerics
+    of `triton_ops.rms_norm` (the mean of squares over the whole row in float32, the row times
+    rsqrt rounded, times the weight rounded). KB columns a pass (a 16-byte load a thread: few
+    registers, so the GEMV keeps its occupancy): one pass over the row for the sum of squares,
+    one over the slice. Every CTA of a slice writes the same values; each reads back only its
+    own after the barrier (global writes of a CTA are visible to its threads). The stream is read
+    past L1 (.cg): another kernel wrote it. SQ: the rows' sums of squares are the sums of the
+    `nparts` partial sums (rows nparts apart) that the launch which last added into the stream
+    wrote (RES with SQ), in their order: no pass over the row."""
+    dt: tl.constexpr = xn_ptr.dtype.element_ty
+    cols = tl.arange(0, KB)
+    for r in range(M):
+        row = res_ptr + r * s_rm
+        if SQ:
+            sq = tl.load(sq_ptr + r * nparts + cols, mask=cols < nparts, other=0.0, cache_modifier=".cg")
+        else:
+            sq = tl.zeros([KB], dtype=tl.float32)
+            for c0 in range(0, K, KB):
+                x = tl.load(row + c0 + cols, mask=c0 + cols < K, other=0.0, cache_modifier=".cg")
+                sq += x * x
+        rstd = tl.rsqrt(tl.sum(sq, axis=0) * inv_n + eps)
+        for c0 in range(lo, hi, KB):
+            own = c0 + cols < hi
+            x = tl.load(row + c0 + cols, mask=own, other=0.0, cache_modifier=".cg")
+            normed = (x * rstd).to(dt).to(tl.float32)
+            w = tl.load(nw_ptr + c0 + cols, mask=own, other=0.0).to(tl.float32)
+            tl.store(xn_ptr + r * s_xm + c0 + cols, (normed * w).to(dt), mask=own)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _rows_rstd(sq_ptr, nparts, M, inv_n, eps, KB: tl.constexpr):
+    """RSTD: rows 0..7's rsqrt(mean of squares + eps) from their nparts partial sums (rows < M)."""
+    rows = tl.arange(0, 8)
+    pc = tl.arange(0, KB)
+    sq = tl.load(sq_ptr + rows[:, None] * nparts + pc[None, :], mask=(rows[:, None] < M) & (pc[None, :] < nparts),
+                 other=0.0, cache_modifier=".cg")
+    return tl.rsqrt(tl.sum(sq, axis=1) * inv_n + eps)
+
+
+@triton.jit
 def _pipe_loop(ASM_FIRST: tl.constexpr, ASM_PIPE: tl.constexpr, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
-               USE_PDL: tl.constexpr, AHEAD: tl.constexpr):
+               USE_PDL: tl.constexpr, AHEAD: tl.constexpr, res_ptr, nw_ptr, x_ptr, K, s_rm, s_xm, inv_n, eps,
+               GROUP: tl.constexpr, NORM: tl.constexpr, KB: tl.constexpr, sq_ptr, nparts, SQ: tl.constexpr):
     """The pipelined launch's K loop (`_pipe_asm`): the first step's words and scales loaded before
     the PDL wait, then each step loads the next one's while it computes its own (the last step
-    loads nothing; its address stays in the slice)."""
+    loads nothing; its address stays in the slice). NORM: x normalized first (`_norm_rows`)."""
     z = tl.zeros([1], dtype=tl.float32)
     w0, w1, w2, w3, w4, w5, w6, w7, c0, c1, c2, c3 = tl.inline_asm_elementwise(
         ASM_FIRST, "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l,l,l",
@@ -251,6 +296,9 @@ def _pipe_loop(ASM_FIRST: tl.constexpr, ASM_PIPE: tl.constexpr, w_thr, x_thr, s_
                tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
+    if NORM:
+        _norm_rows(res_ptr, nw_ptr, x_ptr, M, K, s_rm, s_xm, g_lo * GROUP, (g_lo + per) * GROUP, inv_n, eps, KB,
+                   sq_ptr, nparts, SQ)
     a0, a1, a2, a3 = z, z, z, z
     for grp in range(g_lo, g_lo + per):
         nxt = tl.minimum(grp + 1, g_lo + per - 1)
@@ -427,7 +475,10 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                      USE_PDL: tl.constexpr = False, ASM_PRE: tl.constexpr = "", ASM_STEP_IN: tl.constexpr = "",
                      AHEAD: tl.constexpr = 0, ASM_PF: tl.constexpr = "", RING: tl.constexpr = 0,
                      SILU: tl.constexpr = False, ASM_STORE_PAIR: tl.constexpr = "", ASM_PIPE: tl.constexpr = "",
-                     ASM_FIRST: tl.constexpr = ""):
+                     ASM_FIRST: tl.constexpr = "", res_ptr=None, nw_ptr=None, s_rm=0, inv_n=0.0, eps=0.0,
+                     NORM: tl.constexpr = False, KB: tl.constexpr = 1, RES: tl.constexpr = False, sq_ptr=None,
+                     nparts=0, SQ: tl.constexpr = False, y_ptr=None, YW: tl.constexpr = False,
+                     RSTD: tl.constexpr = False):
     """USE_PDL (`pdl`): signal dependents, then wait for x's producer before the first read of
     anything another kernel writes (x, partials, counters, out). ASM_PRE: the first loop step's
     weight words (constant) are loaded before that wait, and ASM_STEP_IN computes that step from
@@ -437,7 +488,17 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
     SILU (`int4_packing.gate_up_pairs`: channels g / g + 8 of each 16-channel block are gate / up
     of one product channel): out is [M, N / 2], silu(gate) * up (`_silu_mul`), written by the
     thread that holds both sums (ASM_STORE_PAIR) or by the split-K epilogue.
-    ASM_PIPE (`_pipe_loop`): the K loop loads each next step's words while computing the current one."""
+    ASM_PIPE (`_pipe_loop`): the K loop loads each next step's words while computing the current one.
+    NORM (`_norm_rows`, not with ASM_PRE): x_ptr is scratch [M, K] that each CTA first fills, for its
+    K slice, with the RMSNorm (weight nw_ptr) of the float32 stream res_ptr: the norm kernel before
+    the GEMV folded into it. RES (SPLIT > 1): the split-K epilogue adds the result, rounded to the
+    activation dtype (the scales'), into the float32 stream res_ptr in place (out_ptr unused): the
+    residual add of the norm after it, folded here. SQ with RES: each channel block also writes its
+    rows' sums of squares of the new stream to sq_ptr [M, nparts] (column pid_n); SQ with NORM:
+    the norm reads them there (`_norm_rows`). YW with RES and SQ: also y = (new stream * weight
+    nw_ptr) in the activation dtype to y_ptr [M, N]. RSTD (SPLIT > 1): the split-K epilogue scales
+    each row's result by rsqrt(sum of its sq_ptr partials * inv_n + eps) before rounding: with x = y,
+    the GEMV of the RMSNorm of the stream, the norm's rstd applied after the GEMV (`mma_gemv`'s rstd_of)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     BN: tl.constexpr = 16 * WARPS
@@ -460,7 +521,8 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
         z_thr = z_ptr + n0 + s_ofs
         if ASM_PIPE != "":  # the next step's words loaded under this step's arithmetic (`_pipe_asm`)
             a0, a1, a2, a3 = _pipe_loop(ASM_FIRST, ASM_PIPE, w_thr, x_thr, s_thr, z_thr, g_lo, per, one, s_sg, M,
-                                        USE_PDL, AHEAD)
+                                        USE_PDL, AHEAD, res_ptr, nw_ptr, x_ptr, K, s_rm, s_xm, inv_n, eps, GROUP, NORM, KB,
+                                        sq_ptr, nparts, SQ)
         else:
             g_first = g_lo
             if ASM_PRE != "":
@@ -475,6 +537,9 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
             else:
                 pdl.launch_dependents(USE_PDL)
                 pdl.wait(USE_PDL)
+                if NORM:
+                    _norm_rows(res_ptr, nw_ptr, x_ptr, M, K, s_rm, s_xm, g_lo * GROUP, (g_lo + per) * GROUP, inv_n, eps, KB,
+                   sq_ptr, nparts, SQ)
             for grp in range(g_first, g_lo + per, GPC):
                 if RING > 0:  # words through the shared-memory ring (`_asm`'s ring)
                     a0, a1, a2, a3 = tl.inline_asm_elementwise(
@@ -518,6 +583,9 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
     else:  # the same sums in Triton ops (interpreter): codes gathered by the inverse index map
         pdl.launch_dependents(USE_PDL)
         pdl.wait(USE_PDL)
+        if NORM:
+            _norm_rows(res_ptr, nw_ptr, x_ptr, M, K, s_rm, s_xm, g_lo * GROUP, (g_lo + per) * GROUP, inv_n, eps, KB,
+                   sq_ptr, nparts, SQ)
         rows = tl.arange(0, 8)
         if SILU:  # gate and up channels summed apart (`_ref_sums` is elementwise in the channels)
             c = tl.arange(0, BN // 2)
@@ -555,6 +623,10 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                     base = part_ptr + sl * M * N + rows[:, None] * N + gcols[None, :]
                     gate += tl.load(base, mask=mask, other=0.0, cache_modifier=".cg")
                     up += tl.load(base + 8, mask=mask, other=0.0, cache_modifier=".cg")
+                if RSTD:
+                    rstd = _rows_rstd(sq_ptr, nparts, M, inv_n, eps, KB)
+                    gate *= rstd[:, None]
+                    up *= rstd[:, None]
                 tl.store(out_ptr + rows[:, None] * (N // 2) + (n0 // 2 + c)[None, :],
                          _silu_mul(gate, up, out_ptr.dtype.element_ty).to(out_ptr.dtype.element_ty), mask=mask)
             else:
@@ -564,7 +636,22 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                 for sl in range(SPLIT):
                     total += tl.load(part_ptr + sl * M * N + rows[:, None] * N + offs_n[None, :], mask=mask, other=0.0,
                                      cache_modifier=".cg")
-                tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty), mask=mask)
+                if RSTD:
+                    total *= _rows_rstd(sq_ptr, nparts, M, inv_n, eps, KB)[:, None]
+                if RES:  # the stream += the result as the unfused path rounds it (then adds in float32)
+                    dst = res_ptr + rows[:, None] * s_rm + offs_n[None, :]
+                    h = total.to(s_ptr.dtype.element_ty).to(tl.float32) + tl.load(dst, mask=mask, other=0.0,
+                                                                                   cache_modifier=".cg")
+                    tl.store(dst, h, mask=mask)
+                    if SQ:  # this block's share of the next norm's sums of squares
+                        tl.store(sq_ptr + rows * nparts + pid_n, tl.sum(h * h, axis=1), mask=rows < M)
+                    if YW:  # the next norm's input times its weight, for a GEMV that scales by rstd after (RSTD)
+                        w = tl.load(nw_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+                        tl.store(y_ptr + rows[:, None] * N + offs_n[None, :],
+                                 (h * w[None, :]).to(s_ptr.dtype.element_ty), mask=mask)
+                else:
+                    tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
+                             mask=mask)
             tl.atomic_xchg(cnt_ptr + pid_n, 0)
 
 
@@ -756,27 +843,63 @@ def vector_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-             c: MmaGemv | None = None, counters: torch.Tensor | None = None, silu: bool = False) -> torch.Tensor:
+             c: MmaGemv | None = None, counters: torch.Tensor | None = None, silu: bool = False,
+             norm: tuple[torch.Tensor, float] | None = None, add_to: torch.Tensor | None = None,
+             sumsq: torch.Tensor | None = None, weighted: tuple[torch.Tensor, torch.Tensor] | None = None,
+             rstd_of: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [M, K] (M <= 8) @ W^T -> [M, N] in x's dtype; W in the mma layout qm [N/16, K/64, 32, 4].
     c.split > 1 needs `counters` (zeroed int32, one per CTA: N / (16 c.warps)). silu: W's channels
     in `int4_packing.gate_up_pairs` order, and the result [M, N / 2] is silu(gate) * up (the
-    kernel's `SILU`), as `silu_and_mul` of the plain GEMV's result in natural order."""
+    kernel's `SILU`), as `silu_and_mul` of the plain GEMV's result in natural order.
+    norm (weight [K], eps): x is the float32 residual stream, and the GEMV reads its RMSNorm in the
+    scales' dtype (the kernel's NORM: `triton_ops.rms_norm(x, weight, eps, dtype)` then the GEMV,
+    one launch). add_to (float32 [M, N], contiguous; split-K launches): the result, rounded to the
+    scales' dtype, is added into it in place and it is returned (RES: `add_to += GEMV(x)`).
+    sumsq (float32 [M, `sumsq_parts`], contiguous): with add_to, filled with partial sums of squares
+    of the new stream's rows; with norm, those of x (a launch with add_to filled them since x last
+    changed): the norm then reads them instead of a pass over the row (the kernel's SQ).
+    weighted (y [M, N] in the scales' dtype, weight [N]; with add_to and sumsq): y = new stream *
+    weight, rounded (YW). rstd_of (sumsq [M, parts] of x's stream, eps; split-K launches): each row's
+    result times rsqrt(sum(sumsq[row]) / K + eps) (RSTD): with x = `weighted`'s y, the GEMV of the
+    stream's RMSNorm (rounded once, as y, where the norm kernel rounds twice)."""
     m, k = x.shape
     n = qm.shape[0] * 16
     group = k if group_size == -1 else group_size
     c = c or config_for(n, k, group)
     gpu = x.is_cuda and not _interpreting()
+    act = scales.dtype if norm is not None else x.dtype
     if m > ROWS or qm.shape[1] * 64 != k or not fits(n, k, group, c):
         raise ValueError(f"int4 mma GEMV: x {tuple(x.shape)}, weight {tuple(qm.shape)}, group {group} do not fit "
                          f"{c.label()} (at most {ROWS} rows; K a multiple of 64 and of the group, a multiple of 64; "
                          f"SPLIT * GPC dividing the groups; N a multiple of 16 * WARPS)")
-    if gpu and x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"int4 mma GEMV: activations in bf16 or fp16 on a GPU, got {x.dtype}")
+    if gpu and act not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"int4 mma GEMV: activations in bf16 or fp16 on a GPU, got {act}")
+    if norm is not None and (x.dtype != torch.float32 or x.stride(1) != 1 or norm[0].shape != (k,)):
+        raise ValueError(f"int4 mma GEMV: a folded norm reads a float32 stream [M, K] with unit stride and a weight "
+                         f"[K], got {x.dtype} {tuple(x.stride())} and {tuple(norm[0].shape)}")
+    if add_to is not None and (c.split == 1 or silu or add_to.dtype != torch.float32 or add_to.shape != (m, n)
+                               or add_to.stride() != (n, 1)):
+        raise ValueError(f"int4 mma GEMV: adding into the stream needs a split-K launch (got {c.label()}), no SiLU "
+                         f"and a contiguous float32 [{m}, {n}] stream")
     ctas = n // (16 * c.warps)
+    if (weighted is not None and (add_to is None or sumsq is None or weighted[0].shape != (m, n)
+                                  or weighted[0].stride() != (n, 1) or weighted[1].shape != (n,))) or (
+            rstd_of is not None and (c.split == 1 or norm is not None or rstd_of[0].dtype != torch.float32
+                                     or rstd_of[0].shape[0] != m or rstd_of[0].stride() != (rstd_of[0].shape[1], 1))):
+        raise ValueError(f"int4 mma GEMV: `weighted` needs add_to, sumsq, y [{m}, {n}] contiguous and a weight [{n}]; "
+                         f"`rstd_of` a split-K launch (got {c.label()}), no norm, float32 sums [{m}, parts]")
+    if sumsq is not None and ((norm is None) == (add_to is None) or sumsq.dtype != torch.float32 or sumsq.shape[0] != m
+                              or sumsq.stride() != (sumsq.shape[1], 1) or (add_to is not None and sumsq.shape[1] != ctas)
+                              or sumsq.shape[1] > 128 * c.warps):
+        raise ValueError(f"int4 mma GEMV: sums of squares go with a norm or an add, float32 [{m}, parts] contiguous "
+                         f"({ctas} parts for this add; at most {128 * c.warps} for a norm), got {tuple(sumsq.shape)}")
     if c.split > 1 and (counters is None or counters.numel() < ctas):
         raise ValueError(f"int4 mma GEMV: split {c.split} needs {ctas} zeroed counters")
+    stream = x
+    if norm is not None:  # the kernel writes each CTA's slice of the normalized rows here, then reads it
+        x = torch.empty((m, k), dtype=act, device=x.device)
     x = vector_rows(x)
-    out = torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
+    out = add_to if add_to is not None else torch.empty((m, n // 2 if silu else n), dtype=x.dtype, device=x.device)
     part = torch.empty((c.split, m, n), dtype=torch.float32, device=x.device) if c.split > 1 else out
     f16 = x.dtype == torch.float16
     setup, step, store, store32 = _asm_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint,
@@ -784,7 +907,20 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
                                              c.ring if gpu else 0, c.warps)
     launch = pdl.launch_kwargs(x.device) if c.pdl else {"USE_PDL": False}
     pre, step_in = (_pre_texts(group // 64, c.gpc, f16, c.early, c.zmma, c.hint)
-                    if gpu and c.pre and not c.ring and not c.pipe and launch["USE_PDL"] else ("", ""))
+                    if gpu and c.pre and not c.ring and not c.pipe and launch["USE_PDL"] and norm is None else ("", ""))
+    fold = {}
+    if norm is not None or add_to is not None:
+        fold = {"res_ptr": stream if norm is not None else add_to, "s_rm": (stream if norm is not None else add_to).stride(0),
+                "NORM": norm is not None, "RES": add_to is not None}
+    if norm is not None:
+        fold.update(nw_ptr=norm[0], inv_n=1.0 / k, eps=norm[1], KB=128 * c.warps)  # 4 values a thread
+    if sumsq is not None:
+        fold.update(sq_ptr=sumsq, nparts=sumsq.shape[1], SQ=True)
+    if weighted is not None:
+        fold.update(y_ptr=weighted[0], nw_ptr=weighted[1], YW=True)
+    if rstd_of is not None:
+        fold.update(sq_ptr=rstd_of[0], nparts=rstd_of[0].shape[1], inv_n=1.0 / k, eps=rstd_of[1], RSTD=True,
+                    KB=triton.next_power_of_2(rstd_of[0].shape[1]))
     _mma_gemv_kernel[(ctas, c.split)](
         x, qm, scales, zeros, out, part, counters if c.split > 1 else out, m, n, k, x.stride(0), scales.stride(0),
         GROUP=group, SPLIT=c.split, WARPS=c.warps, GPC=c.gpc, ASM=gpu, ASM_SETUP=setup, ASM_STEP=step, ASM_STORE=store,
@@ -792,8 +928,13 @@ def mma_gemv(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
         ASM_PF=_prefetch_asm((group // 64) * c.gpc, "L1" if c.ahead_l1 else "L2") if pre and c.ahead else "",
         SILU=silu, ASM_STORE_PAIR=_store_pair_asm(f16) if gpu and silu else "",
         ASM_PIPE=_pipe_asm(f16, c.hint, c.ahead > 0) if gpu and c.pipe else "", ASM_FIRST=_pipe_first_asm(c.hint) if gpu and c.pipe else "",
-        num_warps=c.warps, **launch, **({"maxnreg": c.maxnreg} if gpu and c.maxnreg else {}))
+        num_warps=c.warps, **launch, **fold, **({"maxnreg": c.maxnreg} if gpu and c.maxnreg else {}))
     return out
+
+
+def sumsq_parts(n: int, k: int, group: int) -> int:
+    """Columns of the sums of squares (`mma_gemv`'s sumsq) that an add launch of this weight writes."""
+    return n // (16 * config_for(n, k, group).warps)
 
 
 # Rows up to which `mma_matmul` runs the GEMV once per 8 rows (each launch reads the weight
