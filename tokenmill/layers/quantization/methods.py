@@ -82,6 +82,8 @@ def process_weights_after_loading(model: nn.Module) -> None:
             module.rebind()  # the weights are final: each layer's forward is decided for them (`Linear.rebind`)
     from tokenmill.layers.quantization.fp8 import mark_fused_producers
     mark_fused_producers(model)  # norms / activations that feed W8A8 linears quantize for them
+    from tokenmill.layers.quantization import int4_kperm
+    int4_kperm.mark_producers(model)  # ... and write INT4 linears' input in the swapped GEMM's K order
     from tokenmill.layers.quantization import lm_head_8bit
     lm_head_8bit.attach(model)  # (opt-in: TOKENMILL_LM_HEAD_8BIT=int8|fp8)
 

@@ -278,8 +278,13 @@ def dot_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bfl
 
 
 def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-        tiles: DotTiles | GluonTiles | SwapTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """The launch `dot_tiles` chose: this module's GEMM or a Gluon one."""
+        tiles: DotTiles | GluonTiles | SwapTiles, counters: torch.Tensor | None = None,
+        x_kperm: bool = False) -> torch.Tensor:
+    """The launch `dot_tiles` chose: this module's GEMM or a Gluon one (x_kperm: x already in the
+    swapped GEMM's K order; that GEMM only, without the gathered read)."""
+    if x_kperm and not (isinstance(tiles, SwapTiles) and not tiles.xnat):
+        raise ValueError(f"int4 GEMM: x in the swapped GEMM's K order for a launch that reads it natural "
+                         f"({tiles.label()})")
     if isinstance(tiles, GluonTiles):
         from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
 
@@ -287,7 +292,7 @@ def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     if isinstance(tiles, SwapTiles):
         from tokenmill.layers.quantization.gluon_int4_swap_gemm import swap_gemm
 
-        return swap_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
+        return swap_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters, x_kperm=x_kperm)
     return dot_gemm(x, qm, scales, zeros, group_size, tiles, counters)
 
 
