@@ -175,3 +175,18 @@ def test_compiles_for_sm90_with_wgmma_in_flight(wtop, ahead, bt):
     # A register sets in program order: peel, loop site 1, loop site 2, last step
     sets = [set(hgmma[4 * i:4 * i + 4]) for i in range(4)]
     assert sets[1].isdisjoint(sets[2]), sets
+
+
+def test_launch_labels_parse_back_and_override_the_table():
+    """`SwapTiles.parse` inverts `label` (TOKENMILL_INT4_GEMM_TABLE names launches by label);
+    `table_override` replaces or removes entries and refuses a label it cannot read."""
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+
+    S = dot.SwapTiles
+    for t in (S(256, 8, 4), S(128, 8, 5, 2, 64, 3, False, 1, True), S(128, 4, 4, 1, 64, 4), S(64, 4, 4, 4, 64, 2, True),
+              S(128, 8, 4, 1, 64, 1, False, 2), S(256, 8, 4, 1, 128, 2)):
+        assert S.parse(t.label()) == t, t.label()
+    got = dot.table_override("256,4096,14336=swap t128 c128 w8 st5 s2 a3 wt; 256,4096,4096=none;")
+    assert got == {(256, 4096, 14336): S(128, 8, 5, 2, 64, 3, False, 1, True), (256, 4096, 4096): None}
+    with pytest.raises(ValueError, match="not a swapped GEMM launch"):
+        dot.table_override("256,1,1=dot m64 n128")

@@ -1,0 +1,76 @@
+"""GPU check of the INT4 producers' K order (`quantization.int4_kperm`), before an engine times it:
+- RMSNorm (alone and with the residual add) and SiLU-and-mul (natural and paired) with KPERM write
+  `permute_x` of their natural output (the norm within one rounding: another summation order; the
+  residual bit for bit);
+- `mma_matmul` on a permuted x (x_kperm) at 256 rows is the natural call's output bit for bit, for
+  Llama-8B's qkv, gate_up and down shapes (the same launch reads the same bytes), and at 16 rows
+  (not the swapped GEMM: x put back first).
+Prints one line per check and exits 1 on a failure. `python scripts/gpu_int4_kperm_check.py`."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch
+
+FAILED = []
+
+
+def check(ok: bool, what: str) -> None:
+    print(f"  {'ok  ' if ok else 'FAIL'} {what}", flush=True)
+    if not ok:
+        FAILED.append(what)
+
+
+def main() -> int:
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization import stream_tiles
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+    from tokenmill.layers.quantization.gluon_int4_swap_gemm import permute_x
+    from tokenmill.layers.quantization.int4_kperm import swap_route
+    from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm, rms_norm
+    from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+
+    dev, bf = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(256, 4096, device=dev, generator=g).to(bf)
+    w = (1 + 0.1 * torch.randn(4096, device=dev, generator=g)).to(bf)
+    ref, out = rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5, kperm=True)
+    diff = (out.float() - permute_x(ref).float()).abs().max().item()
+    check(diff <= 2 ** -6 * ref.float().abs().max().item(), f"rms_norm kperm vs permute_x(natural): max diff {diff:.2e}")
+    res = torch.randn(256, 4096, device=dev, generator=g)
+    r1, r2 = res.clone(), res.clone()
+    n1, r1 = fused_add_rms_norm(x, r1, w, 1e-5)
+    n2, r2 = fused_add_rms_norm(x, r2, w, 1e-5, kperm=True)
+    diff = (n2.float() - permute_x(n1).float()).abs().max().item()
+    check(torch.equal(r1, r2) and diff <= 2 ** -6 * n1.float().abs().max().item(),
+          f"fused_add_rms_norm kperm: residual identical, normed max diff {diff:.2e}")
+    h = torch.randn(256, 2 * 14336, device=dev, generator=g).to(bf)
+    for paired in (False, True):
+        check(torch.equal(silu_and_mul(h, paired=paired, kperm=True), permute_x(silu_and_mul(h, paired=paired))),
+              f"silu_and_mul kperm (paired {paired}) == permute_x(natural)")
+    for name, (n, k) in {"qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}.items():
+        wt = packing.from_codes(packing.quantize_int4(torch.randn(n, k, device=dev, generator=g) * 0.02, 128, sym=False),
+                                bf, act_order=False)
+        qm = packing.to_mma(wt.qweight)
+        dot.keep_scale_offset(wt.scales, wt.zeros)
+        counters = stream_tiles.SplitCounters(n, torch.device(dev)).tensor
+        for m in (256, 16):
+            xm = torch.randn(m, k, device=dev, generator=g).to(bf)
+            nat = mma.mma_matmul(xm, qm, wt.scales, wt.zeros, 128, counters)
+            perm = mma.mma_matmul(permute_x(xm), qm, wt.scales, wt.zeros, 128, counters, x_kperm=True)
+            route = swap_route(m, n, k, 128, bf)
+            check(torch.equal(nat, perm) and not counters.any(),
+                  f"{name} m={m}: mma_matmul(x_kperm) == natural ({'swapped GEMM' if route else 'put back'};"
+                  f" launch {dot.dot_tiles(m, n, k, 128, bf)})")
+    torch.cuda.synchronize()
+    print(f"int4 kperm check: {len(FAILED)} failures", flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
