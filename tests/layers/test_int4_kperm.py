@@ -156,3 +156,37 @@ def test_mark_is_on_the_object_only():
     assert int4_kperm.marked(int4_kperm.mark(x, True))
     assert not int4_kperm.marked(x.view(2, 64)) and not int4_kperm.marked(x.clone())
     assert not int4_kperm.marked(int4_kperm.mark(torch.zeros(1), False))
+
+
+def _layer(norms_only: bool, act_only: bool) -> nn.Module:
+    from tokenmill.layers.activation import SiluAndMul
+    from tokenmill.layers.norm import RMSNorm
+
+    layer, attn, mlp = nn.Module(), nn.Module(), nn.Module()
+    attn.qkv_proj, attn.o_proj = nn.Linear(4, 4), nn.Linear(4, 4)
+    mlp.gate_up_proj, mlp.down_proj, mlp.act = nn.Linear(4, 8), nn.Linear(4, 4), SiluAndMul()
+    mlp.act_feeds_only_down = act_only
+    layer.self_attn, layer.mlp = attn, mlp
+    layer.input_layernorm, layer.post_attention_layernorm = RMSNorm(4), RMSNorm(4)
+    layer.norms_feed_only_linears = norms_only
+    return layer
+
+
+def test_producers_linked_only_where_the_linear_is_the_one_reader(monkeypatch):
+    """`mark_producers` links input_layernorm -> qkv_proj and post_attention_layernorm ->
+    gate_up_proj where the layer declares its norms' outputs read by those linears alone, and the
+    MLP's SiLU-and-mul -> down_proj where the MLP declares it; never o_proj; only INT4 linears on
+    the mma layout (here: every nn.Linear stands for one)."""
+    monkeypatch.setattr(int4_kperm, "_int4_mma_linear", lambda layer: isinstance(layer, nn.Linear))
+    reader = "_int4_kperm_reader"
+    full = _layer(True, True)
+    assert int4_kperm.mark_producers(full) == 3
+    assert full.input_layernorm.__dict__[reader]() is full.self_attn.qkv_proj
+    assert full.post_attention_layernorm.__dict__[reader]() is full.mlp.gate_up_proj
+    assert full.mlp.act.__dict__[reader]() is full.mlp.down_proj
+    norms = _layer(False, True)
+    assert int4_kperm.mark_producers(norms) == 1 and reader not in norms.input_layernorm.__dict__
+    act = _layer(True, False)
+    assert int4_kperm.mark_producers(act) == 2 and reader not in act.mlp.act.__dict__
+    monkeypatch.setattr(int4_kperm, "_int4_mma_linear", lambda layer: False)  # not INT4 on the mma layout
+    assert int4_kperm.mark_producers(_layer(True, True)) == 0
