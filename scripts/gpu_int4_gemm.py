@@ -190,10 +190,9 @@ def ahead_variants(m: int) -> list:
 
     if m != 256:
         return _table_launches(m)
-    return [*_table_launches(m), S(256, 8, 4, 1, 64, 3), S(256, 8, 5, 4, 64, 4, wtop=True),
-            S(128, 8, 5, 2, 64, 4, wtop=True), S(128, 8, 4, 1, 64, 4), S(128, 8, 5, 1, 64, 4, wtop=True),
-            S(128, 4, 4, 1, 64, 3), S(128, 4, 4, 1, 64, 4), S(128, 4, 5, 1, 64, 4), S(128, 4, 4, 2, 64, 4),
-            S(128, 4, 6, 1, 64, 4), S(128, 8, 6, 1, 64, 4, wtop=True)]  # (t256 c64 a4 spills: not listed)
+    return [*_table_launches(m), S(256, 8, 4, 1, 64, 3), S(128, 8, 5, 2, 64, 4, wtop=True), S(128, 8, 4, 1, 64, 4),
+            S(128, 8, 6, 1, 64, 4, wtop=True), S(128, 4, 4, 1, 64, 4), S(128, 4, 6, 1, 64, 4),
+            S(128, 4, 4, 2, 64, 4)]  # (t256 c64 a4 spills: not listed)
 
 
 def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):

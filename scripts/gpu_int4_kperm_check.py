@@ -4,8 +4,11 @@
   residual bit for bit);
 - `mma_matmul` on a permuted x (x_kperm) at 256 rows is the natural call's output bit for bit, for
   Llama-8B's qkv, gate_up and down shapes (the same launch reads the same bytes), and at 16 rows
-  (not the swapped GEMM: x put back first).
-Prints one line per check and exits 1 on a failure. `python scripts/gpu_int4_kperm_check.py`."""
+  (not the swapped GEMM: x put back first);
+- the Triton attention with kperm (o_proj's input), with and without split-KV, is `permute_x` of
+  its natural output, bit for bit.
+INT4_KPERM_CHECK_FULL=1: also 16 rows and the attention (more compiles). Prints one line per check
+and exits 1 on a failure. `python scripts/gpu_int4_kperm_check.py`."""
 
 from __future__ import annotations
 
@@ -59,7 +62,7 @@ def main() -> int:
         qm = packing.to_mma(wt.qweight)
         dot.keep_scale_offset(wt.scales, wt.zeros)
         counters = stream_tiles.SplitCounters(n, torch.device(dev)).tensor
-        for m in (256, 16):
+        for m in (256,) if os.environ.get("INT4_KPERM_CHECK_FULL") != "1" else (256, 16):
             xm = torch.randn(m, k, device=dev, generator=g).to(bf)
             nat = mma.mma_matmul(xm, qm, wt.scales, wt.zeros, 128, counters)
             perm = mma.mma_matmul(permute_x(xm), qm, wt.scales, wt.zeros, 128, counters, x_kperm=True)
@@ -67,6 +70,22 @@ def main() -> int:
             check(torch.equal(nat, perm) and not counters.any(),
                   f"{name} m={m}: mma_matmul(x_kperm) == natural ({'swapped GEMM' if route else 'put back'};"
                   f" launch {dot.dot_tiles(m, n, k, 128, bf)})")
+    import math
+
+    from tests.layers.test_attention import make_case
+    from tokenmill.layers.attention.triton_backend import (
+        TritonAttentionBackend,
+        TritonAttentionConfig,
+    )
+
+    for splits in (1, 4) if os.environ.get("INT4_KPERM_CHECK_FULL") == "1" else ():  # the attention's stores
+        case = make_case([300, 0, 40, 97, 1000], [1, 3, 1, 5, 1], 16, 32, 8, bf, dev, pad_tokens=3, head_dim=128)
+        be = TritonAttentionBackend(32, 8, 128, 1.0 / math.sqrt(128), config=TritonAttentionConfig(kv_splits=splits))
+        nat = be.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta)
+        out = be.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, kperm=True)
+        t = nat.shape[0]
+        check(torch.equal(out.reshape(t, -1), permute_x(nat.reshape(t, -1))),
+              f"attention kperm (kv splits {splits}) == permute_x(natural)")
     torch.cuda.synchronize()
     print(f"int4 kperm check: {len(FAILED)} failures", flush=True)
     return 1 if FAILED else 0

@@ -41,10 +41,11 @@ def test_unpermute_inverts_permute_x():
 def test_kperm_src_is_the_gathered_columns():
     """The kernels' column map (`triton_x_permute.kperm_src`) is the swapped GEMM's K order."""
     from tokenmill.layers.quantization.gluon_int4_swap_gemm import gather_columns
-    from tokenmill.layers.quantization.triton_x_permute import kperm_src
+    from tokenmill.layers.quantization.triton_x_permute import kperm_dst, kperm_src
 
     cols = torch.arange(256)
     assert torch.equal(kperm_src.fn(cols), gather_columns(256))
+    assert torch.equal(kperm_src.fn(kperm_dst.fn(cols)), cols)  # the attention kernels' store map: the inverse
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -190,3 +191,25 @@ def test_producers_linked_only_where_the_linear_is_the_one_reader(monkeypatch):
     assert int4_kperm.mark_producers(act) == 2 and reader not in act.mlp.act.__dict__
     monkeypatch.setattr(int4_kperm, "_int4_mma_linear", lambda layer: False)  # not INT4 on the mma layout
     assert int4_kperm.mark_producers(_layer(True, True)) == 0
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_writes_the_k_order(splits):
+    """The Triton attention with kperm (o_proj's input): the output viewed as [T, heads * head_dim]
+    is `permute_x` of the natural one, bit for bit (the same sums, stored elsewhere), with and
+    without split-KV (its reduce kernel stores the rows then)."""
+    import math
+
+    from tests.layers.test_attention import make_case
+    from tokenmill.layers.attention.triton_backend import (
+        TritonAttentionBackend,
+        TritonAttentionConfig,
+    )
+
+    case = make_case([150, 0, 40, 97], [1, 3, 1, 5], 16, 4, 2, torch.float16, "cpu", pad_tokens=2, head_dim=128)
+    backend = TritonAttentionBackend(4, 2, 128, 1.0 / math.sqrt(128), config=TritonAttentionConfig(kv_splits=splits))
+    nat = backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta)
+    out = backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta, kperm=True)
+    t = nat.shape[0]
+    assert torch.equal(out.reshape(t, -1), _permute(nat.reshape(t, -1)))
+    assert not torch.equal(out, nat)

@@ -18,6 +18,7 @@ The contract, as fp8's fused activation codes (`fp8.mark_fused_producers`):
 - the linear takes a marked x as it is on that route and un-permutes it anywhere else
   (`unpermute`: never expected, but always correct).
 TOKENMILL_INT4_KPERM=0 turns it off (the GEMM permutes x itself, as before; for A/B runs).
+The Triton attention's output (o_proj's x) likewise with TOKENMILL_INT4_KPERM_ATTN=1 (`ATTENTION`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ import torch
 from torch import nn
 
 ENABLED = os.environ.get("TOKENMILL_INT4_KPERM", "1") != "0"
+# The attention's output for o_proj too (`LlamaAttention.attend`): off until measured on a GPU
+# (its kernels compile a KPERM variant per launch shape). TOKENMILL_INT4_KPERM_ATTN=1: on.
+ATTENTION = os.environ.get("TOKENMILL_INT4_KPERM_ATTN", "0") == "1"
 _ATTR = "_int4_kperm"
 _READER = "_int4_kperm_reader"
 
@@ -74,11 +78,23 @@ def _int4_mma_linear(layer: nn.Module | None) -> bool:
     return isinstance(method, Int4LinearMethod) and q is not None and q.dim() == 4 and q.is_cuda
 
 
+def _attention_writes_kperm(module: nn.Module) -> bool:
+    """A Llama attention whose own forward hands `attend`'s output to o_proj alone (`attend(...,
+    o_proj_reads=True)`) over the Triton backend, whose kernels can store it permuted."""
+    from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
+    from tokenmill.model.llama import LlamaAttention
+
+    return (isinstance(module, LlamaAttention) and type(module).forward is LlamaAttention.forward
+            and type(module).attend is LlamaAttention.attend
+            and type(getattr(module, "attn", None)).forward is TritonAttentionBackend.forward)
+
+
 def mark_producers(model: nn.Module) -> int:
     """Link each decoder layer's input_layernorm (-> qkv_proj), post_attention_layernorm
     (-> gate_up_proj) and MLP SiLU-and-mul (-> down_proj) to its INT4 linear on the mma layout,
     where the layer (`norms_feed_only_linears`) or MLP (`act_feeds_only_down`) says the linear is
-    the output's one reader. Returns how many were linked."""
+    the output's one reader, and a Llama attention (its Triton kernels' output -> o_proj,
+    `LlamaAttention.attend`). Returns how many were linked."""
     from tokenmill.layers.activation import SiluAndMul
     from tokenmill.layers.norm import RMSNorm
 
@@ -91,6 +107,8 @@ def mark_producers(model: nn.Module) -> int:
                       (getattr(module, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None), RMSNorm)]
         if getattr(mlp, "act_feeds_only_down", False):
             pairs.append((getattr(mlp, "act", None), getattr(mlp, "down_proj", None), SiluAndMul))
+        if ATTENTION and _attention_writes_kperm(module):
+            pairs.append((module, module.o_proj, type(module)))
         for producer, consumer, kind in pairs:
             if type(producer) is kind and _int4_mma_linear(consumer):
                 producer.__dict__[_READER] = weakref.ref(consumer)
