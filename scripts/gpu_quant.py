@@ -927,6 +927,7 @@ PARTS += ["b1profile"]  # scripts/gpu_fp8_b1_profile.py (not by default)
 PARTS += ["int4gemm", "int4profile"]  # scripts/gpu_int4_gemm.py; the int4 engine under profile_one (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4bf16head")  # the int4 engine with the bf16 LM head (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4before")  # session 8's int4 engine, for A/B (not by default)
+PARTS += ["bf16profile"]  # the bf16 engine under profile_one: int4profile's baseline (not by default)
 PARTS += ["w8a8tma"]  # scripts/gpu_fp8_gemm.py (not by default)
 PARTS += ["int4b1"]  # scripts/gpu_int4_b1.py (not by default)
 PART_DEADLINE_ENV = "GPU_QUANT_PART_DEADLINE"  # a part's kill time (time.time()), set for its process
@@ -935,7 +936,8 @@ PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 170, "int4panels"
               "int4sweep": 150, "profile": 150, "w8a8": 100}
 PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90,
                    "b1profile": 118})
-PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80, "int4b1": 150, "int4before": 90})
+PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80, "int4b1": 150, "int4before": 90,
+                   "bf16profile": 120})
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -972,6 +974,10 @@ def run_part(name: str, smoke: bool) -> dict:
             import gpu_quant_fp8
             gpu_quant_fp8.profile_one(results, "int4", smoke, SMOKE if smoke else LLAMA8B,
                                       lambda shape: config_dir(shape, GPTQ_CONFIG), OUT)
+        elif name == "bf16profile":  # the same windows as int4profile, for the bf16 engine
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_quant_fp8
+            gpu_quant_fp8.profile_one(results, "bf16", smoke, SMOKE if smoke else LLAMA8B, config_dir, OUT)
         elif name == "int4b1":
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_int4_b1
@@ -1105,6 +1111,7 @@ def main() -> int:
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
                                                                           "int4panels", "b1", "b1profile", "int4gemm",
                                                                           "int4profile", "int4bf16head", "int4before", "w8a8tma",
+                                                                          "bf16profile",
                                                                           "int4b1")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")
