@@ -1,8 +1,8 @@
 """Triton kernel: silu(gate) * up over a fused [gate | up] projection, in one pass.
 
 Grid (token, column block): each program reads BLOCK gate and BLOCK up values of one token
-and writes BLOCK outputs. KPERM (d a multiple of 64, `quantization.int4_kperm`): output column c
-holds product `kperm_src(c)`, the INT4 swapped GEMM's K order. Numerics are `tokenmill.layers.activation.SiluAndMul`'s: silu in
+and writes BLOCK outputs. KPERM (d a multiple of 64, `quantization.int4_kperm`): product c is
+stored at column `kperm_dst(c)`, the INT4 swapped GEMM's K order. Numerics are `tokenmill.layers.activation.SiluAndMul`'s: silu in
 float32 rounded to the activation dtype (torch's F.silu), then the product rounded again.
 
 Requires triton at import; `tokenmill.layers.activation` imports this module lazily.
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tokenmill.layers.quantization.triton_x_permute import kperm_src
+from tokenmill.layers.quantization.triton_x_permute import kperm_dst
 from tokenmill.layers.triton_ops import pdl
 
 MAX_BLOCK = 1024  # output columns per program, at most
@@ -30,16 +30,16 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, s_x, D: tl.constexpr, BLOCK: tl.constex
     mask = cols < D
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
-    src = kperm_src(cols) if KPERM else cols  # the product this output column holds
     if PAIRED:  # `int4_packing.gate_up_pairs` order: in each 16 columns, 8 gates then their 8 ups
-        g_cols = 16 * (src // 8) + src % 8
+        g_cols = 16 * (cols // 8) + cols % 8
         gate = tl.load(x_ptr + t * s_x + g_cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + t * s_x + g_cols + 8, mask=mask, other=0.0).to(tl.float32)
     else:
-        gate = tl.load(x_ptr + t * s_x + src, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + t * s_x + D + src, mask=mask, other=0.0).to(tl.float32)
+        gate = tl.load(x_ptr + t * s_x + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + t * s_x + D + cols, mask=mask, other=0.0).to(tl.float32)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + t * D + cols, (silu * up).to(dtype), mask=mask)
+    dst = kperm_dst(cols) if KPERM else cols  # KPERM: only the store moves (the reads stay contiguous)
+    tl.store(out_ptr + t * D + dst, (silu * up).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor, paired: bool = False, kperm: bool = False) -> torch.Tensor:
