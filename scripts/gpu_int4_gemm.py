@@ -14,6 +14,7 @@ its own process so that a fault cannot cost the dot set's figures). INT4_GEMM_SE
 Gluon GEMM (`gluon_int4_swap_gemm`: the weight dequantized into wgmma's register operand) beside the
 table's launches (GPUs only).
 INT4_GEMM_SET=swap2: the second round's launches for the skinny linears at 256 rows (`swap2_variants`).
+INT4_GEMM_SET=ahead: session 9's deeper word prefetch at 256 rows (`ahead_variants`).
 INT4_GEMM_LINEARS: only these linears (e.g. down,qkv,o). INT4_GEMM_ROWS: the row counts, in order (default 256,64,1024,128,16,512: what the budget leaves out is
 the last); INT4_GEMM_BUDGET_S caps the timing (default 60 s after compiling); INT4_GEMM_COMPILE_S the
 parallel compile (default 30 s).
@@ -50,6 +51,8 @@ def variants(m: int, smoke: bool) -> list:
         return dot_variants(m, smoke) if smoke else list(dict.fromkeys(swap_variants(m)))
     if os.environ.get("INT4_GEMM_SET") == "swap2":  # session 8's second round: 256 rows, down / qkv / o
         return dot_variants(m, smoke) if smoke else list(dict.fromkeys(swap2_variants(m)))
+    if os.environ.get("INT4_GEMM_SET") == "ahead":  # session 9: the deeper word prefetch, fewer splits
+        return dot_variants(m, smoke) if smoke else list(dict.fromkeys(ahead_variants(m)))
     if smoke:
         return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2), T(32, 16, 4, 1, flat=False, xperm=True,
                                                                           psz=True)]
@@ -178,6 +181,20 @@ def swap2_variants(m: int) -> list:
             S(128, 4, 4, 2, xnat=True), S(64, 4, 4, 2), S(256, 8, 4, ahead=1)]
 
 
+def ahead_variants(m: int) -> list:
+    """Session 9's `SwapTiles` at 256 rows: the words' register prefetch 3 or 4 steps deeper (ahead
+    3, 4: a step of a small tile is shorter than HBM's latency, the loop waits on its words), which
+    may let the skinny linears (down, qkv, o) drop split-K (its fp32 partials cost 15-30 us a call in
+    session 8's sweeps) or take tiles of 64 channels (c64: twice the CTAs), beside the table's."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles as S
+
+    if m != 256:
+        return _table_launches(m)
+    return [*_table_launches(m), S(256, 8, 4, 1, 64, 3), S(128, 8, 5, 2, 64, 4, wtop=True), S(128, 8, 4, 1, 64, 4),
+            S(128, 8, 6, 1, 64, 4, wtop=True), S(128, 4, 4, 1, 64, 4), S(128, 4, 6, 1, 64, 4),
+            S(128, 4, 4, 2, 64, 4)]  # (t256 c64 a4 spills: not listed)
+
+
 def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
     """One launch of any GEMM: `GemmTiles` (triton_int4_mma_gemm), `DotTiles` (triton_int4_dot_gemm),
     `GluonTiles` (gluon_int4_gemm) or `SwapTiles` (gluon_int4_swap_gemm)."""
@@ -265,6 +282,10 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
                       stream_tiles.SplitCounters(n, torch.device(device)).tensor, cycled([w]),
                       cycled([qm, wt.scales, wt.zeros, packed_scales_zeros(wt.scales, wt.zeros),
                               packed_scale_offset(wt.scales, wt.zeros) if cuda else wt.scales]))
+        if cuda:  # every copy's scales carry their packed scales, as the engine's do from load: "engine
+            for _ in range(12):  # before" must not pack them inside its timed graph (session 9: +10 us on qkv)
+                c = data[name][6]()
+                c[1]._int4_dot_sz = c[4]
         del w, wt
     # rows outside, linears inside: the first row count for all four linears first (the budget's cut)
     for m, (name, (n, k)) in [(m, s) for m in rows for s in shapes.items()]:
@@ -308,10 +329,13 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         if os.environ.get("INT4_GEMM_SET") == "dot":
             from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles
             t = DotTiles(64, 128, 64, 4, 4, split=2)
+        elif os.environ.get("INT4_GEMM_SET") == "ahead":  # the deeper prefetch, split-K, in a graph
+            from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles
+            t = SwapTiles(128, 4, 4, 2, 64, 4)  # (a listed launch: compiled already; 64 rows, a ragged tile)
         elif os.environ.get("INT4_GEMM_SET") == "gluon":
             from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles
             t = GluonTiles(64, 128, 4, 4, 2)
-        elif os.environ.get("INT4_GEMM_SET") in ("swap", "swap2"):
+        elif os.environ.get("INT4_GEMM_SET") in ("swap", "swap2", "ahead"):
             from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles
             t = SwapTiles(64, 4, 4, 2)
         else:

@@ -474,6 +474,9 @@ ENGINES = {
     "int4": ({"gptq": True}, ["batch1", "256x256x128"]),
     "int4panels": ({"gptq": True}, ["batch1"]),  # TOKENMILL_INT4_MMA=0: the panel GEMV (engine_part sets it)
     "int4bf16head": ({"gptq": True}, ["batch1"]),  # TOKENMILL_LM_HEAD_8BIT=off: the bf16 head (engine_part sets it)
+    # session 8's INT4 engine: TOKENMILL_INT4_KPERM=0 (the GEMM permutes x), the committed GEMM table
+    # (no TOKENMILL_INT4_GEMM_TABLE): the A/B of the `int4` part (engine_part sets it)
+    "int4before": ({"gptq": True}, ["256x256x128"]),
     "kvfp8": ({"kv_cache_dtype": "fp8"}, ["attention", "1000x512x256", "batch1_16k"]),  # attention: kernels alone
     # What FP8 serving usually means (weights and KV cache): a figure beside the goals, not one of them.
     "fp8kv": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["256x256x128", "1000x512x256"]),
@@ -485,6 +488,7 @@ GOALS = [("fp8", "256x256x128", 1.5, True), ("fp8", "1000x512x256", 1.5, True), 
          ("kvfp8", "batch1_16k", 1.0, False)]
 INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256"), ("int4panels", "batch1")]  # ratios printed, no goal
 INFO.append(("int4bf16head", "batch1"))
+INFO.append(("int4before", "256x256x128"))
 
 
 def _int4_engine_layout_check(results: dict, device: str = "cuda", n: int = 6144, k: int = 4096) -> None:
@@ -528,6 +532,9 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
         os.environ["TOKENMILL_INT4_MMA"] = "0"
     if label == "int4bf16head":  # the int8 head off: A/B against the int4 part's batch 1
         os.environ["TOKENMILL_LM_HEAD_8BIT"] = "off"
+    if label == "int4before":  # this part's process and its engine's: x permuted by the GEMM, the committed table
+        os.environ["TOKENMILL_INT4_KPERM"] = "0"
+        os.environ.pop("TOKENMILL_INT4_GEMM_TABLE", None)
     if label in ("int4", "int4panels", "int4bf16head") and not smoke:  # what the engine times must be right: its layout checked first
         _int4_engine_layout_check(results)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
@@ -919,6 +926,8 @@ PARTS += ["b1"]  # scripts/gpu_fp8_batch1.py (not by default)
 PARTS += ["b1profile"]  # scripts/gpu_fp8_b1_profile.py (not by default)
 PARTS += ["int4gemm", "int4profile"]  # scripts/gpu_int4_gemm.py; the int4 engine under profile_one (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4bf16head")  # the int4 engine with the bf16 LM head (not by default)
+PARTS.insert(PARTS.index("int4") + 1, "int4before")  # session 8's int4 engine, for A/B (not by default)
+PARTS += ["bf16profile"]  # the bf16 engine under profile_one: int4profile's baseline (not by default)
 PARTS += ["w8a8tma"]  # scripts/gpu_fp8_gemm.py (not by default)
 PARTS += ["int4b1"]  # scripts/gpu_int4_b1.py (not by default)
 PART_DEADLINE_ENV = "GPU_QUANT_PART_DEADLINE"  # a part's kill time (time.time()), set for its process
@@ -927,7 +936,8 @@ PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 170, "int4panels"
               "int4sweep": 150, "profile": 150, "w8a8": 100}
 PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90,
                    "b1profile": 118})
-PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80, "int4b1": 150})
+PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80, "int4b1": 150, "int4before": 90,
+                   "bf16profile": 120})
 
 
 def run_part(name: str, smoke: bool) -> dict:
@@ -964,6 +974,10 @@ def run_part(name: str, smoke: bool) -> dict:
             import gpu_quant_fp8
             gpu_quant_fp8.profile_one(results, "int4", smoke, SMOKE if smoke else LLAMA8B,
                                       lambda shape: config_dir(shape, GPTQ_CONFIG), OUT)
+        elif name == "bf16profile":  # the same windows as int4profile, for the bf16 engine
+            sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+            import gpu_quant_fp8
+            gpu_quant_fp8.profile_one(results, "bf16", smoke, SMOKE if smoke else LLAMA8B, config_dir, OUT)
         elif name == "int4b1":
             sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
             import gpu_int4_b1
@@ -1096,7 +1110,8 @@ def main() -> int:
     ap.add_argument("--parts", default=",".join(p for p in PARTS if p not in ("tune", "sweep", "int4sweep", "profile", "w8a8",
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
                                                                           "int4panels", "b1", "b1profile", "int4gemm",
-                                                                          "int4profile", "int4bf16head", "w8a8tma",
+                                                                          "int4profile", "int4bf16head", "int4before", "w8a8tma",
+                                                                          "bf16profile",
                                                                           "int4b1")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
     ap.add_argument("--budget", type=float, default=470.0, help="seconds for all parts together")

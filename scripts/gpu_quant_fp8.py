@@ -87,11 +87,11 @@ def profile_one(results: dict, label: str, smoke: bool, shape: dict, config_dir,
     n = 4 if smoke else B1_STEPS
     fixed = prompts(1, 512 if not smoke else 16)
     runs = {}
-    for tokens in (1, 1 + n):
+    for tokens in (1, 1 + n) if os.environ.get("PROFILE_SKIP_B1") != "1" else ():  # (=1: 256 rows and prefill only)
         params1 = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, detokenize=False)
         llm.generate(fixed, params1, use_tqdm=False)
         runs[tokens] = _profiled(llm, fixed, params1, cuda)
-    if runs[1] and runs[1 + n]:
+    if runs.get(1) and runs.get(1 + n):
         long, short = runs[1 + n], runs[1]
         groups = {g: (long["groups_us"].get(g, 0.0) - short["groups_us"].get(g, 0.0)) / n
                   for g in set(long["groups_us"]) | set(short["groups_us"])}

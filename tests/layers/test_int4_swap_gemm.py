@@ -132,11 +132,12 @@ def test_ptx_dequantization_emulated():
                 assert got == want.to(torch.bfloat16).item(), (trial, k, b)
 
 
-@pytest.mark.parametrize("wtop", [0, 1])
-def test_compiles_for_sm90_with_wgmma_in_flight(wtop):
+@pytest.mark.parametrize("wtop,ahead,bt", [(0, 2, 256), (1, 2, 256), (0, 3, 128), (1, 4, 128)])
+def test_compiles_for_sm90_with_wgmma_in_flight(wtop, ahead, bt):
     """Offline sm_90 compile (no GPU): register-A HGMMAs, the loop's wgmma left in flight
     (`WARPGROUP.DEPBAR.LE gsb0, 0x1`), the loop's two call sites dequantizing into disjoint
-    registers (the wgmma in flight reads the other set), no local memory."""
+    registers (the wgmma in flight reads the other set), no local memory; the deeper word prefetch
+    (AHEAD 3, 4: the loads of 4, 5 steps in flight) included."""
     pytest.importorskip("triton.experimental.gluon")
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
@@ -149,7 +150,7 @@ def test_compiles_for_sm90_with_wgmma_in_flight(wtop):
         _swap_gemm_kernel as fn,
     )
 
-    const = {"GROUP": 128, "BT": 256, "BK": 64, "STAGES": 4 + wtop, "AHEAD": 2, "SPLIT_K": False,
+    const = {"GROUP": 128, "BT": bt, "BK": 64, "STAGES": 4 + wtop, "AHEAD": ahead, "SPLIT_K": False,
              "XNAT": False, "CPW": 1, "WTOP": wtop}
     ptrs = {"x_ptr": "bf16", "w_ptr": "i32", "sz_ptr": "i32", "out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
     sig, attrs = {}, {}
@@ -166,7 +167,7 @@ def test_compiles_for_sm90_with_wgmma_in_flight(wtop):
                             options={"num_warps": 8})
     fig, sass = sass_tools.disassemble(kernel)
     assert fig["stack"] == 0, fig
-    hgmma = re.findall(r"HGMMA\.64x256x16\.F32\.BF16 R\d+, (R\d+), gdesc", sass)
+    hgmma = re.findall(rf"HGMMA\.64x{bt}x16\.F32\.BF16 R\d+, (R\d+), gdesc", sass)
     assert len(hgmma) == 16, hgmma  # 4 k16 steps x (peeled step, two loop call sites, last step)
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     if wtop:  # two steps' wgmmas in flight at the end of a step

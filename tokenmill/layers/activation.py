@@ -33,9 +33,20 @@ class SiluAndMul(nn.Module):
                 return silu_and_mul_quant(x, write_out=not codes_only(self))
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
+            if self.int4_kperm(x):  # written in the INT4 swapped GEMM's K order, marked
+                from tokenmill.layers.quantization import int4_kperm
+                return int4_kperm.mark(silu_and_mul(x, kperm=True), True)
             return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
+
+    def int4_kperm(self, x: torch.Tensor) -> bool:
+        """Whether this call (x [rows, 2 d]) writes its product in the INT4 swapped GEMM's K order
+        (`quantization.int4_kperm`: linked to down_proj, which takes these rows with that GEMM)."""
+        if "_int4_kperm_reader" not in self.__dict__ or x.dim() != 2:
+            return False
+        from tokenmill.layers.quantization import int4_kperm
+        return int4_kperm.wanted(self, x, x.shape[0], x.shape[1] // 2, x.dtype)
 
 
 class GeluTanhAndMul(nn.Module):

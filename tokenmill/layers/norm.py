@@ -85,6 +85,9 @@ class RMSNorm(nn.Module):
             return rms_norm_quant(x, None, self.weight, self.eps, out_dtype, write_out=not codes_only(self))
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import rms_norm
+            if _int4_kperm(self, x, out_dtype):  # written in the INT4 swapped GEMM's K order, marked
+                from tokenmill.layers.quantization import int4_kperm
+                return int4_kperm.mark(rms_norm(x, self.weight, self.eps, out_dtype, kperm=True), True)
             return rms_norm(x, self.weight, self.eps, out_dtype)
         weight = self.weight
         if out_dtype == torch.bfloat16 and cpu_norm.supports(x, weight, out_dtype):  # CPU bf16: one C pass
@@ -124,12 +127,25 @@ class RMSNorm(nn.Module):
                                   write_out=not codes_only(self)), residual
         if triton_ops.enabled(x):
             from tokenmill.layers.triton_ops.rms_norm import fused_add_rms_norm
+            if _int4_kperm(self, x, x.dtype):  # written in the INT4 swapped GEMM's K order, marked
+                from tokenmill.layers.quantization import int4_kperm
+                normed, residual = fused_add_rms_norm(x, residual, self.weight, self.eps, kperm=True)
+                return int4_kperm.mark(normed, True), residual
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
         out_dtype = out_dtype or x.dtype
         if cpu_norm.supports(residual, self.weight, out_dtype, x):  # CPU bf16: the add and the norm in one pass
             return cpu_norm.add_rms_norm(residual, self.weight, self.eps, x)
         residual = residual + x
         return self.forward(residual, out_dtype=out_dtype), residual
+
+
+def _int4_kperm(norm: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether this call writes its output in the INT4 swapped GEMM's K order (`int4_kperm`: the
+    norm is linked to its INT4 linear, which takes these rows with that GEMM)."""
+    if "_int4_kperm_reader" not in norm.__dict__ or x.dim() != 2:
+        return False
+    from tokenmill.layers.quantization import int4_kperm
+    return int4_kperm.wanted(norm, x, x.shape[0], x.shape[1], out_dtype)
 
 
 def _fp8_codes_wanted(norm: nn.Module, x: torch.Tensor, out_dtype: torch.dtype) -> bool:

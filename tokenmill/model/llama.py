@@ -66,16 +66,18 @@ class LlamaAttention(nn.Module):
         `lora_into`: the stream the output is added to next (o_proj's LoRA delta may go there)."""
         qkv32 = qk_norm.qkv_float32(self.qkv_proj, hidden) if self.qk_norm_f32 else None
         qkv = qkv32 if qkv32 is not None else self.qkv_proj(hidden)  # (its LoRA deltas included: `Linear.rebind`)
-        out = self.attend(qkv, rope, kv_cache, meta, hidden.dtype)
+        out = self.attend(qkv, rope, kv_cache, meta, hidden.dtype, o_proj_reads=True)
         if residual is None:
             return self.o_proj(out, lora_into)
         return self.o_proj.forward_add(out, residual)
 
     def attend(self, qkv: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
-               act_dtype: torch.dtype | None = None) -> torch.Tensor:
+               act_dtype: torch.dtype | None = None, o_proj_reads: bool = False) -> torch.Tensor:
         """From the qkv projection's output to the input of o_proj ([tokens, q_size]): q/k norms,
         rotary, the KV-cache write and attention. A float32 `qkv` of a half-precision model
-        (`act_dtype`; q/k-norm families on CUDA, `qk_norm.qkv_float32`) is rounded once, after them."""
+        (`act_dtype`; q/k-norm families on CUDA, `qk_norm.qkv_float32`) is rounded once, after them.
+        `o_proj_reads`: the caller hands the result, as it is, to o_proj alone (`forward`), so an INT4
+        o_proj may get it in its swapped GEMM's K order (`quantization.int4_kperm`, marked)."""
         qkv32 = qkv if self.qk_norm and act_dtype is not None and qkv.dtype != act_dtype else None
         num_tokens = qkv.shape[0]
         fused = False  # rotary and the KV-cache write in one kernel (the attention backend's)
@@ -99,6 +101,11 @@ class LlamaAttention(nn.Module):
             q, k = rope.rotate(qk).split([self.num_heads, self.num_kv_heads], dim=1)
             v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
         rotary = {"rope": rope} if fused else {}
+        if o_proj_reads and "_int4_kperm_reader" in self.__dict__:
+            from tokenmill.layers.quantization import int4_kperm
+            if int4_kperm.wanted(self, q, num_tokens, self.q_size, q.dtype):
+                out = self.attn.forward(q, k, v, kv_cache, meta, **rotary, kperm=True).reshape(-1, self.q_size)
+                return int4_kperm.mark(out, True)
         return self.attn.forward(q, k, v, kv_cache, meta, **rotary).reshape(-1, self.q_size)
 
 

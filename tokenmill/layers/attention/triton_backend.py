@@ -211,9 +211,10 @@ class TritonAttentionBackend(AttentionBackend):
             torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None, kperm: bool = False) -> torch.Tensor:
         """`rope` (where `fuses_rope`): q and k are unrotated; one kernel rotates q in place and
-        writes k rotated, with v, into the cache."""
+        writes k rotated, with v, into the cache. `kperm` (head_dim a multiple of 64): each head's output in the
+        INT4 swapped GEMM's K order (`quantization.int4_kperm`, for o_proj)."""
         from tokenmill.layers.attention import triton_kv_write, triton_paged_attention, triton_rope_kv_write
 
         if kv_cache.stride(-1) != 1:
@@ -241,7 +242,7 @@ class TritonAttentionBackend(AttentionBackend):
             early_v_load=plan.early_v_load, fp8_convert_on_load=plan.fp8_convert_on_load, table_prefetch=plan.table_prefetch,
             v_transposed=v_trans,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-            k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks)
+            k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks, kperm=kperm)
 
     def v_transposed(self, kv_cache: torch.Tensor) -> bool:
         """Whether this backend stores `kv_cache`'s values transposed per block (fp8_v_transposed)."""

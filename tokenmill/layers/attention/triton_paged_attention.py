@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from tokenmill.layers.attention.backend import check_v_transposable
+from tokenmill.layers.quantization.triton_x_permute import kperm_dst
 from tokenmill.layers.triton_ops import pdl
 
 LOG2E = 1.4426950408889634
@@ -280,6 +281,7 @@ def _paged_attention_kernel(
     USE_PDL: tl.constexpr = False,  # `pdl`: launched early, waits for the kernel before it before reading anything
     cnt_ptr=None,  # FUSED_REDUCE: int32 counters, one per (tile, KV head), zero between launches
     FUSED_REDUCE: tl.constexpr = False,  # SPLIT: the last split program of a (tile, KV head) merges the partials
+    KPERM: tl.constexpr = False,  # out's head_dim in the INT4 swapped GEMM's K order (`int4_kperm`)
 ):
     pdl.launch_dependents(USE_PDL)
     pdl.wait(USE_PDL)
@@ -419,7 +421,8 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
         if FUSED_REDUCE:
             _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr + tile * (NUM_HEADS // GROUP) + kv_head,
-                           tok, head, row_valid, offs_d, d_valid, num_splits, s_ot, s_oh, NUM_HEADS, HEAD_DIM_PAD, PTX)
+                           tok, head, row_valid, offs_d, kperm_dst(offs_d) if KPERM else offs_d, d_valid, num_splits,
+                           s_ot, s_oh, NUM_HEADS, HEAD_DIM_PAD, PTX)
     else:
         if SINKS:  # the sink in the log2 domain, as one more (valueless) key
             sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
@@ -428,12 +431,13 @@ def _paged_attention_kernel(
             acc = acc * rescale[:, None]
             l_i = l_i * rescale + tl.exp2(sink - m_fin)
         o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
+        offs_o = kperm_dst(offs_d) if KPERM else offs_d  # (a permutation inside each 64 of head_dim)
+        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_o[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
 
 
 @triton.jit
-def _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt, tok, head, row_valid, offs_d, d_valid,
+def _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt, tok, head, row_valid, offs_d, offs_o, d_valid,
                    num_splits, s_ot, s_oh, NUM_HEADS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PTX: tl.constexpr):
     """FUSED_REDUCE: the program's partials made visible GPU-wide, it counts itself in for its
     (tile, KV head); the last of the num_splits merges all the splits' partials of its rows (as
@@ -460,7 +464,7 @@ def _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt, tok, head
             num += tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=row_valid[:, None],
                            other=0.0, cache_modifier=".cg") * wgt[:, None]
         o = num / tl.where(den > 0.0, den, 1.0)[:, None]
-        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_d[None, :],
+        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_o[None, :],  # offs_o: KPERM's order
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
         tl.atomic_xchg(cnt, 0)
 
@@ -470,7 +474,7 @@ def _reduce_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, qsl_ptr, sinks_ptr,
     num_seqs, num_splits, s_ot, s_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
-    SINKS: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    SINKS: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False, KPERM: tl.constexpr = False,
 ):
     """One program per (row, head): merge the split partials; rows past the last sequence get zeros.
     The shares' accumulators are read CHUNK at a time (the maxima and sums of all of them first)."""
@@ -502,7 +506,8 @@ def _reduce_splits_kernel(
     if SINKS:
         den += tl.where(num_shares > 0, tl.exp2(sink - m_max), 0.0)
     o = num / tl.where(den > 0.0, den, 1.0)
-    tl.store(out_ptr + row.to(tl.int64) * s_ot + head * s_oh + offs_d, o.to(out_ptr.dtype.element_ty),
+    offs_o = kperm_dst(offs_d) if KPERM else offs_d
+    tl.store(out_ptr + row.to(tl.int64) * s_ot + head * s_oh + offs_o, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
 
@@ -536,9 +541,11 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     fp8_convert_on_load: bool | int = False, table_prefetch: bool = False,
                     v_transposed: bool = False, sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, kperm: bool = False) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
     `sinks`: [num_heads] sink logits (read as float32), or None.
+    `kperm` (head_dim a multiple of 64): each head's output in the INT4 swapped GEMM's K order
+    (`quantization.int4_kperm`; out viewed as [T, num_heads * head_dim] is `permute_x` of the natural one).
 
     The launch depends only on shapes and the arguments given here, never on device data.
     `interior`: walk the tiles every row sees whole without masks (False: mask every tile).
@@ -559,6 +566,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
+    if kperm and head_dim % 64:
+        raise ValueError(f"paged_attention kperm: head_dim {head_dim} must be a multiple of 64")
     if num_splits > max_splits:
         raise ValueError(f"num_splits={num_splits} exceeds max_splits={max_splits} (the reduce's size)")
     group = num_heads // num_kv_heads
@@ -608,7 +617,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         LOOKUP_BLOCKS=lookup_blocks and block_n % kv_cache.shape[2] == 0, WINDOWED=sliding_window is not None,
         F8_QK=f8_qk, F8_PV=f8_pv, EARLY_V=early_v_load, CVT_ON_LOAD=cvt_on_load,
         E5M2=kv_cache.dtype == torch.float8_e5m2, PREFETCH_TABLE=table_prefetch, PTX=not _INTERPRETED,
-        V_TRANS=v_transposed,
+        V_TRANS=v_transposed, KPERM=kperm,
         num_warps=num_warps,
         num_stages=num_stages,
         cnt_ptr=counters, FUSED_REDUCE=counters is not None,
@@ -619,6 +628,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             out, part_m, part_l, part_acc, query_start_loc, sinks_f32, num_seqs, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, MAX_SPLITS=max_splits,
-            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK), **pdl.launch_kwargs(q.device),
+            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK), KPERM=kperm, **pdl.launch_kwargs(q.device),
         )
     return out

@@ -176,11 +176,13 @@ def _issue_x(x_smem, x_ptrs, t_mask, step, slot, BK: gl.constexpr, x_ptr, XNAT: 
 
 
 @gluon.jit
-def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N, x_ptr,
+def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, w, s0, last, N, x_ptr,
           a_l: gl.constexpr, BC: gl.constexpr, BK: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
           AHEAD: gl.constexpr, XNAT: gl.constexpr, WTOP: gl.constexpr):
-    """Step i (of the slice from s0): its words (wa) dequantized while wgmma i - 1 runs, its wgmma
-    left in flight once i - 1's is retired, the words AHEAD steps on loaded, x of step
+    """Step i (of the slice from s0): its words (w[0]) dequantized while wgmma i - 1 runs, its wgmma
+    left in flight once i - 1's is retired, the words of step i + AHEAD + 1 loaded (w: the words,
+    scales and offsets of steps i .. i + AHEAD, each a (words, lo, hi) triple: the loads of AHEAD + 1
+    steps in flight, a deeper register prefetch hides HBM's latency where a step is short), x of step
     i + STAGES - 2 issued into the stage wgmma i - 2 left (every warp retired it before the barrier).
     WTOP: wgmma i - 2 is retired at the top instead, after the barrier, so that no barrier waits for
     the other warpgroup's wgmma: the dequantization has both warpgroups' wgmma i - 1 to hide behind;
@@ -194,14 +196,17 @@ def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, h
     else:
         cp.wait_group(STAGES - 3)  # step i's x landed (this thread's copies) ...
         _barrier()  # ... everyone's
+    wa, la, ha = w[0]
     a = _dequant(wa, la, ha, a_l, BC, BK)
-    if AHEAD == 2:
-        wa, la, ha = wb, lb, hb
-        wb, lb, hb = wc, lc, hc
-        wc, lc, hc = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + i + 3, last), N, BK, GROUP)
+    nxt = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + i + AHEAD + 1, last), N, BK, GROUP)
+    if AHEAD == 4:
+        w = (w[1], w[2], w[3], w[4], nxt)
+    elif AHEAD == 3:
+        w = (w[1], w[2], w[3], nxt)
+    elif AHEAD == 2:
+        w = (w[1], w[2], nxt)
     else:
-        wa, la, ha = wb, lb, hb
-        wb, lb, hb = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + i + 2, last), N, BK, GROUP)
+        w = (w[1], nxt)
     acc = warpgroup_mma(a, x_smem.index(i % STAGES).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
     if WTOP:  # i - 1 and i stay in flight (the wait only hands the loop a tensor)
         acc = warpgroup_mma_wait(num_outstanding=2, deps=[acc])
@@ -209,7 +214,7 @@ def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, h
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
         _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + i + STAGES - 2, last), (i + STAGES - 2) % STAGES, BK,
                  x_ptr, XNAT)
-    return acc, wa, la, ha, wb, lb, hb, wc, lc, hc
+    return acc, w
 
 
 @gluon.jit(do_not_specialize=["M"])  # one compile per launch serves every row count
@@ -277,28 +282,34 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
     last = s0 + n_k - 1
     for s in gl.static_range(STAGES - 2 - WTOP):  # x: STAGES - 2 (- 1) steps in flight, one read, one (two) retiring
         _issue_x(x_smem, x_ptrs, t_mask, gl.minimum(s0 + s, last), s, BK, x_ptr, XNAT)
-    wa, la, ha = _load_words(w_ptrs, sz_ptrs, s0, N, BK, GROUP)
-    wb, lb, hb = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 1, last), N, BK, GROUP)
-    wc, lc, hc = wb, lb, hb
-    if AHEAD == 2:
-        wc, lc, hc = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 2, last), N, BK, GROUP)
+    # the words, scales and offsets of steps 0 .. AHEAD (clamped to the slice: a short slice reloads
+    # its last step, never reads past it)
+    w0 = _load_words(w_ptrs, sz_ptrs, s0, N, BK, GROUP)
+    w1 = _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 1, last), N, BK, GROUP)
+    if AHEAD == 4:
+        w = (w0, w1, _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 2, last), N, BK, GROUP),
+             _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 3, last), N, BK, GROUP),
+             _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 4, last), N, BK, GROUP))
+    elif AHEAD == 3:
+        w = (w0, w1, _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 2, last), N, BK, GROUP),
+             _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 3, last), N, BK, GROUP))
+    elif AHEAD == 2:
+        w = (w0, w1, _load_words(w_ptrs, sz_ptrs, gl.minimum(s0 + 2, last), N, BK, GROUP))
+    else:
+        w = (w0, w1)
     acc = gl.zeros([BC, BT], gl.float32, layout=acc_l)
     # Steps 0 (peeled: the accumulator's last writer before the final wait is a wgmma on every
     # path), 1 .. n_k - 2 two a trip, n_k - 1: each call site dequantizes into registers of its
     # own, which the wgmma still in flight (the previous step's, another call site's) never reads.
-    acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
-        0, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-        x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
+    acc, w = _step(0, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, w, s0, last, N,
+                   x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
     for i in range(1, n_k - 1, 2):
-        acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
-            i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-            x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
-        acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
-            i + 1, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-            x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
-    acc, wa, la, ha, wb, lb, hb, wc, lc, hc = _step(
-        n_k - 1, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, wa, la, ha, wb, lb, hb, wc, lc, hc, s0, last, N,
-        x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
+        acc, w = _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, w, s0, last, N,
+                       x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
+        acc, w = _step(i + 1, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, w, s0, last, N,
+                       x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
+    acc, w = _step(n_k - 1, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, w, s0, last, N,
+                   x_ptr, a_l, BC, BK, GROUP, STAGES, AHEAD, XNAT, WTOP)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     cp.wait_group(0)
 
@@ -325,11 +336,12 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
 
 def swap_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
               tiles: SwapTiles | None = None, sz: torch.Tensor | None = None,
-              counters: torch.Tensor | None = None) -> torch.Tensor:
+              counters: torch.Tensor | None = None, x_kperm: bool = False) -> torch.Tensor:
     """x [M, K] bf16 @ W^T -> [M, N]; W in the mma layout, scales / zeros [G, N] bf16 (or `sz` from
     `triton_int4_dot_gemm.packed_scale_offset`). CUDA and bf16 only. tiles.split > 1: K cut into
     that many slices (the largest dividing the steps up to it), needs `counters` (zeroed int32, one
-    per output tile; without them, or too few, no split)."""
+    per output tile; without them, or too few, no split). x_kperm: x's columns already in the K
+    order the kernel reads (written so by its producer: `int4_kperm`), read as they are."""
     t = tiles or SwapTiles()
     m, k = x.shape
     n = qm.shape[0] * 16
@@ -343,7 +355,9 @@ def swap_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: to
         return out
     if t.xnat and m * k >= 2 ** 31:
         raise ValueError(f"gluon int4 swap GEMM: x [{m}, {k}] too large for the gathered read's int32 offsets")
-    xp = x.contiguous() if t.xnat else permute_x(x)
+    if x_kperm and t.xnat:
+        raise ValueError("gluon int4 swap GEMM: x in the fragment K order for the gathered read (xnat)")
+    xp = x.contiguous() if t.xnat or x_kperm else permute_x(x)
     if sz is None:
         sz = _cached_scale_offset(scales, zeros)
     n_tiles = triton.cdiv(m, t.block_t) * (n // block_c)

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.quantization import int4_kperm, stream_tiles
 from tokenmill.layers.quantization import int4_packing as packing
-from tokenmill.layers.quantization import stream_tiles
 from tokenmill.layers.quantization.base import LinearMethod, ParamLayout, new_param, replace_param
 from tokenmill.quant_config import QuantConfig
 
@@ -324,11 +324,14 @@ class Int4LinearMethod(LinearMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         k = x.shape[-1]
+        kperm = int4_kperm.marked(x)  # written by its producer in the swapped GEMM's K order
+        if kperm and not (x.is_cuda and layer.qweight.dim() == 4):
+            x, kperm = int4_kperm.unpermute(x), False
         if x.is_cuda:
             from tokenmill.layers.quantization.triton_int4 import int4_matmul
 
             out = int4_matmul(x.reshape(-1, k), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
-                            self.config.group_size, layer.stream_counters.tensor)
+                              self.config.group_size, layer.stream_counters.tensor, x_kperm=kperm)
             if getattr(layer, "pair_order", None) is not None:  # a paired [gate | up] weight: natural order
                 out = out.index_select(-1, layer.pair_order)
             if bias is not None:
@@ -353,13 +356,17 @@ class Int4LinearMethod(LinearMethod):
         from tokenmill.layers.quantization import triton_int4_mma as mma
         from tokenmill.layers.triton_ops.silu_and_mul import silu_and_mul
 
+        kperm = int4_kperm.marked(x)
         x2 = x.reshape(rows, x.shape[-1])
         args = (layer.qweight, layer.scales, layer.zeros, self.config.group_size)
         if rows <= mma.ROWS:
-            out = mma.mma_gemv(x2, *args, counters=layer.stream_counters.tensor, silu=True)
-        else:
-            out = silu_and_mul(mma.mma_matmul(x2, *args, layer.stream_counters.tensor), paired=True)
-        return out.view(*x.shape[:-1], out.shape[-1])
+            out = mma.mma_gemv(int4_kperm.unpermute(x2) if kperm else x2, *args, counters=layer.stream_counters.tensor,
+                               silu=True)
+        else:  # the product in down_proj's swapped GEMM's K order where it takes these rows (`int4_kperm`)
+            h = mma.mma_matmul(x2, *args, layer.stream_counters.tensor, x_kperm=kperm)
+            out_kperm = h.dim() == 2 and act.int4_kperm(h)
+            out = int4_kperm.mark(silu_and_mul(h, paired=True, kperm=out_kperm), out_kperm)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (a view drops the mark)
 
     def describe(self) -> str:
         return self.config.describe()

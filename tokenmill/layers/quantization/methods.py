@@ -7,6 +7,7 @@ once every checkpoint tensor is in. Layers the config ignores (by HF module name
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -16,6 +17,8 @@ from tokenmill.layers.linear import UNQUANTIZED, Linear
 from tokenmill.layers.parallel_linear import RowParallelLinear
 from tokenmill.layers.quantization.base import LinearMethod
 from tokenmill.quant_config import QuantConfig
+
+logger = logging.getLogger(__name__)
 
 # Fused linears and the HF modules they stand for (an ignore list names the HF ones).
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -82,6 +85,11 @@ def process_weights_after_loading(model: nn.Module) -> None:
             module.rebind()  # the weights are final: each layer's forward is decided for them (`Linear.rebind`)
     from tokenmill.layers.quantization.fp8 import mark_fused_producers
     mark_fused_producers(model)  # norms / activations that feed W8A8 linears quantize for them
+    from tokenmill.layers.quantization import int4_kperm
+    linked = int4_kperm.mark_producers(model)  # ... and write INT4 linears' input in the swapped GEMM's K order
+    if linked:
+        logger.info("int4: %d norms / activations write their INT4 linear's input in the swapped GEMM's K order "
+                    "where it takes the rows (TOKENMILL_INT4_KPERM=%d)", linked, int(int4_kperm.ENABLED))
     from tokenmill.layers.quantization import lm_head_8bit
     lm_head_8bit.attach(model)  # (opt-in: TOKENMILL_LM_HEAD_8BIT=int8|fp8)
 

@@ -131,13 +131,15 @@ def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
 
 
 def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                g_idx: torch.Tensor | None, group_size: int, counters: torch.Tensor | None = None) -> torch.Tensor:
+                g_idx: torch.Tensor | None, group_size: int, counters: torch.Tensor | None = None,
+                x_kperm: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T. Without act-order: `triton_int4_stream` (GEMV / split-K at small batches,
     tensor-core tiles above) below `stream_tiles.INT4_DEQUANT_MIN_ROWS` rows. Act-order (g_idx):
     the per-channel-group kernel below DEQUANT_MIN_ROWS rows. Above either: dequantize + cuBLAS.
     counters: the layer's split-K counters (`stream_tiles.SplitCounters`). qweight in panels
     (3-D, `int4_packing.to_panels`; no act-order): one row takes the GEMV of `triton_int4_gemv`.
-    qweight in the mma layout (4-D, `int4_packing.to_mma`): `triton_int4_mma.mma_matmul`."""
+    qweight in the mma layout (4-D, `int4_packing.to_mma`): `triton_int4_mma.mma_matmul`.
+    x_kperm: x's columns in the swapped GEMM's K order (`int4_kperm`), put back for any other path."""
     from tokenmill.layers.quantization import stream_tiles
 
     m = x.shape[0]
@@ -145,7 +147,11 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if qweight.dim() == 4:  # the tensor-core GEMV's layout (`int4.for_device`): every row count
         from tokenmill.layers.quantization.triton_int4_mma import mma_matmul
 
-        return mma_matmul(x, qweight, scales, zeros, group_size, counters)
+        return mma_matmul(x, qweight, scales, zeros, group_size, counters, x_kperm=x_kperm)
+    if x_kperm:
+        from tokenmill.layers.quantization.int4_kperm import unpermute
+
+        x = unpermute(x)
     if m == 1 and qweight.dim() == 3:
         from tokenmill.layers.quantization.triton_int4_gemv import int4_gemv
 

@@ -28,6 +28,7 @@ Torch reference: `int4_packing.dequantize` (of `from_mma`) then a matmul.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -225,6 +226,18 @@ class SwapTiles:
     def block_m(self) -> int:  # the rows of x a CTA takes, as the other launches name it
         return self.block_t
 
+    @classmethod
+    def parse(cls, label: str) -> SwapTiles:
+        """The inverse of `label` ("swap t128 c128 w8 st5 s2 a3 wt")."""
+        import re
+
+        m = re.fullmatch(r"swap t(\d+) c(\d+) w(\d+) st(\d+)(?: s(\d+))?( k128)? a(\d+)( xn)?( wt)?", label.strip())
+        if m is None:
+            raise ValueError(f"not a swapped GEMM launch label: {label!r}")
+        t, c, w, st, split, k128, ahead, xn, wt = m.groups()
+        return cls(int(t), int(w), int(st), int(split or 1), 128 if k128 else 64, int(ahead), bool(xn),
+                   int(c) // (16 * int(w)), bool(wt))
+
     def label(self) -> str:
         return (f"swap t{self.block_t} c{16 * self.warps * self.cpw} w{self.warps} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
                 f"{' k128' if self.block_k == 128 else ''} a{self.ahead}{' xn' if self.xnat else ''}{' wt' if self.wtop else ''}")
@@ -257,6 +270,25 @@ TABLE: dict[tuple[int, int, int], DotTiles | GluonTiles | SwapTiles] = {
     (256, 4096, 14336): SwapTiles(256, 8, 5, 4, 64, 2, False, 1, True),  # 78.9 (93.6; 49.0); 73.8 (47.9)
     (256, 6144, 4096): SwapTiles(128, 8, 5, 1, 64, 2, False, 1, True),  # third round 36.3 (40.8; 22.6)
 }
+
+
+def table_override(text: str) -> dict[tuple[int, int, int], SwapTiles | None]:
+    """TOKENMILL_INT4_GEMM_TABLE ("256,4096,14336=swap t128 c128 w8 st5 s2 a3 wt;256,4096,4096=none"):
+    TABLE entries replaced by swapped-GEMM launches, or removed ("none": the other paths), for A/B
+    runs of a sweep's winners without a commit."""
+    out: dict[tuple[int, int, int], SwapTiles | None] = {}
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        key, _, label = item.partition("=")
+        bucket, n, k = (int(v) for v in key.split(","))
+        out[(bucket, n, k)] = None if label.strip() == "none" else SwapTiles.parse(label)
+    return out
+
+
+for _key, _t in table_override(os.environ.get("TOKENMILL_INT4_GEMM_TABLE", "")).items():
+    if _t is None:
+        TABLE.pop(_key, None)
+    else:
+        TABLE[_key] = _t
 BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
 # False after a failed start-up self-test: every row count takes the other paths.
 ENABLED = True
@@ -278,8 +310,13 @@ def dot_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bfl
 
 
 def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-        tiles: DotTiles | GluonTiles | SwapTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """The launch `dot_tiles` chose: this module's GEMM or a Gluon one."""
+        tiles: DotTiles | GluonTiles | SwapTiles, counters: torch.Tensor | None = None,
+        x_kperm: bool = False) -> torch.Tensor:
+    """The launch `dot_tiles` chose: this module's GEMM or a Gluon one (x_kperm: x already in the
+    swapped GEMM's K order; that GEMM only, without the gathered read)."""
+    if x_kperm and not (isinstance(tiles, SwapTiles) and not tiles.xnat):
+        raise ValueError(f"int4 GEMM: x in the swapped GEMM's K order for a launch that reads it natural "
+                         f"({tiles.label()})")
     if isinstance(tiles, GluonTiles):
         from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
 
@@ -287,7 +324,7 @@ def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Te
     if isinstance(tiles, SwapTiles):
         from tokenmill.layers.quantization.gluon_int4_swap_gemm import swap_gemm
 
-        return swap_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
+        return swap_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters, x_kperm=x_kperm)
     return dot_gemm(x, qm, scales, zeros, group_size, tiles, counters)
 
 

@@ -957,18 +957,30 @@ def mma_dequantize(qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 
 
 def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-               counters: torch.Tensor | None = None) -> torch.Tensor:
+               counters: torch.Tensor | None = None, x_kperm: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T for any M: the GEMV up to 8 rows; above, a GEMM on this layout
     (`triton_int4_dot_gemm`, then `triton_int4_mma_gemm`) where its table lists the rows and
-    shape, else the GEMV per 8 rows up to LOOP_MAX_ROWS, else dequantize + cuBLAS."""
+    shape, else the GEMV per 8 rows up to LOOP_MAX_ROWS, else dequantize + cuBLAS. x_kperm: x's
+    columns already in the swapped GEMM's K order (`int4_kperm`): that GEMM reads it as it is,
+    every other path after putting it back."""
     m = x.shape[0]
+    n, k = qm.shape[0] * 16, qm.shape[1] * 64
+    group = k if group_size == -1 else group_size
+    if x_kperm:
+        from tokenmill.layers.quantization import int4_kperm
+
+        if int4_kperm.swap_route(m, n, k, group, x.dtype):
+            from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+
+            return dot.run(x, qm, scales, zeros, group_size, dot.dot_tiles(m, n, k, group, x.dtype), counters,
+                           x_kperm=True)
+        x = int4_kperm.unpermute(x)
     if m <= ROWS:
         return mma_gemv(x, qm, scales, zeros, group_size, counters=counters)
     from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
     from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
 
-    n, k = qm.shape[0] * 16, qm.shape[1] * 64
-    dtiles = dot.dot_tiles(m, n, k, k if group_size == -1 else group_size, x.dtype)
+    dtiles = dot.dot_tiles(m, n, k, group, x.dtype)
     if dtiles is not None:  # the tl.dot / Gluon GEMM where its measured table lists the rows and shape
         return dot.run(x, qm, scales, zeros, group_size, dtiles, counters)
     tiles = gemm.gemm_tiles(m, n, k, k if group_size == -1 else group_size)

@@ -12,6 +12,24 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def kperm_src(cols):
+    """The input column that column `cols` holds in the fragment K order (the same map as
+    `gluon_int4_swap_gemm.gather_columns`): the producers that write x in that order
+    (`int4_kperm`: RMSNorm, SiLU-and-mul) read input src and store at cols."""
+    p = (cols // 2) % 32  # pair 8 m + 4 a + j of the step -> input pair 8 j + 2 m + a
+    return (cols // 64) * 64 + 2 * (8 * (p % 4) + 2 * (p // 8) + (p // 4) % 2) + cols % 2
+
+
+@triton.jit
+def kperm_dst(cols):
+    """The column that input column `cols` is stored at in the fragment K order (`kperm_src`'s
+    inverse: input 16 j + 4 m + 2 a + b of a step at 16 m + 8 a + 2 j + b), for producers that
+    compute values in input order (the attention kernels' output rows)."""
+    c = cols % 64
+    return (cols // 64) * 64 + 16 * ((c // 4) % 4) + 8 * ((c // 2) % 2) + 2 * (c // 16) + c % 2
+
+
 @triton.jit(do_not_specialize=["M"])  # one compile serves every row count
 def _permute_kernel(x_ptr, out_ptr, M, K, s_xm, s_om, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)

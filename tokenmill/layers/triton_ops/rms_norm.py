@@ -18,6 +18,10 @@ A row is (r // inner, r % inner) over two strides, so [T, heads, head_dim] views
 between tokens (q or k inside the fused qkv output, for Qwen3's q/k norm) are read where they
 sit, with no copy. The last axis must be contiguous; the output is a new contiguous tensor.
 
+KPERM (2-D rows of a multiple of 64, `quantization.int4_kperm`): the output's columns in the INT4
+swapped GEMM's K order (normalized input c stored at column `kperm_dst(c)`); everything else, the
+residual included, in natural order.
+
 Requires triton at import; `tokenmill.layers.norm` imports this module lazily.
 """
 
@@ -27,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.quantization.triton_x_permute import kperm_dst
 from tokenmill.layers.triton_ops import pdl
 
 TILE_ELEMENTS = 2048  # elements per program at least: rows are packed until a tile holds this many
@@ -67,6 +72,7 @@ def _rms_norm_kernel(
     s_res,  # residual row stride (2-D only)
     N: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr, GEMMA: tl.constexpr = False, USE_PDL: tl.constexpr = False,
+    KPERM: tl.constexpr = False,
 ):
     dtype = out_ptr.dtype.element_ty
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
@@ -78,14 +84,20 @@ def _rms_norm_kernel(
     pdl.wait(USE_PDL)
     out = rms_norm_rows(x_ptr, res_ptr, w_ptr, x_rows, rows, cols, col_ok, mask, s_res, inv_n, eps, dtype,
                         HAS_RESIDUAL, GEMMA)
-    tl.store(out_ptr + (rows * N)[:, None] + cols[None, :], out, mask=mask)
+    # KPERM: only the output's store moves (input column c to `kperm_dst(c)`, a permutation inside each
+    # 64 columns: the same mask); the reads and the residual stay contiguous (an H100 profile: permuted
+    # reads cost 0.8 us a call)
+    dst = kperm_dst(cols) if KPERM else cols
+    tl.store(out_ptr + (rows * N)[:, None] + dst[None, :], out, mask=mask)
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out_dtype: torch.dtype, gemma: bool = False) -> torch.Tensor:
+            out_dtype: torch.dtype, gemma: bool = False, kperm: bool = False) -> torch.Tensor:
     n = x.shape[-1]
     if weight.shape != (n,):
         raise ValueError(f"weight of shape {tuple(weight.shape)} for rows of {n}")
+    if kperm and (x.dim() != 2 or n % 64):
+        raise ValueError(f"rms_norm kperm: 2-D rows of a multiple of 64 columns, got {tuple(x.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     if x.dim() == 3:  # [T, heads, head_dim], possibly with gaps between tokens
@@ -103,27 +115,27 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x, x if residual is None else residual, weight, out,
         num_rows, 1.0 / n, eps, inner, s_outer, s_inner, 0 if residual is None else residual.stride(0),
         N=n, BLOCK=block, ROWS=rows, HAS_RESIDUAL=residual is not None, GEMMA=gemma, num_warps=num_warps,
-        **pdl.launch_kwargs(x.device),
+        KPERM=kperm, **pdl.launch_kwargs(x.device),
     )
     return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None,
-             gemma: bool = False) -> torch.Tensor:
+             gemma: bool = False, kperm: bool = False) -> torch.Tensor:
     """RMSNorm over the last axis of x ([..., n]; 3-D views may be strided): a new tensor in
-    `out_dtype` (default x's)."""
-    return _launch(x, None, weight, eps, out_dtype or x.dtype, gemma)
+    `out_dtype` (default x's); kperm: its columns in the INT4 swapped GEMM's K order."""
+    return _launch(x, None, weight, eps, out_dtype or x.dtype, gemma, kperm)
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                       eps: float, gemma: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, gemma: bool = False, kperm: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`residual += x` in place (in the residual's dtype), then RMSNorm of it: (normed in x's dtype, residual).
 
     x, residual: [T, n]; residual's rows contiguous, its dtype x's or float32 (the model's stream).
-    x is left as it was.
+    x is left as it was. kperm: the normed output's columns in the INT4 swapped GEMM's K order.
     """
     if (x.dim() != 2 or residual.shape != x.shape or residual.dtype not in (x.dtype, torch.float32)
             or residual.stride(-1) != 1):
         raise ValueError(f"fused_add_rms_norm needs x and residual of one [T, n] shape, the residual in x's "
                          f"dtype or float32, got {tuple(x.shape)} {x.dtype} and {tuple(residual.shape)} {residual.dtype}")
-    return _launch(x, residual, weight, eps, x.dtype, gemma), residual
+    return _launch(x, residual, weight, eps, x.dtype, gemma, kperm), residual
