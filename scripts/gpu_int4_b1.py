@@ -371,7 +371,10 @@ ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKE
               "int4scaleprof": {"TOKENMILL_INT4_NORM_FOLD": "scale"},
               "int4row": {"TOKENMILL_INT4_NORM_FOLD": "row"},  # (row: each norm a pass over the row)
               # + attention's split partials merged by its last split program (no reduce launch)
-              "int4foldattn": {"TOKENMILL_INT4_NORM_FOLD": "prologue", "TOKENMILL_ATTN_FUSED_REDUCE": "1"}}
+              "int4foldattn": {"TOKENMILL_INT4_NORM_FOLD": "prologue", "TOKENMILL_ATTN_FUSED_REDUCE": "1"},
+              # the scale fold with attention's fused reduce, and with torch's argmax instead of the greedy kernel
+              "int4scaleattn": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_ATTN_FUSED_REDUCE": "1"},
+              "int4scalegreedy0": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_TRITON_GREEDY": "0"}}
 # int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
 # branch's committed TABLE (""); int4 the sweep's table.
 
@@ -477,7 +480,8 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             print(f"  INT4 fold {mode}: mean of {len(got)} engines {mean:.3f} ms/token = "
                   f"{mean / timings['bf16']['batch1']:.3f} x bf16", flush=True)
     for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row",
-                  "int4foldattn", "int4scale", "int4nofold2", "int4scale2", "int4scaleprof"):
+                  "int4foldattn", "int4scale", "int4nofold2", "int4scale2", "int4scaleprof", "int4scaleattn",
+                  "int4scalegreedy0"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r
