@@ -374,7 +374,11 @@ ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKE
               "int4foldattn": {"TOKENMILL_INT4_NORM_FOLD": "prologue", "TOKENMILL_ATTN_FUSED_REDUCE": "1"},
               # the scale fold with attention's fused reduce, and with torch's argmax instead of the greedy kernel
               "int4scaleattn": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_ATTN_FUSED_REDUCE": "1"},
-              "int4scalegreedy0": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_TRITON_GREEDY": "0"}}
+              "int4scalegreedy0": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_TRITON_GREEDY": "0"},
+              # decode attention's split rule: at least 128 / 256 keys a share (batch 1 x ~768 keys: 4 / 2 splits, not 8)
+              "bf16k256": {"TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT": "256"},
+              "int4scalek128": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT": "128"},
+              "int4scalek256": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT": "256"}}
 # int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
 # branch's committed TABLE (""); int4 the sweep's table.
 
@@ -481,7 +485,7 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
                   f"{mean / timings['bf16']['batch1']:.3f} x bf16", flush=True)
     for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row",
                   "int4foldattn", "int4scale", "int4nofold2", "int4scale2", "int4scaleprof", "int4scaleattn",
-                  "int4scalegreedy0"):
+                  "int4scalegreedy0", "bf16k256", "int4scalek128", "int4scalek256"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r

@@ -194,3 +194,18 @@ def test_fused_split_reduce(monkeypatch, dtype, heads, splits, pad) -> None:
     assert not launched, "no reduce launch"
     assert not tpa._COUNTERS["cpu"].any(), "counters reset for the next launch"
     torch.testing.assert_close(fused, apart, atol=TOL[dtype] / 10, rtol=TOL[dtype] / 10)
+
+
+def test_min_keys_per_split_switch(monkeypatch) -> None:
+    """TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT (A/B timing): the default config's split rule takes it
+    (batch 1, 8 KV heads, 768 keys, 132 SMs: 8 shares by default, 2 at 256 keys a share); a config
+    passed in is kept as it is."""
+    from tokenmill.layers.attention import triton_backend as tb
+
+    assert tb.choose_kv_splits(TritonAttentionBackend(8, 8, 64, 0.125).config, 1, 8, 768, 132) == 8
+    monkeypatch.setenv(tb.MIN_KEYS_ENV, "256")
+    backend = TritonAttentionBackend(8, 8, 64, 0.125)
+    assert backend.config.min_keys_per_split == 256
+    assert tb.choose_kv_splits(backend.config, 1, 8, 768, 132) == 2
+    given = TritonAttentionConfig()
+    assert TritonAttentionBackend(8, 8, 64, 0.125, config=given).config is given

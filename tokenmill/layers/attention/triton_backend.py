@@ -137,6 +137,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+MIN_KEYS_ENV = "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT"
+
+
 def choose_kv_splits(config: TritonAttentionConfig, num_seqs: int, num_kv_heads: int, max_seq_len: int,
                      sm_count: int) -> int:
     """Split count for a decode launch, from static numbers only."""
@@ -202,6 +205,9 @@ class TritonAttentionBackend(AttentionBackend):
                                               split_decode_tiles=half(c.split_decode_tiles),
                                               fp8_decode_tiles=half(c.fp8_decode_tiles),
                                               fp8_split_decode_tiles=half(c.fp8_split_decode_tiles))
+        keys = os.environ.get(MIN_KEYS_ENV)  # A/B timing only: the split rule's fewest keys a share
+        if config is None and keys:
+            self.config = dataclasses.replace(self.config, min_keys_per_split=int(keys))
         self._sm_count: int | None = None  # read from the device on the first forward
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
