@@ -71,6 +71,15 @@ class LlamaAttention(nn.Module):
             return self.o_proj(out, lora_into)
         return self.o_proj.forward_add(out, residual)
 
+    def o_proj_reads_attend_output(self) -> bool:
+        """Whether this attention's own forward hands `attend`'s output to o_proj alone (`attend(...,
+        o_proj_reads=True)`) over the Triton backend, whose kernels can store it permuted
+        (`quantization.int4_kperm` links such an attention to an INT4 o_proj)."""
+        from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
+
+        return (type(self).forward is LlamaAttention.forward and type(self).attend is LlamaAttention.attend
+                and type(getattr(self, "attn", None)).forward is TritonAttentionBackend.forward)
+
     def attend(self, qkv: torch.Tensor, rope: RotaryStep, kv_cache: torch.Tensor, meta: AttentionMetadata,
                act_dtype: torch.dtype | None = None, o_proj_reads: bool = False) -> torch.Tensor:
         """From the qkv projection's output to the input of o_proj ([tokens, q_size]): q/k norms,

@@ -79,14 +79,11 @@ def _int4_mma_linear(layer: nn.Module | None) -> bool:
 
 
 def _attention_writes_kperm(module: nn.Module) -> bool:
-    """A Llama attention whose own forward hands `attend`'s output to o_proj alone (`attend(...,
-    o_proj_reads=True)`) over the Triton backend, whose kernels can store it permuted."""
-    from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
-    from tokenmill.model.llama import LlamaAttention
-
-    return (isinstance(module, LlamaAttention) and type(module).forward is LlamaAttention.forward
-            and type(module).attend is LlamaAttention.attend
-            and type(getattr(module, "attn", None)).forward is TritonAttentionBackend.forward)
+    """An attention module that says its kernels' output goes to its o_proj alone and can be
+    stored permuted (`o_proj_reads_attend_output()`: `model.llama.LlamaAttention` over the Triton
+    backend). Asked, not looked up: layers never import the models above them."""
+    says = getattr(module, "o_proj_reads_attend_output", None)
+    return callable(says) and bool(says())
 
 
 def mark_producers(model: nn.Module) -> int:
