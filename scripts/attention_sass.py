@@ -54,7 +54,7 @@ def compile_launch(launch: dict):
                  CVT_ON_LOAD=fp8 and launch.get("convert_on_load", False), E5M2=kv == "fp8e5",
                  PREFETCH_TABLE=launch.get("table_prefetch", False), PTX=True,
                  V_TRANS=launch.get("v_transposed", False), USE_PDL=True,
-                 FUSED_REDUCE=launch.get("fused_reduce", False))
+                 FUSED_REDUCE=launch.get("fused_reduce", False), PREWAIT=launch.get("prewait", False))
     ptrs = {"q_ptr": "bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "out_ptr": "bf16", "part_m_ptr": "fp32",
             "part_l_ptr": "fp32", "part_acc_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
             "block_table_ptr": "i32", "sinks_ptr": "fp32"}
@@ -108,7 +108,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launch", action="append", help="JSON: kv (bf16|fp8|fp8_e5m2), warps, stages, split, block_n, "
                     "block_q, convert_on_load (true, or 2: values only), early_v_load, table_prefetch, v_transposed, "
-                    "f8_qk, f8_pv, maxnreg (default: the defaults' decode launches)")
+                    "f8_qk, f8_pv, prewait, maxnreg (default: the defaults' decode launches)")
     args = ap.parse_args()
     launches = [json.loads(x) for x in args.launch] if args.launch else DEFAULTS
     for launch in launches:

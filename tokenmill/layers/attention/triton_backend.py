@@ -112,6 +112,11 @@ class TritonAttentionConfig:
     # it (255 registers + 584 bytes of stack; H100 256 x 640 170.2 us, 3 stages 779, against 143.0); the
     # tile is now loaded [keys, dim] keys-contiguous (3.6: 206 registers, no stack), not yet timed.
     fp8_v_transposed: bool = False
+    # Split decode launches (few sequences: latency-bound) read the step's inputs and their first KV tile's
+    # cached K/V before the PDL wait (`triton_paged_attention`'s PREWAIT), with `prewait_warps` warps (the
+    # tile is held in registers across the wait); TOKENMILL_ATTN_PREWAIT=0 turns it off (A/B timing).
+    prewait_split_decodes: bool = True
+    prewait_warps: int = 8
 
 
 def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
@@ -131,6 +136,7 @@ class LaunchPlan:
     early_v_load: bool = False
     table_prefetch: bool = False
     fp8_convert_on_load: bool | int = False
+    prewait: bool = False  # the step's inputs and the first tile's cached K/V read before the PDL wait
 
 
 def _next_pow2(n: int) -> int:
@@ -138,6 +144,7 @@ def _next_pow2(n: int) -> int:
 
 
 MIN_KEYS_ENV = "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT"
+PREWAIT_ENV = "TOKENMILL_ATTN_PREWAIT"  # 0: no reads before the PDL wait in split decode launches
 
 
 def choose_kv_splits(config: TritonAttentionConfig, num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -173,8 +180,10 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
             # single-token tiles of the dtype do (sm_90 SASS, 32 rows: without it V is read one byte per load)
             return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages, early_v,
                               prefetch, bits or (tiles.fp8_convert_on_load if kv_fp8 else False))
-        return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages, early_v or tiles.early_v_load,
-                          prefetch or tiles.table_prefetch, bits or tiles.fp8_convert_on_load)
+        prewait = config.prewait_split_decodes and splits > 1
+        return LaunchPlan(block_q, tiles.block_n, splits, config.prewait_warps if prewait else tiles.warps, tiles.stages,
+                          early_v or tiles.early_v_load, prefetch or tiles.table_prefetch,
+                          bits or tiles.fp8_convert_on_load, prewait)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -208,6 +217,8 @@ class TritonAttentionBackend(AttentionBackend):
         keys = os.environ.get(MIN_KEYS_ENV)  # A/B timing only: the split rule's fewest keys a share
         if config is None and keys:
             self.config = dataclasses.replace(self.config, min_keys_per_split=int(keys))
+        if config is None and os.environ.get(PREWAIT_ENV, "1") == "0":  # A/B timing only
+            self.config = dataclasses.replace(self.config, prewait_split_decodes=False)
         self._sm_count: int | None = None  # read from the device on the first forward
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
@@ -248,7 +259,7 @@ class TritonAttentionBackend(AttentionBackend):
             early_v_load=plan.early_v_load, fp8_convert_on_load=plan.fp8_convert_on_load, table_prefetch=plan.table_prefetch,
             v_transposed=v_trans,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-            k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks, kperm=kperm)
+            k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks, kperm=kperm, prewait=plan.prewait)
 
     def v_transposed(self, kv_cache: torch.Tensor) -> bool:
         """Whether this backend stores `kv_cache`'s values transposed per block (fp8_v_transposed)."""

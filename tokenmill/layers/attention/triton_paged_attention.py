@@ -42,6 +42,16 @@ merges the shares and writes the output, zeros for padding rows. FUSED_REDUCE
 (TOKENMILL_ATTN_FUSED_REDUCE=1, no sinks): no reduce launch; the last split program of each
 (query tile, KV head) merges them (`_merge_if_last`, a counter per pair).
 
+PREWAIT (decode launches under PDL, `triton_backend.DecodeTiles.prewait`): at batch 1 a program's
+work is one KV tile (~100 keys of one KV head), a chain of dependent reads (the step's sizes, the
+block table, K, V) that started only when the KV write before it had finished. With PREWAIT a
+program reads the step's inputs (query_start_loc, seq_lens, the block table: written before the
+forward's first kernel, by non-PDL kernels or copies) and the K/V of its first tile's keys cached
+before this step (written by earlier steps) before its PDL wait, while the qkv GEMV and the KV
+write still run; after the wait it reads q and the tile's keys of this step (the KV write's
+slots), then walks the rest of its tiles as before. (No kernel in the step writes a slot below the
+context: the step's KV write takes the slots of its own queries' positions.)
+
 Requires triton at import; `triton_backend` imports this module lazily.
 """
 
@@ -256,6 +266,37 @@ def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr,
                         SLOT_STRIDE)
 
 
+@triton.jit
+def _preload_tile(j, tile_hi, table_row, kv_head, kv_len, kv_lo, context, k_cache_ptr, v_cache_ptr, s_cb, s_cs, s_ch,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                  V_TRANS: tl.constexpr, SLOT_STRIDE: tl.constexpr):
+    """PREWAIT, before the PDL wait: tile j's (none where j >= tile_hi) block-table lookups and the K/V
+    rows of its keys cached before this step (key < context): neither the block table nor those
+    slots is written by any kernel of the step (module docstring). Returns the tile's keys, which
+    are valid (seen by some row of the tile), their cache offsets, and the K / V rows (zero for the
+    keys this step writes: `_complete_tile` loads them after the wait)."""
+    key, valid, kv_off = _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch, BLOCK_N, BLOCK_SIZE,
+                                       True, False)
+    valid = valid & (key < tile_hi * BLOCK_N)  # (j < tile_hi)
+    cached = valid & (key < context)
+    k = _load_rows(k_cache_ptr, kv_off, cached, HEAD_DIM, HEAD_DIM_PAD, True)
+    v = _load_v_rows(v_cache_ptr, kv_off, key, cached, HEAD_DIM, HEAD_DIM_PAD, True, V_TRANS, BLOCK_SIZE, SLOT_STRIDE)
+    return key, valid, kv_off, k, v
+
+
+@triton.jit
+def _complete_tile(k, v, key, valid, kv_off, context, k_cache_ptr, v_cache_ptr, HEAD_DIM: tl.constexpr,
+                   HEAD_DIM_PAD: tl.constexpr, V_TRANS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   SLOT_STRIDE: tl.constexpr):
+    """PREWAIT, after the wait: the preloaded tile's rows of this step's keys (key >= context, just
+    written by the KV write; at batch 1 one row of one program's tile) loaded into it."""
+    fresh = valid & (key >= context)
+    k_new = _load_rows(k_cache_ptr, kv_off, fresh, HEAD_DIM, HEAD_DIM_PAD, True)
+    v_new = _load_v_rows(v_cache_ptr, kv_off, key, fresh, HEAD_DIM, HEAD_DIM_PAD, True, V_TRANS, BLOCK_SIZE,
+                         SLOT_STRIDE)
+    return tl.where(fresh[:, None], k_new, k), tl.where(fresh[:, None], v_new, v)
+
+
 # Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
 @triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits", "s_bt", "window"])
 def _paged_attention_kernel(
@@ -282,9 +323,11 @@ def _paged_attention_kernel(
     cnt_ptr=None,  # FUSED_REDUCE: int32 counters, one per (tile, KV head), zero between launches
     FUSED_REDUCE: tl.constexpr = False,  # SPLIT: the last split program of a (tile, KV head) merges the partials
     KPERM: tl.constexpr = False,  # out's head_dim in the INT4 swapped GEMM's K order (`int4_kperm`)
+    PREWAIT: tl.constexpr = False,  # the first KV tile's cached keys loaded before the PDL wait (`_preload_tile`)
 ):
     pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
+    if not PREWAIT:  # (PREWAIT: the step's inputs and the cached keys are read first, then the wait)
+        pdl.wait(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     SLOT_STRIDE: tl.constexpr = NUM_HEADS // GROUP * HEAD_DIM  # V_TRANS: the contiguous cache's slot stride
     tile = tl.program_id(0)
@@ -300,6 +343,8 @@ def _paged_attention_kernel(
     seq = _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q, SEARCH)
     if seq >= num_seqs:
         if not SPLIT or (FUSED_REDUCE and split == 0):  # spare tile: zero its share of the rows past the last sequence
+            if PREWAIT:  # (out may still be another kernel's memory until the wait)
+                pdl.wait(USE_PDL)
             total = tl.load(qsl_ptr + num_seqs)
             spare = tile - (total // BLOCK_Q + num_seqs)
             tok = (total // BLOCK_Q + spare) * BLOCK_Q + offs_m // GROUP_PAD
@@ -321,6 +366,30 @@ def _paged_attention_kernel(
     row_valid = (q_idx < q_len) & (in_group < GROUP)
     key_limit = context + q_idx  # causal: a query sees keys 0..key_limit
     tok = (q_start + q_idx).to(tl.int64)
+    kv_len = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys the tile's last query sees
+    kv_lo = tl.maximum(context + q_first - window + 1, 0)  # the first key the tile's first query sees
+    num_kv_tiles = tl.cdiv(kv_len, BLOCK_N)
+    first_kv_tile = kv_lo // BLOCK_N
+    if SPLIT:
+        per_split = tl.cdiv(num_kv_tiles - first_kv_tile, num_splits)
+        tile_lo = first_kv_tile + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
+    else:
+        tile_lo = first_kv_tile
+        tile_hi = num_kv_tiles
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    table_row = block_table_ptr + seq.to(tl.int64) * s_bt
+    if V_TRANS:  # this head's [head_dim, slot] values of a block start at head * head_dim * block_size
+        v_cache_ptr += kv_head * (HEAD_DIM * BLOCK_SIZE - s_ch)
+    if PREWAIT:  # the program's first tile: its cached keys' K/V in flight while the kernels before still run
+        key_p, valid_p, off_p, k_p, v_p = _preload_tile(tile_lo, tile_hi, table_row, kv_head, kv_len, kv_lo, context,
+                                                        k_cache_ptr, v_cache_ptr, s_cb, s_cs, s_ch, BLOCK_N,
+                                                        BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, V_TRANS, SLOT_STRIDE)
+        tile_lo += 1  # the walk below starts after it
+        pdl.wait(USE_PDL)
     q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     if not KV_FP8:
@@ -341,24 +410,17 @@ def _paged_attention_kernel(
         q_lo = (qs - q.to(tl.float32)).to(k_cache_ptr.dtype.element_ty)
         row_scale = 1.0 / q_up
 
-    kv_len = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys the tile's last query sees
-    kv_lo = tl.maximum(context + q_first - window + 1, 0)  # the first key the tile's first query sees
-    num_kv_tiles = tl.cdiv(kv_len, BLOCK_N)
-    first_kv_tile = kv_lo // BLOCK_N
-    if SPLIT:
-        per_split = tl.cdiv(num_kv_tiles - first_kv_tile, num_splits)
-        tile_lo = first_kv_tile + split * per_split
-        tile_hi = tl.minimum(tile_lo + per_split, num_kv_tiles)
-    else:
-        tile_lo = first_kv_tile
-        tile_hi = num_kv_tiles
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-    table_row = block_table_ptr + seq.to(tl.int64) * s_bt
-    if V_TRANS:  # this head's [head_dim, slot] values of a block start at head * head_dim * block_size
-        v_cache_ptr += kv_head * (HEAD_DIM * BLOCK_SIZE - s_ch)
+    if PREWAIT:  # this step's keys of the tile (written by the kernel before) join it, then it is attended
+        k_p, v_p = _complete_tile(k_p, v_p, key_p, valid_p, off_p, context, k_cache_ptr, v_cache_ptr, HEAD_DIM,
+                                  HEAD_DIM_PAD, V_TRANS, BLOCK_SIZE, SLOT_STRIDE)
+        if CVT_ON_LOAD == 1:
+            k_p = _fp8_to_f16(k_p, E5M2, PTX)
+        if CVT_ON_LOAD != 0:
+            v_p = _fp8_to_f16(v_p, E5M2, PTX)
+        p, alpha, m_i, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k_p, key_p, valid_p, key_limit, window,
+                                           softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, True, F8_QK, CVT_ON_LOAD,
+                                           E5M2)
+        acc = _accumulate(acc, alpha, p, v_p, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, CVT_ON_LOAD, E5M2)
     if INTERIOR:
         # Interior tiles: every key valid and seen by every row of the tile (after the window start
         # of the tile's last query, up to the causal limit of its first): no masks there.
@@ -475,14 +537,19 @@ def _reduce_splits_kernel(
     num_seqs, num_splits, s_ot, s_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
     SINKS: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False, KPERM: tl.constexpr = False,
+    PREWAIT: tl.constexpr = False,
 ):
     """One program per (row, head): merge the split partials; rows past the last sequence get zeros.
-    The shares' accumulators are read CHUNK at a time (the maxima and sums of all of them first)."""
+    The shares' accumulators are read CHUNK at a time (the maxima and sums of all of them first).
+    PREWAIT: the step's query_start_loc (no kernel of the step writes it) is read before the PDL wait."""
     pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
+    if not PREWAIT:
+        pdl.wait(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     num_shares = tl.where(row < tl.load(qsl_ptr + num_seqs), num_splits, 0)  # padding rows read none
+    if PREWAIT:
+        pdl.wait(USE_PDL)
     offs_s = tl.arange(0, MAX_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = offs_s < num_shares
@@ -541,7 +608,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     fp8_convert_on_load: bool | int = False, table_prefetch: bool = False,
                     v_transposed: bool = False, sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    sinks: torch.Tensor | None = None, kperm: bool = False) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, kperm: bool = False, prewait: bool = False) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
     `sinks`: [num_heads] sink logits (read as float32), or None.
     `kperm` (head_dim a multiple of 64): each head's output in the INT4 swapped GEMM's K order
@@ -563,6 +630,9 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     operand keys-contiguous, without a transpose: an fp8 tile goes from shared memory to the dot as
     the keys do, with no float16 round trip through shared memory.
     `table_prefetch`: in the unmasked walk, each tile's block-table lookups are issued one tile ahead.
+    `prewait` (decode launches under PDL): each program reads the step's inputs and its first tile's
+    cached K/V before waiting for the kernel before it (the KV write), the reduce its input sizes
+    (module docstring).
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -620,7 +690,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         V_TRANS=v_transposed, KPERM=kperm,
         num_warps=num_warps,
         num_stages=num_stages,
-        cnt_ptr=counters, FUSED_REDUCE=counters is not None,
+        cnt_ptr=counters, FUSED_REDUCE=counters is not None, PREWAIT=prewait,
         **pdl.launch_kwargs(q.device),
     )
     if split and counters is None:
@@ -628,6 +698,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             out, part_m, part_l, part_acc, query_start_loc, sinks_f32, num_seqs, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, MAX_SPLITS=max_splits,
-            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK), KPERM=kperm, **pdl.launch_kwargs(q.device),
+            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK), KPERM=kperm, PREWAIT=prewait,
+            **pdl.launch_kwargs(q.device),
         )
     return out
