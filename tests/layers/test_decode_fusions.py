@@ -46,8 +46,10 @@ def _views(qkv, heads, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("head_dim, partial", [(64, 1.0), (32, 0.5), (48, 1.0)])
-def test_matches_rotary_then_kv_write_bit_for_bit(dtype, head_dim, partial):
+@pytest.mark.parametrize("head_dim, partial, prewait", [(64, 1.0, False), (32, 0.5, False), (48, 1.0, False),
+                                                         (64, 1.0, True), (48, 1.0, True)])
+def test_matches_rotary_then_kv_write_bit_for_bit(dtype, head_dim, partial, prewait):
+    """prewait: the position, cos / sin and slot read before the PDL wait (the same values)."""
     heads = (4, 2)
     qkv, rope, positions, slots, cache = _case(dtype, head_dim, partial, heads)
     ref_qkv, ref_cache = qkv.clone(), cache.clone()
@@ -59,7 +61,8 @@ def test_matches_rotary_then_kv_write_bit_for_bit(dtype, head_dim, partial):
     qk, v = _views(qkv, heads, head_dim)
     q, k = qk.split(list(heads), dim=1)
     k_before = k.clone()
-    rotate_and_write_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, rope.rotary_dim, cache, slots)
+    rotate_and_write_kv(q, k, v, positions, rope.cos_cache, rope.sin_cache, rope.rotary_dim, cache, slots,
+                        prewait=prewait)
     assert torch.equal(q, q_ref)  # q rotated in place
     assert torch.equal(k, k_before)  # k left as it was
     written = ~ref_cache.isnan()

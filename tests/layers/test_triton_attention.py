@@ -209,3 +209,26 @@ def test_min_keys_per_split_switch(monkeypatch) -> None:
     assert tb.choose_kv_splits(backend.config, 1, 8, 768, 132) == 2
     given = TritonAttentionConfig()
     assert TritonAttentionBackend(8, 8, 64, 0.125, config=given).config is given
+
+
+@pytest.mark.parametrize("dtype, heads, splits", [(torch.float32, (4, 2), 4), (torch.float16, (8, 2), 16)])
+def test_prewait_split_decodes(monkeypatch, dtype, heads, splits) -> None:
+    """Split decode launches read the step's inputs and their first tile's cached K/V before the PDL
+    wait (PREWAIT), then this step's keys of that tile: the references' values (run_case), and
+    those of the launch without it; TOKENMILL_ATTN_PREWAIT=0 turns it off; unsplit and prefill
+    launches never take it."""
+    from tokenmill.layers.attention import triton_backend as tb
+
+    config = TritonAttentionConfig(kv_splits=splits)
+    plan = plan_launch(config, 32, 8, 1, 1, 1, 784, 132)
+    assert plan.prewait and plan.num_warps == 8 and config.prewait_rope
+    assert not plan_launch(TritonAttentionConfig(kv_splits=1), 32, 8, 1, 1, 1, 784, 132).prewait
+    assert not plan_launch(config, 32, 8, 600, 4, 512, 8192, 132).prewait
+    off_config = tb.without_prewait(config)
+    off_plan = plan_launch(off_config, 32, 8, 1, 1, 1, 784, 132)
+    assert not off_plan.prewait and off_plan.num_warps == 4 and not off_config.prewait_rope  # main's launch
+    on = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=config)
+    off = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=off_config)
+    torch.testing.assert_close(on, off, atol=TOL[dtype] / 10, rtol=TOL[dtype] / 10)
+    monkeypatch.setenv(tb.PREWAIT_ENV, "0")
+    assert TritonAttentionBackend(8, 2, 64, 0.125).config == tb.without_prewait(TritonAttentionConfig())

@@ -53,6 +53,7 @@ class DecodeTiles:
     table_prefetch: bool = False  # the next tile's block-table lookups issued before this tile's loads
     fp8_convert_on_load: bool | int = False  # fp8 caches: K/V to float16 where they load (not after the layout
     # change); 2: the values only (the keys' layout change is no transpose: wide shared-memory reads already)
+    prewait: bool = False  # the step's inputs and the first KV tile's cached K/V read before the PDL wait
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,11 @@ class TritonAttentionConfig:
     # 53.8 us) but 640 / 2048 keys lose 3% / 1% with them, and a decode graph (max_seq_len =
     # max_model_len) cannot tell the two apart: 128 keys (the engine's 1000x512x256 decodes at 512-768).
     decode_tiles: DecodeTiles = DecodeTiles()
-    split_decode_tiles: DecodeTiles | None = None
+    # Split (few sequences: latency-bound): each program reads the step's inputs and its first tile's cached
+    # K/V before the PDL wait (`triton_paged_attention`'s PREWAIT), so that at batch 1 (one tile a program)
+    # the reads run under the qkv GEMV and the KV write; the tile is held in registers across the wait:
+    # 8 warps (172 registers; 4 warps spill). Without it (TOKENMILL_ATTN_PREWAIT=0): decode_tiles.
+    split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=8, stages=2, prewait=True)
     # fp8: the VALUES converted to float16 where they load (fp8_convert_on_load=2; without it the V tile is
     # read back from shared memory one byte per load), the keys after their layout change (no transpose:
     # wide shared-memory reads; converting them on load too sent them through shared memory twice more).
@@ -112,11 +117,8 @@ class TritonAttentionConfig:
     # it (255 registers + 584 bytes of stack; H100 256 x 640 170.2 us, 3 stages 779, against 143.0); the
     # tile is now loaded [keys, dim] keys-contiguous (3.6: 206 registers, no stack), not yet timed.
     fp8_v_transposed: bool = False
-    # Split decode launches (few sequences: latency-bound) read the step's inputs and their first KV tile's
-    # cached K/V before the PDL wait (`triton_paged_attention`'s PREWAIT), with `prewait_warps` warps (the
-    # tile is held in registers across the wait); TOKENMILL_ATTN_PREWAIT=0 turns it off (A/B timing).
-    prewait_split_decodes: bool = True
-    prewait_warps: int = 8
+    # The rotary + KV write kernel reads the positions, cos / sin rows and slots before its PDL wait.
+    prewait_rope: bool = True
 
 
 def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
@@ -136,7 +138,7 @@ class LaunchPlan:
     early_v_load: bool = False
     table_prefetch: bool = False
     fp8_convert_on_load: bool | int = False
-    prewait: bool = False  # the step's inputs and the first tile's cached K/V read before the PDL wait
+    prewait: bool = False  # DecodeTiles.prewait
 
 
 def _next_pow2(n: int) -> int:
@@ -144,7 +146,18 @@ def _next_pow2(n: int) -> int:
 
 
 MIN_KEYS_ENV = "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT"
-PREWAIT_ENV = "TOKENMILL_ATTN_PREWAIT"  # 0: no reads before the PDL wait in split decode launches
+PREWAIT_ENV = "TOKENMILL_ATTN_PREWAIT"  # 0: `without_prewait` (A/B timing)
+
+
+def without_prewait(config: TritonAttentionConfig) -> TritonAttentionConfig:
+    """The config with no reads before the PDL wait: the rotary + KV write as before, and decode tiles
+    with prewait replaced by the next ones in `decode_tiles_for`'s chain (the default's split
+    launches: decode_tiles, as before PREWAIT)."""
+    drop = {name: None for name in ("split_decode_tiles", "fp8_split_decode_tiles", "fp8_decode_tiles")
+            if getattr(config, name) is not None and getattr(config, name).prewait}
+    if config.decode_tiles.prewait:
+        drop["decode_tiles"] = dataclasses.replace(config.decode_tiles, prewait=False)
+    return dataclasses.replace(config, prewait_rope=False, **drop)
 
 
 def choose_kv_splits(config: TritonAttentionConfig, num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -180,10 +193,8 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
             # single-token tiles of the dtype do (sm_90 SASS, 32 rows: without it V is read one byte per load)
             return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages, early_v,
                               prefetch, bits or (tiles.fp8_convert_on_load if kv_fp8 else False))
-        prewait = config.prewait_split_decodes and splits > 1
-        return LaunchPlan(block_q, tiles.block_n, splits, config.prewait_warps if prewait else tiles.warps, tiles.stages,
-                          early_v or tiles.early_v_load, prefetch or tiles.table_prefetch,
-                          bits or tiles.fp8_convert_on_load, prewait)
+        return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages, early_v or tiles.early_v_load,
+                          prefetch or tiles.table_prefetch, bits or tiles.fp8_convert_on_load, tiles.prewait)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -218,7 +229,7 @@ class TritonAttentionBackend(AttentionBackend):
         if config is None and keys:
             self.config = dataclasses.replace(self.config, min_keys_per_split=int(keys))
         if config is None and os.environ.get(PREWAIT_ENV, "1") == "0":  # A/B timing only
-            self.config = dataclasses.replace(self.config, prewait_split_decodes=False)
+            self.config = without_prewait(self.config)
         self._sm_count: int | None = None  # read from the device on the first forward
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
@@ -241,7 +252,8 @@ class TritonAttentionBackend(AttentionBackend):
         if rope is not None:
             triton_rope_kv_write.rotate_and_write_kv(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
                                                      rope.rotary_dim, kv_cache, meta.slot_mapping, self.k_scale,
-                                                     self.v_scale, v_transposed=v_trans)
+                                                     self.v_scale, v_transposed=v_trans,
+                                                     prewait=self.config.prewait_rope)
         else:
             triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale,
                                      v_transposed=v_trans)
