@@ -4,6 +4,7 @@ vocab embedding lookup (triton_ops.vocab_embedding) against VocabParallelEmbeddi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined: before the first import
@@ -139,3 +140,44 @@ def test_vocab_parallel_embedding_kernel_equals_the_torch_path(dtype):
     expected = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight).masked_fill_(outside[:, None], 0)
     assert torch.equal(vocab_embedding(ids, weight, start), expected)
     assert vocab_embedding(ids[:0], weight, start).shape == (0, d)
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                (torch.float16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("splits", [4, 16])
+def test_rope_in_attention_equals_the_rotary_kernel(monkeypatch, dtype, cache_dtype, splits):
+    """Single-token split decodes (PREWAIT): the attention kernel rotates q and this step's k and writes
+    k, v into the cache itself (no rotary + KV write launch), bit for bit the cache and output of the
+    rotary kernel's path (TOKENMILL_ATTN_ROPE=0). Contexts put this step's key first (0), last (31,
+    63) and inside a 32-key tile, and on either side of a share; a zero-length row; padding rows."""
+    from tests.layers.test_attention import make_case
+    from tokenmill.layers.attention import triton_backend as tb
+    from tokenmill.layers.attention import triton_rope_kv_write
+    from tokenmill.layers.attention.triton_backend import TritonAttentionConfig
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    case = make_case([9, 0, 31, 63, 40, 5], [1, 1, 1, 1, 0, 1], BLOCK, num_heads, num_kv_heads, torch.float32, "cpu",
+                     pad_tokens=2, head_dim=head_dim)
+    rope = RotaryEmbedding(head_dim, 128, RopeConfig(theta=10000.0))
+    positions = torch.tensor([9, 0, 31, 63, 5, 0, 0])
+    step = RotaryStep(positions, rope.cos_cache, rope.sin_cache, head_dim)
+    tiles = tb.DecodeTiles(block_n=32, warps=8, stages=2, prewait=True)
+    config = TritonAttentionConfig(kv_splits=splits, split_decode_tiles=tiles,
+                                   fp8_split_decode_tiles=dataclasses.replace(tiles, fp8_convert_on_load=2))
+    q, k, v = (x.to(dtype) * 4 for x in (case.q, case.k, case.v))
+    scale = 1.0 if cache_dtype != torch.float8_e4m3fn else 0.05
+    runs = []
+    real = triton_rope_kv_write.rotate_and_write_kv
+    launched = []
+    monkeypatch.setattr(triton_rope_kv_write, "rotate_and_write_kv", lambda *a, **kw: launched.append(1) or real(*a, **kw))
+    for inside in (False, True):
+        launched.clear()
+        backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5,
+                                         config=dataclasses.replace(config, rope_in_attention=inside))
+        backend.k_scale = backend.v_scale = scale
+        cache = case.kv_cache.to(cache_dtype, copy=True)
+        out = backend.forward(q.clone(), k.clone(), v.clone(), cache, case.meta, rope=step)
+        assert bool(launched) != inside, "the rotary kernel runs exactly where the attention does not rotate"
+        runs.append((out, cache))
+    (out, cache), (fused_out, fused_cache) = runs
+    assert torch.equal(fused_cache.view(torch.uint8), cache.view(torch.uint8))
+    assert not out.isnan().any() and torch.equal(fused_out, out)

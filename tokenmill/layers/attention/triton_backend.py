@@ -119,6 +119,10 @@ class TritonAttentionConfig:
     fp8_v_transposed: bool = False
     # The rotary + KV write kernel reads the positions, cos / sin rows and slots before its PDL wait.
     prewait_rope: bool = True
+    # Single-token split decodes with PREWAIT (full rotary, power-of-two head_dim, values not transposed): the
+    # attention kernel rotates q and this step's k and writes k, v into the cache itself (no rotary + KV
+    # write launch: `triton_paged_attention`'s ROPE). TOKENMILL_ATTN_ROPE=0: off (A/B timing).
+    rope_in_attention: bool = True
 
 
 def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
@@ -147,6 +151,7 @@ def _next_pow2(n: int) -> int:
 
 MIN_KEYS_ENV = "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT"
 PREWAIT_ENV = "TOKENMILL_ATTN_PREWAIT"  # 0: `without_prewait` (A/B timing)
+ROPE_ENV = "TOKENMILL_ATTN_ROPE"  # 0: no rotary + KV write inside the attention kernel (A/B timing)
 
 
 def without_prewait(config: TritonAttentionConfig) -> TritonAttentionConfig:
@@ -230,6 +235,8 @@ class TritonAttentionBackend(AttentionBackend):
             self.config = dataclasses.replace(self.config, min_keys_per_split=int(keys))
         if config is None and os.environ.get(PREWAIT_ENV, "1") == "0":  # A/B timing only
             self.config = without_prewait(self.config)
+        if config is None and os.environ.get(ROPE_ENV, "1") == "0":  # A/B timing only
+            self.config = dataclasses.replace(self.config, rope_in_attention=False)
         self._sm_count: int | None = None  # read from the device on the first forward
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
@@ -241,7 +248,8 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None, kperm: bool = False) -> torch.Tensor:
         """`rope` (where `fuses_rope`): q and k are unrotated; one kernel rotates q in place and
-        writes k rotated, with v, into the cache. `kperm` (head_dim a multiple of 64): each head's output in the
+        writes k rotated, with v, into the cache (`rope_in_attention`: in single-token split decode launches
+        with PREWAIT the attention kernel does it, q rotated in registers, no launch of its own). `kperm` (head_dim a multiple of 64): each head's output in the
         INT4 swapped GEMM's K order (`quantization.int4_kperm`, for o_proj)."""
         from tokenmill.layers.attention import triton_kv_write, triton_paged_attention, triton_rope_kv_write
 
@@ -249,7 +257,16 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError("the KV cache's head_dim axis must be contiguous")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         v_trans = self.v_transposed(kv_cache)
-        if rope is not None:
+        # A window bounds the keys any query reads: split the KV axis by that, not the context.
+        keys = meta.max_seq_len if self.sliding_window is None else min(
+            meta.max_seq_len, self.sliding_window + meta.max_query_len)
+        plan = plan_launch(self.config, self.num_heads, self.num_kv_heads, q.shape[0], meta.seq_lens.shape[0],
+                           meta.max_query_len, keys, self._sm_count_of(q.device), is_fp8(kv_cache))
+        rope_in = (rope is not None and self.config.rope_in_attention and plan.prewait and meta.max_query_len == 1
+                   and rope.rotary_dim == self.head_dim and self.head_dim & (self.head_dim - 1) == 0 and not v_trans)
+        if rope_in:
+            pass  # the attention kernel rotates q and this step's k and writes k, v into the cache
+        elif rope is not None:
             triton_rope_kv_write.rotate_and_write_kv(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
                                                      rope.rotary_dim, kv_cache, meta.slot_mapping, self.k_scale,
                                                      self.v_scale, v_transposed=v_trans,
@@ -257,11 +274,6 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale,
                                      v_transposed=v_trans)
-        # A window bounds the keys any query reads: split the KV axis by that, not the context.
-        keys = meta.max_seq_len if self.sliding_window is None else min(
-            meta.max_seq_len, self.sliding_window + meta.max_query_len)
-        plan = plan_launch(self.config, self.num_heads, self.num_kv_heads, q.shape[0], meta.seq_lens.shape[0],
-                           meta.max_query_len, keys, self._sm_count_of(q.device), is_fp8(kv_cache))
         return triton_paged_attention.paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
@@ -271,7 +283,8 @@ class TritonAttentionBackend(AttentionBackend):
             early_v_load=plan.early_v_load, fp8_convert_on_load=plan.fp8_convert_on_load, table_prefetch=plan.table_prefetch,
             v_transposed=v_trans,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-            k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks, kperm=kperm, prewait=plan.prewait)
+            k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks, kperm=kperm, prewait=plan.prewait,
+            rope=(rope, k, v, meta.slot_mapping) if rope_in else None)
 
     def v_transposed(self, kv_cache: torch.Tensor) -> bool:
         """Whether this backend stores `kv_cache`'s values transposed per block (fp8_v_transposed)."""

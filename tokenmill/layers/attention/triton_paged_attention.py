@@ -297,6 +297,32 @@ def _complete_tile(k, v, key, valid, kv_off, context, k_cache_ptr, v_cache_ptr, 
     return tl.where(fresh[:, None], k_new, k), tl.where(fresh[:, None], v_new, v)
 
 
+@triton.jit
+def _rotate(x, partner, c, s, offs_d, HALF: tl.constexpr, dtype: tl.constexpr):
+    """ROPE: rows of x (float32) rotated with their partner values (x at d +- HALF) and cos / sin (float32,
+    rounded to `dtype`), rounded as `triton_rope_kv_write` (`_rotate_heads`) rounds: first half
+    (x c) - partner s, second half (x c) + partner s, the product x c rounded to dtype first."""
+    sign = tl.where(offs_d < HALF, -1.0, 1.0)
+    return ((x * c).to(dtype).to(tl.float32) + sign * partner * s).to(dtype)
+
+
+@triton.jit
+def _fresh_kv(kn_ptr, vn_ptr, t, kv_head, s_knt, s_knh, s_vnt, s_vnh, c, s, inv_k_scale, inv_v_scale, offs_d,
+              HALF: tl.constexpr, HEAD_DIM: tl.constexpr, dtype: tl.constexpr, cache_dtype: tl.constexpr,
+              FP8_MAX: tl.constexpr):
+    """ROPE: this step's key of token t and KV head (k rotated) and value, as the cache stores them
+    (`triton_rope_kv_write._to_cache`: cast, or fp8 scaled and saturated)."""
+    row = kn_ptr + t * s_knt + kv_head * s_knh
+    k = tl.load(row + offs_d).to(tl.float32)
+    partner = tl.load(row + (offs_d + HALF) % HEAD_DIM).to(tl.float32)
+    k = _rotate(k, partner, c, s, offs_d, HALF, dtype)
+    v = tl.load(vn_ptr + t * s_vnt + kv_head * s_vnh + offs_d)
+    if FP8_MAX > 0:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_MAX), FP8_MAX)
+    return k.to(cache_dtype), v.to(cache_dtype)
+
+
 # Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
 @triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits", "s_bt", "window"])
 def _paged_attention_kernel(
@@ -324,6 +350,11 @@ def _paged_attention_kernel(
     FUSED_REDUCE: tl.constexpr = False,  # SPLIT: the last split program of a (tile, KV head) merges the partials
     KPERM: tl.constexpr = False,  # out's head_dim in the INT4 swapped GEMM's K order (`int4_kperm`)
     PREWAIT: tl.constexpr = False,  # the first KV tile's cached keys loaded before the PDL wait (`_preload_tile`)
+    # ROPE (with PREWAIT; one query a sequence): q rotated here, this step's key rotated and written with its
+    # value into the cache here (module docstring); kn / vn: this step's k / v [T, KV heads, HEAD_DIM]
+    ROPE: tl.constexpr = False, pos_ptr=None, cos_ptr=None, sin_ptr=None, s_cos=0, slot_ptr=None, num_slots=0,
+    kn_ptr=None, vn_ptr=None, s_knt=0, s_knh=0, s_vnt=0, s_vnh=0, inv_k_scale=1.0, inv_v_scale=1.0,
+    FP8_MAX: tl.constexpr = 0.0,
 ):
     pdl.launch_dependents(USE_PDL)
     if not PREWAIT:  # (PREWAIT: the step's inputs and the cached keys are read first, then the wait)
@@ -384,6 +415,18 @@ def _paged_attention_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * s_bt
     if V_TRANS:  # this head's [head_dim, slot] values of a block start at head * head_dim * block_size
         v_cache_ptr += kv_head * (HEAD_DIM * BLOCK_SIZE - s_ch)
+    if ROPE:  # positions, cos / sin rows and the slot: step inputs and constants, read before the wait
+        half_d = offs_d % (HEAD_DIM // 2)
+        pos_r = tl.load(pos_ptr + tok, mask=row_valid, other=0).to(tl.int64)
+        c_r = tl.load(cos_ptr + pos_r[:, None] * s_cos + half_d[None, :], mask=row_valid[:, None], other=0.0)
+        s_r = tl.load(sin_ptr + pos_r[:, None] * s_cos + half_d[None, :], mask=row_valid[:, None], other=0.0)
+        pos_0 = tl.load(pos_ptr + q_start).to(tl.int64)  # the sequence's one token (this step's key)
+        c_0 = tl.load(cos_ptr + pos_0 * s_cos + half_d)
+        s_0 = tl.load(sin_ptr + pos_0 * s_cos + half_d)
+        slot_0 = tl.load(slot_ptr + q_start, mask=q_start < num_slots, other=-1).to(tl.int64)
+        fresh_tile = context // BLOCK_N  # the tile of this step's key (key index `context`): the last one
+        owner = (context >= 0) & (fresh_tile >= tile_lo) & (fresh_tile < tile_hi)
+    tile_first = tile_lo
     if PREWAIT:  # the program's first tile: its cached keys' K/V in flight while the kernels before still run
         key_p, valid_p, off_p, k_p, v_p = _preload_tile(tile_lo, tile_hi, table_row, kv_head, kv_len, kv_lo, context,
                                                         k_cache_ptr, v_cache_ptr, s_cb, s_cs, s_ch, BLOCK_N,
@@ -392,6 +435,19 @@ def _paged_attention_kernel(
         pdl.wait(USE_PDL)
     q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if ROPE:  # q rotated here (not in place: nothing reads q after), this step's key and value made here
+        q_dt: tl.constexpr = q_ptr.dtype.element_ty
+        qp = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
+                     mask=row_valid[:, None], other=0.0)
+        q = _rotate(q.to(tl.float32), qp.to(tl.float32), c_r.to(q_dt).to(tl.float32), s_r.to(q_dt).to(tl.float32),
+                    offs_d[None, :], HEAD_DIM // 2, q_dt)
+        k_0, v_0 = _fresh_kv(kn_ptr, vn_ptr, q_start.to(tl.int64), kv_head, s_knt, s_knh, s_vnt, s_vnh,
+                             c_0.to(q_dt).to(tl.float32), s_0.to(q_dt).to(tl.float32), inv_k_scale, inv_v_scale, offs_d,
+                             HEAD_DIM // 2, HEAD_DIM, q_dt, k_cache_ptr.dtype.element_ty, FP8_MAX)
+        if owner & (slot_0 >= 0):  # into the cache (read by later steps; this one takes it from registers)
+            dst = (slot_0 // BLOCK_SIZE) * s_cb + (slot_0 % BLOCK_SIZE) * s_cs + kv_head * s_ch + offs_d
+            tl.store(k_cache_ptr + dst, k_0)
+            tl.store(v_cache_ptr + dst, v_0)
     if not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
     elif F16_DOT:  # fp8 K/V meet q in float16: fp8 -> fp16 is one cheap conversion per two values, fp8 -> bf16
@@ -411,8 +467,13 @@ def _paged_attention_kernel(
         row_scale = 1.0 / q_up
 
     if PREWAIT:  # this step's keys of the tile (written by the kernel before) join it, then it is attended
-        k_p, v_p = _complete_tile(k_p, v_p, key_p, valid_p, off_p, context, k_cache_ptr, v_cache_ptr, HEAD_DIM,
-                                  HEAD_DIM_PAD, V_TRANS, BLOCK_SIZE, SLOT_STRIDE)
+        if ROPE:
+            is_new = (key_p == context)[:, None]
+            k_p = tl.where(is_new, k_0[None, :], k_p)
+            v_p = tl.where(is_new, v_0[None, :], v_p)
+        else:
+            k_p, v_p = _complete_tile(k_p, v_p, key_p, valid_p, off_p, context, k_cache_ptr, v_cache_ptr, HEAD_DIM,
+                                      HEAD_DIM_PAD, V_TRANS, BLOCK_SIZE, SLOT_STRIDE)
         if CVT_ON_LOAD == 1:
             k_p = _fp8_to_f16(k_p, E5M2, PTX)
         if CVT_ON_LOAD != 0:
@@ -421,6 +482,8 @@ def _paged_attention_kernel(
                                            softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, True, F8_QK, CVT_ON_LOAD,
                                            E5M2)
         acc = _accumulate(acc, alpha, p, v_p, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, CVT_ON_LOAD, E5M2)
+    if ROPE:  # the walk stops before the tile of this step's key: it is attended last, below
+        tile_hi = tl.minimum(tile_hi, fresh_tile)
     if INTERIOR:
         # Interior tiles: every key valid and seen by every row of the tile (after the window start
         # of the tile's last query, up to the causal limit of its first): no masks there.
@@ -474,6 +537,23 @@ def _paged_attention_kernel(
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV,
             EARLY_V, CVT_ON_LOAD, E5M2, PTX, V_TRANS, SLOT_STRIDE)
 
+    if ROPE:
+        if owner & (fresh_tile > tile_first):  # the tile of this step's key, where PREWAIT did not take it
+            key_f, valid_f, off_f, k_f, v_f = _preload_tile(fresh_tile, fresh_tile + 1, table_row, kv_head, kv_len,
+                                                            kv_lo, context, k_cache_ptr, v_cache_ptr, s_cb, s_cs, s_ch,
+                                                            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, V_TRANS,
+                                                            SLOT_STRIDE)
+            is_new = (key_f == context)[:, None]
+            k_f = tl.where(is_new, k_0[None, :], k_f)
+            v_f = tl.where(is_new, v_0[None, :], v_f)
+            if CVT_ON_LOAD == 1:
+                k_f = _fp8_to_f16(k_f, E5M2, PTX)
+            if CVT_ON_LOAD != 0:
+                v_f = _fp8_to_f16(v_f, E5M2, PTX)
+            p, alpha, m_i, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k_f, key_f, valid_f, key_limit, window,
+                                               softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, True, F8_QK,
+                                               CVT_ON_LOAD, E5M2)
+            acc = _accumulate(acc, alpha, p, v_f, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, CVT_ON_LOAD, E5M2)
     if KV_FP8:
         acc = acc * v_scale
     if SPLIT:
@@ -608,7 +688,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     fp8_convert_on_load: bool | int = False, table_prefetch: bool = False,
                     v_transposed: bool = False, sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    sinks: torch.Tensor | None = None, kperm: bool = False, prewait: bool = False) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, kperm: bool = False, prewait: bool = False,
+                    rope: tuple | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
     `sinks`: [num_heads] sink logits (read as float32), or None.
     `kperm` (head_dim a multiple of 64): each head's output in the INT4 swapped GEMM's K order
@@ -633,9 +714,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `prewait` (decode launches under PDL): each program reads the step's inputs and its first tile's
     cached K/V before waiting for the kernel before it (the KV write), the reduce its input sizes
     (module docstring).
+    `rope` (with prewait, one query a sequence; full rotary, head_dim a power of two, values not
+    transposed): (RotaryStep, k, v, slot_mapping) of this step, k unrotated and not yet in the
+    cache: the kernel rotates q (in registers) and k, and writes k and v at the slots
+    (`triton_rope_kv_write`'s arithmetic: the same cache and output bit for bit).
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
+    cache_v_scale = v_scale  # (the fp8 p @ v folds a factor into v_scale below)
     if kperm and head_dim % 64:
         raise ValueError(f"paged_attention kperm: head_dim {head_dim} must be a multiple of 64")
     if num_splits > max_splits:
@@ -671,6 +757,17 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     grid = (num_rows // block_q + num_seqs + 1, num_kv_heads, num_splits)
     counters = _fused_reduce_counters(q.device, grid[0] * num_kv_heads)  # (made at the first call: a prefill)
     counters = counters if split and sinks is None else None
+    fused = {}
+    if rope is not None:
+        step, k_new, v_new, slots = rope
+        if not prewait or v_transposed or head_dim != head_dim_pad or step.rotary_dim != head_dim:
+            raise ValueError("paged_attention rope: prewait launches of full-rotary power-of-two heads, values not "
+                             "transposed")
+        fused = dict(ROPE=True, pos_ptr=step.positions, cos_ptr=step.cos_cache, sin_ptr=step.sin_cache,
+                     s_cos=step.cos_cache.stride(0), slot_ptr=slots, num_slots=min(num_rows, slots.shape[0]),
+                     kn_ptr=k_new, vn_ptr=v_new, s_knt=k_new.stride(0), s_knh=k_new.stride(1), s_vnt=v_new.stride(0),
+                     s_vnh=v_new.stride(1), inv_k_scale=1.0 / k_scale, inv_v_scale=1.0 / cache_v_scale,
+                     FP8_MAX=torch.finfo(kv_cache.dtype).max if kv_fp8 else 0.0)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc,
         query_start_loc, seq_lens, block_table,
@@ -690,7 +787,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         V_TRANS=v_transposed, KPERM=kperm,
         num_warps=num_warps,
         num_stages=num_stages,
-        cnt_ptr=counters, FUSED_REDUCE=counters is not None, PREWAIT=prewait,
+        cnt_ptr=counters, FUSED_REDUCE=counters is not None, PREWAIT=prewait, **fused,
         **pdl.launch_kwargs(q.device),
     )
     if split and counters is None:
