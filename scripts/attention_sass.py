@@ -58,9 +58,13 @@ def compile_launch(launch: dict):
     ptrs = {"q_ptr": "bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "out_ptr": "bf16", "part_m_ptr": "fp32",
             "part_l_ptr": "fp32", "part_acc_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
             "block_table_ptr": "i32", "sinks_ptr": "fp32"}
+    const.update(ROPE=bool(launch.get("rope")), FP8_MAX=448.0 if fp8 and launch.get("rope") else 0.0,
+                 MAX_SPLITS=launch.get("max_splits", 8) if launch.get("fused_reduce") else 1,
+                 MERGE_CHUNK=4 if launch.get("fused_reduce") else 1)
     if launch.get("rope"):  # this step's rotary + KV write inside (ROPE, with PREWAIT)
-        const.update(ROPE=True, FP8_MAX=448.0 if fp8 else 0.0)
         ptrs.update(pos_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_ptr="i64", kn_ptr="bf16", vn_ptr="bf16")
+    else:
+        const.update(pos_ptr=None, cos_ptr=None, sin_ptr=None, slot_ptr=None, kn_ptr=None, vn_ptr=None)
     if launch.get("fused_reduce"):  # the last split program merges (a counter per tile and KV head)
         ptrs["cnt_ptr"] = "i32"
     else:

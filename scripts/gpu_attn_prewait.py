@@ -13,7 +13,8 @@
      its wait must read NaN (the check can fail).
 2. timing: 32 distinct layers' caches (768 keys each: 96 MB, past L2), each layer an RMSNorm
    writing qkv (a PDL kernel, as the qkv GEMV before attention) then the attention step, in one
-   graph: us per layer for main's path, PREWAIT, PREWAIT + ROPE.
+   graph: us per layer for main's path, PREWAIT, PREWAIT + ROPE, and that with the split partials merged by
+   the last split program (TOKENMILL_ATTN_FUSED_REDUCE=1, its loads now all in flight at once).
 
     python scripts/gpu_attn_prewait.py OUT_DIR            # on the GPU (~20 s)
     TRITON_INTERPRET=1 python scripts/gpu_attn_prewait.py --smoke OUT_DIR   # CPU: part 1's eager checks, small
@@ -91,14 +92,16 @@ def checks(results: dict, check, device: str, smoke: bool) -> None:
         tiles = tb.DecodeTiles(block_n=32, warps=8, stages=2, prewait=True)
         default = dataclasses.replace(default, split_decode_tiles=tiles, kv_splits=4)
     variants = {"default": default, "prewait": dataclasses.replace(default, rope_in_attention=False),
-                "main": tb.without_prewait(default)}
+                "main": tb.without_prewait(default), "default_fused_reduce": default}
     outs, caches = {}, {}
     for name, config in variants.items():
         cache, qkv = cache0.clone(), qkv0.clone()
         q, k, v = _views(qkv, heads, head_dim)
+        _fused_reduce(name.endswith("fused_reduce"))
         outs[name] = _backend(heads, head_dim, config).forward(q, k, v, cache, meta, rope=step)
+        _fused_reduce(False)
         caches[name] = cache
-    for name in ("default", "prewait"):
+    for name in ("default", "prewait", "default_fused_reduce"):
         same_cache = torch.equal(caches[name].view(torch.int16), caches["main"].view(torch.int16))
         a, b = outs[name][:len(contexts)].float(), outs["main"][:len(contexts)].float()
         err = ((a - b).norm() / b.norm()).item()
@@ -184,10 +187,11 @@ def timing(results: dict, device: str) -> None:
     weight = torch.ones(qkv0.shape[1], device=device, dtype=torch.bfloat16)
     default = tb.TritonAttentionConfig()
     variants = {"main": tb.without_prewait(default), "prewait": dataclasses.replace(default, rope_in_attention=False),
-                "prewait_rope": default}
+                "prewait_rope": default, "prewait_rope_fused_reduce": default}
     figures = results.setdefault("us_per_layer", {})
     for name, config in variants.items():
         backend = _backend(heads, head_dim, config)
+        _fused_reduce(name.endswith("fused_reduce"))
 
         def body(backend=backend):
             for c in caches:
@@ -212,6 +216,16 @@ def timing(results: dict, device: str) -> None:
         figures[name] = best
         print(f"  {name}: {best:.2f} us a layer (norm + attention step, 768 keys)", flush=True)
         del graph
+    _fused_reduce(False)
+
+
+def _fused_reduce(on: bool) -> None:
+    """TOKENMILL_ATTN_FUSED_REDUCE (read at each launch): the split partials merged by the last split program."""
+    from tokenmill.layers.attention import triton_paged_attention as tpa
+    if on:
+        os.environ[tpa.FUSED_REDUCE_ENV] = "1"
+    else:
+        os.environ.pop(tpa.FUSED_REDUCE_ENV, None)
 
 
 def main() -> None:

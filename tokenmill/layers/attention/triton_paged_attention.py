@@ -70,6 +70,7 @@ from tokenmill.layers.triton_ops import pdl
 LOG2E = 1.4426950408889634
 SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence search (a 256-row batch: one)
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
+MERGE_CHUNK = 4  # FUSED_REDUCE: split partials' accumulators a load of the merging program (registers)
 F8_P_SCALE = 448.0  # fp8_pv_dot: softmax weights (<= 1) scaled to e4m3's largest value
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
 CVT_KV, CVT_VALUES = 1, 2  # fp8_convert_on_load: keys and values, or the values only
@@ -355,6 +356,7 @@ def _paged_attention_kernel(
     ROPE: tl.constexpr = False, pos_ptr=None, cos_ptr=None, sin_ptr=None, s_cos=0, slot_ptr=None, num_slots=0,
     kn_ptr=None, vn_ptr=None, s_knt=0, s_knh=0, s_vnt=0, s_vnh=0, inv_k_scale=1.0, inv_v_scale=1.0,
     FP8_MAX: tl.constexpr = 0.0,
+    MAX_SPLITS: tl.constexpr = 1, MERGE_CHUNK: tl.constexpr = 1,  # FUSED_REDUCE: shares at most, merged a load
 ):
     pdl.launch_dependents(USE_PDL)
     if not PREWAIT:  # (PREWAIT: the step's inputs and the cached keys are read first, then the wait)
@@ -564,7 +566,7 @@ def _paged_attention_kernel(
         if FUSED_REDUCE:
             _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr + tile * (NUM_HEADS // GROUP) + kv_head,
                            tok, head, row_valid, offs_d, kperm_dst(offs_d) if KPERM else offs_d, d_valid, num_splits,
-                           s_ot, s_oh, NUM_HEADS, HEAD_DIM_PAD, PTX)
+                           s_ot, s_oh, NUM_HEADS, HEAD_DIM_PAD, PTX, MAX_SPLITS, MERGE_CHUNK)
     else:
         if SINKS:  # the sink in the log2 domain, as one more (valueless) key
             sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
@@ -580,10 +582,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt, tok, head, row_valid, offs_d, offs_o, d_valid,
-                   num_splits, s_ot, s_oh, NUM_HEADS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PTX: tl.constexpr):
+                   num_splits, s_ot, s_oh, NUM_HEADS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PTX: tl.constexpr,
+                   MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
     """FUSED_REDUCE: the program's partials made visible GPU-wide, it counts itself in for its
     (tile, KV head); the last of the num_splits merges all the splits' partials of its rows (as
-    `_reduce_splits_kernel`: the maximum first, then the weighted sums, in split order) and resets
+    `_reduce_splits_kernel`: the maxima and sums of all shares at once, then the accumulators CHUNK
+    shares a load, unrolled: every load in flight together, not one share a round trip) and resets
     the counter (a CUDA graph's next replay finds it zero). One launch less per layer."""
     if PTX:  # each thread's partial stores ordered before the CTA's count (as the int4 GEMV's split-K)
         tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [tl.zeros([1], dtype=tl.int32)],
@@ -592,19 +596,24 @@ def _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt, tok, head
     arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
     if arrived == num_splits - 1:
         base = (tok * NUM_HEADS + head) * num_splits
-        m_max = tl.full(base.shape, float("-inf"), dtype=tl.float32)
-        for s in range(num_splits):
-            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s, mask=row_valid, other=float("-inf"),
-                                              cache_modifier=".cg"))
+        offs_s = tl.arange(0, MAX_SPLITS)
+        shares = row_valid[:, None] & (offs_s < num_splits)[None, :]
+        idx = base[:, None] + offs_s[None, :]
+        m = tl.load(part_m_ptr + idx, mask=shares, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_l_ptr + idx, mask=shares, other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 1)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        den = tl.zeros(base.shape, dtype=tl.float32)
+        den = tl.sum(l * tl.exp2(m - m_max[:, None]), 1)
         num = tl.zeros([base.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
-        for s in range(num_splits):
-            wgt = tl.exp2(tl.load(part_m_ptr + base + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-                          - m_max)
-            den += tl.load(part_l_ptr + base + s, mask=row_valid, other=0.0, cache_modifier=".cg") * wgt
-            num += tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=row_valid[:, None],
-                           other=0.0, cache_modifier=".cg") * wgt[:, None]
+        for c in tl.static_range(0, MAX_SPLITS, CHUNK):
+            offs_c = c + tl.arange(0, CHUNK)
+            in_c = row_valid[:, None] & (offs_c < num_splits)[None, :]
+            idx_c = base[:, None] + offs_c[None, :]
+            wgt = tl.exp2(tl.load(part_m_ptr + idx_c, mask=in_c, other=float("-inf"), cache_modifier=".cg")
+                          - m_max[:, None])
+            acc = tl.load(part_acc_ptr + idx_c[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :], mask=in_c[:, :, None],
+                          other=0.0, cache_modifier=".cg")
+            num += tl.sum(acc * wgt[:, :, None], 1)
         o = num / tl.where(den > 0.0, den, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_o[None, :],  # offs_o: KPERM's order
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
@@ -788,6 +797,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         num_warps=num_warps,
         num_stages=num_stages,
         cnt_ptr=counters, FUSED_REDUCE=counters is not None, PREWAIT=prewait, **fused,
+        MAX_SPLITS=max_splits if counters is not None else 1, MERGE_CHUNK=min(max_splits, MERGE_CHUNK) if counters is not None else 1,
         **pdl.launch_kwargs(q.device),
     )
     if split and counters is None:
