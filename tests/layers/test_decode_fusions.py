@@ -174,6 +174,7 @@ def test_rope_in_attention_equals_the_rotary_kernel(monkeypatch, dtype, cache_dt
         backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5,
                                          config=dataclasses.replace(config, rope_in_attention=inside))
         backend.k_scale = backend.v_scale = scale
+        backend._sm_count = 1024  # (the CPU's 1: more programs than SMs, no PREWAIT launch)
         cache = case.kv_cache.to(cache_dtype, copy=True)
         out = backend.forward(q.clone(), k.clone(), v.clone(), cache, case.meta, rope=step)
         assert bool(launched) != inside, "the rotary kernel runs exactly where the attention does not rotate"

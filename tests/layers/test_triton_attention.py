@@ -224,11 +224,15 @@ def test_prewait_split_decodes(monkeypatch, dtype, heads, splits) -> None:
     assert plan.prewait and plan.num_warps == 8 and config.prewait_rope
     assert not plan_launch(TritonAttentionConfig(kv_splits=1), 32, 8, 1, 1, 1, 784, 132).prewait
     assert not plan_launch(config, 32, 8, 600, 4, 512, 8192, 132).prewait
+    # more programs than SMs (one prewait program a SM): the launch without it
+    assert not plan_launch(config, 32, 8, 32, 32, 1, 784, 132).prewait
+    assert plan_launch(config, 32, 8, 32, 32, 1, 784, 132).num_warps == 4
     off_config = tb.without_prewait(config)
     off_plan = plan_launch(off_config, 32, 8, 1, 1, 1, 784, 132)
     assert not off_plan.prewait and off_plan.num_warps == 4 and not off_config.prewait_rope  # main's launch
-    on = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=config)
-    off = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=off_config)
+    # (sm_count: the CPU's 1 would take more programs than SMs: the launch without it)
+    on = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=config, sm_count=1024)
+    off = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=off_config, sm_count=1024)
     torch.testing.assert_close(on, off, atol=TOL[dtype] / 10, rtol=TOL[dtype] / 10)
     monkeypatch.setenv(tb.PREWAIT_ENV, "0")
     assert TritonAttentionBackend(8, 2, 64, 0.125).config == tb.without_prewait(TritonAttentionConfig())

@@ -188,6 +188,10 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
         # One tile per row where it fits, so a multi-token decode reads its KV once.
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
         tiles = decode_tiles_for(config, kv_fp8, splits > 1)
+        if tiles.prewait and max(num_seqs, 1) * num_kv_heads * splits > sm_count:
+            # a prewait program holds its tile across the wait (8 warps, ~200 registers: one a SM): where they
+            # would take more than one wave, the launch without it (a few sequences: batch 1-2 of Llama-8B)
+            tiles = decode_tiles_for(without_prewait(config), kv_fp8, splits > 1)
         min_rows = max(tiles.min_rows, MIN_TILE_ROWS)
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad),
                       -(-min_rows // group_pad), 1)
