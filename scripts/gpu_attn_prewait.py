@@ -24,6 +24,7 @@ Writes OUT_DIR/attn_prewait.json; exit status 1 if a check failed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -135,6 +136,7 @@ def check_case(results: dict, check, device: str, smoke: bool, contexts: list[in
                           f"{err:.1e} (must fail)")
 
 
+@functools.cache
 def _slow_writer():
     import triton
     import triton.language as tl
@@ -245,7 +247,7 @@ def _fused_reduce(on: bool) -> None:
 
 def main() -> None:
     smoke = "--smoke" in sys.argv
-    out = [a for a in sys.argv[1:] if not a.startswith("--")][0]
+    out = next(a for a in sys.argv[1:] if not a.startswith("--"))
     os.makedirs(out, exist_ok=True)
     device = "cpu" if smoke else "cuda"
     results: dict = {"device": torch.cuda.get_device_name() if not smoke else "cpu"}
