@@ -50,7 +50,9 @@ forward's first kernel, by non-PDL kernels or copies) and the K/V of its first t
 before this step (written by earlier steps) before its PDL wait, while the qkv GEMV and the KV
 write still run; after the wait it reads q and the tile's keys of this step (the KV write's
 slots), then walks the rest of its tiles as before. (No kernel in the step writes a slot below the
-context: the step's KV write takes the slots of its own queries' positions.)
+context: the step's KV write takes the slots of its own queries' positions.) Programs with nothing to
+do exit without waiting, except program (0, 0, 0): the grid never completes before the kernel before
+it, so a kernel waiting for this one still finds every earlier kernel done (`pdl`'s transitivity).
 
 Requires triton at import; `triton_backend` imports this module lazily.
 """
@@ -391,6 +393,9 @@ def _paged_attention_kernel(
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     q_first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # this tile's first query, within the sequence
     if q_first >= q_len:
+        if PREWAIT:  # program (0, 0, 0) waits even with nothing to do (module docstring: PREWAIT)
+            if (tile == 0) & (kv_head == 0) & (split == 0):
+                pdl.wait(USE_PDL)
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # keys cached before this step's queries
