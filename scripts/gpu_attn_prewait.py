@@ -11,10 +11,12 @@
      PREWAIT without ROPE: the graph's outputs equal the eager ones (nothing read before the wait
      that the writer writes); planted: the same attention launched with PDL but compiled without
      its wait must read NaN (the check can fail).
-2. timing: 32 distinct layers' caches (768 keys each: 96 MB, past L2), each layer an RMSNorm
-   writing qkv (a PDL kernel, as the qkv GEMV before attention) then the attention step, in one
-   graph: us per layer for main's path, PREWAIT, PREWAIT + ROPE, and that with the split partials merged by
-   the last split program (TOKENMILL_ATTN_FUSED_REDUCE=1, its loads now all in flight at once).
+2. timing: 32 distinct layers' caches (768 keys each: 96 MB, past L2), each layer an RMSNorm, the INT4
+   qkv GEMV (8 distinct weights, the engine's TABLE launch) then the attention step, in one graph: us
+   per layer for main's path, PREWAIT, PREWAIT + ROPE, that with the split partials merged by the last
+   split program (TOKENMILL_ATTN_FUSED_REDUCE=1, its loads now all in flight at once), and 4-warp
+   tiles of 64 keys in 16 shares with PREWAIT + ROPE (fewer registers: resident beside the GEMV's tail
+   sooner).
 
     python scripts/gpu_attn_prewait.py OUT_DIR            # on the GPU (~20 s)
     TRITON_INTERPRET=1 python scripts/gpu_attn_prewait.py --smoke OUT_DIR   # CPU: part 1's eager checks, small
@@ -193,26 +195,47 @@ def graph_race(heads, head_dim, cache0, qkv0, meta, step, config, ref, planted: 
     return max(errs)
 
 
+def _qkv_weights(count: int, device: str) -> list:
+    """`count` distinct INT4 qkv weights of Llama-3.1-8B (6144 x 4096, group 128) in the mma layout, with
+    their split-K counters: the GEMV before attention in a layer."""
+    from tokenmill.layers.quantization import int4_packing as packing
+    out = []
+    for i in range(count):
+        g = torch.Generator(device=device).manual_seed(i)
+        codes = packing.quantize_int4(torch.randn(6144, 4096, device=device, generator=g), 128, sym=False)
+        wt = packing.from_codes(codes, torch.bfloat16, act_order=False)
+        out.append((packing.to_mma(wt.qweight), wt.scales, wt.zeros, torch.zeros(1024, dtype=torch.int32, device=device)))
+    return out
+
+
 def timing(results: dict, device: str) -> None:
-    """Part 2 (module docstring): us per layer, each variant its own graph of 32 layers."""
+    """Part 2 (module docstring): us per layer, each variant its own graph of 32 layers: an RMSNorm, the
+    INT4 qkv GEMV (8 distinct weights, the engine's launch), the attention step."""
     from tokenmill.layers.attention import triton_backend as tb
+    from tokenmill.layers.quantization import triton_int4_mma as mma
     from tokenmill.layers.triton_ops.rms_norm import rms_norm
     heads, head_dim, layers = (32, 8), 128, 32
-    cache0, qkv0, meta, step = _case([767], heads, head_dim, 16, device, pad=0)
+    cache0, _, meta, step = _case([767], heads, head_dim, 16, device, pad=0)
     caches = [cache0.clone() for _ in range(layers)]  # 32 x 3 MB of keys and values read a step: past L2
-    stream = torch.randn(1, qkv0.shape[1], device=device)
-    weight = torch.ones(qkv0.shape[1], device=device, dtype=torch.bfloat16)
+    weights = _qkv_weights(8, device)  # 8 x 13 MB: past L2
+    stream = torch.randn(1, 4096, device=device)
+    weight = torch.ones(4096, device=device, dtype=torch.bfloat16)
     default = tb.TritonAttentionConfig()
-    variants = {"main": tb.without_prewait(default), "prewait": dataclasses.replace(default, rope_in_attention=False),
-                "prewait_rope": default, "prewait_rope_fused_reduce": default}
+    narrow = dataclasses.replace(default, min_keys_per_split=32,  # 16 shares of one 64-key tile at 768 keys
+                                 split_decode_tiles=tb.DecodeTiles(block_n=64, warps=4, stages=2, prewait=True))
+    variants = {"main": tb.without_prewait(default), "prewait_rope": default,
+                "prewait": dataclasses.replace(default, rope_in_attention=False), "prewait_rope_64x4": narrow,
+                "prewait_rope_fused_reduce": default}
     figures = results.setdefault("us_per_layer", {})
     for name, config in variants.items():
         backend = _backend(heads, head_dim, config)
         _fused_reduce(name.endswith("fused_reduce"))
 
         def body(backend=backend):
-            for c in caches:
-                qkv = rms_norm(stream, weight, 1e-5, torch.bfloat16)  # a PDL kernel writing qkv, as the GEMV
+            for i, c in enumerate(caches):
+                x = rms_norm(stream, weight, 1e-5, torch.bfloat16)  # a PDL kernel, as the norm before qkv
+                qm, sc, zr, counters = weights[i % len(weights)]
+                qkv = mma.mma_gemv(x, qm, sc, zr, 128, counters=counters)
                 q, k, v = _views(qkv, heads, head_dim)
                 backend.forward(q, k, v, c, meta, rope=step)
         body()
@@ -231,7 +254,7 @@ def timing(results: dict, device: str) -> None:
             torch.cuda.synchronize()
             best = min(best, (time.perf_counter() - t0) / 20 / layers * 1e6)
         figures[name] = best
-        print(f"  {name}: {best:.2f} us a layer (norm + attention step, 768 keys)", flush=True)
+        print(f"  {name}: {best:.2f} us a layer (norm + INT4 qkv GEMV + attention step, 768 keys)", flush=True)
         del graph
     _fused_reduce(False)
 

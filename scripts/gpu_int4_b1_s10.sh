@@ -6,7 +6,7 @@
 #    per layer of a norm + attention step for main's path / PREWAIT / PREWAIT + ROPE;
 # 2. engines in ONE process on one card: bf16 and INT4 with the new defaults (int4new), INT4 on main's
 #    attention path (int4off), then, budget allowing, PREWAIT alone (int4pw) and bf16 on main's path.
-#   OUT=<dir> bash scripts/gpu_int4_b1_s10.sh [ENGINES] [ENGINE_BUDGET_S]      # ~150 s on an H100
+#   OUT=<dir> bash scripts/gpu_int4_b1_s10.sh [ENGINES] [ENGINE_BUDGET_S]      # ~150-170 s on an H100
 set -u
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -16,7 +16,7 @@ t0=$(date +%s)
 ( timeout 14 python scripts/int4_table_precompile.py 12 > "$OUT/precompile.log" 2>&1
   timeout 24 python scripts/int4_fold_precompile.py 22 >> "$OUT/precompile.log" 2>&1 ) &
 pre=$!
-timeout 45 python scripts/gpu_attn_prewait.py "$OUT" > "$OUT/attn_prewait.log" 2>&1
+timeout 75 python scripts/gpu_attn_prewait.py "$OUT" > "$OUT/attn_prewait.log" 2>&1
 echo "attn_prewait rc=$? at $(( $(date +%s) - t0 )) s"
 grep -E "ok  |FAIL|us a layer|done at|Error|error" "$OUT/attn_prewait.log" | head -20
 wait $pre
