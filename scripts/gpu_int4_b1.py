@@ -383,7 +383,8 @@ ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKE
               # it (ROPE), both on by default (int4new, bf16): main's path (int4off, bf16off), PREWAIT alone (int4pw)
               "int4off": {"TOKENMILL_ATTN_PREWAIT": "0", "TOKENMILL_ATTN_ROPE": "0"},
               "bf16off": {"TOKENMILL_ATTN_PREWAIT": "0", "TOKENMILL_ATTN_ROPE": "0"},
-              "int4pw": {"TOKENMILL_ATTN_ROPE": "0"}, "int4fr": {"TOKENMILL_ATTN_FUSED_REDUCE": "1"}}
+              "int4pw": {"TOKENMILL_ATTN_ROPE": "0"}, "int4fr": {"TOKENMILL_ATTN_FUSED_REDUCE": "1"},
+              "int4n64": {"TOKENMILL_ATTN_PREWAIT": "64"}}
 # int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
 # branch's committed TABLE (""); int4 the sweep's table.
 
@@ -493,7 +494,7 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
     for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row",
                   "int4foldattn", "int4scale", "int4nofold2", "int4scale2", "int4scaleprof", "int4scaleattn",
                   "int4scalegreedy0", "bf16k256", "int4scalek128", "int4scalek256", "int4new", "int4off", "int4pw",
-                  "bf16off", "int4fr", "int4new2", "bf16b"):
+                  "bf16off", "int4fr", "int4new2", "bf16b", "int4n64"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r

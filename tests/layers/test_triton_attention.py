@@ -236,3 +236,7 @@ def test_prewait_split_decodes(monkeypatch, dtype, heads, splits) -> None:
     torch.testing.assert_close(on, off, atol=TOL[dtype] / 10, rtol=TOL[dtype] / 10)
     monkeypatch.setenv(tb.PREWAIT_ENV, "0")
     assert TritonAttentionBackend(8, 2, 64, 0.125).config == tb.without_prewait(TritonAttentionConfig())
+    monkeypatch.setenv(tb.PREWAIT_ENV, "64")
+    narrow = TritonAttentionBackend(8, 2, 64, 0.125).config
+    plan = plan_launch(narrow, 32, 8, 1, 1, 1, 784, 132)
+    assert plan.prewait and (plan.block_n, plan.num_warps, plan.num_splits) == (64, 4, 16)

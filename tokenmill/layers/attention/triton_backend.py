@@ -150,7 +150,7 @@ def _next_pow2(n: int) -> int:
 
 
 MIN_KEYS_ENV = "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT"
-PREWAIT_ENV = "TOKENMILL_ATTN_PREWAIT"  # 0: `without_prewait` (A/B timing)
+PREWAIT_ENV = "TOKENMILL_ATTN_PREWAIT"  # 0: `without_prewait`; 64: 4-warp 64-key prewait tiles (A/B timing)
 ROPE_ENV = "TOKENMILL_ATTN_ROPE"  # 0: no rotary + KV write inside the attention kernel (A/B timing)
 
 
@@ -237,8 +237,12 @@ class TritonAttentionBackend(AttentionBackend):
         keys = os.environ.get(MIN_KEYS_ENV)  # A/B timing only: the split rule's fewest keys a share
         if config is None and keys:
             self.config = dataclasses.replace(self.config, min_keys_per_split=int(keys))
-        if config is None and os.environ.get(PREWAIT_ENV, "1") == "0":  # A/B timing only
+        prewait = os.environ.get(PREWAIT_ENV, "1")  # A/B timing only
+        if config is None and prewait == "0":
             self.config = without_prewait(self.config)
+        elif config is None and prewait == "64":  # 4-warp 64-key tiles, 16 shares at 768 keys (one tile a share)
+            self.config = dataclasses.replace(self.config, min_keys_per_split=32, split_decode_tiles=DecodeTiles(
+                block_n=64, warps=4, stages=2, prewait=True))
         if config is None and os.environ.get(ROPE_ENV, "1") == "0":  # A/B timing only
             self.config = dataclasses.replace(self.config, rope_in_attention=False)
         self._sm_count: int | None = None  # read from the device on the first forward
