@@ -18,9 +18,9 @@
    tiles of 64 keys in 16 shares with PREWAIT + ROPE (fewer registers: resident beside the GEMV's tail
    sooner).
 
-    python scripts/gpu_attn_prewait.py OUT_DIR            # on the GPU (~20 s)
+    python scripts/gpu_attn_prewait.py OUT_DIR [--checks | --timing]      # on the GPU (~30 s each)
     TRITON_INTERPRET=1 python scripts/gpu_attn_prewait.py --smoke OUT_DIR   # CPU: part 1's eager checks, small
-Writes OUT_DIR/attn_prewait.json; exit status 1 if a check failed.
+Writes OUT_DIR/attn_prewait_{both,checks,timing}.json; exit status 1 if a check failed.
 """
 
 from __future__ import annotations
@@ -282,14 +282,16 @@ def main() -> None:
         if not ok:
             failures.append(what)
     t0 = time.perf_counter()
+    part = "timing" if "--timing" in sys.argv else "checks" if "--checks" in sys.argv else "both"
     try:
-        checks(results, check, device, smoke)
-        print(f"  checks done at {time.perf_counter() - t0:.0f} s", flush=True)
-        if not smoke:
+        if part != "timing":
+            checks(results, check, device, smoke)
+            print(f"  checks done at {time.perf_counter() - t0:.0f} s", flush=True)
+        if not smoke and part != "checks":
             timing(results, device)
     finally:
         results["failures"] = failures
-        with open(os.path.join(out, "attn_prewait.json"), "w") as f:
+        with open(os.path.join(out, f"attn_prewait_{part}.json"), "w") as f:
             json.dump(results, f, indent=1)
     print(f"  done at {time.perf_counter() - t0:.0f} s, {len(failures)} failed", flush=True)
     sys.exit(1 if failures else 0)
