@@ -182,3 +182,36 @@ def test_rope_in_attention_equals_the_rotary_kernel(monkeypatch, dtype, cache_dt
     (out, cache), (fused_out, fused_cache) = runs
     assert torch.equal(fused_cache.view(torch.uint8), cache.view(torch.uint8))
     assert not out.isnan().any() and torch.equal(fused_out, out)
+
+
+def test_rope_in_attention_self_test(monkeypatch):
+    """`rope_selftest.passed`: the kernel's rotary + KV write against the rotary kernel's, once per shape
+    (True here); a planted fault (the step's slot moved in the fused launch) fails it, and the backend
+    then runs the rotary kernel."""
+    from tokenmill.layers.attention import rope_selftest, triton_paged_attention, triton_rope_kv_write
+    from tokenmill.layers.attention.triton_backend import TritonAttentionConfig
+    monkeypatch.setattr(rope_selftest, "_RESULTS", {})
+    rope = RotaryEmbedding(32, 64, RopeConfig(theta=10000.0))
+    step = RotaryStep(torch.tensor([0]), rope.cos_cache, rope.sin_cache, 32)
+    backend = TritonAttentionBackend(4, 2, 32, 32 ** -0.5, config=TritonAttentionConfig())
+    cache = torch.zeros(2, 6, BLOCK, 2, 32, dtype=torch.float16)
+    assert rope_selftest.passed(backend, cache, torch.float16, step)
+    assert len(rope_selftest._RESULTS) == 1
+    real = triton_paged_attention.paged_attention
+
+    def planted(*args, rope=None, **kwargs):
+        if rope is not None:
+            rope = (rope[0], rope[1], rope[2], rope[3] + 1)  # this step's key written one slot on
+        return real(*args, rope=rope, **kwargs)
+    monkeypatch.setattr(triton_paged_attention, "paged_attention", planted)
+    monkeypatch.setattr(rope_selftest, "_RESULTS", {})
+    assert not rope_selftest.passed(backend, cache, torch.float16, step)
+    launched = []
+    real_write = triton_rope_kv_write.rotate_and_write_kv
+    monkeypatch.setattr(triton_rope_kv_write, "rotate_and_write_kv", lambda *a, **kw: launched.append(1) or real_write(*a, **kw))
+    from tests.layers.test_attention import make_case
+    case = make_case([9], [1], BLOCK, 4, 2, torch.float16, "cpu", head_dim=32)
+    backend._sm_count = 1024
+    backend.forward(case.q, case.k, case.v, case.kv_cache.clone(), case.meta,
+                    rope=RotaryStep(torch.tensor([9]), rope.cos_cache, rope.sin_cache, 32))
+    assert launched, "a failed self-test: the rotary kernel runs"

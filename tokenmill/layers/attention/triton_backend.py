@@ -121,7 +121,7 @@ class TritonAttentionConfig:
     prewait_rope: bool = True
     # Single-token split decodes with PREWAIT (full rotary, power-of-two head_dim, values not transposed): the
     # attention kernel rotates q and this step's k and writes k, v into the cache itself (no rotary + KV
-    # write launch: `triton_paged_attention`'s ROPE). TOKENMILL_ATTN_ROPE=0: off (A/B timing).
+    # write launch: `triton_paged_attention`'s ROPE), after its device self-test (`rope_selftest`). TOKENMILL_ATTN_ROPE=0: off.
     rope_in_attention: bool = True
 
 
@@ -246,6 +246,7 @@ class TritonAttentionBackend(AttentionBackend):
         if config is None and os.environ.get(ROPE_ENV, "1") == "0":  # A/B timing only
             self.config = dataclasses.replace(self.config, rope_in_attention=False)
         self._sm_count: int | None = None  # read from the device on the first forward
+        self._rope_tested = False  # rope_selftest's own backends: no test of the test
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
 
@@ -259,7 +260,12 @@ class TritonAttentionBackend(AttentionBackend):
         writes k rotated, with v, into the cache (`rope_in_attention`: in single-token split decode launches
         with PREWAIT the attention kernel does it, q rotated in registers, no launch of its own). `kperm` (head_dim a multiple of 64): each head's output in the
         INT4 swapped GEMM's K order (`quantization.int4_kperm`, for o_proj)."""
-        from tokenmill.layers.attention import triton_kv_write, triton_paged_attention, triton_rope_kv_write
+        from tokenmill.layers.attention import (
+            rope_selftest,
+            triton_kv_write,
+            triton_paged_attention,
+            triton_rope_kv_write,
+        )
 
         if kv_cache.stride(-1) != 1:
             raise ValueError("the KV cache's head_dim axis must be contiguous")
@@ -271,7 +277,8 @@ class TritonAttentionBackend(AttentionBackend):
         plan = plan_launch(self.config, self.num_heads, self.num_kv_heads, q.shape[0], meta.seq_lens.shape[0],
                            meta.max_query_len, keys, self._sm_count_of(q.device), is_fp8(kv_cache))
         rope_in = (rope is not None and self.config.rope_in_attention and plan.prewait and meta.max_query_len == 1
-                   and rope.rotary_dim == self.head_dim and self.head_dim & (self.head_dim - 1) == 0 and not v_trans)
+                   and rope.rotary_dim == self.head_dim and self.head_dim & (self.head_dim - 1) == 0 and not v_trans
+                   and (self._rope_tested or rope_selftest.passed(self, kv_cache, q.dtype, rope)))
         if rope_in:
             pass  # the attention kernel rotates q and this step's k and writes k, v into the cache
         elif rope is not None:

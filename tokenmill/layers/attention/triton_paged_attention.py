@@ -305,8 +305,8 @@ def _rotate(x, partner, c, s, offs_d, HALF: tl.constexpr, dtype: tl.constexpr):
     """ROPE: rows of x (float32) rotated with their partner values (x at d +- HALF) and cos / sin (float32,
     rounded to `dtype`), rounded as `triton_rope_kv_write` (`_rotate_heads`) rounds: first half
     (x c) - partner s, second half (x c) + partner s, the product x c rounded to dtype first."""
-    sign = tl.where(offs_d < HALF, -1.0, 1.0)
-    return ((x * c).to(dtype).to(tl.float32) + sign * partner * s).to(dtype)
+    xc = (x * c).to(dtype).to(tl.float32)
+    return tl.where(offs_d < HALF, xc - partner * s, xc + partner * s).to(dtype)  # (the kernel's two forms)
 
 
 @triton.jit
