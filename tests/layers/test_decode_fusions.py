@@ -175,6 +175,7 @@ def test_rope_in_attention_equals_the_rotary_kernel(monkeypatch, dtype, cache_dt
                                          config=dataclasses.replace(config, rope_in_attention=inside))
         backend.k_scale = backend.v_scale = scale
         backend._sm_count = 1024  # (the CPU's 1: more programs than SMs, no PREWAIT launch)
+        backend._rope_tested = True  # (its self-test launches the rotary kernel too: test_rope_in_attention_self_test)
         cache = case.kv_cache.to(cache_dtype, copy=True)
         out = backend.forward(q.clone(), k.clone(), v.clone(), cache, case.meta, rope=step)
         assert bool(launched) != inside, "the rotary kernel runs exactly where the attention does not rotate"
