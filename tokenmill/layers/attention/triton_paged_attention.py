@@ -54,6 +54,13 @@ context: the step's KV write takes the slots of its own queries' positions.) Pro
 do exit without waiting, except program (0, 0, 0): the grid never completes before the kernel before
 it, so a kernel waiting for this one still finds every earlier kernel done (`pdl`'s transitivity).
 
+ROPE (with PREWAIT, one query a sequence: `paged_attention`'s `rope`): no rotary + KV write launch
+before this one. Each program reads its rows' positions and cos / sin rows and the step's slot before
+the wait, rotates q in registers after it (q itself stays unrotated: nothing reads it after), and
+makes this step's key (rotated) and value from the qkv projection's k and v; the program whose
+share holds the key's tile (the last one) writes them into the cache and merges them into that tile
+(attended last), never reading that slot back.
+
 Requires triton at import; `triton_backend` imports this module lazily.
 """
 
@@ -731,7 +738,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     `rope` (with prewait, one query a sequence; full rotary, head_dim a power of two, values not
     transposed): (RotaryStep, k, v, slot_mapping) of this step, k unrotated and not yet in the
     cache: the kernel rotates q (in registers) and k, and writes k and v at the slots
-    (`triton_rope_kv_write`'s arithmetic: the same cache and output bit for bit).
+    (`triton_rope_kv_write`'s arithmetic and roundings).
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
