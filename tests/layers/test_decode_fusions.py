@@ -142,14 +142,17 @@ def test_vocab_parallel_embedding_kernel_equals_the_torch_path(dtype):
     assert vocab_embedding(ids[:0], weight, start).shape == (0, d)
 
 
-@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
-                                                (torch.float16, torch.float8_e4m3fn)])
+@pytest.mark.parametrize("dtype, cache_dtype, window", [(torch.float32, torch.float32, None),
+                                                        (torch.float16, torch.float16, None),
+                                                        (torch.float16, torch.float8_e4m3fn, None),
+                                                        (torch.float32, torch.float32, 9)])
 @pytest.mark.parametrize("splits", [4, 16])
-def test_rope_in_attention_equals_the_rotary_kernel(monkeypatch, dtype, cache_dtype, splits):
+def test_rope_in_attention_equals_the_rotary_kernel(monkeypatch, dtype, cache_dtype, splits, window):
     """Single-token split decodes (PREWAIT): the attention kernel rotates q and this step's k and writes
     k, v into the cache itself (no rotary + KV write launch), bit for bit the cache and output of the
     rotary kernel's path (TOKENMILL_ATTN_ROPE=0). Contexts put this step's key first (0), last (31,
-    63) and inside a 32-key tile, and on either side of a share; a zero-length row; padding rows."""
+    63) and inside a 32-key tile, and on either side of a share; a zero-length row; padding rows; a
+    sliding window (9 keys: the walk starts past the first tiles)."""
     from tests.layers.test_attention import make_case
     from tokenmill.layers.attention import triton_backend as tb
     from tokenmill.layers.attention import triton_rope_kv_write
@@ -171,7 +174,7 @@ def test_rope_in_attention_equals_the_rotary_kernel(monkeypatch, dtype, cache_dt
     monkeypatch.setattr(triton_rope_kv_write, "rotate_and_write_kv", lambda *a, **kw: launched.append(1) or real(*a, **kw))
     for inside in (False, True):
         launched.clear()
-        backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5,
+        backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, head_dim ** -0.5, window,
                                          config=dataclasses.replace(config, rope_in_attention=inside))
         backend.k_scale = backend.v_scale = scale
         backend._sm_count = 1024  # (the CPU's 1: more programs than SMs, no PREWAIT launch)
