@@ -54,16 +54,23 @@ def compile_launch(launch: dict):
                  CVT_ON_LOAD=fp8 and launch.get("convert_on_load", False), E5M2=kv == "fp8e5",
                  PREFETCH_TABLE=launch.get("table_prefetch", False), PTX=True,
                  V_TRANS=launch.get("v_transposed", False), USE_PDL=True,
-                 FUSED_REDUCE=launch.get("fused_reduce", False))
+                 FUSED_REDUCE=launch.get("fused_reduce", False), PREWAIT=launch.get("prewait", False))
     ptrs = {"q_ptr": "bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "out_ptr": "bf16", "part_m_ptr": "fp32",
             "part_l_ptr": "fp32", "part_acc_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
             "block_table_ptr": "i32", "sinks_ptr": "fp32"}
+    const.update(ROPE=bool(launch.get("rope")), FP8_MAX=448.0 if fp8 and launch.get("rope") else 0.0,
+                 MAX_SPLITS=launch.get("max_splits", 8) if launch.get("fused_reduce") else 1,
+                 MERGE_CHUNK=4 if launch.get("fused_reduce") else 1)
+    if launch.get("rope"):  # this step's rotary + KV write inside (ROPE, with PREWAIT)
+        ptrs.update(pos_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_ptr="i64", kn_ptr="bf16", vn_ptr="bf16")
+    else:
+        const.update(pos_ptr=None, cos_ptr=None, sin_ptr=None, slot_ptr=None, kn_ptr=None, vn_ptr=None)
     if launch.get("fused_reduce"):  # the last split program merges (a counter per tile and KV head)
         ptrs["cnt_ptr"] = "i32"
     else:
         const["cnt_ptr"] = None
     aligned = {"s_qt", "s_qh", "s_ot", "s_oh", "s_cb", "s_cs", "s_ch"}  # multiples of 16, as the engine's
-    return compile_sm90(tpa._paged_attention_kernel, const, ptrs, aligned, floats=("qk_scale", "v_scale", "softcap"),
+    return compile_sm90(tpa._paged_attention_kernel, const, ptrs, aligned, floats=("qk_scale", "v_scale", "softcap", "inv_k_scale", "inv_v_scale"),
                         num_warps=launch.get("warps", 4), num_stages=launch.get("stages", 2),
                         **({"maxnreg": launch["maxnreg"]} if launch.get("maxnreg") else {}))
 
@@ -108,7 +115,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launch", action="append", help="JSON: kv (bf16|fp8|fp8_e5m2), warps, stages, split, block_n, "
                     "block_q, convert_on_load (true, or 2: values only), early_v_load, table_prefetch, v_transposed, "
-                    "f8_qk, f8_pv, maxnreg (default: the defaults' decode launches)")
+                    "f8_qk, f8_pv, prewait, rope, maxnreg (default: the defaults' decode launches)")
     args = ap.parse_args()
     launches = [json.loads(x) for x in args.launch] if args.launch else DEFAULTS
     for launch in launches:

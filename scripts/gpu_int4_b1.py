@@ -378,7 +378,13 @@ ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKE
               # decode attention's split rule: at least 128 / 256 keys a share (batch 1 x ~768 keys: 4 / 2 splits, not 8)
               "bf16k256": {"TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT": "256"},
               "int4scalek128": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT": "128"},
-              "int4scalek256": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT": "256"}}
+              "int4scalek256": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT": "256"},
+              # session 10: decode attention's reads before the PDL wait (PREWAIT) and the rotary + KV write inside
+              # it (ROPE), both on by default (int4new, bf16): main's path (int4off, bf16off), PREWAIT alone (int4pw)
+              "int4off": {"TOKENMILL_ATTN_PREWAIT": "0", "TOKENMILL_ATTN_ROPE": "0"},
+              "bf16off": {"TOKENMILL_ATTN_PREWAIT": "0", "TOKENMILL_ATTN_ROPE": "0"},
+              "int4pw": {"TOKENMILL_ATTN_ROPE": "0"}, "int4fr": {"TOKENMILL_ATTN_FUSED_REDUCE": "1"},
+              "int4n64": {"TOKENMILL_ATTN_PREWAIT": "64"}}
 # int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
 # branch's committed TABLE (""); int4 the sweep's table.
 
@@ -474,18 +480,21 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             results.setdefault("int4b1_greedy_equal", {})[f"{int4s[0]}={k}"] = diff is None
             print(f"  greedy tokens {int4s[0]} vs {k}: " + ("equal" if diff is None else f"differ from token {diff}"),
                   flush=True)
-    pairs = {"off": ("int4nofold", "int4nofold2"), "scale": ("int4scale", "int4scale2")}  # means over instances
+    pairs = {"off": ("int4nofold", "int4nofold2"), "scale": ("int4scale", "int4scale2"),  # means over instances
+             "new": ("int4new", "int4new2")}  # (session 10: against the mean of bf16 and bf16b where both ran)
+    bf16s = [timings[lb]["batch1"] for lb in ("bf16", "bf16b") if lb in timings]
     for mode, labels in pairs.items():
         got = [timings[lb]["batch1"] for lb in labels if lb in timings]
-        if got and "bf16" in timings:
-            mean = sum(got) / len(got)
-            results.setdefault("int4b1_mean", {})[mode] = {"ms": mean, "x_bf16": mean / timings["bf16"]["batch1"],
-                                                           "instances": got}
-            print(f"  INT4 fold {mode}: mean of {len(got)} engines {mean:.3f} ms/token = "
-                  f"{mean / timings['bf16']['batch1']:.3f} x bf16", flush=True)
+        if got and bf16s:
+            mean, base = sum(got) / len(got), sum(bf16s) / len(bf16s)
+            results.setdefault("int4b1_mean", {})[mode] = {"ms": mean, "x_bf16": mean / base, "instances": got,
+                                                           "bf16_instances": bf16s}
+            print(f"  INT4 {mode}: mean of {len(got)} engines {mean:.3f} ms/token = {mean / base:.3f} x bf16 "
+                  f"(mean of {len(bf16s)}: {base:.3f})", flush=True)
     for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row",
                   "int4foldattn", "int4scale", "int4nofold2", "int4scale2", "int4scaleprof", "int4scaleattn",
-                  "int4scalegreedy0", "bf16k256", "int4scalek128", "int4scalek256"):
+                  "int4scalegreedy0", "bf16k256", "int4scalek128", "int4scalek256", "int4new", "int4off", "int4pw",
+                  "bf16off", "int4fr", "int4new2", "bf16b", "int4n64"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r

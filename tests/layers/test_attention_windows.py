@@ -98,3 +98,20 @@ def test_triton_wide_heads():
     backend = TritonAttentionBackend(4, 2, 256, 1 / math.sqrt(256), 9, 0.8)
     assert backend.config.block_n == 32
     torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("window,softcap,splits", [(7, None, 4), (9, 0.8, 3), (None, 0.8, 2)])
+def test_triton_prewait(window, softcap, splits):
+    """Split decode launches that read before their PDL wait (PREWAIT: the SM count set so that they
+    fit one wave): the first tile a program preloads starts at its window, never in a dead block."""
+    from tests.helpers.triton_required import require_triton
+    require_triton()
+    from tokenmill.layers.attention.triton_backend import TritonAttentionBackend, TritonAttentionConfig, plan_launch
+
+    case, num_dead = poisoned_case(window, softcap, 4, mix=DECODES)
+    assert window is None or num_dead > 0
+    config = TritonAttentionConfig(kv_splits=splits)
+    backend = TritonAttentionBackend(4, 2, 16, 1 / math.sqrt(16), window, softcap, config=config)
+    backend._sm_count = 1024
+    assert plan_launch(backend.config, 4, 2, case.q.shape[0], 4, 5, 80, 1024).prewait
+    torch.testing.assert_close(run_backend(backend, case), case.expected, atol=1e-4, rtol=1e-4)

@@ -209,3 +209,34 @@ def test_min_keys_per_split_switch(monkeypatch) -> None:
     assert tb.choose_kv_splits(backend.config, 1, 8, 768, 132) == 2
     given = TritonAttentionConfig()
     assert TritonAttentionBackend(8, 8, 64, 0.125, config=given).config is given
+
+
+@pytest.mark.parametrize("dtype, heads, splits", [(torch.float32, (4, 2), 4), (torch.float16, (8, 2), 16)])
+def test_prewait_split_decodes(monkeypatch, dtype, heads, splits) -> None:
+    """Split decode launches read the step's inputs and their first tile's cached K/V before the PDL
+    wait (PREWAIT), then this step's keys of that tile: the references' values (run_case), and
+    those of the launch without it; TOKENMILL_ATTN_PREWAIT=0 turns it off; unsplit and prefill
+    launches never take it."""
+    from tokenmill.layers.attention import triton_backend as tb
+
+    config = TritonAttentionConfig(kv_splits=splits)
+    plan = plan_launch(config, 32, 8, 1, 1, 1, 784, 132)
+    assert plan.prewait and plan.num_warps == 8 and config.prewait_rope
+    assert not plan_launch(TritonAttentionConfig(kv_splits=1), 32, 8, 1, 1, 1, 784, 132).prewait
+    assert not plan_launch(config, 32, 8, 600, 4, 512, 8192, 132).prewait
+    # more programs than SMs (one prewait program a SM): the launch without it
+    assert not plan_launch(config, 32, 8, 32, 32, 1, 784, 132).prewait
+    assert plan_launch(config, 32, 8, 32, 32, 1, 784, 132).num_warps == 4
+    off_config = tb.without_prewait(config)
+    off_plan = plan_launch(off_config, 32, 8, 1, 1, 1, 784, 132)
+    assert not off_plan.prewait and off_plan.num_warps == 4 and not off_config.prewait_rope  # main's launch
+    # (sm_count: the CPU's 1 would take more programs than SMs: the launch without it)
+    on = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=config, sm_count=1024)
+    off = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=off_config, sm_count=1024)
+    torch.testing.assert_close(on, off, atol=TOL[dtype] / 10, rtol=TOL[dtype] / 10)
+    monkeypatch.setenv(tb.PREWAIT_ENV, "0")
+    assert TritonAttentionBackend(8, 2, 64, 0.125).config == tb.without_prewait(TritonAttentionConfig())
+    monkeypatch.setenv(tb.PREWAIT_ENV, "64")
+    narrow = TritonAttentionBackend(8, 2, 64, 0.125).config
+    plan = plan_launch(narrow, 32, 8, 1, 1, 1, 784, 132)
+    assert plan.prewait and (plan.block_n, plan.num_warps, plan.num_splits) == (64, 4, 16)

@@ -53,6 +53,7 @@ class DecodeTiles:
     table_prefetch: bool = False  # the next tile's block-table lookups issued before this tile's loads
     fp8_convert_on_load: bool | int = False  # fp8 caches: K/V to float16 where they load (not after the layout
     # change); 2: the values only (the keys' layout change is no transpose: wide shared-memory reads already)
+    prewait: bool = False  # the step's inputs and the first KV tile's cached K/V read before the PDL wait
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,11 @@ class TritonAttentionConfig:
     # 53.8 us) but 640 / 2048 keys lose 3% / 1% with them, and a decode graph (max_seq_len =
     # max_model_len) cannot tell the two apart: 128 keys (the engine's 1000x512x256 decodes at 512-768).
     decode_tiles: DecodeTiles = DecodeTiles()
-    split_decode_tiles: DecodeTiles | None = None
+    # Split (few sequences: latency-bound): each program reads the step's inputs and its first tile's cached
+    # K/V before the PDL wait (`triton_paged_attention`'s PREWAIT), so that at batch 1 (one tile a program)
+    # the reads run under the qkv GEMV and the KV write; the tile is held in registers across the wait:
+    # 8 warps (172 registers; 4 warps spill). Without it (TOKENMILL_ATTN_PREWAIT=0): decode_tiles.
+    split_decode_tiles: DecodeTiles | None = DecodeTiles(block_n=128, warps=8, stages=2, prewait=True)
     # fp8: the VALUES converted to float16 where they load (fp8_convert_on_load=2; without it the V tile is
     # read back from shared memory one byte per load), the keys after their layout change (no transpose:
     # wide shared-memory reads; converting them on load too sent them through shared memory twice more).
@@ -112,6 +117,12 @@ class TritonAttentionConfig:
     # it (255 registers + 584 bytes of stack; H100 256 x 640 170.2 us, 3 stages 779, against 143.0); the
     # tile is now loaded [keys, dim] keys-contiguous (3.6: 206 registers, no stack), not yet timed.
     fp8_v_transposed: bool = False
+    # The rotary + KV write kernel reads the positions, cos / sin rows and slots before its PDL wait.
+    prewait_rope: bool = True
+    # Single-token split decodes with PREWAIT (full rotary, power-of-two head_dim, values not transposed): the
+    # attention kernel rotates q and this step's k and writes k, v into the cache itself (no rotary + KV
+    # write launch: `triton_paged_attention`'s ROPE), after its device self-test (`rope_selftest`). TOKENMILL_ATTN_ROPE=0: off.
+    rope_in_attention: bool = True
 
 
 def decode_tiles_for(config: TritonAttentionConfig, kv_fp8: bool, split: bool) -> DecodeTiles:
@@ -131,6 +142,7 @@ class LaunchPlan:
     early_v_load: bool = False
     table_prefetch: bool = False
     fp8_convert_on_load: bool | int = False
+    prewait: bool = False  # DecodeTiles.prewait
 
 
 def _next_pow2(n: int) -> int:
@@ -138,6 +150,19 @@ def _next_pow2(n: int) -> int:
 
 
 MIN_KEYS_ENV = "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT"
+PREWAIT_ENV = "TOKENMILL_ATTN_PREWAIT"  # 0: `without_prewait`; 64: 4-warp 64-key prewait tiles (A/B timing)
+ROPE_ENV = "TOKENMILL_ATTN_ROPE"  # 0: no rotary + KV write inside the attention kernel (A/B timing)
+
+
+def without_prewait(config: TritonAttentionConfig) -> TritonAttentionConfig:
+    """The config with no reads before the PDL wait: the rotary + KV write as before, and decode tiles
+    with prewait replaced by the next ones in `decode_tiles_for`'s chain (the default's split
+    launches: decode_tiles, as before PREWAIT)."""
+    drop = {name: None for name in ("split_decode_tiles", "fp8_split_decode_tiles", "fp8_decode_tiles")
+            if getattr(config, name) is not None and getattr(config, name).prewait}
+    if config.decode_tiles.prewait:
+        drop["decode_tiles"] = dataclasses.replace(config.decode_tiles, prewait=False)
+    return dataclasses.replace(config, prewait_rope=False, **drop)
 
 
 def choose_kv_splits(config: TritonAttentionConfig, num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -163,6 +188,10 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
         # One tile per row where it fits, so a multi-token decode reads its KV once.
         splits = choose_kv_splits(config, num_seqs, num_kv_heads, max_seq_len, sm_count)
         tiles = decode_tiles_for(config, kv_fp8, splits > 1)
+        if tiles.prewait and max(num_seqs, 1) * num_kv_heads * splits > sm_count:
+            # a prewait program holds its tile across the wait (8 warps, ~200 registers: one a SM): where they
+            # would take more than one wave, the launch without it (a few sequences: batch 1-2 of Llama-8B)
+            tiles = decode_tiles_for(without_prewait(config), kv_fp8, splits > 1)
         min_rows = max(tiles.min_rows, MIN_TILE_ROWS)
         block_q = max(min(_next_pow2(max(max_query_len, 1)), config.decode_max_rows // group_pad),
                       -(-min_rows // group_pad), 1)
@@ -174,7 +203,7 @@ def plan_launch(config: TritonAttentionConfig, num_heads: int, num_kv_heads: int
             return LaunchPlan(block_q, config.block_n, splits, config.decode_warps, config.num_stages, early_v,
                               prefetch, bits or (tiles.fp8_convert_on_load if kv_fp8 else False))
         return LaunchPlan(block_q, tiles.block_n, splits, tiles.warps, tiles.stages, early_v or tiles.early_v_load,
-                          prefetch or tiles.table_prefetch, bits or tiles.fp8_convert_on_load)
+                          prefetch or tiles.table_prefetch, bits or tiles.fp8_convert_on_load, tiles.prewait)
     if num_rows >= config.wide_min_query_len * max(num_seqs, 1):
         rows, warps = config.wide_rows, config.wide_warps
     else:
@@ -208,7 +237,16 @@ class TritonAttentionBackend(AttentionBackend):
         keys = os.environ.get(MIN_KEYS_ENV)  # A/B timing only: the split rule's fewest keys a share
         if config is None and keys:
             self.config = dataclasses.replace(self.config, min_keys_per_split=int(keys))
+        prewait = os.environ.get(PREWAIT_ENV, "1")  # A/B timing only
+        if config is None and prewait == "0":
+            self.config = without_prewait(self.config)
+        elif config is None and prewait == "64":  # 4-warp 64-key tiles, 16 shares at 768 keys (one tile a share)
+            self.config = dataclasses.replace(self.config, min_keys_per_split=32, split_decode_tiles=DecodeTiles(
+                block_n=64, warps=4, stages=2, prewait=True))
+        if config is None and os.environ.get(ROPE_ENV, "1") == "0":  # A/B timing only
+            self.config = dataclasses.replace(self.config, rope_in_attention=False)
         self._sm_count: int | None = None  # read from the device on the first forward
+        self._rope_tested = False  # rope_selftest's own backends: no test of the test
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).
         self._fuse_rope = os.environ.get("TOKENMILL_FUSED_ROPE_KV_WRITE", "1") != "0"
 
@@ -219,26 +257,38 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, rope=None, kperm: bool = False) -> torch.Tensor:
         """`rope` (where `fuses_rope`): q and k are unrotated; one kernel rotates q in place and
-        writes k rotated, with v, into the cache. `kperm` (head_dim a multiple of 64): each head's output in the
+        writes k rotated, with v, into the cache (`rope_in_attention`: in single-token split decode launches
+        with PREWAIT the attention kernel does it, q rotated in registers, no launch of its own). `kperm` (head_dim a multiple of 64): each head's output in the
         INT4 swapped GEMM's K order (`quantization.int4_kperm`, for o_proj)."""
-        from tokenmill.layers.attention import triton_kv_write, triton_paged_attention, triton_rope_kv_write
+        from tokenmill.layers.attention import (
+            rope_selftest,
+            triton_kv_write,
+            triton_paged_attention,
+            triton_rope_kv_write,
+        )
 
         if kv_cache.stride(-1) != 1:
             raise ValueError("the KV cache's head_dim axis must be contiguous")
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         v_trans = self.v_transposed(kv_cache)
-        if rope is not None:
-            triton_rope_kv_write.rotate_and_write_kv(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
-                                                     rope.rotary_dim, kv_cache, meta.slot_mapping, self.k_scale,
-                                                     self.v_scale, v_transposed=v_trans)
-        else:
-            triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale,
-                                     v_transposed=v_trans)
         # A window bounds the keys any query reads: split the KV axis by that, not the context.
         keys = meta.max_seq_len if self.sliding_window is None else min(
             meta.max_seq_len, self.sliding_window + meta.max_query_len)
         plan = plan_launch(self.config, self.num_heads, self.num_kv_heads, q.shape[0], meta.seq_lens.shape[0],
                            meta.max_query_len, keys, self._sm_count_of(q.device), is_fp8(kv_cache))
+        rope_in = (rope is not None and self.config.rope_in_attention and plan.prewait and meta.max_query_len == 1
+                   and rope.rotary_dim == self.head_dim and self.head_dim & (self.head_dim - 1) == 0 and not v_trans
+                   and (self._rope_tested or rope_selftest.passed(self, kv_cache, q.dtype, rope)))
+        if rope_in:
+            pass  # the attention kernel rotates q and this step's k and writes k, v into the cache
+        elif rope is not None:
+            triton_rope_kv_write.rotate_and_write_kv(q, k, v, rope.positions, rope.cos_cache, rope.sin_cache,
+                                                     rope.rotary_dim, kv_cache, meta.slot_mapping, self.k_scale,
+                                                     self.v_scale, v_transposed=v_trans,
+                                                     prewait=self.config.prewait_rope)
+        else:
+            triton_kv_write.write_kv(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale,
+                                     v_transposed=v_trans)
         return triton_paged_attention.paged_attention(
             q, kv_cache, meta.query_start_loc, meta.seq_lens, meta.block_table, self.scale,
             self.num_kv_heads, block_q=plan.block_q, block_n=plan.block_n, num_splits=plan.num_splits,
@@ -248,7 +298,8 @@ class TritonAttentionBackend(AttentionBackend):
             early_v_load=plan.early_v_load, fp8_convert_on_load=plan.fp8_convert_on_load, table_prefetch=plan.table_prefetch,
             v_transposed=v_trans,
             sliding_window=self.sliding_window, logit_softcap=self.logit_softcap,
-            k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks, kperm=kperm)
+            k_scale=self.k_scale, v_scale=self.v_scale, sinks=self.sinks, kperm=kperm, prewait=plan.prewait,
+            rope=(rope, k, v, meta.slot_mapping) if rope_in else None)
 
     def v_transposed(self, kv_cache: torch.Tensor) -> bool:
         """Whether this backend stores `kv_cache`'s values transposed per block (fp8_v_transposed)."""

@@ -42,6 +42,25 @@ merges the shares and writes the output, zeros for padding rows. FUSED_REDUCE
 (TOKENMILL_ATTN_FUSED_REDUCE=1, no sinks): no reduce launch; the last split program of each
 (query tile, KV head) merges them (`_merge_if_last`, a counter per pair).
 
+PREWAIT (decode launches under PDL, `triton_backend.DecodeTiles.prewait`): at batch 1 a program's
+work is one KV tile (~100 keys of one KV head), a chain of dependent reads (the step's sizes, the
+block table, K, V) that started only when the KV write before it had finished. With PREWAIT a
+program reads the step's inputs (query_start_loc, seq_lens, the block table: written before the
+forward's first kernel, by non-PDL kernels or copies) and the K/V of its first tile's keys cached
+before this step (written by earlier steps) before its PDL wait, while the qkv GEMV and the KV
+write still run; after the wait it reads q and the tile's keys of this step (the KV write's
+slots), then walks the rest of its tiles as before. (No kernel in the step writes a slot below the
+context: the step's KV write takes the slots of its own queries' positions.) Programs with nothing to
+do exit without waiting, except program (0, 0, 0): the grid never completes before the kernel before
+it, so a kernel waiting for this one still finds every earlier kernel done (`pdl`'s transitivity).
+
+ROPE (with PREWAIT, one query a sequence: `paged_attention`'s `rope`): no rotary + KV write launch
+before this one. Each program reads its rows' positions and cos / sin rows and the step's slot before
+the wait, rotates q in registers after it (q itself stays unrotated: nothing reads it after), and
+makes this step's key (rotated) and value from the qkv projection's k and v; the program whose
+share holds the key's tile (the last one) writes them into the cache and merges them into that tile
+(attended last), never reading that slot back.
+
 Requires triton at import; `triton_backend` imports this module lazily.
 """
 
@@ -60,6 +79,7 @@ from tokenmill.layers.triton_ops import pdl
 LOG2E = 1.4426950408889634
 SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence search (a 256-row batch: one)
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
+MERGE_CHUNK = 4  # FUSED_REDUCE: split partials' accumulators a load of the merging program (registers)
 F8_P_SCALE = 448.0  # fp8_pv_dot: softmax weights (<= 1) scaled to e4m3's largest value
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
 CVT_KV, CVT_VALUES = 1, 2  # fp8_convert_on_load: keys and values, or the values only
@@ -256,6 +276,63 @@ def _attend_tile(q, q_lo, row_scale, m_i, l_i, acc, j, k_cache_ptr, v_cache_ptr,
                         SLOT_STRIDE)
 
 
+@triton.jit
+def _preload_tile(j, tile_hi, table_row, kv_head, kv_len, kv_lo, context, k_cache_ptr, v_cache_ptr, s_cb, s_cs, s_ch,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                  V_TRANS: tl.constexpr, SLOT_STRIDE: tl.constexpr):
+    """PREWAIT, before the PDL wait: tile j's (none where j >= tile_hi) block-table lookups and the K/V
+    rows of its keys cached before this step (key < context): neither the block table nor those
+    slots is written by any kernel of the step (module docstring). Returns the tile's keys, which
+    are valid (seen by some row of the tile), their cache offsets, and the K / V rows (zero for the
+    keys this step writes: `_complete_tile` loads them after the wait)."""
+    key, valid, kv_off = _tile_offsets(j, table_row, kv_head, kv_len, kv_lo, s_cb, s_cs, s_ch, BLOCK_N, BLOCK_SIZE,
+                                       True, False)
+    valid = valid & (key < tile_hi * BLOCK_N)  # (j < tile_hi)
+    cached = valid & (key < context)
+    k = _load_rows(k_cache_ptr, kv_off, cached, HEAD_DIM, HEAD_DIM_PAD, True)
+    v = _load_v_rows(v_cache_ptr, kv_off, key, cached, HEAD_DIM, HEAD_DIM_PAD, True, V_TRANS, BLOCK_SIZE, SLOT_STRIDE)
+    return key, valid, kv_off, k, v
+
+
+@triton.jit
+def _complete_tile(k, v, key, valid, kv_off, context, k_cache_ptr, v_cache_ptr, HEAD_DIM: tl.constexpr,
+                   HEAD_DIM_PAD: tl.constexpr, V_TRANS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   SLOT_STRIDE: tl.constexpr):
+    """PREWAIT, after the wait: the preloaded tile's rows of this step's keys (key >= context, just
+    written by the KV write; at batch 1 one row of one program's tile) loaded into it."""
+    fresh = valid & (key >= context)
+    k_new = _load_rows(k_cache_ptr, kv_off, fresh, HEAD_DIM, HEAD_DIM_PAD, True)
+    v_new = _load_v_rows(v_cache_ptr, kv_off, key, fresh, HEAD_DIM, HEAD_DIM_PAD, True, V_TRANS, BLOCK_SIZE,
+                         SLOT_STRIDE)
+    return tl.where(fresh[:, None], k_new, k), tl.where(fresh[:, None], v_new, v)
+
+
+@triton.jit
+def _rotate(x, partner, c, s, offs_d, HALF: tl.constexpr, dtype: tl.constexpr):
+    """ROPE: rows of x (float32) rotated with their partner values (x at d +- HALF) and cos / sin (float32,
+    rounded to `dtype`), rounded as `triton_rope_kv_write` (`_rotate_heads`) rounds: first half
+    (x c) - partner s, second half (x c) + partner s, the product x c rounded to dtype first."""
+    xc = (x * c).to(dtype).to(tl.float32)
+    return tl.where(offs_d < HALF, xc - partner * s, xc + partner * s).to(dtype)  # (the kernel's two forms)
+
+
+@triton.jit
+def _fresh_kv(kn_ptr, vn_ptr, t, kv_head, s_knt, s_knh, s_vnt, s_vnh, c, s, inv_k_scale, inv_v_scale, offs_d,
+              HALF: tl.constexpr, HEAD_DIM: tl.constexpr, dtype: tl.constexpr, cache_dtype: tl.constexpr,
+              FP8_MAX: tl.constexpr):
+    """ROPE: this step's key of token t and KV head (k rotated) and value, as the cache stores them
+    (`triton_rope_kv_write._to_cache`: cast, or fp8 scaled and saturated)."""
+    row = kn_ptr + t * s_knt + kv_head * s_knh
+    k = tl.load(row + offs_d).to(tl.float32)
+    partner = tl.load(row + (offs_d + HALF) % HEAD_DIM).to(tl.float32)
+    k = _rotate(k, partner, c, s, offs_d, HALF, dtype)
+    v = tl.load(vn_ptr + t * s_vnt + kv_head * s_vnh + offs_d)
+    if FP8_MAX > 0:
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -FP8_MAX), FP8_MAX)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -FP8_MAX), FP8_MAX)
+    return k.to(cache_dtype), v.to(cache_dtype)
+
+
 # Host ints that change from step to step are not specialised on (==1, %16), so they cost no recompiles.
 @triton.jit(do_not_specialize=["num_seqs", "num_rows", "num_splits", "s_bt", "window"])
 def _paged_attention_kernel(
@@ -282,9 +359,17 @@ def _paged_attention_kernel(
     cnt_ptr=None,  # FUSED_REDUCE: int32 counters, one per (tile, KV head), zero between launches
     FUSED_REDUCE: tl.constexpr = False,  # SPLIT: the last split program of a (tile, KV head) merges the partials
     KPERM: tl.constexpr = False,  # out's head_dim in the INT4 swapped GEMM's K order (`int4_kperm`)
+    PREWAIT: tl.constexpr = False,  # the first KV tile's cached keys loaded before the PDL wait (`_preload_tile`)
+    # ROPE (with PREWAIT; one query a sequence): q rotated here, this step's key rotated and written with its
+    # value into the cache here (module docstring); kn / vn: this step's k / v [T, KV heads, HEAD_DIM]
+    ROPE: tl.constexpr = False, pos_ptr=None, cos_ptr=None, sin_ptr=None, s_cos=0, slot_ptr=None, num_slots=0,
+    kn_ptr=None, vn_ptr=None, s_knt=0, s_knh=0, s_vnt=0, s_vnh=0, inv_k_scale=1.0, inv_v_scale=1.0,
+    FP8_MAX: tl.constexpr = 0.0,
+    MAX_SPLITS: tl.constexpr = 1, MERGE_CHUNK: tl.constexpr = 1,  # FUSED_REDUCE: shares at most, merged a load
 ):
     pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
+    if not PREWAIT:  # (PREWAIT: the step's inputs and the cached keys are read first, then the wait)
+        pdl.wait(USE_PDL)
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     SLOT_STRIDE: tl.constexpr = NUM_HEADS // GROUP * HEAD_DIM  # V_TRANS: the contiguous cache's slot stride
     tile = tl.program_id(0)
@@ -300,6 +385,8 @@ def _paged_attention_kernel(
     seq = _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q, SEARCH)
     if seq >= num_seqs:
         if not SPLIT or (FUSED_REDUCE and split == 0):  # spare tile: zero its share of the rows past the last sequence
+            if PREWAIT:  # (out may still be another kernel's memory until the wait)
+                pdl.wait(USE_PDL)
             total = tl.load(qsl_ptr + num_seqs)
             spare = tile - (total // BLOCK_Q + num_seqs)
             tok = (total // BLOCK_Q + spare) * BLOCK_Q + offs_m // GROUP_PAD
@@ -313,6 +400,9 @@ def _paged_attention_kernel(
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     q_first = (tile - (q_start // BLOCK_Q + seq)) * BLOCK_Q  # this tile's first query, within the sequence
     if q_first >= q_len:
+        if PREWAIT:  # program (0, 0, 0) waits even with nothing to do (module docstring: PREWAIT)
+            if (tile == 0) & (kv_head == 0) & (split == 0):
+                pdl.wait(USE_PDL)
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context = seq_len - q_len  # keys cached before this step's queries
@@ -321,26 +411,6 @@ def _paged_attention_kernel(
     row_valid = (q_idx < q_len) & (in_group < GROUP)
     key_limit = context + q_idx  # causal: a query sees keys 0..key_limit
     tok = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
-                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
-    if not KV_FP8:
-        q = q.to(k_cache_ptr.dtype.element_ty)
-    elif F16_DOT:  # fp8 K/V meet q in float16: fp8 -> fp16 is one cheap conversion per two values, fp8 -> bf16
-        # costs a second, quarter-rate one per value (as many as the HBM reads save, at long contexts).
-        # Queries past fp16's range are clamped: the softmax sees them as the largest finite values.
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
-    q_lo = q  # (unused without F8_QK)
-    row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
-    if F8_QK:  # e4m3 queries of two terms, scaled per row to the format's largest value (448):
-        # q * scale = hi + lo to about 2^-8 of each value, as bf16 holds it; the keys stay fp8.
-        qf = q.to(tl.float32)
-        q_max = tl.max(tl.abs(qf), 1)
-        q_up = 448.0 / tl.where(q_max > 0.0, q_max, 1.0)
-        qs = qf * q_up[:, None]
-        q = qs.to(k_cache_ptr.dtype.element_ty)
-        q_lo = (qs - q.to(tl.float32)).to(k_cache_ptr.dtype.element_ty)
-        row_scale = 1.0 / q_up
-
     kv_len = context + tl.minimum(q_first + BLOCK_Q, q_len)  # keys the tile's last query sees
     kv_lo = tl.maximum(context + q_first - window + 1, 0)  # the first key the tile's first query sees
     num_kv_tiles = tl.cdiv(kv_len, BLOCK_N)
@@ -359,6 +429,75 @@ def _paged_attention_kernel(
     table_row = block_table_ptr + seq.to(tl.int64) * s_bt
     if V_TRANS:  # this head's [head_dim, slot] values of a block start at head * head_dim * block_size
         v_cache_ptr += kv_head * (HEAD_DIM * BLOCK_SIZE - s_ch)
+    if ROPE:  # positions, cos / sin rows and the slot: step inputs and constants, read before the wait
+        half_d = offs_d % (HEAD_DIM // 2)
+        pos_r = tl.load(pos_ptr + tok, mask=row_valid, other=0).to(tl.int64)
+        c_r = tl.load(cos_ptr + pos_r[:, None] * s_cos + half_d[None, :], mask=row_valid[:, None], other=0.0)
+        s_r = tl.load(sin_ptr + pos_r[:, None] * s_cos + half_d[None, :], mask=row_valid[:, None], other=0.0)
+        pos_0 = tl.load(pos_ptr + q_start).to(tl.int64)  # the sequence's one token (this step's key)
+        c_0 = tl.load(cos_ptr + pos_0 * s_cos + half_d)
+        s_0 = tl.load(sin_ptr + pos_0 * s_cos + half_d)
+        slot_0 = tl.load(slot_ptr + q_start, mask=q_start < num_slots, other=-1).to(tl.int64)
+        fresh_tile = context // BLOCK_N  # the tile of this step's key (key index `context`): the last one
+        owner = (context >= 0) & (fresh_tile >= tile_lo) & (fresh_tile < tile_hi)
+    tile_first = tile_lo
+    if PREWAIT:  # the program's first tile: its cached keys' K/V in flight while the kernels before still run
+        key_p, valid_p, off_p, k_p, v_p = _preload_tile(tile_lo, tile_hi, table_row, kv_head, kv_len, kv_lo, context,
+                                                        k_cache_ptr, v_cache_ptr, s_cb, s_cs, s_ch, BLOCK_N,
+                                                        BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, V_TRANS, SLOT_STRIDE)
+        tile_lo += 1  # the walk below starts after it
+        pdl.wait(USE_PDL)
+    q = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + offs_d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if ROPE:  # q rotated here (not in place: nothing reads q after), this step's key and value made here
+        q_dt: tl.constexpr = q_ptr.dtype.element_ty
+        qp = tl.load(q_ptr + tok[:, None] * s_qt + head[:, None] * s_qh + ((offs_d + HEAD_DIM // 2) % HEAD_DIM)[None, :],
+                     mask=row_valid[:, None], other=0.0)
+        q = _rotate(q.to(tl.float32), qp.to(tl.float32), c_r.to(q_dt).to(tl.float32), s_r.to(q_dt).to(tl.float32),
+                    offs_d[None, :], HEAD_DIM // 2, q_dt)
+        k_0, v_0 = _fresh_kv(kn_ptr, vn_ptr, q_start.to(tl.int64), kv_head, s_knt, s_knh, s_vnt, s_vnh,
+                             c_0.to(q_dt).to(tl.float32), s_0.to(q_dt).to(tl.float32), inv_k_scale, inv_v_scale, offs_d,
+                             HEAD_DIM // 2, HEAD_DIM, q_dt, k_cache_ptr.dtype.element_ty, FP8_MAX)
+        if owner & (slot_0 >= 0):  # into the cache (read by later steps; this one takes it from registers)
+            dst = (slot_0 // BLOCK_SIZE) * s_cb + (slot_0 % BLOCK_SIZE) * s_cs + kv_head * s_ch + offs_d
+            tl.store(k_cache_ptr + dst, k_0)
+            tl.store(v_cache_ptr + dst, v_0)
+    if not KV_FP8:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    elif F16_DOT:  # fp8 K/V meet q in float16: fp8 -> fp16 is one cheap conversion per two values, fp8 -> bf16
+        # costs a second, quarter-rate one per value (as many as the HBM reads save, at long contexts).
+        # Queries past fp16's range are clamped: the softmax sees them as the largest finite values.
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    q_lo = q  # (unused without F8_QK)
+    row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    if F8_QK:  # e4m3 queries of two terms, scaled per row to the format's largest value (448):
+        # q * scale = hi + lo to about 2^-8 of each value, as bf16 holds it; the keys stay fp8.
+        qf = q.to(tl.float32)
+        q_max = tl.max(tl.abs(qf), 1)
+        q_up = 448.0 / tl.where(q_max > 0.0, q_max, 1.0)
+        qs = qf * q_up[:, None]
+        q = qs.to(k_cache_ptr.dtype.element_ty)
+        q_lo = (qs - q.to(tl.float32)).to(k_cache_ptr.dtype.element_ty)
+        row_scale = 1.0 / q_up
+
+    if PREWAIT:  # this step's keys of the tile (written by the kernel before) join it, then it is attended
+        if ROPE:
+            is_new = (key_p == context)[:, None]
+            k_p = tl.where(is_new, k_0[None, :], k_p)
+            v_p = tl.where(is_new, v_0[None, :], v_p)
+        else:
+            k_p, v_p = _complete_tile(k_p, v_p, key_p, valid_p, off_p, context, k_cache_ptr, v_cache_ptr, HEAD_DIM,
+                                      HEAD_DIM_PAD, V_TRANS, BLOCK_SIZE, SLOT_STRIDE)
+        if CVT_ON_LOAD == 1:
+            k_p = _fp8_to_f16(k_p, E5M2, PTX)
+        if CVT_ON_LOAD != 0:
+            v_p = _fp8_to_f16(v_p, E5M2, PTX)
+        p, alpha, m_i, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k_p, key_p, valid_p, key_limit, window,
+                                           softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, True, F8_QK, CVT_ON_LOAD,
+                                           E5M2)
+        acc = _accumulate(acc, alpha, p, v_p, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, CVT_ON_LOAD, E5M2)
+    if ROPE:  # the walk stops before the tile of this step's key: it is attended last, below
+        tile_hi = tl.minimum(tile_hi, fresh_tile)
     if INTERIOR:
         # Interior tiles: every key valid and seen by every row of the tile (after the window start
         # of the tile's last query, up to the causal limit of its first): no masks there.
@@ -412,6 +551,23 @@ def _paged_attention_kernel(
             BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, DOT_PRECISION, SOFTCAP, KV_FP8, True, False, F8_QK, F8_PV,
             EARLY_V, CVT_ON_LOAD, E5M2, PTX, V_TRANS, SLOT_STRIDE)
 
+    if ROPE:
+        if owner & (fresh_tile > tile_first):  # the tile of this step's key, where PREWAIT did not take it
+            key_f, valid_f, off_f, k_f, v_f = _preload_tile(fresh_tile, fresh_tile + 1, table_row, kv_head, kv_len,
+                                                            kv_lo, context, k_cache_ptr, v_cache_ptr, s_cb, s_cs, s_ch,
+                                                            BLOCK_N, BLOCK_SIZE, HEAD_DIM, HEAD_DIM_PAD, V_TRANS,
+                                                            SLOT_STRIDE)
+            is_new = (key_f == context)[:, None]
+            k_f = tl.where(is_new, k_0[None, :], k_f)
+            v_f = tl.where(is_new, v_0[None, :], v_f)
+            if CVT_ON_LOAD == 1:
+                k_f = _fp8_to_f16(k_f, E5M2, PTX)
+            if CVT_ON_LOAD != 0:
+                v_f = _fp8_to_f16(v_f, E5M2, PTX)
+            p, alpha, m_i, l_i = _softmax_step(q, q_lo, row_scale, m_i, l_i, k_f, key_f, valid_f, key_limit, window,
+                                               softcap, qk_scale, DOT_PRECISION, SOFTCAP, KV_FP8, True, F8_QK,
+                                               CVT_ON_LOAD, E5M2)
+            acc = _accumulate(acc, alpha, p, v_f, q.dtype, DOT_PRECISION, KV_FP8, F8_QK, F8_PV, CVT_ON_LOAD, E5M2)
     if KV_FP8:
         acc = acc * v_scale
     if SPLIT:
@@ -422,7 +578,7 @@ def _paged_attention_kernel(
         if FUSED_REDUCE:
             _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr + tile * (NUM_HEADS // GROUP) + kv_head,
                            tok, head, row_valid, offs_d, kperm_dst(offs_d) if KPERM else offs_d, d_valid, num_splits,
-                           s_ot, s_oh, NUM_HEADS, HEAD_DIM_PAD, PTX)
+                           s_ot, s_oh, NUM_HEADS, HEAD_DIM_PAD, PTX, MAX_SPLITS, MERGE_CHUNK)
     else:
         if SINKS:  # the sink in the log2 domain, as one more (valueless) key
             sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
@@ -438,10 +594,12 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt, tok, head, row_valid, offs_d, offs_o, d_valid,
-                   num_splits, s_ot, s_oh, NUM_HEADS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PTX: tl.constexpr):
+                   num_splits, s_ot, s_oh, NUM_HEADS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PTX: tl.constexpr,
+                   MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
     """FUSED_REDUCE: the program's partials made visible GPU-wide, it counts itself in for its
     (tile, KV head); the last of the num_splits merges all the splits' partials of its rows (as
-    `_reduce_splits_kernel`: the maximum first, then the weighted sums, in split order) and resets
+    `_reduce_splits_kernel`: the maxima and sums of all shares at once, then the accumulators CHUNK
+    shares a load, unrolled: every load in flight together, not one share a round trip) and resets
     the counter (a CUDA graph's next replay finds it zero). One launch less per layer."""
     if PTX:  # each thread's partial stores ordered before the CTA's count (as the int4 GEMV's split-K)
         tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [tl.zeros([1], dtype=tl.int32)],
@@ -450,19 +608,24 @@ def _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt, tok, head
     arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
     if arrived == num_splits - 1:
         base = (tok * NUM_HEADS + head) * num_splits
-        m_max = tl.full(base.shape, float("-inf"), dtype=tl.float32)
-        for s in range(num_splits):
-            m_max = tl.maximum(m_max, tl.load(part_m_ptr + base + s, mask=row_valid, other=float("-inf"),
-                                              cache_modifier=".cg"))
+        offs_s = tl.arange(0, MAX_SPLITS)
+        shares = row_valid[:, None] & (offs_s < num_splits)[None, :]
+        idx = base[:, None] + offs_s[None, :]
+        m = tl.load(part_m_ptr + idx, mask=shares, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(part_l_ptr + idx, mask=shares, other=0.0, cache_modifier=".cg")
+        m_max = tl.max(m, 1)
         m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        den = tl.zeros(base.shape, dtype=tl.float32)
+        den = tl.sum(l * tl.exp2(m - m_max[:, None]), 1)
         num = tl.zeros([base.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
-        for s in range(num_splits):
-            wgt = tl.exp2(tl.load(part_m_ptr + base + s, mask=row_valid, other=float("-inf"), cache_modifier=".cg")
-                          - m_max)
-            den += tl.load(part_l_ptr + base + s, mask=row_valid, other=0.0, cache_modifier=".cg") * wgt
-            num += tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM_PAD + offs_d[None, :], mask=row_valid[:, None],
-                           other=0.0, cache_modifier=".cg") * wgt[:, None]
+        for c in tl.static_range(0, MAX_SPLITS, CHUNK):
+            offs_c = c + tl.arange(0, CHUNK)
+            in_c = row_valid[:, None] & (offs_c < num_splits)[None, :]
+            idx_c = base[:, None] + offs_c[None, :]
+            wgt = tl.exp2(tl.load(part_m_ptr + idx_c, mask=in_c, other=float("-inf"), cache_modifier=".cg")
+                          - m_max[:, None])
+            acc = tl.load(part_acc_ptr + idx_c[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :], mask=in_c[:, :, None],
+                          other=0.0, cache_modifier=".cg")
+            num += tl.sum(acc * wgt[:, :, None], 1)
         o = num / tl.where(den > 0.0, den, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_o[None, :],  # offs_o: KPERM's order
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
@@ -475,14 +638,19 @@ def _reduce_splits_kernel(
     num_seqs, num_splits, s_ot, s_oh,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr,
     SINKS: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False, KPERM: tl.constexpr = False,
+    PREWAIT: tl.constexpr = False,
 ):
     """One program per (row, head): merge the split partials; rows past the last sequence get zeros.
-    The shares' accumulators are read CHUNK at a time (the maxima and sums of all of them first)."""
+    The shares' accumulators are read CHUNK at a time (the maxima and sums of all of them first).
+    PREWAIT: the step's query_start_loc (no kernel of the step writes it) is read before the PDL wait."""
     pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
+    if not PREWAIT:
+        pdl.wait(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     num_shares = tl.where(row < tl.load(qsl_ptr + num_seqs), num_splits, 0)  # padding rows read none
+    if PREWAIT:
+        pdl.wait(USE_PDL)
     offs_s = tl.arange(0, MAX_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = offs_s < num_shares
@@ -541,7 +709,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
                     fp8_convert_on_load: bool | int = False, table_prefetch: bool = False,
                     v_transposed: bool = False, sliding_window: int | None = None,
                     logit_softcap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0,
-                    sinks: torch.Tensor | None = None, kperm: bool = False) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, kperm: bool = False, prewait: bool = False,
+                    rope: tuple | None = None) -> torch.Tensor:
     """q: [T, num_heads, head_dim] (rows past query_start_loc[-1] are padding) -> out, same shape.
     `sinks`: [num_heads] sink logits (read as float32), or None.
     `kperm` (head_dim a multiple of 64): each head's output in the INT4 swapped GEMM's K order
@@ -563,9 +732,17 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     operand keys-contiguous, without a transpose: an fp8 tile goes from shared memory to the dot as
     the keys do, with no float16 round trip through shared memory.
     `table_prefetch`: in the unmasked walk, each tile's block-table lookups are issued one tile ahead.
+    `prewait` (decode launches under PDL): each program reads the step's inputs and its first tile's
+    cached K/V before waiting for the kernel before it (the KV write), the reduce its input sizes
+    (module docstring).
+    `rope` (with prewait, one query a sequence; full rotary, head_dim a power of two, values not
+    transposed): (RotaryStep, k, v, slot_mapping) of this step, k unrotated and not yet in the
+    cache: the kernel rotates q (in registers) and k, and writes k and v at the slots
+    (`triton_rope_kv_write`'s arithmetic and roundings).
     """
     num_rows, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
+    cache_v_scale = v_scale  # (the fp8 p @ v folds a factor into v_scale below)
     if kperm and head_dim % 64:
         raise ValueError(f"paged_attention kperm: head_dim {head_dim} must be a multiple of 64")
     if num_splits > max_splits:
@@ -601,6 +778,17 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
     grid = (num_rows // block_q + num_seqs + 1, num_kv_heads, num_splits)
     counters = _fused_reduce_counters(q.device, grid[0] * num_kv_heads)  # (made at the first call: a prefill)
     counters = counters if split and sinks is None else None
+    fused = {}
+    if rope is not None:
+        step, k_new, v_new, slots = rope
+        if not prewait or v_transposed or head_dim != head_dim_pad or step.rotary_dim != head_dim:
+            raise ValueError("paged_attention rope: prewait launches of full-rotary power-of-two heads, values not "
+                             "transposed")
+        fused = dict(ROPE=True, pos_ptr=step.positions, cos_ptr=step.cos_cache, sin_ptr=step.sin_cache,
+                     s_cos=step.cos_cache.stride(0), slot_ptr=slots, num_slots=min(num_rows, slots.shape[0]),
+                     kn_ptr=k_new, vn_ptr=v_new, s_knt=k_new.stride(0), s_knh=k_new.stride(1), s_vnt=v_new.stride(0),
+                     s_vnh=v_new.stride(1), inv_k_scale=1.0 / k_scale, inv_v_scale=1.0 / cache_v_scale,
+                     FP8_MAX=torch.finfo(kv_cache.dtype).max if kv_fp8 else 0.0)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc,
         query_start_loc, seq_lens, block_table,
@@ -620,7 +808,8 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         V_TRANS=v_transposed, KPERM=kperm,
         num_warps=num_warps,
         num_stages=num_stages,
-        cnt_ptr=counters, FUSED_REDUCE=counters is not None,
+        cnt_ptr=counters, FUSED_REDUCE=counters is not None, PREWAIT=prewait, **fused,
+        MAX_SPLITS=max_splits if counters is not None else 1, MERGE_CHUNK=min(max_splits, MERGE_CHUNK) if counters is not None else 1,
         **pdl.launch_kwargs(q.device),
     )
     if split and counters is None:
@@ -628,6 +817,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
             out, part_m, part_l, part_acc, query_start_loc, sinks_f32, num_seqs, num_splits,
             out.stride(0), out.stride(1),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, MAX_SPLITS=max_splits,
-            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK), KPERM=kperm, **pdl.launch_kwargs(q.device),
+            SINKS=sinks is not None, CHUNK=min(max_splits, REDUCE_CHUNK), KPERM=kperm, PREWAIT=prewait,
+            **pdl.launch_kwargs(q.device),
         )
     return out

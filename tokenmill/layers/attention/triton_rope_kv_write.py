@@ -48,9 +48,11 @@ def _rope_kv_write_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr,
     V_TRANS: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # `pdl`: launched early, waits for the kernel before it before reading anything
+    PREWAIT: tl.constexpr = False,  # the position, cos / sin and slot read before the PDL wait
 ):
     pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
+    if not PREWAIT:
+        pdl.wait(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
     offs_d = tl.arange(0, HALF_PAD)
@@ -58,12 +60,13 @@ def _rope_kv_write_kernel(
     pos = tl.load(pos_ptr + t).to(tl.int64)
     c = tl.load(cos_ptr + pos * s_cache + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
     s = tl.load(sin_ptr + pos * s_cache + offs_d, mask=d_ok, other=0.0).to(dtype).to(tl.float32)[None, :]
-    if tl.program_id(1) == 0:
+    kv_prog = tl.program_id(1) == 1
+    slot = tl.load(slot_ptr + t, mask=kv_prog & (t < num_slots), other=-1).to(tl.int64)  # rows past the mapping: none
+    if PREWAIT:
+        pdl.wait(USE_PDL)
+    if not kv_prog:
         _rotate_heads(q_ptr + t * s_qt, s_qh, c, s, tl.arange(0, BLOCK_HQ), offs_d, d_ok, NUM_Q_HEADS, HALF, BLOCK_HQ)
         return
-    if t >= num_slots:
-        return
-    slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
         return
     cache_dtype = k_cache_ptr.dtype.element_ty
@@ -97,10 +100,12 @@ def _rope_kv_write_kernel(
 def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                         cos_cache: torch.Tensor, sin_cache: torch.Tensor, rotary_dim: int,
                         kv_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: float = 1.0,
-                        v_scale: float = 1.0, v_transposed: bool = False) -> None:
+                        v_scale: float = 1.0, v_transposed: bool = False, prewait: bool = False) -> None:
     """q [T, Hq, D] rotated in place; k [T, Hkv, D] rotated and, with v, written into `kv_cache`
     ([2, num_blocks, block_size, Hkv, D]) at `slot_mapping` (its rows only); an FP8 cache stores
-    k / k_scale and v / v_scale, saturated. `v_transposed`: values stored per block as [Hkv, D, block_size]."""
+    k / k_scale and v / v_scale, saturated. `v_transposed`: values stored per block as [Hkv, D, block_size].
+    `prewait` (under PDL): the token's position, its cos / sin rows and its slot (step inputs and
+    constants: no kernel of the step writes them) are read before waiting for the kernel before it."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.dim() != 3 or x.stride(-1) != 1:
             raise ValueError(f"{name} must be [T, heads, head_dim] with a contiguous head_dim axis, "
@@ -129,6 +134,6 @@ def rotate_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posit
         HALF=half, HALF_PAD=half_pad, BLOCK_HQ=block_q, ROTARY_DIM=rotary_dim, PASS=passed,
         PASS_PAD=triton.next_power_of_2(max(passed, 1)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0, V_TRANS=v_transposed,
+        FP8_MAX=torch.finfo(kv_cache.dtype).max if fp8 else 0.0, V_TRANS=v_transposed, PREWAIT=prewait,
         num_warps=min(max(tile // 256, 1), 8), **pdl.launch_kwargs(q.device),
     )

@@ -38,12 +38,31 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.quantization.int4_mma_fold import (
+    _add_into_stream,
+    _norm_rows,
+    _rows_rstd,
+)
+
+# (the launch records and the table, re-exported: callers name them through this module)
+from tokenmill.layers.quantization.int4_mma_launch import (  # noqa: F401
+    MAX_GROUP,
+    TABLE,
+    TABLE_ENV,
+    TARGET_WARPS_PER_SM,
+    MmaGemv,
+    default_config,
+    fits,
+    layout_fits,
+    parse_label,
+    table,
+)
 from tokenmill.layers.triton_ops import pdl
 
 ROWS = 8  # rows of x one launch takes (the mma's N)
@@ -235,50 +254,6 @@ def _pipe_first_asm(hint: bool) -> str:
     return "\n".join([f"{_ld_pinned(hint)} {{$0, $1, $2, $3}}, [$12];", f"{_ld_pinned(hint)} {{$4, $5, $6, $7}}, [$12+512];",
                       "ld.global.u16 $8, [$13];", "ld.global.u16 $9, [$13+16];",
                       "ld.global.u16 $10, [$14];", "ld.global.u16 $11, [$14+16];", "bar.warp.sync -1;"])
-
-
-@triton.jit
-def _norm_rows(res_ptr, nw_ptr, xn_ptr, M, K, s_rm, s_xm, lo, hi, inv_n, eps, KB: tl.constexpr, sq_ptr, nparts,
-               SQ: tl.constexpr):
-    """NORM's prologue: the RMSNorm of the float32 stream's rows < M (`res_ptr`, rows s_rm apart),
-    columns [lo, hi) (the CTA's K slice), into xn (its dtype, rows s_xm apart), with the numerics
-    of `triton_ops.rms_norm` (the mean of squares over the whole row in float32, the row times
-    rsqrt rounded, times the weight rounded). KB columns a pass (a 16-byte load a thread: few
-    registers, so the GEMV keeps its occupancy): one pass over the row for the sum of squares,
-    one over the slice. Every CTA of a slice writes the same values; each reads back only its
-    own after the barrier (global writes of a CTA are visible to its threads). The stream is read
-    past L1 (.cg): another kernel wrote it. SQ: the rows' sums of squares are the sums of the
-    `nparts` partial sums (rows nparts apart) that the launch which last added into the stream
-    wrote (RES with SQ), in their order: no pass over the row."""
-    dt: tl.constexpr = xn_ptr.dtype.element_ty
-    cols = tl.arange(0, KB)
-    for r in range(M):
-        row = res_ptr + r * s_rm
-        if SQ:
-            sq = tl.load(sq_ptr + r * nparts + cols, mask=cols < nparts, other=0.0, cache_modifier=".cg")
-        else:
-            sq = tl.zeros([KB], dtype=tl.float32)
-            for c0 in range(0, K, KB):
-                x = tl.load(row + c0 + cols, mask=c0 + cols < K, other=0.0, cache_modifier=".cg")
-                sq += x * x
-        rstd = tl.rsqrt(tl.sum(sq, axis=0) * inv_n + eps)
-        for c0 in range(lo, hi, KB):
-            own = c0 + cols < hi
-            x = tl.load(row + c0 + cols, mask=own, other=0.0, cache_modifier=".cg")
-            normed = (x * rstd).to(dt).to(tl.float32)
-            w = tl.load(nw_ptr + c0 + cols, mask=own, other=0.0).to(tl.float32)
-            tl.store(xn_ptr + r * s_xm + c0 + cols, (normed * w).to(dt), mask=own)
-    tl.debug_barrier()
-
-
-@triton.jit
-def _rows_rstd(sq_ptr, nparts, M, inv_n, eps, KB: tl.constexpr):
-    """RSTD: rows 0..7's rsqrt(mean of squares + eps) from their nparts partial sums (rows < M)."""
-    rows = tl.arange(0, 8)
-    pc = tl.arange(0, KB)
-    sq = tl.load(sq_ptr + rows[:, None] * nparts + pc[None, :], mask=(rows[:, None] < M) & (pc[None, :] < nparts),
-                 other=0.0, cache_modifier=".cg")
-    return tl.rsqrt(tl.sum(sq, axis=1) * inv_n + eps)
 
 
 @triton.jit
@@ -638,17 +613,9 @@ def _mma_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, cnt_ptr, M, 
                                      cache_modifier=".cg")
                 if RSTD:
                     total *= _rows_rstd(sq_ptr, nparts, M, inv_n, eps, KB)[:, None]
-                if RES:  # the stream += the result as the unfused path rounds it (then adds in float32)
-                    dst = res_ptr + rows[:, None] * s_rm + offs_n[None, :]
-                    h = total.to(s_ptr.dtype.element_ty).to(tl.float32) + tl.load(dst, mask=mask, other=0.0,
-                                                                                   cache_modifier=".cg")
-                    tl.store(dst, h, mask=mask)
-                    if SQ:  # this block's share of the next norm's sums of squares
-                        tl.store(sq_ptr + rows * nparts + pid_n, tl.sum(h * h, axis=1), mask=rows < M)
-                    if YW:  # the next norm's input times its weight, for a GEMV that scales by rstd after (RSTD)
-                        w = tl.load(nw_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-                        tl.store(y_ptr + rows[:, None] * N + offs_n[None, :],
-                                 (h * w[None, :]).to(s_ptr.dtype.element_ty), mask=mask)
+                if RES:  # the stream += the result (`int4_mma_fold._add_into_stream`)
+                    _add_into_stream(total, rows, offs_n, mask, M, N, res_ptr, s_rm, sq_ptr, nparts, pid_n, y_ptr,
+                                     nw_ptr, s_ptr.dtype.element_ty, SQ, YW)
                 else:
                     tl.store(out_ptr + rows[:, None] * N + offs_n[None, :], total.to(out_ptr.dtype.element_ty),
                              mask=mask)
@@ -680,108 +647,6 @@ def _mma_dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, K, s_sg, s_on, GROUP: tl.c
         tl.store(out_ptr + n.to(tl.int64)[:, None] * s_on + cols, ((q - z[:, None]) * sc[:, None]).to(out_ptr.dtype.element_ty))
 
 
-@dataclass(frozen=True)
-class MmaGemv:
-    """A launch: WARPS channel blocks (16 outputs each) per CTA, SPLIT slices of K (whole groups;
-    a power of two dividing them), GPC groups per loop step."""
-
-    warps: int = 4
-    split: int = 1
-    gpc: int = 1
-    early: bool = True  # every load issued before the arithmetic (`_asm`)
-    zmma: bool = False  # zero points through a second mma per word (`_asm`)
-    hint: bool = False  # weight loads past L1, 256-byte L2 fetches (`_asm`)
-    pdl: bool = True  # programmatic dependent launch where the device has it (`triton_ops.pdl`)
-    pre: bool = True  # under PDL, the first loop step's weight words loaded before the wait
-    ahead: int = 0  # loop steps ahead whose words each step prefetches (0: none; `_asm`)
-    ahead_l1: bool = False  # the prefetch into L1, not L2
-    ring: int = 0  # K steps of words in flight through shared memory (cp.async; 0: loads to registers)
-    maxnreg: int = 0  # registers a thread at most (ptxas `.maxnreg`; 0: its choice): more CTAs resident an SM
-    pipe: bool = False  # each loop step loads the next one's words and scales under its arithmetic (`_pipe_asm`)
-
-    def label(self) -> str:
-        return (f"mma w{self.warps} s{self.split} g{self.gpc}{'' if self.early else ' late'}"
-                f"{' zmma' if self.zmma else ''}{' hint' if self.hint else ''}"
-                f"{f' a{self.ahead}' + ('l1' if self.ahead_l1 else '') if self.ahead else ''}"
-                f"{f' r{self.ring}' if self.ring else ''}{f' m{self.maxnreg}' if self.maxnreg else ''}"
-                f"{' pipe' if self.pipe else ''}"
-                f"{'' if self.pdl else ' nopdl'}{'' if self.pre or not self.pdl else ' nopre'}")
-
-
-# (N, K) -> the launch (Llama-8B's linears; other shapes: `default_config`). From
-# `gpu_quant.py --parts int4b1` on an H100 (session 7, two rounds): us per norm + GEMV in a graph,
-# against the default launch with PDL and without it (docs/results/gpu-int4-batch1.md).
-# Session 8 (an H200, three rounds): the pipelined loop for gate_up (22.9-23.1 us against 24.6-24.8
-# without; 8 warps 22.9 too) and qkv (9.1-9.2 / 9.6-9.7); it loses on down (17.0-17.7 / 14.2-14.3) and
-# o (9.1-9.2 / 7.2-7.3). Session 7's H100 figures (without the loop) in the comments.
-TABLE: dict[tuple[int, int], MmaGemv] = {
-    (28672, 4096): MmaGemv(4, 2, hint=True, pipe=True),  # gate_up H100 27.2 / 27.1 (default 28.1, without PDL 29.7)
-    (4096, 14336): MmaGemv(4, 16, hint=True),  # down 16.4 / 16.3 (17.0, 18.9)
-    (6144, 4096): MmaGemv(4, 8, hint=True, pipe=True),  # qkv 10.0 / 9.8 (10.1, 11.7)
-    (4096, 4096): MmaGemv(8, 16),  # o 8.0 / 8.0 (8.4, 10.3)
-}
-TABLE_ENV = "TOKENMILL_INT4_MMA_TABLE"  # "NxK=<label>;..." (labels as `MmaGemv.label` writes them): benchmarks' A/B
-
-
-def parse_label(label: str) -> MmaGemv:
-    """The launch `MmaGemv.label` names ("mma w4 s8 g1 hint nopdl"; the leading "mma" optional)."""
-    words = label.split()
-    if words and words[0] == "mma":
-        words = words[1:]
-    flags = {"late": ("early", False), "zmma": ("zmma", True), "hint": ("hint", True), "nopdl": ("pdl", False),
-             "nopre": ("pre", False), "pipe": ("pipe", True)}
-    try:
-        fields = {"warps": int(words[0].removeprefix("w")), "split": int(words[1].removeprefix("s")),
-                  "gpc": int(words[2].removeprefix("g"))}
-        for w in words[3:]:
-            if w.startswith("r") and w[1:].isdigit():
-                fields.update(ring=int(w[1:]))
-            elif w.startswith("m") and w[1:].isdigit():
-                fields.update(maxnreg=int(w[1:]))
-            elif w.startswith("a") and w.removesuffix("l1")[1:].isdigit():
-                fields.update(ahead=int(w.removesuffix("l1")[1:]), ahead_l1=w.endswith("l1"))
-            else:
-                fields.update([flags[w]])
-    except (IndexError, KeyError, ValueError) as e:
-        raise ValueError(f"int4 mma launch label {label!r}: expected 'w<warps> s<split> g<gpc>' then any of "
-                         f"{sorted(flags)}") from e
-    return MmaGemv(**fields)
-
-
-@functools.cache
-def _env_table(text: str) -> dict[tuple[int, int], MmaGemv]:
-    table = {}
-    for item in filter(None, (t.strip() for t in text.split(";"))):
-        shape, _, label = item.partition("=")
-        n, _, k = shape.partition("x")
-        table[(int(n), int(k))] = parse_label(label)
-    return table
-
-
-def table() -> dict[tuple[int, int], MmaGemv]:
-    """TABLE, with TOKENMILL_INT4_MMA_TABLE's entries over it (read when a launch is chosen: an
-    engine's graphs capture them at start)."""
-    text = os.environ.get(TABLE_ENV, "")
-    return {**TABLE, **_env_table(text)} if text else TABLE
-
-
-# Warps per SM the default launch aims at: a memory-bound stream wants many warps in flight (each
-# holds 1 KB of loads per step); 52 registers a thread leave room for 9 CTAs of 4 warps per SM,
-# so every CTA is resident in one wave.
-TARGET_WARPS_PER_SM = 32
-
-
-def default_config(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
-    """Four warps a CTA; K split (a power of two dividing the groups, at most 16) until there are
-    about TARGET_WARPS_PER_SM warps per SM."""
-    blocks = n // 16
-    groups = k // group
-    split = 1
-    while blocks * split * 2 <= TARGET_WARPS_PER_SM * sms and groups % (2 * split) == 0 and split < 16:
-        split *= 2
-    return MmaGemv(warps=4, split=split)
-
-
 # Whether launches may take the pipelined loop (`MmaGemv.pipe`): `int4.mma_selftest` turns it off
 # for the process where it fails on the device (the table's other launches then run without it).
 PIPE_ENABLED = True
@@ -792,24 +657,6 @@ def config_for(n: int, k: int, group: int, sms: int = 132) -> MmaGemv:
     if c.pipe and not PIPE_ENABLED:
         c = replace(c, pipe=False)
     return c if fits(n, k, group, c) else MmaGemv(warps=1, split=1)
-
-
-MAX_GROUP = 256  # a loop step unrolls a group's K steps (registers: 12 per 64 inputs)
-
-
-def layout_fits(n: int, k: int, group: int) -> bool:
-    """The mma layout holds a weight of N outputs, K inputs and this group size (64, 128 or 256:
-    one group over all of K, GPTQ's -1, stays with the panels)."""
-    return n % 16 == 0 and k % 64 == 0 and group % 64 == 0 and group <= MAX_GROUP and k % group == 0
-
-
-def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
-    groups = k // group
-    return (layout_fits(n, k, group) and c.warps in (1, 2, 4, 8) and n % (16 * c.warps) == 0
-            and c.split >= 1 and groups % c.split == 0 and (groups // c.split) % c.gpc == 0
-            and (not c.ring or (c.ring % (group // 64 * c.gpc) == 0 and c.ring <= groups // c.split * (group // 64)
-                                and c.ring * c.warps * 512 <= 48 * 1024 and not c.ahead))
-            and (not c.pipe or (group == 128 and c.gpc == 1 and c.early and not (c.zmma or c.ring or c.ahead_l1))))
 
 
 @functools.cache
