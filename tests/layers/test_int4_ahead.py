@@ -76,27 +76,39 @@ def _plan(units, group, dtype, sync, ahead, dequant=None):
 SHAPES = [(64, 128), (32, 64 * 2), (128, 64), (64, 128)] * 2  # (n, k) of the units in call order
 
 
-@pytest.mark.parametrize("ahead", [1, 2])
-def test_plan_equals_mma_matmul_bit_for_bit(ahead):
-    from tokenmill.layers.quantization.int4_ahead import dequant_route
+def _own(u, group):
     from tokenmill.layers.quantization.triton_int4_mma import mma_matmul
+
+    return lambda x: mma_matmul(x, u.qweight, u.scales, u.zeros, group)
+
+
+@pytest.mark.parametrize("ahead,lead", [(1, 1), (2, 1), (1, 3), (2, 2)])
+def test_plan_equals_mma_matmul_bit_for_bit(ahead, lead, monkeypatch):
+    from tokenmill.layers.quantization import int4_ahead
 
     group, dtype, m = 64, torch.float16, 40
     units = [_layer(n, k, group, seed=i, dtype=dtype) for i, (n, k) in enumerate(SHAPES)]
-    assert all(dequant_route(m, n, k, group, dtype) for n, k in SHAPES)
-    assert not dequant_route(8, 64, 128, group, dtype)  # the GEMV's rows: never a unit
+    assert all(int4_ahead.dequant_route(m, n, k, group, dtype) for n, k in SHAPES)
+    assert not int4_ahead.dequant_route(8, 64, 128, group, dtype)  # the GEMV's rows: never a unit
+    if lead > 1:  # linears of 32 outputs take "another path" (their own): the units' dequantizations lead them
+        real = int4_ahead.dequant_route
+        monkeypatch.setattr(int4_ahead, "dequant_route", lambda m, n, k, g, dt: n != 32 and real(m, n, k, g, dt))
     sync = ImmediateSync()
     plan = _plan(units, group, dtype, sync, ahead)
+    plan.lead = lead
+    ring_gemms = []
+    plan.gemm = lambda x, w: ring_gemms.append(1) or torch.matmul(x, w)
     g = torch.Generator().manual_seed(1)
     for step in range(2):
         for u, (n, k) in zip(units, SHAPES):
             x = torch.randn(m, k, generator=g).to(dtype)
-            out = plan.matmul(u, x)
-            assert out is not None
-            assert torch.equal(out, mma_matmul(x, u.qweight, u.scales, u.zeros, group)), (step, n, k)
+            out = plan.run(u, x, _own(u, group))
+            assert torch.equal(out, _own(u, group)(x)), (step, n, k)
         assert sync.joins == step + 1  # each step ends joined
-    assert plan.matmul(units[0], torch.zeros(8, 128, dtype=dtype)) is None  # 8 rows: not a unit
-    assert plan.matmul(units[0], torch.zeros(m, 128, dtype=torch.float32)) is None  # another dtype
+    assert len(ring_gemms) == 2 * sum(n != 32 or lead == 1 for n, _ in SHAPES)
+    mark = torch.zeros(1)
+    assert plan.run(units[0], torch.zeros(8, 128, dtype=dtype), lambda x: mark) is mark  # 8 rows: not a unit
+    assert plan.run(units[0], torch.zeros(m, 128), lambda x: mark) is mark  # another dtype
 
 
 def test_plan_turns_off_on_a_call_out_of_order(caplog):
@@ -104,11 +116,14 @@ def test_plan_turns_off_on_a_call_out_of_order(caplog):
     units = [_layer(n, k, group, seed=i, dtype=dtype) for i, (n, k) in enumerate(SHAPES)]
     sync = ImmediateSync()
     plan = _plan(units, group, dtype, sync, 1)
-    assert plan.matmul(units[0], torch.zeros(m, 128, dtype=dtype)) is not None
+    mark = torch.zeros(1)
+    assert plan.run(units[0], torch.zeros(m, 128, dtype=dtype), lambda x: mark) is not mark
+    assert plan.run(units[1], torch.zeros(m + 24, 128, dtype=dtype), lambda x: mark) is mark  # another row count
+    assert plan.enabled
     with caplog.at_level("WARNING"):
-        assert plan.matmul(units[2], torch.zeros(m, 64, dtype=dtype)) is None  # unit 1 skipped
+        assert plan.run(units[2], torch.zeros(m, 64, dtype=dtype), lambda x: mark) is mark  # unit 1 skipped
     assert not plan.enabled and "dequantize-ahead off" in caplog.text and sync.joins == 1
-    assert plan.matmul(units[0], torch.zeros(m, 128, dtype=dtype)) is None  # off for good
+    assert plan.run(units[0], torch.zeros(m, 128, dtype=dtype), lambda x: mark) is mark  # off for good
 
 
 # ------------------------------------------------------------------ the stream protocol
@@ -203,12 +218,17 @@ def _replay(ops: dict, rng: random.Random | None, side_first: bool) -> None:
     assert any(op[0] == "wait" and op[1] == ("side", last_side) for op in ops["main"]), "the side stream never joined"
 
 
-def _record_steps(ahead: int, steps: int, skip_freed: bool = False) -> dict:
+def _record_steps(ahead: int, steps: int, lead: int = 1, skip_freed: bool = False, monkeypatch=None) -> dict:
+    from tokenmill.layers.quantization import int4_ahead
+
     group, dtype, m = 64, torch.float16, 40
     units = [_layer(n, k, group, seed=i, dtype=dtype) for i, (n, k) in enumerate(SHAPES)]
+    if monkeypatch is not None:  # linears of 32 outputs take their own path: non-units between the units
+        monkeypatch.setattr(int4_ahead, "dequant_route", lambda m, n, k, g, dt: n != 32)
     sync = RecordingSync(skip_freed)
     index = {id(u): i for i, u in enumerate(units)}
     plan = _plan(units, group, dtype, sync, ahead)
+    plan.lead = lead
     ring_ptr = {t.data_ptr(): i for i, t in enumerate(plan.ring)}
 
     def dequant(out, u):
@@ -222,19 +242,25 @@ def _record_steps(ahead: int, steps: int, skip_freed: bool = False) -> dict:
         sync.ops["main"].append(("gemm", current["unit"], ring_ptr[w.data_ptr()]))
         return torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype)
 
+    def own(x):
+        sync.ops["main"].append(("other",))  # a linear's own kernel
+        return x
+
     plan.gemm = gemm
     for _ in range(steps):
         for i, (u, (n, k)) in enumerate(zip(units, SHAPES)):
             current["unit"] = i
             sync.ops["main"].append(("other",))  # the step's other kernels between its GEMMs
-            assert plan.matmul(u, torch.zeros(m, k, dtype=dtype)) is not None
+            plan.run(u, torch.zeros(m, k, dtype=dtype), own)
     return sync.ops
 
 
-@pytest.mark.parametrize("ahead", [1, 2, 3])
-def test_stream_protocol_has_no_hazard_in_any_interleaving(ahead):
-    ops = _record_steps(ahead, steps=2)
-    assert sum(op[0] == "dequant" for op in ops["side"]) == 2 * len(SHAPES)
+@pytest.mark.parametrize("ahead,lead,others", [(1, 1, False), (2, 1, False), (3, 1, False), (1, 3, True),
+                                                (2, 2, True), (1, 1, True)])
+def test_stream_protocol_has_no_hazard_in_any_interleaving(ahead, lead, others, monkeypatch):
+    ops = _record_steps(ahead, steps=2, lead=lead, monkeypatch=monkeypatch if others else None)
+    units = sum(n != 32 or not others for n, _ in SHAPES)
+    assert sum(op[0] == "dequant" for op in ops["side"]) == 2 * units
     _replay(ops, None, side_first=True)
     _replay(ops, None, side_first=False)
     for seed in range(200):
@@ -245,3 +271,15 @@ def test_stream_protocol_check_catches_a_missing_wait():
     ops = _record_steps(1, steps=2, skip_freed=True)  # the protocol broken on purpose
     with pytest.raises(AssertionError):
         _replay(ops, None, side_first=True)
+
+
+def test_issue_points_lead_the_units_and_wait_for_their_slot():
+    from tokenmill.layers.quantization.int4_ahead import _Step
+
+    mods = [nn.Module() for _ in range(8)]  # full order 0..7; 1 and 5 take their own path
+    seq = [mods[i] for i in (0, 2, 3, 4, 6, 7)]
+    full = {id(u): i for i, u in enumerate(mods)}
+    # two slots, three calls ahead: unit j after linear max(own - 3, its slot's last reader, the first unit)
+    assert _Step(seq, full, slots=2, lead=3).upto == {0: 3, 1: 3, 2: 4, 3: 5, 4: 6, 5: 6, 6: 6, 7: 6}
+    # one call ahead: each unit after the linear before it
+    assert _Step(seq, full, slots=2, lead=1).upto == {0: 1, 1: 2, 2: 3, 3: 4, 4: 4, 5: 5, 6: 6, 7: 6}

@@ -43,6 +43,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 AHEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD", "1"))
+LEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD_LEAD", "1"))
 CTAS = int(os.environ.get("TOKENMILL_INT4_AHEAD_CTAS", "0"))
 PRIORITY = int(os.environ.get("TOKENMILL_INT4_AHEAD_PRIORITY", "0"))
 
@@ -145,85 +146,109 @@ class CudaSync:
         torch.cuda.current_stream().wait_stream(self.side)
 
 
+class _Step:
+    """A row count's units (`seq`, position by id) and when each is dequantized: after the launch of
+    the linear at full-order index i, units up to `upto[i]` (exclusive) have been queued."""
+
+    def __init__(self, seq: list[nn.Module], full: dict[int, int], slots: int, lead: int) -> None:
+        self.seq = seq
+        self.pos = {id(u): j for j, u in enumerate(seq)}
+        fi = [full[id(u)] for u in seq]
+        # unit j: `lead` linear calls before its own, never before its slot's last reader's GEMM (whose
+        # `freed` record its wait must follow), nor before the step's first unit (the fork)
+        points = [max(fi[j] - lead, fi[j - slots] if j >= slots else -1, fi[0]) for j in range(len(seq))]
+        self.upto = {i: sum(p <= i for p in points) for i in range(fi[0], fi[-1] + 1)} if seq else {}
+
+
 class AheadPlan:
     """One model's INT4 linears (`units`, call order), the ring and the step in progress."""
 
     def __init__(self, units: list[nn.Module], group_size: int, dtype: torch.dtype, sync: Sync, ahead: int,
-                 ring: list[torch.Tensor], dequant=None, ctas: int = 0) -> None:
+                 ring: list[torch.Tensor], dequant=None, ctas: int = 0, lead: int = 1) -> None:
         self.units, self.group_size, self.dtype = units, group_size, dtype
-        self.sync, self.ahead, self.ring, self.ctas = sync, ahead, ring, ctas
+        self.sync, self.ahead, self.ring, self.ctas, self.lead = sync, ahead, ring, ctas, max(1, lead)
         # (out, layer) -> out: W [N, K] of the layer into out (tests: any writer)
         self.dequant = dequant or (lambda out, u: dequantize_into(out, u.qweight, u.scales, u.zeros, self._group(u),
                                                                   self.ctas))
         self.gemm = torch.matmul  # (x, W^T) -> x @ W^T: `mma_matmul`'s own call (tests: a recorder)
         self.enabled = True
-        self._steps: dict[int, tuple[list[nn.Module], dict[int, int]]] = {}  # rows -> units, position by id
-        self._seq: list[nn.Module] = []
-        self._pos = 0  # the next unit's position in `_seq`; == len: no step in progress
+        self._full = {id(u): i for i, u in enumerate(units)}
+        self._steps: dict[int, _Step] = {}  # rows -> its units
+        self._cur: _Step | None = None  # the step in progress
+        self._pos = 0  # its next unit
+        self._issued = 0  # its units queued on the side stream
 
     @staticmethod
     def shape(layer: nn.Module) -> tuple[int, int]:
         q = layer.qweight
         return q.shape[0] * 16, q.shape[1] * 64
 
-    def _step(self, m: int) -> tuple[list[nn.Module], dict[int, int]]:
+    def _step(self, m: int) -> _Step:
         if m not in self._steps:
             seq = [u for u in self.units if dequant_route(m, *self.shape(u), self._group(u), self.dtype)]
-            if len(seq) < 2:  # nothing to overlap
-                seq = []
-            self._steps[m] = (seq, {id(u): i for i, u in enumerate(seq)})
+            self._steps[m] = _Step(seq if len(seq) >= 2 else [], self._full, len(self.ring), self.lead)
         return self._steps[m]
 
     def _group(self, layer: nn.Module) -> int:
         return self.shape(layer)[1] if self.group_size == -1 else self.group_size
 
-    def _issue(self, j: int) -> None:
-        """Unit j's dequantization into its slot on the side stream, after its slot's last reader."""
-        slot = j % len(self.ring)
-        if j >= len(self.ring):
-            self.sync.side_waits_freed(slot)
-        u = self._seq[j]
-        n, k = self.shape(u)
-        buf = self.ring[slot][:n * k].view(n, k)
-        self.sync.on_side(lambda: self.dequant(buf, u))
-        self.sync.side_records_ready(slot)
+    def _issue_upto(self, count: int) -> None:
+        """The step's units up to `count` (exclusive) queued: each one's dequantization into its slot on
+        the side stream, after its slot's last reader."""
+        while self._issued < count:
+            j = self._issued
+            slot = j % len(self.ring)
+            if j >= len(self.ring):
+                self.sync.side_waits_freed(slot)
+            u = self._cur.seq[j]
+            n, k = self.shape(u)
+            buf = self.ring[slot][:n * k].view(n, k)
+            self.sync.on_side(lambda buf=buf, u=u: self.dequant(buf, u))
+            self.sync.side_records_ready(slot)
+            self._issued += 1
 
-    def matmul(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-        """x [M, K] @ W^T through the ring where `layer` is this step's next unit; None: the caller
-        takes its own path (not a unit at these rows, or the plan is off)."""
+    def run(self, layer: nn.Module, x: torch.Tensor, own, kperm: bool = False) -> torch.Tensor:
+        """x [M, K] @ W^T: through the ring where `layer` is this step's next unit, else `own(x)` (the
+        layer's own path); then the dequantizations due after this linear are queued. kperm: x in the
+        swapped GEMM's K order (`int4_kperm`), put back for the ring's GEMM."""
         if not self.enabled or x.dtype != self.dtype:
-            return None
-        seq, pos = self._step(x.shape[0])
-        j = pos.get(id(layer))
-        if j is None:
-            return None
+            return own(x)
+        step = self._step(x.shape[0])
+        j = step.pos.get(id(layer))
         if j == 0:  # a step begins (one left unfinished: its side work joined first)
-            if self._pos < len(self._seq):
+            if self._cur is not None and self._pos < len(self._cur.seq):
                 self.sync.join()
-            self._seq, self._pos = seq, 0
+            self._cur, self._pos, self._issued = step, 0, 0
             self.sync.fork()
-            for i in range(min(self.ahead, len(seq))):
-                self._issue(i)
-        elif seq is not self._seq or j != self._pos:
+        elif step is not self._cur or self._pos in (0, len(step.seq)):  # no step of these rows in progress
+            return own(x)
+        elif j is not None and j != self._pos:
             self._off(f"{type(layer).__name__} at {x.shape[0]} rows called as unit {j}, expected unit "
-                      f"{self._pos} of {len(self._seq)}")
-            return None
-        slot = j % len(self.ring)
-        n, k = self.shape(layer)
-        self.sync.main_waits_ready(slot)
-        out = self.gemm(x, self.ring[slot][:n * k].view(n, k).t())
-        self.sync.main_records_freed(slot)
-        self._pos = j + 1
-        if j + self.ahead < len(seq):
-            self._issue(j + self.ahead)
-        elif self._pos == len(seq):
+                      f"{self._pos} of {len(step.seq)}")
+            return own(x)
+        if j is None:
+            out = own(x)
+        else:
+            self._issue_upto(j + 1)  # (its own, where no earlier call queued it)
+            slot = j % len(self.ring)
+            n, k = self.shape(layer)
+            self.sync.main_waits_ready(slot)
+            if kperm:
+                from tokenmill.layers.quantization.int4_kperm import unpermute
+
+                x = unpermute(x)
+            out = self.gemm(x, self.ring[slot][:n * k].view(n, k).t())
+            self.sync.main_records_freed(slot)
+            self._pos = j + 1
+        self._issue_upto(step.upto.get(self._full[id(layer)], self._issued))
+        if self._pos == len(step.seq):
             self.sync.join()  # (already ordered by the last ready; explicit for graph captures)
         return out
 
     def _off(self, why: str) -> None:
         self.sync.join()
         self.enabled = False
-        self._pos = len(self._seq)
+        self._cur = None
         logger.warning("int4 dequantize-ahead off: %s (the plain dequantize + cuBLAS from now on)", why)
 
 
@@ -255,7 +280,7 @@ def attach(model: nn.Module) -> int:
     slots = AHEAD + 1
     ring = [torch.empty(numel, dtype=dtype, device=device) for _ in range(slots)]
     ctas = CTAS
-    plan = AheadPlan(units, group, dtype, CudaSync(device, slots, PRIORITY), AHEAD, ring, ctas=ctas)
+    plan = AheadPlan(units, group, dtype, CudaSync(device, slots, PRIORITY), AHEAD, ring, ctas=ctas, lead=LEAD)
     for u in units:
         u.int4_ahead = plan
     nbytes = slots * numel * ring[0].element_size()

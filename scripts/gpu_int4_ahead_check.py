@@ -1,0 +1,217 @@
+"""INT4 dequantize-ahead (`quantization.int4_ahead`) on a GPU: bit-for-bit checks and a timing of
+Llama-8B-shaped layers' linears (qkv, o, gate_up, down; GPTQ group 128, random weights) in a row.
+
+Checks (exit 1 if one fails): `dequantize_into` (the plain launch and persistent programs) equals
+`mma_dequantize`; a plan's outputs equal `mma_matmul`'s at 8,192 rows (eager) and at 256 rows
+captured in a CUDA graph and replayed (o_proj alone a unit; and every linear a unit, the 256-row
+swapped GEMMs' table entries removed for the run).
+
+Timings, ms per layer of the four linears alone (no attention or norms between them: the ring can
+hide its dequantization only behind the GEMMs here), bf16 cuBLAS on the dequantized weights beside:
+- 8,192 rows (a prefill chunk), eager: the plain path (dequantize + cuBLAS on one stream) and the
+  ring with each variant (units ahead, persistent programs, side stream priority);
+- 256 rows (a decode step), CUDA graph: the plain routes (swapped GEMMs; o dequantize + cuBLAS),
+  the ring for o, and the ring with down + qkv, then all four routed to dequantize + cuBLAS.
+Writes $OUT/int4_ahead_check.json and $OUT/ahead_env (the fastest 8,192-row variant's
+TOKENMILL_INT4_AHEAD* settings, for an engine started next).
+
+    python scripts/gpu_int4_ahead_check.py [layers]        # default 8 layers, ~30 s with compiles
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tokenmill.layers.quantization import (
+    int4_ahead,
+    stream_tiles,
+)
+from tokenmill.layers.quantization import int4_packing as packing
+from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+from tokenmill.layers.quantization import triton_int4_mma as mma
+
+H, I, KV, GROUP = 4096, 14336, 1024, 128
+SHAPES = {"qkv": (H + 2 * KV, H), "o": (H, H), "gate_up": (2 * I, H), "down": (H, I)}
+DT = torch.bfloat16
+FAILS: list[str] = []
+
+
+def check(ok: bool, what: str) -> None:
+    print(f"  {'ok  ' if ok else 'FAIL'} {what}", flush=True)
+    if not ok:
+        FAILS.append(what)
+
+
+def make_units(layers: int) -> list[nn.Module]:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    units = []
+    for _ in range(layers):
+        for name, (n, k) in SHAPES.items():
+            wt = packing.from_codes(packing.quantize_int4(torch.randn(n, k, device="cuda", generator=g) * 0.02, GROUP,
+                                                          sym=False), DT, act_order=False)
+            u = nn.Module()
+            u.qweight, u.scales, u.zeros = packing.to_mma(wt.qweight), wt.scales, wt.zeros
+            u.label, u.counters = name, stream_tiles.SplitCounters(n, torch.device("cuda")).tensor
+            dot.keep_scale_offset(u.scales, u.zeros)  # (as `Int4LinearMethod` at load)
+            units.append(u)
+    return units
+
+
+def plan_for(units, ahead=1, ctas=0, priority=0) -> int4_ahead.AheadPlan:
+    numel = max(u.qweight.shape[0] * 16 * u.qweight.shape[1] * 64 for u in units)
+    ring = [torch.empty(numel, dtype=DT, device="cuda") for _ in range(ahead + 1)]
+    return int4_ahead.AheadPlan(units, GROUP, DT, int4_ahead.CudaSync(torch.device("cuda"), ahead + 1, priority),
+                                ahead, ring, ctas=ctas)
+
+
+def plain(u, x):
+    return mma.mma_matmul(x, u.qweight, u.scales, u.zeros, GROUP, u.counters)
+
+
+def run_step(units, xs, plan=None) -> list[torch.Tensor]:
+    outs = []
+    for u, x in zip(units, xs):
+        out = plan.matmul(u, x) if plan is not None else None
+        outs.append(out if out is not None else plain(u, x))
+    return outs
+
+
+def inputs(units, m: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(m)
+    return [torch.randn(m, u.qweight.shape[1] * 64, device="cuda", generator=g).to(DT) for u in units]
+
+
+def time_eager(fn, reps: int = 3) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def captured(fn):
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph, outs
+
+
+def time_graph(graph, reps: int = 10) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def main() -> int:
+    layers = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    out_dir = os.environ.get("OUT", ".")
+    t0 = time.perf_counter()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"int4 dequantize-ahead check on {torch.cuda.get_device_name()}, {layers} layers", flush=True)
+    units = make_units(layers)
+    rec: dict = {"device": torch.cuda.get_device_name(), "layers": layers}
+
+    u = units[2]  # gate_up
+    ref = mma.mma_dequantize(u.qweight, u.scales, u.zeros, GROUP, DT).t()
+    for ctas in (0, 16):
+        out = torch.empty_like(ref)
+        int4_ahead.dequantize_into(out, u.qweight, u.scales, u.zeros, GROUP, ctas)
+        check(torch.equal(out, ref), f"dequantize_into (ctas {ctas}) == mma_dequantize, gate_up")
+    bf16_w = [mma.mma_dequantize(v.qweight, v.scales, v.zeros, GROUP, DT) for v in units]  # [K, N] views
+
+    # 8,192 rows, eager
+    m = 8192
+    xs = inputs(units, m)
+    want = run_step(units, xs)
+    for ctas in (0, 16):
+        got = run_step(units, xs, plan_for(units, 1, ctas))
+        check(all(torch.equal(a, b) for a, b in zip(got, want)), f"ring (ctas {ctas}) == mma_matmul at {m} rows")
+    del want, got
+    variants = {"plain": None, "ahead1": {"ahead": 1}, "ahead2": {"ahead": 2}, "ahead1_ctas16": {"ctas": 16},
+                "ahead1_ctas32": {"ctas": 32}, "ahead1_ctas66": {"ctas": 66}, "ahead1_high": {"priority": -1}}
+    t8 = {"bf16_cublas": time_eager(lambda: [x @ w for x, w in zip(xs, bf16_w)]) / layers}
+    for name, kw in variants.items():
+        plan = plan_for(units, **kw) if kw is not None else None
+        t8[name] = time_eager(lambda plan=plan: run_step(units, xs, plan)) / layers
+        del plan
+    rec["ms_per_layer_8192"] = t8
+    print("  8192 rows, ms a layer (4 linears): " + ", ".join(f"{k} {v:.3f}" for k, v in t8.items()), flush=True)
+    del xs
+    torch.cuda.empty_cache()
+
+    # 256 rows, CUDA graphs
+    m = 256
+    xs = inputs(units, m)
+    t2 = {}
+    g, _ = captured(lambda: [x @ w for x, w in zip(xs, bf16_w)])
+    t2["bf16_cublas"] = time_graph(g) / layers
+    g, want = captured(lambda: run_step(units, xs))
+    g.replay()
+    torch.cuda.synchronize()
+    want = [w.clone() for w in want]
+    t2["plain"] = time_graph(g) / layers
+    removed = {}
+    for name, keys in (("ahead_o", []), ("ahead_o_down_qkv", [(256, 4096, 14336), (256, 6144, 4096)]),
+                       ("ahead_all", [(256, 28672, 4096)])):
+        for key in keys:  # these linears to dequantize + cuBLAS at 256 rows (cumulative)
+            removed[key] = dot.TABLE.pop(key, None)
+        plan = plan_for(units)
+        rows_units = [v.label for v in plan._step(m)[0][:4]]
+        g, got = captured(lambda plan=plan: run_step(units, xs, plan))
+        g.replay()
+        torch.cuda.synchronize()
+        if name == "ahead_o":
+            check(all(torch.equal(a, b) for a, b in zip(got, want)), f"ring in a CUDA graph == mma_matmul at {m} rows "
+                  f"(units of layer 0: {rows_units})")
+        else:  # the references: the plain path with the same routes
+            g2, ref = captured(lambda: run_step(units, xs))
+            g2.replay()
+            torch.cuda.synchronize()
+            check(all(torch.equal(a, b) for a, b in zip(got, ref)), f"ring in a CUDA graph == mma_matmul at {m} rows, "
+                  f"{name} (units of layer 0: {rows_units})")
+            t2[name.replace("ahead", "plain")] = time_graph(g2) / layers
+            del g2, ref
+        t2[name] = time_graph(g) / layers
+        del g, got, plan
+    for key, t in removed.items():
+        if t is not None:
+            dot.TABLE[key] = t
+    rec["ms_per_layer_256"] = t2
+    print("  256 rows, ms a layer (4 linears, graph): " + ", ".join(f"{k} {v:.3f}" for k, v in t2.items()), flush=True)
+
+    best = min((k for k in t8 if k.startswith("ahead")), key=t8.get)
+    kw = variants[best]
+    env = {"TOKENMILL_INT4_AHEAD": str(kw.get("ahead", 1)), "TOKENMILL_INT4_AHEAD_CTAS": str(kw.get("ctas", 0)),
+           "TOKENMILL_INT4_AHEAD_PRIORITY": str(kw.get("priority", 0))}
+    rec["best_8192"], rec["best_env"], rec["fails"] = best, env, FAILS
+    rec["wall_s"] = time.perf_counter() - t0
+    with open(os.path.join(out_dir, "int4_ahead_check.json"), "w") as f:
+        json.dump(rec, f, indent=1)
+    with open(os.path.join(out_dir, "ahead_env"), "w") as f:
+        f.write("".join(f"export {k}={v}\n" for k, v in env.items()))
+    print(f"  fastest 8192-row variant: {best} ({env}); {len(FAILS)} failures; {rec['wall_s']:.0f} s", flush=True)
+    return 1 if FAILS else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
