@@ -17,6 +17,8 @@ Parts (--parts, comma-separated; default all, run in this order):
   int4     INT4 W4A16 (a GPTQ config, group 128; dummy weights quantized at load): batch 1, 256x256x128
   int4noahead (not by default) the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0):
            256x256x128, the A/B of int4's (the greedy tokens' digest must be the same)
+  int4x1, int4x2 (not by default) INT4 engines at 256x256x128 with environment settings of their own
+           (GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_AHEAD_LEAD=3,...")
   int4panels (not by default) the same INT4 engine with the CUDA-core panel GEMV of before the
            tensor-core one (TOKENMILL_INT4_MMA=0): batch 1, a same-run figure beside int4's
   kvfp8    bf16 weights, fp8 (e4m3) KV cache against a bf16-KV engine in the same process
@@ -489,6 +491,9 @@ ENGINES = {
     "int4before": ({"gptq": True}, ["256x256x128"]),
     # the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0; engine_part sets it): its A/B
     "int4noahead": ({"gptq": True}, ["256x256x128"]),
+    # INT4 engines with settings of a request's own (GPU_QUANT_ENV_int4x1="K=V,K=V"; engine_part sets them)
+    "int4x1": ({"gptq": True}, ["256x256x128"]),
+    "int4x2": ({"gptq": True}, ["256x256x128"]),
     "kvfp8": ({"kv_cache_dtype": "fp8"}, ["attention", "1000x512x256", "batch1_16k"]),  # attention: kernels alone
     # What FP8 serving usually means (weights and KV cache): a figure beside the goals, not one of them.
     "fp8kv": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["256x256x128", "1000x512x256"]),
@@ -502,6 +507,7 @@ INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256"), ("int4panels", "bat
 INFO.append(("int4bf16head", "batch1"))
 INFO.append(("int4before", "256x256x128"))
 INFO.append(("int4noahead", "256x256x128"))
+INFO += [("int4x1", "256x256x128"), ("int4x2", "256x256x128")]
 
 
 def _int4_engine_layout_check(results: dict, device: str = "cuda", n: int = 6144, k: int = 4096) -> None:
@@ -550,6 +556,10 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
         os.environ.pop("TOKENMILL_INT4_GEMM_TABLE", None)
     if label == "int4noahead":
         os.environ["TOKENMILL_INT4_AHEAD"] = "0"
+    for item in filter(None, os.environ.get(f"GPU_QUANT_ENV_{label}", "").split(",")):  # this part's own settings
+        key, _, value = item.partition("=")
+        os.environ[key.strip()] = value.strip()
+        print(f"  {label}: {key.strip()}={value.strip()}", flush=True)
     if label in ("int4", "int4panels", "int4bf16head") and not smoke:  # what the engine times must be right: its layout checked first
         _int4_engine_layout_check(results)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
@@ -944,6 +954,7 @@ PARTS += ["int4gemm", "int4profile"]  # scripts/gpu_int4_gemm.py; the int4 engin
 PARTS.insert(PARTS.index("int4") + 1, "int4bf16head")  # the int4 engine with the bf16 LM head (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4before")  # session 8's int4 engine, for A/B (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4noahead")  # the int4 engine without dequantize-ahead (not by default)
+PARTS[PARTS.index("int4noahead") + 1:PARTS.index("int4noahead") + 1] = ["int4x1", "int4x2"]  # (not by default)
 PARTS += ["bf16profile"]  # the bf16 engine under profile_one: int4profile's baseline (not by default)
 PARTS += ["w8a8tma"]  # scripts/gpu_fp8_gemm.py (not by default)
 PARTS += ["int4b1"]  # scripts/gpu_int4_b1.py (not by default)
@@ -954,7 +965,7 @@ PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 170, "int4panels"
 PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90,
                    "b1profile": 118})
 PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80, "int4b1": 150, "int4before": 90,
-                   "int4noahead": 90,
+                   "int4noahead": 90, "int4x1": 90, "int4x2": 90,
                    "bf16profile": 120})
 
 
@@ -1129,7 +1140,7 @@ def main() -> int:
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
                                                                           "int4panels", "b1", "b1profile", "int4gemm",
                                                                           "int4profile", "int4bf16head", "int4before", "w8a8tma",
-                                                                          "int4noahead",
+                                                                          "int4noahead", "int4x1", "int4x2",
                                                                           "bf16profile",
                                                                           "int4b1")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")
