@@ -248,43 +248,52 @@ def main() -> int:
     sync()
     want = [w.clone() for w in want]
     t2["plain"] = time_graph(g) / layers
-    removed = {}
-    for name, keys in (("ahead_o", []), ("ahead_o_lead2", []), ("ahead_o_lead3", []),
-                       ("ahead_o_down_qkv", [(256, 4096, 14336), (256, 6144, 4096)]), ("ahead_o_down_qkv_lead2", []),
-                       ("ahead_all", [(256, 28672, 4096)])):
-        for key in keys:  # these linears to dequantize + cuBLAS at 256 rows (cumulative)
-            removed[key] = dot.TABLE.pop(key, None)
-        plan = plan_for(units, lead=int(name[-1]) if "lead" in name else 1)
+    qkv_key, down_key, gate_up_key = (256, 6144, 4096), (256, 4096, 14336), (256, 28672, 4096)
+    saved = {key: dot.TABLE.get(key) for key in (qkv_key, down_key, gate_up_key)}
+    gate_ups = frozenset(i for i, v in enumerate(units) if v.label == "gate_up")
+    # (name, swapped-GEMM entries removed (those linears to dequantize + cuBLAS), lead, anchored at gate_up)
+    cases = [("ahead_o", (), 1, False), ("ahead_o_lead2", (), 2, False), ("ahead_o_lead3", (), 3, False),
+             ("ahead_o_at", (), 1, True), ("ahead_o_qkv", (qkv_key,), 1, False), ("ahead_o_qkv_at", (qkv_key,), 1, True),
+             ("ahead_o_qkv_down_at", (qkv_key, down_key), 1, True), ("ahead_all", (qkv_key, down_key, gate_up_key), 1, False)]
+    for name, keys, lead, at in cases:
+        for key, t in saved.items():
+            if key in keys:
+                dot.TABLE.pop(key, None)
+            elif t is not None:
+                dot.TABLE[key] = t
+        plan = plan_for(units, lead=lead)
+        plan.anchors = gate_ups if at else frozenset()
         rows_units = [v.label for v in plan._step(m).seq[:4]]
         g, got = captured(lambda plan=plan: run_step(units, xs, plan))
         g.replay()
         sync()
-        if name.startswith("ahead_o") and "down" not in name:
-            check(all(torch.equal(a, b) for a, b in zip(got, want)), f"ring in a CUDA graph == mma_matmul at {m} rows "
-                  f"(units of layer 0: {rows_units})")
-        else:  # the references: the plain path with the same routes
+        if not keys:
+            check(all(torch.equal(a, b) for a, b in zip(got, want)), f"ring in a CUDA graph == mma_matmul at {m} rows, "
+                  f"{name} (units of layer 0: {rows_units})")
+        else:  # the reference: the plain path with the same routes
             g2, ref = captured(lambda: run_step(units, xs))
             g2.replay()
             sync()
             check(all(torch.equal(a, b) for a, b in zip(got, ref)), f"ring in a CUDA graph == mma_matmul at {m} rows, "
                   f"{name} (units of layer 0: {rows_units})")
-            t2[name.replace("ahead", "plain").removesuffix("_lead2")] = time_graph(g2) / layers
+            t2["plain_" + "_".join(str(k[1]) for k in keys)] = time_graph(g2) / layers
             del g2, ref
         t2[name] = time_graph(g) / layers
-        if name in ("ahead_o", "ahead_o_lead3"):
+        if name in ("ahead_o", "ahead_o_at", "ahead_o_qkv_at"):
             rec.setdefault("overlap_256", {})[name] = overlap(g.replay)
         del g, got, plan
-    for key, t in removed.items():
+    for key, t in saved.items():
         if t is not None:
             dot.TABLE[key] = t
     rec["ms_per_layer_256"] = t2
     print("  256 rows, ms a layer (4 linears, graph): " + ", ".join(f"{k} {v:.3f}" for k, v in t2.items()), flush=True)
 
     kw = variants[best8]
-    best2 = min(("ahead_o", "ahead_o_lead2", "ahead_o_lead3"), key=t2.get)
+    best2 = min(("ahead_o", "ahead_o_lead2", "ahead_o_lead3", "ahead_o_at"), key=t2.get)
     env = {"TOKENMILL_INT4_AHEAD": str(kw.get("ahead", 1)), "TOKENMILL_INT4_AHEAD_CTAS": str(kw.get("ctas", 0)),
            "TOKENMILL_INT4_AHEAD_PRIORITY": str(kw.get("priority", 0)),
-           "TOKENMILL_INT4_AHEAD_LEAD": str(kw.get("lead", int(best2[-1]) if "lead" in best2 else 1))}
+           "TOKENMILL_INT4_AHEAD_LEAD": str(kw.get("lead", int(best2[-1]) if "lead" in best2 else 1)),
+           "TOKENMILL_INT4_AHEAD_AT": "gate_up_proj" if best2 == "ahead_o_at" else ""}
     rec["best_8192"], rec["best_256"], rec["best_env"], rec["fails"] = best8, best2, env, FAILS
     rec["wall_s"] = time.perf_counter() - t0
     with open(os.path.join(out_dir, "int4_ahead_check.json"), "w") as f:

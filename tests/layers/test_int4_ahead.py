@@ -218,7 +218,8 @@ def _replay(ops: dict, rng: random.Random | None, side_first: bool) -> None:
     assert any(op[0] == "wait" and op[1] == ("side", last_side) for op in ops["main"]), "the side stream never joined"
 
 
-def _record_steps(ahead: int, steps: int, lead: int = 1, skip_freed: bool = False, monkeypatch=None) -> dict:
+def _record_steps(ahead: int, steps: int, lead: int = 1, skip_freed: bool = False, monkeypatch=None,
+                  anchors: frozenset[int] = frozenset()) -> dict:
     from tokenmill.layers.quantization import int4_ahead
 
     group, dtype, m = 64, torch.float16, 40
@@ -228,7 +229,7 @@ def _record_steps(ahead: int, steps: int, lead: int = 1, skip_freed: bool = Fals
     sync = RecordingSync(skip_freed)
     index = {id(u): i for i, u in enumerate(units)}
     plan = _plan(units, group, dtype, sync, ahead)
-    plan.lead = lead
+    plan.lead, plan.anchors = lead, anchors
     ring_ptr = {t.data_ptr(): i for i, t in enumerate(plan.ring)}
 
     def dequant(out, u):
@@ -255,10 +256,12 @@ def _record_steps(ahead: int, steps: int, lead: int = 1, skip_freed: bool = Fals
     return sync.ops
 
 
-@pytest.mark.parametrize("ahead,lead,others", [(1, 1, False), (2, 1, False), (3, 1, False), (1, 3, True),
-                                                (2, 2, True), (1, 1, True)])
-def test_stream_protocol_has_no_hazard_in_any_interleaving(ahead, lead, others, monkeypatch):
-    ops = _record_steps(ahead, steps=2, lead=lead, monkeypatch=monkeypatch if others else None)
+@pytest.mark.parametrize("ahead,lead,others,anchors", [(1, 1, False, ()), (2, 1, False, ()), (3, 1, False, ()),
+                                                        (1, 3, True, ()), (2, 2, True, ()), (1, 1, True, ()),
+                                                        (1, 1, True, (1, 5)), (2, 1, True, (0, 5))])
+def test_stream_protocol_has_no_hazard_in_any_interleaving(ahead, lead, others, anchors, monkeypatch):
+    ops = _record_steps(ahead, steps=2, lead=lead, monkeypatch=monkeypatch if others else None,
+                        anchors=frozenset(anchors))
     units = sum(n != 32 or not others for n, _ in SHAPES)
     assert sum(op[0] == "dequant" for op in ops["side"]) == 2 * units
     _replay(ops, None, side_first=True)
@@ -283,3 +286,20 @@ def test_issue_points_lead_the_units_and_wait_for_their_slot():
     assert _Step(seq, full, slots=2, lead=3).upto == {0: 3, 1: 3, 2: 4, 3: 5, 4: 6, 5: 6, 6: 6, 7: 6}
     # one call ahead: each unit after the linear before it
     assert _Step(seq, full, slots=2, lead=1).upto == {0: 1, 1: 2, 2: 3, 3: 4, 4: 4, 5: 5, 6: 6, 7: 6}
+
+
+def test_anchors_move_the_issue_points_where_other_linears_run_between_units():
+    from tokenmill.layers.quantization.int4_ahead import _Step, anchors_of
+
+    names = [f"layers.{i // 4}.{p}" for i in range(12) for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")][:12]
+    anchors = anchors_of(names, "gate_up_proj")
+    assert anchors == {2, 6, 10} and anchors_of(names, "") == frozenset()
+    mods = [nn.Module() for _ in range(12)]
+    full = {id(u): i for i, u in enumerate(mods)}
+    o_only = [mods[i] for i in (1, 5, 9)]  # decode: o_proj the units, the rest swapped GEMMs
+    # o of layer 1 after layer 0's gate_up (index 2), o of layer 2 after layer 1's (6)
+    assert _Step(o_only, full, slots=2, lead=1, anchors=anchors).upto == {
+        1: 1, 2: 2, 3: 2, 4: 2, 5: 2, 6: 3, 7: 3, 8: 3, 9: 3}
+    assert _Step(o_only, full, slots=2, lead=1).upto[4] == 2 and _Step(o_only, full, slots=2, lead=1).upto[3] == 1
+    every = [mods[i] for i in range(8)]  # prefill: every linear a unit; anchors change nothing
+    assert _Step(every, full, 2, 1, anchors).upto == _Step(every, full, 2, 1).upto

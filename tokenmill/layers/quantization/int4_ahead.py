@@ -26,7 +26,10 @@ Memory: L + 1 buffers of the largest unit's weight in the activation dtype (Llam
 TOKENMILL_INT4_AHEAD: units ahead (default 1; 0: off). TOKENMILL_INT4_AHEAD_CTAS: the side
 stream's dequantization as that many persistent programs (default 0: one program a block, the
 compute stream's launch). TOKENMILL_INT4_AHEAD_PRIORITY: the side stream's priority (default 0,
-the compute stream's; -1: higher).
+the compute stream's; -1: higher). TOKENMILL_INT4_AHEAD_LEAD: linear calls ahead of its unit that a
+dequantization is queued (default 1). TOKENMILL_INT4_AHEAD_AT: where other linears run between a
+step's units (decode: o_proj's dequantization between the swapped GEMMs), queue each unit's after
+the latest linear before it whose module name ends so (e.g. "gate_up_proj": beside that GEMM).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 AHEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD", "1"))
 LEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD_LEAD", "1"))
+AT = os.environ.get("TOKENMILL_INT4_AHEAD_AT", "")
 CTAS = int(os.environ.get("TOKENMILL_INT4_AHEAD_CTAS", "0"))
 PRIORITY = int(os.environ.get("TOKENMILL_INT4_AHEAD_PRIORITY", "0"))
 
@@ -150,13 +154,20 @@ class _Step:
     """A row count's units (`seq`, position by id) and when each is dequantized: after the launch of
     the linear at full-order index i, units up to `upto[i]` (exclusive) have been queued."""
 
-    def __init__(self, seq: list[nn.Module], full: dict[int, int], slots: int, lead: int) -> None:
+    def __init__(self, seq: list[nn.Module], full: dict[int, int], slots: int, lead: int,
+                 anchors: frozenset[int] = frozenset()) -> None:
         self.seq = seq
         self.pos = {id(u): j for j, u in enumerate(seq)}
         fi = [full[id(u)] for u in seq]
-        # unit j: `lead` linear calls before its own, never before its slot's last reader's GEMM (whose
-        # `freed` record its wait must follow), nor before the step's first unit (the fork)
-        points = [max(fi[j] - lead, fi[j - slots] if j >= slots else -1, fi[0]) for j in range(len(seq))]
+        # unit j: `lead` linear calls before its own, or where other linears run between the units
+        # and an anchor (`AheadPlan.anchors`) precedes it, after the latest one; never before its slot's
+        # last reader's GEMM (whose `freed` record its wait must follow), nor before the step's first
+        # unit (the fork)
+        between = bool(seq) and fi[-1] - fi[0] + 1 > len(seq)
+        points = []
+        for j in range(len(seq)):
+            at = max((a for a in anchors if fi[0] <= a < fi[j]), default=None) if between else None
+            points.append(max(fi[j] - lead if at is None else at, fi[j - slots] if j >= slots else -1, fi[0]))
         self.upto = {i: sum(p <= i for p in points) for i in range(fi[0], fi[-1] + 1)} if seq else {}
 
 
@@ -164,7 +175,8 @@ class AheadPlan:
     """One model's INT4 linears (`units`, call order), the ring and the step in progress."""
 
     def __init__(self, units: list[nn.Module], group_size: int, dtype: torch.dtype, sync: Sync, ahead: int,
-                 ring: list[torch.Tensor], dequant=None, ctas: int = 0, lead: int = 1) -> None:
+                 ring: list[torch.Tensor], dequant=None, ctas: int = 0, lead: int = 1,
+                 anchors: frozenset[int] = frozenset()) -> None:
         self.units, self.group_size, self.dtype = units, group_size, dtype
         self.sync, self.ahead, self.ring, self.ctas, self.lead = sync, ahead, ring, ctas, max(1, lead)
         # (out, layer) -> out: W [N, K] of the layer into out (tests: any writer)
@@ -173,6 +185,7 @@ class AheadPlan:
         self.gemm = torch.matmul  # (x, W^T) -> x @ W^T: `mma_matmul`'s own call (tests: a recorder)
         self.enabled = True
         self._full = {id(u): i for i, u in enumerate(units)}
+        self.anchors = anchors  # full-order indices of linears that units' dequantizations follow (`_Step`)
         self._steps: dict[int, _Step] = {}  # rows -> its units
         self._cur: _Step | None = None  # the step in progress
         self._pos = 0  # its next unit
@@ -186,7 +199,8 @@ class AheadPlan:
     def _step(self, m: int) -> _Step:
         if m not in self._steps:
             seq = [u for u in self.units if dequant_route(m, *self.shape(u), self._group(u), self.dtype)]
-            self._steps[m] = _Step(seq if len(seq) >= 2 else [], self._full, len(self.ring), self.lead)
+            self._steps[m] = _Step(seq if len(seq) >= 2 else [], self._full, len(self.ring), self.lead,
+                                   self.anchors)
         return self._steps[m]
 
     def _group(self, layer: nn.Module) -> int:
@@ -252,23 +266,30 @@ class AheadPlan:
         logger.warning("int4 dequantize-ahead off: %s (the plain dequantize + cuBLAS from now on)", why)
 
 
-def _int4_units(model: nn.Module) -> list[nn.Module]:
+def _int4_units(model: nn.Module) -> tuple[list[nn.Module], list[str]]:
     from tokenmill.layers.quantization.int4 import Int4LinearMethod
 
-    out = []
-    for module in model.modules():
+    out, names = [], []
+    for name, module in model.named_modules():
         q = getattr(module, "qweight", None)
         if (isinstance(getattr(module, "quant_method", None), Int4LinearMethod) and q is not None and q.dim() == 4
                 and q.is_cuda and getattr(module, "g_idx", None) is None):
             out.append(module)
-    return out
+            names.append(name)
+    return out, names
+
+
+def anchors_of(names: list[str], suffixes: str) -> frozenset[int]:
+    """Indices of the names ending in one of the comma-separated suffixes (TOKENMILL_INT4_AHEAD_AT)."""
+    ends = tuple(filter(None, (p.strip() for p in suffixes.split(","))))
+    return frozenset(i for i, n in enumerate(names) if ends and n.endswith(ends))
 
 
 def attach(model: nn.Module) -> int:
     """On CUDA, with TOKENMILL_INT4_AHEAD > 0 and two INT4 linears or more in the mma layout: the
     plan, its ring allocated now, set on each unit as `int4_ahead` (read by `Int4LinearMethod`).
     Returns the ring's bytes (0: none)."""
-    units = _int4_units(model)
+    units, names = _int4_units(model)
     if AHEAD <= 0 or len(units) < 2:
         return 0
     method = units[0].quant_method
@@ -280,7 +301,8 @@ def attach(model: nn.Module) -> int:
     slots = AHEAD + 1
     ring = [torch.empty(numel, dtype=dtype, device=device) for _ in range(slots)]
     ctas = CTAS
-    plan = AheadPlan(units, group, dtype, CudaSync(device, slots, PRIORITY), AHEAD, ring, ctas=ctas, lead=LEAD)
+    plan = AheadPlan(units, group, dtype, CudaSync(device, slots, PRIORITY), AHEAD, ring, ctas=ctas, lead=LEAD,
+                     anchors=anchors_of(names, AT))
     for u in units:
         u.int4_ahead = plan
     nbytes = slots * numel * ring[0].element_size()
