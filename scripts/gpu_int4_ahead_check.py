@@ -217,9 +217,8 @@ def main() -> int:
         got = run_step(units, xs, plan_for(units, 1, ctas))
         check(all(torch.equal(a, b) for a, b in zip(got, want)), f"ring (ctas {ctas}) == mma_matmul at {m} rows")
     del want, got
-    variants = {"plain": None, "ahead1": {"ahead": 1}, "ahead2": {"ahead": 2}, "ahead2_lead2": {"ahead": 2, "lead": 2},
-                "ahead1_ctas16": {"ctas": 16}, "ahead1_ctas32": {"ctas": 32}, "ahead1_ctas66": {"ctas": 66},
-                "ahead1_high": {"priority": -1}}
+    variants = {"plain": None, "ahead1": {"ahead": 1}, "ahead2_lead2": {"ahead": 2, "lead": 2},
+                "ahead1_ctas16": {"ctas": 16}, "ahead1_ctas66": {"ctas": 66}, "ahead1_high": {"priority": -1}}
     t8 = {"bf16_cublas": time_eager(lambda: [x @ w for x, w in zip(xs, bf16_w)]) / layers}
     for name, kw in variants.items():
         plan = plan_for(units, **kw) if kw is not None else None
@@ -251,17 +250,20 @@ def main() -> int:
     qkv_key, down_key, gate_up_key = (256, 6144, 4096), (256, 4096, 14336), (256, 28672, 4096)
     saved = {key: dot.TABLE.get(key) for key in (qkv_key, down_key, gate_up_key)}
     gate_ups = frozenset(i for i, v in enumerate(units) if v.label == "gate_up")
-    # (name, swapped-GEMM entries removed (those linears to dequantize + cuBLAS), lead, anchored at gate_up)
-    cases = [("ahead_o", (), 1, False), ("ahead_o_lead2", (), 2, False), ("ahead_o_lead3", (), 3, False),
-             ("ahead_o_at", (), 1, True), ("ahead_o_qkv", (qkv_key,), 1, False), ("ahead_o_qkv_at", (qkv_key,), 1, True),
-             ("ahead_o_qkv_down_at", (qkv_key, down_key), 1, True), ("ahead_all", (qkv_key, down_key, gate_up_key), 1, False)]
-    for name, keys, lead, at in cases:
+    # (name, swapped-GEMM entries removed, lead, anchored at gate_up, units ahead)
+    cases = [("ahead_o", (), 1, False, 1), ("ahead_o_lead2", (), 2, False, 1), ("ahead_o_lead3", (), 3, False, 1),
+             ("ahead_o_at", (), 1, True, 1), ("ahead_o_qkv", (qkv_key,), 1, False, 1),
+             ("ahead_o_qkv_at", (qkv_key,), 1, True, 1), ("ahead_o_qkv_down_at", (qkv_key, down_key), 1, True, 1),
+             ("ahead2_o_qkv_down_at", (qkv_key, down_key), 1, True, 2),
+             ("ahead_all", (qkv_key, down_key, gate_up_key), 1, False, 1)]
+    routes = {name: (keys, lead, at, ahead) for name, keys, lead, at, ahead in cases}
+    for name, keys, lead, at, ahead in cases:
         for key, t in saved.items():
             if key in keys:
                 dot.TABLE.pop(key, None)
             elif t is not None:
                 dot.TABLE[key] = t
-        plan = plan_for(units, lead=lead)
+        plan = plan_for(units, ahead=ahead, lead=lead)
         plan.anchors = gate_ups if at else frozenset()
         rows_units = [v.label for v in plan._step(m).seq[:4]]
         g, got = captured(lambda plan=plan: run_step(units, xs, plan))
@@ -276,7 +278,7 @@ def main() -> int:
             sync()
             check(all(torch.equal(a, b) for a, b in zip(got, ref)), f"ring in a CUDA graph == mma_matmul at {m} rows, "
                   f"{name} (units of layer 0: {rows_units})")
-            t2["plain_" + "_".join(str(k[1]) for k in keys)] = time_graph(g2) / layers
+            t2["plain_" + "_".join(str(k[1]) for k in keys)] = time_graph(g2) / layers  # (same routes, no ring)
             del g2, ref
         t2[name] = time_graph(g) / layers
         if name in ("ahead_o", "ahead_o_at", "ahead_o_qkv_at"):
@@ -300,6 +302,16 @@ def main() -> int:
         json.dump(rec, f, indent=1)
     with open(os.path.join(out_dir, "ahead_env"), "w") as f:
         f.write("".join(f"export {k}={v}\n" for k, v in env.items()))
+    # the fastest variant that routes more linears to dequantize + cuBLAS at 256 rows: an engine's settings
+    routed = min((k for k in routes if routes[k][0] and k != "ahead_all"), key=t2.get)
+    keys, lead, at, ahead = routes[routed]
+    x1 = {"TOKENMILL_INT4_GEMM_TABLE": ";".join(f"{b},{n},{k}=none" for b, n, k in keys),
+          "TOKENMILL_INT4_AHEAD": str(ahead), "TOKENMILL_INT4_AHEAD_LEAD": str(lead),
+          "TOKENMILL_INT4_AHEAD_AT": "gate_up_proj" if at else "", "TOKENMILL_INT4_AHEAD_CTAS": env["TOKENMILL_INT4_AHEAD_CTAS"]}
+    rec["best_routed_256"], rec["routed_env"] = routed, x1
+    with open(os.path.join(out_dir, "routed_env"), "w") as f:
+        f.write(" ".join(f"{k}={v}" for k, v in x1.items()))
+    print(f"  fastest routed variant at 256 rows: {routed} -> {x1}", flush=True)
     print(f"  256 rows, dequantization beside other kernels: {rec.get('overlap_256')}", flush=True)
     print(f"  fastest: {best8} (8192 rows), {best2} (256 rows) -> {env}; {len(FAILS)} failures; {rec['wall_s']:.0f} s",
           flush=True)

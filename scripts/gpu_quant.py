@@ -18,7 +18,7 @@ Parts (--parts, comma-separated; default all, run in this order):
   int4noahead (not by default) the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0):
            256x256x128, the A/B of int4's (the greedy tokens' digest must be the same)
   int4x1, int4x2 (not by default) INT4 engines at 256x256x128 with environment settings of their own
-           (GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_AHEAD_LEAD=3,...")
+           (GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_AHEAD_LEAD=3 ...", whitespace-separated)
   int4panels (not by default) the same INT4 engine with the CUDA-core panel GEMV of before the
            tensor-core one (TOKENMILL_INT4_MMA=0): batch 1, a same-run figure beside int4's
   kvfp8    bf16 weights, fp8 (e4m3) KV cache against a bf16-KV engine in the same process
@@ -491,7 +491,7 @@ ENGINES = {
     "int4before": ({"gptq": True}, ["256x256x128"]),
     # the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0; engine_part sets it): its A/B
     "int4noahead": ({"gptq": True}, ["256x256x128"]),
-    # INT4 engines with settings of a request's own (GPU_QUANT_ENV_int4x1="K=V,K=V"; engine_part sets them)
+    # INT4 engines with settings of a request's own (GPU_QUANT_ENV_int4x1="K=V K=V"; engine_part sets them)
     "int4x1": ({"gptq": True}, ["256x256x128"]),
     "int4x2": ({"gptq": True}, ["256x256x128"]),
     "kvfp8": ({"kv_cache_dtype": "fp8"}, ["attention", "1000x512x256", "batch1_16k"]),  # attention: kernels alone
@@ -556,7 +556,7 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
         os.environ.pop("TOKENMILL_INT4_GEMM_TABLE", None)
     if label == "int4noahead":
         os.environ["TOKENMILL_INT4_AHEAD"] = "0"
-    for item in filter(None, os.environ.get(f"GPU_QUANT_ENV_{label}", "").split(",")):  # this part's own settings
+    for item in os.environ.get(f"GPU_QUANT_ENV_{label}", "").split():  # this part's own settings
         key, _, value = item.partition("=")
         os.environ[key.strip()] = value.strip()
         print(f"  {label}: {key.strip()}={value.strip()}", flush=True)
