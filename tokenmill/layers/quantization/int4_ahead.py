@@ -13,8 +13,11 @@ Hazards, `AHEAD` = L units ahead and L + 1 ring slots (unit j in slot j % (L + 1
 - unit j's GEMM waits on the compute stream for `ready[j]`, recorded on the side stream after its
   dequantization;
 - unit j + L + 1's dequantization (the next occupant of j's slot) waits on the side stream for
-  `freed[j]`, recorded on the compute stream after unit j's GEMM; it is queued after unit j + 1's
-  GEMM, so that the GEMM's CTAs are dispatched first and the dequantization fills what they leave;
+  `freed[j]`, recorded on the compute stream after unit j's GEMM, and is queued no earlier (host
+  order: the wait names that record);
+- a unit's dequantization is queued after the launch of the linear `LEAD` calls before it (or an
+  anchor's, `AT`), so that the GEMMs queued first get their CTAs dispatched first and the
+  dequantization fills what they leave;
 - a step begins with the side stream waiting for the compute stream (fork) and ends with the
   compute stream waiting for the last dequantization (join): CUDA graphs capture it as branches.
 `Sync` is that protocol's interface: CUDA streams and events (`CudaSync`), or a recorder that the
