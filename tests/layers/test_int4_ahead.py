@@ -303,3 +303,13 @@ def test_anchors_move_the_issue_points_where_other_linears_run_between_units():
     assert _Step(o_only, full, slots=2, lead=1).upto[4] == 2 and _Step(o_only, full, slots=2, lead=1).upto[3] == 1
     every = [mods[i] for i in range(8)]  # prefill: every linear a unit; anchors change nothing
     assert _Step(every, full, 2, 1, anchors).upto == _Step(every, full, 2, 1).upto
+
+
+def test_steps_below_min_rows_take_their_own_path():
+    group, dtype, m = 64, torch.float16, 40
+    units = [_layer(n, k, group, seed=i, dtype=dtype) for i, (n, k) in enumerate(SHAPES)]
+    plan = _plan(units, group, dtype, ImmediateSync(), 1)
+    plan.min_rows = m + 1
+    mark = torch.zeros(1)
+    assert all(plan.run(u, torch.zeros(m, k, dtype=dtype), lambda x: mark) is mark for u, (_, k) in zip(units, SHAPES))
+    assert plan.run(units[0], torch.zeros(m + 1, 128, dtype=dtype), lambda x: mark) is not mark

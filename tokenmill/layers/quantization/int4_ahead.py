@@ -26,13 +26,14 @@ CPU tests replay against a two-stream model (`tests/layers/test_int4_ahead.py`).
 Memory: L + 1 buffers of the largest unit's weight in the activation dtype (Llama-8B: gate_up,
 117M values, 235 MB each), allocated at load (`attach`: before the KV pool is sized) and logged.
 
-TOKENMILL_INT4_AHEAD: units ahead (default 1; 0: off). TOKENMILL_INT4_AHEAD_CTAS: the side
+TOKENMILL_INT4_AHEAD: units ahead (default 2; 0: off). TOKENMILL_INT4_AHEAD_CTAS: the side
 stream's dequantization as that many persistent programs (default 0: one program a block, the
 compute stream's launch). TOKENMILL_INT4_AHEAD_PRIORITY: the side stream's priority (default 0,
 the compute stream's; -1: higher). TOKENMILL_INT4_AHEAD_LEAD: linear calls ahead of its unit that a
-dequantization is queued (default 1). TOKENMILL_INT4_AHEAD_AT: where other linears run between a
+dequantization is queued (default 2). TOKENMILL_INT4_AHEAD_AT: where other linears run between a
 step's units (decode: o_proj's dequantization between the swapped GEMMs), queue each unit's after
 the latest linear before it whose module name ends so (e.g. "gate_up_proj": beside that GEMM).
+TOKENMILL_INT4_AHEAD_MIN_ROWS: steps of fewer rows never use the ring (default 1025: prefill chunks).
 """
 
 from __future__ import annotations
@@ -48,11 +49,15 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-AHEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD", "1"))
-LEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD_LEAD", "1"))
+AHEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD", "2"))
+LEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD_LEAD", "2"))
 AT = os.environ.get("TOKENMILL_INT4_AHEAD_AT", "")
 CTAS = int(os.environ.get("TOKENMILL_INT4_AHEAD_CTAS", "0"))
 PRIORITY = int(os.environ.get("TOKENMILL_INT4_AHEAD_PRIORITY", "0"))
+# Steps of fewer rows take the plain path: decode graphs' o_proj lost with the ring on an H200 (its
+# cuBLAS then reads the weight from HBM, not from L2 behind its dequantization, and the branches
+# cost), so by default prefill chunks only (above the GEMM tables' largest bucket, 1024).
+MIN_ROWS = int(os.environ.get("TOKENMILL_INT4_AHEAD_MIN_ROWS", "1025"))
 
 
 def dequant_route(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
@@ -179,7 +184,8 @@ class AheadPlan:
 
     def __init__(self, units: list[nn.Module], group_size: int, dtype: torch.dtype, sync: Sync, ahead: int,
                  ring: list[torch.Tensor], dequant=None, ctas: int = 0, lead: int = 1,
-                 anchors: frozenset[int] = frozenset()) -> None:
+                 anchors: frozenset[int] = frozenset(), min_rows: int = 0) -> None:
+        self.min_rows = min_rows  # steps of fewer rows: no units
         self.units, self.group_size, self.dtype = units, group_size, dtype
         self.sync, self.ahead, self.ring, self.ctas, self.lead = sync, ahead, ring, ctas, max(1, lead)
         # (out, layer) -> out: W [N, K] of the layer into out (tests: any writer)
@@ -201,7 +207,8 @@ class AheadPlan:
 
     def _step(self, m: int) -> _Step:
         if m not in self._steps:
-            seq = [u for u in self.units if dequant_route(m, *self.shape(u), self._group(u), self.dtype)]
+            seq = [u for u in self.units
+                   if m >= self.min_rows and dequant_route(m, *self.shape(u), self._group(u), self.dtype)]
             self._steps[m] = _Step(seq if len(seq) >= 2 else [], self._full, len(self.ring), self.lead,
                                    self.anchors)
         return self._steps[m]
@@ -305,7 +312,7 @@ def attach(model: nn.Module) -> int:
     ring = [torch.empty(numel, dtype=dtype, device=device) for _ in range(slots)]
     ctas = CTAS
     plan = AheadPlan(units, group, dtype, CudaSync(device, slots, PRIORITY), AHEAD, ring, ctas=ctas, lead=LEAD,
-                     anchors=anchors_of(names, AT))
+                     anchors=anchors_of(names, AT), min_rows=MIN_ROWS)
     for u in units:
         u.int4_ahead = plan
     nbytes = slots * numel * ring[0].element_size()
