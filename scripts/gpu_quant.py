@@ -483,17 +483,17 @@ def ms_per_token(llm, input_len: int, output_len: int) -> float:
 ENGINES = {
     "bf16": ({}, ["256x256x128", "1000x512x256", "batch1", "batch1_16k"]),
     "fp8": ({"quantization": "fp8"}, ["256x256x128", "1000x512x256", "batch1"]),
-    "int4": ({"gptq": True}, ["batch1", "256x256x128"]),
+    "int4": ({"gptq": True}, ["batch1", "256x256x128", "256x256x1"]),  # (256x256x1: only with --workloads)
     "int4panels": ({"gptq": True}, ["batch1"]),  # TOKENMILL_INT4_MMA=0: the panel GEMV (engine_part sets it)
     "int4bf16head": ({"gptq": True}, ["batch1"]),  # TOKENMILL_LM_HEAD_8BIT=off: the bf16 head (engine_part sets it)
     # session 8's INT4 engine: TOKENMILL_INT4_KPERM=0 (the GEMM permutes x), the committed GEMM table
     # (no TOKENMILL_INT4_GEMM_TABLE): the A/B of the `int4` part (engine_part sets it)
     "int4before": ({"gptq": True}, ["256x256x128"]),
     # the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0; engine_part sets it): its A/B
-    "int4noahead": ({"gptq": True}, ["256x256x128"]),
+    "int4noahead": ({"gptq": True}, ["256x256x128", "256x256x1"]),
     # INT4 engines with settings of a request's own (GPU_QUANT_ENV_int4x1="K=V K=V"; engine_part sets them)
-    "int4x1": ({"gptq": True}, ["256x256x128"]),
-    "int4x2": ({"gptq": True}, ["256x256x128"]),
+    "int4x1": ({"gptq": True}, ["256x256x128", "256x256x1"]),
+    "int4x2": ({"gptq": True}, ["256x256x128", "256x256x1"]),
     "kvfp8": ({"kv_cache_dtype": "fp8"}, ["attention", "1000x512x256", "batch1_16k"]),  # attention: kernels alone
     # What FP8 serving usually means (weights and KV cache): a figure beside the goals, not one of them.
     "fp8kv": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["256x256x128", "1000x512x256"]),
@@ -543,7 +543,7 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     long_ctx = 1024 if smoke else 16384
     kwargs, workloads = ENGINES[label]
     only = os.environ.get("GPU_QUANT_WORKLOADS")  # --workloads: these only (a shorter run)
-    workloads = [w for w in workloads if not only or w in only.split(",")]
+    workloads = [w for w in workloads if (w in only.split(",") if only else w != "256x256x1")]
     if label == "bf16" and os.environ.get("QUANT_BF16_WORKLOADS"):  # e.g. only what the fp8 goals compare
         workloads = [w for w in workloads if w in os.environ["QUANT_BF16_WORKLOADS"].split(",")]
     kwargs = dict(kwargs)
@@ -570,9 +570,14 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
                                                              "engine_up_s": up_s})
     for w in workloads:
         start = time.perf_counter()
-        if w == "256x256x128":
-            rec[w] = throughput(llm, scale(256), scale(256), scale(128))
+        if w in ("256x256x128", "256x256x1"):  # (256x256x1: the prefill chunks alone, 8 steps of 8,192 tokens)
+            # GPU_QUANT_REPEATS: the measured run that many times, the median recorded (runs listed)
+            runs = [throughput(llm, scale(256), scale(256), 1 if w.endswith("x1") else scale(128))
+                    for _ in range(int(os.environ.get("GPU_QUANT_REPEATS", "1")))]
+            rec[w] = sorted(runs)[len(runs) // 2]
             rec[w + "_tokens_sha256"] = LAST_TOKENS["sha256"]
+            if len(runs) > 1:
+                rec[w + "_runs"] = runs
         elif w == "1000x512x256":
             rec[w] = throughput(llm, scale(1000), scale(512), scale(256))
         elif w == "batch1":
