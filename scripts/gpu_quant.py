@@ -15,8 +15,9 @@ Parts (--parts, comma-separated; default all, run in this order):
            16k-token prompt; KV blocks
   fp8      FP8 W8A8 (online, per-channel weights): 256x256x128, 1000x512x256, batch 1
   int4     INT4 W4A16 (a GPTQ config, group 128; dummy weights quantized at load): batch 1, 256x256x128
-  int4noahead (not by default) the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0):
-           256x256x128, the A/B of int4's (the greedy tokens' digest must be the same)
+  int4noahead (not by default) the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0, now
+           the default): 256x256x128 (and 256x256x1, prefill alone, with --workloads), for A/B runs
+           against an int4x1 with GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_AHEAD=2"
   int4x1, int4x2 (not by default) INT4 engines at 256x256x128 with environment settings of their own
            (GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_AHEAD_LEAD=3 ...", whitespace-separated)
   int4panels (not by default) the same INT4 engine with the CUDA-core panel GEMV of before the

@@ -26,9 +26,9 @@ CPU tests replay against a two-stream model (`tests/layers/test_int4_ahead.py`).
 Memory: L + 1 buffers of the largest unit's weight in the activation dtype (Llama-8B: gate_up,
 117M values, 235 MB each), allocated at load (`attach`: before the KV pool is sized) and logged.
 
-TOKENMILL_INT4_AHEAD: units ahead (default 2; 0: off). TOKENMILL_INT4_AHEAD_CTAS: the side
-stream's dequantization as that many persistent programs (default 0: one program a block, the
-compute stream's launch). TOKENMILL_INT4_AHEAD_PRIORITY: the side stream's priority (default 0,
+TOKENMILL_INT4_AHEAD: units ahead (default 0: off; 2: the settings measured). TOKENMILL_INT4_AHEAD_CTAS:
+the side stream's dequantization as that many persistent programs (default 0: one program a block,
+the compute stream's launch). TOKENMILL_INT4_AHEAD_PRIORITY: the side stream's priority (default 0,
 the compute stream's; -1: higher). TOKENMILL_INT4_AHEAD_LEAD: linear calls ahead of its unit that a
 dequantization is queued (default 2). TOKENMILL_INT4_AHEAD_AT: where other linears run between a
 step's units (decode: o_proj's dequantization between the swapped GEMMs), queue each unit's after
@@ -49,7 +49,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-AHEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD", "2"))
+# Off by default: on H200s the ring hid ~30% of a prefill chunk's dequantization in isolation but
+# gained nothing end to end (docs/results/gpu-int4-gemm.md, session 10); 2: the measured settings.
+AHEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD", "0"))
 LEAD = int(os.environ.get("TOKENMILL_INT4_AHEAD_LEAD", "2"))
 AT = os.environ.get("TOKENMILL_INT4_AHEAD_AT", "")
 CTAS = int(os.environ.get("TOKENMILL_INT4_AHEAD_CTAS", "0"))
