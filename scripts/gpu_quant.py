@@ -15,6 +15,11 @@ Parts (--parts, comma-separated; default all, run in this order):
            16k-token prompt; KV blocks
   fp8      FP8 W8A8 (online, per-channel weights): 256x256x128, 1000x512x256, batch 1
   int4     INT4 W4A16 (a GPTQ config, group 128; dummy weights quantized at load): batch 1, 256x256x128
+  int4noahead (not by default) the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0, now
+           the default): 256x256x128 (and 256x256x1, prefill alone, with --workloads), for A/B runs
+           against an int4x1 with GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_AHEAD=2"
+  int4x1, int4x2 (not by default) INT4 engines at 256x256x128 with environment settings of their own
+           (GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_AHEAD_LEAD=3 ...", whitespace-separated)
   int4panels (not by default) the same INT4 engine with the CUDA-core panel GEMV of before the
            tensor-core one (TOKENMILL_INT4_MMA=0): batch 1, a same-run figure beside int4's
   kvfp8    bf16 weights, fp8 (e4m3) KV cache against a bf16-KV engine in the same process
@@ -83,6 +88,7 @@ batch 256 (256x256x128) >= 1.0x; fp8 KV 2x blocks, >= 1.0x tok/s, 16k decode ms/
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -440,6 +446,9 @@ def _prompts(num: int, length: int, seed: int = 0) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(3, 259) for _ in range(length)]} for _ in range(num)]
 
 
+LAST_TOKENS: dict = {}  # `throughput`'s last run: the digest of its greedy tokens
+
+
 def throughput(llm, num: int, input_len: int, output_len: int) -> float:
     from tokenmill import SamplingParams
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
@@ -447,6 +456,10 @@ def throughput(llm, num: int, input_len: int, output_len: int) -> float:
     start = time.perf_counter()
     outs = llm.generate(_prompts(num, input_len), params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    digest = hashlib.sha256()  # the greedy tokens' digest: engines that must agree bit for bit compare it
+    for o in outs:
+        digest.update(str(list(o.outputs[0].token_ids)).encode())
+    LAST_TOKENS["sha256"] = digest.hexdigest()[:16]
     return sum(len(o.outputs[0].token_ids) for o in outs) / elapsed
 
 
@@ -471,12 +484,17 @@ def ms_per_token(llm, input_len: int, output_len: int) -> float:
 ENGINES = {
     "bf16": ({}, ["256x256x128", "1000x512x256", "batch1", "batch1_16k"]),
     "fp8": ({"quantization": "fp8"}, ["256x256x128", "1000x512x256", "batch1"]),
-    "int4": ({"gptq": True}, ["batch1", "256x256x128"]),
+    "int4": ({"gptq": True}, ["batch1", "256x256x128", "256x256x1"]),  # (256x256x1: only with --workloads)
     "int4panels": ({"gptq": True}, ["batch1"]),  # TOKENMILL_INT4_MMA=0: the panel GEMV (engine_part sets it)
     "int4bf16head": ({"gptq": True}, ["batch1"]),  # TOKENMILL_LM_HEAD_8BIT=off: the bf16 head (engine_part sets it)
     # session 8's INT4 engine: TOKENMILL_INT4_KPERM=0 (the GEMM permutes x), the committed GEMM table
     # (no TOKENMILL_INT4_GEMM_TABLE): the A/B of the `int4` part (engine_part sets it)
     "int4before": ({"gptq": True}, ["256x256x128"]),
+    # the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0; engine_part sets it): its A/B
+    "int4noahead": ({"gptq": True}, ["256x256x128", "256x256x1"]),
+    # INT4 engines with settings of a request's own (GPU_QUANT_ENV_int4x1="K=V K=V"; engine_part sets them)
+    "int4x1": ({"gptq": True}, ["256x256x128", "256x256x1"]),
+    "int4x2": ({"gptq": True}, ["256x256x128", "256x256x1"]),
     "kvfp8": ({"kv_cache_dtype": "fp8"}, ["attention", "1000x512x256", "batch1_16k"]),  # attention: kernels alone
     # What FP8 serving usually means (weights and KV cache): a figure beside the goals, not one of them.
     "fp8kv": ({"quantization": "fp8", "kv_cache_dtype": "fp8"}, ["256x256x128", "1000x512x256"]),
@@ -489,6 +507,8 @@ GOALS = [("fp8", "256x256x128", 1.5, True), ("fp8", "1000x512x256", 1.5, True), 
 INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256"), ("int4panels", "batch1")]  # ratios printed, no goal
 INFO.append(("int4bf16head", "batch1"))
 INFO.append(("int4before", "256x256x128"))
+INFO.append(("int4noahead", "256x256x128"))
+INFO += [("int4x1", "256x256x128"), ("int4x2", "256x256x128")]
 
 
 def _int4_engine_layout_check(results: dict, device: str = "cuda", n: int = 6144, k: int = 4096) -> None:
@@ -524,7 +544,7 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     long_ctx = 1024 if smoke else 16384
     kwargs, workloads = ENGINES[label]
     only = os.environ.get("GPU_QUANT_WORKLOADS")  # --workloads: these only (a shorter run)
-    workloads = [w for w in workloads if not only or w in only.split(",")]
+    workloads = [w for w in workloads if (w in only.split(",") if only else w != "256x256x1")]
     if label == "bf16" and os.environ.get("QUANT_BF16_WORKLOADS"):  # e.g. only what the fp8 goals compare
         workloads = [w for w in workloads if w in os.environ["QUANT_BF16_WORKLOADS"].split(",")]
     kwargs = dict(kwargs)
@@ -535,6 +555,12 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     if label == "int4before":  # this part's process and its engine's: x permuted by the GEMM, the committed table
         os.environ["TOKENMILL_INT4_KPERM"] = "0"
         os.environ.pop("TOKENMILL_INT4_GEMM_TABLE", None)
+    if label == "int4noahead":
+        os.environ["TOKENMILL_INT4_AHEAD"] = "0"
+    for item in os.environ.get(f"GPU_QUANT_ENV_{label}", "").split():  # this part's own settings
+        key, _, value = item.partition("=")
+        os.environ[key.strip()] = value.strip()
+        print(f"  {label}: {key.strip()}={value.strip()}", flush=True)
     if label in ("int4", "int4panels", "int4bf16head") and not smoke:  # what the engine times must be right: its layout checked first
         _int4_engine_layout_check(results)
     path = config_dir(shape, GPTQ_CONFIG if kwargs.pop("gptq", False) else None)
@@ -545,8 +571,14 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
                                                              "engine_up_s": up_s})
     for w in workloads:
         start = time.perf_counter()
-        if w == "256x256x128":
-            rec[w] = throughput(llm, scale(256), scale(256), scale(128))
+        if w in ("256x256x128", "256x256x1"):  # (256x256x1: the prefill chunks alone, 8 steps of 8,192 tokens)
+            # GPU_QUANT_REPEATS: the measured run that many times, the median recorded (runs listed)
+            runs = [throughput(llm, scale(256), scale(256), 1 if w.endswith("x1") else scale(128))
+                    for _ in range(int(os.environ.get("GPU_QUANT_REPEATS", "1")))]
+            rec[w] = sorted(runs)[len(runs) // 2]
+            rec[w + "_tokens_sha256"] = LAST_TOKENS["sha256"]
+            if len(runs) > 1:
+                rec[w + "_runs"] = runs
         elif w == "1000x512x256":
             rec[w] = throughput(llm, scale(1000), scale(512), scale(256))
         elif w == "batch1":
@@ -927,6 +959,8 @@ PARTS += ["b1profile"]  # scripts/gpu_fp8_b1_profile.py (not by default)
 PARTS += ["int4gemm", "int4profile"]  # scripts/gpu_int4_gemm.py; the int4 engine under profile_one (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4bf16head")  # the int4 engine with the bf16 LM head (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4before")  # session 8's int4 engine, for A/B (not by default)
+PARTS.insert(PARTS.index("int4") + 1, "int4noahead")  # the int4 engine without dequantize-ahead (not by default)
+PARTS[PARTS.index("int4noahead") + 1:PARTS.index("int4noahead") + 1] = ["int4x1", "int4x2"]  # (not by default)
 PARTS += ["bf16profile"]  # the bf16 engine under profile_one: int4profile's baseline (not by default)
 PARTS += ["w8a8tma"]  # scripts/gpu_fp8_gemm.py (not by default)
 PARTS += ["int4b1"]  # scripts/gpu_int4_b1.py (not by default)
@@ -937,6 +971,7 @@ PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 170, "int4panels"
 PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90,
                    "b1profile": 118})
 PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80, "int4b1": 150, "int4before": 90,
+                   "int4noahead": 90, "int4x1": 90, "int4x2": 90,
                    "bf16profile": 120})
 
 
@@ -1111,6 +1146,7 @@ def main() -> int:
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
                                                                           "int4panels", "b1", "b1profile", "int4gemm",
                                                                           "int4profile", "int4bf16head", "int4before", "w8a8tma",
+                                                                          "int4noahead", "int4x1", "int4x2",
                                                                           "bf16profile",
                                                                           "int4b1")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")

@@ -241,6 +241,14 @@ def for_device(wt: packing.Int4Weights, group: int) -> packing.Int4Weights:
     return packing.Int4Weights(packing.to_panels(q, panel), wt.scales, wt.zeros, None)
 
 
+def _ahead(layer: nn.Module, x2: torch.Tensor, kperm: bool, own) -> torch.Tensor:
+    """x2 @ W^T: `own(x2)` (the layer's path), or through the model's dequantize-ahead ring
+    (`int4_ahead`) where this call is a unit of the step (dequantize + cuBLAS at these rows).
+    kperm: x2 in the swapped GEMM's K order (`own` reads it so; the ring's GEMM after putting it back)."""
+    plan = layer.__dict__.get("int4_ahead")
+    return own(x2) if plan is None else plan.run(layer, x2, own, kperm)
+
+
 class Int4LinearMethod(LinearMethod):
     def __init__(self, config: QuantConfig, act_dtype: torch.dtype, row_parallel: bool) -> None:
         self.config = config
@@ -330,8 +338,9 @@ class Int4LinearMethod(LinearMethod):
         if x.is_cuda:
             from tokenmill.layers.quantization.triton_int4 import int4_matmul
 
-            out = int4_matmul(x.reshape(-1, k), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
-                              self.config.group_size, layer.stream_counters.tensor, x_kperm=kperm)
+            out = _ahead(layer, x.reshape(-1, k), kperm, lambda x2: int4_matmul(
+                x2, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.config.group_size,
+                layer.stream_counters.tensor, x_kperm=kperm))
             if getattr(layer, "pair_order", None) is not None:  # a paired [gate | up] weight: natural order
                 out = out.index_select(-1, layer.pair_order)
             if bias is not None:
@@ -363,7 +372,8 @@ class Int4LinearMethod(LinearMethod):
             out = mma.mma_gemv(int4_kperm.unpermute(x2) if kperm else x2, *args, counters=layer.stream_counters.tensor,
                                silu=True)
         else:  # the product in down_proj's swapped GEMM's K order where it takes these rows (`int4_kperm`)
-            h = mma.mma_matmul(x2, *args, layer.stream_counters.tensor, x_kperm=kperm)
+            h = _ahead(layer, x2, kperm, lambda x2: mma.mma_matmul(x2, *args, layer.stream_counters.tensor,
+                                                                   x_kperm=kperm))
             out_kperm = h.dim() == 2 and act.int4_kperm(h)
             out = int4_kperm.mark(silu_and_mul(h, paired=True, kperm=out_kperm), out_kperm)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (a view drops the mark)
