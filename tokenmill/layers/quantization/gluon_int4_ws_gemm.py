@@ -1,0 +1,302 @@
+"""Gluon kernel (Hopper): the W4A16 GEMM warp-specialized (issue 22, 256 rows): out [M, N] = x [M, K] @ W^T.
+
+Why: every single-partition INT4 GEMM here (`gluon_int4_gemm`, `gluon_int4_swap_gemm`) spends each
+64-input K step in one serial chain (x's copy wait, a CTA barrier, the dequantization, the wgmma
+issue and retire, ~0.5 us) whatever the tile, so the tensor cores idle between steps. Here the
+chain is cut into three partitions of one CTA that only meet at mbarriers of shared-memory rings:
+- the loader (1 warp): x's [BM, BK] tile of each step by TMA into an x ring (TMA zero-fills rows
+  past M), as soon as the consumer frees a stage;
+- the dequantizers (DEQ_WARPS warps): each step's packed words and scales / offsets loaded from
+  global memory straight into registers (AHEAD steps early: a load's latency spans that many
+  steps), dequantized (`triton_int4_dot_gemm`'s DEQ 2 PTX: the same weights as dequantize-then-GEMM)
+  and stored as the bf16 [BK, BN] B tile into a B ring;
+- the consumer (the kernel's num_warps: one or two warpgroups) only waits for a stage's two
+  ready barriers, issues its wgmma and, once the previous step's wgmma retired, frees that stage.
+So the dequantization of step i + 1.. overlaps the wgmma of step i. Split-K (grid axis 1) for the
+skinny linears, as `gluon_int4_gemm`: fp32 partials, the last slice to arrive sums them in order.
+Same layout (`int4_packing.to_mma`: [N / 16, K / 64, 32, 4] int32) and packed scales / offsets
+(`packed_scale_offset`: [G, N] int32) as the other GEMMs. bf16 only; GPUs only (Gluon has no
+interpreter): tests/layers/test_int4_ws_gemm.py checks the ring schedule and the word/B-tile map on
+the CPU and compiles the kernel for sm_90 offline; scripts/gpu_int4_ws.py checks it on the GPU
+against a float32 reference. Torch reference: `int4_packing.dequantize` then a matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tokenmill.layers.quantization.gluon_int4_gemm import _join8
+from tokenmill.layers.quantization.triton_int4_dot_gemm import (
+    _ASM_BF16,
+    _cached_scale_offset,
+)
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.7+: renamed
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the barrier of the calling partition's warps (3.7: renamed)
+
+
+@dataclass(frozen=True)
+class WsTiles:
+    """A launch: BM rows by BN channels a CTA, STAGES ring slots (x and B tiles), the consumer's warps
+    (4: one warpgroup, 8: two), the dequantizers' warps, their word loads AHEAD steps early (1-3),
+    split-K slices, the dequantizers' and loader's register budgets."""
+
+    bm: int = 128
+    bn: int = 128
+    stages: int = 4
+    warps: int = 4
+    deq_warps: int = 4
+    ahead: int = 2
+    split: int = 1
+    deq_regs: int = 168
+
+    def label(self) -> str:
+        return (f"ws m{self.bm} n{self.bn} st{self.stages} w{self.warps} d{self.deq_warps} a{self.ahead}"
+                f"{f' s{self.split}' if self.split > 1 else ''}{f' r{self.deq_regs}' if self.deq_regs != 168 else ''}")
+
+    def smem_bytes(self) -> int:
+        """The rings (x and B tiles, bf16, BK = 64) and their barriers."""
+        return self.stages * (self.bm * 64 + 64 * self.bn) * 2 + self.stages * 4 * 8
+
+
+# ----------------------------------------------------------------------------- partitions
+
+
+@gluon.jit
+def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM: gl.constexpr, BN: gl.constexpr):
+    """wgmma of step i on stage i % STAGES once both its tiles are ready; stage (i - 1) % STAGES
+    freed once step i - 1's wgmma retired (one wgmma left in flight)."""
+    STAGES: gl.constexpr = x_smem.shape[0]
+    num_warps: gl.constexpr = gl.num_warps()
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
+    mbarrier.wait(x_ready.index(0), 0)
+    mbarrier.wait(b_ready.index(0), 0)
+    acc = warpgroup_mma(x_smem.index(0), b_smem.index(0), acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # still in flight: a tensor again for the loop
+    for i in range(1, n_k):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        mbarrier.wait(x_ready.index(s), ph)
+        mbarrier.wait(b_ready.index(s), ph)
+        acc = warpgroup_mma(x_smem.index(s), b_smem.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        _barrier()  # every warpgroup's wgmma i - 1 retired before its stage is handed back
+        p = (i - 1) % STAGES
+        mbarrier.arrive(x_empty.index(p), count=1)
+        mbarrier.arrive(b_empty.index(p), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    return (acc,)
+
+
+@gluon.jit
+def _loader(x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, off_m, pid_n, s0, n_k, N, K,
+            GROUP: gl.constexpr, AHEAD: gl.constexpr):
+    """x's tile of each step by TMA into the x ring (waits for the stage's consumer release)."""
+    STAGES: gl.constexpr = x_smem.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    for i in range(n_k):
+        s = i % STAGES
+        mbarrier.wait(x_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
+        _tma_load(x_desc, [off_m, (s0 + i) * BK], x_ready.index(s), x_smem.index(s))
+
+
+@gluon.jit
+def _load_step(w_ptrs, sz_ptrs, step, N, BK: gl.constexpr, GROUP: gl.constexpr, sz_ld: gl.constexpr):
+    """Step `step`'s words [CB, 1, 8, 4, 4] and its group's packed scales / offsets [CB, 8] (lo: channel
+    16 cb + g, hi: + 8)."""
+    words = gl.load(w_ptrs + step * 128)
+    grp = (step * BK) // GROUP
+    lo = gl.load(sz_ptrs + grp * N)
+    hi = gl.load(sz_ptrs + grp * N + 8)
+    return words, lo, hi
+
+
+@gluon.jit
+def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr):
+    """The words of one step -> the bf16 B tile [BK, BN] in natural K order (as `gluon_int4_gemm`)."""
+    lo = gl.expand_dims(gl.expand_dims(gl.expand_dims(lo, 1), 3), 4)
+    hi = gl.expand_dims(gl.expand_dims(gl.expand_dims(hi, 1), 3), 4)
+    lo, _ = gl.broadcast(lo, words)
+    hi, _ = gl.broadcast(hi, words)
+    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+        _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, lo, hi],
+        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
+    v = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [CB, 1, g, j, m, hi, a, b]
+    return gl.reshape(gl.permute(v, (1, 3, 4, 6, 7, 0, 5, 2)), (BK, BN))
+
+
+@gluon.jit
+def _dequantizer(x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, off_m, pid_n, s0, n_k,
+                 N, K, GROUP: gl.constexpr, AHEAD: gl.constexpr):
+    """Each step's words and scales into registers AHEAD steps early, dequantized into the B ring
+    (waits for the stage's consumer release; fence, then the stage's ready arrive)."""
+    STAGES: gl.constexpr = b_smem.shape[0]
+    BK: gl.constexpr = b_smem.shape[1]
+    BN: gl.constexpr = b_smem.shape[2]
+    CB: gl.constexpr = BN // 16
+    nw: gl.constexpr = gl.num_warps()
+    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    L4: gl.constexpr = gl.SliceLayout(4, w_ld)  # [CB, 1, 8, 4]
+    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [CB, 1, 8]
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [CB, 1]
+    sz_ld: gl.constexpr = gl.SliceLayout(1, L3)  # [CB, 8]
+    # word pointers [CB, 1, 8 g, 4 j, 4 m] of step 0
+    cb = gl.arange(0, CB, layout=gl.SliceLayout(1, L2))
+    s1 = gl.arange(0, 1, layout=gl.SliceLayout(0, L2))
+    base2 = gl.expand_dims((pid_n * CB + cb).to(gl.int64) * ((K // 64) * 128), 1) + gl.expand_dims(s1 * 128, 0)
+    g8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+    base3 = gl.expand_dims(base2, 2) + gl.expand_dims(gl.expand_dims(g8 * 16, 0), 1)
+    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
+    base4 = gl.expand_dims(base3, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(j4 * 4, 0), 1), 2)
+    m4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w_ld)))))
+    w_ptrs = w_ptr + gl.expand_dims(base4, 4) + \
+        gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(m4, 0), 1), 2), 3)
+    scb = gl.arange(0, CB, layout=gl.SliceLayout(1, sz_ld))
+    sg = gl.arange(0, 8, layout=gl.SliceLayout(0, sz_ld))
+    sz_ptrs = sz_ptr + gl.expand_dims((pid_n * CB + scb) * 16, 1) + gl.expand_dims(sg, 0)
+    last = s0 + n_k - 1
+    # AHEAD steps of words in registers (past the end: the last step again, never used)
+    wa, la, ha = _load_step(w_ptrs, sz_ptrs, s0, N, BK, GROUP, sz_ld)
+    # (defined whatever AHEAD: a set the loop never reads is dropped by the compiler)
+    wb, lb, hb = _load_step(w_ptrs, sz_ptrs, gl.minimum(s0 + 1, last), N, BK, GROUP, sz_ld)
+    wc, lc, hc = _load_step(w_ptrs, sz_ptrs, gl.minimum(s0 + 2, last), N, BK, GROUP, sz_ld)
+    for i in range(n_k):
+        nxt = gl.minimum(s0 + i + AHEAD, last)
+        wn, ln, hn = _load_step(w_ptrs, sz_ptrs, nxt, N, BK, GROUP, sz_ld)
+        w = _dequant_tile(wa, la, ha, BK, BN)
+        s = i % STAGES
+        mbarrier.wait(b_empty.index(s), ((i // STAGES) & 1) ^ 1)
+        b_smem.index(s).store(w)
+        fence_async_shared()
+        _barrier()  # every dequantizer's part of the tile stored before the ready arrive
+        mbarrier.arrive(b_ready.index(s), count=1)
+        if AHEAD == 1:
+            wa, la, ha = wn, ln, hn
+        elif AHEAD == 2:
+            wa, la, ha = wb, lb, hb
+            wb, lb, hb = wn, ln, hn
+        else:
+            wa, la, ha = wb, lb, hb
+            wb, lb, hb = wc, lc, hc
+            wc, lc, hc = wn, ln, hn
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _ws_gemm_kernel(x_desc, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
+                    BN: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, SPLIT_K: gl.constexpr,
+                    DEQ_WARPS: gl.constexpr, DEQ_REGS: gl.constexpr):
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    num_warps: gl.constexpr = gl.num_warps()
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    split = gl.num_programs(1)
+    tiles_m = gl.cdiv(M, BM)
+    pid_m = pid % tiles_m
+    pid_n = pid // tiles_m
+    n_k = K // BK // split  # steps per slice (the wrapper makes the split divide them)
+    s0 = pid_k * n_k
+
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
+                                       gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
+    x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(x_ready.index(s), count=1)
+        mbarrier.init(b_ready.index(s), count=1)
+        mbarrier.init(x_empty.index(s), count=1)
+        mbarrier.init(b_empty.index(s), count=1)
+    fence_async_shared()
+
+    worker_args = (x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, pid_m * BM, pid_n, s0,
+                   n_k, N, K, GROUP, AHEAD)
+    (acc,) = gl.warp_specialize([
+        (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
+        (_loader, worker_args),
+        (_dequantizer, worker_args),
+    ], [1, DEQ_WARPS], [24, DEQ_REGS])
+
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
+    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+    o_off = gl.expand_dims(om.to(gl.int64) * s_om, 1) + gl.expand_dims(on, 0)
+    o_mask = gl.expand_dims(om < M, 1)
+    if SPLIT_K:  # as `gluon_int4_gemm`: partials, then the last slice to arrive sums them in slice order
+        p_off = gl.expand_dims(om.to(gl.int64) * N, 1) + gl.expand_dims(on, 0)
+        mn = N.to(gl.int64) * M
+        gl.store(part_ptr + pid_k * mn + p_off, gl.convert_layout(acc, out_l), mask=o_mask)
+        _barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == split - 1:
+            total = gl.zeros([BM, BN], gl.float32, layout=out_l)
+            for sl in range(split):
+                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
+            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
+            gl.atomic_xchg(cnt_ptr + pid, 0)
+    else:
+        gl.store(out_ptr + o_off, gl.convert_layout(acc.to(gl.bfloat16), out_l), mask=o_mask)
+
+
+# ----------------------------------------------------------------------------- host
+
+
+def split_for(t: WsTiles, k: int, tiles: int, counters: torch.Tensor | None) -> int:
+    """The split-K slices a launch runs: t.split, lowered until it divides K / 64; 1 without enough
+    counters (one zeroed int32 per output tile)."""
+    split = t.split if counters is not None and counters.numel() >= tiles else 1
+    while (k // 64) % split:
+        split -= 1
+    return split
+
+
+def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            tiles: WsTiles | None = None, sz: torch.Tensor | None = None,
+            counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T -> [M, N]; W in the mma layout, scales / zeros [G, N] bf16 (or `sz` from
+    `packed_scale_offset`). CUDA, bf16, K and the group multiples of 64, N of BN."""
+    t = tiles or WsTiles()
+    m, k = x.shape
+    n = qm.shape[0] * 16
+    group = k if group_size == -1 else group_size
+    if x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group or t.ahead not in (1, 2, 3):
+        raise ValueError(f"ws int4 GEMM: bf16 x, N a multiple of {t.bn}, K and the group of 64, ahead 1-3 "
+                         f"(x {x.dtype}, N {n}, K {k}, group {group}, ahead {t.ahead})")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
+        x = x.contiguous()
+    if sz is None:
+        sz = _cached_scale_offset(scales, zeros)
+    x_desc = TensorDescriptor.from_tensor(x, [t.bm, 64], gl.NVMMASharedLayout.get_default_for([t.bm, 64],
+                                                                                               gl.bfloat16))
+    n_tiles = triton.cdiv(m, t.bm) * (n // t.bn)
+    split = split_for(t, k, n_tiles, counters)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _ws_gemm_kernel[(n_tiles, split)](x_desc, qm, sz, out, part, counters if split > 1 else out, m, n, k,
+                                      out.stride(0), GROUP=group, BN=t.bn, STAGES=t.stages, AHEAD=t.ahead,
+                                      SPLIT_K=split > 1, DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs,
+                                      num_warps=t.warps)
+    return out
