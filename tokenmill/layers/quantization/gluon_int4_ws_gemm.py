@@ -300,3 +300,41 @@ def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torc
                                       SPLIT_K=split > 1, DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs,
                                       num_warps=t.warps)
     return out
+
+
+# ----------------------------------------------------------------------------- CPU mirror
+
+
+def step_tile(qm: torch.Tensor, sz: torch.Tensor, step: int, pid_n: int, bn: int, group: int) -> torch.Tensor:
+    """The dequantizers' B tile [64, bn] of one K step in float32, as the kernel makes it: lane (g, j)'s
+    word m, nibble hi + 2 a + 4 b -> input 16 j + 4 m + 2 a + b, channel 16 cb + 8 hi + g; the PTX's
+    ((128 + q) - (128 + z)) exact, times the scale rounded once to bf16."""
+    cb = bn // 16
+    words = qm[pid_n * cb:(pid_n + 1) * cb, step].to(torch.int64).view(cb, 8, 4, 4)  # cb, g, j, m
+    nib = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=-1).view(cb, 8, 4, 4, 2, 2, 2)  # .., b, a, hi
+    q = nib.permute(2, 3, 5, 4, 0, 6, 1).reshape(64, bn)  # (j, m, a, b) x (cb, hi, g)
+    row = sz[(step * 64) // group, pid_n * bn:(pid_n + 1) * bn]
+    scale = (((row & 0xFFFF) ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16).float()
+    mz = (row >> 16).to(torch.int16).view(torch.bfloat16).float()  # 128 + z
+    return ((q.float() + 128.0 - mz) * scale).to(torch.bfloat16).float()
+
+
+def emulate(x: torch.Tensor, qm: torch.Tensor, sz: torch.Tensor, group: int, tiles: WsTiles, split: int = 1) -> torch.Tensor:
+    """The kernel's result in torch (float32; the CPU reference test): per output tile and K slice
+    (slice p: steps p n_k .. (p + 1) n_k - 1), the steps' B tiles (`step_tile`) times x in fp32,
+    the slices summed in slice order (the split-K epilogue's)."""
+    m, k = x.shape
+    n = qm.shape[0] * 16
+    n_k = k // 64 // split
+    out = torch.zeros(m, n, dtype=torch.float32)
+    xf = x.float().cpu()
+    for pid_n in range(n // tiles.bn):
+        cols = slice(pid_n * tiles.bn, (pid_n + 1) * tiles.bn)
+        total = torch.zeros(m, tiles.bn)
+        for p in range(split):
+            acc = torch.zeros(m, tiles.bn)
+            for step in range(p * n_k, (p + 1) * n_k):
+                acc += xf[:, step * 64:(step + 1) * 64] @ step_tile(qm.cpu(), sz.cpu(), step, pid_n, tiles.bn, group)
+            total += acc
+        out[:, cols] = total
+    return out

@@ -1,0 +1,139 @@
+"""The warp-specialized Gluon INT4 GEMM (`gluon_int4_ws_gemm`: a TMA loader warp, dequantizer warps
+filling a ring of bf16 B tiles, a wgmma consumer). Gluon has no interpreter, so the CPU checks its
+parts: the dequantizers' word -> B tile map and rounding (`step_tile`) and the split-K slice order
+(`emulate`) against a float64 reference from the codes, the wrapper's refusals, and an offline sm_90
+compile (three partitions on their own named barriers, wgmmas left in flight, mbarrier arrives, no
+local memory). On a GPU scripts/gpu_int4_ws.py checks every launch against a float32 reference.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+import torch
+
+from tests.helpers.requirements import require_module
+from tokenmill.layers.quantization import int4_packing as packing
+
+require_module("triton")  # skipped on a machine without it; in CI, missing fails
+
+
+def _case(n, k, group, m=24, seed=0):
+    """(codes, mma words, packed scales / offsets, x bf16)."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import packed_scale_offset
+
+    g = torch.Generator().manual_seed(seed)
+    codes = packing.quantize_int4(torch.randn(n, k, generator=g), group, sym=False)
+    wt = packing.from_codes(codes, torch.bfloat16, act_order=False)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    return codes, packing.to_mma(wt.qweight), packed_scale_offset(wt.scales, wt.zeros), x
+
+
+def _reference_w(codes, group) -> torch.Tensor:
+    """w^T [K, N] in float64 from the codes (scales / zeros rounded to bf16 as stored)."""
+    s = codes.scales.to(torch.bfloat16).double()
+    z = codes.zeros.to(torch.bfloat16).double()
+    return ((codes.codes.double() - z[:, codes.g_idx]) * s[:, codes.g_idx]).t()
+
+
+@pytest.mark.parametrize("bn,group", [(128, 128), (64, 64)])
+def test_step_tiles_are_the_weights_rounded_once(bn, group):
+    """Every B tile is the float64 weight rounded once to bf16, element for element (a wrong nibble,
+    lane or channel map, or a scale of the wrong group, fails)."""
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import step_tile
+
+    n, k = 256, 256
+    codes, qm, sz, _ = _case(n, k, group)
+    ref = _reference_w(codes, group).to(torch.bfloat16).float()
+    for pid_n in range(n // bn):
+        for step in range(k // 64):
+            got = step_tile(qm, sz, step, pid_n, bn, group)
+            want = ref[step * 64:(step + 1) * 64, pid_n * bn:(pid_n + 1) * bn]
+            assert torch.equal(got, want), (pid_n, step)
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_emulated_product_matches_float64_reference(split):
+    """The tiles times x over the K slices, summed in slice order, is x @ W^T within bf16 rounding."""
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import WsTiles, emulate
+
+    codes, qm, sz, x = _case(128, 512, 128, m=40)
+    ref = x.double() @ _reference_w(codes, 128)
+    out = emulate(x, qm, sz, 128, WsTiles(bm=128, bn=64), split=split)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < 4e-3, err
+
+
+def test_wrapper_refuses_what_the_kernel_cannot_do():
+    """fp16 x, N not a multiple of the channel tile, a group not of 64, AHEAD past 3: ValueError,
+    before any launch (so on the CPU)."""
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import WsTiles, ws_gemm
+
+    _, qm, sz, x = _case(128, 256, 64)
+    scales = torch.ones(4, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bf16 x"):
+        ws_gemm(x.half(), qm, scales, scales, 64, sz=sz)
+    with pytest.raises(ValueError, match="N a multiple of 256"):
+        ws_gemm(x, qm, scales, scales, 64, WsTiles(bn=256), sz=sz)
+    with pytest.raises(ValueError, match="group"):
+        ws_gemm(x, qm, scales, scales, 96, sz=sz)
+    with pytest.raises(ValueError, match="ahead"):
+        ws_gemm(x, qm, scales, scales, 64, WsTiles(ahead=4), sz=sz)
+
+
+def test_split_follows_the_counters_and_divides_the_steps():
+    """split-K only with a counter per output tile, lowered until it divides K / 64."""
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import WsTiles, split_for
+
+    t = WsTiles(split=4)
+    assert split_for(t, 4096, 32, torch.zeros(32, dtype=torch.int32)) == 4
+    assert split_for(t, 4096, 33, torch.zeros(32, dtype=torch.int32)) == 1
+    assert split_for(t, 4096, 32, None) == 1
+    assert split_for(t, 192, 8, torch.zeros(8, dtype=torch.int32)) == 3  # 3 steps
+    assert split_for(WsTiles(split=4), 64 * 14, 8, torch.zeros(8, dtype=torch.int32)) == 2
+
+
+@pytest.mark.parametrize("bm,warps,split", [(128, 4, False), (256, 8, True)])
+def test_compiles_for_sm90_warp_specialized(bm, warps, split):
+    """Offline sm_90 compile (no GPU): the consumer's wgmmas (a warpgroup's BM / 64 / warpgroups x 4 k16 steps, a peeled step and
+    the loop) with one left in flight, each partition on its own named barrier (the consumer's over
+    its warps, the dequantizers' over 128 threads), mbarrier arrives and a TMA load, register
+    reallocation between partitions, no local memory."""
+    pytest.importorskip("triton.experimental.gluon")
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import sass_tools
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import _ws_gemm_kernel as fn
+
+    lay = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
+    const = {"GROUP": 128, "BN": 128, "STAGES": 4, "AHEAD": 3, "SPLIT_K": split, "DEQ_WARPS": 4, "DEQ_REGS": 168}
+    ptrs = {"w_ptr": "i32", "sz_ptr": "i32", "out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name == "x_desc":
+            sig[name] = f"tensordesc<bf16[{bm}, 64],{lay!r}>"
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if name in ("N", "K", "s_om"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps})
+    fig, sass = sass_tools.disassemble(kernel)
+    assert fig["stack"] <= (8 if split else 0), fig  # split-K's epilogue: one spilled word at most
+    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) == 2 * (bm // 16 // warps) * 4  # per warpgroup
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+    assert f"BAR.SYNC.DEFER_BLOCKING 0x0, {hex(32 * warps)}" in sass  # the consumer's own barrier
+    assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x[2-9a-f], 0x80", sass)  # the dequantizers'
+    assert "UTMALDG.2D" in sass and "SYNCS.ARRIVE.TRANS64.A1T0" in sass
+    assert "USETMAXREG.DEALLOC" in sass
