@@ -175,6 +175,20 @@ def _prepare(n, k):
     return wt, qm, sz, ref_w, bf, q
 
 
+def passed_launches(out_dir: str) -> set | None:
+    """INT4_WS_PASSED_ONLY=1: the labels of the launches whose every self-test check in out_dir passed
+    (a launch that failed, hung or never ran is not timed); None: no filter."""
+    if os.environ.get("INT4_WS_PASSED_ONLY") != "1":
+        return None
+    ok, bad = set(), set()
+    for f in os.listdir(out_dir):
+        if f.startswith("int4ws-selftest-") and f.endswith(".json"):
+            with open(os.path.join(out_dir, f)) as fh:
+                for c in json.load(fh)["checks"]:
+                    (ok if c["ok"] else bad).add(c["launch"])
+    return ok - bad
+
+
 def _bench_linear(rec, path, name, n, k, m, data, counters, deadline) -> None:
     from tokenmill.layers.quantization import triton_int4_mma as mma
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
@@ -190,6 +204,8 @@ def _bench_linear(rec, path, name, n, k, m, data, counters, deadline) -> None:
     for t in variants(m, name):
         if time.perf_counter() > deadline:
             break
+        if rec["passed"] is not None and t.label() not in rec["passed"]:
+            continue
         try:
             err = _rel(ws_gemm(x, qm, wt.scales, wt.zeros, GROUP, t, sz=sz, counters=counters), ref)
             rec["errors"][f"m{m}/{name}/{t.label()}"] = err
@@ -211,6 +227,9 @@ def bench(out_dir: str, rows: list[int]) -> None:
     deadline = time.perf_counter() + budget
     rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us": {}, "errors": {}}
     path = os.path.join(out_dir, "int4ws-bench.json")
+    passed = passed_launches(out_dir)
+    rec["passed"] = None if passed is None else sorted(passed)
+    print(f"launches timed: {'all' if passed is None else sorted(passed)}", flush=True)
     counters = torch.zeros(8192, dtype=torch.int32, device=DEVICE)
     data = {name: _prepare(n, k) for name, (n, k) in LLAMA.items()}
     print(f"weights ready ({time.perf_counter() - deadline + budget:.0f} s)", flush=True)
