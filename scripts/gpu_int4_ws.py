@@ -32,7 +32,7 @@ DEVICE = os.environ.get("INT4_WS_DEVICE", "cuda")  # "cpu": a dry run of the scr
 
 
 def _w(bm, bn, stages, warps, deq=4, ahead=3, split=1, regs=168):
-    from tokenmill.layers.quantization.gluon_int4_ws_gemm import WsTiles
+    from tokenmill.layers.quantization.int4_ws_route import WsTiles
     return WsTiles(bm, bn, stages, warps, deq, ahead, split, regs)
 
 
@@ -258,6 +258,15 @@ def bench(out_dir: str, rows: list[int]) -> None:
         if full:
             rec.setdefault("layer", {})[f"m{m}"] = lay
             print(f"layer m{m}: " + ", ".join(f"{key} {v:.1f}" for key, v in lay.items()), flush=True)
+    entries = []  # TOKENMILL_INT4_WS_TABLE: each (rows, linear) where a ws launch beat the routed path by 3%+
+    for key, r in rec["us"].items():
+        m, name = key[1:].split("/")
+        ws = min(((v, lab) for lab, v in r.items() if lab.startswith("ws ")), default=None)
+        if ws is not None and ws[0] < 0.97 * r["routed"]:
+            n, k = LLAMA[name]
+            entries.append(f"{m},{n},{k}={ws[1]}")
+    rec["table"] = ";".join(entries)
+    print(f"TOKENMILL_INT4_WS_TABLE=\"{rec['table']}\"", flush=True)
     _dump(rec, path)
 
 

@@ -23,8 +23,6 @@ against a float32 reference. Torch reference: `int4_packing.dequantize` then a m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -39,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tokenmill.layers.quantization.gluon_int4_gemm import _join8
+from tokenmill.layers.quantization.int4_ws_route import WsTiles
 from tokenmill.layers.quantization.triton_int4_dot_gemm import (
     _ASM_BF16,
     _cached_scale_offset,
@@ -46,30 +45,6 @@ from tokenmill.layers.quantization.triton_int4_dot_gemm import (
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.7+: renamed
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the barrier of the calling partition's warps (3.7: renamed)
-
-
-@dataclass(frozen=True)
-class WsTiles:
-    """A launch: BM rows by BN channels a CTA, STAGES ring slots (x and B tiles), the consumer's warps
-    (4: one warpgroup, 8: two), the dequantizers' warps, their word loads AHEAD steps early (1-3),
-    split-K slices, the dequantizers' and loader's register budgets."""
-
-    bm: int = 128
-    bn: int = 128
-    stages: int = 4
-    warps: int = 4
-    deq_warps: int = 4
-    ahead: int = 2
-    split: int = 1
-    deq_regs: int = 168
-
-    def label(self) -> str:
-        return (f"ws m{self.bm} n{self.bn} st{self.stages} w{self.warps} d{self.deq_warps} a{self.ahead}"
-                f"{f' s{self.split}' if self.split > 1 else ''}{f' r{self.deq_regs}' if self.deq_regs != 168 else ''}")
-
-    def smem_bytes(self) -> int:
-        """The rings (x and B tiles, bf16, BK = 64) and their barriers."""
-        return self.stages * (self.bm * 64 + 64 * self.bn) * 2 + self.stages * 4 * 8
 
 
 # ----------------------------------------------------------------------------- partitions
