@@ -137,3 +137,43 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
     assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x[2-9a-f], 0x80", sass)  # the dequantizers'
     assert "UTMALDG.2D" in sass and "SYNCS.ARRIVE.TRANS64.A1T0" in sass
     assert "USETMAXREG.DEALLOC" in sass
+
+
+def test_labels_parse_back_and_the_table_reads_the_environment_form():
+    """`WsTiles.parse` inverts `label`; TOKENMILL_INT4_WS_TABLE's form becomes TABLE entries; a bad
+    label or a bucket the engine does not use is refused."""
+    from tokenmill.layers.quantization.int4_ws_route import WsTiles, table_from
+
+    for t in (WsTiles(), WsTiles(256, 128, 4, 8, 4, 3), WsTiles(128, 64, 6, 4, 4, 3, 2), WsTiles(128, 128, 4, 8, 8, 3, 1, 112)):
+        assert WsTiles.parse(t.label()) == t, t.label()
+    got = table_from("256,28672,4096=ws m256 n128 st4 w8 d4 a3; 256,4096,14336=ws m256 n128 st4 w8 d4 a3 s4;")
+    assert got == {(256, 28672, 4096): WsTiles(256, 128, 4, 8, 4, 3), (256, 4096, 14336): WsTiles(256, 128, 4, 8, 4, 3, 4)}
+    with pytest.raises(ValueError, match="not a warp-specialized"):
+        table_from("256,1,1=swap t128 c128 w8 st5 a2")
+    with pytest.raises(ValueError, match="bucket 200"):
+        table_from("200,4096,4096=ws m128 n128 st4 w4 d4 a3")
+
+
+def test_routed_products_take_the_ws_gemm_and_read_x_natural(monkeypatch):
+    """A product the ws table lists goes to `int4_ws_route.run` from `mma_matmul` (bf16, whole channel
+    tiles; fp16 or a ragged N take the other paths), and `swap_route` says x stays natural for it
+    even where the swapped GEMM's table lists the same shape."""
+    from tokenmill.layers.quantization import int4_kperm
+    from tokenmill.layers.quantization import int4_ws_route as ws
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+
+    t = ws.WsTiles(256, 128, 4, 8, 4, 3)
+    monkeypatch.setattr(ws, "TABLE", {(256, 256, 512): t, (256, 272, 512): t})
+    monkeypatch.setattr(dot, "TABLE", {(256, 256, 512): dot.SwapTiles(256, 8, 4)})
+    assert ws.ws_tiles(200, 256, 512, 128, torch.bfloat16) == t
+    assert ws.ws_tiles(200, 256, 512, 128, torch.float16) is None
+    assert ws.ws_tiles(200, 272, 512, 128, torch.bfloat16) is None  # 272 channels: not tiles of 128
+    assert ws.ws_tiles(100, 256, 512, 128, torch.bfloat16) is None  # bucket 128: not listed
+    assert not int4_kperm.swap_route(200, 256, 512, 128, torch.bfloat16)
+    assert int4_kperm.swap_route(200, 256, 512, 128, torch.float16) is False  # (the swap GEMM is bf16 only too)
+    calls = []
+    monkeypatch.setattr(ws, "run", lambda x, *a, **k: calls.append(a[-2]) or torch.zeros(x.shape[0], 256))
+    _, qm, _, x = _case(256, 512, 128, m=200)
+    mma.mma_matmul(x, qm, torch.ones(4, 256, dtype=torch.bfloat16), torch.zeros(4, 256, dtype=torch.bfloat16), 128)
+    assert calls == [t]
