@@ -176,9 +176,9 @@ def _prepare(n, k):
 
 
 def passed_launches(out_dir: str) -> set | None:
-    """INT4_WS_PASSED_ONLY=1: the labels of the launches whose self-test checks in out_dir passed at 128+
-    rows and in the graph (a launch that failed there, hung or never ran is not timed; a failure at 77
-    or 16 rows only is reported by the self-test, not filtered); None: no filter."""
+    """INT4_WS_PASSED_ONLY=1: the labels of the launches whose self-test checks in out_dir passed at 256
+    rows and in the graph (a launch that failed there, hung or never ran is not timed; a failure at 200,
+    77 or 16 rows only is reported by the self-test, not filtered); None: no filter."""
     if os.environ.get("INT4_WS_PASSED_ONLY") != "1":
         return None
     ok, bad = set(), set()
@@ -188,7 +188,7 @@ def passed_launches(out_dir: str) -> set | None:
                 for c in json.load(fh)["checks"]:
                     if c["ok"]:
                         ok.add(c["launch"])
-                    elif c.get("m", 256) >= 128:
+                    elif c.get("m", 256) >= 256:
                         bad.add(c["launch"])
     return ok - bad
 
