@@ -39,9 +39,9 @@ def _w(bm, bn, stages, warps, deq=4, ahead=3, split=1, regs=168):
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an SM)."""
     big = m > 128
-    if name == "gate_up":  # 224 tiles of 256 x 128 / 448 of 128 x 128
-        return ([_w(256, 128, 4, 8), _w(256, 128, 4, 8, ahead=2), _w(256, 128, 3, 8)] if big else []) + \
-            [_w(128, 128, 4, 4), _w(128, 128, 4, 8, 8, 3, 1, 112)]
+    if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves) / 448 of 128 x 128 or 256 x 64 / 896 of 128 x 64 (6.8)
+        return ([_w(256, 128, 4, 8), _w(256, 128, 4, 8, ahead=2), _w(256, 128, 3, 8), _w(256, 64, 4, 8)] if big else
+                []) + [_w(128, 128, 4, 4), _w(128, 128, 4, 8, 8, 3, 1, 112), _w(128, 64, 6, 4)]
     if name == "down":  # K 14336: 224 steps
         return ([_w(256, 128, 4, 8, split=4), _w(256, 128, 4, 8, split=2), _w(256, 64, 4, 8, split=2)] if big else
                 [_w(128, 128, 4, 4, split=4)]) + [_w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4)]
