@@ -31,25 +31,36 @@ GROUP = 128
 DEVICE = os.environ.get("INT4_WS_DEVICE", "cuda")  # "cpu": a dry run of the script's logic (tests only)
 
 
-def _w(bm, bn, stages, warps, deq=4, ahead=3, split=1, regs=168):
+def _w(bm, bn, stages, warps, deq=4, ahead=3, split=1, regs=168, sk=0):
     from tokenmill.layers.quantization.int4_ws_route import WsTiles
-    return WsTiles(bm, bn, stages, warps, deq, ahead, split, regs)
+    return WsTiles(bm, bn, stages, warps, deq, ahead, split, regs, sk)
+
+
+def _run(t, x, qm, scales, zeros, group, sz, counters):
+    """One launch: the stream-K kernel for t.sk, else the plain one."""
+    if t.sk:
+        from tokenmill.layers.quantization.gluon_int4_ws_streamk import ws_streamk_gemm
+        return ws_streamk_gemm(x, qm, scales, zeros, group, t, counters, sz=sz)
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
+    return ws_gemm(x, qm, scales, zeros, group, t, sz=sz, counters=counters)
 
 
 def variants(m: int, name: str) -> list:
-    """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an SM)."""
+    """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
+    SM); sk132: the stream-K schedule on 132 CTAs."""
     big = m > 128
+    sk = [_w(256, 128, 4, 8, sk=132)] if big else [_w(128, 128, 4, 4, sk=132)]
     if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves) / 448 of 128 x 128 or 256 x 64 / 896 of 128 x 64 (6.8)
         return ([_w(256, 128, 4, 8), _w(256, 128, 4, 8, ahead=2), _w(256, 128, 3, 8), _w(256, 64, 4, 8)] if big else
-                []) + [_w(128, 128, 4, 4), _w(128, 128, 4, 8, 8, 3, 1, 112), _w(128, 64, 6, 4)]
+                []) + [_w(128, 128, 4, 4), _w(128, 128, 4, 8, 8, 3, 1, 112), _w(128, 64, 6, 4)] + sk
     if name == "down":  # K 14336: 224 steps
         return ([_w(256, 128, 4, 8, split=4), _w(256, 128, 4, 8, split=2), _w(256, 64, 4, 8, split=2)] if big else
-                [_w(128, 128, 4, 4, split=4)]) + [_w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4)]
+                [_w(128, 128, 4, 4, split=4)]) + [_w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4)] + sk
     if name == "qkv":  # 48 / 96 tiles
         return ([_w(256, 128, 4, 8, split=2), _w(256, 64, 4, 8)] if big else [_w(128, 128, 4, 4, split=2)]) + \
-            [_w(128, 128, 4, 4), _w(128, 64, 6, 4), _w(128, 64, 6, 4, split=2)]
+            [_w(128, 128, 4, 4), _w(128, 64, 6, 4), _w(128, 64, 6, 4, split=2), _w(128, 64, 6, 4, sk=132)] + sk
     return ([_w(256, 128, 4, 8, split=4), _w(256, 64, 4, 8, split=2)] if big else [_w(128, 128, 4, 4, split=4)]) + \
-        [_w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4), _w(128, 64, 6, 4, split=2)]
+        [_w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4), _w(128, 64, 6, 4, split=2), _w(128, 64, 6, 4, sk=132)] + sk
 
 
 def launches() -> list:
@@ -86,7 +97,6 @@ def _dump(obj, path):
 
 
 def selftest(shard: str, out_dir: str) -> int:
-    from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
     i, n_shards = (int(v) for v in shard.split("/"))
     mine = launches()[i::n_shards]
     rec = {"device": torch.cuda.get_device_name(), "checks": []}
@@ -101,7 +111,7 @@ def selftest(shard: str, out_dir: str) -> int:
                 x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
                 t0 = time.perf_counter()
                 try:
-                    out = ws_gemm(x, qm, wt.scales, wt.zeros, group, t, sz=sz, counters=counters)
+                    out = _run(t, x, qm, wt.scales, wt.zeros, group, sz, counters)
                     torch.cuda.synchronize()
                     err = _rel(out, x.float() @ ref_w)
                     ok = err < 1e-2 and not counters.any().item()
@@ -113,14 +123,14 @@ def selftest(shard: str, out_dir: str) -> int:
                                       "what": what, "s": round(time.perf_counter() - t0, 2)})
                 print(f"  [{'ok' if ok else 'FAIL'}] {t.label()} n{n} k{k} g{group} m{m}: {what}", flush=True)
                 _dump(rec, path)
-    split_t = next((t for t in mine if t.split > 1), None)
+    split_t = next((t for t in mine if t.split > 1 or t.sk), None)
     if split_t is not None:  # a split-K launch replayed in a CUDA graph (the counters reset themselves)
         (n, k, group), (_, wt, qm, sz, ref_w) = next(iter(data.items()))
         xs = [torch.randn(200, k, device=DEVICE).to(torch.bfloat16) for _ in range(3)]
-        ws_gemm(xs[0], qm, wt.scales, wt.zeros, group, split_t, sz=sz, counters=counters)
+        _run(split_t, xs[0], qm, wt.scales, wt.zeros, group, sz, counters)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = [ws_gemm(x, qm, wt.scales, wt.zeros, group, split_t, sz=sz, counters=counters) for x in xs]
+            outs = [_run(split_t, x, qm, wt.scales, wt.zeros, group, sz, counters) for x in xs]
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
@@ -202,7 +212,6 @@ CLEAN: set | None = None  # the launches without any self-test failure (the only
 
 def _bench_linear(rec, path, name, n, k, m, data, counters, deadline) -> None:
     from tokenmill.layers.quantization import triton_int4_mma as mma
-    from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
     wt, qm, sz, ref_w, bf, q = data
     n_bf, n_q = len(bf), len(q)
     x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
@@ -218,13 +227,13 @@ def _bench_linear(rec, path, name, n, k, m, data, counters, deadline) -> None:
         if rec["passed"] is not None and t.label() not in rec["passed"]:
             continue
         try:
-            err = _rel(ws_gemm(x, qm, wt.scales, wt.zeros, GROUP, t, sz=sz, counters=counters), ref)
+            err = _rel(_run(t, x, qm, wt.scales, wt.zeros, GROUP, sz, counters), ref)
             rec["errors"][f"m{m}/{name}/{t.label()}"] = err
             if err > 1e-2 or counters.any().item():
                 print(f"  [FAIL] m{m} {name} {t.label()}: rel err {err:.1e}", flush=True)
                 continue
-            r[t.label()] = _graph_us(lambda i, t=t, x=x: ws_gemm(x, q[i][0], q[i][1], q[i][2], GROUP, t,
-                                                                 sz=q[i][3], counters=counters), n_q)
+            r[t.label()] = _graph_us(lambda i, t=t, x=x: _run(t, x, q[i][0], q[i][1], q[i][2], GROUP, q[i][3],
+                                                              counters), n_q)
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             rec["errors"][f"m{m}/{name}/{t.label()}"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  [FAIL] m{m} {name} {t.label()}: {type(e).__name__}: {str(e)[:300]}", flush=True)

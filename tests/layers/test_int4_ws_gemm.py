@@ -177,3 +177,27 @@ def test_routed_products_take_the_ws_gemm_and_read_x_natural(monkeypatch):
     _, qm, _, x = _case(256, 512, 128, m=200)
     mma.mma_matmul(x, qm, torch.ones(4, 256, dtype=torch.bfloat16), torch.zeros(4, 256, dtype=torch.bfloat16), 128)
     assert calls == [t]
+
+
+@pytest.mark.parametrize("tiles,n_k,grid", [(224, 64, 132), (32, 224, 132), (48, 64, 132), (32, 64, 132), (3, 4, 132)])
+def test_stream_k_segments_cover_every_step_once(tiles, n_k, grid):
+    """The stream-K walk: every (tile, step) in exactly one CTA's range, in order; `cta_of` names the CTA
+    holding a step, so slot c - cta_of(first step) is distinct per segment and below `max_segments`;
+    a tile's segments, in slot order, are its whole K range."""
+    pytest.importorskip("triton.experimental.gluon")
+    from tokenmill.layers.quantization.gluon_int4_ws_streamk import cta_of, max_segments, segments
+
+    total = tiles * n_k
+    grid = min(grid, total)  # as the wrapper: no CTA without a step (slots would not be contiguous)
+    seen = []
+    slots: dict[int, list[tuple[int, int, int]]] = {}
+    for c, segs in enumerate(segments(tiles, n_k, grid)):
+        for t, k0, k1 in segs:
+            assert 0 <= k0 < k1 <= n_k
+            seen += [t * n_k + k for k in range(k0, k1)]
+            assert cta_of(t * n_k + k0, total, grid) == c and cta_of(t * n_k + k1 - 1, total, grid) == c
+            slots.setdefault(t, []).append((c - cta_of(t * n_k, total, grid), k0, k1))
+    assert seen == list(range(total))
+    for segs in slots.values():
+        assert [s for s, _, _ in segs] == list(range(len(segs))) and len(segs) <= max_segments(tiles, n_k, grid)
+        assert segs[0][1] == 0 and segs[-1][2] == n_k and all(a[2] == b[1] for a, b in zip(segs, segs[1:]))

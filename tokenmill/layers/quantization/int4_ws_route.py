@@ -22,7 +22,8 @@ BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # as triton_int4_dot_gemm's
 class WsTiles:
     """A launch: BM rows by BN channels a CTA, STAGES ring slots (x and B tiles), the consumer's warps
     (4: one warpgroup, 8: two), the dequantizers' warps, their word loads AHEAD steps early (1-3),
-    split-K slices, the dequantizers' register budget."""
+    split-K slices, the dequantizers' register budget; sk > 0: the stream-K schedule on sk CTAs
+    (`gluon_int4_ws_streamk`; split unused)."""
 
     bm: int = 128
     bn: int = 128
@@ -32,19 +33,21 @@ class WsTiles:
     ahead: int = 2
     split: int = 1
     deq_regs: int = 168
+    sk: int = 0
 
     def label(self) -> str:
         return (f"ws m{self.bm} n{self.bn} st{self.stages} w{self.warps} d{self.deq_warps} a{self.ahead}"
-                f"{f' s{self.split}' if self.split > 1 else ''}{f' r{self.deq_regs}' if self.deq_regs != 168 else ''}")
+                f"{f' s{self.split}' if self.split > 1 else ''}{f' r{self.deq_regs}' if self.deq_regs != 168 else ''}"
+                f"{f' sk{self.sk}' if self.sk else ''}")
 
     @classmethod
     def parse(cls, label: str) -> WsTiles:
         """The inverse of `label` ("ws m256 n128 st4 w8 d4 a3 s2")."""
-        m = re.fullmatch(r"ws m(\d+) n(\d+) st(\d+) w(\d+) d(\d+) a(\d+)(?: s(\d+))?(?: r(\d+))?", label.strip())
+        m = re.fullmatch(r"ws m(\d+) n(\d+) st(\d+) w(\d+) d(\d+) a(\d+)(?: s(\d+))?(?: r(\d+))?(?: sk(\d+))?", label.strip())
         if m is None:
             raise ValueError(f"not a warp-specialized GEMM launch label: {label!r}")
-        bm, bn, st, w, d, a, split, regs = m.groups()
-        return cls(int(bm), int(bn), int(st), int(w), int(d), int(a), int(split or 1), int(regs or 168))
+        bm, bn, st, w, d, a, split, regs, sk = m.groups()
+        return cls(int(bm), int(bn), int(st), int(w), int(d), int(a), int(split or 1), int(regs or 168), int(sk or 0))
 
 
 def table_from(text: str) -> dict[tuple[int, int, int], WsTiles]:
@@ -74,6 +77,13 @@ def ws_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> WsTiles 
 
 def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
         tiles: WsTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The launch: stream-K where tiles.sk and enough counters (one per output tile), else the plain kernel."""
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
+
+    n_tiles = -(-x.shape[0] // tiles.bm) * (qm.shape[0] * 16 // tiles.bn)
+    if tiles.sk and counters is not None and counters.numel() >= n_tiles:
+        from tokenmill.layers.quantization.gluon_int4_ws_streamk import ws_streamk_gemm
+
+        return ws_streamk_gemm(x, qm, scales, zeros, group_size, tiles, counters)
 
     return ws_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
