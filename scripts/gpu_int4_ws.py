@@ -31,9 +31,9 @@ GROUP = 128
 DEVICE = os.environ.get("INT4_WS_DEVICE", "cuda")  # "cpu": a dry run of the script's logic (tests only)
 
 
-def _w(bm, bn, stages, warps, deq=4, ahead=3, split=1, regs=168, sk=0):
+def _w(bm, bn, stages, warps, deq=4, split=1, regs=168, sk=0):
     from tokenmill.layers.quantization.int4_ws_route import WsTiles
-    return WsTiles(bm, bn, stages, warps, deq, ahead, split, regs, sk)
+    return WsTiles(bm, bn, stages, warps, deq, split, regs, sk)
 
 
 def _run(t, x, qm, scales, zeros, group, sz, counters):
@@ -51,8 +51,8 @@ def variants(m: int, name: str) -> list:
     big = m > 128
     sk = [_w(256, 128, 4, 8, sk=132)] if big else [_w(128, 128, 4, 4, sk=132)]
     if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves) / 448 of 128 x 128 or 256 x 64 / 896 of 128 x 64 (6.8)
-        return ([_w(256, 128, 4, 8), _w(256, 128, 4, 8, ahead=2), _w(256, 128, 3, 8), _w(256, 64, 4, 8)] if big else
-                []) + [_w(128, 128, 4, 4), _w(128, 128, 4, 8, 8, 3, 1, 112), _w(128, 64, 6, 4)] + sk
+        return ([_w(256, 128, 4, 8), _w(256, 128, 3, 8), _w(256, 64, 4, 8)] if big else
+                []) + [_w(128, 128, 4, 4), _w(128, 128, 4, 8, 8, 1, 112), _w(128, 64, 6, 4)] + sk
     if name == "down":  # K 14336: 224 steps
         return ([_w(256, 128, 4, 8, split=4), _w(256, 128, 4, 8, split=2), _w(256, 64, 4, 8, split=2)] if big else
                 [_w(128, 128, 4, 4, split=4)]) + [_w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4)] + sk

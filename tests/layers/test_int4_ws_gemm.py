@@ -8,6 +8,7 @@ local memory). On a GPU scripts/gpu_int4_ws.py checks every launch against a flo
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -67,7 +68,7 @@ def test_emulated_product_matches_float64_reference(split):
 
 
 def test_wrapper_refuses_what_the_kernel_cannot_do():
-    """fp16 x, N not a multiple of the channel tile, a group not of 64, AHEAD past 3: ValueError,
+    """fp16 x, N not a multiple of the channel tile, a group not of 64: ValueError,
     before any launch (so on the CPU)."""
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import WsTiles, ws_gemm
 
@@ -79,8 +80,6 @@ def test_wrapper_refuses_what_the_kernel_cannot_do():
         ws_gemm(x, qm, scales, scales, 64, WsTiles(bn=256), sz=sz)
     with pytest.raises(ValueError, match="group"):
         ws_gemm(x, qm, scales, scales, 96, sz=sz)
-    with pytest.raises(ValueError, match="ahead"):
-        ws_gemm(x, qm, scales, scales, 64, WsTiles(ahead=4), sz=sz)
 
 
 def test_split_follows_the_counters_and_divides_the_steps():
@@ -97,9 +96,10 @@ def test_split_follows_the_counters_and_divides_the_steps():
 
 @pytest.mark.parametrize("bm,warps,split", [(128, 4, False), (256, 8, True)])
 def test_compiles_for_sm90_warp_specialized(bm, warps, split):
-    """Offline sm_90 compile (no GPU): the consumer's wgmmas (a warpgroup's BM / 64 / warpgroups x 4 k16 steps, a peeled step and
-    the loop) with one left in flight, each partition on its own named barrier (the consumer's over
-    its warps, the dequantizers' over 128 threads), mbarrier arrives and a TMA load, register
+    """Offline sm_90 compile (no GPU): the consumer's wgmmas (a warpgroup's BM / 64 / warpgroups x 4
+    k16 steps, a peeled step and the loop) with one left in flight, each partition on its own named
+    barrier (the consumer's over its warps, the dequantizers' over 128 threads), mbarrier arrives,
+    three TMA loads (x, words, scales) and no global load outside split-K's epilogue, register
     reallocation between partitions, no local memory."""
     pytest.importorskip("triton.experimental.gluon")
     import sys
@@ -113,14 +113,18 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import _ws_gemm_kernel as fn
 
     lay = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
-    const = {"GROUP": 128, "BN": 128, "STAGES": 4, "AHEAD": 3, "SPLIT_K": split, "DEQ_WARPS": 4, "DEQ_REGS": 168}
-    ptrs = {"w_ptr": "i32", "sz_ptr": "i32", "out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import _PLAIN32
+
+    const = {"GROUP": 128, "BN": 128, "STAGES": 4, "SPLIT_K": split, "DEQ_WARPS": 4, "DEQ_REGS": 168}
+    ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
+    descs = {"x_desc": f"tensordesc<bf16[{bm}, 64],{lay!r}>", "w_desc": f"tensordesc<i32[8, 128],{_PLAIN32!r}>",
+             "s_desc": f"tensordesc<i32[1, 128],{_PLAIN32!r}>"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
-        elif name == "x_desc":
-            sig[name] = f"tensordesc<bf16[{bm}, 64],{lay!r}>"
+        elif name in descs:
+            sig[name] = descs[name]
         elif name in ptrs:
             sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
         else:
@@ -135,7 +139,9 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     assert f"BAR.SYNC.DEFER_BLOCKING 0x0, {hex(32 * warps)}" in sass  # the consumer's own barrier
     assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x[2-9a-f], 0x80", sass)  # the dequantizers'
-    assert "UTMALDG.2D" in sass and "SYNCS.ARRIVE.TRANS64.A1T0" in sass
+    assert sass.count("UTMALDG.2D") == 3 and "SYNCS.ARRIVE.TRANS64.A1T0" in sass  # x, words, scales
+    if not split:  # no global load at all: words and scales arrive by TMA (a load in flight at the
+        assert not re.findall(r"(?<![A-Z])LDG[.A-Z0-9]*", sass)  # dequantizers' fence stalls them)
     assert "USETMAXREG.DEALLOC" in sass
 
 
@@ -144,14 +150,15 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
     label or a bucket the engine does not use is refused."""
     from tokenmill.layers.quantization.int4_ws_route import WsTiles, table_from
 
-    for t in (WsTiles(), WsTiles(256, 128, 4, 8, 4, 3), WsTiles(128, 64, 6, 4, 4, 3, 2), WsTiles(128, 128, 4, 8, 8, 3, 1, 112)):
+    for t in (WsTiles(), WsTiles(256, 128, 4, 8), WsTiles(128, 64, 6, 4, 4, 2), WsTiles(128, 128, 4, 8, 8, 1, 112),
+              WsTiles(256, 128, 4, 8, sk=132)):
         assert WsTiles.parse(t.label()) == t, t.label()
-    got = table_from("256,28672,4096=ws m256 n128 st4 w8 d4 a3; 256,4096,14336=ws m256 n128 st4 w8 d4 a3 s4;")
-    assert got == {(256, 28672, 4096): WsTiles(256, 128, 4, 8, 4, 3), (256, 4096, 14336): WsTiles(256, 128, 4, 8, 4, 3, 4)}
+    got = table_from("256,28672,4096=ws m256 n128 st4 w8 d4 sk132; 256,4096,14336=ws m256 n128 st4 w8 d4 s4;")
+    assert got == {(256, 28672, 4096): WsTiles(256, 128, 4, 8, sk=132), (256, 4096, 14336): WsTiles(256, 128, 4, 8, split=4)}
     with pytest.raises(ValueError, match="not a warp-specialized"):
         table_from("256,1,1=swap t128 c128 w8 st5 a2")
     with pytest.raises(ValueError, match="bucket 200"):
-        table_from("200,4096,4096=ws m128 n128 st4 w4 d4 a3")
+        table_from("200,4096,4096=ws m128 n128 st4 w4 d4")
 
 
 def test_routed_products_take_the_ws_gemm_and_read_x_natural(monkeypatch):
@@ -163,7 +170,7 @@ def test_routed_products_take_the_ws_gemm_and_read_x_natural(monkeypatch):
     from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
-    t = ws.WsTiles(256, 128, 4, 8, 4, 3)
+    t = ws.WsTiles(256, 128, 4, 8)
     monkeypatch.setattr(ws, "TABLE", {(256, 256, 512): t, (256, 272, 512): t})
     monkeypatch.setattr(dot, "TABLE", {(256, 256, 512): dot.SwapTiles(256, 8, 4)})
     assert ws.ws_tiles(200, 256, 512, 128, torch.bfloat16) == t
@@ -185,7 +192,11 @@ def test_stream_k_segments_cover_every_step_once(tiles, n_k, grid):
     holding a step, so slot c - cta_of(first step) is distinct per segment and below `max_segments`;
     a tile's segments, in slot order, are its whole K range."""
     pytest.importorskip("triton.experimental.gluon")
-    from tokenmill.layers.quantization.gluon_int4_ws_streamk import cta_of, max_segments, segments
+    from tokenmill.layers.quantization.gluon_int4_ws_streamk import (
+        cta_of,
+        max_segments,
+        segments,
+    )
 
     total = tiles * n_k
     grid = min(grid, total)  # as the wrapper: no CTA without a step (slots would not be contiguous)
@@ -200,4 +211,4 @@ def test_stream_k_segments_cover_every_step_once(tiles, n_k, grid):
     assert seen == list(range(total))
     for segs in slots.values():
         assert [s for s, _, _ in segs] == list(range(len(segs))) and len(segs) <= max_segments(tiles, n_k, grid)
-        assert segs[0][1] == 0 and segs[-1][2] == n_k and all(a[2] == b[1] for a, b in zip(segs, segs[1:]))
+        assert segs[0][1] == 0 and segs[-1][2] == n_k and all(a[2] == b[1] for a, b in itertools.pairwise(segs))

@@ -4,19 +4,23 @@ Why: every single-partition INT4 GEMM here (`gluon_int4_gemm`, `gluon_int4_swap_
 64-input K step in one serial chain (x's copy wait, a CTA barrier, the dequantization, the wgmma
 issue and retire, ~0.5 us) whatever the tile, so the tensor cores idle between steps. Here the
 chain is cut into three partitions of one CTA that only meet at mbarriers of shared-memory rings:
-- the loader (1 warp): x's [BM, BK] tile of each step by TMA into an x ring (TMA zero-fills rows
-  past M), as soon as the consumer frees a stage;
-- the dequantizers (DEQ_WARPS warps): each step's packed words and scales / offsets loaded from
-  global memory straight into registers (AHEAD steps early: a load's latency spans that many
-  steps), dequantized (`triton_int4_dot_gemm`'s DEQ 2 PTX: the same weights as dequantize-then-GEMM)
-  and stored as the bf16 [BK, BN] B tile into a B ring;
-- the consumer (the kernel's num_warps: one or two warpgroups) only waits for a stage's two
-  ready barriers, issues its wgmma and, once the previous step's wgmma retired, frees that stage.
+- the loader (1 warp): per step, x's [BM, 64] tile, the step's words ([BN / 16, 128] int32 of the
+  mma layout) and its group's packed scales / offsets ([1, BN]) by TMA (rows past M zero-filled),
+  as soon as the consumers free the slots;
+- the dequantizers (DEQ_WARPS warps): the words and scales from shared memory, dequantized
+  (`triton_int4_dot_gemm`'s DEQ 2 PTX: the same weights as dequantize-then-GEMM) into the bf16
+  [64, BN] B tile of a B ring. They never hold a global load in flight: the async-proxy fence
+  before each ready signal waits for every outstanding load of the thread (session 10's first
+  version loaded words into registers three steps ahead, and each fence waited for them: ~1 us a
+  step);
+- the consumer (the kernel's num_warps: one or two warpgroups) only waits for a slot's two ready
+  barriers, issues its wgmma and, once the previous step's wgmma retired, frees that slot.
 So the dequantization of step i + 1.. overlaps the wgmma of step i. Split-K (grid axis 1) for the
-skinny linears, as `gluon_int4_gemm`: fp32 partials, the last slice to arrive sums them in order.
-Same layout (`int4_packing.to_mma`: [N / 16, K / 64, 32, 4] int32) and packed scales / offsets
+skinny linears, as `gluon_int4_gemm`: fp32 partials, the last slice to arrive sums them in order;
+`gluon_int4_ws_streamk` runs the same partitions on a stream-K schedule. Same layout
+(`int4_packing.to_mma`: [N / 16, K / 64, 32, 4] int32) and packed scales / offsets
 (`packed_scale_offset`: [G, N] int32) as the other GEMMs. bf16 only; GPUs only (Gluon has no
-interpreter): tests/layers/test_int4_ws_gemm.py checks the ring schedule and the word/B-tile map on
+interpreter): tests/layers/test_int4_ws_gemm.py checks the word -> B tile map and the split order on
 the CPU and compiles the kernel for sm_90 offline; scripts/gpu_int4_ws.py checks it on the GPU
 against a float32 reference. Torch reference: `int4_packing.dequantize` then a matmul.
 """
@@ -44,6 +48,8 @@ from tokenmill.layers.quantization.triton_int4_dot_gemm import (
 )
 
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.7+: renamed
+# memdesc reinterpret: `_reinterpret` in 3.6, `reinterpret` from 3.7 (a static branch in `_rings`)
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the barrier of the calling partition's warps (3.7: renamed)
 
 
@@ -79,27 +85,32 @@ def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM: gl.co
 
 
 @gluon.jit
-def _loader(x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, off_m, pid_n, s0, n_k, N, K,
-            GROUP: gl.constexpr, AHEAD: gl.constexpr):
-    """x's tile of each step by TMA into the x ring (waits for the stage's consumer release)."""
+def _load_in(i, k_step, off_m, off_cb, grp, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, x_ready, x_empty,
+             w_ready, w_empty):
+    """Ring step i (slot i % STAGES): x's [BM, 64] tile at K step k_step into the x ring, the step's
+    words [CB, 128] and its group's packed scales [1, BN] into the word ring, each slot once freed."""
     STAGES: gl.constexpr = x_smem.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    for i in range(n_k):
-        s = i % STAGES
-        mbarrier.wait(x_empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-        _tma_load(x_desc, [off_m, (s0 + i) * BK], x_ready.index(s), x_smem.index(s))
+    s = i % STAGES
+    ph = ((i // STAGES) & 1) ^ 1
+    mbarrier.wait(x_empty.index(s), ph)
+    mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
+    _tma_load(x_desc, [off_m, k_step * BK], x_ready.index(s), x_smem.index(s))
+    mbarrier.wait(w_empty.index(s), ph)
+    mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+    _tma_load(w_desc, [off_cb, k_step * 128], w_ready.index(s), w_smem.index(s))
+    _tma_load(s_desc, [grp, off_cb * 16], w_ready.index(s), s_smem.index(s))
 
 
 @gluon.jit
-def _load_step(w_ptrs, sz_ptrs, step, N, BK: gl.constexpr, GROUP: gl.constexpr, sz_ld: gl.constexpr):
-    """Step `step`'s words [CB, 1, 8, 4, 4] and its group's packed scales / offsets [CB, 8] (lo: channel
-    16 cb + g, hi: + 8)."""
-    words = gl.load(w_ptrs + step * 128)
-    grp = (step * BK) // GROUP
-    lo = gl.load(sz_ptrs + grp * N)
-    hi = gl.load(sz_ptrs + grp * N + 8)
-    return words, lo, hi
+def _loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready, w_empty,
+            b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr):
+    """Each step's x tile, words and scales by TMA (the tiles' rows past M zero-filled)."""
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    CB: gl.constexpr = w_desc.block_type.shape[0]
+    for i in range(n_k):
+        _load_in(i, s0 + i, off_m, pid_n * CB, ((s0 + i) * BK) // GROUP, x_desc, w_desc, s_desc, x_smem, w_smem,
+                 s_smem, x_ready, x_empty, w_ready, w_empty)
 
 
 @gluon.jit
@@ -117,68 +128,85 @@ def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _dequantizer(x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, off_m, pid_n, s0, n_k,
-                 N, K, GROUP: gl.constexpr, AHEAD: gl.constexpr):
-    """Each step's words and scales into registers AHEAD steps early, dequantized into the B ring
-    (waits for the stage's consumer release; fence, then the stage's ready arrive)."""
+def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty):
+    """Ring step i: its words and scales from the word ring (a plain row-major view of the TMA tile:
+    word m of lane (g, j) of block cb at [cb, 0, g, j, m]; channel 16 cb + c's scale at [cb, c]),
+    dequantized into the B ring once the consumer freed the slot; fence (the wgmma and the next TMA
+    into the word slot are async-proxy accesses), then both slots signalled."""
     STAGES: gl.constexpr = b_smem.shape[0]
     BK: gl.constexpr = b_smem.shape[1]
     BN: gl.constexpr = b_smem.shape[2]
-    CB: gl.constexpr = BN // 16
     nw: gl.constexpr = gl.num_warps()
     w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    L4: gl.constexpr = gl.SliceLayout(4, w_ld)  # [CB, 1, 8, 4]
-    L3: gl.constexpr = gl.SliceLayout(3, L4)  # [CB, 1, 8]
-    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [CB, 1]
-    sz_ld: gl.constexpr = gl.SliceLayout(1, L3)  # [CB, 8]
-    # word pointers [CB, 1, 8 g, 4 j, 4 m] of step 0
-    cb = gl.arange(0, CB, layout=gl.SliceLayout(1, L2))
-    s1 = gl.arange(0, 1, layout=gl.SliceLayout(0, L2))
-    base2 = gl.expand_dims((pid_n * CB + cb).to(gl.int64) * ((K // 64) * 128), 1) + gl.expand_dims(s1 * 128, 0)
-    g8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    base3 = gl.expand_dims(base2, 2) + gl.expand_dims(gl.expand_dims(g8 * 16, 0), 1)
-    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
-    base4 = gl.expand_dims(base3, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(j4 * 4, 0), 1), 2)
-    m4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w_ld)))))
-    w_ptrs = w_ptr + gl.expand_dims(base4, 4) + \
-        gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(m4, 0), 1), 2), 3)
-    scb = gl.arange(0, CB, layout=gl.SliceLayout(1, sz_ld))
-    sg = gl.arange(0, 8, layout=gl.SliceLayout(0, sz_ld))
-    sz_ptrs = sz_ptr + gl.expand_dims((pid_n * CB + scb) * 16, 1) + gl.expand_dims(sg, 0)
-    last = s0 + n_k - 1
-    # AHEAD steps of words in registers (past the end: the last step again, never used)
-    wa, la, ha = _load_step(w_ptrs, sz_ptrs, s0, N, BK, GROUP, sz_ld)
-    # (defined whatever AHEAD: a set the loop never reads is dropped by the compiler)
-    wb, lb, hb = _load_step(w_ptrs, sz_ptrs, gl.minimum(s0 + 1, last), N, BK, GROUP, sz_ld)
-    wc, lc, hc = _load_step(w_ptrs, sz_ptrs, gl.minimum(s0 + 2, last), N, BK, GROUP, sz_ld)
+    sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))  # [CB, 8]
+    s = i % STAGES
+    ph = (i // STAGES) & 1
+    mbarrier.wait(w_ready.index(s), ph)
+    words = w_view.index(s).load(w_ld)
+    scales = s_view.index(s)
+    lo = scales.slice(0, 8, dim=1).load(sz_ld)
+    hi = scales.slice(8, 8, dim=1).load(sz_ld)
+    w = _dequant_tile(words, lo, hi, BK, BN)
+    mbarrier.wait(b_empty.index(s), ph ^ 1)
+    b_smem.index(s).store(w)
+    fence_async_shared()
+    _barrier()  # every dequantizer's part stored (and its word reads done) before the arrives
+    mbarrier.arrive(b_ready.index(s), count=1)
+    mbarrier.arrive(w_empty.index(s), count=1)
+
+
+@gluon.jit
+def _dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
+                 w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr):
     for i in range(n_k):
-        nxt = gl.minimum(s0 + i + AHEAD, last)
-        wn, ln, hn = _load_step(w_ptrs, sz_ptrs, nxt, N, BK, GROUP, sz_ld)
-        w = _dequant_tile(wa, la, ha, BK, BN)
-        s = i % STAGES
-        mbarrier.wait(b_empty.index(s), ((i // STAGES) & 1) ^ 1)
-        b_smem.index(s).store(w)
-        fence_async_shared()
-        _barrier()  # every dequantizer's part of the tile stored before the ready arrive
-        mbarrier.arrive(b_ready.index(s), count=1)
-        if AHEAD == 1:
-            wa, la, ha = wn, ln, hn
-        elif AHEAD == 2:
-            wa, la, ha = wb, lb, hb
-            wb, lb, hb = wn, ln, hn
-        else:
-            wa, la, ha = wb, lb, hb
-            wb, lb, hb = wc, lc, hc
-            wc, lc, hc = wn, ln, hn
+        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty)
+
+
+@gluon.jit
+def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
+    """The shared memory: x / word / scale / B tile rings, the word and scale rings also as plain
+    row-major views ([STAGES, CB, 1, 8, 4, 4] and [STAGES, CB, 16] int32) for the dequantizers, and
+    the ready / empty barriers of the x, word and B slots."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    CB: gl.constexpr = BN // 16
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, CB, 128], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BN], s_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
+                                       gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
+    flat5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    if _PUBLIC_REINTERPRET:
+        w_view = w_smem.reinterpret(gl.int32, [STAGES, CB, 1, 8, 4, 4], flat5)
+        s_view = s_smem.reinterpret(gl.int32, [STAGES, CB, 16], flat2)
+    else:
+        w_view = w_smem._reinterpret(gl.int32, [STAGES, CB, 1, 8, 4, 4], flat5)
+        s_view = s_smem._reinterpret(gl.int32, [STAGES, CB, 16], flat2)
+    x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(x_ready.index(s), count=1)
+        mbarrier.init(x_empty.index(s), count=1)
+        mbarrier.init(w_ready.index(s), count=1)
+        mbarrier.init(w_empty.index(s), count=1)
+        mbarrier.init(b_ready.index(s), count=1)
+        mbarrier.init(b_empty.index(s), count=1)
+    fence_async_shared()
+    return (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready, b_empty)
 
 
 # ----------------------------------------------------------------------------- kernel
 
 
 @gluon.jit(do_not_specialize=["M"])
-def _ws_gemm_kernel(x_desc, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
-                    BN: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, SPLIT_K: gl.constexpr,
-                    DEQ_WARPS: gl.constexpr, DEQ_REGS: gl.constexpr):
+def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
+                    BN: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEQ_WARPS: gl.constexpr,
+                    DEQ_REGS: gl.constexpr):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     num_warps: gl.constexpr = gl.num_warps()
@@ -191,22 +219,10 @@ def _ws_gemm_kernel(x_desc, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, 
     n_k = K // BK // split  # steps per slice (the wrapper makes the split divide them)
     s0 = pid_k * n_k
 
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_desc.layout)
-    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
-                                       gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
-    x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(x_ready.index(s), count=1)
-        mbarrier.init(b_ready.index(s), count=1)
-        mbarrier.init(x_empty.index(s), count=1)
-        mbarrier.init(b_empty.index(s), count=1)
-    fence_async_shared()
-
-    worker_args = (x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, pid_m * BM, pid_n, s0,
-                   n_k, N, K, GROUP, AHEAD)
+    (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
+     b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES)
+    worker_args = (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
+                   w_empty, b_ready, b_empty, pid_m * BM, pid_n, s0, n_k, GROUP)
     (acc,) = gl.warp_specialize([
         (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
         (_loader, worker_args),
@@ -237,6 +253,18 @@ def _ws_gemm_kernel(x_desc, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, 
 # ----------------------------------------------------------------------------- host
 
 
+_PLAIN32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # TMA tiles of words / scales
+
+
+def descriptors(x: torch.Tensor, qm: torch.Tensor, sz: torch.Tensor, t: WsTiles) -> tuple:
+    """TMA descriptors: x's [BM, 64] tiles, the words' [BN / 16, 128] tiles (qm as [N / 16, K / 64 x 128]:
+    one 64-input step of BN / 16 channel blocks) and the packed scales' [1, BN] rows."""
+    x_desc = TensorDescriptor.from_tensor(x, [t.bm, 64], gl.NVMMASharedLayout.get_default_for([t.bm, 64], gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(qm.view(qm.shape[0], -1), [t.bn // 16, 128], _PLAIN32)
+    s_desc = TensorDescriptor.from_tensor(sz, [1, t.bn], _PLAIN32)
+    return x_desc, w_desc, s_desc
+
+
 def split_for(t: WsTiles, k: int, tiles: int, counters: torch.Tensor | None) -> int:
     """The split-K slices a launch runs: t.split, lowered until it divides K / 64; 1 without enough
     counters (one zeroed int32 per output tile)."""
@@ -255,9 +283,9 @@ def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torc
     m, k = x.shape
     n = qm.shape[0] * 16
     group = k if group_size == -1 else group_size
-    if x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group or t.ahead not in (1, 2, 3):
-        raise ValueError(f"ws int4 GEMM: bf16 x, N a multiple of {t.bn}, K and the group of 64, ahead 1-3 "
-                         f"(x {x.dtype}, N {n}, K {k}, group {group}, ahead {t.ahead})")
+    if x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group:
+        raise ValueError(f"ws int4 GEMM: bf16 x, N a multiple of {t.bn}, K and the group of 64 "
+                         f"(x {x.dtype}, N {n}, K {k}, group {group})")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -265,15 +293,13 @@ def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torc
         x = x.contiguous()
     if sz is None:
         sz = _cached_scale_offset(scales, zeros)
-    x_desc = TensorDescriptor.from_tensor(x, [t.bm, 64], gl.NVMMASharedLayout.get_default_for([t.bm, 64],
-                                                                                               gl.bfloat16))
+    x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)
     n_tiles = triton.cdiv(m, t.bm) * (n // t.bn)
     split = split_for(t, k, n_tiles, counters)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    _ws_gemm_kernel[(n_tiles, split)](x_desc, qm, sz, out, part, counters if split > 1 else out, m, n, k,
-                                      out.stride(0), GROUP=group, BN=t.bn, STAGES=t.stages, AHEAD=t.ahead,
-                                      SPLIT_K=split > 1, DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs,
-                                      num_warps=t.warps)
+    _ws_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out, m, n, k,
+                                      out.stride(0), GROUP=group, BN=t.bn, STAGES=t.stages, SPLIT_K=split > 1,
+                                      DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs, num_warps=t.warps)
     return out
 
 

@@ -21,18 +21,17 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
-    fence_async_shared,
     mbarrier,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tokenmill.layers.quantization.gluon_int4_ws_gemm import (
     _barrier,
-    _dequant_tile,
-    _load_step,
-    _tma_load,
+    _deq_step,
+    _load_in,
+    _rings,
+    descriptors,
 )
 from tokenmill.layers.quantization.int4_ws_route import WsTiles
 from tokenmill.layers.quantization.triton_int4_dot_gemm import _cached_scale_offset
@@ -130,11 +129,11 @@ def _sk_consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, out_ptr, pa
 
 
 @gluon.jit
-def _sk_loader(x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, tiles_m, n_k, total,
-               N, K, GROUP: gl.constexpr, AHEAD: gl.constexpr):
-    STAGES: gl.constexpr = x_smem.shape[0]
+def _sk_loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
+               w_empty, b_ready, b_empty, tiles_m, n_k, total, GROUP: gl.constexpr):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
+    CB: gl.constexpr = w_desc.block_type.shape[0]
     c = gl.program_id(0)
     grid = gl.num_programs(0)
     u = (c * total) // grid
@@ -145,104 +144,37 @@ def _sk_loader(x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty,
         k0 = u % n_k
         k1 = gl.minimum(n_k, k0 + end - u)
         off_m = (t % tiles_m) * BM
+        off_cb = (t // tiles_m) * CB
         for j in range(k1 - k0):
-            s = (it + j) % STAGES
-            mbarrier.wait(x_empty.index(s), (((it + j) // STAGES) & 1) ^ 1)
-            mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
-            _tma_load(x_desc, [off_m, (k0 + j) * BK], x_ready.index(s), x_smem.index(s))
+            _load_in(it + j, k0 + j, off_m, off_cb, ((k0 + j) * BK) // GROUP, x_desc, w_desc, s_desc, x_smem, w_smem,
+                     s_smem, x_ready, x_empty, w_ready, w_empty)
         it += k1 - k0
         u += k1 - k0
 
 
 @gluon.jit
-def _sk_dequantizer(x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, tiles_m, n_k, total,
-                    N, K, GROUP: gl.constexpr, AHEAD: gl.constexpr):
-    """As `gluon_int4_ws_gemm._dequantizer`, per segment (the word prefetch restarts at each segment)."""
-    STAGES: gl.constexpr = b_smem.shape[0]
-    BK: gl.constexpr = b_smem.shape[1]
-    BN: gl.constexpr = b_smem.shape[2]
-    CB: gl.constexpr = BN // 16
-    nw: gl.constexpr = gl.num_warps()
-    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    L4: gl.constexpr = gl.SliceLayout(4, w_ld)
-    L3: gl.constexpr = gl.SliceLayout(3, L4)
-    L2: gl.constexpr = gl.SliceLayout(2, L3)
-    sz_ld: gl.constexpr = gl.SliceLayout(1, L3)
-    # lane offsets of a tile's words [CB, 1, 8, 4, 4] (step 0) and of its scales [CB, 8], tile 0
-    cb = gl.arange(0, CB, layout=gl.SliceLayout(1, L2))
-    s1 = gl.arange(0, 1, layout=gl.SliceLayout(0, L2))
-    base2 = gl.expand_dims(cb.to(gl.int64) * ((K // 64) * 128), 1) + gl.expand_dims(s1 * 128, 0)
-    g8 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-    base3 = gl.expand_dims(base2, 2) + gl.expand_dims(gl.expand_dims(g8 * 16, 0), 1)
-    j4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, L4))))
-    base4 = gl.expand_dims(base3, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(j4 * 4, 0), 1), 2)
-    m4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, w_ld)))))
-    w_off = gl.expand_dims(base4, 4) + gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(m4, 0), 1), 2), 3)
-    scb = gl.arange(0, CB, layout=gl.SliceLayout(1, sz_ld))
-    sg = gl.arange(0, 8, layout=gl.SliceLayout(0, sz_ld))
-    sz_off = gl.expand_dims(scb * 16, 1) + gl.expand_dims(sg, 0)
+def _sk_dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
+                    w_empty, b_ready, b_empty, tiles_m, n_k, total, GROUP: gl.constexpr):
     c = gl.program_id(0)
     grid = gl.num_programs(0)
     u = (c * total) // grid
     end = ((c + 1) * total) // grid
-    it = 0
-    while u < end:
-        t = u // n_k
-        k0 = u % n_k
-        k1 = gl.minimum(n_k, k0 + end - u)
-        pid_n = t // tiles_m
-        w_ptrs = w_ptr + pid_n.to(gl.int64) * (CB * (K // 64) * 128) + w_off
-        sz_ptrs = sz_ptr + pid_n * BN + sz_off
-        last = k1 - 1
-        wa, la, ha = _load_step(w_ptrs, sz_ptrs, k0, N, BK, GROUP, sz_ld)
-        wb, lb, hb = _load_step(w_ptrs, sz_ptrs, gl.minimum(k0 + 1, last), N, BK, GROUP, sz_ld)
-        wc, lc, hc = _load_step(w_ptrs, sz_ptrs, gl.minimum(k0 + 2, last), N, BK, GROUP, sz_ld)
-        for j in range(k1 - k0):
-            wn, ln, hn = _load_step(w_ptrs, sz_ptrs, gl.minimum(k0 + j + AHEAD, last), N, BK, GROUP, sz_ld)
-            w = _dequant_tile(wa, la, ha, BK, BN)
-            s = (it + j) % STAGES
-            mbarrier.wait(b_empty.index(s), (((it + j) // STAGES) & 1) ^ 1)
-            b_smem.index(s).store(w)
-            fence_async_shared()
-            _barrier()
-            mbarrier.arrive(b_ready.index(s), count=1)
-            if AHEAD == 1:
-                wa, la, ha = wn, ln, hn
-            elif AHEAD == 2:
-                wa, la, ha = wb, lb, hb
-                wb, lb, hb = wn, ln, hn
-            else:
-                wa, la, ha = wb, lb, hb
-                wb, lb, hb = wc, lc, hc
-                wc, lc, hc = wn, ln, hn
-        it += k1 - k0
-        u += k1 - k0
+    for i in range(end - u):  # the ring steps are the CTA's steps in order, whatever their tiles
+        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty)
 
 
 @gluon.jit(do_not_specialize=["M"])
-def _ws_streamk_kernel(x_desc, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
-                       BN: gl.constexpr, STAGES: gl.constexpr, AHEAD: gl.constexpr, DEQ_WARPS: gl.constexpr,
-                       DEQ_REGS: gl.constexpr):
+def _ws_streamk_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
+                       BN: gl.constexpr, STAGES: gl.constexpr, DEQ_WARPS: gl.constexpr, DEQ_REGS: gl.constexpr):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     tiles_m = gl.cdiv(M, BM)
     n_k = K // BK
     total = tiles_m * (N // BN) * n_k
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_desc.layout)
-    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
-                                       gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
-    x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(x_ready.index(s), count=1)
-        mbarrier.init(b_ready.index(s), count=1)
-        mbarrier.init(x_empty.index(s), count=1)
-        mbarrier.init(b_empty.index(s), count=1)
-    fence_async_shared()
-    worker_args = (x_desc, w_ptr, sz_ptr, x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, tiles_m, n_k, total,
-                   N, K, GROUP, AHEAD)
+    (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
+     b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES)
+    worker_args = (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
+                   w_empty, b_ready, b_empty, tiles_m, n_k, total, GROUP)
     gl.warp_specialize([
         (_sk_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, out_ptr, part_ptr, cnt_ptr, M, N, s_om,
                         tiles_m, n_k, total, BM, BN)),
@@ -267,9 +199,9 @@ def ws_streamk_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zer
     n = qm.shape[0] * 16
     group = k if group_size == -1 else group_size
     n_tiles = triton.cdiv(m, t.bm) * (n // t.bn) if m else 0
-    if (x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group or t.ahead not in (1, 2, 3) or t.sk < 1
+    if (x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group or t.sk < 1
             or counters.numel() < n_tiles):
-        raise ValueError(f"ws stream-K int4 GEMM: bf16 x, N a multiple of {t.bn}, K and the group of 64, ahead 1-3, "
+        raise ValueError(f"ws stream-K int4 GEMM: bf16 x, N a multiple of {t.bn}, K and the group of 64, "
                          f"sk >= 1, a counter per tile (x {x.dtype}, N {n}, K {k}, group {group}, {t.label()}, "
                          f"{counters.numel()} counters for {n_tiles} tiles)")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -281,9 +213,8 @@ def ws_streamk_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zer
         sz = _cached_scale_offset(scales, zeros)
     grid = min(t.sk, n_tiles * (k // 64))
     part = torch.empty((max_segments(n_tiles, k // 64, grid), m, n), dtype=torch.float32, device=x.device)
-    x_desc = TensorDescriptor.from_tensor(x, [t.bm, 64], gl.NVMMASharedLayout.get_default_for([t.bm, 64],
-                                                                                               gl.bfloat16))
-    _ws_streamk_kernel[(grid,)](x_desc, qm, sz, out, part, counters, m, n, k, out.stride(0), GROUP=group, BN=t.bn,
-                                STAGES=t.stages, AHEAD=t.ahead, DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs,
+    x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)
+    _ws_streamk_kernel[(grid,)](x_desc, w_desc, s_desc, out, part, counters, m, n, k, out.stride(0), GROUP=group,
+                                BN=t.bn, STAGES=t.stages, DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs,
                                 num_warps=t.warps)
     return out

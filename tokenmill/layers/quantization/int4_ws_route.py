@@ -2,7 +2,7 @@
 
 `WsTiles` describes one launch of `gluon_int4_ws_gemm`. `TABLE` maps (rows bucket, N, K) to the launch
 that measured faster than the other INT4 paths on a GPU (scripts/gpu_int4_ws.py); it starts empty and
-TOKENMILL_INT4_WS_TABLE ("256,28672,4096=ws m256 n128 st4 w8 d4 a3;...") fills it for A/B runs
+TOKENMILL_INT4_WS_TABLE ("256,28672,4096=ws m256 n128 st4 w8 d4;...") fills it for A/B runs
 without a commit. `triton_int4_mma.mma_matmul` asks `ws_tiles` first above the GEMV's rows, and
 `int4_kperm.swap_route` says no for a product routed here (this GEMM reads x in its natural order).
 """
@@ -20,38 +20,36 @@ BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # as triton_int4_dot_gemm's
 
 @dataclass(frozen=True)
 class WsTiles:
-    """A launch: BM rows by BN channels a CTA, STAGES ring slots (x and B tiles), the consumer's warps
-    (4: one warpgroup, 8: two), the dequantizers' warps, their word loads AHEAD steps early (1-3),
-    split-K slices, the dequantizers' register budget; sk > 0: the stream-K schedule on sk CTAs
-    (`gluon_int4_ws_streamk`; split unused)."""
+    """A launch: BM rows by BN channels a CTA, STAGES ring slots (x, word and B tiles), the consumer's
+    warps (4: one warpgroup, 8: two), the dequantizers' warps, split-K slices, the dequantizers'
+    register budget; sk > 0: the stream-K schedule on sk CTAs (`gluon_int4_ws_streamk`; no split)."""
 
     bm: int = 128
     bn: int = 128
     stages: int = 4
     warps: int = 4
     deq_warps: int = 4
-    ahead: int = 2
     split: int = 1
     deq_regs: int = 168
     sk: int = 0
 
     def label(self) -> str:
-        return (f"ws m{self.bm} n{self.bn} st{self.stages} w{self.warps} d{self.deq_warps} a{self.ahead}"
+        return (f"ws m{self.bm} n{self.bn} st{self.stages} w{self.warps} d{self.deq_warps}"
                 f"{f' s{self.split}' if self.split > 1 else ''}{f' r{self.deq_regs}' if self.deq_regs != 168 else ''}"
                 f"{f' sk{self.sk}' if self.sk else ''}")
 
     @classmethod
     def parse(cls, label: str) -> WsTiles:
-        """The inverse of `label` ("ws m256 n128 st4 w8 d4 a3 s2")."""
-        m = re.fullmatch(r"ws m(\d+) n(\d+) st(\d+) w(\d+) d(\d+) a(\d+)(?: s(\d+))?(?: r(\d+))?(?: sk(\d+))?", label.strip())
+        """The inverse of `label` ("ws m256 n128 st4 w8 d4 s2")."""
+        m = re.fullmatch(r"ws m(\d+) n(\d+) st(\d+) w(\d+) d(\d+)(?: s(\d+))?(?: r(\d+))?(?: sk(\d+))?", label.strip())
         if m is None:
             raise ValueError(f"not a warp-specialized GEMM launch label: {label!r}")
-        bm, bn, st, w, d, a, split, regs, sk = m.groups()
-        return cls(int(bm), int(bn), int(st), int(w), int(d), int(a), int(split or 1), int(regs or 168), int(sk or 0))
+        bm, bn, st, w, d, split, regs, sk = m.groups()
+        return cls(int(bm), int(bn), int(st), int(w), int(d), int(split or 1), int(regs or 168), int(sk or 0))
 
 
 def table_from(text: str) -> dict[tuple[int, int, int], WsTiles]:
-    """"256,28672,4096=ws m256 n128 st4 w8 d4 a3;256,4096,14336=ws m256 n128 st4 w8 d4 a3 s4" -> TABLE."""
+    """"256,28672,4096=ws m256 n128 st4 w8 d4;256,4096,14336=ws m256 n128 st4 w8 d4 s4" -> TABLE."""
     out: dict[tuple[int, int, int], WsTiles] = {}
     for item in filter(None, (p.strip() for p in text.split(";"))):
         key, _, label = item.partition("=")
