@@ -31,9 +31,9 @@ GROUP = 128
 DEVICE = os.environ.get("INT4_WS_DEVICE", "cuda")  # "cpu": a dry run of the script's logic (tests only)
 
 
-def _w(bm, bn, stages, warps, deq=4, split=1, regs=168, sk=0):
+def _w(bm, bn, stages, warps, deq=4, split=1, regs=168, sk=0, parts=1):
     from tokenmill.layers.quantization.int4_ws_route import WsTiles
-    return WsTiles(bm, bn, stages, warps, deq, split, regs, sk)
+    return WsTiles(bm, bn, stages, warps, deq, split, regs, sk, parts)
 
 
 def _run(t, x, qm, scales, zeros, group, sz, counters):
@@ -47,20 +47,26 @@ def _run(t, x, qm, scales, zeros, group, sz, counters):
 
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
-    SM); sk132: the stream-K schedule on 132 CTAs."""
-    big = m > 128
-    sk = [_w(256, 128, 4, 8, sk=132)] if big else [_w(128, 128, 4, 4, sk=132)]
-    if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves) / 448 of 128 x 128 or 256 x 64 / 896 of 128 x 64 (6.8)
-        return ([_w(256, 128, 4, 8), _w(256, 128, 3, 8), _w(256, 64, 4, 8)] if big else
-                []) + [_w(128, 128, 4, 4), _w(128, 128, 4, 8, 8, 1, 112), _w(128, 64, 6, 4)] + sk
+    SM). Round 3 (session 10): the best of rounds 1-2 beside two dequantizer partitions (p2: even and
+    odd steps, so that two steps' dequantization chains overlap; one consumer warpgroup, BM 128)."""
+    p2 = [_w(128, 128, 4, 4, regs=136, parts=2), _w(128, 64, 6, 4, regs=136, parts=2)]
+    if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves) / 448 of 128 x 128 / 896 of 128 x 64
+        return ([_w(256, 128, 4, 8)] if m > 128 else [_w(128, 128, 4, 4)]) + p2 + [_w(128, 128, 6, 4, regs=136, parts=2)]
     if name == "down":  # K 14336: 224 steps
-        return ([_w(256, 128, 4, 8, split=4), _w(256, 128, 4, 8, split=2), _w(256, 64, 4, 8, split=2)] if big else
-                [_w(128, 128, 4, 4, split=4)]) + [_w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4)] + sk
+        return ([_w(256, 128, 4, 8, split=4)] if m > 128 else [_w(128, 128, 4, 4, split=4)]) + \
+            [_w(128, 128, 4, 4, split=2, regs=136, parts=2), _w(128, 128, 4, 4, split=4, regs=136, parts=2),
+             _w(128, 64, 6, 4, split=2, regs=136, parts=2)]
     if name == "qkv":  # 48 / 96 tiles
-        return ([_w(256, 128, 4, 8, split=2), _w(256, 64, 4, 8)] if big else [_w(128, 128, 4, 4, split=2)]) + \
-            [_w(128, 128, 4, 4), _w(128, 64, 6, 4), _w(128, 64, 6, 4, split=2), _w(128, 64, 6, 4, sk=132)] + sk
-    return ([_w(256, 128, 4, 8, split=4), _w(256, 64, 4, 8, split=2)] if big else [_w(128, 128, 4, 4, split=4)]) + \
-        [_w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4), _w(128, 64, 6, 4, split=2), _w(128, 64, 6, 4, sk=132)] + sk
+        return ([_w(256, 64, 4, 8)] if m > 128 else [_w(128, 64, 6, 4)]) + p2 + \
+            [_w(128, 128, 4, 4, split=2, regs=136, parts=2)]
+    return ([_w(256, 64, 4, 8, split=2)] if m > 128 else [_w(128, 64, 6, 4, split=2)]) + \
+        [_w(128, 128, 4, 4, split=2, regs=136, parts=2), _w(128, 64, 6, 4, split=2, regs=136, parts=2),
+         _w(128, 64, 6, 4, regs=136, parts=2)]
+
+
+# timing only (no correct output): DIAG 1, the dequantizers make no tile (the consumer and loader
+# alone), at 256 rows on gate_up: whether the dequantizers set the step time
+DIAG_LAUNCHES = ((256, 128, 4, 8), (128, 128, 4, 4, 4, 1, 136, 0, 2))
 
 
 def launches() -> list:
@@ -123,6 +129,18 @@ def selftest(shard: str, out_dir: str) -> int:
                                       "what": what, "s": round(time.perf_counter() - t0, 2)})
                 print(f"  [{'ok' if ok else 'FAIL'}] {t.label()} n{n} k{k} g{group} m{m}: {what}", flush=True)
                 _dump(rec, path)
+    if DEVICE == "cuda" and i < len(DIAG_LAUNCHES):  # compile the timing-only variants for --bench
+        from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
+        from tokenmill.layers.quantization.int4_ws_route import WsTiles
+        (n, k, group), (_, wt, qm, sz, _) = next(iter(data.items()))
+        for d in (1,):
+            try:
+                ws_gemm(torch.randn(256, k, device=DEVICE).to(torch.bfloat16), qm, wt.scales, wt.zeros, group,
+                        WsTiles(*DIAG_LAUNCHES[i]), sz=sz, diag=d)
+                torch.cuda.synchronize()
+                print(f"  diag{d} {WsTiles(*DIAG_LAUNCHES[i]).label()} compiled and ran", flush=True)
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                print(f"  diag{d}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     split_t = next((t for t in mine if t.split > 1 or t.sk), None)
     if split_t is not None:  # a split-K launch replayed in a CUDA graph (the counters reset themselves)
         (n, k, group), (_, wt, qm, sz, ref_w) = next(iter(data.items()))
@@ -248,6 +266,17 @@ def _bench_linear(rec, path, name, n, k, m, data, counters, deadline) -> None:
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             rec["errors"][f"m{m}/{name}/{t.label()}"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  [FAIL] m{m} {name} {t.label()}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    if name == "gate_up" and m == 256 and DEVICE == "cuda":
+        from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
+        from tokenmill.layers.quantization.int4_ws_route import WsTiles
+        for args in DIAG_LAUNCHES:
+            t = WsTiles(*args)
+            for d in (1,):
+                try:
+                    r[f"diag{d} {t.label()}"] = _graph_us(lambda i, t=t, d=d, x=x: ws_gemm(
+                        x, q[i][0], q[i][1], q[i][2], GROUP, t, sz=q[i][3], counters=counters, diag=d), n_q)
+                except Exception as e:  # noqa: BLE001 - reported, not fatal
+                    rec["errors"][f"m{m}/{name}/diag{d} {t.label()}"] = f"{type(e).__name__}: {str(e)[:300]}"
     ranked = sorted((v, lab) for lab, v in r.items())
     print(f"m{m} {name} {n}x{k}: " + "; ".join(f"{lab} {v:.1f}" for v, lab in ranked), flush=True)
     _dump(rec, path)

@@ -115,7 +115,8 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
     lay = gl.NVMMASharedLayout.get_default_for([bm, 64], gl.bfloat16)
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import _PLAIN32
 
-    const = {"GROUP": 128, "BN": 128, "STAGES": 4, "SPLIT_K": split, "DEQ_WARPS": 4, "DEQ_REGS": 168}
+    const = {"GROUP": 128, "BN": 128, "STAGES": 4, "SPLIT_K": split, "DEQ_WARPS": 4, "DEQ_REGS": 168, "DEQ_PARTS": 1,
+             "DIAG": 0}
     ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
     descs = {"x_desc": f"tensordesc<bf16[{bm}, 64],{lay!r}>", "w_desc": f"tensordesc<i32[8, 128],{_PLAIN32!r}>",
              "s_desc": f"tensordesc<i32[1, 128],{_PLAIN32!r}>"}
@@ -135,7 +136,8 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
                             options={"num_warps": warps})
     fig, sass = sass_tools.disassemble(kernel)
     assert fig["stack"] <= (8 if split else 0), fig  # split-K's epilogue: one spilled word at most
-    assert len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass)) == 2 * (bm // 16 // warps) * 4  # per warpgroup
+    hgmma = len(re.findall(r"HGMMA\.64x128x16\.F32\.BF16", sass))
+    assert hgmma == 2 * (bm // 16 // warps) * 4, hgmma  # per warpgroup
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     assert f"BAR.SYNC.DEFER_BLOCKING 0x0, {hex(32 * warps)}" in sass  # the consumer's own barrier
     assert re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x[2-9a-f], 0x80", sass)  # the dequantizers'
@@ -151,7 +153,7 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
     from tokenmill.layers.quantization.int4_ws_route import WsTiles, table_from
 
     for t in (WsTiles(), WsTiles(256, 128, 4, 8), WsTiles(128, 64, 6, 4, 4, 2), WsTiles(128, 128, 4, 8, 8, 1, 112),
-              WsTiles(256, 128, 4, 8, sk=132)):
+              WsTiles(256, 128, 4, 8, sk=132), WsTiles(128, 128, 4, 4, split=2, deq_regs=136, deq_parts=2)):
         assert WsTiles.parse(t.label()) == t, t.label()
     got = table_from("256,28672,4096=ws m256 n128 st4 w8 d4 sk132; 256,4096,14336=ws m256 n128 st4 w8 d4 s4;")
     assert got == {(256, 28672, 4096): WsTiles(256, 128, 4, 8, sk=132), (256, 4096, 14336): WsTiles(256, 128, 4, 8, split=4)}

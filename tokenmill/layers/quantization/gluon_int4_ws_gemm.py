@@ -104,7 +104,7 @@ def _load_in(i, k_step, off_m, off_cb, grp, x_desc, w_desc, s_desc, x_smem, w_sm
 
 @gluon.jit
 def _loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready, w_empty,
-            b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr):
+            b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr, PARTS: gl.constexpr, DIAG: gl.constexpr):
     """Each step's x tile, words and scales by TMA (the tiles' rows past M zero-filled)."""
     BK: gl.constexpr = x_desc.block_type.shape[1]
     CB: gl.constexpr = w_desc.block_type.shape[0]
@@ -128,7 +128,7 @@ def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty):
+def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG: gl.constexpr = 0):
     """Ring step i: its words and scales from the word ring (a plain row-major view of the TMA tile:
     word m of lane (g, j) of block cb at [cb, 0, g, j, m]; channel 16 cb + c's scale at [cb, c]),
     dequantized into the B ring once the consumer freed the slot; fence (the wgmma and the next TMA
@@ -142,13 +142,16 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty):
     s = i % STAGES
     ph = (i // STAGES) & 1
     mbarrier.wait(w_ready.index(s), ph)
-    words = w_view.index(s).load(w_ld)
-    scales = s_view.index(s)
-    lo = scales.slice(0, 8, dim=1).load(sz_ld)
-    hi = scales.slice(8, 8, dim=1).load(sz_ld)
-    w = _dequant_tile(words, lo, hi, BK, BN)
-    mbarrier.wait(b_empty.index(s), ph ^ 1)
-    b_smem.index(s).store(w)
+    if DIAG == 1:  # timing only: the slots waited for and signalled, no tile made
+        mbarrier.wait(b_empty.index(s), ph ^ 1)
+    else:
+        words = w_view.index(s).load(w_ld)
+        scales = s_view.index(s)
+        lo = scales.slice(0, 8, dim=1).load(sz_ld)
+        hi = scales.slice(8, 8, dim=1).load(sz_ld)
+        w = _dequant_tile(words, lo, hi, BK, BN)
+        mbarrier.wait(b_empty.index(s), ph ^ 1)
+        b_smem.index(s).store(w)
     fence_async_shared()
     _barrier()  # every dequantizer's part stored (and its word reads done) before the arrives
     mbarrier.arrive(b_ready.index(s), count=1)
@@ -157,9 +160,20 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty):
 
 @gluon.jit
 def _dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
-                 w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr):
-    for i in range(n_k):
-        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty)
+                 w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr, PARTS: gl.constexpr,
+                 DIAG: gl.constexpr):
+    """Steps 0, PARTS, 2 PARTS, ... (PARTS 2: a second partition, `_dequantizer_odd`, makes the odd
+    steps' tiles, so that two steps' dequantization chains overlap)."""
+    for i in range(0, n_k, PARTS):
+        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG)
+
+
+@gluon.jit
+def _dequantizer_odd(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                     w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr,
+                     PARTS: gl.constexpr, DIAG: gl.constexpr):
+    for i in range(1, n_k, 2):
+        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG)
 
 
 @gluon.jit
@@ -206,7 +220,7 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
 @gluon.jit(do_not_specialize=["M"])
 def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
                     BN: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEQ_WARPS: gl.constexpr,
-                    DEQ_REGS: gl.constexpr):
+                    DEQ_REGS: gl.constexpr, DEQ_PARTS: gl.constexpr = 1, DIAG: gl.constexpr = 0):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     num_warps: gl.constexpr = gl.num_warps()
@@ -221,13 +235,28 @@ def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K,
 
     (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
      b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES)
-    worker_args = (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
-                   w_empty, b_ready, b_empty, pid_m * BM, pid_n, s0, n_k, GROUP)
-    (acc,) = gl.warp_specialize([
-        (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
-        (_loader, worker_args),
-        (_dequantizer, worker_args),
-    ], [1, DEQ_WARPS], [24, DEQ_REGS])
+    # (the argument tuples written out in each call: a tuple held in a variable turns its constexprs
+    # into tensors)
+    off_m = pid_m * BM
+    if DEQ_PARTS == 2:
+        (acc,) = gl.warp_specialize([
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
+            (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                       w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+            (_dequantizer_odd, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready,
+                                x_empty, w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS,
+                                DIAG)),
+        ], [1, DEQ_WARPS, DEQ_WARPS], [24, DEQ_REGS, DEQ_REGS])
+    else:
+        (acc,) = gl.warp_specialize([
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
+            (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                       w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+        ], [1, DEQ_WARPS], [24, DEQ_REGS])
 
     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
@@ -276,7 +305,7 @@ def split_for(t: WsTiles, k: int, tiles: int, counters: torch.Tensor | None) -> 
 
 def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
             tiles: WsTiles | None = None, sz: torch.Tensor | None = None,
-            counters: torch.Tensor | None = None) -> torch.Tensor:
+            counters: torch.Tensor | None = None, diag: int = 0) -> torch.Tensor:
     """x [M, K] bf16 @ W^T -> [M, N]; W in the mma layout, scales / zeros [G, N] bf16 (or `sz` from
     `packed_scale_offset`). CUDA, bf16, K and the group multiples of 64, N of BN."""
     t = tiles or WsTiles()
@@ -299,7 +328,8 @@ def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torc
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _ws_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out, m, n, k,
                                       out.stride(0), GROUP=group, BN=t.bn, STAGES=t.stages, SPLIT_K=split > 1,
-                                      DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs, num_warps=t.warps)
+                                      DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs, DEQ_PARTS=t.deq_parts, DIAG=diag,
+                                      num_warps=t.warps)
     return out
 
 
