@@ -824,6 +824,11 @@ def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
         x = int4_kperm.unpermute(x)
     if m <= ROWS:
         return mma_gemv(x, qm, scales, zeros, group_size, counters=counters)
+    from tokenmill.layers.quantization import int4_ws_route as ws
+
+    wtiles = ws.ws_tiles(m, n, k, group, x.dtype)
+    if wtiles is not None:  # the warp-specialized GEMM where TOKENMILL_INT4_WS_TABLE lists the rows and shape
+        return ws.run(x, qm, scales, zeros, group_size, wtiles, counters)
     from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
     from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
 

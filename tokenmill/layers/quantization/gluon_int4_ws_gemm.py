@@ -1,0 +1,371 @@
+"""Gluon kernel (Hopper): the W4A16 GEMM warp-specialized (issue 22, 256 rows): out [M, N] = x [M, K] @ W^T.
+
+Why: every single-partition INT4 GEMM here (`gluon_int4_gemm`, `gluon_int4_swap_gemm`) spends each
+64-input K step in one serial chain (x's copy wait, a CTA barrier, the dequantization, the wgmma
+issue and retire, ~0.5 us) whatever the tile, so the tensor cores idle between steps. Here the
+chain is cut into three partitions of one CTA that only meet at mbarriers of shared-memory rings:
+- the loader (1 warp): per step, x's [BM, 64] tile, the step's words ([BN / 16, 128] int32 of the
+  mma layout) and its group's packed scales / offsets ([1, BN]) by TMA (rows past M zero-filled),
+  as soon as the consumers free the slots;
+- the dequantizers (DEQ_WARPS warps): the words and scales from shared memory, dequantized
+  (`triton_int4_dot_gemm`'s DEQ 2 PTX: the same weights as dequantize-then-GEMM) into the bf16
+  [64, BN] B tile of a B ring. They never hold a global load in flight: the async-proxy fence
+  before each ready signal waits for every outstanding load of the thread (session 10's first
+  version loaded words into registers three steps ahead, and each fence waited for them: ~1 us a
+  step);
+- the consumer (the kernel's num_warps: one or two warpgroups) only waits for a slot's two ready
+  barriers, issues its wgmma and, once the previous step's wgmma retired, frees that slot.
+So the dequantization of step i + 1.. overlaps the wgmma of step i. Split-K (grid axis 1) for the
+skinny linears, as `gluon_int4_gemm`: fp32 partials, the last slice to arrive sums them in order;
+`gluon_int4_ws_streamk` runs the same partitions on a stream-K schedule. Same layout
+(`int4_packing.to_mma`: [N / 16, K / 64, 32, 4] int32) and packed scales / offsets
+(`packed_scale_offset`: [G, N] int32) as the other GEMMs. bf16 only; GPUs only (Gluon has no
+interpreter): tests/layers/test_int4_ws_gemm.py checks the word -> B tile map and the split order on
+the CPU and compiles the kernel for sm_90 offline; scripts/gpu_int4_ws.py checks it on the GPU
+against a float32 reference. Torch reference: `int4_packing.dequantize` then a matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tokenmill.layers.quantization.gluon_int4_gemm import _join8
+from tokenmill.layers.quantization.int4_ws_route import WsTiles
+from tokenmill.layers.quantization.triton_int4_dot_gemm import (
+    _ASM_BF16,
+    _cached_scale_offset,
+)
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.7+: renamed
+# memdesc reinterpret: `_reinterpret` in 3.6, `reinterpret` from 3.7 (a static branch in `_rings`)
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the barrier of the calling partition's warps (3.7: renamed)
+
+
+# ----------------------------------------------------------------------------- partitions
+
+
+@gluon.jit
+def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM: gl.constexpr, BN: gl.constexpr):
+    """wgmma of step i on stage i % STAGES once both its tiles are ready; stage (i - 1) % STAGES
+    freed once step i - 1's wgmma retired (one wgmma left in flight)."""
+    STAGES: gl.constexpr = x_smem.shape[0]
+    num_warps: gl.constexpr = gl.num_warps()
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, BN, 16])
+    acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
+    mbarrier.wait(x_ready.index(0), 0)
+    mbarrier.wait(b_ready.index(0), 0)
+    acc = warpgroup_mma(x_smem.index(0), b_smem.index(0), acc, use_acc=False, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # still in flight: a tensor again for the loop
+    for i in range(1, n_k):
+        s = i % STAGES
+        ph = (i // STAGES) & 1
+        mbarrier.wait(x_ready.index(s), ph)
+        mbarrier.wait(b_ready.index(s), ph)
+        acc = warpgroup_mma(x_smem.index(s), b_smem.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+        _barrier()  # every warpgroup's wgmma i - 1 retired before its stage is handed back
+        p = (i - 1) % STAGES
+        mbarrier.arrive(x_empty.index(p), count=1)
+        mbarrier.arrive(b_empty.index(p), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    return (acc,)
+
+
+@gluon.jit
+def _load_in(i, k_step, off_m, off_cb, grp, x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, x_ready, x_empty,
+             w_ready, w_empty):
+    """Ring step i (slot i % STAGES): x's [BM, 64] tile at K step k_step into the x ring, the step's
+    words [CB, 128] and its group's packed scales [1, BN] into the word ring, each slot once freed."""
+    STAGES: gl.constexpr = x_smem.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    s = i % STAGES
+    ph = ((i // STAGES) & 1) ^ 1
+    mbarrier.wait(x_empty.index(s), ph)
+    mbarrier.expect(x_ready.index(s), x_desc.block_type.nbytes)
+    _tma_load(x_desc, [off_m, k_step * BK], x_ready.index(s), x_smem.index(s))
+    mbarrier.wait(w_empty.index(s), ph)
+    mbarrier.expect(w_ready.index(s), w_desc.block_type.nbytes + s_desc.block_type.nbytes)
+    _tma_load(w_desc, [off_cb, k_step * 128], w_ready.index(s), w_smem.index(s))
+    _tma_load(s_desc, [grp, off_cb * 16], w_ready.index(s), s_smem.index(s))
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready, w_empty,
+            b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr, PARTS: gl.constexpr, DIAG: gl.constexpr):
+    """Each step's x tile, words and scales by TMA (the tiles' rows past M zero-filled)."""
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    CB: gl.constexpr = w_desc.block_type.shape[0]
+    for i in range(n_k):
+        _load_in(i, s0 + i, off_m, pid_n * CB, ((s0 + i) * BK) // GROUP, x_desc, w_desc, s_desc, x_smem, w_smem,
+                 s_smem, x_ready, x_empty, w_ready, w_empty)
+
+
+@gluon.jit
+def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr):
+    """The words of one step -> the bf16 B tile [BK, BN] in natural K order (as `gluon_int4_gemm`)."""
+    lo = gl.expand_dims(gl.expand_dims(gl.expand_dims(lo, 1), 3), 4)
+    hi = gl.expand_dims(gl.expand_dims(gl.expand_dims(hi, 1), 3), 4)
+    lo, _ = gl.broadcast(lo, words)
+    hi, _ = gl.broadcast(hi, words)
+    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+        _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, lo, hi],
+        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
+    v = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [CB, 1, g, j, m, hi, a, b]
+    return gl.reshape(gl.permute(v, (1, 3, 4, 6, 7, 0, 5, 2)), (BK, BN))
+
+
+@gluon.jit
+def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG: gl.constexpr = 0):
+    """Ring step i: its words and scales from the word ring (a plain row-major view of the TMA tile:
+    word m of lane (g, j) of block cb at [cb, 0, g, j, m]; channel 16 cb + c's scale at [cb, c]),
+    dequantized into the B ring once the consumer freed the slot; fence (the wgmma and the next TMA
+    into the word slot are async-proxy accesses), then both slots signalled."""
+    STAGES: gl.constexpr = b_smem.shape[0]
+    BK: gl.constexpr = b_smem.shape[1]
+    BN: gl.constexpr = b_smem.shape[2]
+    nw: gl.constexpr = gl.num_warps()
+    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))  # [CB, 8]
+    s = i % STAGES
+    ph = (i // STAGES) & 1
+    mbarrier.wait(w_ready.index(s), ph)
+    if DIAG == 1:  # timing only: the slots waited for and signalled, no tile made
+        mbarrier.wait(b_empty.index(s), ph ^ 1)
+    else:
+        words = w_view.index(s).load(w_ld)
+        scales = s_view.index(s)
+        lo = scales.slice(0, 8, dim=1).load(sz_ld)
+        hi = scales.slice(8, 8, dim=1).load(sz_ld)
+        w = _dequant_tile(words, lo, hi, BK, BN)
+        mbarrier.wait(b_empty.index(s), ph ^ 1)
+        b_smem.index(s).store(w)
+    fence_async_shared()
+    _barrier()  # every dequantizer's part stored (and its word reads done) before the arrives
+    mbarrier.arrive(b_ready.index(s), count=1)
+    mbarrier.arrive(w_empty.index(s), count=1)
+
+
+@gluon.jit
+def _dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
+                 w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr, PARTS: gl.constexpr,
+                 DIAG: gl.constexpr):
+    """Steps 0, PARTS, 2 PARTS, ... (PARTS 2: a second partition, `_dequantizer_odd`, makes the odd
+    steps' tiles, so that two steps' dequantization chains overlap)."""
+    for i in range(0, n_k, PARTS):
+        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG)
+
+
+@gluon.jit
+def _dequantizer_odd(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                     w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr,
+                     PARTS: gl.constexpr, DIAG: gl.constexpr):
+    for i in range(1, n_k, 2):
+        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG)
+
+
+@gluon.jit
+def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
+    """The shared memory: x / word / scale / B tile rings, the word and scale rings also as plain
+    row-major views ([STAGES, CB, 1, 8, 4, 4] and [STAGES, CB, 16] int32) for the dequantizers, and
+    the ready / empty barriers of the x, word and B slots."""
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    CB: gl.constexpr = BN // 16
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, CB, 128], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BN], s_desc.layout)
+    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
+                                       gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
+    flat5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    if _PUBLIC_REINTERPRET:
+        w_view = w_smem.reinterpret(gl.int32, [STAGES, CB, 1, 8, 4, 4], flat5)
+        s_view = s_smem.reinterpret(gl.int32, [STAGES, CB, 16], flat2)
+    else:
+        w_view = w_smem._reinterpret(gl.int32, [STAGES, CB, 1, 8, 4, 4], flat5)
+        s_view = s_smem._reinterpret(gl.int32, [STAGES, CB, 16], flat2)
+    x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    w_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(x_ready.index(s), count=1)
+        mbarrier.init(x_empty.index(s), count=1)
+        mbarrier.init(w_ready.index(s), count=1)
+        mbarrier.init(w_empty.index(s), count=1)
+        mbarrier.init(b_ready.index(s), count=1)
+        mbarrier.init(b_empty.index(s), count=1)
+    fence_async_shared()
+    return (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready, b_empty)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+@gluon.jit(do_not_specialize=["M"])
+def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
+                    BN: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEQ_WARPS: gl.constexpr,
+                    DEQ_REGS: gl.constexpr, DEQ_PARTS: gl.constexpr = 1, DIAG: gl.constexpr = 0):
+    BM: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    num_warps: gl.constexpr = gl.num_warps()
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    split = gl.num_programs(1)
+    tiles_m = gl.cdiv(M, BM)
+    pid_m = pid % tiles_m
+    pid_n = pid // tiles_m
+    n_k = K // BK // split  # steps per slice (the wrapper makes the split divide them)
+    s0 = pid_k * n_k
+
+    (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
+     b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES)
+    # (the argument tuples written out in each call: a tuple held in a variable turns its constexprs
+    # into tensors)
+    off_m = pid_m * BM
+    if DEQ_PARTS == 2:
+        (acc,) = gl.warp_specialize([
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
+            (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                       w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+            (_dequantizer_odd, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready,
+                                x_empty, w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS,
+                                DIAG)),
+        ], [1, DEQ_WARPS, DEQ_WARPS], [24, DEQ_REGS, DEQ_REGS])
+    else:
+        (acc,) = gl.warp_specialize([
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
+            (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                       w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+        ], [1, DEQ_WARPS], [24, DEQ_REGS])
+
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
+    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+    o_off = gl.expand_dims(om.to(gl.int64) * s_om, 1) + gl.expand_dims(on, 0)
+    o_mask = gl.expand_dims(om < M, 1)
+    if SPLIT_K:  # as `gluon_int4_gemm`: partials, then the last slice to arrive sums them in slice order
+        p_off = gl.expand_dims(om.to(gl.int64) * N, 1) + gl.expand_dims(on, 0)
+        mn = N.to(gl.int64) * M
+        gl.store(part_ptr + pid_k * mn + p_off, gl.convert_layout(acc, out_l), mask=o_mask)
+        _barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == split - 1:
+            total = gl.zeros([BM, BN], gl.float32, layout=out_l)
+            for sl in range(split):
+                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
+            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
+            gl.atomic_xchg(cnt_ptr + pid, 0)
+    else:
+        gl.store(out_ptr + o_off, gl.convert_layout(acc.to(gl.bfloat16), out_l), mask=o_mask)
+
+
+# ----------------------------------------------------------------------------- host
+
+
+_PLAIN32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # TMA tiles of words / scales
+
+
+def descriptors(x: torch.Tensor, qm: torch.Tensor, sz: torch.Tensor, t: WsTiles) -> tuple:
+    """TMA descriptors: x's [BM, 64] tiles, the words' [BN / 16, 128] tiles (qm as [N / 16, K / 64 x 128]:
+    one 64-input step of BN / 16 channel blocks) and the packed scales' [1, BN] rows."""
+    x_desc = TensorDescriptor.from_tensor(x, [t.bm, 64], gl.NVMMASharedLayout.get_default_for([t.bm, 64], gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(qm.view(qm.shape[0], -1), [t.bn // 16, 128], _PLAIN32)
+    s_desc = TensorDescriptor.from_tensor(sz, [1, t.bn], _PLAIN32)
+    return x_desc, w_desc, s_desc
+
+
+def split_for(t: WsTiles, k: int, tiles: int, counters: torch.Tensor | None) -> int:
+    """The split-K slices a launch runs: t.split, lowered until it divides K / 64; 1 without enough
+    counters (one zeroed int32 per output tile)."""
+    split = t.split if counters is not None and counters.numel() >= tiles else 1
+    while (k // 64) % split:
+        split -= 1
+    return split
+
+
+def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            tiles: WsTiles | None = None, sz: torch.Tensor | None = None,
+            counters: torch.Tensor | None = None, diag: int = 0) -> torch.Tensor:
+    """x [M, K] bf16 @ W^T -> [M, N]; W in the mma layout, scales / zeros [G, N] bf16 (or `sz` from
+    `packed_scale_offset`). CUDA, bf16, K and the group multiples of 64, N of BN."""
+    t = tiles or WsTiles()
+    m, k = x.shape
+    n = qm.shape[0] * 16
+    group = k if group_size == -1 else group_size
+    if x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group:
+        raise ValueError(f"ws int4 GEMM: bf16 x, N a multiple of {t.bn}, K and the group of 64 "
+                         f"(x {x.dtype}, N {n}, K {k}, group {group})")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
+        x = x.contiguous()
+    if sz is None:
+        sz = _cached_scale_offset(scales, zeros)
+    x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)
+    n_tiles = triton.cdiv(m, t.bm) * (n // t.bn)
+    split = split_for(t, k, n_tiles, counters)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _ws_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out, m, n, k,
+                                      out.stride(0), GROUP=group, BN=t.bn, STAGES=t.stages, SPLIT_K=split > 1,
+                                      DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs, DEQ_PARTS=t.deq_parts, DIAG=diag,
+                                      num_warps=t.warps)
+    return out
+
+
+# ----------------------------------------------------------------------------- CPU mirror
+
+
+def step_tile(qm: torch.Tensor, sz: torch.Tensor, step: int, pid_n: int, bn: int, group: int) -> torch.Tensor:
+    """The dequantizers' B tile [64, bn] of one K step in float32, as the kernel makes it: lane (g, j)'s
+    word m, nibble hi + 2 a + 4 b -> input 16 j + 4 m + 2 a + b, channel 16 cb + 8 hi + g; the PTX's
+    ((128 + q) - (128 + z)) exact, times the scale rounded once to bf16."""
+    cb = bn // 16
+    words = qm[pid_n * cb:(pid_n + 1) * cb, step].to(torch.int64).view(cb, 8, 4, 4)  # cb, g, j, m
+    nib = torch.stack([(words >> (4 * i)) & 0xF for i in range(8)], dim=-1).view(cb, 8, 4, 4, 2, 2, 2)  # .., b, a, hi
+    q = nib.permute(2, 3, 5, 4, 0, 6, 1).reshape(64, bn)  # (j, m, a, b) x (cb, hi, g)
+    row = sz[(step * 64) // group, pid_n * bn:(pid_n + 1) * bn]
+    scale = (((row & 0xFFFF) ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16).float()
+    mz = (row >> 16).to(torch.int16).view(torch.bfloat16).float()  # 128 + z
+    return ((q.float() + 128.0 - mz) * scale).to(torch.bfloat16).float()
+
+
+def emulate(x: torch.Tensor, qm: torch.Tensor, sz: torch.Tensor, group: int, tiles: WsTiles, split: int = 1) -> torch.Tensor:
+    """The kernel's result in torch (float32; the CPU reference test): per output tile and K slice
+    (slice p: steps p n_k .. (p + 1) n_k - 1), the steps' B tiles (`step_tile`) times x in fp32,
+    the slices summed in slice order (the split-K epilogue's)."""
+    m, k = x.shape
+    n = qm.shape[0] * 16
+    n_k = k // 64 // split
+    out = torch.zeros(m, n, dtype=torch.float32)
+    xf = x.float().cpu()
+    for pid_n in range(n // tiles.bn):
+        cols = slice(pid_n * tiles.bn, (pid_n + 1) * tiles.bn)
+        total = torch.zeros(m, tiles.bn)
+        for p in range(split):
+            acc = torch.zeros(m, tiles.bn)
+            for step in range(p * n_k, (p + 1) * n_k):
+                acc += xf[:, step * 64:(step + 1) * 64] @ step_tile(qm.cpu(), sz.cpu(), step, pid_n, tiles.bn, group)
+            total += acc
+        out[:, cols] = total
+    return out
