@@ -46,7 +46,10 @@ def build(name: str, spec: str) -> ctypes.CDLL:
             root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
             text = subprocess.run(["git", "-C", root, "show", f"{part[1:]}:tokenmill/layers/cpu_amx_gemm.py"],
                                   capture_output=True, text=True, check=True).stdout
-            source = text.split('_SOURCE = r"""', 1)[1].split('"""', 1)[0]
+            # the revision's module run on its own (its source may be assembled from c_common's parts)
+            namespace: dict = {"__name__": f"cpu_amx_gemm_at_{part[1:]}"}
+            exec(compile(text, f"{part[1:]}:cpu_amx_gemm.py", "exec"), namespace)  # noqa: S102 - our own git history
+            source = namespace["_SOURCE"]
         else:
             defines.append(f"-D{part}")
     lib = c_build.load_library(f"cpu_amx_gemm_ab_{name}", source,

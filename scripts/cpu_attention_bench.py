@@ -54,18 +54,33 @@ def _best_ms(fn, iters: int, repeat: int) -> float:
     return best * 1e3
 
 
-def _baseline_module(ref: str):
-    """cpu_decode.py as git `ref` has it, as a module of its own (its C library builds under its own key)."""
+def _module_at(ref: str, name: str):
+    """tokenmill/layers/attention/NAME.py as git `ref` has it, loaded as a module of its own; None
+    where `ref` has no such file."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    src = subprocess.run(["git", "-C", root, "show", f"{ref}:tokenmill/layers/attention/cpu_decode.py"],
-                         check=True, capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(), "cpu_decode_baseline.py")
+    got = subprocess.run(["git", "-C", root, "show", f"{ref}:tokenmill/layers/attention/{name}.py"],
+                         check=False, capture_output=True, text=True)
+    if got.returncode:
+        return None
+    path = os.path.join(tempfile.mkdtemp(), f"{name}_baseline.py")
     with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("cpu_decode_baseline", path)
+        f.write(got.stdout)
+    spec = importlib.util.spec_from_file_location(f"{name}_baseline", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def _baseline_module(ref: str):
+    """cpu_decode.py as git `ref` has it, as a module of its own (its C library builds under its own
+    key), with the kernel's source as `ref` has it (in cpu_decode_source.py since that file exists)."""
+    module = _module_at(ref, "cpu_decode")
+    if module is None:
+        raise SystemExit(f"{ref} has no cpu_decode.py")
+    source = _module_at(ref, "cpu_decode_source")
+    if source is not None:
+        module._SOURCE = source.SOURCE
     return module
 
 

@@ -11,6 +11,13 @@ import shutil
 if not os.path.exists("/dev/nvidia0") and shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The test process's own torch work (HF references, in-process engines, GPTQ) as the engine's
+# processes run theirs (`tokenmill.cpu_threads.set_openmp_defaults`): idle OpenMP threads sleep
+# instead of spinning. With `-n 2` on two cores each worker's spinning threads took the cores from
+# the other's work: the 8 tiny-family bf16 deviation tests took 89 and 142 s with libgomp's
+# default, 38 and 45 s with this (a shared two-core machine). libgomp reads it when torch loads it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest  # noqa: E402
 
 from tests.helpers.requirements import SMOLLM2_GGUF, require_smollm2  # noqa: E402

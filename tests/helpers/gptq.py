@@ -24,49 +24,57 @@ _INPUT_OF = {"q_proj": "q_proj", "k_proj": "q_proj", "v_proj": "q_proj", "o_proj
 
 
 def _group_params(w: torch.Tensor, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero) per row of w [N, G] (as int4_packing.quantize_int4 chooses them)."""
+    """(scale, zero) per row of w [..., G] (as int4_packing.quantize_int4 chooses them)."""
     if sym:
-        scale = (2 * w.abs().amax(dim=1) / 15).clamp(min=1e-8)
+        scale = (2 * w.abs().amax(dim=-1) / 15).clamp(min=1e-8)
         return scale, torch.full_like(scale, 8)
-    lo, hi = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
+    lo, hi = w.amin(dim=-1).clamp(max=0), w.amax(dim=-1).clamp(min=0)
     scale = ((hi - lo) / 15).clamp(min=1e-8)
     return scale, torch.round(-lo / scale).clamp(1, 15)  # v1 stores zero - 1: keep it >= 0
 
 
 def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, group_size: int, sym: bool, act_order: bool,
-                  block: int = 128, damp: float = 0.01) -> packing.Int4Codes:
-    w = w.double().clone()
+                  block: int = 128, damp: float = 0.01) -> list[packing.Int4Codes]:
+    """GPTQ of B independent weights w [B, N, K] with their inputs' Hessians [B, K, K], solved
+    together: one loop over the K columns for all of them. Each row of each weight is quantized as
+    on its own. The weights are held transposed ([B, K, N]: a column one contiguous row), so each
+    step's update of the columns after it is one contiguous block."""
     h = hessian.double().clone()
-    n, k = w.shape
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(k)
-    w, h = w[:, perm], h[perm][:, perm]
-    h += damp * torch.diag(h).mean() * torch.eye(k, dtype=h.dtype)
+    b, n, k = w.shape
+    diag = torch.diagonal(h, dim1=1, dim2=2)  # a view: writes reach h
+    dead = diag == 0  # [B, K]
+    diag[dead] = 1
+    perm = (torch.argsort(diag, dim=1, descending=True) if act_order
+            else torch.arange(k).expand(b, k))
+    wt = w.double().masked_fill(dead[:, None, :], 0).transpose(1, 2)  # [B, K, N]
+    wt = torch.gather(wt, 1, perm[:, :, None].expand(b, k, n)).contiguous()
+    h = torch.gather(torch.gather(h, 1, perm[:, :, None].expand(b, k, k)), 2, perm[:, None, :].expand(b, k, k))
+    h += damp * torch.diagonal(h, dim1=1, dim2=2).mean(dim=1)[:, None, None] * torch.eye(k, dtype=h.dtype)
     hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     size = k if group_size == -1 else group_size
-    codes = torch.zeros(n, k, dtype=torch.int64)
-    scales, zeros = torch.zeros(n, k // size, dtype=torch.float64), torch.zeros(n, k // size, dtype=torch.float64)
+    codes = torch.zeros(b, k, n, dtype=torch.uint8)
+    scales, zeros = torch.zeros(b, k // size, n, dtype=torch.float64), torch.zeros(b, k // size, n, dtype=torch.float64)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
-        w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros(n, i2 - i1, dtype=w.dtype), hinv[i1:i2, i1:i2]
+        w1, err1, hinv1 = wt[:, i1:i2].clone(), torch.zeros(b, i2 - i1, n, dtype=wt.dtype), hinv[:, i1:i2, i1:i2]
         for i in range(i2 - i1):
             col = i1 + i
-            if col % size == 0:  # a new group (in quantization order): its scale from the updated weights
-                g = col // size
-                current = torch.cat([w1[:, i:], w[:, i2:]], dim=1)[:, :size]
-                scales[:, g], zeros[:, g] = _group_params(current, sym)
             g = col // size
-            q = torch.clamp(torch.round(w1[:, i] / scales[:, g]) + zeros[:, g], 0, 15)
-            codes[:, col] = q.long()
-            err = (w1[:, i] - (q - zeros[:, g]) * scales[:, g]) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
+            if col % size == 0:  # a new group (in quantization order): its scale from the updated weights
+                current = torch.cat([w1[:, i:], wt[:, i2:]], dim=1)[:, :size]
+                scales[:, g], zeros[:, g] = _group_params(current.transpose(1, 2), sym)
+            s, z = scales[:, g], zeros[:, g]
+            q = torch.clamp(torch.round(w1[:, i] / s) + z, 0, 15)
+            codes[:, col] = q
+            err = (w1[:, i] - (q - z) * s) / hinv1[:, i, i, None]
+            w1[:, i:] -= hinv1[:, i, i:, None] * err[:, None, :]
             err1[:, i] = err
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    inverse = torch.argsort(perm)
+        wt[:, i2:] -= hinv[:, i1:i2, i2:].transpose(1, 2) @ err1
+    inverse = torch.argsort(perm, dim=1)
+    codes = torch.gather(codes, 1, inverse[:, :, None].expand(b, k, n)).transpose(1, 2)
     g_idx = (torch.arange(k) // size)[inverse]
-    return packing.Int4Codes(codes[:, inverse].to(torch.uint8), scales.float(), zeros.long(), g_idx)
+    return [packing.Int4Codes(codes[i].contiguous(), scales[i].t().float().contiguous(), zeros[i].t().long().contiguous(),
+                              g_idx[i]) for i in range(b)]
 
 
 def input_hessians(model_dir: str, token_ids: list[int]) -> dict[str, torch.Tensor]:
@@ -90,6 +98,8 @@ def input_hessians(model_dir: str, token_ids: list[int]) -> dict[str, torch.Tens
 
 def gptq_checkpoint(src: str, out: str | Path, calibration_ids: list[int], group_size: int, sym: bool,
                     act_order: bool) -> str:
+    """Every decoder linear of `src` quantized by GPTQ; linears that read one input (q/k/v, gate/up)
+    as one weight of stacked rows (one column loop for all of them: rows are independent)."""
     out = Path(out)
     if out.exists():
         shutil.rmtree(out)
@@ -98,16 +108,24 @@ def gptq_checkpoint(src: str, out: str | Path, calibration_ids: list[int], group
     state = {}
     for f in sorted(Path(src).glob("*.safetensors")):
         state.update(load_file(f))
+    readers: dict[str, list[str]] = {}  # input (a key of `hessians`) -> the linears reading it
     tensors = {}
     for name, value in state.items():
         module, _, leaf = name.rpartition(".")
         proj = module.rsplit(".", 1)[-1]
         if leaf == "weight" and proj in _INPUT_OF:
-            h = hessians[module.rsplit(".", 1)[0] + "." + _INPUT_OF[proj]]
-            codes = gptq_quantize(value.float(), h, group_size, sym, act_order)
-            tensors.update({f"{module}.{k}": v for k, v in packing.to_gptq(codes, zero_offset=1).items()})
+            readers.setdefault(module.rsplit(".", 1)[0] + "." + _INPUT_OF[proj], []).append(module)
         else:
             tensors[name] = value
+    for key, modules in readers.items():
+        w = torch.cat([state[m + ".weight"].float() for m in modules])
+        codes = gptq_quantize(w[None], hessians[key][None], group_size, sym, act_order)[0]
+        r0 = 0
+        for m in modules:
+            r1 = r0 + state[m + ".weight"].shape[0]
+            mine = packing.Int4Codes(codes.codes[r0:r1], codes.scales[r0:r1], codes.zeros[r0:r1], codes.g_idx)
+            tensors.update({f"{m}.{part}": t for part, t in packing.to_gptq(mine, zero_offset=1).items()})
+            r0 = r1
     save_file(tensors, str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size,

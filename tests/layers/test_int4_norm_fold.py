@@ -8,6 +8,7 @@ a GPU only (`int4_norm_fold.selftest`, `scripts/gpu_int4_b1.py`)."""
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -27,6 +28,40 @@ def _case(n=128, k=256, group=64, seed=0):
     return packing.from_codes(codes, torch.float32, act_order=False)
 
 
+def _operands(wt, dtype, silu=False):
+    """`wt`'s GEMV operands: words in the mma layout, scales and zeros in `dtype`; with `silu` its
+    channels in `gate_up_pairs` order (what the SiLU epilogue reads)."""
+    perm = packing.gate_up_pairs(wt.qweight.shape[1]) if silu else slice(None)
+    return packing.to_mma(wt.qweight[:, perm]), wt.scales[:, perm].to(dtype), wt.zeros[:, perm].to(dtype)
+
+
+class AddThenNorm(NamedTuple):
+    """An add GEMV ([K, K] weight: x -> the stream) and the next GEMV ([K, 128] weight) that reads
+    the stream normalized by weight `w`; each weight as `_operands`."""
+
+    add: tuple
+    norm: tuple
+    x: torch.Tensor
+    stream: torch.Tensor
+    w: torch.Tensor
+    counters: torch.Tensor
+
+
+@pytest.fixture
+def add_then_norm():
+    """make(m, dtype, seeds=(add weight, next weight, inputs), silu) -> AddThenNorm, K = 256."""
+    def make(m, dtype, seeds, silu=False):
+        k = 256
+        add_w, nxt = _case(n=k, k=k, seed=seeds[0]), _case(n=128, k=k, seed=seeds[1])
+        g = torch.Generator().manual_seed(seeds[2])
+        x = torch.randn(m, k, generator=g).to(dtype)
+        stream = torch.randn(m, k, generator=g) * 2
+        w = (torch.rand(k, generator=g) + 0.5).to(dtype)
+        return AddThenNorm(_operands(add_w, dtype), _operands(nxt, dtype, silu), x, stream, w,
+                           torch.zeros(16, dtype=torch.int32))
+    return make
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,group,warps,split,silu", [(1, 64, 1, 1, False), (3, 128, 4, 2, False), (8, 64, 2, 4, False),
                                                      (1, 64, 2, 2, True), (5, 128, 1, 1, True)])
@@ -35,12 +70,7 @@ def test_folded_norm_equals_the_norm_kernel_then_the_gemv(m, group, warps, split
     from tokenmill.layers.triton_ops.rms_norm import rms_norm
 
     n, k = 128, 256
-    wt = _case(n, k, group)
-    if silu:
-        perm = packing.gate_up_pairs(n)
-        qm, s, z = packing.to_mma(wt.qweight[:, perm]), wt.scales[:, perm].to(dtype), wt.zeros[:, perm].to(dtype)
-    else:
-        qm, s, z = packing.to_mma(wt.qweight), wt.scales.to(dtype), wt.zeros.to(dtype)
+    qm, s, z = _operands(_case(n, k, group), dtype, silu)
     g = torch.Generator().manual_seed(2)
     stream = torch.randn(m, k, generator=g) * 3
     w = (torch.rand(k, generator=g) + 0.5).to(dtype)
@@ -74,8 +104,7 @@ def _close_to_unfused(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) 
 def test_folded_add_equals_the_gemv_then_a_float32_add(m, warps, split, dtype):
     from tokenmill.layers.quantization.triton_int4_mma import MmaGemv, mma_gemv
 
-    wt = _case()
-    qm, s, z = packing.to_mma(wt.qweight), wt.scales.to(dtype), wt.zeros.to(dtype)
+    qm, s, z = _operands(_case(), dtype)
     g = torch.Generator().manual_seed(3)
     x = torch.randn(m, 256, generator=g).to(dtype)
     res = torch.randn(m, 128, generator=g)
@@ -116,7 +145,7 @@ def test_fold_switch(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,warps", [(1, 1), (3, 2), (8, 4)])
-def test_adds_hand_the_norm_their_sums_of_squares(m, warps, dtype):
+def test_adds_hand_the_norm_their_sums_of_squares(m, warps, dtype, add_then_norm):
     """RES with sumsq: each channel block's sums of squares of the new stream's rows; the folded
     norm from them equals the norm kernel then the GEMV (up to the float32 order of the sum: close,
     and bit for bit where that order does not change the rounding)."""
@@ -124,14 +153,7 @@ def test_adds_hand_the_norm_their_sums_of_squares(m, warps, dtype):
     from tokenmill.layers.triton_ops.rms_norm import rms_norm
 
     k = 256
-    add_w, norm_w = _case(n=k, k=k, seed=5), _case(n=128, k=k, seed=6)
-    aq, a_s, a_z = packing.to_mma(add_w.qweight), add_w.scales.to(dtype), add_w.zeros.to(dtype)
-    nq, n_s, n_z = packing.to_mma(norm_w.qweight), norm_w.scales.to(dtype), norm_w.zeros.to(dtype)
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    stream = torch.randn(m, k, generator=g) * 2
-    w = (torch.rand(k, generator=g) + 0.5).to(dtype)
-    counters = torch.zeros(16, dtype=torch.int32)
+    (aq, a_s, a_z), (nq, n_s, n_z), x, stream, w, counters = add_then_norm(m, dtype, seeds=(5, 6, 7))
     c = MmaGemv(warps, 2)
     parts = k // (16 * warps)
     sumsq = torch.full((m, parts), float("nan"))
@@ -239,7 +261,7 @@ def _layer_close(out: torch.Tensor, ref: torch.Tensor, mode: str) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,warps,silu", [(1, 1, False), (3, 2, True), (8, 4, False)])
-def test_rstd_after_the_gemv_of_the_weighted_stream(m, warps, silu, dtype):
+def test_rstd_after_the_gemv_of_the_weighted_stream(m, warps, silu, dtype, add_then_norm):
     """`weighted` + `rstd_of` (the kernel's YW and RSTD): the add writes y = stream * weight (rounded)
     beside the sums of squares, and the next GEMV of y scales each row by its rstd in the split-K
     epilogue: the norm kernel then the GEMV, but for one rounding of the normalized input less."""
@@ -247,18 +269,7 @@ def test_rstd_after_the_gemv_of_the_weighted_stream(m, warps, silu, dtype):
     from tokenmill.layers.triton_ops.rms_norm import rms_norm
 
     k = 256
-    add_w, nxt = _case(n=k, k=k, seed=8), _case(n=128, k=k, seed=9)
-    aq, a_s, a_z = packing.to_mma(add_w.qweight), add_w.scales.to(dtype), add_w.zeros.to(dtype)
-    if silu:
-        perm = packing.gate_up_pairs(128)
-        nq, n_s, n_z = packing.to_mma(nxt.qweight[:, perm]), nxt.scales[:, perm].to(dtype), nxt.zeros[:, perm].to(dtype)
-    else:
-        nq, n_s, n_z = packing.to_mma(nxt.qweight), nxt.scales.to(dtype), nxt.zeros.to(dtype)
-    g = torch.Generator().manual_seed(12)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    stream = torch.randn(m, k, generator=g) * 2
-    w = (torch.rand(k, generator=g) + 0.5).to(dtype)
-    counters = torch.zeros(16, dtype=torch.int32)
+    (aq, a_s, a_z), (nq, n_s, n_z), x, stream, w, counters = add_then_norm(m, dtype, seeds=(8, 9, 12), silu=silu)
     parts = k // (16 * warps)
     sumsq, y = torch.empty(m, parts), torch.full((m, k), float("nan")).to(dtype)
     mma_gemv(x, aq, a_s, a_z, 64, MmaGemv(warps, 2), counters, add_to=stream, sumsq=sumsq, weighted=(y, w))
@@ -277,13 +288,15 @@ def test_rstd_after_the_gemv_of_the_weighted_stream(m, warps, silu, dtype):
 
 def test_selftest_passes_and_falls_back(monkeypatch, caplog):
     """The fold's device self-test passes on the interpreter (float16); a GEMV that drops the rstd
-    fails it, logged (layers then run their norms apart)."""
+    fails it, logged (layers then run their norms apart). N = 64 instead of 256 for the interpreter's
+    time (K and the group stay: the pipelined loop takes groups of 128, split 8 needs 8 of them)."""
     from tokenmill.layers.quantization import int4_norm_fold as fold
     from tokenmill.layers.quantization import triton_int4_mma as mma
 
+    shape = (64, 1024, 128)
     monkeypatch.setattr(fold, "_SELFTEST", {})
-    assert fold.selftest(torch.device("cpu"), torch.float16)
+    assert fold.selftest(torch.device("cpu"), torch.float16, shape)
     monkeypatch.setattr(fold, "_SELFTEST", {})
     real = mma.mma_gemv
     monkeypatch.setattr(mma, "mma_gemv", lambda *a, rstd_of=None, **kw: real(*a, **kw))
-    assert not fold.selftest(torch.device("cpu"), torch.float16) and "failed their self-test" in caplog.text
+    assert not fold.selftest(torch.device("cpu"), torch.float16, shape) and "failed their self-test" in caplog.text

@@ -23,10 +23,15 @@ from tests.helpers.triton_required import require_triton
 
 require_triton()  # before the kernels' module imports triton
 
-from tests.layers.test_attention import make_case  # noqa: E402
-from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend  # noqa: E402
-from tokenmill.layers.attention.triton_backend import (  # noqa: E402
-    MAX_KV_SPLITS, TritonAttentionBackend, TritonAttentionConfig, choose_kv_splits, plan_launch)
+from tests.layers.test_attention import make_case
+from tokenmill.layers.attention.torch_ref import TorchRefAttentionBackend
+from tokenmill.layers.attention.triton_backend import (
+    MAX_KV_SPLITS,
+    TritonAttentionBackend,
+    TritonAttentionConfig,
+    choose_kv_splits,
+    plan_launch,
+)
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3}
 

@@ -38,7 +38,7 @@ import logging
 
 import torch
 
-from tokenmill.layers import c_build, cpu_bf16_gemm, cpu_isa
+from tokenmill.layers import c_build, c_common, cpu_bf16_gemm, cpu_isa
 
 logger = logging.getLogger(__name__)
 
@@ -285,24 +285,7 @@ static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, 
 /* The same epilogue on AVX-512 registers (cpu_bf16_gemm's instructions: its exp polynomial, cvtneps
    rounding), with masked loads and stores at the N tail: the plain C one above compiled to scalar
    adds through the stack and a store-forwarding stall per vector, ~40% of a prefill call. */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-static inline __m512 bf16_round_v(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+""" + c_common.AVX512_EXP_BF16 + r"""
 static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, int v0, int v1) {
     const __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
     for (int r = r0; r < r1; ++r) {
@@ -314,7 +297,7 @@ static void epilogue(const job_t *j, const float *acc, int ldc, int r0, int r1, 
                 const int col = 8 * v, n = j->ncols - col < 16 ? j->ncols - col : 16;
                 const __m512 gv = _mm512_add_ps(_mm512_loadu_ps(g), _mm512_loadu_ps(b));
                 const __m512 uv = _mm512_add_ps(_mm512_loadu_ps(g + 16), _mm512_loadu_ps(b + 16));
-                const __m512 sv = bf16_round_v(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, gv)))));
+                const __m512 sv = bf16_round(_mm512_div_ps(gv, _mm512_add_ps(one, exp16(_mm512_sub_ps(zero, gv)))));
                 _mm256_mask_storeu_epi16(y + col, (__mmask16)((1u << n) - 1),
                                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(uv, sv)));
             }

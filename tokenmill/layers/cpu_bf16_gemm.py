@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from tokenmill.layers import c_build, cpu_isa
+from tokenmill.layers import c_build, c_common, cpu_isa
 
 _SOURCE = r"""
 #include <stdint.h>
@@ -38,27 +38,9 @@ _SOURCE = r"""
 #define OUT_SILU_MUL 2  /* packed vectors alternate gate, up (16 columns each): y bf16 =
                            round(up * round(silu(gate))), one output column per gate column */
 
-/* exp(x) for float32 lanes: Cephes' expf polynomial after x = n ln2 + r, |r| <= ln2 / 2 (~1 ulp). */
-static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
+/* exp16 (exp of float32 lanes) and bf16_round: c_common.AVX512_EXP_BF16 */
+""" + c_common.AVX512_EXP_BF16 + r"""
 static inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  /* nearest even */
-static inline __m512 bf16_round(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
-}
 static inline void store_bf16(uint16_t *y, __m512 v, int left) {
     const __m256i h = to_bf16(v);
     if (left >= 16) { _mm256_storeu_si256((__m256i *)y, h); return; }

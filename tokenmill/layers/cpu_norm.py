@@ -21,21 +21,13 @@ import functools
 
 import torch
 
-from tokenmill.layers import c_build
+from tokenmill.layers import c_build, c_common
 
 _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-
-static inline float ld_bf16(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
-static inline uint16_t to_bf16(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 64);  /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);  /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
-
+""" + c_common.BF16_SCALAR + r"""
 #define LANES 16
 /* One row: s (float32 [H], already the stream) -> out (bf16 [H]). */
 static void norm_row(const float *s, const uint16_t *w, float eps, uint16_t *out, int H) {

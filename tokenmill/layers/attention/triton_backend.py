@@ -227,7 +227,7 @@ class TritonAttentionBackend(AttentionBackend):
             # Wide heads (Gemma: 256): half-size tiles keep the K/V tiles and the float32
             # accumulator within the SM's shared memory and registers.
             c = self.config
-            half = lambda t: t and dataclasses.replace(t, block_n=t.block_n // 2)  # noqa: E731 - None stays None
+            half = lambda t: t and dataclasses.replace(t, block_n=t.block_n // 2)  # (None stays None)
             self.config = dataclasses.replace(c, block_n=c.block_n // 2, prefill_rows=c.prefill_rows // 2,
                                               wide_rows=c.wide_rows // 2, decode_max_rows=c.decode_max_rows // 2,
                                               decode_tiles=half(c.decode_tiles),

@@ -146,11 +146,8 @@ def mma_selftest(device: torch.device, dtype: torch.dtype) -> bool:
         try:
             g = torch.Generator(device=device).manual_seed(0)
             n, k, group = 256, 512, 128
-            codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
-            wt = packing.from_codes(codes, dtype, act_order=False)
-            qm = packing.to_mma(wt.qweight)
+            wt, qm, counters = packing.mma_selftest_weight(n, k, group, dtype, g)
             ref_w = packing.dequantize(wt, group, torch.float32)
-            counters = torch.zeros(64, dtype=torch.int32, device=device)
             errs = []
             for m, c in ((1, mma.MmaGemv(4, 2)), (5, mma.MmaGemv(2, 1)), (12, None)):
                 x = torch.randn(m, k, device=device, generator=g).to(dtype)

@@ -172,11 +172,11 @@ def take_carry(stream: torch.Tensor) -> Carry | None:
 _SELFTEST: dict = {}
 
 
-def selftest(device: torch.device, dtype: torch.dtype) -> bool:
+def selftest(device: torch.device, dtype: torch.dtype, shape: tuple[int, int, int] = (256, 1024, 128)) -> bool:
     """Once per device and dtype: NORM (the plain and the pipelined loop, with and without SiLU
-    pairs), RES with its sums of squares and y, and RSTD on a small weight against `rms_norm` + the
-    GEMV and the GEMV + a float32 add, under PDL as the engine launches them. False (logged): layers
-    run unfused."""
+    pairs), RES with its sums of squares and y, and RSTD on a small weight (`shape`: N, K, group;
+    the CPU tests, under the interpreter, take a smaller one) against `rms_norm` + the GEMV and the
+    GEMV + a float32 add, under PDL as the engine launches them. False (logged): layers run unfused."""
     key = (str(device), dtype)
     if key in _SELFTEST:
         return _SELFTEST[key]
@@ -186,11 +186,8 @@ def selftest(device: torch.device, dtype: torch.dtype) -> bool:
     ok, why = False, ""
     try:
         g = torch.Generator(device=device).manual_seed(2)
-        n, k, group = 256, 1024, 128
-        codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
-        wt = packing.from_codes(codes, dtype, act_order=False)
-        qm = packing.to_mma(wt.qweight)
-        counters = torch.zeros(64, dtype=torch.int32, device=device)
+        n, k, group = shape
+        wt, qm, counters = packing.mma_selftest_weight(n, k, group, dtype, g)
         w = (torch.rand(k, device=device, generator=g) + 0.5).to(dtype)
         errs = []
         for m, c, silu in ((1, mma.MmaGemv(4, 2, hint=True, pipe=mma.PIPE_ENABLED), False),
@@ -200,9 +197,7 @@ def selftest(device: torch.device, dtype: torch.dtype) -> bool:
             out = mma.mma_gemv(stream, qm, wt.scales, wt.zeros, group, c, counters, silu=silu, norm=(w, 1e-5))
             errs.append(((out.float() - ref.float()).norm() / ref.float().norm()).item())
         # the add into a stream of K channels (a [K, K] weight), then the norm from its sums of squares
-        codes = packing.quantize_int4(torch.randn(k, k, device=device, generator=g), group, sym=False)
-        sq_w = packing.from_codes(codes, dtype, act_order=False)
-        sq_qm = packing.to_mma(sq_w.qweight)
+        sq_w, sq_qm, _ = packing.mma_selftest_weight(k, k, group, dtype, g)
         x = torch.randn(2, k, device=device, generator=g).to(dtype)
         res = torch.randn(2, k, device=device, generator=g)
         c = mma.MmaGemv(4, 4)

@@ -22,6 +22,7 @@ Kernel layout (`Int4Weights`): `qweight` int32 [K/8, N] packed as GPTQ's, `scale
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -225,3 +226,23 @@ def from_mma(qm: torch.Tensor) -> torch.Tensor:
     v = nibs.view(blocks, steps, 8, 4, 4, 2, 2, 2)  # cb, s, g, j, m, b, a, hi
     codes = v.permute(1, 3, 4, 6, 5, 0, 7, 2).reshape(steps * 64, blocks * 16)  # s, j, m, a, b, cb, hi, g
     return pack_along(codes, 0)
+
+
+class MmaSelftestWeight(NamedTuple):
+    """A random weight for a device self-test of the tensor-core kernels (`int4.mma_selftest`,
+    `int4_norm_fold.selftest`): its `Int4Weights` (words [K/8, N]), the same words in the mma
+    layout (`to_mma`) and zeroed split-K counters (the kernels leave them zero when they finish)."""
+
+    wt: Int4Weights
+    qm: torch.Tensor
+    counters: torch.Tensor
+
+
+def mma_selftest_weight(n: int, k: int, group: int, dtype: torch.dtype, generator: torch.Generator,
+                        counters: int = 64) -> MmaSelftestWeight:
+    """An asymmetric round-to-nearest INT4 weight of N x K standard normal values drawn from
+    `generator` (on its device), scales and zeros in `dtype`, no act-order."""
+    device = generator.device
+    codes = quantize_int4(torch.randn(n, k, device=device, generator=generator), group, sym=False)
+    wt = from_codes(codes, dtype, act_order=False)
+    return MmaSelftestWeight(wt, to_mma(wt.qweight), torch.zeros(counters, dtype=torch.int32, device=device))
