@@ -80,11 +80,9 @@ def silu_selftest(device: torch.device, dtype: torch.dtype) -> bool:
         try:
             g = torch.Generator(device=device).manual_seed(0)
             n, k, group = 256, 512, 128
-            codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
-            wt = packing.from_codes(codes, dtype, act_order=False)
+            wt, qm, counters = packing.mma_selftest_weight(n, k, group, dtype, g)
             ref_w = packing.dequantize(wt, group, torch.float32)
-            paired, _ = pair_gate_up(packing.Int4Weights(packing.to_mma(wt.qweight), wt.scales, wt.zeros, None))
-            counters = torch.zeros(64, dtype=torch.int32, device=device)
+            paired, _ = pair_gate_up(packing.Int4Weights(qm, wt.scales, wt.zeros, None))
             errs = []
             for m, c in ((1, mma.MmaGemv(4, 2)), (3, mma.MmaGemv(4, 1))):
                 x = torch.randn(m, k, device=device, generator=g).to(dtype)
@@ -112,11 +110,8 @@ def _pipe_selftest(device: torch.device, dtype: torch.dtype) -> bool:
     try:
         g = torch.Generator(device=device).manual_seed(1)
         n, k, group = 256, 1024, 128
-        codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
-        wt = packing.from_codes(codes, dtype, act_order=False)
-        qm = packing.to_mma(wt.qweight)
+        wt, qm, counters = packing.mma_selftest_weight(n, k, group, dtype, g)
         ref_w = packing.dequantize(wt, group, torch.float32)
-        counters = torch.zeros(64, dtype=torch.int32, device=device)
         x = torch.randn(1, k, device=device, generator=g).to(dtype)
         ref = x.float() @ ref_w
         errs = [((mma.mma_gemv(x, qm, wt.scales, wt.zeros, group, mma.MmaGemv(4, s, hint=True, pipe=True), counters)
@@ -187,11 +182,8 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
         try:
             g = torch.Generator(device=device).manual_seed(0)
             n, k, group = 256, 512, 128
-            codes = packing.quantize_int4(torch.randn(n, k, device=device, generator=g), group, sym=False)
-            wt = packing.from_codes(codes, dtype, act_order=False)
-            qm = packing.to_mma(wt.qweight)
+            wt, qm, counters = packing.mma_selftest_weight(n, k, group, dtype, g, counters=256)
             ref_w = packing.dequantize(wt, group, torch.float32)
-            counters = torch.zeros(256, dtype=torch.int32, device=device)
             errs = []
             for t in sorted(tiles, key=lambda t: t.label()):
                 if isinstance(t, (dot.GluonTiles, dot.SwapTiles)) and dtype != torch.bfloat16:

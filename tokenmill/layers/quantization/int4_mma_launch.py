@@ -130,3 +130,22 @@ def fits(n: int, k: int, group: int, c: MmaGemv) -> bool:
             and (not c.ring or (c.ring % (group // 64 * c.gpc) == 0 and c.ring <= groups // c.split * (group // 64)
                                 and c.ring * c.warps * 512 <= 48 * 1024 and not c.ahead))
             and (not c.pipe or (group == 128 and c.gpc == 1 and c.early and not (c.zmma or c.ring or c.ahead_l1))))
+
+
+# The INT4 GEMMs' launch tables (above the GEMV's rows) are keyed by rows bucket, N and K.
+GEMM_ROW_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def gemm_row_bucket(m: int) -> int | None:
+    """The smallest bucket holding m rows, or None past the last."""
+    return next((b for b in GEMM_ROW_BUCKETS if b >= m), None)
+
+
+def parse_gemm_table(text: str, parse) -> dict[tuple[int, int, int], object]:
+    """An override of a GEMM launch table ("256,4096,14336=<label>;..."): {(bucket, N, K): parse(label)}."""
+    out: dict[tuple[int, int, int], object] = {}
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        key, _, label = item.partition("=")
+        bucket, n, k = (int(v) for v in key.split(","))
+        out[(bucket, n, k)] = parse(label)
+    return out

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024)  # as triton_int4_dot_gemm's
+from tokenmill.layers.quantization.int4_mma_launch import GEMM_ROW_BUCKETS as BUCKETS
+from tokenmill.layers.quantization.int4_mma_launch import gemm_row_bucket, parse_gemm_table
 
 
 @dataclass(frozen=True)
@@ -53,13 +54,10 @@ class WsTiles:
 
 def table_from(text: str) -> dict[tuple[int, int, int], WsTiles]:
     """"256,28672,4096=ws m256 n128 st4 w8 d4;256,4096,14336=ws m256 n128 st4 w8 d4 s4" -> TABLE."""
-    out: dict[tuple[int, int, int], WsTiles] = {}
-    for item in filter(None, (p.strip() for p in text.split(";"))):
-        key, _, label = item.partition("=")
-        bucket, n, k = (int(v) for v in key.split(","))
+    out = parse_gemm_table(text, WsTiles.parse)
+    for bucket, _, _ in out:
         if bucket not in BUCKETS:
             raise ValueError(f"TOKENMILL_INT4_WS_TABLE: rows bucket {bucket} is not one of {BUCKETS}")
-        out[(bucket, n, k)] = WsTiles.parse(label)
     return out
 
 
@@ -69,7 +67,7 @@ TABLE: dict[tuple[int, int, int], WsTiles] = table_from(os.environ.get("TOKENMIL
 def ws_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> WsTiles | None:
     """The launch for an [m, k] x [k, n] product on the mma layout (bf16; N of whole channel tiles,
     the group and K of 64-input steps), or None: another path."""
-    bucket = next((b for b in BUCKETS if b >= m), None)
+    bucket = gemm_row_bucket(m)
     t = TABLE.get((bucket, n, k)) if bucket is not None else None
     if t is None or dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group:
         return None

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tokenmill.layers.quantization.int4_mma_launch import GEMM_ROW_BUCKETS, gemm_row_bucket, parse_gemm_table
 from tokenmill.layers.quantization.triton_split_k import store_tile
 
 # (magic bits of 128.0 or 1024.0 in the 16-bit dtype, its value) per activation dtype for DEQ 1 / 2
@@ -276,12 +277,7 @@ def table_override(text: str) -> dict[tuple[int, int, int], SwapTiles | None]:
     """TOKENMILL_INT4_GEMM_TABLE ("256,4096,14336=swap t128 c128 w8 st5 s2 a3 wt;256,4096,4096=none"):
     TABLE entries replaced by swapped-GEMM launches, or removed ("none": the other paths), for A/B
     runs of a sweep's winners without a commit."""
-    out: dict[tuple[int, int, int], SwapTiles | None] = {}
-    for item in filter(None, (p.strip() for p in text.split(";"))):
-        key, _, label = item.partition("=")
-        bucket, n, k = (int(v) for v in key.split(","))
-        out[(bucket, n, k)] = None if label.strip() == "none" else SwapTiles.parse(label)
-    return out
+    return parse_gemm_table(text, lambda label: None if label.strip() == "none" else SwapTiles.parse(label))
 
 
 for _key, _t in table_override(os.environ.get("TOKENMILL_INT4_GEMM_TABLE", "")).items():
@@ -289,7 +285,7 @@ for _key, _t in table_override(os.environ.get("TOKENMILL_INT4_GEMM_TABLE", "")).
         TABLE.pop(_key, None)
     else:
         TABLE[_key] = _t
-BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+BUCKETS = GEMM_ROW_BUCKETS
 # False after a failed start-up self-test: every row count takes the other paths.
 ENABLED = True
 
@@ -297,7 +293,7 @@ ENABLED = True
 def dot_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype = torch.bfloat16
               ) -> DotTiles | GluonTiles | SwapTiles | None:
     """The launch for an [m, k] x [k, n] product on the mma layout, or None (another path)."""
-    bucket = next((b for b in BUCKETS if b >= m), None)
+    bucket = gemm_row_bucket(m)
     t = TABLE.get((bucket, n, k)) if bucket is not None and ENABLED else None
     if isinstance(t, GluonTiles):
         ok = dtype == torch.bfloat16 and n % t.block_n == 0 and group % t.block_k == 0 and k % group == 0
