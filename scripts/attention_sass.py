@@ -38,7 +38,6 @@ DEFAULTS = [  # the decode launches of TritonAttentionConfig's defaults (see tri
     {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "convert_on_load": True},  # the defaults before
     {"kv": "fp8", "warps": 4, "stages": 4, "split": True, "convert_on_load": False},
     {"kv": "fp8", "warps": 4, "stages": 2, "split": False, "v_transposed": True},  # values transposed (opt-in)
-    {"kv": "bf16", "warps": 4, "stages": 2, "split": True, "fused_reduce": True},  # TOKENMILL_ATTN_FUSED_REDUCE=1
 ]
 
 
@@ -53,22 +52,15 @@ def compile_launch(launch: dict):
                  F8_QK=launch.get("f8_qk", False), F8_PV=launch.get("f8_pv", False), EARLY_V=launch.get("early_v_load", False),
                  CVT_ON_LOAD=fp8 and launch.get("convert_on_load", False), E5M2=kv == "fp8e5",
                  PREFETCH_TABLE=launch.get("table_prefetch", False), PTX=True,
-                 V_TRANS=launch.get("v_transposed", False), USE_PDL=True,
-                 FUSED_REDUCE=launch.get("fused_reduce", False), PREWAIT=launch.get("prewait", False))
+                 V_TRANS=launch.get("v_transposed", False), USE_PDL=True, PREWAIT=launch.get("prewait", False))
     ptrs = {"q_ptr": "bf16", "k_cache_ptr": kv, "v_cache_ptr": kv, "out_ptr": "bf16", "part_m_ptr": "fp32",
             "part_l_ptr": "fp32", "part_acc_ptr": "fp32", "qsl_ptr": "i32", "seq_lens_ptr": "i32",
             "block_table_ptr": "i32", "sinks_ptr": "fp32"}
-    const.update(ROPE=bool(launch.get("rope")), FP8_MAX=448.0 if fp8 and launch.get("rope") else 0.0,
-                 MAX_SPLITS=launch.get("max_splits", 8) if launch.get("fused_reduce") else 1,
-                 MERGE_CHUNK=4 if launch.get("fused_reduce") else 1)
+    const.update(ROPE=bool(launch.get("rope")), FP8_MAX=448.0 if fp8 and launch.get("rope") else 0.0)
     if launch.get("rope"):  # this step's rotary + KV write inside (ROPE, with PREWAIT)
         ptrs.update(pos_ptr="i64", cos_ptr="fp32", sin_ptr="fp32", slot_ptr="i64", kn_ptr="bf16", vn_ptr="bf16")
     else:
         const.update(pos_ptr=None, cos_ptr=None, sin_ptr=None, slot_ptr=None, kn_ptr=None, vn_ptr=None)
-    if launch.get("fused_reduce"):  # the last split program merges (a counter per tile and KV head)
-        ptrs["cnt_ptr"] = "i32"
-    else:
-        const["cnt_ptr"] = None
     aligned = {"s_qt", "s_qh", "s_ot", "s_oh", "s_cb", "s_cs", "s_ch"}  # multiples of 16, as the engine's
     return compile_sm90(tpa._paged_attention_kernel, const, ptrs, aligned, floats=("qk_scale", "v_scale", "softcap", "inv_k_scale", "inv_v_scale"),
                         num_warps=launch.get("warps", 4), num_stages=launch.get("stages", 2),

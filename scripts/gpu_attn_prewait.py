@@ -13,10 +13,8 @@
      its wait must read NaN (the check can fail).
 2. timing: 32 distinct layers' caches (768 keys each: 96 MB, past L2), each layer an RMSNorm, the INT4
    qkv GEMV (8 distinct weights, the engine's TABLE launch) then the attention step, in one graph: us
-   per layer for main's path, PREWAIT, PREWAIT + ROPE, that with the split partials merged by the last
-   split program (TOKENMILL_ATTN_FUSED_REDUCE=1, its loads now all in flight at once), and 4-warp
-   tiles of 64 keys in 16 shares with PREWAIT + ROPE (fewer registers: resident beside the GEMV's tail
-   sooner).
+   per layer for main's path, PREWAIT, PREWAIT + ROPE, and 4-warp tiles of 64 keys in 16 shares with
+   PREWAIT + ROPE (fewer registers: resident beside the GEMV's tail sooner).
 
     python scripts/gpu_attn_prewait.py OUT_DIR [--checks | --timing]      # on the GPU (~30 s each)
     TRITON_INTERPRET=1 python scripts/gpu_attn_prewait.py --smoke OUT_DIR   # CPU: part 1's eager checks, small
@@ -26,7 +24,6 @@ Writes OUT_DIR/attn_prewait_{both,checks,timing}.json; exit status 1 if a check 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -108,17 +105,15 @@ def check_case(results: dict, check, device: str, smoke: bool, contexts: list[in
     check(plan.prewait, f"{tag}: the default's launch reads before its wait ({plan.num_splits} splits, "
                         f"{plan.num_warps} warps)")
     variants = {"default": default, "prewait": dataclasses.replace(default, rope_in_attention=False),
-                "main": tb.without_prewait(default), "default_fused_reduce": default}
+                "main": tb.without_prewait(default)}
     outs, caches = {}, {}
     for name, config in variants.items():
         cache, qkv = cache0.clone(), qkv0.clone()
         q, k, v = _views(qkv, heads, head_dim)
-        _fused_reduce(name.endswith("fused_reduce"))
         outs[name] = _backend(heads, head_dim, config).forward(q, k, v, cache, meta, rope=step)
-        _fused_reduce(False)
         caches[name] = cache
     res = results.setdefault("checks", {}).setdefault(tag, {})
-    for name in ("default", "prewait", "default_fused_reduce"):
+    for name in ("default", "prewait"):
         same_cache = torch.equal(caches[name].view(torch.int16), caches["main"].view(torch.int16))
         cache_err = ((caches[name].float() - caches["main"].float()).norm() / caches["main"].float().norm()).item()
         a, b = outs[name][:len(contexts)].float(), outs["main"][:len(contexts)].float()
@@ -143,31 +138,11 @@ def check_case(results: dict, check, device: str, smoke: bool, contexts: list[in
                           f"{err:.1e} (must fail)")
 
 
-@functools.cache
-def _slow_writer():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def slow_copy(x_ptr, y_ptr, n, ITERS, BLOCK: tl.constexpr):
-        """y = x after ITERS dependent FMAs, letting the next kernel (PDL) start at once."""
-        tl.extra.cuda.gdc_launch_dependents()
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-        acc = x.to(tl.float32)
-        for _ in range(ITERS):
-            acc = acc * 0.999 + 0.001
-        tl.store(y_ptr + offs, tl.where(acc < 3.0e38, x, 0.0), mask=offs < n)
-
-    def write(src, dst):
-        slow_copy[(triton.cdiv(src.numel(), 1024),)](src, dst, src.numel(), 20000, BLOCK=1024, num_warps=4)
-    return write
-
-
 def graph_race(heads, head_dim, cache0, qkv0, meta, step, config, ref, planted: bool) -> float:
     """qkv NaN before each replay; in the graph the slow writer fills it, then the attention step."""
+    from pdl_slow_writer import slow_write as write  # scripts/
+
     from tokenmill.layers.triton_ops import pdl
-    write = _slow_writer()
     backend = _backend(heads, head_dim, config)
     qkv = torch.empty_like(qkv0)
     q, k, v = _views(qkv, heads, head_dim)
@@ -229,12 +204,10 @@ def timing(results: dict, device: str) -> None:
     narrow = dataclasses.replace(default, min_keys_per_split=32,  # 16 shares of one 64-key tile at 768 keys
                                  split_decode_tiles=tb.DecodeTiles(block_n=64, warps=4, stages=2, prewait=True))
     variants = {"main": tb.without_prewait(default), "prewait_rope": default,
-                "prewait": dataclasses.replace(default, rope_in_attention=False), "prewait_rope_64x4": narrow,
-                "prewait_rope_fused_reduce": default}
+                "prewait": dataclasses.replace(default, rope_in_attention=False), "prewait_rope_64x4": narrow}
     figures = results.setdefault("us_per_layer", {})
     for name, config in variants.items():
         backend = _backend(heads, head_dim, config)
-        _fused_reduce(name.endswith("fused_reduce"))
 
         def body(backend=backend):
             for i, c in enumerate(caches):
@@ -261,16 +234,6 @@ def timing(results: dict, device: str) -> None:
         figures[name] = best
         print(f"  {name}: {best:.2f} us a layer (norm + INT4 qkv GEMV + attention step, 768 keys)", flush=True)
         del graph
-    _fused_reduce(False)
-
-
-def _fused_reduce(on: bool) -> None:
-    """TOKENMILL_ATTN_FUSED_REDUCE (read at each launch): the split partials merged by the last split program."""
-    from tokenmill.layers.attention import triton_paged_attention as tpa
-    if on:
-        os.environ[tpa.FUSED_REDUCE_ENV] = "1"
-    else:
-        os.environ.pop(tpa.FUSED_REDUCE_ENV, None)
 
 
 def main() -> None:

@@ -27,8 +27,7 @@
    profiled (default int4). The engines' self-tests run first in this process (their outcome printed).
    Session 9: int4nofold (and int4nofold2) / int4scale (and int4scaleprof) / int4fold / int4row
    (TOKENMILL_INT4_NORM_FOLD=0 / scale / prologue / row: `int4_norm_fold`'s modes); the INT4
-   engines' greedy tokens on one prompt are compared (`int4b1_greedy_equal`); int4foldattn: int4fold
-   with TOKENMILL_ATTN_FUSED_REDUCE=1. INT4_B1_SKIP_KERNELS=1:
+   engines' greedy tokens on one prompt are compared (`int4b1_greedy_equal`). INT4_B1_SKIP_KERNELS=1:
    parts 1 and 2 skipped.
 INT4_B1_BUDGET_S (default 140) stops starting things past it. Figures go to
 $OUT/part-int4b1-partial.json as they come.
@@ -44,8 +43,6 @@ import traceback
 from dataclasses import replace
 
 import torch
-import triton
-import triton.language as tl
 
 # the largest first: a sweep cut by its deadline leaves the defaults on the smallest
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
@@ -151,24 +148,13 @@ def _weights(n: int, k: int, group: int, count: int, device: str, dt):
     return out
 
 
-@triton.jit
-def _slow_copy_kernel(x_ptr, y_ptr, n, ITERS, BLOCK: tl.constexpr):
-    """y = x after a spin of ITERS dependent FMAs, letting the next kernel (PDL) start at once."""
-    tl.extra.cuda.gdc_launch_dependents()
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0)
-    acc = x.to(tl.float32)
-    for _ in range(ITERS):
-        acc = acc * 0.999 + 0.001
-    tl.store(y_ptr + offs, tl.where(acc < 3.0e38, x, 0.0), mask=offs < n)  # always x: the spin's result kept
-
-
 def _race_check(name, n, k, group, c, device, dt, check, planted: bool, silu: bool = False) -> bool:
     """x NaN before each replay; in the graph a slow writer then the GEMV (module docstring).
     silu: the GEMV's SiLU-and-mul epilogue on the weight in `gate_up_pairs` order."""
     from tokenmill.layers.quantization import int4_packing as packing
     from tokenmill.layers.quantization import stream_tiles
     from tokenmill.layers.quantization import triton_int4_mma as mma
+    from pdl_slow_writer import slow_write  # scripts/
 
     g = torch.Generator(device=device).manual_seed(7)
     w = torch.randn(n, k, device=device, generator=g) * 0.02
@@ -203,7 +189,7 @@ def _race_check(name, n, k, group, c, device, dt, check, planted: bool, silu: bo
     def body(ys=ys):
         outs = []
         for x, y in zip(xs, ys):
-            _slow_copy_kernel[(triton.cdiv(k, 1024),)](x, y, k, 20000, BLOCK=1024, num_warps=4)
+            slow_write(x, y)
             outs.append(gemv(y))
         return outs
     body()
@@ -370,10 +356,7 @@ ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKE
               "int4scale": {"TOKENMILL_INT4_NORM_FOLD": "scale"}, "int4scale2": {"TOKENMILL_INT4_NORM_FOLD": "scale"},
               "int4scaleprof": {"TOKENMILL_INT4_NORM_FOLD": "scale"},
               "int4row": {"TOKENMILL_INT4_NORM_FOLD": "row"},  # (row: each norm a pass over the row)
-              # + attention's split partials merged by its last split program (no reduce launch)
-              "int4foldattn": {"TOKENMILL_INT4_NORM_FOLD": "prologue", "TOKENMILL_ATTN_FUSED_REDUCE": "1"},
-              # the scale fold with attention's fused reduce, and with torch's argmax instead of the greedy kernel
-              "int4scaleattn": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_ATTN_FUSED_REDUCE": "1"},
+              # the scale fold with torch's argmax instead of the greedy kernel
               "int4scalegreedy0": {"TOKENMILL_INT4_NORM_FOLD": "scale", "TOKENMILL_TRITON_GREEDY": "0"},
               # decode attention's split rule: at least 128 / 256 keys a share (batch 1 x ~768 keys: 4 / 2 splits, not 8)
               "bf16k256": {"TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT": "256"},
@@ -383,7 +366,7 @@ ENGINE_ENV = {"int4main": {"TOKENMILL_INT4_SILU_PAIRS": "0"}, "int4head": {"TOKE
               # it (ROPE), both on by default (int4new, bf16): main's path (int4off, bf16off), PREWAIT alone (int4pw)
               "int4off": {"TOKENMILL_ATTN_PREWAIT": "0", "TOKENMILL_ATTN_ROPE": "0"},
               "bf16off": {"TOKENMILL_ATTN_PREWAIT": "0", "TOKENMILL_ATTN_ROPE": "0"},
-              "int4pw": {"TOKENMILL_ATTN_ROPE": "0"}, "int4fr": {"TOKENMILL_ATTN_FUSED_REDUCE": "1"},
+              "int4pw": {"TOKENMILL_ATTN_ROPE": "0"},
               "int4n64": {"TOKENMILL_ATTN_PREWAIT": "64"}}
 # int4head runs main's TABLE (this branch's without the pipelined loop); int4branch and int4silu this
 # branch's committed TABLE (""); int4 the sweep's table.
@@ -492,9 +475,9 @@ def engines(results: dict, smoke: bool, shape: dict, config_dir, out: str, ms_pe
             print(f"  INT4 {mode}: mean of {len(got)} engines {mean:.3f} ms/token = {mean / base:.3f} x bf16 "
                   f"(mean of {len(bf16s)}: {base:.3f})", flush=True)
     for label in ("int4", "int4main", "int4head", "int4silu", "int4branch", "int4nofold", "int4fold", "int4row",
-                  "int4foldattn", "int4scale", "int4nofold2", "int4scale2", "int4scaleprof", "int4scaleattn",
+                  "int4scale", "int4nofold2", "int4scale2", "int4scaleprof",
                   "int4scalegreedy0", "bf16k256", "int4scalek128", "int4scalek256", "int4new", "int4off", "int4pw",
-                  "bf16off", "int4fr", "int4new2", "bf16b", "int4n64"):
+                  "bf16off", "int4new2", "bf16b", "int4n64"):
         if label in timings and "bf16" in timings:
             r = timings[label]["batch1"] / timings["bf16"]["batch1"]
             results.setdefault("int4b1_ratio", {})[label] = r

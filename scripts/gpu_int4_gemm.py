@@ -1,14 +1,15 @@
-"""The `int4gemm` part of scripts/gpu_quant.py: the INT4 W4A16 GEMM on the tensor-core GEMV's
-layout (`triton_int4_mma_gemm`) against the engine's path (dequantize the mma layout + cuBLAS
-above 8 rows; the GEMV per 8 rows up to 32) and bf16 cuBLAS, per Llama-8B linear and row count,
-each variant checked against a float32 reference, timed from CUDA-graph replays with weights
-cycled past L2 (HBM-bound, as in a forward). Prints per (rows, linear) the ranking, the layer's
-four linears at their best, and the `triton_int4_mma_gemm.TABLE` lines; writes
+"""The `int4gemm` part of scripts/gpu_quant.py: the INT4 W4A16 GEMMs on the tensor-core GEMV's
+layout against the engine's path (`mma_matmul`: the table's GEMM, else dequantize the mma layout
++ cuBLAS above 8 rows; the GEMV per 8 rows up to 32) and bf16 cuBLAS, per Llama-8B linear and row
+count, each variant checked against a float32 reference, timed from CUDA-graph replays with
+weights cycled past L2 (HBM-bound, as in a forward). Prints per (rows, linear) the ranking, the
+layer's four linears at their best, and `triton_int4_dot_gemm.TABLE` lines; writes
 `$OUT/int4gemm.json` after every linear (a killed run keeps what it measured).
 
-INT4_GEMM_SET=next: the launches with every loop load pipelined (see `variants`).
-INT4_GEMM_SET=dot: the plain tl.dot GEMM (`triton_int4_dot_gemm`: x as A, the weight dequantized as B,
-PTX or Triton dequantization) over its tiles, splits and pipeline depths. INT4_GEMM_SET=gluon: the
+By default (INT4_GEMM_SET unset or dot): the plain tl.dot GEMM (`triton_int4_dot_gemm`: x as A, the
+weight dequantized as B, PTX or Triton dequantization) over its tiles, splits and pipeline depths.
+(Session 6's swapped Triton GEMM, `triton_int4_mma_gemm`, was retired in session 11: 3-17x slower.)
+INT4_GEMM_SET=gluon: the
 Gluon GEMM (`gluon_int4_gemm`: the same dequantization with its wgmma kept in flight; GPUs only,
 its own process so that a fault cannot cost the dot set's figures). INT4_GEMM_SET=swap: the swapped
 Gluon GEMM (`gluon_int4_swap_gemm`: the weight dequantized into wgmma's register operand) beside the
@@ -38,13 +39,7 @@ SMOKE_GROUP = 64
 
 
 def variants(m: int, smoke: bool) -> list:
-    """`triton_int4_mma_gemm.GemmTiles` to try at m rows (INT4_GEMM_SET=next: the mid-session's best
-    beside the same launches with every loop load pipelined: x permuted first, scales and zeros
-    packed into 4-byte words)."""
-    from tokenmill.layers.quantization.triton_int4_mma_gemm import GemmTiles as T
-
-    if os.environ.get("INT4_GEMM_SET") == "dot":
-        return dot_variants(m, smoke)
+    """The launches to try at m rows (INT4_GEMM_SET: see the module's docstring)."""
     if os.environ.get("INT4_GEMM_SET") == "gluon":  # GPUs only (a smoke run falls back to the dot set)
         return dot_variants(m, smoke) if smoke else list(dict.fromkeys(gluon_variants(m)))
     if os.environ.get("INT4_GEMM_SET") == "swap":  # GPUs only (a smoke run falls back to the dot set)
@@ -53,28 +48,7 @@ def variants(m: int, smoke: bool) -> list:
         return dot_variants(m, smoke) if smoke else list(dict.fromkeys(swap2_variants(m)))
     if os.environ.get("INT4_GEMM_SET") == "ahead":  # session 9: the deeper word prefetch, fewer splits
         return dot_variants(m, smoke) if smoke else list(dict.fromkeys(ahead_variants(m)))
-    if smoke:
-        return [T(32, 16, 4, 1), T(32, 16, 4, 1, flat=False, split=2), T(32, 16, 4, 1, flat=False, xperm=True,
-                                                                          psz=True)]
-    if os.environ.get("INT4_GEMM_SET") == "next":
-        if m <= 64:
-            return [T(64, 64, 4, 4, split=2), T(64, 64, 4, 4, flat=False, xperm=True, psz=True, split=2),
-                    T(128, 64, 8, 3, flat=False, xperm=True, psz=True)]
-        return [T(128, 128, 8, 3, flat=False), T(128, 128, 8, 3, flat=False, xperm=True, psz=True),
-                T(128, 256, 8, 3, flat=False, xperm=True, psz=True), T(128, 128, 8, 3, xperm=True, psz=True),
-                T(128, 256, 8, 3, flat=False, xperm=True, psz=True, split=2)]
-    if m <= 16:
-        return [T(64, 16, 4, 4), T(64, 16, 4, 4, split=2), T(64, 16, 4, 4, split=4), T(128, 16, 8, 3),
-                T(128, 16, 8, 3, split=2)]
-    if m <= 64:
-        return [T(64, 64, 4, 4), T(64, 64, 4, 4, split=2), T(128, 64, 8, 3), T(128, 64, 8, 3, split=2),
-                T(64, 32, 4, 4, split=2)]
-    if m <= 128:
-        return [T(128, 128, 8, 3), T(64, 128, 4, 4), T(128, 64, 8, 3), T(128, 128, 8, 3, split=2),
-                T(128, 128, 8, 3, flat=False)]
-    return [T(128, 256, 8, 3), T(128, 256, 8, 2), T(128, 128, 8, 3), T(64, 128, 4, 4), T(64, 256, 4, 3),
-            T(128, 128, 8, 3, flat=False), T(128, 128, 8, 4, group_n=4), T(128, 128, 8, 3, split=2),
-            T(128, 256, 8, 3, split=2), T(128, 256, 8, 3, split=4), T(128, 256, 8, 3, xperm=True)]
+    return dot_variants(m, smoke)
 
 
 def dot_variants(m: int, smoke: bool) -> list:
@@ -195,11 +169,10 @@ def ahead_variants(m: int) -> list:
             S(128, 4, 4, 2, 64, 4)]  # (t256 c64 a4 spills: not listed)
 
 
-def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
-    """One launch of any GEMM: `GemmTiles` (triton_int4_mma_gemm), `DotTiles` (triton_int4_dot_gemm),
-    `GluonTiles` (gluon_int4_gemm) or `SwapTiles` (gluon_int4_swap_gemm)."""
-    from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles, GluonTiles, SwapTiles, dot_gemm
-    from tokenmill.layers.quantization.triton_int4_mma_gemm import mma_gemm
+def run_tiles(t, x, qm, scales, zeros, group, counters, pso=None):
+    """One launch of any GEMM: `DotTiles` (triton_int4_dot_gemm), `GluonTiles` (gluon_int4_gemm) or
+    `SwapTiles` (gluon_int4_swap_gemm)."""
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import GluonTiles, SwapTiles, dot_gemm
 
     if isinstance(t, GluonTiles):
         from tokenmill.layers.quantization.gluon_int4_gemm import gluon_gemm
@@ -209,9 +182,7 @@ def run_tiles(t, x, qm, scales, zeros, group, counters, psz=None, pso=None):
         from tokenmill.layers.quantization.gluon_int4_swap_gemm import swap_gemm
 
         return swap_gemm(x, qm, scales, zeros, group, t, sz=pso, counters=counters)
-    if isinstance(t, DotTiles):
-        return dot_gemm(x, qm, scales, zeros, group, t, counters, sz=pso)
-    return mma_gemm(x, qm, scales, zeros, group, t, counters, sz=psz)
+    return dot_gemm(x, qm, scales, zeros, group, t, counters, sz=pso)
 
 
 def _rows(cuda: bool) -> tuple[int, ...]:
@@ -256,7 +227,6 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
     from tokenmill.layers.quantization import stream_tiles
     from tokenmill.layers.quantization import triton_int4_mma as mma
     from tokenmill.layers.quantization.triton_int4_dot_gemm import packed_scale_offset
-    from tokenmill.layers.quantization.triton_int4_mma_gemm import packed_scales_zeros
 
     cuda = device == "cuda"
     smoke = not cuda
@@ -280,12 +250,11 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         qm = packing.to_mma(wt.qweight)
         data[name] = (packing.dequantize(wt, group, torch.float32), qm, wt.scales, wt.zeros,
                       stream_tiles.SplitCounters(n, torch.device(device)).tensor, cycled([w]),
-                      cycled([qm, wt.scales, wt.zeros, packed_scales_zeros(wt.scales, wt.zeros),
-                              packed_scale_offset(wt.scales, wt.zeros) if cuda else wt.scales]))
+                      cycled([qm, wt.scales, wt.zeros, packed_scale_offset(wt.scales, wt.zeros) if cuda else wt.scales]))
         if cuda:  # every copy's scales carry their packed scales, as the engine's do from load: "engine
             for _ in range(12):  # before" must not pack them inside its timed graph (session 9: +10 us on qkv)
                 c = data[name][6]()
-                c[1]._int4_dot_sz = c[4]
+                c[1]._int4_dot_sz = c[3]
         del w, wt
     # rows outside, linears inside: the first row count for all four linears first (the budget's cut)
     for m, (name, (n, k)) in [(m, s) for m in rows for s in shapes.items()]:
@@ -323,13 +292,9 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         print(f"  m{m} {name} {n}x{k}: " + "; ".join(f"{lab} {v:.1f}" for v, lab in ranked), flush=True)
         _write(results, out_dir)
     if cuda and time.perf_counter() < deadline:  # in a CUDA graph, replayed: split-K counters reset every time
-        from tokenmill.layers.quantization.triton_int4_mma_gemm import GemmTiles
         ref_w, qm, scales, zeros, counters, _, _ = data["qkv"]
         xs = [torch.randn(64, qm.shape[1] * 64, device=device, dtype=dt) for _ in range(3)]
-        if os.environ.get("INT4_GEMM_SET") == "dot":
-            from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles
-            t = DotTiles(64, 128, 64, 4, 4, split=2)
-        elif os.environ.get("INT4_GEMM_SET") == "ahead":  # the deeper prefetch, split-K, in a graph
+        if os.environ.get("INT4_GEMM_SET") == "ahead":  # the deeper prefetch, split-K, in a graph
             from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles
             t = SwapTiles(128, 4, 4, 2, 64, 4)  # (a listed launch: compiled already; 64 rows, a ragged tile)
         elif os.environ.get("INT4_GEMM_SET") == "gluon":
@@ -338,8 +303,9 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
         elif os.environ.get("INT4_GEMM_SET") in ("swap", "swap2", "ahead"):
             from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles
             t = SwapTiles(64, 4, 4, 2)
-        else:
-            t = GemmTiles(64, 64, 4, 4, split=2)
+        else:  # the dot set
+            from tokenmill.layers.quantization.triton_int4_dot_gemm import DotTiles
+            t = DotTiles(64, 128, 64, 4, 4, split=2)
         run_tiles(t, xs[0], qm, scales, zeros, group, counters)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -372,8 +338,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check, out_dir: str) -> N
 
 
 def _gemm_on(w, x, group, t, counters):
-    """The GEMM on one cycled copy (qm, scales, zeros, packed scales and zeros, packed scales and offsets)."""
-    return run_tiles(t, x, w[0], w[1], w[2], group, counters, psz=w[3], pso=w[4] if w[4].dtype == torch.int32 else None)
+    """The GEMM on one cycled copy (qm, scales, zeros, packed scales and offsets)."""
+    return run_tiles(t, x, w[0], w[1], w[2], group, counters, pso=w[3] if w[3].dtype == torch.int32 else None)
 
 
 def _write(results: dict, out_dir: str) -> None:

@@ -6,10 +6,10 @@ in the same process.
 - one row: the register-prefetched GEMV (`triton_int4_prefetch_gemv`): panel width, arithmetic
   MODE, BLOCK_K, warps, PREFETCH depth (or cp.async stages), SPLIT; each linear's time against
   its int4 bytes (fraction of the copy bandwidth `--copy` measures in the same run);
-- 256 rows (and 64): dequantize + cuBLAS, the engine's path, the swapped GEMM's tiles
-  (`triton_int4_swap`), the fused GEMM's tiles (`triton_int4_fused_gemm`).
+- 256 rows (and 64, 1024): dequantize + cuBLAS and the engine's path (the swapped and fused
+  Triton GEMMs timed here before lost everywhere; retired in session 11).
 It prints, per section, each linear's best variants, the layer's four linears at their best, and
-the table lines for `triton_int4_prefetch_gemv.TABLE` / `stream_tiles.INT4_SWAP`.
+the table lines for `triton_int4_prefetch_gemv.TABLE`.
 Compiling is most of the time: every variant compiles first in parallel processes.
 INT4_SWEEP_SPLITS=wide tries 4x and 8x more K slices on the winners' bases.
 INT4_SWEEP_SET=stream (one row): the table's launch per shape with what changes its access pattern
@@ -119,23 +119,6 @@ def gemv_variants(shapes: dict, smoke: bool, sms: int):
     return out
 
 
-def swap_variants(smoke: bool):
-    """(block_n, block_m, block_k, warps, stages) of `triton_int4_swap`."""
-    if smoke:
-        return [(32, 64, 32, 4, 2)]
-    return [(64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 64, 64, 4, 4)]
-
-
-def fused_variants(smoke: bool):
-    """(block_m, block_n, block_k, warps, stages, deq, split) of `triton_int4_fused_gemm`."""
-    if smoke:
-        return [(32, 32, 64, 4, 2, 1, 1), (32, 32, 32, 4, 1, 0, 2)]
-    return [(256, 128, 64, 8, 3, 1, 1), (256, 128, 64, 8, 3, 1, 2), (256, 128, 64, 8, 3, 1, 4),
-            (128, 128, 64, 8, 3, 1, 1), (128, 128, 64, 8, 3, 1, 2), (128, 256, 64, 8, 3, 1, 1),
-            (256, 64, 64, 8, 3, 1, 1), (256, 64, 64, 8, 3, 1, 2), (128, 64, 64, 4, 3, 1, 1),
-            (256, 128, 64, 8, 4, 1, 1), (256, 128, 64, 8, 3, 0, 1), (64, 128, 64, 4, 3, 1, 1)]
-
-
 def probe_variants(n: int, k: int, smoke: bool) -> list[tuple]:
     """(block_k, split, stages, stagger, warps) of the panel read probe (`int4_read_probe`) at the
     table's panel and grid for this shape: no pipelining, 3 and 5 cp.async stages, staggered."""
@@ -156,7 +139,6 @@ def _compile_calls(device: str, smoke: bool):
     from tokenmill.layers.quantization import int4_packing as packing
     from tokenmill.layers.quantization import stream_tiles
     from tokenmill.layers.quantization.triton_int4_prefetch_gemv import prefetch_gemv
-    from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
 
     shapes = SMOKE_SHAPES if smoke else LLAMA_SHAPES
     group = SMOKE_GROUP if smoke else GROUP
@@ -190,19 +172,6 @@ def _compile_calls(device: str, smoke: bool):
     for v in FLAT_PROBES:
         calls.append((f"flat probe {v}", lambda v=v: probe.flat_probe(wt.qweight, v[0], v[1] if not smoke else 64,
                                                                        v[2], v[3])))
-    if os.environ.get("INT4_SWEEP_ROWS", "1,256,64,1024") == "1":
-        return calls
-    x = torch.randn(80, k, device=device, dtype=dt)
-    qp = packing.to_panels(wt.qweight, 128)
-    for v in swap_variants(smoke):
-        calls.append((f"swap {v}", lambda v=v: int4_swap_gemm(x, qp, wt.scales, wt.zeros, group, *v)))
-    try:
-        from tokenmill.layers.quantization.triton_int4_fused_gemm import int4_fused_gemm
-        for v in fused_variants(smoke):
-            calls.append((f"fused {v}", lambda v=v: int4_fused_gemm(x, qp, wt.scales, wt.zeros, group, *v,
-                                                                    counters=counters)))
-    except ImportError:
-        pass
     return calls
 
 
@@ -307,12 +276,7 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
     from tokenmill.layers.quantization import stream_tiles, triton_int4
     from tokenmill.layers.quantization.int4 import for_device
     from tokenmill.layers.quantization.triton_int4_prefetch_gemv import prefetch_gemv
-    from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
 
-    try:
-        from tokenmill.layers.quantization.triton_int4_fused_gemm import int4_fused_gemm
-    except ImportError:
-        int4_fused_gemm = None
     cuda = device == "cuda"
     smoke = not cuda
     shapes = SMOKE_SHAPES if smoke else LLAMA_SHAPES
@@ -389,23 +353,8 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
                 del panels
                 _probes_and_chain(name, n, k, wt, x, group, counters, smoke, note, r, check, cycled,
                                   one_row_deadline)
-            else:
-                if m >= 64:
-                    note("dequant + mm", lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, group, dt))
-                kernels = [("swap", int4_swap_gemm, swap_variants(smoke))]
-                if int4_fused_gemm is not None:
-                    kernels.append(("fused", lambda *a: int4_fused_gemm(*a, counters=counters), fused_variants(smoke)))
-                for kind, fn, vs in kernels:
-                    for v in vs:
-                        label = f"{kind} " + "x".join(map(str, v))
-                        try:
-                            err = _rel(fn(x, wd.qweight, wd.scales, wd.zeros, group, *v), ref)
-                            if err > 1e-2 or counters.any():
-                                check(False, f"int4 {label} {name} m={m}: rel err {err:.1e}")
-                                continue
-                            note(label, lambda fn=fn, v=v: fn(x, *engine_w(), group, *v), (kind, v))
-                        except Exception as e:  # noqa: BLE001
-                            check(False, f"int4 {label} {name} m={m}: {type(e).__name__}: {str(e)[:300]}")
+            elif m >= 64:
+                note("dequant + mm", lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, group, dt))
             ranked = sorted(((v, lab) for lab, v in r.items()), key=lambda t: t[0])
             frac = (lambda ms: f" ({floor_ms / ms:.0%} of copy bw)") if floor_ms and m == 1 else (lambda ms: "")
             print(f"  {sec} {name} {n}x{k}: bf16 {r.get('bf16', 0) * 1000:.1f} us, engine {r.get('engine', 0) * 1000:.1f}"

@@ -15,11 +15,9 @@ Parts (--parts, comma-separated; default all, run in this order):
            16k-token prompt; KV blocks
   fp8      FP8 W8A8 (online, per-channel weights): 256x256x128, 1000x512x256, batch 1
   int4     INT4 W4A16 (a GPTQ config, group 128; dummy weights quantized at load): batch 1, 256x256x128
-  int4noahead (not by default) the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0, now
-           the default): 256x256x128 (and 256x256x1, prefill alone, with --workloads), for A/B runs
-           against an int4x1 with GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_AHEAD=2"
-  int4x1, int4x2 (not by default) INT4 engines at 256x256x128 with environment settings of their own
-           (GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_AHEAD_LEAD=3 ...", whitespace-separated)
+  int4x1, int4x2 (not by default) INT4 engines at 256x256x128 (and 256x256x1, prefill alone, with
+           --workloads) with environment settings of their own (GPU_QUANT_ENV_int4x1="TOKENMILL_INT4_KPERM=0 ...",
+           whitespace-separated), for A/B runs against int4
   int4panels (not by default) the same INT4 engine with the CUDA-core panel GEMV of before the
            tensor-core one (TOKENMILL_INT4_MMA=0): batch 1, a same-run figure beside int4's
   kvfp8    bf16 weights, fp8 (e4m3) KV cache against a bf16-KV engine in the same process
@@ -490,8 +488,6 @@ ENGINES = {
     # session 8's INT4 engine: TOKENMILL_INT4_KPERM=0 (the GEMM permutes x), the committed GEMM table
     # (no TOKENMILL_INT4_GEMM_TABLE): the A/B of the `int4` part (engine_part sets it)
     "int4before": ({"gptq": True}, ["256x256x128"]),
-    # the INT4 engine without the dequantize-ahead ring (TOKENMILL_INT4_AHEAD=0; engine_part sets it): its A/B
-    "int4noahead": ({"gptq": True}, ["256x256x128", "256x256x1"]),
     # INT4 engines with settings of a request's own (GPU_QUANT_ENV_int4x1="K=V K=V"; engine_part sets them)
     "int4x1": ({"gptq": True}, ["256x256x128", "256x256x1"]),
     "int4x2": ({"gptq": True}, ["256x256x128", "256x256x1"]),
@@ -507,7 +503,6 @@ GOALS = [("fp8", "256x256x128", 1.5, True), ("fp8", "1000x512x256", 1.5, True), 
 INFO = [("fp8kv", "256x256x128"), ("fp8kv", "1000x512x256"), ("int4panels", "batch1")]  # ratios printed, no goal
 INFO.append(("int4bf16head", "batch1"))
 INFO.append(("int4before", "256x256x128"))
-INFO.append(("int4noahead", "256x256x128"))
 INFO += [("int4x1", "256x256x128"), ("int4x2", "256x256x128")]
 
 
@@ -555,8 +550,6 @@ def engine_part(results: dict, label: str, smoke: bool) -> None:
     if label == "int4before":  # this part's process and its engine's: x permuted by the GEMM, the committed table
         os.environ["TOKENMILL_INT4_KPERM"] = "0"
         os.environ.pop("TOKENMILL_INT4_GEMM_TABLE", None)
-    if label == "int4noahead":
-        os.environ["TOKENMILL_INT4_AHEAD"] = "0"
     for item in os.environ.get(f"GPU_QUANT_ENV_{label}", "").split():  # this part's own settings
         key, _, value = item.partition("=")
         os.environ[key.strip()] = value.strip()
@@ -959,8 +952,7 @@ PARTS += ["b1profile"]  # scripts/gpu_fp8_b1_profile.py (not by default)
 PARTS += ["int4gemm", "int4profile"]  # scripts/gpu_int4_gemm.py; the int4 engine under profile_one (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4bf16head")  # the int4 engine with the bf16 LM head (not by default)
 PARTS.insert(PARTS.index("int4") + 1, "int4before")  # session 8's int4 engine, for A/B (not by default)
-PARTS.insert(PARTS.index("int4") + 1, "int4noahead")  # the int4 engine without dequantize-ahead (not by default)
-PARTS[PARTS.index("int4noahead") + 1:PARTS.index("int4noahead") + 1] = ["int4x1", "int4x2"]  # (not by default)
+PARTS[PARTS.index("int4") + 1:PARTS.index("int4") + 1] = ["int4x1", "int4x2"]  # (not by default)
 PARTS += ["bf16profile"]  # the bf16 engine under profile_one: int4profile's baseline (not by default)
 PARTS += ["w8a8tma"]  # scripts/gpu_fp8_gemm.py (not by default)
 PARTS += ["int4b1"]  # scripts/gpu_int4_b1.py (not by default)
@@ -971,7 +963,7 @@ PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 170, "int4panels"
 PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90,
                    "b1profile": 118})
 PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80, "int4b1": 150, "int4before": 90,
-                   "int4noahead": 90, "int4x1": 90, "int4x2": 90,
+                   "int4x1": 90, "int4x2": 90,
                    "bf16profile": 120})
 
 
@@ -1146,7 +1138,7 @@ def main() -> int:
                                                                           "pdl", "pdlplant", "siluquant", "fp8engines",
                                                                           "int4panels", "b1", "b1profile", "int4gemm",
                                                                           "int4profile", "int4bf16head", "int4before", "w8a8tma",
-                                                                          "int4noahead", "int4x1", "int4x2",
+                                                                          "int4x1", "int4x2",
                                                                           "bf16profile",
                                                                           "int4b1")))
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes: checks that the script runs")

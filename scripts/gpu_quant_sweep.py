@@ -9,8 +9,8 @@ prints which variant wins where; the winners go into `stream_tiles` (GEMV_TABLE 
 - fp8 at 256 / 1024 rows: where the time of W8A8 goes (activation quantization alone,
   row-wise `_scaled_mm` alone and with it, tensor-wise `_scaled_mm` + a scaling pass, the Triton
   fp8 GEMM with the scales in its epilogue, per tile);
-- int4 at 256 / 1024 rows: dequantize + cuBLAS, the streaming kernel's tensor-core tiles, the
-  swapped GEMM (`triton_int4_swap`: the dequantized weight as the registers' A operand).
+- int4 at 256 / 1024 rows: dequantize + cuBLAS and the streaming kernel's tensor-core tiles (the
+  swapped Triton GEMM timed here before, `triton_int4_swap`, lost everywhere: retired in session 11).
 Compiling is most of the time: every variant compiles first in parallel processes (`--precompile`).
 """
 
@@ -67,14 +67,6 @@ def int4_tc_variants(smoke: bool):
             T(256, 64, 128, warps=8), T(256, 128, 64, warps=8, stages=2, nibble_dots=False)]
 
 
-def int4_swap_variants(smoke: bool):
-    """(block_n, block_m, block_k, warps, stages) of the swapped INT4 GEMM (`triton_int4_swap`)."""
-    if smoke:
-        return [(32, 64, 32, 4, 2)]
-    return [(64, 256, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3),
-            (64, 256, 128, 8, 3), (128, 64, 64, 4, 4)]
-
-
 def _splits(tiles: int, k: int, block_k: int, sms: int) -> list[int]:
     """Split-K candidates: up to three around 1, 2 and 4 programs per SM, each slice >= 2 K steps."""
     out = []
@@ -95,7 +87,6 @@ def _compile_calls(device: str, smoke: bool):
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
     from tokenmill.layers.quantization.triton_int4_gemv import int4_gemv
     from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
-    from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
 
     n, k = 1024, 2048
     dt = torch.bfloat16 if device == "cuda" else torch.float32
@@ -120,9 +111,6 @@ def _compile_calls(device: str, smoke: bool):
     for t in int4_tc_variants(smoke):
         calls.append((f"int4 tiles {t.label()}", lambda t=t: int4_stream_gemm(
             x300, wt.qweight, wt.scales, wt.zeros, 128, counters, tiles=t)))
-    qp128 = packing.to_panels(wt.qweight, 128)
-    for v in int4_swap_variants(smoke):
-        calls.append((f"int4 swap {v}", lambda v=v: int4_swap_gemm(x300, qp128, wt.scales, wt.zeros, 128, *v)))
     if device == "cuda":
         xq, xs = fp8_ops.quantize_rows(torch.randn(300, k, device=device))
         for v in fp8_gemm_variants(smoke):
@@ -155,7 +143,6 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
     from tokenmill.layers.quantization.triton_fp8_stream import fp8_stream_gemm
     from tokenmill.layers.quantization.triton_int4_gemv import int4_gemv
     from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
-    from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
 
     cuda = device == "cuda"
     smoke = not cuda
@@ -285,17 +272,6 @@ def sweep(results: dict, device: str, time_ms, cycled, check) -> None:
             note(f"int4_{sec}", name, "dequant + mm", time_ms(
                 lambda: x @ triton_int4.dequantize_int4(*int4_w(), None, 128, dt), device))
             ref4 = x.float() @ ref_w
-            for v in int4_swap_variants(smoke):
-                label = "swap " + "x".join(map(str, v))
-                try:
-                    err = _rel(int4_swap_gemm(x, wd.qweight, wd.scales, wd.zeros, 128, *v), ref4)
-                    if err > 1e-2:
-                        check(False, f"int4 swapped GEMM {name} m={m} {v}: rel err {err:.1e}")
-                        continue
-                    note(f"int4_{sec}", name, label, time_ms(
-                        lambda: int4_swap_gemm(x, *engine_w(), 128, *v), device))
-                except Exception as e:  # noqa: BLE001
-                    check(False, f"int4 swapped GEMM {name} m={m} {v}: {type(e).__name__}: {str(e)[:200]}")
             err = _rel(triton_int4.int4_matmul(x, wd.qweight, wd.scales, wd.zeros, None, 128, counters), ref4)
             check(err < 1e-2, f"int4 engine path {name} m={m}: rel err {err:.1e}")
             note(f"int4_{sec}", name, "engine", time_ms(

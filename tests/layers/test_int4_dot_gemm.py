@@ -179,3 +179,27 @@ def test_table_entries_fit_their_shapes():
         assert dot.dot_tiles(bucket, n, k, 128) == t, (bucket, n, k, t)
         gluon = isinstance(t, (dot.GluonTiles, dot.SwapTiles))  # bf16 only
         assert dot.dot_tiles(bucket, n, k, 128, torch.float16) == (None if gluon else t)
+
+
+def test_gemm_selftest_passes_and_switches_the_gemm_off(monkeypatch, caplog):
+    """`int4.gemm_selftest` (once per device, when the engine takes the mma layout) runs every launch
+    the table lists against the reference; a wrong or failing GEMM is switched off, with a warning,
+    and `dot_tiles` then sends every row count to the other paths."""
+    from tokenmill.layers.quantization import int4
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+
+    t = dot.DotTiles(16, 32, 64, 4, 1, split=2, deq=1)
+    monkeypatch.setattr(dot, "TABLE", {(16, 256, 512): t})
+    monkeypatch.setattr(int4, "_GEMM_SELFTEST", {})
+    assert int4.gemm_selftest(torch.device("cpu"), torch.float16) and dot.ENABLED
+    assert dot.dot_tiles(16, 256, 512, 128, torch.float16) == t
+    real = dot.run
+    for broken in (lambda *a, **kw: real(*a, **kw) * 1.05,
+                   lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("CompilationError"))):
+        monkeypatch.setattr(int4, "_GEMM_SELFTEST", {})
+        monkeypatch.setattr(dot, "ENABLED", True)
+        monkeypatch.setattr(dot, "run", broken)
+        with caplog.at_level("WARNING"):
+            assert not int4.gemm_selftest(torch.device("cpu"), torch.float16)
+        assert "self-test" in caplog.text and not dot.ENABLED
+        assert dot.dot_tiles(16, 256, 512, 128, torch.float16) is None

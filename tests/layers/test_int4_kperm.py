@@ -191,16 +191,12 @@ def test_producers_linked_only_where_the_linear_is_the_one_reader(monkeypatch):
     assert int4_kperm.mark_producers(_layer(True, True)) == 0
 
 
-@pytest.mark.parametrize("splits, fused", [(1, False), (3, False), (3, True)])
-def test_attention_writes_the_k_order(monkeypatch, splits, fused):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_writes_the_k_order(splits):
     """The Triton attention with kperm (o_proj's input): the output viewed as [T, heads * head_dim]
     is `permute_x` of the natural one, bit for bit (the same sums, stored elsewhere), with and
-    without split-KV (its reduce kernel stores the rows then, or with TOKENMILL_ATTN_FUSED_REDUCE=1
-    the last split program)."""
+    without split-KV (its reduce kernel stores the rows then)."""
     import math
-
-    from tokenmill.layers.attention import triton_paged_attention as tpa
-    monkeypatch.setenv(tpa.FUSED_REDUCE_ENV, "1" if fused else "0")
 
     from tests.layers.test_attention import make_case
     from tokenmill.layers.attention.triton_backend import (

@@ -1,6 +1,6 @@
 """The large-batch quantized GEMM variants under TRITON_INTERPRET=1 against torch references: the
-Triton fp8 W8A8 GEMM (row-wise scales in the epilogue), the swapped-operand INT4 GEMM (words and
-panels), and the per-size choice of the W8A8 GEMM (`stream_tiles.w8a8_path`).
+Triton fp8 W8A8 GEMM (row-wise scales in the epilogue), the TMA-fed one, and the per-size choice of
+the W8A8 GEMM (`stream_tiles.w8a8_path`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import torch
 
 from tests.helpers.requirements import require_module
 from tokenmill.layers.quantization import fp8_ops
-from tokenmill.layers.quantization import int4_packing as packing
 
 require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
@@ -60,27 +59,6 @@ def test_fp8_gemm_refuses_a_ragged_k():
         fp8_gemm(torch.zeros(4, 192), torch.ones(4, 1), torch.zeros(32, 192), torch.ones(32, 1), torch.float32)
 
 
-@pytest.mark.parametrize("panel", [0, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_int4_swap_matches_reference(panel, dtype):
-    from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
-
-    g = torch.Generator().manual_seed(0)
-    codes = packing.quantize_int4(torch.randn(96, 256, generator=g), 64, sym=False)
-    codes.scales = codes.scales.half().float()
-    wt = packing.from_codes(codes, dtype, act_order=False)
-    q = packing.to_panels(wt.qweight, panel) if panel else wt.qweight
-    x = torch.randn(37, 256, generator=g).to(dtype)
-    ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    for tiles in ((32, 16, 32, 4, 2), (64, 64, 64, 4, 1)):
-        out = int4_swap_gemm(x, q, wt.scales, wt.zeros, 64, *tiles)
-        assert out.dtype == dtype and out.shape == (37, 96)
-        assert (out.double() - ref).abs().max().item() < tol * ref.abs().max().item(), tiles
-    with pytest.raises(ValueError, match="group size 64"):
-        int4_swap_gemm(x, q, wt.scales, wt.zeros, 64, block_k=128)
-
-
 def test_w8a8_path_by_rows(monkeypatch):
     from tokenmill.layers.quantization import stream_tiles as st
 
@@ -103,24 +81,6 @@ def test_w8a8_measured_shapes_take_their_bucket_s_gemm(monkeypatch):
     assert st.w8a8_path(200, 512, 2048) == ("scaled_mm", None)
     assert st.w8a8_path(300, 512, 1024) == ("scaled_mm", None)
     assert st.w8a8_path(20000, 512, 1024) == ("scaled_mm", None)
-
-
-def test_int4_matmul_takes_the_swapped_gemm_where_the_table_says(monkeypatch):
-    from tokenmill.layers.quantization import stream_tiles, triton_int4, triton_int4_swap
-
-    g = torch.Generator().manual_seed(1)
-    wt = packing.from_codes(packing.quantize_int4(torch.randn(64, 128, generator=g), 64, sym=True), torch.float32,
-                            act_order=False)
-    monkeypatch.setattr(stream_tiles, "INT4_SWAP", ((8, (32, 16, 32, 4, 1)), (40, None)))
-    seen = []
-    real = triton_int4_swap.int4_swap_gemm
-    monkeypatch.setattr(triton_int4_swap, "int4_swap_gemm", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
-    for m in (3, 8, 39, 40):
-        x = torch.randn(m, 128, generator=g)
-        out = triton_int4.int4_matmul(x, wt.qweight, wt.scales, wt.zeros, None, 64, torch.zeros(64, dtype=torch.int32))
-        ref = x.double() @ packing.dequantize(wt, 64, torch.float64)
-        assert (out.double() - ref).abs().max().item() < 1e-3 * ref.abs().max().item()
-    assert seen == [8, 39]
 
 
 @pytest.mark.parametrize("swap,persistent,split", [(False, False, 1), (True, False, 1), (False, True, 3),

@@ -173,34 +173,6 @@ def test_import_without_triton() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
-@pytest.mark.parametrize("dtype, heads, splits, pad", [
-    (torch.float32, (4, 2), 4, 3),  # some shares empty; padding rows zeroed by split 0 of the spare tiles
-    (torch.float16, (8, 2), 3, 0),
-    (torch.float32, (4, 2), 16, 2),  # a graph's bound: many shares, mostly empty
-])
-def test_fused_split_reduce(monkeypatch, dtype, heads, splits, pad) -> None:
-    """TOKENMILL_ATTN_FUSED_REDUCE=1: the last split program of each (tile, KV head) merges the
-    partials (no reduce launch): the references' values, padding rows zero, counters back to zero,
-    and (nearly) the separate reduce's output."""
-    from tokenmill.layers.attention import triton_paged_attention as tpa
-
-    config = TritonAttentionConfig(kv_splits=splits)
-    apart = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=config, pad_tokens=pad)
-    monkeypatch.setenv(tpa.FUSED_REDUCE_ENV, "1")
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):  # partials (and outputs) NaN until written: a merge too early reads NaN
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-    monkeypatch.setattr(torch, "empty", poisoned)
-    launched = []
-    monkeypatch.setattr(tpa, "_reduce_splits_kernel", type("K", (), {"__getitem__": lambda s, g: launched.append(g)})())
-    fused = run_case(*DECODES, block_size=16, heads=heads, dtype=dtype, config=config, pad_tokens=pad)
-    assert not launched, "no reduce launch"
-    assert not tpa._COUNTERS["cpu"].any(), "counters reset for the next launch"
-    torch.testing.assert_close(fused, apart, atol=TOL[dtype] / 10, rtol=TOL[dtype] / 10)
-
-
 def test_min_keys_per_split_switch(monkeypatch) -> None:
     """TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT (A/B timing): the default config's split rule takes it
     (batch 1, 8 KV heads, 768 keys, 132 SMs: 8 shares by default, 2 at 256 keys a share); a config

@@ -38,9 +38,8 @@ pipelined through shared memory, where they tie; docs/results/gpu-attention.md.)
 Split-KV (flash-decoding): with SPLIT, a program takes only its share of the KV
 tiles (num_splits shares, sized on the device from seq_len, so any seq_len is
 right) and writes partial (max, sum, unnormalised acc); `_reduce_splits_kernel`
-merges the shares and writes the output, zeros for padding rows. FUSED_REDUCE
-(TOKENMILL_ATTN_FUSED_REDUCE=1, no sinks): no reduce launch; the last split program of each
-(query tile, KV head) merges them (`_merge_if_last`, a counter per pair).
+merges the shares and writes the output, zeros for padding rows. (Merging in the last split
+program instead, one launch less, lost on H200s in sessions 9 and 10; retired in session 11.)
 
 PREWAIT (decode launches under PDL, `triton_backend.DecodeTiles.prewait`): at batch 1 a program's
 work is one KV tile (~100 keys of one KV head), a chain of dependent reads (the step's sizes, the
@@ -79,7 +78,6 @@ from tokenmill.layers.triton_ops import pdl
 LOG2E = 1.4426950408889634
 SEARCH_CHUNK = 256  # query_start_loc entries read per step of the sequence search (a 256-row batch: one)
 REDUCE_CHUNK = 32  # split partials merged per step of the reduce
-MERGE_CHUNK = 4  # FUSED_REDUCE: split partials' accumulators a load of the merging program (registers)
 F8_P_SCALE = 448.0  # fp8_pv_dot: softmax weights (<= 1) scaled to e4m3's largest value
 NO_WINDOW = 1 << 30  # the window of a full-attention layer: wider than any context
 CVT_KV, CVT_VALUES = 1, 2  # fp8_convert_on_load: keys and values, or the values only
@@ -356,8 +354,6 @@ def _paged_attention_kernel(
     EARLY_V: tl.constexpr, CVT_ON_LOAD: tl.constexpr, E5M2: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
     PTX: tl.constexpr, V_TRANS: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # `pdl`: launched early, waits for the kernel before it before reading anything
-    cnt_ptr=None,  # FUSED_REDUCE: int32 counters, one per (tile, KV head), zero between launches
-    FUSED_REDUCE: tl.constexpr = False,  # SPLIT: the last split program of a (tile, KV head) merges the partials
     KPERM: tl.constexpr = False,  # out's head_dim in the INT4 swapped GEMM's K order (`int4_kperm`)
     PREWAIT: tl.constexpr = False,  # the first KV tile's cached keys loaded before the PDL wait (`_preload_tile`)
     # ROPE (with PREWAIT; one query a sequence): q rotated here, this step's key rotated and written with its
@@ -365,7 +361,6 @@ def _paged_attention_kernel(
     ROPE: tl.constexpr = False, pos_ptr=None, cos_ptr=None, sin_ptr=None, s_cos=0, slot_ptr=None, num_slots=0,
     kn_ptr=None, vn_ptr=None, s_knt=0, s_knh=0, s_vnt=0, s_vnh=0, inv_k_scale=1.0, inv_v_scale=1.0,
     FP8_MAX: tl.constexpr = 0.0,
-    MAX_SPLITS: tl.constexpr = 1, MERGE_CHUNK: tl.constexpr = 1,  # FUSED_REDUCE: shares at most, merged a load
 ):
     pdl.launch_dependents(USE_PDL)
     if not PREWAIT:  # (PREWAIT: the step's inputs and the cached keys are read first, then the wait)
@@ -384,7 +379,7 @@ def _paged_attention_kernel(
 
     seq = _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q, SEARCH)
     if seq >= num_seqs:
-        if not SPLIT or (FUSED_REDUCE and split == 0):  # spare tile: zero its share of the rows past the last sequence
+        if not SPLIT:  # spare tile: zero its share of the rows past the last sequence (SPLIT: the reduce does)
             if PREWAIT:  # (out may still be another kernel's memory until the wait)
                 pdl.wait(USE_PDL)
             total = tl.load(qsl_ptr + num_seqs)
@@ -575,10 +570,6 @@ def _paged_attention_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_valid[:, None])
-        if FUSED_REDUCE:
-            _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt_ptr + tile * (NUM_HEADS // GROUP) + kv_head,
-                           tok, head, row_valid, offs_d, kperm_dst(offs_d) if KPERM else offs_d, d_valid, num_splits,
-                           s_ot, s_oh, NUM_HEADS, HEAD_DIM_PAD, PTX, MAX_SPLITS, MERGE_CHUNK)
     else:
         if SINKS:  # the sink in the log2 domain, as one more (valueless) key
             sink = tl.load(sinks_ptr + head, mask=row_valid, other=0.0) * 1.4426950408889634
@@ -590,46 +581,6 @@ def _paged_attention_kernel(
         offs_o = kperm_dst(offs_d) if KPERM else offs_d  # (a permutation inside each 64 of head_dim)
         tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_o[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
-
-
-@triton.jit
-def _merge_if_last(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cnt, tok, head, row_valid, offs_d, offs_o, d_valid,
-                   num_splits, s_ot, s_oh, NUM_HEADS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PTX: tl.constexpr,
-                   MAX_SPLITS: tl.constexpr, CHUNK: tl.constexpr):
-    """FUSED_REDUCE: the program's partials made visible GPU-wide, it counts itself in for its
-    (tile, KV head); the last of the num_splits merges all the splits' partials of its rows (as
-    `_reduce_splits_kernel`: the maxima and sums of all shares at once, then the accumulators CHUNK
-    shares a load, unrolled: every load in flight together, not one share a round trip) and resets
-    the counter (a CUDA graph's next replay finds it zero). One launch less per layer."""
-    if PTX:  # each thread's partial stores ordered before the CTA's count (as the int4 GEMV's split-K)
-        tl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [tl.zeros([1], dtype=tl.int32)],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt, 1, sem="acq_rel")
-    if arrived == num_splits - 1:
-        base = (tok * NUM_HEADS + head) * num_splits
-        offs_s = tl.arange(0, MAX_SPLITS)
-        shares = row_valid[:, None] & (offs_s < num_splits)[None, :]
-        idx = base[:, None] + offs_s[None, :]
-        m = tl.load(part_m_ptr + idx, mask=shares, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(part_l_ptr + idx, mask=shares, other=0.0, cache_modifier=".cg")
-        m_max = tl.max(m, 1)
-        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-        den = tl.sum(l * tl.exp2(m - m_max[:, None]), 1)
-        num = tl.zeros([base.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
-        for c in tl.static_range(0, MAX_SPLITS, CHUNK):
-            offs_c = c + tl.arange(0, CHUNK)
-            in_c = row_valid[:, None] & (offs_c < num_splits)[None, :]
-            idx_c = base[:, None] + offs_c[None, :]
-            wgt = tl.exp2(tl.load(part_m_ptr + idx_c, mask=in_c, other=float("-inf"), cache_modifier=".cg")
-                          - m_max[:, None])
-            acc = tl.load(part_acc_ptr + idx_c[:, :, None] * HEAD_DIM_PAD + offs_d[None, None, :], mask=in_c[:, :, None],
-                          other=0.0, cache_modifier=".cg")
-            num += tl.sum(acc * wgt[:, :, None], 1)
-        o = num / tl.where(den > 0.0, den, 1.0)[:, None]
-        tl.store(out_ptr + tok[:, None] * s_ot + head[:, None] * s_oh + offs_o[None, :],  # offs_o: KPERM's order
-                 o.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
-        tl.atomic_xchg(cnt, 0)
 
 
 @triton.jit(do_not_specialize=["num_seqs", "num_splits"])
@@ -677,28 +628,6 @@ def _reduce_splits_kernel(
     offs_o = kperm_dst(offs_d) if KPERM else offs_d
     tl.store(out_ptr + row.to(tl.int64) * s_ot + head * s_oh + offs_o, o.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
-
-
-FUSED_REDUCE_ENV = "TOKENMILL_ATTN_FUSED_REDUCE"  # 1: split partials merged by the last split program
-_COUNTERS: dict[str, torch.Tensor] = {}
-COUNTERS = 4096  # (tile, KV head) counters per device: a decode launch of up to ~500 rows x 8 KV heads
-
-
-def fused_reduce_enabled() -> bool:
-    return os.environ.get(FUSED_REDUCE_ENV, "0") == "1"
-
-
-def _fused_reduce_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed counters for FUSED_REDUCE, or None (off, too few, or first asked inside a
-    CUDA graph capture: they are allocated and zeroed outside any, once)."""
-    if not fused_reduce_enabled() or needed > COUNTERS:
-        return None
-    key = str(device)
-    if key not in _COUNTERS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[key] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: torch.Tensor,
@@ -776,8 +705,6 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         part_m = part_l = part_acc = out  # unused
     sinks_f32 = out if sinks is None else sinks.float().contiguous()  # (unused without sinks)
     grid = (num_rows // block_q + num_seqs + 1, num_kv_heads, num_splits)
-    counters = _fused_reduce_counters(q.device, grid[0] * num_kv_heads)  # (made at the first call: a prefill)
-    counters = counters if split and sinks is None else None
     fused = {}
     if rope is not None:
         step, k_new, v_new, slots = rope
@@ -808,11 +735,10 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, query_start_loc: to
         V_TRANS=v_transposed, KPERM=kperm,
         num_warps=num_warps,
         num_stages=num_stages,
-        cnt_ptr=counters, FUSED_REDUCE=counters is not None, PREWAIT=prewait, **fused,
-        MAX_SPLITS=max_splits if counters is not None else 1, MERGE_CHUNK=min(max_splits, MERGE_CHUNK) if counters is not None else 1,
+        PREWAIT=prewait, **fused,
         **pdl.launch_kwargs(q.device),
     )
-    if split and counters is None:
+    if split:
         _reduce_splits_kernel[(num_rows, num_heads)](
             out, part_m, part_l, part_acc, query_start_loc, sinks_f32, num_seqs, num_splits,
             out.stride(0), out.stride(1),

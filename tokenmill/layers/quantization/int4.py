@@ -6,8 +6,8 @@ CUDA: `triton_int4.int4_matmul` (one row: the panel GEMV of `triton_int4_gemv`, 
 repacked into its panels at load; more rows: the streaming / tensor-core kernel of
 `triton_int4_stream`; act-order weights: the per-channel-group kernel; large batches: dequantize,
 then cuBLAS). Weights in the tensor-core GEMV's layout (the default on CUDA, `for_device`):
-`triton_int4_mma.mma_matmul` (the GEMV up to 8 rows, the GEMM of `triton_int4_mma_gemm` where
-its measured tables list the rows, else dequantize + cuBLAS).
+`triton_int4_mma.mma_matmul` (the GEMV up to 8 rows, the GEMMs of `triton_int4_dot_gemm` where
+its measured table lists the rows, else dequantize + cuBLAS).
 Elsewhere: the weight is dequantized for each call and the float matmul runs (correct, not fast).
 
 Act-order (GPTQ desc_act) under row parallelism: each rank holds a slice of the input channels
@@ -167,17 +167,15 @@ _GEMM_SELFTEST: dict = {}
 
 
 def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
-    """Once per device and dtype: every launch the INT4 GEMMs' tables list (`triton_int4_mma_gemm`,
-    `triton_int4_dot_gemm`)
+    """Once per device and dtype: every launch the INT4 GEMM table lists (`triton_int4_dot_gemm`)
     on a small random weight against dequantize + matmul, at a row count filling its row tile and
     one that does not (the compiles the engine's warm-up needs anyway). False (logged): the GEMM
     is switched off (`ENABLED`) and every row count above 8 takes the other paths."""
     key = (str(device), dtype)
     if key not in _GEMM_SELFTEST:
         from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
-        from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
 
-        tiles = {t for t in (*gemm.TABLE.values(), *gemm.ROWS_TABLE.values(), *dot.TABLE.values()) if t is not None}
+        tiles = set(dot.TABLE.values())
         ok, why = True, "no launches listed"
         try:
             g = torch.Generator(device=device).manual_seed(0)
@@ -191,8 +189,7 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
                 for m in (t.block_m, t.block_m + 3):
                     x = torch.randn(m, k, device=device, generator=g).to(dtype)
                     ref = x.float() @ ref_w
-                    run = dot.run if isinstance(t, (dot.DotTiles, dot.GluonTiles, dot.SwapTiles)) else gemm.mma_gemm
-                    errs.append(((run(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
+                    errs.append(((dot.run(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
                                  / ref.norm()).item())
             if errs:
                 ok = max(errs) < 1e-2 and not counters.any()
@@ -202,7 +199,7 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
         if not ok:
             logger.warning("int4: the GEMM on the mma layout failed its self-test on %s (%s); more than 8 rows "
                            "take dequantize + cuBLAS", device, why)
-            gemm.ENABLED = dot.ENABLED = False
+            dot.ENABLED = False
         _GEMM_SELFTEST[key] = ok
     return _GEMM_SELFTEST[key]
 
@@ -228,14 +225,6 @@ def for_device(wt: packing.Int4Weights, group: int) -> packing.Int4Weights:
     if not panel:
         return wt
     return packing.Int4Weights(packing.to_panels(q, panel), wt.scales, wt.zeros, None)
-
-
-def _ahead(layer: nn.Module, x2: torch.Tensor, kperm: bool, own) -> torch.Tensor:
-    """x2 @ W^T: `own(x2)` (the layer's path), or through the model's dequantize-ahead ring
-    (`int4_ahead`) where this call is a unit of the step (dequantize + cuBLAS at these rows).
-    kperm: x2 in the swapped GEMM's K order (`own` reads it so; the ring's GEMM after putting it back)."""
-    plan = layer.__dict__.get("int4_ahead")
-    return own(x2) if plan is None else plan.run(layer, x2, own, kperm)
 
 
 class Int4LinearMethod(LinearMethod):
@@ -327,9 +316,8 @@ class Int4LinearMethod(LinearMethod):
         if x.is_cuda:
             from tokenmill.layers.quantization.triton_int4 import int4_matmul
 
-            out = _ahead(layer, x.reshape(-1, k), kperm, lambda x2: int4_matmul(
-                x2, layer.qweight, layer.scales, layer.zeros, layer.g_idx, self.config.group_size,
-                layer.stream_counters.tensor, x_kperm=kperm))
+            out = int4_matmul(x.reshape(-1, k), layer.qweight, layer.scales, layer.zeros, layer.g_idx,
+                              self.config.group_size, layer.stream_counters.tensor, x_kperm=kperm)
             if getattr(layer, "pair_order", None) is not None:  # a paired [gate | up] weight: natural order
                 out = out.index_select(-1, layer.pair_order)
             if bias is not None:
@@ -361,8 +349,7 @@ class Int4LinearMethod(LinearMethod):
             out = mma.mma_gemv(int4_kperm.unpermute(x2) if kperm else x2, *args, counters=layer.stream_counters.tensor,
                                silu=True)
         else:  # the product in down_proj's swapped GEMM's K order where it takes these rows (`int4_kperm`)
-            h = _ahead(layer, x2, kperm, lambda x2: mma.mma_matmul(x2, *args, layer.stream_counters.tensor,
-                                                                   x_kperm=kperm))
+            h = mma.mma_matmul(x2, *args, layer.stream_counters.tensor, x_kperm=kperm)
             out_kperm = h.dim() == 2 and act.int4_kperm(h)
             out = int4_kperm.mark(silu_and_mul(h, paired=True, kperm=out_kperm), out_kperm)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])  # (a view drops the mark)

@@ -90,8 +90,6 @@ def process_weights_after_loading(model: nn.Module) -> None:
     if linked:
         logger.info("int4: %d norms / activations write their INT4 linear's input in the swapped GEMM's K order "
                     "where it takes the rows (TOKENMILL_INT4_KPERM=%d)", linked, int(int4_kperm.ENABLED))
-    from tokenmill.layers.quantization import int4_ahead
-    int4_ahead.attach(model)  # (INT4 on CUDA: the dequantize-ahead ring, allocated now and logged)
     from tokenmill.layers.quantization import lm_head_8bit
     lm_head_8bit.attach(model)  # (opt-in: TOKENMILL_LM_HEAD_8BIT=int8|fp8)
 

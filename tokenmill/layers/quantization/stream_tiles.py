@@ -184,21 +184,6 @@ def gemv_config(n: int, k: int, group: int, sms: int) -> GemvConfig:
 W8A8_PATHS: tuple[tuple[int, str | tuple[int, ...]], ...] = ((0, "scaled_mm"),)
 
 
-# INT4 (no act-order) from these rows: the swapped GEMM (`triton_int4_swap`) with its
-# (block_n, block_m, block_k, warps, stages), or None (from there the other paths again);
-# empty: not measured faster anywhere yet.
-INT4_SWAP: tuple[tuple[int, tuple[int, int, int, int, int] | None], ...] = ()
-
-
-def int4_swap_tiles(m: int) -> tuple[int, int, int, int, int] | None:
-    """The swapped INT4 GEMM's tiles for m rows, or None where another path runs."""
-    tiles = None
-    for rows, t in INT4_SWAP:
-        if m >= rows:
-            tiles = t
-    return tiles
-
-
 # Per Llama-8B linear: (rows bucket: the most rows it serves, N, K) -> the GEMM, as in
 # W8A8_PATHS, the Triton tiles with a 7th entry, split-K (`scripts/gpu_quant.py --parts w8a8`), or
 # the label of the TMA-fed GEMM's tiles ("tma-...": `triton_fp8_tma.TmaTiles`).

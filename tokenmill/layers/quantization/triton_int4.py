@@ -173,18 +173,6 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
             return int4_stream_gemm(x, qweight, scales, zeros, group_size, counters)
         return int4_gemv(x, qweight, scales, zeros, group_size, c.block_k, c.split, c.warps, c.stages, c.mode,
                          counters)
-    if g_idx is None:
-        from tokenmill.layers.quantization import triton_int4_fused_gemm as fused
-
-        n = qweight.shape[0] * qweight.shape[2] if qweight.dim() == 3 else qweight.shape[1]
-        tiles = fused.fused_tiles(m, n, x.shape[1])
-        if tiles is not None and group % tiles[2] == 0:
-            return fused.int4_fused_gemm(x, qweight, scales, zeros, group_size, *tiles, counters=counters)
-    swap = stream_tiles.int4_swap_tiles(m) if g_idx is None else None
-    if swap is not None and group % swap[2] == 0:
-        from tokenmill.layers.quantization.triton_int4_swap import int4_swap_gemm
-
-        return int4_swap_gemm(x, qweight, scales, zeros, group_size, *swap)
     if g_idx is None and group % 16 == 0 and m < stream_tiles.INT4_DEQUANT_MIN_ROWS:
         from tokenmill.layers.quantization.triton_int4_stream import int4_stream_gemm
 

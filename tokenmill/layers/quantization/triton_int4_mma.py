@@ -806,8 +806,8 @@ def mma_dequantize(qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                counters: torch.Tensor | None = None, x_kperm: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T for any M: the GEMV up to 8 rows; above, a GEMM on this layout
-    (`triton_int4_dot_gemm`, then `triton_int4_mma_gemm`) where its table lists the rows and
-    shape, else the GEMV per 8 rows up to LOOP_MAX_ROWS, else dequantize + cuBLAS. x_kperm: x's
+    (`int4_ws_route`, then `triton_int4_dot_gemm`) where its table lists the rows and shape, else
+    the GEMV per 8 rows up to LOOP_MAX_ROWS, else dequantize + cuBLAS. x_kperm: x's
     columns already in the swapped GEMM's K order (`int4_kperm`): that GEMM reads it as it is,
     every other path after putting it back."""
     m = x.shape[0]
@@ -830,14 +830,10 @@ def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
     if wtiles is not None:  # the warp-specialized GEMM where TOKENMILL_INT4_WS_TABLE lists the rows and shape
         return ws.run(x, qm, scales, zeros, group_size, wtiles, counters)
     from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
-    from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
 
     dtiles = dot.dot_tiles(m, n, k, group, x.dtype)
     if dtiles is not None:  # the tl.dot / Gluon GEMM where its measured table lists the rows and shape
         return dot.run(x, qm, scales, zeros, group_size, dtiles, counters)
-    tiles = gemm.gemm_tiles(m, n, k, k if group_size == -1 else group_size)
-    if tiles is not None:
-        return gemm.mma_gemm(x, qm, scales, zeros, group_size, tiles, counters)
     if m <= LOOP_MAX_ROWS:
         return torch.cat([mma_gemv(x[i:i + ROWS], qm, scales, zeros, group_size, counters=counters)
                           for i in range(0, m, ROWS)])
