@@ -1,0 +1,241 @@
+"""Gluon kernel (Hopper): the swapped W4A16 GEMM warp-specialized (issue 22, 256 rows):
+out^T [N, M] = W [N, K] @ x^T, the weight dequantized in registers as wgmma's A operand.
+
+Why: `gluon_int4_swap_gemm` (the weight from global memory into registers, dequantized there as the
+register A operand, x^T from shared memory) runs each 64-input step as one serial chain in one set of
+warps (x's cp.async wait, a CTA barrier, the dequantization, the wgmma issue / retire): the tensor
+cores idle between steps. `gluon_int4_ws_gemm` warp-specialized the other orientation, and its
+dequantizers' B tiles through shared memory are its limit. Here (the mixed-input design of Hopper
+GEMMs: the narrow operand converted in registers) the chain is cut in two partitions that meet only
+at mbarriers of one shared-memory ring:
+- the loader (1 warp): per step, x's [BT, 64] tile (x already in the fragment's K order, written so
+  by the norm / SiLU-and-mul: `int4_kperm`; rows past M zero-filled), the step's words ([CB, 128]
+  int32 of the mma layout) and its group's packed scales / offsets ([1, BC]) by TMA into one slot,
+  as soon as the consumers free it;
+- the consumers (the kernel's warps: `wgs` warpgroups, warp w the 16-channel blocks w, w + W, ...):
+  the slot's words from shared memory into registers (one 16-byte read a lane and block), dequantized
+  there into wgmma's register A fragment (`gluon_int4_swap_gemm._dequant`: `int4_packing.to_mma`'s
+  word order is the fragment order), the wgmma issued on x^T from the slot, the previous step's wgmma
+  retired and its slot freed. So step i + 1 is dequantized while wgmma i runs, and the only barrier
+  in the loop is the consumer warps' own (before the one-thread arrive that frees a slot).
+Split-K (grid axis 1) for the skinny linears as `gluon_int4_swap_gemm`: fp32 partials, the last slice
+to arrive sums them in slice order. bf16 only; GPUs only (Gluon has no interpreter):
+tests/layers/test_int4_wsa_gemm.py checks the K order and fragment map on the CPU (`emulate`, the swap
+GEMM's: the same words, the same x order) and compiles the kernel for sm_90 offline;
+scripts/gpu_int4_wsa.py checks every launch against a float32 reference on the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tokenmill.layers.quantization.gluon_int4_swap_gemm import _dequant
+from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
+from tokenmill.layers.quantization.triton_int4_dot_gemm import _cached_scale_offset
+
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared  # 3.7+: renamed
+_PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))  # 3.6: `_reinterpret`
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the calling partition's warps (3.7: renamed)
+_PLAIN32 = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)  # TMA tiles of words / scales
+
+
+@gluon.jit
+def _loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, ready, empty, off_t, off_cb, s0, n_k,
+            GROUP: gl.constexpr):
+    """Ring step i (slot i % STAGES): x's tile, the words and the scales of K step s0 + i, one barrier."""
+    STAGES: gl.constexpr = x_smem.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes + s_desc.block_type.nbytes
+    for i in range(n_k):
+        s = i % STAGES
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), nbytes)
+        k = s0 + i
+        _tma_load(x_desc, [off_t, k * BK], ready.index(s), x_smem.index(s))
+        _tma_load(w_desc, [off_cb, k * 128], ready.index(s), w_smem.index(s))
+        _tma_load(s_desc, [(k * BK) // GROUP, off_cb * 16], ready.index(s), s_smem.index(s))
+
+
+@gluon.jit
+def _fragment(i, x_smem, w_view, s_view, ready, a_l: gl.constexpr, BC: gl.constexpr):
+    """Step i's A fragment: once its slot landed, the words and scales from shared memory (word m of
+    lane (g, j) of block cb at [cb, 0, g, j, m]; channel 16 cb + c's scale at [cb, c]), dequantized."""
+    STAGES: gl.constexpr = x_smem.shape[0]
+    W: gl.constexpr = gl.num_warps()
+    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [W, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))  # [CB, 8]
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    words = w_view.index(s).load(w_ld)
+    scales = s_view.index(s)
+    lo = scales.slice(0, 8, dim=1).load(sz_ld)
+    hi = scales.slice(8, 8, dim=1).load(sz_ld)
+    return _dequant(words, lo, hi, a_l, BC, 64)
+
+
+@gluon.jit
+def _mma(i, a, acc, x_smem, empty):
+    """wgmma i (A in registers, B = x^T of slot i) left in flight, wgmma i - 1 retired, its slot freed
+    once every consumer warp retired it (the partition's barrier, then one thread's arrive)."""
+    STAGES: gl.constexpr = x_smem.shape[0]
+    acc = warpgroup_mma(a, x_smem.index(i % STAGES).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+    if i > 0:
+        _barrier()
+        mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def _consumer(x_smem, w_view, s_view, ready, empty, n_k, BC: gl.constexpr, BT: gl.constexpr):
+    """Steps 0 (peeled), 1 .. n_k - 2 two a trip, n_k - 1: each call site dequantizes into registers
+    of its own, which the wgmma still in flight (another call site's) never reads."""
+    W: gl.constexpr = gl.num_warps()
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 16])
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
+    acc = gl.zeros([BC, BT], gl.float32, layout=acc_l)
+    a = _fragment(0, x_smem, w_view, s_view, ready, a_l, BC)
+    acc = _mma(0, a, acc, x_smem, empty)
+    for i in range(1, n_k - 1, 2):
+        a = _fragment(i, x_smem, w_view, s_view, ready, a_l, BC)
+        acc = _mma(i, a, acc, x_smem, empty)
+        a = _fragment(i + 1, x_smem, w_view, s_view, ready, a_l, BC)
+        acc = _mma(i + 1, a, acc, x_smem, empty)
+    a = _fragment(n_k - 1, x_smem, w_view, s_view, ready, a_l, BC)
+    acc = _mma(n_k - 1, a, acc, x_smem, empty)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    return (acc,)
+
+
+@gluon.jit
+def _rings(x_desc, w_desc, s_desc, STAGES: gl.constexpr):
+    """The ring: x / word / scale slots (words and scales also as plain row-major views, [STAGES, CB,
+    1, 8, 4, 4] and [STAGES, CB, 16] int32, for the consumers' reads) and a ready / empty barrier each."""
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    CB: gl.constexpr = w_desc.block_type.shape[0]
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK], x_desc.layout)
+    w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, CB, 128], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, 16 * CB], s_desc.layout)
+    flat5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    if _PUBLIC_REINTERPRET:
+        w_view = w_smem.reinterpret(gl.int32, [STAGES, CB, 1, 8, 4, 4], flat5)
+        s_view = s_smem.reinterpret(gl.int32, [STAGES, CB, 16], flat2)
+    else:
+        w_view = w_smem._reinterpret(gl.int32, [STAGES, CB, 1, 8, 4, 4], flat5)
+        s_view = s_smem._reinterpret(gl.int32, [STAGES, CB, 16], flat2)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    fence_async_shared()
+    return x_smem, w_smem, s_smem, w_view, s_view, ready, empty
+
+
+@gluon.jit(do_not_specialize=["M"])  # one compile per launch serves every row count
+def _wsa_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
+                     STAGES: gl.constexpr, SPLIT_K: gl.constexpr):
+    BT: gl.constexpr = x_desc.block_type.shape[0]
+    BK: gl.constexpr = x_desc.block_type.shape[1]
+    CB: gl.constexpr = w_desc.block_type.shape[0]
+    BC: gl.constexpr = 16 * CB
+    W: gl.constexpr = gl.num_warps()
+    pid = gl.program_id(0)
+    pid_k = gl.program_id(1)
+    split = gl.num_programs(1)
+    tiles_t = gl.cdiv(M, BT)
+    pid_t = pid % tiles_t  # the token tiles of one weight tile side by side: its words leave HBM once
+    pid_c = pid // tiles_t
+    n_k = K // BK // split  # steps per slice (the wrapper makes them whole and even)
+    s0 = pid_k * n_k
+
+    x_smem, w_smem, s_smem, w_view, s_view, ready, empty = _rings(x_desc, w_desc, s_desc, STAGES)
+    (acc,) = gl.warp_specialize([
+        (_consumer, (x_smem, w_view, s_view, ready, empty, n_k, BC, BT)),
+        (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, ready, empty, pid_t * BT,
+                   pid_c * CB, s0, n_k, GROUP)),
+    ], [1], [24])
+
+    out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, W], [0, 1])  # channels contiguous per thread
+    accT = gl.convert_layout(acc, out_l)  # [BC channels, BT tokens]
+    oc = pid_c * BC + gl.arange(0, BC, layout=gl.SliceLayout(1, out_l))
+    ot = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
+    o_off = gl.expand_dims(oc, 1) + gl.expand_dims(ot.to(gl.int64) * s_om, 0)
+    o_mask = gl.expand_dims(ot < M, 0)
+    if SPLIT_K:  # as `gluon_int4_swap_gemm`: partials, then the last slice to arrive sums them in order
+        p_off = gl.expand_dims(oc, 1) + gl.expand_dims(ot.to(gl.int64) * N, 0)
+        mn = N.to(gl.int64) * M
+        gl.store(part_ptr + pid_k * mn + p_off, accT, mask=o_mask)
+        _barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == split - 1:
+            total = gl.zeros([BC, BT], gl.float32, layout=out_l)
+            for sl in range(split):
+                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
+            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
+            gl.atomic_xchg(cnt_ptr + pid, 0)
+    else:
+        gl.store(out_ptr + o_off, accT.to(gl.bfloat16), mask=o_mask)
+
+
+def descriptors(x: torch.Tensor, qm: torch.Tensor, sz: torch.Tensor, t: WsaTiles) -> tuple:
+    """TMA descriptors: x's [BT, 64] tiles, the words' [BC / 16, 128] tiles (qm as [N / 16, K / 64 x 128]:
+    one 64-input step of BC / 16 channel blocks) and the packed scales' [1, BC] rows."""
+    x_desc = TensorDescriptor.from_tensor(x, [t.bt, 64], gl.NVMMASharedLayout.get_default_for([t.bt, 64], gl.bfloat16))
+    w_desc = TensorDescriptor.from_tensor(qm.view(qm.shape[0], -1), [t.bc // 16, 128], _PLAIN32)
+    s_desc = TensorDescriptor.from_tensor(sz, [1, t.bc], _PLAIN32)
+    return x_desc, w_desc, s_desc
+
+
+def split_for(t: WsaTiles, k: int, tiles: int, counters: torch.Tensor | None) -> int:
+    """The split-K slices a launch runs: t.split, lowered until each slice holds a whole, even number of
+    64-input steps; 1 without enough counters (one zeroed int32 per output tile)."""
+    split = t.split if counters is not None and counters.numel() >= tiles else 1
+    steps = k // 64
+    while steps % split or (steps // split) % 2:
+        split -= 1
+    return split
+
+
+def wsa_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+             tiles: WsaTiles | None = None, sz: torch.Tensor | None = None,
+             counters: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 with each 64-input step's columns in the swapped GEMM's K order
+    (`gluon_int4_swap_gemm.permute_x`, or written so by `int4_kperm`'s producers) @ W^T -> [M, N];
+    W in the mma layout, scales / zeros [G, N] bf16 (or `sz` from `packed_scale_offset`). CUDA, bf16,
+    K and the group multiples of 64 with an even number of steps, N of the CTA's channels."""
+    t = tiles or WsaTiles()
+    m, k = x.shape
+    n = qm.shape[0] * 16
+    group = k if group_size == -1 else group_size
+    if x.dtype != torch.bfloat16 or n % t.bc or group % 64 or k % group or (k // 64) % 2:
+        raise ValueError(f"wsa int4 GEMM: bf16 x, N a multiple of {t.bc}, K and the group of 64, an even number "
+                         f"of 64-input steps (x {x.dtype}, N {n}, K {k}, group {group})")
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
+        x = x.contiguous()
+    if sz is None:
+        sz = _cached_scale_offset(scales, zeros)
+    x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)
+    n_tiles = triton.cdiv(m, t.bt) * (n // t.bc)
+    split = split_for(t, k, n_tiles, counters)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
+    _wsa_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out, m, n, k,
+                                       out.stride(0), GROUP=group, STAGES=t.stages, SPLIT_K=split > 1,
+                                       num_warps=4 * t.wgs)
+    return out

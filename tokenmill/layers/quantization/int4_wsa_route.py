@@ -1,0 +1,82 @@
+"""The warp-specialized swapped INT4 GEMM's launches and its route (no Gluon import: tables name launches here).
+
+`WsaTiles` describes one launch of `gluon_int4_wsa_gemm`. `TABLE` maps (rows bucket, N, K) to the launch
+that measured faster than the other INT4 paths on a GPU (scripts/gpu_int4_wsa.py); it starts empty and
+TOKENMILL_INT4_WSA_TABLE ("256,28672,4096=wsa t256 g2 c1 st4;...") fills it for A/B runs without a
+commit. This GEMM reads x in the swapped GEMM's K order, so `int4_kperm.swap_route` says yes for a
+product listed here (the norms / SiLU-and-mul then write x permuted), and `triton_int4_mma.mma_matmul`
+asks `wsa_tiles` before the swapped GEMM's table.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.layers.quantization.int4_mma_launch import GEMM_ROW_BUCKETS as BUCKETS
+from tokenmill.layers.quantization.int4_mma_launch import (
+    gemm_row_bucket,
+    parse_gemm_table,
+)
+
+
+@dataclass(frozen=True)
+class WsaTiles:
+    """A launch: BT tokens a CTA (wgmma's N), `wgs` consumer warpgroups of 4 warps, each warp `cpw`
+    16-channel blocks (a CTA: 64 wgs cpw channels), `stages` ring slots (x tile, words, scales),
+    split-K slices (needs counters; lowered until whole, even slices)."""
+
+    bt: int = 256
+    wgs: int = 2
+    cpw: int = 1
+    stages: int = 4
+    split: int = 1
+
+    @property
+    def bc(self) -> int:
+        return 64 * self.wgs * self.cpw
+
+    def label(self) -> str:
+        return f"wsa t{self.bt} g{self.wgs} c{self.cpw} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
+
+    @classmethod
+    def parse(cls, label: str) -> WsaTiles:
+        """The inverse of `label` ("wsa t256 g2 c1 st4 s2")."""
+        m = re.fullmatch(r"wsa t(\d+) g(\d+) c(\d+) st(\d+)(?: s(\d+))?", label.strip())
+        if m is None:
+            raise ValueError(f"not a warp-specialized swapped GEMM launch label: {label!r}")
+        bt, wgs, cpw, st, split = m.groups()
+        return cls(int(bt), int(wgs), int(cpw), int(st), int(split or 1))
+
+
+def table_from(text: str) -> dict[tuple[int, int, int], WsaTiles]:
+    """"256,28672,4096=wsa t256 g2 c1 st4;256,4096,14336=wsa t256 g1 c1 st4 s4" -> TABLE."""
+    out = parse_gemm_table(text, WsaTiles.parse)
+    for bucket, _, _ in out:
+        if bucket not in BUCKETS:
+            raise ValueError(f"TOKENMILL_INT4_WSA_TABLE: rows bucket {bucket} is not one of {BUCKETS}")
+    return out
+
+
+TABLE: dict[tuple[int, int, int], WsaTiles] = table_from(os.environ.get("TOKENMILL_INT4_WSA_TABLE", ""))
+
+
+def wsa_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> WsaTiles | None:
+    """The launch for an [m, k] x [k, n] product on the mma layout (bf16; N of whole channel tiles,
+    the group and K of 64-input steps, an even number of them), or None: another path."""
+    bucket = gemm_row_bucket(m)
+    t = TABLE.get((bucket, n, k)) if bucket is not None else None
+    if t is None or dtype != torch.bfloat16 or n % t.bc or group % 64 or k % group or (k // 64) % 2:
+        return None
+    return t
+
+
+def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+        tiles: WsaTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The launch on x already in the swapped GEMM's K order (`int4_kperm`)."""
+    from tokenmill.layers.quantization.gluon_int4_wsa_gemm import wsa_gemm
+
+    return wsa_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
