@@ -239,3 +239,52 @@ def wsa_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
                                        out.stride(0), GROUP=group, STAGES=t.stages, SPLIT_K=split > 1,
                                        num_warps=4 * t.wgs)
     return out
+
+
+# ----------------------------------------------------------------------------- CPU mirror
+
+
+def slot_tiles(qm: torch.Tensor, sz: torch.Tensor, step: int, pid_c: int, bc: int, group: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What one ring slot holds for K step `step` of channel tile `pid_c`, read as the consumers read it:
+    the loader's word tile (qm as [N / 16, K / 64 x 128] at [pid_c CB, 128 step]) viewed [CB, 8 g, 4 j, 4 m],
+    and its scale row (sz at [64 step / group, bc pid_c]) viewed [CB, 16]: lo = [:, :8] (channel 16 cb + g),
+    hi = [:, 8:] (16 cb + 8 + g)."""
+    cb = bc // 16
+    words = qm.reshape(qm.shape[0], -1)[pid_c * cb:(pid_c + 1) * cb, step * 128:(step + 1) * 128].reshape(cb, 8, 4, 4)
+    row = sz[(step * 64) // group, pid_c * bc:(pid_c + 1) * bc].reshape(cb, 16)
+    return words, row[:, :8], row[:, 8:]
+
+
+def emulate(xp: torch.Tensor, qm: torch.Tensor, sz: torch.Tensor, group: int, tiles: WsaTiles, split: int = 1
+            ) -> torch.Tensor:
+    """The kernel's product in float64 from what its slots hold (`slot_tiles`): per channel tile, K slice
+    and step, each block's A tile (`gluon_int4_swap_gemm.fragment_tile`'s register map of the slot's
+    words, the PTX's ((128 + q) - (128 + z)) times the scale rounded once to bf16) times xp's step
+    columns (x permuted: `permute_x`), the slices summed in slice order (the split-K epilogue's)."""
+    from tokenmill.layers.quantization.gluon_int4_swap_gemm import fragment_tile
+
+    m, k = xp.shape
+    n = qm.shape[0] * 16
+    bc, cb = tiles.bc, tiles.bc // 16
+    n_k = k // 64 // split
+    xd = xp.double().cpu()
+    out = torch.zeros(m, n, dtype=torch.float64)
+
+    def bf16(bits: torch.Tensor) -> torch.Tensor:
+        return (((bits & 0xFFFF) ^ 0x8000) - 0x8000).to(torch.int16).view(torch.bfloat16).double()
+
+    for pid_c in range(n // bc):
+        total = torch.zeros(m, bc, dtype=torch.float64)
+        for p in range(split):
+            acc = torch.zeros(m, bc, dtype=torch.float64)
+            for step in range(p * n_k, (p + 1) * n_k):
+                words, lo, hi = slot_tiles(qm, sz, step, pid_c, bc, group)
+                sc = torch.cat([bf16(lo), bf16(hi)], dim=1).reshape(bc)  # channel 16 cb + c
+                mz = torch.cat([bf16(lo >> 16), bf16(hi >> 16)], dim=1).reshape(bc)  # 128 + z
+                q = torch.cat([fragment_tile(words.reshape(cb, 1, 32, 4), 0, b) for b in range(cb)]).double()
+                w = ((q + 128.0 - mz[:, None]) * sc[:, None]).to(torch.bfloat16).double()  # [bc, 64]
+                acc += xd[:, step * 64:(step + 1) * 64] @ w.t()
+            total += acc
+        out[:, pid_c * bc:(pid_c + 1) * bc] = total
+    return out
