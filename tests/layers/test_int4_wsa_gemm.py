@@ -208,6 +208,10 @@ def test_compiles_for_sm90_warp_specialized(bt, wgs, split):
     assert fig["stack"] <= (8 if split else 0), fig
     hgmma = re.findall(rf"HGMMA\.64x{bt}x16\.F32\.BF16 R\d+, (\S+), gdesc", sass)
     assert len(hgmma) == 16 and all(a.startswith("R") for a in hgmma), hgmma  # A from registers
+    # the call sites' A registers (step 0, the loop's two, the last step): a site never writes the
+    # registers the wgmma still in flight (the previous site's) reads
+    sites = [{int(a[1:]) for a in hgmma[4 * j:4 * j + 4]} for j in range(4)]
+    assert sites[0].isdisjoint(sites[1]) and sites[1].isdisjoint(sites[2]) and sites[2].isdisjoint(sites[3]), sites
     lines = sass.splitlines()
     first = next(i for i, s in enumerate(lines) if "HGMMA" in s)
     last = next(i for i, s in enumerate(lines) if "DEPBAR.LE gsb0, 0x0" in s)
