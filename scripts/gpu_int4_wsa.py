@@ -31,22 +31,23 @@ LLAMA = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "
 GROUP = 128
 
 
-def _t(bt, wgs, stages, split=1):
+def _t(bt, wgs, stages, split=1, sk=0):
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
-    return WsaTiles(bt, wgs, 1, stages, split)
+    return WsaTiles(bt, wgs, 1, stages, split, sk)
 
 
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an SM)."""
     if m > 1024:  # a prefill chunk: whole tiles of 256 x 128 / 128 x 128
         return [_t(256, 2, 4), _t(128, 2, 6)]
+    sk = [_t(256, 2, 4, sk=132), _t(128, 2, 6, sk=132)]  # stream-K: 132 CTAs, equal ranges of tiles x steps
     if name == "gate_up":  # 224 CTAs of 256 x 128; 448 of 128 x 128 or 256 x 64; 448 split
-        return [_t(256, 2, 4), _t(256, 2, 5), _t(128, 2, 6), _t(256, 1, 4), _t(256, 2, 4, 2)]
+        return [_t(256, 2, 4), _t(256, 2, 5), _t(128, 2, 6), _t(256, 1, 4), _t(256, 2, 4, 2)] + sk
     if name == "down":  # K 14336: 224 steps; 128 CTAs each
-        return [_t(256, 2, 4, 4), _t(256, 1, 4, 2), _t(128, 2, 6, 2), _t(128, 1, 6)]
+        return [_t(256, 2, 4, 4), _t(256, 1, 4, 2), _t(128, 2, 6, 2), _t(128, 1, 6)] + sk
     if name == "qkv":  # 96 / 192 CTAs
-        return [_t(256, 2, 4, 2), _t(256, 2, 4, 4), _t(128, 1, 6), _t(256, 1, 4, 2)]
-    return [_t(256, 2, 4, 4), _t(128, 1, 6, 2), _t(256, 1, 4, 2), _t(128, 2, 6, 2)]  # o: 128-256 CTAs
+        return [_t(256, 2, 4, 2), _t(256, 2, 4, 4), _t(128, 1, 6), _t(256, 1, 4, 2)] + sk
+    return [_t(256, 2, 4, 4), _t(128, 1, 6, 2), _t(256, 1, 4, 2), _t(128, 2, 6, 2)] + sk  # o: 128-256 CTAs
 
 
 def launches() -> list:
@@ -84,6 +85,12 @@ def _dump(obj, path):
 
 
 def _run(t, xp, qm, scales, zeros, group, sz, counters):
+    """One launch: the stream-K kernel for t.sk, else the plain one."""
+    if t.sk:
+        from tokenmill.layers.quantization.gluon_int4_wsa_streamk import (
+            wsa_streamk_gemm,
+        )
+        return wsa_streamk_gemm(xp, qm, scales, zeros, group, t, counters, sz=sz)
     from tokenmill.layers.quantization.gluon_int4_wsa_gemm import wsa_gemm
     return wsa_gemm(xp, qm, scales, zeros, group, t, sz=sz, counters=counters)
 
@@ -115,7 +122,7 @@ def selftest(shard: str, out_dir: str) -> int:
                                       "what": what, "s": round(time.perf_counter() - t0, 2)})
                 print(f"  [{'ok' if ok else 'FAIL'}] {t.label()} n{n} k{k} g{group} m{m}: {what}", flush=True)
                 _dump(rec, path)
-    split_t = next((t for t in mine if t.split > 1), None)
+    split_t = next((t for t in mine if t.split > 1 or t.sk), None)
     if split_t is not None:  # a split-K launch replayed in a CUDA graph (the counters reset themselves)
         (n, k, group), (_, wt, qm, sz, ref_w) = next(iter(data.items()))
         xs = [torch.randn(200, k, device="cuda").to(torch.bfloat16) for _ in range(3)]

@@ -211,7 +211,7 @@ def test_compiles_for_sm90_warp_specialized(bt, wgs, split):
     # the call sites' A registers (step 0, the loop's two, the last step): a site never writes the
     # registers the wgmma still in flight (the previous site's) reads
     sites = [{int(a[1:]) for a in hgmma[4 * j:4 * j + 4]} for j in range(4)]
-    assert sites[0].isdisjoint(sites[1]) and sites[1].isdisjoint(sites[2]) and sites[2].isdisjoint(sites[3]), sites
+    assert all(sites[a].isdisjoint(sites[b]) for a, b in ((0, 1), (1, 2), (2, 3), (0, 3))), sites
     lines = sass.splitlines()
     first = next(i for i, s in enumerate(lines) if "HGMMA" in s)
     last = next(i for i, s in enumerate(lines) if "DEPBAR.LE gsb0, 0x0" in s)
@@ -225,3 +225,51 @@ def test_compiles_for_sm90_warp_specialized(bt, wgs, split):
     if not split:
         assert not re.findall(r"(?<![A-Z])LDG[.A-Z0-9]*", sass)
     assert "USETMAXREG.DEALLOC" in sass
+
+
+def test_stream_k_compiles_for_sm90():
+    """The stream-K kernel (t128 g2: per segment step 0, the pairs' two call sites and an odd last one):
+    HGMMA with A in registers (4 call sites x 4), one left in flight, the call sites' A registers
+    disjoint where one follows another, a whole tile's bf16 store and the partials' reduce, no local
+    memory."""
+    pytest.importorskip("triton.experimental.gluon")
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import sass_tools
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from tokenmill.layers.quantization.gluon_int4_wsa_gemm import _PLAIN32
+    from tokenmill.layers.quantization.gluon_int4_wsa_streamk import (
+        _wsa_streamk_kernel as fn,
+    )
+
+    lay = gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16)
+    const = {"GROUP": 128, "STAGES": 6}
+    ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
+    descs = {"x_desc": f"tensordesc<bf16[128, 64],{lay!r}>", "w_desc": f"tensordesc<i32[8, 128],{_PLAIN32!r}>",
+             "s_desc": f"tensordesc<i32[1, 128],{_PLAIN32!r}>"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in descs:
+            sig[name] = descs[name]
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if name in ("N", "K", "s_om"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 8})
+    fig, sass = sass_tools.disassemble(kernel)
+    assert fig["stack"] == 0, fig
+    hgmma = re.findall(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, (\S+), gdesc", sass)
+    assert len(hgmma) == 16 and all(a.startswith("R") for a in hgmma), hgmma
+    sites = [{int(a[1:]) for a in hgmma[4 * j:4 * j + 4]} for j in range(4)]
+    assert all(sites[a].isdisjoint(sites[b]) for a, b in ((0, 1), (1, 2), (2, 3), (0, 3))), sites
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
+    assert sass.count("UTMALDG.2D") == 3 and "ATOMG" in sass

@@ -27,29 +27,32 @@ from tokenmill.layers.quantization.int4_mma_launch import (
 class WsaTiles:
     """A launch: BT tokens a CTA (wgmma's N), `wgs` consumer warpgroups of 4 warps, each warp `cpw`
     16-channel blocks (a CTA: 64 wgs cpw channels), `stages` ring slots (x tile, words, scales),
-    split-K slices (needs counters; lowered until whole, even slices)."""
+    split-K slices (needs counters; lowered until whole, even slices); sk > 0: the stream-K schedule
+    on sk CTAs (`gluon_int4_wsa_streamk`; no split)."""
 
     bt: int = 256
     wgs: int = 2
     cpw: int = 1
     stages: int = 4
     split: int = 1
+    sk: int = 0
 
     @property
     def bc(self) -> int:
         return 64 * self.wgs * self.cpw
 
     def label(self) -> str:
-        return f"wsa t{self.bt} g{self.wgs} c{self.cpw} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
+        return (f"wsa t{self.bt} g{self.wgs} c{self.cpw} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
+                f"{f' sk{self.sk}' if self.sk else ''}")
 
     @classmethod
     def parse(cls, label: str) -> WsaTiles:
         """The inverse of `label` ("wsa t256 g2 c1 st4 s2")."""
-        m = re.fullmatch(r"wsa t(\d+) g(\d+) c(\d+) st(\d+)(?: s(\d+))?", label.strip())
+        m = re.fullmatch(r"wsa t(\d+) g(\d+) c(\d+) st(\d+)(?: s(\d+))?(?: sk(\d+))?", label.strip())
         if m is None:
             raise ValueError(f"not a warp-specialized swapped GEMM launch label: {label!r}")
-        bt, wgs, cpw, st, split = m.groups()
-        return cls(int(bt), int(wgs), int(cpw), int(st), int(split or 1))
+        bt, wgs, cpw, st, split, sk = m.groups()
+        return cls(int(bt), int(wgs), int(cpw), int(st), int(split or 1), int(sk or 0))
 
 
 def table_from(text: str) -> dict[tuple[int, int, int], WsaTiles]:
@@ -76,7 +79,15 @@ def wsa_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> WsaTile
 
 def run(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
         tiles: WsaTiles, counters: torch.Tensor | None = None) -> torch.Tensor:
-    """The launch on x already in the swapped GEMM's K order (`int4_kperm`)."""
+    """The launch on x already in the swapped GEMM's K order (`int4_kperm`): stream-K where tiles.sk and
+    enough counters (one per output tile), else the plain kernel."""
+    n_tiles = -(-x.shape[0] // tiles.bt) * (qm.shape[0] * 16 // tiles.bc)
+    if tiles.sk and counters is not None and counters.numel() >= n_tiles:
+        from tokenmill.layers.quantization.gluon_int4_wsa_streamk import (
+            wsa_streamk_gemm,
+        )
+
+        return wsa_streamk_gemm(x, qm, scales, zeros, group_size, tiles, counters)
     from tokenmill.layers.quantization.gluon_int4_wsa_gemm import wsa_gemm
 
     return wsa_gemm(x, qm, scales, zeros, group_size, tiles, counters=counters)
