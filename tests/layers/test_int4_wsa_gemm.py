@@ -273,3 +273,35 @@ def test_stream_k_compiles_for_sm90():
     assert all(sites[a].isdisjoint(sites[b]) for a, b in ((0, 1), (1, 2), (2, 3), (0, 3))), sites
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in sass
     assert sass.count("UTMALDG.2D") == 3 and "ATOMG" in sass
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_engine_selftest_checks_the_wsa_launches(monkeypatch, right):
+    """`int4.gemm_selftest` runs every launch the wsa table lists on x permuted against the float32
+    reference: a right product keeps the route, a wrong one switches it off (with the other GEMMs)."""
+    from tokenmill.layers.quantization import int4
+    from tokenmill.layers.quantization import int4_packing as pk
+    from tokenmill.layers.quantization import int4_wsa_route as wsa
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+    from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
+    from tokenmill.layers.quantization.int4_kperm import unpermute
+
+    t = wsa.WsaTiles(128, 2, 1, 6, sk=132)
+    monkeypatch.setattr(wsa, "TABLE", {(256, 4096, 4096): t})
+    monkeypatch.setattr(dot, "TABLE", {})
+    monkeypatch.setattr(gemm, "TABLE", {})
+    monkeypatch.setattr(gemm, "ROWS_TABLE", {})
+    for mod in (wsa, dot, gemm):
+        monkeypatch.setattr(mod, "ENABLED", True)
+    monkeypatch.setattr(int4, "_GEMM_SELFTEST", {})
+    seen = []
+
+    def fake(xp, qm, scales, zeros, group, tiles, counters):
+        seen.append((xp.shape[0], tiles))
+        out = unpermute(xp).float() @ pk.dequantize(pk.Int4Weights(qm, scales, zeros, None),
+                                                    group, torch.float32)
+        return out if right else out + 1.0
+
+    monkeypatch.setattr(wsa, "run", fake)
+    assert int4.gemm_selftest(torch.device("cpu"), torch.bfloat16) is right
+    assert seen == [(128, t), (125, t)] and wsa.ENABLED is right

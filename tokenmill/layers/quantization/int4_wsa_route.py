@@ -65,13 +65,14 @@ def table_from(text: str) -> dict[tuple[int, int, int], WsaTiles]:
 
 
 TABLE: dict[tuple[int, int, int], WsaTiles] = table_from(os.environ.get("TOKENMILL_INT4_WSA_TABLE", ""))
+ENABLED = True  # False once `int4.gemm_selftest` failed on this process's GPU
 
 
 def wsa_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> WsaTiles | None:
     """The launch for an [m, k] x [k, n] product on the mma layout (bf16; N of whole channel tiles,
     the group and K of 64-input steps, an even number of them), or None: another path."""
     bucket = gemm_row_bucket(m)
-    t = TABLE.get((bucket, n, k)) if bucket is not None else None
+    t = TABLE.get((bucket, n, k)) if bucket is not None and ENABLED else None
     if t is None or dtype != torch.bfloat16 or n % t.bc or group % 64 or k % group or (k // 64) % 2:
         return None
     return t
