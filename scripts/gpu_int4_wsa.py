@@ -31,23 +31,26 @@ LLAMA = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "
 GROUP = 128
 
 
-def _t(bt, wgs, stages, split=1, sk=0):
+def _t(bt, wgs, stages, split=1, sk=0, depth=1):
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
-    return WsaTiles(bt, wgs, 1, stages, split, sk)
+    return WsaTiles(bt, wgs, 1, stages, split, sk, depth)
 
 
 def variants(m: int, name: str) -> list:
-    """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an SM)."""
-    if m > 1024:  # a prefill chunk: whole tiles of 256 x 128 / 128 x 128
-        return [_t(256, 2, 4), _t(128, 2, 6)]
-    sk = [_t(256, 2, 4, sk=132), _t(128, 2, 6, sk=132)]  # stream-K: 132 CTAs, equal ranges of tiles x steps
-    if name == "gate_up":  # 224 CTAs of 256 x 128; 448 of 128 x 128 or 256 x 64; 448 split
-        return [_t(256, 2, 4), _t(256, 2, 5), _t(128, 2, 6), _t(256, 1, 4), _t(256, 2, 4, 2)] + sk
-    if name == "down":  # K 14336: 224 steps; 128 CTAs each
-        return [_t(256, 2, 4, 4), _t(256, 1, 4, 2), _t(128, 2, 6, 2), _t(128, 1, 6)] + sk
-    if name == "qkv":  # 96 / 192 CTAs
-        return [_t(256, 2, 4, 2), _t(256, 2, 4, 4), _t(128, 1, 6), _t(256, 1, 4, 2)] + sk
-    return [_t(256, 2, 4, 4), _t(128, 1, 6, 2), _t(256, 1, 4, 2), _t(128, 2, 6, 2)] + sk  # o: 128-256 CTAs
+    """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
+    SM). Round 2 (session 11): round 1's best (H200, 256 rows: gate_up t256 g2 st5 87.6 us, down t256 g1
+    s2 54.1, qkv t128 g1 35.2, o t256 g1 s2 25.3), the same with two wgmmas in flight (d2), and the
+    stream-K schedule on 132 CTAs (t128 also with d2; t256 g2 d2 does not pipeline: ptxas serializes it)."""
+    if m > 1024:  # a prefill chunk: whole tiles of 256 x 128
+        return [_t(256, 2, 4), _t(256, 2, 4, depth=2), _t(256, 2, 4, sk=132)]
+    sk = [_t(256, 2, 4, sk=132), _t(128, 2, 6, sk=132), _t(128, 2, 6, sk=132, depth=2)]  # 132 CTAs
+    if name == "gate_up":  # 224 CTAs of 256 x 128
+        return [_t(256, 2, 5), _t(256, 2, 4, depth=2)] + sk
+    if name == "down":  # K 14336: 224 steps; 128 CTAs
+        return [_t(256, 1, 4, 2), _t(256, 1, 4, 2, depth=2)] + sk
+    if name == "qkv":  # 192 CTAs
+        return [_t(128, 1, 6), _t(128, 1, 6, depth=2)] + sk
+    return [_t(256, 1, 4, 2), _t(256, 1, 4, 2, depth=2)] + sk  # o: 128 CTAs
 
 
 def launches() -> list:

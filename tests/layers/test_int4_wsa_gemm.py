@@ -124,7 +124,8 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
     label or a bucket the engine does not use is refused."""
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles, table_from
 
-    for t in (WsaTiles(), WsaTiles(128, 1, 1, 6), WsaTiles(256, 2, 1, 4, 4), WsaTiles(64, 2, 2, 5, 2)):
+    for t in (WsaTiles(), WsaTiles(128, 1, 1, 6), WsaTiles(256, 2, 1, 4, 4), WsaTiles(64, 2, 2, 5, 2),
+              WsaTiles(128, 2, 1, 6, sk=132), WsaTiles(256, 2, 1, 4, 2, depth=2), WsaTiles(128, 2, 1, 6, sk=132, depth=2)):
         assert WsaTiles.parse(t.label()) == t, t.label()
     got = table_from("256,28672,4096=wsa t256 g2 c1 st4; 256,4096,14336=wsa t256 g2 c1 st4 s4;")
     assert got == {(256, 28672, 4096): WsaTiles(256, 2, 1, 4), (256, 4096, 14336): WsaTiles(256, 2, 1, 4, 4)}
@@ -164,12 +165,20 @@ def test_routed_products_take_the_wsa_gemm_on_permuted_x(monkeypatch):
     assert torch.equal(calls[0][1], x) and torch.equal(calls[1][1], permute_x(x))
 
 
-@pytest.mark.parametrize("bt,wgs,split", [(256, 2, False), (128, 1, True)])
-def test_compiles_for_sm90_warp_specialized(bt, wgs, split):
+# the call sites that may run while the wgmmas of others are in flight (their A registers must differ):
+# depth 1: step 0, the loop's pair, the odd last one; depth 2: two heads, the loop's triple, two tails
+_IN_FLIGHT = {1: ((0, 1), (1, 2), (2, 3), (0, 3)),
+              2: ((0, 1), (0, 2), (1, 2), (2, 3), (2, 4), (3, 4), (1, 3), (1, 5), (0, 5), (4, 5), (3, 5), (5, 6),
+                  (1, 6), (4, 6))}
+
+
+@pytest.mark.parametrize("bt,wgs,split,depth", [(256, 2, False, 1), (128, 1, True, 1), (256, 2, False, 2)])
+def test_compiles_for_sm90_warp_specialized(bt, wgs, split, depth):
     """Offline sm_90 compile (no GPU): per step and warpgroup 4 HGMMA 64 x BT x 16 with A in registers
-    (four call sites: step 0, the loop's two, the last), one left in flight (DEPBAR.LE gsb0, 0x1; 0x0
-    only after the loop), between the first HGMMA and the final wait no barrier but the consumers'
-    own (BAR.SYNC 0x0 over their 32 x 4 wgs threads), one-thread mbarrier arrives, three TMA loads (x,
+    (depth 1: four call sites, depth 2: seven), `depth` left in flight (DEPBAR.LE gsb0, depth; 0x0 only
+    after the loop: ptxas did not serialize them), the A registers of call sites that may follow one
+    another disjoint, between the first HGMMA and the final wait no barrier but the consumers' own
+    (BAR.SYNC 0x0 over their 32 x 4 wgs threads), one-thread mbarrier arrives, three TMA loads (x,
     words, scales), no global load outside split-K's epilogue, the loader's registers handed over, no
     local memory (split-K's epilogue: one spilled word at most)."""
     pytest.importorskip("triton.experimental.gluon")
@@ -186,7 +195,7 @@ def test_compiles_for_sm90_warp_specialized(bt, wgs, split):
 
     bc = 64 * wgs
     lay = gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
-    const = {"GROUP": 128, "STAGES": 4, "SPLIT_K": split}
+    const = {"GROUP": 128, "STAGES": 4, "SPLIT_K": split, "DEPTH": depth}
     ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
     descs = {"x_desc": f"tensordesc<bf16[{bt}, 64],{lay!r}>", "w_desc": f"tensordesc<i32[{bc // 16}, 128],{_PLAIN32!r}>",
              "s_desc": f"tensordesc<i32[1, {bc}],{_PLAIN32!r}>"}
@@ -207,16 +216,15 @@ def test_compiles_for_sm90_warp_specialized(bt, wgs, split):
     fig, sass = sass_tools.disassemble(kernel)
     assert fig["stack"] <= (8 if split else 0), fig
     hgmma = re.findall(rf"HGMMA\.64x{bt}x16\.F32\.BF16 R\d+, (\S+), gdesc", sass)
-    assert len(hgmma) == 16 and all(a.startswith("R") for a in hgmma), hgmma  # A from registers
-    # the call sites' A registers (step 0, the loop's two, the last step): a site never writes the
-    # registers the wgmma still in flight (the previous site's) reads
-    sites = [{int(a[1:]) for a in hgmma[4 * j:4 * j + 4]} for j in range(4)]
-    assert all(sites[a].isdisjoint(sites[b]) for a, b in ((0, 1), (1, 2), (2, 3), (0, 3))), sites
+    sites = 4 if depth == 1 else 7
+    assert len(hgmma) == 4 * sites and all(a.startswith("R") for a in hgmma), hgmma  # A from registers
+    regs = [{int(a[1:]) for a in hgmma[4 * j:4 * j + 4]} for j in range(sites)]
+    assert all(regs[a].isdisjoint(regs[b]) for a, b in _IN_FLIGHT[depth]), regs
     lines = sass.splitlines()
     first = next(i for i, s in enumerate(lines) if "HGMMA" in s)
     last = next(i for i, s in enumerate(lines) if "DEPBAR.LE gsb0, 0x0" in s)
     loop = lines[first:last]
-    assert any("WARPGROUP.DEPBAR.LE gsb0, 0x1" in s for s in loop)
+    assert any(f"WARPGROUP.DEPBAR.LE gsb0, {hex(depth)}" in s for s in loop)
     assert not any("DEPBAR.LE gsb0, 0x0" in s for s in loop)
     bars = [s for s in loop if "BAR.SYNC" in s]
     assert bars and all(f"BAR.SYNC.DEFER_BLOCKING 0x0, {hex(128 * wgs)} ;" in s for s in bars), bars
@@ -247,7 +255,7 @@ def test_stream_k_compiles_for_sm90():
     )
 
     lay = gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16)
-    const = {"GROUP": 128, "STAGES": 6}
+    const = {"GROUP": 128, "STAGES": 6, "DEPTH": 1}
     ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
     descs = {"x_desc": f"tensordesc<bf16[128, 64],{lay!r}>", "w_desc": f"tensordesc<i32[8, 128],{_PLAIN32!r}>",
              "s_desc": f"tensordesc<i32[1, 128],{_PLAIN32!r}>"}

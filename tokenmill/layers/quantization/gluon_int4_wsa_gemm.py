@@ -85,36 +85,79 @@ def _fragment(i, x_smem, w_view, s_view, ready, a_l: gl.constexpr, BC: gl.conste
 
 
 @gluon.jit
-def _mma(i, a, acc, x_smem, empty):
-    """wgmma i (A in registers, B = x^T of slot i) left in flight, wgmma i - 1 retired, its slot freed
-    once every consumer warp retired it (the partition's barrier, then one thread's arrive)."""
+def _step(j, g, acc, x_smem, w_view, s_view, ready, empty, a_l: gl.constexpr, BC: gl.constexpr,
+          DEPTH: gl.constexpr):
+    """Step j of a run of steps (ring step g): its A fragment (made while the DEPTH wgmmas before it
+    run), its wgmma (A in registers, B = x^T of the slot) left in flight, then wgmma g - DEPTH retired
+    and (j >= DEPTH: of this run) its slot freed once every consumer warp retired it (the partition's
+    barrier, then one thread's arrive)."""
     STAGES: gl.constexpr = x_smem.shape[0]
-    acc = warpgroup_mma(a, x_smem.index(i % STAGES).permute((1, 0)), acc, use_acc=i > 0, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-    if i > 0:
+    a = _fragment(g, x_smem, w_view, s_view, ready, a_l, BC)
+    acc = warpgroup_mma(a, x_smem.index(g % STAGES).permute((1, 0)), acc, use_acc=j > 0, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=DEPTH, deps=[acc])
+    if j >= DEPTH:
         _barrier()
-        mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+        mbarrier.arrive(empty.index((g - DEPTH) % STAGES), count=1)
     return acc
 
 
 @gluon.jit
-def _consumer(x_smem, w_view, s_view, ready, empty, n_k, BC: gl.constexpr, BT: gl.constexpr):
-    """Steps 0 (peeled), 1 .. n_k - 2 two a trip, n_k - 1: each call site dequantizes into registers
-    of its own, which the wgmma still in flight (another call site's) never reads."""
+def _deep_steps(g0, n, acc, x_smem, w_view, s_view, ready, empty, a_l: gl.constexpr, BC: gl.constexpr):
+    """n >= 2 steps with two wgmmas in flight: two heads, triples, up to two tails (ptxas pipelines
+    them only where the second head is unconditional)."""
+    acc = _step(0, g0, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 2)
+    acc = _step(1, g0 + 1, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 2)
+    for j in range(2, n - 2, 3):
+        acc = _step(j, g0 + j, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 2)
+        acc = _step(j + 1, g0 + j + 1, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 2)
+        acc = _step(j + 2, g0 + j + 2, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 2)
+    r = (n - 2) % 3  # steps after the heads and the triples
+    if r >= 1:
+        acc = _step(n - r, g0 + n - r, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 2)
+    if r == 2:
+        acc = _step(n - 1, g0 + n - 1, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 2)
+    return acc
+
+
+@gluon.jit
+def _steps(g0, n, acc, x_smem, w_view, s_view, ready, empty, a_l: gl.constexpr, BC: gl.constexpr,
+           DEPTH: gl.constexpr, ONE: gl.constexpr = False):
+    """A run of n K steps into acc (ring steps g0 .. g0 + n - 1; n >= 2, or n >= 1 where ONE), DEPTH
+    (1 or 2) wgmmas left in flight behind the one issued; the last retired and the run's last slots
+    freed before it returns. The steps are unrolled DEPTH + 1 a trip, with peeled heads and tails:
+    every call site dequantizes into registers of its own, which the wgmmas still in flight (the DEPTH
+    call sites before it) never read (ptxas serializes the wgmmas where it cannot keep them apart:
+    tests/layers/test_int4_wsa_gemm.py checks the SASS)."""
+    STAGES: gl.constexpr = x_smem.shape[0]
+    if DEPTH == 1:
+        acc = _step(0, g0, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 1)
+        for j in range(1, n - 1, 2):
+            acc = _step(j, g0 + j, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 1)
+            acc = _step(j + 1, g0 + j + 1, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 1)
+        if n % 2 == 0:  # n - 1 steps after the first: pairs and one
+            acc = _step(n - 1, g0 + n - 1, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 1)
+    elif ONE:
+        if n >= 2:
+            acc = _deep_steps(g0, n, acc, x_smem, w_view, s_view, ready, empty, a_l, BC)
+        else:
+            acc = _step(0, g0, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, 2)
+    else:
+        acc = _deep_steps(g0, n, acc, x_smem, w_view, s_view, ready, empty, a_l, BC)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    _barrier()
+    for j in range(gl.maximum(n - DEPTH, 0), n):
+        mbarrier.arrive(empty.index((g0 + j) % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def _consumer(x_smem, w_view, s_view, ready, empty, n_k, BC: gl.constexpr, BT: gl.constexpr, DEPTH: gl.constexpr):
+    """The slice's n_k steps (`_steps`)."""
     W: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     acc = gl.zeros([BC, BT], gl.float32, layout=acc_l)
-    a = _fragment(0, x_smem, w_view, s_view, ready, a_l, BC)
-    acc = _mma(0, a, acc, x_smem, empty)
-    for i in range(1, n_k - 1, 2):
-        a = _fragment(i, x_smem, w_view, s_view, ready, a_l, BC)
-        acc = _mma(i, a, acc, x_smem, empty)
-        a = _fragment(i + 1, x_smem, w_view, s_view, ready, a_l, BC)
-        acc = _mma(i + 1, a, acc, x_smem, empty)
-    a = _fragment(n_k - 1, x_smem, w_view, s_view, ready, a_l, BC)
-    acc = _mma(n_k - 1, a, acc, x_smem, empty)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    acc = _steps(0, n_k, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, DEPTH)
     return (acc,)
 
 
@@ -147,7 +190,7 @@ def _rings(x_desc, w_desc, s_desc, STAGES: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["M"])  # one compile per launch serves every row count
 def _wsa_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
-                     STAGES: gl.constexpr, SPLIT_K: gl.constexpr):
+                     STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEPTH: gl.constexpr = 1):
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     CB: gl.constexpr = w_desc.block_type.shape[0]
@@ -164,7 +207,7 @@ def _wsa_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K
 
     x_smem, w_smem, s_smem, w_view, s_view, ready, empty = _rings(x_desc, w_desc, s_desc, STAGES)
     (acc,) = gl.warp_specialize([
-        (_consumer, (x_smem, w_view, s_view, ready, empty, n_k, BC, BT)),
+        (_consumer, (x_smem, w_view, s_view, ready, empty, n_k, BC, BT, DEPTH)),
         (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, ready, empty, pid_t * BT,
                    pid_c * CB, s0, n_k, GROUP)),
     ], [1], [24])
@@ -237,7 +280,7 @@ def wsa_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _wsa_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out, m, n, k,
                                        out.stride(0), GROUP=group, STAGES=t.stages, SPLIT_K=split > 1,
-                                       num_warps=4 * t.wgs)
+                                       DEPTH=t.depth, num_warps=4 * t.wgs)
     return out
 
 

@@ -17,17 +17,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (
-    mbarrier,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from tokenmill.layers.quantization.gluon_int4_ws_streamk import _cta_of, max_segments
 from tokenmill.layers.quantization.gluon_int4_wsa_gemm import (
     _barrier,
-    _fragment,
     _rings,
+    _steps,
     _tma_load,
     descriptors,
 )
@@ -36,24 +32,10 @@ from tokenmill.layers.quantization.triton_int4_dot_gemm import _cached_scale_off
 
 
 @gluon.jit
-def _mma_seg(j, g, a, acc, x_smem, empty):
-    """Segment step j (ring step g): wgmma left in flight, the previous one retired and (j > 0: the
-    segment's own previous step) its slot freed once every consumer warp retired it."""
-    STAGES: gl.constexpr = x_smem.shape[0]
-    acc = warpgroup_mma(a, x_smem.index(g % STAGES).permute((1, 0)), acc, use_acc=j > 0, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-    if j > 0:
-        _barrier()
-        mbarrier.arrive(empty.index((g - 1) % STAGES), count=1)
-    return acc
-
-
-@gluon.jit
 def _sk_consumer(x_smem, w_view, s_view, ready, empty, out_ptr, part_ptr, cnt_ptr, M, N, s_om, tiles_t, n_k, total,
-                 BC: gl.constexpr, BT: gl.constexpr):
-    """Per segment: steps 0, then pairs, then an odd last one (each call site its own A registers, as
-    the plain kernel's), the last wgmma retired and its slot freed, then the segment's epilogue."""
-    STAGES: gl.constexpr = x_smem.shape[0]
+                 BC: gl.constexpr, BT: gl.constexpr, DEPTH: gl.constexpr):
+    """Per segment: its steps (`gluon_int4_wsa_gemm._steps`: the last wgmma retired and the slots
+    freed at its end), then the segment's epilogue."""
     W: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, BT, 16])
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
@@ -69,19 +51,7 @@ def _sk_consumer(x_smem, w_view, s_view, ready, empty, out_ptr, part_ptr, cnt_pt
         k0 = u % n_k
         n = gl.minimum(n_k, k0 + end - u) - k0
         acc = gl.zeros([BC, BT], gl.float32, layout=acc_l)
-        a = _fragment(it, x_smem, w_view, s_view, ready, a_l, BC)
-        acc = _mma_seg(0, it, a, acc, x_smem, empty)
-        for j in range(1, n - 1, 2):
-            a = _fragment(it + j, x_smem, w_view, s_view, ready, a_l, BC)
-            acc = _mma_seg(j, it + j, a, acc, x_smem, empty)
-            a = _fragment(it + j + 1, x_smem, w_view, s_view, ready, a_l, BC)
-            acc = _mma_seg(j + 1, it + j + 1, a, acc, x_smem, empty)
-        if n % 2 == 0:  # the odd one out (n - 1 steps after the first: pairs and one)
-            a = _fragment(it + n - 1, x_smem, w_view, s_view, ready, a_l, BC)
-            acc = _mma_seg(n - 1, it + n - 1, a, acc, x_smem, empty)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        _barrier()
-        mbarrier.arrive(empty.index((it + n - 1) % STAGES), count=1)
+        acc = _steps(it, n, acc, x_smem, w_view, s_view, ready, empty, a_l, BC, DEPTH, True)  # a segment: n >= 1
         it += n
         # the segment's epilogue (the loader runs on meanwhile)
         pid_t = t % tiles_t
@@ -142,7 +112,7 @@ def _sk_loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, r
 
 @gluon.jit(do_not_specialize=["M"])
 def _wsa_streamk_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
-                        STAGES: gl.constexpr):
+                        STAGES: gl.constexpr, DEPTH: gl.constexpr = 1):
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     CB: gl.constexpr = w_desc.block_type.shape[0]
@@ -152,7 +122,7 @@ def _wsa_streamk_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N
     x_smem, w_smem, s_smem, w_view, s_view, ready, empty = _rings(x_desc, w_desc, s_desc, STAGES)
     gl.warp_specialize([
         (_sk_consumer, (x_smem, w_view, s_view, ready, empty, out_ptr, part_ptr, cnt_ptr, M, N, s_om, tiles_t, n_k,
-                        total, 16 * CB, BT)),
+                        total, 16 * CB, BT, DEPTH)),
         (_sk_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, ready, empty, tiles_t, n_k,
                       total, GROUP)),
     ], [1], [24])
@@ -183,5 +153,5 @@ def wsa_streamk_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, ze
     part = torch.empty((max_segments(n_tiles, k // 64, grid), m, n), dtype=torch.float32, device=x.device)
     x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)
     _wsa_streamk_kernel[(grid,)](x_desc, w_desc, s_desc, out, part, counters, m, n, k, out.stride(0), GROUP=group,
-                                 STAGES=t.stages, num_warps=4 * t.wgs)
+                                 STAGES=t.stages, DEPTH=t.depth, num_warps=4 * t.wgs)
     return out
