@@ -31,9 +31,9 @@ LLAMA = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "
 GROUP = 128
 
 
-def _t(bt, wgs, stages, split=1, sk=0, depth=1):
+def _t(bt, wgs, stages, split=1, sk=0, depth=1, raster=0):
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
-    return WsaTiles(bt, wgs, 1, stages, split, sk, depth)
+    return WsaTiles(bt, wgs, 1, stages, split, sk, depth, raster)
 
 
 def variants(m: int, name: str) -> list:
@@ -41,8 +41,9 @@ def variants(m: int, name: str) -> list:
     SM). Round 2 (session 11): round 1's best (H200, 256 rows: gate_up t256 g2 st5 87.6 us, down t256 g1
     s2 54.1, qkv t128 g1 35.2, o t256 g1 s2 25.3), the same with two wgmmas in flight (d2), and the
     stream-K schedule on 132 CTAs (t128 also with d2; t256 g2 d2 does not pipeline: ptxas serializes it)."""
-    if m > 1024:  # a prefill chunk: whole tiles of 256 x 128
-        return [_t(256, 2, 4), _t(256, 2, 4, depth=2), _t(256, 2, 4, sk=132)]
+    if m > 1024:  # a prefill chunk: whole tiles of 256 x 128; r: token tiles a group (x stays in L2)
+        return [_t(256, 2, 4), _t(256, 2, 4, raster=2), _t(256, 2, 4, raster=8), _t(256, 2, 4, depth=2, raster=8),
+                _t(256, 2, 4, sk=132)]
     sk = [_t(256, 2, 4, sk=132), _t(128, 2, 6, sk=132), _t(128, 2, 6, sk=132, depth=2)]  # 132 CTAs
     if name == "gate_up":  # 224 CTAs of 256 x 128
         return [_t(256, 2, 5), _t(256, 2, 4, depth=2)] + sk
@@ -109,7 +110,7 @@ def selftest(shard: str, out_dir: str) -> int:
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     for t in mine:
         for (n, k, group), (_, wt, qm, sz, ref_w) in data.items():
-            for m in (256, 200, 77, 16):
+            for m in (256, 200, 77, 16) + ((600,) if t.raster else ()):  # 600: a partial last group
                 x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
                 t0 = time.perf_counter()
                 try:

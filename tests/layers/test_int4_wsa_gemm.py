@@ -84,6 +84,20 @@ def test_slot_weights_are_the_weights_rounded_once():
                 assert torch.equal(w, ref[rows][:, cols]), (step, pid_c, b)
 
 
+@pytest.mark.parametrize("tiles_t,tiles_c,raster", [(1, 224, 0), (32, 224, 0), (32, 224, 8), (33, 7, 8), (5, 3, 2)])
+def test_cta_order_covers_every_tile_once(tiles_t, tiles_c, raster):
+    """The CTA -> (token tile, channel tile) order (`cta_tile`, the kernel's formula) is a bijection of the
+    grid onto the tiles, a partial last group included; with a raster, consecutive CTAs of a group share
+    its token tiles."""
+    pytest.importorskip("triton.experimental.gluon")
+    from tokenmill.layers.quantization.gluon_int4_wsa_gemm import cta_tile
+
+    got = [cta_tile(p, tiles_t, tiles_c, raster) for p in range(tiles_t * tiles_c)]
+    assert sorted(got) == [(t, c) for t in range(tiles_t) for c in range(tiles_c)]
+    if raster:
+        assert {t for t, _ in got[:raster * tiles_c]} == set(range(min(raster, tiles_t)))
+
+
 def test_wrapper_refuses_what_the_kernel_cannot_do():
     """fp16 x, N not a multiple of the CTA's channels, a group not of 64, an odd number of steps:
     ValueError before any launch (so on the CPU)."""
@@ -125,7 +139,8 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles, table_from
 
     for t in (WsaTiles(), WsaTiles(128, 1, 1, 6), WsaTiles(256, 2, 1, 4, 4), WsaTiles(64, 2, 2, 5, 2),
-              WsaTiles(128, 2, 1, 6, sk=132), WsaTiles(256, 2, 1, 4, 2, depth=2), WsaTiles(128, 2, 1, 6, sk=132, depth=2)):
+              WsaTiles(128, 2, 1, 6, sk=132), WsaTiles(256, 2, 1, 4, 2, depth=2), WsaTiles(128, 2, 1, 6, sk=132, depth=2),
+              WsaTiles(256, 2, 1, 4, raster=8), WsaTiles(256, 2, 1, 4, depth=2, raster=4)):
         assert WsaTiles.parse(t.label()) == t, t.label()
     got = table_from("256,28672,4096=wsa t256 g2 c1 st4; 256,4096,14336=wsa t256 g2 c1 st4 s4;")
     assert got == {(256, 28672, 4096): WsaTiles(256, 2, 1, 4), (256, 4096, 14336): WsaTiles(256, 2, 1, 4, 4)}
@@ -195,7 +210,7 @@ def test_compiles_for_sm90_warp_specialized(bt, wgs, split, depth):
 
     bc = 64 * wgs
     lay = gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
-    const = {"GROUP": 128, "STAGES": 4, "SPLIT_K": split, "DEPTH": depth}
+    const = {"GROUP": 128, "STAGES": 4, "SPLIT_K": split, "DEPTH": depth, "RASTER": 8 if depth == 2 else 0}
     ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
     descs = {"x_desc": f"tensordesc<bf16[{bt}, 64],{lay!r}>", "w_desc": f"tensordesc<i32[{bc // 16}, 128],{_PLAIN32!r}>",
              "s_desc": f"tensordesc<i32[1, {bc}],{_PLAIN32!r}>"}

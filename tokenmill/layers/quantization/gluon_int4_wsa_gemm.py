@@ -190,7 +190,7 @@ def _rings(x_desc, w_desc, s_desc, STAGES: gl.constexpr):
 
 @gluon.jit(do_not_specialize=["M"])  # one compile per launch serves every row count
 def _wsa_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
-                     STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEPTH: gl.constexpr = 1):
+                     STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEPTH: gl.constexpr = 1, RASTER: gl.constexpr = 0):
     BT: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     CB: gl.constexpr = w_desc.block_type.shape[0]
@@ -200,8 +200,15 @@ def _wsa_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K
     pid_k = gl.program_id(1)
     split = gl.num_programs(1)
     tiles_t = gl.cdiv(M, BT)
-    pid_t = pid % tiles_t  # the token tiles of one weight tile side by side: its words leave HBM once
-    pid_c = pid // tiles_t
+    if RASTER == 0:  # the token tiles of one weight tile side by side: its words leave HBM once
+        pid_t = pid % tiles_t
+        pid_c = pid // tiles_t
+    else:  # groups of RASTER token tiles, each group's channel tiles in turn: its x stays in L2 (prefill)
+        per_group = RASTER * (N // BC)
+        first_t = (pid // per_group) * RASTER
+        size_t = gl.minimum(tiles_t - first_t, RASTER)
+        pid_t = first_t + (pid % per_group) % size_t
+        pid_c = (pid % per_group) // size_t
     n_k = K // BK // split  # steps per slice (the wrapper makes them whole and even)
     s0 = pid_k * n_k
 
@@ -280,11 +287,22 @@ def wsa_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
     _wsa_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out, m, n, k,
                                        out.stride(0), GROUP=group, STAGES=t.stages, SPLIT_K=split > 1,
-                                       DEPTH=t.depth, num_warps=4 * t.wgs)
+                                       DEPTH=t.depth, RASTER=t.raster, num_warps=4 * t.wgs)
     return out
 
 
 # ----------------------------------------------------------------------------- CPU mirror
+
+
+def cta_tile(pid: int, tiles_t: int, tiles_c: int, raster: int) -> tuple[int, int]:
+    """(token tile, channel tile) of CTA `pid`: the kernel's order, mirrored (raster 0: the token tiles of
+    one channel tile side by side; else groups of `raster` token tiles, each group's channel tiles in turn)."""
+    if raster == 0:
+        return pid % tiles_t, pid // tiles_t
+    per_group = raster * tiles_c
+    first_t = (pid // per_group) * raster
+    size_t = min(tiles_t - first_t, raster)
+    return first_t + (pid % per_group) % size_t, (pid % per_group) // size_t
 
 
 def slot_tiles(qm: torch.Tensor, sz: torch.Tensor, step: int, pid_c: int, bc: int, group: int

@@ -29,7 +29,8 @@ class WsaTiles:
     16-channel blocks (a CTA: 64 wgs cpw channels), `stages` ring slots (x tile, words, scales),
     split-K slices (needs counters; lowered until whole, even slices); sk > 0: the stream-K schedule
     on sk CTAs (`gluon_int4_wsa_streamk`; no split); depth: the wgmmas left in flight behind the one
-    issued while the next step is dequantized (1 or 2)."""
+    issued while the next step is dequantized (1 or 2); raster > 0 (plain kernel): the CTAs in groups
+    of that many token tiles, each group's channel tiles in turn (prefill: x stays in L2)."""
 
     bt: int = 256
     wgs: int = 2
@@ -38,6 +39,7 @@ class WsaTiles:
     split: int = 1
     sk: int = 0
     depth: int = 1
+    raster: int = 0
 
     @property
     def bc(self) -> int:
@@ -45,16 +47,18 @@ class WsaTiles:
 
     def label(self) -> str:
         return (f"wsa t{self.bt} g{self.wgs} c{self.cpw} st{self.stages}{f' s{self.split}' if self.split > 1 else ''}"
-                f"{f' sk{self.sk}' if self.sk else ''}{f' d{self.depth}' if self.depth != 1 else ''}")
+                f"{f' sk{self.sk}' if self.sk else ''}{f' d{self.depth}' if self.depth != 1 else ''}"
+                f"{f' r{self.raster}' if self.raster else ''}")
 
     @classmethod
     def parse(cls, label: str) -> WsaTiles:
         """The inverse of `label` ("wsa t256 g2 c1 st4 s2")."""
-        m = re.fullmatch(r"wsa t(\d+) g(\d+) c(\d+) st(\d+)(?: s(\d+))?(?: sk(\d+))?(?: d(\d+))?", label.strip())
+        m = re.fullmatch(r"wsa t(\d+) g(\d+) c(\d+) st(\d+)(?: s(\d+))?(?: sk(\d+))?(?: d(\d+))?(?: r(\d+))?", label.strip())
         if m is None:
             raise ValueError(f"not a warp-specialized swapped GEMM launch label: {label!r}")
-        bt, wgs, cpw, st, split, sk, depth = m.groups()
-        return cls(int(bt), int(wgs), int(cpw), int(st), int(split or 1), int(sk or 0), int(depth or 1))
+        bt, wgs, cpw, st, split, sk, depth, raster = m.groups()
+        return cls(int(bt), int(wgs), int(cpw), int(st), int(split or 1), int(sk or 0), int(depth or 1),
+                   int(raster or 0))
 
 
 def table_from(text: str) -> dict[tuple[int, int, int], WsaTiles]:
