@@ -38,20 +38,18 @@ def _t(bt, wgs, stages, split=1, sk=0, depth=1, raster=0):
 
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
-    SM). Round 2 (session 11): round 1's best (H200, 256 rows: gate_up t256 g2 st5 87.6 us, down t256 g1
-    s2 54.1, qkv t128 g1 35.2, o t256 g1 s2 25.3), the same with two wgmmas in flight (d2), and the
-    stream-K schedule on 132 CTAs (t128 also with d2; t256 g2 d2 does not pipeline: ptxas serializes it)."""
-    if m > 1024:  # a prefill chunk: whole tiles of 256 x 128; r: token tiles a group (x stays in L2)
-        return [_t(256, 2, 4), _t(256, 2, 4, raster=2), _t(256, 2, 4, raster=8), _t(256, 2, 4, depth=2, raster=8),
-                _t(256, 2, 4, sk=132)]
-    sk = [_t(256, 2, 4, sk=132), _t(128, 2, 6, sk=132), _t(128, 2, 6, sk=132, depth=2)]  # 132 CTAs
+    SM). Round 3 (session 11): the routed ones (`int4_wsa_route.DEFAULT_TABLE` / `DEFAULT_PREFILL`, from
+    round 2 on an H200) and the runner-up of each. Rounds 1-2 also timed depth 2 (never better), stream-K
+    with t256 (gate_up 108 us: the partial tiles' round trips) and split 4 (worse than 2)."""
+    if m > 1024:  # a prefill chunk: whole tiles of 256 x 128 in groups of r token tiles (x stays in L2)
+        return [_t(256, 2, 4, raster=8), _t(256, 2, 4, raster=2)]
     if name == "gate_up":  # 224 CTAs of 256 x 128
-        return [_t(256, 2, 5), _t(256, 2, 4, depth=2)] + sk
+        return [_t(256, 2, 5), _t(256, 2, 4)]
     if name == "down":  # K 14336: 224 steps; 128 CTAs
-        return [_t(256, 1, 4, 2), _t(256, 1, 4, 2, depth=2)] + sk
-    if name == "qkv":  # 192 CTAs
-        return [_t(128, 1, 6), _t(128, 1, 6, depth=2)] + sk
-    return [_t(256, 1, 4, 2), _t(256, 1, 4, 2, depth=2)] + sk  # o: 128 CTAs
+        return [_t(256, 1, 4, 2), _t(128, 2, 6, sk=132)]
+    if name == "qkv":  # 132 CTAs (stream-K) / 192
+        return [_t(128, 2, 6, sk=132), _t(128, 1, 6)]
+    return [_t(256, 1, 4, 2), _t(128, 2, 6, sk=132)]  # o: 128 / 132 CTAs
 
 
 def launches() -> list:

@@ -148,6 +148,12 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
         table_from("256,1,1=ws m256 n128 st4 w8 d4")
     with pytest.raises(ValueError, match="bucket 200"):
         table_from("200,4096,4096=wsa t256 g2 c1 st4")
+    from tokenmill.layers.quantization.int4_wsa_route import prefill_from
+
+    assert prefill_from("28672,4096=wsa t256 g2 c1 st4 r8; 4096,14336=wsa t256 g2 c1 st4 r2") == {
+        (28672, 4096): WsaTiles(256, 2, 1, 4, raster=8), (4096, 14336): WsaTiles(256, 2, 1, 4, raster=2)}
+    with pytest.raises(ValueError, match="not a warp-specialized swapped"):
+        prefill_from("28672,4096=swap t128 c128 w8 st5 a2")
 
 
 def test_routed_products_take_the_wsa_gemm_on_permuted_x(monkeypatch):
@@ -166,6 +172,12 @@ def test_routed_products_take_the_wsa_gemm_on_permuted_x(monkeypatch):
     assert wsa.wsa_tiles(200, 256, 512, 128, torch.float16) is None
     assert wsa.wsa_tiles(200, 320, 512, 128, torch.bfloat16) is None  # 320 channels: not tiles of 128
     assert wsa.wsa_tiles(100, 256, 512, 128, torch.bfloat16) is None  # bucket 128: not listed
+    assert wsa.wsa_tiles(8192, 256, 512, 128, torch.bfloat16) is None  # past the buckets: PREFILL, empty
+    monkeypatch.setattr(wsa, "PREFILL", {(256, 512): t})
+    assert wsa.wsa_tiles(8192, 256, 512, 128, torch.bfloat16) == t and wsa.wsa_tiles(1025, 256, 512, 128, torch.bfloat16) == t
+    assert wsa.wsa_tiles(1024, 256, 512, 128, torch.bfloat16) is None  # bucket 1024: TABLE's
+    assert int4_kperm.swap_route(8192, 256, 512, 128, torch.bfloat16)
+    monkeypatch.setattr(wsa, "PREFILL", {})
     assert int4_kperm.swap_route(200, 256, 512, 128, torch.bfloat16)
     assert not int4_kperm.swap_route(200, 256, 512, 128, torch.float16)
     calls = []
@@ -311,6 +323,7 @@ def test_engine_selftest_checks_the_wsa_launches(monkeypatch, right):
 
     t = wsa.WsaTiles(128, 2, 1, 6, sk=132)
     monkeypatch.setattr(wsa, "TABLE", {(256, 4096, 4096): t})
+    monkeypatch.setattr(wsa, "PREFILL", {(4096, 4096): wsa.WsaTiles(256, 2, 1, 4, raster=8)})
     monkeypatch.setattr(dot, "TABLE", {})
     monkeypatch.setattr(gemm, "TABLE", {})
     monkeypatch.setattr(gemm, "ROWS_TABLE", {})
@@ -327,4 +340,5 @@ def test_engine_selftest_checks_the_wsa_launches(monkeypatch, right):
 
     monkeypatch.setattr(wsa, "run", fake)
     assert int4.gemm_selftest(torch.device("cpu"), torch.bfloat16) is right
-    assert seen == [(128, t), (125, t)] and wsa.ENABLED is right
+    r8 = wsa.WsaTiles(256, 2, 1, 4, raster=8)
+    assert seen == [(128, t), (125, t), (256, r8), (253, r8)] and wsa.ENABLED is right

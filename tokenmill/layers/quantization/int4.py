@@ -196,7 +196,8 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
                                  / ref.norm()).item())
             from tokenmill.layers.quantization import int4_wsa_route as wsa
 
-            for t in sorted(set(wsa.TABLE.values()) if dtype == torch.bfloat16 else (), key=lambda t: t.label()):
+            listed = {*wsa.TABLE.values(), *wsa.PREFILL.values()} if dtype == torch.bfloat16 else set()
+            for t in sorted(listed, key=lambda t: t.label()):
                 from tokenmill.layers.quantization.gluon_int4_swap_gemm import permute_x
 
                 tiles.add(t)  # the warp-specialized swapped GEMM (bf16, x in the fragment's K order)

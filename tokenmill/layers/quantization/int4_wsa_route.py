@@ -1,11 +1,13 @@
 """The warp-specialized swapped INT4 GEMM's launches and its route (no Gluon import: tables name launches here).
 
 `WsaTiles` describes one launch of `gluon_int4_wsa_gemm`. `TABLE` maps (rows bucket, N, K) to the launch
-that measured faster than the other INT4 paths on a GPU (scripts/gpu_int4_wsa.py); it starts empty and
-TOKENMILL_INT4_WSA_TABLE ("256,28672,4096=wsa t256 g2 c1 st4;...") fills it for A/B runs without a
-commit. This GEMM reads x in the swapped GEMM's K order, so `int4_kperm.swap_route` says yes for a
-product listed here (the norms / SiLU-and-mul then write x permuted), and `triton_int4_mma.mma_matmul`
-asks `wsa_tiles` before the swapped GEMM's table.
+that measured faster than the other INT4 paths on a GPU (scripts/gpu_int4_wsa.py; `DEFAULT_TABLE`);
+TOKENMILL_INT4_WSA_TABLE ("256,28672,4096=wsa t256 g2 c1 st4;...", or empty) replaces it for A/B runs
+without a commit. `PREFILL` (TOKENMILL_INT4_WSA_PREFILL, "28672,4096=wsa t256 g2 c1 st4 r8;...") does
+the same per (N, K) for row counts past the last bucket (prefill chunks, where the other path is
+dequantize + cuBLAS). This GEMM reads x in the swapped GEMM's K order, so `int4_kperm.swap_route` says
+yes for a product listed here (the norms / SiLU-and-mul then write x permuted), and
+`triton_int4_mma.mma_matmul` asks `wsa_tiles` before the swapped GEMM's table.
 """
 
 from __future__ import annotations
@@ -70,7 +72,27 @@ def table_from(text: str) -> dict[tuple[int, int, int], WsaTiles]:
     return out
 
 
-TABLE: dict[tuple[int, int, int], WsaTiles] = table_from(os.environ.get("TOKENMILL_INT4_WSA_TABLE", ""))
+def prefill_from(text: str) -> dict[tuple[int, int], WsaTiles]:
+    """"28672,4096=wsa t256 g2 c1 st4 r8;..." -> PREFILL ({(N, K): launch})."""
+    out: dict[tuple[int, int], WsaTiles] = {}
+    for item in filter(None, (p.strip() for p in text.split(";"))):
+        key, _, label = item.partition("=")
+        n, k = (int(v) for v in key.split(","))
+        out[(n, k)] = WsaTiles.parse(label)
+    return out
+
+
+# Session 11, round 2 (one H200, scripts/gpu_int4_wsa.py; us a call: wsa / the routed path / bf16 cuBLAS):
+# the Llama-8B linears at 256 rows: gate_up 88.1 / 97.5 / 90.3, down 54.9 / 65.8 / 48.2, qkv 31.7 / 33.2 /
+# 21.2, o 24.3 / 28.2 / 17.9; at 8192 rows (dequantize + cuBLAS the other path): gate_up 2,780 / 2,882 /
+# 2,792, down 1,340 / 1,390 (qkv and o lose there: not listed). The environment variables replace them
+# (an empty one: nothing routed here).
+DEFAULT_TABLE = ("256,28672,4096=wsa t256 g2 c1 st5;256,4096,14336=wsa t256 g1 c1 st4 s2;"
+                 "256,6144,4096=wsa t128 g2 c1 st6 sk132;256,4096,4096=wsa t256 g1 c1 st4 s2")
+DEFAULT_PREFILL = "28672,4096=wsa t256 g2 c1 st4 r8;4096,14336=wsa t256 g2 c1 st4 r2"
+TABLE: dict[tuple[int, int, int], WsaTiles] = table_from(os.environ.get("TOKENMILL_INT4_WSA_TABLE", DEFAULT_TABLE))
+# above the last rows bucket (prefill chunks), per (N, K): where the GEMM beats dequantize + cuBLAS
+PREFILL: dict[tuple[int, int], WsaTiles] = prefill_from(os.environ.get("TOKENMILL_INT4_WSA_PREFILL", DEFAULT_PREFILL))
 ENABLED = True  # False once `int4.gemm_selftest` failed on this process's GPU
 
 
@@ -78,7 +100,7 @@ def wsa_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> WsaTile
     """The launch for an [m, k] x [k, n] product on the mma layout (bf16; N of whole channel tiles,
     the group and K of 64-input steps, an even number of them), or None: another path."""
     bucket = gemm_row_bucket(m)
-    t = TABLE.get((bucket, n, k)) if bucket is not None and ENABLED else None
+    t = (TABLE.get((bucket, n, k)) if bucket is not None else PREFILL.get((n, k))) if ENABLED else None
     if t is None or dtype != torch.bfloat16 or n % t.bc or group % 64 or k % group or (k // 64) % 2:
         return None
     return t
