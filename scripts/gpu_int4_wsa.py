@@ -38,20 +38,18 @@ def _t(bt, wgs, stages, split=1, sk=0, depth=1, raster=0):
 
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
-    SM). Round 4 (session 11): the routed ones (`int4_wsa_route.DEFAULT_TABLE` / `DEFAULT_PREFILL`) beside
-    qkv on 128 x 128 tiles without split (96 CTAs), o without split (64 CTAs: what split-K costs), and
-    a 6-deep ring for the one-warpgroup launches (down, o).
-    Rounds 1-3 also timed depth 2 (never better), stream-K with t256 (gate_up 108 us: the partial
-    tiles' round trips) and split 4 (worse than 2)."""
+    SM). Round 5 (session 11): the routed ones (`int4_wsa_route.DEFAULT_TABLE` / `DEFAULT_PREFILL`).
+    Rounds 1-4 also timed depth 2 (never better), stream-K (won only for qkv, before its plain 128 x 128
+    launch), split 4 (worse than 2) and one-warpgroup launches without split (o: as fast as split 2)."""
     if m > 1024:  # a prefill chunk: whole tiles of 256 x 128 in groups of r token tiles (x stays in L2)
-        return [_t(256, 2, 4, raster=8), _t(256, 2, 4, raster=2)]
+        return [_t(256, 2, 4, raster=8) if name == "gate_up" else _t(256, 2, 4, raster=2)]
     if name == "gate_up":  # 224 CTAs of 256 x 128
         return [_t(256, 2, 5)]
-    if name == "down":  # K 14336: 224 steps; 128 CTAs (st6: a one-warpgroup step is short, the ring 6 deep)
-        return [_t(256, 1, 4, 2), _t(256, 1, 6, 2)]
-    if name == "qkv":  # 132 CTAs (stream-K) / 96
-        return [_t(128, 2, 6, sk=132), _t(128, 2, 6), _t(128, 2, 5)]
-    return [_t(256, 1, 4, 2), _t(256, 1, 6, 2), _t(256, 1, 4)]  # o: 128 / 64 CTAs
+    if name == "down":  # K 14336: 224 steps; 128 CTAs, the ring 6 deep (a one-warpgroup step is short)
+        return [_t(256, 1, 6, 2)]
+    if name == "qkv":  # 96 CTAs of 128 x 128
+        return [_t(128, 2, 6)]
+    return [_t(256, 1, 4, 2)]  # o: 128 CTAs
 
 
 def launches() -> list:
