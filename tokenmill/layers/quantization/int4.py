@@ -167,9 +167,9 @@ _GEMM_SELFTEST: dict = {}
 
 
 def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
-    """Once per device and dtype: every launch the INT4 GEMM table lists (`triton_int4_dot_gemm`)
-    on a small random weight against dequantize + matmul, at a row count filling its row tile and
-    one that does not (the compiles the engine's warm-up needs anyway). False (logged): the GEMM
+    """Once per device and dtype: every launch the INT4 GEMMs' tables list (`triton_int4_dot_gemm`,
+    `int4_wsa_route`) on a small random weight against dequantize + matmul, at a row count filling
+    its row tile and one that does not (the compiles the engine's warm-up needs anyway). False (logged): the GEMM
     is switched off (`ENABLED`) and every row count above 8 takes the other paths."""
     key = (str(device), dtype)
     if key not in _GEMM_SELFTEST:
@@ -191,6 +191,17 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
                     ref = x.float() @ ref_w
                     errs.append(((dot.run(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
                                  / ref.norm()).item())
+            from tokenmill.layers.quantization import int4_wsa_route as wsa
+
+            listed = {*wsa.TABLE.values(), *wsa.PREFILL.values()} if dtype == torch.bfloat16 else set()
+            for t in sorted(listed, key=lambda t: t.label()):
+                from tokenmill.layers.quantization.gluon_int4_swap_gemm import permute_x
+
+                tiles.add(t)  # the warp-specialized swapped GEMM (bf16, x in the fragment's K order)
+                for m in (t.bt, t.bt - 3):
+                    x = torch.randn(m, k, device=device, generator=g).to(dtype)
+                    errs.append(((wsa.run(permute_x(x), qm, wt.scales, wt.zeros, group, t, counters).float()
+                                  - x.float() @ ref_w).norm() / (x.float() @ ref_w).norm()).item())
             if errs:
                 ok = max(errs) < 1e-2 and not counters.any()
                 why = f"worst relative error {max(errs):.1e} over {len(tiles)} launches"
@@ -199,7 +210,9 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
         if not ok:
             logger.warning("int4: the GEMM on the mma layout failed its self-test on %s (%s); more than 8 rows "
                            "take dequantize + cuBLAS", device, why)
-            dot.ENABLED = False
+            from tokenmill.layers.quantization import int4_wsa_route as wsa
+
+            dot.ENABLED = wsa.ENABLED = False
         _GEMM_SELFTEST[key] = ok
     return _GEMM_SELFTEST[key]
 

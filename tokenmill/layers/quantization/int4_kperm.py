@@ -66,8 +66,10 @@ def swap_route(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
 
     if m <= ROWS:
         return False
-    from tokenmill.layers.quantization import int4_ws_route
+    from tokenmill.layers.quantization import int4_ws_route, int4_wsa_route
 
+    if int4_wsa_route.wsa_tiles(m, n, k, group, dtype) is not None:  # the wsa GEMM reads x permuted
+        return True
     if int4_ws_route.ws_tiles(m, n, k, group, dtype) is not None:  # the ws GEMM reads x natural
         return False
     t = dot.dot_tiles(m, n, k, group, dtype)

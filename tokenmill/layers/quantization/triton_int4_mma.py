@@ -817,7 +817,12 @@ def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
         from tokenmill.layers.quantization import int4_kperm
 
         if int4_kperm.swap_route(m, n, k, group, x.dtype):
+            from tokenmill.layers.quantization import int4_wsa_route as wsa
             from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+
+            atiles = wsa.wsa_tiles(m, n, k, group, x.dtype)
+            if atiles is not None:  # the warp-specialized swapped GEMM (TOKENMILL_INT4_WSA_TABLE)
+                return wsa.run(x, qm, scales, zeros, group_size, atiles, counters)
 
             return dot.run(x, qm, scales, zeros, group_size, dot.dot_tiles(m, n, k, group, x.dtype), counters,
                            x_kperm=True)
@@ -825,6 +830,13 @@ def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
     if m <= ROWS:
         return mma_gemv(x, qm, scales, zeros, group_size, counters=counters)
     from tokenmill.layers.quantization import int4_ws_route as ws
+    from tokenmill.layers.quantization import int4_wsa_route as wsa
+
+    atiles = wsa.wsa_tiles(m, n, k, group, x.dtype)
+    if atiles is not None:  # listed for the wsa GEMM, x natural (no producer wrote it permuted): permute it
+        from tokenmill.layers.quantization.gluon_int4_swap_gemm import permute_x
+
+        return wsa.run(permute_x(x), qm, scales, zeros, group_size, atiles, counters)
 
     wtiles = ws.ws_tiles(m, n, k, group, x.dtype)
     if wtiles is not None:  # the warp-specialized GEMM where TOKENMILL_INT4_WS_TABLE lists the rows and shape

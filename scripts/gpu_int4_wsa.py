@@ -1,0 +1,284 @@
+"""The warp-specialized swapped INT4 GEMM (`gluon_int4_wsa_gemm`) on a GPU: self-test, then timings against
+bf16 cuBLAS and the engine's routed INT4 path (`triton_int4_mma.mma_matmul`, on x natural and on x in the
+swapped GEMM's K order as the engine gives it) for one Llama-8B layer's four linears, one process, one card.
+
+    python scripts/gpu_int4_wsa.py --selftest 0/4 OUT     # shard 0 of 4 of the launches: compile + check
+    python scripts/gpu_int4_wsa.py --bench OUT [ROWS]     # ROWS e.g. 256,8192 (default 256)
+
+--selftest: every launch of `launches()` on small shapes (N 512, K 1024 group 128 and K 1536 group 64)
+at 256, 200, 77 and 16 rows against a float32 reference of the dequantized weight times x (x given to
+the kernel permuted, `permute_x`; rel err < 1e-2, split-K counters back to zero), one split-K launch
+replayed in a CUDA graph; also fills the compile cache for --bench. --bench: per row count and linear,
+bf16 cuBLAS, the routed INT4 path and each launch of `variants` (each checked on the real shape first:
+rel err < 1e-2 or not timed), us per call from CUDA-graph replays of 20 calls with the weights cycled
+past L2. JSON after every linear: OUT/int4wsa-selftest-SHARD.json, OUT/int4wsa-bench.json, and the
+TOKENMILL_INT4_WSA_TABLE line of the launches 3% under the routed path. Budget: INT4_WSA_BUDGET_S (80).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+LLAMA = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
+GROUP = 128
+
+
+def _t(bt, wgs, stages, split=1, sk=0, depth=1, raster=0):
+    from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
+    return WsaTiles(bt, wgs, 1, stages, split, sk, depth, raster)
+
+
+def variants(m: int, name: str) -> list:
+    """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
+    SM). Round 5 (session 11): the routed ones (`int4_wsa_route.DEFAULT_TABLE` / `DEFAULT_PREFILL`).
+    Rounds 1-4 also timed depth 2 (never better), stream-K (won only for qkv, before its plain 128 x 128
+    launch), split 4 (worse than 2) and one-warpgroup launches without split (o: as fast as split 2)."""
+    if m > 1024:  # a prefill chunk: whole tiles of 256 x 128 in groups of r token tiles (x stays in L2)
+        return [_t(256, 2, 4, raster=8) if name == "gate_up" else _t(256, 2, 4, raster=2)]
+    if name == "gate_up":  # 224 CTAs of 256 x 128
+        return [_t(256, 2, 5)]
+    if name == "down":  # K 14336: 224 steps; 128 CTAs, the ring 6 deep (a one-warpgroup step is short)
+        return [_t(256, 1, 6, 2)]
+    if name == "qkv":  # 96 CTAs of 128 x 128
+        return [_t(128, 2, 6)]
+    return [_t(256, 1, 4, 2)]  # o: 128 CTAs
+
+
+def launches() -> list:
+    """Every distinct launch of `variants` (one compile each; split-K shares the plain launch's compile
+    only in part: SPLIT_K is a constexpr)."""
+    seen = []
+    for m in (256, 8192):
+        for name in LLAMA:
+            for t in variants(m, name):
+                if t not in seen:
+                    seen.append(t)
+    return seen
+
+
+def _weights(n, k, group, seed=0):
+    from tokenmill.layers.quantization import int4_packing as packing
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import packed_scale_offset
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    wt = packing.from_codes(packing.quantize_int4(w, group, sym=False), torch.bfloat16, act_order=False)
+    qm = packing.to_mma(wt.qweight)
+    sz = packed_scale_offset(wt.scales, wt.zeros)
+    wt.scales._int4_dot_sz = sz  # as the engine keeps them from load
+    return w, wt, qm, sz, packing.dequantize(wt, group, torch.float32)
+
+
+def _rel(out, ref):
+    return ((out.float() - ref).norm() / ref.norm()).item()
+
+
+def _dump(obj, path):
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def _run(t, xp, qm, scales, zeros, group, sz, counters):
+    """One launch: the stream-K kernel for t.sk, else the plain one."""
+    if t.sk:
+        from tokenmill.layers.quantization.gluon_int4_wsa_streamk import (
+            wsa_streamk_gemm,
+        )
+        return wsa_streamk_gemm(xp, qm, scales, zeros, group, t, counters, sz=sz)
+    from tokenmill.layers.quantization.gluon_int4_wsa_gemm import wsa_gemm
+    return wsa_gemm(xp, qm, scales, zeros, group, t, sz=sz, counters=counters)
+
+
+def selftest(shard: str, out_dir: str) -> int:
+    from tokenmill.layers.quantization.gluon_int4_swap_gemm import permute_x
+    i, n_shards = (int(v) for v in shard.split("/"))
+    mine = launches()[i::n_shards]
+    rec = {"device": torch.cuda.get_device_name(), "checks": []}
+    path = os.path.join(out_dir, f"int4wsa-selftest-{i}.json")
+    fails = 0
+    data = {c: _weights(*c) for c in [(512, 1024, 128), (512, 1536, 64)]}
+    counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    for t in mine:
+        for (n, k, group), (_, wt, qm, sz, ref_w) in data.items():
+            for m in (256, 200, 77, 16) + ((600,) if t.raster else ()):  # 600: a partial last group
+                x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+                t0 = time.perf_counter()
+                try:
+                    out = _run(t, permute_x(x), qm, wt.scales, wt.zeros, group, sz, counters)
+                    torch.cuda.synchronize()
+                    err = _rel(out, x.float() @ ref_w)
+                    ok = err < 1e-2 and not counters.any().item()
+                    what = f"rel err {err:.1e}, counters zero {not counters.any().item()}"
+                except Exception as e:  # noqa: BLE001 - reported, not fatal
+                    ok, what = False, f"{type(e).__name__}: {str(e)[:300]}"
+                fails += not ok
+                rec["checks"].append({"launch": t.label(), "n": n, "k": k, "group": group, "m": m, "ok": ok,
+                                      "what": what, "s": round(time.perf_counter() - t0, 2)})
+                print(f"  [{'ok' if ok else 'FAIL'}] {t.label()} n{n} k{k} g{group} m{m}: {what}", flush=True)
+                _dump(rec, path)
+    split_t = next((t for t in mine if t.split > 1 or t.sk), None)
+    if split_t is not None:  # a split-K launch replayed in a CUDA graph (the counters reset themselves)
+        (n, k, group), (_, wt, qm, sz, ref_w) = next(iter(data.items()))
+        xs = [torch.randn(200, k, device="cuda").to(torch.bfloat16) for _ in range(3)]
+        xps = [permute_x(x) for x in xs]
+        _run(split_t, xps[0], qm, wt.scales, wt.zeros, group, sz, counters)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = [_run(split_t, xp, qm, wt.scales, wt.zeros, group, sz, counters) for xp in xps]
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        err = max(_rel(o, x.float() @ ref_w) for o, x in zip(outs, xs))
+        ok = err < 1e-2 and not counters.any().item()
+        fails += not ok
+        rec["checks"].append({"launch": split_t.label(), "graph": True, "ok": ok, "what": f"rel err {err:.1e}"})
+        print(f"  [{'ok' if ok else 'FAIL'}] {split_t.label()} in a CUDA graph, replayed: rel err {err:.1e}", flush=True)
+    rec["failures"] = fails
+    _dump(rec, path)
+    return fails
+
+
+def _graph_us(fn, copies: int, reps: int = 20) -> float:
+    """us per call: a CUDA graph of `reps` calls fn(i) (i: the weight copy), replayed, median of 5."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(2):
+            fn(i % copies)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(reps):
+            fn(r % copies)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000 / reps)
+    del graph
+    return sorted(times)[2]
+
+
+def _prepare(n, k):
+    """The linear's weights and enough copies of each to cycle ~150 MB (past the 50 MB L2)."""
+    w, wt, qm, sz, ref_w = _weights(n, k, GROUP)
+    n_bf = max(2, math.ceil(150e6 / (w.numel() * 2)))
+    n_q = max(2, math.ceil(150e6 / (qm.numel() * 4 + sz.numel() * 4)))
+    bf = [w] + [w.clone() for _ in range(n_bf - 1)]
+    q = [(qm, wt.scales, wt.zeros, sz)]
+    for _ in range(n_q - 1):
+        s = wt.scales.clone()
+        s._int4_dot_sz = sz.clone()
+        q.append((qm.clone(), s, wt.zeros.clone(), s._int4_dot_sz))
+    return wt, qm, sz, ref_w, bf, q
+
+
+def passed_launches(out_dir: str) -> set | None:
+    """INT4_WSA_PASSED_ONLY=1: the labels whose every self-test check in out_dir passed (a launch that
+    failed anywhere, hung or never ran is not timed); None: no filter."""
+    if os.environ.get("INT4_WSA_PASSED_ONLY") != "1":
+        return None
+    ok, bad = set(), set()
+    for f in os.listdir(out_dir):
+        if f.startswith("int4wsa-selftest-") and f.endswith(".json"):
+            with open(os.path.join(out_dir, f)) as fh:
+                for c in json.load(fh)["checks"]:
+                    (ok if c["ok"] else bad).add(c["launch"])
+    return ok - bad
+
+
+def _bench_linear(rec, path, name, n, k, m, data, counters, deadline) -> None:
+    from tokenmill.layers.quantization import triton_int4_mma as mma
+    from tokenmill.layers.quantization.gluon_int4_swap_gemm import permute_x
+    wt, qm, sz, ref_w, bf, q = data
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    xp = permute_x(x)
+    ref = x.float() @ ref_w
+    r = rec["us"].setdefault(f"m{m}/{name}", {})
+    r["bf16"] = _graph_us(lambda i: x @ bf[i].t(), len(bf))
+    rec["errors"][f"m{m}/{name}/routed"] = _rel(mma.mma_matmul(x, qm, wt.scales, wt.zeros, GROUP, counters), ref)
+    r["routed"] = _graph_us(lambda i: mma.mma_matmul(x, *q[i][:3], GROUP, counters), len(q))
+    from tokenmill.layers.quantization import int4_kperm
+    if int4_kperm.swap_route(m, n, k, GROUP, x.dtype):  # the engine's form: x written permuted by its producer
+        rec["errors"][f"m{m}/{name}/routed kperm"] = _rel(
+            mma.mma_matmul(xp, qm, wt.scales, wt.zeros, GROUP, counters, x_kperm=True), ref)
+        r["routed kperm"] = _graph_us(lambda i: mma.mma_matmul(xp, *q[i][:3], GROUP, counters, x_kperm=True), len(q))
+    for t in variants(m, name):
+        if time.perf_counter() > deadline:
+            break
+        if rec["passed"] is not None and t.label() not in rec["passed"]:
+            continue
+        try:
+            err = _rel(_run(t, xp, qm, wt.scales, wt.zeros, GROUP, sz, counters), ref)
+            rec["errors"][f"m{m}/{name}/{t.label()}"] = err
+            if err > 1e-2 or counters.any().item():
+                print(f"  [FAIL] m{m} {name} {t.label()}: rel err {err:.1e}", flush=True)
+                continue
+            r[t.label()] = _graph_us(lambda i, t=t: _run(t, xp, q[i][0], q[i][1], q[i][2], GROUP, q[i][3], counters),
+                                     len(q))
+        except Exception as e:  # noqa: BLE001 - reported, not fatal
+            rec["errors"][f"m{m}/{name}/{t.label()}"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print(f"  [FAIL] m{m} {name} {t.label()}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+    ranked = sorted((v, lab) for lab, v in r.items())
+    print(f"m{m} {name} {n}x{k}: " + "; ".join(f"{lab} {v:.1f}" for v, lab in ranked), flush=True)
+    _dump(rec, path)
+
+
+def bench(out_dir: str, rows: list[int]) -> None:
+    budget = float(os.environ.get("INT4_WSA_BUDGET_S", "80"))
+    t_start = time.perf_counter()
+    deadline = t_start + budget
+    rec = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "us": {}, "errors": {}}
+    path = os.path.join(out_dir, "int4wsa-bench.json")
+    passed = passed_launches(out_dir)
+    rec["passed"] = None if passed is None else sorted(passed)
+    print(f"launches timed: {'all' if passed is None else sorted(passed)}", flush=True)
+    counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
+    data = {name: _prepare(n, k) for name, (n, k) in LLAMA.items()}
+    print(f"weights ready ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    for m in rows:
+        for name, (n, k) in LLAMA.items():
+            if time.perf_counter() > deadline:
+                break
+            _bench_linear(rec, path, name, n, k, m, data[name], counters, deadline)
+    entries = []
+    for m in rows:  # the layer: each linear's best wsa launch against bf16 and the routed path
+        lay = {"bf16": 0.0, "routed": 0.0, "wsa best": 0.0, "best of routed / wsa": 0.0}
+        for name, (n, k) in LLAMA.items():
+            r = rec["us"].get(f"m{m}/{name}")
+            if not r:
+                lay = None
+                break
+            wsa = min(((v, lab) for lab, v in r.items() if lab.startswith("wsa ")), default=(float("inf"), ""))
+            routed = min(r["routed"], r.get("routed kperm", float("inf")))
+            lay["bf16"] += r["bf16"]
+            lay["routed"] += routed
+            lay["wsa best"] += wsa[0]
+            lay["best of routed / wsa"] += min(wsa[0], routed)
+            if wsa[0] < 0.97 * routed and m <= 1024:  # the table's row buckets stop at 1024
+                entries.append(f"{m},{n},{k}={wsa[1]}")
+        if lay:
+            rec.setdefault("layer", {})[f"m{m}"] = lay
+            print(f"layer m{m}: " + ", ".join(f"{key} {v:.1f}" for key, v in lay.items()), flush=True)
+    rec["table"] = ";".join(entries)
+    print(f"TOKENMILL_INT4_WSA_TABLE=\"{rec['table']}\"", flush=True)
+    _dump(rec, path)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--selftest":
+        sys.exit(1 if selftest(sys.argv[2], sys.argv[3]) else 0)
+    bench(sys.argv[2], [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "256").split(",")])
