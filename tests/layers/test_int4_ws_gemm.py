@@ -116,8 +116,8 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import _PLAIN32
 
     const = {"GROUP": 128, "BN": 128, "STAGES": 4, "SPLIT_K": split, "DEQ_WARPS": 4, "DEQ_REGS": 168, "DEQ_PARTS": 1,
-             "DIAG": 0}
-    ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
+             "DIAG": 0, "PROBE": 0}
+    ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32", "t_ptr": "i64"}
     descs = {"x_desc": f"tensordesc<bf16[{bm}, 64],{lay!r}>", "w_desc": f"tensordesc<i32[8, 128],{_PLAIN32!r}>",
              "s_desc": f"tensordesc<i32[1, 128],{_PLAIN32!r}>"}
     sig, attrs = {}, {}

@@ -57,30 +57,76 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the barrier of t
 
 
 @gluon.jit
-def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM: gl.constexpr, BN: gl.constexpr):
+def _clock():
+    """The SM's cycle counter (PROBE timing only)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM: gl.constexpr, BN: gl.constexpr,
+              DIAG: gl.constexpr = 0, PROBE: gl.constexpr = 0):
     """wgmma of step i on stage i % STAGES once both its tiles are ready; stage (i - 1) % STAGES
-    freed once step i - 1's wgmma retired (one wgmma left in flight)."""
+    freed once step i - 1's wgmma retired (one wgmma left in flight). DIAG 6 (timing only): no
+    wgmma, each slot freed as soon as both its tiles are ready. PROBE: the cycles spent waiting for
+    x, for B, in the wgmma issue + retire and at the release, summed over the steps, into
+    t_ptr[16 pid + 8 ..]."""
     STAGES: gl.constexpr = x_smem.shape[0]
     num_warps: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BN, 16])
     acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
-    mbarrier.wait(x_ready.index(0), 0)
-    mbarrier.wait(b_ready.index(0), 0)
-    acc = warpgroup_mma(x_smem.index(0), b_smem.index(0), acc, use_acc=False, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # still in flight: a tensor again for the loop
-    for i in range(1, n_k):
-        s = i % STAGES
-        ph = (i // STAGES) & 1
-        mbarrier.wait(x_ready.index(s), ph)
-        mbarrier.wait(b_ready.index(s), ph)
-        acc = warpgroup_mma(x_smem.index(s), b_smem.index(s), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        _barrier()  # every warpgroup's wgmma i - 1 retired before its stage is handed back
-        p = (i - 1) % STAGES
-        mbarrier.arrive(x_empty.index(p), count=1)
-        mbarrier.arrive(b_empty.index(p), count=1)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    t_start = _clock()
+    q0 = t_start - t_start
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if DIAG == 6:
+        for i in range(n_k):
+            s = i % STAGES
+            ph = (i // STAGES) & 1
+            mbarrier.wait(x_ready.index(s), ph)
+            mbarrier.wait(b_ready.index(s), ph)
+            _barrier()
+            mbarrier.arrive(x_empty.index(s), count=1)
+            mbarrier.arrive(b_empty.index(s), count=1)
+    else:
+        mbarrier.wait(x_ready.index(0), 0)
+        mbarrier.wait(b_ready.index(0), 0)
+        acc = warpgroup_mma(x_smem.index(0), b_smem.index(0), acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # still in flight: a tensor again for the loop
+        for i in range(1, n_k):
+            s = i % STAGES
+            ph = (i // STAGES) & 1
+            if PROBE:
+                c0 = _clock()
+            mbarrier.wait(x_ready.index(s), ph)
+            if PROBE:
+                c1 = _clock()
+            mbarrier.wait(b_ready.index(s), ph)
+            if PROBE:
+                c2 = _clock()
+            acc = warpgroup_mma(x_smem.index(s), b_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+            if PROBE:
+                c3 = _clock()
+            _barrier()  # every warpgroup's wgmma i - 1 retired before its stage is handed back
+            p = (i - 1) % STAGES
+            mbarrier.arrive(x_empty.index(p), count=1)
+            mbarrier.arrive(b_empty.index(p), count=1)
+            if PROBE:
+                c4 = _clock()
+                q0 += c1 - c0
+                q1 += c2 - c1
+                q2 += c3 - c2
+                q3 += c4 - c3
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    if PROBE:
+        base = t_ptr + gl.program_id(0) * 16 + 8
+        gl.store(base, q0)
+        gl.store(base + 1, q1)
+        gl.store(base + 2, q2)
+        gl.store(base + 3, q3)
+        gl.store(base + 7, _clock() - t_start)
     return (acc,)
 
 
@@ -128,11 +174,16 @@ def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
-def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG: gl.constexpr = 0):
+def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG: gl.constexpr = 0, keep=0,
+              p0=0, p1=0, p2=0, p3=0, p4=0, PROBE: gl.constexpr = 0):
     """Ring step i: its words and scales from the word ring (a plain row-major view of the TMA tile:
     word m of lane (g, j) of block cb at [cb, 0, g, j, m]; channel 16 cb + c's scale at [cb, c]),
     dequantized into the B ring once the consumer freed the slot; fence (the wgmma and the next TMA
-    into the word slot are async-proxy accesses), then both slots signalled."""
+    into the word slot are async-proxy accesses), then both slots signalled.
+    Timing-only DIAG variants (wrong products): 1 no tile made; 2 the tile made but not stored (summed
+    into `keep`); 3 `keep` (a constant tile) stored, nothing computed; 4 no fence; 5 no barrier
+    before the arrives. PROBE: cycles waiting for the words (p0), computing (p1), waiting for the B
+    slot (p2), issuing the store (p3), fence + barrier + arrives (p4), summed (returned)."""
     STAGES: gl.constexpr = b_smem.shape[0]
     BK: gl.constexpr = b_smem.shape[1]
     BN: gl.constexpr = b_smem.shape[2]
@@ -141,39 +192,113 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIA
     sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))  # [CB, 8]
     s = i % STAGES
     ph = (i // STAGES) & 1
+    if PROBE:
+        c0 = _clock()
     mbarrier.wait(w_ready.index(s), ph)
+    if PROBE:
+        c1 = _clock()
     if DIAG == 1:  # timing only: the slots waited for and signalled, no tile made
         mbarrier.wait(b_empty.index(s), ph ^ 1)
+        if PROBE:
+            c2 = _clock()
+            c3 = c2
+            c4 = c2
+    elif DIAG == 3:
+        if PROBE:
+            c2 = _clock()
+        mbarrier.wait(b_empty.index(s), ph ^ 1)
+        if PROBE:
+            c3 = _clock()
+        b_smem.index(s).store(keep)
+        if PROBE:
+            c4 = _clock()
     else:
         words = w_view.index(s).load(w_ld)
         scales = s_view.index(s)
         lo = scales.slice(0, 8, dim=1).load(sz_ld)
         hi = scales.slice(8, 8, dim=1).load(sz_ld)
         w = _dequant_tile(words, lo, hi, BK, BN)
+        if PROBE:
+            c2 = _clock()
         mbarrier.wait(b_empty.index(s), ph ^ 1)
-        b_smem.index(s).store(w)
-    fence_async_shared()
-    _barrier()  # every dequantizer's part stored (and its word reads done) before the arrives
+        if PROBE:
+            c3 = _clock()
+        if DIAG == 2:
+            keep = keep + w
+        else:
+            b_smem.index(s).store(w)
+        if PROBE:
+            c4 = _clock()
+    if DIAG != 4:
+        fence_async_shared()
+    if DIAG != 5:
+        _barrier()  # every dequantizer's part stored (and its word reads done) before the arrives
     mbarrier.arrive(b_ready.index(s), count=1)
     mbarrier.arrive(w_empty.index(s), count=1)
+    if PROBE:
+        c5 = _clock()
+        p0 += c1 - c0
+        p1 += c2 - c1
+        p2 += c3 - c2
+        p3 += c4 - c3
+        p4 += c5 - c4
+    return keep, p0, p1, p2, p3, p4
+
+
+@gluon.jit
+def _deq_steps(first, n_k, by, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG: gl.constexpr,
+               PROBE: gl.constexpr):
+    """Steps first, first + by, ... < n_k (`_deq_step`); PROBE: the sums and the loop's cycles into
+    t_ptr[16 pid ..]. DIAG 2 / 3: `keep` starts as the tile of constant words (and DIAG 2 stores its
+    sum into slot 0 at the end, so that the tiles are made)."""
+    BK: gl.constexpr = b_smem.shape[1]
+    BN: gl.constexpr = b_smem.shape[2]
+    CB: gl.constexpr = BN // 16
+    nw: gl.constexpr = gl.num_warps()
+    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))
+    t_start = _clock()
+    z = t_start - t_start
+    p0 = z
+    p1 = z
+    p2 = z
+    p3 = z
+    p4 = z
+    if DIAG == 2 or DIAG == 3:
+        keep = _dequant_tile(gl.full([CB, 1, 8, 4, 4], 0x76543210, gl.int32, w_ld),
+                             gl.full([CB, 8], 0x43003C00, gl.int32, sz_ld),
+                             gl.full([CB, 8], 0x43003C00, gl.int32, sz_ld), BK, BN)
+    else:
+        keep = z
+    for i in range(first, n_k, by):
+        keep, p0, p1, p2, p3, p4 = _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG,
+                                             keep, p0, p1, p2, p3, p4, PROBE)
+    if DIAG == 2:
+        b_smem.index(0).store(keep)
+    if PROBE:
+        base = t_ptr + gl.program_id(0) * 16
+        gl.store(base, p0)
+        gl.store(base + 1, p1)
+        gl.store(base + 2, p2)
+        gl.store(base + 3, p3)
+        gl.store(base + 4, p4)
+        gl.store(base + 7, _clock() - t_start)
 
 
 @gluon.jit
 def _dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
-                 w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr, PARTS: gl.constexpr,
-                 DIAG: gl.constexpr):
+                 w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP: gl.constexpr, PARTS: gl.constexpr,
+                 DIAG: gl.constexpr, PROBE: gl.constexpr = 0):
     """Steps 0, PARTS, 2 PARTS, ... (PARTS 2: a second partition, `_dequantizer_odd`, makes the odd
     steps' tiles, so that two steps' dequantization chains overlap)."""
-    for i in range(0, n_k, PARTS):
-        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG)
+    _deq_steps(0, n_k, PARTS, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, PROBE)
 
 
 @gluon.jit
 def _dequantizer_odd(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
-                     w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr,
-                     PARTS: gl.constexpr, DIAG: gl.constexpr):
-    for i in range(1, n_k, 2):
-        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG)
+                     w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP: gl.constexpr,
+                     PARTS: gl.constexpr, DIAG: gl.constexpr, PROBE: gl.constexpr = 0):
+    _deq_steps(1, n_k, 2, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, 0)
 
 
 @gluon.jit
@@ -218,9 +343,10 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
 
 
 @gluon.jit(do_not_specialize=["M"])
-def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
+def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M, N, K, s_om, GROUP: gl.constexpr,
                     BN: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEQ_WARPS: gl.constexpr,
-                    DEQ_REGS: gl.constexpr, DEQ_PARTS: gl.constexpr = 1, DIAG: gl.constexpr = 0):
+                    DEQ_REGS: gl.constexpr, DEQ_PARTS: gl.constexpr = 1, DIAG: gl.constexpr = 0,
+                    PROBE: gl.constexpr = 0):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     num_warps: gl.constexpr = gl.num_warps()
@@ -240,22 +366,23 @@ def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K,
     off_m = pid_m * BM
     if DEQ_PARTS == 2:
         (acc,) = gl.warp_specialize([
-            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE)),
             (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                        w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
             (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
-                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP, DEQ_PARTS, DIAG, PROBE)),
             (_dequantizer_odd, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready,
-                                x_empty, w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS,
-                                DIAG)),
+                                x_empty, w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP,
+                                DEQ_PARTS, DIAG, PROBE)),
         ], [1, DEQ_WARPS, DEQ_WARPS], [24, DEQ_REGS, DEQ_REGS])
     else:
         (acc,) = gl.warp_specialize([
-            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE)),
             (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                        w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
             (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
-                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP, DEQ_PARTS, DIAG,
+                            PROBE)),
         ], [1, DEQ_WARPS], [24, DEQ_REGS])
 
     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
@@ -305,9 +432,11 @@ def split_for(t: WsTiles, k: int, tiles: int, counters: torch.Tensor | None) -> 
 
 def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
             tiles: WsTiles | None = None, sz: torch.Tensor | None = None,
-            counters: torch.Tensor | None = None, diag: int = 0) -> torch.Tensor:
+            counters: torch.Tensor | None = None, diag: int = 0, probe: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ W^T -> [M, N]; W in the mma layout, scales / zeros [G, N] bf16 (or `sz` from
-    `packed_scale_offset`). CUDA, bf16, K and the group multiples of 64, N of BN."""
+    `packed_scale_offset`). CUDA, bf16, K and the group multiples of 64, N of BN. `diag` / `probe`
+    (timing only, scripts/gpu_int4_ws.py --diag): a DIAG variant; int64 [16 x tiles] for the
+    dequantizers' and the consumer's cycle sums (`_deq_step`, `_consumer`)."""
     t = tiles or WsTiles()
     m, k = x.shape
     n = qm.shape[0] * 16
@@ -326,10 +455,10 @@ def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torc
     n_tiles = triton.cdiv(m, t.bm) * (n // t.bn)
     split = split_for(t, k, n_tiles, counters)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    _ws_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out, m, n, k,
-                                      out.stride(0), GROUP=group, BN=t.bn, STAGES=t.stages, SPLIT_K=split > 1,
-                                      DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs, DEQ_PARTS=t.deq_parts, DIAG=diag,
-                                      num_warps=t.warps)
+    _ws_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out,
+                                      out if probe is None else probe, m, n, k, out.stride(0), GROUP=group, BN=t.bn,
+                                      STAGES=t.stages, SPLIT_K=split > 1, DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs,
+                                      DEQ_PARTS=t.deq_parts, DIAG=diag, PROBE=probe is not None, num_warps=t.warps)
     return out
 
 
