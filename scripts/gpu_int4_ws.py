@@ -336,12 +336,15 @@ def bench(out_dir: str, rows: list[int]) -> None:
 DIAG_TILES = ((256, 128, 4, 8), (128, 128, 4, 4))
 DIAG_CODES = (0, 1, 2, 3, 4, 5, 6)
 PROBED = (0, 1, 6)
+# the steps two at a time (deq_parts 0, `_deq_pair`): the real kernel only (DIAG 0), probed too
+PAIR_TILES = ((256, 128, 4, 8, 4, 1, 168, 0, 0), (128, 128, 4, 4, 4, 1, 168, 0, 0), (128, 128, 6, 4, 4, 1, 136, 0, 0))
 DEQ_PHASES = ("wait words", "load + compute", "wait B slot", "store issue", "fence + barrier + arrives")
 CONS_PHASES = ("wait x", "wait B", "wgmma issue + retire", "release")
 
 
 def _diag_jobs() -> list:
-    return [(t, d, False) for t in DIAG_TILES for d in DIAG_CODES] + [(t, d, True) for t in DIAG_TILES for d in PROBED]
+    return ([(t, d, False) for t in DIAG_TILES for d in DIAG_CODES] + [(t, d, True) for t in DIAG_TILES for d in PROBED]
+            + [(t, 0, p) for t in PAIR_TILES for p in (False, True)])
 
 
 def diag_prep(shard: str, out_dir: str) -> int:
@@ -350,24 +353,27 @@ def diag_prep(shard: str, out_dir: str) -> int:
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
     from tokenmill.layers.quantization.int4_ws_route import WsTiles
     i, n_shards = (int(v) for v in shard.split("/"))
-    (_, wt, qm, sz, ref_w) = _weights(512, 1024, 128)
+    cases = {c: _weights(*c) for c in ((512, 1024, 128), (512, 1088, 64))}  # 16 and 17 steps
     fails, rec = 0, []
     for args, d, probed in _diag_jobs()[i::n_shards]:
         t = WsTiles(*args)
-        x = torch.randn(256, 1024, device=DEVICE).to(torch.bfloat16)
-        probe = torch.zeros(16 * 2 * 4, dtype=torch.int64, device=DEVICE) if probed else None
-        try:
-            out = ws_gemm(x, qm, wt.scales, wt.zeros, 128, t, sz=sz, diag=d, probe=probe)
-            torch.cuda.synchronize()
-            err = _rel(out, x.float() @ ref_w)
-            ok = err < 1e-2 if d == 0 else True
-            what = f"rel err {err:.1e}" + (f", probe {probe[:16].tolist()}" if probed else "")
-        except Exception as e:  # noqa: BLE001 - reported, not fatal
-            ok, what = False, f"{type(e).__name__}: {str(e)[:300]}"
-        fails += not ok
-        rec.append({"launch": t.label(), "diag": d, "probe": probed, "ok": ok, "what": what})
-        print(f"  [{'ok' if ok else 'FAIL'}] {t.label()} diag{d}{' probe' if probed else ''}: {what}", flush=True)
-        _dump(rec, os.path.join(out_dir, f"int4ws-diagprep-{i}.json"))
+        for (n, k, group), (_, wt, qm, sz, ref_w) in cases.items():
+            for m in ((256, 77) if d == 0 else (256,)):
+                x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+                probe = torch.zeros(16 * 2 * 4, dtype=torch.int64, device=DEVICE) if probed else None
+                try:
+                    out = ws_gemm(x, qm, wt.scales, wt.zeros, group, t, sz=sz, diag=d, probe=probe)
+                    torch.cuda.synchronize()
+                    err = _rel(out, x.float() @ ref_w)
+                    ok = err < 1e-2 if d == 0 else True
+                    what = f"rel err {err:.1e}" + (f", probe {probe[:16].tolist()}" if probed else "")
+                except Exception as e:  # noqa: BLE001 - reported, not fatal
+                    ok, what = False, f"{type(e).__name__}: {str(e)[:300]}"
+                fails += not ok
+                rec.append({"launch": t.label(), "diag": d, "probe": probed, "k": k, "m": m, "ok": ok, "what": what})
+                print(f"  [{'ok' if ok else 'FAIL'}] {t.label()} diag{d}{' probe' if probed else ''} k{k} m{m}: {what}",
+                      flush=True)
+                _dump(rec, os.path.join(out_dir, f"int4ws-diagprep-{i}.json"))
     return fails
 
 
@@ -386,10 +392,10 @@ def diag(out_dir: str) -> None:
     ref = x.float() @ ref_w
     rec["us"]["bf16"] = _graph_us(lambda i: x @ bf[i % len(bf)].t(), len(bf))
     print(f"bf16 {rec['us']['bf16']:.1f} us", flush=True)
-    for args in DIAG_TILES:
+    for args in DIAG_TILES + PAIR_TILES:
         t = WsTiles(*args)
         rec.setdefault("rel err diag0", {})[t.label()] = _rel(ws_gemm(x, qm, wt.scales, wt.zeros, GROUP, t, sz=sz), ref)
-        for d in DIAG_CODES:
+        for d in (DIAG_CODES if args in DIAG_TILES else (0,)):
             try:
                 us = _graph_us(lambda i, t=t, d=d: ws_gemm(x, q[i][0], q[i][1], q[i][2], GROUP, t, sz=q[i][3], diag=d),
                                len(q))
@@ -398,7 +404,7 @@ def diag(out_dir: str) -> None:
             except Exception as e:  # noqa: BLE001 - reported, not fatal
                 print(f"{t.label()} diag{d}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         tiles = -(-m // t.bm) * (n // t.bn)
-        for d in PROBED:
+        for d in (PROBED if args in DIAG_TILES else (0,)):
             probe = torch.zeros(16 * tiles, dtype=torch.int64, device=DEVICE)
             try:
                 for _ in range(3):  # the last call's sums (each call overwrites them)

@@ -153,7 +153,7 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
     from tokenmill.layers.quantization.int4_ws_route import WsTiles, table_from
 
     for t in (WsTiles(), WsTiles(256, 128, 4, 8), WsTiles(128, 64, 6, 4, 4, 2), WsTiles(128, 128, 4, 8, 8, 1, 112),
-              WsTiles(256, 128, 4, 8, sk=132), WsTiles(128, 128, 4, 4, split=2, deq_regs=136, deq_parts=2)):
+              WsTiles(256, 128, 4, 8, sk=132), WsTiles(128, 128, 4, 4, split=2, deq_regs=136, deq_parts=2), WsTiles(256, 128, 4, 8, deq_parts=0)):
         assert WsTiles.parse(t.label()) == t, t.label()
     got = table_from("256,28672,4096=ws m256 n128 st4 w8 d4 sk132; 256,4096,14336=ws m256 n128 st4 w8 d4 s4;")
     assert got == {(256, 28672, 4096): WsTiles(256, 128, 4, 8, sk=132), (256, 4096, 14336): WsTiles(256, 128, 4, 8, split=4)}

@@ -246,8 +246,69 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIA
 
 
 @gluon.jit
+def _deq_load(i, w_view, s_view, w_ready, BK: gl.constexpr, BN: gl.constexpr):
+    """Step i's words and scales from its word slot, once loaded, dequantized: the B tile in registers."""
+    STAGES: gl.constexpr = w_view.shape[0]
+    nw: gl.constexpr = gl.num_warps()
+    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))  # [CB, 8]
+    s = i % STAGES
+    mbarrier.wait(w_ready.index(s), (i // STAGES) & 1)
+    words = w_view.index(s).load(w_ld)
+    scales = s_view.index(s)
+    lo = scales.slice(0, 8, dim=1).load(sz_ld)
+    hi = scales.slice(8, 8, dim=1).load(sz_ld)
+    return _dequant_tile(words, lo, hi, BK, BN)
+
+
+@gluon.jit
+def _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, keep, p0, p1, p2, p3, p4,
+              PROBE: gl.constexpr = 0):
+    """Ring steps i and i + 1 as one: both steps' words loaded and dequantized together (twice the
+    independent work in flight), both tiles stored, then ONE fence and barrier for the two (the
+    fence waits for every store of the thread: paid once a pair). PROBE as `_deq_step` (p0: the
+    first step's word wait, p1: the rest of the loads and the compute)."""
+    STAGES: gl.constexpr = b_smem.shape[0]
+    BK: gl.constexpr = b_smem.shape[1]
+    BN: gl.constexpr = b_smem.shape[2]
+    sa = i % STAGES
+    sb = (i + 1) % STAGES
+    if PROBE:
+        c0 = _clock()
+    mbarrier.wait(w_ready.index(sa), (i // STAGES) & 1)
+    if PROBE:
+        c1 = _clock()
+    wa = _deq_load(i, w_view, s_view, w_ready, BK, BN)
+    wb = _deq_load(i + 1, w_view, s_view, w_ready, BK, BN)
+    if PROBE:
+        c2 = _clock()
+    mbarrier.wait(b_empty.index(sa), ((i // STAGES) & 1) ^ 1)
+    mbarrier.wait(b_empty.index(sb), (((i + 1) // STAGES) & 1) ^ 1)
+    if PROBE:
+        c3 = _clock()
+    b_smem.index(sa).store(wa)
+    b_smem.index(sb).store(wb)
+    if PROBE:
+        c4 = _clock()
+    fence_async_shared()
+    _barrier()  # every dequantizer's parts stored (and its word reads done) before the arrives
+    mbarrier.arrive(b_ready.index(sa), count=1)
+    mbarrier.arrive(b_ready.index(sb), count=1)
+    mbarrier.arrive(w_empty.index(sa), count=1)
+    mbarrier.arrive(w_empty.index(sb), count=1)
+    if PROBE:
+        c5 = _clock()
+        p0 += c1 - c0
+        p1 += c2 - c1
+        p2 += c3 - c2
+        p3 += c4 - c3
+        p4 += c5 - c4
+    return keep, p0, p1, p2, p3, p4
+
+
+@gluon.jit
 def _deq_steps(first, n_k, by, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG: gl.constexpr,
-               PROBE: gl.constexpr):
+               PROBE: gl.constexpr, PAIR: gl.constexpr = False):
     """Steps first, first + by, ... < n_k (`_deq_step`); PROBE: the sums and the loop's cycles into
     t_ptr[16 pid ..]. DIAG 2 / 3: `keep` starts as the tile of constant words (and DIAG 2 stores its
     sum into slot 0 at the end, so that the tiles are made)."""
@@ -270,9 +331,17 @@ def _deq_steps(first, n_k, by, w_view, s_view, b_smem, w_ready, w_empty, b_ready
                              gl.full([CB, 8], 0x43003C00, gl.int32, sz_ld), BK, BN)
     else:
         keep = z
-    for i in range(first, n_k, by):
-        keep, p0, p1, p2, p3, p4 = _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG,
-                                             keep, p0, p1, p2, p3, p4, PROBE)
+    if PAIR:  # steps two at a time (`_deq_pair`; one partition), an odd last step alone
+        for i in range(0, n_k - 1, 2):
+            keep, p0, p1, p2, p3, p4 = _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, keep,
+                                                 p0, p1, p2, p3, p4, PROBE)
+        if n_k % 2 == 1:
+            keep, p0, p1, p2, p3, p4 = _deq_step(n_k - 1, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty,
+                                                 DIAG, keep, p0, p1, p2, p3, p4, PROBE)
+    else:
+        for i in range(first, n_k, by):
+            keep, p0, p1, p2, p3, p4 = _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG,
+                                                 keep, p0, p1, p2, p3, p4, PROBE)
     if DIAG == 2:
         b_smem.index(0).store(keep)
     if PROBE:
@@ -290,8 +359,10 @@ def _dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view,
                  w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP: gl.constexpr, PARTS: gl.constexpr,
                  DIAG: gl.constexpr, PROBE: gl.constexpr = 0):
     """Steps 0, PARTS, 2 PARTS, ... (PARTS 2: a second partition, `_dequantizer_odd`, makes the odd
-    steps' tiles, so that two steps' dequantization chains overlap)."""
-    _deq_steps(0, n_k, PARTS, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, PROBE)
+    steps' tiles, so that two steps' dequantization chains overlap; PARTS 0: one partition, the steps
+    two at a time, `_deq_pair`)."""
+    _deq_steps(0, n_k, PARTS, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, PROBE,
+               PARTS == 0)
 
 
 @gluon.jit

@@ -16,7 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.layers.quantization.int4_mma_launch import GEMM_ROW_BUCKETS as BUCKETS
-from tokenmill.layers.quantization.int4_mma_launch import gemm_row_bucket, parse_gemm_table
+from tokenmill.layers.quantization.int4_mma_launch import (
+    gemm_row_bucket,
+    parse_gemm_table,
+)
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,8 @@ class WsTiles:
     """A launch: BM rows by BN channels a CTA, STAGES ring slots (x, word and B tiles), the consumer's
     warps (4: one warpgroup, 8: two), the dequantizers' warps, split-K slices, the dequantizers'
     register budget; sk > 0: the stream-K schedule on sk CTAs (`gluon_int4_ws_streamk`; no split);
-    deq_parts 2: two dequantizer partitions of deq_warps each, even and odd steps (plain kernel only)."""
+    deq_parts 2: two dequantizer partitions of deq_warps each, even and odd steps; 0: one partition
+    making the steps two at a time, one fence a pair (plain kernel only)."""
 
     bm: int = 128
     bn: int = 128
@@ -39,7 +43,7 @@ class WsTiles:
     def label(self) -> str:
         return (f"ws m{self.bm} n{self.bn} st{self.stages} w{self.warps} d{self.deq_warps}"
                 f"{f' s{self.split}' if self.split > 1 else ''}{f' r{self.deq_regs}' if self.deq_regs != 168 else ''}"
-                f"{f' sk{self.sk}' if self.sk else ''}{f' p{self.deq_parts}' if self.deq_parts > 1 else ''}")
+                f"{f' sk{self.sk}' if self.sk else ''}{f' p{self.deq_parts}' if self.deq_parts != 1 else ''}")
 
     @classmethod
     def parse(cls, label: str) -> WsTiles:
