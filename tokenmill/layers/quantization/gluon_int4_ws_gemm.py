@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tokenmill.layers.quantization.gluon_int4_gemm import _join8
+from tokenmill.layers.quantization.gluon_int4_gemm import _join8, store_tile
 from tokenmill.layers.quantization.int4_ws_route import WsTiles
 from tokenmill.layers.quantization.triton_int4_dot_gemm import (
     _ASM_BF16,
@@ -174,6 +174,12 @@ def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr):
 
 
 @gluon.jit
+def _probe_sums(p0, p1, p2, p3, p4, c0, c1, c2, c3, c4, c5):
+    """The five phase sums plus one step's phase lengths (clock readings c0 .. c5)."""
+    return p0 + (c1 - c0), p1 + (c2 - c1), p2 + (c3 - c2), p3 + (c4 - c3), p4 + (c5 - c4)
+
+
+@gluon.jit
 def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG: gl.constexpr = 0, keep=0,
               p0=0, p1=0, p2=0, p3=0, p4=0, PROBE: gl.constexpr = 0):
     """Ring step i: its words and scales from the word ring (a plain row-major view of the TMA tile:
@@ -187,9 +193,6 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIA
     STAGES: gl.constexpr = b_smem.shape[0]
     BK: gl.constexpr = b_smem.shape[1]
     BN: gl.constexpr = b_smem.shape[2]
-    nw: gl.constexpr = gl.num_warps()
-    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
-    sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))  # [CB, 8]
     s = i % STAGES
     ph = (i // STAGES) & 1
     if PROBE:
@@ -213,11 +216,7 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIA
         if PROBE:
             c4 = _clock()
     else:
-        words = w_view.index(s).load(w_ld)
-        scales = s_view.index(s)
-        lo = scales.slice(0, 8, dim=1).load(sz_ld)
-        hi = scales.slice(8, 8, dim=1).load(sz_ld)
-        w = _dequant_tile(words, lo, hi, BK, BN)
+        w = _deq_load(i, w_view, s_view, BK, BN)
         if PROBE:
             c2 = _clock()
         mbarrier.wait(b_empty.index(s), ph ^ 1)
@@ -236,24 +235,19 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIA
     mbarrier.arrive(b_ready.index(s), count=1)
     mbarrier.arrive(w_empty.index(s), count=1)
     if PROBE:
-        c5 = _clock()
-        p0 += c1 - c0
-        p1 += c2 - c1
-        p2 += c3 - c2
-        p3 += c4 - c3
-        p4 += c5 - c4
+        p0, p1, p2, p3, p4 = _probe_sums(p0, p1, p2, p3, p4, c0, c1, c2, c3, c4, _clock())
     return keep, p0, p1, p2, p3, p4
 
 
 @gluon.jit
-def _deq_load(i, w_view, s_view, w_ready, BK: gl.constexpr, BN: gl.constexpr):
-    """Step i's words and scales from its word slot, once loaded, dequantized: the B tile in registers."""
+def _deq_load(i, w_view, s_view, BK: gl.constexpr, BN: gl.constexpr):
+    """Step i's words and scales from its word slot (loaded: the caller waited), dequantized: the B tile in
+    registers."""
     STAGES: gl.constexpr = w_view.shape[0]
     nw: gl.constexpr = gl.num_warps()
     w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
     sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))  # [CB, 8]
     s = i % STAGES
-    mbarrier.wait(w_ready.index(s), (i // STAGES) & 1)
     words = w_view.index(s).load(w_ld)
     scales = s_view.index(s)
     lo = scales.slice(0, 8, dim=1).load(sz_ld)
@@ -278,8 +272,9 @@ def _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, kee
     mbarrier.wait(w_ready.index(sa), (i // STAGES) & 1)
     if PROBE:
         c1 = _clock()
-    wa = _deq_load(i, w_view, s_view, w_ready, BK, BN)
-    wb = _deq_load(i + 1, w_view, s_view, w_ready, BK, BN)
+    wa = _deq_load(i, w_view, s_view, BK, BN)
+    mbarrier.wait(w_ready.index(sb), ((i + 1) // STAGES) & 1)
+    wb = _deq_load(i + 1, w_view, s_view, BK, BN)
     if PROBE:
         c2 = _clock()
     mbarrier.wait(b_empty.index(sa), ((i // STAGES) & 1) ^ 1)
@@ -297,12 +292,7 @@ def _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, kee
     mbarrier.arrive(w_empty.index(sa), count=1)
     mbarrier.arrive(w_empty.index(sb), count=1)
     if PROBE:
-        c5 = _clock()
-        p0 += c1 - c0
-        p1 += c2 - c1
-        p2 += c3 - c2
-        p3 += c4 - c3
-        p4 += c5 - c4
+        p0, p1, p2, p3, p4 = _probe_sums(p0, p1, p2, p3, p4, c0, c1, c2, c3, c4, _clock())
     return keep, p0, p1, p2, p3, p4
 
 
@@ -420,7 +410,6 @@ def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M
                     PROBE: gl.constexpr = 0):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    num_warps: gl.constexpr = gl.num_warps()
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     split = gl.num_programs(1)
@@ -456,25 +445,7 @@ def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M
                             PROBE)),
         ], [1, DEQ_WARPS], [24, DEQ_REGS])
 
-    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
-    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-    o_off = gl.expand_dims(om.to(gl.int64) * s_om, 1) + gl.expand_dims(on, 0)
-    o_mask = gl.expand_dims(om < M, 1)
-    if SPLIT_K:  # as `gluon_int4_gemm`: partials, then the last slice to arrive sums them in slice order
-        p_off = gl.expand_dims(om.to(gl.int64) * N, 1) + gl.expand_dims(on, 0)
-        mn = N.to(gl.int64) * M
-        gl.store(part_ptr + pid_k * mn + p_off, gl.convert_layout(acc, out_l), mask=o_mask)
-        _barrier()
-        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == split - 1:
-            total = gl.zeros([BM, BN], gl.float32, layout=out_l)
-            for sl in range(split):
-                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
-            gl.atomic_xchg(cnt_ptr + pid, 0)
-    else:
-        gl.store(out_ptr + o_off, gl.convert_layout(acc.to(gl.bfloat16), out_l), mask=o_mask)
+    store_tile(acc, out_ptr, part_ptr, cnt_ptr, pid_m * BM, pid_n * BN, M, N, s_om, SPLIT_K)
 
 
 # ----------------------------------------------------------------------------- host
@@ -490,6 +461,23 @@ def descriptors(x: torch.Tensor, qm: torch.Tensor, sz: torch.Tensor, t: WsTiles)
     w_desc = TensorDescriptor.from_tensor(qm.view(qm.shape[0], -1), [t.bn // 16, 128], _PLAIN32)
     s_desc = TensorDescriptor.from_tensor(sz, [1, t.bn], _PLAIN32)
     return x_desc, w_desc, s_desc
+
+
+def operands(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+             t: WsTiles, sz: torch.Tensor | None, name: str) -> tuple:
+    """The wrappers' (this one's and `gluon_int4_ws_streamk`'s) checks and operands: (x with rows TMA can
+    read, packed scales / offsets, N, K, group); ValueError (named `name`) for what the kernels cannot do."""
+    m, k = x.shape
+    n = qm.shape[0] * 16
+    group = k if group_size == -1 else group_size
+    if x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group:
+        raise ValueError(f"{name}: bf16 x, N a multiple of {t.bn}, K and the group of 64 "
+                         f"(x {x.dtype}, N {n}, K {k}, group {group})")
+    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
+        x = x.contiguous()
+    if sz is None and m:
+        sz = _cached_scale_offset(scales, zeros)
+    return x, sz, n, k, group
 
 
 def split_for(t: WsTiles, k: int, tiles: int, counters: torch.Tensor | None) -> int:
@@ -509,19 +497,11 @@ def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torc
     (timing only, scripts/gpu_int4_ws.py --diag): a DIAG variant; int64 [16 x tiles] for the
     dequantizers' and the consumer's cycle sums (`_deq_step`, `_consumer`)."""
     t = tiles or WsTiles()
-    m, k = x.shape
-    n = qm.shape[0] * 16
-    group = k if group_size == -1 else group_size
-    if x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group:
-        raise ValueError(f"ws int4 GEMM: bf16 x, N a multiple of {t.bn}, K and the group of 64 "
-                         f"(x {x.dtype}, N {n}, K {k}, group {group})")
+    x, sz, n, k, group = operands(x, qm, scales, zeros, group_size, t, sz, "ws int4 GEMM")
+    m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
-        x = x.contiguous()
-    if sz is None:
-        sz = _cached_scale_offset(scales, zeros)
     x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)
     n_tiles = triton.cdiv(m, t.bm) * (n // t.bn)
     split = split_for(t, k, n_tiles, counters)
