@@ -55,6 +55,27 @@ def test_step_tiles_are_the_weights_rounded_once(bn, group):
             assert torch.equal(got, want), (pid_n, step)
 
 
+@pytest.mark.parametrize("bn", [128, 64])
+def test_tile_maps_put_every_weight_at_its_input_and_channel(bn):
+    """`TO_KN` / `TO_NK` (the dequantizers' permute of [CB, 1, g, j, m, hi, a, b] before the reshape) put
+    nibble hi + 2 a + 4 b of lane (g, j)'s word m of block cb at input 16 j + 4 m + 2 a + b and channel
+    16 cb + 8 hi + g: row k, column n of the [64, BN] tile, and row n, column k of the K-major [BN, 64]
+    one (a wrong axis in either fails)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import TO_KN, TO_NK
+
+    cb, g, j, m, hi, a, b = torch.meshgrid(*(torch.arange(d) for d in (bn // 16, 8, 4, 4, 2, 2, 2)), indexing="ij")
+    k = (16 * j + 4 * m + 2 * a + b).unsqueeze(1)  # [CB, 1, g, j, m, hi, a, b]
+    n = (16 * cb + 8 * hi + g).unsqueeze(1)
+    rows, cols = torch.meshgrid(torch.arange(64), torch.arange(bn), indexing="ij")
+    assert torch.equal(k.permute(TO_KN.value).reshape(64, bn), rows)
+    assert torch.equal(n.permute(TO_KN.value).reshape(64, bn), cols)
+    assert torch.equal(k.permute(TO_NK.value).reshape(bn, 64), rows.t())
+    assert torch.equal(n.permute(TO_NK.value).reshape(bn, 64), cols.t())
+    # K-major: a thread's 16 inputs of one channel (m, a, b) are 16 consecutive inputs (two 16-byte stores)
+    assert TO_NK.value[-3:] == (4, 6, 7)
+
+
 @pytest.mark.parametrize("split", [1, 2, 4])
 def test_emulated_product_matches_float64_reference(split):
     """The tiles times x over the K slices, summed in slice order, is x @ W^T within bf16 rounding."""
@@ -94,8 +115,8 @@ def test_split_follows_the_counters_and_divides_the_steps():
     assert split_for(WsTiles(split=4), 64 * 14, 8, torch.zeros(8, dtype=torch.int32)) == 2
 
 
-@pytest.mark.parametrize("bm,warps,split", [(128, 4, False), (256, 8, True)])
-def test_compiles_for_sm90_warp_specialized(bm, warps, split):
+@pytest.mark.parametrize("bm,warps,split,kmajor", [(128, 4, False, False), (256, 8, True, False), (256, 8, False, True)])
+def test_compiles_for_sm90_warp_specialized(bm, warps, split, kmajor):
     """Offline sm_90 compile (no GPU): the consumer's wgmmas (a warpgroup's BM / 64 / warpgroups x 4
     k16 steps, a peeled step and the loop) with one left in flight, each partition on its own named
     barrier (the consumer's over its warps, the dequantizers' over 128 threads), mbarrier arrives,
@@ -116,7 +137,7 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import _PLAIN32
 
     const = {"GROUP": 128, "BN": 128, "STAGES": 4, "SPLIT_K": split, "DEQ_WARPS": 4, "DEQ_REGS": 168, "DEQ_PARTS": 1,
-             "DIAG": 0, "PROBE": 0}
+             "DIAG": 0, "PROBE": 0, "KMAJOR": kmajor}
     ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32", "t_ptr": "i64"}
     descs = {"x_desc": f"tensordesc<bf16[{bm}, 64],{lay!r}>", "w_desc": f"tensordesc<i32[8, 128],{_PLAIN32!r}>",
              "s_desc": f"tensordesc<i32[1, 128],{_PLAIN32!r}>"}
@@ -145,6 +166,11 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
     if not split:  # no global load at all: words and scales arrive by TMA (a load in flight at the
         assert not re.findall(r"(?<![A-Z])LDG[.A-Z0-9]*", sass)  # dequantizers' fence stalls them)
     assert "USETMAXREG.DEALLOC" in sass
+    # the B tile's stores: STSM.16.MT88 into the [64, BN] ring; 16-byte STS into the K-major one (8 a warp)
+    if kmajor:
+        assert "STSM" not in sass and len(re.findall(r"STS\.128 \[R\d+\+0x2[0-9a-f]{4}\]", sass)) >= 8, sass.count("STS.128")
+    else:
+        assert sass.count("STSM.16.MT88.4") == 8
 
 
 def test_labels_parse_back_and_the_table_reads_the_environment_form():
@@ -153,7 +179,8 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
     from tokenmill.layers.quantization.int4_ws_route import WsTiles, table_from
 
     for t in (WsTiles(), WsTiles(256, 128, 4, 8), WsTiles(128, 64, 6, 4, 4, 2), WsTiles(128, 128, 4, 8, 8, 1, 112),
-              WsTiles(256, 128, 4, 8, sk=132), WsTiles(128, 128, 4, 4, split=2, deq_regs=136, deq_parts=2), WsTiles(256, 128, 4, 8, deq_parts=0)):
+              WsTiles(256, 128, 4, 8, sk=132), WsTiles(128, 128, 4, 4, split=2, deq_regs=136, deq_parts=2), WsTiles(256, 128, 4, 8, deq_parts=0), WsTiles(256, 128, 4, 8, deq_parts=0, kmajor=1),
+              WsTiles(128, 64, 6, 4, split=2, kmajor=1)):
         assert WsTiles.parse(t.label()) == t, t.label()
     got = table_from("256,28672,4096=ws m256 n128 st4 w8 d4 sk132; 256,4096,14336=ws m256 n128 st4 w8 d4 s4;")
     assert got == {(256, 28672, 4096): WsTiles(256, 128, 4, 8, sk=132), (256, 4096, 14336): WsTiles(256, 128, 4, 8, split=4)}

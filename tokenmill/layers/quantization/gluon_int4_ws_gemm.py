@@ -53,6 +53,13 @@ _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinter
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the barrier of the calling partition's warps (3.7: renamed)
 
 
+# The dequantized words [CB, 1, g, j, m, hi, a, b] (block cb, lane (g, j), word m, nibble hi + 2 a + 4 b:
+# input 16 j + 4 m + 2 a + b, channel 16 cb + 8 hi + g) -> the B tile [BK, BN] (TO_KN) or its transpose
+# [BN, BK] (TO_NK), by permute + reshape (tests/layers/test_int4_ws_gemm.py checks both maps).
+TO_KN = gl.constexpr((1, 3, 4, 6, 7, 0, 5, 2))
+TO_NK = gl.constexpr((0, 5, 2, 1, 3, 4, 6, 7))
+
+
 # ----------------------------------------------------------------------------- partitions
 
 
@@ -63,8 +70,18 @@ def _clock():
 
 
 @gluon.jit
+def _b_operand(b_smem, s, KMAJOR: gl.constexpr):
+    """Slot s of the B ring as the wgmma's [BK, BN] operand (a K-major slot viewed transposed)."""
+    if KMAJOR:
+        b = b_smem.index(s).permute((1, 0))
+    else:
+        b = b_smem.index(s)
+    return b
+
+
+@gluon.jit
 def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM: gl.constexpr, BN: gl.constexpr,
-              DIAG: gl.constexpr = 0, PROBE: gl.constexpr = 0):
+              DIAG: gl.constexpr = 0, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
     """wgmma of step i on stage i % STAGES once both its tiles are ready; stage (i - 1) % STAGES
     freed once step i - 1's wgmma retired (one wgmma left in flight). DIAG 6 (timing only): no
     wgmma, each slot freed as soon as both its tiles are ready. PROBE: the cycles spent waiting for
@@ -92,7 +109,7 @@ def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM
     else:
         mbarrier.wait(x_ready.index(0), 0)
         mbarrier.wait(b_ready.index(0), 0)
-        acc = warpgroup_mma(x_smem.index(0), b_smem.index(0), acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma(x_smem.index(0), _b_operand(b_smem, 0, KMAJOR), acc, use_acc=False, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # still in flight: a tensor again for the loop
         for i in range(1, n_k):
             s = i % STAGES
@@ -105,7 +122,7 @@ def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM
             mbarrier.wait(b_ready.index(s), ph)
             if PROBE:
                 c2 = _clock()
-            acc = warpgroup_mma(x_smem.index(s), b_smem.index(s), acc, is_async=True)
+            acc = warpgroup_mma(x_smem.index(s), _b_operand(b_smem, s, KMAJOR), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
             if PROBE:
                 c3 = _clock()
@@ -160,8 +177,11 @@ def _loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_sm
 
 
 @gluon.jit
-def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr):
-    """The words of one step -> the bf16 B tile [BK, BN] in natural K order (as `gluon_int4_gemm`)."""
+def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.constexpr = False):
+    """The words of one step -> the bf16 B tile [BK, BN] in natural K order (as `gluon_int4_gemm`); KMAJOR:
+    its transpose [BN, BK] (each thread then holds 16 consecutive inputs of 2 channels a block: 16-byte
+    stores into a K-major ring without bank conflicts, where the [BK, BN] tile's STSM.16.MT88 stores
+    hit only 2 of 8 bank groups per matrix, 4-way conflicts: ncu, session 11)."""
     lo = gl.expand_dims(gl.expand_dims(gl.expand_dims(lo, 1), 3), 4)
     hi = gl.expand_dims(gl.expand_dims(gl.expand_dims(hi, 1), 3), 4)
     lo, _ = gl.broadcast(lo, words)
@@ -170,7 +190,11 @@ def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr):
         _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, lo, hi],
         dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
     v = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [CB, 1, g, j, m, hi, a, b]
-    return gl.reshape(gl.permute(v, (1, 3, 4, 6, 7, 0, 5, 2)), (BK, BN))
+    if KMAJOR:
+        t = gl.reshape(gl.permute(v, TO_NK.value), (BN, BK))
+    else:
+        t = gl.reshape(gl.permute(v, TO_KN.value), (BK, BN))
+    return t
 
 
 @gluon.jit
@@ -181,7 +205,7 @@ def _probe_sums(p0, p1, p2, p3, p4, c0, c1, c2, c3, c4, c5):
 
 @gluon.jit
 def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG: gl.constexpr = 0, keep=0,
-              p0=0, p1=0, p2=0, p3=0, p4=0, PROBE: gl.constexpr = 0):
+              p0=0, p1=0, p2=0, p3=0, p4=0, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
     """Ring step i: its words and scales from the word ring (a plain row-major view of the TMA tile:
     word m of lane (g, j) of block cb at [cb, 0, g, j, m]; channel 16 cb + c's scale at [cb, c]),
     dequantized into the B ring once the consumer freed the slot; fence (the wgmma and the next TMA
@@ -191,8 +215,7 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIA
     before the arrives. PROBE: cycles waiting for the words (p0), computing (p1), waiting for the B
     slot (p2), issuing the store (p3), fence + barrier + arrives (p4), summed (returned)."""
     STAGES: gl.constexpr = b_smem.shape[0]
-    BK: gl.constexpr = b_smem.shape[1]
-    BN: gl.constexpr = b_smem.shape[2]
+    BN: gl.constexpr = w_view.shape[1] * 16
     s = i % STAGES
     ph = (i // STAGES) & 1
     if PROBE:
@@ -216,7 +239,7 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIA
         if PROBE:
             c4 = _clock()
     else:
-        w = _deq_load(i, w_view, s_view, BK, BN)
+        w = _deq_load(i, w_view, s_view, 64, BN, KMAJOR)
         if PROBE:
             c2 = _clock()
         mbarrier.wait(b_empty.index(s), ph ^ 1)
@@ -240,7 +263,7 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIA
 
 
 @gluon.jit
-def _deq_load(i, w_view, s_view, BK: gl.constexpr, BN: gl.constexpr):
+def _deq_load(i, w_view, s_view, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.constexpr = False):
     """Step i's words and scales from its word slot (loaded: the caller waited), dequantized: the B tile in
     registers."""
     STAGES: gl.constexpr = w_view.shape[0]
@@ -252,19 +275,18 @@ def _deq_load(i, w_view, s_view, BK: gl.constexpr, BN: gl.constexpr):
     scales = s_view.index(s)
     lo = scales.slice(0, 8, dim=1).load(sz_ld)
     hi = scales.slice(8, 8, dim=1).load(sz_ld)
-    return _dequant_tile(words, lo, hi, BK, BN)
+    return _dequant_tile(words, lo, hi, BK, BN, KMAJOR)
 
 
 @gluon.jit
 def _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, keep, p0, p1, p2, p3, p4,
-              PROBE: gl.constexpr = 0):
+              PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
     """Ring steps i and i + 1 as one: both steps' words loaded and dequantized together (twice the
     independent work in flight), both tiles stored, then ONE fence and barrier for the two (the
     fence waits for every store of the thread: paid once a pair). PROBE as `_deq_step` (p0: the
     first step's word wait, p1: the rest of the loads and the compute)."""
     STAGES: gl.constexpr = b_smem.shape[0]
-    BK: gl.constexpr = b_smem.shape[1]
-    BN: gl.constexpr = b_smem.shape[2]
+    BN: gl.constexpr = w_view.shape[1] * 16
     sa = i % STAGES
     sb = (i + 1) % STAGES
     if PROBE:
@@ -272,9 +294,9 @@ def _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, kee
     mbarrier.wait(w_ready.index(sa), (i // STAGES) & 1)
     if PROBE:
         c1 = _clock()
-    wa = _deq_load(i, w_view, s_view, BK, BN)
+    wa = _deq_load(i, w_view, s_view, 64, BN, KMAJOR)
     mbarrier.wait(w_ready.index(sb), ((i + 1) // STAGES) & 1)
-    wb = _deq_load(i + 1, w_view, s_view, BK, BN)
+    wb = _deq_load(i + 1, w_view, s_view, 64, BN, KMAJOR)
     if PROBE:
         c2 = _clock()
     mbarrier.wait(b_empty.index(sa), ((i // STAGES) & 1) ^ 1)
@@ -298,13 +320,11 @@ def _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, kee
 
 @gluon.jit
 def _deq_steps(first, n_k, by, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG: gl.constexpr,
-               PROBE: gl.constexpr, PAIR: gl.constexpr = False):
+               PROBE: gl.constexpr, PAIR: gl.constexpr = False, KMAJOR: gl.constexpr = False):
     """Steps first, first + by, ... < n_k (`_deq_step`); PROBE: the sums and the loop's cycles into
     t_ptr[16 pid ..]. DIAG 2 / 3: `keep` starts as the tile of constant words (and DIAG 2 stores its
     sum into slot 0 at the end, so that the tiles are made)."""
-    BK: gl.constexpr = b_smem.shape[1]
-    BN: gl.constexpr = b_smem.shape[2]
-    CB: gl.constexpr = BN // 16
+    CB: gl.constexpr = w_view.shape[1]
     nw: gl.constexpr = gl.num_warps()
     w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
     sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))
@@ -318,20 +338,20 @@ def _deq_steps(first, n_k, by, w_view, s_view, b_smem, w_ready, w_empty, b_ready
     if DIAG == 2 or DIAG == 3:
         keep = _dequant_tile(gl.full([CB, 1, 8, 4, 4], 0x76543210, gl.int32, w_ld),
                              gl.full([CB, 8], 0x43003C00, gl.int32, sz_ld),
-                             gl.full([CB, 8], 0x43003C00, gl.int32, sz_ld), BK, BN)
+                             gl.full([CB, 8], 0x43003C00, gl.int32, sz_ld), 64, CB * 16, KMAJOR)
     else:
         keep = z
     if PAIR:  # steps two at a time (`_deq_pair`; one partition), an odd last step alone
         for i in range(0, n_k - 1, 2):
             keep, p0, p1, p2, p3, p4 = _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, keep,
-                                                 p0, p1, p2, p3, p4, PROBE)
+                                                 p0, p1, p2, p3, p4, PROBE, KMAJOR)
         if n_k % 2 == 1:
             keep, p0, p1, p2, p3, p4 = _deq_step(n_k - 1, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty,
-                                                 DIAG, keep, p0, p1, p2, p3, p4, PROBE)
+                                                 DIAG, keep, p0, p1, p2, p3, p4, PROBE, KMAJOR)
     else:
         for i in range(first, n_k, by):
             keep, p0, p1, p2, p3, p4 = _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG,
-                                                 keep, p0, p1, p2, p3, p4, PROBE)
+                                                 keep, p0, p1, p2, p3, p4, PROBE, KMAJOR)
     if DIAG == 2:
         b_smem.index(0).store(keep)
     if PROBE:
@@ -347,24 +367,24 @@ def _deq_steps(first, n_k, by, w_view, s_view, b_smem, w_ready, w_empty, b_ready
 @gluon.jit
 def _dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
                  w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP: gl.constexpr, PARTS: gl.constexpr,
-                 DIAG: gl.constexpr, PROBE: gl.constexpr = 0):
+                 DIAG: gl.constexpr, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
     """Steps 0, PARTS, 2 PARTS, ... (PARTS 2: a second partition, `_dequantizer_odd`, makes the odd
     steps' tiles, so that two steps' dequantization chains overlap; PARTS 0: one partition, the steps
     two at a time, `_deq_pair`)."""
     _deq_steps(0, n_k, PARTS, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, PROBE,
-               PARTS == 0)
+               PARTS == 0, KMAJOR)
 
 
 @gluon.jit
 def _dequantizer_odd(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                      w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP: gl.constexpr,
-                     PARTS: gl.constexpr, DIAG: gl.constexpr, PROBE: gl.constexpr = 0):
-    _deq_steps(1, n_k, 2, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, 0)
+                     PARTS: gl.constexpr, DIAG: gl.constexpr, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+    _deq_steps(1, n_k, 2, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, 0, False, KMAJOR)
 
 
 @gluon.jit
-def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
-    """The shared memory: x / word / scale / B tile rings, the word and scale rings also as plain
+def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr = False):
+    """The shared memory: x / word / scale / B tile rings (B [BK, BN] a slot, KMAJOR [BN, BK]), the word and scale rings also as plain
     row-major views ([STAGES, CB, 1, 8, 4, 4] and [STAGES, CB, 16] int32) for the dequantizers, and
     the ready / empty barriers of the x, word and B slots."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -373,8 +393,12 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, CB, 128], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BN], s_desc.layout)
-    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
-                                       gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
+    if KMAJOR:
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK],
+                                           gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16))
+    else:
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
+                                           gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
     flat5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
     flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     if _PUBLIC_REINTERPRET:
@@ -407,7 +431,7 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
 def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M, N, K, s_om, GROUP: gl.constexpr,
                     BN: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEQ_WARPS: gl.constexpr,
                     DEQ_REGS: gl.constexpr, DEQ_PARTS: gl.constexpr = 1, DIAG: gl.constexpr = 0,
-                    PROBE: gl.constexpr = 0):
+                    PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     pid = gl.program_id(0)
@@ -420,29 +444,30 @@ def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M
     s0 = pid_k * n_k
 
     (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
-     b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES)
+     b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES, KMAJOR)
     # (the argument tuples written out in each call: a tuple held in a variable turns its constexprs
     # into tensors)
     off_m = pid_m * BM
     if DEQ_PARTS == 2:
         (acc,) = gl.warp_specialize([
-            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE)),
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE, KMAJOR)),
             (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                        w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
             (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
-                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP, DEQ_PARTS, DIAG, PROBE)),
+                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP, DEQ_PARTS, DIAG, PROBE,
+                            KMAJOR)),
             (_dequantizer_odd, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready,
                                 x_empty, w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP,
-                                DEQ_PARTS, DIAG, PROBE)),
+                                DEQ_PARTS, DIAG, PROBE, KMAJOR)),
         ], [1, DEQ_WARPS, DEQ_WARPS], [24, DEQ_REGS, DEQ_REGS])
     else:
         (acc,) = gl.warp_specialize([
-            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE)),
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE, KMAJOR)),
             (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                        w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
             (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                             w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP, DEQ_PARTS, DIAG,
-                            PROBE)),
+                            PROBE, KMAJOR)),
         ], [1, DEQ_WARPS], [24, DEQ_REGS])
 
     store_tile(acc, out_ptr, part_ptr, cnt_ptr, pid_m * BM, pid_n * BN, M, N, s_om, SPLIT_K)
@@ -509,7 +534,8 @@ def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torc
     _ws_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out,
                                       out if probe is None else probe, m, n, k, out.stride(0), GROUP=group, BN=t.bn,
                                       STAGES=t.stages, SPLIT_K=split > 1, DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs,
-                                      DEQ_PARTS=t.deq_parts, DIAG=diag, PROBE=probe is not None, num_warps=t.warps)
+                                      DEQ_PARTS=t.deq_parts, DIAG=diag, PROBE=probe is not None, KMAJOR=bool(t.kmajor),
+                                      num_warps=t.warps)
     return out
 
 
