@@ -34,9 +34,9 @@ GROUP = 128
 DEVICE = os.environ.get("INT4_WS_DEVICE", "cuda")  # "cpu": a dry run of the script's logic (tests only)
 
 
-def _w(bm, bn, stages, warps, deq=4, split=1, regs=168, sk=0, parts=1):
+def _w(bm, bn, stages, warps, deq=4, split=1, regs=168, sk=0, parts=1, km=1):
     from tokenmill.layers.quantization.int4_ws_route import WsTiles
-    return WsTiles(bm, bn, stages, warps, deq, split, regs, sk, parts)
+    return WsTiles(bm, bn, stages, warps, deq, split, regs, sk, parts, km)
 
 
 def _run(t, x, qm, scales, zeros, group, sz, counters):
@@ -50,32 +50,33 @@ def _run(t, x, qm, scales, zeros, group, sz, counters):
 
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
-    SM). Round 3 (session 10): the best of rounds 1-2 beside two dequantizer partitions (p2: even and
-    odd steps, so that two steps' dequantization chains overlap; one consumer warpgroup, BM 128)."""
-    p2 = [_w(128, 128, 4, 4, regs=136, parts=2), _w(128, 64, 6, 4, regs=136, parts=2)]
-    if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves) / 448 of 128 x 128 / 896 of 128 x 64
-        return ([_w(256, 128, 4, 8)] if m > 128 else [_w(128, 128, 4, 4)]) + p2 + [_w(128, 128, 6, 4, regs=136, parts=2)]
+    SM). Session 11: the K-major B ring (km, the default of `_w`; ncu: the [64, BN] ring's stores were
+    4-way bank-conflicted), one partition or the steps in pairs (p0), beside session 10's best
+    N-major launches (km=0)."""
+    if m > 1024:  # prefill (8192 rows): against dequantize + cuBLAS
+        return [_w(256, 128, 4, 8), _w(128, 128, 4, 4), _w(128, 128, 6, 4, regs=136, parts=0)]
+    if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves) / 448 of 128 x 128
+        return [_w(256, 128, 4, 8, km=0), _w(256, 128, 4, 8), _w(256, 128, 4, 8, parts=0), _w(128, 128, 4, 4),
+                _w(128, 128, 6, 4, regs=136, parts=0)]
     if name == "down":  # K 14336: 224 steps
-        return ([_w(256, 128, 4, 8, split=4)] if m > 128 else [_w(128, 128, 4, 4, split=4)]) + \
-            [_w(128, 128, 4, 4, split=2, regs=136, parts=2), _w(128, 128, 4, 4, split=4, regs=136, parts=2),
-             _w(128, 64, 6, 4, split=2, regs=136, parts=2)]
+        return [_w(256, 128, 4, 8, split=4, km=0), _w(256, 128, 4, 8, split=4), _w(256, 128, 4, 8, split=2),
+                _w(128, 128, 4, 4, split=2), _w(128, 128, 6, 4, split=4, regs=136, parts=0)]
     if name == "qkv":  # 48 / 96 tiles
-        return ([_w(256, 64, 4, 8)] if m > 128 else [_w(128, 64, 6, 4)]) + p2 + \
-            [_w(128, 128, 4, 4, split=2, regs=136, parts=2)]
-    return ([_w(256, 64, 4, 8, split=2)] if m > 128 else [_w(128, 64, 6, 4, split=2)]) + \
-        [_w(128, 128, 4, 4, split=2, regs=136, parts=2), _w(128, 64, 6, 4, split=2, regs=136, parts=2),
-         _w(128, 64, 6, 4, regs=136, parts=2)]
+        return [_w(256, 64, 4, 8, km=0), _w(256, 64, 4, 8), _w(128, 128, 4, 4), _w(128, 64, 6, 4),
+                _w(128, 64, 6, 4, regs=136, parts=0)]
+    return [_w(128, 64, 6, 4, regs=136, parts=2, km=0), _w(256, 64, 4, 8, split=2), _w(128, 64, 6, 4, split=2),
+            _w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4), _w(128, 64, 6, 4, regs=136, parts=0)]
 
 
 # timing only (no correct output): DIAG 1, the dequantizers make no tile (the consumer and loader
 # alone), at 256 rows on gate_up: whether the dequantizers set the step time
-DIAG_LAUNCHES = ((256, 128, 4, 8), (128, 128, 4, 4, 4, 1, 136, 0, 2))
+DIAG_LAUNCHES = ((256, 128, 4, 8, 4, 1, 168, 0, 1, 1),)
 
 
 def launches() -> list:
     """Every distinct launch of `variants` (one compile each)."""
     seen = []
-    for m in (256, 128, 512):
+    for m in (256, 8192):
         for name in LLAMA:
             for t in variants(m, name):
                 if t not in seen:
@@ -333,11 +334,11 @@ def bench(out_dir: str, rows: list[int]) -> None:
 
 # --diag: the launches whose dequantizers are taken apart (gate_up, 256 rows), the timing-only DIAG
 # variants of `_deq_step` / `_consumer` (0: the real kernel) and those run with the cycle probe
-DIAG_TILES = ((256, 128, 4, 8), (128, 128, 4, 4))
-DIAG_CODES = (0, 1, 2, 3, 4, 5, 6)
-PROBED = (0, 1, 6)
+DIAG_TILES = ((256, 128, 4, 8), (256, 128, 4, 8, 4, 1, 168, 0, 1, 1))
+DIAG_CODES = (0, 1, 2, 3)
+PROBED = (0,)
 # the steps two at a time (deq_parts 0, `_deq_pair`): the real kernel only (DIAG 0), probed too
-PAIR_TILES = ((256, 128, 4, 8, 4, 1, 168, 0, 0), (128, 128, 4, 4, 4, 1, 168, 0, 0), (128, 128, 6, 4, 4, 1, 136, 0, 0))
+PAIR_TILES = ((256, 128, 4, 8, 4, 1, 168, 0, 0, 1),)
 DEQ_PHASES = ("wait words", "load + compute", "wait B slot", "store issue", "fence + barrier + arrives")
 CONS_PHASES = ("wait x", "wait B", "wgmma issue + retire", "release")
 
