@@ -58,6 +58,44 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the barrier of t
 # [BN, BK] (TO_NK), by permute + reshape (tests/layers/test_int4_ws_gemm.py checks both maps).
 TO_KN = gl.constexpr((1, 3, 4, 6, 7, 0, 5, 2))
 TO_NK = gl.constexpr((0, 5, 2, 1, 3, 4, 6, 7))
+# kmajor 2: one word a lane -> 4 words of bf16 pairs [CB, 1, g, j, m, a, hi] (pair (b = 0, 1): inputs
+# 16 j + 4 m + 2 a + 0 / 1 of channel 16 cb + 8 hi + g) -> the K-major tile as int32 [BN, 32]
+TO_NK_PAIRS = gl.constexpr((0, 6, 2, 1, 3, 4, 5))
+
+# kmajor 2's dequantization, one word at a time ($4), every output register a pair of consecutive
+# inputs (nibbles i and i + 4 of the word: the low and high half, so one lop3 takes both): outputs
+# $0..$3 the pairs of nibbles (0, 4), (1, 5), (2, 6), (3, 7), i.e. (hi, a) = (0, 0), (1, 0), (0, 1),
+# (1, 1); $5 / $6 channel g's scale twice / -(128 + its offset) twice, $7 / $8 channel g + 8's
+# (`_ASM_PAIR_SZ`). The same operations as `_ASM_BF16` (DEQ 2) per weight, so the same bits: ((128 + q)
+# - (128 + z)) exact, times the scale rounded once; without its two words' prmt pairing and the
+# repacking into input pairs that the store needed after it.
+_ASM_WORD = gl.constexpr("""{
+.reg .b32 t, one, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 nz, 0x80008000;
+lop3.b32 t, $4, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, $6;
+fma.rn.bf16x2 $0, t, $5, nz;
+shr.u32 t, $4, 4;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, $8;
+fma.rn.bf16x2 $1, t, $7, nz;
+shr.u32 t, $4, 8;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, $6;
+fma.rn.bf16x2 $2, t, $5, nz;
+shr.u32 t, $4, 12;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, $8;
+fma.rn.bf16x2 $3, t, $7, nz;
+}""")
+# a packed scale / offset word (scale low, 128 + offset high) -> (scale, scale), (-(128 + z), -(128 + z))
+_ASM_PAIR_SZ = gl.constexpr("""{
+.reg .b32 t;
+prmt.b32 $0, $2, $2, 0x1010;
+prmt.b32 t, $2, $2, 0x3232;
+xor.b32 $1, t, 0x80008000;
+}""")
 
 
 # ----------------------------------------------------------------------------- partitions
@@ -81,7 +119,7 @@ def _b_operand(b_smem, s, KMAJOR: gl.constexpr):
 
 @gluon.jit
 def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM: gl.constexpr, BN: gl.constexpr,
-              DIAG: gl.constexpr = 0, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+              DIAG: gl.constexpr = 0, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     """wgmma of step i on stage i % STAGES once both its tiles are ready; stage (i - 1) % STAGES
     freed once step i - 1's wgmma retired (one wgmma left in flight). DIAG 6 (timing only): no
     wgmma, each slot freed as soon as both its tiles are ready. PROBE: the cycles spent waiting for
@@ -177,24 +215,41 @@ def _loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_sm
 
 
 @gluon.jit
-def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.constexpr = False):
+def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.constexpr = 0):
     """The words of one step -> the bf16 B tile [BK, BN] in natural K order (as `gluon_int4_gemm`); KMAJOR:
     its transpose [BN, BK] (each thread then holds 16 consecutive inputs of 2 channels a block: 16-byte
     stores into a K-major ring without bank conflicts, where the [BK, BN] tile's STSM.16.MT88 stores
-    hit only 2 of 8 bank groups per matrix, 4-way conflicts: ncu, session 11)."""
-    lo = gl.expand_dims(gl.expand_dims(gl.expand_dims(lo, 1), 3), 4)
-    hi = gl.expand_dims(gl.expand_dims(gl.expand_dims(hi, 1), 3), 4)
-    lo, _ = gl.broadcast(lo, words)
-    hi, _ = gl.broadcast(hi, words)
-    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-        _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, lo, hi],
-        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
-    v = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [CB, 1, g, j, m, hi, a, b]
-    if KMAJOR:
-        t = gl.reshape(gl.permute(v, TO_NK.value), (BN, BK))
+    hit only 2 of 8 bank groups per matrix, 4-way conflicts: ncu, session 11); KMAJOR 2: the same
+    transpose as bf16 pairs in int32 [BN, BK / 2], one word at a time (`_ASM_WORD`)."""
+    if KMAJOR == 2:  # int32 pairs [BN, BK / 2] (`_ASM_WORD`)
+        s_lo, z_lo = gl.inline_asm_elementwise(_ASM_PAIR_SZ, "=r,=r,r", [lo], dtype=(gl.int32, gl.int32),
+                                               is_pure=True, pack=1)
+        s_hi, z_hi = gl.inline_asm_elementwise(_ASM_PAIR_SZ, "=r,=r,r", [hi], dtype=(gl.int32, gl.int32),
+                                               is_pure=True, pack=1)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            _ASM_WORD, "=r,=r,=r,=r,r,r,r,r,r", [words, _spread(s_lo, words), _spread(z_lo, words),
+                                                  _spread(s_hi, words), _spread(z_hi, words)],
+            dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+        v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [CB, 1, g, j, m, a, hi]
+        t = gl.reshape(gl.permute(v, TO_NK_PAIRS.value), (BN, BK // 2))
     else:
-        t = gl.reshape(gl.permute(v, TO_KN.value), (BK, BN))
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, _spread(lo, words), _spread(hi, words)],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
+        v = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [CB, 1, g, j, m, hi, a, b]
+        if KMAJOR:
+            t = gl.reshape(gl.permute(v, TO_NK.value), (BN, BK))
+        else:
+            t = gl.reshape(gl.permute(v, TO_KN.value), (BK, BN))
     return t
+
+
+@gluon.jit
+def _spread(sz, words):
+    """A [CB, 8] (block, lane g) tensor over the words' shape [CB, 1, g, j, m]."""
+    sz = gl.expand_dims(gl.expand_dims(gl.expand_dims(sz, 1), 3), 4)
+    sz, _ = gl.broadcast(sz, words)
+    return sz
 
 
 @gluon.jit
@@ -205,7 +260,7 @@ def _probe_sums(p0, p1, p2, p3, p4, c0, c1, c2, c3, c4, c5):
 
 @gluon.jit
 def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG: gl.constexpr = 0, keep=0,
-              p0=0, p1=0, p2=0, p3=0, p4=0, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+              p0=0, p1=0, p2=0, p3=0, p4=0, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     """Ring step i: its words and scales from the word ring (a plain row-major view of the TMA tile:
     word m of lane (g, j) of block cb at [cb, 0, g, j, m]; channel 16 cb + c's scale at [cb, c]),
     dequantized into the B ring once the consumer freed the slot; fence (the wgmma and the next TMA
@@ -263,7 +318,7 @@ def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIA
 
 
 @gluon.jit
-def _deq_load(i, w_view, s_view, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.constexpr = False):
+def _deq_load(i, w_view, s_view, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.constexpr = 0):
     """Step i's words and scales from its word slot (loaded: the caller waited), dequantized: the B tile in
     registers."""
     STAGES: gl.constexpr = w_view.shape[0]
@@ -280,7 +335,7 @@ def _deq_load(i, w_view, s_view, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.
 
 @gluon.jit
 def _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, keep, p0, p1, p2, p3, p4,
-              PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+              PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     """Ring steps i and i + 1 as one: both steps' words loaded and dequantized together (twice the
     independent work in flight), both tiles stored, then ONE fence and barrier for the two (the
     fence waits for every store of the thread: paid once a pair). PROBE as `_deq_step` (p0: the
@@ -320,7 +375,7 @@ def _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, kee
 
 @gluon.jit
 def _deq_steps(first, n_k, by, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG: gl.constexpr,
-               PROBE: gl.constexpr, PAIR: gl.constexpr = False, KMAJOR: gl.constexpr = False):
+               PROBE: gl.constexpr, PAIR: gl.constexpr = False, KMAJOR: gl.constexpr = 0):
     """Steps first, first + by, ... < n_k (`_deq_step`); PROBE: the sums and the loop's cycles into
     t_ptr[16 pid ..]. DIAG 2 / 3: `keep` starts as the tile of constant words (and DIAG 2 stores its
     sum into slot 0 at the end, so that the tiles are made)."""
@@ -367,7 +422,7 @@ def _deq_steps(first, n_k, by, w_view, s_view, b_smem, w_ready, w_empty, b_ready
 @gluon.jit
 def _dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
                  w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP: gl.constexpr, PARTS: gl.constexpr,
-                 DIAG: gl.constexpr, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+                 DIAG: gl.constexpr, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     """Steps 0, PARTS, 2 PARTS, ... (PARTS 2: a second partition, `_dequantizer_odd`, makes the odd
     steps' tiles, so that two steps' dequantization chains overlap; PARTS 0: one partition, the steps
     two at a time, `_deq_pair`)."""
@@ -378,13 +433,14 @@ def _dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view,
 @gluon.jit
 def _dequantizer_odd(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                      w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP: gl.constexpr,
-                     PARTS: gl.constexpr, DIAG: gl.constexpr, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+                     PARTS: gl.constexpr, DIAG: gl.constexpr, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     _deq_steps(1, n_k, 2, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, 0, False, KMAJOR)
 
 
 @gluon.jit
-def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr = False):
-    """The shared memory: x / word / scale / B tile rings (B [BK, BN] a slot, KMAJOR [BN, BK]), the word and scale rings also as plain
+def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr = 0):
+    """The shared memory: x / word / scale / B tile rings (B [BK, BN] a slot, KMAJOR [BN, BK]; KMAJOR 2: the
+    dequantizers' view of it int32 [BN, BK / 2], `b_deq`), the word and scale rings also as plain
     row-major views ([STAGES, CB, 1, 8, 4, 4] and [STAGES, CB, 16] int32) for the dequantizers, and
     the ready / empty barriers of the x, word and B slots."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -407,6 +463,14 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr, KMAJO
     else:
         w_view = w_smem._reinterpret(gl.int32, [STAGES, CB, 1, 8, 4, 4], flat5)
         s_view = s_smem._reinterpret(gl.int32, [STAGES, CB, 16], flat2)
+    if KMAJOR == 2:  # the dequantizers store int32 pairs: the same bytes (128-byte rows, the same swizzle)
+        pairs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        if _PUBLIC_REINTERPRET:
+            b_deq = b_smem.reinterpret(gl.int32, [STAGES, BN, BK // 2], pairs)
+        else:
+            b_deq = b_smem._reinterpret(gl.int32, [STAGES, BN, BK // 2], pairs)
+    else:
+        b_deq = b_smem
     x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -421,7 +485,8 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr, KMAJO
         mbarrier.init(b_ready.index(s), count=1)
         mbarrier.init(b_empty.index(s), count=1)
     fence_async_shared()
-    return (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready, b_empty)
+    return (x_smem, w_smem, s_smem, b_smem, b_deq, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
+            b_empty)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -431,7 +496,7 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr, KMAJO
 def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M, N, K, s_om, GROUP: gl.constexpr,
                     BN: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEQ_WARPS: gl.constexpr,
                     DEQ_REGS: gl.constexpr, DEQ_PARTS: gl.constexpr = 1, DIAG: gl.constexpr = 0,
-                    PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = False):
+                    PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
     pid = gl.program_id(0)
@@ -443,7 +508,7 @@ def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M
     n_k = K // BK // split  # steps per slice (the wrapper makes the split divide them)
     s0 = pid_k * n_k
 
-    (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
+    (x_smem, w_smem, s_smem, b_smem, b_deq, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
      b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES, KMAJOR)
     # (the argument tuples written out in each call: a tuple held in a variable turns its constexprs
     # into tensors)
@@ -453,10 +518,10 @@ def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M
             (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE, KMAJOR)),
             (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                        w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
-            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_deq, x_ready, x_empty,
                             w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP, DEQ_PARTS, DIAG, PROBE,
                             KMAJOR)),
-            (_dequantizer_odd, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready,
+            (_dequantizer_odd, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_deq, x_ready,
                                 x_empty, w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP,
                                 DEQ_PARTS, DIAG, PROBE, KMAJOR)),
         ], [1, DEQ_WARPS, DEQ_WARPS], [24, DEQ_REGS, DEQ_REGS])
@@ -465,7 +530,7 @@ def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M
             (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE, KMAJOR)),
             (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                        w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
-            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
+            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_deq, x_ready, x_empty,
                             w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP, DEQ_PARTS, DIAG,
                             PROBE, KMAJOR)),
         ], [1, DEQ_WARPS], [24, DEQ_REGS])
@@ -534,7 +599,7 @@ def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torc
     _ws_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out,
                                       out if probe is None else probe, m, n, k, out.stride(0), GROUP=group, BN=t.bn,
                                       STAGES=t.stages, SPLIT_K=split > 1, DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs,
-                                      DEQ_PARTS=t.deq_parts, DIAG=diag, PROBE=probe is not None, KMAJOR=bool(t.kmajor),
+                                      DEQ_PARTS=t.deq_parts, DIAG=diag, PROBE=probe is not None, KMAJOR=t.kmajor,
                                       num_warps=t.warps)
     return out
 

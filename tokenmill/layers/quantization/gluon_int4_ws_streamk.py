@@ -171,7 +171,7 @@ def _ws_streamk_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N,
     tiles_m = gl.cdiv(M, BM)
     n_k = K // BK
     total = tiles_m * (N // BN) * n_k
-    (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
+    (x_smem, w_smem, s_smem, b_smem, _, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
      b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES)
     worker_args = (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
                    w_empty, b_ready, b_empty, tiles_m, n_k, total, GROUP)

@@ -29,7 +29,8 @@ class WsTiles:
     register budget; sk > 0: the stream-K schedule on sk CTAs (`gluon_int4_ws_streamk`; no split);
     deq_parts 2: two dequantizer partitions of deq_warps each, even and odd steps; 0: one partition
     making the steps two at a time, one fence a pair (plain kernel only); kmajor 1: the B ring K-major
-    (the dequantizers' 16-byte stores without bank conflicts; plain kernel only)."""
+    (the dequantizers' 16-byte stores without bank conflicts; plain kernel only); 2: besides, one word a
+    lane dequantized into pairs of consecutive inputs (no repacking before the stores)."""
 
     bm: int = 128
     bn: int = 128
@@ -46,17 +47,17 @@ class WsTiles:
         return (f"ws m{self.bm} n{self.bn} st{self.stages} w{self.warps} d{self.deq_warps}"
                 f"{f' s{self.split}' if self.split > 1 else ''}{f' r{self.deq_regs}' if self.deq_regs != 168 else ''}"
                 f"{f' sk{self.sk}' if self.sk else ''}{f' p{self.deq_parts}' if self.deq_parts != 1 else ''}"
-                f"{' km' if self.kmajor else ''}")
+                f"{' km' if self.kmajor else ''}{self.kmajor if self.kmajor > 1 else ''}")
 
     @classmethod
     def parse(cls, label: str) -> WsTiles:
         """The inverse of `label` ("ws m256 n128 st4 w8 d4 s2")."""
-        m = re.fullmatch(r"ws m(\d+) n(\d+) st(\d+) w(\d+) d(\d+)(?: s(\d+))?(?: r(\d+))?(?: sk(\d+))?(?: p(\d+))?( km)?", label.strip())
+        m = re.fullmatch(r"ws m(\d+) n(\d+) st(\d+) w(\d+) d(\d+)(?: s(\d+))?(?: r(\d+))?(?: sk(\d+))?(?: p(\d+))?(?: km(\d?))?", label.strip())
         if m is None:
             raise ValueError(f"not a warp-specialized GEMM launch label: {label!r}")
         bm, bn, st, w, d, split, regs, sk, parts, km = m.groups()
         return cls(int(bm), int(bn), int(st), int(w), int(d), int(split or 1), int(regs or 168), int(sk or 0),
-                   int(parts or 1), int(km is not None))
+                   int(parts or 1), 0 if km is None else int(km or 1))
 
 
 def table_from(text: str) -> dict[tuple[int, int, int], WsTiles]:
