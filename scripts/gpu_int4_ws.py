@@ -50,27 +50,24 @@ def _run(t, x, qm, scales, zeros, group, sz, counters):
 
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
-    SM). Session 11: the K-major B ring (km, the default of `_w`; ncu: the [64, BN] ring's stores were
-    4-way bank-conflicted), one partition or the steps in pairs (p0), beside session 10's best
-    N-major launches (km=0)."""
-    if m > 1024:  # prefill (8192 rows): against dequantize + cuBLAS
-        return [_w(256, 128, 4, 8), _w(128, 128, 4, 4), _w(128, 128, 6, 4, regs=136, parts=0)]
-    if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves) / 448 of 128 x 128
-        return [_w(256, 128, 4, 8, km=0), _w(256, 128, 4, 8), _w(256, 128, 4, 8, parts=0), _w(128, 128, 4, 4),
-                _w(128, 128, 6, 4, regs=136, parts=0)]
+    SM). Session 11 round 3: kmajor 2 (one word a lane, no repacking) beside round 2's best kmajor 1
+    launch of each linear (ncu, round 1: the N-major ring's stores were 4-way bank-conflicted)."""
+    if m > 1024:  # prefill (8192 rows): against dequantize + cuBLAS (round 2: 1.2-1.3x it with kmajor 1)
+        return [_w(256, 128, 4, 8, km=2)]
+    if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves)
+        return [_w(256, 128, 4, 8), _w(256, 128, 4, 8, km=2), _w(256, 128, 4, 8, parts=0, km=2)]
     if name == "down":  # K 14336: 224 steps
-        return [_w(256, 128, 4, 8, split=4, km=0), _w(256, 128, 4, 8, split=4), _w(256, 128, 4, 8, split=2),
-                _w(128, 128, 4, 4, split=2), _w(128, 128, 6, 4, split=4, regs=136, parts=0)]
+        return [_w(256, 128, 4, 8, split=4), _w(256, 128, 4, 8, split=4, km=2), _w(128, 128, 4, 4, split=2, km=2),
+                _w(256, 128, 4, 8, split=4, parts=0, km=2)]
     if name == "qkv":  # 48 / 96 tiles
-        return [_w(256, 64, 4, 8, km=0), _w(256, 64, 4, 8), _w(128, 128, 4, 4), _w(128, 64, 6, 4),
-                _w(128, 64, 6, 4, regs=136, parts=0)]
-    return [_w(128, 64, 6, 4, regs=136, parts=2, km=0), _w(256, 64, 4, 8, split=2), _w(128, 64, 6, 4, split=2),
-            _w(128, 128, 4, 4, split=2), _w(128, 64, 6, 4), _w(128, 64, 6, 4, regs=136, parts=0)]
+        return [_w(256, 64, 4, 8), _w(256, 64, 4, 8, km=2), _w(128, 128, 4, 4, km=2), _w(256, 64, 4, 8, parts=0, km=2)]
+    return [_w(128, 64, 6, 4, regs=136, parts=0), _w(128, 64, 6, 4, regs=136, parts=0, km=2),
+            _w(128, 64, 6, 4, split=2, regs=136, parts=0, km=2), _w(256, 64, 4, 8, parts=0, km=2)]
 
 
 # timing only (no correct output): DIAG 1, the dequantizers make no tile (the consumer and loader
 # alone), at 256 rows on gate_up: whether the dequantizers set the step time
-DIAG_LAUNCHES = ((256, 128, 4, 8, 4, 1, 168, 0, 1, 1),)
+DIAG_LAUNCHES = ((256, 128, 4, 8, 4, 1, 168, 0, 1, 2),)
 
 
 def launches() -> list:
@@ -334,11 +331,11 @@ def bench(out_dir: str, rows: list[int]) -> None:
 
 # --diag: the launches whose dequantizers are taken apart (gate_up, 256 rows), the timing-only DIAG
 # variants of `_deq_step` / `_consumer` (0: the real kernel) and those run with the cycle probe
-DIAG_TILES = ((256, 128, 4, 8), (256, 128, 4, 8, 4, 1, 168, 0, 1, 1))
-DIAG_CODES = (0, 1, 2, 3)
+DIAG_TILES = ((256, 128, 4, 8, 4, 1, 168, 0, 1, 1), (256, 128, 4, 8, 4, 1, 168, 0, 1, 2))
+DIAG_CODES = (0, 1, 2)
 PROBED = (0,)
 # the steps two at a time (deq_parts 0, `_deq_pair`): the real kernel only (DIAG 0), probed too
-PAIR_TILES = ((256, 128, 4, 8, 4, 1, 168, 0, 0, 1),)
+PAIR_TILES = ((128, 64, 6, 4, 4, 1, 136, 0, 0, 2),)
 DEQ_PHASES = ("wait words", "load + compute", "wait B slot", "store issue", "fence + barrier + arrives")
 CONS_PHASES = ("wait x", "wait B", "wgmma issue + retire", "release")
 

@@ -196,6 +196,8 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
         assert WsTiles.parse(t.label()) == t, t.label()
     got = table_from("256,28672,4096=ws m256 n128 st4 w8 d4 sk132; 256,4096,14336=ws m256 n128 st4 w8 d4 s4;")
     assert got == {(256, 28672, 4096): WsTiles(256, 128, 4, 8, sk=132), (256, 4096, 14336): WsTiles(256, 128, 4, 8, split=4)}
+    assert table_from("256,4096,4096=ws_m128_n64_st6_w4_d4_r136_p0_km2") == {
+        (256, 4096, 4096): WsTiles(128, 64, 6, 4, deq_regs=136, deq_parts=0, kmajor=2)}
     with pytest.raises(ValueError, match="not a warp-specialized"):
         table_from("256,1,1=swap t128 c128 w8 st5 a2")
     with pytest.raises(ValueError, match="bucket 200"):

@@ -51,8 +51,9 @@ class WsTiles:
 
     @classmethod
     def parse(cls, label: str) -> WsTiles:
-        """The inverse of `label` ("ws m256 n128 st4 w8 d4 s2")."""
-        m = re.fullmatch(r"ws m(\d+) n(\d+) st(\d+) w(\d+) d(\d+)(?: s(\d+))?(?: r(\d+))?(?: sk(\d+))?(?: p(\d+))?(?: km(\d?))?", label.strip())
+        """The inverse of `label` ("ws m256 n128 st4 w8 d4 s2"; "_" for the spaces too, so that a table fits
+        where values split at white space, e.g. scripts/gpu_quant.py's GPU_QUANT_ENV_int4x1)."""
+        m = re.fullmatch(r"ws m(\d+) n(\d+) st(\d+) w(\d+) d(\d+)(?: s(\d+))?(?: r(\d+))?(?: sk(\d+))?(?: p(\d+))?(?: km(\d?))?", label.strip().replace("_", " "))
         if m is None:
             raise ValueError(f"not a warp-specialized GEMM launch label: {label!r}")
         bm, bn, st, w, d, split, regs, sk, parts, km = m.groups()
