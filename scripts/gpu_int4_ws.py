@@ -50,19 +50,16 @@ def _run(t, x, qm, scales, zeros, group, sz, counters):
 
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
-    SM). Session 11 round 3: kmajor 2 (one word a lane, no repacking) beside round 2's best kmajor 1
-    launch of each linear (ncu, round 1: the N-major ring's stores were 4-way bank-conflicted)."""
-    if m > 1024:  # prefill (8192 rows): against dequantize + cuBLAS (round 2: 1.2-1.3x it with kmajor 1)
-        return [_w(256, 128, 4, 8, km=2)]
+    SM). Session 11 round 4: kmajor 2 (its pair map mended) beside each linear's best kmajor 1 launch
+    (rounds 2-3; ncu, round 1: the N-major ring's stores were 4-way bank-conflicted)."""
     if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves)
-        return [_w(256, 128, 4, 8), _w(256, 128, 4, 8, km=2), _w(256, 128, 4, 8, parts=0, km=2)]
+        return [_w(256, 128, 4, 8), _w(256, 128, 4, 8, km=2)]
     if name == "down":  # K 14336: 224 steps
-        return [_w(256, 128, 4, 8, split=4), _w(256, 128, 4, 8, split=4, km=2), _w(128, 128, 4, 4, split=2, km=2),
-                _w(256, 128, 4, 8, split=4, parts=0, km=2)]
+        return [_w(256, 128, 4, 8, split=4)]
     if name == "qkv":  # 48 / 96 tiles
-        return [_w(256, 64, 4, 8), _w(256, 64, 4, 8, km=2), _w(128, 128, 4, 4, km=2), _w(256, 64, 4, 8, parts=0, km=2)]
+        return [_w(256, 64, 4, 8)]
     return [_w(128, 64, 6, 4, regs=136, parts=0), _w(128, 64, 6, 4, regs=136, parts=0, km=2),
-            _w(128, 64, 6, 4, split=2, regs=136, parts=0, km=2), _w(256, 64, 4, 8, parts=0, km=2)]
+            _w(128, 64, 6, 4, split=2, regs=136, parts=0, km=2)]
 
 
 # timing only (no correct output): DIAG 1, the dequantizers make no tile (the consumer and loader
@@ -73,7 +70,7 @@ DIAG_LAUNCHES = ((256, 128, 4, 8, 4, 1, 168, 0, 1, 2),)
 def launches() -> list:
     """Every distinct launch of `variants` (one compile each)."""
     seen = []
-    for m in (256, 8192):
+    for m in (256,):
         for name in LLAMA:
             for t in variants(m, name):
                 if t not in seen:

@@ -74,12 +74,15 @@ def test_tile_maps_put_every_weight_at_its_input_and_channel(bn):
     assert torch.equal(n.permute(TO_NK.value).reshape(bn, 64), cols.t())
     # K-major: a thread's 16 inputs of one channel (m, a, b) are 16 consecutive inputs (two 16-byte stores)
     assert TO_NK.value[-3:] == (4, 6, 7)
-    # kmajor 2: int32 pairs [CB, 1, g, j, m, a, hi] (pair: inputs 2 kk, 2 kk + 1) -> [BN, 32], kk = 8 j + 2 m + a
+    # kmajor 2: `_ASM_WORD`'s outputs o_t (t = hi + 2 a: nibbles t, t + 4 of the word, inputs 2 kk, 2 kk + 1,
+    # kk = 8 j + 2 m + a) joined as the kernel does (gl.join appends the new axis last, as torch.stack(-1))
+    # -> [BN, 32] int32 pairs by TO_NK_PAIRS
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import TO_NK_PAIRS
 
-    cb, g, j, m, a, hi = torch.meshgrid(*(torch.arange(d) for d in (bn // 16, 8, 4, 4, 2, 2)), indexing="ij")
-    kk = (8 * j + 2 * m + a).unsqueeze(1)
-    n = (16 * cb + 8 * hi + g).unsqueeze(1)
+    cb, g, j, m = torch.meshgrid(*(torch.arange(d) for d in (bn // 16, 8, 4, 4)), indexing="ij")
+    o = [((8 * j + 2 * m + t // 2).unsqueeze(1), (16 * cb + 8 * (t % 2) + g).unsqueeze(1)) for t in range(4)]
+    kk, n = (torch.stack([torch.stack([o[0][i], o[1][i]], -1), torch.stack([o[2][i], o[3][i]], -1)], -1)
+             for i in (0, 1))
     rows, cols = torch.meshgrid(torch.arange(bn), torch.arange(32), indexing="ij")
     assert torch.equal(n.permute(TO_NK_PAIRS.value).reshape(bn, 32), rows)
     assert torch.equal(kk.permute(TO_NK_PAIRS.value).reshape(bn, 32), cols)

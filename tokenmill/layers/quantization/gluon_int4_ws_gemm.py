@@ -58,9 +58,10 @@ _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the barrier of t
 # [BN, BK] (TO_NK), by permute + reshape (tests/layers/test_int4_ws_gemm.py checks both maps).
 TO_KN = gl.constexpr((1, 3, 4, 6, 7, 0, 5, 2))
 TO_NK = gl.constexpr((0, 5, 2, 1, 3, 4, 6, 7))
-# kmajor 2: one word a lane -> 4 words of bf16 pairs [CB, 1, g, j, m, a, hi] (pair (b = 0, 1): inputs
+# kmajor 2: one word a lane -> 4 words of bf16 pairs [CB, 1, g, j, m, hi, a] (gl.join appends the new
+# axis last: join(join(o0, o1), join(o2, o3))[..., hi, a] = o_{hi + 2 a}; pair (b = 0, 1): inputs
 # 16 j + 4 m + 2 a + 0 / 1 of channel 16 cb + 8 hi + g) -> the K-major tile as int32 [BN, 32]
-TO_NK_PAIRS = gl.constexpr((0, 6, 2, 1, 3, 4, 5))
+TO_NK_PAIRS = gl.constexpr((0, 5, 2, 1, 3, 4, 6))
 
 # kmajor 2's dequantization, one word at a time ($4), every output register a pair of consecutive
 # inputs (nibbles i and i + 4 of the word: the low and high half, so one lop3 takes both): outputs
@@ -230,7 +231,7 @@ def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.
             _ASM_WORD, "=r,=r,=r,=r,r,r,r,r,r", [words, _spread(s_lo, words), _spread(z_lo, words),
                                                   _spread(s_hi, words), _spread(z_hi, words)],
             dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-        v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [CB, 1, g, j, m, a, hi]
+        v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [CB, 1, g, j, m, hi, a]
         t = gl.reshape(gl.permute(v, TO_NK_PAIRS.value), (BN, BK // 2))
     else:
         o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
