@@ -258,3 +258,36 @@ def test_stream_k_segments_cover_every_step_once(tiles, n_k, grid):
     for segs in slots.values():
         assert [s for s, _, _ in segs] == list(range(len(segs))) and len(segs) <= max_segments(tiles, n_k, grid)
         assert segs[0][1] == 0 and segs[-1][2] == n_k and all(a[2] == b[1] for a, b in itertools.pairwise(segs))
+
+
+def test_start_up_self_test_runs_the_ws_launches_and_switches_the_route_off(monkeypatch, caplog):
+    """`int4.gemm_selftest` runs every launch `int4_ws_route.TABLE` lists (bf16) at its row tile and 3 rows
+    more through `int4_ws_route.run`; a wrong or failing one switches the route off (`ENABLED`, logged)
+    and `ws_tiles` then routes nothing."""
+    from tokenmill.layers.quantization import int4
+    from tokenmill.layers.quantization import int4_ws_route as ws
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+    from tokenmill.layers.quantization import triton_int4_mma_gemm as gemm
+
+    t = ws.WsTiles(128, 64, 6, 4, deq_regs=136, deq_parts=0, kmajor=1)
+    for mod, name in ((gemm, "TABLE"), (gemm, "ROWS_TABLE"), (dot, "TABLE")):
+        monkeypatch.setattr(mod, name, {})
+    monkeypatch.setattr(ws, "TABLE", {(256, 4096, 4096): t})
+    for mod in (gemm, dot, ws):
+        monkeypatch.setattr(mod, "ENABLED", True)
+    rows = []
+
+    def exact(x, qm, scales, zeros, group, tiles, counters=None):  # the product as the kernel must give it
+        rows.append((x.shape[0], tiles))
+        w = packing.dequantize(packing.Int4Weights(packing.from_mma(qm), scales, zeros, None), group, torch.float32)
+        return (x.float() @ w).to(x.dtype)
+
+    for run, ok in ((exact, True), (lambda *a, **k: exact(*a, **k) * 1.05, False),
+                    (lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CompilationError")), False)):
+        monkeypatch.setattr(int4, "_GEMM_SELFTEST", {})
+        monkeypatch.setattr(ws, "ENABLED", True)
+        monkeypatch.setattr(ws, "run", run)
+        with caplog.at_level("WARNING"):
+            assert int4.gemm_selftest(torch.device("cpu"), torch.bfloat16) is ok
+        assert ws.ENABLED is ok and (ws.ws_tiles(256, 4096, 4096, 128, torch.bfloat16) == t) is ok
+    assert rows[:2] == [(128, t), (131, t)] and "self-test" in caplog.text

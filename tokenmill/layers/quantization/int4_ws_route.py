@@ -71,13 +71,15 @@ def table_from(text: str) -> dict[tuple[int, int, int], WsTiles]:
 
 
 TABLE: dict[tuple[int, int, int], WsTiles] = table_from(os.environ.get("TOKENMILL_INT4_WS_TABLE", ""))
+# False after a failed start-up self-test (`int4.gemm_selftest` runs TABLE's launches): no product routed here.
+ENABLED = True
 
 
 def ws_tiles(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> WsTiles | None:
     """The launch for an [m, k] x [k, n] product on the mma layout (bf16; N of whole channel tiles,
     the group and K of 64-input steps), or None: another path."""
     bucket = gemm_row_bucket(m)
-    t = TABLE.get((bucket, n, k)) if bucket is not None else None
+    t = TABLE.get((bucket, n, k)) if bucket is not None and ENABLED else None
     if t is None or dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group:
         return None
     return t
