@@ -1,8 +1,8 @@
 """Whether an INT4 engine really takes the warp-specialized GEMM's route (`int4_ws_route`), and its
 256x256x128 throughput: the dummy-weight Llama-8B GPTQ engine of scripts/gpu_quant.py, built with
 TOKENMILL_INT4_WS_TABLE as set in the environment, every `int4_ws_route.run` call counted by shape
-(the engine's warm-up and its CUDA-graph captures call it; a replay does not come back to Python),
-then 256x256x128 timed REPEATS times.
+(the engine's start-up self-test, warm-up and CUDA-graph captures call it; a replay does not come back
+to Python; the engine in this process, `single_process=True`), then 256x256x128 timed REPEATS times.
 
     TOKENMILL_INT4_WS_TABLE="256,4096,4096=ws_m128_n64_st6_w4_d4_r136_p0_km2" \\
         python scripts/gpu_int4_ws_engine.py OUT [REPEATS]
@@ -35,8 +35,10 @@ def main(out_dir: str, repeats: int) -> None:
         return real(x, qm, *args, **kwargs)
 
     ws.run = counted  # `mma_matmul` looks it up at each call
+    # single_process: the engine core and its worker in this process, where the counter is (by default they
+    # run in a child process, which reads the table from the environment it inherits but never calls `counted`)
     llm, up_s = gpu_quant._engine(gpu_quant.config_dir(gpu_quant.LLAMA8B, gpu_quant.GPTQ_CONFIG), 256 + 128 + 16,
-                                  enable_prefix_caching=False)
+                                  enable_prefix_caching=False, single_process=True)
     rec = {"table": {f"{k}": t.label() for k, t in ws.TABLE.items()}, "enabled": ws.ENABLED, "engine_up_s": up_s,
            "calls_at_start": dict(calls)}
     runs = [gpu_quant.throughput(llm, 256, 256, 128) for _ in range(repeats)]
