@@ -112,6 +112,8 @@ def test_gemm_selftest_passes_and_switches_the_gemm_off(monkeypatch, caplog):
     monkeypatch.setattr(gemm, "TABLE", {(16, 256, 512): gemm.GemmTiles(64, 16, 4, 1, split=2)})
     monkeypatch.setattr(gemm, "ROWS_TABLE", {16: gemm.GemmTiles(64, 16, 4, 1)})
     monkeypatch.setattr(gemm, "ENABLED", True)
+    from tokenmill.layers.quantization import int4_ws_route as ws
+    monkeypatch.setattr(ws, "ENABLED", True)  # (a failure below switches it off too: restored after)
     monkeypatch.setattr(int4, "_GEMM_SELFTEST", {})
     assert int4.gemm_selftest(torch.device("cpu"), torch.float16) and gemm.ENABLED
     assert gemm.gemm_tiles(16, 256, 512, 128) == gemm.GemmTiles(64, 16, 4, 1, split=2)

@@ -21,6 +21,13 @@ from tokenmill.layers.quantization import int4_packing as packing
 require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
 
+@pytest.fixture(autouse=True)
+def _ws_route_enabled(monkeypatch):
+    """An earlier test's `int4.gemm_selftest` may have switched the ws route off for the process."""
+    from tokenmill.layers.quantization import int4_ws_route as ws
+    monkeypatch.setattr(ws, "ENABLED", True)
+
+
 def _case(n, k, group, m=24, seed=0):
     """(codes, mma words, packed scales / offsets, x bf16)."""
     from tokenmill.layers.quantization.triton_int4_dot_gemm import packed_scale_offset
@@ -194,7 +201,8 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
     from tokenmill.layers.quantization.int4_ws_route import WsTiles, table_from
 
     for t in (WsTiles(), WsTiles(256, 128, 4, 8), WsTiles(128, 64, 6, 4, 4, 2), WsTiles(128, 128, 4, 8, 8, 1, 112),
-              WsTiles(256, 128, 4, 8, sk=132), WsTiles(128, 128, 4, 4, split=2, deq_regs=136, deq_parts=2), WsTiles(256, 128, 4, 8, deq_parts=0), WsTiles(256, 128, 4, 8, deq_parts=0, kmajor=1),
+              WsTiles(256, 128, 4, 8, sk=132), WsTiles(128, 128, 4, 4, split=2, deq_regs=136, deq_parts=2),
+              WsTiles(256, 128, 4, 8, deq_parts=0), WsTiles(256, 128, 4, 8, deq_parts=0, kmajor=1),
               WsTiles(128, 64, 6, 4, split=2, kmajor=1), WsTiles(256, 128, 4, 8, kmajor=2)):
         assert WsTiles.parse(t.label()) == t, t.label()
     got = table_from("256,28672,4096=ws m256 n128 st4 w8 d4 sk132; 256,4096,14336=ws m256 n128 st4 w8 d4 s4;")
