@@ -4,6 +4,9 @@ linears, in one process, on the same card.
 
     python scripts/gpu_int4_ws.py --selftest 0/4 OUT     # shard 0 of 4 of the launches: compile + check
     python scripts/gpu_int4_ws.py --bench OUT [ROWS]     # ROWS e.g. 256,128,512 (default)
+    python scripts/gpu_int4_ws.py --diag-prep 0/4 OUT    # compile + run once each DIAG / PROBE variant
+    python scripts/gpu_int4_ws.py --diag OUT             # gate_up at 256 rows: DIAG variants, cycle probes
+    python scripts/gpu_int4_ws.py --one LABEL DIAG       # one launch, 4 calls (for ncu)
 
 --selftest: every launch of `LAUNCHES` on small shapes (N 512, K 1024 and 1536, groups 128 / 64) at
 full and ragged row counts (256, 200, 77, 16) against a float32 reference of the dequantized weight
@@ -31,9 +34,9 @@ GROUP = 128
 DEVICE = os.environ.get("INT4_WS_DEVICE", "cuda")  # "cpu": a dry run of the script's logic (tests only)
 
 
-def _w(bm, bn, stages, warps, deq=4, split=1, regs=168, sk=0, parts=1):
+def _w(bm, bn, stages, warps, deq=4, split=1, regs=168, sk=0, parts=1, km=1):
     from tokenmill.layers.quantization.int4_ws_route import WsTiles
-    return WsTiles(bm, bn, stages, warps, deq, split, regs, sk, parts)
+    return WsTiles(bm, bn, stages, warps, deq, split, regs, sk, parts, km)
 
 
 def _run(t, x, qm, scales, zeros, group, sz, counters):
@@ -47,32 +50,27 @@ def _run(t, x, qm, scales, zeros, group, sz, counters):
 
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
-    SM). Round 3 (session 10): the best of rounds 1-2 beside two dequantizer partitions (p2: even and
-    odd steps, so that two steps' dequantization chains overlap; one consumer warpgroup, BM 128)."""
-    p2 = [_w(128, 128, 4, 4, regs=136, parts=2), _w(128, 64, 6, 4, regs=136, parts=2)]
-    if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves) / 448 of 128 x 128 / 896 of 128 x 64
-        return ([_w(256, 128, 4, 8)] if m > 128 else [_w(128, 128, 4, 4)]) + p2 + [_w(128, 128, 6, 4, regs=136, parts=2)]
+    SM). Session 11 round 4: kmajor 2 (its pair map mended) beside each linear's best kmajor 1 launch
+    (rounds 2-3; ncu, round 1: the N-major ring's stores were 4-way bank-conflicted)."""
+    if name == "gate_up":  # 224 tiles of 256 x 128 (1.7 waves)
+        return [_w(256, 128, 4, 8), _w(256, 128, 4, 8, km=2)]
     if name == "down":  # K 14336: 224 steps
-        return ([_w(256, 128, 4, 8, split=4)] if m > 128 else [_w(128, 128, 4, 4, split=4)]) + \
-            [_w(128, 128, 4, 4, split=2, regs=136, parts=2), _w(128, 128, 4, 4, split=4, regs=136, parts=2),
-             _w(128, 64, 6, 4, split=2, regs=136, parts=2)]
+        return [_w(256, 128, 4, 8, split=4)]
     if name == "qkv":  # 48 / 96 tiles
-        return ([_w(256, 64, 4, 8)] if m > 128 else [_w(128, 64, 6, 4)]) + p2 + \
-            [_w(128, 128, 4, 4, split=2, regs=136, parts=2)]
-    return ([_w(256, 64, 4, 8, split=2)] if m > 128 else [_w(128, 64, 6, 4, split=2)]) + \
-        [_w(128, 128, 4, 4, split=2, regs=136, parts=2), _w(128, 64, 6, 4, split=2, regs=136, parts=2),
-         _w(128, 64, 6, 4, regs=136, parts=2)]
+        return [_w(256, 64, 4, 8)]
+    return [_w(128, 64, 6, 4, regs=136, parts=0), _w(128, 64, 6, 4, regs=136, parts=0, km=2),
+            _w(128, 64, 6, 4, split=2, regs=136, parts=0, km=2)]
 
 
 # timing only (no correct output): DIAG 1, the dequantizers make no tile (the consumer and loader
 # alone), at 256 rows on gate_up: whether the dequantizers set the step time
-DIAG_LAUNCHES = ((256, 128, 4, 8), (128, 128, 4, 4, 4, 1, 136, 0, 2))
+DIAG_LAUNCHES = ((256, 128, 4, 8, 4, 1, 168, 0, 1, 2),)
 
 
 def launches() -> list:
     """Every distinct launch of `variants` (one compile each)."""
     seen = []
-    for m in (256, 128, 512):
+    for m in (256,):
         for name in LLAMA:
             for t in variants(m, name):
                 if t not in seen:
@@ -328,7 +326,122 @@ def bench(out_dir: str, rows: list[int]) -> None:
     _dump(rec, path)
 
 
+# --diag: the launches whose dequantizers are taken apart (gate_up, 256 rows), the timing-only DIAG
+# variants of `_deq_step` / `_consumer` (0: the real kernel) and those run with the cycle probe
+DIAG_TILES = ((256, 128, 4, 8, 4, 1, 168, 0, 1, 1), (256, 128, 4, 8, 4, 1, 168, 0, 1, 2))
+DIAG_CODES = (0, 1, 2)
+PROBED = (0,)
+# the steps two at a time (deq_parts 0, `_deq_pair`): the real kernel only (DIAG 0), probed too
+PAIR_TILES = ((128, 64, 6, 4, 4, 1, 136, 0, 0, 2),)
+DEQ_PHASES = ("wait words", "load + compute", "wait B slot", "store issue", "fence + barrier + arrives")
+CONS_PHASES = ("wait x", "wait B", "wgmma issue + retire", "release")
+
+
+def _diag_jobs() -> list:
+    return ([(t, d, False) for t in DIAG_TILES for d in DIAG_CODES] + [(t, d, True) for t in DIAG_TILES for d in PROBED]
+            + [(t, 0, p) for t in PAIR_TILES for p in (False, True)])
+
+
+def diag_prep(shard: str, out_dir: str) -> int:
+    """Compile and run once each (launch, DIAG, PROBE) of this shard on a small shape; DIAG 0 (with and
+    without the probe) checked against the float32 reference."""
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
+    from tokenmill.layers.quantization.int4_ws_route import WsTiles
+    i, n_shards = (int(v) for v in shard.split("/"))
+    cases = {c: _weights(*c) for c in ((512, 1024, 128), (512, 1088, 64))}  # 16 and 17 steps
+    fails, rec = 0, []
+    for args, d, probed in _diag_jobs()[i::n_shards]:
+        t = WsTiles(*args)
+        for (n, k, group), (_, wt, qm, sz, ref_w) in cases.items():
+            for m in ((256, 77) if d == 0 else (256,)):
+                x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+                probe = torch.zeros(16 * 2 * 4, dtype=torch.int64, device=DEVICE) if probed else None
+                try:
+                    out = ws_gemm(x, qm, wt.scales, wt.zeros, group, t, sz=sz, diag=d, probe=probe)
+                    torch.cuda.synchronize()
+                    err = _rel(out, x.float() @ ref_w)
+                    ok = err < 1e-2 if d == 0 else True
+                    what = f"rel err {err:.1e}" + (f", probe {probe[:16].tolist()}" if probed else "")
+                except Exception as e:  # noqa: BLE001 - reported, not fatal
+                    ok, what = False, f"{type(e).__name__}: {str(e)[:300]}"
+                fails += not ok
+                rec.append({"launch": t.label(), "diag": d, "probe": probed, "k": k, "m": m, "ok": ok, "what": what})
+                print(f"  [{'ok' if ok else 'FAIL'}] {t.label()} diag{d}{' probe' if probed else ''} k{k} m{m}: {what}",
+                      flush=True)
+                _dump(rec, os.path.join(out_dir, f"int4ws-diagprep-{i}.json"))
+    return fails
+
+
+def diag(out_dir: str) -> None:
+    """gate_up (28672 x 4096) at 256 rows: us a call of each DIAG variant (CUDA graphs, weights cycled
+    past L2) beside bf16 cuBLAS, then per probed variant the mean cycles a step of each phase of the
+    dequantizers and of the consumer (summed over the CTAs' steps; clock64 of each CTA's SM)."""
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
+    from tokenmill.layers.quantization.int4_ws_route import WsTiles
+    n, k = LLAMA["gate_up"]
+    m = 256
+    wt, qm, sz, ref_w, bf, q = _prepare(n, k)
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
+    rec = {"device": torch.cuda.get_device_name(), "us": {}, "cycles": {}}
+    path = os.path.join(out_dir, "int4ws-diag.json")
+    ref = x.float() @ ref_w
+    rec["us"]["bf16"] = _graph_us(lambda i: x @ bf[i % len(bf)].t(), len(bf))
+    print(f"bf16 {rec['us']['bf16']:.1f} us", flush=True)
+    for args in DIAG_TILES + PAIR_TILES:
+        t = WsTiles(*args)
+        rec.setdefault("rel err diag0", {})[t.label()] = _rel(ws_gemm(x, qm, wt.scales, wt.zeros, GROUP, t, sz=sz), ref)
+        for d in (DIAG_CODES if args in DIAG_TILES else (0,)):
+            try:
+                us = _graph_us(lambda i, t=t, d=d: ws_gemm(x, q[i][0], q[i][1], q[i][2], GROUP, t, sz=q[i][3], diag=d),
+                               len(q))
+                rec["us"][f"{t.label()} diag{d}"] = us
+                print(f"{t.label()} diag{d}: {us:.1f} us", flush=True)
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                print(f"{t.label()} diag{d}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        tiles = -(-m // t.bm) * (n // t.bn)
+        for d in (PROBED if args in DIAG_TILES else (0,)):
+            probe = torch.zeros(16 * tiles, dtype=torch.int64, device=DEVICE)
+            try:
+                for _ in range(3):  # the last call's sums (each call overwrites them)
+                    out = ws_gemm(x, qm, wt.scales, wt.zeros, GROUP, t, sz=sz, diag=d, probe=probe)
+                torch.cuda.synchronize()
+                if d == 0:  # the probe must not change the product
+                    rec["rel err diag0"][t.label() + " probed"] = _rel(out, ref)
+            except Exception as e:  # noqa: BLE001 - reported, not fatal
+                print(f"{t.label()} diag{d} probe: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            p = probe.view(tiles, 16).double().cpu()
+            steps = k // 64
+            deq = {name: round(p[:, j].mean().item() / steps, 1) for j, name in enumerate(DEQ_PHASES)}
+            deq["loop total / step"] = round(p[:, 7].mean().item() / steps, 1)
+            cons = {name: round(p[:, 8 + j].mean().item() / (steps - 1), 1) for j, name in enumerate(CONS_PHASES)}
+            cons["loop total / step"] = round(p[:, 15].mean().item() / steps, 1)
+            rec["cycles"][f"{t.label()} diag{d}"] = {"dequantizers": deq, "consumer": cons}
+            print(f"{t.label()} diag{d} cycles a step: dequantizers {deq}; consumer {cons}", flush=True)
+        _dump(rec, path)
+    _dump(rec, path)
+
+
+def one(label: str, d: int) -> None:
+    """Four calls of one launch on gate_up at 256 rows (the profiler's target: the last ones)."""
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import ws_gemm
+    from tokenmill.layers.quantization.int4_ws_route import WsTiles
+    n, k = LLAMA["gate_up"]
+    _, wt, qm, sz, _ = _weights(n, k, GROUP)
+    x = torch.randn(256, k, device=DEVICE).to(torch.bfloat16)
+    for _ in range(4):
+        ws_gemm(x, qm, wt.scales, wt.zeros, GROUP, WsTiles.parse(label), sz=sz, diag=d)
+    torch.cuda.synchronize()
+    print(f"{label} diag{d}: 4 calls", flush=True)
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--diag-prep":
+        sys.exit(1 if diag_prep(sys.argv[2], sys.argv[3]) else 0)
+    if sys.argv[1] == "--diag":
+        sys.exit(diag(sys.argv[2]))
+    if sys.argv[1] == "--one":
+        sys.exit(one(sys.argv[2], int(sys.argv[3])))
     if sys.argv[1] == "--selftest":
         sys.exit(1 if selftest(sys.argv[2], sys.argv[3]) else 0)
     bench(sys.argv[2], [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "256,128,512").split(",")])

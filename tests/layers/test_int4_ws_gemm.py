@@ -21,6 +21,13 @@ from tokenmill.layers.quantization import int4_packing as packing
 require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
 
+@pytest.fixture(autouse=True)
+def _ws_route_enabled(monkeypatch):
+    """An earlier test's `int4.gemm_selftest` may have switched the ws route off for the process."""
+    from tokenmill.layers.quantization import int4_ws_route as ws
+    monkeypatch.setattr(ws, "ENABLED", True)
+
+
 def _case(n, k, group, m=24, seed=0):
     """(codes, mma words, packed scales / offsets, x bf16)."""
     from tokenmill.layers.quantization.triton_int4_dot_gemm import packed_scale_offset
@@ -53,6 +60,39 @@ def test_step_tiles_are_the_weights_rounded_once(bn, group):
             got = step_tile(qm, sz, step, pid_n, bn, group)
             want = ref[step * 64:(step + 1) * 64, pid_n * bn:(pid_n + 1) * bn]
             assert torch.equal(got, want), (pid_n, step)
+
+
+@pytest.mark.parametrize("bn", [128, 64])
+def test_tile_maps_put_every_weight_at_its_input_and_channel(bn):
+    """`TO_KN` / `TO_NK` (the dequantizers' permute of [CB, 1, g, j, m, hi, a, b] before the reshape) put
+    nibble hi + 2 a + 4 b of lane (g, j)'s word m of block cb at input 16 j + 4 m + 2 a + b and channel
+    16 cb + 8 hi + g: row k, column n of the [64, BN] tile, and row n, column k of the K-major [BN, 64]
+    one (a wrong axis in either fails)."""
+    pytest.importorskip("triton.experimental.gluon")
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import TO_KN, TO_NK
+
+    cb, g, j, m, hi, a, b = torch.meshgrid(*(torch.arange(d) for d in (bn // 16, 8, 4, 4, 2, 2, 2)), indexing="ij")
+    k = (16 * j + 4 * m + 2 * a + b).unsqueeze(1)  # [CB, 1, g, j, m, hi, a, b]
+    n = (16 * cb + 8 * hi + g).unsqueeze(1)
+    rows, cols = torch.meshgrid(torch.arange(64), torch.arange(bn), indexing="ij")
+    assert torch.equal(k.permute(TO_KN.value).reshape(64, bn), rows)
+    assert torch.equal(n.permute(TO_KN.value).reshape(64, bn), cols)
+    assert torch.equal(k.permute(TO_NK.value).reshape(bn, 64), rows.t())
+    assert torch.equal(n.permute(TO_NK.value).reshape(bn, 64), cols.t())
+    # K-major: a thread's 16 inputs of one channel (m, a, b) are 16 consecutive inputs (two 16-byte stores)
+    assert TO_NK.value[-3:] == (4, 6, 7)
+    # kmajor 2: `_ASM_WORD`'s outputs o_t (t = hi + 2 a: nibbles t, t + 4 of the word, inputs 2 kk, 2 kk + 1,
+    # kk = 8 j + 2 m + a) joined as the kernel does (gl.join appends the new axis last, as torch.stack(-1))
+    # -> [BN, 32] int32 pairs by TO_NK_PAIRS
+    from tokenmill.layers.quantization.gluon_int4_ws_gemm import TO_NK_PAIRS
+
+    cb, g, j, m = torch.meshgrid(*(torch.arange(d) for d in (bn // 16, 8, 4, 4)), indexing="ij")
+    o = [((8 * j + 2 * m + t // 2).unsqueeze(1), (16 * cb + 8 * (t % 2) + g).unsqueeze(1)) for t in range(4)]
+    kk, n = (torch.stack([torch.stack([o[0][i], o[1][i]], -1), torch.stack([o[2][i], o[3][i]], -1)], -1)
+             for i in (0, 1))
+    rows, cols = torch.meshgrid(torch.arange(bn), torch.arange(32), indexing="ij")
+    assert torch.equal(n.permute(TO_NK_PAIRS.value).reshape(bn, 32), rows)
+    assert torch.equal(kk.permute(TO_NK_PAIRS.value).reshape(bn, 32), cols)
 
 
 @pytest.mark.parametrize("split", [1, 2, 4])
@@ -94,8 +134,8 @@ def test_split_follows_the_counters_and_divides_the_steps():
     assert split_for(WsTiles(split=4), 64 * 14, 8, torch.zeros(8, dtype=torch.int32)) == 2
 
 
-@pytest.mark.parametrize("bm,warps,split", [(128, 4, False), (256, 8, True)])
-def test_compiles_for_sm90_warp_specialized(bm, warps, split):
+@pytest.mark.parametrize("bm,warps,split,kmajor", [(128, 4, False, 0), (256, 8, True, 0), (256, 8, False, 1), (128, 4, True, 2)])
+def test_compiles_for_sm90_warp_specialized(bm, warps, split, kmajor):
     """Offline sm_90 compile (no GPU): the consumer's wgmmas (a warpgroup's BM / 64 / warpgroups x 4
     k16 steps, a peeled step and the loop) with one left in flight, each partition on its own named
     barrier (the consumer's over its warps, the dequantizers' over 128 threads), mbarrier arrives,
@@ -116,8 +156,8 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
     from tokenmill.layers.quantization.gluon_int4_ws_gemm import _PLAIN32
 
     const = {"GROUP": 128, "BN": 128, "STAGES": 4, "SPLIT_K": split, "DEQ_WARPS": 4, "DEQ_REGS": 168, "DEQ_PARTS": 1,
-             "DIAG": 0}
-    ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
+             "DIAG": 0, "PROBE": 0, "KMAJOR": kmajor}
+    ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32", "t_ptr": "i64"}
     descs = {"x_desc": f"tensordesc<bf16[{bm}, 64],{lay!r}>", "w_desc": f"tensordesc<i32[8, 128],{_PLAIN32!r}>",
              "s_desc": f"tensordesc<i32[1, 128],{_PLAIN32!r}>"}
     sig, attrs = {}, {}
@@ -145,6 +185,14 @@ def test_compiles_for_sm90_warp_specialized(bm, warps, split):
     if not split:  # no global load at all: words and scales arrive by TMA (a load in flight at the
         assert not re.findall(r"(?<![A-Z])LDG[.A-Z0-9]*", sass)  # dequantizers' fence stalls them)
     assert "USETMAXREG.DEALLOC" in sass
+    # the B tile's stores: STSM.16.MT88 into the [64, BN] ring; 16-byte STS into the K-major one (8 a warp;
+    # kmajor 2: no PRMT repacking the dequantized pairs before them, 8 for the scales' halves)
+    if kmajor:
+        assert "STSM" not in sass and sass.count("STS.128") >= 8, sass.count("STS.128")
+        if kmajor == 2:
+            assert sass.count("PRMT") <= 16, sass.count("PRMT")
+    else:
+        assert sass.count("STSM.16.MT88.4") == 8
 
 
 def test_labels_parse_back_and_the_table_reads_the_environment_form():
@@ -153,10 +201,14 @@ def test_labels_parse_back_and_the_table_reads_the_environment_form():
     from tokenmill.layers.quantization.int4_ws_route import WsTiles, table_from
 
     for t in (WsTiles(), WsTiles(256, 128, 4, 8), WsTiles(128, 64, 6, 4, 4, 2), WsTiles(128, 128, 4, 8, 8, 1, 112),
-              WsTiles(256, 128, 4, 8, sk=132), WsTiles(128, 128, 4, 4, split=2, deq_regs=136, deq_parts=2)):
+              WsTiles(256, 128, 4, 8, sk=132), WsTiles(128, 128, 4, 4, split=2, deq_regs=136, deq_parts=2),
+              WsTiles(256, 128, 4, 8, deq_parts=0), WsTiles(256, 128, 4, 8, deq_parts=0, kmajor=1),
+              WsTiles(128, 64, 6, 4, split=2, kmajor=1), WsTiles(256, 128, 4, 8, kmajor=2)):
         assert WsTiles.parse(t.label()) == t, t.label()
     got = table_from("256,28672,4096=ws m256 n128 st4 w8 d4 sk132; 256,4096,14336=ws m256 n128 st4 w8 d4 s4;")
     assert got == {(256, 28672, 4096): WsTiles(256, 128, 4, 8, sk=132), (256, 4096, 14336): WsTiles(256, 128, 4, 8, split=4)}
+    assert table_from("256,4096,4096=ws_m128_n64_st6_w4_d4_r136_p0_km2") == {
+        (256, 4096, 4096): WsTiles(128, 64, 6, 4, deq_regs=136, deq_parts=0, kmajor=2)}
     with pytest.raises(ValueError, match="not a warp-specialized"):
         table_from("256,1,1=swap t128 c128 w8 st5 a2")
     with pytest.raises(ValueError, match="bucket 200"):
@@ -214,3 +266,36 @@ def test_stream_k_segments_cover_every_step_once(tiles, n_k, grid):
     for segs in slots.values():
         assert [s for s, _, _ in segs] == list(range(len(segs))) and len(segs) <= max_segments(tiles, n_k, grid)
         assert segs[0][1] == 0 and segs[-1][2] == n_k and all(a[2] == b[1] for a, b in itertools.pairwise(segs))
+
+
+def test_start_up_self_test_runs_the_ws_launches_and_switches_the_route_off(monkeypatch, caplog):
+    """`int4.gemm_selftest` runs every launch `int4_ws_route.TABLE` lists (bf16) at its row tile and 3 rows
+    more through `int4_ws_route.run`; a wrong or failing one switches the route off (`ENABLED`, logged)
+    and `ws_tiles` then routes nothing."""
+    from tokenmill.layers.quantization import int4
+    from tokenmill.layers.quantization import int4_ws_route as ws
+    from tokenmill.layers.quantization import int4_wsa_route as wsa
+    from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
+
+    t = ws.WsTiles(128, 64, 6, 4, deq_regs=136, deq_parts=0, kmajor=1)
+    for mod, name in ((dot, "TABLE"), (wsa, "TABLE"), (wsa, "PREFILL")):
+        monkeypatch.setattr(mod, name, {})
+    monkeypatch.setattr(ws, "TABLE", {(256, 4096, 4096): t})
+    for mod in (dot, ws, wsa):
+        monkeypatch.setattr(mod, "ENABLED", True)
+    rows = []
+
+    def exact(x, qm, scales, zeros, group, tiles, counters=None):  # the product as the kernel must give it
+        rows.append((x.shape[0], tiles))
+        w = packing.dequantize(packing.Int4Weights(packing.from_mma(qm), scales, zeros, None), group, torch.float32)
+        return (x.float() @ w).to(x.dtype)
+
+    for run, ok in ((exact, True), (lambda *a, **k: exact(*a, **k) * 1.05, False),
+                    (lambda *a, **k: (_ for _ in ()).throw(RuntimeError("CompilationError")), False)):
+        monkeypatch.setattr(int4, "_GEMM_SELFTEST", {})
+        monkeypatch.setattr(ws, "ENABLED", True)
+        monkeypatch.setattr(ws, "run", run)
+        with caplog.at_level("WARNING"):
+            assert int4.gemm_selftest(torch.device("cpu"), torch.bfloat16) is ok
+        assert ws.ENABLED is ok and (ws.ws_tiles(256, 4096, 4096, 128, torch.bfloat16) == t) is ok
+    assert rows[:2] == [(128, t), (131, t)] and "self-test" in caplog.text

@@ -30,10 +30,43 @@ from tokenmill.layers.quantization.triton_int4_dot_gemm import (
     _cached_scale_offset,
 )
 
+_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the CTA barrier: renamed in 3.7
+
 
 @gluon.jit
 def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
     return gl.join(gl.join(gl.join(o0, o1), gl.join(o2, o3)), gl.join(gl.join(o4, o5), gl.join(o6, o7)))
+
+
+@gluon.jit
+def store_tile(acc, out_ptr, part_ptr, cnt_ptr, off_m, off_n, M, N, s_om, SPLIT_K: gl.constexpr):
+    """The output tile [BM, BN] at (off_m, off_n), rows past M masked (this GEMM's and `gluon_int4_ws_gemm`'s
+    epilogue). SPLIT_K (grid axis 1 the K slices), as `triton_split_k.store_tile`: each slice's fp32
+    partial, then the last slice to arrive (counter `cnt_ptr[pid]`, left zeroed) sums them in slice order."""
+    BM: gl.constexpr = acc.shape[0]
+    BN: gl.constexpr = acc.shape[1]
+    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    om = off_m + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
+    on = off_n + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
+    o_off = gl.expand_dims(om.to(gl.int64) * s_om, 1) + gl.expand_dims(on, 0)
+    o_mask = gl.expand_dims(om < M, 1)
+    if SPLIT_K:
+        pid = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        split = gl.num_programs(1)
+        p_off = gl.expand_dims(om.to(gl.int64) * N, 1) + gl.expand_dims(on, 0)
+        mn = N.to(gl.int64) * M
+        gl.store(part_ptr + pid_k * mn + p_off, gl.convert_layout(acc, out_l), mask=o_mask)
+        _barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+        if arrived == split - 1:
+            total = gl.zeros([BM, BN], gl.float32, layout=out_l)
+            for sl in range(split):
+                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
+            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
+            gl.atomic_xchg(cnt_ptr + pid, 0)
+    else:
+        gl.store(out_ptr + o_off, gl.convert_layout(acc.to(gl.bfloat16), out_l), mask=o_mask)
 
 
 @gluon.jit
@@ -102,7 +135,6 @@ def _gluon_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K
     sz_ld: gl.constexpr = gl.SliceLayout(1, L3)  # [CB, 8]
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BN, 16])
-    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK],
                                        gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16))
@@ -153,24 +185,7 @@ def _gluon_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     cp.wait_group(0)
 
-    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
-    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-    o_off = gl.expand_dims(om.to(gl.int64) * s_om, 1) + gl.expand_dims(on, 0)
-    o_mask = gl.expand_dims(om < M, 1)
-    if SPLIT_K:  # as `triton_split_k.store_tile`: partials, then the last slice to arrive sums them in order
-        p_off = gl.expand_dims(om.to(gl.int64) * N, 1) + gl.expand_dims(on, 0)
-        mn = N.to(gl.int64) * M
-        gl.store(part_ptr + pid_k * mn + p_off, gl.convert_layout(acc, out_l), mask=o_mask)
-        gl.thread_barrier()
-        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == split - 1:
-            total = gl.zeros([BM, BN], gl.float32, layout=out_l)
-            for sl in range(split):
-                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
-            gl.atomic_xchg(cnt_ptr + pid, 0)
-    else:
-        gl.store(out_ptr + o_off, gl.convert_layout(acc.to(gl.bfloat16), out_l), mask=o_mask)
+    store_tile(acc, out_ptr, part_ptr, cnt_ptr, pid_m * BM, pid_n * BN, M, N, s_om, SPLIT_K)
 
 
 def gluon_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

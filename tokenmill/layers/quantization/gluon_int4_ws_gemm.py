@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tokenmill.layers.quantization.gluon_int4_gemm import _join8
+from tokenmill.layers.quantization.gluon_int4_gemm import _join8, store_tile
 from tokenmill.layers.quantization.int4_ws_route import WsTiles
 from tokenmill.layers.quantization.triton_int4_dot_gemm import (
     _ASM_BF16,
@@ -53,34 +53,136 @@ _PUBLIC_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinter
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # the barrier of the calling partition's warps (3.7: renamed)
 
 
+# The dequantized words [CB, 1, g, j, m, hi, a, b] (block cb, lane (g, j), word m, nibble hi + 2 a + 4 b:
+# input 16 j + 4 m + 2 a + b, channel 16 cb + 8 hi + g) -> the B tile [BK, BN] (TO_KN) or its transpose
+# [BN, BK] (TO_NK), by permute + reshape (tests/layers/test_int4_ws_gemm.py checks both maps).
+TO_KN = gl.constexpr((1, 3, 4, 6, 7, 0, 5, 2))
+TO_NK = gl.constexpr((0, 5, 2, 1, 3, 4, 6, 7))
+# kmajor 2: one word a lane -> 4 words of bf16 pairs [CB, 1, g, j, m, hi, a] (gl.join appends the new
+# axis last: join(join(o0, o1), join(o2, o3))[..., hi, a] = o_{hi + 2 a}; pair (b = 0, 1): inputs
+# 16 j + 4 m + 2 a + 0 / 1 of channel 16 cb + 8 hi + g) -> the K-major tile as int32 [BN, 32]
+TO_NK_PAIRS = gl.constexpr((0, 5, 2, 1, 3, 4, 6))
+
+# kmajor 2's dequantization, one word at a time ($4), every output register a pair of consecutive
+# inputs (nibbles i and i + 4 of the word: the low and high half, so one lop3 takes both): outputs
+# $0..$3 the pairs of nibbles (0, 4), (1, 5), (2, 6), (3, 7), i.e. (hi, a) = (0, 0), (1, 0), (0, 1),
+# (1, 1); $5 / $6 channel g's scale twice / -(128 + its offset) twice, $7 / $8 channel g + 8's
+# (`_ASM_PAIR_SZ`). The same operations as `_ASM_BF16` (DEQ 2) per weight, so the same bits: ((128 + q)
+# - (128 + z)) exact, times the scale rounded once; without its two words' prmt pairing and the
+# repacking into input pairs that the store needed after it.
+_ASM_WORD = gl.constexpr("""{
+.reg .b32 t, one, nz;
+mov.b32 one, 0x3F803F80;
+mov.b32 nz, 0x80008000;
+lop3.b32 t, $4, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, $6;
+fma.rn.bf16x2 $0, t, $5, nz;
+shr.u32 t, $4, 4;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, $8;
+fma.rn.bf16x2 $1, t, $7, nz;
+shr.u32 t, $4, 8;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, $6;
+fma.rn.bf16x2 $2, t, $5, nz;
+shr.u32 t, $4, 12;
+lop3.b32 t, t, 0x000F000F, 0x43004300, 0xEA;
+fma.rn.bf16x2 t, t, one, $8;
+fma.rn.bf16x2 $3, t, $7, nz;
+}""")
+# a packed scale / offset word (scale low, 128 + offset high) -> (scale, scale), (-(128 + z), -(128 + z))
+_ASM_PAIR_SZ = gl.constexpr("""{
+.reg .b32 t;
+prmt.b32 $0, $2, $2, 0x1010;
+prmt.b32 t, $2, $2, 0x3232;
+xor.b32 $1, t, 0x80008000;
+}""")
+
+
 # ----------------------------------------------------------------------------- partitions
 
 
 @gluon.jit
-def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM: gl.constexpr, BN: gl.constexpr):
+def _clock():
+    """The SM's cycle counter (PROBE timing only)."""
+    return gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _b_operand(b_smem, s, KMAJOR: gl.constexpr):
+    """Slot s of the B ring as the wgmma's [BK, BN] operand (a K-major slot viewed transposed)."""
+    if KMAJOR:
+        b = b_smem.index(s).permute((1, 0))
+    else:
+        b = b_smem.index(s)
+    return b
+
+
+@gluon.jit
+def _consumer(x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM: gl.constexpr, BN: gl.constexpr,
+              DIAG: gl.constexpr = 0, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     """wgmma of step i on stage i % STAGES once both its tiles are ready; stage (i - 1) % STAGES
-    freed once step i - 1's wgmma retired (one wgmma left in flight)."""
+    freed once step i - 1's wgmma retired (one wgmma left in flight). DIAG 6 (timing only): no
+    wgmma, each slot freed as soon as both its tiles are ready. PROBE: the cycles spent waiting for
+    x, for B, in the wgmma issue + retire and at the release, summed over the steps, into
+    t_ptr[16 pid + 8 ..]."""
     STAGES: gl.constexpr = x_smem.shape[0]
     num_warps: gl.constexpr = gl.num_warps()
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BN, 16])
     acc = gl.zeros([BM, BN], gl.float32, layout=acc_l)
-    mbarrier.wait(x_ready.index(0), 0)
-    mbarrier.wait(b_ready.index(0), 0)
-    acc = warpgroup_mma(x_smem.index(0), b_smem.index(0), acc, use_acc=False, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # still in flight: a tensor again for the loop
-    for i in range(1, n_k):
-        s = i % STAGES
-        ph = (i // STAGES) & 1
-        mbarrier.wait(x_ready.index(s), ph)
-        mbarrier.wait(b_ready.index(s), ph)
-        acc = warpgroup_mma(x_smem.index(s), b_smem.index(s), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
-        _barrier()  # every warpgroup's wgmma i - 1 retired before its stage is handed back
-        p = (i - 1) % STAGES
-        mbarrier.arrive(x_empty.index(p), count=1)
-        mbarrier.arrive(b_empty.index(p), count=1)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    t_start = _clock()
+    q0 = t_start - t_start
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if DIAG == 6:
+        for i in range(n_k):
+            s = i % STAGES
+            ph = (i // STAGES) & 1
+            mbarrier.wait(x_ready.index(s), ph)
+            mbarrier.wait(b_ready.index(s), ph)
+            _barrier()
+            mbarrier.arrive(x_empty.index(s), count=1)
+            mbarrier.arrive(b_empty.index(s), count=1)
+    else:
+        mbarrier.wait(x_ready.index(0), 0)
+        mbarrier.wait(b_ready.index(0), 0)
+        acc = warpgroup_mma(x_smem.index(0), _b_operand(b_smem, 0, KMAJOR), acc, use_acc=False, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])  # still in flight: a tensor again for the loop
+        for i in range(1, n_k):
+            s = i % STAGES
+            ph = (i // STAGES) & 1
+            if PROBE:
+                c0 = _clock()
+            mbarrier.wait(x_ready.index(s), ph)
+            if PROBE:
+                c1 = _clock()
+            mbarrier.wait(b_ready.index(s), ph)
+            if PROBE:
+                c2 = _clock()
+            acc = warpgroup_mma(x_smem.index(s), _b_operand(b_smem, s, KMAJOR), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=[acc])
+            if PROBE:
+                c3 = _clock()
+            _barrier()  # every warpgroup's wgmma i - 1 retired before its stage is handed back
+            p = (i - 1) % STAGES
+            mbarrier.arrive(x_empty.index(p), count=1)
+            mbarrier.arrive(b_empty.index(p), count=1)
+            if PROBE:
+                c4 = _clock()
+                q0 += c1 - c0
+                q1 += c2 - c1
+                q2 += c3 - c2
+                q3 += c4 - c3
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    if PROBE:
+        base = t_ptr + gl.program_id(0) * 16 + 8
+        gl.store(base, q0)
+        gl.store(base + 1, q1)
+        gl.store(base + 2, q2)
+        gl.store(base + 3, q3)
+        gl.store(base + 7, _clock() - t_start)
     return (acc,)
 
 
@@ -114,71 +216,232 @@ def _loader(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_sm
 
 
 @gluon.jit
-def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr):
-    """The words of one step -> the bf16 B tile [BK, BN] in natural K order (as `gluon_int4_gemm`)."""
-    lo = gl.expand_dims(gl.expand_dims(gl.expand_dims(lo, 1), 3), 4)
-    hi = gl.expand_dims(gl.expand_dims(gl.expand_dims(hi, 1), 3), 4)
-    lo, _ = gl.broadcast(lo, words)
-    hi, _ = gl.broadcast(hi, words)
-    o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
-        _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, lo, hi],
-        dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
-    v = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [CB, 1, g, j, m, hi, a, b]
-    return gl.reshape(gl.permute(v, (1, 3, 4, 6, 7, 0, 5, 2)), (BK, BN))
+def _dequant_tile(words, lo, hi, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.constexpr = 0):
+    """The words of one step -> the bf16 B tile [BK, BN] in natural K order (as `gluon_int4_gemm`); KMAJOR:
+    its transpose [BN, BK] (each thread then holds 16 consecutive inputs of 2 channels a block: 16-byte
+    stores into a K-major ring without bank conflicts, where the [BK, BN] tile's STSM.16.MT88 stores
+    hit only 2 of 8 bank groups per matrix, 4-way conflicts: ncu, session 11); KMAJOR 2: the same
+    transpose as bf16 pairs in int32 [BN, BK / 2], one word at a time (`_ASM_WORD`)."""
+    if KMAJOR == 2:  # int32 pairs [BN, BK / 2] (`_ASM_WORD`)
+        s_lo, z_lo = gl.inline_asm_elementwise(_ASM_PAIR_SZ, "=r,=r,r", [lo], dtype=(gl.int32, gl.int32),
+                                               is_pure=True, pack=1)
+        s_hi, z_hi = gl.inline_asm_elementwise(_ASM_PAIR_SZ, "=r,=r,r", [hi], dtype=(gl.int32, gl.int32),
+                                               is_pure=True, pack=1)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(
+            _ASM_WORD, "=r,=r,=r,=r,r,r,r,r,r", [words, _spread(s_lo, words), _spread(z_lo, words),
+                                                  _spread(s_hi, words), _spread(z_hi, words)],
+            dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+        v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [CB, 1, g, j, m, hi, a]
+        t = gl.reshape(gl.permute(v, TO_NK_PAIRS.value), (BN, BK // 2))
+    else:
+        o0, o1, o2, o3, o4, o5, o6, o7 = gl.inline_asm_elementwise(
+            _ASM_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r", [words, _spread(lo, words), _spread(hi, words)],
+            dtype=(gl.bfloat16,) * 8, is_pure=True, pack=2)
+        v = _join8(o0, o1, o2, o3, o4, o5, o6, o7)  # [CB, 1, g, j, m, hi, a, b]
+        if KMAJOR:
+            t = gl.reshape(gl.permute(v, TO_NK.value), (BN, BK))
+        else:
+            t = gl.reshape(gl.permute(v, TO_KN.value), (BK, BN))
+    return t
 
 
 @gluon.jit
-def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG: gl.constexpr = 0):
+def _spread(sz, words):
+    """A [CB, 8] (block, lane g) tensor over the words' shape [CB, 1, g, j, m]."""
+    sz = gl.expand_dims(gl.expand_dims(gl.expand_dims(sz, 1), 3), 4)
+    sz, _ = gl.broadcast(sz, words)
+    return sz
+
+
+@gluon.jit
+def _probe_sums(p0, p1, p2, p3, p4, c0, c1, c2, c3, c4, c5):
+    """The five phase sums plus one step's phase lengths (clock readings c0 .. c5)."""
+    return p0 + (c1 - c0), p1 + (c2 - c1), p2 + (c3 - c2), p3 + (c4 - c3), p4 + (c5 - c4)
+
+
+@gluon.jit
+def _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG: gl.constexpr = 0, keep=0,
+              p0=0, p1=0, p2=0, p3=0, p4=0, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     """Ring step i: its words and scales from the word ring (a plain row-major view of the TMA tile:
     word m of lane (g, j) of block cb at [cb, 0, g, j, m]; channel 16 cb + c's scale at [cb, c]),
     dequantized into the B ring once the consumer freed the slot; fence (the wgmma and the next TMA
-    into the word slot are async-proxy accesses), then both slots signalled."""
+    into the word slot are async-proxy accesses), then both slots signalled.
+    Timing-only DIAG variants (wrong products): 1 no tile made; 2 the tile made but not stored (summed
+    into `keep`); 3 `keep` (a constant tile) stored, nothing computed; 4 no fence; 5 no barrier
+    before the arrives. PROBE: cycles waiting for the words (p0), computing (p1), waiting for the B
+    slot (p2), issuing the store (p3), fence + barrier + arrives (p4), summed (returned)."""
     STAGES: gl.constexpr = b_smem.shape[0]
-    BK: gl.constexpr = b_smem.shape[1]
-    BN: gl.constexpr = b_smem.shape[2]
+    BN: gl.constexpr = w_view.shape[1] * 16
+    s = i % STAGES
+    ph = (i // STAGES) & 1
+    if PROBE:
+        c0 = _clock()
+    mbarrier.wait(w_ready.index(s), ph)
+    if PROBE:
+        c1 = _clock()
+    if DIAG == 1:  # timing only: the slots waited for and signalled, no tile made
+        mbarrier.wait(b_empty.index(s), ph ^ 1)
+        if PROBE:
+            c2 = _clock()
+            c3 = c2
+            c4 = c2
+    elif DIAG == 3:
+        if PROBE:
+            c2 = _clock()
+        mbarrier.wait(b_empty.index(s), ph ^ 1)
+        if PROBE:
+            c3 = _clock()
+        b_smem.index(s).store(keep)
+        if PROBE:
+            c4 = _clock()
+    else:
+        w = _deq_load(i, w_view, s_view, 64, BN, KMAJOR)
+        if PROBE:
+            c2 = _clock()
+        mbarrier.wait(b_empty.index(s), ph ^ 1)
+        if PROBE:
+            c3 = _clock()
+        if DIAG == 2:
+            keep = keep + w
+        else:
+            b_smem.index(s).store(w)
+        if PROBE:
+            c4 = _clock()
+    if DIAG != 4:
+        fence_async_shared()
+    if DIAG != 5:
+        _barrier()  # every dequantizer's part stored (and its word reads done) before the arrives
+    mbarrier.arrive(b_ready.index(s), count=1)
+    mbarrier.arrive(w_empty.index(s), count=1)
+    if PROBE:
+        p0, p1, p2, p3, p4 = _probe_sums(p0, p1, p2, p3, p4, c0, c1, c2, c3, c4, _clock())
+    return keep, p0, p1, p2, p3, p4
+
+
+@gluon.jit
+def _deq_load(i, w_view, s_view, BK: gl.constexpr, BN: gl.constexpr, KMAJOR: gl.constexpr = 0):
+    """Step i's words and scales from its word slot (loaded: the caller waited), dequantized: the B tile in
+    registers."""
+    STAGES: gl.constexpr = w_view.shape[0]
     nw: gl.constexpr = gl.num_warps()
     w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
     sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))  # [CB, 8]
     s = i % STAGES
-    ph = (i // STAGES) & 1
-    mbarrier.wait(w_ready.index(s), ph)
-    if DIAG == 1:  # timing only: the slots waited for and signalled, no tile made
-        mbarrier.wait(b_empty.index(s), ph ^ 1)
-    else:
-        words = w_view.index(s).load(w_ld)
-        scales = s_view.index(s)
-        lo = scales.slice(0, 8, dim=1).load(sz_ld)
-        hi = scales.slice(8, 8, dim=1).load(sz_ld)
-        w = _dequant_tile(words, lo, hi, BK, BN)
-        mbarrier.wait(b_empty.index(s), ph ^ 1)
-        b_smem.index(s).store(w)
+    words = w_view.index(s).load(w_ld)
+    scales = s_view.index(s)
+    lo = scales.slice(0, 8, dim=1).load(sz_ld)
+    hi = scales.slice(8, 8, dim=1).load(sz_ld)
+    return _dequant_tile(words, lo, hi, BK, BN, KMAJOR)
+
+
+@gluon.jit
+def _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, keep, p0, p1, p2, p3, p4,
+              PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
+    """Ring steps i and i + 1 as one: both steps' words loaded and dequantized together (twice the
+    independent work in flight), both tiles stored, then ONE fence and barrier for the two (the
+    fence waits for every store of the thread: paid once a pair). PROBE as `_deq_step` (p0: the
+    first step's word wait, p1: the rest of the loads and the compute)."""
+    STAGES: gl.constexpr = b_smem.shape[0]
+    BN: gl.constexpr = w_view.shape[1] * 16
+    sa = i % STAGES
+    sb = (i + 1) % STAGES
+    if PROBE:
+        c0 = _clock()
+    mbarrier.wait(w_ready.index(sa), (i // STAGES) & 1)
+    if PROBE:
+        c1 = _clock()
+    wa = _deq_load(i, w_view, s_view, 64, BN, KMAJOR)
+    mbarrier.wait(w_ready.index(sb), ((i + 1) // STAGES) & 1)
+    wb = _deq_load(i + 1, w_view, s_view, 64, BN, KMAJOR)
+    if PROBE:
+        c2 = _clock()
+    mbarrier.wait(b_empty.index(sa), ((i // STAGES) & 1) ^ 1)
+    mbarrier.wait(b_empty.index(sb), (((i + 1) // STAGES) & 1) ^ 1)
+    if PROBE:
+        c3 = _clock()
+    b_smem.index(sa).store(wa)
+    b_smem.index(sb).store(wb)
+    if PROBE:
+        c4 = _clock()
     fence_async_shared()
-    _barrier()  # every dequantizer's part stored (and its word reads done) before the arrives
-    mbarrier.arrive(b_ready.index(s), count=1)
-    mbarrier.arrive(w_empty.index(s), count=1)
+    _barrier()  # every dequantizer's parts stored (and its word reads done) before the arrives
+    mbarrier.arrive(b_ready.index(sa), count=1)
+    mbarrier.arrive(b_ready.index(sb), count=1)
+    mbarrier.arrive(w_empty.index(sa), count=1)
+    mbarrier.arrive(w_empty.index(sb), count=1)
+    if PROBE:
+        p0, p1, p2, p3, p4 = _probe_sums(p0, p1, p2, p3, p4, c0, c1, c2, c3, c4, _clock())
+    return keep, p0, p1, p2, p3, p4
+
+
+@gluon.jit
+def _deq_steps(first, n_k, by, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG: gl.constexpr,
+               PROBE: gl.constexpr, PAIR: gl.constexpr = False, KMAJOR: gl.constexpr = 0):
+    """Steps first, first + by, ... < n_k (`_deq_step`); PROBE: the sums and the loop's cycles into
+    t_ptr[16 pid ..]. DIAG 2 / 3: `keep` starts as the tile of constant words (and DIAG 2 stores its
+    sum into slot 0 at the end, so that the tiles are made)."""
+    CB: gl.constexpr = w_view.shape[1]
+    nw: gl.constexpr = gl.num_warps()
+    w_ld: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 1, 8, 4, 1], [nw, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+    sz_ld: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, w_ld)))
+    t_start = _clock()
+    z = t_start - t_start
+    p0 = z
+    p1 = z
+    p2 = z
+    p3 = z
+    p4 = z
+    if DIAG == 2 or DIAG == 3:
+        keep = _dequant_tile(gl.full([CB, 1, 8, 4, 4], 0x76543210, gl.int32, w_ld),
+                             gl.full([CB, 8], 0x43003C00, gl.int32, sz_ld),
+                             gl.full([CB, 8], 0x43003C00, gl.int32, sz_ld), 64, CB * 16, KMAJOR)
+    else:
+        keep = z
+    if PAIR:  # steps two at a time (`_deq_pair`; one partition), an odd last step alone
+        for i in range(0, n_k - 1, 2):
+            keep, p0, p1, p2, p3, p4 = _deq_pair(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, keep,
+                                                 p0, p1, p2, p3, p4, PROBE, KMAJOR)
+        if n_k % 2 == 1:
+            keep, p0, p1, p2, p3, p4 = _deq_step(n_k - 1, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty,
+                                                 DIAG, keep, p0, p1, p2, p3, p4, PROBE, KMAJOR)
+    else:
+        for i in range(first, n_k, by):
+            keep, p0, p1, p2, p3, p4 = _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG,
+                                                 keep, p0, p1, p2, p3, p4, PROBE, KMAJOR)
+    if DIAG == 2:
+        b_smem.index(0).store(keep)
+    if PROBE:
+        base = t_ptr + gl.program_id(0) * 16
+        gl.store(base, p0)
+        gl.store(base + 1, p1)
+        gl.store(base + 2, p2)
+        gl.store(base + 3, p3)
+        gl.store(base + 4, p4)
+        gl.store(base + 7, _clock() - t_start)
 
 
 @gluon.jit
 def _dequantizer(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
-                 w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr, PARTS: gl.constexpr,
-                 DIAG: gl.constexpr):
+                 w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP: gl.constexpr, PARTS: gl.constexpr,
+                 DIAG: gl.constexpr, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     """Steps 0, PARTS, 2 PARTS, ... (PARTS 2: a second partition, `_dequantizer_odd`, makes the odd
-    steps' tiles, so that two steps' dequantization chains overlap)."""
-    for i in range(0, n_k, PARTS):
-        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG)
+    steps' tiles, so that two steps' dequantization chains overlap; PARTS 0: one partition, the steps
+    two at a time, `_deq_pair`)."""
+    _deq_steps(0, n_k, PARTS, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, PROBE,
+               PARTS == 0, KMAJOR)
 
 
 @gluon.jit
 def _dequantizer_odd(x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
-                     w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP: gl.constexpr,
-                     PARTS: gl.constexpr, DIAG: gl.constexpr):
-    for i in range(1, n_k, 2):
-        _deq_step(i, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, DIAG)
+                     w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP: gl.constexpr,
+                     PARTS: gl.constexpr, DIAG: gl.constexpr, PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
+    _deq_steps(1, n_k, 2, w_view, s_view, b_smem, w_ready, w_empty, b_ready, b_empty, t_ptr, DIAG, 0, False, KMAJOR)
 
 
 @gluon.jit
-def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
-    """The shared memory: x / word / scale / B tile rings, the word and scale rings also as plain
+def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr, KMAJOR: gl.constexpr = 0):
+    """The shared memory: x / word / scale / B tile rings (B [BK, BN] a slot, KMAJOR [BN, BK]; KMAJOR 2: the
+    dequantizers' view of it int32 [BN, BK / 2], `b_deq`), the word and scale rings also as plain
     row-major views ([STAGES, CB, 1, 8, 4, 4] and [STAGES, CB, 16] int32) for the dequantizers, and
     the ready / empty barriers of the x, word and B slots."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
@@ -187,8 +450,12 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BM, BK], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, CB, 128], w_desc.layout)
     s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1, BN], s_desc.layout)
-    b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
-                                       gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
+    if KMAJOR:
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK],
+                                           gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16))
+    else:
+        b_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BK, BN],
+                                           gl.NVMMASharedLayout.get_default_for([BK, BN], gl.bfloat16))
     flat5: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[4, 3, 2, 1, 0])
     flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
     if _PUBLIC_REINTERPRET:
@@ -197,6 +464,14 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
     else:
         w_view = w_smem._reinterpret(gl.int32, [STAGES, CB, 1, 8, 4, 4], flat5)
         s_view = s_smem._reinterpret(gl.int32, [STAGES, CB, 16], flat2)
+    if KMAJOR == 2:  # the dequantizers store int32 pairs: the same bytes (128-byte rows, the same swizzle)
+        pairs: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        if _PUBLIC_REINTERPRET:
+            b_deq = b_smem.reinterpret(gl.int32, [STAGES, BN, BK // 2], pairs)
+        else:
+            b_deq = b_smem._reinterpret(gl.int32, [STAGES, BN, BK // 2], pairs)
+    else:
+        b_deq = b_smem
     x_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     x_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     w_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -211,19 +486,20 @@ def _rings(x_desc, w_desc, s_desc, BN: gl.constexpr, STAGES: gl.constexpr):
         mbarrier.init(b_ready.index(s), count=1)
         mbarrier.init(b_empty.index(s), count=1)
     fence_async_shared()
-    return (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready, b_empty)
+    return (x_smem, w_smem, s_smem, b_smem, b_deq, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
+            b_empty)
 
 
 # ----------------------------------------------------------------------------- kernel
 
 
 @gluon.jit(do_not_specialize=["M"])
-def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K, s_om, GROUP: gl.constexpr,
+def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, t_ptr, M, N, K, s_om, GROUP: gl.constexpr,
                     BN: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr, DEQ_WARPS: gl.constexpr,
-                    DEQ_REGS: gl.constexpr, DEQ_PARTS: gl.constexpr = 1, DIAG: gl.constexpr = 0):
+                    DEQ_REGS: gl.constexpr, DEQ_PARTS: gl.constexpr = 1, DIAG: gl.constexpr = 0,
+                    PROBE: gl.constexpr = 0, KMAJOR: gl.constexpr = 0):
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BK: gl.constexpr = x_desc.block_type.shape[1]
-    num_warps: gl.constexpr = gl.num_warps()
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     split = gl.num_programs(1)
@@ -233,50 +509,34 @@ def _ws_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K,
     n_k = K // BK // split  # steps per slice (the wrapper makes the split divide them)
     s0 = pid_k * n_k
 
-    (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
-     b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES)
+    (x_smem, w_smem, s_smem, b_smem, b_deq, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
+     b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES, KMAJOR)
     # (the argument tuples written out in each call: a tuple held in a variable turns its constexprs
     # into tensors)
     off_m = pid_m * BM
     if DEQ_PARTS == 2:
         (acc,) = gl.warp_specialize([
-            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE, KMAJOR)),
             (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                        w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
-            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
-                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
-            (_dequantizer_odd, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready,
-                                x_empty, w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS,
-                                DIAG)),
+            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_deq, x_ready, x_empty,
+                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP, DEQ_PARTS, DIAG, PROBE,
+                            KMAJOR)),
+            (_dequantizer_odd, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_deq, x_ready,
+                                x_empty, w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP,
+                                DEQ_PARTS, DIAG, PROBE, KMAJOR)),
         ], [1, DEQ_WARPS, DEQ_WARPS], [24, DEQ_REGS, DEQ_REGS])
     else:
         (acc,) = gl.warp_specialize([
-            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, BM, BN)),
+            (_consumer, (x_smem, b_smem, x_ready, b_ready, x_empty, b_empty, n_k, t_ptr, BM, BN, DIAG, PROBE, KMAJOR)),
             (_loader, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
                        w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
-            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty,
-                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, GROUP, DEQ_PARTS, DIAG)),
+            (_dequantizer, (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_deq, x_ready, x_empty,
+                            w_ready, w_empty, b_ready, b_empty, off_m, pid_n, s0, n_k, t_ptr, GROUP, DEQ_PARTS, DIAG,
+                            PROBE, KMAJOR)),
         ], [1, DEQ_WARPS], [24, DEQ_REGS])
 
-    out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    om = pid_m * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, out_l))
-    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, out_l))
-    o_off = gl.expand_dims(om.to(gl.int64) * s_om, 1) + gl.expand_dims(on, 0)
-    o_mask = gl.expand_dims(om < M, 1)
-    if SPLIT_K:  # as `gluon_int4_gemm`: partials, then the last slice to arrive sums them in slice order
-        p_off = gl.expand_dims(om.to(gl.int64) * N, 1) + gl.expand_dims(on, 0)
-        mn = N.to(gl.int64) * M
-        gl.store(part_ptr + pid_k * mn + p_off, gl.convert_layout(acc, out_l), mask=o_mask)
-        _barrier()
-        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == split - 1:
-            total = gl.zeros([BM, BN], gl.float32, layout=out_l)
-            for sl in range(split):
-                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
-            gl.atomic_xchg(cnt_ptr + pid, 0)
-    else:
-        gl.store(out_ptr + o_off, gl.convert_layout(acc.to(gl.bfloat16), out_l), mask=o_mask)
+    store_tile(acc, out_ptr, part_ptr, cnt_ptr, pid_m * BM, pid_n * BN, M, N, s_om, SPLIT_K)
 
 
 # ----------------------------------------------------------------------------- host
@@ -294,6 +554,23 @@ def descriptors(x: torch.Tensor, qm: torch.Tensor, sz: torch.Tensor, t: WsTiles)
     return x_desc, w_desc, s_desc
 
 
+def operands(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+             t: WsTiles, sz: torch.Tensor | None, name: str) -> tuple:
+    """The wrappers' (this one's and `gluon_int4_ws_streamk`'s) checks and operands: (x with rows TMA can
+    read, packed scales / offsets, N, K, group); ValueError (named `name`) for what the kernels cannot do."""
+    m, k = x.shape
+    n = qm.shape[0] * 16
+    group = k if group_size == -1 else group_size
+    if x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group:
+        raise ValueError(f"{name}: bf16 x, N a multiple of {t.bn}, K and the group of 64 "
+                         f"(x {x.dtype}, N {n}, K {k}, group {group})")
+    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
+        x = x.contiguous()
+    if sz is None and m:
+        sz = _cached_scale_offset(scales, zeros)
+    return x, sz, n, k, group
+
+
 def split_for(t: WsTiles, k: int, tiles: int, counters: torch.Tensor | None) -> int:
     """The split-K slices a launch runs: t.split, lowered until it divides K / 64; 1 without enough
     counters (one zeroed int32 per output tile)."""
@@ -305,30 +582,25 @@ def split_for(t: WsTiles, k: int, tiles: int, counters: torch.Tensor | None) -> 
 
 def ws_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
             tiles: WsTiles | None = None, sz: torch.Tensor | None = None,
-            counters: torch.Tensor | None = None, diag: int = 0) -> torch.Tensor:
+            counters: torch.Tensor | None = None, diag: int = 0, probe: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 @ W^T -> [M, N]; W in the mma layout, scales / zeros [G, N] bf16 (or `sz` from
-    `packed_scale_offset`). CUDA, bf16, K and the group multiples of 64, N of BN."""
+    `packed_scale_offset`). CUDA, bf16, K and the group multiples of 64, N of BN. `diag` / `probe`
+    (timing only, scripts/gpu_int4_ws.py --diag): a DIAG variant; int64 [16 x tiles] for the
+    dequantizers' and the consumer's cycle sums (`_deq_step`, `_consumer`)."""
     t = tiles or WsTiles()
-    m, k = x.shape
-    n = qm.shape[0] * 16
-    group = k if group_size == -1 else group_size
-    if x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group:
-        raise ValueError(f"ws int4 GEMM: bf16 x, N a multiple of {t.bn}, K and the group of 64 "
-                         f"(x {x.dtype}, N {n}, K {k}, group {group})")
+    x, sz, n, k, group = operands(x, qm, scales, zeros, group_size, t, sz, "ws int4 GEMM")
+    m = x.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
-        x = x.contiguous()
-    if sz is None:
-        sz = _cached_scale_offset(scales, zeros)
     x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)
     n_tiles = triton.cdiv(m, t.bm) * (n // t.bn)
     split = split_for(t, k, n_tiles, counters)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    _ws_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out, m, n, k,
-                                      out.stride(0), GROUP=group, BN=t.bn, STAGES=t.stages, SPLIT_K=split > 1,
-                                      DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs, DEQ_PARTS=t.deq_parts, DIAG=diag,
+    _ws_gemm_kernel[(n_tiles, split)](x_desc, w_desc, s_desc, out, part, counters if split > 1 else out,
+                                      out if probe is None else probe, m, n, k, out.stride(0), GROUP=group, BN=t.bn,
+                                      STAGES=t.stages, SPLIT_K=split > 1, DEQ_WARPS=t.deq_warps, DEQ_REGS=t.deq_regs,
+                                      DEQ_PARTS=t.deq_parts, DIAG=diag, PROBE=probe is not None, KMAJOR=t.kmajor,
                                       num_warps=t.warps)
     return out
 

@@ -32,9 +32,9 @@ from tokenmill.layers.quantization.gluon_int4_ws_gemm import (
     _load_in,
     _rings,
     descriptors,
+    operands,
 )
 from tokenmill.layers.quantization.int4_ws_route import WsTiles
-from tokenmill.layers.quantization.triton_int4_dot_gemm import _cached_scale_offset
 
 
 def segments(tiles: int, n_k: int, grid: int) -> list[list[tuple[int, int, int]]]:
@@ -171,7 +171,7 @@ def _ws_streamk_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N,
     tiles_m = gl.cdiv(M, BM)
     n_k = K // BK
     total = tiles_m * (N // BN) * n_k
-    (x_smem, w_smem, s_smem, b_smem, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
+    (x_smem, w_smem, s_smem, b_smem, _, w_view, s_view, x_ready, x_empty, w_ready, w_empty, b_ready,
      b_empty) = _rings(x_desc, w_desc, s_desc, BN, STAGES)
     worker_args = (x_desc, w_desc, s_desc, x_smem, w_smem, s_smem, w_view, s_view, b_smem, x_ready, x_empty, w_ready,
                    w_empty, b_ready, b_empty, tiles_m, n_k, total, GROUP)
@@ -195,22 +195,15 @@ def ws_streamk_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zer
     """x [M, K] bf16 @ W^T -> [M, N] on `tiles.sk` CTAs (stream-K); `counters`: zeroed int32, one per
     output tile (left zeroed)."""
     t = tiles
-    m, k = x.shape
-    n = qm.shape[0] * 16
-    group = k if group_size == -1 else group_size
+    x, sz, n, k, group = operands(x, qm, scales, zeros, group_size, t, sz, "ws stream-K int4 GEMM")
+    m = x.shape[0]
     n_tiles = triton.cdiv(m, t.bm) * (n // t.bn) if m else 0
-    if (x.dtype != torch.bfloat16 or n % t.bn or group % 64 or k % group or t.sk < 1
-            or counters.numel() < n_tiles):
-        raise ValueError(f"ws stream-K int4 GEMM: bf16 x, N a multiple of {t.bn}, K and the group of 64, "
-                         f"sk >= 1, a counter per tile (x {x.dtype}, N {n}, K {k}, group {group}, {t.label()}, "
-                         f"{counters.numel()} counters for {n_tiles} tiles)")
+    if t.sk < 1 or counters.numel() < n_tiles:
+        raise ValueError(f"ws stream-K int4 GEMM: sk >= 1, a counter per tile ({t.label()}, {counters.numel()} "
+                         f"counters for {n_tiles} tiles)")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
-        x = x.contiguous()
-    if sz is None:
-        sz = _cached_scale_offset(scales, zeros)
     grid = min(t.sk, n_tiles * (k // 64))
     part = torch.empty((max_segments(n_tiles, k // 64, grid), m, n), dtype=torch.float32, device=x.device)
     x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)
