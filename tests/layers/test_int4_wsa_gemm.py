@@ -40,7 +40,7 @@ def _reference_w(codes) -> torch.Tensor:
     return ((codes.codes.double() - z[:, codes.g_idx]) * s[:, codes.g_idx]).t()
 
 
-@pytest.mark.parametrize("wgs,split,group", [(1, 1, 128), (2, 2, 64), (2, 4, 128)])
+@pytest.mark.parametrize("wgs,split,group", [(1, 1, 128), (2, 2, 64), (2, 4, 128), (4, 2, 128)])
 def test_emulated_product_matches_float64_reference(wgs, split, group):
     """The slots' words and scales (as the loader places them and the consumers view them) through the
     swapped GEMM's register map, times x permuted, summed over the K slices in order, is x @ W^T
@@ -50,9 +50,9 @@ def test_emulated_product_matches_float64_reference(wgs, split, group):
     from tokenmill.layers.quantization.gluon_int4_wsa_gemm import emulate
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
 
-    codes, qm, sz, x = _case(256, 512, group, m=40)
+    codes, qm, sz, x = _case(512 if wgs == 4 else 256, 512, group, m=40)
     ref = x.double() @ _reference_w(codes)
-    out = emulate(permute_x(x), qm, sz, group, WsaTiles(bt=128, wgs=wgs), split=split)
+    out = emulate(permute_x(x), qm, sz, group, WsaTiles(bt=64 if wgs == 4 else 128, wgs=wgs), split=split)
     err = ((out - ref).norm() / ref.norm()).item()
     assert err < 4e-3, err
 
@@ -199,7 +199,8 @@ _IN_FLIGHT = {1: ((0, 1), (1, 2), (2, 3), (0, 3)),
                   (1, 6), (4, 6))}
 
 
-@pytest.mark.parametrize("bt,wgs,split,depth", [(256, 2, False, 1), (128, 1, True, 1), (256, 2, False, 2)])
+@pytest.mark.parametrize("bt,wgs,split,depth", [(256, 2, False, 1), (128, 1, True, 1), (256, 2, False, 2),
+                                                 (64, 4, True, 1), (64, 4, False, 1), (64, 2, True, 1)])
 def test_compiles_for_sm90_warp_specialized(bt, wgs, split, depth):
     """Offline sm_90 compile (no GPU): per step and warpgroup 4 HGMMA 64 x BT x 16 with A in registers
     (depth 1: four call sites, depth 2: seven), `depth` left in flight (DEPBAR.LE gsb0, depth; 0x0 only
