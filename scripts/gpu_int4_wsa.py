@@ -41,19 +41,22 @@ def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
     SM). Round 6 (session 11): the routed ones (`int4_wsa_route.DEFAULT_TABLE` / `DEFAULT_PREFILL`) first,
     then the skinny linears' x traffic cut by more channels per x tile: 64-token tiles of 256 channels
-    (t64 g4: x read N / 256 times, the weight 4 times from L2) or 128 (t64 g2), and 128 x 128 tiles
-    split. Rounds 1-4 also timed depth 2 (never better), stream-K (won only for qkv, before its plain
-    128 x 128 launch), split 4 (worse than 2); t128 g4 is not timed (ptxas serializes its wgmmas)."""
+    (t64 g4: x read N / 256 times, the weight 4 times from L2; t32 g4: 8 times) or 128 (t64 g2), and
+    128 x 128 tiles split. Rounds 1-4 also timed depth 2 (never better), stream-K (won only for qkv,
+    before its plain 128 x 128 launch), split 4 (worse than 2); t128 g4 is not timed (ptxas serializes
+    its wgmmas: 16 consumer warps have ~120 registers)."""
     if m > 1024:  # a prefill chunk: whole tiles of 256 x 128 in groups of r token tiles (x stays in L2)
         return [_t(256, 2, 4, raster=8) if name == "gate_up" else _t(256, 2, 4, raster=2)]
     if name == "gate_up":  # 224 CTAs of 256 x 128
         return [_t(256, 2, 5)]
-    if name == "down":  # K 14336: 224 steps; 128 CTAs each but t64 g2 (128, no split)
-        return [_t(256, 1, 6, 2), _t(64, 4, 6, 2), _t(64, 4, 8, 2), _t(128, 2, 6, 2), _t(64, 2, 6), _t(64, 4, 6)]
+    if name == "down":  # K 14336: 224 steps; 128 CTAs each (t64 g2, t32 g4: no split) but t64 g4 (64)
+        return [_t(256, 1, 6, 2), _t(64, 4, 6, 2), _t(64, 4, 8, 2), _t(128, 2, 6, 2), _t(64, 2, 6), _t(64, 4, 6),
+                _t(32, 4, 8)]
     if name == "qkv":  # 96 CTAs each
         return [_t(128, 2, 6), _t(64, 4, 6), _t(64, 4, 8)]
-    # o: 128 CTAs but t64 g4 without split (64)
-    return [_t(256, 1, 4, 2), _t(64, 4, 6), _t(64, 4, 6, 2), _t(64, 4, 8, 2), _t(128, 2, 6, 2), _t(64, 2, 6)]
+    # o: 128 CTAs (t64 g2, t32 g4: no split) but t64 g4 without split (64)
+    return [_t(256, 1, 4, 2), _t(64, 4, 6), _t(64, 4, 6, 2), _t(64, 4, 8, 2), _t(128, 2, 6, 2), _t(64, 2, 6),
+            _t(32, 4, 8)]
 
 
 def launches() -> list:

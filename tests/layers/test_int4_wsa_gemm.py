@@ -200,7 +200,7 @@ _IN_FLIGHT = {1: ((0, 1), (1, 2), (2, 3), (0, 3)),
 
 
 @pytest.mark.parametrize("bt,wgs,split,depth", [(256, 2, False, 1), (128, 1, True, 1), (256, 2, False, 2),
-                                                 (64, 4, True, 1), (64, 4, False, 1), (64, 2, True, 1)])
+                                                 (64, 4, True, 1), (64, 4, False, 1), (64, 2, True, 1), (32, 4, False, 1)])
 def test_compiles_for_sm90_warp_specialized(bt, wgs, split, depth):
     """Offline sm_90 compile (no GPU): per step and warpgroup 4 HGMMA 64 x BT x 16 with A in registers
     (depth 1: four call sites, depth 2: seven), `depth` left in flight (DEPBAR.LE gsb0, depth; 0x0 only
