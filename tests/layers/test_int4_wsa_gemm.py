@@ -340,3 +340,27 @@ def test_engine_selftest_checks_the_wsa_launches(monkeypatch, right):
     assert int4.gemm_selftest(torch.device("cpu"), torch.bfloat16) is right
     r8 = wsa.WsaTiles(256, 2, 1, 4, raster=8)
     assert seen == [(128, t), (125, t), (256, r8), (253, r8)] and wsa.ENABLED is right
+
+
+def test_bench_pick_replaces_only_entries_beaten_by_the_margin(tmp_path):
+    """scripts/gpu_int4_wsa.py --pick (the table a request's end-to-end run takes): an entry is replaced by
+    the fastest launch of its linear only where that beat the entry's own launch by more than 2%; others
+    (a near tie, the bf16 / routed columns, a linear not timed) keep DEFAULT_TABLE's launch."""
+    import json
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import gpu_int4_wsa
+
+    from tokenmill.layers.quantization.int4_wsa_route import DEFAULT_TABLE, table_from
+
+    default = table_from(DEFAULT_TABLE)
+    own = {name: default[(256, n, k)].label() for name, (n, k) in gpu_int4_wsa.LLAMA.items()}
+    us = {"m256/down": {"bf16": 1.0, own["down"]: 50.0, "wsa t64 g4 c1 st6 s2": 49.5},  # within 2%: kept
+          "m256/qkv": {"bf16": 1.0, own["qkv"]: 27.0, "wsa t64 g4 c1 st6": 22.0, "wsa t32 g4 c1 st8": 23.0},
+          "m256/o": {"routed": 1.0, own["o"]: 24.0}}  # no wsa launch faster: kept
+    (tmp_path / "int4wsa-bench.json").write_text(json.dumps({"us": us}))
+    got = table_from(gpu_int4_wsa.pick(str(tmp_path)))
+    assert got == table_from((tmp_path / "table.txt").read_text())
+    want = dict(default)
+    want[(256, 6144, 4096)] = table_from("256,6144,4096=wsa t64 g4 c1 st6")[(256, 6144, 4096)]
+    assert got == want, got
