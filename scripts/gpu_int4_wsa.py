@@ -4,6 +4,7 @@ swapped GEMM's K order as the engine gives it) for one Llama-8B layer's four lin
 
     python scripts/gpu_int4_wsa.py --selftest 0/4 OUT     # shard 0 of 4 of the launches: compile + check
     python scripts/gpu_int4_wsa.py --bench OUT [ROWS]     # ROWS e.g. 256,8192 (default 256)
+    python scripts/gpu_int4_wsa.py --pick OUT             # DEFAULT_TABLE with --bench's winners: OUT/table.txt
 
 --selftest: every launch of `launches()` on small shapes (N 512, K 1024 group 128 and K 1536 group 64)
 at 256, 200, 77 and 16 rows against a float32 reference of the dequantized weight times x (x given to
@@ -38,18 +39,24 @@ def _t(bt, wgs, stages, split=1, sk=0, depth=1, raster=0):
 
 def variants(m: int, name: str) -> list:
     """The launches timed per row count and linear (CTAs at 256 rows in the comments; 132 SMs, one CTA an
-    SM). Round 5 (session 11): the routed ones (`int4_wsa_route.DEFAULT_TABLE` / `DEFAULT_PREFILL`).
-    Rounds 1-4 also timed depth 2 (never better), stream-K (won only for qkv, before its plain 128 x 128
-    launch), split 4 (worse than 2) and one-warpgroup launches without split (o: as fast as split 2)."""
+    SM). Round 6 (session 11): the routed ones (`int4_wsa_route.DEFAULT_TABLE` / `DEFAULT_PREFILL`) first,
+    then the skinny linears' x traffic cut by more channels per x tile: 64-token tiles of 256 channels
+    (t64 g4: x read N / 256 times, the weight 4 times from L2; t32 g4: 8 times) or 128 (t64 g2), and
+    128 x 128 tiles split. Rounds 1-4 also timed depth 2 (never better), stream-K (won only for qkv,
+    before its plain 128 x 128 launch), split 4 (worse than 2); t128 g4 is not timed (ptxas serializes
+    its wgmmas: 16 consumer warps have ~120 registers)."""
     if m > 1024:  # a prefill chunk: whole tiles of 256 x 128 in groups of r token tiles (x stays in L2)
         return [_t(256, 2, 4, raster=8) if name == "gate_up" else _t(256, 2, 4, raster=2)]
     if name == "gate_up":  # 224 CTAs of 256 x 128
         return [_t(256, 2, 5)]
-    if name == "down":  # K 14336: 224 steps; 128 CTAs, the ring 6 deep (a one-warpgroup step is short)
-        return [_t(256, 1, 6, 2)]
-    if name == "qkv":  # 96 CTAs of 128 x 128
-        return [_t(128, 2, 6)]
-    return [_t(256, 1, 4, 2)]  # o: 128 CTAs
+    if name == "down":  # K 14336: 224 steps; 128 CTAs each (t64 g2, t32 g4: no split) but t64 g4 (64)
+        return [_t(256, 1, 6, 2), _t(64, 4, 6, 2), _t(64, 4, 8, 2), _t(128, 2, 6, 2), _t(64, 2, 6), _t(64, 4, 6),
+                _t(32, 4, 8)]
+    if name == "qkv":  # 96 CTAs each
+        return [_t(128, 2, 6), _t(64, 4, 6), _t(64, 4, 8)]
+    # o: 128 CTAs (t64 g2, t32 g4: no split) but t64 g4 without split (64)
+    return [_t(256, 1, 4, 2), _t(64, 4, 6), _t(64, 4, 6, 2), _t(64, 4, 8, 2), _t(128, 2, 6, 2), _t(64, 2, 6),
+            _t(32, 4, 8)]
 
 
 def launches() -> list:
@@ -278,7 +285,30 @@ def bench(out_dir: str, rows: list[int]) -> None:
     _dump(rec, path)
 
 
+def pick(out_dir: str, margin: float = 0.02) -> str:
+    """The TOKENMILL_INT4_WSA_TABLE form of `int4_wsa_route.DEFAULT_TABLE` with each 256-row entry replaced
+    by the fastest launch of OUT/int4wsa-bench.json where it beat the entry's own launch (timed in the same
+    run) by `margin`; written to OUT/table.txt (an end to end run's table, before a commit)."""
+    from tokenmill.layers.quantization.int4_wsa_route import DEFAULT_TABLE, table_from
+    with open(os.path.join(out_dir, "int4wsa-bench.json")) as f:
+        us = json.load(f)["us"]
+    table = table_from(DEFAULT_TABLE)
+    for (bucket, n, k), t in list(table.items()):
+        r = next((v for key, v in us.items() for name, nk in LLAMA.items()
+                  if key == f"m{bucket}/{name}" and nk == (n, k)), {})
+        best = min(((v, lab) for lab, v in r.items() if lab.startswith("wsa ")), default=None)
+        if best and t.label() in r and best[0] < (1 - margin) * r[t.label()]:
+            table[(bucket, n, k)] = type(t).parse(best[1])
+    text = ";".join(f"{b},{n},{k}={t.label()}" for (b, n, k), t in table.items())
+    with open(os.path.join(out_dir, "table.txt"), "w") as f:
+        f.write(text)
+    return text
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--pick":
+        print(pick(sys.argv[2]))
+        sys.exit(0)
     if sys.argv[1] == "--selftest":
         sys.exit(1 if selftest(sys.argv[2], sys.argv[3]) else 0)
     bench(sys.argv[2], [int(v) for v in (sys.argv[3] if len(sys.argv) > 3 else "256").split(",")])

@@ -40,7 +40,7 @@ def _reference_w(codes) -> torch.Tensor:
     return ((codes.codes.double() - z[:, codes.g_idx]) * s[:, codes.g_idx]).t()
 
 
-@pytest.mark.parametrize("wgs,split,group", [(1, 1, 128), (2, 2, 64), (2, 4, 128)])
+@pytest.mark.parametrize("wgs,split,group", [(1, 1, 128), (2, 2, 64), (2, 4, 128), (4, 2, 128)])
 def test_emulated_product_matches_float64_reference(wgs, split, group):
     """The slots' words and scales (as the loader places them and the consumers view them) through the
     swapped GEMM's register map, times x permuted, summed over the K slices in order, is x @ W^T
@@ -50,9 +50,9 @@ def test_emulated_product_matches_float64_reference(wgs, split, group):
     from tokenmill.layers.quantization.gluon_int4_wsa_gemm import emulate
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
 
-    codes, qm, sz, x = _case(256, 512, group, m=40)
+    codes, qm, sz, x = _case(512 if wgs == 4 else 256, 512, group, m=40)
     ref = x.double() @ _reference_w(codes)
-    out = emulate(permute_x(x), qm, sz, group, WsaTiles(bt=128, wgs=wgs), split=split)
+    out = emulate(permute_x(x), qm, sz, group, WsaTiles(bt=64 if wgs == 4 else 128, wgs=wgs), split=split)
     err = ((out - ref).norm() / ref.norm()).item()
     assert err < 4e-3, err
 
@@ -199,7 +199,8 @@ _IN_FLIGHT = {1: ((0, 1), (1, 2), (2, 3), (0, 3)),
                   (1, 6), (4, 6))}
 
 
-@pytest.mark.parametrize("bt,wgs,split,depth", [(256, 2, False, 1), (128, 1, True, 1), (256, 2, False, 2)])
+@pytest.mark.parametrize("bt,wgs,split,depth", [(256, 2, False, 1), (128, 1, True, 1), (256, 2, False, 2),
+                                                 (64, 4, True, 1), (64, 4, False, 1), (64, 2, True, 1), (32, 4, False, 1)])
 def test_compiles_for_sm90_warp_specialized(bt, wgs, split, depth):
     """Offline sm_90 compile (no GPU): per step and warpgroup 4 HGMMA 64 x BT x 16 with A in registers
     (depth 1: four call sites, depth 2: seven), `depth` left in flight (DEPBAR.LE gsb0, depth; 0x0 only
@@ -339,3 +340,27 @@ def test_engine_selftest_checks_the_wsa_launches(monkeypatch, right):
     assert int4.gemm_selftest(torch.device("cpu"), torch.bfloat16) is right
     r8 = wsa.WsaTiles(256, 2, 1, 4, raster=8)
     assert seen == [(128, t), (125, t), (256, r8), (253, r8)] and wsa.ENABLED is right
+
+
+def test_bench_pick_replaces_only_entries_beaten_by_the_margin(tmp_path):
+    """scripts/gpu_int4_wsa.py --pick (the table a request's end-to-end run takes): an entry is replaced by
+    the fastest launch of its linear only where that beat the entry's own launch by more than 2%; others
+    (a near tie, the bf16 / routed columns, a linear not timed) keep DEFAULT_TABLE's launch."""
+    import json
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import gpu_int4_wsa
+
+    from tokenmill.layers.quantization.int4_wsa_route import DEFAULT_TABLE, table_from
+
+    default = table_from(DEFAULT_TABLE)
+    own = {name: default[(256, n, k)].label() for name, (n, k) in gpu_int4_wsa.LLAMA.items()}
+    us = {"m256/down": {"bf16": 1.0, own["down"]: 50.0, "wsa t64 g4 c1 st6 s2": 49.5},  # within 2%: kept
+          "m256/qkv": {"bf16": 1.0, own["qkv"]: 27.0, "wsa t64 g4 c1 st6": 22.0, "wsa t32 g4 c1 st8": 23.0},
+          "m256/o": {"routed": 1.0, own["o"]: 24.0}}  # no wsa launch faster: kept
+    (tmp_path / "int4wsa-bench.json").write_text(json.dumps({"us": us}))
+    got = table_from(gpu_int4_wsa.pick(str(tmp_path)))
+    assert got == table_from((tmp_path / "table.txt").read_text())
+    want = dict(default)
+    want[(256, 6144, 4096)] = table_from("256,6144,4096=wsa t64 g4 c1 st6")[(256, 6144, 4096)]
+    assert got == want, got

@@ -86,9 +86,11 @@ def prefill_from(text: str) -> dict[tuple[int, int], WsaTiles]:
 # cuBLAS), the Llama-8B linears at 256 rows, round 4: gate_up 87.9 / 96.8 / 91.3, down 51.7 / 65.8 / 49.4,
 # qkv 27.3 / 33.0 / 21.0, o 24.9 / 28.1 / 19.1; at 8192 rows (dequantize + cuBLAS the other path), rounds
 # 2-3: gate_up 2,780-2,798 / 2,882-2,887 / 2,792, down 1,340-1,395 / 1,390-1,405 (qkv and o within 3%
-# there: not listed). The environment variables replace them (an empty one: nothing routed here).
+# there: not listed). Round 6 (one H100, the same process): o on 128 CTAs of 64 x 128 without split
+# (t64 g2 st6) 21.8 us against 24.9 (t256 g1 st4 s2), bf16 18.1; 256-channel tiles (t64 g4, t32 g4)
+# lost everywhere. The environment variables replace them (an empty one: nothing routed here).
 DEFAULT_TABLE = ("256,28672,4096=wsa t256 g2 c1 st5;256,4096,14336=wsa t256 g1 c1 st6 s2;"
-                 "256,6144,4096=wsa t128 g2 c1 st6;256,4096,4096=wsa t256 g1 c1 st4 s2")
+                 "256,6144,4096=wsa t128 g2 c1 st6;256,4096,4096=wsa t64 g2 c1 st6")
 DEFAULT_PREFILL = "28672,4096=wsa t256 g2 c1 st4 r8;4096,14336=wsa t256 g2 c1 st4 r2"
 TABLE: dict[tuple[int, int, int], WsaTiles] = table_from(os.environ.get("TOKENMILL_INT4_WSA_TABLE", DEFAULT_TABLE))
 # above the last rows bucket (prefill chunks), per (N, K): where the GEMM beats dequantize + cuBLAS
