@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
-from tests.helpers.requirements import SMOLLM2_GGUF, require_smollm2  # noqa: E402
+from tests.helpers.requirements import require_smollm2  # noqa: E402
 
 
 # pytest-timeout: every test has `timeout` of pyproject.toml (seconds, each of setup, call and
@@ -52,10 +52,10 @@ def smollm2_llm():
 
 
 @pytest.fixture(scope="session")
-def smollm2_hf():
-    path = require_smollm2()
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, gguf_file=SMOLLM2_GGUF, dtype="float32").eval()
+def smollm2_hf(tmp_path_factory):
+    """HF's SmolLM2 from its GGUF, through this run's saved copy (tests/helpers/hf_smollm2.py)."""
+    from tests.helpers.hf_smollm2 import load_hf_smollm2
+    return load_hf_smollm2(tmp_path_factory)
 
 
 @pytest.fixture(autouse=True)

@@ -44,6 +44,22 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids=(
     return Reference(tokens, gaps)
 
 
+@torch.inference_mode()
+def hf_teacher_forced(model, prompt_ids: list[int], ours: list[int]) -> Reference:
+    """HF's greedy choice at each of our tokens' positions, teacher-forced on our tokens: one forward
+    over the prompt and `ours` instead of a decode step per token.
+
+    The same check as `hf_greedy`'s reference under `compare_greedy`: up to the first divergence our
+    tokens are HF's, so each position's argmax is the token HF's greedy loop picks there (its logits
+    from one forward instead of the KV-cache steps: gaps within ~3e-5 on SmolLM2, tokens equal); the
+    comparison stops at the first divergence. The reference is as long as `ours`: callers check the
+    length themselves."""
+    inputs = torch.tensor([prompt_ids + ours[:-1]], device=model.device)
+    logits = model(input_ids=inputs, logits_to_keep=len(ours)).logits[0].float()
+    top2 = torch.topk(logits, 2)
+    return Reference(top2.indices[:, 0].tolist(), (top2.values[:, 0] - top2.values[:, 1]).tolist())
+
+
 def compare_greedy(ours: list[int], ref: Reference, label: str = "") -> str | None:
     """None if identical; a note if they diverge at a near-tie; AssertionError otherwise."""
     for i, (a, b) in enumerate(zip(ours, ref.token_ids)):

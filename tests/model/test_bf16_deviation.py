@@ -111,12 +111,14 @@ def test_decision_margin_of_hand_made_logits() -> None:
 
 
 @pytest.fixture(scope="module")
-def smollm2_models():
+def smollm2_models(tmp_path_factory):
+    from tests.helpers.hf_smollm2 import hf_smollm2_dir
     from tokenmill.model.default_model import DEFAULT_MODEL, resolve_model_path
     require_smollm2()
     path = resolve_model_path(DEFAULT_MODEL)
     dtypes = (torch.float32, torch.bfloat16)
-    return path, {d: bd.load_tokenmill(path, d) for d in dtypes}, bd.load_hf_pair(path)
+    # HF's pair from this run's copy of HF's GGUF load (the weights `load_hf_pair(path)` would load).
+    return path, {d: bd.load_tokenmill(path, d) for d in dtypes}, bd.load_hf_pair(hf_smollm2_dir(tmp_path_factory))
 
 
 @pytest.mark.slow
