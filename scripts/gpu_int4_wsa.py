@@ -27,8 +27,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_int4_ws import LLAMA, _dump, _graph_us, _rel  # the ws GEMM's script: the same bench helpers
 
-LLAMA = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}
 GROUP = 128
 
 
@@ -81,16 +82,6 @@ def _weights(n, k, group, seed=0):
     sz = packed_scale_offset(wt.scales, wt.zeros)
     wt.scales._int4_dot_sz = sz  # as the engine keeps them from load
     return w, wt, qm, sz, packing.dequantize(wt, group, torch.float32)
-
-
-def _rel(out, ref):
-    return ((out.float() - ref).norm() / ref.norm()).item()
-
-
-def _dump(obj, path):
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def _run(t, xp, qm, scales, zeros, group, sz, counters):
@@ -151,32 +142,6 @@ def selftest(shard: str, out_dir: str) -> int:
     rec["failures"] = fails
     _dump(rec, path)
     return fails
-
-
-def _graph_us(fn, copies: int, reps: int = 20) -> float:
-    """us per call: a CUDA graph of `reps` calls fn(i) (i: the weight copy), replayed, median of 5."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(2):
-            fn(i % copies)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for r in range(reps):
-            fn(r % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000 / reps)
-    del graph
-    return sorted(times)[2]
 
 
 def _prepare(n, k):
