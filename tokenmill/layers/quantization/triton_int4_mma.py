@@ -806,7 +806,7 @@ def mma_dequantize(qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                counters: torch.Tensor | None = None, x_kperm: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T for any M: the GEMV up to 8 rows; above, a GEMM on this layout
-    (`int4_ws_route`, then `triton_int4_dot_gemm`) where its table lists the rows and shape, else
+    (`int4_wsa_route`, `int4_ws_route`, then `triton_int4_dot_gemm`) where its table lists the rows and shape, else
     the GEMV per 8 rows up to LOOP_MAX_ROWS, else dequantize + cuBLAS. x_kperm: x's
     columns already in the swapped GEMM's K order (`int4_kperm`): that GEMM reads it as it is,
     every other path after putting it back."""
