@@ -960,7 +960,7 @@ PART_DEADLINE_ENV = "GPU_QUANT_PART_DEADLINE"  # a part's kill time (time.time()
 # Most seconds a part may take (the budget left caps it further).
 PART_CAP_S = {"kernels": 120, "bf16": 170, "fp8": 120, "int4": 170, "int4panels": 80, "kvfp8": 148, "fp8kv": 100, "micro": 70, "tiny": 100, "tune": 150, "sweep": 150,
               "int4sweep": 150, "profile": 150, "w8a8": 100}
-PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 200, "b1": 90, "w8a8tma": 90,
+PART_CAP_S.update({"pdl": 100, "pdlplant": 40, "siluquant": 40, "fp8engines": 400, "b1": 90, "w8a8tma": 90,
                    "b1profile": 118})
 PART_CAP_S.update({"int4gemm": 150, "int4profile": 120, "int4bf16head": 80, "int4b1": 150, "int4before": 90,
                    "int4x1": 90, "int4x2": 90,
