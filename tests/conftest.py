@@ -18,10 +18,9 @@ if not os.path.exists("/dev/nvidia0") and shutil.which("nvidia-smi") is None:
 # default, 38 and 45 s with this (a shared two-core machine). libgomp reads it when torch loads it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.helpers.requirements import require_smollm2  # noqa: E402
-
+from tests.helpers.requirements import require_smollm2
 
 # pytest-timeout: every test has `timeout` of pyproject.toml (seconds, each of setup, call and
 # teardown); the marked ones get more, unless they set their own with @pytest.mark.timeout.
