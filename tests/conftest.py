@@ -32,14 +32,14 @@ def soak_timeout_s() -> float:
     return 600 + 2 * float(os.environ.get("TOKENMILL_SOAK_S", "60"))
 
 
-# The heaviest files (test-time sums of a CI run), scheduled first: `-n 2 --dist loadfile` hands each
-# worker the next file in collection order, so a heavy file collected last would run alone at the end.
+# The heaviest files (test-time sums of a CI run; test_decode_fusions left the list at 26 s once its
+# 16-split cases went), scheduled first: `-n 2 --dist loadfile` hands each worker the next file in
+# collection order, so a heavy file collected last would run alone at the end.
 HEAVY_FIRST = (
     "engine/test_quantized_smollm2.py", "layers/test_int4_norm_fold.py",
-    "parallel/test_split_equals_one_process.py", "layers/test_decode_fusions.py",
-    "server/test_engine_faults.py", "server/test_soak.py", "layers/test_attention_interior.py",
-    "engine/test_generate_vs_hf.py", "model/test_bf16_deviation.py", "parallel/test_ray_executor.py",
-    "layers/test_int4_mma.py", "engine/test_smollm2_vs_hf.py",
+    "parallel/test_split_equals_one_process.py", "server/test_engine_faults.py", "server/test_soak.py",
+    "layers/test_attention_interior.py", "engine/test_generate_vs_hf.py", "model/test_bf16_deviation.py",
+    "parallel/test_ray_executor.py", "layers/test_int4_mma.py", "engine/test_smollm2_vs_hf.py",
 )
 
 
