@@ -85,7 +85,9 @@ def _compacts_for_madvise() -> bool:
 def test_child_processes_default_to_huge_pages_and_the_user_wins() -> None:
     child = _run_child(None)
     assert child["env"] == "1"
-    assert child["vmas"] and all(v["hg"] for v in child["vmas"]), child  # madvise(MADV_HUGEPAGE) on it all
+    assert child["vmas"], child
+    if _thp_mode() is not None:  # a kernel with THP: madvise(MADV_HUGEPAGE) took, on the whole tensor
+        assert all(v["hg"] for v in child["vmas"]), child
     if _thp_mode() in ("madvise", "always"):
         assert all(v.get("eligible", True) for v in child["vmas"]), child
     if _compacts_for_madvise() and child["huge_kib"] == 0:
