@@ -1,7 +1,7 @@
 """Child processes start with huge pages on for torch's large CPU allocations (`tokenmill.cpu_memory`).
 
-What tokenmill controls is asserted on every Linux machine: the child's `THP_MEM_ALLOC_ENABLE` is 1,
-so torch `madvise(MADV_HUGEPAGE)`s its weight-sized tensor: the kernel marks the tensor's mapping
+What tokenmill controls is asserted on every Linux kernel with THP: the child's `THP_MEM_ALLOC_ENABLE`
+is 1, so torch `madvise(MADV_HUGEPAGE)`s its weight-sized tensor: the kernel marks the tensor's mapping
 `hg` in /proc/self/smaps' VmFlags, and (THP mode `madvise` or `always`) `THPeligible: 1`. How many
 huge pages the kernel then finds depends on its free memory's fragmentation (a CI run measured
 16 MiB of a 64 MiB tensor): only at least one is asserted, and only where the kernel compacts memory
