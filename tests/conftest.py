@@ -18,10 +18,9 @@ if not os.path.exists("/dev/nvidia0") and shutil.which("nvidia-smi") is None:
 # default, 38 and 45 s with this (a shared two-core machine). libgomp reads it when torch loads it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import pytest  # noqa: E402
+import pytest
 
-from tests.helpers.requirements import require_smollm2  # noqa: E402
-
+from tests.helpers.requirements import require_smollm2
 
 # pytest-timeout: every test has `timeout` of pyproject.toml (seconds, each of setup, call and
 # teardown); the marked ones get more, unless they set their own with @pytest.mark.timeout.
@@ -33,7 +32,24 @@ def soak_timeout_s() -> float:
     return 600 + 2 * float(os.environ.get("TOKENMILL_SOAK_S", "60"))
 
 
+# The heaviest files (test-time sums of a CI run; test_decode_fusions left the list at 26 s once its
+# 16-split cases went), scheduled first: `-n 2 --dist loadfile` hands each worker the next file in
+# collection order, so a heavy file collected last would run alone at the end.
+HEAVY_FIRST = (
+    "engine/test_quantized_smollm2.py", "layers/test_int4_norm_fold.py",
+    "parallel/test_split_equals_one_process.py", "server/test_engine_faults.py", "server/test_soak.py",
+    "layers/test_attention_interior.py", "engine/test_generate_vs_hf.py", "model/test_bf16_deviation.py",
+    "parallel/test_ray_executor.py", "layers/test_int4_mma.py", "engine/test_smollm2_vs_hf.py",
+)
+
+
+def _heavy_rank(item) -> int:
+    path = item.nodeid.split("::")[0].removeprefix("tests/")
+    return HEAVY_FIRST.index(path) if path in HEAVY_FIRST else len(HEAVY_FIRST)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=_heavy_rank)  # stable: every file's own order is kept
     for item in items:
         if item.get_closest_marker("timeout") is not None:
             continue

@@ -20,17 +20,19 @@ from tests.helpers.triton_required import require_triton
 
 require_triton()
 
-from tests.layers.test_attention_windows import poisoned_case, run_backend  # noqa: E402
-from tokenmill.layers.attention.triton_backend import (  # noqa: E402
-    DecodeTiles, TritonAttentionBackend, TritonAttentionConfig)
+from tests.layers.test_attention_windows import poisoned_case, run_backend
+from tokenmill.layers.attention.triton_backend import DecodeTiles, TritonAttentionBackend, TritonAttentionConfig
 
 # Chunks over cached context (query tiles of several tokens), decodes whose context ends on a KV
 # tile boundary (63 + 1 = 64 keys) or just past it, a multi-token decode and a fresh prefill.
 MIX = ([100, 63, 64, 130, 0, 47], [40, 1, 1, 5, 70, 17])
 
 
-@pytest.mark.parametrize("window", [None, 40, 23])
-@pytest.mark.parametrize("block_n,splits,lookup", [(16, None, False), (16, 3, True), (32, None, True), (32, 2, False)])
+# Every window with each value of every other axis (16- and 32-key tiles, split or not, block-table
+# lookup or not), and each launch with two windows: 9 of the 12 pairs of windows and launches.
+@pytest.mark.parametrize("window,block_n,splits,lookup", [
+    (40, 16, None, False), (23, 16, None, False), (None, 16, 3, True), (23, 16, 3, True),
+    (None, 32, None, True), (40, 32, None, True), (None, 32, 2, False), (40, 32, 2, False), (23, 32, 2, False)])
 def test_interior_tiles(window, block_n, splits, lookup):
     case, _ = poisoned_case(window, None, 8, heads=(4, 2), head_dim=16, mix=MIX)
     config = TritonAttentionConfig(block_n=block_n, kv_splits=splits, prefill_rows=32, lookup_blocks=lookup)
@@ -123,7 +125,7 @@ def test_decode_launch_parameters_per_cache_dtype():
     assert fp8_split.num_splits == 32  # 8 programs: 33 wanted (4096 // 64 = 64 by length), a power of two
     assert (multi.block_q, multi.block_n, multi.num_stages, multi.num_warps) == (8, 64, 2, 4)
     assert (prefill.block_n, prefill.num_stages) == (64, 2)
-    unset = dict(split_decode_tiles=None, fp8_decode_tiles=None, fp8_split_decode_tiles=None)
+    unset = {"split_decode_tiles": None, "fp8_decode_tiles": None, "fp8_split_decode_tiles": None}
     plain = plan_launch(TritonAttentionConfig(decode_tiles=DecodeTiles(16, 4, 1), **unset), 32, 8, 1, 1, 1, 4096, 132,
                         kv_fp8=True)
     assert (plain.block_n, plain.num_stages, plain.num_warps, plain.num_splits) == (16, 1, 4, 32)

@@ -16,12 +16,12 @@ from tests.helpers.triton_required import require_triton
 
 require_triton()
 
-from tokenmill.config import RopeConfig  # noqa: E402
-from tokenmill.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from tokenmill.layers.attention.triton_kv_write import write_kv  # noqa: E402
-from tokenmill.layers.attention.triton_rope_kv_write import rotate_and_write_kv  # noqa: E402
-from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep  # noqa: E402
-from tokenmill.layers.triton_ops.rotary import rotate_  # noqa: E402
+from tokenmill.config import RopeConfig
+from tokenmill.layers.attention.triton_backend import TritonAttentionBackend
+from tokenmill.layers.attention.triton_kv_write import write_kv
+from tokenmill.layers.attention.triton_rope_kv_write import rotate_and_write_kv
+from tokenmill.layers.rotary import RotaryEmbedding, RotaryStep
+from tokenmill.layers.triton_ops.rotary import rotate_
 
 BLOCK, BLOCKS = 4, 6
 
@@ -146,13 +146,15 @@ def test_vocab_parallel_embedding_kernel_equals_the_torch_path(dtype):
                                                         (torch.float16, torch.float16, None),
                                                         (torch.float16, torch.float8_e4m3fn, None),
                                                         (torch.float32, torch.float32, 9)])
-@pytest.mark.parametrize("splits", [4, 16])
+@pytest.mark.parametrize("splits", [4])
 def test_rope_in_attention_equals_the_rotary_kernel(monkeypatch, dtype, cache_dtype, splits, window):
     """Single-token split decodes (PREWAIT): the attention kernel rotates q and this step's k and writes
     k, v into the cache itself (no rotary + KV write launch), bit for bit the cache and output of the
     rotary kernel's path (TOKENMILL_ATTN_ROPE=0). Contexts put this step's key first (0), last (31,
     63) and inside a 32-key tile, and on either side of a share; a zero-length row; padding rows; a
-    sliding window (9 keys: the walk starts past the first tiles)."""
+    sliding window (9 keys: the walk starts past the first tiles). Contexts of at most two 32-key
+    tiles: 4 shares already give one tile a share and empty shares; 16 split them the same way (a
+    reduce of one chunk either way) at four times the interpreter's time (65 s), so they were dropped."""
     from tests.layers.test_attention import make_case
     from tokenmill.layers.attention import triton_backend as tb
     from tokenmill.layers.attention import triton_rope_kv_write

@@ -193,7 +193,7 @@ def test_mma_ptx_assembles_for_sm90():
                 '{"warps": 4, "split": 2, "pdl": true, "hint": true, "pipe": true, "silu": true, "rstd": true}',
                 '{"warps": 4, "split": 16, "pdl": true, "hint": true, "res": true, "sq": true, "yw": true}']
     proc = subprocess.run([sys.executable, str(script)] + [a for j in launches for a in ("--launch", j)],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          check=False, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode and ("ptxas" in proc.stderr or "cuobjdump" in proc.stderr) and "No such file" in proc.stderr:
         pytest.skip("triton without its bundled CUDA tools")  # pragma: no cover
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -284,8 +284,10 @@ def test_launch_labels_round_trip_and_the_env_table(monkeypatch):
     assert mma.config_for(28672, 4096, 128) == mma.TABLE[(28672, 4096)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m,group,warps,split", [(1, 64, 1, 1), (3, 64, 2, 4), (8, 128, 4, 2), (2, 128, 1, 1)])
+# each launch shape in one dtype, the first in both (the dtype changes the roundings, not the launch)
+@pytest.mark.parametrize("m,group,warps,split,dtype", [
+    (1, 64, 1, 1, torch.float32), (1, 64, 1, 1, torch.float16), (3, 64, 2, 4, torch.float16),
+    (8, 128, 4, 2, torch.float32), (2, 128, 1, 1, torch.float16)])
 def test_mma_gemv_silu_epilogue_matches_the_unfused_path(m, group, warps, split, dtype):
     """SILU: a [gate | up] weight in `gate_up_pairs` order gives silu(gate) * up [M, I] in one
     launch: the plain GEMV of the natural weight then `silu_and_mul`, bit for bit (the same sums,
