@@ -44,7 +44,15 @@ def variants(m: int, name: str) -> list:
     (t64 g4: x read N / 256 times, the weight 4 times from L2; t32 g4: 8 times) or 128 (t64 g2), and
     128 x 128 tiles split. Rounds 1-4 also timed depth 2 (never better), stream-K (won only for qkv,
     before its plain 128 x 128 launch), split 4 (worse than 2); t128 g4 is not timed (ptxas serializes
-    its wgmmas: 16 consumer warps have ~120 registers)."""
+    its wgmmas: 16 consumer warps have ~120 registers). INT4_WSA_ROUTED_ONLY=1: only the launch the route's
+    tables list (`int4_wsa_route.TABLE` / `PREFILL`), none where they list none."""
+    if os.environ.get("INT4_WSA_ROUTED_ONLY") == "1":
+        from tokenmill.layers.quantization import int4_wsa_route as wsa
+        from tokenmill.layers.quantization.int4_mma_launch import gemm_row_bucket
+        n, k = LLAMA[name]
+        bucket = gemm_row_bucket(m)
+        t = wsa.TABLE.get((bucket, n, k)) if bucket is not None else wsa.PREFILL.get((n, k))
+        return [t] if t is not None else []
     if m > 1024:  # a prefill chunk: whole tiles of 256 x 128 in groups of r token tiles (x stays in L2)
         return [_t(256, 2, 4, raster=8) if name == "gate_up" else _t(256, 2, 4, raster=2)]
     if name == "gate_up":  # 224 CTAs of 256 x 128
