@@ -40,9 +40,9 @@ def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
 
 @gluon.jit
 def store_tile(acc, out_ptr, part_ptr, cnt_ptr, off_m, off_n, M, N, s_om, SPLIT_K: gl.constexpr):
-    """The output tile [BM, BN] at (off_m, off_n), rows past M masked (this GEMM's and `gluon_int4_ws_gemm`'s
-    epilogue). SPLIT_K (grid axis 1 the K slices), as `triton_split_k.store_tile`: each slice's fp32
-    partial, then the last slice to arrive (counter `cnt_ptr[pid]`, left zeroed) sums them in slice order."""
+    """The output tile [BM, BN] at (off_m, off_n), rows past M masked (this GEMM's epilogue). SPLIT_K (grid
+    axis 1 the K slices), as `triton_split_k.store_tile`: each slice's fp32 partial, then the last slice to
+    arrive (counter `cnt_ptr[pid]`, left zeroed) sums them in slice order."""
     BM: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])

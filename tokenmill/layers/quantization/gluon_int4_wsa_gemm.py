@@ -4,8 +4,8 @@ out^T [N, M] = W [N, K] @ x^T, the weight dequantized in registers as wgmma's A 
 Why: `gluon_int4_swap_gemm` (the weight from global memory into registers, dequantized there as the
 register A operand, x^T from shared memory) runs each 64-input step as one serial chain in one set of
 warps (x's cp.async wait, a CTA barrier, the dequantization, the wgmma issue / retire): the tensor
-cores idle between steps. `gluon_int4_ws_gemm` warp-specialized the other orientation, and its
-dequantizers' B tiles through shared memory are its limit. Here (the mixed-input design of Hopper
+cores idle between steps. Session 10's warp-specialized GEMM (retired in session 12) kept the other
+orientation, and its dequantizers' B tiles through shared memory were its limit. Here (the mixed-input design of Hopper
 GEMMs: the narrow operand converted in registers) the chain is cut in two partitions that meet only
 at mbarriers of one shared-memory ring:
 - the loader (1 warp): per step, x's [BT, 64] tile (x already in the fragment's K order, written so
