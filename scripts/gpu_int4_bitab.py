@@ -1,4 +1,4 @@
-"""Bit for bit on a GPU: the INT4 swapped / wsa GEMMs of this tree against another tree's copies of their
+"""Bit for bit on a GPU: the INT4 Gluon GEMMs (swapped, wsa, stream-K, plain) of this tree against another tree's copies of their
 modules, in one process (a clean-up that must not change a bit: session 12's ws retirement and shared
 epilogue). The other tree's modules sit in a package OLD (default `int4old`, on PYTHONPATH; their imports of
 each other rewritten to it, e.g. extra/int4old/ of a request). Per case: the same weights, x and launch
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import time
 
@@ -26,11 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_int4_bench import LLAMA, dump, rel, weights  # scripts/
 
 GROUP = 128
+NATURAL = ("swap", "gluon")  # the wrappers that take x in its natural order (the others: permuted)
 
 
 def _cases():
     """(label, linear, rows, how: "route" / "route kperm" (this tree through mma_matmul, x natural or
-    permuted) / "direct" (both wrappers called), kind: "wsa" / "sk" / "swap", launch label, control)."""
+    permuted) / "direct" (both wrappers called), kind: "wsa" / "sk" / "swap" / "gluon", launch label,
+    control)."""
     from tokenmill.layers.quantization import int4_wsa_route as wsa
     from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
 
@@ -49,6 +52,8 @@ def _cases():
         out.append((f"{name} m{bucket} swap route", name, bucket - 3, "route", "swap",
                     dot.TABLE[(bucket, n, k)].label(), False))
     out.append(("gate_up m256 swap t256", "gate_up", 256, "direct", "swap", dot.TABLE[(256, 28672, 4096)].label(), False))
+    out.append(("o m64 gluon split-K", "o", 64, "direct", "gluon", "gluon m64 n128 st4 w4 s2", False))  # not routed
+    out.append(("qkv m128 gluon", "qkv", 125, "direct", "gluon", "gluon m128 n128 st3 w4", False))
     out.append(("o m256 control: this tree t64 g2 st6, the other t256 g1 st4 s2", "o", 256, "direct", "wsa",
                 "wsa t64 g2 c1 st6|wsa t256 g1 c1 st4 s2", True))
     return out
@@ -58,6 +63,12 @@ def _launch(mod_name: str, kind: str, label: str, x, qm, wt, sz, counters):
     from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
 
+    if kind == "gluon":  # "gluon m64 n128 st4 w4 s2" (GluonTiles.label)
+        mod = importlib.import_module(f"{mod_name}.gluon_int4_gemm")
+        v = dict(re.findall(r"([a-z]+)(\d+)", label.removeprefix("gluon ")))
+        t = dot.GluonTiles(int(v["m"]), int(v["n"]), int(v["st"]), int(v["w"]), int(v.get("s", 1)), int(v.get("k", 64)))
+        assert t.label() == label, (t.label(), label)
+        return mod.gluon_gemm(x, qm, wt.scales, wt.zeros, GROUP, t, sz=sz, counters=counters)
     if kind == "swap":
         mod = importlib.import_module(f"{mod_name}.gluon_int4_swap_gemm")
         return mod.swap_gemm(x, qm, wt.scales, wt.zeros, GROUP, dot.SwapTiles.parse(label), sz=sz, counters=counters)
@@ -100,9 +111,9 @@ def run(out_dir: str, shard: str, old: str) -> int:
             elif how == "route kperm":
                 new = mma.mma_matmul(xp, qm, wt.scales, wt.zeros, GROUP, counters["new"], x_kperm=True)
             else:
-                new = _launch("tokenmill.layers.quantization", kind, new_launch, x if kind == "swap" else xp, qm, wt,
+                new = _launch("tokenmill.layers.quantization", kind, new_launch, x if kind in NATURAL else xp, qm, wt,
                               sz, counters["new"])
-            got = _launch(old, kind, old_launch, x if kind == "swap" else xp, qm, wt, sz, counters["old"])
+            got = _launch(old, kind, old_launch, x if kind in NATURAL else xp, qm, wt, sz, counters["old"])
             torch.cuda.synchronize()
             same = torch.equal(new, got)
             zeroed = not counters["new"].any().item() and not counters["old"].any().item()
