@@ -45,12 +45,14 @@ def split_k_store(part, out_ptr, part_ptr, cnt_ptr, o_off, p_off, o_mask, pid, p
     `triton_split_k.store_tile`: slice pid_k's fp32 partial `part` (in layout out_l) stored at p_off of
     its [M, N] slot, then the last slice to arrive at CTA pid's counter (`cnt_ptr[pid]`, left zeroed)
     sums the `split` slices in slice order and stores the bf16 tile at o_off of out."""
+    R: gl.constexpr = part.shape[0]
+    C: gl.constexpr = part.shape[1]
     mn = N.to(gl.int64) * M
     gl.store(part_ptr + pid_k * mn + p_off, part, mask=o_mask)
     _barrier()
     arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
     if arrived == split - 1:
-        total = gl.zeros([part.shape[0], part.shape[1]], gl.float32, layout=out_l)
+        total = gl.zeros([R, C], gl.float32, layout=out_l)
         for sl in range(split):
             total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
         gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
