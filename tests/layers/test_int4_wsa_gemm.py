@@ -4,8 +4,8 @@ CPU checks its parts: what a ring slot holds as the consumers read it (`slot_til
 coordinates and the plain views) through the swapped GEMM's register map, the split-K slice order
 (`emulate`) against a float64 reference from the codes, the stream-K walk (`segments`, `cta_of`), both
 wrappers' refusals, the launch labels and table, the route (one table lookup a call), and offline sm_90
-compiles (HGMMA with A in registers, one wgmma left in flight,
-only the consumers' own barrier in the loop, three TMA loads, no local memory).
+compiles (HGMMA with A in registers, one wgmma left in flight, only the consumers' own barrier in the
+loop, three TMA loads, no local memory).
 On a GPU scripts/gpu_int4_wsa.py checks every launch against a float32 reference.
 """
 
