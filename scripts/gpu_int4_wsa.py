@@ -19,7 +19,6 @@ TOKENMILL_INT4_WSA_TABLE line of the launches 3% under the routed path. Budget: 
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_int4_ws import LLAMA, _dump, _graph_us, _rel  # the ws GEMM's script: the same bench helpers
+from gpu_int4_bench import LLAMA, dump, graph_us, prepare, rel, weights  # scripts/: the shared bench parts
 
 GROUP = 128
 
@@ -45,7 +44,15 @@ def variants(m: int, name: str) -> list:
     (t64 g4: x read N / 256 times, the weight 4 times from L2; t32 g4: 8 times) or 128 (t64 g2), and
     128 x 128 tiles split. Rounds 1-4 also timed depth 2 (never better), stream-K (won only for qkv,
     before its plain 128 x 128 launch), split 4 (worse than 2); t128 g4 is not timed (ptxas serializes
-    its wgmmas: 16 consumer warps have ~120 registers)."""
+    its wgmmas: 16 consumer warps have ~120 registers). INT4_WSA_ROUTED_ONLY=1: only the launch the route's
+    tables list (`int4_wsa_route.TABLE` / `PREFILL`), none where they list none."""
+    if os.environ.get("INT4_WSA_ROUTED_ONLY") == "1":
+        from tokenmill.layers.quantization import int4_wsa_route as wsa
+        from tokenmill.layers.quantization.int4_mma_launch import gemm_row_bucket
+        n, k = LLAMA[name]
+        bucket = gemm_row_bucket(m)
+        t = wsa.TABLE.get((bucket, n, k)) if bucket is not None else wsa.PREFILL.get((n, k))
+        return [t] if t is not None else []
     if m > 1024:  # a prefill chunk: whole tiles of 256 x 128 in groups of r token tiles (x stays in L2)
         return [_t(256, 2, 4, raster=8) if name == "gate_up" else _t(256, 2, 4, raster=2)]
     if name == "gate_up":  # 224 CTAs of 256 x 128
@@ -72,18 +79,6 @@ def launches() -> list:
     return seen
 
 
-def _weights(n, k, group, seed=0):
-    from tokenmill.layers.quantization import int4_packing as packing
-    from tokenmill.layers.quantization.triton_int4_dot_gemm import packed_scale_offset
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    wt = packing.from_codes(packing.quantize_int4(w, group, sym=False), torch.bfloat16, act_order=False)
-    qm = packing.to_mma(wt.qweight)
-    sz = packed_scale_offset(wt.scales, wt.zeros)
-    wt.scales._int4_dot_sz = sz  # as the engine keeps them from load
-    return w, wt, qm, sz, packing.dequantize(wt, group, torch.float32)
-
-
 def _run(t, xp, qm, scales, zeros, group, sz, counters):
     """One launch: the stream-K kernel for t.sk, else the plain one."""
     if t.sk:
@@ -102,7 +97,7 @@ def selftest(shard: str, out_dir: str) -> int:
     rec = {"device": torch.cuda.get_device_name(), "checks": []}
     path = os.path.join(out_dir, f"int4wsa-selftest-{i}.json")
     fails = 0
-    data = {c: _weights(*c) for c in [(512, 1024, 128), (512, 1536, 64)]}
+    data = {c: weights(*c) for c in [(512, 1024, 128), (512, 1536, 64)]}
     counters = torch.zeros(4096, dtype=torch.int32, device="cuda")
     for t in mine:
         for (n, k, group), (_, wt, qm, sz, ref_w) in data.items():
@@ -112,7 +107,7 @@ def selftest(shard: str, out_dir: str) -> int:
                 try:
                     out = _run(t, permute_x(x), qm, wt.scales, wt.zeros, group, sz, counters)
                     torch.cuda.synchronize()
-                    err = _rel(out, x.float() @ ref_w)
+                    err = rel(out, x.float() @ ref_w)
                     ok = err < 1e-2 and not counters.any().item()
                     what = f"rel err {err:.1e}, counters zero {not counters.any().item()}"
                 except Exception as e:  # noqa: BLE001 - reported, not fatal
@@ -121,7 +116,7 @@ def selftest(shard: str, out_dir: str) -> int:
                 rec["checks"].append({"launch": t.label(), "n": n, "k": k, "group": group, "m": m, "ok": ok,
                                       "what": what, "s": round(time.perf_counter() - t0, 2)})
                 print(f"  [{'ok' if ok else 'FAIL'}] {t.label()} n{n} k{k} g{group} m{m}: {what}", flush=True)
-                _dump(rec, path)
+                dump(rec, path)
     split_t = next((t for t in mine if t.split > 1 or t.sk), None)
     if split_t is not None:  # a split-K launch replayed in a CUDA graph (the counters reset themselves)
         (n, k, group), (_, wt, qm, sz, ref_w) = next(iter(data.items()))
@@ -134,28 +129,14 @@ def selftest(shard: str, out_dir: str) -> int:
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
-        err = max(_rel(o, x.float() @ ref_w) for o, x in zip(outs, xs))
+        err = max(rel(o, x.float() @ ref_w) for o, x in zip(outs, xs))
         ok = err < 1e-2 and not counters.any().item()
         fails += not ok
         rec["checks"].append({"launch": split_t.label(), "graph": True, "ok": ok, "what": f"rel err {err:.1e}"})
         print(f"  [{'ok' if ok else 'FAIL'}] {split_t.label()} in a CUDA graph, replayed: rel err {err:.1e}", flush=True)
     rec["failures"] = fails
-    _dump(rec, path)
+    dump(rec, path)
     return fails
-
-
-def _prepare(n, k):
-    """The linear's weights and enough copies of each to cycle ~150 MB (past the 50 MB L2)."""
-    w, wt, qm, sz, ref_w = _weights(n, k, GROUP)
-    n_bf = max(2, math.ceil(150e6 / (w.numel() * 2)))
-    n_q = max(2, math.ceil(150e6 / (qm.numel() * 4 + sz.numel() * 4)))
-    bf = [w] + [w.clone() for _ in range(n_bf - 1)]
-    q = [(qm, wt.scales, wt.zeros, sz)]
-    for _ in range(n_q - 1):
-        s = wt.scales.clone()
-        s._int4_dot_sz = sz.clone()
-        q.append((qm.clone(), s, wt.zeros.clone(), s._int4_dot_sz))
-    return wt, qm, sz, ref_w, bf, q
 
 
 def passed_launches(out_dir: str) -> set | None:
@@ -180,33 +161,33 @@ def _bench_linear(rec, path, name, n, k, m, data, counters, deadline) -> None:
     xp = permute_x(x)
     ref = x.float() @ ref_w
     r = rec["us"].setdefault(f"m{m}/{name}", {})
-    r["bf16"] = _graph_us(lambda i: x @ bf[i].t(), len(bf))
-    rec["errors"][f"m{m}/{name}/routed"] = _rel(mma.mma_matmul(x, qm, wt.scales, wt.zeros, GROUP, counters), ref)
-    r["routed"] = _graph_us(lambda i: mma.mma_matmul(x, *q[i][:3], GROUP, counters), len(q))
+    r["bf16"] = graph_us(lambda i: x @ bf[i].t(), len(bf))
+    rec["errors"][f"m{m}/{name}/routed"] = rel(mma.mma_matmul(x, qm, wt.scales, wt.zeros, GROUP, counters), ref)
+    r["routed"] = graph_us(lambda i: mma.mma_matmul(x, *q[i][:3], GROUP, counters), len(q))
     from tokenmill.layers.quantization import int4_kperm
     if int4_kperm.swap_route(m, n, k, GROUP, x.dtype):  # the engine's form: x written permuted by its producer
-        rec["errors"][f"m{m}/{name}/routed kperm"] = _rel(
+        rec["errors"][f"m{m}/{name}/routed kperm"] = rel(
             mma.mma_matmul(xp, qm, wt.scales, wt.zeros, GROUP, counters, x_kperm=True), ref)
-        r["routed kperm"] = _graph_us(lambda i: mma.mma_matmul(xp, *q[i][:3], GROUP, counters, x_kperm=True), len(q))
+        r["routed kperm"] = graph_us(lambda i: mma.mma_matmul(xp, *q[i][:3], GROUP, counters, x_kperm=True), len(q))
     for t in variants(m, name):
         if time.perf_counter() > deadline:
             break
         if rec["passed"] is not None and t.label() not in rec["passed"]:
             continue
         try:
-            err = _rel(_run(t, xp, qm, wt.scales, wt.zeros, GROUP, sz, counters), ref)
+            err = rel(_run(t, xp, qm, wt.scales, wt.zeros, GROUP, sz, counters), ref)
             rec["errors"][f"m{m}/{name}/{t.label()}"] = err
             if err > 1e-2 or counters.any().item():
                 print(f"  [FAIL] m{m} {name} {t.label()}: rel err {err:.1e}", flush=True)
                 continue
-            r[t.label()] = _graph_us(lambda i, t=t: _run(t, xp, q[i][0], q[i][1], q[i][2], GROUP, q[i][3], counters),
-                                     len(q))
+            r[t.label()] = graph_us(lambda i, t=t: _run(t, xp, q[i][0], q[i][1], q[i][2], GROUP, q[i][3], counters),
+                                    len(q))
         except Exception as e:  # noqa: BLE001 - reported, not fatal
             rec["errors"][f"m{m}/{name}/{t.label()}"] = f"{type(e).__name__}: {str(e)[:300]}"
             print(f"  [FAIL] m{m} {name} {t.label()}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     ranked = sorted((v, lab) for lab, v in r.items())
     print(f"m{m} {name} {n}x{k}: " + "; ".join(f"{lab} {v:.1f}" for v, lab in ranked), flush=True)
-    _dump(rec, path)
+    dump(rec, path)
 
 
 def bench(out_dir: str, rows: list[int]) -> None:
@@ -219,7 +200,7 @@ def bench(out_dir: str, rows: list[int]) -> None:
     rec["passed"] = None if passed is None else sorted(passed)
     print(f"launches timed: {'all' if passed is None else sorted(passed)}", flush=True)
     counters = torch.zeros(8192, dtype=torch.int32, device="cuda")
-    data = {name: _prepare(n, k) for name, (n, k) in LLAMA.items()}
+    data = {name: prepare(n, k, GROUP) for name, (n, k) in LLAMA.items()}
     print(f"weights ready ({time.perf_counter() - t_start:.0f} s)", flush=True)
     for m in rows:
         for name, (n, k) in LLAMA.items():
@@ -247,7 +228,7 @@ def bench(out_dir: str, rows: list[int]) -> None:
             print(f"layer m{m}: " + ", ".join(f"{key} {v:.1f}" for key, v in lay.items()), flush=True)
     rec["table"] = ";".join(entries)
     print(f"TOKENMILL_INT4_WSA_TABLE=\"{rec['table']}\"", flush=True)
-    _dump(rec, path)
+    dump(rec, path)
 
 
 def pick(out_dir: str, margin: float = 0.02) -> str:

@@ -186,14 +186,12 @@ def test_gemm_selftest_passes_and_switches_the_gemm_off(monkeypatch, caplog):
     the table lists against the reference; a wrong or failing GEMM is switched off, with a warning,
     and `dot_tiles` then sends every row count to the other paths."""
     from tokenmill.layers.quantization import int4
-    from tokenmill.layers.quantization import int4_ws_route as ws
     from tokenmill.layers.quantization import int4_wsa_route as wsa
     from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
 
     t = dot.DotTiles(16, 32, 64, 4, 1, split=2, deq=1)
     monkeypatch.setattr(dot, "TABLE", {(16, 256, 512): t})
-    for mod in (ws, wsa):  # a failure below switches them off too: restored after the test
-        monkeypatch.setattr(mod, "ENABLED", True)
+    monkeypatch.setattr(wsa, "ENABLED", True)  # a failure below switches it off too: restored after the test
     monkeypatch.setattr(int4, "_GEMM_SELFTEST", {})
     assert int4.gemm_selftest(torch.device("cpu"), torch.float16) and dot.ENABLED
     assert dot.dot_tiles(16, 256, 512, 128, torch.float16) == t

@@ -18,6 +18,7 @@ import re
 import pytest
 import torch
 
+from tests.helpers.int4_gemm import compile_gluon_sm90
 from tests.helpers.requirements import require_module
 from tokenmill.layers.quantization import int4_packing as packing
 
@@ -139,13 +140,6 @@ def test_compiles_for_sm90_with_wgmma_in_flight(wtop, ahead, bt):
     registers (the wgmma in flight reads the other set), no local memory; the deeper word prefetch
     (AHEAD 3, 4: the loads of 4, 5 steps in flight) included."""
     pytest.importorskip("triton.experimental.gluon")
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-    import sass_tools
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from tokenmill.layers.quantization.gluon_int4_swap_gemm import (
         _swap_gemm_kernel as fn,
     )
@@ -153,19 +147,7 @@ def test_compiles_for_sm90_with_wgmma_in_flight(wtop, ahead, bt):
     const = {"GROUP": 128, "BT": bt, "BK": 64, "STAGES": 4 + wtop, "AHEAD": ahead, "SPLIT_K": False,
              "XNAT": False, "CPW": 1, "WTOP": wtop}
     ptrs = {"x_ptr": "bf16", "w_ptr": "i32", "sz_ptr": "i32", "out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-            if name in ("N", "K", "s_xm", "s_om"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 8})
-    fig, sass = sass_tools.disassemble(kernel)
+    fig, sass = compile_gluon_sm90(fn, const, ptrs, aligned=("N", "K", "s_xm", "s_om"), num_warps=8)
     assert fig["stack"] == 0, fig
     hgmma = re.findall(rf"HGMMA\.64x{bt}x16\.F32\.BF16 R\d+, (R\d+), gdesc", sass)
     assert len(hgmma) == 16, hgmma  # 4 k16 steps x (peeled step, two loop call sites, last step)

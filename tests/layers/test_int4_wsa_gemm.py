@@ -2,42 +2,39 @@
 warpgroups dequantizing the weight in registers as wgmma's A operand). Gluon has no interpreter, so the
 CPU checks its parts: what a ring slot holds as the consumers read it (`slot_tiles`: the loader's TMA
 coordinates and the plain views) through the swapped GEMM's register map, the split-K slice order
-(`emulate`) against a float64 reference from the codes, the wrapper's refusals, the launch labels and
-table, the route, and an offline sm_90 compile (HGMMA with A in registers, one wgmma left in flight,
-only the consumers' own barrier in the loop, three TMA loads, no local memory).
+(`emulate`) against a float64 reference from the codes, the stream-K walk (`segments`, `cta_of`), both
+wrappers' refusals, the launch labels and table, the route (one table lookup a call), and offline sm_90
+compiles (HGMMA with A in registers, one wgmma left in flight, only the consumers' own barrier in the
+loop, three TMA loads, no local memory).
 On a GPU scripts/gpu_int4_wsa.py checks every launch against a float32 reference.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
 import pytest
 import torch
 
+from tests.helpers.int4_gemm import case, compile_gluon_sm90, reference_w
 from tests.helpers.requirements import require_module
-from tokenmill.layers.quantization import int4_packing as packing
 
 require_module("triton")  # skipped on a machine without it; in CI, missing fails
 
-
-def _case(n, k, group, m=24, seed=0):
-    """(codes, mma words, packed scales / offsets, x bf16)."""
-    from tokenmill.layers.quantization.triton_int4_dot_gemm import packed_scale_offset
-
-    g = torch.Generator().manual_seed(seed)
-    codes = packing.quantize_int4(torch.randn(n, k, generator=g), group, sym=False)
-    wt = packing.from_codes(codes, torch.bfloat16, act_order=False)
-    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
-    return codes, packing.to_mma(wt.qweight), packed_scale_offset(wt.scales, wt.zeros), x
+_PTRS = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
 
 
-def _reference_w(codes) -> torch.Tensor:
-    """w^T [K, N] in float64 from the codes (scales / zeros rounded to bf16 as stored)."""
-    s = codes.scales.to(torch.bfloat16).double()
-    z = codes.zeros.to(torch.bfloat16).double()
-    return ((codes.codes.double() - z[:, codes.g_idx]) * s[:, codes.g_idx]).t()
+def _descs(bt: int, bc: int) -> dict:
+    """The wsa kernels' TMA descriptor types for [bt, 64] x tiles and bc-channel word / scale tiles."""
+    from triton.experimental.gluon import language as gl
+
+    from tokenmill.layers.quantization.gluon_int4_wsa_gemm import _PLAIN32
+
+    lay = gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
+    return {"x_desc": f"tensordesc<bf16[{bt}, 64],{lay!r}>", "w_desc": f"tensordesc<i32[{bc // 16}, 128],{_PLAIN32!r}>",
+            "s_desc": f"tensordesc<i32[1, {bc}],{_PLAIN32!r}>"}
 
 
 @pytest.mark.parametrize("wgs,split,group", [(1, 1, 128), (2, 2, 64), (2, 4, 128), (4, 2, 128)])
@@ -50,8 +47,8 @@ def test_emulated_product_matches_float64_reference(wgs, split, group):
     from tokenmill.layers.quantization.gluon_int4_wsa_gemm import emulate
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
 
-    codes, qm, sz, x = _case(512 if wgs == 4 else 256, 512, group, m=40)
-    ref = x.double() @ _reference_w(codes)
+    codes, qm, sz, x = case(512 if wgs == 4 else 256, 512, group, m=40)
+    ref = x.double() @ reference_w(codes)
     out = emulate(permute_x(x), qm, sz, group, WsaTiles(bt=64 if wgs == 4 else 128, wgs=wgs), split=split)
     err = ((out - ref).norm() / ref.norm()).item()
     assert err < 4e-3, err
@@ -67,8 +64,8 @@ def test_slot_weights_are_the_weights_rounded_once():
     )
     from tokenmill.layers.quantization.gluon_int4_wsa_gemm import slot_tiles
 
-    codes, qm, sz, _ = _case(128, 256, 64)
-    ref = _reference_w(codes).t().to(torch.bfloat16).double()  # [N, K]
+    codes, qm, sz, _ = case(128, 256, 64)
+    ref = reference_w(codes).t().to(torch.bfloat16).double()  # [N, K]
     for step in range(4):
         cols = permute_x(torch.arange(256.0).reshape(1, 256))[0, step * 64:(step + 1) * 64].long()
         for pid_c in range(2):
@@ -105,7 +102,7 @@ def test_wrapper_refuses_what_the_kernel_cannot_do():
     from tokenmill.layers.quantization.gluon_int4_wsa_gemm import wsa_gemm
     from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
 
-    _, qm, sz, x = _case(128, 256, 64)
+    _, qm, sz, x = case(128, 256, 64)
     scales = torch.ones(4, 128, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bf16 x"):
         wsa_gemm(x.half(), qm, scales, scales, 64, sz=sz)
@@ -113,9 +110,60 @@ def test_wrapper_refuses_what_the_kernel_cannot_do():
         wsa_gemm(x, qm, scales, scales, 64, WsaTiles(wgs=2, cpw=2), sz=sz)
     with pytest.raises(ValueError, match="group"):
         wsa_gemm(x, qm, scales, scales, 96, sz=sz)
-    _, qm3, sz3, x3 = _case(128, 192, 64)
+    _, qm3, sz3, x3 = case(128, 192, 64)
     with pytest.raises(ValueError, match="even number"):
         wsa_gemm(x3, qm3, scales, scales, 64, sz=sz3)
+
+
+def test_stream_k_wrapper_refuses_what_the_kernel_cannot_do():
+    """The stream-K wrapper shares the plain one's checks (`checked_shape`; an odd number of steps is
+    fine for it: a segment may be one step) and refuses sk 0 or fewer counters than output tiles."""
+    pytest.importorskip("triton.experimental.gluon")
+    from tokenmill.layers.quantization.gluon_int4_wsa_streamk import wsa_streamk_gemm
+    from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
+
+    _, qm, sz, x = case(128, 256, 64)
+    scales = torch.ones(4, 128, dtype=torch.bfloat16)
+    t = WsaTiles(128, 2, 1, 6, sk=132)
+    counters = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="stream-K int4 GEMM: bf16 x"):
+        wsa_streamk_gemm(x.half(), qm, scales, scales, 64, t, counters, sz=sz)
+    with pytest.raises(ValueError, match="N a multiple of 256"):
+        wsa_streamk_gemm(x, qm, scales, scales, 64, WsaTiles(wgs=2, cpw=2, sk=132), counters, sz=sz)
+    with pytest.raises(ValueError, match="group"):
+        wsa_streamk_gemm(x, qm, scales, scales, 96, t, counters, sz=sz)
+    with pytest.raises(ValueError, match="sk >= 1"):
+        wsa_streamk_gemm(x, qm, scales, scales, 64, WsaTiles(128, 2, 1, 6), counters, sz=sz)
+    with pytest.raises(ValueError, match="1 counters for 2 tiles"):
+        wsa_streamk_gemm(torch.cat([x] * 6), qm, scales, scales, 64, t, counters, sz=sz)
+
+
+@pytest.mark.parametrize("tiles,n_k,grid", [(224, 64, 132), (32, 224, 132), (48, 64, 132), (32, 64, 132), (3, 4, 132)])
+def test_stream_k_segments_cover_every_step_once(tiles, n_k, grid):
+    """The stream-K walk: every (tile, step) in exactly one CTA's range, in order; `cta_of` names the CTA
+    holding a step, so slot c - cta_of(first step) is distinct per segment and below `max_segments`;
+    a tile's segments, in slot order, are its whole K range."""
+    pytest.importorskip("triton.experimental.gluon")
+    from tokenmill.layers.quantization.gluon_int4_wsa_streamk import (
+        cta_of,
+        max_segments,
+        segments,
+    )
+
+    total = tiles * n_k
+    grid = min(grid, total)  # as the wrapper: no CTA without a step (slots would not be contiguous)
+    seen = []
+    slots: dict[int, list[tuple[int, int, int]]] = {}
+    for c, segs in enumerate(segments(tiles, n_k, grid)):
+        for t, k0, k1 in segs:
+            assert 0 <= k0 < k1 <= n_k
+            seen += [t * n_k + k for k in range(k0, k1)]
+            assert cta_of(t * n_k + k0, total, grid) == c and cta_of(t * n_k + k1 - 1, total, grid) == c
+            slots.setdefault(t, []).append((c - cta_of(t * n_k, total, grid), k0, k1))
+    assert seen == list(range(total))
+    for segs in slots.values():
+        assert [s for s, _, _ in segs] == list(range(len(segs))) and len(segs) <= max_segments(tiles, n_k, grid)
+        assert segs[0][1] == 0 and segs[-1][2] == n_k and all(a[2] == b[1] for a, b in itertools.pairwise(segs))
 
 
 def test_split_is_whole_even_slices_and_follows_the_counters():
@@ -182,7 +230,7 @@ def test_routed_products_take_the_wsa_gemm_on_permuted_x(monkeypatch):
     assert not int4_kperm.swap_route(200, 256, 512, 128, torch.float16)
     calls = []
     monkeypatch.setattr(wsa, "run", lambda x, *a, **k: calls.append((a[-2], x.clone())) or torch.zeros(x.shape[0], 256))
-    _, qm, _, x = _case(256, 512, 128, m=200)
+    _, qm, _, x = case(256, 512, 128, m=200)
     ones, zeros = torch.ones(4, 256, dtype=torch.bfloat16), torch.zeros(4, 256, dtype=torch.bfloat16)
     mma.mma_matmul(x, qm, ones, zeros, 128, x_kperm=True)
     mma.mma_matmul(x, qm, ones, zeros, 128)
@@ -190,6 +238,12 @@ def test_routed_products_take_the_wsa_gemm_on_permuted_x(monkeypatch):
 
     assert [c[0] for c in calls] == [t, t]
     assert torch.equal(calls[0][1], x) and torch.equal(calls[1][1], permute_x(x))
+    lookups = []
+    real = wsa.wsa_tiles
+    monkeypatch.setattr(wsa, "wsa_tiles", lambda *a: lookups.append(a) or real(*a))
+    mma.mma_matmul(x, qm, ones, zeros, 128, x_kperm=True)  # one table lookup a call, x permuted or not
+    mma.mma_matmul(x, qm, ones, zeros, 128)
+    assert len(lookups) == 2 and len(calls) == 4
 
 
 # the call sites that may run while the wgmmas of others are in flight (their A registers must differ):
@@ -210,38 +264,11 @@ def test_compiles_for_sm90_warp_specialized(bt, wgs, split, depth):
     words, scales), no global load outside split-K's epilogue, the loader's registers handed over, no
     local memory (split-K's epilogue: one spilled word at most)."""
     pytest.importorskip("triton.experimental.gluon")
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-    import sass_tools
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from tokenmill.layers.quantization.gluon_int4_wsa_gemm import _PLAIN32
     from tokenmill.layers.quantization.gluon_int4_wsa_gemm import _wsa_gemm_kernel as fn
 
-    bc = 64 * wgs
-    lay = gl.NVMMASharedLayout.get_default_for([bt, 64], gl.bfloat16)
     const = {"GROUP": 128, "STAGES": 4, "SPLIT_K": split, "DEPTH": depth, "RASTER": 8 if depth == 2 else 0}
-    ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
-    descs = {"x_desc": f"tensordesc<bf16[{bt}, 64],{lay!r}>", "w_desc": f"tensordesc<i32[{bc // 16}, 128],{_PLAIN32!r}>",
-             "s_desc": f"tensordesc<i32[1, {bc}],{_PLAIN32!r}>"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in descs:
-            sig[name] = descs[name]
-        elif name in ptrs:
-            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-            if name in ("N", "K", "s_om"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 4 * wgs})
-    fig, sass = sass_tools.disassemble(kernel)
+    fig, sass = compile_gluon_sm90(fn, const, _PTRS, _descs(bt, 64 * wgs), aligned=("N", "K", "s_om"),
+                                   num_warps=4 * wgs)
     assert fig["stack"] <= (8 if split else 0), fig
     hgmma = re.findall(rf"HGMMA\.64x{bt}x16\.F32\.BF16 R\d+, (\S+), gdesc", sass)
     sites = 4 if depth == 1 else 7
@@ -269,39 +296,12 @@ def test_stream_k_compiles_for_sm90():
     disjoint where one follows another, a whole tile's bf16 store and the partials' reduce, no local
     memory."""
     pytest.importorskip("triton.experimental.gluon")
-    import sys
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
-    import sass_tools
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    from tokenmill.layers.quantization.gluon_int4_wsa_gemm import _PLAIN32
     from tokenmill.layers.quantization.gluon_int4_wsa_streamk import (
         _wsa_streamk_kernel as fn,
     )
 
-    lay = gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16)
-    const = {"GROUP": 128, "STAGES": 6, "DEPTH": 1}
-    ptrs = {"out_ptr": "bf16", "part_ptr": "fp32", "cnt_ptr": "i32"}
-    descs = {"x_desc": f"tensordesc<bf16[128, 64],{lay!r}>", "w_desc": f"tensordesc<i32[8, 128],{_PLAIN32!r}>",
-             "s_desc": f"tensordesc<i32[1, 128],{_PLAIN32!r}>"}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in descs:
-            sig[name] = descs[name]
-        elif name in ptrs:
-            sig[name], attrs[(i,)] = "*" + ptrs[name], [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-            if name in ("N", "K", "s_om"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(GluonASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 8})
-    fig, sass = sass_tools.disassemble(kernel)
+    fig, sass = compile_gluon_sm90(fn, {"GROUP": 128, "STAGES": 6, "DEPTH": 1}, _PTRS, _descs(128, 128),
+                                   aligned=("N", "K", "s_om"), num_warps=8)
     assert fig["stack"] == 0, fig
     hgmma = re.findall(r"HGMMA\.64x128x16\.F32\.BF16 R\d+, (\S+), gdesc", sass)
     assert len(hgmma) == 16 and all(a.startswith("R") for a in hgmma), hgmma

@@ -39,10 +39,31 @@ def _join8(o0, o1, o2, o3, o4, o5, o6, o7):
 
 
 @gluon.jit
+def split_k_store(part, out_ptr, part_ptr, cnt_ptr, o_off, p_off, o_mask, pid, pid_k, split, M, N,
+                  out_l: gl.constexpr):
+    """The Gluon INT4 GEMMs' split-K epilogue (`store_tile`'s and `gluon_int4_swap_gemm.store_tile_t`'s), as
+    `triton_split_k.store_tile`: slice pid_k's fp32 partial `part` (in layout out_l) stored at p_off of
+    its [M, N] slot, then the last slice to arrive at CTA pid's counter (`cnt_ptr[pid]`, left zeroed)
+    sums the `split` slices in slice order and stores the bf16 tile at o_off of out."""
+    R: gl.constexpr = part.shape[0]
+    C: gl.constexpr = part.shape[1]
+    mn = N.to(gl.int64) * M
+    gl.store(part_ptr + pid_k * mn + p_off, part, mask=o_mask)
+    _barrier()
+    arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
+    if arrived == split - 1:
+        total = gl.zeros([R, C], gl.float32, layout=out_l)
+        for sl in range(split):
+            total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
+        gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
+        gl.atomic_xchg(cnt_ptr + pid, 0)
+
+
+@gluon.jit
 def store_tile(acc, out_ptr, part_ptr, cnt_ptr, off_m, off_n, M, N, s_om, SPLIT_K: gl.constexpr):
-    """The output tile [BM, BN] at (off_m, off_n), rows past M masked (this GEMM's and `gluon_int4_ws_gemm`'s
-    epilogue). SPLIT_K (grid axis 1 the K slices), as `triton_split_k.store_tile`: each slice's fp32
-    partial, then the last slice to arrive (counter `cnt_ptr[pid]`, left zeroed) sums them in slice order."""
+    """The output tile [BM, BN] at (off_m, off_n), rows past M masked (this GEMM's epilogue). SPLIT_K (grid
+    axis 1 the K slices), as `triton_split_k.store_tile`: each slice's fp32 partial, then the last slice to
+    arrive (counter `cnt_ptr[pid]`, left zeroed) sums them in slice order."""
     BM: gl.constexpr = acc.shape[0]
     BN: gl.constexpr = acc.shape[1]
     out_l: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -55,16 +76,8 @@ def store_tile(acc, out_ptr, part_ptr, cnt_ptr, off_m, off_n, M, N, s_om, SPLIT_
         pid_k = gl.program_id(1)
         split = gl.num_programs(1)
         p_off = gl.expand_dims(om.to(gl.int64) * N, 1) + gl.expand_dims(on, 0)
-        mn = N.to(gl.int64) * M
-        gl.store(part_ptr + pid_k * mn + p_off, gl.convert_layout(acc, out_l), mask=o_mask)
-        _barrier()
-        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == split - 1:
-            total = gl.zeros([BM, BN], gl.float32, layout=out_l)
-            for sl in range(split):
-                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
-            gl.atomic_xchg(cnt_ptr + pid, 0)
+        split_k_store(gl.convert_layout(acc, out_l), out_ptr, part_ptr, cnt_ptr, o_off, p_off, o_mask, pid, pid_k,
+                      split, M, N, out_l)
     else:
         gl.store(out_ptr + o_off, gl.convert_layout(acc.to(gl.bfloat16), out_l), mask=o_mask)
 

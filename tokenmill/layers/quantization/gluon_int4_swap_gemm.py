@@ -36,6 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from tokenmill.layers.quantization.gluon_int4_gemm import split_k_store
 from tokenmill.layers.quantization.triton_int4_dot_gemm import (
     SwapTiles,
     _cached_scale_offset,
@@ -217,6 +218,27 @@ def _step(i, acc, x_smem, x_ptrs, t_mask, w_ptrs, sz_ptrs, w, s0, last, N, x_ptr
     return acc, w
 
 
+@gluon.jit
+def store_tile_t(acc, out_ptr, part_ptr, cnt_ptr, pid, pid_k, split, pid_c, pid_t, M, N, s_om, SPLIT_K: gl.constexpr):
+    """The swapped GEMMs' epilogue (this one's and `gluon_int4_wsa_gemm`'s): the output tile acc^T
+    ([BC channels, BT tokens] of out^T) at channel tile pid_c, token tile pid_t into out [M, N] (row
+    stride s_om), tokens past M masked. SPLIT_K (CTA pid's slice pid_k of `split`):
+    `gluon_int4_gemm.split_k_store`."""
+    BC: gl.constexpr = acc.shape[0]
+    BT: gl.constexpr = acc.shape[1]
+    out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, gl.num_warps()], [0, 1])  # channels contiguous per thread
+    accT = gl.convert_layout(acc, out_l)
+    oc = pid_c * BC + gl.arange(0, BC, layout=gl.SliceLayout(1, out_l))
+    ot = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
+    o_off = gl.expand_dims(oc, 1) + gl.expand_dims(ot.to(gl.int64) * s_om, 0)
+    o_mask = gl.expand_dims(ot < M, 0)
+    if SPLIT_K:
+        p_off = gl.expand_dims(oc, 1) + gl.expand_dims(ot.to(gl.int64) * N, 0)
+        split_k_store(accT, out_ptr, part_ptr, cnt_ptr, o_off, p_off, o_mask, pid, pid_k, split, M, N, out_l)
+    else:
+        gl.store(out_ptr + o_off, accT.to(gl.bfloat16), mask=o_mask)
+
+
 @gluon.jit(do_not_specialize=["M"])  # one compile per launch serves every row count
 def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K, s_xm, s_om,
                       GROUP: gl.constexpr, BT: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
@@ -244,7 +266,6 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
         x_ld: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [W, 1], [1, 0])
     else:
         x_ld: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [W, 1], [1, 0])
-    out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, W], [0, 1])  # channels contiguous per thread
 
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BT, BK],
                                        gl.NVMMASharedLayout.get_default_for([BT, BK], gl.bfloat16))
@@ -313,25 +334,7 @@ def _swap_gemm_kernel(x_ptr, w_ptr, sz_ptr, out_ptr, part_ptr, cnt_ptr, M, N, K,
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     cp.wait_group(0)
 
-    accT = gl.convert_layout(acc, out_l)  # [BC channels, BT tokens]
-    oc = pid_c * BC + gl.arange(0, BC, layout=gl.SliceLayout(1, out_l))
-    ot = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
-    o_off = gl.expand_dims(oc, 1) + gl.expand_dims(ot.to(gl.int64) * s_om, 0)
-    o_mask = gl.expand_dims(ot < M, 0)
-    if SPLIT_K:  # as `triton_split_k.store_tile`: partials, then the last slice to arrive sums them in order
-        p_off = gl.expand_dims(oc, 1) + gl.expand_dims(ot.to(gl.int64) * N, 0)
-        mn = N.to(gl.int64) * M
-        gl.store(part_ptr + pid_k * mn + p_off, accT, mask=o_mask)
-        _barrier()
-        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == split - 1:
-            total = gl.zeros([BC, BT], gl.float32, layout=out_l)
-            for sl in range(split):
-                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
-            gl.atomic_xchg(cnt_ptr + pid, 0)
-    else:
-        gl.store(out_ptr + o_off, accT.to(gl.bfloat16), mask=o_mask)
+    store_tile_t(acc, out_ptr, part_ptr, cnt_ptr, pid, pid_k, split, pid_c, pid_t, M, N, s_om, SPLIT_K)
 
 
 def swap_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,

@@ -4,8 +4,8 @@ out^T [N, M] = W [N, K] @ x^T, the weight dequantized in registers as wgmma's A 
 Why: `gluon_int4_swap_gemm` (the weight from global memory into registers, dequantized there as the
 register A operand, x^T from shared memory) runs each 64-input step as one serial chain in one set of
 warps (x's cp.async wait, a CTA barrier, the dequantization, the wgmma issue / retire): the tensor
-cores idle between steps. `gluon_int4_ws_gemm` warp-specialized the other orientation, and its
-dequantizers' B tiles through shared memory are its limit. Here (the mixed-input design of Hopper
+cores idle between steps. Session 10's warp-specialized GEMM (retired in session 12) kept the other
+orientation, and its dequantizers' B tiles through shared memory were its limit. Here (the mixed-input design of Hopper
 GEMMs: the narrow operand converted in registers) the chain is cut in two partitions that meet only
 at mbarriers of one shared-memory ring:
 - the loader (1 warp): per step, x's [BT, 64] tile (x already in the fragment's K order, written so
@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from tokenmill.layers.quantization.gluon_int4_swap_gemm import _dequant
+from tokenmill.layers.quantization.gluon_int4_swap_gemm import _dequant, store_tile_t
 from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
 from tokenmill.layers.quantization.triton_int4_dot_gemm import _cached_scale_offset
 
@@ -195,7 +195,6 @@ def _wsa_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K
     BK: gl.constexpr = x_desc.block_type.shape[1]
     CB: gl.constexpr = w_desc.block_type.shape[0]
     BC: gl.constexpr = 16 * CB
-    W: gl.constexpr = gl.num_warps()
     pid = gl.program_id(0)
     pid_k = gl.program_id(1)
     split = gl.num_programs(1)
@@ -219,26 +218,7 @@ def _wsa_gemm_kernel(x_desc, w_desc, s_desc, out_ptr, part_ptr, cnt_ptr, M, N, K
                    pid_c * CB, s0, n_k, GROUP)),
     ], [1], [24])
 
-    out_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, W], [0, 1])  # channels contiguous per thread
-    accT = gl.convert_layout(acc, out_l)  # [BC channels, BT tokens]
-    oc = pid_c * BC + gl.arange(0, BC, layout=gl.SliceLayout(1, out_l))
-    ot = pid_t * BT + gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
-    o_off = gl.expand_dims(oc, 1) + gl.expand_dims(ot.to(gl.int64) * s_om, 0)
-    o_mask = gl.expand_dims(ot < M, 0)
-    if SPLIT_K:  # as `gluon_int4_swap_gemm`: partials, then the last slice to arrive sums them in order
-        p_off = gl.expand_dims(oc, 1) + gl.expand_dims(ot.to(gl.int64) * N, 0)
-        mn = N.to(gl.int64) * M
-        gl.store(part_ptr + pid_k * mn + p_off, accT, mask=o_mask)
-        _barrier()
-        arrived = gl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel")
-        if arrived == split - 1:
-            total = gl.zeros([BC, BT], gl.float32, layout=out_l)
-            for sl in range(split):
-                total += gl.load(part_ptr + sl * mn + p_off, mask=o_mask, other=0.0, cache_modifier=".cg")
-            gl.store(out_ptr + o_off, total.to(gl.bfloat16), mask=o_mask)
-            gl.atomic_xchg(cnt_ptr + pid, 0)
-    else:
-        gl.store(out_ptr + o_off, accT.to(gl.bfloat16), mask=o_mask)
+    store_tile_t(acc, out_ptr, part_ptr, cnt_ptr, pid, pid_k, split, pid_c, pid_t, M, N, s_om, SPLIT_K)
 
 
 def descriptors(x: torch.Tensor, qm: torch.Tensor, sz: torch.Tensor, t: WsaTiles) -> tuple:
@@ -260,6 +240,29 @@ def split_for(t: WsaTiles, k: int, tiles: int, counters: torch.Tensor | None) ->
     return split
 
 
+def checked_shape(x: torch.Tensor, qm: torch.Tensor, group_size: int, t: WsaTiles, what: str, even: bool
+                  ) -> tuple[int, int, int, int]:
+    """(M, N, K, group) of a product the wsa kernels take (this one and `gluon_int4_wsa_streamk`): bf16 x,
+    N a multiple of the CTA's channels, K and the group multiples of 64, and (`even`: the plain kernel's
+    two call sites a trip) an even number of 64-input steps; else ValueError naming `what`."""
+    m, k = x.shape
+    n = qm.shape[0] * 16
+    group = k if group_size == -1 else group_size
+    if x.dtype != torch.bfloat16 or n % t.bc or group % 64 or k % group or (even and (k // 64) % 2):
+        raise ValueError(f"{what}: bf16 x, N a multiple of {t.bc}, K and the group of 64"
+                         f"{', an even number of 64-input steps' if even else ''} "
+                         f"(x {x.dtype}, N {n}, K {k}, group {group})")
+    return m, n, k, group
+
+
+def operands(x: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, sz: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as TMA reads it (unit column stride, rows 16-byte aligned) and the packed scales / offsets."""
+    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
+        x = x.contiguous()
+    return x, _cached_scale_offset(scales, zeros) if sz is None else sz
+
+
 def wsa_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
              tiles: WsaTiles | None = None, sz: torch.Tensor | None = None,
              counters: torch.Tensor | None = None) -> torch.Tensor:
@@ -268,19 +271,11 @@ def wsa_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: tor
     W in the mma layout, scales / zeros [G, N] bf16 (or `sz` from `packed_scale_offset`). CUDA, bf16,
     K and the group multiples of 64 with an even number of steps, N of the CTA's channels."""
     t = tiles or WsaTiles()
-    m, k = x.shape
-    n = qm.shape[0] * 16
-    group = k if group_size == -1 else group_size
-    if x.dtype != torch.bfloat16 or n % t.bc or group % 64 or k % group or (k // 64) % 2:
-        raise ValueError(f"wsa int4 GEMM: bf16 x, N a multiple of {t.bc}, K and the group of 64, an even number "
-                         f"of 64-input steps (x {x.dtype}, N {n}, K {k}, group {group})")
+    m, n, k, group = checked_shape(x, qm, group_size, t, "wsa int4 GEMM", even=True)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
-        x = x.contiguous()
-    if sz is None:
-        sz = _cached_scale_offset(scales, zeros)
+    x, sz = operands(x, scales, zeros, sz)
     x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)
     n_tiles = triton.cdiv(m, t.bt) * (n // t.bc)
     split = split_for(t, k, n_tiles, counters)

@@ -3,8 +3,8 @@
 Why: at 256 rows gate_up's output tiles (224 of 128 channels x 256 tokens) do not fill 132 SMs evenly
 (1.7 waves), and the skinny linears' few tiles are cut by a fixed split-K into equal slices of whole
 tiles only. Here the grid is G CTAs and the U = tiles x steps K steps are cut into G equal contiguous
-ranges (`gluon_int4_ws_streamk`'s walk and its CPU mirror `segments` / `cta_of`, reused): CTA c runs
-steps [c U / G, (c + 1) U / G), i.e. the tail of one tile, whole tiles, the head of another. The
+ranges: CTA c runs steps [c U / G, (c + 1) U / G), i.e. the tail of one tile, whole tiles, the head of
+another (the walk's CPU mirror: `segments`, `cta_of`; tests/layers/test_int4_wsa_gemm.py). The
 loader and the consumers walk the same segments through one ring, as in the plain kernel; a whole
 tile is stored in bf16 at once, a partial tile's fp32 sum into slot c - c(first step of the tile) of
 a workspace, and the last of the tile's segments to arrive (a counter per tile, reset by it) sums the
@@ -13,22 +13,56 @@ slots in K order and stores the tile. No CTA ever waits for another.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from tokenmill.layers.quantization.gluon_int4_ws_streamk import _cta_of, max_segments
 from tokenmill.layers.quantization.gluon_int4_wsa_gemm import (
     _barrier,
     _rings,
     _steps,
     _tma_load,
+    checked_shape,
     descriptors,
+    operands,
 )
 from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
-from tokenmill.layers.quantization.triton_int4_dot_gemm import _cached_scale_offset
+
+
+def segments(tiles: int, n_k: int, grid: int) -> list[list[tuple[int, int, int]]]:
+    """Per CTA its (tile, first step, end step) segments, in order: the kernel's walk."""
+    total = tiles * n_k
+    out = []
+    for c in range(grid):
+        u, end, seg = (c * total) // grid, ((c + 1) * total) // grid, []
+        while u < end:
+            t, k0 = u // n_k, u % n_k
+            k1 = min(n_k, k0 + end - u)
+            seg.append((t, k0, k1))
+            u += k1 - k0
+        out.append(seg)
+    return out
+
+
+def cta_of(u: int, total: int, grid: int) -> int:
+    """The CTA whose range holds global step u (start_c <= u < end_c, start_c = c total // grid)."""
+    return ((u + 1) * grid - 1) // total
+
+
+@gluon.jit
+def _cta_of(u, total, grid):
+    return ((u + 1) * grid - 1) // total
+
+
+@functools.lru_cache(maxsize=256)
+def max_segments(tiles: int, n_k: int, grid: int) -> int:
+    """The most CTAs sharing one tile (the workspace's slots)."""
+    total = tiles * n_k
+    return max(cta_of((t + 1) * n_k - 1, total, grid) - cta_of(t * n_k, total, grid) + 1 for t in range(tiles))
 
 
 @gluon.jit
@@ -133,22 +167,15 @@ def wsa_streamk_gemm(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, ze
     """x [M, K] bf16 in the swapped GEMM's K order @ W^T -> [M, N] on `tiles.sk` CTAs (stream-K);
     `counters`: zeroed int32, one per output tile (left zeroed)."""
     t = tiles
-    m, k = x.shape
-    n = qm.shape[0] * 16
-    group = k if group_size == -1 else group_size
+    m, n, k, group = checked_shape(x, qm, group_size, t, "wsa stream-K int4 GEMM", even=False)
     n_tiles = triton.cdiv(m, t.bt) * (n // t.bc) if m else 0
-    if (x.dtype != torch.bfloat16 or n % t.bc or group % 64 or k % group or t.sk < 1
-            or counters.numel() < n_tiles):
-        raise ValueError(f"wsa stream-K int4 GEMM: bf16 x, N a multiple of {t.bc}, K and the group of 64, sk >= 1, "
-                         f"a counter per tile (x {x.dtype}, N {n}, K {k}, group {group}, {t.label()}, "
-                         f"{counters.numel()} counters for {n_tiles} tiles)")
+    if t.sk < 1 or counters.numel() < n_tiles:
+        raise ValueError(f"wsa stream-K int4 GEMM: sk >= 1, a counter per tile ({t.label()}, {counters.numel()} "
+                         f"counters for {n_tiles} tiles)")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    if x.stride(1) != 1 or (x.stride(0) * 2) % 16:
-        x = x.contiguous()
-    if sz is None:
-        sz = _cached_scale_offset(scales, zeros)
+    x, sz = operands(x, scales, zeros, sz)
     grid = min(t.sk, n_tiles * (k // 64))
     part = torch.empty((max_segments(n_tiles, k // 64, grid), m, n), dtype=torch.float32, device=x.device)
     x_desc, w_desc, s_desc = descriptors(x, qm, sz, t)

@@ -168,16 +168,15 @@ _GEMM_SELFTEST: dict = {}
 
 def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
     """Once per device and dtype: every launch the INT4 GEMMs' tables list (`triton_int4_dot_gemm`,
-    `int4_ws_route`, `int4_wsa_route`) on a small random weight against dequantize + matmul, at a row
-    count filling its row tile and one that does not (the compiles the engine's warm-up needs anyway).
-    False (logged): the GEMMs are switched off (`ENABLED`) and every row count above 8 takes the other
-    paths."""
+    `int4_wsa_route`) on a small random weight against dequantize + matmul, at a row count filling its
+    row tile and one that does not (the compiles the engine's warm-up needs anyway). False (logged): the
+    GEMMs are switched off (`ENABLED`) and every row count above 8 takes the other paths."""
     key = (str(device), dtype)
     if key not in _GEMM_SELFTEST:
-        from tokenmill.layers.quantization import int4_ws_route as ws
+        from tokenmill.layers.quantization import int4_wsa_route as wsa
         from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
 
-        tiles = {t for t in (*dot.TABLE.values(), *ws.TABLE.values()) if t is not None}
+        tiles = {t for t in dot.TABLE.values() if t is not None}
         ok, why = True, "no launches listed"
         try:
             g = torch.Generator(device=device).manual_seed(0)
@@ -186,17 +185,13 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
             ref_w = packing.dequantize(wt, group, torch.float32)
             errs = []
             for t in sorted(tiles, key=lambda t: t.label()):
-                if isinstance(t, (dot.GluonTiles, dot.SwapTiles, ws.WsTiles)) and dtype != torch.bfloat16:
-                    continue  # the Gluon GEMMs serve bf16 only (`dot_tiles` / `ws_tiles` skip it otherwise)
-                rows = t.bm if isinstance(t, ws.WsTiles) else t.block_m
-                for m in (rows, rows + 3):
+                if isinstance(t, (dot.GluonTiles, dot.SwapTiles)) and dtype != torch.bfloat16:
+                    continue  # the Gluon GEMMs serve bf16 only (`dot_tiles` skips them otherwise)
+                for m in (t.block_m, t.block_m + 3):
                     x = torch.randn(m, k, device=device, generator=g).to(dtype)
                     ref = x.float() @ ref_w
-                    run = ws.run if isinstance(t, ws.WsTiles) else dot.run
-                    errs.append(((run(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
+                    errs.append(((dot.run(x, qm, wt.scales, wt.zeros, group, t, counters).float() - ref).norm()
                                  / ref.norm()).item())
-            from tokenmill.layers.quantization import int4_wsa_route as wsa
-
             listed = {*wsa.TABLE.values(), *wsa.PREFILL.values()} if dtype == torch.bfloat16 else set()
             for t in sorted(listed, key=lambda t: t.label()):
                 from tokenmill.layers.quantization.gluon_int4_swap_gemm import permute_x
@@ -214,9 +209,7 @@ def gemm_selftest(device: torch.device, dtype: torch.dtype) -> bool:
         if not ok:
             logger.warning("int4: the GEMM on the mma layout failed its self-test on %s (%s); more than 8 rows "
                            "take dequantize + cuBLAS", device, why)
-            from tokenmill.layers.quantization import int4_wsa_route as wsa
-
-            dot.ENABLED = ws.ENABLED = wsa.ENABLED = False
+            dot.ENABLED = wsa.ENABLED = False
         _GEMM_SELFTEST[key] = ok
     return _GEMM_SELFTEST[key]
 

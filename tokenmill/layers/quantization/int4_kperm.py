@@ -25,9 +25,14 @@ from __future__ import annotations
 
 import os
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from tokenmill.layers.quantization.int4_wsa_route import WsaTiles
+    from tokenmill.layers.quantization.triton_int4_dot_gemm import SwapTiles
 
 ENABLED = os.environ.get("TOKENMILL_INT4_KPERM", "1") != "0"
 # The attention's output for o_proj too (`LlamaAttention.attend`): off until measured on a GPU
@@ -58,22 +63,27 @@ def unpermute(x: torch.Tensor) -> torch.Tensor:
     return v.permute(0, 1, 4, 2, 3, 5).reshape(*lead, k)
 
 
-def swap_route(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
-    """Whether `triton_int4_mma.mma_matmul` takes [m, k] x [k, n] with the swapped GEMM reading x
-    permuted (not the GEMV, another GEMM, dequantize + cuBLAS, or the gathered-x launch)."""
+def swap_launch(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> WsaTiles | SwapTiles | None:
+    """The launch with which `triton_int4_mma.mma_matmul` takes [m, k] x [k, n] reading x permuted: the wsa
+    GEMM's (`int4_wsa_route.WsaTiles`) or the swapped GEMM's (`triton_int4_dot_gemm.SwapTiles`, not xnat),
+    or None (the GEMV, another GEMM, dequantize + cuBLAS, or the gathered-x launch: x natural)."""
+    from tokenmill.layers.quantization import int4_wsa_route
     from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
     from tokenmill.layers.quantization.triton_int4_mma import ROWS
 
     if m <= ROWS:
-        return False
-    from tokenmill.layers.quantization import int4_ws_route, int4_wsa_route
-
-    if int4_wsa_route.wsa_tiles(m, n, k, group, dtype) is not None:  # the wsa GEMM reads x permuted
-        return True
-    if int4_ws_route.ws_tiles(m, n, k, group, dtype) is not None:  # the ws GEMM reads x natural
-        return False
+        return None
+    t = int4_wsa_route.wsa_tiles(m, n, k, group, dtype)
+    if t is not None:
+        return t
     t = dot.dot_tiles(m, n, k, group, dtype)
-    return isinstance(t, dot.SwapTiles) and not t.xnat
+    return t if isinstance(t, dot.SwapTiles) and not t.xnat else None
+
+
+def swap_route(m: int, n: int, k: int, group: int, dtype: torch.dtype) -> bool:
+    """Whether `triton_int4_mma.mma_matmul` takes [m, k] x [k, n] with a swapped GEMM reading x permuted
+    (`swap_launch`): what the producers ask before writing x in that order."""
+    return swap_launch(m, n, k, group, dtype) is not None
 
 
 def _int4_mma_linear(layer: nn.Module | None) -> bool:

@@ -806,7 +806,7 @@ def mma_dequantize(qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                counters: torch.Tensor | None = None, x_kperm: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T for any M: the GEMV up to 8 rows; above, a GEMM on this layout
-    (`int4_wsa_route`, `int4_ws_route`, then `triton_int4_dot_gemm`) where its table lists the rows and shape, else
+    (`int4_wsa_route`, then `triton_int4_dot_gemm`) where its table lists the rows and shape, else
     the GEMV per 8 rows up to LOOP_MAX_ROWS, else dequantize + cuBLAS. x_kperm: x's
     columns already in the swapped GEMM's K order (`int4_kperm`): that GEMM reads it as it is,
     every other path after putting it back."""
@@ -816,20 +816,17 @@ def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
     if x_kperm:
         from tokenmill.layers.quantization import int4_kperm
 
-        if int4_kperm.swap_route(m, n, k, group, x.dtype):
+        t = int4_kperm.swap_launch(m, n, k, group, x.dtype)  # the one table lookup of this call
+        if t is not None:
             from tokenmill.layers.quantization import int4_wsa_route as wsa
             from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
 
-            atiles = wsa.wsa_tiles(m, n, k, group, x.dtype)
-            if atiles is not None:  # the warp-specialized swapped GEMM (TOKENMILL_INT4_WSA_TABLE)
-                return wsa.run(x, qm, scales, zeros, group_size, atiles, counters)
-
-            return dot.run(x, qm, scales, zeros, group_size, dot.dot_tiles(m, n, k, group, x.dtype), counters,
-                           x_kperm=True)
+            if isinstance(t, wsa.WsaTiles):  # the warp-specialized swapped GEMM (TOKENMILL_INT4_WSA_TABLE)
+                return wsa.run(x, qm, scales, zeros, group_size, t, counters)
+            return dot.run(x, qm, scales, zeros, group_size, t, counters, x_kperm=True)
         x = int4_kperm.unpermute(x)
     if m <= ROWS:
         return mma_gemv(x, qm, scales, zeros, group_size, counters=counters)
-    from tokenmill.layers.quantization import int4_ws_route as ws
     from tokenmill.layers.quantization import int4_wsa_route as wsa
 
     atiles = wsa.wsa_tiles(m, n, k, group, x.dtype)
@@ -837,10 +834,6 @@ def mma_matmul(x: torch.Tensor, qm: torch.Tensor, scales: torch.Tensor, zeros: t
         from tokenmill.layers.quantization.gluon_int4_swap_gemm import permute_x
 
         return wsa.run(permute_x(x), qm, scales, zeros, group_size, atiles, counters)
-
-    wtiles = ws.ws_tiles(m, n, k, group, x.dtype)
-    if wtiles is not None:  # the warp-specialized GEMM where TOKENMILL_INT4_WS_TABLE lists the rows and shape
-        return ws.run(x, qm, scales, zeros, group_size, wtiles, counters)
     from tokenmill.layers.quantization import triton_int4_dot_gemm as dot
 
     dtiles = dot.dot_tiles(m, n, k, group, x.dtype)
