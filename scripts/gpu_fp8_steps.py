@@ -52,7 +52,7 @@ def _split(log: list[tuple], elapsed: float) -> dict:
             "full_decode_ms_mean": 1e3 * statistics.mean(full) if full else None}
 
 
-def child(label: str, smoke: bool) -> None:
+def child(label: str, smoke: bool, quick: bool = False) -> None:
     import random
 
     import torch
@@ -69,7 +69,8 @@ def child(label: str, smoke: bool) -> None:
     folder = {w: os.path.join(OUT, f"prof-{label.replace(':', '_')}-{w}") for w in ("prefill", "decode")}
     windows = [{"out_dir": folder["prefill"], "min_tokens": 32 if smoke else PREFILL_MIN_TOKENS, "skip": 1, "steps": 4},
                {"out_dir": folder["decode"], "batch": num, "skip": 2 if smoke else 30, "steps": 3 if smoke else 12}]
-    os.environ[ENV_VAR] = json.dumps(windows)
+    if not quick:
+        os.environ[ENV_VAR] = json.dumps(windows)
     log: list[tuple] = []
     observe = Scheduler.observe_step
 
@@ -83,7 +84,7 @@ def child(label: str, smoke: bool) -> None:
     llm = LLM(config_dir(SMOKE if smoke else LLAMA8B), load_format="dummy", dtype="bfloat16",
               max_model_len=(1024 if smoke else 16384) + 272, disable_log_stats=True, enable_prefix_caching=False,
               single_process=True, **ENGINES[base], **extra)
-    os.environ.pop(ENV_VAR)
+    os.environ.pop(ENV_VAR, None)
     rec["engine_up_s"] = time.perf_counter() - t0
     print(f"  {label}: engine up in {rec['engine_up_s']:.0f} s", flush=True)
     rng = random.Random(0)
@@ -107,8 +108,8 @@ def child(label: str, smoke: bool) -> None:
               f"{r['full_decode_ms_median'] or 0:.3f} ms x {r['full_decode_steps']}) + outside steps "
               f"{elapsed - r['stepped_s']:.3f}", flush=True)
         return r
-    rec["profiled_run"] = run("profiled run", outp)
-    for w, path in folder.items():
+    rec["profiled_run"] = run("profiled run" if not quick else "run 0", outp)
+    for w, path in folder.items() if not quick else ():
         path = os.path.join(path, "rank0.json")
         if os.path.exists(path):
             with open(path) as f:
@@ -116,8 +117,9 @@ def child(label: str, smoke: bool) -> None:
             print(step_profile.format_report(f"{label} {w}", rec[w], top=30), flush=True)
         else:
             print(f"  {label}: no {w} window written", flush=True)
-    rec["runs"] = [run(f"run {i + 1}", outp) for i in range(RUNS)]
-    rec["prefill_only"] = run("256x256x1 (prefill only)", 1)
+    rec["runs"] = [run(f"run {i + 1}", outp) for i in range(RUNS + int(quick))]
+    if not quick:
+        rec["prefill_only"] = run("256x256x1 (prefill only)", 1)
     with open(os.path.join(OUT, f"fp8steps-{label.replace(':', '_')}.json"), "w") as f:
         json.dump(rec, f, indent=1)
     llm.shutdown()
@@ -164,11 +166,12 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--child")
     ap.add_argument("--child-timeout", type=float, default=90.0)
+    ap.add_argument("--quick", action="store_true", help="no profile windows, no prefill-only run: 3 timed runs")
     ns = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
     if ns.child:
         os.environ["TRITON_INTERPRET"] = "1" if ns.smoke else "0"
-        child(ns.child, ns.smoke)
+        child(ns.child, ns.smoke, ns.quick)
         return
     recs = {}
     for label in ns.engines.split(","):
@@ -180,7 +183,8 @@ def main() -> None:
         if os.path.exists(path):
             os.remove(path)  # (a failed child leaves none)
         t0 = time.perf_counter()
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", label] + (["--smoke"] if ns.smoke else [])
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", label] + (["--smoke"] if ns.smoke else []) + (
+            ["--quick"] if ns.quick else [])
         try:
             rc = subprocess.run(cmd, check=False, env=env, timeout=ns.child_timeout).returncode
         except subprocess.TimeoutExpired:

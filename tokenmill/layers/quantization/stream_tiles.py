@@ -13,6 +13,7 @@ on two streams at once never share one.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -226,6 +227,23 @@ W8A8_MEASURED: dict[tuple[int, int, int], str | tuple[int, ...]] = {
     (8192, 28672, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 1528.9 us (1591.0)
 }
 W8A8_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# A/B timing only: JSON {"ROWS,N,K": GEMM, ...} replacing W8A8_MEASURED entries (GEMM as in the table; a
+# list for Triton tiles), read once at import (before an engine's graphs capture).
+W8A8_TABLE_ENV = "TOKENMILL_W8A8_TABLE"
+
+
+def w8a8_override(raw: str) -> dict[tuple[int, int, int], str | tuple[int, ...]]:
+    import json
+
+    out: dict[tuple[int, int, int], str | tuple[int, ...]] = {}
+    for key, value in json.loads(raw).items():
+        rows, n, k = (int(v) for v in key.split(","))
+        out[(rows, n, k)] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+if os.environ.get(W8A8_TABLE_ENV):
+    W8A8_MEASURED.update(w8a8_override(os.environ[W8A8_TABLE_ENV]))
 
 
 def w8a8_bucket(m: int) -> int:
