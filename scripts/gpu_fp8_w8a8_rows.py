@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHAPES = {"o": (4096, 4096), "down": (4096, 14336)}  # (qkv, gate_up: sixth session's H100 sweep)
+SHAPES = {"o": (4096, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}  # (gate_up: sixth session's H100 sweep)
 CHOICES = {
+    "qkv": ["scaled_mm", (128, 64, 128, 8, 4, 4, 1), (128, 64, 128, 8, 4, 4, 2), "tma-m128n64k128g8w4st5s2-swap"],
     "o": ["scaled_mm", (128, 64, 128, 8, 4, 4, 1), (128, 64, 128, 8, 4, 4, 2), "tma-m128n64k128g8w4st5s1-swap"],
     "down": ["scaled_mm", (128, 64, 128, 8, 4, 4, 2), (128, 64, 128, 8, 4, 4, 4), "tma-m128n64k128g8w4st5s2-swap"],
 }
