@@ -32,45 +32,6 @@ LAYERS = 8
 MIN_GAIN = 0.03  # a GEMM this much faster than the table's choice goes into $OUT/w8a8_override.json
 
 
-def quant_part(results: dict, dev: torch.device) -> None:
-    """o_proj's input quantization (`quantize_row_groups`, per token, K 4096): the one-pass row kernel
-    against the two-pass one at 256 and 8192 rows; codes and scales must be bitwise equal."""
-    from tokenmill.layers.quantization import triton_fp8
-
-    for m in (256, 8192):
-        xs = [torch.randn(m, 4096, device=dev, dtype=torch.bfloat16) * 3 for _ in range(LAYERS)]
-        outs, graphs = {}, {}
-        for label, limit in (("two-pass", 0), ("one-pass", 8192)):
-            triton_fp8.ROW_ONE_PASS_MAX = limit
-            outs[label] = triton_fp8.quantize_row_groups(xs[0], 4096)
-            for _ in range(2):
-                for x in xs:
-                    triton_fp8.quantize_row_groups(x, 4096)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                for x in xs:
-                    triton_fp8.quantize_row_groups(x, 4096)
-            graphs[label] = g
-        triton_fp8.ROW_ONE_PASS_MAX = 8192
-        same = all(torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a, b.view(torch.uint8) if
-                               b.dtype != torch.float32 else b) for a, b in zip(outs["two-pass"], outs["one-pass"]))
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        best = {}
-        for _ in range(5):
-            for label, g in graphs.items():
-                g.replay()
-                ev[0].record()
-                for _ in range(4):
-                    g.replay()
-                ev[1].record()
-                torch.cuda.synchronize()
-                best[label] = min(best.get(label, 1e9), ev[0].elapsed_time(ev[1]) * 1e3 / (4 * LAYERS))
-        results[f"quant_m{m}"] = {"us": best, "bitwise_equal": same}
-        print(f"  quantize_row_groups m={m} K=4096: " + ", ".join(f"{k} {v:.2f} us" for k, v in best.items())
-              + f"; codes and scales equal: {same}", flush=True)
-
-
 def main() -> None:
     from tokenmill.layers.quantization import fp8_ops, stream_tiles
     from tokenmill.layers.quantization.fp8 import _w8a8_mm
@@ -85,7 +46,6 @@ def main() -> None:
     results: dict = {"device": torch.cuda.get_device_name(dev)}
     override: dict = {}  # TOKENMILL_W8A8_TABLE's value (stream_tiles.W8A8_TABLE_ENV) for an engine A/B
     torch.manual_seed(0)
-    quant_part(results, dev)
     for m in (int(r) for r in ns.rows.split(",")):
         bucket = stream_tiles.w8a8_bucket(m)
         for name, (n, k) in SHAPES.items():

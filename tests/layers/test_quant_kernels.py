@@ -99,15 +99,12 @@ def test_quantize_row_groups_kernel(group):
     torch.testing.assert_close(q.to(torch.float8_e4m3fn).float(), ref_q.float())
 
 
-@pytest.mark.parametrize("one_pass", [True, False])
 @pytest.mark.parametrize("k", [512, 768, 2048 * 3])
-def test_quantize_rows_kernel(k, one_pass, monkeypatch):
-    """Per-token groups (the whole row) take a row kernel (K a multiple of 256): the row whole in
-    registers (one pass; 768 and 6144: masked to the next power of two) or two passes over slices."""
+def test_quantize_rows_kernel(k):
+    """Per-token groups (the whole row) take the two-pass row kernel (K a multiple of 256)."""
     from tokenmill.layers.quantization import triton_fp8
 
     assert triton_fp8._row_chunk(k) >= 256
-    monkeypatch.setattr(triton_fp8, "ROW_ONE_PASS_MAX", 8192 if one_pass else 0)
     x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)) * 10
     x[1, k - 3], x[2, 2] = 900.0, -900.0  # a row maximum in the last slice, one in the first
     q, s = triton_fp8.quantize_row_groups(x, k, out_dtype=torch.float32)

@@ -2,8 +2,7 @@
 
 - `quantize_row_groups`: one program per (row, group of columns) computes the group's absolute
   maximum, its scale (amax / 448) and the saturated fp8 codes; a group of the whole row is
-  per-token quantization (for `torch._scaled_mm`: one program a row, the row whole in registers up
-  to ROW_ONE_PASS_MAX columns, else two passes over slices), a group of 128 feeds the block GEMM.
+  per-token quantization (for `torch._scaled_mm`), a group of 128 feeds the block GEMM.
 - `block_fp8_gemm`: C = (A * a_scale) @ (B * b_scale)^T with A [M, K] fp8 and one scale per
   (row, K block), B [N, K] fp8 and one scale per (N block, K block) (DeepSeek-V3 / Qwen3 FP8).
   A program's K tiles never straddle a K block and its N tile sits in one N block, so each
@@ -17,8 +16,6 @@ Requires triton at import; `fp8.py` imports this module lazily.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -64,23 +61,6 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, s_sm, CHUNK: tl.co
     tl.store(s_ptr + row * s_sm, scale)
 
 
-@triton.jit(do_not_specialize=["K"])
-def _quantize_row_once_kernel(x_ptr, q_ptr, s_ptr, K, s_xm, s_qm, s_sm, BLOCK: tl.constexpr, QMAX: tl.constexpr,
-                              USE_PDL: tl.constexpr = False):
-    """Per-token quantization of one row held whole in registers (K <= BLOCK): one read of x, the
-    absolute maximum, the codes; the arithmetic of `_quantize_rows_kernel`, so the same bits."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < K
-    pdl.launch_dependents(USE_PDL)
-    pdl.wait(USE_PDL)
-    x = tl.load(x_ptr + row * s_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / QMAX, 1e-12)
-    tl.store(q_ptr + row * s_qm + offs, tl.minimum(tl.maximum(x / scale, -QMAX), QMAX).to(q_ptr.dtype.element_ty),
-             mask=mask)
-    tl.store(s_ptr + row * s_sm, scale)
-
-
 def _row_chunk(k: int) -> int:
     """The widest power of two <= 2048 dividing K (0: none >= 256; the group kernel runs then)."""
     c = 2048
@@ -91,28 +71,19 @@ def _row_chunk(k: int) -> int:
 
 # pipeline depth of the per-token quantization's loops
 ROW_STAGES = 3
-# Rows up to this many columns are quantized in one pass, held whole in registers (`_quantize_row_once_kernel`:
-# o_proj's 4096, after attention, in every fp8 Llama layer); 0 (TOKENMILL_FP8_ROW_ONE_PASS=0): the two-pass
-# loops always (A/B).
-ROW_ONE_PASS_MAX = 8192 if os.environ.get("TOKENMILL_FP8_ROW_ONE_PASS", "1") != "0" else 0
 
 
 def quantize_row_groups(x: torch.Tensor, group: int, out_dtype: torch.dtype = torch.float8_e4m3fn
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (codes [M, K] of out_dtype, float32 scales [M, ceil(K / group)]).
-    A group of the whole row (per token, K a multiple of 256 on contiguous rows) takes a row
-    kernel: one pass up to ROW_ONE_PASS_MAX columns, else two; other groups one program per (row, group)."""
+    A group of the whole row (per token, K a multiple of 256 on contiguous rows) takes the
+    two-pass row kernel; other groups one program per (row, group)."""
     m, k = x.shape
     chunk = _row_chunk(k) if group == k and x.stride(1) == 1 else 0
     if chunk:
         q = torch.empty((m, k), dtype=out_dtype, device=x.device)
         s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-        if m and k <= ROW_ONE_PASS_MAX:
-            block = triton.next_power_of_2(k)
-            _quantize_row_once_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), BLOCK=block,
-                                            QMAX=FP8_MAX, num_warps=8 if block >= 4096 else 4,
-                                            **pdl.launch_kwargs(x.device))
-        elif m:
+        if m:
             _quantize_rows_kernel[(m,)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), CHUNK=chunk,
                                         STAGES=ROW_STAGES, QMAX=FP8_MAX, num_warps=4, **pdl.launch_kwargs(x.device))
         return q, s
