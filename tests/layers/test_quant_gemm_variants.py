@@ -83,12 +83,15 @@ def test_w8a8_measured_shapes_take_their_bucket_s_gemm(monkeypatch):
     assert st.w8a8_path(20000, 512, 1024) == ("scaled_mm", None)
 
 
-@pytest.mark.parametrize("swap,persistent,split", [(False, False, 1), (True, False, 1), (False, True, 3),
-                                                   (True, True, 2), (True, False, 3)])
-def test_fp8_tma_gemm_matches_scaled_mm_reference(swap, persistent, split):
+@pytest.mark.parametrize("swap,persistent,split,tstore", [
+    (False, False, 1, 0), (True, False, 1, 0), (False, True, 3, 0), (True, True, 2, 0), (True, False, 3, 0),
+    (False, True, 1, 1), (False, True, 1, 2), (True, True, 1, 2), (False, False, 3, 2)])
+def test_fp8_tma_gemm_matches_scaled_mm_reference(swap, persistent, split, tstore):
     """The TMA-fed W8A8 GEMM (descriptors in the interpreter) against the float reference: plain
     and swapped operand tiles, one program per unit or persistent ones (3 programs for 15 units),
-    split-K summed by each tile's last slice with the counters back at zero (twice: graph replays)."""
+    split-K summed by each tile's last slice with the counters back at zero (twice: graph replays),
+    the output tile stored by TMA whole or in two halves (37 rows: the last tile's are clipped;
+    split-K tiles store plainly)."""
     from tokenmill.layers.quantization.triton_fp8_tma import TmaTiles, fp8_gemm_tma
 
     g = torch.Generator().manual_seed(7)
@@ -96,7 +99,7 @@ def test_fp8_tma_gemm_matches_scaled_mm_reference(swap, persistent, split):
     xq, xs = fp8_ops.quantize_rows(x)
     wq, ws = fp8_ops.quantize_rows(w)
     ref = fp8_ops.scaled_mm_reference(xq, xs, wq, ws, torch.float32)
-    tiles = TmaTiles(16, 32, 64, 2, 4, 2, split, swap=swap, persistent=persistent)
+    tiles = TmaTiles(16, 32, 64, 2, 4, 2, split, swap=swap, persistent=persistent, tstore=tstore)
     assert TmaTiles.parse(tiles.label()) == tiles
     counters = torch.zeros(16, dtype=torch.int32)
     for _ in range(2):
