@@ -108,7 +108,8 @@ def child(label: str, smoke: bool, quick: bool = False) -> None:
               f"{r['full_decode_ms_median'] or 0:.3f} ms x {r['full_decode_steps']}) + outside steps "
               f"{elapsed - r['stepped_s']:.3f}", flush=True)
         return r
-    rec["profiled_run"] = run("profiled run" if not quick else "run 0", outp)
+    if not quick:
+        rec["profiled_run"] = run("profiled run", outp)
     for w, path in folder.items() if not quick else ():
         path = os.path.join(path, "rank0.json")
         if os.path.exists(path):
@@ -117,7 +118,7 @@ def child(label: str, smoke: bool, quick: bool = False) -> None:
             print(step_profile.format_report(f"{label} {w}", rec[w], top=30), flush=True)
         else:
             print(f"  {label}: no {w} window written", flush=True)
-    rec["runs"] = [run(f"run {i + 1}", outp) for i in range(RUNS + int(quick))]
+    rec["runs"] = [run(f"run {i + 1}", outp) for i in range(RUNS + int(quick))]  # (quick: 3, no profiled run)
     if not quick:
         rec["prefill_only"] = run("256x256x1 (prefill only)", 1)
     with open(os.path.join(OUT, f"fp8steps-{label.replace(':', '_')}.json"), "w") as f:
