@@ -109,6 +109,8 @@ def main() -> None:
                 win = order[0]
                 override[f"{bucket},{n},{k}"] = [int(v) for v in win.split()[1].split("x")] if win.startswith(
                     "triton ") else win
+                with open(os.path.join(out_dir, "w8a8_override.json"), "w") as f:  # (as it grows: a cut run keeps it)
+                    f.write(json.dumps(override, separators=(",", ":")))
             print(f"  {name} {n}x{k} m={m}: current {cur_label} {best.get(cur_label, float('nan')):.1f} us; "
                   + ", ".join(f"{lab} {best[lab]:.1f} (err {errs[lab]:.1e})" for lab in order), flush=True)
             del graphs, layers
