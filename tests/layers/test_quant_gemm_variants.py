@@ -70,6 +70,16 @@ def test_w8a8_path_by_rows(monkeypatch):
     assert st.w8a8_path(2048, 4096, 4000) == ("scaled_mm", None)  # K not a multiple of the Triton BLOCK_K
 
 
+def test_w8a8_table_override_from_the_environment():
+    """TOKENMILL_W8A8_TABLE (A/B runs): "ROWS,N,K" keys, GEMM names as the table's, lists as Triton tiles."""
+    from tokenmill.layers.quantization import stream_tiles as st
+
+    assert st.w8a8_override('{"256,4096,4096": "tma-m128n64k128g8w4st5s1-swap", "256,4096,14336": "scaled_mm", '
+                            '"64,512,1024": [64, 64, 256, 1, 4, 3, 2]}') == {
+        (256, 4096, 4096): "tma-m128n64k128g8w4st5s1-swap", (256, 4096, 14336): "scaled_mm",
+        (64, 512, 1024): (64, 64, 256, 1, 4, 3, 2)}
+
+
 def test_w8a8_measured_shapes_take_their_bucket_s_gemm(monkeypatch):
     """A measured (rows bucket, N, K) wins over the row-count defaults: 17..32 rows take the first
     bucket's tiles (with split-K), 200 rows the 256 bucket's, 9000 rows (past every bucket) the defaults."""
