@@ -189,8 +189,10 @@ W8A8_PATHS: tuple[tuple[int, str | tuple[int, ...]], ...] = ((0, "scaled_mm"),)
 # W8A8_PATHS, the Triton tiles with a 7th entry, split-K (`scripts/gpu_quant.py --parts w8a8`), or
 # the label of the TMA-fed GEMM's tiles ("tma-...": `triton_fp8_tma.TmaTiles`).
 # A shape or row count not listed takes W8A8_PATHS.
-# 16-64 rows, and o / down at 256: H200, `W8A8_BUDGET_S=28 gpu_quant.py --parts profile,w8a8`
+# 16-64 rows: H200, `W8A8_BUDGET_S=28 gpu_quant.py --parts profile,w8a8`
 # (2026-11-26, third session): the fastest of row-wise / tensor-wise _scaled_mm and the Triton tiles.
+# o / down at 256 rows and the 8192-row TMA stores: H100, session 12 (`scripts/gpu_fp8_w8a8_rows.py`,
+# docs/results/gpu-fp8kv-s12.md).
 # 128 rows (but gate_up), gate_up at 256, 512 rows and up: H100, `gpu_quant.py --parts w8a8tma`
 # (sixth session, docs/results/h100-quant-w8a8tma-s6-mid.json): the TMA tiles where they beat
 # row-wise _scaled_mm and the earlier entry; a layer's four GEMMs at 8192 rows 2,690 us against
