@@ -1,6 +1,6 @@
 """Where an engine's 256x256x128 time goes, step by step: bf16 against fp8 weights + fp8 KV (issue 22).
 
-    timeout 140 python scripts/gpu_fp8_steps.py [--engines fp8kv,bf16] [--smoke]
+    timeout 140 python scripts/gpu_fp8_steps.py [--engines fp8kv,bf16] [--quick] [--smoke]
 
 Each engine in its own child process (`--child LABEL`), single-process (the engine core and the
 worker in the child, so that the core's step clock can be read), dummy weights of the Llama-3.1-8B
@@ -16,8 +16,12 @@ shape (gpu_quant.py's LLAMA8B), graphs on, the arguments of gpu_fp8_engines.py's
 3. 256x256x1 (prefill alone) once.
 The parent prints both engines side by side and writes $OUT/gpu_fp8_steps.json (the children:
 $OUT/fp8steps-<label>.json; profiles under $OUT/prof-<label>-{prefill,decode}/).
-GPU_FP8_STEPS_ENV_<label>="NAME=VALUE ..." sets environment for that child (A/B of a switch);
-extra labels `<base>:<tag>` run engine <base> with that child's environment.
+--quick: no profiled run (no windows) and no prefill-only run: three timed runs.
+GPU_FP8_STEPS_ENV_<label>="NAME=VALUE ..." sets environment for that child (A/B of a switch; values without
+spaces, e.g. compact JSON), the label's ":" as "_"; labels `<base>:<tag>` run engine <base> with that child's
+environment. Session 12's main-table A/B (docs/results/gpu-fp8kv-s12.md):
+    GPU_FP8_STEPS_ENV_fp8kv_main='TOKENMILL_FP8_TMA_STORE=0 TOKENMILL_W8A8_TABLE={"256,4096,4096":[128,64,128,8,4,4,1],\
+"256,4096,14336":[128,64,128,8,4,4,2]}' python scripts/gpu_fp8_steps.py --quick --engines fp8kv:main,fp8kv,bf16
 """
 
 from __future__ import annotations
