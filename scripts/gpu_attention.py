@@ -127,6 +127,13 @@ VARIANTS_VT = {("1x16384", "fp8"): [_VT], ("256x640", "fp8"): _F8_VT,
                ("255x640+512", "fp8"): [_VT],  # the prefill tiles over transposed values (a mixed step)
                ("3x40", "fp8"): [_VT, {"fp8_convert_on_load": True}, _WG], ("1x150", "fp8"): [_VT],
                ("2x40+20", "fp8"): [_VT]}  # (smoke: the code paths; the interpreter mis-rounds fp8 dots)
+# Session of 2026-11-27 (issue 22, fp8kv 256x256x128): the engine's 256-row decode steps see 256-384 keys, where
+# the fp8 tiles read at ~1.8 TB/s (bf16's 2.5); a decode graph cannot tell 320 keys from 640 (1000x512x256's), so
+# a launch must win at 256x320 without losing at 256x640 (--short-variants; both shapes).
+_SHORT = [{"num_stages": 3}, {"num_stages": 1}, {"block_n": 64}, {"block_n": 64, "num_stages": 3},
+          {"block_n": 64, "num_stages": 4}, {"decode_warps": 8}, {"early_v_load": True, "table_prefetch": True},
+          {"block_n": 256, "num_stages": 1}]
+VARIANTS_SHORT = {("256x320", "fp8"): _SHORT, ("256x640", "fp8"): _SHORT}
 VARIANTS = {("1x16384", "fp8"): _F8_SPLIT, ("256x640", "fp8"): _F8, ("256x128", "fp8"): _F8[:2],
             ("256x128", "bf16"): [{"block_n": 64}, {"num_stages": 1}],
             # --smoke: the code paths (fp8 rounding is off under the interpreter: the fp8 dots are not checked)
@@ -562,7 +569,7 @@ def main() -> None:
         import triton_precompile
         spec = json.loads(os.environ[PRECOMPILE_ENV])
         sm = torch.cuda.get_device_properties(0).multi_processor_count
-        table = VARIANTS_VT if spec.get("vt") else VARIANTS_IO if spec["io"] else VARIANTS if spec["variants"] else None
+        table = VARIANTS_SHORT if spec.get("short") else VARIANTS_VT if spec.get("vt") else VARIANTS_IO if spec["io"] else VARIANTS if spec["variants"] else None
         triton_precompile.compile_shard(_precompile_calls(spec["shapes"], spec["kinds"], table, sm), sys.argv[2])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -576,6 +583,8 @@ def main() -> None:
                     help="as --variants, with VARIANTS_IO (the fp8 conversion and load-order launches)")
     ap.add_argument("--vt-variants", action="store_true",
                     help="as --variants, with VARIANTS_VT (fp8 values transposed per block; values-only conversion)")
+    ap.add_argument("--short-variants", action="store_true",
+                    help="as --variants, with VARIANTS_SHORT (fp8 decode launches at 256 rows x 320 / 640 keys)")
     ap.add_argument("--no-before", action="store_true", help="skip the launches of before the tuning work")
     ap.add_argument("--precompile-shards", type=int, default=0,
                     help="compile the default and variant launches in this many processes first (0: off)")
@@ -614,7 +623,8 @@ def main() -> None:
     if dev.type == "cuda" and args.precompile_shards > 0:  # the kernels compile in parallel processes
         import triton_precompile
         os.environ[PRECOMPILE_ENV] = json.dumps({"shapes": shapes, "kinds": args.kv.split(","), "io": args.io_variants,
-                                                 "variants": args.variants, "vt": args.vt_variants})
+                                                 "variants": args.variants, "vt": args.vt_variants,
+                                                 "short": args.short_variants})
         triton_precompile.compile_in_processes(__file__, "--precompile", args.precompile_shards,
                                                min(40.0, args.budget / 2), "attention launches")
     records = [check_fused_fp8_write(dev)]
@@ -625,8 +635,9 @@ def main() -> None:
         context, _, prefill = rest.partition("+")
         context, _, q_len = context.partition("q")  # RxCqN: N-token decode rows
         left = args.budget - (time.perf_counter() - start)
-        table = VARIANTS_VT if args.vt_variants else VARIANTS_IO if args.io_variants else VARIANTS
-        any_variants = args.variants or args.io_variants or args.vt_variants
+        table = (VARIANTS_SHORT if args.short_variants else VARIANTS_VT if args.vt_variants else VARIANTS_IO
+                 if args.io_variants else VARIANTS)
+        any_variants = args.variants or args.io_variants or args.vt_variants or args.short_variants
         if any_variants:  # a share per launch to try
             kinds = ["fp8" if c[2] != torch.bfloat16 and c[2] != torch.float32 else "bf16" for c in cases[i:]]
             weights = [1 + len(table.get((c[0], k), [])) for c, k in zip(cases[i:], kinds)]

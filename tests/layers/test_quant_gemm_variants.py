@@ -70,6 +70,16 @@ def test_w8a8_path_by_rows(monkeypatch):
     assert st.w8a8_path(2048, 4096, 4000) == ("scaled_mm", None)  # K not a multiple of the Triton BLOCK_K
 
 
+def test_w8a8_table_override_from_the_environment():
+    """TOKENMILL_W8A8_TABLE (A/B runs): "ROWS,N,K" keys, GEMM names as the table's, lists as Triton tiles."""
+    from tokenmill.layers.quantization import stream_tiles as st
+
+    assert st.w8a8_override('{"256,4096,4096": "tma-m128n64k128g8w4st5s1-swap", "256,4096,14336": "scaled_mm", '
+                            '"64,512,1024": [64, 64, 256, 1, 4, 3, 2]}') == {
+        (256, 4096, 4096): "tma-m128n64k128g8w4st5s1-swap", (256, 4096, 14336): "scaled_mm",
+        (64, 512, 1024): (64, 64, 256, 1, 4, 3, 2)}
+
+
 def test_w8a8_measured_shapes_take_their_bucket_s_gemm(monkeypatch):
     """A measured (rows bucket, N, K) wins over the row-count defaults: 17..32 rows take the first
     bucket's tiles (with split-K), 200 rows the 256 bucket's, 9000 rows (past every bucket) the defaults."""
@@ -83,12 +93,15 @@ def test_w8a8_measured_shapes_take_their_bucket_s_gemm(monkeypatch):
     assert st.w8a8_path(20000, 512, 1024) == ("scaled_mm", None)
 
 
-@pytest.mark.parametrize("swap,persistent,split", [(False, False, 1), (True, False, 1), (False, True, 3),
-                                                   (True, True, 2), (True, False, 3)])
-def test_fp8_tma_gemm_matches_scaled_mm_reference(swap, persistent, split):
+@pytest.mark.parametrize("swap,persistent,split,tstore", [
+    (False, False, 1, 0), (True, False, 1, 0), (False, True, 3, 0), (True, True, 2, 0), (True, False, 3, 0),
+    (False, True, 1, 1), (False, True, 1, 2), (True, True, 1, 2), (False, False, 3, 2)])
+def test_fp8_tma_gemm_matches_scaled_mm_reference(swap, persistent, split, tstore):
     """The TMA-fed W8A8 GEMM (descriptors in the interpreter) against the float reference: plain
     and swapped operand tiles, one program per unit or persistent ones (3 programs for 15 units),
-    split-K summed by each tile's last slice with the counters back at zero (twice: graph replays)."""
+    split-K summed by each tile's last slice with the counters back at zero (twice: graph replays),
+    the output tile stored by TMA whole or in two halves (37 rows: the last tile's are clipped;
+    split-K tiles store plainly)."""
     from tokenmill.layers.quantization.triton_fp8_tma import TmaTiles, fp8_gemm_tma
 
     g = torch.Generator().manual_seed(7)
@@ -96,7 +109,7 @@ def test_fp8_tma_gemm_matches_scaled_mm_reference(swap, persistent, split):
     xq, xs = fp8_ops.quantize_rows(x)
     wq, ws = fp8_ops.quantize_rows(w)
     ref = fp8_ops.scaled_mm_reference(xq, xs, wq, ws, torch.float32)
-    tiles = TmaTiles(16, 32, 64, 2, 4, 2, split, swap=swap, persistent=persistent)
+    tiles = TmaTiles(16, 32, 64, 2, 4, 2, split, swap=swap, persistent=persistent, tstore=tstore)
     assert TmaTiles.parse(tiles.label()) == tiles
     counters = torch.zeros(16, dtype=torch.int32)
     for _ in range(2):

@@ -162,6 +162,22 @@ def test_split_rule_uses_static_numbers_only() -> None:
     assert plan_launch(config, 32, 8, 8, 8, 1, 8192, 132).block_q == 4  # 4 tokens x 4 heads = 16 rows
 
 
+def test_config_override_from_the_environment(monkeypatch) -> None:
+    """TOKENMILL_ATTN_CONFIG (A/B runs): a DecodeTiles field replaces that field of the named tiles only,
+    other keys the config's fields; an unknown field is refused by name; a config given explicitly wins."""
+    from tokenmill.layers.attention.triton_backend import CONFIG_ENV
+
+    monkeypatch.setenv(CONFIG_ENV, '{"fp8_decode_tiles": {"block_n": 64, "stages": 3}, "wide_rows": 64}')
+    config = TritonAttentionBackend(32, 8, 128, 0.1).config
+    default = TritonAttentionConfig()
+    assert config.fp8_decode_tiles == dataclasses.replace(default.fp8_decode_tiles, block_n=64, stages=3)
+    assert config.wide_rows == 64 and config.decode_tiles == default.decode_tiles
+    assert TritonAttentionBackend(32, 8, 128, 0.1, config=default).config == default
+    monkeypatch.setenv(CONFIG_ENV, '{"no_such_field": 1}')
+    with pytest.raises(ValueError, match="no_such_field"):
+        TritonAttentionBackend(32, 8, 128, 0.1)
+
+
 def test_import_without_triton() -> None:
     """CPU-only installs without triton still import tokenmill and the backend module."""
     code = ("import sys; sys.modules['triton'] = None\n"

@@ -152,6 +152,22 @@ def _next_pow2(n: int) -> int:
 MIN_KEYS_ENV = "TOKENMILL_ATTN_MIN_KEYS_PER_SPLIT"
 PREWAIT_ENV = "TOKENMILL_ATTN_PREWAIT"  # 0: `without_prewait`; 64: 4-warp 64-key prewait tiles (A/B timing)
 ROPE_ENV = "TOKENMILL_ATTN_ROPE"  # 0: no rotary + KV write inside the attention kernel (A/B timing)
+# A/B timing only: JSON overrides of the config, e.g. '{"fp8_decode_tiles": {"block_n": 64, "stages": 3},
+# "wide_rows": 64}': DecodeTiles fields replace those of the named tiles, other keys the config's fields.
+CONFIG_ENV = "TOKENMILL_ATTN_CONFIG"
+
+
+def config_override(config: TritonAttentionConfig, raw: str) -> TritonAttentionConfig:
+    """`config` with the fields of the JSON object `raw` (CONFIG_ENV) replaced."""
+    import json
+
+    changes = {}
+    for name, value in json.loads(raw).items():
+        if not hasattr(config, name):
+            raise ValueError(f"{CONFIG_ENV}: TritonAttentionConfig has no field {name!r}")
+        old = getattr(config, name)
+        changes[name] = (dataclasses.replace(old or DecodeTiles(), **value) if isinstance(value, dict) else value)
+    return dataclasses.replace(config, **changes)
 
 
 def without_prewait(config: TritonAttentionConfig) -> TritonAttentionConfig:
@@ -245,6 +261,8 @@ class TritonAttentionBackend(AttentionBackend):
                 block_n=64, warps=4, stages=2, prewait=True))
         if config is None and os.environ.get(ROPE_ENV, "1") == "0":  # A/B timing only
             self.config = dataclasses.replace(self.config, rope_in_attention=False)
+        if config is None and os.environ.get(CONFIG_ENV):  # A/B timing only
+            self.config = config_override(self.config, os.environ[CONFIG_ENV])
         self._sm_count: int | None = None  # read from the device on the first forward
         self._rope_tested = False  # rope_selftest's own backends: no test of the test
         # TOKENMILL_FUSED_ROPE_KV_WRITE=0: rotary and KV write apart (A/B timing only).

@@ -13,6 +13,7 @@ on two streams at once never share one.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -188,8 +189,10 @@ W8A8_PATHS: tuple[tuple[int, str | tuple[int, ...]], ...] = ((0, "scaled_mm"),)
 # W8A8_PATHS, the Triton tiles with a 7th entry, split-K (`scripts/gpu_quant.py --parts w8a8`), or
 # the label of the TMA-fed GEMM's tiles ("tma-...": `triton_fp8_tma.TmaTiles`).
 # A shape or row count not listed takes W8A8_PATHS.
-# 16-64 rows, and o / down at 256: H200, `W8A8_BUDGET_S=28 gpu_quant.py --parts profile,w8a8`
+# 16-64 rows: H200, `W8A8_BUDGET_S=28 gpu_quant.py --parts profile,w8a8`
 # (2026-11-26, third session): the fastest of row-wise / tensor-wise _scaled_mm and the Triton tiles.
+# o / down at 256 rows and the 8192-row TMA stores: H100, session 12 (`scripts/gpu_fp8_w8a8_rows.py`,
+# docs/results/gpu-fp8kv-s12.md).
 # 128 rows (but gate_up), gate_up at 256, 512 rows and up: H100, `gpu_quant.py --parts w8a8tma`
 # (sixth session, docs/results/h100-quant-w8a8tma-s6-mid.json): the TMA tiles where they beat
 # row-wise _scaled_mm and the earlier entry; a layer's four GEMMs at 8192 rows 2,690 us against
@@ -208,8 +211,13 @@ W8A8_MEASURED: dict[tuple[int, int, int], str | tuple[int, ...]] = {
     (128, 4096, 14336): 'tma-m128n64k128g8w4st5s2-swap',  # H100 31.9 us (34.6, 37.2)
     (128, 6144, 4096): 'tma-m128n64k128g8w4st5s1-swap',  # H100 14.6 us (15.5, 15.0)
     (128, 28672, 4096): 'scaled_mm',  # 37.6 us (H100: 50.6, the TMA tiles' best 51.7)
-    (256, 4096, 4096): (128, 64, 128, 8, 4, 4, 1),  # 13.3 us (H100: 15.1, row-wise 14.1)
-    (256, 4096, 14336): (128, 64, 128, 8, 4, 4, 2),  # 35.2 us (H100: 40.0, row-wise 38.3)
+    # o / down at 256 rows: H100 (session 12, rounds 2 and 3: scripts/gpu_fp8_w8a8_rows.py, 8 layers' weights in
+    # graphs): o 12.2 us on these swapped TMA tiles against 13.4 on the H200's pointer tiles of before
+    # ((128, 64, 128, 8, 4, 4, 1): 13.3 us on an H200), down 37.1-37.7 on row-wise _scaled_mm against 39.4
+    # ((128, 64, 128, 8, 4, 4, 2): 35.2 on an H200); in the fp8kv engine a 256-row decode step 8.379 ms
+    # against 8.495, 256x256x128 +0.7% (medians of 3, one process)
+    (256, 4096, 4096): 'tma-m128n64k128g8w4st5s1-swap',
+    (256, 4096, 14336): 'scaled_mm',
     (256, 6144, 4096): 'scaled_mm',  # 14.6 us (H100: 16.5, the TMA tiles' best 16.9)
     (256, 28672, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 59.0 us (row-wise 63.9)
     (512, 4096, 4096): 'tma-m64n256k128g8w4st4s1',  # H100 16.2 us (row-wise 16.8)
@@ -220,12 +228,31 @@ W8A8_MEASURED: dict[tuple[int, int, int], str | tuple[int, ...]] = {
     (1024, 4096, 14336): 'tma-m128n256k128g8w8st4s1',  # H100 79.8 us (80.9, 88.7)
     (1024, 6144, 4096): 'tma-m128n128k128g8w8st4s1-pers',  # H100 43.5 us (52.3, 52.5)
     (1024, 28672, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 171.7 us (182.5, 199.1)
-    (8192, 4096, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 194.4 us (row-wise 211.1)
-    (8192, 4096, 14336): 'tma-m128n256k128g8w8st4s1-pers',  # H100 676.2 us (847.7)
-    (8192, 6144, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 290.7 us (312.0)
-    (8192, 28672, 4096): 'tma-m128n256k128g8w8st4s1-pers',  # H100 1528.9 us (1591.0)
+    # 8192 rows (prefill chunks): the output tiles leave by TMA store in two halves (-t2; session 12, round 3,
+    # H100, the same tiles with plain stores in brackets): a layer's four 2,481.8 us against 2,518.4
+    (8192, 4096, 4096): 'tma-m128n256k128g8w8st4s1-pers-t2',  # H100 187.0 us (191.1; row-wise 211.1)
+    (8192, 4096, 14336): 'tma-m128n256k128g8w8st4s1-pers-t2',  # H100 625.2 us (636.9; row-wise 847.7)
+    (8192, 6144, 4096): 'tma-m128n256k128g8w8st4s1-pers-t2',  # H100 282.3 us (288.9; row-wise 312.0)
+    (8192, 28672, 4096): 'tma-m128n256k128g8w8st4s1-pers-t2',  # H100 1387.3 us (1401.5; row-wise 1591.0)
 }
 W8A8_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# A/B timing only: JSON {"ROWS,N,K": GEMM, ...} replacing W8A8_MEASURED entries (GEMM as in the table; a
+# list for Triton tiles), read once at import (before an engine's graphs capture).
+W8A8_TABLE_ENV = "TOKENMILL_W8A8_TABLE"
+
+
+def w8a8_override(raw: str) -> dict[tuple[int, int, int], str | tuple[int, ...]]:
+    import json
+
+    out: dict[tuple[int, int, int], str | tuple[int, ...]] = {}
+    for key, value in json.loads(raw).items():
+        rows, n, k = (int(v) for v in key.split(","))
+        out[(rows, n, k)] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+if os.environ.get(W8A8_TABLE_ENV):
+    W8A8_MEASURED.update(w8a8_override(os.environ[W8A8_TABLE_ENV]))
 
 
 def w8a8_bucket(m: int) -> int:

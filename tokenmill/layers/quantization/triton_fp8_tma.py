@@ -13,6 +13,9 @@ M * N * K * (1 / tile_n + 1 / tile_m) bytes, so 128 x 128 tiles move 459 MB for 
 - `persistent`: one program per SM walks the (tile, K slice) units (flattened loops, so the next
   tile's loads overlap this tile's epilogue).
 - `ws`: Triton's automatic warp specialization of the K loop (producer / consumer warps).
+- `tstore` (1 or 2 pieces): the output tile leaves through a TMA store (staged in shared memory,
+  asynchronous: a persistent program's next tile starts while it drains) instead of scattered
+  register stores; unsplit tiles only.
 Every configuration is a `TmaTiles`; `stream_tiles.W8A8_MEASURED` names the measured winners
 (`scripts/gpu_quant.py --parts w8a8tma`).
 
@@ -27,6 +30,7 @@ float32 tensors holding fp8 values (descriptors work in the interpreter).
 from __future__ import annotations
 
 import functools
+import os
 import re
 from dataclasses import dataclass
 
@@ -53,21 +57,27 @@ class TmaTiles:
     swap: bool = False
     persistent: bool = False
     ws: bool = False
+    tstore: int = 0  # the output tile stored by TMA (asynchronous) in this many column pieces; 0: plain stores
 
     def label(self) -> str:
         return (f"tma-m{self.block_m}n{self.block_n}k{self.block_k}g{self.group}w{self.warps}st{self.stages}"
                 f"s{self.split}{'-swap' if self.swap else ''}{'-pers' if self.persistent else ''}"
-                f"{'-ws' if self.ws else ''}")
+                f"{'-ws' if self.ws else ''}{f'-t{self.tstore}' if self.tstore else ''}")
 
     @classmethod
     def parse(cls, label: str) -> "TmaTiles":
         """The inverse of `label`."""
-        m = re.fullmatch(r"tma-m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)st(\d+)s(\d+)(-swap)?(-pers)?(-ws)?", label)
+        m = re.fullmatch(r"tma-m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)st(\d+)s(\d+)(-swap)?(-pers)?(-ws)?(?:-t([12]))?",
+                         label)
         if m is None:
             raise ValueError(f"not a TMA tiles label: {label!r}")
         bm, bn, bk, g, w, st, sp = map(int, m.groups()[:7])
         return cls(bm, bn, bk, g, w, st, sp, swap=bool(m.group(8)), persistent=bool(m.group(9)),
-                   ws=bool(m.group(10)))
+                   ws=bool(m.group(10)), tstore=int(m.group(11) or 0))
+
+
+# TOKENMILL_FP8_TMA_STORE=0: every tile stored plainly, whatever its label's `tstore` (A/B runs).
+TMA_STORE = os.environ.get("TOKENMILL_FP8_TMA_STORE", "1") != "0"
 
 
 @triton.jit
@@ -83,9 +93,10 @@ def _tile_of(unit, tiles_m, tiles_n, split, GROUP: tl.constexpr):
 
 
 @triton.jit
-def _unit(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_cm, unit, tiles_m, tiles_n, split,
-          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-          SWAP: tl.constexpr, SPLIT_K: tl.constexpr, WS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _unit(a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_cm, unit, tiles_m, tiles_n,
+          split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
+          SWAP: tl.constexpr, SPLIT_K: tl.constexpr, WS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+          TSTORE: tl.constexpr):
     pid_m, pid_n, tile, pid_k = _tile_of(unit, tiles_m, tiles_n, split, GROUP)
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_steps = tl.cdiv(k_tiles, split)
@@ -111,23 +122,31 @@ def _unit(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_c
     sa = tl.load(as_ptr + offs_m, mask=offs_m < M, other=0.0)
     sb = tl.load(bs_ptr + offs_n, mask=offs_n < N, other=0.0)
     acc = acc * sa[:, None] * sb[None, :]
-    store_tile(acc, c_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_cm, tile, pid_k, split, SPLIT_K)
+    if TSTORE == 1:  # (rows past M and columns past N are clipped by the TMA unit)
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+    elif TSTORE == 2:  # two column halves: half the shared-memory staging of the whole tile
+        halves = tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N // 2)), (0, 2, 1))
+        c0, c1 = tl.split(halves)
+        c_desc.store([off_m, off_n], c0.to(c_desc.dtype))
+        c_desc.store([off_m, off_n + BLOCK_N // 2], c1.to(c_desc.dtype))
+    else:
+        store_tile(acc, c_ptr, part_ptr, cnt_ptr, offs_m, offs_n, M, N, s_cm, tile, pid_k, split, SPLIT_K)
 
 
 @triton.jit(do_not_specialize=["M", "units"])
-def _fp8_tma_kernel(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_cm, units, split,
+def _fp8_tma_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_cm, units, split,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
                     SWAP: tl.constexpr, SPLIT_K: tl.constexpr, PERSISTENT: tl.constexpr, WS: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, TSTORE: tl.constexpr = 0):
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         for unit in tl.range(tl.program_id(0), units, tl.num_programs(0), flatten=True):
-            _unit(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_cm, unit, tiles_m, tiles_n,
-                  split, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SWAP, SPLIT_K, WS, DOT_PRECISION)
+            _unit(a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_cm, unit, tiles_m,
+                  tiles_n, split, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SWAP, SPLIT_K, WS, DOT_PRECISION, TSTORE)
     else:
-        _unit(a_desc, b_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_cm, tl.program_id(0), tiles_m,
-              tiles_n, split, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SWAP, SPLIT_K, WS, DOT_PRECISION)
+        _unit(a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt_ptr, M, N, K, s_cm, tl.program_id(0),
+              tiles_m, tiles_n, split, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SWAP, SPLIT_K, WS, DOT_PRECISION, TSTORE)
 
 
 @functools.cache
@@ -173,11 +192,15 @@ def fp8_gemm_tma(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_sc
     part = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
     a_desc = TensorDescriptor.from_tensor(xq, [t.block_m, t.block_k])
     b_desc = TensorDescriptor.from_tensor(wq, [t.block_n, t.block_k])
+    # The TMA store: an unsplit tile whose output rows TMA can address (16-byte aligned), else plain stores.
+    tstore = t.tstore if TMA_STORE and split == 1 and (n * out.element_size()) % 16 == 0 and t.block_n % (2 * t.tstore or 1) == 0 \
+        else 0
+    c_desc = TensorDescriptor.from_tensor(out, [t.block_m, t.block_n // tstore]) if tstore else out
     grid = (min(units, sms),) if t.persistent else (units,)
-    _fp8_tma_kernel[grid](a_desc, b_desc, x_scale.reshape(-1), w_scale.reshape(-1), out, part,
+    _fp8_tma_kernel[grid](a_desc, b_desc, c_desc, x_scale.reshape(-1), w_scale.reshape(-1), out, part,
                           counters if split > 1 else out, m, n, k, out.stride(0), units, split,
                           BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP=t.group, SWAP=t.swap,
                           SPLIT_K=split > 1, PERSISTENT=t.persistent, WS=t.ws,
-                          DOT_PRECISION="ieee" if xq.dtype == torch.float32 else "tf32",
+                          DOT_PRECISION="ieee" if xq.dtype == torch.float32 else "tf32", TSTORE=tstore,
                           num_warps=t.warps, num_stages=t.stages)
     return out
