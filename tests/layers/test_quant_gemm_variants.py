@@ -70,9 +70,14 @@ def test_w8a8_path_by_rows(monkeypatch):
     assert st.w8a8_path(2048, 4096, 4000) == ("scaled_mm", None)  # K not a multiple of the Triton BLOCK_K
 
 
-def test_w8a8_table_override_from_the_environment():
-    """TOKENMILL_W8A8_TABLE (A/B runs): "ROWS,N,K" keys, GEMM names as the table's, lists as Triton tiles."""
+def test_w8a8_table_override_from_the_environment(monkeypatch):
+    """TOKENMILL_W8A8_TABLE (A/B runs): "ROWS,N,K" keys, GEMM names as the table's, lists as Triton tiles;
+    read where a path is chosen, so an engine started with it set takes it."""
     from tokenmill.layers.quantization import stream_tiles as st
+
+    assert st.w8a8_path(256, 4096, 6144) == ("scaled_mm", None)
+    monkeypatch.setenv(st.W8A8_TABLE_ENV, '{"256,4096,6144": [128, 64, 128, 8, 4, 4, 2]}')
+    assert st.w8a8_path(200, 4096, 6144) == ("triton", (128, 64, 128, 8, 4, 4, 2))
 
     assert st.w8a8_override('{"256,4096,4096": "tma-m128n64k128g8w4st5s1-swap", "256,4096,14336": "scaled_mm", '
                             '"64,512,1024": [64, 64, 256, 1, 4, 3, 2]}') == {

@@ -13,6 +13,7 @@ on two streams at once never share one.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -36,7 +37,7 @@ class Tiles:
     pre: int = 1  # fp8 one-row tiles: weight tiles loaded before the PDL wait (1-4)
 
     @classmethod
-    def parse(cls, label: str) -> "Tiles":
+    def parse(cls, label: str) -> Tiles:
         """The inverse of `label` (a tune record's key)."""
         import re
 
@@ -237,10 +238,11 @@ W8A8_MEASURED: dict[tuple[int, int, int], str | tuple[int, ...]] = {
 }
 W8A8_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # A/B timing only: JSON {"ROWS,N,K": GEMM, ...} replacing W8A8_MEASURED entries (GEMM as in the table; a
-# list for Triton tiles), read once at import (before an engine's graphs capture).
+# list for Triton tiles), read where a path is chosen (set it before an engine's graphs capture).
 W8A8_TABLE_ENV = "TOKENMILL_W8A8_TABLE"
 
 
+@functools.lru_cache(maxsize=4)
 def w8a8_override(raw: str) -> dict[tuple[int, int, int], str | tuple[int, ...]]:
     import json
 
@@ -249,10 +251,6 @@ def w8a8_override(raw: str) -> dict[tuple[int, int, int], str | tuple[int, ...]]
         rows, n, k = (int(v) for v in key.split(","))
         out[(rows, n, k)] = tuple(value) if isinstance(value, list) else value
     return out
-
-
-if os.environ.get(W8A8_TABLE_ENV):
-    W8A8_MEASURED.update(w8a8_override(os.environ[W8A8_TABLE_ENV]))
 
 
 def w8a8_bucket(m: int) -> int:
@@ -267,7 +265,10 @@ def w8a8_path(m: int, n: int, k: int) -> tuple[str, tuple[int, ...] | str | None
     for rows, c in W8A8_PATHS:
         if m >= rows:
             choice = c
-    choice = W8A8_MEASURED.get((w8a8_bucket(m), n, k), choice)
+    key = (w8a8_bucket(m), n, k)
+    choice = W8A8_MEASURED.get(key, choice)
+    if raw := os.environ.get(W8A8_TABLE_ENV):
+        choice = w8a8_override(raw).get(key, choice)
     if isinstance(choice, str) and choice.startswith("tma-"):
         return "tma", choice
     if isinstance(choice, tuple):
