@@ -65,7 +65,7 @@ class TmaTiles:
                 f"{'-ws' if self.ws else ''}{f'-t{self.tstore}' if self.tstore else ''}")
 
     @classmethod
-    def parse(cls, label: str) -> "TmaTiles":
+    def parse(cls, label: str) -> TmaTiles:
         """The inverse of `label`."""
         m = re.fullmatch(r"tma-m(\d+)n(\d+)k(\d+)g(\d+)w(\d+)st(\d+)s(\d+)(-swap)?(-pers)?(-ws)?(?:-t([12]))?",
                          label)
@@ -149,6 +149,15 @@ def _fp8_tma_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, part_ptr, cnt
               tiles_m, tiles_n, split, BLOCK_M, BLOCK_N, BLOCK_K, GROUP, SWAP, SPLIT_K, WS, DOT_PRECISION, TSTORE)
 
 
+def _store_pieces(t: TmaTiles, split: int, out: torch.Tensor) -> int:
+    """The column pieces in which `t`'s output tile leaves by TMA store, or 0 (plain stores): unsplit tiles
+    whose output rows TMA can address (16-byte aligned) only."""
+    if not (TMA_STORE and t.tstore and split == 1):
+        return 0
+    aligned = (out.shape[1] * out.element_size()) % 16 == 0
+    return t.tstore if aligned and t.block_n % (2 * t.tstore) == 0 else 0
+
+
 @functools.cache
 def tiles_of(label: str) -> TmaTiles:
     """`TmaTiles.parse`, once per label (the engine's table names tiles by their labels)."""
@@ -192,9 +201,7 @@ def fp8_gemm_tma(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_sc
     part = torch.empty((split, m, n), dtype=torch.float32, device=xq.device) if split > 1 else out
     a_desc = TensorDescriptor.from_tensor(xq, [t.block_m, t.block_k])
     b_desc = TensorDescriptor.from_tensor(wq, [t.block_n, t.block_k])
-    # The TMA store: an unsplit tile whose output rows TMA can address (16-byte aligned), else plain stores.
-    tstore = t.tstore if TMA_STORE and split == 1 and (n * out.element_size()) % 16 == 0 and t.block_n % (2 * t.tstore or 1) == 0 \
-        else 0
+    tstore = _store_pieces(t, split, out)
     c_desc = TensorDescriptor.from_tensor(out, [t.block_m, t.block_n // tstore]) if tstore else out
     grid = (min(units, sms),) if t.persistent else (units,)
     _fp8_tma_kernel[grid](a_desc, b_desc, c_desc, x_scale.reshape(-1), w_scale.reshape(-1), out, part,
